@@ -1,0 +1,125 @@
+"""Plan data shared by every planner: pipeline units and their costs.
+
+Everything here is a frozen dataclass that round-trips through JSON (``to_dict`` / ``from_dict``), so
+plans can be cached on disk, compared in tests and read by the runtime, the simulator and the plots
+alike (../shared/DESIGN.md, principle 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Unit", "UnitCost", "dataclass_from_dict"]
+
+UNIT_KINDS = ("embed", "layer", "norm", "projector", "head")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One pipeline unit: the smallest piece of a model a stage boundary may fall around.
+
+    Attributes:
+        name: fully qualified module name inside the composite model, e.g.
+            ``"encoders.vision.encoder.vision_model.encoder.layers.3"``.
+        module: the model part the unit belongs to: an encoder name (``"vision"``, ``"audio"``) or ``"llm"``.
+        kind: one of ``"embed"``, ``"layer"``, ``"norm"``, ``"projector"``, ``"head"``.
+        trainable: the unit owns at least one parameter with ``requires_grad``: its backward computes a
+            weight gradient (dW) and it needs gradient and optimizer-state memory.
+        needs_input_grad: some unit upstream of this one (in its own chain or in a chain feeding it) is
+            trainable, so the gradient must flow through this unit's input (dX) and its activations must
+            be kept. A unit with neither flag runs forward only, under ``torch.no_grad``
+            (../shared/DESIGN.md, principle 6).
+
+    Raises:
+        ValueError: on an unknown ``kind`` or an empty ``name``/``module``.
+    """
+
+    name: str
+    module: str
+    kind: str
+    trainable: bool
+    needs_input_grad: bool
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.module:
+            raise ValueError(f"Unit needs a non-empty name and module, got {self.name!r}/{self.module!r}")
+        if self.kind not in UNIT_KINDS:
+            raise ValueError(f"Unit {self.name!r}: kind must be one of {UNIT_KINDS}, got {self.kind!r}")
+
+    @property
+    def runs_backward(self) -> bool:
+        """True when the unit's backward does any work (dX, dW or both)."""
+        return self.trainable or self.needs_input_grad
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Unit":
+        return dataclass_from_dict(cls, data)
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """Measured or modelled cost of one unit for one microbatch shape.
+
+    Times are seconds, memory is bytes. ``input_grad_s`` is the dX part of the backward, ``weight_grad_s``
+    the dW part; a planner decides which of them apply from the unit's flags (``backward_s``).
+
+    Attributes:
+        forward_s: forward time (s).
+        input_grad_s: time of the input-gradient backward (s), paid when ``needs_input_grad``.
+        weight_grad_s: time of the weight-gradient backward (s), paid when ``trainable``.
+        param_bytes: parameter memory (bytes).
+        activation_bytes: memory of the activations the forward saves for backward (bytes).
+        output_bytes: size of the unit's output tensor (bytes), i.e. what a stage boundary after it sends.
+    """
+
+    forward_s: float
+    input_grad_s: float
+    weight_grad_s: float
+    param_bytes: int = 0
+    activation_bytes: int = 0
+    output_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) < 0:
+                raise ValueError(f"UnitCost.{field.name} must be >= 0, got {getattr(self, field.name)}")
+
+    def backward_s(self, unit: Unit, frozen_aware: bool = True) -> float:
+        """Backward time (s) of ``unit``: dX if it needs an input gradient, plus dW if it trains.
+
+        With ``frozen_aware=False`` every unit pays dX + dW whatever its flags (the frozen-unaware model that
+        Cornstarch compares against, ../shared/REFERENCES.md section 1).
+        """
+        if not frozen_aware:
+            return self.input_grad_s + self.weight_grad_s
+        return (self.input_grad_s if unit.needs_input_grad else 0.0) + (
+            self.weight_grad_s if unit.trainable else 0.0
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "UnitCost":
+        return dataclass_from_dict(cls, data)
+
+
+def dataclass_from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """Build dataclass ``cls`` from ``data``, naming unknown or missing fields in the error.
+
+    Raises:
+        ValueError: when ``data`` has keys ``cls`` does not know, or lacks required ones.
+    """
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {sorted(unknown)}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise ValueError(f"{cls.__name__}: {exc}") from exc
