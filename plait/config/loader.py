@@ -1,0 +1,179 @@
+"""TOML job files -> :class:`~plait.config.schema.JobConfig`, with dotted overrides and validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from plait.config.schema import EncoderConfig, JobConfig
+
+__all__ = ["load_config", "config_from_dict", "parse_overrides", "config_to_dict"]
+
+
+def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobConfig:
+    """Read a TOML job file, apply ``--section.key=value`` overrides and validate.
+
+    Relative data/model paths in the file are resolved against the file's folder's parent repository
+    root only if they do not exist relative to the current directory (so ``configs/demo.toml`` works from
+    the repository root).
+
+    Raises:
+        FileNotFoundError: when ``path`` does not exist.
+        ValueError: on TOML syntax errors, unknown sections/keys, wrong value types or invalid values,
+            naming the offending dotted key.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: invalid TOML: {exc}") from exc
+    for key, value in parse_overrides(overrides).items():
+        _set_dotted(data, key, value)
+    cfg = config_from_dict(data)
+    validate(cfg)
+    return cfg
+
+
+def parse_overrides(args: typing.Sequence[str]) -> dict[str, Any]:
+    """Parse ``["--train.lr=1e-3", "--data.on_error=skip"]`` into ``{"train.lr": 0.001, ...}``.
+
+    Values are read as TOML values when they parse (numbers, booleans, arrays, quoted strings) and as
+    plain strings otherwise.
+
+    Raises:
+        ValueError: for an argument without ``=`` or without a dotted key.
+    """
+    out: dict[str, Any] = {}
+    for arg in args:
+        body = arg[2:] if arg.startswith("--") else arg
+        if "=" not in body:
+            raise ValueError(f"override {arg!r} must look like --section.key=value")
+        key, raw = body.split("=", 1)
+        if "." not in key:
+            raise ValueError(f"override {arg!r}: key must be dotted, e.g. --train.lr=1e-3")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        out[key] = value
+    return out
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {key!r}: {part!r} is not a section")
+    node[parts[-1]] = value
+
+
+def config_from_dict(data: dict[str, Any]) -> JobConfig:
+    """Build a :class:`JobConfig` from nested dicts (parsed TOML), checking every key and type.
+
+    Raises:
+        ValueError: naming the dotted key of an unknown field or a value of the wrong type.
+    """
+    return _build(JobConfig, data, "")
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'config'}: expected a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {[_join(where, k) for k in unknown]}; known: {sorted(names)}")
+    kwargs = {name: _coerce(hints[name], value, _join(where, name)) for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value, where)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError(errors[0])
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a table, got {value!r}")
+        if args and dataclasses.is_dataclass(args[1]):
+            return {k: _build(args[1], v, _join(where, k)) for k, v in value.items()}
+        return dict(value)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ValueError(f"{where}: expected {len(args)} values, got {value!r}")
+        return tuple(_coerce(a, v, where) for a, v in zip(args, value))
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is Any:
+        return value
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ValueError(f"{where}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def validate(cfg: JobConfig) -> None:
+    """Check value ranges and cross-field rules.
+
+    Raises:
+        ValueError: naming the dotted key of the first invalid value.
+    """
+    t = cfg.train
+    _check(t.global_batch_size >= 1, "train.global_batch_size must be >= 1")
+    _check(t.microbatch_size >= 1, "train.microbatch_size must be >= 1")
+    _check(t.steps >= 0 and t.epochs > 0, "train.steps must be >= 0 and train.epochs > 0")
+    _check(t.lr > 0 and 0 <= t.min_lr_ratio <= 1, "train.lr must be > 0 and train.min_lr_ratio in [0, 1]")
+    _check(t.dtype in ("auto", "fp32", "bf16"), f"train.dtype must be auto, fp32 or bf16, got {t.dtype!r}")
+    _check(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got {t.device!r}")
+    d = cfg.data
+    _check(d.on_error in ("raise", "skip"), f"data.on_error must be 'raise' or 'skip', got {d.on_error!r}")
+    _check(d.max_length >= 2, "data.max_length must be >= 2")
+    _check(cfg.parallel.backend in ("auto", "gloo", "nccl"), "parallel.backend must be auto, gloo or nccl")
+    m = cfg.model
+    if m.pretrained is None:
+        _check((m.llm.path is None) != (m.llm.config is None), "model.llm: give exactly one of path and config")
+    for name, enc in m.encoders.items():
+        _validate_encoder(name, enc, m.pretrained is not None)
+
+
+def _validate_encoder(name: str, enc: EncoderConfig, pretrained: bool) -> None:
+    where = f"model.encoders.{name}"
+    _check(enc.modality in ("image", "audio"), f"{where}.modality must be 'image' or 'audio', got {enc.modality!r}")
+    _check(enc.select in ("full", "drop_cls"), f"{where}.select must be 'full' or 'drop_cls'")
+    _check(enc.projector in ("linear", "mlp"), f"{where}.projector must be 'linear' or 'mlp'")
+    _check(enc.downsample >= 1, f"{where}.downsample must be >= 1")
+    if not pretrained:
+        _check((enc.path is None) != (enc.config is None), f"{where}: give exactly one of path and config")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def config_to_dict(cfg: JobConfig) -> dict[str, Any]:
+    """Plain nested dict of ``cfg`` (JSON serialisable), for run directories and checkpoints."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))

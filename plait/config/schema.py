@@ -1,0 +1,175 @@
+"""The job configuration: one dataclass per TOML section, every field documented.
+
+A job file (``configs/*.toml``) maps one to one onto :class:`JobConfig`; :mod:`plait.config.loader` reads
+it, applies dotted command-line overrides (``--train.lr=1e-3``) and validates it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "EncoderConfig",
+    "LLMConfig",
+    "ModelConfig",
+    "DataConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "CheckpointConfig",
+    "MetricsConfig",
+    "JobConfig",
+]
+
+
+@dataclass
+class EncoderConfig:
+    """One modality encoder branch: a Hugging Face encoder, the feature selection and a projector.
+
+    Exactly one of ``path`` (a local Hugging Face model directory) and ``config`` (a config dict with
+    ``model_type``, for a randomly initialised model) must be given.
+    """
+
+    modality: str = "image"
+    """Kind of input: ``"image"`` (pixel values) or ``"audio"`` (waveforms -> log-mel features)."""
+    path: str | None = None
+    """Local Hugging Face directory holding the encoder (and its processor files), or None."""
+    config: dict[str, Any] | None = None
+    """Hugging Face config fields (with ``model_type``) to build a randomly initialised encoder."""
+    placeholder: str = ""
+    """Placeholder token of this modality in the text; empty means ``"<image>"`` / ``"<audio>"``."""
+    feature_layer: int = -1
+    """Hidden state that feeds the projector: -1 is the last, -2 the second-to-last (LLaVA) and so on."""
+    select: str = "full"
+    """``"full"`` keeps every output position; ``"drop_cls"`` removes a leading CLS token (LLaVA default)."""
+    downsample: int = 1
+    """Average-pool this many consecutive features into one (audio frames; 1 = off)."""
+    projector: str = "mlp"
+    """``"linear"`` or ``"mlp"`` (Linear -> GELU -> Linear, as LLaVA-1.5)."""
+    processor: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the Hugging Face image processor / feature extractor (when no ``path``)."""
+    freeze: bool = False
+    """Freeze the encoder (no weight gradient, not in the optimizer)."""
+    freeze_projector: bool = False
+    """Freeze the projector."""
+
+
+@dataclass
+class LLMConfig:
+    """The causal language model: a local Hugging Face directory or a config to build from."""
+
+    path: str | None = None
+    """Local Hugging Face directory of a causal LM, or None."""
+    config: dict[str, Any] | None = None
+    """Hugging Face config fields (with ``model_type``); ``vocab_size`` is set from the tokenizer."""
+    freeze: bool = False
+    """Freeze the language model."""
+    attn_implementation: str = "sdpa"
+    """Attention implementation passed to transformers (``"sdpa"``, ``"eager"``, ...)."""
+
+
+@dataclass
+class ModelConfig:
+    """The composite model: a plait checkpoint to start from, or parts to compose."""
+
+    pretrained: str | None = None
+    """Directory written by ``MultimodalModel.save_pretrained``; when set, ``llm``/``encoders`` only
+    supply freezing flags."""
+    llm: LLMConfig = field(default_factory=LLMConfig)
+    encoders: dict[str, EncoderConfig] = field(default_factory=dict)
+    """Encoder branches by name (e.g. ``vision``, ``audio``)."""
+
+
+@dataclass
+class DataConfig:
+    """Where the conversations are and how they become token sequences."""
+
+    train: str = ""
+    """JSONL file of training records (conversation format; media paths relative to the file)."""
+    val: str | None = None
+    """JSONL file of validation records, or None."""
+    tokenizer: str = ""
+    """Local directory of a Hugging Face tokenizer with a chat template."""
+    max_length: int = 512
+    """Longest sequence in tokens, placeholders included; longer samples are refused (see on_error)."""
+    on_error: str = "raise"
+    """``"raise"``: stop at the first bad record with its id and file; ``"skip"``: count, log and skip it."""
+    val_max_samples: int | None = None
+    """Evaluate on at most this many validation records (the first ones), or all when None."""
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of parallelism. ``dp`` = 0 means the whole world size."""
+
+    dp: int = 0
+    backend: str = "auto"
+    """``"gloo"``, ``"nccl"`` or ``"auto"`` (NCCL when CUDA is available, else gloo)."""
+    timeout_s: float = 300.0
+    """Collective timeout in seconds."""
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and the training loop."""
+
+    seed: int = 0
+    global_batch_size: int = 32
+    """Samples per optimizer step over all DP ranks."""
+    microbatch_size: int = 8
+    """Samples per forward/backward on one rank; the rest is gradient accumulation."""
+    steps: int = 0
+    """Optimizer steps; 0 means ``epochs`` full passes."""
+    epochs: float = 1.0
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    """Cosine schedule floor as a fraction of ``lr``."""
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+    dtype: str = "auto"
+    """``"fp32"``, ``"bf16"`` (autocast) or ``"auto"`` (bf16 on GPU, fp32 on CPU)."""
+    eval_every: int = 0
+    """Validate every this many steps (0: only at the end)."""
+    max_new_tokens: int = 16
+    """Tokens generated per validation answer."""
+    device: str = "auto"
+    """``"cpu"``, ``"cuda"`` or ``"auto"``."""
+    threads: int = 0
+    """torch intra-op threads per process on CPU (0: torch default)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Distributed checkpoints (torch.distributed.checkpoint)."""
+
+    every: int = 0
+    """Save every this many steps (0: only at the end)."""
+    keep: int = 2
+    """Checkpoints kept on disk (older ones are removed)."""
+
+
+@dataclass
+class MetricsConfig:
+    """Where a run writes its metrics, plots and checkpoints."""
+
+    run_dir: str = "runs/demo"
+    log_every: int = 1
+    tensorboard: bool = True
+    """Also write TensorBoard events when ``torch.utils.tensorboard`` is importable."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+
+@dataclass
+class JobConfig:
+    """A whole training job."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -1,0 +1,105 @@
+"""Collation: processed samples -> a padded batch with positions, per-token mask metadata and costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from plait.data.processing import IGNORE, ProcessedSample, SampleMeta
+
+__all__ = ["Batch", "collate"]
+
+
+@dataclass
+class Batch:
+    """A padded batch of ``B`` samples, ``N`` = longest sample.
+
+    Attributes:
+        input_ids: ``[B, N]`` int64, ``pad_id`` on padding.
+        labels: ``[B, N]`` int64 next-token targets, -100 where no loss is taken (padding included).
+        attention_mask: ``[B, N]`` int64, 1 on tokens and 0 on padding.
+        position_ids: ``[B, N]`` int64 position within the sample (0 on padding).
+        document_ids: ``[B, N]`` int64 document index within the row (0 here: one sample per row), -1 on padding.
+        item_ids: ``[B, N]`` int64, -1 on text and padding, else the media item index within the row.
+        modality_inputs: per encoder name, the :class:`~plait.models.encoder.ModalityEncoder` inputs of every
+            item in row-major placeholder order; encoders without items are absent.
+        meta: per-sample :class:`SampleMeta` (text tokens, tokens per item, target tokens).
+        answers: reference answers (validation).
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    document_ids: torch.Tensor
+    item_ids: torch.Tensor
+    modality_inputs: dict[str, dict[str, Any]]
+    meta: tuple[SampleMeta, ...]
+    answers: tuple[str, ...] = field(default=())
+
+    @property
+    def target_tokens(self) -> int:
+        """Tokens that carry a label in this batch."""
+        return int((self.labels != IGNORE).sum())
+
+    def to(self, device: torch.device | str) -> "Batch":
+        """The batch with every tensor moved to ``device``."""
+        def move(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return x.to(device, non_blocking=True)
+            if isinstance(x, list):
+                return [move(v) for v in x]
+            if isinstance(x, dict):
+                return {k: move(v) for k, v in x.items()}
+            return x
+
+        fields = {k: move(v) for k, v in self.__dict__.items() if k not in ("meta", "answers")}
+        return Batch(**fields, meta=self.meta, answers=self.answers)
+
+
+def collate(samples: Sequence[ProcessedSample], pad_id: int, padding_side: str = "right") -> Batch:
+    """Pad ``samples`` into a :class:`Batch` (``padding_side="left"`` for generation prompts).
+
+    Raises:
+        ValueError: for an empty list or an unknown padding side.
+    """
+    if not samples:
+        raise ValueError("cannot collate an empty list of samples")
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    width = max(len(s.input_ids) for s in samples)
+    rows = len(samples)
+    ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    labels = torch.full((rows, width), IGNORE, dtype=torch.long)
+    attn = torch.zeros((rows, width), dtype=torch.long)
+    pos = torch.zeros((rows, width), dtype=torch.long)
+    docs = torch.full((rows, width), -1, dtype=torch.long)
+    items = torch.full((rows, width), -1, dtype=torch.long)
+    for r, s in enumerate(samples):
+        n = len(s.input_ids)
+        cols = slice(width - n, width) if padding_side == "left" else slice(0, n)
+        ids[r, cols] = s.input_ids
+        labels[r, cols] = s.labels
+        attn[r, cols] = 1
+        pos[r, cols] = torch.arange(n)
+        docs[r, cols] = 0
+        items[r, cols] = s.item_ids
+    return Batch(ids, labels, attn, pos, docs, items, _modality_inputs(samples), tuple(s.meta for s in samples),
+                 tuple(s.answer for s in samples))
+
+
+def _modality_inputs(samples: Sequence[ProcessedSample]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    names = sorted({name for s in samples for name, items in s.inputs.items() if items})
+    for name in names:
+        items = [it for s in samples for it in s.inputs.get(name, [])]
+        if "pixel_values" in items[0]:
+            out[name] = {"pixel_values": [it["pixel_values"] for it in items]}
+        else:
+            out[name] = {
+                "input_features": torch.stack([it["input_features"] for it in items]),
+                "num_samples": torch.tensor([it["num_samples"] for it in items], dtype=torch.long),
+            }
+    return out

@@ -1,0 +1,159 @@
+"""A modality encoder branch: Hugging Face encoder + feature selection + pooling + projector."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from plait.models.hf import (
+    AudioFeatureCount,
+    VisionFeatureCount,
+    dummy_encoder_input,
+    encoder_hidden_size,
+    feature_count_for,
+)
+from plait.models.projector import Projector
+
+__all__ = ["ModalityEncoder"]
+
+
+class ModalityEncoder(nn.Module):
+    """One encoder branch of a multimodal model.
+
+    Inputs (one batch of items of this modality, in the order their placeholders appear, row-major):
+        image: ``{"pixel_values": list of [C, H_i, W_i]}`` - sizes may differ; items of equal size are
+            encoded together (positional embeddings interpolated when the size is not the native one).
+        audio: ``{"input_features": [n, mel, T] (the encoder's fixed window), "num_samples": [n]}``.
+    Output: ``[total_features, llm_hidden]``, the projected features of all items concatenated, where item
+    ``i`` contributes exactly ``self.feature_count(size_i)`` rows (size = ``(H, W)`` or ``num_samples``).
+
+    ``feature_layer`` picks the hidden state (-1 last, -2 second-to-last); parameters that then cannot reach
+    the output (later layers, an unused post-norm or pooling head) are found once by a probe backward and
+    frozen for good (``unreachable``), so data-parallel training never waits for their gradients.
+
+    Raises:
+        ValueError: on an unknown modality/select, or when the encoder's output does not match the
+            feature-count formula.
+    """
+
+    def __init__(
+        self,
+        encoder: PreTrainedModel,
+        projector: Projector,
+        modality: str,
+        feature_layer: int = -1,
+        select: str = "full",
+        downsample: int = 1,
+        hop_length: int = 160,
+        sampling_rate: int = 16000,
+    ) -> None:
+        super().__init__()
+        if modality not in ("image", "audio"):
+            raise ValueError(f"modality must be 'image' or 'audio', got {modality!r}")
+        if select not in ("full", "drop_cls"):
+            raise ValueError(f"select must be 'full' or 'drop_cls', got {select!r}")
+        self.encoder = encoder
+        self.projector = projector
+        self.modality = modality
+        self.feature_layer = feature_layer
+        self.select = select
+        self.downsample = downsample
+        self.feature_count: VisionFeatureCount | AudioFeatureCount = feature_count_for(
+            encoder, modality, select, downsample, hop_length, sampling_rate
+        )
+        self.unreachable: frozenset[str] = frozenset()
+        self.unreachable = self._probe_unreachable()
+        for name, param in self.encoder.named_parameters():
+            if name in self.unreachable:
+                param.requires_grad_(False)
+
+    @property
+    def encoder_dim(self) -> int:
+        return encoder_hidden_size(self.encoder)
+
+    def settings(self) -> dict[str, Any]:
+        """The JSON-serialisable construction arguments (saved next to the weights)."""
+        return {
+            "modality": self.modality,
+            "feature_layer": self.feature_layer,
+            "select": self.select,
+            "downsample": self.downsample,
+            "projector": self.projector.kind,
+        }
+
+    def forward(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """Projected features ``[total_features, llm_hidden]`` of a batch of items (see class docstring)."""
+        return self.projector(self.encoder_forward(inputs))
+
+    def encoder_forward(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """Selected, pooled encoder features ``[total_features, encoder_dim]`` before the projector."""
+        if self.modality == "image":
+            return self._encode_images(inputs["pixel_values"])
+        return self._encode_audio(inputs["input_features"], inputs["num_samples"])
+
+    def encoder_features(self, model_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Selected hidden state ``[n, positions, encoder_dim]`` for a stacked batch of same-shape items."""
+        out = self.encoder(**model_inputs, output_hidden_states=True)
+        hidden = out.hidden_states[self.feature_layer]
+        if self.select == "drop_cls":
+            hidden = hidden[:, 1:]
+        return hidden
+
+    def _encode_images(self, images: list[torch.Tensor]) -> torch.Tensor:
+        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for i, img in enumerate(images):
+            groups[tuple(img.shape)].append(i)
+        native = int(self.encoder.config.image_size)
+        per_item: list[torch.Tensor | None] = [None] * len(images)
+        for shape, idx in groups.items():
+            pixels = torch.stack([images[i] for i in idx])
+            kwargs: dict[str, Any] = {"pixel_values": pixels}
+            if shape[-2:] != (native, native):
+                kwargs["interpolate_pos_encoding"] = True
+            hidden = self.encoder_features(kwargs)
+            expected = self.feature_count(shape[-2:])
+            if hidden.shape[1] != expected:
+                raise ValueError(
+                    f"{type(self.encoder).__name__} gave {hidden.shape[1]} features for a {shape[-2]}x{shape[-1]} "
+                    f"image but the feature-count formula says {expected}"
+                )
+            for j, i in enumerate(idx):
+                per_item[i] = hidden[j]
+        if not per_item:
+            return torch.zeros(0, self.encoder_dim)
+        return torch.cat(per_item, dim=0)  # type: ignore[arg-type]
+
+    def _encode_audio(self, features: torch.Tensor, num_samples: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder_features({"input_features": features})
+        if self.downsample > 1:
+            pooled = F.avg_pool1d(hidden.transpose(1, 2), self.downsample, self.downsample, ceil_mode=True)
+            hidden = pooled.transpose(1, 2)
+        counts = [self.feature_count(int(n)) for n in num_samples.tolist()]
+        if counts and max(counts) > hidden.shape[1]:
+            raise ValueError(f"audio encoder gave {hidden.shape[1]} positions, fewer than {max(counts)} needed")
+        return torch.cat([hidden[i, :c] for i, c in enumerate(counts)], dim=0)
+
+    def _probe_unreachable(self) -> frozenset[str]:
+        """Names of encoder parameters that cannot influence the selected features (probe backward)."""
+        if any(p.is_meta for p in self.encoder.parameters()):
+            return frozenset()
+        params = dict(self.encoder.named_parameters())
+        flags = {n: p.requires_grad for n, p in params.items()}
+        was_training = self.encoder.training
+        self.encoder.eval()
+        try:
+            for p in params.values():
+                p.requires_grad_(True)
+            with torch.enable_grad():
+                hidden = self.encoder_features(dummy_encoder_input(self.encoder, self.modality))
+                grads = torch.autograd.grad(hidden.sum(), list(params.values()), allow_unused=True)
+        finally:
+            for n, p in params.items():
+                p.requires_grad_(flags[n])
+            self.encoder.train(was_training)
+        return frozenset(n for (n, _), g in zip(params.items(), grads) if g is None)

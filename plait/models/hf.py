@@ -1,0 +1,218 @@
+"""Thin per-family facts about Hugging Face encoders and causal LMs, and how to build or load them.
+
+plait never copies modeling code: it builds stock ``transformers`` models and only records what it needs
+to know about a family (which class is the encoder, whether outputs start with a CLS token, how many
+features an input yields).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+
+__all__ = [
+    "VisionFeatureCount",
+    "AudioFeatureCount",
+    "build_encoder",
+    "build_causal_lm",
+    "encoder_hidden_size",
+    "feature_count_for",
+]
+
+# model_type -> (transformers class name, outputs start with a CLS token)
+_VISION = {
+    "siglip_vision_model": ("SiglipVisionModel", False),
+    "siglip": ("SiglipVisionModel", False),
+    "siglip2_vision_model": ("Siglip2VisionModel", False),
+    "clip_vision_model": ("CLIPVisionModel", True),
+    "clip": ("CLIPVisionModel", True),
+    "vit": ("ViTModel", True),
+}
+_AUDIO = {"whisper": "transformers.models.whisper.modeling_whisper.WhisperEncoder"}
+
+
+@dataclass(frozen=True)
+class VisionFeatureCount:
+    """Features a ViT-style encoder emits for one image: ``(H // patch) * (W // patch) + cls_tokens``.
+
+    The same object counts placeholders in the processor and checks the encoder's real output, so the two
+    can never disagree.
+    """
+
+    patch_size: int
+    cls_tokens: int
+
+    def __call__(self, size: tuple[int, int]) -> int:
+        """Features (tokens) for an image of ``size = (height, width)`` pixels.
+
+        Raises:
+            ValueError: when the image is smaller than one patch.
+        """
+        h, w = int(size[0]), int(size[1])
+        if h < self.patch_size or w < self.patch_size:
+            raise ValueError(f"image of {h}x{w} pixels is smaller than one {self.patch_size}-pixel patch")
+        return (h // self.patch_size) * (w // self.patch_size) + self.cls_tokens
+
+
+@dataclass(frozen=True)
+class AudioFeatureCount:
+    """Features a Whisper-style encoder emits for a clip of ``n`` samples, after optional pooling.
+
+    Log-mel frames: ``ceil(n / hop_length)``; the stride-2 convolution halves them (``ceil(f / 2)``);
+    average pooling by ``downsample`` gives ``ceil(x / downsample)``. Whisper pads every clip to a fixed
+    window of ``max_positions`` encoder positions; plait keeps only the features that cover real audio.
+    """
+
+    hop_length: int
+    conv_stride: int
+    downsample: int
+    max_positions: int
+    sampling_rate: int
+
+    @property
+    def max_samples(self) -> int:
+        """Longest clip in samples that fits the encoder's window."""
+        return self.max_positions * self.conv_stride * self.hop_length
+
+    def __call__(self, num_samples: int) -> int:
+        """Features (tokens) for a clip of ``num_samples`` samples.
+
+        Raises:
+            ValueError: for an empty clip or one longer than the encoder window.
+        """
+        n = int(num_samples)
+        if n <= 0:
+            raise ValueError("audio clip is empty")
+        if n > self.max_samples:
+            raise ValueError(
+                f"audio clip of {n / self.sampling_rate:.2f} s is longer than the encoder window of "
+                f"{self.max_samples / self.sampling_rate:.2f} s"
+            )
+        frames = math.ceil(n / self.hop_length)
+        positions = math.ceil(frames / self.conv_stride)
+        return math.ceil(positions / self.downsample)
+
+
+def _class(name: str) -> type[PreTrainedModel]:
+    module, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(module) if module else transformers, attr)
+
+
+def _config_from_dict(fields: dict[str, Any]) -> PretrainedConfig:
+    fields = dict(fields)
+    model_type = fields.pop("model_type", None)
+    if not model_type:
+        raise ValueError(f"model config needs a 'model_type' field, got keys {sorted(fields)}")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def build_encoder(
+    modality: str, path: str | None = None, config: dict[str, Any] | None = None
+) -> PreTrainedModel:
+    """Build (from a config dict) or load (from a local directory) a Hugging Face modality encoder.
+
+    Vision: SigLIP / SigLIP2 / CLIP vision towers and ViT (a full CLIP/SigLIP checkpoint gives its vision
+    tower). Audio: the Whisper encoder (a full Whisper checkpoint gives its encoder).
+
+    Raises:
+        ValueError: for an unsupported ``model_type`` or modality, naming the supported ones.
+        FileNotFoundError: when ``path`` is not a directory.
+    """
+    cfg = _load_config(path) if path is not None else _config_from_dict(config or {})
+    if modality == "image":
+        if cfg.model_type not in _VISION:
+            raise ValueError(f"unsupported vision encoder model_type {cfg.model_type!r}; supported: {sorted(_VISION)}")
+        cls = _class(_VISION[cfg.model_type][0])
+        kwargs = {"add_pooling_layer": False} if cfg.model_type == "vit" else {}
+        if path is not None:
+            return cls.from_pretrained(path, **kwargs)
+        sub = getattr(cfg, "vision_config", cfg)
+        return cls(sub, **kwargs)
+    if modality == "audio":
+        if cfg.model_type not in _AUDIO:
+            raise ValueError(f"unsupported audio encoder model_type {cfg.model_type!r}; supported: {sorted(_AUDIO)}")
+        encoder_cls = _class(_AUDIO[cfg.model_type])
+        if path is None:
+            return encoder_cls(cfg)
+        if (cfg.architectures or [None])[0] == encoder_cls.__name__:
+            return encoder_cls.from_pretrained(path)
+        return transformers.AutoModel.from_pretrained(path).get_encoder()
+    raise ValueError(f"unknown modality {modality!r}; expected 'image' or 'audio'")
+
+
+def build_causal_lm(
+    path: str | None = None,
+    config: dict[str, Any] | None = None,
+    vocab_size: int | None = None,
+    attn_implementation: str = "sdpa",
+) -> PreTrainedModel:
+    """Build (from a config dict, with ``vocab_size`` set from the tokenizer) or load a causal LM.
+
+    Raises:
+        ValueError: when a loaded model's vocabulary is smaller than ``vocab_size``.
+        FileNotFoundError: when ``path`` is not a directory.
+    """
+    if path is not None:
+        _load_config(path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn_implementation)
+        rows = model.get_input_embeddings().num_embeddings
+        if vocab_size is not None and rows < vocab_size:
+            raise ValueError(f"LLM at {path} has {rows} embedding rows but the tokenizer has {vocab_size} tokens")
+        return model
+    fields = dict(config or {})
+    if vocab_size is not None:
+        fields["vocab_size"] = vocab_size
+    cfg = _config_from_dict(fields)
+    cfg._attn_implementation = attn_implementation
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
+
+
+def _load_config(path: str) -> PretrainedConfig:
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    return AutoConfig.from_pretrained(path)
+
+
+def encoder_hidden_size(encoder: PreTrainedModel) -> int:
+    """Width of the encoder's hidden states (``hidden_size`` or Whisper's ``d_model``)."""
+    cfg = encoder.config
+    return int(getattr(cfg, "hidden_size", None) or cfg.d_model)
+
+
+def feature_count_for(
+    encoder: PreTrainedModel, modality: str, select: str, downsample: int, hop_length: int = 160,
+    sampling_rate: int = 16000,
+) -> VisionFeatureCount | AudioFeatureCount:
+    """The feature-count function of an encoder with plait's feature selection and pooling.
+
+    Raises:
+        ValueError: when ``select="drop_cls"`` is asked of an encoder without a CLS token, or
+            ``downsample > 1`` for images.
+    """
+    cfg = encoder.config
+    if modality == "image":
+        has_cls = _VISION.get(cfg.model_type, ("", False))[1]
+        if select == "drop_cls" and not has_cls:
+            raise ValueError(f"select='drop_cls' but {cfg.model_type} outputs have no CLS token")
+        if downsample != 1:
+            raise ValueError("downsample applies to audio frames only; use 1 for images")
+        return VisionFeatureCount(int(cfg.patch_size), int(has_cls and select == "full"))
+    conv_stride = int(encoder.conv2.stride[0]) * int(encoder.conv1.stride[0])
+    return AudioFeatureCount(hop_length, conv_stride, downsample, int(cfg.max_source_positions), sampling_rate)
+
+
+def dummy_encoder_input(encoder: PreTrainedModel, modality: str) -> dict[str, torch.Tensor]:
+    """A one-item input of the encoder's native shape, used to probe which parameters reach the output."""
+    cfg = encoder.config
+    if modality == "image":
+        size = int(cfg.image_size)
+        return {"pixel_values": torch.zeros(1, int(cfg.num_channels), size, size)}
+    frames = int(cfg.max_source_positions) * int(encoder.conv1.stride[0]) * int(encoder.conv2.stride[0])
+    return {"input_features": torch.zeros(1, int(cfg.num_mel_bins), frames)}

@@ -1,0 +1,197 @@
+"""The composite multimodal LLM: named modality encoders + a Hugging Face causal LM.
+
+Placeholder injection follows ../shared/REFERENCES.md section 1: the text carries one placeholder token
+per encoder feature; placeholders are replaced by token 0 before the embedding lookup (no vocabulary
+resize needed), then the projected features are scattered into those positions out of place.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedModel
+
+from plait.models.encoder import ModalityEncoder
+from plait.models.hf import build_causal_lm, build_encoder, encoder_hidden_size
+from plait.models.projector import build_projector
+
+__all__ = ["MultimodalModel", "PLAIT_CONFIG"]
+
+PLAIT_CONFIG = "plait_config.json"
+PARTS = ("llm", "encoder", "projector")
+
+
+class MultimodalModel(nn.Module):
+    """Named modality encoders feeding a causal LM through placeholder tokens.
+
+    Args:
+        language_model: any Hugging Face causal LM (``AutoModelForCausalLM``).
+        encoders: encoder branches by name, e.g. ``{"vision": ModalityEncoder(...)}``.
+        placeholder_ids: token id of each branch's placeholder, same keys as ``encoders``.
+
+    Raises:
+        ValueError: when the keys of ``encoders`` and ``placeholder_ids`` differ, two branches share an id, or
+            a projector's output width differs from the LLM's hidden size.
+    """
+
+    def __init__(
+        self,
+        language_model: PreTrainedModel,
+        encoders: Mapping[str, ModalityEncoder],
+        placeholder_ids: Mapping[str, int],
+    ) -> None:
+        super().__init__()
+        if set(encoders) != set(placeholder_ids):
+            raise ValueError(f"encoders {sorted(encoders)} and placeholder_ids {sorted(placeholder_ids)} differ")
+        if len(set(placeholder_ids.values())) != len(placeholder_ids):
+            raise ValueError(f"placeholder ids must be distinct, got {dict(placeholder_ids)}")
+        hidden = language_model.get_input_embeddings().embedding_dim
+        for name, enc in encoders.items():
+            out = enc.projector.linear_1.out_features
+            if out != hidden:
+                raise ValueError(f"encoder {name!r}: projector gives {out} features, the LLM expects {hidden}")
+        self.language_model = language_model
+        self.encoders = nn.ModuleDict(dict(encoders))
+        self.placeholder_ids = dict(placeholder_ids)
+
+    # ------------------------------------------------------------------ forward
+    def embed(self, input_ids: torch.Tensor, modality_inputs: Mapping[str, Any] | None = None) -> torch.Tensor:
+        """Token embeddings ``[B, N, hidden]`` with encoder features placed at the placeholder tokens.
+
+        Args:
+            input_ids: ``[B, N]`` token ids, placeholders included.
+            modality_inputs: per encoder name, the inputs of :class:`ModalityEncoder` for the items of the
+                batch in row-major placeholder order; a branch with no items may be absent.
+
+        Raises:
+            ValueError: when the number of placeholder tokens of a branch differs from its feature count.
+        """
+        modality_inputs = modality_inputs or {}
+        unknown = set(modality_inputs) - set(self.encoders)
+        if unknown:
+            raise ValueError(f"inputs for unknown encoder(s) {sorted(unknown)}; model has {sorted(self.encoders)}")
+        masks = {name: input_ids == pid for name, pid in self.placeholder_ids.items()}
+        text_ids = input_ids
+        for mask in masks.values():
+            text_ids = text_ids.masked_fill(mask, 0)
+        embeds = self.language_model.get_input_embeddings()(text_ids)
+        for name, mask in masks.items():
+            n_placeholders = int(mask.sum())
+            if name not in modality_inputs:
+                if n_placeholders:
+                    raise ValueError(f"{n_placeholders} {name!r} placeholder tokens but no {name!r} inputs")
+                continue
+            feats = self.encode(name, modality_inputs[name])
+            if feats.shape[0] != n_placeholders:
+                raise ValueError(
+                    f"encoder {name!r} produced {feats.shape[0]} features but the batch has {n_placeholders} "
+                    f"placeholder tokens"
+                )
+            embeds = embeds.masked_scatter(mask.unsqueeze(-1), feats.to(embeds.dtype))
+        return embeds
+
+    def encode(self, name: str, inputs: Mapping[str, Any]) -> torch.Tensor:
+        """Projected features ``[features, hidden]`` of branch ``name``; a fully frozen encoder runs under
+        ``no_grad`` and keeps no activations."""
+        branch: ModalityEncoder = self.encoders[name]  # type: ignore[assignment]
+        encoder_trains = any(p.requires_grad for p in branch.encoder.parameters())
+        with nullcontext() if encoder_trains else torch.no_grad():
+            feats = branch.encoder_forward(inputs)
+        return branch.projector(feats)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        modality_inputs: Mapping[str, Any] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **llm_kwargs: Any,
+    ) -> torch.Tensor:
+        """Logits ``[B, N, vocab]`` (fp32 or the autocast dtype) for ``input_ids`` ``[B, N]``.
+
+        ``attention_mask`` ``[B, N]`` (1 = token, 0 = padding) and ``position_ids`` ``[B, N]`` go to the LLM
+        unchanged, as do extra keyword arguments (attention kwargs).
+        """
+        embeds = self.embed(input_ids, modality_inputs)
+        out = self.language_model(
+            inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids, **llm_kwargs
+        )
+        return out.logits
+
+    # ------------------------------------------------------------------ freezing
+    def part_parameters(self, part: str, encoder: str | None = None) -> list[nn.Parameter]:
+        """Parameters of ``part`` (``"llm"``, ``"encoder"`` or ``"projector"``; the latter two of branch
+        ``encoder``, or of every branch when None).
+
+        Raises:
+            ValueError: for an unknown part or branch.
+        """
+        if part not in PARTS:
+            raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+        if part == "llm":
+            return list(self.language_model.parameters())
+        names = [encoder] if encoder is not None else list(self.encoders)
+        params: list[nn.Parameter] = []
+        for name in names:
+            if name not in self.encoders:
+                raise ValueError(f"unknown encoder {name!r}; model has {sorted(self.encoders)}")
+            branch: ModalityEncoder = self.encoders[name]  # type: ignore[assignment]
+            if part == "projector":
+                params += list(branch.projector.parameters())
+            else:
+                params += [p for n, p in branch.encoder.named_parameters() if n not in branch.unreachable]
+        return params
+
+    def set_frozen(self, part: str, frozen: bool, encoder: str | None = None) -> None:
+        """Freeze (``requires_grad=False``) or unfreeze a part; unreachable encoder parameters stay frozen."""
+        for p in self.part_parameters(part, encoder):
+            p.requires_grad_(not frozen)
+
+    def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` of every parameter with ``requires_grad``, in module order."""
+        return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ save / load
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write the composite: ``llm/`` and ``encoders/<name>/encoder/`` in Hugging Face format,
+        ``encoders/<name>/projector.safetensors`` and ``plait_config.json``."""
+        root = Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        self.language_model.save_pretrained(root / "llm")
+        meta: dict[str, Any] = {"placeholder_ids": self.placeholder_ids, "encoders": {}}
+        for name, branch in self.encoders.items():
+            sub = root / "encoders" / name
+            branch.encoder.save_pretrained(sub / "encoder")
+            state = {k: v.detach().contiguous() for k, v in branch.projector.state_dict().items()}
+            save_file(state, str(sub / "projector.safetensors"))
+            meta["encoders"][name] = branch.settings() | {"encoder_dim": branch.encoder_dim}
+        (root / PLAIT_CONFIG).write_text(json.dumps(meta, indent=2))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, attn_implementation: str = "sdpa") -> "MultimodalModel":
+        """Load a composite written by :meth:`save_pretrained` (all parameters trainable).
+
+        Raises:
+            FileNotFoundError: when ``directory`` has no ``plait_config.json``.
+        """
+        root = Path(directory)
+        if not (root / PLAIT_CONFIG).is_file():
+            raise FileNotFoundError(f"{root} is not a plait model directory (no {PLAIT_CONFIG})")
+        meta = json.loads((root / PLAIT_CONFIG).read_text())
+        llm = build_causal_lm(path=str(root / "llm"), attn_implementation=attn_implementation)
+        hidden = llm.get_input_embeddings().embedding_dim
+        encoders = {}
+        for name, s in meta["encoders"].items():
+            enc = build_encoder(s["modality"], path=str(root / "encoders" / name / "encoder"))
+            projector = build_projector(s["projector"], encoder_hidden_size(enc), hidden)
+            projector.load_state_dict(load_file(str(root / "encoders" / name / "projector.safetensors")))
+            encoders[name] = ModalityEncoder(
+                enc, projector, s["modality"], s["feature_layer"], s["select"], s["downsample"]
+            )
+        return cls(llm, encoders, meta["placeholder_ids"])

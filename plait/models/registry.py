@@ -1,0 +1,129 @@
+"""Compose a model and its processor from a :class:`~plait.config.schema.ModelConfig`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import transformers
+from transformers import AutoTokenizer
+
+from plait.config.schema import EncoderConfig, ModelConfig
+from plait.data.processing import ModalitySpec, MultimodalProcessor
+from plait.models.encoder import ModalityEncoder
+from plait.models.hf import build_causal_lm, build_encoder, encoder_hidden_size
+from plait.models.multimodal import MultimodalModel
+from plait.models.projector import build_projector
+
+__all__ = ["load_tokenizer", "build_model", "build_processor", "apply_freezing", "placeholder_of"]
+
+_DEFAULT_IMAGE_PROCESSOR = {
+    "siglip_vision_model": "SiglipImageProcessor",
+    "siglip": "SiglipImageProcessor",
+    "clip_vision_model": "CLIPImageProcessor",
+    "clip": "CLIPImageProcessor",
+    "vit": "ViTImageProcessor",
+}
+
+
+def load_tokenizer(path: str) -> Any:
+    """A Hugging Face tokenizer from a local directory.
+
+    Raises:
+        ValueError: when it has no chat template (plait needs one to render conversations).
+    """
+    tok = AutoTokenizer.from_pretrained(path)
+    if not tok.chat_template:
+        raise ValueError(f"tokenizer at {path} has no chat template")
+    return tok
+
+
+def placeholder_of(enc: EncoderConfig) -> str:
+    """The placeholder string of a branch (``"<image>"``/``"<audio>"`` unless configured)."""
+    return enc.placeholder or f"<{enc.modality}>"
+
+
+def _placeholder_ids(cfg: ModelConfig, tokenizer: Any) -> dict[str, int]:
+    ids = {}
+    for name, enc in cfg.encoders.items():
+        token = placeholder_of(enc)
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if tid is None or tid == tokenizer.unk_token_id:
+            raise ValueError(f"model.encoders.{name}: placeholder {token!r} is not a token of the tokenizer")
+        ids[name] = int(tid)
+    return ids
+
+
+def build_model(cfg: ModelConfig, tokenizer: Any) -> MultimodalModel:
+    """Build the composite (from a plait checkpoint, local HF parts or configs) and apply freezing.
+
+    Raises:
+        ValueError: for unsupported model types, a placeholder that is not a token, or mismatched sizes.
+    """
+    if cfg.pretrained:
+        model = MultimodalModel.from_pretrained(cfg.pretrained, cfg.llm.attn_implementation)
+        missing = set(cfg.encoders) - set(model.encoders)
+        if missing:
+            raise ValueError(f"model.encoders {sorted(missing)} are not in the checkpoint {cfg.pretrained}")
+    else:
+        llm = build_causal_lm(cfg.llm.path, cfg.llm.config, len(tokenizer), cfg.llm.attn_implementation)
+        hidden = llm.get_input_embeddings().embedding_dim
+        encoders = {}
+        for name, enc in cfg.encoders.items():
+            hf_encoder = build_encoder(enc.modality, enc.path, enc.config)
+            projector = build_projector(enc.projector, encoder_hidden_size(hf_encoder), hidden)
+            hop = int(enc.processor.get("hop_length", 160))
+            rate = int(enc.processor.get("sampling_rate", 16000))
+            encoders[name] = ModalityEncoder(
+                hf_encoder, projector, enc.modality, enc.feature_layer, enc.select, enc.downsample, hop, rate
+            )
+        model = MultimodalModel(llm, encoders, _placeholder_ids(cfg, tokenizer))
+    apply_freezing(model, cfg)
+    return model
+
+
+def apply_freezing(model: MultimodalModel, cfg: ModelConfig) -> None:
+    """Set ``requires_grad`` of the LLM, each encoder and each projector from the config flags."""
+    model.set_frozen("llm", cfg.llm.freeze)
+    for name, enc in cfg.encoders.items():
+        model.set_frozen("encoder", enc.freeze, name)
+        model.set_frozen("projector", enc.freeze_projector, name)
+
+
+def _hf_processor(enc: EncoderConfig, branch: ModalityEncoder) -> Any:
+    if enc.path:
+        auto = transformers.AutoImageProcessor if enc.modality == "image" else transformers.AutoFeatureExtractor
+        return auto.from_pretrained(enc.path)
+    kwargs = dict(enc.processor)
+    cfg = branch.encoder.config
+    if enc.modality == "image":
+        cls_name = kwargs.pop("class", _DEFAULT_IMAGE_PROCESSOR.get(cfg.model_type, "SiglipImageProcessor"))
+        return getattr(transformers, cls_name)(**kwargs)
+    count = branch.feature_count
+    kwargs.setdefault("feature_size", int(cfg.num_mel_bins))
+    kwargs.setdefault("sampling_rate", count.sampling_rate)
+    kwargs.setdefault("hop_length", count.hop_length)
+    kwargs.setdefault("chunk_length", count.max_samples // count.sampling_rate)
+    if kwargs["chunk_length"] * kwargs["sampling_rate"] != count.max_samples:
+        raise ValueError(
+            f"audio window of {count.max_samples} samples is not a whole number of seconds; set "
+            "max_source_positions so that it is"
+        )
+    return transformers.WhisperFeatureExtractor(**kwargs)
+
+
+def build_processor(cfg: ModelConfig, model: MultimodalModel, tokenizer: Any, max_length: int) -> MultimodalProcessor:
+    """The :class:`MultimodalProcessor` matching ``model``'s branches (same feature-count functions)."""
+    specs = []
+    for name, branch in model.encoders.items():
+        enc = cfg.encoders.get(name) or EncoderConfig(modality=branch.modality)
+        specs.append(
+            ModalitySpec(
+                name,
+                branch.modality,
+                placeholder_of(enc),
+                model.placeholder_ids[name],
+                _hf_processor(enc, branch),
+                branch.feature_count,
+            )
+        )
+    return MultimodalProcessor(tokenizer, specs, max_length)

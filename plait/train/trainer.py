@@ -1,0 +1,311 @@
+"""The training loop: build, step, validate, checkpoint, resume.
+
+Loss normalisation (../shared/DESIGN.md): the loss of a global batch is the sum of token cross-entropies
+divided by the number of target tokens of the whole global batch (all microbatches, all DP ranks). Every
+microbatch's loss sum is divided by that global count before its backward, so gradients do not depend on
+how samples are grouped into microbatches or ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections import defaultdict
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from plait.config.loader import config_to_dict
+from plait.config.schema import JobConfig
+from plait.data.collate import Batch, collate
+from plait.data.loader import GlobalBatchLoader, MultimodalDataset, rank_share
+from plait.data.processing import IGNORE
+from plait.models.multimodal import MultimodalModel
+from plait.models.registry import build_model, build_processor, load_tokenizer
+from plait.parallel.data_parallel import apply_data_parallel, unwrap
+from plait.parallel.mesh import DistInfo, build_mesh, init_distributed
+from plait.train.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+from plait.train.metrics import MetricsWriter
+
+__all__ = ["Trainer", "StepResult", "token_loss_sum", "build_optimizer", "build_scheduler"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step: global loss (mean over the global batch's target tokens), gradient norm before
+    clipping, learning rate used, target tokens and all tokens of the global batch, wall time (s)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    target_tokens: int
+    tokens: int
+    time_s: float
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropies (fp32) over positions whose label is not -100.
+
+    Args:
+        logits: ``[B, N, V]``; labels: ``[B, N]`` already shifted (label t is the target of position t).
+    Returns:
+        a scalar; 0 (with a graph) when there is no target.
+    """
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def build_optimizer(model: MultimodalModel, lr: float, weight_decay: float, betas: tuple[float, float]) -> torch.optim.AdamW:
+    """AdamW over trainable parameters only (frozen ones are not in it); no weight decay on biases and
+    norms (parameters with fewer than 2 dims).
+
+    Raises:
+        ValueError: when nothing is trainable.
+    """
+    params = [p for _, p in model.trainable_parameters()]
+    if not params:
+        raise ValueError("every parameter is frozen: nothing to train")
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, warmup: int, total: int, min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio`` x lr at step ``total``."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """Builds everything a job needs from a :class:`JobConfig` and trains it (single process or DP).
+
+    Args:
+        cfg: the job.
+        dist_info: this process's rank/world/device (default: from the torchrun environment).
+    """
+
+    def __init__(self, cfg: JobConfig, dist_info: DistInfo | None = None) -> None:
+        self.cfg = cfg
+        t = cfg.train
+        self.info = dist_info or init_distributed(t.device, cfg.parallel.backend, cfg.parallel.timeout_s)
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        build_mesh(self.info, cfg.parallel.dp)
+        self.run_dir = Path(cfg.metrics.run_dir)
+        _seed_everything(t.seed)
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.model = build_model(cfg.model, self.tokenizer).to(self.info.device)
+        self.processor = build_processor(cfg.model, self.model, self.tokenizer, cfg.data.max_length)
+        progress = cfg.metrics.progress and self.info.is_main
+        self.train_set = MultimodalDataset(cfg.data.train, self.processor, cfg.data.on_error, progress=progress)
+        self.val_set = None
+        if cfg.data.val:
+            self.val_set = MultimodalDataset(
+                cfg.data.val, self.processor, cfg.data.on_error, prompt_only=True,
+                max_samples=cfg.data.val_max_samples, progress=progress,
+            )
+        self.loader = GlobalBatchLoader(len(self.train_set), t.global_batch_size, t.seed)
+        self.total_steps = t.steps or math.ceil(t.epochs * self.loader.batches_per_epoch)
+        self.ddp_model = apply_data_parallel(self.model, self.info)
+        self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas)
+        self.scheduler = build_scheduler(self.optimizer, t.warmup_steps, self.total_steps, t.min_lr_ratio)
+        self.step = 0
+        use_bf16 = t.dtype == "bf16" or (t.dtype == "auto" and self.info.device.type == "cuda")
+        self.autocast = (
+            (lambda: torch.autocast(self.info.device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
+        )
+
+    # ------------------------------------------------------------------ one step
+    def microbatches(self, indices: Sequence[int]) -> list[list[int]]:
+        """This rank's share of a global batch, cut into microbatches of ``train.microbatch_size``."""
+        mine = rank_share(indices, self.info.rank, self.info.world_size)
+        size = self.cfg.train.microbatch_size
+        return [mine[i : i + size] for i in range(0, len(mine), size)]
+
+    def train_step(self, indices: Sequence[int]) -> StepResult:
+        """Forward/backward every microbatch of this rank's share of the global batch ``indices``, reduce
+        gradients over DP, clip and step. Returns the global loss and statistics."""
+        start = time.perf_counter()
+        self.ddp_model.train()
+        metas = [self.train_set[i].meta for i in indices]
+        global_targets = sum(m.target_tokens for m in metas)
+        scale = self.info.world_size / max(1, global_targets)  # DDP averages over ranks; undo that
+        mbs = self.microbatches(indices)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for k, mb in enumerate(mbs):
+            batch = collate([self.train_set[i] for i in mb], self.processor.pad_id).to(self.info.device)
+            sync = k == len(mbs) - 1
+            ctx = self.ddp_model.no_sync() if (not sync and hasattr(self.ddp_model, "no_sync")) else nullcontext()
+            with ctx:
+                with self.autocast():
+                    logits = self.ddp_model(
+                        batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids
+                    )
+                mb_loss = token_loss_sum(logits, batch.labels)
+                (mb_loss * scale).backward()
+            loss_sum += mb_loss.detach().double().cpu()
+        if not mbs and self.info.world_size > 1:
+            raise ValueError(
+                f"rank {self.info.rank} got no sample of a global batch of {len(indices)}: "
+                "train.global_batch_size must be >= the DP degree"
+            )
+        if self.info.world_size > 1:
+            dist.all_reduce(loss_sum)
+        params = [p for _, p in self.model.trainable_parameters()]
+        clip = self.cfg.train.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return StepResult(
+            self.step, float(loss_sum) / max(1, global_targets), float(grad_norm), lr, global_targets,
+            sum(m.length for m in metas), time.perf_counter() - start,
+        )
+
+    # ------------------------------------------------------------------ validation
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Exact-match accuracy per task on the validation set (greedy generation), over all ranks."""
+        if self.val_set is None:
+            return {}
+        model = self.model
+        model.eval()
+        stop = [t for t in {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|im_end|>")}
+                if isinstance(t, int) and t != self.tokenizer.unk_token_id]
+        correct: dict[str, int] = defaultdict(int)
+        total: dict[str, int] = defaultdict(int)
+        mine = rank_share(range(len(self.val_set)), self.info.rank, self.info.world_size)
+        size = max(self.cfg.train.microbatch_size, 16)
+        for i in range(0, len(mine), size):
+            samples = [self.val_set[j] for j in mine[i : i + size]]
+            batch = collate(samples, self.processor.pad_id, padding_side="left").to(self.info.device)
+            for s, text in zip(samples, self.generate(batch, stop)):
+                total[s.meta.task] += 1
+                correct[s.meta.task] += int(text.strip() == s.answer.strip())
+        tasks = sorted({s.meta.task for s in self.val_set.samples})
+        counts = torch.tensor([[correct[t], total[t]] for t in tasks], dtype=torch.float64)
+        if self.info.world_size > 1:
+            dist.all_reduce(counts)
+        return {t: float(c / n) if n else 0.0 for t, (c, n) in zip(tasks, counts.tolist())}
+
+    def generate(self, batch: Batch, stop_ids: list[int]) -> list[str]:
+        """Greedy answers (decoded text) for a left-padded batch of prompts."""
+        with self.autocast():
+            embeds = self.model.embed(batch.input_ids, batch.modality_inputs)
+            out = self.model.language_model.generate(
+                inputs_embeds=embeds,
+                attention_mask=batch.attention_mask,
+                max_new_tokens=self.cfg.train.max_new_tokens,
+                do_sample=False,
+                eos_token_id=stop_ids,
+                pad_token_id=self.processor.pad_id,
+            )
+        return self.tokenizer.batch_decode(out, skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ fit
+    def resume(self, path: str | Path | None = None) -> int:
+        """Restore the newest checkpoint of the run (or ``path``); returns the step resumed at.
+
+        Raises:
+            FileNotFoundError: when there is nothing to resume from.
+        """
+        ckpt = Path(path) if path else latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            raise FileNotFoundError(f"no checkpoint to resume from under {self.run_dir / 'checkpoints'}")
+        state = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler, self.loader.state_dict())
+        self.loader.load_state_dict(state["loader"])
+        self.step = state["step"]
+        return self.step
+
+    def save(self) -> Path:
+        """Write a checkpoint of the current step (collective)."""
+        return save_checkpoint(
+            checkpoint_dir(self.run_dir, self.step), self.model, self.optimizer, self.scheduler,
+            self.loader.state_dict(), self.step, keep=self.cfg.checkpoint.keep,
+        )
+
+    def fit(self, resume: bool | str = False, stop_after: int | None = None) -> dict[str, Any]:
+        """Train until ``train.steps`` (or ``stop_after`` steps, for tests), validating and checkpointing on
+        schedule. Returns ``{"steps", "losses", "eval", "skipped"}``."""
+        resumed = self.resume(None if resume is True else resume) if resume else None
+        main = self.info.is_main
+        writer = MetricsWriter(self.run_dir, main, self.cfg.metrics.tensorboard, resume_step=resumed)
+        self._report_setup(writer)
+        end = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (main and self.cfg.metrics.progress),
+                   desc="train", dynamic_ncols=True)
+        losses, evals = [], {}
+        while self.step < end:
+            res = self.train_step(self.loader.next_batch())
+            losses.append(res.loss)
+            rec = {"step": res.step, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
+                   "tokens_per_s": res.tokens / res.time_s, "target_tokens": res.target_tokens,
+                   "epoch": self.loader.epoch}
+            if res.step % self.cfg.metrics.log_every == 0 or res.step == end:
+                writer.write(rec)
+            bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            bar.update(1)
+            every = self.cfg.train.eval_every
+            if (every and res.step % every == 0) or res.step == self.total_steps:
+                evals = self.evaluate()
+                writer.write({"step": res.step, "eval": evals})
+                if main:
+                    bar.write(f"step {res.step}: validation exact match " + _fmt(evals))
+            every = self.cfg.checkpoint.every
+            if (every and res.step % every == 0) or res.step == end:
+                self.save()
+        bar.close()
+        writer.close()
+        return {"steps": self.step, "losses": losses, "eval": evals, "skipped": len(self.train_set.skipped)}
+
+    def _report_setup(self, writer: MetricsWriter) -> None:
+        if not self.info.is_main:
+            return
+        import json
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(config_to_dict(self.cfg), indent=2))
+        n_train = sum(p.numel() for _, p in self.model.trainable_parameters())
+        n_all = sum(p.numel() for p in self.model.parameters())
+        log.info("model: %.2fM parameters, %.2fM trainable", n_all / 1e6, n_train / 1e6)
+        sets = [("train", self.train_set)] + ([("val", self.val_set)] if self.val_set else [])
+        for name, ds in sets:
+            if ds.skipped:
+                log.warning("%s: skipped %d bad record(s), e.g. %s", name, len(ds.skipped), ds.skipped[0].reason)
+        print(
+            f"plait: {len(self.train_set)} train samples ({len(self.train_set.skipped)} skipped), "
+            f"{len(self.val_set) if self.val_set else 0} val samples, {self.total_steps} steps, "
+            f"world size {self.info.world_size}, {n_train / 1e6:.2f}M of {n_all / 1e6:.2f}M parameters trainable",
+            flush=True,
+        )
+
+
+def _fmt(evals: dict[str, float]) -> str:
+    return ", ".join(f"{k}={v:.1%}" for k, v in evals.items())
