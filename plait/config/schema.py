@@ -94,6 +94,8 @@ class DataConfig:
     """Longest sequence in tokens, placeholders included; longer samples are refused (see on_error)."""
     on_error: str = "raise"
     """``"raise"``: stop at the first bad record with its id and file; ``"skip"``: count, log and skip it."""
+    shuffle: bool = True
+    """Visit training samples in a fresh random order each epoch (False: file order, for tests)."""
     val_max_samples: int | None = None
     """Evaluate on at most this many validation records (the first ones), or all when None."""
 

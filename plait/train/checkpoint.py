@@ -11,6 +11,7 @@ import pickle
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,9 @@ def save_checkpoint(
         "extra": {"scheduler": scheduler.state_dict(), "loader": loader_state, "step": step},
         f"rng_rank{_rank()}": _rng_state(),
     }
-    dcp.save(state, checkpoint_id=str(path))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(path))
     if keep > 0 and _rank() == 0:
         _prune(path.parent, keep)
     return path
@@ -115,7 +118,9 @@ def load_checkpoint(
         "extra": {"scheduler": scheduler.state_dict(), "loader": dict(loader_state), "step": 0},
         key: torch.zeros(keys[key].size, dtype=torch.uint8),
     }
-    dcp.load(state, checkpoint_id=str(path))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(state["extra"]["scheduler"])
     _set_rng_state(state[key])

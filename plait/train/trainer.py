@@ -129,7 +129,7 @@ class Trainer:
                 cfg.data.val, self.processor, cfg.data.on_error, prompt_only=True,
                 max_samples=cfg.data.val_max_samples, progress=progress,
             )
-        self.loader = GlobalBatchLoader(len(self.train_set), t.global_batch_size, t.seed)
+        self.loader = GlobalBatchLoader(len(self.train_set), t.global_batch_size, t.seed, cfg.data.shuffle)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.batches_per_epoch)
         self.ddp_model = apply_data_parallel(self.model, self.info)
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas)
@@ -147,20 +147,27 @@ class Trainer:
         size = self.cfg.train.microbatch_size
         return [mine[i : i + size] for i in range(0, len(mine), size)]
 
-    def train_step(self, indices: Sequence[int]) -> StepResult:
-        """Forward/backward every microbatch of this rank's share of the global batch ``indices``, reduce
-        gradients over DP, clip and step. Returns the global loss and statistics."""
-        start = time.perf_counter()
+    def forward_backward(self, indices: Sequence[int]) -> tuple[float, int]:
+        """Forward/backward every microbatch of this rank's share of the global batch ``indices``; the
+        gradients (reduced over DP) accumulate in ``.grad``. Returns ``(global loss, global target tokens)``.
+
+        Raises:
+            ValueError: when this rank gets no sample (global batch smaller than the DP degree).
+        """
         self.ddp_model.train()
-        metas = [self.train_set[i].meta for i in indices]
-        global_targets = sum(m.target_tokens for m in metas)
+        global_targets = sum(self.train_set[i].meta.target_tokens for i in indices)
         scale = self.info.world_size / max(1, global_targets)  # DDP averages over ranks; undo that
         mbs = self.microbatches(indices)
+        if not mbs:
+            raise ValueError(
+                f"rank {self.info.rank} got no sample of a global batch of {len(indices)}: "
+                "train.global_batch_size must be >= the DP degree"
+            )
         loss_sum = torch.zeros((), dtype=torch.float64)
         for k, mb in enumerate(mbs):
             batch = collate([self.train_set[i] for i in mb], self.processor.pad_id).to(self.info.device)
-            sync = k == len(mbs) - 1
-            ctx = self.ddp_model.no_sync() if (not sync and hasattr(self.ddp_model, "no_sync")) else nullcontext()
+            last = k == len(mbs) - 1
+            ctx = nullcontext() if last or not hasattr(self.ddp_model, "no_sync") else self.ddp_model.no_sync()
             with ctx:
                 with self.autocast():
                     logits = self.ddp_model(
@@ -169,13 +176,13 @@ class Trainer:
                 mb_loss = token_loss_sum(logits, batch.labels)
                 (mb_loss * scale).backward()
             loss_sum += mb_loss.detach().double().cpu()
-        if not mbs and self.info.world_size > 1:
-            raise ValueError(
-                f"rank {self.info.rank} got no sample of a global batch of {len(indices)}: "
-                "train.global_batch_size must be >= the DP degree"
-            )
         if self.info.world_size > 1:
             dist.all_reduce(loss_sum)
+        return float(loss_sum) / max(1, global_targets), global_targets
+
+    def optimizer_step(self) -> tuple[float, float]:
+        """Clip the gradient norm, step optimizer and LR schedule, zero gradients. Returns
+        ``(gradient norm before clipping, learning rate used)``."""
         params = [p for _, p in self.model.trainable_parameters()]
         clip = self.cfg.train.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
@@ -184,10 +191,15 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return StepResult(
-            self.step, float(loss_sum) / max(1, global_targets), float(grad_norm), lr, global_targets,
-            sum(m.length for m in metas), time.perf_counter() - start,
-        )
+        return float(grad_norm), lr
+
+    def train_step(self, indices: Sequence[int]) -> StepResult:
+        """One optimizer step on the global batch ``indices``."""
+        start = time.perf_counter()
+        loss, targets = self.forward_backward(indices)
+        grad_norm, lr = self.optimizer_step()
+        tokens = sum(self.train_set[i].meta.length for i in indices)
+        return StepResult(self.step, loss, grad_norm, lr, targets, tokens, time.perf_counter() - start)
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()

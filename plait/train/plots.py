@@ -1,0 +1,234 @@
+"""Plots and trace files: pipeline timelines (Chrome trace JSON and PNG Gantt charts).
+
+Predicted (simulator) and measured (runtime) timelines share one event format,
+``plait.planner.schedules.TimelineEvent``, and one pair of outputs (../shared/DESIGN.md, principle 2):
+
+- ``write_chrome_trace``: Chrome trace-event JSON (opens in https://ui.perfetto.dev or chrome://tracing),
+  one process per timeline label, one thread (track) per rank, one complete event (``"ph": "X"``) per
+  action, times in microseconds.
+- ``plot_timeline``: a PNG Gantt chart (matplotlib, Agg canvas; no global backend switch), one panel per
+  label, one row per rank, F/B/W in different colours, microbatch numbers inside the boxes that fit.
+
+Either takes a sequence of events or ``{label: events}`` to lay timelines side by side (e.g.
+``{"predicted": sim.events, "measured": measured}``); each label is shifted to start at time 0.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Union
+
+from plait.planner.schedules import TimelineEvent, summarize_timeline
+
+__all__ = [
+    "KIND_COLORS",
+    "chrome_trace",
+    "new_figure",
+    "plot_timeline",
+    "read_chrome_trace",
+    "save_figure",
+    "write_chrome_trace",
+]
+
+Timelines = Union[Sequence[TimelineEvent], Mapping[str, Sequence[TimelineEvent]]]
+
+KIND_COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452"}
+"""Colour of each action kind in PNG charts; other kinds are grey."""
+_OTHER_COLOR = "#9A9A9A"
+# Reserved colour names of the Chrome trace viewer (Perfetto colours slices by name instead).
+_TRACE_CNAMES = {"F": "thread_state_runnable", "B": "thread_state_running", "W": "thread_state_iowait"}
+
+
+def _by_label(events: Timelines, default_label: str) -> dict[str, list[TimelineEvent]]:
+    """Normalise ``events`` to ``{label: events shifted to start at 0}``.
+
+    Raises:
+        ValueError: when an entry is not a ``TimelineEvent``.
+    """
+    groups = dict(events) if isinstance(events, Mapping) else {default_label: events}
+    out = {}
+    for label, group in groups.items():
+        group = list(group)
+        bad = [e for e in group if not isinstance(e, TimelineEvent)]
+        if bad:
+            raise ValueError(f"timeline {label!r}: expected TimelineEvent entries, got {type(bad[0]).__name__}")
+        origin = min((e.start_s for e in group), default=0.0)
+        out[str(label)] = [
+            TimelineEvent(e.rank, e.kind, e.stage, e.microbatch, e.start_s - origin, e.end_s - origin) for e in group
+        ]
+    return out
+
+
+def _event_name(event: TimelineEvent) -> str:
+    if event.microbatch < 0:
+        return event.kind
+    stage = f" s{event.stage}" if event.stage >= 0 else ""
+    return f"{event.kind}{event.microbatch}{stage}"
+
+
+# ----- Chrome trace --------------------------------------------------------------------------------
+def chrome_trace(events: Timelines, *, label: str = "plait") -> dict[str, Any]:
+    """The Chrome trace-event JSON object of ``events`` (module docstring).
+
+    Each action becomes ``{"name": "F3 s1", "cat": "F", "ph": "X", "pid": p, "tid": rank, "ts": us,
+    "dur": us, "args": {"stage", "microbatch", "kind"}}``; metadata events name each process (label) and
+    thread (``"rank r"``) and keep ranks in order. Events are sorted by process, rank, start.
+
+    Args:
+        events: the timeline, or ``{label: timeline}``.
+        label: process name for a plain sequence.
+
+    Raises:
+        ValueError: on entries that are not ``TimelineEvent``.
+    """
+    trace: list[dict[str, Any]] = []
+    for pid, (name, group) in enumerate(_by_label(events, label).items()):
+        trace.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}})
+        trace.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+        for rank in sorted({e.rank for e in group}):
+            trace.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": rank, "args": {"name": f"rank {rank}"}})
+            trace.append(
+                {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": rank, "args": {"sort_index": rank}}
+            )
+        for event in sorted(group, key=lambda e: (e.rank, e.start_s, e.end_s)):
+            trace.append(_trace_event(event, pid))
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def _trace_event(event: TimelineEvent, pid: int) -> dict[str, Any]:
+    out = {
+        "name": _event_name(event),
+        "cat": event.kind,
+        "ph": "X",
+        "pid": pid,
+        "tid": event.rank,
+        "ts": event.start_s * 1e6,
+        "dur": event.duration_s * 1e6,
+        "args": {"kind": event.kind, "stage": event.stage, "microbatch": event.microbatch},
+    }
+    if event.kind in _TRACE_CNAMES:
+        out["cname"] = _TRACE_CNAMES[event.kind]
+    return out
+
+
+def write_chrome_trace(events: Timelines, path: str | Path, *, label: str = "plait") -> Path:
+    """Write ``chrome_trace(events, label=label)`` to ``path`` (parent folders created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(events, label=label)))
+    return path
+
+
+def read_chrome_trace(path: str | Path) -> dict[str, list[TimelineEvent]]:
+    """Read a trace written by ``write_chrome_trace`` back into ``{label: events}`` (times in seconds).
+
+    Complete events without plait's ``args`` (e.g. from another profiler) keep their name as kind and
+    get stage and microbatch -1.
+
+    Raises:
+        ValueError: when the file has no ``traceEvents`` list.
+    """
+    data = json.loads(Path(path).read_text())
+    records = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(records, list):
+        raise ValueError(f"{path}: not a Chrome trace (no traceEvents list)")
+    names = {r["pid"]: r["args"]["name"] for r in records if r.get("ph") == "M" and r.get("name") == "process_name"}
+    out: dict[str, list[TimelineEvent]] = {}
+    for r in records:
+        if r.get("ph") != "X":
+            continue
+        args = r.get("args", {})
+        start = float(r["ts"]) / 1e6
+        event = TimelineEvent(
+            int(r["tid"]), str(args.get("kind", r["name"])), int(args.get("stage", -1)),
+            int(args.get("microbatch", -1)), start, start + float(r.get("dur", 0.0)) / 1e6,
+        )  # fmt: skip
+        out.setdefault(names.get(r["pid"], str(r["pid"])), []).append(event)
+    return out
+
+
+# ----- PNG -------------------------------------------------------------------------------------
+def new_figure(width_in: float, height_in: float, nrows: int = 1, *, sharex: bool = True, dpi: int = 120):
+    """A matplotlib ``(Figure, axes list)`` on an Agg canvas, without touching the global backend."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width_in, height_in), dpi=dpi)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, 1, sharex=sharex, squeeze=False)[:, 0]
+    return fig, list(axes)
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Save ``fig`` (PNG by suffix) with tight layout, creating parent folders; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def _time_unit(span_s: float) -> tuple[str, float]:
+    if span_s >= 1.0:
+        return "s", 1.0
+    if span_s >= 1e-3:
+        return "ms", 1e3
+    return "µs", 1e6
+
+
+def plot_timeline(events: Timelines, path: str | Path, title: str | None = None) -> Path:
+    """Draw ``events`` as a Gantt chart PNG at ``path`` (module docstring); returns the path.
+
+    Each panel's title gives its label, makespan and mean bubble fraction (``summarize_timeline``).
+
+    Raises:
+        ValueError: on entries that are not ``TimelineEvent`` or a timeline without events.
+    """
+    groups = _by_label(events, title or "timeline")
+    if not any(groups.values()):
+        raise ValueError("plot_timeline: no events to draw")
+    span = max(e.end_s for g in groups.values() for e in g)
+    unit, scale = _time_unit(span)
+    rows = [1 + max((e.rank for e in g), default=0) for g in groups.values()]
+    fig, axes = new_figure(12.0, sum(0.45 * r + 1.1 for r in rows), nrows=len(groups))
+    for ax, (label, group) in zip(axes, groups.items()):
+        _draw_panel(ax, group, scale, span * scale)
+        summary = summarize_timeline(group)
+        name = label if isinstance(events, Mapping) else (title or "pipeline timeline")
+        ax.set_title(
+            f"{name}: makespan {summary.makespan_s * scale:.4g} {unit}, "
+            f"bubble {100 * summary.mean_bubble_fraction:.1f}%"
+        )
+    axes[-1].set_xlabel(f"time ({unit})")
+    _legend(axes[0], {e.kind for g in groups.values() for e in g})
+    return save_figure(fig, path)
+
+
+def _draw_panel(ax, events: Sequence[TimelineEvent], scale: float, xmax: float) -> None:
+    ranks = 1 + max((e.rank for e in events), default=0)
+    ax.set_xlim(0, xmax)
+    ax.set_ylim(ranks - 0.5, -0.5)
+    ax.set_yticks(range(ranks))
+    ax.set_yticklabels([f"rank {r}" for r in range(ranks)])
+    ax.grid(axis="x", alpha=0.3)
+    fig = ax.figure
+    axes_px = ax.get_position().width * fig.get_figwidth() * fig.dpi
+    px_per_unit = axes_px / xmax if xmax > 0 else 0.0
+    for event in events:
+        color = KIND_COLORS.get(event.kind, _OTHER_COLOR)
+        start, width = event.start_s * scale, event.duration_s * scale
+        ax.barh(event.rank, width, left=start, height=0.8, color=color, edgecolor="white", linewidth=0.5)
+        text = str(event.microbatch) if event.microbatch >= 0 else ""
+        if text and width * px_per_unit >= 7.0 * len(text) + 4:
+            ax.text(start + width / 2, event.rank, text, ha="center", va="center", fontsize=8, color="white")
+
+
+def _legend(ax, kinds: set[str]) -> None:
+    from matplotlib.patches import Patch
+
+    labels = {"F": "F forward", "B": "B backward", "W": "W weight grad"}
+    ordered = [k for k in KIND_COLORS if k in kinds] + sorted(kinds - set(KIND_COLORS))
+    handles = [Patch(color=KIND_COLORS.get(k, _OTHER_COLOR), label=labels.get(k, k)) for k in ordered]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)

@@ -1,0 +1,142 @@
+"""MultimodalProcessor: labels, placeholder expansion, and one test per kind of bad input."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from plait.data.collate import collate
+from plait.data.loader import MultimodalDataset
+from plait.data.processing import IGNORE
+from plait.data.sources import SampleError, parse_record
+from plait.models.registry import build_model, build_processor, load_tokenizer
+from plait.train.trainer import token_loss_sum
+from tests.conftest import DEMO, demo_records, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from plait.config.loader import config_from_dict
+    from tests.conftest import tiny_config_dict
+
+    cfg = config_from_dict(tiny_config_dict("unused.jsonl"))
+    tok = load_tokenizer(cfg.data.tokenizer)
+    model = build_model(cfg.model, tok)
+    return tok, model, build_processor(cfg.model, model, tok, 256)
+
+
+def record(task: str):
+    return demo_records("train", (task,), limit=1)[0]
+
+
+def process(proc, rec):
+    return proc(parse_record(rec, "test:1", DEMO))
+
+
+def test_labels_are_next_tokens_of_the_answer_only(setup):
+    tok, _, proc = setup
+    s = process(proc, record("image_digit"))
+    targets = s.labels[s.labels != IGNORE]
+    answer = record("image_digit")["messages"][-1]["content"]
+    # the model must produce the answer tokens and then <|im_end|>
+    assert tok.decode(targets[:-1]).strip() == answer
+    assert targets[-1].item() == tok.convert_tokens_to_ids("<|im_end|>")
+    # each target is the following input token
+    pos = (s.labels != IGNORE).nonzero().flatten()
+    assert torch.equal(s.labels[pos], s.input_ids[pos + 1])
+    assert s.meta.target_tokens == len(targets)
+
+
+def test_placeholders_expand_to_the_encoder_feature_count(setup):
+    tok, model, proc = setup
+    rec = record("image_audio")
+    s = process(proc, rec)
+    vis, aud = model.encoders["vision"], model.encoders["audio"]
+    n_img = int((s.input_ids == model.placeholder_ids["vision"]).sum())
+    n_aud = int((s.input_ids == model.placeholder_ids["audio"]).sum())
+    h, w = s.inputs["vision"][0]["pixel_values"].shape[-2:]
+    assert n_img == vis.feature_count((h, w)) == (h // 8) * (w // 8)
+    samples = s.inputs["audio"][0]["num_samples"]
+    assert n_aud == aud.feature_count(samples) == math.ceil(math.ceil(math.ceil(samples / 160) / 2) / 4)
+    assert s.meta.items == (("vision", n_img), ("audio", n_aud))
+    assert s.meta.text_tokens == len(s.input_ids) - n_img - n_aud
+    assert (s.labels[s.input_ids == model.placeholder_ids["vision"]] == IGNORE).all()
+    # the real encoders produce exactly as many features as placeholders
+    b = collate([s], proc.pad_id)
+    assert model.embed(b.input_ids, b.modality_inputs).shape[1] == len(s.input_ids)
+    assert model.encoders["audio"](b.modality_inputs["audio"]).shape[0] == n_aud
+
+
+def test_collate_pads_and_records_metadata(setup):
+    _, _, proc = setup
+    a, b = process(proc, record("text")), process(proc, record("audio_transcribe"))
+    batch = collate([a, b], proc.pad_id)
+    n = max(len(a.input_ids), len(b.input_ids))
+    assert batch.input_ids.shape == (2, n)
+    short = 0 if len(a.input_ids) < n else 1
+    assert batch.attention_mask[short].sum() == min(len(a.input_ids), len(b.input_ids))
+    assert (batch.document_ids[short][batch.attention_mask[short] == 0] == -1).all()
+    assert set(batch.modality_inputs) == {"audio"}
+    assert batch.target_tokens == a.meta.target_tokens + b.meta.target_tokens
+    left = collate([a, b], proc.pad_id, padding_side="left")
+    assert left.attention_mask[short, -1] == 1 and left.position_ids[short, -1] == left.attention_mask[short].sum() - 1
+
+
+def bad_cases(tmp_path):
+    good_img, good_aud = record("image_digit"), record("audio_transcribe")
+    corrupt_png = tmp_path / "corrupt.png"
+    corrupt_png.write_bytes(b"not a png at all")
+    corrupt_flac = tmp_path / "corrupt.flac"
+    corrupt_flac.write_bytes(b"fLaC garbage")
+    return {
+        "missing image": ({**good_img, "images": [str(tmp_path / "nope.png")]}, "image file .* does not exist"),
+        "corrupt image": ({**good_img, "images": [str(corrupt_png)]}, "cannot decode image"),
+        "corrupt audio": ({**good_aud, "audios": [str(corrupt_flac)]}, "cannot decode audio"),
+        "placeholder count": ({**good_img, "images": good_img["images"] * 2}, "1 <image> placeholder.* but 2 image"),
+        "too long": ({**good_img, "messages": [{"role": "user", "content": "<image>\n" + "nine " * 300},
+                                               good_img["messages"][-1]]}, "longer than data.max_length=256"),
+        "empty conversation": ({**good_img, "messages": []}, "'messages' must be a non-empty list"),
+        "unknown role": ({**good_img, "messages": [{"role": "robot", "content": "hi"}, good_img["messages"][-1]]},
+                         "unknown role 'robot'"),
+        "no answer": ({**good_img, "messages": good_img["messages"][:1]}, "last message must be the assistant"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing image", "corrupt image", "corrupt audio", "placeholder count", "too long",
+                                  "empty conversation", "unknown role", "no answer"])
+def test_bad_input_raises_naming_record_and_file(setup, tmp_path, case):
+    _, _, proc = setup
+    rec, pattern = bad_cases(tmp_path)[case]
+    path = write_jsonl(tmp_path / "data.jsonl", [record("text"), rec])
+    with pytest.raises(SampleError, match=pattern) as info:
+        MultimodalDataset(path, proc, on_error="raise")
+    assert f"{path}:2" in str(info.value) and rec["id"] in str(info.value)
+
+
+def test_skip_mode_counts_and_logs_every_bad_record(setup, tmp_path, caplog):
+    _, _, proc = setup
+    cases = bad_cases(tmp_path)
+    good = demo_records("train", ("image_digit",), limit=3)
+    path = write_jsonl(tmp_path / "data.jsonl", good + [rec for rec, _ in cases.values()])
+    (tmp_path / "data.jsonl").write_text(path.read_text() + "{not json\n")
+    with caplog.at_level(logging.WARNING):
+        ds = MultimodalDataset(path, proc, on_error="skip")
+    assert len(ds) == 3
+    assert len(ds.skipped) == len(cases) + 1
+    assert [s.source for s in ds.skipped][-1].endswith(":12")
+    assert sum("skipping sample" in r.message for r in caplog.records) == len(cases) + 1
+
+
+def test_sample_without_targets_gives_zero_loss_not_nan(setup):
+    _, model, proc = setup
+    s = process(proc, record("text"))
+    s.labels[:] = IGNORE  # e.g. an answer cut away: nothing to learn
+    batch = collate([s], proc.pad_id)
+    logits = model(batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids)
+    loss = token_loss_sum(logits, batch.labels) / max(1, batch.target_tokens)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

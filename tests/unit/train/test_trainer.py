@@ -1,0 +1,115 @@
+"""Trainer invariants: loss normalisation under gradient accumulation, freezing, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from plait.train.trainer import Trainer, build_scheduler
+from tests.conftest import demo_records
+
+
+def mixed_records():
+    """Four samples with very different numbers of target tokens (1-word to 7-word answers)."""
+    recs = demo_records("train", ("image_digit",), limit=1) + demo_records("train", ("audio_transcribe",), limit=1)
+    long = dict(recs[0], id="long", messages=[recs[0]["messages"][0],
+                {"role": "assistant", "content": "seven seven seven one two three four five six"}])
+    text = demo_records("train", ("text",), limit=1)
+    return recs + [long] + text
+
+
+def grads_after(trainer: Trainer, indices):
+    loss, targets = trainer.forward_backward(indices)
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return loss, targets, grads
+
+
+def test_gradient_accumulation_invariance(tiny_job):
+    recs = mixed_records()
+    results = []
+    for mbs in (1, 4, 3):
+        cfg = tiny_job(recs, train={"microbatch_size": mbs, "global_batch_size": 4})
+        results.append(grads_after(Trainer(cfg), [0, 1, 2, 3]))
+    (l1, t1, g1), (l4, t4, g4), (l3, _, g3) = results
+    counts = [s.meta.target_tokens for s in Trainer(tiny_job(recs)).train_set.samples]
+    assert max(counts) >= 4 * min(counts)  # very different target counts
+    assert t1 == t4 == sum(counts)
+    assert l1 == pytest.approx(l4, rel=1e-6) and l3 == pytest.approx(l4, rel=1e-6)
+    assert set(g1) == set(g4) and len(g1) > 10
+    for name in g4:
+        torch.testing.assert_close(g1[name], g4[name], rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(g3[name], g4[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_loss_is_mean_over_global_target_tokens_not_mean_of_microbatch_means(tiny_job):
+    recs = mixed_records()
+    trainer = Trainer(tiny_job(recs, train={"microbatch_size": 1, "global_batch_size": 4}))
+    per_sample = []
+    for i in range(4):
+        loss, targets = trainer.forward_backward([i])
+        per_sample.append((loss * targets, targets))
+        trainer.optimizer.zero_grad()
+    loss, _ = trainer.forward_backward([0, 1, 2, 3])
+    expected = sum(s for s, _ in per_sample) / sum(t for _, t in per_sample)
+    assert loss == pytest.approx(expected, rel=1e-6)
+    assert loss != pytest.approx(sum(s / t for s, t in per_sample) / 4, rel=1e-3)
+
+
+def test_frozen_parts_stay_bit_identical_and_unfrozen_parts_all_train(tiny_job):
+    recs = demo_records("train", ("image_audio",), limit=4)
+    cfg = tiny_job(recs)
+    cfg.model.encoders["vision"].freeze = True
+    cfg.model.encoders["audio"].freeze_projector = True
+    cfg.model.llm.freeze = True
+    trainer = Trainer(cfg)
+    model = trainer.model
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert all(n.startswith(("encoders.vision.projector", "encoders.audio.encoder")) for n in trainable)
+    assert any(n.startswith("language_model") for n in frozen)
+    opt_params = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert opt_params == {id(p) for _, p in model.trainable_parameters()}
+    for _ in range(2):
+        trainer.train_step([0, 1, 2, 3])
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert torch.equal(p, frozen[n]), n
+        else:
+            assert not torch.equal(p, trainable[n]), f"{n} did not change"
+
+
+def test_warmup_then_cosine_schedule():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = build_scheduler(opt, warmup=4, total=12, min_ratio=0.1)
+    lrs = []
+    for _ in range(13):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert lrs[8] == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the cosine
+    assert lrs[12] == pytest.approx(0.1)
+
+
+def test_resume_mid_epoch_in_second_epoch_reproduces_the_run(tiny_job, tmp_path):
+    recs = demo_records("train", limit=10)  # 10 samples, batch 4: 3 batches per epoch, last one of 2
+    sections = dict(train={"steps": 7, "global_batch_size": 4, "microbatch_size": 2},
+                    checkpoint={"every": 4, "keep": 3})
+    full = Trainer(tiny_job(recs, **sections)).fit()
+    assert len(full["losses"]) == 7
+
+    sections["metrics"] = {"run_dir": str(tmp_path / "run2")}
+    first = Trainer(tiny_job(recs, **sections))
+    part = first.fit(stop_after=4)  # stops after step 4: epoch 1, batch 1 (mid-epoch, second epoch)
+    assert first.loader.epoch == 1 and first.loader.batch_in_epoch == 1
+    assert part["losses"] == full["losses"][:4]
+
+    second = Trainer(tiny_job(recs, **sections))
+    rest = second.fit(resume=True)
+    assert rest["losses"] == full["losses"][4:]  # exactly, not approximately
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert steps == list(range(1, 8))
