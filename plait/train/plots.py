@@ -142,9 +142,13 @@ def read_chrome_trace(path: str | Path) -> dict[str, list[TimelineEvent]]:
         args = r.get("args", {})
         start = float(r["ts"]) / 1e6
         event = TimelineEvent(
-            int(r["tid"]), str(args.get("kind", r["name"])), int(args.get("stage", -1)),
-            int(args.get("microbatch", -1)), start, start + float(r.get("dur", 0.0)) / 1e6,
-        )  # fmt: skip
+            rank=int(r["tid"]),
+            kind=str(args.get("kind", r["name"])),
+            stage=int(args.get("stage", -1)),
+            microbatch=int(args.get("microbatch", -1)),
+            start_s=start,
+            end_s=start + float(r.get("dur", 0.0)) / 1e6,
+        )
         out.setdefault(names.get(r["pid"], str(r["pid"])), []).append(event)
     return out
 
@@ -202,6 +206,8 @@ def plot_timeline(events: Timelines, path: str | Path, title: str | None = None)
             f"bubble {100 * summary.mean_bubble_fraction:.1f}%"
         )
     axes[-1].set_xlabel(f"time ({unit})")
+    if title and isinstance(events, Mapping):
+        fig.suptitle(title)
     _legend(axes[0], {e.kind for g in groups.values() for e in g})
     return save_figure(fig, path)
 
@@ -216,11 +222,15 @@ def _draw_panel(ax, events: Sequence[TimelineEvent], scale: float, xmax: float) 
     fig = ax.figure
     axes_px = ax.get_position().width * fig.get_figwidth() * fig.dpi
     px_per_unit = axes_px / xmax if xmax > 0 else 0.0
+    boxes: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for event in events:
-        color = KIND_COLORS.get(event.kind, _OTHER_COLOR)
-        start, width = event.start_s * scale, event.duration_s * scale
-        ax.barh(event.rank, width, left=start, height=0.8, color=color, edgecolor="white", linewidth=0.5)
+        boxes.setdefault((event.rank, event.kind), []).append((event.start_s * scale, event.duration_s * scale))
+    for (rank, kind), spans in boxes.items():
+        color = KIND_COLORS.get(kind, _OTHER_COLOR)
+        ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=0.5)
+    for event in events:
         text = str(event.microbatch) if event.microbatch >= 0 else ""
+        start, width = event.start_s * scale, event.duration_s * scale
         if text and width * px_per_unit >= 7.0 * len(text) + 4:
             ax.text(start + width / 2, event.rank, text, ha="center", va="center", fontsize=8, color="white")
 

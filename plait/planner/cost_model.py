@@ -1,0 +1,1154 @@
+"""Analytic, frozen-aware cost model: FLOPs, bytes and time of each pipeline unit from Hugging Face configs.
+
+For models too big to profile (a 70B plan on a laptop), every unit's cost is derived from config fields
+alone (``hidden_size``, ``intermediate_size``, ``num_attention_heads``, ...); no model is built and no
+weights are read. Covered: decoder LLMs (Llama, Mistral, Mixtral, Qwen2/3, Qwen3-MoE, Gemma/Gemma-2/3,
+Phi-3, Phi, InternLM2-like dicts), ViT-style vision encoders (CLIP, SigLIP, ViT, InternVL/InternViT) and
+Whisper-style audio encoders (Whisper, Qwen2-Audio), plus the projector between an encoder and the LLM.
+
+Conventions (all formulas below use them):
+
+- ``H`` hidden size, ``I`` MLP intermediate size, ``q = heads * head_dim``, ``kv = kv_heads * head_dim``,
+  ``V`` vocabulary, ``E`` experts, ``k`` experts per token, ``T`` tokens of the module in the microbatch,
+  ``P`` attended (query, key) pairs of one layer summed over the microbatch, ``b`` bytes per element of
+  the training dtype.
+- FLOPs count one multiply-accumulate as 2 FLOPs and include only matmuls and convolutions: *weight
+  FLOPs* ``2 * T * MACs-per-token`` of the weight matmuls, *attention FLOPs* ``4 * P * q`` (``Q K^T``
+  and ``softmax(.) V``). Elementwise work (norms, activations, softmax, rotary, residual adds, the loss)
+  is counted in bytes moved instead.
+- Time is a roofline on one device (``DeviceSpec``): ``t = max(FLOPs / (peak_flops * efficiency),
+  bytes / hbm_bandwidth)``, separately for forward, input gradient (dX) and weight gradient (dW):
+  forward ``W + A`` FLOPs, dX ``W + 2A`` FLOPs (the attention backward runs four matmuls for the
+  forward's two), dW ``W`` FLOPs (attention score/value matmuls have no weights). Each backward part
+  moves about the forward's bytes. Embeddings have no dX (their input is token ids, pixels or mel
+  frames). Hence ``dX + dW = 2 (W + A) = 2 f`` for compute-bound units: a frozen-unaware planner that
+  charges ``f + dX + dW`` weighs a fully frozen encoder 3x and a frozen LLM after a trainable projector
+  ``(3W + 3A) / (2W + 3A)``, about 1.5x (../shared/REFERENCES.md, section 1, Cornstarch).
+- Memory of a unit (../shared/DESIGN.md, "Cost of a unit"): parameters (``b`` bytes each), plus
+  gradients and optimizer state if trainable (``OptimizerSpec``; AdamW with fp32 master, m and v is 12
+  bytes per parameter), plus saved activations per microbatch in flight if the unit runs a backward.
+  Saved activations assume fused (flash/SDPA) attention, so no ``T x T`` term; see
+  ``_decoder_layer_saved`` and ``_encoder_layer_saved`` for the per-token element counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+from plait.planner.types import Unit, UnitCost, dataclass_from_dict
+
+__all__ = [
+    "DecoderArch",
+    "DeviceSpec",
+    "EncoderArch",
+    "MicrobatchShape",
+    "OptimizerSpec",
+    "ProjectorArch",
+    "UnitEstimate",
+    "arch_from_config",
+    "causal_pairs",
+    "dtype_bytes",
+    "full_pairs",
+    "model_param_count",
+    "stage_work",
+    "unit_activation_bytes",
+    "unit_costs",
+    "unit_estimates",
+    "unit_memory_bytes",
+    "unit_static_bytes",
+    "unit_work",
+    "units_from_configs",
+    "windowed_causal_pairs",
+]
+
+_MISSING = object()
+_DTYPE_BYTES = {
+    "float32": 4, "fp32": 4, "float": 4, "tf32": 4,
+    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
+    "float8": 1, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+_LLM = "llm"
+
+
+# --------------------------------------------------------------------------------------------------
+# Devices, shapes, optimizer
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or CPU) as the roofline sees it.
+
+    Attributes:
+        name: label for plots and reports.
+        peak_flops: dense bf16 peak (FLOP/s).
+        efficiency: fraction of ``peak_flops`` reached by matmuls in training (MFU-like, in (0, 1]).
+        memory_bytes: device memory (bytes).
+        hbm_bandwidth: device memory bandwidth (B/s).
+        link_bandwidth: point-to-point bandwidth to a pipeline neighbour, one direction (B/s).
+        link_latency: per-message latency of that link (s).
+
+    Raises:
+        ValueError: on a non-positive field or an efficiency above 1.
+    """
+
+    name: str
+    peak_flops: float
+    efficiency: float
+    memory_bytes: float
+    hbm_bandwidth: float
+    link_bandwidth: float
+    link_latency: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field in ("peak_flops", "efficiency", "memory_bytes", "hbm_bandwidth", "link_bandwidth"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"DeviceSpec.{field} must be > 0, got {getattr(self, field)}")
+        if self.efficiency > 1:
+            raise ValueError(f"DeviceSpec.efficiency must be <= 1, got {self.efficiency}")
+        if self.link_latency < 0:
+            raise ValueError(f"DeviceSpec.link_latency must be >= 0, got {self.link_latency}")
+
+    def compute_time(self, flops: float, bytes_moved: float) -> float:
+        """Roofline time (s): ``max(flops / (peak_flops * efficiency), bytes_moved / hbm_bandwidth)``."""
+        return max(flops / (self.peak_flops * self.efficiency), bytes_moved / self.hbm_bandwidth)
+
+    def transfer_time(self, num_bytes: float) -> float:
+        """Time (s) to send ``num_bytes`` to a neighbour: ``link_latency + num_bytes / link_bandwidth``."""
+        return self.link_latency + num_bytes / self.link_bandwidth
+
+    @classmethod
+    def h100(cls, efficiency: float = 0.5) -> "DeviceSpec":
+        """NVIDIA H100 SXM 80 GB: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 450 GB/s per direction."""
+        return cls("H100-SXM", 989e12, efficiency, 80 * 2**30, 3.35e12, 450e9, 1e-5)
+
+    @classmethod
+    def h200(cls, efficiency: float = 0.5) -> "DeviceSpec":
+        """NVIDIA H200 SXM 141 GB: 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e, NVLink 450 GB/s per direction."""
+        return cls("H200-SXM", 989e12, efficiency, 141e9, 4.8e12, 450e9, 1e-5)
+
+    @classmethod
+    def a100(cls, efficiency: float = 0.5) -> "DeviceSpec":
+        """NVIDIA A100 SXM 80 GB: 312 TFLOP/s bf16 dense, 2.04 TB/s HBM2e, NVLink 300 GB/s per direction."""
+        return cls("A100-SXM-80GB", 312e12, efficiency, 80 * 2**30, 2.039e12, 300e9, 1e-5)
+
+    @classmethod
+    def cpu(cls, efficiency: float = 0.3) -> "DeviceSpec":
+        """A generic many-core server CPU (rough; calibrate with the profiler): 1 TFLOP/s, 50 GB/s DRAM,
+        64 GiB, shared-memory gloo link at 5 GB/s with 50 us latency."""
+        return cls("CPU", 1e12, efficiency, 64 * 2**30, 50e9, 5e9, 5e-5)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of the fields."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DeviceSpec":
+        """Inverse of ``to_dict``; raises ValueError on unknown or missing fields."""
+        return dataclass_from_dict(cls, data)
+
+
+@dataclass(frozen=True)
+class MicrobatchShape:
+    """Work of one module in one microbatch.
+
+    Attributes:
+        tokens: tokens through the module (all sequences / items of the microbatch). For an encoder, the
+            tokens its layers see (vision: patches plus prefix tokens such as CLS; Whisper: output frames,
+            1500 per 30 s clip); for the LLM, the sequence tokens after placeholder expansion.
+        seq_len: tokens per sequence (LLM) or per item (encoder); ``None``: LLM one sequence of ``tokens``,
+            encoder the config's native item length (e.g. ``(image_size / patch_size)^2 + 1`` for CLIP).
+        attended_pairs: attended (query, key) pairs of one layer summed over the microbatch, so real
+            multimodal / packed masks count exactly; ``None``: causal ``n L (L + 1) / 2`` for the LLM and
+            full ``n L^2`` for encoders, with ``n = tokens / L`` sequences of length ``L``.
+
+    Raises:
+        ValueError: on a non-positive ``tokens`` / ``seq_len`` or a negative ``attended_pairs``.
+    """
+
+    tokens: int
+    seq_len: int | None = None
+    attended_pairs: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens <= 0:
+            raise ValueError(f"MicrobatchShape.tokens must be > 0, got {self.tokens}")
+        if self.seq_len is not None and self.seq_len <= 0:
+            raise ValueError(f"MicrobatchShape.seq_len must be > 0, got {self.seq_len}")
+        if self.attended_pairs is not None and self.attended_pairs < 0:
+            raise ValueError(f"MicrobatchShape.attended_pairs must be >= 0, got {self.attended_pairs}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of the fields."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "MicrobatchShape":
+        """Inverse of ``to_dict``; raises ValueError on unknown or missing fields."""
+        return dataclass_from_dict(cls, data)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Training memory per trainable parameter beyond the parameter itself.
+
+    Attributes:
+        grad_bytes_per_param: gradient bytes per parameter; ``None`` means the training dtype's size.
+        state_bytes_per_param: optimizer-state bytes per parameter; 12 for AdamW with an fp32 master
+            copy (4) and fp32 first (4) and second (4) moments.
+
+    Raises:
+        ValueError: on a negative field.
+    """
+
+    grad_bytes_per_param: float | None = None
+    state_bytes_per_param: float = 12.0
+
+    def __post_init__(self) -> None:
+        if self.grad_bytes_per_param is not None and self.grad_bytes_per_param < 0:
+            raise ValueError(f"OptimizerSpec.grad_bytes_per_param must be >= 0, got {self.grad_bytes_per_param}")
+        if self.state_bytes_per_param < 0:
+            raise ValueError(f"OptimizerSpec.state_bytes_per_param must be >= 0, got {self.state_bytes_per_param}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of the fields."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "OptimizerSpec":
+        """Inverse of ``to_dict``; raises ValueError on unknown or missing fields."""
+        return dataclass_from_dict(cls, data)
+
+
+def dtype_bytes(dtype: Any) -> float:
+    """Bytes per element of ``dtype``: a number (returned as is), a name (``"bfloat16"``, ``"fp32"``, ...)
+    or a ``torch.dtype`` (read through its name, torch is not imported).
+
+    Raises:
+        ValueError: on an unknown name or a non-positive number.
+    """
+    if isinstance(dtype, (int, float)) and not isinstance(dtype, bool):
+        if dtype <= 0:
+            raise ValueError(f"dtype size must be > 0 bytes, got {dtype}")
+        return float(dtype)
+    name = str(dtype).removeprefix("torch.").lower()
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_BYTES)}")
+    return float(_DTYPE_BYTES[name])
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention pair counts
+
+
+def causal_pairs(seq_len: int) -> int:
+    """(query, key) pairs of a causal mask over ``seq_len`` tokens: ``L (L + 1) / 2``."""
+    return seq_len * (seq_len + 1) // 2
+
+
+def full_pairs(seq_len: int) -> int:
+    """(query, key) pairs of a full (bidirectional) mask over ``seq_len`` tokens: ``L^2``."""
+    return seq_len * seq_len
+
+
+def windowed_causal_pairs(seq_len: int, window: int) -> int:
+    """Pairs of a causal sliding-window mask where query ``i`` sees keys ``max(0, i - window + 1) .. i``:
+    ``L (L + 1) / 2`` if ``L <= w``, else ``w (w + 1) / 2 + (L - w) w``.
+
+    Raises:
+        ValueError: on a non-positive ``window``.
+    """
+    if window <= 0:
+        raise ValueError(f"sliding window must be > 0, got {window}")
+    if seq_len <= window:
+        return causal_pairs(seq_len)
+    return causal_pairs(window) + (seq_len - window) * window
+
+
+# --------------------------------------------------------------------------------------------------
+# Config access
+
+
+def _model_type(config: Any) -> str:
+    value = config.get("model_type", "") if isinstance(config, Mapping) else getattr(config, "model_type", "")
+    return str(value or "")
+
+
+def _field(config: Any, name: str, default: Any = _MISSING) -> Any:
+    """``config.name`` for a config object or ``config[name]`` for a dict; ``default`` when absent or None.
+
+    Raises:
+        ValueError: when the field is absent (or None) and no default is given.
+    """
+    if isinstance(config, Mapping):
+        value = config.get(name, None)
+    else:
+        try:
+            value = getattr(config, name, None)
+        except AttributeError:
+            value = None
+    if value is None:
+        if default is _MISSING:
+            raise ValueError(f"config (model_type {_model_type(config)!r}) lacks required field {name!r}")
+        return default
+    return value
+
+
+def _pair(value: Any, name: str) -> tuple[int, int]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != 2:
+            raise ValueError(f"config field {name!r} must be an int or a pair, got {value!r}")
+        return int(value[0]), int(value[1])
+    return int(value), int(value)
+
+
+def _positive(config: Any, name: str, default: Any = _MISSING) -> int:
+    value = int(_field(config, name, default))
+    if value <= 0:
+        raise ValueError(f"config (model_type {_model_type(config)!r}) field {name!r} must be > 0, got {value}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------------
+# Architectures
+
+
+_PLAIN_MLP_LLMS = frozenset({"phi"})
+_FOUR_NORM_LLMS = frozenset({"gemma2", "gemma3_text"})
+_QK_NORM_LLMS = frozenset({"qwen3", "qwen3_moe", "gemma3_text"})
+
+
+@dataclass(frozen=True)
+class DecoderArch:
+    """The shape facts of a decoder-only LLM that costs depend on (read from an HF config).
+
+    Attributes:
+        hidden, layers, heads, kv_heads, head_dim, intermediate, vocab: ``H``, layer count, query heads,
+            key/value heads, per-head size, ``I``, ``V``.
+        gated_mlp: SwiGLU/GeGLU MLP (gate, up, down: ``3 H I`` weights) rather than plain (``2 H I``).
+        num_experts, experts_per_token, expert_intermediate: MoE (``E``, ``k``, per-expert ``I``); 0 = dense.
+        qkv_bias, o_bias, mlp_bias, head_bias: bias vectors on those projections.
+        norm_bias: LayerNorm (weight and bias) instead of RMSNorm (weight only).
+        norms_per_layer: 2 (pre-attention, pre-MLP), 4 (Gemma-2/3 sandwich) or 1 (Phi parallel block).
+        qk_norm_dim: size of the per-head q/k norms (Qwen3, Gemma-3), 0 for none.
+        tied_embeddings: ``lm_head`` shares the embedding matrix.
+        sliding_window: window of sliding-window layers (tokens), or None.
+        sliding_layers: per layer, whether it uses the sliding window.
+    """
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    gated_mlp: bool = True
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    head_bias: bool = False
+    norm_bias: bool = False
+    norms_per_layer: int = 2
+    qk_norm_dim: int = 0
+    tied_embeddings: bool = False
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()
+
+    @property
+    def q_dim(self) -> int:
+        """``q = heads * head_dim``."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """``kv = kv_heads * head_dim``."""
+        return self.kv_heads * self.head_dim
+
+    @classmethod
+    def from_config(cls, config: Any) -> "DecoderArch":
+        """Read a decoder LLM config (``PretrainedConfig`` or dict with HF field names).
+
+        Unknown ``model_type`` values are read as Llama-like (``attention_bias`` / ``mlp_bias`` fields).
+
+        Raises:
+            ValueError: on a missing field, or a MoE layout not modelled (shared experts, dense layers
+                mixed with sparse ones).
+        """
+        mtype = _model_type(config)
+        hidden, heads = _positive(config, "hidden_size"), _positive(config, "num_attention_heads")
+        layers = _positive(config, "num_hidden_layers")
+        window, sliding = _sliding_layout(config, layers)
+        qkv_bias, o_bias, mlp_bias = _decoder_biases(config, mtype)
+        head_dim = _positive(config, "head_dim", hidden // heads)
+        return cls(
+            hidden=hidden, layers=layers, heads=heads,
+            kv_heads=_positive(config, "num_key_value_heads", heads), head_dim=head_dim,
+            intermediate=_positive(config, "intermediate_size"), vocab=_positive(config, "vocab_size"),
+            gated_mlp=mtype not in _PLAIN_MLP_LLMS, **_moe_fields(config),
+            qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, head_bias=mtype == "phi",
+            norm_bias=mtype == "phi", norms_per_layer=4 if mtype in _FOUR_NORM_LLMS else (1 if mtype == "phi" else 2),
+            qk_norm_dim=head_dim if mtype in _QK_NORM_LLMS else 0,
+            tied_embeddings=bool(_field(config, "tie_word_embeddings", False)),
+            sliding_window=window, sliding_layers=sliding,
+        )
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether ``layer`` uses the sliding window."""
+        return self.sliding_window is not None and bool(self.sliding_layers) and self.sliding_layers[layer]
+
+    def layout(self) -> list[tuple[str, str, int]]:
+        """Pipeline units ``(name suffix, kind, layer index or -1)``: embed_tokens, layers.i, norm, lm_head."""
+        return ([("embed_tokens", "embed", -1)] + [(f"layers.{i}", "layer", i) for i in range(self.layers)]
+                + [("norm", "norm", -1), ("lm_head", "head", -1)])
+
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer.
+
+        ``H (q + 2 kv) + q H`` attention weights (+ ``q + 2 kv`` / ``H`` biases), ``2 qk_norm_dim`` q/k
+        norms, ``norms_per_layer * H`` norm weights (x2 with LayerNorm bias), and the MLP: gated
+        ``3 H I`` (+ ``2 I + H`` biases), plain ``2 H I`` (+ ``I + H``), MoE ``E (3 H I_e) + H E`` (router).
+        """
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        attn = h * (q + 2 * kv) + q * h + self.qkv_bias * (q + 2 * kv) + self.o_bias * h
+        norms = self.norms_per_layer * h * (2 if self.norm_bias else 1) + 2 * self.qk_norm_dim
+        if self.num_experts:
+            mlp = self.num_experts * 3 * h * self.expert_intermediate + h * self.num_experts
+        elif self.gated_mlp:
+            mlp = 3 * h * self.intermediate + self.mlp_bias * (2 * self.intermediate + h)
+        else:
+            mlp = 2 * h * self.intermediate + self.mlp_bias * (self.intermediate + h)
+        return attn + norms + mlp
+
+    def layer_macs_per_token(self) -> int:
+        """Weight multiply-accumulates per token of one layer: ``H (q + 2 kv) + q H`` + MLP (gated
+        ``3 H I``, plain ``2 H I``, MoE ``H E + k 3 H I_e`` for the router and the ``k`` routed experts)."""
+        h = self.hidden
+        if self.num_experts:
+            mlp = h * self.num_experts + self.experts_per_token * 3 * h * self.expert_intermediate
+        else:
+            mlp = (3 if self.gated_mlp else 2) * h * self.intermediate
+        return h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h + mlp
+
+
+def _decoder_biases(config: Any, mtype: str) -> tuple[bool, bool, bool]:
+    """(q/k/v bias, output-projection bias, MLP bias) of a decoder family."""
+    if mtype == "phi":
+        return True, True, True
+    if mtype == "internlm2":
+        bias = bool(_field(config, "bias", True))
+        return bias, bias, False
+    mlp_bias = bool(_field(config, "mlp_bias", False))
+    if mtype in ("qwen2", "qwen2_moe"):
+        return True, False, mlp_bias
+    attention_bias = bool(_field(config, "attention_bias", False))
+    return attention_bias, attention_bias, mlp_bias
+
+
+def _moe_fields(config: Any) -> dict[str, int]:
+    """MoE fields of a decoder config (Mixtral: ``num_local_experts``; Qwen-MoE: ``num_experts``).
+
+    Raises:
+        ValueError: on shared experts or sparse layers mixed with dense ones (not modelled).
+    """
+    experts = int(_field(config, "num_local_experts", 0) or _field(config, "num_experts", 0))
+    if not experts:
+        return {}
+    if _field(config, "shared_expert_intermediate_size", 0):
+        raise ValueError("MoE with shared experts (shared_expert_intermediate_size) is not modelled")
+    if _field(config, "mlp_only_layers", []) or int(_field(config, "decoder_sparse_step", 1)) != 1:
+        raise ValueError("MoE configs mixing dense and sparse layers (mlp_only_layers / decoder_sparse_step) "
+                         "are not modelled")
+    return {
+        "num_experts": experts,
+        "experts_per_token": _positive(config, "num_experts_per_tok"),
+        "expert_intermediate": _positive(config, "moe_intermediate_size", _field(config, "intermediate_size")),
+    }
+
+
+def _sliding_layout(config: Any, layers: int) -> tuple[int | None, tuple[bool, ...]]:
+    """Sliding window and per-layer flags: from ``layer_types`` when present, else every layer uses
+    ``sliding_window`` unless ``use_sliding_window`` is False."""
+    window = _field(config, "sliding_window", None)
+    layer_types = _field(config, "layer_types", None)
+    if window is None:
+        return None, ()
+    if layer_types is not None:
+        if len(layer_types) != layers:
+            raise ValueError(f"config layer_types has {len(layer_types)} entries for {layers} layers")
+        return int(window), tuple(t == "sliding_attention" for t in layer_types)
+    if _field(config, "use_sliding_window", True) is False:
+        return None, ()
+    return int(window), (True,) * layers
+
+
+@dataclass(frozen=True)
+class EncoderArch:
+    """The shape facts of a ViT-style vision or Whisper-style audio encoder (read from an HF config).
+
+    Attributes:
+        modality: ``"vision"`` or ``"audio"``.
+        hidden, layers, heads, head_dim, intermediate: ``H``, layer count, heads, per-head size, ``I``.
+        gated_mlp: gated MLP (``3 H I``) instead of plain fc1/fc2 (``2 H I``).
+        qkv_bias: bias on (q, k, v) each; o_bias, mlp_bias: bias on output projection / MLP.
+        norm_bias: LayerNorm (weight and bias) in the layers, else RMSNorm.
+        qk_norm_dim: size of each q/k norm (InternVL: ``H``), 0 for none.
+        layer_scale: two learned per-channel scales per layer (InternVL ``lambda_1/2``).
+        num_channels, patch: image channels and patch size (vision).
+        prefix_tokens: tokens before the patches (CLS), vision.
+        positions: rows of the learned position table.
+        patch_bias, pre_norm: patch-embedding bias; LayerNorm right after the embeddings (CLIP).
+        num_mel_bins, conv_kernel: audio front-end (two convolutions, the second with stride 2).
+        post_norm: final LayerNorm (its own pipeline unit).
+        output_pool: average pooling of the encoder output before the post-norm (Qwen2-Audio: 2).
+        item_len: native tokens per item (image: patches + prefix; audio clip: output frames).
+    """
+
+    modality: str
+    hidden: int
+    layers: int
+    heads: int
+    head_dim: int
+    intermediate: int
+    gated_mlp: bool = False
+    qkv_bias: tuple[bool, bool, bool] = (True, True, True)
+    o_bias: bool = True
+    mlp_bias: bool = True
+    norm_bias: bool = True
+    qk_norm_dim: int = 0
+    layer_scale: bool = False
+    num_channels: int = 3
+    patch: tuple[int, int] = (1, 1)
+    prefix_tokens: int = 0
+    positions: int = 0
+    patch_bias: bool = True
+    pre_norm: bool = False
+    num_mel_bins: int = 0
+    conv_kernel: int = 3
+    post_norm: bool = True
+    output_pool: int = 1
+    item_len: int = 1
+
+    @property
+    def q_dim(self) -> int:
+        """``q = heads * head_dim``."""
+        return self.heads * self.head_dim
+
+    @classmethod
+    def from_config(cls, config: Any) -> "EncoderArch":
+        """Read a vision (CLIP, SigLIP, ViT, InternVL, InternViT-6B) or audio (Whisper, Qwen2-Audio)
+        encoder config; unknown model types with ``patch_size`` are read as a CLIP-free ViT (CLS token,
+        biases, LayerNorm, post-norm).
+
+        Raises:
+            ValueError: on a missing field or a composite config (pass its ``vision_config``).
+        """
+        mtype = _model_type(config)
+        if mtype in ("whisper", "qwen2_audio_encoder"):
+            return _audio_arch(config, mtype)
+        return _vision_arch(config, mtype)
+
+    def layout(self) -> list[tuple[str, str, int]]:
+        """Pipeline units ``(name suffix, kind, layer index or -1)``: embeddings, layers.i, post_norm."""
+        units = [("embeddings", "embed", -1)] + [(f"layers.{i}", "layer", i) for i in range(self.layers)]
+        return units + ([("post_norm", "norm", -1)] if self.post_norm else [])
+
+    def norm_params(self) -> int:
+        """Parameters of the final LayerNorm: ``2 H``."""
+        return 2 * self.hidden
+
+    def embed_params(self) -> int:
+        """Embedding parameters. Vision: ``C p_h p_w H`` patch weights (+ ``H`` bias), ``prefix H`` CLS,
+        ``positions H`` table, ``2 H`` pre-norm. Audio: conv1 ``mel k H + H``, conv2 ``H k H + H``,
+        ``positions H`` (Whisper's fixed sinusoidal table is a parameter too)."""
+        h = self.hidden
+        if self.modality == "audio":
+            conv = self.num_mel_bins * self.conv_kernel * h + h + h * self.conv_kernel * h + h
+            return conv + self.positions * h
+        patch = self.num_channels * self.patch[0] * self.patch[1] * h + self.patch_bias * h
+        return patch + (self.prefix_tokens + self.positions) * h + self.pre_norm * 2 * h
+
+    def layer_params(self) -> int:
+        """Parameters of one layer: ``4 H q``-style attention (``H 3q + q H`` + biases), ``2 qk_norm_dim``,
+        two norms (``2 H`` each with bias, ``H`` without), ``2 H`` layer scale, MLP ``2 H I + I + H``
+        (plain) or ``3 H I`` (gated) + biases."""
+        h, q, inter = self.hidden, self.q_dim, self.intermediate
+        attn = 3 * h * q + q * h + sum(self.qkv_bias) * q + self.o_bias * h + 2 * self.qk_norm_dim
+        norms = 2 * h * (2 if self.norm_bias else 1) + (2 * h if self.layer_scale else 0)
+        if self.gated_mlp:
+            mlp = 3 * h * inter + self.mlp_bias * (2 * inter + h)
+        else:
+            mlp = 2 * h * inter + self.mlp_bias * (inter + h)
+        return attn + norms + mlp
+
+    def layer_macs_per_token(self) -> int:
+        """Weight multiply-accumulates per token of one layer: ``3 H q + q H + (3 or 2) H I``."""
+        return 4 * self.hidden * self.q_dim + (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
+
+    def embed_macs_per_token(self) -> int:
+        """Embedding multiply-accumulates per output token. Vision: ``C p_h p_w H`` per patch token
+        (prefix tokens are looked up). Audio: conv1 runs on 2 input frames per output frame
+        (``2 mel k H``), conv2 (stride 2) ``H k H``."""
+        h = self.hidden
+        if self.modality == "audio":
+            return 2 * self.num_mel_bins * self.conv_kernel * h + h * self.conv_kernel * h
+        return self.num_channels * self.patch[0] * self.patch[1] * h
+
+
+def _audio_arch(config: Any, mtype: str) -> EncoderArch:
+    hidden, heads = _positive(config, "d_model"), _positive(config, "encoder_attention_heads")
+    positions = _positive(config, "max_source_positions")
+    return EncoderArch(
+        modality="audio", hidden=hidden, layers=_positive(config, "encoder_layers"), heads=heads,
+        head_dim=hidden // heads, intermediate=_positive(config, "encoder_ffn_dim"),
+        qkv_bias=(True, False, True), num_mel_bins=_positive(config, "num_mel_bins"),
+        positions=positions, output_pool=2 if mtype == "qwen2_audio_encoder" else 1, item_len=positions,
+    )
+
+
+def _vision_arch(config: Any, mtype: str) -> EncoderArch:
+    if _field(config, "vision_config", None) is not None:
+        raise ValueError(f"config {mtype!r} is composite: pass its vision_config")
+    hidden, heads = _positive(config, "hidden_size"), _positive(config, "num_attention_heads")
+    image = _pair(_field(config, "image_size"), "image_size")
+    patch = _pair(_field(config, "patch_size"), "patch_size")
+    patches = (image[0] // patch[0]) * (image[1] // patch[1])
+    prefix = 0 if mtype.startswith("siglip") else 1
+    fields: dict[str, Any] = dict(
+        modality="vision", hidden=hidden, layers=_positive(config, "num_hidden_layers"), heads=heads,
+        head_dim=hidden // heads, intermediate=_positive(config, "intermediate_size"),
+        num_channels=_positive(config, "num_channels", 3), patch=patch, prefix_tokens=prefix,
+        positions=patches + prefix, item_len=patches + prefix,
+    )
+    fields.update(_vision_family_fields(config, mtype, hidden))
+    if fields.pop("no_positions", False):
+        fields["positions"] = 0
+    return EncoderArch(**fields)
+
+
+def _vision_family_fields(config: Any, mtype: str, hidden: int) -> dict[str, Any]:
+    """Per-family differences from a plain ViT (CLS token, biased patch conv, LayerNorm, post-norm)."""
+    if mtype == "clip_vision_model":
+        return {"patch_bias": False, "pre_norm": True}
+    if mtype == "vit":
+        bias = bool(_field(config, "qkv_bias", True))
+        return {"qkv_bias": (bias, bias, bias)}
+    if mtype == "internvl_vision":
+        bias = bool(_field(config, "attention_bias", False))
+        return {
+            "qkv_bias": (bias, bias, bias), "layer_scale": True,
+            "norm_bias": _field(config, "norm_type", "layer_norm") == "layer_norm",
+            "qk_norm_dim": hidden if _field(config, "use_qk_norm", False) else 0,
+            "post_norm": not _field(config, "use_mean_pooling", True),
+            "no_positions": not _field(config, "use_absolute_position_embeddings", True),
+        }
+    if mtype == "intern_vit_6b":
+        bias = bool(_field(config, "qkv_bias", False))
+        return {
+            "qkv_bias": (bias, bias, bias), "layer_scale": True, "post_norm": False,
+            "norm_bias": _field(config, "norm_type", "rms_norm") == "layer_norm",
+            "qk_norm_dim": hidden if _field(config, "qk_normalization", False) else 0,
+        }
+    return {}
+
+
+@dataclass(frozen=True)
+class ProjectorArch:
+    """The projector between an encoder and the LLM (``plait.models.projector``).
+
+    Attributes:
+        kind: ``"mlp"`` (Linear(in, out) -> GELU -> Linear(out, out), LLaVA-1.5) or ``"linear"``.
+        in_dim, out_dim: encoder feature size and LLM hidden size.
+
+    Raises:
+        ValueError: on another kind or non-positive sizes.
+    """
+
+    kind: str
+    in_dim: int
+    out_dim: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("mlp", "linear"):
+            raise ValueError(f"projector kind must be 'mlp' or 'linear', got {self.kind!r}")
+        if self.in_dim <= 0 or self.out_dim <= 0:
+            raise ValueError(f"projector sizes must be > 0, got {self.in_dim} -> {self.out_dim}")
+
+    def params(self) -> int:
+        """``in out + out`` (+ ``out out + out`` for mlp)."""
+        first = self.in_dim * self.out_dim + self.out_dim
+        return first + (self.out_dim * self.out_dim + self.out_dim if self.kind == "mlp" else 0)
+
+    def macs_per_token(self) -> int:
+        """``in out`` (+ ``out out`` for mlp)."""
+        return self.in_dim * self.out_dim + (self.out_dim * self.out_dim if self.kind == "mlp" else 0)
+
+
+Arch = Union[DecoderArch, EncoderArch, ProjectorArch]
+
+
+def arch_from_config(config: Any) -> DecoderArch | EncoderArch:
+    """Decoder or encoder architecture of an HF config (object or dict); an ``EncoderArch`` /
+    ``DecoderArch`` passes through. Audio: ``model_type`` whisper / qwen2_audio_encoder; vision: a
+    ``patch_size`` field; otherwise a decoder LLM.
+
+    Raises:
+        ValueError: on missing fields (named) or unsupported layouts.
+    """
+    if isinstance(config, (DecoderArch, EncoderArch)):
+        return config
+    if _model_type(config) in ("whisper", "qwen2_audio_encoder") or _field(config, "patch_size", None) is not None:
+        return EncoderArch.from_config(config)
+    if _field(config, "vision_config", None) is not None or _field(config, "text_config", None) is not None:
+        raise ValueError(f"config {_model_type(config)!r} is composite: pass its text_config / vision_config")
+    return DecoderArch.from_config(config)
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-unit estimates
+
+
+@dataclass(frozen=True)
+class UnitEstimate:
+    """Device-independent work of one unit for one microbatch shape.
+
+    Attributes:
+        params: parameter count.
+        weight_flops: forward FLOPs of the weight matmuls / convolutions (= dW FLOPs).
+        attention_flops: forward FLOPs of ``Q K^T`` and ``P V`` (no weights, so no dW; dX pays it twice).
+        forward_bytes: bytes moved through device memory by the forward (weights read once plus each op's
+            inputs read and output written).
+        weight_grad_bytes: bytes moved by the dW pass.
+        activation_bytes: bytes the forward saves for backward (one microbatch).
+        output_bytes: bytes of the unit's output tensor (what a stage boundary after it sends).
+        input_grad: whether the unit has a dX at all (False for embeddings: ids, pixels, mel frames).
+    """
+
+    params: int
+    weight_flops: float
+    attention_flops: float
+    forward_bytes: float
+    weight_grad_bytes: float
+    activation_bytes: float
+    output_bytes: float
+    input_grad: bool = True
+
+    def to_cost(self, device: DeviceSpec, dtype: Any = "bfloat16") -> UnitCost:
+        """Roofline ``UnitCost`` on ``device``: forward ``W + A`` FLOPs, dX ``W + 2A`` (0 if no dX),
+        dW ``W`` FLOPs (0 without parameters), each against the bytes it moves; parameters in ``dtype``."""
+        forward = device.compute_time(self.weight_flops + self.attention_flops, self.forward_bytes)
+        dx = (device.compute_time(self.weight_flops + 2 * self.attention_flops, self.forward_bytes)
+              if self.input_grad else 0.0)
+        dw = device.compute_time(self.weight_flops, self.weight_grad_bytes) if self.params else 0.0
+        return UnitCost(
+            forward_s=forward, input_grad_s=dx, weight_grad_s=dw,
+            param_bytes=int(round(self.params * dtype_bytes(dtype))),
+            activation_bytes=int(round(self.activation_bytes)), output_bytes=int(round(self.output_bytes)),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of the fields."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "UnitEstimate":
+        """Inverse of ``to_dict``; raises ValueError on unknown or missing fields."""
+        return dataclass_from_dict(cls, data)
+
+
+def _estimate(params: int, weight_flops: float, attention_flops: float, io_bytes: float, saved: float,
+              output: float, b: float, input_grad: bool = True, dw_bytes: float | None = None) -> UnitEstimate:
+    """Assemble an estimate; forward bytes = weights read (``params b``) + activation traffic ``io_bytes``."""
+    forward_bytes = params * b + io_bytes
+    return UnitEstimate(params, float(weight_flops), float(attention_flops), float(forward_bytes),
+                        float(forward_bytes if dw_bytes is None else dw_bytes), float(saved), float(output),
+                        input_grad)
+
+
+def _sequences(shape: MicrobatchShape, default_len: int) -> tuple[float, int]:
+    """(number of sequences / items, tokens per sequence)."""
+    length = shape.seq_len or default_len
+    return shape.tokens / length, length
+
+
+def _decoder_layer_io(arch: DecoderArch) -> int:
+    """Elements read + written per token by one decoder layer's activations: norms ``2 H`` each, q/k/v
+    projection ``H + q + 2 kv``, rotary ``2 (q + kv)``, attention ``2 q + 2 kv``, output projection
+    ``q + H``, two residual adds ``3 H`` each, q/k norms ``2 (q + kv)``, MLP (gated ``2 H + 6 I``, plain
+    ``2 H + 4 I``, MoE ``2 H + E + k (2 H + 6 I_e)``)."""
+    h, q, kv = arch.hidden, arch.q_dim, arch.kv_dim
+    attn = (h + q + 2 * kv) + 2 * (q + kv) + (2 * q + 2 * kv) + (q + h) + (2 * (q + kv) if arch.qk_norm_dim else 0)
+    if arch.num_experts:
+        mlp = 2 * h + arch.num_experts + arch.experts_per_token * (2 * h + 6 * arch.expert_intermediate)
+    else:
+        mlp = 2 * h + (6 if arch.gated_mlp else 4) * arch.intermediate
+    return attn + mlp + 2 * h * arch.norms_per_layer + 6 * h
+
+
+def _decoder_layer_saved(arch: DecoderArch, b: float) -> float:
+    """Bytes saved for backward per token by one decoder layer (fused attention):
+    ``b (norms_per_layer H + 2 H + (q + 2 kv) + q + mlp)`` + ``4 heads`` (fp32 log-sum-exp), where the
+    terms are: each norm's input, the normed inputs of the attention and MLP matmuls, q/k/v, the attention
+    output (input of the output projection); ``mlp`` = ``4 I`` gated (gate, act(gate), up, product),
+    ``2 I`` plain (fc1 output, activation output), MoE ``k (H + 4 I_e)`` + ``4 E / b`` (fp32 router logits);
+    q/k norms add their inputs ``q + kv``."""
+    h, q, kv = arch.hidden, arch.q_dim, arch.kv_dim
+    if arch.num_experts:
+        mlp = arch.experts_per_token * (h + 4 * arch.expert_intermediate) + 4 * arch.num_experts / b
+    else:
+        mlp = (4 if arch.gated_mlp else 2) * arch.intermediate
+    elements = arch.norms_per_layer * h + 2 * h + (q + 2 * kv) + q + mlp + (q + kv if arch.qk_norm_dim else 0)
+    return b * elements + 4 * arch.heads
+
+
+def _decoder_estimate(arch: DecoderArch, kind: str, layer: int, shape: MicrobatchShape, b: float) -> UnitEstimate:
+    """Estimate of one LLM unit. Embedding: ``V H`` params, no FLOPs, reads ids (8 B) and copies ``H``
+    rows; its dW writes a dense ``V H`` gradient. Norm: ``H`` (or ``2 H``) params, ``2 H`` elements moved.
+    Head: ``V H`` weights, ``2 T H V`` FLOPs; logits written in dtype, upcast to fp32 and log-softmaxed
+    (three fp32 passes), saving ``H`` inputs and ``4 V`` bytes of fp32 log-probabilities per token."""
+    t, h, v = shape.tokens, arch.hidden, arch.vocab
+    if kind == "embed":
+        io = t * (8 + 2 * h * b)
+        return _estimate(v * h, 0, 0, io, 8 * t, t * h * b, b, input_grad=False, dw_bytes=v * h * b + io)
+    if kind == "norm":
+        params = h * (2 if arch.norm_bias else 1)
+        return _estimate(params, 0, 0, 2 * t * h * b, t * h * b, t * h * b, b)
+    if kind == "head":
+        io = t * (h * b + v * b + 12 * v)
+        return _estimate(v * h + arch.head_bias * v, 2 * t * h * v, 0, io, t * (h * b + 4 * v), t * v * b, b)
+    if kind != "layer":
+        raise ValueError(f"an LLM has no {kind!r} unit")
+    sequences, length = _sequences(shape, t)
+    pairs = shape.attended_pairs if shape.attended_pairs is not None else sequences * causal_pairs(length)
+    if arch.is_sliding(layer):
+        pairs = min(pairs, sequences * windowed_causal_pairs(length, arch.sliding_window))
+    return _estimate(arch.layer_params(), 2 * t * arch.layer_macs_per_token(), 4 * pairs * arch.q_dim,
+                     t * _decoder_layer_io(arch) * b, t * _decoder_layer_saved(arch, b), t * h * b, b)
+
+
+def _encoder_layer_io(arch: EncoderArch) -> int:
+    """Elements read + written per token by one encoder layer: norms ``2 H`` each, q/k/v ``H + 3 q``,
+    attention ``4 q``, output projection ``q + H``, residual adds ``3 H`` each, layer scales ``2 H`` each,
+    q/k norms ``4 q``, MLP (plain ``2 H + 4 I``, gated ``2 H + 6 I``)."""
+    h, q = arch.hidden, arch.q_dim
+    attn = (h + 3 * q) + 4 * q + (q + h) + (4 * q if arch.qk_norm_dim else 0)
+    mlp = 2 * h + (6 if arch.gated_mlp else 4) * arch.intermediate
+    return attn + mlp + 4 * h + 6 * h + (4 * h if arch.layer_scale else 0)
+
+
+def _encoder_layer_saved(arch: EncoderArch, b: float) -> float:
+    """Bytes saved for backward per token by one encoder layer (fused attention):
+    ``b (2 H + 2 H + 3 q + q + mlp + 2 H [layer scale] + 2 q [q/k norms])`` + ``4 heads`` (fp32
+    log-sum-exp); ``mlp`` = ``2 I`` plain, ``4 I`` gated (see ``_decoder_layer_saved``)."""
+    h, q = arch.hidden, arch.q_dim
+    mlp = (4 if arch.gated_mlp else 2) * arch.intermediate
+    elements = 4 * h + 4 * q + mlp + (2 * h if arch.layer_scale else 0) + (2 * q if arch.qk_norm_dim else 0)
+    return b * elements + 4 * arch.heads
+
+
+def _encoder_embed(arch: EncoderArch, shape: MicrobatchShape, b: float) -> UnitEstimate:
+    """Encoder embedding. Vision: each patch reads ``C p_h p_w`` pixels and writes ``H``, plus the
+    position add (``3 H``) and pre-norm (``2 H``); saves the pixels (and the pre-norm input). Audio:
+    ``2 mel`` input frames per output frame, conv1 output, GELU and conv2 (``2 mel + 2 H + 4 H + 3 H +
+    2 H + 3 H`` elements); saves conv inputs and GELU inputs (``2 mel + 5 H``)."""
+    t, h = shape.tokens, arch.hidden
+    items, length = _sequences(shape, arch.item_len)
+    if arch.modality == "audio":
+        per_token_in, io, saved = 2 * arch.num_mel_bins, 14 * h, 5 * h
+        compute_tokens = t
+    else:
+        per_token_in = arch.num_channels * arch.patch[0] * arch.patch[1]
+        io, saved = h + 3 * h + (2 * h if arch.pre_norm else 0), (h if arch.pre_norm else 0)
+        compute_tokens = max(items * (length - arch.prefix_tokens), 0.0)
+    flops = 2 * compute_tokens * arch.embed_macs_per_token()
+    return _estimate(arch.embed_params(), flops, 0, (compute_tokens * per_token_in + t * io) * b,
+                     (compute_tokens * per_token_in + t * saved) * b, t * h * b, b, input_grad=False)
+
+
+def _encoder_estimate(arch: EncoderArch, kind: str, shape: MicrobatchShape, b: float) -> UnitEstimate:
+    """Estimate of one encoder unit (embeddings, a layer with ``P`` defaulting to full ``n L^2``, or the
+    post-norm, which sees ``T / output_pool`` tokens)."""
+    t, h = shape.tokens, arch.hidden
+    if kind == "embed":
+        return _encoder_embed(arch, shape, b)
+    if kind == "norm":
+        if not arch.post_norm:
+            raise ValueError("this encoder has no post-norm unit")
+        pooled = t / arch.output_pool
+        return _estimate(arch.norm_params(), 0, 0, (t + pooled) * h * b, pooled * h * b, pooled * h * b, b)
+    if kind != "layer":
+        raise ValueError(f"an encoder has no {kind!r} unit")
+    items, length = _sequences(shape, arch.item_len)
+    pairs = shape.attended_pairs if shape.attended_pairs is not None else items * full_pairs(length)
+    return _estimate(arch.layer_params(), 2 * t * arch.layer_macs_per_token(), 4 * pairs * arch.q_dim,
+                     t * _encoder_layer_io(arch) * b, t * _encoder_layer_saved(arch, b), t * h * b, b)
+
+
+def _projector_estimate(arch: ProjectorArch, tokens: float, b: float) -> UnitEstimate:
+    """Projector on ``tokens`` features: ``2 T macs`` FLOPs; moves ``in + out`` (linear) or ``in + 5 out``
+    (mlp) elements per token and saves ``in`` (+ ``2 out``: linear_1 output for GELU, GELU output)."""
+    mlp = arch.kind == "mlp"
+    io = arch.in_dim + (5 if mlp else 1) * arch.out_dim
+    saved = arch.in_dim + (2 * arch.out_dim if mlp else 0)
+    return _estimate(arch.params(), 2 * tokens * arch.macs_per_token(), 0, tokens * io * b,
+                     tokens * saved * b, tokens * arch.out_dim * b, b)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model configs -> units, estimates, costs
+
+
+def _split_configs(model_configs: Mapping[str, Any]) -> tuple[dict[str, Arch], dict[str, Any]]:
+    """(module -> architecture, encoder -> projector config). Keys: encoder names, ``"llm"`` and
+    ``"<encoder>.projector"``.
+
+    Raises:
+        ValueError: on a projector key without its encoder, or an ``"llm"`` config that is an encoder.
+    """
+    archs: dict[str, Arch] = {}
+    projectors: dict[str, Any] = {}
+    for key, config in model_configs.items():
+        if key.endswith(".projector"):
+            projectors[key.removesuffix(".projector")] = config
+        else:
+            archs[key] = arch_from_config(config)
+    for encoder in projectors:
+        if encoder not in archs or encoder == _LLM:
+            raise ValueError(f"projector config {encoder + '.projector'!r} has no encoder config {encoder!r}")
+    if _LLM in archs and not isinstance(archs[_LLM], DecoderArch):
+        raise ValueError("model_configs['llm'] must be a decoder LLM config")
+    for key, arch in archs.items():
+        if key != _LLM and not isinstance(arch, EncoderArch):
+            raise ValueError(f"model_configs[{key!r}] must be an encoder config (the LLM goes under 'llm')")
+    return archs, projectors
+
+
+def _projector_arch(encoder: str, archs: Mapping[str, Arch], projectors: Mapping[str, Any]) -> ProjectorArch:
+    """Projector of ``encoder``: from ``model_configs["<encoder>.projector"]`` (a ``ProjectorArch`` or a
+    dict with ``kind``, ``in_dim``, ``out_dim``), defaulting to an ``mlp`` from the encoder's hidden size to
+    the LLM's.
+
+    Raises:
+        ValueError: when a size cannot be determined.
+    """
+    given = projectors.get(encoder, {})
+    if isinstance(given, ProjectorArch):
+        return given
+    if not isinstance(given, Mapping):
+        raise ValueError(f"projector config of {encoder!r} must be a ProjectorArch or a dict")
+    unknown = set(given) - {"kind", "in_dim", "out_dim"}
+    if unknown:
+        raise ValueError(f"projector config of {encoder!r}: unknown field(s) {sorted(unknown)}")
+    out_dim = given.get("out_dim") or (archs[_LLM].hidden if _LLM in archs else None)
+    if out_dim is None:
+        raise ValueError(f"projector of {encoder!r} needs out_dim or an 'llm' config")
+    return ProjectorArch(given.get("kind", "mlp"), int(given.get("in_dim") or archs[encoder].hidden), int(out_dim))
+
+
+def units_from_configs(model_configs: Mapping[str, Any], frozen: Mapping[str, bool] | None = None) -> tuple[Unit, ...]:
+    """The pipeline units of a model described only by configs, in execution order.
+
+    Each encoder branch (keys other than ``"llm"``, in mapping order) gives ``encoders.<m>.embeddings``,
+    ``encoders.<m>.layers.<i>``, ``encoders.<m>.post_norm`` (if the encoder has one) and
+    ``encoders.<m>.projector``; then the LLM gives ``llm.embed_tokens``, ``llm.layers.<i>``, ``llm.norm``,
+    ``llm.lm_head``.
+
+    Args:
+        model_configs: ``{"vision": cfg, "llm": cfg, "vision.projector": {...}}`` (projector optional).
+        frozen: ``{"vision": True, "vision.projector": False, "llm": True}``; a missing key means trainable.
+
+    Flags (../shared/DESIGN.md principle 6): ``trainable`` = the unit's part is not frozen;
+    ``needs_input_grad`` = some unit upstream trains. Embeddings never need an input gradient (ids,
+    pixels, mel frames); the LLM's first layer is downstream of every encoder branch and of the token
+    embedding.
+
+    Raises:
+        ValueError: on an unknown ``frozen`` key or non-bool value, or bad configs.
+    """
+    archs, _ = _split_configs(model_configs)
+    frozen = dict(frozen or {})
+    known = set(archs) | {f"{m}.projector" for m in archs if m != _LLM}
+    for key, value in frozen.items():
+        if key not in known:
+            raise ValueError(f"frozen key {key!r} is not a model part; known: {sorted(known)}")
+        if not isinstance(value, bool):
+            raise ValueError(f"frozen[{key!r}] must be a bool, got {value!r}")
+    units: list[Unit] = []
+    any_upstream = False
+    for module, arch in archs.items():
+        if module != _LLM:
+            trains = not frozen.get(module, False)
+            branch, upstream = _chain(f"encoders.{module}", module, arch.layout(), trains, False)
+            trains_projector = not frozen.get(f"{module}.projector", False)
+            branch.append(Unit(f"encoders.{module}.projector", module, "projector", trains_projector, upstream))
+            units += branch
+            any_upstream |= upstream or trains_projector
+    if _LLM in archs:
+        units += _chain(_LLM, _LLM, archs[_LLM].layout(), not frozen.get(_LLM, False), any_upstream)[0]
+    return tuple(units)
+
+
+def _chain(prefix: str, module: str, layout: list[tuple[str, str, int]], trainable: bool,
+           upstream: bool) -> tuple[list[Unit], bool]:
+    """Units of one chain with the same ``trainable`` flag; ``upstream`` = something before the chain's
+    first non-embedding unit trains. Returns the units and whether anything in the chain trains."""
+    units = []
+    for suffix, kind, _ in layout:
+        units.append(Unit(f"{prefix}.{suffix}", module, kind, trainable, upstream if kind != "embed" else False))
+        upstream |= trainable
+    return units, upstream
+
+
+_LAYER_INDEX = re.compile(r"(\d+)$")
+
+
+def _layer_index(unit: Unit, arch: Arch) -> int:
+    """Layer index of a ``layer`` unit from its name's trailing number.
+
+    Raises:
+        ValueError: when the name has no trailing index or it is out of range.
+    """
+    match = _LAYER_INDEX.search(unit.name)
+    if match is None:
+        raise ValueError(f"unit {unit.name!r}: a layer unit's name must end with its layer index")
+    index = int(match.group(1))
+    if index >= arch.layers:
+        raise ValueError(f"unit {unit.name!r}: layer {index} out of range ({arch.layers} layers)")
+    return index
+
+
+def _shape_for(shape: MicrobatchShape | Mapping[str, MicrobatchShape], module: str) -> MicrobatchShape:
+    if isinstance(shape, MicrobatchShape):
+        return shape
+    if module not in shape:
+        raise ValueError(f"no MicrobatchShape for module {module!r}; given: {sorted(shape)}")
+    return shape[module]
+
+
+def unit_estimates(units: Sequence[Unit], model_configs: Mapping[str, Any],
+                   shape: MicrobatchShape | Mapping[str, MicrobatchShape],
+                   dtype: Any = "bfloat16") -> list[UnitEstimate]:
+    """Device-independent FLOPs / params / bytes of each unit, in unit order.
+
+    Args:
+        units: pipeline units (``Unit.module`` is an encoder name or ``"llm"``; ``kind`` says what it is;
+            a layer unit's name ends with its layer index).
+        model_configs: module -> HF config (or arch), plus optional ``"<encoder>.projector"`` entries.
+        shape: one ``MicrobatchShape`` for every module, or module -> shape (a projector uses its encoder's
+            shape, on ``tokens / output_pool`` features).
+        dtype: training dtype of parameters and activations.
+
+    Raises:
+        ValueError: on a unit whose module has no config or shape, a kind the module lacks, or a bad index.
+    """
+    archs, projectors = _split_configs(model_configs)
+    b = dtype_bytes(dtype)
+    estimates = []
+    for unit in units:
+        if unit.module not in archs:
+            raise ValueError(f"unit {unit.name!r}: no config for module {unit.module!r}")
+        arch, mb = archs[unit.module], _shape_for(shape, unit.module)
+        if unit.kind == "projector":
+            if unit.module == _LLM:
+                raise ValueError(f"unit {unit.name!r}: the LLM has no projector")
+            proj = _projector_arch(unit.module, archs, projectors)
+            estimates.append(_projector_estimate(proj, mb.tokens / arch.output_pool, b))
+        elif isinstance(arch, DecoderArch):
+            layer = _layer_index(unit, arch) if unit.kind == "layer" else -1
+            estimates.append(_decoder_estimate(arch, unit.kind, layer, mb, b))
+        else:
+            if unit.kind == "layer":
+                _layer_index(unit, arch)
+            estimates.append(_encoder_estimate(arch, unit.kind, mb, b))
+    return estimates
+
+
+def unit_costs(units: Sequence[Unit], model_configs: Mapping[str, Any],
+               shape: MicrobatchShape | Mapping[str, MicrobatchShape], device: DeviceSpec,
+               dtype: Any = "bfloat16") -> list[UnitCost]:
+    """``UnitCost`` of each unit on ``device`` (roofline, see the module docstring), in unit order.
+
+    The costs do not depend on the units' flags: ``UnitCost.backward_s`` and the memory helpers apply
+    them. Raises ``ValueError`` as ``unit_estimates``.
+    """
+    return [est.to_cost(device, dtype) for est in unit_estimates(units, model_configs, shape, dtype)]
+
+
+def model_param_count(config: Any) -> int:
+    """Parameters of the HF model a config describes (decoder: ``*ForCausalLM``, counting a tied
+    ``lm_head`` once; encoder: the vision/audio tower without pooling heads), from the same formulas as
+    the units.
+
+    Raises:
+        ValueError: as ``arch_from_config``.
+    """
+    arch = arch_from_config(config)
+    if isinstance(arch, EncoderArch):
+        return arch.embed_params() + arch.layers * arch.layer_params() + (arch.norm_params() if arch.post_norm else 0)
+    embed = arch.vocab * arch.hidden
+    head = 0 if arch.tied_embeddings else embed + arch.head_bias * arch.vocab
+    return embed + arch.layers * arch.layer_params() + arch.hidden * (2 if arch.norm_bias else 1) + head
+
+
+# --------------------------------------------------------------------------------------------------
+# Frozen-aware work and memory
+
+
+def _check_lengths(units: Sequence[Unit], costs: Sequence[UnitCost]) -> None:
+    if len(units) != len(costs):
+        raise ValueError(f"{len(units)} units but {len(costs)} costs")
+
+
+def unit_work(units: Sequence[Unit], costs: Sequence[UnitCost], frozen_aware: bool = True) -> list[float]:
+    """Per-unit work (s) for one microbatch: ``forward_s + backward_s(unit, frozen_aware)``.
+
+    ``frozen_aware=False`` charges ``dX + dW`` everywhere (about ``2 f``), the frozen-unaware model.
+
+    Raises:
+        ValueError: when the lengths differ.
+    """
+    _check_lengths(units, costs)
+    return [c.forward_s + c.backward_s(u, frozen_aware) for u, c in zip(units, costs)]
+
+
+def stage_work(units: Sequence[Unit], costs: Sequence[UnitCost], frozen_aware: bool = True) -> float:
+    """Work (s) of a stage holding ``units``: ``sum(unit_work(units, costs, frozen_aware))``."""
+    return math.fsum(unit_work(units, costs, frozen_aware))
+
+
+def unit_static_bytes(unit: Unit, cost: UnitCost, dtype: Any = "bfloat16",
+                      optimizer: OptimizerSpec = OptimizerSpec(), frozen_aware: bool = True) -> float:
+    """Memory (bytes) a unit holds whatever the microbatches in flight: ``param_bytes`` plus, if it trains
+    (or ``frozen_aware`` is False), ``(param_bytes / b) (grad_bytes_per_param + state_bytes_per_param)``."""
+    b = dtype_bytes(dtype)
+    if not (unit.trainable or not frozen_aware):
+        return float(cost.param_bytes)
+    grad = b if optimizer.grad_bytes_per_param is None else optimizer.grad_bytes_per_param
+    return cost.param_bytes + cost.param_bytes / b * (grad + optimizer.state_bytes_per_param)
+
+
+def unit_activation_bytes(unit: Unit, cost: UnitCost, frozen_aware: bool = True) -> float:
+    """Saved-activation bytes per microbatch in flight: ``activation_bytes`` if the unit runs a backward
+    (or ``frozen_aware`` is False), else 0 (it runs under ``no_grad``)."""
+    return float(cost.activation_bytes) if (unit.runs_backward or not frozen_aware) else 0.0
+
+
+def unit_memory_bytes(unit: Unit, cost: UnitCost, in_flight: float = 1, dtype: Any = "bfloat16",
+                      optimizer: OptimizerSpec = OptimizerSpec(), frozen_aware: bool = True) -> float:
+    """Peak memory (bytes) of a unit with ``in_flight`` microbatches' activations kept:
+    ``unit_static_bytes + in_flight * unit_activation_bytes``.
+
+    Raises:
+        ValueError: on a negative ``in_flight``.
+    """
+    if in_flight < 0:
+        raise ValueError(f"in_flight must be >= 0, got {in_flight}")
+    return (unit_static_bytes(unit, cost, dtype, optimizer, frozen_aware)
+            + in_flight * unit_activation_bytes(unit, cost, frozen_aware))

@@ -1,0 +1,62 @@
+"""The ``plait train`` command on a tiny job: metrics, plot, checkpoints, final model, resume, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT, demo_records, write_jsonl
+
+
+def toml_value(v) -> str:
+    return json.dumps(v)
+
+
+def write_job(tmp_path) -> str:
+    train = write_jsonl(tmp_path / "train.jsonl", demo_records("train", limit=12))
+    val = write_jsonl(tmp_path / "val.jsonl", demo_records("val", limit=6))
+    text = (ROOT / "configs" / "demo.toml").read_text()
+    text = text.replace('"data/demo/train.jsonl"', toml_value(str(train))).replace(
+        '"data/demo/val.jsonl"', toml_value(str(val))).replace(
+        '"data/demo/tokenizer"', toml_value(str(ROOT / "data/demo/tokenizer"))).replace(
+        '"runs/demo"', toml_value(str(tmp_path / "run")))
+    job = tmp_path / "job.toml"
+    job.write_text(text)
+    return str(job)
+
+
+def plait(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "plait.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+
+
+def test_train_then_resume_from_the_command_line(tmp_path):
+    job = write_job(tmp_path)
+    small = ["--train.steps=4", "--train.global_batch_size=4", "--train.eval_every=0", "--checkpoint.every=2",
+             "--metrics.progress=false", "--train.max_new_tokens=4"]
+    first = plait("train", "--config", job, *small)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = tmp_path / "run"
+    assert "validation exact match" in first.stdout
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    assert any("eval" in r and "image_digit" in r["eval"] for r in records)
+    assert (run / "loss.png").stat().st_size > 10_000
+    assert (run / "final" / "plait_config.json").is_file()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+
+    again = plait("train", "--config", job, *small[1:], "--train.steps=6", "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def test_errors_are_reported_without_a_traceback(tmp_path):
+    job = write_job(tmp_path)
+    bad_key = plait("train", "--config", job, "--train.lrr=1")
+    assert bad_key.returncode == 2
+    assert "plait: error: unknown config key(s) ['train.lrr']" in bad_key.stderr
+    assert "Traceback" not in bad_key.stderr
+    no_ckpt = plait("train", "--config", job, "--resume", "--metrics.run_dir=" + str(tmp_path / "empty"))
+    assert no_ckpt.returncode == 2 and "no checkpoint to resume from" in no_ckpt.stderr

@@ -1,0 +1,89 @@
+"""Timeline outputs: Chrome trace JSON contents and the PNG Gantt chart."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
+from plait.planner.schedules import TimelineEvent, one_f_one_b
+from plait.planner.simulator import simulate
+from plait.train.plots import chrome_trace, plot_timeline, read_chrome_trace, write_chrome_trace
+
+
+def _events():
+    units = synthetic_units({"vision": [True, True]}, [True] * 3)
+    plan = plan_pipeline(units, stages_per_module={"vision": 2, "llm": 3})
+    costs = {"F": [0.002] * 5, "B": [0.001] * 5, "W": [0.001] * 5}
+    schedule = one_f_one_b(plan, 6, split_backward=True, defer_weight_grad=True)
+    return simulate(schedule, costs).events
+
+
+def test_chrome_trace_contents(tmp_path):
+    events = _events()
+    path = write_chrome_trace(events, tmp_path / "out" / "trace.json", label="predicted")
+    data = json.loads(path.read_text())
+    records = data["traceEvents"]
+    slices = [r for r in records if r["ph"] == "X"]
+    assert len(slices) == len(events) == 5 * 6 * 3  # F, B and W of 5 trainable stages x 6 microbatches
+    assert {r["tid"] for r in slices} == {0, 1, 2, 3, 4}
+    threads = {r["tid"]: r["args"]["name"] for r in records if r["name"] == "thread_name"}
+    assert threads == {r: f"rank {r}" for r in range(5)}
+    assert [r["args"]["name"] for r in records if r["name"] == "process_name"] == ["predicted"]
+    keys = [(r["tid"], r["ts"]) for r in slices]
+    assert keys == sorted(keys)  # grouped by rank, in time order
+    first = next(e for e in events if e.rank == 1 and e.kind == "B" and e.microbatch == 2)
+    record = next(r for r in slices if r["tid"] == 1 and r["cat"] == "B" and r["args"]["microbatch"] == 2)
+    assert record["name"] == "B2 s1"
+    assert record["ts"] == pytest.approx(first.start_s * 1e6) and record["dur"] == pytest.approx(1000.0)
+    for tid in range(5):
+        mine = [r for r in slices if r["tid"] == tid]
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-6 for a, b in zip(mine, mine[1:]))
+
+
+def test_chrome_trace_side_by_side_and_read_back(tmp_path):
+    predicted = _events()
+    measured = [
+        TimelineEvent(e.rank, e.kind, e.stage, e.microbatch, 100 + 1.1 * e.start_s, 100 + 1.1 * e.end_s)
+        for e in predicted
+    ]
+    path = write_chrome_trace({"predicted": predicted, "measured": measured}, tmp_path / "both.json")
+    back = read_chrome_trace(path)
+    assert list(back) == ["predicted", "measured"]
+    assert {r["pid"] for r in json.loads(path.read_text())["traceEvents"]} == {0, 1}
+    key = lambda e: (e.rank, e.start_s)  # noqa: E731
+    for got, want in zip(sorted(back["predicted"], key=key), sorted(predicted, key=key)):
+        assert (got.rank, got.kind, got.stage, got.microbatch) == (want.rank, want.kind, want.stage, want.microbatch)
+        assert got.start_s == pytest.approx(want.start_s) and got.end_s == pytest.approx(want.end_s)
+    # each label starts at 0: the measured run's wall-clock offset is removed
+    assert min(e.start_s for e in back["measured"]) == pytest.approx(0.0)
+    assert max(e.end_s for e in back["measured"]) == pytest.approx(1.1 * max(e.end_s for e in predicted))
+
+
+def test_plot_timeline_png(tmp_path):
+    from PIL import Image
+
+    events = _events()
+    path = plot_timeline(events, tmp_path / "timeline.png", title="1F1B, deferred W")
+    raw = path.read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(raw) > 20_000
+    with Image.open(path) as image:
+        width, height = image.size
+        pixels = image.convert("RGB").getcolors(maxcolors=1 << 16)
+    assert width >= 1000 and height >= 300
+    colours = {rgb for _, rgb in pixels}
+    assert {(0x4C, 0x72, 0xB0), (0x55, 0xA8, 0x68), (0xDD, 0x84, 0x52)} <= colours  # F, B and W boxes drawn
+    two = plot_timeline({"predicted": events, "measured": events}, tmp_path / "two.png")
+    with Image.open(two) as image:
+        assert image.size[1] > height  # one panel per label
+
+
+def test_timeline_errors(tmp_path):
+    with pytest.raises(ValueError, match="no events"):
+        plot_timeline([], tmp_path / "empty.png")
+    with pytest.raises(ValueError, match="expected TimelineEvent"):
+        chrome_trace([("F", 0, 0)])
+    with pytest.raises(ValueError, match="end"):
+        TimelineEvent(0, "F", 0, 0, 2.0, 1.0)
