@@ -12,7 +12,7 @@ __all__ = ["main"]
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from plait.config.loader import load_config
-    from plait.train.loss_plot import plot_loss_curve
+    from plait.train.plots import plot_loss_curve
     from plait.train.trainer import Trainer
 
     cfg = load_config(args.config, overrides)

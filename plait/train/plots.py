@@ -26,6 +26,7 @@ __all__ = [
     "KIND_COLORS",
     "chrome_trace",
     "new_figure",
+    "plot_loss_curve",
     "plot_timeline",
     "read_chrome_trace",
     "save_figure",
@@ -242,3 +243,36 @@ def _legend(ax, kinds: set[str]) -> None:
     ordered = [k for k in KIND_COLORS if k in kinds] + sorted(kinds - set(KIND_COLORS))
     handles = [Patch(color=KIND_COLORS.get(k, _OTHER_COLOR), label=labels.get(k, k)) for k in ordered]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+
+
+# ----- loss curve ------------------------------------------------------------------------------
+def plot_loss_curve(metrics_path: str | Path, out_path: str | Path) -> Path:
+    """Training loss per step (log scale) and validation exact match per task (right axis) as a PNG.
+
+    Args:
+        metrics_path: a run's ``metrics.jsonl`` (records with ``step`` and ``loss`` or ``eval``).
+        out_path: the PNG to write.
+
+    Raises:
+        ValueError: when the metrics file holds no loss record.
+    """
+    from plait.train.metrics import read_metrics
+
+    records = read_metrics(metrics_path)
+    losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    if not losses:
+        raise ValueError(f"{metrics_path} holds no training loss")
+    fig, (ax,) = new_figure(8, 4.5, dpi=110)
+    ax.plot(*zip(*losses), color="tab:blue", lw=1.2, label="train loss")
+    ax.set(xlabel="step", ylabel="loss (mean token cross-entropy)", yscale="log", title="plait training")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8)
+    evals = [r for r in records if "eval" in r]
+    if evals:
+        ax2 = ax.twinx()
+        for task in sorted(evals[-1]["eval"]):
+            ax2.plot([r["step"] for r in evals], [r["eval"].get(task, float("nan")) for r in evals],
+                     marker="o", ms=3, lw=1, label=f"val {task}")
+        ax2.set(ylabel="validation exact match", ylim=(0, 1.02))
+        ax2.legend(loc="center right", fontsize=8)
+    return save_figure(fig, out_path)
