@@ -130,3 +130,12 @@ def test_parts_load_from_local_hugging_face_directories(tmp_path):
         build_encoder("image", path=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="unsupported vision encoder"):
         build_encoder("image", config={"model_type": "llama"})
+
+
+def test_llm_loads_from_a_local_directory_and_checks_the_vocabulary(tmp_path):
+    llm = build_causal_lm(config=TINY_LLM, vocab_size=VOCAB, attn_implementation="eager")
+    llm.save_pretrained(tmp_path / "llm")
+    loaded = build_causal_lm(path=str(tmp_path / "llm"), vocab_size=VOCAB, attn_implementation="eager")
+    torch.testing.assert_close(loaded.lm_head.weight, llm.lm_head.weight)
+    with pytest.raises(ValueError, match=f"has {VOCAB} embedding rows but the tokenizer has {VOCAB + 10} tokens"):
+        build_causal_lm(path=str(tmp_path / "llm"), vocab_size=VOCAB + 10)
