@@ -8,7 +8,11 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -98,6 +102,7 @@ def policies(draw, methods=METHODS):
         equal_counts_per_rank=draw(st.booleans()),
         allow_deferral=draw(st.booleans()),
         max_deferred=draw(st.integers(0, 3)),
+        refine_rounds=draw(st.sampled_from([0, 1, 8])),
     )
 
 
@@ -380,25 +385,39 @@ def test_token_cap_changes_the_split_and_too_large_sample_raises():
 
 def test_sample_costs_from_metadata_hand_worked():
     coeffs = {
-        "vision": ModuleCostCoeffs(linear=2.0, quadratic=0.5, trainable=True, projection_ratio=0.5),
+        "vision": ModuleCostCoeffs(linear=2.0, quadratic=0.5, trainable=True, encoder_tokens_per_feature=2.0),
         "audio": ModuleCostCoeffs(linear=1.0),
         "llm": ModuleCostCoeffs(linear=1.0, quadratic=0.01, needs_input_grad=True),
     }
     meta = [
-        {"text_tokens": 10, "items": [("vision", 4), ("vision", 2), ("audio", 6)]},
+        {"text_tokens": 10, "length": 19, "items": [("vision", 2), ("vision", 1), ("audio", 6)]},
         {"text_tokens": 5, "items": []},
-        {"text_tokens": 0, "items": [("audio", 3, 7)]},
+        {"text_tokens": 0, "items": [("audio", 7, 3)]},
     ]
     costs = sample_costs_from_metadata(meta, coeffs)
     assert module_order(coeffs) == ("vision", "audio", "llm")
-    # vision: 3 * (2*4 + 0.5*16) + 3 * (2*2 + 0.5*4) = 48 + 18; audio 6; L = 10 + 2 + 1 + 6 = 19,
-    # LLM (frozen after a trainable part: forward + dX) = 2 * (19 + 0.01 * 19**2).
+    # vision items of 2 and 1 placeholders run 4 and 2 encoder tokens: 3 * (2*4 + 0.5*16) + 3 * (2*2 + 0.5*4)
+    # = 48 + 18; audio 6; L = 10 + 2 + 1 + 6 = 19, LLM (frozen after a trainable part: forward + dX)
+    # = 2 * (19 + 0.01 * 19**2).
     assert costs[0].work == pytest.approx((66.0, 6.0, 2 * (19 + 3.61)))
     assert costs[0].tokens == 19 and costs[0].has == (True, True, True)
     assert costs[1].work == pytest.approx((0.0, 0.0, 2 * (5 + 0.25)))
     assert costs[1].has == (False, False, True) and costs[1].encoder_work == 0.0
     assert costs[2].work == pytest.approx((0.0, 3.0, 2 * (7 + 0.49))) and costs[2].tokens == 7
     assert [c.index for c in costs] == [0, 1, 2]
+
+
+def test_sample_costs_from_loader_sample_meta():
+    from plait.data.processing import SampleMeta
+
+    metas = [
+        SampleMeta("a", "caption", 12, 3, 2, (("vision", 4), ("vision", 5))),
+        SampleMeta("b", "chat", 7, 7, 4, ()),
+    ]
+    coeffs = {"vision": ModuleCostCoeffs(linear=1.0, quadratic=1.0), "llm": ModuleCostCoeffs(linear=1.0)}
+    costs = sample_costs_from_metadata(metas, coeffs)
+    assert [c.work for c in costs] == [(4 + 16 + 5 + 25, 12.0), (0.0, 7.0)]
+    assert [c.tokens for c in costs] == [12, 7]
 
 
 def test_cost_coeffs_pass_factors():
@@ -411,7 +430,8 @@ def test_cost_coeffs_pass_factors():
 @pytest.mark.parametrize(
     "meta, match",
     [
-        ([{"text_tokens": 3, "items": [("video", 4)]}], "sample 0: modality 'video'"),
+        ([{"text_tokens": 3, "items": [("video", 4)]}], "sample 0: encoder 'video'"),
+        ([{"text_tokens": 3, "length": 9, "items": [("vision", 4)]}], "sample 0: length=9 but .* = 7"),
         ([{"items": []}], "sample 0: metadata lacks 'text_tokens'"),
         ([{"text_tokens": 1, "items": []}, {"text_tokens": 1, "items": [("vision", -2)]}], "sample 1"),
         ([{"text_tokens": 1, "items": [("vision",)]}], "sample 0: item"),
@@ -500,9 +520,9 @@ def test_workload_stats_hand_worked():
 
 COEFFS = {
     # Dynamic-resolution ViT (14-pixel patches, 2x2 merge into the LLM), frozen.
-    "vision": ModuleCostCoeffs(linear=1.0, quadratic=1 / 4096, trainable=False, projection_ratio=0.25),
+    "vision": ModuleCostCoeffs(linear=1.0, quadratic=1 / 4096, trainable=False, encoder_tokens_per_feature=4),
     # Whisper-like audio encoder at 50 frames/s, 2x pooled, trainable.
-    "audio": ModuleCostCoeffs(linear=1.0, quadratic=1 / 1500, trainable=True, projection_ratio=0.5),
+    "audio": ModuleCostCoeffs(linear=1.0, quadratic=1 / 1500, trainable=True, encoder_tokens_per_feature=2),
     "llm": ModuleCostCoeffs(linear=2.0, quadratic=1 / 2048, trainable=True),
 }
 
@@ -517,9 +537,9 @@ def synthetic_mixture(n: int, seed: int) -> list[dict]:
         if kind in (0, 2):
             for _ in range(2 if rng.random() < 0.2 else 1):
                 h, w = rng.uniform(224, 2016, size=2)
-                items.append(("vision", int(h // 14) * int(w // 14)))
+                items.append(("vision", int(h // 28) * int(w // 28)))  # 14-px patches, 2x2 merge
         if kind in (1, 2):
-            items.append(("audio", int(50 * np.clip(rng.lognormal(2.0, 0.8), 1, 30))))
+            items.append(("audio", int(25 * np.clip(rng.lognormal(2.0, 0.8), 1, 30))))  # 50 frames/s, 2x pool
         meta.append({"text_tokens": int(np.clip(rng.lognormal(5.0, 1.0), 16, 4096)), "items": items})
     return meta
 
@@ -547,6 +567,29 @@ def test_hierarchical_cuts_cv_of_every_module_at_least_5x(seed):
         mean = statistics.fmean(per_mb)
         bound = max(1.0, max(c.work[module] for c in costs) / mean)
         assert max(per_mb) / mean <= bound + 0.05, (module, max(per_mb) / mean, bound)
+
+
+def test_same_plan_in_fresh_processes_with_other_hash_seeds():
+    """Every rank computes its plan alone: a fresh interpreter (other PYTHONHASHSEED) must agree."""
+    script = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import test_microbatch as t\n"
+        "costs = t.sample_costs_from_metadata(t.synthetic_mixture(128, 4), t.COEFFS)\n"
+        "policy = t.MicrobatchPolicy(dp=2, num_microbatches=4, seed=9, equal_counts_per_rank=True)\n"
+        "print(json.dumps(t.plan_microbatches(costs, policy, 11).to_dict()))\n"
+    )
+    costs = sample_costs_from_metadata(synthetic_mixture(128, 4), COEFFS)
+    policy = MicrobatchPolicy(dp=2, num_microbatches=4, seed=9, equal_counts_per_rank=True)
+    expected = plan_microbatches(costs, policy, 11)
+    for hash_seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        out = subprocess.run(
+            [sys.executable, "-c", script, str(Path(__file__).parent)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert MicrobatchPlan.from_dict(json.loads(out)) == expected
 
 
 def test_hierarchical_balances_dp_ranks_and_microbatches():
