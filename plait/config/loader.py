@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.config.schema import EncoderConfig, JobConfig
+from plait.planner.microbatch import METHODS
 
 __all__ = ["load_config", "config_from_dict", "parse_overrides", "config_to_dict"]
 
@@ -147,6 +148,8 @@ def validate(cfg: JobConfig) -> None:
     _check(t.steps >= 0 and t.epochs > 0, "train.steps must be >= 0 and train.epochs > 0")
     _check(t.lr > 0 and 0 <= t.min_lr_ratio <= 1, "train.lr must be > 0 and train.min_lr_ratio in [0, 1]")
     _check(t.dtype in ("auto", "fp32", "bf16"), f"train.dtype must be auto, fp32 or bf16, got {t.dtype!r}")
+    _check(t.microbatch_policy in METHODS,
+           f"train.microbatch_policy must be one of {METHODS}, got {t.microbatch_policy!r}")
     _check(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got {t.device!r}")
     d = cfg.data
     _check(d.on_error in ("raise", "skip"), f"data.on_error must be 'raise' or 'skip', got {d.on_error!r}")

@@ -120,6 +120,9 @@ class TrainConfig:
     """Samples per optimizer step over all DP ranks."""
     microbatch_size: int = 8
     """Samples per forward/backward on one rank; the rest is gradient accumulation."""
+    microbatch_policy: str = "hierarchical"
+    """How a global batch is assigned to DP ranks and microbatches: ``"arrival"`` (file/shuffle order),
+    ``"random"``, ``"lpt"`` (total cost) or ``"hierarchical"`` (per-module balance, plait.planner.microbatch)."""
     steps: int = 0
     """Optimizer steps; 0 means ``epochs`` full passes."""
     epochs: float = 1.0

@@ -34,6 +34,15 @@ from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.parallel.data_parallel import apply_data_parallel, unwrap
 from plait.parallel.mesh import DistInfo, build_mesh, init_distributed
 from plait.train.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+from plait.planner.microbatch import (
+    MicrobatchPlan,
+    MicrobatchPolicy,
+    SampleCost,
+    plan_microbatches,
+    sample_costs_from_metadata,
+    workload_stats,
+)
+from plait.train.costs import microbatch_cost_coeffs
 from plait.train.metrics import MetricsWriter
 
 __all__ = ["Trainer", "StepResult", "token_loss_sum", "build_optimizer", "build_scheduler"]
@@ -44,7 +53,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class StepResult:
     """One optimizer step: global loss (mean over the global batch's target tokens), gradient norm before
-    clipping, learning rate used, target tokens and all tokens of the global batch, wall time (s)."""
+    clipping, learning rate used, target tokens and all tokens of the global batch, wall time (s), and per
+    module the balance of the microbatches (CV = std/mean and max/mean of per-microbatch work)."""
 
     step: int
     loss: float
@@ -53,6 +63,7 @@ class StepResult:
     target_tokens: int
     tokens: int
     time_s: float
+    workload: dict[str, dict[str, float]] | None = None
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -131,6 +142,7 @@ class Trainer:
             )
         self.loader = GlobalBatchLoader(len(self.train_set), t.global_batch_size, t.seed, cfg.data.shuffle)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.batches_per_epoch)
+        self.cost_coeffs = microbatch_cost_coeffs(self.model)
         self.ddp_model = apply_data_parallel(self.model, self.info)
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas)
         self.scheduler = build_scheduler(self.optimizer, t.warmup_steps, self.total_steps, t.min_lr_ratio)
@@ -141,28 +153,37 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ one step
-    def microbatches(self, indices: Sequence[int]) -> list[list[int]]:
-        """This rank's share of a global batch, cut into microbatches of ``train.microbatch_size``."""
-        mine = rank_share(indices, self.info.rank, self.info.world_size)
-        size = self.cfg.train.microbatch_size
-        return [mine[i : i + size] for i in range(0, len(mine), size)]
+    def plan_step(self, indices: Sequence[int]) -> tuple[MicrobatchPlan, tuple[SampleCost, ...]]:
+        """Assign the global batch ``indices`` to DP ranks and microbatches (``train.microbatch_policy``).
 
-    def forward_backward(self, indices: Sequence[int]) -> tuple[float, int]:
+        Every rank computes the same plan from the samples' metadata, seed and step, without communication.
+        Plan entries are positions in ``indices``. Returns the plan and the per-sample costs it balanced.
+        """
+        t = self.cfg.train
+        costs = sample_costs_from_metadata([self.train_set[i].meta for i in indices], self.cost_coeffs)
+        per_rank = -(-len(indices) // self.info.world_size)
+        policy = MicrobatchPolicy(
+            method=t.microbatch_policy, dp=self.info.world_size,
+            num_microbatches=max(1, -(-per_rank // t.microbatch_size)), seed=t.seed, allow_deferral=False,
+        )
+        return plan_microbatches(costs, policy, self.step), costs
+
+    def microbatches(self, indices: Sequence[int], plan: MicrobatchPlan | None = None) -> list[list[int]]:
+        """This rank's non-empty microbatches (dataset indices) of the global batch ``indices``."""
+        plan = plan or self.plan_step(indices)[0]
+        return [[indices[k] for k in mb] for mb in plan.llm_microbatches(self.info.rank) if mb]
+
+    def forward_backward(self, indices: Sequence[int], plan: MicrobatchPlan | None = None) -> tuple[float, int]:
         """Forward/backward every microbatch of this rank's share of the global batch ``indices``; the
         gradients (reduced over DP) accumulate in ``.grad``. Returns ``(global loss, global target tokens)``.
 
-        Raises:
-            ValueError: when this rank gets no sample (global batch smaller than the DP degree).
+        A rank whose share is empty (fewer samples than ranks) still joins the gradient all-reduce with a
+        zero contribution.
         """
         self.ddp_model.train()
         global_targets = sum(self.train_set[i].meta.target_tokens for i in indices)
         scale = self.info.world_size / max(1, global_targets)  # DDP averages over ranks; undo that
-        mbs = self.microbatches(indices)
-        if not mbs:
-            raise ValueError(
-                f"rank {self.info.rank} got no sample of a global batch of {len(indices)}: "
-                "train.global_batch_size must be >= the DP degree"
-            )
+        mbs = self.microbatches(indices, plan)
         loss_sum = torch.zeros((), dtype=torch.float64)
         for k, mb in enumerate(mbs):
             batch = collate([self.train_set[i] for i in mb], self.processor.pad_id).to(self.info.device)
@@ -176,9 +197,19 @@ class Trainer:
                 mb_loss = token_loss_sum(logits, batch.labels)
                 (mb_loss * scale).backward()
             loss_sum += mb_loss.detach().double().cpu()
+        if not mbs and self.info.world_size > 1:
+            self._join_with_zero_gradient(indices[0])
         if self.info.world_size > 1:
             dist.all_reduce(loss_sum)
         return float(loss_sum) / max(1, global_targets), global_targets
+
+    def _join_with_zero_gradient(self, index: int) -> None:
+        """Take part in DDP's gradient all-reduce with zeros (this rank got no sample): a forward of sample
+        ``index`` through the DDP wrapper whose loss is multiplied by 0."""
+        batch = collate([self.train_set[index]], self.processor.pad_id).to(self.info.device)
+        with self.autocast():
+            logits = self.ddp_model(batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids)
+        (token_loss_sum(logits, batch.labels) * 0.0).backward()
 
     def optimizer_step(self) -> tuple[float, float]:
         """Clip the gradient norm, step optimizer and LR schedule, zero gradients. Returns
@@ -196,10 +227,13 @@ class Trainer:
     def train_step(self, indices: Sequence[int]) -> StepResult:
         """One optimizer step on the global batch ``indices``."""
         start = time.perf_counter()
-        loss, targets = self.forward_backward(indices)
+        plan, costs = self.plan_step(indices)
+        loss, targets = self.forward_backward(indices, plan)
         grad_norm, lr = self.optimizer_step()
         tokens = sum(self.train_set[i].meta.length for i in indices)
-        return StepResult(self.step, loss, grad_norm, lr, targets, tokens, time.perf_counter() - start)
+        stats = workload_stats(plan, costs, list(self.cost_coeffs))
+        workload = {m: {"cv": stats.cv[k], "max_over_mean": stats.max_over_mean[k]} for k, m in enumerate(stats.modules)}
+        return StepResult(self.step, loss, grad_norm, lr, targets, tokens, time.perf_counter() - start, workload)
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
@@ -279,7 +313,7 @@ class Trainer:
             losses.append(res.loss)
             rec = {"step": res.step, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
                    "tokens_per_s": res.tokens / res.time_s, "target_tokens": res.target_tokens,
-                   "epoch": self.loader.epoch}
+                   "epoch": self.loader.epoch, "workload": res.workload}
             if res.step % self.cfg.metrics.log_every == 0 or res.step == end:
                 writer.write(rec)
             bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
