@@ -1,0 +1,345 @@
+"""Pipeline layout plans for the nine MLLMs of the Cornstarch evaluation: Megatron-style even split vs the
+best frozen-unaware plan vs plait's frozen-aware search, on simulated H100s.
+
+Models (Jang et al., "Efficient Distributed MLLM Training with Cornstarch", arXiv 2503.11367; summary in
+../shared/REFERENCES.md section 1): VLM/ALM/VALM in sizes S/M/L. Their costs come from the analytic,
+frozen-aware cost model (``plait.planner.cost_model``) fed with the public configs written out below as
+dicts (Hugging Face field names); families the cost model does not read (Pixtral, Qwen2-VL vision) are given
+as ``EncoderArch`` directly. Uncertain figures are marked ``# uncertain``.
+
+Workload per sample (one sample per microbatch, 24 microbatches per iteration): 1024 text tokens, one
+1280x720 image and (audio models) one 30 s clip = 1500 Whisper frames. By default (``--image native``)
+every vision encoder patches the whole 1280x720 image with its own patch size (patch 14: 91 x 51 = 4641
+patches, plus CLS where the family has one; Pixtral 16: 80 x 45; Qwen2-VL: 92 x 52 after rounding to
+multiples of 28), position embeddings interpolated. With ``--image resized`` fixed-resolution encoders see
+the image resized to their configured size, as their Hugging Face processors do (SigLIP 384: 729 patches;
+InternViT-6B 448: 1025 tokens; ViT-22B and EVA-CLIP-18B 224: 257 tokens). The LLM sequence is the text
+plus every feature (InternVL pixel-shuffles 4 patches into one token, Qwen2-VL merges 2x2 patches,
+Qwen2-Audio pools frames by 2; CLS tokens are not sent). Device: ``DeviceSpec.h100()`` (989 TFLOP/s
+bf16 at 50% efficiency), memory cap 90% of 80 GiB (the rest for the CUDA context, workspaces,
+fragmentation), stage-to-stage P2P at NVLink speed (450 GB/s, 10 us), DP gradient all-reduce over a
+50 GB/s, 10 us link (one 400 Gb/s NIC per GPU), AdamW (16 bytes per trainable parameter with bf16 weights
+and gradients).
+
+Settings: ``frozen`` (frozen encoders, trainable projectors, frozen LLM) and ``trainable`` (everything
+trains). For 8, 16 and 32 GPUs the tables give the simulated iteration time (true frozen-aware costs) of:
+
+- A: Megatron-style even split by unit count, encoders first (stages crossing a module boundary share a
+  rank), DP degree picked by the frozen-unaware model (``megatron_even_split``); A*: the same split with
+  the DP degree that is best with the true costs (a more generous baseline);
+- B: the best frozen-unaware plan (``plan_layout(frozen_aware=False)``: searched with f + dX + dW
+  everywhere, evaluated with the true costs);
+- C: plait's plan (``plan_layout``).
+
+Each with its ratio to the lower bound ``24 x (total true work per microbatch) / GPUs``, its layout
+(``par``: encoder-parallel, ``col``: encoders colocated, ``mix``: stages sharing ranks), DP degree and
+stages per module; then the speedups C/A, C/A*, C/B (time of the baseline / time of C). Table 1 searches
+the DP degree (divisors of the GPU count up to the microbatch count) for every method; Table 2 fixes
+DP = 1 (one pipeline over all GPUs, where only the partition and layout differ). A baseline marked ``!``
+exceeds the memory cap at every DP degree (its best-predicted plan is shown) and is left out of the
+means, as are rows where no plan of C fits. Finally the wall time of full layout searches for 1,024 GPUs
+(every layout and DP degree).
+
+Run: ``.venv/bin/python bench/pipeline_plans.py`` (``--help``: GPU counts, microbatches, models, the
+1,024-GPU search size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+from plait.planner.cost_model import (
+    DeviceSpec,
+    EncoderArch,
+    MicrobatchShape,
+    arch_from_config,
+    model_param_count,
+    unit_costs,
+    units_from_configs,
+)
+from plait.planner.search import LayoutChoice, consistent_units, megatron_even_split, plan_layout
+from plait.planner.simulator import P2PModel
+
+TEXT_TOKENS = 1024
+AUDIO_FRAMES = 1500
+MICROBATCHES = 24
+DEVICE = DeviceSpec.h100()
+MEMORY_CAP = 0.9 * DEVICE.memory_bytes
+P2P = P2PModel(latency_s=DEVICE.link_latency, bandwidth_Bps=DEVICE.link_bandwidth)
+DP_LINK = P2PModel(latency_s=1e-5, bandwidth_Bps=50e9)
+
+# ----- LLMs (HF config fields) --------------------------------------------------------------------
+LLAMA3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+PHI3_SMALL = dict(  # Phi-3-small-8k: GEGLU (gated) MLP, biases; block-sparse attention every other layer ignored
+    model_type="phi3small", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, vocab_size=100352, attention_bias=True, mlp_bias=True)
+MISTRAL_7B = dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)
+GEMMA2_27B = dict(model_type="gemma2", hidden_size=4608, intermediate_size=36864, num_hidden_layers=46,
+                  num_attention_heads=32, num_key_value_heads=16, head_dim=128, vocab_size=256000,
+                  sliding_window=4096, tie_word_embeddings=True,
+                  layer_types=["sliding_attention", "full_attention"] * 23)
+INTERNLM2_20B = dict(model_type="internlm2", hidden_size=6144, intermediate_size=16384, num_hidden_layers=48,
+                     num_attention_heads=48, num_key_value_heads=8, vocab_size=92544, bias=False)
+QWEN2_14B = dict(  # no Qwen2-14B exists: Qwen1.5-14B dimensions (MHA, 40 kv heads)
+    model_type="qwen2", hidden_size=5120, intermediate_size=13696, num_hidden_layers=40,
+    num_attention_heads=40, num_key_value_heads=40, vocab_size=152064)
+QWEN2_72B = dict(model_type="qwen2", hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                 num_attention_heads=64, num_key_value_heads=8, vocab_size=152064)
+MIXTRAL_8X7B = dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, num_local_experts=8,
+                    num_experts_per_tok=2)
+LLAMA3_70B = dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)
+
+# ----- Vision encoders ----------------------------------------------------------------------------
+PIXTRAL_400M = EncoderArch(  # Pixtral-12B vision tower: RMSNorm, gated (SwiGLU) MLP, no biases, 2D RoPE
+    modality="vision", hidden=1024, layers=24, heads=16, head_dim=64, intermediate=4096, gated_mlp=True,
+    qkv_bias=(False, False, False), o_bias=False, mlp_bias=False, norm_bias=False, patch=(16, 16),
+    patch_bias=False, pre_norm=True, post_norm=False, item_len=(1280 // 16) * (720 // 16))
+SIGLIP_SO400M = dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304,
+                     num_hidden_layers=27, num_attention_heads=16, image_size=384, patch_size=14)
+INTERNVIT_6B = dict(model_type="intern_vit_6b", hidden_size=3200, intermediate_size=12800, num_hidden_layers=45,
+                    num_attention_heads=25, image_size=448, patch_size=14, qk_normalization=True,
+                    norm_type="rms_norm", qkv_bias=False)
+QWEN2VL_GRID = (round(720 / 28) * 2, round(1280 / 28) * 2)  # 52 x 92 patches of 14 px after smart resize
+QWEN2VL_VIT_675M = EncoderArch(  # Qwen2-VL vision: 3D patch conv (2 frames x 14 x 14, as 6 channels), RoPE,
+    modality="vision", hidden=1280, layers=32, heads=16, head_dim=80, intermediate=5120,  # merger LN = post-norm
+    num_channels=6, patch=(14, 14), patch_bias=False, output_pool=4, item_len=QWEN2VL_GRID[0] * QWEN2VL_GRID[1])
+VIT_22B = dict(model_type="vit", hidden_size=6144, intermediate_size=24576, num_hidden_layers=48,
+               num_attention_heads=48, image_size=224, patch_size=14, qkv_bias=False)
+EVA_CLIP_18B = dict(  # uncertain: 5120 wide, 48 deep, MLP 20480 gives 15.1B vision parameters (published 17.5B)
+    model_type="clip_vision_model", hidden_size=5120, intermediate_size=20480, num_hidden_layers=48,
+    num_attention_heads=40, image_size=224, patch_size=14)
+
+# ----- Audio encoders (Whisper encoder fields) ------------------------------------------------------
+WHISPER_SMALL = dict(model_type="whisper", d_model=768, encoder_layers=12, encoder_attention_heads=12,
+                     encoder_ffn_dim=3072, num_mel_bins=80, max_source_positions=1500)
+WHISPER_MEDIUM = dict(model_type="whisper", d_model=1024, encoder_layers=24, encoder_attention_heads=16,
+                      encoder_ffn_dim=4096, num_mel_bins=80, max_source_positions=1500)
+WHISPER_LARGE_V3 = dict(model_type="whisper", d_model=1280, encoder_layers=32, encoder_attention_heads=20,
+                        encoder_ffn_dim=5120, num_mel_bins=128, max_source_positions=1500)
+QWEN2_AUDIO_ENC = dict(model_type="qwen2_audio_encoder", d_model=1280, encoder_layers=32,
+                       encoder_attention_heads=20, encoder_ffn_dim=5120, num_mel_bins=128, max_source_positions=1500)
+
+MODELS: dict[str, dict[str, Any]] = {
+    "VLM-S": {"llm": LLAMA3_8B, "vision": PIXTRAL_400M},
+    "ALM-S": {"llm": PHI3_SMALL, "audio": WHISPER_SMALL},
+    "VALM-S": {"llm": MISTRAL_7B, "vision": SIGLIP_SO400M, "audio": WHISPER_SMALL},
+    "VLM-M": {"llm": GEMMA2_27B, "vision": INTERNVIT_6B},
+    "ALM-M": {"llm": INTERNLM2_20B, "audio": WHISPER_MEDIUM},
+    "VALM-M": {"llm": QWEN2_14B, "vision": QWEN2VL_VIT_675M, "audio": WHISPER_MEDIUM},
+    "VLM-L": {"llm": QWEN2_72B, "vision": VIT_22B},
+    "ALM-L": {"llm": MIXTRAL_8X7B, "audio": QWEN2_AUDIO_ENC},
+    "VALM-L": {"llm": LLAMA3_70B, "vision": EVA_CLIP_18B, "audio": WHISPER_LARGE_V3},
+}
+
+
+IMAGE_HW = (720, 1280)
+IMAGE_MODE = {"mode": "native"}  # set from --image
+
+
+def model_configs(name: str) -> tuple[dict[str, Any], dict[str, MicrobatchShape]]:
+    """(model_configs for ``units_from_configs``, per-module microbatch shapes) of one benchmark model."""
+    parts = MODELS[name]
+    configs: dict[str, Any] = {}
+    shapes: dict[str, MicrobatchShape] = {}
+    llm_tokens = TEXT_TOKENS
+    for module in ("vision", "audio"):
+        if module not in parts:
+            continue
+        given = parts[module]
+        if module == "vision" and isinstance(given, dict) and IMAGE_MODE["mode"] == "native":
+            given = dict(given, image_size=list(IMAGE_HW))
+        arch = arch_from_config(given)
+        if parts[module] is INTERNVIT_6B:  # pixel shuffle 0.5: 4 patch features -> 1 token of 4 x 3200
+            arch = dataclasses.replace(arch, output_pool=4)
+            configs["vision.projector"] = {"kind": "mlp", "in_dim": 4 * arch.hidden}
+        if arch is QWEN2VL_VIT_675M:  # 2 x 2 patch merger: 4 x 1280 -> MLP
+            configs["vision.projector"] = {"kind": "mlp", "in_dim": 4 * arch.hidden}
+        configs[module] = arch
+        tokens = AUDIO_FRAMES if module == "audio" else arch.item_len
+        shapes[module] = MicrobatchShape(tokens=tokens)
+        features = tokens // arch.output_pool
+        if module == "vision" and arch.prefix_tokens:
+            features -= arch.prefix_tokens // arch.output_pool  # the CLS token is not sent to the LLM
+        llm_tokens += features
+    configs["llm"] = parts["llm"]
+    shapes["llm"] = MicrobatchShape(tokens=llm_tokens, seq_len=llm_tokens)
+    return configs, shapes
+
+
+def build(name: str, setting: str):
+    """(units, costs, LLM tokens) of a model in a setting (``"frozen"`` or ``"trainable"``)."""
+    configs, shapes = model_configs(name)
+    frozen: dict[str, bool] = {}
+    if setting == "frozen":
+        for module in configs:
+            if module == "llm":
+                frozen["llm"] = True
+            elif not module.endswith(".projector"):
+                frozen[module] = True
+                frozen[f"{module}.projector"] = False
+    units = units_from_configs(configs, frozen)
+    costs = unit_costs(units, configs, shapes, DEVICE)
+    return units, costs, shapes["llm"].tokens
+
+
+def _encoder_share(name: str, setting: str) -> float:
+    """Fraction of one microbatch's true work (forward + backward) spent in the encoders and projectors."""
+    units, costs, _ = build(name, setting)
+    work = [c.forward_s + c.backward_s(u) for u, c in zip(consistent_units(units), costs)]
+    return sum(w for u, w in zip(units, work) if u.module != "llm") / sum(work)
+
+
+def _layout_tag(choice: LayoutChoice) -> str:
+    if choice.plan.num_ranks < choice.plan.num_stages:
+        tag = "mix"
+    else:
+        tag = "par" if choice.layout == "encoder_parallel" else "col"
+    counts = "+".join(str(s) for _, s in choice.stages_per_module)
+    return f"{tag} dp{choice.dp} {counts}"
+
+
+def _generous_megatron(units, costs, gpus: int, microbatches: int, dps: list[int]) -> LayoutChoice | None:
+    """A*: the even split with the DP degree that is best with the true costs (among those that fit memory,
+    if any does)."""
+    best = None
+    for dp in dps:
+        if gpus // dp > len(units):
+            continue
+        choice = megatron_even_split(units, costs, gpus, microbatches=microbatches, dp=dp, memory_cap=MEMORY_CAP,
+                                     p2p=P2P, dp_link=DP_LINK)
+        if best is None or (choice.fits_memory, -choice.iteration_s) > (best.fits_memory, -best.iteration_s):
+            best = choice
+    return best
+
+
+def _run_one(units, costs, gpus: int, microbatches: int, dp_fixed: int | None) -> dict[str, LayoutChoice | None]:
+    """A, A*, B and C for one model, setting and GPU count (``dp_fixed``: one DP degree for all)."""
+    common = dict(microbatches=microbatches, memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK)
+    dps = [dp_fixed] if dp_fixed else [d for d in range(1, min(gpus, microbatches) + 1) if gpus % d == 0]
+    search = dict(common, dp_degrees=dps)
+    out: dict[str, LayoutChoice | None] = {}
+    for key, call in (("A", lambda: megatron_even_split(units, costs, gpus, dp=dp_fixed, **common)),
+                      ("B", lambda: plan_layout(units, costs, gpus, frozen_aware=False, **search)),
+                      ("C", lambda: plan_layout(units, costs, gpus, **search))):
+        try:
+            out[key] = call()
+        except ValueError:
+            out[key] = None
+    out["A*"] = _generous_megatron(units, costs, gpus, microbatches, dps)
+    return out
+
+
+def _cell(choice: LayoutChoice | None) -> str:
+    if choice is None:
+        return f"{'(no fit)':>26}"
+    mark = " " if choice.fits_memory else "!"
+    return f"{choice.iteration_s:7.3f}s{mark}{choice.ratio_to_lower_bound:4.2f}x {_layout_tag(choice):<12}"
+
+
+def _speedup(base: LayoutChoice | None, ours: LayoutChoice | None) -> float:
+    """time(base) / time(ours); nan when either is missing or the baseline exceeds the memory cap."""
+    if base is None or ours is None or not base.fits_memory:
+        return float("nan")
+    return base.iteration_s / ours.iteration_s
+
+
+def run_table(names: list[str], gpu_counts: list[int], microbatches: int, dp_fixed: int | None) -> dict:
+    """Print one side-by-side table; returns the speedups C/A, C/A*, C/B per setting."""
+    speedups: dict[str, list[float]] = {}
+    header = (f"{'model':<7} {'setting':<9} {'GPUs':>4} | {'A megatron even':<26} | {'A* (dp by true)':<26} | "
+              f"{'B frozen-unaware':<26} | {'C plait':<26} |  C/A  C/A*  C/B")
+    print(header)
+    print("-" * len(header))
+    for name in names:
+        for setting in ("frozen", "trainable"):
+            units, costs, _ = build(name, setting)
+            for gpus in gpu_counts:
+                res = _run_one(units, costs, gpus, microbatches, dp_fixed)
+                ratios = [_speedup(res[k], res["C"]) for k in ("A", "A*", "B")]
+                for key, value in zip(("A", "A*", "B"), ratios):
+                    speedups.setdefault((setting, key), []).append(value)
+                print(f"{name:<7} {setting:<9} {gpus:>4} | {_cell(res['A'])} | {_cell(res['A*'])} | "
+                      f"{_cell(res['B'])} | {_cell(res['C'])} | " + " ".join(f"{r:4.2f}" for r in ratios))
+        print()
+    for setting in ("frozen", "trainable"):
+        parts = []
+        for key in ("A", "A*", "B"):
+            values = speedups[(setting, key)]
+            finite = [v for v in values if v == v]
+            parts.append(f"C/{key} {_mean(finite):.2f}x ({len(finite)} of {len(values)} rows)")
+        print(f"mean speedup, {setting}: " + "; ".join(parts))
+    return speedups
+
+
+def _mean(values: list[float]) -> float:
+    finite = [v for v in values if v == v]
+    return statistics.fmean(finite) if finite else float("nan")
+
+
+def time_search(name: str, setting: str, gpus: int, microbatches: int, repeats: int) -> None:
+    """Print the wall time of full layout searches (both layouts, all DP degrees) on ``gpus`` GPUs."""
+    units, costs, _ = build(name, setting)
+    for aware in (True, False):
+        times, choice = [], None
+        for _ in range(repeats):
+            start = time.perf_counter()
+            try:
+                choice = plan_layout(units, costs, gpus, microbatches=microbatches, frozen_aware=aware,
+                                     memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK)
+            except ValueError:
+                choice = None
+            times.append(time.perf_counter() - start)
+        label = "frozen-aware" if aware else "frozen-unaware"
+        found = (f"{choice.candidates} candidates bounded, {choice.simulated} timed; chosen {_layout_tag(choice)}, "
+                 f"{choice.ratio_to_lower_bound:.2f}x lower bound" if choice else "no plan fits memory")
+        print(f"  {name} {setting:<9} {label:<14} {gpus} GPUs, {microbatches:>4} microbatches: "
+              f"min {min(times):.2f} s / max {max(times):.2f} s over {repeats}; {found}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--search-gpus", type=int, default=1024)
+    parser.add_argument("--search-microbatches", type=int, nargs="+", default=[24, 1024],
+                        help="global microbatches of the timed large searches")
+    parser.add_argument("--search-models", nargs="+", default=["VALM-L", "VLM-S"], choices=list(MODELS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--image", choices=("native", "resized"), default="native",
+                        help="vision encoders patch the 1280x720 image (native) or see it resized to their "
+                             "configured size (resized); see the module docstring")
+    args = parser.parse_args()
+    IMAGE_MODE["mode"] = args.image
+    print(f"{DEVICE.name}, cap {MEMORY_CAP / 2**30:.0f} GiB, {args.microbatches} microbatches of 1 sample "
+          f"({TEXT_TOKENS} text tokens + one 1280x720 image, {args.image} (+ 30 s audio))")
+    for name in args.models:
+        units, _, tokens = build(name, "frozen")
+        configs, _ = model_configs(name)
+        sizes = ", ".join(f"{m} {model_param_count(c) / 1e9:.2f}B" for m, c in configs.items()
+                          if not m.endswith(".projector"))
+        shares = "/".join(f"{100 * _encoder_share(name, setting):.0f}%" for setting in ("frozen", "trainable"))
+        print(f"  {name:<7} {len(units):>3} units, {tokens} LLM tokens; {sizes}; encoders {shares} of the work "
+              "(frozen/trainable)")
+    print("\nTable 1: DP degree searched (divisors of the GPU count up to the microbatches); '!' = over the "
+          "memory cap (excluded from the means); rows without C: no plan fits\n")
+    run_table(args.models, args.gpus, args.microbatches, None)
+    print("\nTable 2: one pipeline over all GPUs (DP = 1)\n")
+    run_table(args.models, args.gpus, args.microbatches, 1)
+    print(f"\nfull layout search, {args.search_gpus} GPUs (both layouts, every DP degree dividing the GPUs):")
+    for name in args.search_models:
+        for setting in ("frozen", "trainable"):
+            for microbatches in args.search_microbatches:
+                time_search(name, setting, args.search_gpus, microbatches, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

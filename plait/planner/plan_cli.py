@@ -1,0 +1,348 @@
+"""Functions behind ``plait plan`` and ``plait simulate`` (the argparse wiring lives in ``plait/cli.py``).
+
+- ``plan_command``: read a job config, build the model's pipeline units and their analytic costs
+  (``cost_model``: Hugging Face configs from the TOML ``config`` tables or local ``path`` directories,
+  read with ``transformers.AutoConfig``; no weights), search the layout (``search.plan_layout``), print
+  the plan as a table and write it as JSON (``LayoutChoice.to_json``).
+- ``simulate_command``: read such a JSON plan, simulate one iteration (``simulator.simulate`` on
+  ``schedules.one_f_one_b``) and write the predicted timeline as a Chrome trace and a PNG
+  (``plait.train.plots``), the format measured timelines use too (../shared/DESIGN.md, principle 2).
+
+Workload assumed per microbatch (from the config, overridable): ``train.microbatch_size`` sequences of
+``data.max_length`` LLM tokens (an upper bound: padding to the longest), each with ``items_per_sample``
+items per encoder at the encoder's native size (vision: its ``image_size`` patches; audio: its
+``max_source_positions`` frames); ``global_batch_size / microbatch_size`` microbatches per iteration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from plait.planner.cost_model import (
+    DeviceSpec,
+    MicrobatchShape,
+    arch_from_config,
+    unit_costs,
+    units_from_configs,
+)
+from plait.planner.pipeline_plan import LAYOUTS
+from plait.planner.schedules import one_f_one_b
+from plait.planner.search import LayoutChoice, plan_layout
+from plait.planner.simulator import P2PModel, SimResult, StageMemory, simulate
+from plait.planner.types import Unit, UnitCost
+
+__all__ = [
+    "DEVICES",
+    "PlanInputs",
+    "build_plan_inputs",
+    "device_spec",
+    "format_plan",
+    "plan_command",
+    "simulate_choice",
+    "simulate_command",
+]
+
+DEVICES = ("h100", "h200", "a100", "cpu")
+_GIB = 2**30
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the layout search needs, derived from a job config.
+
+    Attributes:
+        units: pipeline units (``cost_model.units_from_configs``) with the config's freezing flags.
+        costs: one ``UnitCost`` per unit on the chosen device.
+        model_configs: module -> Hugging Face config or architecture, plus ``"<encoder>.projector"``.
+        shapes: module -> ``MicrobatchShape`` of one microbatch.
+        microbatches: global microbatches per iteration.
+        dtype: training dtype of parameters and activations (``"bfloat16"`` or ``"float32"``).
+    """
+
+    units: tuple[Unit, ...]
+    costs: tuple[UnitCost, ...]
+    model_configs: dict[str, Any]
+    shapes: dict[str, MicrobatchShape]
+    microbatches: int
+    dtype: str
+
+
+def device_spec(device: str | DeviceSpec) -> DeviceSpec:
+    """A ``DeviceSpec`` from a preset name (``DEVICES``) or passed through.
+
+    Raises:
+        ValueError: on an unknown name.
+    """
+    if isinstance(device, DeviceSpec):
+        return device
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; choose one of {DEVICES} or pass a DeviceSpec")
+    return getattr(DeviceSpec, device)()
+
+
+# ----- configs -------------------------------------------------------------------------------------
+def _hf_config(path: str | None, fields: dict[str, Any] | None, where: str) -> Any:
+    """A ``PretrainedConfig`` from a local directory or a dict with ``model_type``.
+
+    Raises:
+        ValueError: on a dict without ``model_type``; FileNotFoundError: on a missing directory.
+    """
+    from transformers import AutoConfig
+
+    if path is not None:
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"{where}: model directory {path} does not exist")
+        return AutoConfig.from_pretrained(path)
+    fields = dict(fields or {})
+    model_type = fields.pop("model_type", None)
+    if not model_type:
+        raise ValueError(f"{where}.config needs a 'model_type' field, got keys {sorted(fields)}")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def _encoder_arch(config: Any, downsample: int) -> Any:
+    """The encoder architecture of a (possibly composite) config, with feature pooling ``downsample``."""
+    sub = getattr(config, "vision_config", None)
+    if sub is not None and getattr(config, "model_type", "") not in ("whisper",):
+        config = sub
+    arch = arch_from_config(config)
+    return dataclasses.replace(arch, output_pool=arch.output_pool * downsample) if downsample > 1 else arch
+
+
+def _tokenizer_size(path: str) -> int | None:
+    """Vocabulary size of the tokenizer directory at ``path`` (None when there is none)."""
+    if not path or not Path(path).is_dir():
+        return None
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(path))
+
+
+def _model_parts(cfg: Any) -> tuple[dict[str, Any], dict[str, bool], dict[str, int]]:
+    """(model_configs, frozen flags, features dropped per item) of a ``JobConfig``'s model section."""
+    model = cfg.model
+    configs: dict[str, Any] = {}
+    frozen: dict[str, bool] = {}
+    dropped: dict[str, int] = {}
+    meta = _pretrained_meta(model.pretrained) if model.pretrained else {}
+    for name, enc in model.encoders.items():
+        settings = meta.get(name, {})
+        where = f"model.encoders.{name}"
+        path = str(Path(model.pretrained) / "encoders" / name / "encoder") if model.pretrained else enc.path
+        arch = _encoder_arch(_hf_config(path, enc.config, where), int(settings.get("downsample", enc.downsample)))
+        configs[name] = arch
+        configs[f"{name}.projector"] = {"kind": settings.get("projector", enc.projector)}
+        frozen[name], frozen[f"{name}.projector"] = enc.freeze, enc.freeze_projector
+        dropped[name] = arch.prefix_tokens if settings.get("select", enc.select) == "drop_cls" else 0
+    fields = dict(model.llm.config or {})
+    if model.pretrained is None and model.llm.path is None and "vocab_size" not in fields:
+        size = _tokenizer_size(cfg.data.tokenizer)
+        if size is not None:
+            fields["vocab_size"] = size
+    llm_path = str(Path(model.pretrained) / "llm") if model.pretrained else model.llm.path
+    configs["llm"] = _hf_config(llm_path, fields, "model.llm")
+    frozen["llm"] = model.llm.freeze
+    return configs, frozen, dropped
+
+
+def _pretrained_meta(directory: str) -> dict[str, Any]:
+    """Encoder settings stored by ``MultimodalModel.save_pretrained``.
+
+    Raises:
+        FileNotFoundError: when ``directory`` has no ``plait_config.json``.
+    """
+    meta_path = Path(directory) / "plait_config.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"model.pretrained: {directory} is not a plait model directory (no {meta_path.name})")
+    return json.loads(meta_path.read_text()).get("encoders", {})
+
+
+def build_plan_inputs(cfg: Any, device: str | DeviceSpec = "h100", *, microbatches: int | None = None,
+                      items_per_sample: int = 1) -> PlanInputs:
+    """Units, costs and workload of the model in a ``JobConfig`` (module docstring for the workload).
+
+    Args:
+        cfg: a loaded ``plait.config.schema.JobConfig``.
+        device: the accelerator the costs are for (preset name or ``DeviceSpec``).
+        microbatches: global microbatches per iteration (default
+            ``train.global_batch_size // train.microbatch_size``).
+        items_per_sample: modality items per sample and encoder (images per sample, clips per sample).
+
+    Raises:
+        ValueError: on a bad count or config (named); FileNotFoundError: on a missing model directory.
+    """
+    spec = device_spec(device)
+    if items_per_sample < 1:
+        raise ValueError(f"items_per_sample must be >= 1, got {items_per_sample}")
+    train = cfg.train
+    count = microbatches if microbatches is not None else train.global_batch_size // train.microbatch_size
+    if count < 1:
+        raise ValueError(f"microbatches must be >= 1, got {count} (train.global_batch_size "
+                         f"{train.global_batch_size} / train.microbatch_size {train.microbatch_size})")
+    configs, frozen, _ = _model_parts(cfg)
+    per_mb = train.microbatch_size
+    shapes = {name: MicrobatchShape(tokens=per_mb * items_per_sample * configs[name].item_len)
+              for name in configs if name != "llm" and not name.endswith(".projector")}
+    length = cfg.data.max_length
+    shapes["llm"] = MicrobatchShape(tokens=per_mb * length, seq_len=length)
+    dtype = "float32" if train.dtype == "fp32" or (train.dtype == "auto" and spec.name == "CPU") else "bfloat16"
+    units = units_from_configs(configs, frozen)
+    costs = unit_costs(units, configs, shapes, spec, dtype)
+    return PlanInputs(tuple(units), tuple(costs), configs, shapes, int(count), dtype)
+
+
+# ----- plan ------------------------------------------------------------------------------------------
+def _chunk_label(names: Sequence[str]) -> str:
+    """``first .. last (n)`` of a stage's unit names for one module, the last without the shared prefix
+    (``llm.layers.0 .. layers.7 (8)``)."""
+    if len(names) == 1:
+        return names[0]
+    first, last = names[0].split("."), names[-1].split(".")
+    shared = 0
+    while shared < min(len(first), len(last)) - 1 and first[shared] == last[shared]:
+        shared += 1
+    if last[shared:] and last[shared].isdigit() and shared > 0:
+        shared -= 1
+    return f"{names[0]} .. {'.'.join(last[shared:])} ({len(names)})"
+
+
+def format_plan(choice: LayoutChoice) -> str:
+    """The plan as a text table: one row per stage (rank, modules, units, forward and backward ms per
+    microbatch, peak memory GiB), then the totals."""
+    plan = choice.plan
+    lines = [f"{'stage':>5} {'rank':>4} {'module':<8} {'units':<52} {'F ms':>8} {'B ms':>8} {'mem GiB':>8}"]
+    for stage in plan.stages:
+        for k, module in enumerate(stage.modules):
+            first = k == 0
+            lines.append(
+                f"{stage.index if first else '':>5} {stage.rank if first else '':>4} {module:<8} "
+                f"{_chunk_label(stage.module_units(module)):<52} "
+                + (f"{1e3 * choice.stage_forward_s[stage.index]:>8.2f} {1e3 * choice.stage_backward_s[stage.index]:>8.2f} "
+                   f"{choice.stage_memory_bytes[stage.index] / _GIB:>8.2f}" if first else ""))
+    counts = ", ".join(f"{m} {s}" for m, s in choice.stages_per_module)
+    cap = "no cap" if choice.memory_cap is None else f"cap {choice.memory_cap / _GIB:.1f} GiB"
+    lines += [
+        f"layout {choice.layout}, DP {choice.dp} x {plan.num_ranks} pipeline ranks = {choice.devices_used} of "
+        f"{choice.devices} devices; stages: {counts}",
+        f"iteration {1e3 * choice.iteration_s:.2f} ms (pipeline {1e3 * choice.makespan_s:.2f} ms + gradient "
+        f"all-reduce {1e3 * choice.grad_sync_s:.2f} ms) with {choice.microbatches_per_replica} of "
+        f"{choice.microbatches} microbatches per replica; bubble {100 * choice.bubble_fraction:.1f}%; "
+        f"{choice.ratio_to_lower_bound:.2f}x the lower bound {1e3 * choice.lower_bound_s:.2f} ms; "
+        f"peak memory {max(choice.stage_memory_bytes) / _GIB:.2f} GiB ({cap})",
+    ]
+    return "\n".join(lines)
+
+
+def plan_command(
+    config_path: str | Path,
+    devices: int,
+    out_json: str | Path | None = None,
+    *,
+    overrides: Sequence[str] = (),
+    device: str | DeviceSpec = "h100",
+    microbatches: int | None = None,
+    items_per_sample: int = 1,
+    memory_fraction: float = 0.9,
+    frozen_aware: bool = True,
+    layouts: Sequence[str] = LAYOUTS,
+    dp_degrees: Sequence[int] | None = None,
+    dp_link_Bps: float | None = None,
+    rel_tol: float = 0.0,
+    out: TextIO | None = None,
+) -> LayoutChoice:
+    """``plait plan``: choose the pipeline layout of a job for ``devices`` accelerators, print it, save it.
+
+    Args:
+        config_path: TOML job file; overrides: dotted ``--section.key=value`` overrides.
+        devices: accelerators available.
+        out_json: where to write the ``LayoutChoice`` JSON (parents created); None: do not write.
+        device: accelerator preset (``DEVICES``) or ``DeviceSpec``; its link is the stage-to-stage P2P model.
+        microbatches, items_per_sample: workload (``build_plan_inputs``).
+        memory_fraction: fraction of the device memory a stage may use (the rest: CUDA context, workspaces).
+        frozen_aware, layouts, dp_degrees, rel_tol: as ``search.plan_layout``.
+        dp_link_Bps: bandwidth (B/s) of the data-parallel gradient all-reduce; None: not modelled.
+        out: text stream for the table (default stdout).
+
+    Returns:
+        The ``LayoutChoice``.
+
+    Raises:
+        ValueError: on bad arguments or configs, or when no layout fits memory; FileNotFoundError: on a
+            missing config file or model directory.
+    """
+    from plait.config.loader import load_config
+
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    spec = device_spec(device)
+    cfg = load_config(config_path, list(overrides))
+    inputs = build_plan_inputs(cfg, spec, microbatches=microbatches, items_per_sample=items_per_sample)
+    dp_link = None if dp_link_Bps is None else P2PModel(spec.link_latency, dp_link_Bps)
+    choice = plan_layout(
+        inputs.units, inputs.costs, devices, microbatches=inputs.microbatches, frozen_aware=frozen_aware,
+        memory_cap=memory_fraction * spec.memory_bytes, p2p=P2PModel(spec.link_latency, spec.link_bandwidth),
+        dp_link=dp_link, layouts=layouts, dp_degrees=dp_degrees, rel_tol=rel_tol, dtype=inputs.dtype,
+    )
+    stream = out or sys.stdout
+    print(f"plait plan: {config_path} on {devices} x {spec.name}, {inputs.microbatches} microbatches of "
+          f"{cfg.train.microbatch_size} samples", file=stream)
+    print(format_plan(choice), file=stream)
+    if out_json is not None:
+        path = Path(out_json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(choice.to_json(indent=2))
+        print(f"plan written to {path}", file=stream)
+    return choice
+
+
+# ----- simulate ------------------------------------------------------------------------------------------
+def simulate_choice(choice: LayoutChoice) -> SimResult:
+    """Simulate one iteration of ``choice``'s busiest replica from the per-stage costs it carries."""
+    plan = choice.plan
+    costs = {}
+    for s in range(plan.num_stages):
+        costs[(s, "F")] = choice.stage_forward_s[s]
+        costs[(s, "B")] = choice.stage_backward_s[s]
+    memory = {s: StageMemory(int(choice.stage_static_bytes[s]), int(choice.stage_activation_bytes[s]))
+              for s in range(plan.num_stages)}
+    boundary = dict(enumerate(choice.stage_boundary_bytes))
+    schedule = one_f_one_b(plan, choice.microbatches_per_replica)
+    return simulate(schedule, costs, p2p=choice.p2p, boundary_bytes=boundary, memory=memory)
+
+
+def simulate_command(plan_json: str | Path, out_dir: str | Path, *, out: TextIO | None = None) -> dict[str, Path]:
+    """``plait simulate``: the predicted timeline of a plan written by ``plan_command``.
+
+    Writes ``<out_dir>/timeline.json`` (Chrome trace: open in https://ui.perfetto.dev) and
+    ``<out_dir>/timeline.png`` (Gantt chart), one track per pipeline rank of one replica.
+
+    Returns:
+        ``{"trace": path, "png": path}``.
+
+    Raises:
+        FileNotFoundError: when ``plan_json`` does not exist; ValueError: when it is not a plan.
+    """
+    from plait.train.plots import plot_timeline, write_chrome_trace
+
+    path = Path(plan_json)
+    if not path.is_file():
+        raise FileNotFoundError(f"plan file {path} does not exist")
+    try:
+        choice = LayoutChoice.from_json(path.read_text())
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise ValueError(f"{path} is not a plait plan: {exc}") from exc
+    result = simulate_choice(choice)
+    folder = Path(out_dir)
+    trace = write_chrome_trace(result.events, folder / "timeline.json", label="predicted")
+    title = f"predicted: {choice.layout}, DP {choice.dp}, {choice.microbatches_per_replica} microbatches per replica"
+    png = plot_timeline(result.events, folder / "timeline.png", title=title)
+    print(f"plait simulate: makespan {1e3 * result.makespan_s:.2f} ms, bubble "
+          f"{100 * result.mean_bubble_fraction:.1f}%, peak memory {max(result.peak_memory_bytes) / _GIB:.2f} GiB; "
+          f"wrote {trace} and {png}", file=out or sys.stdout)
+    return {"trace": trace, "png": png}
