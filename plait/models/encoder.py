@@ -92,44 +92,65 @@ class ModalityEncoder(nn.Module):
 
     def encoder_forward(self, inputs: dict[str, Any]) -> torch.Tensor:
         """Selected, pooled encoder features ``[total_features, encoder_dim]`` before the projector."""
-        if self.modality == "image":
-            return self._encode_images(inputs["pixel_values"])
-        return self._encode_audio(inputs["input_features"], inputs["num_samples"])
+        hidden = [self.encoder_features(kwargs) for kwargs, _ in self.item_groups(inputs)]
+        return self.assemble_features(inputs, hidden)
 
     def encoder_features(self, model_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Selected hidden state ``[n, positions, encoder_dim]`` for a stacked batch of same-shape items."""
         out = self.encoder(**model_inputs, output_hidden_states=True)
-        hidden = out.hidden_states[self.feature_layer]
-        if self.select == "drop_cls":
-            hidden = hidden[:, 1:]
-        return hidden
+        return self.select_positions(out.hidden_states[self.feature_layer])
 
-    def _encode_images(self, images: list[torch.Tensor]) -> torch.Tensor:
-        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
-        for i, img in enumerate(images):
-            groups[tuple(img.shape)].append(i)
+    def select_positions(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[n, positions, dim]`` without the CLS position when ``select="drop_cls"``."""
+        return hidden[:, 1:] if self.select == "drop_cls" else hidden
+
+    def item_groups(self, inputs: dict[str, Any]) -> list[tuple[dict[str, Any], list[int]]]:
+        """The encoder calls a batch of items needs: ``(HF encoder kwargs, item indices)`` per group.
+
+        Images of equal size form one group (``pixel_values`` ``[n, C, H, W]``, with
+        ``interpolate_pos_encoding`` when the size is not the native one), in order of first appearance;
+        audio is one group (``input_features`` ``[n, mel, T]``).
+        """
+        if self.modality == "audio":
+            feats = inputs["input_features"]
+            return [({"input_features": feats}, list(range(feats.shape[0])))]
+        images = inputs["pixel_values"]
         native = int(self.encoder.config.image_size)
-        per_item: list[torch.Tensor | None] = [None] * len(images)
-        for shape, idx in groups.items():
-            pixels = torch.stack([images[i] for i in idx])
-            kwargs: dict[str, Any] = {"pixel_values": pixels}
+        out = []
+        for shape, idx in _shape_groups(images).items():
+            kwargs: dict[str, Any] = {"pixel_values": torch.stack([images[i] for i in idx])}
             if shape[-2:] != (native, native):
                 kwargs["interpolate_pos_encoding"] = True
-            hidden = self.encoder_features(kwargs)
+            out.append((kwargs, idx))
+        return out
+
+    def assemble_features(self, inputs: dict[str, Any], hidden: list[torch.Tensor]) -> torch.Tensor:
+        """Features ``[total_features, encoder_dim]`` of all items, in item order, from the selected hidden
+        states of each group of ``item_groups(inputs)`` (audio is pooled and cut to each clip's count).
+
+        Raises:
+            ValueError: when a group's feature count differs from the feature-count formula.
+        """
+        if self.modality == "image":
+            return self._assemble_images(inputs["pixel_values"], hidden)
+        return self._assemble_audio(hidden[0], inputs["num_samples"])
+
+    def _assemble_images(self, images: list[torch.Tensor], hidden: list[torch.Tensor]) -> torch.Tensor:
+        per_item: list[torch.Tensor | None] = [None] * len(images)
+        for (shape, idx), group in zip(_shape_groups(images).items(), hidden):
             expected = self.feature_count(shape[-2:])
-            if hidden.shape[1] != expected:
+            if group.shape[1] != expected:
                 raise ValueError(
-                    f"{type(self.encoder).__name__} gave {hidden.shape[1]} features for a {shape[-2]}x{shape[-1]} "
+                    f"{type(self.encoder).__name__} gave {group.shape[1]} features for a {shape[-2]}x{shape[-1]} "
                     f"image but the feature-count formula says {expected}"
                 )
             for j, i in enumerate(idx):
-                per_item[i] = hidden[j]
+                per_item[i] = group[j]
         if not per_item:
             return torch.zeros(0, self.encoder_dim)
         return torch.cat(per_item, dim=0)  # type: ignore[arg-type]
 
-    def _encode_audio(self, features: torch.Tensor, num_samples: torch.Tensor) -> torch.Tensor:
-        hidden = self.encoder_features({"input_features": features})
+    def _assemble_audio(self, hidden: torch.Tensor, num_samples: torch.Tensor) -> torch.Tensor:
         if self.downsample > 1:
             pooled = F.avg_pool1d(hidden.transpose(1, 2), self.downsample, self.downsample, ceil_mode=True)
             hidden = pooled.transpose(1, 2)
@@ -157,3 +178,11 @@ class ModalityEncoder(nn.Module):
                 p.requires_grad_(flags[n])
             self.encoder.train(was_training)
         return frozenset(n for (n, _), g in zip(params.items(), grads) if g is None)
+
+
+def _shape_groups(images: list[torch.Tensor]) -> dict[tuple[int, ...], list[int]]:
+    """Indices of the images of each shape, shapes in order of first appearance."""
+    groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for i, img in enumerate(images):
+        groups[tuple(img.shape)].append(i)
+    return dict(groups)

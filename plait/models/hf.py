@@ -24,6 +24,11 @@ __all__ = [
     "build_causal_lm",
     "encoder_hidden_size",
     "feature_count_for",
+    "EncoderLayout",
+    "LlmLayout",
+    "encoder_layout",
+    "llm_layout",
+    "run_encoder_layer",
 ]
 
 # model_type -> (transformers class name, outputs start with a CLS token)
@@ -36,6 +41,54 @@ _VISION = {
     "vit": ("ViTModel", True),
 }
 _AUDIO = {"whisper": "transformers.models.whisper.modeling_whisper.WhisperEncoder"}
+
+
+@dataclass(frozen=True)
+class EncoderLayout:
+    """Where the pipeline units of an encoder family live (module paths relative to the HF encoder).
+
+    The HF encoder's own ``forward`` runs ``embed`` then the ``layers`` list then ``post_norm``, so a stage
+    that owns the embedding runs that forward with its ``layers`` list cut to the owned layers and every
+    module it does not own replaced by ``nn.Identity``; a stage without the embedding calls its layers one by
+    one (``run_encoder_layer``). ``heads`` are modules that never feed hidden states (pooling heads).
+
+    Attributes:
+        embed: modules of the embedding unit, in the order the forward applies them.
+        layers: the ``nn.ModuleList`` of encoder layers.
+        post_norm: the norm the forward applies to the last layer's output.
+        heads: modules off the hidden-state path.
+    """
+
+    embed: tuple[str, ...]
+    layers: str
+    post_norm: str
+    heads: tuple[str, ...] = ()
+
+
+# model_type -> layout (transformers 5 module tree; checked against the stock forward in the unit tests)
+_ENCODER_LAYOUTS = {
+    "siglip_vision_model": EncoderLayout(("embeddings",), "encoder.layers", "post_layernorm", ("head",)),
+    "siglip": EncoderLayout(("embeddings",), "encoder.layers", "post_layernorm", ("head",)),
+    "clip_vision_model": EncoderLayout(("embeddings", "pre_layrnorm"), "encoder.layers", "post_layernorm"),
+    "clip": EncoderLayout(("embeddings", "pre_layrnorm"), "encoder.layers", "post_layernorm"),
+    "vit": EncoderLayout(("embeddings",), "layers", "layernorm", ("pooler",)),
+    "whisper": EncoderLayout(("conv1", "conv2", "embed_positions"), "layers", "layer_norm"),
+}
+
+
+@dataclass(frozen=True)
+class LlmLayout:
+    """Where the pipeline units of a causal LM live (module paths relative to the ``*ForCausalLM``).
+
+    ``base`` is the decoder stack (``model``) whose forward takes ``inputs_embeds`` and runs ``layers``
+    then ``norm``; ``embed``/``head`` are the input/output embeddings.
+    """
+
+    base: str
+    embed: str
+    layers: str
+    norm: str
+    head: str
 
 
 @dataclass(frozen=True)
@@ -216,3 +269,62 @@ def dummy_encoder_input(encoder: PreTrainedModel, modality: str) -> dict[str, to
         return {"pixel_values": torch.zeros(1, int(cfg.num_channels), size, size)}
     frames = int(cfg.max_source_positions) * int(encoder.conv1.stride[0]) * int(encoder.conv2.stride[0])
     return {"input_features": torch.zeros(1, int(cfg.num_mel_bins), frames)}
+
+
+def encoder_layout(encoder: PreTrainedModel) -> EncoderLayout:
+    """The :class:`EncoderLayout` of ``encoder``'s family.
+
+    Raises:
+        ValueError: for a family without a known layout, or a module tree that does not match it.
+    """
+    model_type = encoder.config.model_type
+    layout = _ENCODER_LAYOUTS.get(model_type)
+    if layout is None:
+        raise ValueError(
+            f"no pipeline layout for encoder model_type {model_type!r}; supported: {sorted(_ENCODER_LAYOUTS)}"
+        )
+    paths = [*layout.embed, layout.layers, layout.post_norm]
+    missing = [path for path in paths if not _has_module(encoder, path)]
+    if missing or not isinstance(encoder.get_submodule(layout.layers), torch.nn.ModuleList):
+        raise ValueError(f"{type(encoder).__name__} does not have the expected modules {paths} (missing {missing})")
+    heads = tuple(h for h in layout.heads if _has_module(encoder, h))
+    return EncoderLayout(layout.embed, layout.layers, layout.post_norm, heads)
+
+
+def run_encoder_layer(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """One encoder layer on ``hidden`` ``[n, positions, dim]`` without attention mask, as the stock encoder
+    forwards of every family in ``_ENCODER_LAYOUTS`` call it (``layer(hidden_states, None)``)."""
+    out = layer(hidden, None)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def llm_layout(llm: PreTrainedModel) -> LlmLayout:
+    """The :class:`LlmLayout` of a causal LM: ``<base>.layers``/``<base>.norm`` inside the base model
+    (``base_model_prefix``), embeddings found from ``get_input_embeddings``/``get_output_embeddings``.
+
+    Raises:
+        ValueError: when the model does not have that shape (e.g. GPT-2's ``transformer.h``).
+    """
+    base = getattr(llm, "base_model_prefix", "model") or "model"
+    names = {id(m): n for n, m in llm.named_modules(remove_duplicate=False)}
+    embed = names.get(id(llm.get_input_embeddings()))
+    head = names.get(id(llm.get_output_embeddings()))
+    layout = LlmLayout(base, embed or "", f"{base}.layers", f"{base}.norm", head or "")
+    paths = (layout.base, layout.embed, layout.layers, layout.norm, layout.head)
+    missing = [p for p in paths if not _has_module(llm, p)]
+    if missing or not isinstance(llm.get_submodule(layout.layers), torch.nn.ModuleList):
+        raise ValueError(
+            f"{type(llm).__name__}: no pipeline layout (expected {base}.layers, {base}.norm, input and output "
+            f"embeddings; missing {missing})"
+        )
+    return layout
+
+
+def _has_module(root: torch.nn.Module, path: str) -> bool:
+    if not path:
+        return False
+    try:
+        root.get_submodule(path)
+    except AttributeError:
+        return False
+    return True

@@ -76,6 +76,18 @@ class MultimodalModel(nn.Module):
         unknown = set(modality_inputs) - set(self.encoders)
         if unknown:
             raise ValueError(f"inputs for unknown encoder(s) {sorted(unknown)}; model has {sorted(self.encoders)}")
+        features = {name: self.encode(name, inputs) for name, inputs in modality_inputs.items()}
+        return self.place_features(input_ids, features)
+
+    def place_features(self, input_ids: torch.Tensor, features: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Token embeddings ``[B, N, hidden]`` of ``input_ids`` ``[B, N]`` with ``features[name]``
+        ``[placeholders of name, hidden]`` scattered (out of place) into branch ``name``'s placeholder
+        positions, row-major; placeholders are embedded as token 0 first. A branch with no placeholder in the
+        batch may be absent from ``features``. Shared by :meth:`embed` and the first LLM pipeline stage.
+
+        Raises:
+            ValueError: when a branch has placeholders but no features, or a different number of features.
+        """
         masks = {name: input_ids == pid for name, pid in self.placeholder_ids.items()}
         text_ids = input_ids
         for mask in masks.values():
@@ -83,11 +95,11 @@ class MultimodalModel(nn.Module):
         embeds = self.language_model.get_input_embeddings()(text_ids)
         for name, mask in masks.items():
             n_placeholders = int(mask.sum())
-            if name not in modality_inputs:
+            if name not in features:
                 if n_placeholders:
                     raise ValueError(f"{n_placeholders} {name!r} placeholder tokens but no {name!r} inputs")
                 continue
-            feats = self.encode(name, modality_inputs[name])
+            feats = features[name]
             if feats.shape[0] != n_placeholders:
                 raise ValueError(
                     f"encoder {name!r} produced {feats.shape[0]} features but the batch has {n_placeholders} "
@@ -111,14 +123,20 @@ class MultimodalModel(nn.Module):
         modality_inputs: Mapping[str, Any] | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        token_index: torch.Tensor | None = None,
         **llm_kwargs: Any,
     ) -> torch.Tensor:
         """Logits ``[B, N, vocab]`` (fp32 or the autocast dtype) for ``input_ids`` ``[B, N]``.
 
         ``attention_mask`` ``[B, N]`` (1 = token, 0 = padding) and ``position_ids`` ``[B, N]`` go to the LLM
-        unchanged, as do extra keyword arguments (attention kwargs).
+        unchanged, as do extra keyword arguments (attention kwargs such as ``plait_mask``). With
+        ``token_index`` (int64 ``[n]``) the LLM runs only on those tokens of every row (a context-parallel
+        shard; ``position_ids`` must then be the shard's ``[B, n]`` global positions) and the logits are
+        ``[B, n, vocab]``.
         """
         embeds = self.embed(input_ids, modality_inputs)
+        if token_index is not None:
+            embeds = embeds.index_select(1, token_index)
         out = self.language_model(
             inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids, **llm_kwargs
         )

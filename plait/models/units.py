@@ -1,0 +1,112 @@
+"""Ordered pipeline units of a composite model, with frozen-aware flags (../shared/DESIGN.md, principle 6).
+
+Each encoder branch gives ``[embed, layers.0..k, post-norm, projector]`` and the LLM gives
+``[embed_tokens, layers.0..n-1, norm, lm_head]``; names are fully qualified module names read from the model
+through the per-family layouts of :mod:`plait.models.hf`. Encoder units whose parameters can never reach the
+selected features (``ModalityEncoder.unreachable``: layers after ``feature_layer``, an unused post-norm) are
+not units at all, so the chain of a branch's units computes exactly the features the branch selects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from plait.models.encoder import ModalityEncoder
+from plait.models.hf import encoder_layout, llm_layout
+from plait.models.multimodal import MultimodalModel
+from plait.planner.pipeline_plan import LLM_MODULE
+from plait.planner.types import Unit
+
+__all__ = ["UnitSpec", "model_units", "unit_specs"]
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """A pipeline unit with the modules it is made of.
+
+    Attributes:
+        unit: the planner's :class:`Unit` (name = FQN of its first module in the composite).
+        modules: FQNs (in the composite) of every module of the unit, in forward order; one module except for
+            multi-module embeddings (Whisper: ``conv1, conv2, embed_positions``; CLIP: ``embeddings,
+            pre_layrnorm``).
+        layer: index of the layer in its family's layer list, -1 for other units.
+    """
+
+    unit: Unit
+    modules: tuple[str, ...]
+    layer: int = -1
+
+
+def model_units(model: MultimodalModel) -> tuple[Unit, ...]:
+    """The ordered pipeline units of ``model``: every encoder branch (in ``model.encoders`` order), then the LLM.
+
+    Flags (``Unit``): ``trainable`` when any reachable parameter of the unit has ``requires_grad``;
+    ``needs_input_grad`` when an earlier unit of the same branch trains or, for LLM units, when any encoder
+    unit or an earlier LLM unit trains (so the first LLM unit needs an input gradient whenever a projector or
+    encoder trains, as ``PipelinePlan`` requires).
+
+    Raises:
+        ValueError: for an encoder or LLM family without a pipeline layout (``plait.models.hf``).
+    """
+    return tuple(spec.unit for spec in unit_specs(model))
+
+
+def unit_specs(model: MultimodalModel) -> tuple[UnitSpec, ...]:
+    """:func:`model_units` with the modules of each unit (used to build pipeline stages).
+
+    Raises:
+        ValueError: as :func:`model_units`.
+    """
+    specs: list[UnitSpec] = []
+    any_encoder_trains = False
+    for name, branch in model.encoders.items():
+        branch_specs = _chain(model, _encoder_parts(name, branch), name, upstream=False)
+        any_encoder_trains |= any(s.unit.trainable for s in branch_specs)
+        specs += branch_specs
+    specs += _chain(model, _llm_parts(model), LLM_MODULE, upstream=any_encoder_trains)
+    return tuple(specs)
+
+
+def _encoder_parts(name: str, branch: ModalityEncoder) -> list[tuple[str, tuple[str, ...], int]]:
+    """``(kind, module FQNs, layer index)`` of the branch's reachable units, in order."""
+    layout = encoder_layout(branch.encoder)
+    prefix = f"encoders.{name}.encoder."
+    n_layers = len(branch.encoder.get_submodule(layout.layers))
+    parts = [("embed", layout.embed, -1)]
+    parts += [("layer", (f"{layout.layers}.{i}",), i) for i in range(n_layers)]
+    parts.append(("norm", (layout.post_norm,), -1))
+    reachable = [p for p in parts if _reachable(branch, p[1])]
+    out = [(kind, tuple(prefix + m for m in mods), i) for kind, mods, i in reachable]
+    return out + [("projector", (f"encoders.{name}.projector",), -1)]
+
+
+def _reachable(branch: ModalityEncoder, modules: tuple[str, ...]) -> bool:
+    """A unit is reachable when it has a parameter outside ``branch.unreachable`` (or no parameter)."""
+    names = [f"{m}.{n}" for m in modules for n, _ in branch.encoder.get_submodule(m).named_parameters()]
+    return not names or any(n not in branch.unreachable for n in names)
+
+
+def _llm_parts(model: MultimodalModel) -> list[tuple[str, tuple[str, ...], int]]:
+    layout = llm_layout(model.language_model)
+    prefix = "language_model."
+    n_layers = len(model.language_model.get_submodule(layout.layers))
+    parts = [("embed", (prefix + layout.embed,), -1)]
+    parts += [("layer", (f"{prefix}{layout.layers}.{i}",), i) for i in range(n_layers)]
+    return parts + [("norm", (prefix + layout.norm,), -1), ("head", (prefix + layout.head,), -1)]
+
+
+def _chain(
+    model: MultimodalModel, parts: list[tuple[str, tuple[str, ...], int]], module: str, upstream: bool
+) -> list[UnitSpec]:
+    specs = []
+    for kind, modules, layer in parts:
+        trainable = any(p.requires_grad for m in modules for p in _params(model, m))
+        specs.append(UnitSpec(Unit(modules[0], module, kind, trainable, upstream), modules, layer))
+        upstream = upstream or trainable
+    return specs
+
+
+def _params(model: MultimodalModel, module: str) -> list[nn.Parameter]:
+    return list(model.get_submodule(module).parameters())

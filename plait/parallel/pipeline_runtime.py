@@ -1,0 +1,580 @@
+"""Execute a pipeline ``Schedule`` on this rank: forward/backward actions, P2P transfers, DP reduction.
+
+The runtime only executes (../shared/DESIGN.md, principle 3): the plan says which stage runs where, the
+schedule says in which order each rank runs ``F``/``B``/``W`` of each microbatch. Transfers follow the
+plan's edges: ``F(s, m)`` receives the payload of every predecessor and sends its output to its successor;
+``B(s, m)`` receives the output gradient from the successor and sends the input gradient of each branch back
+to the predecessors that run backward. Stages on the same rank hand payloads over locally.
+
+Wire format of one message (``dist.batch_isend_irecv``; sends are never waited for until the end of the
+step, as ``check_schedule``'s deadlock model requires): an int64 header of ``HEADER_SLOTS`` slots (slot 0 is
+the header's length; a longer header continues in a second message) giving, per module of the sending
+payload, the tensor count and each tensor's ndim, dtype and shape (ndim -1 for "no gradient"), then the
+tensors themselves. An absent modality is a module with zero tensors, so a branch without input in a
+microbatch still exchanges (empty) messages and nothing hangs. Messages between two ranks are matched in
+the order the sender's schedule emits them (the receiver derives that order from the schedule and
+buffers messages that arrive before they are needed), so no tags are needed (NCCL has none).
+
+Frozen-aware execution (principle 6): a stage that runs no backward runs its forward under ``no_grad`` and
+keeps nothing; a frozen stage that needs an input gradient keeps its activations and its backward computes
+input gradients only (its parameters have ``requires_grad`` False). Loss: the last stage's sum of token
+cross-entropies, each microbatch's backward scaled by ``1 / global target tokens`` (the whole global batch,
+all DP replicas), and gradients summed over the DP group, so the result equals one process on the global
+batch. With ``split_backward`` schedules ``B`` computes input gradients (``autograd.grad``, graph retained)
+and ``W`` weight gradients (a second pass over the retained graph: correct, but it repeats the part of the
+backward shared by both, so it is slower than a fused backward).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from plait.data.collate import Batch
+from plait.data.processing import IGNORE
+from plait.parallel.stages import Payload, PipelineStage, RankStages
+from plait.planner.schedules import Action, Schedule, TimelineEvent, frees_activations
+
+__all__ = [
+    "HEADER_SLOTS",
+    "PipelineComm",
+    "PipelineStepResult",
+    "build_pipeline_comm",
+    "pipeline_comm_from_mesh",
+    "run_pipeline_step",
+    "clip_grad_norm_pipeline",
+    "gather_timeline",
+    "token_loss_sum",
+]
+
+HEADER_SLOTS = 64
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8)
+_MessageKey = tuple[str, int, int, int]  # (kind "F"/"B", sending stage, receiving stage, microbatch)
+
+
+@dataclass(frozen=True)
+class PipelineComm:
+    """This process's place in a PP x DP job.
+
+    Attributes:
+        pp_rank: coordinate on the pipeline axis (the plan's rank numbering).
+        pp_ranks: global rank of every pipeline rank of this process's pipeline.
+        dp_rank: index of this pipeline among the DP replicas.
+        dp_size: number of DP replicas (pipelines).
+        dp_group: process group of the ranks with this ``pp_rank`` in every replica (None when ``dp_size == 1``).
+        device: device of this rank's stages (P2P buffers live there: CPU for gloo, CUDA for NCCL).
+    """
+
+    pp_rank: int = 0
+    pp_ranks: tuple[int, ...] = (0,)
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: Any = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def distributed(self) -> bool:
+        """True when a default process group exists (single-process runs need none)."""
+        return dist.is_available() and dist.is_initialized()
+
+
+def build_pipeline_comm(pp_size: int, device: torch.device | str = "cpu") -> PipelineComm:
+    """Pipeline and DP coordinates with global rank ``= dp_rank * pp_size + pp_rank`` (pipelines are runs of
+    consecutive ranks); creates the DP groups (collective: every rank must call it).
+
+    Raises:
+        ValueError: when the world size is not a multiple of ``pp_size``.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if pp_size < 1 or world % pp_size:
+        raise ValueError(f"parallel.pp={pp_size} must divide the world size {world}")
+    dp_size = world // pp_size
+    dp_rank, pp_rank = divmod(rank, pp_size)
+    group = None
+    for q in range(pp_size):
+        if dp_size > 1:
+            g = dist.new_group([d * pp_size + q for d in range(dp_size)])
+            group = g if q == pp_rank else group
+    ranks = tuple(dp_rank * pp_size + q for q in range(pp_size))
+    if dist.is_initialized():
+        dist.barrier()  # NCCL: the default communicator exists before the first batched P2P call
+    return PipelineComm(pp_rank, ranks, dp_rank, dp_size, group, torch.device(device))
+
+
+def pipeline_comm_from_mesh(mesh: Any, device: torch.device | str = "cpu") -> PipelineComm:
+    """:class:`PipelineComm` from a ``DeviceMesh`` with a ``"pp"`` axis and optionally a ``"dp"`` axis.
+
+    Raises:
+        ValueError: when the mesh has no ``"pp"`` axis.
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    if "pp" not in names:
+        raise ValueError(f"the device mesh has axes {names}; a pipeline needs a 'pp' axis")
+    pp_mesh = mesh["pp"]
+    ranks = tuple(int(r) for r in pp_mesh.mesh.flatten().tolist())
+    dp_size, dp_rank, group = 1, 0, None
+    if "dp" in names and mesh["dp"].size() > 1:
+        dp_size, dp_rank, group = mesh["dp"].size(), mesh.get_local_rank("dp"), mesh["dp"].get_group()
+    return PipelineComm(mesh.get_local_rank("pp"), ranks, dp_rank, dp_size, group, torch.device(device))
+
+
+@dataclass(frozen=True)
+class PipelineStepResult:
+    """One pipeline step (forward/backward of all microbatches, gradients reduced).
+
+    Attributes:
+        loss: global loss (sum of token cross-entropies / global target tokens), the same on every rank.
+        loss_sum: the global sum of token cross-entropies.
+        events: this rank's timed actions (``rank`` = pipeline rank; seconds since the epoch), compute only:
+            waiting for a message is not inside an event.
+        saved_tensors: per stage of this rank, tensors saved for backward by its forwards (with
+            ``instrument=True``, else empty).
+        backward_actions: per stage of this rank, ``B``/``W`` actions that ran a backward pass.
+    """
+
+    loss: float
+    loss_sum: float
+    events: tuple[TimelineEvent, ...]
+    saved_tensors: Mapping[int, int]
+    backward_actions: Mapping[int, int]
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross-entropies (fp32) over positions whose label is not -100 (``[B, N, V]``, ``[B, N]``)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+# ----- messages ----------------------------------------------------------------------------------------
+def _encode_header(modules: Sequence[str], payload: Mapping[str, Sequence[torch.Tensor | None]]) -> list[int]:
+    body: list[int] = []
+    for module in modules:
+        tensors = payload.get(module, [])
+        body.append(len(tensors))
+        for t in tensors:
+            body += [-1] if t is None else [t.dim(), _DTYPES.index(t.dtype), int(t.requires_grad), *t.shape]
+    return [len(body) + 1, *body]
+
+
+_TensorSpec = tuple[torch.dtype, list[int], bool]  # dtype, shape, requires_grad (the sender has a graph)
+
+
+def _decode_header(modules: Sequence[str], header: Sequence[int]) -> dict[str, list[_TensorSpec | None]]:
+    out: dict[str, list[_TensorSpec | None]] = {}
+    pos = 1
+    for module in modules:
+        count, pos = header[pos], pos + 1
+        specs: list[_TensorSpec | None] = []
+        for _ in range(count):
+            ndim = header[pos]
+            if ndim < 0:
+                specs.append(None)
+                pos += 1
+                continue
+            specs.append((_DTYPES[header[pos + 1]], list(header[pos + 3 : pos + 3 + ndim]), bool(header[pos + 2])))
+            pos += 3 + ndim
+        out[module] = specs
+    return out
+
+
+class _Transport:
+    """Ordered P2P messages between the ranks of one pipeline (see the module docstring)."""
+
+    def __init__(self, comm: PipelineComm, schedule: Schedule) -> None:
+        self.comm, self.plan = comm, schedule.plan
+        self.pending: list[tuple[Any, list[torch.Tensor]]] = []
+        self.expected: dict[int, deque[_MessageKey]] = defaultdict(deque)
+        self.arrived: dict[_MessageKey, dict[str, list[torch.Tensor | None]]] = {}
+        for src, actions in enumerate(schedule.actions):
+            for action in actions:
+                for key in _messages(self.plan, action):
+                    if self.plan.stages[key[2]].rank == comm.pp_rank and src != comm.pp_rank:
+                        self.expected[src].append(key)
+
+    def modules_of(self, key: _MessageKey) -> tuple[str, ...]:
+        """Modules of a message's payload: the sender's for activations, the receiver's for gradients."""
+        return self.plan.stages[key[1] if key[0] == "F" else key[2]].modules
+
+    def send(self, key: _MessageKey, payload: Mapping[str, Sequence[torch.Tensor | None]]) -> None:
+        """Post the message (header, then tensors) without waiting for it."""
+        peer = self.comm.pp_ranks[self.plan.stages[key[2]].rank]
+        header = _encode_header(self.modules_of(key), payload)
+        tensors = [t.detach().contiguous() for m in self.modules_of(key) for t in payload.get(m, []) if t is not None]
+        tensors = [t for t in tensors if t.numel()]
+        buffers = self._header_buffers(header)
+        self.pending = [(works, held) for works, held in self.pending if not all(w.is_completed() for w in works)]
+        for group in (buffers, tensors):
+            if group:
+                ops = [dist.P2POp(dist.isend, t, peer) for t in group]
+                self.pending.append((dist.batch_isend_irecv(ops), group))  # buffers live until the send is done
+
+    def receive(self, key: _MessageKey) -> dict[str, list[torch.Tensor | None]]:
+        """The payload of message ``key``, receiving (and buffering) earlier messages of its channel first."""
+        src = self.plan.stages[key[1]].rank
+        while key not in self.arrived:
+            if not self.expected[src]:
+                raise RuntimeError(f"pipeline rank {self.comm.pp_rank}: message {key} is not expected from rank {src}")
+            nxt = self.expected[src].popleft()
+            self.arrived[nxt] = self._receive_one(nxt, self.comm.pp_ranks[src])
+        return self.arrived.pop(key)
+
+    def _receive_one(self, key: _MessageKey, peer: int) -> dict[str, list[torch.Tensor | None]]:
+        first = torch.zeros(HEADER_SLOTS, dtype=torch.long, device=self.comm.device)
+        self._recv([first], peer)
+        header = first.tolist()
+        if header[0] > HEADER_SLOTS:
+            rest = torch.zeros(header[0] - HEADER_SLOTS, dtype=torch.long, device=self.comm.device)
+            self._recv([rest], peer)
+            header += rest.tolist()
+        specs = _decode_header(self.modules_of(key), header)
+        out = {m: [None if s is None else torch.empty(s[1], dtype=s[0], device=self.comm.device) for s in lst]
+               for m, lst in specs.items()}
+        self._recv([t for lst in out.values() for t in lst if t is not None and t.numel()], peer)
+        for module, lst in specs.items():
+            for t, spec in zip(out[module], lst):
+                if t is not None and spec is not None:
+                    t.requires_grad_(spec[2])
+        return out
+
+    def _header_buffers(self, header: list[int]) -> list[torch.Tensor]:
+        padded = header + [0] * max(0, HEADER_SLOTS - len(header))
+        full = torch.tensor(padded, dtype=torch.long, device=self.comm.device)
+        return [full[:HEADER_SLOTS]] + ([full[HEADER_SLOTS:]] if len(header) > HEADER_SLOTS else [])
+
+    @staticmethod
+    def _recv(tensors: list[torch.Tensor], peer: int) -> None:
+        if tensors:
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer) for t in tensors]):
+                work.wait()
+
+    def finish(self) -> None:
+        """Wait for every posted send (end of the step)."""
+        for works, _ in self.pending:
+            for work in works:
+                work.wait()
+        self.pending.clear()
+
+
+def _messages(plan: Any, action: Action) -> list[_MessageKey]:
+    """Messages ``action`` sends to other ranks, in the order the runtime posts them."""
+    s, m, rank = action.stage, action.microbatch, plan.stages[action.stage].rank
+    if action.kind == "F":
+        return [("F", s, t, m) for t in plan.successors(s) if plan.stages[t].rank != rank]
+    if action.kind == "B":
+        return [("B", s, p, m) for p in plan.predecessors(s)
+                if plan.stages[p].runs_backward and plan.stages[p].rank != rank]
+    return []
+
+
+# ----- execution ---------------------------------------------------------------------------------------
+@dataclass
+class _Record:
+    """What a stage keeps of one microbatch between its forward and its last backward action."""
+
+    inputs: dict[int, Payload]
+    outputs: Payload
+    out_grads: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+class _Executor:
+    """Runs one rank's actions of one step (state of that step only)."""
+
+    def __init__(self, stages: RankStages, schedule: Schedule, microbatches: Sequence[Batch], scale: float,
+                 comm: PipelineComm, loss_fn: Callable, autocast: Callable[[], AbstractContextManager],
+                 llm_kwargs: Callable[[Batch], Mapping[str, Any]], instrument: bool) -> None:
+        self.stages, self.plan, self.schedule = stages, schedule.plan, schedule
+        self.mbs, self.scale, self.comm = microbatches, scale, comm
+        self.loss_fn, self.autocast, self.llm_kwargs, self.instrument = loss_fn, autocast, llm_kwargs, instrument
+        self.transport = _Transport(comm, schedule) if comm.distributed else None
+        self.local: dict[_MessageKey, Any] = {}
+        self.records: dict[tuple[int, int], _Record] = {}
+        self.losses: list[torch.Tensor] = []
+        self.events: list[TimelineEvent] = []
+        self.saved: dict[int, int] = {s: 0 for s in stages.stages}
+        self.backwards: dict[int, int] = {s: 0 for s in stages.stages}
+
+    def run(self) -> None:
+        for action in self.schedule.actions[self.comm.pp_rank]:
+            if action.kind == "F":
+                self._forward(action.stage, action.microbatch)
+            else:
+                self._backward(action)
+        if self.transport is not None:
+            self.transport.finish()
+
+    # -- transfers
+    def _take(self, key: _MessageKey) -> Any:
+        if key in self.local:
+            return self.local.pop(key)
+        if self.transport is None:
+            raise RuntimeError(f"message {key} crosses ranks but torch.distributed is not initialised")
+        return self.transport.receive(key)
+
+    def _give(self, key: _MessageKey, payload: Mapping[str, Sequence[torch.Tensor | None]]) -> None:
+        if self.plan.stages[key[2]].rank == self.comm.pp_rank:
+            self.local[key] = {m: [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in lst]
+                               for m, lst in payload.items()}
+        else:
+            assert self.transport is not None  # a remote stage implies a process group (checked in _take)
+            self.transport.send(key, payload)
+
+    # -- forward
+    def _forward(self, s: int, m: int) -> None:
+        stage: PipelineStage = self.stages.stages[s]
+        received = {p: self._take(("F", p, s, m)) for p in self.plan.predecessors(s)}
+        start = time.time()
+        leaves = {p: self._leaves(p, stage, payload) for p, payload in received.items()}
+        keeps = self.plan.stages[s].runs_backward
+        with torch.set_grad_enabled(keeps), self.autocast(), self._counting(s):
+            out = stage.forward(self.mbs[m], leaves, self.loss_fn, self.llm_kwargs(self.mbs[m]))
+        if keeps:
+            self.records[(s, m)] = _Record(leaves, out)
+        if stage.is_last:
+            self.losses.append(out["llm"][0].detach())
+        for t in self.plan.successors(s):
+            self._give(("F", s, t, m), out)
+        self.events.append(TimelineEvent(self.comm.pp_rank, "F", s, m, start, time.time()))
+
+    def _leaves(self, p: int, stage: PipelineStage, payload: Mapping[str, list]) -> Payload:
+        """Received tensors as fresh graph leaves. One requires a gradient when its sender stage runs backward
+        and had a graph for it this microbatch (``requires_grad`` travels with the tensor), and the chunk that
+        consumes it records a graph."""
+        grad = self.plan.stages[p].runs_backward
+        out: Payload = {}
+        for module, tensors in payload.items():
+            wants = grad and stage.module_runs_grad(module if module in stage.chunks else "llm")
+            out[module] = [t.detach().requires_grad_(wants and t.requires_grad and t.is_floating_point())
+                           for t in tensors]
+        return out
+
+    def _counting(self, s: int) -> AbstractContextManager:
+        if not self.instrument:
+            return nullcontext()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            self.saved[s] += 1
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    # -- backward
+    def _backward(self, action: Action) -> None:
+        s, m = action.stage, action.microbatch
+        record = self.records[(s, m)]
+        if record.out_grads is None:
+            record.out_grads = self._output_grads(s, m, record)
+        start = time.time()
+        with self.autocast():
+            if action.kind == "W":
+                self._weight_grads(s, record)
+            elif self.schedule.split_backward:
+                self._input_grads(s, record)
+            elif record.out_grads:
+                self.backwards[s] += 1
+                outs, grads = zip(*record.out_grads)
+                torch.autograd.backward(list(outs), list(grads))
+        if action.kind == "B":
+            for p in self.plan.predecessors(s):
+                if self.plan.stages[p].runs_backward:
+                    self._give(("B", s, p, m), _input_grad_payload(record.inputs[p]))
+        if frees_activations(self.plan, action, self.schedule.split_backward):
+            del self.records[(s, m)]
+        self.events.append(TimelineEvent(self.comm.pp_rank, action.kind, s, m, start, time.time()))
+
+    def _output_grads(self, s: int, m: int, record: _Record) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(output, gradient)`` pairs to backpropagate (the scaled loss on the last stage)."""
+        if self.stages.stages[s].is_last:
+            loss = record.outputs["llm"][0]
+            return [(loss, torch.full_like(loss, self.scale))] if loss.requires_grad else []
+        (t,) = self.plan.successors(s)
+        grads = self._take(("B", t, s, m))
+        pairs = []
+        for module, outs in record.outputs.items():
+            for out, grad in zip(outs, grads.get(module, [])):
+                if grad is not None and out.requires_grad:
+                    pairs.append((out, grad))
+        return pairs
+
+    def _input_grads(self, s: int, record: _Record) -> None:
+        leaves = [t for payload in record.inputs.values() for lst in payload.values() for t in lst if t.requires_grad]
+        if not (leaves and record.out_grads):
+            return
+        self.backwards[s] += 1
+        outs, grads = zip(*record.out_grads)
+        found = torch.autograd.grad(list(outs), leaves, list(grads), retain_graph=True, allow_unused=True)
+        for leaf, grad in zip(leaves, found):
+            leaf.grad = grad
+
+    def _weight_grads(self, s: int, record: _Record) -> None:
+        params = [p for p in self.stages.stages[s].params if p.requires_grad]
+        if not (params and record.out_grads):
+            return
+        self.backwards[s] += 1
+        outs, grads = zip(*record.out_grads)
+        found = torch.autograd.grad(list(outs), params, list(grads), allow_unused=True)
+        for param, grad in zip(params, found):
+            if grad is not None:
+                param.grad = grad if param.grad is None else param.grad + grad
+
+
+def _input_grad_payload(inputs: Payload) -> dict[str, list[torch.Tensor | None]]:
+    return {m: [t.grad if t.requires_grad else None for t in lst] for m, lst in inputs.items()}
+
+
+# ----- gradient reduction --------------------------------------------------------------------------------
+def _reduce_dp(params: Sequence[torch.nn.Parameter], comm: PipelineComm) -> None:
+    """Sum gradients over the DP group. A parameter without a gradient on every replica keeps ``None`` (as in
+    one process: the optimizer skips it); one used on some replica gets zeros where it was unused."""
+    if comm.dp_size == 1 or not params:
+        return
+    used = torch.tensor([float(p.grad is not None) for p in params], device=comm.device)
+    dist.all_reduce(used, group=comm.dp_group)
+    live = [p for p, u in zip(params, used.tolist()) if u > 0]
+    for p in live:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = defaultdict(list)
+    for p in live:
+        by_dtype[p.grad.dtype].append(p)  # type: ignore[union-attr]
+    for group in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in group])  # type: ignore[union-attr]
+        dist.all_reduce(flat, group=comm.dp_group)
+        for p, piece in zip(group, flat.split([p.numel() for p in group])):
+            p.grad.copy_(piece.view_as(p))  # type: ignore[union-attr]
+
+
+def _sum_tied(stages: RankStages, comm: PipelineComm) -> None:
+    """Sum the gradients of tied input/output embedding copies held by two pipeline ranks."""
+    tied = stages.tied
+    if tied is None:
+        return
+    param = tied.param
+    mine = param.grad.clone() if param.grad is not None else torch.zeros_like(param)
+    other = torch.empty_like(mine)
+    peer = comm.pp_ranks[tied.peer]
+    ops = [dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, other, peer)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    param.grad = mine + other if tied.mirror else other + mine  # same operand order on both ranks
+
+
+def run_pipeline_step(
+    stages: RankStages,
+    schedule: Schedule,
+    microbatches: Sequence[Batch],
+    global_targets: int,
+    comm: PipelineComm | None = None,
+    *,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
+    autocast: Callable[[], AbstractContextManager] = nullcontext,
+    llm_kwargs: Callable[[Batch], Mapping[str, Any]] | None = None,
+    instrument: bool = False,
+) -> PipelineStepResult:
+    """Forward and backward of this pipeline's ``M`` microbatches of a global batch, then gradient reduction.
+
+    Gradients accumulate into ``.grad`` of this rank's parameters: summed over the DP group, and over the two
+    copies of tied embeddings split across ranks; the caller then steps its optimizer (if the rank trains)
+    and zeroes them. Collective: every rank of the job calls it with the same schedule.
+
+    Args:
+        stages: this rank's stages (``build_rank_stages``); their plan must be ``schedule.plan``.
+        schedule: the pipeline schedule (e.g. ``one_f_one_b(plan, M)``).
+        microbatches: this pipeline's ``M`` microbatches (the DP replica's share of the global batch), the
+            same list on every rank of the pipeline; tensors on ``comm.device``.
+        global_targets: target tokens of the whole global batch (all microbatches of all DP replicas).
+        comm: PP/DP coordinates (default: single process, every stage on pipeline rank 0).
+        loss_fn: ``(logits [B, N, V], labels [B, N]) -> scalar`` sum of token losses.
+        autocast: context factory wrapped around every action (e.g. bf16 autocast).
+        llm_kwargs: extra keyword arguments for the LLM stages per microbatch (attention metadata).
+        instrument: count tensors saved for backward per stage (``saved_tensors_hooks``).
+
+    Returns:
+        :class:`PipelineStepResult` (loss the same on every rank).
+
+    Raises:
+        ValueError: on a wrong microbatch count, a schedule for another plan or a negative target count.
+    """
+    comm = comm or PipelineComm()
+    _check_step_inputs(stages, schedule, microbatches, global_targets, comm)
+    executor = _Executor(stages, schedule, microbatches, 1.0 / max(1, global_targets), comm, loss_fn, autocast,
+                         llm_kwargs or (lambda batch: {}), instrument)
+    executor.run()
+    params = [p for _, p in stages.trainable_parameters()]
+    _reduce_dp(params, comm)
+    if comm.distributed:
+        _sum_tied(stages, comm)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=comm.device)
+    for loss in executor.losses:
+        loss_sum += loss.double().to(comm.device)
+    if comm.distributed:
+        dist.all_reduce(loss_sum)  # only last-stage ranks hold losses: the world sum is the global sum
+    total = float(loss_sum)
+    return PipelineStepResult(total / max(1, global_targets), total, tuple(executor.events),
+                              executor.saved if instrument else {}, executor.backwards)
+
+
+def _check_step_inputs(stages: RankStages, schedule: Schedule, microbatches: Sequence[Batch], global_targets: int,
+                       comm: PipelineComm) -> None:
+    if schedule.plan != stages.plan:
+        raise ValueError("the schedule was made for another pipeline plan than the stages")
+    if len(microbatches) != schedule.num_microbatches:
+        raise ValueError(
+            f"the schedule runs {schedule.num_microbatches} microbatches but {len(microbatches)} were given"
+        )
+    if global_targets < 0:
+        raise ValueError(f"global_targets must be >= 0, got {global_targets}")
+    if comm.pp_rank != stages.pp_rank or len(comm.pp_ranks) != schedule.num_ranks:
+        raise ValueError(
+            f"comm has pipeline rank {comm.pp_rank} of {len(comm.pp_ranks)} but the stages are for rank "
+            f"{stages.pp_rank} of a {schedule.num_ranks}-rank schedule"
+        )
+
+
+def clip_grad_norm_pipeline(stages: RankStages, max_norm: float, comm: PipelineComm | None = None) -> float:
+    """Clip the gradients of the whole pipeline to a global L2 norm of ``max_norm``; returns the norm before
+    clipping (the same on every rank). Call after :func:`run_pipeline_step` (gradients already DP-reduced, so
+    every replica holds the same ones; a tied embedding copy counts once). Collective.
+
+    Raises:
+        ValueError: on a negative ``max_norm``.
+    """
+    if max_norm < 0:
+        raise ValueError(f"max_norm must be >= 0, got {max_norm}")
+    comm = comm or PipelineComm()
+    mirror = stages.tied.param if stages.tied is not None and stages.tied.mirror else None
+    grads = [p.grad for _, p in stages.trainable_parameters() if p.grad is not None]
+    counted = [p.grad for _, p in stages.trainable_parameters() if p.grad is not None and p is not mirror]
+    sumsq = torch.zeros((), dtype=torch.float64, device=comm.device)
+    for g in counted:
+        sumsq += g.detach().double().pow(2).sum()
+    if comm.distributed:
+        dist.all_reduce(sumsq)
+        sumsq /= comm.dp_size
+    norm = float(sumsq.sqrt())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
+def gather_timeline(events: Sequence[TimelineEvent], comm: PipelineComm | None = None) -> list[TimelineEvent]:
+    """The events of every rank of DP replica 0 on global rank 0 (other ranks get ``[]``), for
+    ``plait.train.plots.write_chrome_trace``/``plot_timeline``. Collective."""
+    comm = comm or PipelineComm()
+    if not comm.distributed:
+        return list(events)
+    mine = [e.to_dict() for e in events] if comm.dp_rank == 0 else []
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if gathered is None:
+        return []
+    return [TimelineEvent.from_dict(e) for part in gathered for e in part]

@@ -1,0 +1,405 @@
+"""Plan -> this rank's pipeline stage modules (../shared/DESIGN.md, "parallel/stages.py").
+
+Materialisation: the caller builds the full composite (on CPU, from a fixed seed or a checkpoint) and
+:func:`build_rank_stages` prunes it in place to the units this pipeline rank owns: non-owned embeddings,
+norms, heads and projectors become ``nn.Identity``, layer lists keep only the owned layers (under their
+original indices, so parameter names stay the composite's FQNs and checkpoints map one to one), and only
+what is left moves to the device. This is the simple correct approach; building on the meta device and
+loading owned units only is future work (the unreachable-parameter probe of ``ModalityEncoder`` needs real
+weights).
+
+A stage runs stock Hugging Face modules through their public interfaces only (``plait.models.hf``):
+
+- encoder chunk owning the embedding: the HF encoder's own ``forward`` with its layer list set to the
+  chunk's layers and the post-norm set to ``nn.Identity`` unless the chunk owns it; other chunks call their
+  layers one by one (``run_encoder_layer``) then the post-norm if owned. The branch's last chunk selects
+  positions, assembles item features and applies the projector (the same ``ModalityEncoder`` methods as the
+  single-process path).
+- LLM chunk: the HF decoder stack with ``inputs_embeds`` = the received hidden states (HF computes rotary
+  embeddings and masks itself), layer list = the chunk's layers, final norm ``nn.Identity`` unless owned;
+  the chunk owning ``lm_head`` runs the ``*ForCausalLM`` forward (so logit post-processing stays HF's) and
+  the loss. The first LLM chunk merges text embeddings and projected features with
+  ``MultimodalModel.place_features``, exactly like the single-process model.
+
+The module swaps for one chunk happen only for the duration of its call, so a rank may hold several stages
+of one module (e.g. the first and last LLM stages, which keeps tied embeddings on one rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.data.collate import Batch
+from plait.models.encoder import ModalityEncoder
+from plait.models.hf import EncoderLayout, encoder_layout, llm_layout, run_encoder_layer
+from plait.models.multimodal import MultimodalModel
+from plait.models.units import UnitSpec, unit_specs
+from plait.planner.pipeline_plan import LLM_MODULE, PipelinePlan, Stage, check_plan_units
+
+__all__ = ["OwnedLayers", "PipelineStage", "RankStages", "TiedEmbedding", "build_rank_stages", "Payload"]
+
+# What flows along a plan edge: per module, a list of tensors (an encoder branch: one hidden-state tensor
+# [n, positions, dim] per item-size group, or after its projector one [features, hidden] tensor; the LLM:
+# [hidden [B, N, H]]; the last stage: [loss sum]). An empty list means the module had no input this microbatch.
+Payload = dict[str, list[torch.Tensor]]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class OwnedLayers(nn.ModuleList):
+    """The owned subset of a layer list, registered under the original indices (FQNs unchanged).
+
+    Iteration, ``len`` and slicing follow the owned layers in order (what HF forwards do with their list);
+    integer indexing is positional too.
+    """
+
+    def __init__(self, modules: Sequence[nn.Module] = (), indices: Sequence[int] | None = None) -> None:
+        super().__init__()
+        indices = list(range(len(modules))) if indices is None else list(indices)
+        for index, module in zip(indices, modules):
+            self.add_module(str(index), module)
+
+    def __getitem__(self, idx: int | slice) -> Any:
+        values = list(self._modules.values())
+        return nn.ModuleList(values[idx]) if isinstance(idx, slice) else values[idx]
+
+
+@contextmanager
+def _swapped(root: nn.Module, replacements: Mapping[str, nn.Module]) -> Iterator[None]:
+    """Set submodules of ``root`` (by path) for the duration of the block, then restore them."""
+    saved = {path: root.get_submodule(path) for path in replacements}
+    try:
+        for path, module in replacements.items():
+            root.set_submodule(path, module)
+        yield
+    finally:
+        for path, module in saved.items():
+            root.set_submodule(path, module)
+
+
+@dataclass(frozen=True)
+class _ChunkFlags:
+    """Frozen-aware flags of one module chunk of a stage (from its units)."""
+
+    trainable: bool
+    needs_input_grad: bool
+
+    @property
+    def runs_grad(self) -> bool:
+        return self.trainable or self.needs_input_grad
+
+
+def _chunk_flags(specs: Sequence[UnitSpec]) -> _ChunkFlags:
+    return _ChunkFlags(any(s.unit.trainable for s in specs), specs[0].unit.needs_input_grad)
+
+
+class _EncoderChunk:
+    """A contiguous run of one encoder branch's units inside a stage."""
+
+    def __init__(self, name: str, branch: ModalityEncoder, specs: Sequence[UnitSpec]) -> None:
+        self.name, self.branch, self.flags = name, branch, _chunk_flags(specs)
+        self.layout: EncoderLayout = encoder_layout(branch.encoder)
+        kinds = {s.unit.kind for s in specs}
+        self.owns_embed, self.owns_norm, self.owns_projector = "embed" in kinds, "norm" in kinds, "projector" in kinds
+        self.layers = _chunk_layers(branch.encoder, self.layout.layers, specs)
+
+    def forward(self, hidden: list[torch.Tensor] | None, inputs: Mapping[str, Any] | None) -> list[torch.Tensor]:
+        """Output tensors of the chunk for one microbatch (``[]`` when the branch has no item in it)."""
+        if inputs is None:
+            return []
+        encoder = self.branch.encoder
+        if self.owns_embed:
+            norm = encoder.get_submodule(self.layout.post_norm) if self.owns_norm else nn.Identity()
+            with _swapped(encoder, {self.layout.layers: self.layers, self.layout.post_norm: norm}):
+                hidden = [encoder(**kwargs).last_hidden_state for kwargs, _ in self.branch.item_groups(inputs)]
+        else:
+            hidden = [self._layers_and_norm(h) for h in hidden or []]
+        if not self.owns_projector:
+            return hidden
+        selected = [self.branch.select_positions(h) for h in hidden]
+        return [self.branch.projector(self.branch.assemble_features(dict(inputs), selected))]
+
+    def _layers_and_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            hidden = run_encoder_layer(layer, hidden)
+        if self.owns_norm:
+            hidden = self.branch.encoder.get_submodule(self.layout.post_norm)(hidden)
+        return hidden
+
+
+class _LlmChunk:
+    """A contiguous run of LLM units inside a stage."""
+
+    def __init__(self, model: MultimodalModel, specs: Sequence[UnitSpec]) -> None:
+        self.model, self.flags = model, _chunk_flags(specs)
+        llm = model.language_model
+        self.layout = llm_layout(llm)
+        kinds = {s.unit.kind for s in specs}
+        self.owns_embed, self.owns_norm, self.owns_head = "embed" in kinds, "norm" in kinds, "head" in kinds
+        self.layers = _chunk_layers(llm, self.layout.layers, specs)
+        _check_layer_types(llm, [int(k) for k in self.layers._modules])
+
+    def forward(
+        self, hidden: torch.Tensor | None, features: Mapping[str, torch.Tensor], batch: Batch,
+        loss_fn: LossFn, llm_kwargs: Mapping[str, Any],
+    ) -> torch.Tensor:
+        """Hidden states ``[B, N, H]`` for the next stage, or the loss sum (scalar) on the ``lm_head`` chunk."""
+        if self.owns_embed:
+            hidden = self.model.place_features(batch.input_ids, features)
+        if not (len(self.layers) or self.owns_norm or self.owns_head):
+            return hidden  # type: ignore[return-value]
+        llm = self.model.language_model
+        norm = llm.get_submodule(self.layout.norm) if self.owns_norm else nn.Identity()
+        kwargs = dict(inputs_embeds=hidden, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                      use_cache=False, **llm_kwargs)
+        with _swapped(llm, {self.layout.layers: self.layers, self.layout.norm: norm}):
+            if self.owns_head:
+                return loss_fn(llm(**kwargs).logits, batch.labels)
+            return llm.get_submodule(self.layout.base)(**kwargs).last_hidden_state
+
+
+def _chunk_layers(root: nn.Module, path: str, specs: Sequence[UnitSpec]) -> OwnedLayers:
+    """The layers of a chunk's layer units, taken from ``root``'s (pruned) layer list at ``path``."""
+    held = root.get_submodule(path)._modules  # original index -> layer
+    layer_specs = [s for s in specs if s.unit.kind == "layer"]
+    return OwnedLayers([held[str(s.layer)] for s in layer_specs], [s.layer for s in layer_specs])
+
+
+def _check_layer_types(llm: nn.Module, layers: Sequence[int]) -> None:
+    """Some HF decoders pick each layer's mask by its position in the list (``config.layer_types[i]``): a
+    sub-range is only correct when the types at the local positions equal the layers' own types (checked for
+    every family that has ``layer_types``, which is conservative for families that ask the layer itself)."""
+    types = getattr(llm.config, "layer_types", None)
+    if not types:
+        return
+    for local, index in enumerate(layers):
+        if types[local] != types[index]:
+            raise ValueError(
+                f"LLM layer {index} is {types[index]!r} but would run as {types[local]!r} at position {local} of "
+                "its stage: this family mixes layer types by position; choose stage boundaries at equal types"
+            )
+
+
+class PipelineStage:
+    """One pipeline stage of the plan, executable on this rank.
+
+    Args:
+        stage: the plan's stage.
+        chunks: per module of ``stage.modules``, its chunk.
+        is_last: the stage computes the loss.
+        params: the parameters of the stage's units (each once, in unit order).
+    """
+
+    def __init__(self, stage: Stage, chunks: Mapping[str, _EncoderChunk | _LlmChunk], is_last: bool,
+                 params: Sequence[nn.Parameter] = ()) -> None:
+        self.stage, self.chunks, self.is_last = stage, dict(chunks), is_last
+        self.params = list(params)
+
+    @property
+    def index(self) -> int:
+        return self.stage.index
+
+    def module_runs_grad(self, module: str) -> bool:
+        """Whether ``module``'s chunk records a graph (it trains or needs an input gradient)."""
+        return self.chunks[module].flags.runs_grad
+
+    def forward(
+        self, batch: Batch, received: Mapping[int, Payload], loss_fn: LossFn, llm_kwargs: Mapping[str, Any]
+    ) -> Payload:
+        """The stage's output payload for one microbatch ``batch`` given the payloads of its predecessors
+        (``Payload``: per module a list of tensors; see its comment for shapes).
+
+        Chunks that neither train nor need an input gradient run under ``no_grad`` and keep no activations.
+        The last stage returns ``{"llm": [sum of token cross-entropies]}``.
+        """
+        inputs: Payload = {m: t for payload in received.values() for m, t in payload.items()}
+        grad_allowed = torch.is_grad_enabled()
+        out: Payload = {}
+        for module, chunk in self.chunks.items():
+            with torch.set_grad_enabled(grad_allowed and chunk.flags.runs_grad):
+                if isinstance(chunk, _LlmChunk):
+                    features = {m: t[0] for m, t in inputs.items() if m != LLM_MODULE and t}
+                    hidden = inputs[LLM_MODULE][0] if LLM_MODULE in inputs else None
+                    out[module] = [chunk.forward(hidden, features, batch, loss_fn, llm_kwargs)]
+                else:
+                    out[module] = chunk.forward(inputs.get(module), batch.modality_inputs.get(module))
+        return out
+
+
+@dataclass(frozen=True)
+class TiedEmbedding:
+    """Input and output embeddings share one weight but live on two pipeline ranks: each holds a copy and
+    their gradients are summed across the two ranks before the optimizer step, so the copies never drift.
+
+    Attributes:
+        peer: the other pipeline rank holding the weight.
+        param: this rank's copy.
+        mirror: True on the ``lm_head`` rank: its copy is left out of gradient norms (counted once).
+    """
+
+    peer: int
+    param: nn.Parameter
+    mirror: bool
+
+
+class RankStages(nn.Module):
+    """This pipeline rank's stages over the pruned composite (``self.model``, FQNs as in the full model).
+
+    Attributes:
+        model: the pruned :class:`MultimodalModel`; ``named_parameters``/``state_dict`` give owned parts only.
+        plan: the pipeline plan.
+        pp_rank: this rank's coordinate on the pipeline axis.
+        stages: this rank's :class:`PipelineStage` by stage index.
+        tied: the tied-embedding arrangement when embeddings are tied across ranks, else None.
+    """
+
+    def __init__(self, model: MultimodalModel, plan: PipelinePlan, pp_rank: int,
+                 stages: Mapping[int, PipelineStage], tied: TiedEmbedding | None) -> None:
+        super().__init__()
+        self.model, self.plan, self.pp_rank = model, plan, pp_rank
+        self.stages = dict(stages)
+        self.tied = tied
+
+    def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(FQN, parameter)`` of every owned parameter with ``requires_grad`` (empty when the rank's stages
+        are frozen: such a rank builds no optimizer)."""
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+
+def build_rank_stages(
+    model: MultimodalModel, plan: PipelinePlan, pp_rank: int, device: torch.device | str | None = None
+) -> RankStages:
+    """Prune ``model`` in place to the units of ``pp_rank``'s stages and wrap them as executable stages.
+
+    Args:
+        model: the full composite with its final ``requires_grad`` flags (freezing applied); every rank of a
+            pipeline must pass identical weights (same seed or checkpoint).
+        plan: the pipeline plan; its units must be ``model_units(model)`` (checked).
+        pp_rank: pipeline rank (``0..plan.num_ranks-1``).
+        device: where the owned parts go (default: stay where they are).
+
+    ``model`` is pruned in place (call once per model; take ``model_units`` before, not after).
+
+    Raises:
+        ValueError: when the plan does not fit the model's units or flags, ``pp_rank`` holds no stage, a
+            trainable parameter belongs to no unit, or a family has no pipeline layout.
+    """
+    specs = unit_specs(model)
+    check_plan_units(plan, [s.unit for s in specs])
+    mine = plan.stages_on_rank(pp_rank)
+    if not mine:
+        raise ValueError(f"pipeline rank {pp_rank} holds no stage of a plan with {plan.num_ranks} ranks")
+    _check_units_cover_trainable(model, specs)
+    if len(plan.llm_stages) > 1:
+        _check_inputs_embeds_pass_through(model.language_model)
+    tied = _tied_embedding(model, plan, pp_rank, specs)
+    owned = {name for s in mine for name in plan.stages[s].units}
+    _prune(model, specs, owned)
+    if device is not None:
+        model.to(device)
+    by_name = {s.unit.name: s for s in specs}
+    stages = {s: _build_stage(model, plan, plan.stages[s], by_name) for s in mine}
+    return RankStages(model, plan, pp_rank, stages, tied)
+
+
+def _build_stage(
+    model: MultimodalModel, plan: PipelinePlan, stage: Stage, by_name: Mapping[str, UnitSpec]
+) -> PipelineStage:
+    chunks: dict[str, _EncoderChunk | _LlmChunk] = {}
+    for module in stage.modules:
+        specs = [by_name[n] for n in stage.module_units(module)]
+        if module == LLM_MODULE:
+            chunks[module] = _LlmChunk(model, specs)
+        else:
+            chunks[module] = _EncoderChunk(module, model.encoders[module], specs)  # type: ignore[arg-type]
+    params: dict[int, nn.Parameter] = {}
+    for name in stage.units:
+        for path in by_name[name].modules:
+            params.update((id(p), p) for p in model.get_submodule(path).parameters())
+    return PipelineStage(stage, chunks, stage.index == plan.num_stages - 1, list(params.values()))
+
+
+def _check_units_cover_trainable(model: MultimodalModel, specs: Sequence[UnitSpec]) -> None:
+    covered = {id(p) for s in specs for m in s.modules for p in model.get_submodule(m).parameters()}
+    for name, param in model.named_parameters():
+        if param.requires_grad and id(param) not in covered:
+            raise ValueError(f"parameter {name!r} trains but belongs to no pipeline unit (unsupported model part)")
+
+
+class _Reached(Exception):
+    """Raised by a probe hook to stop a forward once the first layer's input is seen."""
+
+
+def _check_inputs_embeds_pass_through(llm: nn.Module) -> None:
+    """LLM stages after the first feed received hidden states as ``inputs_embeds``: that is only right when
+    the decoder stack hands ``inputs_embeds`` to its first layer unchanged (Granite, for one, scales them)."""
+    layout = llm_layout(llm)  # type: ignore[arg-type]
+    layers = llm.get_submodule(layout.layers)
+    if not len(layers):
+        return
+    seen: list[torch.Tensor] = []
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen.append(args[0] if args else kwargs["hidden_states"])
+        raise _Reached
+
+    param = next(llm.parameters())
+    probe = torch.randn(1, 2, llm.get_input_embeddings().embedding_dim, dtype=param.dtype, device=param.device)
+    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            llm.get_submodule(layout.base)(inputs_embeds=probe, use_cache=False)
+    except _Reached:
+        pass
+    finally:
+        handle.remove()
+    if not seen or not torch.equal(seen[0], probe):
+        raise ValueError(
+            f"{type(llm).__name__} changes inputs_embeds before its first layer: its decoder cannot be split "
+            "into several pipeline stages (use one LLM stage)"
+        )
+
+
+def _tied_embedding(
+    model: MultimodalModel, plan: PipelinePlan, pp_rank: int, specs: Sequence[UnitSpec]
+) -> TiedEmbedding | None:
+    llm = model.language_model
+    weight = getattr(llm.get_input_embeddings(), "weight", None)
+    if weight is None or weight is not getattr(llm.get_output_embeddings(), "weight", None):
+        return None
+    kinds = {s.unit.kind: s.unit.name for s in specs if s.unit.module == LLM_MODULE}
+    embed_rank = plan.stages[plan.stage_of_unit(kinds["embed"])].rank
+    head_rank = plan.stages[plan.stage_of_unit(kinds["head"])].rank
+    if embed_rank == head_rank or pp_rank not in (embed_rank, head_rank) or not weight.requires_grad:
+        return None
+    mirror = pp_rank == head_rank
+    return TiedEmbedding(embed_rank if mirror else head_rank, weight, mirror)
+
+
+def _prune(model: MultimodalModel, specs: Sequence[UnitSpec], owned: set[str]) -> None:
+    """Replace every module of a non-owned unit, and every module on no unit's path (pooling heads, an
+    unreachable post-norm), by ``nn.Identity``; layer lists keep the owned layers only."""
+    on_path = {m for s in specs for m in s.modules}
+    llm_layers = f"language_model.{llm_layout(model.language_model).layers}"
+    layer_lists: dict[str, list[tuple[int, nn.Module]]] = {llm_layers: []}
+    for name, branch in model.encoders.items():
+        layout = encoder_layout(branch.encoder)  # type: ignore[arg-type]
+        prefix = f"encoders.{name}.encoder."
+        layer_lists[prefix + layout.layers] = []
+        for path in (*layout.heads, layout.post_norm):
+            if prefix + path not in on_path:
+                model.set_submodule(prefix + path, nn.Identity())
+    for spec in specs:
+        if spec.unit.name in owned and spec.layer >= 0:
+            parent = spec.modules[0].rsplit(".", 1)[0]
+            layer_lists[parent].append((spec.layer, model.get_submodule(spec.modules[0])))
+        elif spec.unit.name not in owned and spec.layer < 0:
+            for path in spec.modules:
+                model.set_submodule(path, nn.Identity())
+    for parent, layers in layer_lists.items():
+        model.set_submodule(parent, OwnedLayers([m for _, m in layers], [i for i, _ in layers]))

@@ -1,0 +1,248 @@
+"""Pipeline test cases: a tiny composite, synthetic microbatches, and the per-rank check that a pipeline step
+equals one process training the same global batches (spawned by tests/distributed/test_pipeline.py; the model
+and batch builders are shared with tests/unit/parallel/test_stages.py)."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from plait.data.collate import Batch
+from plait.models.encoder import ModalityEncoder
+from plait.models.hf import build_causal_lm, build_encoder
+from plait.models.multimodal import MultimodalModel
+from plait.models.projector import build_projector
+from plait.models.units import model_units
+from plait.parallel.pipeline_runtime import (
+    build_pipeline_comm,
+    clip_grad_norm_pipeline,
+    gather_timeline,
+    pipeline_comm_from_mesh,
+    run_pipeline_step,
+    token_loss_sum,
+)
+from plait.parallel.stages import build_rank_stages
+from plait.planner.pipeline_plan import plan_pipeline
+from plait.planner.schedules import build_schedule
+from tests.conftest import TINY_AUDIO, TINY_LLM, TINY_VISION
+
+VOCAB = 50
+IMG, AUD = 48, 49
+RTOL = 1e-5
+
+
+def tiny_model(tied: bool = False, seed: int = 0, feature_layer: int = -1) -> MultimodalModel:
+    """SigLIP (MLP projector) + Whisper (linear projector, pooling 4) + 2-layer Llama, fp32, no dropout."""
+    torch.manual_seed(seed)
+    llm = build_causal_lm(config=dict(TINY_LLM, tie_word_embeddings=tied), vocab_size=VOCAB,
+                          attn_implementation="eager")
+    vis = ModalityEncoder(build_encoder("image", config=TINY_VISION), build_projector("mlp", 32, 32), "image",
+                          feature_layer)
+    aud = ModalityEncoder(build_encoder("audio", config=TINY_AUDIO), build_projector("linear", 32, 32), "audio",
+                          feature_layer, downsample=4)
+    return MultimodalModel(llm, {"vision": vis, "audio": aud}, {"vision": IMG, "audio": AUD})
+
+
+def apply_mode(model: MultimodalModel, mode: str) -> MultimodalModel:
+    """``all``: everything trains; ``projectors``: frozen encoders and LLM, trainable projectors;
+    ``llm``: frozen encoders and projectors, trainable LLM; ``vision``: only the vision branch trains."""
+    model.set_frozen("encoder", mode not in ("all", "vision"))
+    model.set_frozen("projector", mode == "llm")
+    model.set_frozen("llm", mode in ("projectors", "vision"))
+    if mode == "vision":
+        model.set_frozen("encoder", True, "audio")
+        model.set_frozen("projector", True, "audio")
+    return model
+
+
+def make_batch(kind: str, seed: int) -> Batch:
+    """Two rows; ``kind`` holds ``i`` (a 16x16 and a 24x32 image), ``a`` (a 0.5 s clip) or is ``t`` (text only)."""
+    g = torch.Generator().manual_seed(seed)
+    n_img, n_aud = (4, 12) if "i" in kind else (0, 0), 7 if "a" in kind else 0
+    width = max(n_img[0] + 6, n_img[1] + n_aud + 4, 9)
+    ids = torch.randint(1, 40, (2, width), generator=g)
+    inputs: dict = {}
+    if "i" in kind:
+        ids[0, 1 : 1 + n_img[0]] = IMG
+        ids[1, 0 : n_img[1]] = IMG
+        inputs["vision"] = {"pixel_values": [torch.randn(3, 16, 16, generator=g), torch.randn(3, 24, 32, generator=g)]}
+    if "a" in kind:
+        ids[1, n_img[1] + 1 : n_img[1] + 1 + n_aud] = AUD
+        inputs["audio"] = {"input_features": torch.randn(1, 80, 300, generator=g), "num_samples": torch.tensor([8000])}
+    labels = torch.roll(ids, -1, 1)
+    labels[(labels == IMG) | (labels == AUD)] = -100
+    labels[:, -1] = -100
+    attn = torch.ones_like(ids)
+    attn[0, -2:] = 0  # row 0 is padded
+    labels[0, -3:] = -100
+    pos = torch.arange(width).expand(2, -1).clone()
+    zeros = torch.zeros_like(ids)
+    return Batch(ids, labels, attn, pos, zeros, zeros - 1, inputs, ())
+
+
+def reference_step(model: MultimodalModel, batches: list[Batch]) -> float:
+    """One process: every microbatch's loss sum / global target tokens, backward; returns the global loss."""
+    targets = sum(b.target_tokens for b in batches)
+    total = 0.0
+    for b in batches:
+        loss = token_loss_sum(model(b.input_ids, b.modality_inputs, b.attention_mask, b.position_ids), b.labels)
+        if loss.requires_grad:  # a text-only microbatch under a frozen LLM has nothing to train
+            (loss / targets).backward()
+        total += float(loss.detach())
+    return total / targets
+
+
+@dataclass(frozen=True)
+class Case:
+    """One pipeline configuration run for ``len(steps)`` optimizer steps; ``steps[k]`` lists the kinds of the
+    global batch's microbatches (``M * dp`` of them; DP replica ``d`` takes the ``d``-th run of ``M``)."""
+
+    name: str
+    layout: str
+    stages_per_module: dict
+    ranks: tuple[int, ...]
+    schedule: str
+    mode: str
+    steps: tuple[tuple[str, ...], ...]
+    tied: bool = False
+    clip: float = 0.0
+    options: dict = field(default_factory=dict)
+    instrument: bool = False
+
+
+ENC_PAR = dict(layout="encoder_parallel", stages_per_module={"vision": 2, "audio": 1, "llm": 2}, ranks=(0, 1, 0, 1, 0))
+COLOC = dict(layout="encoders_colocated", stages_per_module={"vision": 2, "audio": 2, "llm": 2}, ranks=(0, 1, 0, 1))
+STEPS = (("iva", "t"), ("a", "t"), ("i", "ia"))  # step 2 has no image at all
+
+CASES_2 = (
+    Case("encpar-gpipe-all-text-between-images", **ENC_PAR, schedule="gpipe", mode="all",
+         steps=(("i", "t", "i"), ("a", "t", "t"), ("iva", "t", "i"))),
+    Case("encpar-1f1b-all-tied-clip", **ENC_PAR, schedule="1f1b", mode="all", steps=STEPS, tied=True, clip=0.5),
+    Case("encpar-1f1b-projectors", **ENC_PAR, schedule="1f1b", mode="projectors", steps=STEPS, instrument=True),
+    Case("encpar-gpipe-llm", **ENC_PAR, schedule="gpipe", mode="llm", steps=STEPS, instrument=True),
+    Case("coloc-gpipe-all", **COLOC, schedule="gpipe", mode="all", steps=STEPS),
+    Case("coloc-1f1b-all-split-backward", **COLOC, schedule="1f1b", mode="all", steps=STEPS,
+         options={"split_backward": True, "defer_weight_grad": True}),
+    Case("coloc-1f1b-projectors", **COLOC, schedule="1f1b", mode="projectors", steps=STEPS, instrument=True),
+    Case("coloc-gpipe-llm-tied", **COLOC, schedule="gpipe", mode="llm", steps=STEPS, tied=True),
+)
+CASES_4 = (
+    # PP 2 x DP 2: replica 1 gets no image in any step; embeddings tied across pipeline ranks
+    Case("pp2xdp2-1f1b-all-tied", **ENC_PAR, schedule="1f1b", mode="all",
+         steps=(("iva", "i", "a", "t"), ("t", "i", "ia", "a"), ("a", "t", "i", "iva")), tied=True, clip=0.5),
+    Case("pp4-1f1b-projectors", layout="encoder_parallel", stages_per_module={"vision": 2, "audio": 1, "llm": 2},
+         ranks=(0, 1, 2, 3, 3), schedule="1f1b", mode="projectors", steps=STEPS, instrument=True),
+)
+
+
+def _close(actual: float, expected: float, what: str) -> None:
+    if abs(actual - expected) > RTOL * abs(expected) + 1e-9:
+        raise AssertionError(f"{what}: {actual!r} != {expected!r}")
+
+
+def _check_grads(stages, ref: MultimodalModel, where: str) -> list[str]:
+    """Every trainable parameter this rank owns has the reference gradient (None where the reference has None).
+
+    A gradient that is zero up to rounding in the reference (below 1e-7 of the largest reference gradient,
+    e.g. attention key biases: softmax is shift-invariant) only has to be as small in the pipeline.
+    """
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    largest = max(float(p.grad.abs().max()) for p in ref_params.values() if p.grad is not None)
+    names = []
+    for name, param in stages.trainable_parameters():
+        expected = ref_params[name].grad
+        if expected is None or param.grad is None:
+            if not (expected is None and param.grad is None):
+                raise AssertionError(f"{where}: {name} grad None mismatch (pipeline {param.grad is None})")
+            continue
+        scale = float(expected.abs().max())
+        if scale < 1e-7 * largest:
+            assert float(param.grad.abs().max()) < 1e-6 * largest, f"{where}: {name} should be ~0"
+        else:
+            torch.testing.assert_close(param.grad, expected, rtol=RTOL, atol=RTOL * scale,
+                                       msg=lambda text: f"{where}: {name}\n{text}")
+        names.append(name)
+    return names
+
+
+def run_case(case: Case, world: int) -> None:
+    """Train ``case`` on this rank and on a private single-process reference, checking every step."""
+    pp = 1 + max(case.ranks)
+    comm = build_pipeline_comm(pp)
+    if comm.dp_size > 1:  # the same coordinates from a ("dp", "pp") DeviceMesh
+        mesh = init_device_mesh("cpu", (comm.dp_size, pp), mesh_dim_names=("dp", "pp"))
+        comm = pipeline_comm_from_mesh(mesh)
+        assert (comm.pp_rank, comm.dp_rank) == (dist.get_rank() % pp, dist.get_rank() // pp)
+        assert comm.pp_ranks == tuple(comm.dp_rank * pp + q for q in range(pp)), comm.pp_ranks
+    model = apply_mode(tiny_model(case.tied), case.mode)
+    ref = copy.deepcopy(model)
+    plan = plan_pipeline(model_units(model), case.layout, stages_per_module=case.stages_per_module, ranks=case.ranks)
+    stages = build_rank_stages(model, plan, comm.pp_rank)
+    m = len(case.steps[0]) // comm.dp_size
+    schedule = build_schedule(plan, case.schedule, m, **case.options)
+    params = [p for _, p in stages.trainable_parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-2) if params else None
+    ref_opt = torch.optim.AdamW([p for _, p in ref.trainable_parameters()], lr=1e-2)
+    covered: set[str] = set()
+    needed: set[str] = set()
+    for step, kinds in enumerate(case.steps):
+        where = f"{case.name} step {step} rank {dist.get_rank()}"
+        batches = [make_batch(k, 100 * step + i) for i, k in enumerate(kinds)]
+        mine = batches[comm.dp_rank * m : (comm.dp_rank + 1) * m]
+        targets = sum(b.target_tokens for b in batches)
+        res = run_pipeline_step(stages, schedule, mine, targets, comm, instrument=case.instrument)
+        _close(res.loss, reference_step(ref, batches), f"{where}: loss")
+        covered.update(_check_grads(stages, ref, where))
+        timeline = gather_timeline(res.events, comm)
+        expected_events = sum(len(a) for a in schedule.actions) if dist.get_rank() == 0 else 0
+        assert len(timeline) == expected_events and all(e.end_s >= e.start_s for e in timeline), where
+        needed.update(n for n, p in ref.trainable_parameters() if p.grad is not None)
+        if case.instrument:
+            _check_frozen(stages, res, where)
+        if case.clip:
+            ref_norm = float(torch.nn.utils.clip_grad_norm_([p for _, p in ref.trainable_parameters()], case.clip))
+            _close(clip_grad_norm_pipeline(stages, case.clip, comm), ref_norm, f"{where}: gradient norm")
+            _check_grads(stages, ref, where + " after clipping")
+        for o in (opt, ref_opt):
+            if o is not None:
+                o.step()
+                o.zero_grad(set_to_none=True)
+    _check_coverage(covered, needed, case.name)
+
+
+def _check_frozen(stages, res, where: str) -> None:
+    """Forward-only stages saved nothing and ran no backward; frozen stages that pass gradients computed
+    input gradients only (their parameters neither train nor hold a gradient)."""
+    for index, stage in stages.stages.items():
+        flags = stage.stage
+        if not flags.runs_backward:
+            assert res.saved_tensors[index] == 0 and res.backward_actions[index] == 0, f"{where}: stage {index}"
+        elif not flags.trainable:
+            assert res.saved_tensors[index] > 0, f"{where}: stage {index} kept no activation"
+            assert all(not p.requires_grad and p.grad is None for p in stage.params), f"{where}: stage {index}"
+
+
+def _check_coverage(covered: set[str], needed: set[str], name: str) -> None:
+    """Across the pipeline ranks, every parameter that got a reference gradient was compared at least once."""
+    everything: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, sorted(covered))
+    missing = needed - set().union(*map(set, everything))
+    if missing:
+        raise AssertionError(f"{name}: parameters never compared: {sorted(missing)[:5]}")
+
+
+def worker(rank: int, world: int, port: int) -> None:
+    """Entry point of one spawned process: run every case of this world size."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=90))
+    try:
+        for case in CASES_2 if world == 2 else CASES_4:
+            run_case(case, world)
+    finally:
+        dist.destroy_process_group()
