@@ -155,6 +155,18 @@ def validate(cfg: JobConfig) -> None:
     _check(d.on_error in ("raise", "skip"), f"data.on_error must be 'raise' or 'skip', got {d.on_error!r}")
     _check(d.max_length >= 2, "data.max_length must be >= 2")
     _check(cfg.parallel.backend in ("auto", "gloo", "nccl"), "parallel.backend must be auto, gloo or nccl")
+    _check(cfg.parallel.cp >= 1 and cfg.parallel.dp >= 0, "parallel.cp must be >= 1 and parallel.dp >= 0")
+    _check(cfg.parallel.cp_distribution in ("uniform", "zigzag", "lpt", "ilp"),
+           f"parallel.cp_distribution must be uniform, zigzag, lpt or ilp, got {cfg.parallel.cp_distribution!r}")
+    a = cfg.attention
+    _check(a.mask in ("causal", "bidirectional_items"),
+           f"attention.mask must be 'causal' or 'bidirectional_items', got {a.mask!r}")
+    _check(a.implementation in ("auto", "hf", "plait", "plait_sdpa"),
+           f"attention.implementation must be auto, hf, plait or plait_sdpa, got {a.implementation!r}")
+    needs_plait = a.mask != "causal" or cfg.parallel.cp > 1 or d.packing
+    _check(not (needs_plait and a.implementation == "hf"),
+           "attention.implementation='hf' supports only causal, unpacked, non-CP training; use 'plait' or 'auto'")
+    _check(a.block_size >= 1, "attention.block_size must be >= 1")
     m = cfg.model
     if m.pretrained is None:
         _check((m.llm.path is None) != (m.llm.config is None), "model.llm: give exactly one of path and config")

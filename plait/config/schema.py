@@ -15,6 +15,7 @@ __all__ = [
     "ModelConfig",
     "DataConfig",
     "ParallelConfig",
+    "AttentionConfig",
     "TrainConfig",
     "CheckpointConfig",
     "MetricsConfig",
@@ -94,6 +95,8 @@ class DataConfig:
     """Longest sequence in tokens, placeholders included; longer samples are refused (see on_error)."""
     on_error: str = "raise"
     """``"raise"``: stop at the first bad record with its id and file; ``"skip"``: count, log and skip it."""
+    packing: bool = False
+    """Pack each microbatch's samples into one row (documents isolated by the attention mask)."""
     shuffle: bool = True
     """Visit training samples in a fresh random order each epoch (False: file order, for tests)."""
     val_max_samples: int | None = None
@@ -101,10 +104,29 @@ class DataConfig:
 
 
 @dataclass
+class AttentionConfig:
+    """Attention masks of the LLM (../shared/DESIGN.md, "Mask semantics")."""
+
+    mask: str = "causal"
+    """``"causal"`` (HF LLaVA-style) or ``"bidirectional_items"`` (tokens of one image/clip see each other)."""
+    implementation: str = "auto"
+    """``"hf"``: the LLM's own attention (causal masks only); ``"plait"`` (flex_attention) or ``"plait_sdpa"``:
+    plait's multimodal attention; ``"auto"``: ``"hf"`` when it suffices, else ``"plait_sdpa"`` on CPU and
+    ``"plait"`` on GPU (needed for bidirectional items, packing and CP)."""
+    block_size: int = 128
+    """Tokens per block for the CP token distribution (and flex block masks)."""
+
+
+@dataclass
 class ParallelConfig:
-    """Degrees of parallelism. ``dp`` = 0 means the whole world size."""
+    """Degrees of parallelism: world size = dp x cp. ``dp`` = 0 means world size / cp."""
 
     dp: int = 0
+    cp: int = 1
+    """Context-parallel degree: the LLM tokens of each microbatch are spread over ``cp`` ranks."""
+    cp_distribution: str = "lpt"
+    """Token distribution over CP ranks: ``"uniform"``, ``"zigzag"``, ``"lpt"`` (attention workload
+    balanced) or ``"ilp"`` (LPT refined by HiGHS)."""
     backend: str = "auto"
     """``"gloo"``, ``"nccl"`` or ``"auto"`` (NCCL when CUDA is available, else gloo)."""
     timeout_s: float = 300.0
@@ -175,6 +197,7 @@ class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

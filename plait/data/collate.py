@@ -59,14 +59,19 @@ class Batch:
         return Batch(**fields, meta=self.meta, answers=self.answers)
 
 
-def collate(samples: Sequence[ProcessedSample], pad_id: int, padding_side: str = "right") -> Batch:
-    """Pad ``samples`` into a :class:`Batch` (``padding_side="left"`` for generation prompts).
+def collate(samples: Sequence[ProcessedSample], pad_id: int, padding_side: str = "right", pack: bool = False) -> Batch:
+    """Pad ``samples`` into a :class:`Batch` (``padding_side="left"`` for generation prompts), or with
+    ``pack=True`` concatenate them into one row of several documents (``B = 1``): ``document_ids`` count the
+    documents, ``position_ids`` restart at 0 for each, ``item_ids`` stay unique within the row. Packed rows
+    need plait's attention (documents must not see each other).
 
     Raises:
         ValueError: for an empty list or an unknown padding side.
     """
     if not samples:
         raise ValueError("cannot collate an empty list of samples")
+    if pack:
+        return _pack(samples)
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     width = max(len(s.input_ids) for s in samples)
@@ -103,3 +108,15 @@ def _modality_inputs(samples: Sequence[ProcessedSample]) -> dict[str, dict[str, 
                 "num_samples": torch.tensor([it["num_samples"] for it in items], dtype=torch.long),
             }
     return out
+
+
+def _pack(samples: Sequence[ProcessedSample]) -> Batch:
+    items_before = torch.tensor([0] + [len(s.meta.items) for s in samples]).cumsum(0)
+    ids = torch.cat([s.input_ids for s in samples])[None]
+    labels = torch.cat([s.labels for s in samples])[None]
+    pos = torch.cat([torch.arange(len(s.input_ids)) for s in samples])[None]
+    docs = torch.cat([torch.full((len(s.input_ids),), d) for d, s in enumerate(samples)])[None]
+    items = torch.cat([torch.where(s.item_ids >= 0, s.item_ids + items_before[d], -1)
+                       for d, s in enumerate(samples)])[None]
+    return Batch(ids, labels, torch.ones_like(ids), pos, docs, items, _modality_inputs(samples),
+                 tuple(s.meta for s in samples), tuple(s.answer for s in samples))

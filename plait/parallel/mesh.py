@@ -62,15 +62,20 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     return DistInfo(rank, world, local_rank, dev)
 
 
-def build_mesh(info: DistInfo, dp: int = 0) -> DeviceMesh | None:
-    """A 1-D ``("dp",)`` DeviceMesh over the world (None for a single process).
+def build_mesh(info: DistInfo, dp: int = 0, cp: int = 1) -> DeviceMesh | None:
+    """A ``("dp", "cp")`` DeviceMesh over the world (None for a single process).
+
+    Rank ``r`` sits at ``(r // cp, r % cp)``: the ranks of one CP group are consecutive and share the same
+    samples; the ranks of one DP group hold the same tokens of different samples.
 
     Raises:
-        ValueError: when ``dp`` is neither 0 (whole world) nor the world size.
+        ValueError: when ``dp x cp`` is not the world size (``dp`` = 0: world size / cp).
     """
-    dp = dp or info.world_size
-    if dp != info.world_size:
-        raise ValueError(f"parallel.dp={dp} must equal the world size {info.world_size} (no other axes yet)")
+    if info.world_size % cp:
+        raise ValueError(f"parallel.cp={cp} does not divide the world size {info.world_size}")
+    dp = dp or info.world_size // cp
+    if dp * cp != info.world_size:
+        raise ValueError(f"parallel.dp x parallel.cp = {dp} x {cp} must equal the world size {info.world_size}")
     if info.world_size == 1:
         return None
-    return init_device_mesh(info.device.type, (dp,), mesh_dim_names=("dp",))
+    return init_device_mesh(info.device.type, (dp, cp), mesh_dim_names=("dp", "cp"))

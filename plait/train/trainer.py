@@ -24,6 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from plait.attention.interface import use_plait_attention
+from plait.attention.masks import MaskInfo, block_work
 from plait.config.loader import config_to_dict
 from plait.config.schema import JobConfig
 from plait.data.collate import Batch, collate
@@ -32,7 +34,9 @@ from plait.data.processing import IGNORE
 from plait.models.multimodal import MultimodalModel
 from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.parallel.data_parallel import apply_data_parallel, unwrap
+from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
 from plait.parallel.mesh import DistInfo, build_mesh, init_distributed
+from plait.planner.token_distributor import plan_tokens
 from plait.train.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from plait.planner.microbatch import (
     MicrobatchPlan,
@@ -126,12 +130,19 @@ class Trainer:
         self.info = dist_info or init_distributed(t.device, cfg.parallel.backend, cfg.parallel.timeout_s)
         if t.threads:
             torch.set_num_threads(t.threads)
-        build_mesh(self.info, cfg.parallel.dp)
+        self.cp = cfg.parallel.cp
+        self.mesh = build_mesh(self.info, cfg.parallel.dp, self.cp)
+        self.dp = self.info.world_size // self.cp
+        self.dp_rank, self.cp_rank = divmod(self.info.rank, self.cp)
+        self.cp_group = self.mesh.get_group("cp") if (self.mesh is not None and self.cp > 1) else None
         self.run_dir = Path(cfg.metrics.run_dir)
         _seed_everything(t.seed)
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         self.model = build_model(cfg.model, self.tokenizer).to(self.info.device)
         self.processor = build_processor(cfg.model, self.model, self.tokenizer, cfg.data.max_length)
+        self.attention = self._attention_implementation()
+        if self.attention != "hf":
+            use_plait_attention(self.model.language_model, "sdpa" if self.attention == "plait_sdpa" else "flex")
         progress = cfg.metrics.progress and self.info.is_main
         self.train_set = MultimodalDataset(cfg.data.train, self.processor, cfg.data.on_error, progress=progress)
         self.val_set = None
@@ -161,9 +172,9 @@ class Trainer:
         """
         t = self.cfg.train
         costs = sample_costs_from_metadata([self.train_set[i].meta for i in indices], self.cost_coeffs)
-        per_rank = -(-len(indices) // self.info.world_size)
+        per_rank = -(-len(indices) // self.dp)
         policy = MicrobatchPolicy(
-            method=t.microbatch_policy, dp=self.info.world_size,
+            method=t.microbatch_policy, dp=self.dp,
             num_microbatches=max(1, -(-per_rank // t.microbatch_size)), seed=t.seed, allow_deferral=False,
         )
         return plan_microbatches(costs, policy, self.step), costs
@@ -171,7 +182,7 @@ class Trainer:
     def microbatches(self, indices: Sequence[int], plan: MicrobatchPlan | None = None) -> list[list[int]]:
         """This rank's non-empty microbatches (dataset indices) of the global batch ``indices``."""
         plan = plan or self.plan_step(indices)[0]
-        return [[indices[k] for k in mb] for mb in plan.llm_microbatches(self.info.rank) if mb]
+        return [[indices[k] for k in mb] for mb in plan.llm_microbatches(self.dp_rank) if mb]
 
     def forward_backward(self, indices: Sequence[int], plan: MicrobatchPlan | None = None) -> tuple[float, int]:
         """Forward/backward every microbatch of this rank's share of the global batch ``indices``; the
@@ -186,16 +197,12 @@ class Trainer:
         mbs = self.microbatches(indices, plan)
         loss_sum = torch.zeros((), dtype=torch.float64)
         for k, mb in enumerate(mbs):
-            batch = collate([self.train_set[i] for i in mb], self.processor.pad_id).to(self.info.device)
             last = k == len(mbs) - 1
             ctx = nullcontext() if last or not hasattr(self.ddp_model, "no_sync") else self.ddp_model.no_sync()
             with ctx:
-                with self.autocast():
-                    logits = self.ddp_model(
-                        batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids
-                    )
-                mb_loss = token_loss_sum(logits, batch.labels)
-                (mb_loss * scale).backward()
+                mb_loss = self.microbatch_loss(mb)
+                if mb_loss.requires_grad:  # e.g. a text-only microbatch under a frozen LLM has no gradient
+                    (mb_loss * scale).backward()
             loss_sum += mb_loss.detach().double().cpu()
         if not mbs and self.info.world_size > 1:
             self._join_with_zero_gradient(indices[0])
@@ -203,13 +210,52 @@ class Trainer:
             dist.all_reduce(loss_sum)
         return float(loss_sum) / max(1, global_targets), global_targets
 
+    def microbatch_loss(self, samples: Sequence[int]) -> torch.Tensor:
+        """Sum of token cross-entropies of a microbatch (dataset indices), on this rank's share of its tokens.
+
+        Without CP every token is local. With CP the tokens are spread over the CP group by
+        ``parallel.cp_distribution`` (every rank computes the same assignment from the mask metadata); the
+        encoders run on every rank of the group, the LLM only on the local tokens, with K/V gathered across
+        the group by plait's attention.
+        """
+        batch = collate([self.train_set[i] for i in samples], self.processor.pad_id,
+                        pack=self.cfg.data.packing).to(self.info.device)
+        kwargs: dict[str, Any] = {}
+        labels, positions, attn = batch.labels, batch.position_ids, batch.attention_mask
+        if self.attention != "hf":
+            info = MaskInfo.from_batch(vars(batch), mode=self.cfg.attention.mask)
+            kwargs["plait_mask"], attn = info, None
+            if self.cp > 1:
+                shard = self._cp_shard(info)
+                kwargs.update(plait_cp=shard, token_index=shard.local_index)
+                labels, positions = shard_tokens(labels, shard), shard_tokens(positions, shard)
+        with self.autocast():
+            logits = self.ddp_model(batch.input_ids, batch.modality_inputs, attn, positions, **kwargs)
+        return token_loss_sum(logits, labels)
+
+    def _cp_shard(self, info: MaskInfo) -> CPShard:
+        """This rank's tokens of a microbatch under the planned CP token assignment."""
+        a = self.cfg.attention
+        work = block_work(info, a.block_size)
+        assignment = plan_tokens(work, info.document_ids.shape[1], self.cp, method=self.cfg.parallel.cp_distribution,
+                                 block_size=a.block_size)
+        return build_cp_shard(assignment, self.cp_rank, self.cp_group, self.info.device)
+
+    def _attention_implementation(self) -> str:
+        """Resolve ``attention.implementation = "auto"`` (see :class:`AttentionConfig`)."""
+        impl = self.cfg.attention.implementation
+        if impl != "auto":
+            return impl
+        if self.cfg.attention.mask == "causal" and self.cp == 1 and not self.cfg.data.packing:
+            return "hf"
+        return "plait" if self.info.device.type == "cuda" else "plait_sdpa"
+
     def _join_with_zero_gradient(self, index: int) -> None:
         """Take part in DDP's gradient all-reduce with zeros (this rank got no sample): a forward of sample
         ``index`` through the DDP wrapper whose loss is multiplied by 0."""
-        batch = collate([self.train_set[index]], self.processor.pad_id).to(self.info.device)
-        with self.autocast():
-            logits = self.ddp_model(batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids)
-        (token_loss_sum(logits, batch.labels) * 0.0).backward()
+        zero = self.microbatch_loss([index]) * 0.0
+        if zero.requires_grad:
+            zero.backward()
 
     def optimizer_step(self) -> tuple[float, float]:
         """Clip the gradient norm, step optimizer and LR schedule, zero gradients. Returns
@@ -247,7 +293,7 @@ class Trainer:
                 if isinstance(t, int) and t != self.tokenizer.unk_token_id]
         correct: dict[str, int] = defaultdict(int)
         total: dict[str, int] = defaultdict(int)
-        mine = rank_share(range(len(self.val_set)), self.info.rank, self.info.world_size)
+        mine = rank_share(range(len(self.val_set)), self.info.rank, self.info.world_size)  # no CP in generation
         size = max(self.cfg.train.microbatch_size, 16)
         for i in range(0, len(mine), size):
             samples = [self.val_set[j] for j in mine[i : i + size]]

@@ -1,4 +1,5 @@
-"""Worker for the DP test: train a job (config JSON) and write losses and final parameters (rank 0)."""
+"""Worker for the DP/CP tests: train a job (config JSON); rank 0 writes the first step's gradients, the
+per-step losses and the final parameters."""
 
 import json
 import sys
@@ -12,10 +13,15 @@ from plait.train.trainer import Trainer
 def main(config_path: str, out_path: str) -> None:
     cfg = config_from_dict(json.loads(open(config_path).read()))
     trainer = Trainer(cfg)
+    first = trainer.loader.epoch_order(0)[: cfg.train.global_batch_size].tolist()
+    trainer.forward_backward(first)
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.optimizer.zero_grad(set_to_none=True)
     result = trainer.fit()
     if trainer.info.is_main:
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        torch.save({"losses": result["losses"], "params": params, "world": trainer.info.world_size}, out_path)
+        torch.save({"losses": result["losses"], "params": params, "grads": grads,
+                    "world": trainer.info.world_size}, out_path)
     if trainer.info.world_size > 1:
         torch.distributed.destroy_process_group()
 

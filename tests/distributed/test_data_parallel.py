@@ -51,8 +51,19 @@ def test_dp2_equals_single_process_even_when_a_rank_never_sees_an_image(tmp_path
     assert dp["world"] == 2 and single["world"] == 1
     assert len(dp["losses"]) == 3
     torch.testing.assert_close(torch.tensor(dp["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
-    changed = 0
-    for name, value in single["params"].items():
-        torch.testing.assert_close(dp["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
-        changed += 1
-    assert changed > 50
+    assert_same_training(single, dp)
+
+
+def assert_same_training(ref: dict, other: dict) -> None:
+    """Equal first-step gradients (rel 1e-5 of each tensor's scale) and final parameters wherever the
+    gradient is not zero in exact arithmetic (key biases get ~1e-10 rounding noise that AdamW amplifies)."""
+    assert set(ref["grads"]) == set(other["grads"]) and len(ref["grads"]) > 20
+    for name, grad in ref["grads"].items():
+        tol = 1e-5 * float(grad.abs().max()) + 1e-9
+        torch.testing.assert_close(other["grads"][name], grad, rtol=1e-5, atol=tol, msg=name)
+    compared = 0
+    for name, value in ref["params"].items():
+        if name in ref["grads"] and ref["grads"][name].abs().max() > 1e-6:
+            torch.testing.assert_close(other["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+            compared += 1
+    assert compared > 0.8 * len(ref["grads"])
