@@ -965,9 +965,9 @@ def units_from_configs(model_configs: Mapping[str, Any], frozen: Mapping[str, bo
         frozen: ``{"vision": True, "vision.projector": False, "llm": True}``; a missing key means trainable.
 
     Flags (../shared/DESIGN.md principle 6): ``trainable`` = the unit's part is not frozen;
-    ``needs_input_grad`` = some unit upstream trains. Embeddings never need an input gradient (ids,
-    pixels, mel frames); the LLM's first layer is downstream of every encoder branch and of the token
-    embedding.
+    ``needs_input_grad`` = some unit upstream trains. Encoder embeddings never need an input gradient
+    (pixels, mel frames); the LLM's token embedding needs one when an encoder branch trains, since the
+    projected features are merged there and their gradient flows back through that stage.
 
     Raises:
         ValueError: on an unknown ``frozen`` key or non-bool value, or bad configs.
@@ -991,7 +991,10 @@ def units_from_configs(model_configs: Mapping[str, Any], frozen: Mapping[str, bo
             units += branch
             any_upstream |= upstream or trains_projector
     if _LLM in archs:
-        units += _chain(_LLM, _LLM, archs[_LLM].layout(), not frozen.get(_LLM, False), any_upstream)[0]
+        llm = _chain(_LLM, _LLM, archs[_LLM].layout(), not frozen.get(_LLM, False), any_upstream)[0]
+        # the token embedding is where the projected features join: their gradient flows back through it
+        llm[0] = dataclasses.replace(llm[0], needs_input_grad=any_upstream)
+        units += llm
     return tuple(units)
 
 

@@ -276,7 +276,9 @@ def _candidates(prefix: list[float], lo: float, hi: float) -> list[float]:
 
 
 def _bottleneck(chain: _Chain, ranges: Ranges) -> float:
-    return max(chain.prefix[b] - chain.prefix[a] for a, b in ranges)
+    # A one-unit stage's prefix difference can round below the unit's own work, which _probe compares
+    # against directly: the bottleneck is never below the largest unit.
+    return max(chain.max_work, max(chain.prefix[b] - chain.prefix[a] for a, b in ranges))
 
 
 def _search(chain: _Chain, names: Sequence[str] | None) -> Ranges:

@@ -217,7 +217,8 @@ def test_units_from_configs_names_and_flags():
     flags = {u.name: (u.trainable, u.needs_input_grad) for u in units}
     assert all(flags[n] == (False, False) for n in names[:6])
     assert flags["encoders.vision.projector"] == (True, False)
-    assert flags["llm.embed_tokens"] == (False, False)
+    # the trainable projector's features merge at the token embedding: the gradient flows back through it
+    assert flags["llm.embed_tokens"] == (False, True)
     assert all(flags[n] == (False, True) for n in names[8:])
     assert {u.kind for u in units} == {"embed", "layer", "norm", "projector", "head"}
 

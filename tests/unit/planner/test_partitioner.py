@@ -226,3 +226,12 @@ def test_partition_units_memory_cap():
     capped = partition_units(units, costs, 4, memory_cap=cap)
     assert max(capped.stage_memory_bytes) <= cap
     assert capped.bottleneck_s >= free.bottleneck_s
+
+
+def test_rounding_of_a_single_unit_bottleneck_does_not_break_the_search():
+    """Found by the layout search: prefix sums round the one-unit bottleneck below the unit's own work."""
+    from plait.planner.partitioner import partition_chain
+
+    work = [3.9147759429125166, 3.58500129253287, 3.2710510052525685, 1.752143032177746,
+            1.5045516793088045, 4.3128986216238605, 2.7343845424299924]
+    assert partition_chain(work, 7) == tuple((i, i + 1) for i in range(7))
