@@ -10,10 +10,12 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from plait.config.schema import EncoderConfig, JobConfig
+from plait.config.schema import EncoderConfig, JobConfig, PipelineConfig
 from plait.planner.microbatch import METHODS
+from plait.planner.pipeline_plan import LAYOUTS, LLM_MODULE
+from plait.planner.schedules import SCHEDULE_NAMES
 
-__all__ = ["load_config", "config_from_dict", "parse_overrides", "config_to_dict"]
+__all__ = ["load_config", "config_from_dict", "parse_overrides", "config_to_dict", "pipeline_stage_counts"]
 
 
 def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobConfig:
@@ -158,6 +160,7 @@ def validate(cfg: JobConfig) -> None:
     _check(cfg.parallel.cp >= 1 and cfg.parallel.dp >= 0, "parallel.cp must be >= 1 and parallel.dp >= 0")
     _check(cfg.parallel.cp_distribution in ("uniform", "zigzag", "lpt", "ilp"),
            f"parallel.cp_distribution must be uniform, zigzag, lpt or ilp, got {cfg.parallel.cp_distribution!r}")
+    _validate_pipeline(cfg)
     a = cfg.attention
     _check(a.mask in ("causal", "bidirectional_items"),
            f"attention.mask must be 'causal' or 'bidirectional_items', got {a.mask!r}")
@@ -174,12 +177,65 @@ def validate(cfg: JobConfig) -> None:
         _validate_encoder(name, enc, m.pretrained is not None)
 
 
+def _validate_pipeline(cfg: JobConfig) -> None:
+    pp = cfg.parallel.pp
+    _check(pp.degree >= 1, f"parallel.pp.degree must be >= 1, got {pp.degree}")
+    _check(pp.layout in LAYOUTS, f"parallel.pp.layout must be one of {LAYOUTS}, got {pp.layout!r}")
+    _check(pp.schedule in SCHEDULE_NAMES, f"parallel.pp.schedule must be one of {SCHEDULE_NAMES}, got {pp.schedule!r}")
+    _check(pp.microbatches >= 0, f"parallel.pp.microbatches must be >= 0 (0: from train.microbatch_size), "
+           f"got {pp.microbatches}")
+    if pp.schedule == "memory_capped_1f1b":
+        _check(pp.cap >= 1, f"parallel.pp.cap must be >= 1 with schedule 'memory_capped_1f1b', got {pp.cap}")
+    else:
+        _check(pp.cap == 0, f"parallel.pp.cap={pp.cap} is only used by schedule 'memory_capped_1f1b'; "
+               f"the schedule is {pp.schedule!r}")
+    if pp.degree == 1:
+        return
+    _check(cfg.parallel.cp == 1, f"parallel.pp.degree={pp.degree} with parallel.cp={cfg.parallel.cp}: pipeline "
+           "and context parallelism cannot be combined yet; use one of them")
+    if cfg.model.pretrained is None:  # a pretrained composite's branches are known only once it is loaded
+        pipeline_stage_counts(pp, list(cfg.model.encoders))
+
+
+def pipeline_stage_counts(pp: PipelineConfig, encoders: typing.Sequence[str]) -> dict[str, int]:
+    """Stages per module (``encoders`` in model order, then ``"llm"``) for ``parallel.pp``, defaults filled in:
+    an encoder not named in ``pp.stages`` gets 1 stage (under ``encoders_colocated``, the count of the named
+    encoders), the LLM gets the rest of ``pp.degree``. With one stage per pipeline rank the stage total is
+    ``pp.degree`` (encoder stages count once per chunk position when colocated).
+
+    Raises:
+        ValueError: for an unknown module, a count below 1, colocated encoders with different counts, no stage
+            left for the LLM, or a total other than ``pp.degree``.
+    """
+    known = [*encoders, LLM_MODULE]
+    unknown = sorted(set(pp.stages) - set(known))
+    _check(not unknown, f"parallel.pp.stages names unknown module(s) {unknown}; modules are {known}")
+    for module, count in pp.stages.items():
+        _check(isinstance(count, int) and not isinstance(count, bool) and count >= 1,
+               f"parallel.pp.stages.{module} must be an integer >= 1, got {count!r}")
+    colocated = pp.layout == "encoders_colocated"
+    default = next((pp.stages[m] for m in encoders if m in pp.stages), 1) if colocated else 1
+    counts = {m: pp.stages.get(m, default) for m in encoders}
+    if colocated:
+        _check(len(set(counts.values())) <= 1,
+               f"parallel.pp.stages: encoders_colocated needs the same stage count for every encoder, got {counts}")
+    encoder_stages = max(counts.values(), default=0) if colocated else sum(counts.values())
+    llm = pp.stages.get(LLM_MODULE, pp.degree - encoder_stages)
+    _check(llm >= 1, f"parallel.pp: the encoders take {encoder_stages} of parallel.pp.degree={pp.degree} stages, "
+           "leaving none for the LLM")
+    _check(encoder_stages + llm == pp.degree,
+           f"parallel.pp.stages give {encoder_stages + llm} stages ({counts | {LLM_MODULE: llm}}, layout "
+           f"{pp.layout}) but parallel.pp.degree is {pp.degree}: one stage per pipeline rank")
+    return {**counts, LLM_MODULE: llm}
+
+
 def _validate_encoder(name: str, enc: EncoderConfig, pretrained: bool) -> None:
     where = f"model.encoders.{name}"
     _check(enc.modality in ("image", "audio"), f"{where}.modality must be 'image' or 'audio', got {enc.modality!r}")
     _check(enc.select in ("full", "drop_cls"), f"{where}.select must be 'full' or 'drop_cls'")
     _check(enc.projector in ("linear", "mlp"), f"{where}.projector must be 'linear' or 'mlp'")
     _check(enc.downsample >= 1, f"{where}.downsample must be >= 1")
+    _check(enc.lr_scale > 0, f"{where}.lr_scale must be > 0")
     if not pretrained:
         _check((enc.path is None) != (enc.config is None), f"{where}: give exactly one of path and config")
 

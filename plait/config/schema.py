@@ -14,6 +14,7 @@ __all__ = [
     "LLMConfig",
     "ModelConfig",
     "DataConfig",
+    "PipelineConfig",
     "ParallelConfig",
     "AttentionConfig",
     "TrainConfig",
@@ -53,6 +54,8 @@ class EncoderConfig:
     """Freeze the encoder (no weight gradient, not in the optimizer)."""
     freeze_projector: bool = False
     """Freeze the projector."""
+    lr_scale: float = 1.0
+    """Learning rate of this branch's encoder and projector as a multiple of ``train.lr``."""
 
 
 @dataclass
@@ -118,8 +121,33 @@ class AttentionConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """Pipeline parallelism (plait.planner.pipeline_plan, plait.parallel.pipeline_runtime): the model is cut
+    into stages, one per pipeline rank, and each global batch's microbatches flow through them on a schedule.
+    Not combined with context parallelism yet (``parallel.cp`` must be 1 when ``degree`` > 1)."""
+
+    degree: int = 1
+    """Pipeline ranks per model replica (PP degree); 1 disables pipeline parallelism."""
+    layout: str = "encoder_parallel"
+    """``"encoder_parallel"``: each encoder branch is its own chain of stages feeding the first LLM stage;
+    ``"encoders_colocated"``: encoder stage ``s`` runs the ``s``-th chunk of every encoder, then the LLM stages
+    follow (one line)."""
+    stages: dict[str, int] = field(default_factory=dict)
+    """Stages per module, e.g. ``{vision = 1, audio = 1, llm = 2}`` (units cut evenly by count). Modules not
+    named get 1 stage per encoder branch (per encoder chunk position when colocated) and the rest of
+    ``degree`` for the LLM; the total number of stages must equal ``degree``."""
+    schedule: str = "1f1b"
+    """``"gpipe"``, ``"1f1b"`` (multimodal 1F1B) or ``"memory_capped_1f1b"`` (needs ``cap`` >= 1)."""
+    microbatches: int = 0
+    """Microbatches per pipeline per step; 0: derived from ``train.microbatch_size`` as without PP."""
+    cap: int = 0
+    """Microbatches in flight per backward stage for ``memory_capped_1f1b`` (0 with other schedules)."""
+
+
+@dataclass
 class ParallelConfig:
-    """Degrees of parallelism: world size = dp x cp. ``dp`` = 0 means world size / cp."""
+    """Degrees of parallelism: world size = dp x cp x pp (pp > 1 needs cp = 1). ``dp`` = 0 means world size
+    / (cp x pp)."""
 
     dp: int = 0
     cp: int = 1
@@ -131,6 +159,8 @@ class ParallelConfig:
     """``"gloo"``, ``"nccl"`` or ``"auto"`` (NCCL when CUDA is available, else gloo)."""
     timeout_s: float = 300.0
     """Collective timeout in seconds."""
+    pp: PipelineConfig = field(default_factory=PipelineConfig)
+    """Pipeline parallelism (``[parallel.pp]``)."""
 
 
 @dataclass

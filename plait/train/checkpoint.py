@@ -3,6 +3,12 @@
 A checkpoint holds the model and optimizer (through ``get_state_dict``, so DDP/FSDP wrappers and
 resharding are handled by PyTorch), the LR schedule, the data-loader position, the step and every rank's
 RNG state. Each is written to ``<run_dir>/checkpoints/step_<k>/``.
+
+Under pipeline parallelism each rank passes its pruned model (owned units only, parameter names as in the
+full model) and an optimizer over its own trainable parameters, or none: every rank then writes its own
+keys. The optimizer state is flattened to per-parameter keys (``state.<fqn>.exp_avg``,
+``param_groups.<fqn>.lr``) so that ranks holding different parameters never write one key with different
+contents; replicas (DP) write identical keys, which DCP stores once.
 """
 
 from __future__ import annotations
@@ -20,11 +26,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_dir"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_model_state", "latest_checkpoint", "checkpoint_dir"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _optimizers(optimizer: torch.optim.Optimizer | None) -> Any:
+    return () if optimizer is None else optimizer
 
 
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
@@ -63,7 +74,7 @@ def _rank() -> int:
 def save_checkpoint(
     path: str | Path,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     scheduler: Any,
     loader_state: dict[str, Any],
     step: int,
@@ -71,10 +82,12 @@ def save_checkpoint(
 ) -> Path:
     """Write a checkpoint of this step to ``path`` (collective: every rank calls it).
 
-    ``keep`` > 0 removes older ``step_*`` siblings beyond the newest ``keep`` (on rank 0).
+    ``optimizer`` is None on a rank that trains nothing (a frozen pipeline stage); ``scheduler`` is any object
+    with ``state_dict``/``load_state_dict``. ``keep`` > 0 removes older ``step_*`` siblings beyond the newest
+    ``keep`` (on rank 0).
     """
     path = Path(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer), options=_OPTIONS)
     state = {
         "model": model_sd,
         "optim": optim_sd,
@@ -92,11 +105,11 @@ def save_checkpoint(
 def load_checkpoint(
     path: str | Path,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     scheduler: Any,
     loader_state: dict[str, Any],
 ) -> dict[str, Any]:
-    """Restore model, optimizer, schedule and this rank's RNG from ``path``; returns
+    """Restore model, optimizer (unless None), schedule and this rank's RNG from ``path``; returns
     ``{"step": int, "loader": dict}``. ``loader_state`` is the current loader state, whose keys say what
     to read.
 
@@ -107,7 +120,7 @@ def load_checkpoint(
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer), options=_OPTIONS)
     key = f"rng_rank{_rank()}"
     keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     if key not in keys:
@@ -121,10 +134,42 @@ def load_checkpoint(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, _optimizers(optimizer), model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_OPTIONS)
     scheduler.load_state_dict(state["extra"]["scheduler"])
     _set_rng_state(state[key])
     return {"step": int(state["extra"]["step"]), "loader": state["extra"]["loader"]}
+
+
+def load_model_state(path: str | Path, model: nn.Module) -> list[str]:
+    """Load the model entries of checkpoint ``path`` into ``model`` in this process alone (DCP with
+    ``no_dist=True``: no collective), e.g. the whole model on one rank from a pipeline checkpoint in which each
+    rank saved its own stage under the full model's names.
+
+    Returns:
+        the names of ``model``'s entries that the checkpoint lacks (they keep their current values): parts that
+        belong to no pipeline unit (a pooling head, layers after the selected feature layer) are never saved.
+
+    Raises:
+        FileNotFoundError: when ``path`` is not a complete checkpoint.
+        ValueError: when the checkpoint lacks a trainable parameter of ``model`` (another model's checkpoint).
+    """
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    current = model.state_dict()
+    present = {k: v for k, v in current.items() if f"model.{k}" in saved}
+    missing = sorted(set(current) - set(present))
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad and n in missing)
+    if trainable:
+        raise ValueError(f"checkpoint {path} has no value for trainable parameter(s) {trainable[:3]}: saved from "
+                         "another model?")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": present}, checkpoint_id=str(path), no_dist=True)
+    model.load_state_dict(present, strict=False)  # a no-op for tensors DCP filled in place
+    return missing
 
 
 def _prune(root: Path, keep: int) -> None:

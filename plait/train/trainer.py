@@ -81,21 +81,29 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
-def build_optimizer(model: MultimodalModel, lr: float, weight_decay: float, betas: tuple[float, float]) -> torch.optim.AdamW:
+def build_optimizer(
+    model: MultimodalModel, lr: float, weight_decay: float, betas: tuple[float, float],
+    lr_scales: dict[str, float] | None = None,
+) -> torch.optim.AdamW:
     """AdamW over trainable parameters only (frozen ones are not in it); no weight decay on biases and
-    norms (parameters with fewer than 2 dims).
+    norms (parameters with fewer than 2 dims); encoder branch ``b`` (encoder and projector) learns at
+    ``lr * lr_scales[b]``.
 
     Raises:
         ValueError: when nothing is trainable.
     """
-    params = [p for _, p in model.trainable_parameters()]
-    if not params:
+    lr_scales = lr_scales or {}
+    groups: dict[tuple[float, bool], list[torch.nn.Parameter]] = {}
+    for name, p in model.trainable_parameters():
+        branch = name.split(".")[1] if name.startswith("encoders.") else None
+        groups.setdefault((lr_scales.get(branch, 1.0), p.ndim >= 2), []).append(p)
+    if not groups:
         raise ValueError("every parameter is frozen: nothing to train")
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas)
+    return torch.optim.AdamW(
+        [{"params": ps, "lr": lr * scale, "weight_decay": weight_decay if decay else 0.0}
+         for (scale, decay), ps in groups.items()],
+        lr=lr, betas=betas,
+    )
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, warmup: int, total: int, min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
@@ -130,11 +138,7 @@ class Trainer:
         self.info = dist_info or init_distributed(t.device, cfg.parallel.backend, cfg.parallel.timeout_s)
         if t.threads:
             torch.set_num_threads(t.threads)
-        self.cp = cfg.parallel.cp
-        self.mesh = build_mesh(self.info, cfg.parallel.dp, self.cp)
-        self.dp = self.info.world_size // self.cp
-        self.dp_rank, self.cp_rank = divmod(self.info.rank, self.cp)
-        self.cp_group = self.mesh.get_group("cp") if (self.mesh is not None and self.cp > 1) else None
+        self._setup_mesh()
         self.run_dir = Path(cfg.metrics.run_dir)
         _seed_everything(t.seed)
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -154,14 +158,46 @@ class Trainer:
         self.loader = GlobalBatchLoader(len(self.train_set), t.global_batch_size, t.seed, cfg.data.shuffle)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.batches_per_epoch)
         self.cost_coeffs = microbatch_cost_coeffs(self.model)
-        self.ddp_model = apply_data_parallel(self.model, self.info)
-        self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas)
-        self.scheduler = build_scheduler(self.optimizer, t.warmup_steps, self.total_steps, t.min_lr_ratio)
+        self._setup_training()
         self.step = 0
         use_bf16 = t.dtype == "bf16" or (t.dtype == "auto" and self.info.device.type == "cuda")
         self.autocast = (
             (lambda: torch.autocast(self.info.device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
         )
+
+    # ------------------------------------------------------------------ setup hooks (subclasses override)
+    def _setup_mesh(self) -> None:
+        """Parallel layout: ``mesh``, ``dp``/``dp_rank`` (DP replicas), ``cp``/``cp_rank``/``cp_group``.
+
+        Raises:
+            ValueError: when the degrees do not fit the world size, or the job asks for pipeline parallelism
+                (``plait.train.pipeline_trainer.PipelineTrainer`` runs those).
+        """
+        par = self.cfg.parallel
+        if par.pp.degree > 1:
+            raise ValueError(f"parallel.pp.degree={par.pp.degree}: pipeline jobs run with PipelineTrainer")
+        self.cp = par.cp
+        self.mesh = build_mesh(self.info, par.dp, self.cp)
+        self.dp = self.info.world_size // self.cp
+        self.dp_rank, self.cp_rank = divmod(self.info.rank, self.cp)
+        self.cp_group = self.mesh.get_group("cp") if (self.mesh is not None and self.cp > 1) else None
+
+    def _setup_training(self) -> None:
+        """Wrap the model for DP (``ddp_model``) and build ``optimizer`` and LR ``scheduler``."""
+        t = self.cfg.train
+        self.ddp_model = apply_data_parallel(self.model, self.info)
+        self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas,
+                                         {n: e.lr_scale for n, e in self.cfg.model.encoders.items()})
+        self.scheduler = build_scheduler(self.optimizer, t.warmup_steps, self.total_steps, t.min_lr_ratio)
+
+    def _num_microbatches(self, samples: int) -> int:
+        """Microbatches of a DP rank's share of ``samples`` samples (``train.microbatch_size`` per microbatch)."""
+        return max(1, -(-samples // self.cfg.train.microbatch_size))
+
+    def _parameter_counts(self) -> tuple[int, int]:
+        """``(trainable, all)`` parameter counts of the whole model (for the setup report)."""
+        return (sum(p.numel() for _, p in self.model.trainable_parameters()),
+                sum(p.numel() for p in self.model.parameters()))
 
     # ------------------------------------------------------------------ one step
     def plan_step(self, indices: Sequence[int]) -> tuple[MicrobatchPlan, tuple[SampleCost, ...]]:
@@ -175,7 +211,7 @@ class Trainer:
         per_rank = -(-len(indices) // self.dp)
         policy = MicrobatchPolicy(
             method=t.microbatch_policy, dp=self.dp,
-            num_microbatches=max(1, -(-per_rank // t.microbatch_size)), seed=t.seed, allow_deferral=False,
+            num_microbatches=self._num_microbatches(per_rank), seed=t.seed, allow_deferral=False,
         )
         return plan_microbatches(costs, policy, self.step), costs
 
@@ -287,31 +323,38 @@ class Trainer:
         """Exact-match accuracy per task on the validation set (greedy generation), over all ranks."""
         if self.val_set is None:
             return {}
-        model = self.model
+        mine = rank_share(range(len(self.val_set)), self.info.rank, self.info.world_size)  # no CP in generation
+        tasks, counts = self._exact_match_counts(self.model, mine)
+        if self.info.world_size > 1:
+            dist.all_reduce(counts)
+        return {t: float(c / n) if n else 0.0 for t, (c, n) in zip(tasks, counts.tolist())}
+
+    def _exact_match_counts(self, model: MultimodalModel, indices: Sequence[int]) -> tuple[list[str], torch.Tensor]:
+        """Greedy answers of ``model`` to the validation samples ``indices``: every task of the validation set
+        (sorted) and a ``[tasks, 2]`` float64 tensor of (exact matches, samples) per task."""
+        assert self.val_set is not None
         model.eval()
         stop = [t for t in {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|im_end|>")}
                 if isinstance(t, int) and t != self.tokenizer.unk_token_id]
         correct: dict[str, int] = defaultdict(int)
         total: dict[str, int] = defaultdict(int)
-        mine = rank_share(range(len(self.val_set)), self.info.rank, self.info.world_size)  # no CP in generation
         size = max(self.cfg.train.microbatch_size, 16)
-        for i in range(0, len(mine), size):
-            samples = [self.val_set[j] for j in mine[i : i + size]]
+        for i in range(0, len(indices), size):
+            samples = [self.val_set[j] for j in indices[i : i + size]]
             batch = collate(samples, self.processor.pad_id, padding_side="left").to(self.info.device)
-            for s, text in zip(samples, self.generate(batch, stop)):
+            for s, text in zip(samples, self.generate(batch, stop, model)):
                 total[s.meta.task] += 1
                 correct[s.meta.task] += int(text.strip() == s.answer.strip())
         tasks = sorted({s.meta.task for s in self.val_set.samples})
-        counts = torch.tensor([[correct[t], total[t]] for t in tasks], dtype=torch.float64)
-        if self.info.world_size > 1:
-            dist.all_reduce(counts)
-        return {t: float(c / n) if n else 0.0 for t, (c, n) in zip(tasks, counts.tolist())}
+        return tasks, torch.tensor([[correct[t], total[t]] for t in tasks], dtype=torch.float64)
 
-    def generate(self, batch: Batch, stop_ids: list[int]) -> list[str]:
-        """Greedy answers (decoded text) for a left-padded batch of prompts."""
+    def generate(self, batch: Batch, stop_ids: list[int], model: MultimodalModel | None = None) -> list[str]:
+        """Greedy answers (decoded text) for a left-padded batch of prompts, by ``model`` (default: the
+        trainer's)."""
+        model = model or self.model
         with self.autocast():
-            embeds = self.model.embed(batch.input_ids, batch.modality_inputs)
-            out = self.model.language_model.generate(
+            embeds = model.embed(batch.input_ids, batch.modality_inputs)
+            out = model.language_model.generate(
                 inputs_embeds=embeds,
                 attention_mask=batch.attention_mask,
                 max_new_tokens=self.cfg.train.max_new_tokens,
@@ -342,6 +385,11 @@ class Trainer:
             checkpoint_dir(self.run_dir, self.step), self.model, self.optimizer, self.scheduler,
             self.loader.state_dict(), self.step, keep=self.cfg.checkpoint.keep,
         )
+
+    def full_model(self, path: str | Path | None = None) -> MultimodalModel:
+        """The whole trained model (here the one in memory; ``path`` is for trainers that hold a part of it and
+        assemble the whole from a checkpoint, as ``PipelineTrainer``)."""
+        return self.model
 
     def fit(self, resume: bool | str = False, stop_after: int | None = None) -> dict[str, Any]:
         """Train until ``train.steps`` (or ``stop_after`` steps, for tests), validating and checkpointing on
@@ -384,8 +432,7 @@ class Trainer:
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(config_to_dict(self.cfg), indent=2))
-        n_train = sum(p.numel() for _, p in self.model.trainable_parameters())
-        n_all = sum(p.numel() for p in self.model.parameters())
+        n_train, n_all = self._parameter_counts()
         log.info("model: %.2fM parameters, %.2fM trainable", n_all / 1e6, n_train / 1e6)
         sets = [("train", self.train_set)] + ([("val", self.val_set)] if self.val_set else [])
         for name, ds in sets:

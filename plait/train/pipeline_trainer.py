@@ -1,0 +1,258 @@
+"""Pipeline-parallel training: :class:`~plait.train.trainer.Trainer`'s loop over this rank's pipeline stages.
+
+Layout: world size = DP x PP (``parallel.cp`` must be 1); global rank = ``dp_rank * pp + pp_rank``, so each
+pipeline is a run of consecutive ranks (``build_pipeline_comm``). The plan comes from
+``plan_pipeline(model_units(model), parallel.pp.layout, stages_per_module=...)`` with stage ``i`` on pipeline
+rank ``i`` (one stage per rank; counts from :func:`plait.config.loader.pipeline_stage_counts`).
+
+Build: every rank builds the whole composite from the same seed (or pretrained weights) exactly as the
+single-process trainer does, then :func:`~plait.parallel.stages.build_rank_stages` prunes it in place to this
+rank's stage; parameter names stay the full model's. There is no DDP wrapper: ``run_pipeline_step`` sums
+gradients over the DP group itself.
+
+Optimizer: AdamW over this rank's trainable parameters (``None`` on a rank whose stage is frozen), with the
+trainer's parameter groups (weight decay, per-branch ``lr_scale``). The LR schedule is a ``LambdaLR`` over a
+one-parameter placeholder optimizer, the same object on every rank (so checkpoints hold one schedule state);
+before each step its factor is applied to each group's base LR, as the single-process trainer's schedule does.
+
+One step: every rank computes the same microbatch plan from the samples' metadata (no communication); this
+DP replica's non-empty microbatches go through the pipeline (the same list on every rank of a pipeline, so
+they agree on ``M``; schedules are built per ``M`` and cached), then ``clip_grad_norm_pipeline`` and the
+optimizer step. A replica left without samples (a last global batch smaller than DP) runs one microbatch with
+its loss multiplied by 0, so it still joins the DP gradient sum with zeros.
+
+Validation: generation needs the whole model. :meth:`PipelineTrainer.evaluate` saves a checkpoint
+(collective), then rank 0 builds the whole model, loads it from that checkpoint with DCP in one process
+(``no_dist``; the names match because stages keep the full model's FQNs) and evaluates every validation
+sample; the other ranks wait for the result (a broadcast, bounded by ``parallel.timeout_s``). Rank 0
+temporarily holds the whole model besides its stage.
+
+Checkpoints: each rank saves its owned parameters, its optimizer state (per-parameter keys) and its RNG;
+resume restores them (:mod:`plait.train.checkpoint`). Timeline: the measured events of the last step of DP
+replica 0 are written at the end of :meth:`PipelineTrainer.fit` to ``<run_dir>/timeline.json`` (Chrome trace)
+and ``<run_dir>/timeline.png`` (Gantt chart) by rank 0, in the simulator's format.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.attention.interface import use_plait_attention
+from plait.attention.masks import MaskInfo
+from plait.config.loader import pipeline_stage_counts
+from plait.data.collate import Batch, collate
+from plait.models.multimodal import MultimodalModel
+from plait.models.registry import build_model
+from plait.models.units import model_units
+from plait.parallel.pipeline_runtime import (
+    build_pipeline_comm,
+    clip_grad_norm_pipeline,
+    gather_timeline,
+    run_pipeline_step,
+    token_loss_sum,
+)
+from plait.parallel.stages import build_rank_stages
+from plait.planner.microbatch import MicrobatchPlan
+from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
+from plait.planner.schedules import Schedule, TimelineEvent, build_schedule
+from plait.train.checkpoint import checkpoint_dir, latest_checkpoint, load_model_state
+from plait.train.metrics import MetricsWriter
+from plait.train.plots import plot_timeline, write_chrome_trace
+from plait.train.trainer import Trainer, build_optimizer, build_scheduler
+
+__all__ = ["PipelineTrainer"]
+
+
+def _zero_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The token loss sum times 0: a replica without samples joins the DP gradient sum with zeros."""
+    return token_loss_sum(logits, labels) * 0.0
+
+
+class PipelineTrainer(Trainer):
+    """:class:`Trainer` for ``parallel.pp.degree`` > 1 (module docstring): same loop, losses, checkpoints and
+    metrics; forward/backward through this rank's pipeline stage.
+
+    Attributes (besides the trainer's):
+        comm: this rank's PP/DP coordinates (``PipelineComm``).
+        pp, pp_rank: pipeline degree and this rank's pipeline coordinate.
+        plan: the pipeline plan (``PipelinePlan``, stage ``i`` on pipeline rank ``i``).
+        stages: this rank's stages (``RankStages``); ``model`` is the pruned composite they run.
+        last_events: this rank's measured timeline events (seconds since the epoch) of the last step.
+
+    Raises:
+        ValueError: when ``parallel.cp`` > 1, the world size is not a multiple of ``parallel.pp.degree`` (or
+            ``parallel.dp`` x degree differs from it), or the stage counts do not fit the model.
+    """
+
+    # ------------------------------------------------------------------ setup
+    def _setup_mesh(self) -> None:
+        par, world = self.cfg.parallel, self.info.world_size
+        self.pp = par.pp.degree
+        if par.cp != 1:
+            raise ValueError(f"parallel.pp.degree={self.pp} with parallel.cp={par.cp}: not supported yet")
+        if world % self.pp or (par.dp and par.dp * self.pp != world):
+            raise ValueError(
+                f"parallel.pp.degree={self.pp} (parallel.dp={par.dp or 'auto'}) does not fit the world size {world}: "
+                f"launch a multiple of {self.pp} processes, e.g. torchrun --nproc_per_node {self.pp}"
+            )
+        self.comm = build_pipeline_comm(self.pp, self.info.device)
+        self.cp, self.cp_rank, self.cp_group, self.mesh = 1, 0, None, None
+        self.dp, self.dp_rank, self.pp_rank = self.comm.dp_size, self.comm.dp_rank, self.comm.pp_rank
+
+    def _setup_training(self) -> None:
+        t, pp = self.cfg.train, self.cfg.parallel.pp
+        self._counts = super()._parameter_counts()  # the whole model, before pruning
+        counts = pipeline_stage_counts(pp, list(self.model.encoders))
+        self.plan: PipelinePlan = plan_pipeline(model_units(self.model), pp.layout, stages_per_module=counts)
+        self.stages = build_rank_stages(self.model, self.plan, self.pp_rank, self.info.device)
+        self.ddp_model = self.model  # pruned in place; no wrapper (the runtime reduces over DP)
+        self.optimizer = None
+        if self.stages.trainable_parameters():
+            scales = {name: enc.lr_scale for name, enc in self.cfg.model.encoders.items()}
+            self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas, scales)
+        self._base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
+        self._lr_driver = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=t.lr)  # never gets a gradient
+        self.scheduler = build_scheduler(self._lr_driver, t.warmup_steps, self.total_steps, t.min_lr_ratio)
+        self._schedules: dict[int, Schedule] = {}
+        self._saved_step: int | None = None
+        self.last_events: tuple[TimelineEvent, ...] = ()
+
+    def _num_microbatches(self, samples: int) -> int:
+        return self.cfg.parallel.pp.microbatches or super()._num_microbatches(samples)
+
+    def _parameter_counts(self) -> tuple[int, int]:
+        return self._counts
+
+    def _report_setup(self, writer: MetricsWriter) -> None:
+        super()._report_setup(writer)
+        if not self.info.is_main:
+            return
+        pp = self.cfg.parallel.pp
+        stages = "; ".join(f"{s.index}: {'+'.join(s.modules)} ({len(s.units)} units)" for s in self.plan.stages)
+        print(f"plait: pipeline {pp.layout}, {self.pp} stages x {self.dp} replica(s), schedule {pp.schedule}; "
+              f"stages {stages}", flush=True)
+
+    # ------------------------------------------------------------------ one step
+    def schedule_for(self, num_microbatches: int) -> Schedule:
+        """The configured schedule (``parallel.pp.schedule``) of the plan for ``num_microbatches`` microbatches
+        (built once per count, then cached)."""
+        if num_microbatches not in self._schedules:
+            pp = self.cfg.parallel.pp
+            options = {"cap": pp.cap} if pp.schedule == "memory_capped_1f1b" else {}
+            self._schedules[num_microbatches] = build_schedule(self.plan, pp.schedule, num_microbatches, **options)
+        return self._schedules[num_microbatches]
+
+    def forward_backward(self, indices: Sequence[int], plan: MicrobatchPlan | None = None) -> tuple[float, int]:
+        """Run this DP replica's microbatches of the global batch ``indices`` through the pipeline; gradients
+        (summed over DP, scaled by 1 / global target tokens) accumulate in ``.grad`` of this rank's parameters.
+        Collective over the job. Returns ``(global loss, global target tokens)``."""
+        global_targets = sum(self.train_set[i].meta.target_tokens for i in indices)
+        mbs, loss_fn = self.microbatches(indices, plan), token_loss_sum
+        if not mbs:  # fewer samples than replicas: join the DP reduction with a zero contribution
+            mbs, loss_fn = [[indices[0]]], _zero_loss
+        batches = [self._collate(mb) for mb in mbs]
+        self.stages.train()
+        res = run_pipeline_step(self.stages, self.schedule_for(len(batches)), batches, global_targets, self.comm,
+                                loss_fn=loss_fn, autocast=self.autocast, llm_kwargs=self._llm_kwargs)
+        self.last_events = res.events
+        return res.loss, global_targets
+
+    def _collate(self, samples: Sequence[int]) -> Batch:
+        batch = collate([self.train_set[i] for i in samples], self.processor.pad_id, pack=self.cfg.data.packing)
+        return batch.to(self.info.device)
+
+    def _llm_kwargs(self, batch: Batch) -> dict[str, Any]:
+        """Attention metadata for the LLM stages (plait attention reads ``plait_mask`` and ignores the 2-D mask)."""
+        if self.attention == "hf":
+            return {}
+        return {"plait_mask": MaskInfo.from_batch(vars(batch), mode=self.cfg.attention.mask)}
+
+    def optimizer_step(self) -> tuple[float, float]:
+        """Clip the whole pipeline's gradient norm (collective), step this rank's optimizer (if it trains) at the
+        scheduled LR, advance the schedule. Returns ``(gradient norm before clipping, learning rate used)``."""
+        clip = self.cfg.train.grad_clip
+        grad_norm = clip_grad_norm_pipeline(self.stages, clip if clip > 0 else float("inf"), self.comm)
+        lr = self.scheduler.get_last_lr()[0]
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)  # LambdaLR: lr = base lr x factor
+        if self.optimizer is not None:
+            for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+                group["lr"] = base * factor
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self._lr_driver.step()  # a no-op (no gradient) that keeps LambdaLR's step-order check quiet
+        self.scheduler.step()
+        self.step += 1
+        return grad_norm, lr
+
+    # ------------------------------------------------------------------ validation, checkpoints, timeline
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Exact-match accuracy per task on the validation set (greedy generation) by the whole model on rank 0
+        (module docstring); the same dict on every rank. Collective: saves a checkpoint of the current step."""
+        if self.val_set is None:
+            return {}
+        path = self.save()
+        result: list[Any] = [None]
+        if self.info.is_main:
+            model = self.full_model(path)
+            tasks, counts = self._exact_match_counts(model, range(len(self.val_set)))
+            result[0] = {t: float(c / n) if n else 0.0 for t, (c, n) in zip(tasks, counts.tolist())}
+            del model
+        if self.info.world_size > 1:
+            dist.broadcast_object_list(result, src=0)  # the other ranks wait here for rank 0's evaluation
+        return result[0]
+
+    def full_model(self, path: str | Path | None = None) -> MultimodalModel:
+        """The whole model with the weights of checkpoint ``path`` (default: the run's newest), on this rank's
+        device, built in this process alone (no collective).
+
+        It is built from the config like the trained model (same seed; the parts in no pipeline unit, such as
+        a pooling head, are never trained or saved and keep their initial values), then loaded with DCP.
+
+        Raises:
+            FileNotFoundError: when there is no checkpoint.
+        """
+        path = Path(path) if path else latest_checkpoint(self.run_dir)
+        if path is None:
+            raise FileNotFoundError(f"no checkpoint under {self.run_dir / 'checkpoints'} to build the model from")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.train.seed)
+            model = build_model(self.cfg.model, self.tokenizer)
+        if self.attention != "hf":
+            use_plait_attention(model.language_model, "sdpa" if self.attention == "plait_sdpa" else "flex")
+        load_model_state(path, model)
+        return model.to(self.info.device)
+
+    def save(self) -> Path:
+        """Write a checkpoint of the current step (collective; once per step: validation already saves one)."""
+        if self._saved_step == self.step:
+            return checkpoint_dir(self.run_dir, self.step)
+        path = super().save()
+        self._saved_step = self.step
+        return path
+
+    def write_timeline(self) -> Path | None:
+        """Gather the last step's events of DP replica 0 (collective) and write ``timeline.json`` (Chrome trace)
+        and ``timeline.png`` under the run directory on rank 0. Returns the JSON path on rank 0 (None elsewhere
+        or when no step ran)."""
+        events = gather_timeline(self.last_events, self.comm)
+        if not (self.info.is_main and events):
+            return None
+        pp = self.cfg.parallel.pp
+        path = write_chrome_trace(events, self.run_dir / "timeline.json", label="measured")
+        m = len({e.microbatch for e in events})
+        plot_timeline(events, self.run_dir / "timeline.png",
+                      title=f"measured step {self.step}: {pp.layout}, {pp.schedule}, {m} microbatches")
+        return path
+
+    def fit(self, resume: bool | str = False, stop_after: int | None = None) -> dict[str, Any]:
+        """:meth:`Trainer.fit`, then the timeline of the last step (:meth:`write_timeline`); the result also
+        holds ``"timeline"`` (the JSON path on rank 0, else None)."""
+        result = super().fit(resume, stop_after)
+        result["timeline"] = self.write_timeline()
+        return result
