@@ -1,4 +1,10 @@
-"""Command line: ``plait train --config configs/demo.toml [--section.key=value ...] [--resume]``."""
+"""Command line.
+
+``plait train --config configs/demo.toml [--section.key=value ...] [--resume]``: train a job.
+``plait plan --config configs/demo.toml --devices 8 [--out plan.json]``: choose a layout and partition with
+the analytic, frozen-aware cost model and print it.
+``plait simulate --plan plan.json --out-dir DIR``: the predicted timeline of a plan (Chrome trace + PNG).
+"""
 
 from __future__ import annotations
 
@@ -40,6 +46,24 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from plait.planner.plan_cli import plan_command
+
+    plan_command(args.config, args.devices, args.out, overrides=overrides, device=args.device,
+                 microbatches=args.microbatches, frozen_aware=not args.frozen_unaware)
+    return 0
+
+
+def _simulate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from plait.planner.plan_cli import simulate_command
+
+    if overrides:
+        raise ValueError(f"plait simulate takes no overrides, got {overrides}")
+    paths = simulate_command(args.plan, args.out_dir)
+    print(f"plait: predicted timeline {paths['trace']} (Chrome trace) and {paths['png']}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``plait`` command; returns the exit code."""
     parser = argparse.ArgumentParser(prog="plait", description="Train multimodal LLMs composed of Hugging Face parts.")
@@ -48,6 +72,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     train.add_argument("--config", required=True, help="TOML job file, e.g. configs/demo.toml")
     train.add_argument("--resume", nargs="?", const=True, default=False,
                        help="resume from the newest checkpoint of the run (or from the given directory)")
+    plan = sub.add_parser("plan", help="choose a pipeline layout/partition for N devices (analytic costs)")
+    plan.add_argument("--config", required=True, help="TOML job file (its [model] section is planned)")
+    plan.add_argument("--devices", type=int, required=True, help="number of GPUs to plan for")
+    plan.add_argument("--out", default=None, help="write the chosen plan as JSON here")
+    plan.add_argument("--device", default="h100", help="device preset: h100, h200, a100 or cpu")
+    plan.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: from the job)")
+    plan.add_argument("--frozen-unaware", action="store_true", help="plan with backward = 2x forward everywhere")
+    simulate = sub.add_parser("simulate", help="predicted timeline (Chrome trace + PNG) of a plan JSON")
+    simulate.add_argument("--plan", required=True, help="plan JSON written by `plait plan --out`")
+    simulate.add_argument("--out-dir", required=True, help="folder for timeline.json and timeline.png")
     args, rest = parser.parse_known_args(argv)
     bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
     if bad:
@@ -57,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
     try:
-        return _train(args, rest)
+        return {"train": _train, "plan": _plan, "simulate": _simulate}[args.command](args, rest)
     except (ValueError, FileNotFoundError) as exc:
         print(f"plait: error: {exc}", file=sys.stderr)
         return 2

@@ -60,3 +60,19 @@ def test_errors_are_reported_without_a_traceback(tmp_path):
     assert "Traceback" not in bad_key.stderr
     no_ckpt = plait("train", "--config", job, "--resume", "--metrics.run_dir=" + str(tmp_path / "empty"))
     assert no_ckpt.returncode == 2 and "no checkpoint to resume from" in no_ckpt.stderr
+
+
+def test_plan_and_simulate_commands(tmp_path):
+    plan_json = tmp_path / "plan.json"
+    planned = plait("plan", "--config", str(ROOT / "configs" / "demo.toml"), "--devices", "4", "--out", str(plan_json))
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    assert "layout" in planned.stdout and "bubble" in planned.stdout
+    plan = json.loads(plan_json.read_text())
+    assert plan["dp"] * len({s["rank"] for s in plan["plan"]["stages"]}) <= 4
+    sim = plait("simulate", "--plan", str(plan_json), "--out-dir", str(tmp_path / "sim"))
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    trace = json.loads((tmp_path / "sim" / "timeline.json").read_text())
+    assert any(e.get("ph") == "X" for e in trace["traceEvents"])
+    assert (tmp_path / "sim" / "timeline.png").stat().st_size > 5_000
+    bad = plait("plan", "--config", str(ROOT / "configs" / "demo.toml"), "--devices", "4", "--model.llm.freeze=maybe")
+    assert bad.returncode == 2 and "model.llm.freeze: expected bool" in bad.stderr
