@@ -163,6 +163,13 @@ def _config_from_dict(fields: dict[str, Any]) -> PretrainedConfig:
     model_type = fields.pop("model_type", None)
     if not model_type:
         raise ValueError(f"model config needs a 'model_type' field, got keys {sorted(fields)}")
+    try:
+        default = AutoConfig.for_model(model_type)
+    except ValueError as exc:
+        raise ValueError(f"unknown model_type {model_type!r} in a model config table") from None
+    unknown = sorted(k for k in fields if not hasattr(default, k))
+    if unknown:
+        raise ValueError(f"{model_type} config has no field(s) {unknown} (typo?)")
     return AutoConfig.for_model(model_type, **fields)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import transformers
@@ -29,9 +30,15 @@ def load_tokenizer(path: str) -> Any:
     """A Hugging Face tokenizer from a local directory.
 
     Raises:
-        ValueError: when it has no chat template (plait needs one to render conversations).
+        FileNotFoundError: when ``path`` is not a directory.
+        ValueError: when it cannot be loaded or has no chat template (plait needs one to render conversations).
     """
-    tok = AutoTokenizer.from_pretrained(path)
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"data.tokenizer: tokenizer directory {path} does not exist")
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # transformers raises OSError/ValueError/... for broken folders
+        raise ValueError(f"data.tokenizer: cannot load a tokenizer from {path}: {exc}") from exc
     if not tok.chat_template:
         raise ValueError(f"tokenizer at {path} has no chat template")
     return tok
@@ -112,7 +119,14 @@ def _hf_processor(enc: EncoderConfig, branch: ModalityEncoder) -> Any:
 
 
 def build_processor(cfg: ModelConfig, model: MultimodalModel, tokenizer: Any, max_length: int) -> MultimodalProcessor:
-    """The :class:`MultimodalProcessor` matching ``model``'s branches (same feature-count functions)."""
+    """The :class:`MultimodalProcessor` matching ``model``'s branches (same feature-count functions).
+
+    Raises:
+        ValueError: when ``max_length`` exceeds the LLM's ``max_position_embeddings``.
+    """
+    limit = getattr(model.language_model.config, "max_position_embeddings", None)
+    if limit is not None and max_length > limit:
+        raise ValueError(f"data.max_length={max_length} exceeds the LLM's max_position_embeddings={limit}")
     specs = []
     for name, branch in model.encoders.items():
         enc = cfg.encoders.get(name) or EncoderConfig(modality=branch.modality)

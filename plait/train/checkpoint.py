@@ -118,6 +118,8 @@ def load_checkpoint(
         ValueError: when the checkpoint holds no RNG state for this rank (saved with fewer ranks).
     """
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
     model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer), options=_OPTIONS)
@@ -131,11 +133,15 @@ def load_checkpoint(
         "extra": {"scheduler": scheduler.state_dict(), "loader": dict(loader_state), "step": 0},
         key: torch.zeros(keys[key].size, dtype=torch.uint8),
     }
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, _optimizers(optimizer), model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=_OPTIONS)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, _optimizers(optimizer), model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=_OPTIONS)
+    except Exception as exc:  # DCP wraps size/key mismatches in its own exception types
+        raise ValueError(f"cannot resume from {path}: it does not match this job's model or optimizer "
+                         f"(was the model config changed?): {str(exc)[:500]}") from exc
     scheduler.load_state_dict(state["extra"]["scheduler"])
     _set_rng_state(state[key])
     return {"step": int(state["extra"]["step"]), "loader": state["extra"]["loader"]}

@@ -57,3 +57,22 @@ def test_llm_needs_exactly_one_source():
 
     with pytest.raises(ValueError, match="model.llm: give exactly one of path and config"):
         validate(cfg)
+
+
+def test_typos_in_hugging_face_config_tables_are_refused(tmp_path):
+    from plait.models.hf import build_causal_lm
+
+    with pytest.raises(ValueError, match=r"llama config has no field\(s\) \['hidden_sise'\]"):
+        build_causal_lm(config={"model_type": "llama", "hidden_sise": 64}, vocab_size=10)
+    with pytest.raises(ValueError, match="unknown model_type 'lama'"):
+        build_causal_lm(config={"model_type": "lama"}, vocab_size=10)
+
+
+def test_missing_tokenizer_directory_names_the_field(tmp_path):
+    from plait.models.registry import load_tokenizer
+
+    with pytest.raises(FileNotFoundError, match="data.tokenizer: tokenizer directory .* does not exist"):
+        load_tokenizer(str(tmp_path / "none"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="data.tokenizer: cannot load a tokenizer"):
+        load_tokenizer(str(tmp_path / "empty"))
