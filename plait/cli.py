@@ -35,6 +35,9 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         png = plot_loss_curve(trainer.run_dir / "metrics.jsonl", trainer.run_dir / "loss.png")
         final = trainer.run_dir / "final"
         trainer.full_model().save_pretrained(final)  # under PP: assembled on rank 0 from the last checkpoint
+        trainer.tokenizer.save_pretrained(final / "tokenizer")
+        for spec in trainer.processor.specs.values():
+            spec.hf_processor.save_pretrained(final / "processors" / spec.encoder)
         print(f"plait: trained {result['steps']} steps; loss curve {png}; model {final}")
         if result.get("timeline"):
             print(f"plait: pipeline timeline of the last step {result['timeline']} (Chrome trace; open in "

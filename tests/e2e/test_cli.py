@@ -44,6 +44,8 @@ def test_train_then_resume_from_the_command_line(tmp_path):
     assert any("eval" in r and "image_digit" in r["eval"] for r in records)
     assert (run / "loss.png").stat().st_size > 10_000
     assert (run / "final" / "plait_config.json").is_file()
+    assert (run / "final" / "tokenizer" / "tokenizer.json").is_file()
+    assert sorted(p.name for p in (run / "final" / "processors").iterdir()) == ["audio", "vision"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
 
     again = plait("train", "--config", job, *small[1:], "--train.steps=6", "--resume")
