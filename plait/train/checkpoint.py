@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_model_state", "latest_checkpoint", "checkpoint_dir"]
@@ -127,6 +128,15 @@ def load_checkpoint(
     keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     if key not in keys:
         raise ValueError(f"checkpoint {path} has no RNG state for rank {_rank()}: saved with another world size")
+    # Parameters that had received no gradient when the checkpoint was written had no optimizer state:
+    # read none for them (partial load) and drop the state get_state_dict initialised, so they resume
+    # exactly as they were.
+    stateless = {k.split(".", 1)[1].rsplit(".", 1)[0] for k in optim_sd
+                 if k.startswith("state.") and f"optim.{k}" not in keys}
+    missing = [k for k in model_sd if f"model.{k}" not in keys]
+    if missing:
+        raise ValueError(f"cannot resume from {path}: it lacks parameters of this model, e.g. {missing[:3]} "
+                         "(was the model config changed?)")
     state = {
         "model": model_sd,
         "optim": optim_sd,
@@ -136,9 +146,13 @@ def load_checkpoint(
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=bool(stateless)))
         set_state_dict(model, _optimizers(optimizer), model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=_OPTIONS)
+        if optimizer is not None:
+            for name, param in model.named_parameters():
+                if name in stateless:
+                    optimizer.state.pop(param, None)
     except Exception as exc:  # DCP wraps size/key mismatches in its own exception types
         raise ValueError(f"cannot resume from {path}: it does not match this job's model or optimizer "
                          f"(was the model config changed?): {str(exc)[:500]}") from exc

@@ -395,6 +395,12 @@ class Trainer:
         """Train until ``train.steps`` (or ``stop_after`` steps, for tests), validating and checkpointing on
         schedule. Returns ``{"steps", "losses", "eval", "skipped"}``."""
         resumed = self.resume(None if resume is True else resume) if resume else None
+        if not resume and self.info.is_main and latest_checkpoint(self.run_dir) is not None:
+            log.warning("%s already holds checkpoints of an earlier run: this new run overwrites its metrics and "
+                        "checkpoints (use --resume to continue it instead)", self.run_dir)
+        if resumed is not None and resumed >= self.total_steps and self.info.is_main:
+            log.warning("checkpoint is at step %d and train.steps is %d: nothing left to train", resumed,
+                        self.total_steps)
         main = self.info.is_main
         writer = MetricsWriter(self.run_dir, main, self.cfg.metrics.tensorboard, resume_step=resumed)
         self._report_setup(writer)

@@ -154,3 +154,31 @@ def test_step_metrics_report_microbatch_balance(tiny_job):
     assert set(res.workload) == {"vision", "audio", "llm"}
     for stats in res.workload.values():
         assert stats["cv"] >= 0 and stats["max_over_mean"] >= 1.0
+
+
+def test_new_run_into_an_old_run_dir_warns(tiny_job, caplog):
+    import logging
+
+    recs = demo_records("train", ("text",), limit=4)
+    cfg = tiny_job(recs, train={"steps": 1})
+    Trainer(cfg).fit()
+    with caplog.at_level(logging.WARNING):
+        Trainer(cfg).fit()
+        assert any("already holds checkpoints" in r.message for r in caplog.records)
+        caplog.clear()
+        Trainer(cfg).fit(resume=True)
+        assert any("nothing left to train" in r.message for r in caplog.records)
+
+
+def test_resume_is_exact_when_a_branch_had_no_gradient_yet(tiny_job, tmp_path):
+    """Step 1 is text-only (the vision branch has no optimizer state when step 1 is saved), steps 2-3 have images:
+    the step-3 loss shows whether the vision branch's first update after resume matched."""
+    recs = demo_records("train", ("text",), limit=4) + demo_records("train", ("image_digit",), limit=8)
+    sections = dict(data={"shuffle": False}, train={"steps": 3, "global_batch_size": 4, "microbatch_size": 2},
+                    checkpoint={"every": 1, "keep": 3})
+    full = Trainer(tiny_job(recs, **sections)).fit()
+    sections["metrics"] = {"run_dir": str(tmp_path / "run2")}
+    Trainer(tiny_job(recs, **sections)).fit(stop_after=1)
+    resumed = Trainer(tiny_job(recs, **sections))
+    rest = resumed.fit(resume=str(tmp_path / "run2" / "checkpoints" / "step_000001"))
+    assert rest["losses"] == full["losses"][1:]
