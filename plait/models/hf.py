@@ -35,7 +35,6 @@ __all__ = [
 _VISION = {
     "siglip_vision_model": ("SiglipVisionModel", False),
     "siglip": ("SiglipVisionModel", False),
-    "siglip2_vision_model": ("Siglip2VisionModel", False),
     "clip_vision_model": ("CLIPVisionModel", True),
     "clip": ("CLIPVisionModel", True),
     "vit": ("ViTModel", True),
@@ -178,7 +177,7 @@ def build_encoder(
 ) -> PreTrainedModel:
     """Build (from a config dict) or load (from a local directory) a Hugging Face modality encoder.
 
-    Vision: SigLIP / SigLIP2 / CLIP vision towers and ViT (a full CLIP/SigLIP checkpoint gives its vision
+    Vision: SigLIP / CLIP vision towers and ViT (a full CLIP/SigLIP checkpoint gives its vision
     tower). Audio: the Whisper encoder (a full Whisper checkpoint gives its encoder).
 
     Raises:
