@@ -149,7 +149,13 @@ class PipelineStepResult:
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of token cross-entropies (fp32) over positions whose label is not -100 (``[B, N, V]``, ``[B, N]``)."""
+    """Sum of next-token cross-entropies (fp32) over positions whose label is not -100.
+
+    Args:
+        logits: ``[B, N, V]``; labels: ``[B, N]`` already shifted (label t is the target of position t).
+    Returns:
+        a scalar; 0 (with a graph) when there is no target. The loss of every plait training path.
+    """
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 

@@ -18,8 +18,9 @@ import random
 import re
 import shutil
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -68,6 +69,14 @@ def _set_rng_state(blob: torch.Tensor) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's notice that it runs without a process group (single-process jobs, rank-0 loads)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -95,8 +104,7 @@ def save_checkpoint(
         "extra": {"scheduler": scheduler.state_dict(), "loader": loader_state, "step": step},
         f"rng_rank{_rank()}": _rng_state(),
     }
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with _single_process_quiet():
         dcp.save(state, checkpoint_id=str(path))
     if keep > 0 and _rank() == 0:
         _prune(path.parent, keep)
@@ -144,8 +152,7 @@ def load_checkpoint(
         key: torch.zeros(keys[key].size, dtype=torch.uint8),
     }
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=bool(stateless)))
         set_state_dict(model, _optimizers(optimizer), model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=_OPTIONS)
@@ -185,8 +192,7 @@ def load_model_state(path: str | Path, model: nn.Module) -> list[str]:
     if trainable:
         raise ValueError(f"checkpoint {path} has no value for trainable parameter(s) {trainable[:3]}: saved from "
                          "another model?")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with _single_process_quiet():
         dcp.load({"model": present}, checkpoint_id=str(path), no_dist=True)
     model.load_state_dict(present, strict=False)  # a no-op for tensors DCP filled in place
     return missing

@@ -21,7 +21,6 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from plait.attention.interface import use_plait_attention
@@ -30,11 +29,11 @@ from plait.config.loader import config_to_dict
 from plait.config.schema import JobConfig
 from plait.data.collate import Batch, collate
 from plait.data.loader import GlobalBatchLoader, MultimodalDataset, rank_share
-from plait.data.processing import IGNORE
 from plait.models.multimodal import MultimodalModel
 from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.parallel.data_parallel import apply_data_parallel, unwrap
 from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
+from plait.parallel.pipeline_runtime import token_loss_sum  # one definition, re-exported here
 from plait.parallel.mesh import DistInfo, build_mesh, init_distributed
 from plait.planner.token_distributor import plan_tokens
 from plait.train.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -68,17 +67,6 @@ class StepResult:
     tokens: int
     time_s: float
     workload: dict[str, dict[str, float]] | None = None
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropies (fp32) over positions whose label is not -100.
-
-    Args:
-        logits: ``[B, N, V]``; labels: ``[B, N]`` already shifted (label t is the target of position t).
-    Returns:
-        a scalar; 0 (with a graph) when there is no target.
-    """
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 def build_optimizer(
