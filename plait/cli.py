@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -23,7 +24,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from plait.train.plots import plot_loss_curve
     from plait.train.trainer import Trainer
 
-    cfg = load_config(args.config, overrides)
+    try:
+        cfg = load_config(args.config, overrides)
+    except (ValueError, FileNotFoundError) as exc:
+        exc.same_on_every_rank = True  # type: ignore[attr-defined]  # every rank reads the same file
+        raise
     if cfg.parallel.pp.degree > 1:
         from plait.train.pipeline_trainer import PipelineTrainer
 
@@ -93,11 +98,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bars per checkpoint/final save
     try:
         return {"train": _train, "plan": _plan, "simulate": _simulate}[args.command](args, rest)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"plait: error: {exc}", file=sys.stderr)
+        _report_error(exc)
         return 2
+
+
+def _report_error(exc: Exception) -> None:
+    """Print ``exc`` as one ``plait: error:`` line. Under torchrun an error every rank hits alike (a bad config)
+    is printed by rank 0 only; any other error names the rank that raised it."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and getattr(exc, "same_on_every_rank", False):
+        if rank == 0:
+            print(f"plait: error: {exc}", file=sys.stderr)
+        return
+    where = f" (rank {rank} of {world})" if world > 1 else ""
+    print(f"plait: error{where}: {exc}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -147,6 +147,9 @@ def validate(cfg: JobConfig) -> None:
     t = cfg.train
     _check(t.global_batch_size >= 1, "train.global_batch_size must be >= 1")
     _check(t.microbatch_size >= 1, "train.microbatch_size must be >= 1")
+    _check(t.microbatch_size <= t.global_batch_size,
+           f"train.microbatch_size ({t.microbatch_size}) is larger than train.global_batch_size "
+           f"({t.global_batch_size}): a microbatch is a part of one global batch")
     _check(t.steps >= 0 and t.epochs > 0, "train.steps must be >= 0 and train.epochs > 0")
     _check(t.lr > 0 and 0 <= t.min_lr_ratio <= 1, "train.lr must be > 0 and train.min_lr_ratio in [0, 1]")
     _check(t.dtype in ("auto", "fp32", "bf16"), f"train.dtype must be auto, fp32 or bf16, got {t.dtype!r}")
@@ -191,8 +194,6 @@ def _validate_pipeline(cfg: JobConfig) -> None:
                f"the schedule is {pp.schedule!r}")
     if pp.degree == 1:
         return
-    _check(cfg.parallel.cp == 1, f"parallel.pp.degree={pp.degree} with parallel.cp={cfg.parallel.cp}: pipeline "
-           "and context parallelism cannot be combined yet; use one of them")
     if cfg.model.pretrained is None:  # a pretrained composite's branches are known only once it is loaded
         pipeline_stage_counts(pp, list(cfg.model.encoders))
 

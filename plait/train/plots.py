@@ -256,6 +256,8 @@ def plot_loss_curve(metrics_path: str | Path, out_path: str | Path) -> Path:
     Raises:
         ValueError: when the metrics file holds no loss record.
     """
+    from matplotlib.ticker import MaxNLocator
+
     from plait.train.metrics import read_metrics
 
     records = read_metrics(metrics_path)
@@ -265,6 +267,7 @@ def plot_loss_curve(metrics_path: str | Path, out_path: str | Path) -> Path:
     fig, (ax,) = new_figure(8, 4.5, dpi=110)
     ax.plot(*zip(*losses), color="tab:blue", lw=1.2, label="train loss")
     ax.set(xlabel="step", ylabel="loss (mean token cross-entropy)", yscale="log", title="plait training")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, also on short runs
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right", fontsize=8)
     evals = [r for r in records if "eval" in r]

@@ -64,6 +64,20 @@ def test_errors_are_reported_without_a_traceback(tmp_path):
     assert no_ckpt.returncode == 2 and "no checkpoint to resume from" in no_ckpt.stderr
 
 
+def test_torchrun_errors_print_once_or_name_the_rank(monkeypatch, capsys):
+    from plait.cli import _report_error
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    config_error = ValueError("train.lr must be > 0")
+    config_error.same_on_every_rank = True
+    for rank in ("0", "2"):
+        monkeypatch.setenv("RANK", rank)
+        _report_error(config_error)
+    assert capsys.readouterr().err == "plait: error: train.lr must be > 0\n"  # rank 0's line only
+    _report_error(ValueError("stage 1 has no input"))  # still RANK=2: a rank's own error is never hidden
+    assert capsys.readouterr().err == "plait: error (rank 2 of 4): stage 1 has no input\n"
+
+
 def test_plan_and_simulate_commands(tmp_path):
     plan_json = tmp_path / "plan.json"
     planned = plait("plan", "--config", str(ROOT / "configs" / "demo.toml"), "--devices", "4", "--out", str(plan_json))

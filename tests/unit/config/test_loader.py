@@ -34,6 +34,7 @@ def test_override_values_are_typed():
     ("--data.on_error=ignore", "data.on_error must be 'raise' or 'skip'"),
     ("--model.encoders.vision.projector=conv", "model.encoders.vision.projector must be 'linear' or 'mlp'"),
     ("--train.microbatch_size=0", "train.microbatch_size must be >= 1"),
+    ("--train.microbatch_size=33", r"train.microbatch_size \(33\) is larger than train.global_batch_size \(32\)"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ValueError, match=message):
