@@ -1,4 +1,4 @@
-"""Execute a pipeline ``Schedule`` on this rank: forward/backward actions, P2P transfers, DP reduction.
+"""Execute a pipeline ``Schedule`` on this rank: forward/backward actions, P2P transfers, DP/CP reduction.
 
 The runtime only executes (../shared/DESIGN.md, principle 3): the plan says which stage runs where, the
 schedule says in which order each rank runs ``F``/``B``/``W`` of each microbatch. Transfers follow the
@@ -23,6 +23,15 @@ all DP replicas), and gradients summed over the DP group, so the result equals o
 batch. With ``split_backward`` schedules ``B`` computes input gradients (``autograd.grad``, graph retained)
 and ``W`` weight gradients (a second pass over the retained graph: correct, but it repeats the part of the
 backward shared by both, so it is slower than a fused backward).
+
+Context parallelism (CP, DESIGN "One training step"): each stage is replicated over a CP group (the innermost
+rank axis, :class:`PipelineComm`); a pipeline is the stages with one CP index, and its messages carry only
+that CP rank's LLM tokens. Encoder stages run on every CP rank (redundantly, as the non-pipeline trainer
+does); the input-gradient of the features that reaches an encoder stage covers only its CP rank's tokens, so
+every stage's parameter gradients are partial per CP rank and are summed over the DP x CP copies (like DP).
+Each CP rank's last stage holds the loss of its tokens; the world sum of the losses is the global one. The
+CP ranks of a stage run the same actions in the same order, so the K/V all-gathers (forward) and
+reduce-scatters (backward, in ``B`` and again in ``W``) inside the LLM stages match up.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ import torch.nn.functional as F
 from plait.data.collate import Batch
 from plait.data.processing import IGNORE
 from plait.parallel.stages import Payload, PipelineStage, RankStages
+from plait.planner.pipeline_plan import LLM_MODULE
 from plait.planner.schedules import Action, Schedule, TimelineEvent, frees_activations
 
 __all__ = [
@@ -62,15 +72,27 @@ _MessageKey = tuple[str, int, int, int]  # (kind "F"/"B", sending stage, receivi
 
 @dataclass(frozen=True)
 class PipelineComm:
-    """This process's place in a PP x DP job.
+    """This process's place in a DP x PP x CP job.
+
+    Rank layout (:func:`build_pipeline_comm`): global rank ``= (dp_rank * pp + pp_rank) * cp + cp_rank``, the CP
+    axis innermost (the ranks of one stage's CP group are consecutive: the all-gather of K/V in every attention
+    layer is the most frequent collective). A pipeline is the ``pp`` ranks with one ``(dp_rank, cp_rank)``: its
+    P2P messages carry the hidden states of that CP rank's tokens only.
 
     Attributes:
         pp_rank: coordinate on the pipeline axis (the plan's rank numbering).
-        pp_ranks: global rank of every pipeline rank of this process's pipeline.
-        dp_rank: index of this pipeline among the DP replicas.
-        dp_size: number of DP replicas (pipelines).
-        dp_group: process group of the ranks with this ``pp_rank`` in every replica (None when ``dp_size == 1``).
+        pp_ranks: global rank of every pipeline rank of this process's pipeline (same ``dp_rank``/``cp_rank``).
+        dp_rank: index of this pipeline's model replica among the DP replicas.
+        dp_size: number of DP replicas.
+        dp_group: process group of the ranks with this ``pp_rank`` and ``cp_rank`` in every DP replica (None when
+            ``dp_size == 1``).
         device: device of this rank's stages (P2P buffers live there: CPU for gloo, CUDA for NCCL).
+        cp_rank: index of this rank in its stage's CP group.
+        cp_size: CP degree (ranks sharing the tokens of every microbatch of one stage).
+        cp_group: process group of this stage's CP ranks (None when ``cp_size == 1``); plait attention gathers
+            K/V over it.
+        grad_group: process group of every rank holding this ``pp_rank``'s stages (DP x CP ranks), over which
+            gradients are summed (None when ``dp_size * cp_size == 1``; the DP group when ``cp_size == 1``).
     """
 
     pp_rank: int = 0
@@ -79,39 +101,79 @@ class PipelineComm:
     dp_size: int = 1
     dp_group: Any = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_group: Any = None
+    grad_group: Any = None
 
     @property
     def distributed(self) -> bool:
         """True when a default process group exists (single-process runs need none)."""
         return dist.is_available() and dist.is_initialized()
 
+    @property
+    def stage_replicas(self) -> int:
+        """Ranks holding a copy of this rank's stages (``dp_size * cp_size``): the gradient sum runs over them."""
+        return self.dp_size * self.cp_size
 
-def build_pipeline_comm(pp_size: int, device: torch.device | str = "cpu") -> PipelineComm:
-    """Pipeline and DP coordinates with global rank ``= dp_rank * pp_size + pp_rank`` (pipelines are runs of
-    consecutive ranks); creates the DP groups (collective: every rank must call it).
+    @property
+    def reduce_group(self) -> Any:
+        """The group of the gradient sum (``grad_group``, falling back to ``dp_group`` for comms built without
+        CP)."""
+        return self.grad_group if self.grad_group is not None else self.dp_group
+
+
+def build_pipeline_comm(pp_size: int, device: torch.device | str = "cpu", cp_size: int = 1) -> PipelineComm:
+    """Coordinates of this process in a DP x PP x CP job with global rank
+    ``= (dp_rank * pp_size + pp_rank) * cp_size + cp_rank`` (see :class:`PipelineComm`); creates the DP, CP and
+    gradient (DP x CP) groups. Collective: every rank must call it, with the same degrees.
 
     Raises:
-        ValueError: when the world size is not a multiple of ``pp_size``.
+        ValueError: when the world size is not a multiple of ``pp_size * cp_size``.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if pp_size < 1 or world % pp_size:
-        raise ValueError(f"parallel.pp={pp_size} must divide the world size {world}")
-    dp_size = world // pp_size
-    dp_rank, pp_rank = divmod(rank, pp_size)
-    group = None
-    for q in range(pp_size):
-        if dp_size > 1:
-            g = dist.new_group([d * pp_size + q for d in range(dp_size)])
-            group = g if q == pp_rank else group
-    ranks = tuple(dp_rank * pp_size + q for q in range(pp_size))
+    if pp_size < 1 or cp_size < 1 or world % (pp_size * cp_size):
+        raise ValueError(f"parallel.pp={pp_size} x parallel.cp={cp_size} must divide the world size {world}")
+    dp_size = world // (pp_size * cp_size)
+    rest, cp_rank = divmod(rank, cp_size)
+    dp_rank, pp_rank = divmod(rest, pp_size)
+
+    def at(d: int, q: int, c: int) -> int:
+        return (d * pp_size + q) * cp_size + c
+
+    dp_group = _new_groups([[at(d, q, c) for d in range(dp_size)] for q in range(pp_size) for c in range(cp_size)],
+                           rank, dp_size > 1)
+    cp_group = _new_groups([[at(d, q, c) for c in range(cp_size)] for d in range(dp_size) for q in range(pp_size)],
+                           rank, cp_size > 1)
+    grad_group = dp_group
+    if cp_size > 1:
+        grad_group = _new_groups([[at(d, q, c) for d in range(dp_size) for c in range(cp_size)]
+                                  for q in range(pp_size)], rank, dp_size > 1)
+        grad_group = cp_group if grad_group is None else grad_group  # dp = 1: the CP group holds every copy
+    ranks = tuple(at(dp_rank, q, cp_rank) for q in range(pp_size))
     if dist.is_initialized():
         dist.barrier()  # NCCL: the default communicator exists before the first batched P2P call
-    return PipelineComm(pp_rank, ranks, dp_rank, dp_size, group, torch.device(device))
+    return PipelineComm(pp_rank, ranks, dp_rank, dp_size, dp_group, torch.device(device), cp_rank, cp_size,
+                        cp_group, grad_group)
+
+
+def _new_groups(partition: Sequence[Sequence[int]], rank: int, needed: bool) -> Any:
+    """Create one process group per list of ``partition`` (every rank creates all of them, in the same order:
+    ``new_group`` is collective) and return the one holding ``rank``; None when ``needed`` is False."""
+    if not needed:
+        return None
+    mine = None
+    for ranks in partition:
+        group = dist.new_group(list(ranks))
+        mine = group if rank in ranks else mine
+    return mine
 
 
 def pipeline_comm_from_mesh(mesh: Any, device: torch.device | str = "cpu") -> PipelineComm:
-    """:class:`PipelineComm` from a ``DeviceMesh`` with a ``"pp"`` axis and optionally a ``"dp"`` axis.
+    """:class:`PipelineComm` from a ``DeviceMesh`` with a ``"pp"`` axis and optionally ``"dp"`` and ``"cp"`` axes.
+    With a ``"cp"`` axis of size > 1 the gradient groups (the ``"dp"`` x ``"cp"`` ranks of each pipeline
+    coordinate) are created here: collective, every rank must call it.
 
     Raises:
         ValueError: when the mesh has no ``"pp"`` axis.
@@ -124,7 +186,15 @@ def pipeline_comm_from_mesh(mesh: Any, device: torch.device | str = "cpu") -> Pi
     dp_size, dp_rank, group = 1, 0, None
     if "dp" in names and mesh["dp"].size() > 1:
         dp_size, dp_rank, group = mesh["dp"].size(), mesh.get_local_rank("dp"), mesh["dp"].get_group()
-    return PipelineComm(mesh.get_local_rank("pp"), ranks, dp_rank, dp_size, group, torch.device(device))
+    cp_size, cp_rank, cp_group, grad_group = 1, 0, None, group
+    if "cp" in names and mesh["cp"].size() > 1:
+        cp_size, cp_rank, cp_group = mesh["cp"].size(), mesh.get_local_rank("cp"), mesh["cp"].get_group()
+        grad_group = cp_group
+        if dp_size > 1:
+            grid = mesh.mesh.movedim(names.index("pp"), 0).reshape(mesh["pp"].size(), -1).tolist()
+            grad_group = _new_groups(grid, dist.get_rank(), True)
+    return PipelineComm(mesh.get_local_rank("pp"), ranks, dp_rank, dp_size, group, torch.device(device), cp_rank,
+                        cp_size, cp_group, grad_group)
 
 
 @dataclass(frozen=True)
@@ -339,8 +409,11 @@ class _Executor:
         start = time.time()
         leaves = {p: self._leaves(p, stage, payload) for p, payload in received.items()}
         keeps = self.plan.stages[s].runs_backward
+        kwargs = self.llm_kwargs(self.mbs[m])
+        if LLM_MODULE in stage.chunks:
+            _check_cp_kwargs(kwargs, self.comm, s, m)
         with torch.set_grad_enabled(keeps), self.autocast(), self._counting(s):
-            out = stage.forward(self.mbs[m], leaves, self.loss_fn, self.llm_kwargs(self.mbs[m]))
+            out = stage.forward(self.mbs[m], leaves, self.loss_fn, kwargs)
         if keeps:
             self.records[(s, m)] = _Record(leaves, out)
         if stage.is_last:
@@ -431,18 +504,33 @@ class _Executor:
                 param.grad = grad if param.grad is None else param.grad + grad
 
 
+def _check_cp_kwargs(kwargs: Mapping[str, Any], comm: PipelineComm, s: int, m: int) -> None:
+    """An LLM stage under context parallelism needs this rank's ``plait_cp`` shard over ``comm.cp_group``:
+    without it every CP rank would run all tokens and the gradient sum over CP would count them ``cp`` times."""
+    shard = kwargs.get("plait_cp")
+    cp = 1 if shard is None else shard.cp
+    if cp != comm.cp_size or (shard is not None and shard.rank != comm.cp_rank):
+        got = "no plait_cp shard" if shard is None else f"a plait_cp shard of rank {shard.rank} of cp={cp}"
+        raise ValueError(f"LLM stage {s}, microbatch {m}: llm_kwargs gave {got}, but this rank is CP rank "
+                         f"{comm.cp_rank} of cp={comm.cp_size}")
+
+
 def _input_grad_payload(inputs: Payload) -> dict[str, list[torch.Tensor | None]]:
     return {m: [t.grad if t.requires_grad else None for t in lst] for m, lst in inputs.items()}
 
 
 # ----- gradient reduction --------------------------------------------------------------------------------
 def _reduce_dp(params: Sequence[torch.nn.Parameter], comm: PipelineComm) -> None:
-    """Sum gradients over the DP group. A parameter without a gradient on every replica keeps ``None`` (as in
-    one process: the optimizer skips it); one used on some replica gets zeros where it was unused."""
-    if comm.dp_size == 1 or not params:
+    """Sum gradients over every copy of this rank's stages: the DP replicas and, with context parallelism, the
+    CP ranks (each CP rank's gradients come from its own tokens only: the LLM's queries, the K/V it holds, and
+    the features the encoders produced for its tokens; their sum is the whole microbatch's gradient). A
+    parameter without a gradient on every copy keeps ``None`` (as in one process: the optimizer skips it); one
+    used on some copy gets zeros where it was unused."""
+    if comm.stage_replicas == 1 or not params:
         return
+    copies = comm.reduce_group
     used = torch.tensor([float(p.grad is not None) for p in params], device=comm.device)
-    dist.all_reduce(used, group=comm.dp_group)
+    dist.all_reduce(used, group=copies)
     live = [p for p, u in zip(params, used.tolist()) if u > 0]
     for p in live:
         if p.grad is None:
@@ -452,7 +540,7 @@ def _reduce_dp(params: Sequence[torch.nn.Parameter], comm: PipelineComm) -> None
         by_dtype[p.grad.dtype].append(p)  # type: ignore[union-attr]
     for group in by_dtype.values():
         flat = torch.cat([p.grad.reshape(-1) for p in group])  # type: ignore[union-attr]
-        dist.all_reduce(flat, group=comm.dp_group)
+        dist.all_reduce(flat, group=copies)
         for p, piece in zip(group, flat.split([p.numel() for p in group])):
             p.grad.copy_(piece.view_as(p))  # type: ignore[union-attr]
 
@@ -486,9 +574,15 @@ def run_pipeline_step(
 ) -> PipelineStepResult:
     """Forward and backward of this pipeline's ``M`` microbatches of a global batch, then gradient reduction.
 
-    Gradients accumulate into ``.grad`` of this rank's parameters: summed over the DP group, and over the two
-    copies of tied embeddings split across ranks; the caller then steps its optimizer (if the rank trains)
-    and zeroes them. Collective: every rank of the job calls it with the same schedule.
+    Gradients accumulate into ``.grad`` of this rank's parameters: summed over the DP x CP copies of its
+    stages, and over the two copies of tied embeddings split across ranks; the caller then steps its optimizer
+    (if the rank trains) and zeroes them. Collective: every rank of the job calls it with the same schedule.
+
+    Context parallelism (``comm.cp_size`` > 1): every CP rank of a pipeline runs the same schedule on the same
+    microbatches; ``llm_kwargs`` must give each microbatch this rank's ``plait_cp`` shard (a
+    :class:`~plait.parallel.context.CPShard` over ``comm.cp_group``, the same token assignment on every rank)
+    with its ``plait_mask``. Encoder stages run whole; the LLM stages keep only the shard's tokens (see
+    :class:`~plait.parallel.stages.PipelineStage`), so LLM messages carry ``[B, n_local, H]``.
 
     Args:
         stages: this rank's stages (``build_rank_stages``); their plan must be ``schedule.plan``.
@@ -499,14 +593,17 @@ def run_pipeline_step(
         comm: PP/DP coordinates (default: single process, every stage on pipeline rank 0).
         loss_fn: ``(logits [B, N, V], labels [B, N]) -> scalar`` sum of token losses.
         autocast: context factory wrapped around every action (e.g. bf16 autocast).
-        llm_kwargs: extra keyword arguments for the LLM stages per microbatch (attention metadata).
+        llm_kwargs: extra keyword arguments for the LLM stages per microbatch (attention metadata:
+            ``plait_mask``, and ``plait_cp`` with context parallelism).
         instrument: count tensors saved for backward per stage (``saved_tensors_hooks``).
 
     Returns:
         :class:`PipelineStepResult` (loss the same on every rank).
 
     Raises:
-        ValueError: on a wrong microbatch count, a schedule for another plan or a negative target count.
+        ValueError: on a wrong microbatch count, a schedule for another plan, a negative target count, or (at
+            an LLM stage's first forward) ``llm_kwargs`` without this CP rank's ``plait_cp`` shard when
+            ``comm.cp_size`` > 1 (or with a shard when it is 1).
     """
     comm = comm or PipelineComm()
     _check_step_inputs(stages, schedule, microbatches, global_targets, comm)
@@ -521,7 +618,7 @@ def run_pipeline_step(
     for loss in executor.losses:
         loss_sum += loss.double().to(comm.device)
     if comm.distributed:
-        dist.all_reduce(loss_sum)  # only last-stage ranks hold losses: the world sum is the global sum
+        dist.all_reduce(loss_sum)  # last-stage ranks hold losses (per CP rank: its tokens'): the world sum
     total = float(loss_sum)
     return PipelineStepResult(total / max(1, global_targets), total, tuple(executor.events),
                               executor.saved if instrument else {}, executor.backwards)
@@ -546,8 +643,9 @@ def _check_step_inputs(stages: RankStages, schedule: Schedule, microbatches: Seq
 
 def clip_grad_norm_pipeline(stages: RankStages, max_norm: float, comm: PipelineComm | None = None) -> float:
     """Clip the gradients of the whole pipeline to a global L2 norm of ``max_norm``; returns the norm before
-    clipping (the same on every rank). Call after :func:`run_pipeline_step` (gradients already DP-reduced, so
-    every replica holds the same ones; a tied embedding copy counts once). Collective.
+    clipping (the same on every rank). Call after :func:`run_pipeline_step` (gradients already summed over the
+    DP x CP copies of each stage, so every copy holds the same ones and the world sum of squares is divided by
+    their number; a tied embedding copy counts once). Collective.
 
     Raises:
         ValueError: on a negative ``max_norm``.
@@ -563,7 +661,7 @@ def clip_grad_norm_pipeline(stages: RankStages, max_norm: float, comm: PipelineC
         sumsq += g.detach().double().pow(2).sum()
     if comm.distributed:
         dist.all_reduce(sumsq)
-        sumsq /= comm.dp_size
+        sumsq /= comm.stage_replicas
     norm = float(sumsq.sqrt())
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
@@ -573,12 +671,13 @@ def clip_grad_norm_pipeline(stages: RankStages, max_norm: float, comm: PipelineC
 
 
 def gather_timeline(events: Sequence[TimelineEvent], comm: PipelineComm | None = None) -> list[TimelineEvent]:
-    """The events of every rank of DP replica 0 on global rank 0 (other ranks get ``[]``), for
+    """The events of every pipeline rank of DP replica 0 and CP rank 0 on global rank 0 (other ranks get
+    ``[]``), for
     ``plait.train.plots.write_chrome_trace``/``plot_timeline``. Collective."""
     comm = comm or PipelineComm()
     if not comm.distributed:
         return list(events)
-    mine = [e.to_dict() for e in events] if comm.dp_rank == 0 else []
+    mine = [e.to_dict() for e in events] if comm.dp_rank == 0 and comm.cp_rank == 0 else []
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if gathered is None:

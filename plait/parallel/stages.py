@@ -19,7 +19,9 @@ A stage runs stock Hugging Face modules through their public interfaces only (``
   embeddings and masks itself), layer list = the chunk's layers, final norm ``nn.Identity`` unless owned;
   the chunk owning ``lm_head`` runs the ``*ForCausalLM`` forward (so logit post-processing stays HF's) and
   the loss. The first LLM chunk merges text embeddings and projected features with
-  ``MultimodalModel.place_features``, exactly like the single-process model.
+  ``MultimodalModel.place_features``, exactly like the single-process model. Under context parallelism
+  (a ``plait_cp`` shard in the LLM kwargs) LLM chunks hold only the shard's tokens (``_LlmChunk.forward``);
+  encoder chunks are unchanged (they run whole on every CP rank).
 
 The module swaps for one chunk happen only for the duration of its call, so a rank may hold several stages
 of one module (e.g. the first and last LLM stages, which keeps tied embeddings on one rank).
@@ -40,6 +42,7 @@ from plait.models.encoder import ModalityEncoder
 from plait.models.hf import EncoderLayout, encoder_layout, llm_layout, run_encoder_layer
 from plait.models.multimodal import MultimodalModel
 from plait.models.units import UnitSpec, unit_specs
+from plait.parallel.context import shard_tokens
 from plait.planner.pipeline_plan import LLM_MODULE, PipelinePlan, Stage, check_plan_units
 
 __all__ = ["OwnedLayers", "PipelineStage", "RankStages", "TiedEmbedding", "build_rank_stages", "Payload"]
@@ -148,18 +151,30 @@ class _LlmChunk:
         self, hidden: torch.Tensor | None, features: Mapping[str, torch.Tensor], batch: Batch,
         loss_fn: LossFn, llm_kwargs: Mapping[str, Any],
     ) -> torch.Tensor:
-        """Hidden states ``[B, N, H]`` for the next stage, or the loss sum (scalar) on the ``lm_head`` chunk."""
+        """Hidden states ``[B, N, H]`` for the next stage, or the loss sum (scalar) on the ``lm_head`` chunk.
+
+        With a context-parallel shard ``llm_kwargs["plait_cp"]`` (:class:`~plait.parallel.context.CPShard`) the
+        chunk works on the shard's ``n_local`` tokens only: the embedding chunk embeds the whole rows (the
+        features of every item are placed) and keeps the shard's tokens, hidden states are ``[B, n_local, H]``,
+        positions and labels are the shard's (global positions), and the loss is the sum over its tokens.
+        """
+        shard = llm_kwargs.get("plait_cp")
         if self.owns_embed:
             hidden = self.model.place_features(batch.input_ids, features)
+            if shard is not None:
+                hidden = shard_tokens(hidden, shard)
         if not (len(self.layers) or self.owns_norm or self.owns_head):
             return hidden  # type: ignore[return-value]
         llm = self.model.language_model
         norm = llm.get_submodule(self.layout.norm) if self.owns_norm else nn.Identity()
-        kwargs = dict(inputs_embeds=hidden, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                      use_cache=False, **llm_kwargs)
+        labels, positions, mask = batch.labels, batch.position_ids, batch.attention_mask
+        if shard is not None:  # plait attention masks from plait_mask; the 2-D mask would not fit n_local tokens
+            labels, positions, mask = shard_tokens(labels, shard), shard_tokens(positions, shard), None
+        kwargs = dict(inputs_embeds=hidden, attention_mask=mask, position_ids=positions, use_cache=False,
+                      **llm_kwargs)
         with _swapped(llm, {self.layout.layers: self.layers, self.layout.norm: norm}):
             if self.owns_head:
-                return loss_fn(llm(**kwargs).logits, batch.labels)
+                return loss_fn(llm(**kwargs).logits, labels)
             return llm.get_submodule(self.layout.base)(**kwargs).last_hidden_state
 
 

@@ -1,7 +1,12 @@
 """Pipeline-parallel training: :class:`~plait.train.trainer.Trainer`'s loop over this rank's pipeline stages.
 
-Layout: world size = DP x PP (``parallel.cp`` must be 1); global rank = ``dp_rank * pp + pp_rank``, so each
-pipeline is a run of consecutive ranks (``build_pipeline_comm``). The plan comes from
+Layout: world size = DP x PP x CP; global rank = ``(dp_rank * pp + pp_rank) * cp + cp_rank``
+(``build_pipeline_comm``): the CP axis is innermost, so the CP group of each stage is a run of consecutive ranks,
+and without CP each pipeline is a run of consecutive ranks. With ``parallel.cp`` > 1 every stage is replicated
+over its CP group: encoder stages run whole on each CP rank, the LLM stages only on the CP rank's tokens (the
+same ``plan_tokens`` assignment as the non-pipeline trainer, computed on every rank from the mask metadata),
+each pipeline (one CP index) passing only those tokens' hidden states, and gradients are summed over the
+DP x CP copies of each stage. The plan comes from
 ``plan_pipeline(model_units(model), parallel.pp.layout, stages_per_module=...)`` with stage ``i`` on pipeline
 rank ``i`` (one stage per rank; counts from :func:`plait.config.loader.pipeline_stage_counts`).
 
@@ -85,23 +90,22 @@ class PipelineTrainer(Trainer):
         last_events: this rank's measured timeline events (seconds since the epoch) of the last step.
 
     Raises:
-        ValueError: when ``parallel.cp`` > 1, the world size is not a multiple of ``parallel.pp.degree`` (or
-            ``parallel.dp`` x degree differs from it), or the stage counts do not fit the model.
+        ValueError: when the world size is not a multiple of ``parallel.pp.degree`` x ``parallel.cp`` (or
+            ``parallel.dp`` x degree x cp differs from it), or the stage counts do not fit the model.
     """
 
     # ------------------------------------------------------------------ setup
     def _setup_mesh(self) -> None:
         par, world = self.cfg.parallel, self.info.world_size
-        self.pp = par.pp.degree
-        if par.cp != 1:
-            raise ValueError(f"parallel.pp.degree={self.pp} with parallel.cp={par.cp}: not supported yet")
-        if world % self.pp or (par.dp and par.dp * self.pp != world):
+        self.pp, per_replica = par.pp.degree, par.pp.degree * par.cp
+        if world % per_replica or (par.dp and par.dp * per_replica != world):
             raise ValueError(
-                f"parallel.pp.degree={self.pp} (parallel.dp={par.dp or 'auto'}) does not fit the world size {world}: "
-                f"launch a multiple of {self.pp} processes, e.g. torchrun --nproc_per_node {self.pp}"
+                f"parallel.pp.degree={self.pp} x parallel.cp={par.cp} (parallel.dp={par.dp or 'auto'}) does not fit "
+                f"the world size {world}: launch a multiple of {per_replica} processes, e.g. torchrun "
+                f"--nproc_per_node {per_replica}"
             )
-        self.comm = build_pipeline_comm(self.pp, self.info.device)
-        self.cp, self.cp_rank, self.cp_group, self.mesh = 1, 0, None, None
+        self.comm = build_pipeline_comm(self.pp, self.info.device, par.cp)
+        self.cp, self.cp_rank, self.cp_group, self.mesh = par.cp, self.comm.cp_rank, self.comm.cp_group, None
         self.dp, self.dp_rank, self.pp_rank = self.comm.dp_size, self.comm.dp_rank, self.comm.pp_rank
 
     def _setup_training(self) -> None:
@@ -134,7 +138,8 @@ class PipelineTrainer(Trainer):
             return
         pp = self.cfg.parallel.pp
         stages = "; ".join(f"{s.index}: {'+'.join(s.modules)} ({len(s.units)} units)" for s in self.plan.stages)
-        print(f"plait: pipeline {pp.layout}, {self.pp} stages x {self.dp} replica(s), schedule {pp.schedule}; "
+        print(f"plait: pipeline {pp.layout}, {self.pp} stages x {self.dp} replica(s) x CP {self.cp}, schedule "
+              f"{pp.schedule}; "
               f"stages {stages}", flush=True)
 
     # ------------------------------------------------------------------ one step
@@ -167,10 +172,14 @@ class PipelineTrainer(Trainer):
         return batch.to(self.info.device)
 
     def _llm_kwargs(self, batch: Batch) -> dict[str, Any]:
-        """Attention metadata for the LLM stages (plait attention reads ``plait_mask`` and ignores the 2-D mask)."""
+        """Attention metadata for the LLM stages (plait attention reads ``plait_mask`` and ignores the 2-D mask);
+        with CP also this rank's ``plait_cp`` shard of the batch's tokens (``Trainer._cp_shard``)."""
         if self.attention == "hf":
             return {}
-        return {"plait_mask": MaskInfo.from_batch(vars(batch), mode=self.cfg.attention.mask)}
+        info = MaskInfo.from_batch(vars(batch), mode=self.cfg.attention.mask)
+        if self.cp == 1:
+            return {"plait_mask": info}
+        return {"plait_mask": info, "plait_cp": self._cp_shard(info)}
 
     def optimizer_step(self) -> tuple[float, float]:
         """Clip the whole pipeline's gradient norm (collective), step this rank's optimizer (if it trains) at the

@@ -1,6 +1,7 @@
 """Pipeline test cases: a tiny composite, synthetic microbatches, and the per-rank check that a pipeline step
-equals one process training the same global batches (spawned by tests/distributed/test_pipeline.py; the model
-and batch builders are shared with tests/unit/parallel/test_stages.py)."""
+equals one process training the same global batches (spawned by tests/distributed/test_pipeline.py, and with
+context parallelism by tests/distributed/test_pipeline_cp.py; the model and batch builders are shared with
+tests/unit/parallel/test_stages.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from plait.attention.interface import use_plait_attention
+from plait.attention.masks import MaskInfo, block_work
 from plait.data.collate import Batch
 from plait.models.encoder import ModalityEncoder
 from plait.models.hf import build_causal_lm, build_encoder
 from plait.models.multimodal import MultimodalModel
 from plait.models.projector import build_projector
 from plait.models.units import model_units
+from plait.parallel.context import build_cp_shard
 from plait.parallel.pipeline_runtime import (
     build_pipeline_comm,
     clip_grad_norm_pipeline,
@@ -29,6 +33,7 @@ from plait.parallel.pipeline_runtime import (
 from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline_plan import plan_pipeline
 from plait.planner.schedules import build_schedule
+from plait.planner.token_distributor import TokenAssignment, plan_tokens
 from tests.conftest import TINY_AUDIO, TINY_LLM, TINY_VISION
 
 VOCAB = 50
@@ -244,5 +249,176 @@ def worker(rank: int, world: int, port: int) -> None:
     try:
         for case in CASES_2 if world == 2 else CASES_4:
             run_case(case, world)
+    finally:
+        dist.destroy_process_group()
+
+
+# ----- pipeline x context parallelism ---------------------------------------------------------------------
+CP_BLOCK = 4  # tokens per CP block: rows of 9-23 tokens give 3-12 blocks, so LPT shards differ in size
+
+
+def with_items(batch: Batch) -> Batch:
+    """``batch`` with the metadata of a multimodal mask: document -1 on padding, and per row one item id per run
+    of consecutive placeholder tokens (0, 1, ... in row order; -1 on text)."""
+    items = torch.full_like(batch.input_ids, -1)
+    for row, ids in enumerate(batch.input_ids.tolist()):
+        count, prev = -1, None
+        for t, tok in enumerate(ids):
+            if tok in (IMG, AUD) and batch.attention_mask[row, t]:
+                count += int(tok != prev)
+                items[row, t] = count
+            prev = tok
+    docs = torch.where(batch.attention_mask.bool(), 0, -1)
+    return Batch(batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids, docs, items,
+                 batch.modality_inputs, ())
+
+
+def packed(batch: Batch) -> Batch:
+    """The real tokens of ``batch``'s rows packed into one row of documents 0, 1, ... (positions restart per
+    document, item ids continue across documents; media inputs keep their row-major order)."""
+    batch = with_items(batch)
+    keep = batch.attention_mask.bool()
+    row = {name: getattr(batch, name)[keep].unsqueeze(0) for name in ("input_ids", "labels", "position_ids")}
+    docs = torch.cat([torch.full((int(k.sum()),), d) for d, k in enumerate(keep)]).unsqueeze(0)
+    items, offset = batch.item_ids.clone(), 0
+    for r in range(items.shape[0]):
+        items[r][items[r] >= 0] += offset
+        offset = int(items[: r + 1].max()) + 1
+    item_row = items[keep].unsqueeze(0)
+    return Batch(row["input_ids"], row["labels"], torch.ones_like(docs), row["position_ids"], docs, item_row,
+                 batch.modality_inputs, ())
+
+
+def mask_of(batch: Batch) -> MaskInfo:
+    """The multimodal mask (bidirectional items) of ``batch``."""
+    return MaskInfo.from_batch(vars(batch), mode="bidirectional_items")
+
+
+def cp_assignment(batch: Batch, cp: int) -> TokenAssignment:
+    """LPT assignment of ``batch``'s tokens to ``cp`` ranks on its row-summed block work (what every rank
+    computes from the metadata alone)."""
+    n = batch.input_ids.shape[1]
+    return plan_tokens(block_work(mask_of(batch), CP_BLOCK), n, cp, method="lpt", block_size=CP_BLOCK)
+
+
+def reference_cp_step(model: MultimodalModel, batches: list[Batch]) -> float:
+    """One process, plait attention with the multimodal mask on whole rows: every microbatch's loss sum /
+    global target tokens, backward; returns the global loss."""
+    targets = sum(b.target_tokens for b in batches)
+    total = 0.0
+    for b in batches:
+        logits = model(b.input_ids, b.modality_inputs, None, b.position_ids, plait_mask=mask_of(b))
+        loss = token_loss_sum(logits, b.labels)
+        if loss.requires_grad:
+            (loss / targets).backward()
+        total += float(loss.detach())
+    return total / targets
+
+
+@dataclass(frozen=True)
+class CpCase:
+    """A PP x CP configuration (``case``: layout, schedule, mode and steps as in :class:`Case`); ``pack`` packs
+    every microbatch's rows into one row; ``mesh`` builds the coordinates from a ``("dp", "pp", "cp")``
+    DeviceMesh instead of :func:`build_pipeline_comm`."""
+
+    case: Case
+    pack: bool = False
+    mesh: bool = False
+
+
+CP_STEPS = (("iva", "t"), ("ia", "a"))
+CASES_PP_CP = (
+    # LLM split over both pipeline ranks (local-token hidden states cross ranks), embeddings tied across them
+    CpCase(Case("pp2xcp2-encpar-1f1b-all-tied-clip", **ENC_PAR, schedule="1f1b", mode="all", steps=CP_STEPS,
+                tied=True, clip=0.5)),
+    # frozen encoders and LLM, trainable projectors: the frozen LLM stages pass input gradients through CP
+    CpCase(Case("pp2xcp2-encpar-gpipe-projectors", **ENC_PAR, schedule="gpipe", mode="projectors",
+                steps=CP_STEPS, instrument=True), mesh=True),
+    # packed documents, split backward (B and W both run the K/V reduce-scatter)
+    CpCase(Case("pp2xcp2-coloc-1f1b-all-split-backward-packed", **COLOC, schedule="1f1b", mode="all",
+                steps=(("iva", "ia"), ("i", "a")), options={"split_backward": True, "defer_weight_grad": True}),
+           pack=True),
+)
+
+
+def _cp_comm(pp: int, cp: int, from_mesh: bool):
+    """This rank's coordinates, checked against the documented layout rank = (dp * pp + pp_rank) * cp + cp_rank."""
+    rank = dist.get_rank()
+    if from_mesh:
+        mesh = init_device_mesh("cpu", (dist.get_world_size() // (pp * cp), pp, cp), mesh_dim_names=("dp", "pp", "cp"))
+        comm = pipeline_comm_from_mesh(mesh)
+    else:
+        comm = build_pipeline_comm(pp, cp_size=cp)
+    dp_rank, rest = divmod(rank, pp * cp)
+    assert (comm.dp_rank, comm.pp_rank, comm.cp_rank) == (dp_rank, rest // cp, rest % cp), rank
+    assert comm.pp_ranks == tuple((dp_rank * pp + q) * cp + rank % cp for q in range(pp)), comm.pp_ranks
+    assert comm.cp_size == cp and dist.get_world_size(comm.cp_group) == cp
+    assert dist.get_world_size(comm.reduce_group) == comm.stage_replicas == dist.get_world_size() // pp
+    return comm
+
+
+def run_cp_case(cp_case: CpCase, cp: int) -> bool:
+    """Train ``cp_case`` with PP x CP on this rank and on a private single-process reference, checking loss,
+    gradients (and the clipped norm) every step. Returns whether some microbatch had uneven CP shards."""
+    case = cp_case.case
+    pp = 1 + max(case.ranks)
+    comm = _cp_comm(pp, cp, cp_case.mesh)
+    model = apply_mode(tiny_model(case.tied), case.mode)
+    use_plait_attention(model.language_model, "sdpa")
+    ref = copy.deepcopy(model)
+    plan = plan_pipeline(model_units(model), case.layout, stages_per_module=case.stages_per_module, ranks=case.ranks)
+    stages = build_rank_stages(model, plan, comm.pp_rank)
+    m = len(case.steps[0]) // comm.dp_size
+    schedule = build_schedule(plan, case.schedule, m, **case.options)
+    # SGD, not AdamW: CP sums each gradient in another order (per-rank partial sums), and AdamW's division by
+    # sqrt(v) turns rounding noise in gradients that are exactly 0 (key biases) into full +-lr steps
+    params = [p for _, p in stages.trainable_parameters()]
+    opt = torch.optim.SGD(params, lr=0.5) if params else None
+    ref_opt = torch.optim.SGD([p for _, p in ref.trainable_parameters()], lr=0.5)
+    covered: set[str] = set()
+    needed: set[str] = set()
+    uneven = False
+    for step, kinds in enumerate(case.steps):
+        where = f"{case.name} step {step} rank {dist.get_rank()}"
+        batches = [with_items(make_batch(k, 100 * step + i)) for i, k in enumerate(kinds)]
+        batches = [packed(b) for b in batches] if cp_case.pack else batches
+        assignments = {id(b): cp_assignment(b, cp) for b in batches}
+        uneven |= any(len(set(a.tokens_per_rank)) > 1 for a in assignments.values())
+
+        def llm_kwargs(batch: Batch) -> dict:
+            shard = build_cp_shard(assignments[id(batch)], comm.cp_rank, comm.cp_group)
+            return {"plait_mask": mask_of(batch), "plait_cp": shard}
+
+        mine = batches[comm.dp_rank * m : (comm.dp_rank + 1) * m]
+        targets = sum(b.target_tokens for b in batches)
+        res = run_pipeline_step(stages, schedule, mine, targets, comm, llm_kwargs=llm_kwargs,
+                                instrument=case.instrument)
+        _close(res.loss, reference_cp_step(ref, batches), f"{where}: loss")
+        covered.update(_check_grads(stages, ref, where))
+        needed.update(n for n, p in ref.trainable_parameters() if p.grad is not None)
+        timeline = gather_timeline(res.events, comm)  # one pipeline's events: CP rank 0 of DP replica 0
+        assert len(timeline) == (sum(len(a) for a in schedule.actions) if dist.get_rank() == 0 else 0), where
+        if case.instrument:
+            _check_frozen(stages, res, where)
+        if case.clip:
+            ref_norm = float(torch.nn.utils.clip_grad_norm_([p for _, p in ref.trainable_parameters()], case.clip))
+            _close(clip_grad_norm_pipeline(stages, case.clip, comm), ref_norm, f"{where}: gradient norm")
+            _check_grads(stages, ref, where + " after clipping")
+        for o in (opt, ref_opt):
+            if o is not None:
+                o.step()
+                o.zero_grad(set_to_none=True)
+    _check_coverage(covered, needed, case.name)
+    return uneven
+
+
+def cp_worker(rank: int, world: int, port: int, cp: int) -> None:
+    """Entry point of one spawned PP x CP process: run every case of :data:`CASES_PP_CP`."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=90))
+    try:
+        uneven = [run_cp_case(case, cp) for case in CASES_PP_CP]
+        assert all(uneven), f"every case must have a microbatch with uneven CP shards: {uneven}"
     finally:
         dist.destroy_process_group()

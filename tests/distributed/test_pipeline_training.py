@@ -146,7 +146,6 @@ def test_stage_counts_fill_in_defaults(pp, expected):
 
 @pytest.mark.parametrize("pp, cp, message", [
     ({"degree": 0}, 1, "parallel.pp.degree must be >= 1"),
-    ({"degree": 2}, 2, "pipeline and context parallelism cannot be combined yet"),
     ({"degree": 2}, 1, "leaving none for the LLM"),
     ({"degree": 3, "stages": {"llm": 2}}, 1, "give 4 stages"),
     ({"degree": 4, "stages": {"speech": 1}}, 1, "unknown module(s) ['speech']"),
