@@ -34,7 +34,9 @@ class ModalityEncoder(nn.Module):
 
     ``feature_layer`` picks the hidden state (-1 last, -2 second-to-last); parameters that then cannot reach
     the output (later layers, an unused post-norm or pooling head) are found once by a probe backward and
-    frozen for good (``unreachable``), so data-parallel training never waits for their gradients.
+    frozen for good (``unreachable``), so data-parallel training never waits for their gradients. The probe
+    runs on the encoder's device: on the meta device (a model built without weights) autograd tracks the
+    same graph without computing values, so the flags are the same as with real weights.
 
     Raises:
         ValueError: on an unknown modality/select, or when the encoder's output does not match the
@@ -160,9 +162,8 @@ class ModalityEncoder(nn.Module):
         return torch.cat([hidden[i, :c] for i, c in enumerate(counts)], dim=0)
 
     def _probe_unreachable(self) -> frozenset[str]:
-        """Names of encoder parameters that cannot influence the selected features (probe backward)."""
-        if any(p.is_meta for p in self.encoder.parameters()):
-            return frozenset()
+        """Names of encoder parameters that cannot influence the selected features (probe backward; on the
+        meta device when the encoder has no weights yet, which gives the same graph)."""
         params = dict(self.encoder.named_parameters())
         flags = {n: p.requires_grad for n, p in params.items()}
         was_training = self.encoder.training
@@ -171,7 +172,8 @@ class ModalityEncoder(nn.Module):
             for p in params.values():
                 p.requires_grad_(True)
             with torch.enable_grad():
-                hidden = self.encoder_features(dummy_encoder_input(self.encoder, self.modality))
+                device = next(iter(params.values())).device
+                hidden = self.encoder_features(dummy_encoder_input(self.encoder, self.modality, device))
                 grads = torch.autograd.grad(hidden.sum(), list(params.values()), allow_unused=True)
         finally:
             for n, p in params.items():

@@ -173,12 +173,15 @@ def _config_from_dict(fields: dict[str, Any]) -> PretrainedConfig:
 
 
 def build_encoder(
-    modality: str, path: str | None = None, config: dict[str, Any] | None = None
+    modality: str, path: str | None = None, config: dict[str, Any] | None = None, weights: bool = True
 ) -> PreTrainedModel:
     """Build (from a config dict) or load (from a local directory) a Hugging Face modality encoder.
 
     Vision: SigLIP / CLIP vision towers and ViT (a full CLIP/SigLIP checkpoint gives its vision
-    tower). Audio: the Whisper encoder (a full Whisper checkpoint gives its encoder).
+    tower). Audio: the Whisper encoder (a full Whisper checkpoint gives its encoder). With ``weights=False``
+    a ``path`` only supplies the config (and dtype): the module is built as ``from_pretrained`` would build
+    it but keeps its constructor's values (call under ``torch.device("meta")`` for a structure-only build,
+    then :func:`plait.models.init.materialize`).
 
     Raises:
         ValueError: for an unsupported ``model_type`` or modality, naming the supported ones.
@@ -190,16 +193,18 @@ def build_encoder(
             raise ValueError(f"unsupported vision encoder model_type {cfg.model_type!r}; supported: {sorted(_VISION)}")
         cls = _class(_VISION[cfg.model_type][0])
         kwargs = {"add_pooling_layer": False} if cfg.model_type == "vit" else {}
-        if path is not None:
-            return cls.from_pretrained(path, **kwargs)
         sub = getattr(cfg, "vision_config", cfg)
-        return cls(sub, **kwargs)
+        if path is None:
+            return cls(sub, **kwargs)
+        return cls.from_pretrained(path, **kwargs) if weights else cls._from_config(sub, **kwargs)
     if modality == "audio":
         if cfg.model_type not in _AUDIO:
             raise ValueError(f"unsupported audio encoder model_type {cfg.model_type!r}; supported: {sorted(_AUDIO)}")
         encoder_cls = _class(_AUDIO[cfg.model_type])
         if path is None:
             return encoder_cls(cfg)
+        if not weights:
+            return encoder_cls._from_config(cfg)
         if (cfg.architectures or [None])[0] == encoder_cls.__name__:
             return encoder_cls.from_pretrained(path)
         return transformers.AutoModel.from_pretrained(path).get_encoder()
@@ -211,16 +216,23 @@ def build_causal_lm(
     config: dict[str, Any] | None = None,
     vocab_size: int | None = None,
     attn_implementation: str = "sdpa",
+    weights: bool = True,
 ) -> PreTrainedModel:
     """Build (from a config dict, with ``vocab_size`` set from the tokenizer) or load a causal LM.
+
+    With ``weights=False`` a ``path`` only supplies the config (and dtype, as ``from_pretrained`` picks it);
+    the weights are left to :func:`plait.models.init.materialize` (build under ``torch.device("meta")``).
 
     Raises:
         ValueError: when a loaded model's vocabulary is smaller than ``vocab_size``.
         FileNotFoundError: when ``path`` is not a directory.
     """
     if path is not None:
-        _load_config(path)
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn_implementation)
+        cfg = _load_config(path)
+        if weights:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn_implementation)
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
         rows = model.get_input_embeddings().num_embeddings
         if vocab_size is not None and rows < vocab_size:
             raise ValueError(f"LLM at {path} has {rows} embedding rows but the tokenizer has {vocab_size} tokens")
@@ -267,14 +279,19 @@ def feature_count_for(
     return AudioFeatureCount(hop_length, conv_stride, downsample, int(cfg.max_source_positions), sampling_rate)
 
 
-def dummy_encoder_input(encoder: PreTrainedModel, modality: str) -> dict[str, torch.Tensor]:
-    """A one-item input of the encoder's native shape, used to probe which parameters reach the output."""
+def dummy_encoder_input(
+    encoder: PreTrainedModel, modality: str, device: torch.device | str | None = None
+) -> dict[str, torch.Tensor]:
+    """A one-item input of the encoder's native shape (image ``[1, C, size, size]``, audio
+    ``[1, mel, frames]``, zeros in the encoder's dtype, on ``device``: default CPU; ``"meta"`` for a probe of a
+    model without weights), used to probe which parameters reach the output."""
     cfg = encoder.config
+    dtype = next(encoder.parameters()).dtype
     if modality == "image":
         size = int(cfg.image_size)
-        return {"pixel_values": torch.zeros(1, int(cfg.num_channels), size, size)}
+        return {"pixel_values": torch.zeros(1, int(cfg.num_channels), size, size, dtype=dtype, device=device)}
     frames = int(cfg.max_source_positions) * int(encoder.conv1.stride[0]) * int(encoder.conv2.stride[0])
-    return {"input_features": torch.zeros(1, int(cfg.num_mel_bins), frames)}
+    return {"input_features": torch.zeros(1, int(cfg.num_mel_bins), frames, dtype=dtype, device=device)}
 
 
 def encoder_layout(encoder: PreTrainedModel) -> EncoderLayout:

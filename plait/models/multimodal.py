@@ -124,6 +124,7 @@ class MultimodalModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         token_index: torch.Tensor | None = None,
+        features: Mapping[str, torch.Tensor] | None = None,
         **llm_kwargs: Any,
     ) -> torch.Tensor:
         """Logits ``[B, N, vocab]`` (fp32 or the autocast dtype) for ``input_ids`` ``[B, N]``.
@@ -133,8 +134,20 @@ class MultimodalModel(nn.Module):
         ``token_index`` (int64 ``[n]``) the LLM runs only on those tokens of every row (a context-parallel
         shard; ``position_ids`` must then be the shard's ``[B, n]`` global positions) and the logits are
         ``[B, n, vocab]``.
+
+        ``features``: precomputed projected features per branch (``[placeholders of the branch, hidden]``,
+        row-major, as :meth:`encode` returns them), placed instead of running the encoders; used when encoder
+        outputs were computed in an earlier microbatch (deferral, ``plait.train.trainer``).
+
+        Raises:
+            ValueError: when both ``modality_inputs`` and ``features`` are given, and as :meth:`place_features`.
         """
-        embeds = self.embed(input_ids, modality_inputs)
+        if features is not None:
+            if modality_inputs:
+                raise ValueError("pass modality_inputs or precomputed features, not both")
+            embeds = self.place_features(input_ids, features)
+        else:
+            embeds = self.embed(input_ids, modality_inputs)
         if token_index is not None:
             embeds = embeds.index_select(1, token_index)
         out = self.language_model(
@@ -192,8 +205,12 @@ class MultimodalModel(nn.Module):
         (root / PLAIT_CONFIG).write_text(json.dumps(meta, indent=2))
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, attn_implementation: str = "sdpa") -> "MultimodalModel":
-        """Load a composite written by :meth:`save_pretrained` (all parameters trainable).
+    def from_pretrained(
+        cls, directory: str | Path, attn_implementation: str = "sdpa", weights: bool = True
+    ) -> "MultimodalModel":
+        """Load a composite written by :meth:`save_pretrained` (all parameters trainable). With
+        ``weights=False`` only its configs are read (build under ``torch.device("meta")`` and materialise with
+        :mod:`plait.models.init`).
 
         Raises:
             FileNotFoundError: when ``directory`` has no ``plait_config.json``.
@@ -202,13 +219,14 @@ class MultimodalModel(nn.Module):
         if not (root / PLAIT_CONFIG).is_file():
             raise FileNotFoundError(f"{root} is not a plait model directory (no {PLAIT_CONFIG})")
         meta = json.loads((root / PLAIT_CONFIG).read_text())
-        llm = build_causal_lm(path=str(root / "llm"), attn_implementation=attn_implementation)
+        llm = build_causal_lm(path=str(root / "llm"), attn_implementation=attn_implementation, weights=weights)
         hidden = llm.get_input_embeddings().embedding_dim
         encoders = {}
         for name, s in meta["encoders"].items():
-            enc = build_encoder(s["modality"], path=str(root / "encoders" / name / "encoder"))
+            enc = build_encoder(s["modality"], path=str(root / "encoders" / name / "encoder"), weights=weights)
             projector = build_projector(s["projector"], encoder_hidden_size(enc), hidden)
-            projector.load_state_dict(load_file(str(root / "encoders" / name / "projector.safetensors")))
+            if weights:
+                projector.load_state_dict(load_file(str(root / "encoders" / name / "projector.safetensors")))
             encoders[name] = ModalityEncoder(
                 enc, projector, s["modality"], s["feature_layer"], s["select"], s["downsample"]
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
 from transformers import AutoTokenizer
 
@@ -12,10 +13,11 @@ from plait.config.schema import EncoderConfig, ModelConfig
 from plait.data.processing import ModalitySpec, MultimodalProcessor
 from plait.models.encoder import ModalityEncoder
 from plait.models.hf import build_causal_lm, build_encoder, encoder_hidden_size
+from plait.models.init import materialize, weight_source
 from plait.models.multimodal import MultimodalModel
 from plait.models.projector import build_projector
 
-__all__ = ["load_tokenizer", "build_model", "build_processor", "apply_freezing", "placeholder_of"]
+__all__ = ["load_tokenizer", "build_model", "compose_model", "build_processor", "apply_freezing", "placeholder_of"]
 
 _DEFAULT_IMAGE_PROCESSOR = {
     "siglip_vision_model": "SiglipImageProcessor",
@@ -60,32 +62,60 @@ def _placeholder_ids(cfg: ModelConfig, tokenizer: Any) -> dict[str, int]:
     return ids
 
 
-def build_model(cfg: ModelConfig, tokenizer: Any) -> MultimodalModel:
+def build_model(
+    cfg: ModelConfig, tokenizer: Any, device: torch.device | str | None = None, seed: int | None = None
+) -> MultimodalModel:
     """Build the composite (from a plait checkpoint, local HF parts or configs) and apply freezing.
 
+    The model is always composed on the meta device first (no memory, no init work; the unreachable-parameter
+    probe runs on meta too). With ``device="meta"`` it is returned that way, for a pipeline rank to
+    materialise only its share: ``materialize(model, device, seed, keep=rank_prefixes(model, units),
+    source=weight_source(cfg, model))`` (:mod:`plait.models.init`). Otherwise everything is materialised on
+    ``device`` (default CPU): the per-module deterministic init from ``seed`` (default
+    ``torch.initial_seed()``, i.e. the last ``torch.manual_seed``), then the pretrained weights. Either way a
+    tensor's value depends only on ``(seed, its FQN)`` and the checkpoint, so every rank and the single-process
+    trainer agree.
+
     Raises:
-        ValueError: for unsupported model types, a placeholder that is not a token, or mismatched sizes.
+        ValueError: for unsupported model types, a placeholder that is not a token, mismatched sizes, or a
+            pretrained directory without safetensors weights.
+    """
+    with torch.device("meta"):
+        model = compose_model(cfg, tokenizer, weights=False)
+    apply_freezing(model, cfg)
+    if device is not None and torch.device(device).type == "meta":
+        return model
+    materialize(model, device or "cpu", seed, source=weight_source(cfg, model))
+    return model
+
+
+def compose_model(cfg: ModelConfig, tokenizer: Any, weights: bool = True) -> MultimodalModel:
+    """The composite of ``cfg`` without freezing, built in the current device context. ``weights=True``
+    loads pretrained parts with Hugging Face ``from_pretrained`` (and random parts keep their constructors'
+    init, from the global RNG); ``weights=False`` builds every part from its config only (use under
+    ``torch.device("meta")``; :func:`build_model` does).
+
+    Raises:
+        ValueError: as :func:`build_model`.
     """
     if cfg.pretrained:
-        model = MultimodalModel.from_pretrained(cfg.pretrained, cfg.llm.attn_implementation)
+        model = MultimodalModel.from_pretrained(cfg.pretrained, cfg.llm.attn_implementation, weights=weights)
         missing = set(cfg.encoders) - set(model.encoders)
         if missing:
             raise ValueError(f"model.encoders {sorted(missing)} are not in the checkpoint {cfg.pretrained}")
-    else:
-        llm = build_causal_lm(cfg.llm.path, cfg.llm.config, len(tokenizer), cfg.llm.attn_implementation)
-        hidden = llm.get_input_embeddings().embedding_dim
-        encoders = {}
-        for name, enc in cfg.encoders.items():
-            hf_encoder = build_encoder(enc.modality, enc.path, enc.config)
-            projector = build_projector(enc.projector, encoder_hidden_size(hf_encoder), hidden)
-            hop = int(enc.processor.get("hop_length", 160))
-            rate = int(enc.processor.get("sampling_rate", 16000))
-            encoders[name] = ModalityEncoder(
-                hf_encoder, projector, enc.modality, enc.feature_layer, enc.select, enc.downsample, hop, rate
-            )
-        model = MultimodalModel(llm, encoders, _placeholder_ids(cfg, tokenizer))
-    apply_freezing(model, cfg)
-    return model
+        return model
+    llm = build_causal_lm(cfg.llm.path, cfg.llm.config, len(tokenizer), cfg.llm.attn_implementation, weights)
+    hidden = llm.get_input_embeddings().embedding_dim
+    encoders = {}
+    for name, enc in cfg.encoders.items():
+        hf_encoder = build_encoder(enc.modality, enc.path, enc.config, weights)
+        projector = build_projector(enc.projector, encoder_hidden_size(hf_encoder), hidden)
+        hop = int(enc.processor.get("hop_length", 160))
+        rate = int(enc.processor.get("sampling_rate", 16000))
+        encoders[name] = ModalityEncoder(
+            hf_encoder, projector, enc.modality, enc.feature_layer, enc.select, enc.downsample, hop, rate
+        )
+    return MultimodalModel(llm, encoders, _placeholder_ids(cfg, tokenizer))
 
 
 def apply_freezing(model: MultimodalModel, cfg: ModelConfig) -> None:

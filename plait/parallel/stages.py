@@ -1,12 +1,12 @@
 """Plan -> this rank's pipeline stage modules (../shared/DESIGN.md, "parallel/stages.py").
 
-Materialisation: the caller builds the full composite (on CPU, from a fixed seed or a checkpoint) and
-:func:`build_rank_stages` prunes it in place to the units this pipeline rank owns: non-owned embeddings,
-norms, heads and projectors become ``nn.Identity``, layer lists keep only the owned layers (under their
-original indices, so parameter names stay the composite's FQNs and checkpoints map one to one), and only
-what is left moves to the device. This is the simple correct approach; building on the meta device and
-loading owned units only is future work (the unreachable-parameter probe of ``ModalityEncoder`` needs real
-weights).
+Materialisation: the caller builds the composite on the meta device and materialises only this rank's
+units (:func:`plait.models.init.materialize` with :func:`plait.models.init.rank_prefixes`: per-module init
+keyed on (seed, FQN), or owned tensors only from a checkpoint), then :func:`build_rank_stages` prunes it in
+place to the units this pipeline rank owns: non-owned embeddings, norms, heads and projectors become
+``nn.Identity``, layer lists keep only the owned layers (under their original indices, so parameter names
+stay the composite's FQNs and checkpoints map one to one), and what is left moves to the device. A fully
+materialised composite works too (tests).
 
 A stage runs stock Hugging Face modules through their public interfaces only (``plait.models.hf``):
 
@@ -224,14 +224,17 @@ class PipelineStage:
         return self.chunks[module].flags.runs_grad
 
     def forward(
-        self, batch: Batch, received: Mapping[int, Payload], loss_fn: LossFn, llm_kwargs: Mapping[str, Any]
+        self, batch: Batch | None, received: Mapping[int, Payload], loss_fn: LossFn, llm_kwargs: Mapping[str, Any]
     ) -> Payload:
         """The stage's output payload for one microbatch ``batch`` given the payloads of its predecessors
         (``Payload``: per module a list of tensors; see its comment for shapes).
 
         Chunks that neither train nor need an input gradient run under ``no_grad`` and keep no activations.
-        The last stage returns ``{"llm": [sum of token cross-entropies]}``.
+        The last stage returns ``{"llm": [sum of token cross-entropies]}``. ``batch`` None (a microbatch with
+        no sample in this stage's view, possible with deferred encoder outputs) gives an empty list per module.
         """
+        if batch is None:
+            return {module: [] for module in self.chunks}
         inputs: Payload = {m: t for payload in received.values() for m, t in payload.items()}
         grad_allowed = torch.is_grad_enabled()
         out: Payload = {}
@@ -364,7 +367,10 @@ def _check_inputs_embeds_pass_through(llm: nn.Module) -> None:
         raise _Reached
 
     param = next(llm.parameters())
-    probe = torch.randn(1, 2, llm.get_input_embeddings().embedding_dim, dtype=param.dtype, device=param.device)
+    device = next((t.device for t in (*llm.parameters(), *llm.buffers()) if not t.is_meta), None)
+    if device is None:  # nothing of the LLM materialised on this rank: no probe possible (nor needed)
+        return
+    probe = torch.randn(1, 2, llm.get_input_embeddings().embedding_dim, dtype=param.dtype, device=device)
     handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():

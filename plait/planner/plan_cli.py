@@ -12,6 +12,14 @@ Workload assumed per microbatch (from the config, overridable): ``train.microbat
 ``data.max_length`` LLM tokens (an upper bound: padding to the longest), each with ``items_per_sample``
 items per encoder at the encoder's native size (vision: its ``image_size`` patches; audio: its
 ``max_source_positions`` frames); ``global_batch_size / microbatch_size`` microbatches per iteration.
+
+Macro-batches (../shared/REFERENCES.md section 3, Entrain): when the job has training data and
+``macrobatches`` > 0, ``plan_command`` reads every sample's metadata (the trainer's processing; the model is
+built on the meta device, so no weights), draws that many global batches in the loader's order
+(``macrobatch.macrobatch_stats``), prints how much each module's total work varies between batches (CV,
+min/max, against the ``1 / sqrt(B)`` law) and plans for the **expected** global batch instead of the upper
+bound above: per microbatch, ``microbatch_size`` x the mean per-sample encoder tokens, attended pairs and
+LLM tokens (``expected_shapes``).
 """
 
 from __future__ import annotations
@@ -26,11 +34,13 @@ from typing import Any, TextIO
 
 from plait.planner.cost_model import (
     DeviceSpec,
+    EncoderArch,
     MicrobatchShape,
     arch_from_config,
     unit_costs,
     units_from_configs,
 )
+from plait.planner.macrobatch import MacrobatchStats, macrobatch_stats
 from plait.planner.pipeline_plan import LAYOUTS
 from plait.planner.schedules import one_f_one_b
 from plait.planner.search import LayoutChoice, plan_layout
@@ -41,12 +51,16 @@ __all__ = [
     "DEVICES",
     "PlanInputs",
     "build_plan_inputs",
+    "dataset_metadata",
     "device_spec",
+    "expected_shapes",
     "format_plan",
     "plan_command",
     "simulate_choice",
     "simulate_command",
 ]
+
+DEFAULT_MACROBATCHES = 32
 
 DEVICES = ("h100", "h200", "a100", "cpu")
 _GIB = 2**30
@@ -164,7 +178,7 @@ def _pretrained_meta(directory: str) -> dict[str, Any]:
 
 
 def build_plan_inputs(cfg: Any, device: str | DeviceSpec = "h100", *, microbatches: int | None = None,
-                      items_per_sample: int = 1) -> PlanInputs:
+                      items_per_sample: int = 1, shapes_override: dict[str, MicrobatchShape] | None = None) -> PlanInputs:
     """Units, costs and workload of the model in a ``JobConfig`` (module docstring for the workload).
 
     Args:
@@ -173,6 +187,8 @@ def build_plan_inputs(cfg: Any, device: str | DeviceSpec = "h100", *, microbatch
         microbatches: global microbatches per iteration (default
             ``train.global_batch_size // train.microbatch_size``).
         items_per_sample: modality items per sample and encoder (images per sample, clips per sample).
+        shapes_override: per-module microbatch shapes replacing the upper-bound workload (e.g. ``expected_shapes``);
+            modules not in it keep the upper bound.
 
     Raises:
         ValueError: on a bad count or config (named); FileNotFoundError: on a missing model directory.
@@ -191,10 +207,127 @@ def build_plan_inputs(cfg: Any, device: str | DeviceSpec = "h100", *, microbatch
               for name in configs if name != "llm" and not name.endswith(".projector")}
     length = cfg.data.max_length
     shapes["llm"] = MicrobatchShape(tokens=per_mb * length, seq_len=length)
+    shapes.update({name: shape for name, shape in (shapes_override or {}).items() if name in shapes})
     dtype = "float32" if train.dtype == "fp32" or (train.dtype == "auto" and spec.name == "CPU") else "bfloat16"
     units = units_from_configs(configs, frozen)
     costs = unit_costs(units, configs, shapes, spec, dtype)
     return PlanInputs(tuple(units), tuple(costs), configs, shapes, int(count), dtype)
+
+
+# ----- macro-batches ---------------------------------------------------------------------------------
+def dataset_metadata(cfg: Any) -> tuple[list[Any], dict[str, Any]]:
+    """Every training sample's metadata and the per-sample cost coefficients of a ``JobConfig``'s model.
+
+    The samples are processed exactly as the trainer does (``MultimodalDataset``: same tokenizer, placeholder
+    expansion and feature counts; bad records follow ``data.on_error``); the model is built on the meta
+    device (no weights, no init), which is all ``plait.train.costs.microbatch_cost_coeffs`` reads.
+
+    Returns:
+        ``(metas, coeffs)``: ``SampleMeta`` per usable sample and ``ModuleCostCoeffs`` per encoder and ``"llm"``
+        (forward FLOPs x frozen-aware pass factor).
+
+    Raises:
+        ValueError: when the job has no ``data.train``, and as the trainer's data pipeline (bad records, no
+            usable sample).
+    """
+    from plait.data.loader import MultimodalDataset
+    from plait.models.registry import build_model, build_processor, load_tokenizer
+    from plait.train.costs import microbatch_cost_coeffs
+
+    if not cfg.data.train:
+        raise ValueError("data.train is not set: macro-batch statistics need the training data")
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    model = build_model(cfg.model, tokenizer, device="meta")
+    processor = build_processor(cfg.model, model, tokenizer, cfg.data.max_length)
+    dataset = MultimodalDataset(cfg.data.train, processor, cfg.data.on_error)
+    return dataset.meta, microbatch_cost_coeffs(model)
+
+
+def _item_tokens(arch: Any, placeholders: int, dropped: int) -> int:
+    """Tokens an encoder's layers see for one item of ``placeholders`` LLM features: a Whisper-style audio
+    encoder always fills its window (``item_len``); vision sees the features plus dropped prefix tokens."""
+    if isinstance(arch, EncoderArch) and arch.modality == "audio":
+        return int(arch.item_len)
+    return int(placeholders) + int(dropped)
+
+
+def expected_shapes(metas: Sequence[Any], configs: dict[str, Any], dropped: dict[str, int],
+                    microbatch_size: int) -> dict[str, MicrobatchShape]:
+    """Per-module shape of a microbatch of ``microbatch_size`` samples of the expected global batch.
+
+    For module ``m``: tokens = ``microbatch_size`` x mean over samples of the sample's tokens in ``m``, and
+    attended pairs = ``microbatch_size`` x the mean of the sample's per-layer attention pairs (encoder items
+    ``n^2``, full attention; LLM ``L (L + 1) / 2``, causal), so linear and quadratic costs are the exact
+    expectations; ``seq_len`` is the mean item (encoder) or sequence (LLM) length. An encoder no sample uses
+    is left out (its upper-bound shape stays).
+
+    Args:
+        metas: ``SampleMeta`` per sample (``length`` and ``items``: ``(encoder, placeholders)``).
+        configs: module configs as ``_model_parts`` returns them (encoder ``EncoderArch`` by name).
+        dropped: prefix tokens dropped per item, per encoder (``select="drop_cls"``).
+        microbatch_size: samples per microbatch.
+
+    Raises:
+        ValueError: on an empty ``metas``, a ``microbatch_size`` below 1 or an item of an unknown encoder.
+    """
+    if not metas or microbatch_size < 1:
+        raise ValueError(f"need samples and microbatch_size >= 1, got {len(metas)} samples, {microbatch_size}")
+    sums: dict[str, list[float]] = {}  # module -> [tokens, pairs, items]
+    for k, meta in enumerate(metas):
+        for name, placeholders in meta.items:
+            if name not in configs or name == "llm":
+                raise ValueError(f"sample {k}: item of unknown encoder {name!r}")
+            n = _item_tokens(configs[name], placeholders, dropped.get(name, 0))
+            acc = sums.setdefault(name, [0.0, 0.0, 0.0])
+            acc[0], acc[1], acc[2] = acc[0] + n, acc[1] + n * n, acc[2] + 1
+        acc = sums.setdefault("llm", [0.0, 0.0, 0.0])
+        acc[0], acc[1], acc[2] = acc[0] + meta.length, acc[1] + meta.length * (meta.length + 1) / 2, acc[2] + 1
+    scale = microbatch_size / len(metas)
+    return {name: MicrobatchShape(tokens=max(1, round(tokens * scale)), seq_len=max(1, round(tokens / items)),
+                                  attended_pairs=pairs * scale)
+            for name, (tokens, pairs, items) in sums.items()}
+
+
+def _macrobatches(cfg: Any, count: int, stream: TextIO) -> tuple[MacrobatchStats | None, dict[str, MicrobatchShape]]:
+    """Macro-batch statistics of the job's training data (printed) and the expected microbatch shapes; no
+    statistics (a note instead) when the dataset holds fewer samples than one global batch."""
+    metas, coeffs = dataset_metadata(cfg)
+    configs, _, dropped = _model_parts(cfg)
+    shapes = expected_shapes(metas, configs, dropped, cfg.train.microbatch_size)
+    batch = cfg.train.global_batch_size
+    if batch > len(metas):
+        print(f"macro-batches: {len(metas)} samples, fewer than one global batch of {batch}: no statistics",
+              file=stream)
+        return None, shapes
+    stats = macrobatch_stats(metas, batch, count, coeffs, seed=cfg.train.seed, sampling="loader")
+    print(stats.format_table(unit="FLOPs x passes"), file=stream)
+    planned = ", ".join(f"{name} {shape.tokens} tokens" for name, shape in shapes.items())
+    print(f"planned for the expected global batch: per microbatch of {cfg.train.microbatch_size} samples "
+          f"{planned}", file=stream)
+    return stats, shapes
+
+
+def _pop_macrobatches(overrides: Sequence[str]) -> tuple[list[str], int]:
+    """``overrides`` without a ``--macrobatches=N`` / ``--macrobatches N`` entry, and ``N`` (0 when absent).
+
+    Raises:
+        ValueError: when the flag has no value or a value that is not an integer.
+    """
+    rest, count, items = [], 0, list(overrides)
+    k = 0
+    while k < len(items):
+        item = items[k]
+        if item == "--macrobatches" or item.startswith("--macrobatches="):
+            value = item.partition("=")[2] if "=" in item else (items[k + 1] if k + 1 < len(items) else "")
+            k += 1 if "=" in item else 2
+            try:
+                count = int(value)
+            except ValueError:
+                raise ValueError(f"--macrobatches needs an integer, got {value!r}") from None
+            continue
+        rest.append(item)
+        k += 1
+    return rest, count
 
 
 # ----- plan ------------------------------------------------------------------------------------------
@@ -254,6 +387,7 @@ def plan_command(
     dp_degrees: Sequence[int] | None = None,
     dp_link_Bps: float | None = None,
     rel_tol: float = 0.0,
+    macrobatches: int | None = None,
     out: TextIO | None = None,
 ) -> LayoutChoice:
     """``plait plan``: choose the pipeline layout of a job for ``devices`` accelerators, print it, save it.
@@ -267,6 +401,12 @@ def plan_command(
         memory_fraction: fraction of the device memory a stage may use (the rest: CUDA context, workspaces).
         frozen_aware, layouts, dp_degrees, rel_tol: as ``search.plan_layout``.
         dp_link_Bps: bandwidth (B/s) of the data-parallel gradient all-reduce; None: not modelled.
+        macrobatches: global batches drawn from the training data for the macro-batch statistics (module
+            docstring; ``DEFAULT_MACROBATCHES`` is a good count); the plan is then for the expected global
+            batch. 0, or a job without ``data.train``: no statistics, upper-bound workload. None: taken from
+            a ``--macrobatches=N`` (or ``--macrobatches N``) entry of ``overrides`` if there is one (how the
+            command line passes it until ``plait/cli.py`` declares the flag), else 0. Off by default because
+            it processes the training set as the trainer does (about 30 ms per sample on a CPU core).
         out: text stream for the table (default stdout).
 
     Returns:
@@ -280,16 +420,24 @@ def plan_command(
 
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    overrides, flag = _pop_macrobatches(overrides)
+    macrobatches = flag if macrobatches is None else macrobatches
+    if isinstance(macrobatches, bool) or not isinstance(macrobatches, int) or macrobatches < 0:
+        raise ValueError(f"macrobatches must be an integer >= 0, got {macrobatches!r}")
     spec = device_spec(device)
     cfg = load_config(config_path, list(overrides))
-    inputs = build_plan_inputs(cfg, spec, microbatches=microbatches, items_per_sample=items_per_sample)
+    stream = out or sys.stdout
+    expected = None
+    if macrobatches and cfg.data.train:
+        _, expected = _macrobatches(cfg, macrobatches, stream)
+    inputs = build_plan_inputs(cfg, spec, microbatches=microbatches, items_per_sample=items_per_sample,
+                               shapes_override=expected)
     dp_link = None if dp_link_Bps is None else P2PModel(spec.link_latency, dp_link_Bps)
     choice = plan_layout(
         inputs.units, inputs.costs, devices, microbatches=inputs.microbatches, frozen_aware=frozen_aware,
         memory_cap=memory_fraction * spec.memory_bytes, p2p=P2PModel(spec.link_latency, spec.link_bandwidth),
         dp_link=dp_link, layouts=layouts, dp_degrees=dp_degrees, rel_tol=rel_tol, dtype=inputs.dtype,
     )
-    stream = out or sys.stdout
     print(f"plait plan: {config_path} on {devices} x {spec.name}, {inputs.microbatches} microbatches of "
           f"{cfg.train.microbatch_size} samples", file=stream)
     print(format_plan(choice), file=stream)

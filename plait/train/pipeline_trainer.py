@@ -10,9 +10,10 @@ DP x CP copies of each stage. The plan comes from
 ``plan_pipeline(model_units(model), parallel.pp.layout, stages_per_module=...)`` with stage ``i`` on pipeline
 rank ``i`` (one stage per rank; counts from :func:`plait.config.loader.pipeline_stage_counts`).
 
-Build: every rank builds the whole composite from the same seed (or pretrained weights) exactly as the
-single-process trainer does, then :func:`~plait.parallel.stages.build_rank_stages` prunes it in place to this
-rank's stage; parameter names stay the full model's. There is no DDP wrapper: ``run_pipeline_step`` sums
+Build: every rank composes the whole model on the meta device, materialises only its stage's units
+(:func:`plait.models.init.materialize`: the per-(seed, FQN) init the single-process trainer uses too, or the
+owned tensors of a pretrained composite / HF folders), then :func:`~plait.parallel.stages.build_rank_stages`
+prunes it in place to this rank's stage; parameter names stay the full model's. There is no DDP wrapper: ``run_pipeline_step`` sums
 gradients over the DP group itself.
 
 Optimizer: AdamW over this rank's trainable parameters (``None`` on a rank whose stage is frozen), with the
@@ -52,6 +53,7 @@ from plait.attention.masks import MaskInfo
 from plait.config.loader import pipeline_stage_counts
 from plait.data.collate import Batch, collate
 from plait.models.multimodal import MultimodalModel
+from plait.models.init import materialize, rank_prefixes, weight_source
 from plait.models.registry import build_model
 from plait.models.units import model_units
 from plait.parallel.pipeline_runtime import (
@@ -113,6 +115,9 @@ class PipelineTrainer(Trainer):
         self._counts = super()._parameter_counts()  # the whole model, before pruning
         counts = pipeline_stage_counts(pp, list(self.model.encoders))
         self.plan: PipelinePlan = plan_pipeline(model_units(self.model), pp.layout, stages_per_module=counts)
+        units = {u for s in self.plan.stages_on_rank(self.pp_rank) for u in self.plan.stages[s].units}
+        materialize(self.model, self.info.device, self.cfg.train.seed, keep=rank_prefixes(self.model, units),
+                    source=weight_source(self.cfg.model, self.model))  # before pruning: tied copies agree
         self.stages = build_rank_stages(self.model, self.plan, self.pp_rank, self.info.device)
         self.ddp_model = self.model  # pruned in place; no wrapper (the runtime reduces over DP)
         self.optimizer = None
@@ -229,9 +234,7 @@ class PipelineTrainer(Trainer):
         path = Path(path) if path else latest_checkpoint(self.run_dir)
         if path is None:
             raise FileNotFoundError(f"no checkpoint under {self.run_dir / 'checkpoints'} to build the model from")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.cfg.train.seed)
-            model = build_model(self.cfg.model, self.tokenizer)
+        model = build_model(self.cfg.model, self.tokenizer, seed=self.cfg.train.seed)
         if self.attention != "hf":
             use_plait_attention(model.language_model, "sdpa" if self.attention == "plait_sdpa" else "flex")
         load_model_state(path, model)

@@ -4,6 +4,13 @@ Loss normalisation (../shared/DESIGN.md): the loss of a global batch is the sum 
 divided by the number of target tokens of the whole global batch (all microbatches, all DP ranks). Every
 microbatch's loss sum is divided by that global count before its backward, so gradients do not depend on
 how samples are grouped into microbatches or ranks.
+
+Microbatches follow ``plan_microbatches`` (../shared/REFERENCES.md section 3), deferral included: a sample's
+encoder work runs in its encoder microbatch, its LLM work possibly in a later one. The encoder outputs are
+buffered as detached leaves until every LLM microbatch that reads them has run backward, then the gradients
+gathered on the leaves go back through the encoders (detached-leaf re-injection). Gradients are summed over
+all ranks once, after the last backward (``Trainer._reduce_gradients``), not by DDP's hooks, which would fire
+before the deferred encoder backwards.
 """
 
 from __future__ import annotations
@@ -14,13 +21,14 @@ import random
 import time
 from collections import defaultdict
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from tqdm import tqdm
 
 from plait.attention.interface import use_plait_attention
@@ -52,12 +60,78 @@ __all__ = ["Trainer", "StepResult", "token_loss_sum", "build_optimizer", "build_
 
 log = logging.getLogger(__name__)
 
+# Gradient all-reduce bucket size (elements): bounds the temporary flat buffer of ``_reduce_gradients``.
+_BUCKET_ELEMENTS = 1 << 24
+
+
+@dataclass
+class _EncodedMicrobatch:
+    """The encoder outputs of one encoder microbatch, kept until every LLM microbatch reading them has run
+    backward (deferral; ``Trainer.forward_backward``).
+
+    Attributes:
+        outputs: per branch, projected features ``[rows, hidden]`` still attached to the encoder's graph.
+        rows: per dataset index of the microbatch, per branch, its ``(start, stop)`` rows of ``outputs``.
+        users: LLM microbatches that still have to run backward with these outputs.
+        leaves: per branch, ``outputs`` detached (``requires_grad`` when the output has a graph): what the
+            LLM microbatches read; their ``.grad`` accumulates the LLM's gradient with respect to the outputs.
+    """
+
+    outputs: dict[str, torch.Tensor]
+    rows: dict[int, dict[str, tuple[int, int]]]
+    users: set[int]
+    leaves: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.leaves = {n: o.detach().requires_grad_(o.requires_grad) for n, o in self.outputs.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffered outputs (the leaves)."""
+        return sum(t.numel() * t.element_size() for t in self.leaves.values())
+
+    def backward(self) -> None:
+        """Propagate the gradients accumulated on the leaves through the encoder graph (one backward for all
+        branches); a branch whose leaf got no gradient (frozen, or no local token on this CP rank) is skipped."""
+        pairs = [(o, self.leaves[n].grad) for n, o in self.outputs.items()
+                 if o.requires_grad and self.leaves[n].grad is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+def _gather_features(samples: Sequence[int], sources: Sequence[_EncodedMicrobatch]) -> dict[str, torch.Tensor]:
+    """Projected features per branch ``[placeholders, hidden]`` of the LLM microbatch ``samples`` (dataset
+    indices, batch row order), sliced from the leaves of each sample's encoder microbatch ``sources[k]``."""
+    parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for i, src in zip(samples, sources):
+        for name, (start, stop) in src.rows[i].items():
+            if stop > start:
+                parts[name].append(src.leaves[name][start:stop])
+    return {name: torch.cat(ts) if len(ts) > 1 else ts[0] for name, ts in parts.items()}
+
+
+def _buckets(params: Sequence[torch.nn.Parameter], limit: int) -> list[list[torch.nn.Parameter]]:
+    """``params`` in order, cut into runs of one dtype/device and at most ``limit`` elements (a larger
+    parameter alone)."""
+    out: list[list[torch.nn.Parameter]] = []
+    size, key = 0, None
+    for p in params:
+        k = (p.grad.dtype, p.grad.device)
+        if not out or k != key or size + p.numel() > limit:
+            out.append([])
+            size, key = 0, k
+        out[-1].append(p)
+        size += p.numel()
+    return out
+
 
 @dataclass(frozen=True)
 class StepResult:
     """One optimizer step: global loss (mean over the global batch's target tokens), gradient norm before
     clipping, learning rate used, target tokens and all tokens of the global batch, wall time (s), and per
-    module the balance of the microbatches (CV = std/mean and max/mean of per-microbatch work)."""
+    module the balance of the microbatches (CV = std/mean and max/mean of per-microbatch work), the samples
+    whose LLM work was deferred to a later microbatch (all ranks) and the peak bytes of encoder outputs this
+    rank kept across a microbatch boundary for them."""
 
     step: int
     loss: float
@@ -67,6 +141,8 @@ class StepResult:
     tokens: int
     time_s: float
     workload: dict[str, dict[str, float]] | None = None
+    deferred_samples: int = 0
+    encoder_buffer_peak_bytes: int = 0
 
 
 def build_optimizer(
@@ -130,7 +206,9 @@ class Trainer:
         self.run_dir = Path(cfg.metrics.run_dir)
         _seed_everything(t.seed)
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        self.model = build_model(cfg.model, self.tokenizer).to(self.info.device)
+        pipeline = cfg.parallel.pp.degree > 1  # PipelineTrainer materialises only this rank's units
+        self.model = build_model(cfg.model, self.tokenizer, device="meta" if pipeline else self.info.device,
+                                 seed=t.seed)
         self.processor = build_processor(cfg.model, self.model, self.tokenizer, cfg.data.max_length)
         self.attention = self._attention_implementation()
         if self.attention != "hf":
@@ -148,6 +226,7 @@ class Trainer:
         self.cost_coeffs = microbatch_cost_coeffs(self.model)
         self._setup_training()
         self.step = 0
+        self.encoder_buffer_peak_bytes = 0  # of the last forward_backward (deferred encoder outputs)
         use_bf16 = t.dtype == "bf16" or (t.dtype == "auto" and self.info.device.type == "cuda")
         self.autocast = (
             (lambda: torch.autocast(self.info.device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
@@ -171,7 +250,11 @@ class Trainer:
         self.cp_group = self.mesh.get_group("cp") if (self.mesh is not None and self.cp > 1) else None
 
     def _setup_training(self) -> None:
-        """Wrap the model for DP (``ddp_model``) and build ``optimizer`` and LR ``scheduler``."""
+        """Wrap the model for DP (``ddp_model``) and build ``optimizer`` and LR ``scheduler``.
+
+        The wrapper makes every rank start from rank 0's parameters; the forward passes bypass it (they run
+        ``model``) and ``forward_backward`` reduces the gradients itself, after the deferred encoder backwards.
+        """
         t = self.cfg.train
         self.ddp_model = apply_data_parallel(self.model, self.info)
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas,
@@ -193,50 +276,98 @@ class Trainer:
 
         Every rank computes the same plan from the samples' metadata, seed and step, without communication.
         Plan entries are positions in ``indices``. Returns the plan and the per-sample costs it balanced.
+        Deferral (a sample's LLM work in a later microbatch than its encoder work) is allowed unless the job
+        is pipeline parallel (the pipeline runtime does not buffer encoder outputs yet).
         """
         t = self.cfg.train
         costs = sample_costs_from_metadata([self.train_set[i].meta for i in indices], self.cost_coeffs)
         per_rank = -(-len(indices) // self.dp)
         policy = MicrobatchPolicy(
-            method=t.microbatch_policy, dp=self.dp,
-            num_microbatches=self._num_microbatches(per_rank), seed=t.seed, allow_deferral=False,
+            method=t.microbatch_policy, dp=self.dp, num_microbatches=self._num_microbatches(per_rank),
+            seed=t.seed, allow_deferral=self.cfg.parallel.pp.degree <= 1,
         )
         return plan_microbatches(costs, policy, self.step), costs
 
     def microbatches(self, indices: Sequence[int], plan: MicrobatchPlan | None = None) -> list[list[int]]:
-        """This rank's non-empty microbatches (dataset indices) of the global batch ``indices``."""
+        """This rank's non-empty LLM microbatches (dataset indices) of the global batch ``indices``."""
         plan = plan or self.plan_step(indices)[0]
         return [[indices[k] for k in mb] for mb in plan.llm_microbatches(self.dp_rank) if mb]
 
     def forward_backward(self, indices: Sequence[int], plan: MicrobatchPlan | None = None) -> tuple[float, int]:
-        """Forward/backward every microbatch of this rank's share of the global batch ``indices``; the
-        gradients (reduced over DP) accumulate in ``.grad``. Returns ``(global loss, global target tokens)``.
+        """Forward/backward this rank's share of the global batch ``indices`` by the plan (deferral included);
+        the gradients, summed over all ranks and scaled by 1 / global target tokens, accumulate in ``.grad``.
+        Returns ``(global loss, global target tokens)``; sets ``encoder_buffer_peak_bytes``.
 
-        A rank whose share is empty (fewer samples than ranks) still joins the gradient all-reduce with a
-        zero contribution.
+        Encoder microbatch ``i`` runs just before LLM microbatch ``i`` (planned order). Its outputs enter the
+        LLM microbatches as detached leaves; once every LLM microbatch that reads them has run backward, the
+        gradients accumulated on the leaves are propagated through the encoder graph (detached-leaf
+        re-injection), so deferred samples get the gradient of one fused forward/backward. Gradients are
+        reduced once, explicitly, after the last backward (``_reduce_gradients``): DDP's reducer would
+        all-reduce at the end of the last LLM backward, before the deferred encoder backwards. A rank whose
+        share is empty joins that reduction with no gradient (zeros).
         """
-        self.ddp_model.train()
+        self.model.train()
+        plan = plan or self.plan_step(indices)[0]
         global_targets = sum(self.train_set[i].meta.target_tokens for i in indices)
-        scale = self.info.world_size / max(1, global_targets)  # DDP averages over ranks; undo that
-        mbs = self.microbatches(indices, plan)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for k, mb in enumerate(mbs):
-            last = k == len(mbs) - 1
-            ctx = nullcontext() if last or not hasattr(self.ddp_model, "no_sync") else self.ddp_model.no_sync()
-            with ctx:
-                mb_loss = self.microbatch_loss(mb)
-                if mb_loss.requires_grad:  # e.g. a text-only microbatch under a frozen LLM has no gradient
-                    (mb_loss * scale).backward()
-            loss_sum += mb_loss.detach().double().cpu()
-        if not mbs and self.info.world_size > 1:
-            self._join_with_zero_gradient(indices[0])
+        loss_sum, self.encoder_buffer_peak_bytes = self._run_microbatches(indices, plan, 1.0 / max(1, global_targets))
         if self.info.world_size > 1:
+            self._reduce_gradients()
             dist.all_reduce(loss_sum)
         return float(loss_sum) / max(1, global_targets), global_targets
 
-    def microbatch_loss(self, samples: Sequence[int]) -> torch.Tensor:
-        """Sum of token cross-entropies of a microbatch (dataset indices), on this rank's share of its tokens.
+    def _run_microbatches(self, indices: Sequence[int], plan: MicrobatchPlan, scale: float) -> tuple[torch.Tensor, int]:
+        """Forward/backward of this rank's encoder and LLM microbatches in planned order, each LLM loss sum
+        times ``scale``. Returns (this rank's loss sum (float64 scalar), peak bytes of encoder outputs kept
+        across a microbatch boundary)."""
+        enc_mbs, llm_mbs = plan.microbatches[self.dp_rank], plan.llm_microbatches(self.dp_rank)
+        enc_of = {k: i for i, mb in enumerate(enc_mbs) for k in mb}
+        buffers: dict[int, _EncodedMicrobatch] = {}
+        loss_sum, peak = torch.zeros((), dtype=torch.float64), 0
+        for j in range(plan.num_microbatches):
+            if enc_mbs[j]:
+                users = {jj for jj, mb in enumerate(llm_mbs) if any(enc_of[k] == j for k in mb)}
+                buffers[j] = self._encode_microbatch([indices[k] for k in enc_mbs[j]], users)
+            if llm_mbs[j]:
+                samples = [indices[k] for k in llm_mbs[j]]
+                feats = _gather_features(samples, [buffers[enc_of[k]] for k in llm_mbs[j]])
+                mb_loss = self.microbatch_loss(samples, feats)
+                if mb_loss.requires_grad:  # e.g. a text-only microbatch under a frozen LLM has no gradient
+                    (mb_loss * scale).backward()
+                loss_sum += mb_loss.detach().double().cpu()
+            for i in sorted({enc_of[k] for k in llm_mbs[j]}):
+                buffers[i].users.discard(j)
+                if not buffers[i].users:
+                    buffers.pop(i).backward()
+            peak = max(peak, sum(b.nbytes for b in buffers.values()))
+        if buffers:
+            raise RuntimeError(f"encoder microbatches {sorted(buffers)} were never consumed (invalid plan)")
+        return loss_sum, peak
 
+    def _encode_microbatch(self, samples: Sequence[int], users: set[int]) -> "_EncodedMicrobatch":
+        """Run every encoder branch on the items of the encoder microbatch ``samples`` (dataset indices);
+        ``users``: the LLM microbatches that read its outputs."""
+        batch = collate([self.train_set[i] for i in samples], self.processor.pad_id).to(self.info.device)
+        outputs: dict[str, torch.Tensor] = {}
+        with self.autocast():
+            for name, inputs in batch.modality_inputs.items():
+                outputs[name] = self.model.encode(name, inputs)
+        rows: dict[int, dict[str, tuple[int, int]]] = {}
+        start = dict.fromkeys(outputs, 0)
+        for i in samples:
+            ids = self.train_set[i].input_ids
+            rows[i] = {}
+            for name in outputs:
+                n = int((ids == self.model.placeholder_ids[name]).sum())
+                rows[i][name] = (start[name], start[name] + n)
+                start[name] += n
+        return _EncodedMicrobatch(outputs, rows, set(users))
+
+    def microbatch_loss(self, samples: Sequence[int], features: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Sum of token cross-entropies of an LLM microbatch (dataset indices), on this rank's share of its
+        tokens.
+
+        ``features``: precomputed projected features per branch (``[placeholders, hidden]`` in the batch's
+        row-major placeholder order, e.g. from earlier encoder microbatches); None runs the encoders inline.
         Without CP every token is local. With CP the tokens are spread over the CP group by
         ``parallel.cp_distribution`` (every rank computes the same assignment from the mask metadata); the
         encoders run on every rank of the group, the LLM only on the local tokens, with K/V gathered across
@@ -253,9 +384,27 @@ class Trainer:
                 shard = self._cp_shard(info)
                 kwargs.update(plait_cp=shard, token_index=shard.local_index)
                 labels, positions = shard_tokens(labels, shard), shard_tokens(positions, shard)
+        inputs = None if features is not None else batch.modality_inputs
         with self.autocast():
-            logits = self.ddp_model(batch.input_ids, batch.modality_inputs, attn, positions, **kwargs)
+            logits = self.model(batch.input_ids, inputs, attn, positions, features=features, **kwargs)
         return token_loss_sum(logits, labels)
+
+    def _reduce_gradients(self) -> None:
+        """Sum the gradients of the trainable parameters over all ranks (DP replicas and CP ranks), in
+        buckets of at most ``_BUCKET_ELEMENTS`` elements. A parameter without gradient on every rank keeps
+        ``grad=None`` (as in one process); one with a gradient somewhere gets the sum (zeros elsewhere)."""
+        params = [p for _, p in self.model.trainable_parameters()]
+        present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.info.device)
+        dist.all_reduce(present)
+        used = [p for p, n in zip(params, present.tolist()) if n > 0]
+        for p in used:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for bucket in _buckets(used, _BUCKET_ELEMENTS):
+            flat = _flatten_dense_tensors([p.grad for p in bucket])
+            dist.all_reduce(flat)
+            for p, g in zip(bucket, _unflatten_dense_tensors(flat, [p.grad for p in bucket])):
+                p.grad.copy_(g)
 
     def _cp_shard(self, info: MaskInfo) -> CPShard:
         """This rank's tokens of a microbatch under the planned CP token assignment."""
@@ -274,13 +423,6 @@ class Trainer:
             return "hf"
         return "plait" if self.info.device.type == "cuda" else "plait_sdpa"
 
-    def _join_with_zero_gradient(self, index: int) -> None:
-        """Take part in DDP's gradient all-reduce with zeros (this rank got no sample): a forward of sample
-        ``index`` through the DDP wrapper whose loss is multiplied by 0."""
-        zero = self.microbatch_loss([index]) * 0.0
-        if zero.requires_grad:
-            zero.backward()
-
     def optimizer_step(self) -> tuple[float, float]:
         """Clip the gradient norm, step optimizer and LR schedule, zero gradients. Returns
         ``(gradient norm before clipping, learning rate used)``."""
@@ -298,12 +440,14 @@ class Trainer:
         """One optimizer step on the global batch ``indices``."""
         start = time.perf_counter()
         plan, costs = self.plan_step(indices)
+        self.encoder_buffer_peak_bytes = 0
         loss, targets = self.forward_backward(indices, plan)
         grad_norm, lr = self.optimizer_step()
         tokens = sum(self.train_set[i].meta.length for i in indices)
         stats = workload_stats(plan, costs, list(self.cost_coeffs))
         workload = {m: {"cv": stats.cv[k], "max_over_mean": stats.max_over_mean[k]} for k, m in enumerate(stats.modules)}
-        return StepResult(self.step, loss, grad_norm, lr, targets, tokens, time.perf_counter() - start, workload)
+        return StepResult(self.step, loss, grad_norm, lr, targets, tokens, time.perf_counter() - start, workload,
+                          stats.num_deferred, self.encoder_buffer_peak_bytes)
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
@@ -401,7 +545,8 @@ class Trainer:
             losses.append(res.loss)
             rec = {"step": res.step, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
                    "tokens_per_s": res.tokens / res.time_s, "target_tokens": res.target_tokens,
-                   "epoch": self.loader.epoch, "workload": res.workload}
+                   "epoch": self.loader.epoch, "workload": res.workload, "deferred_samples": res.deferred_samples,
+                   "encoder_buffer_peak_bytes": res.encoder_buffer_peak_bytes}
             if res.step % self.cfg.metrics.log_every == 0 or res.step == end:
                 writer.write(rec)
             bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
