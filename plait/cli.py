@@ -4,6 +4,8 @@
 ``plait plan --config configs/demo.toml --devices 8 [--out plan.json]``: choose a layout and partition with
 the analytic, frozen-aware cost model and print it.
 ``plait simulate --plan plan.json --out-dir DIR``: the predicted timeline of a plan (Chrome trace + PNG).
+``plait profile --config configs/demo.toml [--out profile.json]``: measure per-unit costs of the job's model
+on this machine (reusing a stored profile only when model, shapes, dtype, device and versions all match).
 """
 
 from __future__ import annotations
@@ -29,12 +31,15 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     except (ValueError, FileNotFoundError) as exc:
         exc.same_on_every_rank = True  # type: ignore[attr-defined]  # every rank reads the same file
         raise
+    info = None
+    if cfg.parallel.plan == "auto":
+        cfg, info = _resolve_auto_plan(cfg, args.profile_store)
     if cfg.parallel.pp.degree > 1:
         from plait.train.pipeline_trainer import PipelineTrainer
 
-        trainer: Trainer = PipelineTrainer(cfg)
+        trainer: Trainer = PipelineTrainer(cfg, info)
     else:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, info)
     result = trainer.fit(resume=args.resume)
     if trainer.info.is_main:
         png = plot_loss_curve(trainer.run_dir / "metrics.jsonl", trainer.run_dir / "loss.png")
@@ -54,11 +59,40 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _resolve_auto_plan(cfg, store: str):
+    """``parallel.plan = "auto"``: rank 0 profiles the model (reusing a stored profile whose key matches), every
+    rank receives the profile and runs the same deterministic search, so all ranks agree on the plan."""
+    import torch.distributed as dist
+
+    from plait.parallel.mesh import init_distributed
+    from plait.planner.auto_plan import resolve_auto_plan
+    from plait.planner.plan_cli import format_plan
+    from plait.planner.profile_store import Profile
+    from plait.train.profiler import profile_job
+
+    info = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s)
+    box = [profile_job(cfg, store_dir=store).to_dict() if info.is_main else None]
+    if info.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    profile = Profile.from_dict(box[0])
+    resolved, choice = resolve_auto_plan(cfg, info.world_size, profile.units, profile.costs,
+                                         dtype=profile.key.dtype)
+    if info.is_main:
+        pp = resolved.parallel.pp
+        shape = (f"layout {pp.layout}, stages {pp.stages}, splits {pp.splits or 'even'}, schedule {pp.schedule}, "
+                 f"{pp.microbatches} microbatches per replica" if pp.degree > 1 else "no pipeline parallelism")
+        print(f"plait: parallel.plan=auto for {info.world_size} process(es): DP {resolved.parallel.dp} x PP "
+              f"{pp.degree}, {shape}")
+        print(format_plan(choice), flush=True)
+    return resolved, info
+
+
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from plait.planner.plan_cli import plan_command
 
     plan_command(args.config, args.devices, args.out, overrides=overrides, device=args.device,
-                 microbatches=args.microbatches, frozen_aware=not args.frozen_unaware)
+                 microbatches=args.microbatches, frozen_aware=not args.frozen_unaware,
+                 macrobatches=args.macrobatches)
     return 0
 
 
@@ -72,6 +106,18 @@ def _simulate(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _profile(args: argparse.Namespace, overrides: list[str]) -> int:
+    from plait.config.loader import load_config
+    from plait.train.profiler import format_profile, profile_job
+
+    cfg = load_config(args.config, overrides)
+    profile = profile_job(cfg, store_dir=args.store, out_path=args.out, microbatches=args.microbatches,
+                          microbatch_size=args.microbatch_size, repeats=args.repeats, warmup=args.warmup,
+                          clock=args.clock, force=args.force)
+    print(format_profile(profile))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``plait`` command; returns the exit code."""
     parser = argparse.ArgumentParser(prog="plait", description="Train multimodal LLMs composed of Hugging Face parts.")
@@ -80,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     train.add_argument("--config", required=True, help="TOML job file, e.g. configs/demo.toml")
     train.add_argument("--resume", nargs="?", const=True, default=False,
                        help="resume from the newest checkpoint of the run (or from the given directory)")
+    train.add_argument("--profile-store", default="runs/profiles",
+                       help="folder of stored profiles for parallel.plan=auto")
     plan = sub.add_parser("plan", help="choose a pipeline layout/partition for N devices (analytic costs)")
     plan.add_argument("--config", required=True, help="TOML job file (its [model] section is planned)")
     plan.add_argument("--devices", type=int, required=True, help="number of GPUs to plan for")
@@ -87,9 +135,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument("--device", default="h100", help="device preset: h100, h200, a100 or cpu")
     plan.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: from the job)")
     plan.add_argument("--frozen-unaware", action="store_true", help="plan with backward = 2x forward everywhere")
+    plan.add_argument("--macrobatches", type=int, default=0,
+                      help="sample N global batches from data.train: report how module totals vary and plan for "
+                           "the expected batch (processes the training set; e.g. 32)")
     simulate = sub.add_parser("simulate", help="predicted timeline (Chrome trace + PNG) of a plan JSON")
     simulate.add_argument("--plan", required=True, help="plan JSON written by `plait plan --out`")
     simulate.add_argument("--out-dir", required=True, help="folder for timeline.json and timeline.png")
+    profile = sub.add_parser("profile", help="measure per-unit costs of the job's model on this machine")
+    profile.add_argument("--config", required=True, help="TOML job file (its model and first training samples)")
+    profile.add_argument("--out", default=None, help="profile JSON file (default: <store>/profile-<key hash>.json)")
+    profile.add_argument("--store", default="runs/profiles", help="folder of stored profiles")
+    profile.add_argument("--microbatches", type=int, default=1, help="microbatches to profile (costs are their mean)")
+    profile.add_argument("--microbatch-size", type=int, default=None, help="samples per microbatch "
+                         "(default: train.microbatch_size)")
+    profile.add_argument("--repeats", type=int, default=5, help="timed repetitions per measurement (median)")
+    profile.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
+    profile.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                         help="wall: elapsed time; thread: CPU time of the thread (CPU, 1 thread, shared machines)")
+    profile.add_argument("--force", action="store_true", help="measure even when a matching profile is stored")
     args, rest = parser.parse_known_args(argv)
     bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
     if bad:
@@ -100,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # no "Writing model shards" bars per checkpoint/final save
     try:
-        return {"train": _train, "plan": _plan, "simulate": _simulate}[args.command](args, rest)
+        commands = {"train": _train, "plan": _plan, "simulate": _simulate, "profile": _profile}
+        return commands[args.command](args, rest)
     except (ValueError, FileNotFoundError) as exc:
         _report_error(exc)
         return 2

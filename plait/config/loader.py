@@ -15,7 +15,8 @@ from plait.planner.microbatch import METHODS
 from plait.planner.pipeline_plan import LAYOUTS, LLM_MODULE
 from plait.planner.schedules import SCHEDULE_NAMES
 
-__all__ = ["load_config", "config_from_dict", "parse_overrides", "config_to_dict", "pipeline_stage_counts"]
+__all__ = ["load_config", "config_from_dict", "parse_overrides", "config_to_dict", "pipeline_stage_counts",
+           "pipeline_plan_kwargs"]
 
 
 def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobConfig:
@@ -163,6 +164,8 @@ def validate(cfg: JobConfig) -> None:
     _check(cfg.parallel.cp >= 1 and cfg.parallel.dp >= 0, "parallel.cp must be >= 1 and parallel.dp >= 0")
     _check(cfg.parallel.cp_distribution in ("uniform", "zigzag", "lpt", "ilp"),
            f"parallel.cp_distribution must be uniform, zigzag, lpt or ilp, got {cfg.parallel.cp_distribution!r}")
+    _check(cfg.parallel.plan in ("manual", "auto"),
+           f"parallel.plan must be 'manual' or 'auto', got {cfg.parallel.plan!r}")
     _validate_pipeline(cfg)
     a = cfg.attention
     _check(a.mask in ("causal", "bidirectional_items"),
@@ -202,32 +205,67 @@ def pipeline_stage_counts(pp: PipelineConfig, encoders: typing.Sequence[str]) ->
     """Stages per module (``encoders`` in model order, then ``"llm"``) for ``parallel.pp``, defaults filled in:
     an encoder not named in ``pp.stages`` gets 1 stage (under ``encoders_colocated``, the count of the named
     encoders), the LLM gets the rest of ``pp.degree``. With one stage per pipeline rank the stage total is
-    ``pp.degree`` (encoder stages count once per chunk position when colocated).
+    ``pp.degree`` (encoder stages count once per chunk position when colocated). A module with explicit
+    boundaries in ``pp.splits`` has ``len(boundaries) + 1`` stages.
 
     Raises:
-        ValueError: for an unknown module, a count below 1, colocated encoders with different counts, no stage
-            left for the LLM, or a total other than ``pp.degree``.
+        ValueError: for an unknown module, bad ``pp.splits`` (``_split_counts``), a count below 1, colocated
+            encoders with different counts, no stage left for the LLM, or a total other than ``pp.degree``.
     """
     known = [*encoders, LLM_MODULE]
     unknown = sorted(set(pp.stages) - set(known))
     _check(not unknown, f"parallel.pp.stages names unknown module(s) {unknown}; modules are {known}")
-    for module, count in pp.stages.items():
+    stages = _split_counts(pp, known)
+    for module, count in stages.items():
         _check(isinstance(count, int) and not isinstance(count, bool) and count >= 1,
                f"parallel.pp.stages.{module} must be an integer >= 1, got {count!r}")
     colocated = pp.layout == "encoders_colocated"
-    default = next((pp.stages[m] for m in encoders if m in pp.stages), 1) if colocated else 1
-    counts = {m: pp.stages.get(m, default) for m in encoders}
+    default = next((stages[m] for m in encoders if m in stages), 1) if colocated else 1
+    counts = {m: stages.get(m, default) for m in encoders}
     if colocated:
         _check(len(set(counts.values())) <= 1,
                f"parallel.pp.stages: encoders_colocated needs the same stage count for every encoder, got {counts}")
     encoder_stages = max(counts.values(), default=0) if colocated else sum(counts.values())
-    llm = pp.stages.get(LLM_MODULE, pp.degree - encoder_stages)
+    llm = stages.get(LLM_MODULE, pp.degree - encoder_stages)
     _check(llm >= 1, f"parallel.pp: the encoders take {encoder_stages} of parallel.pp.degree={pp.degree} stages, "
            "leaving none for the LLM")
     _check(encoder_stages + llm == pp.degree,
            f"parallel.pp.stages give {encoder_stages + llm} stages ({counts | {LLM_MODULE: llm}}, layout "
            f"{pp.layout}) but parallel.pp.degree is {pp.degree}: one stage per pipeline rank")
     return {**counts, LLM_MODULE: llm}
+
+
+def _split_counts(pp: PipelineConfig, known: typing.Sequence[str]) -> dict[str, Any]:
+    """``pp.stages`` with the count of every module in ``pp.splits`` (boundaries + 1) filled in.
+
+    Raises:
+        ValueError: for an unknown module in ``splits``, boundaries that are not a list of distinct unit names,
+            or a ``stages`` count that disagrees with the module's splits.
+    """
+    unknown = sorted(set(pp.splits) - set(known))
+    _check(not unknown, f"parallel.pp.splits names unknown module(s) {unknown}; modules are {known}")
+    stages = dict(pp.stages)
+    for module, names in pp.splits.items():
+        strings = isinstance(names, list) and all(isinstance(n, str) and n for n in names)
+        _check(strings and len(set(names)) == len(names),
+               f"parallel.pp.splits.{module} must be a list of distinct unit names, got {names!r}")
+        count = len(names) + 1
+        _check(stages.get(module, count) == count, f"parallel.pp.stages.{module}={stages.get(module)} but "
+               f"parallel.pp.splits.{module} gives {count} stages")
+        stages[module] = count
+    return stages
+
+
+def pipeline_plan_kwargs(pp: PipelineConfig, encoders: typing.Sequence[str]) -> dict[str, Any]:
+    """Keyword arguments of ``plan_pipeline`` for ``parallel.pp``: ``stages_per_module`` (counts of the modules
+    cut evenly, :func:`pipeline_stage_counts`) and ``splits`` (explicit boundaries of the others).
+
+    Raises:
+        ValueError: as :func:`pipeline_stage_counts`.
+    """
+    counts = pipeline_stage_counts(pp, encoders)
+    return {"stages_per_module": {m: c for m, c in counts.items() if m not in pp.splits},
+            "splits": {m: list(names) for m, names in pp.splits.items()}}
 
 
 def _validate_encoder(name: str, enc: EncoderConfig, pretrained: bool) -> None:

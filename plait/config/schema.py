@@ -124,7 +124,8 @@ class AttentionConfig:
 class PipelineConfig:
     """Pipeline parallelism (plait.planner.pipeline_plan, plait.parallel.pipeline_runtime): the model is cut
     into stages, one per pipeline rank, and each global batch's microbatches flow through them on a schedule.
-    Not combined with context parallelism yet (``parallel.cp`` must be 1 when ``degree`` > 1)."""
+    Combines with context parallelism: each stage is replicated over ``parallel.cp`` ranks that share every
+    microbatch's LLM tokens (world size = dp x pp x cp, CP the innermost rank axis)."""
 
     degree: int = 1
     """Pipeline ranks per model replica (PP degree); 1 disables pipeline parallelism."""
@@ -142,12 +143,16 @@ class PipelineConfig:
     """Microbatches per pipeline per step; 0: derived from ``train.microbatch_size`` as without PP."""
     cap: int = 0
     """Microbatches in flight per backward stage for ``memory_capped_1f1b`` (0 with other schedules)."""
+    splits: dict[str, list[str]] = field(default_factory=dict)
+    """Explicit stage boundaries per module: the names of the units that start a new stage (in model order,
+    the module's first unit excluded), e.g. ``{llm = ["language_model.model.layers.3"]}`` (2 LLM stages cut
+    before layer 3). A module named here gets ``len(splits) + 1`` stages (``stages`` may repeat that count);
+    ``parallel.plan = "auto"`` writes these when its cost-balanced partition is not the even split."""
 
 
 @dataclass
 class ParallelConfig:
-    """Degrees of parallelism: world size = dp x cp x pp (pp > 1 needs cp = 1). ``dp`` = 0 means world size
-    / (cp x pp)."""
+    """Degrees of parallelism: world size = dp x cp x pp. ``dp`` = 0 means world size / (cp x pp)."""
 
     dp: int = 0
     cp: int = 1
@@ -161,6 +166,11 @@ class ParallelConfig:
     """Collective timeout in seconds."""
     pp: PipelineConfig = field(default_factory=PipelineConfig)
     """Pipeline parallelism (``[parallel.pp]``)."""
+    plan: str = "manual"
+    """``"manual"``: use ``dp`` and ``[parallel.pp]`` as written. ``"auto"``: ``plait train`` profiles the model
+    on this machine (``plait.train.profiler``, reusing a stored profile whose key matches), searches layout,
+    stages per module, partition and DP degree for the world size (``plait.planner.search.plan_layout``),
+    writes the result into ``dp`` and ``[parallel.pp]`` (1F1B) and prints it before building the trainer."""
 
 
 @dataclass

@@ -307,29 +307,6 @@ def _macrobatches(cfg: Any, count: int, stream: TextIO) -> tuple[MacrobatchStats
     return stats, shapes
 
 
-def _pop_macrobatches(overrides: Sequence[str]) -> tuple[list[str], int]:
-    """``overrides`` without a ``--macrobatches=N`` / ``--macrobatches N`` entry, and ``N`` (0 when absent).
-
-    Raises:
-        ValueError: when the flag has no value or a value that is not an integer.
-    """
-    rest, count, items = [], 0, list(overrides)
-    k = 0
-    while k < len(items):
-        item = items[k]
-        if item == "--macrobatches" or item.startswith("--macrobatches="):
-            value = item.partition("=")[2] if "=" in item else (items[k + 1] if k + 1 < len(items) else "")
-            k += 1 if "=" in item else 2
-            try:
-                count = int(value)
-            except ValueError:
-                raise ValueError(f"--macrobatches needs an integer, got {value!r}") from None
-            continue
-        rest.append(item)
-        k += 1
-    return rest, count
-
-
 # ----- plan ------------------------------------------------------------------------------------------
 def _chunk_label(names: Sequence[str]) -> str:
     """``first .. last (n)`` of a stage's unit names for one module, the last without the shared prefix
@@ -387,7 +364,7 @@ def plan_command(
     dp_degrees: Sequence[int] | None = None,
     dp_link_Bps: float | None = None,
     rel_tol: float = 0.0,
-    macrobatches: int | None = None,
+    macrobatches: int = 0,
     out: TextIO | None = None,
 ) -> LayoutChoice:
     """``plait plan``: choose the pipeline layout of a job for ``devices`` accelerators, print it, save it.
@@ -403,10 +380,8 @@ def plan_command(
         dp_link_Bps: bandwidth (B/s) of the data-parallel gradient all-reduce; None: not modelled.
         macrobatches: global batches drawn from the training data for the macro-batch statistics (module
             docstring; ``DEFAULT_MACROBATCHES`` is a good count); the plan is then for the expected global
-            batch. 0, or a job without ``data.train``: no statistics, upper-bound workload. None: taken from
-            a ``--macrobatches=N`` (or ``--macrobatches N``) entry of ``overrides`` if there is one (how the
-            command line passes it until ``plait/cli.py`` declares the flag), else 0. Off by default because
-            it processes the training set as the trainer does (about 30 ms per sample on a CPU core).
+            batch. 0, or a job without ``data.train``: no statistics, upper-bound workload. Off by default
+            because it processes the training set as the trainer does (about 30 ms per sample on a CPU core).
         out: text stream for the table (default stdout).
 
     Returns:
@@ -420,8 +395,6 @@ def plan_command(
 
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-    overrides, flag = _pop_macrobatches(overrides)
-    macrobatches = flag if macrobatches is None else macrobatches
     if isinstance(macrobatches, bool) or not isinstance(macrobatches, int) or macrobatches < 0:
         raise ValueError(f"macrobatches must be an integer >= 0, got {macrobatches!r}")
     spec = device_spec(device)

@@ -62,7 +62,7 @@ def test_plan_prints_macrobatch_variation_and_plans_for_the_expected_batch(tmp_p
     assert "layout" in out and "iteration" in out  # the plan itself follows
 
 
-def test_macrobatches_are_off_by_default_and_read_from_overrides(tmp_path):
+def test_macrobatches_are_off_by_default(tmp_path):
     import io
 
     from plait.planner.plan_cli import plan_command
@@ -70,8 +70,8 @@ def test_macrobatches_are_off_by_default_and_read_from_overrides(tmp_path):
     job = write_job(tmp_path)
     plain, flagged = io.StringIO(), io.StringIO()
     plan_command(job, 1, overrides=OVERRIDES, device="cpu", out=plain)
-    plan_command(job, 1, overrides=[*OVERRIDES, "--macrobatches", "4"], device="cpu", out=flagged)
+    plan_command(job, 1, overrides=OVERRIDES, device="cpu", out=flagged, macrobatches=4)
     assert "macro-batch" not in plain.getvalue()
     assert "global batch 6, 4 batches" in flagged.getvalue()
-    with pytest.raises(ValueError, match="--macrobatches needs an integer"):
-        plan_command(job, 1, overrides=["--macrobatches=many"], device="cpu", out=io.StringIO())
+    with pytest.raises(ValueError, match="macrobatches must be an integer >= 0"):
+        plan_command(job, 1, overrides=OVERRIDES, device="cpu", out=io.StringIO(), macrobatches=-1)

@@ -1,0 +1,289 @@
+"""Simulator vs measurement: predicted and measured iteration time of 2-stage pipelines of the demo model.
+
+For each layout (``encoder_parallel``: both encoder branches on pipeline rank 0, the LLM on rank 1;
+``encoders_colocated``: one stage with both encoders on rank 0, the LLM on rank 1), with 1F1B over ``M``
+microbatches:
+
+1. **Profile** (one process, ``plait.train.profiler``): per-unit costs and per-module chunk overheads of the
+   demo model on one real microbatch of the demo set.
+2. **Measure** (2 processes, gloo, ``torch.set_num_threads(1)`` each): build the model on every rank, prune it
+   to the rank's stages (``build_rank_stages``), run ``steps`` pipeline steps (``run_pipeline_step``; the
+   microbatch repeated ``M`` times), after a warm-up step. Iteration time of a step = latest end - earliest
+   start over both ranks (after a barrier). The link is measured too: one-way time of a runtime-shaped
+   message (a 64-slot int64 header, then the payload) between the two ranks, for an empty and for the
+   largest boundary payload (median of ping-pongs): the simulator's ``P2PModel``.
+3. **Predict**: ``simulator.simulate`` of the same schedule with ``profile_store.stage_action_costs`` and
+   the measured link.
+
+Prints predicted vs measured (median over steps) and their ratio per layout, and writes per layout
+``<out>/<layout>.json`` (Chrome trace, predicted and measured side by side; measured = the median step) and
+``<out>/<layout>.png``.
+
+Run: ``.venv/bin/python bench/sim_vs_measured.py [--out-dir runs/sim_vs_measured] [--steps 8] [--microbatches 4]
+[--microbatch-size 4]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from plait.config.loader import load_config  # noqa: E402
+from plait.models.units import model_units  # noqa: E402
+from plait.parallel.pipeline_runtime import HEADER_SLOTS, build_pipeline_comm, run_pipeline_step  # noqa: E402
+from plait.parallel.stages import build_rank_stages  # noqa: E402
+from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline  # noqa: E402
+from plait.planner.profile_store import Profile, ProfileStore, stage_action_costs  # noqa: E402
+from plait.planner.schedules import TimelineEvent, build_schedule  # noqa: E402
+from plait.planner.simulator import P2PModel, SimResult, boundary_bytes_from_units, simulate  # noqa: E402
+from plait.train.profiler import build_profile_inputs, measure_profile  # noqa: E402
+
+LAYOUTS = ("encoder_parallel", "encoders_colocated")
+DEMO = ROOT / "configs" / "demo.toml"
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One layout: predicted and measured iteration seconds (``measured_s`` the median over steps)."""
+
+    layout: str
+    predicted_s: float
+    measured_s: float
+    measured_steps_s: tuple[float, ...]
+    p2p: P2PModel
+    prediction: SimResult
+    prediction_plan: PipelinePlan
+    measured_events: tuple[TimelineEvent, ...]
+    measured_cpu_s: tuple[float, ...] = ()
+
+    @property
+    def ratio(self) -> float:
+        """``predicted / measured``."""
+        return self.predicted_s / self.measured_s
+
+
+def demo_plan(units, layout: str, microbatches: int) -> PipelinePlan:
+    """The 2-rank plan of ``layout``: every encoder stage on rank 0, the LLM stage on rank 1."""
+    plan = plan_pipeline(units, layout, num_microbatches=microbatches)
+    ranks = [1 if stage.is_llm else 0 for stage in plan.stages]
+    return plan_pipeline(units, layout, ranks=ranks, num_microbatches=microbatches)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----- worker (one per rank) --------------------------------------------------------------------------------
+def _one_way_s(peer: int, nbytes: int, rounds: int) -> float:
+    """Median one-way seconds of a header + ``nbytes`` payload message (ping-pong / 2)."""
+    header = torch.zeros(HEADER_SLOTS, dtype=torch.long)
+    payload = torch.zeros(max(1, nbytes // 4))
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for ping in ((dist.get_rank() == 0), (dist.get_rank() != 0)):
+            if ping:
+                dist.send(header, peer)
+                dist.send(payload, peer)
+            else:
+                dist.recv(header, peer)
+                dist.recv(payload, peer)
+        times.append((time.perf_counter() - start) / 2)
+    return statistics.median(times)
+
+
+def _measure_link(nbytes: int) -> P2PModel:
+    peer = 1 - dist.get_rank()
+    _one_way_s(peer, 4, 5)
+    small, big = _one_way_s(peer, 4, 30), _one_way_s(peer, nbytes, 30)
+    bandwidth = nbytes / (big - small) if big > small else None
+    return P2PModel(small, bandwidth)
+
+
+def _layout_runner(layout: str, config: str, size: int, microbatches: int, comm):
+    """This rank's stages of ``layout`` on a fresh model (``build_rank_stages`` prunes in place), its 1F1B
+    schedule and the microbatches (one real microbatch repeated ``microbatches`` times)."""
+    inputs = build_profile_inputs(load_config(config), microbatches=1, microbatch_size=size, device="cpu")
+    plan = demo_plan(model_units(inputs.model), layout, microbatches)
+    stages = build_rank_stages(inputs.model, plan, comm.pp_rank)
+    return stages, build_schedule(plan, "1f1b", microbatches), [inputs.microbatches[0]] * microbatches, inputs
+
+
+def _worker(rank: int, port: int, config: str, layouts: tuple[str, ...], steps: int, microbatches: int,
+            size: int, repeats: int, clock: str, result_dir: str) -> None:
+    """One rank: profile the model (both ranks at once, so the profile sees the run's CPU sharing), measure
+    the link, then run the layouts' steps interleaved (a warm-up step each first)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        comm = build_pipeline_comm(2)
+        inputs = build_profile_inputs(load_config(config), microbatches=1, microbatch_size=size, device="cpu",
+                                      clock=clock)
+        profile = measure_profile(inputs.model, inputs.microbatches, inputs.key, repeats=repeats, warmup=2,
+                                  llm_kwargs=inputs.llm_kwargs)
+        dist.barrier()
+        link = _measure_link(max(m.output_bytes for m in profile.measurements))
+        runners = {layout: _layout_runner(layout, config, size, microbatches, comm) for layout in layouts}
+        out: dict = {"profile": profile.to_dict(), "link": link.to_dict(),
+                     "layouts": {layout: {"spans": [], "events": [], "cpu": []} for layout in layouts}}
+        for step in range(steps + 1):
+            for layout, (stages, schedule, mbs, inp) in runners.items():
+                dist.barrier()
+                start, cpu = time.time(), time.thread_time()
+                res = run_pipeline_step(stages, schedule, mbs, sum(b.target_tokens for b in mbs), comm,
+                                        llm_kwargs=inp.llm_kwargs)
+                end, cpu = time.time(), time.thread_time() - cpu
+                for _, p in stages.trainable_parameters():
+                    p.grad = None
+                if step:  # step 0 warms up
+                    out["layouts"][layout]["spans"].append((start, end))
+                    out["layouts"][layout]["cpu"].append(cpu)
+                    out["layouts"][layout]["events"].append([e.to_dict() for e in res.events])
+        Path(result_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(config: str, layouts: tuple[str, ...], steps: int, microbatches: int, size: int, repeats: int,
+            clock: str = "wall", limit_s: float = 240.0) -> list[dict]:
+    """Run the two workers; each rank's result dict (profile, link, per layout spans and events)."""
+    with tempfile.TemporaryDirectory() as folder:
+        context = mp.spawn(_worker, args=(_free_port(), config, layouts, steps, microbatches, size, repeats,
+                                          clock, folder), nprocs=2, join=False)
+        deadline = time.monotonic() + limit_s
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for proc in context.processes:
+                    proc.kill()
+                raise TimeoutError(f"pipeline measurement did not finish in {limit_s} s")
+        return [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def mean_profile(profiles: list[Profile]) -> Profile:
+    """The element-wise mean of profiles of the same model (times and overheads averaged; bytes from the
+    first)."""
+    first = profiles[0]
+    n = len(profiles)
+    measurements = []
+    for i, m in enumerate(first.measurements):
+        times = {f: sum(getattr(p.measurements[i], f) for p in profiles) / n
+                 for f in ("forward_s", "input_grad_s", "weight_grad_s", "fused_backward_s")}
+        measurements.append(dataclasses.replace(m, **times))
+    overhead = {mod: {k: sum(p.chunk_overhead_s[mod][k] for p in profiles) / n for k in kinds}
+                for mod, kinds in first.chunk_overhead_s.items()}
+    return dataclasses.replace(first, measurements=tuple(measurements), chunk_overhead_s=overhead)
+
+
+# ----- comparison -----------------------------------------------------------------------------------------
+def predict(profile: Profile, layout: str, microbatches: int, p2p: P2PModel) -> SimResult:
+    """Simulated 1F1B iteration of ``layout`` from the profile and the link model."""
+    plan = demo_plan(profile.units, layout, microbatches)
+    schedule = build_schedule(plan, "1f1b", microbatches)
+    costs = stage_action_costs(plan, profile)
+    return simulate(schedule, costs, p2p=p2p, boundary_bytes=boundary_bytes_from_units(plan, profile.cost_map()))
+
+
+def _compare(profile: Profile, layout: str, microbatches: int, ranks: list[dict]) -> Comparison:
+    runs = [r["layouts"][layout] for r in ranks]
+    steps = [max(r["spans"][i][1] for r in runs) - min(r["spans"][i][0] for r in runs)
+             for i in range(len(runs[0]["spans"]))]
+    median = statistics.median(steps)
+    pick = min(range(len(steps)), key=lambda i: abs(steps[i] - median))
+    events = tuple(TimelineEvent.from_dict(e) for r in runs for e in r["events"][pick])
+    link = P2PModel.from_dict(ranks[0]["link"])
+    result = predict(profile, layout, microbatches, link)
+    plan = demo_plan(profile.units, layout, microbatches)
+    cpu = tuple(statistics.median(r["cpu"]) for r in runs)
+    return Comparison(layout, result.makespan_s, median, tuple(steps), link, result, plan, events, cpu)
+
+
+def compare(config: str | Path = DEMO, *, layouts: tuple[str, ...] = LAYOUTS, steps: int = 8,
+            microbatches: int = 4, microbatch_size: int = 4, repeats: int = 5, clock: str = "wall",
+            out_dir: str | Path | None = None) -> tuple[list[Comparison], Profile]:
+    """Profile, measure and predict every layout (module docstring); writes the timelines to ``out_dir``.
+    ``clock`` is the profiler's (``"thread"``: CPU time, unaffected by other processes on the cores).
+    Returns the comparisons and the profile used (mean of both ranks' profiles)."""
+    ranks = measure(str(config), layouts, steps, microbatches, microbatch_size, repeats, clock)
+    profile = mean_profile([Profile.from_dict(r["profile"]) for r in ranks])
+    results = [_compare(profile, layout, microbatches, ranks) for layout in layouts]
+    if out_dir is not None:
+        write_timelines(results, out_dir)
+        ProfileStore(out_dir).save(profile, Path(out_dir) / "profile.json")
+    return results, profile
+
+
+def write_timelines(results: list[Comparison], out_dir: str | Path) -> list[Path]:
+    """Per layout, ``<layout>.json`` (Chrome trace) and ``<layout>.png`` with predicted and measured side by side."""
+    from plait.train.plots import plot_timeline, write_chrome_trace
+
+    folder = Path(out_dir)
+    paths = []
+    for c in results:
+        measured = [TimelineEvent(e.rank, e.kind, e.stage, e.microbatch, e.start_s, e.end_s)
+                    for e in c.measured_events]
+        lines = {"predicted": c.prediction.events, "measured": measured}
+        paths.append(write_chrome_trace(lines, folder / f"{c.layout}.json"))
+        paths.append(plot_timeline(lines, folder / f"{c.layout}.png", title=(
+            f"{c.layout}, 1F1B: predicted {1e3 * c.predicted_s:.1f} ms vs measured {1e3 * c.measured_s:.1f} ms")))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(DEMO))
+    parser.add_argument("--out-dir", default="runs/sim_vs_measured")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--microbatch-size", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                        help="profiler clock; thread = CPU time (for machines whose cores are shared)")
+    args = parser.parse_args(argv)
+    results, profile = compare(args.config, steps=args.steps, microbatches=args.microbatches,
+                         microbatch_size=args.microbatch_size, repeats=args.repeats, clock=args.clock,
+                         out_dir=args.out_dir)
+    print(f"{'layout':<20} {'predicted ms':>13} {'measured ms':>12} {'ratio':>6} {'fastest':>8} {'ratio':>6}  "
+          "steps ms (measured)   link")
+    for c in results:
+        steps = " ".join(f"{1e3 * s:.0f}" for s in c.measured_steps_s)
+        fastest = min(c.measured_steps_s)
+        print(f"{c.layout:<20} {1e3 * c.predicted_s:>13.1f} {1e3 * c.measured_s:>12.1f} {c.ratio:>6.3f} "
+              f"{1e3 * fastest:>8.1f} {c.predicted_s / fastest:>6.3f}  [{steps}]  "
+              f"{1e6 * c.p2p.latency_s:.0f} us + {(c.p2p.bandwidth_Bps or 0) / 1e9:.2f} GB/s")
+    for c in results:
+        costs = stage_action_costs(c.prediction_plan, profile)
+        busy = {}
+        for e in c.measured_events:
+            busy.setdefault((e.stage, e.kind), []).append(e.end_s - e.start_s)
+        print(f"{c.layout}: busy ms per rank, predicted / measured main-thread CPU time (median step): " + ", ".join(
+            f"rank {r} {1e3 * c.prediction.busy_s[r]:.1f}/{1e3 * t:.1f}" for r, t in enumerate(c.measured_cpu_s)))
+        print(f"{c.layout}: per action ms, predicted / measured mean: " + ", ".join(
+            f"{k}{s} {1e3 * costs[(s, k)]:.1f}/{1e3 * statistics.mean(v):.1f}" for (s, k), v in sorted(busy.items())))
+    print(f"timelines: {args.out_dir}/<layout>.json (Chrome trace) and .png; profile {args.out_dir}/profile.json")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

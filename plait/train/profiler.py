@@ -1,0 +1,702 @@
+"""Measure the cost of every pipeline unit of a real model on the real device (issue 4, "Profiler").
+
+For a list of microbatches (real samples, collated), :func:`measure_profile` measures per pipeline unit
+(``plait.models.units.unit_specs``):
+
+1. **Capture**: one forward of the whole model with every parameter made trainable, forward hooks on every
+   module of every unit record each call's inputs (positional and keyword: hidden states, position
+   embeddings, masks) and output. A module called several times per forward (an encoder run once per
+   group of equally sized items) contributes every call.
+2. **Isolation**: each captured call is re-run alone on detached inputs (the hidden-state input made a graph
+   leaf when it was part of the graph): the forward (graph recorded, as in training), then
+   ``torch.autograd.grad`` of the output w.r.t. the input only (dX), the parameters only (dW) and both at
+   once (the fused backward an unsplit schedule runs). Each time is the median of ``repeats`` runs after
+   ``warmup`` runs; a unit's time is the sum over its modules' calls, averaged over the microbatches.
+   Inputs that are raw data (pixels, log-mel features, token ids) need no gradient: dX is 0 there. In a
+   multi-module unit (Whisper's ``conv1, conv2, embed_positions``) only the first module's input is the
+   unit's input; the input gradients of the later modules are on the way to the earlier weights and count
+   as dW.
+3. **Memory**: parameter bytes; gradient and AdamW-state bytes of the trainable parameters (the state is
+   measured by one AdamW step on a copy); saved-activation bytes of one forward under the *real* freezing
+   flags with ``torch.autograd.graph.saved_tensors_hooks`` (parameters excluded, each storage counted once
+   per unit), attributed to the unit whose module is running; output bytes of the unit's last called module.
+4. **Chunk overhead**: each module (every encoder branch, the LLM) is run as one pipeline stage by the
+   runtime's stage code (``build_rank_stages`` on a copy of the model, payloads handed over as the runtime
+   does, all forwards then all backwards); the measured ``F`` and ``B`` times minus the sum of the module's
+   unit costs is the
+   glue a stage chunk of that module pays once per action (rotary embeddings and mask construction of an
+   LLM chunk, feature placement, the loss, the stage wrapper). The same stages are also run by the runtime's
+   executor (``run_pipeline_step`` in this process): its time beyond the stage passes, per action, is the
+   executor's own cost per action (``Profile.action_overhead_s``).
+
+The result is a :class:`~plait.planner.profile_store.Profile` whose ``costs`` are the planner's
+``UnitCost`` (so the partitioner, the layout search and the simulator take measured costs unchanged) and
+whose ``chunk_overhead_s`` feeds ``profile_store.stage_action_costs``. :func:`load_or_measure` reuses a
+stored profile only when every key field matches (model, freezing, shapes, dtype, device, versions) and
+otherwise prints why and measures again. :func:`profile_job` does all of it for a job config.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import platform
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from torch import nn
+
+from plait.data.collate import Batch
+from plait.models.multimodal import MultimodalModel
+from plait.models.units import UnitSpec, unit_specs
+from plait.parallel.pipeline_runtime import run_pipeline_step, token_loss_sum
+from plait.parallel.stages import build_rank_stages
+from plait.planner.pipeline_plan import plan_pipeline
+from plait.planner.profile_store import Profile, ProfileKey, ProfileStore, UnitMeasurement
+from plait.planner.schedules import build_schedule
+
+__all__ = [
+    "ProfileInputs",
+    "build_profile_inputs",
+    "device_name",
+    "format_profile",
+    "load_or_measure",
+    "measure_profile",
+    "microbatch_shapes",
+    "model_description",
+    "profile_job",
+    "profile_key",
+]
+
+CLOCKS = ("wall", "thread")
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+KwargsFn = Callable[[Batch], Mapping[str, Any]]
+
+
+# ----- keys ------------------------------------------------------------------------------------------------
+def device_name(device: torch.device | str) -> str:
+    """The device part of a profile key: the GPU's name, or ``"cpu <machine> (<n> threads)"`` (CPU timings
+    depend on the intra-op thread count)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu {platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def _tensor_shapes(value: Any) -> Any:
+    """Shapes of the tensors in a nested input structure (lists/dicts kept, other values by type name)."""
+    if isinstance(value, torch.Tensor):
+        return [*value.shape]
+    if isinstance(value, Mapping):
+        return {str(k): _tensor_shapes(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_tensor_shapes(v) for v in value]
+    return type(value).__name__
+
+
+def microbatch_shapes(microbatches: Sequence[Batch]) -> list[dict[str, Any]]:
+    """The shapes part of a profile key: per microbatch, ``input_ids`` ``[B, N]``, the number of target
+    tokens and, per modality, the shapes of its input tensors."""
+    return [{"input_ids": [*b.input_ids.shape], "target_tokens": int(b.target_tokens),
+             "modalities": _tensor_shapes(dict(b.modality_inputs))} for b in microbatches]
+
+
+def profile_key(model_description: Mapping[str, Any], microbatches: Sequence[Batch], dtype: torch.dtype | str,
+                device: torch.device | str, clock: str = "wall") -> ProfileKey:
+    """The :class:`ProfileKey` of a measurement: ``model_description`` (config dicts and freezing flags),
+    the microbatches' shapes, ``dtype``, :func:`device_name`, the installed plait and torch versions and the
+    ``clock`` (``"wall"`` or ``"thread"``, see :func:`measure_profile`).
+
+    Raises:
+        ValueError: on an unknown clock.
+    """
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
+    try:
+        plait_version = importlib.metadata.version("plait")
+    except importlib.metadata.PackageNotFoundError:
+        plait_version = "unknown"
+    return ProfileKey(dict(model_description), microbatch_shapes(microbatches), str(dtype).removeprefix("torch."),
+                      device_name(device), plait_version, torch.__version__, clock)
+
+
+# ----- timing helpers ------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class _Timer:
+    """How to time: device to synchronise, clock, repetitions."""
+
+    device: torch.device
+    clock: str
+    repeats: int
+    warmup: int
+
+    def now(self) -> float:
+        _sync(self.device)
+        return time.thread_time() if self.clock == "thread" else time.perf_counter()
+
+    def median(self, fn: Callable[[Any], Any], setup: Callable[[], Any]) -> float:
+        """Median seconds of ``fn(setup())`` over ``repeats`` runs after ``warmup`` runs (``setup`` untimed)."""
+        times = []
+        for i in range(self.warmup + self.repeats):
+            state = setup()
+            start = self.now()
+            fn(state)
+            if i >= self.warmup:
+                times.append(self.now() - start)
+        return statistics.median(times) if times else 0.0
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    """The main output tensor of a module call (a tensor, the first tensor of a tuple/list/ModelOutput)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+# ----- capture -------------------------------------------------------------------------------------------
+@dataclass
+class _Call:
+    """One call of a unit's module during the capture forward."""
+
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    output_bytes: int = 0
+
+
+def _unit_modules(model: nn.Module, specs: Sequence[UnitSpec]) -> list[list[tuple[str, nn.Module]]]:
+    return [[(path, model.get_submodule(path)) for path in spec.modules] for spec in specs]
+
+
+@contextmanager
+def _capture_calls(modules: list[list[tuple[str, nn.Module]]]) -> Iterator[list[list[_Call]]]:
+    """Per unit, the calls of its modules in call order, recorded by hooks for the duration of the block."""
+    calls: list[list[_Call]] = [[] for _ in modules]
+    handles = []
+    for index, unit_modules in enumerate(modules):
+        for _, module in unit_modules:
+            pending: list[_Call] = []
+
+            def pre(mod: nn.Module, args: tuple, kwargs: dict, index: int = index, pending: list = pending) -> None:
+                call = _Call(mod, args, dict(kwargs))
+                pending.append(call)
+                calls[index].append(call)
+
+            def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any, pending: list = pending) -> None:
+                tensor = _first_tensor(out)
+                pending.pop().output_bytes = _nbytes(tensor) if tensor is not None else 0
+
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(post, with_kwargs=True))
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, tuple):
+        return tuple(_detached(v) for v in value)
+    if isinstance(value, list):
+        return [_detached(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+def _prepare(call: _Call) -> tuple[tuple, dict, torch.Tensor | None]:
+    """Detached copies of a call's inputs; the hidden-state input (first positional tensor, else
+    ``hidden_states``) becomes a graph leaf when it was part of the graph (then dX applies)."""
+    args, kwargs = list(_detached(call.args)), _detached(call.kwargs)
+    leaf = None
+    if args and isinstance(call.args[0], torch.Tensor):
+        if call.args[0].requires_grad and call.args[0].is_floating_point():
+            leaf = args[0] = args[0].requires_grad_(True)
+    elif isinstance(call.kwargs.get("hidden_states"), torch.Tensor) and call.kwargs["hidden_states"].requires_grad:
+        leaf = kwargs["hidden_states"] = kwargs["hidden_states"].requires_grad_(True)
+    return tuple(args), kwargs, leaf
+
+
+@dataclass
+class _Timing:
+    forward: float = 0.0
+    dx: float = 0.0
+    dw: float = 0.0
+    fused: float = 0.0
+    output_bytes: int = 0
+
+
+def _time_call(call: _Call, timer: _Timer, autocast: Callable[[], AbstractContextManager]) -> _Timing:
+    """Forward, dX, dW and fused-backward medians of one call re-run in isolation."""
+    params = [p for p in call.module.parameters() if p.requires_grad]
+
+    def forward(state: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        args, kwargs, leaf = state
+        with autocast():
+            return _first_tensor(call.module(*args, **kwargs)), leaf
+
+    probe, _ = forward(_prepare(call))
+    if probe is None:
+        return _Timing()
+    grad_out = torch.randn(probe.shape, generator=torch.Generator().manual_seed(0)).to(probe)
+    timing = _Timing(output_bytes=call.output_bytes)
+    timing.forward = timer.median(forward, lambda: _prepare(call))
+
+    def backward(targets: Callable[[torch.Tensor | None], list[torch.Tensor]]) -> float:
+        def setup() -> tuple:
+            out, leaf = forward(_prepare(call))
+            return out, targets(leaf)
+
+        def run(state: tuple) -> None:
+            out, inputs = state
+            with autocast():
+                torch.autograd.grad([out], inputs, [grad_out], allow_unused=True)
+
+        return timer.median(run, setup)
+
+    if not probe.requires_grad:
+        return timing
+    has_leaf = _prepare(call)[2] is not None
+    if has_leaf:
+        timing.dx = backward(lambda leaf: [leaf])
+    if params:
+        timing.dw = backward(lambda leaf: list(params))
+    if has_leaf or params:
+        timing.fused = backward(lambda leaf: ([leaf] if leaf is not None else []) + list(params))
+    return timing
+
+
+@contextmanager
+def _all_trainable(model: nn.Module) -> Iterator[None]:
+    """Every parameter requires a gradient for the block (so every unit has a graph to time); the flags and
+    the train/eval mode are restored afterwards."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    mode = model.training
+    try:
+        for p, _ in flags:
+            p.requires_grad_(True)
+        model.train()
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        model.train(mode)
+
+
+def _forward_loss(model: MultimodalModel, batch: Batch, llm_kwargs: KwargsFn, loss_fn: LossFn) -> torch.Tensor:
+    logits = model(batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids,
+                   use_cache=False, **llm_kwargs(batch))
+    return loss_fn(logits, batch.labels)
+
+
+def _unit_timings(model: MultimodalModel, specs: Sequence[UnitSpec], batch: Batch, timer: _Timer,
+                  llm_kwargs: KwargsFn, autocast: Callable[[], AbstractContextManager]) -> list[_Timing]:
+    """Per unit, the summed isolated timings of its calls for one microbatch (parameters all trainable)."""
+    modules = _unit_modules(model, specs)
+    with _all_trainable(model):
+        with _capture_calls(modules) as calls, autocast():
+            _forward_loss(model, batch, llm_kwargs, token_loss_sum)
+        out = []
+        for unit_modules, unit_calls in zip(modules, calls):
+            total = _Timing()
+            first = unit_modules[0][1]
+            for call in unit_calls:
+                t = _time_call(call, timer, autocast)
+                total.forward += t.forward
+                total.fused += t.fused
+                if call.module is first:
+                    total.dx += t.dx
+                    total.dw += t.dw
+                else:  # inside a multi-module unit the gradient reaching earlier weights passes this input
+                    total.dw += t.dw + t.dx
+            last = unit_calls[-1].module if unit_calls else None
+            total.output_bytes = sum(c.output_bytes for c in unit_calls if c.module is last)
+            out.append(total)
+    return out
+
+
+# ----- memory --------------------------------------------------------------------------------------------
+def _saved_bytes(model: MultimodalModel, specs: Sequence[UnitSpec], batch: Batch, llm_kwargs: KwargsFn,
+                 autocast: Callable[[], AbstractContextManager]) -> list[int]:
+    """Per unit, bytes saved for backward by one forward under the model's real flags (module docstring)."""
+    params = {p.data_ptr() for p in model.parameters()}
+    current: list[int] = []
+    storages: list[dict[int, int]] = [{} for _ in specs]
+    handles = []
+    for index, (_, unit_modules) in enumerate(zip(specs, _unit_modules(model, specs))):
+        for _, module in unit_modules:
+            handles.append(module.register_forward_pre_hook(lambda m, a, i=index: current.append(i)))
+            handles.append(module.register_forward_hook(lambda m, a, o: None if current.pop() is None else None))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if current and t.data_ptr() not in params:
+            storage = t.untyped_storage()
+            storages[current[-1]][storage.data_ptr()] = storage.nbytes()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
+            _forward_loss(model, batch, llm_kwargs, token_loss_sum)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [sum(s.values()) for s in storages]
+
+
+def _adamw_state_bytes(params: Sequence[nn.Parameter]) -> int:
+    """Bytes of AdamW's state for ``params``, measured by one step on detached copies (zero gradients)."""
+    if not params:
+        return 0
+    copies = [p.detach().clone().requires_grad_(True) for p in params]
+    for c in copies:
+        c.grad = torch.zeros_like(c)
+    opt = torch.optim.AdamW(copies, lr=0.0)
+    opt.step()
+    return sum(_nbytes(v) for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _unit_bytes(model: MultimodalModel, spec: UnitSpec) -> tuple[int, int, int]:
+    """``(parameter, gradient, optimizer-state)`` bytes of a unit under the real flags."""
+    params = list({id(p): p for m in spec.modules for p in model.get_submodule(m).parameters()}.values())
+    trainable = [p for p in params if p.requires_grad]
+    return (sum(_nbytes(p) for p in params), sum(_nbytes(p) for p in trainable), _adamw_state_bytes(trainable))
+
+
+# ----- chunk overhead ------------------------------------------------------------------------------------
+def _module_chunk_times(model: MultimodalModel, microbatches: Sequence[Batch], llm_kwargs: KwargsFn,
+                        autocast: Callable[[], AbstractContextManager],
+                        timer: _Timer) -> tuple[dict[str, dict[str, float]], float]:
+    """Per module, the ``F`` and ``B`` seconds per microbatch of a pipeline stage holding the whole module
+    (the runtime's ``PipelineStage``, payloads handed over as the runtime does; median over repetitions,
+    mean over microbatches), on a copy of ``model``; and the runtime's own cost per action (seconds): one
+    ``run_pipeline_step`` of the same stages in this process (GPipe, one microbatch) minus the stage passes,
+    per action (the executor's bookkeeping; P2P transfers are not in it)."""
+    work = copy.deepcopy(model)
+    units = tuple(s.unit for s in unit_specs(work))
+    plan = plan_pipeline(units, "encoder_parallel")
+    plan = plan_pipeline(units, "encoder_parallel", ranks=[0] * plan.num_stages)
+    stages = build_rank_stages(work, plan, 0)
+    stages.train()
+    totals: dict[tuple[int, str], float] = defaultdict(float)
+    schedule = build_schedule(plan, "gpipe", 1)
+    excess = []
+    for batch in microbatches:
+        runs: dict[tuple[int, str], list[float]] = defaultdict(list)
+        steps, passes = [], []
+        for i in range(timer.warmup + timer.repeats):
+            times = _stage_pass(stages, plan, batch, llm_kwargs, autocast, timer)
+            start = timer.now()
+            run_pipeline_step(stages, schedule, [batch], batch.target_tokens, autocast=autocast,
+                              llm_kwargs=llm_kwargs)
+            step = timer.now() - start
+            for _, p in stages.trainable_parameters():
+                p.grad = None
+            if i >= timer.warmup:
+                steps.append(step)
+                passes.append(sum(times.values()))
+                for key, value in times.items():
+                    runs[key].append(value)
+        for key, values in runs.items():
+            totals[key] += statistics.median(values) / len(microbatches)
+        actions = sum(len(a) for a in schedule.actions)
+        excess.append(max(0.0, statistics.median(steps) - statistics.median(passes)) / actions)
+    chunks = {stage.modules[0]: {"F": totals[(stage.index, "F")], "B": totals[(stage.index, "B")]}
+              for stage in plan.stages}
+    return chunks, sum(excess) / len(excess)
+
+
+def _stage_pass(stages: Any, plan: Any, batch: Batch, llm_kwargs: KwargsFn,
+                autocast: Callable[[], AbstractContextManager], timer: _Timer) -> dict[tuple[int, str], float]:
+    """One forward of every stage in order, then every backward in reverse; seconds per (stage, kind)."""
+    outs: dict[int, Any] = {}
+    inputs: dict[int, Any] = {}
+    times: dict[tuple[int, str], float] = {}
+    for st in plan.stages:
+        stage = stages.stages[st.index]
+        received = {p: {m: [t.detach().requires_grad_(
+            plan.stages[p].runs_backward and t.requires_grad and t.is_floating_point()
+            and stage.module_runs_grad(m if m in stage.chunks else "llm")) for t in lst]
+            for m, lst in outs[p].items()} for p in plan.predecessors(st.index)}
+        start = timer.now()
+        with torch.set_grad_enabled(st.runs_backward), autocast():
+            outs[st.index] = stage.forward(batch, received, token_loss_sum, llm_kwargs(batch))
+        times[(st.index, "F")] = timer.now() - start
+        inputs[st.index] = received
+    for st in reversed(plan.stages):
+        pairs = _backward_pairs(stages.stages[st.index], plan, st.index, outs, inputs)
+        start = timer.now()
+        if st.runs_backward and pairs:
+            with autocast():
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        times[(st.index, "B")] = timer.now() - start
+    return times
+
+
+def _backward_pairs(stage: Any, plan: Any, index: int, outs: Mapping[int, Any],
+                    inputs: Mapping[int, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(output, gradient)`` pairs of a stage's backward: the loss on the last stage, else the gradients its
+    successor left on the received leaves."""
+    if stage.is_last:
+        loss = outs[index]["llm"][0]
+        return [(loss, torch.ones_like(loss))] if loss.requires_grad else []
+    (succ,) = plan.successors(index)
+    pairs = []
+    for module, tensors in outs[index].items():
+        for out, leaf in zip(tensors, inputs[succ][index].get(module, [])):
+            if out.requires_grad and leaf.grad is not None:
+                pairs.append((out, leaf.grad))
+    return pairs
+
+
+def _chunk_overhead(chunks: Mapping[str, Mapping[str, float]], profile_units: Sequence[Any],
+                    costs: Sequence[Any]) -> dict[str, dict[str, float]]:
+    """Chunk time minus the sum of its units' forward / (frozen-aware) backward, per module."""
+    out: dict[str, dict[str, float]] = {}
+    for module, times in chunks.items():
+        pairs = [(u, c) for u, c in zip(profile_units, costs) if u.module == module]
+        forward = sum(c.forward_s for _, c in pairs)
+        backward = sum(c.backward_s(u) for u, c in pairs)
+        runs_backward = any(u.runs_backward for u, _ in pairs)
+        out[module] = {"F": times["F"] - forward, "B": (times["B"] - backward) if runs_backward else 0.0}
+    return out
+
+
+# ----- the profile ---------------------------------------------------------------------------------------
+def measure_profile(
+    model: MultimodalModel,
+    microbatches: Sequence[Batch],
+    key: ProfileKey,
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+    llm_kwargs: KwargsFn | None = None,
+    autocast: Callable[[], AbstractContextManager] = nullcontext,
+) -> Profile:
+    """Measure every unit of ``model`` on ``microbatches`` (module docstring for the method), timed with
+    ``key.clock``: ``"wall"`` (``time.perf_counter``, CUDA synchronised) or ``"thread"`` (``time.thread_time``,
+    the measuring thread's CPU time: robust when other processes share the CPU, valid with one intra-op
+    thread only).
+
+    Args:
+        model: the composite with its real freezing flags, on the device to profile (left unchanged: flags
+            and mode are restored, the chunk measurement runs on a copy).
+        microbatches: collated microbatches on that device (``input_ids`` ``[B, N]`` each); costs are their
+            mean.
+        key: the profile's key (:func:`profile_key`).
+        repeats, warmup: timed and discarded runs per measurement (median of the timed ones).
+        llm_kwargs: extra LLM keyword arguments per microbatch (attention metadata), as the trainer passes.
+        autocast: context factory around every forward/backward (e.g. bf16 autocast).
+
+    Returns:
+        The :class:`Profile` (times in seconds, memory in bytes).
+
+    Raises:
+        ValueError: on no microbatch, ``repeats`` < 1 or ``warmup`` < 0, or a model family without a
+            pipeline layout.
+    """
+    if not microbatches:
+        raise ValueError("measure_profile needs at least one microbatch")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    llm_kwargs = llm_kwargs or (lambda batch: {})
+    device, clock = microbatches[0].input_ids.device, key.clock
+    if clock == "thread" and (device.type != "cpu" or torch.get_num_threads() != 1):
+        raise ValueError("clock='thread' times CPU work of one thread: use it on CPU with torch.set_num_threads(1)")
+    specs = unit_specs(model)
+    timer = _Timer(device, clock, repeats, warmup)
+    per_mb = [_unit_timings(model, specs, b, timer, llm_kwargs, autocast) for b in microbatches]
+    saved = [_saved_bytes(model, specs, b, llm_kwargs, autocast) for b in microbatches]
+    n = len(microbatches)
+    measurements = []
+    for i, spec in enumerate(specs):
+        param, grad, state = _unit_bytes(model, spec)
+        mean = lambda attr: sum(getattr(t[i], attr) for t in per_mb) / n  # noqa: E731
+        measurements.append(UnitMeasurement(
+            spec.unit.name, mean("forward"), mean("dx"), mean("dw"), mean("fused"), param, grad, state,
+            round(sum(s[i] for s in saved) / n), round(mean("output_bytes"))))
+    units = tuple(s.unit for s in specs)
+    costs = [m.to_cost(u) for u, m in zip(units, measurements)]
+    chunks, per_action = _module_chunk_times(model, microbatches, llm_kwargs, autocast, timer)
+    return Profile(key, units, tuple(measurements), _chunk_overhead(chunks, units, costs), repeats, warmup,
+                   per_action)
+
+
+def load_or_measure(store: ProfileStore, key: ProfileKey, measure: Callable[[], Profile], *,
+                    path: str | Path | None = None, force: bool = False, out: TextIO | None = None) -> Profile:
+    """The stored profile of ``key`` when every key field matches, else ``measure()`` saved to the store.
+
+    Prints ``"plait profile: reusing <file>"`` or ``"plait profile: measuring (<reason>)"`` to ``out`` (default
+    stdout): a stale or mismatched profile is never silently reused.
+
+    Args:
+        store: the profile folder; path: an explicit file instead of the store's file for ``key``.
+        force: measure even when a matching profile exists.
+    """
+    import sys
+
+    stream = out or sys.stdout
+    profile, reason = (None, "forced by the caller") if force else store.load(key, path)
+    if profile is not None:
+        print(f"plait profile: reusing {path or store.path_for(key)}", file=stream)
+        return profile
+    print(f"plait profile: measuring ({reason})", file=stream)
+    profile = measure()
+    saved = store.save(profile, path)
+    print(f"plait profile: wrote {saved}", file=stream)
+    return profile
+
+
+# ----- jobs ----------------------------------------------------------------------------------------------
+@dataclass
+class ProfileInputs:
+    """What profiling a job needs: its model (real flags), microbatches, LLM kwargs, autocast and key."""
+
+    model: MultimodalModel
+    microbatches: list[Batch]
+    llm_kwargs: KwargsFn
+    autocast: Callable[[], AbstractContextManager]
+    key: ProfileKey
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def model_description(cfg: Any) -> dict[str, Any]:
+    """The model part of a job's profile key: ``config_to_dict(cfg)["model"]`` without the learning-rate
+    scales (they change no cost), plus the attention settings and ``data.packing``."""
+    from plait.config.loader import config_to_dict
+
+    data = config_to_dict(cfg)
+    model = data["model"]
+    for enc in model.get("encoders", {}).values():
+        enc.pop("lr_scale", None)
+    return {"model": model, "attention": data["attention"], "packing": data["data"]["packing"]}
+
+
+def build_profile_inputs(cfg: Any, *, microbatches: int = 1, microbatch_size: int | None = None,
+                         device: str | None = None, clock: str = "wall") -> ProfileInputs:
+    """Build a job's model (seed ``train.seed``, freezing applied) and its first ``microbatches`` x
+    ``microbatch_size`` (default ``train.microbatch_size``) training samples in file order, collated into
+    microbatches, with the trainer's attention setup (``"hf"`` when it suffices, else plait SDPA/flex);
+    ``clock`` goes into the key (:func:`profile_key`).
+
+    Raises:
+        ValueError: on counts < 1, fewer usable samples than needed or an unknown clock; FileNotFoundError:
+            on missing data.
+    """
+    from plait.attention.interface import use_plait_attention
+    from plait.attention.masks import MaskInfo
+    from plait.data.collate import collate
+    from plait.data.loader import MultimodalDataset
+    from plait.models.registry import build_model, build_processor, load_tokenizer
+
+    size = microbatch_size or cfg.train.microbatch_size
+    if microbatches < 1 or size < 1:
+        raise ValueError(f"microbatches and microbatch_size must be >= 1, got {microbatches} and {size}")
+    t = cfg.train
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    dev = torch.device(device or ("cuda" if t.device == "auto" and torch.cuda.is_available() else
+                                  ("cpu" if t.device == "auto" else t.device)))
+    torch.manual_seed(t.seed)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    model = build_model(cfg.model, tokenizer).to(dev)
+    processor = build_processor(cfg.model, model, tokenizer, cfg.data.max_length)
+    attention = _attention(cfg, dev)
+    if attention != "hf":
+        use_plait_attention(model.language_model, "sdpa" if attention == "plait_sdpa" else "flex")
+    needed = microbatches * size
+    dataset = MultimodalDataset(cfg.data.train, processor, cfg.data.on_error, max_samples=needed)
+    if len(dataset) < needed:
+        raise ValueError(f"data.train has {len(dataset)} usable samples; profiling needs {needed}")
+    batches = [collate([dataset[i] for i in range(k * size, (k + 1) * size)], processor.pad_id,
+                       pack=cfg.data.packing).to(dev) for k in range(microbatches)]
+    mode = cfg.attention.mask
+    llm_kwargs: KwargsFn = (lambda b: {}) if attention == "hf" else (
+        lambda b: {"plait_mask": MaskInfo.from_batch(vars(b), mode=mode)})
+    bf16 = t.dtype == "bf16" or (t.dtype == "auto" and dev.type == "cuda")
+    autocast = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if bf16 else nullcontext
+    key = profile_key(model_description(cfg), batches, "bfloat16" if bf16 else "float32", dev, clock)
+    return ProfileInputs(model, batches, llm_kwargs, autocast, key, {"attention": attention})
+
+
+def _attention(cfg: Any, device: torch.device) -> str:
+    """``attention.implementation`` resolved as the trainer does (no context parallelism here)."""
+    impl = cfg.attention.implementation
+    if impl != "auto":
+        return impl
+    if cfg.attention.mask == "causal" and not cfg.data.packing:
+        return "hf"
+    return "plait" if device.type == "cuda" else "plait_sdpa"
+
+
+def profile_job(cfg: Any, *, store_dir: str | Path = "runs/profiles", out_path: str | Path | None = None,
+                microbatches: int = 1, microbatch_size: int | None = None, repeats: int = 5, warmup: int = 2,
+                clock: str = "wall", force: bool = False, out: TextIO | None = None) -> Profile:
+    """Profile a job's model on its first training samples (:func:`build_profile_inputs`), reusing a stored
+    profile only when its key matches (:func:`load_or_measure`).
+
+    Args:
+        cfg: a loaded ``JobConfig``.
+        store_dir: profile folder; out_path: an explicit profile file (checked the same way).
+        microbatches, microbatch_size: what to profile; repeats, warmup: as :func:`measure_profile`;
+        clock: ``"wall"`` or ``"thread"`` (:func:`measure_profile`).
+        force: re-measure even on a matching stored profile; out: where messages go (default stdout).
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`build_profile_inputs`.
+    """
+    inputs = build_profile_inputs(cfg, microbatches=microbatches, microbatch_size=microbatch_size, clock=clock)
+
+    def measure() -> Profile:
+        return measure_profile(inputs.model, inputs.microbatches, inputs.key, repeats=repeats, warmup=warmup,
+                               llm_kwargs=inputs.llm_kwargs, autocast=inputs.autocast)
+
+    return load_or_measure(ProfileStore(store_dir), inputs.key, measure, path=out_path, force=force, out=out)
+
+
+# ----- printing ------------------------------------------------------------------------------------------
+def format_profile(profile: Profile) -> str:
+    """The profile as a plain-text table: one row per unit (flags, forward / dX / dW / fused-backward ms,
+    parameter, gradient, optimizer-state, saved-activation and output KiB), then the chunk overheads."""
+    head = (f"{'unit':<56} {'T':>1}{'X':>1} {'F ms':>8} {'dX ms':>8} {'dW ms':>8} {'B ms':>8} {'param KiB':>10} "
+            f"{'grad KiB':>9} {'optim KiB':>10} {'act KiB':>9} {'out KiB':>8}")
+    lines = [f"profile: {profile.key.device}, {profile.key.dtype}, torch {profile.key.torch_version}, plait "
+             f"{profile.key.plait_version}; median of {profile.repeats} after {profile.warmup} warm-up", head]
+    for unit, m in zip(profile.units, profile.measurements):
+        name = unit.name if len(unit.name) <= 56 else "..." + unit.name[-53:]
+        lines.append(
+            f"{name:<56} {'T' if unit.trainable else '-':>1}{'X' if unit.needs_input_grad else '-':>1} "
+            f"{1e3 * m.forward_s:>8.3f} {1e3 * m.input_grad_s:>8.3f} {1e3 * m.weight_grad_s:>8.3f} "
+            f"{1e3 * m.fused_backward_s:>8.3f} {m.param_bytes / 1024:>10.1f} {m.grad_bytes / 1024:>9.1f} "
+            f"{m.optimizer_bytes / 1024:>10.1f} {m.activation_bytes / 1024:>9.1f} {m.output_bytes / 1024:>8.1f}")
+    lines.append(f"runtime cost per action: {1e3 * profile.action_overhead_s:.3f} ms")
+    for module, over in profile.chunk_overhead_s.items():
+        lines.append(f"chunk overhead {module}: F {1e3 * over.get('F', 0.0):.3f} ms, "
+                     f"B {1e3 * over.get('B', 0.0):.3f} ms")
+    lines.append("T = trainable, X = needs input gradient; B = fused backward (dX + dW in one pass)")
+    return "\n".join(lines)
