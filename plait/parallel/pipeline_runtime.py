@@ -32,6 +32,19 @@ every stage's parameter gradients are partial per CP rank and are summed over th
 Each CP rank's last stage holds the loss of its tokens; the world sum of the losses is the global one. The
 CP ranks of a stage run the same actions in the same order, so the K/V all-gathers (forward) and
 reduce-scatters (backward, in ``B`` and again in ``W``) inside the LLM stages match up.
+
+Deferred encoder outputs (issue 5; Entrain's level 2, ../shared/REFERENCES.md section 3; :class:`FeatureRouting`):
+a microbatch plan may run a sample's LLM work in a later microbatch ``j`` than its encoder work ``i``. The schedule
+and its messages stay as they are (``F``/``B`` of microbatch ``m`` on every stage): encoder stages run microbatch
+``m`` of the encoder view, LLM stages microbatch ``m`` of the LLM view. The first LLM stage keeps the features
+each branch sent for encoder microbatch ``i`` until the ``F`` of the last LLM microbatch reading them (these
+bytes are counted: ``buffered_peak_bytes``), and builds each LLM microbatch's features, sample by sample in
+placeholder order, as a fresh leaf. Its ``B(j)`` sends the gradient of exactly those features; an encoder
+stage's ``B(j)``/``W(j)`` cut it per sample and back-propagate each piece through the graph of the encoder
+microbatch that produced it (retaining a graph while a later LLM microbatch still has gradients for it), and
+send upstream, per such encoder microbatch, the partial input gradients. By linearity the pieces sum to one
+fused backward, so ``B(j)`` on an encoder stage still depends only on ``B(j)`` of its successor; only the
+lifetime of an encoder microbatch's activations grows (to the last ``B`` of its readers).
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -55,6 +69,7 @@ from plait.planner.schedules import Action, Schedule, TimelineEvent, frees_activ
 
 __all__ = [
     "HEADER_SLOTS",
+    "FeatureRouting",
     "PipelineComm",
     "PipelineStepResult",
     "build_pipeline_comm",
@@ -209,6 +224,9 @@ class PipelineStepResult:
         saved_tensors: per stage of this rank, tensors saved for backward by its forwards (with
             ``instrument=True``, else empty).
         backward_actions: per stage of this rank, ``B``/``W`` actions that ran a backward pass.
+        buffered_peak_bytes: with a :class:`FeatureRouting`, the most bytes of encoder features this rank's first
+            LLM stage held across a microbatch boundary for later LLM microbatches (deferred samples' encoder
+            microbatches); 0 on other ranks and without routing.
     """
 
     loss: float
@@ -216,6 +234,109 @@ class PipelineStepResult:
     events: tuple[TimelineEvent, ...]
     saved_tensors: Mapping[int, int]
     backward_actions: Mapping[int, int]
+    buffered_peak_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class FeatureRouting:
+    """Deferred encoder outputs (issue 5; Entrain's level 2, ../shared/REFERENCES.md section 3): the encoder view
+    and the LLM view of one pipeline's ``M`` microbatches.
+
+    Encoder stages run microbatch ``i`` on ``encoder_batches[i]`` (its ``modality_inputs``: the items of
+    ``encoder_samples[i]``, in that order); LLM stages run microbatch ``j`` on the ``j``-th batch given to
+    :func:`run_pipeline_step`, whose placeholders belong to ``llm_samples[j]``, in that order. A sample whose
+    LLM microbatch is later than its encoder microbatch is *deferred*: the first LLM stage buffers the features
+    of its encoder microbatch from that microbatch's ``F`` to the ``F`` of its LLM microbatch.
+
+    Attributes:
+        encoder_batches: per microbatch, the batch the encoder stages run (None: no item in it).
+        encoder_samples: per microbatch, the keys (distinct ints, e.g. positions in the global batch) of the
+            samples of the encoder view, in item order.
+        llm_samples: per microbatch, the keys of the samples of the LLM view, in row-major placeholder order.
+        features: per sample key, per encoder branch, its projected feature rows (= its placeholder tokens of
+            that branch; a missing branch means 0).
+
+    Raises:
+        ValueError: on views of different lengths, a sample listed twice in one view or in one view only, a
+            sample whose LLM microbatch precedes its encoder microbatch, or a sample without ``features``.
+    """
+
+    encoder_batches: tuple[Batch | None, ...]
+    encoder_samples: tuple[tuple[int, ...], ...]
+    llm_samples: tuple[tuple[int, ...], ...]
+    features: Mapping[int, Mapping[str, int]]
+
+    def __post_init__(self) -> None:
+        for name in ("encoder_batches", "encoder_samples", "llm_samples"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, tuple(value if name == "encoder_batches" else map(tuple, value)))
+        m = len(self.encoder_samples)
+        if len(self.encoder_batches) != m or len(self.llm_samples) != m:
+            raise ValueError(f"FeatureRouting: encoder_batches ({len(self.encoder_batches)}), encoder_samples ({m}) "
+                             f"and llm_samples ({len(self.llm_samples)}) need one entry per microbatch")
+        enc, llm = _view_index(self.encoder_samples, "encoder_samples"), _view_index(self.llm_samples, "llm_samples")
+        if set(enc) != set(llm):
+            raise ValueError(f"FeatureRouting: samples {sorted(set(enc) ^ set(llm))[:5]} are in one view only")
+        for key, i in enc.items():
+            if llm[key] < i:
+                raise ValueError(f"FeatureRouting: sample {key} has encoder microbatch {i} but LLM microbatch "
+                                 f"{llm[key]}; deferral only moves LLM work later")
+            if key not in self.features:
+                raise ValueError(f"FeatureRouting: sample {key} has no features entry")
+
+    @property
+    def num_microbatches(self) -> int:
+        """``M``, microbatches in each view."""
+        return len(self.encoder_samples)
+
+    @cached_property
+    def encoder_of(self) -> dict[int, int]:
+        """``{sample key: encoder microbatch}``."""
+        return _view_index(self.encoder_samples, "encoder_samples")
+
+    @cached_property
+    def rows(self) -> dict[int, dict[str, tuple[int, int]]]:
+        """Per sample key, per branch with features, its ``(start, stop)`` rows in the features ``[rows, hidden]``
+        of its encoder microbatch."""
+        out: dict[int, dict[str, tuple[int, int]]] = {}
+        for samples in self.encoder_samples:
+            start: dict[str, int] = defaultdict(int)
+            for key in samples:
+                out[key] = {}
+                for branch, n in self.features[key].items():
+                    if n:
+                        out[key][branch] = (start[branch], start[branch] + int(n))
+                        start[branch] += int(n)
+        return out
+
+    @cached_property
+    def sources(self) -> tuple[tuple[int, ...], ...]:
+        """Per LLM microbatch ``j``, the encoder microbatches (ascending, all ``<= j``) of its samples."""
+        return tuple(tuple(sorted({self.encoder_of[k] for k in samples})) for samples in self.llm_samples)
+
+    @cached_property
+    def users(self) -> tuple[tuple[int, ...], ...]:
+        """Per encoder microbatch ``i``, the LLM microbatches (ascending, all ``>= i``) that read its samples."""
+        out: list[list[int]] = [[] for _ in self.encoder_samples]
+        for j, srcs in enumerate(self.sources):
+            for i in srcs:
+                out[i].append(j)
+        return tuple(tuple(u) for u in out)
+
+    @property
+    def defers(self) -> bool:
+        """Whether some sample's LLM microbatch is later than its encoder microbatch."""
+        return any(self.encoder_of[k] != j for j, samples in enumerate(self.llm_samples) for k in samples)
+
+
+def _view_index(view: Sequence[Sequence[int]], name: str) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for i, samples in enumerate(view):
+        for key in samples:
+            if key in out:
+                raise ValueError(f"FeatureRouting.{name}: sample {key} is in microbatches {out[key]} and {i}")
+            out[key] = i
+    return out
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -360,12 +481,72 @@ class _Record:
     out_grads: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
+_Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (output, its gradient) to back-propagate
+
+
+class _FeatureBuffer:
+    """The first LLM stage's view of a :class:`FeatureRouting`: the features each encoder predecessor sent for
+    encoder microbatch ``i``, kept until the forward of the last LLM microbatch that reads them."""
+
+    def __init__(self, routing: FeatureRouting) -> None:
+        self.routing = routing
+        self.held: dict[tuple[int, int], Mapping[str, list[torch.Tensor]]] = {}
+        self.left = {i: set(users) for i, users in enumerate(routing.users)}
+        self.peak = 0
+
+    def route(self, p: int, j: int, payload: Mapping[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+        """Keep encoder microbatch ``j``'s features from stage ``p``; return, per branch, the features of LLM
+        microbatch ``j``'s samples in placeholder order (``[rows, hidden]``, ``requires_grad`` when a source had
+        a graph; ``[]`` when none of them has that branch)."""
+        self._check_rows(p, j, payload)
+        self.held[(p, j)] = payload
+        out: dict[str, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for module in payload:
+                parts, grad = [], False
+                for key in self.routing.llm_samples[j]:
+                    span = self.routing.rows[key].get(module)
+                    if span is None:
+                        continue
+                    i = self.routing.encoder_of[key]
+                    if (p, i) not in self.held:
+                        raise RuntimeError(f"LLM microbatch {j} reads encoder microbatch {i} of stage {p} before its "
+                                           "forward: the schedule must run each stage's F in microbatch order")
+                    source = self.held[(p, i)][module][0]
+                    parts.append(source[span[0] : span[1]])
+                    grad |= source.requires_grad
+                out[module] = [torch.cat(parts).requires_grad_(grad)] if parts else []
+        return out
+
+    def _check_rows(self, p: int, i: int, payload: Mapping[str, list[torch.Tensor]]) -> None:
+        for module, tensors in payload.items():
+            want = sum(self.routing.rows[k].get(module, (0, 0))[1] - self.routing.rows[k].get(module, (0, 0))[0]
+                       for k in self.routing.encoder_samples[i])
+            got = int(tensors[0].shape[0]) if tensors else 0
+            if got != want:
+                raise ValueError(f"encoder microbatch {i} of stage {p}: branch {module!r} produced {got} feature rows "
+                                 f"but FeatureRouting.features gives its samples {want}")
+
+    def release(self, j: int) -> None:
+        """After LLM microbatch ``j``'s forward: drop the encoder microbatches nobody reads any more, then count
+        the bytes still held (for later LLM microbatches)."""
+        for i in self.routing.sources[j]:
+            self.left[i].discard(j)
+        for p, i in list(self.held):
+            if not self.left[i]:
+                del self.held[(p, i)]
+        held = sum(t.numel() * t.element_size() for payload in self.held.values() for ts in payload.values()
+                   for t in ts)
+        self.peak = max(self.peak, held)
+
+
 class _Executor:
     """Runs one rank's actions of one step (state of that step only)."""
 
-    def __init__(self, stages: RankStages, schedule: Schedule, microbatches: Sequence[Batch], scale: float,
+    def __init__(self, stages: RankStages, schedule: Schedule, microbatches: Sequence[Batch | None], scale: float,
                  comm: PipelineComm, loss_fn: Callable, autocast: Callable[[], AbstractContextManager],
-                 llm_kwargs: Callable[[Batch], Mapping[str, Any]], instrument: bool) -> None:
+                 llm_kwargs: Callable[[Batch], Mapping[str, Any]], instrument: bool,
+                 routing: FeatureRouting | None = None) -> None:
         self.stages, self.plan, self.schedule = stages, schedule.plan, schedule
         self.mbs, self.scale, self.comm = microbatches, scale, comm
         self.loss_fn, self.autocast, self.llm_kwargs, self.instrument = loss_fn, autocast, llm_kwargs, instrument
@@ -376,15 +557,25 @@ class _Executor:
         self.events: list[TimelineEvent] = []
         self.saved: dict[int, int] = {s: 0 for s in stages.stages}
         self.backwards: dict[int, int] = {s: 0 for s in stages.stages}
+        self.routing = routing
+        self.buffer = _FeatureBuffer(routing) if routing is not None else None
+        self.users_left: dict[tuple[int, int], set[int]] = {}  # routed encoder records: LLM microbatches to come
+        self.shares: dict[tuple[int, int], dict[int, _Pairs]] = {}  # routed (s, j): per record i, its pairs
 
     def run(self) -> None:
         for action in self.schedule.actions[self.comm.pp_rank]:
             if action.kind == "F":
                 self._forward(action.stage, action.microbatch)
+            elif self._routed(action.stage):
+                self._backward_routed(action)
             else:
                 self._backward(action)
         if self.transport is not None:
             self.transport.finish()
+
+    def _routed(self, s: int) -> bool:
+        """An encoder stage under a routing: its microbatch ``i`` is the encoder view's."""
+        return self.routing is not None and LLM_MODULE not in self.stages.stages[s].chunks
 
     # -- transfers
     def _take(self, key: _MessageKey) -> Any:
@@ -407,16 +598,25 @@ class _Executor:
         stage: PipelineStage = self.stages.stages[s]
         received = {p: self._take(("F", p, s, m)) for p in self.plan.predecessors(s)}
         start = time.time()
+        if self.buffer is not None and LLM_MODULE in stage.chunks:
+            received = {p: payload if self.plan.stages[p].is_llm else self.buffer.route(p, m, payload)
+                        for p, payload in received.items()}
+            if any(not self.plan.stages[p].is_llm for p in received):
+                self.buffer.release(m)
         leaves = {p: self._leaves(p, stage, payload) for p, payload in received.items()}
-        keeps = self.plan.stages[s].runs_backward
-        kwargs = self.llm_kwargs(self.mbs[m])
-        if LLM_MODULE in stage.chunks:
+        routed = self._routed(s)
+        batch = self.routing.encoder_batches[m] if routed else self.mbs[m]  # type: ignore[union-attr]
+        keeps = self.plan.stages[s].runs_backward and not (routed and not self.routing.users[m])  # type: ignore
+        kwargs = self.llm_kwargs(batch) if batch is not None and not routed else {}
+        if LLM_MODULE in stage.chunks and batch is not None:
             _check_cp_kwargs(kwargs, self.comm, s, m)
         with torch.set_grad_enabled(keeps), self.autocast(), self._counting(s):
-            out = stage.forward(self.mbs[m], leaves, self.loss_fn, kwargs)
+            out = stage.forward(batch, leaves, self.loss_fn, kwargs)
         if keeps:
             self.records[(s, m)] = _Record(leaves, out)
-        if stage.is_last:
+            if routed:
+                self.users_left[(s, m)] = set(self.routing.users[m])  # type: ignore[union-attr]
+        if stage.is_last and out["llm"]:
             self.losses.append(out["llm"][0].detach())
         for t in self.plan.successors(s):
             self._give(("F", s, t, m), out)
@@ -453,13 +653,12 @@ class _Executor:
         start = time.time()
         with self.autocast():
             if action.kind == "W":
-                self._weight_grads(s, record)
+                ran = self._weight_grads(s, record.out_grads)
             elif self.schedule.split_backward:
-                self._input_grads(s, record)
-            elif record.out_grads:
-                self.backwards[s] += 1
-                outs, grads = zip(*record.out_grads)
-                torch.autograd.backward(list(outs), list(grads))
+                ran = self._input_grads(record, record.out_grads)
+            else:
+                ran = self._fused_backward(record.out_grads, retain=False)
+        self.backwards[s] += int(ran)
         if action.kind == "B":
             for p in self.plan.predecessors(s):
                 if self.plan.stages[p].runs_backward:
@@ -468,9 +667,11 @@ class _Executor:
             del self.records[(s, m)]
         self.events.append(TimelineEvent(self.comm.pp_rank, action.kind, s, m, start, time.time()))
 
-    def _output_grads(self, s: int, m: int, record: _Record) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _output_grads(self, s: int, m: int, record: _Record) -> _Pairs:
         """``(output, gradient)`` pairs to backpropagate (the scaled loss on the last stage)."""
         if self.stages.stages[s].is_last:
+            if not record.outputs["llm"]:
+                return []  # an LLM microbatch without samples (all deferred)
             loss = record.outputs["llm"][0]
             return [(loss, torch.full_like(loss, self.scale))] if loss.requires_grad else []
         (t,) = self.plan.successors(s)
@@ -482,26 +683,141 @@ class _Executor:
                     pairs.append((out, grad))
         return pairs
 
-    def _input_grads(self, s: int, record: _Record) -> None:
+    def _fused_backward(self, pairs: _Pairs, retain: bool) -> bool:
+        if not pairs:
+            return False
+        outs, grads = zip(*pairs)
+        torch.autograd.backward(list(outs), list(grads), retain_graph=retain)
+        return True
+
+    def _input_grads(self, record: _Record, pairs: _Pairs) -> bool:
         leaves = [t for payload in record.inputs.values() for lst in payload.values() for t in lst if t.requires_grad]
-        if not (leaves and record.out_grads):
-            return
-        self.backwards[s] += 1
-        outs, grads = zip(*record.out_grads)
+        if not (leaves and pairs):
+            return False
+        outs, grads = zip(*pairs)
         found = torch.autograd.grad(list(outs), leaves, list(grads), retain_graph=True, allow_unused=True)
         for leaf, grad in zip(leaves, found):
             leaf.grad = grad
+        return True
 
-    def _weight_grads(self, s: int, record: _Record) -> None:
+    def _weight_grads(self, s: int, pairs: _Pairs, retain: bool = False) -> bool:
         params = [p for p in self.stages.stages[s].params if p.requires_grad]
-        if not (params and record.out_grads):
-            return
-        self.backwards[s] += 1
-        outs, grads = zip(*record.out_grads)
-        found = torch.autograd.grad(list(outs), params, list(grads), allow_unused=True)
+        if not (params and pairs):
+            return False
+        outs, grads = zip(*pairs)
+        found = torch.autograd.grad(list(outs), params, list(grads), retain_graph=retain, allow_unused=True)
         for param, grad in zip(params, found):
             if grad is not None:
                 param.grad = grad if param.grad is None else param.grad + grad
+        return True
+
+    # -- backward of an encoder stage under a FeatureRouting
+    def _backward_routed(self, action: Action) -> None:
+        """``B``/``W`` of encoder stage ``s`` for LLM microbatch ``j`` under a :class:`FeatureRouting`.
+
+        The output gradients that arrive for ``j`` belong to ``j``'s samples, whose activations live in the
+        records of their encoder microbatches ``routing.sources[j]``: each such record is back-propagated with
+        its share (linearity: the shares of all its LLM microbatches sum to its whole output gradient), its graph
+        retained while another LLM microbatch still has to bring gradients for it. The input gradients sent
+        upstream are, per record in ``sources[j]`` order, that record's partial input gradients.
+        """
+        s, j = action.stage, action.microbatch
+        routing = self.routing
+        assert routing is not None  # _routed(s)
+        if (s, j) not in self.shares:
+            self.shares[(s, j)] = self._routed_output_grads(s, j)
+        last = frees_activations(self.plan, action, self.schedule.split_backward)
+        start, ran = time.time(), False
+        with self.autocast():
+            for i, pairs in self.shares[(s, j)].items():
+                record = self.records[(s, i)]
+                retain = not last or bool(self.users_left[(s, i)] - {j})
+                if action.kind == "W":
+                    ran |= self._weight_grads(s, pairs, retain)
+                    continue
+                _clear_leaf_grads(record)  # the leaves' grads must be this j's share only
+                if self.schedule.split_backward:
+                    ran |= self._input_grads(record, pairs)
+                else:
+                    ran |= self._fused_backward(pairs, retain)
+        self.backwards[s] += int(ran)
+        if action.kind == "B":
+            self._send_routed_input_grads(s, j)
+        if last:
+            del self.shares[(s, j)]
+            for i in routing.sources[j]:
+                self.users_left[(s, i)].discard(j)
+                if not self.users_left[(s, i)]:
+                    del self.records[(s, i)], self.users_left[(s, i)]
+        self.events.append(TimelineEvent(self.comm.pp_rank, action.kind, s, j, start, time.time()))
+
+    def _routed_output_grads(self, s: int, j: int) -> dict[int, _Pairs]:
+        """Per encoder microbatch ``i`` of ``routing.sources[j]``, the ``(output, gradient)`` pairs of its record
+        that LLM microbatch ``j``'s gradient message covers."""
+        routing = self.routing
+        assert routing is not None
+        (t,) = self.plan.successors(s)
+        grads = self._take(("B", t, s, j))
+        shares: dict[int, _Pairs] = {i: [] for i in routing.sources[j]}
+        for module, tensors in grads.items():
+            if self.plan.stages[t].is_llm:
+                if tensors and tensors[0] is not None:
+                    self._split_feature_grad(s, j, module, tensors[0], shares)
+                continue
+            pos = 0
+            for i in routing.sources[j]:
+                outs = self.records[(s, i)].outputs.get(module, [])
+                for out, grad in zip(outs, tensors[pos : pos + len(outs)]):
+                    if grad is not None and out.requires_grad:
+                        shares[i].append((out, grad))
+                pos += len(outs)
+        return shares
+
+    def _split_feature_grad(self, s: int, j: int, module: str, grad: torch.Tensor,
+                            shares: dict[int, _Pairs]) -> None:
+        """Cut the gradient of LLM microbatch ``j``'s features ``[rows, hidden]`` (placeholder order) per sample
+        and place each piece at the sample's rows of its encoder microbatch's features (zeros elsewhere)."""
+        routing = self.routing
+        assert routing is not None
+        full: dict[int, torch.Tensor] = {}
+        offset = 0
+        for key in routing.llm_samples[j]:
+            span = routing.rows[key].get(module)
+            if span is None:
+                continue
+            i, n = routing.encoder_of[key], span[1] - span[0]
+            out = self.records[(s, i)].outputs[module][0]
+            if out.requires_grad:
+                if i not in full:
+                    full[i] = torch.zeros_like(out)
+                full[i][span[0] : span[1]] = grad[offset : offset + n]
+            offset += n
+        if offset != grad.shape[0]:
+            raise RuntimeError(f"stage {s}, LLM microbatch {j}: {grad.shape[0]} feature gradient rows for "
+                               f"{module!r}, the routing gives {offset}")
+        for i, g in full.items():
+            shares[i].append((self.records[(s, i)].outputs[module][0], g))
+
+    def _send_routed_input_grads(self, s: int, j: int) -> None:
+        """Per predecessor that runs backward: per module, the input gradients of the records of
+        ``routing.sources[j]``, concatenated in that order (the receiver splits them by its own records)."""
+        routing = self.routing
+        assert routing is not None
+        for p in self.plan.predecessors(s):
+            if not self.plan.stages[p].runs_backward:
+                continue
+            payload: dict[str, list[torch.Tensor | None]] = defaultdict(list)
+            for i in routing.sources[j]:
+                for module, grads in _input_grad_payload(self.records[(s, i)].inputs[p]).items():
+                    payload[module] += grads
+            self._give(("B", s, p, j), dict(payload))
+
+
+def _clear_leaf_grads(record: _Record) -> None:
+    for payload in record.inputs.values():
+        for tensors in payload.values():
+            for t in tensors:
+                t.grad = None
 
 
 def _check_cp_kwargs(kwargs: Mapping[str, Any], comm: PipelineComm, s: int, m: int) -> None:
@@ -563,7 +879,7 @@ def _sum_tied(stages: RankStages, comm: PipelineComm) -> None:
 def run_pipeline_step(
     stages: RankStages,
     schedule: Schedule,
-    microbatches: Sequence[Batch],
+    microbatches: Sequence[Batch | None],
     global_targets: int,
     comm: PipelineComm | None = None,
     *,
@@ -571,6 +887,7 @@ def run_pipeline_step(
     autocast: Callable[[], AbstractContextManager] = nullcontext,
     llm_kwargs: Callable[[Batch], Mapping[str, Any]] | None = None,
     instrument: bool = False,
+    routing: FeatureRouting | None = None,
 ) -> PipelineStepResult:
     """Forward and backward of this pipeline's ``M`` microbatches of a global batch, then gradient reduction.
 
@@ -596,19 +913,31 @@ def run_pipeline_step(
         llm_kwargs: extra keyword arguments for the LLM stages per microbatch (attention metadata:
             ``plait_mask``, and ``plait_cp`` with context parallelism).
         instrument: count tensors saved for backward per stage (``saved_tensors_hooks``).
+        routing: deferred encoder outputs (:class:`FeatureRouting`): encoder stages then run microbatch ``i`` on
+            ``routing.encoder_batches[i]`` and ``microbatches`` is the LLM view (``None`` for an LLM microbatch
+            without samples). The schedule and its messages are unchanged: ``F`` of the last stage of a branch
+            sends its encoder microbatch's features; the first LLM stage buffers them per encoder microbatch
+            (counted in ``buffered_peak_bytes``) and assembles each LLM microbatch's features from the buffers
+            of its samples' encoder microbatches (never later ones); its ``B`` sends the gradient of the features
+            it used, and the encoder stages' ``B``/``W`` of microbatch ``j`` back-propagate exactly that gradient
+            through the graphs of the encoder microbatches that produced them (``_Executor._backward_routed``).
+            ``None``: both views are ``microbatches`` (the original path).
 
     Returns:
         :class:`PipelineStepResult` (loss the same on every rank).
 
     Raises:
-        ValueError: on a wrong microbatch count, a schedule for another plan, a negative target count, or (at
+        ValueError: on a wrong microbatch count (in ``microbatches`` or ``routing``), a ``None`` microbatch
+            without ``routing``, features that do not match ``routing.features``, a schedule for another plan,
+            a negative target count, or (at
             an LLM stage's first forward) ``llm_kwargs`` without this CP rank's ``plait_cp`` shard when
             ``comm.cp_size`` > 1 (or with a shard when it is 1).
     """
     comm = comm or PipelineComm()
     _check_step_inputs(stages, schedule, microbatches, global_targets, comm)
+    _check_routing(routing, microbatches)
     executor = _Executor(stages, schedule, microbatches, 1.0 / max(1, global_targets), comm, loss_fn, autocast,
-                         llm_kwargs or (lambda batch: {}), instrument)
+                         llm_kwargs or (lambda batch: {}), instrument, routing)
     executor.run()
     params = [p for _, p in stages.trainable_parameters()]
     _reduce_dp(params, comm)
@@ -621,11 +950,21 @@ def run_pipeline_step(
         dist.all_reduce(loss_sum)  # last-stage ranks hold losses (per CP rank: its tokens'): the world sum
     total = float(loss_sum)
     return PipelineStepResult(total / max(1, global_targets), total, tuple(executor.events),
-                              executor.saved if instrument else {}, executor.backwards)
+                              executor.saved if instrument else {}, executor.backwards,
+                              executor.buffer.peak if executor.buffer is not None else 0)
 
 
-def _check_step_inputs(stages: RankStages, schedule: Schedule, microbatches: Sequence[Batch], global_targets: int,
-                       comm: PipelineComm) -> None:
+def _check_routing(routing: FeatureRouting | None, microbatches: Sequence[Batch | None]) -> None:
+    if routing is None:
+        missing = [j for j, b in enumerate(microbatches) if b is None]
+        if missing:
+            raise ValueError(f"microbatches {missing} are None: only a FeatureRouting allows empty LLM microbatches")
+    elif routing.num_microbatches != len(microbatches):
+        raise ValueError(f"the routing has {routing.num_microbatches} microbatches, {len(microbatches)} were given")
+
+
+def _check_step_inputs(stages: RankStages, schedule: Schedule, microbatches: Sequence[Batch | None],
+                       global_targets: int, comm: PipelineComm) -> None:
     if schedule.plan != stages.plan:
         raise ValueError("the schedule was made for another pipeline plan than the stages")
     if len(microbatches) != schedule.num_microbatches:

@@ -7,8 +7,8 @@ over its CP group: encoder stages run whole on each CP rank, the LLM stages only
 same ``plan_tokens`` assignment as the non-pipeline trainer, computed on every rank from the mask metadata),
 each pipeline (one CP index) passing only those tokens' hidden states, and gradients are summed over the
 DP x CP copies of each stage. The plan comes from
-``plan_pipeline(model_units(model), parallel.pp.layout, stages_per_module=...)`` with stage ``i`` on pipeline
-rank ``i`` (one stage per rank; counts from :func:`plait.config.loader.pipeline_stage_counts`).
+``plan_pipeline(model_units(model), parallel.pp.layout, ...)`` with stage ``i`` on pipeline rank ``i`` (one stage
+per rank; even counts and explicit ``parallel.pp.splits`` from :func:`plait.config.loader.pipeline_plan_kwargs`).
 
 Build: every rank composes the whole model on the meta device, materialises only its stage's units
 (:func:`plait.models.init.materialize`: the per-(seed, FQN) init the single-process trainer uses too, or the
@@ -24,8 +24,11 @@ before each step its factor is applied to each group's base LR, as the single-pr
 One step: every rank computes the same microbatch plan from the samples' metadata (no communication); this
 DP replica's non-empty microbatches go through the pipeline (the same list on every rank of a pipeline, so
 they agree on ``M``; schedules are built per ``M`` and cached), then ``clip_grad_norm_pipeline`` and the
-optimizer step. A replica left without samples (a last global batch smaller than DP) runs one microbatch with
-its loss multiplied by 0, so it still joins the DP gradient sum with zeros.
+optimizer step. The plan may defer a sample's LLM work to a later microbatch than its encoder work (issue 5):
+the encoder stages then run the plan's encoder view, the LLM stages its LLM view, and the first LLM stage
+buffers the deferred features (``FeatureRouting``; the peak bytes go to the metrics as
+``encoder_buffer_peak_bytes``). A replica left without samples (a last global batch smaller than DP) runs one
+microbatch with its loss multiplied by 0, so it still joins the DP gradient sum with zeros.
 
 Validation: generation needs the whole model. :meth:`PipelineTrainer.evaluate` saves a checkpoint
 (collective), then rank 0 builds the whole model, loads it from that checkpoint with DCP in one process
@@ -50,13 +53,14 @@ from torch import nn
 
 from plait.attention.interface import use_plait_attention
 from plait.attention.masks import MaskInfo
-from plait.config.loader import pipeline_stage_counts
+from plait.config.loader import pipeline_plan_kwargs
 from plait.data.collate import Batch, collate
 from plait.models.multimodal import MultimodalModel
 from plait.models.init import materialize, rank_prefixes, weight_source
 from plait.models.registry import build_model
 from plait.models.units import model_units
 from plait.parallel.pipeline_runtime import (
+    FeatureRouting,
     build_pipeline_comm,
     clip_grad_norm_pipeline,
     gather_timeline,
@@ -64,7 +68,13 @@ from plait.parallel.pipeline_runtime import (
     token_loss_sum,
 )
 from plait.parallel.stages import build_rank_stages
-from plait.planner.microbatch import MicrobatchPlan
+from plait.planner.microbatch import (
+    MicrobatchPlan,
+    MicrobatchPolicy,
+    SampleCost,
+    plan_microbatches,
+    sample_costs_from_metadata,
+)
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
 from plait.planner.schedules import Schedule, TimelineEvent, build_schedule
 from plait.train.checkpoint import checkpoint_dir, latest_checkpoint, load_model_state
@@ -113,8 +123,8 @@ class PipelineTrainer(Trainer):
     def _setup_training(self) -> None:
         t, pp = self.cfg.train, self.cfg.parallel.pp
         self._counts = super()._parameter_counts()  # the whole model, before pruning
-        counts = pipeline_stage_counts(pp, list(self.model.encoders))
-        self.plan: PipelinePlan = plan_pipeline(model_units(self.model), pp.layout, stages_per_module=counts)
+        cuts = pipeline_plan_kwargs(pp, list(self.model.encoders))  # even counts and explicit splits
+        self.plan: PipelinePlan = plan_pipeline(model_units(self.model), pp.layout, **cuts)
         units = {u for s in self.plan.stages_on_rank(self.pp_rank) for u in self.plan.stages[s].units}
         materialize(self.model, self.info.device, self.cfg.train.seed, keep=rank_prefixes(self.model, units),
                     source=weight_source(self.cfg.model, self.model))  # before pruning: tied copies agree
@@ -157,20 +167,70 @@ class PipelineTrainer(Trainer):
             self._schedules[num_microbatches] = build_schedule(self.plan, pp.schedule, num_microbatches, **options)
         return self._schedules[num_microbatches]
 
+    def plan_step(self, indices: Sequence[int]) -> tuple[MicrobatchPlan, tuple[SampleCost, ...]]:
+        """:meth:`Trainer.plan_step` with deferral allowed: the pipeline runtime buffers deferred encoder outputs
+        on the first LLM stage (:class:`~plait.parallel.pipeline_runtime.FeatureRouting`). ``M`` per replica is
+        ``parallel.pp.microbatches`` (or the trainer's count). Returns the plan and the per-sample costs."""
+        t = self.cfg.train
+        costs = sample_costs_from_metadata([self.train_set[i].meta for i in indices], self.cost_coeffs)
+        per_rank = -(-len(indices) // self.dp)
+        policy = MicrobatchPolicy(method=t.microbatch_policy, dp=self.dp, seed=t.seed, allow_deferral=True,
+                                  num_microbatches=self._num_microbatches(per_rank))
+        return plan_microbatches(costs, policy, self.step), tuple(costs)
+
     def forward_backward(self, indices: Sequence[int], plan: MicrobatchPlan | None = None) -> tuple[float, int]:
         """Run this DP replica's microbatches of the global batch ``indices`` through the pipeline; gradients
         (summed over DP, scaled by 1 / global target tokens) accumulate in ``.grad`` of this rank's parameters.
-        Collective over the job. Returns ``(global loss, global target tokens)``."""
+        Collective over the job. Returns ``(global loss, global target tokens)``; sets
+        ``encoder_buffer_peak_bytes`` (the largest over the job, 0 when the plan defers nothing).
+
+        When the plan defers samples, the encoder stages run the encoder view of the plan
+        (``plan.microbatches``) and the LLM stages its LLM view (``plan.llm_microbatches``), joined by a
+        :class:`~plait.parallel.pipeline_runtime.FeatureRouting`; microbatches empty in both views are dropped
+        (order kept). Without deferral both views are the same and the step runs as before."""
+        plan = plan or self.plan_step(indices)[0]
         global_targets = sum(self.train_set[i].meta.target_tokens for i in indices)
-        mbs, loss_fn = self.microbatches(indices, plan), token_loss_sum
-        if not mbs:  # fewer samples than replicas: join the DP reduction with a zero contribution
-            mbs, loss_fn = [[indices[0]]], _zero_loss
-        batches = [self._collate(mb) for mb in mbs]
+        batches, routing = self._routed_microbatches(indices, plan) if plan.deferred() else ([], None)
+        loss_fn = token_loss_sum
+        if routing is None:
+            mbs = self.microbatches(indices, plan)
+            if not mbs:  # fewer samples than replicas: join the DP reduction with a zero contribution
+                mbs, loss_fn = [[indices[0]]], _zero_loss
+            batches = [self._collate(mb) for mb in mbs]
         self.stages.train()
         res = run_pipeline_step(self.stages, self.schedule_for(len(batches)), batches, global_targets, self.comm,
-                                loss_fn=loss_fn, autocast=self.autocast, llm_kwargs=self._llm_kwargs)
+                                loss_fn=loss_fn, autocast=self.autocast, llm_kwargs=self._llm_kwargs, routing=routing)
         self.last_events = res.events
+        self.encoder_buffer_peak_bytes = self._job_max(res.buffered_peak_bytes) if plan.deferred() else 0
         return res.loss, global_targets
+
+    def _routed_microbatches(self, indices: Sequence[int], plan: MicrobatchPlan
+                             ) -> tuple[list[Batch | None], FeatureRouting | None]:
+        """This replica's LLM batches (None where empty) and the routing of its encoder view; sample keys are
+        positions in ``indices``. ``([], None)`` when the replica has no sample."""
+        enc, llm = plan.microbatches[self.dp_rank], plan.llm_microbatches(self.dp_rank)
+        keep = [j for j in range(plan.num_microbatches) if enc[j] or llm[j]]
+        if not keep:
+            return [], None
+        features = {k: self._feature_rows(indices[k]) for j in keep for k in enc[j]}
+        routing = FeatureRouting(
+            tuple(self._collate([indices[k] for k in enc[j]]) if enc[j] else None for j in keep),
+            tuple(enc[j] for j in keep), tuple(llm[j] for j in keep), features,
+        )
+        return [self._collate([indices[k] for k in llm[j]]) if llm[j] else None for j in keep], routing
+
+    def _feature_rows(self, index: int) -> dict[str, int]:
+        """Projected feature rows per encoder branch of dataset sample ``index`` (its placeholder tokens)."""
+        ids = self.train_set[index].input_ids
+        return {name: int((ids == pid).sum()) for name, pid in self.model.placeholder_ids.items()}
+
+    def _job_max(self, value: int) -> int:
+        """The largest ``value`` over every rank (collective when distributed)."""
+        if not self.comm.distributed:
+            return value
+        peak = torch.tensor([value], dtype=torch.long, device=self.info.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return int(peak)
 
     def _collate(self, samples: Sequence[int]) -> Batch:
         batch = collate([self.train_set[i] for i in samples], self.processor.pad_id, pack=self.cfg.data.packing)
