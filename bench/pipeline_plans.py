@@ -31,9 +31,15 @@ trains). For 8, 16 and 32 GPUs the tables give the simulated iteration time (tru
   everywhere, evaluated with the true costs);
 - C: plait's plan (``plan_layout``).
 
+B and C search the same schedules: 1F1B, and interleaved 1F1B with ``v`` in ``--virtual-stages`` (default
+1, 2, 4) LLM chunks per LLM rank (``schedules.interleaved_1f1b``; Narayanan et al., SC'21, section 2.2.2),
+with encoders on their own ranks or one stage each on the first LLM rank (``attach_encoders``). A stays
+the Megatron-style even split under standard 1F1B.
+
 Each with its ratio to the lower bound ``24 x (total true work per microbatch) / GPUs``, its layout
-(``par``: encoder-parallel, ``col``: encoders colocated, ``mix``: stages sharing ranks), DP degree and
-stages per module; then the speedups C/A, C/A*, C/B (time of the baseline / time of C). Table 1 searches
+(``par``: encoder-parallel, ``col``: encoders colocated, ``att``: one stage per encoder on the first LLM
+rank, ``mix``: other stages sharing ranks), DP degree, stages per module (``PxV``: ``P`` LLM ranks with
+``V`` chunks each) and schedule (``1f1b``, or ``iV`` for interleaved 1F1B); then the speedups C/A, C/A*, C/B (time of the baseline / time of C). Table 1 searches
 the DP degree (divisors of the GPU count up to the microbatch count) for every method; Table 2 fixes
 DP = 1 (one pipeline over all GPUs, where only the partition and layout differ). A baseline marked ``!``
 exceeds the memory cap at every DP degree (its best-predicted plan is shown) and is left out of the
@@ -67,6 +73,7 @@ from plait.planner.simulator import P2PModel
 TEXT_TOKENS = 1024
 AUDIO_FRAMES = 1500
 MICROBATCHES = 24
+VIRTUAL_STAGES = [1, 2, 4]  # LLM chunks per LLM rank B and C may choose (1: 1F1B; more: interleaved 1F1B)
 DEVICE = DeviceSpec.h100()
 MEMORY_CAP = 0.9 * DEVICE.memory_bytes
 P2P = P2PModel(latency_s=DEVICE.link_latency, bandwidth_Bps=DEVICE.link_bandwidth)
@@ -198,12 +205,25 @@ def _encoder_share(name: str, setting: str) -> float:
 
 
 def _layout_tag(choice: LayoutChoice) -> str:
-    if choice.plan.num_ranks < choice.plan.num_stages:
+    """Layout (``par``/``col``; ``att``: one stage per encoder on the first LLM rank; ``mix``: other shared
+    ranks), DP degree, stages per module and schedule: ``1f1b``, or ``i<v>`` for interleaved 1F1B with ``v``
+    LLM chunks per rank (the LLM count is then LLM ranks x v)."""
+    plan = choice.plan
+    v = plan.virtual_stages if choice.schedule == "interleaved_1f1b" else 1
+    llm_ranks = {plan.stages[s].rank for s in plan.llm_stages}
+    attached = plan.llm_stages[0] > 0 and all(s.rank == plan.stages[plan.llm_stages[0]].rank
+                                               for s in plan.stages[: plan.llm_stages[0]])
+    if attached and len(llm_ranks) > 1:
+        tag = "att"
+    elif plan.num_ranks < plan.num_stages and v == 1:
         tag = "mix"
     else:
         tag = "par" if choice.layout == "encoder_parallel" else "col"
-    counts = "+".join(str(s) for _, s in choice.stages_per_module)
-    return f"{tag} dp{choice.dp} {counts}"
+    counts = [str(s) for _, s in choice.stages_per_module]
+    if v > 1:
+        counts[-1] = f"{s // v}x{v}" if (s := choice.stages_per_module[-1][1]) else counts[-1]
+    sched = f"i{v}" if v > 1 else "1f1b"
+    return f"{tag} dp{choice.dp} {'+'.join(counts)} {sched}"
 
 
 def _generous_megatron(units, costs, gpus: int, microbatches: int, dps: list[int]) -> LayoutChoice | None:
@@ -224,7 +244,7 @@ def _run_one(units, costs, gpus: int, microbatches: int, dp_fixed: int | None) -
     """A, A*, B and C for one model, setting and GPU count (``dp_fixed``: one DP degree for all)."""
     common = dict(microbatches=microbatches, memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK)
     dps = [dp_fixed] if dp_fixed else [d for d in range(1, min(gpus, microbatches) + 1) if gpus % d == 0]
-    search = dict(common, dp_degrees=dps)
+    search = dict(common, dp_degrees=dps, virtual_stages=VIRTUAL_STAGES, attach_encoders=True)
     out: dict[str, LayoutChoice | None] = {}
     for key, call in (("A", lambda: megatron_even_split(units, costs, gpus, dp=dp_fixed, **common)),
                       ("B", lambda: plan_layout(units, costs, gpus, frozen_aware=False, **search)),
@@ -239,9 +259,9 @@ def _run_one(units, costs, gpus: int, microbatches: int, dp_fixed: int | None) -
 
 def _cell(choice: LayoutChoice | None) -> str:
     if choice is None:
-        return f"{'(no fit)':>26}"
+        return f"{'(no fit)':>34}"
     mark = " " if choice.fits_memory else "!"
-    return f"{choice.iteration_s:7.3f}s{mark}{choice.ratio_to_lower_bound:4.2f}x {_layout_tag(choice):<12}"
+    return f"{choice.iteration_s:7.3f}s{mark}{choice.ratio_to_lower_bound:4.2f}x {_layout_tag(choice):<20}"
 
 
 def _speedup(base: LayoutChoice | None, ours: LayoutChoice | None) -> float:
@@ -254,8 +274,8 @@ def _speedup(base: LayoutChoice | None, ours: LayoutChoice | None) -> float:
 def run_table(names: list[str], gpu_counts: list[int], microbatches: int, dp_fixed: int | None) -> dict:
     """Print one side-by-side table; returns the speedups C/A, C/A*, C/B per setting."""
     speedups: dict[str, list[float]] = {}
-    header = (f"{'model':<7} {'setting':<9} {'GPUs':>4} | {'A megatron even':<26} | {'A* (dp by true)':<26} | "
-              f"{'B frozen-unaware':<26} | {'C plait':<26} |  C/A  C/A*  C/B")
+    header = (f"{'model':<7} {'setting':<9} {'GPUs':>4} | {'A megatron even':<34} | {'A* (dp by true)':<34} | "
+              f"{'B frozen-unaware':<34} | {'C plait':<34} |  C/A  C/A*  C/B")
     print(header)
     print("-" * len(header))
     for name in names:
@@ -293,7 +313,8 @@ def time_search(name: str, setting: str, gpus: int, microbatches: int, repeats: 
             start = time.perf_counter()
             try:
                 choice = plan_layout(units, costs, gpus, microbatches=microbatches, frozen_aware=aware,
-                                     memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK)
+                                     memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK,
+                                     virtual_stages=VIRTUAL_STAGES, attach_encoders=True)
             except ValueError:
                 choice = None
             times.append(time.perf_counter() - start)
@@ -314,11 +335,14 @@ def main() -> None:
                         help="global microbatches of the timed large searches")
     parser.add_argument("--search-models", nargs="+", default=["VALM-L", "VLM-S"], choices=list(MODELS))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--virtual-stages", type=int, nargs="+", default=VIRTUAL_STAGES,
+                        help="LLM chunks per LLM rank that B and C may choose (1 = 1F1B only)")
     parser.add_argument("--image", choices=("native", "resized"), default="native",
                         help="vision encoders patch the 1280x720 image (native) or see it resized to their "
                              "configured size (resized); see the module docstring")
     args = parser.parse_args()
     IMAGE_MODE["mode"] = args.image
+    VIRTUAL_STAGES[:] = args.virtual_stages
     print(f"{DEVICE.name}, cap {MEMORY_CAP / 2**30:.0f} GiB, {args.microbatches} microbatches of 1 sample "
           f"({TEXT_TOKENS} text tokens + one 1280x720 image, {args.image} (+ 30 s audio))")
     for name in args.models:

@@ -183,7 +183,7 @@ def _last_within(prefix: list[float], start: int, bound: float) -> int:
     last = len(prefix) - 1
     if bound == math.inf:
         return last
-    b = bisect_right(prefix, prefix[start] + bound, start, last + 1) - 1
+    b = max(bisect_right(prefix, prefix[start] + bound, start, last + 1) - 1, start)  # a negative bound: start
     while b > start and prefix[b] - prefix[start] > bound:
         b -= 1
     while b < last and prefix[b + 1] - prefix[start] <= bound:

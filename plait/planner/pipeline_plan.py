@@ -36,6 +36,7 @@ __all__ = [
     "PipelinePlan",
     "plan_pipeline",
     "check_plan_units",
+    "interleaved_ranks",
     "synthetic_units",
 ]
 
@@ -226,6 +227,14 @@ class PipelinePlan:
             depth += 1
         return depth
 
+    @property
+    def virtual_stages(self) -> int:
+        """Most LLM stages (model chunks) one rank holds: ``v`` of an interleaved plan, 1 otherwise."""
+        counts: dict[int, int] = {}
+        for s in self.llm_stages:
+            counts[self.stages[s].rank] = counts.get(self.stages[s].rank, 0) + 1
+        return max(counts.values())
+
     def stages_on_rank(self, rank: int) -> tuple[int, ...]:
         """Indices of the stages ``rank`` runs, in index order."""
         return tuple(s.index for s in self.stages if s.rank == rank)
@@ -405,6 +414,28 @@ def plan_pipeline(
     plan = PipelinePlan(layout=layout, stages=stages, num_microbatches=num_microbatches)
     check_plan_units(plan, units)
     return plan
+
+
+def interleaved_ranks(encoder_ranks: Sequence[int], llm_ranks: int, virtual_stages: int) -> tuple[int, ...]:
+    """Stage ranks of a plan whose ``virtual_stages * llm_ranks`` LLM stages sit cyclically on ``llm_ranks``
+    ranks (LLM stage ``j`` on rank ``e + j mod llm_ranks``, ``e = 1 + max(encoder_ranks)``, or 0 without
+    encoder stages): the placement of interleaved 1F1B (``schedules.interleaved_1f1b``). Pass the result
+    as ``plan_pipeline(..., ranks=...)`` with ``virtual_stages * llm_ranks`` LLM stages.
+
+    Args:
+        encoder_ranks: the rank of each encoder stage, in stage order (e.g. ``range(n)``).
+        llm_ranks: ``p >= 1`` ranks for the LLM; virtual_stages: ``v >= 1`` LLM chunks per rank.
+
+    Raises:
+        ValueError: on ``llm_ranks`` or ``virtual_stages`` below 1, or a negative encoder rank.
+    """
+    encoder_ranks = [int(r) for r in encoder_ranks]
+    if llm_ranks < 1 or virtual_stages < 1:
+        raise ValueError(f"llm_ranks and virtual_stages must be >= 1, got {llm_ranks}/{virtual_stages}")
+    if any(r < 0 for r in encoder_ranks):
+        raise ValueError(f"encoder_ranks must be >= 0, got {encoder_ranks}")
+    first = 1 + max(encoder_ranks, default=-1)
+    return tuple(encoder_ranks) + tuple(first + j % llm_ranks for j in range(llm_ranks * virtual_stages))
 
 
 def _group_units(units: Sequence[Unit]) -> dict[str, list[Unit]]:

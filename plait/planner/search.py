@@ -55,6 +55,15 @@ ignores frozen-ness would (REFERENCES.md section 1); memory always follows the r
 the runtime meets). The chosen plan is evaluated with the true costs. ``megatron_even_split`` is the
 Megatron-style baseline: units spread evenly by count over the pipeline ranks, encoders first.
 
+More schedules (``virtual_stages``, ``attach_encoders``): with ``v > 1`` a candidate cuts the LLM into
+``v p`` chunks cyclic over ``p`` ranks (``schedules.interleaved_1f1b``; chunks balanced per rank by
+``_Partitions.cyclic``, a heuristic); with ``attach_encoders`` every encoder is one stage on the first LLM
+rank (a frozen encoder then costs no rank of its own). These candidates get a lower bound valid for their
+schedule (``_interleaved_llm_terms``, ``_attached_stream``: per LLM rank, arrival + busy time + upstream
+backwards; memory floors from the warm-up) and, when taken, are timed on the real per-rank orders
+(``_time_orders``, the simulator's rules; tests check equality) with the per-rank memory peak checked
+against the cap. The search stays exact over these candidates given their partitions.
+
 Unit flags are recomputed from ``trainable`` by their definition (``types.Unit``): ``needs_input_grad`` =
 some unit upstream trains, where the LLM's first unit (its embedding, into whose output the encoder
 features are injected) is downstream of every encoder branch. The returned plan is built on these units.
@@ -62,6 +71,7 @@ features are injected) is downstream of every encoder branch. The returned plan 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import json
@@ -76,8 +86,24 @@ import numpy as np
 
 from plait.planner.cost_model import OptimizerSpec, unit_activation_bytes, unit_static_bytes
 from plait.planner.partitioner import partition_chain
-from plait.planner.pipeline_plan import LAYOUTS, LLM_MODULE, PipelinePlan, check_plan_units, plan_pipeline
-from plait.planner.schedules import in_flight_peaks, one_f_one_b
+from plait.planner.pipeline_plan import (
+    LAYOUTS,
+    LLM_MODULE,
+    PipelinePlan,
+    check_plan_units,
+    interleaved_ranks,
+    plan_pipeline,
+)
+from plait.planner.schedules import (
+    Action,
+    build_schedule,
+    in_flight_peaks,
+    interleaved_1f1b,
+    interleaved_chunk_order,
+    interleaved_orders,
+    interleaved_warmups,
+    runs_interleaved,
+)
 from plait.planner.simulator import (
     P2PModel,
     StageMemory,
@@ -137,6 +163,8 @@ class LayoutChoice:
         fits_memory: every rank's simulated peak is within ``memory_cap``.
         p2p: the point-to-point model used for stage transfers.
         candidates: candidates the search considered (lower-bounded); simulated: candidates timed.
+        schedule: the schedule the plan is timed with (``"1f1b"``, or ``"interleaved_1f1b"`` when LLM ranks
+            hold several chunks or the encoders sit on the first LLM rank); the runtime must run the same one.
 
     Raises:
         ValueError: when the per-stage tuples do not have one entry per stage, or an unknown method.
@@ -166,6 +194,7 @@ class LayoutChoice:
     p2p: P2PModel = P2PModel()
     candidates: int = 0
     simulated: int = 0
+    schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, PipelinePlan):
@@ -324,6 +353,7 @@ class _Model:
         self.encoders = self.modules[:-1]
         self.units = consistent_units(units)
         view = self.units if frozen_aware else consistent_units(units, all_trainable=True)
+        self.view = view
         self.forward = [c.forward_s for c in cost_list]
         self.backward = [c.backward_s(u, frozen_aware) for u, c in zip(view, cost_list)]
         self.work = [f + b for f, b in zip(self.forward, self.backward)]
@@ -377,6 +407,17 @@ class _Partitions:
             self._plain[key] = tuple((a + x, a + y) for x, y in ranges)
         return self._plain[key]
 
+    def cyclic(self, ranks: int, v: int) -> Ranges:
+        """The LLM cut into ``v * ranks`` chunks, chunk ``j`` on LLM rank ``j mod ranks``, balancing the ranks'
+        summed work: the minimum-bottleneck chunks, then single-unit boundary moves that lower the busiest
+        rank while it can be lowered (a local search: with a heavy LM head the chunk bottleneck and the
+        rank bottleneck differ). Memoised; memory is checked by the caller."""
+        key = ("cyclic", ranks, v)
+        if key not in self._capped:
+            self._capped[key] = _balance_cyclic(self.model.prefix["W"], list(self.plain(LLM_MODULE, v * ranks)),
+                                                ranks)
+        return self._capped[key]
+
     def grad_floor(self, module: str, stages: int) -> float:
         """Least possible largest stage gradient (bytes) over partitions of ``module`` into ``stages``: the
         min-max partition of its units' gradient bytes (memoised)."""
@@ -424,6 +465,51 @@ class _Partitions:
         return self._capped[key]
 
 
+def _balance_cyclic(prefix: Sequence[float], ranges: list[tuple[int, int]], ranks: int) -> Ranges:
+    """Chunks of ``[ranges[0][0], ranges[-1][1])`` (as many as ``ranges``) lowering the busiest rank's summed
+    work, chunk ``j`` on rank ``j mod ranks`` (``_Partitions.cyclic``): the better of ``ranges`` and the
+    smallest rank bound (bisection) for which ``_cyclic_from_end`` succeeds. A heuristic, not exact."""
+    def worst(candidate: Sequence[tuple[int, int]]) -> float:
+        return max(sum(prefix[b] - prefix[a] for a, b in candidate[r::ranks]) for r in range(ranks))
+
+    lo, hi = 0.0, worst(ranges)
+    found = None
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        attempt = _cyclic_from_end(prefix, ranges[0][0], ranges[-1][1], len(ranges), ranks, mid)
+        if attempt is None:
+            lo = mid
+        else:
+            hi, found = mid, attempt
+    return tuple(found) if found is not None and worst(found) < worst(ranges) else tuple(ranges)
+
+
+def _cyclic_from_end(prefix: Sequence[float], start: int, end: int, chunks: int, ranks: int,
+                     bound: float) -> list[tuple[int, int]] | None:
+    """Chunks built from the last one backwards: each takes the fewest units reaching up to an even share of
+    its rank's remaining budget (the rank's chunks still to build share ``bound`` minus its load; the
+    rank's first chunk takes all that is left), leaving one unit per earlier chunk. None when some rank
+    exceeds ``bound``. Building from the end gives the rank holding a heavy last unit (an LM head) light
+    other chunks."""
+    loads = [0.0] * ranks
+    out: list[tuple[int, int]] = []
+    for j in range(chunks - 1, -1, -1):
+        r, left = j % ranks, j // ranks + 1  # chunks of rank r still to build, this one included
+        budget = (bound - loads[r]) / left if left > 1 else bound - loads[r]
+        first = start + j  # leave one unit per earlier chunk
+        if j == 0:
+            a = start
+        else:
+            a = max(first, bisect.bisect_left(prefix, prefix[end] - budget, first, end))
+            a = min(a, end - 1)
+        loads[r] += prefix[end] - prefix[a]
+        if loads[r] > bound:
+            return None
+        out.append((a, end))
+        end = a
+    return out[::-1]
+
+
 @dataclass
 class _Stages:
     """One candidate made concrete: per stage (plan order) its unit chunks and what the search needs."""
@@ -438,6 +524,7 @@ class _Stages:
     send: list[float]
     memory: list[float]
     grad: list[float]
+    activation: list[float] = dataclasses.field(default_factory=list)
 
 
 def _in_flight(stages: int, extra_depth: int, microbatches: int) -> tuple[int, ...]:
@@ -445,13 +532,14 @@ def _in_flight(stages: int, extra_depth: int, microbatches: int) -> tuple[int, .
     return tuple(min(stages - i + extra_depth, microbatches) for i in range(stages))
 
 
-def _module_chunks(parts: _Partitions, layout: str, counts: Sequence[int], nb: int) -> list[list[Ranges]] | None:
-    """Per module (plan order), its ranges; None when memory rules a module out. Colocated encoders are
-    partitioned one by one; if together they do not fit, each is capped at its share of the cap
-    (proportional to its static + activation bytes)."""
+def _module_chunks(parts: _Partitions, layout: str, counts: Sequence[int], nb: int,
+                   llm: Ranges | None = None) -> list[list[Ranges]] | None:
+    """Per module (plan order), its ranges (the LLM's ``llm`` when given); None when memory rules a module
+    out. Colocated encoders are partitioned one by one; if together they do not fit, each is capped at its
+    share of the cap (proportional to its static + activation bytes)."""
     model = parts.model
     s_llm = counts[-1]
-    llm = parts.fitted(LLM_MODULE, s_llm, _in_flight(s_llm, 0, nb))
+    llm = llm or parts.fitted(LLM_MODULE, s_llm, _in_flight(s_llm, 0, nb))
     if llm is None:
         return None
     chunks: list[Ranges] = []
@@ -486,9 +574,9 @@ def _shared_cap_chunks(parts: _Partitions, stages: int, flights: tuple[int, ...]
 
 
 def _build_stages(parts: _Partitions, layout: str, counts: Sequence[int], nb: int,
-                  p2p: P2PModel) -> _Stages | None:
-    """The candidate's stages, or None when it does not fit memory."""
-    modules = _module_chunks(parts, layout, counts, nb)
+                  p2p: P2PModel, check_memory: bool = True, llm: Ranges | None = None) -> _Stages | None:
+    """The candidate's stages (LLM ranges ``llm`` when given), or None when it does not fit memory."""
+    modules = _module_chunks(parts, layout, counts, nb, llm)
     if modules is None:
         return None
     s_llm = counts[-1]
@@ -513,11 +601,11 @@ def _build_stages(parts: _Partitions, layout: str, counts: Sequence[int], nb: in
         groups.append([r])
         depth.append(s_llm - j)
         succ.append(len(groups) if j < s_llm - 1 else -1)
-    return _fill_stages(parts, groups, depth, succ, nb, p2p)
+    return _fill_stages(parts, groups, depth, succ, nb, p2p, check_memory)
 
 
 def _fill_stages(parts: _Partitions, groups: list[list[tuple[int, int]]], depth: list[int], succ: list[int],
-                 nb: int, p2p: P2PModel) -> _Stages | None:
+                 nb: int, p2p: P2PModel, check_memory: bool = True) -> _Stages | None:
     """Costs, flags, transfers and memory of the stage groups; None when a stage exceeds the cap."""
     preds: list[list[int]] = [[] for _ in groups]
     for s, t in enumerate(succ):
@@ -536,8 +624,9 @@ def _fill_stages(parts: _Partitions, groups: list[list[tuple[int, int]]], depth:
         stages.runs_backward.append(rb)
         stages.send.append(p2p.transfer_s(out))
         stages.memory.append(static + min(d, nb) * act)
+        stages.activation.append(act)
         stages.grad.append(grad)
-    if parts.cap is not None and max(stages.memory) > parts.cap:
+    if check_memory and parts.cap is not None and max(stages.memory) > parts.cap:
         return None
     return stages
 
@@ -670,6 +759,8 @@ class _Stream:
     bounds: np.ndarray
     counts: np.ndarray  # (candidates, modules)
     position: int = 0
+    v: int = 1  # LLM chunks per LLM rank (interleaved 1F1B when > 1); the LLM count in ``counts`` is ranks
+    attached: bool = False  # one stage per encoder, all on LLM rank 0
 
 
 def _chain_bounds(parts: _Partitions, ranges: Ranges, nb: int, p2p: P2PModel) -> tuple[float, ...]:
@@ -727,16 +818,17 @@ def _encoder_terms(parts: _Partitions, modules: Sequence[str], max_stages: int, 
 
 
 def _stream(parts: _Partitions, layout: str, dp: int, devices: int, microbatches: int, p2p: P2PModel,
-            link: P2PModel | None) -> _Stream | None:
-    """All candidates of (layout, dp) with their vectorised lower bound ``LB1``, sorted."""
+            link: P2PModel | None, v: int = 1) -> _Stream | None:
+    """All candidates of (layout, dp, v) with their vectorised lower bound ``LB1``, sorted. With ``v > 1``
+    the LLM entry of a candidate is its LLM rank count ``p`` (``v p`` LLM stages, interleaved 1F1B)."""
     model = parts.model
     nb, pipe = -(-microbatches // dp), devices // dp
     k = len(model.encoders)
     enc_ranks = k if layout == "encoder_parallel" else min(k, 1)
-    if pipe < enc_ranks + 1:
+    max_llm = min(model.size(LLM_MODULE) // v, pipe - enc_ranks)
+    if pipe < enc_ranks + 1 or max_llm < (2 if v > 1 else 1):
         return None
-    max_llm = min(model.size(LLM_MODULE), pipe - enc_ranks)
-    llm = _llm_terms(parts, nb, max_llm, p2p)
+    llm = _llm_terms(parts, nb, max_llm, p2p) if v == 1 else _interleaved_llm_terms(parts, nb, max_llm, v, p2p)
     if not k:
         grids, lb = [np.arange(1, max_llm + 1)], np.maximum(llm[0], llm[1])
     else:
@@ -747,7 +839,38 @@ def _stream(parts: _Partitions, layout: str, dp: int, devices: int, microbatches
     keep = (counts.sum(axis=1) <= pipe) & np.isfinite(lb)
     counts, lb = counts[keep], lb[keep]
     order = np.lexsort((counts.sum(axis=1), lb))
-    return _Stream(layout, dp, nb, lb[order], counts[order])
+    return _Stream(layout, dp, nb, lb[order], counts[order], v=v)
+
+
+def _interleaved_llm_terms(parts: _Partitions, nb: int, max_ranks: int, v: int,
+                           p2p: P2PModel) -> tuple[np.ndarray, ...]:
+    """``_llm_terms`` for an LLM of ``v p`` stages cyclically on ``p = 1..max_ranks`` ranks (inf for
+    ``p = 1`` and where even one microbatch per rank exceeds the memory cap). Per LLM rank ``i`` the bound
+    is valid for any schedule whose last action on the rank is the backward of its first chunk (the
+    ``interleaved_1f1b`` order): microbatch 0 reaches the rank (forwards and transfers of the LLM stages
+    before it), the rank is busy ``nb`` x its chunks' work, then the upstream LLM stages' backwards follow."""
+    terms = np.full((4, max_ranks), math.inf)
+    for p in range(2, max_ranks + 1):
+        sums = [parts.chunk(a, b) for a, b in parts.cyclic(p, v)]
+        f, b, rb = [c[0] for c in sums], [c[1] for c in sums], [c[2] for c in sums]
+        send = [p2p.transfer_s(c[3]) for c in sums]
+        if parts.cap is not None and max(_interleaved_memory_floor(sums, p, v, nb)) > parts.cap:
+            continue
+        first_b = _first_backward_starts(f, b, rb, send, p, v, nb)
+        back, fwd, arrive, tail = [], [], 0.0, 0.0
+        for i in range(p):
+            work = nb * sum(f[j] + b[j] for j in range(i, v * p, p))
+            busy = arrive + work
+            if first_b[i] is not None:  # the order's warm-up: rank i's first B waits for a round trip
+                warm, start_b = first_b[i]
+                busy = max(busy, max(start_b, arrive + warm) + work - warm)
+            (back if rb[i] else fwd).append(busy + tail)
+            arrive += f[i] + send[i]
+            tail += send[i] + b[i] if rb[i] else 0.0
+        path = sum(f) + sum(b) + sum(send[:-1]) + sum(t for t, r in zip(send[:-1], rb[:-1]) if r)
+        grad = max(sum(c[6] for c in sums[i::p]) for i in range(p))
+        terms[:, p - 1] = (max(back, default=-math.inf), max(fwd, default=-math.inf), path, grad)
+    return tuple(terms)
 
 
 def _sync_bounds(parts: _Partitions, layout: str, grids: list[np.ndarray], dp: int, link: P2PModel | None,
@@ -805,6 +928,8 @@ class _Best:
     layout: str = ""
     dp: int = 0
     counts: tuple[int, ...] = ()
+    v: int = 1
+    attached: bool = False
 
 
 def _counts_tuple(model: _Model, layout: str, row: np.ndarray) -> tuple[int, ...]:
@@ -816,7 +941,7 @@ def _counts_tuple(model: _Model, layout: str, row: np.ndarray) -> tuple[int, ...
 
 
 def _search(parts: _Partitions, streams: list[_Stream], p2p: P2PModel, link: P2PModel | None,
-            rel_tol: float) -> tuple[_Best, int, int]:
+            rel_tol: float, budget: int = 10**9) -> tuple[_Best, int, int]:
     """Branch and bound over the streams (module docstring). Returns the best, candidates considered and
     candidates simulated."""
     heap: list[tuple] = []
@@ -837,6 +962,19 @@ def _search(parts: _Partitions, streams: list[_Stream], p2p: P2PModel, link: P2P
                 heapq.heappush(heap, (float(stream.bounds[stream.position]), 0, seq, 0, index, None))
                 seq += 1
             considered += 1
+            if stream.v > 1 or stream.attached:  # timed at once on the real orders (no second bound)
+                if budget <= 0:
+                    continue
+                budget -= 1
+                found = _interleaved_candidate(parts, stream, counts, p2p, link)
+                timed += 1
+                ranks = counts[-1] if stream.attached else sum(counts)
+                if found is not None:
+                    key = (found[0], ranks * stream.dp, stream.v, stream.layout, counts, stream.attached)
+                    if best.stages is None or key < (best.time, *best.key):
+                        best = _Best(found[0], key[1:], found[1], stream.layout, stream.dp, counts, stream.v,
+                                     stream.attached)
+                continue
             st = _build_stages(parts, stream.layout, counts, stream.nb, p2p)
             if st is not None:
                 tight = max(bound, max(_stage_bounds(st, stream.nb)) + _sync_s(st, stream.dp, link))
@@ -846,10 +984,196 @@ def _search(parts: _Partitions, streams: list[_Stream], p2p: P2PModel, link: P2P
         counts, st = payload
         timed += 1
         total = _fast_makespan(st, stream.nb) + _sync_s(st, stream.dp, link)
-        key = (total, used, stream.layout, counts)
+        key = (total, used, 1, stream.layout, counts, False)
         if best.stages is None or key < (best.time, *best.key):
-            best = _Best(total, (used, stream.layout, counts), st, stream.layout, stream.dp, counts)
+            best = _Best(total, key[1:], st, stream.layout, stream.dp, counts)
     return best, considered, timed
+
+
+# --------------------------------------------------------------------------------------------------
+# Interleaved candidates (several LLM chunks per rank): timed on the real schedule order
+
+
+def _attached_stream(parts: _Partitions, dp: int, devices: int, microbatches: int, p2p: P2PModel,
+                     v: int) -> _Stream | None:
+    """Candidates with every encoder one stage on LLM rank 0 and the LLM on ``p = 2..`` ranks (``v`` chunks
+    each), sorted by a lower bound valid for any schedule: per LLM rank, microbatch 0's arrival (the
+    encoders' forwards run on rank 0 first), ``nb`` x its work (rank 0: with the encoders'), then the
+    upstream LLM backwards; and one microbatch's whole path; plus nothing for the all-reduce."""
+    model = parts.model
+    nb, pipe = -(-microbatches // dp), devices // dp
+    top = min(model.size(LLM_MODULE) // v, pipe)
+    spans = [model.span[m] for m in model.encoders]
+    enc_f = sum(model.total("F", a, b) for a, b in spans)
+    enc_w = sum(model.total("W", a, b) for a, b in spans)
+    enc_static = sum(model.total("S", a, b) + model.total("A", a, b) for a, b in spans)
+    bounds, rows = [], []
+    for p in range(2, top + 1):
+        ranges = parts.cyclic(p, v) if v > 1 else parts.fitted(LLM_MODULE, p, _in_flight(p, 0, nb))
+        if ranges is None:
+            continue
+        sums = [parts.chunk(a, b) for a, b in ranges]
+        floor = _interleaved_memory_floor(sums, p, v, nb) if v > 1 else [c[4] + c[5] for c in sums]
+        if parts.cap is not None and (floor[0] + enc_static > parts.cap or max(floor) > parts.cap):
+            continue
+        arrive, tail, worst = enc_f, 0.0, 0.0
+        for i in range(p):
+            work = sum(c[0] + c[1] for c in sums[i::p]) + (enc_w if i == 0 else 0.0)
+            worst = max(worst, (0.0 if i == 0 else arrive) + nb * work + tail)
+            arrive += sums[i][0] + p2p.transfer_s(sums[i][3])
+            tail += p2p.transfer_s(sums[i][3]) + sums[i][1] if sums[i][2] else 0.0
+        bounds.append(max(worst, sum(model.work)))
+        rows.append([1] * len(model.encoders) + [p])
+    if not rows:
+        return None
+    order = np.argsort(np.asarray(bounds), kind="stable")
+    return _Stream("encoder_parallel", dp, nb, np.asarray(bounds)[order], np.asarray(rows)[order], v=v,
+                   attached=True)
+
+
+def _first_backward_starts(f: Sequence[float], b: Sequence[float], rb: Sequence[bool], send: Sequence[float],
+                           p: int, v: int, nb: int) -> list[tuple[float, float] | None]:
+    """Per LLM rank ``i`` of ``interleaved_1f1b``: (forward seconds of the ``warm-up + 1`` forwards it runs
+    before its first backward, the earliest start of that backward ``B(stage (v-1) p + i, 0)``: microbatch
+    0's forwards through every LLM stage and backwards down to it, with transfers; both from microbatch 0
+    reaching the LLM). None where the stages after it do not all run backward."""
+    k = v * p
+    forward_end = sum(f) + sum(send[:-1])
+    warmups = interleaved_warmups(p, v, nb)
+    order = interleaved_chunk_order(nb, v, p)
+    out: list[tuple[float, float] | None] = []
+    for i in range(p):
+        s = (v - 1) * p + i
+        if not all(rb[s:]):
+            out.append(None)
+            continue
+        start = forward_end + sum(b[s + 1:]) + sum(send[s:k - 1])
+        warm = sum(f[c * p + i] for c, _ in order[: warmups[i] + 1])
+        out.append((warm, start))
+    return out
+
+
+def _interleaved_memory_floor(sums: Sequence[tuple], p: int, v: int, nb: int) -> list[float]:
+    """Per LLM rank, a floor of its peak memory under ``interleaved_1f1b``: static bytes of its chunks plus
+    the activations of its warm-up forwards and the first steady forward, all held before its first
+    backward (``sums``: ``_Partitions.chunk`` of each LLM stage)."""
+    warmups = interleaved_warmups(p, v, nb)
+    order = interleaved_chunk_order(nb, v, p)
+    out = []
+    for i in range(p):
+        held = sum(sums[c * p + i][5] for c, _ in order[: warmups[i] + 1] if sums[c * p + i][2])
+        out.append(sum(c[4] for c in sums[i::p]) + held)
+    return out
+
+
+def _candidate_ranks(n_enc: int, p: int, v: int, attached: bool) -> tuple[int, ...]:
+    """Stage ranks: encoder stages on ranks ``0..n_enc-1`` (or all on LLM rank 0 when ``attached``), then
+    ``v p`` LLM stages cyclic over ``p`` ranks."""
+    if attached:
+        return (0,) * n_enc + tuple(j % p for j in range(v * p))
+    return interleaved_ranks(range(n_enc), p, v)
+
+
+def _interleaved_candidate(parts: _Partitions, stream: _Stream, counts: tuple[int, ...], p2p: P2PModel,
+                           link: P2PModel | None) -> tuple[float, _Stages] | None:
+    """(planning-view iteration time, stages) of a candidate with ``counts[-1]`` LLM ranks holding
+    ``stream.v`` chunks each (``interleaved_1f1b``, which is 1F1B when ``v = 1``), its encoder stages on their own
+    ranks or, for ``stream.attached``, on LLM rank 0; None when it does not fit memory (the simulated
+    per-rank peak, checked exactly)."""
+    p, v, nb = counts[-1], stream.v, stream.nb
+    llm = parts.cyclic(p, v) if v > 1 else parts.fitted(LLM_MODULE, p, _in_flight(p, 0, nb))
+    st = None if llm is None else _build_stages(parts, stream.layout, counts[:-1] + (v * p,), nb, p2p, False, llm)
+    if st is None:
+        return None
+    n_enc = len(st.forward) - v * p
+    if parts.cap is not None and not stream.attached and max(st.memory[:n_enc], default=0.0) > parts.cap:
+        return None
+    plan = _plan_from_chunks(parts.model, parts.model.view, stream.layout, st.chunks,
+                             _candidate_ranks(n_enc, p, v, stream.attached))
+    orders = interleaved_orders(plan, nb)
+    timing = _time_orders(plan, orders, st, nb)
+    if timing is None:  # the unchecked orders stalled: take the generator's safety net
+        timing = _time_orders(plan, interleaved_1f1b(plan, nb).actions, st, nb)
+    makespan, live = timing
+    memory = [0.0] * plan.num_ranks
+    grads = [0.0] * plan.num_ranks
+    for stage in plan.stages:
+        memory[stage.rank] += sum(parts.chunk(a, b)[4] for a, b in st.chunks[stage.index])
+        grads[stage.rank] += st.grad[stage.index]
+    if parts.cap is not None and max(m + x for m, x in zip(memory, live)) > parts.cap:
+        return None
+    return makespan + max(allreduce_s(g, stream.dp, link) for g in grads), st
+
+
+def _time_orders(plan: PipelinePlan, orders: Sequence[Sequence[Action]], st: _Stages,
+                 nb: int) -> tuple[float, list[float]] | None:
+    """Makespan (s) and per-rank peak live activation bytes of per-rank ``orders`` by the simulator's rules
+    (``simulator.simulate``: in-order ranks, transfers of ``st.send`` between ranks, none within a rank;
+    activations from a forward's start to its stage's backward's end, or its own end for a forward-only
+    stage); None when the orders stall. Tests check equality with the simulator."""
+    rank = [s.rank for s in plan.stages]
+    succ = [(plan.successors(s) or (-1,))[0] for s in range(plan.num_stages)]
+    preds = [plan.predecessors(s) for s in range(plan.num_stages)]
+    back = [s.runs_backward for s in plan.stages]
+    f_end = [[-1.0] * nb for _ in plan.stages]
+    b_end = [[-1.0] * nb for _ in plan.stages]
+    f_start = [[0.0] * nb for _ in plan.stages]
+    heads, free = [0] * len(orders), [0.0] * len(orders)
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r, actions in enumerate(orders):
+            h, clock = heads[r], free[r]
+            while h < len(actions):
+                a = actions[h]
+                s, i = a.stage, a.microbatch
+                if a.kind == "F":
+                    ready = clock
+                    for q in preds[s]:
+                        if f_end[q][i] < 0:
+                            break
+                        ready = max(ready, f_end[q][i] + (0.0 if rank[q] == r else st.send[q]))
+                    else:
+                        f_start[s][i] = ready
+                        clock = f_end[s][i] = ready + st.forward[s]
+                        h += 1
+                        continue
+                    break
+                t = succ[s]
+                ready = max(clock, f_end[s][i])
+                if t >= 0 and back[t]:
+                    if b_end[t][i] < 0:
+                        break
+                    ready = max(ready, b_end[t][i] + (0.0 if rank[t] == r else st.send[s]))
+                clock = b_end[s][i] = ready + st.backward[s]
+                h += 1
+            remaining -= h - heads[r]
+            progressed |= h > heads[r]
+            heads[r], free[r] = h, clock
+        if not progressed:
+            return None
+    return max(free), _live_peaks(plan, st, nb, f_start, f_end, b_end)
+
+
+def _live_peaks(plan: PipelinePlan, st: _Stages, nb: int, f_start: list[list[float]], f_end: list[list[float]],
+                b_end: list[list[float]]) -> list[float]:
+    """Per rank, the most activation bytes live at once (frees before allocations at equal times)."""
+    deltas: list[list[tuple[float, int, float]]] = [[] for _ in range(plan.num_ranks)]
+    for stage in plan.stages:
+        s = stage.index
+        nbytes = st.activation[s]
+        ends = b_end[s] if stage.runs_backward else f_end[s]
+        for i in range(nb):
+            deltas[stage.rank].append((f_start[s][i], 1, nbytes))
+            deltas[stage.rank].append((ends[i], 0, -nbytes))
+    peaks = []
+    for rank_deltas in deltas:
+        live = peak = 0.0
+        for _, _, delta in sorted(rank_deltas):
+            live += delta
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
 
 
 # --------------------------------------------------------------------------------------------------
@@ -898,8 +1222,12 @@ def plan_layout(
     rel_tol: float = 0.0,
     dtype: Any = "bfloat16",
     optimizer: OptimizerSpec = OptimizerSpec(),
+    virtual_stages: Sequence[int] = (1,),
+    attach_encoders: bool = False,
+    max_timed: int = 256,
 ) -> LayoutChoice:
-    """Search layout, stages per module and DP degree minimising the predicted iteration time.
+    """Search layout, stages per module, DP degree and LLM chunks per rank minimising the predicted
+    iteration time.
 
     Args:
         units: pipeline units, grouped by module, encoders first and the LLM (``"llm"``) last.
@@ -915,9 +1243,20 @@ def plan_layout(
         dp_degrees: DP degrees to consider (default: divisors of ``devices`` up to ``microbatches``).
         rel_tol: stop when no candidate can beat the best by more than this fraction (0: exact optimum).
         dtype, optimizer: parameter dtype and optimizer memory per trainable parameter.
+        virtual_stages: LLM chunks per LLM rank ``v`` to consider: 1 is 1F1B with one stage per rank; ``v > 1``
+            splits the LLM into ``v p`` stages cyclically on ``p >= 2`` ranks, run with
+            ``schedules.interleaved_1f1b`` (``v p`` at most the LLM's unit count). Default ``(1,)``; the
+            benchmark passes ``(1, 2, 4)``.
+        attach_encoders: also consider plans whose encoders are one stage each on the first LLM rank (the
+            rank runs an encoder forward just before the first LLM stage's, its backward just after), for
+            every LLM rank count and ``v``; the time of such a candidate is bounded by its busiest rank
+            (``_attached_stream``) and it is timed on the real schedule order.
+        max_timed: at most this many interleaved / attached candidates are timed (in increasing lower bound;
+            each costs a schedule and a timing pass); the search is exact over them only when fewer have a
+            bound below the best time (1F1B candidates with one stage per rank are not limited).
 
     Returns:
-        The best ``LayoutChoice`` (method ``"plait"`` or ``"frozen_unaware"``).
+        The best ``LayoutChoice`` (method ``"plait"`` or ``"frozen_unaware"``; ``schedule`` says which).
 
     Raises:
         ValueError: on bad arguments (named), an unknown layout, or when no candidate fits the memory cap.
@@ -926,13 +1265,20 @@ def plan_layout(
     unknown = [lay for lay in layouts if lay not in LAYOUTS]
     if unknown or not layouts:
         raise ValueError(f"layouts must be a non-empty subset of {LAYOUTS}, got {list(layouts)}")
+    if not virtual_stages or any(int(v) != v or v < 1 for v in virtual_stages):
+        raise ValueError(f"virtual_stages must be a non-empty list of integers >= 1, got {list(virtual_stages)}")
     p2p = p2p or P2PModel()
     model = _Model(units, costs, frozen_aware, dtype, optimizer)
     parts = _Partitions(model, memory_cap)
     chosen_layouts = list(dict.fromkeys(layouts)) if model.encoders else [layouts[0]]
-    streams = [s for lay in chosen_layouts for d in _dp_candidates(devices, microbatches, dp_degrees)
-               if (s := _stream(parts, lay, d, devices, microbatches, p2p, dp_link)) is not None]
-    best, considered, timed = _search(parts, streams, p2p, dp_link, rel_tol)
+    streams = [s for v in sorted({int(x) for x in virtual_stages}) for lay in chosen_layouts
+               for d in _dp_candidates(devices, microbatches, dp_degrees)
+               if (s := _stream(parts, lay, d, devices, microbatches, p2p, dp_link, v)) is not None]
+    if attach_encoders and model.encoders:
+        streams += [s for v in sorted({int(x) for x in virtual_stages})
+                    for d in _dp_candidates(devices, microbatches, dp_degrees)
+                    if (s := _attached_stream(parts, d, devices, microbatches, p2p, v)) is not None]
+    best, considered, timed = _search(parts, streams, p2p, dp_link, rel_tol, max_timed)
     common = dict(microbatches=microbatches, devices=devices, p2p=p2p, dp_link=dp_link, memory_cap=memory_cap,
                   method="plait" if frozen_aware else "frozen_unaware", dtype=dtype, optimizer=optimizer)
     single = _single_rank(model, units, costs, max(_dp_candidates(devices, microbatches, dp_degrees)), dp_link,
@@ -943,8 +1289,9 @@ def plan_layout(
         raise ValueError(f"no layout fits: every candidate for {devices} devices exceeds memory_cap={memory_cap} "
                          "bytes (or has fewer pipeline ranks than modules)")
     plan = _plan_from_stages(model, best)
+    schedule = "interleaved_1f1b" if best.v > 1 or best.attached else "1f1b"
     return evaluate_plan(plan, units, costs, dp=best.dp, planned_iteration_s=best.time, candidates=considered,
-                         simulated=timed + (single is not None), **common)
+                         simulated=timed + (single is not None), schedule=schedule, **common)
 
 
 def _single_rank(model: _Model, units: Sequence[Unit], costs: Costs, dp: int, dp_link: P2PModel | None,
@@ -963,14 +1310,25 @@ def _single_rank(model: _Model, units: Sequence[Unit], costs: Costs, dp: int, dp
 
 
 def _plan_from_stages(model: _Model, best: _Best) -> PipelinePlan:
-    """The ``PipelinePlan`` of the best candidate (splits at its chunk boundaries)."""
+    """The ``PipelinePlan`` of the best candidate (splits at its chunk boundaries; LLM chunks cyclic over
+    the LLM ranks when ``best.v > 1``)."""
+    ranks = None
+    if best.v > 1 or best.attached:
+        n_enc = len(best.stages.chunks) - best.v * best.counts[-1]
+        ranks = _candidate_ranks(n_enc, best.counts[-1], best.v, best.attached)
+    return _plan_from_chunks(model, model.units, best.layout, best.stages.chunks, ranks)
+
+
+def _plan_from_chunks(model: _Model, units: Sequence[Unit], layout: str, chunks: Sequence[Sequence[tuple[int, int]]],
+                      ranks: Sequence[int] | None = None) -> PipelinePlan:
+    """``plan_pipeline`` of ``units`` (true or planning view) split at the starts of ``chunks``."""
     starts: dict[str, list[str]] = {m: [] for m in model.modules}
-    for chunks in best.stages.chunks:
-        for a, _ in chunks:
-            unit = model.units[a]
+    for stage_chunks in chunks:
+        for a, _ in stage_chunks:
+            unit = units[a]
             if a != model.span[unit.module][0]:
                 starts[unit.module].append(unit.name)
-    return plan_pipeline(model.units, best.layout, splits=starts)
+    return plan_pipeline(units, layout, splits=starts, ranks=ranks)
 
 
 def evaluate_plan(
@@ -990,10 +1348,12 @@ def evaluate_plan(
     simulated: int = 0,
     dtype: Any = "bfloat16",
     optimizer: OptimizerSpec = OptimizerSpec(),
+    schedule: str | None = None,
 ) -> LayoutChoice:
-    """Time ``plan`` with the true frozen-aware costs: ``simulator.simulate`` on ``schedules.one_f_one_b``
-    with ``ceil(microbatches / dp)`` microbatches, plus the gradient all-reduce of each rank's trainable
-    parameters over ``dp`` replicas (after the flush; the slowest rank's).
+    """Time ``plan`` with the true frozen-aware costs: ``simulator.simulate`` on its schedule (``schedule``,
+    a ``schedules.SCHEDULE_NAMES`` entry; default ``"interleaved_1f1b"`` when ``schedules.runs_interleaved``,
+    else ``"1f1b"``) with ``ceil(microbatches / dp)`` microbatches, plus the gradient all-reduce of
+    each rank's trainable parameters over ``dp`` replicas (after the flush; the slowest rank's).
 
     Args:
         plan: a pipeline plan over ``units`` (flags as ``consistent_units``; its ``num_microbatches`` is
@@ -1020,7 +1380,8 @@ def evaluate_plan(
     cost_map = dict(zip((u.name for u in true_units), _cost_list(units, costs)))
     nb = -(-microbatches // dp)
     plan = plan.replace(num_microbatches=nb)
-    schedule = one_f_one_b(plan)
+    name = schedule or ("interleaved_1f1b" if runs_interleaved(plan) else "1f1b")
+    schedule = build_schedule(plan, name)
     action = stage_costs_from_units(plan, true_units, cost_map)
     boundary = boundary_bytes_from_units(plan, cost_map)
     memory = _stage_memory(plan, true_units, cost_map, dtype, optimizer)
@@ -1046,7 +1407,7 @@ def evaluate_plan(
         stage_activation_bytes=[memory[s].activation_bytes for s in range(n)],
         stage_memory_bytes=[memory[s].static_bytes + peaks[s] * memory[s].activation_bytes for s in range(n)],
         stage_boundary_bytes=[boundary[s] for s in range(n)], memory_cap=memory_cap, fits_memory=fits, p2p=p2p,
-        candidates=candidates, simulated=simulated,
+        candidates=candidates, simulated=simulated, schedule=name,
     )
 
 

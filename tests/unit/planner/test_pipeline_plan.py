@@ -224,3 +224,19 @@ def test_random_plans_cover_units_and_flags(case):
     else:
         assert plan.edges == tuple((i, i + 1) for i in range(plan.num_stages - 1))
     assert PipelinePlan.from_json(plan.to_json()) == plan
+
+
+def test_interleaved_ranks_and_virtual_stages():
+    from plait.planner.pipeline_plan import interleaved_ranks
+
+    assert interleaved_ranks([0, 1], 3, 2) == (0, 1, 2, 3, 4, 2, 3, 4)
+    assert interleaved_ranks([], 2, 3) == (0, 1, 0, 1, 0, 1)
+    units = synthetic_units({"vision": [False, True]}, [True] * 6)
+    plan = plan_pipeline(units, stages_per_module={"vision": 1, "llm": 6}, ranks=interleaved_ranks([0], 2, 3))
+    assert plan.virtual_stages == 3 and plan.num_ranks == 3
+    assert plan.stages_on_rank(1) == (1, 3, 5) and plan.stages_on_rank(2) == (2, 4, 6)
+    assert PipelinePlan.from_json(plan.to_json()) == plan
+    assert plan_pipeline(units, stages_per_module={"vision": 1, "llm": 2}).virtual_stages == 1
+    for bad in (([0], 0, 2), ([0], 2, 0), ([-1], 2, 2)):
+        with pytest.raises(ValueError):
+            interleaved_ranks(*bad)

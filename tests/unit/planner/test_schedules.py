@@ -360,3 +360,106 @@ def test_generators_with_shared_ranks(case, m, kind, split_defer):
     _assert_valid(schedule)
     if kind == "capped":
         assert all(p <= 2 for p in in_flight_peaks(schedule))
+
+
+# ----- interleaved 1F1B ----------------------------------------------------------------------------
+def _interleaved_chain(p, v, trainable=True, encoder=None):
+    """An LLM of ``v * p`` one-unit stages cyclic over ``p`` ranks; ``encoder``: None, ``"alone"`` (own rank
+    0) or ``"attached"`` (on the first LLM stage's rank), a frozen encoder with a trainable projector."""
+    enc = {} if encoder is None else {"vision": [False, True]}
+    units = synthetic_units(enc, [trainable] * (v * p))
+    counts = {"llm": v * p} | ({"vision": 1} if encoder else {})
+    llm = [j % p for j in range(v * p)]
+    ranks = {None: llm, "alone": [0] + [r + 1 for r in llm], "attached": [0] + llm}[encoder]
+    return plan_pipeline(units, stages_per_module=counts, ranks=ranks)
+
+
+def test_interleaved_orders_by_hand():
+    # p = 2, v = 2, M = 4: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3. Forward order per rank: chunk
+    # 0 of microbatches 0-1, chunk 1 of 0-1, chunk 0 of 2-3, chunk 1 of 2-3; backwards the same with chunks
+    # reversed; warm-up 2 (p - i - 1) + (v - 1) p = 4 on rank 0 and 2 on rank 1, then one F one B, then drain.
+    schedule = build_schedule(_interleaved_chain(2, 2), "interleaved_1f1b", 4)
+    assert schedule.actions[0] == _parse("F0.0 F0.1 F2.0 F2.1 F0.2 B2.0 F0.3 B2.1 F2.2 B0.0 F2.3 B0.1 "
+                                         "B2.2 B2.3 B0.2 B0.3")
+    assert schedule.actions[1] == _parse("F1.0 F1.1 F3.0 B3.0 F3.1 B3.1 F1.2 B1.0 F1.3 B1.1 F3.2 B3.2 "
+                                         "F3.3 B3.3 B1.2 B1.3")
+    assert schedule.name == "interleaved_1f1b" and _ref_acyclic(schedule)
+
+
+@pytest.mark.parametrize("p,v,k", [(2, 2, 1), (2, 3, 2), (3, 2, 2), (4, 2, 1), (4, 4, 3)])
+def test_interleaved_bubble_is_one_over_v(p, v, k):
+    # Megatron-LM (SC'21, 2.2.2): with M a multiple of p, per-chunk forward f and backward b and free
+    # transfers, the iteration takes M v (f + b) + (p - 1)(f + b): the 1F1B bubble divided by v.
+    from plait.planner.simulator import simulate
+
+    m, f, b = k * p, 1.0, 2.0
+    schedule = build_schedule(_interleaved_chain(p, v), "interleaved_1f1b", m)
+    costs = {(s, kind): c for s in range(v * p) for kind, c in (("F", f), ("B", b))}
+    assert simulate(schedule, costs).makespan_s == pytest.approx(m * v * (f + b) + (p - 1) * (f + b))
+    whole = plan_pipeline(synthetic_units({}, [True] * p), stages_per_module={"llm": p})
+    one = simulate(one_f_one_b(whole, m), {(s, kind): v * c for s in range(p) for kind, c in (("F", f), ("B", b))})
+    assert one.makespan_s == pytest.approx(m * v * (f + b) + (p - 1) * v * (f + b))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 4), st.integers(1, 3), st.integers(1, 10), st.sampled_from([None, "alone", "attached"]),
+       st.booleans(), st.booleans(), st.integers(0, 3))
+def test_interleaved_on_random_plans(p, v, m, encoder, trainable, split, extra_group):
+    plan = _interleaved_chain(p, v, trainable, encoder)
+    schedule = build_schedule(plan, "interleaved_1f1b", m, split_backward=split, group_size=p + extra_group)
+    _assert_valid(schedule)
+    assert plan.virtual_stages == v
+    for stage in plan.stages:  # a stage's own actions: microbatches in order, each B after its F
+        acts = schedule.stage_actions(stage.index)
+        for kind in "FBW":
+            assert [a.microbatch for a in acts if a.kind == kind] == sorted(a.microbatch for a in acts if a.kind == kind)
+
+
+@st.composite
+def interleaved_plans(draw):
+    """Random encoder branches (each stage on its own rank, or the first branch's single stage on the first
+    LLM stage's rank) and an LLM of ``v p`` stages cyclic over ``p`` ranks; random frozen flags."""
+    from plait.planner.pipeline_plan import interleaved_ranks
+
+    layout = draw(st.sampled_from(["encoder_parallel", "encoders_colocated"]))
+    n_enc = draw(st.integers(0, 2))
+    stages = [draw(st.integers(1, 2)) for _ in range(n_enc)]
+    if layout == "encoders_colocated":
+        stages = [stages[0]] * n_enc if n_enc else []
+    encoders = {f"e{k}": draw(st.lists(st.booleans(), min_size=s, max_size=s + 1)) for k, s in enumerate(stages)}
+    p, v = draw(st.integers(2, 3)), draw(st.integers(1, 3))
+    llm = draw(st.lists(st.booleans(), min_size=v * p, max_size=v * p + 2))
+    counts = {f"e{k}": s for k, s in enumerate(stages)} | {"llm": v * p}
+    enc_stages = (sum(stages) if layout == "encoder_parallel" else (stages[0] if stages else 0))
+    ranks = list(interleaved_ranks(range(enc_stages), p, v))
+    if enc_stages == 1 and draw(st.booleans()):  # attach the single encoder stage to the first LLM rank
+        ranks = [0] + [r - 1 for r in ranks[1:]]
+    return plan_pipeline(synthetic_units(encoders, llm), layout, stages_per_module=counts, ranks=ranks)
+
+
+@settings(max_examples=40, deadline=None)
+@given(interleaved_plans(), st.integers(1, 9), st.booleans())
+def test_interleaved_on_random_multimodal_plans(plan, m, split):
+    schedule = build_schedule(plan, "interleaved_1f1b", m, split_backward=split)
+    _assert_valid(schedule)
+    assert dict(enumerate(in_flight_peaks(schedule))) == _ref_peaks(schedule)
+
+
+@pytest.mark.parametrize("p,m", [(1, 3), (3, 2), (4, 7)])
+def test_interleaved_with_one_chunk_is_one_f_one_b(p, m):
+    plan = _interleaved_chain(p, 1)
+    assert build_schedule(plan, "interleaved_1f1b", m).actions == one_f_one_b(plan, m).actions
+
+
+def test_interleaved_errors():
+    plan = _interleaved_chain(2, 2)
+    with pytest.raises(ValueError, match="group_size"):
+        build_schedule(plan, "interleaved_1f1b", 4, group_size=1)
+    units = synthetic_units({}, [True] * 4)
+    ragged = plan_pipeline(units, stages_per_module={"llm": 4}, ranks=[0, 1, 1, 0])
+    with pytest.raises(ValueError, match="mod p"):
+        build_schedule(ragged, "interleaved_1f1b", 4)
+    enc = synthetic_units({"vision": [True]}, [True] * 4)
+    shared = plan_pipeline(enc, stages_per_module={"vision": 1, "llm": 4}, ranks=[1, 0, 1, 0, 1])
+    with pytest.raises(ValueError, match="shares LLM rank"):
+        build_schedule(shared, "interleaved_1f1b", 4)

@@ -3,6 +3,7 @@ simulator; frozen-aware vs frozen-unaware; the Megatron even split by hand; boun
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -413,3 +414,82 @@ def test_plan_and_simulate_commands_on_the_demo_config(tmp_path):
         simulate_command(tmp_path / "missing.json", tmp_path)
     with pytest.raises(ValueError, match="unknown device"):
         plan_command("configs/demo.toml", 4, device="tpu")
+
+
+# ----- interleaved and attached-encoder candidates ---------------------------------------------------------
+def _big_llm_model(seed: int, encoders: int):
+    """Like ``_model`` with an 8-12 unit LLM (room for several chunks per rank) and a heavy last unit."""
+    rng = random.Random(seed)
+    spec = {name: [False] * rng.randint(0, 2) + [rng.random() < 0.7] for name in ("vision", "audio")[:encoders]}
+    llm = [rng.random() < 0.3 for _ in range(rng.randint(8, 12))]
+    units = synthetic_units(spec, llm)
+    costs = [UnitCost(rng.randint(1, 16) / 8, rng.randint(0, 16) / 8, rng.randint(0, 16) / 8,
+                      param_bytes=rng.randint(0, 64), activation_bytes=rng.randint(0, 16),
+                      output_bytes=rng.randint(0, 32)) for _ in units]
+    costs[-1] = dataclasses.replace(costs[-1], forward_s=3.0)
+    return units, costs
+
+
+def test_interleaved_and_attached_candidates_bounded_and_timed_like_the_simulator():
+    from plait.planner.schedules import build_schedule
+
+    for seed in range(4):
+        units, costs = _big_llm_model(seed, 1 + seed % 2)
+        p2p, link = P2PModel(0.125, 64.0), P2PModel(0.0625, 32.0)
+        model = search_module._Model(units, costs, True, "bfloat16", search_module.OptimizerSpec())
+        parts = search_module._Partitions(model, None)
+        true_map = {u.name: c for u, c in zip(model.units, costs)}
+        for v, attached, dp in itertools.product((1, 2, 3), (False, True), (1, 2)):
+            if attached:
+                stream = search_module._attached_stream(parts, dp, 8, 6, p2p, v)
+            else:
+                stream = search_module._stream(parts, "encoder_parallel", dp, 8, 6, p2p, link, v)
+            if stream is None or (v == 1 and not attached):
+                continue
+            for row, bound in zip(stream.counts, stream.bounds):
+                counts = search_module._counts_tuple(model, stream.layout, row)
+                total, stages = search_module._interleaved_candidate(parts, stream, counts, p2p, link)
+                assert bound <= total + 1e-9
+                best = search_module._Best(stages=stages, layout=stream.layout, counts=counts, v=v, attached=attached)
+                plan = search_module._plan_from_stages(model, best).replace(num_microbatches=stream.nb)
+                assert plan.virtual_stages == v and plan.num_ranks == counts[-1] + (0 if attached else sum(counts[:-1]))
+                name = "interleaved_1f1b" if v > 1 or attached else "1f1b"
+                sim = simulate(build_schedule(plan, name), stage_costs_from_units(plan, model.units, true_map),
+                               p2p=p2p, boundary_bytes=boundary_bytes_from_units(plan, true_map))
+                grads = [0.0] * plan.num_ranks
+                for s in plan.stages:
+                    grads[s.rank] += sum(true_map[n].param_bytes for n in s.units
+                                         if model.units[[u.name for u in model.units].index(n)].trainable)
+                assert total == pytest.approx(sim.makespan_s + max(_ring(g, dp, link) for g in grads), rel=1e-12)
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 10**6), encoders=st.integers(1, 2), devices=st.integers(2, 8),
+       microbatches=st.integers(1, 8), capped=st.booleans())
+def test_more_schedules_never_hurt_and_times_agree(seed, encoders, devices, microbatches, capped):
+    units, costs = _big_llm_model(seed, encoders)
+    cap = None
+    if capped:
+        cap = 0.5 * sum(unit_static_bytes(u, c) + 2 * unit_activation_bytes(u, c) for u, c in zip(units, costs))
+    common = dict(microbatches=microbatches, memory_cap=cap, p2p=P2PModel(0.125, 64.0))
+    try:
+        plain = plan_layout(units, costs, devices, **common)
+    except ValueError:
+        plain = None
+    wide = plan_layout(units, costs, devices, virtual_stages=(1, 2, 4), attach_encoders=True, **common) \
+        if plain is not None else None
+    if plain is None:
+        return
+    assert wide.iteration_s <= plain.iteration_s * (1 + 1e-12)
+    assert wide.planned_iteration_s == pytest.approx(wide.iteration_s, rel=1e-12)
+    assert wide.fits_memory and (cap is None or max(wide.stage_memory_bytes) <= cap or wide.plan.virtual_stages > 1)
+    shared = wide.plan.num_ranks < wide.plan.num_stages and wide.plan.num_ranks > 1
+    assert wide.schedule == ("interleaved_1f1b" if shared else "1f1b")
+    assert LayoutChoice.from_json(wide.to_json()) == wide
+
+
+def test_plan_layout_rejects_bad_virtual_stages():
+    units, costs = _big_llm_model(0, 1)
+    for bad in ((), (0,), (1.5,)):
+        with pytest.raises(ValueError, match="virtual_stages"):
+            plan_layout(units, costs, 4, microbatches=4, virtual_stages=bad)
