@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import tomllib
 import types
 import typing
@@ -148,9 +149,10 @@ def validate(cfg: JobConfig) -> None:
     t = cfg.train
     _check(t.global_batch_size >= 1, "train.global_batch_size must be >= 1")
     _check(t.microbatch_size >= 1, "train.microbatch_size must be >= 1")
-    _check(t.microbatch_size <= t.global_batch_size,
-           f"train.microbatch_size ({t.microbatch_size}) is larger than train.global_batch_size "
-           f"({t.global_batch_size}): a microbatch is a part of one global batch")
+    if t.microbatch_size > t.global_batch_size:  # legal (one microbatch per step), but say so
+        logging.getLogger(__name__).warning(
+            "train.microbatch_size (%d) is larger than train.global_batch_size (%d): every step is one microbatch "
+            "of at most %d samples", t.microbatch_size, t.global_batch_size, t.global_batch_size)
     _check(t.steps >= 0 and t.epochs > 0, "train.steps must be >= 0 and train.epochs > 0")
     _check(t.lr > 0 and 0 <= t.min_lr_ratio <= 1, "train.lr must be > 0 and train.min_lr_ratio in [0, 1]")
     _check(t.dtype in ("auto", "fp32", "bf16"), f"train.dtype must be auto, fp32 or bf16, got {t.dtype!r}")

@@ -4,8 +4,8 @@
   (``cost_model``: Hugging Face configs from the TOML ``config`` tables or local ``path`` directories,
   read with ``transformers.AutoConfig``; no weights), search the layout (``search.plan_layout``), print
   the plan as a table and write it as JSON (``LayoutChoice.to_json``).
-- ``simulate_command``: read such a JSON plan, simulate one iteration (``simulator.simulate`` on
-  ``schedules.one_f_one_b``) and write the predicted timeline as a Chrome trace and a PNG
+- ``simulate_command``: read such a JSON plan, simulate one iteration (``simulator.simulate`` on the
+  plan's schedule, ``LayoutChoice.schedule``) and write the predicted timeline as a Chrome trace and a PNG
   (``plait.train.plots``), the format measured timelines use too (../shared/DESIGN.md, principle 2).
 
 Workload assumed per microbatch (from the config, overridable): ``train.microbatch_size`` sequences of
@@ -42,7 +42,7 @@ from plait.planner.cost_model import (
 )
 from plait.planner.macrobatch import MacrobatchStats, macrobatch_stats
 from plait.planner.pipeline_plan import LAYOUTS
-from plait.planner.schedules import one_f_one_b
+from plait.planner.schedules import build_schedule
 from plait.planner.search import LayoutChoice, plan_layout
 from plait.planner.simulator import P2PModel, SimResult, StageMemory, simulate
 from plait.planner.types import Unit, UnitCost
@@ -433,7 +433,7 @@ def simulate_choice(choice: LayoutChoice) -> SimResult:
     memory = {s: StageMemory(int(choice.stage_static_bytes[s]), int(choice.stage_activation_bytes[s]))
               for s in range(plan.num_stages)}
     boundary = dict(enumerate(choice.stage_boundary_bytes))
-    schedule = one_f_one_b(plan, choice.microbatches_per_replica)
+    schedule = build_schedule(plan, choice.schedule, choice.microbatches_per_replica)  # 1F1B or interleaved
     return simulate(schedule, costs, p2p=choice.p2p, boundary_bytes=boundary, memory=memory)
 
 

@@ -407,11 +407,14 @@ class Trainer:
                 p.grad.copy_(g)
 
     def _cp_shard(self, info: MaskInfo) -> CPShard:
-        """This rank's tokens of a microbatch under the planned CP token assignment."""
-        a = self.cfg.attention
-        work = block_work(info, a.block_size)
-        assignment = plan_tokens(work, info.document_ids.shape[1], self.cp, method=self.cfg.parallel.cp_distribution,
-                                 block_size=a.block_size)
+        """This rank's tokens of a microbatch under the planned CP token assignment.
+
+        Blocks are ``attention.block_size`` tokens, smaller for a microbatch shorter than ``cp`` such blocks
+        (every CP rank needs at least one block): ``min(block_size, tokens // cp)``."""
+        tokens = info.document_ids.shape[1]
+        block = max(1, min(self.cfg.attention.block_size, tokens // self.cp))
+        work = block_work(info, block)
+        assignment = plan_tokens(work, tokens, self.cp, method=self.cfg.parallel.cp_distribution, block_size=block)
         return build_cp_shard(assignment, self.cp_rank, self.cp_group, self.info.device)
 
     def _attention_implementation(self) -> str:
