@@ -270,7 +270,7 @@ def plot_loss_curve(metrics_path: str | Path, out_path: str | Path) -> Path:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, also on short runs
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right", fontsize=8)
-    evals = [r for r in records if "eval" in r]
+    evals = [r for r in records if r.get("eval")]  # validation off: empty dicts
     if evals:
         ax2 = ax.twinx()
         for task in sorted(evals[-1]["eval"]):
