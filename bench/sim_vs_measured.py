@@ -10,8 +10,8 @@ microbatches:
    to the rank's stages (``build_rank_stages``), run ``steps`` pipeline steps (``run_pipeline_step``; the
    microbatch repeated ``M`` times), after a warm-up step. Iteration time of a step = latest end - earliest
    start over both ranks (after a barrier). The link is measured too: one-way time of a runtime-shaped
-   message (a 64-slot int64 header, then the payload) between the two ranks, for an empty and for the
-   largest boundary payload (median of ping-pongs): the simulator's ``P2PModel``.
+   message (one buffer: a 64-slot int64 header and the payload) between the two ranks, for an empty and for
+   the largest boundary payload (median of ping-pongs): the simulator's ``P2PModel``.
 3. **Predict**: ``simulator.simulate`` of the same schedule with ``profile_store.stage_action_costs`` and
    the measured link.
 
@@ -95,19 +95,17 @@ def _free_port() -> int:
 
 # ----- worker (one per rank) --------------------------------------------------------------------------------
 def _one_way_s(peer: int, nbytes: int, rounds: int) -> float:
-    """Median one-way seconds of a header + ``nbytes`` payload message (ping-pong / 2)."""
-    header = torch.zeros(HEADER_SLOTS, dtype=torch.long)
-    payload = torch.zeros(max(1, nbytes // 4))
+    """Median one-way seconds of a runtime-shaped gloo message (ping-pong / 2): one buffer of a
+    ``HEADER_SLOTS``-int64 header and ``nbytes`` of payload (the runtime's transport packs a message so)."""
+    message = torch.zeros(8 * HEADER_SLOTS + nbytes, dtype=torch.uint8)
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
         for ping in ((dist.get_rank() == 0), (dist.get_rank() != 0)):
             if ping:
-                dist.send(header, peer)
-                dist.send(payload, peer)
+                dist.send(message, peer)
             else:
-                dist.recv(header, peer)
-                dist.recv(payload, peer)
+                dist.recv(message, peer)
         times.append((time.perf_counter() - start) / 2)
     return statistics.median(times)
 

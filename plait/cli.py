@@ -168,6 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         _report_error(exc)
         return 2
+    except KeyboardInterrupt:
+        print("plait: interrupted", file=sys.stderr)
+        return 130
 
 
 def _report_error(exc: Exception) -> None:

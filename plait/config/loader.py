@@ -154,6 +154,7 @@ def validate(cfg: JobConfig) -> None:
             "train.microbatch_size (%d) is larger than train.global_batch_size (%d): every step is one microbatch "
             "of at most %d samples", t.microbatch_size, t.global_batch_size, t.global_batch_size)
     _check(t.steps >= 0 and t.epochs > 0, "train.steps must be >= 0 and train.epochs > 0")
+    _check(t.threads >= 0, f"train.threads must be >= 0 (0: torch's default), got {t.threads}")
     _check(t.lr > 0 and 0 <= t.min_lr_ratio <= 1, "train.lr must be > 0 and train.min_lr_ratio in [0, 1]")
     _check(t.dtype in ("auto", "fp32", "bf16"), f"train.dtype must be auto, fp32 or bf16, got {t.dtype!r}")
     _check(t.microbatch_policy in METHODS,
@@ -190,6 +191,9 @@ def _validate_pipeline(cfg: JobConfig) -> None:
     _check(pp.degree >= 1, f"parallel.pp.degree must be >= 1, got {pp.degree}")
     _check(pp.layout in LAYOUTS, f"parallel.pp.layout must be one of {LAYOUTS}, got {pp.layout!r}")
     _check(pp.schedule in SCHEDULE_NAMES, f"parallel.pp.schedule must be one of {SCHEDULE_NAMES}, got {pp.schedule!r}")
+    _check(pp.schedule != "interleaved_1f1b", "parallel.pp.schedule = 'interleaved_1f1b' needs several LLM stages "
+           "per pipeline rank, which [parallel.pp] cannot express yet (one stage per rank); the planner and runtime "
+           "support it (plait.planner.search, schedules.interleaved_1f1b); use '1f1b' in a job")
     _check(pp.microbatches >= 0, f"parallel.pp.microbatches must be >= 0 (0: from train.microbatch_size), "
            f"got {pp.microbatches}")
     if pp.schedule == "memory_capped_1f1b":

@@ -215,7 +215,7 @@ class CheckpointConfig:
     every: int = 0
     """Save every this many steps (0: only at the end)."""
     keep: int = 2
-    """Checkpoints kept on disk (older ones are removed)."""
+    """Checkpoints kept on disk (older ones are removed; 0 keeps all)."""
 
 
 @dataclass

@@ -6,14 +6,20 @@ plan's edges: ``F(s, m)`` receives the payload of every predecessor and sends it
 ``B(s, m)`` receives the output gradient from the successor and sends the input gradient of each branch back
 to the predecessors that run backward. Stages on the same rank hand payloads over locally.
 
-Wire format of one message (``dist.batch_isend_irecv``; sends are never waited for until the end of the
-step, as ``check_schedule``'s deadlock model requires): an int64 header of ``HEADER_SLOTS`` slots (slot 0 is
-the header's length; a longer header continues in a second message) giving, per module of the sending
-payload, the tensor count and each tensor's ndim, dtype and shape (ndim -1 for "no gradient"), then the
-tensors themselves. An absent modality is a module with zero tensors, so a branch without input in a
-microbatch still exchanges (empty) messages and nothing hangs. Messages between two ranks are matched in
-the order the sender's schedule emits them (the receiver derives that order from the schedule and
-buffers messages that arrive before they are needed), so no tags are needed (NCCL has none).
+Wire format of one message (sends are never waited for until the end of the step, as ``check_schedule``'s
+deadlock model requires): an int64 header (slot 0 is the header's length) giving, per module of the sending
+payload, the tensor count and each tensor's ndim, dtype and shape (ndim -1 for "no gradient"), then the tensors
+themselves. An absent modality is a module with zero tensors, so a branch without input in a microbatch still
+exchanges (empty) messages and nothing hangs. Messages between two ranks are matched in the order the sender's
+schedule emits them (the receiver derives that order from the schedule and buffers messages that arrive before
+they are needed), so no tags are needed (NCCL has none). On gloo (CPU) a message is one uint8 buffer (byte
+totals, header, tensors 8-byte aligned; the tensors arrive as views of it) and the receiver posts the receive of
+the next message of each channel ahead of time, into a buffer of a capacity both sides grow alike (the next power
+of two of the largest message so far; a larger message sends its rest in a second part): gloo's ``isend`` then
+finds the receive posted and writes the bytes at once, whereas a receive posted after the send waits for gloo's
+background thread on the sender, which gets no core for milliseconds while the sender computes. Other backends
+send the header (``HEADER_SLOTS`` slots, a longer one continues in a second message) and then the tensors, each
+group by one ``dist.batch_isend_irecv``.
 
 Frozen-aware execution (principle 6): a stage that runs no backward runs its forward under ``no_grad`` and
 keeps nothing; a frozen stage that needs an input gradient keeps its activations and its backward computes
@@ -50,6 +56,7 @@ lifetime of an encoder microbatch's activations grows (to the last ``B`` of its 
 from __future__ import annotations
 
 import time
+import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -123,8 +130,11 @@ class PipelineComm:
 
     @property
     def distributed(self) -> bool:
-        """True when a default process group exists (single-process runs need none)."""
-        return dist.is_available() and dist.is_initialized()
+        """True when this pipeline spans several processes (a default process group exists and there is more
+        than one pipeline rank or stage copy). A one-process comm (the default) stays local even inside a
+        distributed job, e.g. the profiler timing the runtime on rank 0 alone."""
+        spans = len(self.pp_ranks) * self.stage_replicas > 1
+        return spans and dist.is_available() and dist.is_initialized()
 
     @property
     def stage_replicas(self) -> int:
@@ -382,6 +392,67 @@ def _decode_header(modules: Sequence[str], header: Sequence[int]) -> dict[str, l
     return out
 
 
+_MIN_CAPACITY = 1 << 16  # bytes of the first pre-posted receive of a channel (gloo packed messages)
+# Per default process group: bytes a packed message may put in its pre-posted receive, per (sender, receiver)
+# global ranks. Sender and receiver grow it by the same rule from the same messages, so they always agree.
+_CAPACITY: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], int]] = weakref.WeakKeyDictionary()
+
+
+def _capacity(src: int, dst: int) -> int:
+    return _CAPACITY.setdefault(dist.group.WORLD, {}).get((src, dst), _MIN_CAPACITY)
+
+
+def _grow_capacity(src: int, dst: int, total: int) -> None:
+    """After a message of ``total`` bytes from ``src`` to ``dst``: room for it (next power of two) from now on."""
+    table = _CAPACITY.setdefault(dist.group.WORLD, {})
+    table[(src, dst)] = max(table.get((src, dst), _MIN_CAPACITY), 1 << max(0, total - 1).bit_length())
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 8) * 8
+
+
+def _pack(header: list[int], tensors: Sequence[torch.Tensor], capacity: int) -> torch.Tensor:
+    """One uint8 buffer: int64 ``[total bytes, bytes of the first part, *header]``, then each tensor's bytes
+    (8-byte aligned). The first ``min(total, capacity)`` bytes fill the receiver's pre-posted receive."""
+    head = 8 * (2 + len(header))
+    total = head + sum(_aligned(t.numel() * t.element_size()) for t in tensors)
+    buf = torch.empty(total, dtype=torch.uint8)
+    buf[:head].view(torch.int64).copy_(torch.tensor([total, min(total, capacity), *header], dtype=torch.int64))
+    offset = head
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        buf[offset : offset + nbytes].copy_(t.reshape(-1).view(torch.uint8))
+        offset += _aligned(nbytes)
+    return buf
+
+
+def _unpack(buf: torch.Tensor, modules: Sequence[str]) -> dict[str, list[torch.Tensor | None]]:
+    """The payload of a :func:`_pack` buffer: tensors are views of ``buf`` (no copy)."""
+    ints = buf[:16].view(torch.int64).tolist()
+    header_len = int(buf[16:24].view(torch.int64).item())
+    header = buf[16 : 16 + 8 * header_len].view(torch.int64).tolist()
+    offset = 16 + 8 * header_len
+    out: dict[str, list[torch.Tensor | None]] = {}
+    for module, specs in _decode_header(modules, header).items():
+        out[module] = []
+        for spec in specs:
+            if spec is None:
+                out[module].append(None)
+                continue
+            dtype, shape, grad = spec
+            t = torch.empty(shape, dtype=dtype)
+            if t.numel():
+                nbytes = t.numel() * t.element_size()
+                t = buf[offset : offset + nbytes].view(dtype).view(shape)
+                offset += _aligned(nbytes)
+            out[module].append(t.requires_grad_(grad))
+    if offset != ints[0]:
+        raise RuntimeError(f"pipeline message of {ints[0]} bytes decoded to {offset} bytes: header and payload "
+                           "disagree")
+    return out
+
+
 class _Transport:
     """Ordered P2P messages between the ranks of one pipeline (see the module docstring)."""
 
@@ -390,28 +461,45 @@ class _Transport:
         self.pending: list[tuple[Any, list[torch.Tensor]]] = []
         self.expected: dict[int, deque[_MessageKey]] = defaultdict(deque)
         self.arrived: dict[_MessageKey, dict[str, list[torch.Tensor | None]]] = {}
+        self.posted: dict[int, tuple[torch.Tensor, Any]] = {}  # packed: pipeline rank -> pre-posted receive
         for src, actions in enumerate(schedule.actions):
             for action in actions:
                 for key in _messages(self.plan, action):
                     if self.plan.stages[key[2]].rank == comm.pp_rank and src != comm.pp_rank:
                         self.expected[src].append(key)
+        self.packed = comm.device.type == "cpu" and dist.get_backend() == "gloo"
+        if self.packed:
+            for src in self.expected:
+                self._post(src)
 
     def modules_of(self, key: _MessageKey) -> tuple[str, ...]:
         """Modules of a message's payload: the sender's for activations, the receiver's for gradients."""
         return self.plan.stages[key[1] if key[0] == "F" else key[2]].modules
 
     def send(self, key: _MessageKey, payload: Mapping[str, Sequence[torch.Tensor | None]]) -> None:
-        """Post the message (header, then tensors) without waiting for it."""
+        """Post the message (header and tensors) without waiting for it."""
         peer = self.comm.pp_ranks[self.plan.stages[key[2]].rank]
         header = _encode_header(self.modules_of(key), payload)
         tensors = [t.detach().contiguous() for m in self.modules_of(key) for t in payload.get(m, []) if t is not None]
         tensors = [t for t in tensors if t.numel()]
-        buffers = self._header_buffers(header)
         self.pending = [(works, held) for works, held in self.pending if not all(w.is_completed() for w in works)]
-        for group in (buffers, tensors):
+        if self.packed:
+            groups = self._packed_parts(header, tensors, peer)
+        else:
+            groups = [self._header_buffers(header), tensors]
+        for group in groups:
             if group:
                 ops = [dist.P2POp(dist.isend, t, peer) for t in group]
                 self.pending.append((dist.batch_isend_irecv(ops), group))  # buffers live until the send is done
+
+    def _packed_parts(self, header: list[int], tensors: list[torch.Tensor], peer: int) -> list[list[torch.Tensor]]:
+        """The message as one buffer: its first part fits the receive the peer posted ahead, the rest (only
+        when the message outgrew that) follows as a second send."""
+        me = self.comm.pp_ranks[self.comm.pp_rank]
+        buf = _pack(header, tensors, _capacity(me, peer))
+        first = int(buf[8:16].view(torch.int64).item())
+        _grow_capacity(me, peer, buf.numel())
+        return [[buf[:first]], [buf[first:]] if buf.numel() > first else []]
 
     def receive(self, key: _MessageKey) -> dict[str, list[torch.Tensor | None]]:
         """The payload of message ``key``, receiving (and buffering) earlier messages of its channel first."""
@@ -420,10 +508,36 @@ class _Transport:
             if not self.expected[src]:
                 raise RuntimeError(f"pipeline rank {self.comm.pp_rank}: message {key} is not expected from rank {src}")
             nxt = self.expected[src].popleft()
-            self.arrived[nxt] = self._receive_one(nxt, self.comm.pp_ranks[src])
+            receive = self._receive_packed if self.packed else self._receive_one
+            self.arrived[nxt] = receive(nxt, src)
         return self.arrived.pop(key)
 
-    def _receive_one(self, key: _MessageKey, peer: int) -> dict[str, list[torch.Tensor | None]]:
+    def _post(self, src: int) -> None:
+        """Post the receive of the next message from pipeline rank ``src`` ahead of time (packed messages): the
+        sender's ``isend`` then finds it and writes the bytes at once. A receive posted after the send would
+        have to wait for gloo's background thread on the sender, which gets no core while the sender computes
+        (milliseconds; bench/sim_vs_measured.py)."""
+        peer = self.comm.pp_ranks[src]
+        buf = torch.empty(_capacity(peer, self.comm.pp_ranks[self.comm.pp_rank]), dtype=torch.uint8)
+        self.posted[src] = (buf, dist.irecv(buf, peer))
+
+    def _receive_packed(self, key: _MessageKey, src: int) -> dict[str, list[torch.Tensor | None]]:
+        peer, me = self.comm.pp_ranks[src], self.comm.pp_ranks[self.comm.pp_rank]
+        buf, work = self.posted.pop(src)
+        work.wait()
+        total, first = buf[:16].view(torch.int64).tolist()
+        if total > first:  # the message outgrew the pre-posted receive: its rest follows
+            full = torch.empty(total, dtype=torch.uint8)
+            full[:first].copy_(buf[:first])
+            self._recv([full[first:]], peer)
+            buf = full
+        _grow_capacity(peer, me, total)
+        if self.expected[src]:
+            self._post(src)
+        return _unpack(buf[:total], self.modules_of(key))
+
+    def _receive_one(self, key: _MessageKey, src: int) -> dict[str, list[torch.Tensor | None]]:
+        peer = self.comm.pp_ranks[src]
         first = torch.zeros(HEADER_SLOTS, dtype=torch.long, device=self.comm.device)
         self._recv([first], peer)
         header = first.tolist()
@@ -458,6 +572,9 @@ class _Transport:
             for work in works:
                 work.wait()
         self.pending.clear()
+        if self.posted:
+            raise RuntimeError(f"pipeline rank {self.comm.pp_rank}: receives posted for messages never taken from "
+                               f"ranks {sorted(self.posted)}")
 
 
 def _messages(plan: Any, action: Action) -> list[_MessageKey]:

@@ -491,7 +491,9 @@ def _split_at(module: str, units: list[Unit], boundaries: Sequence[str]) -> list
     cuts = [0]
     for name in boundaries:
         if name not in position:
-            raise ValueError(f"splits[{module!r}]: {name!r} is not a unit of module {module!r}")
+            names = [u.name for u in units]
+            shown = names if len(names) <= 8 else [*names[:3], "...", *names[-3:]]
+            raise ValueError(f"splits[{module!r}]: {name!r} is not a unit of module {module!r}; its units are {shown}")
         if position[name] <= cuts[-1]:
             raise ValueError(
                 f"splits[{module!r}]: boundary {name!r} is repeated, out of order or the module's first unit"

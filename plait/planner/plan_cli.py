@@ -456,10 +456,12 @@ def simulate_command(plan_json: str | Path, out_dir: str | Path, *, out: TextIO 
         raise FileNotFoundError(f"plan file {path} does not exist")
     try:
         choice = LayoutChoice.from_json(path.read_text())
-    except (json.JSONDecodeError, TypeError) as exc:
-        raise ValueError(f"{path} is not a plait plan: {exc}") from exc
-    result = simulate_choice(choice)
+        result = simulate_choice(choice)
+    except (json.JSONDecodeError, TypeError, KeyError, IndexError) as exc:  # a field of the wrong type or shape
+        raise ValueError(f"{path} is not a valid plait plan ({type(exc).__name__}: {exc})") from exc
     folder = Path(out_dir)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--out-dir {folder} exists and is not a folder")
     trace = write_chrome_trace(result.events, folder / "timeline.json", label="predicted")
     title = f"predicted: {choice.layout}, DP {choice.dp}, {choice.microbatches_per_replica} microbatches per replica"
     png = plot_timeline(result.events, folder / "timeline.png", title=title)

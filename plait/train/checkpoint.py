@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -160,9 +161,9 @@ def load_checkpoint(
             for name, param in model.named_parameters():
                 if name in stateless:
                     optimizer.state.pop(param, None)
-    except Exception as exc:  # DCP wraps size/key mismatches in its own exception types
+    except (Exception, CheckpointException) as exc:  # DCP's own type is a BaseException
         raise ValueError(f"cannot resume from {path}: it does not match this job's model or optimizer "
-                         f"(was the model config changed?): {str(exc)[:500]}") from exc
+                         f"(was the model config changed?): {_reason(exc)}") from exc
     scheduler.load_state_dict(state["extra"]["scheduler"])
     _set_rng_state(state[key])
     return {"step": int(state["extra"]["step"]), "loader": state["extra"]["loader"]}
@@ -192,10 +193,20 @@ def load_model_state(path: str | Path, model: nn.Module) -> list[str]:
     if trainable:
         raise ValueError(f"checkpoint {path} has no value for trainable parameter(s) {trainable[:3]}: saved from "
                          "another model?")
-    with _single_process_quiet():
-        dcp.load({"model": present}, checkpoint_id=str(path), no_dist=True)
+    try:
+        with _single_process_quiet():
+            dcp.load({"model": present}, checkpoint_id=str(path), no_dist=True)
+    except (Exception, CheckpointException) as exc:  # DCP's own type is a BaseException
+        raise ValueError(f"checkpoint {path} does not fit this model (was the model config changed?): "
+                         f"{_reason(exc)}") from exc
     model.load_state_dict(present, strict=False)  # a no-op for tensors DCP filled in place
     return missing
+
+
+def _reason(exc: BaseException) -> str:
+    """The last line of an exception's text (DCP's CheckpointException carries each rank's whole traceback)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:300]
 
 
 def _prune(root: Path, keep: int) -> None:

@@ -555,7 +555,7 @@ class Trainer:
             bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             bar.update(1)
             every = self.cfg.train.eval_every
-            if (every and res.step % every == 0) or res.step == self.total_steps:
+            if self.val_set is not None and ((every and res.step % every == 0) or res.step == self.total_steps):
                 evals = self.evaluate()
                 writer.write({"step": res.step, "eval": evals})
                 if main:

@@ -53,6 +53,11 @@ def test_train_then_resume_from_the_command_line(tmp_path):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
+    resized = plait("train", "--config", job, *small[1:], "--train.steps=8", "--resume",
+                    "--model.llm.config.hidden_size=64")  # same names, other shapes: one line, no traceback
+    assert resized.returncode == 2 and "Traceback" not in resized.stderr, resized.stderr[-3000:]
+    assert "cannot resume from" in resized.stderr and "Size mismatch" in resized.stderr
+
 
 def test_errors_are_reported_without_a_traceback(tmp_path):
     job = write_job(tmp_path)
