@@ -15,6 +15,7 @@ from plait.models.hf import (
     VisionFeatureCount,
     dummy_encoder_input,
     encoder_hidden_size,
+    encoder_layout,
     feature_count_for,
 )
 from plait.models.projector import Projector
@@ -62,6 +63,10 @@ class ModalityEncoder(nn.Module):
         self.encoder = encoder
         self.projector = projector
         self.modality = modality
+        layers = len(encoder.get_submodule(encoder_layout(encoder).layers))  # hidden states: embeddings + layers
+        if not -(layers + 1) <= feature_layer <= layers:
+            raise ValueError(f"feature_layer={feature_layer} is outside this {layers}-layer encoder's hidden states "
+                             f"({-(layers + 1)}..{layers})")
         self.feature_layer = feature_layer
         self.select = select
         self.downsample = downsample

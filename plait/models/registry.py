@@ -112,9 +112,12 @@ def compose_model(cfg: ModelConfig, tokenizer: Any, weights: bool = True) -> Mul
         projector = build_projector(enc.projector, encoder_hidden_size(hf_encoder), hidden)
         hop = int(enc.processor.get("hop_length", 160))
         rate = int(enc.processor.get("sampling_rate", 16000))
-        encoders[name] = ModalityEncoder(
-            hf_encoder, projector, enc.modality, enc.feature_layer, enc.select, enc.downsample, hop, rate
-        )
+        try:
+            encoders[name] = ModalityEncoder(
+                hf_encoder, projector, enc.modality, enc.feature_layer, enc.select, enc.downsample, hop, rate
+            )
+        except ValueError as exc:
+            raise ValueError(f"model.encoders.{name}: {exc}") from exc
     return MultimodalModel(llm, encoders, _placeholder_ids(cfg, tokenizer))
 
 

@@ -86,3 +86,14 @@ def test_a_microbatch_larger_than_the_global_batch_is_reported(caplog):
     with caplog.at_level("WARNING", logger="plait.config.loader"):
         load_config(ROOT / "configs" / "demo.toml")
     assert "microbatch_size" not in caplog.text
+
+
+def test_feature_layer_outside_the_encoder_names_the_branch():
+    from plait.models.registry import build_model, load_tokenizer
+
+    cfg = load_config(ROOT / "configs" / "demo.toml", ["--model.encoders.vision.feature_layer=-5"])
+    with pytest.raises(ValueError, match=r"model.encoders.vision: feature_layer=-5 is outside this 3-layer "
+                                         r"encoder's hidden states \(-4..3\)"):
+        build_model(cfg.model, load_tokenizer(cfg.data.tokenizer), device="meta")
+    cfg = load_config(ROOT / "configs" / "demo.toml", ["--model.encoders.vision.feature_layer=-4"])
+    build_model(cfg.model, load_tokenizer(cfg.data.tokenizer), device="meta")  # the embeddings' output: valid
