@@ -62,11 +62,16 @@ class MultimodalDataset:
         rows = read_jsonl(self.path)[:max_samples]
         self.samples: list[ProcessedSample] = []
         self.skipped: list[SkippedSample] = []
+        first_seen: dict[str, str] = {}  # record id -> file:line of its first use
         for obj, where, error in tqdm(rows, desc=f"processing {self.path.name}", disable=not progress, leave=False):
             try:
                 if error is not None:
                     raise SampleError(f"{where}: {error}")
-                self.samples.append(processor(parse_record(obj, where, self.path.parent), prompt_only=prompt_only))
+                raw = parse_record(obj, where, self.path.parent)
+                if raw.id in first_seen:  # ids name samples in errors, skips and validation: they must be unique
+                    raise SampleError(f"record {raw.id!r} ({where}): the id is already used at {first_seen[raw.id]}")
+                first_seen[raw.id] = where
+                self.samples.append(processor(raw, prompt_only=prompt_only))
             except SampleError as exc:
                 if on_error == "raise":
                     raise

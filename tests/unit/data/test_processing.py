@@ -130,6 +130,16 @@ def test_skip_mode_counts_and_logs_every_bad_record(setup, tmp_path, caplog):
     assert sum("skipping sample" in r.message for r in caplog.records) == len(cases) + 1
 
 
+def test_a_repeated_record_id_is_refused_or_skipped(setup, tmp_path):
+    _, _, proc = setup
+    first, second = demo_records("train", ("image_digit",), limit=2)
+    path = write_jsonl(tmp_path / "data.jsonl", [first, {**second, "id": first["id"]}])
+    with pytest.raises(SampleError, match=rf"record '{first['id']}' \({path}:2\): the id is already used at {path}:1"):
+        MultimodalDataset(path, proc, on_error="raise")
+    ds = MultimodalDataset(path, proc, on_error="skip")
+    assert len(ds) == 1 and [s.source for s in ds.skipped] == [f"{path}:2"]
+
+
 def test_sample_without_targets_gives_zero_loss_not_nan(setup):
     _, model, proc = setup
     s = process(proc, record("text"))
