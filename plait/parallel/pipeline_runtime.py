@@ -70,6 +70,7 @@ import torch.nn.functional as F
 
 from plait.data.collate import Batch
 from plait.data.processing import IGNORE
+from plait.parallel.data_parallel import sum_gradients
 from plait.parallel.stages import Payload, PipelineStage, RankStages
 from plait.planner.pipeline_plan import LLM_MODULE
 from plait.planner.schedules import Action, Schedule, TimelineEvent, frees_activations
@@ -961,21 +962,7 @@ def _reduce_dp(params: Sequence[torch.nn.Parameter], comm: PipelineComm) -> None
     used on some copy gets zeros where it was unused."""
     if comm.stage_replicas == 1 or not params:
         return
-    copies = comm.reduce_group
-    used = torch.tensor([float(p.grad is not None) for p in params], device=comm.device)
-    dist.all_reduce(used, group=copies)
-    live = [p for p, u in zip(params, used.tolist()) if u > 0]
-    for p in live:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = defaultdict(list)
-    for p in live:
-        by_dtype[p.grad.dtype].append(p)  # type: ignore[union-attr]
-    for group in by_dtype.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in group])  # type: ignore[union-attr]
-        dist.all_reduce(flat, group=copies)
-        for p, piece in zip(group, flat.split([p.numel() for p in group])):
-            p.grad.copy_(piece.view_as(p))  # type: ignore[union-attr]
+    sum_gradients(params, comm.reduce_group, comm.device)
 
 
 def _sum_tied(stages: RankStages, comm: PipelineComm) -> None:

@@ -68,13 +68,7 @@ from plait.parallel.pipeline_runtime import (
     token_loss_sum,
 )
 from plait.parallel.stages import build_rank_stages
-from plait.planner.microbatch import (
-    MicrobatchPlan,
-    MicrobatchPolicy,
-    SampleCost,
-    plan_microbatches,
-    sample_costs_from_metadata,
-)
+from plait.planner.microbatch import MicrobatchPlan
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
 from plait.planner.schedules import Schedule, TimelineEvent, build_schedule
 from plait.train.checkpoint import checkpoint_dir, latest_checkpoint, load_model_state
@@ -166,17 +160,6 @@ class PipelineTrainer(Trainer):
             options = {"cap": pp.cap} if pp.schedule == "memory_capped_1f1b" else {}
             self._schedules[num_microbatches] = build_schedule(self.plan, pp.schedule, num_microbatches, **options)
         return self._schedules[num_microbatches]
-
-    def plan_step(self, indices: Sequence[int]) -> tuple[MicrobatchPlan, tuple[SampleCost, ...]]:
-        """:meth:`Trainer.plan_step` with deferral allowed: the pipeline runtime buffers deferred encoder outputs
-        on the first LLM stage (:class:`~plait.parallel.pipeline_runtime.FeatureRouting`). ``M`` per replica is
-        ``parallel.pp.microbatches`` (or the trainer's count). Returns the plan and the per-sample costs."""
-        t = self.cfg.train
-        costs = sample_costs_from_metadata([self.train_set[i].meta for i in indices], self.cost_coeffs)
-        per_rank = -(-len(indices) // self.dp)
-        policy = MicrobatchPolicy(method=t.microbatch_policy, dp=self.dp, seed=t.seed, allow_deferral=True,
-                                  num_microbatches=self._num_microbatches(per_rank))
-        return plan_microbatches(costs, policy, self.step), tuple(costs)
 
     def forward_backward(self, indices: Sequence[int], plan: MicrobatchPlan | None = None) -> tuple[float, int]:
         """Run this DP replica's microbatches of the global batch ``indices`` through the pipeline; gradients

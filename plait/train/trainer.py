@@ -9,7 +9,7 @@ Microbatches follow ``plan_microbatches`` (../shared/REFERENCES.md section 3), d
 encoder work runs in its encoder microbatch, its LLM work possibly in a later one. The encoder outputs are
 buffered as detached leaves until every LLM microbatch that reads them has run backward, then the gradients
 gathered on the leaves go back through the encoders (detached-leaf re-injection). Gradients are summed over
-all ranks once, after the last backward (``Trainer._reduce_gradients``), not by DDP's hooks, which would fire
+all ranks once, after the last backward (:func:`plait.parallel.data_parallel.sum_gradients`), not by DDP's hooks, which would fire
 before the deferred encoder backwards.
 """
 
@@ -28,7 +28,6 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from tqdm import tqdm
 
 from plait.attention.interface import use_plait_attention
@@ -39,7 +38,7 @@ from plait.data.collate import Batch, collate
 from plait.data.loader import GlobalBatchLoader, MultimodalDataset, rank_share
 from plait.models.multimodal import MultimodalModel
 from plait.models.registry import build_model, build_processor, load_tokenizer
-from plait.parallel.data_parallel import apply_data_parallel, unwrap
+from plait.parallel.data_parallel import apply_data_parallel, sum_gradients, unwrap
 from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
 from plait.parallel.pipeline_runtime import token_loss_sum  # one definition, re-exported here
 from plait.parallel.mesh import DistInfo, build_mesh, init_distributed
@@ -59,10 +58,6 @@ from plait.train.metrics import MetricsWriter
 __all__ = ["Trainer", "StepResult", "token_loss_sum", "build_optimizer", "build_scheduler"]
 
 log = logging.getLogger(__name__)
-
-# Gradient all-reduce bucket size (elements): bounds the temporary flat buffer of ``_reduce_gradients``.
-_BUCKET_ELEMENTS = 1 << 24
-
 
 @dataclass
 class _EncodedMicrobatch:
@@ -108,21 +103,6 @@ def _gather_features(samples: Sequence[int], sources: Sequence[_EncodedMicrobatc
             if stop > start:
                 parts[name].append(src.leaves[name][start:stop])
     return {name: torch.cat(ts) if len(ts) > 1 else ts[0] for name, ts in parts.items()}
-
-
-def _buckets(params: Sequence[torch.nn.Parameter], limit: int) -> list[list[torch.nn.Parameter]]:
-    """``params`` in order, cut into runs of one dtype/device and at most ``limit`` elements (a larger
-    parameter alone)."""
-    out: list[list[torch.nn.Parameter]] = []
-    size, key = 0, None
-    for p in params:
-        k = (p.grad.dtype, p.grad.device)
-        if not out or k != key or size + p.numel() > limit:
-            out.append([])
-            size, key = 0, k
-        out[-1].append(p)
-        size += p.numel()
-    return out
 
 
 @dataclass(frozen=True)
@@ -276,15 +256,16 @@ class Trainer:
 
         Every rank computes the same plan from the samples' metadata, seed and step, without communication.
         Plan entries are positions in ``indices``. Returns the plan and the per-sample costs it balanced.
-        Deferral (a sample's LLM work in a later microbatch than its encoder work) is allowed unless the job
-        is pipeline parallel (the pipeline runtime does not buffer encoder outputs yet).
+        Deferral (a sample's LLM work in a later microbatch than its encoder work) is allowed: this trainer
+        buffers encoder outputs as detached leaves, the pipeline runtime on the first LLM stage
+        (:class:`~plait.parallel.pipeline_runtime.FeatureRouting`).
         """
         t = self.cfg.train
         costs = sample_costs_from_metadata([self.train_set[i].meta for i in indices], self.cost_coeffs)
         per_rank = -(-len(indices) // self.dp)
         policy = MicrobatchPolicy(
             method=t.microbatch_policy, dp=self.dp, num_microbatches=self._num_microbatches(per_rank),
-            seed=t.seed, allow_deferral=self.cfg.parallel.pp.degree <= 1,
+            seed=t.seed, allow_deferral=True,
         )
         return plan_microbatches(costs, policy, self.step), costs
 
@@ -302,7 +283,7 @@ class Trainer:
         LLM microbatches as detached leaves; once every LLM microbatch that reads them has run backward, the
         gradients accumulated on the leaves are propagated through the encoder graph (detached-leaf
         re-injection), so deferred samples get the gradient of one fused forward/backward. Gradients are
-        reduced once, explicitly, after the last backward (``_reduce_gradients``): DDP's reducer would
+        reduced once, explicitly, after the last backward (``sum_gradients``): DDP's reducer would
         all-reduce at the end of the last LLM backward, before the deferred encoder backwards. A rank whose
         share is empty joins that reduction with no gradient (zeros).
         """
@@ -311,7 +292,7 @@ class Trainer:
         global_targets = sum(self.train_set[i].meta.target_tokens for i in indices)
         loss_sum, self.encoder_buffer_peak_bytes = self._run_microbatches(indices, plan, 1.0 / max(1, global_targets))
         if self.info.world_size > 1:
-            self._reduce_gradients()
+            sum_gradients([p for _, p in self.model.trainable_parameters()], device=self.info.device)
             dist.all_reduce(loss_sum)
         return float(loss_sum) / max(1, global_targets), global_targets
 
@@ -388,23 +369,6 @@ class Trainer:
         with self.autocast():
             logits = self.model(batch.input_ids, inputs, attn, positions, features=features, **kwargs)
         return token_loss_sum(logits, labels)
-
-    def _reduce_gradients(self) -> None:
-        """Sum the gradients of the trainable parameters over all ranks (DP replicas and CP ranks), in
-        buckets of at most ``_BUCKET_ELEMENTS`` elements. A parameter without gradient on every rank keeps
-        ``grad=None`` (as in one process); one with a gradient somewhere gets the sum (zeros elsewhere)."""
-        params = [p for _, p in self.model.trainable_parameters()]
-        present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.info.device)
-        dist.all_reduce(present)
-        used = [p for p, n in zip(params, present.tolist()) if n > 0]
-        for p in used:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        for bucket in _buckets(used, _BUCKET_ELEMENTS):
-            flat = _flatten_dense_tensors([p.grad for p in bucket])
-            dist.all_reduce(flat)
-            for p, g in zip(bucket, _unflatten_dense_tensors(flat, [p.grad for p in bucket])):
-                p.grad.copy_(g)
 
     def _cp_shard(self, info: MaskInfo) -> CPShard:
         """This rank's tokens of a microbatch under the planned CP token assignment.

@@ -207,17 +207,23 @@ def run_case(case: Case, world: int) -> None:
         expected_events = sum(len(a) for a in schedule.actions) if dist.get_rank() == 0 else 0
         assert len(timeline) == expected_events and all(e.end_s >= e.start_s for e in timeline), where
         needed.update(n for n, p in ref.trainable_parameters() if p.grad is not None)
-        if case.instrument:
-            _check_frozen(stages, res, where)
-        if case.clip:
-            ref_norm = float(torch.nn.utils.clip_grad_norm_([p for _, p in ref.trainable_parameters()], case.clip))
-            _close(clip_grad_norm_pipeline(stages, case.clip, comm), ref_norm, f"{where}: gradient norm")
-            _check_grads(stages, ref, where + " after clipping")
-        for o in (opt, ref_opt):
-            if o is not None:
-                o.step()
-                o.zero_grad(set_to_none=True)
+        _check_clip_and_step(stages, ref, res, case, comm, (opt, ref_opt), where)
     _check_coverage(covered, needed, case.name)
+
+
+def _check_clip_and_step(stages, ref, res, case, comm, optimizers, where: str) -> None:
+    """After one checked step: the frozen-stage instrumentation (``case.instrument``), the clipped pipeline
+    gradient norm against the reference's (``case.clip``), then both optimizers step."""
+    if case.instrument:
+        _check_frozen(stages, res, where)
+    if case.clip:
+        ref_norm = float(torch.nn.utils.clip_grad_norm_([p for _, p in ref.trainable_parameters()], case.clip))
+        _close(clip_grad_norm_pipeline(stages, case.clip, comm), ref_norm, f"{where}: gradient norm")
+        _check_grads(stages, ref, where + " after clipping")
+    for o in optimizers:
+        if o is not None:
+            o.step()
+            o.zero_grad(set_to_none=True)
 
 
 def _check_frozen(stages, res, where: str) -> None:
@@ -398,16 +404,7 @@ def run_cp_case(cp_case: CpCase, cp: int) -> bool:
         needed.update(n for n, p in ref.trainable_parameters() if p.grad is not None)
         timeline = gather_timeline(res.events, comm)  # one pipeline's events: CP rank 0 of DP replica 0
         assert len(timeline) == (sum(len(a) for a in schedule.actions) if dist.get_rank() == 0 else 0), where
-        if case.instrument:
-            _check_frozen(stages, res, where)
-        if case.clip:
-            ref_norm = float(torch.nn.utils.clip_grad_norm_([p for _, p in ref.trainable_parameters()], case.clip))
-            _close(clip_grad_norm_pipeline(stages, case.clip, comm), ref_norm, f"{where}: gradient norm")
-            _check_grads(stages, ref, where + " after clipping")
-        for o in (opt, ref_opt):
-            if o is not None:
-                o.step()
-                o.zero_grad(set_to_none=True)
+        _check_clip_and_step(stages, ref, res, case, comm, (opt, ref_opt), where)
     _check_coverage(covered, needed, case.name)
     return uneven
 
