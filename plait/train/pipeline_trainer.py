@@ -202,11 +202,6 @@ class PipelineTrainer(Trainer):
         )
         return [self._collate([indices[k] for k in llm[j]]) if llm[j] else None for j in keep], routing
 
-    def _feature_rows(self, index: int) -> dict[str, int]:
-        """Projected feature rows per encoder branch of dataset sample ``index`` (its placeholder tokens)."""
-        ids = self.train_set[index].input_ids
-        return {name: int((ids == pid).sum()) for name, pid in self.model.placeholder_ids.items()}
-
     def _job_max(self, value: int) -> int:
         """The largest ``value`` over every rank (collective when distributed)."""
         if not self.comm.distributed:

@@ -335,13 +335,17 @@ class Trainer:
         rows: dict[int, dict[str, tuple[int, int]]] = {}
         start = dict.fromkeys(outputs, 0)
         for i in samples:
-            ids = self.train_set[i].input_ids
+            counts = self._feature_rows(i)
             rows[i] = {}
             for name in outputs:
-                n = int((ids == self.model.placeholder_ids[name]).sum())
-                rows[i][name] = (start[name], start[name] + n)
-                start[name] += n
+                rows[i][name] = (start[name], start[name] + counts[name])
+                start[name] += counts[name]
         return _EncodedMicrobatch(outputs, rows, set(users))
+
+    def _feature_rows(self, index: int) -> dict[str, int]:
+        """Projected feature rows per encoder branch of dataset sample ``index`` (its placeholder tokens)."""
+        ids = self.train_set[index].input_ids
+        return {name: int((ids == pid).sum()) for name, pid in self.model.placeholder_ids.items()}
 
     def microbatch_loss(self, samples: Sequence[int], features: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Sum of token cross-entropies of an LLM microbatch (dataset indices), on this rank's share of its
