@@ -104,6 +104,7 @@ def _worker(rank: int, world: int, port: int) -> None:
             for i, assignment in enumerate(_assignments(world, info)):
                 _check_attention(rank, info, assignment, case, flex=world == 2 and i == 0)
         _check_gather_gradient(rank, world, _assignments(world, _cases()["packed"])[0])
+        dist.barrier()  # every rank's last messages delivered before any rank tears gloo down (SIGABRT seen once)
     finally:
         dist.destroy_process_group()
 
