@@ -4,14 +4,20 @@ For each layout (``encoder_parallel``: both encoder branches on pipeline rank 0,
 ``encoders_colocated``: one stage with both encoders on rank 0, the LLM on rank 1), with 1F1B over ``M``
 microbatches:
 
-1. **Profile** (one process, ``plait.train.profiler``): per-unit costs and per-module chunk overheads of the
-   demo model on one real microbatch of the demo set.
-2. **Measure** (2 processes, gloo, ``torch.set_num_threads(1)`` each): build the model on every rank, prune it
-   to the rank's stages (``build_rank_stages``), run ``steps`` pipeline steps (``run_pipeline_step``; the
-   microbatch repeated ``M`` times), after a warm-up step. Iteration time of a step = latest end - earliest
-   start over both ranks (after a barrier). The link is measured too: one-way time of a runtime-shaped
-   message (one buffer: a 64-slot int64 header and the payload) between the two ranks, for an empty and for
-   the largest boundary payload (median of ping-pongs): the simulator's ``P2PModel``.
+1. **Link** (2 processes, gloo): ping-pongs of a message packed as the runtime's transport packs it (one
+   buffer of header and payload, its receive posted ahead), empty and of the largest boundary size: the
+   host time each end spends per message (LogP's overhead ``o``: packing and posting on the sender, waiting
+   and unpacking on the receiver; main-thread CPU seconds) and the wire time ``latency + bytes / bandwidth``
+   (one-way time less both overheads). That is the simulator's ``P2PModel``.
+2. **Profile and measure, interleaved** (both ranks, ``torch.set_num_threads(1)`` each): ``rounds`` times,
+   both ranks profile the model (``plait.train.profiler``: per-unit costs, per-module chunk overheads and the
+   executor's per-action cost, on one real microbatch of the demo set), then run ``steps / rounds`` pipeline
+   steps of every layout (``run_pipeline_step`` on the rank's stages from ``build_rank_stages``; the
+   microbatch repeated ``M`` times), after one warm-up step. Iteration time of a step = latest end -
+   earliest start over both ranks (after a barrier). The profile used is the mean of all rounds' profiles
+   of both ranks. This machine is a virtual machine whose speed drifts by 10-20% over seconds (other tenants
+   of the host); profiling once before measuring made the prediction follow whatever speed the host had
+   then (ratios 0.75-1.06 over seven runs), interleaving makes the drift reach both sides alike.
 3. **Predict**: ``simulator.simulate`` of the same schedule with ``profile_store.stage_action_costs`` and
    the measured link.
 
@@ -19,8 +25,8 @@ Prints predicted vs measured (median over steps) and their ratio per layout, and
 ``<out>/<layout>.json`` (Chrome trace, predicted and measured side by side; measured = the median step) and
 ``<out>/<layout>.png``.
 
-Run: ``.venv/bin/python bench/sim_vs_measured.py [--out-dir runs/sim_vs_measured] [--steps 8] [--microbatches 4]
-[--microbatch-size 4]``.
+Run: ``.venv/bin/python bench/sim_vs_measured.py [--out-dir runs/sim_vs_measured] [--steps 12] [--rounds 4]
+[--microbatches 4] [--microbatch-size 4] [--repeats 3] [--clock thread]``.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ if str(ROOT) not in sys.path:
 
 from plait.config.loader import load_config  # noqa: E402
 from plait.models.units import model_units  # noqa: E402
-from plait.parallel.pipeline_runtime import HEADER_SLOTS, build_pipeline_comm, run_pipeline_step  # noqa: E402
+from plait.parallel.pipeline_runtime import _encode_header, _pack, _unpack, build_pipeline_comm, run_pipeline_step  # noqa: E402,E501
 from plait.parallel.stages import build_rank_stages  # noqa: E402
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline  # noqa: E402
 from plait.planner.profile_store import Profile, ProfileStore, stage_action_costs  # noqa: E402
@@ -94,28 +100,60 @@ def _free_port() -> int:
 
 
 # ----- worker (one per rank) --------------------------------------------------------------------------------
-def _one_way_s(peer: int, nbytes: int, rounds: int) -> float:
-    """Median one-way seconds of a runtime-shaped gloo message (ping-pong / 2): one buffer of a
-    ``HEADER_SLOTS``-int64 header and ``nbytes`` of payload (the runtime's transport packs a message so)."""
-    message = torch.zeros(8 * HEADER_SLOTS + nbytes, dtype=torch.uint8)
-    times = []
+@dataclass
+class _Message:
+    """Seconds of one runtime-shaped message between the two ranks: ``one_way`` wall time (half a
+    ping-pong), and this rank's host time to pack and post it (``send``) and to wait for and unpack it
+    (``recv``)."""
+
+    one_way: float
+    send: float
+    recv: float
+
+
+def _ping_pong(peer: int, nbytes: int, rounds: int) -> _Message:
+    """Median ``_Message`` over ``rounds`` ping-pongs of a message packed as the runtime's gloo transport
+    packs it (``_pack``: header and a float32 tensor of ``nbytes``), its receive posted ahead as the runtime
+    posts it; the host times are main-thread CPU seconds."""
+    payload = {"llm": [torch.zeros(max(1, nbytes // 4))]}
+    me = dist.get_rank()
+    capacity = 1 << (8 * (3 + 8) + 4 * len(payload["llm"][0]) + 64).bit_length()
+    posted = (buf := torch.empty(capacity, dtype=torch.uint8)), dist.irecv(buf, peer)
+    dist.barrier()
+    samples = []
     for _ in range(rounds):
-        start = time.perf_counter()
-        for ping in ((dist.get_rank() == 0), (dist.get_rank() != 0)):
+        start, send, recv = time.perf_counter(), 0.0, 0.0
+        for ping in ((me == 0), (me != 0)):
+            cpu = time.thread_time()
             if ping:
-                dist.send(message, peer)
+                dist.isend(_pack(_encode_header(("llm",), payload), payload["llm"], capacity), peer).wait()
+                send = time.thread_time() - cpu
             else:
-                dist.recv(message, peer)
-        times.append((time.perf_counter() - start) / 2)
-    return statistics.median(times)
+                posted[1].wait()
+                _unpack(posted[0], ("llm",))
+                posted = (buf := torch.empty(capacity, dtype=torch.uint8)), dist.irecv(buf, peer)
+                recv = time.thread_time() - cpu
+        samples.append(_Message((time.perf_counter() - start) / 2, send, recv))
+    dist.barrier()
+    dist.isend(torch.zeros(capacity, dtype=torch.uint8), peer).wait()  # completes the peer's last posted receive
+    posted[1].wait()
+    return _Message(*(statistics.median(getattr(m, f) for m in samples) for f in ("one_way", "send", "recv")))
 
 
 def _measure_link(nbytes: int) -> P2PModel:
+    """The link as the simulator's ``P2PModel``: per message a send and a receive overhead (host time, the
+    two ranks' medians averaged) and a wire time ``latency + bytes / bandwidth`` (one-way time less the
+    overheads) fitted on an empty and an ``nbytes`` message."""
     peer = 1 - dist.get_rank()
-    _one_way_s(peer, 4, 5)
-    small, big = _one_way_s(peer, 4, 30), _one_way_s(peer, nbytes, 30)
-    bandwidth = nbytes / (big - small) if big > small else None
-    return P2PModel(small, bandwidth)
+    _ping_pong(peer, 4, 5)
+    small, big = _ping_pong(peer, 4, 30), _ping_pong(peer, nbytes, 30)
+    both = [None, None]
+    dist.all_gather_object(both, (big.send, big.recv))
+    send, recv = (sum(v[i] for v in both) / 2 for i in (0, 1))
+    wire_small = max(0.0, small.one_way - small.send - small.recv)
+    wire_big = max(0.0, big.one_way - send - recv)
+    bandwidth = nbytes / (wire_big - wire_small) if wire_big > wire_small else None
+    return P2PModel(wire_small, bandwidth, send_overhead_s=send, recv_overhead_s=recv)
 
 
 def _layout_runner(layout: str, config: str, size: int, microbatches: int, comm):
@@ -128,9 +166,11 @@ def _layout_runner(layout: str, config: str, size: int, microbatches: int, comm)
 
 
 def _worker(rank: int, port: int, config: str, layouts: tuple[str, ...], steps: int, microbatches: int,
-            size: int, repeats: int, clock: str, result_dir: str) -> None:
-    """One rank: profile the model (both ranks at once, so the profile sees the run's CPU sharing), measure
-    the link, then run the layouts' steps interleaved (a warm-up step each first)."""
+            size: int, repeats: int, clock: str, rounds: int, result_dir: str) -> None:
+    """One rank: measure the link, then ``rounds`` rounds of (profile the model, run ``steps // rounds`` steps of
+    every layout), after one warm-up step per layout. Both ranks profile at once, so the profile sees the run's
+    CPU sharing; profiling between the steps makes a slow drift of the machine's speed (other tenants of the
+    host, clock changes) reach profile and measurement alike instead of whichever ran first."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
@@ -138,37 +178,46 @@ def _worker(rank: int, port: int, config: str, layouts: tuple[str, ...], steps: 
         comm = build_pipeline_comm(2)
         inputs = build_profile_inputs(load_config(config), microbatches=1, microbatch_size=size, device="cpu",
                                       clock=clock)
-        profile = measure_profile(inputs.model, inputs.microbatches, inputs.key, repeats=repeats, warmup=2,
-                                  llm_kwargs=inputs.llm_kwargs)
-        dist.barrier()
-        link = _measure_link(max(m.output_bytes for m in profile.measurements))
         runners = {layout: _layout_runner(layout, config, size, microbatches, comm) for layout in layouts}
-        out: dict = {"profile": profile.to_dict(), "link": link.to_dict(),
-                     "layouts": {layout: {"spans": [], "events": [], "cpu": []} for layout in layouts}}
-        for step in range(steps + 1):
-            for layout, (stages, schedule, mbs, inp) in runners.items():
-                dist.barrier()
-                start, cpu = time.time(), time.thread_time()
-                res = run_pipeline_step(stages, schedule, mbs, sum(b.target_tokens for b in mbs), comm,
-                                        llm_kwargs=inp.llm_kwargs)
-                end, cpu = time.time(), time.thread_time() - cpu
-                for _, p in stages.trainable_parameters():
-                    p.grad = None
-                if step:  # step 0 warms up
-                    out["layouts"][layout]["spans"].append((start, end))
-                    out["layouts"][layout]["cpu"].append(cpu)
-                    out["layouts"][layout]["events"].append([e.to_dict() for e in res.events])
+        out: dict = {"profiles": [], "layouts": {layout: {"spans": [], "events": [], "cpu": []} for layout in layouts}}
+        _run_steps(runners, comm, 1, None)  # warm-up
+        for r in range(rounds):
+            profile = measure_profile(inputs.model, inputs.microbatches, inputs.key, repeats=repeats, warmup=2,
+                                      llm_kwargs=inputs.llm_kwargs)
+            out["profiles"].append(profile.to_dict())
+            dist.barrier()
+            if r == 0:
+                out["link"] = _measure_link(max(m.output_bytes for m in profile.measurements)).to_dict()
+            _run_steps(runners, comm, steps // rounds + (r < steps % rounds), out["layouts"])
         Path(result_dir, f"rank{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
 
 
+def _run_steps(runners: dict, comm, steps: int, record: dict | None) -> None:
+    """``steps`` pipeline steps of every layout in turn; each step's span, main-thread CPU time and events go
+    to ``record[layout]`` (``None``: not recorded)."""
+    for _ in range(steps):
+        for layout, (stages, schedule, mbs, inp) in runners.items():
+            dist.barrier()
+            start, cpu = time.time(), time.thread_time()
+            res = run_pipeline_step(stages, schedule, mbs, sum(b.target_tokens for b in mbs), comm,
+                                    llm_kwargs=inp.llm_kwargs)
+            end, cpu = time.time(), time.thread_time() - cpu
+            for _, p in stages.trainable_parameters():
+                p.grad = None
+            if record is not None:
+                record[layout]["spans"].append((start, end))
+                record[layout]["cpu"].append(cpu)
+                record[layout]["events"].append([e.to_dict() for e in res.events])
+
+
 def measure(config: str, layouts: tuple[str, ...], steps: int, microbatches: int, size: int, repeats: int,
-            clock: str = "wall", limit_s: float = 240.0) -> list[dict]:
+            clock: str = "wall", rounds: int = 4, limit_s: float = 240.0) -> list[dict]:
     """Run the two workers; each rank's result dict (profile, link, per layout spans and events)."""
     with tempfile.TemporaryDirectory() as folder:
         context = mp.spawn(_worker, args=(_free_port(), config, layouts, steps, microbatches, size, repeats,
-                                          clock, folder), nprocs=2, join=False)
+                                          clock, rounds, folder), nprocs=2, join=False)
         deadline = time.monotonic() + limit_s
         while not context.join(timeout=1):
             if time.monotonic() > deadline:
@@ -216,14 +265,14 @@ def _compare(profile: Profile, layout: str, microbatches: int, ranks: list[dict]
     return Comparison(layout, result.makespan_s, median, tuple(steps), link, result, plan, events, cpu)
 
 
-def compare(config: str | Path = DEMO, *, layouts: tuple[str, ...] = LAYOUTS, steps: int = 8,
-            microbatches: int = 4, microbatch_size: int = 4, repeats: int = 5, clock: str = "wall",
+def compare(config: str | Path = DEMO, *, layouts: tuple[str, ...] = LAYOUTS, steps: int = 12,
+            microbatches: int = 4, microbatch_size: int = 4, repeats: int = 3, clock: str = "thread", rounds: int = 4,
             out_dir: str | Path | None = None) -> tuple[list[Comparison], Profile]:
     """Profile, measure and predict every layout (module docstring); writes the timelines to ``out_dir``.
     ``clock`` is the profiler's (``"thread"``: CPU time, unaffected by other processes on the cores).
-    Returns the comparisons and the profile used (mean of both ranks' profiles)."""
-    ranks = measure(str(config), layouts, steps, microbatches, microbatch_size, repeats, clock)
-    profile = mean_profile([Profile.from_dict(r["profile"]) for r in ranks])
+    Returns the comparisons and the profile used (mean of both ranks' profiles over the ``rounds``)."""
+    ranks = measure(str(config), layouts, steps, microbatches, microbatch_size, repeats, clock, rounds)
+    profile = mean_profile([Profile.from_dict(p) for r in ranks for p in r["profiles"]])
     results = [_compare(profile, layout, microbatches, ranks) for layout in layouts]
     if out_dir is not None:
         write_timelines(results, out_dir)
@@ -251,15 +300,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(DEMO))
     parser.add_argument("--out-dir", default="runs/sim_vs_measured")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--microbatch-size", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4, help="profile/measure rounds, interleaved in time")
+    parser.add_argument("--clock", choices=("wall", "thread"), default="thread",
                         help="profiler clock; thread = CPU time (for machines whose cores are shared)")
     args = parser.parse_args(argv)
     results, profile = compare(args.config, steps=args.steps, microbatches=args.microbatches,
                          microbatch_size=args.microbatch_size, repeats=args.repeats, clock=args.clock,
+                         rounds=args.rounds,
                          out_dir=args.out_dir)
     print(f"{'layout':<20} {'predicted ms':>13} {'measured ms':>12} {'ratio':>6} {'fastest':>8} {'ratio':>6}  "
           "steps ms (measured)   link")
@@ -268,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         fastest = min(c.measured_steps_s)
         print(f"{c.layout:<20} {1e3 * c.predicted_s:>13.1f} {1e3 * c.measured_s:>12.1f} {c.ratio:>6.3f} "
               f"{1e3 * fastest:>8.1f} {c.predicted_s / fastest:>6.3f}  [{steps}]  "
-              f"{1e6 * c.p2p.latency_s:.0f} us + {(c.p2p.bandwidth_Bps or 0) / 1e9:.2f} GB/s")
+              f"{1e6 * c.p2p.latency_s:.0f} us + {(c.p2p.bandwidth_Bps or 0) / 1e9:.2f} GB/s, "
+              f"o {1e6 * c.p2p.send_overhead_s:.0f}/{1e6 * c.p2p.recv_overhead_s:.0f} us")
     for c in results:
         costs = stage_action_costs(c.prediction_plan, profile)
         busy = {}

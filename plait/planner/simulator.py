@@ -7,6 +7,13 @@ take ``latency_s + bytes / bandwidth`` and overlap with compute (asynchronous se
 between two stages on the same rank they are free. For this blocking in-order model the start times are
 the longest paths of the schedule DAG (``schedules.schedule_dag``), which is what the code computes.
 
+Each cross-rank message also occupies the host of both ends for a fixed time, LogP's *overhead* ``o``
+(Culler et al., "LogP: towards a realistic model of parallel computation", PPoPP 1993, section 2):
+``P2PModel.send_overhead_s`` per message an action sends (packing and posting it) and
+``P2PModel.recv_overhead_s`` per message it receives (waiting on the posted receive and unpacking it) are
+added to the action's duration. Both default to 0; on CPU with gloo they are a few hundred microseconds
+per message, which the pipeline's ranks pay between their computations (bench/sim_vs_measured.py).
+
 Memory per rank: the static bytes of its stages plus, per stage, ``activation_bytes`` for every microbatch
 in flight (allocated when its ``F`` starts, freed when its last backward action ends: ``W`` for a
 trainable stage with a split backward, else ``B``). A forward-only stage holds a microbatch's activations
@@ -64,22 +71,28 @@ does.
 
 @dataclass(frozen=True)
 class P2PModel:
-    """Point-to-point transfer time: ``latency_s + nbytes / bandwidth_Bps``.
+    """Point-to-point transfer time ``latency_s + nbytes / bandwidth_Bps``, plus the host time each end
+    spends per message (LogP's overhead ``o``, module docstring).
 
     Attributes:
         latency_s: per-transfer latency (seconds).
         bandwidth_Bps: link bandwidth (bytes per second); ``None`` means unlimited.
+        send_overhead_s: seconds the sending rank is busy per cross-rank message it sends.
+        recv_overhead_s: seconds the receiving rank is busy per cross-rank message it receives.
 
     Raises:
-        ValueError: on a negative latency or a non-positive bandwidth.
+        ValueError: on a negative latency or overhead, or a non-positive bandwidth.
     """
 
     latency_s: float = 0.0
     bandwidth_Bps: float | None = None
+    send_overhead_s: float = 0.0
+    recv_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.latency_s < 0:
-            raise ValueError(f"P2PModel.latency_s must be >= 0, got {self.latency_s}")
+        for name in ("latency_s", "send_overhead_s", "recv_overhead_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"P2PModel.{name} must be >= 0, got {getattr(self, name)}")
         if self.bandwidth_Bps is not None and not self.bandwidth_Bps > 0:
             raise ValueError(f"P2PModel.bandwidth_Bps must be > 0 or None, got {self.bandwidth_Bps}")
 
@@ -204,8 +217,9 @@ def simulate(
             per-microbatch memory tuple is too short.
     """
     check_schedule(schedule)
-    cost_of = _cost_function(costs)
-    comm = _comm_function(schedule.plan, p2p or P2PModel(), boundary_bytes or {})
+    p2p = p2p or P2PModel()
+    cost_of = _with_message_overheads(schedule, _cost_function(costs), p2p)
+    comm = _comm_function(schedule.plan, p2p, boundary_bytes or {})
     start, end = _timing(schedule, cost_of, comm)
     events = tuple(
         TimelineEvent(rank, a.kind, a.stage, a.microbatch, start[a], end[a]) for rank, a in schedule.all_actions()
@@ -238,6 +252,28 @@ def _timing(
                 heads[rank] += 1
                 remaining -= 1
     return start, end
+
+
+def _with_message_overheads(
+    schedule: Schedule, cost_of: Callable[[Action], float], p2p: P2PModel
+) -> Callable[[Action], float]:
+    """``cost_of`` plus the LogP overheads of the cross-rank messages each action receives and sends."""
+    if not (p2p.send_overhead_s or p2p.recv_overhead_s):
+        return cost_of
+    plan = schedule.plan
+    sends: dict[Action, int] = {}
+    receives: dict[Action, int] = {}
+    for _, action in schedule.all_actions():
+        for dep in action_dependencies(plan, action):
+            if plan.stages[dep.stage].rank != plan.stages[action.stage].rank:
+                sends[dep] = sends.get(dep, 0) + 1
+                receives[action] = receives.get(action, 0) + 1
+
+    def cost(action: Action) -> float:
+        return (cost_of(action) + sends.get(action, 0) * p2p.send_overhead_s
+                + receives.get(action, 0) * p2p.recv_overhead_s)
+
+    return cost
 
 
 def _cost_function(costs: ActionCosts) -> Callable[[Action], float]:

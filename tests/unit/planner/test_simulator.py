@@ -56,6 +56,21 @@ def test_two_stage_1f1b_with_latency():
     assert result.makespan_s == 10.0
 
 
+def test_two_stage_1f1b_with_message_overheads():
+    # LogP overheads: every cross-rank message costs its sender 0.25 s and its receiver 0.125 s of host time
+    costs = {(0, "F"): 1.0, (0, "B"): 2.0, (1, "F"): 1.0, (1, "B"): 2.0}
+    p2p = P2PModel(latency_s=0.5, send_overhead_s=0.25, recv_overhead_s=0.125)
+    result = simulate(one_f_one_b(_chain(2), 2), costs, p2p=p2p)
+    assert _timeline(result) == [
+        (0, "F0.0", 0, 1.25), (0, "F0.1", 1.25, 2.5), (0, "B0.0", 5.625, 7.75), (0, "B0.1", 9, 11.125),
+        (1, "F1.0", 1.75, 2.875), (1, "B1.0", 2.875, 5.125), (1, "F1.1", 5.125, 6.25), (1, "B1.1", 6.25, 8.5),
+    ]  # fmt: skip
+    assert result.makespan_s == 11.125
+    assert result.busy_s == (6.75, 6.75)
+    with pytest.raises(ValueError, match="send_overhead_s"):
+        P2PModel(send_overhead_s=-0.1)
+
+
 def _multimodal():
     # vision: one trainable stage; audio: one frozen stage (forward only); LLM: one trainable stage
     units = synthetic_units({"vision": [True], "audio": [False]}, [True])
