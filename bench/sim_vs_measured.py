@@ -4,11 +4,11 @@ For each layout (``encoder_parallel``: both encoder branches on pipeline rank 0,
 ``encoders_colocated``: one stage with both encoders on rank 0, the LLM on rank 1), with 1F1B over ``M``
 microbatches:
 
-1. **Link** (2 processes, gloo): ping-pongs of a message packed as the runtime's transport packs it (one
-   buffer of header and payload, its receive posted ahead), empty and of the largest boundary size: the
-   host time each end spends per message (LogP's overhead ``o``: packing and posting on the sender, waiting
-   and unpacking on the receiver; main-thread CPU seconds) and the wire time ``latency + bytes / bandwidth``
-   (one-way time less both overheads). That is the simulator's ``P2PModel``.
+1. **Link** (2 processes, gloo; ``plait.parallel.link.measure_link``): ping-pongs of a message packed as the
+   runtime's transport packs it (one buffer of header and payload, its receive posted ahead), empty and of the
+   largest boundary size: the host time each end spends per message (LogP's overhead ``o``: packing and
+   posting on the sender, waiting and unpacking on the receiver; main-thread CPU seconds) and the wire time
+   ``latency + bytes / bandwidth`` (one-way time less both overheads). That is the simulator's ``P2PModel``.
 2. **Profile and measure, interleaved** (both ranks, ``torch.set_num_threads(1)`` each): ``rounds`` times,
    both ranks profile the model (``plait.train.profiler``: per-unit costs, per-module chunk overheads and the
    executor's per-action cost, on one real microbatch of the demo set), then run ``steps / rounds`` pipeline
@@ -54,7 +54,8 @@ if str(ROOT) not in sys.path:
 
 from plait.config.loader import load_config  # noqa: E402
 from plait.models.units import model_units  # noqa: E402
-from plait.parallel.pipeline_runtime import _encode_header, _pack, _unpack, build_pipeline_comm, run_pipeline_step  # noqa: E402,E501
+from plait.parallel.link import measure_link  # noqa: E402
+from plait.parallel.pipeline_runtime import build_pipeline_comm, run_pipeline_step  # noqa: E402
 from plait.parallel.stages import build_rank_stages  # noqa: E402
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline  # noqa: E402
 from plait.planner.profile_store import Profile, ProfileStore, stage_action_costs  # noqa: E402
@@ -100,62 +101,6 @@ def _free_port() -> int:
 
 
 # ----- worker (one per rank) --------------------------------------------------------------------------------
-@dataclass
-class _Message:
-    """Seconds of one runtime-shaped message between the two ranks: ``one_way`` wall time (half a
-    ping-pong), and this rank's host time to pack and post it (``send``) and to wait for and unpack it
-    (``recv``)."""
-
-    one_way: float
-    send: float
-    recv: float
-
-
-def _ping_pong(peer: int, nbytes: int, rounds: int) -> _Message:
-    """Median ``_Message`` over ``rounds`` ping-pongs of a message packed as the runtime's gloo transport
-    packs it (``_pack``: header and a float32 tensor of ``nbytes``), its receive posted ahead as the runtime
-    posts it; the host times are main-thread CPU seconds."""
-    payload = {"llm": [torch.zeros(max(1, nbytes // 4))]}
-    me = dist.get_rank()
-    capacity = 1 << (8 * (3 + 8) + 4 * len(payload["llm"][0]) + 64).bit_length()
-    posted = (buf := torch.empty(capacity, dtype=torch.uint8)), dist.irecv(buf, peer)
-    dist.barrier()
-    samples = []
-    for _ in range(rounds):
-        start, send, recv = time.perf_counter(), 0.0, 0.0
-        for ping in ((me == 0), (me != 0)):
-            cpu = time.thread_time()
-            if ping:
-                dist.isend(_pack(_encode_header(("llm",), payload), payload["llm"], capacity), peer).wait()
-                send = time.thread_time() - cpu
-            else:
-                posted[1].wait()
-                _unpack(posted[0], ("llm",))
-                posted = (buf := torch.empty(capacity, dtype=torch.uint8)), dist.irecv(buf, peer)
-                recv = time.thread_time() - cpu
-        samples.append(_Message((time.perf_counter() - start) / 2, send, recv))
-    dist.barrier()
-    dist.isend(torch.zeros(capacity, dtype=torch.uint8), peer).wait()  # completes the peer's last posted receive
-    posted[1].wait()
-    return _Message(*(statistics.median(getattr(m, f) for m in samples) for f in ("one_way", "send", "recv")))
-
-
-def _measure_link(nbytes: int) -> P2PModel:
-    """The link as the simulator's ``P2PModel``: per message a send and a receive overhead (host time, the
-    two ranks' medians averaged) and a wire time ``latency + bytes / bandwidth`` (one-way time less the
-    overheads) fitted on an empty and an ``nbytes`` message."""
-    peer = 1 - dist.get_rank()
-    _ping_pong(peer, 4, 5)
-    small, big = _ping_pong(peer, 4, 30), _ping_pong(peer, nbytes, 30)
-    both = [None, None]
-    dist.all_gather_object(both, (big.send, big.recv))
-    send, recv = (sum(v[i] for v in both) / 2 for i in (0, 1))
-    wire_small = max(0.0, small.one_way - small.send - small.recv)
-    wire_big = max(0.0, big.one_way - send - recv)
-    bandwidth = nbytes / (wire_big - wire_small) if wire_big > wire_small else None
-    return P2PModel(wire_small, bandwidth, send_overhead_s=send, recv_overhead_s=recv)
-
-
 def _layout_runner(layout: str, config: str, size: int, microbatches: int, comm):
     """This rank's stages of ``layout`` on a fresh model (``build_rank_stages`` prunes in place), its 1F1B
     schedule and the microbatches (one real microbatch repeated ``microbatches`` times)."""
@@ -187,7 +132,7 @@ def _worker(rank: int, port: int, config: str, layouts: tuple[str, ...], steps: 
             out["profiles"].append(profile.to_dict())
             dist.barrier()
             if r == 0:
-                out["link"] = _measure_link(max(m.output_bytes for m in profile.measurements)).to_dict()
+                out["link"] = measure_link(max(m.output_bytes for m in profile.measurements)).to_dict()
             _run_steps(runners, comm, steps // rounds + (r < steps % rounds), out["layouts"])
         Path(result_dir, f"rank{rank}.json").write_text(json.dumps(out))
     finally:

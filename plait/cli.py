@@ -61,9 +61,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _resolve_auto_plan(cfg, store: str):
     """``parallel.plan = "auto"``: rank 0 profiles the model (reusing a stored profile whose key matches), every
-    rank receives the profile and runs the same deterministic search, so all ranks agree on the plan."""
+    rank receives the profile, the smallest device memory cap and the link model (``auto_plan_inputs``: same on
+    every rank) and runs the same deterministic search, so all ranks agree on the plan."""
     import torch.distributed as dist
 
+    from plait.parallel.machine import auto_plan_inputs
     from plait.parallel.mesh import init_distributed
     from plait.planner.auto_plan import resolve_auto_plan
     from plait.planner.plan_cli import format_plan
@@ -75,14 +77,18 @@ def _resolve_auto_plan(cfg, store: str):
     if info.world_size > 1:
         dist.broadcast_object_list(box, src=0)
     profile = Profile.from_dict(box[0])
-    resolved, choice = resolve_auto_plan(cfg, info.world_size, profile.units, profile.costs,
+    machine = auto_plan_inputs(info.device, max((c.output_bytes for c in profile.costs), default=0))
+    resolved, choice = resolve_auto_plan(cfg, info.world_size, profile.units, profile.costs, p2p=machine.p2p,
+                                         dp_link=machine.p2p, memory_cap=machine.memory_cap_bytes,
                                          dtype=profile.key.dtype)
     if info.is_main:
         pp = resolved.parallel.pp
-        shape = (f"layout {pp.layout}, stages {pp.stages}, splits {pp.splits or 'even'}, schedule {pp.schedule}, "
+        shape = (f"layout {pp.layout}, stages {pp.stages}, splits {pp.splits or 'even'}, virtual stages "
+                 f"{pp.virtual_stages}, encoders attached {pp.attach_encoders}, schedule {pp.schedule}, "
                  f"{pp.microbatches} microbatches per replica" if pp.degree > 1 else "no pipeline parallelism")
         print(f"plait: parallel.plan=auto for {info.world_size} process(es): DP {resolved.parallel.dp} x PP "
               f"{pp.degree}, {shape}")
+        print(f"plait: auto-plan inputs: {machine.describe()}")
         print(format_plan(choice), flush=True)
     return resolved, info
 
@@ -92,7 +98,8 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
     plan_command(args.config, args.devices, args.out, overrides=overrides, device=args.device,
                  microbatches=args.microbatches, frozen_aware=not args.frozen_unaware,
-                 macrobatches=args.macrobatches)
+                 macrobatches=args.macrobatches, dp_degrees=None if args.dp is None else [args.dp],
+                 **({"virtual_stages": (1,), "attach_encoders": False} if args.one_stage_per_rank else {}))
     return 0
 
 
@@ -135,6 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument("--device", default="h100", help="device preset: h100, h200, a100 or cpu")
     plan.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: from the job)")
     plan.add_argument("--frozen-unaware", action="store_true", help="plan with backward = 2x forward everywhere")
+    plan.add_argument("--dp", type=int, default=None,
+                      help="data-parallel degree to plan for (default: searched); --dp 1 gives a [parallel.pp] table")
+    plan.add_argument("--one-stage-per-rank", action="store_true",
+                      help="only plain 1F1B plans (no interleaved 1F1B, no encoders on the first LLM rank)")
     plan.add_argument("--macrobatches", type=int, default=0,
                       help="sample N global batches from data.train: report how module totals vary and plan for "
                            "the expected batch (processes the training set; e.g. 32)")

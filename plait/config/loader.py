@@ -13,7 +13,7 @@ from typing import Any
 
 from plait.config.schema import EncoderConfig, JobConfig, PipelineConfig
 from plait.planner.microbatch import METHODS
-from plait.planner.pipeline_plan import LAYOUTS, LLM_MODULE
+from plait.planner.pipeline_plan import LAYOUTS, LLM_MODULE, stage_ranks
 from plait.planner.schedules import SCHEDULE_NAMES
 
 __all__ = ["load_config", "config_from_dict", "parse_overrides", "config_to_dict", "pipeline_stage_counts",
@@ -191,54 +191,108 @@ def _validate_pipeline(cfg: JobConfig) -> None:
     _check(pp.degree >= 1, f"parallel.pp.degree must be >= 1, got {pp.degree}")
     _check(pp.layout in LAYOUTS, f"parallel.pp.layout must be one of {LAYOUTS}, got {pp.layout!r}")
     _check(pp.schedule in SCHEDULE_NAMES, f"parallel.pp.schedule must be one of {SCHEDULE_NAMES}, got {pp.schedule!r}")
-    _check(pp.schedule != "interleaved_1f1b", "parallel.pp.schedule = 'interleaved_1f1b' needs several LLM stages "
-           "per pipeline rank, which [parallel.pp] cannot express yet (one stage per rank); the planner and runtime "
-           "support it (plait.planner.search, schedules.interleaved_1f1b); use '1f1b' in a job")
+    _check(pp.virtual_stages >= 1, f"parallel.pp.virtual_stages must be >= 1 (LLM stages per LLM rank), "
+           f"got {pp.virtual_stages}")
     _check(pp.microbatches >= 0, f"parallel.pp.microbatches must be >= 0 (0: from train.microbatch_size), "
            f"got {pp.microbatches}")
-    if pp.schedule == "memory_capped_1f1b":
-        _check(pp.cap >= 1, f"parallel.pp.cap must be >= 1 with schedule 'memory_capped_1f1b', got {pp.cap}")
-    else:
-        _check(pp.cap == 0, f"parallel.pp.cap={pp.cap} is only used by schedule 'memory_capped_1f1b'; "
-               f"the schedule is {pp.schedule!r}")
+    _validate_pipeline_schedule(pp)
     if pp.degree == 1:
         return
     if cfg.model.pretrained is None:  # a pretrained composite's branches are known only once it is loaded
         pipeline_stage_counts(pp, list(cfg.model.encoders))
 
 
+def _validate_pipeline_schedule(pp: PipelineConfig) -> None:
+    """``interleaved_1f1b`` exactly when a rank holds several stages (``virtual_stages`` > 1 or
+    ``attach_encoders``), which needs several pipeline ranks; ``cap`` only with ``memory_capped_1f1b``.
+
+    Raises:
+        ValueError: naming the offending ``parallel.pp`` field.
+    """
+    shared = pp.virtual_stages > 1 or pp.attach_encoders
+    placement = f"parallel.pp.virtual_stages={pp.virtual_stages}, attach_encoders={str(pp.attach_encoders).lower()}"
+    if pp.schedule == "interleaved_1f1b":
+        _check(shared, "parallel.pp.schedule = 'interleaved_1f1b' needs several stages per pipeline rank: set "
+               "parallel.pp.virtual_stages >= 2 (LLM stages per LLM rank) or parallel.pp.attach_encoders = true "
+               "(encoder stages on the first LLM rank); with one stage per rank use '1f1b'")
+    else:
+        _check(not shared, f"{placement} put several stages on a pipeline rank, which only parallel.pp.schedule = "
+               f"'interleaved_1f1b' runs; got {pp.schedule!r}")
+    _check(pp.degree > 1 or not shared, f"{placement} place stages on several pipeline ranks, but "
+           "parallel.pp.degree = 1 runs the whole model on one rank: raise parallel.pp.degree or leave them at 1 "
+           "and false")
+    if pp.schedule == "memory_capped_1f1b":
+        _check(pp.cap >= 1, f"parallel.pp.cap must be >= 1 with schedule 'memory_capped_1f1b', got {pp.cap}")
+    else:
+        _check(pp.cap == 0, f"parallel.pp.cap={pp.cap} is only used by schedule 'memory_capped_1f1b'; "
+               f"the schedule is {pp.schedule!r}")
+
+
 def pipeline_stage_counts(pp: PipelineConfig, encoders: typing.Sequence[str]) -> dict[str, int]:
     """Stages per module (``encoders`` in model order, then ``"llm"``) for ``parallel.pp``, defaults filled in:
     an encoder not named in ``pp.stages`` gets 1 stage (under ``encoders_colocated``, the count of the named
-    encoders), the LLM gets the rest of ``pp.degree``. With one stage per pipeline rank the stage total is
-    ``pp.degree`` (encoder stages count once per chunk position when colocated). A module with explicit
-    boundaries in ``pp.splits`` has ``len(boundaries) + 1`` stages.
+    encoders), the LLM gets ``pp.virtual_stages`` x the ranks the encoders leave of ``pp.degree``. Ranks: each
+    encoder stage takes one (encoder stages count once per chunk position when colocated; none with
+    ``pp.attach_encoders``: they share the first LLM rank) and the LLM ``stages / pp.virtual_stages``; the total
+    is ``pp.degree``. A module with explicit boundaries in ``pp.splits`` has ``len(boundaries) + 1`` stages.
 
     Raises:
         ValueError: for an unknown module, bad ``pp.splits`` (``_split_counts``), a count below 1, colocated
-            encoders with different counts, no stage left for the LLM, or a total other than ``pp.degree``.
+            encoders with different counts, ``attach_encoders`` without encoders, no stage left for the LLM, an
+            LLM stage count that is not a multiple of ``virtual_stages`` or gives one LLM rank with
+            ``virtual_stages`` > 1, or ranks other than ``pp.degree``.
     """
     known = [*encoders, LLM_MODULE]
     unknown = sorted(set(pp.stages) - set(known))
     _check(not unknown, f"parallel.pp.stages names unknown module(s) {unknown}; modules are {known}")
+    _check(not pp.attach_encoders or encoders, "parallel.pp.attach_encoders = true needs encoder branches; "
+           "the model has none")
     stages = _split_counts(pp, known)
     for module, count in stages.items():
         _check(isinstance(count, int) and not isinstance(count, bool) and count >= 1,
                f"parallel.pp.stages.{module} must be an integer >= 1, got {count!r}")
+    counts = _encoder_counts(pp, encoders, stages)
+    encoder_stages = _encoder_stage_total(pp, counts)
+    encoder_ranks = 0 if pp.attach_encoders else encoder_stages
+    v = pp.virtual_stages
+    llm = stages.get(LLM_MODULE, v * (pp.degree - encoder_ranks))
+    _check(llm >= 1, f"parallel.pp: the encoders take {encoder_stages} of parallel.pp.degree={pp.degree} stages, "
+           "leaving none for the LLM")
+    _check(llm % v == 0, f"parallel.pp: the LLM has {llm} stages, not a multiple of parallel.pp.virtual_stages={v} "
+           "(LLM stages per LLM rank)")
+    _check(v == 1 or llm // v >= 2, f"parallel.pp.virtual_stages={v} needs at least 2 LLM ranks (LLM stage j runs on "
+           f"LLM rank j mod ranks), but the LLM's {llm} stages fill {llm // v}")
+    ranks = encoder_ranks + llm // v
+    if v == 1 and not pp.attach_encoders:
+        _check(ranks == pp.degree, f"parallel.pp.stages give {ranks} stages ({counts | {LLM_MODULE: llm}}, layout "
+               f"{pp.layout}) but parallel.pp.degree is {pp.degree}: one stage per pipeline rank")
+    where = "on the first LLM rank" if pp.attach_encoders else "one rank each"
+    _check(ranks == pp.degree, f"parallel.pp.stages give {ranks} pipeline ranks ({counts | {LLM_MODULE: llm}}, layout "
+           f"{pp.layout}: {encoder_stages} encoder stage(s) {where}, {llm} LLM stages / virtual_stages={v}) but "
+           f"parallel.pp.degree is {pp.degree}")
+    return {**counts, LLM_MODULE: llm}
+
+
+def _encoder_counts(pp: PipelineConfig, encoders: typing.Sequence[str], stages: dict[str, Any]) -> dict[str, int]:
+    """Stages per encoder with the defaults filled in (``pipeline_stage_counts``).
+
+    Raises:
+        ValueError: when colocated encoders get different counts.
+    """
     colocated = pp.layout == "encoders_colocated"
     default = next((stages[m] for m in encoders if m in stages), 1) if colocated else 1
     counts = {m: stages.get(m, default) for m in encoders}
     if colocated:
         _check(len(set(counts.values())) <= 1,
                f"parallel.pp.stages: encoders_colocated needs the same stage count for every encoder, got {counts}")
-    encoder_stages = max(counts.values(), default=0) if colocated else sum(counts.values())
-    llm = stages.get(LLM_MODULE, pp.degree - encoder_stages)
-    _check(llm >= 1, f"parallel.pp: the encoders take {encoder_stages} of parallel.pp.degree={pp.degree} stages, "
-           "leaving none for the LLM")
-    _check(encoder_stages + llm == pp.degree,
-           f"parallel.pp.stages give {encoder_stages + llm} stages ({counts | {LLM_MODULE: llm}}, layout "
-           f"{pp.layout}) but parallel.pp.degree is {pp.degree}: one stage per pipeline rank")
-    return {**counts, LLM_MODULE: llm}
+    return counts
+
+
+def _encoder_stage_total(pp: PipelineConfig, counts: dict[str, int]) -> int:
+    """Encoder stages of the plan: the sum of the branches' counts, or the shared count when colocated."""
+    if pp.layout == "encoders_colocated":
+        return max(counts.values(), default=0)
+    return sum(counts.values())
 
 
 def _split_counts(pp: PipelineConfig, known: typing.Sequence[str]) -> dict[str, Any]:
@@ -264,14 +318,19 @@ def _split_counts(pp: PipelineConfig, known: typing.Sequence[str]) -> dict[str, 
 
 def pipeline_plan_kwargs(pp: PipelineConfig, encoders: typing.Sequence[str]) -> dict[str, Any]:
     """Keyword arguments of ``plan_pipeline`` for ``parallel.pp``: ``stages_per_module`` (counts of the modules
-    cut evenly, :func:`pipeline_stage_counts`) and ``splits`` (explicit boundaries of the others).
+    cut evenly, :func:`pipeline_stage_counts`), ``splits`` (explicit boundaries of the others) and ``ranks`` (the
+    pipeline rank of each stage, :func:`plait.planner.pipeline_plan.stage_ranks`: the placement the layout search
+    uses for the same ``virtual_stages`` and ``attach_encoders``).
 
     Raises:
         ValueError: as :func:`pipeline_stage_counts`.
     """
     counts = pipeline_stage_counts(pp, encoders)
+    encoder_stages = _encoder_stage_total(pp, {m: counts[m] for m in encoders})
+    ranks = stage_ranks(encoder_stages, counts[LLM_MODULE] // pp.virtual_stages, pp.virtual_stages,
+                        pp.attach_encoders)
     return {"stages_per_module": {m: c for m, c in counts.items() if m not in pp.splits},
-            "splits": {m: list(names) for m, names in pp.splits.items()}}
+            "splits": {m: list(names) for m, names in pp.splits.items()}, "ranks": list(ranks)}
 
 
 def _validate_encoder(name: str, enc: EncoderConfig, pretrained: bool) -> None:

@@ -123,7 +123,10 @@ class AttentionConfig:
 @dataclass
 class PipelineConfig:
     """Pipeline parallelism (plait.planner.pipeline_plan, plait.parallel.pipeline_runtime): the model is cut
-    into stages, one per pipeline rank, and each global batch's microbatches flow through them on a schedule.
+    into stages placed on ``degree`` pipeline ranks, and each global batch's microbatches flow through them on a
+    schedule. By default every stage has its own rank; ``virtual_stages`` puts several LLM stages on each LLM rank
+    and ``attach_encoders`` puts the encoder stages on the first LLM rank (the placements the layout search,
+    ``plait.planner.search.plan_layout``, considers; ``pipeline_plan.stage_ranks`` maps them to ranks).
     Combines with context parallelism: each stage is replicated over ``parallel.cp`` ranks that share every
     microbatch's LLM tokens (world size = dp x pp x cp, CP the innermost rank axis)."""
 
@@ -135,10 +138,22 @@ class PipelineConfig:
     follow (one line)."""
     stages: dict[str, int] = field(default_factory=dict)
     """Stages per module, e.g. ``{vision = 1, audio = 1, llm = 2}`` (units cut evenly by count). Modules not
-    named get 1 stage per encoder branch (per encoder chunk position when colocated) and the rest of
-    ``degree`` for the LLM; the total number of stages must equal ``degree``."""
+    named get 1 stage per encoder branch (per encoder chunk position when colocated) and the LLM
+    ``virtual_stages`` x the ranks left. Ranks: every encoder stage takes one (none with ``attach_encoders``),
+    the LLM ``stages.llm / virtual_stages``; together they must equal ``degree``."""
+    virtual_stages: int = 1
+    """LLM stages per LLM rank ``v`` (interleaved 1F1B, Narayanan et al., SC'21, section 2.2.2): the LLM is cut
+    into ``v`` x (its ranks) stages and LLM stage ``j`` runs on LLM rank ``j mod`` (its ranks), so ``stages.llm``
+    (or ``len(splits.llm) + 1``) must be a multiple of ``v``; ``v`` > 1 needs at least 2 LLM ranks and
+    ``schedule = "interleaved_1f1b"``. 1: one LLM stage per rank."""
+    attach_encoders: bool = False
+    """Place every encoder stage on the first LLM rank (pipeline rank 0) instead of ranks of their own: that rank
+    runs an encoder's forward just before the first LLM stage's and its backward just after (a frozen encoder
+    then costs no rank). Needs encoder branches, ``degree`` >= 2 and ``schedule = "interleaved_1f1b"``."""
     schedule: str = "1f1b"
-    """``"gpipe"``, ``"1f1b"`` (multimodal 1F1B) or ``"memory_capped_1f1b"`` (needs ``cap`` >= 1)."""
+    """``"gpipe"``, ``"1f1b"`` (multimodal 1F1B), ``"memory_capped_1f1b"`` (needs ``cap`` >= 1) for one stage per
+    rank; ``"interleaved_1f1b"`` exactly when a rank holds several stages (``virtual_stages`` > 1 or
+    ``attach_encoders``; with ``virtual_stages = 1`` it is 1F1B on the LLM ranks with the encoders attached)."""
     microbatches: int = 0
     """Microbatches per pipeline per step; 0: derived from ``train.microbatch_size`` as without PP."""
     cap: int = 0
@@ -146,8 +161,9 @@ class PipelineConfig:
     splits: dict[str, list[str]] = field(default_factory=dict)
     """Explicit stage boundaries per module: the names of the units that start a new stage (in model order,
     the module's first unit excluded), e.g. ``{llm = ["language_model.model.layers.3"]}`` (2 LLM stages cut
-    before layer 3). A module named here gets ``len(splits) + 1`` stages (``stages`` may repeat that count);
-    ``parallel.plan = "auto"`` writes these when its cost-balanced partition is not the even split."""
+    before layer 3). A module named here gets ``len(splits) + 1`` stages (``stages`` may repeat that count;
+    for the LLM, all its stages: ``virtual_stages`` x its ranks); ``parallel.plan = "auto"`` writes these when
+    its cost-balanced partition is not the even split."""
 
 
 @dataclass
@@ -170,7 +186,8 @@ class ParallelConfig:
     """``"manual"``: use ``dp`` and ``[parallel.pp]`` as written. ``"auto"``: ``plait train`` profiles the model
     on this machine (``plait.train.profiler``, reusing a stored profile whose key matches), searches layout,
     stages per module, partition and DP degree for the world size (``plait.planner.search.plan_layout``),
-    writes the result into ``dp`` and ``[parallel.pp]`` (1F1B) and prints it before building the trainer."""
+    writes the result into ``dp`` and ``[parallel.pp]`` (1F1B, or interleaved 1F1B with ``virtual_stages`` /
+    ``attach_encoders`` when such a plan is faster) and prints it before building the trainer."""
 
 
 @dataclass

@@ -1,26 +1,31 @@
 """``parallel.plan = "auto"``: choose the pipeline layout of a job from measured unit costs (pure).
 
-:func:`plan_auto_layout` searches layout, stages per module, cost-balanced partition and DP degree
-(``search.plan_layout``) among the plans the pipeline trainer can run on exactly ``world_size`` processes:
-``dp x pipeline ranks = world_size`` with one stage per pipeline rank (for each DP degree ``d`` dividing the
-world size, the best plan on ``world_size / d`` devices with ``ceil(M / d)`` microbatches is kept when it fills
-all of them; ``d = world_size``, plain DP, always does). Ties go to DP degrees that give every replica a
-microbatch, then to fewer replicas. :func:`apply_layout_choice` writes the choice into a
-copy of the job config (``parallel.dp`` and ``[parallel.pp]``: degree, layout, stages, explicit ``splits``
-where the partition is not the even split by unit count, 1F1B, microbatches per replica) and
+:func:`plan_auto_layout` searches layout, stages per module, cost-balanced partition, LLM stages per rank,
+encoder placement and DP degree (``search.plan_layout``) among the plans the pipeline trainer can run on exactly
+``world_size`` processes: ``dp x pipeline ranks = world_size``, with one stage per pipeline rank (1F1B), several
+LLM stages per LLM rank (``virtual_stages``, interleaved 1F1B: Narayanan et al., SC'21, section 2.2.2) or the
+encoders on the first LLM rank (``attach_encoders``). For each DP degree ``d`` dividing the world size, the best
+plan of ``d`` replicas on ``world_size / d`` ranks each, with ``ceil(M / d)`` microbatches per replica and the DP
+all-reduce of the trainable gradients over ``dp_link`` charged, is kept when it fills all of them (when it does
+not, the best 1F1B plan with one stage per rank is tried as well); ``d = world_size``, plain DP, always fills
+them. A DP degree above the microbatch count (replicas without a microbatch) is searched as one replica with one
+microbatch and then timed with its all-reduce. Ties go to DP degrees that give every replica a microbatch, then to
+fewer replicas. :func:`apply_layout_choice` writes the choice into a copy of the job config (``parallel.dp`` and
+``[parallel.pp]``: degree, layout, stages, explicit ``splits`` where the partition is not the even split by unit
+count, ``virtual_stages``, ``attach_encoders``, the schedule, microbatches per replica) and
 :func:`resolve_auto_plan` does both. Nothing here touches torch or the file system.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import math
 from collections.abc import Sequence
+from typing import Any
 
+from plait.config.loader import pipeline_plan_kwargs
 from plait.config.schema import JobConfig, PipelineConfig
-from plait.planner.pipeline_plan import LLM_MODULE, PipelinePlan
-from plait.planner.search import LayoutChoice, plan_layout
+from plait.planner.pipeline_plan import LLM_MODULE, PipelinePlan, plan_pipeline
+from plait.planner.search import LayoutChoice, evaluate_plan, plan_layout
 from plait.planner.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
 
@@ -33,8 +38,9 @@ def auto_microbatches(cfg: JobConfig) -> int:
 
 
 def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_size: int, microbatches: int, *,
-                     p2p: P2PModel | None = None, memory_cap: float | None = None,
-                     dtype: str = "float32") -> LayoutChoice:
+                     p2p: P2PModel | None = None, memory_cap: float | None = None, dtype: str = "float32",
+                     dp_link: P2PModel | None = None, virtual_stages: Sequence[int] = (1, 2, 4),
+                     attach_encoders: bool = True) -> LayoutChoice:
     """The fastest runnable plan for ``world_size`` processes (module docstring).
 
     Args:
@@ -42,43 +48,71 @@ def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_siz
         world_size: processes of the job; microbatches: global microbatches per step.
         p2p: stage-to-stage transfer model; memory_cap: bytes per device (None: unchecked); dtype: parameter
             dtype for memory.
+        dp_link: link of the DP gradient all-reduce (ring, ``search.allreduce_s``) of each rank's trainable
+            parameters after the flush; None: not charged.
+        virtual_stages: LLM stages per LLM rank to consider (1: one stage per rank; ``v`` > 1: interleaved 1F1B).
+        attach_encoders: also consider plans whose encoders are one stage each on the first LLM rank.
 
     Returns:
-        The chosen ``LayoutChoice`` (``dp * plan.num_ranks == world_size``).
+        The chosen ``LayoutChoice`` (``dp * plan.num_ranks == world_size``; ``schedule`` is ``"1f1b"`` or
+        ``"interleaved_1f1b"``).
 
     Raises:
         ValueError: on a world size or microbatch count < 1, or when no plan fits memory.
     """
     if world_size < 1 or microbatches < 1:
         raise ValueError(f"world_size and microbatches must be >= 1, got {world_size} and {microbatches}")
+    search = dict(p2p=p2p, memory_cap=memory_cap, dtype=dtype, dp_link=dp_link,
+                  virtual_stages=tuple(virtual_stages), attach_encoders=attach_encoders)
     best: LayoutChoice | None = None
     errors = []
     for dp in (d for d in range(1, world_size + 1) if world_size % d == 0):
         try:
-            choice = plan_layout(units, costs, world_size // dp, microbatches=math.ceil(microbatches / dp),
-                                 p2p=p2p, memory_cap=memory_cap, dp_degrees=[1], dtype=dtype)
+            choice = _filling_choice(units, costs, world_size, microbatches, dp, search)
         except ValueError as exc:
             errors.append(f"dp {dp}: {exc}")
             continue
-        if choice.plan.num_ranks * dp != world_size:
-            continue
-        choice = _as_replicas(choice, dp, microbatches, world_size)
-        if best is None or _rank(choice) < _rank(best):
+        if choice is not None and (best is None or _rank(choice) < _rank(best)):
             best = choice
     if best is None:
         raise ValueError(f"no runnable plan for {world_size} processes: " + "; ".join(errors))
     return best
 
 
+def _filling_choice(units: Sequence[Unit], costs: Sequence[UnitCost], world_size: int, microbatches: int, dp: int,
+                    search: dict[str, Any]) -> LayoutChoice | None:
+    """The best plan of ``dp`` replicas that uses all ``world_size / dp`` ranks of each: the full search's, else
+    (it leaves ranks idle) the best 1F1B plan with one stage per rank if that one fills them; else None.
+
+    Raises:
+        ValueError: when no plan fits memory (``plan_layout``).
+    """
+    one_per_rank = dict(search, virtual_stages=(1,), attach_encoders=False)
+    attempts = [search] if search == one_per_rank else [search, one_per_rank]
+    for options in attempts:
+        choice = _search_dp(units, costs, world_size, microbatches, dp, options)
+        if choice.plan.num_ranks * dp == world_size:
+            return choice
+    return None
+
+
+def _search_dp(units: Sequence[Unit], costs: Sequence[UnitCost], world_size: int, microbatches: int, dp: int,
+               options: dict[str, Any]) -> LayoutChoice:
+    """``plan_layout`` restricted to DP degree ``dp`` (all-reduce charged in the search). ``plan_layout`` takes DP
+    degrees up to ``microbatches`` only: a larger ``dp`` is searched as one replica with one microbatch on
+    ``world_size / dp`` devices, then timed as ``dp`` replicas with the all-reduce (``evaluate_plan``)."""
+    if dp <= microbatches:
+        return plan_layout(units, costs, world_size, microbatches=microbatches, dp_degrees=[dp], **options)
+    one = plan_layout(units, costs, world_size // dp, microbatches=1, dp_degrees=[1], **options)
+    return evaluate_plan(one.plan, units, costs, dp=dp, microbatches=microbatches, devices=world_size,
+                         p2p=options["p2p"], dp_link=options["dp_link"], memory_cap=options["memory_cap"],
+                         dtype=options["dtype"], method=one.method, candidates=one.candidates,
+                         simulated=one.simulated, schedule=one.schedule)
+
+
 def _rank(choice: LayoutChoice) -> tuple:
     """Order of preference: faster, then no replica without a microbatch, then fewer replicas."""
     return (choice.iteration_s, choice.dp > choice.microbatches, choice.dp)
-
-
-def _as_replicas(choice: LayoutChoice, dp: int, microbatches: int, world_size: int) -> LayoutChoice:
-    """A one-replica choice of ``ceil(M / dp)`` microbatches restated as ``dp`` replicas of the job."""
-    return dataclasses.replace(choice, dp=dp, microbatches=microbatches, devices=world_size,
-                               lower_bound_s=choice.lower_bound_s * microbatches / (choice.microbatches * dp))
 
 
 def plan_splits(plan: PipelinePlan) -> dict[str, list[str]]:
@@ -104,10 +138,24 @@ def _even_splits(units: Sequence[Unit], module: str, count: int) -> list[str]:
     return starts
 
 
+def _encoders_attached(plan: PipelinePlan) -> bool:
+    """True when the plan's encoder stages share the first LLM stage's rank (``attach_encoders``)."""
+    first = plan.stages[plan.llm_stages[0]].rank
+    return any(s.rank == first for s in plan.stages if not s.is_llm)
+
+
 def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Unit]) -> JobConfig:
     """A copy of ``cfg`` running ``choice``: ``parallel.dp`` = its DP degree and ``[parallel.pp]`` = its plan
     (degree 1 when it is a single rank), ``parallel.plan = "manual"`` (resolved). Stage counts are written
-    for every module; ``splits`` only for modules whose boundaries differ from the even split by count."""
+    for every module (the LLM's: all its stages), ``splits`` only for modules whose boundaries differ from the
+    even split by count, ``virtual_stages`` = the plan's LLM stages per rank, ``attach_encoders`` when its
+    encoder stages share the first LLM rank, and the schedule (``interleaved_1f1b`` exactly for those plans).
+
+    Raises:
+        ValueError: when ``[parallel.pp]`` cannot express the plan (the plan it describes, built with
+            ``pipeline_plan_kwargs`` as the trainer does, would differ from ``choice.plan`` in units or ranks),
+            or ``choice.schedule`` is not the one such a plan runs with.
+    """
     out = copy.deepcopy(cfg)
     out.parallel.plan = "manual"
     out.parallel.dp = choice.dp
@@ -118,16 +166,45 @@ def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Un
     counts = {m: len(plan.module_stages(m)) for m in plan.modules}
     splits = {m: names for m, names in plan_splits(plan).items()
               if names != _even_splits(units, m, counts[m])}
-    out.parallel.pp = PipelineConfig(degree=plan.num_ranks, layout=plan.layout, stages=counts, schedule="1f1b",
+    attached = _encoders_attached(plan)
+    shared = plan.virtual_stages > 1 or attached
+    schedule = "interleaved_1f1b" if shared else "1f1b"
+    if choice.schedule != schedule:
+        raise ValueError(f"LayoutChoice.schedule is {choice.schedule!r}, but [parallel.pp] runs its plan "
+                         f"(virtual_stages={plan.virtual_stages}, attach_encoders={attached}) with {schedule!r}")
+    out.parallel.pp = PipelineConfig(degree=plan.num_ranks, layout=plan.layout, stages=counts,
+                                     virtual_stages=plan.virtual_stages, attach_encoders=attached, schedule=schedule,
                                      microbatches=choice.microbatches_per_replica, splits=splits)
+    _check_expressed(out.parallel.pp, plan, units)
     return out
+
+
+def _check_expressed(pp: PipelineConfig, plan: PipelinePlan, units: Sequence[Unit]) -> None:
+    """``pp`` describes ``plan``: the plan built from it as the trainer builds it has the same stages (units,
+    modules) on the same ranks.
+
+    Raises:
+        ValueError: naming the first stage that differs.
+    """
+    encoders = list(dict.fromkeys(u.module for u in units if u.module != LLM_MODULE))
+    rebuilt = plan_pipeline(units, pp.layout, **pipeline_plan_kwargs(pp, encoders))
+    got = [(s.modules, s.units, s.rank) for s in rebuilt.stages]
+    want = [(s.modules, s.units, s.rank) for s in plan.stages]
+    if got != want:
+        where = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        raise ValueError(f"[parallel.pp] cannot express the chosen plan: stage {where} would be "
+                         f"{got[where] if where < len(got) else None}, the plan has "
+                         f"{want[where] if where < len(want) else None}")
 
 
 def resolve_auto_plan(cfg: JobConfig, world_size: int, units: Sequence[Unit], costs: Sequence[UnitCost], *,
                       p2p: P2PModel | None = None, memory_cap: float | None = None,
-                      dtype: str = "float32") -> tuple[JobConfig, LayoutChoice]:
+                      dtype: str = "float32", dp_link: P2PModel | None = None,
+                      virtual_stages: Sequence[int] = (1, 2, 4),
+                      attach_encoders: bool = True) -> tuple[JobConfig, LayoutChoice]:
     """``cfg`` with ``parallel.plan = "auto"`` resolved for ``world_size`` processes from unit costs: the
-    config to train with and the chosen plan (:func:`plan_auto_layout`, :func:`apply_layout_choice`).
+    config to train with and the chosen plan (:func:`plan_auto_layout` with the same keyword arguments, e.g.
+    ``dp_link`` for the DP all-reduce; :func:`apply_layout_choice`).
 
     Raises:
         ValueError: when ``parallel.plan`` is not ``"auto"``, the units are not the model's (no LLM unit), or
@@ -138,5 +215,6 @@ def resolve_auto_plan(cfg: JobConfig, world_size: int, units: Sequence[Unit], co
     if not any(u.module == LLM_MODULE for u in units):
         raise ValueError("units have no LLM unit: they are not a plait model's pipeline units")
     choice = plan_auto_layout(units, costs, world_size, auto_microbatches(cfg), p2p=p2p, memory_cap=memory_cap,
-                              dtype=dtype)
+                              dtype=dtype, dp_link=dp_link, virtual_stages=virtual_stages,
+                              attach_encoders=attach_encoders)
     return apply_layout_choice(cfg, choice, units), choice

@@ -37,6 +37,7 @@ __all__ = [
     "plan_pipeline",
     "check_plan_units",
     "interleaved_ranks",
+    "stage_ranks",
     "synthetic_units",
 ]
 
@@ -436,6 +437,25 @@ def interleaved_ranks(encoder_ranks: Sequence[int], llm_ranks: int, virtual_stag
         raise ValueError(f"encoder_ranks must be >= 0, got {encoder_ranks}")
     first = 1 + max(encoder_ranks, default=-1)
     return tuple(encoder_ranks) + tuple(first + j % llm_ranks for j in range(llm_ranks * virtual_stages))
+
+
+def stage_ranks(encoder_stages: int, llm_ranks: int, virtual_stages: int = 1,
+                attach_encoders: bool = False) -> tuple[int, ...]:
+    """Pipeline rank of every stage of a plan with ``encoder_stages`` encoder stages followed by
+    ``virtual_stages * llm_ranks`` LLM stages, as the layout search places them and ``[parallel.pp]`` describes
+    them (one mapping for both): each encoder stage on its own rank ``0..encoder_stages-1`` and LLM stage ``j``
+    on rank ``encoder_stages + j mod llm_ranks`` (:func:`interleaved_ranks`; with ``virtual_stages = 1`` stage
+    ``i`` on rank ``i``), or, with ``attach_encoders``, every encoder stage on rank 0 and LLM stage ``j`` on rank
+    ``j mod llm_ranks`` (the encoders share the first LLM rank, as ``schedules.interleaved_1f1b`` runs them).
+
+    Raises:
+        ValueError: on ``encoder_stages`` below 0, ``llm_ranks`` or ``virtual_stages`` below 1.
+    """
+    if encoder_stages < 0:
+        raise ValueError(f"encoder_stages must be >= 0, got {encoder_stages}")
+    if attach_encoders:
+        return (0,) * encoder_stages + interleaved_ranks((), llm_ranks, virtual_stages)
+    return interleaved_ranks(range(encoder_stages), llm_ranks, virtual_stages)
 
 
 def _group_units(units: Sequence[Unit]) -> dict[str, list[Unit]]:

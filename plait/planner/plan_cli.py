@@ -1,9 +1,12 @@
 """Functions behind ``plait plan`` and ``plait simulate`` (the argparse wiring lives in ``plait/cli.py``).
 
-- ``plan_command``: read a job config, build the model's pipeline units and their analytic costs
-  (``cost_model``: Hugging Face configs from the TOML ``config`` tables or local ``path`` directories,
-  read with ``transformers.AutoConfig``; no weights), search the layout (``search.plan_layout``), print
-  the plan as a table and write it as JSON (``LayoutChoice.to_json``).
+- ``plan_command``: read a job config, build the model's pipeline units (``job_units``: the units and names
+  of the job's own model, so a boundary printed here can be pasted into ``parallel.pp.splits``) and their
+  analytic costs (``cost_model``: Hugging Face configs from the TOML ``config`` tables or local ``path``
+  directories, read with ``transformers.AutoConfig``; no weights), search the layout
+  (``search.plan_layout``), print the plan as a table with a ready-to-paste ``[parallel.pp]`` table
+  (``pp_snippet``) and write it as JSON (``LayoutChoice.to_dict`` plus the snippet under ``PP_TOML_KEY``;
+  ``plan_from_json`` reads it back).
 - ``simulate_command``: read such a JSON plan, simulate one iteration (``simulator.simulate`` on the
   plan's schedule, ``LayoutChoice.schedule``) and write the predicted timeline as a Chrome trace and a PNG
   (``plait.train.plots``), the format measured timelines use too (../shared/DESIGN.md, principle 2).
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +44,7 @@ from plait.planner.cost_model import (
     unit_costs,
     units_from_configs,
 )
+from plait.planner.auto_plan import apply_layout_choice
 from plait.planner.macrobatch import MacrobatchStats, macrobatch_stats
 from plait.planner.pipeline_plan import LAYOUTS
 from plait.planner.schedules import build_schedule
@@ -49,13 +54,18 @@ from plait.planner.types import Unit, UnitCost
 
 __all__ = [
     "DEVICES",
+    "MODEL_UNITS",
+    "PP_TOML_KEY",
     "PlanInputs",
     "build_plan_inputs",
     "dataset_metadata",
     "device_spec",
     "expected_shapes",
     "format_plan",
+    "job_units",
     "plan_command",
+    "plan_from_json",
+    "pp_snippet",
     "simulate_choice",
     "simulate_command",
 ]
@@ -63,6 +73,11 @@ __all__ = [
 DEFAULT_MACROBATCHES = 32
 
 DEVICES = ("h100", "h200", "a100", "cpu")
+PP_TOML_KEY = "parallel_pp_toml"
+"""Key of the plan JSON (``plan_command``'s ``out_json``) holding the ``[parallel.pp]`` snippet (``pp_snippet``;
+null when there is none); every other key is a ``LayoutChoice`` field."""
+MODEL_UNITS = "model"
+"""``PlanInputs.unit_source`` of units that are the job model's own (``job_units``)."""
 _GIB = 2**30
 
 
@@ -77,6 +92,9 @@ class PlanInputs:
         shapes: module -> ``MicrobatchShape`` of one microbatch.
         microbatches: global microbatches per iteration.
         dtype: training dtype of parameters and activations (``"bfloat16"`` or ``"float32"``).
+        unit_source: ``MODEL_UNITS`` (``"model"``) when ``units`` are the job model's own (``job_units``: the
+            names ``parallel.pp.splits`` takes); otherwise why the analytic units of
+            ``cost_model.units_from_configs`` were used instead.
     """
 
     units: tuple[Unit, ...]
@@ -85,6 +103,7 @@ class PlanInputs:
     shapes: dict[str, MicrobatchShape]
     microbatches: int
     dtype: str
+    unit_source: str = MODEL_UNITS
 
 
 def device_spec(device: str | DeviceSpec) -> DeviceSpec:
@@ -209,9 +228,58 @@ def build_plan_inputs(cfg: Any, device: str | DeviceSpec = "h100", *, microbatch
     shapes["llm"] = MicrobatchShape(tokens=per_mb * length, seq_len=length)
     shapes.update({name: shape for name, shape in (shapes_override or {}).items() if name in shapes})
     dtype = "float32" if train.dtype == "fp32" or (train.dtype == "auto" and spec.name == "CPU") else "bfloat16"
-    units = units_from_configs(configs, frozen)
+    units, source = job_units(cfg, configs, frozen)
     costs = unit_costs(units, configs, shapes, spec, dtype)
-    return PlanInputs(tuple(units), tuple(costs), configs, shapes, int(count), dtype)
+    return PlanInputs(tuple(units), tuple(costs), configs, shapes, int(count), dtype, source)
+
+
+class _StandInTokenizer:
+    """What composing a model reads of a tokenizer (``registry.compose_model``): its size (the LLM's vocabulary)
+    and one distinct id per placeholder token. Enough to build the module tree without the tokenizer files."""
+
+    unk_token_id = -1
+
+    def __init__(self, size: int, placeholders: Sequence[str]) -> None:
+        self.size, self.ids = size, {token: i for i, token in enumerate(placeholders)}
+
+    def __len__(self) -> int:
+        return self.size
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return self.ids[token]
+
+
+def job_units(cfg: Any, configs: dict[str, Any], frozen: dict[str, bool]) -> tuple[tuple[Unit, ...], str]:
+    """The pipeline units of a ``JobConfig``'s model, named as the trainer names them, and their source.
+
+    The model is composed as the trainer composes it (``plait.models.registry.build_model``) on the meta
+    device: the module tree only, no weights and no memory (tenths of a second; about 1.5 s for an 80-layer
+    LLM), with a stand-in for the tokenizer. ``plait.models.units.model_units`` then gives the units by the
+    rules the runtime uses: fully qualified names from each family's module-list path
+    (``language_model.model.layers.2``, ``encoders.vision.encoder.encoder.layers.0``; the names
+    ``parallel.pp.splits`` takes), only the units the selected features reach (no layer after
+    ``feature_layer``, no post-norm the selected hidden state skips, e.g. SigLIP's and CLIP's), and the
+    frozen-aware flags of the config's freezing.
+
+    Args:
+        cfg: the ``JobConfig``; configs, frozen: its parts as ``_model_parts`` reads them.
+
+    Returns:
+        ``(units, MODEL_UNITS)``; for a model plait cannot build (an encoder or LLM family without a pipeline
+        layout) ``(cost_model.units_from_configs(configs, frozen), reason)``: analytic names such as
+        ``llm.layers.2``, which no job can use as ``parallel.pp.splits``.
+    """
+    from plait.models.registry import build_model, placeholder_of
+    from plait.models.units import model_units
+
+    llm = configs["llm"]
+    stand_in = _StandInTokenizer(int(getattr(llm, "vocab_size", 0) or 1),
+                                 [placeholder_of(enc) for enc in cfg.model.encoders.values()])
+    try:
+        model = build_model(cfg.model, stand_in, device="meta")
+        return model_units(model), MODEL_UNITS
+    except ValueError as exc:
+        return units_from_configs(configs, frozen), f"plait cannot build this model ({exc})"
 
 
 # ----- macro-batches ---------------------------------------------------------------------------------
@@ -326,13 +394,13 @@ def format_plan(choice: LayoutChoice) -> str:
     """The plan as a text table: one row per stage (rank, modules, units, forward and backward ms per
     microbatch, peak memory GiB), then the totals."""
     plan = choice.plan
-    lines = [f"{'stage':>5} {'rank':>4} {'module':<8} {'units':<52} {'F ms':>8} {'B ms':>8} {'mem GiB':>8}"]
+    lines = [f"{'stage':>5} {'rank':>4} {'module':<8} {'units':<64} {'F ms':>8} {'B ms':>8} {'mem GiB':>8}"]
     for stage in plan.stages:
         for k, module in enumerate(stage.modules):
             first = k == 0
             lines.append(
                 f"{stage.index if first else '':>5} {stage.rank if first else '':>4} {module:<8} "
-                f"{_chunk_label(stage.module_units(module)):<52} "
+                f"{_chunk_label(stage.module_units(module)):<64} "
                 + (f"{1e3 * choice.stage_forward_s[stage.index]:>8.2f} {1e3 * choice.stage_backward_s[stage.index]:>8.2f} "
                    f"{choice.stage_memory_bytes[stage.index] / _GIB:>8.2f}" if first else ""))
     counts = ", ".join(f"{m} {s}" for m, s in choice.stages_per_module)
@@ -365,18 +433,24 @@ def plan_command(
     dp_link_Bps: float | None = None,
     rel_tol: float = 0.0,
     macrobatches: int = 0,
+    virtual_stages: Sequence[int] = (1, 2, 4),
+    attach_encoders: bool = True,
     out: TextIO | None = None,
 ) -> LayoutChoice:
-    """``plait plan``: choose the pipeline layout of a job for ``devices`` accelerators, print it, save it.
+    """``plait plan``: choose the pipeline layout of a job for ``devices`` accelerators, print it with its
+    ``[parallel.pp]`` table (``pp_snippet``, or why there is none), save it.
 
     Args:
         config_path: TOML job file; overrides: dotted ``--section.key=value`` overrides.
         devices: accelerators available.
-        out_json: where to write the ``LayoutChoice`` JSON (parents created); None: do not write.
+        out_json: where to write the plan JSON (``LayoutChoice.to_dict`` and ``PP_TOML_KEY``; parents
+            created); None: do not write.
         device: accelerator preset (``DEVICES``) or ``DeviceSpec``; its link is the stage-to-stage P2P model.
         microbatches, items_per_sample: workload (``build_plan_inputs``).
         memory_fraction: fraction of the device memory a stage may use (the rest: CUDA context, workspaces).
-        frozen_aware, layouts, dp_degrees, rel_tol: as ``search.plan_layout``.
+        frozen_aware, layouts, dp_degrees, rel_tol, virtual_stages, attach_encoders: as
+            ``search.plan_layout`` (by default interleaved 1F1B with 2 or 4 LLM stages per rank and encoders on
+            the first LLM rank are searched too: jobs run them, ``[parallel.pp] virtual_stages / attach_encoders``).
         dp_link_Bps: bandwidth (B/s) of the data-parallel gradient all-reduce; None: not modelled.
         macrobatches: global batches drawn from the training data for the macro-batch statistics (module
             docstring; ``DEFAULT_MACROBATCHES`` is a good count); the plan is then for the expected global
@@ -410,16 +484,102 @@ def plan_command(
         inputs.units, inputs.costs, devices, microbatches=inputs.microbatches, frozen_aware=frozen_aware,
         memory_cap=memory_fraction * spec.memory_bytes, p2p=P2PModel(spec.link_latency, spec.link_bandwidth),
         dp_link=dp_link, layouts=layouts, dp_degrees=dp_degrees, rel_tol=rel_tol, dtype=inputs.dtype,
+        virtual_stages=virtual_stages, attach_encoders=attach_encoders,
     )
     print(f"plait plan: {config_path} on {devices} x {spec.name}, {inputs.microbatches} microbatches of "
           f"{cfg.train.microbatch_size} samples", file=stream)
     print(format_plan(choice), file=stream)
+    snippet, why = pp_snippet(cfg, choice, inputs.units, inputs.unit_source)
+    if snippet is None:
+        print(f"no [parallel.pp] snippet: {why}", file=stream)
+    else:
+        print(f"to run this plan, put this table in the job file:\n{snippet}", end="", file=stream)
     if out_json is not None:
         path = Path(out_json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(choice.to_json(indent=2))
+        path.write_text(json.dumps({**choice.to_dict(), PP_TOML_KEY: snippet}, indent=2))
         print(f"plan written to {path}", file=stream)
     return choice
+
+
+def plan_from_json(text: str) -> LayoutChoice:
+    """The ``LayoutChoice`` of a plan JSON written by ``plan_command`` (its ``PP_TOML_KEY`` entry dropped).
+
+    Raises:
+        ValueError: when the text is not JSON or not such a plan (as ``LayoutChoice.from_dict``).
+    """
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"a plan is a JSON object, got {type(data).__name__}")
+    data.pop(PP_TOML_KEY, None)
+    return LayoutChoice.from_dict(data)
+
+
+# ----- [parallel.pp] snippet ---------------------------------------------------------------------------------
+def pp_snippet(cfg: Any, choice: LayoutChoice, units: Sequence[Unit],
+               unit_source: str = MODEL_UNITS) -> tuple[str | None, str]:
+    """A ready-to-paste ``[parallel.pp]`` TOML table that makes the job run ``choice``, or None and why not.
+
+    The table is ``auto_plan.apply_layout_choice``'s ``parallel.pp`` (degree, layout, stages per module,
+    schedule, microbatches per replica, and ``splits`` for the modules whose cost-balanced boundaries are not
+    the even split by unit count, ``virtual_stages`` and ``attach_encoders`` when the plan interleaves),
+    written as TOML. There is one only for a plan a job can run as written: a single replica (``dp`` 1:
+    ``[parallel.pp]`` describes one pipeline), stage placement that ``[parallel.pp]`` can express
+    (``apply_layout_choice`` accepts it; a one-rank plan is ``degree = 1``, no pipeline parallelism) and units
+    named as the model names them (``unit_source`` is ``MODEL_UNITS``, see ``job_units``).
+
+    Args:
+        cfg: the ``JobConfig`` the plan is for; choice: the plan; units: the units it was searched over.
+        unit_source: ``PlanInputs.unit_source``.
+
+    Returns:
+        ``(toml_text, "")`` or ``(None, reason)``.
+    """
+    if unit_source != MODEL_UNITS:
+        return None, f"the unit names are not the model's: {unit_source}"
+    if choice.dp != 1:
+        return None, (f"the plan has {choice.dp} data-parallel replicas; [parallel.pp] describes one pipeline "
+                      "(plan with --dp 1, or dp_degrees=[1], for one)")
+    try:
+        pp = apply_layout_choice(cfg, choice, units).parallel.pp
+    except ValueError as exc:
+        return None, f"[parallel.pp] cannot express this plan: {exc}"
+    fields: dict[str, Any] = {"degree": pp.degree}
+    if pp.degree > 1:
+        fields.update(layout=pp.layout, stages=pp.stages, schedule=pp.schedule, microbatches=pp.microbatches)
+        if pp.virtual_stages != 1:
+            fields["virtual_stages"] = pp.virtual_stages
+        if pp.attach_encoders:
+            fields["attach_encoders"] = True
+        if pp.splits:
+            fields["splits"] = pp.splits
+    head = f"# plait plan: one pipeline of {pp.degree} rank(s), parallel.dp = 1, parallel.plan = \"manual\"\n"
+    return head + "[parallel.pp]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in fields.items()), ""
+
+
+def _toml_value(value: Any) -> str:
+    """TOML text of a bool, an int, a string, a list or a dict of them (inline table).
+
+    Raises:
+        ValueError: on another type.
+    """
+    if not isinstance(value, (bool, int, str, list, tuple, dict)):
+        raise ValueError(f"no TOML form for {value!r} here")
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string (ASCII, escaped) is a TOML basic string
+    if isinstance(value, dict):
+        items = ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items())
+        return f"{{ {items} }}" if items else "{}"
+    return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+
+
+def _toml_key(key: str) -> str:
+    """A bare key when TOML allows one (letters, digits, ``_``, ``-``), else a quoted key."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
 
 
 # ----- simulate ------------------------------------------------------------------------------------------
@@ -455,7 +615,7 @@ def simulate_command(plan_json: str | Path, out_dir: str | Path, *, out: TextIO 
     if not path.is_file():
         raise FileNotFoundError(f"plan file {path} does not exist")
     try:
-        choice = LayoutChoice.from_json(path.read_text())
+        choice = plan_from_json(path.read_text())
         result = simulate_choice(choice)
     except (json.JSONDecodeError, TypeError, KeyError, IndexError) as exc:  # a field of the wrong type or shape
         raise ValueError(f"{path} is not a valid plait plan ({type(exc).__name__}: {exc})") from exc

@@ -58,7 +58,9 @@ Megatron-style baseline: units spread evenly by count over the pipeline ranks, e
 More schedules (``virtual_stages``, ``attach_encoders``): with ``v > 1`` a candidate cuts the LLM into
 ``v p`` chunks cyclic over ``p`` ranks (``schedules.interleaved_1f1b``; chunks balanced per rank by
 ``_Partitions.cyclic``, a heuristic); with ``attach_encoders`` every encoder is one stage on the first LLM
-rank (a frozen encoder then costs no rank of its own). These candidates get a lower bound valid for their
+rank (a frozen encoder then costs no rank of its own); ``pipeline_plan.stage_ranks`` places the stages, as it
+does for a job's ``[parallel.pp]`` (``virtual_stages``, ``attach_encoders``), so the trainer runs the chosen plan.
+These candidates get a lower bound valid for their
 schedule (``_interleaved_llm_terms``, ``_attached_stream``: per LLM rank, arrival + busy time + upstream
 backwards; memory floors from the warm-up) and, when taken, are timed on the real per-rank orders
 (``_time_orders``, the simulator's rules; tests check equality) with the per-rank memory peak checked
@@ -91,8 +93,8 @@ from plait.planner.pipeline_plan import (
     LLM_MODULE,
     PipelinePlan,
     check_plan_units,
-    interleaved_ranks,
     plan_pipeline,
+    stage_ranks,
 )
 from plait.planner.schedules import (
     Action,
@@ -1066,14 +1068,6 @@ def _interleaved_memory_floor(sums: Sequence[tuple], p: int, v: int, nb: int) ->
     return out
 
 
-def _candidate_ranks(n_enc: int, p: int, v: int, attached: bool) -> tuple[int, ...]:
-    """Stage ranks: encoder stages on ranks ``0..n_enc-1`` (or all on LLM rank 0 when ``attached``), then
-    ``v p`` LLM stages cyclic over ``p`` ranks."""
-    if attached:
-        return (0,) * n_enc + tuple(j % p for j in range(v * p))
-    return interleaved_ranks(range(n_enc), p, v)
-
-
 def _interleaved_candidate(parts: _Partitions, stream: _Stream, counts: tuple[int, ...], p2p: P2PModel,
                            link: P2PModel | None) -> tuple[float, _Stages] | None:
     """(planning-view iteration time, stages) of a candidate with ``counts[-1]`` LLM ranks holding
@@ -1089,7 +1083,7 @@ def _interleaved_candidate(parts: _Partitions, stream: _Stream, counts: tuple[in
     if parts.cap is not None and not stream.attached and max(st.memory[:n_enc], default=0.0) > parts.cap:
         return None
     plan = _plan_from_chunks(parts.model, parts.model.view, stream.layout, st.chunks,
-                             _candidate_ranks(n_enc, p, v, stream.attached))
+                             stage_ranks(n_enc, p, v, stream.attached))
     orders = interleaved_orders(plan, nb)
     timing = _time_orders(plan, orders, st, nb)
     if timing is None:  # the unchecked orders stalled: take the generator's safety net
@@ -1315,7 +1309,7 @@ def _plan_from_stages(model: _Model, best: _Best) -> PipelinePlan:
     ranks = None
     if best.v > 1 or best.attached:
         n_enc = len(best.stages.chunks) - best.v * best.counts[-1]
-        ranks = _candidate_ranks(n_enc, best.counts[-1], best.v, best.attached)
+        ranks = stage_ranks(n_enc, best.counts[-1], best.v, best.attached)
     return _plan_from_chunks(model, model.units, best.layout, best.stages.chunks, ranks)
 
 
@@ -1479,20 +1473,20 @@ def _megatron_for(units, costs, devices, microbatches, dp, memory_cap, p2p, dp_l
     base, extra = divmod(len(true_units), ranks)
     rank_of = [r for r in range(ranks) for _ in range(base + (r < extra))]
     splits: dict[str, list[str]] = {}
-    stage_ranks, previous = [], None
+    rank_per_stage, previous = [], None
     for index, unit in enumerate(true_units):
         key = (unit.module, rank_of[index])
         if key != previous:
             if previous is not None and previous[0] == unit.module:
                 splits.setdefault(unit.module, []).append(unit.name)
-            stage_ranks.append(rank_of[index])
+            rank_per_stage.append(rank_of[index])
             previous = key
-    plan = plan_pipeline(true_units, "encoder_parallel", splits=splits, ranks=stage_ranks)
+    plan = plan_pipeline(true_units, "encoder_parallel", splits=splits, ranks=rank_per_stage)
     common = dict(dp=dp, microbatches=microbatches, devices=devices, p2p=p2p, dp_link=dp_link,
                   memory_cap=memory_cap, dtype=dtype, optimizer=optimizer)
     unaware_units = consistent_units(units, all_trainable=True)
     unaware_costs = [_unaware_cost(c) for c in _cost_list(units, costs)]
-    planned = evaluate_plan(plan_pipeline(unaware_units, "encoder_parallel", splits=splits, ranks=stage_ranks),
+    planned = evaluate_plan(plan_pipeline(unaware_units, "encoder_parallel", splits=splits, ranks=rank_per_stage),
                             unaware_units, unaware_costs, **common)
     return evaluate_plan(plan, units, costs, method="megatron_even", planned_iteration_s=planned.iteration_s,
                          **common)

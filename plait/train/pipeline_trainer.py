@@ -6,17 +6,22 @@ and without CP each pipeline is a run of consecutive ranks. With ``parallel.cp``
 over its CP group: encoder stages run whole on each CP rank, the LLM stages only on the CP rank's tokens (the
 same ``plan_tokens`` assignment as the non-pipeline trainer, computed on every rank from the mask metadata),
 each pipeline (one CP index) passing only those tokens' hidden states, and gradients are summed over the
-DP x CP copies of each stage. The plan comes from
-``plan_pipeline(model_units(model), parallel.pp.layout, ...)`` with stage ``i`` on pipeline rank ``i`` (one stage
-per rank; even counts and explicit ``parallel.pp.splits`` from :func:`plait.config.loader.pipeline_plan_kwargs`).
+DP x CP copies of each stage. The plan (:func:`build_pipeline_plan`) is ``plan_pipeline(model_units(model),
+parallel.pp.layout, ...)`` with the even counts, explicit ``parallel.pp.splits`` and stage ranks of
+:func:`plait.config.loader.pipeline_plan_kwargs`: stage ``i`` on pipeline rank ``i`` by default; with
+``parallel.pp.virtual_stages = v`` > 1 the LLM's ``v p`` stages cyclic over its ``p`` ranks (interleaved 1F1B,
+Narayanan et al., SC'21, section 2.2.2), and with ``parallel.pp.attach_encoders`` the encoder stages on the first
+LLM rank: the placement ``plait.planner.search.plan_layout`` chooses for the same settings
+(``pipeline_plan.stage_ranks``, one mapping for both). A rank then runs all its stages (``RankStages``) in the
+order of ``schedules.interleaved_1f1b``.
 
-Build: every rank composes the whole model on the meta device, materialises only its stage's units
+Build: every rank composes the whole model on the meta device, materialises only its stages' units
 (:func:`plait.models.init.materialize`: the per-(seed, FQN) init the single-process trainer uses too, or the
 owned tensors of a pretrained composite / HF folders), then :func:`~plait.parallel.stages.build_rank_stages`
-prunes it in place to this rank's stage; parameter names stay the full model's. There is no DDP wrapper: ``run_pipeline_step`` sums
-gradients over the DP group itself.
+prunes it in place to this rank's stages; parameter names stay the full model's. There is no DDP wrapper:
+``run_pipeline_step`` sums gradients over the DP group itself.
 
-Optimizer: AdamW over this rank's trainable parameters (``None`` on a rank whose stage is frozen), with the
+Optimizer: AdamW over this rank's trainable parameters (``None`` on a rank whose stages are frozen), with the
 trainer's parameter groups (weight decay, per-branch ``lr_scale``). The LR schedule is a ``LambdaLR`` over a
 one-parameter placeholder optimizer, the same object on every rank (so checkpoints hold one schedule state);
 before each step its factor is applied to each group's base LR, as the single-process trainer's schedule does.
@@ -54,6 +59,7 @@ from torch import nn
 from plait.attention.interface import use_plait_attention
 from plait.attention.masks import MaskInfo
 from plait.config.loader import pipeline_plan_kwargs
+from plait.config.schema import PipelineConfig
 from plait.data.collate import Batch, collate
 from plait.models.multimodal import MultimodalModel
 from plait.models.init import materialize, rank_prefixes, weight_source
@@ -76,7 +82,18 @@ from plait.train.metrics import MetricsWriter
 from plait.train.plots import plot_timeline, write_chrome_trace
 from plait.train.trainer import Trainer, build_optimizer, build_scheduler
 
-__all__ = ["PipelineTrainer"]
+__all__ = ["PipelineTrainer", "build_pipeline_plan"]
+
+
+def build_pipeline_plan(model: MultimodalModel, pp: PipelineConfig) -> PipelinePlan:
+    """The pipeline plan ``[parallel.pp]`` describes for ``model`` (module docstring): ``plan_pipeline`` of the
+    model's units with the counts, splits and stage ranks of :func:`plait.config.loader.pipeline_plan_kwargs`.
+
+    Raises:
+        ValueError: when the stage counts, splits or placement do not fit the model.
+    """
+    cuts = pipeline_plan_kwargs(pp, list(model.encoders))  # even counts, explicit splits, stage ranks
+    return plan_pipeline(model_units(model), pp.layout, **cuts)
 
 
 def _zero_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -86,18 +103,19 @@ def _zero_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class PipelineTrainer(Trainer):
     """:class:`Trainer` for ``parallel.pp.degree`` > 1 (module docstring): same loop, losses, checkpoints and
-    metrics; forward/backward through this rank's pipeline stage.
+    metrics; forward/backward through this rank's pipeline stage(s).
 
     Attributes (besides the trainer's):
         comm: this rank's PP/DP coordinates (``PipelineComm``).
         pp, pp_rank: pipeline degree and this rank's pipeline coordinate.
-        plan: the pipeline plan (``PipelinePlan``, stage ``i`` on pipeline rank ``i``).
+        plan: the pipeline plan (``PipelinePlan``; stage ranks from ``parallel.pp``, module docstring).
         stages: this rank's stages (``RankStages``); ``model`` is the pruned composite they run.
         last_events: this rank's measured timeline events (seconds since the epoch) of the last step.
 
     Raises:
         ValueError: when the world size is not a multiple of ``parallel.pp.degree`` x ``parallel.cp`` (or
-            ``parallel.dp`` x degree x cp differs from it), or the stage counts do not fit the model.
+            ``parallel.dp`` x degree x cp differs from it), or the stage counts and placement
+            (``parallel.pp.stages``/``splits``/``virtual_stages``/``attach_encoders``) do not fit the model.
     """
 
     # ------------------------------------------------------------------ setup
@@ -117,8 +135,7 @@ class PipelineTrainer(Trainer):
     def _setup_training(self) -> None:
         t, pp = self.cfg.train, self.cfg.parallel.pp
         self._counts = super()._parameter_counts()  # the whole model, before pruning
-        cuts = pipeline_plan_kwargs(pp, list(self.model.encoders))  # even counts and explicit splits
-        self.plan: PipelinePlan = plan_pipeline(model_units(self.model), pp.layout, **cuts)
+        self.plan: PipelinePlan = build_pipeline_plan(self.model, pp)
         units = {u for s in self.plan.stages_on_rank(self.pp_rank) for u in self.plan.stages[s].units}
         materialize(self.model, self.info.device, self.cfg.train.seed, keep=rank_prefixes(self.model, units),
                     source=weight_source(self.cfg.model, self.model))  # before pruning: tied copies agree
@@ -146,10 +163,12 @@ class PipelineTrainer(Trainer):
         if not self.info.is_main:
             return
         pp = self.cfg.parallel.pp
-        stages = "; ".join(f"{s.index}: {'+'.join(s.modules)} ({len(s.units)} units)" for s in self.plan.stages)
-        print(f"plait: pipeline {pp.layout}, {self.pp} stages x {self.dp} replica(s) x CP {self.cp}, schedule "
-              f"{pp.schedule}; "
-              f"stages {stages}", flush=True)
+        stages = "; ".join(f"{s.index}: {'+'.join(s.modules)} ({len(s.units)} units, rank {s.rank})"
+                           for s in self.plan.stages)
+        placement = f", {pp.virtual_stages} LLM stages per rank" if pp.virtual_stages > 1 else ""
+        placement += ", encoders on the first LLM rank" if pp.attach_encoders else ""
+        print(f"plait: pipeline {pp.layout}, {self.plan.num_stages} stages on {self.pp} ranks{placement} x "
+              f"{self.dp} replica(s) x CP {self.cp}, schedule {pp.schedule}; stages {stages}", flush=True)
 
     # ------------------------------------------------------------------ one step
     def schedule_for(self, num_microbatches: int) -> Schedule:

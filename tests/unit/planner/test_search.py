@@ -390,7 +390,7 @@ def test_plan_and_simulate_commands_on_the_demo_config(tmp_path):
     import io
 
     from plait.config.loader import load_config
-    from plait.planner.plan_cli import build_plan_inputs, plan_command, simulate_command
+    from plait.planner.plan_cli import build_plan_inputs, plan_command, plan_from_json, simulate_command
     from plait.train.plots import read_chrome_trace
 
     # demo.toml: 16 samples per microbatch, max_length 256, 32 x 32 images in 4 x 4 patches (64, no CLS),
@@ -402,7 +402,7 @@ def test_plan_and_simulate_commands_on_the_demo_config(tmp_path):
     assert inputs.model_configs["audio"].output_pool == 2
     text = io.StringIO()
     choice = plan_command("configs/demo.toml", 4, tmp_path / "plan.json", device="cpu", dp_degrees=[1], out=text)
-    assert LayoutChoice.from_json((tmp_path / "plan.json").read_text()) == choice
+    assert plan_from_json((tmp_path / "plan.json").read_text()) == choice  # LayoutChoice + [parallel.pp] text
     table = text.getvalue()
     assert table.count("\n    ") >= choice.plan.num_stages - 1 and f"DP {choice.dp}" in table
     paths = simulate_command(tmp_path / "plan.json", tmp_path / "sim", out=io.StringIO())
