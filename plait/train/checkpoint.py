@@ -1,24 +1,43 @@
-"""Resumable checkpoints with torch.distributed.checkpoint (DCP).
+"""Resumable checkpoints with torch.distributed.checkpoint (DCP), across parallel layouts.
 
 A checkpoint holds the model and optimizer (through ``get_state_dict``, so DDP/FSDP wrappers and
-resharding are handled by PyTorch), the LR schedule, the data-loader position, the step and every rank's
-RNG state. Each is written to ``<run_dir>/checkpoints/step_<k>/``.
+resharding are handled by PyTorch), the LR schedule, the data-loader position, the step, the layout it was
+written with (:class:`CheckpointLayout`), the job's model config and every rank's RNG state. Each is written
+to ``<run_dir>/checkpoints/step_<k>/``.
 
-Under pipeline parallelism each rank passes its pruned model (owned units only, parameter names as in the
-full model) and an optimizer over its own trainable parameters, or none: every rank then writes its own
-keys. The optimizer state is flattened to per-parameter keys (``state.<fqn>.exp_avg``,
-``param_groups.<fqn>.lr``) so that ranks holding different parameters never write one key with different
-contents; replicas (DP) write identical keys, which DCP stores once.
+Keys are layout-neutral: model entries are named by their full-model FQN, and the optimizer state is flattened
+to per-parameter keys (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``), written under every FQN of a tied
+parameter. Under pipeline parallelism each rank passes its pruned model (owned units only, parameter names as
+in the full model) and an optimizer over its own trainable parameters, or none: every rank writes its own
+keys; replicas (DP, CP) write identical keys, which DCP stores once. Any rank of any layout therefore finds
+every key it asks for, whichever rank wrote it.
+
+Resuming with another layout (other world size, DP/PP/CP degrees or pipeline plan) restores the model, the
+AdamW moments and step counts, the LR schedule position and the data position exactly. Only the RNG streams
+cannot follow (a rank of the new layout has no counterpart in the old one): each rank's Python, NumPy and
+torch generators are then seeded with :func:`derive_rng_seed` of ``(train.seed, step, rank)``, so dropout or
+sampling randomness differs from an uninterrupted run. With the same layout every rank gets its own saved
+RNG state back. Two things depend on the writer's layout and are translated: the LR schedule (a pipeline
+trainer's ``LambdaLR`` drives a one-group placeholder, the other trainers' drive each optimizer group) moves
+to the saved step with this job's base LRs; and a pipeline checkpoint lacks the model parts on no pipeline
+unit (a pooling head, an unused post-norm), which keep their (seed, FQN) initial values (they never train).
+
+What cannot change on resume (``ValueError`` naming the field): the ``[model]`` section (except
+``llm.attn_implementation``), the global batch size (the data position counts global batches of the saved size,
+and a different size would give other batches than the uninterrupted run), the seed and the training set size.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import pickle
 import random
 import re
 import shutil
 import warnings
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -28,13 +47,61 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_model_state", "latest_checkpoint", "checkpoint_dir"]
+__all__ = [
+    "CheckpointLayout",
+    "save_checkpoint",
+    "load_checkpoint",
+    "load_model_state",
+    "latest_checkpoint",
+    "checkpoint_dir",
+    "derive_rng_seed",
+    "seed_rng_streams",
+]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# [model] fields that may differ on resume: how attention runs, not what is trained
+_MODEL_FIELDS_FREE = frozenset({"llm.attn_implementation"})
+# loader fields that fix which global batch comes next: (state key, what the user changes)
+_LOADER_FIXED = (("global_batch_size", "train.global_batch_size"), ("seed", "train.seed"),
+                 ("num_samples", "the number of usable training samples (data.train)"))
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """The parallel layout of a job: world size (processes), DP/PP/CP degrees and, under pipeline
+    parallelism, the plan (which units each stage holds and on which pipeline rank). Two layouts are the same
+    when every field is; then rank ``r`` plays the same part in both.
+
+    Raises:
+        ValueError: from :meth:`from_dict` on unknown or missing fields.
+    """
+
+    world_size: int = 1
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    plan: str = ""
+
+    def describe(self) -> str:
+        """One line, e.g. ``2 processes (DP 1 x PP 2 x CP 1; <plan>)``."""
+        procs = f"{self.world_size} process" + ("" if self.world_size == 1 else "es")
+        plan = f"; {self.plan}" if self.plan else ""
+        return f"{procs} (DP {self.dp} x PP {self.pp} x CP {self.cp}{plan})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON round-trippable)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CheckpointLayout":
+        """Inverse of :meth:`to_dict`."""
+        names = {f.name for f in fields(cls)}
+        if set(data) != names:
+            raise ValueError(f"checkpoint layout fields {sorted(data)} are not {sorted(names)}")
+        return cls(**data)
 
 
 def _optimizers(optimizer: torch.optim.Optimizer | None) -> Any:
@@ -52,6 +119,24 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     found = [(int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name))]
     found = [(s, p) for s, p in found if (p / ".metadata").is_file()]
     return max(found)[1] if found else None
+
+
+def derive_rng_seed(seed: int, step: int, rank: int) -> int:
+    """The RNG seed of ``rank`` when a job resumes at ``step`` with another layout: the first 8 bytes
+    (big-endian) of SHA-256 of ``"plait-rng/<seed>/<step>/<rank>"``, masked to 63 bits. Deterministic on every
+    machine and process, and different for every (seed, step, rank)."""
+    digest = hashlib.sha256(f"plait-rng/{seed}/{step}/{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & (2**63 - 1)
+
+
+def seed_rng_streams(seed: int, step: int, rank: int) -> int:
+    """Seed this process's Python ``random``, NumPy (with the seed mod 2**32) and torch (CPU and every CUDA
+    device) generators with :func:`derive_rng_seed`; returns that seed."""
+    value = derive_rng_seed(seed, step, rank)
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)
+    return value
 
 
 def _rng_state() -> torch.Tensor:
@@ -82,6 +167,32 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _with_tied_aliases(model: nn.Module, optim_sd: dict[str, Any]) -> dict[str, Any]:
+    """``optim_sd`` (flattened) plus the entries of every tied parameter under each of its other FQNs.
+
+    ``get_state_dict`` keys a tied parameter's optimizer state by one FQN (the input embedding's); a pipeline
+    rank that holds only the other copy (the output embedding) asks for its own FQN."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    out = dict(optim_sd)
+    for fqns in (f for f in names.values() if len(f) > 1):
+        for kind in ("state", "param_groups"):
+            source = next((f for f in fqns if any(k.startswith(f"{kind}.{f}.") for k in optim_sd)), None)
+            if source is None:
+                continue
+            prefix = f"{kind}.{source}."
+            entries = {k[len(prefix):]: v for k, v in optim_sd.items() if k.startswith(prefix)}
+            for alias in fqns:
+                for rest, value in entries.items():
+                    out.setdefault(f"{kind}.{alias}.{rest}", value)
+    return out
+
+
 def save_checkpoint(
     path: str | Path,
     model: nn.Module,
@@ -90,21 +201,24 @@ def save_checkpoint(
     loader_state: dict[str, Any],
     step: int,
     keep: int = 0,
+    layout: CheckpointLayout | None = None,
+    model_config: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint of this step to ``path`` (collective: every rank calls it).
 
     ``optimizer`` is None on a rank that trains nothing (a frozen pipeline stage); ``scheduler`` is any object
     with ``state_dict``/``load_state_dict``. ``keep`` > 0 removes older ``step_*`` siblings beyond the newest
-    ``keep`` (on rank 0).
+    ``keep`` (on rank 0). ``layout`` (default: plain DP over the world) and ``model_config`` (the job's
+    ``[model]`` section as a plain dict; None records nothing) are recorded for :func:`load_checkpoint`.
     """
     path = Path(path)
+    layout = layout or CheckpointLayout(world_size=_world(), dp=_world())
     model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer), options=_OPTIONS)
-    state = {
-        "model": model_sd,
-        "optim": optim_sd,
-        "extra": {"scheduler": scheduler.state_dict(), "loader": loader_state, "step": step},
-        f"rng_rank{_rank()}": _rng_state(),
-    }
+    extra = {"scheduler": scheduler.state_dict(), "loader": loader_state, "step": step,
+             "layout": json.dumps(layout.to_dict(), sort_keys=True),
+             "model_config": json.dumps(model_config, sort_keys=True) if model_config is not None else ""}
+    state = {"model": model_sd, "optim": _with_tied_aliases(model, optim_sd), "extra": extra,
+             f"rng_rank{_rank()}": _rng_state()}
     with _single_process_quiet():
         dcp.save(state, checkpoint_id=str(path))
     if keep > 0 and _rank() == 0:
@@ -118,55 +232,185 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     scheduler: Any,
     loader_state: dict[str, Any],
+    layout: CheckpointLayout | None = None,
+    model_config: dict[str, Any] | None = None,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    """Restore model, optimizer (unless None), schedule and this rank's RNG from ``path``; returns
-    ``{"step": int, "loader": dict}``. ``loader_state`` is the current loader state, whose keys say what
-    to read.
+    """Restore model, optimizer (unless None), LR schedule and RNG from ``path``, written with any layout
+    (module docstring). Collective: every rank calls it (DCP's load agrees on the ranks' read plans).
+
+    Args:
+        loader_state: the current loader state (its fixed fields are checked against the saved ones).
+        layout: this job's layout (default: plain DP over the world). When it equals the layout recorded in
+            the checkpoint, this rank's saved RNG state and the whole saved LR schedule state are restored;
+            otherwise the RNG streams are re-derived with :func:`seed_rng_streams` ``(seed, step, rank)`` and
+            the LR schedule keeps this job's base LRs, moved to the saved step. A checkpoint written before
+            layouts were recorded counts as the same layout when it holds one RNG state per current rank.
+        model_config: this job's ``[model]`` section (plain dict); None skips the comparison.
+        seed: ``train.seed``, for re-derived RNG streams.
+
+    Returns:
+        ``{"step": int, "loader": dict, "layout": CheckpointLayout | None (None: written before layouts were
+        recorded), "rng": "restored" | "derived"}``.
 
     Raises:
         FileNotFoundError: when ``path`` is not a complete checkpoint.
-        ValueError: when the checkpoint holds no RNG state for this rank (saved with fewer ranks).
+        ValueError: when the model config, global batch size, seed or training set size differ from the saved
+            run's, or the checkpoint lacks or mis-shapes a parameter of ``model``.
     """
+    path = _complete(path)
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    extra = _read_extra(path, keys)
+    _check_loader(path, extra["loader"], loader_state)
+    saved = CheckpointLayout.from_dict(json.loads(extra["layout"])) if extra.get("layout") else None
+    current = layout or CheckpointLayout(world_size=_world(), dp=_world())
+    same = saved == current if saved is not None else _rng_keys(keys) == _world()
+    rng_key = f"rng_rank{_rank()}"
+    rng = torch.zeros(keys[rng_key].size, dtype=torch.uint8) if same and rng_key in keys else None
+    changes = _config_changes(extra.get("model_config") or None, model_config)
+    # a pipeline checkpoint lacks the parts of the model on no pipeline unit (never used, never trained)
+    unsaved_ok = saved is not None and saved.pp > 1 and bool(extra.get("model_config")) and not changes
+    _load_model_and_optimizer(path, keys, model, optimizer, (rng_key, rng), changes, unsaved_ok)
+    if changes:
+        raise _same_everywhere(ValueError(
+            f"cannot resume from {path}: the [model] config differs from the one it was written with "
+            f"({'; '.join(changes[:4])}); --resume continues the same model (to train a changed model from these "
+            "weights, start a new run with model.pretrained set to a saved model)"))
+    step = int(extra["step"])
+    _restore_schedule(scheduler, extra["scheduler"], reposition=not same)
+    if rng is not None:
+        _set_rng_state(rng)
+    else:
+        seed_rng_streams(seed, step, _rank())
+    return {"step": step, "loader": extra["loader"], "layout": saved,
+            "rng": "restored" if rng is not None else "derived"}
+
+
+def _complete(path: str | Path) -> Path:
+    """``path`` as a Path, checked to be a complete checkpoint (raises FileNotFoundError)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
+    return path
+
+
+def _rng_keys(keys: Any) -> int:
+    return sum(1 for k in keys if re.fullmatch(r"rng_rank\d+", k))
+
+
+def _read_extra(path: Path, keys: Any) -> dict[str, Any]:
+    """The checkpoint's ``extra`` entries (schedule, loader, step, layout, model config: whatever it holds),
+    read by this process alone. The template is built from the saved key names, so it needs no knowledge of
+    the layout that wrote them."""
+    template: dict[str, Any] = {}
+    for key in keys:
+        if key.startswith("extra."):
+            *parents, leaf = key.split(".")[1:]
+            node = template
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = None
+    state = {"extra": template}
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state["extra"]
+
+
+def _same_everywhere(exc: ValueError) -> ValueError:
+    """Mark an error that every rank raises alike (the command line then prints it once)."""
+    exc.same_on_every_rank = True  # type: ignore[attr-defined]
+    return exc
+
+
+def _check_loader(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Raise ValueError when a loader field that fixes the next global batch changed (``_LOADER_FIXED``)."""
+    for key, what in _LOADER_FIXED:
+        if key in saved and key in current and int(saved[key]) != int(current[key]):
+            raise _same_everywhere(ValueError(
+                f"cannot resume from {path}: {what} was {saved[key]} when it was written, now {current[key]}; "
+                "the data position counts global batches of that run, so the next batches would differ from it"))
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _config_changes(saved_json: str | None, current: dict[str, Any] | None) -> list[str]:
+    """``"<field>: <saved> -> <now>"`` for each ``[model]`` field that differs (``_MODEL_FIELDS_FREE`` aside);
+    empty when either side is unknown."""
+    if saved_json is None or current is None:
+        return []
+    old, new = _flat(json.loads(saved_json)), _flat(json.loads(json.dumps(current)))
+    missing = object()
+    return [f"model.{k}: {old.get(k, 'unset')!r} -> {new.get(k, 'unset')!r}" for k in sorted(set(old) | set(new))
+            if k not in _MODEL_FIELDS_FREE and old.get(k, missing) != new.get(k, missing)]
+
+
+def _load_model_and_optimizer(path: Path, keys: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                              rng: tuple[str, torch.Tensor | None], changes: list[str], unsaved_ok: bool) -> None:
+    """Read this rank's model and optimizer entries (and, when ``rng = (key, blob)`` holds a blob, its RNG state
+    into it) and set them.
+
+    Parameters that had received no gradient when the checkpoint was written had no optimizer state: none is
+    read for them and the state ``get_state_dict`` initialised is dropped, so they resume exactly as they
+    were. Optimizer group fields the checkpoint lacks (``initial_lr``, which only a trainer whose optimizer
+    carries the LR schedule has) keep their current values. Model entries the checkpoint lacks are an error
+    unless ``unsaved_ok`` (a pipeline checkpoint of the same model config: the entries on no pipeline unit,
+    such as a pooling head, are never saved, never trained, and keep their (seed, FQN) initial values)."""
     model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer), options=_OPTIONS)
-    key = f"rng_rank{_rank()}"
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    if key not in keys:
-        raise ValueError(f"checkpoint {path} has no RNG state for rank {_rank()}: saved with another world size")
-    # Parameters that had received no gradient when the checkpoint was written had no optimizer state:
-    # read none for them (partial load) and drop the state get_state_dict initialised, so they resume
-    # exactly as they were.
+    missing = [k for k in model_sd if f"model.{k}" not in keys]
+    if missing and not unsaved_ok:
+        error = ValueError(f"cannot resume from {path}: it lacks parameters of this model, e.g. {missing[:3]} "
+                           f"({'; '.join(changes[:4]) or 'was the model config changed?'})")
+        raise _same_everywhere(error) if changes else error
     stateless = {k.split(".", 1)[1].rsplit(".", 1)[0] for k in optim_sd
                  if k.startswith("state.") and f"optim.{k}" not in keys}
-    missing = [k for k in model_sd if f"model.{k}" not in keys]
-    if missing:
-        raise ValueError(f"cannot resume from {path}: it lacks parameters of this model, e.g. {missing[:3]} "
-                         "(was the model config changed?)")
-    state = {
-        "model": model_sd,
-        "optim": optim_sd,
-        "extra": {"scheduler": scheduler.state_dict(), "loader": dict(loader_state), "step": 0},
-        key: torch.zeros(keys[key].size, dtype=torch.uint8),
-    }
+    wanted = {k: v for k, v in optim_sd.items() if f"optim.{k}" in keys}
+    state: dict[str, Any] = {"model": {k: v for k, v in model_sd.items() if f"model.{k}" in keys}, "optim": wanted}
+    if rng[1] is not None:
+        state[rng[0]] = rng[1]
     try:
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=bool(stateless)))
-        set_state_dict(model, _optimizers(optimizer), model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=_OPTIONS)
+            dcp.load(state, checkpoint_id=str(path))
+        model_sd.update(state["model"])
+        optim_sd.update(state["optim"])
+        set_state_dict(model, _optimizers(optimizer), model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=_OPTIONS)
         if optimizer is not None:
             for name, param in model.named_parameters():
                 if name in stateless:
                     optimizer.state.pop(param, None)
     except (Exception, CheckpointException) as exc:  # DCP's own type is a BaseException
-        raise ValueError(f"cannot resume from {path}: it does not match this job's model or optimizer "
-                         f"(was the model config changed?): {_reason(exc)}") from exc
-    scheduler.load_state_dict(state["extra"]["scheduler"])
-    _set_rng_state(state[key])
-    return {"step": int(state["extra"]["step"]), "loader": state["extra"]["loader"]}
+        error = ValueError(f"cannot resume from {path}: it does not match this job's model or optimizer "
+                           f"({'; '.join(changes[:4]) or 'was the model config changed?'}): {_reason(exc)}")
+        raise (_same_everywhere(error) if changes else error) from exc
+
+
+def _restore_schedule(scheduler: Any, saved: dict[str, Any], reposition: bool) -> None:
+    """Restore the LR schedule: its whole saved state (same layout, or a schedule that is not a ``LambdaLR``),
+    or, for a ``LambdaLR`` after a layout change (or with another number of groups), only its position
+    (``last_epoch``, ``_step_count``) with this job's base LRs, the current LRs recomputed from them and written
+    into the optimizer's groups. The saved base LRs belong to the old layout's optimizer (a pipeline trainer
+    schedules one placeholder group, the others one group per (LR scale, weight decay) class), so they cannot
+    be reused."""
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        scheduler.load_state_dict(saved)
+        return
+    if not reposition and len(saved["base_lrs"]) == len(scheduler.base_lrs):
+        scheduler.load_state_dict(saved)
+        return
+    scheduler.last_epoch, scheduler._step_count = int(saved["last_epoch"]), int(saved["_step_count"])
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
 
 
 def load_model_state(path: str | Path, model: nn.Module) -> list[str]:

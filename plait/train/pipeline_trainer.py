@@ -41,10 +41,12 @@ Validation: generation needs the whole model. :meth:`PipelineTrainer.evaluate` s
 sample; the other ranks wait for the result (a broadcast, bounded by ``parallel.timeout_s``). Rank 0
 temporarily holds the whole model besides its stage.
 
-Checkpoints: each rank saves its owned parameters, its optimizer state (per-parameter keys) and its RNG;
-resume restores them (:mod:`plait.train.checkpoint`). Timeline: the measured events of the last step of DP
-replica 0 are written at the end of :meth:`PipelineTrainer.fit` to ``<run_dir>/timeline.json`` (Chrome trace)
-and ``<run_dir>/timeline.png`` (Gantt chart) by rank 0, in the simulator's format.
+Checkpoints: each rank saves its owned parameters, its optimizer state (per-parameter keys) and its RNG, and
+the checkpoint records the layout (:meth:`PipelineTrainer._checkpoint_layout`); resume restores them from a
+checkpoint of any layout, pipeline or not (:mod:`plait.train.checkpoint`). Timeline: the measured events of
+the last step of DP replica 0 are written at the end of :meth:`PipelineTrainer.fit` to
+``<run_dir>/timeline.json`` (Chrome trace) and ``<run_dir>/timeline.png`` (Gantt chart) by rank 0, in the
+simulator's format.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ from plait.parallel.stages import build_rank_stages
 from plait.planner.microbatch import MicrobatchPlan
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
 from plait.planner.schedules import Schedule, TimelineEvent, build_schedule
-from plait.train.checkpoint import checkpoint_dir, latest_checkpoint, load_model_state
+from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, latest_checkpoint, load_model_state
 from plait.train.metrics import MetricsWriter
 from plait.train.plots import plot_timeline, write_chrome_trace
 from plait.train.trainer import Trainer, build_optimizer, build_scheduler
@@ -296,6 +298,13 @@ class PipelineTrainer(Trainer):
             use_plait_attention(model.language_model, "sdpa" if self.attention == "plait_sdpa" else "flex")
         load_model_state(path, model)
         return model.to(self.info.device)
+
+    def _checkpoint_layout(self) -> CheckpointLayout:
+        """World size, DP/PP/CP degrees and the plan: per stage its modules, unit count and pipeline rank."""
+        stages = "; ".join(f"{s.index}: {'+'.join(s.modules)} ({len(s.units)} units, rank {s.rank})"
+                           for s in self.plan.stages)
+        return CheckpointLayout(world_size=self.info.world_size, dp=self.dp, pp=self.pp, cp=self.cp,
+                                plan=f"{self.plan.layout}, stages {stages}")
 
     def save(self) -> Path:
         """Write a checkpoint of the current step (collective; once per step: validation already saves one)."""

@@ -43,7 +43,13 @@ from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
 from plait.parallel.pipeline_runtime import token_loss_sum  # one definition, re-exported here
 from plait.parallel.mesh import DistInfo, build_mesh, init_distributed
 from plait.planner.token_distributor import plan_tokens
-from plait.train.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+from plait.train.checkpoint import (
+    CheckpointLayout,
+    checkpoint_dir,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from plait.planner.microbatch import (
     MicrobatchPlan,
     MicrobatchPolicy,
@@ -469,24 +475,41 @@ class Trainer:
 
     # ------------------------------------------------------------------ fit
     def resume(self, path: str | Path | None = None) -> int:
-        """Restore the newest checkpoint of the run (or ``path``); returns the step resumed at.
+        """Restore the newest checkpoint of the run (or ``path``), written with this or any other parallel layout
+        (:mod:`plait.train.checkpoint`); returns the step resumed at. Rank 0 prints the saved and the current
+        layout, and whether the RNG streams were re-derived.
 
         Raises:
             FileNotFoundError: when there is nothing to resume from.
+            ValueError: when the checkpoint's model config, global batch size, seed or training set differ.
         """
         ckpt = Path(path) if path else latest_checkpoint(self.run_dir)
         if ckpt is None:
             raise FileNotFoundError(f"no checkpoint to resume from under {self.run_dir / 'checkpoints'}")
-        state = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler, self.loader.state_dict())
+        layout = self._checkpoint_layout()
+        state = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler, self.loader.state_dict(),
+                                layout, config_to_dict(self.cfg)["model"], self.cfg.train.seed)
         self.loader.load_state_dict(state["loader"])
         self.step = state["step"]
+        if self.info.is_main:
+            was = state["layout"].describe() if state["layout"] is not None else "an unrecorded layout"
+            print(f"plait: resuming step {self.step} written with {was}, now {layout.describe()}", flush=True)
+            if state["rng"] == "derived":
+                print("plait: the layout changed, so RNG streams were re-derived from (train.seed, step, rank): "
+                      "dropout/sampling randomness differs from an uninterrupted run; model, optimizer, LR "
+                      "schedule and data position continue exactly", flush=True)
         return self.step
 
+    def _checkpoint_layout(self) -> CheckpointLayout:
+        """The layout checkpoints record and resume compares (world size, DP and CP degrees; no pipeline)."""
+        return CheckpointLayout(world_size=self.info.world_size, dp=self.dp, pp=1, cp=self.cp)
+
     def save(self) -> Path:
-        """Write a checkpoint of the current step (collective)."""
+        """Write a checkpoint of the current step (collective), with its layout and ``[model]`` config."""
         return save_checkpoint(
             checkpoint_dir(self.run_dir, self.step), self.model, self.optimizer, self.scheduler,
             self.loader.state_dict(), self.step, keep=self.cfg.checkpoint.keep,
+            layout=self._checkpoint_layout(), model_config=config_to_dict(self.cfg)["model"],
         )
 
     def full_model(self, path: str | Path | None = None) -> MultimodalModel:
