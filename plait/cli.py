@@ -11,6 +11,7 @@ on this machine (reusing a stored profile only when model, shapes, dtype, device
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -88,9 +89,27 @@ def _resolve_auto_plan(cfg, store: str):
                  f"{pp.microbatches} microbatches per replica" if pp.degree > 1 else "no pipeline parallelism")
         print(f"plait: parallel.plan=auto for {info.world_size} process(es): DP {resolved.parallel.dp} x PP "
               f"{pp.degree}, {shape}")
+        note = _auto_plan_replaces(cfg, resolved)
+        if note:
+            print(note)
         print(f"plait: auto-plan inputs: {machine.describe()}")
         print(format_plan(choice), flush=True)
     return resolved, info
+
+
+def _auto_plan_replaces(cfg, resolved) -> str | None:
+    """One line saying what ``parallel.plan = "auto"`` replaced: the job's ``parallel.dp`` and ``[parallel.pp]``
+    fields that differ from their defaults, as written and as chosen (``resolved``); None when the job set none."""
+    from plait.config.schema import ParallelConfig, PipelineConfig
+
+    default_pp, written, chosen = PipelineConfig(), cfg.parallel.pp, resolved.parallel.pp
+    changes = [f"parallel.pp.{f.name} = {getattr(written, f.name)!r} -> {getattr(chosen, f.name)!r}"
+               for f in dataclasses.fields(PipelineConfig) if getattr(written, f.name) != getattr(default_pp, f.name)]
+    if cfg.parallel.dp != ParallelConfig().dp:
+        changes.insert(0, f"parallel.dp = {cfg.parallel.dp} -> {resolved.parallel.dp}")
+    if not changes:
+        return None
+    return "plait: parallel.plan=auto replaces the job's " + ", ".join(changes) + " (written -> chosen)"
 
 
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -136,25 +155,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     train.add_argument("--profile-store", default="runs/profiles",
                        help="folder of stored profiles for parallel.plan=auto")
     plan = sub.add_parser("plan", help="choose a pipeline layout/partition for N devices (analytic costs)")
-    plan.add_argument("--config", required=True, help="TOML job file (its [model] section is planned)")
-    plan.add_argument("--devices", type=int, required=True, help="number of GPUs to plan for")
+    plan.add_argument("--config", required=True, help="TOML job file (its [model] section is planned; its "
+                      "[parallel.pp] table and parallel.dp are replaced by the plan, not checked)")
+    plan.add_argument("--devices", type=int, required=True,
+                      help="devices to plan for (GPUs, or CPU processes with --device cpu)")
     plan.add_argument("--out", default=None, help="write the chosen plan as JSON here")
     plan.add_argument("--device", default="h100", help="device preset: h100, h200, a100 or cpu")
-    plan.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: from the job)")
+    plan.add_argument("--microbatches", type=int, default=None,
+                      help="split the job's global batch (train.global_batch_size samples) into N microbatches of "
+                           "ceil(global / N) samples, as parallel.pp.microbatches does; at most the global batch "
+                           "size (default: global_batch_size / microbatch_size)")
     plan.add_argument("--frozen-unaware", action="store_true", help="plan with backward = 2x forward everywhere")
     plan.add_argument("--dp", type=int, default=None,
-                      help="data-parallel degree to plan for (default: searched); --dp 1 gives a [parallel.pp] table")
+                      help="data-parallel degree to plan for, at most --devices and the microbatches per step "
+                           "(default: searched); the printed [parallel.pp] table is one replica's, with the "
+                           "parallel.dp to set in [parallel]")
     plan.add_argument("--one-stage-per-rank", action="store_true",
                       help="only plain 1F1B plans (no interleaved 1F1B, no encoders on the first LLM rank)")
     plan.add_argument("--macrobatches", type=int, default=0,
                       help="sample N global batches from data.train: report how module totals vary and plan for "
                            "the expected batch (processes the training set; e.g. 32)")
     simulate = sub.add_parser("simulate", help="predicted timeline (Chrome trace + PNG) of a plan JSON")
-    simulate.add_argument("--plan", required=True, help="plan JSON written by `plait plan --out`")
+    simulate.add_argument("--plan", required=True, help="plan JSON written by `plait plan --out` (not a profile "
+                          "or a timeline.json)")
     simulate.add_argument("--out-dir", required=True, help="folder for timeline.json and timeline.png")
     profile = sub.add_parser("profile", help="measure per-unit costs of the job's model on this machine")
     profile.add_argument("--config", required=True, help="TOML job file (its model and first training samples)")
-    profile.add_argument("--out", default=None, help="profile JSON file (default: <store>/profile-<key hash>.json)")
+    profile.add_argument("--out", default=None, help="profile JSON file (default: <store>/profile-<key hash>.json); "
+                         "an existing file is replaced only when it is a plait profile")
     profile.add_argument("--store", default="runs/profiles", help="folder of stored profiles")
     profile.add_argument("--microbatches", type=int, default=1, help="microbatches to profile (costs are their mean)")
     profile.add_argument("--microbatch-size", type=int, default=None, help="samples per microbatch "

@@ -16,7 +16,7 @@ from plait.planner.microbatch import METHODS
 from plait.planner.pipeline_plan import LAYOUTS, LLM_MODULE, stage_ranks
 from plait.planner.schedules import SCHEDULE_NAMES
 
-__all__ = ["load_config", "config_from_dict", "parse_overrides", "config_to_dict", "pipeline_stage_counts",
+__all__ = ["load_config", "read_config_data", "config_from_dict", "parse_overrides", "config_to_dict", "pipeline_stage_counts",
            "pipeline_plan_kwargs"]
 
 
@@ -32,6 +32,19 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobCo
         ValueError: on TOML syntax errors, unknown sections/keys, wrong value types or invalid values,
             naming the offending dotted key.
     """
+    cfg = config_from_dict(read_config_data(path, overrides))
+    validate(cfg)
+    return cfg
+
+
+def read_config_data(path: str | Path, overrides: typing.Sequence[str] = ()) -> dict[str, Any]:
+    """The nested tables of a TOML job file with the ``--section.key=value`` overrides applied, not yet
+    checked (``config_from_dict`` and ``validate`` do that).
+
+    Raises:
+        FileNotFoundError: when ``path`` does not exist.
+        ValueError: on TOML syntax errors or a malformed override.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
@@ -41,9 +54,7 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobCo
         raise ValueError(f"{path}: invalid TOML: {exc}") from exc
     for key, value in parse_overrides(overrides).items():
         _set_dotted(data, key, value)
-    cfg = config_from_dict(data)
-    validate(cfg)
-    return cfg
+    return data
 
 
 def parse_overrides(args: typing.Sequence[str]) -> dict[str, Any]:

@@ -14,7 +14,9 @@
 Workload assumed per microbatch (from the config, overridable): ``train.microbatch_size`` sequences of
 ``data.max_length`` LLM tokens (an upper bound: padding to the longest), each with ``items_per_sample``
 items per encoder at the encoder's native size (vision: its ``image_size`` patches; audio: its
-``max_source_positions`` frames); ``global_batch_size / microbatch_size`` microbatches per iteration.
+``max_source_positions`` frames); ``global_batch_size / microbatch_size`` microbatches per iteration, or the
+global batch split into ``--microbatches N`` microbatches of ``ceil(global_batch_size / N)`` sequences
+(``split_global_batch``; never more samples than the job's global batch).
 
 Macro-batches (../shared/REFERENCES.md section 3, Entrain): when the job has training data and
 ``macrobatches`` > 0, ``plan_command`` reads every sample's metadata (the trainer's processing; the model is
@@ -27,6 +29,7 @@ LLM tokens (``expected_shapes``).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
@@ -63,11 +66,14 @@ __all__ = [
     "expected_shapes",
     "format_plan",
     "job_units",
+    "load_config_for_planning",
     "plan_command",
     "plan_from_json",
     "pp_snippet",
+    "rank_peak_memory_bytes",
     "simulate_choice",
     "simulate_command",
+    "split_global_batch",
 ]
 
 DEFAULT_MACROBATCHES = 32
@@ -390,11 +396,20 @@ def _chunk_label(names: Sequence[str]) -> str:
     return f"{names[0]} .. {'.'.join(last[shared:])} ({len(names)})"
 
 
+def rank_peak_memory_bytes(choice: LayoutChoice) -> tuple[int, ...]:
+    """Per pipeline rank, the most bytes held at once (static bytes of all its stages plus their live
+    activations) over one iteration of ``choice``: ``simulate_choice(choice).peak_memory_bytes``. This is what
+    a device must hold; ``choice.stage_memory_bytes`` is per stage, so under interleaved 1F1B (several stages
+    per rank) or attached encoders their maximum under-reports it."""
+    return tuple(simulate_choice(choice).peak_memory_bytes)
+
+
 def format_plan(choice: LayoutChoice) -> str:
     """The plan as a text table: one row per stage (rank, modules, units, forward and backward ms per
-    microbatch, peak memory GiB), then the totals."""
+    microbatch, that stage's own peak memory GiB), then the totals with the peak memory per rank (device):
+    ``rank_peak_memory_bytes``, the sum over a rank's stages, not the largest stage."""
     plan = choice.plan
-    lines = [f"{'stage':>5} {'rank':>4} {'module':<8} {'units':<64} {'F ms':>8} {'B ms':>8} {'mem GiB':>8}"]
+    lines = [f"{'stage':>5} {'rank':>4} {'module':<8} {'units':<64} {'F ms':>8} {'B ms':>8} {'stage GiB':>9}"]
     for stage in plan.stages:
         for k, module in enumerate(stage.modules):
             first = k == 0
@@ -402,8 +417,9 @@ def format_plan(choice: LayoutChoice) -> str:
                 f"{stage.index if first else '':>5} {stage.rank if first else '':>4} {module:<8} "
                 f"{_chunk_label(stage.module_units(module)):<64} "
                 + (f"{1e3 * choice.stage_forward_s[stage.index]:>8.2f} {1e3 * choice.stage_backward_s[stage.index]:>8.2f} "
-                   f"{choice.stage_memory_bytes[stage.index] / _GIB:>8.2f}" if first else ""))
+                   f"{choice.stage_memory_bytes[stage.index] / _GIB:>9.2f}" if first else ""))
     counts = ", ".join(f"{m} {s}" for m, s in choice.stages_per_module)
+    peaks = rank_peak_memory_bytes(choice)
     cap = "no cap" if choice.memory_cap is None else f"cap {choice.memory_cap / _GIB:.1f} GiB"
     lines += [
         f"layout {choice.layout}, DP {choice.dp} x {plan.num_ranks} pipeline ranks = {choice.devices_used} of "
@@ -411,8 +427,11 @@ def format_plan(choice: LayoutChoice) -> str:
         f"iteration {1e3 * choice.iteration_s:.2f} ms (pipeline {1e3 * choice.makespan_s:.2f} ms + gradient "
         f"all-reduce {1e3 * choice.grad_sync_s:.2f} ms) with {choice.microbatches_per_replica} of "
         f"{choice.microbatches} microbatches per replica; bubble {100 * choice.bubble_fraction:.1f}%; "
-        f"{choice.ratio_to_lower_bound:.2f}x the lower bound {1e3 * choice.lower_bound_s:.2f} ms; "
-        f"peak memory {max(choice.stage_memory_bytes) / _GIB:.2f} GiB ({cap})",
+        f"{choice.ratio_to_lower_bound:.2f}x the lower bound {1e3 * choice.lower_bound_s:.2f} ms",
+        f"peak memory per rank (device) {max(peaks) / _GIB:.2f} GiB ({cap})"
+        + (f"; ranks {' / '.join(f'{p / _GIB:.2f}' for p in peaks)} GiB" if len(peaks) > 1 else "")
+        + ("; 'stage GiB' is each stage's own peak, a rank holds all of its stages"
+           if plan.num_stages > plan.num_ranks else ""),
     ]
     return "\n".join(lines)
 
@@ -438,7 +457,9 @@ def plan_command(
     out: TextIO | None = None,
 ) -> LayoutChoice:
     """``plait plan``: choose the pipeline layout of a job for ``devices`` accelerators, print it with its
-    ``[parallel.pp]`` table (``pp_snippet``, or why there is none), save it.
+    ``[parallel.pp]`` table (``pp_snippet``, or why there is none), save it. The job file is read with
+    ``load_config_for_planning``: its own ``[parallel.pp]`` table and ``parallel.dp`` are replaced by the plan,
+    not checked.
 
     Args:
         config_path: TOML job file; overrides: dotted ``--section.key=value`` overrides.
@@ -446,9 +467,14 @@ def plan_command(
         out_json: where to write the plan JSON (``LayoutChoice.to_dict`` and ``PP_TOML_KEY``; parents
             created); None: do not write.
         device: accelerator preset (``DEVICES``) or ``DeviceSpec``; its link is the stage-to-stage P2P model.
-        microbatches, items_per_sample: workload (``build_plan_inputs``).
+        microbatches: global microbatches per step: the job's global batch split into this many microbatches of
+            ``ceil(train.global_batch_size / microbatches)`` samples (``split_global_batch``; at most
+            ``train.global_batch_size``); None: ``global_batch_size / microbatch_size`` of ``microbatch_size``.
+        items_per_sample: workload (``build_plan_inputs``).
         memory_fraction: fraction of the device memory a stage may use (the rest: CUDA context, workspaces).
-        frozen_aware, layouts, dp_degrees, rel_tol, virtual_stages, attach_encoders: as
+        dp_degrees: DP degrees to search (``plait plan --dp``), each in ``1..min(devices, microbatches)``;
+            None: the divisors of ``devices`` in that range.
+        frozen_aware, layouts, rel_tol, virtual_stages, attach_encoders: as
             ``search.plan_layout`` (by default interleaved 1F1B with 2 or 4 LLM stages per rank and encoders on
             the first LLM rank are searched too: jobs run them, ``[parallel.pp] virtual_stages / attach_encoders``).
         dp_link_Bps: bandwidth (B/s) of the data-parallel gradient all-reduce; None: not modelled.
@@ -462,18 +488,23 @@ def plan_command(
         The ``LayoutChoice``.
 
     Raises:
-        ValueError: on bad arguments or configs, or when no layout fits memory; FileNotFoundError: on a
-            missing config file or model directory.
+        ValueError: on bad arguments (``--microbatches`` above the global batch's samples, ``--dp`` out of range:
+            named) or configs, or when no layout fits memory; FileNotFoundError: on a missing config file or
+            model directory.
     """
-    from plait.config.loader import load_config
-
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     if isinstance(macrobatches, bool) or not isinstance(macrobatches, int) or macrobatches < 0:
         raise ValueError(f"macrobatches must be an integer >= 0, got {macrobatches!r}")
     spec = device_spec(device)
-    cfg = load_config(config_path, list(overrides))
     stream = out or sys.stdout
+    cfg, replaced = load_config_for_planning(config_path, overrides)
+    if replaced:
+        print(f"plait plan: the job's {replaced} is not checked or used: the plan replaces it", file=stream)
+    cfg = split_global_batch(cfg, microbatches)
+    microbatches = None if microbatches is None else int(microbatches)
+    _check_dp_degrees(dp_degrees, devices,
+                      microbatches or max(1, cfg.train.global_batch_size // cfg.train.microbatch_size))
     expected = None
     if macrobatches and cfg.data.train:
         _, expected = _macrobatches(cfg, macrobatches, stream)
@@ -487,7 +518,7 @@ def plan_command(
         virtual_stages=virtual_stages, attach_encoders=attach_encoders,
     )
     print(f"plait plan: {config_path} on {devices} x {spec.name}, {inputs.microbatches} microbatches of "
-          f"{cfg.train.microbatch_size} samples", file=stream)
+          f"{cfg.train.microbatch_size} samples (global batch {cfg.train.global_batch_size})", file=stream)
     print(format_plan(choice), file=stream)
     snippet, why = pp_snippet(cfg, choice, inputs.units, inputs.unit_source)
     if snippet is None:
@@ -502,16 +533,98 @@ def plan_command(
     return choice
 
 
+def load_config_for_planning(config_path: str | Path, overrides: Sequence[str] = ()) -> tuple[Any, str]:
+    """The job config ``plait plan`` plans for: the TOML file with its ``--section.key=value`` overrides, read and
+    validated as ``plait.config.loader.load_config`` does, except that the job's ``[parallel.pp]`` table and
+    ``parallel.dp`` are reset to their defaults first: the plan replaces them, so a table written for another
+    model or world size (e.g. ``attach_encoders = true`` on an LLM-only job) must not stop the planning.
+
+    Returns:
+        ``(JobConfig, replaced)``: ``replaced`` names what was reset (``"[parallel.pp] table"``,
+        ``"parallel.dp = 2"``, both joined by ``" and "``), ``""`` when the job set neither.
+
+    Raises:
+        FileNotFoundError: when the file does not exist; ValueError: as ``load_config`` (TOML syntax, unknown
+            keys, wrong types or invalid values outside ``[parallel.pp]``, named by dotted key).
+    """
+    from plait.config.loader import config_from_dict, read_config_data, validate
+
+    data = read_config_data(config_path, overrides)
+    parallel = data.get("parallel")
+    replaced = []
+    if isinstance(parallel, dict):
+        if parallel.pop("pp", None):
+            replaced.append("[parallel.pp] table")
+        if parallel.get("dp", 0) not in (0, 1):
+            replaced.append(f"parallel.dp = {parallel['dp']}")
+        parallel.pop("dp", None)
+    cfg = config_from_dict(data)
+    validate(cfg)
+    return cfg, " and ".join(replaced)
+
+
+def split_global_batch(cfg: Any, microbatches: int | None) -> Any:
+    """``cfg`` with its global batch split into ``microbatches`` microbatches (``plait plan --microbatches``).
+
+    ``--microbatches N`` plans the job's own global batch (``train.global_batch_size`` = ``G`` samples per step)
+    cut into ``N`` microbatches of ``ceil(G / N)`` samples, as ``parallel.pp.microbatches`` cuts it at run time;
+    it never adds samples. The returned copy has ``train.microbatch_size = ceil(G / N)``; None returns ``cfg``
+    (``G / train.microbatch_size`` microbatches).
+
+    Raises:
+        ValueError: naming ``--microbatches`` when ``N`` is not an integer in ``1..G`` (a microbatch needs at least
+            one sample).
+    """
+    if microbatches is None:
+        return cfg
+    train = cfg.train
+    if isinstance(microbatches, bool) or int(microbatches) != microbatches or not \
+            1 <= microbatches <= train.global_batch_size:
+        raise ValueError(
+            f"--microbatches {microbatches}: must be in 1..{train.global_batch_size}, the samples of the job's global "
+            f"batch (train.global_batch_size {train.global_batch_size}, train.microbatch_size "
+            f"{train.microbatch_size}: {max(1, train.global_batch_size // train.microbatch_size)} microbatches); "
+            "the planner splits that global batch, it does not add samples: raise train.global_batch_size "
+            "(--train.global_batch_size=...) to plan a larger one")
+    out = copy.deepcopy(cfg)
+    out.train.microbatch_size = -(-train.global_batch_size // int(microbatches))
+    return out
+
+
+def _check_dp_degrees(dp_degrees: Sequence[int] | None, devices: int, microbatches: int) -> None:
+    """``plan_command``'s DP degrees (``plait plan --dp``) against the devices and microbatches.
+
+    Raises:
+        ValueError: naming ``--dp`` for a degree outside ``1..min(devices, microbatches)``.
+    """
+    top = min(devices, microbatches)
+    for d in dp_degrees or ():
+        if isinstance(d, bool) or int(d) != d or not 1 <= d <= top:
+            raise ValueError(f"--dp {d}: the data-parallel degree must be in 1..{top} (at most --devices {devices} "
+                             f"and the {microbatches} microbatches per step: each replica needs a microbatch)")
+
+
 def plan_from_json(text: str) -> LayoutChoice:
     """The ``LayoutChoice`` of a plan JSON written by ``plan_command`` (its ``PP_TOML_KEY`` entry dropped).
 
     Raises:
-        ValueError: when the text is not JSON or not such a plan (as ``LayoutChoice.from_dict``).
+        ValueError: when the text is not JSON, or not such a plan: missing or unknown keys (saying when it looks
+            like a profile or a Chrome trace), or as ``LayoutChoice.from_dict``.
     """
     data = json.loads(text)
     if not isinstance(data, dict):
         raise ValueError(f"a plan is a JSON object, got {type(data).__name__}")
     data.pop(PP_TOML_KEY, None)
+    fields = dataclasses.fields(LayoutChoice)
+    missing = [f.name for f in fields
+               if f.name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    unknown = sorted(set(data) - {f.name for f in fields})
+    if missing or unknown:
+        kind = "a profile (plait profile --out)" if {"format", "key", "measurements"} <= set(data) else (
+            "a Chrome trace (e.g. timeline.json)" if "traceEvents" in data else "")
+        raise ValueError(("it looks like " + kind + "; " if kind else "")
+                         + f"a plan has the keys of LayoutChoice; missing {missing[:6]}"
+                         + (f", unknown {unknown[:6]}" if unknown else ""))
     return LayoutChoice.from_dict(data)
 
 
@@ -523,10 +636,12 @@ def pp_snippet(cfg: Any, choice: LayoutChoice, units: Sequence[Unit],
     The table is ``auto_plan.apply_layout_choice``'s ``parallel.pp`` (degree, layout, stages per module,
     schedule, microbatches per replica, and ``splits`` for the modules whose cost-balanced boundaries are not
     the even split by unit count, ``virtual_stages`` and ``attach_encoders`` when the plan interleaves),
-    written as TOML. There is one only for a plan a job can run as written: a single replica (``dp`` 1:
-    ``[parallel.pp]`` describes one pipeline), stage placement that ``[parallel.pp]`` can express
-    (``apply_layout_choice`` accepts it; a one-rank plan is ``degree = 1``, no pipeline parallelism) and units
-    named as the model names them (``unit_source`` is ``MODEL_UNITS``, see ``job_units``).
+    written as TOML, under a comment line giving the rest of ``apply_layout_choice``'s config: ``parallel.dp``
+    (to set in the job's ``[parallel]`` table when the plan has several replicas; the table describes one
+    pipeline replica, ``microbatches`` per replica) and ``parallel.plan = "manual"``. There is one only for
+    stage placement that ``[parallel.pp]`` can express (``apply_layout_choice`` accepts it; a one-rank plan is
+    ``degree = 1``, no pipeline parallelism) and units named as the model names them (``unit_source`` is
+    ``MODEL_UNITS``, see ``job_units``).
 
     Args:
         cfg: the ``JobConfig`` the plan is for; choice: the plan; units: the units it was searched over.
@@ -537,9 +652,6 @@ def pp_snippet(cfg: Any, choice: LayoutChoice, units: Sequence[Unit],
     """
     if unit_source != MODEL_UNITS:
         return None, f"the unit names are not the model's: {unit_source}"
-    if choice.dp != 1:
-        return None, (f"the plan has {choice.dp} data-parallel replicas; [parallel.pp] describes one pipeline "
-                      "(plan with --dp 1, or dp_degrees=[1], for one)")
     try:
         pp = apply_layout_choice(cfg, choice, units).parallel.pp
     except ValueError as exc:
@@ -553,8 +665,17 @@ def pp_snippet(cfg: Any, choice: LayoutChoice, units: Sequence[Unit],
             fields["attach_encoders"] = True
         if pp.splits:
             fields["splits"] = pp.splits
-    head = f"# plait plan: one pipeline of {pp.degree} rank(s), parallel.dp = 1, parallel.plan = \"manual\"\n"
-    return head + "[parallel.pp]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in fields.items()), ""
+    body = "".join(f"{k} = {_toml_value(v)}\n" for k, v in fields.items())
+    return _snippet_head(choice.dp, pp.degree) + "[parallel.pp]\n" + body, ""
+
+
+def _snippet_head(dp: int, degree: int) -> str:
+    """The comment line above a ``[parallel.pp]`` snippet: the replicas and what to set in ``[parallel]``."""
+    pipeline = f"a pipeline of {degree} ranks" if degree > 1 else "no pipeline (degree = 1: the whole model per rank)"
+    if dp == 1:
+        return f"# plait plan: one replica, {pipeline}; parallel.dp = 1, parallel.plan = \"manual\"\n"
+    return (f"# plait plan: {dp} data-parallel replicas ({dp * degree} processes), each {pipeline}: also set "
+            f"parallel.dp = {dp} and parallel.plan = \"manual\" in [parallel]\n")
 
 
 def _toml_value(value: Any) -> str:
@@ -607,7 +728,8 @@ def simulate_command(plan_json: str | Path, out_dir: str | Path, *, out: TextIO 
         ``{"trace": path, "png": path}``.
 
     Raises:
-        FileNotFoundError: when ``plan_json`` does not exist; ValueError: when it is not a plan.
+        FileNotFoundError: when ``plan_json`` does not exist; ValueError: naming the file when it is not a plan
+            JSON written by ``plan_command`` (``plait plan --out``), e.g. a profile or a ``timeline.json``.
     """
     from plait.train.plots import plot_timeline, write_chrome_trace
 
@@ -617,8 +739,9 @@ def simulate_command(plan_json: str | Path, out_dir: str | Path, *, out: TextIO 
     try:
         choice = plan_from_json(path.read_text())
         result = simulate_choice(choice)
-    except (json.JSONDecodeError, TypeError, KeyError, IndexError) as exc:  # a field of the wrong type or shape
-        raise ValueError(f"{path} is not a valid plait plan ({type(exc).__name__}: {exc})") from exc
+    except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError) as exc:  # not JSON, not a plan
+        raise ValueError(f"--plan {path} is not a plan JSON written by `plait plan --out` "
+                         f"({type(exc).__name__}: {exc})") from exc
     folder = Path(out_dir)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"--out-dir {folder} exists and is not a folder")

@@ -38,6 +38,7 @@ __all__ = [
     "ProfileKey",
     "ProfileStore",
     "UnitMeasurement",
+    "not_a_profile",
     "profile_mismatch",
     "stage_action_costs",
 ]
@@ -271,6 +272,29 @@ class Profile:
         return dataclass_from_dict(cls, data)
 
 
+def not_a_profile(path: str | Path) -> str | None:
+    """Why the existing file ``path`` is not a plait profile, or None when it is one (a JSON object with the
+    ``format`` and ``key`` of ``Profile.to_dict``, any format version, stale or not) or does not exist. A file
+    that is not a profile must not be overwritten by a measured one (it may be a plan, a trace, anything).
+
+    Raises:
+        ValueError: when ``path`` exists and is not a regular file (a folder).
+    """
+    source = Path(path)
+    if not source.exists():
+        return None
+    if not source.is_file():
+        raise ValueError(f"profile path {source} exists and is not a file")
+    try:
+        data = json.loads(source.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"not JSON: {exc}"
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    missing = [k for k in ("format", "key") if k not in data]
+    return f"no profile {' or '.join(repr(k) for k in missing)} key" if missing else None
+
+
 class ProfileStore:
     """Profiles as JSON files under ``root``: ``<root>/profile-<key digest>.json``.
 
@@ -286,8 +310,16 @@ class ProfileStore:
         return self.root / f"profile-{key.digest()}.json"
 
     def save(self, profile: Profile, path: str | Path | None = None) -> Path:
-        """Write ``profile`` (to ``path``, default ``path_for(profile.key)``); returns the path."""
+        """Write ``profile`` (to ``path``, default ``path_for(profile.key)``); returns the path.
+
+        Raises:
+            ValueError: when the file exists and is not a plait profile (``not_a_profile``): never overwritten.
+        """
         target = Path(path) if path is not None else self.path_for(profile.key)
+        foreign = not_a_profile(target)
+        if foreign is not None:
+            raise ValueError(f"profile file {target} exists and is not a plait profile ({foreign}); refusing to "
+                             "overwrite it")
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(profile.to_dict(), indent=1, sort_keys=True))
         return target

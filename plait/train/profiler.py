@@ -59,7 +59,7 @@ from plait.models.units import UnitSpec, unit_specs
 from plait.parallel.pipeline_runtime import run_pipeline_step, token_loss_sum
 from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline_plan import plan_pipeline
-from plait.planner.profile_store import Profile, ProfileKey, ProfileStore, UnitMeasurement
+from plait.planner.profile_store import Profile, ProfileKey, ProfileStore, UnitMeasurement, not_a_profile
 from plait.planner.schedules import build_schedule
 
 __all__ = [
@@ -557,10 +557,20 @@ def load_or_measure(store: ProfileStore, key: ProfileKey, measure: Callable[[], 
     Args:
         store: the profile folder; path: an explicit file instead of the store's file for ``key``.
         force: measure even when a matching profile exists.
+
+    Raises:
+        ValueError: before measuring, when the file to write exists and is not a plait profile
+            (``profile_store.not_a_profile``: not JSON, or no profile ``format`` and ``key``); a plait profile
+            that is stale, of another format version or unreadable field by field is re-measured and replaced.
     """
     import sys
 
     stream = out or sys.stdout
+    target = Path(path) if path is not None else store.path_for(key)
+    foreign = not_a_profile(target)
+    if foreign is not None:
+        raise ValueError(f"profile file {target} exists and is not a plait profile ({foreign}); refusing to "
+                         "overwrite it: give another --out (or store) or remove the file")
     profile, reason = (None, "forced by the caller") if force else store.load(key, path)
     if profile is not None:
         print(f"plait profile: reusing {path or store.path_for(key)}", file=stream)
@@ -668,7 +678,8 @@ def profile_job(cfg: Any, *, store_dir: str | Path = "runs/profiles", out_path: 
         force: re-measure even on a matching stored profile; out: where messages go (default stdout).
 
     Raises:
-        ValueError, FileNotFoundError: as :func:`build_profile_inputs`.
+        ValueError, FileNotFoundError: as :func:`build_profile_inputs`; ValueError when the file to write
+            (``out_path`` or the store's) exists and is not a plait profile (:func:`load_or_measure`).
     """
     inputs = build_profile_inputs(cfg, microbatches=microbatches, microbatch_size=microbatch_size, clock=clock)
 
@@ -682,7 +693,8 @@ def profile_job(cfg: Any, *, store_dir: str | Path = "runs/profiles", out_path: 
 # ----- printing ------------------------------------------------------------------------------------------
 def format_profile(profile: Profile) -> str:
     """The profile as a plain-text table: one row per unit (flags, forward / dX / dW / fused-backward ms,
-    parameter, gradient, optimizer-state, saved-activation and output KiB), then the chunk overheads."""
+    parameter, gradient, optimizer-state, saved-activation and output KiB), then the chunk overheads (with one
+    line explaining a negative one: the module ran faster as one chunk than its units apart)."""
     head = (f"{'unit':<56} {'T':>1}{'X':>1} {'F ms':>8} {'dX ms':>8} {'dW ms':>8} {'B ms':>8} {'param KiB':>10} "
             f"{'grad KiB':>9} {'optim KiB':>10} {'act KiB':>9} {'out KiB':>8}")
     lines = [f"profile: {profile.key.device}, {profile.key.dtype}, torch {profile.key.torch_version}, plait "
@@ -698,5 +710,8 @@ def format_profile(profile: Profile) -> str:
     for module, over in profile.chunk_overhead_s.items():
         lines.append(f"chunk overhead {module}: F {1e3 * over.get('F', 0.0):.3f} ms, "
                      f"B {1e3 * over.get('B', 0.0):.3f} ms")
+    if any(v < 0 for over in profile.chunk_overhead_s.values() for v in over.values()):
+        lines.append("a negative chunk overhead: the module ran faster as one chunk than its units measured apart; "
+                     "kept as a correction (a stage's time is clipped at 0)")
     lines.append("T = trainable, X = needs input gradient; B = fused backward (dX + dW in one pass)")
     return "\n".join(lines)

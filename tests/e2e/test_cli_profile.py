@@ -60,3 +60,28 @@ def test_train_with_an_automatic_plan(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "plait: parallel.plan=auto for 1 process(es): DP 1 x PP 1" in text and "trained 1 steps" in text
     assert len(list(store.glob("profile-*.json"))) == 1
+
+
+def test_profile_refuses_to_overwrite_a_file_that_is_not_a_profile(tmp_path, capsys):
+    job, out = _job(tmp_path), tmp_path / "plan.json"
+    out.write_text(json.dumps({"dp": 1, "plan": {}, "parallel_pp_toml": None}))
+    before = out.read_text()
+    assert main(["profile", "--config", job, "--out", str(out), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert f"plait: error: profile file {out} exists and is not a plait profile" in err
+    assert out.read_text() == before
+
+
+def test_auto_plan_says_what_it_replaces():
+    from plait.cli import _auto_plan_replaces
+    from plait.config.schema import PipelineConfig
+
+    cfg = config_from_dict(tiny_config_dict("train.jsonl"))
+    resolved = config_from_dict(tiny_config_dict("train.jsonl"))
+    resolved.parallel.dp, resolved.parallel.pp = 2, PipelineConfig(degree=1)
+    assert _auto_plan_replaces(cfg, resolved) is None  # the job wrote neither: nothing to say
+    cfg.parallel.dp = 4
+    cfg.parallel.pp = PipelineConfig(degree=2, microbatches=8)
+    assert _auto_plan_replaces(cfg, resolved) == (
+        "plait: parallel.plan=auto replaces the job's parallel.dp = 4 -> 2, parallel.pp.degree = 2 -> 1, "
+        "parallel.pp.microbatches = 8 -> 0 (written -> chosen)")

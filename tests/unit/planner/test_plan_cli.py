@@ -16,16 +16,25 @@ from plait.models.registry import build_model, load_tokenizer
 from plait.models.units import model_units
 from plait.planner.cost_model import units_from_configs
 from plait.planner.pipeline_plan import plan_pipeline
+from plait.config.schema import PipelineConfig
+from plait.planner.pipeline_plan import synthetic_units
 from plait.planner.plan_cli import (
     MODEL_UNITS,
     PP_TOML_KEY,
     _model_parts,
     _toml_value,
     build_plan_inputs,
+    format_plan,
+    load_config_for_planning,
     plan_command,
     plan_from_json,
     pp_snippet,
+    rank_peak_memory_bytes,
+    simulate_command,
+    split_global_batch,
 )
+from plait.planner.search import evaluate_plan
+from plait.planner.types import UnitCost
 from tests.conftest import TINY_AUDIO, TINY_LLM, TINY_VISION, tiny_config_dict
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -149,13 +158,129 @@ def test_snippet_pasted_into_the_job_file_is_accepted_and_rebuilds_the_plan(tmp_
     assert all(n in names for boundaries in table.get("splits", {}).values() for n in boundaries)
 
 
-def test_no_snippet_for_several_replicas(tmp_path):
+def test_several_replicas_get_one_replicas_table_and_the_parallel_dp_to_set(tmp_path):
     out = io.StringIO()
     choice = plan_command(DEMO, 4, tmp_path / "plan.json", device="cpu", dp_degrees=[2], out=out)
     assert choice.dp == 2
-    assert json.loads((tmp_path / "plan.json").read_text())[PP_TOML_KEY] is None
-    assert "no [parallel.pp] snippet: the plan has 2 data-parallel replicas" in out.getvalue()
+    snippet = json.loads((tmp_path / "plan.json").read_text())[PP_TOML_KEY]
+    assert snippet and snippet in out.getvalue()
+    assert "also set parallel.dp = 2 and parallel.plan = \"manual\" in [parallel]" in snippet.splitlines()[0]
     assert plan_from_json((tmp_path / "plan.json").read_text()) == choice
+    job = tmp_path / "job.toml"  # the table pasted, parallel.dp set as the comment says
+    job.write_text(DEMO.read_text() + "\n[parallel]\ndp = 2\n" + snippet)
+    cfg = load_config(job)
+    assert cfg.parallel.dp == 2 and cfg.parallel.pp.degree == choice.plan.num_ranks
+    if choice.plan.num_ranks > 1:
+        assert cfg.parallel.pp.microbatches == choice.microbatches_per_replica
+        kwargs = pipeline_plan_kwargs(cfg.parallel.pp, list(cfg.model.encoders))
+        rebuilt = plan_pipeline(_real_units(cfg), cfg.parallel.pp.layout, **kwargs)
+        assert [(s.modules, s.units, s.rank) for s in rebuilt.stages] == \
+            [(s.modules, s.units, s.rank) for s in choice.plan.stages]
+
+
+def test_single_rank_replicas_snippet_says_no_pipeline_and_parallel_dp():
+    cfg = load_config(DEMO)
+    inputs = build_plan_inputs(cfg, "cpu")
+    from plait.planner.search import plan_layout
+
+    choice = plan_layout(inputs.units, inputs.costs, 2, microbatches=2, dp_degrees=[2], dtype=inputs.dtype,
+                         virtual_stages=(1,))
+    if choice.plan.num_ranks != 1:  # the demo on 2 CPUs: plain DP is the fastest 2-replica plan
+        pytest.skip("the search put a pipeline in each replica")
+    snippet, why = pp_snippet(cfg, choice, inputs.units)
+    head = snippet.splitlines()[0]
+    assert why == "" and tomllib.loads(snippet) == {"parallel": {"pp": {"degree": 1}}}
+    assert "no pipeline (degree = 1" in head and "parallel.dp = 2" in head
+
+
+def test_dp_out_of_range_names_the_dp_flag():
+    # demo.toml: global batch 32 of microbatch 16 = 2 microbatches, so --dp is at most min(4 devices, 2) = 2
+    with pytest.raises(ValueError, match=r"--dp 3: .* 1\.\.2 \(at most --devices 4 and the 2 microbatches"):
+        plan_command(DEMO, 4, device="cpu", dp_degrees=[3], out=io.StringIO())
+
+
+def test_microbatches_split_the_global_batch_and_never_exceed_it():
+    cfg = load_config(DEMO)  # global batch 32, microbatch 16
+    with pytest.raises(ValueError, match=r"--microbatches 64: must be in 1\.\.32.*global_batch_size 32.*"
+                                         r"microbatch_size 16"):
+        plan_command(DEMO, 2, device="cpu", microbatches=64, out=io.StringIO())
+    for count, size in ((4, 8), (5, 7), (32, 1), (1, 32)):  # ceil(32 / count) samples each
+        split = split_global_batch(cfg, count)
+        assert split.train.microbatch_size == size and cfg.train.microbatch_size == 16
+        inputs = build_plan_inputs(split, "cpu", microbatches=count)
+        assert inputs.microbatches == count and inputs.shapes["llm"].tokens == size * 256
+    out = io.StringIO()
+    choice = plan_command(DEMO, 2, device="cpu", microbatches=4, dp_degrees=[1], out=out)
+    assert choice.microbatches == 4 and "4 microbatches of 8 samples (global batch 32)" in out.getvalue()
+
+
+def test_the_jobs_own_pp_table_is_replaced_not_validated(tmp_path):
+    text = DEMO.read_text()
+    llm_only = text[:text.index("[model.encoders.vision]")] + text[text.index("[data]"):]
+    job = tmp_path / "llm_only.toml"
+    job.write_text(llm_only + "\n[parallel]\ndp = 4\n\n[parallel.pp]\nattach_encoders = true\n")
+    with pytest.raises(ValueError, match="attach_encoders"):
+        load_config(job)  # as a job to train, the table is invalid
+    out = io.StringIO()
+    choice = plan_command(job, 2, device="cpu", dp_degrees=[1], out=out)
+    assert choice.stages_per_module[-1][0] == "llm" and len(choice.stages_per_module) == 1
+    assert ("the job's [parallel.pp] table and parallel.dp = 4 is not checked or used: the plan replaces it"
+            in out.getvalue())
+    cfg, replaced = load_config_for_planning(job, ["--parallel.pp.degree=7", "--train.lr=0.5"])
+    assert replaced == "[parallel.pp] table and parallel.dp = 4"
+    assert cfg.parallel.pp == PipelineConfig() and cfg.parallel.dp == 0 and cfg.train.lr == 0.5
+    assert load_config_for_planning(DEMO) == (load_config(DEMO), "")
+    with pytest.raises(ValueError, match="train.lr must be > 0"):  # everything else is still validated
+        load_config_for_planning(job, ["--train.lr=-1"])
+
+
+def test_plan_table_prints_the_per_rank_peak_memory():
+    """Four equal trainable LLM units of 1 GiB of fp32 parameters (static: the parameters, 4 B/param gradients and
+    12 B/param AdamW state = 5 GiB each; no activations) interleaved two per rank: each stage holds 5 GiB, each
+    rank 10 GiB."""
+    units = synthetic_units({}, [True] * 4)
+    costs = [UnitCost(1e-3, 1e-3, 1e-3, param_bytes=2**30, activation_bytes=0, output_bytes=8) for _ in units]
+    plan = plan_pipeline(units, stages_per_module={"llm": 4}, ranks=[0, 1, 0, 1])
+    choice = evaluate_plan(plan, units, costs, dp=1, microbatches=4, dtype="float32", schedule="interleaved_1f1b")
+    assert choice.stage_memory_bytes == (5 * 2**30,) * 4
+    text = format_plan(choice)
+    assert "peak memory per rank (device) 10.00 GiB (no cap); ranks 10.00 / 10.00 GiB" in text
+    assert "stage GiB" in text.splitlines()[0] and text.count("     5.00") == 4
+
+
+def test_plan_and_simulate_print_the_same_peak_memory(tmp_path):
+    out, sim = io.StringIO(), io.StringIO()
+    choice = plan_command(DEMO, 3, tmp_path / "plan.json", device="cpu", dp_degrees=[1], out=out)
+    simulate_command(tmp_path / "plan.json", tmp_path / "sim", out=sim)
+    planned = re.search(r"peak memory per rank \(device\) ([\d.]+) GiB", out.getvalue()).group(1)
+    simulated = re.search(r"peak memory ([\d.]+) GiB", sim.getvalue()).group(1)
+    assert planned == simulated
+    for rank in range(choice.plan.num_ranks):  # a rank holds at least the static bytes of all its stages
+        static = sum(choice.stage_static_bytes[s.index] for s in choice.plan.stages if s.rank == rank)
+        assert rank_peak_memory_bytes(choice)[rank] >= static
+
+
+@pytest.mark.parametrize("kind", ["profile", "trace", "no_plan_key", "list"])
+def test_simulate_names_a_file_that_is_not_a_plan(tmp_path, kind):
+    plan_json = tmp_path / "plan.json"
+    choice = plan_command(DEMO, 2, plan_json, device="cpu", dp_degrees=[1], out=io.StringIO())
+    data = {
+        "profile": {"format": 1, "key": {}, "units": [], "measurements": [], "chunk_overhead_s": {}},
+        "trace": {"traceEvents": [{"ph": "X", "name": "F0"}], "displayTimeUnit": "ms"},
+        "no_plan_key": {k: v for k, v in choice.to_dict().items() if k != "plan"},
+        "list": [1, 2],
+    }[kind]
+    bad = tmp_path / f"{kind}.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ValueError) as info:
+        simulate_command(bad, tmp_path / "sim", out=io.StringIO())
+    message = str(info.value)
+    assert f"--plan {bad} is not a plan JSON written by `plait plan --out`" in message
+    assert "LayoutChoice.__init__" not in message and "unknown field" not in message
+    if kind == "no_plan_key":
+        assert "missing ['plan']" in message
+    if kind in ("profile", "trace"):
+        assert ("a profile" if kind == "profile" else "a Chrome trace") in message
 
 
 def test_interleaved_plan_snippet_is_accepted_and_rebuilds_the_plan(tmp_path):

@@ -493,3 +493,27 @@ def test_plan_layout_rejects_bad_virtual_stages():
     for bad in ((), (0,), (1.5,)):
         with pytest.raises(ValueError, match="virtual_stages"):
             plan_layout(units, costs, 4, microbatches=4, virtual_stages=bad)
+
+
+def test_memory_cap_is_checked_per_rank_not_per_stage_for_interleaved_plans():
+    """Four equal trainable LLM units without activations: a stage of one unit holds ``S`` bytes, a rank of two
+    interleaved chunks ``2 S``. With the cap at ``1.5 S`` every stage fits but no interleaved rank does."""
+    from plait.planner.plan_cli import rank_peak_memory_bytes
+
+    units = synthetic_units({}, [True] * 4)
+    costs = [UnitCost(1.0, 1.0, 1.0, param_bytes=100, activation_bytes=0, output_bytes=8) for _ in units]
+    static = unit_static_bytes(units[0], costs[0], "float32")
+    cap = 1.5 * static
+    plan = plan_pipeline(units, stages_per_module={"llm": 4}, ranks=[0, 1, 0, 1])
+    given = evaluate_plan(plan, units, costs, dp=1, microbatches=4, memory_cap=cap, dtype="float32",
+                          schedule="interleaved_1f1b")
+    assert max(given.stage_memory_bytes) == pytest.approx(static) and static <= cap
+    assert rank_peak_memory_bytes(given) == (2 * static, 2 * static)
+    assert not given.fits_memory
+    common = dict(microbatches=4, dp_degrees=[1], dtype="float32", virtual_stages=(2,))
+    uncapped = plan_layout(units, costs, 2, **common)  # without a cap the interleaved plan is the one chosen
+    assert uncapped.plan.virtual_stages == 2 and uncapped.plan.num_ranks == 2
+    with pytest.raises(ValueError, match="no layout fits"):
+        plan_layout(units, costs, 2, memory_cap=cap, **common)
+    wide = plan_layout(units, costs, 4, memory_cap=cap, **dict(common, virtual_stages=(1, 2)))
+    assert wide.plan.num_ranks == 4 and max(rank_peak_memory_bytes(wide)) <= cap

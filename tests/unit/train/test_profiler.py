@@ -101,6 +101,57 @@ def test_load_or_measure_reuses_only_a_matching_profile(tmp_path):
     assert "reusing" in text and "dtype differs (stored 'float32', wanted 'bfloat16')" in text
 
 
+@pytest.mark.parametrize("text, why", [
+    ("not json at all", "not JSON"),
+    (json.dumps([1, 2]), "a JSON list, not an object"),
+    (json.dumps({"dp": 1, "plan": {"stages": []}, "parallel_pp_toml": None}), "no profile 'format' or 'key' key"),
+    (json.dumps({"format": 1, "units": []}), "no profile 'key' key"),
+])
+@pytest.mark.parametrize("force", [False, True])
+@pytest.mark.parametrize("explicit", [False, True])
+def test_load_or_measure_never_overwrites_a_file_that_is_not_a_profile(tmp_path, text, why, force, explicit):
+    store, calls = ProfileStore(tmp_path), []
+    target = tmp_path / "mine.json" if explicit else store.path_for(KEY)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+
+    def measure():
+        calls.append(1)
+        return _profile()
+
+    with pytest.raises(ValueError, match=f"profile file {target} exists and is not a plait profile .*{why}"):
+        load_or_measure(store, KEY, measure, path=target if explicit else None, force=force, out=io.StringIO())
+    assert calls == [] and target.read_text() == text  # refused before measuring, file untouched
+    with pytest.raises(ValueError, match="refusing to overwrite"):
+        store.save(_profile(), target)
+    assert target.read_text() == text
+
+
+def test_load_or_measure_replaces_a_profile_of_another_key_or_format(tmp_path):
+    store, out = ProfileStore(tmp_path), io.StringIO()
+    target = tmp_path / "p.json"
+    store.save(_profile(dataclasses.replace(KEY, dtype="bfloat16")), target)  # a readable profile, other key
+    assert load_or_measure(store, KEY, _profile, path=target, out=out) == _profile()
+    assert "stale: dtype differs" in out.getvalue() and store.load(KEY, target)[1] == "hit"
+    target.write_text(json.dumps({"format": 0, "key": {"dtype": "float32"}}))  # an older plait profile
+    assert load_or_measure(store, KEY, _profile, path=target, out=out) == _profile()
+    assert "profile format 0 is not 1" in out.getvalue() and store.load(KEY, target)[1] == "hit"
+
+
+def test_format_profile_explains_negative_chunk_overheads():
+    from plait.train.profiler import format_profile
+
+    positive = _profile()  # vision chunk overhead F 0.1 s, B 0.2 s
+    assert "chunk overhead vision: F 100.000 ms, B 200.000 ms" in format_profile(positive)
+    assert "negative" not in format_profile(positive)
+    negative = dataclasses.replace(positive, chunk_overhead_s={"vision": {"F": -0.006533, "B": 0.001}})
+    text = format_profile(negative)
+    assert "chunk overhead vision: F -6.533 ms, B 1.000 ms" in text
+    note = [line for line in text.splitlines() if "negative" in line]
+    assert len(note) == 1 and "faster as one chunk than its units measured apart" in note[0]
+    assert "kept as a correction" in note[0]
+
+
 # ----- costs from measurements ----------------------------------------------------------------------------------
 def test_unit_cost_backward_is_what_the_runtime_runs():
     units = synthetic_units({"vision": [True, True]}, [True])
