@@ -23,9 +23,9 @@ __all__ = ["load_config", "read_config_data", "config_from_dict", "parse_overrid
 def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobConfig:
     """Read a TOML job file, apply ``--section.key=value`` overrides and validate.
 
-    Relative data/model paths in the file are resolved against the file's folder's parent repository
-    root only if they do not exist relative to the current directory (so ``configs/demo.toml`` works from
-    the repository root).
+    Paths in the file (tokenizer, data files, model directories) are used as written, so relative ones are
+    relative to the working directory (``configs/demo.toml`` is meant to be run from the repository root);
+    media paths inside a JSONL data file are relative to that file.
 
     Raises:
         FileNotFoundError: when ``path`` does not exist.

@@ -155,7 +155,8 @@ class PipelineConfig:
     rank; ``"interleaved_1f1b"`` exactly when a rank holds several stages (``virtual_stages`` > 1 or
     ``attach_encoders``; with ``virtual_stages = 1`` it is 1F1B on the LLM ranks with the encoders attached)."""
     microbatches: int = 0
-    """Microbatches per pipeline per step; 0: derived from ``train.microbatch_size`` as without PP."""
+    """Microbatches per pipeline per step; 0: derived from ``train.microbatch_size`` as without PP. At most a DP
+    replica's share of the global batch (each microbatch needs a sample); more is refused."""
     cap: int = 0
     """Microbatches in flight per backward stage for ``memory_capped_1f1b`` (0 with other schedules)."""
     splits: dict[str, list[str]] = field(default_factory=dict)

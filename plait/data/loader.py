@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -11,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from plait.data.processing import MultimodalProcessor, ProcessedSample, SampleMeta
-from plait.data.sources import SampleError, parse_record, read_jsonl
+from plait.data.sources import SampleError, parse_record, read_jsonl, record_id
 
 __all__ = ["SkippedSample", "MultimodalDataset", "GlobalBatchLoader", "rank_share"]
 
@@ -40,7 +41,7 @@ class MultimodalDataset:
         on_error: ``"raise"`` stops at the first bad record; ``"skip"`` counts, logs and skips it.
         prompt_only: process prompts without the answer (validation by generation).
         max_samples: keep only the first this many records.
-        progress: show a progress bar.
+        progress: show a progress bar (only when stderr is a terminal: no carriage-return updates in logs).
 
     Raises:
         SampleError: with ``on_error="raise"``, naming the record and its file and line.
@@ -63,7 +64,8 @@ class MultimodalDataset:
         self.samples: list[ProcessedSample] = []
         self.skipped: list[SkippedSample] = []
         first_seen: dict[str, str] = {}  # record id -> file:line of its first use
-        for obj, where, error in tqdm(rows, desc=f"processing {self.path.name}", disable=not progress, leave=False):
+        quiet = not (progress and sys.stderr.isatty())
+        for obj, where, error in tqdm(rows, desc=f"processing {self.path.name}", disable=quiet, leave=False):
             try:
                 if error is not None:
                     raise SampleError(f"{where}: {error}")
@@ -75,7 +77,7 @@ class MultimodalDataset:
             except SampleError as exc:
                 if on_error == "raise":
                     raise
-                rid = str(obj.get("id", where)) if obj else where
+                rid = _id_or_place(obj, where)
                 self.skipped.append(SkippedSample(rid, where, str(exc)))
                 log.warning("skipping sample: %s", exc)
         if not self.samples:
@@ -152,6 +154,14 @@ class GlobalBatchLoader:
             if int(state[key]) != getattr(self, key):
                 raise ValueError(f"cannot resume: {key} was {state[key]} in the checkpoint, now {getattr(self, key)}")
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+
+
+def _id_or_place(obj: dict[str, Any] | None, where: str) -> str:
+    """A skipped record's id, or ``where`` (``file:line``) when it has no valid one."""
+    try:
+        return record_id(obj, where) if obj is not None else where
+    except SampleError:
+        return where
 
 
 def rank_share(indices: Sequence[int], rank: int, world: int) -> list[int]:

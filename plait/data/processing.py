@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import wave
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 from PIL import Image
 
-from plait.data.sources import RawSample, SampleError
+from plait.data.sources import RawSample, SampleError, path_note
 
 __all__ = ["ModalitySpec", "SampleMeta", "ProcessedSample", "MultimodalProcessor", "load_audio", "load_image"]
 
@@ -99,7 +100,7 @@ def load_image(path: str) -> Image.Image:
         with Image.open(path) as img:
             return img.convert("RGB")
     except FileNotFoundError as exc:
-        raise SampleError(f"image file {path} does not exist") from exc
+        raise SampleError(f"image file {path} does not exist{path_note(path)}") from exc
     except Exception as exc:  # PIL raises several types for corrupt files
         raise SampleError(f"cannot decode image {path}: {exc}") from exc
 
@@ -112,6 +113,8 @@ def load_audio(path: str) -> tuple[np.ndarray, int]:
     Raises:
         SampleError: when the file is missing, empty or not decodable.
     """
+    if not Path(path).is_file():  # soundfile reports a missing file as "System error"
+        raise SampleError(f"audio file {path} does not exist{path_note(path)}")
     try:
         if path.lower().endswith(".wav"):
             data, rate = _read_wav(path)
@@ -121,7 +124,7 @@ def load_audio(path: str) -> tuple[np.ndarray, int]:
             data, rate = soundfile.read(path, dtype="float32", always_2d=True)
             data = data.mean(axis=1)
     except FileNotFoundError as exc:
-        raise SampleError(f"audio file {path} does not exist") from exc
+        raise SampleError(f"audio file {path} does not exist{path_note(path)}") from exc
     except Exception as exc:
         raise SampleError(f"cannot decode audio {path}: {exc}") from exc
     if data.size == 0:

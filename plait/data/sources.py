@@ -7,20 +7,26 @@ One record per line::
                   {"role": "assistant", "content": "seven"}],
      "images": ["img/0001.png"], "audios": []}
 
-Media paths are relative to the JSONL file's folder (absolute paths are kept). ``id`` and ``task`` are
-optional (``<file>:<line>`` and ``"default"`` are used instead).
+Media paths are relative to the JSONL file's folder (absolute paths are kept). ``id`` (a non-empty string or
+an integer, unique in the file) and ``messages`` are required; ``task`` is optional (``"default"``);
+``images``/``audios`` default to none; ``meta`` is free-form and ignored. Any other field is an error
+(:data:`RECORD_FIELDS`), so a misspelt key such as ``"image"`` cannot silently drop the media.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RawSample", "SampleError", "read_jsonl", "parse_record", "ROLES"]
+__all__ = ["RawSample", "SampleError", "read_jsonl", "parse_record", "record_id", "path_note", "ROLES",
+           "RECORD_FIELDS"]
 
 ROLES = ("system", "user", "assistant")
+RECORD_FIELDS = ("id", "task", "messages", "images", "audios", "meta")
+"""The fields a record may have (module docstring)."""
 
 
 class SampleError(ValueError):
@@ -32,7 +38,7 @@ class RawSample:
     """One validated conversation with absolute media paths.
 
     Attributes:
-        id: record id (or ``file:line``).
+        id: record id (an integer id as its decimal string).
         task: task name used to group validation accuracy.
         messages: ``({"role": ..., "content": ...}, ...)``; roles in :data:`ROLES`, last one is the assistant.
         media: per modality (``"image"``, ``"audio"``) the absolute file paths, in placeholder order.
@@ -46,6 +52,12 @@ class RawSample:
     source: str
 
 
+def path_note(path: str | Path) -> str:
+    """For a "does not exist" message: ``" (relative to the working directory <cwd>)"`` when ``path`` is
+    relative (job-file paths are resolved against the working directory), else ``""``."""
+    return "" if Path(path).is_absolute() else f" (relative to the working directory {os.getcwd()})"
+
+
 def read_jsonl(path: str | Path) -> list[tuple[dict[str, Any] | None, str, str | None]]:
     """Lines of a JSONL file as ``(record or None, "file:line", error or None)``, blank lines skipped.
 
@@ -54,7 +66,7 @@ def read_jsonl(path: str | Path) -> list[tuple[dict[str, Any] | None, str, str |
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"data file {path} does not exist")
+        raise FileNotFoundError(f"data file {path} does not exist{path_note(path)}")
     rows = []
     for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
@@ -76,11 +88,15 @@ def parse_record(obj: dict[str, Any], where: str, base_dir: str | Path) -> RawSa
     """Validate one record and resolve its media paths against ``base_dir``.
 
     Raises:
-        SampleError: for an empty or malformed conversation, an unknown role, a non-string content, no
-            assistant turn at the end, or a malformed media list; the message names the record and file.
+        SampleError: for a missing or malformed ``id``, a field not in :data:`RECORD_FIELDS`, an empty or
+            malformed conversation, an unknown role, a non-string content, no assistant turn at the end, or a
+            malformed media list; the message names the record (when it has an id) and its file and line.
     """
-    rid = str(obj.get("id", where))
+    rid = record_id(obj, where)
     label = f"record {rid!r} ({where})"
+    unknown = [k for k in obj if k not in RECORD_FIELDS]
+    if unknown:
+        raise SampleError(f"{label}: unknown field {unknown[0]!r}; a record's fields are {', '.join(RECORD_FIELDS)}")
     messages = obj.get("messages")
     if not isinstance(messages, list) or not messages:
         raise SampleError(f"{label}: 'messages' must be a non-empty list")
@@ -102,3 +118,18 @@ def parse_record(obj: dict[str, Any], where: str, base_dir: str | Path) -> RawSa
             raise SampleError(f"{label}: {key!r} must be a list of file paths")
         media[modality] = tuple(str(Path(base_dir) / p) for p in paths)
     return RawSample(rid, str(obj.get("task", "default")), tuple(clean), media, where)
+
+
+def record_id(obj: dict[str, Any], where: str) -> str:
+    """The record's ``id`` as a string.
+
+    Raises:
+        SampleError: when ``id`` is missing, empty, or not a string or an integer (naming ``where``).
+    """
+    rid = obj.get("id")
+    if isinstance(rid, str) and rid.strip():
+        return rid
+    if isinstance(rid, int) and not isinstance(rid, bool):
+        return str(rid)
+    got = "no 'id'" if "id" not in obj else f"'id' = {json.dumps(rid)}"
+    raise SampleError(f"record at {where}: {got}; every record needs an 'id', a non-empty string or an integer")

@@ -17,6 +17,8 @@ import torch
 import transformers
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
+from plait.data.sources import path_note
+
 __all__ = [
     "VisionFeatureCount",
     "AudioFeatureCount",
@@ -247,7 +249,7 @@ def build_causal_lm(
 
 def _load_config(path: str) -> PretrainedConfig:
     if not Path(path).is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist")
+        raise FileNotFoundError(f"model directory {path} does not exist{path_note(path)}")
     return AutoConfig.from_pretrained(path)
 
 

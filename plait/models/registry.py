@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from plait.config.schema import EncoderConfig, ModelConfig
 from plait.data.processing import ModalitySpec, MultimodalProcessor
+from plait.data.sources import path_note
 from plait.models.encoder import ModalityEncoder
 from plait.models.hf import build_causal_lm, build_encoder, encoder_hidden_size
 from plait.models.init import materialize, weight_source
@@ -36,7 +37,7 @@ def load_tokenizer(path: str) -> Any:
         ValueError: when it cannot be loaded or has no chat template (plait needs one to render conversations).
     """
     if not Path(path).is_dir():
-        raise FileNotFoundError(f"data.tokenizer: tokenizer directory {path} does not exist")
+        raise FileNotFoundError(f"data.tokenizer: tokenizer directory {path} does not exist{path_note(path)}")
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # transformers raises OSError/ValueError/... for broken folders

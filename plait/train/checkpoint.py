@@ -56,6 +56,7 @@ __all__ = [
     "load_model_state",
     "latest_checkpoint",
     "checkpoint_dir",
+    "remove_checkpoints",
     "derive_rng_seed",
     "seed_rng_streams",
 ]
@@ -119,6 +120,16 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     found = [(int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name))]
     found = [(s, p) for s, p in found if (p / ".metadata").is_file()]
     return max(found)[1] if found else None
+
+
+def remove_checkpoints(run_dir: str | Path) -> int:
+    """Delete every ``step_*`` folder (complete or not) under ``<run_dir>/checkpoints``, e.g. an earlier run's
+    before a new run starts there, so a later resume can only find the new run's; returns how many."""
+    root = Path(run_dir) / "checkpoints"
+    found = [p for p in root.glob("step_*") if _STEP_DIR.match(p.name) and p.is_dir()]
+    for old in found:
+        shutil.rmtree(old, ignore_errors=True)
+    return len(found)
 
 
 def derive_rng_seed(seed: int, step: int, rank: int) -> int:
@@ -219,7 +230,9 @@ def save_checkpoint(
              "model_config": json.dumps(model_config, sort_keys=True) if model_config is not None else ""}
     state = {"model": model_sd, "optim": _with_tied_aliases(model, optim_sd), "extra": extra,
              f"rng_rank{_rank()}": _rng_state()}
-    with _single_process_quiet():
+    with _single_process_quiet(), warnings.catch_warnings():
+        # a resumed run re-saves steps its interrupted predecessor had saved: replacing them is intended
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
         dcp.save(state, checkpoint_id=str(path))
     if keep > 0 and _rank() == 0:
         _prune(path.parent, keep)

@@ -116,7 +116,8 @@ class PipelineTrainer(Trainer):
 
     Raises:
         ValueError: when the world size is not a multiple of ``parallel.pp.degree`` x ``parallel.cp`` (or
-            ``parallel.dp`` x degree x cp differs from it), or the stage counts and placement
+            ``parallel.dp`` x degree x cp differs from it), ``parallel.pp.microbatches`` exceeds a DP replica's
+            share of the global batch, or the stage counts and placement
             (``parallel.pp.stages``/``splits``/``virtual_stages``/``attach_encoders``) do not fit the model.
     """
 
@@ -124,11 +125,17 @@ class PipelineTrainer(Trainer):
     def _setup_mesh(self) -> None:
         par, world = self.cfg.parallel, self.info.world_size
         self.pp, per_replica = par.pp.degree, par.pp.degree * par.cp
-        if world % per_replica or (par.dp and par.dp * per_replica != world):
+        if par.dp and par.dp * per_replica != world:
             raise ValueError(
-                f"parallel.pp.degree={self.pp} x parallel.cp={par.cp} (parallel.dp={par.dp or 'auto'}) does not fit "
-                f"the world size {world}: launch a multiple of {per_replica} processes, e.g. torchrun "
-                f"--nproc_per_node {per_replica}"
+                f"parallel.dp={par.dp} x parallel.pp.degree={self.pp} x parallel.cp={par.cp} = {par.dp * per_replica} "
+                f"processes does not fit the world size {world}: launch exactly {par.dp * per_replica} processes, "
+                f"e.g. torchrun --nproc_per_node {par.dp * per_replica} (or leave parallel.dp unset for any multiple "
+                f"of {per_replica})"
+            )
+        if world % per_replica:
+            raise ValueError(
+                f"parallel.pp.degree={self.pp} x parallel.cp={par.cp} does not fit the world size {world}: launch a "
+                f"multiple of {per_replica} processes, e.g. torchrun --nproc_per_node {per_replica}"
             )
         self.comm = build_pipeline_comm(self.pp, self.info.device, par.cp)
         self.cp, self.cp_rank, self.cp_group, self.mesh = par.cp, self.comm.cp_rank, self.comm.cp_group, None
@@ -136,6 +143,7 @@ class PipelineTrainer(Trainer):
 
     def _setup_training(self) -> None:
         t, pp = self.cfg.train, self.cfg.parallel.pp
+        self._check_microbatches()
         self._counts = super()._parameter_counts()  # the whole model, before pruning
         self.plan: PipelinePlan = build_pipeline_plan(self.model, pp)
         units = {u for s in self.plan.stages_on_rank(self.pp_rank) for u in self.plan.stages[s].units}
@@ -156,6 +164,25 @@ class PipelineTrainer(Trainer):
 
     def _num_microbatches(self, samples: int) -> int:
         return self.cfg.parallel.pp.microbatches or super()._num_microbatches(samples)
+
+    def _check_microbatches(self) -> None:
+        """Refuse ``parallel.pp.microbatches`` above the samples a DP replica gets of a global batch: the extra
+        microbatches would be empty and silently dropped (fewer microbatches than asked, a larger bubble).
+
+        Raises:
+            ValueError: naming ``parallel.pp.microbatches``, the global batch and the largest useful value.
+        """
+        t, wanted = self.cfg.train, self.cfg.parallel.pp.microbatches
+        batch = min(t.global_batch_size, len(self.train_set))
+        share = -(-batch // self.dp)
+        if wanted > share:
+            small = f"; the training set has only {len(self.train_set)}" if batch < t.global_batch_size else ""
+            raise ValueError(
+                f"parallel.pp.microbatches={wanted} is more than the {share} samples each of the {self.dp} DP "
+                f"replica(s) gets of a global batch of {batch} samples (train.global_batch_size="
+                f"{t.global_batch_size}{small}): at most {share} microbatches can hold a sample; set "
+                f"parallel.pp.microbatches <= {share} (0: from train.microbatch_size)"
+            )
 
     def _parameter_counts(self) -> tuple[int, int]:
         return self._counts

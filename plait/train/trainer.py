@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import sys
 import time
 from collections import defaultdict
 from contextlib import nullcontext
@@ -48,6 +49,7 @@ from plait.train.checkpoint import (
     checkpoint_dir,
     latest_checkpoint,
     load_checkpoint,
+    remove_checkpoints,
     save_checkpoint,
 )
 from plait.planner.microbatch import (
@@ -519,20 +521,21 @@ class Trainer:
 
     def fit(self, resume: bool | str = False, stop_after: int | None = None) -> dict[str, Any]:
         """Train until ``train.steps`` (or ``stop_after`` steps, for tests), validating and checkpointing on
-        schedule. Returns ``{"steps", "losses", "eval", "skipped"}``."""
+        schedule. A fresh run (no ``resume``) first removes an earlier run's checkpoints from the run directory
+        (:meth:`_clear_earlier_run`). Returns ``{"steps": steps trained by this call, "step": the step reached,
+        "losses", "eval", "skipped"}``."""
         resumed = self.resume(None if resume is True else resume) if resume else None
-        if not resume and self.info.is_main and latest_checkpoint(self.run_dir) is not None:
-            log.warning("%s already holds checkpoints of an earlier run: this new run overwrites its metrics and "
-                        "checkpoints (use --resume to continue it instead)", self.run_dir)
-        if resumed is not None and resumed >= self.total_steps and self.info.is_main:
-            log.warning("checkpoint is at step %d and train.steps is %d: nothing left to train", resumed,
-                        self.total_steps)
+        if not resume:
+            self._clear_earlier_run()
         main = self.info.is_main
+        if resumed is not None and resumed >= self.total_steps and main:
+            t = self.cfg.train
+            goal = f"train.steps = {t.steps}" if t.steps else f"train.epochs = {t.epochs} ({self.total_steps} steps)"
+            log.warning("nothing to train: checkpoint is at step %d, %s", resumed, goal)
         writer = MetricsWriter(self.run_dir, main, self.cfg.metrics.tensorboard, resume_step=resumed)
         self._report_setup(writer)
-        end = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (main and self.cfg.metrics.progress),
-                   desc="train", dynamic_ncols=True)
+        first, end = self.step, self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
+        bar = _Progress(self.total_steps, self.step, main and self.cfg.metrics.progress)
         losses, evals = [], {}
         while self.step < end:
             res = self.train_step(self.loader.next_batch())
@@ -543,8 +546,7 @@ class Trainer:
                    "encoder_buffer_peak_bytes": res.encoder_buffer_peak_bytes}
             if res.step % self.cfg.metrics.log_every == 0 or res.step == end:
                 writer.write(rec)
-            bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-            bar.update(1)
+            bar.update(res.step, res.loss, rec["tokens_per_s"], last=res.step == end)
             every = self.cfg.train.eval_every
             if self.val_set is not None and ((every and res.step % every == 0) or res.step == self.total_steps):
                 evals = self.evaluate()
@@ -556,7 +558,21 @@ class Trainer:
                 self.save()
         bar.close()
         writer.close()
-        return {"steps": self.step, "losses": losses, "eval": evals, "skipped": len(self.train_set.skipped)}
+        return {"steps": self.step - first, "step": self.step, "losses": losses, "eval": evals,
+                "skipped": len(self.train_set.skipped)}
+
+    def _clear_earlier_run(self) -> None:
+        """A new run into a run directory holding an earlier run's checkpoints: rank 0 removes them (with a
+        warning saying how many), so a later ``--resume`` can only find this run's; every rank waits for it."""
+        if self.info.is_main:
+            newest = latest_checkpoint(self.run_dir)
+            removed = remove_checkpoints(self.run_dir)
+            if removed:
+                log.warning("%s already holds checkpoints of an earlier run: removed its %d checkpoint(s)%s; this "
+                            "new run also overwrites its metrics (use --resume to continue it instead)",
+                            self.run_dir, removed, f" (newest {newest.name})" if newest else "")
+        if dist.is_initialized() and self.info.world_size > 1:
+            dist.barrier()
 
     def _report_setup(self, writer: MetricsWriter) -> None:
         if not self.info.is_main:
@@ -577,6 +593,39 @@ class Trainer:
             f"world size {self.info.world_size}, {n_train / 1e6:.2f}M of {n_all / 1e6:.2f}M parameters trainable",
             flush=True,
         )
+
+
+class _Progress:
+    """Training progress on rank 0. On a terminal: a tqdm bar. Otherwise (stderr is a log file or a pipe): one
+    plain line on stderr for the first and the last step and at most every ``interval`` seconds (no carriage-return
+    updates piling up in the log).
+
+    Args:
+        total: the run's steps; initial: the step it starts from; enabled: show anything.
+    """
+
+    def __init__(self, total: int, initial: int, enabled: bool, interval: float = 30.0) -> None:
+        self.enabled, self.total, self.initial, self.interval = enabled, total, initial, interval
+        self.tty = enabled and sys.stderr.isatty()
+        self.bar = tqdm(total=total, initial=initial, disable=not self.tty, desc="train", dynamic_ncols=True)
+        self.last = time.monotonic()
+
+    def update(self, step: int, loss: float, tokens_per_s: float, last: bool = False) -> None:
+        """Step ``step`` is done with this loss and throughput (tokens/s); ``last``: the loop's final step."""
+        if self.tty:
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
+            self.bar.update(1)
+        elif self.enabled and (last or step == self.initial + 1 or time.monotonic() - self.last >= self.interval):
+            print(f"train: step {step}/{self.total}, loss {loss:.3f}, {tokens_per_s:.0f} tokens/s", file=sys.stderr,
+                  flush=True)
+            self.last = time.monotonic()
+
+    def write(self, message: str) -> None:
+        """Print ``message`` on stdout without breaking the bar."""
+        self.bar.write(message)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _fmt(evals: dict[str, float]) -> str:

@@ -97,3 +97,11 @@ def test_plan_and_simulate_commands(tmp_path):
     assert (tmp_path / "sim" / "timeline.png").stat().st_size > 5_000
     bad = plait("plan", "--config", str(ROOT / "configs" / "demo.toml"), "--devices", "4", "--model.llm.freeze=maybe")
     assert bad.returncode == 2 and "model.llm.freeze: expected bool" in bad.stderr
+    # the trace just written is not a plan: named, no dataclass internals
+    not_plan = plait("simulate", "--plan", str(tmp_path / "sim" / "timeline.json"), "--out-dir", str(tmp_path / "x"))
+    assert not_plan.returncode == 2 and "Traceback" not in not_plan.stderr
+    assert f"--plan {tmp_path / 'sim' / 'timeline.json'} is not a plan JSON written by `plait plan --out`" \
+        in not_plan.stderr and "a Chrome trace" in not_plan.stderr
+    # demo.toml: 2 microbatches per step, so --dp is at most 2; the flag is named
+    dp = plait("plan", "--config", str(ROOT / "configs" / "demo.toml"), "--devices", "4", "--dp", "3")
+    assert dp.returncode == 2 and dp.stderr.startswith("plait: error: --dp 3: ") and "dp_degrees" not in dp.stderr

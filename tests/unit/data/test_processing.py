@@ -95,6 +95,9 @@ def bad_cases(tmp_path):
         "missing image": ({**good_img, "images": [str(tmp_path / "nope.png")]}, "image file .* does not exist"),
         "corrupt image": ({**good_img, "images": [str(corrupt_png)]}, "cannot decode image"),
         "corrupt audio": ({**good_aud, "audios": [str(corrupt_flac)]}, "cannot decode audio"),
+        "missing audio": ({**good_aud, "audios": [str(tmp_path / "nope.flac")]}, "audio file .*nope.flac does not exist$"),
+        "unknown field": ({**good_img, "weight": "heavy"},
+                          "unknown field 'weight'; a record's fields are id, task, messages, images, audios, meta$"),
         "placeholder count": ({**good_img, "images": good_img["images"] * 2}, "1 <image> placeholder.* but 2 image"),
         "too long": ({**good_img, "messages": [{"role": "user", "content": "<image>\n" + "nine " * 300},
                                                good_img["messages"][-1]]}, "longer than data.max_length=256"),
@@ -105,8 +108,8 @@ def bad_cases(tmp_path):
     }
 
 
-@pytest.mark.parametrize("case", ["missing image", "corrupt image", "corrupt audio", "placeholder count", "too long",
-                                  "empty conversation", "unknown role", "no answer"])
+@pytest.mark.parametrize("case", ["missing image", "corrupt image", "corrupt audio", "missing audio", "unknown field",
+                                  "placeholder count", "too long", "empty conversation", "unknown role", "no answer"])
 def test_bad_input_raises_naming_record_and_file(setup, tmp_path, case):
     _, _, proc = setup
     rec, pattern = bad_cases(tmp_path)[case]
@@ -126,8 +129,29 @@ def test_skip_mode_counts_and_logs_every_bad_record(setup, tmp_path, caplog):
         ds = MultimodalDataset(path, proc, on_error="skip")
     assert len(ds) == 3
     assert len(ds.skipped) == len(cases) + 1
-    assert [s.source for s in ds.skipped][-1].endswith(":12")
+    assert [s.source for s in ds.skipped][-1].endswith(f":{len(good) + len(cases) + 1}")
     assert sum("skipping sample" in r.message for r in caplog.records) == len(cases) + 1
+
+
+@pytest.mark.parametrize("rid", ["absent", None, ["a"], "", "  ", True, 1.5])
+def test_a_record_needs_an_id_string_or_integer(setup, tmp_path, rid):
+    _, _, proc = setup
+    good = demo_records("train", ("text",), limit=2)
+    bad = {k: v for k, v in good[1].items() if k != "id"} | ({} if rid == "absent" else {"id": rid})
+    path = write_jsonl(tmp_path / "data.jsonl", [good[0], bad])
+    got = "no 'id'" if rid == "absent" else "'id' = "
+    with pytest.raises(SampleError, match=rf"record at {path}:2: {got}.*needs an 'id', a non-empty string or an integer"):
+        MultimodalDataset(path, proc, on_error="raise")
+    ds = MultimodalDataset(path, proc, on_error="skip")
+    assert len(ds) == 1 and [(s.id, s.source) for s in ds.skipped] == [(f"{path}:2", f"{path}:2")]
+
+
+def test_an_integer_id_is_accepted_as_its_decimal_string(setup, tmp_path):
+    _, _, proc = setup
+    good = demo_records("train", ("text",), limit=2)
+    path = write_jsonl(tmp_path / "data.jsonl", [{**good[0], "id": 7}, {**good[1], "id": "7"}])
+    with pytest.raises(SampleError, match=rf"record '7' \({path}:2\): the id is already used at {path}:1"):
+        MultimodalDataset(path, proc, on_error="raise")
 
 
 def test_a_repeated_record_id_is_refused_or_skipped(setup, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,18 +157,58 @@ def test_step_metrics_report_microbatch_balance(tiny_job):
         assert stats["cv"] >= 0 and stats["max_over_mean"] >= 1.0
 
 
-def test_new_run_into_an_old_run_dir_warns(tiny_job, caplog):
+def _loss_steps(run_dir) -> list[int]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in lines if "loss" in r]
+
+
+def test_new_run_into_an_old_run_dir_removes_its_checkpoints(tiny_job, caplog, recwarn):
+    """Run A saves steps 2, 4, 6; a fresh run B (2 steps) into the same folder removes them, so a later resume
+    continues B (from its step 2), not A (from step 6); re-saving a step on resume raises no torch warning."""
+    import logging
+    import warnings
+
+    recs = demo_records("train", ("text",), limit=4)
+    sections = dict(train={"steps": 6, "global_batch_size": 2, "microbatch_size": 2},
+                    checkpoint={"every": 2, "keep": 5})
+    Trainer(tiny_job(recs, **sections)).fit()
+    run_dir = Path(tiny_job(recs).metrics.run_dir)
+    names = lambda: sorted(p.name for p in (run_dir / "checkpoints").iterdir())  # noqa: E731
+    assert names() == ["step_000002", "step_000004", "step_000006"]
+    sections["train"]["steps"] = 2
+    warnings.simplefilter("always")
+    with caplog.at_level(logging.WARNING):
+        Trainer(tiny_job(recs, **sections)).fit()
+    assert any("already holds checkpoints of an earlier run: removed its 3 checkpoint(s) (newest step_000006)"
+               in r.message for r in caplog.records)
+    assert names() == ["step_000002"]
+    sections["train"]["steps"] = 4
+    assert Trainer(tiny_job(recs, **sections)).fit(resume=True)["steps"] == 2  # B's step 2 -> 4
+    assert _loss_steps(run_dir) == [1, 2, 3, 4] and names() == ["step_000002", "step_000004"]
+    Trainer(tiny_job(recs, **sections)).fit(resume=str(run_dir / "checkpoints" / "step_000002"))  # re-saves step 4
+    assert not [w for w in recwarn if "existing checkpoint" in str(w.message)]
+
+
+def test_resume_with_nothing_left_says_so_and_reports_no_steps_trained(tiny_job, caplog):
     import logging
 
     recs = demo_records("train", ("text",), limit=4)
     cfg = tiny_job(recs, train={"steps": 1})
-    Trainer(cfg).fit()
+    assert Trainer(cfg).fit()["steps"] == 1
     with caplog.at_level(logging.WARNING):
-        Trainer(cfg).fit()
-        assert any("already holds checkpoints" in r.message for r in caplog.records)
-        caplog.clear()
-        Trainer(cfg).fit(resume=True)
-        assert any("nothing left to train" in r.message for r in caplog.records)
+        result = Trainer(cfg).fit(resume=True)
+    assert any("nothing to train: checkpoint is at step 1, train.steps = 1" in r.message for r in caplog.records)
+    assert result["steps"] == 0 and result["step"] == 1 and result["losses"] == []
+
+
+def test_progress_in_a_log_is_plain_lines_not_carriage_returns(tiny_job, capsys):
+    """stderr captured by pytest is not a TTY, like a log file: first and last step as plain lines."""
+    recs = demo_records("train", ("text",), limit=4)
+    Trainer(tiny_job(recs, train={"steps": 3, "global_batch_size": 2}, metrics={"progress": True})).fit()
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    assert [line.split(",")[0] for line in err.splitlines() if line.startswith("train: step")] == [
+        "train: step 1/3", "train: step 3/3"]
 
 
 def test_resume_is_exact_when_a_branch_had_no_gradient_yet(tiny_job, tmp_path):
