@@ -6,7 +6,6 @@ tests/distributed/pipeline_worker.py)."""
 from __future__ import annotations
 
 import copy
-import datetime
 
 import torch
 import torch.distributed as dist
@@ -17,6 +16,7 @@ from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline_plan import plan_pipeline
 from plait.planner.schedules import build_schedule, check_schedule
 from tests.distributed.pipeline_worker import _check_grads, _close, apply_mode, make_batch, reference_step, tiny_model
+from tests.distributed.spawning import gloo_group
 
 # (name, layout, stages per module, stage ranks, mode, steps (kinds of each step's microbatches), options)
 COLOC = ("encoders_colocated", {"vision": 1, "audio": 1, "llm": 4}, (0, 0, 1, 0, 1))
@@ -61,11 +61,6 @@ def run_case(name, layout, stages_per_module, ranks, mode, steps, options) -> No
 
 def worker(rank: int, world: int, port: int) -> None:
     """Entry point of one spawned process: run every case."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=90))
-    try:
+    with gloo_group(rank, world, port):
         for case in CASES:
             run_case(*case)
-    finally:
-        dist.destroy_process_group()

@@ -6,7 +6,6 @@ global batch in arrival order (no deferral)."""
 from __future__ import annotations
 
 import copy
-import datetime
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +37,7 @@ from tests.distributed.pipeline_worker import (
     tiny_model,
     with_items,
 )
+from tests.distributed.spawning import gloo_group
 
 # one sample per entry: media ("i": a 16x16 image, 4 features; "I": a 24x32 image, 12; "a": a 0.5 s clip, 7;
 # "" text only) and text tokens. The planner costs (vision, audio, LLM work) make the hierarchical plan defer.
@@ -210,14 +210,9 @@ def run_case(case: DeferralCase) -> None:
 
 def worker(rank: int, world: int, port: int) -> None:
     """Entry point of one spawned process: run every case of :data:`CASES`."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=90))
-    try:
+    with gloo_group(rank, world, port):
         for case in CASES:
             run_case(case)
-    finally:
-        dist.destroy_process_group()
 
 
 # ----- PipelineTrainer (run under torchrun by the test) ----------------------------------------------------------

@@ -6,7 +6,6 @@ tests/unit/parallel/test_stages.py)."""
 from __future__ import annotations
 
 import copy
-import datetime
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +34,7 @@ from plait.planner.pipeline_plan import plan_pipeline
 from plait.planner.schedules import build_schedule
 from plait.planner.token_distributor import TokenAssignment, plan_tokens
 from tests.conftest import TINY_AUDIO, TINY_LLM, TINY_VISION
+from tests.distributed.spawning import gloo_group
 
 VOCAB = 50
 IMG, AUD = 48, 49
@@ -249,14 +249,9 @@ def _check_coverage(covered: set[str], needed: set[str], name: str) -> None:
 
 def worker(rank: int, world: int, port: int) -> None:
     """Entry point of one spawned process: run every case of this world size."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=90))
-    try:
+    with gloo_group(rank, world, port):
         for case in CASES_2 if world == 2 else CASES_4:
             run_case(case, world)
-    finally:
-        dist.destroy_process_group()
 
 
 # ----- pipeline x context parallelism ---------------------------------------------------------------------
@@ -411,11 +406,6 @@ def run_cp_case(cp_case: CpCase, cp: int) -> bool:
 
 def cp_worker(rank: int, world: int, port: int, cp: int) -> None:
     """Entry point of one spawned PP x CP process: run every case of :data:`CASES_PP_CP`."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=90))
-    try:
+    with gloo_group(rank, world, port):
         uneven = [run_cp_case(case, cp) for case in CASES_PP_CP]
         assert all(uneven), f"every case must have a microbatch with uneven CP shards: {uneven}"
-    finally:
-        dist.destroy_process_group()

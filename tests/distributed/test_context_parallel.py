@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import datetime
-import socket
-import time
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from plait.attention.masks import MaskInfo, block_work, dense_mask
 from plait.parallel.context import all_gather_tokens, build_cp_shard, cp_attention, shard_tokens, unshard_tokens
 from plait.planner.token_distributor import TokenAssignment, plan_tokens
+from tests.distributed.spawning import free_port, gloo_group, spawn_and_wait
 
 N = 53
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -96,34 +93,17 @@ def _check_gather_gradient(rank: int, world: int, assignment: TokenAssignment) -
 
 
 def _worker(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, port, timeout_s=60):
         for case, info in _cases().items():
             for i, assignment in enumerate(_assignments(world, info)):
                 _check_attention(rank, info, assignment, case, flex=world == 2 and i == 0)
         _check_gather_gradient(rank, world, _assignments(world, _cases()["packed"])[0])
         dist.barrier()  # every rank's last messages delivered before any rank tears gloo down (SIGABRT seen once)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_attention_matches_single_process(world):
-    context = mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=False)
-    deadline = time.monotonic() + 90
-    while not context.join(timeout=2):
-        if time.monotonic() > deadline:
-            for proc in context.processes:
-                proc.kill()
-            pytest.fail(f"CP test with {world} processes timed out")
+    spawn_and_wait(_worker, (world, free_port()), world, 90, f"CP test with {world} processes")
 
 
 def test_assignments_have_uneven_counts_and_split_an_item():

@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import torch
 
 from tests.conftest import ROOT, demo_records, tiny_config_dict, write_jsonl
+from tests.distributed.spawning import free_port
 
 WORKER = ROOT / "tests" / "distributed" / "dp_worker.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cfg: dict, tmp_path, name: str, nproc: int) -> dict:

@@ -11,7 +11,8 @@ import sys
 import torch
 
 from tests.conftest import ROOT, tiny_config_dict, write_jsonl
-from tests.distributed.test_data_parallel import assert_same_training, free_port
+from tests.distributed.spawning import free_port
+from tests.distributed.test_data_parallel import assert_same_training
 from tests.unit.train.test_deferral import deferral_records
 
 WORKER = ROOT / "tests" / "distributed" / "deferral_worker.py"

@@ -5,26 +5,9 @@ microbatches (microbatch counts that are not multiples of the rank count, a wide
 
 from __future__ import annotations
 
-import socket
-import time
-
-import pytest
-import torch.multiprocessing as mp
-
 from tests.distributed.interleaved_worker import worker
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.distributed.spawning import free_port, spawn_and_wait
 
 
 def test_interleaved_pipeline_on_two_ranks_matches_single_process():
-    context = mp.spawn(worker, args=(2, _free_port()), nprocs=2, join=False)
-    deadline = time.monotonic() + 240
-    while not context.join(timeout=2):
-        if time.monotonic() > deadline:
-            for proc in context.processes:
-                proc.kill()
-            pytest.fail("interleaved pipeline test timed out after 240 s")
+    spawn_and_wait(worker, (2, free_port()), 2, 240, "interleaved pipeline test")

@@ -5,53 +5,31 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import time
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
+
+from tests.distributed.spawning import free_port, gloo_group, spawn_and_wait
 
 NBYTES = 1 << 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, folder: str) -> None:
     """One rank: join the group, take the auto-plan inputs, write them. Rank ``r`` claims ``r + 1`` processes on
     its host, so the ranks' own caps differ and the agreed one is the last rank's."""
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
     from plait.parallel.machine import auto_plan_inputs, device_memory_bytes
 
-    torch.set_num_threads(1)
     os.environ["LOCAL_WORLD_SIZE"] = str(rank + 1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, port, timeout_s=60):
         inputs = auto_plan_inputs("cpu", NBYTES)
         own = device_memory_bytes("cpu")[0]
         Path(folder, f"rank{rank}.json").write_text(json.dumps(
             {"p2p": inputs.p2p.to_dict(), "cap": inputs.memory_cap_bytes, "own": own, "link": inputs.link_source}))
-    finally:
-        dist.destroy_process_group()
 
 
 def _run(world: int, folder: Path, limit_s: float = 60.0) -> list[dict]:
-    context = mp.spawn(_worker, args=(world, _free_port(), str(folder)), nprocs=world, join=False)
-    deadline = time.monotonic() + limit_s
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for proc in context.processes:
-                proc.kill()
-            pytest.fail(f"link measurement on {world} processes timed out after {limit_s} s")
+    spawn_and_wait(_worker, (world, free_port(), str(folder)), world, limit_s,
+                   f"link measurement on {world} processes")
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
 
 

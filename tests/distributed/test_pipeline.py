@@ -10,29 +10,12 @@ reference; frozen-prefix stages keep no activation and run no backward.
 
 from __future__ import annotations
 
-import socket
-import time
-
-import pytest
-import torch.multiprocessing as mp
-
 from tests.distributed.pipeline_worker import worker
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.distributed.spawning import free_port, spawn_and_wait
 
 
 def _run(world: int, limit_s: float) -> None:
-    context = mp.spawn(worker, args=(world, _free_port()), nprocs=world, join=False)
-    deadline = time.monotonic() + limit_s
-    while not context.join(timeout=2):
-        if time.monotonic() > deadline:
-            for proc in context.processes:
-                proc.kill()
-            pytest.fail(f"pipeline test with {world} processes timed out after {limit_s} s")
+    spawn_and_wait(worker, (world, free_port()), world, limit_s, f"pipeline test with {world} processes")
 
 
 def test_pipeline_on_two_ranks_matches_single_process():

@@ -16,11 +16,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from plait.config.loader import config_from_dict
 from plait.models.units import model_units
@@ -42,19 +40,12 @@ from tests.distributed.pipeline_worker import (
     tiny_model,
     with_items,
 )
-from tests.distributed.test_data_parallel import free_port
+from tests.distributed.spawning import free_port, spawn_and_wait
 from tests.distributed.test_pipeline_training import to_toml
 
 
 def test_pp2_x_cp2_matches_single_process():
-    world, limit_s = 4, 240
-    context = mp.spawn(cp_worker, args=(world, free_port(), 2), nprocs=world, join=False)
-    deadline = time.monotonic() + limit_s
-    while not context.join(timeout=2):
-        if time.monotonic() > deadline:
-            for proc in context.processes:
-                proc.kill()
-            pytest.fail(f"PP x CP test timed out after {limit_s} s")
+    spawn_and_wait(cp_worker, (4, free_port(), 2), 4, 240, "PP x CP test")
 
 
 def test_packed_batch_metadata_by_hand():

@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from plait.models.units import model_units
 from plait.parallel.pipeline_runtime import FeatureRouting, run_pipeline_step
@@ -24,7 +23,7 @@ from plait.planner.schedules import build_schedule
 from tests.conftest import ROOT, tiny_config_dict, write_jsonl
 from tests.distributed import pipeline_deferral_worker as w
 from tests.distributed.pipeline_worker import apply_mode, reference_step, tiny_model
-from tests.distributed.test_data_parallel import free_port
+from tests.distributed.spawning import free_port, spawn_and_wait
 from tests.unit.train.test_deferral import assert_same_training, deferral_records
 
 
@@ -118,7 +117,7 @@ def test_routing_rejects_inconsistent_views():
 def test_pipeline_deferral_with_pp2xdp2_and_pp2xcp2_equals_one_process():
     """4 gloo processes, PP 2 x DP 2: 1F1B and GPipe, trainable encoders and frozen encoders + LLM with trainable
     projectors, split backward (colocated encoders); then PP 2 x CP 2 with trainable encoders."""
-    mp.spawn(w.worker, args=(4, free_port()), nprocs=4, join=True)
+    spawn_and_wait(w.worker, (4, free_port()), 4, 240, "pipeline deferral test with 4 processes")
 
 
 def _train(cfg: dict, tmp_path, name: str, nproc: int) -> dict:

@@ -23,7 +23,7 @@ from plait.train.metrics import read_metrics
 from plait.train.plots import read_chrome_trace
 from plait.train.trainer import Trainer
 from tests.conftest import ROOT, demo_records, tiny_config_dict, write_jsonl
-from tests.distributed.test_data_parallel import free_port
+from tests.distributed.spawning import free_port
 
 STEPS, GLOBAL_BATCH, MICROBATCH = 3, 4, 2
 

@@ -76,6 +76,14 @@ def _real_units(cfg):
     return model_units(build_model(cfg.model, load_tokenizer(cfg.data.tokenizer), device="meta"))
 
 
+def _assert_rebuilds(cfg, choice, units=None):
+    """The job's ``[parallel.pp]`` gives ``choice``'s stages (modules, units, ranks) on the real model's units."""
+    kwargs = pipeline_plan_kwargs(cfg.parallel.pp, list(cfg.model.encoders))
+    rebuilt = plan_pipeline(units or _real_units(cfg), cfg.parallel.pp.layout, **kwargs)
+    assert [(s.modules, s.units, s.rank) for s in rebuilt.stages] == \
+        [(s.modules, s.units, s.rank) for s in choice.plan.stages]
+
+
 def _analytic_twin(unit, analytic):
     """The ``units_from_configs`` unit of the same module, kind and layer index as ``unit``."""
     index = re.search(r"(\d+)$", unit.name)
@@ -150,10 +158,7 @@ def test_snippet_pasted_into_the_job_file_is_accepted_and_rebuilds_the_plan(tmp_
     assert cfg.parallel.pp.degree == choice.plan.num_ranks
     # the pasted table gives the planned stages on the real model's units
     units = _real_units(cfg)
-    kwargs = pipeline_plan_kwargs(cfg.parallel.pp, list(cfg.model.encoders))
-    rebuilt = plan_pipeline(units, cfg.parallel.pp.layout, **kwargs)
-    assert [(s.modules, s.units, s.rank) for s in rebuilt.stages] == \
-        [(s.modules, s.units, s.rank) for s in choice.plan.stages]
+    _assert_rebuilds(cfg, choice, units)
     names = {u.name for u in units}
     assert all(n in names for boundaries in table.get("splits", {}).values() for n in boundaries)
 
@@ -172,10 +177,7 @@ def test_several_replicas_get_one_replicas_table_and_the_parallel_dp_to_set(tmp_
     assert cfg.parallel.dp == 2 and cfg.parallel.pp.degree == choice.plan.num_ranks
     if choice.plan.num_ranks > 1:
         assert cfg.parallel.pp.microbatches == choice.microbatches_per_replica
-        kwargs = pipeline_plan_kwargs(cfg.parallel.pp, list(cfg.model.encoders))
-        rebuilt = plan_pipeline(_real_units(cfg), cfg.parallel.pp.layout, **kwargs)
-        assert [(s.modules, s.units, s.rank) for s in rebuilt.stages] == \
-            [(s.modules, s.units, s.rank) for s in choice.plan.stages]
+        _assert_rebuilds(cfg, choice)
 
 
 def test_single_rank_replicas_snippet_says_no_pipeline_and_parallel_dp():
@@ -298,10 +300,7 @@ def test_interleaved_plan_snippet_is_accepted_and_rebuilds_the_plan(tmp_path):
     job = tmp_path / "job.toml"
     job.write_text(DEMO.read_text() + "\n" + snippet)
     cfg = load_config(job)
-    kwargs = pipeline_plan_kwargs(cfg.parallel.pp, list(cfg.model.encoders))
-    rebuilt = plan_pipeline(_real_units(cfg), cfg.parallel.pp.layout, **kwargs)
-    assert [(s.modules, s.units, s.rank) for s in rebuilt.stages] == \
-        [(s.modules, s.units, s.rank) for s in choice.plan.stages]
+    _assert_rebuilds(cfg, choice)
 
 
 def test_single_rank_plan_snippet_is_degree_one():
