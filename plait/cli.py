@@ -50,7 +50,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         for spec in trainer.processor.specs.values():
             spec.hf_processor.save_pretrained(final / "processors" / spec.encoder)
         done = f"trained {result['steps']} steps" if result["steps"] else "nothing trained"
-        print(f"plait: {done} (model at step {result.get('step', result['steps'])}); loss curve {png}; model {final}")
+        print(f"plait: {done} (model at step {result['step']}); loss curve {png}; model {final}")
         if result.get("timeline"):
             print(f"plait: pipeline timeline of the last step {result['timeline']} (Chrome trace; open in "
                   f"https://ui.perfetto.dev) and {result['timeline'].with_suffix('.png')}")

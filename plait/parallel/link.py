@@ -69,7 +69,7 @@ def ping_pong(peer: int, nbytes: int, rounds: int, group: Any = None) -> LinkSam
         raise ValueError(f"ping_pong needs rounds >= 1 and nbytes >= 0, got rounds={rounds}, nbytes={nbytes}")
     payload = {"llm": [torch.zeros(max(1, nbytes // 4))]}
     me = dist.get_rank()
-    capacity = 1 << (8 * (3 + 8) + 4 * len(payload["llm"][0]) + 64).bit_length()
+    capacity = _pack(_encode_header(("llm",), payload), payload["llm"], 0).numel()  # the receive holds it whole
     posted = (buf := torch.empty(capacity, dtype=torch.uint8)), dist.irecv(buf, peer)
     dist.barrier(group=group)
     samples = []

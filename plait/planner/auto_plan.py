@@ -24,7 +24,7 @@ from typing import Any
 
 from plait.config.loader import pipeline_plan_kwargs
 from plait.config.schema import JobConfig, PipelineConfig
-from plait.planner.pipeline_plan import LLM_MODULE, PipelinePlan, plan_pipeline
+from plait.planner.pipeline_plan import LLM_MODULE, PipelinePlan, plan_pipeline, split_even
 from plait.planner.search import LayoutChoice, evaluate_plan, plan_layout
 from plait.planner.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
@@ -127,15 +127,9 @@ def plan_splits(plan: PipelinePlan) -> dict[str, list[str]]:
 
 
 def _even_splits(units: Sequence[Unit], module: str, count: int) -> list[str]:
-    """Boundaries of the even split by unit count (``plan_pipeline``'s rule: the first ``n % k`` chunks get one
-    unit more)."""
-    names = [u.name for u in units if u.module == module]
-    base, extra = divmod(len(names), count)
-    starts, position = [], 0
-    for i in range(count - 1):
-        position += base + (1 if i < extra else 0)
-        starts.append(names[position])
-    return starts
+    """Boundaries of ``plan_pipeline``'s even split by unit count (``pipeline_plan.split_even``)."""
+    chunks = split_even(module, [u for u in units if u.module == module], count)
+    return [chunk[0].name for chunk in chunks[1:]]
 
 
 def _encoders_attached(plan: PipelinePlan) -> bool:

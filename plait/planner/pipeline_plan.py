@@ -36,6 +36,7 @@ __all__ = [
     "PipelinePlan",
     "plan_pipeline",
     "check_plan_units",
+    "split_even",
     "interleaved_ranks",
     "stage_ranks",
     "synthetic_units",
@@ -493,11 +494,17 @@ def _chunk_modules(
         if module in splits:
             out[module] = _split_at(module, mod_units, splits[module])
         else:
-            out[module] = _split_even(module, mod_units, counts.get(module, 1))
+            out[module] = split_even(module, mod_units, counts.get(module, 1))
     return out
 
 
-def _split_even(module: str, units: list[Unit], count: int) -> list[list[Unit]]:
+def split_even(module: str, units: list[Unit], count: int) -> list[list[Unit]]:
+    """``units`` (one module's, in model order) cut into ``count`` contiguous chunks by unit count, the first
+    ``len(units) % count`` chunks one unit longer: ``plan_pipeline``'s even split.
+
+    Raises:
+        ValueError: naming ``stages_per_module[module]`` when ``count`` is not in ``1..len(units)``.
+    """
     if not 1 <= count <= len(units):
         raise ValueError(f"stages_per_module[{module!r}] must be in 1..{len(units)} (its unit count), got {count}")
     base, extra = divmod(len(units), count)

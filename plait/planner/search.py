@@ -78,7 +78,6 @@ import dataclasses
 import heapq
 import json
 import math
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate

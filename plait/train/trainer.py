@@ -39,7 +39,7 @@ from plait.data.collate import Batch, collate
 from plait.data.loader import GlobalBatchLoader, MultimodalDataset, rank_share
 from plait.models.multimodal import MultimodalModel
 from plait.models.registry import build_model, build_processor, load_tokenizer
-from plait.parallel.data_parallel import apply_data_parallel, sum_gradients, unwrap
+from plait.parallel.data_parallel import apply_data_parallel, sum_gradients
 from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
 from plait.parallel.pipeline_runtime import token_loss_sum  # one definition, re-exported here
 from plait.parallel.mesh import DistInfo, build_mesh, init_distributed
