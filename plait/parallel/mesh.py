@@ -1,4 +1,5 @@
-"""Process groups and device meshes from validated parallel degrees."""
+"""Joining the job: this process's rank, world size and device (the rank layout, meshes and groups:
+:mod:`plait.parallel.dims`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["DistInfo", "init_distributed", "build_mesh", "resolve_device"]
+__all__ = ["DistInfo", "init_distributed", "resolve_device"]
 
 
 @dataclass(frozen=True)
@@ -60,22 +60,3 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return DistInfo(rank, world, local_rank, dev)
-
-
-def build_mesh(info: DistInfo, dp: int = 0, cp: int = 1) -> DeviceMesh | None:
-    """A ``("dp", "cp")`` DeviceMesh over the world (None for a single process).
-
-    Rank ``r`` sits at ``(r // cp, r % cp)``: the ranks of one CP group are consecutive and share the same
-    samples; the ranks of one DP group hold the same tokens of different samples.
-
-    Raises:
-        ValueError: when ``dp x cp`` is not the world size (``dp`` = 0: world size / cp).
-    """
-    if info.world_size % cp:
-        raise ValueError(f"parallel.cp={cp} does not divide the world size {info.world_size}")
-    dp = dp or info.world_size // cp
-    if dp * cp != info.world_size:
-        raise ValueError(f"parallel.dp x parallel.cp = {dp} x {cp} must equal the world size {info.world_size}")
-    if info.world_size == 1:
-        return None
-    return init_device_mesh(info.device.type, (dp, cp), mesh_dim_names=("dp", "cp"))

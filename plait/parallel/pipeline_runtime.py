@@ -71,8 +71,9 @@ import torch.nn.functional as F
 from plait.data.collate import Batch
 from plait.data.processing import IGNORE
 from plait.parallel.data_parallel import sum_gradients
+from plait.parallel.dims import ParallelDims, new_groups
 from plait.parallel.stages import Payload, PipelineStage, RankStages
-from plait.planner.pipeline_plan import LLM_MODULE
+from plait.planner.types import LLM_MODULE
 from plait.planner.schedules import Action, Schedule, TimelineEvent, frees_activations
 
 __all__ = [
@@ -97,9 +98,7 @@ _MessageKey = tuple[str, int, int, int]  # (kind "F"/"B", sending stage, receivi
 class PipelineComm:
     """This process's place in a DP x PP x CP job.
 
-    Rank layout (:func:`build_pipeline_comm`): global rank ``= (dp_rank * pp + pp_rank) * cp + cp_rank``, the CP
-    axis innermost (the ranks of one stage's CP group are consecutive: the all-gather of K/V in every attention
-    layer is the most frequent collective). A pipeline is the ``pp`` ranks with one ``(dp_rank, cp_rank)``: its
+    Rank layout: :class:`~plait.parallel.dims.ParallelDims` (the CP axis innermost, then the pipeline axis). A pipeline is the ``pp`` ranks with one ``(dp_rank, cp_rank)``: its
     P2P messages carry the hidden states of that CP rank's tokens only.
 
     Attributes:
@@ -149,51 +148,29 @@ class PipelineComm:
         return self.grad_group if self.grad_group is not None else self.dp_group
 
 
-def build_pipeline_comm(pp_size: int, device: torch.device | str = "cpu", cp_size: int = 1) -> PipelineComm:
-    """Coordinates of this process in a DP x PP x CP job with global rank
-    ``= (dp_rank * pp_size + pp_rank) * cp_size + cp_rank`` (see :class:`PipelineComm`); creates the DP, CP and
-    gradient (DP x CP) groups. Collective: every rank must call it, with the same degrees.
+def build_pipeline_comm(pp_size: int, device: torch.device | str = "cpu", cp_size: int = 1,
+                        dp_size: int = 0) -> PipelineComm:
+    """Coordinates of this process in a DP x PP x CP job laid out by :class:`~plait.parallel.dims.ParallelDims`
+    (see :class:`PipelineComm`); creates the DP, CP and gradient (DP x CP) groups. Collective: every rank must
+    call it, with the same degrees (``dp_size`` = 0: from the world size).
 
     Raises:
-        ValueError: when the world size is not a multiple of ``pp_size * cp_size``.
+        ValueError: when the degrees do not fit the world size (:meth:`ParallelDims.from_world`).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if pp_size < 1 or cp_size < 1 or world % (pp_size * cp_size):
-        raise ValueError(f"parallel.pp={pp_size} x parallel.cp={cp_size} must divide the world size {world}")
-    dp_size = world // (pp_size * cp_size)
-    rest, cp_rank = divmod(rank, cp_size)
-    dp_rank, pp_rank = divmod(rest, pp_size)
-
-    def at(d: int, q: int, c: int) -> int:
-        return (d * pp_size + q) * cp_size + c
-
-    dp_group = _new_groups([[at(d, q, c) for d in range(dp_size)] for q in range(pp_size) for c in range(cp_size)],
-                           rank, dp_size > 1)
-    cp_group = _new_groups([[at(d, q, c) for c in range(cp_size)] for d in range(dp_size) for q in range(pp_size)],
-                           rank, cp_size > 1)
+    dims = ParallelDims.from_world(world, pp_size, cp_size, dp_size)
+    at = dims.coords(rank)
+    dp_group = dims.new_group(("dp",), rank, dims.dp > 1)
+    cp_group = dims.new_group(("cp",), rank, dims.cp > 1)
     grad_group = dp_group
-    if cp_size > 1:
-        grad_group = _new_groups([[at(d, q, c) for d in range(dp_size) for c in range(cp_size)]
-                                  for q in range(pp_size)], rank, dp_size > 1)
+    if dims.cp > 1:
+        grad_group = dims.new_group(("dp", "cp"), rank, dims.dp > 1)
         grad_group = cp_group if grad_group is None else grad_group  # dp = 1: the CP group holds every copy
-    ranks = tuple(at(dp_rank, q, cp_rank) for q in range(pp_size))
     if dist.is_initialized():
         dist.barrier()  # NCCL: the default communicator exists before the first batched P2P call
-    return PipelineComm(pp_rank, ranks, dp_rank, dp_size, dp_group, torch.device(device), cp_rank, cp_size,
-                        cp_group, grad_group)
-
-
-def _new_groups(partition: Sequence[Sequence[int]], rank: int, needed: bool) -> Any:
-    """Create one process group per list of ``partition`` (every rank creates all of them, in the same order:
-    ``new_group`` is collective) and return the one holding ``rank``; None when ``needed`` is False."""
-    if not needed:
-        return None
-    mine = None
-    for ranks in partition:
-        group = dist.new_group(list(ranks))
-        mine = group if rank in ranks else mine
-    return mine
+    return PipelineComm(at.pp, dims.pipeline_ranks(rank), at.dp, dims.dp, dp_group, torch.device(device), at.cp,
+                        dims.cp, cp_group, grad_group)
 
 
 def pipeline_comm_from_mesh(mesh: Any, device: torch.device | str = "cpu") -> PipelineComm:
@@ -218,7 +195,7 @@ def pipeline_comm_from_mesh(mesh: Any, device: torch.device | str = "cpu") -> Pi
         grad_group = cp_group
         if dp_size > 1:
             grid = mesh.mesh.movedim(names.index("pp"), 0).reshape(mesh["pp"].size(), -1).tolist()
-            grad_group = _new_groups(grid, dist.get_rank(), True)
+            grad_group = new_groups(grid, dist.get_rank(), True)
     return PipelineComm(mesh.get_local_rank("pp"), ranks, dp_rank, dp_size, group, torch.device(device), cp_rank,
                         cp_size, cp_group, grad_group)
 

@@ -1,8 +1,8 @@
 """Pipeline-parallel training: :class:`~plait.train.trainer.Trainer`'s loop over this rank's pipeline stages.
 
-Layout: world size = DP x PP x CP; global rank = ``(dp_rank * pp + pp_rank) * cp + cp_rank``
-(``build_pipeline_comm``): the CP axis is innermost, so the CP group of each stage is a run of consecutive ranks,
-and without CP each pipeline is a run of consecutive ranks. With ``parallel.cp`` > 1 every stage is replicated
+Layout: world size = DP x PP x CP, ranks laid out by :class:`~plait.parallel.dims.ParallelDims`: the CP axis is
+innermost, so the CP group of each stage is a run of consecutive ranks, and without CP each pipeline is a run of
+consecutive ranks. With ``parallel.cp`` > 1 every stage is replicated
 over its CP group: encoder stages run whole on each CP rank, the LLM stages only on the CP rank's tokens (the
 same ``plan_tokens`` assignment as the non-pipeline trainer, computed on every rank from the mask metadata),
 each pipeline (one CP index) passing only those tokens' hidden states, and gradients are summed over the
@@ -75,6 +75,7 @@ from plait.parallel.pipeline_runtime import (
     run_pipeline_step,
     token_loss_sum,
 )
+from plait.parallel.dims import ParallelDims
 from plait.parallel.stages import build_rank_stages
 from plait.planner.microbatch import MicrobatchPlan
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
@@ -123,23 +124,12 @@ class PipelineTrainer(Trainer):
 
     # ------------------------------------------------------------------ setup
     def _setup_mesh(self) -> None:
-        par, world = self.cfg.parallel, self.info.world_size
-        self.pp, per_replica = par.pp.degree, par.pp.degree * par.cp
-        if par.dp and par.dp * per_replica != world:
-            raise ValueError(
-                f"parallel.dp={par.dp} x parallel.pp.degree={self.pp} x parallel.cp={par.cp} = {par.dp * per_replica} "
-                f"processes does not fit the world size {world}: launch exactly {par.dp * per_replica} processes, "
-                f"e.g. torchrun --nproc_per_node {par.dp * per_replica} (or leave parallel.dp unset for any multiple "
-                f"of {per_replica})"
-            )
-        if world % per_replica:
-            raise ValueError(
-                f"parallel.pp.degree={self.pp} x parallel.cp={par.cp} does not fit the world size {world}: launch a "
-                f"multiple of {per_replica} processes, e.g. torchrun --nproc_per_node {per_replica}"
-            )
-        self.comm = build_pipeline_comm(self.pp, self.info.device, par.cp)
-        self.cp, self.cp_rank, self.cp_group, self.mesh = par.cp, self.comm.cp_rank, self.comm.cp_group, None
-        self.dp, self.dp_rank, self.pp_rank = self.comm.dp_size, self.comm.dp_rank, self.comm.pp_rank
+        par = self.cfg.parallel
+        self.dims = ParallelDims.from_world(self.info.world_size, par.pp.degree, par.cp, par.dp)
+        self.comm = build_pipeline_comm(self.dims.pp, self.info.device, self.dims.cp, self.dims.dp)
+        self.dp, self.pp, self.cp, self.mesh = self.dims.dp, self.dims.pp, self.dims.cp, None
+        self.dp_rank, self.pp_rank, self.cp_rank = self.comm.dp_rank, self.comm.pp_rank, self.comm.cp_rank
+        self.cp_group = self.comm.cp_group
 
     def _setup_training(self) -> None:
         t, pp = self.cfg.train, self.cfg.parallel.pp

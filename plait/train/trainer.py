@@ -42,7 +42,8 @@ from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.parallel.data_parallel import apply_data_parallel, sum_gradients
 from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
 from plait.parallel.pipeline_runtime import token_loss_sum  # one definition, re-exported here
-from plait.parallel.mesh import DistInfo, build_mesh, init_distributed
+from plait.parallel.dims import ParallelDims
+from plait.parallel.mesh import DistInfo, init_distributed
 from plait.planner.token_distributor import plan_tokens
 from plait.train.checkpoint import (
     CheckpointLayout,
@@ -222,7 +223,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup hooks (subclasses override)
     def _setup_mesh(self) -> None:
-        """Parallel layout: ``mesh``, ``dp``/``dp_rank`` (DP replicas), ``cp``/``cp_rank``/``cp_group``.
+        """Parallel layout: ``dims`` (:class:`ParallelDims`), ``mesh`` (a ``("dp", "cp")`` DeviceMesh, None for one
+        process), ``dp``/``dp_rank`` (DP replicas), ``cp``/``cp_rank``/``cp_group``.
 
         Raises:
             ValueError: when the degrees do not fit the world size, or the job asks for pipeline parallelism
@@ -231,10 +233,11 @@ class Trainer:
         par = self.cfg.parallel
         if par.pp.degree > 1:
             raise ValueError(f"parallel.pp.degree={par.pp.degree}: pipeline jobs run with PipelineTrainer")
-        self.cp = par.cp
-        self.mesh = build_mesh(self.info, par.dp, self.cp)
-        self.dp = self.info.world_size // self.cp
-        self.dp_rank, self.cp_rank = divmod(self.info.rank, self.cp)
+        self.dims = ParallelDims.from_world(self.info.world_size, 1, par.cp, par.dp)
+        self.dp, self.cp = self.dims.dp, self.dims.cp
+        coords = self.dims.coords(self.info.rank)
+        self.dp_rank, self.cp_rank = coords.dp, coords.cp
+        self.mesh = self.dims.build_mesh(self.info.device.type, ("dp", "cp")) if self.info.world_size > 1 else None
         self.cp_group = self.mesh.get_group("cp") if (self.mesh is not None and self.cp > 1) else None
 
     def _setup_training(self) -> None:

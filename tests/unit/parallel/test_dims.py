@@ -1,0 +1,45 @@
+"""The one rank layout (plait.parallel.dims): coordinates, groups and the world-size errors, without processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.parallel.dims import ParallelDims, RankCoords
+
+
+def test_rank_and_coords_follow_the_cp_innermost_layout():
+    dims = ParallelDims(dp=2, pp=3, cp=2)
+    assert dims.world_size == 12
+    assert dims.rank(0, 0, 0) == 0 and dims.rank(0, 0, 1) == 1 and dims.rank(0, 1, 0) == 2
+    assert dims.rank(1, 0, 0) == 6 and dims.rank(1, 2, 1) == 11
+    assert dims.coords(7) == RankCoords(dp=1, pp=0, cp=1)
+    assert dims.coords(4) == RankCoords(dp=0, pp=2, cp=0)
+    assert [dims.rank(**vars(dims.coords(r))) for r in range(12)] == list(range(12))
+
+
+def test_groups_span_the_named_axes():
+    dims = ParallelDims(dp=2, pp=2, cp=2)
+    assert dims.groups(("cp",)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.groups(("dp",)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.groups(("pp",)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.groups(("dp", "cp")) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert dims.pipeline_ranks(5) == (5, 7) and dims.pipeline_ranks(2) == (0, 2)
+    assert ParallelDims(dp=3).groups(("dp",)) == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="unknown axes"):
+        dims.groups(("tp",))
+
+
+def test_from_world_derives_dp_or_says_how_many_processes_to_launch():
+    assert ParallelDims.from_world(8, pp=2, cp=2) == ParallelDims(2, 2, 2)
+    assert ParallelDims.from_world(4, cp=2, dp=2) == ParallelDims(2, 1, 2)
+    assert ParallelDims.from_world(1) == ParallelDims(1, 1, 1)
+    with pytest.raises(ValueError, match=r"parallel.dp=3 x parallel.pp.degree=1 x parallel.cp=2 = 6 processes does "
+                                         r"not fit the world size 4: launch exactly 6 processes"):
+        ParallelDims.from_world(4, cp=2, dp=3)
+    with pytest.raises(ValueError, match=r"parallel.pp.degree=2 x parallel.cp=2 does not fit the world size 6: "
+                                         r"launch a multiple of 4 processes, e.g. torchrun --nproc_per_node 4$"):
+        ParallelDims.from_world(6, pp=2, cp=2)
+    with pytest.raises(ValueError, match="degrees must be >= 1"):
+        ParallelDims(dp=0)
+    with pytest.raises(ValueError, match="rank 8 outside"):
+        ParallelDims(2, 2, 2).coords(8)
