@@ -74,6 +74,7 @@ __all__ = [
     "interleaved_warmups",
     "memory_capped_1f1b",
     "one_f_one_b",
+    "one_f_one_b_order",
     "schedule_dag",
     "summarize_timeline",
 ]
@@ -732,15 +733,27 @@ def _stage_order(plan: PipelinePlan, s: int, m: int, limit: int, inline_w: bool)
     ``W`` follows each ``B`` when ``inline_w`` and the stage trains.
     """
     stage = plan.stages[s]
-    if not stage.runs_backward:
-        return [Action("F", s, i) for i in range(m)]
-    backward = ["B", "W"] if inline_w and stage.trainable else ["B"]
+    backward = ("B", "W") if inline_w and stage.trainable else ("B",)
+    order = []
+    for kind, i in one_f_one_b_order(m, limit, stage.runs_backward):
+        order.extend([Action("F", s, i)] if kind == "F" else [Action(k, s, i) for k in backward])
+    return order
+
+
+def one_f_one_b_order(num_microbatches: int, limit: int, runs_backward: bool) -> list[tuple[str, int]]:
+    """One stage's 1F1B order as ``(kind, microbatch)`` pairs, ``kind`` ``"F"`` or ``"B"``: with in-flight limit
+    ``limit`` (the stage's depth for plain 1F1B), ``min(limit - 1, M)`` warm-up forwards, then one forward and
+    one backward, then the remaining backwards; a forward-only stage runs its ``M`` forwards back to back.
+    The rule every 1F1B order here is built with (the generators and the layout search's timing)."""
+    m = num_microbatches
+    if not runs_backward:
+        return [("F", i) for i in range(m)]
     warmup = min(limit - 1, m)
-    order = [Action("F", s, i) for i in range(warmup)]
+    order = [("F", i) for i in range(warmup)]
     for i in range(m):
         if warmup + i < m:
-            order.append(Action("F", s, warmup + i))
-        order.extend(Action(k, s, i) for k in backward)
+            order.append(("F", warmup + i))
+        order.append(("B", i))
     return order
 
 

@@ -7,6 +7,11 @@ take ``latency_s + bytes / bandwidth`` and overlap with compute (asynchronous se
 between two stages on the same rank they are free. For this blocking in-order model the start times are
 the longest paths of the schedule DAG (``schedules.schedule_dag``), which is what the code computes.
 
+``time_actions`` is the one implementation of these rules: a small pure core on plain lists (per-rank
+``(kind, stage, microbatch)`` orders, ``[stage][microbatch]`` durations, per-stage transfer seconds) that
+returns every action's start and end; ``activation_peaks`` turns those times into per-rank activation peaks.
+``simulate`` calls both, and so does the layout search (``search``) when it times thousands of candidates.
+
 Each cross-rank message also occupies the host of both ends for a fixed time, LogP's *overhead* ``o``
 (Culler et al., "LogP: towards a realistic model of parallel computation", PPoPP 1993, section 2):
 ``P2PModel.send_overhead_s`` per message an action sends (packing and posting it) and
@@ -26,7 +31,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 from plait.planner.pipeline_plan import PipelinePlan
 from plait.planner.schedules import (
@@ -42,12 +47,18 @@ from plait.planner.types import Unit, UnitCost, dataclass_from_dict
 
 __all__ = [
     "ActionCosts",
+    "ActionDurations",
+    "ActionTimes",
     "P2PModel",
     "SimResult",
+    "StageGraph",
     "StageMemory",
+    "activation_peaks",
     "boundary_bytes_from_units",
     "simulate",
     "stage_costs_from_units",
+    "stage_graph",
+    "time_actions",
 ]
 
 CostValue = Union[float, Sequence[float], Callable[[int], float]]
@@ -218,40 +229,29 @@ def simulate(
     """
     check_schedule(schedule)
     p2p = p2p or P2PModel()
-    cost_of = _with_message_overheads(schedule, _cost_function(costs), p2p)
-    comm = _comm_function(schedule.plan, p2p, boundary_bytes or {})
-    start, end = _timing(schedule, cost_of, comm)
-    events = tuple(
-        TimelineEvent(rank, a.kind, a.stage, a.microbatch, start[a], end[a]) for rank, a in schedule.all_actions()
-    )
+    plan, m = schedule.plan, schedule.num_microbatches
+    durations = _durations(schedule, _with_message_overheads(schedule, _cost_function(costs), p2p))
+    send = [p2p.transfer_s((boundary_bytes or {}).get(s, 0)) for s in range(plan.num_stages)]
+    orders = [[(a.kind, a.stage, a.microbatch) for a in actions] for actions in schedule.actions]
+    times = time_actions(orders, stage_graph(plan), durations, send, m)
+    if times is None:  # check_schedule proved the schedule deadlock-free
+        raise RuntimeError("the timing core stalled on a checked schedule (a plait bug)")
+    events = tuple(TimelineEvent(rank, a.kind, a.stage, a.microbatch, *times.of(a.kind, a.stage, a.microbatch))
+                   for rank, a in schedule.all_actions())
     summary = summarize_timeline(events, schedule.num_ranks)
     makespan = max((e.end_s for e in events), default=0.0)
     bubbles = tuple((1.0 - b / makespan) if makespan > 0 else 0.0 for b in summary.busy_s)
-    peaks = _peak_memory(schedule, events, memory or {})
+    peaks = _peak_memory(schedule, times, memory or {})
     return SimResult(makespan, summary.busy_s, bubbles, peaks, events)
 
 
-def _timing(
-    schedule: Schedule, cost_of: Callable[[Action], float], comm: Callable[[Action, Action], float]
-) -> tuple[dict[Action, float], dict[Action, float]]:
-    """Start and end time of every action: in-order ranks, start = max(rank free, dependency arrivals)."""
-    start: dict[Action, float] = {}
-    end: dict[Action, float] = {}
-    heads = [0] * schedule.num_ranks
-    free = [0.0] * schedule.num_ranks
-    remaining = sum(len(a) for a in schedule.actions)
-    while remaining:
-        for rank, actions in enumerate(schedule.actions):
-            while heads[rank] < len(actions):
-                action = actions[heads[rank]]
-                deps = action_dependencies(schedule.plan, action)
-                if any(d not in end for d in deps):
-                    break
-                start[action] = max([free[rank]] + [end[d] + comm(d, action) for d in deps])
-                end[action] = free[rank] = start[action] + cost_of(action)
-                heads[rank] += 1
-                remaining -= 1
-    return start, end
+def _durations(schedule: Schedule, cost_of: Callable[[Action], float]) -> ActionDurations:
+    """``cost_of`` every action of ``schedule``, as ``[stage][microbatch]`` lists per kind."""
+    n, m = schedule.plan.num_stages, schedule.num_microbatches
+    table = {kind: [[0.0] * m for _ in range(n)] for kind in "FBW"}
+    for _, action in schedule.all_actions():
+        table[action.kind][action.stage][action.microbatch] = cost_of(action)
+    return ActionDurations(table["F"], table["B"], table["W"])
 
 
 def _with_message_overheads(
@@ -314,46 +314,211 @@ def _raw_cost(costs: ActionCosts, action: Action) -> Any:
     raise ValueError(f"costs give no time for {action.kind} of stage {action.stage}")
 
 
-def _comm_function(
-    plan: PipelinePlan, p2p: P2PModel, boundary_bytes: Mapping[int, float]
-) -> Callable[[Action, Action], float]:
-    """Seconds between ``dep`` ending and ``action`` being able to use its result."""
+def _peak_memory(schedule: Schedule, times: ActionTimes, memory: Mapping[int, StageMemory]) -> tuple[int, ...]:
+    """Per rank, static bytes plus the highest sum of live activations over time (``activation_peaks``):
+    a microbatch's activations live from its ``F``'s start to the end of the action that frees them
+    (``schedules.frees_activations``; its ``F`` for a forward-only stage)."""
+    plan, m = schedule.plan, schedule.num_microbatches
+    freed, nbytes = [], []
+    for stage in plan.stages:
+        mem = memory.get(stage.index, StageMemory())
+        nbytes.append([mem.activation_of(i) for i in range(m)])
+        if not stage.runs_backward:
+            freed.append(times.forward_end[stage.index])
+        elif frees_activations(plan, Action("W", stage.index, 0), schedule.split_backward):
+            freed.append(times.weight_end[stage.index])
+        else:
+            freed.append(times.backward_end[stage.index])
+    live = activation_peaks([s.rank for s in plan.stages], schedule.num_ranks, times.forward_start, freed, nbytes)
+    return tuple(
+        sum(memory.get(s, StageMemory()).static_bytes for s in plan.stages_on_rank(rank)) + live[rank]
+        for rank in range(schedule.num_ranks)
+    )
 
-    def comm(dep: Action, action: Action) -> float:
-        if dep.stage == action.stage or plan.stages[dep.stage].rank == plan.stages[action.stage].rank:
-            return 0.0
-        sender = dep.stage if action.kind == "F" else action.stage  # the boundary is the upstream output
-        return p2p.transfer_s(boundary_bytes.get(sender, 0))
 
-    return comm
+# ----- the timing core: one implementation of "time a schedule" ---------------------------------
+class StageGraph(NamedTuple):
+    """The plan's stage edges as the timing core reads them: plain lists indexed by stage.
+
+    Attributes:
+        rank: per stage, the pipeline rank that runs it.
+        predecessors: per stage, the stages whose outputs its ``F`` receives.
+        successor: per stage, the stage receiving its output (-1 for the last stage).
+        runs_backward: per stage, whether it has ``B`` actions (``Stage.runs_backward``).
+    """
+
+    rank: Sequence[int]
+    predecessors: Sequence[Sequence[int]]
+    successor: Sequence[int]
+    runs_backward: Sequence[bool]
 
 
-def _peak_memory(
-    schedule: Schedule, events: Sequence[TimelineEvent], memory: Mapping[int, StageMemory]
-) -> tuple[int, ...]:
-    """Per rank, static bytes plus the highest sum of live activations over time (frees before allocations
-    at equal times, since a rank's actions run one after another)."""
-    plan = schedule.plan
-    deltas: list[list[tuple[float, int, int]]] = [[] for _ in range(schedule.num_ranks)]
-    for e in events:
-        stage = plan.stages[e.stage]
-        mem = memory.get(e.stage, StageMemory())
-        nbytes = mem.activation_of(e.microbatch)
-        if e.kind == "F":
-            deltas[e.rank].append((e.start_s, 1, nbytes))
-            if not stage.runs_backward:
-                deltas[e.rank].append((e.end_s, 0, -nbytes))
-        elif frees_activations(plan, Action(e.kind, e.stage, e.microbatch), schedule.split_backward):
-            deltas[e.rank].append((e.end_s, 0, -nbytes))
+def stage_graph(plan: PipelinePlan) -> StageGraph:
+    """The ``StageGraph`` of ``plan`` (a stage has one successor or none: ``PipelinePlan.successors``)."""
+    stages = range(plan.num_stages)
+    return StageGraph(
+        rank=[plan.stages[s].rank for s in stages],
+        predecessors=[plan.predecessors(s) for s in stages],
+        successor=[(plan.successors(s) or (-1,))[0] for s in stages],
+        runs_backward=[plan.stages[s].runs_backward for s in stages],
+    )
+
+
+class ActionDurations(NamedTuple):
+    """Seconds of every action, ``[stage][microbatch]`` per kind (entries of absent actions are unread).
+
+    Attributes:
+        forward: ``F`` seconds.
+        backward: ``B`` seconds (the full backward, or its input-gradient part when split).
+        weight: ``W`` seconds (empty lists when the schedule has no ``W``).
+    """
+
+    forward: Sequence[Sequence[float]]
+    backward: Sequence[Sequence[float]]
+    weight: Sequence[Sequence[float]]
+
+
+class ActionTimes(NamedTuple):
+    """Start and end (seconds from 0) of every action, ``[stage][microbatch]`` per kind; -1.0 marks an end of
+    an action that did not run (absent from the orders). ``rank_end``: per rank, when its last action ends."""
+
+    forward_start: list[list[float]]
+    forward_end: list[list[float]]
+    backward_start: list[list[float]]
+    backward_end: list[list[float]]
+    weight_start: list[list[float]]
+    weight_end: list[list[float]]
+    rank_end: list[float]
+
+    @property
+    def makespan_s(self) -> float:
+        """The iteration time: the latest end over ranks (0 for no actions)."""
+        return max(self.rank_end, default=0.0)
+
+    def of(self, kind: str, stage: int, microbatch: int) -> tuple[float, float]:
+        """``(start, end)`` of one action."""
+        index = "FBW".index(kind)
+        return self[2 * index][stage][microbatch], self[2 * index + 1][stage][microbatch]
+
+
+Order = Sequence[tuple[str, int, int]]
+"""One rank's actions in execution order, as ``(kind, stage, microbatch)`` tuples."""
+
+
+def time_actions(orders: Sequence[Order], graph: StageGraph, durations: ActionDurations,
+                 send_s: Sequence[float], num_microbatches: int) -> ActionTimes | None:
+    """Time per-rank action ``orders`` by the module's execution model: each rank runs its actions in order;
+    an action starts once its rank is free and every action it depends on (``schedules.action_dependencies``:
+    ``F(s, m)`` on ``F(p, m)`` of each predecessor, ``B(s, m)`` on ``F(s, m)`` and on ``B(t, m)`` of its
+    successor when that runs backward, ``W(s, m)`` on ``B(s, m)``) has ended, plus ``send_s[s]`` when it
+    crosses ranks (stage ``s``'s output forward, its gradient back). The start times are the longest paths
+    of the schedule DAG; the order in which ranks are swept does not change them (forward and backward
+    sweeps alternate only to need fewer of them).
+
+    The one implementation of "time a schedule": ``simulate`` and the layout search both call it.
+
+    Args:
+        orders: per rank, its ``(kind, stage, microbatch)`` actions in order.
+        graph: the stage edges (``stage_graph``).
+        durations: seconds per action (``ActionDurations``).
+        send_s: per stage, seconds to move its output (or the gradient of it) to another rank.
+        num_microbatches: microbatches ``M`` (actions name microbatches ``0..M-1``).
+
+    Returns:
+        ``ActionTimes``, or None when the orders stall (a rank waits on an action that cannot run).
+    """
+    rank, preds, succ, back = graph
+    fwd, bwd, wgt = durations
+    n, m = len(rank), num_microbatches
+    f_start = [[0.0] * m for _ in range(n)]
+    f_end = [[-1.0] * m for _ in range(n)]
+    b_start = [[0.0] * m for _ in range(n)]
+    b_end = [[-1.0] * m for _ in range(n)]
+    w_start = [[0.0] * m for _ in range(n)]
+    w_end = [[-1.0] * m for _ in range(n)]
+    heads, free = [0] * len(orders), [0.0] * len(orders)
+    remaining = sum(len(o) for o in orders)
+    forward_sweep, backward_sweep = range(len(orders)), range(len(orders) - 1, -1, -1)
+    sweep = 0
+    while remaining:
+        progressed = False
+        for r in forward_sweep if sweep % 2 == 0 else backward_sweep:
+            actions = orders[r]
+            h, clock, last = heads[r], free[r], len(actions)
+            while h < last:
+                kind, s, i = actions[h]
+                if kind == "F":
+                    ready = clock
+                    for q in preds[s]:
+                        arrival = f_end[q][i]
+                        if arrival < 0:
+                            break
+                        if rank[q] != r:
+                            arrival += send_s[q]
+                        if arrival > ready:
+                            ready = arrival
+                    else:
+                        f_start[s][i] = ready
+                        clock = f_end[s][i] = ready + fwd[s][i]
+                        h += 1
+                        continue
+                    break
+                if kind == "B":
+                    ready = f_end[s][i]
+                    if ready < 0:
+                        break
+                    if clock > ready:
+                        ready = clock
+                    t = succ[s]
+                    if t >= 0 and back[t]:
+                        arrival = b_end[t][i]
+                        if arrival < 0:
+                            break
+                        if rank[t] != r:
+                            arrival += send_s[s]
+                        if arrival > ready:
+                            ready = arrival
+                    b_start[s][i] = ready
+                    clock = b_end[s][i] = ready + bwd[s][i]
+                else:
+                    ready = b_end[s][i]
+                    if ready < 0:
+                        break
+                    if clock > ready:
+                        ready = clock
+                    w_start[s][i] = ready
+                    clock = w_end[s][i] = ready + wgt[s][i]
+                h += 1
+            remaining -= h - heads[r]
+            progressed |= h > heads[r]
+            heads[r], free[r] = h, clock
+        sweep += 1
+        if not progressed:
+            return None
+    return ActionTimes(f_start, f_end, b_start, b_end, w_start, w_end, free)
+
+
+def activation_peaks(rank_of: Sequence[int], num_ranks: int, allocated: Sequence[Sequence[float]],
+                     freed: Sequence[Sequence[float]], nbytes: Sequence[Sequence[float]]) -> list[float]:
+    """Per rank, the most activation bytes live at once: stage ``s`` holds ``nbytes[s][i]`` for microbatch
+    ``i`` from ``allocated[s][i]`` (its ``F``'s start) to ``freed[s][i]`` (the end of its last backward action,
+    or of its ``F`` for a forward-only stage). Frees come before allocations at equal times, since a rank's
+    actions run one after another.
+    """
+    deltas: list[list[tuple[float, int, float]]] = [[] for _ in range(num_ranks)]
+    for s, r in enumerate(rank_of):
+        for start, end, size in zip(allocated[s], freed[s], nbytes[s]):
+            deltas[r].append((start, 1, size))
+            deltas[r].append((end, 0, -size))
     peaks = []
-    for rank in range(schedule.num_ranks):
-        static = sum(memory.get(s, StageMemory()).static_bytes for s in plan.stages_on_rank(rank))
+    for rank_deltas in deltas:
         live = peak = 0
-        for _, _, delta in sorted(deltas[rank]):
+        for _, _, delta in sorted(rank_deltas):
             live += delta
-            peak = max(peak, live)
-        peaks.append(static + peak)
-    return tuple(peaks)
+            if live > peak:
+                peak = live
+        peaks.append(peak)
+    return peaks
 
 
 # ----- bridges from unit costs ------------------------------------------------------------------
