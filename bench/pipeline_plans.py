@@ -67,7 +67,8 @@ from plait.planner.cost_model import (
     unit_costs,
     units_from_configs,
 )
-from plait.planner.search import LayoutChoice, consistent_units, megatron_even_split, plan_layout
+from plait.planner.graph import consistent_units
+from plait.planner.search import LayoutChoice, megatron_even_split, plan_layout
 from plait.planner.simulator import P2PModel
 
 TEXT_TOKENS = 1024

@@ -13,8 +13,9 @@ from typing import Any
 
 from plait.config.schema import EncoderConfig, JobConfig, PipelineConfig
 from plait.planner.microbatch import METHODS
-from plait.planner.pipeline_plan import LAYOUTS, LLM_MODULE, stage_ranks
+from plait.planner.pipeline_plan import LAYOUTS, stage_ranks
 from plait.planner.schedules import SCHEDULE_NAMES
+from plait.planner.types import LLM_MODULE
 
 __all__ = ["load_config", "read_config_data", "config_from_dict", "parse_overrides", "config_to_dict", "pipeline_stage_counts",
            "pipeline_plan_kwargs"]

@@ -9,6 +9,7 @@ not units at all, so the chain of a branch's units computes exactly the features
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
@@ -16,8 +17,8 @@ from torch import nn
 from plait.models.encoder import ModalityEncoder
 from plait.models.hf import encoder_layout, llm_layout
 from plait.models.multimodal import MultimodalModel
-from plait.planner.pipeline_plan import LLM_MODULE
-from plait.planner.types import Unit
+from plait.planner.graph import consistent_units
+from plait.planner.types import LLM_MODULE, Unit
 
 __all__ = ["UnitSpec", "model_units", "unit_specs"]
 
@@ -43,9 +44,8 @@ def model_units(model: MultimodalModel) -> tuple[Unit, ...]:
     """The ordered pipeline units of ``model``: every encoder branch (in ``model.encoders`` order), then the LLM.
 
     Flags (``Unit``): ``trainable`` when any reachable parameter of the unit has ``requires_grad``;
-    ``needs_input_grad`` when an earlier unit of the same branch trains or, for LLM units, when any encoder
-    unit or an earlier LLM unit trains (so the first LLM unit needs an input gradient whenever a projector or
-    encoder trains, as ``PipelinePlan`` requires).
+    ``needs_input_grad`` by the unit-graph rule (``plait.planner.graph.consistent_units``: some unit upstream
+    trains, every encoder branch feeding the LLM's first unit).
 
     Raises:
         ValueError: for an encoder or LLM family without a pipeline layout (``plait.models.hf``).
@@ -60,13 +60,11 @@ def unit_specs(model: MultimodalModel) -> tuple[UnitSpec, ...]:
         ValueError: as :func:`model_units`.
     """
     specs: list[UnitSpec] = []
-    any_encoder_trains = False
     for name, branch in model.encoders.items():
-        branch_specs = _chain(model, _encoder_parts(name, branch), name, upstream=False)
-        any_encoder_trains |= any(s.unit.trainable for s in branch_specs)
-        specs += branch_specs
-    specs += _chain(model, _llm_parts(model), LLM_MODULE, upstream=any_encoder_trains)
-    return tuple(specs)
+        specs += _chain(model, _encoder_parts(name, branch), name)
+    specs += _chain(model, _llm_parts(model), LLM_MODULE)
+    units = consistent_units([spec.unit for spec in specs])
+    return tuple(dataclasses.replace(spec, unit=unit) for spec, unit in zip(specs, units))
 
 
 def _encoder_parts(name: str, branch: ModalityEncoder) -> list[tuple[str, tuple[str, ...], int]]:
@@ -97,14 +95,12 @@ def _llm_parts(model: MultimodalModel) -> list[tuple[str, tuple[str, ...], int]]
     return parts + [("norm", (prefix + layout.norm,), -1), ("head", (prefix + layout.head,), -1)]
 
 
-def _chain(
-    model: MultimodalModel, parts: list[tuple[str, tuple[str, ...], int]], module: str, upstream: bool
-) -> list[UnitSpec]:
+def _chain(model: MultimodalModel, parts: list[tuple[str, tuple[str, ...], int]], module: str) -> list[UnitSpec]:
+    """Specs of one chain with ``trainable`` from the parameters (``needs_input_grad`` is set by the graph rule)."""
     specs = []
     for kind, modules, layer in parts:
         trainable = any(p.requires_grad for m in modules for p in _params(model, m))
-        specs.append(UnitSpec(Unit(modules[0], module, kind, trainable, upstream), modules, layer))
-        upstream = upstream or trainable
+        specs.append(UnitSpec(Unit(modules[0], module, kind, trainable, False), modules, layer))
     return specs
 
 

@@ -43,7 +43,8 @@ from plait.models.hf import EncoderLayout, encoder_layout, llm_layout, run_encod
 from plait.models.multimodal import MultimodalModel
 from plait.models.units import UnitSpec, unit_specs
 from plait.parallel.context import shard_tokens
-from plait.planner.pipeline_plan import LLM_MODULE, PipelinePlan, Stage, check_plan_units
+from plait.planner.pipeline_plan import PipelinePlan, Stage, check_plan_units
+from plait.planner.types import LLM_MODULE
 
 __all__ = ["OwnedLayers", "PipelineStage", "RankStages", "TiedEmbedding", "build_rank_stages", "Payload"]
 

@@ -24,10 +24,10 @@ from typing import Any
 
 from plait.config.loader import pipeline_plan_kwargs
 from plait.config.schema import JobConfig, PipelineConfig
-from plait.planner.pipeline_plan import LLM_MODULE, PipelinePlan, plan_pipeline, split_even
+from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline, split_even
 from plait.planner.search import LayoutChoice, evaluate_plan, plan_layout
 from plait.planner.simulator import P2PModel
-from plait.planner.types import Unit, UnitCost
+from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
 __all__ = ["apply_layout_choice", "auto_microbatches", "plan_auto_layout", "plan_splits", "resolve_auto_plan"]
 

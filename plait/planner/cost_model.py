@@ -40,7 +40,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
-from plait.planner.types import Unit, UnitCost, dataclass_from_dict
+from plait.planner.graph import consistent_units
+from plait.planner.types import LLM_MODULE, Unit, UnitCost, dataclass_from_dict
 
 __all__ = [
     "DecoderArch",
@@ -72,7 +73,6 @@ _DTYPE_BYTES = {
     "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
     "float8": 1, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
-_LLM = "llm"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -317,9 +317,9 @@ def _positive(config: Any, name: str, default: Any = _MISSING) -> int:
 # Architectures
 
 
-_PLAIN_MLP_LLMS = frozenset({"phi"})
-_FOUR_NORM_LLMS = frozenset({"gemma2", "gemma3_text"})
-_QK_NORM_LLMS = frozenset({"qwen3", "qwen3_moe", "gemma3_text"})
+_PLAIN_MLPLLM_MODULES = frozenset({"phi"})
+_FOUR_NORMLLM_MODULES = frozenset({"gemma2", "gemma3_text"})
+_QK_NORMLLM_MODULES = frozenset({"qwen3", "qwen3_moe", "gemma3_text"})
 
 
 @dataclass(frozen=True)
@@ -392,10 +392,10 @@ class DecoderArch:
             hidden=hidden, layers=layers, heads=heads,
             kv_heads=_positive(config, "num_key_value_heads", heads), head_dim=head_dim,
             intermediate=_positive(config, "intermediate_size"), vocab=_positive(config, "vocab_size"),
-            gated_mlp=mtype not in _PLAIN_MLP_LLMS, **_moe_fields(config),
+            gated_mlp=mtype not in _PLAIN_MLPLLM_MODULES, **_moe_fields(config),
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, head_bias=mtype == "phi",
-            norm_bias=mtype == "phi", norms_per_layer=4 if mtype in _FOUR_NORM_LLMS else (1 if mtype == "phi" else 2),
-            qk_norm_dim=head_dim if mtype in _QK_NORM_LLMS else 0,
+            norm_bias=mtype == "phi", norms_per_layer=4 if mtype in _FOUR_NORMLLM_MODULES else (1 if mtype == "phi" else 2),
+            qk_norm_dim=head_dim if mtype in _QK_NORMLLM_MODULES else 0,
             tied_embeddings=bool(_field(config, "tie_word_embeddings", False)),
             sliding_window=window, sliding_layers=sliding,
         )
@@ -436,6 +436,11 @@ class DecoderArch:
         else:
             mlp = (3 if self.gated_mlp else 2) * h * self.intermediate
         return h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h + mlp
+
+    def layer_flops(self) -> tuple[int, int]:
+        """(forward FLOPs per token, forward FLOPs per attended (query, key) pair) of one layer:
+        ``2 layer_macs_per_token`` and ``4 q`` (``Q K^T`` and ``P V``, 2 FLOPs per multiply-accumulate)."""
+        return 2 * self.layer_macs_per_token(), 4 * self.q_dim
 
 
 def _decoder_biases(config: Any, mtype: str) -> tuple[bool, bool, bool]:
@@ -591,6 +596,10 @@ class EncoderArch:
     def layer_macs_per_token(self) -> int:
         """Weight multiply-accumulates per token of one layer: ``3 H q + q H + (3 or 2) H I``."""
         return 4 * self.hidden * self.q_dim + (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
+
+    def layer_flops(self) -> tuple[int, int]:
+        """(forward FLOPs per token, forward FLOPs per attended pair) of one layer, as ``DecoderArch``."""
+        return 2 * self.layer_macs_per_token(), 4 * self.q_dim
 
     def embed_macs_per_token(self) -> int:
         """Embedding multiply-accumulates per output token. Vision: ``C p_h p_w H`` per patch token
@@ -829,7 +838,8 @@ def _decoder_estimate(arch: DecoderArch, kind: str, layer: int, shape: Microbatc
     pairs = shape.attended_pairs if shape.attended_pairs is not None else sequences * causal_pairs(length)
     if arch.is_sliding(layer):
         pairs = min(pairs, sequences * windowed_causal_pairs(length, arch.sliding_window))
-    return _estimate(arch.layer_params(), 2 * t * arch.layer_macs_per_token(), 4 * pairs * arch.q_dim,
+    per_token, per_pair = arch.layer_flops()
+    return _estimate(arch.layer_params(), t * per_token, pairs * per_pair,
                      t * _decoder_layer_io(arch) * b, t * _decoder_layer_saved(arch, b), t * h * b, b)
 
 
@@ -887,7 +897,8 @@ def _encoder_estimate(arch: EncoderArch, kind: str, shape: MicrobatchShape, b: f
         raise ValueError(f"an encoder has no {kind!r} unit")
     items, length = _sequences(shape, arch.item_len)
     pairs = shape.attended_pairs if shape.attended_pairs is not None else items * full_pairs(length)
-    return _estimate(arch.layer_params(), 2 * t * arch.layer_macs_per_token(), 4 * pairs * arch.q_dim,
+    per_token, per_pair = arch.layer_flops()
+    return _estimate(arch.layer_params(), t * per_token, pairs * per_pair,
                      t * _encoder_layer_io(arch) * b, t * _encoder_layer_saved(arch, b), t * h * b, b)
 
 
@@ -920,12 +931,12 @@ def _split_configs(model_configs: Mapping[str, Any]) -> tuple[dict[str, Arch], d
         else:
             archs[key] = arch_from_config(config)
     for encoder in projectors:
-        if encoder not in archs or encoder == _LLM:
+        if encoder not in archs or encoder == LLM_MODULE:
             raise ValueError(f"projector config {encoder + '.projector'!r} has no encoder config {encoder!r}")
-    if _LLM in archs and not isinstance(archs[_LLM], DecoderArch):
+    if LLM_MODULE in archs and not isinstance(archs[LLM_MODULE], DecoderArch):
         raise ValueError("model_configs['llm'] must be a decoder LLM config")
     for key, arch in archs.items():
-        if key != _LLM and not isinstance(arch, EncoderArch):
+        if key != LLM_MODULE and not isinstance(arch, EncoderArch):
             raise ValueError(f"model_configs[{key!r}] must be an encoder config (the LLM goes under 'llm')")
     return archs, projectors
 
@@ -946,7 +957,7 @@ def _projector_arch(encoder: str, archs: Mapping[str, Arch], projectors: Mapping
     unknown = set(given) - {"kind", "in_dim", "out_dim"}
     if unknown:
         raise ValueError(f"projector config of {encoder!r}: unknown field(s) {sorted(unknown)}")
-    out_dim = given.get("out_dim") or (archs[_LLM].hidden if _LLM in archs else None)
+    out_dim = given.get("out_dim") or (archs[LLM_MODULE].hidden if LLM_MODULE in archs else None)
     if out_dim is None:
         raise ValueError(f"projector of {encoder!r} needs out_dim or an 'llm' config")
     return ProjectorArch(given.get("kind", "mlp"), int(given.get("in_dim") or archs[encoder].hidden), int(out_dim))
@@ -965,48 +976,30 @@ def units_from_configs(model_configs: Mapping[str, Any], frozen: Mapping[str, bo
         frozen: ``{"vision": True, "vision.projector": False, "llm": True}``; a missing key means trainable.
 
     Flags (../shared/DESIGN.md principle 6): ``trainable`` = the unit's part is not frozen;
-    ``needs_input_grad`` = some unit upstream trains. Encoder embeddings never need an input gradient
-    (pixels, mel frames); the LLM's token embedding needs one when an encoder branch trains, since the
-    projected features are merged there and their gradient flows back through that stage.
+    ``needs_input_grad`` by the unit-graph rule (``graph.consistent_units``): some unit upstream trains. So
+    encoder embeddings never need an input gradient (pixels, mel frames); the LLM's token embedding needs one
+    when an encoder branch trains, since the projected features are merged there.
 
     Raises:
         ValueError: on an unknown ``frozen`` key or non-bool value, or bad configs.
     """
     archs, _ = _split_configs(model_configs)
     frozen = dict(frozen or {})
-    known = set(archs) | {f"{m}.projector" for m in archs if m != _LLM}
+    known = set(archs) | {f"{m}.projector" for m in archs if m != LLM_MODULE}
     for key, value in frozen.items():
         if key not in known:
             raise ValueError(f"frozen key {key!r} is not a model part; known: {sorted(known)}")
         if not isinstance(value, bool):
             raise ValueError(f"frozen[{key!r}] must be a bool, got {value!r}")
     units: list[Unit] = []
-    any_upstream = False
-    for module, arch in archs.items():
-        if module != _LLM:
-            trains = not frozen.get(module, False)
-            branch, upstream = _chain(f"encoders.{module}", module, arch.layout(), trains, False)
+    for module in sorted(archs, key=lambda m: m == LLM_MODULE):  # encoders in mapping order, then the LLM
+        arch, trains = archs[module], not frozen.get(module, False)
+        prefix = LLM_MODULE if module == LLM_MODULE else f"encoders.{module}"
+        units += [Unit(f"{prefix}.{suffix}", module, kind, trains, False) for suffix, kind, _ in arch.layout()]
+        if module != LLM_MODULE:
             trains_projector = not frozen.get(f"{module}.projector", False)
-            branch.append(Unit(f"encoders.{module}.projector", module, "projector", trains_projector, upstream))
-            units += branch
-            any_upstream |= upstream or trains_projector
-    if _LLM in archs:
-        llm = _chain(_LLM, _LLM, archs[_LLM].layout(), not frozen.get(_LLM, False), any_upstream)[0]
-        # the token embedding is where the projected features join: their gradient flows back through it
-        llm[0] = dataclasses.replace(llm[0], needs_input_grad=any_upstream)
-        units += llm
-    return tuple(units)
-
-
-def _chain(prefix: str, module: str, layout: list[tuple[str, str, int]], trainable: bool,
-           upstream: bool) -> tuple[list[Unit], bool]:
-    """Units of one chain with the same ``trainable`` flag; ``upstream`` = something before the chain's
-    first non-embedding unit trains. Returns the units and whether anything in the chain trains."""
-    units = []
-    for suffix, kind, _ in layout:
-        units.append(Unit(f"{prefix}.{suffix}", module, kind, trainable, upstream if kind != "embed" else False))
-        upstream |= trainable
-    return units, upstream
+            units.append(Unit(f"encoders.{module}.projector", module, "projector", trains_projector, False))
+    return consistent_units(units, require_llm=False)
 
 
 _LAYER_INDEX = re.compile(r"(\d+)$")
@@ -1059,7 +1052,7 @@ def unit_estimates(units: Sequence[Unit], model_configs: Mapping[str, Any],
             raise ValueError(f"unit {unit.name!r}: no config for module {unit.module!r}")
         arch, mb = archs[unit.module], _shape_for(shape, unit.module)
         if unit.kind == "projector":
-            if unit.module == _LLM:
+            if unit.module == LLM_MODULE:
                 raise ValueError(f"unit {unit.name!r}: the LLM has no projector")
             proj = _projector_arch(unit.module, archs, projectors)
             estimates.append(_projector_estimate(proj, mb.tokens / arch.output_pool, b))

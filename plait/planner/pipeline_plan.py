@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from plait.planner.types import Unit, dataclass_from_dict
+from plait.planner.graph import consistent_units
+from plait.planner.types import LLM_MODULE, Unit, dataclass_from_dict
 
 __all__ = [
     "LAYOUTS",
-    "LLM_MODULE",
     "Stage",
     "PipelinePlan",
     "plan_pipeline",
@@ -42,7 +42,6 @@ __all__ = [
     "synthetic_units",
 ]
 
-LLM_MODULE = "llm"
 LAYOUTS = ("encoder_parallel", "encoders_colocated")
 
 
@@ -602,9 +601,8 @@ def synthetic_units(encoders: Mapping[str, Sequence[bool]], llm: Sequence[bool])
     """Pipeline units of a made-up MLLM from per-unit ``trainable`` flags (tests, benchmarks, dry runs).
 
     Encoder ``e`` gets units ``"e.0" .. "e.{n-1}"`` (embed, layers, projector last), the LLM gets
-    ``"llm.0" .. "llm.{n-1}"`` (embed, layers, head last). ``needs_input_grad`` follows its definition
-    (``Unit``): an encoder unit needs one when an earlier unit of its branch trains; an LLM unit when any
-    encoder unit or an earlier LLM unit trains.
+    ``"llm.0" .. "llm.{n-1}"`` (embed, layers, head last). ``needs_input_grad`` follows the unit-graph rule
+    (``graph.consistent_units``).
 
     Raises:
         ValueError: when a module has no units or an encoder is called ``"llm"``.
@@ -613,18 +611,17 @@ def synthetic_units(encoders: Mapping[str, Sequence[bool]], llm: Sequence[bool])
     for module, flags in encoders.items():
         if module == LLM_MODULE or not flags:
             raise ValueError(f"encoder {module!r}: needs a name other than {LLM_MODULE!r} and at least one unit")
-        out.extend(_chain_units(module, flags, upstream=False, last_kind="projector"))
+        out.extend(_chain_units(module, flags, last_kind="projector"))
     if not llm:
         raise ValueError("the LLM needs at least one unit")
-    upstream = any(any(flags) for flags in encoders.values())
-    out.extend(_chain_units(LLM_MODULE, llm, upstream=upstream, last_kind="head"))
-    return tuple(out)
+    out.extend(_chain_units(LLM_MODULE, llm, last_kind="head"))
+    return consistent_units(out)
 
 
-def _chain_units(module: str, flags: Sequence[bool], upstream: bool, last_kind: str) -> list[Unit]:
+def _chain_units(module: str, flags: Sequence[bool], last_kind: str) -> list[Unit]:
+    """Units of one chain with their ``trainable`` flags (``needs_input_grad`` is set by the graph rule)."""
     units = []
     for i, trainable in enumerate(flags):
         kind = last_kind if i == len(flags) - 1 else ("embed" if i == 0 else "layer")
-        units.append(Unit(f"{module}.{i}", module, kind, bool(trainable), upstream))
-        upstream = upstream or bool(trainable)
+        units.append(Unit(f"{module}.{i}", module, kind, bool(trainable), False))
     return units

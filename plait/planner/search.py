@@ -89,7 +89,6 @@ from plait.planner.cost_model import OptimizerSpec, unit_activation_bytes, unit_
 from plait.planner.partitioner import partition_chain
 from plait.planner.pipeline_plan import (
     LAYOUTS,
-    LLM_MODULE,
     PipelinePlan,
     check_plan_units,
     plan_pipeline,
@@ -112,13 +111,13 @@ from plait.planner.simulator import (
     simulate,
     stage_costs_from_units,
 )
-from plait.planner.types import Unit, UnitCost, dataclass_from_dict
+from plait.planner.graph import check_grouping, consistent_units
+from plait.planner.types import LLM_MODULE, Unit, UnitCost, dataclass_from_dict
 
 __all__ = [
     "METHODS",
     "LayoutChoice",
     "allreduce_s",
-    "consistent_units",
     "evaluate_plan",
     "megatron_even_split",
     "plan_layout",
@@ -274,48 +273,6 @@ def allreduce_s(num_bytes: float, dp: int, link: P2PModel | None) -> float:
 # The model as the search sees it
 
 
-def consistent_units(units: Sequence[Unit], all_trainable: bool = False) -> tuple[Unit, ...]:
-    """``units`` with ``needs_input_grad`` recomputed from ``trainable`` (module docstring): an encoder
-    unit needs one when an earlier unit of its branch trains; an LLM unit (its first one included) when any
-    encoder unit or an earlier LLM unit trains. ``all_trainable=True`` marks every unit trainable first
-    (the frozen-unaware planner's belief). Units must be grouped by module, encoders before the LLM.
-
-    Raises:
-        ValueError: on an empty list, no ``"llm"`` unit, a module whose units are not contiguous, or
-            encoder units after the LLM's.
-    """
-    _check_grouping(units)
-    out: list[Unit] = []
-    any_encoder = False
-    upstream, module = False, None
-    for unit in units:
-        if unit.module != module:
-            module = unit.module
-            upstream = any_encoder if module == LLM_MODULE else False
-        trainable = True if all_trainable else unit.trainable
-        out.append(dataclasses.replace(unit, trainable=trainable, needs_input_grad=upstream))
-        upstream |= trainable
-        any_encoder |= trainable and module != LLM_MODULE
-    return tuple(out)
-
-
-def _check_grouping(units: Sequence[Unit]) -> list[str]:
-    """Module names in order; raises ValueError unless contiguous with the LLM last."""
-    if not units:
-        raise ValueError("units is empty: nothing to plan")
-    modules: list[str] = []
-    for unit in units:
-        if not modules or modules[-1] != unit.module:
-            if unit.module in modules:
-                raise ValueError(f"units of module {unit.module!r} are not contiguous (see unit {unit.name!r})")
-            modules.append(unit.module)
-    if LLM_MODULE not in modules:
-        raise ValueError(f"no unit belongs to module {LLM_MODULE!r}; a pipeline needs the language model")
-    if modules[-1] != LLM_MODULE:
-        raise ValueError(f"the LLM's units must come after every encoder's; module order is {modules}")
-    return modules
-
-
 def _cost_list(units: Sequence[Unit], costs: Costs) -> list[UnitCost]:
     """Costs aligned with ``units`` from a sequence (same order) or a mapping by unit name.
 
@@ -350,7 +307,7 @@ class _Model:
     def __init__(self, units: Sequence[Unit], costs: Costs, frozen_aware: bool, dtype: Any,
                  optimizer: OptimizerSpec) -> None:
         cost_list = _cost_list(units, costs)
-        self.modules = _check_grouping(units)
+        self.modules = check_grouping(units)
         self.encoders = self.modules[:-1]
         self.units = consistent_units(units)
         view = self.units if frozen_aware else consistent_units(units, all_trainable=True)

@@ -11,8 +11,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Unit", "UnitCost", "dataclass_from_dict"]
+__all__ = ["LLM_MODULE", "Unit", "UnitCost", "dataclass_from_dict"]
 
+LLM_MODULE = "llm"
+"""``Unit.module`` of the language model's units; every other module is an encoder branch feeding it."""
 UNIT_KINDS = ("embed", "layer", "norm", "projector", "head")
 
 

@@ -1,26 +1,21 @@
 """Per-sample cost coefficients of a live model, for the microbatch planner.
 
-FLOPs per forward pass from the Hugging Face configs (shape facts via the analytic cost model's
-``arch_from_config``), scaled by the frozen-aware pass factor (forward + dX + dW, ../shared/DESIGN.md "Cost
-of a unit"). Only ratios between modules and samples matter to the planner.
+FLOPs per forward pass from the Hugging Face configs by the analytic cost model's per-layer formula
+(``arch_from_config(...).layer_flops()``, MoE routing included), scaled by the frozen-aware pass factor
+(forward + dX + dW, ../shared/DESIGN.md "Cost of a unit"). Only ratios between modules and samples matter to the planner.
 """
 
 from __future__ import annotations
 
+from torch import nn
+
 from plait.models.multimodal import MultimodalModel
 from plait.planner.cost_model import arch_from_config
+from plait.planner.graph import ModuleFlags, consistent_units, module_flags
 from plait.planner.microbatch import ModuleCostCoeffs
+from plait.planner.types import LLM_MODULE, Unit
 
 __all__ = ["microbatch_cost_coeffs"]
-
-
-def _layer_flops(arch) -> tuple[float, float]:
-    """(FLOPs per token, FLOPs per attended (query, key) pair) of one transformer layer's forward."""
-    q = arch.heads * arch.head_dim
-    kv = getattr(arch, "kv_heads", arch.heads) * arch.head_dim
-    mats = 3 if arch.gated_mlp else 2
-    per_token = 2 * (arch.hidden * q + 2 * arch.hidden * kv + q * arch.hidden) + 2 * mats * arch.hidden * arch.intermediate
-    return float(per_token), float(4 * q)
 
 
 def microbatch_cost_coeffs(model: MultimodalModel) -> dict[str, ModuleCostCoeffs]:
@@ -29,30 +24,44 @@ def microbatch_cost_coeffs(model: MultimodalModel) -> dict[str, ModuleCostCoeffs
     Encoders: a vision item of ``n`` placeholders costs ``L (a n + b n^2)`` (full attention); a Whisper
     clip always fills the encoder's fixed window, so its cost is a constant per item (``fixed``). LLM: a
     sample of ``L`` tokens costs ``layers (a L + b L^2 / 2) + 2 H V L`` (causal attention, LM head).
-    Trainable / needs-input-grad flags come from the parameters' ``requires_grad``.
+    Flags: ``trainable`` from the parameters' ``requires_grad``, ``needs_input_grad`` by the unit-graph rule
+    (``planner.graph``: something at or upstream of the module trains).
     """
+    flags = _module_flags(model)
     coeffs: dict[str, ModuleCostCoeffs] = {}
-    upstream_trains = False
     for name, branch in model.encoders.items():
         arch = arch_from_config(branch.encoder.config)
-        per_token, per_pair = _layer_flops(arch)
-        enc_trains = any(p.requires_grad for p in branch.encoder.parameters())
-        trains = enc_trains or any(p.requires_grad for p in branch.projector.parameters())
-        upstream_trains |= trains
+        per_token, per_pair = map(float, arch.layer_flops())
+        trains, needs = flags[name].trainable, flags[name].needs_input_grad
         if branch.modality == "audio":
             n = arch.item_len
             fixed = arch.layers * (per_token * n + per_pair * n * n)
-            coeffs[name] = ModuleCostCoeffs(linear=0.0, fixed=fixed, trainable=enc_trains, needs_input_grad=enc_trains)
+            coeffs[name] = ModuleCostCoeffs(linear=0.0, fixed=fixed, trainable=trains, needs_input_grad=needs)
         else:
             coeffs[name] = ModuleCostCoeffs(linear=arch.layers * per_token, quadratic=arch.layers * per_pair,
-                                            trainable=enc_trains, needs_input_grad=enc_trains)
+                                            trainable=trains, needs_input_grad=needs)
     llm_arch = arch_from_config(model.language_model.config)
-    per_token, per_pair = _layer_flops(llm_arch)
-    llm_trains = any(p.requires_grad for p in model.language_model.parameters())
-    coeffs["llm"] = ModuleCostCoeffs(
+    per_token, per_pair = map(float, llm_arch.layer_flops())
+    coeffs[LLM_MODULE] = ModuleCostCoeffs(
         linear=llm_arch.layers * per_token + 2 * llm_arch.hidden * llm_arch.vocab,
         quadratic=llm_arch.layers * per_pair / 2,
-        trainable=llm_trains,
-        needs_input_grad=llm_trains or upstream_trains,
+        trainable=flags[LLM_MODULE].trainable,
+        needs_input_grad=flags[LLM_MODULE].needs_input_grad,
     )
     return coeffs
+
+
+def _module_flags(model: MultimodalModel) -> dict[str, ModuleFlags]:
+    """Per-module flags from the unit-graph rule on a coarse graph of the model: one unit per encoder, one per
+    projector, one for the LLM, each ``trainable`` when any of its parameters has ``requires_grad``. (Coarse so
+    that models without a pipeline layout, which ``models.units`` needs, get coefficients too.)"""
+    units = []
+    for name, branch in model.encoders.items():
+        units.append(Unit(f"encoders.{name}.encoder", name, "layer", _trains(branch.encoder), False))
+        units.append(Unit(f"encoders.{name}.projector", name, "projector", _trains(branch.projector), False))
+    units.append(Unit("language_model", LLM_MODULE, "layer", _trains(model.language_model), False))
+    return module_flags(consistent_units(units))
+
+
+def _trains(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())

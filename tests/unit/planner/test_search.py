@@ -24,11 +24,11 @@ from plait.planner.cost_model import (
     units_from_configs,
 )
 from plait.planner.partitioner import partition_chain
+from plait.planner.graph import consistent_units
 from plait.planner.pipeline_plan import LAYOUTS, plan_pipeline, synthetic_units
 from plait.planner.schedules import one_f_one_b
 from plait.planner.search import (
     LayoutChoice,
-    consistent_units,
     evaluate_plan,
     megatron_even_split,
     plan_layout,
