@@ -48,6 +48,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from plait.data.loader import GlobalBatchLoader
 from plait.data.processing import SampleMeta
 from plait.planner.macrobatch import cv_by_batch_size, macrobatch_stats
 from plait.planner.microbatch import (
@@ -303,11 +304,12 @@ def print_macrobatch(args, coeffs) -> None:
     """Part 1: macro-batch statistics of a dataset of the mixture."""
     metas = make_metas(args.dataset, np.random.default_rng(1))
     start = time.perf_counter()
-    stats = macrobatch_stats(metas, args.batch, args.macro_batches, coeffs, seed=0)
+    order = GlobalBatchLoader(len(metas), args.batch, seed=0).epoch_order  # the trainer's loader order
+    stats = macrobatch_stats(metas, args.batch, args.macro_batches, coeffs, seed=0, epoch_order=order)
     elapsed = time.perf_counter() - start
     print(stats.format_table("seconds"))
     print(f"(computed in {elapsed:.2f} s)\n")
-    print(cv_by_batch_size(metas, coeffs, (1, 8, 64, 256), args.macro_batches, seed=0).format_table())
+    print(cv_by_batch_size(metas, coeffs, (1, 8, 64, 256), args.macro_batches, seed=0, epoch_order=order).format_table())
 
 
 def main() -> None:

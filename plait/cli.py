@@ -1,4 +1,4 @@
-"""Command line.
+"""Command line: argument parsing only; each verb calls one function of ``plait.commands.<verb>``.
 
 ``plait train --config configs/demo.toml [--section.key=value ...] [--resume]``: train a job.
 ``plait plan --config configs/demo.toml --devices 8 [--out plan.json]``: choose a layout and partition with
@@ -11,7 +11,6 @@ on this machine (reusing a stored profile only when model, shapes, dtype, device
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
@@ -21,100 +20,13 @@ __all__ = ["main"]
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
-    import torch.distributed as dist
+    from plait.commands.train import train_command
 
-    from plait.config.loader import load_config
-    from plait.train.plots import plot_loss_curve
-    from plait.train.trainer import Trainer
-
-    try:
-        cfg = load_config(args.config, overrides)
-    except (ValueError, FileNotFoundError) as exc:
-        exc.same_on_every_rank = True  # type: ignore[attr-defined]  # every rank reads the same file
-        raise
-    info = None
-    if cfg.parallel.plan == "auto":
-        cfg, info = _resolve_auto_plan(cfg, args.profile_store)
-    if cfg.parallel.pp.degree > 1:
-        from plait.train.pipeline_trainer import PipelineTrainer
-
-        trainer: Trainer = PipelineTrainer(cfg, info)
-    else:
-        trainer = Trainer(cfg, info)
-    result = trainer.fit(resume=args.resume)
-    if trainer.info.is_main:
-        png = plot_loss_curve(trainer.run_dir / "metrics.jsonl", trainer.run_dir / "loss.png")
-        final = trainer.run_dir / "final"
-        trainer.full_model().save_pretrained(final)  # under PP: assembled on rank 0 from the last checkpoint
-        trainer.tokenizer.save_pretrained(final / "tokenizer")
-        for spec in trainer.processor.specs.values():
-            spec.hf_processor.save_pretrained(final / "processors" / spec.encoder)
-        done = f"trained {result['steps']} steps" if result["steps"] else "nothing trained"
-        print(f"plait: {done} (model at step {result['step']}); loss curve {png}; model {final}")
-        if result.get("timeline"):
-            print(f"plait: pipeline timeline of the last step {result['timeline']} (Chrome trace; open in "
-                  f"https://ui.perfetto.dev) and {result['timeline'].with_suffix('.png')}")
-        for task, acc in result["eval"].items():
-            print(f"plait: validation exact match {task}: {acc:.1%}")
-    if dist.is_initialized():  # a clean shutdown: gloo's worker threads must not outlive the interpreter
-        dist.destroy_process_group()
-    return 0
-
-
-def _resolve_auto_plan(cfg, store: str):
-    """``parallel.plan = "auto"``: rank 0 profiles the model (reusing a stored profile whose key matches), every
-    rank receives the profile, the smallest device memory cap and the link model (``auto_plan_inputs``: same on
-    every rank) and runs the same deterministic search, so all ranks agree on the plan."""
-    import torch.distributed as dist
-
-    from plait.parallel.machine import auto_plan_inputs
-    from plait.parallel.mesh import init_distributed
-    from plait.planner.auto_plan import resolve_auto_plan
-    from plait.planner.plan_cli import format_plan
-    from plait.planner.profile_store import Profile
-    from plait.train.profiler import profile_job
-
-    info = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s)
-    box = [profile_job(cfg, store_dir=store).to_dict() if info.is_main else None]
-    if info.world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    profile = Profile.from_dict(box[0])
-    machine = auto_plan_inputs(info.device, max((c.output_bytes for c in profile.costs), default=0))
-    resolved, choice = resolve_auto_plan(cfg, info.world_size, profile.units, profile.costs, p2p=machine.p2p,
-                                         dp_link=machine.p2p, memory_cap=machine.memory_cap_bytes,
-                                         dtype=profile.key.dtype)
-    if info.is_main:
-        pp = resolved.parallel.pp
-        shape = (f"layout {pp.layout}, stages {pp.stages}, splits {pp.splits or 'even'}, virtual stages "
-                 f"{pp.virtual_stages}, encoders attached {pp.attach_encoders}, schedule {pp.schedule}, "
-                 f"{pp.microbatches} microbatches per replica" if pp.degree > 1 else "no pipeline parallelism")
-        print(f"plait: parallel.plan=auto for {info.world_size} process(es): DP {resolved.parallel.dp} x PP "
-              f"{pp.degree}, {shape}")
-        note = _auto_plan_replaces(cfg, resolved)
-        if note:
-            print(note)
-        print(f"plait: auto-plan inputs: {machine.describe()}")
-        print(format_plan(choice), flush=True)
-    return resolved, info
-
-
-def _auto_plan_replaces(cfg, resolved) -> str | None:
-    """One line saying what ``parallel.plan = "auto"`` replaced: the job's ``parallel.dp`` and ``[parallel.pp]``
-    fields that differ from their defaults, as written and as chosen (``resolved``); None when the job set none."""
-    from plait.config.schema import ParallelConfig, PipelineConfig
-
-    default_pp, written, chosen = PipelineConfig(), cfg.parallel.pp, resolved.parallel.pp
-    changes = [f"parallel.pp.{f.name} = {getattr(written, f.name)!r} -> {getattr(chosen, f.name)!r}"
-               for f in dataclasses.fields(PipelineConfig) if getattr(written, f.name) != getattr(default_pp, f.name)]
-    if cfg.parallel.dp != ParallelConfig().dp:
-        changes.insert(0, f"parallel.dp = {cfg.parallel.dp} -> {resolved.parallel.dp}")
-    if not changes:
-        return None
-    return "plait: parallel.plan=auto replaces the job's " + ", ".join(changes) + " (written -> chosen)"
+    return train_command(args.config, overrides, resume=args.resume, profile_store=args.profile_store)
 
 
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
-    from plait.planner.plan_cli import plan_command
+    from plait.commands.plan import plan_command
 
     plan_command(args.config, args.devices, args.out, overrides=overrides, device=args.device,
                  microbatches=args.microbatches, frozen_aware=not args.frozen_unaware,
@@ -124,24 +36,20 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _simulate(args: argparse.Namespace, overrides: list[str]) -> int:
-    from plait.planner.plan_cli import simulate_command
+    from plait.commands.simulate import simulate_command
 
     if overrides:
         raise ValueError(f"plait simulate takes no overrides, got {overrides}")
-    paths = simulate_command(args.plan, args.out_dir)
-    print(f"plait: predicted timeline {paths['trace']} (Chrome trace) and {paths['png']}")
+    simulate_command(args.plan, args.out_dir)
     return 0
 
 
 def _profile(args: argparse.Namespace, overrides: list[str]) -> int:
-    from plait.config.loader import load_config
-    from plait.train.profiler import format_profile, profile_job
+    from plait.commands.profile import profile_command
 
-    cfg = load_config(args.config, overrides)
-    profile = profile_job(cfg, store_dir=args.store, out_path=args.out, microbatches=args.microbatches,
-                          microbatch_size=args.microbatch_size, repeats=args.repeats, warmup=args.warmup,
-                          clock=args.clock, force=args.force)
-    print(format_profile(profile))
+    profile_command(args.config, overrides, store=args.store, out_path=args.out, microbatches=args.microbatches,
+                    microbatch_size=args.microbatch_size, repeats=args.repeats, warmup=args.warmup,
+                    clock=args.clock, force=args.force)
     return 0
 
 

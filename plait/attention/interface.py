@@ -10,9 +10,11 @@ dropout=..., scaling=..., **kwargs)`` with query ``[B, H, Nq, D]``, key/value ``
 - ``"plait_sdpa"``: ``scaled_dot_product_attention`` over chunks of queries, each against the key span it
   can see, with a dense mask of that chunk only (exact; memory O(chunk * span)).
 
-The mask comes from a :class:`~plait.attention.masks.MaskInfo` passed as ``model(..., plait_mask=info)``;
-a context-parallel shard (:class:`plait.parallel.context.CPShard`) passed as ``plait_cp=shard`` makes the
-layer all-gather K/V over the CP group (:func:`plait.parallel.context.cp_attention`). For these names plait
+The mask comes from a :class:`~plait.attention.masks.MaskInfo` passed as ``model(..., plait_mask=info)``.
+Context parallelism hooks in through ``plait_cp=shard``: any object with the method of
+:class:`ContextParallelShard`, which the layer then calls instead of :func:`plait_attention` (plait's is
+:class:`plait.parallel.context.CPShard`, whose ``attention`` all-gathers K/V over the CP group). This module
+never imports the parallel layer: the shard brings its attention with it. For these names plait
 also registers an ``AttentionMaskInterface`` entry that only forwards the 2-D padding mask, so HF never
 builds an N x N mask. Without ``plait_mask`` a layer falls back to plain causal (or, for non-causal
 modules, bidirectional) attention with the 2-D padding mask.
@@ -21,7 +23,7 @@ modules, bidirectional) attention with the 2-D padding mask.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,7 @@ from plait.attention.masks import MaskInfo, build_block_mask, dense_mask, query_
 
 __all__ = [
     "PLAIT_IMPLEMENTATIONS",
+    "ContextParallelShard",
     "plait_attention",
     "plait_attention_forward",
     "plait_sdpa_attention_forward",
@@ -42,6 +45,20 @@ _BACKENDS = tuple(PLAIT_IMPLEMENTATIONS)
 _UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "position_bias")
 _COMPILED_FLEX: Any = None
 _WARNED: set[str] = set()
+
+
+class ContextParallelShard(Protocol):
+    """What a layer needs of a ``plait_cp=`` kwarg: this rank's share of the tokens and how to attend with it.
+
+    ``plait.parallel.context.CPShard`` is the implementation; a test may pass a stand-in.
+    """
+
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, info: MaskInfo, *,
+                  scale: float | None, backend: str, dropout: float) -> torch.Tensor:
+        """Attention of this rank's queries ``[B, H, n_local, D]`` against the keys/values of all ranks (this
+        rank's ``key``/``value`` ``[B, Hkv, n_local, D]``), masked by ``info`` (the whole rows); returns
+        ``[B, H, n_local, Dv]``. ``scale``, ``backend``, ``dropout`` as :func:`plait_attention`."""
+        ...
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -188,9 +205,7 @@ def _forward(backend: str, module: torch.nn.Module, query: torch.Tensor, key: to
     if shard is not None:
         if info is None:
             raise ValueError("plait attention: plait_cp needs plait_mask (the MaskInfo of the whole rows)")
-        from plait.parallel.context import cp_attention  # lazy: context imports this module
-
-        out = cp_attention(query, key, value, info, shard, scale=scaling, backend=backend, dropout=dropout)
+        out = shard.attention(query, key, value, info, scale=scaling, backend=backend, dropout=dropout)
     elif info is not None:
         out = plait_attention(query, key, value, info, scale=scaling, backend=backend, dropout=dropout)
     else:
@@ -211,7 +226,8 @@ def plait_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         attention_mask: the 2-D padding mask ``[B, N]`` forwarded by plait's mask function, a prepared
             4-D mask, or None; ignored when ``plait_mask`` is given.
         scaling: softmax scale; dropout: attention dropout probability.
-        **kwargs: ``plait_mask`` (:class:`MaskInfo`), ``plait_cp`` (``CPShard``) and HF's own kwargs.
+        **kwargs: ``plait_mask`` (:class:`MaskInfo`), ``plait_cp`` (a :class:`ContextParallelShard`) and HF's
+            own kwargs.
 
     Returns:
         ``(output [B, Nq, H, Dv], None)`` (no attention weights).

@@ -9,8 +9,9 @@ its local queries against them, masking with the global token index of each quer
 reduce-scatter: each rank receives, for its own K/V shard, the sum over ranks of the gradients.
 
 Rows of a batch share one assignment (same token indices in every row); plan it on the row-summed block
-work, or use one packed row per microbatch. The runtime calls :func:`cp_attention` through plait's HF
-attention function when a ``plait_cp=`` shard is passed to the model.
+work, or use one packed row per microbatch. A :class:`CPShard` passed to the model as ``plait_cp=shard`` is
+called by plait's HF attention function (``plait.attention.interface.ContextParallelShard``: the shard brings
+its attention, :meth:`CPShard.attention` = :func:`cp_attention`, so the attention layer never imports this one).
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ class CPShard:
     def cp(self) -> int:
         """CP degree."""
         return len(self.counts)
+
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, info: MaskInfo, *,
+                  scale: float | None = None, backend: str = "flex", dropout: float = 0.0) -> torch.Tensor:
+        """:func:`cp_attention` with this shard (``plait.attention.interface.ContextParallelShard``)."""
+        return cp_attention(query, key, value, info, self, scale=scale, backend=backend, dropout=dropout)
 
     @property
     def max_count(self) -> int:

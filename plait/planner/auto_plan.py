@@ -10,31 +10,23 @@ all-reduce of the trainable gradients over ``dp_link`` charged, is kept when it 
 not, the best 1F1B plan with one stage per rank is tried as well); ``d = world_size``, plain DP, always fills
 them. A DP degree above the microbatch count (replicas without a microbatch) is searched as one replica with one
 microbatch and then timed with its all-reduce. Ties go to DP degrees that give every replica a microbatch, then to
-fewer replicas. :func:`apply_layout_choice` writes the choice into a copy of the job config (``parallel.dp`` and
-``[parallel.pp]``: degree, layout, stages, explicit ``splits`` where the partition is not the even split by unit
-count, ``virtual_stages``, ``attach_encoders``, the schedule, microbatches per replica) and
-:func:`resolve_auto_plan` does both. Nothing here touches torch or the file system.
+fewer replicas. :func:`layout_pp_fields` gives the ``[parallel.pp]`` field values that run a choice (degree, layout,
+stages, explicit ``splits`` where the partition is not the even split by unit count, ``virtual_stages``,
+``attach_encoders``, the schedule, microbatches per replica); ``plait.train.auto_plan`` writes them into a job
+config. Plain data in and out: nothing here reads a config, touches torch or the file system.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Any
 
-from plait.config.loader import pipeline_plan_kwargs
-from plait.config.schema import JobConfig, PipelineConfig
-from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline, split_even
+from plait.planner.pipeline_plan import PipelinePlan, split_even
 from plait.planner.search import LayoutChoice, evaluate_plan, plan_layout
 from plait.planner.simulator import P2PModel
-from plait.planner.types import LLM_MODULE, Unit, UnitCost
+from plait.planner.types import Unit, UnitCost
 
-__all__ = ["apply_layout_choice", "auto_microbatches", "plan_auto_layout", "plan_splits", "resolve_auto_plan"]
-
-
-def auto_microbatches(cfg: JobConfig) -> int:
-    """Global microbatches per step: ``train.global_batch_size / train.microbatch_size`` (rounded up)."""
-    return max(1, -(-cfg.train.global_batch_size // cfg.train.microbatch_size))
+__all__ = ["layout_pp_fields", "plan_auto_layout", "plan_splits"]
 
 
 def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_size: int, microbatches: int, *,
@@ -138,25 +130,21 @@ def _encoders_attached(plan: PipelinePlan) -> bool:
     return any(s.rank == first for s in plan.stages if not s.is_llm)
 
 
-def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Unit]) -> JobConfig:
-    """A copy of ``cfg`` running ``choice``: ``parallel.dp`` = its DP degree and ``[parallel.pp]`` = its plan
-    (degree 1 when it is a single rank), ``parallel.plan = "manual"`` (resolved). Stage counts are written
-    for every module (the LLM's: all its stages), ``splits`` only for modules whose boundaries differ from the
-    even split by count, ``virtual_stages`` = the plan's LLM stages per rank, ``attach_encoders`` when its
-    encoder stages share the first LLM rank, and the schedule (``interleaved_1f1b`` exactly for those plans).
+def layout_pp_fields(choice: LayoutChoice, units: Sequence[Unit]) -> dict[str, Any]:
+    """The ``[parallel.pp]`` field values (``PipelineConfig`` field names) that run ``choice``'s plan, one replica.
+
+    ``{"degree": 1}`` when the plan is a single rank; else the degree, layout, stage counts for every module (the
+    LLM's: all its stages), ``splits`` only for modules whose boundaries differ from the even split by count,
+    ``virtual_stages`` = the plan's LLM stages per rank, ``attach_encoders`` when its encoder stages share the
+    first LLM rank, the schedule (``interleaved_1f1b`` exactly for those plans) and the microbatches per replica.
+    The DP degree is ``choice.dp``.
 
     Raises:
-        ValueError: when ``[parallel.pp]`` cannot express the plan (the plan it describes, built with
-            ``pipeline_plan_kwargs`` as the trainer does, would differ from ``choice.plan`` in units or ranks),
-            or ``choice.schedule`` is not the one such a plan runs with.
+        ValueError: when ``choice.schedule`` is not the one such a plan runs with.
     """
-    out = copy.deepcopy(cfg)
-    out.parallel.plan = "manual"
-    out.parallel.dp = choice.dp
     plan = choice.plan
     if plan.num_ranks == 1:
-        out.parallel.pp = PipelineConfig(degree=1)
-        return out
+        return {"degree": 1}
     counts = {m: len(plan.module_stages(m)) for m in plan.modules}
     splits = {m: names for m, names in plan_splits(plan).items()
               if names != _even_splits(units, m, counts[m])}
@@ -166,49 +154,6 @@ def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Un
     if choice.schedule != schedule:
         raise ValueError(f"LayoutChoice.schedule is {choice.schedule!r}, but [parallel.pp] runs its plan "
                          f"(virtual_stages={plan.virtual_stages}, attach_encoders={attached}) with {schedule!r}")
-    out.parallel.pp = PipelineConfig(degree=plan.num_ranks, layout=plan.layout, stages=counts,
-                                     virtual_stages=plan.virtual_stages, attach_encoders=attached, schedule=schedule,
-                                     microbatches=choice.microbatches_per_replica, splits=splits)
-    _check_expressed(out.parallel.pp, plan, units)
-    return out
-
-
-def _check_expressed(pp: PipelineConfig, plan: PipelinePlan, units: Sequence[Unit]) -> None:
-    """``pp`` describes ``plan``: the plan built from it as the trainer builds it has the same stages (units,
-    modules) on the same ranks.
-
-    Raises:
-        ValueError: naming the first stage that differs.
-    """
-    encoders = list(dict.fromkeys(u.module for u in units if u.module != LLM_MODULE))
-    rebuilt = plan_pipeline(units, pp.layout, **pipeline_plan_kwargs(pp, encoders))
-    got = [(s.modules, s.units, s.rank) for s in rebuilt.stages]
-    want = [(s.modules, s.units, s.rank) for s in plan.stages]
-    if got != want:
-        where = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-        raise ValueError(f"[parallel.pp] cannot express the chosen plan: stage {where} would be "
-                         f"{got[where] if where < len(got) else None}, the plan has "
-                         f"{want[where] if where < len(want) else None}")
-
-
-def resolve_auto_plan(cfg: JobConfig, world_size: int, units: Sequence[Unit], costs: Sequence[UnitCost], *,
-                      p2p: P2PModel | None = None, memory_cap: float | None = None,
-                      dtype: str = "float32", dp_link: P2PModel | None = None,
-                      virtual_stages: Sequence[int] = (1, 2, 4),
-                      attach_encoders: bool = True) -> tuple[JobConfig, LayoutChoice]:
-    """``cfg`` with ``parallel.plan = "auto"`` resolved for ``world_size`` processes from unit costs: the
-    config to train with and the chosen plan (:func:`plan_auto_layout` with the same keyword arguments, e.g.
-    ``dp_link`` for the DP all-reduce; :func:`apply_layout_choice`).
-
-    Raises:
-        ValueError: when ``parallel.plan`` is not ``"auto"``, the units are not the model's (no LLM unit), or
-            no plan fits.
-    """
-    if cfg.parallel.plan != "auto":
-        raise ValueError(f"parallel.plan is {cfg.parallel.plan!r}; only 'auto' is resolved")
-    if not any(u.module == LLM_MODULE for u in units):
-        raise ValueError("units have no LLM unit: they are not a plait model's pipeline units")
-    choice = plan_auto_layout(units, costs, world_size, auto_microbatches(cfg), p2p=p2p, memory_cap=memory_cap,
-                              dtype=dtype, dp_link=dp_link, virtual_stages=virtual_stages,
-                              attach_encoders=attach_encoders)
-    return apply_layout_choice(cfg, choice, units), choice
+    return {"degree": plan.num_ranks, "layout": plan.layout, "stages": counts, "virtual_stages": plan.virtual_stages,
+            "attach_encoders": attached, "schedule": schedule, "microbatches": choice.microbatches_per_replica,
+            "splits": splits}

@@ -10,13 +10,16 @@ from batch to batch. ``macrobatch_stats`` computes both from the loader's sample
 
 Work model: per sample and module, ``plait.planner.microbatch.sample_costs_from_metadata`` (encoder
 ``a*n + b*n^2`` per item, LLM ``c*L + d*L^2``, times the frozen-aware pass factor), in whatever unit the
-coefficients are in (seconds, FLOPs).
+coefficients are in (seconds, FLOPs). ``expected_shapes`` turns the metadata into the expected microbatch
+shapes the layout search plans for.
 
 Batches are drawn without replacement within a batch, in one of two ways (``SAMPLINGS``):
 
-* ``"loader"``: exactly the batches ``plait.data.loader.GlobalBatchLoader(N, B, seed)`` yields, epoch after
-  epoch (a fresh seeded permutation per epoch, consecutive slices), except that an epoch's smaller last
-  batch is left out (its total is not comparable). The loader is imported only when this mode is used.
+* ``"loader"``: exactly the batches the training loader yields, epoch after epoch (consecutive slices of a
+  permutation per epoch), except that an epoch's smaller last batch is left out (its total is not
+  comparable). The caller passes the loader's order as ``epoch_order`` (epoch -> permutation of the sample
+  indices, e.g. ``plait.data.loader.GlobalBatchLoader(N, B, seed).epoch_order``): the planner replays it
+  without importing the loader.
 * ``"independent"``: every batch is an independent draw of ``B`` distinct samples from a
   ``numpy.random.default_rng(seed)`` generator.
 
@@ -33,27 +36,32 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from plait.planner.cost_model import EncoderArch, MicrobatchShape
 from plait.planner.microbatch import ModuleCostCoeffs, module_order, sample_costs_from_metadata
 from plait.planner.types import dataclass_from_dict
 
 __all__ = [
     "SAMPLINGS",
+    "EpochOrder",
     "CvScaling",
     "MacrobatchStats",
     "cv_by_batch_size",
     "draw_batches",
+    "expected_shapes",
     "macrobatch_stats",
     "predicted_batch_cv",
     "sample_work_matrix",
 ]
 
 SAMPLINGS = ("loader", "independent")
+EpochOrder = Callable[[int], Sequence[int]]
+"""The loader's order: epoch -> a permutation of the sample indices ``0..N-1`` (any integer sequence or array)."""
 
 # Batches whose (batch x sample x module) gather is done at once (bounds memory for large batches).
 _CHUNK = 64
@@ -63,6 +71,19 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+def _check_batch_size(global_batch_size: Any, num_samples: int) -> int:
+    """``global_batch_size`` as an int in ``1..num_samples`` (a full batch must exist).
+
+    Raises:
+        ValueError: naming the batch size and the dataset size.
+    """
+    b = _check_int("global_batch_size", global_batch_size, 1)
+    if b > num_samples:
+        raise ValueError(f"global_batch_size {b} exceeds the {num_samples} samples of the dataset: no full batch "
+                         "exists")
+    return b
 
 
 def _tuples(value: Any) -> Any:
@@ -108,7 +129,8 @@ def sample_work_matrix(
 
 
 def draw_batches(
-    num_samples: int, global_batch_size: int, num_batches: int, seed: int = 0, sampling: str = "loader"
+    num_samples: int, global_batch_size: int, num_batches: int, seed: int = 0, sampling: str = "loader",
+    epoch_order: EpochOrder | None = None,
 ) -> np.ndarray:
     """Sample indices of ``num_batches`` full global batches (module docstring for the two samplings).
 
@@ -116,34 +138,37 @@ def draw_batches(
         num_samples: dataset size ``N``.
         global_batch_size: ``B``, at most ``N``.
         num_batches: how many full batches to draw.
-        seed: the loader's seed (``"loader"``) or the generator's seed (``"independent"``).
+        seed: the loader's seed (``"loader"``: recorded only, the order is ``epoch_order``'s) or the generator's
+            seed (``"independent"``).
         sampling: ``"loader"`` or ``"independent"``.
+        epoch_order: the loader's permutation per epoch; required by ``"loader"``, unused otherwise.
 
     Returns:
         int64 array of shape ``(num_batches, B)``; each row holds ``B`` distinct indices in ``[0, N)``.
 
     Raises:
-        ValueError: on a non-positive size or count, ``B > N``, a negative seed or an unknown sampling.
+        ValueError: on a non-positive size or count, ``B > N``, a negative seed, an unknown sampling, or
+            ``"loader"`` without an ``epoch_order`` or with one that is not a permutation of ``0..N-1``.
     """
     n = _check_int("num_samples", num_samples, 1)
-    b = _check_int("global_batch_size", global_batch_size, 1)
+    b = _check_batch_size(global_batch_size, n)
     count = _check_int("num_batches", num_batches, 1)
     seed = _check_int("seed", seed, 0)
-    if b > n:
-        raise ValueError(f"global_batch_size {b} exceeds the {n} samples of the dataset: no full batch exists")
     if sampling == "independent":
         rng = np.random.default_rng(seed)
         return np.stack([rng.choice(n, size=b, replace=False) for _ in range(count)]).astype(np.int64)
     if sampling != "loader":
         raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
-    from plait.data.loader import GlobalBatchLoader  # torch only when the loader's order is asked for
-
-    loader = GlobalBatchLoader(n, b, seed=seed)
+    if epoch_order is None:
+        raise ValueError("sampling='loader' needs epoch_order: the loader's permutation of the sample indices per "
+                         "epoch (e.g. plait.data.loader.GlobalBatchLoader(N, B, seed).epoch_order)")
     full = n // b  # full batches per epoch; a smaller last batch is left out
     rows: list[np.ndarray] = []
     epoch = 0
     while len(rows) < count:
-        order = loader.epoch_order(epoch).numpy()
+        order = np.asarray(epoch_order(epoch), dtype=np.int64)
+        if order.shape != (n,) or not np.array_equal(np.sort(order), np.arange(n)):
+            raise ValueError(f"epoch_order({epoch}) is not a permutation of the {n} sample indices")
         rows.extend(order[k * b : (k + 1) * b] for k in range(min(full, count - len(rows))))
         epoch += 1
     return np.stack(rows).astype(np.int64)
@@ -258,11 +283,12 @@ class MacrobatchStats:
 
 
 def _stats_from_work(
-    modules: tuple[str, ...], work: np.ndarray, global_batch_size: int, num_batches: int, seed: int, sampling: str
+    modules: tuple[str, ...], work: np.ndarray, global_batch_size: int, num_batches: int, seed: int, sampling: str,
+    epoch_order: EpochOrder | None,
 ) -> MacrobatchStats:
     """``MacrobatchStats`` of a (samples, modules) work matrix."""
     n = len(work)
-    batches = draw_batches(n, global_batch_size, num_batches, seed, sampling)
+    batches = draw_batches(n, global_batch_size, num_batches, seed, sampling, epoch_order)
     totals = _batch_totals(work, batches)
     sample_cv = _cv(work)
     return MacrobatchStats(
@@ -294,6 +320,7 @@ def macrobatch_stats(
     seed: int = 0,
     *,
     sampling: str = "loader",
+    epoch_order: EpochOrder | None = None,
     llm: str = "llm",
 ) -> MacrobatchStats:
     """Expected per-module work of a global batch and how much it varies between batches.
@@ -305,6 +332,7 @@ def macrobatch_stats(
         coeffs: cost coefficients per module, one named ``llm``.
         seed: the loader's seed (or the generator's, for ``"independent"``).
         sampling: ``"loader"`` or ``"independent"`` (module docstring).
+        epoch_order: the loader's permutation per epoch (``"loader"`` only; ``draw_batches``).
         llm: the LLM's name in ``coeffs``.
 
     Returns:
@@ -312,10 +340,10 @@ def macrobatch_stats(
 
     Raises:
         ValueError: on empty or bad metadata, missing coefficients, ``B > len(metas)``, a non-positive
-            count, a negative seed or an unknown sampling.
+            count, a negative seed, an unknown sampling or ``"loader"`` without a valid ``epoch_order``.
     """
     modules, work = sample_work_matrix(metas, coeffs, llm)
-    return _stats_from_work(modules, work, global_batch_size, num_batches, seed, sampling)
+    return _stats_from_work(modules, work, global_batch_size, num_batches, seed, sampling, epoch_order)
 
 
 # ------------------------------------------------------------ CV against batch size
@@ -374,12 +402,14 @@ def cv_by_batch_size(
     seed: int = 0,
     *,
     sampling: str = "loader",
+    epoch_order: EpochOrder | None = None,
     llm: str = "llm",
 ) -> CvScaling:
     """Measured and predicted batch-to-batch CV of each module's total, per batch size.
 
     Args:
-        metas, coeffs, seed, sampling, llm: as ``macrobatch_stats``.
+        metas, coeffs, seed, sampling, epoch_order, llm: as ``macrobatch_stats`` (the loader's order does not
+            depend on the batch size).
         batch_sizes: global batch sizes to try; each at most ``len(metas)``; sorted and deduplicated.
         num_batches: batches drawn per batch size.
 
@@ -394,7 +424,9 @@ def cv_by_batch_size(
     if not sizes:
         raise ValueError("batch_sizes is empty")
     modules, work = sample_work_matrix(metas, coeffs, llm)
-    runs = [_stats_from_work(modules, work, b, num_batches, seed, sampling) for b in sizes]
+    for b in sizes:  # every size before drawing any batch
+        _check_batch_size(b, len(work))
+    runs = [_stats_from_work(modules, work, b, num_batches, seed, sampling, epoch_order) for b in sizes]
     return CvScaling(
         modules=modules,
         num_samples=len(work),
@@ -405,3 +437,51 @@ def cv_by_batch_size(
         cv=tuple(r.batch_cv for r in runs),
         predicted_cv=tuple(r.predicted_cv for r in runs),
     )
+
+
+# ------------------------------------------------------------ expected microbatch shapes
+
+
+def _item_tokens(arch: Any, placeholders: int, dropped: int) -> int:
+    """Tokens an encoder's layers see for one item of ``placeholders`` LLM features: a Whisper-style audio
+    encoder always fills its window (``item_len``); vision sees the features plus dropped prefix tokens."""
+    if isinstance(arch, EncoderArch) and arch.modality == "audio":
+        return int(arch.item_len)
+    return int(placeholders) + int(dropped)
+
+
+def expected_shapes(metas: Sequence[Any], configs: Mapping[str, Any], dropped: Mapping[str, int],
+                    microbatch_size: int) -> dict[str, MicrobatchShape]:
+    """Per-module shape of a microbatch of ``microbatch_size`` samples of the expected global batch.
+
+    For module ``m``: tokens = ``microbatch_size`` x mean over samples of the sample's tokens in ``m``, and
+    attended pairs = ``microbatch_size`` x the mean of the sample's per-layer attention pairs (encoder items
+    ``n^2``, full attention; LLM ``L (L + 1) / 2``, causal), so linear and quadratic costs are the exact
+    expectations; ``seq_len`` is the mean item (encoder) or sequence (LLM) length. An encoder no sample uses
+    is left out (its upper-bound shape stays).
+
+    Args:
+        metas: ``SampleMeta`` per sample (``length`` and ``items``: ``(encoder, placeholders)``).
+        configs: module configs (encoder ``EncoderArch`` by name, ``"llm"``, ``"<encoder>.projector"``).
+        dropped: prefix tokens dropped per item, per encoder (``select="drop_cls"``).
+        microbatch_size: samples per microbatch.
+
+    Raises:
+        ValueError: on an empty ``metas``, a ``microbatch_size`` below 1 or an item of an unknown encoder.
+    """
+    if not metas or microbatch_size < 1:
+        raise ValueError(f"need samples and microbatch_size >= 1, got {len(metas)} samples, {microbatch_size}")
+    sums: dict[str, list[float]] = {}  # module -> [tokens, pairs, items]
+    for k, meta in enumerate(metas):
+        for name, placeholders in meta.items:
+            if name not in configs or name == "llm":
+                raise ValueError(f"sample {k}: item of unknown encoder {name!r}")
+            n = _item_tokens(configs[name], placeholders, dropped.get(name, 0))
+            acc = sums.setdefault(name, [0.0, 0.0, 0.0])
+            acc[0], acc[1], acc[2] = acc[0] + n, acc[1] + n * n, acc[2] + 1
+        acc = sums.setdefault("llm", [0.0, 0.0, 0.0])
+        acc[0], acc[1], acc[2] = acc[0] + meta.length, acc[1] + meta.length * (meta.length + 1) / 2, acc[2] + 1
+    scale = microbatch_size / len(metas)
+    return {name: MicrobatchShape(tokens=max(1, round(tokens * scale)), seq_len=max(1, round(tokens / items)),
+                                  attended_pairs=pairs * scale)
+            for name, (tokens, pairs, items) in sums.items()}

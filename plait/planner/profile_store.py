@@ -10,12 +10,12 @@ simulator's per-stage action costs.
 
 The :class:`ProfileKey` names everything the numbers depend on: the model (config dicts and freezing
 flags), the microbatch shapes, the dtype, the device (name and thread count), the plait version and the
-torch version. :class:`ProfileStore` files profiles as JSON under a folder, one file per key (a hash of the
-key in the name), and :meth:`ProfileStore.load` compares every key field of the stored profile with the
-requested key: a mismatch returns no profile and a reason naming the fields that differ, so the caller
-re-measures instead of silently reusing numbers of another model or machine.
+torch version; :meth:`ProfileKey.digest` names its file. :func:`profile_mismatch` compares every key field of a
+stored profile with the requested key and names the fields that differ, so the caller re-measures instead of
+silently reusing numbers of another model or machine.
 
-Pure data (../shared/DESIGN.md, principle 1): no torch here.
+Pure data (../shared/DESIGN.md, principle 1): no torch and no files here; ``plait.commands.profile.ProfileStore``
+reads and writes profiles (``Profile.to_dict`` / ``from_dict``) as JSON files.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from plait.planner.pipeline_plan import PipelinePlan
@@ -36,9 +35,7 @@ __all__ = [
     "OVERHEAD_KINDS",
     "Profile",
     "ProfileKey",
-    "ProfileStore",
     "UnitMeasurement",
-    "not_a_profile",
     "profile_mismatch",
     "stage_action_costs",
 ]
@@ -270,78 +267,6 @@ class Profile:
         if version != FORMAT_VERSION:
             raise ValueError(f"profile format {version!r} is not {FORMAT_VERSION}")
         return dataclass_from_dict(cls, data)
-
-
-def not_a_profile(path: str | Path) -> str | None:
-    """Why the existing file ``path`` is not a plait profile, or None when it is one (a JSON object with the
-    ``format`` and ``key`` of ``Profile.to_dict``, any format version, stale or not) or does not exist. A file
-    that is not a profile must not be overwritten by a measured one (it may be a plan, a trace, anything).
-
-    Raises:
-        ValueError: when ``path`` exists and is not a regular file (a folder).
-    """
-    source = Path(path)
-    if not source.exists():
-        return None
-    if not source.is_file():
-        raise ValueError(f"profile path {source} exists and is not a file")
-    try:
-        data = json.loads(source.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        return f"not JSON: {exc}"
-    if not isinstance(data, dict):
-        return f"a JSON {type(data).__name__}, not an object"
-    missing = [k for k in ("format", "key") if k not in data]
-    return f"no profile {' or '.join(repr(k) for k in missing)} key" if missing else None
-
-
-class ProfileStore:
-    """Profiles as JSON files under ``root``: ``<root>/profile-<key digest>.json``.
-
-    Args:
-        root: the folder (created on the first save).
-    """
-
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
-
-    def path_for(self, key: ProfileKey) -> Path:
-        """The file of ``key``'s profile."""
-        return self.root / f"profile-{key.digest()}.json"
-
-    def save(self, profile: Profile, path: str | Path | None = None) -> Path:
-        """Write ``profile`` (to ``path``, default ``path_for(profile.key)``); returns the path.
-
-        Raises:
-            ValueError: when the file exists and is not a plait profile (``not_a_profile``): never overwritten.
-        """
-        target = Path(path) if path is not None else self.path_for(profile.key)
-        foreign = not_a_profile(target)
-        if foreign is not None:
-            raise ValueError(f"profile file {target} exists and is not a plait profile ({foreign}); refusing to "
-                             "overwrite it")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(profile.to_dict(), indent=1, sort_keys=True))
-        return target
-
-    def load(self, key: ProfileKey, path: str | Path | None = None) -> tuple[Profile | None, str]:
-        """The stored profile for ``key`` (from ``path``, default ``path_for(key)``), checked field by field.
-
-        Returns:
-            ``(profile, "hit")``, or ``(None, reason)`` when there is no file, it cannot be read, or any key
-            field differs (:func:`profile_mismatch`): the caller must re-measure.
-        """
-        source = Path(path) if path is not None else self.path_for(key)
-        if not source.is_file():
-            return None, f"no stored profile at {source}"
-        try:
-            profile = Profile.from_dict(json.loads(source.read_text()))
-        except (ValueError, TypeError, KeyError) as exc:
-            return None, f"stored profile {source} is unreadable ({exc})"
-        reason = profile_mismatch(profile.key, key)
-        if reason is not None:
-            return None, f"stored profile {source} is stale: {reason}"
-        return profile, "hit"
 
 
 def stage_action_costs(plan: PipelinePlan, profile: Profile, *,

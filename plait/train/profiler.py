@@ -31,9 +31,8 @@ For a list of microbatches (real samples, collated), :func:`measure_profile` mea
 
 The result is a :class:`~plait.planner.profile_store.Profile` whose ``costs`` are the planner's
 ``UnitCost`` (so the partitioner, the layout search and the simulator take measured costs unchanged) and
-whose ``chunk_overhead_s`` feeds ``profile_store.stage_action_costs``. :func:`load_or_measure` reuses a
-stored profile only when every key field matches (model, freezing, shapes, dtype, device, versions) and
-otherwise prints why and measures again. :func:`profile_job` does all of it for a job config.
+whose ``chunk_overhead_s`` feeds ``profile_store.stage_action_costs``. Building a job's model and samples,
+storing profiles and reusing them by key is the ``plait profile`` command's part (``plait.commands.profile``).
 """
 
 from __future__ import annotations
@@ -46,9 +45,8 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, TextIO
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,24 +54,14 @@ from torch import nn
 from plait.data.collate import Batch
 from plait.models.multimodal import MultimodalModel
 from plait.models.units import UnitSpec, unit_specs
-from plait.parallel.pipeline_runtime import run_pipeline_step, token_loss_sum
+from plait.parallel.pipeline import run_pipeline_step
+from plait.train.loss import token_loss_sum
 from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline_plan import plan_pipeline
-from plait.planner.profile_store import Profile, ProfileKey, ProfileStore, UnitMeasurement, not_a_profile
+from plait.planner.profile_store import Profile, ProfileKey, UnitMeasurement
 from plait.planner.schedules import build_schedule
 
-__all__ = [
-    "ProfileInputs",
-    "build_profile_inputs",
-    "device_name",
-    "format_profile",
-    "load_or_measure",
-    "measure_profile",
-    "microbatch_shapes",
-    "model_description",
-    "profile_job",
-    "profile_key",
-]
+__all__ = ["CLOCKS", "KwargsFn", "LossFn", "device_name", "measure_profile", "microbatch_shapes", "profile_key"]
 
 CLOCKS = ("wall", "thread")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -413,7 +401,7 @@ def _module_chunk_times(model: MultimodalModel, microbatches: Sequence[Batch], l
             times = _stage_pass(stages, plan, batch, llm_kwargs, autocast, timer)
             start = timer.now()
             run_pipeline_step(stages, schedule, [batch], batch.target_tokens, autocast=autocast,
-                              llm_kwargs=llm_kwargs)
+                              llm_kwargs=[llm_kwargs(batch)], loss_fn=token_loss_sum)
             step = timer.now() - start
             for _, p in stages.trainable_parameters():
                 p.grad = None
@@ -545,173 +533,3 @@ def measure_profile(
     chunks, per_action = _module_chunk_times(model, microbatches, llm_kwargs, autocast, timer)
     return Profile(key, units, tuple(measurements), _chunk_overhead(chunks, units, costs), repeats, warmup,
                    per_action)
-
-
-def load_or_measure(store: ProfileStore, key: ProfileKey, measure: Callable[[], Profile], *,
-                    path: str | Path | None = None, force: bool = False, out: TextIO | None = None) -> Profile:
-    """The stored profile of ``key`` when every key field matches, else ``measure()`` saved to the store.
-
-    Prints ``"plait profile: reusing <file>"`` or ``"plait profile: measuring (<reason>)"`` to ``out`` (default
-    stdout): a stale or mismatched profile is never silently reused.
-
-    Args:
-        store: the profile folder; path: an explicit file instead of the store's file for ``key``.
-        force: measure even when a matching profile exists.
-
-    Raises:
-        ValueError: before measuring, when the file to write exists and is not a plait profile
-            (``profile_store.not_a_profile``: not JSON, or no profile ``format`` and ``key``); a plait profile
-            that is stale, of another format version or unreadable field by field is re-measured and replaced.
-    """
-    import sys
-
-    stream = out or sys.stdout
-    target = Path(path) if path is not None else store.path_for(key)
-    foreign = not_a_profile(target)
-    if foreign is not None:
-        raise ValueError(f"profile file {target} exists and is not a plait profile ({foreign}); refusing to "
-                         "overwrite it: give another --out (or store) or remove the file")
-    profile, reason = (None, "forced by the caller") if force else store.load(key, path)
-    if profile is not None:
-        print(f"plait profile: reusing {path or store.path_for(key)}", file=stream)
-        return profile
-    print(f"plait profile: measuring ({reason})", file=stream)
-    profile = measure()
-    saved = store.save(profile, path)
-    print(f"plait profile: wrote {saved}", file=stream)
-    return profile
-
-
-# ----- jobs ----------------------------------------------------------------------------------------------
-@dataclass
-class ProfileInputs:
-    """What profiling a job needs: its model (real flags), microbatches, LLM kwargs, autocast and key."""
-
-    model: MultimodalModel
-    microbatches: list[Batch]
-    llm_kwargs: KwargsFn
-    autocast: Callable[[], AbstractContextManager]
-    key: ProfileKey
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def model_description(cfg: Any) -> dict[str, Any]:
-    """The model part of a job's profile key: ``config_to_dict(cfg)["model"]`` without the learning-rate
-    scales (they change no cost), plus the attention settings and ``data.packing``."""
-    from plait.config.loader import config_to_dict
-
-    data = config_to_dict(cfg)
-    model = data["model"]
-    for enc in model.get("encoders", {}).values():
-        enc.pop("lr_scale", None)
-    return {"model": model, "attention": data["attention"], "packing": data["data"]["packing"]}
-
-
-def build_profile_inputs(cfg: Any, *, microbatches: int = 1, microbatch_size: int | None = None,
-                         device: str | None = None, clock: str = "wall") -> ProfileInputs:
-    """Build a job's model (seed ``train.seed``, freezing applied) and its first ``microbatches`` x
-    ``microbatch_size`` (default ``train.microbatch_size``) training samples in file order, collated into
-    microbatches, with the trainer's attention setup (``"hf"`` when it suffices, else plait SDPA/flex);
-    ``clock`` goes into the key (:func:`profile_key`).
-
-    Raises:
-        ValueError: on counts < 1, fewer usable samples than needed or an unknown clock; FileNotFoundError:
-            on missing data.
-    """
-    from plait.attention.interface import use_plait_attention
-    from plait.attention.masks import MaskInfo
-    from plait.data.collate import collate
-    from plait.data.loader import MultimodalDataset
-    from plait.models.registry import build_model, build_processor, load_tokenizer
-
-    size = microbatch_size or cfg.train.microbatch_size
-    if microbatches < 1 or size < 1:
-        raise ValueError(f"microbatches and microbatch_size must be >= 1, got {microbatches} and {size}")
-    t = cfg.train
-    if t.threads:
-        torch.set_num_threads(t.threads)
-    dev = torch.device(device or ("cuda" if t.device == "auto" and torch.cuda.is_available() else
-                                  ("cpu" if t.device == "auto" else t.device)))
-    torch.manual_seed(t.seed)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    model = build_model(cfg.model, tokenizer).to(dev)
-    processor = build_processor(cfg.model, model, tokenizer, cfg.data.max_length)
-    attention = _attention(cfg, dev)
-    if attention != "hf":
-        use_plait_attention(model.language_model, "sdpa" if attention == "plait_sdpa" else "flex")
-    needed = microbatches * size
-    dataset = MultimodalDataset(cfg.data.train, processor, cfg.data.on_error, max_samples=needed)
-    if len(dataset) < needed:
-        raise ValueError(f"data.train has {len(dataset)} usable samples; profiling needs {needed}")
-    batches = [collate([dataset[i] for i in range(k * size, (k + 1) * size)], processor.pad_id,
-                       pack=cfg.data.packing).to(dev) for k in range(microbatches)]
-    mode = cfg.attention.mask
-    llm_kwargs: KwargsFn = (lambda b: {}) if attention == "hf" else (
-        lambda b: {"plait_mask": MaskInfo.from_batch(vars(b), mode=mode)})
-    bf16 = t.dtype == "bf16" or (t.dtype == "auto" and dev.type == "cuda")
-    autocast = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if bf16 else nullcontext
-    key = profile_key(model_description(cfg), batches, "bfloat16" if bf16 else "float32", dev, clock)
-    return ProfileInputs(model, batches, llm_kwargs, autocast, key, {"attention": attention})
-
-
-def _attention(cfg: Any, device: torch.device) -> str:
-    """``attention.implementation`` resolved as the trainer does (no context parallelism here)."""
-    impl = cfg.attention.implementation
-    if impl != "auto":
-        return impl
-    if cfg.attention.mask == "causal" and not cfg.data.packing:
-        return "hf"
-    return "plait" if device.type == "cuda" else "plait_sdpa"
-
-
-def profile_job(cfg: Any, *, store_dir: str | Path = "runs/profiles", out_path: str | Path | None = None,
-                microbatches: int = 1, microbatch_size: int | None = None, repeats: int = 5, warmup: int = 2,
-                clock: str = "wall", force: bool = False, out: TextIO | None = None) -> Profile:
-    """Profile a job's model on its first training samples (:func:`build_profile_inputs`), reusing a stored
-    profile only when its key matches (:func:`load_or_measure`).
-
-    Args:
-        cfg: a loaded ``JobConfig``.
-        store_dir: profile folder; out_path: an explicit profile file (checked the same way).
-        microbatches, microbatch_size: what to profile; repeats, warmup: as :func:`measure_profile`;
-        clock: ``"wall"`` or ``"thread"`` (:func:`measure_profile`).
-        force: re-measure even on a matching stored profile; out: where messages go (default stdout).
-
-    Raises:
-        ValueError, FileNotFoundError: as :func:`build_profile_inputs`; ValueError when the file to write
-            (``out_path`` or the store's) exists and is not a plait profile (:func:`load_or_measure`).
-    """
-    inputs = build_profile_inputs(cfg, microbatches=microbatches, microbatch_size=microbatch_size, clock=clock)
-
-    def measure() -> Profile:
-        return measure_profile(inputs.model, inputs.microbatches, inputs.key, repeats=repeats, warmup=warmup,
-                               llm_kwargs=inputs.llm_kwargs, autocast=inputs.autocast)
-
-    return load_or_measure(ProfileStore(store_dir), inputs.key, measure, path=out_path, force=force, out=out)
-
-
-# ----- printing ------------------------------------------------------------------------------------------
-def format_profile(profile: Profile) -> str:
-    """The profile as a plain-text table: one row per unit (flags, forward / dX / dW / fused-backward ms,
-    parameter, gradient, optimizer-state, saved-activation and output KiB), then the chunk overheads (with one
-    line explaining a negative one: the module ran faster as one chunk than its units apart)."""
-    head = (f"{'unit':<56} {'T':>1}{'X':>1} {'F ms':>8} {'dX ms':>8} {'dW ms':>8} {'B ms':>8} {'param KiB':>10} "
-            f"{'grad KiB':>9} {'optim KiB':>10} {'act KiB':>9} {'out KiB':>8}")
-    lines = [f"profile: {profile.key.device}, {profile.key.dtype}, torch {profile.key.torch_version}, plait "
-             f"{profile.key.plait_version}; median of {profile.repeats} after {profile.warmup} warm-up", head]
-    for unit, m in zip(profile.units, profile.measurements):
-        name = unit.name if len(unit.name) <= 56 else "..." + unit.name[-53:]
-        lines.append(
-            f"{name:<56} {'T' if unit.trainable else '-':>1}{'X' if unit.needs_input_grad else '-':>1} "
-            f"{1e3 * m.forward_s:>8.3f} {1e3 * m.input_grad_s:>8.3f} {1e3 * m.weight_grad_s:>8.3f} "
-            f"{1e3 * m.fused_backward_s:>8.3f} {m.param_bytes / 1024:>10.1f} {m.grad_bytes / 1024:>9.1f} "
-            f"{m.optimizer_bytes / 1024:>10.1f} {m.activation_bytes / 1024:>9.1f} {m.output_bytes / 1024:>8.1f}")
-    lines.append(f"runtime cost per action: {1e3 * profile.action_overhead_s:.3f} ms")
-    for module, over in profile.chunk_overhead_s.items():
-        lines.append(f"chunk overhead {module}: F {1e3 * over.get('F', 0.0):.3f} ms, "
-                     f"B {1e3 * over.get('B', 0.0):.3f} ms")
-    if any(v < 0 for over in profile.chunk_overhead_s.values() for v in over.values()):
-        lines.append("a negative chunk overhead: the module ran faster as one chunk than its units measured apart; "
-                     "kept as a correction (a stage's time is clipped at 0)")
-    lines.append("T = trainable, X = needs input gradient; B = fused backward (dX + dW in one pass)")
-    return "\n".join(lines)

@@ -73,15 +73,15 @@ def test_profile_refuses_to_overwrite_a_file_that_is_not_a_profile(tmp_path, cap
 
 
 def test_auto_plan_says_what_it_replaces():
-    from plait.cli import _auto_plan_replaces
+    from plait.commands.train import auto_plan_replaces
     from plait.config.schema import PipelineConfig
 
     cfg = config_from_dict(tiny_config_dict("train.jsonl"))
     resolved = config_from_dict(tiny_config_dict("train.jsonl"))
     resolved.parallel.dp, resolved.parallel.pp = 2, PipelineConfig(degree=1)
-    assert _auto_plan_replaces(cfg, resolved) is None  # the job wrote neither: nothing to say
+    assert auto_plan_replaces(cfg, resolved) is None  # the job wrote neither: nothing to say
     cfg.parallel.dp = 4
     cfg.parallel.pp = PipelineConfig(degree=2, microbatches=8)
-    assert _auto_plan_replaces(cfg, resolved) == (
+    assert auto_plan_replaces(cfg, resolved) == (
         "plait: parallel.plan=auto replaces the job's parallel.dp = 4 -> 2, parallel.pp.degree = 2 -> 1, "
         "parallel.pp.microbatches = 8 -> 0 (written -> chosen)")

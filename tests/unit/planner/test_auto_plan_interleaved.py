@@ -14,11 +14,12 @@ from transformers import AutoTokenizer
 from plait.config.loader import config_from_dict, validate
 from plait.models.registry import build_model
 from plait.models.units import model_units
-from plait.planner.auto_plan import apply_layout_choice, plan_auto_layout, resolve_auto_plan
+from plait.planner.auto_plan import plan_auto_layout
 from plait.planner.pipeline_plan import plan_pipeline, stage_ranks
 from plait.planner.search import evaluate_plan
 from plait.planner.simulator import P2PModel
 from plait.planner.types import UnitCost
+from plait.train.auto_plan import apply_layout_choice, resolve_auto_plan
 from plait.train.pipeline_trainer import build_pipeline_plan
 from tests.conftest import DEMO, tiny_config_dict
 

@@ -67,7 +67,8 @@ def test_hand_case_loader_batches() -> None:
     batches = [loader.next_batch() for _ in range(4)]  # two epochs of two full batches
     vision = [sum(HAND_VISION[i] for i in b) for b in batches]
     llm = [sum(HAND_LLM[i] for i in b) for b in batches]
-    stats = macrobatch_stats(hand_metas(), 2, 4, COEFFS, seed=seed, sampling="loader")
+    stats = macrobatch_stats(hand_metas(), 2, 4, COEFFS, seed=seed, sampling="loader",
+                             epoch_order=GlobalBatchLoader(4, 2, seed=seed).epoch_order)
     assert stats.batch_mean == pytest.approx((statistics.fmean(vision), statistics.fmean(llm)))
     assert stats.batch_mean == pytest.approx((14.5, 90.0))  # whole epochs: each sample counted equally
     assert stats.expected == pytest.approx((14.5, 90.0))
@@ -82,7 +83,7 @@ def test_loader_sampling_matches_global_batch_loader_without_partial_batches() -
     seen = [loader.next_batch() for _ in range(9)]  # three epochs: 4 + 4 + 2 samples each
     full = [b for b in seen if len(b) == 4]
     assert len(full) == 6
-    drawn = draw_batches(10, 4, 5, seed=3, sampling="loader")
+    drawn = draw_batches(10, 4, 5, seed=3, sampling="loader", epoch_order=GlobalBatchLoader(10, 4, seed=3).epoch_order)
     assert drawn.tolist() == full[:5]
 
 
@@ -137,7 +138,8 @@ def test_cv_shrinks_with_batch_size_as_predicted() -> None:
             expected = sample_cv / math.sqrt(b) * math.sqrt((3000 - b) / 2999)
             assert m == pytest.approx(expected, rel=0.1)
         assert measured[0] / measured[-1] > 10  # sqrt(256) = 16 times a finite-population correction
-    big = macrobatch_stats(metas, 256, 200, coeffs, seed=0, sampling="loader")
+    big = macrobatch_stats(metas, 256, 200, coeffs, seed=0, sampling="loader",
+                           epoch_order=GlobalBatchLoader(3000, 256, seed=0).epoch_order)
     assert big.expected == pytest.approx(tuple(256 * work.mean(axis=0)))
     assert big.batch_mean == pytest.approx(big.expected, rel=0.02)
 
@@ -147,9 +149,10 @@ def test_cv_shrinks_with_batch_size_as_predicted() -> None:
 
 def test_json_round_trip_and_table() -> None:
     metas, _ = random_metas(300, seed=2)
-    stats = macrobatch_stats(metas, 32, 20, COEFFS, seed=4)
+    order = GlobalBatchLoader(300, 32, seed=4).epoch_order  # the loader's order does not depend on the batch size
+    stats = macrobatch_stats(metas, 32, 20, COEFFS, seed=4, epoch_order=order)
     assert MacrobatchStats.from_dict(json.loads(json.dumps(stats.to_dict()))) == stats
-    scaling = cv_by_batch_size(metas, COEFFS, (1, 8, 32), num_batches=20, seed=4)
+    scaling = cv_by_batch_size(metas, COEFFS, (1, 8, 32), num_batches=20, seed=4, epoch_order=order)
     assert CvScaling.from_dict(json.loads(json.dumps(scaling.to_dict()))) == scaling
     table = stats.format_table("FLOPs").splitlines()
     assert len(table) == 2 + 2 and table[2].startswith("vision") and table[3].startswith("llm")

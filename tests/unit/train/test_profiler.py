@@ -14,19 +14,20 @@ import torch
 
 from plait.config.loader import config_from_dict, config_to_dict, pipeline_plan_kwargs, validate
 from plait.models.units import model_units, unit_specs
-from plait.planner.auto_plan import plan_auto_layout, resolve_auto_plan
+from plait.commands.profile import ProfileStore, load_or_measure
+from plait.planner.auto_plan import plan_auto_layout
 from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
 from plait.planner.profile_store import (
     Profile,
     ProfileKey,
-    ProfileStore,
     UnitMeasurement,
     profile_mismatch,
     stage_action_costs,
 )
 from plait.planner.search import evaluate_plan
 from plait.planner.types import UnitCost
-from plait.train.profiler import load_or_measure, measure_profile, microbatch_shapes, profile_key
+from plait.train.auto_plan import resolve_auto_plan
+from plait.train.profiler import measure_profile, microbatch_shapes, profile_key
 from tests.conftest import tiny_config_dict
 from tests.distributed.pipeline_worker import apply_mode, make_batch, tiny_model
 
@@ -139,7 +140,7 @@ def test_load_or_measure_replaces_a_profile_of_another_key_or_format(tmp_path):
 
 
 def test_format_profile_explains_negative_chunk_overheads():
-    from plait.train.profiler import format_profile
+    from plait.planner.report import format_profile
 
     positive = _profile()  # vision chunk overhead F 0.1 s, B 0.2 s
     assert "chunk overhead vision: F 100.000 ms, B 200.000 ms" in format_profile(positive)

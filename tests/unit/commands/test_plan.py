@@ -18,21 +18,17 @@ from plait.planner.cost_model import units_from_configs
 from plait.planner.pipeline_plan import plan_pipeline
 from plait.config.schema import PipelineConfig
 from plait.planner.pipeline_plan import synthetic_units
-from plait.planner.plan_cli import (
+from plait.commands.plan import (
     MODEL_UNITS,
-    PP_TOML_KEY,
-    _model_parts,
-    _toml_value,
     build_plan_inputs,
-    format_plan,
     load_config_for_planning,
+    model_parts,
     plan_command,
-    plan_from_json,
     pp_snippet,
-    rank_peak_memory_bytes,
-    simulate_command,
     split_global_batch,
 )
+from plait.commands.simulate import simulate_command
+from plait.planner.report import PP_TOML_KEY, format_plan, plan_from_json, rank_peak_memory_bytes, toml_value
 from plait.planner.search import evaluate_plan
 from plait.planner.types import UnitCost
 from tests.conftest import TINY_AUDIO, TINY_LLM, TINY_VISION, tiny_config_dict
@@ -121,7 +117,7 @@ def test_plan_units_are_the_models_units_by_name_order_and_flags(case):
     assert [u.name for u in inputs.units] == [u.name for u in real] == expected
     assert inputs.units == real  # kinds, modules and frozen-aware flags too
     # the analytic flag rules (cost_model.units_from_configs) agree with the model's on every unit
-    configs, frozen, _ = _model_parts(cfg)
+    configs, frozen, _ = model_parts(cfg)
     analytic = units_from_configs(configs, frozen)
     for unit in real:
         twin = _analytic_twin(unit, analytic)
@@ -135,7 +131,7 @@ def test_a_model_plait_cannot_build_keeps_analytic_names_and_gets_no_snippet():
     assert inputs.unit_source.startswith("plait cannot build this model") and "no pipeline layout" in inputs.unit_source
     assert [u.name for u in inputs.units if u.module == "llm"][:2] == ["llm.embed_tokens", "llm.layers.0"]
     out = io.StringIO()
-    choice = plan_command(DEMO, 2, overrides=[f"--model.llm.config={_toml_value(PHI)}"], device="cpu",
+    choice = plan_command(DEMO, 2, overrides=[f"--model.llm.config={toml_value(PHI)}"], device="cpu",
                           dp_degrees=[1], out=out)
     assert choice.plan.num_ranks >= 1
     assert "no [parallel.pp] snippet: the unit names are not the model's: plait cannot build" in out.getvalue()
@@ -318,10 +314,10 @@ def test_single_rank_plan_snippet_is_degree_one():
     {"vision": 1, "audio-2": 2, "odd.key": 3, "spaced key": ["x"]}, {},
 ])
 def test_toml_values_read_back_as_written(value):
-    assert tomllib.loads(f"v = {_toml_value(value)}")["v"] == value
+    assert tomllib.loads(f"v = {toml_value(value)}")["v"] == value
 
 
 def test_toml_value_rejects_other_types():
     for bad in (1.5, None):
         with pytest.raises(ValueError, match="no TOML form"):
-            _toml_value(bad)
+            toml_value(bad)

@@ -1,30 +1,28 @@
-"""Functions behind ``plait plan`` and ``plait simulate`` (the argparse wiring lives in ``plait/cli.py``).
+"""``plait plan``: choose the pipeline layout of a job for N devices, print it, write it.
 
-- ``plan_command``: read a job config, build the model's pipeline units (``job_units``: the units and names
-  of the job's own model, so a boundary printed here can be pasted into ``parallel.pp.splits``) and their
-  analytic costs (``cost_model``: Hugging Face configs from the TOML ``config`` tables or local ``path``
-  directories, read with ``transformers.AutoConfig``; no weights), search the layout
-  (``search.plan_layout``), print the plan as a table with a ready-to-paste ``[parallel.pp]`` table
-  (``pp_snippet``) and write it as JSON (``LayoutChoice.to_dict`` plus the snippet under ``PP_TOML_KEY``;
-  ``plan_from_json`` reads it back).
-- ``simulate_command``: read such a JSON plan, simulate one iteration (``simulator.simulate`` on the
-  plan's schedule, ``LayoutChoice.schedule``) and write the predicted timeline as a Chrome trace and a PNG
-  (``plait.train.plots``), the format measured timelines use too (../shared/DESIGN.md, principle 2).
+- :func:`plan_command`: read a job config (:func:`load_config_for_planning`), build the model's pipeline units
+  (:func:`job_units`: the units and names of the job's own model, so a boundary printed here can be pasted into
+  ``parallel.pp.splits``) and their analytic costs (``plait.planner.cost_model``: Hugging Face configs from the
+  TOML ``config`` tables or local ``path`` directories, read with ``transformers.AutoConfig``; no weights),
+  search the layout (``plait.planner.search.plan_layout``), print the plan as a table
+  (``plait.planner.report.format_plan``) with a ready-to-paste ``[parallel.pp]`` table (:func:`pp_snippet`) and
+  write it as JSON (``plait.planner.report.plan_to_json``; ``plan_from_json`` reads it back, ``plait simulate``
+  times it).
 
 Workload assumed per microbatch (from the config, overridable): ``train.microbatch_size`` sequences of
 ``data.max_length`` LLM tokens (an upper bound: padding to the longest), each with ``items_per_sample``
 items per encoder at the encoder's native size (vision: its ``image_size`` patches; audio: its
 ``max_source_positions`` frames); ``global_batch_size / microbatch_size`` microbatches per iteration, or the
 global batch split into ``--microbatches N`` microbatches of ``ceil(global_batch_size / N)`` sequences
-(``split_global_batch``; never more samples than the job's global batch).
+(:func:`split_global_batch`; never more samples than the job's global batch).
 
 Macro-batches (../shared/REFERENCES.md section 3, Entrain): when the job has training data and
-``macrobatches`` > 0, ``plan_command`` reads every sample's metadata (the trainer's processing; the model is
-built on the meta device, so no weights), draws that many global batches in the loader's order
-(``macrobatch.macrobatch_stats``), prints how much each module's total work varies between batches (CV,
-min/max, against the ``1 / sqrt(B)`` law) and plans for the **expected** global batch instead of the upper
-bound above: per microbatch, ``microbatch_size`` x the mean per-sample encoder tokens, attended pairs and
-LLM tokens (``expected_shapes``).
+``macrobatches`` > 0, :func:`plan_command` reads every sample's metadata (:func:`dataset_metadata`: the trainer's
+processing; the model is built on the meta device, so no weights), draws that many global batches in the
+loader's order (``plait.planner.macrobatch.macrobatch_stats``), prints how much each module's total work varies
+between batches (CV, min/max, against the ``1 / sqrt(B)`` law) and plans for the **expected** global batch
+instead of the upper bound above: per microbatch, ``microbatch_size`` x the mean per-sample encoder tokens,
+attended pairs and LLM tokens (``plait.planner.macrobatch.expected_shapes``).
 """
 
 from __future__ import annotations
@@ -32,59 +30,47 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from plait.planner.cost_model import (
-    DeviceSpec,
-    EncoderArch,
-    MicrobatchShape,
-    arch_from_config,
-    unit_costs,
-    units_from_configs,
-)
-from plait.planner.auto_plan import apply_layout_choice
-from plait.planner.macrobatch import MacrobatchStats, macrobatch_stats
+from plait.config.loader import config_from_dict, read_config_data, validate
+from plait.data.loader import GlobalBatchLoader, MultimodalDataset
+from plait.models.registry import build_model, build_processor, load_tokenizer, placeholder_of
+from plait.models.units import model_units
+from plait.planner.cost_model import DeviceSpec, MicrobatchShape, arch_from_config, unit_costs, units_from_configs
+from plait.planner.macrobatch import MacrobatchStats, expected_shapes, macrobatch_stats
 from plait.planner.pipeline_plan import LAYOUTS
-from plait.planner.schedules import build_schedule
+from plait.planner.report import format_plan, plan_to_json, pp_toml
 from plait.planner.search import LayoutChoice, plan_layout
-from plait.planner.simulator import P2PModel, SimResult, StageMemory, simulate
+from plait.planner.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
+from plait.train.auto_plan import apply_layout_choice
+from plait.train.costs import microbatch_cost_coeffs
 
 __all__ = [
+    "DEFAULT_MACROBATCHES",
     "DEVICES",
     "MODEL_UNITS",
-    "PP_TOML_KEY",
     "PlanInputs",
     "build_plan_inputs",
     "dataset_metadata",
     "device_spec",
-    "expected_shapes",
-    "format_plan",
     "job_units",
     "load_config_for_planning",
+    "model_parts",
     "plan_command",
-    "plan_from_json",
     "pp_snippet",
-    "rank_peak_memory_bytes",
-    "simulate_choice",
-    "simulate_command",
     "split_global_batch",
 ]
 
 DEFAULT_MACROBATCHES = 32
 
 DEVICES = ("h100", "h200", "a100", "cpu")
-PP_TOML_KEY = "parallel_pp_toml"
-"""Key of the plan JSON (``plan_command``'s ``out_json``) holding the ``[parallel.pp]`` snippet (``pp_snippet``;
-null when there is none); every other key is a ``LayoutChoice`` field."""
 MODEL_UNITS = "model"
 """``PlanInputs.unit_source`` of units that are the job model's own (``job_units``)."""
-_GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -163,7 +149,7 @@ def _tokenizer_size(path: str) -> int | None:
     return len(AutoTokenizer.from_pretrained(path))
 
 
-def _model_parts(cfg: Any) -> tuple[dict[str, Any], dict[str, bool], dict[str, int]]:
+def model_parts(cfg: Any) -> tuple[dict[str, Any], dict[str, bool], dict[str, int]]:
     """(model_configs, frozen flags, features dropped per item) of a ``JobConfig``'s model section."""
     model = cfg.model
     configs: dict[str, Any] = {}
@@ -226,7 +212,7 @@ def build_plan_inputs(cfg: Any, device: str | DeviceSpec = "h100", *, microbatch
     if count < 1:
         raise ValueError(f"microbatches must be >= 1, got {count} (train.global_batch_size "
                          f"{train.global_batch_size} / train.microbatch_size {train.microbatch_size})")
-    configs, frozen, _ = _model_parts(cfg)
+    configs, frozen, _ = model_parts(cfg)
     per_mb = train.microbatch_size
     shapes = {name: MicrobatchShape(tokens=per_mb * items_per_sample * configs[name].item_len)
               for name in configs if name != "llm" and not name.endswith(".projector")}
@@ -268,16 +254,13 @@ def job_units(cfg: Any, configs: dict[str, Any], frozen: dict[str, bool]) -> tup
     frozen-aware flags of the config's freezing.
 
     Args:
-        cfg: the ``JobConfig``; configs, frozen: its parts as ``_model_parts`` reads them.
+        cfg: the ``JobConfig``; configs, frozen: its parts as ``model_parts`` reads them.
 
     Returns:
         ``(units, MODEL_UNITS)``; for a model plait cannot build (an encoder or LLM family without a pipeline
         layout) ``(cost_model.units_from_configs(configs, frozen), reason)``: analytic names such as
         ``llm.layers.2``, which no job can use as ``parallel.pp.splits``.
     """
-    from plait.models.registry import build_model, placeholder_of
-    from plait.models.units import model_units
-
     llm = configs["llm"]
     stand_in = _StandInTokenizer(int(getattr(llm, "vocab_size", 0) or 1),
                                  [placeholder_of(enc) for enc in cfg.model.encoders.values()])
@@ -304,10 +287,6 @@ def dataset_metadata(cfg: Any) -> tuple[list[Any], dict[str, Any]]:
         ValueError: when the job has no ``data.train``, and as the trainer's data pipeline (bad records, no
             usable sample).
     """
-    from plait.data.loader import MultimodalDataset
-    from plait.models.registry import build_model, build_processor, load_tokenizer
-    from plait.train.costs import microbatch_cost_coeffs
-
     if not cfg.data.train:
         raise ValueError("data.train is not set: macro-batch statistics need the training data")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -317,63 +296,19 @@ def dataset_metadata(cfg: Any) -> tuple[list[Any], dict[str, Any]]:
     return dataset.meta, microbatch_cost_coeffs(model)
 
 
-def _item_tokens(arch: Any, placeholders: int, dropped: int) -> int:
-    """Tokens an encoder's layers see for one item of ``placeholders`` LLM features: a Whisper-style audio
-    encoder always fills its window (``item_len``); vision sees the features plus dropped prefix tokens."""
-    if isinstance(arch, EncoderArch) and arch.modality == "audio":
-        return int(arch.item_len)
-    return int(placeholders) + int(dropped)
-
-
-def expected_shapes(metas: Sequence[Any], configs: dict[str, Any], dropped: dict[str, int],
-                    microbatch_size: int) -> dict[str, MicrobatchShape]:
-    """Per-module shape of a microbatch of ``microbatch_size`` samples of the expected global batch.
-
-    For module ``m``: tokens = ``microbatch_size`` x mean over samples of the sample's tokens in ``m``, and
-    attended pairs = ``microbatch_size`` x the mean of the sample's per-layer attention pairs (encoder items
-    ``n^2``, full attention; LLM ``L (L + 1) / 2``, causal), so linear and quadratic costs are the exact
-    expectations; ``seq_len`` is the mean item (encoder) or sequence (LLM) length. An encoder no sample uses
-    is left out (its upper-bound shape stays).
-
-    Args:
-        metas: ``SampleMeta`` per sample (``length`` and ``items``: ``(encoder, placeholders)``).
-        configs: module configs as ``_model_parts`` returns them (encoder ``EncoderArch`` by name).
-        dropped: prefix tokens dropped per item, per encoder (``select="drop_cls"``).
-        microbatch_size: samples per microbatch.
-
-    Raises:
-        ValueError: on an empty ``metas``, a ``microbatch_size`` below 1 or an item of an unknown encoder.
-    """
-    if not metas or microbatch_size < 1:
-        raise ValueError(f"need samples and microbatch_size >= 1, got {len(metas)} samples, {microbatch_size}")
-    sums: dict[str, list[float]] = {}  # module -> [tokens, pairs, items]
-    for k, meta in enumerate(metas):
-        for name, placeholders in meta.items:
-            if name not in configs or name == "llm":
-                raise ValueError(f"sample {k}: item of unknown encoder {name!r}")
-            n = _item_tokens(configs[name], placeholders, dropped.get(name, 0))
-            acc = sums.setdefault(name, [0.0, 0.0, 0.0])
-            acc[0], acc[1], acc[2] = acc[0] + n, acc[1] + n * n, acc[2] + 1
-        acc = sums.setdefault("llm", [0.0, 0.0, 0.0])
-        acc[0], acc[1], acc[2] = acc[0] + meta.length, acc[1] + meta.length * (meta.length + 1) / 2, acc[2] + 1
-    scale = microbatch_size / len(metas)
-    return {name: MicrobatchShape(tokens=max(1, round(tokens * scale)), seq_len=max(1, round(tokens / items)),
-                                  attended_pairs=pairs * scale)
-            for name, (tokens, pairs, items) in sums.items()}
-
-
 def _macrobatches(cfg: Any, count: int, stream: TextIO) -> tuple[MacrobatchStats | None, dict[str, MicrobatchShape]]:
     """Macro-batch statistics of the job's training data (printed) and the expected microbatch shapes; no
     statistics (a note instead) when the dataset holds fewer samples than one global batch."""
     metas, coeffs = dataset_metadata(cfg)
-    configs, _, dropped = _model_parts(cfg)
+    configs, _, dropped = model_parts(cfg)
     shapes = expected_shapes(metas, configs, dropped, cfg.train.microbatch_size)
     batch = cfg.train.global_batch_size
     if batch > len(metas):
         print(f"macro-batches: {len(metas)} samples, fewer than one global batch of {batch}: no statistics",
               file=stream)
         return None, shapes
-    stats = macrobatch_stats(metas, batch, count, coeffs, seed=cfg.train.seed, sampling="loader")
+    order = GlobalBatchLoader(len(metas), batch, seed=cfg.train.seed).epoch_order  # the trainer's loader order
+    stats = macrobatch_stats(metas, batch, count, coeffs, seed=cfg.train.seed, sampling="loader", epoch_order=order)
     print(stats.format_table(unit="FLOPs x passes"), file=stream)
     planned = ", ".join(f"{name} {shape.tokens} tokens" for name, shape in shapes.items())
     print(f"planned for the expected global batch: per microbatch of {cfg.train.microbatch_size} samples "
@@ -382,60 +317,6 @@ def _macrobatches(cfg: Any, count: int, stream: TextIO) -> tuple[MacrobatchStats
 
 
 # ----- plan ------------------------------------------------------------------------------------------
-def _chunk_label(names: Sequence[str]) -> str:
-    """``first .. last (n)`` of a stage's unit names for one module, the last without the shared prefix
-    (``llm.layers.0 .. layers.7 (8)``)."""
-    if len(names) == 1:
-        return names[0]
-    first, last = names[0].split("."), names[-1].split(".")
-    shared = 0
-    while shared < min(len(first), len(last)) - 1 and first[shared] == last[shared]:
-        shared += 1
-    if last[shared:] and last[shared].isdigit() and shared > 0:
-        shared -= 1
-    return f"{names[0]} .. {'.'.join(last[shared:])} ({len(names)})"
-
-
-def rank_peak_memory_bytes(choice: LayoutChoice) -> tuple[int, ...]:
-    """Per pipeline rank, the most bytes held at once (static bytes of all its stages plus their live
-    activations) over one iteration of ``choice``: ``simulate_choice(choice).peak_memory_bytes``. This is what
-    a device must hold; ``choice.stage_memory_bytes`` is per stage, so under interleaved 1F1B (several stages
-    per rank) or attached encoders their maximum under-reports it."""
-    return tuple(simulate_choice(choice).peak_memory_bytes)
-
-
-def format_plan(choice: LayoutChoice) -> str:
-    """The plan as a text table: one row per stage (rank, modules, units, forward and backward ms per
-    microbatch, that stage's own peak memory GiB), then the totals with the peak memory per rank (device):
-    ``rank_peak_memory_bytes``, the sum over a rank's stages, not the largest stage."""
-    plan = choice.plan
-    lines = [f"{'stage':>5} {'rank':>4} {'module':<8} {'units':<64} {'F ms':>8} {'B ms':>8} {'stage GiB':>9}"]
-    for stage in plan.stages:
-        for k, module in enumerate(stage.modules):
-            first = k == 0
-            lines.append(
-                f"{stage.index if first else '':>5} {stage.rank if first else '':>4} {module:<8} "
-                f"{_chunk_label(stage.module_units(module)):<64} "
-                + (f"{1e3 * choice.stage_forward_s[stage.index]:>8.2f} {1e3 * choice.stage_backward_s[stage.index]:>8.2f} "
-                   f"{choice.stage_memory_bytes[stage.index] / _GIB:>9.2f}" if first else ""))
-    counts = ", ".join(f"{m} {s}" for m, s in choice.stages_per_module)
-    peaks = rank_peak_memory_bytes(choice)
-    cap = "no cap" if choice.memory_cap is None else f"cap {choice.memory_cap / _GIB:.1f} GiB"
-    lines += [
-        f"layout {choice.layout}, DP {choice.dp} x {plan.num_ranks} pipeline ranks = {choice.devices_used} of "
-        f"{choice.devices} devices; stages: {counts}",
-        f"iteration {1e3 * choice.iteration_s:.2f} ms (pipeline {1e3 * choice.makespan_s:.2f} ms + gradient "
-        f"all-reduce {1e3 * choice.grad_sync_s:.2f} ms) with {choice.microbatches_per_replica} of "
-        f"{choice.microbatches} microbatches per replica; bubble {100 * choice.bubble_fraction:.1f}%; "
-        f"{choice.ratio_to_lower_bound:.2f}x the lower bound {1e3 * choice.lower_bound_s:.2f} ms",
-        f"peak memory per rank (device) {max(peaks) / _GIB:.2f} GiB ({cap})"
-        + (f"; ranks {' / '.join(f'{p / _GIB:.2f}' for p in peaks)} GiB" if len(peaks) > 1 else "")
-        + ("; 'stage GiB' is each stage's own peak, a rank holds all of its stages"
-           if plan.num_stages > plan.num_ranks else ""),
-    ]
-    return "\n".join(lines)
-
-
 def plan_command(
     config_path: str | Path,
     devices: int,
@@ -464,7 +345,7 @@ def plan_command(
     Args:
         config_path: TOML job file; overrides: dotted ``--section.key=value`` overrides.
         devices: accelerators available.
-        out_json: where to write the plan JSON (``LayoutChoice.to_dict`` and ``PP_TOML_KEY``; parents
+        out_json: where to write the plan JSON (``plait.planner.report.plan_to_json``; parents
             created); None: do not write.
         device: accelerator preset (``DEVICES``) or ``DeviceSpec``; its link is the stage-to-stage P2P model.
         microbatches: global microbatches per step: the job's global batch split into this many microbatches of
@@ -528,7 +409,7 @@ def plan_command(
     if out_json is not None:
         path = Path(out_json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({**choice.to_dict(), PP_TOML_KEY: snippet}, indent=2))
+        path.write_text(plan_to_json(choice, snippet))
         print(f"plan written to {path}", file=stream)
     return choice
 
@@ -547,8 +428,6 @@ def load_config_for_planning(config_path: str | Path, overrides: Sequence[str] =
         FileNotFoundError: when the file does not exist; ValueError: as ``load_config`` (TOML syntax, unknown
             keys, wrong types or invalid values outside ``[parallel.pp]``, named by dotted key).
     """
-    from plait.config.loader import config_from_dict, read_config_data, validate
-
     data = read_config_data(config_path, overrides)
     parallel = data.get("parallel")
     replaced = []
@@ -604,36 +483,12 @@ def _check_dp_degrees(dp_degrees: Sequence[int] | None, devices: int, microbatch
                              f"and the {microbatches} microbatches per step: each replica needs a microbatch)")
 
 
-def plan_from_json(text: str) -> LayoutChoice:
-    """The ``LayoutChoice`` of a plan JSON written by ``plan_command`` (its ``PP_TOML_KEY`` entry dropped).
-
-    Raises:
-        ValueError: when the text is not JSON, or not such a plan: missing or unknown keys (saying when it looks
-            like a profile or a Chrome trace), or as ``LayoutChoice.from_dict``.
-    """
-    data = json.loads(text)
-    if not isinstance(data, dict):
-        raise ValueError(f"a plan is a JSON object, got {type(data).__name__}")
-    data.pop(PP_TOML_KEY, None)
-    fields = dataclasses.fields(LayoutChoice)
-    missing = [f.name for f in fields
-               if f.name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    unknown = sorted(set(data) - {f.name for f in fields})
-    if missing or unknown:
-        kind = "a profile (plait profile --out)" if {"format", "key", "measurements"} <= set(data) else (
-            "a Chrome trace (e.g. timeline.json)" if "traceEvents" in data else "")
-        raise ValueError(("it looks like " + kind + "; " if kind else "")
-                         + f"a plan has the keys of LayoutChoice; missing {missing[:6]}"
-                         + (f", unknown {unknown[:6]}" if unknown else ""))
-    return LayoutChoice.from_dict(data)
-
-
 # ----- [parallel.pp] snippet ---------------------------------------------------------------------------------
 def pp_snippet(cfg: Any, choice: LayoutChoice, units: Sequence[Unit],
                unit_source: str = MODEL_UNITS) -> tuple[str | None, str]:
     """A ready-to-paste ``[parallel.pp]`` TOML table that makes the job run ``choice``, or None and why not.
 
-    The table is ``auto_plan.apply_layout_choice``'s ``parallel.pp`` (degree, layout, stages per module,
+    The table is ``plait.train.auto_plan.apply_layout_choice``'s ``parallel.pp`` (degree, layout, stages per module,
     schedule, microbatches per replica, and ``splits`` for the modules whose cost-balanced boundaries are not
     the even split by unit count, ``virtual_stages`` and ``attach_encoders`` when the plan interleaves),
     written as TOML, under a comment line giving the rest of ``apply_layout_choice``'s config: ``parallel.dp``
@@ -665,90 +520,6 @@ def pp_snippet(cfg: Any, choice: LayoutChoice, units: Sequence[Unit],
             fields["attach_encoders"] = True
         if pp.splits:
             fields["splits"] = pp.splits
-    body = "".join(f"{k} = {_toml_value(v)}\n" for k, v in fields.items())
-    return _snippet_head(choice.dp, pp.degree) + "[parallel.pp]\n" + body, ""
+    return pp_toml(fields, choice.dp), ""
 
 
-def _snippet_head(dp: int, degree: int) -> str:
-    """The comment line above a ``[parallel.pp]`` snippet: the replicas and what to set in ``[parallel]``."""
-    pipeline = f"a pipeline of {degree} ranks" if degree > 1 else "no pipeline (degree = 1: the whole model per rank)"
-    if dp == 1:
-        return f"# plait plan: one replica, {pipeline}; parallel.dp = 1, parallel.plan = \"manual\"\n"
-    return (f"# plait plan: {dp} data-parallel replicas ({dp * degree} processes), each {pipeline}: also set "
-            f"parallel.dp = {dp} and parallel.plan = \"manual\" in [parallel]\n")
-
-
-def _toml_value(value: Any) -> str:
-    """TOML text of a bool, an int, a string, a list or a dict of them (inline table).
-
-    Raises:
-        ValueError: on another type.
-    """
-    if not isinstance(value, (bool, int, str, list, tuple, dict)):
-        raise ValueError(f"no TOML form for {value!r} here")
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string (ASCII, escaped) is a TOML basic string
-    if isinstance(value, dict):
-        items = ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items())
-        return f"{{ {items} }}" if items else "{}"
-    return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-
-
-def _toml_key(key: str) -> str:
-    """A bare key when TOML allows one (letters, digits, ``_``, ``-``), else a quoted key."""
-    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
-
-
-# ----- simulate ------------------------------------------------------------------------------------------
-def simulate_choice(choice: LayoutChoice) -> SimResult:
-    """Simulate one iteration of ``choice``'s busiest replica from the per-stage costs it carries."""
-    plan = choice.plan
-    costs = {}
-    for s in range(plan.num_stages):
-        costs[(s, "F")] = choice.stage_forward_s[s]
-        costs[(s, "B")] = choice.stage_backward_s[s]
-    memory = {s: StageMemory(int(choice.stage_static_bytes[s]), int(choice.stage_activation_bytes[s]))
-              for s in range(plan.num_stages)}
-    boundary = dict(enumerate(choice.stage_boundary_bytes))
-    schedule = build_schedule(plan, choice.schedule, choice.microbatches_per_replica)  # 1F1B or interleaved
-    return simulate(schedule, costs, p2p=choice.p2p, boundary_bytes=boundary, memory=memory)
-
-
-def simulate_command(plan_json: str | Path, out_dir: str | Path, *, out: TextIO | None = None) -> dict[str, Path]:
-    """``plait simulate``: the predicted timeline of a plan written by ``plan_command``.
-
-    Writes ``<out_dir>/timeline.json`` (Chrome trace: open in https://ui.perfetto.dev) and
-    ``<out_dir>/timeline.png`` (Gantt chart), one track per pipeline rank of one replica.
-
-    Returns:
-        ``{"trace": path, "png": path}``.
-
-    Raises:
-        FileNotFoundError: when ``plan_json`` does not exist; ValueError: naming the file when it is not a plan
-            JSON written by ``plan_command`` (``plait plan --out``), e.g. a profile or a ``timeline.json``.
-    """
-    from plait.train.plots import plot_timeline, write_chrome_trace
-
-    path = Path(plan_json)
-    if not path.is_file():
-        raise FileNotFoundError(f"plan file {path} does not exist")
-    try:
-        choice = plan_from_json(path.read_text())
-        result = simulate_choice(choice)
-    except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError) as exc:  # not JSON, not a plan
-        raise ValueError(f"--plan {path} is not a plan JSON written by `plait plan --out` "
-                         f"({type(exc).__name__}: {exc})") from exc
-    folder = Path(out_dir)
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"--out-dir {folder} exists and is not a folder")
-    trace = write_chrome_trace(result.events, folder / "timeline.json", label="predicted")
-    title = f"predicted: {choice.layout}, DP {choice.dp}, {choice.microbatches_per_replica} microbatches per replica"
-    png = plot_timeline(result.events, folder / "timeline.png", title=title)
-    print(f"plait simulate: makespan {1e3 * result.makespan_s:.2f} ms, bubble "
-          f"{100 * result.mean_bubble_fraction:.1f}%, peak memory {max(result.peak_memory_bytes) / _GIB:.2f} GiB; "
-          f"wrote {trace} and {png}", file=out or sys.stdout)
-    return {"trace": trace, "png": png}

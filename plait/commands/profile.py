@@ -1,0 +1,268 @@
+"""``plait profile``: measure the per-unit costs of a job's model on this machine, stored and reused by key.
+
+:func:`profile_command` loads the job, :func:`profile_job` builds its model (seed ``train.seed``, freezing applied)
+and first training samples (:func:`build_profile_inputs`) and measures them with
+``plait.train.profiler.measure_profile``, unless a stored profile's key matches (:func:`load_or_measure`: model,
+freezing, shapes, dtype, device, versions; a stale one is re-measured and the reason printed). Profiles are JSON
+files under a folder, one per key (:class:`ProfileStore`); a file that is not a plait profile is never
+overwritten (:func:`not_a_profile`). ``parallel.plan = "auto"`` (``plait.commands.train``) profiles through
+:func:`profile_job` too.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from plait.attention.interface import use_plait_attention
+from plait.attention.masks import MaskInfo
+from plait.config.loader import config_to_dict, load_config
+from plait.data.collate import Batch, collate
+from plait.data.loader import MultimodalDataset
+from plait.models.multimodal import MultimodalModel
+from plait.models.registry import build_model, build_processor, load_tokenizer
+from plait.planner.profile_store import Profile, ProfileKey, profile_mismatch
+from plait.planner.report import format_profile
+from plait.train.profiler import KwargsFn, measure_profile, profile_key
+
+__all__ = [
+    "ProfileInputs",
+    "ProfileStore",
+    "build_profile_inputs",
+    "load_or_measure",
+    "model_description",
+    "not_a_profile",
+    "profile_command",
+    "profile_job",
+]
+
+
+def profile_command(config: str | Path, overrides: Sequence[str] = (), *, store: str | Path = "runs/profiles",
+                    out_path: str | Path | None = None, microbatches: int = 1, microbatch_size: int | None = None,
+                    repeats: int = 5, warmup: int = 2, clock: str = "wall", force: bool = False) -> Profile:
+    """``plait profile``: profile the job in ``config`` (with its ``--section.key=value`` overrides) by
+    :func:`profile_job` and print the profile as a table (``plait.planner.report.format_profile``).
+
+    Raises:
+        ValueError, FileNotFoundError: as ``load_config`` and :func:`profile_job`.
+    """
+    cfg = load_config(config, overrides)
+    profile = profile_job(cfg, store_dir=store, out_path=out_path, microbatches=microbatches,
+                          microbatch_size=microbatch_size, repeats=repeats, warmup=warmup, clock=clock, force=force)
+    print(format_profile(profile))
+    return profile
+
+
+# ----- the store -----------------------------------------------------------------------------------------
+def not_a_profile(path: str | Path) -> str | None:
+    """Why the existing file ``path`` is not a plait profile, or None when it is one (a JSON object with the
+    ``format`` and ``key`` of ``Profile.to_dict``, any format version, stale or not) or does not exist. A file
+    that is not a profile must not be overwritten by a measured one (it may be a plan, a trace, anything).
+
+    Raises:
+        ValueError: when ``path`` exists and is not a regular file (a folder).
+    """
+    source = Path(path)
+    if not source.exists():
+        return None
+    if not source.is_file():
+        raise ValueError(f"profile path {source} exists and is not a file")
+    try:
+        data = json.loads(source.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"not JSON: {exc}"
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    missing = [k for k in ("format", "key") if k not in data]
+    return f"no profile {' or '.join(repr(k) for k in missing)} key" if missing else None
+
+
+class ProfileStore:
+    """Profiles as JSON files under ``root``: ``<root>/profile-<key digest>.json``.
+
+    Args:
+        root: the folder (created on the first save).
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def path_for(self, key: ProfileKey) -> Path:
+        """The file of ``key``'s profile."""
+        return self.root / f"profile-{key.digest()}.json"
+
+    def save(self, profile: Profile, path: str | Path | None = None) -> Path:
+        """Write ``profile`` (to ``path``, default ``path_for(profile.key)``); returns the path.
+
+        Raises:
+            ValueError: when the file exists and is not a plait profile (``not_a_profile``): never overwritten.
+        """
+        target = Path(path) if path is not None else self.path_for(profile.key)
+        foreign = not_a_profile(target)
+        if foreign is not None:
+            raise ValueError(f"profile file {target} exists and is not a plait profile ({foreign}); refusing to "
+                             "overwrite it")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(profile.to_dict(), indent=1, sort_keys=True))
+        return target
+
+    def load(self, key: ProfileKey, path: str | Path | None = None) -> tuple[Profile | None, str]:
+        """The stored profile for ``key`` (from ``path``, default ``path_for(key)``), checked field by field.
+
+        Returns:
+            ``(profile, "hit")``, or ``(None, reason)`` when there is no file, it cannot be read, or any key
+            field differs (:func:`profile_mismatch`): the caller must re-measure.
+        """
+        source = Path(path) if path is not None else self.path_for(key)
+        if not source.is_file():
+            return None, f"no stored profile at {source}"
+        try:
+            profile = Profile.from_dict(json.loads(source.read_text()))
+        except (ValueError, TypeError, KeyError) as exc:
+            return None, f"stored profile {source} is unreadable ({exc})"
+        reason = profile_mismatch(profile.key, key)
+        if reason is not None:
+            return None, f"stored profile {source} is stale: {reason}"
+        return profile, "hit"
+
+
+def load_or_measure(store: ProfileStore, key: ProfileKey, measure: Callable[[], Profile], *,
+                    path: str | Path | None = None, force: bool = False, out: TextIO | None = None) -> Profile:
+    """The stored profile of ``key`` when every key field matches, else ``measure()`` saved to the store.
+
+    Prints ``"plait profile: reusing <file>"`` or ``"plait profile: measuring (<reason>)"`` to ``out`` (default
+    stdout): a stale or mismatched profile is never silently reused.
+
+    Args:
+        store: the profile folder; path: an explicit file instead of the store's file for ``key``.
+        force: measure even when a matching profile exists.
+
+    Raises:
+        ValueError: before measuring, when the file to write exists and is not a plait profile
+            (``profile_store.not_a_profile``: not JSON, or no profile ``format`` and ``key``); a plait profile
+            that is stale, of another format version or unreadable field by field is re-measured and replaced.
+    """
+    stream = out or sys.stdout
+    target = Path(path) if path is not None else store.path_for(key)
+    foreign = not_a_profile(target)
+    if foreign is not None:
+        raise ValueError(f"profile file {target} exists and is not a plait profile ({foreign}); refusing to "
+                         "overwrite it: give another --out (or store) or remove the file")
+    profile, reason = (None, "forced by the caller") if force else store.load(key, path)
+    if profile is not None:
+        print(f"plait profile: reusing {path or store.path_for(key)}", file=stream)
+        return profile
+    print(f"plait profile: measuring ({reason})", file=stream)
+    profile = measure()
+    saved = store.save(profile, path)
+    print(f"plait profile: wrote {saved}", file=stream)
+    return profile
+
+
+# ----- jobs ----------------------------------------------------------------------------------------------
+@dataclass
+class ProfileInputs:
+    """What profiling a job needs: its model (real flags), microbatches, LLM kwargs, autocast and key."""
+
+    model: MultimodalModel
+    microbatches: list[Batch]
+    llm_kwargs: KwargsFn
+    autocast: Callable[[], AbstractContextManager]
+    key: ProfileKey
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def model_description(cfg: Any) -> dict[str, Any]:
+    """The model part of a job's profile key: ``config_to_dict(cfg)["model"]`` without the learning-rate
+    scales (they change no cost), plus the attention settings and ``data.packing``."""
+    data = config_to_dict(cfg)
+    model = data["model"]
+    for enc in model.get("encoders", {}).values():
+        enc.pop("lr_scale", None)
+    return {"model": model, "attention": data["attention"], "packing": data["data"]["packing"]}
+
+
+def build_profile_inputs(cfg: Any, *, microbatches: int = 1, microbatch_size: int | None = None,
+                         device: str | None = None, clock: str = "wall") -> ProfileInputs:
+    """Build a job's model (seed ``train.seed``, freezing applied) and its first ``microbatches`` x
+    ``microbatch_size`` (default ``train.microbatch_size``) training samples in file order, collated into
+    microbatches, with the trainer's attention setup (``"hf"`` when it suffices, else plait SDPA/flex);
+    ``clock`` goes into the key (:func:`profile_key`).
+
+    Raises:
+        ValueError: on counts < 1, fewer usable samples than needed or an unknown clock; FileNotFoundError:
+            on missing data.
+    """
+    size = microbatch_size or cfg.train.microbatch_size
+    if microbatches < 1 or size < 1:
+        raise ValueError(f"microbatches and microbatch_size must be >= 1, got {microbatches} and {size}")
+    t = cfg.train
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    dev = torch.device(device or ("cuda" if t.device == "auto" and torch.cuda.is_available() else
+                                  ("cpu" if t.device == "auto" else t.device)))
+    torch.manual_seed(t.seed)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    model = build_model(cfg.model, tokenizer).to(dev)
+    processor = build_processor(cfg.model, model, tokenizer, cfg.data.max_length)
+    attention = _attention(cfg, dev)
+    if attention != "hf":
+        use_plait_attention(model.language_model, "sdpa" if attention == "plait_sdpa" else "flex")
+    needed = microbatches * size
+    dataset = MultimodalDataset(cfg.data.train, processor, cfg.data.on_error, max_samples=needed)
+    if len(dataset) < needed:
+        raise ValueError(f"data.train has {len(dataset)} usable samples; profiling needs {needed}")
+    batches = [collate([dataset[i] for i in range(k * size, (k + 1) * size)], processor.pad_id,
+                       pack=cfg.data.packing).to(dev) for k in range(microbatches)]
+    mode = cfg.attention.mask
+    llm_kwargs: KwargsFn = (lambda b: {}) if attention == "hf" else (
+        lambda b: {"plait_mask": MaskInfo.from_batch(vars(b), mode=mode)})
+    bf16 = t.dtype == "bf16" or (t.dtype == "auto" and dev.type == "cuda")
+    autocast = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if bf16 else nullcontext
+    key = profile_key(model_description(cfg), batches, "bfloat16" if bf16 else "float32", dev, clock)
+    return ProfileInputs(model, batches, llm_kwargs, autocast, key, {"attention": attention})
+
+
+def _attention(cfg: Any, device: torch.device) -> str:
+    """``attention.implementation`` resolved as the trainer does (no context parallelism here)."""
+    impl = cfg.attention.implementation
+    if impl != "auto":
+        return impl
+    if cfg.attention.mask == "causal" and not cfg.data.packing:
+        return "hf"
+    return "plait" if device.type == "cuda" else "plait_sdpa"
+
+
+def profile_job(cfg: Any, *, store_dir: str | Path = "runs/profiles", out_path: str | Path | None = None,
+                microbatches: int = 1, microbatch_size: int | None = None, repeats: int = 5, warmup: int = 2,
+                clock: str = "wall", force: bool = False, out: TextIO | None = None) -> Profile:
+    """Profile a job's model on its first training samples (:func:`build_profile_inputs`), reusing a stored
+    profile only when its key matches (:func:`load_or_measure`).
+
+    Args:
+        cfg: a loaded ``JobConfig``.
+        store_dir: profile folder; out_path: an explicit profile file (checked the same way).
+        microbatches, microbatch_size: what to profile; repeats, warmup: as :func:`measure_profile`;
+        clock: ``"wall"`` or ``"thread"`` (:func:`measure_profile`).
+        force: re-measure even on a matching stored profile; out: where messages go (default stdout).
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`build_profile_inputs`; ValueError when the file to write
+            (``out_path`` or the store's) exists and is not a plait profile (:func:`load_or_measure`).
+    """
+    inputs = build_profile_inputs(cfg, microbatches=microbatches, microbatch_size=microbatch_size, clock=clock)
+
+    def measure() -> Profile:
+        return measure_profile(inputs.model, inputs.microbatches, inputs.key, repeats=repeats, warmup=warmup,
+                               llm_kwargs=inputs.llm_kwargs, autocast=inputs.autocast)
+
+    return load_or_measure(ProfileStore(store_dir), inputs.key, measure, path=out_path, force=force, out=out)
+
+

@@ -1,0 +1,123 @@
+"""``plait train``: train a job (single process, or under torchrun for DP/CP/PP) and save the result.
+
+:func:`train_command` loads the job, resolves ``parallel.plan = "auto"`` (:func:`resolve_auto`: rank 0
+profiles the model through ``plait.commands.profile.profile_job``, every rank runs the same deterministic
+search, ``plait.train.auto_plan.resolve_auto_plan``), builds the trainer (``PipelineTrainer`` when
+``parallel.pp.degree`` > 1), fits, and on the main rank saves the final model, tokenizer and processors, draws
+the loss curve and prints where everything went.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from plait.commands.profile import profile_job
+from plait.config.loader import load_config
+from plait.config.schema import JobConfig, ParallelConfig, PipelineConfig
+from plait.parallel.machine import auto_plan_inputs
+from plait.parallel.mesh import init_distributed
+from plait.planner.profile_store import Profile
+from plait.planner.report import format_plan
+from plait.train.auto_plan import resolve_auto_plan
+from plait.train.pipeline_trainer import PipelineTrainer
+from plait.train.plots import plot_loss_curve
+from plait.train.trainer import Trainer
+
+__all__ = ["auto_plan_replaces", "resolve_auto", "train_command"]
+
+
+def train_command(config: str | Path, overrides: list[str], *, resume: bool | str = False,
+                  profile_store: str | Path = "runs/profiles") -> int:
+    """``plait train``: train the job in ``config`` (with its ``--section.key=value`` overrides); returns 0.
+
+    Args:
+        resume: True to resume from the newest checkpoint of the run, or a checkpoint directory.
+        profile_store: folder of stored profiles for ``parallel.plan = "auto"``.
+
+    Raises:
+        ValueError, FileNotFoundError: on a bad or missing job file (marked ``same_on_every_rank``: every rank
+            reads the same file), and as the trainer.
+    """
+    try:
+        cfg = load_config(config, overrides)
+    except (ValueError, FileNotFoundError) as exc:
+        exc.same_on_every_rank = True  # type: ignore[attr-defined]  # every rank reads the same file
+        raise
+    info = None
+    if cfg.parallel.plan == "auto":
+        cfg, info = resolve_auto(cfg, profile_store)
+    trainer = PipelineTrainer(cfg, info) if cfg.parallel.pp.degree > 1 else Trainer(cfg, info)
+    result = trainer.fit(resume=resume)
+    if trainer.info.is_main:
+        _save_and_report(trainer, result)
+    if dist.is_initialized():  # a clean shutdown: gloo's worker threads must not outlive the interpreter
+        dist.destroy_process_group()
+    return 0
+
+
+def _save_and_report(trainer: Trainer, result: dict[str, Any]) -> None:
+    """Main rank after ``fit``: the loss curve, the final model with its tokenizer and processors, and one line
+    each for them, the last step's pipeline timeline and the validation scores."""
+    png = plot_loss_curve(trainer.run_dir / "metrics.jsonl", trainer.run_dir / "loss.png")
+    final = trainer.run_dir / "final"
+    trainer.full_model().save_pretrained(final)  # under PP: assembled on rank 0 from the last checkpoint
+    trainer.tokenizer.save_pretrained(final / "tokenizer")
+    for spec in trainer.processor.specs.values():
+        spec.hf_processor.save_pretrained(final / "processors" / spec.encoder)
+    done = f"trained {result['steps']} steps" if result["steps"] else "nothing trained"
+    print(f"plait: {done} (model at step {result['step']}); loss curve {png}; model {final}")
+    if result.get("timeline"):
+        print(f"plait: pipeline timeline of the last step {result['timeline']} (Chrome trace; open in "
+              f"https://ui.perfetto.dev) and {result['timeline'].with_suffix('.png')}")
+    for task, acc in result["eval"].items():
+        print(f"plait: validation exact match {task}: {acc:.1%}")
+
+
+def resolve_auto(cfg: JobConfig, store: str | Path) -> tuple[JobConfig, Any]:
+    """``parallel.plan = "auto"``: rank 0 profiles the model (reusing a stored profile whose key matches), every
+    rank receives the profile, the smallest device memory cap and the link model (``auto_plan_inputs``: same on
+    every rank) and runs the same deterministic search, so all ranks agree on the plan. The main rank prints
+    the choice.
+
+    Returns:
+        ``(resolved config, the process's DistInfo)``.
+    """
+    info = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s)
+    box = [profile_job(cfg, store_dir=store).to_dict() if info.is_main else None]
+    if info.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    profile = Profile.from_dict(box[0])
+    machine = auto_plan_inputs(info.device, max((c.output_bytes for c in profile.costs), default=0))
+    resolved, choice = resolve_auto_plan(cfg, info.world_size, profile.units, profile.costs, p2p=machine.p2p,
+                                         dp_link=machine.p2p, memory_cap=machine.memory_cap_bytes,
+                                         dtype=profile.key.dtype)
+    if info.is_main:
+        pp = resolved.parallel.pp
+        shape = (f"layout {pp.layout}, stages {pp.stages}, splits {pp.splits or 'even'}, virtual stages "
+                 f"{pp.virtual_stages}, encoders attached {pp.attach_encoders}, schedule {pp.schedule}, "
+                 f"{pp.microbatches} microbatches per replica" if pp.degree > 1 else "no pipeline parallelism")
+        print(f"plait: parallel.plan=auto for {info.world_size} process(es): DP {resolved.parallel.dp} x PP "
+              f"{pp.degree}, {shape}")
+        note = auto_plan_replaces(cfg, resolved)
+        if note:
+            print(note)
+        print(f"plait: auto-plan inputs: {machine.describe()}")
+        print(format_plan(choice), flush=True)
+    return resolved, info
+
+
+def auto_plan_replaces(cfg: JobConfig, resolved: JobConfig) -> str | None:
+    """One line saying what ``parallel.plan = "auto"`` replaced: the job's ``parallel.dp`` and ``[parallel.pp]``
+    fields that differ from their defaults, as written and as chosen (``resolved``); None when the job set none."""
+    default_pp, written, chosen = PipelineConfig(), cfg.parallel.pp, resolved.parallel.pp
+    changes = [f"parallel.pp.{f.name} = {getattr(written, f.name)!r} -> {getattr(chosen, f.name)!r}"
+               for f in dataclasses.fields(PipelineConfig) if getattr(written, f.name) != getattr(default_pp, f.name)]
+    if cfg.parallel.dp != ParallelConfig().dp:
+        changes.insert(0, f"parallel.dp = {cfg.parallel.dp} -> {resolved.parallel.dp}")
+    if not changes:
+        return None
+    return "plait: parallel.plan=auto replaces the job's " + ", ".join(changes) + " (written -> chosen)"

@@ -1,0 +1,217 @@
+"""Plans and profiles for people and files, as strings (pure: no I/O; the commands print and write them).
+
+- :func:`format_plan`: a ``LayoutChoice`` as a text table, with the per-rank peak memory of one simulated
+  iteration (:func:`simulate_choice`, :func:`rank_peak_memory_bytes`).
+- :func:`pp_toml`: a ready-to-paste ``[parallel.pp]`` TOML table from its field values (:func:`toml_value`).
+- :func:`plan_to_json` / :func:`plan_from_json`: the plan file of ``plait plan --out`` (``LayoutChoice.to_dict``
+  plus the ``[parallel.pp]`` table under ``PP_TOML_KEY``), read back with messages that name what a wrong file
+  looks like (a profile, a Chrome trace).
+- :func:`format_profile`: a measured ``Profile`` as a text table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from plait.planner.profile_store import Profile
+from plait.planner.schedules import build_schedule
+from plait.planner.search import LayoutChoice
+from plait.planner.simulator import SimResult, StageMemory, simulate
+
+__all__ = [
+    "PP_TOML_KEY",
+    "format_plan",
+    "format_profile",
+    "plan_from_json",
+    "plan_to_json",
+    "pp_toml",
+    "rank_peak_memory_bytes",
+    "simulate_choice",
+    "toml_value",
+]
+
+PP_TOML_KEY = "parallel_pp_toml"
+"""Key of the plan JSON (:func:`plan_to_json`) holding the ``[parallel.pp]`` table (:func:`pp_toml`; null when
+there is none); every other key is a ``LayoutChoice`` field."""
+_GIB = 2**30
+
+
+# ----- simulation of a choice --------------------------------------------------------------------------------
+def simulate_choice(choice: LayoutChoice) -> SimResult:
+    """Simulate one iteration of ``choice``'s busiest replica from the per-stage costs it carries."""
+    plan = choice.plan
+    costs = {}
+    for s in range(plan.num_stages):
+        costs[(s, "F")] = choice.stage_forward_s[s]
+        costs[(s, "B")] = choice.stage_backward_s[s]
+    memory = {s: StageMemory(int(choice.stage_static_bytes[s]), int(choice.stage_activation_bytes[s]))
+              for s in range(plan.num_stages)}
+    boundary = dict(enumerate(choice.stage_boundary_bytes))
+    schedule = build_schedule(plan, choice.schedule, choice.microbatches_per_replica)  # 1F1B or interleaved
+    return simulate(schedule, costs, p2p=choice.p2p, boundary_bytes=boundary, memory=memory)
+
+
+def rank_peak_memory_bytes(choice: LayoutChoice) -> tuple[int, ...]:
+    """Per pipeline rank, the most bytes held at once (static bytes of all its stages plus their live
+    activations) over one iteration of ``choice``: ``simulate_choice(choice).peak_memory_bytes``. This is what
+    a device must hold; ``choice.stage_memory_bytes`` is per stage, so under interleaved 1F1B (several stages
+    per rank) or attached encoders their maximum under-reports it."""
+    return tuple(simulate_choice(choice).peak_memory_bytes)
+
+
+# ----- the plan table ----------------------------------------------------------------------------------------
+def _chunk_label(names: Sequence[str]) -> str:
+    """``first .. last (n)`` of a stage's unit names for one module, the last without the shared prefix
+    (``llm.layers.0 .. layers.7 (8)``)."""
+    if len(names) == 1:
+        return names[0]
+    first, last = names[0].split("."), names[-1].split(".")
+    shared = 0
+    while shared < min(len(first), len(last)) - 1 and first[shared] == last[shared]:
+        shared += 1
+    if last[shared:] and last[shared].isdigit() and shared > 0:
+        shared -= 1
+    return f"{names[0]} .. {'.'.join(last[shared:])} ({len(names)})"
+
+
+def format_plan(choice: LayoutChoice) -> str:
+    """The plan as a text table: one row per stage (rank, modules, units, forward and backward ms per
+    microbatch, that stage's own peak memory GiB), then the totals with the peak memory per rank (device):
+    ``rank_peak_memory_bytes``, the sum over a rank's stages, not the largest stage."""
+    plan = choice.plan
+    lines = [f"{'stage':>5} {'rank':>4} {'module':<8} {'units':<64} {'F ms':>8} {'B ms':>8} {'stage GiB':>9}"]
+    for stage in plan.stages:
+        for k, module in enumerate(stage.modules):
+            first = k == 0
+            lines.append(
+                f"{stage.index if first else '':>5} {stage.rank if first else '':>4} {module:<8} "
+                f"{_chunk_label(stage.module_units(module)):<64} "
+                + (f"{1e3 * choice.stage_forward_s[stage.index]:>8.2f} {1e3 * choice.stage_backward_s[stage.index]:>8.2f} "
+                   f"{choice.stage_memory_bytes[stage.index] / _GIB:>9.2f}" if first else ""))
+    counts = ", ".join(f"{m} {s}" for m, s in choice.stages_per_module)
+    peaks = rank_peak_memory_bytes(choice)
+    cap = "no cap" if choice.memory_cap is None else f"cap {choice.memory_cap / _GIB:.1f} GiB"
+    lines += [
+        f"layout {choice.layout}, DP {choice.dp} x {plan.num_ranks} pipeline ranks = {choice.devices_used} of "
+        f"{choice.devices} devices; stages: {counts}",
+        f"iteration {1e3 * choice.iteration_s:.2f} ms (pipeline {1e3 * choice.makespan_s:.2f} ms + gradient "
+        f"all-reduce {1e3 * choice.grad_sync_s:.2f} ms) with {choice.microbatches_per_replica} of "
+        f"{choice.microbatches} microbatches per replica; bubble {100 * choice.bubble_fraction:.1f}%; "
+        f"{choice.ratio_to_lower_bound:.2f}x the lower bound {1e3 * choice.lower_bound_s:.2f} ms",
+        f"peak memory per rank (device) {max(peaks) / _GIB:.2f} GiB ({cap})"
+        + (f"; ranks {' / '.join(f'{p / _GIB:.2f}' for p in peaks)} GiB" if len(peaks) > 1 else "")
+        + ("; 'stage GiB' is each stage's own peak, a rank holds all of its stages"
+           if plan.num_stages > plan.num_ranks else ""),
+    ]
+    return "\n".join(lines)
+
+
+# ----- the [parallel.pp] table -------------------------------------------------------------------------------
+def pp_toml(fields: Mapping[str, Any], dp: int) -> str:
+    """The ``[parallel.pp]`` TOML table of ``fields`` (``degree`` first; the values ``toml_value`` writes) under a
+    comment line giving the rest of the job's config: the ``parallel.dp`` to set in ``[parallel]`` when there are
+    several replicas (``dp``; the table describes one pipeline replica) and ``parallel.plan = "manual"``.
+
+    Raises:
+        ValueError: when ``fields`` has no ``degree`` or a value has no TOML form here.
+    """
+    if "degree" not in fields:
+        raise ValueError(f"a [parallel.pp] table needs a degree, got fields {sorted(fields)}")
+    degree = int(fields["degree"])
+    body = "".join(f"{k} = {toml_value(v)}\n" for k, v in fields.items())
+    return _snippet_head(dp, degree) + "[parallel.pp]\n" + body
+
+
+def _snippet_head(dp: int, degree: int) -> str:
+    """The comment line above a ``[parallel.pp]`` table: the replicas and what to set in ``[parallel]``."""
+    pipeline = f"a pipeline of {degree} ranks" if degree > 1 else "no pipeline (degree = 1: the whole model per rank)"
+    if dp == 1:
+        return f"# plait plan: one replica, {pipeline}; parallel.dp = 1, parallel.plan = \"manual\"\n"
+    return (f"# plait plan: {dp} data-parallel replicas ({dp * degree} processes), each {pipeline}: also set "
+            f"parallel.dp = {dp} and parallel.plan = \"manual\" in [parallel]\n")
+
+
+def toml_value(value: Any) -> str:
+    """TOML text of a bool, an int, a string, a list or a dict of them (inline table).
+
+    Raises:
+        ValueError: on another type.
+    """
+    if not isinstance(value, (bool, int, str, list, tuple, dict)):
+        raise ValueError(f"no TOML form for {value!r} here")
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string (ASCII, escaped) is a TOML basic string
+    if isinstance(value, dict):
+        items = ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items())
+        return f"{{ {items} }}" if items else "{}"
+    return "[" + ", ".join(toml_value(v) for v in value) + "]"
+
+
+def _toml_key(key: str) -> str:
+    """A bare key when TOML allows one (letters, digits, ``_``, ``-``), else a quoted key."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
+
+
+# ----- the plan file -----------------------------------------------------------------------------------------
+def plan_to_json(choice: LayoutChoice, pp_table: str | None) -> str:
+    """The plan file's text: ``choice.to_dict()`` and the ``[parallel.pp]`` table (or None) under ``PP_TOML_KEY``."""
+    return json.dumps({**choice.to_dict(), PP_TOML_KEY: pp_table}, indent=2)
+
+
+def plan_from_json(text: str) -> LayoutChoice:
+    """The ``LayoutChoice`` of a plan file (:func:`plan_to_json`; its ``PP_TOML_KEY`` entry dropped).
+
+    Raises:
+        ValueError: when the text is not JSON, or not such a plan: missing or unknown keys (saying when it looks
+            like a profile or a Chrome trace), or as ``LayoutChoice.from_dict``.
+    """
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"a plan is a JSON object, got {type(data).__name__}")
+    data.pop(PP_TOML_KEY, None)
+    fields = dataclasses.fields(LayoutChoice)
+    missing = [f.name for f in fields
+               if f.name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    unknown = sorted(set(data) - {f.name for f in fields})
+    if missing or unknown:
+        kind = "a profile (plait profile --out)" if {"format", "key", "measurements"} <= set(data) else (
+            "a Chrome trace (e.g. timeline.json)" if "traceEvents" in data else "")
+        raise ValueError(("it looks like " + kind + "; " if kind else "")
+                         + f"a plan has the keys of LayoutChoice; missing {missing[:6]}"
+                         + (f", unknown {unknown[:6]}" if unknown else ""))
+    return LayoutChoice.from_dict(data)
+
+
+# ----- profiles ----------------------------------------------------------------------------------------------
+def format_profile(profile: Profile) -> str:
+    """The profile as a plain-text table: one row per unit (flags, forward / dX / dW / fused-backward ms,
+    parameter, gradient, optimizer-state, saved-activation and output KiB), then the chunk overheads (with one
+    line explaining a negative one: the module ran faster as one chunk than its units apart)."""
+    head = (f"{'unit':<56} {'T':>1}{'X':>1} {'F ms':>8} {'dX ms':>8} {'dW ms':>8} {'B ms':>8} {'param KiB':>10} "
+            f"{'grad KiB':>9} {'optim KiB':>10} {'act KiB':>9} {'out KiB':>8}")
+    lines = [f"profile: {profile.key.device}, {profile.key.dtype}, torch {profile.key.torch_version}, plait "
+             f"{profile.key.plait_version}; median of {profile.repeats} after {profile.warmup} warm-up", head]
+    for unit, m in zip(profile.units, profile.measurements):
+        name = unit.name if len(unit.name) <= 56 else "..." + unit.name[-53:]
+        lines.append(
+            f"{name:<56} {'T' if unit.trainable else '-':>1}{'X' if unit.needs_input_grad else '-':>1} "
+            f"{1e3 * m.forward_s:>8.3f} {1e3 * m.input_grad_s:>8.3f} {1e3 * m.weight_grad_s:>8.3f} "
+            f"{1e3 * m.fused_backward_s:>8.3f} {m.param_bytes / 1024:>10.1f} {m.grad_bytes / 1024:>9.1f} "
+            f"{m.optimizer_bytes / 1024:>10.1f} {m.activation_bytes / 1024:>9.1f} {m.output_bytes / 1024:>8.1f}")
+    lines.append(f"runtime cost per action: {1e3 * profile.action_overhead_s:.3f} ms")
+    for module, over in profile.chunk_overhead_s.items():
+        lines.append(f"chunk overhead {module}: F {1e3 * over.get('F', 0.0):.3f} ms, "
+                     f"B {1e3 * over.get('B', 0.0):.3f} ms")
+    if any(v < 0 for over in profile.chunk_overhead_s.values() for v in over.values()):
+        lines.append("a negative chunk overhead: the module ran faster as one chunk than its units measured apart; "
+                     "kept as a correction (a stage's time is clipped at 0)")
+    lines.append("T = trainable, X = needs input gradient; B = fused backward (dX + dW in one pass)")
+    return "\n".join(lines)

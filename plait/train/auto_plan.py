@@ -1,0 +1,87 @@
+"""A chosen layout written into a job config: the config side of ``parallel.plan = "auto"`` and of the
+``[parallel.pp]`` table ``plait plan`` prints.
+
+:func:`apply_layout_choice` writes a ``LayoutChoice`` (``plait.planner.auto_plan.layout_pp_fields``) into a copy
+of a ``JobConfig`` and checks that the ``[parallel.pp]`` it wrote rebuilds the chosen plan as the trainer builds
+it; :func:`resolve_auto_plan` searches (``plait.planner.auto_plan.plan_auto_layout``) and applies. The search
+itself is pure planner code; this module is where it meets the config (no torch, no files).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+from plait.config.loader import pipeline_plan_kwargs
+from plait.config.schema import JobConfig, PipelineConfig
+from plait.planner.auto_plan import layout_pp_fields, plan_auto_layout
+from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
+from plait.planner.search import LayoutChoice
+from plait.planner.simulator import P2PModel
+from plait.planner.types import LLM_MODULE, Unit, UnitCost
+
+__all__ = ["apply_layout_choice", "auto_microbatches", "resolve_auto_plan"]
+
+
+def auto_microbatches(cfg: JobConfig) -> int:
+    """Global microbatches per step: ``train.global_batch_size / train.microbatch_size`` (rounded up)."""
+    return max(1, -(-cfg.train.global_batch_size // cfg.train.microbatch_size))
+
+
+def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Unit]) -> JobConfig:
+    """A copy of ``cfg`` running ``choice``: ``parallel.dp`` = its DP degree and ``[parallel.pp]`` = its plan
+    (``layout_pp_fields``: degree 1 when it is a single rank), ``parallel.plan = "manual"`` (resolved).
+
+    Raises:
+        ValueError: when ``[parallel.pp]`` cannot express the plan (the plan it describes, built with
+            ``pipeline_plan_kwargs`` as the trainer does, would differ from ``choice.plan`` in units or ranks),
+            or ``choice.schedule`` is not the one such a plan runs with.
+    """
+    out = copy.deepcopy(cfg)
+    out.parallel.plan = "manual"
+    out.parallel.dp = choice.dp
+    out.parallel.pp = PipelineConfig(**layout_pp_fields(choice, units))
+    if choice.plan.num_ranks > 1:
+        _check_expressed(out.parallel.pp, choice.plan, units)
+    return out
+
+
+def _check_expressed(pp: PipelineConfig, plan: PipelinePlan, units: Sequence[Unit]) -> None:
+    """``pp`` describes ``plan``: the plan built from it as the trainer builds it has the same stages (units,
+    modules) on the same ranks.
+
+    Raises:
+        ValueError: naming the first stage that differs.
+    """
+    encoders = list(dict.fromkeys(u.module for u in units if u.module != LLM_MODULE))
+    rebuilt = plan_pipeline(units, pp.layout, **pipeline_plan_kwargs(pp, encoders))
+    got = [(s.modules, s.units, s.rank) for s in rebuilt.stages]
+    want = [(s.modules, s.units, s.rank) for s in plan.stages]
+    if got != want:
+        where = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        raise ValueError(f"[parallel.pp] cannot express the chosen plan: stage {where} would be "
+                         f"{got[where] if where < len(got) else None}, the plan has "
+                         f"{want[where] if where < len(want) else None}")
+
+
+def resolve_auto_plan(cfg: JobConfig, world_size: int, units: Sequence[Unit], costs: Sequence[UnitCost], *,
+                      p2p: P2PModel | None = None, memory_cap: float | None = None,
+                      dtype: str = "float32", dp_link: P2PModel | None = None,
+                      virtual_stages: Sequence[int] = (1, 2, 4),
+                      attach_encoders: bool = True) -> tuple[JobConfig, LayoutChoice]:
+    """``cfg`` with ``parallel.plan = "auto"`` resolved for ``world_size`` processes from unit costs: the
+    config to train with and the chosen plan (``plan_auto_layout`` with the same keyword arguments, e.g.
+    ``dp_link`` for the DP all-reduce; :func:`apply_layout_choice`).
+
+    Raises:
+        ValueError: when ``parallel.plan`` is not ``"auto"``, the units are not the model's (no LLM unit), or
+            no plan fits.
+    """
+    if cfg.parallel.plan != "auto":
+        raise ValueError(f"parallel.plan is {cfg.parallel.plan!r}; only 'auto' is resolved")
+    if not any(u.module == LLM_MODULE for u in units):
+        raise ValueError("units have no LLM unit: they are not a plait model's pipeline units")
+    choice = plan_auto_layout(units, costs, world_size, auto_microbatches(cfg), p2p=p2p, memory_cap=memory_cap,
+                              dtype=dtype, dp_link=dp_link, virtual_stages=virtual_stages,
+                              attach_encoders=attach_encoders)
+    return apply_layout_choice(cfg, choice, units), choice
