@@ -38,6 +38,12 @@ ALLOWED_IMPORTS: dict[str, frozenset[str]] = {
 }
 """Top-level part of plait -> the other parts it may import (its own modules always)."""
 
+FORBIDDEN_OUTSIDE: dict[str, frozenset[str]] = {
+    "planner": frozenset({"torch", "os", "pathlib", "shutil", "subprocess", "multiprocessing", "transformers"}),
+}
+"""Top-level part of plait -> packages from outside plait it may not import: the planner touches no tensors, files,
+processes or models (plans are plain data)."""
+
 
 @dataclass(frozen=True)
 class Import:
@@ -78,6 +84,26 @@ def _base(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     package = module.split(".") if is_package else module.split(".")[:-1]
     anchor = package[: len(package) - (node.level - 1)]
     return ".".join(anchor + ([node.module] if node.module else []))
+
+
+def outside_violations(sources: Mapping[str, tuple[str, str]],
+                       forbidden: Mapping[str, frozenset[str]] = FORBIDDEN_OUTSIDE) -> list[str]:
+    """One message per import of a package from outside plait that ``forbidden`` refuses to the module's part."""
+    out = []
+    for module, (path, text) in sources.items():
+        refused = forbidden.get(part_of(module) or "", frozenset())
+        for node in ast.walk(ast.parse(text, filename=path)):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] in refused:
+                    out.append(f"{path}:{node.lineno}: {module} imports {name}: plait.{part_of(module)} may not "
+                               f"import {sorted(refused)}")
+    return out
 
 
 def module_imports(module: str, path: str, source: str, modules: Mapping[str, object]) -> list[Import]:
@@ -203,6 +229,14 @@ def test_every_part_of_plait_is_in_the_table() -> None:
 def test_layers_import_only_downward() -> None:
     violations = layer_violations(all_imports(module_sources()))
     assert not violations, "layering violations:\n" + "\n".join(violations)
+
+
+def test_the_planner_touches_no_tensors_files_or_processes() -> None:
+    violations = outside_violations(module_sources())
+    assert not violations, "\n".join(violations)
+    bad = outside_violations(_synthetic({"plait.planner.bad": "def f():\n    import torch.distributed as dist\n"}))
+    assert bad == ["plait/planner/bad.py:2: plait.planner.bad imports torch.distributed: plait.planner may not import "
+                   "['multiprocessing', 'os', 'pathlib', 'shutil', 'subprocess', 'torch', 'transformers']"]
 
 
 def test_no_import_cycles() -> None:
