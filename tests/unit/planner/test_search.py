@@ -15,9 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plait.planner import search as search_module
+from plait.planner import search_bounds, search_candidates, search_model
 from plait.planner.cost_model import (
     DeviceSpec,
     MicrobatchShape,
+    OptimizerSpec,
     unit_activation_bytes,
     unit_costs,
     unit_static_bytes,
@@ -202,14 +204,14 @@ def test_stage_bounds_hand_worked():
     units = synthetic_units({}, [True, True])
     costs = [UnitCost(1.0, 0.0, 1.0, output_bytes=1)] * 2
     p2p = P2PModel(latency_s=10.0)
-    model = search_module._Model(units, costs, True, "bfloat16", search_module.OptimizerSpec())
-    stages = search_module._build_stages(search_module._Partitions(model, None), "encoder_parallel", (2,), 4, p2p)
+    model = search_model.SearchModel(units, costs, True, "bfloat16", OptimizerSpec())
+    stages = search_model.build_stages(search_model.Partitions(model, None), "encoder_parallel", (2,), 4, p2p)
     # Stage 0: its first B waits for F (1) + round trip 10 + 1 + 1 + 10; then 4 B and the 2 F left: 29.
     # Stage 1: first F at 1 + 10; busy 4 x 2; after its last B: 10 + stage 0's B: 11 + 8 + 11 = 30.
-    assert search_module._stage_bounds(stages, 4) == [29.0, 30.0]
+    assert search_bounds.stage_bounds(stages, 4) == [29.0, 30.0]
     plan = plan_pipeline(units, stages_per_module={"llm": 2}, num_microbatches=4)
     sim = simulate(one_f_one_b(plan), {(0, "F"): 1.0, (0, "B"): 1.0, (1, "F"): 1.0, (1, "B"): 1.0}, p2p=p2p)
-    assert search_module._fast_makespan(stages, 4) == sim.makespan_s == 50.0
+    assert search_candidates.time_1f1b(stages, 4) == sim.makespan_s == 50.0
 
 
 def test_frozen_aware_beats_frozen_unaware_on_frozen_encoder_and_llm():
@@ -239,19 +241,19 @@ def test_bounds_never_exceed_the_simulated_time():
         units, costs, rng = _model(seed, 2)
         p2p, link = P2PModel(0.125, 64.0), P2PModel(0.0625, 32.0)
         for aware in (True, False):
-            model = search_module._Model(units, costs, aware, "bfloat16", search_module.OptimizerSpec())
-            parts = search_module._Partitions(model, None)
+            model = search_model.SearchModel(units, costs, aware, "bfloat16", OptimizerSpec())
+            parts = search_model.Partitions(model, None)
             for layout, dp in itertools.product(LAYOUTS, (1, 2)):
-                stream = search_module._stream(parts, layout, dp, 6, 4, p2p, link)
+                stream = search_bounds.layout_stream(parts, layout, dp, 6, 4, p2p, link)
                 for row, first in zip(stream.counts, stream.bounds):
-                    counts = search_module._counts_tuple(model, layout, row)
-                    stages = search_module._build_stages(parts, layout, counts, stream.nb, p2p)
-                    sync = search_module._sync_s(stages, dp, link)
-                    fast = search_module._fast_makespan(stages, stream.nb)
-                    second = max(search_module._stage_bounds(stages, stream.nb))
+                    counts = search_candidates.counts_tuple(model, layout, row)
+                    stages = search_model.build_stages(parts, layout, counts, stream.nb, p2p)
+                    sync = search_candidates.sync_s(stages, dp, link)
+                    fast = search_candidates.time_1f1b(stages, stream.nb)
+                    second = max(search_bounds.stage_bounds(stages, stream.nb))
                     assert first <= fast + sync + 1e-9 and second <= fast + 1e-9
                     view = consistent_units(units, all_trainable=not aware)
-                    plan = search_module._plan_from_stages(model, search_module._Best(stages=stages, layout=layout))
+                    plan = search_module._plan_from_stages(model, search_candidates.Best(stages=stages, layout=layout))
                     splits = {m: [plan.stages[i].module_units(m)[0] for i in plan.module_stages(m)[1:]]
                               for m in plan.modules}
                     view_costs = costs if aware else [search_module._unaware_cost(c) for c in costs]
@@ -390,7 +392,9 @@ def test_plan_and_simulate_commands_on_the_demo_config(tmp_path):
     import io
 
     from plait.config.loader import load_config
-    from plait.planner.plan_cli import build_plan_inputs, plan_command, plan_from_json, simulate_command
+    from plait.commands.plan import build_plan_inputs, plan_command
+    from plait.commands.simulate import simulate_command
+    from plait.planner.report import plan_from_json
     from plait.train.plots import read_chrome_trace
 
     # demo.toml: 16 samples per microbatch, max_length 256, 32 x 32 images in 4 x 4 patches (64, no CLS),
@@ -436,21 +440,21 @@ def test_interleaved_and_attached_candidates_bounded_and_timed_like_the_simulato
     for seed in range(4):
         units, costs = _big_llm_model(seed, 1 + seed % 2)
         p2p, link = P2PModel(0.125, 64.0), P2PModel(0.0625, 32.0)
-        model = search_module._Model(units, costs, True, "bfloat16", search_module.OptimizerSpec())
-        parts = search_module._Partitions(model, None)
+        model = search_model.SearchModel(units, costs, True, "bfloat16", OptimizerSpec())
+        parts = search_model.Partitions(model, None)
         true_map = {u.name: c for u, c in zip(model.units, costs)}
         for v, attached, dp in itertools.product((1, 2, 3), (False, True), (1, 2)):
             if attached:
-                stream = search_module._attached_stream(parts, dp, 8, 6, p2p, v)
+                stream = search_bounds.attached_stream(parts, dp, 8, 6, p2p, v)
             else:
-                stream = search_module._stream(parts, "encoder_parallel", dp, 8, 6, p2p, link, v)
+                stream = search_bounds.layout_stream(parts, "encoder_parallel", dp, 8, 6, p2p, link, v)
             if stream is None or (v == 1 and not attached):
                 continue
             for row, bound in zip(stream.counts, stream.bounds):
-                counts = search_module._counts_tuple(model, stream.layout, row)
-                total, stages = search_module._interleaved_candidate(parts, stream, counts, p2p, link)
+                counts = search_candidates.counts_tuple(model, stream.layout, row)
+                total, stages = search_candidates.interleaved_candidate(parts, stream, counts, p2p, link)
                 assert bound <= total + 1e-9
-                best = search_module._Best(stages=stages, layout=stream.layout, counts=counts, v=v, attached=attached)
+                best = search_candidates.Best(stages=stages, layout=stream.layout, counts=counts, v=v, attached=attached)
                 plan = search_module._plan_from_stages(model, best).replace(num_microbatches=stream.nb)
                 assert plan.virtual_stages == v and plan.num_ranks == counts[-1] + (0 if attached else sum(counts[:-1]))
                 name = "interleaved_1f1b" if v > 1 or attached else "1f1b"
@@ -498,7 +502,7 @@ def test_plan_layout_rejects_bad_virtual_stages():
 def test_memory_cap_is_checked_per_rank_not_per_stage_for_interleaved_plans():
     """Four equal trainable LLM units without activations: a stage of one unit holds ``S`` bytes, a rank of two
     interleaved chunks ``2 S``. With the cap at ``1.5 S`` every stage fits but no interleaved rank does."""
-    from plait.planner.plan_cli import rank_peak_memory_bytes
+    from plait.planner.report import rank_peak_memory_bytes
 
     units = synthetic_units({}, [True] * 4)
     costs = [UnitCost(1.0, 1.0, 1.0, param_bytes=100, activation_bytes=0, output_bytes=8) for _ in units]
