@@ -33,7 +33,6 @@ All statistics use the population standard deviation (``ddof = 0``). A module wi
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -44,7 +43,7 @@ import numpy as np
 
 from plait.planner.cost_model import EncoderArch, MicrobatchShape
 from plait.planner.microbatch import ModuleCostCoeffs, module_order, sample_costs_from_metadata
-from plait.planner.types import dataclass_from_dict
+from plait.planner.serialize import JsonDataclass
 
 __all__ = [
     "SAMPLINGS",
@@ -84,20 +83,6 @@ def _check_batch_size(global_batch_size: Any, num_samples: int) -> int:
         raise ValueError(f"global_batch_size {b} exceeds the {num_samples} samples of the dataset: no full batch "
                          "exists")
     return b
-
-
-def _tuples(value: Any) -> Any:
-    """Lists to tuples, recursively (inverse of what JSON does to tuples)."""
-    if isinstance(value, (list, tuple)):
-        return tuple(_tuples(v) for v in value)
-    return value
-
-
-def _lists(value: Any) -> Any:
-    """Tuples to lists, recursively (what ``json.dumps`` produces anyway, made explicit)."""
-    if isinstance(value, (list, tuple)):
-        return [_lists(v) for v in value]
-    return value
 
 
 # ------------------------------------------------------------ inputs
@@ -215,7 +200,7 @@ def _floats(values: Any) -> tuple[float, ...]:
 
 
 @dataclass(frozen=True)
-class MacrobatchStats:
+class MacrobatchStats(JsonDataclass):
     """Per-module work of single samples and of whole global batches (module docstring).
 
     All work figures are in the unit of the cost coefficients (seconds, FLOPs); tuples follow ``modules``
@@ -272,14 +257,6 @@ class MacrobatchStats:
             )
         return "\n".join(lines)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of the fields (tuples as lists)."""
-        return _lists(dataclasses.asdict(self))
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "MacrobatchStats":
-        """Inverse of ``to_dict``; raises ``ValueError`` on unknown or missing fields."""
-        return dataclass_from_dict(cls, {k: _tuples(v) for k, v in data.items()})
 
 
 def _stats_from_work(
@@ -350,7 +327,7 @@ def macrobatch_stats(
 
 
 @dataclass(frozen=True)
-class CvScaling:
+class CvScaling(JsonDataclass):
     """Batch-to-batch CV of each module's total for several batch sizes (the ``1 / sqrt(B)`` law).
 
     Attributes:
@@ -384,14 +361,6 @@ class CvScaling:
             lines.append(f"{b:>6} {cells}")
         return "\n".join(lines)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of the fields (tuples as lists)."""
-        return _lists(dataclasses.asdict(self))
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "CvScaling":
-        """Inverse of ``to_dict``; raises ``ValueError`` on unknown or missing fields."""
-        return dataclass_from_dict(cls, {k: _tuples(v) for k, v in data.items()})
 
 
 def cv_by_batch_size(

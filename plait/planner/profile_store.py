@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from plait.planner.pipeline_plan import PipelinePlan
-from plait.planner.types import Unit, UnitCost, dataclass_from_dict
+from plait.planner.serialize import JsonDataclass, dataclass_from_dict
+from plait.planner.types import Unit, UnitCost
 
 __all__ = [
     "FORMAT_VERSION",
@@ -51,7 +52,7 @@ def _canonical(value: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class ProfileKey:
+class ProfileKey(JsonDataclass):
     """Everything a measured profile depends on; two profiles are interchangeable only when all fields agree.
 
     Attributes:
@@ -84,14 +85,6 @@ class ProfileKey:
         text = json.dumps(self.to_dict(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of the fields."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ProfileKey":
-        """Inverse of ``to_dict``; raises ValueError on unknown or missing fields."""
-        return dataclass_from_dict(cls, dict(data))
 
 
 def profile_mismatch(stored: ProfileKey, wanted: ProfileKey) -> str | None:
@@ -146,7 +139,7 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 @dataclass(frozen=True)
-class UnitMeasurement:
+class UnitMeasurement(JsonDataclass):
     """Raw measurements of one unit for one microbatch (mean over the profiled microbatches of the median
     over repetitions after warm-up). Times in seconds, memory in bytes.
 
@@ -185,14 +178,6 @@ class UnitMeasurement:
         return UnitCost(self.forward_s, self.input_grad_s, weight, self.param_bytes, self.activation_bytes,
                         self.output_bytes)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of the fields."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "UnitMeasurement":
-        """Inverse of ``to_dict``; raises ValueError on unknown or missing fields."""
-        return dataclass_from_dict(cls, dict(data))
 
 
 @dataclass(frozen=True)
