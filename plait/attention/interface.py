@@ -37,6 +37,7 @@ __all__ = [
     "plait_attention_forward",
     "plait_sdpa_attention_forward",
     "register_plait_attention",
+    "resolve_implementation",
     "use_plait_attention",
 ]
 
@@ -266,6 +267,22 @@ def register_plait_attention() -> None:
     for backend, name in PLAIT_IMPLEMENTATIONS.items():
         AttentionInterface.register(name, forwards[backend])
         AttentionMaskInterface.register(name, _padding_mask)
+
+
+def resolve_implementation(implementation: str, mask: str, packing: bool, cp: int, device_type: str) -> str:
+    """``attention.implementation`` resolved: ``"auto"`` is ``"hf"`` when the LLM's own attention suffices
+    (``mask = "causal"``, no packing, no context parallelism), else ``"plait"`` (flex) on CUDA and
+    ``"plait_sdpa"`` elsewhere; any other value is returned as it is.
+
+    Args:
+        implementation: ``"auto"``, ``"hf"``, ``"plait"`` or ``"plait_sdpa"``; mask: ``attention.mask``;
+        packing: ``data.packing``; cp: context-parallel degree; device_type: ``torch.device.type``.
+    """
+    if implementation != "auto":
+        return implementation
+    if mask == "causal" and cp == 1 and not packing:
+        return "hf"
+    return "plait" if device_type == "cuda" else "plait_sdpa"
 
 
 def use_plait_attention(model_or_config: Any, backend: str = "flex") -> str:

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 import torch
 
-from plait.attention.interface import use_plait_attention
+from plait.attention.interface import resolve_implementation, use_plait_attention
 from plait.attention.masks import MaskInfo
 from plait.config.loader import config_to_dict, load_config
 from plait.data.collate import Batch, collate
@@ -212,7 +212,7 @@ def build_profile_inputs(cfg: Any, *, microbatches: int = 1, microbatch_size: in
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     model = build_model(cfg.model, tokenizer).to(dev)
     processor = build_processor(cfg.model, model, tokenizer, cfg.data.max_length)
-    attention = _attention(cfg, dev)
+    attention = resolve_implementation(cfg.attention.implementation, cfg.attention.mask, cfg.data.packing, 1, dev.type)
     if attention != "hf":
         use_plait_attention(model.language_model, "sdpa" if attention == "plait_sdpa" else "flex")
     needed = microbatches * size
@@ -228,16 +228,6 @@ def build_profile_inputs(cfg: Any, *, microbatches: int = 1, microbatch_size: in
     autocast = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if bf16 else nullcontext
     key = profile_key(model_description(cfg), batches, "bfloat16" if bf16 else "float32", dev, clock)
     return ProfileInputs(model, batches, llm_kwargs, autocast, key, {"attention": attention})
-
-
-def _attention(cfg: Any, device: torch.device) -> str:
-    """``attention.implementation`` resolved as the trainer does (no context parallelism here)."""
-    impl = cfg.attention.implementation
-    if impl != "auto":
-        return impl
-    if cfg.attention.mask == "causal" and not cfg.data.packing:
-        return "hf"
-    return "plait" if device.type == "cuda" else "plait_sdpa"
 
 
 def profile_job(cfg: Any, *, store_dir: str | Path = "runs/profiles", out_path: str | Path | None = None,

@@ -135,3 +135,15 @@ def test_config_registration_and_errors():
         plait_attention(q, q, q, MaskInfo.from_padding(None, shape=(1, 5)))
     with pytest.raises(ValueError, match="dropout"):
         plait_attention(q, q, q, info, backend="flex", dropout=0.1)
+
+
+def test_resolve_implementation_picks_hf_only_when_it_suffices():
+    from plait.attention.interface import resolve_implementation
+
+    assert resolve_implementation("auto", "causal", False, 1, "cpu") == "hf"
+    assert resolve_implementation("auto", "causal", False, 1, "cuda") == "hf"
+    assert resolve_implementation("auto", "causal", True, 1, "cpu") == "plait_sdpa"  # packing needs documents
+    assert resolve_implementation("auto", "causal", False, 2, "cuda") == "plait"  # context parallelism
+    assert resolve_implementation("auto", "bidirectional_items", False, 1, "cpu") == "plait_sdpa"
+    assert resolve_implementation("plait", "causal", False, 1, "cpu") == "plait"
+    assert resolve_implementation("hf", "bidirectional_items", True, 1, "cuda") == "hf"
