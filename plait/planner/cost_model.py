@@ -33,7 +33,6 @@ Conventions (all formulas below use them):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -41,7 +40,8 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from plait.planner.graph import consistent_units
-from plait.planner.types import LLM_MODULE, Unit, UnitCost, dataclass_from_dict
+from plait.planner.serialize import JsonDataclass
+from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
 __all__ = [
     "DecoderArch",
@@ -80,7 +80,7 @@ _DTYPE_BYTES = {
 
 
 @dataclass(frozen=True)
-class DeviceSpec:
+class DeviceSpec(JsonDataclass):
     """One accelerator (or CPU) as the roofline sees it.
 
     Attributes:
@@ -142,18 +142,9 @@ class DeviceSpec:
         64 GiB, shared-memory gloo link at 5 GB/s with 50 us latency."""
         return cls("CPU", 1e12, efficiency, 64 * 2**30, 50e9, 5e9, 5e-5)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of the fields."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "DeviceSpec":
-        """Inverse of ``to_dict``; raises ValueError on unknown or missing fields."""
-        return dataclass_from_dict(cls, data)
-
 
 @dataclass(frozen=True)
-class MicrobatchShape:
+class MicrobatchShape(JsonDataclass):
     """Work of one module in one microbatch.
 
     Attributes:
@@ -182,18 +173,9 @@ class MicrobatchShape:
         if self.attended_pairs is not None and self.attended_pairs < 0:
             raise ValueError(f"MicrobatchShape.attended_pairs must be >= 0, got {self.attended_pairs}")
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of the fields."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "MicrobatchShape":
-        """Inverse of ``to_dict``; raises ValueError on unknown or missing fields."""
-        return dataclass_from_dict(cls, data)
-
 
 @dataclass(frozen=True)
-class OptimizerSpec:
+class OptimizerSpec(JsonDataclass):
     """Training memory per trainable parameter beyond the parameter itself.
 
     Attributes:
@@ -213,15 +195,6 @@ class OptimizerSpec:
             raise ValueError(f"OptimizerSpec.grad_bytes_per_param must be >= 0, got {self.grad_bytes_per_param}")
         if self.state_bytes_per_param < 0:
             raise ValueError(f"OptimizerSpec.state_bytes_per_param must be >= 0, got {self.state_bytes_per_param}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of the fields."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "OptimizerSpec":
-        """Inverse of ``to_dict``; raises ValueError on unknown or missing fields."""
-        return dataclass_from_dict(cls, data)
 
 
 def dtype_bytes(dtype: Any) -> float:
@@ -725,7 +698,7 @@ def arch_from_config(config: Any) -> DecoderArch | EncoderArch:
 
 
 @dataclass(frozen=True)
-class UnitEstimate:
+class UnitEstimate(JsonDataclass):
     """Device-independent work of one unit for one microbatch shape.
 
     Attributes:
@@ -761,15 +734,6 @@ class UnitEstimate:
             param_bytes=int(round(self.params * dtype_bytes(dtype))),
             activation_bytes=int(round(self.activation_bytes)), output_bytes=int(round(self.output_bytes)),
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of the fields."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "UnitEstimate":
-        """Inverse of ``to_dict``; raises ValueError on unknown or missing fields."""
-        return dataclass_from_dict(cls, data)
 
 
 def _estimate(params: int, weight_flops: float, attention_flops: float, io_bytes: float, saved: float,

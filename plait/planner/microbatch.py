@@ -59,7 +59,6 @@ the LLM is always the **last** entry (``sample_costs_from_metadata`` builds them
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import math
@@ -71,7 +70,7 @@ from typing import Any
 
 import numpy as np
 
-from plait.planner.types import dataclass_from_dict
+from plait.planner.serialize import JsonDataclass
 
 __all__ = [
     "METHODS",
@@ -126,7 +125,7 @@ def _check_real(owner: str, name: str, value: Any) -> None:
 
 
 @dataclass(frozen=True)
-class ModuleCostCoeffs:
+class ModuleCostCoeffs(JsonDataclass):
     """Cost model of one module per sample (../shared/REFERENCES.md section 3).
 
     An encoder costs ``pass_factor * (fixed + linear * n + quadratic * n**2)`` per item (image, clip) of
@@ -179,18 +178,9 @@ class ModuleCostCoeffs:
         """Encoder tokens of an item that fills ``placeholders`` LLM placeholder tokens."""
         return int(round(placeholders * self.encoder_tokens_per_feature))
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of the fields."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModuleCostCoeffs":
-        """Inverse of ``to_dict``; raises ``ValueError`` on unknown or missing fields."""
-        return dataclass_from_dict(cls, data)
-
 
 @dataclass(frozen=True)
-class SampleCost:
+class SampleCost(JsonDataclass):
     """Per-module work of one sample of the global batch.
 
     Attributes:
@@ -246,22 +236,9 @@ class SampleCost:
         """Work of the LLM (the last module)."""
         return self.work[-1]
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of the fields."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "SampleCost":
-        """Inverse of ``to_dict``; raises ``ValueError`` on unknown or missing fields."""
-        data = dict(data)
-        for key in ("work", "has"):
-            if key in data:
-                data[key] = tuple(data[key])
-        return dataclass_from_dict(cls, data)
-
 
 @dataclass(frozen=True)
-class MicrobatchPolicy:
+class MicrobatchPolicy(JsonDataclass):
     """How to assign the samples of a global batch to DP ranks and microbatches.
 
     Attributes:
@@ -305,15 +282,6 @@ class MicrobatchPolicy:
         _check_int("MicrobatchPolicy", "refine_rounds", self.refine_rounds, 0)
         if self.max_tokens_per_microbatch is not None:
             _check_int("MicrobatchPolicy", "max_tokens_per_microbatch", self.max_tokens_per_microbatch, 1)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of the fields."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "MicrobatchPolicy":
-        """Inverse of ``to_dict``; raises ``ValueError`` on unknown or missing fields."""
-        return dataclass_from_dict(cls, data)
 
 
 def module_order(coeffs: Mapping[str, ModuleCostCoeffs], llm: str = "llm") -> tuple[str, ...]:
@@ -414,7 +382,7 @@ def _as_nested_tuple(value: Any, depth: int) -> Any:
 
 
 @dataclass(frozen=True)
-class MicrobatchPlan:
+class MicrobatchPlan(JsonDataclass):
     """Which rank and microbatch runs each sample of one global batch (one iteration).
 
     Attributes:
@@ -516,24 +484,6 @@ class MicrobatchPlan:
                 for k in range(i, j):
                     counts[k] += 1
         return tuple(counts)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (nested lists)."""
-        return _json_ready(dataclasses.asdict(self))
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "MicrobatchPlan":
-        """Inverse of ``to_dict``; raises ``ValueError`` on unknown or missing fields."""
-        return dataclass_from_dict(cls, data)
-
-
-def _json_ready(value: Any) -> Any:
-    """Tuples to lists, recursively (what ``json.dumps`` produces anyway, made explicit)."""
-    if isinstance(value, dict):
-        return {k: _json_ready(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_ready(v) for v in value]
-    return value
 
 
 # ------------------------------------------------------------ helpers
@@ -1085,7 +1035,7 @@ def plan_microbatches(costs: Sequence[SampleCost], policy: MicrobatchPolicy, ste
 
 
 @dataclass(frozen=True)
-class WorkloadStats:
+class WorkloadStats(JsonDataclass):
     """Work balance of a plan (Entrain's metric, ../shared/REFERENCES.md section 3).
 
     Per-microbatch work of a module: the sum over the samples whose work of that module runs in the
@@ -1112,16 +1062,6 @@ class WorkloadStats:
     num_microbatches: int
     num_deferred: int
     max_buffered: int
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of the fields."""
-        return _json_ready(dataclasses.asdict(self))
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "WorkloadStats":
-        """Inverse of ``to_dict``; raises ``ValueError`` on unknown or missing fields."""
-        data = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
-        return dataclass_from_dict(cls, data)
 
 
 def _spread(values: np.ndarray) -> tuple[float, float]:

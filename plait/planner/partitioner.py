@@ -30,7 +30,6 @@ stage early (small ``k*``) is never worse than one late.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
@@ -46,7 +45,8 @@ from plait.planner.cost_model import (
     unit_static_bytes,
     unit_work,
 )
-from plait.planner.types import Unit, UnitCost, dataclass_from_dict
+from plait.planner.serialize import JsonDataclass
+from plait.planner.types import Unit, UnitCost
 
 __all__ = [
     "UnitPartition",
@@ -449,7 +449,7 @@ def partition_work_ranges(units: Sequence[Unit], ranges: Ranges) -> tuple[tuple[
 
 
 @dataclass(frozen=True)
-class UnitPartition:
+class UnitPartition(JsonDataclass):
     """A stage partition of named units with its predicted load.
 
     Attributes:
@@ -473,15 +473,6 @@ class UnitPartition:
         object.__setattr__(self, "stage_units", tuple(tuple(s) for s in self.stage_units))
         object.__setattr__(self, "stage_work_s", tuple(self.stage_work_s))
         object.__setattr__(self, "stage_memory_bytes", tuple(self.stage_memory_bytes))
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of the fields."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "UnitPartition":
-        """Inverse of ``to_dict``; raises ValueError on unknown or missing fields."""
-        return dataclass_from_dict(cls, data)
 
 
 def partition_units(

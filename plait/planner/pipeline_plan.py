@@ -21,14 +21,14 @@ it no ``B``/``W`` actions and it keeps no activations.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 from plait.planner.graph import consistent_units
-from plait.planner.types import LLM_MODULE, Unit, dataclass_from_dict
+from plait.planner.serialize import JsonDataclass
+from plait.planner.types import LLM_MODULE, Unit
 
 __all__ = [
     "LAYOUTS",
@@ -46,7 +46,7 @@ LAYOUTS = ("encoder_parallel", "encoders_colocated")
 
 
 @dataclass(frozen=True)
-class Stage:
+class Stage(JsonDataclass):
     """One pipeline stage: an ordered run of units, on one pipeline rank.
 
     Attributes:
@@ -116,16 +116,9 @@ class Stage:
         start = sum(self.module_unit_counts[:pos])
         return self.units[start : start + self.module_unit_counts[pos]]
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Stage":
-        return dataclass_from_dict(cls, dict(data))
-
 
 @dataclass(frozen=True)
-class PipelinePlan:
+class PipelinePlan(JsonDataclass):
     """A validated pipeline: stages, their DAG and the microbatch count.
 
     Attributes:
@@ -258,31 +251,6 @@ class PipelinePlan:
     def replace(self, **changes: Any) -> "PipelinePlan":
         """A copy with ``changes`` applied (e.g. ``num_microbatches=8``), validated again."""
         return dataclasses.replace(self, **changes)
-
-    # ----- serialisation -------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "layout": self.layout,
-            "stages": [s.to_dict() for s in self.stages],
-            "edges": [list(e) for e in self.edges],
-            "num_microbatches": self.num_microbatches,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "PipelinePlan":
-        data = dict(data)
-        data["stages"] = tuple(Stage.from_dict(s) for s in data.get("stages", ()))
-        data["edges"] = tuple(tuple(e) for e in data.get("edges", ()))
-        return dataclass_from_dict(cls, data)
-
-    def to_json(self, **kwargs: Any) -> str:
-        """JSON text of ``to_dict()`` (``kwargs`` go to ``json.dumps``, e.g. ``indent=2``)."""
-        return json.dumps(self.to_dict(), **kwargs)
-
-    @classmethod
-    def from_json(cls, text: str) -> "PipelinePlan":
-        """Inverse of ``to_json``."""
-        return cls.from_dict(json.loads(text))
 
 
 # ----- plan validation ---------------------------------------------------------------------------

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plait.planner.pipeline_plan import PipelinePlan
-from plait.planner.types import dataclass_from_dict
+from plait.planner.serialize import dataclass_from_dict
 
 __all__ = [
     "ACTION_KINDS",

@@ -76,7 +76,8 @@ from plait.planner.simulator import (
     simulate,
     stage_costs_from_units,
 )
-from plait.planner.types import Unit, UnitCost, dataclass_from_dict
+from plait.planner.serialize import dataclass_from_dict
+from plait.planner.types import Unit, UnitCost
 
 __all__ = [
     "METHODS",

@@ -43,7 +43,8 @@ from plait.planner.schedules import (
     frees_activations,
     summarize_timeline,
 )
-from plait.planner.types import Unit, UnitCost, dataclass_from_dict
+from plait.planner.serialize import dataclass_from_dict
+from plait.planner.types import Unit, UnitCost
 
 __all__ = [
     "ActionCosts",

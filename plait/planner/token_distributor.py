@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from plait.planner.types import dataclass_from_dict
+from plait.planner.serialize import JsonDataclass
 
 __all__ = ["TOKEN_METHODS", "TokenAssignment", "plan_tokens"]
 
@@ -41,7 +41,7 @@ TOKEN_METHODS = ("uniform", "zigzag", "lpt", "ilp")
 
 
 @dataclass(frozen=True)
-class TokenAssignment:
+class TokenAssignment(JsonDataclass):
     """Which tokens of a microbatch row each CP rank holds, and the predicted work per rank.
 
     Attributes:
@@ -111,26 +111,6 @@ class TokenAssignment:
             raise ValueError(f"TokenAssignment.token_indices: rank {rank} outside [0, {self.cp})")
         parts = [np.arange(start, end, dtype=np.int64) for start, end in self.ranges[rank]]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (tuples become lists)."""
-        return {"num_tokens": self.num_tokens, "block_size": self.block_size, "method": self.method,
-                "ranges": [[list(span) for span in rank] for rank in self.ranges], "work": list(self.work),
-                "note": self.note}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TokenAssignment":
-        """Inverse of :meth:`to_dict`.
-
-        Raises:
-            ValueError: on unknown or missing fields, or ranges that do not partition the tokens.
-        """
-        data = dict(data)
-        if "ranges" in data:
-            data["ranges"] = tuple(tuple((int(s), int(e)) for s, e in rank) for rank in data["ranges"])
-        if "work" in data:
-            data["work"] = tuple(float(w) for w in data["work"])
-        return dataclass_from_dict(cls, data)
 
 
 def _validate(block_attn_work: np.ndarray, num_tokens: int, cp: int, method: str, alpha: float,

@@ -1,17 +1,18 @@
 """Plan data shared by every planner: pipeline units and their costs.
 
-Everything here is a frozen dataclass that round-trips through JSON (``to_dict`` / ``from_dict``), so
-plans can be cached on disk, compared in tests and read by the runtime, the simulator and the plots
-alike (../shared/DESIGN.md, principle 1).
+Everything here is a frozen dataclass that round-trips through JSON (``to_dict`` / ``from_dict`` from
+``serialize.JsonDataclass``), so plans can be cached on disk, compared in tests and read by the runtime,
+the simulator and the plots alike (../shared/DESIGN.md, principle 1).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
-__all__ = ["LLM_MODULE", "Unit", "UnitCost", "dataclass_from_dict"]
+from plait.planner.serialize import JsonDataclass
+
+__all__ = ["LLM_MODULE", "Unit", "UnitCost"]
 
 LLM_MODULE = "llm"
 """``Unit.module`` of the language model's units; every other module is an encoder branch feeding it."""
@@ -19,7 +20,7 @@ UNIT_KINDS = ("embed", "layer", "norm", "projector", "head")
 
 
 @dataclass(frozen=True)
-class Unit:
+class Unit(JsonDataclass):
     """One pipeline unit: the smallest piece of a model a stage boundary may fall around.
 
     Attributes:
@@ -55,16 +56,9 @@ class Unit:
         """True when the unit's backward does any work (dX, dW or both)."""
         return self.trainable or self.needs_input_grad
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Unit":
-        return dataclass_from_dict(cls, data)
-
 
 @dataclass(frozen=True)
-class UnitCost:
+class UnitCost(JsonDataclass):
     """Measured or modelled cost of one unit for one microbatch shape.
 
     Times are seconds, memory is bytes. ``input_grad_s`` is the dX part of the backward, ``weight_grad_s``
@@ -102,26 +96,3 @@ class UnitCost:
         return (self.input_grad_s if unit.needs_input_grad else 0.0) + (
             self.weight_grad_s if unit.trainable else 0.0
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "UnitCost":
-        return dataclass_from_dict(cls, data)
-
-
-def dataclass_from_dict(cls: type, data: dict[str, Any]) -> Any:
-    """Build dataclass ``cls`` from ``data``, naming unknown or missing fields in the error.
-
-    Raises:
-        ValueError: when ``data`` has keys ``cls`` does not know, or lacks required ones.
-    """
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(data) - names
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown field(s) {sorted(unknown)}")
-    try:
-        return cls(**data)
-    except TypeError as exc:
-        raise ValueError(f"{cls.__name__}: {exc}") from exc
