@@ -32,8 +32,8 @@ trains). For 8, 16 and 32 GPUs the tables give the simulated iteration time (tru
 - C: plait's plan (``plan_layout``).
 
 B and C search the same schedules: 1F1B, and interleaved 1F1B with ``v`` in ``--virtual-stages`` (default
-1, 2, 4) LLM chunks per LLM rank (``schedules.interleaved_1f1b``; Narayanan et al., SC'21, section 2.2.2),
-with encoders on their own ranks or one stage each on the first LLM rank (``attach_encoders``). A stays
+1, 2, 4) LLM chunks per LLM rank (``schedules_interleaved.interleaved_1f1b``; Narayanan et al., SC'21,
+section 2.2.2), with encoders on their own ranks or one stage each on the first LLM rank (``attach_encoders``). A stays
 the Megatron-style even split under standard 1F1B.
 
 Each with its ratio to the lower bound ``24 x (total true work per microbatch) / GPUs``, its layout

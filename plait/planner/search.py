@@ -40,7 +40,7 @@ the runtime meets). The chosen plan is evaluated with the true costs. ``megatron
 Megatron-style baseline: units spread evenly by count over the pipeline ranks, encoders first.
 
 More schedules (``virtual_stages``, ``attach_encoders``): with ``v > 1`` a candidate cuts the LLM into
-``v p`` chunks cyclic over ``p`` ranks (``schedules.interleaved_1f1b``; chunks balanced per rank by
+``v p`` chunks cyclic over ``p`` ranks (``schedules_interleaved.interleaved_1f1b``; chunks balanced per rank by
 ``search_model.Partitions.cyclic``, a heuristic); with ``attach_encoders`` every encoder is one stage on the
 first LLM rank (a frozen encoder then costs no rank of its own); ``pipeline_plan.stage_ranks`` places the
 stages, as it does for a job's ``[parallel.pp]`` (``virtual_stages``, ``attach_encoders``), so the trainer
@@ -50,7 +50,8 @@ over these candidates given their partitions.
 
 Unit flags are recomputed from ``trainable`` by their definition (``graph.consistent_units``):
 ``needs_input_grad`` = some unit upstream trains, where the LLM's first unit (its embedding, into whose
-output the encoder features are injected) is downstream of every encoder branch. The returned plan is built on these units.
+output the encoder features are injected) is downstream of every encoder branch. The returned plan is
+built on these units.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ from typing import Any
 from plait.planner.cost_model import OptimizerSpec, unit_activation_bytes, unit_static_bytes
 from plait.planner.graph import consistent_units
 from plait.planner.pipeline_plan import LAYOUTS, PipelinePlan, check_plan_units, plan_pipeline, stage_ranks
-from plait.planner.schedules import build_schedule, in_flight_peaks, runs_interleaved
+from plait.planner.schedule_ir import in_flight_peaks
+from plait.planner.schedules import build_schedule
+from plait.planner.schedules_interleaved import runs_interleaved
 from plait.planner.search_bounds import attached_stream, layout_stream
 from plait.planner.search_candidates import Best, branch_and_bound
 from plait.planner.search_model import Costs, Partitions, SearchModel, allreduce_s, cost_list, plan_from_chunks
@@ -291,7 +294,7 @@ def plan_layout(
         dtype, optimizer: parameter dtype and optimizer memory per trainable parameter.
         virtual_stages: LLM chunks per LLM rank ``v`` to consider: 1 is 1F1B with one stage per rank; ``v > 1``
             splits the LLM into ``v p`` stages cyclically on ``p >= 2`` ranks, run with
-            ``schedules.interleaved_1f1b`` (``v p`` at most the LLM's unit count). Default ``(1,)``; the
+            ``schedules_interleaved.interleaved_1f1b`` (``v p`` at most the LLM's unit count). Default ``(1,)``; the
             benchmark passes ``(1, 2, 4)``.
         attach_encoders: also consider plans whose encoders are one stage each on the first LLM rank (the
             rank runs an encoder forward just before the first LLM stage's, its backward just after), for
@@ -386,8 +389,8 @@ def evaluate_plan(
     schedule: str | None = None,
 ) -> LayoutChoice:
     """Time ``plan`` with the true frozen-aware costs: ``simulator.simulate`` on its schedule (``schedule``,
-    a ``schedules.SCHEDULE_NAMES`` entry; default ``"interleaved_1f1b"`` when ``schedules.runs_interleaved``,
-    else ``"1f1b"``) with ``ceil(microbatches / dp)`` microbatches, plus the gradient all-reduce of
+    a ``schedules.SCHEDULE_NAMES`` entry; default ``"interleaved_1f1b"`` when
+    ``schedules_interleaved.runs_interleaved``, else ``"1f1b"``) with ``ceil(microbatches / dp)`` microbatches, plus the gradient all-reduce of
     each rank's trainable parameters over ``dp`` replicas (after the flush; the slowest rank's).
 
     Args:

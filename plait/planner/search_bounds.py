@@ -19,7 +19,7 @@ the upstream stages still run theirs (``Z_k``). For a balanced chain this is exa
 ``(M_r + S - 1)(F + B)``.
 
 Interleaved candidates (``v > 1``: the LLM cut into ``v p`` chunks cyclic over ``p`` ranks) get a bound
-valid for ``schedules.interleaved_1f1b`` (``_interleaved_llm_terms``: per LLM rank, arrival + busy time +
+valid for ``schedules_interleaved.interleaved_1f1b`` (``_interleaved_llm_terms``: per LLM rank, arrival + busy time +
 upstream backwards; memory floors from the warm-up); candidates with every encoder one stage on the first
 LLM rank (``attached_stream``) one valid for any schedule.
 """
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from plait.planner.schedules import interleaved_chunk_order, interleaved_warmups
+from plait.planner.schedules_interleaved import interleaved_chunk_order, interleaved_warmups
 from plait.planner.search_model import (
     CandidateStages,
     ChunkSums,
@@ -147,7 +147,8 @@ def _encoder_terms(parts: Partitions, modules: Sequence[str], max_stages: int, n
     count 1..max_stages: ``neck`` ``nb`` x the plain bottleneck (no partition has a smaller one);
     ``path`` the forward path into the LLM (forwards, per internal boundary the transfer of the smallest
     output that can end a stage, the projector outputs' transfer); ``through`` the last microbatch's exit,
-    ``path + (nb - 1)`` x the least possible largest stage forward; ``backward`` the backward path from the LLM (0 if the chain runs none)."""
+    ``path + (nb - 1)`` x the least possible largest stage forward; ``backward`` the backward path from the
+    LLM (0 if the chain runs none)."""
     model = parts.model
     stages = np.arange(1, max_stages + 1)
     spans = [model.span[m] for m in modules]

@@ -4,7 +4,7 @@ Candidates come from the sorted ``search_bounds.Stream`` s, taken in increasing 
 ``HeapEntry``). A 1F1B candidate with one stage per rank is made concrete (``search_model.build_stages``,
 memory caps included) and gets the tighter bound ``LB2`` (its per-stage bounds plus its all-reduce); only
 when that is again the smallest bound is it timed (``time_1f1b``). An interleaved or attached candidate is
-timed at once on the real per-rank orders of ``schedules.interleaved_1f1b`` (``interleaved_candidate``,
+timed at once on the real per-rank orders of ``schedules_interleaved.interleaved_1f1b`` (``interleaved_candidate``,
 ``time_orders``), with its per-rank memory peak checked against the cap. The search stops when the
 smallest remaining bound is at least ``best / (1 + rel_tol)``: with ``rel_tol = 0`` the result is optimal
 over the search space, otherwise within ``rel_tol`` of it.
@@ -26,7 +26,8 @@ from typing import NamedTuple
 import numpy as np
 
 from plait.planner.pipeline_plan import PipelinePlan, stage_ranks
-from plait.planner.schedules import Action, interleaved_1f1b, interleaved_orders, one_f_one_b_order
+from plait.planner.schedule_ir import Action, one_f_one_b_order
+from plait.planner.schedules_interleaved import interleaved_1f1b, interleaved_orders
 from plait.planner.search_bounds import Stream, stage_bounds
 from plait.planner.search_model import (
     CandidateStages,
@@ -216,7 +217,7 @@ def time_orders(plan: PipelinePlan, orders: Sequence[Sequence[Action]], st: Cand
 
 def time_1f1b(st: CandidateStages, nb: int) -> float:
     """1F1B makespan (s) of ``st`` with ``nb`` microbatches, one stage per rank: ``simulator.time_actions`` (the
-    simulator's timing core) on each stage's 1F1B order (``schedules.one_f_one_b_order``), with the
+    simulator's timing core) on each stage's 1F1B order (``schedule_ir.one_f_one_b_order``), with the
     candidate's stage costs and transfers. Tests check equality with ``simulator.simulate``."""
     n = len(st.forward)
     orders = [[(kind, s, i) for kind, i in one_f_one_b_order(nb, st.depth[s], st.runs_backward[s])]

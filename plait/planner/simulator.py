@@ -2,10 +2,10 @@
 
 The simulator executes a ``Schedule`` the way the runtime does (../shared/DESIGN.md, principle 2): each
 rank runs its actions in order and an action starts once its rank is free and every action it depends on
-(``schedules.action_dependencies``) has finished and, across ranks, its P2P transfer has arrived. Transfers
+(``schedule_ir.action_dependencies``) has finished and, across ranks, its P2P transfer has arrived. Transfers
 take ``latency_s + bytes / bandwidth`` and overlap with compute (asynchronous sends, no link contention);
 between two stages on the same rank they are free. For this blocking in-order model the start times are
-the longest paths of the schedule DAG (``schedules.schedule_dag``), which is what the code computes.
+the longest paths of the schedule DAG (``schedule_ir.schedule_dag``), which is what the code computes.
 
 ``time_actions`` is the one implementation of these rules: a small pure core on plain lists (per-rank
 ``(kind, stage, microbatch)`` orders, ``[stage][microbatch]`` durations, per-stage transfer seconds) that
@@ -34,16 +34,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Union
 
 from plait.planner.pipeline_plan import PipelinePlan
-from plait.planner.schedules import (
-    Action,
-    Schedule,
-    TimelineEvent,
-    action_dependencies,
-    check_schedule,
-    frees_activations,
-    summarize_timeline,
-)
+from plait.planner.schedule_ir import Action, Schedule, action_dependencies, check_schedule, frees_activations
 from plait.planner.serialize import dataclass_from_dict
+from plait.planner.timeline import TimelineEvent, summarize_timeline
 from plait.planner.types import Unit, UnitCost
 
 __all__ = [
@@ -318,7 +311,7 @@ def _raw_cost(costs: ActionCosts, action: Action) -> Any:
 def _peak_memory(schedule: Schedule, times: ActionTimes, memory: Mapping[int, StageMemory]) -> tuple[int, ...]:
     """Per rank, static bytes plus the highest sum of live activations over time (``activation_peaks``):
     a microbatch's activations live from its ``F``'s start to the end of the action that frees them
-    (``schedules.frees_activations``; its ``F`` for a forward-only stage)."""
+    (``schedule_ir.frees_activations``; its ``F`` for a forward-only stage)."""
     plan, m = schedule.plan, schedule.num_microbatches
     freed, nbytes = [], []
     for stage in plan.stages:
@@ -409,7 +402,7 @@ Order = Sequence[tuple[str, int, int]]
 def time_actions(orders: Sequence[Order], graph: StageGraph, durations: ActionDurations,
                  send_s: Sequence[float], num_microbatches: int) -> ActionTimes | None:
     """Time per-rank action ``orders`` by the module's execution model: each rank runs its actions in order;
-    an action starts once its rank is free and every action it depends on (``schedules.action_dependencies``:
+    an action starts once its rank is free and every action it depends on (``schedule_ir.action_dependencies``:
     ``F(s, m)`` on ``F(p, m)`` of each predecessor, ``B(s, m)`` on ``F(s, m)`` and on ``B(t, m)`` of its
     successor when that runs backward, ``W(s, m)`` on ``B(s, m)``) has ended, plus ``send_s[s]`` when it
     crosses ranks (stage ``s``'s output forward, its gradient back). The start times are the longest paths

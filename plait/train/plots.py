@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
 
-from plait.planner.schedules import TimelineEvent, summarize_timeline
+from plait.planner.timeline import TimelineEvent, summarize_timeline
 
 __all__ = [
     "KIND_COLORS",

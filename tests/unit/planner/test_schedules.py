@@ -14,17 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
-from plait.planner.schedules import (
-    Action,
-    Schedule,
-    build_schedule,
-    check_schedule,
-    gpipe,
-    in_flight_peaks,
-    memory_capped_1f1b,
-    one_f_one_b,
-    schedule_dag,
-)
+from plait.planner.schedule_ir import Action, Schedule, check_schedule, in_flight_peaks, schedule_dag
+from plait.planner.schedules import build_schedule, gpipe, memory_capped_1f1b, one_f_one_b
 
 
 def _parse(text: str) -> tuple[Action, ...]:

@@ -11,7 +11,8 @@ from plait.planner import search as search_module
 from plait.planner import search_bounds, search_candidates, search_model
 from plait.planner.cost_model import OptimizerSpec
 from plait.planner.pipeline_plan import stage_ranks, synthetic_units
-from plait.planner.schedules import interleaved_1f1b, interleaved_orders, one_f_one_b
+from plait.planner.schedules import one_f_one_b
+from plait.planner.schedules_interleaved import interleaved_1f1b, interleaved_orders
 from plait.planner.simulator import P2PModel, StageMemory, simulate
 from plait.planner.types import UnitCost
 

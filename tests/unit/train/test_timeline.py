@@ -7,7 +7,8 @@ import json
 import pytest
 
 from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
-from plait.planner.schedules import TimelineEvent, one_f_one_b
+from plait.planner.schedules import one_f_one_b
+from plait.planner.timeline import TimelineEvent
 from plait.planner.simulator import simulate
 from plait.train.plots import chrome_trace, plot_timeline, read_chrome_trace, write_chrome_trace
 
