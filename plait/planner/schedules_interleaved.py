@@ -145,6 +145,7 @@ class _Interleaving:
 
     @property
     def p(self) -> int:
+        """LLM ranks."""
         return len(self.llm_ranks)
 
 

@@ -196,140 +196,6 @@ class SimResult:
         return dataclass_from_dict(cls, data)
 
 
-def simulate(
-    schedule: Schedule,
-    costs: ActionCosts,
-    *,
-    p2p: P2PModel | None = None,
-    boundary_bytes: Mapping[int, float] | None = None,
-    memory: Mapping[int, StageMemory] | None = None,
-) -> SimResult:
-    """Simulate one iteration of ``schedule`` (module docstring for the execution and memory model).
-
-    Args:
-        schedule: the schedule; it is checked first (``check_schedule``).
-        costs: seconds per action (``ActionCosts``).
-        p2p: transfer model between ranks (default: free and instant).
-        boundary_bytes: ``{stage: bytes}``, the size of ``stage``'s output per microbatch; its gradient,
-            sent back, has the same size. Stages not named send 0 bytes (latency only).
-        memory: ``{stage: StageMemory}``; stages not named hold nothing.
-
-    Returns:
-        A ``SimResult``.
-
-    Raises:
-        ValueError: when the schedule fails ``check_schedule``, a cost is missing or negative, or a
-            per-microbatch memory tuple is too short.
-    """
-    check_schedule(schedule)
-    p2p = p2p or P2PModel()
-    plan, m = schedule.plan, schedule.num_microbatches
-    durations = _durations(schedule, _with_message_overheads(schedule, _cost_function(costs), p2p))
-    send = [p2p.transfer_s((boundary_bytes or {}).get(s, 0)) for s in range(plan.num_stages)]
-    orders = [[(a.kind, a.stage, a.microbatch) for a in actions] for actions in schedule.actions]
-    times = time_actions(orders, stage_graph(plan), durations, send, m)
-    if times is None:  # check_schedule proved the schedule deadlock-free
-        raise RuntimeError("the timing core stalled on a checked schedule (a plait bug)")
-    events = tuple(TimelineEvent(rank, a.kind, a.stage, a.microbatch, *times.of(a.kind, a.stage, a.microbatch))
-                   for rank, a in schedule.all_actions())
-    summary = summarize_timeline(events, schedule.num_ranks)
-    makespan = max((e.end_s for e in events), default=0.0)
-    bubbles = tuple((1.0 - b / makespan) if makespan > 0 else 0.0 for b in summary.busy_s)
-    peaks = _peak_memory(schedule, times, memory or {})
-    return SimResult(makespan, summary.busy_s, bubbles, peaks, events)
-
-
-def _durations(schedule: Schedule, cost_of: Callable[[Action], float]) -> ActionDurations:
-    """``cost_of`` every action of ``schedule``, as ``[stage][microbatch]`` lists per kind."""
-    n, m = schedule.plan.num_stages, schedule.num_microbatches
-    table = {kind: [[0.0] * m for _ in range(n)] for kind in "FBW"}
-    for _, action in schedule.all_actions():
-        table[action.kind][action.stage][action.microbatch] = cost_of(action)
-    return ActionDurations(table["F"], table["B"], table["W"])
-
-
-def _with_message_overheads(
-    schedule: Schedule, cost_of: Callable[[Action], float], p2p: P2PModel
-) -> Callable[[Action], float]:
-    """``cost_of`` plus the LogP overheads of the cross-rank messages each action receives and sends."""
-    if not (p2p.send_overhead_s or p2p.recv_overhead_s):
-        return cost_of
-    plan = schedule.plan
-    sends: dict[Action, int] = {}
-    receives: dict[Action, int] = {}
-    for _, action in schedule.all_actions():
-        for dep in action_dependencies(plan, action):
-            if plan.stages[dep.stage].rank != plan.stages[action.stage].rank:
-                sends[dep] = sends.get(dep, 0) + 1
-                receives[action] = receives.get(action, 0) + 1
-
-    def cost(action: Action) -> float:
-        return (cost_of(action) + sends.get(action, 0) * p2p.send_overhead_s
-                + receives.get(action, 0) * p2p.recv_overhead_s)
-
-    return cost
-
-
-def _cost_function(costs: ActionCosts) -> Callable[[Action], float]:
-    """Normalise the three ``ActionCosts`` forms to ``action -> seconds`` (validated >= 0)."""
-
-    def lookup(action: Action) -> float:
-        value = _raw_cost(costs, action)
-        if _indexable(value):
-            if action.microbatch >= len(value):
-                raise ValueError(
-                    f"costs for {action.kind} of stage {action.stage} have no microbatch {action.microbatch}"
-                )
-            value = value[action.microbatch]
-        elif callable(value):
-            value = value(action.microbatch)
-        seconds = float(value)
-        if not seconds >= 0 or math.isinf(seconds):
-            raise ValueError(f"cost of {action} must be a finite number >= 0, got {value}")
-        return seconds
-
-    return lookup
-
-
-def _indexable(value: Any) -> bool:
-    """A per-microbatch sequence (list, tuple, 1-D array), as opposed to a number or a callable."""
-    return not isinstance(value, str) and hasattr(value, "__getitem__") and hasattr(value, "__len__")
-
-
-def _raw_cost(costs: ActionCosts, action: Action) -> Any:
-    if callable(costs) and not isinstance(costs, Mapping):
-        return costs(action.stage, action.kind, action.microbatch)
-    if (action.stage, action.kind) in costs:
-        return costs[(action.stage, action.kind)]
-    if action.kind in costs:
-        per_stage = costs[action.kind]
-        if _indexable(per_stage) and action.stage < len(per_stage):
-            return per_stage[action.stage]
-    raise ValueError(f"costs give no time for {action.kind} of stage {action.stage}")
-
-
-def _peak_memory(schedule: Schedule, times: ActionTimes, memory: Mapping[int, StageMemory]) -> tuple[int, ...]:
-    """Per rank, static bytes plus the highest sum of live activations over time (``activation_peaks``):
-    a microbatch's activations live from its ``F``'s start to the end of the action that frees them
-    (``schedule_ir.frees_activations``; its ``F`` for a forward-only stage)."""
-    plan, m = schedule.plan, schedule.num_microbatches
-    freed, nbytes = [], []
-    for stage in plan.stages:
-        mem = memory.get(stage.index, StageMemory())
-        nbytes.append([mem.activation_of(i) for i in range(m)])
-        if not stage.runs_backward:
-            freed.append(times.forward_end[stage.index])
-        elif frees_activations(plan, Action("W", stage.index, 0), schedule.split_backward):
-            freed.append(times.weight_end[stage.index])
-        else:
-            freed.append(times.backward_end[stage.index])
-    live = activation_peaks([s.rank for s in plan.stages], schedule.num_ranks, times.forward_start, freed, nbytes)
-    return tuple(
-        sum(memory.get(s, StageMemory()).static_bytes for s in plan.stages_on_rank(rank)) + live[rank]
-        for rank in range(schedule.num_ranks)
-    )
-
-
 # ----- the timing core: one implementation of "time a schedule" ---------------------------------
 class StageGraph(NamedTuple):
     """The plan's stage edges as the timing core reads them: plain lists indexed by stage.
@@ -405,9 +271,11 @@ def time_actions(orders: Sequence[Order], graph: StageGraph, durations: ActionDu
     an action starts once its rank is free and every action it depends on (``schedule_ir.action_dependencies``:
     ``F(s, m)`` on ``F(p, m)`` of each predecessor, ``B(s, m)`` on ``F(s, m)`` and on ``B(t, m)`` of its
     successor when that runs backward, ``W(s, m)`` on ``B(s, m)``) has ended, plus ``send_s[s]`` when it
-    crosses ranks (stage ``s``'s output forward, its gradient back). The start times are the longest paths
-    of the schedule DAG; the order in which ranks are swept does not change them (forward and backward
-    sweeps alternate only to need fewer of them).
+    crosses ranks (stage ``s``'s output forward, its gradient back). Transfers overlap with compute (no link
+    contention); ``durations`` hold all the host time of an action (``simulate`` adds the LogP overheads of
+    its messages there). The start times are the longest paths of the schedule DAG
+    (``schedule_ir.schedule_dag``); the order in which ranks are swept does not change them (forward and
+    backward sweeps alternate only to need fewer of them).
 
     The one implementation of "time a schedule": ``simulate`` and the layout search both call it.
 
@@ -513,6 +381,143 @@ def activation_peaks(rank_of: Sequence[int], num_ranks: int, allocated: Sequence
                 peak = live
         peaks.append(peak)
     return peaks
+
+
+# ----- simulate(): a checked schedule, its costs and messages, through the core -----------------
+def simulate(
+    schedule: Schedule,
+    costs: ActionCosts,
+    *,
+    p2p: P2PModel | None = None,
+    boundary_bytes: Mapping[int, float] | None = None,
+    memory: Mapping[int, StageMemory] | None = None,
+) -> SimResult:
+    """Simulate one iteration of ``schedule`` (module docstring for the execution and memory model).
+
+    Args:
+        schedule: the schedule; it is checked first (``check_schedule``).
+        costs: seconds per action (``ActionCosts``).
+        p2p: transfer model between ranks (default: free and instant).
+        boundary_bytes: ``{stage: bytes}``, the size of ``stage``'s output per microbatch; its gradient,
+            sent back, has the same size. Stages not named send 0 bytes (latency only).
+        memory: ``{stage: StageMemory}``; stages not named hold nothing.
+
+    Returns:
+        A ``SimResult``.
+
+    Raises:
+        ValueError: when the schedule fails ``check_schedule``, a cost is missing or negative, or a
+            per-microbatch memory tuple is too short.
+    """
+    check_schedule(schedule)
+    p2p = p2p or P2PModel()
+    plan, m = schedule.plan, schedule.num_microbatches
+    durations = _durations(schedule, _with_message_overheads(schedule, _cost_function(costs), p2p))
+    send = [p2p.transfer_s((boundary_bytes or {}).get(s, 0)) for s in range(plan.num_stages)]
+    orders = [[(a.kind, a.stage, a.microbatch) for a in actions] for actions in schedule.actions]
+    times = time_actions(orders, stage_graph(plan), durations, send, m)
+    if times is None:  # check_schedule proved the schedule deadlock-free
+        raise RuntimeError("the timing core stalled on a checked schedule (a plait bug)")
+    events = tuple(TimelineEvent(rank, a.kind, a.stage, a.microbatch, *times.of(a.kind, a.stage, a.microbatch))
+                   for rank, a in schedule.all_actions())
+    summary = summarize_timeline(events, schedule.num_ranks)
+    makespan = max((e.end_s for e in events), default=0.0)
+    bubbles = tuple((1.0 - b / makespan) if makespan > 0 else 0.0 for b in summary.busy_s)
+    peaks = _peak_memory(schedule, times, memory or {})
+    return SimResult(makespan, summary.busy_s, bubbles, peaks, events)
+
+
+def _durations(schedule: Schedule, cost_of: Callable[[Action], float]) -> ActionDurations:
+    """``cost_of`` every action of ``schedule``, as ``[stage][microbatch]`` lists per kind."""
+    n, m = schedule.plan.num_stages, schedule.num_microbatches
+    table = {kind: [[0.0] * m for _ in range(n)] for kind in "FBW"}
+    for _, action in schedule.all_actions():
+        table[action.kind][action.stage][action.microbatch] = cost_of(action)
+    return ActionDurations(table["F"], table["B"], table["W"])
+
+
+def _with_message_overheads(
+    schedule: Schedule, cost_of: Callable[[Action], float], p2p: P2PModel
+) -> Callable[[Action], float]:
+    """``cost_of`` plus the LogP overheads (Culler et al., PPoPP 1993, section 2; module docstring) of the
+    cross-rank messages each action receives (``recv_overhead_s`` each) and sends (``send_overhead_s`` each):
+    one per data dependency between stages on different ranks."""
+    if not (p2p.send_overhead_s or p2p.recv_overhead_s):
+        return cost_of
+    plan = schedule.plan
+    sends: dict[Action, int] = {}
+    receives: dict[Action, int] = {}
+    for _, action in schedule.all_actions():
+        for dep in action_dependencies(plan, action):
+            if plan.stages[dep.stage].rank != plan.stages[action.stage].rank:
+                sends[dep] = sends.get(dep, 0) + 1
+                receives[action] = receives.get(action, 0) + 1
+
+    def cost(action: Action) -> float:
+        return (cost_of(action) + sends.get(action, 0) * p2p.send_overhead_s
+                + receives.get(action, 0) * p2p.recv_overhead_s)
+
+    return cost
+
+
+def _cost_function(costs: ActionCosts) -> Callable[[Action], float]:
+    """Normalise the three ``ActionCosts`` forms to ``action -> seconds`` (validated >= 0)."""
+
+    def lookup(action: Action) -> float:
+        value = _raw_cost(costs, action)
+        if _indexable(value):
+            if action.microbatch >= len(value):
+                raise ValueError(
+                    f"costs for {action.kind} of stage {action.stage} have no microbatch {action.microbatch}"
+                )
+            value = value[action.microbatch]
+        elif callable(value):
+            value = value(action.microbatch)
+        seconds = float(value)
+        if not seconds >= 0 or math.isinf(seconds):
+            raise ValueError(f"cost of {action} must be a finite number >= 0, got {value}")
+        return seconds
+
+    return lookup
+
+
+def _indexable(value: Any) -> bool:
+    """A per-microbatch sequence (list, tuple, 1-D array), as opposed to a number or a callable."""
+    return not isinstance(value, str) and hasattr(value, "__getitem__") and hasattr(value, "__len__")
+
+
+def _raw_cost(costs: ActionCosts, action: Action) -> Any:
+    if callable(costs) and not isinstance(costs, Mapping):
+        return costs(action.stage, action.kind, action.microbatch)
+    if (action.stage, action.kind) in costs:
+        return costs[(action.stage, action.kind)]
+    if action.kind in costs:
+        per_stage = costs[action.kind]
+        if _indexable(per_stage) and action.stage < len(per_stage):
+            return per_stage[action.stage]
+    raise ValueError(f"costs give no time for {action.kind} of stage {action.stage}")
+
+
+def _peak_memory(schedule: Schedule, times: ActionTimes, memory: Mapping[int, StageMemory]) -> tuple[int, ...]:
+    """Per rank, static bytes plus the highest sum of live activations over time (``activation_peaks``):
+    a microbatch's activations live from its ``F``'s start to the end of the action that frees them
+    (``schedule_ir.frees_activations``; its ``F`` for a forward-only stage)."""
+    plan, m = schedule.plan, schedule.num_microbatches
+    freed, nbytes = [], []
+    for stage in plan.stages:
+        mem = memory.get(stage.index, StageMemory())
+        nbytes.append([mem.activation_of(i) for i in range(m)])
+        if not stage.runs_backward:
+            freed.append(times.forward_end[stage.index])
+        elif frees_activations(plan, Action("W", stage.index, 0), schedule.split_backward):  # W frees them
+            freed.append(times.weight_end[stage.index])
+        else:
+            freed.append(times.backward_end[stage.index])
+    live = activation_peaks([s.rank for s in plan.stages], schedule.num_ranks, times.forward_start, freed, nbytes)
+    return tuple(
+        sum(memory.get(s, StageMemory()).static_bytes for s in plan.stages_on_rank(rank)) + live[rank]
+        for rank in range(schedule.num_ranks)
+    )
 
 
 # ----- bridges from unit costs ------------------------------------------------------------------
