@@ -28,7 +28,7 @@ from plait.data.collate import Batch, collate
 from plait.data.loader import MultimodalDataset
 from plait.models.multimodal import MultimodalModel
 from plait.models.registry import build_model, build_processor, load_tokenizer
-from plait.planner.profile_store import Profile, ProfileKey, profile_mismatch
+from plait.planner.profile import Profile, ProfileKey, profile_mismatch
 from plait.planner.report import format_profile
 from plait.train.profiler import KwargsFn, measure_profile, profile_key
 
@@ -146,7 +146,7 @@ def load_or_measure(store: ProfileStore, key: ProfileKey, measure: Callable[[], 
 
     Raises:
         ValueError: before measuring, when the file to write exists and is not a plait profile
-            (``profile_store.not_a_profile``: not JSON, or no profile ``format`` and ``key``); a plait profile
+            (:func:`not_a_profile`: not JSON, or no profile ``format`` and ``key``); a plait profile
             that is stale, of another format version or unreadable field by field is re-measured and replaced.
     """
     stream = out or sys.stdout

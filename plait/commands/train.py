@@ -20,7 +20,7 @@ from plait.config.loader import load_config
 from plait.config.schema import JobConfig, ParallelConfig, PipelineConfig
 from plait.parallel.machine import auto_plan_inputs
 from plait.parallel.mesh import init_distributed
-from plait.planner.profile_store import Profile
+from plait.planner.profile import Profile
 from plait.planner.report import format_plan
 from plait.train.auto_plan import resolve_auto_plan
 from plait.train.pipeline_trainer import PipelineTrainer

@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from plait.planner.profile_store import Profile
+from plait.planner.profile import Profile
 from plait.planner.schedules import build_schedule
 from plait.planner.search import LayoutChoice
 from plait.planner.simulator import SimResult, StageMemory, simulate

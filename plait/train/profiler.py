@@ -29,9 +29,9 @@ For a list of microbatches (real samples, collated), :func:`measure_profile` mea
    executor (``run_pipeline_step`` in this process): its time beyond the stage passes, per action, is the
    executor's own cost per action (``Profile.action_overhead_s``).
 
-The result is a :class:`~plait.planner.profile_store.Profile` whose ``costs`` are the planner's
+The result is a :class:`~plait.planner.profile.Profile` whose ``costs`` are the planner's
 ``UnitCost`` (so the partitioner, the layout search and the simulator take measured costs unchanged) and
-whose ``chunk_overhead_s`` feeds ``profile_store.stage_action_costs``. Building a job's model and samples,
+whose ``chunk_overhead_s`` feeds ``plait.planner.profile.stage_action_costs``. Building a job's model and samples,
 storing profiles and reusing them by key is the ``plait profile`` command's part (``plait.commands.profile``).
 """
 
@@ -58,7 +58,7 @@ from plait.parallel.pipeline import run_pipeline_step
 from plait.train.loss import token_loss_sum
 from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline_plan import plan_pipeline
-from plait.planner.profile_store import Profile, ProfileKey, UnitMeasurement
+from plait.planner.profile import Profile, ProfileKey, UnitMeasurement
 from plait.planner.schedules import build_schedule
 
 __all__ = ["CLOCKS", "KwargsFn", "LossFn", "device_name", "measure_profile", "microbatch_shapes", "profile_key"]

@@ -17,7 +17,7 @@ from plait.models.units import model_units, unit_specs
 from plait.commands.profile import ProfileStore, load_or_measure
 from plait.planner.auto_plan import plan_auto_layout
 from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
-from plait.planner.profile_store import (
+from plait.planner.profile import (
     Profile,
     ProfileKey,
     UnitMeasurement,

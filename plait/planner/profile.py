@@ -1,4 +1,4 @@
-"""Measured unit costs on disk: the profile of one model on one device, keyed so a stale one is never reused.
+"""Measured unit costs as data: the profile of one model on one device, keyed so a stale one is never reused.
 
 A :class:`Profile` holds what ``plait.train.profiler`` measured for one microbatch shape: per pipeline unit
 the raw timings and bytes (:class:`UnitMeasurement`), the planner's :class:`~plait.planner.types.UnitCost`
