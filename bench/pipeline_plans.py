@@ -58,15 +58,8 @@ import statistics
 import time
 from typing import Any
 
-from plait.planner.cost_model import (
-    DeviceSpec,
-    EncoderArch,
-    MicrobatchShape,
-    arch_from_config,
-    model_param_count,
-    unit_costs,
-    units_from_configs,
-)
+from plait.planner.arch import EncoderArch, arch_from_config, model_param_count, units_from_configs
+from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_costs
 from plait.planner.graph import consistent_units
 from plait.planner.search import LayoutChoice, megatron_even_split, plan_layout
 from plait.planner.simulator import P2PModel

@@ -40,7 +40,8 @@ from plait.config.loader import config_from_dict, read_config_data, validate
 from plait.data.loader import GlobalBatchLoader, MultimodalDataset
 from plait.models.registry import build_model, build_processor, load_tokenizer, placeholder_of
 from plait.models.units import model_units
-from plait.planner.cost_model import DeviceSpec, MicrobatchShape, arch_from_config, unit_costs, units_from_configs
+from plait.planner.arch import arch_from_config, units_from_configs
+from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_costs
 from plait.planner.macrobatch import MacrobatchStats, expected_shapes, macrobatch_stats
 from plait.planner.pipeline_plan import LAYOUTS
 from plait.planner.report import format_plan, plan_to_json, pp_toml
@@ -78,7 +79,7 @@ class PlanInputs:
     """What the layout search needs, derived from a job config.
 
     Attributes:
-        units: pipeline units (``cost_model.units_from_configs``) with the config's freezing flags.
+        units: pipeline units (``arch.units_from_configs``) with the config's freezing flags.
         costs: one ``UnitCost`` per unit on the chosen device.
         model_configs: module -> Hugging Face config or architecture, plus ``"<encoder>.projector"``.
         shapes: module -> ``MicrobatchShape`` of one microbatch.
@@ -86,7 +87,7 @@ class PlanInputs:
         dtype: training dtype of parameters and activations (``"bfloat16"`` or ``"float32"``).
         unit_source: ``MODEL_UNITS`` (``"model"``) when ``units`` are the job model's own (``job_units``: the
             names ``parallel.pp.splits`` takes); otherwise why the analytic units of
-            ``cost_model.units_from_configs`` were used instead.
+            ``arch.units_from_configs`` were used instead.
     """
 
     units: tuple[Unit, ...]
@@ -258,7 +259,7 @@ def job_units(cfg: Any, configs: dict[str, Any], frozen: dict[str, bool]) -> tup
 
     Returns:
         ``(units, MODEL_UNITS)``; for a model plait cannot build (an encoder or LLM family without a pipeline
-        layout) ``(cost_model.units_from_configs(configs, frozen), reason)``: analytic names such as
+        layout) ``(arch.units_from_configs(configs, frozen), reason)``: analytic names such as
         ``llm.layers.2``, which no job can use as ``parallel.pp.splits``.
     """
     llm = configs["llm"]

@@ -1,6 +1,6 @@
 """Per-sample cost coefficients of a live model, for the microbatch planner.
 
-FLOPs per forward pass from the Hugging Face configs by the analytic cost model's per-layer formula
+FLOPs per forward pass from the Hugging Face configs by the planner's one per-layer formula
 (``arch_from_config(...).layer_flops()``, MoE routing included), scaled by the frozen-aware pass factor
 (forward + dX + dW, ../shared/DESIGN.md "Cost of a unit"). Only ratios between modules and samples matter to the planner.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from plait.models.multimodal import MultimodalModel
-from plait.planner.cost_model import arch_from_config
+from plait.planner.arch import arch_from_config
 from plait.planner.graph import ModuleFlags, consistent_units, module_flags
 from plait.planner.microbatch import ModuleCostCoeffs
 from plait.planner.types import LLM_MODULE, Unit

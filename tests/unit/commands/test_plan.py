@@ -14,7 +14,7 @@ import pytest
 from plait.config.loader import config_from_dict, load_config, pipeline_plan_kwargs
 from plait.models.registry import build_model, load_tokenizer
 from plait.models.units import model_units
-from plait.planner.cost_model import units_from_configs
+from plait.planner.arch import units_from_configs
 from plait.planner.pipeline_plan import plan_pipeline
 from plait.config.schema import PipelineConfig
 from plait.planner.pipeline_plan import synthetic_units
@@ -116,7 +116,7 @@ def test_plan_units_are_the_models_units_by_name_order_and_flags(case):
     assert inputs.unit_source == MODEL_UNITS
     assert [u.name for u in inputs.units] == [u.name for u in real] == expected
     assert inputs.units == real  # kinds, modules and frozen-aware flags too
-    # the analytic flag rules (cost_model.units_from_configs) agree with the model's on every unit
+    # the analytic flag rules (arch.units_from_configs) agree with the model's on every unit
     configs, frozen, _ = model_parts(cfg)
     analytic = units_from_configs(configs, frozen)
     for unit in real:

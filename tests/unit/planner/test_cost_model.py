@@ -12,18 +12,21 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
-from plait.planner.cost_model import (
+from plait.planner.arch import (
     DecoderArch,
-    DeviceSpec,
     EncoderArch,
+    ProjectorArch,
+    arch_from_config,
+    model_param_count,
+    units_from_configs,
+)
+from plait.planner.cost_model import (
+    DeviceSpec,
     MicrobatchShape,
     OptimizerSpec,
-    ProjectorArch,
     UnitEstimate,
-    arch_from_config,
     causal_pairs,
     dtype_bytes,
-    model_param_count,
     stage_work,
     unit_activation_bytes,
     unit_costs,
@@ -31,7 +34,6 @@ from plait.planner.cost_model import (
     unit_memory_bytes,
     unit_static_bytes,
     unit_work,
-    units_from_configs,
     windowed_causal_pairs,
 )
 from plait.planner.partitioner import partition_units

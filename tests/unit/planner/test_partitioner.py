@@ -11,13 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.planner.cost_model import (
-    DeviceSpec,
-    MicrobatchShape,
-    unit_costs,
-    unit_work,
-    units_from_configs,
-)
+from plait.planner.arch import units_from_configs
+from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_costs, unit_work
 from plait.planner.partitioner import (
     UnitPartition,
     one_f_one_b_in_flight,

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from plait.planner import search as search_module
 from plait.planner import search_bounds, search_candidates, search_model
+from plait.planner.arch import units_from_configs
 from plait.planner.cost_model import (
     DeviceSpec,
     MicrobatchShape,
@@ -23,7 +24,6 @@ from plait.planner.cost_model import (
     unit_activation_bytes,
     unit_costs,
     unit_static_bytes,
-    units_from_configs,
 )
 from plait.planner.partitioner import partition_chain
 from plait.planner.graph import consistent_units
