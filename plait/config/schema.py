@@ -122,7 +122,7 @@ class AttentionConfig:
 
 @dataclass
 class PipelineConfig:
-    """Pipeline parallelism (plait.planner.pipeline_plan, plait.parallel.pipeline_runtime): the model is cut
+    """Pipeline parallelism (plait.planner.pipeline_plan, plait.parallel.pipeline): the model is cut
     into stages placed on ``degree`` pipeline ranks, and each global batch's microbatches flow through them on a
     schedule. By default every stage has its own rank; ``virtual_stages`` puts several LLM stages on each LLM rank
     and ``attach_encoders`` puts the encoder stages on the first LLM rank (the placements the layout search,

@@ -1,12 +1,13 @@
 """The stage-to-stage link as the simulator's :class:`~plait.planner.simulator.P2PModel`, measured in a job.
 
 :func:`measure_link` (collective over the default process group): ranks 0 and 1 ping-pong messages packed as
-the pipeline runtime's gloo transport packs them (``pipeline_runtime._pack``: one buffer of header and payload,
-its receive posted ahead, as ``_Transport`` posts it), an empty one and one of ``nbytes``. From the medians it
-takes, as LogP does (Culler et al., "LogP: towards a realistic model of parallel computation", PPoPP 1993,
-section 2), the host time each end spends per message (overhead ``o``: packing and posting on the sender,
-waiting and unpacking on the receiver; main-thread CPU seconds) and the wire time ``latency + bytes /
-bandwidth`` (one-way time less both overheads, fitted on the two sizes). Rank 0's result is broadcast, so
+the pipeline runtime's gloo transport packs them (:func:`~plait.parallel.pipeline.wire.pack_payload`: one buffer
+of header and payload, its receive posted ahead, as :class:`~plait.parallel.pipeline.transport.Transport` posts
+it), an empty one and one of ``nbytes``. From the medians it takes, as LogP does (Culler et al., "LogP: towards
+a realistic model of parallel computation", PPoPP 1993, section 2), the host time each end spends per message
+(overhead ``o``: packing and posting on the sender, waiting and unpacking on the receiver; main-thread CPU
+seconds) and the wire time ``latency + bytes / bandwidth`` (one-way time less both overheads, fitted on the two
+sizes). Rank 0's result is broadcast, so
 every rank of the job gets the same model (a deterministic plan search on every rank then agrees).
 
 The measurement uses the packed CPU transport, so it is what a gloo job on CPU sends. :func:`preset_link` is the
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.parallel.pipeline_runtime import _encode_header, _pack, _unpack
+from plait.parallel.pipeline.wire import pack_payload, unpack
 from plait.planner.simulator import P2PModel
 
 __all__ = ["LinkSample", "MIN_LINK_BYTES", "describe_link", "job_link", "measure_link", "ping_pong", "preset_link"]
@@ -51,7 +52,7 @@ class LinkSample:
 
 def ping_pong(peer: int, nbytes: int, rounds: int, group: Any = None) -> LinkSample:
     """Median :class:`LinkSample` over ``rounds`` ping-pongs with global rank ``peer`` (the lower rank pings
-    first) of a message packed as the runtime's gloo transport packs it (``_pack``: header and a float32
+    first) of a message packed as the runtime's gloo transport packs it (``pack_payload``: header and a float32
     tensor of ``nbytes`` bytes, rounded down to whole floats, at least one), its receive posted ahead as the
     runtime posts it. Both ranks must call it with the same arguments.
 
@@ -69,7 +70,7 @@ def ping_pong(peer: int, nbytes: int, rounds: int, group: Any = None) -> LinkSam
         raise ValueError(f"ping_pong needs rounds >= 1 and nbytes >= 0, got rounds={rounds}, nbytes={nbytes}")
     payload = {"llm": [torch.zeros(max(1, nbytes // 4))]}
     me = dist.get_rank()
-    capacity = _pack(_encode_header(("llm",), payload), payload["llm"], 0).numel()  # the receive holds it whole
+    capacity = pack_payload(("llm",), payload, 0).numel()  # the receive holds it whole
     posted = (buf := torch.empty(capacity, dtype=torch.uint8)), dist.irecv(buf, peer)
     dist.barrier(group=group)
     samples = []
@@ -78,11 +79,11 @@ def ping_pong(peer: int, nbytes: int, rounds: int, group: Any = None) -> LinkSam
         for ping in ((me < peer), (me > peer)):
             cpu = time.thread_time()
             if ping:
-                dist.isend(_pack(_encode_header(("llm",), payload), payload["llm"], capacity), peer).wait()
+                dist.isend(pack_payload(("llm",), payload, capacity), peer).wait()
                 send = time.thread_time() - cpu
             else:
                 posted[1].wait()
-                _unpack(posted[0], ("llm",))
+                unpack(posted[0], ("llm",))
                 posted = (buf := torch.empty(capacity, dtype=torch.uint8)), dist.irecv(buf, peer)
                 recv = time.thread_time() - cpu
         samples.append(LinkSample((time.perf_counter() - start) / 2, send, recv))

@@ -31,7 +31,7 @@ DP replica's non-empty microbatches go through the pipeline (the same list on ev
 they agree on ``M``; schedules are built per ``M`` and cached), then ``clip_grad_norm_pipeline`` and the
 optimizer step. The plan may defer a sample's LLM work to a later microbatch than its encoder work (issue 5):
 the encoder stages then run the plan's encoder view, the LLM stages its LLM view, and the first LLM stage
-buffers the deferred features (``FeatureRouting``; the peak bytes go to the metrics as
+buffers the deferred features (``FeatureRouting``, :mod:`plait.parallel.deferral`; the peak bytes go to the metrics as
 ``encoder_buffer_peak_bytes``). A replica left without samples (a last global batch smaller than DP) runs one
 microbatch with its loss multiplied by 0, so it still joins the DP gradient sum with zeros.
 
@@ -59,28 +59,22 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.attention.interface import use_plait_attention
-from plait.attention.masks import MaskInfo
 from plait.config.loader import pipeline_plan_kwargs
 from plait.config.schema import PipelineConfig
-from plait.data.collate import Batch, collate
 from plait.models.multimodal import MultimodalModel
 from plait.models.init import materialize, rank_prefixes, weight_source
 from plait.models.registry import build_model
 from plait.models.units import model_units
-from plait.parallel.pipeline_runtime import (
-    FeatureRouting,
-    build_pipeline_comm,
-    clip_grad_norm_pipeline,
-    gather_timeline,
-    run_pipeline_step,
-    token_loss_sum,
-)
 from plait.parallel.dims import ParallelDims
+from plait.parallel.pipeline import build_pipeline_comm, clip_grad_norm_pipeline, gather_timeline, run_pipeline_step
 from plait.parallel.stages import build_rank_stages
 from plait.planner.microbatch import MicrobatchPlan
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
-from plait.planner.schedules import Schedule, TimelineEvent, build_schedule
+from plait.planner.schedule_ir import Schedule
+from plait.planner.schedules import build_schedule
+from plait.planner.timeline import TimelineEvent
 from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, latest_checkpoint, load_model_state
+from plait.train.loss import token_loss_sum, zero_loss
 from plait.train.metrics import MetricsWriter
 from plait.train.plots import plot_timeline, write_chrome_trace
 from plait.train.trainer import Trainer, build_optimizer, build_scheduler
@@ -97,11 +91,6 @@ def build_pipeline_plan(model: MultimodalModel, pp: PipelineConfig) -> PipelineP
     """
     cuts = pipeline_plan_kwargs(pp, list(model.encoders))  # even counts, explicit splits, stage ranks
     return plan_pipeline(model_units(model), pp.layout, **cuts)
-
-
-def _zero_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The token loss sum times 0: a replica without samples joins the DP gradient sum with zeros."""
-    return token_loss_sum(logits, labels) * 0.0
 
 
 class PipelineTrainer(Trainer):
@@ -205,40 +194,27 @@ class PipelineTrainer(Trainer):
         Collective over the job. Returns ``(global loss, global target tokens)``; sets
         ``encoder_buffer_peak_bytes`` (the largest over the job, 0 when the plan defers nothing).
 
-        When the plan defers samples, the encoder stages run the encoder view of the plan
-        (``plan.microbatches``) and the LLM stages its LLM view (``plan.llm_microbatches``), joined by a
-        :class:`~plait.parallel.pipeline_runtime.FeatureRouting`; microbatches empty in both views are dropped
-        (order kept). Without deferral both views are the same and the step runs as before."""
+        The step's batches, LLM keyword arguments and feature routing are planned first
+        (:meth:`~plait.train.trainer.Trainer.plan_batches`); the runtime only executes them. When the plan defers
+        samples, the encoder stages run the encoder view of the plan and the LLM stages its LLM view, joined by
+        the :class:`~plait.planner.routing.FeatureRouting`; microbatches empty in both views are dropped (order
+        kept). Without deferral both views are the same and the step runs without routing."""
         plan = plan or self.plan_step(indices)[0]
         global_targets = sum(self.train_set[i].meta.target_tokens for i in indices)
-        batches, routing = self._routed_microbatches(indices, plan) if plan.deferred() else ([], None)
-        loss_fn = token_loss_sum
-        if routing is None:
-            mbs = self.microbatches(indices, plan)
-            if not mbs:  # fewer samples than replicas: join the DP reduction with a zero contribution
-                mbs, loss_fn = [[indices[0]]], _zero_loss
-            batches = [self._collate(mb) for mb in mbs]
+        step, loss_fn = self.plan_batches(indices, plan), token_loss_sum
+        routed = plan.deferred() and step.routing.num_microbatches > 0
+        batches, kwargs = list(step.llm_batches), list(step.llm_kwargs)
+        if not batches:  # fewer samples than replicas: join the DP reduction with a zero contribution
+            batches, loss_fn = [self._collate([indices[0]])], zero_loss
+            kwargs = [self._llm_kwargs(batches[0])]
         self.stages.train()
         res = run_pipeline_step(self.stages, self.schedule_for(len(batches)), batches, global_targets, self.comm,
-                                loss_fn=loss_fn, autocast=self.autocast, llm_kwargs=self._llm_kwargs, routing=routing)
+                                loss_fn=loss_fn, autocast=self.autocast, llm_kwargs=kwargs,
+                                routing=step.routing if routed else None,
+                                encoder_batches=step.encoder_batches if routed else None)
         self.last_events = res.events
         self.encoder_buffer_peak_bytes = self._job_max(res.buffered_peak_bytes) if plan.deferred() else 0
         return res.loss, global_targets
-
-    def _routed_microbatches(self, indices: Sequence[int], plan: MicrobatchPlan
-                             ) -> tuple[list[Batch | None], FeatureRouting | None]:
-        """This replica's LLM batches (None where empty) and the routing of its encoder view; sample keys are
-        positions in ``indices``. ``([], None)`` when the replica has no sample."""
-        enc, llm = plan.microbatches[self.dp_rank], plan.llm_microbatches(self.dp_rank)
-        keep = [j for j in range(plan.num_microbatches) if enc[j] or llm[j]]
-        if not keep:
-            return [], None
-        features = {k: self._feature_rows(indices[k]) for j in keep for k in enc[j]}
-        routing = FeatureRouting(
-            tuple(self._collate([indices[k] for k in enc[j]]) if enc[j] else None for j in keep),
-            tuple(enc[j] for j in keep), tuple(llm[j] for j in keep), features,
-        )
-        return [self._collate([indices[k] for k in llm[j]]) if llm[j] else None for j in keep], routing
 
     def _job_max(self, value: int) -> int:
         """The largest ``value`` over every rank (collective when distributed)."""
@@ -247,20 +223,6 @@ class PipelineTrainer(Trainer):
         peak = torch.tensor([value], dtype=torch.long, device=self.info.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return int(peak)
-
-    def _collate(self, samples: Sequence[int]) -> Batch:
-        batch = collate([self.train_set[i] for i in samples], self.processor.pad_id, pack=self.cfg.data.packing)
-        return batch.to(self.info.device)
-
-    def _llm_kwargs(self, batch: Batch) -> dict[str, Any]:
-        """Attention metadata for the LLM stages (plait attention reads ``plait_mask`` and ignores the 2-D mask);
-        with CP also this rank's ``plait_cp`` shard of the batch's tokens (``Trainer._cp_shard``)."""
-        if self.attention == "hf":
-            return {}
-        info = MaskInfo.from_batch(vars(batch), mode=self.cfg.attention.mask)
-        if self.cp == 1:
-            return {"plait_mask": info}
-        return {"plait_mask": info, "plait_cp": self._cp_shard(info)}
 
     def optimizer_step(self) -> tuple[float, float]:
         """Clip the whole pipeline's gradient norm (collective), step this rank's optimizer (if it trains) at the

@@ -22,9 +22,9 @@ import sys
 import time
 from collections import defaultdict
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -40,10 +40,11 @@ from plait.data.loader import GlobalBatchLoader, MultimodalDataset, rank_share
 from plait.models.multimodal import MultimodalModel
 from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.parallel.data_parallel import apply_data_parallel, sum_gradients
+from plait.parallel.deferral import FeatureBuffer
 from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
-from plait.parallel.pipeline_runtime import token_loss_sum  # one definition, re-exported here
 from plait.parallel.dims import ParallelDims
 from plait.parallel.mesh import DistInfo, init_distributed
+from plait.planner.routing import FeatureRouting, plan_feature_routing
 from plait.planner.token_distributor import plan_tokens
 from plait.train.checkpoint import (
     CheckpointLayout,
@@ -62,56 +63,41 @@ from plait.planner.microbatch import (
     workload_stats,
 )
 from plait.train.costs import microbatch_cost_coeffs
+from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter
 
-__all__ = ["Trainer", "StepResult", "token_loss_sum", "build_optimizer", "build_scheduler"]
+__all__ = ["Trainer", "StepBatches", "StepResult", "build_optimizer", "build_scheduler"]
 
 log = logging.getLogger(__name__)
 
-@dataclass
-class _EncodedMicrobatch:
-    """The encoder outputs of one encoder microbatch, kept until every LLM microbatch reading them has run
-    backward (deferral; ``Trainer.forward_backward``).
+@dataclass(frozen=True)
+class StepBatches:
+    """One DP replica's share of a step, planned before any of it runs (DESIGN "One training step"): the feature
+    routing of its microbatch plan and, per routed microbatch, the collated batches and the LLM keyword arguments
+    (attention metadata and this rank's CP shard, from ``plan_tokens``). Each sample is collated once: an encoder
+    microbatch with the same samples as its LLM microbatch reuses that batch.
 
     Attributes:
-        outputs: per branch, projected features ``[rows, hidden]`` still attached to the encoder's graph.
-        rows: per dataset index of the microbatch, per branch, its ``(start, stop)`` rows of ``outputs``.
-        users: LLM microbatches that still have to run backward with these outputs.
-        leaves: per branch, ``outputs`` detached (``requires_grad`` when the output has a graph): what the
-            LLM microbatches read; their ``.grad`` accumulates the LLM's gradient with respect to the outputs.
+        routing: the replica's :class:`~plait.planner.routing.FeatureRouting` (sample keys: positions in the
+            global batch); no microbatch when the replica has no sample.
+        encoder_batches: per microbatch, the batch of the encoder view (None: no sample).
+        llm_batches: per microbatch, the batch of the LLM view (None: no sample).
+        llm_kwargs: per microbatch, the LLM's extra keyword arguments (``{}`` for an empty one).
     """
 
-    outputs: dict[str, torch.Tensor]
-    rows: dict[int, dict[str, tuple[int, int]]]
-    users: set[int]
-    leaves: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.leaves = {n: o.detach().requires_grad_(o.requires_grad) for n, o in self.outputs.items()}
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the buffered outputs (the leaves)."""
-        return sum(t.numel() * t.element_size() for t in self.leaves.values())
-
-    def backward(self) -> None:
-        """Propagate the gradients accumulated on the leaves through the encoder graph (one backward for all
-        branches); a branch whose leaf got no gradient (frozen, or no local token on this CP rank) is skipped."""
-        pairs = [(o, self.leaves[n].grad) for n, o in self.outputs.items()
-                 if o.requires_grad and self.leaves[n].grad is not None]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    routing: FeatureRouting
+    encoder_batches: tuple[Batch | None, ...]
+    llm_batches: tuple[Batch | None, ...]
+    llm_kwargs: tuple[dict[str, Any], ...]
 
 
-def _gather_features(samples: Sequence[int], sources: Sequence[_EncodedMicrobatch]) -> dict[str, torch.Tensor]:
-    """Projected features per branch ``[placeholders, hidden]`` of the LLM microbatch ``samples`` (dataset
-    indices, batch row order), sliced from the leaves of each sample's encoder microbatch ``sources[k]``."""
-    parts: dict[str, list[torch.Tensor]] = defaultdict(list)
-    for i, src in zip(samples, sources):
-        for name, (start, stop) in src.rows[i].items():
-            if stop > start:
-                parts[name].append(src.leaves[name][start:stop])
-    return {name: torch.cat(ts) if len(ts) > 1 else ts[0] for name, ts in parts.items()}
+def _backward_through(outputs: dict[str, torch.Tensor], leaves: Mapping[str, torch.Tensor]) -> None:
+    """Propagate the gradients accumulated on the detached ``leaves`` through the encoder graph of ``outputs``
+    (one backward for all branches); a branch whose leaf got no gradient (frozen, or no local token on this CP
+    rank) is skipped."""
+    pairs = [(o, leaves[n].grad) for n, o in outputs.items() if o.requires_grad and leaves[n].grad is not None]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
 @dataclass(frozen=True)
@@ -269,7 +255,7 @@ class Trainer:
         Plan entries are positions in ``indices``. Returns the plan and the per-sample costs it balanced.
         Deferral (a sample's LLM work in a later microbatch than its encoder work) is allowed: this trainer
         buffers encoder outputs as detached leaves, the pipeline runtime on the first LLM stage
-        (:class:`~plait.parallel.pipeline_runtime.FeatureRouting`).
+        (:class:`~plait.planner.routing.FeatureRouting`).
         """
         t = self.cfg.train
         costs = sample_costs_from_metadata([self.train_set[i].meta for i in indices], self.cost_coeffs)
@@ -285,14 +271,41 @@ class Trainer:
         plan = plan or self.plan_step(indices)[0]
         return [[indices[k] for k in mb] for mb in plan.llm_microbatches(self.dp_rank) if mb]
 
+    def plan_batches(self, indices: Sequence[int], plan: MicrobatchPlan) -> StepBatches:
+        """This rank's :class:`StepBatches` of the global batch ``indices`` under ``plan`` (every sample collated
+        once, every LLM microbatch's CP token assignment planned once), before the step runs."""
+        routing = plan_feature_routing(plan, self.dp_rank, {k: self._feature_rows(indices[k])
+                                                            for k in range(len(indices))})
+        llm = tuple(self._collate([indices[k] for k in mb]) if mb else None for mb in routing.llm_samples)
+        enc = tuple(llm[j] if mb == routing.llm_samples[j] else self._collate([indices[k] for k in mb]) if mb
+                    else None for j, mb in enumerate(routing.encoder_samples))
+        kwargs = tuple(self._llm_kwargs(b) if b is not None else {} for b in llm)
+        return StepBatches(routing, enc, llm, kwargs)
+
+    def _collate(self, samples: Sequence[int]) -> Batch:
+        """The training batch of dataset samples ``samples`` on this rank's device (``data.packing``)."""
+        batch = collate([self.train_set[i] for i in samples], self.processor.pad_id, pack=self.cfg.data.packing)
+        return batch.to(self.info.device)
+
+    def _llm_kwargs(self, batch: Batch) -> dict[str, Any]:
+        """Attention metadata for the LLM (plait attention reads ``plait_mask`` and ignores the 2-D mask); with CP
+        also this rank's ``plait_cp`` shard of the batch's tokens (:meth:`_cp_shard`). ``{}`` for HF attention."""
+        if self.attention == "hf":
+            return {}
+        info = MaskInfo.from_batch(vars(batch), mode=self.cfg.attention.mask)
+        if self.cp == 1:
+            return {"plait_mask": info}
+        return {"plait_mask": info, "plait_cp": self._cp_shard(info)}
+
     def forward_backward(self, indices: Sequence[int], plan: MicrobatchPlan | None = None) -> tuple[float, int]:
         """Forward/backward this rank's share of the global batch ``indices`` by the plan (deferral included);
         the gradients, summed over all ranks and scaled by 1 / global target tokens, accumulate in ``.grad``.
         Returns ``(global loss, global target tokens)``; sets ``encoder_buffer_peak_bytes``.
 
         Encoder microbatch ``i`` runs just before LLM microbatch ``i`` (planned order). Its outputs enter the
-        LLM microbatches as detached leaves; once every LLM microbatch that reads them has run backward, the
-        gradients accumulated on the leaves are propagated through the encoder graph (detached-leaf
+        LLM microbatches as detached leaves, assembled by the one deferral implementation
+        (:class:`~plait.parallel.deferral.FeatureBuffer`); once every LLM microbatch that reads them has run
+        backward, the gradients accumulated on the leaves are propagated through the encoder graph (detached-leaf
         re-injection), so deferred samples get the gradient of one fused forward/backward. Gradients are
         reduced once, explicitly, after the last backward (``sum_gradients``): DDP's reducer would
         all-reduce at the end of the last LLM backward, before the deferred encoder backwards. A rank whose
@@ -301,85 +314,66 @@ class Trainer:
         self.model.train()
         plan = plan or self.plan_step(indices)[0]
         global_targets = sum(self.train_set[i].meta.target_tokens for i in indices)
-        loss_sum, self.encoder_buffer_peak_bytes = self._run_microbatches(indices, plan, 1.0 / max(1, global_targets))
+        batches = self.plan_batches(indices, plan)
+        loss_sum, self.encoder_buffer_peak_bytes = self._run_microbatches(batches, 1.0 / max(1, global_targets))
         if self.info.world_size > 1:
             sum_gradients([p for _, p in self.model.trainable_parameters()], device=self.info.device)
             dist.all_reduce(loss_sum)
         return float(loss_sum) / max(1, global_targets), global_targets
 
-    def _run_microbatches(self, indices: Sequence[int], plan: MicrobatchPlan, scale: float) -> tuple[torch.Tensor, int]:
+    def _run_microbatches(self, step: StepBatches, scale: float) -> tuple[torch.Tensor, int]:
         """Forward/backward of this rank's encoder and LLM microbatches in planned order, each LLM loss sum
         times ``scale``. Returns (this rank's loss sum (float64 scalar), peak bytes of encoder outputs kept
         across a microbatch boundary)."""
-        enc_mbs, llm_mbs = plan.microbatches[self.dp_rank], plan.llm_microbatches(self.dp_rank)
-        enc_of = {k: i for i, mb in enumerate(enc_mbs) for k in mb}
-        buffers: dict[int, _EncodedMicrobatch] = {}
-        loss_sum, peak = torch.zeros((), dtype=torch.float64), 0
-        for j in range(plan.num_microbatches):
-            if enc_mbs[j]:
-                users = {jj for jj, mb in enumerate(llm_mbs) if any(enc_of[k] == j for k in mb)}
-                buffers[j] = self._encode_microbatch([indices[k] for k in enc_mbs[j]], users)
-            if llm_mbs[j]:
-                samples = [indices[k] for k in llm_mbs[j]]
-                feats = _gather_features(samples, [buffers[enc_of[k]] for k in llm_mbs[j]])
-                mb_loss = self.microbatch_loss(samples, feats)
+        buffer = FeatureBuffer(step.routing)
+        encoded: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}  # outputs, their leaves
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for j in range(step.routing.num_microbatches):
+            if step.encoder_batches[j] is not None:
+                outputs = self._encode(step.encoder_batches[j])
+                encoded[j] = outputs, {n: o.detach().requires_grad_(o.requires_grad) for n, o in outputs.items()}
+                buffer.hold(j, encoded[j][1])
+            batch = step.llm_batches[j]
+            if batch is not None:
+                mb_loss = self.microbatch_loss(batch, step.llm_kwargs[j], buffer.gather(j))
                 if mb_loss.requires_grad:  # e.g. a text-only microbatch under a frozen LLM has no gradient
                     (mb_loss * scale).backward()
                 loss_sum += mb_loss.detach().double().cpu()
-            for i in sorted({enc_of[k] for k in llm_mbs[j]}):
-                buffers[i].users.discard(j)
-                if not buffers[i].users:
-                    buffers.pop(i).backward()
-            peak = max(peak, sum(b.nbytes for b in buffers.values()))
-        if buffers:
-            raise RuntimeError(f"encoder microbatches {sorted(buffers)} were never consumed (invalid plan)")
-        return loss_sum, peak
+            for i in buffer.release(j):
+                _backward_through(*encoded.pop(i))
+        if encoded:
+            raise RuntimeError(f"encoder microbatches {sorted(encoded)} were never consumed (invalid plan)")
+        return loss_sum, buffer.peak
 
-    def _encode_microbatch(self, samples: Sequence[int], users: set[int]) -> "_EncodedMicrobatch":
-        """Run every encoder branch on the items of the encoder microbatch ``samples`` (dataset indices);
-        ``users``: the LLM microbatches that read its outputs."""
-        batch = collate([self.train_set[i] for i in samples], self.processor.pad_id).to(self.info.device)
-        outputs: dict[str, torch.Tensor] = {}
+    def _encode(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Every encoder branch on the items of ``batch``: per branch, projected features ``[rows, hidden]``."""
         with self.autocast():
-            for name, inputs in batch.modality_inputs.items():
-                outputs[name] = self.model.encode(name, inputs)
-        rows: dict[int, dict[str, tuple[int, int]]] = {}
-        start = dict.fromkeys(outputs, 0)
-        for i in samples:
-            counts = self._feature_rows(i)
-            rows[i] = {}
-            for name in outputs:
-                rows[i][name] = (start[name], start[name] + counts[name])
-                start[name] += counts[name]
-        return _EncodedMicrobatch(outputs, rows, set(users))
+            return {name: self.model.encode(name, inputs) for name, inputs in batch.modality_inputs.items()}
 
     def _feature_rows(self, index: int) -> dict[str, int]:
         """Projected feature rows per encoder branch of dataset sample ``index`` (its placeholder tokens)."""
         ids = self.train_set[index].input_ids
         return {name: int((ids == pid).sum()) for name, pid in self.model.placeholder_ids.items()}
 
-    def microbatch_loss(self, samples: Sequence[int], features: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """Sum of token cross-entropies of an LLM microbatch (dataset indices), on this rank's share of its
-        tokens.
+    def microbatch_loss(self, batch: Batch, kwargs: dict[str, Any], features: dict[str, torch.Tensor] | None = None
+                        ) -> torch.Tensor:
+        """Sum of token cross-entropies of an LLM microbatch ``batch`` with its planned ``kwargs``
+        (:meth:`_llm_kwargs`), on this rank's share of its tokens.
 
         ``features``: precomputed projected features per branch (``[placeholders, hidden]`` in the batch's
         row-major placeholder order, e.g. from earlier encoder microbatches); None runs the encoders inline.
-        Without CP every token is local. With CP the tokens are spread over the CP group by
-        ``parallel.cp_distribution`` (every rank computes the same assignment from the mask metadata); the
-        encoders run on every rank of the group, the LLM only on the local tokens, with K/V gathered across
-        the group by plait's attention.
+        Without CP every token is local. With CP (a ``plait_cp`` shard in ``kwargs``) the encoders run on every
+        rank of the group, the LLM only on the local tokens, with K/V gathered across the group by plait's
+        attention.
         """
-        batch = collate([self.train_set[i] for i in samples], self.processor.pad_id,
-                        pack=self.cfg.data.packing).to(self.info.device)
-        kwargs: dict[str, Any] = {}
         labels, positions, attn = batch.labels, batch.position_ids, batch.attention_mask
-        if self.attention != "hf":
-            info = MaskInfo.from_batch(vars(batch), mode=self.cfg.attention.mask)
-            kwargs["plait_mask"], attn = info, None
-            if self.cp > 1:
-                shard = self._cp_shard(info)
-                kwargs.update(plait_cp=shard, token_index=shard.local_index)
-                labels, positions = shard_tokens(labels, shard), shard_tokens(positions, shard)
+        kwargs = dict(kwargs)
+        if "plait_mask" in kwargs:
+            attn = None
+        shard = kwargs.get("plait_cp")
+        if shard is not None:
+            kwargs["token_index"] = shard.local_index
+            labels, positions = shard_tokens(labels, shard), shard_tokens(positions, shard)
         inputs = None if features is not None else batch.modality_inputs
         with self.autocast():
             logits = self.model(batch.input_ids, inputs, attn, positions, features=features, **kwargs)

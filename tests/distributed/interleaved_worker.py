@@ -11,10 +11,12 @@ import torch
 import torch.distributed as dist
 
 from plait.models.units import model_units
-from plait.parallel.pipeline_runtime import build_pipeline_comm, run_pipeline_step
+from plait.parallel.pipeline import build_pipeline_comm, run_pipeline_step
+from plait.train.loss import token_loss_sum
 from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline_plan import plan_pipeline
-from plait.planner.schedules import build_schedule, check_schedule
+from plait.planner.schedule_ir import check_schedule
+from plait.planner.schedules import build_schedule
 from tests.distributed.pipeline_worker import _check_grads, _close, apply_mode, make_batch, reference_step, tiny_model
 from tests.distributed.spawning import gloo_group
 
@@ -45,7 +47,7 @@ def run_case(name, layout, stages_per_module, ranks, mode, steps, options) -> No
         where = f"{name} step {step} rank {dist.get_rank()}"
         batches = [make_batch(k, 100 * step + i) for i, k in enumerate(kinds)]
         targets = sum(b.target_tokens for b in batches)
-        res = run_pipeline_step(stages, schedule, batches, targets, comm)
+        res = run_pipeline_step(stages, schedule, batches, targets, comm, loss_fn=token_loss_sum)
         _close(res.loss, reference_step(ref, batches), f"{where}: loss")
         compared = _check_grads(stages, ref, where)
         everything: list = [None] * dist.get_world_size()

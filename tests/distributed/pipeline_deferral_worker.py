@@ -16,10 +16,11 @@ from plait.attention.interface import use_plait_attention
 from plait.data.collate import Batch
 from plait.models.units import model_units
 from plait.parallel.context import build_cp_shard
-from plait.parallel.pipeline_runtime import FeatureRouting, build_pipeline_comm, run_pipeline_step
+from plait.parallel.pipeline import build_pipeline_comm, run_pipeline_step
 from plait.parallel.stages import build_rank_stages
 from plait.planner.microbatch import MicrobatchPlan, MicrobatchPolicy, SampleCost, plan_microbatches
 from plait.planner.pipeline_plan import plan_pipeline
+from plait.planner.routing import FeatureRouting
 from plait.planner.schedules import build_schedule
 from tests.distributed.pipeline_worker import (
     AUD,
@@ -37,6 +38,7 @@ from tests.distributed.pipeline_worker import (
     tiny_model,
     with_items,
 )
+from plait.train.loss import token_loss_sum
 from tests.distributed.spawning import gloo_group
 
 # one sample per entry: media ("i": a 16x16 image, 4 features; "I": a 24x32 image, 12; "a": a 0.5 s clip, 7;
@@ -103,14 +105,15 @@ def stack(samples: list[Batch]) -> Batch:
                  cat("document_ids", -1), cat("item_ids", -1), inputs, ())
 
 
-def routed_microbatches(plan: MicrobatchPlan, rank: int, samples: list[Batch]) -> tuple[list, FeatureRouting]:
-    """DP replica ``rank``'s LLM batches (None when empty) and the routing of its encoder view (sample keys are
-    positions in the global batch)."""
+def routed_microbatches(plan: MicrobatchPlan, rank: int, samples: list[Batch]) -> tuple[list, FeatureRouting, list]:
+    """DP replica ``rank``'s LLM batches (None when empty), the routing of its encoder view (sample keys are
+    positions in the global batch) and the encoder view's batches (None when empty)."""
     enc, llm = plan.microbatches[rank], plan.llm_microbatches(rank)
     features = {k: {"vision": sum(FEATURES[c] for c in media if c in "iI"),
                     "audio": sum(FEATURES[c] for c in media if c == "a")} for k, (media, _) in enumerate(SAMPLES)}
-    routing = FeatureRouting(tuple(stack([samples[k] for k in mb]) if mb else None for mb in enc), enc, llm, features)
-    return [stack([samples[k] for k in mb]) if mb else None for mb in llm], routing
+    routing = FeatureRouting(enc, llm, features)
+    return ([stack([samples[k] for k in mb]) if mb else None for mb in llm], routing,
+            [stack([samples[k] for k in mb]) if mb else None for mb in enc])
 
 
 def buffered_bytes(plan: MicrobatchPlan, rank: int, hidden: int = 32) -> int:
@@ -179,7 +182,7 @@ def run_case(case: DeferralCase) -> None:
         mb_plan = deferring_plan(comm.dp_size, case.m, step)
         assert any(r == comm.dp_rank for _, r, _, _ in mb_plan.deferred()), f"{where}: the plan defers nothing"
         samples = [make_sample(media, text, 100 * step + k) for k, (media, text) in enumerate(SAMPLES)]
-        batches, routing = routed_microbatches(mb_plan, comm.dp_rank, samples)
+        batches, routing, enc_batches = routed_microbatches(mb_plan, comm.dp_rank, samples)
         assert routing.defers
         targets = sum(b.target_tokens for b in samples)
         per = -(-len(samples) // (case.m * comm.dp_size))
@@ -191,10 +194,13 @@ def run_case(case: DeferralCase) -> None:
                 shard = build_cp_shard(cp_assignment(batch, case.cp), comm.cp_rank, comm.cp_group)
                 return {"plait_mask": mask_of(batch), "plait_cp": shard}
 
-            res = run_pipeline_step(stages, schedule, batches, targets, comm, routing=routing, llm_kwargs=llm_kwargs)
+            kwargs = [{} if b is None else llm_kwargs(b) for b in batches]
+            res = run_pipeline_step(stages, schedule, batches, targets, comm, routing=routing, llm_kwargs=kwargs,
+                                    encoder_batches=enc_batches, loss_fn=token_loss_sum)
             expected_loss = reference_cp_step(ref, [with_items(b) for b in arrival])
         else:
-            res = run_pipeline_step(stages, schedule, batches, targets, comm, routing=routing)
+            res = run_pipeline_step(stages, schedule, batches, targets, comm, routing=routing,
+                                    encoder_batches=enc_batches, loss_fn=token_loss_sum)
             expected_loss = reference_step(ref, arrival)
         _close(res.loss, expected_loss, f"{where}: loss")
         covered.update(_check_grads(stages, ref, where))

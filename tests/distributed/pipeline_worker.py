@@ -21,18 +21,18 @@ from plait.models.multimodal import MultimodalModel
 from plait.models.projector import build_projector
 from plait.models.units import model_units
 from plait.parallel.context import build_cp_shard
-from plait.parallel.pipeline_runtime import (
+from plait.parallel.pipeline import (
     build_pipeline_comm,
     clip_grad_norm_pipeline,
     gather_timeline,
     pipeline_comm_from_mesh,
     run_pipeline_step,
-    token_loss_sum,
 )
 from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline_plan import plan_pipeline
 from plait.planner.schedules import build_schedule
 from plait.planner.token_distributor import TokenAssignment, plan_tokens
+from plait.train.loss import token_loss_sum
 from tests.conftest import TINY_AUDIO, TINY_LLM, TINY_VISION
 from tests.distributed.spawning import gloo_group
 
@@ -200,7 +200,8 @@ def run_case(case: Case, world: int) -> None:
         batches = [make_batch(k, 100 * step + i) for i, k in enumerate(kinds)]
         mine = batches[comm.dp_rank * m : (comm.dp_rank + 1) * m]
         targets = sum(b.target_tokens for b in batches)
-        res = run_pipeline_step(stages, schedule, mine, targets, comm, instrument=case.instrument)
+        res = run_pipeline_step(stages, schedule, mine, targets, comm, instrument=case.instrument,
+                                loss_fn=token_loss_sum)
         _close(res.loss, reference_step(ref, batches), f"{where}: loss")
         covered.update(_check_grads(stages, ref, where))
         timeline = gather_timeline(res.events, comm)
@@ -392,7 +393,8 @@ def run_cp_case(cp_case: CpCase, cp: int) -> bool:
 
         mine = batches[comm.dp_rank * m : (comm.dp_rank + 1) * m]
         targets = sum(b.target_tokens for b in batches)
-        res = run_pipeline_step(stages, schedule, mine, targets, comm, llm_kwargs=llm_kwargs,
+        res = run_pipeline_step(stages, schedule, mine, targets, comm, llm_kwargs=[llm_kwargs(b) for b in mine],
+                                loss_fn=token_loss_sum,
                                 instrument=case.instrument)
         _close(res.loss, reference_cp_step(ref, batches), f"{where}: loss")
         covered.update(_check_grads(stages, ref, where))

@@ -23,10 +23,11 @@ import torch
 from plait.config.loader import config_from_dict
 from plait.models.units import model_units
 from plait.parallel.context import build_cp_shard
-from plait.parallel.pipeline_runtime import PipelineComm, run_pipeline_step
+from plait.parallel.pipeline import PipelineComm, run_pipeline_step
 from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline_plan import plan_pipeline
 from plait.planner.schedules import build_schedule
+from plait.train.loss import token_loss_sum
 from plait.train.metrics import read_metrics
 from plait.train.trainer import Trainer
 from tests.conftest import ROOT, demo_records, tiny_config_dict, write_jsonl
@@ -99,11 +100,11 @@ def test_llm_stage_refuses_missing_or_foreign_cp_shard():
     batch = with_items(make_batch("t", 0))
     schedule = build_schedule(plan, "gpipe", 1)
     with pytest.raises(ValueError, match="gave no plait_cp shard, but this rank is CP rank 1 of cp=2"):
-        run_pipeline_step(stages, schedule, [batch], 10, PipelineComm(cp_rank=1, cp_size=2))
+        run_pipeline_step(stages, schedule, [batch], 10, PipelineComm(cp_rank=1, cp_size=2), loss_fn=token_loss_sum)
     shard = build_cp_shard(cp_assignment(batch, 2), 0)
     with pytest.raises(ValueError, match="a plait_cp shard of rank 0 of cp=2, but this rank is CP rank 1 of cp=2"):
         run_pipeline_step(stages, schedule, [batch], 10, PipelineComm(cp_rank=1, cp_size=2),
-                          llm_kwargs=lambda b: {"plait_mask": mask_of(b), "plait_cp": shard})
+                          llm_kwargs=[{"plait_mask": mask_of(batch), "plait_cp": shard}], loss_fn=token_loss_sum)
     with pytest.raises(ValueError, match="a plait_cp shard of rank 0 of cp=2, but this rank is CP rank 0 of cp=1"):
-        run_pipeline_step(stages, schedule, [batch], 10, llm_kwargs=lambda b: {"plait_mask": mask_of(b),
-                                                                              "plait_cp": shard})
+        run_pipeline_step(stages, schedule, [batch], 10, llm_kwargs=[{"plait_mask": mask_of(batch), "plait_cp": shard}],
+                          loss_fn=token_loss_sum)

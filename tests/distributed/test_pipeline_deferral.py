@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from plait.models.units import model_units
-from plait.parallel.pipeline_runtime import FeatureRouting, run_pipeline_step
+from plait.parallel.pipeline import run_pipeline_step
+from plait.planner.routing import FeatureRouting
 from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline_plan import plan_pipeline
 from plait.planner.schedules import build_schedule
@@ -24,6 +25,7 @@ from tests.conftest import ROOT, tiny_config_dict, write_jsonl
 from tests.distributed import pipeline_deferral_worker as w
 from tests.distributed.pipeline_worker import apply_mode, reference_step, tiny_model
 from tests.distributed.spawning import free_port, spawn_and_wait
+from plait.train.loss import token_loss_sum
 from tests.unit.train.test_deferral import assert_same_training, deferral_records
 
 
@@ -53,7 +55,7 @@ def test_the_deferring_plan_defers_and_reads_features_only_from_earlier_encoder_
     plan = w.deferring_plan(1, 3, 0)
     deferred = plan.deferred()
     assert deferred and all(j > i for _, _, i, j in deferred)
-    _, routing = w.routed_microbatches(plan, 0, [w.make_sample(m, t, k) for k, (m, t) in enumerate(w.SAMPLES)])
+    _, routing, _ = w.routed_microbatches(plan, 0, [w.make_sample(m, t, k) for k, (m, t) in enumerate(w.SAMPLES)])
     for j, sources in enumerate(routing.sources):
         assert all(i <= j for i in sources)
     # the features of an encoder microbatch are the concatenation of its samples' rows, per branch
@@ -68,9 +70,10 @@ def test_one_process_deferral_equals_arrival_order(mode):
     stages, ref, plan = _one_rank(w.ENC_PAR, mode, 3)
     mb_plan = w.deferring_plan(1, 3, 0)
     samples = [w.make_sample(m, t, k) for k, (m, t) in enumerate(w.SAMPLES)]
-    batches, routing = w.routed_microbatches(mb_plan, 0, samples)
+    batches, routing, enc_batches = w.routed_microbatches(mb_plan, 0, samples)
     targets = sum(b.target_tokens for b in samples)
-    res = run_pipeline_step(stages, build_schedule(plan, "1f1b", 3), batches, targets, routing=routing)
+    res = run_pipeline_step(stages, build_schedule(plan, "1f1b", 3), batches, targets, routing=routing,
+                            encoder_batches=enc_batches, loss_fn=token_loss_sum)
     expected = reference_step(ref, [w.stack(samples[k : k + 3]) for k in range(0, 7, 3)])
     assert abs(res.loss - expected) <= 1e-5 * abs(expected)
     ref_params = dict(ref.named_parameters())
@@ -90,12 +93,13 @@ def test_identity_routing_runs_exactly_like_no_routing():
     batches = [w.stack([samples[k] for k in g]) for g in groups]
     features = {k: {"vision": sum(w.FEATURES[c] for c in m if c in "iI"), "audio": 7 * m.count("a")}
                 for k, (m, _) in enumerate(w.SAMPLES)}
-    routing = FeatureRouting(tuple(batches), groups, groups, features)
+    routing = FeatureRouting(groups, groups, features)
     assert not routing.defers
     results = []
     for use in (None, routing):
         stages, _, plan = _one_rank(w.ENC_PAR, "all", 3)
-        res = run_pipeline_step(stages, build_schedule(plan, "1f1b", 3), batches, 50, routing=use)
+        res = run_pipeline_step(stages, build_schedule(plan, "1f1b", 3), batches, 50, routing=use,
+                                encoder_batches=batches if use else None, loss_fn=token_loss_sum)
         results.append((res.loss, _grads(stages), res.buffered_peak_bytes))
     assert results[0][0] == results[1][0] and results[0][1].keys() == results[1][1].keys()
     assert all(torch.equal(results[0][1][n], results[1][1][n]) for n in results[0][1])
@@ -105,13 +109,13 @@ def test_identity_routing_runs_exactly_like_no_routing():
 def test_routing_rejects_inconsistent_views():
     feats = {0: {}, 1: {}}
     with pytest.raises(ValueError, match="sample 1 has encoder microbatch 1 but LLM microbatch 0"):
-        FeatureRouting((None, None), ((0,), (1,)), ((0, 1), ()), feats)
+        FeatureRouting(((0,), (1,)), ((0, 1), ()), feats)
     with pytest.raises(ValueError, match="in one view only"):
-        FeatureRouting((None, None), ((0,), (1,)), ((0,), ()), feats)
+        FeatureRouting(((0,), (1,)), ((0,), ()), feats)
     with pytest.raises(ValueError, match="microbatches 0 and 1"):
-        FeatureRouting((None, None), ((0,), (0, 1)), ((0,), (1,)), feats)
+        FeatureRouting(((0,), (0, 1)), ((0,), (1,)), feats)
     with pytest.raises(ValueError, match="no features entry"):
-        FeatureRouting((None,), ((0, 2),), ((0, 2),), feats)
+        FeatureRouting(((0, 2),), ((0, 2),), feats)
 
 
 def test_pipeline_deferral_with_pp2xdp2_and_pp2xcp2_equals_one_process():

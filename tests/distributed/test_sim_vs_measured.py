@@ -3,7 +3,7 @@
 one intra-op thread per process). See bench/sim_vs_measured.py for the method.
 
 Issue 4 asks for 15% on the iteration time. Three things brought the prediction there (the history is in
-bench/sim_vs_measured.py and plait/parallel/pipeline_runtime.py): the gloo transport posts its receives ahead of
+bench/sim_vs_measured.py and plait/parallel/pipeline/transport.py): the gloo transport posts its receives ahead of
 time (a receive posted after the send waited 5-10 ms for the sender's gloo thread); the simulator charges each
 cross-rank message its host time on both ends (LogP's overhead, measured by the bench with the runtime's own
 packing); and the bench profiles between the measured steps, in rounds, so that the host's speed drifting

@@ -13,7 +13,7 @@ from plait.data.loader import MultimodalDataset
 from plait.data.processing import IGNORE
 from plait.data.sources import SampleError, parse_record
 from plait.models.registry import build_model, build_processor, load_tokenizer
-from plait.train.trainer import token_loss_sum
+from plait.train.loss import token_loss_sum
 from tests.conftest import DEMO, demo_records, write_jsonl
 
 

@@ -14,7 +14,7 @@ from plait.models.encoder import ModalityEncoder
 from plait.models.hf import build_causal_lm, build_encoder
 from plait.models.multimodal import MultimodalModel
 from plait.models.projector import build_projector
-from plait.train.trainer import token_loss_sum
+from plait.train.loss import token_loss_sum
 
 IMAGE_TOKEN = 90
 

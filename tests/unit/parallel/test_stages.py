@@ -14,16 +14,12 @@ from plait.models.hf import build_causal_lm, build_encoder
 from plait.models.multimodal import MultimodalModel
 from plait.models.projector import build_projector
 from plait.models.units import model_units, unit_specs
-from plait.parallel.pipeline_runtime import (
-    HEADER_SLOTS,
-    _decode_header,
-    _encode_header,
-    clip_grad_norm_pipeline,
-    run_pipeline_step,
-)
+from plait.parallel.pipeline import clip_grad_norm_pipeline, run_pipeline_step
+from plait.parallel.pipeline.wire import HEADER_SLOTS, decode_header, encode_header
 from plait.parallel.stages import OwnedLayers, build_rank_stages
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
 from plait.planner.schedules import build_schedule, gpipe, one_f_one_b
+from plait.train.loss import token_loss_sum
 from plait.train.plots import read_chrome_trace, write_chrome_trace
 from tests.conftest import TINY_LLM
 from tests.distributed.pipeline_worker import apply_mode, make_batch, reference_step, tiny_model
@@ -72,7 +68,8 @@ def test_one_process_pipeline_equals_the_model(layout, schedule, options, mode, 
     stages = build_rank_stages(model, plan, 0)
     batches = [make_batch(k, i) for i, k in enumerate(["iva", "t", "i"])]
     targets = sum(b.target_tokens for b in batches)
-    res = run_pipeline_step(stages, build_schedule(plan, schedule, 3, **options), batches, targets)
+    res = run_pipeline_step(stages, build_schedule(plan, schedule, 3, **options), batches, targets,
+                            loss_fn=token_loss_sum)
     expected = reference_step(ref, batches)
     assert res.loss == pytest.approx(expected, rel=1e-6)
     assert grads_match(stages, ref) == sum(1 for _, p in ref.trainable_parameters() if p.grad is not None) > 30
@@ -186,7 +183,7 @@ def test_frozen_prefix_stages_keep_nothing_and_frozen_llm_stages_compute_input_g
     stages = build_rank_stages(model, plan, 0)
     batches = [make_batch(k, i) for i, k in enumerate(["i", "t", "ia"])]
     targets = sum(b.target_tokens for b in batches)
-    res = run_pipeline_step(stages, one_f_one_b(plan, 3), batches, targets, instrument=True)
+    res = run_pipeline_step(stages, one_f_one_b(plan, 3), batches, targets, instrument=True, loss_fn=token_loss_sum)
     assert res.loss == pytest.approx(reference_step(ref, batches), rel=1e-6)
     for index in (v0, plan.module_stages("audio")[0]):
         assert res.saved_tensors[index] == 0 and res.backward_actions[index] == 0
@@ -224,9 +221,9 @@ def test_bad_inputs_are_clear_errors():
         build_rank_stages(tiny_model(feature_layer=-2), plan, 0)
     stages = build_rank_stages(model, on_one_rank(plan), 0)
     with pytest.raises(ValueError, match="runs 2 microbatches but 1 were given"):
-        run_pipeline_step(stages, gpipe(on_one_rank(plan), 2), [make_batch("t", 0)], 10)
+        run_pipeline_step(stages, gpipe(on_one_rank(plan), 2), [make_batch("t", 0)], 10, loss_fn=token_loss_sum)
     with pytest.raises(ValueError, match="another pipeline plan"):
-        run_pipeline_step(stages, gpipe(plan, 1), [make_batch("t", 0)], 10)
+        run_pipeline_step(stages, gpipe(plan, 1), [make_batch("t", 0)], 10, loss_fn=token_loss_sum)
 
 
 def test_an_llm_that_rescales_inputs_embeds_cannot_be_split():
@@ -243,11 +240,11 @@ def test_an_llm_that_rescales_inputs_embeds_cannot_be_split():
 def test_header_round_trip_with_missing_gradients_and_a_long_header():
     grad = torch.zeros(5, dtype=torch.bfloat16, requires_grad=True)
     payload = {"vision": [torch.zeros(2, 3, 4), None], "audio": [], "llm": [grad]}
-    header = _encode_header(["vision", "audio", "llm"], payload)
-    decoded = _decode_header(["vision", "audio", "llm"], header)
+    header = encode_header(["vision", "audio", "llm"], payload)
+    decoded = decode_header(["vision", "audio", "llm"], header)
     assert decoded == {"vision": [(torch.float32, [2, 3, 4], False), None], "audio": [],
                        "llm": [(torch.bfloat16, [5], True)]}
     many = {"vision": [torch.zeros(1, i + 1, 2) for i in range(20)]}
-    long = _encode_header(["vision"], many)
+    long = encode_header(["vision"], many)
     assert long[0] == len(long) > HEADER_SLOTS
-    assert [s[1] for s in _decode_header(["vision"], long)["vision"]] == [[1, i + 1, 2] for i in range(20)]
+    assert [s[1] for s in decode_header(["vision"], long)["vision"]] == [[1, i + 1, 2] for i in range(20)]

@@ -1,0 +1,19 @@
+"""The pipeline runtime (DESIGN principle 3: it only executes): one file per job.
+
+- :mod:`.comm`: this process's place in a DP x PP x CP job (:class:`PipelineComm`) and its process groups;
+- :mod:`.wire`: the message format (header, packed buffer);
+- :mod:`.transport`: ordered P2P messages of a step, pre-posted receives (:class:`ChannelCapacities`);
+- :mod:`.executor`: one rank's ``F``/``B``/``W`` actions, frozen-aware, with deferred encoder outputs;
+- :mod:`.step`: :func:`run_pipeline_step` (execute, reduce over DP x CP and tied copies), clipping, timeline.
+"""
+
+from plait.parallel.pipeline.comm import PipelineComm, build_pipeline_comm, pipeline_comm_from_mesh
+from plait.parallel.pipeline.step import (
+    PipelineStepResult,
+    clip_grad_norm_pipeline,
+    gather_timeline,
+    run_pipeline_step,
+)
+
+__all__ = ["PipelineComm", "PipelineStepResult", "build_pipeline_comm", "clip_grad_norm_pipeline",
+           "gather_timeline", "pipeline_comm_from_mesh", "run_pipeline_step"]
