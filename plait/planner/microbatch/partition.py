@@ -83,6 +83,7 @@ def pick(score: np.ndarray, counts: np.ndarray, mask: np.ndarray) -> int:
 
 
 def no_fit(cost: SampleCost, policy: MicrobatchPolicy) -> ValueError:
+    """The error for a sample whose tokens exceed ``max_tokens_per_microbatch`` wherever it goes."""
     return ValueError(
         f"sample {cost.index} (tokens={cost.tokens}) fits in no microbatch under "
         f"max_tokens_per_microbatch={policy.max_tokens_per_microbatch} (method {policy.method!r}); "

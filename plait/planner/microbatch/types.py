@@ -33,11 +33,13 @@ METHODS = ("arrival", "random", "lpt", "hierarchical")
 
 
 def check_int(owner: str, name: str, value: Any, minimum: int) -> None:
+    """Raise ``ValueError`` naming ``owner.name`` unless ``value`` is an integer (not a bool) >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{owner}.{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def check_real(owner: str, name: str, value: Any) -> None:
+    """Raise ``ValueError`` naming ``owner.name`` unless ``value`` is a finite real number >= 0 (not a bool)."""
     if (
         isinstance(value, bool)
         or not isinstance(value, numbers.Real)
