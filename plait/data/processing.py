@@ -1,7 +1,8 @@
 """MultimodalProcessor: a conversation with media -> token ids, next-token labels and encoder inputs.
 
 Steps for one sample: the tokenizer's chat template renders the conversation (assistant tokens marked
-through the template's ``{% generation %}`` block), each placeholder token is expanded to as many copies as
+by the template's ``{% generation %}`` blocks, or found by rendering turn by turn for any other template:
+:mod:`plait.data.chat_template`), each placeholder token is expanded to as many copies as
 its encoder will emit features (the encoder's own feature-count function), media are decoded and run
 through the Hugging Face image processor / feature extractor, and labels are the next token where that
 token belongs to an assistant answer (-100 elsewhere: prompt, placeholders, padding).
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from plait.data.chat_template import render_prompt, render_with_assistant_mask
 from plait.data.sources import RawSample, SampleError, path_note
 
 __all__ = ["ModalitySpec", "SampleMeta", "ProcessedSample", "MultimodalProcessor", "load_audio", "load_image"]
@@ -91,14 +93,21 @@ class ProcessedSample:
 
 
 def load_image(path: str) -> Image.Image:
-    """Decode an image file to RGB.
+    """Decode an image file to RGB, compositing any transparency (RGBA, LA, PA, P or L with a transparent
+    colour) onto a white background.
 
     Raises:
         SampleError: when the file is missing or not a readable image.
     """
+    # The Hugging Face image processors convert with transformers.image_transforms.convert_to_rgb (white
+    # background), both backends; PIL's img.convert("RGB") would drop alpha and keep the hidden colours, so
+    # training would see other pixels than inference. Calling that very function keeps the two identical.
+    # Imported here so that this edit stays inside the function; the module is cached after the first call.
+    from transformers.image_transforms import convert_to_rgb
+
     try:
         with Image.open(path) as img:
-            return img.convert("RGB")
+            return Image.fromarray(convert_to_rgb(img, return_numpy=True))
     except FileNotFoundError as exc:
         raise SampleError(f"image file {path} does not exist{path_note(path)}") from exc
     except Exception as exc:  # PIL raises several types for corrupt files
@@ -146,8 +155,9 @@ class MultimodalProcessor:
     """Tokenizer + per-modality Hugging Face processors + feature-count functions.
 
     Args:
-        tokenizer: a Hugging Face tokenizer with a chat template whose assistant turns are wrapped in
-            ``{% generation %}`` (so ``return_assistant_tokens_mask`` works).
+        tokenizer: a Hugging Face tokenizer with a chat template (any: one that wraps assistant turns in
+            ``{% generation %}`` marks them itself, others are rendered turn by turn, see
+            :func:`plait.data.chat_template.render_with_assistant_mask`).
         specs: one :class:`ModalitySpec` per encoder branch (at most one branch per modality).
         max_length: longest sequence in tokens; longer samples are refused, never cut through a span.
 
@@ -227,19 +237,11 @@ class MultimodalProcessor:
         return ProcessedSample(input_ids, labels, torch.tensor(out_item), inputs, meta, answer, prompt_only)
 
     def _render(self, messages: list[dict[str, str]], prompt_only: bool) -> tuple[list[int], list[int]]:
-        try:
-            enc = self.tokenizer.apply_chat_template(
-                messages,
-                tokenize=True,
-                return_dict=True,
-                return_assistant_tokens_mask=not prompt_only,
-                add_generation_prompt=prompt_only,
-            )
-        except Exception as exc:
-            raise SampleError(f"chat template failed: {exc}") from exc
-        ids = list(enc["input_ids"])
-        mask = list(enc.get("assistant_masks", [0] * len(ids))) if not prompt_only else [0] * len(ids)
-        if not prompt_only and not any(mask):
+        if prompt_only:
+            ids = render_prompt(self.tokenizer, messages)
+            return ids, [0] * len(ids)
+        ids, mask = render_with_assistant_mask(self.tokenizer, messages)
+        if not any(mask):
             raise SampleError("the chat template marked no assistant tokens (empty answer?)")
         return ids, mask
 
