@@ -1,6 +1,6 @@
 """Records in the common conversation format (JSONL) -> validated raw samples.
 
-One record per line::
+One record per line (UTF-8, lines ending at ``\\n``; see :func:`read_jsonl`)::
 
     {"id": "img-1", "task": "image_digit",
      "messages": [{"role": "user", "content": "<image>\\nWhich digit is this?"},
@@ -27,6 +27,7 @@ __all__ = ["RawSample", "SampleError", "read_jsonl", "parse_record", "record_id"
 ROLES = ("system", "user", "assistant")
 RECORD_FIELDS = ("id", "task", "messages", "images", "audios", "meta")
 """The fields a record may have (module docstring)."""
+_UTF8_BOM = b"\xef\xbb\xbf"
 
 
 class SampleError(ValueError):
@@ -61,6 +62,12 @@ def path_note(path: str | Path) -> str:
 def read_jsonl(path: str | Path) -> list[tuple[dict[str, Any] | None, str, str | None]]:
     """Lines of a JSONL file as ``(record or None, "file:line", error or None)``, blank lines skipped.
 
+    Lines end at ``\\n`` only (a trailing ``\\r`` is dropped, so ``\\r\\n`` files read the same): JSON allows
+    raw U+2028, U+2029 and U+0085 inside strings, and ``str.splitlines`` would cut a record there. Each line
+    is decoded on its own, so a byte that is not UTF-8 makes that one line a bad record (its error gives the
+    byte and its offset) instead of stopping the whole file; a UTF-8 byte-order mark at the start of the
+    file is ignored.
+
     Raises:
         FileNotFoundError: when ``path`` does not exist.
     """
@@ -68,20 +75,35 @@ def read_jsonl(path: str | Path) -> list[tuple[dict[str, Any] | None, str, str |
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist{path_note(path)}")
     rows = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            rows.append((None, where, f"invalid JSON: {exc.msg}"))
-            continue
-        if not isinstance(obj, dict):
-            rows.append((None, where, "record is not a JSON object"))
-            continue
-        rows.append((obj, where, None))
+    offset = 0  # byte offset of the current line in the file
+    with path.open("rb") as f:  # binary iteration splits on b"\n" only
+        for lineno, raw in enumerate(f, start=1):
+            start, offset = offset, offset + len(raw)
+            if lineno == 1 and raw.startswith(_UTF8_BOM):
+                raw, start = raw[len(_UTF8_BOM):], start + len(_UTF8_BOM)
+            row = _parse_line(raw.rstrip(b"\r\n"), start, f"{path}:{lineno}")
+            if row is not None:
+                rows.append(row)
     return rows
+
+
+def _parse_line(raw: bytes, start: int, where: str) -> tuple[dict[str, Any] | None, str, str | None] | None:
+    """One line's ``(record or None, where, error or None)``; ``None`` for a blank line. ``start``: the
+    line's byte offset in the file (for the error of an undecodable byte)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, where, (f"not valid UTF-8: byte 0x{raw[exc.start]:02x} at byte offset {exc.start} of the "
+                             f"line ({start + exc.start} of the file); the data file must be UTF-8")
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return None, where, f"invalid JSON: {exc.msg}"
+    if not isinstance(obj, dict):
+        return None, where, "record is not a JSON object"
+    return obj, where, None
 
 
 def parse_record(obj: dict[str, Any], where: str, base_dir: str | Path) -> RawSample:
