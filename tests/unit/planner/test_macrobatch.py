@@ -192,3 +192,35 @@ def test_bad_metadata_and_sizes() -> None:
         cv_by_batch_size(hand_metas(), COEFFS, (2, 8))
     with pytest.raises(ValueError, match="batch_size <= num_samples"):
         predicted_batch_cv(0.5, 3, 2)
+
+
+def test_loader_order_is_passed_in_and_checked() -> None:
+    with pytest.raises(ValueError, match="sampling='loader' needs epoch_order"):
+        draw_batches(4, 2, 1, sampling="loader")
+    with pytest.raises(ValueError, match=r"epoch_order\(0\) is not a permutation of the 4 sample indices"):
+        draw_batches(4, 2, 1, sampling="loader", epoch_order=lambda epoch: [0, 1, 1, 3])
+    # epoch e: the samples rotated by e; full batches only (N = 5, B = 2: two per epoch, the fifth sample left out)
+    drawn = draw_batches(5, 2, 3, sampling="loader", epoch_order=lambda e: [(i + e) % 5 for i in range(5)])
+    assert drawn.tolist() == [[0, 1], [2, 3], [1, 2]]
+
+
+def test_expected_shapes_are_the_mean_sample_per_microbatch() -> None:
+    from types import SimpleNamespace
+
+    from plait.planner.arch import EncoderArch
+    from plait.planner.macrobatch import expected_shapes
+
+    metas = [SimpleNamespace(length=10, items=[("vision", 4), ("audio", 3)]), SimpleNamespace(length=20, items=[])]
+    vision = EncoderArch("vision", hidden=8, layers=1, heads=1, head_dim=8, intermediate=16, prefix_tokens=1)
+    audio = EncoderArch("audio", hidden=8, layers=1, heads=1, head_dim=8, intermediate=16, item_len=12)
+    configs = {"vision": vision, "audio": audio, "llm": object()}
+    shapes = expected_shapes(metas, configs, {"vision": 1, "audio": 0}, microbatch_size=4)
+    # vision: one item of 4 features + 1 dropped prefix token = 5 tokens over 2 samples -> 4 * 5 / 2 = 10 tokens,
+    # 4 * 25 / 2 = 50 attended pairs, items of 5 tokens
+    assert (shapes["vision"].tokens, shapes["vision"].seq_len, shapes["vision"].attended_pairs) == (10, 5, 50.0)
+    # audio: a Whisper-style clip always fills its window of 12 frames, whatever its feature count
+    assert (shapes["audio"].tokens, shapes["audio"].seq_len, shapes["audio"].attended_pairs) == (24, 12, 288.0)
+    # llm: (10 + 20) / 2 * 4 = 60 tokens; pairs 4 / 2 * (55 + 210) = 530
+    assert (shapes["llm"].tokens, shapes["llm"].seq_len, shapes["llm"].attended_pairs) == (60, 15, 530.0)
+    with pytest.raises(ValueError, match="item of unknown encoder 'audio'"):
+        expected_shapes([SimpleNamespace(length=3, items=[("audio", 2)])], {"llm": object()}, {}, 1)
