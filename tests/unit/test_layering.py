@@ -141,8 +141,10 @@ def layer_violations(imports: Iterable[Import], allowed: Mapping[str, frozenset[
         if src not in allowed:
             out.append(f"{imp.path}:{imp.line}: plait.{src} is not in ALLOWED_IMPORTS (imports {imp.target})")
         elif dst not in allowed[src]:
-            out.append(f"{imp.path}:{imp.line}: {imp.source} imports {imp.target}: plait.{src} may import only "
-                       f"{sorted(allowed[src]) or 'nothing of plait outside itself'}")
+            rule = (f"may import only {', '.join(sorted(allowed[src]))} of plait" if allowed[src]
+                    else "may import nothing of plait outside itself")
+            out.append(f"{imp.path}:{imp.line}: {imp.source} imports {imp.target}: plait.{src} {rule} "
+                       "(ALLOWED_IMPORTS)")
     return out
 
 
@@ -260,8 +262,10 @@ def test_the_checker_reports_a_forbidden_import() -> None:
         "plait.train.bad": "from plait.commands import plan\n",
     })
     violations = layer_violations(all_imports(sources))
-    assert any(v.startswith("plait/planner/bad.py:5: plait.planner.bad imports plait.train.trainer: plait.planner "
-                            "may import only nothing of plait outside itself") for v in violations), violations
+    assert ("plait/planner/bad.py:5: plait.planner.bad imports plait.train.trainer: plait.planner may import nothing "
+            "of plait outside itself (ALLOWED_IMPORTS)") in violations, violations
+    assert ("plait/attention/bad.py:1: plait.attention.bad imports plait.parallel.context: plait.attention may import "
+            "only config, planner of plait (ALLOWED_IMPORTS)") in violations, violations
     assert any(v.startswith("plait/attention/bad.py:1: plait.attention.bad imports plait.parallel.context")
                for v in violations), violations
     assert any(v.startswith("plait/data/bad.py:1: plait.data.bad imports plait.models.registry") for v in violations)
