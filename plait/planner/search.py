@@ -57,7 +57,6 @@ built on these units.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -79,7 +78,7 @@ from plait.planner.simulator import (
     simulate,
     stage_costs_from_units,
 )
-from plait.planner.serialize import dataclass_from_dict
+from plait.planner.serialize import JsonDataclass
 from plait.planner.types import Unit, UnitCost
 
 __all__ = [
@@ -98,7 +97,7 @@ METHODS = ("plait", "frozen_unaware", "megatron_even", "given")
 
 
 @dataclass(frozen=True)
-class LayoutChoice:
+class LayoutChoice(JsonDataclass):
     """A chosen pipeline layout with its predicted cost (times in seconds, memory in bytes).
 
     Attributes:
@@ -194,30 +193,6 @@ class LayoutChoice:
     def ratio_to_lower_bound(self) -> float:
         """``iteration_s / lower_bound_s`` (1 is perfect; inf when the bound is 0)."""
         return self.iteration_s / self.lower_bound_s if self.lower_bound_s > 0 else math.inf
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (the plan and p2p model as nested dicts)."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        data["plan"] = self.plan.to_dict()
-        data["p2p"] = self.p2p.to_dict()
-        data["stages_per_module"] = [list(p) for p in self.stages_per_module]
-        for name in _STAGE_FIELDS:
-            data[name] = list(data[name])
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "LayoutChoice":
-        """Inverse of ``to_dict``; raises ValueError on unknown or missing fields."""
-        return dataclass_from_dict(cls, dict(data))
-
-    def to_json(self, **kwargs: Any) -> str:
-        """JSON text of ``to_dict()`` (``kwargs`` go to ``json.dumps``, e.g. ``indent=2``)."""
-        return json.dumps(self.to_dict(), **kwargs)
-
-    @classmethod
-    def from_json(cls, text: str) -> "LayoutChoice":
-        """Inverse of ``to_json``."""
-        return cls.from_dict(json.loads(text))
 
 
 _STAGE_FIELDS = ("stage_forward_s", "stage_backward_s", "stage_static_bytes", "stage_activation_bytes",

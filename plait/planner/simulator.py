@@ -27,7 +27,6 @@ only while its ``F`` runs.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from typing import Any, NamedTuple, Union
 
 from plait.planner.pipeline_plan import PipelinePlan
 from plait.planner.schedule_ir import Action, Schedule, action_dependencies, check_schedule, frees_activations
-from plait.planner.serialize import dataclass_from_dict
+from plait.planner.serialize import JsonDataclass
 from plait.planner.timeline import TimelineEvent, summarize_timeline
 from plait.planner.types import Unit, UnitCost
 
@@ -75,7 +74,7 @@ does.
 
 
 @dataclass(frozen=True)
-class P2PModel:
+class P2PModel(JsonDataclass):
     """Point-to-point transfer time ``latency_s + nbytes / bandwidth_Bps``, plus the host time each end
     spends per message (LogP's overhead ``o``, module docstring).
 
@@ -105,16 +104,9 @@ class P2PModel:
         """Seconds to move ``nbytes`` bytes between two ranks."""
         return self.latency_s + (nbytes / self.bandwidth_Bps if self.bandwidth_Bps else 0.0)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "P2PModel":
-        return dataclass_from_dict(cls, dict(data))
-
 
 @dataclass(frozen=True)
-class StageMemory:
+class StageMemory(JsonDataclass):
     """Memory of one stage on its rank.
 
     Attributes:
@@ -148,19 +140,9 @@ class StageMemory:
             raise ValueError(f"StageMemory.activation_bytes has no entry for microbatch {microbatch}")
         return self.activation_bytes[microbatch]
 
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        if isinstance(self.activation_bytes, tuple):
-            data["activation_bytes"] = list(self.activation_bytes)
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "StageMemory":
-        return dataclass_from_dict(cls, dict(data))
-
 
 @dataclass(frozen=True)
-class SimResult:
+class SimResult(JsonDataclass):
     """What one simulated iteration costs.
 
     Attributes:
@@ -181,19 +163,6 @@ class SimResult:
     def mean_bubble_fraction(self) -> float:
         """Bubble fraction averaged over ranks."""
         return sum(self.bubble_fraction) / len(self.bubble_fraction)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["events"] = [e.to_dict() for e in self.events]
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "SimResult":
-        data = dict(data)
-        for key in ("busy_s", "bubble_fraction", "peak_memory_bytes"):
-            data[key] = tuple(data.get(key, ()))
-        data["events"] = tuple(TimelineEvent.from_dict(e) for e in data.get("events", ()))
-        return dataclass_from_dict(cls, data)
 
 
 # ----- the timing core: one implementation of "time a schedule" ---------------------------------

@@ -3,18 +3,16 @@ timelines (../shared/DESIGN.md, principle 2), and their makespan / busy / bubble
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
-from plait.planner.serialize import dataclass_from_dict
+from plait.planner.serialize import JsonDataclass
 
 __all__ = ["TimelineEvent", "TimelineSummary", "summarize_timeline"]
 
 
 @dataclass(frozen=True)
-class TimelineEvent:
+class TimelineEvent(JsonDataclass):
     """One timed action on one rank: the format of predicted (simulator) and measured (runtime) timelines.
 
     Attributes:
@@ -46,13 +44,6 @@ class TimelineEvent:
     def duration_s(self) -> float:
         """``end_s - start_s`` (seconds)."""
         return self.end_s - self.start_s
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "TimelineEvent":
-        return dataclass_from_dict(cls, dict(data))
 
 
 @dataclass(frozen=True)
