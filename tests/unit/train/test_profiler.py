@@ -1,11 +1,10 @@
-"""Profiler, profile store and the automatic plan: bytes checked against the parameters and tensor shapes,
-freezing against the frozen-aware rules, the store's hit and miss on every key field, stage costs by hand,
-and the automatic plan against brute force over every runnable plan."""
+"""Profiler and the automatic plan: bytes checked against the parameters and tensor shapes, freezing against the
+frozen-aware rules, stage costs by hand, and the automatic plan against brute force over every runnable plan (the
+profile store's tests are in tests/unit/commands/test_profile.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import itertools
 import json
 
@@ -14,129 +13,17 @@ import torch
 
 from plait.config.loader import config_from_dict, config_to_dict, pipeline_plan_kwargs, validate
 from plait.models.units import model_units, unit_specs
-from plait.commands.profile import ProfileStore, load_or_measure
 from plait.planner.auto_plan import plan_auto_layout
 from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
-from plait.planner.profile import (
-    Profile,
-    ProfileKey,
-    UnitMeasurement,
-    profile_mismatch,
-    stage_action_costs,
-)
+from plait.planner.profile import stage_action_costs
 from plait.planner.search import evaluate_plan
 from plait.planner.types import UnitCost
 from plait.train.auto_plan import resolve_auto_plan
 from plait.train.profiler import measure_profile, microbatch_shapes, profile_key
 from tests.conftest import tiny_config_dict
 from tests.distributed.pipeline_worker import apply_mode, make_batch, tiny_model
-
-KEY = ProfileKey({"llm": {"hidden_size": 32}, "freeze": False}, [{"input_ids": [2, 9]}], "float32",
-                 "cpu x86_64 (1 threads)", "0.1.0", "2.13.0")
-
-
-def _measurement(name: str, f: float = 1.0, dx: float = 0.5, dw: float = 0.75, fused: float = 1.0) -> UnitMeasurement:
-    return UnitMeasurement(name, f, dx, dw, fused, 400, 400, 800, 100, 50)
-
-
-def _profile(key: ProfileKey = KEY) -> Profile:
-    units = synthetic_units({"vision": [False, True]}, [True, True])
-    return Profile(key, units, tuple(_measurement(u.name) for u in units), {"vision": {"F": 0.1, "B": 0.2}}, 3, 1)
-
-
-# ----- store ------------------------------------------------------------------------------------------------
-def test_store_hit_round_trips_the_profile(tmp_path):
-    store = ProfileStore(tmp_path)
-    profile = _profile()
-    path = store.save(profile)
-    loaded, reason = store.load(ProfileKey.from_dict(json.loads(json.dumps(KEY.to_dict()))))
-    assert reason == "hit" and path == store.path_for(KEY)
-    assert loaded == profile and loaded.costs == profile.costs
-
-
-@pytest.mark.parametrize("field, value, where", [
-    ("model", {"llm": {"hidden_size": 64}, "freeze": False}, "model.llm.hidden_size"),
-    ("model", {"llm": {"hidden_size": 32}, "freeze": True}, "model.freeze"),
-    ("shapes", [{"input_ids": [2, 10]}], "shapes[0].input_ids[1]"),
-    ("dtype", "bfloat16", "dtype"),
-    ("device", "NVIDIA H200", "device"),
-    ("plait_version", "0.2.0", "plait_version"),
-    ("torch_version", "2.14.0", "torch_version"),
-    ("clock", "thread", "clock"),
-])
-def test_store_misses_on_every_changed_key_field(tmp_path, field, value, where):
-    store = ProfileStore(tmp_path)
-    target = tmp_path / "profile.json"
-    store.save(_profile(), target)  # an explicit file: the key is still checked field by field
-    wanted = dataclasses.replace(KEY, **{field: value})
-    loaded, reason = store.load(wanted, target)
-    assert loaded is None and "stale" in reason and f"{where} differs" in reason
-    assert profile_mismatch(KEY, wanted).startswith(f"{where} differs")
-    assert store.load(wanted)[1].startswith("no stored profile")  # its own file name differs too
-
-
-def test_store_rejects_unreadable_files(tmp_path):
-    target = tmp_path / "bad.json"
-    target.write_text(json.dumps({"format": 99}))
-    loaded, reason = ProfileStore(tmp_path).load(KEY, target)
-    assert loaded is None and "unreadable" in reason
-
-
-def test_load_or_measure_reuses_only_a_matching_profile(tmp_path):
-    store, calls, out = ProfileStore(tmp_path), [], io.StringIO()
-
-    def measure(key):
-        def run():
-            calls.append(key)
-            return _profile(key)
-        return run
-
-    first = load_or_measure(store, KEY, measure(KEY), out=out)
-    again = load_or_measure(store, KEY, measure(KEY), out=out)
-    other = dataclasses.replace(KEY, dtype="bfloat16")
-    store.save(_profile(), store.path_for(other))  # a stale file under the other key's name
-    load_or_measure(store, other, measure(other), out=out)
-    forced = load_or_measure(store, KEY, measure(KEY), force=True, out=out)
-    assert calls == [KEY, other, KEY] and first == again == forced
-    text = out.getvalue()
-    assert "reusing" in text and "dtype differs (stored 'float32', wanted 'bfloat16')" in text
-
-
-@pytest.mark.parametrize("text, why", [
-    ("not json at all", "not JSON"),
-    (json.dumps([1, 2]), "a JSON list, not an object"),
-    (json.dumps({"dp": 1, "plan": {"stages": []}, "parallel_pp_toml": None}), "no profile 'format' or 'key' key"),
-    (json.dumps({"format": 1, "units": []}), "no profile 'key' key"),
-])
-@pytest.mark.parametrize("force", [False, True])
-@pytest.mark.parametrize("explicit", [False, True])
-def test_load_or_measure_never_overwrites_a_file_that_is_not_a_profile(tmp_path, text, why, force, explicit):
-    store, calls = ProfileStore(tmp_path), []
-    target = tmp_path / "mine.json" if explicit else store.path_for(KEY)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(text)
-
-    def measure():
-        calls.append(1)
-        return _profile()
-
-    with pytest.raises(ValueError, match=f"profile file {target} exists and is not a plait profile .*{why}"):
-        load_or_measure(store, KEY, measure, path=target if explicit else None, force=force, out=io.StringIO())
-    assert calls == [] and target.read_text() == text  # refused before measuring, file untouched
-    with pytest.raises(ValueError, match="refusing to overwrite"):
-        store.save(_profile(), target)
-    assert target.read_text() == text
-
-
-def test_load_or_measure_replaces_a_profile_of_another_key_or_format(tmp_path):
-    store, out = ProfileStore(tmp_path), io.StringIO()
-    target = tmp_path / "p.json"
-    store.save(_profile(dataclasses.replace(KEY, dtype="bfloat16")), target)  # a readable profile, other key
-    assert load_or_measure(store, KEY, _profile, path=target, out=out) == _profile()
-    assert "stale: dtype differs" in out.getvalue() and store.load(KEY, target)[1] == "hit"
-    target.write_text(json.dumps({"format": 0, "key": {"dtype": "float32"}}))  # an older plait profile
-    assert load_or_measure(store, KEY, _profile, path=target, out=out) == _profile()
-    assert "profile format 0 is not 1" in out.getvalue() and store.load(KEY, target)[1] == "hit"
+from tests.unit.profile_cases import make_profile as _profile
+from tests.unit.profile_cases import measurement as _measurement
 
 
 def test_format_profile_explains_negative_chunk_overheads():
