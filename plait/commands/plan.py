@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from plait.config.loader import config_from_dict, read_config_data, validate
+from plait.data.chat_template import tokenizer_dir
 from plait.data.loader import GlobalBatchLoader, MultimodalDataset
 from plait.models.registry import build_model, build_processor, load_tokenizer, placeholder_of
 from plait.models.units import model_units
@@ -290,7 +291,7 @@ def dataset_metadata(cfg: Any) -> tuple[list[Any], dict[str, Any]]:
     """
     if not cfg.data.train:
         raise ValueError("data.train is not set: macro-batch statistics need the training data")
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokenizer = load_tokenizer(tokenizer_dir(cfg.data, cfg.model), cfg.data.chat_template)
     model = build_model(cfg.model, tokenizer, device="meta")
     processor = build_processor(cfg.model, model, tokenizer, cfg.data.max_length)
     dataset = MultimodalDataset(cfg.data.train, processor, cfg.data.on_error)

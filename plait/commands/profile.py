@@ -24,6 +24,7 @@ import torch
 from plait.attention.interface import resolve_implementation, use_plait_attention
 from plait.attention.masks import MaskInfo
 from plait.config.loader import config_to_dict, load_config
+from plait.data.chat_template import tokenizer_dir
 from plait.data.collate import Batch, collate
 from plait.data.loader import MultimodalDataset
 from plait.models.multimodal import MultimodalModel
@@ -209,7 +210,7 @@ def build_profile_inputs(cfg: Any, *, microbatches: int = 1, microbatch_size: in
     dev = torch.device(device or ("cuda" if t.device == "auto" and torch.cuda.is_available() else
                                   ("cpu" if t.device == "auto" else t.device)))
     torch.manual_seed(t.seed)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokenizer = load_tokenizer(tokenizer_dir(cfg.data, cfg.model), cfg.data.chat_template)
     model = build_model(cfg.model, tokenizer).to(dev)
     processor = build_processor(cfg.model, model, tokenizer, cfg.data.max_length)
     attention = resolve_implementation(cfg.attention.implementation, cfg.attention.mask, cfg.data.packing, 1, dev.type)

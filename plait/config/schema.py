@@ -93,7 +93,16 @@ class DataConfig:
     val: str | None = None
     """JSONL file of validation records, or None."""
     tokenizer: str = ""
-    """Local directory of a Hugging Face tokenizer with a chat template."""
+    """Local directory of a Hugging Face tokenizer (``tokenizer_config.json`` / ``tokenizer.json``). Empty: the
+    LLM's folder, ``model.llm.path`` (or ``<model.pretrained>/tokenizer`` for a plait checkpoint), when it holds a
+    tokenizer; an error otherwise."""
+    chat_template: str = ""
+    """Chat template replacing the tokenizer's own: a path to a Jinja file, or the name of a template committed
+    with plait (``plait/data/chat_templates/<name>.jinja``, e.g. ``"chatml"``). Empty: the tokenizer's template.
+    Any template works: one that wraps assistant turns in ``{% generation %}`` marks the trained tokens itself;
+    for any other (the published ones: Llama-3, Qwen2, Gemma, Mistral, ...) the conversation is rendered turn by
+    turn to find each answer and its end-of-turn token (``plait.data.chat_template``). A template that refuses a
+    record (a system message for Gemma/Mistral, turns that do not alternate) is a bad record (see on_error)."""
     max_length: int = 512
     """Longest sequence in tokens, placeholders included; longer samples are refused (see on_error)."""
     on_error: str = "raise"

@@ -10,6 +10,7 @@ import transformers
 from transformers import AutoTokenizer
 
 from plait.config.schema import EncoderConfig, ModelConfig
+from plait.data.chat_template import read_chat_template, template_names
 from plait.data.processing import ModalitySpec, MultimodalProcessor
 from plait.data.sources import path_note
 from plait.models.encoder import ModalityEncoder
@@ -29,12 +30,15 @@ _DEFAULT_IMAGE_PROCESSOR = {
 }
 
 
-def load_tokenizer(path: str) -> Any:
-    """A Hugging Face tokenizer from a local directory.
+def load_tokenizer(path: str, chat_template: str = "") -> Any:
+    """A Hugging Face tokenizer from a local directory; ``chat_template`` (``data.chat_template``: a Jinja file
+    or a committed template's name, :func:`plait.data.chat_template.read_chat_template`) replaces its template.
+    A job's directory is :func:`plait.data.chat_template.tokenizer_dir` (``data.tokenizer`` or the LLM's folder).
 
     Raises:
         FileNotFoundError: when ``path`` is not a directory.
-        ValueError: when it cannot be loaded or has no chat template (plait needs one to render conversations).
+        ValueError: when it cannot be loaded, ``chat_template`` names nothing, or there is no chat template
+            (plait needs one to render conversations).
     """
     if not Path(path).is_dir():
         raise FileNotFoundError(f"data.tokenizer: tokenizer directory {path} does not exist{path_note(path)}")
@@ -42,8 +46,11 @@ def load_tokenizer(path: str) -> Any:
         tok = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # transformers raises OSError/ValueError/... for broken folders
         raise ValueError(f"data.tokenizer: cannot load a tokenizer from {path}: {exc}") from exc
+    if chat_template:
+        tok.chat_template = read_chat_template(chat_template)
     if not tok.chat_template:
-        raise ValueError(f"tokenizer at {path} has no chat template")
+        raise ValueError(f"tokenizer at {path} has no chat template; set data.chat_template "
+                         f"(a Jinja file or one of {', '.join(template_names())})")
     return tok
 
 
