@@ -157,8 +157,9 @@ def _require_prefix(tokenizer: Any, part: list[int], whole: list[int], start: in
     raise SampleError(
         f"the chat template cannot be split into turns: {what} renders tokens that are not found at token "
         f"{start} of {of} (they first differ at token {start + i}: {shown[0]} vs {shown[1]}), so the assistant's "
-        "tokens cannot be located; set data.chat_template to a template that renders each turn the same way "
-        "whatever follows, or one that marks answers with {% generation %}"
+        "tokens cannot be located: the template renders a turn differently once later turns follow, or the "
+        "tokenizer merges the end of the prompt and the start of the answer into one token; set "
+        "data.chat_template to a template without that, or one that marks answers with {% generation %}"
     )
 
 

@@ -97,9 +97,10 @@ def _words(text: str, specials: list[str]) -> list[str]:
     return out
 
 
-def build_tokenizer(family: str, out_dir: Path, template: str | None = None) -> Path:
-    """A word-level tokenizer for ``family`` (vocabulary: the template's and the demo set's words) saved with
-    save_pretrained to ``out_dir``; it carries the family's stock template (or ``template``)."""
+def build_tokenizer(family: str, out_dir: Path, template: str | None = None, split: str = PIECES.pattern) -> Path:
+    """A word-level tokenizer for ``family`` (vocabulary: the template's and the demo set's words, and "\\n\\n")
+    saved with save_pretrained to ``out_dir``; it carries the family's stock template (or ``template``) and
+    pre-tokenizes with the regex ``split`` (default: each space, word and punctuation on its own)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -107,11 +108,11 @@ def build_tokenizer(family: str, out_dir: Path, template: str | None = None) -> 
     text = (ASSETS / file).read_text()
     corpus = [text, *(json.dumps(r["messages"], ensure_ascii=False) for r in demo_records("train") + demo_records("val"))]
     corpus += [m["content"] for m in CONVERSATION] + ["You are terse."]
-    vocab = {"[UNK]": 0}
+    vocab = {"[UNK]": 0, "\n\n": 1}
     for piece in sorted({p for line in corpus for p in PIECES.findall(line.replace("\\n", "\n"))}):
         vocab.setdefault(piece, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(PIECES.pattern), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(split), behavior="isolated")
     tok.decoder = decoders.Fuse()
     specials = {"bos_token": bos, "eos_token": eos, "pad_token": pad}
     hf = PreTrainedTokenizerFast(
@@ -324,3 +325,14 @@ def test_a_short_run_trains_with_a_stock_template_and_the_tokenizer_of_the_llm_f
     losses = trainer.fit()["losses"]
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]
+
+
+def test_a_token_across_the_prompt_and_answer_boundary_is_refused_naming_the_tokens(tmp_path):
+    # GPT-2's whitespace rule keeps "\n\n" whole at the end of a text but splits it before a word, so the
+    # Llama-3.1 generation prompt (ending "\n\n") is not a token prefix of the conversation; the real Llama-3
+    # pre-tokenizer keeps newline runs whole (\s*[\r\n]+) and has no such problem
+    tok = load_tokenizer(str(build_tokenizer("llama3_1", tmp_path / "l", split=r"\s+(?!\S)|\s+|\w+|[^\w\s]")))
+    with pytest.raises(SampleError, match=r"message 1 \(assistant\): messages 0..0 with the generation prompt renders "
+                                          r"tokens that are not found at token 0 of the whole conversation \(they "
+                                          r"first differ at token \d+: '\\n\\n' vs '\\n'\)"):
+        render_with_assistant_mask(tok, CONVERSATION)
