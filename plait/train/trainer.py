@@ -35,6 +35,7 @@ from plait.attention.interface import use_plait_attention
 from plait.attention.masks import MaskInfo, block_work
 from plait.config.loader import config_to_dict
 from plait.config.schema import JobConfig
+from plait.data.chat_template import tokenizer_dir
 from plait.data.collate import Batch, collate
 from plait.data.loader import GlobalBatchLoader, MultimodalDataset, rank_share
 from plait.models.multimodal import MultimodalModel
@@ -180,7 +181,7 @@ class Trainer:
         self._setup_mesh()
         self.run_dir = Path(cfg.metrics.run_dir)
         _seed_everything(t.seed)
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.tokenizer = load_tokenizer(tokenizer_dir(cfg.data, cfg.model), cfg.data.chat_template)
         pipeline = cfg.parallel.pp.degree > 1  # PipelineTrainer materialises only this rank's units
         self.model = build_model(cfg.model, self.tokenizer, device="meta" if pipeline else self.info.device,
                                  seed=t.seed)
