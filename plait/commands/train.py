@@ -50,7 +50,7 @@ def train_command(config: str | Path, overrides: list[str], *, resume: bool | st
     info = None
     if cfg.parallel.plan == "auto":
         cfg, info = resolve_auto(cfg, profile_store)
-    trainer = PipelineTrainer(cfg, info) if cfg.parallel.pp.degree > 1 else Trainer(cfg, info)
+    trainer = PipelineTrainer.build(cfg, info) if cfg.parallel.pp.degree > 1 else Trainer.build(cfg, info)
     result = trainer.fit(resume=resume)
     if trainer.info.is_main:
         _save_and_report(trainer, result)

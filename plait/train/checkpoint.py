@@ -410,9 +410,9 @@ def _restore_schedule(scheduler: Any, saved: dict[str, Any], reposition: bool) -
     """Restore the LR schedule: its whole saved state (same layout, or a schedule that is not a ``LambdaLR``),
     or, for a ``LambdaLR`` after a layout change (or with another number of groups), only its position
     (``last_epoch``, ``_step_count``) with this job's base LRs, the current LRs recomputed from them and written
-    into the optimizer's groups. The saved base LRs belong to the old layout's optimizer (a pipeline trainer
-    schedules one placeholder group, the others one group per (LR scale, weight decay) class), so they cannot
-    be reused."""
+    into the optimizer's groups. The saved base LRs belong to the old layout's optimizer (a pipeline trainer's
+    :class:`~plait.train.optim.LRSchedule` records the job's one base LR, the others one per (LR scale, weight
+    decay) group), so they cannot be reused."""
     if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
         scheduler.load_state_dict(saved)
         return

@@ -22,9 +22,9 @@ prunes it in place to this rank's stages; parameter names stay the full model's.
 ``run_pipeline_step`` sums gradients over the DP group itself.
 
 Optimizer: AdamW over this rank's trainable parameters (``None`` on a rank whose stages are frozen), with the
-trainer's parameter groups (weight decay, per-branch ``lr_scale``). The LR schedule is a ``LambdaLR`` over a
-one-parameter placeholder optimizer, the same object on every rank (so checkpoints hold one schedule state);
-before each step its factor is applied to each group's base LR, as the single-process trainer's schedule does.
+trainer's parameter groups (weight decay, per-branch ``lr_scale``). The LR schedule is driven directly
+(:class:`~plait.train.optim.LRSchedule`, the same on every rank, so checkpoints hold one schedule state): before
+each step its factor is applied to each group's base LR, as the single-process trainer's ``LambdaLR`` does.
 
 One step: every rank computes the same microbatch plan from the samples' metadata (no communication); this
 DP replica's non-empty microbatches go through the pipeline (the same list on every rank of a pipeline, so
@@ -56,11 +56,10 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from plait.attention.interface import use_plait_attention
 from plait.config.loader import pipeline_plan_kwargs
-from plait.config.schema import PipelineConfig
+from plait.config.schema import JobConfig, PipelineConfig
 from plait.models.multimodal import MultimodalModel
 from plait.models.init import materialize, rank_prefixes, weight_source
 from plait.models.registry import build_model
@@ -77,7 +76,8 @@ from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, latest_chec
 from plait.train.loss import token_loss_sum, zero_loss
 from plait.train.metrics import MetricsWriter
 from plait.train.plots import plot_timeline, write_chrome_trace
-from plait.train.trainer import Trainer, build_optimizer, build_scheduler
+from plait.train.optim import LRSchedule, build_optimizer, lr_factor
+from plait.train.trainer import Trainer
 
 __all__ = ["PipelineTrainer", "build_pipeline_plan"]
 
@@ -111,10 +111,21 @@ class PipelineTrainer(Trainer):
             (``parallel.pp.stages``/``splits``/``virtual_stages``/``attach_encoders``) do not fit the model.
     """
 
+    materializes_own_units = True
+
     # ------------------------------------------------------------------ setup
+    @staticmethod
+    def layout(cfg: JobConfig, world_size: int) -> ParallelDims:
+        """The DP x PP x CP layout of ``cfg`` on ``world_size`` processes.
+
+        Raises:
+            ValueError: when the degrees do not fit the world size (:meth:`ParallelDims.from_world`).
+        """
+        par = cfg.parallel
+        return ParallelDims.from_world(world_size, par.pp.degree, par.cp, par.dp)
+
     def _setup_mesh(self) -> None:
-        par = self.cfg.parallel
-        self.dims = ParallelDims.from_world(self.info.world_size, par.pp.degree, par.cp, par.dp)
+        self.dims = PipelineTrainer.layout(self.cfg, self.info.world_size)
         self.comm = build_pipeline_comm(self.dims.pp, self.info.device, self.dims.cp, self.dims.dp)
         self.dp, self.pp, self.cp, self.mesh = self.dims.dp, self.dims.pp, self.dims.cp, None
         self.dp_rank, self.pp_rank, self.cp_rank = self.comm.dp_rank, self.comm.pp_rank, self.comm.cp_rank
@@ -135,8 +146,7 @@ class PipelineTrainer(Trainer):
             scales = {name: enc.lr_scale for name, enc in self.cfg.model.encoders.items()}
             self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas, scales)
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
-        self._lr_driver = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=t.lr)  # never gets a gradient
-        self.scheduler = build_scheduler(self._lr_driver, t.warmup_steps, self.total_steps, t.min_lr_ratio)
+        self.scheduler = LRSchedule(t.lr, lr_factor(t.warmup_steps, self.total_steps, t.min_lr_ratio))
         self._schedules: dict[int, Schedule] = {}
         self._saved_step: int | None = None
         self.last_events: tuple[TimelineEvent, ...] = ()
@@ -229,14 +239,12 @@ class PipelineTrainer(Trainer):
         scheduled LR, advance the schedule. Returns ``(gradient norm before clipping, learning rate used)``."""
         clip = self.cfg.train.grad_clip
         grad_norm = clip_grad_norm_pipeline(self.stages, clip if clip > 0 else float("inf"), self.comm)
-        lr = self.scheduler.get_last_lr()[0]
-        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)  # LambdaLR: lr = base lr x factor
+        lr, factor = self.scheduler.get_last_lr()[0], self.scheduler.current_factor()
         if self.optimizer is not None:
             for group, base in zip(self.optimizer.param_groups, self._base_lrs):
                 group["lr"] = base * factor
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self._lr_driver.step()  # a no-op (no gradient) that keeps LambdaLR's step-order check quiet
         self.scheduler.step()
         self.step += 1
         return grad_norm, lr

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
-import sys
 import time
 from collections import defaultdict
 from contextlib import nullcontext
@@ -26,25 +24,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from plait.attention.interface import use_plait_attention
 from plait.attention.masks import MaskInfo, block_work
 from plait.config.loader import config_to_dict
 from plait.config.schema import JobConfig
-from plait.data.chat_template import tokenizer_dir
 from plait.data.collate import Batch, collate
-from plait.data.loader import GlobalBatchLoader, MultimodalDataset, rank_share
+from plait.data.loader import GlobalBatchLoader, rank_share
 from plait.models.multimodal import MultimodalModel
-from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.parallel.data_parallel import apply_data_parallel, sum_gradients
 from plait.parallel.deferral import FeatureBuffer
 from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
 from plait.parallel.dims import ParallelDims
-from plait.parallel.mesh import DistInfo, init_distributed
+from plait.parallel.mesh import DistInfo
 from plait.planner.routing import FeatureRouting, plan_feature_routing
 from plait.planner.token_distributor import plan_tokens
 from plait.train.checkpoint import (
@@ -65,9 +59,11 @@ from plait.planner.microbatch import (
 )
 from plait.train.costs import microbatch_cost_coeffs
 from plait.train.loss import token_loss_sum
-from plait.train.metrics import MetricsWriter
+from plait.train.build import TrainerParts, build_trainer_parts, join_job
+from plait.train.metrics import MetricsWriter, Progress
+from plait.train.optim import build_optimizer, build_scheduler
 
-__all__ = ["Trainer", "StepBatches", "StepResult", "build_optimizer", "build_scheduler"]
+__all__ = ["Trainer", "StepBatches", "StepResult", "stop_token_ids"]
 
 log = logging.getLogger(__name__)
 
@@ -121,82 +117,50 @@ class StepResult:
     encoder_buffer_peak_bytes: int = 0
 
 
-def build_optimizer(
-    model: MultimodalModel, lr: float, weight_decay: float, betas: tuple[float, float],
-    lr_scales: dict[str, float] | None = None,
-) -> torch.optim.AdamW:
-    """AdamW over trainable parameters only (frozen ones are not in it); no weight decay on biases and
-    norms (parameters with fewer than 2 dims); encoder branch ``b`` (encoder and projector) learns at
-    ``lr * lr_scales[b]``.
-
-    Raises:
-        ValueError: when nothing is trainable.
-    """
-    lr_scales = lr_scales or {}
-    groups: dict[tuple[float, bool], list[torch.nn.Parameter]] = {}
-    for name, p in model.trainable_parameters():
-        branch = name.split(".")[1] if name.startswith("encoders.") else None
-        groups.setdefault((lr_scales.get(branch, 1.0), p.ndim >= 2), []).append(p)
-    if not groups:
-        raise ValueError("every parameter is frozen: nothing to train")
-    return torch.optim.AdamW(
-        [{"params": ps, "lr": lr * scale, "weight_decay": weight_decay if decay else 0.0}
-         for (scale, decay), ps in groups.items()],
-        lr=lr, betas=betas,
-    )
+def stop_token_ids(tokenizer: Any) -> list[int]:
+    """Token ids that end a generated answer: the tokenizer's EOS and the token that closes an assistant turn in
+    its chat template (the first special token after the answer of a rendered one-turn chat: ChatML's
+    ``<|im_end|>`` for the demo tokenizer, whose trained answers end with it rather than with EOS)."""
+    ids = {tokenizer.eos_token_id}
+    if getattr(tokenizer, "chat_template", None):
+        chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        full = _token_list(tokenizer.apply_chat_template(chat, tokenize=True))
+        prompt = _token_list(tokenizer.apply_chat_template(chat[:1], tokenize=True, add_generation_prompt=True))
+        answer = full[len(prompt):] if full[: len(prompt)] == prompt else []
+        ids.add(next((t for t in answer if t in set(tokenizer.all_special_ids)), None))
+    return sorted(t for t in ids if isinstance(t, int) and t != tokenizer.unk_token_id)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, warmup: int, total: int, min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio`` x lr at step ``total``."""
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+def _token_list(encoded: Any) -> list[int]:
+    """Token ids of ``apply_chat_template(..., tokenize=True)`` (a list, or a mapping with ``input_ids``)."""
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
 class Trainer:
-    """Builds everything a job needs from a :class:`JobConfig` and trains it (single process or DP).
+    """Trains a :class:`JobConfig` (single process or DP x CP) on built parts (:meth:`build` builds them).
 
     Args:
         cfg: the job.
-        dist_info: this process's rank/world/device (default: from the torchrun environment).
+        parts: the process's place in the job, tokenizer, model, processor and datasets
+            (:func:`~plait.train.build.build_trainer_parts`).
+
+    Raises:
+        ValueError: when the degrees do not fit the world size (:meth:`layout`).
     """
 
-    def __init__(self, cfg: JobConfig, dist_info: DistInfo | None = None) -> None:
-        self.cfg = cfg
+    materializes_own_units = False
+    """Whether the trainer builds the model on the meta device and materialises only its rank's units."""
+
+    def __init__(self, cfg: JobConfig, parts: TrainerParts) -> None:
+        self.cfg, self.info = cfg, parts.info
+        self.tokenizer, self.model, self.processor = parts.tokenizer, parts.model, parts.processor
+        self.train_set, self.val_set = parts.train_set, parts.val_set
         t = cfg.train
-        self.info = dist_info or init_distributed(t.device, cfg.parallel.backend, cfg.parallel.timeout_s)
-        if t.threads:
-            torch.set_num_threads(t.threads)
         self._setup_mesh()
         self.run_dir = Path(cfg.metrics.run_dir)
-        _seed_everything(t.seed)
-        self.tokenizer = load_tokenizer(tokenizer_dir(cfg.data, cfg.model), cfg.data.chat_template)
-        pipeline = cfg.parallel.pp.degree > 1  # PipelineTrainer materialises only this rank's units
-        self.model = build_model(cfg.model, self.tokenizer, device="meta" if pipeline else self.info.device,
-                                 seed=t.seed)
-        self.processor = build_processor(cfg.model, self.model, self.tokenizer, cfg.data.max_length)
         self.attention = self._attention_implementation()
         if self.attention != "hf":
             use_plait_attention(self.model.language_model, "sdpa" if self.attention == "plait_sdpa" else "flex")
-        progress = cfg.metrics.progress and self.info.is_main
-        self.train_set = MultimodalDataset(cfg.data.train, self.processor, cfg.data.on_error, progress=progress)
-        self.val_set = None
-        if cfg.data.val:
-            self.val_set = MultimodalDataset(
-                cfg.data.val, self.processor, cfg.data.on_error, prompt_only=True,
-                max_samples=cfg.data.val_max_samples, progress=progress,
-            )
         self.loader = GlobalBatchLoader(len(self.train_set), t.global_batch_size, t.seed, cfg.data.shuffle)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.batches_per_epoch)
         self.cost_coeffs = microbatch_cost_coeffs(self.model)
@@ -208,19 +172,41 @@ class Trainer:
             (lambda: torch.autocast(self.info.device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
         )
 
+    @classmethod
+    def build(cls, cfg: JobConfig, info: DistInfo | None = None) -> "Trainer":
+        """Join the job (``info``, or from the torchrun environment), check the parallel layout before loading
+        anything (:meth:`layout`), build the parts (:func:`~plait.train.build.build_trainer_parts`) and the
+        trainer on them.
+
+        Raises:
+            ValueError: as :meth:`layout` and the parts' builders.
+        """
+        info = join_job(cfg, info)
+        cls.layout(cfg, info.world_size)
+        return cls(cfg, build_trainer_parts(cfg, info, meta=cls.materializes_own_units))
+
+    @staticmethod
+    def layout(cfg: JobConfig, world_size: int) -> ParallelDims:
+        """The DP x CP layout of ``cfg`` on ``world_size`` processes.
+
+        Raises:
+            ValueError: when the degrees do not fit the world size, or the job asks for pipeline parallelism
+                (``plait.train.pipeline_trainer.PipelineTrainer`` runs those).
+        """
+        par = cfg.parallel
+        if par.pp.degree > 1:
+            raise ValueError(f"parallel.pp.degree={par.pp.degree}: pipeline jobs run with PipelineTrainer")
+        return ParallelDims.from_world(world_size, 1, par.cp, par.dp)
+
     # ------------------------------------------------------------------ setup hooks (subclasses override)
     def _setup_mesh(self) -> None:
         """Parallel layout: ``dims`` (:class:`ParallelDims`), ``mesh`` (a ``("dp", "cp")`` DeviceMesh, None for one
         process), ``dp``/``dp_rank`` (DP replicas), ``cp``/``cp_rank``/``cp_group``.
 
         Raises:
-            ValueError: when the degrees do not fit the world size, or the job asks for pipeline parallelism
-                (``plait.train.pipeline_trainer.PipelineTrainer`` runs those).
+            ValueError: as :meth:`layout`.
         """
-        par = self.cfg.parallel
-        if par.pp.degree > 1:
-            raise ValueError(f"parallel.pp.degree={par.pp.degree}: pipeline jobs run with PipelineTrainer")
-        self.dims = ParallelDims.from_world(self.info.world_size, 1, par.cp, par.dp)
+        self.dims = Trainer.layout(self.cfg, self.info.world_size)
         self.dp, self.cp = self.dims.dp, self.dims.cp
         coords = self.dims.coords(self.info.rank)
         self.dp_rank, self.cp_rank = coords.dp, coords.cp
@@ -443,8 +429,7 @@ class Trainer:
         (sorted) and a ``[tasks, 2]`` float64 tensor of (exact matches, samples) per task."""
         assert self.val_set is not None
         model.eval()
-        stop = [t for t in {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|im_end|>")}
-                if isinstance(t, int) and t != self.tokenizer.unk_token_id]
+        stop = stop_token_ids(self.tokenizer)
         correct: dict[str, int] = defaultdict(int)
         total: dict[str, int] = defaultdict(int)
         size = max(self.cfg.train.microbatch_size, 16)
@@ -533,7 +518,7 @@ class Trainer:
         writer = MetricsWriter(self.run_dir, main, self.cfg.metrics.tensorboard, resume_step=resumed)
         self._report_setup(writer)
         first, end = self.step, self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
-        bar = _Progress(self.total_steps, self.step, main and self.cfg.metrics.progress)
+        bar = Progress(self.total_steps, self.step, main and self.cfg.metrics.progress)
         losses, evals = [], {}
         while self.step < end:
             res = self.train_step(self.loader.next_batch())
@@ -591,39 +576,6 @@ class Trainer:
             f"world size {self.info.world_size}, {n_train / 1e6:.2f}M of {n_all / 1e6:.2f}M parameters trainable",
             flush=True,
         )
-
-
-class _Progress:
-    """Training progress on rank 0. On a terminal: a tqdm bar. Otherwise (stderr is a log file or a pipe): one
-    plain line on stderr for the first and the last step and at most every ``interval`` seconds (no carriage-return
-    updates piling up in the log).
-
-    Args:
-        total: the run's steps; initial: the step it starts from; enabled: show anything.
-    """
-
-    def __init__(self, total: int, initial: int, enabled: bool, interval: float = 30.0) -> None:
-        self.enabled, self.total, self.initial, self.interval = enabled, total, initial, interval
-        self.tty = enabled and sys.stderr.isatty()
-        self.bar = tqdm(total=total, initial=initial, disable=not self.tty, desc="train", dynamic_ncols=True)
-        self.last = time.monotonic()
-
-    def update(self, step: int, loss: float, tokens_per_s: float, last: bool = False) -> None:
-        """Step ``step`` is done with this loss and throughput (tokens/s); ``last``: the loop's final step."""
-        if self.tty:
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
-            self.bar.update(1)
-        elif self.enabled and (last or step == self.initial + 1 or time.monotonic() - self.last >= self.interval):
-            print(f"train: step {step}/{self.total}, loss {loss:.3f}, {tokens_per_s:.0f} tokens/s", file=sys.stderr,
-                  flush=True)
-            self.last = time.monotonic()
-
-    def write(self, message: str) -> None:
-        """Print ``message`` on stdout without breaking the bar."""
-        self.bar.write(message)
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 def _fmt(evals: dict[str, float]) -> str:

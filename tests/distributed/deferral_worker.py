@@ -12,7 +12,7 @@ from plait.train.trainer import Trainer
 
 def main(config_path: str, out_path: str) -> None:
     cfg = config_from_dict(json.loads(open(config_path).read()))
-    trainer = Trainer(cfg)
+    trainer = Trainer.build(cfg)
     first = trainer.loader.epoch_order(0)[: cfg.train.global_batch_size].tolist()
     plan, _ = trainer.plan_step(first)
     trainer.forward_backward(first, plan)

@@ -234,7 +234,7 @@ def trainer_main(config_path: str, out_prefix: str) -> None:
     from plait.train.trainer import Trainer
 
     cfg = config_from_dict(json.loads(open(config_path).read()))
-    trainer = PipelineTrainer(cfg) if cfg.parallel.pp.degree > 1 else Trainer(cfg)
+    trainer = PipelineTrainer.build(cfg) if cfg.parallel.pp.degree > 1 else Trainer.build(cfg)
     first = list(range(cfg.train.global_batch_size))
     plan, _ = trainer.plan_step(first)
     trainer.forward_backward(first, plan)

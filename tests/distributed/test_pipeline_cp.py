@@ -74,7 +74,7 @@ def test_plait_train_pp2_x_cp2_equals_one_process(tmp_path):
     job = tiny_config_dict(str(data), None, str(tmp_path / "single"), data={"shuffle": False, "packing": True},
                            train={"steps": 2, "global_batch_size": 4, "microbatch_size": 2, "threads": 1},
                            attention={"mask": "bidirectional_items", "block_size": 16}, parallel={"timeout_s": 60})
-    single = Trainer(config_from_dict(job)).fit()
+    single = Trainer.build(config_from_dict(job)).fit()
     job["metrics"]["run_dir"] = str(tmp_path / "ppcp")
     job["parallel"].update(cp=2, pp={"degree": 2, "layout": "encoders_colocated", "schedule": "1f1b"})
     path = tmp_path / "ppcp.toml"

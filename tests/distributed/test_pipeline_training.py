@@ -70,7 +70,7 @@ def losses_of(run_dir) -> dict[int, float]:
 
 
 def test_pp2_trains_like_one_process_writes_timeline_and_resumes(tmp_path):
-    single = Trainer(config_from_dict(job_dict(tmp_path, "single")))
+    single = Trainer.build(config_from_dict(job_dict(tmp_path, "single")))
     initial = {n: p.detach().clone() for n, p in single.model.named_parameters()}
     ref = single.fit()
 
@@ -167,6 +167,6 @@ def test_pipeline_trainer_needs_a_multiple_of_the_degree_in_processes(tmp_path):
 
     cfg = config_from_dict(tiny_config_dict("train.jsonl", parallel={"pp": {"degree": 2}}))
     with pytest.raises(ValueError, match="does not fit the world size 1"):
-        PipelineTrainer(cfg)
+        PipelineTrainer.build(cfg)
     with pytest.raises(ValueError, match="pipeline jobs run with PipelineTrainer"):
-        Trainer(cfg)
+        Trainer.build(cfg)

@@ -61,7 +61,7 @@ def assert_continues(run_dir, ref: dict[int, dict], first: int) -> float:
 
 
 def test_resume_across_layouts_continues_the_uninterrupted_run(tmp_path, capsys):
-    reference = Trainer(config_from_dict(resumable_job(tmp_path, "single")))
+    reference = Trainer.build(config_from_dict(resumable_job(tmp_path, "single")))
     reference.fit()
     ref = records_of(tmp_path / "single")
     assert len({round(r["lr"], 12) for r in ref.values()}) == STEPS  # the LR changes every step
@@ -87,7 +87,7 @@ def test_resume_across_layouts_continues_the_uninterrupted_run(tmp_path, capsys)
     # PP 2 -> one process
     capsys.readouterr()
     job = resumable_job(tmp_path, "single_again")
-    single = Trainer(config_from_dict(job))
+    single = Trainer.build(config_from_dict(job))
     single.fit(resume=str(tmp_path / "pp_colocated/checkpoints/step_000003"))
     out = capsys.readouterr().out
     assert "resuming step 3 written with 2 processes (DP 1 x PP 2" in out and "now 1 process (DP 1" in out
@@ -100,7 +100,7 @@ def test_resume_across_layouts_continues_the_uninterrupted_run(tmp_path, capsys)
     proc = torchrun_train(job, tmp_path, "dp", f"--resume={tmp_path / 'pp_colocated/checkpoints/step_000003'}")
     assert "now 2 processes (DP 2 x PP 1 x CP 1)" in proc.stdout
     worst["pp_colocated->dp"] = assert_continues(tmp_path / "dp", ref, 4)
-    single = Trainer(config_from_dict(resumable_job(tmp_path, "single_from_dp")))
+    single = Trainer.build(config_from_dict(resumable_job(tmp_path, "single_from_dp")))
     single.fit(resume=str(tmp_path / "dp/checkpoints/step_000004"))
     assert "written with 2 processes (DP 2 x PP 1 x CP 1), now 1 process" in capsys.readouterr().out
     worst["dp->single"] = assert_continues(tmp_path / "single_from_dp", ref, 5)
@@ -120,7 +120,7 @@ def test_resume_across_layouts_continues_the_uninterrupted_run(tmp_path, capsys)
 
     # the same layout again: the saved RNG streams come back, nothing is re-derived
     capsys.readouterr()
-    Trainer(config_from_dict(resumable_job(tmp_path, "single"))).resume(tmp_path / "single/checkpoints/step_000004")
+    Trainer.build(config_from_dict(resumable_job(tmp_path, "single"))).resume(tmp_path / "single/checkpoints/step_000004")
     out = capsys.readouterr().out
     assert "resuming step 4 written with 1 process (DP 1 x PP 1 x CP 1), now 1 process" in out
     assert "re-derived" not in out

@@ -21,7 +21,8 @@ from plait.train.checkpoint import (
     save_checkpoint,
     seed_rng_streams,
 )
-from plait.train.trainer import Trainer, build_scheduler
+from plait.train.optim import build_scheduler
+from plait.train.trainer import Trainer
 from tests.conftest import TINY_LLM, demo_records
 
 SINGLE = CheckpointLayout()
@@ -162,19 +163,19 @@ def test_a_tied_weights_state_reaches_a_rank_that_holds_only_the_output_copy(tmp
 def test_changes_that_break_the_run_are_refused_and_the_attention_kernel_is_not(tiny_job):
     recs = demo_records("train", ("image_digit", "text"), limit=4)
     sections = dict(train={"steps": 1, "global_batch_size": 4, "microbatch_size": 2}, checkpoint={"every": 1})
-    Trainer(tiny_job(recs, **sections)).fit()
+    Trainer.build(tiny_job(recs, **sections)).fit()
 
     sections["model"] = {"llm": {"config": dict(TINY_LLM, num_hidden_layers=1), "attn_implementation": "eager"}}
-    fewer_layers = Trainer(tiny_job(recs, **sections))  # a subset of the saved tensors: DCP alone would load it
+    fewer_layers = Trainer.build(tiny_job(recs, **sections))  # a subset of the saved tensors: DCP alone would load it
     with pytest.raises(ValueError, match=r"\[model\] config differs .*model\.llm\.config\.num_hidden_layers: 2 -> 1"):
         fewer_layers.resume()
     del sections["model"]
 
     sections["train"]["global_batch_size"] = 2
     with pytest.raises(ValueError, match="train.global_batch_size was 4 when it was written, now 2; the data position"):
-        Trainer(tiny_job(recs, **sections)).resume()
+        Trainer.build(tiny_job(recs, **sections)).resume()
     sections["train"]["global_batch_size"] = 4
 
     # how attention runs, not what is trained: may change
     sections["model"] = {"llm": {"config": dict(TINY_LLM), "attn_implementation": "sdpa"}}
-    assert Trainer(tiny_job(recs, **sections)).resume() == 1
+    assert Trainer.build(tiny_job(recs, **sections)).resume() == 1

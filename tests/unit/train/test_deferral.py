@@ -42,7 +42,7 @@ def train(tiny_job, policy: str, frozen: bool, steps: int = 3) -> dict:
     if frozen:
         for enc in cfg.model.encoders.values():
             enc.freeze, enc.freeze_projector = True, True
-    trainer = Trainer(cfg)
+    trainer = Trainer.build(cfg)
     batch = list(range(8))
     plan, _ = trainer.plan_step(batch)
     trainer.forward_backward(batch, plan)
@@ -101,7 +101,7 @@ def test_deferred_training_equals_arrival_order(tiny_job, frozen):
 def test_metrics_hold_balance_and_buffer_figures(tiny_job, tmp_path):
     cfg = tiny_job(deferral_records(), data={"shuffle": False},
                    train={"steps": 2, "global_batch_size": 8, "microbatch_size": 2})
-    trainer = Trainer(cfg)
+    trainer = Trainer.build(cfg)
     trainer.fit()
     records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]

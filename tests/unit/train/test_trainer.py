@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait.train.trainer import Trainer, build_scheduler
+from plait.train.optim import build_scheduler
+from plait.train.trainer import Trainer
 from tests.conftest import demo_records
 
 
@@ -33,9 +34,9 @@ def test_gradient_accumulation_invariance(tiny_job):
     results = []
     for mbs in (1, 4, 3):
         cfg = tiny_job(recs, train={"microbatch_size": mbs, "global_batch_size": 4})
-        results.append(grads_after(Trainer(cfg), [0, 1, 2, 3]))
+        results.append(grads_after(Trainer.build(cfg), [0, 1, 2, 3]))
     (l1, t1, g1), (l4, t4, g4), (l3, _, g3) = results
-    counts = [s.meta.target_tokens for s in Trainer(tiny_job(recs)).train_set.samples]
+    counts = [s.meta.target_tokens for s in Trainer.build(tiny_job(recs)).train_set.samples]
     assert max(counts) >= 4 * min(counts)  # very different target counts
     assert t1 == t4 == sum(counts)
     assert l1 == pytest.approx(l4, rel=1e-6) and l3 == pytest.approx(l4, rel=1e-6)
@@ -47,7 +48,7 @@ def test_gradient_accumulation_invariance(tiny_job):
 
 def test_loss_is_mean_over_global_target_tokens_not_mean_of_microbatch_means(tiny_job):
     recs = mixed_records()
-    trainer = Trainer(tiny_job(recs, train={"microbatch_size": 1, "global_batch_size": 4}))
+    trainer = Trainer.build(tiny_job(recs, train={"microbatch_size": 1, "global_batch_size": 4}))
     per_sample = []
     for i in range(4):
         loss, targets = trainer.forward_backward([i])
@@ -65,7 +66,7 @@ def test_frozen_parts_stay_bit_identical_and_unfrozen_parts_all_train(tiny_job):
     cfg.model.encoders["vision"].freeze = True
     cfg.model.encoders["audio"].freeze_projector = True
     cfg.model.llm.freeze = True
-    trainer = Trainer(cfg)
+    trainer = Trainer.build(cfg)
     model = trainer.model
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -99,16 +100,16 @@ def test_resume_mid_epoch_in_second_epoch_reproduces_the_run(tiny_job, tmp_path)
     recs = demo_records("train", limit=10)  # 10 samples, batch 4: 3 batches per epoch, last one of 2
     sections = dict(train={"steps": 7, "global_batch_size": 4, "microbatch_size": 2},
                     checkpoint={"every": 4, "keep": 3})
-    full = Trainer(tiny_job(recs, **sections)).fit()
+    full = Trainer.build(tiny_job(recs, **sections)).fit()
     assert len(full["losses"]) == 7
 
     sections["metrics"] = {"run_dir": str(tmp_path / "run2")}
-    first = Trainer(tiny_job(recs, **sections))
+    first = Trainer.build(tiny_job(recs, **sections))
     part = first.fit(stop_after=4)  # stops after step 4: epoch 1, batch 1 (mid-epoch, second epoch)
     assert first.loader.epoch == 1 and first.loader.batch_in_epoch == 1
     assert part["losses"] == full["losses"][:4]
 
-    second = Trainer(tiny_job(recs, **sections))
+    second = Trainer.build(tiny_job(recs, **sections))
     rest = second.fit(resume=True)
     assert rest["losses"] == full["losses"][4:]  # exactly, not approximately
     steps = [json.loads(line)["step"] for line in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()
@@ -127,7 +128,7 @@ def test_hierarchical_microbatches_train_like_arrival_order(tiny_job):
     runs = {}
     batch = list(range(8))
     for policy in ("arrival", "hierarchical"):
-        trainer = Trainer(tiny_job(recs, train={"steps": 3, "global_batch_size": 8, "microbatch_size": 2,
+        trainer = Trainer.build(tiny_job(recs, train={"steps": 3, "global_batch_size": 8, "microbatch_size": 2,
                                                "microbatch_policy": policy}))
         groups = trainer.microbatches(batch)
         _, _, grads = grads_after(trainer, batch)
@@ -150,7 +151,7 @@ def test_hierarchical_microbatches_train_like_arrival_order(tiny_job):
 
 def test_step_metrics_report_microbatch_balance(tiny_job):
     recs = demo_records("train", ("image_digit", "audio_transcribe"), limit=8)
-    trainer = Trainer(tiny_job(recs, train={"global_batch_size": 8, "microbatch_size": 2}))
+    trainer = Trainer.build(tiny_job(recs, train={"global_batch_size": 8, "microbatch_size": 2}))
     res = trainer.train_step(list(range(8)))
     assert set(res.workload) == {"vision", "audio", "llm"}
     for stats in res.workload.values():
@@ -171,21 +172,21 @@ def test_new_run_into_an_old_run_dir_removes_its_checkpoints(tiny_job, caplog, r
     recs = demo_records("train", ("text",), limit=4)
     sections = dict(train={"steps": 6, "global_batch_size": 2, "microbatch_size": 2},
                     checkpoint={"every": 2, "keep": 5})
-    Trainer(tiny_job(recs, **sections)).fit()
+    Trainer.build(tiny_job(recs, **sections)).fit()
     run_dir = Path(tiny_job(recs).metrics.run_dir)
     names = lambda: sorted(p.name for p in (run_dir / "checkpoints").iterdir())  # noqa: E731
     assert names() == ["step_000002", "step_000004", "step_000006"]
     sections["train"]["steps"] = 2
     warnings.simplefilter("always")
     with caplog.at_level(logging.WARNING):
-        Trainer(tiny_job(recs, **sections)).fit()
+        Trainer.build(tiny_job(recs, **sections)).fit()
     assert any("already holds checkpoints of an earlier run: removed its 3 checkpoint(s) (newest step_000006)"
                in r.message for r in caplog.records)
     assert names() == ["step_000002"]
     sections["train"]["steps"] = 4
-    assert Trainer(tiny_job(recs, **sections)).fit(resume=True)["steps"] == 2  # B's step 2 -> 4
+    assert Trainer.build(tiny_job(recs, **sections)).fit(resume=True)["steps"] == 2  # B's step 2 -> 4
     assert _loss_steps(run_dir) == [1, 2, 3, 4] and names() == ["step_000002", "step_000004"]
-    Trainer(tiny_job(recs, **sections)).fit(resume=str(run_dir / "checkpoints" / "step_000002"))  # re-saves step 4
+    Trainer.build(tiny_job(recs, **sections)).fit(resume=str(run_dir / "checkpoints" / "step_000002"))  # re-saves step 4
     assert not [w for w in recwarn if "existing checkpoint" in str(w.message)]
 
 
@@ -194,9 +195,9 @@ def test_resume_with_nothing_left_says_so_and_reports_no_steps_trained(tiny_job,
 
     recs = demo_records("train", ("text",), limit=4)
     cfg = tiny_job(recs, train={"steps": 1})
-    assert Trainer(cfg).fit()["steps"] == 1
+    assert Trainer.build(cfg).fit()["steps"] == 1
     with caplog.at_level(logging.WARNING):
-        result = Trainer(cfg).fit(resume=True)
+        result = Trainer.build(cfg).fit(resume=True)
     assert any("nothing to train: checkpoint is at step 1, train.steps = 1" in r.message for r in caplog.records)
     assert result["steps"] == 0 and result["step"] == 1 and result["losses"] == []
 
@@ -204,7 +205,7 @@ def test_resume_with_nothing_left_says_so_and_reports_no_steps_trained(tiny_job,
 def test_progress_in_a_log_is_plain_lines_not_carriage_returns(tiny_job, capsys):
     """stderr captured by pytest is not a TTY, like a log file: first and last step as plain lines."""
     recs = demo_records("train", ("text",), limit=4)
-    Trainer(tiny_job(recs, train={"steps": 3, "global_batch_size": 2}, metrics={"progress": True})).fit()
+    Trainer.build(tiny_job(recs, train={"steps": 3, "global_batch_size": 2}, metrics={"progress": True})).fit()
     err = capsys.readouterr().err
     assert "\r" not in err
     assert [line.split(",")[0] for line in err.splitlines() if line.startswith("train: step")] == [
@@ -217,9 +218,19 @@ def test_resume_is_exact_when_a_branch_had_no_gradient_yet(tiny_job, tmp_path):
     recs = demo_records("train", ("text",), limit=4) + demo_records("train", ("image_digit",), limit=8)
     sections = dict(data={"shuffle": False}, train={"steps": 3, "global_batch_size": 4, "microbatch_size": 2},
                     checkpoint={"every": 1, "keep": 3})
-    full = Trainer(tiny_job(recs, **sections)).fit()
+    full = Trainer.build(tiny_job(recs, **sections)).fit()
     sections["metrics"] = {"run_dir": str(tmp_path / "run2")}
-    Trainer(tiny_job(recs, **sections)).fit(stop_after=1)
-    resumed = Trainer(tiny_job(recs, **sections))
+    Trainer.build(tiny_job(recs, **sections)).fit(stop_after=1)
+    resumed = Trainer.build(tiny_job(recs, **sections))
     rest = resumed.fit(resume=str(tmp_path / "run2" / "checkpoints" / "step_000001"))
     assert rest["losses"] == full["losses"][1:]
+
+
+def test_generation_stops_on_eos_and_the_chat_templates_turn_end():
+    from transformers import AutoTokenizer
+
+    from plait.train.trainer import stop_token_ids
+    from tests.conftest import DEMO
+
+    tok = AutoTokenizer.from_pretrained(DEMO / "tokenizer")
+    assert stop_token_ids(tok) == sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}) == [2, 4]

@@ -1,0 +1,81 @@
+"""Building what a trainer runs, in small steps the command calls before the trainer exists: join the job, load
+the tokenizer, compose the model (on the meta device when a pipeline trainer materialises only its own units),
+its processor and the datasets (:func:`build_trainer_parts`)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from plait.config.schema import JobConfig
+from plait.data.chat_template import tokenizer_dir
+from plait.data.loader import MultimodalDataset
+from plait.models.multimodal import MultimodalModel
+from plait.models.registry import build_model, build_processor, load_tokenizer
+from plait.parallel.mesh import DistInfo, init_distributed
+
+__all__ = ["TrainerParts", "build_datasets", "build_trainer_parts", "join_job", "seed_everything"]
+
+
+@dataclass
+class TrainerParts:
+    """What a trainer is built from.
+
+    Attributes:
+        info: this process's rank, world size and device.
+        tokenizer: the job's tokenizer (``data.tokenizer``).
+        model: the composite model (on ``info.device``, or on the meta device for a pipeline trainer).
+        processor: turns records into model inputs (``build_processor``).
+        train_set: the training set; val_set: the validation set (None without ``data.val``).
+    """
+
+    info: DistInfo
+    tokenizer: Any
+    model: MultimodalModel
+    processor: Any
+    train_set: MultimodalDataset
+    val_set: MultimodalDataset | None
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's default generators."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def join_job(cfg: JobConfig, info: DistInfo | None = None) -> DistInfo:
+    """This process's place in the job (``info``, or joined from the torchrun environment), with
+    ``train.threads`` intra-op threads when set."""
+    info = info or init_distributed(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    return info
+
+
+def build_datasets(cfg: JobConfig, processor: Any, progress: bool) -> tuple[MultimodalDataset,
+                                                                            MultimodalDataset | None]:
+    """The training set and the validation set (prompts only; None without ``data.val``)."""
+    d = cfg.data
+    train = MultimodalDataset(d.train, processor, d.on_error, progress=progress)
+    val = None
+    if d.val:
+        val = MultimodalDataset(d.val, processor, d.on_error, prompt_only=True, max_samples=d.val_max_samples,
+                                progress=progress)
+    return train, val
+
+
+def build_trainer_parts(cfg: JobConfig, info: DistInfo, meta: bool = False) -> TrainerParts:
+    """Seed (``train.seed``), then load the tokenizer (``data.tokenizer`` or the LLM's folder, with
+    ``data.chat_template``), compose the model (on the meta device when ``meta``),
+    its processor and the datasets (progress bars on the main rank with ``metrics.progress``)."""
+    seed_everything(cfg.train.seed)
+    tokenizer = load_tokenizer(tokenizer_dir(cfg.data, cfg.model), cfg.data.chat_template)
+    model = build_model(cfg.model, tokenizer, device="meta" if meta else info.device, seed=cfg.train.seed)
+    processor = build_processor(cfg.model, model, tokenizer, cfg.data.max_length)
+    train, val = build_datasets(cfg, processor, cfg.metrics.progress and info.is_main)
+    return TrainerParts(info, tokenizer, model, processor, train, val)
