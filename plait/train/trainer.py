@@ -1,16 +1,21 @@
-"""The training loop: build, step, validate, checkpoint, resume.
+"""The training loop: build (:meth:`Trainer.build`, parts from :mod:`plait.train.build`), step, validate,
+checkpoint, resume.
 
 Loss normalisation (../shared/DESIGN.md): the loss of a global batch is the sum of token cross-entropies
 divided by the number of target tokens of the whole global batch (all microbatches, all DP ranks). Every
 microbatch's loss sum is divided by that global count before its backward, so gradients do not depend on
 how samples are grouped into microbatches or ranks.
 
-Microbatches follow ``plan_microbatches`` (../shared/REFERENCES.md section 3), deferral included: a sample's
-encoder work runs in its encoder microbatch, its LLM work possibly in a later one. The encoder outputs are
-buffered as detached leaves until every LLM microbatch that reads them has run backward, then the gradients
-gathered on the leaves go back through the encoders (detached-leaf re-injection). Gradients are summed over
-all ranks once, after the last backward (:func:`plait.parallel.data_parallel.sum_gradients`), not by DDP's hooks, which would fire
-before the deferred encoder backwards.
+One step (DESIGN "One training step"): ``plan_microbatches`` assigns the global batch to DP ranks and
+microbatches (../shared/REFERENCES.md section 3), deferral included; :meth:`Trainer.plan_batches` then plans this
+rank's share before anything runs: the feature routing (``plan_feature_routing``), each sample collated once, each
+LLM microbatch's attention metadata and CP token assignment (``plan_tokens``). A sample's encoder work runs in its
+encoder microbatch, its LLM work possibly in a later one: the encoder outputs are kept as detached leaves by the
+one deferral implementation (:class:`~plait.parallel.deferral.FeatureBuffer`, shared with the pipeline runtime)
+until every LLM microbatch that reads them has run backward, then the gradients gathered on the leaves go back
+through the encoders (detached-leaf re-injection). Gradients are summed over all ranks once, after the last
+backward (:func:`plait.parallel.data_parallel.sum_gradients`), not by DDP's hooks, which would fire before the
+deferred encoder backwards.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from plait.parallel.deferral import FeatureBuffer
 from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
 from plait.parallel.dims import ParallelDims
 from plait.parallel.mesh import DistInfo
-from plait.planner.routing import FeatureRouting, plan_feature_routing
+from plait.planner.routing import plan_feature_routing
 from plait.planner.token_distributor import plan_tokens
 from plait.train.checkpoint import (
     CheckpointLayout,
@@ -59,34 +64,14 @@ from plait.planner.microbatch import (
 )
 from plait.train.costs import microbatch_cost_coeffs
 from plait.train.loss import token_loss_sum
+from plait.train.batches import StepBatches, encoder_view_batch
 from plait.train.build import TrainerParts, build_trainer_parts, join_job
 from plait.train.metrics import MetricsWriter, Progress
 from plait.train.optim import build_optimizer, build_scheduler
 
-__all__ = ["Trainer", "StepBatches", "StepResult", "stop_token_ids"]
+__all__ = ["Trainer", "StepResult", "stop_token_ids"]
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class StepBatches:
-    """One DP replica's share of a step, planned before any of it runs (DESIGN "One training step"): the feature
-    routing of its microbatch plan and, per routed microbatch, the collated batches and the LLM keyword arguments
-    (attention metadata and this rank's CP shard, from ``plan_tokens``). Each sample is collated once: an encoder
-    microbatch with the same samples as its LLM microbatch reuses that batch.
-
-    Attributes:
-        routing: the replica's :class:`~plait.planner.routing.FeatureRouting` (sample keys: positions in the
-            global batch); no microbatch when the replica has no sample.
-        encoder_batches: per microbatch, the batch of the encoder view (None: no sample).
-        llm_batches: per microbatch, the batch of the LLM view (None: no sample).
-        llm_kwargs: per microbatch, the LLM's extra keyword arguments (``{}`` for an empty one).
-    """
-
-    routing: FeatureRouting
-    encoder_batches: tuple[Batch | None, ...]
-    llm_batches: tuple[Batch | None, ...]
-    llm_kwargs: tuple[dict[str, Any], ...]
-
 
 def _backward_through(outputs: dict[str, torch.Tensor], leaves: Mapping[str, torch.Tensor]) -> None:
     """Propagate the gradients accumulated on the detached ``leaves`` through the encoder graph of ``outputs``
@@ -259,13 +244,17 @@ class Trainer:
         return [[indices[k] for k in mb] for mb in plan.llm_microbatches(self.dp_rank) if mb]
 
     def plan_batches(self, indices: Sequence[int], plan: MicrobatchPlan) -> StepBatches:
-        """This rank's :class:`StepBatches` of the global batch ``indices`` under ``plan`` (every sample collated
-        once, every LLM microbatch's CP token assignment planned once), before the step runs."""
+        """This rank's :class:`~plait.train.batches.StepBatches` of the global batch ``indices`` under ``plan``,
+        before the step runs: the feature routing, every sample collated once (into its LLM microbatch; an
+        encoder microbatch that differs takes its samples' items from those batches), every LLM microbatch's
+        attention metadata and CP token assignment planned once."""
         routing = plan_feature_routing(plan, self.dp_rank, {k: self._feature_rows(indices[k])
                                                             for k in range(len(indices))})
         llm = tuple(self._collate([indices[k] for k in mb]) if mb else None for mb in routing.llm_samples)
-        enc = tuple(llm[j] if mb == routing.llm_samples[j] else self._collate([indices[k] for k in mb]) if mb
-                    else None for j, mb in enumerate(routing.encoder_samples))
+        items = {k: {b: len(v) for b, v in self.train_set[indices[k]].inputs.items()}
+                 for mb in routing.encoder_samples for k in mb}
+        enc = tuple(llm[i] if mb == routing.llm_samples[i] else encoder_view_batch(i, routing, llm, items) if mb
+                    else None for i, mb in enumerate(routing.encoder_samples))
         kwargs = tuple(self._llm_kwargs(b) if b is not None else {} for b in llm)
         return StepBatches(routing, enc, llm, kwargs)
 
@@ -408,7 +397,8 @@ class Trainer:
         grad_norm, lr = self.optimizer_step()
         tokens = sum(self.train_set[i].meta.length for i in indices)
         stats = workload_stats(plan, costs, list(self.cost_coeffs))
-        workload = {m: {"cv": stats.cv[k], "max_over_mean": stats.max_over_mean[k]} for k, m in enumerate(stats.modules)}
+        workload = {m: {"cv": stats.cv[k], "max_over_mean": stats.max_over_mean[k]}
+                    for k, m in enumerate(stats.modules)}
         return StepResult(self.step, loss, grad_norm, lr, targets, tokens, time.perf_counter() - start, workload,
                           stats.num_deferred, self.encoder_buffer_peak_bytes)
 
@@ -517,7 +507,8 @@ class Trainer:
             log.warning("nothing to train: checkpoint is at step %d, %s", resumed, goal)
         writer = MetricsWriter(self.run_dir, main, self.cfg.metrics.tensorboard, resume_step=resumed)
         self._report_setup(writer)
-        first, end = self.step, self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
+        first = self.step
+        end = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
         bar = Progress(self.total_steps, self.step, main and self.cfg.metrics.progress)
         losses, evals = [], {}
         while self.step < end:
