@@ -1,8 +1,9 @@
 """The pipeline runtime (DESIGN principle 3: it only executes): one file per job.
 
-- :mod:`.comm`: this process's place in a DP x PP x CP job (:class:`PipelineComm`) and its process groups;
+- :mod:`.comm`: this process's place in a DP x PP x CP job (:class:`PipelineComm`), its process groups and the
+  receive capacities its channels keep across steps (:class:`ChannelCapacities`);
 - :mod:`.wire`: the message format (header, packed buffer);
-- :mod:`.transport`: ordered P2P messages of a step, pre-posted receives (:class:`ChannelCapacities`);
+- :mod:`.transport`: ordered P2P messages of a step, pre-posted receives;
 - :mod:`.executor`: one rank's ``F``/``B``/``W`` actions, frozen-aware, with deferred encoder outputs;
 - :mod:`.step`: :func:`run_pipeline_step` (execute, reduce over DP x CP and tied copies), clipping, timeline.
 """

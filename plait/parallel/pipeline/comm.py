@@ -1,4 +1,5 @@
-"""This process's place in a DP x PP x CP pipeline job (:class:`PipelineComm`) and the process groups it uses."""
+"""This process's place in a DP x PP x CP pipeline job (:class:`PipelineComm`), the process groups it uses and the
+state its channels keep across steps (:class:`ChannelCapacities`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,31 @@ import torch
 import torch.distributed as dist
 
 from plait.parallel.dims import ParallelDims, new_groups
-from plait.parallel.pipeline.transport import ChannelCapacities
 
-__all__ = ["PipelineComm", "build_pipeline_comm", "pipeline_comm_from_mesh"]
+__all__ = ["ChannelCapacities", "MIN_CAPACITY", "PipelineComm", "build_pipeline_comm", "pipeline_comm_from_mesh"]
+
+MIN_CAPACITY = 1 << 16
+"""Bytes of the first pre-posted receive of a channel (gloo packed messages)."""
+
+
+class ChannelCapacities:
+    """Bytes a packed message may put in its pre-posted receive, per ``(sender, receiver)`` global ranks.
+
+    Sender and receiver each hold one (in their :class:`PipelineComm`, so it lasts across steps) and the transport
+    (:mod:`plait.parallel.pipeline.transport`) grows both by the same rule from the same messages, so they always
+    agree.
+    """
+
+    def __init__(self) -> None:
+        self.table: dict[tuple[int, int], int] = {}
+
+    def get(self, src: int, dst: int) -> int:
+        """Capacity (bytes) of the channel ``src -> dst``."""
+        return self.table.get((src, dst), MIN_CAPACITY)
+
+    def grow(self, src: int, dst: int, total: int) -> None:
+        """After a message of ``total`` bytes from ``src`` to ``dst``: room for it (next power of two) from now on."""
+        self.table[(src, dst)] = max(self.get(src, dst), 1 << max(0, total - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -37,8 +60,7 @@ class PipelineComm:
         grad_group: process group of every rank holding this ``pp_rank``'s stages (DP x CP ranks), over which
             gradients are summed (None when ``dp_size * cp_size == 1``; the DP group when ``cp_size == 1``).
         capacities: the receive capacities of the packed gloo transport, per channel, kept across steps
-            (:class:`~plait.parallel.pipeline.transport.ChannelCapacities`; both ends of a channel grow theirs
-            alike).
+            (:class:`ChannelCapacities`; both ends of a channel grow theirs alike).
     """
 
     pp_rank: int = 0

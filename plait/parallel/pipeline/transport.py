@@ -4,11 +4,11 @@
 Messages between two ranks are matched in the order the sender's schedule emits them (the receiver derives that
 order from the schedule and buffers messages that arrive before they are needed), so no tags are needed (NCCL has
 none). On gloo (CPU) a message is one packed uint8 buffer (:mod:`plait.parallel.pipeline.wire`) and the receiver
-posts the receive of the next message of each channel ahead of time, into a buffer of a capacity both sides grow
-alike (:class:`ChannelCapacities`: the next power of two of the largest message so far; a larger message sends
-its rest in a second part): gloo's ``isend`` then finds the receive posted and writes the bytes at once, whereas
-a receive posted after the send waits for gloo's background thread on the sender, which gets no core for
-milliseconds while the sender computes. Other backends send the header (``HEADER_SLOTS`` slots, a longer one
+posts the receive of the next message of each channel ahead of time, into a buffer of a capacity both sides
+grow alike (:class:`~plait.parallel.pipeline.comm.ChannelCapacities`: the next power of two of the largest
+message so far; a larger message sends its rest in a second part): gloo's ``isend`` then finds the receive
+posted and writes the bytes at once, whereas a receive posted after the send waits for gloo's background thread
+on the sender, which gets no core for milliseconds while the sender computes. Other backends send the header (``HEADER_SLOTS`` slots, a longer one
 continues in a second message) and then the tensors, each group by one ``dist.batch_isend_irecv``.
 """
 
@@ -16,43 +16,18 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from plait.parallel.pipeline.comm import PipelineComm
 from plait.parallel.pipeline.wire import HEADER_SLOTS, decode_header, encode_header, pack, payload_tensors, unpack
 from plait.planner.schedule_ir import Action, Schedule
 
-if TYPE_CHECKING:
-    from plait.parallel.pipeline.comm import PipelineComm
-
-__all__ = ["ChannelCapacities", "MIN_CAPACITY", "MessageKey", "Transport", "messages"]
+__all__ = ["MessageKey", "Transport", "messages"]
 
 MessageKey = tuple[str, int, int, int]  # (kind "F"/"B", sending stage, receiving stage, microbatch)
-MIN_CAPACITY = 1 << 16
-"""Bytes of the first pre-posted receive of a channel (gloo packed messages)."""
-
-
-class ChannelCapacities:
-    """Bytes a packed message may put in its pre-posted receive, per ``(sender, receiver)`` global ranks.
-
-    Sender and receiver each hold one (in their :class:`~plait.parallel.pipeline.comm.PipelineComm`, so it lasts
-    across steps) and grow it by the same rule from the same messages, so they always agree.
-    """
-
-    def __init__(self) -> None:
-        self.table: dict[tuple[int, int], int] = {}
-
-    def get(self, src: int, dst: int) -> int:
-        """Capacity (bytes) of the channel ``src -> dst``."""
-        return self.table.get((src, dst), MIN_CAPACITY)
-
-    def grow(self, src: int, dst: int, total: int) -> None:
-        """After a message of ``total`` bytes from ``src`` to ``dst``: room for it (next power of two) from now on."""
-        self.table[(src, dst)] = max(self.get(src, dst), 1 << max(0, total - 1).bit_length())
-
-
 def messages(plan: Any, action: Action) -> list[MessageKey]:
     """Messages ``action`` sends to other ranks, in the order the runtime posts them."""
     s, m, rank = action.stage, action.microbatch, plan.stages[action.stage].rank
@@ -67,7 +42,7 @@ def messages(plan: Any, action: Action) -> list[MessageKey]:
 class Transport:
     """Ordered P2P messages of one step between the ranks of one pipeline (module docstring)."""
 
-    def __init__(self, comm: "PipelineComm", schedule: Schedule) -> None:
+    def __init__(self, comm: PipelineComm, schedule: Schedule) -> None:
         self.comm, self.plan = comm, schedule.plan
         self.pending: list[tuple[Any, list[torch.Tensor]]] = []
         self.expected: dict[int, deque[MessageKey]] = defaultdict(deque)
