@@ -8,8 +8,9 @@ posts the receive of the next message of each channel ahead of time, into a buff
 grow alike (:class:`~plait.parallel.pipeline.comm.ChannelCapacities`: the next power of two of the largest
 message so far; a larger message sends its rest in a second part): gloo's ``isend`` then finds the receive
 posted and writes the bytes at once, whereas a receive posted after the send waits for gloo's background thread
-on the sender, which gets no core for milliseconds while the sender computes. Other backends send the header (``HEADER_SLOTS`` slots, a longer one
-continues in a second message) and then the tensors, each group by one ``dist.batch_isend_irecv``.
+on the sender, which gets no core for milliseconds while the sender computes. Other backends send the header
+(``HEADER_SLOTS`` slots, a longer one continues in a second message) and then the tensors, each group by one
+``dist.batch_isend_irecv``.
 """
 
 from __future__ import annotations
