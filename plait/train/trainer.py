@@ -36,24 +36,15 @@ from plait.attention.interface import use_plait_attention
 from plait.attention.masks import MaskInfo, block_work
 from plait.config.loader import config_to_dict
 from plait.config.schema import JobConfig
+from plait.data.chat_template import render_with_assistant_mask
 from plait.data.collate import Batch, collate
 from plait.data.loader import GlobalBatchLoader, rank_share
 from plait.models.multimodal import MultimodalModel
+from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
 from plait.parallel.data_parallel import apply_data_parallel, sum_gradients
 from plait.parallel.deferral import FeatureBuffer
-from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
 from plait.parallel.dims import ParallelDims
 from plait.parallel.mesh import DistInfo
-from plait.planner.routing import plan_feature_routing
-from plait.planner.token_distributor import plan_tokens
-from plait.train.checkpoint import (
-    CheckpointLayout,
-    checkpoint_dir,
-    latest_checkpoint,
-    load_checkpoint,
-    remove_checkpoints,
-    save_checkpoint,
-)
 from plait.planner.microbatch import (
     MicrobatchPlan,
     MicrobatchPolicy,
@@ -62,16 +53,27 @@ from plait.planner.microbatch import (
     sample_costs_from_metadata,
     workload_stats,
 )
-from plait.train.costs import microbatch_cost_coeffs
-from plait.train.loss import token_loss_sum
+from plait.planner.routing import plan_feature_routing
+from plait.planner.token_distributor import plan_tokens
 from plait.train.batches import StepBatches, encoder_view_batch
 from plait.train.build import TrainerParts, build_trainer_parts, join_job
+from plait.train.checkpoint import (
+    CheckpointLayout,
+    checkpoint_dir,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_checkpoints,
+    save_checkpoint,
+)
+from plait.train.costs import microbatch_cost_coeffs
+from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter, Progress
 from plait.train.optim import build_optimizer, build_scheduler
 
 __all__ = ["Trainer", "StepResult", "stop_token_ids"]
 
 log = logging.getLogger(__name__)
+
 
 def _backward_through(outputs: dict[str, torch.Tensor], leaves: Mapping[str, torch.Tensor]) -> None:
     """Propagate the gradients accumulated on the detached ``leaves`` through the encoder graph of ``outputs``
@@ -104,21 +106,14 @@ class StepResult:
 
 def stop_token_ids(tokenizer: Any) -> list[int]:
     """Token ids that end a generated answer: the tokenizer's EOS and the token that closes an assistant turn in
-    its chat template (the first special token after the answer of a rendered one-turn chat: ChatML's
-    ``<|im_end|>`` for the demo tokenizer, whose trained answers end with it rather than with EOS)."""
-    ids = {tokenizer.eos_token_id}
-    if getattr(tokenizer, "chat_template", None):
-        chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        full = _token_list(tokenizer.apply_chat_template(chat, tokenize=True))
-        prompt = _token_list(tokenizer.apply_chat_template(chat[:1], tokenize=True, add_generation_prompt=True))
-        answer = full[len(prompt):] if full[: len(prompt)] == prompt else []
-        ids.add(next((t for t in answer if t in set(tokenizer.all_special_ids)), None))
-    return sorted(t for t in ids if isinstance(t, int) and t != tokenizer.unk_token_id)
-
-
-def _token_list(encoded: Any) -> list[int]:
-    """Token ids of ``apply_chat_template(..., tokenize=True)`` (a list, or a mapping with ``input_ids``)."""
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    its chat template (the first special token of the trained span of a rendered one-turn chat,
+    :func:`plait.data.chat_template.render_with_assistant_mask`: ChatML's ``<|im_end|>`` for the demo tokenizer,
+    whose trained answers end with it rather than with EOS)."""
+    chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    ids, mask = render_with_assistant_mask(tokenizer, chat)
+    special = set(tokenizer.all_special_ids)
+    turn_end = next((t for t, m in zip(ids, mask) if m and t in special), None)
+    return sorted(t for t in {tokenizer.eos_token_id, turn_end} if isinstance(t, int) and t != tokenizer.unk_token_id)
 
 
 class Trainer:
