@@ -16,13 +16,15 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from plait.planner.microbatch import MicrobatchPlan
+from plait.planner.serialize import JsonDataclass
 
 __all__ = ["FeatureRouting", "plan_feature_routing"]
 
 
 @dataclass(frozen=True)
-class FeatureRouting:
-    """The encoder view and the LLM view of one pipeline's (one DP replica's) ``M`` microbatches.
+class FeatureRouting(JsonDataclass):
+    """The encoder view and the LLM view of one pipeline's (one DP replica's) ``M`` microbatches (plan data:
+    ``to_dict``/``from_dict``/``to_json`` round-trip it).
 
     Encoder microbatch ``i`` runs the items of ``encoder_samples[i]``, in that order; LLM microbatch ``j`` runs
     ``llm_samples[j]``, in row-major placeholder order. A sample whose LLM microbatch is later than its encoder
@@ -42,11 +44,12 @@ class FeatureRouting:
 
     encoder_samples: tuple[tuple[int, ...], ...]
     llm_samples: tuple[tuple[int, ...], ...]
-    features: Mapping[int, Mapping[str, int]]
+    features: dict[int, dict[str, int]]
 
     def __post_init__(self) -> None:
         for name in ("encoder_samples", "llm_samples"):
             object.__setattr__(self, name, tuple(map(tuple, getattr(self, name))))
+        object.__setattr__(self, "features", {k: dict(v) for k, v in self.features.items()})
         m = len(self.encoder_samples)
         if len(self.llm_samples) != m:
             raise ValueError(f"FeatureRouting: encoder_samples ({m}) and llm_samples ({len(self.llm_samples)}) need "

@@ -1,5 +1,5 @@
-"""The feature-routing planner (plait.planner.routing) and the one deferral execution (plait.parallel.deferral),
-on real values, without processes."""
+"""The one deferral execution (plait.parallel.deferral): the feature buffer and the feature-gradient split, on
+real values, without processes."""
 
 from __future__ import annotations
 
@@ -7,31 +7,7 @@ import pytest
 import torch
 
 from plait.parallel.deferral import FeatureBuffer, split_feature_grad
-from plait.planner.microbatch import MicrobatchPlan
-from plait.planner.routing import FeatureRouting, plan_feature_routing
-
-# one replica, 3 microbatches: sample 1's LLM work deferred from encoder microbatch 0 to 2; microbatch 1 holds
-# sample 2 only; a second replica holds sample 3
-PLAN = MicrobatchPlan("hierarchical", 2, 3, 0, (((0, 1), (2,), ()), ((3,), (), ())),
-                      (((0, 2), (1,), ()), ((0,), (), ())))
-FEATURES = {0: {"vision": 2}, 1: {"vision": 3, "audio": 1}, 2: {"audio": 2}, 3: {}}
-
-
-def test_plan_feature_routing_gives_views_rows_sources_and_users():
-    routing = plan_feature_routing(PLAN, 0, FEATURES)
-    assert routing.encoder_samples == ((0, 1), (2,), ())
-    assert routing.llm_samples == ((0,), (2,), (1,))
-    assert routing.defers
-    assert routing.rows == {0: {"vision": (0, 2)}, 1: {"vision": (2, 5), "audio": (0, 1)}, 2: {"audio": (0, 2)}}
-    assert routing.sources == ((0,), (1,), (0,)) and routing.users == ((0, 2), (1,), ())
-    assert routing.spans(2, "vision") == ((0, 2, 5),) and routing.spans(0, "audio") == ()
-    assert routing.encoder_rows(0, "vision") == 5 and routing.encoder_rows(1, "vision") == 0
-    other = plan_feature_routing(PLAN, 1, FEATURES)  # microbatches empty in both views are dropped
-    assert other.encoder_samples == ((3,),) and other.llm_samples == ((3,),) and not other.defers
-    with pytest.raises(ValueError, match="no features entry"):
-        plan_feature_routing(PLAN, 0, {0: {}})
-    with pytest.raises(ValueError, match="rank 2 outside"):
-        plan_feature_routing(PLAN, 2, FEATURES)
+from plait.planner.routing import FeatureRouting
 
 
 def test_buffer_gathers_in_placeholder_order_and_counts_held_bytes():
