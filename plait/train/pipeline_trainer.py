@@ -57,7 +57,6 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from plait.attention.interface import use_plait_attention
 from plait.config.loader import pipeline_plan_kwargs
 from plait.config.schema import JobConfig, PipelineConfig
 from plait.models.multimodal import MultimodalModel
@@ -281,8 +280,7 @@ class PipelineTrainer(Trainer):
         if path is None:
             raise FileNotFoundError(f"no checkpoint under {self.run_dir / 'checkpoints'} to build the model from")
         model = build_model(self.cfg.model, self.tokenizer, seed=self.cfg.train.seed)
-        if self.attention != "hf":
-            use_plait_attention(model.language_model, "sdpa" if self.attention == "plait_sdpa" else "flex")
+        self._use_attention(model)
         load_model_state(path, model)
         return model.to(self.info.device)
 

@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from plait.attention.interface import use_plait_attention
+from plait.attention.interface import resolve_implementation, use_plait_attention
 from plait.attention.masks import MaskInfo, block_work
 from plait.config.loader import config_to_dict
 from plait.config.schema import JobConfig
@@ -138,9 +138,10 @@ class Trainer:
         t = cfg.train
         self._setup_mesh()
         self.run_dir = Path(cfg.metrics.run_dir)
-        self.attention = self._attention_implementation()
-        if self.attention != "hf":
-            use_plait_attention(self.model.language_model, "sdpa" if self.attention == "plait_sdpa" else "flex")
+        a = cfg.attention
+        self.attention = resolve_implementation(a.implementation, a.mask, cfg.data.packing, self.cp,
+                                                self.info.device.type)
+        self._use_attention(self.model)
         self.loader = GlobalBatchLoader(len(self.train_set), t.global_batch_size, t.seed, cfg.data.shuffle)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.batches_per_epoch)
         self.cost_coeffs = microbatch_cost_coeffs(self.model)
@@ -361,14 +362,11 @@ class Trainer:
         assignment = plan_tokens(work, tokens, self.cp, method=self.cfg.parallel.cp_distribution, block_size=block)
         return build_cp_shard(assignment, self.cp_rank, self.cp_group, self.info.device)
 
-    def _attention_implementation(self) -> str:
-        """Resolve ``attention.implementation = "auto"`` (see :class:`AttentionConfig`)."""
-        impl = self.cfg.attention.implementation
-        if impl != "auto":
-            return impl
-        if self.cfg.attention.mask == "causal" and self.cp == 1 and not self.cfg.data.packing:
-            return "hf"
-        return "plait" if self.info.device.type == "cuda" else "plait_sdpa"
+    def _use_attention(self, model: MultimodalModel) -> None:
+        """Switch ``model``'s LLM to plait attention unless the job runs HF's (``attention``, resolved by
+        :func:`~plait.attention.interface.resolve_implementation`)."""
+        if self.attention != "hf":
+            use_plait_attention(model.language_model, "sdpa" if self.attention == "plait_sdpa" else "flex")
 
     def optimizer_step(self) -> tuple[float, float]:
         """Clip the gradient norm, step optimizer and LR schedule, zero gradients. Returns
