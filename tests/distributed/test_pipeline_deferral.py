@@ -106,18 +106,6 @@ def test_identity_routing_runs_exactly_like_no_routing():
     assert results[1][2] == 0  # nothing is held across a microbatch boundary
 
 
-def test_routing_rejects_inconsistent_views():
-    feats = {0: {}, 1: {}}
-    with pytest.raises(ValueError, match="sample 1 has encoder microbatch 1 but LLM microbatch 0"):
-        FeatureRouting(((0,), (1,)), ((0, 1), ()), feats)
-    with pytest.raises(ValueError, match="in one view only"):
-        FeatureRouting(((0,), (1,)), ((0,), ()), feats)
-    with pytest.raises(ValueError, match="microbatches 0 and 1"):
-        FeatureRouting(((0,), (0, 1)), ((0,), (1,)), feats)
-    with pytest.raises(ValueError, match="no features entry"):
-        FeatureRouting(((0, 2),), ((0, 2),), feats)
-
-
 def test_pipeline_deferral_with_pp2xdp2_and_pp2xcp2_equals_one_process():
     """4 gloo processes, PP 2 x DP 2: 1F1B and GPipe, trainable encoders and frozen encoders + LLM with trainable
     projectors, split backward (colocated encoders); then PP 2 x CP 2 with trainable encoders."""

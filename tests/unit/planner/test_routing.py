@@ -31,3 +31,15 @@ def test_plan_feature_routing_gives_views_rows_sources_and_users():
         plan_feature_routing(PLAN, 0, {0: {}})
     with pytest.raises(ValueError, match="rank 2 outside"):
         plan_feature_routing(PLAN, 2, FEATURES)
+
+
+def test_routing_rejects_inconsistent_views():
+    feats = {0: {}, 1: {}}
+    with pytest.raises(ValueError, match="sample 1 has encoder microbatch 1 but LLM microbatch 0"):
+        FeatureRouting(((0,), (1,)), ((0, 1), ()), feats)
+    with pytest.raises(ValueError, match="in one view only"):
+        FeatureRouting(((0,), (1,)), ((0,), ()), feats)
+    with pytest.raises(ValueError, match="microbatches 0 and 1"):
+        FeatureRouting(((0,), (0, 1)), ((0,), (1,)), feats)
+    with pytest.raises(ValueError, match="no features entry"):
+        FeatureRouting(((0, 2),), ((0, 2),), feats)
