@@ -24,8 +24,8 @@ __all__ = ["MEMORY_FRACTION", "AutoPlanInputs", "auto_plan_inputs", "device_memo
 
 MEMORY_FRACTION = 0.9
 """Fraction of a device's memory a plan may fill (the rest: CUDA context, allocator fragmentation and
-workspaces on a GPU; the OS and other programs on a CPU); ``plan_cli.plan_command``'s ``memory_fraction`` has the
-same default."""
+workspaces on a GPU; the OS and other programs on a CPU); ``plait.commands.plan.plan_command``'s
+``memory_fraction`` has the same default."""
 
 _GIB = 2**30
 
