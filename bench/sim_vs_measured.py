@@ -18,7 +18,7 @@ microbatches:
    of both ranks. This machine is a virtual machine whose speed drifts by 10-20% over seconds (other tenants
    of the host); profiling once before measuring made the prediction follow whatever speed the host had
    then (ratios 0.75-1.06 over seven runs), interleaving makes the drift reach both sides alike.
-3. **Predict**: ``simulator.simulate`` of the same schedule with ``profile_store.stage_action_costs`` and
+3. **Predict**: ``simulator.simulate`` of the same schedule with ``plait.planner.profile.stage_action_costs`` and
    the measured link.
 
 Prints predicted vs measured (median over steps) and their ratio per layout, and writes per layout
@@ -55,13 +55,17 @@ if str(ROOT) not in sys.path:
 from plait.config.loader import load_config  # noqa: E402
 from plait.models.units import model_units  # noqa: E402
 from plait.parallel.link import measure_link  # noqa: E402
-from plait.parallel.pipeline_runtime import build_pipeline_comm, run_pipeline_step  # noqa: E402
+from plait.parallel.pipeline import build_pipeline_comm, run_pipeline_step  # noqa: E402
+from plait.train.loss import token_loss_sum  # noqa: E402
 from plait.parallel.stages import build_rank_stages  # noqa: E402
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline  # noqa: E402
-from plait.planner.profile_store import Profile, ProfileStore, stage_action_costs  # noqa: E402
-from plait.planner.schedules import TimelineEvent, build_schedule  # noqa: E402
+from plait.commands.profile import ProfileStore  # noqa: E402
+from plait.planner.profile import Profile, stage_action_costs  # noqa: E402
+from plait.planner.schedules import build_schedule  # noqa: E402
+from plait.planner.timeline import TimelineEvent  # noqa: E402
 from plait.planner.simulator import P2PModel, SimResult, boundary_bytes_from_units, simulate  # noqa: E402
-from plait.train.profiler import build_profile_inputs, measure_profile  # noqa: E402
+from plait.commands.profile import build_profile_inputs  # noqa: E402
+from plait.train.profiler import measure_profile  # noqa: E402
 
 LAYOUTS = ("encoder_parallel", "encoders_colocated")
 DEMO = ROOT / "configs" / "demo.toml"
@@ -147,7 +151,7 @@ def _run_steps(runners: dict, comm, steps: int, record: dict | None) -> None:
             dist.barrier()
             start, cpu = time.time(), time.thread_time()
             res = run_pipeline_step(stages, schedule, mbs, sum(b.target_tokens for b in mbs), comm,
-                                    llm_kwargs=inp.llm_kwargs)
+                                    llm_kwargs=[inp.llm_kwargs(b) for b in mbs], loss_fn=token_loss_sum)
             end, cpu = time.time(), time.thread_time() - cpu
             for _, p in stages.trainable_parameters():
                 p.grad = None
