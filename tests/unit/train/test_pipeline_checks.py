@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import pytest
 
 from plait.config.loader import config_from_dict
+from plait.parallel.dims import ParallelDims
 from plait.train.pipeline_trainer import PipelineTrainer
+from plait.train.trainer import Trainer
 from tests.conftest import tiny_config_dict
 
 
@@ -44,3 +46,14 @@ def test_more_microbatches_than_a_replicas_samples_is_refused(microbatches, dp, 
 def test_up_to_one_sample_per_microbatch_is_accepted(microbatches, dp):
     fake = SimpleNamespace(cfg=job(pp={"microbatches": microbatches}), dp=dp, train_set=[None] * 100)
     PipelineTrainer._check_microbatches(fake)
+
+
+def test_both_trainers_take_their_layout_from_parallel_dims():
+    assert PipelineTrainer.layout(job(cp=2), 8) == ParallelDims(dp=2, pp=2, cp=2)
+    assert PipelineTrainer.layout(job(dp=1), 2) == ParallelDims(dp=1, pp=2, cp=1)
+    with pytest.raises(ValueError, match="parallel.pp.degree=2: pipeline jobs run with PipelineTrainer"):
+        Trainer.layout(job(), 2)
+    single = config_from_dict(tiny_config_dict("unused.jsonl", parallel={"cp": 2}))
+    assert Trainer.layout(single, 4) == ParallelDims(dp=2, pp=1, cp=2)
+    with pytest.raises(ValueError, match="parallel.pp.degree=1 x parallel.cp=2 does not fit the world size 3"):
+        Trainer.layout(single, 3)
