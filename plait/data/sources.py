@@ -10,7 +10,14 @@ One record per line (UTF-8, lines ending at ``\\n``; see :func:`read_jsonl`)::
 Media paths are relative to the JSONL file's folder (absolute paths are kept). ``id`` (a non-empty string or
 an integer, unique in the file) and ``messages`` are required; ``task`` is optional (``"default"``);
 ``images``/``audios`` default to none; ``meta`` is free-form and ignored. Any other field is an error
-(:data:`RECORD_FIELDS`), so a misspelt key such as ``"image"`` cannot silently drop the media.
+(:data:`RECORD_FIELDS`), so a misspelt key such as ``"image"`` cannot silently drop the media. A media item
+may also be the file's bytes (formats that embed media, such as Parquet: :mod:`plait.data.formats`); such an item
+is kept as :class:`MediaBytes`.
+
+Every data format is read through a :class:`RecordSource`: random access to rows ``(record or None, where,
+error or None)`` without holding all records (or any media) in memory. :class:`JsonlSource` is this file's
+format (byte offsets of its lines); :func:`plait.data.formats.open_source` opens any format by extension or
+name. :func:`sample_at` turns row ``i`` of a source into a :class:`RawSample` (or a :class:`SampleError`).
 """
 
 from __future__ import annotations
@@ -19,15 +26,22 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["RawSample", "SampleError", "read_jsonl", "parse_record", "record_id", "path_note", "ROLES",
-           "RECORD_FIELDS"]
+import numpy as np
+
+__all__ = ["RawSample", "SampleError", "MediaBytes", "Row", "RecordSource", "JsonlSource", "file_identity",
+           "sample_at", "read_jsonl", "parse_record", "record_id", "path_note", "ROLES", "RECORD_FIELDS"]
 
 ROLES = ("system", "user", "assistant")
 RECORD_FIELDS = ("id", "task", "messages", "images", "audios", "meta")
 """The fields a record may have (module docstring)."""
 _UTF8_BOM = b"\xef\xbb\xbf"
+
+Row = tuple[dict[str, Any] | None, str, str | None]
+"""One row of a :class:`RecordSource`: ``(record or None, where, error or None)``. ``where`` labels the row in
+errors (``"data.jsonl:12"``, ``"data.parquet:row 7"``, ``"llava.json:record 3"``); a row with an ``error`` (a
+parse error) is a bad record and its record is ``None``."""
 
 
 class SampleError(ValueError):
@@ -42,15 +56,88 @@ class RawSample:
         id: record id (an integer id as its decimal string).
         task: task name used to group validation accuracy.
         messages: ``({"role": ..., "content": ...}, ...)``; roles in :data:`ROLES`, last one is the assistant.
-        media: per modality (``"image"``, ``"audio"``) the absolute file paths, in placeholder order.
-        source: ``"<jsonl path>:<line>"`` for error messages.
+        media: per modality (``"image"``, ``"audio"``) the items in placeholder order: absolute file paths, or
+            :class:`MediaBytes` for media embedded in the data file.
+        source: where the record is (``"<jsonl path>:<line>"``, :data:`Row`), for error messages.
     """
 
     id: str
     task: str
     messages: tuple[dict[str, str], ...]
-    media: dict[str, tuple[str, ...]]
+    media: dict[str, tuple[str | MediaBytes, ...]]
     source: str
+
+
+class MediaBytes(bytes):
+    """The encoded bytes of one embedded media item (a PNG, a WAV, ...), labelled for error messages.
+
+    It is ``bytes`` (equal to the same bytes; :func:`plait.data.processing.load_image` and ``load_audio`` decode
+    it like a file); ``str()`` and f-strings give its label, e.g. ``"images[0] of data.parquet:row 7 (embedded,
+    5120 bytes)"``, so an error that names a media path names an embedded item just as precisely.
+    """
+
+    label: str
+
+    def __new__(cls, data: bytes, label: str) -> MediaBytes:
+        obj = super().__new__(cls, data)
+        obj.label = label
+        return obj
+
+    def __str__(self) -> str:
+        return self.label
+
+    __format__ = object.__format__  # f"{item}" -> str(item): the label
+
+    def __repr__(self) -> str:
+        return f"MediaBytes({self.label!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (MediaBytes, (bytes(self), self.label))
+
+
+@runtime_checkable
+class RecordSource(Protocol):
+    """Random access to the records of one data file, without holding every record (or any media) in memory.
+
+    Attributes:
+        name: the source's name in per-source metrics and validation (the mixture entry's ``name``, else the
+            file's stem).
+        path: the data file.
+        base_dir: the folder relative media paths in its records are resolved against (the file's folder).
+
+    ``len(source)`` is the number of rows (blank lines are not rows); ``source[i]`` is row ``i`` as a :data:`Row`
+    (raises ``IndexError`` outside ``[0, len)``); :meth:`identity` a JSON-able description of the file for cache
+    keys (format, absolute path, size in bytes, mtime in ns: a changed file changes it). Sources are picklable
+    (DataLoader workers): open file handles are per process and not pickled.
+    """
+
+    name: str
+    path: Path
+    base_dir: Path
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Row: ...
+
+    def identity(self) -> dict[str, Any]: ...
+
+
+def file_identity(path: Path, fmt: str) -> dict[str, Any]:
+    """``{"format", "path" (absolute), "size" (bytes), "mtime_ns"}`` of a data file, for cache keys."""
+    st = path.stat()
+    return {"format": fmt, "path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def sample_at(source: RecordSource, index: int) -> RawSample:
+    """Row ``index`` of ``source`` as a validated :class:`RawSample` (media resolved against ``source.base_dir``).
+
+    Raises:
+        SampleError: for a bad row (``"<where>: <parse error>"``) or a record :func:`parse_record` refuses.
+    """
+    obj, where, error = source[index]
+    if error is not None:
+        raise SampleError(f"{where}: {error}")
+    return parse_record(obj, where, source.base_dir)
 
 
 def path_note(path: str | Path) -> str:
@@ -59,44 +146,112 @@ def path_note(path: str | Path) -> str:
     return "" if Path(path).is_absolute() else f" (relative to the working directory {os.getcwd()})"
 
 
-def read_jsonl(path: str | Path) -> list[tuple[dict[str, Any] | None, str, str | None]]:
-    """Lines of a JSONL file as ``(record or None, "file:line", error or None)``, blank lines skipped.
+class JsonlSource:
+    """A JSONL file as a :class:`RecordSource`: one record per line, read on demand through the lines' byte
+    offsets (found by one scan at construction; 24 bytes of index per line, nothing else kept).
 
     Lines end at ``\\n`` only (a trailing ``\\r`` is dropped, so ``\\r\\n`` files read the same): JSON allows
     raw U+2028, U+2029 and U+0085 inside strings, and ``str.splitlines`` would cut a record there. Each line
     is decoded on its own, so a byte that is not UTF-8 makes that one line a bad record (its error gives the
     byte and its offset) instead of stopping the whole file; a UTF-8 byte-order mark at the start of the
-    file is ignored.
+    file is ignored. Blank lines are not rows; ``where`` is ``"<path>:<line number>"``.
+
+    Args:
+        path: the JSONL file.
+        name: the source's name (default: the file's stem).
 
     Raises:
         FileNotFoundError: when ``path`` does not exist.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {path} does not exist{path_note(path)}")
-    rows = []
+
+    format = "jsonl"
+
+    def __init__(self, path: str | Path, name: str | None = None) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"data file {self.path} does not exist{path_note(self.path)}")
+        self.name = name or self.path.stem
+        self.base_dir = self.path.parent
+        self._starts, self._lengths, self._lines = _index_lines(self.path)
+        self._fd: int | None = None
+        self._pid = -1
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, index: int) -> Row:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"{self.path}: row {index} of {len(self)}")
+        start, length = int(self._starts[index]), int(self._lengths[index])
+        raw = os.pread(self._handle(), length, start)
+        return _parse_line(raw, start, f"{self.path}:{int(self._lines[index])}")
+
+    def identity(self) -> dict[str, Any]:
+        return file_identity(self.path, self.format)
+
+    def _handle(self) -> int:
+        if self._fd is None or self._pid != os.getpid():  # a forked worker opens its own
+            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        return self._fd
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fd": None, "_pid": -1}
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None and self._pid == os.getpid():
+            os.close(self._fd)
+
+
+def _index_lines(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Byte offset, byte length (line end excluded) and 1-based line number of each non-blank line."""
+    starts, lengths, lines = [], [], []
     offset = 0  # byte offset of the current line in the file
     with path.open("rb") as f:  # binary iteration splits on b"\n" only
         for lineno, raw in enumerate(f, start=1):
             start, offset = offset, offset + len(raw)
             if lineno == 1 and raw.startswith(_UTF8_BOM):
                 raw, start = raw[len(_UTF8_BOM):], start + len(_UTF8_BOM)
-            row = _parse_line(raw.rstrip(b"\r\n"), start, f"{path}:{lineno}")
-            if row is not None:
-                rows.append(row)
-    return rows
+            body = raw.rstrip(b"\r\n")
+            if not _blank(body):
+                starts.append(start)
+                lengths.append(len(body))
+                lines.append(lineno)
+    return (np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64),
+            np.asarray(lines, dtype=np.int64))
 
 
-def _parse_line(raw: bytes, start: int, where: str) -> tuple[dict[str, Any] | None, str, str | None] | None:
-    """One line's ``(record or None, where, error or None)``; ``None`` for a blank line. ``start``: the
-    line's byte offset in the file (for the error of an undecodable byte)."""
+def _blank(raw: bytes) -> bool:
+    """Whether a line is blank as text (``str.strip`` leaves nothing); an undecodable line is not blank."""
+    body = raw.strip()
+    if not body:
+        return True
+    if body[0] < 0x80 and body[0] not in b"\x1c\x1d\x1e\x1f":  # ASCII, and not whitespace to str.strip
+        return False
+    try:
+        return not raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return False
+
+
+def read_jsonl(path: str | Path) -> list[Row]:
+    """All rows of a JSONL file, ``(record or None, "file:line", error or None)``, blank lines skipped (the
+    rules of :class:`JsonlSource`).
+
+    Raises:
+        FileNotFoundError: when ``path`` does not exist.
+    """
+    source = JsonlSource(path)
+    return [source[i] for i in range(len(source))]
+
+
+def _parse_line(raw: bytes, start: int, where: str) -> Row:
+    """One non-blank line's :data:`Row`. ``start``: the line's byte offset in the file (for the error of an
+    undecodable byte)."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         return None, where, (f"not valid UTF-8: byte 0x{raw[exc.start]:02x} at byte offset {exc.start} of the "
                              f"line ({start + exc.start} of the file); the data file must be UTF-8")
-    if not line.strip():
-        return None
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -107,7 +262,8 @@ def _parse_line(raw: bytes, start: int, where: str) -> tuple[dict[str, Any] | No
 
 
 def parse_record(obj: dict[str, Any], where: str, base_dir: str | Path) -> RawSample:
-    """Validate one record and resolve its media paths against ``base_dir``.
+    """Validate one record and resolve its media paths against ``base_dir`` (a media item given as ``bytes``,
+    from a format that embeds media, becomes :class:`MediaBytes`).
 
     Raises:
         SampleError: for a missing or malformed ``id``, a field not in :data:`RECORD_FIELDS`, an empty or
@@ -135,11 +291,18 @@ def parse_record(obj: dict[str, Any], where: str, base_dir: str | Path) -> RawSa
         raise SampleError(f"{label}: the last message must be the assistant's answer")
     media = {}
     for modality, key in (("image", "images"), ("audio", "audios")):
-        paths = obj.get(key, []) or []
-        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        items = obj.get(key, []) or []
+        if not isinstance(items, list) or not all(isinstance(p, (str, bytes)) for p in items):
             raise SampleError(f"{label}: {key!r} must be a list of file paths")
-        media[modality] = tuple(str(Path(base_dir) / p) for p in paths)
+        media[modality] = tuple(_media_item(p, f"{key}[{j}] of {where}", base_dir) for j, p in enumerate(items))
     return RawSample(rid, str(obj.get("task", "default")), tuple(clean), media, where)
+
+
+def _media_item(item: str | bytes, label: str, base_dir: str | Path) -> str | MediaBytes:
+    """A path resolved against ``base_dir``, or embedded bytes as :class:`MediaBytes` labelled ``label``."""
+    if isinstance(item, bytes):
+        return item if isinstance(item, MediaBytes) else MediaBytes(item, f"{label} (embedded, {len(item)} bytes)")
+    return str(Path(base_dir) / item)
 
 
 def record_id(obj: dict[str, Any], where: str) -> str:
