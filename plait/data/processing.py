@@ -92,9 +92,10 @@ class ProcessedSample:
     prompt_only: bool = field(default=False)
 
 
-def load_image(path: str) -> Image.Image:
-    """Decode an image file to RGB, compositing any transparency (RGBA, LA, PA, P or L with a transparent
-    colour) onto a white background.
+def load_image(path: str | bytes) -> Image.Image:
+    """Decode an image to RGB, compositing any transparency (RGBA, LA, PA, P or L with a transparent colour)
+    onto a white background. ``path``: a file path, or the encoded image itself as ``bytes`` (media embedded in
+    the data file, :class:`plait.data.sources.MediaBytes`, whose ``str()`` names it in errors).
 
     Raises:
         SampleError: when the file is missing or not a readable image.
@@ -103,39 +104,51 @@ def load_image(path: str) -> Image.Image:
     # background), both backends; PIL's img.convert("RGB") would drop alpha and keep the hidden colours, so
     # training would see other pixels than inference. Calling that very function keeps the two identical.
     # Imported here so that this edit stays inside the function; the module is cached after the first call.
+    import io
+
     from transformers.image_transforms import convert_to_rgb
 
+    source = io.BytesIO(path) if isinstance(path, bytes) else path
     try:
-        with Image.open(path) as img:
+        with Image.open(source) as img:
             return Image.fromarray(convert_to_rgb(img, return_numpy=True))
     except FileNotFoundError as exc:
         raise SampleError(f"image file {path} does not exist{path_note(path)}") from exc
     except Exception as exc:  # PIL raises several types for corrupt files
-        raise SampleError(f"cannot decode image {path}: {exc}") from exc
+        reason = str(exc).replace(repr(source), "the embedded bytes")  # not "<_io.BytesIO object at 0x...>"
+        raise SampleError(f"cannot decode image {path}: {reason}") from exc
 
 
-def load_audio(path: str) -> tuple[np.ndarray, int]:
-    """Decode an audio file to mono float32 in [-1, 1]: ``(samples [n], sampling_rate in Hz)``.
+def load_audio(path: str | bytes) -> tuple[np.ndarray, int]:
+    """Decode audio to mono float32 in [-1, 1]: ``(samples [n], sampling_rate in Hz)``. ``path``: a file path,
+    or the encoded file itself as ``bytes`` (embedded media, :class:`plait.data.sources.MediaBytes`).
 
-    WAV is read with the standard library; other formats (FLAC, OGG) with ``soundfile``.
+    WAV (a ``.wav`` path, or bytes starting with ``RIFF....WAVE``) is read with the standard library; other
+    formats (FLAC, OGG) with ``soundfile``.
 
     Raises:
         SampleError: when the file is missing, empty or not decodable.
     """
-    if not Path(path).is_file():  # soundfile reports a missing file as "System error"
+    import io
+
+    embedded = isinstance(path, bytes)
+    if not embedded and not Path(path).is_file():  # soundfile reports a missing file as "System error"
         raise SampleError(f"audio file {path} does not exist{path_note(path)}")
+    is_wav = path[:4] == b"RIFF" and path[8:12] == b"WAVE" if embedded else path.lower().endswith(".wav")
+    source = io.BytesIO(path) if embedded else path
     try:
-        if path.lower().endswith(".wav"):
-            data, rate = _read_wav(path)
+        if is_wav:
+            data, rate = _read_wav(source)
         else:
             import soundfile
 
-            data, rate = soundfile.read(path, dtype="float32", always_2d=True)
+            data, rate = soundfile.read(source, dtype="float32", always_2d=True)
             data = data.mean(axis=1)
     except FileNotFoundError as exc:
         raise SampleError(f"audio file {path} does not exist{path_note(path)}") from exc
     except Exception as exc:
-        raise SampleError(f"cannot decode audio {path}: {exc}") from exc
+        reason = str(exc).replace(repr(source), "the embedded bytes")  # not "<_io.BytesIO object at 0x...>"
+        raise SampleError(f"cannot decode audio {path}: {reason}") from exc
     if data.size == 0:
         raise SampleError(f"audio file {path} has no samples")
     return data.astype(np.float32), int(rate)
