@@ -36,9 +36,9 @@ from plait.attention.interface import resolve_implementation, use_plait_attentio
 from plait.attention.masks import MaskInfo, block_work
 from plait.config.loader import config_to_dict
 from plait.config.schema import JobConfig
-from plait.data.chat_template import render_with_assistant_mask
 from plait.data.collate import Batch, collate
 from plait.data.loader import GlobalBatchLoader, rank_share
+from plait.models.generation import greedy_generate, stop_token_ids
 from plait.models.multimodal import MultimodalModel
 from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
 from plait.parallel.data_parallel import apply_data_parallel, sum_gradients
@@ -70,7 +70,7 @@ from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter, Progress
 from plait.train.optim import build_optimizer, build_scheduler
 
-__all__ = ["Trainer", "StepResult", "stop_token_ids"]
+__all__ = ["Trainer", "StepResult"]
 
 log = logging.getLogger(__name__)
 
@@ -102,18 +102,6 @@ class StepResult:
     workload: dict[str, dict[str, float]] | None = None
     deferred_samples: int = 0
     encoder_buffer_peak_bytes: int = 0
-
-
-def stop_token_ids(tokenizer: Any) -> list[int]:
-    """Token ids that end a generated answer: the tokenizer's EOS and the token that closes an assistant turn in
-    its chat template (the first special token of the trained span of a rendered one-turn chat,
-    :func:`plait.data.chat_template.render_with_assistant_mask`: ChatML's ``<|im_end|>`` for the demo tokenizer,
-    whose trained answers end with it rather than with EOS)."""
-    chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-    ids, mask = render_with_assistant_mask(tokenizer, chat)
-    special = set(tokenizer.all_special_ids)
-    turn_end = next((t for t, m in zip(ids, mask) if m and t in special), None)
-    return sorted(t for t in {tokenizer.eos_token_id, turn_end} if isinstance(t, int) and t != tokenizer.unk_token_id)
 
 
 class Trainer:
@@ -244,8 +232,8 @@ class Trainer:
         before the step runs: the feature routing, every sample collated once (into its LLM microbatch; an
         encoder microbatch that differs takes its samples' items from those batches), every LLM microbatch's
         attention metadata and CP token assignment planned once."""
-        routing = plan_feature_routing(plan, self.dp_rank, {k: self._feature_rows(indices[k])
-                                                            for k in range(len(indices))})
+        mine = [k for mb in plan.microbatches[self.dp_rank] for k in mb]
+        routing = plan_feature_routing(plan, self.dp_rank, {k: self._feature_rows(indices[k]) for k in mine})
         llm = tuple(self._collate([indices[k] for k in mb]) if mb else None for mb in routing.llm_samples)
         items = {k: {b: len(v) for b, v in self.train_set[indices[k]].inputs.items()}
                  for mb in routing.encoder_samples for k in mb}
@@ -412,7 +400,7 @@ class Trainer:
         (sorted) and a ``[tasks, 2]`` float64 tensor of (exact matches, samples) per task."""
         assert self.val_set is not None
         model.eval()
-        stop = stop_token_ids(self.tokenizer)
+        stop = stop_token_ids(self.tokenizer, model.language_model.generation_config)
         correct: dict[str, int] = defaultdict(int)
         total: dict[str, int] = defaultdict(int)
         size = max(self.cfg.train.microbatch_size, 16)
@@ -427,19 +415,9 @@ class Trainer:
 
     def generate(self, batch: Batch, stop_ids: list[int], model: MultimodalModel | None = None) -> list[str]:
         """Greedy answers (decoded text) for a left-padded batch of prompts, by ``model`` (default: the
-        trainer's)."""
-        model = model or self.model
-        with self.autocast():
-            embeds = model.embed(batch.input_ids, batch.modality_inputs)
-            out = model.language_model.generate(
-                inputs_embeds=embeds,
-                attention_mask=batch.attention_mask,
-                max_new_tokens=self.cfg.train.max_new_tokens,
-                do_sample=False,
-                eos_token_id=stop_ids,
-                pad_token_id=self.processor.pad_id,
-            )
-        return self.tokenizer.batch_decode(out, skip_special_tokens=True)
+        trainer's): :func:`plait.models.generation.greedy_generate`, up to ``train.max_new_tokens`` tokens."""
+        return greedy_generate(model or self.model, batch, self.tokenizer, stop_ids, self.cfg.train.max_new_tokens,
+                               self.processor.pad_id, self.autocast)
 
     # ------------------------------------------------------------------ fit
     def resume(self, path: str | Path | None = None) -> int:
