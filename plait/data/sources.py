@@ -30,8 +30,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["RawSample", "SampleError", "MediaBytes", "Row", "RecordSource", "JsonlSource", "file_identity",
-           "sample_at", "read_jsonl", "parse_record", "record_id", "path_note", "ROLES", "RECORD_FIELDS"]
+__all__ = ["RawSample", "SampleError", "MediaBytes", "Row", "RecordSource", "JsonlSource", "ByteRanges",
+           "check_index", "file_identity", "sample_at", "read_jsonl", "parse_record", "record_id", "path_note", "ROLES", "RECORD_FIELDS"]
 
 ROLES = ("system", "user", "assistant")
 RECORD_FIELDS = ("id", "task", "messages", "images", "audios", "meta")
@@ -146,6 +146,45 @@ def path_note(path: str | Path) -> str:
     return "" if Path(path).is_absolute() else f" (relative to the working directory {os.getcwd()})"
 
 
+class ByteRanges:
+    """Reads byte ranges ``[starts[i], starts[i] + lengths[i])`` of one file on demand (``os.pread``); the
+    file is opened once per process (a forked or spawned DataLoader worker opens its own; the open handle is
+    not pickled). The index of a line- or record-oriented source.
+
+    Args:
+        path: the file.
+        starts, lengths: ``[n]`` int64 byte offsets and byte lengths.
+    """
+
+    def __init__(self, path: Path, starts: np.ndarray, lengths: np.ndarray) -> None:
+        self.path, self.starts, self.lengths = path, starts, lengths
+        self._fd: int | None = None
+        self._pid = -1
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def read(self, index: int) -> tuple[bytes, int]:
+        """``(the bytes of range index, its start offset in the file)``."""
+        start = int(self.starts[index])
+        if self._fd is None or self._pid != os.getpid():
+            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        return os.pread(self._fd, int(self.lengths[index]), start), start
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fd": None, "_pid": -1}
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None and self._pid == os.getpid():
+            os.close(self._fd)
+
+
+def check_index(index: int, size: int, path: Path) -> None:
+    """Raises ``IndexError`` (naming ``path``) unless ``0 <= index < size``."""
+    if not 0 <= index < size:
+        raise IndexError(f"{path}: row {index} is out of range (the file has {size} rows)")
+
+
 class JsonlSource:
     """A JSONL file as a :class:`RecordSource`: one record per line, read on demand through the lines' byte
     offsets (found by one scan at construction; 24 bytes of index per line, nothing else kept).
@@ -172,34 +211,19 @@ class JsonlSource:
             raise FileNotFoundError(f"data file {self.path} does not exist{path_note(self.path)}")
         self.name = name or self.path.stem
         self.base_dir = self.path.parent
-        self._starts, self._lengths, self._lines = _index_lines(self.path)
-        self._fd: int | None = None
-        self._pid = -1
+        starts, lengths, self._lines = _index_lines(self.path)
+        self._ranges = ByteRanges(self.path, starts, lengths)
 
     def __len__(self) -> int:
-        return len(self._starts)
+        return len(self._ranges)
 
     def __getitem__(self, index: int) -> Row:
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"{self.path}: row {index} of {len(self)}")
-        start, length = int(self._starts[index]), int(self._lengths[index])
-        raw = os.pread(self._handle(), length, start)
+        check_index(index, len(self), self.path)
+        raw, start = self._ranges.read(index)
         return _parse_line(raw, start, f"{self.path}:{int(self._lines[index])}")
 
     def identity(self) -> dict[str, Any]:
         return file_identity(self.path, self.format)
-
-    def _handle(self) -> int:
-        if self._fd is None or self._pid != os.getpid():  # a forked worker opens its own
-            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
-        return self._fd
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_fd": None, "_pid": -1}
-
-    def __del__(self) -> None:
-        if getattr(self, "_fd", None) is not None and self._pid == os.getpid():
-            os.close(self._fd)
 
 
 def _index_lines(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,10 +1,16 @@
 """Data formats: open any data file as a :class:`plait.data.sources.RecordSource`.
 
-=========  ====================  ==============================================================================
-format     extensions            reader
-=========  ====================  ==============================================================================
-``jsonl``  ``.jsonl``            :class:`plait.data.sources.JsonlSource` (plait's record format, one per line)
-=========  ====================  ==============================================================================
+===========  ===============================  ===========================================================
+format       extensions                       reader
+===========  ===============================  ===========================================================
+``jsonl``    ``.jsonl``                       :class:`plait.data.sources.JsonlSource` (plait's record
+                                              format, one per line; media paths relative to the file)
+``llava``    ``.json``                        :class:`plait.data.formats.llava.LlavaSource` (one array of
+                                              LLaVA records: ``conversations``, ``image``, ``id``)
+``parquet``  ``.parquet``                     :class:`plait.data.formats.arrow.ArrowSource` (one row per
+                                              record, media bytes embedded)
+``arrow``    ``.arrow``, ``.feather``         the same, Arrow IPC (memory-mapped)
+===========  ===============================  ===========================================================
 
 The format follows from the file's extension, or is given explicitly (``format`` of a ``[[data.sources]]``
 entry).
@@ -14,11 +20,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from plait.data.formats.arrow import ArrowSource
+from plait.data.formats.llava import LlavaSource
 from plait.data.sources import JsonlSource, RecordSource
 
 __all__ = ["FORMATS", "format_of", "open_source"]
 
-FORMATS: dict[str, tuple[str, ...]] = {"jsonl": (".jsonl",)}
+FORMATS: dict[str, tuple[str, ...]] = {
+    "jsonl": (".jsonl",),
+    "llava": (".json",),
+    "parquet": (".parquet",),
+    "arrow": (".arrow", ".feather"),
+}
 """Format name -> the file extensions that select it."""
 
 
@@ -54,5 +67,8 @@ def open_source(path: str | Path, fmt: str | None = None, name: str | None = Non
         ValueError: for an unknown format (:func:`format_of`) or a file the format's reader refuses.
     """
     kind = format_of(path, fmt)
-    readers = {"jsonl": JsonlSource}
-    return readers[kind](path, name=name)
+    if kind == "jsonl":
+        return JsonlSource(path, name=name)
+    if kind == "llava":
+        return LlavaSource(path, name=name)
+    return ArrowSource(path, format=kind, name=name)

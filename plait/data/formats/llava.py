@@ -1,0 +1,170 @@
+"""LLaVA-style JSON: one JSON array of conversation records, as LLaVA's instruction sets ship them::
+
+    [{"id": "000000033471", "image": "coco/train2017/000000033471.jpg",
+      "conversations": [{"from": "human", "value": "<image>\\nWhat are the colors of the bus?"},
+                        {"from": "gpt", "value": "The bus is white and red."}]},
+     {"id": "sharegpt-17", "model": "", "conversations": [...]}]
+
+Mapping to plait's record (:mod:`plait.data.sources`): ``id`` -> ``id``; each turn ``from`` ``human`` / ``gpt`` /
+``system`` -> ``role`` ``user`` / ``assistant`` / ``system``, ``value`` -> ``content`` (``<image>`` stays the
+placeholder); ``image`` (one path, or a list of paths, relative to the JSON file's folder) -> ``images``;
+``model`` is ignored (LLaVA's text-only records carry it); any other field is an error. The ``<image>``
+placeholders of the human turns must match the images in number, and no other turn may hold one. ``task`` is
+``"default"``. A row is labelled ``"<path>:record <index>"`` (0-based index in the array) and its errors name
+the field (``conversations[3].from``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from plait.data.sources import ByteRanges, Row, check_index, file_identity, path_note
+
+__all__ = ["LlavaSource", "llava_record", "LLAVA_FIELDS", "LLAVA_ROLES"]
+
+LLAVA_FIELDS = ("id", "image", "conversations", "model")
+"""The fields a LLaVA record may have (``model`` is ignored)."""
+LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+"""LLaVA's ``from`` -> plait's ``role``."""
+IMAGE_TOKEN = "<image>"
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+class LlavaSource:
+    """A LLaVA-style JSON file (module docstring) as a :class:`plait.data.sources.RecordSource`.
+
+    Construction scans the array once for each record's byte range (the file is held as text during the scan
+    only); a record is read, parsed and mapped when it is asked for.
+
+    Args:
+        path: the JSON file.
+        name: the source's name (default: the file's stem).
+
+    Raises:
+        FileNotFoundError: when ``path`` does not exist.
+        ValueError: when the file is not one JSON array (naming the byte offset and the record where it breaks).
+    """
+
+    format = "llava"
+
+    def __init__(self, path: str | Path, name: str | None = None) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"data file {self.path} does not exist{path_note(self.path)}")
+        self.name = name or self.path.stem
+        self.base_dir = self.path.parent
+        self._ranges = ByteRanges(self.path, *_index_array(self.path))
+
+    def __len__(self) -> int:
+        return len(self._ranges)
+
+    def __getitem__(self, index: int) -> Row:
+        check_index(index, len(self), self.path)
+        raw, _ = self._ranges.read(index)
+        where = f"{self.path}:record {index}"
+        try:
+            return llava_record(json.loads(raw.decode("utf-8"))), where, None
+        except UnicodeDecodeError as exc:
+            return None, where, (f"not valid UTF-8: byte 0x{raw[exc.start]:02x} at byte offset {exc.start} of the "
+                                 "record; the data file must be UTF-8")
+        except ValueError as exc:
+            return None, where, str(exc)
+
+    def identity(self) -> dict[str, Any]:
+        return file_identity(self.path, self.format)
+
+
+def _index_array(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Byte offsets and byte lengths of the elements of the JSON array in ``path``.
+
+    The bytes are decoded as Latin-1 (one character per byte, so string offsets are byte offsets; UTF-8's
+    multi-byte sequences never contain JSON's structural characters) and each element is scanned with the
+    standard decoder's ``raw_decode``.
+
+    Raises:
+        ValueError: when the file is not a JSON array.
+    """
+    text = path.read_bytes().decode("latin-1")
+    pos = _WHITESPACE.match(text, 3 if text.startswith("\xef\xbb\xbf") else 0).end()
+    if not text.startswith("[", pos):
+        raise ValueError(f"{path}: a LLaVA-style JSON file is one array of records; it does not start with '['")
+    decoder = json.JSONDecoder()
+    starts, lengths = [], []
+    pos = _WHITESPACE.match(text, pos + 1).end()
+    while not text.startswith("]", pos):
+        try:
+            _, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: invalid JSON in record {len(starts)} at byte {exc.pos}: {exc.msg}") from exc
+        starts.append(pos)
+        lengths.append(end - pos)
+        pos = _WHITESPACE.match(text, end).end()
+        if text.startswith(",", pos):
+            pos = _WHITESPACE.match(text, pos + 1).end()
+        elif not text.startswith("]", pos):
+            raise ValueError(f"{path}: expected ',' or ']' after record {len(starts) - 1} at byte {pos}")
+    return np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+
+
+def llava_record(obj: Any) -> dict[str, Any]:
+    """One LLaVA record as a plait record (module docstring: the mapping).
+
+    Raises:
+        ValueError: naming the field: not an object, an unknown field, no ``conversations`` list, a turn
+            without ``from``/``value``, an unknown ``from``, a non-string ``value``, a malformed ``image``, or
+            ``<image>`` placeholders that do not match the images (count, or one outside a human turn).
+    """
+    if not isinstance(obj, dict):
+        raise ValueError("record is not a JSON object")
+    unknown = [k for k in obj if k not in LLAVA_FIELDS]
+    if unknown:
+        raise ValueError(f"unknown field {unknown[0]!r}; a LLaVA record's fields are {', '.join(LLAVA_FIELDS)}")
+    turns = obj.get("conversations")
+    if not isinstance(turns, list) or not turns:
+        raise ValueError("'conversations' must be a non-empty list of {from, value} turns")
+    messages = [_turn(turn, i) for i, turn in enumerate(turns)]
+    images = _images(obj.get("image"))
+    _check_placeholders(turns, messages, len(images))
+    record = {"messages": messages, "images": images}
+    if "id" in obj:
+        record = {"id": obj["id"], **record}
+    return record
+
+
+def _turn(turn: Any, i: int) -> dict[str, str]:
+    """``conversations[i]`` as ``{"role", "content"}``."""
+    if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+        raise ValueError(f"conversations[{i}] needs 'from' and 'value'")
+    if turn["from"] not in LLAVA_ROLES:
+        raise ValueError(f"conversations[{i}].from is {turn['from']!r}; expected one of {', '.join(LLAVA_ROLES)}")
+    if not isinstance(turn["value"], str):
+        raise ValueError(f"conversations[{i}].value must be a string")
+    return {"role": LLAVA_ROLES[turn["from"]], "content": turn["value"]}
+
+
+def _images(image: Any) -> list[str]:
+    """The ``image`` field (absent, one path, or a list of paths) as a list of paths."""
+    if image is None:
+        return []
+    if isinstance(image, str) and image:
+        return [image]
+    if isinstance(image, list) and all(isinstance(p, str) and p for p in image):
+        return list(image)
+    raise ValueError(f"'image' must be a file path or a list of file paths, got {json.dumps(image)[:80]}")
+
+
+def _check_placeholders(turns: list[dict], messages: list[dict[str, str]], n_images: int) -> None:
+    """``<image>`` appears only in human turns, as often as there are images."""
+    count = 0
+    for i, msg in enumerate(messages):
+        n = msg["content"].count(IMAGE_TOKEN)
+        if n and msg["role"] != "user":
+            raise ValueError(f"conversations[{i}] ({turns[i]['from']}) holds {IMAGE_TOKEN}; only human turns may")
+        count += n
+    if count != n_images:
+        raise ValueError(f"{count} {IMAGE_TOKEN} placeholder(s) in conversations but {n_images} image(s) in 'image'")
