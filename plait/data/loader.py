@@ -12,7 +12,8 @@ import torch
 from tqdm import tqdm
 
 from plait.data.processing import MultimodalProcessor, ProcessedSample, SampleMeta
-from plait.data.sources import SampleError, parse_record, read_jsonl, record_id
+from plait.data.formats import open_source
+from plait.data.sources import SampleError, parse_record, record_id
 
 __all__ = ["SkippedSample", "MultimodalDataset", "GlobalBatchLoader", "rank_share"]
 
@@ -60,7 +61,8 @@ class MultimodalDataset:
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         self.path = Path(path)
-        rows = read_jsonl(self.path)[:max_samples]
+        source = open_source(self.path)
+        rows = [source[i] for i in range(len(source))][:max_samples]
         self.samples: list[ProcessedSample] = []
         self.skipped: list[SkippedSample] = []
         first_seen: dict[str, str] = {}  # record id -> file:line of its first use
@@ -69,7 +71,7 @@ class MultimodalDataset:
             try:
                 if error is not None:
                     raise SampleError(f"{where}: {error}")
-                raw = parse_record(obj, where, self.path.parent)
+                raw = parse_record(obj, where, source.base_dir)
                 if raw.id in first_seen:  # ids name samples in errors, skips and validation: they must be unique
                     raise SampleError(f"record {raw.id!r} ({where}): the id is already used at {first_seen[raw.id]}")
                 first_seen[raw.id] = where
