@@ -229,7 +229,7 @@ def test_resume_is_exact_when_a_branch_had_no_gradient_yet(tiny_job, tmp_path):
 def test_generation_stops_on_eos_and_the_chat_templates_turn_end():
     from transformers import AutoTokenizer
 
-    from plait.train.trainer import stop_token_ids
+    from plait.models.generation import stop_token_ids
     from tests.conftest import DEMO
 
     tok = AutoTokenizer.from_pretrained(DEMO / "tokenizer")

@@ -1,0 +1,297 @@
+"""Generation: greedy answers of a trained :class:`~plait.models.multimodal.MultimodalModel` to conversations with
+images and audio.
+
+:func:`greedy_generate` is the one greedy decoding of plait: validation by generation in the trainer
+(``plait.train.trainer.Trainer.generate``) and inference (:class:`Generator`, ``plait generate``) both run it, so
+an answer given at inference is the answer validation scored. It embeds a left-padded batch of prompts (encoder
+features placed at their placeholders, :meth:`MultimodalModel.embed`) and runs the Hugging Face LLM's own
+``generate`` on ``inputs_embeds`` (KV cache; positions derived from the attention mask, so left padding is
+harmless), greedy, until every row emits a stop token (:func:`stop_token_ids`) or ``max_new_tokens``.
+
+:class:`Generator` loads what ``plait train`` writes to ``<run_dir>/final`` (the model, ``tokenizer/``,
+``processors/<encoder>/``) in eval mode with every parameter frozen, and turns :class:`Prompt` objects (or
+records of plait's data format, processed by the caller) into text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from plait.data.chat_template import render_with_assistant_mask
+from plait.data.collate import Batch, collate
+from plait.data.processing import ModalitySpec, MultimodalProcessor, ProcessedSample
+from plait.data.sources import RawSample, path_note
+from plait.models.multimodal import PLAIT_CONFIG, MultimodalModel
+from plait.models.registry import load_tokenizer
+
+__all__ = ["Prompt", "Generator", "stop_token_ids", "greedy_token_ids", "greedy_generate", "exact_match",
+           "resolve_device", "inference_processor"]
+
+
+def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
+    """Token ids that end a generated answer, sorted: the tokenizer's EOS, the token that closes an assistant turn
+    in its chat template (the first special token of the trained span of a rendered one-turn chat,
+    :func:`plait.data.chat_template.render_with_assistant_mask`, unknown-token id aside: ChatML's ``<|im_end|>`` for
+    the demo tokenizer, Llama-3's ``<|eot_id|>``, Gemma's ``<end_of_turn>``), and the ``eos_token_id`` (an id or a list) of
+    ``generation_config`` (the LLM's ``GenerationConfig``, optional) where the tokenizer marks that id as a
+    special token: a config built from defaults (``LlamaConfig``'s ``eos_token_id = 2``) may name an ordinary
+    token of another tokenizer, which must not end answers.
+
+    Raises:
+        SampleError: when the chat template refuses a one-turn user/assistant conversation.
+    """
+    chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    ids, mask = render_with_assistant_mask(tokenizer, chat)
+    special = set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}  # a word-level vocabulary may not know "y"
+    turn_end = next((t for t, m in zip(ids, mask) if m and t in special), None)
+    found = {tokenizer.eos_token_id, turn_end}
+    config_eos = getattr(generation_config, "eos_token_id", None)
+    marked = {i for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if tok.special} | special
+    for t in config_eos if isinstance(config_eos, (list, tuple)) else [config_eos]:
+        if isinstance(t, int) and t in marked:
+            found.add(t)
+    return sorted(t for t in found if isinstance(t, int) and t != tokenizer.unk_token_id)
+
+
+@torch.no_grad()
+def greedy_token_ids(model: MultimodalModel, batch: Batch, stop_ids: Sequence[int], max_new_tokens: int, pad_id: int,
+                     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext) -> torch.Tensor:
+    """The new tokens ``[B, T]`` (``T <= max_new_tokens``) of greedy decoding from a batch of prompts: a row ends
+    with the first of ``stop_ids`` it emits (kept) and is ``pad_id`` after it; decoding stops when every row has
+    ended or after ``max_new_tokens``.
+
+    Args:
+        model: the composite model (its mode is left as it is; :class:`Generator` holds it in eval mode).
+        batch: prompts collated with ``padding_side="left"`` (``input_ids``/``attention_mask`` ``[B, N]``), on the
+            model's device.
+        stop_ids: :func:`stop_token_ids`.
+        max_new_tokens: at most this many new tokens per row.
+        pad_id: the id that pads rows that ended early.
+        autocast: a context factory around the forward passes (``torch.autocast`` for bf16, or none).
+
+    Raises:
+        ValueError: when ``max_new_tokens`` < 1 or there is no stop token.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not stop_ids:
+        raise ValueError("no stop token: generation needs at least one (the tokenizer's EOS)")
+    with autocast():
+        embeds = model.embed(batch.input_ids, batch.modality_inputs)
+        return model.language_model.generate(
+            inputs_embeds=embeds,
+            attention_mask=batch.attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=list(stop_ids),
+            pad_token_id=pad_id,
+        )
+
+
+def greedy_generate(model: MultimodalModel, batch: Batch, tokenizer: Any, stop_ids: Sequence[int],
+                    max_new_tokens: int, pad_id: int,
+                    autocast: Callable[[], AbstractContextManager[Any]] = nullcontext) -> list[str]:
+    """Greedy answers of ``model`` to a left-padded batch of prompts: :func:`greedy_token_ids` decoded by
+    ``tokenizer`` with special tokens (stop tokens, padding) dropped.
+
+    Raises:
+        ValueError: as :func:`greedy_token_ids`.
+    """
+    out = greedy_token_ids(model, batch, stop_ids, max_new_tokens, pad_id, autocast)
+    return tokenizer.batch_decode(out, skip_special_tokens=True)
+
+
+def exact_match(prediction: str, reference: str) -> bool:
+    """Whether a generated answer equals the reference, ignoring surrounding whitespace (the validation rule)."""
+    return prediction.strip() == reference.strip()
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"``: the first CUDA device when there is one, else the CPU; anything else as ``torch.device``.
+
+    Raises:
+        ValueError: for an unknown device string, or ``cuda`` without a CUDA device.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device {device!r}: {exc}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: no CUDA device here (use cpu or auto)")
+    return dev
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One conversation to answer.
+
+    Attributes:
+        messages: ``({"role": ..., "content": ...}, ...)`` ending with the user's turn (roles ``system``, ``user``,
+            ``assistant``); media placeholders (``<image>``, ``<audio>``) in the text, one per item, in order.
+        images, audios: file paths, in placeholder order.
+        id: a name for error messages.
+    """
+
+    messages: tuple[Mapping[str, str], ...]
+    images: tuple[str, ...] = ()
+    audios: tuple[str, ...] = ()
+    id: str = "prompt"
+
+    @classmethod
+    def from_text(cls, text: str, images: Sequence[str] = (), audios: Sequence[str] = (),
+                  placeholders: Mapping[str, str] | None = None, id: str = "prompt") -> "Prompt":
+        """A one-turn prompt. When ``text`` holds no placeholder of a modality that has items, one placeholder
+        per item is put before the text, each on its own line (``"<image>\\n<audio>\\nWhat ...?"``, the demo's
+        layout). ``placeholders``: modality -> placeholder string (default ``<image>``, ``<audio>``)."""
+        marks = {"image": "<image>", "audio": "<audio>"} | dict(placeholders or {})
+        head = "".join(f"{marks[m]}\n" * len(items) for m, items in (("image", images), ("audio", audios))
+                       if items and marks[m] not in text)
+        return cls(({"role": "user", "content": head + text},), tuple(images), tuple(audios), id)
+
+    def raw(self) -> RawSample:
+        """The prompt as a :class:`RawSample` whose last (assistant) message is empty: what
+        ``MultimodalProcessor(..., prompt_only=True)`` turns into the prompt with the generation prompt.
+
+        Raises:
+            ValueError: when the messages are empty or the last one is not the user's.
+        """
+        if not self.messages or self.messages[-1].get("role") != "user":
+            raise ValueError(f"prompt {self.id!r}: the messages must end with the user's turn")
+        messages = tuple({"role": m["role"], "content": m["content"]} for m in self.messages)
+        return RawSample(self.id, "default", messages + ({"role": "assistant", "content": ""},),
+                         {"image": self.images, "audio": self.audios}, f"prompt {self.id!r}")
+
+
+class Generator:
+    """A trained model ready to answer: model (eval mode, frozen, on ``device``), tokenizer, processor and stop
+    tokens.
+
+    Args:
+        model: the composite model.
+        processor: turns records into model inputs (the one used in training, or :meth:`from_pretrained`'s).
+        device: where the model runs; autocast to bf16 on CUDA when ``dtype`` is ``"auto"`` or ``"bf16"``.
+        dtype: ``"auto"`` (bf16 on CUDA, fp32 on CPU: what training's validation uses), ``"bf16"`` or ``"fp32"``.
+
+    Raises:
+        ValueError: for an unknown ``dtype``.
+    """
+
+    def __init__(self, model: MultimodalModel, processor: MultimodalProcessor, device: torch.device | str = "cpu",
+                 dtype: str = "auto") -> None:
+        if dtype not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"dtype must be 'auto', 'bf16' or 'fp32', got {dtype!r}")
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.processor, self.tokenizer = processor, processor.tokenizer
+        self.stop_ids = stop_token_ids(self.tokenizer, model.language_model.generation_config)
+        bf16 = dtype == "bf16" or (dtype == "auto" and self.device.type == "cuda")
+        self.autocast: Callable[[], AbstractContextManager[Any]] = (
+            (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16 else nullcontext)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, device: str = "auto", dtype: str = "auto",
+                        attn_implementation: str = "sdpa") -> "Generator":
+        """Load what ``plait train`` writes to ``<run_dir>/final``: the model (:meth:`MultimodalModel.from_pretrained`),
+        ``tokenizer/`` (with its chat template) and ``processors/<encoder>/`` (each branch's Hugging Face image
+        processor or feature extractor); the processor accepts prompts up to the LLM's
+        ``max_position_embeddings`` tokens.
+
+        Raises:
+            FileNotFoundError: when ``directory``, its ``plait_config.json``, ``tokenizer/`` or a
+                ``processors/<encoder>/`` folder is missing (naming it).
+            ValueError: as :func:`resolve_device` and the loaders.
+        """
+        root = Path(directory)
+        _require_final(root)
+        dev = resolve_device(device)
+        model = MultimodalModel.from_pretrained(root, attn_implementation=attn_implementation)
+        tokenizer = load_tokenizer(str(root / "tokenizer"))
+        return cls(model, inference_processor(root, model, tokenizer), dev, dtype)
+
+    def process(self, prompts: Sequence[Prompt]) -> list[ProcessedSample]:
+        """Each prompt rendered with the generation prompt, placeholders expanded, media decoded.
+
+        Raises:
+            SampleError: naming the prompt, for a missing or unreadable media file, a placeholder/item mismatch or
+                a prompt longer than the processor's ``max_length``.
+        """
+        return [self.processor(p.raw(), prompt_only=True) for p in prompts]
+
+    def generate(self, prompts: Sequence[Prompt], max_new_tokens: int = 16, batch_size: int = 16,
+                 progress: Callable[[int], None] | None = None) -> list[str]:
+        """Greedy answers to ``prompts``, in order (:meth:`process`, then :meth:`generate_samples`)."""
+        return self.generate_samples(self.process(prompts), max_new_tokens, batch_size, progress)
+
+    def generate_samples(self, samples: Sequence[ProcessedSample], max_new_tokens: int = 16, batch_size: int = 16,
+                         progress: Callable[[int], None] | None = None) -> list[str]:
+        """Greedy answers to processed prompts (``prompt_only=True`` samples), ``batch_size`` at a time in order,
+        each batch left-padded; ``progress(n)`` is called after each batch with its ``n`` samples.
+
+        Raises:
+            ValueError: when ``batch_size`` < 1, a sample holds its answer (not processed with ``prompt_only``),
+                and as :func:`greedy_generate`.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        answers: list[str] = []
+        for start in range(0, len(samples), batch_size):
+            chunk = samples[start : start + batch_size]
+            full = [s.meta.id for s in chunk if not s.prompt_only]
+            if full:
+                raise ValueError(f"sample {full[0]!r} holds its answer: process prompts with prompt_only=True")
+            batch = collate(chunk, self.processor.pad_id, padding_side="left").to(self.device)
+            answers += greedy_generate(self.model, batch, self.tokenizer, self.stop_ids, max_new_tokens,
+                                       self.processor.pad_id, self.autocast)
+            if progress is not None:
+                progress(len(chunk))
+        return answers
+
+    def ask(self, text: str, images: Sequence[str] = (), audios: Sequence[str] = (), max_new_tokens: int = 16) -> str:
+        """The greedy answer to one user message with these images and audio clips (:meth:`Prompt.from_text`,
+        with this model's placeholder strings)."""
+        marks = {m: s.placeholder for m, s in self.processor.specs.items()}
+        return self.generate([Prompt.from_text(text, images, audios, marks)], max_new_tokens)[0]
+
+
+def _require_final(root: Path) -> None:
+    """Raise a :class:`FileNotFoundError` naming what ``plait train`` should have written to ``root``."""
+    if not root.is_dir():
+        raise FileNotFoundError(f"model folder {root} does not exist{path_note(root)}")
+    if not (root / PLAIT_CONFIG).is_file():
+        hint = (f"; did you mean {root / 'final'}?" if (root / "final" / PLAIT_CONFIG).is_file()
+                else "; plait train writes the trained model to <metrics.run_dir>/final")
+        raise FileNotFoundError(f"{root / PLAIT_CONFIG} does not exist: {root} is not a trained plait model{hint}")
+    if not (root / "tokenizer").is_dir():
+        raise FileNotFoundError(f"{root / 'tokenizer'} does not exist: the model folder needs the tokenizer that "
+                                "plait train saves next to it")
+
+
+def inference_processor(root: Path, model: MultimodalModel, tokenizer: Any) -> MultimodalProcessor:
+    """The :class:`MultimodalProcessor` of a ``final/`` folder: per branch its saved Hugging Face processor
+    (``processors/<encoder>/``), placeholder (the token of the branch's placeholder id) and feature-count
+    function; prompts up to the LLM's ``max_position_embeddings`` tokens.
+
+    Raises:
+        FileNotFoundError: when a ``processors/<encoder>/`` folder is missing.
+    """
+    specs = []
+    for name, branch in model.encoders.items():
+        folder = root / "processors" / name
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder} does not exist: the model's {name!r} encoder needs the processor "
+                                    "that plait train saves next to it")
+        auto = transformers.AutoImageProcessor if branch.modality == "image" else transformers.AutoFeatureExtractor
+        pid = model.placeholder_ids[name]
+        specs.append(ModalitySpec(name, branch.modality, tokenizer.convert_ids_to_tokens(pid), pid,
+                                  auto.from_pretrained(str(folder)), branch.feature_count))
+    limit = getattr(model.language_model.config, "max_position_embeddings", None) or tokenizer.model_max_length
+    return MultimodalProcessor(tokenizer, specs, int(limit))
