@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any
 
-from plait.config.schema import EncoderConfig, JobConfig, PipelineConfig
+from plait.config.schema import DATA_FORMATS, DataConfig, EncoderConfig, JobConfig, PipelineConfig
 from plait.planner.microbatch import METHODS
 from plait.planner.pipeline_plan import LAYOUTS, stage_ranks
 from plait.planner.schedules import SCHEDULE_NAMES
@@ -139,6 +140,10 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         if args and dataclasses.is_dataclass(args[1]):
             return {k: _build(args[1], v, _join(where, k)) for k, v in value.items()}
         return dict(value)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ValueError(f"{where}: expected {len(args)} values, got {value!r}")
@@ -175,6 +180,7 @@ def validate(cfg: JobConfig) -> None:
     d = cfg.data
     _check(d.on_error in ("raise", "skip"), f"data.on_error must be 'raise' or 'skip', got {d.on_error!r}")
     _check(d.max_length >= 2, "data.max_length must be >= 2")
+    _validate_sources(d)
     _check(cfg.parallel.backend in ("auto", "gloo", "nccl"), "parallel.backend must be auto, gloo or nccl")
     _check(cfg.parallel.cp >= 1 and cfg.parallel.dp >= 0, "parallel.cp must be >= 1 and parallel.dp >= 0")
     _check(cfg.parallel.cp_distribution in ("uniform", "zigzag", "lpt", "ilp"),
@@ -196,6 +202,33 @@ def validate(cfg: JobConfig) -> None:
         _check((m.llm.path is None) != (m.llm.config is None), "model.llm: give exactly one of path and config")
     for name, enc in m.encoders.items():
         _validate_encoder(name, enc, m.pretrained is not None)
+
+
+def _validate_sources(d: DataConfig) -> None:
+    """``[[data.sources]]``: instead of ``data.train``/``data.val``; each with a path, a positive finite weight,
+    a known format (or none) and a unique name (its ``name`` or the file's stem).
+
+    Raises:
+        ValueError: naming the offending ``data.sources[i]`` field.
+    """
+    _check(d.epoch_samples >= 0, f"data.epoch_samples must be >= 0 (0: the sum of the sources' samples), "
+           f"got {d.epoch_samples}")
+    if not d.sources:
+        _check(d.epoch_samples == 0, "data.epoch_samples is the epoch length of a mixture: it needs [[data.sources]]")
+        return
+    _check(not d.train, f"give data.train or [[data.sources]], not both (data.train = {d.train!r})")
+    _check(d.val is None, "data.val with [[data.sources]]: give each source's validation file as its 'val'")
+    names: dict[str, int] = {}
+    for i, src in enumerate(d.sources):
+        at = f"data.sources[{i}]"
+        _check(bool(src.path), f"{at}.path must name a data file")
+        _check(math.isfinite(src.weight) and src.weight > 0, f"{at}.weight must be positive and finite, got {src.weight}")
+        _check(src.format in ("",) + DATA_FORMATS,
+               f"{at}.format must be one of {', '.join(DATA_FORMATS)} (or empty: from the extension), got {src.format!r}")
+        name = src.name or Path(src.path).stem
+        _check(name not in names, f"{at}.name {name!r} is already the name of data.sources[{names.get(name)}]; "
+               "give each source a unique 'name'")
+        names[name] = i
 
 
 def _validate_pipeline(cfg: JobConfig) -> None:

@@ -14,6 +14,8 @@ __all__ = [
     "LLMConfig",
     "ModelConfig",
     "DataConfig",
+    "DataSourceConfig",
+    "DATA_FORMATS",
     "PipelineConfig",
     "ParallelConfig",
     "AttentionConfig",
@@ -84,14 +86,45 @@ class ModelConfig:
     """Encoder branches by name (e.g. ``vision``, ``audio``)."""
 
 
+DATA_FORMATS = ("jsonl", "llava", "parquet", "arrow")
+"""The data file formats (``plait.data.formats``): plait's JSONL records, LLaVA-style JSON, Parquet and Arrow IPC
+with embedded media."""
+
+
+@dataclass
+class DataSourceConfig:
+    """One source of a training mixture: a ``[[data.sources]]`` entry of the job file."""
+
+    path: str = ""
+    """Data file of this source (any format of :data:`DATA_FORMATS`; media paths relative to the file)."""
+    weight: float = 1.0
+    """Share of the mixture: this source gives ``weight / sum of the weights`` of each epoch's samples (an epoch
+    of ``data.epoch_samples``), drawn without replacement from its records and repeated only when its share is
+    larger than its records; > 0."""
+    format: str = ""
+    """One of :data:`DATA_FORMATS`; empty: from the file's extension (``.jsonl``, ``.json``, ``.parquet``,
+    ``.arrow``)."""
+    name: str = ""
+    """The source's name in per-step sample counts and per-source validation; empty: the file's stem. Unique."""
+    val: str | None = None
+    """Validation file of this source (same format as ``path``, or by its own extension), or None."""
+
+
 @dataclass
 class DataConfig:
     """Where the conversations are and how they become token sequences."""
 
     train: str = ""
-    """JSONL file of training records (conversation format; media paths relative to the file)."""
+    """Data file of training records (plait's JSONL conversation format, or any of :data:`DATA_FORMATS` by its
+    extension; media paths relative to the file). Leave empty when ``sources`` is given."""
     val: str | None = None
-    """JSONL file of validation records, or None."""
+    """Data file of validation records, or None (with ``sources``: give each source's ``val`` instead)."""
+    sources: list[DataSourceConfig] = field(default_factory=list)
+    """A weighted mixture of several data files instead of ``train`` (``[[data.sources]]`` entries with ``path``,
+    ``weight``, optional ``format``, ``name``, ``val``), sampled deterministically per (train.seed, epoch)
+    (``plait.data.mixture``)."""
+    epoch_samples: int = 0
+    """Samples per epoch of a mixture (``sources``); 0: the sum of the sources' usable samples."""
     tokenizer: str = ""
     """Local directory of a Hugging Face tokenizer (``tokenizer_config.json`` / ``tokenizer.json``). Empty: the
     LLM's folder, ``model.llm.path`` (or ``<model.pretrained>/tokenizer`` for a plait checkpoint), when it holds a
