@@ -1,99 +1,221 @@
-"""Datasets and the stateful global-batch loader (deterministic per (seed, epoch, step); resumable)."""
+"""Datasets read lazily, the prefetching sample feed and the stateful global-batch loader (deterministic per
+(seed, epoch, step); resumable).
+
+A :class:`MultimodalDataset` holds the metadata of every usable record (the metadata pass,
+:mod:`plait.data.metadata`: what the planners need, so every rank knows every sample's cost and the exact set of
+bad records without communication) and reads, decodes and processes a sample only when it is asked for. A
+:class:`SampleFeed` asks for the samples of the coming steps in DataLoader worker processes, ahead of the step
+that trains them.
+"""
 
 from __future__ import annotations
 
 import logging
-import sys
-from dataclasses import dataclass
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-from tqdm import tqdm
 
-from plait.data.processing import MultimodalProcessor, ProcessedSample, SampleMeta
 from plait.data.formats import open_source
-from plait.data.sources import SampleError, parse_record, record_id
+from plait.data.metadata import MetadataTable, SkippedSample, metadata_pass
+from plait.data.processing import MultimodalProcessor, ProcessedSample, SampleMeta
+from plait.data.sources import RecordSource, SampleError, sample_at
 
-__all__ = ["SkippedSample", "MultimodalDataset", "GlobalBatchLoader", "rank_share"]
+__all__ = ["MultimodalDataset", "LoadedSamples", "SampleFeed", "GlobalBatchLoader", "rank_share"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class SkippedSample:
-    """A record left out with ``data.on_error = "skip"``: its id, ``file:line`` and the reason."""
-
-    id: str
-    source: str
-    reason: str
-
-
 class MultimodalDataset:
-    """All usable samples of a JSONL file, processed once up front.
-
-    Processing everything before training means every rank knows every sample's token counts (the
-    planners' input) and the exact set of skipped records, so batches are identical on all ranks without
-    communication.
+    """The usable samples of a record source: metadata up front, each sample read and processed on access.
 
     Args:
-        path: JSONL file (media paths relative to its folder).
+        source: a :class:`~plait.data.sources.RecordSource`, or a data file opened with
+            :func:`plait.data.formats.open_source` (media paths relative to its folder).
         processor: the :class:`MultimodalProcessor`.
-        on_error: ``"raise"`` stops at the first bad record; ``"skip"`` counts, logs and skips it.
+        on_error: ``"raise"`` stops at the first bad record the metadata pass finds; ``"skip"`` counts, logs and
+            skips it.
         prompt_only: process prompts without the answer (validation by generation).
         max_samples: keep only the first this many records.
-        progress: show a progress bar (only when stderr is a terminal: no carriage-return updates in logs).
+        progress: show a progress bar on the metadata pass (only when stderr is a terminal).
+        workers: worker processes of the metadata pass (0: in this process).
+        cache_dir: folder of the metadata cache (None: no cache).
 
     Raises:
         SampleError: with ``on_error="raise"``, naming the record and its file and line.
-        ValueError: when no usable sample is left.
+        ValueError: for an unknown ``on_error``, or when no usable sample is left.
     """
 
     def __init__(
         self,
-        path: str | Path,
+        source: RecordSource | str | Path,
         processor: MultimodalProcessor,
         on_error: str = "raise",
         prompt_only: bool = False,
         max_samples: int | None = None,
         progress: bool = False,
+        workers: int = 0,
+        cache_dir: str | Path | None = None,
     ) -> None:
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-        self.path = Path(path)
-        source = open_source(self.path)
-        rows = [source[i] for i in range(len(source))][:max_samples]
-        self.samples: list[ProcessedSample] = []
-        self.skipped: list[SkippedSample] = []
-        first_seen: dict[str, str] = {}  # record id -> file:line of its first use
-        quiet = not (progress and sys.stderr.isatty())
-        for obj, where, error in tqdm(rows, desc=f"processing {self.path.name}", disable=quiet, leave=False):
-            try:
-                if error is not None:
-                    raise SampleError(f"{where}: {error}")
-                raw = parse_record(obj, where, source.base_dir)
-                if raw.id in first_seen:  # ids name samples in errors, skips and validation: they must be unique
-                    raise SampleError(f"record {raw.id!r} ({where}): the id is already used at {first_seen[raw.id]}")
-                first_seen[raw.id] = where
-                self.samples.append(processor(raw, prompt_only=prompt_only))
-            except SampleError as exc:
-                if on_error == "raise":
-                    raise
-                rid = _id_or_place(obj, where)
-                self.skipped.append(SkippedSample(rid, where, str(exc)))
-                log.warning("skipping sample: %s", exc)
-        if not self.samples:
+        self.source = open_source(source) if isinstance(source, (str, Path)) else source
+        self.path = Path(self.source.path)
+        self.processor, self.prompt_only = processor, prompt_only
+        self.table: MetadataTable = metadata_pass(self.source, processor, prompt_only=prompt_only,
+                                                  max_rows=max_samples, workers=workers, cache_dir=cache_dir,
+                                                  progress=progress)
+        self.skipped: list[SkippedSample] = list(self.table.skipped)
+        if self.skipped and on_error == "raise":
+            raise SampleError(self.skipped[0].reason)
+        for s in self.skipped:
+            log.warning("skipping sample: %s", s.reason)
+        if not len(self.table):
             raise ValueError(f"{self.path}: no usable sample ({len(self.skipped)} skipped)")
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.table)
 
     def __getitem__(self, index: int) -> ProcessedSample:
-        return self.samples[index]
+        return self.load(index)
+
+    def load(self, index: int) -> ProcessedSample:
+        """Read, decode and process sample ``index``.
+
+        Raises:
+            SampleError: naming the record and its file and line, when it fails to decode or process (e.g. an
+                image whose header reads but whose pixels do not), or when the processed sample's counts differ
+                from its metadata (a media file changed after the metadata pass).
+        """
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} of {len(self)}")
+        raw = sample_at(self.source, int(self.table.rows[index]))
+        sample = self.processor(raw, prompt_only=self.prompt_only)
+        if sample.meta != self.table.meta(index):
+            raise SampleError(f"record {raw.id!r} ({raw.source}): the decoded sample has {sample.meta} but the "
+                              f"metadata pass found {self.table.meta(index)} (a media file changed?)")
+        return sample
+
+    def sample_meta(self, index: int) -> SampleMeta:
+        """Sample ``index``'s :class:`SampleMeta` (from the metadata pass; nothing is read)."""
+        return self.table.meta(index)
+
+    def where(self, index: int) -> str:
+        """``file:line`` (the source's label) of sample ``index``."""
+        return self.source[int(self.table.rows[index])][1]
+
+    def item_counts(self, index: int) -> dict[str, int]:
+        """Media items of sample ``index`` per encoder branch (every branch, 0 included)."""
+        out = dict.fromkeys(self.table.branches, 0)
+        for branch, _ in self.table.items(index):
+            out[branch] += 1
+        return out
+
+    def feature_rows(self, index: int) -> dict[str, int]:
+        """Placeholder tokens (projected feature rows) of sample ``index`` per encoder branch (0 included)."""
+        out = dict.fromkeys(self.table.branches, 0)
+        for branch, n in self.table.items(index):
+            out[branch] += n
+        return out
+
+    @property
+    def samples(self) -> MultimodalDataset:
+        """The processed samples in order (the dataset itself: each is read and processed when accessed)."""
+        return self
 
     @property
     def meta(self) -> list[SampleMeta]:
-        return [s.meta for s in self.samples]
+        """Every sample's :class:`SampleMeta`, in order."""
+        return [self.table.meta(i) for i in range(len(self))]
+
+
+@dataclass
+class LoadedSamples:
+    """The samples of one step a :class:`SampleFeed` loaded.
+
+    Attributes:
+        indices: the dataset indices asked for.
+        samples: per loaded index its processed sample.
+        failed: per index that failed to load, the error message (record id, file and line).
+        wait_s: seconds the caller waited for them (filled by :meth:`SampleFeed.next`).
+    """
+
+    indices: tuple[int, ...]
+    samples: dict[int, ProcessedSample]
+    failed: dict[int, str] = field(default_factory=dict)
+    wait_s: float = 0.0
+
+
+class _LoadTask(torch.utils.data.Dataset):
+    """DataLoader dataset: item ``indices`` (a tuple of dataset indices) is their :class:`LoadedSamples`."""
+
+    def __init__(self, dataset: MultimodalDataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, indices: tuple[int, ...]) -> LoadedSamples:
+        out = LoadedSamples(tuple(indices), {})
+        for i in indices:
+            try:
+                out.samples[i] = self.dataset.load(i)
+            except SampleError as exc:
+                out.failed[i] = str(exc)
+        return out
+
+
+class SampleFeed:
+    """Loads the samples of the coming steps in ``workers`` DataLoader worker processes, each up to ``prefetch``
+    steps ahead, so a step's samples are ready when it starts (``workers = 0``: loaded in this process when
+    asked for). ``steps`` yields each step's dataset indices, in step order; it is read ahead, in this process.
+
+    Raises:
+        ValueError: for a negative ``workers`` or a non-positive ``prefetch``.
+    """
+
+    def __init__(self, dataset: MultimodalDataset, steps: Iterable[Sequence[int]], workers: int = 0,
+                 prefetch: int = 2) -> None:
+        if workers < 0 or prefetch < 1:
+            raise ValueError(f"workers must be >= 0 and prefetch >= 1, got {workers}, {prefetch}")
+        self._loader = torch.utils.data.DataLoader(
+            _LoadTask(dataset), batch_size=None, sampler=_Steps(steps), num_workers=workers,
+            collate_fn=_identity, prefetch_factor=prefetch if workers else None)
+        self._it: Any = None
+
+    def next(self) -> LoadedSamples:
+        """The next step's samples (waiting for them if they are not loaded yet; the wait in ``wait_s``).
+
+        Raises:
+            StopIteration: after the last step.
+        """
+        start = time.perf_counter()
+        if self._it is None:
+            self._it = iter(self._loader)
+        got = next(self._it)
+        got.wait_s = time.perf_counter() - start
+        return got
+
+    def close(self) -> None:
+        """Stop the worker processes."""
+        self._it = None
+
+
+class _Steps:
+    """A DataLoader sampler over a one-pass iterable of index tuples."""
+
+    def __init__(self, steps: Iterable[Sequence[int]]) -> None:
+        self.steps = steps
+
+    def __iter__(self) -> Any:
+        return (tuple(s) for s in self.steps)
+
+
+def _identity(x: Any) -> Any:
+    return x
 
 
 class GlobalBatchLoader:
@@ -156,14 +278,6 @@ class GlobalBatchLoader:
             if int(state[key]) != getattr(self, key):
                 raise ValueError(f"cannot resume: {key} was {state[key]} in the checkpoint, now {getattr(self, key)}")
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
-
-
-def _id_or_place(obj: dict[str, Any] | None, where: str) -> str:
-    """A skipped record's id, or ``where`` (``file:line``) when it has no valid one."""
-    try:
-        return record_id(obj, where) if obj is not None else where
-    except SampleError:
-        return where
 
 
 def rank_share(indices: Sequence[int], rank: int, world: int) -> list[int]:
