@@ -12,21 +12,26 @@ holds each source within about one sample of its share (stride scheduling, Walds
 communication and a run resumed at a position continues exactly.
 
 Samples are numbered globally: source ``s``'s sample ``i`` is ``offsets[s] + i`` with ``offsets`` the running sum
-of ``sizes`` (the order of :class:`MixtureDataset`).
+of ``sizes``: the order of the usable samples of a dataset read from a :class:`MixtureSource` (the sources' rows
+one after the other); :func:`build_batch_loader` counts each source's usable samples from the dataset's rows.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from plait.config.schema import DataConfig, JobConfig
+from plait.data.formats import open_source
 from plait.data.loader import GlobalBatchLoader
+from plait.data.sources import RecordSource, Row
 
-__all__ = ["mixture_counts", "mixture_order", "source_counts", "MixtureDataset", "MixtureBatchLoader",
-           "batch_sources"]
+__all__ = ["mixture_counts", "mixture_order", "source_counts", "MixtureSource", "mixture_sources",
+           "MixtureBatchLoader", "build_batch_loader", "batch_sources"]
 
 
 def _check_mixture(sizes: Sequence[int], weights: Sequence[float]) -> None:
@@ -100,53 +105,91 @@ def source_counts(indices: Sequence[int], sizes: Sequence[int]) -> list[int]:
     return np.bincount(which, minlength=len(sizes)).astype(int).tolist()
 
 
-class MixtureDataset:
-    """Several datasets (one per source) as one, numbered globally (module docstring).
+class MixtureSource:
+    """Several record sources as one :class:`plait.data.sources.RecordSource`, rows numbered globally (source
+    ``s``'s row ``i`` is row ``sum(len of the sources before s) + i``), so one dataset (one metadata pass, one
+    lazy loader) serves a whole mixture and the usable samples of each source stay contiguous and in order.
+
+    A row's record comes back with its relative media paths resolved against its own source's folder (the
+    sources may live in different folders), and its ``id`` and ``task`` prefixed with the source's name
+    (``"coco/000123"``, ``"coco/default"``): ids stay unique across sources, and validation accuracy, reported per
+    task, is reported per source. ``where`` is the source's own label (file and line/record/row).
 
     Args:
-        datasets: per source, a dataset (``len`` and ``[i]``; ``skipped`` and ``meta`` are concatenated when
-            every dataset has them).
-        names: per source, its name (per-source metrics and validation).
+        sources: the sources, in mixture order.
 
     Raises:
-        ValueError: for mismatched lengths or duplicate names.
+        ValueError: for no source or two sources of one name.
     """
 
-    def __init__(self, datasets: Sequence[Any], names: Sequence[str]) -> None:
-        if len(datasets) != len(names) or len(set(names)) != len(names):
-            raise ValueError(f"one unique name per source needed, got {list(names)} for {len(datasets)} datasets")
-        self.datasets, self.names = list(datasets), tuple(names)
-        self.sizes = tuple(len(d) for d in self.datasets)
+    format = "mixture"
+
+    def __init__(self, sources: Sequence[RecordSource]) -> None:
+        names = [s.name for s in sources]
+        if not sources or len(set(names)) != len(names):
+            raise ValueError(f"a mixture needs sources of distinct names, got {names}")
+        self.sources, self.names = list(sources), tuple(names)
+        self.sizes = tuple(len(s) for s in self.sources)
         self._bounds = np.cumsum(self.sizes)
+        self.name = "+".join(names)
+        self.path = Path(self.sources[0].path)
+        self.base_dir = Path(self.sources[0].base_dir)  # unused: rows carry resolved media paths
 
     def __len__(self) -> int:
-        return int(sum(self.sizes))
+        return int(self._bounds[-1])
 
-    def __getitem__(self, index: int) -> Any:
+    def __getitem__(self, index: int) -> Row:
         s = self.source_of(index)
-        return self.datasets[s][index - (int(self._bounds[s - 1]) if s else 0)]
+        source = self.sources[s]
+        obj, where, error = source[index - (int(self._bounds[s - 1]) if s else 0)]
+        return (None if obj is None else _tagged(obj, source)), where, error
 
     def source_of(self, index: int) -> int:
-        """The source (its position in :attr:`names`) of global sample ``index``.
+        """The source (its position in :attr:`sources`) of global row ``index``.
 
         Raises:
             IndexError: outside ``[0, len)``.
         """
         if not 0 <= index < len(self):
-            raise IndexError(f"sample {index} of a mixture of {len(self)}")
+            raise IndexError(f"row {index} of a mixture of {len(self)} rows")
         return int(np.searchsorted(self._bounds, index, side="right"))
 
-    @property
-    def samples(self) -> list[Any]:
-        return [s for d in self.datasets for s in d.samples]
+    def identity(self) -> dict[str, Any]:
+        return {"format": self.format, "sources": [{"name": s.name, **s.identity()} for s in self.sources]}
 
-    @property
-    def skipped(self) -> list[Any]:
-        return [s for d in self.datasets for s in d.skipped]
 
-    @property
-    def meta(self) -> list[Any]:
-        return [m for d in self.datasets for m in d.meta]
+def _tagged(obj: dict[str, Any], source: RecordSource) -> dict[str, Any]:
+    """``obj`` with its media paths resolved against ``source.base_dir`` and its id and task prefixed with the
+    source's name (a malformed field is left for :func:`plait.data.sources.parse_record` to refuse)."""
+    out = dict(obj)
+    for key in ("images", "audios"):
+        if isinstance(out.get(key), list):
+            out[key] = [str(Path(source.base_dir) / p) if isinstance(p, str) else p for p in out[key]]
+    rid = out.get("id")
+    if (isinstance(rid, str) and rid.strip()) or (isinstance(rid, int) and not isinstance(rid, bool)):
+        out["id"] = f"{source.name}/{rid}"
+    out["task"] = f"{source.name}/{out.get('task', 'default')}"
+    return out
+
+
+def mixture_sources(data: DataConfig) -> tuple[MixtureSource, MixtureSource | None]:
+    """The training and validation sources of ``data.sources`` (``[[data.sources]]``): each file opened by its
+    ``format`` (or extension) under its ``name`` (or file stem); validation of the sources that give a ``val``
+    (None when none does).
+
+    Raises:
+        FileNotFoundError: when a file does not exist.
+        ValueError: when a file cannot be read as its format, or ``data.sources`` is empty.
+    """
+    if not data.sources:
+        raise ValueError("data.sources is empty: no mixture")
+    train, val = [], []
+    for src in data.sources:
+        name = src.name or Path(src.path).stem
+        train.append(open_source(src.path, src.format or None, name=name))
+        if src.val:
+            val.append(open_source(src.val, src.format or None, name=name))
+    return MixtureSource(train), (MixtureSource(val) if val else None)
 
 
 class MixtureBatchLoader(GlobalBatchLoader):
@@ -200,6 +243,27 @@ class MixtureBatchLoader(GlobalBatchLoader):
             if saved[key] != now:
                 raise ValueError(f"cannot resume: the mixture's {key} were {saved[key]} in the checkpoint, now {now}")
         super().load_state_dict(state)
+
+
+def build_batch_loader(cfg: JobConfig, dataset: Any) -> GlobalBatchLoader:
+    """The trainer's global-batch loader: a :class:`MixtureBatchLoader` over a dataset of a
+    :class:`MixtureSource` (``data.sources``: per-source usable samples from the dataset's metadata rows), else a
+    :class:`GlobalBatchLoader` over ``len(dataset)``; ``train.global_batch_size``, ``train.seed``,
+    ``data.shuffle``, ``data.epoch_samples``.
+
+    Raises:
+        ValueError: when a mixture source has no usable sample (naming it).
+    """
+    t, d = cfg.train, cfg.data
+    source = getattr(dataset, "source", None)
+    if not isinstance(source, MixtureSource):
+        return GlobalBatchLoader(len(dataset), t.global_batch_size, t.seed, d.shuffle)
+    sizes = source_counts(dataset.table.rows, source.sizes)
+    empty = [f"data.sources[{s}] ({source.names[s]})" for s, n in enumerate(sizes) if n == 0]
+    if empty:
+        raise ValueError(f"{empty[0]} has no usable sample (of {source.sizes[sizes.index(0)]} records)")
+    return MixtureBatchLoader(sizes, [src.weight for src in d.sources], t.global_batch_size, t.seed, d.shuffle,
+                              d.epoch_samples, source.names)
 
 
 def batch_sources(loader: GlobalBatchLoader, indices: Sequence[int]) -> dict[str, dict[str, int]]:

@@ -4,16 +4,18 @@ config with errors naming the field."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from plait.config.loader import config_from_dict, validate
 from plait.config.schema import DATA_FORMATS
 from plait.data.formats import FORMATS
-from plait.data.mixture import (MixtureBatchLoader, MixtureDataset, batch_sources, mixture_counts, mixture_order,
-                                source_counts)
+from plait.data.formats import open_source
+from plait.data.mixture import MixtureBatchLoader, batch_sources, mixture_counts, mixture_order, source_counts
 from plait.data.loader import GlobalBatchLoader
-from tests.conftest import tiny_config_dict
+from tests.conftest import tiny_config_dict, write_jsonl
 
 SIZES = (1000, 300, 5000)
 WEIGHTS = (0.5, 0.3, 0.2)
@@ -105,24 +107,71 @@ def test_a_resume_with_another_mixture_is_refused():
         MixtureBatchLoader((40, 7), (1, 1), 8, seed=5).load_state_dict(GlobalBatchLoader(47, 8, 5).state_dict())
 
 
-class _Set(list):
-    skipped: list = []
+def source_files(tmp_path) -> tuple[Path, Path]:
+    """Two sources in different folders: 5 demo records as JSONL in a/, 3 as LLaVA JSON in b/ (relative media)."""
+    import json
+    import shutil
 
-    @property
-    def meta(self):
-        return [f"m{x}" for x in self]
+    from tests.conftest import DEMO
+
+    recs = [json.loads(line) for line in (DEMO / "train.jsonl").read_text().splitlines()]
+    image_recs = [r for r in recs if r["images"]][:3]
+    recs = [r for r in recs if not r["audios"]]
+    for folder in ("a", "b"):
+        (tmp_path / folder / "img").mkdir(parents=True)
+        for r in recs[:5] + image_recs:
+            for p in r["images"]:
+                shutil.copy(DEMO / p, tmp_path / folder / p)
+    a = write_jsonl(tmp_path / "a" / "x.jsonl", recs[:5])
+    b = tmp_path / "b" / "y.json"
+    b.write_text(json.dumps([{"id": r["id"], "image": r["images"][0], "conversations": [
+        {"from": "human", "value": r["messages"][0]["content"]}, {"from": "gpt", "value": r["messages"][1]["content"]}]}
+        for r in image_recs]))
+    return a, b
 
 
-def test_the_mixture_dataset_numbers_samples_globally():
-    ds = MixtureDataset([_Set(["a0", "a1"]), _Set(["b0"]), _Set(["c0", "c1", "c2"])], ["a", "b", "c"])
-    assert len(ds) == 6 and ds.sizes == (2, 1, 3)
-    assert [ds[i] for i in range(6)] == ["a0", "a1", "b0", "c0", "c1", "c2"]
-    assert [ds.source_of(i) for i in range(6)] == [0, 0, 1, 2, 2, 2]
-    assert ds.meta == ["ma0", "ma1", "mb0", "mc0", "mc1", "mc2"] and ds.skipped == []
+def test_a_mixture_source_numbers_rows_globally_and_tags_records(tmp_path):
+    from plait.data.mixture import MixtureSource
+    from plait.data.sources import sample_at
+
+    a, b = source_files(tmp_path)
+    sa, sb = open_source(a), open_source(b, name="llava")
+    mix = MixtureSource([sa, sb])
+    assert len(mix) == 8 and mix.sizes == (5, 3) and mix.names == ("x", "llava")
+    assert [mix.source_of(i) for i in range(len(mix))] == [0] * 5 + [1] * 3
+    for i in range(len(mix)):
+        src, local = (sa, i) if i < len(sa) else (sb, i - len(sa))
+        own, mixed = sample_at(src, local), sample_at(mix, i)
+        assert mixed.id == f"{src.name}/{own.id}" and mixed.task == f"{src.name}/{own.task}"
+        assert mixed.messages == own.messages and mixed.media == own.media and mixed.source == own.source
+    assert sample_at(mix, len(mix) - 1).media["image"][0].startswith(str(tmp_path / "b" / "img"))
+    assert mix.identity() == {"format": "mixture", "sources": [{"name": "x", **sa.identity()},
+                                                                {"name": "llava", **sb.identity()}]}
     with pytest.raises(IndexError):
-        ds.source_of(6)
-    with pytest.raises(ValueError, match="one unique name per source"):
-        MixtureDataset([_Set(), _Set()], ["a", "a"])
+        mix.source_of(len(mix))
+    with pytest.raises(ValueError, match="a mixture needs sources of distinct names, got \\['x', 'x'\\]"):
+        MixtureSource([sa, open_source(a)])
+
+
+def test_mixture_sources_from_the_config_and_the_batch_loader(tmp_path):
+    from types import SimpleNamespace
+
+    from plait.data.mixture import build_batch_loader, mixture_sources
+
+    a, b = source_files(tmp_path)
+    cfg = config_from_dict(job(sources=[{"path": str(a), "weight": 3, "val": str(a)},
+                                        {"path": str(b), "weight": 1, "name": "llava"}]))
+    train, val = mixture_sources(cfg.data)
+    assert train.names == ("x", "llava") and val.names == ("x",) and len(val) == 5 and len(train) == 8
+    rows = np.array([0, 2, 3, 6, 7])  # usable rows: 3 of x, 2 of llava
+    loader = build_batch_loader(cfg, SimpleNamespace(source=train, table=SimpleNamespace(rows=rows)))
+    assert isinstance(loader, MixtureBatchLoader) and loader.sizes == (3, 2) and loader.weights == (3.0, 1.0)
+    assert loader.num_samples == 5 and loader.names == ("x", "llava")
+    assert source_counts(loader.epoch_order(0).tolist(), (3, 2)) == [4, 1]
+    with pytest.raises(ValueError, match=r"^data.sources\[1\] \(llava\) has no usable sample \(of 3 records\)$"):
+        build_batch_loader(cfg, SimpleNamespace(source=train, table=SimpleNamespace(rows=rows[:3])))
+    plain = build_batch_loader(config_from_dict(job(train=str(a))), list(range(7)))
+    assert type(plain) is GlobalBatchLoader and plain.num_samples == 7
 
 
 # --- config ----------------------------------------------------------------------------------------------------
