@@ -62,7 +62,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plait.planner.cost_model import OptimizerSpec, unit_activation_bytes, unit_static_bytes
+from plait.planner.cost_model import ActionOverheads, OptimizerSpec, unit_activation_bytes, unit_static_bytes
 from plait.planner.graph import consistent_units
 from plait.planner.pipeline_plan import LAYOUTS, PipelinePlan, check_plan_units, plan_pipeline, stage_ranks
 from plait.planner.schedule_ir import in_flight_peaks
@@ -249,6 +249,7 @@ def plan_layout(
     virtual_stages: Sequence[int] = (1,),
     attach_encoders: bool = False,
     max_timed: int = 256,
+    overheads: ActionOverheads = ActionOverheads(),
 ) -> LayoutChoice:
     """Search layout, stages per module, DP degree and LLM chunks per rank minimising the predicted
     iteration time.
@@ -278,6 +279,9 @@ def plan_layout(
         max_timed: at most this many interleaved / attached candidates are timed (in increasing lower bound;
             each costs a schedule and a timing pass); the search is exact over them only when fewer have a
             bound below the best time (1F1B candidates with one stage per rank are not limited).
+        overheads: the runtime's fixed seconds per action and module chunk (``cost_model.ActionOverheads``),
+            charged in the search's stage costs and in the chosen plan's timing; ``p2p``'s send and receive
+            overheads are charged per message alike. Default none (GPU presets).
 
     Returns:
         The best ``LayoutChoice`` (method ``"plait"`` or ``"frozen_unaware"``; ``schedule`` says which).
@@ -292,7 +296,7 @@ def plan_layout(
     if not virtual_stages or any(int(v) != v or v < 1 for v in virtual_stages):
         raise ValueError(f"virtual_stages must be a non-empty list of integers >= 1, got {list(virtual_stages)}")
     p2p = p2p or P2PModel()
-    model = SearchModel(units, costs, frozen_aware, dtype, optimizer)
+    model = SearchModel(units, costs, frozen_aware, dtype, optimizer, overheads)
     parts = Partitions(model, memory_cap)
     chosen_layouts = list(dict.fromkeys(layouts)) if model.encoders else [layouts[0]]
     streams = [s for v in sorted({int(x) for x in virtual_stages}) for lay in chosen_layouts
@@ -304,7 +308,8 @@ def plan_layout(
                     if (s := attached_stream(parts, d, devices, microbatches, p2p, v)) is not None]
     best, considered, timed = branch_and_bound(parts, streams, p2p, dp_link, rel_tol, max_timed)
     common = dict(microbatches=microbatches, devices=devices, p2p=p2p, dp_link=dp_link, memory_cap=memory_cap,
-                  method="plait" if frozen_aware else "frozen_unaware", dtype=dtype, optimizer=optimizer)
+                  method="plait" if frozen_aware else "frozen_unaware", dtype=dtype, optimizer=optimizer,
+                  overheads=overheads)
     single = _single_rank(model, units, costs, max(_dp_candidates(devices, microbatches, dp_degrees)), dp_link,
                           common)
     if single is not None and (best.stages is None or single[0] < best.time):
@@ -329,7 +334,9 @@ def _single_rank(model: SearchModel, units: Sequence[Unit], costs: Costs, dp: in
     if not choice.fits_memory:
         return None
     nb = -(-common["microbatches"] // dp)
-    planned = nb * math.fsum(model.work) + allreduce_s(math.fsum(model.grad), dp, dp_link)
+    chunks = [(m, any(u.runs_backward for u in model.view if u.module == m)) for m in model.modules]
+    fixed = sum(model.overheads.stage_s(kind, chunks, pipelined=False) for kind in ("F", "B"))
+    planned = nb * (math.fsum(model.work) + fixed) + allreduce_s(math.fsum(model.grad), dp, dp_link)
     return planned, dataclasses.replace(choice, planned_iteration_s=planned)
 
 
@@ -362,6 +369,7 @@ def evaluate_plan(
     dtype: Any = "bfloat16",
     optimizer: OptimizerSpec = OptimizerSpec(),
     schedule: str | None = None,
+    overheads: ActionOverheads = ActionOverheads(),
 ) -> LayoutChoice:
     """Time ``plan`` with the true frozen-aware costs: ``simulator.simulate`` on its schedule (``schedule``,
     a ``schedules.SCHEDULE_NAMES`` entry; default ``"interleaved_1f1b"`` when
@@ -377,6 +385,8 @@ def evaluate_plan(
         p2p, dp_link, memory_cap, dtype, optimizer: as ``plan_layout``.
         method, planned_iteration_s, candidates, simulated: recorded in the result
             (``planned_iteration_s`` defaults to the true time).
+        overheads: added to every stage action (``ActionOverheads.stage_s`` of its module chunks; the
+            executor's ``per_action_s`` only when the plan has more than one rank).
 
     Raises:
         ValueError: when the plan does not match the units, on bad numbers, or ``dp * ranks > devices``.
@@ -389,6 +399,7 @@ def evaluate_plan(
         raise ValueError(f"dp {dp} x {plan.num_ranks} pipeline ranks exceeds devices={devices}")
     p2p = p2p or P2PModel()
     true_units = consistent_units(units)
+    by_name_units = _by_name(true_units)
     check_plan_units(plan, true_units)
     cost_map = dict(zip((u.name for u in true_units), cost_list(units, costs)))
     nb = -(-microbatches // dp)
@@ -396,6 +407,11 @@ def evaluate_plan(
     name = schedule or ("interleaved_1f1b" if runs_interleaved(plan) else "1f1b")
     schedule = build_schedule(plan, name)
     action = stage_costs_from_units(plan, true_units, cost_map)
+    if not overheads.zero:
+        for stage in plan.stages:
+            chunks = [(m, any(by_name_units[n].runs_backward for n in stage.module_units(m))) for m in stage.modules]
+            for kind in ("F", "B"):
+                action[(stage.index, kind)] += overheads.stage_s(kind, chunks, pipelined=plan.num_ranks > 1)
     boundary = boundary_bytes_from_units(plan, cost_map)
     memory = _stage_memory(plan, true_units, cost_map, dtype, optimizer)
     result = simulate(schedule, action, p2p=p2p, boundary_bytes=boundary, memory=memory)

@@ -272,8 +272,9 @@ def _encoder_bounds(parts: Partitions, layout: str, nb: int, pipe: int, max_llm:
 
 def attached_stream(parts: Partitions, dp: int, devices: int, microbatches: int, p2p: P2PModel,
                      v: int) -> Stream | None:
-    """Candidates with every encoder one stage on LLM rank 0 and the LLM on ``p = 2..`` ranks (``v`` chunks
-    each), sorted by a lower bound valid for any schedule: per LLM rank, microbatch 0's arrival (the
+    """Candidates with the encoders one stage on LLM rank 0 (layout ``encoders_colocated``: one action per
+    microbatch and direction for all of them, not one per encoder) and the LLM on ``p = 2..`` ranks (``v``
+    chunks each), sorted by a lower bound valid for any schedule: per LLM rank, microbatch 0's arrival (the
     encoders' forwards run on rank 0 first), ``nb`` x its work (rank 0: with the encoders'), then the
     upstream LLM backwards; and one microbatch's whole path; plus nothing for the all-reduce."""
     model = parts.model
@@ -299,11 +300,11 @@ def attached_stream(parts: Partitions, dp: int, devices: int, microbatches: int,
             arrive += sums[i].forward + p2p.transfer_s(sums[i].output)
             tail += p2p.transfer_s(sums[i].output) + sums[i].backward if sums[i].runs_backward else 0.0
         bounds.append(max(worst, sum(model.work)))
-        rows.append([1] * len(model.encoders) + [p])
+        rows.append([1, p])
     if not rows:
         return None
     order = np.argsort(np.asarray(bounds), kind="stable")
-    return Stream("encoder_parallel", dp, nb, np.asarray(bounds)[order], np.asarray(rows)[order], v=v,
+    return Stream("encoders_colocated", dp, nb, np.asarray(bounds)[order], np.asarray(rows)[order], v=v,
                    attached=True)
 
 

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from plait.planner.cost_model import OptimizerSpec, unit_activation_bytes, unit_static_bytes
+from plait.planner.cost_model import ActionOverheads, OptimizerSpec, unit_activation_bytes, unit_static_bytes
 from plait.planner.graph import check_grouping, consistent_units
 from plait.planner.partitioner import partition_chain
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
@@ -97,8 +97,9 @@ class SearchModel:
     """Per-unit arrays of one planning view (``frozen_aware`` or not) plus the true memory."""
 
     def __init__(self, units: Sequence[Unit], costs: Costs, frozen_aware: bool, dtype: Any,
-                 optimizer: OptimizerSpec) -> None:
+                 optimizer: OptimizerSpec, overheads: ActionOverheads = ActionOverheads()) -> None:
         per_unit = cost_list(units, costs)
+        self.overheads = overheads
         self.modules = check_grouping(units)
         self.encoders = self.modules[:-1]
         self.units = consistent_units(units)
@@ -400,10 +401,39 @@ def fill_stages(parts: Partitions, groups: list[list[tuple[int, int]]], depth: l
         stages.memory.append(static + min(d, nb) * act)
         stages.activation.append(act)
         stages.grad.append(grad)
+    _add_overheads(parts, stages, p2p)
     if check_memory and parts.cap is not None and max(stages.memory) > parts.cap:
         return None
     return stages
 
+
+
+def _add_overheads(parts: Partitions, stages: CandidateStages, p2p: P2PModel) -> None:
+    """Add the runtime's fixed costs to the stages' forward and backward seconds, as the simulator times a plan:
+    ``ActionOverheads.stage_s`` of each stage's module chunks (``SearchModel.overheads``) and the LogP message
+    overheads of ``p2p`` (``simulator``: a send overhead on the action sending, a receive overhead on the action
+    receiving, per edge; the gradient goes back when both ends run a backward). Every edge is taken to cross
+    ranks: exact for one stage per rank and for interleaved LLM chunks, one message pair too many per encoder
+    attached to the first LLM rank (the search then rates attached candidates slightly slower than
+    ``evaluate_plan`` times them)."""
+    model, over = parts.model, parts.model.overheads
+    if not over.zero:
+        for s, chunks in enumerate(stages.chunks):
+            pairs = [(model.units[a].module, parts.chunk(a, b).runs_backward) for a, b in chunks]
+            stages.forward[s] += over.stage_s("F", pairs)
+            stages.backward[s] += over.stage_s("B", pairs)
+    send, recv = p2p.send_overhead_s, p2p.recv_overhead_s
+    if not (send or recv):
+        return
+    rb = stages.runs_backward
+    for s, t in enumerate(stages.succ):
+        if t < 0:
+            continue
+        stages.forward[s] += send
+        stages.forward[t] += recv
+        if rb[s] and rb[t]:
+            stages.backward[t] += send
+            stages.backward[s] += recv
 
 
 def plan_from_chunks(model: SearchModel, units: Sequence[Unit], layout: str,
