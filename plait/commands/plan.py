@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import json
 import sys
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ from plait.config.loader import config_from_dict, read_config_data, validate
 from plait.data.chat_template import tokenizer_dir
 from plait.data.loader import GlobalBatchLoader, MultimodalDataset
 from plait.models.registry import build_model, build_processor, load_tokenizer, placeholder_of
+from plait.commands.plan_costs import host_device, runtime_costs, stored_profile
 from plait.models.units import model_units
 from plait.planner.arch import arch_from_config, units_from_configs
 from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_costs
@@ -47,7 +49,6 @@ from plait.planner.macrobatch import MacrobatchStats, expected_shapes, macrobatc
 from plait.planner.pipeline_plan import LAYOUTS
 from plait.planner.report import format_plan, plan_to_json, pp_toml
 from plait.planner.search import LayoutChoice, plan_layout
-from plait.planner.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
 from plait.train.auto_plan import apply_layout_choice
 from plait.train.costs import microbatch_cost_coeffs
@@ -57,13 +58,16 @@ __all__ = [
     "DEVICES",
     "MODEL_UNITS",
     "PlanInputs",
+    "PlanSetup",
     "build_plan_inputs",
+    "considered_plans",
     "dataset_metadata",
     "device_spec",
     "job_units",
     "load_config_for_planning",
     "model_parts",
     "plan_command",
+    "plan_label",
     "pp_snippet",
     "split_global_batch",
 ]
@@ -325,7 +329,7 @@ def plan_command(
     out_json: str | Path | None = None,
     *,
     overrides: Sequence[str] = (),
-    device: str | DeviceSpec = "h100",
+    device: str | DeviceSpec | None = None,
     microbatches: int | None = None,
     items_per_sample: int = 1,
     memory_fraction: float = 0.9,
@@ -338,6 +342,7 @@ def plan_command(
     virtual_stages: Sequence[int] = (1, 2, 4),
     attach_encoders: bool = True,
     out: TextIO | None = None,
+    profile_store: str | Path | None = "runs/profiles",
 ) -> LayoutChoice:
     """``plait plan``: choose the pipeline layout of a job for ``devices`` accelerators, print it with its
     ``[parallel.pp]`` table (``pp_snippet``, or why there is none), save it. The job file is read with
@@ -350,6 +355,11 @@ def plan_command(
         out_json: where to write the plan JSON (``plait.planner.report.plan_to_json``; parents
             created); None: do not write.
         device: accelerator preset (``DEVICES``) or ``DeviceSpec``; its link is the stage-to-stage P2P model.
+            None: this host's (``plan_costs.host_device``: the GPU's preset, ``"cpu"`` without a GPU), printed.
+            On a device with host overheads (the ``"cpu"`` preset) the plan charges the runtime's fixed costs
+            (``plan_costs.runtime_costs``): the job's measured profile from ``profile_store`` when one matches
+            (``plan_costs.stored_profile``: its unit costs and overheads), else the analytic costs plus the
+            preset's measured per-chunk-action and per-message overheads; and the DP all-reduce on its link.
         microbatches: global microbatches per step: the job's global batch split into this many microbatches of
             ``ceil(train.global_batch_size / microbatches)`` samples (``split_global_batch``; at most
             ``train.global_batch_size``); None: ``global_batch_size / microbatch_size`` of ``microbatch_size``.
@@ -366,6 +376,7 @@ def plan_command(
             batch. 0, or a job without ``data.train``: no statistics, upper-bound workload. Off by default
             because it processes the training set as the trainer does (about 30 ms per sample on a CPU core).
         out: text stream for the table (default stdout).
+        profile_store: folder of ``plait profile``'s stored profiles (CPU plans); None: analytic costs only.
 
     Returns:
         The ``LayoutChoice``.
@@ -375,30 +386,14 @@ def plan_command(
             named) or configs, or when no layout fits memory; FileNotFoundError: on a missing config file or
             model directory.
     """
-    if not 0 < memory_fraction <= 1:
-        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-    if isinstance(macrobatches, bool) or not isinstance(macrobatches, int) or macrobatches < 0:
-        raise ValueError(f"macrobatches must be an integer >= 0, got {macrobatches!r}")
-    spec = device_spec(device)
     stream = out or sys.stdout
-    cfg, replaced = load_config_for_planning(config_path, overrides)
-    if replaced:
-        print(f"plait plan: the job's {replaced} is not checked or used: the plan replaces it", file=stream)
-    cfg = split_global_batch(cfg, microbatches)
-    microbatches = None if microbatches is None else int(microbatches)
-    _check_dp_degrees(dp_degrees, devices,
-                      microbatches or max(1, cfg.train.global_batch_size // cfg.train.microbatch_size))
-    expected = None
-    if macrobatches and cfg.data.train:
-        _, expected = _macrobatches(cfg, macrobatches, stream)
-    inputs = build_plan_inputs(cfg, spec, microbatches=microbatches, items_per_sample=items_per_sample,
-                               shapes_override=expected)
-    dp_link = None if dp_link_Bps is None else P2PModel(spec.link_latency, dp_link_Bps)
+    setup = _plan_setup(config_path, devices, overrides, device, microbatches, items_per_sample, memory_fraction,
+                        dp_degrees, dp_link_Bps, macrobatches, profile_store, stream)
+    cfg, inputs, spec = setup.cfg, setup.inputs, setup.spec
     choice = plan_layout(
         inputs.units, inputs.costs, devices, microbatches=inputs.microbatches, frozen_aware=frozen_aware,
-        memory_cap=memory_fraction * spec.memory_bytes, p2p=P2PModel(spec.link_latency, spec.link_bandwidth),
-        dp_link=dp_link, layouts=layouts, dp_degrees=dp_degrees, rel_tol=rel_tol, dtype=inputs.dtype,
-        virtual_stages=virtual_stages, attach_encoders=attach_encoders,
+        layouts=layouts, dp_degrees=dp_degrees, rel_tol=rel_tol, virtual_stages=virtual_stages,
+        attach_encoders=attach_encoders, **setup.search,
     )
     print(f"plait plan: {config_path} on {devices} x {spec.name}, {inputs.microbatches} microbatches of "
           f"{cfg.train.microbatch_size} samples (global batch {cfg.train.global_batch_size})", file=stream)
@@ -414,6 +409,118 @@ def plan_command(
         path.write_text(plan_to_json(choice, snippet))
         print(f"plan written to {path}", file=stream)
     return choice
+
+
+@dataclass(frozen=True)
+class PlanSetup:
+    """What ``plan_command`` searches with: the job config (global batch split), the plan inputs, the device
+    and the ``plan_layout`` keyword arguments of the machine (memory cap, link, DP link, dtype, overheads)."""
+
+    cfg: Any
+    inputs: PlanInputs
+    spec: DeviceSpec
+    search: dict[str, Any]
+
+
+def _plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], device: str | DeviceSpec | None,
+                microbatches: int | None, items_per_sample: int, memory_fraction: float,
+                dp_degrees: Sequence[int] | None, dp_link_Bps: float | None, macrobatches: int,
+                profile_store: str | Path | None, stream: TextIO) -> PlanSetup:
+    """Read the job and derive what the search needs (``plan_command``'s arguments), printing the notes.
+
+    Raises:
+        ValueError, FileNotFoundError: as ``plan_command``.
+    """
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    if isinstance(macrobatches, bool) or not isinstance(macrobatches, int) or macrobatches < 0:
+        raise ValueError(f"macrobatches must be an integer >= 0, got {macrobatches!r}")
+    if device is None:
+        device, why = host_device()
+        print(f"plait plan: planning for {device} ({why}; --device to plan for another)", file=stream)
+    spec = device_spec(device)
+    cfg, replaced = load_config_for_planning(config_path, overrides)
+    if replaced:
+        print(f"plait plan: the job's {replaced} is not checked or used: the plan replaces it", file=stream)
+    cfg = split_global_batch(cfg, microbatches)
+    microbatches = None if microbatches is None else int(microbatches)
+    _check_dp_degrees(dp_degrees, devices,
+                      microbatches or max(1, cfg.train.global_batch_size // cfg.train.microbatch_size))
+    expected = None
+    if macrobatches and cfg.data.train:
+        _, expected = _macrobatches(cfg, macrobatches, stream)
+    inputs = build_plan_inputs(cfg, spec, microbatches=microbatches, items_per_sample=items_per_sample,
+                               shapes_override=expected)
+    profile = None
+    if spec.chunk_overhead_s or spec.message_overhead_s:
+        profile, why = stored_profile(cfg, profile_store) if profile_store is not None else (None, "no store")
+        if profile is not None and expected is None:
+            inputs = dataclasses.replace(inputs, units=profile.units, costs=profile.costs, dtype=profile.key.dtype)
+        elif profile is not None:
+            profile, why = None, "the plan is for the expected macro-batch, not the profiled microbatch"
+        if profile is None:
+            print(f"plait plan: no measured profile ({why}); `plait profile` stores one", file=stream)
+    costs = runtime_costs(spec, profile, dp_link_Bps)
+    if spec.chunk_overhead_s or spec.message_overhead_s:
+        print(f"plait plan: costs: {costs.source}", file=stream)
+    search = dict(memory_cap=memory_fraction * spec.memory_bytes, p2p=costs.p2p, dp_link=costs.dp_link,
+                  dtype=inputs.dtype)
+    if not costs.overheads.zero:
+        search["overheads"] = costs.overheads
+    return PlanSetup(cfg, inputs, spec, search)
+
+
+def considered_plans(config_path: str | Path, devices: int, *, overrides: Sequence[str] = (),
+                     device: str | DeviceSpec | None = None, profile_store: str | Path | None = "runs/profiles",
+                     ) -> list[tuple[str, LayoutChoice, tuple[Unit, ...]]]:
+    """The best plan of each family ``plait plan`` weighs for ``devices`` devices, each runnable as a job
+    (``[parallel.pp]`` expresses it) and distinct (DP degree, stages and ranks, schedule), searched with the
+    same costs as ``plan_command`` (default arguments otherwise): plain data parallelism (the largest DP
+    degree, no pipeline), 1F1B with one stage per rank in each layout, interleaved 1F1B (2 LLM stages per rank)
+    and the encoders attached to the first LLM rank; for comparing plans with measurements
+    (``bench/plan_holds.py``).
+
+    Returns:
+        ``[(label, choice, units)]`` in that order (a family whose best plan is already listed, or that has none
+        for ``devices``, is left out).
+
+    Raises:
+        ValueError, FileNotFoundError: as ``plan_command``.
+    """
+    setup = _plan_setup(config_path, devices, overrides, device, None, 1, 0.9, None, None, 0, profile_store,
+                        io.StringIO())
+    inputs = setup.inputs
+    dp_top = max(d for d in range(1, min(devices, inputs.microbatches) + 1) if devices % d == 0)
+    families = [dict(dp_degrees=[dp_top])] + [dict(layouts=[layout]) for layout in LAYOUTS]
+    families += [dict(virtual_stages=(2,)), dict(virtual_stages=(1, 2), attach_encoders=True)]
+    out: list[tuple[str, LayoutChoice, tuple[Unit, ...]]] = []
+    seen = set()
+    for options in families:
+        options = {"dp_degrees": [1], **options}
+        try:
+            choice = plan_layout(inputs.units, inputs.costs, devices, microbatches=inputs.microbatches,
+                                 **options, **setup.search)
+        except ValueError:
+            continue
+        key = (choice.dp, choice.schedule, tuple((s.units, s.rank) for s in choice.plan.stages))
+        if key in seen or (choice.plan.num_ranks == 1 and choice.dp != dp_top) or \
+                pp_snippet(setup.cfg, choice, inputs.units, inputs.unit_source)[0] is None:
+            continue  # seen, a one-rank plan on fewer devices than plain DP (not searched), or not runnable
+        seen.add(key)
+        out.append((plan_label(choice), choice, inputs.units))
+    return out
+
+
+def plan_label(choice: LayoutChoice) -> str:
+    """A short name of a plan: ``"DP 2, no pipeline"``, ``"DP 1 x 1F1B, 2 stages, encoders_colocated"``,
+    ``"DP 1 x interleaved 1F1B (v = 2), encoders attached, 4 stages"``."""
+    plan = choice.plan
+    if plan.num_ranks == 1:
+        return f"DP {choice.dp}, no pipeline"
+    attached = any(s.rank == plan.stages[plan.llm_stages[0]].rank for s in plan.stages if not s.is_llm)
+    kind = f"interleaved 1F1B (v = {plan.virtual_stages})" if plan.virtual_stages > 1 else "1F1B"
+    where = "encoders attached" if attached else (choice.layout if len(plan.modules) > 2 else "")
+    return ", ".join(x for x in (f"DP {choice.dp} x {kind}", where, f"{plan.num_stages} stages") if x)
 
 
 def load_config_for_planning(config_path: str | Path, overrides: Sequence[str] = ()) -> tuple[Any, str]:

@@ -136,7 +136,8 @@ def layout_pp_fields(choice: LayoutChoice, units: Sequence[Unit]) -> dict[str, A
     ``{"degree": 1}`` when the plan is a single rank; else the degree, layout, stage counts for every module (the
     LLM's: all its stages), ``splits`` only for modules whose boundaries differ from the even split by count,
     ``virtual_stages`` = the plan's LLM stages per rank, ``attach_encoders`` when its encoder stages share the
-    first LLM rank, the schedule (``interleaved_1f1b`` exactly for those plans) and the microbatches per replica.
+    first LLM rank (with one encoder stage, layout ``encoders_colocated``: the search's attached plans are
+    colocated, and a one-encoder-stage plan is the same in both layouts), the schedule (``interleaved_1f1b`` exactly for those plans) and the microbatches per replica.
     The DP degree is ``choice.dp``.
 
     Raises:
@@ -154,6 +155,9 @@ def layout_pp_fields(choice: LayoutChoice, units: Sequence[Unit]) -> dict[str, A
     if choice.schedule != schedule:
         raise ValueError(f"LayoutChoice.schedule is {choice.schedule!r}, but [parallel.pp] runs its plan "
                          f"(virtual_stages={plan.virtual_stages}, attach_encoders={attached}) with {schedule!r}")
-    return {"degree": plan.num_ranks, "layout": plan.layout, "stages": counts, "virtual_stages": plan.virtual_stages,
+    layout = plan.layout
+    if attached and sum(not s.is_llm for s in plan.stages) == 1:
+        layout = "encoders_colocated"  # one encoder stage: the same plan either way, named as attached plans are
+    return {"degree": plan.num_ranks, "layout": layout, "stages": counts, "virtual_stages": plan.virtual_stages,
             "attach_encoders": attached, "schedule": schedule, "microbatches": choice.microbatches_per_replica,
             "splits": splits}

@@ -26,6 +26,7 @@ __all__ = [
     "PP_TOML_KEY",
     "format_plan",
     "format_profile",
+    "idle_devices_note",
     "plan_from_json",
     "plan_to_json",
     "pp_toml",
@@ -95,9 +96,11 @@ def format_plan(choice: LayoutChoice) -> str:
     counts = ", ".join(f"{m} {s}" for m, s in choice.stages_per_module)
     peaks = rank_peak_memory_bytes(choice)
     cap = "no cap" if choice.memory_cap is None else f"cap {choice.memory_cap / _GIB:.1f} GiB"
+    shape = (f"layout {choice.layout}, DP {choice.dp} x {plan.num_ranks} pipeline ranks" if plan.num_ranks > 1
+             else f"no pipeline (the whole model on each rank), DP {choice.dp}")
     lines += [
-        f"layout {choice.layout}, DP {choice.dp} x {plan.num_ranks} pipeline ranks = {choice.devices_used} of "
-        f"{choice.devices} devices; stages: {counts}",
+        f"{shape} = {choice.devices_used} of {choice.devices} devices"
+        + ("" if plan.num_ranks == 1 else f"; stages: {counts}") + idle_devices_note(choice),
         f"iteration {1e3 * choice.iteration_s:.2f} ms (pipeline {1e3 * choice.makespan_s:.2f} ms + gradient "
         f"all-reduce {1e3 * choice.grad_sync_s:.2f} ms) with {choice.microbatches_per_replica} of "
         f"{choice.microbatches} microbatches per replica; bubble {100 * choice.bubble_fraction:.1f}%; "
@@ -110,11 +113,32 @@ def format_plan(choice: LayoutChoice) -> str:
     return "\n".join(lines)
 
 
+def idle_devices_note(choice: LayoutChoice) -> str:
+    """Why ``choice`` leaves devices idle, as ``"; 6 devices idle: ..."`` (empty when it uses them all): every
+    replica needs a microbatch (``"2 microbatches per step: at most 2 pipelines"``, when the DP degree is
+    already the microbatch count), else a deeper or wider plan was predicted no faster (more stages add
+    transfers, bubbles and per-action overheads; the DP degree must divide the devices)."""
+    idle = choice.devices - choice.devices_used
+    if idle <= 0:
+        return ""
+    head = f"; {idle} device{'s' if idle > 1 else ''} idle: "
+    if choice.dp >= choice.microbatches:
+        more = ("a pipeline of more stages was predicted no faster" if choice.plan.num_ranks > 1
+                else "pipelining the model was predicted no faster")
+        return (head + f"{choice.microbatches} microbatch{'es' if choice.microbatches > 1 else ''} per step: "
+                f"at most {choice.microbatches} pipeline{'s' if choice.microbatches > 1 else ''}, and {more}")
+    return head + ("no plan using them was predicted faster (more stages add transfers, bubbles and per-action "
+                   "overheads; the DP degree divides the devices)")
+
+
 # ----- the [parallel.pp] table -------------------------------------------------------------------------------
 def pp_toml(fields: Mapping[str, Any], dp: int) -> str:
     """The ``[parallel.pp]`` TOML table of ``fields`` (``degree`` first; the values ``toml_value`` writes) under a
     comment line giving the rest of the job's config: the ``parallel.dp`` to set in ``[parallel]`` when there are
-    several replicas (``dp``; the table describes one pipeline replica) and ``parallel.plan = "manual"``.
+    several replicas (``dp``; the table describes one pipeline replica) and ``parallel.plan = "manual"``. A table
+    never pairs ``layout = "encoder_parallel"`` with ``attach_encoders = true`` (the encoders then sit on the first
+    LLM rank, not on parallel ranks): the layout line is left out there (its default) and a comment says where
+    the encoders run.
 
     Raises:
         ValueError: when ``fields`` has no ``degree`` or a value has no TOML form here.
@@ -122,8 +146,12 @@ def pp_toml(fields: Mapping[str, Any], dp: int) -> str:
     if "degree" not in fields:
         raise ValueError(f"a [parallel.pp] table needs a degree, got fields {sorted(fields)}")
     degree = int(fields["degree"])
+    note = ""
+    if fields.get("attach_encoders") and fields.get("layout") == "encoder_parallel":
+        fields = {k: v for k, v in fields.items() if k != "layout"}  # never "encoder_parallel" next to attached encoders
+        note = "# attach_encoders: every encoder is its own stage, all on the first LLM rank (layout left at its default)\n"
     body = "".join(f"{k} = {toml_value(v)}\n" for k, v in fields.items())
-    return _snippet_head(dp, degree) + "[parallel.pp]\n" + body
+    return _snippet_head(dp, degree) + note + "[parallel.pp]\n" + body
 
 
 def _snippet_head(dp: int, degree: int) -> str:
