@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument("--devices", type=int, required=True,
                       help="devices to plan for (GPUs, or CPU processes with --device cpu)")
     plan.add_argument("--out", default=None, help="write the chosen plan as JSON here")
-    plan.add_argument("--device", default="h100", help="device preset: h100, h200, a100 or cpu")
+    plan.add_argument("--device", default=None, help="device preset: h100, h200, a100 or cpu (default: this host's)")
     plan.add_argument("--microbatches", type=int, default=None,
                       help="split the job's global batch (train.global_batch_size samples) into N microbatches of "
                            "ceil(global / N) samples, as parallel.pp.microbatches does; at most the global batch "
