@@ -6,6 +6,8 @@ the analytic, frozen-aware cost model and print it.
 ``plait simulate --plan plan.json --out-dir DIR``: the predicted timeline of a plan (Chrome trace + PNG).
 ``plait profile --config configs/demo.toml [--out profile.json]``: measure per-unit costs of the job's model
 on this machine (reusing a stored profile only when model, shapes, dtype, device and versions all match).
+``plait generate --model runs/demo/final (--prompt TEXT [--image P] [--audio P] | --input F --output F)``: greedy
+answers of a trained model, printed or written as JSONL predictions.
 """
 
 from __future__ import annotations
@@ -51,6 +53,16 @@ def _profile(args: argparse.Namespace, overrides: list[str]) -> int:
                     microbatch_size=args.microbatch_size, repeats=args.repeats, warmup=args.warmup,
                     clock=args.clock, force=args.force)
     return 0
+
+
+def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from plait.commands.generate import generate_command
+
+    if overrides:
+        raise ValueError(f"plait generate takes no overrides, got {overrides}")
+    return generate_command(args.model, prompt=args.prompt, images=args.image, audios=args.audio,
+                            input_path=args.input, output_path=args.output, max_new_tokens=args.max_new_tokens,
+                            batch_size=args.batch_size, device=args.device)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -101,6 +113,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     profile.add_argument("--clock", choices=("wall", "thread"), default="wall",
                          help="wall: elapsed time; thread: CPU time of the thread (CPU, 1 thread, shared machines)")
     profile.add_argument("--force", action="store_true", help="measure even when a matching profile is stored")
+    generate = sub.add_parser("generate", help="greedy answers of a trained model (<run_dir>/final) to a prompt or "
+                              "a JSONL file")
+    generate.add_argument("--model", required=True, help="the folder plait train writes, e.g. runs/demo/final")
+    generate.add_argument("--prompt", default=None, help="the user's message; one <image>/<audio> placeholder per "
+                          "item is put before it unless it has them")
+    generate.add_argument("--image", action="append", default=[], help="an image file (repeat for several)")
+    generate.add_argument("--audio", action="append", default=[], help="an audio file (repeat for several)")
+    generate.add_argument("--input", default=None, help="JSONL records in plait's data format to answer "
+                          "(an assistant answer at the end is the reference)")
+    generate.add_argument("--output", default=None, help="JSONL predictions (id, task, prompt, prediction, reference)")
+    generate.add_argument("--max-new-tokens", type=int, default=16, help="at most this many tokens per answer")
+    generate.add_argument("--batch-size", type=int, default=16, help="prompts per forward pass")
+    generate.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda, cuda:1")
     args, rest = parser.parse_known_args(argv)
     bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
     if bad:
@@ -111,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # no "Writing model shards" bars per checkpoint/final save
     try:
-        commands = {"train": _train, "plan": _plan, "simulate": _simulate, "profile": _profile}
+        commands = {"train": _train, "plan": _plan, "simulate": _simulate, "profile": _profile,
+                    "generate": _generate}
         return commands[args.command](args, rest)
     except (ValueError, FileNotFoundError) as exc:
         _report_error(exc)

@@ -1,0 +1,116 @@
+"""``plait generate``: answer prompts with a trained model (``<run_dir>/final``), greedily, as validation does.
+
+One prompt: ``plait generate --model runs/demo/final --image x.png --prompt "Which digit is this?"`` prints the
+answer. A batch: ``plait generate --model runs/demo/final --input data.jsonl --output predictions.jsonl`` answers
+every record of a JSONL file in plait's data format (:mod:`plait.data.sources`; the last message may be the
+user's, or an assistant answer, which becomes the reference and is not shown to the model) and writes one line
+per record: ``id``, ``task``, ``prompt`` (the last user message), ``prediction`` and, when the record has an
+answer, ``reference``; it then prints the exact match per task and overall. Decoding is
+:func:`plait.models.generation.greedy_generate`, the one that training's validation runs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from plait.data.processing import ProcessedSample
+from plait.data.formats import open_source
+from plait.data.sources import SampleError, parse_record
+from plait.models.generation import Generator, exact_match
+
+__all__ = ["generate_command", "read_prompts", "exact_match_report"]
+
+
+def generate_command(model: str | Path, *, prompt: str | None = None, images: Sequence[str] = (),
+                     audios: Sequence[str] = (), input_path: str | Path | None = None,
+                     output_path: str | Path | None = None, max_new_tokens: int = 16, batch_size: int = 16,
+                     device: str = "auto") -> int:
+    """``plait generate``: with ``prompt`` print the answer to it (with ``images``/``audios``); with
+    ``input_path`` answer every record of that JSONL file into ``output_path`` (module docstring). Returns 0.
+
+    Raises:
+        ValueError: for a bad combination of arguments, a bad record (naming file, line and record), and as
+            :meth:`Generator.from_pretrained`.
+        FileNotFoundError: for a missing model folder, input file or media file (naming it).
+    """
+    if (prompt is None) == (input_path is None):
+        raise ValueError("give either --prompt (one answer, printed) or --input with --output (a JSONL file)")
+    if input_path is not None and (images or audios):
+        raise ValueError("--image/--audio go with --prompt; with --input the records name their media")
+    if input_path is not None and output_path is None:
+        raise ValueError("--input needs --output: the JSONL file to write the predictions to")
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ValueError(f"--max-new-tokens and --batch-size must be >= 1, got {max_new_tokens} and {batch_size}")
+    gen = Generator.from_pretrained(model, device=device)
+    if prompt is not None:
+        print(gen.ask(prompt, images, audios, max_new_tokens=max_new_tokens), flush=True)
+        return 0
+    _answer_file(gen, Path(input_path), Path(output_path), max_new_tokens, batch_size)  # type: ignore[arg-type]
+    return 0
+
+
+def _answer_file(gen: Generator, input_path: Path, out: Path, max_new_tokens: int, batch_size: int) -> None:
+    """Answer every record of ``input_path`` into ``out`` (a progress bar on a terminal), then print the
+    exact-match lines."""
+    samples, records = read_prompts(input_path, gen)
+    with tqdm(total=len(samples), desc="generate", unit="prompt", disable=not sys.stderr.isatty()) as bar:
+        predictions = gen.generate_samples(samples, max_new_tokens, batch_size, progress=bar.update)
+    rows = [rec | {"prediction": p} for rec, p in zip(records, predictions)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    print(f"plait: {len(rows)} predictions written to {out}", flush=True)
+    for line in exact_match_report(rows):
+        print(line, flush=True)
+
+
+def read_prompts(path: str | Path, gen: Generator) -> tuple[list[ProcessedSample], list[dict[str, Any]]]:
+    """The prompts of a data file in plait's data format (any format :func:`plait.data.formats.open_source`
+    reads: JSONL, LLaVA JSON, Parquet/Arrow), processed for generation, and per record its output fields without
+    the prediction (``id``, ``task``, ``prompt``: the last user message, ``reference`` when the record ends with
+    an assistant answer). Media paths are relative to the file's folder.
+
+    Raises:
+        FileNotFoundError: when ``path`` does not exist.
+        SampleError: for the first bad record or unreadable media file (naming file, line and record), or a file
+            without records.
+    """
+    source = open_source(path)
+    samples, records = [], []
+    for i in range(len(source)):
+        obj, where, error = source[i]
+        if error is not None:
+            raise SampleError(f"{where}: {error}")
+        messages = obj.get("messages")
+        answered = isinstance(messages, list) and bool(messages) and isinstance(messages[-1], dict) \
+            and messages[-1].get("role") == "assistant"
+        if isinstance(messages, list) and messages and not answered:  # a prompt: an empty answer to parse it
+            obj = obj | {"messages": messages + [{"role": "assistant", "content": ""}]}
+        raw = parse_record(obj, where, source.base_dir)
+        samples.append(gen.processor(raw, prompt_only=True))
+        user = [m["content"] for m in raw.messages[:-1] if m["role"] == "user"]
+        rec = {"id": raw.id, "task": raw.task, "prompt": user[-1] if user else ""}
+        records.append(rec | ({"reference": raw.messages[-1]["content"]} if answered else {}))
+    if not samples:
+        raise SampleError(f"{path} holds no record")
+    return samples, records
+
+
+def exact_match_report(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Lines giving the exact match (:func:`plait.models.generation.exact_match`) of the rows that have a
+    ``reference``, per task (sorted) and overall; no line when none has one."""
+    scored = [r for r in rows if "reference" in r]
+    if not scored:
+        return []
+    total, right = Counter(r["task"] for r in scored), Counter()
+    for r in scored:
+        right[r["task"]] += exact_match(r["prediction"], r["reference"])
+    lines = [f"plait: exact match {t}: {right[t] / total[t]:.1%} ({right[t]}/{total[t]})" for t in sorted(total)]
+    n, c = len(scored), sum(right.values())
+    return lines + [f"plait: exact match: {c / n:.1%} ({c}/{n})"]
