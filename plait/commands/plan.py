@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import io
 import json
 import sys
 from collections.abc import Sequence
@@ -60,14 +59,13 @@ __all__ = [
     "PlanInputs",
     "PlanSetup",
     "build_plan_inputs",
-    "considered_plans",
     "dataset_metadata",
     "device_spec",
     "job_units",
     "load_config_for_planning",
     "model_parts",
+    "plan_setup",
     "plan_command",
-    "plan_label",
     "pp_snippet",
     "split_global_batch",
 ]
@@ -387,7 +385,7 @@ def plan_command(
             model directory.
     """
     stream = out or sys.stdout
-    setup = _plan_setup(config_path, devices, overrides, device, microbatches, items_per_sample, memory_fraction,
+    setup = plan_setup(config_path, devices, overrides, device, microbatches, items_per_sample, memory_fraction,
                         dp_degrees, dp_link_Bps, macrobatches, profile_store, stream)
     cfg, inputs, spec = setup.cfg, setup.inputs, setup.spec
     choice = plan_layout(
@@ -422,7 +420,7 @@ class PlanSetup:
     search: dict[str, Any]
 
 
-def _plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], device: str | DeviceSpec | None,
+def plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], device: str | DeviceSpec | None,
                 microbatches: int | None, items_per_sample: int, memory_fraction: float,
                 dp_degrees: Sequence[int] | None, dp_link_Bps: float | None, macrobatches: int,
                 profile_store: str | Path | None, stream: TextIO) -> PlanSetup:
@@ -468,59 +466,6 @@ def _plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str],
     if not costs.overheads.zero:
         search["overheads"] = costs.overheads
     return PlanSetup(cfg, inputs, spec, search)
-
-
-def considered_plans(config_path: str | Path, devices: int, *, overrides: Sequence[str] = (),
-                     device: str | DeviceSpec | None = None, profile_store: str | Path | None = "runs/profiles",
-                     ) -> list[tuple[str, LayoutChoice, tuple[Unit, ...]]]:
-    """The best plan of each family ``plait plan`` weighs for ``devices`` devices, each runnable as a job
-    (``[parallel.pp]`` expresses it) and distinct (DP degree, stages and ranks, schedule), searched with the
-    same costs as ``plan_command`` (default arguments otherwise): plain data parallelism (the largest DP
-    degree, no pipeline), 1F1B with one stage per rank in each layout, interleaved 1F1B (2 LLM stages per rank)
-    and the encoders attached to the first LLM rank; for comparing plans with measurements
-    (``bench/plan_holds.py``).
-
-    Returns:
-        ``[(label, choice, units)]`` in that order (a family whose best plan is already listed, or that has none
-        for ``devices``, is left out).
-
-    Raises:
-        ValueError, FileNotFoundError: as ``plan_command``.
-    """
-    setup = _plan_setup(config_path, devices, overrides, device, None, 1, 0.9, None, None, 0, profile_store,
-                        io.StringIO())
-    inputs = setup.inputs
-    dp_top = max(d for d in range(1, min(devices, inputs.microbatches) + 1) if devices % d == 0)
-    families = [dict(dp_degrees=[dp_top])] + [dict(layouts=[layout]) for layout in LAYOUTS]
-    families += [dict(virtual_stages=(2,)), dict(virtual_stages=(1, 2), attach_encoders=True)]
-    out: list[tuple[str, LayoutChoice, tuple[Unit, ...]]] = []
-    seen = set()
-    for options in families:
-        options = {"dp_degrees": [1], **options}
-        try:
-            choice = plan_layout(inputs.units, inputs.costs, devices, microbatches=inputs.microbatches,
-                                 **options, **setup.search)
-        except ValueError:
-            continue
-        key = (choice.dp, choice.schedule, tuple((s.units, s.rank) for s in choice.plan.stages))
-        if key in seen or (choice.plan.num_ranks == 1 and choice.dp != dp_top) or \
-                pp_snippet(setup.cfg, choice, inputs.units, inputs.unit_source)[0] is None:
-            continue  # seen, a one-rank plan on fewer devices than plain DP (not searched), or not runnable
-        seen.add(key)
-        out.append((plan_label(choice), choice, inputs.units))
-    return out
-
-
-def plan_label(choice: LayoutChoice) -> str:
-    """A short name of a plan: ``"DP 2, no pipeline"``, ``"DP 1 x 1F1B, 2 stages, encoders_colocated"``,
-    ``"DP 1 x interleaved 1F1B (v = 2), encoders attached, 4 stages"``."""
-    plan = choice.plan
-    if plan.num_ranks == 1:
-        return f"DP {choice.dp}, no pipeline"
-    attached = any(s.rank == plan.stages[plan.llm_stages[0]].rank for s in plan.stages if not s.is_llm)
-    kind = f"interleaved 1F1B (v = {plan.virtual_stages})" if plan.virtual_stages > 1 else "1F1B"
-    where = "encoders attached" if attached else (choice.layout if len(plan.modules) > 2 else "")
-    return ", ".join(x for x in (f"DP {choice.dp} x {kind}", where, f"{plan.num_stages} stages") if x)
 
 
 def load_config_for_planning(config_path: str | Path, overrides: Sequence[str] = ()) -> tuple[Any, str]:

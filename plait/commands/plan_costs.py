@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from plait.planner.cost_model import ActionOverheads, DeviceSpec
+from plait.planner.cost_model import DeviceSpec
+from plait.planner.overheads import ActionOverheads
 from plait.planner.profile import Profile
 from plait.planner.simulator import P2PModel
 

@@ -33,7 +33,6 @@ Conventions (all formulas below use them):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -45,7 +44,8 @@ from plait.planner.serialize import JsonDataclass
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
 __all__ = [
-    "ActionOverheads",
+    "CPU_CHUNK_OVERHEAD_S",
+    "CPU_MESSAGE_OVERHEAD_S",
     "DeviceSpec",
     "MicrobatchShape",
     "OptimizerSpec",
@@ -89,7 +89,7 @@ class DeviceSpec(JsonDataclass):
         chunk_overhead_s: host seconds one module chunk of a stage costs per action (``F``, or ``B`` of a chunk
             that runs a backward) beyond its layers' work: the runtime's glue (rotary tables and masks of an
             LLM chunk, feature placement, the loss, Python and autograd bookkeeping). 0 on GPU presets (hidden
-            behind asynchronous kernels); see ``ActionOverheads``.
+            behind asynchronous kernels); see ``planner.overheads.ActionOverheads``.
         message_overhead_s: host seconds each end spends per cross-rank message (LogP's ``o``: packing and
             posting, waiting and unpacking); the ``P2PModel`` send and receive overheads.
 
@@ -155,79 +155,6 @@ CPU_CHUNK_OVERHEAD_S = 2.5e-3
 """``DeviceSpec.cpu``'s ``chunk_overhead_s`` (seconds; measured, see ``DeviceSpec.cpu``)."""
 CPU_MESSAGE_OVERHEAD_S = 1e-4
 """``DeviceSpec.cpu``'s ``message_overhead_s`` (seconds; measured, see ``DeviceSpec.cpu``)."""
-
-
-@dataclass(frozen=True)
-class ActionOverheads(JsonDataclass):
-    """Fixed host seconds a pipeline action costs beyond its units' work: the one definition of this term.
-    The layout search's stage costs (``search_model.fill_stages``) and the timing of a plan
-    (``search.evaluate_plan``) both add ``stage_s``; the per-message overheads are the ``P2PModel``'s.
-
-    A stage action (``F``, or ``B`` when the stage runs a backward) pays ``per_action_s`` (the pipeline
-    executor's bookkeeping) plus, for each module chunk of the stage (one per module it holds; ``B`` only for a
-    chunk that runs a backward), that module's chunk overhead: ``modules[module]`` as ``(F, B)`` seconds, else
-    ``(chunk_forward_s, chunk_backward_s)``. A one-rank plan runs no executor: ``per_action_s`` is not charged
-    there (``stage_s(..., pipelined=False)``), its chunks are.
-
-    Attributes:
-        per_action_s: seconds per action of the pipeline runtime (``Profile.action_overhead_s``).
-        chunk_forward_s, chunk_backward_s: seconds per module chunk and action, for modules not in ``modules``.
-        modules: per module, ``(forward, backward)`` chunk seconds (``Profile.chunk_overhead_s``).
-
-    Raises:
-        ValueError: on a negative value.
-    """
-
-    per_action_s: float = 0.0
-    chunk_forward_s: float = 0.0
-    chunk_backward_s: float = 0.0
-    modules: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        modules = {str(m): (float(v[0]), float(v[1])) for m, v in dict(self.modules).items()}
-        object.__setattr__(self, "modules", modules)
-        values = [self.per_action_s, self.chunk_forward_s, self.chunk_backward_s] + [x for v in modules.values()
-                                                                                     for x in v]
-        if any(not v >= 0 for v in values):
-            raise ValueError(f"ActionOverheads must be >= 0, got {self}")
-
-    @classmethod
-    def of_device(cls, spec: DeviceSpec) -> "ActionOverheads":
-        """The analytic overheads of a device preset: ``spec.chunk_overhead_s`` for every chunk, forward and backward."""
-        return cls(0.0, spec.chunk_overhead_s, spec.chunk_overhead_s)
-
-    @property
-    def zero(self) -> bool:
-        """True when no action pays anything (a GPU preset): plans are timed as without overheads."""
-        return not (self.per_action_s or self.chunk_forward_s or self.chunk_backward_s
-                    or any(any(v) for v in self.modules.values()))
-
-    def chunk_s(self, module: str, kind: str) -> float:
-        """Seconds one chunk of ``module`` costs per ``kind`` action (``"F"`` or ``"B"``).
-
-        Raises:
-            ValueError: on another kind.
-        """
-        if kind not in ("F", "B"):
-            raise ValueError(f"action kind must be 'F' or 'B', got {kind!r}")
-        pair = self.modules.get(module, (self.chunk_forward_s, self.chunk_backward_s))
-        return pair[0] if kind == "F" else pair[1]
-
-    def stage_s(self, kind: str, chunks: Sequence[tuple[str, bool]], pipelined: bool = True) -> float:
-        """Seconds a stage's ``kind`` action costs beyond its units (class docstring).
-
-        Args:
-            kind: ``"F"`` or ``"B"``.
-            chunks: the stage's module chunks as ``(module, runs_backward)``.
-            pipelined: the plan runs on the pipeline executor (more than one rank): ``per_action_s`` is charged.
-
-        Returns:
-            0 for a ``B`` of a stage none of whose chunks runs a backward.
-        """
-        ran = [m for m, back in chunks if kind == "F" or back]
-        if not ran:
-            return 0.0
-        return (self.per_action_s if pipelined else 0.0) + sum(self.chunk_s(m, kind) for m in ran)
 
 
 @dataclass(frozen=True)

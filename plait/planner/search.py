@@ -62,8 +62,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plait.planner.cost_model import ActionOverheads, OptimizerSpec, unit_activation_bytes, unit_static_bytes
+from plait.planner.cost_model import OptimizerSpec, unit_activation_bytes, unit_static_bytes
 from plait.planner.graph import consistent_units
+from plait.planner.overheads import ActionOverheads
 from plait.planner.pipeline_plan import LAYOUTS, PipelinePlan, check_plan_units, plan_pipeline, stage_ranks
 from plait.planner.schedule_ir import in_flight_peaks
 from plait.planner.schedules import build_schedule
@@ -279,7 +280,7 @@ def plan_layout(
         max_timed: at most this many interleaved / attached candidates are timed (in increasing lower bound;
             each costs a schedule and a timing pass); the search is exact over them only when fewer have a
             bound below the best time (1F1B candidates with one stage per rank are not limited).
-        overheads: the runtime's fixed seconds per action and module chunk (``cost_model.ActionOverheads``),
+        overheads: the runtime's fixed seconds per action and module chunk (``overheads.ActionOverheads``),
             charged in the search's stage costs and in the chosen plan's timing; ``p2p``'s send and receive
             overheads are charged per message alike. Default none (GPU presets).
 

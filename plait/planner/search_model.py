@@ -27,8 +27,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from plait.planner.cost_model import ActionOverheads, OptimizerSpec, unit_activation_bytes, unit_static_bytes
+from plait.planner.cost_model import OptimizerSpec, unit_activation_bytes, unit_static_bytes
 from plait.planner.graph import check_grouping, consistent_units
+from plait.planner.overheads import ActionOverheads
 from plait.planner.partitioner import partition_chain
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
 from plait.planner.simulator import P2PModel

@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from plait.commands import plan_costs
-from plait.commands.plan import considered_plans, plan_command, plan_label
+from plait.commands.plan import plan_command
+from plait.commands.plan_compare import considered_plans, plan_label
 from plait.commands.plan_costs import host_device, runtime_costs
-from plait.planner.cost_model import ActionOverheads, DeviceSpec
+from plait.planner.cost_model import DeviceSpec
+from plait.planner.overheads import ActionOverheads
 from plait.planner.pipeline_plan import plan_pipeline, stage_ranks
 from plait.planner.report import format_plan, idle_devices_note, pp_toml
 from plait.planner.search import evaluate_plan

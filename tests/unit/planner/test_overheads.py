@@ -1,11 +1,12 @@
-"""The runtime's fixed costs in plans: ``cost_model.ActionOverheads`` (per action and module chunk) and the
+"""The runtime's fixed costs in plans: ``overheads.ActionOverheads`` (per action and module chunk) and the
 ``P2PModel`` message overheads, charged alike by the search's stage costs and by ``evaluate_plan``; hand-worked."""
 
 from __future__ import annotations
 
 import pytest
 
-from plait.planner.cost_model import ActionOverheads, DeviceSpec
+from plait.planner.cost_model import DeviceSpec
+from plait.planner.overheads import ActionOverheads
 from plait.planner.pipeline_plan import plan_pipeline
 from plait.planner.search import evaluate_plan, plan_layout
 from plait.planner.simulator import P2PModel

@@ -1,0 +1,71 @@
+"""The plans ``plait plan`` weighs, side by side: the best runnable plan of each family for a job
+(:func:`considered_plans`, searched with ``plait plan``'s costs: ``plait.commands.plan.plan_setup``) and a short
+name for each (:func:`plan_label`); ``bench/plan_holds.py`` runs them to check the recommendation holds.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+
+from plait.commands.plan import plan_setup, pp_snippet
+from plait.planner.cost_model import DeviceSpec
+from plait.planner.pipeline_plan import LAYOUTS
+from plait.planner.search import LayoutChoice, plan_layout
+from plait.planner.types import Unit
+
+__all__ = ["considered_plans", "plan_label"]
+
+
+def considered_plans(config_path: str | Path, devices: int, *, overrides: Sequence[str] = (),
+                     device: str | DeviceSpec | None = None, profile_store: str | Path | None = "runs/profiles",
+                     ) -> list[tuple[str, LayoutChoice, tuple[Unit, ...]]]:
+    """The best plan of each family ``plait plan`` weighs for ``devices`` devices, each runnable as a job
+    (``[parallel.pp]`` expresses it) and distinct (DP degree, stages and ranks, schedule), searched with the
+    same costs as ``plan_command`` (default arguments otherwise): plain data parallelism (the largest DP
+    degree, no pipeline), 1F1B with one stage per rank in each layout, interleaved 1F1B (2 LLM stages per rank)
+    and the encoders attached to the first LLM rank; for comparing plans with measurements
+    (``bench/plan_holds.py``).
+
+    Returns:
+        ``[(label, choice, units)]`` in that order (a family whose best plan is already listed, or that has none
+        for ``devices``, is left out).
+
+    Raises:
+        ValueError, FileNotFoundError: as ``plan_command``.
+    """
+    setup = plan_setup(config_path, devices, overrides, device, None, 1, 0.9, None, None, 0, profile_store,
+                        io.StringIO())
+    inputs = setup.inputs
+    dp_top = max(d for d in range(1, min(devices, inputs.microbatches) + 1) if devices % d == 0)
+    families = [dict(dp_degrees=[dp_top])] + [dict(layouts=[layout]) for layout in LAYOUTS]
+    families += [dict(virtual_stages=(2,)), dict(virtual_stages=(1, 2), attach_encoders=True)]
+    out: list[tuple[str, LayoutChoice, tuple[Unit, ...]]] = []
+    seen = set()
+    for options in families:
+        options = {"dp_degrees": [1], **options}
+        try:
+            choice = plan_layout(inputs.units, inputs.costs, devices, microbatches=inputs.microbatches,
+                                 **options, **setup.search)
+        except ValueError:
+            continue
+        key = (choice.dp, choice.schedule, tuple((s.units, s.rank) for s in choice.plan.stages))
+        if key in seen or (choice.plan.num_ranks == 1 and choice.dp != dp_top) or \
+                pp_snippet(setup.cfg, choice, inputs.units, inputs.unit_source)[0] is None:
+            continue  # seen, a one-rank plan on fewer devices than plain DP (not searched), or not runnable
+        seen.add(key)
+        out.append((plan_label(choice), choice, inputs.units))
+    return out
+
+
+def plan_label(choice: LayoutChoice) -> str:
+    """A short name of a plan: ``"DP 2, no pipeline"``, ``"DP 1 x 1F1B, 2 stages, encoders_colocated"``,
+    ``"DP 1 x interleaved 1F1B (v = 2), encoders attached, 4 stages"``."""
+    plan = choice.plan
+    if plan.num_ranks == 1:
+        return f"DP {choice.dp}, no pipeline"
+    attached = any(s.rank == plan.stages[plan.llm_stages[0]].rank for s in plan.stages if not s.is_llm)
+    kind = f"interleaved 1F1B (v = {plan.virtual_stages})" if plan.virtual_stages > 1 else "1F1B"
+    where = "encoders attached" if attached else (choice.layout if len(plan.modules) > 2 else "")
+    return ", ".join(x for x in (f"DP {choice.dp} x {kind}", where, f"{plan.num_stages} stages") if x)
