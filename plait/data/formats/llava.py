@@ -17,7 +17,9 @@ the field (``conversations[3].from``).
 from __future__ import annotations
 
 import json
+import mmap
 import re
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +40,8 @@ _WHITESPACE = re.compile(r"[ \t\n\r]*")
 class LlavaSource:
     """A LLaVA-style JSON file (module docstring) as a :class:`plait.data.sources.RecordSource`.
 
-    Construction scans the array once for each record's byte range (the file is held as text during the scan
-    only); a record is read, parsed and mapped when it is asked for.
+    Construction scans the array once for each record's byte range (a sliding window of the memory-mapped file,
+    16 MiB at a time); a record is read, parsed and mapped when it is asked for.
 
     Args:
         path: the JSON file.
@@ -79,36 +81,84 @@ class LlavaSource:
         return file_identity(self.path, self.format)
 
 
-def _index_array(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Byte offsets and byte lengths of the elements of the JSON array in ``path``.
+_WINDOW = 1 << 24  # bytes of the file decoded at a time by the index scan (16 MiB; doubled for a longer record)
 
-    The bytes are decoded as Latin-1 (one character per byte, so string offsets are byte offsets; UTF-8's
-    multi-byte sequences never contain JSON's structural characters) and each element is scanned with the
-    standard decoder's ``raw_decode``.
+
+class _Window:
+    """A stretch of a memory-mapped file decoded as Latin-1 (one character per byte, so string offsets are byte
+    offsets; UTF-8's multi-byte sequences never contain JSON's structural characters)."""
+
+    def __init__(self, data: mmap.mmap | bytes, size: int) -> None:
+        self.data, self.size, self.width = data, size, _WINDOW
+        self.load(0)
+
+    def load(self, base: int) -> None:
+        self.base = base
+        self.text = self.data[base : base + self.width].decode("latin-1")
+
+    @property
+    def at_eof(self) -> bool:
+        return self.base + len(self.text) >= self.size
+
+    def skip(self, pos: int) -> int:
+        return _WHITESPACE.match(self.text, pos).end()
+
+
+class _Short(Exception):
+    """A record, or what follows it, runs past the end of the decoded window."""
+
+
+def _index_array(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Byte offsets and byte lengths of the elements of the JSON array in ``path``, scanned with the standard
+    decoder's ``raw_decode`` over a sliding window of the memory-mapped file (memory: the window, not the file).
 
     Raises:
-        ValueError: when the file is not a JSON array.
+        ValueError: when the file is not a JSON array (naming the byte offset and the record where it breaks).
     """
-    text = path.read_bytes().decode("latin-1")
-    pos = _WHITESPACE.match(text, 3 if text.startswith("\xef\xbb\xbf") else 0).end()
-    if not text.startswith("[", pos):
-        raise ValueError(f"{path}: a LLaVA-style JSON file is one array of records; it does not start with '['")
-    decoder = json.JSONDecoder()
-    starts, lengths = [], []
-    pos = _WHITESPACE.match(text, pos + 1).end()
-    while not text.startswith("]", pos):
-        try:
-            _, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: invalid JSON in record {len(starts)} at byte {exc.pos}: {exc.msg}") from exc
-        starts.append(pos)
-        lengths.append(end - pos)
-        pos = _WHITESPACE.match(text, end).end()
-        if text.startswith(",", pos):
-            pos = _WHITESPACE.match(text, pos + 1).end()
-        elif not text.startswith("]", pos):
-            raise ValueError(f"{path}: expected ',' or ']' after record {len(starts) - 1} at byte {pos}")
-    return np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    size = path.stat().st_size
+    with path.open("rb") as f, (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else _empty()) as data:
+        win = _Window(data, size)
+        pos = win.skip(3 if win.text.startswith("\xef\xbb\xbf") else 0)
+        if not win.text.startswith("[", pos):
+            raise ValueError(f"{path}: a LLaVA-style JSON file is one array of records; it does not start with '['")
+        pos = win.skip(pos + 1)
+        starts, lengths = array("q"), array("q")
+        if win.text.startswith("]", pos):
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        decoder = json.JSONDecoder()
+        while True:
+            try:
+                _, end = decoder.raw_decode(win.text, pos)
+                after = win.skip(end)
+                if after >= len(win.text):
+                    raise _Short
+            except (json.JSONDecodeError, _Short) as exc:
+                if not win.at_eof:  # the record runs past the window: move the window to its start (and widen it)
+                    win.width *= 2 if pos == 0 else 1
+                    win.load(win.base + pos)
+                    pos = 0
+                    continue
+                at = win.base + (exc.pos if isinstance(exc, json.JSONDecodeError) else len(win.text))
+                reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "the file ends before the closing ']'"
+                raise ValueError(f"{path}: invalid JSON in record {len(starts)} at byte {at}: {reason}") from exc
+            starts.append(win.base + pos)
+            lengths.append(end - pos)
+            if win.text[after] == "]":
+                return np.frombuffer(starts, dtype=np.int64), np.frombuffer(lengths, dtype=np.int64)
+            if win.text[after] != ",":
+                raise ValueError(f"{path}: expected ',' or ']' after record {len(starts) - 1} at byte "
+                                 f"{win.base + after}")
+            pos = win.skip(after + 1)
+
+
+class _empty:
+    """Context manager standing in for the mmap of an empty file."""
+
+    def __enter__(self) -> bytes:
+        return b""
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 def llava_record(obj: Any) -> dict[str, Any]:

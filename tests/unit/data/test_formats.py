@@ -267,3 +267,27 @@ def test_the_demo_as_parquet_trains_the_same_first_losses_as_the_jsonl(tmp_path)
                                                 train={"steps": 3}))
         losses.append(Trainer.build(cfg).fit()["losses"])
     assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("window", [7, 100, 1 << 24])
+def test_the_llava_index_scan_slides_its_window_over_records_of_any_length(tmp_path, monkeypatch, window):
+    import plait.data.formats.llava as llava
+
+    monkeypatch.setattr(llava, "_WINDOW", window)
+    turns = [{"from": "gpt", "value": "x"}]
+    recs = [{"id": f"r{i}", "conversations": [{"from": "human", "value": "é" * (i * 37 % 301)}] + turns}
+            for i in range(60)] + [5, [1, 2], None]
+    path = tmp_path / "l.json"
+    path.write_text(" \n" + json.dumps(recs, indent=2, ensure_ascii=False) + "\n")
+    src = open_source(path)
+    assert [src[i][0] for i in range(60)] == [llava_record(r) for r in recs[:60]]
+    assert [src[i] for i in (60, 61, 62)] == [(None, f"{path}:record {i}", "record is not a JSON object")
+                                              for i in (60, 61, 62)]
+    for text, error in [('[{"id": 1},', r"invalid JSON in record 1 at byte 11: Expecting value"),
+                        ('[{"id": 1}', r"invalid JSON in record 0 at byte 10: the file ends before the closing '\]'"),
+                        ('[{"id": 1} {"id": 2}]', r"expected ',' or '\]' after record 0 at byte 11")]:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"^{path}: {error}$"):
+            open_source(path)
+    path.write_text("[ ]")
+    assert len(open_source(path)) == 0
