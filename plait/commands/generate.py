@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,9 +21,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from plait.data.processing import ProcessedSample
 from plait.data.formats import open_source
-from plait.data.sources import SampleError, parse_record
+from plait.data.sources import RawSample, SampleError, parse_record
 from plait.models.generation import Generator, exact_match
 
 __all__ = ["generate_command", "read_prompts", "exact_match_report"]
@@ -57,11 +57,14 @@ def generate_command(model: str | Path, *, prompt: str | None = None, images: Se
 
 
 def _answer_file(gen: Generator, input_path: Path, out: Path, max_new_tokens: int, batch_size: int) -> None:
-    """Answer every record of ``input_path`` into ``out`` (a progress bar on a terminal), then print the
+    """Answer every record of ``input_path`` into ``out`` (:class:`_Progress` on stderr), then print the
     exact-match lines."""
-    samples, records = read_prompts(input_path, gen)
-    with tqdm(total=len(samples), desc="generate", unit="prompt", disable=not sys.stderr.isatty()) as bar:
-        predictions = gen.generate_samples(samples, max_new_tokens, batch_size, progress=bar.update)
+    raws, records = read_prompts(input_path)
+    progress = _Progress(len(raws))
+    try:
+        predictions = gen.generate_raw(raws, max_new_tokens, batch_size, progress=progress)
+    finally:
+        progress.close()
     rows = [rec | {"prediction": p} for rec, p in zip(records, predictions)]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
@@ -70,19 +73,40 @@ def _answer_file(gen: Generator, input_path: Path, out: Path, max_new_tokens: in
         print(line, flush=True)
 
 
-def read_prompts(path: str | Path, gen: Generator) -> tuple[list[ProcessedSample], list[dict[str, Any]]]:
-    """The prompts of a data file in plait's data format (any format :func:`plait.data.formats.open_source`
-    reads: JSONL, LLaVA JSON, Parquet/Arrow), processed for generation, and per record its output fields without
-    the prediction (``id``, ``task``, ``prompt``: the last user message, ``reference`` when the record ends with
-    an assistant answer). Media paths are relative to the file's folder.
+class _Progress:
+    """Prompts answered so far, on stderr: a tqdm bar on a terminal, otherwise (a log file, a pipe) a plain line at
+    most every ``interval`` seconds and at the end (no carriage-return updates in logs)."""
+
+    def __init__(self, total: int, interval: float = 30.0) -> None:
+        self.total, self.done, self.interval = total, 0, interval
+        self.tty = sys.stderr.isatty()
+        self.bar = tqdm(total=total, desc="generate", unit="prompt", disable=not self.tty, dynamic_ncols=True)
+        self.last = time.monotonic()
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        self.bar.update(n)
+        if not self.tty and (self.done == self.total or time.monotonic() - self.last >= self.interval):
+            print(f"generate: {self.done}/{self.total} prompts", file=sys.stderr, flush=True)
+            self.last = time.monotonic()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def read_prompts(path: str | Path) -> tuple[list[RawSample], list[dict[str, Any]]]:
+    """The records of a data file in plait's data format (any format :func:`plait.data.formats.open_source`
+    reads: JSONL, LLaVA JSON, Parquet/Arrow) as raw samples, and per record its output fields without the
+    prediction (``id``, ``task``, ``prompt``: the last user message, ``reference`` when the record ends with an
+    assistant answer; a record that ends with the user's turn gets an empty answer, which generation leaves out).
+    Media paths are relative to the file's folder; media are read when their batch runs.
 
     Raises:
         FileNotFoundError: when ``path`` does not exist.
-        SampleError: for the first bad record or unreadable media file (naming file, line and record), or a file
-            without records.
+        SampleError: for the first bad record (naming file, line and record), or a file without records.
     """
     source = open_source(path)
-    samples, records = [], []
+    raws, records = [], []
     for i in range(len(source)):
         obj, where, error = source[i]
         if error is not None:
@@ -90,16 +114,16 @@ def read_prompts(path: str | Path, gen: Generator) -> tuple[list[ProcessedSample
         messages = obj.get("messages")
         answered = isinstance(messages, list) and bool(messages) and isinstance(messages[-1], dict) \
             and messages[-1].get("role") == "assistant"
-        if isinstance(messages, list) and messages and not answered:  # a prompt: an empty answer to parse it
+        if isinstance(messages, list) and messages and not answered:
             obj = obj | {"messages": messages + [{"role": "assistant", "content": ""}]}
         raw = parse_record(obj, where, source.base_dir)
-        samples.append(gen.processor(raw, prompt_only=True))
+        raws.append(raw)
         user = [m["content"] for m in raw.messages[:-1] if m["role"] == "user"]
         rec = {"id": raw.id, "task": raw.task, "prompt": user[-1] if user else ""}
         records.append(rec | ({"reference": raw.messages[-1]["content"]} if answered else {}))
-    if not samples:
+    if not raws:
         raise SampleError(f"{path} holds no record")
-    return samples, records
+    return raws, records
 
 
 def exact_match_report(rows: Sequence[dict[str, Any]]) -> list[str]:

@@ -228,8 +228,27 @@ class Generator:
 
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int = 16, batch_size: int = 16,
                  progress: Callable[[int], None] | None = None) -> list[str]:
-        """Greedy answers to ``prompts``, in order (:meth:`process`, then :meth:`generate_samples`)."""
-        return self.generate_samples(self.process(prompts), max_new_tokens, batch_size, progress)
+        """Greedy answers to ``prompts``, in order (:meth:`generate_raw` of their :meth:`Prompt.raw`)."""
+        return self.generate_raw([p.raw() for p in prompts], max_new_tokens, batch_size, progress)
+
+    def generate_raw(self, samples: Sequence[RawSample], max_new_tokens: int = 16, batch_size: int = 16,
+                     progress: Callable[[int], None] | None = None) -> list[str]:
+        """Greedy answers to raw samples (records whose last message, the answer, is left out: the processor's
+        ``prompt_only``), ``batch_size`` at a time in order; each batch is processed (media decoded) just before
+        it runs, so memory holds one batch's media. ``progress(n)`` is called after each batch of ``n``.
+
+        Raises:
+            SampleError: as :meth:`process`.
+            ValueError: as :meth:`generate_samples`.
+        """
+        _check_batch_size(batch_size)
+        answers: list[str] = []
+        for start in range(0, len(samples), batch_size):
+            chunk = [self.processor(r, prompt_only=True) for r in samples[start : start + batch_size]]
+            answers += self.generate_samples(chunk, max_new_tokens, batch_size)
+            if progress is not None:
+                progress(len(chunk))
+        return answers
 
     def generate_samples(self, samples: Sequence[ProcessedSample], max_new_tokens: int = 16, batch_size: int = 16,
                          progress: Callable[[int], None] | None = None) -> list[str]:
@@ -240,8 +259,7 @@ class Generator:
             ValueError: when ``batch_size`` < 1, a sample holds its answer (not processed with ``prompt_only``),
                 and as :func:`greedy_generate`.
         """
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        _check_batch_size(batch_size)
         answers: list[str] = []
         for start in range(0, len(samples), batch_size):
             chunk = samples[start : start + batch_size]
@@ -260,6 +278,11 @@ class Generator:
         with this model's placeholder strings)."""
         marks = {m: s.placeholder for m, s in self.processor.specs.items()}
         return self.generate([Prompt.from_text(text, images, audios, marks)], max_new_tokens)[0]
+
+
+def _check_batch_size(batch_size: int) -> None:
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
 
 
 def _require_final(root: Path) -> None:
