@@ -62,7 +62,7 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ValueError(f"plait generate takes no overrides, got {overrides}")
     return generate_command(args.model, prompt=args.prompt, images=args.image, audios=args.audio,
                             input_path=args.input, output_path=args.output, max_new_tokens=args.max_new_tokens,
-                            batch_size=args.batch_size, device=args.device)
+                            batch_size=args.batch_size, device=args.device, dtype=args.dtype)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -126,6 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     generate.add_argument("--max-new-tokens", type=int, default=16, help="at most this many tokens per answer")
     generate.add_argument("--batch-size", type=int, default=16, help="prompts per forward pass")
     generate.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda, cuda:1")
+    generate.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                          help="auto: bf16 autocast on CUDA, fp32 on CPU (as training's validation with train.dtype "
+                               "= auto)")
     args, rest = parser.parse_known_args(argv)
     bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
     if bad:

@@ -31,9 +31,10 @@ __all__ = ["generate_command", "read_prompts", "exact_match_report"]
 def generate_command(model: str | Path, *, prompt: str | None = None, images: Sequence[str] = (),
                      audios: Sequence[str] = (), input_path: str | Path | None = None,
                      output_path: str | Path | None = None, max_new_tokens: int = 16, batch_size: int = 16,
-                     device: str = "auto") -> int:
+                     device: str = "auto", dtype: str = "auto") -> int:
     """``plait generate``: with ``prompt`` print the answer to it (with ``images``/``audios``); with
-    ``input_path`` answer every record of that JSONL file into ``output_path`` (module docstring). Returns 0.
+    ``input_path`` answer every record of that data file into ``output_path`` (module docstring); ``device`` and
+    ``dtype`` as :class:`~plait.models.generation.Generator`. Returns 0.
 
     Raises:
         ValueError: for a bad combination of arguments, a bad record (naming file, line and record), and as
@@ -48,7 +49,7 @@ def generate_command(model: str | Path, *, prompt: str | None = None, images: Se
         raise ValueError("--input needs --output: the JSONL file to write the predictions to")
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"--max-new-tokens and --batch-size must be >= 1, got {max_new_tokens} and {batch_size}")
-    gen = Generator.from_pretrained(model, device=device)
+    gen = Generator.from_pretrained(model, device=device, dtype=dtype)
     if prompt is not None:
         print(gen.ask(prompt, images, audios, max_new_tokens=max_new_tokens), flush=True)
         return 0
