@@ -32,7 +32,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 __all__ = ["RawSample", "SampleError", "MediaBytes", "Row", "RecordSource", "JsonlSource", "ByteRanges",
-           "check_index", "file_identity", "sample_at", "read_jsonl", "parse_record", "record_id", "path_note", "ROLES", "RECORD_FIELDS"]
+           "check_index", "file_identity", "sample_at", "read_jsonl", "parse_record", "record_id", "path_note",
+           "ROLES", "RECORD_FIELDS"]
 
 ROLES = ("system", "user", "assistant")
 RECORD_FIELDS = ("id", "task", "messages", "images", "audios", "meta")

@@ -40,7 +40,8 @@ def unlabelled(sample: RawSample) -> RawSample:
 def to_llava(rec: dict) -> dict:
     """A demo text/image record in LLaVA's layout."""
     role = {"user": "human", "assistant": "gpt", "system": "system"}
-    out = {"id": rec["id"], "conversations": [{"from": role[m["role"]], "value": m["content"]} for m in rec["messages"]]}
+    turns = [{"from": role[m["role"]], "value": m["content"]} for m in rec["messages"]]
+    out = {"id": rec["id"], "conversations": turns}
     if rec["images"]:
         out["image"] = rec["images"][0]
     return out
@@ -64,7 +65,8 @@ def test_jsonl_source_reads_rows_on_demand_like_read_jsonl(tmp_path):
 def test_identity_changes_when_the_file_changes(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", demo_rows(2))
     before = JsonlSource(path).identity()
-    assert before["format"] == "jsonl" and before["path"] == str(path.resolve()) and before["size"] == path.stat().st_size
+    assert before["format"] == "jsonl" and before["path"] == str(path.resolve())
+    assert before["size"] == path.stat().st_size
     write_jsonl(path, demo_rows(3))
     assert JsonlSource(path).identity() != before
 
@@ -88,7 +90,8 @@ def test_llava_json_round_trips_to_the_jsonl_samples(tmp_path):
         a, b = sample_at(jsonl, i), sample_at(src, i)
         assert unlabelled(a) == unlabelled(b)
         assert b.source == f"{llava_path}:record {i}"
-    assert sum(len(sample_at(src, i).media["image"]) for i in range(len(src))) == sum(len(r["images"]) for r in recs) > 0
+    images = sum(len(sample_at(src, i).media["image"]) for i in range(len(src)))
+    assert images == sum(len(r["images"]) for r in recs) > 0
 
 
 @pytest.mark.parametrize("record, error", [
