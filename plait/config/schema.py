@@ -284,8 +284,14 @@ class MetricsConfig:
 
     run_dir: str = "runs/demo"
     log_every: int = 1
+    """Write a metrics row every this many steps (and at the last step)."""
     tensorboard: bool = True
-    """Also write TensorBoard events when ``torch.utils.tensorboard`` is importable."""
+    """Also write TensorBoard events when ``torch.utils.tensorboard`` is importable
+    (``pip install -e ".[tensorboard]"``)."""
+    wandb: bool = False
+    """Also log every metrics row to Weights & Biases (``pip install -e ".[wandb]"``; an error when not installed)."""
+    wandb_project: str = ""
+    """The Weights & Biases project (empty: wandb's default, or ``$WANDB_PROJECT``)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
 

@@ -1,7 +1,15 @@
-"""Training metrics: JSONL (always), TensorBoard (when installed), read back for plots; progress on rank 0."""
+"""Training metrics: JSONL (always), TensorBoard (when installed), Weights & Biases (when enabled), read back
+for plots; progress on rank 0.
+
+Every JSONL row gets ``time`` (ISO 8601, UTC, when it was written) and ``elapsed_s`` (seconds since the run
+started; a resumed run continues from the ``elapsed_s`` of the last row it keeps, so the clock spans the whole run
+without the time the run was stopped).
+"""
 
 from __future__ import annotations
 
+import datetime
+import importlib
 import json
 import logging
 import sys
@@ -11,22 +19,54 @@ from typing import Any
 
 from tqdm import tqdm
 
-__all__ = ["MetricsWriter", "Progress", "read_metrics"]
+__all__ = ["MetricsWriter", "Progress", "import_wandb", "read_metrics"]
 
 log = logging.getLogger(__name__)
 
 
+def import_wandb() -> Any:
+    """The ``wandb`` module, for ``metrics.wandb = true``.
+
+    Raises:
+        ValueError: when the ``wandb`` package is not installed, saying how to install it or turn it off.
+    """
+    try:
+        return importlib.import_module("wandb")
+    except ImportError as exc:
+        raise ValueError("metrics.wandb = true but the wandb package is not installed: pip install -e \".[wandb]\" "
+                         "(or pip install wandb), or set metrics.wandb = false") from exc
+
+
 class MetricsWriter:
-    """Appends one JSON object per line to ``<run_dir>/metrics.jsonl`` (rank 0 only).
+    """Appends one JSON object per line to ``<run_dir>/metrics.jsonl`` (rank 0 only), each with ``time`` and
+    ``elapsed_s`` (module docstring); numeric fields also go to TensorBoard and Weights & Biases when on.
 
     On resume from step ``k`` the lines of steps after ``k`` (written by the interrupted run) are removed, so
     the file describes one consistent run.
+
+    Args:
+        run_dir: the run's folder.
+        enabled: write anything (False on ranks other than 0).
+        tensorboard: also write TensorBoard events to ``<run_dir>/tensorboard`` when ``torch.utils.tensorboard``
+            imports (``pip install -e ".[tensorboard]"``).
+        resume_step: the step a resumed run continues from (None: a fresh run, which starts an empty file).
+        wandb: also log to Weights & Biases (``metrics.wandb``).
+        wandb_project: its project (``metrics.wandb_project``; empty: wandb's default).
+        config: the job as a plain dict, given to ``wandb.init`` as the run's config.
+
+    Raises:
+        ValueError: when ``wandb`` is on and the package is not installed (:func:`import_wandb`).
     """
 
-    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True, resume_step: int | None = None):
+    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True,
+                 resume_step: int | None = None, *, wandb: bool = False, wandb_project: str = "",
+                 config: dict[str, Any] | None = None):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._tb = None
+        self._wandb = None
+        self._start = time.monotonic()
+        self._elapsed_before = 0.0
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -35,28 +75,45 @@ class MetricsWriter:
         elif self.path.exists():
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self._elapsed_before = max((float(r.get("elapsed_s", 0.0)) for r in kept), default=0.0)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
             except Exception:  # tensorboard not installed: JSONL only
-                log.info("TensorBoard not available; metrics go to %s only", self.path)
+                log.info("TensorBoard not available (pip install -e \".[tensorboard]\"); metrics go to %s only",
+                         self.path)
+        if wandb:
+            module = import_wandb()
+            module.init(project=wandb_project or None, name=Path(run_dir).name, dir=str(run_dir),
+                        config=config or {})
+            self._wandb = module
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append ``record`` (must hold ``step``); numeric fields also go to TensorBoard."""
+        """Append ``record`` (must hold ``step``) with ``time`` and ``elapsed_s`` added; numeric fields also go to
+        TensorBoard and Weights & Biases (nested dicts as ``a/b`` names)."""
         if not self.enabled:
             return
+        now = datetime.datetime.now(datetime.timezone.utc)
+        record = {**record, "time": now.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+                  "elapsed_s": round(self._elapsed_before + time.monotonic() - self._start, 3)}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        scalars = {k: v for k, v in _flatten(record).items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
-            for key, value in _flatten(record).items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, record["step"])
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, record["step"])
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=record["step"])
 
     def close(self) -> None:
+        """Flush and close TensorBoard and Weights & Biases."""
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def _flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -7,7 +7,8 @@ Predicted (simulator) and measured (runtime) timelines share one event format,
   one process per timeline label, one thread (track) per rank, one complete event (``"ph": "X"``) per
   action, times in microseconds.
 - ``plot_timeline``: a PNG Gantt chart (matplotlib, Agg canvas; no global backend switch), one panel per
-  label, one row per rank, F/B/W in different colours, microbatch numbers inside the boxes that fit.
+  label, one row per rank, F/B/W in different colours, each box labelled with its stage and microbatch
+  (``"F s1 m3"``, or ``"s1 m3"`` / ``"s1\nm3"`` when the box is narrower; none when even that does not fit).
 
 Either takes a sequence of events or ``{label: events}`` to lay timelines side by side (e.g.
 ``{"predicted": sim.events, "measured": measured}``); each label is shifted to start at time 0.
@@ -26,6 +27,7 @@ __all__ = [
     "KIND_COLORS",
     "chrome_trace",
     "new_figure",
+    "loss_curve_figure",
     "plot_loss_curve",
     "plot_timeline",
     "read_chrome_trace",
@@ -63,17 +65,21 @@ def _by_label(events: Timelines, default_label: str) -> dict[str, list[TimelineE
 
 
 def _event_name(event: TimelineEvent) -> str:
-    if event.microbatch < 0:
-        return event.kind
-    stage = f" s{event.stage}" if event.stage >= 0 else ""
-    return f"{event.kind}{event.microbatch}{stage}"
+    """``"F s1 m3"``: the action's kind, stage and microbatch (the parts that are known, >= 0)."""
+    return " ".join([event.kind] + _block_tags(event))
+
+
+def _block_tags(event: TimelineEvent) -> list[str]:
+    """``["s1", "m3"]``: the stage and microbatch of ``event`` that are known (>= 0)."""
+    return ([f"s{event.stage}"] if event.stage >= 0 else []) + ([f"m{event.microbatch}"] if event.microbatch >= 0
+                                                                 else [])
 
 
 # ----- Chrome trace --------------------------------------------------------------------------------
 def chrome_trace(events: Timelines, *, label: str = "plait") -> dict[str, Any]:
     """The Chrome trace-event JSON object of ``events`` (module docstring).
 
-    Each action becomes ``{"name": "F3 s1", "cat": "F", "ph": "X", "pid": p, "tid": rank, "ts": us,
+    Each action becomes ``{"name": "F s1 m3", "cat": "F", "ph": "X", "pid": p, "tid": rank, "ts": us,
     "dur": us, "args": {"stage", "microbatch", "kind"}}``; metadata events name each process (label) and
     thread (``"rank r"``) and keep ranks in order. Events are sorted by process, rank, start.
 
@@ -230,10 +236,23 @@ def _draw_panel(ax, events: Sequence[TimelineEvent], scale: float, xmax: float) 
         color = KIND_COLORS.get(kind, _OTHER_COLOR)
         ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=0.5)
     for event in events:
-        text = str(event.microbatch) if event.microbatch >= 0 else ""
         start, width = event.start_s * scale, event.duration_s * scale
-        if text and width * px_per_unit >= 7.0 * len(text) + 4:
-            ax.text(start + width / 2, event.rank, text, ha="center", va="center", fontsize=8, color="white")
+        text = _box_label(event, width * px_per_unit)
+        if text:
+            ax.text(start + width / 2, event.rank, text, ha="center", va="center", fontsize=7, color="white",
+                    linespacing=0.9)
+
+
+def _box_label(event: TimelineEvent, width_px: float) -> str:
+    """The longest label of ``event`` that fits a box ``width_px`` pixels wide (about 6 px per character at
+    font size 7): ``"F s1 m3"``, ``"s1 m3"``, ``"s1\nm3"`` (stacked), or ``""``."""
+    tags = _block_tags(event)
+    if not tags:
+        return ""
+    for text in (_event_name(event), " ".join(tags), "\n".join(tags)):
+        if width_px >= 6.0 * max(len(line) for line in text.split("\n")) + 4:
+            return text
+    return ""
 
 
 def _legend(ax, kinds: set[str]) -> None:
@@ -247,35 +266,46 @@ def _legend(ax, kinds: set[str]) -> None:
 
 # ----- loss curve ------------------------------------------------------------------------------
 def plot_loss_curve(metrics_path: str | Path, out_path: str | Path) -> Path:
-    """Training loss per step (log scale) and validation exact match per task (right axis) as a PNG.
-
-    Args:
-        metrics_path: a run's ``metrics.jsonl`` (records with ``step`` and ``loss`` or ``eval``).
-        out_path: the PNG to write.
+    """Training loss per step (log scale) and validation scores (right axis) as a PNG: :func:`loss_curve_figure`
+    of the records of ``metrics_path`` saved to ``out_path``.
 
     Raises:
         ValueError: when the metrics file holds no loss record.
     """
-    from matplotlib.ticker import MaxNLocator
-
     from plait.train.metrics import read_metrics
 
-    records = read_metrics(metrics_path)
+    return save_figure(loss_curve_figure(read_metrics(metrics_path), str(metrics_path)), out_path)
+
+
+def loss_curve_figure(records: Sequence[Mapping[str, Any]], source: str = "metrics"):
+    """The loss-curve figure of metrics rows ``records``: the training loss per step as a line (log scale), and
+    each validation score (the numbers of the rows' ``eval`` dicts, e.g. exact match per task) as points
+    (markers, no lines: validation is measured at a few steps only) on a right axis from 0 to 1.
+
+    Returns:
+        The matplotlib ``Figure`` (axes: the loss axis, then the validation axis when there are scores).
+
+    Raises:
+        ValueError: when ``records`` hold no training loss (``source`` names them in the message).
+    """
+    from matplotlib.ticker import MaxNLocator
+
     losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
     if not losses:
-        raise ValueError(f"{metrics_path} holds no training loss")
+        raise ValueError(f"{source} holds no training loss")
     fig, (ax,) = new_figure(8, 4.5, dpi=110)
     ax.plot(*zip(*losses), color="tab:blue", lw=1.2, label="train loss")
     ax.set(xlabel="step", ylabel="loss (mean token cross-entropy)", yscale="log", title="plait training")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, also on short runs
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right", fontsize=8)
-    evals = [r for r in records if r.get("eval")]  # validation off: empty dicts
+    evals = [r for r in records if isinstance(r.get("eval"), Mapping) and r["eval"]]  # validation off: empty
     if evals:
         ax2 = ax.twinx()
-        for task in sorted(evals[-1]["eval"]):
-            ax2.plot([r["step"] for r in evals], [r["eval"].get(task, float("nan")) for r in evals],
-                     marker="o", ms=3, lw=1, label=f"val {task}")
+        names = sorted({k for r in evals for k, v in r["eval"].items() if isinstance(v, (int, float))})
+        for name in names:
+            points = [(r["step"], r["eval"][name]) for r in evals if isinstance(r["eval"].get(name), (int, float))]
+            ax2.plot(*zip(*points), marker="o", ms=4, linestyle="none", label=f"val {name}")
         ax2.set(ylabel="validation exact match", ylim=(0, 1.02))
         ax2.legend(loc="center right", fontsize=8)
-    return save_figure(fig, out_path)
+    return fig

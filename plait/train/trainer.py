@@ -476,7 +476,9 @@ class Trainer:
             t = self.cfg.train
             goal = f"train.steps = {t.steps}" if t.steps else f"train.epochs = {t.epochs} ({self.total_steps} steps)"
             log.warning("nothing to train: checkpoint is at step %d, %s", resumed, goal)
-        writer = MetricsWriter(self.run_dir, main, self.cfg.metrics.tensorboard, resume_step=resumed)
+        m = self.cfg.metrics
+        writer = MetricsWriter(self.run_dir, main, m.tensorboard, resume_step=resumed, wandb=m.wandb,
+                               wandb_project=m.wandb_project, config=config_to_dict(self.cfg))
         self._report_setup(writer)
         first = self.step
         end = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)

@@ -37,3 +37,92 @@ def test_loss_curve_png(tmp_path):
     empty.write({"step": 1, "eval": {}})
     with pytest.raises(ValueError, match="holds no training loss"):
         plot_loss_curve(tmp_path / "empty" / "metrics.jsonl", tmp_path / "x.png")
+
+
+def test_rows_carry_utc_time_and_elapsed_seconds_that_continue_on_resume(tmp_path, monkeypatch):
+    import datetime
+
+    import plait.train.metrics as metrics
+
+    clock = iter([100.0, 101.5, 103.25, 500.0, 502.0, 504.0])  # monotonic seconds seen by the writers
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: next(clock))
+    w = MetricsWriter(tmp_path, tensorboard=False)  # starts at 100
+    before = datetime.datetime.now(datetime.timezone.utc)
+    w.write({"step": 1, "loss": 2.0})  # 101.5
+    w.write({"step": 2, "loss": 1.0})  # 103.25
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["elapsed_s"] for r in rows] == [1.5, 3.25]
+    stamp = datetime.datetime.fromisoformat(rows[0]["time"].replace("Z", "+00:00"))
+    assert rows[0]["time"].endswith("Z") and stamp.utcoffset() == datetime.timedelta(0)
+    assert abs((stamp - before).total_seconds()) < 5
+    # a resumed run (from step 1) keeps step 1's row and continues its clock: 1.5 + (502 - 500)
+    w2 = MetricsWriter(tmp_path, tensorboard=False, resume_step=1)  # starts at 500
+    w2.write({"step": 2, "loss": 0.9})  # 502
+    w2.write({"step": 2, "eval": {"image_digit": 0.5}})  # 504
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["elapsed_s"]) for r in rows] == [(1, 1.5), (2, 3.5), (2, 5.5)]
+    assert all("time" in r for r in rows)
+
+
+class FakeWandb:
+    """A stand-in for the ``wandb`` module that records what plait gives it."""
+
+    def __init__(self) -> None:
+        self.inits, self.logs, self.finished = [], [], 0
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+
+    def log(self, data, step=None):
+        self.logs.append((step, dict(data)))
+
+    def finish(self):
+        self.finished += 1
+
+
+def test_wandb_gets_every_numeric_field_when_enabled(tmp_path, monkeypatch):
+    import sys
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    w = MetricsWriter(tmp_path / "myjob", tensorboard=False, wandb=True, wandb_project="proj",
+                      config={"train": {"lr": 0.001}})
+    w.write({"step": 3, "loss": 0.5, "lr": 1e-4, "workload": {"llm": {"cv": 0.25}}, "note": "text"})
+    w.write({"step": 3, "eval": {"image_digit": 0.75}})
+    w.close()
+    assert fake.inits == [{"project": "proj", "name": "myjob", "dir": str(tmp_path / "myjob"),
+                           "config": {"train": {"lr": 0.001}}}]
+    (s1, first), (s2, second) = fake.logs
+    assert (s1, s2) == (3, 3)
+    assert {k: v for k, v in first.items() if k != "elapsed_s"} == {"loss": 0.5, "lr": 1e-4, "workload/llm/cv": 0.25}
+    assert set(second) == {"eval/image_digit", "elapsed_s"} and second["eval/image_digit"] == 0.75
+    assert first["elapsed_s"] >= 0 and fake.finished == 1
+    MetricsWriter(tmp_path / "off", tensorboard=False).close()  # off by default: nothing more logged
+    assert len(fake.inits) == 1 and len(fake.logs) == 2
+
+
+def test_wandb_enabled_but_not_installed_is_a_clear_error(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(ValueError, match=r"metrics.wandb = true but the wandb package is not installed: "
+                                         r"pip install -e \"\.\[wandb\]\""):
+        MetricsWriter(tmp_path, tensorboard=False, wandb=True)
+
+
+def test_loss_plot_draws_validation_scores_as_points_not_lines():
+    from plait.train.plots import loss_curve_figure
+
+    records = [{"step": s, "loss": 4.0 / s} for s in range(1, 21)]
+    records += [{"step": 10, "eval": {"image_digit": 0.4, "audio": 0.2}}, {"step": 20, "eval": {"image_digit": 0.9,
+                                                                                             "audio": 0.6}}]
+    fig = loss_curve_figure(sorted(records, key=lambda r: r["step"]))
+    loss_ax, val_ax = fig.axes
+    (loss_line,) = loss_ax.get_lines()
+    assert list(loss_line.get_xdata()) == list(range(1, 21)) and loss_line.get_linestyle() == "-"
+    series = {line.get_label(): line for line in val_ax.get_lines()}
+    assert set(series) == {"val audio", "val image_digit"}
+    for name, values in {"val image_digit": [0.4, 0.9], "val audio": [0.2, 0.6]}.items():
+        line = series[name]
+        assert line.get_linestyle() == "None" and line.get_marker() == "o"  # points, no line between them
+        assert list(line.get_xdata()) == [10, 20] and list(line.get_ydata()) == values

@@ -36,7 +36,7 @@ def test_chrome_trace_contents(tmp_path):
     assert keys == sorted(keys)  # grouped by rank, in time order
     first = next(e for e in events if e.rank == 1 and e.kind == "B" and e.microbatch == 2)
     record = next(r for r in slices if r["tid"] == 1 and r["cat"] == "B" and r["args"]["microbatch"] == 2)
-    assert record["name"] == "B2 s1"
+    assert record["name"] == "B s1 m2"
     assert record["ts"] == pytest.approx(first.start_s * 1e6) and record["dur"] == pytest.approx(1000.0)
     for tid in range(5):
         mine = [r for r in slices if r["tid"] == tid]
@@ -88,3 +88,23 @@ def test_timeline_errors(tmp_path):
         chrome_trace([("F", 0, 0)])
     with pytest.raises(ValueError, match="end"):
         TimelineEvent(0, "F", 0, 0, 2.0, 1.0)
+
+
+def test_timeline_blocks_are_labelled_with_stage_and_microbatch(tmp_path):
+    from plait.train import plots
+
+    events = [TimelineEvent(0, "F", 0, 0, 0.0, 0.5), TimelineEvent(1, "F", 1, 3, 0.5, 1.0),
+              TimelineEvent(1, "B", 1, 3, 1.0, 1.005)]  # the last box is too narrow for any label
+    names = [r["name"] for r in chrome_trace(events)["traceEvents"] if r["ph"] == "X"]
+    assert names == ["F s0 m0", "F s1 m3", "B s1 m3"]
+    seen = []
+    real = plots.save_figure
+    plots.save_figure = lambda fig, path: seen.append(fig) or real(fig, path)
+    try:
+        plot_timeline(events, tmp_path / "t.png")
+    finally:
+        plots.save_figure = real
+    (ax,) = seen[0].axes
+    assert sorted(t.get_text() for t in ax.texts) == ["F s0 m0", "F s1 m3"]
+    assert plots._box_label(events[1], 40.0) == "s1 m3" and plots._box_label(events[1], 20.0) == "s1\nm3"
+    assert plots._box_label(events[1], 10.0) == ""
