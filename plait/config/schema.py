@@ -259,9 +259,21 @@ class TrainConfig:
     dtype: str = "auto"
     """``"fp32"``, ``"bf16"`` (autocast) or ``"auto"`` (bf16 on GPU, fp32 on CPU)."""
     eval_every: int = 0
-    """Validate every this many steps (0: only at the end)."""
+    """Validate every this many steps (0: only at the end). Validation runs through the job's own layout
+    (``plait.train.evaluation``): the teacher-forced loss per task and overall (sum of token cross-entropies /
+    target tokens of the whole validation set), greedy answers scored by exact match per task and overall and by
+    ``eval_metrics``, the samples shared over DP ranks, pipeline jobs through their stages (no rank builds the
+    whole model). Results go to ``metrics.jsonl``; the answers to ``<run_dir>/predictions/step_<N>.jsonl``."""
     max_new_tokens: int = 16
     """Tokens generated per validation answer."""
+    eval_batch_size: int = 0
+    """Validation samples per forward pass on one rank (one task per batch); 0: ``max(microbatch_size, 16)``."""
+    eval_metrics: list[str] = field(default_factory=list)
+    """Extra validation metrics, each ``"package.module:function"`` (importable from the job's environment),
+    called as ``function(predictions: list[str], references: list[str])`` returning a float or a dict of floats
+    (``{"bleu": 0.4, "bleu_brevity": 0.9}``); reported for all samples and per task under ``val_metrics`` in
+    ``metrics.jsonl`` as ``<name>`` and ``<name>/<task>``, ``<name>`` being the function's name (or the dict's
+    keys). Example: ``eval_metrics = ["mypkg.metrics:bleu"]``."""
     device: str = "auto"
     """``"cpu"``, ``"cuda"`` or ``"auto"``."""
     threads: int = 0

@@ -45,12 +45,14 @@ from plait.planner.schedule_ir import (
     frees_activations,
     one_f_one_b_actions,
     resolve_microbatches,
+    run_blocking,
 )
 from plait.planner.schedules_interleaved import interleaved_1f1b
 
 __all__ = [
     "SCHEDULE_NAMES",
     "build_schedule",
+    "forward_only",
     "gpipe",
     "memory_capped_1f1b",
     "one_f_one_b",
@@ -150,6 +152,29 @@ def build_schedule(plan: PipelinePlan, name: str, num_microbatches: int | None =
     if name not in generators:
         raise ValueError(f"unknown schedule {name!r}; choose one of {SCHEDULE_NAMES}")
     return generators[name](plan, num_microbatches, **options)
+
+
+def forward_only(plan: PipelinePlan, num_microbatches: int | None = None) -> Schedule:
+    """Forward passes only, for evaluation (validation loss, decoding): ``F(s, m)`` of every stage and
+    microbatch and no ``B``/``W``, so the runtime keeps no activations (``Executor`` runs such a schedule without
+    autograd). A rank runs its stages' forwards by microbatch, and within one microbatch from the input side
+    (larger ``PipelinePlan.depth`` first): that is one global order consistent with every dependency, so the
+    schedule cannot deadlock (checked by ``run_blocking``). Not a training schedule: ``check_schedule``, which
+    wants the backward actions, does not apply.
+
+    Raises:
+        ValueError: when ``num_microbatches`` < 1.
+    """
+    m = resolve_microbatches(plan, num_microbatches)
+    order = sorted(((mb, -plan.depth(s.index), s.index) for s in plan.stages for mb in range(m)))
+    actions: list[list[Action]] = [[] for _ in range(plan.num_ranks)]
+    for mb, _, s in order:
+        actions[plan.stages[s].rank].append(Action("F", s, mb))
+    schedule = Schedule(plan=plan, actions=actions, num_microbatches=m, name="forward_only")
+    heads = run_blocking(schedule)
+    if any(h < len(a) for h, a in zip(heads, schedule.actions)):  # cannot happen for a valid plan
+        raise RuntimeError(f"forward_only schedule blocks at {heads} (a plait bug)")
+    return schedule
 
 
 def _stage_caps(plan: PipelinePlan, cap: int | Mapping[int, int]) -> dict[int, int]:

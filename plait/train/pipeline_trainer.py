@@ -35,11 +35,12 @@ buffers the deferred features (``FeatureRouting``, :mod:`plait.parallel.deferral
 ``encoder_buffer_peak_bytes``). A replica left without samples (a last global batch smaller than DP) runs one
 microbatch with its loss multiplied by 0, so it still joins the DP gradient sum with zeros.
 
-Validation: generation needs the whole model. :meth:`PipelineTrainer.evaluate` saves a checkpoint
-(collective), then rank 0 builds the whole model, loads it from that checkpoint with DCP in one process
-(``no_dist``; the names match because stages keep the full model's FQNs) and evaluates every validation
-sample; the other ranks wait for the result (a broadcast, bounded by ``parallel.timeout_s``). Rank 0
-temporarily holds the whole model besides its stage.
+Validation (:mod:`plait.train.evaluation`): through this rank's stages, no rank holding the whole model. The
+validation samples are shared over the DP replicas; the teacher-forced loss runs forward-only pipeline passes
+(``schedules.forward_only``, ``run_pipeline_forward``), the greedy answers repeated such passes without a KV cache
+(one per new token, the next tokens agreed on by an all-reduce over the replica's pipeline x CP ranks); pipeline
+rank 0 / CP rank 0 of each replica counts the target tokens and keeps the predictions, rank 0 scores them and
+writes the predictions file. (:meth:`full_model` assembles the whole model from a checkpoint for export only.)
 
 Checkpoints: each rank saves its owned parameters, its optimizer state (per-parameter keys) and its RNG, and
 the checkpoint records the layout (:meth:`PipelineTrainer._checkpoint_layout`); resume restores them from a
@@ -59,19 +60,28 @@ import torch.distributed as dist
 
 from plait.config.loader import pipeline_plan_kwargs
 from plait.config.schema import JobConfig, PipelineConfig
+from plait.data.collate import Batch
+from plait.models.generation import stop_token_ids
 from plait.models.multimodal import MultimodalModel
 from plait.models.init import materialize, rank_prefixes, weight_source
 from plait.models.registry import build_model
 from plait.models.units import model_units
 from plait.parallel.dims import ParallelDims
-from plait.parallel.pipeline import build_pipeline_comm, clip_grad_norm_pipeline, gather_timeline, run_pipeline_step
+from plait.parallel.pipeline import (
+    build_pipeline_comm,
+    clip_grad_norm_pipeline,
+    gather_timeline,
+    run_pipeline_forward,
+    run_pipeline_step,
+)
 from plait.parallel.stages import build_rank_stages
 from plait.planner.microbatch import MicrobatchPlan
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
 from plait.planner.schedule_ir import Schedule
-from plait.planner.schedules import build_schedule
+from plait.planner.schedules import build_schedule, forward_only
 from plait.planner.timeline import TimelineEvent
 from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, latest_checkpoint, load_model_state
+from plait.train.evaluation import EvalSide, greedy_by_forward, next_token_ids
 from plait.train.loss import token_loss_sum, zero_loss
 from plait.train.metrics import MetricsWriter
 from plait.train.plots import plot_timeline, write_chrome_trace
@@ -249,22 +259,52 @@ class PipelineTrainer(Trainer):
         return grad_norm, lr
 
     # ------------------------------------------------------------------ validation, checkpoints, timeline
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Exact-match accuracy per task on the validation set (greedy generation) by the whole model on rank 0
-        (module docstring); the same dict on every rank. Collective: saves a checkpoint of the current step."""
-        if self.val_set is None:
-            return {}
-        path = self.save()
-        result: list[Any] = [None]
-        if self.info.is_main:
-            model = self.full_model(path)
-            tasks, counts = self._exact_match_counts(model, range(len(self.val_set)))
-            result[0] = {t: float(c / n) if n else 0.0 for t, (c, n) in zip(tasks, counts.tolist())}
-            del model
-        if self.info.world_size > 1:
-            dist.broadcast_object_list(result, src=0)  # the other ranks wait here for rank 0's evaluation
-        return result[0]
+    def _eval_side(self) -> EvalSide:
+        """This rank's part in an evaluation through its stages (module docstring, "Validation"): loss and answers
+        over the DP replicas, counted and recorded by pipeline rank 0 / CP rank 0 of each replica; the loss by
+        forward-only pipeline passes, the answers by greedy decoding through them (:meth:`_pipeline_answers`)."""
+        group = max(2 * self.pp, self.cfg.parallel.pp.microbatches)
+        first = self.pp_rank == 0 and self.cp_rank == 0
+        return EvalSide((self.dp, self.dp_rank), (self.dp, self.dp_rank), first, first, group,
+                        lambda batches: self._forward_only(batches, token_loss_sum), self._pipeline_answers)
+
+    def _forward_only(self, batches: list[Batch], output_fn: Any) -> list[torch.Tensor]:
+        """One forward-only pass of ``batches`` through this replica's pipeline (``run_pipeline_forward``): the
+        last stage's ``output_fn`` per batch on its ranks, ``[]`` elsewhere."""
+        if len(batches) not in self._forward_schedules:
+            self._forward_schedules[len(batches)] = forward_only(self.plan, len(batches))
+        return run_pipeline_forward(self.stages, self._forward_schedules[len(batches)], batches, self.comm,
+                                    output_fn=output_fn, autocast=self.autocast,
+                                    llm_kwargs=[self._llm_kwargs(b) for b in batches])
+
+    def _pipeline_answers(self, batches: list[Batch]) -> list[list[str]]:
+        """Greedy answers to left-padded prompt batches by repeated forward-only pipeline passes without a KV
+        cache (:func:`~plait.train.evaluation.greedy_by_forward`; cost in :mod:`plait.train.evaluation`): each pass's
+        next tokens come from the last stage (with CP, the CP rank holding the last position) and are agreed on
+        by one all-reduce (max) over this replica's ranks."""
+        stop = stop_token_ids(self.tokenizer, self.model.language_model.generation_config)
+        rows = [b.input_ids.shape[0] for b in batches]
+
+        def forward(current: list[Batch]) -> list[torch.Tensor]:
+            outs = self._forward_only(current, next_token_ids)
+            tokens = torch.cat(outs) if outs else torch.full((sum(rows),), -1, dtype=torch.long)
+            tokens = tokens.to(self.info.device)
+            if self._replica_group is not False:
+                dist.all_reduce(tokens, op=dist.ReduceOp.MAX, group=self._replica_group)
+            return list(tokens.cpu().split(rows))
+
+        new = greedy_by_forward(forward, batches, stop, self.cfg.train.max_new_tokens, self.processor.pad_id)
+        return [self.tokenizer.batch_decode(t, skip_special_tokens=True) for t in new]
+
+    def _eval_train_mode(self, train: bool) -> None:
+        """Eval mode for the stages (no dropout); the replica's process group (pipeline x CP ranks) is created on
+        the first evaluation (collective: every rank evaluates)."""
+        self.stages.train(train)
+        if not hasattr(self, "_forward_schedules"):
+            self._forward_schedules: dict[int, Schedule] = {}
+            spans = self.pp * self.cp > 1 and self.comm.distributed
+            self._replica_group = (None if self.dp == 1 else self.dims.new_group(("pp", "cp"), self.info.rank)) \
+                if spans else False
 
     def full_model(self, path: str | Path | None = None) -> MultimodalModel:
         """The whole model with the weights of checkpoint ``path`` (default: the run's newest), on this rank's

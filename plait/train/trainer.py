@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ from plait.attention.masks import MaskInfo, block_work
 from plait.config.loader import config_to_dict
 from plait.config.schema import JobConfig
 from plait.data.collate import Batch, collate
-from plait.data.loader import GlobalBatchLoader, rank_share
+from plait.data.loader import GlobalBatchLoader
 from plait.models.generation import greedy_generate, stop_token_ids
 from plait.models.multimodal import MultimodalModel
 from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
@@ -66,6 +65,7 @@ from plait.train.checkpoint import (
     save_checkpoint,
 )
 from plait.train.costs import microbatch_cost_coeffs
+from plait.train.evaluation import EvalSide, eval_batch_size, evaluate_on, load_metrics
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter, Progress
 from plait.train.optim import build_optimizer, build_scheduler
@@ -386,32 +386,38 @@ class Trainer:
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Exact-match accuracy per task on the validation set (greedy generation), over all ranks."""
+        """Validate through this job's layout (:mod:`plait.train.evaluation`): the teacher-forced loss per task
+        (DP x CP), greedy answers (the samples shared over every rank, each holding the whole model), exact match,
+        ``train.eval_metrics`` and ``<run_dir>/predictions/step_<N>.jsonl``. Returns exact match per task (the same
+        on every rank); the whole :class:`~plait.train.evaluation.EvalReport` is ``last_eval``. Collective."""
         if self.val_set is None:
             return {}
-        mine = rank_share(range(len(self.val_set)), self.info.rank, self.info.world_size)  # no CP in generation
-        tasks, counts = self._exact_match_counts(self.model, mine)
-        if self.info.world_size > 1:
-            dist.all_reduce(counts)
-        return {t: float(c / n) if n else 0.0 for t, (c, n) in zip(tasks, counts.tolist())}
+        if not hasattr(self, "_eval_metrics"):
+            self._eval_metrics = load_metrics(self.cfg.train.eval_metrics)
+        self._eval_train_mode(False)
+        try:
+            self.last_eval = evaluate_on(self.val_set, self._eval_side(), self._eval_collate,
+                                         eval_batch_size(self.cfg.train), self.step, self._eval_metrics,
+                                         self.run_dir, self.info.device)
+        finally:
+            self._eval_train_mode(True)
+        return self.last_eval.exact_match
 
-    def _exact_match_counts(self, model: MultimodalModel, indices: Sequence[int]) -> tuple[list[str], torch.Tensor]:
-        """Greedy answers of ``model`` to the validation samples ``indices``: every task of the validation set
-        (sorted) and a ``[tasks, 2]`` float64 tensor of (exact matches, samples) per task."""
-        assert self.val_set is not None
-        model.eval()
-        stop = stop_token_ids(self.tokenizer, model.language_model.generation_config)
-        correct: dict[str, int] = defaultdict(int)
-        total: dict[str, int] = defaultdict(int)
-        size = max(self.cfg.train.microbatch_size, 16)
-        for i in range(0, len(indices), size):
-            samples = [self.val_set[j] for j in indices[i : i + size]]
-            batch = collate(samples, self.processor.pad_id, padding_side="left").to(self.info.device)
-            for s, text in zip(samples, self.generate(batch, stop, model)):
-                total[s.meta.task] += 1
-                correct[s.meta.task] += int(text.strip() == s.answer.strip())
-        tasks = sorted({s.meta.task for s in self.val_set.samples})
-        return tasks, torch.tensor([[correct[t], total[t]] for t in tasks], dtype=torch.float64)
+    def _eval_side(self) -> EvalSide:
+        """This rank's part in an evaluation: the loss over the DP replicas (CP rank 0 counts targets), answers
+        over every rank (generation runs the whole model, no CP)."""
+        stop = stop_token_ids(self.tokenizer, self.model.language_model.generation_config)
+        return EvalSide((self.dp, self.dp_rank), (self.info.world_size, self.info.rank), self.cp_rank == 0, True, 1,
+                        lambda batches: [self.microbatch_loss(b, self._llm_kwargs(b)) for b in batches],
+                        lambda batches: [self.generate(b, stop) for b in batches])
+
+    def _eval_collate(self, samples: Sequence[Any], padding_side: str = "right") -> Batch:
+        """Validation samples as one unpacked batch on this rank's device (left-padded for generation)."""
+        return collate(list(samples), self.processor.pad_id, padding_side=padding_side).to(self.info.device)
+
+    def _eval_train_mode(self, train: bool) -> None:
+        """Evaluation runs the model in eval mode (no dropout); training mode again afterwards."""
+        self.model.train(train)
 
     def generate(self, batch: Batch, stop_ids: list[int], model: MultimodalModel | None = None) -> list[str]:
         """Greedy answers (decoded text) for a left-padded batch of prompts, by ``model`` (default: the
@@ -459,8 +465,9 @@ class Trainer:
         )
 
     def full_model(self, path: str | Path | None = None) -> MultimodalModel:
-        """The whole trained model (here the one in memory; ``path`` is for trainers that hold a part of it and
-        assemble the whole from a checkpoint, as ``PipelineTrainer``)."""
+        """The whole trained model, for export (``final/``; evaluation never needs it): here the one in memory
+        (``path`` is for trainers that hold a part of it and assemble the whole from a checkpoint, as
+        ``PipelineTrainer``)."""
         return self.model
 
     def fit(self, resume: bool | str = False, stop_after: int | None = None) -> dict[str, Any]:
@@ -497,7 +504,7 @@ class Trainer:
             every = self.cfg.train.eval_every
             if self.val_set is not None and ((every and res.step % every == 0) or res.step == self.total_steps):
                 evals = self.evaluate()
-                writer.write({"step": res.step, "eval": evals})
+                writer.write({"step": res.step, "eval": evals, **self.last_eval.record()})
                 if main:
                     bar.write(f"step {res.step}: validation exact match " + _fmt(evals))
             every = self.cfg.checkpoint.every

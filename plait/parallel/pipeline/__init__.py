@@ -5,7 +5,8 @@
 - :mod:`.wire`: the message format (header, packed buffer);
 - :mod:`.transport`: ordered P2P messages of a step, pre-posted receives;
 - :mod:`.executor`: one rank's ``F``/``B``/``W`` actions, frozen-aware, with deferred encoder outputs;
-- :mod:`.step`: :func:`run_pipeline_step` (execute, reduce over DP x CP and tied copies), clipping, timeline.
+- :mod:`.step`: :func:`run_pipeline_step` (execute, reduce over DP x CP and tied copies), clipping, timeline;
+  :func:`run_pipeline_forward` (forward passes only, for evaluation).
 """
 
 from plait.parallel.pipeline.comm import PipelineComm, build_pipeline_comm, pipeline_comm_from_mesh
@@ -13,8 +14,10 @@ from plait.parallel.pipeline.step import (
     PipelineStepResult,
     clip_grad_norm_pipeline,
     gather_timeline,
+    run_pipeline_forward,
     run_pipeline_step,
 )
 
 __all__ = ["PipelineComm", "PipelineStepResult", "build_pipeline_comm", "clip_grad_norm_pipeline",
-           "gather_timeline", "pipeline_comm_from_mesh", "run_pipeline_step"]
+           "gather_timeline", "pipeline_comm_from_mesh", "run_pipeline_forward",
+           "run_pipeline_step"]

@@ -10,6 +10,9 @@ gradients only (its parameters have ``requires_grad`` False). With ``split_backw
 input gradients (``autograd.grad``, graph retained) and ``W`` weight gradients (a second pass over the retained
 graph: correct, but it repeats the part of the backward shared by both, so it is slower than a fused backward).
 
+Forward-only schedules (``schedules.forward_only``, evaluation): every forward runs without autograd and keeps
+nothing; the last stage's ``loss_fn`` output of each microbatch is collected in ``losses``.
+
 Deferred encoder outputs (:class:`~plait.planner.routing.FeatureRouting`): the schedule and its messages stay as
 they are (``F``/``B`` of microbatch ``m`` on every stage): encoder stages run microbatch ``m`` of the encoder
 view, LLM stages microbatch ``m`` of the LLM view. The first LLM stage keeps the features each branch sent for
@@ -89,6 +92,7 @@ class Executor:
     def __init__(self, stages: RankStages, schedule: Schedule, comm: PipelineComm, inputs: StepInputs) -> None:
         self.stages, self.plan, self.schedule, self.comm, self.inputs = stages, schedule.plan, schedule, comm, inputs
         self.routing = inputs.routing
+        self.forward_only = all(a.kind == "F" for _, a in schedule.all_actions())  # evaluation: keep nothing
         self.transport = Transport(comm, schedule) if comm.distributed else None
         self.local: dict[MessageKey, Any] = {}
         self.records: dict[tuple[int, int], _Record] = {}
@@ -142,7 +146,7 @@ class Executor:
         leaves = {p: self._leaves(p, stage, payload) for p, payload in received.items()}
         routed = self._routed(s)
         batch = self.inputs.encoder_batches[m] if routed else self.inputs.microbatches[m]
-        keeps = self.plan.stages[s].runs_backward and not (routed and not self.routing.users[m])  # type: ignore
+        keeps = not self.forward_only and self.plan.stages[s].runs_backward and not (routed and not self.routing.users[m])  # type: ignore
         kwargs = self.inputs.llm_kwargs[m] if batch is not None and not routed else {}
         if LLM_MODULE in stage.chunks and batch is not None:
             _check_cp_kwargs(kwargs, self.comm, s, m)

@@ -35,7 +35,8 @@ from plait.planner.routing import FeatureRouting
 from plait.planner.schedule_ir import Schedule
 from plait.planner.timeline import TimelineEvent
 
-__all__ = ["PipelineStepResult", "clip_grad_norm_pipeline", "gather_timeline", "run_pipeline_step"]
+__all__ = ["PipelineStepResult", "clip_grad_norm_pipeline", "gather_timeline", "run_pipeline_forward",
+           "run_pipeline_step"]
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,54 @@ def run_pipeline_step(
     return PipelineStepResult(total / max(1, global_targets), total, tuple(executor.events),
                               executor.saved if instrument else {}, executor.backwards,
                               executor.buffer.peak if executor.buffer is not None else 0)
+
+
+def run_pipeline_forward(
+    stages: RankStages,
+    schedule: Schedule,
+    microbatches: Sequence[Batch],
+    comm: PipelineComm | None = None,
+    *,
+    output_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    autocast: Callable[[], AbstractContextManager] = nullcontext,
+    llm_kwargs: Sequence[Mapping[str, Any]] | None = None,
+) -> list[torch.Tensor]:
+    """Forward passes only of this pipeline's ``M`` microbatches (evaluation: validation loss, greedy decoding),
+    through the same executor and transport as training, with no autograd and nothing kept for backward.
+
+    Collective over this pipeline (its P2P messages; with CP the K/V gathers of its CP group): every rank of the
+    pipeline calls it with the same schedule and microbatches; no DP collective, so DP replicas may run
+    different microbatches.
+
+    Args:
+        stages, comm: as :func:`run_pipeline_step`.
+        schedule: a forward-only schedule (``plait.planner.schedules.forward_only``) of ``stages.plan``.
+        microbatches: the ``M`` batches, on ``comm.device``.
+        output_fn: ``(logits [B, N, V], labels [B, N]) -> tensor`` run by the last stage on each microbatch
+            (with CP on this rank's tokens only), e.g. ``plait.train.loss.token_loss_sum``.
+        autocast: context factory wrapped around every forward.
+        llm_kwargs: per microbatch, extra keyword arguments of the LLM stages (``plait_mask``, ``plait_cp``).
+
+    Returns:
+        on a rank holding the last stage, ``output_fn``'s result per microbatch, in microbatch order; ``[]``
+        elsewhere.
+
+    Raises:
+        ValueError: when the schedule has backward actions, or as :func:`run_pipeline_step`'s input checks.
+    """
+    comm = comm or PipelineComm()
+    if any(a.kind != "F" for _, a in schedule.all_actions()):
+        raise ValueError(f"run_pipeline_forward needs a forward-only schedule, got {schedule.name or 'one'} with "
+                         "backward actions")
+    _check_step_inputs(stages, schedule, microbatches, 0, comm)
+    _check_routing(None, None, microbatches)
+    kwargs = list(llm_kwargs) if llm_kwargs is not None else [{} for _ in microbatches]
+    if len(kwargs) != len(microbatches):
+        raise ValueError(f"llm_kwargs has {len(kwargs)} entries for {len(microbatches)} microbatches")
+    executor = Executor(stages, schedule, comm, StepInputs(microbatches, kwargs, 0.0, output_fn, autocast))
+    with torch.no_grad():
+        executor.run()
+    return list(executor.losses)
 
 
 def _check_routing(routing: FeatureRouting | None, encoder_batches: Sequence[Batch | None] | None,
