@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from plait.config.loader import config_from_dict, read_config_data, validate
 from plait.data.chat_template import tokenizer_dir
 from plait.data.loader import GlobalBatchLoader, MultimodalDataset
 from plait.models.registry import build_model, build_processor, load_tokenizer, placeholder_of
-from plait.commands.plan_costs import host_device, runtime_costs, stored_profile
+from plait.commands.plan_costs import host_cpu, host_device, runtime_costs, stored_profile
 from plait.models.units import model_units
 from plait.planner.arch import arch_from_config, units_from_configs
 from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_costs
@@ -353,7 +354,8 @@ def plan_command(
         out_json: where to write the plan JSON (``plait.planner.report.plan_to_json``; parents
             created); None: do not write.
         device: accelerator preset (``DEVICES``) or ``DeviceSpec``; its link is the stage-to-stage P2P model.
-            None: this host's (``plan_costs.host_device``: the GPU's preset, ``"cpu"`` without a GPU), printed.
+            None: this host's (``plan_costs.host_device``: the GPU's preset; without a GPU this host's CPU measured
+            by ``plan_costs.host_cpu`` with ``train.threads`` threads, else the cores / ``devices``), printed.
             On a device with host overheads (the ``"cpu"`` preset) the plan charges the runtime's fixed costs
             (``plan_costs.runtime_costs``): the job's measured profile from ``profile_store`` when one matches
             (``plan_costs.stored_profile``: its unit costs and overheads), else the analytic costs plus the
@@ -433,11 +435,16 @@ def plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], 
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     if isinstance(macrobatches, bool) or not isinstance(macrobatches, int) or macrobatches < 0:
         raise ValueError(f"macrobatches must be an integer >= 0, got {macrobatches!r}")
+    cfg, replaced = load_config_for_planning(config_path, overrides)
+    optimizer = None
     if device is None:
         device, why = host_device()
-        print(f"plait plan: planning for {device} ({why}; --device to plan for another)", file=stream)
+        if device == "cpu":
+            host = host_cpu(cfg.train.threads or max(1, (os.cpu_count() or 1) // devices), devices)
+            device, optimizer = host.spec, host.optimizer_s_per_byte
+        print(f"plait plan: planning for {getattr(device, 'name', device)} ({why}; --device to plan for another)",
+              file=stream)
     spec = device_spec(device)
-    cfg, replaced = load_config_for_planning(config_path, overrides)
     if replaced:
         print(f"plait plan: the job's {replaced} is not checked or used: the plan replaces it", file=stream)
     cfg = split_global_batch(cfg, microbatches)
@@ -458,7 +465,7 @@ def plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], 
             profile, why = None, "the plan is for the expected macro-batch, not the profiled microbatch"
         if profile is None:
             print(f"plait plan: no measured profile ({why}); `plait profile` stores one", file=stream)
-    costs = runtime_costs(spec, profile, dp_link_Bps)
+    costs = runtime_costs(spec, profile, dp_link_Bps, optimizer)
     if spec.chunk_overhead_s or spec.message_overhead_s:
         print(f"plait plan: costs: {costs.source}", file=stream)
     search = dict(memory_cap=memory_fraction * spec.memory_bytes, p2p=costs.p2p, dp_link=costs.dp_link,

@@ -29,10 +29,15 @@ class ActionOverheads(JsonDataclass):
     ``(chunk_forward_s, chunk_backward_s)``. A one-rank plan runs no executor: ``per_action_s`` is not charged
     there (``stage_s(..., pipelined=False)``), its chunks are.
 
+    After the flush every rank also steps its optimizer over its trainable parameters: ``update_s`` of their bytes
+    (``optimizer_s_per_byte`` per byte; AdamW on a CPU core: about 5 ns per byte, 0.7 s for 33M float32
+    parameters), charged by the search and ``evaluate_plan`` with the DP all-reduce (``search_model.flush_s``).
+
     Attributes:
         per_action_s: seconds per action of the pipeline runtime (``Profile.action_overhead_s``).
         chunk_forward_s, chunk_backward_s: seconds per module chunk and action, for modules not in ``modules``.
         modules: per module, ``(forward, backward)`` chunk seconds (``Profile.chunk_overhead_s``).
+        optimizer_s_per_byte: seconds of the optimizer step per byte of a rank's trainable parameters.
 
     Raises:
         ValueError: on a negative value.
@@ -42,11 +47,12 @@ class ActionOverheads(JsonDataclass):
     chunk_forward_s: float = 0.0
     chunk_backward_s: float = 0.0
     modules: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    optimizer_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         modules = {str(m): (float(v[0]), float(v[1])) for m, v in dict(self.modules).items()}
         object.__setattr__(self, "modules", modules)
-        values = [self.per_action_s, self.chunk_forward_s, self.chunk_backward_s] + [x for v in modules.values()
+        values = [self.per_action_s, self.chunk_forward_s, self.chunk_backward_s, self.optimizer_s_per_byte] + [x for v in modules.values()
                                                                                      for x in v]
         if any(not v >= 0 for v in values):
             raise ValueError(f"ActionOverheads must be >= 0, got {self}")
@@ -59,8 +65,12 @@ class ActionOverheads(JsonDataclass):
     @property
     def zero(self) -> bool:
         """True when no action pays anything (a GPU preset): plans are timed as without overheads."""
-        return not (self.per_action_s or self.chunk_forward_s or self.chunk_backward_s
+        return not (self.per_action_s or self.chunk_forward_s or self.chunk_backward_s or self.optimizer_s_per_byte
                     or any(any(v) for v in self.modules.values()))
+
+    def update_s(self, grad_bytes: float) -> float:
+        """Seconds of one rank's optimizer step over ``grad_bytes`` bytes of trainable parameters."""
+        return self.optimizer_s_per_byte * grad_bytes
 
     def chunk_s(self, module: str, kind: str) -> float:
         """Seconds one chunk of ``module`` costs per ``kind`` action (``"F"`` or ``"B"``).

@@ -102,7 +102,8 @@ def format_plan(choice: LayoutChoice) -> str:
         f"{shape} = {choice.devices_used} of {choice.devices} devices"
         + ("" if plan.num_ranks == 1 else f"; stages: {counts}") + idle_devices_note(choice),
         f"iteration {1e3 * choice.iteration_s:.2f} ms (pipeline {1e3 * choice.makespan_s:.2f} ms + gradient "
-        f"all-reduce {1e3 * choice.grad_sync_s:.2f} ms) with {choice.microbatches_per_replica} of "
+        f"all-reduce {1e3 * choice.grad_sync_s:.2f} ms"
+        + (f" + optimizer step {1e3 * choice.update_s:.2f} ms" if choice.update_s else "") + f") with {choice.microbatches_per_replica} of "
         f"{choice.microbatches} microbatches per replica; bubble {100 * choice.bubble_fraction:.1f}%; "
         f"{choice.ratio_to_lower_bound:.2f}x the lower bound {1e3 * choice.lower_bound_s:.2f} ms",
         f"peak memory per rank (device) {max(peaks) / _GIB:.2f} GiB ({cap})"

@@ -71,7 +71,15 @@ from plait.planner.schedules import build_schedule
 from plait.planner.schedules_interleaved import runs_interleaved
 from plait.planner.search_bounds import attached_stream, layout_stream
 from plait.planner.search_candidates import Best, branch_and_bound
-from plait.planner.search_model import Costs, Partitions, SearchModel, allreduce_s, cost_list, plan_from_chunks
+from plait.planner.search_model import (
+    Costs,
+    Partitions,
+    SearchModel,
+    allreduce_s,
+    cost_list,
+    flush_s,
+    plan_from_chunks,
+)
 from plait.planner.simulator import (
     P2PModel,
     StageMemory,
@@ -110,10 +118,13 @@ class LayoutChoice(JsonDataclass):
         plan: one replica's ``PipelinePlan`` (``num_microbatches`` = microbatches per replica).
         microbatches: global microbatches per iteration (all replicas).
         devices: accelerators available; ``devices_used = dp * plan.num_ranks``.
-        iteration_s: predicted iteration time with the true frozen-aware costs: ``makespan_s + grad_sync_s``.
+        iteration_s: predicted iteration time with the true frozen-aware costs: ``makespan_s + grad_sync_s +
+            update_s``.
         makespan_s: simulated 1F1B makespan of the busiest replica (``ceil(microbatches / dp)``
             microbatches).
         grad_sync_s: data-parallel gradient all-reduce after the flush (0 without ``dp_link`` or for dp 1).
+        update_s: the slowest rank's optimizer step after it (``overheads.ActionOverheads.update_s``; 0 unless
+            charged).
         planned_iteration_s: the iteration time the choosing cost model predicted (differs from
             ``iteration_s`` for ``"frozen_unaware"``).
         lower_bound_s: ``microbatches * (total true work per microbatch) / devices``.
@@ -160,6 +171,7 @@ class LayoutChoice(JsonDataclass):
     candidates: int = 0
     simulated: int = 0
     schedule: str = "1f1b"
+    update_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, PipelinePlan):
@@ -337,7 +349,7 @@ def _single_rank(model: SearchModel, units: Sequence[Unit], costs: Costs, dp: in
     nb = -(-common["microbatches"] // dp)
     chunks = [(m, any(u.runs_backward for u in model.view if u.module == m)) for m in model.modules]
     fixed = sum(model.overheads.stage_s(kind, chunks, pipelined=False) for kind in ("F", "B"))
-    planned = nb * (math.fsum(model.work) + fixed) + allreduce_s(math.fsum(model.grad), dp, dp_link)
+    planned = nb * (math.fsum(model.work) + fixed) + flush_s(math.fsum(model.grad), dp, dp_link, model.overheads)
     return planned, dataclasses.replace(choice, planned_iteration_s=planned)
 
 
@@ -422,22 +434,24 @@ def evaluate_plan(
     for stage in plan.stages:
         grads[stage.rank] += sum(cost_map[n].param_bytes for n in stage.units if by_name[n].trainable)
     sync = max(allreduce_s(g, dp, dp_link) for g in grads)
+    update = max(overheads.update_s(g) for g in grads)
     work = sum(c.forward_s + c.backward_s(u) for u, c in zip(true_units, cost_map.values()))
     n = plan.num_stages
     fits = memory_cap is None or max(result.peak_memory_bytes) <= memory_cap
     return LayoutChoice(
         method=method, layout=plan.layout, dp=dp,
         stages_per_module=tuple((m, len(plan.module_stages(m))) for m in plan.modules), plan=plan,
-        microbatches=microbatches, devices=devices, iteration_s=result.makespan_s + sync,
+        microbatches=microbatches, devices=devices, iteration_s=result.makespan_s + sync + update,
         makespan_s=result.makespan_s, grad_sync_s=sync,
-        planned_iteration_s=result.makespan_s + sync if planned_iteration_s is None else planned_iteration_s,
+        planned_iteration_s=(result.makespan_s + sync + update if planned_iteration_s is None
+                             else planned_iteration_s),
         lower_bound_s=microbatches * work / devices, bubble_fraction=result.mean_bubble_fraction,
         stage_forward_s=[action[(s, "F")] for s in range(n)], stage_backward_s=[action[(s, "B")] for s in range(n)],
         stage_static_bytes=[memory[s].static_bytes for s in range(n)],
         stage_activation_bytes=[memory[s].activation_bytes for s in range(n)],
         stage_memory_bytes=[memory[s].static_bytes + peaks[s] * memory[s].activation_bytes for s in range(n)],
         stage_boundary_bytes=[boundary[s] for s in range(n)], memory_cap=memory_cap, fits_memory=fits, p2p=p2p,
-        candidates=candidates, simulated=simulated, schedule=name,
+        candidates=candidates, simulated=simulated, schedule=name, update_s=update,
     )
 
 

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from plait.planner.overheads import ActionOverheads
 from plait.planner.pipeline_plan import PipelinePlan, stage_ranks
 from plait.planner.schedule_ir import Action, one_f_one_b_order
 from plait.planner.schedules_interleaved import interleaved_1f1b, interleaved_orders
@@ -33,7 +34,7 @@ from plait.planner.search_model import (
     CandidateStages,
     Partitions,
     SearchModel,
-    allreduce_s,
+    flush_s,
     build_stages,
     in_flight,
     plan_from_chunks,
@@ -134,7 +135,7 @@ def branch_and_bound(parts: Partitions, streams: list[Stream], p2p: P2PModel, li
         stream = streams[entry.stream]
         if entry.refined:
             timed += 1
-            total = time_1f1b(entry.stages, stream.nb) + sync_s(entry.stages, stream.dp, link)
+            total = time_1f1b(entry.stages, stream.nb) + sync_s(entry.stages, stream.dp, link, parts.model.overheads)
             key = CandidateKey(total, entry.devices, 1, stream.layout, entry.counts, False)
             best = _better(best, key, stream, entry.stages)
             continue
@@ -155,7 +156,8 @@ def branch_and_bound(parts: Partitions, streams: list[Stream], p2p: P2PModel, li
             continue
         st = build_stages(parts, stream.layout, counts, stream.nb, p2p)
         if st is not None:
-            tight = max(entry.bound, max(stage_bounds(st, stream.nb)) + sync_s(st, stream.dp, link))
+            tight = max(entry.bound, max(stage_bounds(st, stream.nb)) + sync_s(st, stream.dp, link,
+                                                                                parts.model.overheads))
             heapq.heappush(heap, HeapEntry(tight, sum(counts) * stream.dp, seq, True, entry.stream, counts, st))
             seq += 1
     return best, considered, timed
@@ -196,7 +198,7 @@ def interleaved_candidate(parts: Partitions, stream: Stream, counts: tuple[int, 
         grads[stage.rank] += st.grad[stage.index]
     if parts.cap is not None and max(m + x for m, x in zip(memory, live)) > parts.cap:
         return None
-    return TimedCandidate(makespan + max(allreduce_s(g, stream.dp, link) for g in grads), st)
+    return TimedCandidate(makespan + max(flush_s(g, stream.dp, link, parts.model.overheads) for g in grads), st)
 
 
 def time_orders(plan: PipelinePlan, orders: Sequence[Sequence[Action]], st: CandidateStages,
@@ -234,6 +236,8 @@ def _durations(st: CandidateStages, nb: int) -> ActionDurations:
     return ActionDurations([[f] * nb for f in st.forward], [[b] * nb for b in st.backward], ())
 
 
-def sync_s(st: CandidateStages, dp: int, link: P2PModel | None) -> float:
-    """Gradient all-reduce after the flush: the slowest stage's (one stage per rank)."""
-    return max(allreduce_s(g, dp, link) for g in st.grad)
+def sync_s(st: CandidateStages, dp: int, link: P2PModel | None,
+           overheads: ActionOverheads = ActionOverheads()) -> float:
+    """Gradient all-reduce and optimizer step after the flush (``search_model.flush_s``): the slowest stage's (one
+    stage per rank)."""
+    return max(flush_s(g, dp, link, overheads) for g in st.grad)

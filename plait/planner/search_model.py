@@ -46,6 +46,7 @@ __all__ = [
     "build_stages",
     "cost_list",
     "fill_stages",
+    "flush_s",
     "in_flight",
     "plan_from_chunks",
 ]
@@ -64,6 +65,13 @@ def allreduce_s(num_bytes: float, dp: int, link: P2PModel | None) -> float:
         return 0.0
     volume = 2.0 * (dp - 1) / dp * num_bytes
     return 2 * (dp - 1) * link.latency_s + (volume / link.bandwidth_Bps if link.bandwidth_Bps else 0.0)
+
+
+def flush_s(num_bytes: float, dp: int, link: P2PModel | None, overheads: ActionOverheads) -> float:
+    """What a rank holding ``num_bytes`` trainable parameter bytes spends after the pipeline flush: the DP
+    gradient all-reduce (``allreduce_s``) and its optimizer step (``ActionOverheads.update_s``). Both grow with
+    the bytes, so over a plan's ranks the maximum of the sum is the sum of the maxima."""
+    return allreduce_s(num_bytes, dp, link) + overheads.update_s(num_bytes)
 
 
 def cost_list(units: Sequence[Unit], costs: Costs) -> list[UnitCost]:

@@ -5,6 +5,7 @@ pairs ``layout = "encoder_parallel"`` with ``attach_encoders = true``."""
 from __future__ import annotations
 
 import io
+import re
 import tomllib
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 from plait.commands import plan_costs
 from plait.commands.plan import plan_command
 from plait.commands.plan_compare import considered_plans, plan_label
-from plait.commands.plan_costs import host_device, runtime_costs
+from plait.commands.plan_costs import CPU_OPTIMIZER_S_PER_BYTE, host_cpu, host_device, runtime_costs
 from plait.planner.cost_model import DeviceSpec
 from plait.planner.overheads import ActionOverheads
 from plait.planner.pipeline_plan import plan_pipeline, stage_ranks
@@ -44,9 +45,21 @@ def test_plan_defaults_to_the_host_and_says_so(monkeypatch):
     out = io.StringIO()
     choice = plan_command(DEMO, 2, out=out, profile_store=None)
     text = out.getvalue()
-    assert "plait plan: planning for cpu (this host has no GPU; --device to plan for another)" in text
-    assert "on 2 x CPU" in text and "2.50 ms per module chunk and action, 0.10 ms per message" in text
-    assert choice.p2p == P2P_CPU
+    head = re.search(r"plait plan: planning for CPU \(this host, 1 thread: (\d+) GFLOP/s, [\d.]+ GB/s\) \(this host "
+                     r"has no GPU; --device to plan for another\)", text)
+    assert head and int(head.group(1)) > 0  # the demo's train.threads = 1
+    assert "on 2 x CPU (this host" in text and "2.50 ms per module chunk and action, 0.10 ms per message" in text
+    assert "ms per MB of trainable parameters" in text and "+ optimizer step" in text
+    assert choice.p2p == P2P_CPU and choice.update_s > 0
+
+
+def test_host_cpu_measures_this_host():
+    host = host_cpu(1, 4)
+    assert host.threads == 1 and host.spec.peak_flops > 1e9 and host.spec.hbm_bandwidth > 1e8
+    assert 0 < host.optimizer_s_per_byte < 1e-6  # AdamW: nanoseconds per parameter byte
+    assert host.spec.chunk_overhead_s == DeviceSpec.cpu().chunk_overhead_s and host.spec.efficiency == 0.3
+    with pytest.raises(ValueError, match="threads and processes"):
+        host_cpu(0, 1)
 
 
 P2P_CPU = runtime_costs(DeviceSpec.cpu()).p2p
@@ -56,7 +69,9 @@ def test_runtime_costs_of_presets_and_profiles():
     cpu = runtime_costs(DeviceSpec.cpu())
     assert (cpu.p2p.latency_s, cpu.p2p.bandwidth_Bps, cpu.p2p.send_overhead_s, cpu.p2p.recv_overhead_s) == \
         (5e-5, 5e9, 1e-4, 1e-4)
-    assert cpu.dp_link.bandwidth_Bps == 5e9 and cpu.overheads == ActionOverheads(0.0, 2.5e-3, 2.5e-3)
+    assert cpu.dp_link.bandwidth_Bps == 5e9
+    assert cpu.overheads == ActionOverheads(0.0, 2.5e-3, 2.5e-3, optimizer_s_per_byte=CPU_OPTIMIZER_S_PER_BYTE)
+    assert runtime_costs(DeviceSpec.cpu(), optimizer_s_per_byte=1e-9).overheads.optimizer_s_per_byte == 1e-9
     gpu = runtime_costs(DeviceSpec.h100())  # as before: no overheads, no DP link unless asked
     assert gpu.dp_link is None and gpu.overheads.zero and gpu.p2p.send_overhead_s == 0.0
     assert runtime_costs(DeviceSpec.h100(), dp_link_Bps=1e9).dp_link.bandwidth_Bps == 1e9

@@ -70,6 +70,24 @@ def test_evaluate_plan_charges_overheads_hand_worked():
     assert alone.iteration_s == pytest.approx(3 * (2 + 3 + 2 + 3) * MS)
 
 
+def test_optimizer_step_after_the_flush_hand_worked():
+    # 2 units of 1000 trainable bytes each; 10 ns per byte: one rank holding both steps 20 us, two ranks 10 us each
+    units, costs = _llm(2), [UnitCost(1 * MS, 0.0, 1 * MS, param_bytes=1000)] * 2
+    over = ActionOverheads(optimizer_s_per_byte=1e-8)
+    assert over.update_s(2000) == pytest.approx(2e-5) and not over.zero
+    single = evaluate_plan(plan_pipeline(units, "encoder_parallel", ranks=[0]), units, costs, dp=2, microbatches=2,
+                           overheads=over, dtype="float32")
+    assert single.update_s == pytest.approx(2e-5)
+    assert single.iteration_s == pytest.approx(single.makespan_s + 2e-5)
+    split = evaluate_plan(plan_pipeline(units, "encoder_parallel", splits={"llm": ["llm.1"]}), units, costs, dp=1,
+                          microbatches=2, overheads=over, dtype="float32")
+    assert split.update_s == pytest.approx(1e-5) and split.iteration_s == pytest.approx(split.makespan_s + 1e-5)
+    link = P2PModel(latency_s=0.0, bandwidth_Bps=1e6)  # all-reduce of 2000 bytes over 2 replicas: 2000 / 1e6 s
+    dp = plan_layout(units, costs, 2, microbatches=2, dp_degrees=[2], dp_link=link, overheads=over, dtype="float32")
+    assert dp.grad_sync_s == pytest.approx(2e-3) and dp.update_s == pytest.approx(2e-5)
+    assert dp.planned_iteration_s == pytest.approx(dp.iteration_s)
+
+
 def test_search_times_candidates_as_evaluate_plan_does_with_overheads():
     units, costs = _llm(6), _costs(6)
     over = ActionOverheads(per_action_s=0.3 * MS, chunk_forward_s=1 * MS, chunk_backward_s=1.5 * MS)
@@ -94,3 +112,18 @@ def test_chunk_overheads_stop_the_interleaved_plan_that_runs_slower():
     interleaved = evaluate_plan(free.plan, units, costs, dp=1, microbatches=4, overheads=over, dtype="float32",
                                 schedule="interleaved_1f1b")
     assert costly.iteration_s < interleaved.iteration_s
+
+
+def test_the_optimizer_step_makes_a_pipeline_worth_it_for_many_parameters():
+    # the bench's 2-stage-worthy job in small: many trainable bytes, little work per microbatch; plain DP steps
+    # the optimizer over all of them on every rank, a 2-stage pipeline over half of them per rank
+    units = _llm(6)
+    costs = [UnitCost(1 * MS, 1 * MS if i else 0.0, 1 * MS, param_bytes=10**8) for i in range(6)]
+    common = dict(microbatches=4, dtype="float32", memory_cap=None)
+    free = plan_layout(units, costs, 2, **common)
+    assert free.dp == 2 and free.plan.num_ranks == 1
+    over = ActionOverheads(optimizer_s_per_byte=5e-9)  # 3 s for 6e8 bytes, 1.5 s per rank when split in two
+    costly = plan_layout(units, costs, 2, overheads=over, **common)
+    assert costly.dp == 1 and costly.plan.num_ranks == 2 and costly.update_s == pytest.approx(1.5)
+    assert costly.iteration_s < evaluate_plan(free.plan, units, costs, dp=2, microbatches=4, overheads=over,
+                                              dtype="float32").iteration_s
