@@ -24,7 +24,8 @@ __all__ = ["main"]
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from plait.commands.train import train_command
 
-    return train_command(args.config, overrides, resume=args.resume, profile_store=args.profile_store)
+    return train_command(args.config, overrides, resume=args.resume, profile_store=args.profile_store,
+                         overwrite=args.overwrite)
 
 
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -72,7 +73,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     train = sub.add_parser("train", help="train a job (single process, or under torchrun for DP/CP/PP)")
     train.add_argument("--config", required=True, help="TOML job file, e.g. configs/demo.toml")
     train.add_argument("--resume", nargs="?", const=True, default=False,
-                       help="resume from the newest checkpoint of the run (or from the given directory)")
+                       help="resume from the newest checkpoint of the run (or from the given directory); a larger "
+                            "--train.steps extends the run, its LR cosine re-stretched without a jump")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start a new run even when metrics.run_dir (default: runs/<job file name>) holds an "
+                            "earlier run's checkpoints or final model: they are removed (without it, refused)")
     train.add_argument("--profile-store", default="runs/profiles",
                        help="folder of stored profiles for parallel.plan=auto")
     plan = sub.add_parser("plan", help="choose a pipeline layout/partition for N devices (analytic costs)")

@@ -23,27 +23,37 @@ from plait.parallel.mesh import init_distributed
 from plait.planner.profile import Profile
 from plait.planner.report import format_plan
 from plait.train.auto_plan import resolve_auto_plan
+from plait.train.metrics import import_wandb
 from plait.train.pipeline_trainer import PipelineTrainer
 from plait.train.plots import plot_loss_curve
+from plait.train.run_dir import check_new_run
 from plait.train.trainer import Trainer
 
 __all__ = ["auto_plan_replaces", "resolve_auto", "train_command"]
 
 
 def train_command(config: str | Path, overrides: list[str], *, resume: bool | str = False,
-                  profile_store: str | Path = "runs/profiles") -> int:
+                  profile_store: str | Path = "runs/profiles", overwrite: bool = False) -> int:
     """``plait train``: train the job in ``config`` (with its ``--section.key=value`` overrides); returns 0.
+
+    Before anything is built: a new run into a ``metrics.run_dir`` holding an earlier run's checkpoints or final
+    model is refused unless ``overwrite`` (:func:`~plait.train.run_dir.check_new_run`), and ``metrics.wandb``
+    needs the ``wandb`` package.
 
     Args:
         resume: True to resume from the newest checkpoint of the run, or a checkpoint directory.
         profile_store: folder of stored profiles for ``parallel.plan = "auto"``.
+        overwrite: start a new run even when the run directory holds an earlier one (its checkpoints and final
+            model are removed).
 
     Raises:
-        ValueError, FileNotFoundError: on a bad or missing job file (marked ``same_on_every_rank``: every rank
-            reads the same file), and as the trainer.
+        ValueError, FileNotFoundError: on a bad or missing job file, an earlier run in the way, ``resume`` with
+            ``overwrite``, or ``metrics.wandb`` without wandb (marked ``same_on_every_rank``: every rank reads the
+            same files), and as the trainer.
     """
     try:
         cfg = load_config(config, overrides)
+        _check_before_building(cfg, config, resume, overwrite)
     except (ValueError, FileNotFoundError) as exc:
         exc.same_on_every_rank = True  # type: ignore[attr-defined]  # every rank reads the same file
         raise
@@ -51,12 +61,30 @@ def train_command(config: str | Path, overrides: list[str], *, resume: bool | st
     if cfg.parallel.plan == "auto":
         cfg, info = resolve_auto(cfg, profile_store)
     trainer = PipelineTrainer.build(cfg, info) if cfg.parallel.pp.degree > 1 else Trainer.build(cfg, info)
-    result = trainer.fit(resume=resume)
+    result = trainer.fit(resume=resume, overwrite=overwrite)
     if trainer.info.is_main:
         _save_and_report(trainer, result)
     if dist.is_initialized():  # a clean shutdown: gloo's worker threads must not outlive the interpreter
         dist.destroy_process_group()
     return 0
+
+
+def _check_before_building(cfg: JobConfig, config: str | Path, resume: bool | str, overwrite: bool) -> None:
+    """The checks that need no model: ``--resume`` with ``--overwrite``, an earlier run in the run directory of a
+    new run (without ``--overwrite``), ``metrics.wandb`` without the package.
+
+    Raises:
+        ValueError: naming the flags, the folder or the package.
+    """
+    if resume and overwrite:
+        raise ValueError("--resume continues the run in metrics.run_dir and --overwrite replaces it: give one")
+    if not resume and not overwrite:
+        try:
+            check_new_run(cfg.metrics.run_dir)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("--config JOB", f"--config {config}")) from None
+    if cfg.metrics.wandb:
+        import_wandb()
 
 
 def _save_and_report(trainer: Trainer, result: dict[str, Any]) -> None:

@@ -294,7 +294,11 @@ class CheckpointConfig:
 class MetricsConfig:
     """Where a run writes its metrics, plots and checkpoints."""
 
-    run_dir: str = "runs/demo"
+    run_dir: str = "runs/job"
+    """The run's folder (metrics.jsonl, checkpoints/, final/, plots). A job file that does not set it gets
+    ``runs/<job file name without .toml>`` (``plait.config.loader.read_config_data``); this default is for
+    configs built in code. A new run refuses a folder holding an earlier run's checkpoints or final model unless
+    ``plait train --overwrite``."""
     log_every: int = 1
     """Write a metrics row every this many steps (and at the last step)."""
     tensorboard: bool = True

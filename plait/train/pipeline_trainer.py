@@ -353,9 +353,10 @@ class PipelineTrainer(Trainer):
                       title=f"measured step {self.step}: {pp.layout}, {pp.schedule}, {m} microbatches")
         return path
 
-    def fit(self, resume: bool | str = False, stop_after: int | None = None) -> dict[str, Any]:
+    def fit(self, resume: bool | str = False, stop_after: int | None = None, overwrite: bool = False
+            ) -> dict[str, Any]:
         """:meth:`Trainer.fit`, then the timeline of the last step (:meth:`write_timeline`); the result also
         holds ``"timeline"`` (the JSON path on rank 0, else None)."""
-        result = super().fit(resume, stop_after)
+        result = super().fit(resume, stop_after, overwrite)
         result["timeline"] = self.write_timeline()
         return result

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -68,7 +69,8 @@ from plait.train.costs import microbatch_cost_coeffs
 from plait.train.evaluation import EvalSide, eval_batch_size, evaluate_on, load_metrics
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter, Progress
-from plait.train.optim import build_optimizer, build_scheduler
+from plait.train.optim import LRSchedule, build_optimizer, lr_factor
+from plait.train.run_dir import check_new_run, earlier_run
 
 __all__ = ["Trainer", "StepResult"]
 
@@ -192,7 +194,7 @@ class Trainer:
         self.ddp_model = apply_data_parallel(self.model, self.info)
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas,
                                          {n: e.lr_scale for n, e in self.cfg.model.encoders.items()})
-        self.scheduler = build_scheduler(self.optimizer, t.warmup_steps, self.total_steps, t.min_lr_ratio)
+        self.scheduler = LRSchedule(t.lr, lr_factor(t.warmup_steps, self.total_steps, t.min_lr_ratio), self.optimizer)
 
     def _num_microbatches(self, samples: int) -> int:
         """Microbatches of a DP rank's share of ``samples`` samples (``train.microbatch_size`` per microbatch)."""
@@ -443,6 +445,11 @@ class Trainer:
                                 layout, config_to_dict(self.cfg)["model"], self.cfg.train.seed)
         self.loader.load_state_dict(state["loader"])
         self.step = state["step"]
+        if self.info.is_main and self.scheduler.extended_from is not None:
+            print(f"plait: the run's length changed from {self.scheduler.extended_from} to {self.total_steps} steps: "
+                  f"the LR continues from {self.scheduler.get_last_lr()[0]:.3g} at step {self.step}, the rest of "
+                  f"its cosine re-stretched to end at step {self.total_steps} (no jump; README \"Longer runs\")",
+                  flush=True)
         if self.info.is_main:
             was = state["layout"].describe() if state["layout"] is not None else "an unrecorded layout"
             print(f"plait: resuming step {self.step} written with {was}, now {layout.describe()}", flush=True)
@@ -470,14 +477,15 @@ class Trainer:
         ``PipelineTrainer``)."""
         return self.model
 
-    def fit(self, resume: bool | str = False, stop_after: int | None = None) -> dict[str, Any]:
+    def fit(self, resume: bool | str = False, stop_after: int | None = None, overwrite: bool = False
+            ) -> dict[str, Any]:
         """Train until ``train.steps`` (or ``stop_after`` steps, for tests), validating and checkpointing on
-        schedule. A fresh run (no ``resume``) first removes an earlier run's checkpoints from the run directory
-        (:meth:`_clear_earlier_run`). Returns ``{"steps": steps trained by this call, "step": the step reached,
+        schedule. A fresh run (no ``resume``) refuses a run directory holding an earlier run's checkpoints or
+        final model, or with ``overwrite`` removes them first (:meth:`_clear_earlier_run`). Returns ``{"steps": steps trained by this call, "step": the step reached,
         "losses", "eval", "skipped"}``."""
         resumed = self.resume(None if resume is True else resume) if resume else None
         if not resume:
-            self._clear_earlier_run()
+            self._clear_earlier_run(overwrite)
         main = self.info.is_main
         if resumed is not None and resumed >= self.total_steps and main:
             t = self.cfg.train
@@ -515,16 +523,27 @@ class Trainer:
         return {"steps": self.step - first, "step": self.step, "losses": losses, "eval": evals,
                 "skipped": len(self.train_set.skipped)}
 
-    def _clear_earlier_run(self) -> None:
-        """A new run into a run directory holding an earlier run's checkpoints: rank 0 removes them (with a
-        warning saying how many), so a later ``--resume`` can only find this run's; every rank waits for it."""
-        if self.info.is_main:
-            newest = latest_checkpoint(self.run_dir)
+    def _clear_earlier_run(self, overwrite: bool = False) -> None:
+        """A new run into a run directory holding an earlier run's checkpoints or final model: refused
+        (:func:`~plait.train.run_dir.check_new_run`, on every rank alike) unless ``overwrite``; then rank 0 removes
+        them (with a warning saying how many), so a later ``--resume`` can only find this run's; every rank waits.
+
+        Raises:
+            ValueError: without ``overwrite``, naming the folder and how to resume or overwrite.
+        """
+        if not overwrite:
+            check_new_run(self.run_dir)
+        elif self.info.is_main:
+            newest, final = latest_checkpoint(self.run_dir), self.run_dir / "final"
+            held = earlier_run(self.run_dir)
             removed = remove_checkpoints(self.run_dir)
-            if removed:
-                log.warning("%s already holds checkpoints of an earlier run: removed its %d checkpoint(s)%s; this "
-                            "new run also overwrites its metrics (use --resume to continue it instead)",
-                            self.run_dir, removed, f" (newest {newest.name})" if newest else "")
+            if final.is_dir():
+                shutil.rmtree(final)
+            if held:
+                log.warning("%s already holds checkpoints of an earlier run: removed its %d checkpoint(s)%s%s; this "
+                            "new run also overwrites its metrics (--overwrite; use --resume to continue it instead)",
+                            self.run_dir, removed, f" (newest {newest.name})" if newest else "",
+                            " and its final model" if "a final model (final/)" in held else "")
         if dist.is_initialized() and self.info.world_size > 1:
             dist.barrier()
 

@@ -179,7 +179,7 @@ def test_new_run_into_an_old_run_dir_removes_its_checkpoints(tiny_job, caplog, r
     sections["train"]["steps"] = 2
     warnings.simplefilter("always")
     with caplog.at_level(logging.WARNING):
-        Trainer.build(tiny_job(recs, **sections)).fit()
+        Trainer.build(tiny_job(recs, **sections)).fit(overwrite=True)  # issue 12: refused without it
     assert any("already holds checkpoints of an earlier run: removed its 3 checkpoint(s) (newest step_000006)"
                in r.message for r in caplog.records)
     assert names() == ["step_000002"]
