@@ -146,6 +146,14 @@ class DataConfig:
     """Visit training samples in a fresh random order each epoch (False: file order, for tests)."""
     val_max_samples: int | None = None
     """Evaluate on at most this many validation records (the first ones), or all when None."""
+    num_workers: int = 2
+    """DataLoader worker processes per rank that read, decode and process the samples of the coming steps (and
+    compute the metadata pass, ``plait.data.metadata``); 0: in the training process, when a step needs them."""
+    prefetch: int = 2
+    """Steps each worker loads ahead of the step being trained (DataLoader ``prefetch_factor``)."""
+    metadata_cache: str = ""
+    """Folder of the metadata pass's cache (keyed by the data files and the processor settings; a stale entry is
+    recomputed). Empty: ``$XDG_CACHE_HOME/plait/metadata`` (``~/.cache/plait/metadata``); ``"off"``: no cache."""
 
 
 @dataclass

@@ -183,7 +183,8 @@ class SampleFeed:
             raise ValueError(f"workers must be >= 0 and prefetch >= 1, got {workers}, {prefetch}")
         self._loader = torch.utils.data.DataLoader(
             _LoadTask(dataset), batch_size=None, sampler=_Steps(steps), num_workers=workers,
-            collate_fn=_identity, prefetch_factor=prefetch if workers else None)
+            collate_fn=_identity, prefetch_factor=prefetch if workers else None,
+            generator=torch.Generator().manual_seed(0))  # leaves the global RNG (checkpointed) alone
         self._it: Any = None
 
     def next(self) -> LoadedSamples:

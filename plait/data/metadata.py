@@ -96,7 +96,7 @@ def _audio_header(item: str | MediaBytes, memo: _Headers) -> tuple[int, int]:
         return memo.audios[key]
     if key is not None and not Path(key).is_file():
         raise SampleError(f"audio file {item} does not exist{path_note(key)}")
-    is_wav = item[:4] == b"RIFF" if isinstance(item, bytes) else key.lower().endswith(".wav")  # type: ignore[union-attr]
+    is_wav = item[:4] == b"RIFF" if isinstance(item, bytes) else str(key).lower().endswith(".wav")
     try:
         if is_wav:
             with wave.open(io.BytesIO(item) if isinstance(item, bytes) else key, "rb") as w:
@@ -229,7 +229,8 @@ class _ChunkTask(torch.utils.data.Dataset):
 
     def __init__(self, source: RecordSource, processor: MultimodalProcessor, prompt_only: bool, rows: int,
                  chunk: int) -> None:
-        self.source, self.processor, self.prompt_only, self.rows, self.chunk = source, processor, prompt_only, rows, chunk
+        self.source, self.processor, self.prompt_only = source, processor, prompt_only
+        self.rows, self.chunk = rows, chunk
         self.branches = [s.encoder for s in processor.specs.values()]
         self.memo = _Headers()
         self.stamped: set[str] = set()
@@ -493,7 +494,8 @@ def metadata_pass(source: RecordSource, processor: MultimodalProcessor, *, promp
     task = _ChunkTask(source, processor, prompt_only, rows, chunk)
     mine = list(range(rank, len(task), world))
     loader = torch.utils.data.DataLoader(task, batch_size=None, sampler=mine, num_workers=workers,
-                                         collate_fn=_identity, prefetch_factor=4 if workers else None)
+                                         collate_fn=_identity, prefetch_factor=4 if workers else None,
+                                         generator=torch.Generator().manual_seed(0))
     if workers:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     total = sum(min(rows, (c + 1) * chunk) - c * chunk for c in mine)

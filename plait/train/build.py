@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,11 +15,12 @@ import torch
 from plait.config.schema import JobConfig
 from plait.data.chat_template import tokenizer_dir
 from plait.data.loader import MultimodalDataset
+from plait.data.metadata import default_cache_dir
 from plait.models.multimodal import MultimodalModel
 from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.parallel.mesh import DistInfo, init_distributed
 
-__all__ = ["TrainerParts", "build_datasets", "build_trainer_parts", "join_job", "seed_everything"]
+__all__ = ["TrainerParts", "build_datasets", "build_trainer_parts", "join_job", "metadata_cache_dir", "seed_everything"]
 
 
 @dataclass
@@ -59,14 +61,25 @@ def join_job(cfg: JobConfig, info: DistInfo | None = None) -> DistInfo:
 
 def build_datasets(cfg: JobConfig, processor: Any, progress: bool) -> tuple[MultimodalDataset,
                                                                             MultimodalDataset | None]:
-    """The training set and the validation set (prompts only; None without ``data.val``)."""
+    """The training set and the validation set (prompts only; None without ``data.val``): each a metadata pass
+    (``data.num_workers`` worker processes per rank, cached under :func:`metadata_cache_dir`), samples read
+    when their step comes."""
     d = cfg.data
-    train = MultimodalDataset(d.train, processor, d.on_error, progress=progress)
+    common = {"on_error": d.on_error, "progress": progress, "workers": d.num_workers,
+              "cache_dir": metadata_cache_dir(cfg)}
+    train = MultimodalDataset(d.train, processor, **common)
     val = None
     if d.val:
-        val = MultimodalDataset(d.val, processor, d.on_error, prompt_only=True, max_samples=d.val_max_samples,
-                                progress=progress)
+        val = MultimodalDataset(d.val, processor, prompt_only=True, max_samples=d.val_max_samples, **common)
     return train, val
+
+
+def metadata_cache_dir(cfg: JobConfig) -> Path | None:
+    """The metadata cache folder of ``data.metadata_cache`` (None for ``"off"``)."""
+    value = cfg.data.metadata_cache
+    if value == "off":
+        return None
+    return Path(value) if value else default_cache_dir()
 
 
 def build_trainer_parts(cfg: JobConfig, info: DistInfo, meta: bool = False) -> TrainerParts:

@@ -219,7 +219,7 @@ class PipelineTrainer(Trainer):
         the :class:`~plait.planner.routing.FeatureRouting`; microbatches empty in both views are dropped (order
         kept). Without deferral both views are the same and the step runs without routing."""
         plan = plan or self.plan_step(indices)[0]
-        global_targets = sum(self.train_set[i].meta.target_tokens for i in indices)
+        global_targets = sum(self.train_set.sample_meta(i).target_tokens for i in indices)
         step, loss_fn = self.plan_batches(indices, plan), token_loss_sum
         routed = plan.deferred() and step.routing.num_microbatches > 0
         batches, kwargs = list(step.llm_batches), list(step.llm_kwargs)

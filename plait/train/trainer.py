@@ -37,7 +37,8 @@ from plait.attention.masks import MaskInfo, block_work
 from plait.config.loader import config_to_dict
 from plait.config.schema import JobConfig
 from plait.data.collate import Batch, collate
-from plait.data.loader import GlobalBatchLoader
+from plait.data.loader import GlobalBatchLoader, SampleFeed
+from plait.data.metadata import SkippedSample
 from plait.models.generation import greedy_generate, stop_token_ids
 from plait.models.multimodal import MultimodalModel
 from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
@@ -67,6 +68,7 @@ from plait.train.checkpoint import (
 )
 from plait.train.costs import microbatch_cost_coeffs
 from plait.train.evaluation import EvalSide, eval_batch_size, evaluate_on, load_metrics
+from plait.train.feed import receive_step, upcoming_rank_samples
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter, Progress
 from plait.train.optim import LRSchedule, build_optimizer, lr_factor
@@ -137,6 +139,8 @@ class Trainer:
         self.cost_coeffs = microbatch_cost_coeffs(self.model)
         self._setup_training()
         self.step = 0
+        self._loaded: dict[int, Any] = {}  # this step's samples loaded ahead (fit), by dataset index
+        self.dropped: list[SkippedSample] = []  # samples dropped from their step: they failed to load
         self.encoder_buffer_peak_bytes = 0  # of the last forward_backward (deferred encoder outputs)
         use_bf16 = t.dtype == "bf16" or (t.dtype == "auto" and self.info.device.type == "cuda")
         self.autocast = (
@@ -206,8 +210,10 @@ class Trainer:
                 sum(p.numel() for p in self.model.parameters()))
 
     # ------------------------------------------------------------------ one step
-    def plan_step(self, indices: Sequence[int]) -> tuple[MicrobatchPlan, tuple[SampleCost, ...]]:
-        """Assign the global batch ``indices`` to DP ranks and microbatches (``train.microbatch_policy``).
+    def plan_step(self, indices: Sequence[int],
+                  step: int | None = None) -> tuple[MicrobatchPlan, tuple[SampleCost, ...]]:
+        """Assign the global batch ``indices`` of ``step`` (default: the current step) to DP ranks and microbatches
+        (``train.microbatch_policy``).
 
         Every rank computes the same plan from the samples' metadata, seed and step, without communication.
         Plan entries are positions in ``indices``. Returns the plan and the per-sample costs it balanced.
@@ -216,13 +222,17 @@ class Trainer:
         (:class:`~plait.planner.routing.FeatureRouting`).
         """
         t = self.cfg.train
-        costs = sample_costs_from_metadata([self.train_set[i].meta for i in indices], self.cost_coeffs)
+        costs = sample_costs_from_metadata([self.train_set.sample_meta(i) for i in indices], self.cost_coeffs)
         per_rank = -(-len(indices) // self.dp)
         policy = MicrobatchPolicy(
             method=t.microbatch_policy, dp=self.dp, num_microbatches=self._num_microbatches(per_rank),
             seed=t.seed, allow_deferral=True,
         )
-        return plan_microbatches(costs, policy, self.step), costs
+        return plan_microbatches(costs, policy, self.step if step is None else step), costs
+
+    def _rank_samples(self, indices: Sequence[int], step: int) -> list[int]:
+        """The dataset indices of the global batch ``indices`` of ``step`` that this rank's DP replica trains."""
+        return [indices[k] for mb in self.plan_step(indices, step)[0].microbatches[self.dp_rank] for k in mb]
 
     def microbatches(self, indices: Sequence[int], plan: MicrobatchPlan | None = None) -> list[list[int]]:
         """This rank's non-empty LLM microbatches (dataset indices) of the global batch ``indices``."""
@@ -237,16 +247,18 @@ class Trainer:
         mine = [k for mb in plan.microbatches[self.dp_rank] for k in mb]
         routing = plan_feature_routing(plan, self.dp_rank, {k: self._feature_rows(indices[k]) for k in mine})
         llm = tuple(self._collate([indices[k] for k in mb]) if mb else None for mb in routing.llm_samples)
-        items = {k: {b: len(v) for b, v in self.train_set[indices[k]].inputs.items()}
-                 for mb in routing.encoder_samples for k in mb}
+        items = {k: self.train_set.item_counts(indices[k]) for mb in routing.encoder_samples for k in mb}
         enc = tuple(llm[i] if mb == routing.llm_samples[i] else encoder_view_batch(i, routing, llm, items) if mb
                     else None for i, mb in enumerate(routing.encoder_samples))
         kwargs = tuple(self._llm_kwargs(b) if b is not None else {} for b in llm)
         return StepBatches(routing, enc, llm, kwargs)
 
     def _collate(self, samples: Sequence[int]) -> Batch:
-        """The training batch of dataset samples ``samples`` on this rank's device (``data.packing``)."""
-        batch = collate([self.train_set[i] for i in samples], self.processor.pad_id, pack=self.cfg.data.packing)
+        """The training batch of dataset samples ``samples`` on this rank's device (``data.packing``): the samples
+        loaded ahead for this step (:meth:`fit`), others read and processed now."""
+        loaded = self._loaded
+        batch = collate([loaded[i] if i in loaded else self.train_set[i] for i in samples], self.processor.pad_id,
+                        pack=self.cfg.data.packing)
         return batch.to(self.info.device)
 
     def _llm_kwargs(self, batch: Batch) -> dict[str, Any]:
@@ -275,7 +287,7 @@ class Trainer:
         """
         self.model.train()
         plan = plan or self.plan_step(indices)[0]
-        global_targets = sum(self.train_set[i].meta.target_tokens for i in indices)
+        global_targets = sum(self.train_set.sample_meta(i).target_tokens for i in indices)
         batches = self.plan_batches(indices, plan)
         loss_sum, self.encoder_buffer_peak_bytes = self._run_microbatches(batches, 1.0 / max(1, global_targets))
         if self.info.world_size > 1:
@@ -314,8 +326,8 @@ class Trainer:
 
     def _feature_rows(self, index: int) -> dict[str, int]:
         """Projected feature rows per encoder branch of dataset sample ``index`` (its placeholder tokens)."""
-        ids = self.train_set[index].input_ids
-        return {name: int((ids == pid).sum()) for name, pid in self.model.placeholder_ids.items()}
+        rows = self.train_set.feature_rows(index)
+        return {name: rows.get(name, 0) for name in self.model.placeholder_ids}
 
     def microbatch_loss(self, batch: Batch, kwargs: dict[str, Any], features: dict[str, torch.Tensor] | None = None
                         ) -> torch.Tensor:
@@ -378,7 +390,7 @@ class Trainer:
         self.encoder_buffer_peak_bytes = 0
         loss, targets = self.forward_backward(indices, plan)
         grad_norm, lr = self.optimizer_step()
-        tokens = sum(self.train_set[i].meta.length for i in indices)
+        tokens = sum(self.train_set.sample_meta(i).length for i in indices)
         stats = workload_stats(plan, costs, list(self.cost_coeffs))
         workload = {m: {"cv": stats.cv[k], "max_over_mean": stats.max_over_mean[k]}
                     for k, m in enumerate(stats.modules)}
@@ -481,8 +493,12 @@ class Trainer:
             ) -> dict[str, Any]:
         """Train until ``train.steps`` (or ``stop_after`` steps, for tests), validating and checkpointing on
         schedule. A fresh run (no ``resume``) refuses a run directory holding an earlier run's checkpoints or
-        final model, or with ``overwrite`` removes them first (:meth:`_clear_earlier_run`). Returns ``{"steps": steps trained by this call, "step": the step reached,
-        "losses", "eval", "skipped"}``."""
+        final model, or with ``overwrite`` removes them first (:meth:`_clear_earlier_run`). Each step's samples
+        are loaded ahead by ``data.num_workers`` worker processes (:class:`~plait.data.loader.SampleFeed`,
+        :mod:`plait.train.feed`); one that fails to load is dropped from its step on every rank alike (or stops
+        the run with ``data.on_error = "raise"``); the wait goes to the metrics as ``data_wait_s``. Returns
+        ``{"steps": steps trained by this call, "step": the step reached, "losses", "eval", "skipped",
+        "dropped"}``."""
         resumed = self.resume(None if resume is True else resume) if resume else None
         if not resume:
             self._clear_earlier_run(overwrite)
@@ -499,13 +515,20 @@ class Trainer:
         end = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
         bar = Progress(self.total_steps, self.step, main and self.cfg.metrics.progress)
         losses, evals = [], {}
+        feed = SampleFeed(self.train_set, upcoming_rank_samples(self.loader, self.step, end, self._rank_samples),
+                          self.cfg.data.num_workers, self.cfg.data.prefetch)
         while self.step < end:
-            res = self.train_step(self.loader.next_batch())
+            got = receive_step(feed.next(), self.loader.next_batch(), self.train_set, self.info.device,
+                               self.cfg.data.on_error, self.step + 1)
+            self._loaded, self.dropped = got.samples, self.dropped + got.dropped
+            res = self.train_step(got.indices)
+            self._loaded = {}
             losses.append(res.loss)
             rec = {"step": res.step, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
                    "tokens_per_s": res.tokens / res.time_s, "target_tokens": res.target_tokens,
                    "epoch": self.loader.epoch, "workload": res.workload, "deferred_samples": res.deferred_samples,
-                   "encoder_buffer_peak_bytes": res.encoder_buffer_peak_bytes}
+                   "encoder_buffer_peak_bytes": res.encoder_buffer_peak_bytes, "data_wait_s": got.wait_s,
+                   "dropped_samples": len(got.dropped)}
             if res.step % self.cfg.metrics.log_every == 0 or res.step == end:
                 writer.write(rec)
             bar.update(res.step, res.loss, rec["tokens_per_s"], last=res.step == end)
@@ -518,10 +541,11 @@ class Trainer:
             every = self.cfg.checkpoint.every
             if (every and res.step % every == 0) or res.step == end:
                 self.save()
+        feed.close()
         bar.close()
         writer.close()
         return {"steps": self.step - first, "step": self.step, "losses": losses, "eval": evals,
-                "skipped": len(self.train_set.skipped)}
+                "skipped": len(self.train_set.skipped), "dropped": len(self.dropped)}
 
     def _clear_earlier_run(self, overwrite: bool = False) -> None:
         """A new run into a run directory holding an earlier run's checkpoints or final model: refused
