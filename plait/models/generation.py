@@ -168,7 +168,7 @@ class Prompt:
             raise ValueError(f"prompt {self.id!r}: the messages must end with the user's turn")
         messages = tuple({"role": m["role"], "content": m["content"]} for m in self.messages)
         return RawSample(self.id, "default", messages + ({"role": "assistant", "content": ""},),
-                         {"image": self.images, "audio": self.audios}, f"prompt {self.id!r}")
+                         {"image": self.images, "audio": self.audios}, "the prompt")
 
 
 class Generator:

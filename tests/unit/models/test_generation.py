@@ -65,7 +65,7 @@ def test_prompts_name_what_is_wrong(trained, tmp_path):
     _, final, _, _ = trained
     gen = Generator.from_pretrained(final, device="cpu")
     missing = str(tmp_path / "nope.png")
-    with pytest.raises(SampleError, match=rf"record 'prompt' \(prompt 'prompt'\): image file {missing} does not exist"):
+    with pytest.raises(SampleError, match=rf"record 'prompt' \(the prompt\): image file {missing} does not exist"):
         gen.ask("Which digit?", images=[missing])
     with pytest.raises(SampleError, match=r"2 <image> placeholder\(s\) in the text but 1 image item"):
         gen.ask("<image><image> which?", images=[task_records("val", 1)[0]["images"][0]])
