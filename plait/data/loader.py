@@ -239,6 +239,7 @@ class GlobalBatchLoader:
         self.shuffle = shuffle
         self.epoch = 0
         self.batch_in_epoch = 0
+        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its permutation), drawn once per epoch
 
     @property
     def batches_per_epoch(self) -> int:
@@ -254,7 +255,9 @@ class GlobalBatchLoader:
     def next_batch(self) -> list[int]:
         """Indices of the next global batch; advances the position."""
         start = self.batch_in_epoch * self.global_batch_size
-        batch = self.epoch_order(self.epoch)[start : start + self.global_batch_size].tolist()
+        if self._order is None or self._order[0] != self.epoch:
+            self._order = (self.epoch, self.epoch_order(self.epoch))
+        batch = self._order[1][start : start + self.global_batch_size].tolist()
         self.batch_in_epoch += 1
         if self.batch_in_epoch == self.batches_per_epoch:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
