@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT, demo_records, write_jsonl
 
 
@@ -105,3 +107,42 @@ def test_plan_and_simulate_commands(tmp_path):
     # demo.toml: 2 microbatches per step, so --dp is at most 2; the flag is named
     dp = plait("plan", "--config", str(ROOT / "configs" / "demo.toml"), "--devices", "4", "--dp", "3")
     assert dp.returncode == 2 and dp.stderr.startswith("plait: error: --dp 3: ") and "dp_degrees" not in dp.stderr
+
+
+def test_a_new_run_never_removes_an_earlier_one_and_a_longer_run_keeps_its_lr_smooth(tmp_path):
+    import math
+
+    job = write_job(tmp_path)
+    small = ["--train.steps=4", "--train.global_batch_size=4", "--data.val=", "--checkpoint.every=2",
+             "--metrics.progress=false", "--train.warmup_steps=1", "--train.min_lr_ratio=0.1"]
+    run = tmp_path / "run"
+    assert plait("train", "--config", job, *small).returncode == 0
+    refused = plait("train", "--config", job, *small)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert (f"plait: error: {run} holds an earlier run (2 checkpoint(s), newest step_000004; a final model (final/))"
+            in refused.stderr)
+    assert f"plait train --config {job} --resume" in refused.stderr
+    assert f"plait train --config {job} --overwrite" in refused.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+
+    longer = plait("train", "--config", job, *small, "--train.steps=8",
+                   "--resume", str(run / "checkpoints" / "step_000002"))
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert "the run's length changed from 4 to 8 steps" in longer.stdout
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lr = {r["step"]: r["lr"] for r in rows if "lr" in r}
+    assert sorted(lr) == list(range(1, 9)) and all("time" in r and "elapsed_s" in r for r in rows)
+    # f(s) of README "Longer runs": phase 1/3 at step index 2 (row 3), re-stretched over the 6 new steps
+    for step in range(3, 9):
+        phase = 1 / 3 + (2 / 3) * (step - 3) / 6
+        assert lr[step] / lr[1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * phase)), rel=1e-6)
+    changes = [abs(lr[s + 1] - lr[s]) for s in range(1, 8)]
+    assert max(changes[2:]) <= max(changes[:2])  # from the resumed step on: no jump
+
+    over = plait("train", "--config", job, *small, "--overwrite")
+    assert over.returncode == 0, over.stderr[-3000:]
+    assert "removed its 2 checkpoint(s) (newest step_000008) and its final model" in over.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    both = plait("train", "--config", job, *small, "--overwrite", "--resume")
+    assert both.returncode == 2 and "give one" in both.stderr

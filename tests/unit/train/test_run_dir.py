@@ -59,7 +59,8 @@ def test_a_new_job_writes_runs_of_its_name_and_refuses_an_earlier_run_without_ov
 
     assert train_command("myjob.toml", overrides) == 0
     run = tmp_path / "runs" / "myjob"
-    assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r] == [1, 2]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     assert (run / "checkpoints" / "step_000002").is_dir() and (run / "final").is_dir()
     assert sorted((p.relative_to(demo), p.stat().st_mtime_ns) for p in demo.rglob("*")) == before  # untouched
     assert earlier_run(run) == ["1 checkpoint(s), newest step_000002", "a final model (final/)"]
