@@ -167,7 +167,7 @@ def runtime_costs(spec: DeviceSpec, profile: Profile | None = None, dp_link_Bps:
                   f"chunk overheads F/B ms {chunks}; {1e3 * o:.2f} ms per message and end")
     else:
         overheads = dataclasses.replace(ActionOverheads.of_device(spec), optimizer_s_per_byte=optimizer_s_per_byte)
-        source = (f"analytic costs ({spec.name} preset): {1e3 * spec.chunk_overhead_s:.2f} ms per module chunk and "
+        source = (f"analytic costs ({spec.name}): {1e3 * spec.chunk_overhead_s:.2f} ms per module chunk and "
                   f"action, {1e3 * o:.2f} ms per message and end")
     if optimizer_s_per_byte:
         source += f"; optimizer step {1e9 * optimizer_s_per_byte:.1f} ms per MB of trainable parameters"
