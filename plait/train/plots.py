@@ -278,9 +278,10 @@ def plot_loss_curve(metrics_path: str | Path, out_path: str | Path) -> Path:
 
 
 def loss_curve_figure(records: Sequence[Mapping[str, Any]], source: str = "metrics"):
-    """The loss-curve figure of metrics rows ``records``: the training loss per step as a line (log scale), and
-    each validation score (the numbers of the rows' ``eval`` dicts, e.g. exact match per task) as points
-    (markers, no lines: validation is measured at a few steps only) on a right axis from 0 to 1.
+    """The loss-curve figure of metrics rows ``records``: the training loss per step as a line (log scale), the
+    validation loss (rows' ``val_loss``) as points on the same axis, and each validation score (the numbers of
+    the rows' ``eval`` dicts, e.g. exact match per task) as points on a right axis from 0 to 1 (markers, no
+    lines: validation is measured at a few steps only).
 
     Returns:
         The matplotlib ``Figure`` (axes: the loss axis, then the validation axis when there are scores).
@@ -295,6 +296,9 @@ def loss_curve_figure(records: Sequence[Mapping[str, Any]], source: str = "metri
         raise ValueError(f"{source} holds no training loss")
     fig, (ax,) = new_figure(8, 4.5, dpi=110)
     ax.plot(*zip(*losses), color="tab:blue", lw=1.2, label="train loss")
+    val_losses = [(r["step"], r["val_loss"]) for r in records if isinstance(r.get("val_loss"), (int, float))]
+    if val_losses:
+        ax.plot(*zip(*val_losses), color="tab:red", marker="s", ms=5, linestyle="none", label="validation loss")
     ax.set(xlabel="step", ylabel="loss (mean token cross-entropy)", yscale="log", title="plait training")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, also on short runs
     ax.grid(alpha=0.3)

@@ -114,12 +114,15 @@ def test_loss_plot_draws_validation_scores_as_points_not_lines():
     from plait.train.plots import loss_curve_figure
 
     records = [{"step": s, "loss": 4.0 / s} for s in range(1, 21)]
-    records += [{"step": 10, "eval": {"image_digit": 0.4, "audio": 0.2}}, {"step": 20, "eval": {"image_digit": 0.9,
-                                                                                             "audio": 0.6}}]
+    records += [{"step": 10, "eval": {"image_digit": 0.4, "audio": 0.2}, "val_loss": 1.5},
+                {"step": 20, "eval": {"image_digit": 0.9, "audio": 0.6}, "val_loss": 0.5}]
     fig = loss_curve_figure(sorted(records, key=lambda r: r["step"]))
     loss_ax, val_ax = fig.axes
-    (loss_line,) = loss_ax.get_lines()
+    loss_line, val_loss = loss_ax.get_lines()
     assert list(loss_line.get_xdata()) == list(range(1, 21)) and loss_line.get_linestyle() == "-"
+    assert val_loss.get_label() == "validation loss" and val_loss.get_linestyle() == "None"
+    assert val_loss.get_marker() == "s" and list(val_loss.get_xdata()) == [10, 20]
+    assert list(val_loss.get_ydata()) == [1.5, 0.5]
     series = {line.get_label(): line for line in val_ax.get_lines()}
     assert set(series) == {"val audio", "val image_digit"}
     for name, values in {"val image_digit": [0.4, 0.9], "val audio": [0.2, 0.6]}.items():
