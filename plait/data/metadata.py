@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import sys
+import time
 import wave
 from dataclasses import dataclass
 from pathlib import Path
@@ -469,6 +470,7 @@ def metadata_pass(source: RecordSource, processor: MultimodalProcessor, *, promp
                   progress: bool = False, chunk: int = CHUNK) -> MetadataTable:
     """The :class:`MetadataTable` of the first ``max_rows`` rows of ``source`` (all without it): from the cache
     under ``cache_dir`` when fresh there on every rank, else computed (module docstring) and written by rank 0.
+    Collective when ``torch.distributed`` is initialized with several ranks: every rank calls it.
 
     Args:
         source: the records.
@@ -501,13 +503,17 @@ def metadata_pass(source: RecordSource, processor: MultimodalProcessor, *, promp
     total = sum(min(rows, (c + 1) * chunk) - c * chunk for c in mine)
     bar = tqdm(total=total, desc=f"metadata {source.name}", unit="rec", unit_scale=True, leave=False,
                disable=not (progress and sys.stderr.isatty()))
-    done = []
+    done, start = [], time.perf_counter()
     for part in loader:
         done.append(part)
         bar.update(len(part.id_len))
     bar.close()
     chunks = [c for parts in _gather(done) for c in parts]
     table = _assemble(chunks, source, tuple(task.branches), key)
+    seconds = time.perf_counter() - start
+    log.info("metadata pass of %s: %d records in %.1f s (%.0f records/s on rank %d of %d), %d usable, %d bad%s",
+             source.name, rows, seconds, total / max(seconds, 1e-9), rank, world, len(table), len(table.skipped),
+             f"; cached in {path}" if path is not None else "")
     if path is not None and rank == 0:
         table.save(path)
     return table
