@@ -5,11 +5,11 @@ For each job (the demo ``configs/demo.toml``; ``bench/jobs/plan_holds_2layer.tom
 encoder; ``bench/jobs/plan_holds_2stage.toml``, a wide LLM-only model with short sequences, where a 2-stage
 pipeline pays off):
 
-1. **Plan** as ``plait plan --config JOB --devices 2`` does on this host (``plait.commands.plan.plan_command``: the
-   host's device, CPU here; a stored profile when one matches, else the analytic costs plus the CPU preset's
-   measured per-action and per-message overheads), and take its considered candidates
-   (``plait.commands.plan_compare.considered_plans``: the best plan of each runnable family: plain DP, 2-stage 1F1B in each
-   layout, interleaved 1F1B, encoders attached), deduplicated.
+1. **Plan** as ``plait plan --config JOB --devices 2`` does on this host
+   (``plait.commands.plan_compare.considered_plans``, with ``plan_command``'s costs: this host's CPU measured, a
+   stored profile when one matches ``--profile-store``, else the analytic costs plus the CPU overheads): its
+   recommendation and the best plan of each runnable family it weighs (plain DP, 1F1B in each layout,
+   interleaved 1F1B, encoders attached), deduplicated. ``plan_command``'s own output gives the costs line.
 2. **Run** each candidate for ``--steps`` optimizer steps after ``--warmup`` warm-up steps under
    ``torchrun --nproc_per_node 2`` (this file's ``--worker`` mode: ``Trainer.build`` / ``PipelineTrainer.build``
    of the job with the candidate's ``parallel.dp`` and ``[parallel.pp]``, ``train_step`` timed between two
@@ -155,10 +155,9 @@ def bench_job(name: str, path: Path, args: argparse.Namespace) -> tuple[list[Row
         train = small_train_set(Path(cfg.data.train), args.samples, folder)
         overrides = [f"--data.train={train}", f"--metrics.run_dir={folder / 'run'}"]
         text = io.StringIO()
-        recommended = plan_command(path, DEVICES, overrides=overrides, out=text, profile_store=args.profile_store)
-        candidates = considered_plans(path, DEVICES, overrides=overrides, profile_store=args.profile_store)
-        if not any(_same_plan(c, recommended) for _, c, _ in candidates):
-            candidates.insert(0, ("recommended", recommended, candidates[0][2]))
+        plan_command(path, DEVICES, overrides=overrides, out=text, profile_store=args.profile_store)  # its text
+        recommended, candidates = considered_plans(path, DEVICES, overrides=overrides,
+                                                   profile_store=args.profile_store)
         cfg, _ = load_config_for_planning(path, overrides)
         cfg.train.steps = 1000
         cfg.data.val = None

@@ -20,17 +20,19 @@ __all__ = ["considered_plans", "plan_label"]
 
 def considered_plans(config_path: str | Path, devices: int, *, overrides: Sequence[str] = (),
                      device: str | DeviceSpec | None = None, profile_store: str | Path | None = "runs/profiles",
-                     ) -> list[tuple[str, LayoutChoice, tuple[Unit, ...]]]:
-    """The best plan of each family ``plait plan`` weighs for ``devices`` devices, each runnable as a job
-    (``[parallel.pp]`` expresses it) and distinct (DP degree, stages and ranks, schedule), searched with the
-    same costs as ``plan_command`` (default arguments otherwise): plain data parallelism (the largest DP
-    degree, no pipeline), 1F1B with one stage per rank in each layout, interleaved 1F1B (2 LLM stages per rank)
-    and the encoders attached to the first LLM rank; for comparing plans with measurements
+                     ) -> tuple[LayoutChoice, list[tuple[str, LayoutChoice, tuple[Unit, ...]]]]:
+    """``plait plan``'s recommendation for ``devices`` devices and the best plan of each family it weighs, each
+    runnable as a job (``[parallel.pp]`` expresses it) and distinct (DP degree, stages and ranks, schedule),
+    searched with the same costs as ``plan_command`` (default arguments otherwise): plain data parallelism (the
+    largest DP degree, no pipeline), 1F1B with one stage per rank in each layout, interleaved 1F1B (2 LLM stages
+    per rank) and the encoders attached to the first LLM rank; for comparing plans with measurements
     (``bench/plan_holds.py``).
 
     Returns:
-        ``[(label, choice, units)]`` in that order (a family whose best plan is already listed, or that has none
-        for ``devices``, is left out).
+        ``(recommended, [(label, choice, units)])``: the recommendation (``plan_command``'s search with its default
+        options, on the same measured costs as the others: a host plan measures the CPU once) and the families in
+        that order (a family whose best plan is already listed, or that has none for ``devices``, is left out; the
+        recommendation is listed first when no family gave it).
 
     Raises:
         ValueError, FileNotFoundError: as ``plan_command``.
@@ -38,6 +40,8 @@ def considered_plans(config_path: str | Path, devices: int, *, overrides: Sequen
     setup = plan_setup(config_path, devices, overrides, device, None, 1, 0.9, None, None, 0, profile_store,
                         io.StringIO())
     inputs = setup.inputs
+    recommended = plan_layout(inputs.units, inputs.costs, devices, microbatches=inputs.microbatches,
+                              virtual_stages=(1, 2, 4), attach_encoders=True, **setup.search)
     dp_top = max(d for d in range(1, min(devices, inputs.microbatches) + 1) if devices % d == 0)
     families = [dict(dp_degrees=[dp_top])] + [dict(layouts=[layout]) for layout in LAYOUTS]
     families += [dict(virtual_stages=(2,)), dict(virtual_stages=(1, 2), attach_encoders=True)]
@@ -50,18 +54,25 @@ def considered_plans(config_path: str | Path, devices: int, *, overrides: Sequen
                                  **options, **setup.search)
         except ValueError:
             continue
-        key = (choice.dp, choice.schedule, tuple((s.units, s.rank) for s in choice.plan.stages))
+        key = _key(choice)
         if key in seen or (choice.plan.num_ranks == 1 and choice.dp != dp_top) or \
                 pp_snippet(setup.cfg, choice, inputs.units, inputs.unit_source)[0] is None:
             continue  # seen, a one-rank plan on fewer devices than plain DP (not searched), or not runnable
         seen.add(key)
         out.append((plan_label(choice), choice, inputs.units))
-    return out
+    if _key(recommended) not in seen:
+        out.insert(0, (plan_label(recommended), recommended, inputs.units))
+    return recommended, out
+
+
+def _key(choice: LayoutChoice) -> tuple:
+    """What makes two plans the same job: DP degree, schedule, stages (units, ranks)."""
+    return choice.dp, choice.schedule, tuple((s.units, s.rank) for s in choice.plan.stages)
 
 
 def plan_label(choice: LayoutChoice) -> str:
-    """A short name of a plan: ``"DP 2, no pipeline"``, ``"DP 1 x 1F1B, 2 stages, encoders_colocated"``,
-    ``"DP 1 x interleaved 1F1B (v = 2), encoders attached, 4 stages"``."""
+    """A short name of a plan: ``"DP 2, no pipeline"``, ``"DP 1 x 1F1B, encoders_colocated, 2 stages"`` (the layout
+    only for a model with several encoders), ``"DP 1 x interleaved 1F1B (v = 2), encoders attached, 5 stages"``."""
     plan = choice.plan
     if plan.num_ranks == 1:
         return f"DP {choice.dp}, no pipeline"

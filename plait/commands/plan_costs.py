@@ -41,8 +41,8 @@ class HostCPU:
     """This host's CPU as one process of a job sees it.
 
     Attributes:
-        spec: the ``DeviceSpec``: measured matmul FLOP/s (at the CPU preset's efficiency) and memory bandwidth, RAM / processes,
-            the CPU preset's link and overheads.
+        spec: the ``DeviceSpec``: measured matmul FLOP/s (at the CPU preset's efficiency) and memory bandwidth,
+            RAM / processes, the CPU preset's link and overheads.
         optimizer_s_per_byte: measured AdamW step seconds per float32 parameter byte.
         threads: intra-op threads measured with.
     """
@@ -79,7 +79,8 @@ def host_cpu(threads: int, processes: int) -> HostCPU:
         torch.set_num_threads(before)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     preset = DeviceSpec.cpu()
-    name = f"CPU (this host, {threads} thread{'s' if threads > 1 else ''}: {flops / 1e9:.0f} GFLOP/s, {bandwidth / 1e9:.1f} GB/s)"
+    name = (f"CPU (this host, {threads} thread{'s' if threads > 1 else ''}: {flops / 1e9:.0f} GFLOP/s, "
+            f"{bandwidth / 1e9:.1f} GB/s)")
     spec = dataclasses.replace(preset, name=name, peak_flops=flops, hbm_bandwidth=bandwidth,
                                memory_bytes=ram / processes)
     return HostCPU(spec, per_byte, threads)
@@ -159,7 +160,8 @@ def runtime_costs(spec: DeviceSpec, profile: Profile | None = None, dp_link_Bps:
     if optimizer_s_per_byte is None:
         optimizer_s_per_byte = CPU_OPTIMIZER_S_PER_BYTE if host else 0.0
     if profile is not None:
-        modules = {m: (max(0.0, d.get("F", 0.0)), max(0.0, d.get("B", 0.0))) for m, d in profile.chunk_overhead_s.items()}
+        modules = {m: (max(0.0, d.get("F", 0.0)), max(0.0, d.get("B", 0.0)))
+                   for m, d in profile.chunk_overhead_s.items()}
         overheads = ActionOverheads(max(0.0, profile.action_overhead_s), modules=modules,
                                     optimizer_s_per_byte=optimizer_s_per_byte)
         chunks = ", ".join(f"{m} {1e3 * f:.1f}/{1e3 * b:.1f}" for m, (f, b) in modules.items())

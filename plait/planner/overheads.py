@@ -52,14 +52,14 @@ class ActionOverheads(JsonDataclass):
     def __post_init__(self) -> None:
         modules = {str(m): (float(v[0]), float(v[1])) for m, v in dict(self.modules).items()}
         object.__setattr__(self, "modules", modules)
-        values = [self.per_action_s, self.chunk_forward_s, self.chunk_backward_s, self.optimizer_s_per_byte] + [x for v in modules.values()
-                                                                                     for x in v]
+        values = [self.per_action_s, self.chunk_forward_s, self.chunk_backward_s, self.optimizer_s_per_byte]
+        values += [x for v in modules.values() for x in v]
         if any(not v >= 0 for v in values):
             raise ValueError(f"ActionOverheads must be >= 0, got {self}")
 
     @classmethod
     def of_device(cls, spec: DeviceSpec) -> "ActionOverheads":
-        """The analytic overheads of a device preset: ``spec.chunk_overhead_s`` for every chunk, forward and backward."""
+        """The analytic overheads of a device preset: ``spec.chunk_overhead_s`` for every chunk and direction."""
         return cls(0.0, spec.chunk_overhead_s, spec.chunk_overhead_s)
 
     @property

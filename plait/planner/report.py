@@ -103,7 +103,8 @@ def format_plan(choice: LayoutChoice) -> str:
         + ("" if plan.num_ranks == 1 else f"; stages: {counts}") + idle_devices_note(choice),
         f"iteration {1e3 * choice.iteration_s:.2f} ms (pipeline {1e3 * choice.makespan_s:.2f} ms + gradient "
         f"all-reduce {1e3 * choice.grad_sync_s:.2f} ms"
-        + (f" + optimizer step {1e3 * choice.update_s:.2f} ms" if choice.update_s else "") + f") with {choice.microbatches_per_replica} of "
+        + (f" + optimizer step {1e3 * choice.update_s:.2f} ms" if choice.update_s else "")
+        + f") with {choice.microbatches_per_replica} of "
         f"{choice.microbatches} microbatches per replica; bubble {100 * choice.bubble_fraction:.1f}%; "
         f"{choice.ratio_to_lower_bound:.2f}x the lower bound {1e3 * choice.lower_bound_s:.2f} ms",
         f"peak memory per rank (device) {max(peaks) / _GIB:.2f} GiB ({cap})"
@@ -149,8 +150,9 @@ def pp_toml(fields: Mapping[str, Any], dp: int) -> str:
     degree = int(fields["degree"])
     note = ""
     if fields.get("attach_encoders") and fields.get("layout") == "encoder_parallel":
-        fields = {k: v for k, v in fields.items() if k != "layout"}  # never "encoder_parallel" next to attached encoders
-        note = "# attach_encoders: every encoder is its own stage, all on the first LLM rank (layout left at its default)\n"
+        fields = {k: v for k, v in fields.items() if k != "layout"}  # not "encoder_parallel" next to attached encoders
+        note = ("# attach_encoders: every encoder is its own stage, all on the first LLM rank (layout left at its "
+                "default)\n")
     body = "".join(f"{k} = {toml_value(v)}\n" for k, v in fields.items())
     return _snippet_head(dp, degree) + note + "[parallel.pp]\n" + body
 
