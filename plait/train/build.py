@@ -16,6 +16,7 @@ from plait.config.schema import JobConfig
 from plait.data.chat_template import tokenizer_dir
 from plait.data.loader import MultimodalDataset
 from plait.data.metadata import default_cache_dir
+from plait.data.mixture import mixture_sources
 from plait.models.multimodal import MultimodalModel
 from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.parallel.mesh import DistInfo, init_distributed
@@ -67,10 +68,11 @@ def build_datasets(cfg: JobConfig, processor: Any, progress: bool) -> tuple[Mult
     d = cfg.data
     common = {"on_error": d.on_error, "progress": progress, "workers": d.num_workers,
               "cache_dir": metadata_cache_dir(cfg)}
-    train = MultimodalDataset(d.train, processor, **common)
+    train_data, val_data = mixture_sources(d) if d.sources else (d.train, d.val)  # [[data.sources]]: a mixture
+    train = MultimodalDataset(train_data, processor, **common)
     val = None
-    if d.val:
-        val = MultimodalDataset(d.val, processor, prompt_only=True, max_samples=d.val_max_samples, **common)
+    if val_data:
+        val = MultimodalDataset(val_data, processor, prompt_only=True, max_samples=d.val_max_samples, **common)
     return train, val
 
 

@@ -13,6 +13,7 @@ counts only the target tokens of the samples trained.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -33,8 +34,7 @@ def upcoming_rank_samples(loader: GlobalBatchLoader, start: int, end: int,
                           rank_samples: Callable[[Sequence[int], int], Sequence[int]]) -> Iterator[tuple[int, ...]]:
     """For steps ``start .. end - 1``: the dataset indices this rank needs, ``rank_samples(global batch, step)``
     (sorted), the global batches drawn from a copy of ``loader`` (its position is left as it is)."""
-    ahead = GlobalBatchLoader(loader.num_samples, loader.global_batch_size, loader.seed, loader.shuffle)
-    ahead.load_state_dict(loader.state_dict())
+    ahead = copy.deepcopy(loader)  # the same kind of loader (a mixture's too) at the same position
     for step in range(start, end):
         yield tuple(sorted(rank_samples(ahead.next_batch(), step)))
 

@@ -37,8 +37,9 @@ from plait.attention.masks import MaskInfo, block_work
 from plait.config.loader import config_to_dict
 from plait.config.schema import JobConfig
 from plait.data.collate import Batch, collate
-from plait.data.loader import GlobalBatchLoader, SampleFeed
+from plait.data.loader import SampleFeed
 from plait.data.metadata import SkippedSample
+from plait.data.mixture import batch_sources, build_batch_loader
 from plait.models.generation import greedy_generate, stop_token_ids
 from plait.models.multimodal import MultimodalModel
 from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
@@ -134,7 +135,7 @@ class Trainer:
         self.attention = resolve_implementation(a.implementation, a.mask, cfg.data.packing, self.cp,
                                                 self.info.device.type)
         self._use_attention(self.model)
-        self.loader = GlobalBatchLoader(len(self.train_set), t.global_batch_size, t.seed, cfg.data.shuffle)
+        self.loader = build_batch_loader(cfg, self.train_set)  # a MixtureBatchLoader for [[data.sources]]
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.batches_per_epoch)
         self.cost_coeffs = microbatch_cost_coeffs(self.model)
         self._setup_training()
@@ -528,7 +529,7 @@ class Trainer:
                    "tokens_per_s": res.tokens / res.time_s, "target_tokens": res.target_tokens,
                    "epoch": self.loader.epoch, "workload": res.workload, "deferred_samples": res.deferred_samples,
                    "encoder_buffer_peak_bytes": res.encoder_buffer_peak_bytes, "data_wait_s": got.wait_s,
-                   "dropped_samples": len(got.dropped)}
+                   "dropped_samples": len(got.dropped), **batch_sources(self.loader, got.indices)}
             if res.step % self.cfg.metrics.log_every == 0 or res.step == end:
                 writer.write(rec)
             bar.update(res.step, res.loss, rec["tokens_per_s"], last=res.step == end)
