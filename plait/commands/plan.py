@@ -458,7 +458,13 @@ def plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], 
                                shapes_override=expected)
     profile = None
     if spec.chunk_overhead_s or spec.message_overhead_s:
-        profile, why = stored_profile(cfg, profile_store) if profile_store is not None else (None, "no store")
+        weights = sum(c.param_bytes for c in inputs.costs)
+        if profile_store is None:
+            profile, why = None, "no store"
+        elif weights > spec.memory_bytes / 4:  # keying a profile builds the model with its weights
+            profile, why = None, f"the model's {weights / 2**30:.1f} GiB of parameters are not built here to key one"
+        else:
+            profile, why = stored_profile(cfg, profile_store)
         if profile is not None and expected is None:
             inputs = dataclasses.replace(inputs, units=profile.units, costs=profile.costs, dtype=profile.key.dtype)
         elif profile is not None:
