@@ -90,6 +90,12 @@ class MetricsWriter:
                         config=config or {})
             self._wandb = module
 
+    def destinations(self) -> list[str]:
+        """Where the rows go, for people: ``["metrics.jsonl", "TensorBoard (tensorboard/)", "Weights & Biases"]``
+        (those that are on)."""
+        return (["metrics.jsonl"] + (["TensorBoard (tensorboard/)"] if self._tb is not None else [])
+                + (["Weights & Biases"] if self._wandb is not None else []))
+
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record`` (must hold ``step``) with ``time`` and ``elapsed_s`` added; numeric fields also go to
         TensorBoard and Weights & Biases (nested dicts as ``a/b`` names)."""

@@ -460,7 +460,8 @@ class Trainer:
         self.step = state["step"]
         if self.info.is_main and self.scheduler.extended_from is not None:
             print(f"plait: the run's length changed from {self.scheduler.extended_from} to {self.total_steps} steps: "
-                  f"the LR continues from {self.scheduler.get_last_lr()[0]:.3g} at step {self.step}, the rest of "
+                  f"the LR continues from {self.cfg.train.lr * self.scheduler.current_factor():.3g} at step "
+                  f"{self.step}, the rest of "
                   f"its cosine re-stretched to end at step {self.total_steps} (no jump; README \"Longer runs\")",
                   flush=True)
         if self.info.is_main:
@@ -573,6 +574,8 @@ class Trainer:
             dist.barrier()
 
     def _report_setup(self, writer: MetricsWriter) -> None:
+        """Main rank: write ``config.json`` to the run folder, print the data, steps, parameters and the run folder
+        with where the metrics go (``writer.destinations``), log skipped records."""
         if not self.info.is_main:
             return
         import json
@@ -591,6 +594,8 @@ class Trainer:
             f"world size {self.info.world_size}, {n_train / 1e6:.2f}M of {n_all / 1e6:.2f}M parameters trainable",
             flush=True,
         )
+        print(f"plait: run folder {self.run_dir} (metrics to {', '.join(writer.destinations())}; checkpoints/, "
+              "final/)", flush=True)
 
 
 def _fmt(evals: dict[str, float]) -> str:

@@ -97,6 +97,7 @@ def test_wandb_gets_every_numeric_field_when_enabled(tmp_path, monkeypatch):
     assert {k: v for k, v in first.items() if k != "elapsed_s"} == {"loss": 0.5, "lr": 1e-4, "workload/llm/cv": 0.25}
     assert set(second) == {"eval/image_digit", "elapsed_s"} and second["eval/image_digit"] == 0.75
     assert first["elapsed_s"] >= 0 and fake.finished == 1
+    assert w.destinations() == ["metrics.jsonl", "Weights & Biases"]
     MetricsWriter(tmp_path / "off", tensorboard=False).close()  # off by default: nothing more logged
     assert len(fake.inits) == 1 and len(fake.logs) == 2
 

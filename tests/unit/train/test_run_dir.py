@@ -47,7 +47,8 @@ def test_the_default_run_dir_is_named_after_the_job_file(tmp_path):
     assert load_config(job).metrics.run_dir == "mine"
 
 
-def test_a_new_job_writes_runs_of_its_name_and_refuses_an_earlier_run_without_overwrite(tmp_path, monkeypatch):
+def test_a_new_job_writes_runs_of_its_name_and_refuses_an_earlier_run_without_overwrite(tmp_path, monkeypatch,
+                                                                                        capsys):
     monkeypatch.chdir(tmp_path)  # as when run from the repository root
     demo = tmp_path / "runs" / "demo"
     (demo / "checkpoints" / "step_000300").mkdir(parents=True)
@@ -58,6 +59,7 @@ def test_a_new_job_writes_runs_of_its_name_and_refuses_an_earlier_run_without_ov
     overrides = ["--metrics.progress=false", "--metrics.tensorboard=false"]
 
     assert train_command("myjob.toml", overrides) == 0
+    assert "plait: run folder runs/myjob (metrics to metrics.jsonl; checkpoints/, final/)" in capsys.readouterr().out
     run = tmp_path / "runs" / "myjob"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
