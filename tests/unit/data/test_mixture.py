@@ -188,7 +188,8 @@ def test_sources_in_the_job_file(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text('[model.llm]\npath = "llm"\n\n[data]\ntokenizer = "tok"\nepoch_samples = 100\n\n'
                     '[[data.sources]]\npath = "a.jsonl"\nweight = 3\n\n'
-                    '[[data.sources]]\npath = "b.data"\nweight = 0.5\nformat = "parquet"\nname = "bee"\nval = "bv.parquet"\n')
+                    '[[data.sources]]\npath = "b.data"\nweight = 0.5\nformat = "parquet"\nname = "bee"\n'
+                    'val = "bv.parquet"\n')
     cfg = load_config(path)
     a, b = cfg.data.sources
     assert (a.path, a.weight, a.format, a.name, a.val) == ("a.jsonl", 3.0, "", "", None)
@@ -231,3 +232,47 @@ def test_mistyped_sources_are_refused_naming_the_field(sources, error):
 def test_single_train_file_stays_valid_and_formats_agree():
     validate(config_from_dict(job(train="t.parquet")))
     assert tuple(FORMATS) == DATA_FORMATS
+
+
+# --- training on a mixture -------------------------------------------------------------------------------------
+
+def mixture_job(tmp_path, run: str, **train) -> dict:
+    """A tiny job on a mixture of the demo's text records (JSONL, weight 3) and image records (Parquet, weight 1),
+    each with a validation file."""
+    import json
+
+    from plait.data.formats.arrow import write_parquet
+    from tests.conftest import DEMO
+
+    recs = [json.loads(line) for line in (DEMO / "train.jsonl").read_text().splitlines()]
+    text = [r for r in recs if r["task"] == "text"]
+    images = [r for r in recs if r["task"] == "image_digit"]
+    if not (tmp_path / "text.jsonl").exists():
+        write_jsonl(tmp_path / "text.jsonl", text[:30])
+        write_jsonl(tmp_path / "text_val.jsonl", text[30:34])
+        write_parquet(images[:10], tmp_path / "images.parquet", DEMO)
+        write_parquet(images[10:13], tmp_path / "images_val.parquet", DEMO)
+    d = tiny_config_dict("", None, str(tmp_path / run), train={"steps": 6, "global_batch_size": 8, **train})
+    d["data"]["sources"] = [
+        {"path": str(tmp_path / "text.jsonl"), "weight": 3, "val": str(tmp_path / "text_val.jsonl")},
+        {"path": str(tmp_path / "images.parquet"), "weight": 1, "val": str(tmp_path / "images_val.parquet")},
+    ]
+    d["data"]["epoch_samples"] = 24
+    return d
+
+
+def test_a_mixture_trains_with_per_source_counts_validation_and_exact_resume(tmp_path):
+    from plait.train.metrics import read_metrics
+    from plait.train.trainer import Trainer
+
+    cfg = config_from_dict(mixture_job(tmp_path, "full", eval_every=0))
+    full = Trainer.build(cfg).fit()
+    assert len(full["losses"]) == 6
+    steps = [r for r in read_metrics(tmp_path / "full" / "metrics.jsonl") if "loss" in r]
+    assert [sum(r["sources"].values()) for r in steps] == [8] * 6
+    assert [r["sources"] for r in steps[:3]] == [{"text": 6, "images": 2}] * 3  # 3:1 in every batch
+    assert set(full["eval"]) == {"text/text", "images/image_digit"}  # validation per source (and task)
+    first = Trainer.build(config_from_dict(mixture_job(tmp_path, "part", eval_every=0)))
+    part = first.fit(stop_after=4)  # epoch 1 (3 batches of 8 per epoch of 24), mid-epoch
+    rest = Trainer.build(config_from_dict(mixture_job(tmp_path, "part", eval_every=0))).fit(resume=True)
+    assert part["losses"] + rest["losses"] == full["losses"]  # exactly
