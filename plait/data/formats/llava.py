@@ -120,7 +120,8 @@ def _index_array(path: Path) -> tuple[np.ndarray, np.ndarray]:
         win = _Window(data, size)
         pos = win.skip(3 if win.text.startswith("\xef\xbb\xbf") else 0)
         if not win.text.startswith("[", pos):
-            raise ValueError(f"{path}: a LLaVA-style JSON file is one array of records; it does not start with '['")
+            raise ValueError(f"{path}: a LLaVA-style JSON file is one array of records; it does not start with '[' "
+                             "(one record per line is JSONL: name the file .jsonl or give format = \"jsonl\")")
         pos = win.skip(pos + 1)
         starts, lengths = array("q"), array("q")
         if win.text.startswith("]", pos):
