@@ -55,7 +55,7 @@ class HostCPU:
 def host_cpu(threads: int, processes: int) -> HostCPU:
     """Measure this host's CPU with ``threads`` intra-op threads (restored after): the best of 5 products of two
     512 x 512 float32 matrices (peak FLOP/s; a model's layers reach the CPU preset's efficiency of it), the best of
-    3 ``x * 2`` over 8M floats (bytes read and written per second) and the best of 2 AdamW steps over 4M
+    3 ``x * 2`` over 8M floats (bytes read and written per second) and the best of 3 AdamW steps over 4M
     parameters (seconds per parameter byte; smaller ones fit in cache and run several times faster than a
     model's). Memory: physical RAM divided by ``processes``. About half a second.
 
@@ -74,7 +74,7 @@ def host_cpu(threads: int, processes: int) -> HostCPU:
         p = torch.nn.Parameter(torch.randn(1 << 22))
         p.grad = torch.randn(1 << 22)
         adam = torch.optim.AdamW([p])
-        per_byte = _best(adam.step, 2) / (p.numel() * 4)
+        per_byte = _best(adam.step, 3) / (p.numel() * 4)
     finally:
         torch.set_num_threads(before)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

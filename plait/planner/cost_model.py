@@ -143,15 +143,16 @@ class DeviceSpec(JsonDataclass):
     @classmethod
     def cpu(cls, efficiency: float = 0.3) -> "DeviceSpec":
         """A generic many-core server CPU (rough; calibrate with the profiler): 1 TFLOP/s, 50 GB/s DRAM,
-        64 GiB, shared-memory gloo link at 5 GB/s with 50 us latency; per module chunk and action 2.5 ms of
+        64 GiB, shared-memory gloo link at 5 GB/s with 50 us latency; per module chunk and action 5 ms of
         runtime overhead and per message 0.1 ms at each end. The overheads are measured on a 2-core CPU with one
-        thread per process: ``plait profile``'s chunk overheads of the demo-sized models (1.0-3.6 ms per chunk
-        and action, forward and backward) and ``plait.parallel.link.measure_link`` (54-62 us per end for a
-        64 KiB message, 170-240 us for 1 MiB)."""
+        thread per process: ``plait profile``'s chunk overheads (forward and backward) of the three
+        ``bench/plan_holds.py`` jobs, 0-5 ms for the 2-layer job's 512-token microbatches, 1-28 ms for the demo's
+        4096-token ones, up to 40 ms for the wide LLM-only job (a typical 5 ms taken), and
+        ``plait.parallel.link.measure_link`` (54-62 us per end for a 64 KiB message, 170-240 us for 1 MiB)."""
         return cls("CPU", 1e12, efficiency, 64 * 2**30, 50e9, 5e9, 5e-5, CPU_CHUNK_OVERHEAD_S, CPU_MESSAGE_OVERHEAD_S)
 
 
-CPU_CHUNK_OVERHEAD_S = 2.5e-3
+CPU_CHUNK_OVERHEAD_S = 5e-3
 """``DeviceSpec.cpu``'s ``chunk_overhead_s`` (seconds; measured, see ``DeviceSpec.cpu``)."""
 CPU_MESSAGE_OVERHEAD_S = 1e-4
 """``DeviceSpec.cpu``'s ``message_overhead_s`` (seconds; measured, see ``DeviceSpec.cpu``)."""

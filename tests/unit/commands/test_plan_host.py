@@ -48,7 +48,7 @@ def test_plan_defaults_to_the_host_and_says_so(monkeypatch):
     head = re.search(r"plait plan: planning for CPU \(this host, 1 thread: (\d+) GFLOP/s, [\d.]+ GB/s\) \(this host "
                      r"has no GPU; --device to plan for another\)", text)
     assert head and int(head.group(1)) > 0  # the demo's train.threads = 1
-    assert "on 2 x CPU (this host" in text and "2.50 ms per module chunk and action, 0.10 ms per message" in text
+    assert "on 2 x CPU (this host" in text and "5.00 ms per module chunk and action, 0.10 ms per message" in text
     assert "ms per MB of trainable parameters" in text and "+ optimizer step" in text
     assert choice.p2p == P2P_CPU and choice.update_s > 0
 
@@ -70,7 +70,7 @@ def test_runtime_costs_of_presets_and_profiles():
     assert (cpu.p2p.latency_s, cpu.p2p.bandwidth_Bps, cpu.p2p.send_overhead_s, cpu.p2p.recv_overhead_s) == \
         (5e-5, 5e9, 1e-4, 1e-4)
     assert cpu.dp_link.bandwidth_Bps == 5e9
-    assert cpu.overheads == ActionOverheads(0.0, 2.5e-3, 2.5e-3, optimizer_s_per_byte=CPU_OPTIMIZER_S_PER_BYTE)
+    assert cpu.overheads == ActionOverheads(0.0, 5e-3, 5e-3, optimizer_s_per_byte=CPU_OPTIMIZER_S_PER_BYTE)
     assert runtime_costs(DeviceSpec.cpu(), optimizer_s_per_byte=1e-9).overheads.optimizer_s_per_byte == 1e-9
     gpu = runtime_costs(DeviceSpec.h100())  # as before: no overheads, no DP link unless asked
     assert gpu.dp_link is None and gpu.overheads.zero and gpu.p2p.send_overhead_s == 0.0

@@ -43,8 +43,8 @@ def test_stage_seconds_per_action_and_chunk():
 
 def test_cpu_preset_carries_measured_overheads_and_gpu_presets_none():
     cpu = DeviceSpec.cpu()
-    assert cpu.chunk_overhead_s == 2.5e-3 and cpu.message_overhead_s == 1e-4
-    assert ActionOverheads.of_device(cpu) == ActionOverheads(0.0, 2.5e-3, 2.5e-3)
+    assert cpu.chunk_overhead_s == 5e-3 and cpu.message_overhead_s == 1e-4
+    assert ActionOverheads.of_device(cpu) == ActionOverheads(0.0, 5e-3, 5e-3)
     for gpu in (DeviceSpec.h100(), DeviceSpec.h200(), DeviceSpec.a100()):
         assert ActionOverheads.of_device(gpu).zero and gpu.message_overhead_s == 0.0
     with pytest.raises(ValueError, match="chunk_overhead_s"):
