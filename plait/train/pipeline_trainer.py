@@ -24,7 +24,8 @@ prunes it in place to this rank's stages; parameter names stay the full model's.
 Optimizer: AdamW over this rank's trainable parameters (``None`` on a rank whose stages are frozen), with the
 trainer's parameter groups (weight decay, per-branch ``lr_scale``). The LR schedule is driven directly
 (:class:`~plait.train.optim.LRSchedule`, the same on every rank, so checkpoints hold one schedule state): before
-each step its factor is applied to each group's base LR, as the single-process trainer's ``LambdaLR`` does.
+each step its factor is applied to each group's base LR, as the single-process trainer's ``LRSchedule`` does on
+its optimizer's groups (the one schedule; extended on resume by ``LRSchedule.load_state_dict``).
 
 One step: every rank computes the same microbatch plan from the samples' metadata (no communication); this
 DP replica's non-empty microbatches go through the pipeline (the same list on every rank of a pipeline, so
