@@ -155,6 +155,7 @@ class MixtureSource:
         return int(np.searchsorted(self._bounds, index, side="right"))
 
     def identity(self) -> dict[str, Any]:
+        """Each source's name and identity, in order (a changed file, weight-independent)."""
         return {"format": self.format, "sources": [{"name": s.name, **s.identity()} for s in self.sources]}
 
 
@@ -225,6 +226,7 @@ class MixtureBatchLoader(GlobalBatchLoader):
         return dict(zip(self.names, source_counts(indices, self.sizes)))
 
     def state_dict(self) -> dict[str, Any]:
+        """:meth:`GlobalBatchLoader.state_dict` plus ``"mixture"``: the sources' sizes, weights and epoch length."""
         return {**super().state_dict(), "mixture": {"sizes": list(self.sizes), "weights": list(self.weights),
                                                     "epoch_samples": self.epoch_samples}}
 

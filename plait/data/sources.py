@@ -225,6 +225,7 @@ class JsonlSource:
         return _parse_line(raw, start, f"{self.path}:{int(self._lines[index])}")
 
     def identity(self) -> dict[str, Any]:
+        """:func:`file_identity` of the file (format, absolute path, size, mtime), for cache keys."""
         return file_identity(self.path, self.format)
 
 

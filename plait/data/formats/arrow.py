@@ -92,6 +92,7 @@ class ArrowSource:
             return None, where, str(exc)
 
     def identity(self) -> dict[str, Any]:
+        """:func:`plait.data.sources.file_identity` of the file (format, absolute path, size, mtime)."""
         return file_identity(self.path, self.format)
 
     def __getstate__(self) -> dict[str, Any]:

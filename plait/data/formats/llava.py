@@ -78,6 +78,7 @@ class LlavaSource:
             return None, where, str(exc)
 
     def identity(self) -> dict[str, Any]:
+        """:func:`plait.data.sources.file_identity` of the file (format, absolute path, size, mtime)."""
         return file_identity(self.path, self.format)
 
 
