@@ -1,4 +1,4 @@
-"""Pipeline schedule generators: GPipe, 1F1B, memory-capped 1F1B, and ``build_schedule`` by name.
+"""Pipeline schedule generators: GPipe, 1F1B, memory-capped 1F1B, forward-only, and ``build_schedule`` by name.
 
 The schedule itself (``Action``, ``Schedule``, dependencies, checker) is ``schedule_ir``; a generator
 returns a checked ``Schedule`` for a ``PipelinePlan``; ``build_schedule`` picks one by name (a config's
@@ -20,6 +20,8 @@ Generators (all deadlock-free by construction, and checked before they return):
   rank holds ``v`` LLM chunks (stages ``i, i + p, ...``), cutting the bubble about ``v`` times; encoder
   stages sit on their own ranks (1F1B with the warm-up their successor needs) or on the first LLM stage's
   rank (run right before / after it). ``interleaved_ranks`` (pipeline_plan) places the stages.
+
+- ``forward_only``: forwards only, for evaluation (no backward actions; not a training schedule).
 
 With ``split_backward=True`` each ``B`` is followed by its ``W``; with ``defer_weight_grad=True`` as well,
 ``W`` actions are held back: a rank runs a ready ``F``/``B`` first and a held ``W`` only when it would

@@ -36,6 +36,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -43,8 +44,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
-from plait.data.collate import Batch
+from plait.data.collate import Batch, collate
 from plait.data.processing import IGNORE, ProcessedSample
 from plait.data.sources import RawSample, sample_at
 from plait.models.generation import exact_match
@@ -409,25 +411,30 @@ def _groups(items: list[list[int]], size: int) -> list[list[list[int]]]:
     return [items[k : k + size] for k in range(0, len(items), max(1, size))]
 
 
-def evaluate_on(val_set: Any, side: EvalSide, collate_fn: Callable[..., Batch], size: int, step: int,
-                metrics: Mapping[str, MetricFn], run_dir: str | Path, device: torch.device,
-                progress: Callable[[int], None] | None = None) -> EvalReport:
+def evaluate_on(val_set: Any, side: EvalSide, pad_id: int, device: torch.device, size: int, step: int,
+                metrics: Mapping[str, MetricFn], run_dir: str | Path, progress: bool = False) -> EvalReport:
     """One evaluation (module docstring) from this rank's side: the validation loss of its loss share, the answers
-    of its answer share, then :func:`finish` (collective). ``collate_fn(samples, padding_side=...)`` collates on
-    the device; ``size``: samples per microbatch; ``progress(n)`` is told of each batch of ``n`` samples done."""
+    of its answer share, then :func:`finish` (collective). Batches are collated unpacked on ``device`` (prompts
+    left-padded); ``size``: samples per microbatch; ``progress``: a bar of this rank's samples on a terminal
+    (rank 0)."""
     tasks = [val_set.sample_meta(i).task for i in range(len(val_set))]
     losses = LossTable(tasks)
-    for chunk in _groups(plan_eval_microbatches(tasks, *side.loss_share, size), side.group):
-        batches = [collate_fn([teacher_forced_sample(val_set, i) for i in mb], padding_side="right") for mb in chunk]
+    loss_mbs = plan_eval_microbatches(tasks, *side.loss_share, size)
+    answer_mbs = plan_eval_microbatches(tasks, *side.answer_share, size)
+    bar = tqdm(total=sum(map(len, loss_mbs + answer_mbs)), desc=f"validation step {step}", leave=False,
+               disable=not (progress and sys.stderr.isatty()), dynamic_ncols=True)
+    for chunk in _groups(loss_mbs, side.group):
+        batches = [collate([teacher_forced_sample(val_set, i) for i in mb], pad_id).to(device) for mb in chunk]
         sums = side.loss_of(batches)
         for k, mb in enumerate(chunk):
             losses.add(tasks[mb[0]], sums[k] if sums else 0.0, batches[k].target_tokens if side.counts_targets else 0)
+        bar.update(sum(map(len, chunk)))
     mine: list[Prediction] = []
-    for chunk in _groups(plan_eval_microbatches(tasks, *side.answer_share, size), side.group):
-        batches = [collate_fn([val_set[i] for i in mb], padding_side="left") for mb in chunk]
+    for chunk in _groups(answer_mbs, side.group):
+        batches = [collate([val_set[i] for i in mb], pad_id, padding_side="left").to(device) for mb in chunk]
         for mb, answers in zip(chunk, side.answers_of(batches)):
             if side.records:
                 mine += predictions_of(val_set, mb, answers)
-            if progress is not None:
-                progress(len(mb))
+        bar.update(sum(map(len, chunk)))
+    bar.close()
     return finish(step, mine, losses, metrics, run_dir, device)

@@ -333,7 +333,7 @@ class PipelineTrainer(Trainer):
                                 plan=f"{self.plan.layout}, stages {stages}")
 
     def save(self) -> Path:
-        """Write a checkpoint of the current step (collective; once per step: validation already saves one)."""
+        """Write a checkpoint of the current step (collective; once per step, however often it is called)."""
         if self._saved_step == self.step:
             return checkpoint_dir(self.run_dir, self.step)
         path = super().save()

@@ -411,9 +411,9 @@ class Trainer:
             self._eval_metrics = load_metrics(self.cfg.train.eval_metrics)
         self._eval_train_mode(False)
         try:
-            self.last_eval = evaluate_on(self.val_set, self._eval_side(), self._eval_collate,
+            self.last_eval = evaluate_on(self.val_set, self._eval_side(), self.processor.pad_id, self.info.device,
                                          eval_batch_size(self.cfg.train), self.step, self._eval_metrics,
-                                         self.run_dir, self.info.device)
+                                         self.run_dir, self.info.is_main and self.cfg.metrics.progress)
         finally:
             self._eval_train_mode(True)
         return self.last_eval.exact_match
@@ -425,10 +425,6 @@ class Trainer:
         return EvalSide((self.dp, self.dp_rank), (self.info.world_size, self.info.rank), self.cp_rank == 0, True, 1,
                         lambda batches: [self.microbatch_loss(b, self._llm_kwargs(b)) for b in batches],
                         lambda batches: [self.generate(b, stop) for b in batches])
-
-    def _eval_collate(self, samples: Sequence[Any], padding_side: str = "right") -> Batch:
-        """Validation samples as one unpacked batch on this rank's device (left-padded for generation)."""
-        return collate(list(samples), self.processor.pad_id, padding_side=padding_side).to(self.info.device)
 
     def _eval_train_mode(self, train: bool) -> None:
         """Evaluation runs the model in eval mode (no dropout); training mode again afterwards."""

@@ -1,8 +1,8 @@
-"""Evaluation through the job's own layout (issue 12, item 3): PP=2, PP=2 x DP=2, DP=2, CP=2 and PP=2 x CP=2 jobs (gloo, torchrun)
-report the validation loss of one process (1e-5), per task and overall, and the same greedy answers (hence the
-same exact match and pluggable metrics), with no rank holding a materialised parameter outside its stages while
-and after it evaluates (checked in ``eval_worker.py``: every live non-meta ``nn.Parameter`` of the process is one
-of its trainer's, at the forward-only pipeline passes and after ``fit``)."""
+"""Evaluation through the job's own layout (issue 12, item 3): PP=2, PP=2 x DP=2, DP=2, CP=2 and PP=2 x CP=2 jobs
+(gloo, torchrun) report the validation loss of one process (1e-5), per task and overall, and the same greedy
+answers (hence the same exact match and pluggable metrics), with no rank holding a materialised parameter outside
+its stages while and after it evaluates (checked in ``eval_worker.py``: every live non-meta ``nn.Parameter`` of the
+process is one of its trainer's, at the forward-only pipeline passes and after ``fit``)."""
 
 from __future__ import annotations
 
