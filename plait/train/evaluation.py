@@ -22,11 +22,11 @@ writes the file and broadcasts the report.
 
 Greedy decoding in a pipeline (:func:`greedy_by_forward`): no rank holds the whole model, so there is no KV cache
 across stages; each new token is one forward-only pipeline pass over the whole prompt plus the tokens so far,
-microbatched (all of a replica's prompts in flight at once), the last stage taking the argmax at the last position
-(:func:`next_token_ids`) and the ranks of the replica agreeing on it by one all-reduce. Memory: one forward's
-activations per stage, as training's forward without autograd. Cost: for ``T`` new tokens and prompts of ``N``
-tokens, ``T`` passes over ``N..N+T`` tokens, about ``T (N + T/2)`` token-forwards per sample instead of ``N + T``
-with a KV cache (encoders re-run each pass too), which for validation answers of a few tokens is a few times a
+microbatched (``EvalSide.group`` microbatches in flight per pass), the last stage taking the argmax at the last
+position (:func:`next_token_ids`) and the ranks of the replica agreeing on it by one all-reduce. Memory: one
+forward's activations per stage, as training's forward without autograd. Cost: for ``T`` new tokens and prompts of
+``N`` tokens, ``T`` passes over ``N..N+T`` tokens, about ``T (N + T/2)`` token-forwards per sample instead of
+``N + T`` with a KV cache (encoders re-run each pass too), which for validation answers of a few tokens is a few times a
 teacher-forced pass. It stops as :func:`plait.models.generation.greedy_token_ids` does (a row ends with its first
 stop token, then pads; all rows ended or ``max_new_tokens``), so the answers are the same greedy answers.
 """
