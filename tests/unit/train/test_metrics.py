@@ -130,3 +130,28 @@ def test_loss_plot_draws_validation_scores_as_points_not_lines():
         line = series[name]
         assert line.get_linestyle() == "None" and line.get_marker() == "o"  # points, no line between them
         assert list(line.get_xdata()) == [10, 20] and list(line.get_ydata()) == values
+
+
+def test_tensorboard_gets_the_numeric_fields_when_installed(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    scalars, closed = [], []
+
+    class SummaryWriter:
+        def __init__(self, log_dir):
+            self.log_dir = log_dir
+
+        def add_scalar(self, name, value, step):
+            scalars.append((name, value, step))
+
+        def close(self):
+            closed.append(self.log_dir)
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=SummaryWriter))
+    w = MetricsWriter(tmp_path)  # tensorboard on by default (metrics.tensorboard)
+    w.write({"step": 2, "loss": 0.5, "eval": {"text": 1.0}, "predictions": "p.jsonl"})
+    w.close()
+    assert [(n, v, s) for n, v, s in scalars if n != "elapsed_s"] == [("loss", 0.5, 2), ("eval/text", 1.0, 2)]
+    assert [s for n, _, s in scalars if n == "elapsed_s"] == [2] and closed == [str(tmp_path / "tensorboard")]
+    assert w.destinations() == ["metrics.jsonl", "TensorBoard (tensorboard/)"]
