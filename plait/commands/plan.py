@@ -436,12 +436,10 @@ def plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], 
     if isinstance(macrobatches, bool) or not isinstance(macrobatches, int) or macrobatches < 0:
         raise ValueError(f"macrobatches must be an integer >= 0, got {macrobatches!r}")
     cfg, replaced = load_config_for_planning(config_path, overrides)
-    optimizer = None
     if device is None:
         device, why = host_device()
         if device == "cpu":
-            host = host_cpu(cfg.train.threads or max(1, (os.cpu_count() or 1) // devices), devices)
-            device, optimizer = host.spec, host.optimizer_s_per_byte
+            device = host_cpu(cfg.train.threads or max(1, (os.cpu_count() or 1) // devices), devices)
         print(f"plait plan: planning for {getattr(device, 'name', device)} ({why}; --device to plan for another)",
               file=stream)
     spec = device_spec(device)
@@ -471,7 +469,7 @@ def plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], 
             profile, why = None, "the plan is for the expected macro-batch, not the profiled microbatch"
         if profile is None:
             print(f"plait plan: no measured profile ({why}); `plait profile` stores one", file=stream)
-    costs = runtime_costs(spec, profile, dp_link_Bps, optimizer)
+    costs = runtime_costs(spec, profile, dp_link_Bps)
     if spec.chunk_overhead_s or spec.message_overhead_s:
         print(f"plait plan: costs: {costs.source}", file=stream)
     search = dict(memory_cap=memory_fraction * spec.memory_bytes, p2p=costs.p2p, dp_link=costs.dp_link,

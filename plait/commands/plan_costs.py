@@ -3,7 +3,7 @@ profile of the job when one is stored, else the analytic costs plus the CPU pres
 
 - :func:`host_device`: the device preset of this host (the preset matching the GPU's name, ``"cpu"`` without a
   GPU) and a sentence saying so; :func:`host_cpu`: this host's CPU measured (a fraction of a second): matmul
-  FLOP/s and memory bandwidth of one process with the job's threads, and the AdamW step per parameter byte.
+  FLOP/s and memory bandwidth of one process with the job's threads.
 - :func:`stored_profile`: the job's profile from a ``plait profile`` store when its key matches this machine,
   model, microbatch shape and versions (``plait.commands.profile.ProfileStore.load``), else None and why.
 - :func:`runtime_costs`: the link, DP link and ``ActionOverheads`` a plan is searched with, from a preset or a
@@ -28,36 +28,25 @@ from plait.planner.overheads import ActionOverheads
 from plait.planner.profile import Profile
 from plait.planner.simulator import P2PModel
 
-__all__ = ["CPU_OPTIMIZER_S_PER_BYTE", "HostCPU", "RuntimeCosts", "host_cpu", "host_device", "runtime_costs",
-           "stored_profile"]
+__all__ = ["CPU_ALLREDUCE_BPS", "CPU_OPTIMIZER_S_PER_BYTE", "RuntimeCosts", "host_cpu", "host_device",
+           "runtime_costs", "stored_profile"]
+
+CPU_ALLREDUCE_BPS = 0.75e9
+"""Bandwidth (B/s) of the DP gradient all-reduce between CPU processes (``search_model.allreduce_s``'s link): gloo's
+all-reduce of 4-132 MB float32 buffers between 2 processes on a 2-core CPU took 0.75-1.06 GB/s (132 MB: 174 ms),
+far below the stage link's point-to-point copy."""
 
 CPU_OPTIMIZER_S_PER_BYTE = 5e-9
-"""AdamW step seconds per byte of float32 trainable parameters on one CPU core (measured on a 2-core CPU: 0.7 s
-for 33M parameters), charged on ``--device cpu``; a host plan measures its own (:func:`host_cpu`)."""
+"""AdamW step seconds per byte of float32 trainable parameters on one CPU core, charged on every CPU plan: measured
+on a 2-core CPU, 4.7-5.3 ns per byte for 4M-33M parameters (0.7 s for 33M) in a quiet process. Timing it while
+planning was tried and dropped: on a shared machine it read 1-10 ns per byte from one run to the next."""
 
 
-@dataclass(frozen=True)
-class HostCPU:
-    """This host's CPU as one process of a job sees it.
-
-    Attributes:
-        spec: the ``DeviceSpec``: measured matmul FLOP/s (at the CPU preset's efficiency) and memory bandwidth,
-            RAM / processes, the CPU preset's link and overheads.
-        optimizer_s_per_byte: measured AdamW step seconds per float32 parameter byte.
-        threads: intra-op threads measured with.
-    """
-
-    spec: DeviceSpec
-    optimizer_s_per_byte: float
-    threads: int
-
-
-def host_cpu(threads: int, processes: int) -> HostCPU:
-    """Measure this host's CPU with ``threads`` intra-op threads (restored after): the best of 5 products of two
-    512 x 512 float32 matrices (peak FLOP/s; a model's layers reach the CPU preset's efficiency of it), the best of
-    3 ``x * 2`` over 8M floats (bytes read and written per second) and the best of 3 AdamW steps over 4M
-    parameters (seconds per parameter byte; smaller ones fit in cache and run several times faster than a
-    model's). Memory: physical RAM divided by ``processes``. About half a second.
+def host_cpu(threads: int, processes: int) -> DeviceSpec:
+    """This host's CPU as one process of a job sees it, measured with ``threads`` intra-op threads (restored
+    after): the best of 5 products of two 512 x 512 float32 matrices (peak FLOP/s; a model's layers reach the CPU
+    preset's efficiency of it) and the best of 3 ``x * 2`` over 8M floats (bytes read and written per second);
+    memory: physical RAM divided by ``processes``; the CPU preset's link and overheads. A fraction of a second.
 
     Raises:
         ValueError: on ``threads`` or ``processes`` < 1.
@@ -71,19 +60,14 @@ def host_cpu(threads: int, processes: int) -> HostCPU:
         flops = 2 * 512**3 / _best(lambda: a @ b, 5)
         x = torch.randn(1 << 23)
         bandwidth = 2 * x.numel() * 4 / _best(lambda: x * 2.0, 3)
-        p = torch.nn.Parameter(torch.randn(1 << 22))
-        p.grad = torch.randn(1 << 22)
-        adam = torch.optim.AdamW([p])
-        per_byte = _best(adam.step, 3) / (p.numel() * 4)
     finally:
         torch.set_num_threads(before)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     preset = DeviceSpec.cpu()
     name = (f"CPU (this host, {threads} thread{'s' if threads > 1 else ''}: {flops / 1e9:.0f} GFLOP/s, "
             f"{bandwidth / 1e9:.1f} GB/s)")
-    spec = dataclasses.replace(preset, name=name, peak_flops=flops, hbm_bandwidth=bandwidth,
+    return dataclasses.replace(preset, name=name, peak_flops=flops, hbm_bandwidth=bandwidth,
                                memory_bytes=ram / processes)
-    return HostCPU(spec, per_byte, threads)
 
 
 def _best(fn: Any, repeats: int) -> float:
@@ -140,25 +124,22 @@ class RuntimeCosts:
     source: str
 
 
-def runtime_costs(spec: DeviceSpec, profile: Profile | None = None, dp_link_Bps: float | None = None,
-                  optimizer_s_per_byte: float | None = None) -> RuntimeCosts:
+def runtime_costs(spec: DeviceSpec, profile: Profile | None = None, dp_link_Bps: float | None = None) -> RuntimeCosts:
     """The link, DP link and overheads of ``spec`` (and ``profile``'s measured overheads when given).
 
     The stage link is ``spec``'s latency and bandwidth with ``spec.message_overhead_s`` at each end. The DP link
-    is ``dp_link_Bps`` when given, else ``spec``'s link on a device with host overheads (a CPU: gloo all-reduces
-    cost as much as its messages), else none (GPU presets, as before). Overheads: the profile's per-action and
+    is ``dp_link_Bps`` when given, else on a device with host overheads (a CPU) ``spec``'s latency with
+    ``CPU_ALLREDUCE_BPS``, else none (GPU presets, as before). Overheads: the profile's per-action and
     per-module chunk overheads (a negative chunk overhead, a measurement that ran faster as one chunk, is
     taken as 0), else ``ActionOverheads.of_device(spec)``. The optimizer step per trainable byte is
-    ``optimizer_s_per_byte`` (measured: ``host_cpu``), else ``CPU_OPTIMIZER_S_PER_BYTE`` on a device with host
-    overheads, else 0 (GPU presets).
+    ``CPU_OPTIMIZER_S_PER_BYTE`` on a device with host overheads, else 0 (GPU presets).
     """
     o = spec.message_overhead_s
     p2p = P2PModel(spec.link_latency, spec.link_bandwidth, send_overhead_s=o, recv_overhead_s=o)
     host = bool(o or spec.chunk_overhead_s)
     dp_link = P2PModel(spec.link_latency, dp_link_Bps) if dp_link_Bps is not None else (
-        P2PModel(spec.link_latency, spec.link_bandwidth) if host else None)
-    if optimizer_s_per_byte is None:
-        optimizer_s_per_byte = CPU_OPTIMIZER_S_PER_BYTE if host else 0.0
+        P2PModel(spec.link_latency, CPU_ALLREDUCE_BPS) if host else None)
+    optimizer_s_per_byte = CPU_OPTIMIZER_S_PER_BYTE if host else 0.0
     if profile is not None:
         modules = {m: (max(0.0, d.get("F", 0.0)), max(0.0, d.get("B", 0.0)))
                    for m, d in profile.chunk_overhead_s.items()}

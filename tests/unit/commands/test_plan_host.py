@@ -54,10 +54,9 @@ def test_plan_defaults_to_the_host_and_says_so(monkeypatch):
 
 
 def test_host_cpu_measures_this_host():
-    host = host_cpu(1, 4)
-    assert host.threads == 1 and host.spec.peak_flops > 1e9 and host.spec.hbm_bandwidth > 1e8
-    assert 0 < host.optimizer_s_per_byte < 1e-6  # AdamW: nanoseconds per parameter byte
-    assert host.spec.chunk_overhead_s == DeviceSpec.cpu().chunk_overhead_s and host.spec.efficiency == 0.3
+    spec = host_cpu(1, 4)
+    assert spec.peak_flops > 1e9 and spec.hbm_bandwidth > 1e8 and spec.name.startswith("CPU (this host, 1 thread: ")
+    assert spec.chunk_overhead_s == DeviceSpec.cpu().chunk_overhead_s and spec.efficiency == 0.3
     with pytest.raises(ValueError, match="threads and processes"):
         host_cpu(0, 1)
 
@@ -69,9 +68,8 @@ def test_runtime_costs_of_presets_and_profiles():
     cpu = runtime_costs(DeviceSpec.cpu())
     assert (cpu.p2p.latency_s, cpu.p2p.bandwidth_Bps, cpu.p2p.send_overhead_s, cpu.p2p.recv_overhead_s) == \
         (5e-5, 5e9, 1e-4, 1e-4)
-    assert cpu.dp_link.bandwidth_Bps == 5e9
+    assert cpu.dp_link.bandwidth_Bps == 0.75e9 and cpu.dp_link.latency_s == 5e-5
     assert cpu.overheads == ActionOverheads(0.0, 5e-3, 5e-3, optimizer_s_per_byte=CPU_OPTIMIZER_S_PER_BYTE)
-    assert runtime_costs(DeviceSpec.cpu(), optimizer_s_per_byte=1e-9).overheads.optimizer_s_per_byte == 1e-9
     gpu = runtime_costs(DeviceSpec.h100())  # as before: no overheads, no DP link unless asked
     assert gpu.dp_link is None and gpu.overheads.zero and gpu.p2p.send_overhead_s == 0.0
     assert runtime_costs(DeviceSpec.h100(), dp_link_Bps=1e9).dp_link.bandwidth_Bps == 1e9
