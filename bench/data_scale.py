@@ -154,12 +154,14 @@ def main() -> None:
         print(f"  metadata pass ({args.workers} workers): cold {res['cold_s']:.1f} s "
               f"({res['records'] / res['cold_s']:.0f} records/s), warm {res['warm_s']:.2f} s", flush=True)
         res.update(run_child("train", job, folder))
-        wait = statistics.median(res["wait_s"][1:] or res["wait_s"])
-        step = statistics.median(res["step_s"])
+        waits = res["wait_s"][1:] or res["wait_s"]  # the first step also waits for the workers to start
+        wait, step = statistics.median(waits), statistics.median(res["step_s"])
         res["wait_over_step"] = wait / step
+        res["mean_wait_over_step"] = statistics.mean(waits) / statistics.mean(res["step_s"])
         print(f"  training: build {res['build_s']:.1f} s (warm cache), peak RSS {res['rss_built_mb']:.0f} MB built, "
-              f"{res['rss_peak_mb']:.0f} MB after {args.steps} steps; median loader wait {wait * 1e3:.1f} ms per "
-              f"step of {step * 1e3:.0f} ms ({res['wait_over_step']:.1%})", flush=True)
+              f"{res['rss_peak_mb']:.0f} MB after {args.steps} steps; loader wait per step: median {wait * 1e3:.1f} "
+              f"ms of {step * 1e3:.0f} ms ({res['wait_over_step']:.1%}), mean {res['mean_wait_over_step']:.1%}",
+              flush=True)
         results[size] = res
     (out / "results.json").write_text(json.dumps(results, indent=2))
     sizes = sorted(results)
