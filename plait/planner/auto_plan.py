@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from plait.planner.overheads import ActionOverheads
 from plait.planner.pipeline_plan import PipelinePlan, split_even
 from plait.planner.search import LayoutChoice, evaluate_plan, plan_layout
 from plait.planner.simulator import P2PModel
@@ -32,7 +33,7 @@ __all__ = ["layout_pp_fields", "plan_auto_layout", "plan_splits"]
 def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_size: int, microbatches: int, *,
                      p2p: P2PModel | None = None, memory_cap: float | None = None, dtype: str = "float32",
                      dp_link: P2PModel | None = None, virtual_stages: Sequence[int] = (1, 2, 4),
-                     attach_encoders: bool = True) -> LayoutChoice:
+                     attach_encoders: bool = True, overheads: ActionOverheads = ActionOverheads()) -> LayoutChoice:
     """The fastest runnable plan for ``world_size`` processes (module docstring).
 
     Args:
@@ -44,6 +45,7 @@ def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_siz
             parameters after the flush; None: not charged.
         virtual_stages: LLM stages per LLM rank to consider (1: one stage per rank; ``v`` > 1: interleaved 1F1B).
         attach_encoders: also consider plans whose encoders are one stage each on the first LLM rank.
+        overheads: the runtime's fixed costs per action, module chunk and optimizer byte (``search.plan_layout``).
 
     Returns:
         The chosen ``LayoutChoice`` (``dp * plan.num_ranks == world_size``; ``schedule`` is ``"1f1b"`` or
@@ -55,7 +57,7 @@ def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_siz
     if world_size < 1 or microbatches < 1:
         raise ValueError(f"world_size and microbatches must be >= 1, got {world_size} and {microbatches}")
     search = dict(p2p=p2p, memory_cap=memory_cap, dtype=dtype, dp_link=dp_link,
-                  virtual_stages=tuple(virtual_stages), attach_encoders=attach_encoders)
+                  virtual_stages=tuple(virtual_stages), attach_encoders=attach_encoders, overheads=overheads)
     best: LayoutChoice | None = None
     errors = []
     for dp in (d for d in range(1, world_size + 1) if world_size % d == 0):
@@ -99,7 +101,7 @@ def _search_dp(units: Sequence[Unit], costs: Sequence[UnitCost], world_size: int
     return evaluate_plan(one.plan, units, costs, dp=dp, microbatches=microbatches, devices=world_size,
                          p2p=options["p2p"], dp_link=options["dp_link"], memory_cap=options["memory_cap"],
                          dtype=options["dtype"], method=one.method, candidates=one.candidates,
-                         simulated=one.simulated, schedule=one.schedule)
+                         simulated=one.simulated, schedule=one.schedule, overheads=options["overheads"])
 
 
 def _rank(choice: LayoutChoice) -> tuple:

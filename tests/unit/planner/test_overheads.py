@@ -127,3 +127,15 @@ def test_the_optimizer_step_makes_a_pipeline_worth_it_for_many_parameters():
     assert costly.dp == 1 and costly.plan.num_ranks == 2 and costly.update_s == pytest.approx(1.5)
     assert costly.iteration_s < evaluate_plan(free.plan, units, costs, dp=2, microbatches=4, overheads=over,
                                               dtype="float32").iteration_s
+
+
+def test_the_automatic_plan_charges_the_same_overheads():
+    from plait.planner.auto_plan import plan_auto_layout
+
+    units = _llm(6)
+    costs = [UnitCost(1 * MS, 1 * MS if i else 0.0, 1 * MS, param_bytes=10**8) for i in range(6)]
+    over = ActionOverheads(optimizer_s_per_byte=5e-9)
+    free = plan_auto_layout(units, costs, 2, 4)
+    costly = plan_auto_layout(units, costs, 2, 4, overheads=over)
+    assert (free.dp, free.plan.num_ranks) == (2, 1) and free.update_s == 0.0
+    assert (costly.dp, costly.plan.num_ranks) == (1, 2) and costly.update_s == pytest.approx(1.5)
