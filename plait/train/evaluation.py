@@ -101,7 +101,14 @@ def plan_eval_microbatches(tasks: Sequence[str], dp: int, dp_rank: int, size: in
 
 
 def eval_batch_size(train_cfg: Any) -> int:
-    """Validation samples per forward pass: ``train.eval_batch_size``, or ``max(train.microbatch_size, 16)``."""
+    """Validation samples per forward pass: ``train.eval_batch_size``, or ``max(train.microbatch_size, 16)``.
+
+    Raises:
+        ValueError: when ``train.eval_batch_size`` is negative.
+    """
+    if train_cfg.eval_batch_size < 0:
+        raise ValueError(f"train.eval_batch_size must be >= 0 (0: max(train.microbatch_size, 16)), got "
+                         f"{train_cfg.eval_batch_size}")
     return train_cfg.eval_batch_size or max(train_cfg.microbatch_size, 16)
 
 

@@ -44,6 +44,17 @@ def test_plan_eval_microbatches_shares_each_task_over_replicas_in_one_task_micro
         plan_eval_microbatches(tasks, 2, 2, 2)
 
 
+def test_eval_batch_size_defaults_to_the_microbatch_size_at_least_16():
+    from plait.config.schema import TrainConfig
+    from plait.train.evaluation import eval_batch_size
+
+    assert eval_batch_size(TrainConfig(microbatch_size=4)) == 16
+    assert eval_batch_size(TrainConfig(microbatch_size=32)) == 32
+    assert eval_batch_size(TrainConfig(eval_batch_size=3)) == 3
+    with pytest.raises(ValueError, match=r"train\.eval_batch_size must be >= 0"):
+        eval_batch_size(TrainConfig(eval_batch_size=-1))
+
+
 def test_loss_table_normalises_by_target_tokens_per_task_and_overall():
     table = LossTable(["x", "y", "x"])
     table.add("x", 6.0, 3)
