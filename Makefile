@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 demo: venv
-	$(VENV)/bin/plait train --config configs/demo.toml
+	$(VENV)/bin/plait train --config configs/demo.toml --overwrite  # a new demo run replaces runs/demo
 
 test: venv
 	$(PY) -m pytest -q tests
