@@ -66,11 +66,22 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
                             batch_size=args.batch_size, device=args.device, dtype=args.dtype)
 
 
+OVERRIDES_HELP = """overrides:
+  Any field of the job file can be set on the command line as --<section>.<field>=<value>, after the
+  options, e.g.  --train.lr=1e-3  --train.steps=200  --parallel.pp.degree=2  --data.val=  (empty: off).
+  Values are parsed as TOML (numbers, true/false, [lists], "strings"; bare words are strings); the
+  section path follows the job file ([model.encoders.vision] -> --model.encoders.vision.freeze=true).
+  Overrides are applied after the file is read and validated together with it; every field is
+  documented in plait/config/schema.py."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``plait`` command; returns the exit code."""
     parser = argparse.ArgumentParser(prog="plait", description="Train multimodal LLMs composed of Hugging Face parts.")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a job (single process, or under torchrun for DP/CP/PP)")
+    train = sub.add_parser(
+        "train", help="train a job (single process, or under torchrun for DP/CP/PP)",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=OVERRIDES_HELP)
     train.add_argument("--config", required=True, help="TOML job file, e.g. configs/demo.toml")
     train.add_argument("--resume", nargs="?", const=True, default=False,
                        help="resume from the newest checkpoint of the run (or from the given directory); a larger "
