@@ -15,6 +15,7 @@ from typing import Any
 from plait.config.schema import DATA_FORMATS, DataConfig, EncoderConfig, JobConfig, PipelineConfig
 from plait.planner.microbatch import METHODS
 from plait.planner.pipeline_plan import LAYOUTS, stage_ranks
+from plait.planner.recompute import CHECKPOINT_POLICIES
 from plait.planner.schedules import SCHEDULE_NAMES
 from plait.planner.types import LLM_MODULE
 
@@ -180,6 +181,7 @@ def validate(cfg: JobConfig) -> None:
     _check(t.microbatch_policy in METHODS,
            f"train.microbatch_policy must be one of {METHODS}, got {t.microbatch_policy!r}")
     _check(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got {t.device!r}")
+    _validate_checkpointing(cfg)
     d = cfg.data
     _check(d.on_error in ("raise", "skip"), f"data.on_error must be 'raise' or 'skip', got {d.on_error!r}")
     _check(d.max_length >= 2, "data.max_length must be >= 2")
@@ -205,6 +207,17 @@ def validate(cfg: JobConfig) -> None:
         _check((m.llm.path is None) != (m.llm.config is None), "model.llm: give exactly one of path and config")
     for name, enc in m.encoders.items():
         _validate_encoder(name, enc, m.pretrained is not None)
+
+
+def _validate_checkpointing(cfg: JobConfig) -> None:
+    """``train.activation_checkpointing`` and its per-module overrides are policies of ``planner.recompute``."""
+    fields = {"train.activation_checkpointing": cfg.train.activation_checkpointing,
+              "model.llm.activation_checkpointing": cfg.model.llm.activation_checkpointing}
+    fields.update({f"model.encoders.{name}.activation_checkpointing": enc.activation_checkpointing
+                   for name, enc in cfg.model.encoders.items()})
+    for field_name, value in fields.items():
+        _check(value is None and field_name != "train.activation_checkpointing" or value in CHECKPOINT_POLICIES,
+               f"{field_name} must be one of {CHECKPOINT_POLICIES}, got {value!r}")
 
 
 def _validate_sources(d: DataConfig) -> None:

@@ -58,6 +58,8 @@ class EncoderConfig:
     """Freeze the projector."""
     lr_scale: float = 1.0
     """Learning rate of this branch's encoder and projector as a multiple of ``train.lr``."""
+    activation_checkpointing: str | None = None
+    """This branch's activation checkpointing, replacing ``train.activation_checkpointing`` (None: follow it)."""
 
 
 @dataclass
@@ -72,6 +74,8 @@ class LLMConfig:
     """Freeze the language model."""
     attn_implementation: str = "sdpa"
     """Attention implementation passed to transformers (``"sdpa"``, ``"eager"``, ...)."""
+    activation_checkpointing: str | None = None
+    """The LLM's activation checkpointing, replacing ``train.activation_checkpointing`` (None: follow it)."""
 
 
 @dataclass
@@ -286,6 +290,14 @@ class TrainConfig:
     """``"cpu"``, ``"cuda"`` or ``"auto"``."""
     threads: int = 0
     """torch intra-op threads per process on CPU (0: torch default)."""
+    activation_checkpointing: str = "none"
+    """Recompute layer activations in the backward instead of keeping them (``plait.planner.recompute``):
+    ``"none"``; ``"full"``: every transformer layer unit of the encoders and the LLM keeps only its input and runs
+    its forward again in the backward (PyTorch's non-reentrant ``torch.utils.checkpoint``); ``"selective"``: every
+    other layer unit of each module (the 0th, 2nd, ... of its chain), about half the memory saving for half the
+    recomputation, with costs the planner prices exactly. Frozen-aware: a unit that runs no backward (frozen,
+    nothing trainable upstream) is never checkpointed (it keeps nothing already). Per module:
+    ``[model.llm] activation_checkpointing`` and ``[model.encoders.<name>] activation_checkpointing``."""
 
 
 @dataclass

@@ -27,6 +27,8 @@ Conventions (all formulas below use them):
 - Memory of a unit (../shared/DESIGN.md, "Cost of a unit"): parameters (``b`` bytes each), plus
   gradients and optimizer state if trainable (``OptimizerSpec``; AdamW with fp32 master, m and v is 12
   bytes per parameter), plus saved activations per microbatch in flight if the unit runs a backward.
+  Activation checkpointing (``planner.recompute.checkpointed_costs``) turns a checkpointed unit's saved
+  activations into its input only and adds a forward's time to its backward (``UnitCost.recompute_s``).
   Saved activations assume fused (flash/SDPA) attention, so no ``T x T`` term; see
   ``_decoder_layer_saved`` and ``_encoder_layer_saved`` for the per-token element counts.
 """

@@ -501,7 +501,8 @@ def stage_costs_from_units(
 
     ``F`` is the sum of forwards. Unsplit, ``B`` is the sum of ``UnitCost.backward_s`` (dX where the unit
     needs an input gradient, plus dW where it trains: the frozen-aware model of
-    ../shared/REFERENCES.md section 1). Split, ``B`` is the dX part and ``W`` the dW part.
+    ../shared/REFERENCES.md section 1). Split, ``B`` is the dX part and ``W`` the dW part. A checkpointed unit
+    (``UnitCost.recompute_s``, ``planner.recompute``) adds its recomputation to ``B``, and split also to ``W``.
 
     Raises:
         ValueError: when a unit of the plan has no cost or is not in ``units``.
@@ -515,8 +516,9 @@ def stage_costs_from_units(
                 raise ValueError(f"stage {stage.index}: unit {name!r} has no Unit or no UnitCost")
             unit, cost = by_name[name], unit_costs[name]
             f += cost.forward_s
-            dx += cost.input_grad_s if unit.needs_input_grad else 0.0
-            dw += cost.weight_grad_s if unit.trainable else 0.0
+            dx += (cost.input_grad_s if unit.needs_input_grad else 0.0) + (
+                cost.recompute_s if unit.runs_backward else 0.0)  # checkpointed: forward again (planner.recompute)
+            dw += (cost.weight_grad_s + (cost.recompute_s if split_backward else 0.0)) if unit.trainable else 0.0
         out[(stage.index, "F")] = f
         out[(stage.index, "B")] = dx if split_backward else dx + dw
         out[(stage.index, "W")] = dw

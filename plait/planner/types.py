@@ -71,6 +71,8 @@ class UnitCost(JsonDataclass):
         param_bytes: parameter memory (bytes).
         activation_bytes: memory of the activations the forward saves for backward (bytes).
         output_bytes: size of the unit's output tensor (bytes), i.e. what a stage boundary after it sends.
+        recompute_s: extra forward time (s) its backward pays when the unit is activation-checkpointed (its
+            forward runs again before its backward; 0 when not checkpointed; ``planner.recompute``).
     """
 
     forward_s: float
@@ -79,6 +81,7 @@ class UnitCost(JsonDataclass):
     param_bytes: int = 0
     activation_bytes: int = 0
     output_bytes: int = 0
+    recompute_s: float = 0.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -86,13 +89,14 @@ class UnitCost(JsonDataclass):
                 raise ValueError(f"UnitCost.{field.name} must be >= 0, got {getattr(self, field.name)}")
 
     def backward_s(self, unit: Unit, frozen_aware: bool = True) -> float:
-        """Backward time (s) of ``unit``: dX if it needs an input gradient, plus dW if it trains.
+        """Backward time (s) of ``unit``: dX if it needs an input gradient, plus dW if it trains, plus the
+        recomputation ``recompute_s`` of a checkpointed unit when it runs any backward.
 
-        With ``frozen_aware=False`` every unit pays dX + dW whatever its flags (the frozen-unaware model that
-        Cornstarch compares against, ../shared/REFERENCES.md section 1).
+        With ``frozen_aware=False`` every unit pays dX + dW (+ recomputation) whatever its flags (the
+        frozen-unaware model that Cornstarch compares against, ../shared/REFERENCES.md section 1).
         """
         if not frozen_aware:
-            return self.input_grad_s + self.weight_grad_s
+            return self.input_grad_s + self.weight_grad_s + self.recompute_s
         return (self.input_grad_s if unit.needs_input_grad else 0.0) + (
             self.weight_grad_s if unit.trainable else 0.0
-        )
+        ) + (self.recompute_s if unit.runs_backward else 0.0)
