@@ -12,7 +12,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from plait.config.schema import DATA_FORMATS, DataConfig, EncoderConfig, JobConfig, PipelineConfig
+from plait.config.schema import DATA_FORMATS, DataConfig, EncoderConfig, JobConfig, LoraConfig, PipelineConfig
 from plait.planner.microbatch import METHODS
 from plait.planner.pipeline_plan import LAYOUTS, stage_ranks
 from plait.planner.recompute import CHECKPOINT_POLICIES
@@ -207,6 +207,7 @@ def validate(cfg: JobConfig) -> None:
         _check((m.llm.path is None) != (m.llm.config is None), "model.llm: give exactly one of path and config")
     for name, enc in m.encoders.items():
         _validate_encoder(name, enc, m.pretrained is not None)
+    _validate_lora(m.llm.lora, "model.llm.lora")
 
 
 def _validate_checkpointing(cfg: JobConfig) -> None:
@@ -403,6 +404,22 @@ def _validate_encoder(name: str, enc: EncoderConfig, pretrained: bool) -> None:
     _check(enc.lr_scale > 0, f"{where}.lr_scale must be > 0")
     if not pretrained:
         _check((enc.path is None) != (enc.config is None), f"{where}: give exactly one of path and config")
+    _validate_lora(enc.lora, f"{where}.lora")
+
+
+def _validate_lora(lora: LoraConfig, where: str) -> None:
+    """Check a ``[...lora]`` table; ``where`` is its dotted name (``model.llm.lora``) for the error.
+
+    Raises:
+        ValueError: naming the field: ``r < 0``, ``alpha <= 0``, ``dropout`` outside [0, 1), or an empty or
+            repeated ``target_modules`` name.
+    """
+    _check(lora.r >= 0, f"{where}.r must be >= 0 (0 = no LoRA), got {lora.r}")
+    _check(lora.alpha > 0, f"{where}.alpha must be > 0, got {lora.alpha}")
+    _check(0 <= lora.dropout < 1, f"{where}.dropout must be in [0, 1), got {lora.dropout}")
+    _check(all(lora.target_modules), f"{where}.target_modules has an empty name: {lora.target_modules}")
+    _check(len(set(lora.target_modules)) == len(lora.target_modules),
+           f"{where}.target_modules repeats a name: {lora.target_modules}")
 
 
 def _check(ok: bool, message: str) -> None:

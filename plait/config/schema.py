@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "LoraConfig",
     "EncoderConfig",
     "LLMConfig",
     "ModelConfig",
@@ -24,6 +25,23 @@ __all__ = [
     "MetricsConfig",
     "JobConfig",
 ]
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on one Hugging Face part (``[model.llm.lora]``, ``[model.encoders.<name>.lora]``), applied
+    with ``peft`` (:func:`plait.models.lora.apply_lora`). With adapters the part's base weights are frozen and
+    only the adapters train (the projector trains unless ``freeze_projector``)."""
+
+    r: int = 0
+    """Rank of each adapter (``B A`` with ``A: [r, in]``, ``B: [out, r]``); 0 = no LoRA on this part."""
+    alpha: float = 16.0
+    """Scaling numerator: the adapter's output is multiplied by ``alpha / r``; > 0."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input, in [0, 1) (0 keeps every layout bit-comparable with one process)."""
+    target_modules: list[str] = field(default_factory=list)
+    """Names (last component) of the ``nn.Linear`` modules to adapt; empty = the family's default
+    (:data:`plait.models.lora.DEFAULT_TARGETS`: attention q/k/v/o and MLP projections)."""
 
 
 @dataclass
@@ -60,6 +78,8 @@ class EncoderConfig:
     """Learning rate of this branch's encoder and projector as a multiple of ``train.lr``."""
     activation_checkpointing: str | None = None
     """This branch's activation checkpointing, replacing ``train.activation_checkpointing`` (None: follow it)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on the encoder (``r > 0`` turns them on; the encoder's base weights are then frozen)."""
 
 
 @dataclass
@@ -76,6 +96,8 @@ class LLMConfig:
     """Attention implementation passed to transformers (``"sdpa"``, ``"eager"``, ...)."""
     activation_checkpointing: str | None = None
     """The LLM's activation checkpointing, replacing ``train.activation_checkpointing`` (None: follow it)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on the LLM (``r > 0`` turns them on; the LLM's base weights are then frozen)."""
 
 
 @dataclass

@@ -41,6 +41,7 @@ from transformers import PreTrainedModel
 from transformers.initialization import guard_torch_init_functions
 
 from plait.config.schema import ModelConfig
+from plait.models.lora import ADAPTER_DIR, adapter_key
 
 __all__ = [
     "module_seed",
@@ -95,10 +96,19 @@ def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
 
 
 def _run_init(module: nn.Module, owner: PreTrainedModel | None) -> None:
-    if owner is not None:
+    if hasattr(module, "reset_lora_parameters"):  # a peft LoRA layer (plait.models.lora): A Kaiming, B zero
+        for adapter in module.lora_A:
+            module.reset_lora_parameters(adapter, True)
+    elif owner is not None:
         owner._init_weights(module)
     elif _own_tensors(module) and hasattr(module, "reset_parameters"):
         module.reset_parameters()
+
+
+def _seed_name(fqn: str) -> str:
+    """The FQN a module's random stream is seeded from: a LoRA-wrapped module's ``base_layer`` keeps the name
+    of the module it was before wrapping, so adapted and plain models draw equal base weights."""
+    return fqn.replace(".base_layer", "")
 
 
 def init_weights(model: nn.Module, seed: int, tensors: Collection[torch.Tensor] | None = None) -> None:
@@ -130,7 +140,7 @@ def init_weights(model: nn.Module, seed: int, tensors: Collection[torch.Tensor] 
                     below.get(id(c), False) for c in module.children())
                 if below[id(module)]:
                     with torch.random.fork_rng(devices=[]):
-                        torch.default_generator.manual_seed(module_seed(seed, fqn))  # CPU only
+                        torch.default_generator.manual_seed(module_seed(seed, _seed_name(fqn)))  # CPU only
                         _run_init(module, owner)
     finally:
         for i, (t, _) in every.items():
@@ -248,11 +258,14 @@ class PartSource:
         files: its safetensors files (a ``save_pretrained`` directory's shards, or one file).
         base_prefix: the part's ``base_model_prefix`` plus a dot (``"model."``) or ``""``; a stored key may lack
             it (a base model's checkpoint loaded into a model with a head), as ``from_pretrained`` allows.
+        adapter: the files are a LoRA adapter in ``peft``'s format (``plait.models.lora.save_adapter``): only
+            adapter tensors are looked up, under ``plait.models.lora.adapter_key``.
     """
 
     prefix: str
     files: tuple[str, ...]
     base_prefix: str = ""
+    adapter: bool = False
 
 
 def _safetensors_files(directory: str | Path) -> tuple[str, ...]:
@@ -282,17 +295,17 @@ class WeightSource:
 
     def __init__(self, parts: Sequence[PartSource]) -> None:
         self.parts = list(parts)
-        self._keys: dict[str, dict[str, str]] = {}  # part prefix -> stored key -> file
+        self._keys: dict[tuple[str, bool], dict[str, str]] = {}  # (part prefix, adapter) -> stored key -> file
         self._shift: dict[str, list[str]] = {}  # part prefix -> [stored prefix] once known
 
     def _stored(self, part: PartSource) -> dict[str, str]:
-        if part.prefix not in self._keys:
+        if (part.prefix, part.adapter) not in self._keys:
             keys: dict[str, str] = {}
             for file in part.files:
                 with safe_open(file, framework="pt") as f:
                     keys.update((k, file) for k in f.keys())
-            self._keys[part.prefix] = keys
-        return self._keys[part.prefix]
+            self._keys[part.prefix, part.adapter] = keys
+        return self._keys[part.prefix, part.adapter]
 
     def _resolve(self, part: PartSource, local: str, stored: dict[str, str]) -> str | None:
         shift = self._shift.setdefault(part.prefix, [])
@@ -311,11 +324,17 @@ class WeightSource:
 
     def locate(self, names: Sequence[str]) -> tuple[str, str] | None:
         """``(file, stored key)`` of the tensor with FQNs ``names`` (any alias), or None when not stored."""
+        names = [_seed_name(n) for n in names]  # a LoRA-wrapped weight is stored under its plain name
         for part in self.parts:
             stored = self._stored(part)
             for name in names:
                 if name.startswith(part.prefix):
-                    key = self._resolve(part, name[len(part.prefix):], stored)
+                    local = name[len(part.prefix):]
+                    if part.adapter:
+                        key = adapter_key(local)
+                        key = key if key in stored else None
+                    else:
+                        key = self._resolve(part, local, stored)
                     if key is not None:
                         return stored[key], key
         return None
@@ -373,6 +392,7 @@ def weight_source(cfg: ModelConfig, model: nn.Module) -> WeightSource | None:
             parts.append(PartSource(f"encoders.{name}.encoder.", _safetensors_files(sub / "encoder"),
                                     base(branch.encoder)))
             parts.append(PartSource(f"encoders.{name}.projector.", (str(sub / "projector.safetensors"),)))
+        parts += _adapter_parts(root)
         return WeightSource(parts)
     if cfg.llm.path:
         parts.append(PartSource("language_model.", _safetensors_files(cfg.llm.path), base(llm)))
@@ -381,3 +401,14 @@ def weight_source(cfg: ModelConfig, model: nn.Module) -> WeightSource | None:
             encoder = model.encoders[name].encoder
             parts.append(PartSource(f"encoders.{name}.encoder.", _safetensors_files(enc.path), base(encoder)))
     return WeightSource(parts) if parts else None
+
+
+def _adapter_parts(root: Path) -> list[PartSource]:
+    """The LoRA adapters a plait composite was saved with (``<part>/adapter/``), as weight sources."""
+    out = []
+    for prefix, folder in [("language_model.", root / "llm"),
+                           *((f"encoders.{d.name}.encoder.", d / "encoder") for d in sorted((root / "encoders").glob("*")))]:
+        file = folder / ADAPTER_DIR / "adapter_model.safetensors"
+        if file.is_file():
+            out.append(PartSource(prefix, (str(file),), adapter=True))
+    return out

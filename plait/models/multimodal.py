@@ -18,7 +18,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from plait.models.encoder import ModalityEncoder
+from plait.config.schema import LoraConfig
 from plait.models.hf import build_causal_lm, build_encoder, encoder_hidden_size
+from plait.models.lora import ADAPTER_DIR, base_state_dict, has_lora, inject_lora, load_adapter, lora_settings, save_adapter
 from plait.models.projector import build_projector
 
 __all__ = ["MultimodalModel", "PLAIT_CONFIG"]
@@ -189,16 +191,19 @@ class MultimodalModel(nn.Module):
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
 
     # ------------------------------------------------------------------ save / load
-    def save_pretrained(self, directory: str | Path) -> None:
+    def save_pretrained(self, directory: str | Path, merge_lora: bool = False) -> None:
         """Write the composite: ``llm/`` and ``encoders/<name>/encoder/`` in Hugging Face format,
-        ``encoders/<name>/projector.safetensors`` and ``plait_config.json``."""
+        ``encoders/<name>/projector.safetensors`` and ``plait_config.json``. A part with LoRA adapters
+        (:mod:`plait.models.lora`) is written as its plain Hugging Face base plus its adapter in ``peft``'s format
+        in ``<part>/adapter/`` (``peft.PeftModel.from_pretrained(part, "<part>/adapter")`` loads it); with
+        ``merge_lora`` the adapters are merged into the base weights instead (no adapter folder)."""
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
-        self.language_model.save_pretrained(root / "llm")
-        meta: dict[str, Any] = {"placeholder_ids": self.placeholder_ids, "encoders": {}}
+        meta: dict[str, Any] = {"placeholder_ids": self.placeholder_ids, "encoders": {}, "lora": {}}
+        _save_part(self.language_model, root / "llm", merge_lora, meta["lora"], "llm")
         for name, branch in self.encoders.items():
             sub = root / "encoders" / name
-            branch.encoder.save_pretrained(sub / "encoder")
+            _save_part(branch.encoder, sub / "encoder", merge_lora, meta["lora"], name)
             state = {k: v.detach().contiguous() for k, v in branch.projector.state_dict().items()}
             save_file(state, str(sub / "projector.safetensors"))
             meta["encoders"][name] = branch.settings() | {"encoder_dim": branch.encoder_dim}
@@ -208,9 +213,10 @@ class MultimodalModel(nn.Module):
     def from_pretrained(
         cls, directory: str | Path, attn_implementation: str = "sdpa", weights: bool = True
     ) -> "MultimodalModel":
-        """Load a composite written by :meth:`save_pretrained` (all parameters trainable). With
+        """Load a composite written by :meth:`save_pretrained` (all parameters trainable, except the base weights of
+        a part saved with LoRA adapters: those are restored, trainable, on their frozen base). With
         ``weights=False`` only its configs are read (build under ``torch.device("meta")`` and materialise with
-        :mod:`plait.models.init`).
+        :mod:`plait.models.init`, which loads the adapters too).
 
         Raises:
             FileNotFoundError: when ``directory`` has no ``plait_config.json``.
@@ -220,10 +226,13 @@ class MultimodalModel(nn.Module):
             raise FileNotFoundError(f"{root} is not a plait model directory (no {PLAIT_CONFIG})")
         meta = json.loads((root / PLAIT_CONFIG).read_text())
         llm = build_causal_lm(path=str(root / "llm"), attn_implementation=attn_implementation, weights=weights)
+        lora = meta.get("lora", {})
+        _restore_adapter(llm, root / "llm", lora.get("llm"), weights)
         hidden = llm.get_input_embeddings().embedding_dim
         encoders = {}
         for name, s in meta["encoders"].items():
             enc = build_encoder(s["modality"], path=str(root / "encoders" / name / "encoder"), weights=weights)
+            _restore_adapter(enc, root / "encoders" / name / "encoder", lora.get(name), weights)
             projector = build_projector(s["projector"], encoder_hidden_size(enc), hidden)
             if weights:
                 projector.load_state_dict(load_file(str(root / "encoders" / name / "projector.safetensors")))
@@ -231,3 +240,26 @@ class MultimodalModel(nn.Module):
                 enc, projector, s["modality"], s["feature_layer"], s["select"], s["downsample"]
             )
         return cls(llm, encoders, meta["placeholder_ids"])
+
+
+def _save_part(module: nn.Module, directory: Path, merge: bool, lora: dict[str, Any], key: str) -> None:
+    """Save one Hugging Face part: plain, or (adapted) its plain base and, unless ``merge``, its adapter and
+    settings (``lora[key]``)."""
+    if not has_lora(module):
+        module.save_pretrained(directory)
+        return
+    module.save_pretrained(directory, state_dict=base_state_dict(module, merge))
+    if not merge:
+        lora[key] = lora_settings(module)
+        save_adapter(module, directory / ADAPTER_DIR)
+
+
+def _restore_adapter(module: nn.Module, directory: Path, settings: dict[str, Any] | None, weights: bool) -> None:
+    """Re-inject a saved part's adapter (``settings`` from ``plait_config.json``) and, with ``weights``, load it."""
+    if not settings:
+        return
+    cfg = LoraConfig(r=settings["r"], alpha=settings["alpha"], dropout=settings["dropout"],
+                     target_modules=list(settings["target_modules"]))
+    inject_lora(module, cfg, f"{directory}/{ADAPTER_DIR}")
+    if weights:
+        load_adapter(module, directory / ADAPTER_DIR)

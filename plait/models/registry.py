@@ -16,6 +16,7 @@ from plait.data.sources import path_note
 from plait.models.encoder import ModalityEncoder
 from plait.models.hf import build_causal_lm, build_encoder, encoder_hidden_size
 from plait.models.init import materialize, weight_source
+from plait.models.lora import apply_lora
 from plait.models.multimodal import MultimodalModel
 from plait.models.projector import build_projector
 
@@ -73,7 +74,9 @@ def _placeholder_ids(cfg: ModelConfig, tokenizer: Any) -> dict[str, int]:
 def build_model(
     cfg: ModelConfig, tokenizer: Any, device: torch.device | str | None = None, seed: int | None = None
 ) -> MultimodalModel:
-    """Build the composite (from a plait checkpoint, local HF parts or configs) and apply freezing.
+    """Build the composite (from a plait checkpoint, local HF parts or configs), apply freezing, then the LoRA
+    adapters of ``[model.llm.lora]`` / ``[model.encoders.<name>.lora]`` (:func:`plait.models.lora.apply_lora`,
+    on the meta device, so adapters are materialised and initialised with their units).
 
     The model is always composed on the meta device first (no memory, no init work; the unreachable-parameter
     probe runs on meta too). With ``device="meta"`` it is returned that way, for a pipeline rank to
@@ -91,6 +94,7 @@ def build_model(
     with torch.device("meta"):
         model = compose_model(cfg, tokenizer, weights=False)
     apply_freezing(model, cfg)
+    apply_lora(model, cfg)
     if device is not None and torch.device(device).type == "meta":
         return model
     materialize(model, device or "cpu", seed, source=weight_source(cfg, model))

@@ -43,7 +43,8 @@ class UnitSpec:
 def model_units(model: MultimodalModel) -> tuple[Unit, ...]:
     """The ordered pipeline units of ``model``: every encoder branch (in ``model.encoders`` order), then the LLM.
 
-    Flags (``Unit``): ``trainable`` when any reachable parameter of the unit has ``requires_grad``;
+    Flags (``Unit``): ``trainable`` when any reachable parameter of the unit has ``requires_grad``
+    (``trainable_fraction``: the share that does, e.g. a LoRA unit's adapters);
     ``needs_input_grad`` by the unit-graph rule (``plait.planner.graph.consistent_units``: some unit upstream
     trains, every encoder branch feeding the LLM's first unit).
 
@@ -96,11 +97,15 @@ def _llm_parts(model: MultimodalModel) -> list[tuple[str, tuple[str, ...], int]]
 
 
 def _chain(model: MultimodalModel, parts: list[tuple[str, tuple[str, ...], int]], module: str) -> list[UnitSpec]:
-    """Specs of one chain with ``trainable`` from the parameters (``needs_input_grad`` is set by the graph rule)."""
+    """Specs of one chain with ``trainable`` and ``trainable_fraction`` (the share of the unit's parameters, by
+    count, with ``requires_grad``: below 1 for a LoRA unit) from the parameters (``needs_input_grad`` is set by the
+    graph rule)."""
     specs = []
     for kind, modules, layer in parts:
-        trainable = any(p.requires_grad for m in modules for p in _params(model, m))
-        specs.append(UnitSpec(Unit(modules[0], module, kind, trainable, False), modules, layer))
+        params = [p for m in modules for p in _params(model, m)]
+        trained = sum(p.numel() for p in params if p.requires_grad)
+        fraction = trained / sum(p.numel() for p in params) if trained else 1.0
+        specs.append(UnitSpec(Unit(modules[0], module, kind, trained > 0, False, fraction), modules, layer))
     return specs
 
 

@@ -59,7 +59,8 @@ def consistent_units(units: Sequence[Unit], all_trainable: bool = False,
 
     Args:
         units: pipeline units in model order; their ``needs_input_grad`` is ignored.
-        all_trainable: mark every unit trainable first (the belief of a frozen-unaware planner).
+        all_trainable: mark every unit fully trainable first (the belief of a frozen-unaware planner; LoRA
+            units' ``trainable_fraction`` becomes 1).
         require_llm: as :func:`check_grouping`.
 
     Returns:
@@ -77,7 +78,9 @@ def consistent_units(units: Sequence[Unit], all_trainable: bool = False,
             module = unit.module
             upstream = any_encoder if module == LLM_MODULE else False
         trainable = True if all_trainable else unit.trainable
-        out.append(dataclasses.replace(unit, trainable=trainable, needs_input_grad=upstream))
+        fraction = 1.0 if all_trainable else unit.trainable_fraction
+        out.append(dataclasses.replace(unit, trainable=trainable, needs_input_grad=upstream,
+                                       trainable_fraction=fraction))
         upstream |= trainable
         any_encoder |= trainable and module != LLM_MODULE
     return tuple(out)

@@ -34,9 +34,13 @@ class Unit(JsonDataclass):
             trainable, so the gradient must flow through this unit's input (dX) and its activations must
             be kept. A unit with neither flag runs forward only, under ``torch.no_grad``
             (../shared/DESIGN.md, principle 6).
+        trainable_fraction: the share (0-1] of the unit's parameters, by count, that train when it is
+            ``trainable``: 1 for a fully trainable unit; the adapters' parameters over all of the unit's for a
+            LoRA unit (frozen base + adapters, :attr:`adapter`), whose dW work, gradients and optimizer state
+            are that share of a full unit's (its dX through the frozen base is whole).
 
     Raises:
-        ValueError: on an unknown ``kind`` or an empty ``name``/``module``.
+        ValueError: on an unknown ``kind``, an empty ``name``/``module`` or a fraction outside (0, 1].
     """
 
     name: str
@@ -44,10 +48,14 @@ class Unit(JsonDataclass):
     kind: str
     trainable: bool
     needs_input_grad: bool
+    trainable_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.name or not self.module:
             raise ValueError(f"Unit needs a non-empty name and module, got {self.name!r}/{self.module!r}")
+        if not 0 < self.trainable_fraction <= 1:
+            raise ValueError(f"Unit {self.name!r}: trainable_fraction must be in (0, 1], got "
+                             f"{self.trainable_fraction}")
         if self.kind not in UNIT_KINDS:
             raise ValueError(f"Unit {self.name!r}: kind must be one of {UNIT_KINDS}, got {self.kind!r}")
 
@@ -55,6 +63,16 @@ class Unit(JsonDataclass):
     def runs_backward(self) -> bool:
         """True when the unit's backward does any work (dX, dW or both)."""
         return self.trainable or self.needs_input_grad
+
+    @property
+    def adapter(self) -> bool:
+        """True for a LoRA unit: it trains, but only a share of its parameters (a frozen base with adapters)."""
+        return self.trainable and self.trainable_fraction < 1
+
+    @property
+    def trained_fraction(self) -> float:
+        """The share of the unit's parameters with a gradient and optimizer state: 0 when it does not train."""
+        return self.trainable_fraction if self.trainable else 0.0
 
 
 @dataclass(frozen=True)
@@ -67,7 +85,9 @@ class UnitCost(JsonDataclass):
     Attributes:
         forward_s: forward time (s).
         input_grad_s: time of the input-gradient backward (s), paid when ``needs_input_grad``.
-        weight_grad_s: time of the weight-gradient backward (s), paid when ``trainable``.
+        weight_grad_s: time of the weight-gradient backward of all the unit's parameters (s); a unit pays
+            ``weight_grad_s * unit.trained_fraction`` (all of it when fully trainable, the adapters' share for
+            a LoRA unit, nothing when frozen).
         param_bytes: parameter memory (bytes).
         activation_bytes: memory of the activations the forward saves for backward (bytes).
         output_bytes: size of the unit's output tensor (bytes), i.e. what a stage boundary after it sends.
@@ -89,7 +109,8 @@ class UnitCost(JsonDataclass):
                 raise ValueError(f"UnitCost.{field.name} must be >= 0, got {getattr(self, field.name)}")
 
     def backward_s(self, unit: Unit, frozen_aware: bool = True) -> float:
-        """Backward time (s) of ``unit``: dX if it needs an input gradient, plus dW if it trains, plus the
+        """Backward time (s) of ``unit``: dX if it needs an input gradient, plus its trained share of dW
+        (``Unit.trained_fraction``: all of it, a LoRA unit's adapters' share, or none), plus the
         recomputation ``recompute_s`` of a checkpointed unit when it runs any backward.
 
         With ``frozen_aware=False`` every unit pays dX + dW (+ recomputation) whatever its flags (the
@@ -98,5 +119,5 @@ class UnitCost(JsonDataclass):
         if not frozen_aware:
             return self.input_grad_s + self.weight_grad_s + self.recompute_s
         return (self.input_grad_s if unit.needs_input_grad else 0.0) + (
-            self.weight_grad_s if unit.trainable else 0.0
+            self.weight_grad_s * unit.trained_fraction
         ) + (self.recompute_s if unit.runs_backward else 0.0)
