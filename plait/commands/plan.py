@@ -47,7 +47,7 @@ from plait.planner.arch import arch_from_config, units_from_configs
 from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_costs
 from plait.planner.macrobatch import MacrobatchStats, expected_shapes, macrobatch_stats
 from plait.planner.pipeline_plan import LAYOUTS
-from plait.planner.report import format_plan, plan_to_json, pp_toml
+from plait.planner.report import format_lora_units, format_plan, plan_to_json, pp_toml
 from plait.planner.search import LayoutChoice, plan_layout
 from plait.planner.types import Unit, UnitCost
 from plait.train.auto_plan import apply_layout_choice
@@ -399,6 +399,7 @@ def plan_command(
     print(f"plait plan: {config_path} on {devices} x {spec.name}, {inputs.microbatches} microbatches of "
           f"{cfg.train.microbatch_size} samples (global batch {cfg.train.global_batch_size})", file=stream)
     print(format_plan(choice), file=stream)
+    print(format_lora_units(inputs.units), end="", file=stream)
     snippet, why = pp_snippet(cfg, choice, inputs.units, inputs.unit_source)
     if snippet is None:
         print(f"no [parallel.pp] snippet: {why}", file=stream)

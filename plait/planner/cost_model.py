@@ -550,12 +550,14 @@ def stage_work(units: Sequence[Unit], costs: Sequence[UnitCost], frozen_aware: b
 def unit_static_bytes(unit: Unit, cost: UnitCost, dtype: Any = "bfloat16",
                       optimizer: OptimizerSpec = OptimizerSpec(), frozen_aware: bool = True) -> float:
     """Memory (bytes) a unit holds whatever the microbatches in flight: ``param_bytes`` plus, if it trains
-    (or ``frozen_aware`` is False), ``(param_bytes / b) (grad_bytes_per_param + state_bytes_per_param)``."""
+    (or ``frozen_aware`` is False), ``(param_bytes / b) (grad_bytes_per_param + state_bytes_per_param)`` times the
+    share of its parameters that train (``Unit.trained_fraction``: a LoRA unit's adapters only)."""
     b = dtype_bytes(dtype)
     if not (unit.trainable or not frozen_aware):
         return float(cost.param_bytes)
     grad = b if optimizer.grad_bytes_per_param is None else optimizer.grad_bytes_per_param
-    return cost.param_bytes + cost.param_bytes / b * (grad + optimizer.state_bytes_per_param)
+    share = unit.trained_fraction if frozen_aware else 1.0
+    return cost.param_bytes + cost.param_bytes * share / b * (grad + optimizer.state_bytes_per_param)
 
 
 def unit_activation_bytes(unit: Unit, cost: UnitCost, frozen_aware: bool = True) -> float:

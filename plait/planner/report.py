@@ -21,8 +21,10 @@ from plait.planner.profile import Profile
 from plait.planner.schedules import build_schedule
 from plait.planner.search import LayoutChoice
 from plait.planner.simulator import SimResult, StageMemory, simulate
+from plait.planner.types import Unit
 
 __all__ = [
+    "format_lora_units",
     "PP_TOML_KEY",
     "format_plan",
     "format_profile",
@@ -233,7 +235,7 @@ def format_profile(profile: Profile) -> str:
     for unit, m in zip(profile.units, profile.measurements):
         name = unit.name if len(unit.name) <= 56 else "..." + unit.name[-53:]
         lines.append(
-            f"{name:<56} {'T' if unit.trainable else '-':>1}{'X' if unit.needs_input_grad else '-':>1} "
+            f"{name:<56} {_train_flag(unit):>1}{'X' if unit.needs_input_grad else '-':>1} "
             f"{1e3 * m.forward_s:>8.3f} {1e3 * m.input_grad_s:>8.3f} {1e3 * m.weight_grad_s:>8.3f} "
             f"{1e3 * m.fused_backward_s:>8.3f} {m.param_bytes / 1024:>10.1f} {m.grad_bytes / 1024:>9.1f} "
             f"{m.optimizer_bytes / 1024:>10.1f} {m.activation_bytes / 1024:>9.1f} {m.output_bytes / 1024:>8.1f}")
@@ -244,5 +246,27 @@ def format_profile(profile: Profile) -> str:
     if any(v < 0 for over in profile.chunk_overhead_s.values() for v in over.values()):
         lines.append("a negative chunk overhead: the module ran faster as one chunk than its units measured apart; "
                      "kept as a correction (a stage's time is clipped at 0)")
-    lines.append("T = trainable, X = needs input gradient; B = fused backward (dX + dW in one pass)")
+    lines.append("T = trainable, L = LoRA (frozen base + trainable adapters), X = needs input gradient; "
+                 "B = fused backward (dX + dW in one pass)")
     return "\n".join(lines)
+
+
+def _train_flag(unit: Unit) -> str:
+    """``T`` trainable, ``L`` LoRA (:attr:`Unit.adapter`), ``-`` frozen."""
+    return "L" if unit.adapter else ("T" if unit.trainable else "-")
+
+
+def format_lora_units(units: Sequence[Unit]) -> str:
+    """One line per module with LoRA units (:attr:`Unit.adapter`): how many, and the share of their parameters
+    the adapters are (what their dW, gradients and optimizer state cost, ``Unit.trained_fraction``), each line
+    ending with a newline; ``""`` when no unit is a LoRA unit."""
+    lines = []
+    modules = dict.fromkeys(u.module for u in units)
+    for module in modules:
+        lora = [u for u in units if u.module == module and u.adapter]
+        if lora:
+            share = sum(u.trainable_fraction for u in lora) / len(lora)
+            lines.append(f"LoRA {module}: {len(lora)} units with a frozen base and trainable adapters (mean "
+                         f"{100 * share:.2f}% of a unit's parameters): backward = dX through the base + the "
+                         f"adapters' dW; gradients and optimizer state for the adapters only\n")
+    return "".join(lines)

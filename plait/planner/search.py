@@ -432,7 +432,7 @@ def evaluate_plan(
     by_name = _by_name(true_units)
     grads = [0.0] * plan.num_ranks
     for stage in plan.stages:
-        grads[stage.rank] += sum(cost_map[n].param_bytes for n in stage.units if by_name[n].trainable)
+        grads[stage.rank] += sum(cost_map[n].param_bytes * by_name[n].trained_fraction for n in stage.units)
     sync = max(allreduce_s(g, dp, dp_link) for g in grads)
     update = max(overheads.update_s(g) for g in grads)
     work = sum(c.forward_s + c.backward_s(u) for u, c in zip(true_units, cost_map.values()))

@@ -122,7 +122,7 @@ class SearchModel:
         self.static = [unit_static_bytes(u, c, dtype, optimizer) for u, c in zip(self.units, per_unit)]
         self.activation = [unit_activation_bytes(u, c) for u, c in zip(self.units, per_unit)]
         self.output = [float(c.output_bytes) for c in per_unit]
-        self.grad = [float(c.param_bytes) if u.trainable else 0.0 for u, c in zip(view, per_unit)]
+        self.grad = [c.param_bytes * u.trained_fraction for u, c in zip(view, per_unit)]  # LoRA: adapters only
         self.span: dict[str, tuple[int, int]] = {}
         for index, unit in enumerate(self.units):
             start = self.span.get(unit.module, (index, index))[0]

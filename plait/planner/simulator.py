@@ -518,7 +518,8 @@ def stage_costs_from_units(
             f += cost.forward_s
             dx += (cost.input_grad_s if unit.needs_input_grad else 0.0) + (
                 cost.recompute_s if unit.runs_backward else 0.0)  # checkpointed: forward again (planner.recompute)
-            dw += (cost.weight_grad_s + (cost.recompute_s if split_backward else 0.0)) if unit.trainable else 0.0
+            dw += (cost.weight_grad_s * unit.trained_fraction  # a LoRA unit: the adapters' share of dW
+                   + (cost.recompute_s if split_backward else 0.0)) if unit.trainable else 0.0
         out[(stage.index, "F")] = f
         out[(stage.index, "B")] = dx if split_backward else dx + dw
         out[(stage.index, "W")] = dw
