@@ -92,7 +92,7 @@ def _save_and_report(trainer: Trainer, result: dict[str, Any]) -> None:
     each for them, the last step's pipeline timeline and the validation scores."""
     png = plot_loss_curve(trainer.run_dir / "metrics.jsonl", trainer.run_dir / "loss.png")
     final = trainer.run_dir / "final"
-    trainer.full_model().save_pretrained(final)  # under PP: assembled on rank 0 from the last checkpoint
+    trainer.full_model().save_pretrained(final, merge_lora=trainer.cfg.checkpoint.merge_lora)  # PP: from a checkpoint
     trainer.tokenizer.save_pretrained(final / "tokenizer")
     for spec in trainer.processor.specs.values():
         spec.hf_processor.save_pretrained(final / "processors" / spec.encoder)

@@ -330,6 +330,9 @@ class CheckpointConfig:
     """Save every this many steps (0: only at the end)."""
     keep: int = 2
     """Checkpoints kept on disk (older ones are removed; 0 keeps all)."""
+    merge_lora: bool = False
+    """Write ``final/`` with the LoRA adapters merged into the base weights (plain Hugging Face parts, no
+    adapter folders); false keeps each adapted part's base and its adapter in ``peft``'s format."""
 
 
 @dataclass
