@@ -67,6 +67,7 @@ from plait.models.multimodal import MultimodalModel
 from plait.models.init import materialize, rank_prefixes, weight_source
 from plait.models.registry import build_model
 from plait.models.units import model_units
+from plait.parallel.checkpointing import apply_activation_checkpointing, checkpoint_policy
 from plait.parallel.dims import ParallelDims
 from plait.parallel.pipeline import (
     build_pipeline_comm,
@@ -149,6 +150,7 @@ class PipelineTrainer(Trainer):
         units = {u for s in self.plan.stages_on_rank(self.pp_rank) for u in self.plan.stages[s].units}
         materialize(self.model, self.info.device, self.cfg.train.seed, keep=rank_prefixes(self.model, units),
                     source=weight_source(self.cfg.model, self.model))  # before pruning: tied copies agree
+        apply_activation_checkpointing(self.model, *checkpoint_policy(self.cfg))  # before pruning: whole model
         self.stages = build_rank_stages(self.model, self.plan, self.pp_rank, self.info.device)
         self.ddp_model = self.model  # pruned in place; no wrapper (the runtime reduces over DP)
         self.optimizer = None

@@ -42,6 +42,7 @@ from plait.data.metadata import SkippedSample
 from plait.data.mixture import batch_sources, build_batch_loader
 from plait.models.generation import greedy_generate, stop_token_ids
 from plait.models.multimodal import MultimodalModel
+from plait.parallel.checkpointing import apply_activation_checkpointing, checkpoint_policy
 from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
 from plait.parallel.data_parallel import apply_data_parallel, sum_gradients
 from plait.parallel.deferral import FeatureBuffer
@@ -196,6 +197,7 @@ class Trainer:
         ``model``) and ``forward_backward`` reduces the gradients itself, after the deferred encoder backwards.
         """
         t = self.cfg.train
+        apply_activation_checkpointing(self.model, *checkpoint_policy(self.cfg))
         self.ddp_model = apply_data_parallel(self.model, self.info)
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas,
                                          {n: e.lr_scale for n, e in self.cfg.model.encoders.items()})
