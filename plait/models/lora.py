@@ -60,7 +60,7 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "llama": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER, "mistral": _DECODER, "gemma": _DECODER,
     "gemma2": _DECODER, "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     "siglip_vision_model": _ENCODER, "siglip": _ENCODER, "clip_vision_model": _ENCODER, "clip": _ENCODER,
-    "whisper": _ENCODER, "vit": ("query", "key", "value", "dense"),
+    "whisper": _ENCODER, "vit": ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"),
 }
 """Default ``target_modules`` per ``model_type``: the attention projections and the MLP projections."""
 

@@ -157,3 +157,30 @@ def test_adapter_key_matches_peft():
     assert adapter_key("model.layers.0.self_attn.q_proj.lora_A.default.weight") == \
         "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     assert adapter_key("model.layers.0.self_attn.q_proj.base_layer.weight") is None
+
+
+@pytest.mark.parametrize("vision, llm", [("siglip_vision_model", "llama"), ("clip_vision_model", "qwen2"),
+                                         ("vit", "llama")])
+def test_family_defaults_adapt_every_reachable_layer(tok, vision, llm):
+    """The default targets of each family adapt attention and MLP projections in every reachable layer (vision at
+    layer -2: its last layer has none), the audio (Whisper) encoder's too; every layer unit is a LoRA unit."""
+    cfg = tiny_config_dict("unused.jsonl")
+    cfg["model"]["llm"]["config"]["model_type"] = llm
+    cfg["model"]["llm"]["lora"] = {"r": 2}
+    vis = cfg["model"]["encoders"]["vision"]
+    vis.update(feature_layer=-2, lora={"r": 2})
+    vis["config"]["model_type"] = vision
+    if vision != "siglip_vision_model":
+        vis["select"] = "drop_cls"
+    cfg["model"]["encoders"]["audio"]["lora"] = {"r": 2}
+    model = build_model(config_from_dict(cfg).model, tok, device="meta", seed=SEED)
+    units = model_units(model)
+    layers = [u for u in units if u.kind == "layer"]
+    assert layers and all(u.adapter for u in layers)
+    assert all(not u.trainable for u in units if u.kind in ("embed", "norm", "head"))
+    per_layer = {"llama": 7, "qwen2": 7, "siglip_vision_model": 6, "clip_vision_model": 6, "vit": 6}
+    lora_a = [n for n, _ in model.named_parameters() if ".lora_A." in n]
+    n_llm = sum(n.startswith("language_model.") for n in lora_a)
+    n_vision = sum(n.startswith("encoders.vision.") for n in lora_a)
+    assert n_llm == 2 * per_layer[llm] and n_vision == 1 * per_layer[vision]
+    assert sum(n.startswith("encoders.audio.") for n in lora_a) == 2 * 6
