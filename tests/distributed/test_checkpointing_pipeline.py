@@ -82,3 +82,25 @@ def worker(rank: int, world: int, port: int) -> None:
 
 def test_checkpointed_pipeline_equals_no_checkpointing_and_one_process():
     spawn_and_wait(worker, (2, free_port()), 2, 240, "activation checkpointing PP=2 test")
+
+
+def test_plait_train_pp2_with_checkpointing_trains_like_one_process_without(tmp_path):
+    """The PipelineTrainer's setup applies the job's fields (``train.activation_checkpointing = "full"``, the LLM
+    overridden to ``"selective"``): ``plait train`` under torchrun, PP = 2, has the losses of one process without
+    checkpointing."""
+    from plait.config.loader import config_from_dict
+    from plait.train.trainer import Trainer
+    from tests.distributed.test_pipeline_training import job_dict, losses_of, torchrun_train
+
+    job = job_dict(tmp_path, "single")
+    job["data"]["val"] = None
+    ref = Trainer.build(config_from_dict(job)).fit()
+    job = job_dict(tmp_path, "pp")
+    job["data"]["val"] = None
+    job["train"]["activation_checkpointing"] = "full"
+    job["model"]["llm"]["activation_checkpointing"] = "selective"
+    job["parallel"]["pp"] = {"degree": 2, "layout": "encoders_colocated", "schedule": "1f1b"}
+    torchrun_train(job, tmp_path, "pp")
+    losses = losses_of(tmp_path / "pp")
+    torch.testing.assert_close(torch.tensor([losses[s] for s in sorted(losses)]), torch.tensor(ref["losses"]),
+                               rtol=1e-5, atol=0)
