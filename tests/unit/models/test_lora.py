@@ -144,6 +144,10 @@ def test_composite_round_trip_restores_adapters(tok, tmp_path):
     job = build_model(config_from_dict(cfg).model, tok, seed=SEED + 1)
     for name, tensor in model.state_dict().items():
         assert torch.equal(job.state_dict()[name], tensor), name
+    assert [n for n, _ in job.trainable_parameters()] == [n for n, _ in model.trainable_parameters()]
+    cfg["model"]["llm"] = {"lora": {"r": 2}}  # a second adapter on a part that has one is refused
+    with pytest.raises(ValueError, match=r"model\.llm\.lora: the part already holds LoRA adapters"):
+        build_model(config_from_dict(cfg).model, tok, seed=SEED)
     merged_dir = tmp_path / "merged"
     model.save_pretrained(merged_dir, merge_lora=True)
     assert not (merged_dir / "llm" / "adapter").exists()
