@@ -212,3 +212,26 @@ def test_trainer_with_deferral_equals_no_checkpointing(tiny_job, frozen):
     assert any(".encoder." in n for n in runs[1][2]) != frozen
     _assert_same_grads(runs[1][0], runs[0][0])
     assert runs[1][1] == pytest.approx(runs[0][1], rel=1e-6)
+
+
+def test_lora_units_are_checkpointed_with_equal_adapter_gradients():
+    """LoRA (issue 15) on the LLM and the vision encoder: the adapted layers train (adapters only) and are
+    checkpointed; adapter gradients equal those without checkpointing."""
+    from plait.config.schema import EncoderConfig, LLMConfig, LoraConfig, ModelConfig
+    from plait.models.lora import apply_lora
+
+    model = tiny_model()
+    apply_lora(model, ModelConfig(llm=LLMConfig(lora=LoraConfig(r=4)),
+                                  encoders={"vision": EncoderConfig(lora=LoraConfig(r=4))}))
+    with torch.no_grad():  # non-zero B so every adapter weight gets a gradient
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02)
+    ref = copy.deepcopy(model)
+    done = apply_activation_checkpointing(model, "full")
+    assert "language_model.model.layers.1" in done and any(".encoder." in n for n in done)
+    batches = [make_batch(k, i) for i, k in enumerate(BATCHES)]
+    assert reference_step(model, batches) == pytest.approx(reference_step(ref, batches), rel=1e-6)
+    grads = _grads(model.named_parameters())
+    assert any("lora_A" in n for n in grads)
+    _assert_same_grads(grads, _grads(ref.named_parameters()))
