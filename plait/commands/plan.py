@@ -43,10 +43,12 @@ from plait.data.loader import GlobalBatchLoader, MultimodalDataset
 from plait.models.registry import build_model, build_processor, load_tokenizer, placeholder_of
 from plait.commands.plan_costs import host_cpu, host_device, runtime_costs, stored_profile
 from plait.models.units import model_units
+from plait.parallel.checkpointing import checkpoint_policy
 from plait.planner.arch import arch_from_config, units_from_configs
 from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_costs
 from plait.planner.macrobatch import MacrobatchStats, expected_shapes, macrobatch_stats
 from plait.planner.pipeline_plan import LAYOUTS
+from plait.planner.recompute import checkpointed_costs, plan_checkpointing
 from plait.planner.report import format_lora_units, format_plan, plan_to_json, pp_toml
 from plait.planner.search import LayoutChoice, plan_layout
 from plait.planner.types import Unit, UnitCost
@@ -471,6 +473,8 @@ def plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], 
             profile, why = None, "the plan is for the expected macro-batch, not the profiled microbatch"
         if profile is None:
             print(f"plait plan: no measured profile ({why}); `plait profile` stores one", file=stream)
+    checkpointed = plan_checkpointing(inputs.units, *checkpoint_policy(cfg))  # train.activation_checkpointing
+    inputs = dataclasses.replace(inputs, costs=tuple(checkpointed_costs(inputs.costs, checkpointed)))
     costs = runtime_costs(spec, profile, dp_link_Bps)
     if spec.chunk_overhead_s or spec.message_overhead_s:
         print(f"plait plan: costs: {costs.source}", file=stream)
