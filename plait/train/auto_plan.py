@@ -14,8 +14,10 @@ from collections.abc import Sequence
 
 from plait.config.loader import pipeline_plan_kwargs
 from plait.config.schema import JobConfig, PipelineConfig
+from plait.parallel.checkpointing import checkpoint_policy
 from plait.planner.auto_plan import layout_pp_fields, plan_auto_layout
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
+from plait.planner.recompute import checkpointed_costs, plan_checkpointing
 from plait.planner.search import LayoutChoice
 from plait.planner.simulator import P2PModel
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
@@ -81,6 +83,7 @@ def resolve_auto_plan(cfg: JobConfig, world_size: int, units: Sequence[Unit], co
         raise ValueError(f"parallel.plan is {cfg.parallel.plan!r}; only 'auto' is resolved")
     if not any(u.module == LLM_MODULE for u in units):
         raise ValueError("units have no LLM unit: they are not a plait model's pipeline units")
+    costs = checkpointed_costs(costs, plan_checkpointing(units, *checkpoint_policy(cfg)))  # recomputation charged
     choice = plan_auto_layout(units, costs, world_size, auto_microbatches(cfg), p2p=p2p, memory_cap=memory_cap,
                               dtype=dtype, dp_link=dp_link, virtual_stages=virtual_stages,
                               attach_encoders=attach_encoders)
