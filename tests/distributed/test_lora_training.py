@@ -116,18 +116,25 @@ def with_lora(cfg: dict) -> dict:
     return cfg
 
 
-def test_lora_gradients_equal_one_process_under_interleaved_pp_with_deferral(tmp_path):
-    """Interleaved 1F1B (LLM in 4 stages on 2 ranks, encoders attached to rank 0, the hierarchical plan deferring
-    samples): first global batch's adapter gradients, both steps' losses, final adapters
-    (:func:`assert_same_lora_training`)."""
+PP_CASES = {
+    "interleaved": ({"degree": 2, "virtual_stages": 2, "attach_encoders": True, "schedule": "interleaved_1f1b"}, 2),
+    "encoder_parallel": ({"degree": 3, "layout": "encoder_parallel", "schedule": "1f1b"}, 3),
+}
+
+
+@pytest.mark.parametrize("case", list(PP_CASES))
+def test_lora_gradients_equal_one_process_under_pp_with_deferral(tmp_path, case):
+    """Interleaved 1F1B (LLM in 4 stages on 2 ranks, encoders attached to rank 0) and encoder_parallel 1F1B (vision,
+    audio and the LLM on 3 ranks), the hierarchical plan deferring samples: first global batch's adapter gradients,
+    both steps' losses, final adapters (:func:`assert_same_lora_training`)."""
     data = write_jsonl(tmp_path / "train.jsonl", deferral_records())
     cfg = with_lora(tiny_config_dict(str(data), None, str(tmp_path / "run"), data={"shuffle": False},
                                      train={"steps": 2, "global_batch_size": 8, "microbatch_size": 2, "threads": 1},
                                      parallel={"timeout_s": 60}))
     single = _train(cfg, tmp_path, "single", 1)
     assert single["grads"] and all(".lora_" in n or ".projector." in n for n in single["grads"])
-    cfg["parallel"]["pp"] = {"degree": 2, "virtual_stages": 2, "attach_encoders": True, "schedule": "interleaved_1f1b"}
-    pp = _train(cfg, tmp_path, "pp", 2)
+    cfg["parallel"]["pp"], nproc = PP_CASES[case]
+    pp = _train(cfg, tmp_path, "pp", nproc)
     assert_same_lora_training(single, pp)
     assert pp["deferred"] == single["deferred"] and pp["deferred"]
 
