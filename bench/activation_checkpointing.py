@@ -5,10 +5,10 @@ For each model (the demo ``configs/demo.toml``; ``larger``: the demo job with a 
 
 1. build three single-process ``Trainer`` s of the job on its first ``--samples`` training records, identical but
    for ``train.activation_checkpointing`` (same seed, same weights);
-2. **saved bytes**: one ``forward_backward`` of the global batch per policy under
-   ``torch.autograd.graph.saved_tensors_hooks`` counting the distinct storages autograd saves for backward (real
-   tensors, every microbatch of the step; what a checkpointed layer keeps is its input, held by the checkpoint,
-   not counted as saved, so the figure is what checkpointing removes), with the planner's prediction of the
+2. **saved bytes**: one ``forward_backward`` of the global batch per policy, counting the distinct storages kept
+   for the backward (real tensors, every microbatch of the step): what autograd saves
+   (``torch.autograd.graph.saved_tensors_hooks``) plus what each checkpointed layer holds for its recomputation
+   (its tensor arguments: input hidden states, masks; a forward pre-hook), with the planner's prediction of the
    same ratio next to it (``planner.recompute.checkpointed_costs`` on the analytic unit costs);
 3. **step time**: ``--steps`` optimizer steps per policy after one warm-up, interleaved (policy order rotated each
    round, so drifts in machine load hit every policy alike), median seconds;
@@ -60,8 +60,11 @@ def build(model: str, policy: str, folder: Path, samples: int, batch: int):
 
 
 def saved_bytes(trainer, indices: list[int]) -> int:
-    """Bytes of the distinct storages autograd saves over one forward/backward of ``indices`` (held alive to the
-    end, so no address is reused and counted twice)."""
+    """Bytes of the distinct storages kept for the backward over one forward/backward of ``indices``: what autograd
+    saves, plus the tensor arguments a checkpointed layer holds for its recomputation (its input, masks); each
+    storage once (held alive to the end, so no address is reused and counted twice)."""
+    from plait.parallel.checkpointing import is_checkpointed
+
     seen: dict[int, int] = {}
     alive: list[torch.Tensor] = []
 
@@ -71,8 +74,18 @@ def saved_bytes(trainer, indices: list[int]) -> int:
         alive.append(t)
         return t
 
+    def held(module, args, kwargs) -> None:
+        if torch.is_grad_enabled():
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, torch.Tensor):
+                    pack(value)
+
+    hooks = [m.register_forward_pre_hook(held, with_kwargs=True) for m in trainer.model.modules()
+             if is_checkpointed(m)]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         trainer.forward_backward(indices)
+    for hook in hooks:
+        hook.remove()
     trainer.optimizer.zero_grad(set_to_none=True)
     return sum(seen.values())
 

@@ -107,7 +107,8 @@ def test_recomputes_exactly_the_checkpointed_layers_and_never_frozen_ones():
 
 
 def _saved_bytes(model, batches) -> int:
-    """Bytes of the distinct tensor storages autograd saves for backward over one training step."""
+    """Bytes of the distinct tensor storages kept for backward over one training step: what autograd saves plus
+    the tensor arguments checkpointed layers hold for their recomputation."""
     seen: dict[int, int] = {}
     alive: list[torch.Tensor] = []  # held to the end so no storage address is reused within the step
 
@@ -117,8 +118,16 @@ def _saved_bytes(model, batches) -> int:
         alive.append(t)
         return t
 
+    def held(module, args, kwargs) -> None:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor) and torch.is_grad_enabled():
+                pack(value)
+
+    hooks = [m.register_forward_pre_hook(held, with_kwargs=True) for m in model.modules() if is_checkpointed(m)]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         reference_step(model, batches)
+    for hook in hooks:
+        hook.remove()
     return sum(seen.values())
 
 
