@@ -139,8 +139,10 @@ def test_lora_gradients_equal_one_process_under_pp_with_deferral(tmp_path, case)
     assert pp["deferred"] == single["deferred"] and pp["deferred"]
 
 
-def test_lora_cp2_equals_one_process(tmp_path):
-    """CP = 2 (bidirectional item masks, small attention blocks): losses, adapter gradients, final adapters."""
+@pytest.mark.parametrize("axis", ["cp", "dp"])
+def test_lora_cp2_and_dp2_equal_one_process(tmp_path, axis):
+    """CP = 2 and DP = 2 (bidirectional item masks, small attention blocks): losses, first-step adapter gradients,
+    final adapters."""
     records = (demo_records("train", ("image_audio",), limit=2) + demo_records("train", ("image_digit",), limit=1)
                + demo_records("train", ("text",), limit=1))
     data = write_jsonl(tmp_path / "train.jsonl", records)
@@ -149,9 +151,9 @@ def test_lora_cp2_equals_one_process(tmp_path):
                                      attention={"mask": "bidirectional_items", "block_size": 16},
                                      parallel={"timeout_s": 60}))
     single = run(cfg, tmp_path, "single", 1)
-    cfg["parallel"]["cp"] = 2
-    cfg["metrics"]["run_dir"] = str(tmp_path / "run_cp")
-    multi = run(cfg, tmp_path, "cp", 2)
+    cfg["parallel"][axis] = 2
+    cfg["metrics"]["run_dir"] = str(tmp_path / f"run_{axis}")
+    multi = run(cfg, tmp_path, axis, 2)
     assert multi["world"] == 2
     torch.testing.assert_close(torch.tensor(multi["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
     assert_same_lora_training(single, multi)
