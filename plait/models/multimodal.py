@@ -152,6 +152,7 @@ class MultimodalModel(nn.Module):
             embeds = self.embed(input_ids, modality_inputs)
         if token_index is not None:
             embeds = embeds.index_select(1, token_index)
+        llm_kwargs.setdefault("use_cache", False)  # logits only: no KV cache (it would hold every layer's K/V)
         out = self.language_model(
             inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids, **llm_kwargs
         )
