@@ -11,8 +11,11 @@ that trains them.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,36 +176,79 @@ class SampleFeed:
     steps ahead, so a step's samples are ready when it starts (``workers = 0``: loaded in this process when
     asked for). ``steps`` yields each step's dataset indices, in step order; it is read ahead, in this process.
 
+    With workers, a thread of this process receives the loaded steps from the workers (rebuilding their
+    tensors from shared memory: tens of ms a step on the demo) while the caller trains, and keeps up to
+    ``ahead`` received steps ready; :meth:`next` then only waits when the workers are behind.
+
     Raises:
-        ValueError: for a negative ``workers`` or a non-positive ``prefetch``.
+        ValueError: for a negative ``workers`` or a non-positive ``prefetch`` or ``ahead``.
     """
 
     def __init__(self, dataset: MultimodalDataset, steps: Iterable[Sequence[int]], workers: int = 0,
-                 prefetch: int = 2) -> None:
-        if workers < 0 or prefetch < 1:
-            raise ValueError(f"workers must be >= 0 and prefetch >= 1, got {workers}, {prefetch}")
+                 prefetch: int = 2, ahead: int = 1) -> None:
+        if workers < 0 or prefetch < 1 or ahead < 1:
+            raise ValueError(f"workers must be >= 0, prefetch and ahead >= 1, got {workers}, {prefetch}, {ahead}")
         self._loader = torch.utils.data.DataLoader(
             _LoadTask(dataset), batch_size=None, sampler=_Steps(steps), num_workers=workers,
             collate_fn=_identity, prefetch_factor=prefetch if workers else None,
             generator=torch.Generator().manual_seed(0))  # leaves the global RNG (checkpointed) alone
         self._it: Any = None
+        self._ready: queue.Queue | None = queue.Queue(maxsize=ahead) if workers else None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def next(self) -> LoadedSamples:
         """The next step's samples (waiting for them if they are not loaded yet; the wait in ``wait_s``).
 
         Raises:
             StopIteration: after the last step.
+            Exception: what loading raised outside a sample (e.g. a worker that died), re-raised here.
         """
         start = time.perf_counter()
         if self._it is None:
-            self._it = iter(self._loader)
-        got = next(self._it)
+            self._it = iter(self._loader)  # here, in the caller's thread: the workers start, ``steps`` is read
+            if self._ready is not None:
+                self._thread = threading.Thread(target=_receive, args=(self._it, self._ready, self._stop),
+                                                name="plait-sample-feed", daemon=True)
+                self._thread.start()
+                weakref.finalize(self, self._stop.set)  # a feed dropped unclosed (an error in the step) stops it
+        got = next(self._it) if self._ready is None else self._ready.get()
+        if isinstance(got, BaseException):
+            self._ready.put(got)  # every later call raises it too
+            raise got
         got.wait_s = time.perf_counter() - start
         return got
 
     def close(self) -> None:
-        """Stop the worker processes."""
+        """Stop the receiving thread and the worker processes."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
         self._it = None
+
+
+def _receive(steps: Iterator[LoadedSamples], ready: queue.Queue, stop: threading.Event) -> None:
+    """A :class:`SampleFeed`'s receiving thread: the loaded steps in order into ``ready``, then StopIteration (or
+    the error loading raised); it ends early when ``stop`` is set. It holds no reference to the feed."""
+    try:
+        for got in steps:
+            if not _put(ready, stop, got):
+                return
+        _put(ready, stop, StopIteration())
+    except Exception as exc:  # noqa: BLE001  (handed to the caller by SampleFeed.next)
+        _put(ready, stop, exc)
+
+
+def _put(ready: queue.Queue, stop: threading.Event, item: Any) -> bool:
+    """Put ``item`` into ``ready`` unless ``stop`` is set (False then)."""
+    while not stop.is_set():
+        try:
+            ready.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 class _Steps:
