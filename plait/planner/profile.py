@@ -191,9 +191,8 @@ class Profile:
         units: the pipeline units (real freezing flags), in model order.
         measurements: one :class:`UnitMeasurement` per unit, same order.
         chunk_overhead_s: per module, seconds one chunk of that module costs per action beyond its units:
-            ``{"F": forward, "B": backward}`` (the backward the runtime runs unsplit): what one more chunk of
-            the module adds (``plait.train.profiler``); may be negative within the timing noise (taken as 0
-            by :func:`profile_overheads`).
+            ``{"F": forward, "B": backward}`` (the backward the runtime runs unsplit; may be negative where
+            units measured alone are slower than inside a chunk).
         repeats, warmup: repetitions timed and discarded per measurement.
         action_overhead_s: seconds the pipeline runtime spends per action beyond the stage's own work
             (bookkeeping of the executor; measured in one process, so without P2P transfers).

@@ -22,11 +22,10 @@ For a list of microbatches (real samples, collated), :func:`measure_profile` mea
    per unit), attributed to the unit whose module is running; output bytes of the unit's last called module.
 4. **Chunk overhead**: each module (every encoder branch, the LLM) is run as one pipeline stage by the
    runtime's stage code (``build_rank_stages`` on a copy of the model, payloads handed over as the runtime
-   does, all forwards then all backwards), and, right after in each repetition, cut in two chunks at its
-   middle unit; the two chunks' ``F`` and ``B`` times minus the one chunk's are the glue a stage chunk of
-   that module pays once per action (rotary embeddings and mask construction of an LLM chunk, feature
-   placement, the stage wrapper), a difference of two back-to-back timings of the same work, so the host's
-   drift cancels (a module of one unit: its chunk's times minus the sum of its unit costs). The one-chunk stages are also run by the runtime's
+   does, all forwards then all backwards); the measured ``F`` and ``B`` times minus the sum of the module's
+   unit costs is the
+   glue a stage chunk of that module pays once per action (rotary embeddings and mask construction of an
+   LLM chunk, feature placement, the loss, the stage wrapper). The same stages are also run by the runtime's
    executor (``run_pipeline_step`` in this process): its time beyond the stage passes, per action, is the
    executor's own cost per action (``Profile.action_overhead_s``). Every parameter's ``.grad`` is dropped
    before each of these timings, so none adds into existing gradients: that addition is a cost per
