@@ -61,7 +61,7 @@ from plait.parallel.pipeline import run_pipeline_step
 from plait.train.loss import token_loss_sum
 from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline_plan import plan_pipeline
-from plait.planner.profile import OVERHEAD_KINDS, Profile, ProfileKey, UnitMeasurement
+from plait.planner.profile import Profile, ProfileKey, UnitMeasurement
 from plait.planner.schedules import build_schedule
 
 __all__ = ["CLOCKS", "KwargsFn", "LossFn", "device_name", "measure_profile", "microbatch_shapes", "profile_key"]
@@ -380,50 +380,29 @@ def _unit_bytes(model: MultimodalModel, spec: UnitSpec) -> tuple[int, int, int]:
 
 
 # ----- chunk overhead ------------------------------------------------------------------------------------
-def _rank0_stages(model: MultimodalModel, split: bool) -> tuple[Any, Any]:
-    """A copy of ``model`` as ``encoder_parallel`` pipeline stages all on rank 0: one chunk per module, or with
-    ``split`` every module of at least two units cut in two at its middle unit; ``(plan, stages)``."""
-    work = copy.deepcopy(model)
-    units = tuple(s.unit for s in unit_specs(work))
-    splits = None
-    if split:
-        names = defaultdict(list)
-        for u in units:
-            names[u.module].append(u.name)
-        splits = {m: [n[len(n) // 2]] for m, n in names.items() if len(n) > 1}
-    plan = plan_pipeline(units, "encoder_parallel", splits=splits)
-    plan = plan_pipeline(units, "encoder_parallel", splits=splits, ranks=[0] * plan.num_stages)
-    stages = build_rank_stages(work, plan, 0)
-    stages.train()
-    return plan, stages
-
-
 def _module_chunk_times(model: MultimodalModel, microbatches: Sequence[Batch], llm_kwargs: KwargsFn,
                         autocast: Callable[[], AbstractContextManager],
-                        timer: _Timer) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]], float]:
+                        timer: _Timer) -> tuple[dict[str, dict[str, float]], float]:
     """Per module, the ``F`` and ``B`` seconds per microbatch of a pipeline stage holding the whole module
     (the runtime's ``PipelineStage``, payloads handed over as the runtime does; median over repetitions,
-    mean over microbatches), on a copy of ``model``; per module of at least two units, the seconds one more
-    chunk adds per ``F`` and ``B``: the module cut in two chunks minus the module as one (paired in each
-    repetition, so the host's drift reaches both; median, mean over microbatches); and the runtime's own cost
-    per action (seconds): one ``run_pipeline_step`` of the one-chunk stages in this process (GPipe, one
-    microbatch) minus the stage passes, per action (the executor's bookkeeping; P2P transfers are not in it).
-    Gradients are dropped before every timing (``_drop_grads``)."""
-    plan, stages = _rank0_stages(model, split=False)
-    split_plan, split_stages = _rank0_stages(model, split=True)
+    mean over microbatches), on a copy of ``model``; and the runtime's own cost per action (seconds): one
+    ``run_pipeline_step`` of the same stages in this process (GPipe, one microbatch) minus the stage passes,
+    per action (the executor's bookkeeping; P2P transfers are not in it)."""
+    work = copy.deepcopy(model)
+    units = tuple(s.unit for s in unit_specs(work))
+    plan = plan_pipeline(units, "encoder_parallel")
+    plan = plan_pipeline(units, "encoder_parallel", ranks=[0] * plan.num_stages)
+    stages = build_rank_stages(work, plan, 0)
+    stages.train()
     totals: dict[tuple[int, str], float] = defaultdict(float)
-    extra: dict[tuple[str, str], float] = defaultdict(float)
     schedule = build_schedule(plan, "gpipe", 1)
     excess = []
     for batch in microbatches:
         runs: dict[tuple[int, str], list[float]] = defaultdict(list)
-        diffs: dict[tuple[str, str], list[float]] = defaultdict(list)
         steps, passes = [], []
         for i in range(timer.warmup + timer.repeats):
             _drop_grads(stages)
             times = _stage_pass(stages, plan, batch, llm_kwargs, autocast, timer)
-            _drop_grads(split_stages)
-            split_times = _stage_pass(split_stages, split_plan, batch, llm_kwargs, autocast, timer)
             _drop_grads(stages)  # both timings start from no gradient: neither pays accumulation into .grad
             start = timer.now()
             run_pipeline_step(stages, schedule, [batch], batch.target_tokens, autocast=autocast,
@@ -434,39 +413,13 @@ def _module_chunk_times(model: MultimodalModel, microbatches: Sequence[Batch], l
                 passes.append(sum(times.values()))
                 for key, value in times.items():
                     runs[key].append(value)
-                for key, value in _by_module(split_plan, split_times, plan, times).items():
-                    diffs[key].append(value)
         for key, values in runs.items():
             totals[key] += statistics.median(values) / len(microbatches)
-        for key, values in diffs.items():
-            extra[key] += statistics.median(values) / len(microbatches)
         actions = sum(len(a) for a in schedule.actions)
         excess.append(max(0.0, statistics.median(steps) - statistics.median(passes)) / actions)
     chunks = {stage.modules[0]: {"F": totals[(stage.index, "F")], "B": totals[(stage.index, "B")]}
               for stage in plan.stages}
-    more = defaultdict(dict)
-    for (module, kind), value in extra.items():
-        more[module][kind] = value
-    return chunks, dict(more), sum(excess) / len(excess)
-
-
-def _by_module(split_plan: Any, split_times: Mapping[tuple[int, str], float], plan: Any,
-               times: Mapping[tuple[int, str], float]) -> dict[tuple[str, str], float]:
-    """Per ``(module, kind)`` of a module cut in several chunks by ``split_plan``: its chunks' summed seconds
-    minus its one chunk's seconds in ``plan``."""
-    one = {st.modules[0]: st.index for st in plan.stages}
-    out: dict[tuple[str, str], float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
-    for st in split_plan.stages:
-        counts[st.modules[0]] += 1
-        for kind in OVERHEAD_KINDS:
-            out[(st.modules[0], kind)] += split_times[(st.index, kind)]
-    for (module, kind) in list(out):
-        if counts[module] < 2:
-            del out[(module, kind)]
-        else:
-            out[(module, kind)] -= times[(one[module], kind)]
-    return dict(out)
+    return chunks, sum(excess) / len(excess)
 
 
 def _drop_grads(stages: Any) -> None:
@@ -520,21 +473,16 @@ def _backward_pairs(stage: Any, plan: Any, index: int, outs: Mapping[int, Any],
     return pairs
 
 
-def _chunk_overhead(chunks: Mapping[str, Mapping[str, float]], extra: Mapping[str, Mapping[str, float]],
-                    profile_units: Sequence[Any], costs: Sequence[Any]) -> dict[str, dict[str, float]]:
-    """Per module, what one chunk costs per action beyond its units: measured as the seconds one more chunk
-    adds (``extra``, from ``_module_chunk_times``) where the module could be cut, else the chunk's time minus
-    the sum of its units' forward / (frozen-aware) backward; ``B`` is 0 for a module that runs no backward."""
+def _chunk_overhead(chunks: Mapping[str, Mapping[str, float]], profile_units: Sequence[Any],
+                    costs: Sequence[Any]) -> dict[str, dict[str, float]]:
+    """Chunk time minus the sum of its units' forward / (frozen-aware) backward, per module."""
     out: dict[str, dict[str, float]] = {}
     for module, times in chunks.items():
         pairs = [(u, c) for u, c in zip(profile_units, costs) if u.module == module]
+        forward = sum(c.forward_s for _, c in pairs)
+        backward = sum(c.backward_s(u) for u, c in pairs)
         runs_backward = any(u.runs_backward for u, _ in pairs)
-        if module in extra:
-            f, b = extra[module]["F"], extra[module]["B"]
-        else:
-            f = times["F"] - sum(c.forward_s for _, c in pairs)
-            b = times["B"] - sum(c.backward_s(u) for u, c in pairs)
-        out[module] = {"F": f, "B": b if runs_backward else 0.0}
+        out[module] = {"F": times["F"] - forward, "B": (times["B"] - backward) if runs_backward else 0.0}
     return out
 
 
@@ -593,6 +541,6 @@ def measure_profile(
             round(sum(s[i] for s in saved) / n), round(mean("output_bytes"))))
     units = tuple(s.unit for s in specs)
     costs = [m.to_cost(u) for u, m in zip(units, measurements)]
-    chunks, extra, per_action = _module_chunk_times(model, microbatches, llm_kwargs, autocast, timer)
-    return Profile(key, units, tuple(measurements), _chunk_overhead(chunks, extra, units, costs), repeats, warmup,
+    chunks, per_action = _module_chunk_times(model, microbatches, llm_kwargs, autocast, timer)
+    return Profile(key, units, tuple(measurements), _chunk_overhead(chunks, units, costs), repeats, warmup,
                    per_action)
