@@ -27,10 +27,7 @@ For a list of microbatches (real samples, collated), :func:`measure_profile` mea
    glue a stage chunk of that module pays once per action (rotary embeddings and mask construction of an
    LLM chunk, feature placement, the loss, the stage wrapper). The same stages are also run by the runtime's
    executor (``run_pipeline_step`` in this process): its time beyond the stage passes, per action, is the
-   executor's own cost per action (``Profile.action_overhead_s``). Every parameter's ``.grad`` is dropped
-   before each of these timings, so none adds into existing gradients: that addition is a cost per
-   parameter byte that every plan pays (and the units' ``torch.autograd.grad`` timings do not), and charging
-   it to one side of a difference made it look like a fixed cost per action.
+   executor's own cost per action (``Profile.action_overhead_s``).
 
 The result is a :class:`~plait.planner.profile.Profile` whose ``costs`` are the planner's
 ``UnitCost`` (so the partitioner, the layout search and the simulator take measured costs unchanged) and
