@@ -27,7 +27,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from plait.planner.overheads import ActionOverheads
 from plait.planner.pipeline_plan import PipelinePlan
 from plait.planner.serialize import JsonDataclass, dataclass_from_dict
 from plait.planner.types import Unit, UnitCost
@@ -39,7 +38,6 @@ __all__ = [
     "ProfileKey",
     "UnitMeasurement",
     "profile_mismatch",
-    "profile_overheads",
     "stage_action_costs",
 ]
 
@@ -256,55 +254,45 @@ class Profile:
         return dataclass_from_dict(cls, data)
 
 
-def profile_overheads(profile: Profile) -> ActionOverheads:
-    """The profile's runtime costs as the planner's one definition of them (``overheads.ActionOverheads``):
-    ``per_action_s`` = ``action_overhead_s`` and per module ``(F, B)`` = ``chunk_overhead_s`` (a missing kind is
-    0). A negative value (a module that ran faster as one chunk than its units measured apart) is taken as 0,
-    as ``ActionOverheads`` holds costs only."""
-    modules = {m: (max(0.0, d.get("F", 0.0)), max(0.0, d.get("B", 0.0))) for m, d in profile.chunk_overhead_s.items()}
-    return ActionOverheads(max(0.0, profile.action_overhead_s), modules=modules)
-
-
 def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
                        split_backward: bool = False) -> dict[tuple[int, str], float]:
     """Per-stage action seconds ``{(stage, kind): s}`` for ``simulator.simulate`` from a measured profile.
 
-    Unit work: ``F`` = the stage's unit forwards; unsplit, ``B`` = the units' ``UnitCost.backward_s``; split,
-    ``B`` = dX of the units needing one and ``W`` = ``weight_grad_s`` of the trainable units (each sum clipped
-    at 0). Runtime costs are :func:`profile_overheads`'s ``ActionOverheads``: ``F`` and unsplit ``B`` add its
-    ``stage_s`` (the per-action cost plus each module chunk's overhead; ``B`` only for chunks that run a
-    backward). Split, a chunk's backward overhead goes to ``B`` when the chunk needs an input gradient, else to
-    ``W``, and both pay the per-action cost when the stage runs a backward.
+    ``F`` = the stage's unit forwards plus, per module chunk of the stage, that module's forward chunk
+    overhead. Unsplit, ``B`` = the units' ``UnitCost.backward_s`` plus each chunk's backward overhead (none
+    for a chunk that runs no backward). Split, ``B`` = dX of the units needing one, ``W`` = ``weight_grad_s``
+    of the trainable units; a chunk's backward overhead goes to ``B`` when the chunk needs an input gradient,
+    else to ``W``. A sum below 0 is clipped to 0. Every action the stage runs (``F``; ``B`` and ``W`` when it
+    runs a backward) also pays the runtime's ``action_overhead_s``.
 
     Raises:
         ValueError: when a unit of the plan is not in the profile.
     """
     by_name = {u.name: (u, c) for u, c in zip(profile.units, profile.costs)}
-    over = profile_overheads(profile)
     out: dict[tuple[int, str], float] = {}
     for stage in plan.stages:
-        f = dx = dw = dx_over = w_over = 0.0
-        chunks: list[tuple[str, bool]] = []
+        f = dx = dw = 0.0
         for module in stage.modules:
             names = stage.module_units(module)
             missing = [n for n in names if n not in by_name]
             if missing:
                 raise ValueError(f"stage {stage.index}: unit(s) {missing[:3]} are not in the profile")
             pairs = [by_name[n] for n in names]
-            f += sum(c.forward_s for _, c in pairs)
+            over = profile.chunk_overhead_s.get(module, {})
+            f += sum(c.forward_s for _, c in pairs) + over.get("F", 0.0)
             needs_dx = any(u.needs_input_grad for u, _ in pairs)
+            trains = any(u.trainable for u, _ in pairs)
             dx += sum(c.input_grad_s for u, c in pairs if u.needs_input_grad)
             dw += sum(c.weight_grad_s for u, c in pairs if u.trainable)
-            chunks.append((module, needs_dx or any(u.trainable for u, _ in pairs)))
-            if chunks[-1][1]:
-                back = over.chunk_s(module, "B")
-                dx_over, w_over = (dx_over + back, w_over) if needs_dx else (dx_over, w_over + back)
-        act = over.per_action_s if stage.runs_backward else 0.0
-        out[(stage.index, "F")] = max(0.0, f) + over.stage_s("F", chunks)
-        if split_backward:
-            out[(stage.index, "B")] = max(0.0, dx) + dx_over + act
-            out[(stage.index, "W")] = max(0.0, dw) + w_over + act
-        else:
-            out[(stage.index, "B")] = max(0.0, dx) + max(0.0, dw) + over.stage_s("B", chunks)
-            out[(stage.index, "W")] = max(0.0, dw) + w_over
+            back = over.get("B", 0.0) if (needs_dx or trains) else 0.0
+            if needs_dx:
+                dx += back
+            else:
+                dw += back
+        f, dx, dw = max(0.0, f), max(0.0, dx), max(0.0, dw)
+        act = profile.action_overhead_s
+        runs = stage.runs_backward
+        out[(stage.index, "F")] = f + act
+        out[(stage.index, "B")] = (dx if split_backward else dx + dw) + (act if runs else 0.0)
+        out[(stage.index, "W")] = dw + (act if runs and split_backward else 0.0)
     return out

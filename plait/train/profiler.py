@@ -398,13 +398,13 @@ def _module_chunk_times(model: MultimodalModel, microbatches: Sequence[Batch], l
         runs: dict[tuple[int, str], list[float]] = defaultdict(list)
         steps, passes = [], []
         for i in range(timer.warmup + timer.repeats):
-            _drop_grads(stages)
             times = _stage_pass(stages, plan, batch, llm_kwargs, autocast, timer)
-            _drop_grads(stages)  # both timings start from no gradient: neither pays accumulation into .grad
             start = timer.now()
             run_pipeline_step(stages, schedule, [batch], batch.target_tokens, autocast=autocast,
                               llm_kwargs=[llm_kwargs(batch)], loss_fn=token_loss_sum)
             step = timer.now() - start
+            for _, p in stages.trainable_parameters():
+                p.grad = None
             if i >= timer.warmup:
                 steps.append(step)
                 passes.append(sum(times.values()))
@@ -417,14 +417,6 @@ def _module_chunk_times(model: MultimodalModel, microbatches: Sequence[Batch], l
     chunks = {stage.modules[0]: {"F": totals[(stage.index, "F")], "B": totals[(stage.index, "B")]}
               for stage in plan.stages}
     return chunks, sum(excess) / len(excess)
-
-
-def _drop_grads(stages: Any) -> None:
-    """Set every trainable parameter's ``.grad`` of ``stages`` to None, so the next backward stores its gradients
-    instead of adding them to the previous ones (an addition over every parameter byte that the units' isolated
-    timings, taken with ``torch.autograd.grad``, do not pay either)."""
-    for _, p in stages.trainable_parameters():
-        p.grad = None
 
 
 def _stage_pass(stages: Any, plan: Any, batch: Batch, llm_kwargs: KwargsFn,

@@ -15,16 +15,13 @@ from plait.config.loader import config_from_dict, config_to_dict, pipeline_plan_
 from plait.models.units import model_units, unit_specs
 from plait.planner.auto_plan import plan_auto_layout
 from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
-from plait.models.hf import build_causal_lm
-from plait.models.multimodal import MultimodalModel
-from plait.planner.overheads import ActionOverheads
-from plait.planner.profile import profile_overheads, stage_action_costs
+from plait.planner.profile import stage_action_costs
 from plait.planner.search import evaluate_plan
 from plait.planner.types import UnitCost
 from plait.train.auto_plan import resolve_auto_plan
 from plait.train.profiler import measure_profile, microbatch_shapes, profile_key
-from tests.conftest import TINY_LLM, tiny_config_dict
-from tests.distributed.pipeline_worker import VOCAB, apply_mode, make_batch, tiny_model
+from tests.conftest import tiny_config_dict
+from tests.distributed.pipeline_worker import apply_mode, make_batch, tiny_model
 from tests.unit.profile_cases import make_profile as _profile
 from tests.unit.profile_cases import measurement as _measurement
 
@@ -72,24 +69,6 @@ def test_stage_action_costs_by_hand():
     assert [busy[k] - got[k] for k in sorted(got) if k[1] != "W"] == pytest.approx([0.01] * 4)
 
 
-def test_stage_action_costs_charge_the_profiles_action_overheads():
-    """The runtime costs of ``stage_action_costs`` are ``profile_overheads``' ``ActionOverheads`` (the one
-    definition): ``F`` and unsplit ``B`` are the units' work plus its ``stage_s``; a negative chunk overhead is 0."""
-    profile = dataclasses.replace(_profile(), action_overhead_s=0.01,
-                                  chunk_overhead_s={"vision": {"F": 0.1, "B": 0.2}, "llm": {"F": -0.3, "B": 0.05}})
-    over = profile_overheads(profile)
-    assert over == ActionOverheads(0.01, modules={"vision": (0.1, 0.2), "llm": (0.0, 0.05)})
-    plan = plan_pipeline(profile.units, "encoder_parallel")
-    got = stage_action_costs(plan, profile)
-    # units' work as in test_stage_action_costs_by_hand: vision F 2.0, B 0.75; llm F 2.0, B 2.0
-    assert got[(0, "F")] == pytest.approx(2.0 + over.stage_s("F", [("vision", True)])) == pytest.approx(2.11)
-    assert got[(0, "B")] == pytest.approx(0.75 + 0.2 + 0.01)
-    assert got[(1, "F")] == pytest.approx(2.0 + 0.01) and got[(1, "B")] == pytest.approx(2.0 + 0.05 + 0.01)
-    split = stage_action_costs(plan, profile, split_backward=True)
-    assert split[(1, "B")] == pytest.approx(1.0 + 0.05 + 0.01) and split[(1, "W")] == pytest.approx(1.0 + 0.01)
-    assert split[(0, "B")] == pytest.approx(0.01) and split[(0, "W")] == pytest.approx(0.75 + 0.2 + 0.01)
-
-
 # ----- the profiler on a real (tiny) model ----------------------------------------------------------------------
 def _bytes_of(model, spec) -> tuple[int, int]:
     params = {id(p): p for m in spec.modules for p in model.get_submodule(m).parameters()}.values()
@@ -129,46 +108,6 @@ def test_profiler_measures_every_unit_of_a_real_model(mode):
     assert head.activation_bytes == (b * n * hidden * 4 if mode == "all" else 0)
     assert head.output_bytes == b * n * vocab * 4
     assert set(profile.chunk_overhead_s) == {"vision", "audio", "llm"}
-
-
-def test_chunk_timings_start_without_gradients(monkeypatch):
-    """The stage passes and ``run_pipeline_step``, whose difference is the runtime's cost per action, both start
-    with no ``.grad``: neither adds into existing gradients (a cost per parameter byte every plan pays, not the
-    runtime's), as the units' ``torch.autograd.grad`` timings do not either."""
-    import plait.train.profiler as profiler
-
-    seen: list[tuple[str, int]] = []
-
-    def spy(real, name):
-        def wrapped(stages, *args, **kwargs):
-            seen.append((name, sum(p.grad is not None for _, p in stages.trainable_parameters())))
-            return real(stages, *args, **kwargs)
-        return wrapped
-
-    monkeypatch.setattr(profiler, "_stage_pass", spy(profiler._stage_pass, "stage passes"))
-    monkeypatch.setattr(profiler, "run_pipeline_step", spy(profiler.run_pipeline_step, "pipeline step"))
-    torch.set_num_threads(1)
-    batch = make_batch("ia", 3)
-    measure_profile(tiny_model(), [batch], profile_key({}, [batch], torch.float32, "cpu"), repeats=2, warmup=1)
-    assert [name for name, _ in seen] == ["stage passes", "pipeline step"] * 3
-    assert [count for _, count in seen] == [0] * 6
-
-
-def test_runtime_cost_per_action_of_a_wide_model_is_small():
-    """A wide LLM (17M parameters, 2 x 9 tokens): the runtime's cost per action is small next to the units'
-    work. Before the gradients were dropped ahead of both timings, the addition into ``.grad`` over every
-    parameter byte was charged to it: 10-12 ms per action against 40-55 ms of unit work (thread clock)."""
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    llm = build_causal_lm(config=dict(TINY_LLM, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=8), vocab_size=VOCAB,
-                          attn_implementation="eager")
-    model = MultimodalModel(llm, {}, {})
-    batch = make_batch("t", 0)
-    profile = measure_profile(model, [batch], profile_key({}, [batch], torch.float32, "cpu", "thread"),
-                              repeats=3, warmup=1)
-    units = sum(m.forward_s + m.fused_backward_s for m in profile.measurements)
-    assert units > 0 and profile.action_overhead_s < 0.1 * units
 
 
 # ----- parallel.plan = "auto" ------------------------------------------------------------------------------
