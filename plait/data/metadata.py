@@ -48,7 +48,7 @@ __all__ = ["SkippedSample", "MetadataTable", "metadata_key", "metadata_pass", "r
 
 log = logging.getLogger(__name__)
 
-METADATA_VERSION = 1
+METADATA_VERSION = 2  # 2: mixture media paths resolved absolute (caches of 1 may hold rows refused by the old rule)
 """Bumped whenever the pass computes anything differently: part of every cache key."""
 CHUNK = 2048
 """Rows per unit of work (one DataLoader item)."""

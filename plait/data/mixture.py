@@ -165,7 +165,7 @@ def _tagged(obj: dict[str, Any], source: RecordSource) -> dict[str, Any]:
     out = dict(obj)
     for key in ("images", "audios"):
         if isinstance(out.get(key), list):
-            out[key] = [str(Path(source.base_dir) / p) if isinstance(p, str) else p for p in out[key]]
+            out[key] = [str(Path(source.base_dir).absolute() / p) if isinstance(p, str) else p for p in out[key]]
     rid = out.get("id")
     if (isinstance(rid, str) and rid.strip()) or (isinstance(rid, int) and not isinstance(rid, bool)):
         out["id"] = f"{source.name}/{rid}"

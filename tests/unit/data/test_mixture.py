@@ -276,3 +276,18 @@ def test_a_mixture_trains_with_per_source_counts_validation_and_exact_resume(tmp
     part = first.fit(stop_after=4)  # epoch 1 (3 batches of 8 per epoch of 24), mid-epoch
     rest = Trainer.build(config_from_dict(mixture_job(tmp_path, "part", eval_every=0))).fit(resume=True)
     assert part["losses"] + rest["losses"] == full["losses"]  # exactly
+
+
+def test_relative_source_paths_resolve_media_once(tmp_path, monkeypatch):
+    """Sources given relative to the working directory (as in a job file): every media path of the mixture is
+    the file next to its data file, not the source folder joined twice (a new user's ``data/demo/data/demo/img``)."""
+    from plait.data.mixture import MixtureSource
+    from plait.data.sources import sample_at
+
+    source_files(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    sa, sb = open_source("a/x.jsonl"), open_source("b/y.json", name="llava")
+    mix = MixtureSource([sa, sb])
+    paths = [p for i in range(len(mix)) for items in sample_at(mix, i).media.values() for p in items]
+    assert paths and all(Path(p).is_file() for p in paths)
+    assert {str(Path(p).parent) for p in paths} == {str(tmp_path / "a" / "img"), str(tmp_path / "b" / "img")}
