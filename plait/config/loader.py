@@ -43,7 +43,8 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobCo
 def read_config_data(path: str | Path, overrides: typing.Sequence[str] = ()) -> dict[str, Any]:
     """The nested tables of a TOML job file with the ``--section.key=value`` overrides applied, not yet
     checked (``config_from_dict`` and ``validate`` do that). ``metrics.run_dir`` defaults to
-    ``runs/<job file name without .toml>`` (relative to the working directory), so jobs do not share a folder.
+    ``runs/<job file name without .toml>`` (relative to the working directory) when absent or empty, so jobs do
+    not share a folder.
 
     Raises:
         FileNotFoundError: when ``path`` does not exist.
@@ -59,7 +60,8 @@ def read_config_data(path: str | Path, overrides: typing.Sequence[str] = ()) -> 
     for key, value in parse_overrides(overrides).items():
         _set_dotted(data, key, value)
     if isinstance(data.setdefault("metrics", {}), dict):
-        data["metrics"].setdefault("run_dir", f"runs/{path.stem}")
+        if not data["metrics"].get("run_dir"):  # absent or empty (``--metrics.run_dir=``): the default
+            data["metrics"]["run_dir"] = f"runs/{path.stem}"
     return data
 
 
