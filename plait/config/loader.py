@@ -187,6 +187,8 @@ def validate(cfg: JobConfig) -> None:
     d = cfg.data
     _check(d.on_error in ("raise", "skip"), f"data.on_error must be 'raise' or 'skip', got {d.on_error!r}")
     _check(d.max_length >= 2, "data.max_length must be >= 2")
+    _check(d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
+    _check(d.prefetch >= 1, f"data.prefetch must be >= 1, got {d.prefetch}")
     _validate_sources(d)
     _check(cfg.parallel.backend in ("auto", "gloo", "nccl"), "parallel.backend must be auto, gloo or nccl")
     _check(cfg.parallel.cp >= 1 and cfg.parallel.dp >= 0, "parallel.cp must be >= 1 and parallel.dp >= 0")
