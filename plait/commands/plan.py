@@ -385,7 +385,7 @@ def plan_command(
         The ``LayoutChoice``.
 
     Raises:
-        ValueError: on bad arguments (``--microbatches`` above the global batch's samples, ``--dp`` out of range:
+        ValueError: on bad arguments (``--devices`` below 1, ``--microbatches`` above the global batch's samples, ``--dp`` out of range:
             named) or configs, or when no layout fits memory; FileNotFoundError: on a missing config file or
             model directory.
     """
@@ -435,6 +435,8 @@ def plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], 
     Raises:
         ValueError, FileNotFoundError: as ``plan_command``.
     """
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"--devices must be an integer >= 1, got {devices!r}")
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     if isinstance(macrobatches, bool) or not isinstance(macrobatches, int) or macrobatches < 0:
