@@ -49,7 +49,7 @@ class MultimodalDataset:
 
     Raises:
         SampleError: with ``on_error="raise"``, naming the record and its file and line.
-        ValueError: for an unknown ``on_error``, or when no usable sample is left.
+        ValueError: for an unknown ``on_error``, for a file without any record, or when no usable sample is left.
     """
 
     def __init__(
@@ -67,6 +67,8 @@ class MultimodalDataset:
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         self.source = open_source(source) if isinstance(source, (str, Path)) else source
         self.path = Path(self.source.path)
+        if not len(self.source):  # before the metadata pass, which has nothing to concatenate
+            raise ValueError(f"{self.path} holds no record")
         self.processor, self.prompt_only = processor, prompt_only
         self.table: MetadataTable = metadata_pass(self.source, processor, prompt_only=prompt_only,
                                                   max_rows=max_samples, workers=workers, cache_dir=cache_dir,
