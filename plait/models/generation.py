@@ -49,15 +49,17 @@ def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
     """
     chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     ids, mask = render_with_assistant_mask(tokenizer, chat)
-    special = set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}  # a word-level vocabulary may not know "y"
+    eos = tokenizer.eos_token_id
+    unk = tokenizer.unk_token_id if tokenizer.unk_token_id != eos else None  # GPT-2-style tokenizers: unk == eos
+    added = {i for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if tok.special}
+    special = (set(tokenizer.all_special_ids) | added) - {unk}  # a word-level vocabulary may not know "y"
     turn_end = next((t for t, m in zip(ids, mask) if m and t in special), None)
-    found = {tokenizer.eos_token_id, turn_end}
+    found = {eos, turn_end}
     config_eos = getattr(generation_config, "eos_token_id", None)
-    marked = {i for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if tok.special} | special
     for t in config_eos if isinstance(config_eos, (list, tuple)) else [config_eos]:
-        if isinstance(t, int) and t in marked:
+        if isinstance(t, int) and t in special:
             found.add(t)
-    return sorted(t for t in found if isinstance(t, int) and t != tokenizer.unk_token_id)
+    return sorted(t for t in found if isinstance(t, int) and t != unk)
 
 
 @torch.no_grad()
