@@ -210,7 +210,7 @@ def validate(cfg: JobConfig) -> None:
     if m.pretrained is None:
         _check((m.llm.path is None) != (m.llm.config is None), "model.llm: give exactly one of path and config")
     for name, enc in m.encoders.items():
-        _validate_encoder(name, enc, m.pretrained is not None)
+        _validate_encoder(name, enc, m.pretrained is not None, _known_encoders(m.encoders))
     _validate_lora(m.llm.lora, "model.llm.lora")
 
 
@@ -399,7 +399,12 @@ def pipeline_plan_kwargs(pp: PipelineConfig, encoders: typing.Sequence[str]) -> 
             "splits": {m: list(names) for m, names in pp.splits.items()}, "ranks": list(ranks)}
 
 
-def _validate_encoder(name: str, enc: EncoderConfig, pretrained: bool) -> None:
+def _known_encoders(encoders: typing.Mapping[str, EncoderConfig]) -> str:
+    """The names of the encoders that have a ``path`` or ``config`` (the job's own), comma-separated."""
+    return ", ".join(sorted(n for n, e in encoders.items() if e.path is not None or e.config is not None))
+
+
+def _validate_encoder(name: str, enc: EncoderConfig, pretrained: bool, known: str = "") -> None:
     where = f"model.encoders.{name}"
     _check(enc.modality in ("image", "audio"), f"{where}.modality must be 'image' or 'audio', got {enc.modality!r}")
     _check(enc.select in ("full", "drop_cls"), f"{where}.select must be 'full' or 'drop_cls'")
@@ -407,6 +412,8 @@ def _validate_encoder(name: str, enc: EncoderConfig, pretrained: bool) -> None:
     _check(enc.downsample >= 1, f"{where}.downsample must be >= 1")
     _check(enc.lr_scale > 0, f"{where}.lr_scale must be > 0")
     if not pretrained:
+        _check(enc.path is not None or enc.config is not None,
+               f"{where}: no such encoder in the job (encoders: {known or 'none'}); a new encoder needs path or config")
         _check((enc.path is None) != (enc.config is None), f"{where}: give exactly one of path and config")
     _validate_lora(enc.lora, f"{where}.lora")
 
