@@ -115,8 +115,7 @@ def load_image(path: str | bytes) -> Image.Image:
     except FileNotFoundError as exc:
         raise SampleError(f"image file {path} does not exist{path_note(path)}") from exc
     except Exception as exc:  # PIL raises several types for corrupt files
-        reason = str(exc).replace(repr(source), "the embedded bytes")  # not "<_io.BytesIO object at 0x...>"
-        raise SampleError(f"cannot decode image {path}: {reason}") from exc
+        raise SampleError(f"cannot decode image {path}: {_decode_reason(exc, source, path)}") from exc
 
 
 def load_audio(path: str | bytes) -> tuple[np.ndarray, int]:
@@ -147,11 +146,17 @@ def load_audio(path: str | bytes) -> tuple[np.ndarray, int]:
     except FileNotFoundError as exc:
         raise SampleError(f"audio file {path} does not exist{path_note(path)}") from exc
     except Exception as exc:
-        reason = str(exc).replace(repr(source), "the embedded bytes")  # not "<_io.BytesIO object at 0x...>"
-        raise SampleError(f"cannot decode audio {path}: {reason}") from exc
+        raise SampleError(f"cannot decode audio {path}: {_decode_reason(exc, source, path)}") from exc
     if data.size == 0:
         raise SampleError(f"audio file {path} has no samples")
     return data.astype(np.float32), int(rate)
+
+
+def _decode_reason(exc: Exception, source: Any, path: str | bytes) -> str:
+    """The decoder's message; for embedded bytes its ``<_io.BytesIO object at 0x...>`` reads "the embedded
+    bytes" (a file path stays in the message as the decoder wrote it)."""
+    reason = str(exc)
+    return reason.replace(repr(source), "the embedded bytes") if isinstance(path, bytes) else reason
 
 
 def _read_wav(path: str) -> tuple[np.ndarray, int]:
