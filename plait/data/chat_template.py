@@ -51,18 +51,37 @@ def read_chat_template(value: str) -> str:
     """The Jinja text of ``data.chat_template``: a path to a file, or the name of a committed template.
 
     Raises:
-        ValueError: when ``value`` is neither an existing file nor a committed template's name.
+        ValueError: when ``value`` is neither an existing file nor a committed template's name, or when the
+            template is not valid Jinja (``data.chat_template <value> line <n>: <reason>``).
     """
     path = Path(value)
     if path.is_file():
-        return path.read_text(encoding="utf-8")
+        return _checked_template(path.read_text(encoding="utf-8"), value)
     named = TEMPLATE_DIR / f"{value}.jinja"
     if "/" not in value and named.is_file():
-        return named.read_text(encoding="utf-8")
+        return _checked_template(named.read_text(encoding="utf-8"), value)
     raise ValueError(
         f"data.chat_template: {value!r} is neither a Jinja file (paths are relative to the working directory) "
         f"nor a template committed with plait ({', '.join(template_names())})"
     )
+
+
+def _checked_template(text: str, value: str) -> str:
+    """``text`` once it compiles in the environment transformers renders chat templates with (jinja2's
+    sandbox plus the ``{% generation %}`` tag and loop controls, cached there), so that a syntax error is
+    reported against the template, not against the first record rendered with it.
+
+    Raises:
+        ValueError: ``data.chat_template <value> line <n>: <jinja2's reason>``.
+    """
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"data.chat_template {value} line {exc.lineno}: {exc.message}") from exc
+    return text
 
 
 def has_generation_markers(template: str | None) -> bool:
