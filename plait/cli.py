@@ -63,7 +63,8 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ValueError(f"plait generate takes no overrides, got {overrides}")
     return generate_command(args.model, prompt=args.prompt, images=args.image, audios=args.audio,
                             input_path=args.input, output_path=args.output, max_new_tokens=args.max_new_tokens,
-                            batch_size=args.batch_size, device=args.device, dtype=args.dtype)
+                            batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                            threads=args.threads)
 
 
 OVERRIDES_HELP = """overrides:
@@ -145,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     generate.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                           help="auto: bf16 autocast on CUDA, fp32 on CPU (as training's validation with train.dtype "
                                "= auto)")
+    generate.add_argument("--threads", type=int, default=None,
+                          help="torch's intra-op CPU threads, as train.threads (default: torch's default, one per core)")
     args, rest = parser.parse_known_args(argv)
     bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
     if bad:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from plait.data.formats import open_source
@@ -31,10 +32,11 @@ __all__ = ["generate_command", "read_prompts", "exact_match_report"]
 def generate_command(model: str | Path, *, prompt: str | None = None, images: Sequence[str] = (),
                      audios: Sequence[str] = (), input_path: str | Path | None = None,
                      output_path: str | Path | None = None, max_new_tokens: int = 16, batch_size: int = 16,
-                     device: str = "auto", dtype: str = "auto") -> int:
+                     device: str = "auto", dtype: str = "auto", threads: int | None = None) -> int:
     """``plait generate``: with ``prompt`` print the answer to it (with ``images``/``audios``); with
     ``input_path`` answer every record of that data file into ``output_path`` (module docstring); ``device`` and
-    ``dtype`` as :class:`~plait.models.generation.Generator`. Returns 0.
+    ``dtype`` as :class:`~plait.models.generation.Generator`; ``threads``: torch's intra-op CPU threads
+    (``torch.set_num_threads``, as training's ``train.threads``), None keeps torch's default. Returns 0.
 
     Raises:
         ValueError: for a bad combination of arguments, a bad record (naming file, line and record), and as
@@ -49,6 +51,10 @@ def generate_command(model: str | Path, *, prompt: str | None = None, images: Se
         raise ValueError("--input needs --output: the JSONL file to write the predictions to")
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"--max-new-tokens and --batch-size must be >= 1, got {max_new_tokens} and {batch_size}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    if threads is not None:
+        torch.set_num_threads(threads)
     gen = Generator.from_pretrained(model, device=device, dtype=dtype)
     if prompt is not None:
         print(gen.ask(prompt, images, audios, max_new_tokens=max_new_tokens), flush=True)

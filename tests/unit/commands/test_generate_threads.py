@@ -1,0 +1,39 @@
+"""plait generate --threads N sets torch's intra-op threads before the model loads; without it torch's default
+stays."""
+
+import pytest
+import torch
+
+from plait.cli import main
+from plait.commands.generate import generate_command
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
+def test_threads_are_set_before_the_model_loads(tmp_path, restore_threads):
+    target = 1 if restore_threads != 1 else 2
+    with pytest.raises(FileNotFoundError):
+        generate_command(tmp_path / "missing", prompt="hi", threads=target)
+    assert torch.get_num_threads() == target
+
+
+def test_cli_passes_threads(tmp_path, restore_threads):
+    target = 1 if restore_threads != 1 else 2
+    assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "hi", "--threads", str(target)]) != 0
+    assert torch.get_num_threads() == target
+
+
+def test_default_keeps_torch_threads(tmp_path, restore_threads):
+    with pytest.raises(FileNotFoundError):
+        generate_command(tmp_path / "missing", prompt="hi")
+    assert torch.get_num_threads() == restore_threads
+
+
+def test_threads_below_one_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"^--threads must be >= 1, got 0$"):
+        generate_command(tmp_path / "missing", prompt="hi", threads=0)
