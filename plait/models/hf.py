@@ -159,23 +159,25 @@ def _class(name: str) -> type[PreTrainedModel]:
     return getattr(importlib.import_module(module) if module else transformers, attr)
 
 
-def _config_from_dict(fields: dict[str, Any]) -> PretrainedConfig:
+def _config_from_dict(fields: dict[str, Any], where: str = "model config") -> PretrainedConfig:
+    """The Hugging Face config of a ``config`` table; ``where`` names the table (``model.llm.config``) in errors."""
     fields = dict(fields)
     model_type = fields.pop("model_type", None)
     if not model_type:
-        raise ValueError(f"model config needs a 'model_type' field, got keys {sorted(fields)}")
+        raise ValueError(f"{where} needs a 'model_type' field, got keys {sorted(fields)}")
     try:
         default = AutoConfig.for_model(model_type)
-    except ValueError as exc:
-        raise ValueError(f"unknown model_type {model_type!r} in a model config table") from None
+    except ValueError:
+        raise ValueError(f"{where}: unknown model_type {model_type!r} in a model config table") from None
     unknown = sorted(k for k in fields if not hasattr(default, k))
     if unknown:
-        raise ValueError(f"{model_type} config has no field(s) {unknown} (typo?)")
+        raise ValueError(f"{where}: {model_type} config has no field(s) {unknown} (typo?)")
     return AutoConfig.for_model(model_type, **fields)
 
 
 def build_encoder(
-    modality: str, path: str | None = None, config: dict[str, Any] | None = None, weights: bool = True
+    modality: str, path: str | None = None, config: dict[str, Any] | None = None, weights: bool = True,
+    field: str = "encoder",
 ) -> PreTrainedModel:
     """Build (from a config dict) or load (from a local directory) a Hugging Face modality encoder.
 
@@ -183,13 +185,15 @@ def build_encoder(
     tower). Audio: the Whisper encoder (a full Whisper checkpoint gives its encoder). With ``weights=False``
     a ``path`` only supplies the config (and dtype): the module is built as ``from_pretrained`` would build
     it but keeps its constructor's values (call under ``torch.device("meta")`` for a structure-only build,
-    then :func:`plait.models.init.materialize`).
+    then :func:`plait.models.init.materialize`). ``field`` (``model.encoders.vision``) names the job's table in
+    errors.
 
     Raises:
-        ValueError: for an unsupported ``model_type`` or modality, naming the supported ones.
+        ValueError: for an unsupported ``model_type`` or modality, naming the supported ones; for a ``path``
+            without a usable ``config.json`` or a ``config`` table with an unknown type or field, naming ``field``.
         FileNotFoundError: when ``path`` is not a directory.
     """
-    cfg = _load_config(path) if path is not None else _config_from_dict(config or {})
+    cfg = _load_config(path, field) if path is not None else _config_from_dict(config or {}, f"{field}.config")
     if modality == "image":
         if cfg.model_type not in _VISION:
             raise ValueError(f"unsupported vision encoder model_type {cfg.model_type!r}; supported: {sorted(_VISION)}")
@@ -219,18 +223,24 @@ def build_causal_lm(
     vocab_size: int | None = None,
     attn_implementation: str = "sdpa",
     weights: bool = True,
+    field: str = "model.llm",
 ) -> PreTrainedModel:
     """Build (from a config dict, with ``vocab_size`` set from the tokenizer) or load a causal LM.
 
     With ``weights=False`` a ``path`` only supplies the config (and dtype, as ``from_pretrained`` picks it);
     the weights are left to :func:`plait.models.init.materialize` (build under ``torch.device("meta")``).
+    ``field`` names the job's table in errors.
 
     Raises:
-        ValueError: when a loaded model's vocabulary is smaller than ``vocab_size``.
+        ValueError: when a loaded model's vocabulary is smaller than ``vocab_size``; naming ``field``, for a
+            ``path`` without a usable ``config.json`` or holding no causal LM, or a ``config`` table with an
+            unknown type or field.
         FileNotFoundError: when ``path`` is not a directory.
     """
     if path is not None:
-        cfg = _load_config(path)
+        cfg = _load_config(path, field)
+        if type(cfg) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+            raise ValueError(f"{field}.path {path} holds a {cfg.model_type}, not a causal LM")
         if weights:
             model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn_implementation)
         else:
@@ -242,15 +252,21 @@ def build_causal_lm(
     fields = dict(config or {})
     if vocab_size is not None:
         fields["vocab_size"] = vocab_size
-    cfg = _config_from_dict(fields)
+    cfg = _config_from_dict(fields, f"{field}.config")
     cfg._attn_implementation = attn_implementation
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
 
 
-def _load_config(path: str) -> PretrainedConfig:
+def _load_config(path: str, field: str = "model") -> PretrainedConfig:
+    """The config of the model directory ``path`` (``field``: the job's table, e.g. ``model.llm``, for errors)."""
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist{path_note(path)}")
-    return AutoConfig.from_pretrained(path)
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"{field}.path {path} has no config.json")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except ValueError as exc:
+        raise ValueError(f"{field}.path {path}: its config.json is not a known model ({str(exc)[:200]})") from None
 
 
 def encoder_hidden_size(encoder: PreTrainedModel) -> int:

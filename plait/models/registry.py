@@ -116,11 +116,12 @@ def compose_model(cfg: ModelConfig, tokenizer: Any, weights: bool = True) -> Mul
         if missing:
             raise ValueError(f"model.encoders {sorted(missing)} are not in the checkpoint {cfg.pretrained}")
         return model
-    llm = build_causal_lm(cfg.llm.path, cfg.llm.config, len(tokenizer), cfg.llm.attn_implementation, weights)
+    llm = build_causal_lm(cfg.llm.path, cfg.llm.config, len(tokenizer), cfg.llm.attn_implementation, weights,
+                          field="model.llm")
     hidden = llm.get_input_embeddings().embedding_dim
     encoders = {}
     for name, enc in cfg.encoders.items():
-        hf_encoder = build_encoder(enc.modality, enc.path, enc.config, weights)
+        hf_encoder = build_encoder(enc.modality, enc.path, enc.config, weights, field=f"model.encoders.{name}")
         projector = build_projector(enc.projector, encoder_hidden_size(hf_encoder), hidden)
         hop = int(enc.processor.get("hop_length", 160))
         rate = int(enc.processor.get("sampling_rate", 16000))
