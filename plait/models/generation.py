@@ -32,7 +32,7 @@ from plait.models.multimodal import PLAIT_CONFIG, MultimodalModel
 from plait.models.registry import load_tokenizer
 
 __all__ = ["Prompt", "Generator", "stop_token_ids", "greedy_token_ids", "greedy_generate", "exact_match",
-           "resolve_device", "inference_processor"]
+           "resolve_device", "inference_processor", "check_decoding"]
 
 
 def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
@@ -62,6 +62,18 @@ def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
     return sorted(t for t in found if isinstance(t, int) and t != unk)
 
 
+def check_decoding(max_new_tokens: int, stop_ids: Sequence[int]) -> None:
+    """The arguments every greedy decoding needs (this module's and the pipeline's in ``plait.train.evaluation``).
+
+    Raises:
+        ValueError: when ``max_new_tokens`` < 1 or ``stop_ids`` is empty (no stop token).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not stop_ids:
+        raise ValueError("no stop token: generation needs at least one (the tokenizer's EOS)")
+
+
 @torch.no_grad()
 def greedy_token_ids(model: MultimodalModel, batch: Batch, stop_ids: Sequence[int], max_new_tokens: int, pad_id: int,
                      autocast: Callable[[], AbstractContextManager[Any]] = nullcontext) -> torch.Tensor:
@@ -81,10 +93,7 @@ def greedy_token_ids(model: MultimodalModel, batch: Batch, stop_ids: Sequence[in
     Raises:
         ValueError: when ``max_new_tokens`` < 1 or there is no stop token.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not stop_ids:
-        raise ValueError("no stop token: generation needs at least one (the tokenizer's EOS)")
+    check_decoding(max_new_tokens, stop_ids)
     with autocast():
         embeds = model.embed(batch.input_ids, batch.modality_inputs)
         return model.language_model.generate(

@@ -49,7 +49,7 @@ from tqdm import tqdm
 from plait.data.collate import Batch, collate
 from plait.data.processing import IGNORE, ProcessedSample
 from plait.data.sources import RawSample, sample_at
-from plait.models.generation import exact_match
+from plait.models.generation import check_decoding, exact_match
 
 __all__ = [
     "EvalReport",
@@ -216,10 +216,7 @@ def greedy_by_forward(forward: Callable[[list[Batch]], list[torch.Tensor]], batc
     Raises:
         ValueError: when ``max_new_tokens`` < 1 or there is no stop token.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not stop_ids:
-        raise ValueError("no stop token: generation needs at least one (the tokenizer's EOS)")
+    check_decoding(max_new_tokens, stop_ids)
     current = [with_last_marked(b) for b in batches]
     stops = torch.tensor(list(stop_ids), dtype=torch.long)
     done = [torch.zeros(b.input_ids.shape[0], dtype=torch.bool) for b in batches]
