@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["RawSample", "SampleError", "MediaBytes", "Row", "RecordSource", "JsonlSource", "ByteRanges",
+__all__ = ["RawSample", "SampleError", "MediaBytes", "Row", "RecordSource", "FileSource", "JsonlSource", "ByteRanges",
            "check_index", "file_identity", "sample_at", "read_jsonl", "parse_record", "record_id", "path_note",
            "ROLES", "RECORD_FIELDS"]
 
@@ -187,7 +187,30 @@ def check_index(index: int, size: int, path: Path) -> None:
         raise IndexError(f"{path}: row {index} is out of range (the file has {size} rows)")
 
 
-class JsonlSource:
+class FileSource:
+    """What every file-backed :class:`RecordSource` shares: ``path``, ``name`` (default: the file's stem),
+    ``base_dir`` (the file's folder, against which relative media paths resolve) and :meth:`identity`.
+    Subclasses set ``format`` and index the file after ``super().__init__``.
+
+    Raises:
+        FileNotFoundError: when ``path`` does not exist.
+    """
+
+    format = ""
+
+    def __init__(self, path: str | Path, name: str | None = None) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"data file {self.path} does not exist{path_note(self.path)}")
+        self.name = name or self.path.stem
+        self.base_dir = self.path.parent
+
+    def identity(self) -> dict[str, Any]:
+        """:func:`file_identity` of the file (format, absolute path, size, mtime), for cache keys."""
+        return file_identity(self.path, self.format)
+
+
+class JsonlSource(FileSource):
     """A JSONL file as a :class:`RecordSource`: one record per line, read on demand through the lines' byte
     offsets (found by one scan at construction; 24 bytes of index per line, nothing else kept).
 
@@ -208,11 +231,7 @@ class JsonlSource:
     format = "jsonl"
 
     def __init__(self, path: str | Path, name: str | None = None) -> None:
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"data file {self.path} does not exist{path_note(self.path)}")
-        self.name = name or self.path.stem
-        self.base_dir = self.path.parent
+        super().__init__(path, name)
         starts, lengths, self._lines = _index_lines(self.path)
         self._ranges = ByteRanges(self.path, starts, lengths)
 
@@ -223,10 +242,6 @@ class JsonlSource:
         check_index(index, len(self), self.path)
         raw, start = self._ranges.read(index)
         return _parse_line(raw, start, f"{self.path}:{int(self._lines[index])}")
-
-    def identity(self) -> dict[str, Any]:
-        """:func:`file_identity` of the file (format, absolute path, size, mtime), for cache keys."""
-        return file_identity(self.path, self.format)
 
 
 def _index_lines(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

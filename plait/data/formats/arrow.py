@@ -38,7 +38,7 @@ from typing import Any, Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from plait.data.sources import Row, check_index, file_identity, path_note
+from plait.data.sources import FileSource, Row, check_index
 
 __all__ = ["ArrowSource", "ARROW_COLUMNS", "write_parquet"]
 
@@ -48,7 +48,7 @@ _REQUIRED = ("id", "messages")
 _MEDIA = ("images", "audios")
 
 
-class ArrowSource:
+class ArrowSource(FileSource):
     """A Parquet (``format="parquet"``) or Arrow IPC (``format="arrow"``) file as a
     :class:`plait.data.sources.RecordSource` (module docstring: the columns and how rows are read).
 
@@ -66,11 +66,8 @@ class ArrowSource:
     def __init__(self, path: str | Path, format: str = "parquet", name: str | None = None) -> None:
         if format not in ("parquet", "arrow"):
             raise ValueError(f"ArrowSource reads 'parquet' or 'arrow', got {format!r}")
-        self.path, self.format = Path(path), format
-        if not self.path.is_file():
-            raise FileNotFoundError(f"data file {self.path} does not exist{path_note(self.path)}")
-        self.name = name or self.path.stem
-        self.base_dir = self.path.parent
+        super().__init__(path, name)
+        self.format = format
         self._pid, self._reader, self._cached = -1, None, (-1, None)
         schema, sizes = self._open()
         _check_schema(schema, self.path)
@@ -90,10 +87,6 @@ class ArrowSource:
             return _record(row), where, None
         except ValueError as exc:
             return None, where, str(exc)
-
-    def identity(self) -> dict[str, Any]:
-        """:func:`plait.data.sources.file_identity` of the file (format, absolute path, size, mtime)."""
-        return file_identity(self.path, self.format)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_pid": -1, "_reader": None, "_cached": (-1, None)}

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from plait.data.sources import ByteRanges, Row, check_index, file_identity, path_note
+from plait.data.sources import ByteRanges, FileSource, Row, check_index
 
 __all__ = ["LlavaSource", "llava_record", "LLAVA_FIELDS", "LLAVA_ROLES"]
 
@@ -37,7 +37,7 @@ IMAGE_TOKEN = "<image>"
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 
 
-class LlavaSource:
+class LlavaSource(FileSource):
     """A LLaVA-style JSON file (module docstring) as a :class:`plait.data.sources.RecordSource`.
 
     Construction scans the array once for each record's byte range (a sliding window of the memory-mapped file,
@@ -55,11 +55,7 @@ class LlavaSource:
     format = "llava"
 
     def __init__(self, path: str | Path, name: str | None = None) -> None:
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"data file {self.path} does not exist{path_note(self.path)}")
-        self.name = name or self.path.stem
-        self.base_dir = self.path.parent
+        super().__init__(path, name)
         self._ranges = ByteRanges(self.path, *_index_array(self.path))
 
     def __len__(self) -> int:
@@ -76,10 +72,6 @@ class LlavaSource:
                                  "record; the data file must be UTF-8")
         except ValueError as exc:
             return None, where, str(exc)
-
-    def identity(self) -> dict[str, Any]:
-        """:func:`plait.data.sources.file_identity` of the file (format, absolute path, size, mtime)."""
-        return file_identity(self.path, self.format)
 
 
 _WINDOW = 1 << 24  # bytes of the file decoded at a time by the index scan (16 MiB; doubled for a longer record)
