@@ -22,6 +22,8 @@ class TimelineEvent(JsonDataclass):
         microbatch: microbatch index (-1 when not applicable).
         start_s: start time (seconds; any common origin).
         end_s: end time (seconds), ``>= start_s``.
+        frequency_mhz: the GPU SM frequency (MHz) an energy plan set (on GPU) or would set (on CPU, recorded)
+            before the action (``plait.parallel.energy``); 0 when no plan applies.
 
     Raises:
         ValueError: on an empty kind, a negative rank or ``end_s < start_s``.
@@ -33,6 +35,7 @@ class TimelineEvent(JsonDataclass):
     microbatch: int
     start_s: float
     end_s: float
+    frequency_mhz: int = 0
 
     def __post_init__(self) -> None:
         if not self.kind or self.rank < 0:
