@@ -192,6 +192,8 @@ def validate(cfg: JobConfig) -> None:
     _validate_sources(d)
     _check(cfg.parallel.backend in ("auto", "gloo", "nccl"), "parallel.backend must be auto, gloo or nccl")
     _check(cfg.parallel.cp >= 1 and cfg.parallel.dp >= 0, "parallel.cp must be >= 1 and parallel.dp >= 0")
+    _check(cfg.parallel.dp_shard >= 1, f"parallel.dp_shard must be >= 1 (1: no sharding), got {cfg.parallel.dp_shard}")
+    _check(cfg.parallel.tp >= 1, f"parallel.tp must be >= 1 (1: no tensor parallelism), got {cfg.parallel.tp}")
     _check(cfg.parallel.cp_distribution in ("uniform", "zigzag", "lpt", "ilp"),
            f"parallel.cp_distribution must be uniform, zigzag, lpt or ilp, got {cfg.parallel.cp_distribution!r}")
     _check(cfg.parallel.plan in ("manual", "auto"),

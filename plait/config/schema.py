@@ -245,9 +245,17 @@ class PipelineConfig:
 
 @dataclass
 class ParallelConfig:
-    """Degrees of parallelism: world size = dp x cp x pp. ``dp`` = 0 means world size / (cp x pp)."""
+    """Degrees of parallelism: world size = dp x dp_shard x pp x cp x tp. ``dp`` = 0 means world size /
+    (dp_shard x pp x cp x tp). Rank layout: :class:`plait.parallel.dims.ParallelDims`."""
 
     dp: int = 0
+    """Data-parallel replicas (full model copies, or HSDP replica groups when ``dp_shard`` > 1); 0: derived."""
+    dp_shard: int = 1
+    """FSDP2 shard degree: each parameter, gradient and AdamW state is split over ``dp_shard`` ranks that each
+    train on their own samples (``torch.distributed.fsdp.fully_shard`` per pipeline unit). HSDP (shard within a
+    group, replicate across groups) when ``dp`` > 1 too."""
+    tp: int = 1
+    """Tensor-parallel degree: the attention heads and MLPs of every layer are split over ``tp`` ranks."""
     cp: int = 1
     """Context-parallel degree: the LLM tokens of each microbatch are spread over ``cp`` ranks."""
     cp_distribution: str = "lpt"

@@ -133,7 +133,7 @@ class PipelineTrainer(Trainer):
             ValueError: when the degrees do not fit the world size (:meth:`ParallelDims.from_world`).
         """
         par = cfg.parallel
-        return ParallelDims.from_world(world_size, par.pp.degree, par.cp, par.dp)
+        return ParallelDims.from_world(world_size, par.pp.degree, par.cp, par.dp, par.dp_shard, par.tp)
 
     def _setup_mesh(self) -> None:
         self.dims = PipelineTrainer.layout(self.cfg, self.info.world_size)

@@ -173,7 +173,7 @@ class Trainer:
         par = cfg.parallel
         if par.pp.degree > 1:
             raise ValueError(f"parallel.pp.degree={par.pp.degree}: pipeline jobs run with PipelineTrainer")
-        return ParallelDims.from_world(world_size, 1, par.cp, par.dp)
+        return ParallelDims.from_world(world_size, 1, par.cp, par.dp, par.dp_shard, par.tp)
 
     # ------------------------------------------------------------------ setup hooks (subclasses override)
     def _setup_mesh(self) -> None:

@@ -26,7 +26,7 @@ def test_groups_span_the_named_axes():
     assert dims.pipeline_ranks(5) == (5, 7) and dims.pipeline_ranks(2) == (0, 2)
     assert ParallelDims(dp=3).groups(("dp",)) == [[0, 1, 2]]
     with pytest.raises(ValueError, match="unknown axes"):
-        dims.groups(("tp",))
+        dims.groups(("ep",))  # tp is an axis now (issue 14); expert parallelism is not
 
 
 def test_from_world_derives_dp_or_says_how_many_processes_to_launch():
@@ -43,3 +43,37 @@ def test_from_world_derives_dp_or_says_how_many_processes_to_launch():
         ParallelDims(dp=0)
     with pytest.raises(ValueError, match="rank 8 outside"):
         ParallelDims(2, 2, 2).coords(8)
+
+
+def test_dp_shard_and_tp_axes_follow_the_shared_layout():
+    dims = ParallelDims(dp=2, pp=2, cp=1, dp_shard=2, tp=2)
+    assert dims.world_size == 16 and dims.sizes == (2, 2, 2, 1, 2) and dims.batch == 4
+    # rank = ((((dp * dp_shard + shard) * pp + pp_rank) * cp + cp_rank) * tp + tp_rank)
+    assert dims.rank(dp=1, pp=1, cp=0, dp_shard=0, tp=1) == ((1 * 2 + 0) * 2 + 1) * 2 + 1 == 11
+    assert dims.coords(11) == RankCoords(dp=1, pp=1, cp=0, dp_shard=0, tp=1)
+    assert [dims.rank(**vars(dims.coords(r))) for r in range(16)] == list(range(16))
+    assert dims.groups(("tp",))[:2] == [[0, 1], [2, 3]]
+    assert dims.groups(("dp_shard",))[:2] == [[0, 4], [1, 5]]
+    assert dims.groups(("dp", "dp_shard"))[0] == [0, 4, 8, 12]
+    assert [dims.batch_rank(r) for r in (0, 1, 4, 8, 13)] == [0, 0, 1, 2, 3]
+    assert dims.pipeline_ranks(5) == (5, 7)
+
+
+def test_trivial_new_axes_keep_todays_ranks():
+    old = ParallelDims(dp=2, pp=3, cp=2)
+    assert old == ParallelDims(2, 3, 2, dp_shard=1, tp=1)
+    assert [old.rank(d, p, c) for d in range(2) for p in range(3) for c in range(2)] == list(range(12))
+
+
+def test_from_world_with_dp_shard_and_tp():
+    assert ParallelDims.from_world(8, dp_shard=2) == ParallelDims(dp=4, dp_shard=2)
+    assert ParallelDims.from_world(4, dp=2, dp_shard=2) == ParallelDims(dp=2, dp_shard=2)
+    assert ParallelDims.from_world(8, pp=2, dp_shard=2, tp=2) == ParallelDims(dp=1, pp=2, dp_shard=2, tp=2)
+    with pytest.raises(ValueError, match=r"parallel.dp=2 x parallel.pp.degree=1 x parallel.cp=1 x parallel.dp_shard=2 "
+                                         r"x parallel.tp=2 = 8 processes does not fit the world size 4"):
+        ParallelDims.from_world(4, dp=2, dp_shard=2, tp=2)
+    with pytest.raises(ValueError, match=r"x parallel.dp_shard=3 does not fit the world size 4: launch a multiple "
+                                         r"of 3"):
+        ParallelDims.from_world(4, dp_shard=3)
+    with pytest.raises(ValueError, match="degrees must be >= 1"):
+        ParallelDims(tp=0)

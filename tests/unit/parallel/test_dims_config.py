@@ -1,0 +1,31 @@
+"""``parallel.dp_shard`` and ``parallel.tp`` from TOML overrides into the config, their validation, and the layout
+the trainers derive from them."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.config.loader import config_from_dict, load_config, validate
+from plait.parallel.dims import ParallelDims
+from plait.train.pipeline_trainer import PipelineTrainer
+from plait.train.trainer import Trainer
+from tests.conftest import ROOT, tiny_config_dict
+
+
+def test_overrides_set_dp_shard_and_tp_and_the_layout_follows():
+    cfg = load_config(ROOT / "configs" / "demo.toml", ["--parallel.dp_shard=2", "--parallel.tp=2"])
+    assert (cfg.parallel.dp, cfg.parallel.dp_shard, cfg.parallel.tp) == (0, 2, 2)
+    assert Trainer.layout(cfg, 8) == ParallelDims(dp=2, pp=1, cp=1, dp_shard=2, tp=2)
+    default = load_config(ROOT / "configs" / "demo.toml")
+    assert (default.parallel.dp_shard, default.parallel.tp) == (1, 1)
+    pp = load_config(ROOT / "configs" / "demo_pp.toml", ["--parallel.dp_shard=2"])
+    assert PipelineTrainer.layout(pp, 16) == ParallelDims(dp=2, pp=4, cp=1, dp_shard=2)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("dp_shard", 0, "parallel.dp_shard must be >= 1 \\(1: no sharding\\), got 0"),
+    ("tp", -1, "parallel.tp must be >= 1 \\(1: no tensor parallelism\\), got -1"),
+])
+def test_bad_degrees_are_refused_with_the_field_named(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        validate(config_from_dict(tiny_config_dict("train.jsonl", parallel={field: value})))
