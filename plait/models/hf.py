@@ -29,7 +29,9 @@ __all__ = [
     "EncoderLayout",
     "LlmLayout",
     "encoder_layout",
+    "encoder_tp_plan",
     "llm_layout",
+    "llm_tp_plan",
     "run_encoder_layer",
 ]
 
@@ -74,6 +76,22 @@ _ENCODER_LAYOUTS = {
     "clip": EncoderLayout(("embeddings", "pre_layrnorm"), "encoder.layers", "post_layernorm"),
     "vit": EncoderLayout(("embeddings",), "layers", "layernorm", ("pooler",)),
     "whisper": EncoderLayout(("conv1", "conv2", "embed_positions"), "layers", "layer_norm"),
+}
+
+
+_ATTN_MLP = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+             "self_attn.out_proj": "rowwise"}
+# model_type -> tensor-parallel plan of one encoder layer (module path in the layer -> transformers' style name):
+# attention heads split by colwise q/k/v and a rowwise output projection, the MLP by colwise fc1 and rowwise fc2
+# (Megatron-LM's layout). Embeddings, norms and the post-norm stay replicated. None of these families ships a plan.
+_ENCODER_TP_PLANS = {
+    "siglip_vision_model": {**_ATTN_MLP, "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
+    "siglip": {**_ATTN_MLP, "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
+    "clip_vision_model": {**_ATTN_MLP, "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
+    "clip": {**_ATTN_MLP, "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
+    "vit": {"attention.q_proj": "colwise", "attention.k_proj": "colwise", "attention.v_proj": "colwise",
+            "attention.o_proj": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
+    "whisper": {**_ATTN_MLP, "fc1": "colwise", "fc2": "rowwise"},
 }
 
 
@@ -330,6 +348,38 @@ def encoder_layout(encoder: PreTrainedModel) -> EncoderLayout:
         raise ValueError(f"{type(encoder).__name__} does not have the expected modules {paths} (missing {missing})")
     heads = tuple(h for h in layout.heads if _has_module(encoder, h))
     return EncoderLayout(layout.embed, layout.layers, layout.post_norm, heads)
+
+
+def encoder_tp_plan(encoder: PreTrainedModel) -> dict[str, str]:
+    """The tensor-parallel plan of ``encoder``'s family: module path (relative to the HF encoder, ``*`` for the
+    layer index, e.g. ``encoder.layers.*.self_attn.q_proj``) -> transformers' style name (``"colwise"``,
+    ``"rowwise"``), the same format as a causal LM's ``tp_plan`` (:func:`llm_tp_plan`).
+
+    Raises:
+        ValueError: for a family without a plan (as :func:`encoder_layout`).
+    """
+    layout = encoder_layout(encoder)
+    plan = _ENCODER_TP_PLANS.get(encoder.config.model_type)
+    if plan is None:
+        raise ValueError(f"no tensor-parallel plan for encoder model_type {encoder.config.model_type!r}; "
+                         f"supported: {sorted(_ENCODER_TP_PLANS)}")
+    return {f"{layout.layers}.*.{path}": style for path, style in plan.items()}
+
+
+def llm_tp_plan(llm: PreTrainedModel) -> dict[str, str]:
+    """The tensor-parallel plan transformers ships with ``llm``'s family (``config.base_model_tp_plan`` and the
+    model class's ``_tp_plan``, merged by transformers into ``llm.tp_plan``): module path relative to the
+    ``*ForCausalLM`` (``model.layers.*.self_attn.q_proj``) -> style name (``"colwise"``, ``"rowwise"``,
+    ``"embedding_rowwise"``, ``"colwise_gather_output"``, ...). plait writes no per-family LLM plan.
+
+    Raises:
+        ValueError: when the family ships no plan (naming its ``model_type``).
+    """
+    plan = dict(getattr(llm, "tp_plan", None) or {})
+    if not plan:
+        raise ValueError(f"{type(llm).__name__} (model_type {llm.config.model_type!r}) ships no tensor-parallel "
+                         "plan (transformers' base_model_tp_plan): use parallel.tp = 1 for this LLM")
+    return plan
 
 
 def run_encoder_layer(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
