@@ -214,6 +214,21 @@ def validate(cfg: JobConfig) -> None:
     for name, enc in m.encoders.items():
         _validate_encoder(name, enc, m.pretrained is not None, _known_encoders(m.encoders))
     _validate_lora(m.llm.lora, "model.llm.lora")
+    _validate_energy(cfg)
+
+
+def _validate_energy(cfg: JobConfig) -> None:
+    """``[energy]``: a plan only for pipeline jobs; the straggler hysteresis of ``planner.straggler``.
+
+    Raises:
+        ValueError: naming the ``energy`` field.
+    """
+    e = cfg.energy
+    _check(not e.plan or cfg.parallel.pp.degree > 1, f"energy.plan = {e.plan!r} sets the frequency of pipeline "
+           "actions: it needs parallel.pp.degree > 1")
+    _check(1 <= e.recover_ratio < e.slow_ratio, f"energy.recover_ratio must be >= 1 and below energy.slow_ratio, "
+           f"got {e.recover_ratio} and {e.slow_ratio}")
+    _check(e.patience >= 1, f"energy.patience must be >= 1, got {e.patience}")
 
 
 def _validate_checkpointing(cfg: JobConfig) -> None:

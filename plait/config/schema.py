@@ -23,6 +23,7 @@ __all__ = [
     "TrainConfig",
     "CheckpointConfig",
     "MetricsConfig",
+    "EnergyConfig",
     "JobConfig",
 ]
 
@@ -366,6 +367,28 @@ class MetricsConfig:
 
 
 @dataclass
+class EnergyConfig:
+    """Energy (issue 17, Perseus): per-action GPU frequencies from a frequency plan in the pipeline runtime
+    (``plait.parallel.energy``), and the reaction to a straggler DP replica (``plait.planner.straggler``)."""
+
+    plan: str = ""
+    """Frequency plan JSON written by ``plait energy`` (``plait.planner.energy_plan.EnergyPlan``); empty: off.
+    Pipeline jobs only (``parallel.pp.degree`` > 1): before each F/B/W action the runtime locks the GPU's SM clock
+    at the plan's frequency (needs SYS_ADMIN and ``pip install -e ".[energy]"``; where refused it says so once and
+    records only); on CPU it records the would-be frequency in the measured timeline (``frequency_mhz``)."""
+    straggler: bool = True
+    """React to a slow DP replica: the others switch to the frontier point at its iteration time, and back to the
+    fastest point when it recovers (one all_gather of a float per step)."""
+    slow_ratio: float = 1.15
+    """A step counts as slow when the slowest replica's time over the fastest's (each relative to its plan point's
+    iteration time) is at least this (> ``recover_ratio``)."""
+    recover_ratio: float = 1.05
+    """A step counts as recovered when that ratio is at most this (>= 1)."""
+    patience: int = 3
+    """Consecutive slow (recovered) steps before switching (switching back), >= 1."""
+
+
+@dataclass
 class JobConfig:
     """A whole training job."""
 
@@ -376,3 +399,5 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    energy: EnergyConfig = field(default_factory=EnergyConfig)
+    """Frequency plan and straggler reaction (``[energy]``)."""

@@ -38,6 +38,7 @@ import torch
 
 from plait.data.collate import Batch
 from plait.parallel.deferral import FeatureBuffer, split_feature_grad
+from plait.parallel.energy import FrequencyController
 from plait.parallel.pipeline.comm import PipelineComm
 from plait.parallel.pipeline.transport import MessageKey, Transport
 from plait.parallel.stages import Payload, PipelineStage, RankStages
@@ -64,6 +65,8 @@ class StepInputs:
         instrument: count tensors saved for backward per stage.
         routing: deferred encoder outputs (None: encoder and LLM views are ``microbatches``).
         encoder_batches: with ``routing``, per microbatch the batch the encoder stages run (None: no sample).
+        frequency: sets (on GPU) or records (on CPU) each action's SM frequency before it runs, from an energy
+            plan (:mod:`plait.parallel.energy`); the frequency goes into the action's timeline event. None: none.
     """
 
     microbatches: Sequence[Batch | None]
@@ -74,6 +77,7 @@ class StepInputs:
     instrument: bool = False
     routing: FeatureRouting | None = None
     encoder_batches: Sequence[Batch | None] = ()
+    frequency: FrequencyController | None = None
 
 
 @dataclass
@@ -103,10 +107,13 @@ class Executor:
         self.buffer = FeatureBuffer(self.routing) if self.routing is not None else None
         self.users_left: dict[tuple[int, int], set[int]] = {}  # routed encoder records: LLM microbatches to come
         self.shares: dict[tuple[int, int], dict[int, _Pairs]] = {}  # routed (s, j): per record i, its pairs
+        self.mhz = 0  # the SM frequency set before the current action (0: no energy plan)
 
     def run(self) -> None:
         """Every action of this rank, in schedule order; then wait for the sends."""
         for action in self.schedule.actions[self.comm.pp_rank]:
+            if self.inputs.frequency is not None:
+                self.mhz = self.inputs.frequency.before(action.kind, action.stage, action.microbatch)
             if action.kind == "F":
                 self._forward(action.stage, action.microbatch)
             elif self._routed(action.stage):
@@ -160,7 +167,7 @@ class Executor:
             self.losses.append(out["llm"][0].detach())
         for t in self.plan.successors(s):
             self._give(("F", s, t, m), out)
-        self.events.append(TimelineEvent(self.comm.pp_rank, "F", s, m, start, time.time()))
+        self.events.append(TimelineEvent(self.comm.pp_rank, "F", s, m, start, time.time(), self.mhz))
 
     def _route_features(self, j: int, received: dict[int, Any]) -> dict[int, Any]:
         """The first LLM stage under a routing: hold each encoder predecessor's features of encoder microbatch
@@ -229,7 +236,7 @@ class Executor:
                     self._give(("B", s, p, m), _input_grad_payload(record.inputs[p]))
         if frees_activations(self.plan, action, self.schedule.split_backward):
             del self.records[(s, m)]
-        self.events.append(TimelineEvent(self.comm.pp_rank, action.kind, s, m, start, time.time()))
+        self.events.append(TimelineEvent(self.comm.pp_rank, action.kind, s, m, start, time.time(), self.mhz))
 
     def _output_grads(self, s: int, m: int, record: _Record) -> _Pairs:
         """``(output, gradient)`` pairs to backpropagate (the scaled loss on the last stage)."""
@@ -313,7 +320,7 @@ class Executor:
                 self.users_left[(s, i)].discard(j)
                 if not self.users_left[(s, i)]:
                     del self.records[(s, i)], self.users_left[(s, i)]
-        self.events.append(TimelineEvent(self.comm.pp_rank, action.kind, s, j, start, time.time()))
+        self.events.append(TimelineEvent(self.comm.pp_rank, action.kind, s, j, start, time.time(), self.mhz))
 
     def _routed_output_grads(self, s: int, j: int) -> dict[int, _Pairs]:
         """Per encoder microbatch ``i`` of ``routing.sources[j]``, the ``(output, gradient)`` pairs of its record

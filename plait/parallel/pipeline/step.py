@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from plait.data.collate import Batch
 from plait.parallel.data_parallel import sum_gradients
+from plait.parallel.energy import FrequencyController
 from plait.parallel.pipeline.comm import PipelineComm
 from plait.parallel.pipeline.executor import Executor, StepInputs
 from plait.parallel.stages import RankStages
@@ -77,6 +78,7 @@ def run_pipeline_step(
     instrument: bool = False,
     routing: FeatureRouting | None = None,
     encoder_batches: Sequence[Batch | None] | None = None,
+    frequency: FrequencyController | None = None,
 ) -> PipelineStepResult:
     """Forward and backward of this pipeline's ``M`` microbatches of a global batch, then gradient reduction.
 
@@ -110,6 +112,8 @@ def run_pipeline_step(
             without samples). The schedule and its messages are unchanged (:mod:`.executor`).
             ``None``: both views are ``microbatches``.
         encoder_batches: with ``routing``, per microbatch the batch of the encoder view (None: no sample).
+        frequency: this rank's frequency controller (``[energy] plan``, :mod:`plait.parallel.energy`), called
+            before each action; the frequency goes into each event's ``frequency_mhz``. None: no energy plan.
 
     Returns:
         :class:`PipelineStepResult` (loss the same on every rank).
@@ -128,7 +132,7 @@ def run_pipeline_step(
     if len(kwargs) != len(microbatches):
         raise ValueError(f"llm_kwargs has {len(kwargs)} entries for {len(microbatches)} microbatches")
     inputs = StepInputs(microbatches, kwargs, 1.0 / max(1, global_targets), loss_fn, autocast, instrument, routing,
-                        tuple(encoder_batches or ()))
+                        tuple(encoder_batches or ()), frequency)
     executor = Executor(stages, schedule, comm, inputs)
     executor.run()
     params = [p for _, p in stages.trainable_parameters()]

@@ -1,0 +1,94 @@
+"""Frequency controllers (parallel.energy): the recording one, the NVML one against a fake zeus GPU collection
+(locking, changes only, refusal -> one warning and recording), plan files, the step span."""
+
+import logging
+
+import pytest
+import torch
+
+from plait.parallel.energy import (
+    FrequencyController,
+    NvmlFrequencyController,
+    StragglerReaction,
+    build_frequency_controller,
+    read_energy_plan,
+    step_span_s,
+)
+from plait.planner.energy_plan import ActionFrequency, EnergyPlan, FrontierPoint
+from plait.planner.straggler import StragglerPolicy
+from plait.planner.timeline import TimelineEvent
+
+PLAN = EnergyPlan("h100", 1980, (
+    FrontierPoint(1.0, 500.0, (ActionFrequency(0, "F s0 m0", 1500), ActionFrequency(0, "B s0 m0", 1500),
+                               ActionFrequency(1, "F s1 m0", 1200))),
+    FrontierPoint(1.4, 400.0, (ActionFrequency(0, "F s0 m0", 900),)),
+))
+
+
+class FakeGpus:
+    def __init__(self, refuse: bool = False):
+        self.calls, self.refuse = [], refuse
+
+    def set_gpu_locked_clocks(self, index, lo, hi):
+        if self.refuse:
+            raise PermissionError("SYS_ADMIN needed")
+        self.calls.append(("lock", index, lo, hi))
+
+    def reset_gpu_locked_clocks(self, index):
+        self.calls.append(("reset", index))
+
+
+def test_recording_controller_gives_planned_frequency_and_max_for_unlisted():
+    ctl = FrequencyController(PLAN, 0)
+    assert [ctl.before("F", 0, 0), ctl.before("B", 0, 0), ctl.before("F", 0, 1)] == [1500, 1500, 1980]
+    assert ctl.records == [("F s0 m0", 1500), ("B s0 m0", 1500), ("F s0 m1", 1980)]
+    ctl.use_point(PLAN.points[1])
+    assert ctl.before("F", 0, 0) == 900 and ctl.before("B", 0, 0) == 1980
+    assert FrequencyController(PLAN, 1).before("F", 1, 0) == 1200
+    assert not ctl.applies
+
+
+def test_nvml_controller_locks_only_on_change_and_resets():
+    gpus = FakeGpus()
+    ctl = NvmlFrequencyController(PLAN, 0, 3, gpus)
+    for kind, m in [("F", 0), ("B", 0), ("F", 1), ("B", 1)]:
+        ctl.before(kind, 0, m)
+    ctl.close()
+    assert gpus.calls == [("lock", 3, 1500, 1500), ("lock", 3, 1980, 1980), ("reset", 3)]
+
+
+def test_nvml_controller_refused_warns_once_and_records(caplog):
+    gpus = FakeGpus(refuse=True)
+    ctl = NvmlFrequencyController(PLAN, 0, 0, gpus)
+    with caplog.at_level(logging.WARNING, logger="plait.parallel.energy"):
+        got = [ctl.before("F", 0, 0), ctl.before("F", 0, 1), ctl.before("F", 0, 0)]
+    assert got == [1500, 1980, 1500] and not ctl.applies
+    assert sum("SYS_ADMIN" in r.message for r in caplog.records) == 1
+    ctl.close()
+    assert gpus.calls == []
+
+
+def test_cpu_device_gets_the_recording_controller():
+    assert type(build_frequency_controller(PLAN, 0, torch.device("cpu"))) is FrequencyController
+
+
+def test_read_energy_plan(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(PLAN.to_json())
+    assert read_energy_plan(path) == PLAN
+    with pytest.raises(FileNotFoundError, match="plait energy"):
+        read_energy_plan(tmp_path / "none.json")
+    (tmp_path / "bad.json").write_text('{"gpu": "h100"}')
+    with pytest.raises(ValueError, match="bad.json is not a frequency plan"):
+        read_energy_plan(tmp_path / "bad.json")
+    (tmp_path / "empty.json").write_text(EnergyPlan("h100", 1980).to_json())
+    with pytest.raises(ValueError, match="no frontier point"):
+        read_energy_plan(tmp_path / "empty.json")
+
+
+def test_step_span_and_single_process_reaction():
+    events = [TimelineEvent(0, "F", 0, 0, 10.0, 10.5), TimelineEvent(0, "B", 0, 0, 11.0, 12.25)]
+    assert step_span_s(events) == 2.25 and step_span_s([]) == 0.0
+    ctl = FrequencyController(PLAN, 0)
+    reaction = StragglerReaction(ctl, StragglerPolicy(patience=1), 0, 1, torch.device("cpu"))
+    assert reaction.observe(3.0) == PLAN.points[0] and reaction.history == [(-1, 1.0)]
