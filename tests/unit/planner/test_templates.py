@@ -1,0 +1,116 @@
+"""Pipeline templates, their instantiation and microbatch distribution (Oobleck's plans), without processes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from plait.planner.pipeline_plan import synthetic_units
+from plait.planner.search import evaluate_plan, plan_layout
+from plait.planner.simulator import P2PModel
+from plait.planner.templates import (
+    PipelineTemplate,
+    TemplateSet,
+    distribute_microbatches,
+    instantiate,
+    plan_instantiation,
+    plan_templates,
+)
+from plait.planner.types import UnitCost
+
+GIB = 1 << 30
+PARAM = GIB // 4
+CAP = 12 * GIB  # a trained unit holds 2 GiB (parameters, gradients, AdamW state): n0 = 2 or more
+
+
+def model(trainable_llm: bool = True):
+    """A vision encoder (4 units, frozen but its projector) and an 8-unit LLM, with costs."""
+    units = synthetic_units({"vision": [False, False, False, True]}, [trainable_llm] * 8)
+    costs = [UnitCost(forward_s=0.01 * (1 + (i % 3)), input_grad_s=0.01 * (1 + (i % 3)),
+                      weight_grad_s=0.01 * (1 + (i % 3)), param_bytes=PARAM, activation_bytes=GIB // 16,
+                      output_bytes=1 << 20) for i, _ in enumerate(units)]
+    return units, costs
+
+
+def templates(num_ranks: int = 8, failures: int = 1, microbatches: int = 12, **kw) -> TemplateSet:
+    units, costs = model()
+    return plan_templates(units, costs, num_ranks, failures, microbatches=microbatches, memory_cap=CAP,
+                          dp_link=P2PModel(1e-5, 1e10), **kw)
+
+
+def test_templates_cover_n0_to_n_minus_f_n0_and_fit_their_simulated_times():
+    units, costs = model()
+    ts = templates(8, 1)
+    n0 = ts.min_ranks
+    with pytest.raises(ValueError):
+        plan_layout(units, costs, n0 - 1, microbatches=12, dp_degrees=[1], memory_cap=CAP)
+    assert n0 >= 2
+    assert [t.num_ranks for t in ts.templates] == list(range(n0, 8 - n0 + 1))
+    for t in ts.templates:
+        choice = plan_layout(units, costs, t.num_ranks, microbatches=12, dp_degrees=[1], memory_cap=CAP)
+        assert t.plan.stages == choice.plan.stages and t.plan.num_ranks <= t.num_ranks
+        for nb in (12, 24):
+            real = evaluate_plan(t.plan, units, costs, dp=1, microbatches=nb, schedule=t.schedule).makespan_s
+            assert t.makespan_s(nb) == pytest.approx(real, rel=1e-9)
+    # copy bytes: parameters; AdamW state 12 B per trained bf16 parameter (6x the parameter bytes)
+    by_name = ts.unit_bytes()
+    assert by_name["llm.3"].param_bytes == PARAM and by_name["llm.3"].state_bytes == 6 * PARAM
+    assert by_name["vision.0"].state_bytes == 0 and by_name["vision.3"].state_bytes == 6 * PARAM
+    assert TemplateSet.from_json(ts.to_json()) == ts
+
+
+def test_too_few_ranks_for_f_plus_one_pipelines_is_refused():
+    with pytest.raises(ValueError, match=r"cannot hold failures \+ 1 = 4 pipelines of at least n0 = "):
+        templates(8, 3)
+
+
+def _template(fixed: float, per: float) -> PipelineTemplate:
+    small = templates(8, 1).templates[0]
+    return PipelineTemplate(small.num_ranks, small.plan, "1f1b", fixed, per, (0.0,) * small.plan.num_ranks)
+
+
+def test_water_filling_balances_heterogeneous_pipelines_exactly():
+    fast, slow = _template(0.5, 1.0), _template(0.2, 2.0)
+    assert distribute_microbatches([fast, slow], 6) == (4, 2)  # 4.5 s and 4.2 s
+    for m in range(0, 13):
+        counts = distribute_microbatches([fast, slow, fast], m)
+        assert sum(counts) == m
+        best = min(max(t.makespan_s(c) for t, c in zip((fast, slow, fast), split))
+                   for split in itertools.product(range(m + 1), repeat=3) if sum(split) == m)
+        assert max(t.makespan_s(c) for t, c in zip((fast, slow, fast), counts)) == pytest.approx(best)
+
+
+def _partitions(total: int, low: int, high: int, top: int | None = None):
+    top = high if top is None else top
+    if total == 0:
+        yield ()
+        return
+    for size in range(min(top, total), low - 1, -1):
+        for rest in _partitions(total - size, low, high, size):
+            yield (size,) + rest
+
+
+@pytest.mark.parametrize("num_ranks,failures", [(8, 1), (9, 1), (10, 2), (11, 1)])
+def test_instantiation_uses_every_rank_with_f_plus_one_pipelines_and_is_the_best(num_ranks, failures):
+    ts = templates(num_ranks, failures)
+    inst = plan_instantiation(ts)
+    assert inst.ranks == tuple(range(num_ranks))
+    assert len(inst.pipelines) >= failures + 1 and inst.microbatches == 12
+    for pipeline in inst.pipelines:
+        assert pipeline.template == ts.template(len(pipeline.ranks))
+    # exhaustive over every multiset of template sizes with enough pipelines
+    best = min(instantiate(ts, [list(range(sum(p[:i]), sum(p[:i + 1]))) for i in range(len(p))]).iteration_s
+               for p in _partitions(num_ranks, ts.min_ranks, ts.max_ranks) if failures + 1 <= len(p) <= 12)
+    assert inst.iteration_s == pytest.approx(best)
+    # every unit has one holder per pipeline
+    for unit in ts.units:
+        holders = inst.holders(unit.name)
+        assert len(set(holders)) == len(inst.pipelines)
+        assert all(unit.name in inst.units_of(h) for h in holders)
+
+
+def test_instantiation_refuses_too_many_pipelines():
+    ts = templates(8, 1)
+    with pytest.raises(ValueError, match="cannot hold 5 pipelines"):
+        plan_instantiation(ts, min_pipelines=5)
