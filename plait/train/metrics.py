@@ -4,6 +4,13 @@ for plots; progress on rank 0.
 Every JSONL row gets ``time`` (ISO 8601, UTC, when it was written) and ``elapsed_s`` (seconds since the run
 started; a resumed run continues from the ``elapsed_s`` of the last row it keeps, so the clock spans the whole run
 without the time the run was stopped).
+
+Energy (issue 17), where it can be measured (:func:`detect_energy_meter`): every row gets ``energy_j``, the joules
+used since the previous row (the steps or the validation that row reports), and ``energy_source``; training rows
+also ``energy_per_step_j``. On a CUDA job, rank 0 measures every GPU visible to it through zeus's ``ZeusMonitor``
+(NVML; ``pip install -e ".[energy]"``): with torchrun on one node, every GPU of the node. On CPU, the host's CPU
+packages through the RAPL counters of ``/sys/class/powercap/intel-rapl:N/energy_uj`` where they are readable (the
+package zones; DRAM is not counted). Elsewhere the fields are absent: never invented.
 """
 
 from __future__ import annotations
@@ -13,13 +20,15 @@ import importlib
 import json
 import logging
 import sys
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-__all__ = ["MetricsWriter", "Progress", "import_wandb", "read_metrics"]
+__all__ = ["EnergyMeter", "MetricsWriter", "NvmlEnergyMeter", "Progress", "RAPL_ROOT", "RaplEnergyMeter",
+           "detect_energy_meter", "import_wandb", "read_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +62,7 @@ class MetricsWriter:
         wandb: also log to Weights & Biases (``metrics.wandb``).
         wandb_project: its project (``metrics.wandb_project``; empty: wandb's default).
         config: the job as a plain dict, given to ``wandb.init`` as the run's config.
+        energy: the energy meter of the rows' ``energy_j`` fields (module docstring; None: no energy fields).
 
     Raises:
         ValueError: when ``wandb`` is on and the package is not installed (:func:`import_wandb`).
@@ -60,8 +70,11 @@ class MetricsWriter:
 
     def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True,
                  resume_step: int | None = None, *, wandb: bool = False, wandb_project: str = "",
-                 config: dict[str, Any] | None = None):
+                 config: dict[str, Any] | None = None, energy: EnergyMeter | None = None):
         self.enabled = enabled
+        self._energy = energy if enabled else None
+        self._energy_mark = self._energy.read_j() if self._energy is not None else 0.0
+        self._energy_step = resume_step or 0
         self.path = Path(run_dir) / "metrics.jsonl"
         self._tb = None
         self._wandb = None
@@ -102,7 +115,8 @@ class MetricsWriter:
         if not self.enabled:
             return
         now = datetime.datetime.now(datetime.timezone.utc)
-        record = {**record, "time": now.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+        record = {**record, **self._energy_fields(record),
+                  "time": now.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
                   "elapsed_s": round(self._elapsed_before + time.monotonic() - self._start, 3)}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
@@ -114,12 +128,133 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.log(scalars, step=record["step"])
 
+    def _energy_fields(self, record: dict[str, Any]) -> dict[str, Any]:
+        """``energy_j`` since the previous row, ``energy_source``, and on a training row (no ``eval``)
+        ``energy_per_step_j`` over the steps since the previous training row; ``{}`` without a meter."""
+        if self._energy is None:
+            return {}
+        now = self._energy.read_j()
+        used, self._energy_mark = now - self._energy_mark, now
+        out: dict[str, Any] = {"energy_j": round(used, 6), "energy_source": self._energy.source}
+        if "eval" not in record:
+            steps = int(record["step"]) - self._energy_step
+            if steps > 0:
+                out["energy_per_step_j"] = round(used / steps, 6)
+            self._energy_step = int(record["step"])
+        return out
+
     def close(self) -> None:
         """Flush and close TensorBoard and Weights & Biases."""
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+RAPL_ROOT = Path("/sys/class/powercap")
+"""Where Linux exposes the RAPL energy counters (``intel-rapl:N`` package zones)."""
+
+_PACKAGE_ZONE = re.compile(r"^intel-rapl:\d+$")
+
+
+class EnergyMeter:
+    """A cumulative energy counter: :meth:`read_j` is the joules used since the meter was made; ``source`` names
+    what it measures (for the metrics rows)."""
+
+    source = "none"
+
+    def read_j(self) -> float:
+        """Joules used since the meter was made."""
+        raise NotImplementedError
+
+
+class RaplEnergyMeter(EnergyMeter):
+    """The host's CPU packages through RAPL: the sum over the package zones ``<root>/intel-rapl:N`` of their
+    ``energy_uj`` counters (microjoules), each wrapping at its ``max_energy_range_uj`` back to 0. A reading that
+    is below the previous one wrapped once: the step is ``now + range - previous`` (read more often than a wrap
+    period: minutes at hundreds of watts).
+
+    Args:
+        zones: the package zone folders (each with ``energy_uj`` and ``max_energy_range_uj``).
+
+    Raises:
+        ValueError: when there is no zone.
+        OSError: when a counter cannot be read.
+    """
+
+    def __init__(self, zones: list[Path]) -> None:
+        if not zones:
+            raise ValueError("RaplEnergyMeter needs at least one intel-rapl package zone")
+        self.zones = zones
+        self.ranges = [int((z / "max_energy_range_uj").read_text()) for z in zones]
+        self.last = [int((z / "energy_uj").read_text()) for z in zones]
+        self.total_uj = 0
+        self.source = f"rapl ({len(zones)} CPU package{'s' if len(zones) > 1 else ''})"
+
+    @classmethod
+    def find(cls, root: str | Path = RAPL_ROOT) -> RaplEnergyMeter | None:
+        """The meter of every readable package zone under ``root``; None when there is none (no RAPL, or its
+        counters are readable by root only)."""
+        root = Path(root)
+        zones = sorted(p for p in root.glob("intel-rapl:*") if _PACKAGE_ZONE.match(p.name)) if root.is_dir() else []
+        try:
+            return cls(zones) if zones else None
+        except (OSError, ValueError):
+            return None
+
+    def read_j(self) -> float:
+        """Joules used by the packages since the meter was made (wrap-around handled)."""
+        for i, zone in enumerate(self.zones):
+            now = int((zone / "energy_uj").read_text())
+            step = now - self.last[i] if now >= self.last[i] else now + self.ranges[i] - self.last[i]
+            self.total_uj += step
+            self.last[i] = now
+        return self.total_uj / 1e6
+
+
+class NvmlEnergyMeter(EnergyMeter):
+    """The GPUs' energy through zeus's ``ZeusMonitor`` (NVML ``nvmlDeviceGetTotalEnergyConsumption``; short
+    windows approximated by instant power x time, ``approx_instant_energy``): one measurement window per reading,
+    summed.
+
+    Args:
+        gpu_indices: the GPUs (zeus/CUDA indices); None: every visible GPU.
+        monitor: a ``ZeusMonitor`` (tests pass a fake); default: built here.
+
+    Raises:
+        ImportError: when zeus is not installed.
+    """
+
+    _WINDOW = "plait_metrics_energy"
+
+    def __init__(self, gpu_indices: list[int] | None = None, monitor: Any = None) -> None:
+        if monitor is None:
+            from zeus.monitor import ZeusMonitor
+
+            monitor = ZeusMonitor(gpu_indices=gpu_indices, cpu_indices=[], approx_instant_energy=True)
+        self.monitor = monitor
+        self.total_j = 0.0
+        self.source = f"nvml ({len(monitor.gpu_indices)} GPU{'s' if len(monitor.gpu_indices) != 1 else ''})"
+        self.monitor.begin_window(self._WINDOW)
+
+    def read_j(self) -> float:
+        """Joules used by the GPUs since the meter was made (synchronises them)."""
+        measurement = self.monitor.end_window(self._WINDOW)
+        self.total_j += sum(measurement.gpu_energy.values())
+        self.monitor.begin_window(self._WINDOW)
+        return self.total_j
+
+
+def detect_energy_meter(device_type: str, rapl_root: str | Path = RAPL_ROOT) -> EnergyMeter | None:
+    """The energy meter of a job on ``device_type`` (module docstring): NVML through zeus on ``"cuda"`` (None,
+    with a log line, when zeus is not installed or fails), RAPL on other devices where readable, else None."""
+    if device_type == "cuda":
+        try:
+            return NvmlEnergyMeter()
+        except Exception as exc:  # no zeus, or NVML failing to initialise
+            log.info("no GPU energy in the metrics (%s: %s); pip install -e \".[energy]\"", type(exc).__name__, exc)
+            return None
+    return RaplEnergyMeter.find(rapl_root)
 
 
 def _flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -72,7 +72,7 @@ from plait.train.costs import microbatch_cost_coeffs
 from plait.train.evaluation import EvalSide, eval_batch_size, evaluate_on, load_metrics
 from plait.train.feed import receive_step, upcoming_rank_samples
 from plait.train.loss import token_loss_sum
-from plait.train.metrics import MetricsWriter, Progress
+from plait.train.metrics import MetricsWriter, Progress, detect_energy_meter
 from plait.train.optim import LRSchedule, build_optimizer, lr_factor
 from plait.train.run_dir import check_new_run, earlier_run
 
@@ -509,7 +509,8 @@ class Trainer:
             log.warning("nothing to train: checkpoint is at step %d, %s", resumed, goal)
         m = self.cfg.metrics
         writer = MetricsWriter(self.run_dir, main, m.tensorboard, resume_step=resumed, wandb=m.wandb,
-                               wandb_project=m.wandb_project, config=config_to_dict(self.cfg))
+                               wandb_project=m.wandb_project, config=config_to_dict(self.cfg),
+                               energy=detect_energy_meter(self.info.device.type) if main else None)
         self._report_setup(writer)
         first = self.step
         end = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
