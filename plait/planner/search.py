@@ -75,9 +75,9 @@ from plait.planner.search_model import (
     Costs,
     Partitions,
     SearchModel,
-    allreduce_s,
     cost_list,
     flush_s,
+    grad_sync_s,
     plan_from_chunks,
 )
 from plait.planner.simulator import (
@@ -141,6 +141,15 @@ class LayoutChoice(JsonDataclass):
         candidates: candidates the search considered (lower-bounded); simulated: candidates timed.
         schedule: the schedule the plan is timed with (``"1f1b"``, or ``"interleaved_1f1b"`` when LLM ranks
             hold several chunks or the encoders sit on the first LLM rank); the runtime must run the same one.
+        update_s: see ``iteration_s``.
+        dp_shard: of the ``dp`` data-parallel ranks of each stage, how many share one sharded copy of its
+            parameters, gradients and optimizer state (FSDP2, ``parallel.dp_shard``; it divides ``dp``; the
+            replicate degree ``parallel.dp`` is ``dp / dp_shard``). Costs and memory are then per shard.
+        tp: tensor-parallel degree: every pipeline rank is ``tp`` devices splitting its layers
+            (``sharding.shard_costs``); ``devices_used = dp * plan.num_ranks * tp``.
+        checkpointing: the activation checkpointing policy the costs include (``train.activation_checkpointing``).
+        shard_buffer_bytes: FSDP2's transient unsharded bytes per rank (``sharding.shard_buffer_bytes``), included
+            in ``fits_memory`` (not in the per-stage memory).
 
     Raises:
         ValueError: when the per-stage tuples do not have one entry per stage, or an unknown method.
@@ -172,6 +181,10 @@ class LayoutChoice(JsonDataclass):
     simulated: int = 0
     schedule: str = "1f1b"
     update_s: float = 0.0
+    dp_shard: int = 1
+    tp: int = 1
+    checkpointing: str = "none"
+    shard_buffer_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, PipelinePlan):
@@ -194,8 +207,8 @@ class LayoutChoice(JsonDataclass):
 
     @property
     def devices_used(self) -> int:
-        """``dp * pipeline ranks``."""
-        return self.dp * self.plan.num_ranks
+        """``dp * pipeline ranks * tp``."""
+        return self.dp * self.plan.num_ranks * self.tp
 
     @property
     def stage_work_s(self) -> tuple[float, ...]:
@@ -263,6 +276,7 @@ def plan_layout(
     attach_encoders: bool = False,
     max_timed: int = 256,
     overheads: ActionOverheads = ActionOverheads(),
+    dp_shard: int = 1,
 ) -> LayoutChoice:
     """Search layout, stages per module, DP degree and LLM chunks per rank minimising the predicted
     iteration time.
@@ -295,6 +309,9 @@ def plan_layout(
         overheads: the runtime's fixed seconds per action and module chunk (``overheads.ActionOverheads``),
             charged in the search's stage costs and in the chosen plan's timing; ``p2p``'s send and receive
             overheads are charged per message alike. Default none (GPU presets).
+        dp_shard: FSDP2 shard degree: ``costs`` are per shard (``sharding.shard_costs``), only DP degrees it
+            divides are searched and gradients are reduce-scattered (``search_model.grad_sync_s``). The memory
+            cap is the caller's (``search_parallel`` keeps FSDP2's transient buffer free below it).
 
     Returns:
         The best ``LayoutChoice`` (method ``"plait"`` or ``"frozen_unaware"``; ``schedule`` says which).
@@ -309,22 +326,23 @@ def plan_layout(
     if not virtual_stages or any(int(v) != v or v < 1 for v in virtual_stages):
         raise ValueError(f"virtual_stages must be a non-empty list of integers >= 1, got {list(virtual_stages)}")
     p2p = p2p or P2PModel()
-    model = SearchModel(units, costs, frozen_aware, dtype, optimizer, overheads)
+    dps = [d for d in _dp_candidates(devices, microbatches, dp_degrees) if d % dp_shard == 0]
+    if not dps:
+        raise ValueError(f"dp_shard {dp_shard} divides none of the DP degrees searched for {devices} devices and "
+                         f"{microbatches} microbatches")
+    model = SearchModel(units, costs, frozen_aware, dtype, optimizer, overheads, dp_shard)
     parts = Partitions(model, memory_cap)
     chosen_layouts = list(dict.fromkeys(layouts)) if model.encoders else [layouts[0]]
-    streams = [s for v in sorted({int(x) for x in virtual_stages}) for lay in chosen_layouts
-               for d in _dp_candidates(devices, microbatches, dp_degrees)
+    streams = [s for v in sorted({int(x) for x in virtual_stages}) for lay in chosen_layouts for d in dps
                if (s := layout_stream(parts, lay, d, devices, microbatches, p2p, dp_link, v)) is not None]
     if attach_encoders and model.encoders:
-        streams += [s for v in sorted({int(x) for x in virtual_stages})
-                    for d in _dp_candidates(devices, microbatches, dp_degrees)
+        streams += [s for v in sorted({int(x) for x in virtual_stages}) for d in dps
                     if (s := attached_stream(parts, d, devices, microbatches, p2p, v)) is not None]
     best, considered, timed = branch_and_bound(parts, streams, p2p, dp_link, rel_tol, max_timed)
     common = dict(microbatches=microbatches, devices=devices, p2p=p2p, dp_link=dp_link, memory_cap=memory_cap,
                   method="plait" if frozen_aware else "frozen_unaware", dtype=dtype, optimizer=optimizer,
-                  overheads=overheads)
-    single = _single_rank(model, units, costs, max(_dp_candidates(devices, microbatches, dp_degrees)), dp_link,
-                          common)
+                  overheads=overheads, dp_shard=dp_shard)
+    single = _single_rank(model, units, costs, max(dps), dp_link, common)
     if single is not None and (best.stages is None or single[0] < best.time):
         return dataclasses.replace(single[1], candidates=considered + 1, simulated=timed + 1)
     if best.stages is None:
@@ -349,7 +367,8 @@ def _single_rank(model: SearchModel, units: Sequence[Unit], costs: Costs, dp: in
     nb = -(-common["microbatches"] // dp)
     chunks = [(m, any(u.runs_backward for u in model.view if u.module == m)) for m in model.modules]
     fixed = sum(model.overheads.stage_s(kind, chunks, pipelined=False) for kind in ("F", "B"))
-    planned = nb * (math.fsum(model.work) + fixed) + flush_s(math.fsum(model.grad), dp, dp_link, model.overheads)
+    planned = nb * (math.fsum(model.work) + fixed) + flush_s(math.fsum(model.grad), dp, dp_link, model.overheads,
+                                                              model.dp_shard)
     return planned, dataclasses.replace(choice, planned_iteration_s=planned)
 
 
@@ -383,6 +402,7 @@ def evaluate_plan(
     optimizer: OptimizerSpec = OptimizerSpec(),
     schedule: str | None = None,
     overheads: ActionOverheads = ActionOverheads(),
+    dp_shard: int = 1,
 ) -> LayoutChoice:
     """Time ``plan`` with the true frozen-aware costs: ``simulator.simulate`` on its schedule (``schedule``,
     a ``schedules.SCHEDULE_NAMES`` entry; default ``"interleaved_1f1b"`` when
@@ -400,6 +420,7 @@ def evaluate_plan(
             (``planned_iteration_s`` defaults to the true time).
         overheads: added to every stage action (``ActionOverheads.stage_s`` of its module chunks; the
             executor's ``per_action_s`` only when the plan has more than one rank).
+        dp_shard: FSDP2 shard degree (``plan_layout``): costs per shard, gradients reduce-scattered.
 
     Raises:
         ValueError: when the plan does not match the units, on bad numbers, or ``dp * ranks > devices``.
@@ -407,6 +428,8 @@ def evaluate_plan(
     _check_common(devices or 1, microbatches, memory_cap)
     if int(dp) != dp or dp < 1:
         raise ValueError(f"dp must be a positive integer, got {dp!r}")
+    if int(dp_shard) != dp_shard or dp_shard < 1 or dp % dp_shard:
+        raise ValueError(f"dp_shard must be a positive integer dividing dp {dp}, got {dp_shard!r}")
     devices = devices or dp * plan.num_ranks
     if dp * plan.num_ranks > devices:
         raise ValueError(f"dp {dp} x {plan.num_ranks} pipeline ranks exceeds devices={devices}")
@@ -433,7 +456,7 @@ def evaluate_plan(
     grads = [0.0] * plan.num_ranks
     for stage in plan.stages:
         grads[stage.rank] += sum(cost_map[n].param_bytes * by_name[n].trained_fraction for n in stage.units)
-    sync = max(allreduce_s(g, dp, dp_link) for g in grads)
+    sync = max(grad_sync_s(g, dp, dp_link, dp_shard) for g in grads)
     update = max(overheads.update_s(g) for g in grads)
     work = sum(c.forward_s + c.backward_s(u) for u, c in zip(true_units, cost_map.values()))
     n = plan.num_stages
@@ -451,7 +474,7 @@ def evaluate_plan(
         stage_activation_bytes=[memory[s].activation_bytes for s in range(n)],
         stage_memory_bytes=[memory[s].static_bytes + peaks[s] * memory[s].activation_bytes for s in range(n)],
         stage_boundary_bytes=[boundary[s] for s in range(n)], memory_cap=memory_cap, fits_memory=fits, p2p=p2p,
-        candidates=candidates, simulated=simulated, schedule=name, update_s=update,
+        candidates=candidates, simulated=simulated, schedule=name, update_s=update, dp_shard=dp_shard,
     )
 
 

@@ -40,6 +40,7 @@ from plait.planner.search_model import (
     Partitions,
     Ranges,
     fill_stages,
+    grad_sync_terms,
     in_flight,
 )
 from plait.planner.simulator import P2PModel
@@ -236,6 +237,9 @@ def _sync_bounds(parts: Partitions, layout: str, grids: list[np.ndarray], dp: in
     for grid, modules in zip(grids, chains):
         floors = [[parts.grad_floor(m, int(g)) for g in grid.ravel()] for m in modules]
         most = np.maximum(most, np.max(floors, axis=0).reshape(grid.shape))
+    if model.dp_shard > 1:  # FSDP2: reduce-scatter then all-reduce of the shards (search_model.grad_sync_terms)
+        latency, per_byte = grad_sync_terms(dp, model.dp_shard, link)
+        return latency + per_byte * most
     return 2 * (dp - 1) * link.latency_s + 2.0 * (dp - 1) / dp * most / (link.bandwidth_Bps or math.inf)
 
 

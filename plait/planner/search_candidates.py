@@ -135,7 +135,8 @@ def branch_and_bound(parts: Partitions, streams: list[Stream], p2p: P2PModel, li
         stream = streams[entry.stream]
         if entry.refined:
             timed += 1
-            total = time_1f1b(entry.stages, stream.nb) + sync_s(entry.stages, stream.dp, link, parts.model.overheads)
+            total = time_1f1b(entry.stages, stream.nb) + sync_s(entry.stages, stream.dp, link, parts.model.overheads,
+                                                                 parts.model.dp_shard)
             key = CandidateKey(total, entry.devices, 1, stream.layout, entry.counts, False)
             best = _better(best, key, stream, entry.stages)
             continue
@@ -157,7 +158,8 @@ def branch_and_bound(parts: Partitions, streams: list[Stream], p2p: P2PModel, li
         st = build_stages(parts, stream.layout, counts, stream.nb, p2p)
         if st is not None:
             tight = max(entry.bound, max(stage_bounds(st, stream.nb)) + sync_s(st, stream.dp, link,
-                                                                                parts.model.overheads))
+                                                                                parts.model.overheads,
+                                                                                parts.model.dp_shard))
             heapq.heappush(heap, HeapEntry(tight, sum(counts) * stream.dp, seq, True, entry.stream, counts, st))
             seq += 1
     return best, considered, timed
@@ -198,7 +200,9 @@ def interleaved_candidate(parts: Partitions, stream: Stream, counts: tuple[int, 
         grads[stage.rank] += st.grad[stage.index]
     if parts.cap is not None and max(m + x for m, x in zip(memory, live)) > parts.cap:
         return None
-    return TimedCandidate(makespan + max(flush_s(g, stream.dp, link, parts.model.overheads) for g in grads), st)
+    model = parts.model
+    return TimedCandidate(makespan + max(flush_s(g, stream.dp, link, model.overheads, model.dp_shard) for g in grads),
+                          st)
 
 
 def time_orders(plan: PipelinePlan, orders: Sequence[Sequence[Action]], st: CandidateStages,
@@ -237,7 +241,7 @@ def _durations(st: CandidateStages, nb: int) -> ActionDurations:
 
 
 def sync_s(st: CandidateStages, dp: int, link: P2PModel | None,
-           overheads: ActionOverheads = ActionOverheads()) -> float:
-    """Gradient all-reduce and optimizer step after the flush (``search_model.flush_s``): the slowest stage's (one
-    stage per rank)."""
-    return max(flush_s(g, dp, link, overheads) for g in st.grad)
+           overheads: ActionOverheads = ActionOverheads(), dp_shard: int = 1) -> float:
+    """Gradient synchronisation and optimizer step after the flush (``search_model.flush_s``; a reduce-scatter over
+    ``dp_shard`` ranks under FSDP2): the slowest stage's (one stage per rank)."""
+    return max(flush_s(g, dp, link, overheads, dp_shard) for g in st.grad)

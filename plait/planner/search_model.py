@@ -12,7 +12,8 @@ This module makes one candidate concrete, as numbers the bounds (``search_bounds
 - ``CandidateStages``: the stages of one candidate (plan order) with their costs, edges, transfers and
   memory, from ``build_stages``; ``plan_from_chunks`` turns them into a ``PipelinePlan``.
 
-``allreduce_s`` is the ring all-reduce time every DP gradient synchronisation here is charged.
+``grad_sync_s`` is the gradient synchronisation every DP degree here is charged: the ring all-reduce
+(``allreduce_s``), or with FSDP2 (``SearchModel.dp_shard``) a reduce-scatter then an all-reduce of the shards.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ __all__ = [
     "cost_list",
     "fill_stages",
     "flush_s",
+    "grad_sync_s",
+    "grad_sync_terms",
     "in_flight",
     "plan_from_chunks",
 ]
@@ -67,11 +70,45 @@ def allreduce_s(num_bytes: float, dp: int, link: P2PModel | None) -> float:
     return 2 * (dp - 1) * link.latency_s + (volume / link.bandwidth_Bps if link.bandwidth_Bps else 0.0)
 
 
-def flush_s(num_bytes: float, dp: int, link: P2PModel | None, overheads: ActionOverheads) -> float:
-    """What a rank holding ``num_bytes`` trainable parameter bytes spends after the pipeline flush: the DP
-    gradient all-reduce (``allreduce_s``) and its optimizer step (``ActionOverheads.update_s``). Both grow with
-    the bytes, so over a plan's ranks the maximum of the sum is the sum of the maxima."""
-    return allreduce_s(num_bytes, dp, link) + overheads.update_s(num_bytes)
+def grad_sync_terms(dp: int, dp_shard: int, link: P2PModel | None) -> tuple[float, float]:
+    """``(seconds, seconds per byte)`` of the gradient synchronisation of ``dp`` data-parallel ranks of which groups
+    of ``dp_shard`` share one sharded copy (FSDP2; ``dp_shard`` divides ``dp``), per byte of a rank's gradient
+    **shard**: a ring reduce-scatter over the ``dp_shard`` ranks of the whole gradient (``dp_shard`` shards:
+    ``(s - 1)`` latencies and ``(s - 1) / s x s`` shard bytes) then a ring all-reduce of the shard over the
+    ``r = dp / dp_shard`` replicas (``2 (r - 1)`` latencies and ``2 (r - 1) / r`` shard bytes). With
+    ``dp_shard = 1`` this is the plain all-reduce. ``(0, 0)`` without a link.
+
+    Raises:
+        ValueError: when ``dp_shard`` does not divide ``dp``.
+    """
+    if dp % dp_shard:
+        raise ValueError(f"dp_shard {dp_shard} must divide the data-parallel degree {dp}")
+    if link is None:
+        return 0.0, 0.0
+    s, r = dp_shard, dp // dp_shard
+    latency = ((s - 1) + 2 * (r - 1)) * link.latency_s
+    volume = (s - 1) + 2.0 * (r - 1) / r
+    return latency, (volume / link.bandwidth_Bps if link.bandwidth_Bps else 0.0)
+
+
+def grad_sync_s(num_bytes: float, dp: int, link: P2PModel | None, dp_shard: int = 1) -> float:
+    """Seconds to synchronise a rank's ``num_bytes`` of gradient (its shard under FSDP2) over ``dp`` data-parallel
+    ranks (``grad_sync_terms``); 0 for ``dp == 1`` or no link."""
+    if dp_shard == 1:
+        return allreduce_s(num_bytes, dp, link)
+    if link is None or dp <= 1:
+        return 0.0
+    latency, per_byte = grad_sync_terms(dp, dp_shard, link)
+    return latency + per_byte * num_bytes
+
+
+def flush_s(num_bytes: float, dp: int, link: P2PModel | None, overheads: ActionOverheads,
+            dp_shard: int = 1) -> float:
+    """What a rank holding ``num_bytes`` trainable parameter bytes (its shard under FSDP2) spends after the pipeline
+    flush: the DP gradient synchronisation (``grad_sync_s``: an all-reduce, or a reduce-scatter over ``dp_shard``
+    ranks then an all-reduce over the replicas) and its optimizer step (``ActionOverheads.update_s``). Both grow
+    with the bytes, so over a plan's ranks the maximum of the sum is the sum of the maxima."""
+    return grad_sync_s(num_bytes, dp, link, dp_shard) + overheads.update_s(num_bytes)
 
 
 def cost_list(units: Sequence[Unit], costs: Costs) -> list[UnitCost]:
@@ -106,9 +143,10 @@ class SearchModel:
     """Per-unit arrays of one planning view (``frozen_aware`` or not) plus the true memory."""
 
     def __init__(self, units: Sequence[Unit], costs: Costs, frozen_aware: bool, dtype: Any,
-                 optimizer: OptimizerSpec, overheads: ActionOverheads = ActionOverheads()) -> None:
+                 optimizer: OptimizerSpec, overheads: ActionOverheads = ActionOverheads(), dp_shard: int = 1) -> None:
         per_unit = cost_list(units, costs)
         self.overheads = overheads
+        self.dp_shard = dp_shard  # FSDP2 shard degree: costs are per shard, gradients reduce-scattered
         self.modules = check_grouping(units)
         self.encoders = self.modules[:-1]
         self.units = consistent_units(units)

@@ -1,0 +1,197 @@
+"""The layout search with tensor parallelism, FSDP2 sharding and activation checkpointing, when memory requires.
+
+:func:`plan_parallel` wraps ``search.plan_layout``: it first searches the plain plan (no TP, no sharding, the
+job's checkpointing); when that fits the memory cap it is the answer (sharding, TP and recomputation all cost
+time or communication, so a plan that fits without them is preferred). Otherwise it searches every
+``ParallelDegrees`` (TP degree dividing the devices, shard degree dividing the data-parallel degree, checkpointing
+policy): each is the exact ``plan_layout`` (branch and bound) on ``devices / tp`` pipeline "devices" with the per-rank
+costs of ``sharding.shard_costs`` and the cap lowered by FSDP2's transient buffer (``sharding.shard_buffer_bytes``).
+The degrees are taken in increasing lower bound ``microbatches x (per-rank work per microbatch) / (devices / tp)``
+(``search_degrees``; ``search.evaluate_plan``'s bound on the transformed costs) and the loop stops when the bound
+reaches the best time found: the fastest fitting plan over the degrees, exact given each search's exactness.
+Ties go to less TP, then less sharding, then less checkpointing.
+
+The result's ``lower_bound_s`` is ``microbatches x (work of the given costs) / devices``: still a lower bound
+with TP (a layer's work split over ``tp`` devices plus its all-reduces is at least its work on one), sharding
+(all-gathers only add) and checkpointing (recomputation only adds), so ratios to it stay comparable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from plait.planner.cost_model import OptimizerSpec
+from plait.planner.graph import consistent_units
+from plait.planner.recompute import CHECKPOINT_POLICIES
+from plait.planner.search import LayoutChoice, plan_layout
+from plait.planner.search_model import Costs, cost_list
+from plait.planner.sharding import ParallelDegrees, shard_buffer_bytes, shard_costs
+from plait.planner.simulator import P2PModel
+from plait.planner.types import Unit, UnitCost
+
+__all__ = ["SearchOne", "degree_options", "plan_parallel", "search_degrees"]
+
+SearchOne = Callable[[Sequence[UnitCost], int, float | None, ParallelDegrees], LayoutChoice]
+"""One search under fixed degrees: ``(per-rank costs, devices / tp, memory cap left, degrees) -> LayoutChoice``;
+raises ``ValueError`` when nothing fits."""
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << k for k in range(max(limit, 1).bit_length()) if (1 << k) <= limit]
+
+
+def degree_options(devices: int, tp_degrees: Sequence[int] | None = None,
+                   dp_shard_degrees: Sequence[int] | None = None,
+                   checkpointing: Sequence[str] = CHECKPOINT_POLICIES) -> list[ParallelDegrees]:
+    """Every ``ParallelDegrees`` to consider on ``devices``: TP degrees (default powers of two up to 8) dividing
+    ``devices``, shard degrees (default powers of two) dividing ``devices / tp``, each checkpointing policy.
+
+    Raises:
+        ValueError: on a degree below 1 or an unknown policy.
+    """
+    tps = sorted({int(t) for t in (tp_degrees if tp_degrees is not None else _powers_of_two(min(8, devices)))})
+    out = []
+    for tp in (t for t in tps if devices % max(t, 1) == 0):
+        rest = devices // tp
+        shards = dp_shard_degrees if dp_shard_degrees is not None else _powers_of_two(rest)
+        for shard in sorted({int(s) for s in shards if rest % max(int(s), 1) == 0}):
+            out += [ParallelDegrees(tp, shard, policy) for policy in checkpointing]
+    return out
+
+
+def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatches: int, search: SearchOne,
+                   options: Sequence[ParallelDegrees], *, memory_cap: float | None = None,
+                   base: ParallelDegrees = ParallelDegrees(), tp_link: P2PModel | None = None,
+                   shard_link: P2PModel | None = None, dtype: Any = "bfloat16",
+                   optimizer: OptimizerSpec = OptimizerSpec(),
+                   checkpoint_overrides: dict[str, str] | None = None, prefer_base: bool = True) -> LayoutChoice:
+    """The plain search ``base`` if it fits, else the fastest fitting plan over ``options`` (module docstring).
+
+    Args:
+        units, costs: pipeline units and their whole-unit costs on one device, without checkpointing (the degrees'
+            policy is applied here); devices: all devices.
+        search: the search under fixed degrees (``SearchOne``).
+        options: degrees to try when ``base`` does not fit (``degree_options``).
+        memory_cap: bytes per device (None: everything fits: ``base`` is returned).
+        base: the degrees tried first (the job's own checkpointing policy, no TP, no sharding).
+        tp_link, shard_link: links of the TP all-reduces and FSDP2 all-gathers (``sharding.shard_costs``).
+        dtype, optimizer: for FSDP2's buffer (``sharding.shard_buffer_bytes``).
+        checkpoint_overrides: per module a checkpointing policy replacing the degrees' (``sharding.shard_costs``).
+        prefer_base: return ``base``'s plan whenever it fits (default); False: the fastest over ``options`` (``base``
+            is then searched only when it is among them).
+
+    Returns:
+        The chosen ``LayoutChoice`` with ``tp``, ``dp_shard``, ``checkpointing``, ``shard_buffer_bytes``, the
+        devices and the caller's cap filled in, and the lower bound of the given costs.
+
+    Raises:
+        ValueError: when no degrees give a fitting plan (listing why for each).
+    """
+    true_units = consistent_units(units)
+    whole = cost_list(units, costs)
+    work = math.fsum(c.forward_s + c.backward_s(u) for u, c in zip(true_units, whole))
+    link = dict(tp_link=tp_link, shard_link=shard_link, checkpoint_overrides=checkpoint_overrides)
+
+    def attempt(degrees: ParallelDegrees) -> LayoutChoice:
+        per_rank = shard_costs(true_units, whole, degrees, **link)
+        buffer = shard_buffer_bytes(true_units, whole, degrees, dtype, optimizer)
+        left = None if memory_cap is None else memory_cap - buffer
+        if left is not None and left <= 0:
+            raise ValueError(f"FSDP2's buffer alone ({buffer:.3g} bytes) exceeds the memory cap")
+        choice = search(per_rank, devices // degrees.tp, left, degrees)
+        return dataclasses.replace(choice, devices=devices, tp=degrees.tp, checkpointing=degrees.checkpointing,
+                                   shard_buffer_bytes=buffer, memory_cap=memory_cap,
+                                   lower_bound_s=microbatches * work / devices)
+
+    errors = []
+    if prefer_base:
+        try:
+            first = attempt(base)
+            if first.fits_memory:
+                return first
+        except ValueError as exc:
+            errors.append(f"{_label(base)}: {exc}")
+    ranked = sorted((o for o in options if o != base or not prefer_base), key=lambda o: (_bound(true_units, whole, o, link, devices,
+                                                                             microbatches), _preference(o)))
+    best: LayoutChoice | None = None
+    for degrees in ranked:
+        if best is not None and _bound(true_units, whole, degrees, link, devices, microbatches) >= best.iteration_s:
+            break
+        try:
+            choice = attempt(degrees)
+        except ValueError as exc:
+            errors.append(f"{_label(degrees)}: {exc}")
+            continue
+        if choice.fits_memory and (best is None or (choice.iteration_s, _preference(degrees)) <
+                                   (best.iteration_s, _preference(_degrees_of(best)))):
+            best = choice
+    if best is None:
+        raise ValueError("no plan fits the memory cap with any TP degree, shard degree or checkpointing: "
+                         + "; ".join(errors[:6]) + (f"; ... ({len(errors)} in all)" if len(errors) > 6 else ""))
+    return best
+
+
+def _bound(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees, link: dict[str, Any],
+           devices: int, microbatches: int) -> float:
+    """``microbatches x per-rank work / (devices / tp)``: a lower bound of any plan under ``degrees``."""
+    per_rank = shard_costs(units, costs, degrees, **link)
+    work = math.fsum(c.forward_s + c.backward_s(u) for u, c in zip(units, per_rank))
+    return microbatches * work / (devices // degrees.tp)
+
+
+def _preference(degrees: ParallelDegrees) -> tuple[int, int, int]:
+    return degrees.tp, degrees.dp_shard, CHECKPOINT_POLICIES.index(degrees.checkpointing)
+
+
+def _degrees_of(choice: LayoutChoice) -> ParallelDegrees:
+    return ParallelDegrees(choice.tp, choice.dp_shard, choice.checkpointing)
+
+
+def _label(degrees: ParallelDegrees) -> str:
+    return f"tp {degrees.tp}, dp_shard {degrees.dp_shard}, checkpointing {degrees.checkpointing}"
+
+
+def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int,
+                  memory_cap: float | None = None, tp_degrees: Sequence[int] | None = None,
+                  dp_shard_degrees: Sequence[int] | None = None,
+                  checkpointing: Sequence[str] = CHECKPOINT_POLICIES, base_checkpointing: str = "none",
+                  checkpoint_overrides: dict[str, str] | None = None, prefer_plain: bool = True,
+                  tp_link: P2PModel | None = None, shard_link: P2PModel | None = None,
+                  dp_degrees: Sequence[int] | None = None, dtype: Any = "bfloat16",
+                  optimizer: OptimizerSpec = OptimizerSpec(), **search: Any) -> LayoutChoice:
+    """``search.plan_layout`` over layouts, stages and DP degrees, and over TP degree, FSDP2 shard degree and
+    activation checkpointing when the plain plan does not fit ``memory_cap`` (module docstring).
+
+    Args:
+        units, costs, devices, microbatches, memory_cap, dtype, optimizer: as ``plan_layout``; ``costs`` without
+            checkpointing (``base_checkpointing`` and the searched policies are applied here).
+        tp_degrees, dp_shard_degrees, checkpointing: the degrees and policies to search (``degree_options``).
+        base_checkpointing: the job's own policy: the plain plan's; checkpoint_overrides: the job's per-module
+            policies (``recompute.plan_checkpointing``), kept in every option.
+        prefer_plain: keep the plain plan whenever it fits (default); False: the fastest plan over every option.
+        tp_link: link of the TP all-reduces (default ``search["p2p"]``, the stage-to-stage link: within a node);
+            shard_link: link of FSDP2's all-gathers and reduce-scatters (default ``search["dp_link"]``).
+        dp_degrees: data-parallel degrees (all of ``dp x dp_shard``) to consider; those above ``devices / tp`` are
+            dropped for that TP degree.
+        search: the other ``plan_layout`` keyword arguments (``frozen_aware``, ``p2p``, ``dp_link``, ``layouts``,
+            ``rel_tol``, ``virtual_stages``, ``attach_encoders``, ``max_timed``, ``overheads``).
+
+    Raises:
+        ValueError: on bad arguments or when no plan fits.
+    """
+    tp_link = tp_link if tp_link is not None else search.get("p2p")
+    shard_link = shard_link if shard_link is not None else search.get("dp_link")
+
+    def one(per_rank: Sequence[UnitCost], pipe_devices: int, cap: float | None, degrees: ParallelDegrees):
+        dps = None if dp_degrees is None else [d for d in dp_degrees if d <= pipe_devices] or [1]
+        return plan_layout(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=cap,
+                           dp_degrees=dps, dtype=dtype, optimizer=optimizer, dp_shard=degrees.dp_shard, **search)
+
+    options = degree_options(devices, tp_degrees, dp_shard_degrees, checkpointing)
+    return search_degrees(units, costs, devices, microbatches, one, options, memory_cap=memory_cap,
+                          base=ParallelDegrees(checkpointing=base_checkpointing), tp_link=tp_link,
+                          shard_link=shard_link, dtype=dtype, optimizer=optimizer,
+                          checkpoint_overrides=checkpoint_overrides, prefer_base=prefer_plain)

@@ -1,0 +1,230 @@
+"""Sharded data parallelism (FSDP2), tensor parallelism (TP) and activation checkpointing (AC) as cost transforms.
+
+The layout search (``search.plan_layout``) plans pipeline stages over "devices" whose unit costs it is given. This
+module turns one rank's unit costs into the costs of the same units under a choice of ``ParallelDegrees``
+(``tp``, ``dp_shard``, ``checkpointing``), so the unchanged search plans with them; ``search_parallel`` chooses
+the degrees. The formulas, per pipeline unit ``u`` with ``P_u`` parameter bytes, ``f``, ``dX``, ``dW`` seconds and
+``O_u`` output bytes (``T x H x b`` for a layer: the hidden states of the microbatch):
+
+- **TP** (Megatron-style: Shoeybi et al., "Megatron-LM", arXiv 1909.08053, section 3; the plans transformers ships
+  with each model family: attention heads and MLP column/row-parallel): only ``layer`` units are split (attention
+  and MLP hold almost all of a layer's parameters and FLOPs; embeddings, norms, projectors and the head stay whole
+  on every TP rank). A layer's ``f``, ``dX``, ``dW`` and ``P_u`` are divided by ``tp``; its forward pays two
+  all-reduces of ``O_u`` bytes over the ``tp`` ranks (after the attention output projection and after the MLP
+  down projection, the ``g`` operator) and its input gradient two more (the ``f`` operator), on the critical path
+  (``tp_link``, ring all-reduce ``search_model.allreduce_s``). Saved activations: the per-token terms of the full
+  hidden size stay whole (each norm's input and the normed inputs of attention and MLP, 4 ``O_u`` for the usual two
+  norms: ``cost_model._decoder_layer_saved``), the rest (q, k, v, attention output, MLP intermediates, the
+  log-sum-exp per head) is divided by ``tp``.
+- **AC** (``recompute.plan_checkpointing``, ``recompute.checkpointed_costs``, applied after TP so a recomputed
+  forward repeats its TP all-reduces): a checkpointed layer keeps only its input and its backward first runs its
+  forward again.
+- **FSDP2** (``dp_shard``; Zhao et al., "PyTorch FSDP", VLDB 2023, and FSDP2's ``fully_shard`` per unit): every
+  unit's parameters, gradients and optimizer state are divided by ``dp_shard`` (frozen units have no gradient or
+  optimizer state: ``cost_model.unit_static_bytes``), i.e. ``param_bytes / dp_shard`` in the costs the search
+  reads, which also makes the optimizer step (``overheads.ActionOverheads.update_s``) the shard's. Each unit's
+  parameters are all-gathered before its forward and again before its backward (resharded after the forward):
+  ``(s - 1) / s x P_u`` bytes on ``shard_link`` per microbatch each time, overlapped with compute by FSDP2's
+  prefetch, so only the excess ``max(0, gather - compute)`` is charged. Gradients are reduce-scattered once per
+  step at the flush (``search_model.grad_sync_s``). While a unit runs, FSDP2 holds its unsharded parameters,
+  those of the next unit (prefetch) and, in the backward, its unsharded gradient before the reduce-scatter:
+  ``shard_buffer_bytes``, kept free below the memory cap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from plait.planner.cost_model import OptimizerSpec, dtype_bytes, unit_activation_bytes, unit_static_bytes
+from plait.planner.recompute import CHECKPOINT_POLICIES, checkpointed_costs, plan_checkpointing
+from plait.planner.serialize import JsonDataclass
+from plait.planner.simulator import P2PModel
+from plait.planner.types import Unit, UnitCost
+
+__all__ = [
+    "TP_KINDS",
+    "ParallelDegrees",
+    "RankMemory",
+    "gather_s",
+    "rank_memory",
+    "shard_buffer_bytes",
+    "shard_costs",
+    "tp_allreduce_s",
+]
+
+TP_KINDS = ("layer",)
+"""Unit kinds tensor parallelism splits (module docstring); the others are replicated on every TP rank."""
+_TP_WHOLE_OUTPUTS = 4
+"""Saved activations of a layer that keep the full hidden size under TP, in multiples of its output bytes."""
+
+
+@dataclass(frozen=True)
+class ParallelDegrees(JsonDataclass):
+    """The memory-saving choices of a plan beyond its pipeline layout.
+
+    Attributes:
+        tp: tensor-parallel degree (``parallel.tp``): ranks splitting each layer.
+        dp_shard: FSDP2 shard degree (``parallel.dp_shard``): ranks sharing one copy of the parameters, gradients
+            and optimizer state; it divides the plan's data-parallel degree (the rest is ``parallel.dp``, replicas).
+        checkpointing: activation checkpointing policy (``train.activation_checkpointing``,
+            ``recompute.CHECKPOINT_POLICIES``).
+
+    Raises:
+        ValueError: on a degree below 1 or an unknown policy.
+    """
+
+    tp: int = 1
+    dp_shard: int = 1
+    checkpointing: str = "none"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "dp_shard"):
+            value = getattr(self, name)
+            if int(value) != value or value < 1:
+                raise ValueError(f"ParallelDegrees.{name} must be an integer >= 1, got {value!r}")
+        if self.checkpointing not in CHECKPOINT_POLICIES:
+            raise ValueError(f"ParallelDegrees.checkpointing must be one of {CHECKPOINT_POLICIES}, "
+                             f"got {self.checkpointing!r}")
+
+    @property
+    def plain(self) -> bool:
+        """True without TP, sharding or checkpointing (every rank holds its stages whole, DDP-style)."""
+        return self.tp == 1 and self.dp_shard == 1 and self.checkpointing == "none"
+
+
+def tp_allreduce_s(num_bytes: float, tp: int, link: P2PModel | None) -> float:
+    """Ring all-reduce seconds of ``num_bytes`` over ``tp`` ranks on ``link``: ``2 (tp - 1)`` latencies plus
+    ``2 (tp - 1) / tp x num_bytes / bandwidth`` (Patarasuk & Yuan, JPDC 2009); 0 for ``tp == 1`` or no link."""
+    if link is None or tp <= 1:
+        return 0.0
+    volume = 2.0 * (tp - 1) / tp * num_bytes
+    return 2 * (tp - 1) * link.latency_s + (volume / link.bandwidth_Bps if link.bandwidth_Bps else 0.0)
+
+
+def gather_s(num_bytes: float, shards: int, link: P2PModel | None) -> float:
+    """Ring all-gather (or reduce-scatter) seconds of a ``num_bytes`` tensor over ``shards`` ranks:
+    ``(shards - 1)`` latencies plus ``(shards - 1) / shards x num_bytes / bandwidth``; 0 for one shard or no link."""
+    if link is None or shards <= 1:
+        return 0.0
+    volume = (shards - 1) / shards * num_bytes
+    return (shards - 1) * link.latency_s + (volume / link.bandwidth_Bps if link.bandwidth_Bps else 0.0)
+
+
+def _tp_cost(unit: Unit, cost: UnitCost, tp: int, link: P2PModel | None) -> UnitCost:
+    """One unit's cost on each of ``tp`` ranks (module docstring); unchanged for kinds TP does not split."""
+    if tp == 1 or unit.kind not in TP_KINDS:
+        return cost
+    comm = 2 * tp_allreduce_s(cost.output_bytes, tp, link)
+    whole = min(cost.activation_bytes, _TP_WHOLE_OUTPUTS * cost.output_bytes)
+    return dataclasses.replace(
+        cost, forward_s=cost.forward_s / tp + comm, input_grad_s=cost.input_grad_s / tp + comm,
+        weight_grad_s=cost.weight_grad_s / tp, param_bytes=math.ceil(cost.param_bytes / tp),
+        activation_bytes=int(round(whole + (cost.activation_bytes - whole) / tp)),
+        recompute_s=cost.recompute_s / tp)
+
+
+def _shard_cost(unit: Unit, cost: UnitCost, shards: int, link: P2PModel | None) -> UnitCost:
+    """One unit's cost with its state sharded over ``shards`` ranks: parameter bytes divided, the all-gathers'
+    excess over compute added (forward; backward on its dX, else its dW)."""
+    if shards == 1:
+        return cost
+    gather = gather_s(cost.param_bytes, shards, link)
+    forward = max(cost.forward_s, gather)
+    backward = cost.backward_s(unit)
+    extra = max(0.0, gather - backward) if unit.runs_backward else 0.0
+    dx, dw = cost.input_grad_s, cost.weight_grad_s
+    if unit.needs_input_grad or not unit.trainable:
+        dx += extra
+    else:
+        dw += extra / unit.trained_fraction
+    return dataclasses.replace(cost, forward_s=forward, input_grad_s=dx, weight_grad_s=dw,
+                               param_bytes=math.ceil(cost.param_bytes / shards))
+
+
+def shard_costs(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees, *,
+                tp_link: P2PModel | None = None, shard_link: P2PModel | None = None,
+                checkpoint_overrides: dict[str, str] | None = None) -> list[UnitCost]:
+    """Per-rank costs of ``units`` under ``degrees`` (module docstring: TP, then AC, then FSDP2), in unit order.
+
+    Args:
+        units: pipeline units with consistent flags (``graph.consistent_units``); costs: one rank's whole-unit costs.
+        degrees: TP and shard degrees and the checkpointing policy.
+        tp_link: link of the TP all-reduces (within a node: NVLink); None: free.
+        shard_link: link of FSDP2's all-gathers; None: free.
+        checkpoint_overrides: per module a policy replacing ``degrees.checkpointing`` (``plan_checkpointing``).
+
+    Raises:
+        ValueError: when the lengths differ (or on an unknown policy).
+    """
+    if len(units) != len(costs):
+        raise ValueError(f"{len(units)} units but {len(costs)} costs")
+    out = [_tp_cost(u, c, degrees.tp, tp_link) for u, c in zip(units, costs)]
+    out = checkpointed_costs(out, plan_checkpointing(units, degrees.checkpointing, checkpoint_overrides))
+    return [_shard_cost(u, c, degrees.dp_shard, shard_link) for u, c in zip(units, out)]
+
+
+def shard_buffer_bytes(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees,
+                       dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec()) -> float:
+    """Bytes FSDP2 holds unsharded at its peak (module docstring): the two largest units' unsharded parameters
+    (the running unit and the prefetched next one) plus the largest unsharded gradient of a trainable unit, all on
+    one TP rank (``costs`` are whole-unit costs, before ``shard_costs``). 0 when ``dp_shard == 1``."""
+    if degrees.dp_shard == 1:
+        return 0.0
+    tp_costs = [_tp_cost(u, c, degrees.tp, None) for u, c in zip(units, costs)]
+    params = sorted((c.param_bytes for c in tp_costs), reverse=True)
+    b = dtype_bytes(dtype)
+    grad_b = b if optimizer.grad_bytes_per_param is None else optimizer.grad_bytes_per_param
+    grads = [c.param_bytes * u.trained_fraction / b * grad_b for u, c in zip(units, tp_costs)]
+    return float(sum(params[:2]) + max(grads, default=0.0))
+
+
+@dataclass(frozen=True)
+class RankMemory(JsonDataclass):
+    """Predicted bytes one rank holds for ``units`` (one stage, ``in_flight`` microbatches' activations).
+
+    Attributes:
+        parameters, gradients, optimizer: resident parameter, gradient and optimizer-state bytes (shards under FSDP2).
+        activations: saved activations of ``in_flight`` microbatches.
+        buffer: FSDP2's transient unsharded parameters and gradient (``shard_buffer_bytes``).
+    """
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    buffer: float
+
+    @property
+    def state(self) -> float:
+        """Parameters + gradients + optimizer state (bytes)."""
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        """Everything (bytes)."""
+        return self.state + self.activations + self.buffer
+
+
+def rank_memory(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees = ParallelDegrees(), *,
+                in_flight: float = 1, dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec(),
+                checkpoint_overrides: dict[str, str] | None = None) -> RankMemory:
+    """Per-rank memory of a stage holding ``units`` under ``degrees``, split by kind (``RankMemory``): the same
+    ``cost_model.unit_static_bytes`` / ``unit_activation_bytes`` the search charges, on ``shard_costs``.
+
+    Raises:
+        ValueError: on mismatched lengths or a negative ``in_flight``.
+    """
+    if in_flight < 0:
+        raise ValueError(f"in_flight must be >= 0, got {in_flight}")
+    per_rank = shard_costs(units, costs, degrees, checkpoint_overrides=checkpoint_overrides)
+    params = float(sum(c.param_bytes for c in per_rank))
+    no_state = OptimizerSpec(grad_bytes_per_param=optimizer.grad_bytes_per_param, state_bytes_per_param=0.0)
+    static = sum(unit_static_bytes(u, c, dtype, optimizer) for u, c in zip(units, per_rank))
+    with_grads = sum(unit_static_bytes(u, c, dtype, no_state) for u, c in zip(units, per_rank))
+    acts = sum(unit_activation_bytes(u, c) for u, c in zip(units, per_rank))
+    return RankMemory(params, with_grads - params, static - with_grads, in_flight * acts,
+                      shard_buffer_bytes(units, costs, degrees, dtype, optimizer))

@@ -1,0 +1,167 @@
+"""TP, FSDP2 and checkpointing as cost transforms (planner.sharding), the sharded gradient synchronisation
+(search_model.grad_sync_*) and the search over the degrees (planner.search_parallel): hand-worked values, bounds,
+and the search against an exhaustive loop over the degrees."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from plait.planner.arch import units_from_configs
+from plait.planner.cost_model import DeviceSpec, MicrobatchShape, OptimizerSpec, unit_costs
+from plait.planner.graph import consistent_units
+from plait.planner.search import plan_layout
+from plait.planner.search_model import allreduce_s, grad_sync_s, grad_sync_terms
+from plait.planner.search_parallel import degree_options, plan_parallel
+from plait.planner.sharding import (
+    ParallelDegrees,
+    gather_s,
+    rank_memory,
+    shard_buffer_bytes,
+    shard_costs,
+    tp_allreduce_s,
+)
+from plait.planner.simulator import P2PModel
+from plait.planner.types import Unit, UnitCost
+
+LINK = P2PModel(latency_s=1e-5, bandwidth_Bps=1e9)
+
+
+def _units() -> list[Unit]:
+    return consistent_units([
+        Unit("v.embed", "vision", "embed", False, False),
+        Unit("v.layers.0", "vision", "layer", False, False),
+        Unit("v.proj", "vision", "projector", True, False),
+        Unit("llm.embed", "llm", "embed", True, False),
+        Unit("llm.layers.0", "llm", "layer", True, False),
+        Unit("llm.head", "llm", "head", True, False),
+    ])
+
+
+def _costs() -> list[UnitCost]:
+    layer = UnitCost(forward_s=1.0, input_grad_s=1.0, weight_grad_s=1.0, param_bytes=800, activation_bytes=1000,
+                     output_bytes=100)
+    small = UnitCost(0.1, 0.1, 0.1, param_bytes=200, activation_bytes=50, output_bytes=100)
+    return [small, layer, small, small, layer, small]
+
+
+def test_tp_splits_layers_and_charges_two_allreduces_each_way():
+    units, costs = _units(), _costs()
+    out = shard_costs(units, costs, ParallelDegrees(tp=2), tp_link=LINK)
+    ar = 2 * 1e-5 + 100 / 1e9  # ring all-reduce of 100 bytes over 2 ranks: 2 latencies + 2 (1/2) 100 B
+    assert tp_allreduce_s(100, 2, LINK) == pytest.approx(ar)
+    layer = out[4]
+    assert layer.forward_s == pytest.approx(0.5 + 2 * ar)
+    assert layer.input_grad_s == pytest.approx(0.5 + 2 * ar)
+    assert layer.weight_grad_s == pytest.approx(0.5)
+    assert layer.param_bytes == 400
+    assert layer.activation_bytes == 400 + 300  # 4 x 100 whole, the other 600 halved
+    assert out[0] == costs[0] and out[5] == costs[5]  # embeddings, head: replicated
+
+
+def test_checkpointing_after_tp_recomputes_the_split_forward():
+    units, costs = _units(), _costs()
+    out = shard_costs(units, costs, ParallelDegrees(tp=2, checkpointing="full"), tp_link=LINK)
+    layer = out[4]
+    assert layer.recompute_s == pytest.approx(layer.forward_s)
+    assert layer.activation_bytes == 100  # only the input kept
+    tp_only = shard_costs(units, costs, ParallelDegrees(tp=2), tp_link=LINK)
+    assert out[1] == tp_only[1] and out[1].recompute_s == 0  # the frozen encoder layer runs no backward: kept
+
+
+def test_fsdp_divides_state_and_charges_only_the_gather_beyond_compute():
+    units, costs = _units(), _costs()
+    slow = P2PModel(latency_s=0.0, bandwidth_Bps=100.0)  # gathering 800 B over 4 ranks: 600 B -> 6 s
+    out = shard_costs(units, costs, ParallelDegrees(dp_shard=4), shard_link=slow)
+    assert gather_s(800, 4, slow) == pytest.approx(6.0)
+    layer = out[4]
+    assert layer.param_bytes == 200
+    assert layer.forward_s == pytest.approx(6.0)  # max(1 s of compute, 6 s of gather)
+    assert layer.forward_s + layer.backward_s(units[4]) == pytest.approx(6.0 + 6.0)
+    fast = shard_costs(units, costs, ParallelDegrees(dp_shard=4), shard_link=LINK)
+    assert fast[4].forward_s == 1.0 and fast[4].input_grad_s == 1.0
+
+
+def test_rank_memory_is_the_state_over_the_shard_degree():
+    units, costs = _units(), _costs()
+    opt = OptimizerSpec(grad_bytes_per_param=4, state_bytes_per_param=8)
+    whole = rank_memory(units, costs, dtype="float32", optimizer=opt)
+    assert whole.parameters == 2 * 800 + 4 * 200
+    trained = 800 + 3 * 200  # the LLM layer, embed, head and the projector train
+    assert whole.gradients == trained and whole.optimizer == 2 * trained
+    assert whole.activations == 3 * 50 + 1000  # projector, LLM embed, layer, head; the frozen encoder keeps nothing
+    sharded = rank_memory(units, costs, ParallelDegrees(dp_shard=2), dtype="float32", optimizer=opt)
+    assert sharded.parameters == whole.parameters / 2
+    assert sharded.gradients == whole.gradients / 2 and sharded.optimizer == whole.optimizer / 2
+    assert sharded.activations == whole.activations
+    assert sharded.buffer == 800 + 800 + 800  # two layers' parameters + the trainable layer's gradient
+    assert shard_buffer_bytes(units, costs, ParallelDegrees(), "float32", opt) == 0.0
+
+
+def test_grad_sync_reduce_scatter_then_allreduce():
+    assert grad_sync_s(1000, 4, LINK) == allreduce_s(1000, 4, LINK)
+    latency, per_byte = grad_sync_terms(4, 4, LINK)  # pure FSDP2: reduce-scatter of the 4 x 250 B gradient
+    assert latency == pytest.approx(3e-5) and per_byte * 250 == pytest.approx(3 * 250 / 1e9)
+    latency, per_byte = grad_sync_terms(4, 2, LINK)  # HSDP 2 x 2: RS over 2 then AR over 2 of the shard
+    assert latency == pytest.approx((1 + 2) * 1e-5) and per_byte == pytest.approx((1 + 1) / 1e9)
+    with pytest.raises(ValueError, match="must divide"):
+        grad_sync_terms(6, 4, LINK)
+
+
+def test_degrees_validated_and_enumerated():
+    with pytest.raises(ValueError, match="tp"):
+        ParallelDegrees(tp=0)
+    with pytest.raises(ValueError, match="checkpointing"):
+        ParallelDegrees(checkpointing="some")
+    options = degree_options(8, checkpointing=("none",))
+    assert {(o.tp, o.dp_shard) for o in options} == {(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4),
+                                                      (4, 1), (4, 2), (8, 1)}
+
+
+def _model():
+    configs = {
+        "vision": dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                       num_attention_heads=16, image_size=224, patch_size=14),
+        "llm": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=12,
+                    num_attention_heads=16, num_key_value_heads=4, vocab_size=32000),
+    }
+    units = units_from_configs(configs, {})
+    shapes = {"vision": MicrobatchShape(257), "llm": MicrobatchShape(2048)}
+    return units, unit_costs(units, configs, shapes, DeviceSpec.h100())
+
+
+def test_plain_plan_kept_when_it_fits():
+    units, costs = _model()
+    plain = plan_layout(units, costs, 4, microbatches=8)
+    chosen = plan_parallel(units, costs, 4, microbatches=8, memory_cap=1e12)
+    assert (chosen.tp, chosen.dp_shard, chosen.checkpointing) == (1, 1, "none")
+    assert chosen.iteration_s == plain.iteration_s
+
+
+def test_tight_cap_searched_exactly_over_the_degrees():
+    units, costs = _model()
+    link = P2PModel(latency_s=1e-5, bandwidth_Bps=100e9)
+    cap = 0.3 * sum(plan_layout(units, costs, 1, microbatches=8).stage_memory_bytes)  # the whole model: 1 rank
+    common = dict(microbatches=8, p2p=link, dp_link=link)
+    with pytest.raises(ValueError):
+        plan_layout(units, costs, 4, memory_cap=cap, **common)
+    chosen = plan_parallel(units, costs, 4, memory_cap=cap, **common)
+    assert chosen.fits_memory and not (chosen.tp == chosen.dp_shard == 1 and chosen.checkpointing == "none")
+    assert chosen.devices_used <= 4
+    assert chosen.iteration_s >= chosen.lower_bound_s
+    peak = max(chosen.stage_memory_bytes) + chosen.shard_buffer_bytes
+    assert peak <= cap
+    best = math.inf  # every option alone, as plan_parallel's per-option search
+    for degrees in degree_options(4):
+        try:
+            one = plan_parallel(units, costs, 4, memory_cap=cap, tp_degrees=[degrees.tp],
+                                dp_shard_degrees=[degrees.dp_shard], checkpointing=[degrees.checkpointing],
+                                prefer_plain=False, **common)
+        except ValueError:
+            continue
+        assert (one.tp, one.dp_shard, one.checkpointing) == (degrees.tp, degrees.dp_shard, degrees.checkpointing)
+        best = min(best, one.iteration_s)
+    assert chosen.iteration_s == pytest.approx(best)
+    free = plan_parallel(units, costs, 4, memory_cap=1e12, prefer_plain=False, **common)
+    assert free.iteration_s <= plan_layout(units, costs, 4, **common).iteration_s
