@@ -8,6 +8,7 @@ the analytic, frozen-aware cost model and print it.
 on this machine (reusing a stored profile only when model, shapes, dtype, device and versions all match).
 ``plait generate --model runs/demo/final (--prompt TEXT [--image P] [--audio P] | --input F --output F)``: greedy
 answers of a trained model, printed or written as JSONL predictions.
+``plait tune-ranks --config job.toml [--ranks 2,4,8,16] [--budget N]``: choose a LoRA rank per module (MARS).
 """
 
 from __future__ import annotations
@@ -65,6 +66,22 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
                             input_path=args.input, output_path=args.output, max_new_tokens=args.max_new_tokens,
                             batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                             threads=args.threads)
+
+
+def _tune_ranks(args: argparse.Namespace, overrides: list[str]) -> int:
+    from plait.commands.tune_ranks import SearchSettings, tune_ranks_command
+
+    def ints(text: str, flag: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+    settings = SearchSettings(ranks=ints(args.ranks, "--ranks"), sizes=ints(args.sizes, "--sizes"), epochs=args.epochs,
+                              batch=args.batch, val_samples=args.val_samples, tolerance=args.tolerance,
+                              budget=args.budget, nproc=args.nproc)
+    tune_ranks_command(args.config, overrides, settings, args.out_dir)
+    return 0
 
 
 OVERRIDES_HELP = """overrides:
@@ -148,6 +165,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                                "= auto)")
     generate.add_argument("--threads", type=int, default=None,
                           help="torch's intra-op CPU threads, as train.threads (default: torch's default, one per core)")
+    tune = sub.add_parser("tune-ranks", help="choose a LoRA rank per module (MARS): short calibration runs, laws, "
+                          "pruning; prints the [model.*.lora] tables", formatter_class=argparse.RawDescriptionHelpFormatter,
+                          epilog=OVERRIDES_HELP)
+    tune.add_argument("--config", required=True, help="TOML job file with LoRA on the LLM and on at least one encoder "
+                      "(r > 0; the value is replaced by the candidates) and a data.val")
+    tune.add_argument("--ranks", default="2,4,8,16", help="candidate ranks of every module, comma-separated")
+    tune.add_argument("--sizes", default="", help="data-subset sizes in samples, comma-separated (default: 1/8 and "
+                      "1/4 of data.train)")
+    tune.add_argument("--epochs", type=float, default=1.0, help="passes over each subset per calibration run")
+    tune.add_argument("--batch", type=int, default=0, help="global batch of the calibration runs (default: the job's)")
+    tune.add_argument("--val-samples", type=int, default=64, help="validation records each calibration run scores")
+    tune.add_argument("--tolerance", type=float, default=1.5,
+                      help="largest accepted ratio of an encoder's to the LLM's predicted convergence time")
+    tune.add_argument("--budget", type=int, default=None, help="most training samples all calibration runs together "
+                      "may process (the largest subset sizes are dropped to fit)")
+    tune.add_argument("--nproc", type=int, default=1, help="processes per calibration run (> 1: torchrun, for the "
+                      "job's parallel layout)")
+    tune.add_argument("--out-dir", default=None, help="folder of the search (default: <metrics.run_dir>/tune_ranks); "
+                      "finished runs found there are not run again")
     args, rest = parser.parse_known_args(argv)
     bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
     if bad:
@@ -159,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # no "Writing model shards" bars per checkpoint/final save
     try:
         commands = {"train": _train, "plan": _plan, "simulate": _simulate, "profile": _profile,
-                    "generate": _generate}
+                    "generate": _generate, "tune-ranks": _tune_ranks}
         return commands[args.command](args, rest)
     except (ValueError, FileNotFoundError) as exc:
         _report_error(exc)

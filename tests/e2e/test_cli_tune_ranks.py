@@ -1,0 +1,86 @@
+"""``plait tune-ranks`` end to end on a tiny job (LoRA on the LLM and the vision encoder): 2 candidate ranks x 2
+subset sizes per module, 2-4 steps each; what it writes (runs, laws, plot, TOML) and a resume that reruns nothing."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+
+import pytest
+
+import plait.commands.tune_ranks as tune_ranks
+from plait.cli import main
+from plait.config.loader import load_config
+from plait.planner.rank_law import convergence_samples
+from plait.train.metrics import read_metrics
+from tests.conftest import demo_records, tiny_config_dict, write_jsonl
+from tests.distributed.test_pipeline_training import to_toml
+
+
+def _job(tmp_path, lora: bool = True):
+    train = write_jsonl(tmp_path / "train.jsonl", demo_records("train", ("image_audio",), limit=16))
+    val = write_jsonl(tmp_path / "val.jsonl", demo_records("val", ("image_audio",), limit=4))
+    job = tiny_config_dict(str(train), str(val), str(tmp_path / "run"),
+                           train={"global_batch_size": 4, "microbatch_size": 4, "steps": 8, "lr": 3e-3, "threads": 1,
+                                  "max_new_tokens": 2},
+                           data={"num_workers": 0})
+    if lora:
+        job["model"]["llm"]["lora"] = {"r": 4, "alpha": 8.0}
+        job["model"]["encoders"]["vision"]["lora"] = {"r": 4, "alpha": 8.0}
+    job["model"]["encoders"]["audio"]["freeze"] = True
+    path = tmp_path / "job.toml"
+    path.write_text(to_toml(job) + "\n")
+    return path
+
+
+def test_tune_ranks_chooses_writes_and_resumes(tmp_path, capsys, monkeypatch):
+    job = _job(tmp_path)
+    out = tmp_path / "search"
+    args = ["tune-ranks", "--config", str(job), "--ranks", "2,4", "--sizes", "8,16", "--val-samples", "4",
+            "--out-dir", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    search = json.loads((out / "search.json").read_text())
+    assert search["compute"]["runs"] == 8 and search["compute"]["resumed"] == 0
+    assert search["compute"]["steps"] == 4 * (2 + 4) and search["compute"]["samples"] == 4 * (8 + 16)
+    assert search["compute"]["cpu_s"] > 0 and search["full_samples"] == 16
+    assert set(search["chosen"]) == {"llm", "vision"} and set(search["chosen"].values()) <= {2, 4}
+    assert "Law-C" in printed and "R^2" in printed and "chosen: " in printed
+    assert (out / "laws.png").stat().st_size > 10_000
+
+    # Each observation is the convergence time of its own run's logged losses and its last validation loss.
+    obs = {(o["module"], o["rank"], o["samples"]): o for o in search["observations"]}
+    run = out / "runs" / "vision_r2_d16"
+    rows = read_metrics(run / "metrics.jsonl")
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 4
+    assert obs[("vision", 2, 16)]["convergence"] == convergence_samples(losses, 4)
+    assert obs[("vision", 2, 16)]["val_loss"] == [r["val_loss"] for r in rows if "val_loss" in r][-1]
+    # The run trained vision adapters only: the LLM had no LoRA and was frozen.
+    run_cfg = load_config(run / "job.toml")
+    assert run_cfg.model.encoders["vision"].lora.r == 2 and run_cfg.model.llm.lora.r == 0 and run_cfg.model.llm.freeze
+
+    # The TOML tables parse and carry the job's alpha.
+    tables = tomllib.loads((out / "ranks.toml").read_text())
+    assert tables["model"]["llm"]["lora"]["r"] == search["chosen"]["llm"]
+    assert tables["model"]["encoders"]["vision"]["lora"]["alpha"] == 8.0
+
+    # Resume: every finished run is found on disk, nothing trains again, the same choice comes out.
+    def refuse(*a, **k):
+        raise AssertionError("a finished calibration run was trained again")
+
+    monkeypatch.setattr(tune_ranks, "_train", refuse)
+    again = tune_ranks.tune_ranks_command(job, (), tune_ranks.SearchSettings(ranks=(2, 4), sizes=(8, 16), val_samples=4),
+                                          out)
+    assert again["compute"]["resumed"] == 8 and again["chosen"] == search["chosen"]
+    assert again["observations"] == search["observations"]
+
+
+def test_tune_ranks_refuses_a_job_without_lora(tmp_path, capsys):
+    assert main(["tune-ranks", "--config", str(_job(tmp_path, lora=False)), "--out-dir", str(tmp_path / "s")]) == 2
+    assert "LoRA on the LLM and on at least one encoder" in capsys.readouterr().err
+
+
+def test_tune_ranks_refuses_bad_ranks(tmp_path, capsys):
+    assert main(["tune-ranks", "--config", str(_job(tmp_path)), "--ranks", "2,x"]) == 2
+    assert "--ranks takes comma-separated integers" in capsys.readouterr().err
