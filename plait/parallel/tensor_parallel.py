@@ -1,0 +1,256 @@
+"""Tensor parallelism (TP): the attention heads and MLPs of every layer split over the ``tp`` ranks, with PyTorch's
+DTensor styles (``torch.distributed.tensor.parallel.parallelize_module``, ``ColwiseParallel``/``RowwiseParallel``).
+
+Plans (module path -> transformers' style name) come from the model, never from plait for an LLM family:
+
+- the causal LM: the plan transformers ships with its family (``base_model_tp_plan`` + the class's ``_tp_plan``,
+  :func:`plait.models.hf.llm_tp_plan`): q/k/v, gate/up colwise, o/down rowwise, the input embedding
+  vocabulary-sharded (``embedding_rowwise``) and the head colwise with a gathered output;
+- each encoder: the small per-family plans beside the layouts (:func:`plait.models.hf.encoder_tp_plan`);
+- each projector: the encoder's output is replicated, so an MLP projector is split colwise/rowwise (its output
+  replicated again), a linear projector stays replicated.
+
+The style names are translated to PyTorch's styles (:data:`STYLES`; a name outside it is refused, naming the
+module). Between the sharded modules every activation is a plain, replicated tensor (``use_local_output``), so
+plait's attention (multimodal masks, context parallelism) sees this rank's heads only, pipeline stages exchange
+ordinary tensors, and replicated parameters (norms, embeddings of encoders) get the same full gradient on every TP
+rank (each colwise input's gradient is all-reduced in its backward: Megatron-LM's f/g operators).
+
+LoRA (``peft``): an adapted module keeps its style on ``base_layer``; its adapters are split consistently, for a
+colwise base ``lora_B`` colwise (``lora_A`` replicated), for a rowwise base ``lora_A`` rowwise (``lora_B``
+replicated), so the adapter's output has the base's layout. Tied input/output embeddings stay replicated.
+
+Gradient clipping with DTensor gradients: :func:`clip_grad_norm_` computes the true global norm from the local
+shards (:func:`grad_square_sum`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from plait.models.hf import encoder_tp_plan, llm_tp_plan
+from plait.models.multimodal import MultimodalModel
+
+__all__ = [
+    "PROJECTOR_TP_PLAN",
+    "STYLES",
+    "apply_tensor_parallel",
+    "clip_grad_norm_",
+    "concrete_plan",
+    "grad_square_sum",
+    "local_tensor",
+    "model_tp_plan",
+]
+
+_COLWISE = ("colwise", "colwise_gather_output", "colwise_rep")
+_ROWWISE = ("rowwise", "rowwise_rep", "rowwise_split_input")
+STYLES = (*_COLWISE, *_ROWWISE, "embedding_rowwise", "replicate")
+"""transformers' style names plait applies (the others: packed, MoE, MLA, sequence parallel, are refused)."""
+
+PROJECTOR_TP_PLAN = {"linear_1": "colwise", "linear_2": "rowwise"}
+"""Plan of an ``mlp`` projector (Linear -> GELU -> Linear): replicated features in, replicated features out."""
+
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads")
+_HEAD_PROJ = ("q_proj", "k_proj", "v_proj")
+
+
+def _torch_style(name: str, where: str) -> ParallelStyle | None:
+    """PyTorch's style for transformers' style ``name`` (None: replicated). ``where`` names the module in errors."""
+    if name in ("colwise",):
+        return ColwiseParallel()
+    if name in ("colwise_gather_output", "colwise_rep"):
+        return ColwiseParallel(output_layouts=Replicate())
+    if name == "rowwise":
+        return RowwiseParallel()
+    if name in ("rowwise_rep", "rowwise_split_input", "embedding_rowwise"):
+        return RowwiseParallel(input_layouts=Replicate())
+    if name == "replicate":
+        return None
+    raise ValueError(f"tensor parallelism: {where} has style {name!r}, which plait does not apply "
+                     f"(supported: {', '.join(STYLES)})")
+
+
+def model_tp_plan(model: MultimodalModel) -> dict[str, str]:
+    """The plan of the whole composite: module path (relative to ``model``, ``*`` for a layer index) -> style
+    name. The LLM's is transformers' (:func:`~plait.models.hf.llm_tp_plan`) without its embedding and head
+    entries when they are tied; each encoder's from :func:`~plait.models.hf.encoder_tp_plan`; an MLP projector's
+    :data:`PROJECTOR_TP_PLAN`.
+
+    Raises:
+        ValueError: when the LLM family ships no plan or an encoder family has none.
+    """
+    llm = model.language_model
+    plan = {f"language_model.{k}": v for k, v in llm_tp_plan(llm).items()}
+    embed, head = llm.get_input_embeddings(), llm.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is embed.weight:
+        names = {id(m): n for n, m in llm.named_modules()}
+        for module in (embed, head):
+            plan.pop(f"language_model.{names[id(module)]}", None)
+    for name, branch in model.encoders.items():
+        plan.update({f"encoders.{name}.encoder.{k}": v for k, v in encoder_tp_plan(branch.encoder).items()})
+        if branch.projector.kind == "mlp":
+            plan.update({f"encoders.{name}.projector.{k}": v for k, v in PROJECTOR_TP_PLAN.items()})
+    return plan
+
+
+def _is_lora(module: nn.Module) -> bool:
+    return hasattr(module, "base_layer") and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+
+
+def _lora_entries(path: str, module: nn.Module, style: str) -> dict[str, str]:
+    """A LoRA-wrapped module's entries: the style on ``base_layer``, the adapters split to match (module
+    docstring). Raises ValueError for an adapted embedding."""
+    if style in _COLWISE:
+        side = "lora_B"
+    elif style in _ROWWISE:
+        side = "lora_A"
+    else:
+        raise ValueError(f"tensor parallelism: LoRA adapters on {path} (style {style!r}) cannot be split "
+                         "consistently with their base layer; leave that module out of lora.target_modules")
+    out = {f"{path}.base_layer": style}
+    out.update({f"{path}.{side}.{adapter}": style for adapter in getattr(module, side)})
+    return out
+
+
+def concrete_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    """``plan``'s patterns (``*``: one name component) matched against the modules ``model`` holds: entries of
+    pruned or absent modules (another pipeline rank's units, an ``nn.Identity``) are left out; a ``peft`` LoRA
+    module becomes its base layer and adapters (:func:`_lora_entries`); ``"replicate"`` entries are dropped.
+
+    Raises:
+        ValueError: on a style outside :data:`STYLES` or an adapted module that cannot be split.
+    """
+    patterns = [(re.compile(re.escape(k).replace(r"\*", r"[^.]+") + r"\Z"), k, v) for k, v in plan.items()]
+    out: dict[str, str] = {}
+    for name, module in model.named_modules():
+        for pattern, key, style in patterns:
+            if not pattern.match(name):
+                continue
+            _torch_style(style, name)  # refuse unknown styles early, naming the module
+            if style == "replicate":
+                continue
+            if _is_lora(module):
+                out.update(_lora_entries(name, module, style))
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                out[name] = style
+    return out
+
+
+def _check_divisible(model: nn.Module, plan: Mapping[str, str], tp: int) -> None:
+    """Refuse a degree that does not divide the heads of an attention module the plan splits."""
+    for name, style in plan.items():
+        short = name.rsplit(".", 1)[-1]
+        if short == "base_layer":
+            name = name.rsplit(".", 1)[0]
+            short = name.rsplit(".", 1)[-1]
+        if style not in _COLWISE or short not in _HEAD_PROJ:
+            continue
+        parent = model.get_submodule(name.rsplit(".", 1)[0])
+        head_dim = getattr(parent, "head_dim", None)
+        layer = model.get_submodule(name)
+        width = (layer.base_layer if _is_lora(layer) else layer).out_features
+        if isinstance(head_dim, int) and width % (head_dim * tp):
+            raise ValueError(f"parallel.tp={tp} does not divide the {width // head_dim} heads of {name} "
+                             f"(each TP rank needs whole heads)")
+
+
+def _divide_heads(model: nn.Module, plan: Mapping[str, str], tp: int) -> None:
+    """Attention modules whose q/k/v are split now hold ``1/tp`` of the heads: divide their head counts (Whisper
+    reshapes keys by ``num_heads``; the others by ``-1``)."""
+    parents = set()
+    for name, style in plan.items():
+        parts = name.split(".")
+        if parts[-1] == "base_layer":
+            parts = parts[:-1]
+        if style in _COLWISE and parts[-1] in _HEAD_PROJ:
+            parents.add(".".join(parts[:-1]))
+    for path in parents:
+        attention = model.get_submodule(path)
+        for attr in _HEAD_ATTRS:
+            value = getattr(attention, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(attention, attr, value // tp)
+
+
+def apply_tensor_parallel(model: MultimodalModel, mesh: Any) -> dict[str, str]:
+    """Split ``model``'s modules over the 1-D TP DeviceMesh ``mesh`` in place (:func:`model_tp_plan` matched to
+    the modules this rank holds). Call after the weights are materialised, identical on every TP rank (the same
+    seed or checkpoint): each rank keeps its slice, nothing is communicated. Frozen parameters stay frozen.
+    Returns the applied plan (concrete module name -> style name).
+
+    Raises:
+        ValueError: when the mesh is not 1-D, a family has no plan, the degree does not divide the heads of a split
+            attention module, or a style / adapted module cannot be applied.
+    """
+    if mesh.ndim != 1:
+        raise ValueError(f"apply_tensor_parallel needs the 1-D TP mesh, got a {mesh.ndim}-D mesh")
+    tp = mesh.size()
+    plan = concrete_plan(model, model_tp_plan(model))
+    _check_divisible(model, plan, tp)
+    styles = {name: _torch_style(style, name) for name, style in plan.items()}
+    parallelize_module(model, mesh, styles, src_data_rank=None)
+    _divide_heads(model, plan, tp)
+    return plan
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``t``: the local shard of a DTensor (sharing its storage), ``t`` itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _shard_count(t: torch.Tensor) -> int:
+    """Ranks among which ``t``'s elements are split (1 for a plain or replicated tensor)."""
+    if not isinstance(t, DTensor):
+        return 1
+    return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_shard())
+
+
+def grad_square_sum(grads: Iterable[torch.Tensor], copies: int) -> torch.Tensor:
+    """This rank's share of the squared L2 norm of ``grads`` (float64 scalar): the sum over the ranks holding
+    them (``copies`` ranks, each with the whole of a plain or replicated gradient or one shard of a DTensor
+    gradient) is the true squared norm. A DTensor's local shard counts ``shards / copies`` times, a plain
+    gradient ``1 / copies`` times; every copy must hold its final (already reduced) gradient.
+
+    Raises:
+        ValueError: when ``copies`` < 1.
+    """
+    if copies < 1:
+        raise ValueError(f"grad_square_sum: copies must be >= 1, got {copies}")
+    total = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        local = local_tensor(g).detach()
+        total += local.double().pow(2).sum().cpu() * (_shard_count(g) / copies)
+    return total
+
+
+def clip_grad_norm_(params: Sequence[nn.Parameter], max_norm: float, copies: int = 1, group: Any = None,
+                    device: torch.device | str = "cpu") -> float:
+    """Clip the gradients of ``params`` to a global L2 norm of ``max_norm`` in place (``torch.nn.utils``'s rule:
+    scale by ``min(1, max_norm / (norm + 1e-6))``) and return the norm before clipping, for plain and DTensor
+    gradients alike. With ``copies`` > 1 the squared norm (:func:`grad_square_sum`) is summed over ``group``
+    (default: all ranks; every rank holding a piece of ``params`` must be in it, and call this). ``device``: where
+    the all-reduced scalar lives (the backend's device).
+
+    Raises:
+        ValueError: on a negative ``max_norm``.
+    """
+    if max_norm < 0:
+        raise ValueError(f"max_norm must be >= 0, got {max_norm}")
+    grads = [p.grad for p in params if p.grad is not None]
+    sumsq = grad_square_sum(grads, copies).to(device)
+    if copies > 1:
+        dist.all_reduce(sumsq, group=group)
+    norm = float(sumsq.sqrt())
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    for g in grads:
+        local_tensor(g).mul_(coef)
+    return norm
