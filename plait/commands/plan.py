@@ -42,6 +42,7 @@ from plait.data.chat_template import tokenizer_dir
 from plait.data.loader import GlobalBatchLoader, MultimodalDataset
 from plait.models.registry import build_model, build_processor, load_tokenizer, placeholder_of
 from plait.commands.plan_costs import host_cpu, host_device, runtime_costs, stored_profile
+from plait.commands.plan_snippet import MODEL_UNITS, pp_snippet
 from plait.models.units import model_units
 from plait.parallel.checkpointing import checkpoint_policy
 from plait.planner.arch import arch_from_config, units_from_configs
@@ -49,16 +50,15 @@ from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_costs
 from plait.planner.macrobatch import MacrobatchStats, expected_shapes, macrobatch_stats
 from plait.planner.pipeline_plan import LAYOUTS
 from plait.planner.recompute import checkpointed_costs, plan_checkpointing
-from plait.planner.report import format_lora_units, format_plan, plan_to_json, pp_toml
-from plait.planner.search import LayoutChoice, plan_layout
+from plait.planner.report import format_lora_units, format_plan, plan_to_json
+from plait.planner.search import LayoutChoice
+from plait.planner.search_parallel import plan_parallel
 from plait.planner.types import Unit, UnitCost
-from plait.train.auto_plan import apply_layout_choice
 from plait.train.costs import microbatch_cost_coeffs
 
 __all__ = [
     "DEFAULT_MACROBATCHES",
     "DEVICES",
-    "MODEL_UNITS",
     "PlanInputs",
     "PlanSetup",
     "build_plan_inputs",
@@ -69,15 +69,12 @@ __all__ = [
     "model_parts",
     "plan_setup",
     "plan_command",
-    "pp_snippet",
     "split_global_batch",
 ]
 
 DEFAULT_MACROBATCHES = 32
 
 DEVICES = ("h100", "h200", "a100", "cpu")
-MODEL_UNITS = "model"
-"""``PlanInputs.unit_source`` of units that are the job model's own (``job_units``)."""
 
 
 @dataclass(frozen=True)
@@ -393,10 +390,10 @@ def plan_command(
     setup = plan_setup(config_path, devices, overrides, device, microbatches, items_per_sample, memory_fraction,
                         dp_degrees, dp_link_Bps, macrobatches, profile_store, stream)
     cfg, inputs, spec = setup.cfg, setup.inputs, setup.spec
-    choice = plan_layout(
+    choice = plan_parallel(
         inputs.units, inputs.costs, devices, microbatches=inputs.microbatches, frozen_aware=frozen_aware,
         layouts=layouts, dp_degrees=dp_degrees, rel_tol=rel_tol, virtual_stages=virtual_stages,
-        attach_encoders=attach_encoders, **setup.search,
+        attach_encoders=attach_encoders, **setup.search, **setup.degrees,
     )
     print(f"plait plan: {config_path} on {devices} x {spec.name}, {inputs.microbatches} microbatches of "
           f"{cfg.train.microbatch_size} samples (global batch {cfg.train.global_batch_size})", file=stream)
@@ -417,13 +414,22 @@ def plan_command(
 
 @dataclass(frozen=True)
 class PlanSetup:
-    """What ``plan_command`` searches with: the job config (global batch split), the plan inputs, the device
-    and the ``plan_layout`` keyword arguments of the machine (memory cap, link, DP link, dtype, overheads)."""
+    """What ``plan_command`` searches with: the job config (global batch split), the plan inputs (costs without
+    activation checkpointing), the device, the ``plan_layout`` keyword arguments of the machine (memory cap, link,
+    DP link, dtype, overheads) and the job's checkpointing as ``search_parallel.plan_parallel`` takes it
+    (``degrees``: ``base_checkpointing``, ``checkpoint_overrides``)."""
 
     cfg: Any
     inputs: PlanInputs
     spec: DeviceSpec
     search: dict[str, Any]
+    degrees: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def checkpointed_costs(self) -> tuple[UnitCost, ...]:
+        """The inputs' costs with the job's activation checkpointing charged (``recompute.checkpointed_costs``)."""
+        policy = self.degrees.get("base_checkpointing", "none")
+        checkpointed = plan_checkpointing(self.inputs.units, policy, self.degrees.get("checkpoint_overrides"))
+        return tuple(checkpointed_costs(self.inputs.costs, checkpointed))
 
 
 def plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], device: str | DeviceSpec | None,
@@ -475,8 +481,7 @@ def plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], 
             profile, why = None, "the plan is for the expected macro-batch, not the profiled microbatch"
         if profile is None:
             print(f"plait plan: no measured profile ({why}); `plait profile` stores one", file=stream)
-    checkpointed = plan_checkpointing(inputs.units, *checkpoint_policy(cfg))  # train.activation_checkpointing
-    inputs = dataclasses.replace(inputs, costs=tuple(checkpointed_costs(inputs.costs, checkpointed)))
+    policy, overrides = checkpoint_policy(cfg)  # train.activation_checkpointing: charged by plan_parallel
     costs = runtime_costs(spec, profile, dp_link_Bps)
     if spec.chunk_overhead_s or spec.message_overhead_s:
         print(f"plait plan: costs: {costs.source}", file=stream)
@@ -484,7 +489,7 @@ def plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], 
                   dtype=inputs.dtype)
     if not costs.overheads.zero:
         search["overheads"] = costs.overheads
-    return PlanSetup(cfg, inputs, spec, search)
+    return PlanSetup(cfg, inputs, spec, search, dict(base_checkpointing=policy, checkpoint_overrides=overrides))
 
 
 def load_config_for_planning(config_path: str | Path, overrides: Sequence[str] = ()) -> tuple[Any, str]:
@@ -554,45 +559,3 @@ def _check_dp_degrees(dp_degrees: Sequence[int] | None, devices: int, microbatch
         if isinstance(d, bool) or int(d) != d or not 1 <= d <= top:
             raise ValueError(f"--dp {d}: the data-parallel degree must be in 1..{top} (at most --devices {devices} "
                              f"and the {microbatches} microbatches per step: each replica needs a microbatch)")
-
-
-# ----- [parallel.pp] snippet ---------------------------------------------------------------------------------
-def pp_snippet(cfg: Any, choice: LayoutChoice, units: Sequence[Unit],
-               unit_source: str = MODEL_UNITS) -> tuple[str | None, str]:
-    """A ready-to-paste ``[parallel.pp]`` TOML table that makes the job run ``choice``, or None and why not.
-
-    The table is ``plait.train.auto_plan.apply_layout_choice``'s ``parallel.pp`` (degree, layout, stages per module,
-    schedule, microbatches per replica, and ``splits`` for the modules whose cost-balanced boundaries are not
-    the even split by unit count, ``virtual_stages`` and ``attach_encoders`` when the plan interleaves),
-    written as TOML, under a comment line giving the rest of ``apply_layout_choice``'s config: ``parallel.dp``
-    (to set in the job's ``[parallel]`` table when the plan has several replicas; the table describes one
-    pipeline replica, ``microbatches`` per replica) and ``parallel.plan = "manual"``. There is one only for
-    stage placement that ``[parallel.pp]`` can express (``apply_layout_choice`` accepts it; a one-rank plan is
-    ``degree = 1``, no pipeline parallelism) and units named as the model names them (``unit_source`` is
-    ``MODEL_UNITS``, see ``job_units``).
-
-    Args:
-        cfg: the ``JobConfig`` the plan is for; choice: the plan; units: the units it was searched over.
-        unit_source: ``PlanInputs.unit_source``.
-
-    Returns:
-        ``(toml_text, "")`` or ``(None, reason)``.
-    """
-    if unit_source != MODEL_UNITS:
-        return None, f"the unit names are not the model's: {unit_source}"
-    try:
-        pp = apply_layout_choice(cfg, choice, units).parallel.pp
-    except ValueError as exc:
-        return None, f"[parallel.pp] cannot express this plan: {exc}"
-    fields: dict[str, Any] = {"degree": pp.degree}
-    if pp.degree > 1:
-        fields.update(layout=pp.layout, stages=pp.stages, schedule=pp.schedule, microbatches=pp.microbatches)
-        if pp.virtual_stages != 1:
-            fields["virtual_stages"] = pp.virtual_stages
-        if pp.attach_encoders:
-            fields["attach_encoders"] = True
-        if pp.splits:
-            fields["splits"] = pp.splits
-    return pp_toml(fields, choice.dp), ""
-
-

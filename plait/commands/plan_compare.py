@@ -9,10 +9,12 @@ import io
 from collections.abc import Sequence
 from pathlib import Path
 
-from plait.commands.plan import plan_setup, pp_snippet
+from plait.commands.plan import plan_setup
+from plait.commands.plan_snippet import pp_snippet
 from plait.planner.cost_model import DeviceSpec
 from plait.planner.pipeline_plan import LAYOUTS
 from plait.planner.search import LayoutChoice, plan_layout
+from plait.planner.search_parallel import plan_parallel
 from plait.planner.types import Unit
 
 __all__ = ["considered_plans", "plan_label"]
@@ -40,8 +42,9 @@ def considered_plans(config_path: str | Path, devices: int, *, overrides: Sequen
     setup = plan_setup(config_path, devices, overrides, device, None, 1, 0.9, None, None, 0, profile_store,
                         io.StringIO())
     inputs = setup.inputs
-    recommended = plan_layout(inputs.units, inputs.costs, devices, microbatches=inputs.microbatches,
-                              virtual_stages=(1, 2, 4), attach_encoders=True, **setup.search)
+    recommended = plan_parallel(inputs.units, inputs.costs, devices, microbatches=inputs.microbatches,
+                                virtual_stages=(1, 2, 4), attach_encoders=True, **setup.search, **setup.degrees)
+    costs = setup.checkpointed_costs()  # the job's activation checkpointing, as the families run it
     dp_top = max(d for d in range(1, min(devices, inputs.microbatches) + 1) if devices % d == 0)
     families = [dict(dp_degrees=[dp_top])] + [dict(layouts=[layout]) for layout in LAYOUTS]
     families += [dict(virtual_stages=(2,)), dict(virtual_stages=(1, 2), attach_encoders=True)]
@@ -50,7 +53,7 @@ def considered_plans(config_path: str | Path, devices: int, *, overrides: Sequen
     for options in families:
         options = {"dp_degrees": [1], **options}
         try:
-            choice = plan_layout(inputs.units, inputs.costs, devices, microbatches=inputs.microbatches,
+            choice = plan_layout(inputs.units, costs, devices, microbatches=inputs.microbatches,
                                  **options, **setup.search)
         except ValueError:
             continue

@@ -10,7 +10,10 @@ all-reduce of the trainable gradients over ``dp_link`` charged, is kept when it 
 not, the best 1F1B plan with one stage per rank is tried as well); ``d = world_size``, plain DP, always fills
 them. A DP degree above the microbatch count (replicas without a microbatch) is searched as one replica with one
 microbatch and then timed with its all-reduce. Ties go to DP degrees that give every replica a microbatch, then to
-fewer replicas. :func:`layout_pp_fields` gives the ``[parallel.pp]`` field values that run a choice (degree, layout,
+fewer replicas. When no such plan fits the memory cap, tensor parallelism, FSDP2 sharding and activation
+checkpointing are searched as ``plait plan`` searches them (``search_parallel.search_degrees``: ``world_size / tp``
+processes per TP rank, DP degrees the shard degree divides, per-rank costs of ``sharding.shard_costs``).
+:func:`layout_pp_fields` gives the ``[parallel.pp]`` field values that run a choice (degree, layout,
 stages, explicit ``splits`` where the partition is not the even split by unit count, ``virtual_stages``,
 ``attach_encoders``, the schedule, microbatches per replica); ``plait.train.auto_plan`` writes them into a job
 config. Plain data in and out: nothing here reads a config, touches torch or the file system.
@@ -23,7 +26,10 @@ from typing import Any
 
 from plait.planner.overheads import ActionOverheads
 from plait.planner.pipeline_plan import PipelinePlan, split_even
+from plait.planner.recompute import CHECKPOINT_POLICIES
 from plait.planner.search import LayoutChoice, evaluate_plan, plan_layout
+from plait.planner.search_parallel import degree_options, search_degrees
+from plait.planner.sharding import ParallelDegrees
 from plait.planner.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
 
@@ -33,7 +39,10 @@ __all__ = ["layout_pp_fields", "plan_auto_layout", "plan_splits"]
 def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_size: int, microbatches: int, *,
                      p2p: P2PModel | None = None, memory_cap: float | None = None, dtype: str = "float32",
                      dp_link: P2PModel | None = None, virtual_stages: Sequence[int] = (1, 2, 4),
-                     attach_encoders: bool = True, overheads: ActionOverheads = ActionOverheads()) -> LayoutChoice:
+                     attach_encoders: bool = True, overheads: ActionOverheads = ActionOverheads(),
+                     checkpointing: str = "none", checkpoint_overrides: dict[str, str] | None = None,
+                     tp_degrees: Sequence[int] | None = None,
+                     dp_shard_degrees: Sequence[int] | None = None) -> LayoutChoice:
     """The fastest runnable plan for ``world_size`` processes (module docstring).
 
     Args:
@@ -46,23 +55,46 @@ def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_siz
         virtual_stages: LLM stages per LLM rank to consider (1: one stage per rank; ``v`` > 1: interleaved 1F1B).
         attach_encoders: also consider plans whose encoders are one stage each on the first LLM rank.
         overheads: the runtime's fixed costs per action, module chunk and optimizer byte (``search.plan_layout``).
+        checkpointing, checkpoint_overrides: the job's activation checkpointing (``recompute.plan_checkpointing``;
+            ``costs`` are without it). When the plain plan does not fit, a job without checkpointing may get one.
+        tp_degrees, dp_shard_degrees: TP and FSDP2 degrees searched when the plain plan does not fit memory
+            (``search_parallel.degree_options``; the TP all-reduces on ``p2p``, FSDP2's collectives on ``dp_link``).
 
     Returns:
-        The chosen ``LayoutChoice`` (``dp * plan.num_ranks == world_size``; ``schedule`` is ``"1f1b"`` or
-        ``"interleaved_1f1b"``).
+        The chosen ``LayoutChoice`` (``dp * plan.num_ranks * tp == world_size``; ``schedule`` is ``"1f1b"`` or
+        ``"interleaved_1f1b"``; ``dp_shard`` divides ``dp``).
 
     Raises:
         ValueError: on a world size or microbatch count < 1, or when no plan fits memory.
     """
     if world_size < 1 or microbatches < 1:
         raise ValueError(f"world_size and microbatches must be >= 1, got {world_size} and {microbatches}")
-    search = dict(p2p=p2p, memory_cap=memory_cap, dtype=dtype, dp_link=dp_link,
-                  virtual_stages=tuple(virtual_stages), attach_encoders=attach_encoders, overheads=overheads)
+    search = dict(p2p=p2p, dtype=dtype, dp_link=dp_link, virtual_stages=tuple(virtual_stages),
+                  attach_encoders=attach_encoders, overheads=overheads)
+
+    def one(per_rank: Sequence[UnitCost], processes: int, cap: float | None, degrees: ParallelDegrees) -> LayoutChoice:
+        return _best_filling(units, per_rank, processes, microbatches, dict(search, memory_cap=cap),
+                             degrees.dp_shard)
+
+    policies = CHECKPOINT_POLICIES if checkpointing == "none" else (checkpointing,)
+    options = degree_options(world_size, tp_degrees, dp_shard_degrees, policies)
+    return search_degrees(units, costs, world_size, microbatches, one, options, memory_cap=memory_cap,
+                          base=ParallelDegrees(checkpointing=checkpointing), tp_link=p2p, shard_link=dp_link,
+                          dtype=dtype, checkpoint_overrides=checkpoint_overrides)
+
+
+def _best_filling(units: Sequence[Unit], costs: Sequence[UnitCost], world_size: int, microbatches: int,
+                  search: dict[str, Any], dp_shard: int) -> LayoutChoice:
+    """The fastest plan filling ``world_size`` ranks over the DP degrees ``dp_shard`` divides (``_filling_choice``).
+
+    Raises:
+        ValueError: when none fits memory (naming each degree's reason).
+    """
     best: LayoutChoice | None = None
     errors = []
-    for dp in (d for d in range(1, world_size + 1) if world_size % d == 0):
+    for dp in (d for d in range(dp_shard, world_size + 1, dp_shard) if world_size % d == 0):
         try:
-            choice = _filling_choice(units, costs, world_size, microbatches, dp, search)
+            choice = _filling_choice(units, costs, world_size, microbatches, dp, dict(search, dp_shard=dp_shard))
         except ValueError as exc:
             errors.append(f"dp {dp}: {exc}")
             continue
@@ -97,11 +129,12 @@ def _search_dp(units: Sequence[Unit], costs: Sequence[UnitCost], world_size: int
     ``world_size / dp`` devices, then timed as ``dp`` replicas with the all-reduce (``evaluate_plan``)."""
     if dp <= microbatches:
         return plan_layout(units, costs, world_size, microbatches=microbatches, dp_degrees=[dp], **options)
-    one = plan_layout(units, costs, world_size // dp, microbatches=1, dp_degrees=[1], **options)
+    one = plan_layout(units, costs, world_size // dp, microbatches=1, dp_degrees=[1], **dict(options, dp_shard=1))
     return evaluate_plan(one.plan, units, costs, dp=dp, microbatches=microbatches, devices=world_size,
                          p2p=options["p2p"], dp_link=options["dp_link"], memory_cap=options["memory_cap"],
                          dtype=options["dtype"], method=one.method, candidates=one.candidates,
-                         simulated=one.simulated, schedule=one.schedule, overheads=options["overheads"])
+                         simulated=one.simulated, schedule=one.schedule, overheads=options["overheads"],
+                         dp_shard=options["dp_shard"])
 
 
 def _rank(choice: LayoutChoice) -> tuple:

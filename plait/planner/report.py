@@ -24,6 +24,7 @@ from plait.planner.simulator import SimResult, StageMemory, simulate
 from plait.planner.types import Unit
 
 __all__ = [
+    "degrees_line",
     "format_lora_units",
     "PP_TOML_KEY",
     "format_plan",
@@ -114,7 +115,25 @@ def format_plan(choice: LayoutChoice) -> str:
         + ("; 'stage GiB' is each stage's own peak, a rank holds all of its stages"
            if plan.num_stages > plan.num_ranks else ""),
     ]
-    return "\n".join(lines)
+    degrees = degrees_line(choice)
+    return "\n".join(lines + ([degrees] if degrees else []))
+
+
+def degrees_line(choice: LayoutChoice) -> str:
+    """One line on the plan's TP degree, FSDP2 sharding and activation checkpointing (``planner.sharding``), empty
+    without any: ``"memory: tensor parallel 2 (each pipeline rank is 2 devices), FSDP2 over 4 of the 8
+    data-parallel ranks (HSDP: 2 replicas) + 1.20 GiB unsharded buffer, activation checkpointing full"``. The peak
+    above is per device, FSDP2's buffer not included."""
+    parts = []
+    if choice.tp > 1:
+        parts.append(f"tensor parallel {choice.tp} (each pipeline rank is {choice.tp} devices)")
+    if choice.dp_shard > 1:
+        hsdp = f" (HSDP: {choice.dp // choice.dp_shard} replicas)" if choice.dp > choice.dp_shard else ""
+        parts.append(f"FSDP2 over {choice.dp_shard} of the {choice.dp} data-parallel ranks{hsdp} + "
+                     f"{choice.shard_buffer_bytes / _GIB:.2f} GiB unsharded buffer")
+    if choice.checkpointing != "none":
+        parts.append(f"activation checkpointing {choice.checkpointing}")
+    return "memory: " + ", ".join(parts) if parts else ""
 
 
 def idle_devices_note(choice: LayoutChoice) -> str:
@@ -136,10 +155,14 @@ def idle_devices_note(choice: LayoutChoice) -> str:
 
 
 # ----- the [parallel.pp] table -------------------------------------------------------------------------------
-def pp_toml(fields: Mapping[str, Any], dp: int) -> str:
+def pp_toml(fields: Mapping[str, Any], dp: int, degrees: Mapping[str, Any] | None = None) -> str:
     """The ``[parallel.pp]`` TOML table of ``fields`` (``degree`` first; the values ``toml_value`` writes) under a
     comment line giving the rest of the job's config: the ``parallel.dp`` to set in ``[parallel]`` when there are
-    several replicas (``dp``; the table describes one pipeline replica) and ``parallel.plan = "manual"``. A table
+    several replicas (``dp``; the table describes one pipeline replica) and ``parallel.plan = "manual"``.
+    With ``degrees`` (a plan with TP, FSDP2 or checkpointing: ``dp``, ``dp_shard``, ``tp`` and
+    ``activation_checkpointing``) a ``[parallel]`` table with ``plan``, ``dp`` (replicas), ``dp_shard`` and ``tp``
+    comes first instead (the job's own ``[parallel]`` keys are then replaced by it), and the comment names
+    ``train.activation_checkpointing`` to set in ``[train]``. A table
     never pairs ``layout = "encoder_parallel"`` with ``attach_encoders = true`` (the encoders then sit on the first
     LLM rank, not on parallel ranks): the layout line is left out there (its default) and a comment says where
     the encoders run.
@@ -156,7 +179,20 @@ def pp_toml(fields: Mapping[str, Any], dp: int) -> str:
         note = ("# attach_encoders: every encoder is its own stage, all on the first LLM rank (layout left at its "
                 "default)\n")
     body = "".join(f"{k} = {toml_value(v)}\n" for k, v in fields.items())
+    if degrees is not None:
+        return _degrees_head(degrees, degree) + note + "[parallel.pp]\n" + body
     return _snippet_head(dp, degree) + note + "[parallel.pp]\n" + body
+
+
+def _degrees_head(degrees: Mapping[str, Any], pp: int) -> str:
+    """Comment and ``[parallel]`` table of a plan with TP, FSDP2 or checkpointing (``pp_toml``)."""
+    dp, shard, tp = int(degrees["dp"]), int(degrees["dp_shard"]), int(degrees["tp"])
+    ac = degrees.get("activation_checkpointing", "none")
+    note = (f"# plait plan: {dp * shard * pp * tp} processes = dp {dp} x dp_shard {shard} x pp {pp} x tp {tp}; "
+            "replace the job's [parallel] keys by this table"
+            + (f"; also set activation_checkpointing = {toml_value(ac)} in [train]" if ac != "none" else "") + "\n")
+    return (note + "[parallel]\nplan = \"manual\"\n"
+            + "".join(f"{k} = {v}\n" for k, v in (("dp", dp), ("dp_shard", shard), ("tp", tp))))
 
 
 def _snippet_head(dp: int, degree: int) -> str:

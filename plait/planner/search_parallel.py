@@ -169,7 +169,8 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
         units, costs, devices, microbatches, memory_cap, dtype, optimizer: as ``plan_layout``; ``costs`` without
             checkpointing (``base_checkpointing`` and the searched policies are applied here).
         tp_degrees, dp_shard_degrees, checkpointing: the degrees and policies to search (``degree_options``).
-        base_checkpointing: the job's own policy: the plain plan's; checkpoint_overrides: the job's per-module
+        base_checkpointing: the job's own policy: the plain plan's, and the only one searched when not ``"none"``;
+            checkpoint_overrides: the job's per-module
             policies (``recompute.plan_checkpointing``), kept in every option.
         prefer_plain: keep the plain plan whenever it fits (default); False: the fastest plan over every option.
         tp_link: link of the TP all-reduces (default ``search["p2p"]``, the stage-to-stage link: within a node);
@@ -182,6 +183,8 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
     Raises:
         ValueError: on bad arguments or when no plan fits.
     """
+    if base_checkpointing != "none":  # the job's own policy is kept: only TP and sharding are searched
+        checkpointing = (base_checkpointing,)
     tp_link = tp_link if tp_link is not None else search.get("p2p")
     shard_link = shard_link if shard_link is not None else search.get("dp_link")
 

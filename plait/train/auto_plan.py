@@ -17,7 +17,6 @@ from plait.config.schema import JobConfig, PipelineConfig
 from plait.parallel.checkpointing import checkpoint_policy
 from plait.planner.auto_plan import layout_pp_fields, plan_auto_layout
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
-from plait.planner.recompute import checkpointed_costs, plan_checkpointing
 from plait.planner.search import LayoutChoice
 from plait.planner.simulator import P2PModel
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
@@ -31,8 +30,11 @@ def auto_microbatches(cfg: JobConfig) -> int:
 
 
 def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Unit]) -> JobConfig:
-    """A copy of ``cfg`` running ``choice``: ``parallel.dp`` = its DP degree and ``[parallel.pp]`` = its plan
-    (``layout_pp_fields``: degree 1 when it is a single rank), ``parallel.plan = "manual"`` (resolved).
+    """A copy of ``cfg`` running ``choice``: ``parallel.dp`` = its replicas (``choice.dp / choice.dp_shard``),
+    ``parallel.dp_shard`` and ``parallel.tp`` = its FSDP2 and TP degrees, ``[parallel.pp]`` = its plan
+    (``layout_pp_fields``: degree 1 when it is a single rank), ``parallel.plan = "manual"`` (resolved), and
+    ``train.activation_checkpointing`` = its policy when it has one (a choice without checkpointing leaves the
+    job's policy: its costs were the job's).
 
     Raises:
         ValueError: when ``[parallel.pp]`` cannot express the plan (the plan it describes, built with
@@ -41,7 +43,11 @@ def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Un
     """
     out = copy.deepcopy(cfg)
     out.parallel.plan = "manual"
-    out.parallel.dp = choice.dp
+    out.parallel.dp = choice.dp // choice.dp_shard
+    out.parallel.dp_shard = choice.dp_shard
+    out.parallel.tp = choice.tp
+    if choice.checkpointing != "none":
+        out.train.activation_checkpointing = choice.checkpointing
     out.parallel.pp = PipelineConfig(**layout_pp_fields(choice, units))
     if choice.plan.num_ranks > 1:
         _check_expressed(out.parallel.pp, choice.plan, units)
@@ -73,7 +79,8 @@ def resolve_auto_plan(cfg: JobConfig, world_size: int, units: Sequence[Unit], co
                       attach_encoders: bool = True) -> tuple[JobConfig, LayoutChoice]:
     """``cfg`` with ``parallel.plan = "auto"`` resolved for ``world_size`` processes from unit costs: the
     config to train with and the chosen plan (``plan_auto_layout`` with the same keyword arguments, e.g.
-    ``dp_link`` for the DP all-reduce; :func:`apply_layout_choice`).
+    ``dp_link`` for the DP all-reduce, and the job's activation checkpointing, whose recomputation it charges;
+    when nothing fits ``memory_cap`` it searches TP, FSDP2 and checkpointing too; :func:`apply_layout_choice`).
 
     Raises:
         ValueError: when ``parallel.plan`` is not ``"auto"``, the units are not the model's (no LLM unit), or
@@ -83,8 +90,8 @@ def resolve_auto_plan(cfg: JobConfig, world_size: int, units: Sequence[Unit], co
         raise ValueError(f"parallel.plan is {cfg.parallel.plan!r}; only 'auto' is resolved")
     if not any(u.module == LLM_MODULE for u in units):
         raise ValueError("units have no LLM unit: they are not a plait model's pipeline units")
-    costs = checkpointed_costs(costs, plan_checkpointing(units, *checkpoint_policy(cfg)))  # recomputation charged
+    policy, overrides = checkpoint_policy(cfg)  # recomputation charged (planner.sharding.shard_costs)
     choice = plan_auto_layout(units, costs, world_size, auto_microbatches(cfg), p2p=p2p, memory_cap=memory_cap,
                               dtype=dtype, dp_link=dp_link, virtual_stages=virtual_stages,
-                              attach_encoders=attach_encoders)
+                              attach_encoders=attach_encoders, checkpointing=policy, checkpoint_overrides=overrides)
     return apply_layout_choice(cfg, choice, units), choice
