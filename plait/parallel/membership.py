@@ -1,0 +1,154 @@
+"""Membership of a job whose workers may die: heartbeats in a ``TCPStore``, agreement on the surviving set, and
+the default gloo process group re-formed in the same processes (../shared/REFERENCES.md section 7: destroy and
+re-initialise on a new store prefix, what Oobleck does).
+
+The store is hosted outside the workers (the launcher, or a test's parent process), so the failure of any worker,
+rank 0 included, leaves it up. Each worker:
+
+1. :meth:`Membership.join` starts a heartbeat thread (its own store connection writes ``hb/<id>`` = the time every
+   ``heartbeat_s``) and forms generation 0: the default process group of every worker, on the store prefix
+   ``gen0/``.
+2. When a collective or P2P call fails (gloo raises once a peer's socket closes, or after the group's timeout),
+   the survivor calls :meth:`Membership.reform`: it marks itself present in the next generation
+   (``gen<g+1>/present/<id>``), then waits until every member of generation ``g`` is either present there or has
+   a stale heartbeat (none for ``dead_after_s``). A live member keeps beating, so everyone waits for it until it
+   is present; a dead one never becomes present. Every survivor therefore computes the same set, the members
+   present (a member dying during the agreement fails the next group and leads to one more generation).
+3. It destroys its process group and initialises the default group again over the survivors, ranked by their
+   worker ids, on the prefix ``gen<g+1>/``.
+
+Worker ids are the ranks of generation 0 and never change; :attr:`Membership.rank` is the rank in the current
+group. Survivors' tensors, modules and optimizers stay in memory: the caller applies its reconfiguration plan
+(``plait.planner.reconfigure``) and replays the interrupted step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+__all__ = ["Membership", "NoQuorumError"]
+
+
+class NoQuorumError(RuntimeError):
+    """Fewer survivors than the job needs (or this worker was declared dead by the others)."""
+
+
+@dataclass
+class Membership:
+    """This worker's view of the job's members (see the module docstring).
+
+    Attributes:
+        host, port: the ``TCPStore`` server (hosted outside the workers).
+        worker: this worker's id (its rank in generation 0).
+        world: workers in generation 0.
+        heartbeat_s: seconds between heartbeats.
+        dead_after_s: a member whose heartbeat is older than this is dead (seconds; a few heartbeats).
+        timeout_s: collective timeout of the process groups (a hung peer is detected after it), and the longest
+            the agreement waits (seconds).
+        min_members: fewer survivors raise :class:`NoQuorumError`.
+        generation: the current generation (0 at :meth:`join`).
+        members: worker ids of the current generation, ascending (``members[rank]`` is that rank's worker).
+    """
+
+    host: str
+    port: int
+    worker: int
+    world: int
+    heartbeat_s: float = 0.2
+    dead_after_s: float = 1.5
+    timeout_s: float = 20.0
+    min_members: int = 1
+    generation: int = 0
+    members: tuple[int, ...] = ()
+    _store: dist.TCPStore | None = field(default=None, repr=False)
+    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    _thread: threading.Thread | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.worker < self.world:
+            raise ValueError(f"worker id {self.worker} outside 0..{self.world - 1}")
+        if not 0 < self.heartbeat_s < self.dead_after_s:
+            raise ValueError(f"need 0 < heartbeat_s < dead_after_s, got {self.heartbeat_s} and {self.dead_after_s}")
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the current process group."""
+        return self.members.index(self.worker)
+
+    def _connect(self) -> dist.TCPStore:
+        return dist.TCPStore(self.host, self.port, is_master=False,
+                             timeout=datetime.timedelta(seconds=self.timeout_s))
+
+    def join(self) -> None:
+        """Start the heartbeat and form generation 0 (the default gloo group of all ``world`` workers).
+        Collective over every worker."""
+        self._store = self._connect()
+        self._beat(self._store)
+        self._thread = threading.Thread(target=self._heartbeats, daemon=True, name=f"heartbeat-{self.worker}")
+        self._thread.start()
+        self.members = tuple(range(self.world))
+        self._init_group()
+
+    def _beat(self, store: dist.TCPStore) -> None:
+        store.set(f"hb/{self.worker}", repr(time.time()))
+
+    def _heartbeats(self) -> None:
+        store = self._connect()  # its own connection: store clients are not shared across threads
+        while not self._stop.wait(self.heartbeat_s):
+            self._beat(store)
+
+    def _init_group(self) -> None:
+        prefix = dist.PrefixStore(f"gen{self.generation}/", self._store)
+        dist.init_process_group("gloo", store=prefix, rank=self.rank, world_size=len(self.members),
+                                timeout=datetime.timedelta(seconds=self.timeout_s))
+
+    def _last_beat(self, worker: int) -> float:
+        return float(self._store.get(f"hb/{worker}").decode())
+
+    def reform(self) -> tuple[int, ...]:
+        """After a failed collective: agree with the other survivors on the next generation's members and
+        re-form the default process group over them. Returns the workers that left.
+
+        Raises:
+            NoQuorumError: when fewer than ``min_members`` survive, when this worker is not among them, or when
+                the agreement does not settle within ``timeout_s``.
+        """
+        nxt = self.generation + 1
+        self._store.set(f"gen{nxt}/present/{self.worker}", "1")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            present = [w for w in self.members if self._store.check([f"gen{nxt}/present/{w}"])]
+            stale = [w for w in self.members if w not in present
+                     and time.time() - self._last_beat(w) > self.dead_after_s]
+            if len(present) + len(stale) == len(self.members):
+                break
+            if time.monotonic() > deadline:
+                raise NoQuorumError(f"worker {self.worker}: generation {nxt} did not settle in {self.timeout_s} s "
+                                    f"(present {present}, dead {stale}, of {list(self.members)})")
+            time.sleep(self.heartbeat_s / 2)
+        return self._switch(nxt, tuple(present))
+
+    def _switch(self, generation: int, survivors: Sequence[int]) -> tuple[int, ...]:
+        if len(survivors) < self.min_members or self.worker not in survivors:
+            raise NoQuorumError(f"worker {self.worker}: {len(survivors)} survivors {list(survivors)}, "
+                                f"{self.min_members} needed")
+        left = tuple(w for w in self.members if w not in survivors)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.generation, self.members = generation, tuple(sorted(survivors))
+        self._init_group()
+        return left
+
+    def close(self) -> None:
+        """Stop the heartbeat and destroy the process group (a clean exit)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.heartbeat_s)
+        if dist.is_initialized():
+            dist.destroy_process_group()
