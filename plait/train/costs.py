@@ -2,20 +2,23 @@
 
 FLOPs per forward pass from the Hugging Face configs by the planner's one per-layer formula
 (``arch_from_config(...).layer_flops()``, MoE routing included), scaled by the frozen-aware pass factor
-(forward + dX + dW, ../shared/DESIGN.md "Cost of a unit"). Only ratios between modules and samples matter to the planner.
+(forward + dX + dW, ../shared/DESIGN.md "Cost of a unit"). A module with LoRA adapters (frozen base) pays only its
+trained share of dW, by the one rule of ``UnitCost.backward_s`` (``Unit.trained_fraction``). Only ratios between
+modules and samples matter to the planner.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from plait.models.lora import has_lora
 from plait.models.multimodal import MultimodalModel
 from plait.planner.arch import arch_from_config
 from plait.planner.graph import ModuleFlags, consistent_units, module_flags
 from plait.planner.microbatch import ModuleCostCoeffs
-from plait.planner.types import LLM_MODULE, Unit
+from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
-__all__ = ["microbatch_cost_coeffs"]
+__all__ = ["microbatch_cost_coeffs", "pass_work"]
 
 
 def microbatch_cost_coeffs(model: MultimodalModel) -> dict[str, ModuleCostCoeffs]:
@@ -25,43 +28,77 @@ def microbatch_cost_coeffs(model: MultimodalModel) -> dict[str, ModuleCostCoeffs
     clip always fills the encoder's fixed window, so its cost is a constant per item (``fixed``). LLM: a
     sample of ``L`` tokens costs ``layers (a L + b L^2 / 2) + 2 H V L`` (causal attention, LM head).
     Flags: ``trainable`` from the parameters' ``requires_grad``, ``needs_input_grad`` by the unit-graph rule
-    (``planner.graph``: something at or upstream of the module trains).
+    (``planner.graph``: something at or upstream of the module trains). A LoRA module's backward pays dX and only
+    its trained share ``f`` of dW (:func:`pass_work`): its coefficients are scaled by ``pass_work / pass_factor``
+    (e.g. ``(2 + f) / 3``), so that ``ModuleCostCoeffs.cost`` is its forward + backward work.
     """
-    flags = _module_flags(model)
+    flags, fractions = _module_flags(model)
     coeffs: dict[str, ModuleCostCoeffs] = {}
     for name, branch in model.encoders.items():
         arch = arch_from_config(branch.encoder.config)
         per_token, per_pair = map(float, arch.layer_flops())
         trains, needs = flags[name].trainable, flags[name].needs_input_grad
+        scale = _lora_scale(flags[name], fractions[name])
         if branch.modality == "audio":
             n = arch.item_len
-            fixed = arch.layers * (per_token * n + per_pair * n * n)
+            fixed = arch.layers * (per_token * n + per_pair * n * n) * scale
             coeffs[name] = ModuleCostCoeffs(linear=0.0, fixed=fixed, trainable=trains, needs_input_grad=needs)
         else:
-            coeffs[name] = ModuleCostCoeffs(linear=arch.layers * per_token, quadratic=arch.layers * per_pair,
+            coeffs[name] = ModuleCostCoeffs(linear=arch.layers * per_token * scale,
+                                            quadratic=arch.layers * per_pair * scale,
                                             trainable=trains, needs_input_grad=needs)
     llm_arch = arch_from_config(model.language_model.config)
     per_token, per_pair = map(float, llm_arch.layer_flops())
+    scale = _lora_scale(flags[LLM_MODULE], fractions[LLM_MODULE])
     coeffs[LLM_MODULE] = ModuleCostCoeffs(
-        linear=llm_arch.layers * per_token + 2 * llm_arch.hidden * llm_arch.vocab,
-        quadratic=llm_arch.layers * per_pair / 2,
+        linear=(llm_arch.layers * per_token + 2 * llm_arch.hidden * llm_arch.vocab) * scale,
+        quadratic=llm_arch.layers * per_pair / 2 * scale,
         trainable=flags[LLM_MODULE].trainable,
         needs_input_grad=flags[LLM_MODULE].needs_input_grad,
     )
     return coeffs
 
 
-def _module_flags(model: MultimodalModel) -> dict[str, ModuleFlags]:
-    """Per-module flags from the unit-graph rule on a coarse graph of the model: one unit per encoder, one per
-    projector, one for the LLM, each ``trainable`` when any of its parameters has ``requires_grad``. (Coarse so
-    that models without a pipeline layout, which ``models.units`` needs, get coefficients too.)"""
-    units = []
+def pass_work(flags: ModuleFlags, trainable_fraction: float = 1.0) -> float:
+    """Forward + backward work of a module in forward passes, by the one rule (``UnitCost.backward_s`` with dX,
+    dW = forward): ``1 + [needs_input_grad] + [trainable] * trainable_fraction``; e.g. 2.25 for a LoRA module
+    whose adapters are 25% of its parameters."""
+    unit = Unit("module", "m", "layer", flags.trainable, flags.needs_input_grad, trainable_fraction)
+    return 1.0 + UnitCost(1.0, 1.0, 1.0).backward_s(unit)
+
+
+def _lora_scale(flags: ModuleFlags, fraction: float) -> float:
+    """``pass_work / pass_factor``: 1 unless the module trains only a share of its parameters (LoRA)."""
+    whole = ModuleCostCoeffs(trainable=flags.trainable, needs_input_grad=flags.needs_input_grad).pass_factor
+    return pass_work(flags, fraction) / whole
+
+
+def _module_flags(model: MultimodalModel) -> tuple[dict[str, ModuleFlags], dict[str, float]]:
+    """Per-module flags from the unit-graph rule on a coarse graph of the model (one unit per encoder, one per
+    projector, one for the LLM, each ``trainable`` when any of its parameters has ``requires_grad``; coarse so that
+    models without a pipeline layout, which ``models.units`` needs, get coefficients too), and per module (encoder
+    without projector, LLM) the share of its parameters that train when it holds LoRA adapters (else 1)."""
+    units, fractions = [], {}
     for name, branch in model.encoders.items():
-        units.append(Unit(f"encoders.{name}.encoder", name, "layer", _trains(branch.encoder), False))
+        fractions[name] = _trained_share(branch.encoder)
+        units.append(Unit(f"encoders.{name}.encoder", name, "layer", _trains(branch.encoder), False, fractions[name]))
         units.append(Unit(f"encoders.{name}.projector", name, "projector", _trains(branch.projector), False))
-    units.append(Unit("language_model", LLM_MODULE, "layer", _trains(model.language_model), False))
-    return module_flags(consistent_units(units))
+    fractions[LLM_MODULE] = _trained_share(model.language_model)
+    units.append(Unit("language_model", LLM_MODULE, "layer", _trains(model.language_model), False,
+                      fractions[LLM_MODULE]))
+    return module_flags(consistent_units(units)), fractions
 
 
 def _trains(module: nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters())
+
+
+def _trained_share(module: nn.Module) -> float:
+    """For a part with LoRA adapters (``models.lora.has_lora``), its parameters with ``requires_grad`` over all of
+    its parameters, by count (as ``models.units`` counts a unit's); 1.0 for any other part (a fully trainable part
+    whose output never reaches some parameters keeps the whole dW, as before)."""
+    if not has_lora(module):
+        return 1.0
+    total = sum(p.numel() for p in module.parameters())
+    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return trained / total if trained else 1.0
