@@ -22,18 +22,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from plait.config.schema import EnergyConfig
 from plait.planner.energy_plan import EnergyPlan, FrontierPoint, action_label
 from plait.planner.straggler import StragglerPolicy, StragglerState, react_to_stragglers, replica_point
 from plait.planner.timeline import TimelineEvent
 
-__all__ = ["FrequencyController", "NvmlFrequencyController", "StragglerReaction", "build_frequency_controller",
-           "import_zeus_gpus", "read_energy_plan", "step_span_s"]
+__all__ = ["EnergyRuntime", "FrequencyController", "NvmlFrequencyController", "StragglerReaction",
+           "build_energy_runtime", "build_frequency_controller", "import_zeus_gpus", "read_energy_plan",
+           "step_span_s"]
 
 log = logging.getLogger(__name__)
 
@@ -225,3 +228,39 @@ class StragglerReaction:
             d = int(r[0])
             times[d] = max(times[d], float(r[1]))
         return times
+
+
+@dataclass
+class EnergyRuntime:
+    """What a pipeline rank runs for ``[energy]``: its frequency controller (passed to ``run_pipeline_step``) and
+    the straggler reaction (None when ``energy.straggler`` is false)."""
+
+    controller: FrequencyController
+    reaction: StragglerReaction | None = None
+
+    def after_step(self, events: Sequence[TimelineEvent]) -> None:
+        """After a step whose actions on this rank are ``events``: the straggler reaction (collective over the
+        job when on)."""
+        if self.reaction is not None:
+            self.reaction.observe(step_span_s(events))
+
+    def close(self) -> None:
+        """Give the GPU clock back."""
+        self.controller.close()
+
+
+def build_energy_runtime(cfg: EnergyConfig, pp_rank: int, dp_rank: int, dp_size: int,
+                         device: torch.device) -> EnergyRuntime | None:
+    """The :class:`EnergyRuntime` of ``[energy]`` for this rank (None when ``cfg.plan`` is empty): the plan read
+    from ``cfg.plan``, this device's controller, and the straggler reaction with ``cfg``'s hysteresis.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`read_energy_plan`, or for bad hysteresis values.
+    """
+    if not cfg.plan:
+        return None
+    controller = build_frequency_controller(read_energy_plan(cfg.plan), pp_rank, device)
+    if not cfg.straggler:
+        return EnergyRuntime(controller)
+    policy = StragglerPolicy(cfg.slow_ratio, cfg.recover_ratio, cfg.patience)
+    return EnergyRuntime(controller, StragglerReaction(controller, policy, dp_rank, dp_size, device))
