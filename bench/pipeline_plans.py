@@ -27,9 +27,12 @@ trains). For 8, 16 and 32 GPUs the tables give the simulated iteration time (tru
 - A: Megatron-style even split by unit count, encoders first (stages crossing a module boundary share a
   rank), DP degree picked by the frozen-unaware model (``megatron_even_split``); A*: the same split with
   the DP degree that is best with the true costs (a more generous baseline);
-- B: the best frozen-unaware plan (``plan_layout(frozen_aware=False)``: searched with f + dX + dW
+- B: the best frozen-unaware plan (``plan_parallel(frozen_aware=False)``: searched with f + dX + dW
   everywhere, evaluated with the true costs);
-- C: plait's plan (``plan_layout``).
+- C: plait's plan (``search_parallel.plan_parallel``: ``plan_layout``, and when no plan fits the memory cap, tensor
+  parallelism (2/4/8, all-reduces on the NVLink link), FSDP2 sharding (shard degree dividing the DP degree,
+  collectives on the DP link) and activation checkpointing (selective / full) searched too; column
+  ``TP/FSDP/AC``: ``t<tp> s<dp_shard> sel|full``, ``-`` for none).
 
 B and C search the same schedules: 1F1B, and interleaved 1F1B with ``v`` in ``--virtual-stages`` (default
 1, 2, 4) LLM chunks per LLM rank (``schedules_interleaved.interleaved_1f1b``; Narayanan et al., SC'21,
@@ -43,7 +46,10 @@ rank, ``mix``: other stages sharing ranks), DP degree, stages per module (``PxV`
 the DP degree (divisors of the GPU count up to the microbatch count) for every method; Table 2 fixes
 DP = 1 (one pipeline over all GPUs, where only the partition and layout differ). A baseline marked ``!``
 exceeds the memory cap at every DP degree (its best-predicted plan is shown) and is left out of the
-means, as are rows where no plan of C fits. Finally the wall time of full layout searches for 1,024 GPUs
+means, as are rows where no plan of C fits; such a row says when no plan can fit at all (the model's parameters,
+gradients and AdamW state exceed the memory of all the GPUs together: it needs more GPUs or optimizer offload).
+The lower bound stays one with TP, sharding and recomputation (they only add device-seconds); every ratio is
+checked to be at least 1. Finally the wall time of full layout searches for 1,024 GPUs
 (every layout and DP degree).
 
 Run: ``.venv/bin/python bench/pipeline_plans.py`` (``--help``: GPU counts, microbatches, models, the
@@ -61,7 +67,9 @@ from typing import Any
 from plait.planner.arch import EncoderArch, arch_from_config, model_param_count, units_from_configs
 from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_costs
 from plait.planner.graph import consistent_units
+from plait.planner.cost_model import unit_static_bytes
 from plait.planner.search import LayoutChoice, megatron_even_split, plan_layout
+from plait.planner.search_parallel import plan_parallel
 from plait.planner.simulator import P2PModel
 
 TEXT_TOKENS = 1024
@@ -241,8 +249,8 @@ def _run_one(units, costs, gpus: int, microbatches: int, dp_fixed: int | None) -
     search = dict(common, dp_degrees=dps, virtual_stages=VIRTUAL_STAGES, attach_encoders=True)
     out: dict[str, LayoutChoice | None] = {}
     for key, call in (("A", lambda: megatron_even_split(units, costs, gpus, dp=dp_fixed, **common)),
-                      ("B", lambda: plan_layout(units, costs, gpus, frozen_aware=False, **search)),
-                      ("C", lambda: plan_layout(units, costs, gpus, **search))):
+                      ("B", lambda: plan_parallel(units, costs, gpus, frozen_aware=False, **search)),
+                      ("C", lambda: plan_parallel(units, costs, gpus, **search))):
         try:
             out[key] = call()
         except ValueError:
@@ -251,11 +259,33 @@ def _run_one(units, costs, gpus: int, microbatches: int, dp_fixed: int | None) -
     return out
 
 
-def _cell(choice: LayoutChoice | None) -> str:
+def _cell(choice: LayoutChoice | None, degrees: bool = False) -> str:
+    """Time, ratio to the lower bound and layout tag (34 characters); with ``degrees`` also the TP / FSDP2 /
+    checkpointing tag (``_degrees_tag``, 10 more)."""
     if choice is None:
-        return f"{'(no fit)':>34}"
+        return f"{'(no fit)':>34}" + (" " * 10 if degrees else "")
     mark = " " if choice.fits_memory else "!"
-    return f"{choice.iteration_s:7.3f}s{mark}{choice.ratio_to_lower_bound:4.2f}x {_layout_tag(choice):<20}"
+    if choice.ratio_to_lower_bound < 1:
+        raise AssertionError(f"lower bound {choice.lower_bound_s} above the time {choice.iteration_s}: not a bound")
+    cell = f"{choice.iteration_s:7.3f}s{mark}{choice.ratio_to_lower_bound:4.2f}x {_layout_tag(choice):<20}"
+    return cell + (f" {_degrees_tag(choice):<9}" if degrees else "")
+
+
+def _degrees_tag(choice: LayoutChoice) -> str:
+    """``t<tp> s<dp_shard> <ac>`` (``ac``: ``sel``/``full``) of a plan with TP, FSDP2 or checkpointing; ``-`` without."""
+    parts = [f"t{choice.tp}"] if choice.tp > 1 else []
+    parts += [f"s{choice.dp_shard}"] if choice.dp_shard > 1 else []
+    parts += [{"selective": "sel", "full": "full"}[choice.checkpointing]] if choice.checkpointing != "none" else []
+    return " ".join(parts) or "-"
+
+
+def _state_floor(units, costs, gpus: int) -> str:
+    """Why no plan can fit: the model's parameters, gradients and AdamW state over all GPUs exceed the cap ('' when
+    they do not: the state alone could fit when fully sharded)."""
+    state = sum(unit_static_bytes(u, c) for u, c in zip(consistent_units(units), costs))
+    if state <= gpus * MEMORY_CAP:
+        return ""
+    return f"  (state {state / 2**30:.0f} GiB > {gpus} x cap {MEMORY_CAP / 2**30:.0f} GiB: no plan can fit)"
 
 
 def _speedup(base: LayoutChoice | None, ours: LayoutChoice | None) -> float:
@@ -268,8 +298,9 @@ def _speedup(base: LayoutChoice | None, ours: LayoutChoice | None) -> float:
 def run_table(names: list[str], gpu_counts: list[int], microbatches: int, dp_fixed: int | None) -> dict:
     """Print one side-by-side table; returns the speedups C/A, C/A*, C/B per setting."""
     speedups: dict[str, list[float]] = {}
+    fits: dict[str, list[bool]] = {"C": [], "impossible": []}
     header = (f"{'model':<7} {'setting':<9} {'GPUs':>4} | {'A megatron even':<34} | {'A* (dp by true)':<34} | "
-              f"{'B frozen-unaware':<34} | {'C plait':<34} |  C/A  C/A*  C/B")
+              f"{'B frozen-unaware':<34} {'TP/FSDP/AC':<9} | {'C plait':<34} {'TP/FSDP/AC':<9} |  C/A  C/A*  C/B")
     print(header)
     print("-" * len(header))
     for name in names:
@@ -280,8 +311,11 @@ def run_table(names: list[str], gpu_counts: list[int], microbatches: int, dp_fix
                 ratios = [_speedup(res[k], res["C"]) for k in ("A", "A*", "B")]
                 for key, value in zip(("A", "A*", "B"), ratios):
                     speedups.setdefault((setting, key), []).append(value)
+                fits["C"].append(res["C"] is not None and res["C"].fits_memory)
+                fits["impossible"].append(bool(_state_floor(units, costs, gpus)))
                 print(f"{name:<7} {setting:<9} {gpus:>4} | {_cell(res['A'])} | {_cell(res['A*'])} | "
-                      f"{_cell(res['B'])} | {_cell(res['C'])} | " + " ".join(f"{r:4.2f}" for r in ratios))
+                      f"{_cell(res['B'], True)} | {_cell(res['C'], True)} | " + " ".join(f"{r:4.2f}" for r in ratios)
+                      + ("" if fits["C"][-1] else _state_floor(units, costs, gpus)))
         print()
     for setting in ("frozen", "trainable"):
         parts = []
@@ -290,6 +324,9 @@ def run_table(names: list[str], gpu_counts: list[int], microbatches: int, dp_fix
             finite = [v for v in values if v == v]
             parts.append(f"C/{key} {_mean(finite):.2f}x ({len(finite)} of {len(values)} rows)")
         print(f"mean speedup, {setting}: " + "; ".join(parts))
+    possible = [f for f, imp in zip(fits["C"], fits["impossible"]) if not imp]
+    print(f"C fits the memory cap in {sum(fits['C'])} of {len(fits['C'])} rows; {len(fits['C']) - len(possible)} rows "
+          f"cannot fit any plan (state over all GPUs' memory); C fits {sum(possible)} of the other {len(possible)}")
     return speedups
 
 

@@ -28,7 +28,8 @@ the degrees. The formulas, per pipeline unit ``u`` with ``P_u`` parameter bytes,
   prefetch, so only the excess ``max(0, gather - compute)`` is charged. Gradients are reduce-scattered once per
   step at the flush (``search_model.grad_sync_s``). While a unit runs, FSDP2 holds its unsharded parameters,
   those of the next unit (prefetch) and, in the backward, its unsharded gradient before the reduce-scatter:
-  ``shard_buffer_bytes``, kept free below the memory cap.
+  ``shard_buffer_bytes``, kept free below the memory cap. Frozen units are sharded too (their parameters; they
+  have no gradient or optimizer state to shard).
 """
 
 from __future__ import annotations
@@ -169,17 +170,19 @@ def shard_costs(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: Paral
 
 def shard_buffer_bytes(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees,
                        dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec()) -> float:
-    """Bytes FSDP2 holds unsharded at its peak (module docstring): the two largest units' unsharded parameters
-    (the running unit and the prefetched next one) plus the largest unsharded gradient of a trainable unit, all on
-    one TP rank (``costs`` are whole-unit costs, before ``shard_costs``). 0 when ``dp_shard == 1``."""
+    """Bytes FSDP2 holds unsharded at its peak (module docstring): the largest unsharded parameters of two units next
+    to each other (the running unit and the prefetched next one, in unit order) plus the largest unsharded gradient
+    of a trainable unit, all on one TP rank (``costs`` are whole-unit costs, before ``shard_costs``). 0 when
+    ``dp_shard == 1``."""
     if degrees.dp_shard == 1:
         return 0.0
     tp_costs = [_tp_cost(u, c, degrees.tp, None) for u, c in zip(units, costs)]
-    params = sorted((c.param_bytes for c in tp_costs), reverse=True)
+    params = [c.param_bytes for c in tp_costs]
+    pairs = max((a + b for a, b in zip(params, params[1:])), default=sum(params))
     b = dtype_bytes(dtype)
     grad_b = b if optimizer.grad_bytes_per_param is None else optimizer.grad_bytes_per_param
     grads = [c.param_bytes * u.trained_fraction / b * grad_b for u, c in zip(units, tp_costs)]
-    return float(sum(params[:2]) + max(grads, default=0.0))
+    return float(pairs + max(grads, default=0.0))
 
 
 @dataclass(frozen=True)
