@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test bench clean demo-match tune-ranks bench-mars
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,20 @@ venv: $(VENV)/.installed
 
 demo: venv
 	$(VENV)/bin/plait train --config configs/demo.toml --overwrite  # a new demo run replaces runs/demo
+
+# The demo's fine-tuning task (digit_match, LoRA from the trained demo; trains the demo first when it is missing),
+# MARS's rank search on it, and MARS against a full grid (bench/mars.py, ~15 min on 2 idle cores).
+runs/demo/final/plait_config.json:
+	$(MAKE) demo
+
+demo-match: venv runs/demo/final/plait_config.json
+	$(VENV)/bin/plait train --config configs/demo_match.toml --overwrite
+
+tune-ranks: venv runs/demo/final/plait_config.json
+	$(VENV)/bin/plait tune-ranks --config configs/demo_match.toml --sizes 96,192 --batch 8
+
+bench-mars: venv runs/demo/final/plait_config.json
+	$(PY) bench/mars.py
 
 test: venv
 	$(PY) -m pytest -q tests

@@ -49,8 +49,8 @@ from plait.planner.types import LLM_MODULE
 from plait.train.metrics import read_metrics
 from plait.train.plots import new_figure, save_figure
 
-__all__ = ["RunResult", "SearchSettings", "lora_modules", "run_calibration", "subset_records",
-           "tune_ranks_command", "write_job_toml"]
+__all__ = ["RunResult", "SearchSettings", "cpu_seconds", "lora_modules", "plot_laws", "run_calibration",
+           "subset_records", "train_job", "tune_ranks_command", "write_job_toml"]
 
 
 @dataclass(frozen=True)
@@ -192,21 +192,21 @@ def run_calibration(cfg: JobConfig, run: CalibrationRun, records: list[dict], ou
             return RunResult(Observation.from_dict(saved["observation"]), run.steps, run.steps * run.batch,
                              saved["cpu_s"], saved["wall_s"], True)
     path = write_job_toml(job, run_dir / "job.toml")
-    cpu0, wall0 = _cpu_seconds(), time.perf_counter()
-    _train(path, run_dir / "train.log", settings.nproc)
-    cpu, wall = _cpu_seconds() - cpu0, time.perf_counter() - wall0
+    cpu0, wall0 = cpu_seconds(), time.perf_counter()
+    train_job(path, run_dir / "train.log", settings.nproc)
+    cpu, wall = cpu_seconds() - cpu0, time.perf_counter() - wall0
     obs = _observe(run, run_dir, settings.fraction)
     done.write_text(json.dumps({"job": job, "observation": obs.to_dict(), "cpu_s": cpu, "wall_s": wall}, indent=1))
     return RunResult(obs, run.steps, run.steps * run.batch, cpu, wall, False)
 
 
-def _cpu_seconds() -> float:
+def cpu_seconds() -> float:
     """CPU seconds (user + system) of this process and its waited-for children, all threads."""
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _train(job: Path, log: Path, nproc: int) -> None:
+def train_job(job: Path, log: Path, nproc: int) -> None:
     """Train the job file ``job`` with ``plait train --overwrite``: here (``nproc`` 1, output to ``log``) or under
     torchrun with ``nproc`` processes.
 

@@ -69,7 +69,7 @@ def test_tune_ranks_chooses_writes_and_resumes(tmp_path, capsys, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a finished calibration run was trained again")
 
-    monkeypatch.setattr(tune_ranks, "_train", refuse)
+    monkeypatch.setattr(tune_ranks, "train_job", refuse)
     again = tune_ranks.tune_ranks_command(job, (), tune_ranks.SearchSettings(ranks=(2, 4), sizes=(8, 16), val_samples=4),
                                           out)
     assert again["compute"]["resumed"] == 8 and again["chosen"] == search["chosen"]

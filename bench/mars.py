@@ -1,0 +1,125 @@
+"""MARS rank search vs a full grid on the demo fine-tuning task (digit_match, configs/demo_match.toml).
+
+Candidates: the same ranks for the vision encoder and the LLM (default 2, 4, 8, 16). Three sides, one run:
+
+- **grid**: every (vision rank, LLM rank) pair fine-tuned with the job's own settings (``train.steps`` steps on the
+  whole ``match_train.jsonl``), validation loss and exact match on ``match_val.jsonl`` (train/evaluation.py);
+  its best pair by accuracy (ties: lower loss).
+- **uniform**: the same rank for both modules, the common default ``r = 8`` (peft's default), read from the grid;
+  the best diagonal pair is printed too.
+- **MARS**: ``plait tune-ranks`` on the job (calibration runs on two subset sizes, Law-C, pruning, Law-P), its chosen
+  pair's full fine-tune read from the grid (same candidates, so the grid holds it).
+
+Compute: train steps, training samples and CPU seconds (this process and its children, all threads) of MARS's
+calibration against the whole grid's. Targets (issue 15): MARS within 1 point of the grid's best accuracy at >= 5x
+less search compute, and >= the uniform default.
+
+Needs the demo's trained model ``runs/demo/final`` (``make demo``). Runs are kept under ``--out`` (default
+``runs/bench_mars``) and found again by a later run of the bench (delete the folder to measure afresh; the compute
+figures of runs found on disk are the ones recorded when they ran). Run from the repository root:
+``.venv/bin/python bench/mars.py`` (``--help``: ranks, sizes, steps, out folder). About 15 minutes on 2 idle cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from plait.commands.tune_ranks import (  # noqa: E402
+    SearchSettings, cpu_seconds, train_job, tune_ranks_command, write_job_toml)
+from plait.config.loader import config_to_dict, load_config  # noqa: E402
+from plait.train.metrics import read_metrics  # noqa: E402
+
+
+def grid_run(cfg, r_vision: int, r_llm: int, out: Path) -> dict:
+    """Fine-tune one pair with the job's settings (or read its ``result.json``): val loss, exact match, compute."""
+    run_dir = out / "grid" / f"vision{r_vision}_llm{r_llm}"
+    job = config_to_dict(cfg)
+    job["model"]["encoders"]["vision"]["lora"]["r"] = r_vision
+    job["model"]["llm"]["lora"]["r"] = r_llm
+    job["metrics"].update(run_dir=str(run_dir.resolve()), progress=False, tensorboard=False)
+    done = run_dir / "result.json"
+    if done.is_file() and json.loads(done.read_text()).get("job") == job:
+        return json.loads(done.read_text())
+    path = write_job_toml(job, run_dir / "job.toml")
+    cpu0, wall0 = cpu_seconds(), time.perf_counter()
+    train_job(path, run_dir / "train.log", 1)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    last = [r for r in rows if "val_loss" in r][-1]
+    result = {"job": job, "r_vision": r_vision, "r_llm": r_llm, "val_loss": last["val_loss"],
+              "accuracy": last["exact_match"], "steps": cfg.train.steps,
+              "samples": cfg.train.steps * cfg.train.global_batch_size,
+              "cpu_s": cpu_seconds() - cpu0, "wall_s": time.perf_counter() - wall0}
+    done.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _row(name: str, res: dict) -> str:
+    return (f"{name:<26} vision r={res['r_vision']:<3} llm r={res['r_llm']:<3} accuracy {100 * res['accuracy']:5.1f}%  "
+            f"val loss {res['val_loss']:.4f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=str(ROOT / "configs" / "demo_match.toml"))
+    p.add_argument("--ranks", default="2,4,8,16")
+    p.add_argument("--sizes", default="96,192", help="MARS calibration subset sizes (samples)")
+    p.add_argument("--calib-batch", type=int, default=8, help="global batch of the calibration runs")
+    p.add_argument("--val-samples", type=int, default=64, help="validation records per calibration run")
+    p.add_argument("--uniform", type=int, default=8, help="the uniform default rank")
+    p.add_argument("--out", default=str(ROOT / "runs" / "bench_mars"))
+    a = p.parse_args(argv)
+    ranks = tuple(int(x) for x in a.ranks.split(","))
+    out = Path(a.out)
+    cfg = load_config(a.config)
+    if not (Path(cfg.model.pretrained) / "plait_config.json").is_file():
+        print(f"bench/mars.py needs {cfg.model.pretrained} (run `make demo` first)", file=sys.stderr)
+        return 1
+    t0 = time.perf_counter()
+    settings = SearchSettings(ranks=ranks, sizes=tuple(int(x) for x in a.sizes.split(",")), batch=a.calib_batch,
+                              val_samples=a.val_samples)
+    search = tune_ranks_command(a.config, (), settings, out / "mars")
+    t_mars = time.perf_counter() - t0
+    pairs = [(rv, rl) for rv in ranks for rl in ranks]
+    grid = {(rv, rl): grid_run(cfg, rv, rl, out) for rv, rl in tqdm(pairs, desc="grid runs", unit="run", file=sys.stderr)}
+    best = max(grid.values(), key=lambda r: (r["accuracy"], -r["val_loss"]))
+    uniform = grid[(a.uniform, a.uniform)]
+    best_uniform = max((grid[(r, r)] for r in ranks), key=lambda r: (r["accuracy"], -r["val_loss"]))
+    mars = grid[(search["chosen"]["vision"], search["chosen"]["llm"])]
+    calib, gsteps = search["compute"], sum(r["steps"] for r in grid.values())
+    gsamples, gcpu = sum(r["samples"] for r in grid.values()), sum(r["cpu_s"] for r in grid.values())
+    print("\n== MARS vs grid on digit_match (exact match on match_val.jsonl, 200 records) ==")
+    print(f"grid of {len(grid)} pairs: accuracy by (vision r, llm r):")
+    print("vision\\llm " + "".join(f"{r:>8}" for r in ranks))
+    for rv in ranks:
+        print(f"{rv:>10} " + "".join(f"{100 * grid[(rv, rl)]['accuracy']:7.1f}%" for rl in ranks))
+    print("val loss by (vision r, llm r):")
+    for rv in ranks:
+        print(f"{rv:>10} " + "".join(f"{grid[(rv, rl)]['val_loss']:8.4f}" for rl in ranks))
+    print(_row("MARS (chosen pair)", mars))
+    print(_row("grid best", best))
+    print(_row(f"uniform default r={a.uniform}", uniform))
+    print(_row("best uniform (diagonal)", best_uniform))
+    print(f"search compute: MARS calibration {calib['runs']} runs, {calib['steps']} steps, {calib['samples']} samples, "
+          f"{calib['cpu_s']:.0f} CPU s | grid {len(grid)} runs, {gsteps} steps, {gsamples} samples, {gcpu:.0f} CPU s "
+          f"| grid / MARS: {gsamples / calib['samples']:.1f}x samples, {gcpu / max(calib['cpu_s'], 1e-9):.1f}x CPU s")
+    print(f"MARS including its one fine-tune of the chosen pair: {calib['samples'] + mars['samples']} samples, "
+          f"{calib['cpu_s'] + mars['cpu_s']:.0f} CPU s ({gcpu / (calib['cpu_s'] + mars['cpu_s']):.1f}x less CPU than the grid)")
+    gap = 100 * (best["accuracy"] - mars["accuracy"])
+    print(f"targets: MARS within 1 point of grid best: {'yes' if gap <= 1 else 'no'} ({gap:+.1f} points behind); "
+          f">= 5x less compute: {'yes' if gsamples >= 5 * calib['samples'] and gcpu >= 5 * calib['cpu_s'] else 'no'}; "
+          f">= uniform r={a.uniform}: {'yes' if mars['accuracy'] >= uniform['accuracy'] else 'no'}")
+    print(f"bench wall time {time.perf_counter() - t0:.0f} s (MARS search {t_mars:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
