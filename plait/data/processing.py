@@ -38,6 +38,8 @@ class ModalitySpec:
         placeholder_id: its token id.
         hf_processor: Hugging Face image processor or audio feature extractor.
         feature_count: the encoder's feature-count function (image ``(H, W)`` or audio samples -> tokens).
+        check_item: the encoder's check of one processed item (raises ``ValueError`` when the processor's output
+            does not fit the encoder: channels, mel bins, window), or None.
     """
 
     encoder: str
@@ -46,6 +48,7 @@ class ModalitySpec:
     placeholder_id: int
     hf_processor: Any
     feature_count: Callable[[Any], int]
+    check_item: Callable[[dict[str, Any]], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -285,14 +288,25 @@ class MultimodalProcessor:
         if spec.modality == "image":
             img = load_image(path)
             pixels = spec.hf_processor(images=[img], return_tensors="pt")["pixel_values"][0]
-            return {"pixel_values": pixels}, self._count(spec, tuple(pixels.shape[-2:]), path)
+            item = {"pixel_values": pixels}
+            return self._checked(spec, item, path), self._count(spec, tuple(pixels.shape[-2:]), path)
         data, rate = load_audio(path)
         expected = int(spec.hf_processor.sampling_rate)
         if rate != expected:
             raise SampleError(f"audio {path} is sampled at {rate} Hz; the feature extractor expects {expected} Hz")
         count = self._count(spec, len(data), path)
         feats = spec.hf_processor(data, sampling_rate=rate, return_tensors="pt")["input_features"][0]
-        return {"input_features": feats, "num_samples": len(data)}, count
+        return self._checked(spec, {"input_features": feats, "num_samples": len(data)}, path), count
+
+    @staticmethod
+    def _checked(spec: ModalitySpec, item: dict[str, Any], path: str) -> dict[str, Any]:
+        """``item`` after the encoder's check (:attr:`ModalitySpec.check_item`), errors naming the file."""
+        if spec.check_item is not None:
+            try:
+                spec.check_item(item)
+            except ValueError as exc:
+                raise SampleError(f"{path}: {exc}") from exc
+        return item
 
     @staticmethod
     def _count(spec: ModalitySpec, size: Any, path: str) -> int:

@@ -18,6 +18,7 @@ from plait.models.hf import (
     encoder_layout,
     feature_count_for,
 )
+from plait.models.families.qwen2_audio import Qwen2AudioFeatureCount, qwen2_audio_attention_mask
 from plait.models.projector import Projector
 
 __all__ = ["ModalityEncoder"]
@@ -70,9 +71,12 @@ class ModalityEncoder(nn.Module):
         self.feature_layer = feature_layer
         self.select = select
         self.downsample = downsample
-        self.feature_count: VisionFeatureCount | AudioFeatureCount = feature_count_for(
+        self.feature_count: VisionFeatureCount | AudioFeatureCount | Qwen2AudioFeatureCount = feature_count_for(
             encoder, modality, select, downsample, hop_length, sampling_rate
         )
+        if self.pooled_output and feature_layer not in (-1, layers):
+            raise ValueError(f"feature_layer={feature_layer}: the {encoder.config.model_type} encoder's features are "
+                             "its pooled, normed last hidden state; use feature_layer = -1")
         self.unreachable: frozenset[str] = frozenset()
         self.unreachable = self._probe_unreachable()
         for name, param in self.encoder.named_parameters():
@@ -82,6 +86,32 @@ class ModalityEncoder(nn.Module):
     @property
     def encoder_dim(self) -> int:
         return encoder_hidden_size(self.encoder)
+
+    @property
+    def pooled_output(self) -> bool:
+        """True for an encoder whose features are its ``last_hidden_state`` after a pooler (Qwen2-Audio), not
+        one of its layers' hidden states."""
+        return isinstance(self.feature_count, Qwen2AudioFeatureCount)
+
+    def check_item(self, item: dict[str, Any]) -> None:
+        """Check one processed item (``pixel_values [C, H, W]`` or ``input_features [mel, T]``) against the
+        encoder's input shape, so that a processor that does not match the encoder is caught per sample.
+
+        Raises:
+            ValueError: naming the processor's and the encoder's channels, mel bins or window frames.
+        """
+        cfg = self.encoder.config
+        if self.modality == "image":
+            channels = int(item["pixel_values"].shape[0])
+            if channels != int(cfg.num_channels):
+                raise ValueError(f"the image processor gives {channels} channels, the encoder expects "
+                                 f"{int(cfg.num_channels)}")
+            return
+        mel, frames = (int(d) for d in item["input_features"].shape)
+        window = dummy_encoder_input(self.encoder, "audio", "meta")["input_features"].shape
+        if (mel, frames) != (int(window[1]), int(window[2])):
+            raise ValueError(f"the feature extractor gives {mel} mel bins x {frames} frames, the encoder expects "
+                             f"{int(window[1])} x {int(window[2])} (feature_size / chunk_length of the processor)")
 
     def settings(self) -> dict[str, Any]:
         """The JSON-serialisable construction arguments (saved next to the weights)."""
@@ -104,6 +134,8 @@ class ModalityEncoder(nn.Module):
 
     def encoder_features(self, model_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Selected hidden state ``[n, positions, encoder_dim]`` for a stacked batch of same-shape items."""
+        if self.pooled_output:
+            return self.encoder(**model_inputs).last_hidden_state
         out = self.encoder(**model_inputs, output_hidden_states=True)
         return self.select_positions(out.hidden_states[self.feature_layer])
 
@@ -116,16 +148,21 @@ class ModalityEncoder(nn.Module):
 
         Images of equal size form one group (``pixel_values`` ``[n, C, H, W]``, with
         ``interpolate_pos_encoding`` when the size is not the native one), in order of first appearance;
-        audio is one group (``input_features`` ``[n, mel, T]``).
+        audio is one group (``input_features`` ``[n, mel, T]``; for Qwen2-Audio with the key-padding
+        ``attention_mask`` of its clips' lengths, as Hugging Face's composite model passes it).
         """
         if self.modality == "audio":
             feats = inputs["input_features"]
-            return [({"input_features": feats}, list(range(feats.shape[0])))]
+            kwargs: dict[str, Any] = {"input_features": feats}
+            if isinstance(self.feature_count, Qwen2AudioFeatureCount):
+                kwargs["attention_mask"] = qwen2_audio_attention_mask(
+                    self.encoder.config, self.feature_count, inputs["num_samples"], self.encoder.dtype)
+            return [(kwargs, list(range(feats.shape[0])))]
         images = inputs["pixel_values"]
         native = int(self.encoder.config.image_size)
         out = []
         for shape, idx in _shape_groups(images).items():
-            kwargs: dict[str, Any] = {"pixel_values": torch.stack([images[i] for i in idx])}
+            kwargs = {"pixel_values": torch.stack([images[i] for i in idx])}
             if shape[-2:] != (native, native):
                 kwargs["interpolate_pos_encoding"] = True
             out.append((kwargs, idx))

@@ -18,6 +18,7 @@ import transformers
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from plait.data.sources import path_note
+from plait.models.families import qwen2_audio
 
 __all__ = [
     "VisionFeatureCount",
@@ -43,7 +44,8 @@ _VISION = {
     "clip": ("CLIPVisionModel", True),
     "vit": ("ViTModel", True),
 }
-_AUDIO = {"whisper": "transformers.models.whisper.modeling_whisper.WhisperEncoder"}
+_AUDIO = {"whisper": "transformers.models.whisper.modeling_whisper.WhisperEncoder",
+          **{t: qwen2_audio.ENCODER_CLASS for t in qwen2_audio.MODEL_TYPES}}
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ _ENCODER_LAYOUTS = {
     "clip": EncoderLayout(("embeddings", "pre_layrnorm"), "encoder.layers", "post_layernorm"),
     "vit": EncoderLayout(("embeddings",), "layers", "layernorm", ("pooler",)),
     "whisper": EncoderLayout(("conv1", "conv2", "embed_positions"), "layers", "layer_norm"),
+    # the avg_pooler runs between the last layer and layer_norm: a stage owning the embedding must own every layer
+    "qwen2_audio_encoder": EncoderLayout(("conv1", "conv2", "embed_positions"), "layers", "layer_norm"),
 }
 
 
@@ -92,6 +96,7 @@ _ENCODER_TP_PLANS = {
     "vit": {"attention.q_proj": "colwise", "attention.k_proj": "colwise", "attention.v_proj": "colwise",
             "attention.o_proj": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
     "whisper": {**_ATTN_MLP, "fc1": "colwise", "fc2": "rowwise"},
+    "qwen2_audio_encoder": {**_ATTN_MLP, "fc1": "colwise", "fc2": "rowwise"},
 }
 
 
@@ -225,13 +230,15 @@ def build_encoder(
         if cfg.model_type not in _AUDIO:
             raise ValueError(f"unsupported audio encoder model_type {cfg.model_type!r}; supported: {sorted(_AUDIO)}")
         encoder_cls = _class(_AUDIO[cfg.model_type])
+        sub = getattr(cfg, "audio_config", cfg)  # a full Qwen2-Audio checkpoint gives its audio tower
         if path is None:
-            return encoder_cls(cfg)
+            return encoder_cls(sub)
         if not weights:
-            return encoder_cls._from_config(cfg)
+            return encoder_cls._from_config(sub)
         if (cfg.architectures or [None])[0] == encoder_cls.__name__:
             return encoder_cls.from_pretrained(path)
-        return transformers.AutoModel.from_pretrained(path).get_encoder()
+        full = transformers.AutoModel.from_pretrained(path)
+        return full.audio_tower if hasattr(full, "audio_tower") else full.get_encoder()
     raise ValueError(f"unknown modality {modality!r}; expected 'image' or 'audio'")
 
 
@@ -296,7 +303,7 @@ def encoder_hidden_size(encoder: PreTrainedModel) -> int:
 def feature_count_for(
     encoder: PreTrainedModel, modality: str, select: str, downsample: int, hop_length: int = 160,
     sampling_rate: int = 16000,
-) -> VisionFeatureCount | AudioFeatureCount:
+) -> VisionFeatureCount | AudioFeatureCount | qwen2_audio.Qwen2AudioFeatureCount:
     """The feature-count function of an encoder with plait's feature selection and pooling.
 
     Raises:
@@ -311,6 +318,8 @@ def feature_count_for(
         if downsample != 1:
             raise ValueError("downsample applies to audio frames only; use 1 for images")
         return VisionFeatureCount(int(cfg.patch_size), int(has_cls and select == "full"))
+    if cfg.model_type in qwen2_audio.MODEL_TYPES:
+        return qwen2_audio.Qwen2AudioFeatureCount(hop_length, downsample, int(cfg.max_source_positions), sampling_rate)
     conv_stride = int(encoder.conv2.stride[0]) * int(encoder.conv1.stride[0])
     return AudioFeatureCount(hop_length, conv_stride, downsample, int(cfg.max_source_positions), sampling_rate)
 
@@ -384,7 +393,15 @@ def llm_tp_plan(llm: PreTrainedModel) -> dict[str, str]:
 
 def run_encoder_layer(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """One encoder layer on ``hidden`` ``[n, positions, dim]`` without attention mask, as the stock encoder
-    forwards of every family in ``_ENCODER_LAYOUTS`` call it (``layer(hidden_states, None)``)."""
+    forwards of every family in ``_ENCODER_LAYOUTS`` call it (``layer(hidden_states, None)``).
+
+    Raises:
+        ValueError: for a Qwen2-Audio layer (its padding mask and pooler live in the stock forward only: a pipeline
+            stage that owns its embedding must own all its layers).
+    """
+    if type(layer).__name__ == "Qwen2AudioEncoderLayer":
+        raise ValueError("the Qwen2-Audio encoder's layers cannot start a pipeline stage (its padding mask and "
+                         "pooler run inside its own forward): give the branch one stage")
     out = layer(hidden, None)
     return out[0] if isinstance(out, tuple) else out
 

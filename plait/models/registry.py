@@ -184,6 +184,7 @@ def build_processor(cfg: ModelConfig, model: MultimodalModel, tokenizer: Any, ma
                 model.placeholder_ids[name],
                 _hf_processor(enc, branch),
                 branch.feature_count,
+                branch.check_item,
             )
         )
     return MultimodalProcessor(tokenizer, specs, max_length)
