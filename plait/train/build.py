@@ -20,8 +20,10 @@ from plait.data.mixture import mixture_sources
 from plait.models.multimodal import MultimodalModel
 from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.parallel.mesh import DistInfo, init_distributed
+from plait.train.checkpoint import latest_checkpoint, load_model_state
 
-__all__ = ["TrainerParts", "build_datasets", "build_trainer_parts", "join_job", "metadata_cache_dir", "seed_everything"]
+__all__ = ["TrainerParts", "build_datasets", "build_trainer_parts", "join_job", "metadata_cache_dir",
+           "model_from_checkpoint", "seed_everything"]
 
 
 @dataclass
@@ -94,3 +96,22 @@ def build_trainer_parts(cfg: JobConfig, info: DistInfo, meta: bool = False) -> T
     processor = build_processor(cfg.model, model, tokenizer, cfg.data.max_length)
     train, val = build_datasets(cfg, processor, cfg.metrics.progress and info.is_main)
     return TrainerParts(info, tokenizer, model, processor, train, val)
+
+
+def model_from_checkpoint(cfg: JobConfig, tokenizer: Any, run_dir: Path, path: str | Path | None,
+                          device: torch.device) -> MultimodalModel:
+    """The whole model with the weights of checkpoint ``path`` (default: the newest under ``run_dir``), on
+    ``device``, built in this process alone (no collective): for export by trainers that hold a part of the model
+    (pipeline stages, FSDP2 shards). Built from the config like the trained model (same seed: the parts in no
+    pipeline unit, such as a pooling head, are never trained or saved and keep their initial values), then loaded
+    with DCP.
+
+    Raises:
+        FileNotFoundError: when there is no checkpoint.
+    """
+    path = Path(path) if path else latest_checkpoint(run_dir)
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint under {Path(run_dir) / 'checkpoints'} to build the model from")
+    model = build_model(cfg.model, tokenizer, seed=cfg.train.seed)
+    load_model_state(path, model)
+    return model.to(device)

@@ -65,10 +65,10 @@ from plait.data.collate import Batch
 from plait.models.generation import stop_token_ids
 from plait.models.multimodal import MultimodalModel
 from plait.models.init import materialize, rank_prefixes, weight_source
-from plait.models.registry import build_model
 from plait.models.units import model_units
 from plait.parallel.checkpointing import apply_activation_checkpointing, checkpoint_policy
 from plait.parallel.dims import ParallelDims
+from plait.parallel.energy import build_energy_runtime
 from plait.parallel.pipeline import (
     build_pipeline_comm,
     clip_grad_norm_pipeline,
@@ -82,7 +82,8 @@ from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
 from plait.planner.schedule_ir import Schedule
 from plait.planner.schedules import build_schedule, forward_only
 from plait.planner.timeline import TimelineEvent
-from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, latest_checkpoint, load_model_state
+from plait.train.build import model_from_checkpoint
+from plait.train.checkpoint import CheckpointLayout, checkpoint_dir
 from plait.train.evaluation import EvalSide, greedy_by_forward, next_token_ids
 from plait.train.loss import token_loss_sum, zero_loss
 from plait.train.metrics import MetricsWriter
@@ -162,6 +163,7 @@ class PipelineTrainer(Trainer):
         self._schedules: dict[int, Schedule] = {}
         self._saved_step: int | None = None
         self.last_events: tuple[TimelineEvent, ...] = ()
+        self.energy = build_energy_runtime(self.cfg.energy, self.pp_rank, self.dp_rank, self.dp, self.info.device)
 
     def _num_microbatches(self, samples: int) -> int:
         return self.cfg.parallel.pp.microbatches or super()._num_microbatches(samples)
@@ -233,8 +235,11 @@ class PipelineTrainer(Trainer):
         res = run_pipeline_step(self.stages, self.schedule_for(len(batches)), batches, global_targets, self.comm,
                                 loss_fn=loss_fn, autocast=self.autocast, llm_kwargs=kwargs,
                                 routing=step.routing if routed else None,
-                                encoder_batches=step.encoder_batches if routed else None)
+                                encoder_batches=step.encoder_batches if routed else None,
+                                frequency=self.energy.controller if self.energy is not None else None)
         self.last_events = res.events
+        if self.energy is not None:
+            self.energy.after_step(res.events)  # straggler reaction (collective)
         self.encoder_buffer_peak_bytes = self._job_max(res.buffered_peak_bytes) if plan.deferred() else 0
         return res.loss, global_targets
 
@@ -319,13 +324,9 @@ class PipelineTrainer(Trainer):
         Raises:
             FileNotFoundError: when there is no checkpoint.
         """
-        path = Path(path) if path else latest_checkpoint(self.run_dir)
-        if path is None:
-            raise FileNotFoundError(f"no checkpoint under {self.run_dir / 'checkpoints'} to build the model from")
-        model = build_model(self.cfg.model, self.tokenizer, seed=self.cfg.train.seed)
+        model = model_from_checkpoint(self.cfg, self.tokenizer, self.run_dir, path, self.info.device)
         self._use_attention(model)
-        load_model_state(path, model)
-        return model.to(self.info.device)
+        return model
 
     def _checkpoint_layout(self) -> CheckpointLayout:
         """World size, DP/PP/CP degrees and the plan: per stage its modules, unit count and pipeline rank."""
@@ -362,4 +363,6 @@ class PipelineTrainer(Trainer):
         holds ``"timeline"`` (the JSON path on rank 0, else None)."""
         result = super().fit(resume, stop_after, overwrite)
         result["timeline"] = self.write_timeline()
+        if self.energy is not None:
+            self.energy.close()
         return result

@@ -1,0 +1,188 @@
+"""Sharded data parallelism (FSDP2, ``torch.distributed.fsdp.fully_shard``) per pipeline unit, frozen-aware.
+
+What is plait's own here, the rest is PyTorch's:
+
+- **Groups = pipeline units.** Each trainable unit (encoder embeddings / layer / post-norm / projector, LLM
+  embeddings / layer / norm / head; :func:`plait.models.units.unit_specs`) is one ``fully_shard`` group, so its
+  parameters are all-gathered just before its forward (and again before its backward) and its gradients
+  reduce-scattered as soon as its backward is done: the reduction overlaps the backward of the units before it.
+  Each group is its own FSDP2 root (plait calls encoder and embedding modules outside any enclosing forward), so a
+  unit made of several modules (Whisper's ``conv1, conv2, embed_positions``) gives one group per module. Inside a
+  unit, every maximal submodule whose parameters all train while others in the unit do not (LoRA's ``lora_A`` /
+  ``lora_B``) is its own group first: a group keeps one ``requires_grad`` and one dtype.
+- **Tied parameters stay replicated**: a module holding a parameter that another unit uses too (tied LLM
+  embeddings and head) is not sharded (one FSDP2 group cannot span two roots); its gradient is summed like DDP's
+  (:attr:`ShardedModel.replicated`, ``plait.parallel.tensor_parallel.sum_local_gradients``).
+- **Frozen units stay replicated**, outside FSDP: they have no gradient or optimizer state to shard, their
+  parameters are 1/8 of the bytes a trained parameter costs under AdamW (2 of 16 in bf16), and sharding them
+  would add an all-gather to every microbatch's forward and make every rank join the collectives of encoders
+  its share of the batch may not run. A fully frozen part is therefore never wrapped and never reduced.
+- **Sums, not means**: the trainer already scales each loss by 1 / the global batch's target tokens, so the
+  groups reduce with divide factor 1 (the sum over the ``dp x dp_shard`` ranks, like ``sum_gradients``).
+- **Mixed precision** on GPU: bf16 parameters for compute, fp32 gradient reduction and fp32 master weights
+  (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``); fp32 throughout on CPU.
+
+Every rank must run the same sequence of forwards and backwards through the sharded groups (their all-gathers
+and reduce-scatters are collectives): :mod:`plait.train.sharded_step` makes the trainer's step uniform.
+Source: PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``), torchtitan's per-block wrapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from plait.models.units import UnitSpec
+
+__all__ = ["ShardedModel", "apply_fsdp", "gathered", "mixed_precision"]
+
+
+@dataclass
+class ShardedModel:
+    """The FSDP2 groups of a model, by module (``"llm"`` or an encoder branch name), in forward order.
+
+    Attributes:
+        groups: per module, the ``FSDPModule`` groups holding its trainable units (adapter groups first).
+        names: per group (same order as :meth:`all_groups`), the unit name it was built for.
+        replicated: trainable parameters left outside FSDP2 (tied across units): their gradients are summed over
+            the data-parallel and CP ranks by ``sum_local_gradients``.
+    """
+
+    groups: dict[str, list[FSDPModule]] = field(default_factory=dict)
+    names: list[str] = field(default_factory=list)
+    replicated: list[nn.Parameter] = field(default_factory=list)
+
+    def all_groups(self) -> list[FSDPModule]:
+        """Every group, module by module."""
+        return [g for groups in self.groups.values() for g in groups]
+
+    def sharded(self, module: str) -> bool:
+        """Whether ``module`` (``"llm"`` or a branch) has a sharded group (then every rank must run it)."""
+        return bool(self.groups.get(module))
+
+    def set_gradient_sync(self, sync: bool, module: str | None = None) -> None:
+        """Reduce-scatter gradients at the end of each group's backward (``sync``) or accumulate them unsharded
+        (microbatches before the last), for ``module``'s groups (default: all)."""
+        for group in self.all_groups() if module is None else self.groups.get(module, []):
+            group.set_requires_gradient_sync(sync, recurse=False)
+
+
+def mixed_precision(device_type: str) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 reduction on GPU (the master weights stay fp32: FSDP2 casts a copy); fp32 on CPU."""
+    if device_type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_type: str) -> ShardedModel:
+    """Shard, in place, the trainable units of ``model`` over ``mesh`` (module docstring for the rules).
+
+    Args:
+        model: the composite (whole, or a pipeline rank's pruned composite: units it does not hold are skipped),
+            freezing applied and activation checkpointing already applied (the checkpointed forward then runs
+            inside the group, so its recomputation finds the parameters all-gathered).
+        specs: ``plait.models.units.unit_specs`` of the whole model.
+        mesh: a 1-D ``("dp_shard",)`` DeviceMesh (FSDP) or 2-D ``("dp", "dp_shard")`` (HSDP: replicate over
+            ``dp``, shard over ``dp_shard``).
+        device_type: ``"cuda"`` (bf16 mixed precision) or ``"cpu"``.
+
+    Returns:
+        The groups made, by module.
+    """
+    out = ShardedModel()
+    policy = mixed_precision(device_type)
+    units = [(s.unit.module, s.unit.name, [m for m in map(lambda p: _held(model, p), s.modules) if m is not None])
+             for s in specs]
+    tied = _tied(units)
+    seen: set[int] = set()
+    for module, unit, modules in units:
+        for m in modules:
+            params = list(m.parameters())
+            if not any(p.requires_grad for p in params):
+                continue  # frozen: replicated, no gradient, no collective
+            if any(id(p) in tied for p in params):
+                out.replicated += [p for p in params if p.requires_grad and id(p) not in seen]
+                seen.update(id(p) for p in params)
+                continue
+            groups = out.groups.setdefault(module, [])
+            if not all(p.requires_grad for p in params):
+                for island in _trainable_islands(m):
+                    groups.append(_shard(island, mesh, policy))
+                    out.names.append(f"{unit} (adapter)")
+            groups.append(_shard(m, mesh, policy))
+            out.names.append(unit)
+    return out
+
+
+def _shard(modules: nn.Module | list[nn.Module], mesh: Any, policy: MixedPrecisionPolicy) -> FSDPModule:
+    group = fully_shard(modules, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+    group = group[0] if isinstance(group, list) else group  # several modules share one state: any handles it
+    group.set_gradient_divide_factor(1.0)
+    group.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM; the factor is 1)
+    return group
+
+
+def _tied(units: Sequence[tuple[str, str, list[nn.Module]]]) -> set[int]:
+    """Ids of the parameters held by modules of more than one unit (tied embeddings and head)."""
+    count: dict[int, int] = {}
+    for _, _, modules in units:
+        for i in {id(p) for m in modules for p in m.parameters()}:
+            count[i] = count.get(i, 0) + 1
+    return {i for i, n in count.items() if n > 1}
+
+
+def _held(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:  # a pipeline rank's pruned composite holds only its own units
+        return None
+
+
+def _trainable_islands(module: nn.Module) -> list[nn.Module]:
+    """The maximal submodules of ``module`` whose parameters all train (LoRA adapters in a frozen base).
+
+    Raises:
+        ValueError: when a module holds trainable parameters of its own next to frozen ones.
+    """
+    out: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        params = list(m.parameters())
+        if params and all(p.requires_grad for p in params):
+            out.append(m)
+            return
+        for child in m.children():
+            visit(child)
+
+    for sub in module.modules():
+        own = list(sub.parameters(recurse=False))
+        if any(p.requires_grad for p in own) and not all(p.requires_grad for p in own):
+            raise ValueError(f"{type(sub).__name__} holds trainable and frozen parameters of its own: FSDP2 needs "
+                             "one requires_grad per group; freeze or train the whole module")
+    for child in module.children():
+        visit(child)
+    return out
+
+
+@contextmanager
+def gathered(sharded: ShardedModel | None) -> Iterator[None]:
+    """Within: every group's parameters all-gathered once (collective, same order on every rank) and kept, so the
+    forwards inside (evaluation, generation: different counts per rank) run no collective. Resharded on exit."""
+    groups = sharded.all_groups() if sharded is not None else []
+    for g in groups:
+        g.unshard()
+        g.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for g in groups:
+            g.reshard()
+            g.set_reshard_after_forward(True, recurse=False)
+
+

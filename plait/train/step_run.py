@@ -1,0 +1,203 @@
+"""One rank's forward/backward of its planned microbatches (deferral included), for the non-pipeline trainer.
+
+:func:`run_microbatches` runs encoder microbatch ``i`` just before LLM microbatch ``i`` (planned order). Encoder
+outputs enter the LLM microbatches as detached leaves, assembled by the one deferral implementation
+(:class:`~plait.parallel.deferral.FeatureBuffer`); once every LLM microbatch that reads them has run backward,
+the gradients accumulated on the leaves go back through the encoder graph (detached-leaf re-injection).
+
+Under FSDP2 (:mod:`plait.parallel.fsdp`) every rank must run the same sequence of forwards and backwards through
+the sharded groups, whatever its share of the batch holds. :class:`Uniform` makes it so:
+
+- every LLM microbatch runs on every rank when the LLM is sharded (an empty one on a dummy batch whose loss is
+  multiplied by 0), every sharded encoder branch runs in every encoder microbatch (on a dummy item, its
+  backward fed zeros, when the share has no item of that modality), branch by branch in model order;
+- encoder microbatch ``i``'s backward runs after LLM microbatch ``r[i]``, ``r[i]`` the latest of every rank's
+  last reader of ``i`` (one all-reduce MAX of ``M`` integers per step): the same point on every rank;
+- gradients accumulate unsharded until each module's last backward of the step, whose reduce-scatter then
+  overlaps the remaining backwards (``set_requires_gradient_sync``): one reduction per step.
+
+The dummy work adds exact zeros, so gradients equal one process's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.data.collate import Batch
+from plait.data.processing import SampleMeta
+from plait.models.hf import dummy_encoder_input
+from plait.parallel.deferral import FeatureBuffer
+from plait.parallel.fsdp import ShardedModel
+from plait.planner.routing import FeatureRouting
+from plait.planner.types import LLM_MODULE
+from plait.train.batches import StepBatches
+
+__all__ = ["Uniform", "agreed_release", "dummy_features", "dummy_llm_batch", "run_microbatches",
+           "run_uniform_microbatches"]
+
+Encode = Callable[[str, Batch | None], torch.Tensor]
+"""``(branch, encoder batch or None for a dummy item)`` -> projected features ``[rows, hidden]``."""
+LlmLoss = Callable[[int, Batch | None, dict[str, torch.Tensor]], torch.Tensor]
+"""``(LLM microbatch, batch or None for a dummy, features)`` -> loss sum of its tokens (float scalar)."""
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """What makes every rank's step run the same collectives under FSDP2 (module docstring).
+
+    Attributes:
+        sharded: the model's FSDP2 groups.
+        branches: encoder branches in model order.
+        group: the process group over which the ranks' shares differ (None: all ranks).
+    """
+
+    sharded: ShardedModel
+    branches: Sequence[str]
+    group: Any = None
+
+
+def agreed_release(routing: FeatureRouting, group: Any = None) -> list[int]:
+    """Per encoder microbatch ``i``, the LLM microbatch after which every rank runs ``i``'s backward: the latest
+    over the ranks of ``group`` of the last LLM microbatch reading it (itself when nothing reads it). Collective."""
+    last = torch.tensor([max((i, *users)) for i, users in enumerate(routing.users)], dtype=torch.int64)
+    if dist.is_initialized():
+        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group)
+    return [int(x) for x in last]
+
+
+def run_microbatches(step: StepBatches, scale: float, encode: Callable[[Batch], dict[str, torch.Tensor]],
+                     loss: LlmLoss) -> tuple[torch.Tensor, int]:
+    """Forward/backward of this rank's encoder and LLM microbatches in planned order, each LLM loss sum times
+    ``scale`` (module docstring). Returns (this rank's loss sum (float64 scalar), peak bytes of encoder outputs
+    kept across a microbatch boundary).
+
+    Raises:
+        RuntimeError: when an encoder microbatch is never consumed (an invalid plan).
+    """
+    buffer = FeatureBuffer(step.routing)
+    encoded: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}  # outputs, their leaves
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for j in range(step.routing.num_microbatches):
+        if step.encoder_batches[j] is not None:
+            outputs = encode(step.encoder_batches[j])
+            encoded[j] = outputs, _leaves(outputs)
+            buffer.hold(j, encoded[j][1])
+        batch = step.llm_batches[j]
+        if batch is not None:
+            mb_loss = loss(j, batch, buffer.gather(j))
+            if mb_loss.requires_grad:  # e.g. a text-only microbatch under a frozen LLM has no gradient
+                (mb_loss * scale).backward()
+            loss_sum += mb_loss.detach().double().cpu()
+        for i in buffer.release(j):
+            _backward_through(*encoded.pop(i))
+    if encoded:
+        raise RuntimeError(f"encoder microbatches {sorted(encoded)} were never consumed (invalid plan)")
+    return loss_sum, buffer.peak
+
+
+def run_uniform_microbatches(step: StepBatches, scale: float, encode: Encode, loss: LlmLoss,
+                             uniform: Uniform) -> tuple[torch.Tensor, int]:
+    """:func:`run_microbatches` with every rank running the same collectives (:class:`Uniform`, module docstring).
+    Collective over every rank of the FSDP2 groups."""
+    routing, sharded = step.routing, uniform.sharded
+    release = agreed_release(routing, uniform.group)
+    n = routing.num_microbatches
+    last_encoder = max(range(n), key=lambda i: (release[i], i)) if n else -1
+    sharded.set_gradient_sync(False)
+    buffer = FeatureBuffer(routing)
+    encoded: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    try:
+        for j in range(n):
+            encoded[j] = _encode_all(step.encoder_batches[j], encode, uniform)
+            buffer.hold(j, {b: encoded[j][1][b] for b in encoded[j][1] if not b.startswith("~")})
+            sharded.set_gradient_sync(j == n - 1, LLM_MODULE)
+            loss_sum += _llm_microbatch(j, step.llm_batches[j], buffer.gather(j), loss, scale, sharded)
+            buffer.release(j)
+            for i in [i for i in sorted(encoded) if release[i] == j]:
+                for b in uniform.branches:
+                    sharded.set_gradient_sync(i == last_encoder, b)
+                _backward_each(*encoded.pop(i), uniform.branches)
+    finally:
+        sharded.set_gradient_sync(True)
+    if encoded:
+        raise RuntimeError(f"encoder microbatches {sorted(encoded)} were never consumed (invalid plan)")
+    return loss_sum, buffer.peak
+
+
+def _encode_all(batch: Batch | None, encode: Encode, uniform: Uniform
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Outputs and leaves of one encoder microbatch, branch by branch in model order: real items where the batch
+    has them, a dummy item (key ``"~<branch>"``: never held, never read) for a sharded branch where it has none."""
+    outputs: dict[str, torch.Tensor] = {}
+    present = batch.modality_inputs if batch is not None else {}
+    for b in uniform.branches:
+        if b in present:
+            outputs[b] = encode(b, batch)
+        elif uniform.sharded.sharded(b):
+            outputs["~" + b] = encode(b, None)
+    return outputs, _leaves(outputs)
+
+
+def _llm_microbatch(j: int, batch: Batch | None, features: dict[str, torch.Tensor], loss: LlmLoss, scale: float,
+                    sharded: ShardedModel) -> torch.Tensor:
+    """Forward/backward of LLM microbatch ``j`` (a dummy one, loss times 0, when this rank has no sample in it and
+    the LLM is sharded). Returns its loss sum (float64, 0 for a dummy)."""
+    if batch is None and not sharded.sharded(LLM_MODULE):
+        return torch.zeros((), dtype=torch.float64)
+    mb_loss = loss(j, batch, features)
+    weight = scale if batch is not None else 0.0
+    if mb_loss.requires_grad:
+        (mb_loss * weight).backward()
+    return mb_loss.detach().double().cpu() if batch is not None else torch.zeros((), dtype=torch.float64)
+
+
+def _leaves(outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: o.detach().requires_grad_(o.requires_grad) for n, o in outputs.items()}
+
+
+def _backward_through(outputs: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor]) -> None:
+    """Propagate the gradients accumulated on the detached ``leaves`` through the encoder graph of ``outputs``
+    (one backward for all branches); a branch whose leaf got no gradient (frozen, or no local token on this CP
+    rank) is skipped."""
+    pairs = [(o, leaves[n].grad) for n, o in outputs.items() if o.requires_grad and leaves[n].grad is not None]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+def _backward_each(outputs: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor],
+                   branches: Sequence[str]) -> None:
+    """One backward per branch with a graph, in model order (the same sequence of groups on every rank): the
+    gradient gathered on its leaf, zeros for a dummy item or a leaf that got none."""
+    for b in branches:
+        for key in (b, "~" + b):
+            out = outputs.get(key)
+            if out is not None and out.requires_grad:
+                grad = leaves[key].grad
+                out.backward(grad if grad is not None and key == b else torch.zeros_like(out))
+
+
+def dummy_features(model: Any, name: str, device: torch.device) -> torch.Tensor:
+    """Projected features ``[positions, hidden]`` of branch ``name`` of ``model`` (a ``MultimodalModel``) on one
+    all-zero item of the encoder's native shape (``plait.models.hf.dummy_encoder_input``): the same sharded
+    groups as a real item, for a rank whose share has none. The encoder runs under ``no_grad`` when frozen."""
+    branch = model.encoders[name]
+    inputs = dummy_encoder_input(branch.encoder, branch.modality, device)
+    trains = any(p.requires_grad for p in branch.encoder.parameters())
+    with torch.enable_grad() if trains else torch.no_grad():
+        hidden = branch.encoder_features(inputs)
+    return branch.projector(hidden.flatten(0, 1))
+
+
+def dummy_llm_batch(pad_id: int, tokens: int, device: torch.device) -> Batch:
+    """A one-row text batch of ``tokens`` padding-id tokens with no target (its loss is 0 but has a graph through
+    every LLM unit): the LLM microbatch of a rank with no sample in it under FSDP2."""
+    ids = torch.full((1, tokens), pad_id, dtype=torch.long, device=device)
+    ones = torch.ones_like(ids)
+    return Batch(ids, torch.full_like(ids, -100), ones, torch.arange(tokens, device=device)[None], 0 * ones,
+                 -ones, {}, (SampleMeta("dummy", "", tokens, tokens, 0, ()),))
