@@ -20,6 +20,7 @@ same order); :func:`hetero_pipeline_step` and :func:`clip_grad_norm_hetero` are 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,9 +112,10 @@ def _canonical_names(stages: RankStages) -> list[tuple[str, nn.Parameter, bool]]
     return [(rename.get(n, n), p, p is mirror) for n, p in stages.trainable_parameters()]
 
 
-def build_hetero_dp(stages: RankStages, comm: PipelineComm) -> HeteroDP:
+def build_hetero_dp(stages: RankStages, comm: PipelineComm, timeout: datetime.timedelta | None = None) -> HeteroDP:
     """Gather every rank's trainable parameter names and create one process group per distinct set of holders
-    (collective over the whole job: every rank calls it once, after building its stages).
+    (collective over the whole job: every rank calls it once, after building its stages). ``timeout``: the
+    groups' collective timeout (None: torch's default for ``new_group``).
 
     Raises:
         ValueError: when a parameter has two holders in one pipeline other than a tied embedding's pair, or
@@ -137,7 +139,7 @@ def build_hetero_dp(stages: RankStages, comm: PipelineComm) -> HeteroDP:
     own = {k: (p, m) for k, p, m in mine}
     groups = []
     for ranks, keys in sorted(by_set.items()):
-        group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+        group = dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1 else None
         if dist.get_rank() in ranks and len(ranks) > 1:
             groups.append(_Group(ranks, group, [own[k][0] for k in keys], [own[k][1] for k in keys]))
     counted = [p for _, p, m in mine if not m] if comm.dp_rank == 0 else []

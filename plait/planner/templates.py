@@ -387,7 +387,9 @@ def _iteration_s(templates: TemplateSet, chosen: Sequence[PipelineTemplate], cou
 def plan_instantiation(templates: TemplateSet, ranks: Sequence[int] | None = None,
                        min_pipelines: int | None = None) -> Instantiation:
     """Pipelines that use every one of ``ranks`` (default ``0..N-1``), at least ``min_pipelines`` of them
-    (default ``f + 1``) and at most ``M``, with the least predicted iteration time.
+    (default ``f + 1``) and at most ``M``, with the least predicted iteration time. A pipeline of more ranks than
+    the largest template (only when no split into templates exists: below ``2 n0`` ranks) runs the largest
+    template and keeps the rest as spares.
 
     Search: a dynamic program over (ranks used, pipelines) that keeps the :data:`BEAM` best multisets of
     template sizes per state by their fluid iteration time (``(M + sum fixed/per) / sum 1/per``, what
@@ -422,8 +424,10 @@ def plan_instantiation(templates: TemplateSet, ranks: Sequence[int] | None = Non
 
 def _size_multisets(templates: TemplateSet, total: int, need: int, cap: int) -> list[tuple[int, ...]]:
     """Candidate multisets of template sizes summing to ``total`` with ``need..cap`` members (beam DP)."""
-    sizes = [t.num_ranks for t in templates.templates]
-    by_size = {t.num_ranks: t for t in templates.templates}
+    # a group between the largest template and 2 n0 - 1 ranks cannot be split into templates: it runs the largest
+    # one with spares (larger groups split)
+    sizes = [t.num_ranks for t in templates.templates] + list(range(templates.max_ranks + 1, 2 * templates.min_ranks))
+    by_size = {n: templates.template(n) for n in sizes}
     states: dict[tuple[int, int], list[tuple[int, ...]]] = {(0, 0): [()]}
     for used in range(total):
         for count in range(cap):

@@ -114,3 +114,13 @@ def test_instantiation_refuses_too_many_pipelines():
     ts = templates(8, 1)
     with pytest.raises(ValueError, match="cannot hold 5 pipelines"):
         plan_instantiation(ts, min_pipelines=5)
+
+
+def test_a_group_no_template_split_covers_runs_the_largest_template_with_spares():
+    ts = templates(10, 2)  # templates of 3 and 4 ranks: 5 ranks cannot be split into them
+    assert (ts.min_ranks, ts.max_ranks) == (3, 4)
+    inst = plan_instantiation(ts, ranks=range(5), min_pipelines=1)
+    (pipeline,) = inst.pipelines
+    assert pipeline.ranks == (0, 1, 2, 3, 4) and pipeline.template == ts.template(4)
+    assert pipeline.units_of(4) == () and pipeline.microbatches == 12
+    assert plan_instantiation(ts, ranks=range(6), min_pipelines=1).iteration_s < inst.iteration_s
