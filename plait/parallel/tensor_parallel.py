@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,16 +40,22 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from plait.models.hf import encoder_tp_plan, llm_tp_plan
 from plait.models.multimodal import MultimodalModel
+from plait.parallel.data_parallel import sum_gradients
+from plait.parallel.dims import ParallelDims
 
 __all__ = [
     "PROJECTOR_TP_PLAN",
     "STYLES",
+    "RankTensorParallel",
+    "align_gradients",
+    "apply_job_tensor_parallel",
     "apply_tensor_parallel",
     "clip_grad_norm_",
     "concrete_plan",
     "grad_square_sum",
     "local_tensor",
     "model_tp_plan",
+    "sum_local_gradients",
 ]
 
 _COLWISE = ("colwise", "colwise_gather_output", "colwise_rep")
@@ -218,15 +225,18 @@ def grad_square_sum(grads: Iterable[torch.Tensor], copies: int) -> torch.Tensor:
     """This rank's share of the squared L2 norm of ``grads`` (float64 scalar): the sum over the ranks holding
     them (``copies`` ranks, each with the whole of a plain or replicated gradient or one shard of a DTensor
     gradient) is the true squared norm. A DTensor's local shard counts ``shards / copies`` times, a plain
-    gradient ``1 / copies`` times; every copy must hold its final (already reduced) gradient.
+    gradient ``1 / copies`` times; every copy must hold its final (already reduced) gradient, a DTensor one in
+    shard or replicate placements (:func:`align_gradients`).
 
     Raises:
-        ValueError: when ``copies`` < 1.
+        ValueError: when ``copies`` < 1 or a gradient is partial.
     """
     if copies < 1:
         raise ValueError(f"grad_square_sum: copies must be >= 1, got {copies}")
     total = torch.zeros((), dtype=torch.float64)
     for g in grads:
+        if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
+            raise ValueError("grad_square_sum: a partial DTensor gradient (reduce it first: align_gradients)")
         local = local_tensor(g).detach()
         total += local.double().pow(2).sum().cpu() * (_shard_count(g) / copies)
     return total
@@ -245,6 +255,7 @@ def clip_grad_norm_(params: Sequence[nn.Parameter], max_norm: float, copies: int
     """
     if max_norm < 0:
         raise ValueError(f"max_norm must be >= 0, got {max_norm}")
+    align_gradients(params)
     grads = [p.grad for p in params if p.grad is not None]
     sumsq = grad_square_sum(grads, copies).to(device)
     if copies > 1:
@@ -254,3 +265,82 @@ def clip_grad_norm_(params: Sequence[nn.Parameter], max_norm: float, copies: int
     for g in grads:
         local_tensor(g).mul_(coef)
     return norm
+
+
+def align_gradients(params: Iterable[nn.Parameter]) -> None:
+    """Give every DTensor gradient its parameter's placements (e.g. a vocabulary-sharded embedding's gradient may
+    come back replicated or partial): a partial one is reduced, a replicated one sliced. Collective over the TP
+    mesh when a gradient needs a reduction; every TP rank calls it with the same parameters."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def sum_local_gradients(params: Sequence[nn.Parameter], group: Any = None, device: torch.device | str = "cpu") -> None:
+    """:func:`plait.parallel.data_parallel.sum_gradients` over ``group`` for parameters that may be DTensors: each
+    DTensor gradient's local shard is summed in place (every rank of ``group`` holds the same shard of it: the
+    group spans one TP rank's data-parallel / CP peers); a DTensor parameter without a gradient on this rank but
+    with one elsewhere gets the sum as a DTensor of its own placements. Collective over ``group``."""
+    align_gradients(params)
+    proxies = []
+    for p in params:
+        if not isinstance(p, DTensor):
+            proxies.append(p)
+            continue
+        proxy = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
+        proxy.grad = None if p.grad is None else p.grad.to_local()
+        proxies.append(proxy)
+    sum_gradients(proxies, group, device)
+    for p, proxy in zip(params, proxies):
+        if isinstance(p, DTensor) and p.grad is None and proxy.grad is not None:
+            p.grad = DTensor.from_local(proxy.grad, p.device_mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
+
+
+@dataclass(frozen=True)
+class RankTensorParallel:
+    """This rank's tensor parallelism in a trainer: the applied plan and how its gradients are reduced and clipped.
+
+    Attributes:
+        plan: applied plan (concrete module name -> style name), :func:`apply_tensor_parallel`.
+        degree: TP degree.
+        grad_group: the process group of this TP rank's data-parallel and CP peers (same ``tp`` and ``pp``
+            coordinates: the ranks whose gradients of the same shards are summed without FSDP2).
+        copies: ranks holding a piece of each parameter of this rank's stages (``world / pp``), for clipping.
+    """
+
+    plan: dict[str, str]
+    degree: int
+    grad_group: Any
+    copies: int
+
+    def sum_gradients(self, params: Sequence[nn.Parameter], device: torch.device | str = "cpu") -> None:
+        """Sum the gradients of ``params`` over :attr:`grad_group` (:func:`sum_local_gradients`). Collective over
+        the group."""
+        sum_local_gradients(params, self.grad_group, device)
+
+    def clip_grad_norm_(self, params: Sequence[nn.Parameter], max_norm: float,
+                        device: torch.device | str = "cpu") -> float:
+        """:func:`clip_grad_norm_` over every rank (the true global norm; ``max_norm`` <= 0: no clipping, the norm
+        is still returned). Collective over all ranks."""
+        return clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), self.copies, None, device)
+
+
+def apply_job_tensor_parallel(model: MultimodalModel, dims: ParallelDims, mesh: Any,
+                              rank: int) -> RankTensorParallel | None:
+    """Tensor parallelism for a trainer: None when ``dims.tp`` is 1; otherwise ``model`` (whole, or a pipeline
+    rank's pruned composite: only its own units are split) is split over ``mesh["tp"]`` (``mesh``: the job's
+    named DeviceMesh over :data:`plait.parallel.dims.AXES`) and the gradient group of this TP rank is made.
+    Collective (every rank creates every group, in the same order). Call before activation checkpointing and
+    FSDP2 (``fully_shard`` then shards the DTensors over ``dp_shard``: a 2-D layout).
+
+    Raises:
+        ValueError: as :func:`apply_tensor_parallel`.
+    """
+    if dims.tp == 1:
+        return None
+    plan = apply_tensor_parallel(model, mesh["tp"])
+    peers = ("dp", "dp_shard", "cp")
+    group = dims.new_group(peers, rank)  # one rank without DP/CP peers: the sum is a no-op
+    return RankTensorParallel(plan, dims.tp, group, dims.world_size // dims.pp)

@@ -1,0 +1,78 @@
+"""Tensor parallelism in the trainers (torchrun, gloo) equals one process on the same global batches: TP=2 with
+frozen encoders + trainable projectors and with everything trainable, CP=2 x TP=2 (plait attention on the local
+heads and local tokens), gradients clipped by the true global norm; losses, first-step gradients (full tensors)
+and final parameters after AdamW steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from tests.conftest import ROOT, demo_records, tiny_config_dict, write_jsonl
+from tests.distributed.spawning import free_port
+
+WORKER = ROOT / "tests" / "distributed" / "tp_train_worker.py"
+
+
+def run(cfg: dict, tmp_path, name: str, nproc: int, resume_from: dict | None = None) -> dict:
+    """Train ``cfg`` on ``nproc`` processes (``resume_from``: a second config, resumed from ``cfg``'s run)."""
+    paths = []
+    for i, c in enumerate([cfg] + ([resume_from] if resume_from else [])):
+        paths.append(tmp_path / f"{name}_{i}.json")
+        paths[-1].write_text(json.dumps(c))
+    out = tmp_path / f"{name}.pt"
+    cmd = [str(WORKER), str(paths[-1]), str(out)] + (["resume"] if resume_from else [])
+    if nproc > 1:
+        cmd = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+               "--master_addr=127.0.0.1", *cmd]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *cmd], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out)
+
+
+def job(tmp_path, frozen: bool, **sections) -> dict:
+    records = (demo_records("train", ("image_audio",), limit=2) + demo_records("train", ("image_digit",), limit=1)
+               + demo_records("train", ("text",), limit=1))
+    data = write_jsonl(tmp_path / "train.jsonl", records)
+    cfg = tiny_config_dict(str(data), None, str(tmp_path / "run"), data={"shuffle": False},
+                           train={"steps": 2, "global_batch_size": 4, "microbatch_size": 2, "threads": 1,
+                                  "grad_clip": 0.05},
+                           attention={"mask": "bidirectional_items", "block_size": 16},
+                           parallel={"timeout_s": 60}, **sections)
+    for enc in cfg["model"]["encoders"].values():
+        enc["freeze"] = frozen
+    return cfg
+
+
+def assert_same(ref: dict, other: dict, frozen: bool) -> None:
+    """Equal losses (rel 1e-5), first-step gradients (rel 1e-5 of each tensor's scale) and final parameters
+    wherever the gradient is not zero in exact arithmetic (key biases: ~1e-10 of noise that AdamW amplifies)."""
+    torch.testing.assert_close(torch.tensor(other["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+    assert set(ref["grads"]) == set(other["grads"]) and len(ref["grads"]) > 10
+    assert frozen == (not any(".encoder." in n for n in ref["grads"]))
+    for name, grad in ref["grads"].items():
+        tol = 1e-5 * float(grad.abs().max()) + 1e-9
+        torch.testing.assert_close(other["grads"][name], grad, rtol=1e-5, atol=tol, msg=name)
+    compared = 0
+    for name, value in ref["params"].items():
+        if name not in ref["grads"] or ref["grads"][name].abs().max() > 1e-6:
+            torch.testing.assert_close(other["params"][name], value, rtol=1e-5, atol=2e-6, msg=name)
+            compared += 1
+    assert compared > 0.9 * len(ref["params"])
+
+
+def test_tp2_equals_single_process(tmp_path):
+    for frozen in (True, False):
+        cfg = job(tmp_path, frozen)
+        cfg["metrics"]["run_dir"] = str(tmp_path / f"run_single{frozen}")
+        single = run(cfg, tmp_path, f"single{frozen}", 1)
+        cfg["parallel"]["tp"] = 2
+        cfg["metrics"]["run_dir"] = str(tmp_path / f"run_tp{frozen}")
+        tp = run(cfg, tmp_path, f"tp{frozen}", 2)
+        assert tp["world"] == 2 and any(n.startswith("language_model.") for n in tp["sharded"])
+        assert_same(single, tp, frozen)

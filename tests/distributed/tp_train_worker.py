@@ -1,0 +1,50 @@
+"""Worker of the trainer-level tensor-parallel tests (torchrun): train a job (config JSON); every rank gathers the
+first step's gradients and the final parameters as full tensors (DTensor shards reassembled, a collective), rank 0
+writes them with the per-step losses and gradient norms. With a second config path, the run is resumed from the
+first run's checkpoint under the second layout and trained to its end."""
+
+import json
+import sys
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from plait.config.loader import config_from_dict
+from plait.train.pipeline_trainer import PipelineTrainer
+from plait.train.trainer import Trainer
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _trainer(cfg):
+    return (PipelineTrainer if cfg.parallel.pp.degree > 1 else Trainer).build(cfg)
+
+
+def _named(trainer):
+    model = trainer.model
+    return list(model.named_parameters())
+
+
+def main(config_path: str, out_path: str, resume: str = "") -> None:
+    cfg = config_from_dict(json.loads(open(config_path).read()))
+    trainer = _trainer(cfg)
+    grads = {}
+    if not resume:
+        first = trainer.loader.epoch_order(0)[: cfg.train.global_batch_size].tolist()
+        trainer.forward_backward(first)
+        grads = {n: _full(p.grad) for n, p in _named(trainer) if p.grad is not None}
+        trainer.optimizer.zero_grad(set_to_none=True)
+    result = trainer.fit(resume=bool(resume))
+    params = {n: _full(p) for n, p in _named(trainer)}
+    sharded = sorted(n for n, p in _named(trainer) if isinstance(p, DTensor))
+    if trainer.info.is_main:
+        torch.save({"losses": result["losses"], "params": params, "grads": grads, "sharded": sharded,
+                    "world": trainer.info.world_size}, out_path)
+    if trainer.info.world_size > 1:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
