@@ -61,7 +61,8 @@ from plait.planner.pipeline_plan import plan_pipeline
 from plait.planner.profile import Profile, ProfileKey, UnitMeasurement
 from plait.planner.schedules import build_schedule
 
-__all__ = ["CLOCKS", "KwargsFn", "LossFn", "device_name", "measure_profile", "microbatch_shapes", "profile_key"]
+__all__ = ["CLOCKS", "KwargsFn", "LossFn", "PassTiming", "device_name", "measure_profile", "microbatch_shapes",
+           "profile_key", "unit_pass_timings"]
 
 CLOCKS = ("wall", "thread")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -123,12 +124,14 @@ def _sync(device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class _Timer:
-    """How to time: device to synchronise, clock, repetitions."""
+    """How to time: device to synchronise, clock, repetitions. A timer that also measures energy (the GPU sweep
+    of ``plait.train.energy_profiler``) sets ``last_joules`` to the joules per run of its last :meth:`median`."""
 
     device: torch.device
     clock: str
     repeats: int
     warmup: int
+    last_joules = 0.0
 
     def now(self) -> float:
         _sync(self.device)
@@ -232,15 +235,26 @@ def _prepare(call: _Call) -> tuple[tuple, dict, torch.Tensor | None]:
 
 
 @dataclass
-class _Timing:
+class PassTiming:
+    """Seconds of a unit's (or one call's) passes for one microbatch: forward, dX, dW and the fused backward;
+    the ``*_j`` fields are their joules when the timer measures energy (0 otherwise); the output's bytes."""
+
     forward: float = 0.0
     dx: float = 0.0
     dw: float = 0.0
     fused: float = 0.0
     output_bytes: int = 0
+    forward_j: float = 0.0
+    dx_j: float = 0.0
+    dw_j: float = 0.0
+    fused_j: float = 0.0
+
+    def get(self, field: str) -> float:
+        """The value of ``field`` (``"forward"``, ``"dx_j"``, ...)."""
+        return getattr(self, field)
 
 
-def _time_call(call: _Call, timer: _Timer, autocast: Callable[[], AbstractContextManager]) -> _Timing:
+def _time_call(call: _Call, timer: _Timer, autocast: Callable[[], AbstractContextManager]) -> PassTiming:
     """Forward, dX, dW and fused-backward medians of one call re-run in isolation."""
     params = [p for p in call.module.parameters() if p.requires_grad]
 
@@ -251,12 +265,13 @@ def _time_call(call: _Call, timer: _Timer, autocast: Callable[[], AbstractContex
 
     probe, _ = forward(_prepare(call))
     if probe is None:
-        return _Timing()
+        return PassTiming()
     grad_out = torch.randn(probe.shape, generator=torch.Generator().manual_seed(0)).to(probe)
-    timing = _Timing(output_bytes=call.output_bytes)
+    timing = PassTiming(output_bytes=call.output_bytes)
     timing.forward = timer.median(forward, lambda: _prepare(call))
+    timing.forward_j = timer.last_joules
 
-    def backward(targets: Callable[[torch.Tensor | None], list[torch.Tensor]]) -> float:
+    def backward(targets: Callable[[torch.Tensor | None], list[torch.Tensor]]) -> tuple[float, float]:
         def setup() -> tuple:
             out, leaf = forward(_prepare(call))
             return out, targets(leaf)
@@ -266,17 +281,17 @@ def _time_call(call: _Call, timer: _Timer, autocast: Callable[[], AbstractContex
             with autocast():
                 torch.autograd.grad([out], inputs, [grad_out], allow_unused=True)
 
-        return timer.median(run, setup)
+        return timer.median(run, setup), timer.last_joules
 
     if not probe.requires_grad:
         return timing
     has_leaf = _prepare(call)[2] is not None
     if has_leaf:
-        timing.dx = backward(lambda leaf: [leaf])
+        timing.dx, timing.dx_j = backward(lambda leaf: [leaf])
     if params:
-        timing.dw = backward(lambda leaf: list(params))
+        timing.dw, timing.dw_j = backward(lambda leaf: list(params))
     if has_leaf or params:
-        timing.fused = backward(lambda leaf: ([leaf] if leaf is not None else []) + list(params))
+        timing.fused, timing.fused_j = backward(lambda leaf: ([leaf] if leaf is not None else []) + list(params))
     return timing
 
 
@@ -303,30 +318,37 @@ def _forward_loss(model: MultimodalModel, batch: Batch, llm_kwargs: KwargsFn, lo
     return loss_fn(logits, batch.labels)
 
 
-def _unit_timings(model: MultimodalModel, specs: Sequence[UnitSpec], batch: Batch, timer: _Timer,
-                  llm_kwargs: KwargsFn, autocast: Callable[[], AbstractContextManager]) -> list[_Timing]:
-    """Per unit, the summed isolated timings of its calls for one microbatch (parameters all trainable)."""
+def unit_pass_timings(model: MultimodalModel, specs: Sequence[UnitSpec], batch: Batch, timer: _Timer,
+                      llm_kwargs: KwargsFn, autocast: Callable[[], AbstractContextManager]) -> list[PassTiming]:
+    """Per unit (``specs`` order), the summed isolated timings (and joules, when ``timer`` measures them) of its
+    calls for one microbatch ``batch``, with every parameter trainable (module docstring, steps 1-2). In a
+    multi-module unit only the first module's dX is the unit's; the later modules' dX count as dW."""
     modules = _unit_modules(model, specs)
     with _all_trainable(model):
         with _capture_calls(modules) as calls, autocast():
             _forward_loss(model, batch, llm_kwargs, token_loss_sum)
         out = []
         for unit_modules, unit_calls in zip(modules, calls):
-            total = _Timing()
+            total = PassTiming()
             first = unit_modules[0][1]
             for call in unit_calls:
                 t = _time_call(call, timer, autocast)
-                total.forward += t.forward
-                total.fused += t.fused
-                if call.module is first:
-                    total.dx += t.dx
-                    total.dw += t.dw
-                else:  # inside a multi-module unit the gradient reaching earlier weights passes this input
-                    total.dw += t.dw + t.dx
+                for q in ("", "_j"):
+                    _add(total, "forward" + q, t.get("forward" + q))
+                    _add(total, "fused" + q, t.get("fused" + q))
+                    if call.module is first:
+                        _add(total, "dx" + q, t.get("dx" + q))
+                        _add(total, "dw" + q, t.get("dw" + q))
+                    else:  # inside a multi-module unit the gradient reaching earlier weights passes this input
+                        _add(total, "dw" + q, t.get("dw" + q) + t.get("dx" + q))
             last = unit_calls[-1].module if unit_calls else None
             total.output_bytes = sum(c.output_bytes for c in unit_calls if c.module is last)
             out.append(total)
     return out
+
+
+def _add(total: PassTiming, field: str, value: float) -> None:
+    setattr(total, field, getattr(total, field) + value)
 
 
 # ----- memory --------------------------------------------------------------------------------------------
@@ -518,7 +540,7 @@ def measure_profile(
         raise ValueError("clock='thread' times CPU work of one thread: use it on CPU with torch.set_num_threads(1)")
     specs = unit_specs(model)
     timer = _Timer(device, clock, repeats, warmup)
-    per_mb = [_unit_timings(model, specs, b, timer, llm_kwargs, autocast) for b in microbatches]
+    per_mb = [unit_pass_timings(model, specs, b, timer, llm_kwargs, autocast) for b in microbatches]
     saved = [_saved_bytes(model, specs, b, llm_kwargs, autocast) for b in microbatches]
     n = len(microbatches)
     measurements = []
