@@ -66,13 +66,17 @@ def assert_same(ref: dict, other: dict, frozen: bool) -> None:
     assert compared > 0.9 * len(ref["params"])
 
 
-def test_tp2_equals_single_process(tmp_path):
+def test_tp2_and_cp2_x_tp2_equal_single_process(tmp_path):
+    """TP=2 in both freezing modes; CP=2 x TP=2 (4 processes) with frozen encoders + trainable projectors."""
     for frozen in (True, False):
         cfg = job(tmp_path, frozen)
         cfg["metrics"]["run_dir"] = str(tmp_path / f"run_single{frozen}")
         single = run(cfg, tmp_path, f"single{frozen}", 1)
-        cfg["parallel"]["tp"] = 2
-        cfg["metrics"]["run_dir"] = str(tmp_path / f"run_tp{frozen}")
-        tp = run(cfg, tmp_path, f"tp{frozen}", 2)
-        assert tp["world"] == 2 and any(n.startswith("language_model.") for n in tp["sharded"])
-        assert_same(single, tp, frozen)
+        layouts = {"tp2": {"tp": 2}, "cp2tp2": {"tp": 2, "cp": 2}} if frozen else {"tp2": {"tp": 2}}
+        for name, degrees in layouts.items():
+            cfg["parallel"].update(degrees)
+            cfg["metrics"]["run_dir"] = str(tmp_path / f"run_{name}{frozen}")
+            other = run(cfg, tmp_path, f"{name}{frozen}", 2 * degrees.get("cp", 1))
+            assert other["world"] == 2 * degrees.get("cp", 1)
+            assert any(n.startswith("language_model.") for n in other["sharded"])
+            assert_same(single, other, frozen)
