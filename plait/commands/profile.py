@@ -7,6 +7,11 @@ freezing, shapes, dtype, device, versions; a stale one is re-measured and the re
 files under a folder, one per key (:class:`ProfileStore`); a file that is not a plait profile is never
 overwritten (:func:`not_a_profile`). ``parallel.plan = "auto"`` (``plait.commands.train``) profiles through
 :func:`profile_job` too.
+
+``plait profile --energy [--clocks N]`` also sweeps N SM clocks of the GPU and stores the measured energy profile
+(``plait.train.energy_profiler``, issue 17) as ``<store>/energy-profile-<key digest>.json``, reused while its key
+and GPU match (``energy_profile_mismatch``); where clocks cannot be locked (no GPU, no zeus, no ``SYS_ADMIN``) it
+prints why and skips (:func:`energy_profile_job`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from plait.data.collate import Batch, collate
 from plait.data.loader import MultimodalDataset
 from plait.models.multimodal import MultimodalModel
 from plait.models.registry import build_model, build_processor, load_tokenizer
+from plait.planner.energy_profile import EnergyProfile, energy_profile_mismatch
 from plait.planner.profile import Profile, ProfileKey, profile_mismatch
 from plait.planner.report import format_profile
 from plait.train.profiler import KwargsFn, measure_profile, profile_key
@@ -37,6 +43,7 @@ __all__ = [
     "ProfileInputs",
     "ProfileStore",
     "build_profile_inputs",
+    "energy_profile_job",
     "load_or_measure",
     "model_description",
     "not_a_profile",
@@ -47,9 +54,11 @@ __all__ = [
 
 def profile_command(config: str | Path, overrides: Sequence[str] = (), *, store: str | Path = "runs/profiles",
                     out_path: str | Path | None = None, microbatches: int = 1, microbatch_size: int | None = None,
-                    repeats: int = 5, warmup: int = 2, clock: str = "wall", force: bool = False) -> Profile:
+                    repeats: int = 5, warmup: int = 2, clock: str = "wall", force: bool = False,
+                    energy: bool = False, clocks: int = 5) -> Profile:
     """``plait profile``: profile the job in ``config`` (with its ``--section.key=value`` overrides) by
-    :func:`profile_job` and print the profile as a table (``plait.planner.report.format_profile``).
+    :func:`profile_job` and print the profile as a table (``plait.planner.report.format_profile``); with
+    ``energy``, then the GPU energy sweep over ``clocks`` SM clocks (:func:`energy_profile_job`).
 
     Raises:
         ValueError, FileNotFoundError: as ``load_config`` and :func:`profile_job`.
@@ -58,6 +67,50 @@ def profile_command(config: str | Path, overrides: Sequence[str] = (), *, store:
     profile = profile_job(cfg, store_dir=store, out_path=out_path, microbatches=microbatches,
                           microbatch_size=microbatch_size, repeats=repeats, warmup=warmup, clock=clock, force=force)
     print(format_profile(profile))
+    if energy:
+        energy_profile_job(cfg, store_dir=store, clocks=clocks, microbatches=microbatches,
+                           microbatch_size=microbatch_size, repeats=repeats, warmup=warmup, force=force)
+    return profile
+
+
+def energy_profile_job(cfg: Any, *, store_dir: str | Path = "runs/profiles", clocks: int = 5, microbatches: int = 1,
+                       microbatch_size: int | None = None, repeats: int = 5, warmup: int = 2, force: bool = False,
+                       out: TextIO | None = None) -> EnergyProfile | None:
+    """The job's measured GPU energy profile at ``clocks`` SM clocks (``plait.train.energy_profiler``), stored as
+    ``<store_dir>/energy-profile-<key digest>.json`` and reused while its key and GPU match; None, with the
+    reason printed, where clocks cannot be locked (``gpu_clock_control``).
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`build_profile_inputs`; ValueError on ``clocks < 1``.
+    """
+    from plait.train.energy_profiler import gpu_clock_control, measure_energy_profile, sweep_clocks
+
+    stream = out or sys.stdout
+    if clocks < 1:
+        raise ValueError(f"--clocks must be >= 1, got {clocks}")
+    inputs = build_profile_inputs(cfg, microbatches=microbatches, microbatch_size=microbatch_size)
+    control, reason = gpu_clock_control(inputs.microbatches[0].input_ids.device)
+    if control is None:
+        print(f"plait profile: energy sweep skipped: {reason}", file=stream)
+        return None
+    path = Path(store_dir) / f"energy-profile-{inputs.key.digest()}.json"
+    if path.is_file() and not force:
+        stored = EnergyProfile.from_json(path.read_text())
+        why = energy_profile_mismatch(stored, inputs.key, control.name)
+        if why is None:
+            print(f"plait profile: reusing {path}", file=stream)
+            return stored
+        print(f"plait profile: measuring the energy profile ({why})", file=stream)
+    from zeus.monitor import ZeusMonitor
+
+    monitor = ZeusMonitor(gpu_indices=[control.index], cpu_indices=[], approx_instant_energy=True)
+    freqs = sweep_clocks(control.supported_mhz, clocks)
+    profile = measure_energy_profile(inputs.model, inputs.microbatches, inputs.key, control, freqs, monitor,
+                                     repeats=repeats, warmup=warmup, llm_kwargs=inputs.llm_kwargs,
+                                     autocast=inputs.autocast, progress=lambda line: print(line, file=stream))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.to_json(indent=1))
+    print(f"plait profile: wrote {path} ({control.name}, clocks {list(freqs)} MHz)", file=stream)
     return profile
 
 
