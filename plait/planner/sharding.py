@@ -19,17 +19,18 @@ the degrees. The formulas, per pipeline unit ``u`` with ``P_u`` parameter bytes,
 - **AC** (``recompute.plan_checkpointing``, ``recompute.checkpointed_costs``, applied after TP so a recomputed
   forward repeats its TP all-reduces): a checkpointed layer keeps only its input and its backward first runs its
   forward again.
-- **FSDP2** (``dp_shard``; Zhao et al., "PyTorch FSDP", VLDB 2023, and FSDP2's ``fully_shard`` per unit): every
-  unit's parameters, gradients and optimizer state are divided by ``dp_shard`` (frozen units have no gradient or
-  optimizer state: ``cost_model.unit_static_bytes``), i.e. ``param_bytes / dp_shard`` in the costs the search
-  reads, which also makes the optimizer step (``overheads.ActionOverheads.update_s``) the shard's. Each unit's
+- **FSDP2** (``dp_shard``; Zhao et al., "PyTorch FSDP", VLDB 2023, and FSDP2's ``fully_shard`` per unit, as
+  ``parallel.fsdp`` wraps them): every trainable unit's parameters, gradients and optimizer state are divided by
+  ``dp_shard`` (a LoRA unit's frozen base too: the unit is one group), i.e. ``param_bytes / dp_shard`` in the costs
+  the search reads, which also makes the optimizer step (``overheads.ActionOverheads.update_s``) the shard's. Frozen
+  units stay whole on every rank, outside FSDP2 (no gradient or optimizer state to shard, no all-gathers). Each unit's
   parameters are all-gathered before its forward and again before its backward (resharded after the forward):
   ``(s - 1) / s x P_u`` bytes on ``shard_link`` per microbatch each time, overlapped with compute by FSDP2's
   prefetch, so only the excess ``max(0, gather - compute)`` is charged. Gradients are reduce-scattered once per
   step at the flush (``search_model.grad_sync_s``). While a unit runs, FSDP2 holds its unsharded parameters,
   those of the next unit (prefetch) and, in the backward, its unsharded gradient before the reduce-scatter:
-  ``shard_buffer_bytes``, kept free below the memory cap. Frozen units are sharded too (their parameters; they
-  have no gradient or optimizer state to shard).
+  ``shard_buffer_bytes``, kept free below the memory cap. Tied parameters (an LLM's embedding and head) are
+  counted per unit, as the cost model counts them.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def _tp_cost(unit: Unit, cost: UnitCost, tp: int, link: P2PModel | None) -> Unit
 def _shard_cost(unit: Unit, cost: UnitCost, shards: int, link: P2PModel | None) -> UnitCost:
     """One unit's cost with its state sharded over ``shards`` ranks: parameter bytes divided, the all-gathers'
     excess over compute added (forward; backward on its dX, else its dW)."""
-    if shards == 1:
+    if shards == 1 or not unit.trainable:  # frozen units stay whole, outside FSDP2
         return cost
     gather = gather_s(cost.param_bytes, shards, link)
     forward = max(cost.forward_s, gather)
@@ -170,14 +171,14 @@ def shard_costs(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: Paral
 
 def shard_buffer_bytes(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees,
                        dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec()) -> float:
-    """Bytes FSDP2 holds unsharded at its peak (module docstring): the largest unsharded parameters of two units next
-    to each other (the running unit and the prefetched next one, in unit order) plus the largest unsharded gradient
-    of a trainable unit, all on one TP rank (``costs`` are whole-unit costs, before ``shard_costs``). 0 when
+    """Bytes FSDP2 holds unsharded at its peak (module docstring): the largest unsharded parameters of two trainable
+    units next to each other (the running unit and the prefetched next one, in unit order; frozen units are not
+    sharded, so not gathered) plus the largest unsharded gradient of a trainable unit, all on one TP rank (``costs`` are whole-unit costs, before ``shard_costs``). 0 when
     ``dp_shard == 1``."""
     if degrees.dp_shard == 1:
         return 0.0
     tp_costs = [_tp_cost(u, c, degrees.tp, None) for u, c in zip(units, costs)]
-    params = [c.param_bytes for c in tp_costs]
+    params = [c.param_bytes if u.trainable else 0 for u, c in zip(units, tp_costs)]
     pairs = max((a + b for a, b in zip(params, params[1:])), default=sum(params))
     b = dtype_bytes(dtype)
     grad_b = b if optimizer.grad_bytes_per_param is None else optimizer.grad_bytes_per_param

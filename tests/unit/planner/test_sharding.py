@@ -92,7 +92,7 @@ def test_rank_memory_is_the_state_over_the_shard_degree():
     assert whole.gradients == trained and whole.optimizer == 2 * trained
     assert whole.activations == 3 * 50 + 1000  # projector, LLM embed, layer, head; the frozen encoder keeps nothing
     sharded = rank_memory(units, costs, ParallelDegrees(dp_shard=2), dtype="float32", optimizer=opt)
-    assert sharded.parameters == whole.parameters / 2
+    assert sharded.parameters == (800 + 200) + (800 + 3 * 200) / 2  # frozen encoder whole, trainable units halved
     assert sharded.gradients == whole.gradients / 2 and sharded.optimizer == whole.optimizer / 2
     assert sharded.activations == whole.activations
     assert sharded.buffer == 800 + 200 + 800  # a layer and its neighbour's parameters + the trainable layer's gradient

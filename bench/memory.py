@@ -1,0 +1,269 @@
+"""Per-rank memory of DDP vs FSDP2 vs TP vs TP x FSDP2, with and without activation checkpointing, measured from real
+tensor storages, next to the planner's prediction.
+
+For each model (the demo ``configs/demo.toml``; ``larger``: the demo job with an 8-layer 512-wide LLM and a 6-layer
+256-wide vision encoder, ``bench/activation_checkpointing.py``'s overrides) and each column (``parallel.dp_shard``,
+``parallel.tp``, ``train.activation_checkpointing``), the job is trained under torchrun (gloo, CPU, fp32) on
+``dp x dp_shard`` microbatches of ``--microbatch`` samples: one microbatch per batch rank, so every column's ranks
+see microbatches of the same size. Each rank then counts, once per distinct storage (``untyped_storage()``, so
+tied and shared tensors count once; a sharded or TP-split parameter by its local shard):
+
+- parameters: the model's parameters (local shards of DTensors);
+- gradients: their ``.grad`` after one forward/backward;
+- optimizer state: every tensor in AdamW's state (``exp_avg``, ``exp_avg_sq``, ``step``);
+- saved activations: what autograd keeps for the backward of one forward/backward
+  (``torch.autograd.graph.saved_tensors_hooks``) plus the tensor arguments a checkpointed layer holds for its
+  recomputation, excluding parameters (a matmul saves its weight: that is parameter memory, counted above).
+
+The table gives each per-rank figure (the largest over the ranks), its ratio to DDP's (the same per-rank bytes as
+one process: every DDP rank holds everything), and the planner's prediction (``planner.sharding.rank_memory``:
+the job's pipeline units, analytic costs of the rank's microbatch, fp32 with AdamW's 8 state bytes per trained
+parameter). Target: the trainable state per rank within 10% of 1/N of DDP's for N-way sharding.
+
+Run: ``.venv/bin/python bench/memory.py [--models demo,larger] [--columns ...]`` (a few minutes on 2 CPU cores;
+columns that cannot run yet print why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.activation_checkpointing import MODELS  # noqa: E402
+from bench.plan_holds import small_train_set  # noqa: E402
+
+COLUMNS = {  # label -> (dp_shard, tp)
+    "DDP": (1, 1),
+    "FSDP2 2": (2, 1),
+    "FSDP2 4": (4, 1),
+    "TP 2": (1, 2),
+    "TP 2 x FSDP2 2": (2, 2),
+}
+KINDS = ("parameters", "gradients", "optimizer", "activations")
+LIMIT_S = 600
+
+
+def job_config(model: str, dp_shard: int, tp: int, policy: str, microbatch: int, train_file: str, run_dir: str):
+    """The demo job (``model``'s overrides) for one column: ``dp_shard x tp`` processes, one microbatch of
+    ``microbatch`` samples per batch rank."""
+    from plait.config.loader import load_config
+
+    overrides = [*MODELS[model], f"--train.activation_checkpointing={policy}",
+                 f"--train.global_batch_size={microbatch * dp_shard}", f"--train.microbatch_size={microbatch}",
+                 "--train.steps=10", f"--parallel.dp_shard={dp_shard}", f"--parallel.tp={tp}", "--parallel.dp=1",
+                 f"--metrics.run_dir={run_dir}"]
+    cfg = load_config(ROOT / "configs" / "demo.toml", overrides)
+    cfg.data.val = None
+    cfg.data.train = train_file
+    return cfg
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors`` (DTensors by their local shard)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = _local(t).untyped_storage()
+        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(seen.values())
+
+
+def saved_activation_bytes(trainer, indices, plan) -> int:
+    """Distinct storages kept for the backward of one forward/backward (module docstring), parameters excluded."""
+    from plait.parallel.checkpointing import is_checkpointed
+
+    params = {_local(p).untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    seen: dict[int, int] = {}
+    alive: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+            return t
+        storage = _local(t).untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+            alive.append(t)  # held to the end: no address reused and counted twice
+        return t
+
+    def held(module, args, kwargs) -> None:
+        if torch.is_grad_enabled():
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, torch.Tensor):
+                    pack(value)
+
+    hooks = [m.register_forward_pre_hook(held, with_kwargs=True) for m in trainer.model.modules()
+             if is_checkpointed(m)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trainer.forward_backward(indices, plan)
+    for hook in hooks:
+        hook.remove()
+    return sum(seen.values())
+
+
+def measure(trainer, indices) -> dict[str, int]:
+    """This rank's bytes of each kind (module docstring) after one optimizer step and one more forward/backward."""
+    trainer.train_step(indices)  # AdamW's state exists from here
+    trainer.optimizer.zero_grad(set_to_none=True)
+    plan, _ = trainer.plan_step(indices)
+    activations = saved_activation_bytes(trainer, indices, plan)
+    params = [p for p in trainer.model.parameters()]
+    state = [v for s in trainer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"parameters": storage_bytes(params), "gradients": storage_bytes(p.grad for p in params if p.grad is not None),
+            "optimizer": storage_bytes(state), "activations": activations, "rank_llm_tokens": _rank_tokens(trainer,
+                                                                                                       indices, plan)}
+
+
+def _rank_tokens(trainer, indices, plan) -> dict:
+    """This rank's microbatch as the planner sees it: samples, their padded LLM length and items per encoder."""
+    rank = trainer.dims.batch_rank(trainer.info.rank)
+    positions = [k for mb in plan.microbatches[rank] for k in mb]
+    metas = [trainer.train_set.sample_meta(indices[k]) for k in positions]
+    items: dict[str, int] = {}
+    for meta in metas:
+        for name, _ in meta.items:
+            items[name] = items.get(name, 0) + 1
+    return {"samples": len(metas), "max_tokens": max((m.length for m in metas), default=1), "items": items}
+
+
+def covering_batch(trainer, size: int) -> list[int]:
+    """``size`` training samples in epoch order, those with items of each encoder first, so that every encoder (and
+    so every trainable unit) runs and holds its gradients: the memory the planner predicts is this worst case."""
+    order = trainer.loader.epoch_order(0).tolist()
+    chosen: list[int] = []
+    for name in trainer.model.encoders:
+        found = next((i for i in order if i not in chosen and any(e == name for e, _ in
+                                                                   trainer.train_set.sample_meta(i).items)), None)
+        if found is not None and len(chosen) < size:
+            chosen.append(found)
+    return chosen + [i for i in order if i not in chosen][: size - len(chosen)]
+
+
+def worker(spec_path: str, out_dir: str) -> None:
+    """One rank of one column (under torchrun): build, measure, write ``rank<r>.json``."""
+    from plait.train.trainer import Trainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.manual_seed(0)
+    cfg = job_config(spec["model"], spec["dp_shard"], spec["tp"], spec["policy"], spec["microbatch"],
+                     spec["train"], spec["run_dir"])
+    trainer = Trainer.build(cfg)
+    out = measure(trainer, covering_batch(trainer, cfg.train.global_batch_size))
+    Path(out_dir, f"rank{trainer.info.rank}.json").write_text(json.dumps(out))
+    if trainer.info.world_size > 1:
+        torch.distributed.destroy_process_group()
+
+
+def run_column(model: str, label: str, policy: str, microbatch: int, folder: Path, train: Path) -> dict | str:
+    """Per-rank maxima of one column (torchrun, ``dp_shard x tp`` processes), or why it did not run."""
+    dp_shard, tp = COLUMNS[label]
+    out = folder / f"{model}_{label.replace(' ', '')}_{policy}"
+    out.mkdir(parents=True, exist_ok=True)
+    spec = dict(model=model, dp_shard=dp_shard, tp=tp, policy=policy, microbatch=microbatch, train=str(train),
+                run_dir=str(out / "run"))
+    (out / "spec.json").write_text(json.dumps(spec))
+    port = 29500 + (os.getpid() * 7 + len(os.listdir(folder))) % 20000
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={dp_shard * tp}", f"--master_port={port}",
+           "--master_addr=127.0.0.1", str(Path(__file__).resolve()), "--worker", str(out / "spec.json"), str(out)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LIMIT_S, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {LIMIT_S} s"
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    if proc.returncode != 0 or len(ranks) != dp_shard * tp:
+        lines = [line for line in (proc.stderr or proc.stdout).splitlines() if "Error" in line]
+        return (lines[-1] if lines else f"exit {proc.returncode}")[:160]
+    result = {kind: max(r[kind] for r in ranks) for kind in KINDS}
+    result["rank_llm_tokens"] = ranks[0]["rank_llm_tokens"]
+    return result
+
+
+def predicted(trainer, label: str, tokens: dict) -> dict[str, float]:
+    """The planner's per-rank bytes of a column (``planner.sharding.rank_memory``; module docstring): the units of
+    ``trainer`` (a one-process trainer of the job), analytic costs of the rank's microbatch (``tokens``: LLM samples x
+    padded length; each encoder its items at their native length)."""
+    from plait.models.units import model_units
+    from plait.parallel.checkpointing import checkpoint_policy
+    from plait.planner.arch import arch_from_config
+    from plait.planner.cost_model import DeviceSpec, MicrobatchShape, OptimizerSpec, unit_costs
+    from plait.planner.sharding import ParallelDegrees, rank_memory
+
+    dp_shard, tp = COLUMNS[label]
+    units = model_units(trainer.model)
+    configs = {"llm": trainer.model.language_model.config,
+               **{n: b.encoder.config for n, b in trainer.model.encoders.items()}}
+    shapes = {"llm": MicrobatchShape(tokens["samples"] * tokens["max_tokens"], tokens["max_tokens"])}
+    for name in trainer.model.encoders:
+        length = arch_from_config(configs[name]).item_len
+        shapes[name] = MicrobatchShape(max(1, tokens["items"].get(name, 0)) * length, length)
+    costs = unit_costs(units, configs, shapes, DeviceSpec.cpu(), "fp32")
+    default, overrides = checkpoint_policy(trainer.cfg)
+    memory = rank_memory(units, costs, ParallelDegrees(tp, dp_shard, default), dtype="fp32",
+                         optimizer=OptimizerSpec(grad_bytes_per_param=4, state_bytes_per_param=8),
+                         checkpoint_overrides=overrides)
+    return {"parameters": memory.parameters, "gradients": memory.gradients, "optimizer": memory.optimizer,
+            "activations": memory.activations}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="demo,larger")
+    parser.add_argument("--columns", default=",".join(COLUMNS), help=f"of {list(COLUMNS)}")
+    parser.add_argument("--policies", default="none,full")
+    parser.add_argument("--microbatch", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=32)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        train = small_train_set(ROOT / "data" / "demo" / "train.jsonl", args.samples, folder)
+        for model in args.models.split(","):
+            for policy in args.policies.split(","):
+                print_table(model, policy, args.columns.split(","), args.microbatch, folder, train)
+
+
+def print_table(model: str, policy: str, labels: list[str], microbatch: int, folder: Path, train: Path) -> None:
+    """One table: a row per column (measured MiB per kind, trainable state ratio to DDP, planner / measured)."""
+    print(f"\n{model}, activation checkpointing {policy}, {microbatch} samples per microbatch, per rank "
+          "(largest over ranks), MiB measured [planner]")
+    print(f"{'column':<16} " + " ".join(f"{k:>22}" for k in KINDS) + f" {'state x DDP':>11} {'total x DDP':>11} "
+          f"{'planner/meas':>12}")
+    from plait.train.trainer import Trainer
+
+    one = Trainer.build(job_config(model, 1, 1, policy, microbatch, str(train), str(folder / f"one_{model}_{policy}")))
+    base = None
+    for label in labels:
+        got = run_column(model, label, policy, microbatch, folder, train)
+        if isinstance(got, str):
+            print(f"{label:<16} not runnable: {got}")
+            continue
+        pred = predicted(one, label, got["rank_llm_tokens"])
+        state = sum(got[k] for k in KINDS[:3])
+        total = state + got["activations"]
+        if label == "DDP":
+            base = (state, total)
+        ratios = f" {state / base[0]:>11.3f} {total / base[1]:>11.3f}" if base else f" {'-':>11} {'-':>11}"
+        print(f"{label:<16} " + " ".join(f"{got[k] / 2**20:>10.3f} [{pred[k] / 2**20:>9.3f}]" for k in KINDS)
+              + ratios + f" {sum(pred.values()) / total:>12.3f}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3])
+    else:
+        main()
