@@ -4,9 +4,10 @@ energy with NVML (through zeus), into the planner's :class:`~plait.planner.energ
 Method, per clock of the sweep (:func:`measure_energy_profile`): the SM clock is locked
 (``set_gpu_locked_clocks``, zeus's device layer), then every unit's passes are re-run in isolation exactly as the
 time profiler does (:func:`plait.train.profiler.unit_pass_timings`: forward, dX, dW, fused backward of every captured
-call) with an :class:`EnergyTimer`: the time is the median of ``repeats`` runs; the energy is that of a
-``ZeusMonitor`` window around enough further runs to span ``min_window_s`` (NVML's energy counter moves every few
-to 100 ms), divided by their number, the untimed setup of each run (its forward graph) made before the window.
+call) with an :class:`EnergyTimer`: the time is the median of ``repeats`` runs; the energy per run is the
+difference of two ``ZeusMonitor`` windows of ``n`` runs each, one of the pass with its setup (a backward's forward
+graph), one of the setup alone, divided by ``n`` (``n`` enough for ``min_window_s``: NVML's energy counter moves
+every few to 100 ms, so short windows would read nothing).
 A unit's weight-gradient pass is charged as the time profile charges it (``UnitMeasurement.to_cost``: the fused
 backward minus dX when the unit needs an input gradient, else dW), for time and energy alike. The blocking power
 (``P_blocking``, Perseus) is the GPU's power over an idle window. Clocks are reset at the end.
@@ -113,14 +114,14 @@ class EnergyTimer:
         monitor: a ``ZeusMonitor`` (``begin_window(key)`` / ``end_window(key)`` -> ``gpu_energy``: index -> J).
         repeats, warmup: timed and discarded runs of the time median.
         min_window_s: the least seconds of runs per energy measurement.
-        max_runs: the most runs per energy measurement (and states held at once: ``repeats``).
+        max_runs: the most runs per energy window.
     """
 
     clock = "wall"
     _WINDOW = "plait_energy_profile"
 
     def __init__(self, device: torch.device, monitor: Any, repeats: int, warmup: int, min_window_s: float = 0.2,
-                 max_runs: int = 200) -> None:
+                 max_runs: int = 5000) -> None:
         self.device, self.monitor, self.repeats, self.warmup = device, monitor, repeats, warmup
         self.min_window_s, self.max_runs = min_window_s, max_runs
         self.last_joules = 0.0
@@ -133,7 +134,8 @@ class EnergyTimer:
 
     def median(self, fn: Callable[[Any], Any], setup: Callable[[], Any]) -> float:
         """Median seconds of ``fn(setup())`` over ``repeats`` runs after ``warmup``; ``last_joules``: the energy
-        per run over at least ``min_window_s`` of runs (``setup`` outside the windows)."""
+        per run of ``fn`` alone, by difference of two windows of ``n`` runs each (``n`` enough for
+        ``min_window_s``, at most ``max_runs``): ``setup`` then ``fn``, and ``setup`` alone."""
         times = []
         for i in range(self.warmup + self.repeats):
             state = setup()
@@ -143,17 +145,18 @@ class EnergyTimer:
                 times.append(self.now() - start)
         seconds = statistics.median(times)
         runs = min(self.max_runs, max(self.repeats, math.ceil(self.min_window_s / max(seconds, 1e-9))))
-        joules, done = 0.0, 0
-        while done < runs:
-            states = [setup() for _ in range(min(self.repeats, runs - done))]
-            self.now()
-            self.monitor.begin_window(self._WINDOW)
-            for state in states:
-                fn(state)
-            joules += sum(self.monitor.end_window(self._WINDOW).gpu_energy.values())
-            done += len(states)
-        self.last_joules = joules / runs
+        both = self._window(runs, lambda: fn(setup()))
+        alone = self._window(runs, setup)
+        self.last_joules = max(0.0, both - alone) / runs
         return seconds
+
+    def _window(self, runs: int, work: Callable[[], Any]) -> float:
+        """Joules of one monitor window around ``runs`` calls of ``work`` (the device synchronised)."""
+        self.now()
+        self.monitor.begin_window(self._WINDOW)
+        for _ in range(runs):
+            work()
+        return sum(self.monitor.end_window(self._WINDOW).gpu_energy.values())
 
 
 def _unit_row(timings: Sequence[PassTiming], needs_input_grad: bool) -> tuple[float, ...]:

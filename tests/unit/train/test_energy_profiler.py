@@ -70,8 +70,11 @@ def test_sweep_on_cpu_with_a_fake_gpu():
     ran = {s.unit.name for s in unit_specs(model) if not s.unit.name.startswith("encoders.audio")}
     for unit in profile.units:
         assert all(len(getattr(unit, f)) == 2 for f in ("forward_s", "forward_j", "weight_grad_j"))
-        positive = all(t > 0 for t in unit.forward_s + unit.forward_j)
-        assert positive if unit.name in ran else unit.forward_s == unit.forward_j == (0.0, 0.0), unit.name
+        if unit.name in ran:  # energies by difference of two windows: >= 0 (noise on a shared CPU), most > 0
+            assert all(t > 0 for t in unit.forward_s) and all(j >= 0 for j in unit.forward_j), unit.name
+        else:
+            assert unit.forward_s == unit.forward_j == (0.0, 0.0), unit.name
+    assert sum(j for u in profile.units for j in u.forward_j + u.input_grad_j + u.weight_grad_j) > 0
     assert EnergyProfile.from_json(profile.to_json()) == profile
 
 
@@ -86,7 +89,7 @@ def test_energy_timer_spans_the_minimum_window():
     timer = EnergyTimer(torch.device("cpu"), FakeMonitor(gpus), repeats=2, warmup=0, min_window_s=0.05)
     runs = []
     seconds = timer.median(lambda s: (runs.append(s), time.sleep(0.01)), lambda: len(runs))
-    assert seconds > 0.009 and len(runs) >= 2 + 2  # the median's runs, then >= 0.05 s of measured runs (or 2)
+    assert seconds > 0.009 and len(runs) >= 2 + 2  # the median's runs, then >= 0.05 s of runs (at least 2)
     assert timer.last_joules > 0.01 * (50 + 198) * 0.9  # (power at the top clock) x (>= 10 ms per run)
 
 
