@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,7 +52,7 @@ COLUMNS = {  # label -> (dp_shard, tp)
     "TP 2 x FSDP2 2": (2, 2),
 }
 KINDS = ("parameters", "gradients", "optimizer", "activations")
-LIMIT_S = 600
+LIMIT_S = 240
 
 
 def job_config(model: str, dp_shard: int, tp: int, policy: str, microbatch: int, train_file: str, run_dir: str):
@@ -181,13 +182,17 @@ def run_column(model: str, label: str, policy: str, microbatch: int, folder: Pat
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={dp_shard * tp}", f"--master_port={port}",
            "--master_addr=127.0.0.1", str(Path(__file__).resolve()), "--worker", str(out / "spec.json"), str(out)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)  # its own process group: a hung column is killed whole
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LIMIT_S, cwd=ROOT)
+        proc.stdout_text, proc.stderr_text = proc.communicate(timeout=LIMIT_S)
     except subprocess.TimeoutExpired:
-        return f"timed out after {LIMIT_S} s"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return f"timed out after {LIMIT_S} s (a hung collective?)"
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     if proc.returncode != 0 or len(ranks) != dp_shard * tp:
-        lines = [line for line in (proc.stderr or proc.stdout).splitlines() if "Error" in line]
+        lines = [line for line in (proc.stderr_text or proc.stdout_text).splitlines() if "Error" in line]
         return (lines[-1] if lines else f"exit {proc.returncode}")[:160]
     result = {kind: max(r[kind] for r in ranks) for kind in KINDS}
     result["rank_llm_tokens"] = ranks[0]["rank_llm_tokens"]
