@@ -9,6 +9,8 @@ on this machine (reusing a stored profile only when model, shapes, dtype, device
 ``plait generate --model runs/demo/final (--prompt TEXT [--image P] [--audio P] | --input F --output F)``: greedy
 answers of a trained model, printed or written as JSONL predictions.
 ``plait tune-ranks --config job.toml [--ranks 2,4,8,16] [--budget N]``: choose a LoRA rank per module (MARS).
+``plait energy --config job.toml --devices N [--straggler 1.2] [--gpu h100]``: the time-energy frontier of the job's
+plan and a GPU frequency per action (Perseus): table, frontier plot and frequency plan JSON.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _profile(args: argparse.Namespace, overrides: list[str]) -> int:
 
     profile_command(args.config, overrides, store=args.store, out_path=args.out, microbatches=args.microbatches,
                     microbatch_size=args.microbatch_size, repeats=args.repeats, warmup=args.warmup,
-                    clock=args.clock, force=args.force)
+                    clock=args.clock, force=args.force, energy=args.energy, clocks=args.clocks)
     return 0
 
 
@@ -81,6 +83,14 @@ def _tune_ranks(args: argparse.Namespace, overrides: list[str]) -> int:
                               batch=args.batch, val_samples=args.val_samples, tolerance=args.tolerance,
                               budget=args.budget, nproc=args.nproc)
     tune_ranks_command(args.config, overrides, settings, args.out_dir)
+    return 0
+
+
+def _energy(args: argparse.Namespace, overrides: list[str]) -> int:
+    from plait.commands.energy import energy_command
+
+    energy_command(args.config, args.devices, straggler=args.straggler, gpu=args.gpu, out_dir=args.out_dir,
+                   overrides=overrides, microbatches=args.microbatches, method=args.method)
     return 0
 
 
@@ -147,6 +157,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     profile.add_argument("--clock", choices=("wall", "thread"), default="wall",
                          help="wall: elapsed time; thread: CPU time of the thread (CPU, 1 thread, shared machines)")
     profile.add_argument("--force", action="store_true", help="measure even when a matching profile is stored")
+    profile.add_argument("--energy", action="store_true", help="also sweep the GPU's SM clocks and store the measured "
+                         "energy profile (NVML through zeus: pip install -e \".[energy]\"; locking clocks needs "
+                         "SYS_ADMIN; skipped with the reason otherwise)")
+    profile.add_argument("--clocks", type=int, default=5, help="SM clocks of the --energy sweep (from the top down "
+                         "to half of it)")
     generate = sub.add_parser("generate", help="greedy answers of a trained model (<run_dir>/final) to a prompt or "
                               "a JSONL file")
     generate.add_argument("--model", required=True, help="the folder plait train writes, e.g. runs/demo/final")
@@ -184,6 +199,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "job's parallel layout)")
     tune.add_argument("--out-dir", default=None, help="folder of the search (default: <metrics.run_dir>/tune_ranks); "
                       "finished runs found there are not run again")
+    energy = sub.add_parser("energy", help="time-energy frontier of the job's plan and a GPU frequency per action "
+                            "(Perseus): table, plot, frequency plan JSON", formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog=OVERRIDES_HELP)
+    energy.add_argument("--config", required=True, help="TOML job file (planned as by plait plan)")
+    energy.add_argument("--devices", type=int, required=True, help="GPUs to plan for")
+    energy.add_argument("--straggler", type=float, default=1.2,
+                        help="another replica's iteration time as a multiple of the fastest (plans that point too)")
+    energy.add_argument("--gpu", default="h100", choices=("a100", "h100", "h200"), help="GPU power preset")
+    energy.add_argument("--out-dir", default=None, help="folder for energy_plan.json, frontier.json/.png and "
+                        "timelines.png (default: runs/<job file stem>/energy)")
+    energy.add_argument("--microbatches", type=int, default=None, help="as plait plan --microbatches")
+    energy.add_argument("--method", choices=("auto", "exact", "lowtime"), default="auto",
+                        help="frontier solver: lowtime (Phillips-Dessouky), exact (MILP per point, small DAGs) or "
+                             "auto (exact when small)")
     args, rest = parser.parse_known_args(argv)
     bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
     if bad:
@@ -195,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # no "Writing model shards" bars per checkpoint/final save
     try:
         commands = {"train": _train, "plan": _plan, "simulate": _simulate, "profile": _profile,
-                    "generate": _generate, "tune-ranks": _tune_ranks}
+                    "generate": _generate, "tune-ranks": _tune_ranks, "energy": _energy}
         return commands[args.command](args, rest)
     except (ValueError, FileNotFoundError) as exc:
         _report_error(exc)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["exact_choices"]
+__all__ = ["best_within", "exact_choices"]
 
 
 def exact_choices(dag: Any, *, time_limit_s: float = 60.0, max_points: int = 10_000) -> list[tuple[int, ...]]:
@@ -56,6 +56,39 @@ def exact_choices(dag: Any, *, time_limit_s: float = 60.0, max_points: int = 10_
         out.append(choice)
         bound = makespan * (1 - 1e-7) - 1e-12
     return out
+
+
+def best_within(dag: Any, bound_s: float, *, start: tuple[int, ...] | None = None,
+                time_limit_s: float = 10.0) -> tuple[int, ...] | None:
+    """Option indices of the least-energy assignment of ``dag`` whose iteration ends by ``bound_s`` (one MILP of the
+    module docstring), warm-started from ``start`` (an assignment meeting the bound); at the time limit the best
+    assignment found (HiGHS' incumbent). None when there is none (the bound is below the fastest iteration or no
+    solution came in time)."""
+    import highspy
+
+    h, columns = _model(dag, highspy)
+    h.changeColBounds(columns["T"], 0.0, float(bound_s))
+    h.setOptionValue("time_limit", float(time_limit_s))
+    if start is not None:
+        h.setSolution(_solution(dag, columns, start, highspy))
+    h.run()
+    values = np.asarray(h.getSolution().col_value)
+    if values.size != columns["T"] + 1 or h.getInfo().primal_solution_status != 2:
+        return None
+    return tuple(int(np.argmax(values[cols])) for cols in columns["x"])
+
+
+def _solution(dag: Any, columns: dict[str, Any], choice: tuple[int, ...], highspy: Any) -> Any:
+    """A HiGHS solution of the model for ``choice``: its options, earliest starts and iteration time."""
+    ends = dag.finish_times(choice)
+    x = np.zeros(columns["T"] + 1)
+    for v, c in enumerate(choice):
+        x[columns["x"][v][c]] = 1.0
+        x[columns["s"][v]] = ends[v] - dag.options[v][c][1]
+    x[columns["T"]] = max(ends, default=0.0)
+    solution = highspy.HighsSolution()
+    solution.col_value = x.tolist()
+    return solution
 
 
 def _model(dag: Any, highspy: Any) -> tuple[Any, dict[str, Any]]:

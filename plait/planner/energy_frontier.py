@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from plait.planner.energy_plan import ActionFrequency, EnergyPlan, FrontierPoint, action_label
 from plait.planner.energy_profile import ActionOption
@@ -80,11 +80,17 @@ class EnergyDag:
     preds: list[list[tuple[int, float]]]
     num_ranks: int
     blocking_w: float
+    _succs: list[list[tuple[int, float]]] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def fastest(self) -> tuple[int, ...]:
-        """Every action at its fastest option (index 0)."""
+        """Every action at its fastest option (index 0; the top clock among equally fast ones)."""
         return (0,) * len(self.actions)
+
+    @property
+    def top_clock(self) -> tuple[int, ...]:
+        """Every action at its highest frequency: the iteration without any frequency plan."""
+        return tuple(max(range(len(o)), key=lambda i: (o[i][0], -o[i][1])) for o in self.options)
 
     def finish_times(self, choice: Sequence[int]) -> list[float]:
         """Per node, when it ends with the options ``choice`` (each starts when its predecessors and their P2P
@@ -103,28 +109,63 @@ class EnergyDag:
         return makespan, energy + self.blocking_w * (self.num_ranks * makespan - busy)
 
     def polish(self, choice: Sequence[int], deadline: float) -> tuple[int, ...]:
-        """``choice`` with each action moved to its cheapest option (least ``e - P_blocking t``) that fits its
-        slack, so that the iteration still ends by ``deadline`` (which ``choice`` must meet). One pass in reverse
-        topological order: an action may take until the latest start of its successors, its predecessors keep
-        their times (they are visited later and only use the slack left)."""
-        ends = self.finish_times(choice)
-        succs: list[list[tuple[int, float]]] = [[] for _ in self.actions]
-        for v, preds in enumerate(self.preds):
-            for u, d in preds:
-                succs[u].append((v, d))
-        latest_start = [0.0] * len(self.actions)
+        """``choice`` with actions moved to their cheapest option (least ``e - P_blocking t``) that fits their
+        slack, so that the iteration still ends by ``deadline`` (which ``choice`` must meet). Two greedy sweeps,
+        the cheaper result kept: in reverse topological order (an action may last until the latest start of its
+        already settled successors; its predecessors keep their times and later use the slack left) and in
+        topological order (an action starts when its settled predecessors end and may last until the latest
+        start its successors allow at their current times)."""
+        late = self._sweep(choice, deadline, backward=True)
+        early = self._sweep(choice, deadline, backward=False)
+        return min((late, early), key=lambda c: self.evaluate(c)[1])
+
+    def _sweep(self, choice: Sequence[int], deadline: float, backward: bool) -> tuple[int, ...]:
+        succs = self._successors()
         out = list(choice)
-        for v in range(len(self.actions) - 1, -1, -1):
+        slack = 1e-12 * max(1.0, deadline)
+        if backward:
+            ends = self.finish_times(out)
+            latest_start = [0.0] * len(out)
+            for v in range(len(out) - 1, -1, -1):
+                latest_end = min((latest_start[w] - d for w, d in succs[v]), default=deadline)
+                out[v] = self._cheapest(v, out[v], latest_end - (ends[v] - self.options[v][out[v]][1]) + slack)
+                latest_start[v] = latest_end - self.options[v][out[v]][1]
+            return tuple(out)
+        latest_start = self._latest_starts(out, deadline)
+        ends = [0.0] * len(out)
+        for v, preds in enumerate(self.preds):
+            start = max((ends[u] + d for u, d in preds), default=0.0)
             latest_end = min((latest_start[w] - d for w, d in succs[v]), default=deadline)
-            start = ends[v] - self.options[v][out[v]][1]
-            window = latest_end - start + 1e-12 * max(1.0, deadline)
-            best = out[v]
-            for i, (_, t, e) in enumerate(self.options[v]):
-                if t <= window and e - self.blocking_w * t < self._effective(v, best):
-                    best = i
-            out[v] = best
-            latest_start[v] = latest_end - self.options[v][best][1]
+            out[v] = self._cheapest(v, out[v], latest_end - start + slack)
+            ends[v] = start + self.options[v][out[v]][1]
         return tuple(out)
+
+    def _cheapest(self, v: int, current: int, window: float) -> int:
+        """The option of node ``v`` with the least effective cost among those lasting at most ``window``
+        seconds (``current`` when none is cheaper)."""
+        best = current
+        for i, (_, t, _) in enumerate(self.options[v]):
+            if t <= window and self._effective(v, i) < self._effective(v, best):
+                best = i
+        return best
+
+    def _latest_starts(self, choice: Sequence[int], deadline: float) -> list[float]:
+        """Per node, the latest start that keeps every successor (at its time in ``choice``) within ``deadline``."""
+        succs = self._successors()
+        latest = [0.0] * len(choice)
+        for v in range(len(choice) - 1, -1, -1):
+            latest_end = min((latest[w] - d for w, d in succs[v]), default=deadline)
+            latest[v] = latest_end - self.options[v][choice[v]][1]
+        return latest
+
+    def _successors(self) -> list[list[tuple[int, float]]]:
+        if self._succs is None:
+            succs: list[list[tuple[int, float]]] = [[] for _ in self.actions]
+            for v, preds in enumerate(self.preds):
+                for u, d in preds:
+                    succs[u].append((v, d))
+            self._succs = succs
+        return self._succs
 
     def _effective(self, v: int, i: int) -> float:
         _, t, e = self.options[v][i]
@@ -177,7 +218,7 @@ def _options(options_of: OptionsOf, action: Action) -> list[ActionOption]:
     raw = options_of(action) if callable(options_of) else options_of.get((action.stage, action.kind))
     if not raw:
         raise ValueError(f"no frequency options for {action}")
-    out = sorted(((int(f), float(t), float(e)) for f, t, e in raw), key=lambda o: (o[1], o[2]))
+    out = sorted(((int(f), float(t), float(e)) for f, t, e in raw), key=lambda o: (o[1], -o[0]))
     if any(t < 0 or e < 0 for _, t, e in out):
         raise ValueError(f"{action}: option times and energies must be >= 0, got {out}")
     return out
@@ -204,7 +245,8 @@ def _topological(deps: Mapping[Action, Sequence[Action]]) -> list[Action]:
 
 # ----- lowtime ---------------------------------------------------------------------------------------------
 def energy_frontier(dag: EnergyDag, *, method: str = "auto", steps: int = 400, time_limit_s: float = 300.0,
-                    exact_max_options: int = 256) -> list[FrontierCandidate]:
+                    exact_max_options: int = 64, deadlines: Sequence[float] = (), max_slowdown: float | None = None,
+                    refine_s: float = 0.0) -> list[FrontierCandidate]:
     """The time-energy frontier of ``dag`` (module docstring, step 2), sorted by time, fastest first.
 
     Args:
@@ -214,31 +256,72 @@ def energy_frontier(dag: EnergyDag, *, method: str = "auto", steps: int = 400, t
         steps: time quanta between the slowest and the fastest iteration (lowtime's ``unit_time`` is that
             span divided by ``steps``); more is finer and slower.
         time_limit_s: stop tracing after this many seconds (the points found so far are kept).
+        deadlines: iteration times (s) that must get their own point (e.g. a straggler's): the best point within
+            each is polished up to it.
+        max_slowdown: lowtime traces only with options at most this many times slower than each action's fastest
+            (the frontier's fast part, where plans are chosen, in fewer steps); polishing and refining use all.
+        refine_s: seconds of MILP (``energy_exact.best_within``, warm-started from the best point found) spent on
+            the point at ``T*`` and on each deadline's point after lowtime; 0: none.
 
     Returns:
         Pareto-optimal candidates (no other candidate is as fast and cheaper); the first is at the all-top-clock
-        iteration time ``T*``.
+        iteration time ``T*`` (the fastest possible when every action's top clock is its fastest option).
 
     Raises:
-        ValueError: on an unknown method.
+        ValueError: on an unknown method or a ``max_slowdown`` below 1.
     """
     if method not in ("auto", "exact", "lowtime"):
         raise ValueError(f"energy_frontier method must be 'auto', 'exact' or 'lowtime', got {method!r}")
+    if max_slowdown is not None and not max_slowdown >= 1:
+        raise ValueError(f"max_slowdown must be >= 1, got {max_slowdown}")
     if method == "auto":
         method = "exact" if sum(len(o) for o in dag.options) <= exact_max_options else "lowtime"
-    fastest_time, _ = dag.evaluate(dag.fastest)
-    candidates = {dag.polish(dag.fastest, fastest_time)}
+    top_time, _ = dag.evaluate(dag.top_clock)
+    candidates = {dag.polish(dag.top_clock, top_time)}
     if method == "exact":
         from plait.planner.energy_exact import exact_choices
 
         candidates.update(exact_choices(dag, time_limit_s=time_limit_s))
     else:
-        for choice in _lowtime_choices(dag, steps, time_limit_s):
+        for choice in _lowtime_choices(dag, steps, time_limit_s, max_slowdown):
             candidates.add(choice)
             deadline, _ = dag.evaluate(choice)
             candidates.add(dag.polish(choice, deadline))
-    scored = [FrontierCandidate(*dag.evaluate(c), c) for c in candidates]
-    return _pareto(scored)
+    front = _fill(dag, [FrontierCandidate(*dag.evaluate(c), c) for c in candidates], deadlines)
+    return _refine(dag, front, [top_time, *deadlines], refine_s) if refine_s > 0 and method != "exact" else front
+
+
+def _refine(dag: EnergyDag, front: list[FrontierCandidate], targets: Sequence[float],
+            seconds: float) -> list[FrontierCandidate]:
+    """``front`` with, for each target time, the MILP's least-energy assignment within it (``seconds`` each),
+    warm-started from the front's best point within it."""
+    from plait.planner.energy_exact import best_within
+
+    extra = []
+    for target in targets:
+        within = [c for c in front if c.time_s <= target * (1 + 1e-12)]
+        if not within:
+            continue
+        start = min(within, key=lambda c: c.energy_j).choice
+        found = best_within(dag, target * (1 + 1e-12), start=start, time_limit_s=seconds)
+        if found is not None:
+            extra.append(FrontierCandidate(*dag.evaluate(found), found))
+    return _pareto(list(front) + extra)
+
+
+def _fill(dag: EnergyDag, candidates: Sequence[FrontierCandidate], deadlines: Sequence[float]) -> list[FrontierCandidate]:
+    """The Pareto set of ``candidates`` after polishing each frontier point up to the next point's time (a point
+    may use the time the next one takes) and, for each of ``deadlines``, the best point within it up to it."""
+    front = _pareto(candidates)
+    extra = [FrontierCandidate(*dag.evaluate(c), c)
+             for c in (dag.polish(a.choice, b.time_s) for a, b in zip(front, front[1:]))]
+    front = _pareto(list(front) + extra)
+    for deadline in deadlines:
+        within = [c for c in front if c.time_s <= deadline]
+        if within:
+            best = dag.polish(min(within, key=lambda c: c.energy_j).choice, deadline)
+            front = _pareto(list(front) + [FrontierCandidate(*dag.evaluate(best), best)])
+    return front
 
 
 def _pareto(candidates: Sequence[FrontierCandidate]) -> list[FrontierCandidate]:
@@ -250,26 +333,28 @@ def _pareto(candidates: Sequence[FrontierCandidate]) -> list[FrontierCandidate]:
     return out
 
 
-def _lowtime_choices(dag: EnergyDag, steps: int, time_limit_s: float):
-    """Option indices per node at every Phillips-Dessouky iteration (lowtime), slowest first."""
+def _lowtime_choices(dag: EnergyDag, steps: int, time_limit_s: float, max_slowdown: float | None):
+    """Option indices per node at every Phillips-Dessouky iteration (lowtime), slowest first; only options at most
+    ``max_slowdown`` times slower than the node's fastest are offered (all when None)."""
     import networkx as nx
     from lowtime.graph_utils import add_sink_node, add_source_node
     from lowtime.operation import CandidateExecutionOptions, ExecutionOption, Operation, OperationSpec
     from lowtime.solver import PhillipsDessouky
 
-    slow_time, _ = dag.evaluate(tuple(len(o) - 1 for o in dag.options))
+    allowed = [[i for i, (_, t, _) in enumerate(o) if max_slowdown is None or t <= max_slowdown * o[0][1]]
+               for o in dag.options]
+    slow_time, _ = dag.evaluate(tuple(a[-1] for a in allowed))
     fast_time, _ = dag.evaluate(dag.fastest)
-    if slow_time <= fast_time or all(len(o) == 1 for o in dag.options):
+    if slow_time <= fast_time or all(len(a) == 1 for a in allowed):
         return
     unit = (slow_time - fast_time) / max(1, steps)
     scale = _cost_scale(dag, unit)
     graph = nx.DiGraph()
-    knob_index = []
     for v, options in enumerate(dag.options):
-        opts = [ExecutionOption(real_time=t, unit_time=unit, cost=scale * (e - dag.blocking_w * t), knob=i)
-                for i, (_, t, e) in enumerate(options)]
+        opts = [ExecutionOption(real_time=options[i][1], unit_time=unit,
+                                cost=scale * (options[i][2] - dag.blocking_w * options[i][1]), knob=i)
+                for i in allowed[v]]
         graph.add_node(v, op=Operation(spec=_spec(opts, CandidateExecutionOptions, OperationSpec)))
-        knob_index.append(v)
     extra = len(dag.options)
     for v, preds in enumerate(dag.preds):
         for u, delay in preds:
@@ -286,7 +371,7 @@ def _lowtime_choices(dag: EnergyDag, steps: int, time_limit_s: float):
     graph.graph["source_node"], graph.graph["sink_node"] = extra, extra + 1
     start = time.perf_counter()
     for _ in PhillipsDessouky(graph).run():
-        yield tuple(graph.nodes[v]["op"].assigned_knob for v in knob_index)
+        yield tuple(graph.nodes[v]["op"].assigned_knob for v in range(len(dag.options)))
         if time.perf_counter() - start > time_limit_s:
             return
 
@@ -340,12 +425,17 @@ def _cross(o: tuple[float, float], a: tuple[float, float], b: tuple[float, float
 
 # ----- the plan file and its replay --------------------------------------------------------------------------
 def energy_plan(dag: EnergyDag, frontier: Sequence[FrontierCandidate], gpu: str, max_frequency_mhz: int, *,
-                max_points: int = 64) -> EnergyPlan:
+                max_points: int = 64, keep: Sequence[float] = ()) -> EnergyPlan:
     """The frontier as the shared plan file: at most ``max_points`` points (the fastest, the slowest and points
-    spread evenly in time between), each listing the actions whose frequency is not ``max_frequency_mhz``."""
-    chosen = _thin(frontier, max_points)
+    spread evenly in time between, plus for each time in ``keep`` the least-energy point within it), each listing
+    the actions whose frequency is not ``max_frequency_mhz``."""
+    chosen = set(_thin(frontier, max_points))
+    for limit in keep:
+        within = [c for c in frontier if c.time_s <= limit * (1 + 1e-12)]
+        if within:
+            chosen.add(min(within, key=lambda c: c.energy_j))
     points = []
-    for cand in chosen:
+    for cand in sorted(chosen, key=lambda c: (c.time_s, c.energy_j)):
         freqs = tuple(ActionFrequency(rank, action_label(a.kind, a.stage, a.microbatch), dag.options[v][c][0])
                       for v, ((rank, a), c) in enumerate(zip(dag.actions, cand.choice))
                       if dag.options[v][c][0] != max_frequency_mhz)

@@ -28,6 +28,8 @@ __all__ = [
     "chrome_trace",
     "new_figure",
     "loss_curve_figure",
+    "plot_energy_frontier",
+    "plot_frequency_timelines",
     "plot_loss_curve",
     "plot_timeline",
     "read_chrome_trace",
@@ -313,3 +315,75 @@ def loss_curve_figure(records: Sequence[Mapping[str, Any]], source: str = "metri
         ax2.set(ylabel="validation exact match", ylim=(0, 1.02))
         ax2.legend(loc="center right", fontsize=8)
     return fig
+
+
+# ----- energy (issue 17) -----------------------------------------------------------------------
+def plot_energy_frontier(points: Sequence[tuple[float, float]], path: str | Path, *,
+                         marks: Mapping[str, tuple[float, float]] | None = None, title: str = "") -> Path:
+    """The time-energy frontier as a PNG: energy per iteration (kJ) against iteration time (s), one dot per
+    frontier point joined by steps, and each of ``marks`` (``{label: (seconds, joules)}``, e.g. the all-top-clock
+    iteration ``"max frequency"`` and the chosen plans) as a labelled marker.
+
+    Raises:
+        ValueError: when ``points`` is empty.
+    """
+    if not points:
+        raise ValueError("plot_energy_frontier: no frontier point")
+    fig, (ax,) = new_figure(7.5, 4.5, dpi=110)
+    times, energies = zip(*sorted(points))
+    ax.plot(times, [e / 1e3 for e in energies], marker="o", ms=3, lw=1, drawstyle="steps-post",
+            color="tab:blue", label="frontier")
+    for (label, (t, e)), marker in zip((marks or {}).items(), "*sD^v"):
+        ax.plot([t], [e / 1e3], marker=marker, ms=11 if marker == "*" else 7, linestyle="none", label=label)
+    ax.set(xlabel="iteration time (s)", ylabel="energy per iteration (kJ)", title=title or "time-energy frontier")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def plot_frequency_timelines(timelines: Mapping[str, tuple[Sequence[TimelineEvent], Mapping[tuple[int, str], int]]],
+                             path: str | Path, *, title: str = "") -> Path:
+    """Timelines side by side with each action coloured by its GPU frequency (one colour scale, MHz, shared by
+    all panels): ``{label: (events, {(rank, "F s1 m3"): frequency_mhz})}``, e.g. the top-clock iteration beside
+    an energy plan's. Actions without a frequency are grey.
+
+    Raises:
+        ValueError: when no panel has events.
+    """
+    from matplotlib import colormaps
+    from matplotlib.colors import Normalize
+
+    groups = {label: list(events) for label, (events, _) in timelines.items()}
+    if not any(groups.values()):
+        raise ValueError("plot_frequency_timelines: no events to draw")
+    freqs = [f for _, fmap in timelines.values() for f in fmap.values()]
+    norm = Normalize(min(freqs, default=0), max(freqs, default=1) + (0 if len(set(freqs)) > 1 else 1))
+    cmap = colormaps["viridis"]
+    span = max(e.end_s for g in groups.values() for e in g)
+    unit, scale = _time_unit(span)
+    rows = [1 + max((e.rank for e in g), default=0) for g in groups.values()]
+    fig, axes = new_figure(12.0, sum(0.45 * r + 1.1 for r in rows), nrows=len(groups))
+    for ax, (label, (events, fmap)) in zip(axes, timelines.items()):
+        ranks = 1 + max((e.rank for e in events), default=0)
+        ax.set(xlim=(0, span * scale), ylim=(ranks - 0.5, -0.5), yticks=range(ranks),
+               yticklabels=[f"rank {r}" for r in range(ranks)])
+        for event in events:
+            f = fmap.get((event.rank, _event_name(event)))
+            color = _OTHER_COLOR if f is None else cmap(norm(f))
+            ax.broken_barh([(event.start_s * scale, event.duration_s * scale)], (event.rank - 0.4, 0.8),
+                           facecolors=color, edgecolor="white", linewidth=0.5)
+        makespan = max((e.end_s for e in events), default=0.0) - min((e.start_s for e in events), default=0.0)
+        ax.set_title(f"{label}: iteration {makespan * scale:.4g} {unit}")
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1].set_xlabel(f"time ({unit})")
+    from matplotlib.cm import ScalarMappable
+
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0.0, 0.0, 0.9, 1.0))
+    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), cax=fig.add_axes((0.92, 0.15, 0.015, 0.7)),
+                 label="SM frequency (MHz)")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path

@@ -175,3 +175,22 @@ def test_bad_inputs():
     dag = schedule_energy_dag(schedule, _options(0, 2, 2))
     with pytest.raises(ValueError, match="method"):
         energy_frontier(dag, method="greedy")
+
+
+def test_deadline_points_and_refined_t_star_match_brute_force():
+    """A deadline gets its own point (the least energy within it, as brute force finds on this small DAG), and the
+    MILP refinement of lowtime's T* point reaches the brute-force least energy at T*."""
+    schedule = _chain_schedule(3, 2)
+    dag = schedule_energy_dag(schedule, _options(5, 3, 2), p2p=P2PModel(latency_s=0.05), blocking_w=BLOCKING_W)
+    brute = _brute_force(dag)
+    t_star = brute[0][0]
+    deadline = 1.2 * t_star
+    frontier = energy_frontier(dag, method="lowtime", steps=20, deadlines=[deadline], max_slowdown=1.3,
+                               refine_s=5.0)
+    assert frontier[0].time_s == pytest.approx(t_star, rel=1e-9)
+    assert frontier[0].energy_j == pytest.approx(brute[0][1], rel=1e-6)
+    best_within = min(e for t, e in brute if t <= deadline)
+    ours = min(c.energy_j for c in frontier if c.time_s <= deadline)
+    assert ours == pytest.approx(best_within, rel=1e-6)
+    with pytest.raises(ValueError, match="max_slowdown"):
+        energy_frontier(dag, max_slowdown=0.5)

@@ -1,0 +1,164 @@
+"""``plait energy``: the time-energy frontier of a job's pipeline plan and its per-action GPU frequencies (Perseus).
+
+:func:`energy_command` plans the job as ``plait plan`` does (``commands.plan.plan_command`` on the chosen GPU
+preset), turns one replica's iteration of the plan's schedule into the action DAG of
+``plait.planner.energy_frontier`` with each stage action's (time, energy) per SM clock (the analytic preset of
+``plait.planner.energy_profile`` combined with the roofline cost model, scaled so that the top clock gives the
+plan's own stage times), traces the frontier and writes into ``--out-dir``:
+
+- ``energy_plan.json``: the frequency plan (``plait.planner.energy_plan.EnergyPlan``; the pipeline runtime reads
+  it through ``[energy] plan = "path"``): frontier points with each action's frequency;
+- ``frontier.json`` (every frontier point's time and energy) and ``frontier.png`` (energy against iteration
+  time, the top-clock iteration and the chosen plans marked);
+- ``timelines.png``: the top-clock iteration, the plan at ``T*`` and the plan at the straggler's time, each
+  action coloured by its frequency (the simulator's replay, ``energy_frontier.replay_plan``).
+
+It prints the table: iteration time and energy per iteration of one replica at the top clock, at the frontier's
+fastest point ``T*`` (same time, intrinsic bloat removed) and, when another replica straggles at ``--straggler``
+x ``T*``, waiting at the top clock against the frontier point within that time (extrinsic bloat), with savings.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from plait.commands.plan import build_plan_inputs, device_spec, load_config_for_planning, plan_command, split_global_batch
+from plait.planner.cost_model import unit_estimates
+from plait.planner.energy_frontier import (
+    energy_at_deadline,
+    energy_frontier,
+    energy_plan,
+    replay_plan,
+    schedule_energy_dag,
+)
+from plait.planner.energy_plan import EnergyPlan, FrontierPoint
+from plait.planner.energy_profile import GPU_PRESETS, analytic_energy_profile, gpu_preset, stage_action_options
+from plait.planner.profile import ProfileKey
+from plait.planner.schedules import build_schedule
+from plait.planner.search import LayoutChoice
+from plait.train.plots import plot_energy_frontier, plot_frequency_timelines
+
+__all__ = ["GPUS", "REFINE_S", "TRACE_S", "energy_command", "job_action_options"]
+
+TRACE_S = 60.0
+"""Seconds lowtime may trace the frontier (``energy_frontier``'s ``time_limit_s``)."""
+REFINE_S = 10.0
+"""MILP seconds spent on the ``T*`` point and on the straggler's point (``energy_frontier``'s ``refine_s``)."""
+
+
+def energy_command(config_path: str | Path, devices: int, *, straggler: float = 1.2, gpu: str = "h100",
+                   out_dir: str | Path | None = None, overrides: Sequence[str] = (), microbatches: int | None = None,
+                   method: str = "auto", out: TextIO | None = None) -> dict[str, Any]:
+    """``plait energy`` (module docstring).
+
+    Args:
+        config_path: TOML job file; overrides: dotted ``--section.key=value`` overrides.
+        devices: GPUs to plan for.
+        straggler: another replica's iteration time as a multiple of ``T*`` (> 1 plans a straggler point).
+        gpu: GPU preset (``a100``, ``h100``, ``h200``).
+        out_dir: folder for the outputs (default ``runs/<job file stem>/energy``).
+        microbatches: as ``plait plan --microbatches``.
+        method: frontier solver (``energy_frontier.energy_frontier``: ``auto``, ``exact``, ``lowtime``).
+        out: text stream (default stdout).
+
+    Returns:
+        ``{"plan": EnergyPlan, "paths": {name: Path}, "rows": {name: (seconds, joules)}}``.
+
+    Raises:
+        ValueError: on a straggler factor below 1, an unknown GPU or method, and as ``plait plan``;
+            FileNotFoundError: on a missing job file.
+    """
+    stream = out or sys.stdout
+    if not straggler >= 1.0:
+        raise ValueError(f"--straggler must be >= 1 (a multiple of the fastest iteration time), got {straggler}")
+    preset = gpu_preset(gpu)
+    choice = plan_command(config_path, devices, None, overrides=overrides, device=preset.name,
+                          microbatches=microbatches, out=stream, profile_store=None)
+    schedule = build_schedule(choice.plan, choice.schedule, choice.microbatches_per_replica)
+    options = job_action_options(config_path, overrides, microbatches, choice, preset.name)
+    blocking = preset.blocking_w
+    dag = schedule_energy_dag(schedule, options, p2p=choice.p2p,
+                              boundary_bytes=dict(enumerate(choice.stage_boundary_bytes)), blocking_w=blocking)
+    t_star, e_max = dag.evaluate(dag.top_clock)
+    deadline = straggler * t_star
+    frontier = energy_frontier(dag, method=method, deadlines=[deadline], max_slowdown=max(1.5, 1.25 * straggler),
+                               refine_s=REFINE_S, time_limit_s=TRACE_S)
+    plan = energy_plan(dag, frontier, preset.name, preset.max_frequency_mhz, keep=[t_star, deadline])
+    slow = min((p for p in plan.points if p.iteration_time_s <= deadline * (1 + 1e-12)),
+               key=lambda p: energy_at_deadline(p, deadline, dag.num_ranks, blocking))
+    fastest = plan.point_for(t_star * (1 + 1e-9))
+    rows = {"max frequency": (t_star, e_max), "plan at T*": (fastest.iteration_time_s, fastest.energy_j),
+            f"max frequency, waiting {straggler:g}x": (deadline, e_max + blocking * dag.num_ranks * (deadline - t_star)),
+            f"plan at {straggler:g}x T*": (deadline, energy_at_deadline(slow, deadline, dag.num_ranks, blocking))}
+    _print_table(stream, rows, choice, preset.name, len(frontier))
+    folder = Path(out_dir) if out_dir is not None else Path("runs") / Path(config_path).stem / "energy"
+    paths = _write(folder, plan, frontier, rows, schedule, options, choice, blocking, (fastest, slow), straggler)
+    for name, path in paths.items():
+        print(f"plait energy: wrote {name} {path}", file=stream)
+    return {"plan": plan, "paths": paths, "rows": rows}
+
+
+def job_action_options(config_path: str | Path, overrides: Sequence[str], microbatches: int | None,
+                       choice: LayoutChoice, gpu: str) -> dict[tuple[int, str], list[tuple[int, float, float]]]:
+    """Per stage action of ``choice``, ``(frequency_mhz, seconds, joules)`` at the preset's clocks: the job's units
+    (``commands.plan.build_plan_inputs``) through ``energy_profile.analytic_energy_profile``, each action's times
+    and energies scaled so that its top-clock time is the plan's own (``choice.stage_forward_s`` /
+    ``stage_backward_s``, which include activation recomputation and runtime overheads when charged)."""
+    preset = gpu_preset(gpu)
+    cfg, _ = load_config_for_planning(config_path, overrides)
+    cfg = split_global_batch(cfg, microbatches)
+    spec = device_spec(preset.name)
+    inputs = build_plan_inputs(cfg, spec, microbatches=microbatches)
+    estimates = unit_estimates(inputs.units, inputs.model_configs, inputs.shapes, inputs.dtype)
+    key = ProfileKey({"job": str(config_path)}, {m: s.to_dict() for m, s in inputs.shapes.items()}, inputs.dtype,
+                     preset.name, "", "")
+    profile = analytic_energy_profile(inputs.units, estimates, preset, key, device=spec)
+    options = stage_action_options(choice.plan, inputs.units, profile)
+    targets = {"F": choice.stage_forward_s, "B": choice.stage_backward_s}
+    out = {}
+    for (stage, kind), opts in options.items():
+        top = opts[0][1]
+        factor = targets[kind][stage] / top if kind in targets and top > 0 else 1.0
+        out[(stage, kind)] = [(f, t * factor, e * factor) for f, t, e in opts]
+    return out
+
+
+def _print_table(stream: TextIO, rows: dict[str, tuple[float, float]], choice: LayoutChoice, gpu: str,
+                 points: int) -> None:
+    print(f"\nplait energy: {points} frontier points on {gpu} (one replica: {choice.plan.num_ranks} GPUs, "
+          f"DP {choice.dp}; energies per replica iteration, blocking power included)", file=stream)
+    print(f"{'':<30} {'iteration (s)':>14} {'energy (J)':>12} {'savings':>8}", file=stream)
+    base = 0.0
+    for index, (name, (seconds, joules)) in enumerate(rows.items()):
+        base = joules if index % 2 == 0 else base
+        saving = "" if index % 2 == 0 else f"{100 * (1 - joules / base):7.1f}%"
+        print(f"{name:<30} {seconds:14.5g} {joules:12.5g} {saving:>8}", file=stream)
+
+
+def _write(folder: Path, plan: EnergyPlan, frontier, rows, schedule, options, choice: LayoutChoice, blocking: float,
+           chosen: tuple[FrontierPoint, FrontierPoint], straggler: float) -> dict[str, Path]:
+    """The four output files (module docstring)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    plan_path = folder / "energy_plan.json"
+    plan_path.write_text(plan.to_json(indent=1))
+    front_path = folder / "frontier.json"
+    front_path.write_text(json.dumps([{"iteration_time_s": c.time_s, "energy_j": c.energy_j} for c in frontier]))
+    png = plot_energy_frontier([(c.time_s, c.energy_j) for c in frontier], folder / "frontier.png",
+                               marks=dict(list(rows.items())[:2]), title=f"time-energy frontier ({plan.gpu})")
+    replay = dict(p2p=choice.p2p, boundary_bytes=dict(enumerate(choice.stage_boundary_bytes)), blocking_w=blocking)
+    panels = {}
+    top = EnergyPlan(plan.gpu, plan.max_frequency_mhz, (FrontierPoint(0.0, 0.0),))  # every action at the top
+    for label, (p, point) in {"max frequency": (top, top.points[0]), "plan at T*": (plan, chosen[0]),
+                              f"plan at {straggler:g}x T*": (plan, chosen[1])}.items():
+        result, _, freqs = replay_plan(schedule, options, p, point, **replay)
+        panels[label] = (result.events, freqs)
+    timeline = plot_frequency_timelines(panels, folder / "timelines.png", title="GPU frequency per action")
+    return {"plan": plan_path, "frontier": front_path, "frontier plot": png, "timelines": timeline}
+
+
+GPUS = tuple(GPU_PRESETS)
+"""The ``--gpu`` choices."""

@@ -1,0 +1,47 @@
+"""``plait energy`` end to end on the demo job: table, frequency plan JSON, frontier JSON and plots."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from plait.cli import main
+from plait.planner.energy_plan import EnergyPlan
+
+ROOT = Path(__file__).resolve().parents[3]
+DEMO = ROOT / "configs" / "demo.toml"
+
+
+def _row(text: str, name: str) -> tuple[float, float]:
+    match = re.search(rf"^{re.escape(name)}\s+(\S+)\s+(\S+)", text, re.M)
+    assert match, f"no row {name!r} in\n{text}"
+    return float(match.group(1)), float(match.group(2))
+
+
+def test_energy_cli_on_the_demo_job(tmp_path, capsys):
+    out = tmp_path / "energy"
+    assert main(["energy", "--config", str(DEMO), "--devices", "2", "--microbatches", "4", "--straggler", "1.3", "--method", "lowtime",
+                 "--out-dir", str(out)]) == 0
+    text = capsys.readouterr().out
+    t_max, e_max = _row(text, "max frequency")
+    t_star, e_star = _row(text, "plan at T*")
+    assert t_star == pytest.approx(t_max, rel=1e-4)  # same iteration time (printed to 5 digits)
+    assert e_star <= e_max
+    t_wait, e_wait = _row(text, "max frequency, waiting 1.3x")
+    _, e_strag = _row(text, "plan at 1.3x T*")
+    assert t_wait == pytest.approx(1.3 * t_max, rel=1e-4) and e_strag <= e_wait
+    plan = EnergyPlan.from_json((out / "energy_plan.json").read_text())
+    assert plan.gpu == "h100" and plan.max_frequency_mhz == 1980 and plan.points
+    frontier = json.loads((out / "frontier.json").read_text())
+    times = [p["iteration_time_s"] for p in frontier]
+    assert times == sorted(times) and times[0] == pytest.approx(plan.points[0].iteration_time_s)
+    for name in ("frontier.png", "timelines.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_energy_cli_refuses_a_bad_straggler(capsys):
+    assert main(["energy", "--config", str(DEMO), "--devices", "2", "--straggler", "0.5"]) != 0
+    assert "--straggler must be >= 1" in capsys.readouterr().err
