@@ -101,6 +101,7 @@ def format_plan(choice: LayoutChoice) -> str:
     cap = "no cap" if choice.memory_cap is None else f"cap {choice.memory_cap / _GIB:.1f} GiB"
     shape = (f"layout {choice.layout}, DP {choice.dp} x {plan.num_ranks} pipeline ranks" if plan.num_ranks > 1
              else f"no pipeline (the whole model on each rank), DP {choice.dp}")
+    shape += f" x TP {choice.tp}" if choice.tp > 1 else ""
     lines += [
         f"{shape} = {choice.devices_used} of {choice.devices} devices"
         + ("" if plan.num_ranks == 1 else f"; stages: {counts}") + idle_devices_note(choice),
