@@ -92,3 +92,39 @@ def test_step_span_and_single_process_reaction():
     ctl = FrequencyController(PLAN, 0)
     reaction = StragglerReaction(ctl, StragglerPolicy(patience=1), 0, 1, torch.device("cpu"))
     assert reaction.observe(3.0) == PLAN.points[0] and reaction.history == [(-1, 1.0)]
+
+
+def test_build_energy_runtime_from_the_config_section(tmp_path):
+    from plait.config.schema import EnergyConfig
+    from plait.parallel.energy import build_energy_runtime
+
+    assert build_energy_runtime(EnergyConfig(), 0, 0, 1, torch.device("cpu")) is None  # no plan: off
+    path = tmp_path / "plan.json"
+    path.write_text(PLAN.to_json())
+    runtime = build_energy_runtime(EnergyConfig(plan=str(path), patience=2), 1, 0, 1, torch.device("cpu"))
+    assert runtime.controller.rank == 1 and runtime.controller.before("F", 1, 0) == 1200
+    assert runtime.reaction.policy == StragglerPolicy(1.15, 1.05, 2)
+    runtime.after_step([TimelineEvent(1, "F", 1, 0, 0.0, 0.5)])  # one replica: no straggler
+    assert runtime.reaction.history == [(-1, 1.0)]
+    runtime.close()
+    off = build_energy_runtime(EnergyConfig(plan=str(path), straggler=False), 0, 0, 2, torch.device("cpu"))
+    assert off.reaction is None
+    off.after_step([])
+
+
+def test_energy_config_is_validated():
+    from plait.config.loader import config_from_dict, validate
+
+    def job(energy, pp=2):
+        return config_from_dict({"model": {"llm": {"config": {"model_type": "llama"}}},
+                                 "parallel": {"pp": {"degree": pp}}, "energy": energy})
+
+    with pytest.raises(ValueError, match=r"energy.plan = 'p.json' sets the frequency of pipeline actions: it needs "
+                                         r"parallel.pp.degree > 1"):
+        validate(job({"plan": "p.json"}, pp=1))
+    with pytest.raises(ValueError, match="energy.recover_ratio must be >= 1 and below energy.slow_ratio"):
+        validate(job({"slow_ratio": 1.1, "recover_ratio": 1.2}, pp=1))
+    with pytest.raises(ValueError, match="energy.patience must be >= 1, got 0"):
+        validate(job({"patience": 0}, pp=1))
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['energy.plann'\]"):
+        job({"plann": "x"})
