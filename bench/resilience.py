@@ -1,0 +1,313 @@
+"""Training throughput under frequent failures: plait's reconfiguration (Oobleck-style pipeline templates, f+1
+heterogeneous pipelines, copies from surviving replicas) vs restart from the last checkpoint (Varuna-style) vs
+replicas of one fixed template (torchft-style), with plait's simulator and analytic costs.
+
+Setup (Oobleck, SOSP 2023, section 7; ../shared/REFERENCES.md section 2): ``N`` GPUs (one GPU per node: a failure
+takes one rank), one failure every ``--interval`` seconds (default 10 minutes) until half the GPUs are gone, then
+one more interval; the same victims (a seeded random order of the ranks) for every strategy. A fixed global batch
+of ``--microbatches`` one-sample microbatches. Models: two of bench/pipeline_plans.py's nine MLLMs (every part
+training, H100 costs, 90% of 80 GiB) and GPT-3 6.7B (2048 tokens per sample) for comparison with the paper.
+
+Strategies (each iteration commits when it ends; work is counted in microbatches):
+
+- **plait** (``plait.planner.templates`` + ``reconfigure``): templates for ``n0 .. N - f n0`` ranks from plait's
+  search, the best instantiation with ``f + 1`` pipelines; on a failure, ``plan_reconfiguration`` (shrink,
+  borrow, merge); the interrupted iteration is replayed, nothing else is lost; downtime = ``--reconfig-s``
+  (detection, agreement, re-forming process groups) + the largest per-rank copy / ``--copy-gbps``. A failure that
+  takes every copy of a unit falls back to a restart from the checkpoint (counted).
+- **restart** (Varuna-style): the best homogeneous plan (``plan_layout``: DP x PP on the live GPUs); on a failure
+  the work since the last completed checkpoint is lost and the job restarts on the survivors after
+  ``--restart-s`` + loading its state.
+- **fixed** (torchft-style): the best homogeneous plan on ``N`` GPUs; a replica that loses a rank idles for the
+  rest of the run (no replacement node arrives), the others go on (the global batch shrinks with them) after
+  ``--reconfig-s``; when no replica is left, a restart as above.
+
+Every strategy checkpoints at Young's interval ``sqrt(2 * write_s * MTBF)`` (J. W. Young, CACM 1974), the
+best for the failure rate; a write stalls training for (state bytes / live GPUs) / ``--ckpt-gbps``; plait
+pays it too, although it only needs the checkpoint beyond ``f`` failures. Approximations: iterations run at the
+planned time; checkpoint writes happen at iteration boundaries; the gradient all-reduce of a shrunken
+torchft-style job keeps its initial time.
+
+Run: ``.venv/bin/python bench/resilience.py`` (``--help``: GPU counts, models, interval, costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.pipeline_plans import DEVICE, DP_LINK, MEMORY_CAP, P2P, build  # noqa: E402
+from plait.planner.arch import DecoderArch, units_from_configs  # noqa: E402
+from plait.planner.cost_model import MicrobatchShape, unit_costs  # noqa: E402
+from plait.planner.reconfigure import plan_reconfiguration  # noqa: E402
+from plait.planner.search import plan_layout  # noqa: E402
+from plait.planner.templates import TemplateSet, plan_instantiation, plan_templates  # noqa: E402
+
+GPT3_6_7B = DecoderArch(hidden=4096, layers=32, heads=32, kv_heads=32, head_dim=128, intermediate=16384,
+                        vocab=50257, gated_mlp=False, qkv_bias=True, o_bias=True, mlp_bias=True, norm_bias=True,
+                        tied_embeddings=True)
+GPT3_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The assumptions (seconds, bytes per second)."""
+
+    interval_s: float
+    reconfig_s: float
+    copy_Bps: float
+    restart_s: float
+    ckpt_Bps: float
+    ckpt_every_s: float = 0.0  # 0: Young's interval
+
+
+@dataclass
+class Tally:
+    """What one strategy achieved over the run."""
+
+    work: float = 0.0  # committed microbatches
+    reconfigs: int = 0
+    restarts: int = 0
+    down_s: list[float] = field(default_factory=list)
+    copied_bytes: float = 0.0
+
+
+def model_parts(name: str):
+    """(units, costs) of a benchmark model, every part training."""
+    if name == "GPT-3 6.7B":
+        units = units_from_configs({"llm": GPT3_6_7B})
+        shapes = {"llm": MicrobatchShape(tokens=GPT3_TOKENS, seq_len=GPT3_TOKENS)}
+        return units, unit_costs(units, {"llm": GPT3_6_7B}, shapes, DEVICE)
+    units, costs, _ = build(name, "trainable")
+    return units, costs
+
+
+def state_bytes(ts: TemplateSet) -> float:
+    """Parameters plus optimizer state of the whole model (bytes): what a checkpoint holds."""
+    return float(sum(u.param_bytes + u.state_bytes for u in ts.units))
+
+
+def ckpt_plan(total_bytes: float, live: int, costs: Costs) -> tuple[float, float]:
+    """(Young's checkpoint interval, write stall) in seconds on ``live`` GPUs writing in parallel."""
+    write = total_bytes / live / costs.ckpt_Bps
+    return costs.ckpt_every_s or math.sqrt(2 * write * costs.interval_s), write
+
+
+def segment(duration: float, iteration_s: float, per_iteration: float, every: float, write: float
+            ) -> tuple[float, float]:
+    """Training for ``duration`` seconds with a checkpoint write of ``write`` s after every ``every`` s of
+    training: (microbatches committed, microbatches covered by the last completed checkpoint)."""
+    done = saved = 0.0
+    t = 0.0
+    while t < duration:
+        train = min(every, duration - t)
+        done += math.floor(train / iteration_s + 1e-9) * per_iteration
+        t += train
+        if t + write <= duration:
+            saved = done
+        t += write
+    return done, saved
+
+
+def restart_cost(total_bytes: float, live: int, costs: Costs) -> float:
+    """Seconds a restart from the checkpoint takes: relaunch plus reading the state on ``live`` GPUs."""
+    return costs.restart_s + total_bytes / live / costs.ckpt_Bps
+
+
+def failure_times(gpus: int, costs: Costs) -> list[float]:
+    """One failure every interval until half the GPUs are gone."""
+    return [costs.interval_s * (k + 1) for k in range(gpus // 2)]
+
+
+class Homogeneous:
+    """The best DP x PP plan (``plan_layout``) per live GPU count, cached."""
+
+    def __init__(self, units, costs, microbatches: int) -> None:
+        self.units, self.costs, self.microbatches = units, costs, microbatches
+        self.cache: dict[int, object] = {}
+
+    def plan(self, gpus: int):
+        if gpus not in self.cache:
+            self.cache[gpus] = plan_layout(self.units, self.costs, gpus, microbatches=self.microbatches,
+                                           memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK)
+        return self.cache[gpus]
+
+
+def run_restart(home: Homogeneous, gpus: int, victims: list[int], total: float, costs: Costs) -> Tally:
+    """Varuna-style: restart on the survivors from the last checkpoint after every failure."""
+    tally, t, live = Tally(), 0.0, gpus
+    times = failure_times(gpus, costs) + [costs.interval_s * (gpus // 2 + 1)]
+    for k, end in enumerate(times):
+        choice = home.plan(live)
+        every, write = ckpt_plan(total, live, costs)
+        done, saved = segment(end - t, choice.iteration_s, choice.microbatches, every, write)
+        last = k == len(times) - 1
+        tally.work += done if last else saved
+        if not last:
+            live -= 1
+            down = restart_cost(total, live, costs)
+            tally.restarts += 1
+            tally.down_s.append(down)
+            t = end + down
+    return tally
+
+
+def run_fixed(home: Homogeneous, gpus: int, victims: list[int], total: float, costs: Costs) -> Tally:
+    """torchft-style: replicas of one plan; a replica with a lost rank idles; none left: restart."""
+    tally, t = Tally(), 0.0
+    alive = list(range(gpus))
+    choice = home.plan(gpus)
+    size = choice.plan.num_ranks
+    replicas = {r: set(range(r * size, (r + 1) * size)) for r in range(choice.dp)}
+    times = failure_times(gpus, costs) + [costs.interval_s * (gpus // 2 + 1)]
+    for k, end in enumerate(times):
+        per_replica = -(-choice.microbatches // choice.dp)
+        every, write = ckpt_plan(total, len(alive), costs)
+        done, saved = segment(end - t, choice.iteration_s, per_replica * len(replicas), every, write)
+        if k == len(times) - 1:
+            tally.work += done
+            break
+        victim = victims[k]
+        alive.remove(victim)
+        hit = [r for r, ranks in replicas.items() if victim in ranks]
+        for r in hit:
+            del replicas[r]
+        if replicas:
+            tally.work += done
+            down = costs.reconfig_s if hit else 0.0
+            tally.reconfigs += bool(hit)
+        else:  # every replica lost a rank: restart on the survivors with a new plan
+            tally.work += saved
+            choice = home.plan(len(alive))
+            size = choice.plan.num_ranks
+            replicas = {r: set(alive[r * size:(r + 1) * size]) for r in range(choice.dp)}
+            down = restart_cost(total, len(alive), costs)
+            tally.restarts += 1
+        if down:
+            tally.down_s.append(down)
+        t = end + down
+    return tally
+
+
+def run_plait(ts: TemplateSet, gpus: int, victims: list[int], total: float, costs: Costs) -> Tally:
+    """Oobleck-style: reconfigure the survivors' pipelines; restart only when a unit lost every copy."""
+    tally, t = Tally(), 0.0
+    inst = plan_instantiation(ts)
+    times = failure_times(gpus, costs) + [costs.interval_s * (gpus // 2 + 1)]
+    for k, end in enumerate(times):
+        every, write = ckpt_plan(total, len(inst.ranks), costs)
+        done, saved = segment(end - t, inst.iteration_s, inst.microbatches, every, write)
+        if k == len(times) - 1:
+            tally.work += done
+            break
+        try:
+            rec = plan_reconfiguration(ts, inst, [victims[k]])
+        except ValueError:
+            alive = [r for r in inst.ranks if r != victims[k]]
+            tally.work += saved
+            inst = plan_instantiation(ts, alive, min_pipelines=max(1, min(ts.failures + 1,
+                                                                          len(alive) // ts.min_ranks)))
+            down = restart_cost(total, len(alive), costs)
+            tally.restarts += 1
+        else:
+            tally.work += done
+            received: dict[int, int] = {}
+            for tr in rec.transfers:
+                received[tr.dst] = received.get(tr.dst, 0) + tr.bytes
+            down = costs.reconfig_s + max(received.values(), default=0) / costs.copy_Bps
+            tally.reconfigs += 1
+            tally.copied_bytes += rec.bytes
+            inst = rec.after
+        tally.down_s.append(down)
+        t = end + down
+    return tally
+
+
+def templates_for(full: TemplateSet, gpus: int) -> TemplateSet:
+    """The subset of ``full``'s templates a job of ``gpus`` GPUs uses (``n0 .. gpus - f n0``)."""
+    top = gpus - full.failures * full.min_ranks
+    chosen = tuple(t for t in full.templates if t.num_ranks <= top)
+    return TemplateSet(gpus, full.failures, full.microbatches, chosen, full.units, full.dp_link)
+
+
+def bench_model(name: str, gpu_counts: list[int], args: argparse.Namespace, costs: Costs) -> list[float]:
+    """Print one row per GPU count; returns the plait/restart ratios."""
+    units, unit_cost = model_parts(name)
+    start = time.perf_counter()
+    full = plan_templates(units, unit_cost, max(gpu_counts), args.failures, microbatches=args.microbatches,
+                          memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK)
+    home = Homogeneous(units, unit_cost, args.microbatches)
+    total = state_bytes(full)
+    ratios = []
+    for gpus in gpu_counts:
+        ts = templates_for(full, gpus)
+        victims = random.Random(args.seed).sample(range(gpus), gpus // 2)
+        results = {"plait": run_plait(ts, gpus, victims, total, costs),
+                   "restart": run_restart(home, gpus, victims, total, costs),
+                   "fixed": run_fixed(home, gpus, victims, total, costs)}
+        horizon = costs.interval_s * (gpus // 2 + 1)
+        rate = {k: v.work / horizon for k, v in results.items()}
+        clean = args.microbatches / plan_instantiation(ts).iteration_s
+        ours = results["plait"]
+        down = sum(ours.down_s) / len(ours.down_s) if ours.down_s else 0.0
+        ratio = rate["plait"] / rate["restart"] if rate["restart"] else math.inf
+        fixed_ratio = rate["plait"] / rate["fixed"] if rate["fixed"] else math.inf
+        ratios.append(ratio)
+        print(f"{name:<11} {gpus:>4} {ts.min_ranks:>3} {clean:8.2f} | {rate['plait']:8.2f} {rate['restart']:8.2f} "
+              f"{rate['fixed']:8.2f} | {ratio:7.2f}x {fixed_ratio:6.2f}x | "
+              f"{ours.reconfigs:>3}/{ours.restarts:<2} {down:6.1f} s {ours.copied_bytes / 2**30:8.1f} | "
+              f"{results['restart'].restarts:>3} {results['fixed'].reconfigs:>3}/{results['fixed'].restarts:<2}")
+    print(f"  ({name}: templates and plans in {time.perf_counter() - start:.1f} s; checkpoint "
+          f"{total / 2**30:.0f} GiB)")
+    return ratios
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gpus", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--models", nargs="+", default=["VLM-S", "ALM-M", "GPT-3 6.7B"])
+    parser.add_argument("--microbatches", type=int, default=128, help="one-sample microbatches per global batch")
+    parser.add_argument("--failures", type=int, default=1, help="f: plait instantiates at least f + 1 pipelines")
+    parser.add_argument("--interval", type=float, default=600.0, help="seconds between failures")
+    parser.add_argument("--reconfig-s", type=float, default=10.0,
+                        help="detection + agreement + process-group re-forming (s), plait and torchft-style")
+    parser.add_argument("--copy-gbps", type=float, default=25.0, help="GB/s a rank receives copied state at")
+    parser.add_argument("--restart-s", type=float, default=120.0,
+                        help="relaunch of a restarted job before it reads its checkpoint (s)")
+    parser.add_argument("--ckpt-gbps", type=float, default=2.0, help="GB/s each GPU writes / reads checkpoints at")
+    parser.add_argument("--ckpt-every", type=float, default=0.0,
+                        help="seconds of training between checkpoints (default 0: Young's interval for the rate)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    costs = Costs(args.interval, args.reconfig_s, args.copy_gbps * 1e9, args.restart_s, args.ckpt_gbps * 1e9,
+                  args.ckpt_every)
+    print(f"One failure every {args.interval:.0f} s until half the GPUs are gone, then one more interval; "
+          f"global batch {args.microbatches} microbatches; f = {args.failures}.")
+    print(f"Assumptions: plait / torchft-style reconfiguration {args.reconfig_s:.0f} s + copies at "
+          f"{args.copy_gbps:.0f} GB/s per receiving rank; restart {args.restart_s:.0f} s + checkpoint read; "
+          f"checkpoint write/read {args.ckpt_gbps:.0f} GB/s per GPU, every "
+          + (f"{args.ckpt_every:.0f} s" if args.ckpt_every else f"sqrt(2 x write x {args.interval:.0f} s) (Young)")
+          + " of training for all three.")
+    print("Throughput in microbatches (samples) per second over the whole run; 'no fail': plait's rate without "
+          "failures.")
+    header = (f"{'model':<11} {'GPUs':>4} {'n0':>3} {'no fail':>8} | {'plait':>8} {'restart':>8} {'fixed':>8} | "
+              f"{'/restart':>8} {'/fixed':>7} | {'plait reconf/restart, mean down, GiB copied':<44} | "
+              "restart: restarts; fixed: reconf/restarts")
+    print(header)
+    print("-" * len(header))
+    for name in args.models:
+        ratios = bench_model(name, args.gpus, args, costs)
+        print(f"  {name}: plait over restart " + ", ".join(f"{g} GPUs {r:.1f}x" for g, r in zip(args.gpus, ratios)))
+
+
+if __name__ == "__main__":
+    main()
