@@ -80,13 +80,13 @@ class PipelineTemplate(JsonDataclass):
     def __post_init__(self) -> None:
         if self.plan.num_ranks > self.num_ranks:
             raise ValueError(f"template for {self.num_ranks} ranks has a plan on {self.plan.num_ranks} ranks")
-        if self.per_microbatch_s < 0 or self.fixed_s < -1e-12 * max(1.0, self.per_microbatch_s):
+        if self.per_microbatch_s < 0 or self.fixed_s < 0:
             raise ValueError(f"template for {self.num_ranks} ranks: negative time ({self.fixed_s}, "
                              f"{self.per_microbatch_s})")
 
     def makespan_s(self, microbatches: int) -> float:
         """Predicted makespan (s) of ``microbatches`` microbatches (0 for none)."""
-        return 0.0 if microbatches <= 0 else max(0.0, self.fixed_s) + self.per_microbatch_s * microbatches
+        return 0.0 if microbatches <= 0 else self.fixed_s + self.per_microbatch_s * microbatches
 
     def units_of(self, plan_rank: int) -> tuple[str, ...]:
         """Unit names plan rank ``plan_rank`` holds (empty for a spare)."""

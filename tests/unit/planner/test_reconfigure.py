@@ -66,6 +66,7 @@ def test_shrink_borrow_and_merge():
     assert [p.ranks for p in merged.after.pipelines] == [(0, 2, 3, 5), (6, 7, 8)]
     assert merged.actions[-1] == "pipelines of 2 and 2 ranks merge"
     assert "ranks [1, 4] failed" in merged.summary() and "pipelines now 4+3 ranks" in merged.summary()
+    assert Reconfiguration.from_json(merged.to_json()) == merged
 
 
 def test_losing_every_copy_of_a_unit_is_refused_naming_the_units():
