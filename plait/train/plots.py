@@ -61,7 +61,8 @@ def _by_label(events: Timelines, default_label: str) -> dict[str, list[TimelineE
             raise ValueError(f"timeline {label!r}: expected TimelineEvent entries, got {type(bad[0]).__name__}")
         origin = min((e.start_s for e in group), default=0.0)
         out[str(label)] = [
-            TimelineEvent(e.rank, e.kind, e.stage, e.microbatch, e.start_s - origin, e.end_s - origin) for e in group
+            TimelineEvent(e.rank, e.kind, e.stage, e.microbatch, e.start_s - origin, e.end_s - origin, e.frequency_mhz)
+            for e in group
         ]
     return out
 
@@ -82,8 +83,9 @@ def chrome_trace(events: Timelines, *, label: str = "plait") -> dict[str, Any]:
     """The Chrome trace-event JSON object of ``events`` (module docstring).
 
     Each action becomes ``{"name": "F s1 m3", "cat": "F", "ph": "X", "pid": p, "tid": rank, "ts": us,
-    "dur": us, "args": {"stage", "microbatch", "kind"}}``; metadata events name each process (label) and
-    thread (``"rank r"``) and keep ranks in order. Events are sorted by process, rank, start.
+    "dur": us, "args": {"stage", "microbatch", "kind"}}`` (and ``"frequency_mhz"`` when an energy plan set one);
+    metadata events name each process (label) and thread (``"rank r"``) and keep ranks in order. Events are sorted
+    by process, rank, start.
 
     Args:
         events: the timeline, or ``{label: timeline}``.
@@ -117,6 +119,8 @@ def _trace_event(event: TimelineEvent, pid: int) -> dict[str, Any]:
         "dur": event.duration_s * 1e6,
         "args": {"kind": event.kind, "stage": event.stage, "microbatch": event.microbatch},
     }
+    if event.frequency_mhz:  # set or recorded by an energy plan (plait.parallel.energy)
+        out["args"]["frequency_mhz"] = event.frequency_mhz
     if event.kind in _TRACE_CNAMES:
         out["cname"] = _TRACE_CNAMES[event.kind]
     return out
@@ -157,6 +161,7 @@ def read_chrome_trace(path: str | Path) -> dict[str, list[TimelineEvent]]:
             microbatch=int(args.get("microbatch", -1)),
             start_s=start,
             end_s=start + float(r.get("dur", 0.0)) / 1e6,
+            frequency_mhz=int(args.get("frequency_mhz", 0)),
         )
         out.setdefault(names.get(r["pid"], str(r["pid"])), []).append(event)
     return out

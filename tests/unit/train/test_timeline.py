@@ -108,3 +108,16 @@ def test_timeline_blocks_are_labelled_with_stage_and_microbatch(tmp_path):
     assert sorted(t.get_text() for t in ax.texts) == ["F s0 m0", "F s1 m3"]
     assert plots._box_label(events[1], 40.0) == "s1 m3" and plots._box_label(events[1], 20.0) == "s1\nm3"
     assert plots._box_label(events[1], 10.0) == ""
+
+
+def test_chrome_trace_keeps_the_frequency_of_energy_planned_actions(tmp_path):
+    from plait.planner.timeline import TimelineEvent
+    from plait.train.plots import read_chrome_trace, write_chrome_trace
+
+    events = [TimelineEvent(0, "F", 0, 0, 10.0, 10.5, 1500), TimelineEvent(1, "B", 1, 0, 10.5, 11.0)]
+    path = write_chrome_trace(events, tmp_path / "t.json", label="measured")
+    back = read_chrome_trace(path)["measured"]
+    assert [(e.kind, e.frequency_mhz, e.start_s) for e in back] == [("F", 1500, 0.0), ("B", 0, 0.5)]
+    import json
+    args = [r["args"] for r in json.loads(path.read_text())["traceEvents"] if r.get("ph") == "X"]
+    assert "frequency_mhz" not in args[1] and args[0]["frequency_mhz"] == 1500
