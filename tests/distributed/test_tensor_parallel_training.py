@@ -18,14 +18,12 @@ from tests.distributed.spawning import free_port
 WORKER = ROOT / "tests" / "distributed" / "tp_train_worker.py"
 
 
-def run(cfg: dict, tmp_path, name: str, nproc: int, resume_from: dict | None = None) -> dict:
-    """Train ``cfg`` on ``nproc`` processes (``resume_from``: a second config, resumed from ``cfg``'s run)."""
-    paths = []
-    for i, c in enumerate([cfg] + ([resume_from] if resume_from else [])):
-        paths.append(tmp_path / f"{name}_{i}.json")
-        paths[-1].write_text(json.dumps(c))
+def run(cfg: dict, tmp_path, name: str, nproc: int, resume: bool = False) -> dict:
+    """Train ``cfg`` on ``nproc`` processes (``resume``: continue the newest checkpoint of its run folder)."""
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
     out = tmp_path / f"{name}.pt"
-    cmd = [str(WORKER), str(paths[-1]), str(out)] + (["resume"] if resume_from else [])
+    cmd = [str(WORKER), str(path), str(out)] + (["resume"] if resume else [])
     if nproc > 1:
         cmd = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
                "--master_addr=127.0.0.1", *cmd]
@@ -80,3 +78,25 @@ def test_tp2_and_cp2_x_tp2_equal_single_process(tmp_path):
             assert other["world"] == 2 * degrees.get("cp", 1)
             assert any(n.startswith("language_model.") for n in other["sharded"])
             assert_same(single, other, frozen)
+
+
+def test_resume_across_tp_changes_is_exact(tmp_path):
+    """One process (step 1) -> TP=2 (step 2) -> one process (step 3): the DCP checkpoints reshard the DTensor
+    parameters and AdamW state; losses and final parameters equal an uninterrupted single-process run (constant
+    LR, so the extended schedule is the reference's)."""
+    cfg = job(tmp_path, frozen=True)
+    cfg["train"].update(steps=3, min_lr_ratio=1.0)
+    cfg["checkpoint"] = {"every": 1, "keep": 3}
+    cfg["metrics"]["run_dir"] = str(tmp_path / "run_ref")
+    ref = run(cfg, tmp_path, "ref", 1)
+    cfg["metrics"]["run_dir"] = str(tmp_path / "run_chain")
+    links = [(1, 1, False), (2, 2, True), (3, 1, True)]  # (steps, tp, resume)
+    losses = []
+    for steps, tp, resume in links:
+        cfg["train"]["steps"], cfg["parallel"]["tp"] = steps, tp
+        got = run(cfg, tmp_path, f"chain{steps}", tp, resume=resume)
+        losses += got["losses"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+    for name, value in ref["params"].items():
+        if not name.endswith("k_proj.bias"):
+            torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)

@@ -1,7 +1,7 @@
 """Worker of the trainer-level tensor-parallel tests (torchrun): train a job (config JSON); every rank gathers the
 first step's gradients and the final parameters as full tensors (DTensor shards reassembled, a collective), rank 0
-writes them with the per-step losses and gradient norms. With a second config path, the run is resumed from the
-first run's checkpoint under the second layout and trained to its end."""
+writes them with the per-step losses. With a third argument, the run is resumed from the
+newest checkpoint of its run folder (saved under another layout) and trained to its end."""
 
 import json
 import sys
