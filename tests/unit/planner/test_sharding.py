@@ -165,3 +165,27 @@ def test_tight_cap_searched_exactly_over_the_degrees():
     assert chosen.iteration_s == pytest.approx(best)
     free = plan_parallel(units, costs, 4, memory_cap=1e12, prefer_plain=False, **common)
     assert free.iteration_s <= plan_layout(units, costs, 4, **common).iteration_s
+
+
+def test_first_bounds_stay_below_the_timing_with_tp_costs_and_sharded_gradients():
+    # search_bounds' LB1 (with the reduce-scatter + all-reduce of search_model.grad_sync_terms) never exceeds a
+    # candidate's 1F1B time + its gradient synchronisation, on TP-split costs with FSDP2 over 2 of 2 DP ranks.
+
+    from plait.planner import search_bounds, search_candidates, search_model
+    from plait.planner.pipeline_plan import LAYOUTS
+    from tests.unit.planner.test_search import _model as random_model
+
+    p2p, link = P2PModel(0.125, 64.0), P2PModel(0.0625, 32.0)
+    for seed in range(6):
+        units, costs, _ = random_model(seed, 2)
+        units = consistent_units(units)
+        split = shard_costs(units, costs, ParallelDegrees(tp=2, dp_shard=2), tp_link=link, shard_link=link)
+        model = search_model.SearchModel(units, split, True, "bfloat16", OptimizerSpec(), dp_shard=2)
+        parts = search_model.Partitions(model, None)
+        for layout in LAYOUTS:
+            stream = search_bounds.layout_stream(parts, layout, 2, 6, 4, p2p, link)
+            for row, first in zip(stream.counts, stream.bounds):
+                counts = search_candidates.counts_tuple(model, layout, row)
+                stages = search_model.build_stages(parts, layout, counts, stream.nb, p2p)
+                sync = search_candidates.sync_s(stages, 2, link, dp_shard=2)
+                assert first <= search_candidates.time_1f1b(stages, stream.nb) + sync + 1e-9
