@@ -170,7 +170,6 @@ def test_tight_cap_searched_exactly_over_the_degrees():
 def test_first_bounds_stay_below_the_timing_with_tp_costs_and_sharded_gradients():
     # search_bounds' LB1 (with the reduce-scatter + all-reduce of search_model.grad_sync_terms) never exceeds a
     # candidate's 1F1B time + its gradient synchronisation, on TP-split costs with FSDP2 over 2 of 2 DP ranks.
-
     from plait.planner import search_bounds, search_candidates, search_model
     from plait.planner.pipeline_plan import LAYOUTS
     from tests.unit.planner.test_search import _model as random_model
