@@ -34,6 +34,12 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from plait.commands.plan import plan_command
 
+    if args.energy is not None:
+        from plait.commands.energy import plan_by_energy
+
+        plan_by_energy(args.config, args.devices, tolerance=args.energy, gpu=args.device or "h100", out_json=args.out,
+                       overrides=overrides, microbatches=args.microbatches, frozen_aware=not args.frozen_unaware)
+        return 0
     plan_command(args.config, args.devices, args.out, overrides=overrides, device=args.device,
                  microbatches=args.microbatches, frozen_aware=not args.frozen_unaware,
                  macrobatches=args.macrobatches, dp_degrees=None if args.dp is None else [args.dp],
@@ -137,6 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "parallel.dp to set in [parallel]")
     plan.add_argument("--one-stage-per-rank", action="store_true",
                       help="only plain 1F1B plans (no interleaved 1F1B, no encoders on the first LLM rank)")
+    plan.add_argument("--energy", type=float, nargs="?", const=0.02, default=None, metavar="TOLERANCE",
+                      help="among the best plans of every DP degree and layout within TOLERANCE (default 0.02 = 2%%) "
+                           "of the fastest iteration, choose the least energy per iteration (plait energy's frontier "
+                           "at T*, --device's GPU preset, h100 by default)")
     plan.add_argument("--macrobatches", type=int, default=0,
                       help="sample N global batches from data.train: report how module totals vary and plan for "
                            "the expected batch (processes the training set; e.g. 32)")

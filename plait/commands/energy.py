@@ -42,7 +42,7 @@ from plait.planner.schedules import build_schedule
 from plait.planner.search import LayoutChoice
 from plait.train.plots import plot_energy_frontier, plot_frequency_timelines
 
-__all__ = ["GPUS", "REFINE_S", "TRACE_S", "energy_command", "job_action_options"]
+__all__ = ["GPUS", "REFINE_S", "TRACE_S", "energy_command", "job_action_options", "plan_by_energy"]
 
 TRACE_S = 60.0
 """Seconds lowtime may trace the frontier (``energy_frontier``'s ``time_limit_s``)."""
@@ -125,6 +125,72 @@ def job_action_options(config_path: str | Path, overrides: Sequence[str], microb
         factor = targets[kind][stage] / top if kind in targets and top > 0 else 1.0
         out[(stage, kind)] = [(f, t * factor, e * factor) for f, t, e in opts]
     return out
+
+
+def plan_by_energy(config_path: str | Path, devices: int, *, tolerance: float = 0.02, gpu: str = "h100",
+                   out_json: str | Path | None = None, overrides: Sequence[str] = (), microbatches: int | None = None,
+                   out: TextIO | None = None, **plan_options: Any) -> LayoutChoice:
+    """``plait plan --energy``: among the best plan of every DP degree and layout (``plan_command`` restricted to
+    each), those whose predicted iteration time is within ``tolerance`` (a fraction) of the fastest are compared by
+    energy per iteration at their own ``T*`` (all replicas: DP x one replica's frontier point at ``T*``, on the
+    ``gpu`` preset; GPUs a plan leaves idle are not charged) and the least-energy one is printed and written as
+    ``plait plan`` does.
+
+    Raises:
+        ValueError: on a negative tolerance, and as ``plait plan``.
+    """
+    import io
+
+    from plait.planner.pipeline_plan import LAYOUTS
+
+    if not tolerance >= 0:
+        raise ValueError(f"--energy tolerance must be >= 0 (a fraction of the fastest iteration time), got {tolerance}")
+    stream = out or sys.stdout
+    preset = gpu_preset(gpu)
+    candidates, seen = [], set()
+    for dp in [d for d in range(1, devices + 1) if devices % d == 0]:
+        for layout in LAYOUTS:
+            try:
+                choice = plan_command(config_path, devices, None, overrides=overrides, device=preset.name,
+                                      microbatches=microbatches, dp_degrees=[dp], layouts=[layout],
+                                      out=io.StringIO(), profile_store=None, **plan_options)
+            except ValueError:
+                continue  # this DP degree / layout has no plan (microbatches, memory)
+            key = (choice.dp, choice.schedule, json.dumps(choice.plan.to_dict(), sort_keys=True))
+            if key not in seen:  # both layout restrictions can give the same plan (e.g. no pipeline)
+                seen.add(key)
+                candidates.append(choice)
+    if not candidates:
+        raise ValueError(f"plait plan --energy: no plan for {devices} devices")
+    fastest = min(c.iteration_s for c in candidates)
+    print(f"plait plan --energy: plans within {100 * tolerance:g}% of the fastest ({fastest:.5g} s), energy per "
+          f"iteration at T* on {preset.name} (all replicas):", file=stream)
+    best, best_energy = None, float("inf")
+    for choice in sorted(candidates, key=lambda c: c.iteration_s):
+        if choice.iteration_s > fastest * (1 + tolerance):
+            continue
+        energy = choice.dp * _energy_at_t_star(config_path, overrides, microbatches, choice, preset.name)
+        print(f"  {choice.layout:<20} DP {choice.dp:<3} {choice.plan.num_ranks} ranks per replica: iteration "
+              f"{choice.iteration_s:.5g} s, {energy:.5g} J", file=stream)
+        if energy < best_energy:
+            best, best_energy = choice, energy
+    print(f"plait plan --energy: chose {best.layout}, DP {best.dp}", file=stream)
+    return plan_command(config_path, devices, out_json, overrides=overrides, device=preset.name,
+                        microbatches=microbatches, dp_degrees=[best.dp], layouts=[best.layout], out=stream,
+                        profile_store=None, **plan_options)
+
+
+def _energy_at_t_star(config_path: str | Path, overrides: Sequence[str], microbatches: int | None,
+                      choice: LayoutChoice, gpu: str) -> float:
+    """Joules of one replica's iteration at the frontier point at ``T*`` (short frontier trace, refined)."""
+    preset = gpu_preset(gpu)
+    schedule = build_schedule(choice.plan, choice.schedule, choice.microbatches_per_replica)
+    options = job_action_options(config_path, overrides, microbatches, choice, preset.name)
+    dag = schedule_energy_dag(schedule, options, p2p=choice.p2p,
+                              boundary_bytes=dict(enumerate(choice.stage_boundary_bytes)), blocking_w=preset.blocking_w)
+    frontier = energy_frontier(dag, method="lowtime", steps=40, time_limit_s=10.0, max_slowdown=1.2, refine_s=5.0)
+    t_star, _ = dag.evaluate(dag.top_clock)
+    return min(c.energy_j for c in frontier if c.time_s <= t_star * (1 + 1e-9))
 
 
 def _print_table(stream: TextIO, rows: dict[str, tuple[float, float]], choice: LayoutChoice, gpu: str,

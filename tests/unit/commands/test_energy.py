@@ -45,3 +45,17 @@ def test_energy_cli_on_the_demo_job(tmp_path, capsys):
 def test_energy_cli_refuses_a_bad_straggler(capsys):
     assert main(["energy", "--config", str(DEMO), "--devices", "2", "--straggler", "0.5"]) != 0
     assert "--straggler must be >= 1" in capsys.readouterr().err
+
+
+def test_plan_energy_breaks_ties_by_energy(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--config", str(DEMO), "--devices", "2", "--energy", "0.6", "--device", "h100",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = re.findall(r"^  (\S+)\s+DP (\d+)\s+\d+ ranks per replica: iteration (\S+) s, (\S+) J", text, re.M)
+    assert rows, text
+    fastest = min(float(t) for _, _, t, _ in rows)
+    assert len(rows) == 2 and all(float(t) <= 1.6 * fastest for _, _, t, _ in rows)
+    layout, dp, _, _ = min(rows, key=lambda r: float(r[3]))
+    assert f"chose {layout}, DP {dp}" in text
+    assert json.loads(out.read_text())
