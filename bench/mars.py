@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from plait.commands.tune_ranks import (  # noqa: E402
-    SearchSettings, cpu_seconds, train_job, tune_ranks_command, write_job_toml)
+    SearchSettings, cpu_seconds, subset_records, train_job, tune_ranks_command, write_job_toml)
 from plait.config.loader import config_to_dict, load_config  # noqa: E402
 from plait.train.metrics import read_metrics  # noqa: E402
 
@@ -62,6 +63,20 @@ def grid_run(cfg, r_vision: int, r_llm: int, out: Path) -> dict:
     return result
 
 
+def _smaller_job(cfg, records: int, batch: int, out: Path) -> Path:
+    """The job on the first ``records`` training records (``subset_records``' shuffle), one epoch of ``batch``
+    samples per step (default: the job's), written to ``out/job.toml``."""
+    batch = batch or cfg.train.global_batch_size
+    data = out / f"train_{records}.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text("".join(json.dumps(r) + "\n" for r in subset_records(cfg.data.train, cfg.train.seed)[:records]))
+    job = config_to_dict(cfg)
+    job["data"]["train"] = str(data.resolve())
+    job["train"].update(steps=math.ceil(records / batch), global_batch_size=batch,
+                        microbatch_size=min(batch, job["train"]["microbatch_size"]))
+    return write_job_toml(job, out / "job.toml")
+
+
 def _row(name: str, res: dict) -> str:
     return (f"{name:<26} vision r={res['r_vision']:<3} llm r={res['r_llm']:<3} accuracy {100 * res['accuracy']:5.1f}%  "
             f"val loss {res['val_loss']:.4f}")
@@ -76,9 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val-samples", type=int, default=64, help="validation records per calibration run")
     p.add_argument("--uniform", type=int, default=8, help="the uniform default rank")
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_mars"))
+    p.add_argument("--train-records", type=int, default=0,
+                   help="fine-tune on the first N records of the job's training set (the fixed shuffle tune-ranks "
+                        "draws its subsets from), one epoch; 0: the job as it is")
+    p.add_argument("--batch", type=int, default=0, help="with --train-records: global batch of the fine-tunes")
     a = p.parse_args(argv)
     ranks = tuple(int(x) for x in a.ranks.split(","))
     out = Path(a.out)
+    if a.uniform not in ranks:
+        print(f"--uniform {a.uniform} is not one of --ranks {a.ranks}", file=sys.stderr)
+        return 2
+    if a.train_records:
+        a.config = str(_smaller_job(load_config(a.config), a.train_records, a.batch, out))
     cfg = load_config(a.config)
     if not (Path(cfg.model.pretrained) / "plait_config.json").is_file():
         print(f"bench/mars.py needs {cfg.model.pretrained} (run `make demo` first)", file=sys.stderr)

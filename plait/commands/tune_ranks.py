@@ -19,6 +19,7 @@ job's parallel layout), fits Law-C and Law-P, prunes and chooses, and writes int
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import resource
@@ -174,21 +175,24 @@ def run_calibration(cfg: JobConfig, run: CalibrationRun, records: list[dict], ou
                     settings: SearchSettings) -> RunResult:
     """Run (or find on disk) one calibration run under ``out/runs/<run.name>``; returns what it measured.
 
-    A ``result.json`` whose recorded job equals this run's job means the run finished before: it is read, not run.
+    A ``result.json`` whose recorded job and subset (SHA-256 of its text) equal this run's means the run finished
+    before: it is read, not run.
 
     Raises:
         RuntimeError: when a torchrun run fails (its log named).
     """
     subset = out / "data" / f"subset_{run.samples}.jsonl"
-    if not subset.is_file():
+    text = "".join(json.dumps(r) + "\n" for r in records[: run.samples])
+    if not subset.is_file() or subset.read_text() != text:
         subset.parent.mkdir(parents=True, exist_ok=True)
-        subset.write_text("".join(json.dumps(r) + "\n" for r in records[: run.samples]))
+        subset.write_text(text)
     run_dir = out / "runs" / run.name
     job = _run_job(cfg, run, subset, run_dir, settings.val_samples)
+    data_sha = hashlib.sha256(text.encode()).hexdigest()
     done = run_dir / "result.json"
     if done.is_file():
         saved = json.loads(done.read_text())
-        if saved.get("job") == job:
+        if saved.get("job") == job and saved.get("data_sha256") == data_sha:
             return RunResult(Observation.from_dict(saved["observation"]), run.steps, run.steps * run.batch,
                              saved["cpu_s"], saved["wall_s"], True)
     path = write_job_toml(job, run_dir / "job.toml")
@@ -196,7 +200,8 @@ def run_calibration(cfg: JobConfig, run: CalibrationRun, records: list[dict], ou
     train_job(path, run_dir / "train.log", settings.nproc)
     cpu, wall = cpu_seconds() - cpu0, time.perf_counter() - wall0
     obs = _observe(run, run_dir, settings.fraction)
-    done.write_text(json.dumps({"job": job, "observation": obs.to_dict(), "cpu_s": cpu, "wall_s": wall}, indent=1))
+    done.write_text(json.dumps({"job": job, "data_sha256": data_sha, "observation": obs.to_dict(), "cpu_s": cpu,
+                                "wall_s": wall}, indent=1))
     return RunResult(obs, run.steps, run.steps * run.batch, cpu, wall, False)
 
 
@@ -219,8 +224,8 @@ def train_job(job: Path, log: Path, nproc: int) -> None:
         with log.open("w") as f, contextlib.redirect_stdout(f):
             train_command(job, [], overwrite=True)
         return
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           "--master_port=0", "-m", "plait.cli", "train", "--config", str(job), "--overwrite"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+           "plait.cli", "train", "--config", str(job), "--overwrite"]  # --standalone: a free local rendezvous port
     with log.open("w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if proc.returncode != 0:
