@@ -10,7 +10,9 @@ the sharded groups, whatever its share of the batch holds. :class:`Uniform` make
 
 - every LLM microbatch runs on every rank when the LLM is sharded (an empty one on a dummy batch whose loss is
   multiplied by 0), every sharded encoder branch runs in every encoder microbatch (on a dummy item, its
-  backward fed zeros, when the share has no item of that modality), branch by branch in model order;
+  backward fed zeros, when the share has no item of that modality), branch by branch in model order, with the
+  same number of encoder calls on every rank (images of several sizes take one call per size: the ranks with
+  fewer add calls on a dummy item, joined to the features with weight 0, :func:`encode_padded`);
 - encoder microbatch ``i``'s backward runs after LLM microbatch ``r[i]``, ``r[i]`` the latest of every rank's
   last reader of ``i`` (one all-reduce MAX of ``M`` integers per step): the same point on every rank;
 - gradients accumulate unsharded until each module's last backward of the step, whose reduce-scatter then
@@ -25,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 
@@ -37,11 +41,12 @@ from plait.planner.routing import FeatureRouting
 from plait.planner.types import LLM_MODULE
 from plait.train.batches import StepBatches
 
-__all__ = ["Uniform", "agreed_release", "dummy_features", "dummy_llm_batch", "run_microbatches",
+__all__ = ["Uniform", "agreed_schedule", "dummy_llm_batch", "encode_padded", "encoder_calls", "run_microbatches",
            "run_uniform_microbatches"]
 
-Encode = Callable[[str, Batch | None], torch.Tensor]
-"""``(branch, encoder batch or None for a dummy item)`` -> projected features ``[rows, hidden]``."""
+Encode = Callable[[str, Batch | None, int], torch.Tensor]
+"""``(branch, encoder batch or None for a dummy item, encoder calls)`` -> projected features ``[rows, hidden]``
+(:func:`encode_padded`)."""
 LlmLoss = Callable[[int, Batch | None, dict[str, torch.Tensor]], torch.Tensor]
 """``(LLM microbatch, batch or None for a dummy, features)`` -> loss sum of its tokens (float scalar)."""
 
@@ -53,21 +58,32 @@ class Uniform:
     Attributes:
         sharded: the model's FSDP2 groups.
         branches: encoder branches in model order.
+        calls: ``(branch, encoder batch)`` -> the encoder calls its items take (:func:`encoder_calls`).
         group: the process group over which the ranks' shares differ (None: all ranks).
     """
 
     sharded: ShardedModel
     branches: Sequence[str]
+    calls: Callable[[str, Batch], int]
     group: Any = None
 
 
-def agreed_release(routing: FeatureRouting, group: Any = None) -> list[int]:
-    """Per encoder microbatch ``i``, the LLM microbatch after which every rank runs ``i``'s backward: the latest
-    over the ranks of ``group`` of the last LLM microbatch reading it (itself when nothing reads it). Collective."""
-    last = torch.tensor([max((i, *users)) for i, users in enumerate(routing.users)], dtype=torch.int64)
+def agreed_schedule(step: StepBatches, uniform: Uniform) -> tuple[list[int], list[list[int]]]:
+    """What every rank of ``uniform.group`` runs alike: per encoder microbatch ``i``, the LLM microbatch after which
+    ``i``'s backward runs (the latest over the ranks of the last LLM microbatch reading it; itself when nothing
+    reads it), and per encoder microbatch and branch the encoder calls (the most over the ranks; at least 1 for a
+    sharded branch). One all-reduce MAX. Collective."""
+    routing, n, k = step.routing, step.routing.num_microbatches, len(uniform.branches)
+    last = [max((i, *users)) for i, users in enumerate(routing.users)]
+    calls = [[uniform.calls(b, batch) if batch is not None and b in batch.modality_inputs else 0
+              for b in uniform.branches] for batch in step.encoder_batches]
+    flat = torch.tensor(last + [c for row in calls for c in row], dtype=torch.int64)
     if dist.is_initialized():
-        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group)
-    return [int(x) for x in last]
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=uniform.group)
+    agreed = [int(x) for x in flat]
+    calls = [[max(c, int(uniform.sharded.sharded(b))) for c, b in zip(agreed[n + j * k: n + (j + 1) * k],
+                                                                     uniform.branches)] for j in range(n)]
+    return agreed[:n], calls
 
 
 def run_microbatches(step: StepBatches, scale: float, encode: Callable[[Batch], dict[str, torch.Tensor]],
@@ -105,7 +121,7 @@ def run_uniform_microbatches(step: StepBatches, scale: float, encode: Encode, lo
     """:func:`run_microbatches` with every rank running the same collectives (:class:`Uniform`, module docstring).
     Collective over every rank of the FSDP2 groups."""
     routing, sharded = step.routing, uniform.sharded
-    release = agreed_release(routing, uniform.group)
+    release, calls = agreed_schedule(step, uniform)
     n = routing.num_microbatches
     last_encoder = max(range(n), key=lambda i: (release[i], i)) if n else -1
     sharded.set_gradient_sync(False)
@@ -114,7 +130,7 @@ def run_uniform_microbatches(step: StepBatches, scale: float, encode: Encode, lo
     loss_sum = torch.zeros((), dtype=torch.float64)
     try:
         for j in range(n):
-            encoded[j] = _encode_all(step.encoder_batches[j], encode, uniform)
+            encoded[j] = _encode_all(step.encoder_batches[j], encode, uniform, calls[j])
             buffer.hold(j, {b: encoded[j][1][b] for b in encoded[j][1] if not b.startswith("~")})
             sharded.set_gradient_sync(j == n - 1, LLM_MODULE)
             loss_sum += _llm_microbatch(j, step.llm_batches[j], buffer.gather(j), loss, scale, sharded)
@@ -130,17 +146,18 @@ def run_uniform_microbatches(step: StepBatches, scale: float, encode: Encode, lo
     return loss_sum, buffer.peak
 
 
-def _encode_all(batch: Batch | None, encode: Encode, uniform: Uniform
+def _encode_all(batch: Batch | None, encode: Encode, uniform: Uniform, calls: Sequence[int]
                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Outputs and leaves of one encoder microbatch, branch by branch in model order: real items where the batch
-    has them, a dummy item (key ``"~<branch>"``: never held, never read) for a sharded branch where it has none."""
+    """Outputs and leaves of one encoder microbatch, branch by branch in model order with the agreed encoder
+    ``calls``: real items where the batch has them, a dummy item (key ``"~<branch>"``: never held, never read)
+    for a sharded branch where it has none."""
     outputs: dict[str, torch.Tensor] = {}
     present = batch.modality_inputs if batch is not None else {}
-    for b in uniform.branches:
+    for b, n in zip(uniform.branches, calls):
         if b in present:
-            outputs[b] = encode(b, batch)
+            outputs[b] = encode(b, batch, n)
         elif uniform.sharded.sharded(b):
-            outputs["~" + b] = encode(b, None)
+            outputs["~" + b] = encode(b, None, n)
     return outputs, _leaves(outputs)
 
 
@@ -182,16 +199,35 @@ def _backward_each(outputs: dict[str, torch.Tensor], leaves: dict[str, torch.Ten
                 out.backward(grad if grad is not None and key == b else torch.zeros_like(out))
 
 
-def dummy_features(model: Any, name: str, device: torch.device) -> torch.Tensor:
-    """Projected features ``[positions, hidden]`` of branch ``name`` of ``model`` (a ``MultimodalModel``) on one
-    all-zero item of the encoder's native shape (``plait.models.hf.dummy_encoder_input``): the same sharded
-    groups as a real item, for a rank whose share has none. The encoder runs under ``no_grad`` when frozen."""
+def encoder_calls(model: Any, name: str, batch: Batch) -> int:
+    """Encoder calls of branch ``name`` of ``model`` (a ``MultimodalModel``) on ``batch``'s items: one per image
+    size (``ModalityEncoder.item_groups``) when the encoder trains, else 1 (a frozen encoder is not sharded: its
+    calls run no collective)."""
     branch = model.encoders[name]
-    inputs = dummy_encoder_input(branch.encoder, branch.modality, device)
+    if not any(p.requires_grad for p in branch.encoder.parameters()):
+        return 1
+    return len(branch.item_groups(batch.modality_inputs[name]))
+
+
+def encode_padded(model: Any, name: str, inputs: dict[str, Any] | None, calls: int,
+                  device: torch.device) -> torch.Tensor:
+    """Projected features ``[rows, hidden]`` of branch ``name`` of ``model`` on ``inputs`` (None: one all-zero
+    item of the encoder's native shape, ``plait.models.hf.dummy_encoder_input``), with ``calls`` encoder calls in
+    all: the calls its items take, then calls on the dummy item whose features join with weight 0 (the same
+    sharded groups run, in the same order, on every rank; their gradient is zero). The encoder runs under
+    ``no_grad`` when frozen, as ``MultimodalModel.encode``."""
+    branch = model.encoders[name]
     trains = any(p.requires_grad for p in branch.encoder.parameters())
-    with torch.enable_grad() if trains else torch.no_grad():
-        hidden = branch.encoder_features(inputs)
-    return branch.projector(hidden.flatten(0, 1))
+    own = len(branch.item_groups(inputs)) if inputs is not None and trains else int(inputs is not None)
+    with nullcontext() if trains else torch.no_grad():
+        feats = branch.encoder_forward(inputs) if inputs is not None else None
+        dummy = dummy_encoder_input(branch.encoder, branch.modality, device)
+        pads = [branch.encoder_features(dummy).flatten(0, 1) for _ in range(max(0, calls - own))]
+    if feats is None:
+        feats, pads = pads[0], pads[1:]
+    for pad in pads:
+        feats = feats + 0 * pad.sum()
+    return branch.projector(feats)
 
 
 def dummy_llm_batch(pad_id: int, tokens: int, device: torch.device) -> Batch:

@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from plait.attention.interface import resolve_implementation, use_plait_attention
 from plait.attention.masks import MaskInfo, block_work
@@ -42,12 +43,14 @@ from plait.data.metadata import SkippedSample
 from plait.data.mixture import batch_sources, build_batch_loader
 from plait.models.generation import greedy_generate, stop_token_ids
 from plait.models.multimodal import MultimodalModel
+from plait.models.units import unit_specs
 from plait.parallel.checkpointing import apply_activation_checkpointing, checkpoint_policy
 from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
-from plait.parallel.data_parallel import apply_data_parallel, sum_gradients
-from plait.parallel.deferral import FeatureBuffer
-from plait.parallel.dims import ParallelDims
+from plait.parallel.data_parallel import apply_data_parallel
+from plait.parallel.dims import AXES, ParallelDims
+from plait.parallel.fsdp import ShardedModel, apply_fsdp, gathered
 from plait.parallel.mesh import DistInfo
+from plait.parallel.tensor_parallel import apply_job_tensor_parallel, clip_grad_norm_, sum_local_gradients
 from plait.planner.microbatch import (
     MicrobatchPlan,
     MicrobatchPolicy,
@@ -59,35 +62,21 @@ from plait.planner.microbatch import (
 from plait.planner.routing import plan_feature_routing
 from plait.planner.token_distributor import plan_tokens
 from plait.train.batches import StepBatches, encoder_view_batch
-from plait.train.build import TrainerParts, build_trainer_parts, join_job
-from plait.train.checkpoint import (
-    CheckpointLayout,
-    checkpoint_dir,
-    latest_checkpoint,
-    load_checkpoint,
-    remove_checkpoints,
-    save_checkpoint,
-)
+from plait.train.build import TrainerParts, build_trainer_parts, join_job, model_from_checkpoint
+from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from plait.train.costs import microbatch_cost_coeffs
 from plait.train.evaluation import EvalSide, eval_batch_size, evaluate_on, load_metrics
 from plait.train.feed import receive_step, upcoming_rank_samples
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter, Progress, detect_energy_meter
 from plait.train.optim import LRSchedule, build_optimizer, lr_factor
-from plait.train.run_dir import check_new_run, earlier_run
+from plait.train.run_start import clear_earlier_run, report_setup
+from plait.train.step_run import (Uniform, dummy_llm_batch, encode_padded, encoder_calls, run_microbatches,
+                                  run_uniform_microbatches)
 
 __all__ = ["Trainer", "StepResult"]
 
 log = logging.getLogger(__name__)
-
-
-def _backward_through(outputs: dict[str, torch.Tensor], leaves: Mapping[str, torch.Tensor]) -> None:
-    """Propagate the gradients accumulated on the detached ``leaves`` through the encoder graph of ``outputs``
-    (one backward for all branches); a branch whose leaf got no gradient (frozen, or no local token on this CP
-    rank) is skipped."""
-    pairs = [(o, leaves[n].grad) for n, o in outputs.items() if o.requires_grad and leaves[n].grad is not None]
-    if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
 @dataclass(frozen=True)
@@ -184,10 +173,9 @@ class Trainer:
             ValueError: as :meth:`layout`.
         """
         self.dims = Trainer.layout(self.cfg, self.info.world_size)
-        self.dp, self.cp = self.dims.dp, self.dims.cp
-        coords = self.dims.coords(self.info.rank)
-        self.dp_rank, self.cp_rank = coords.dp, coords.cp
-        self.mesh = self.dims.build_mesh(self.info.device.type, ("dp", "cp")) if self.info.world_size > 1 else None
+        self.dp, self.cp = self.dims.batch, self.dims.cp  # DP: replicas x shards, each with its own samples
+        self.dp_rank, self.cp_rank = self.dims.batch_rank(self.info.rank), self.dims.coords(self.info.rank).cp
+        self.mesh = self.dims.build_mesh(self.info.device.type, AXES) if self.info.world_size > 1 else None
         self.cp_group = self.mesh.get_group("cp") if (self.mesh is not None and self.cp > 1) else None
 
     def _setup_training(self) -> None:
@@ -197,8 +185,14 @@ class Trainer:
         ``model``) and ``forward_backward`` reduces the gradients itself, after the deferred encoder backwards.
         """
         t = self.cfg.train
+        self.tp = apply_job_tensor_parallel(self.model, self.dims, self.mesh, self.info.rank)  # before AC, FSDP2
         apply_activation_checkpointing(self.model, *checkpoint_policy(self.cfg))
-        self.ddp_model = apply_data_parallel(self.model, self.info)
+        self.sharded: ShardedModel | None = None
+        if self.dims.dp_shard > 1:  # FSDP2 (HSDP with dp > 1): after checkpointing, before the optimizer
+            mesh = self.mesh["dp", "dp_shard"] if self.dims.dp > 1 else self.mesh["dp_shard"]
+            self.sharded = apply_fsdp(self.model, unit_specs(self.model), mesh, self.info.device.type)
+        plain = self.sharded is None and self.tp is None
+        self.ddp_model = apply_data_parallel(self.model, self.info) if plain else self.model
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas,
                                          {n: e.lr_scale for n, e in self.cfg.model.encoders.items()})
         self.scheduler = LRSchedule(t.lr, lr_factor(t.warmup_steps, self.total_steps, t.min_lr_ratio), self.optimizer)
@@ -292,35 +286,40 @@ class Trainer:
         plan = plan or self.plan_step(indices)[0]
         global_targets = sum(self.train_set.sample_meta(i).target_tokens for i in indices)
         batches = self.plan_batches(indices, plan)
-        loss_sum, self.encoder_buffer_peak_bytes = self._run_microbatches(batches, 1.0 / max(1, global_targets))
+        scale = 1.0 / max(1, global_targets)
+        if self.sharded is not None:  # FSDP2 reduces over dp x dp_shard inside the backward; CP here
+            uniform = Uniform(self.sharded, list(self.model.encoders), partial(encoder_calls, self.model))
+            loss_sum, self.encoder_buffer_peak_bytes = run_uniform_microbatches(
+                batches, scale, self._encode_branch, self._uniform_loss(batches), uniform)
+            sum_local_gradients(self.sharded.replicated, self.tp and self.tp.grad_group, self.info.device)  # tied
+            if self.cp > 1:
+                sharded = [p for _, p in self.model.trainable_parameters() if isinstance(p, DTensor)]
+                sum_local_gradients(sharded, self.cp_group, self.info.device)
+        else:
+            loss_sum, self.encoder_buffer_peak_bytes = run_microbatches(
+                batches, scale, self._encode, lambda j, b, f: self.microbatch_loss(b, batches.llm_kwargs[j], f))
+            if self.info.world_size > 1:
+                sum_local_gradients([p for _, p in self.model.trainable_parameters()], self.tp and self.tp.grad_group,
+                                    self.info.device)
         if self.info.world_size > 1:
-            sum_gradients([p for _, p in self.model.trainable_parameters()], device=self.info.device)
-            dist.all_reduce(loss_sum)
+            dist.all_reduce(loss_sum, group=self.tp and self.tp.grad_group)  # TP ranks share their tokens
         return float(loss_sum) / max(1, global_targets), global_targets
 
-    def _run_microbatches(self, step: StepBatches, scale: float) -> tuple[torch.Tensor, int]:
-        """Forward/backward of this rank's encoder and LLM microbatches in planned order, each LLM loss sum
-        times ``scale``. Returns (this rank's loss sum (float64 scalar), peak bytes of encoder outputs kept
-        across a microbatch boundary)."""
-        buffer = FeatureBuffer(step.routing)
-        encoded: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}  # outputs, their leaves
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for j in range(step.routing.num_microbatches):
-            if step.encoder_batches[j] is not None:
-                outputs = self._encode(step.encoder_batches[j])
-                encoded[j] = outputs, {n: o.detach().requires_grad_(o.requires_grad) for n, o in outputs.items()}
-                buffer.hold(j, encoded[j][1])
-            batch = step.llm_batches[j]
-            if batch is not None:
-                mb_loss = self.microbatch_loss(batch, step.llm_kwargs[j], buffer.gather(j))
-                if mb_loss.requires_grad:  # e.g. a text-only microbatch under a frozen LLM has no gradient
-                    (mb_loss * scale).backward()
-                loss_sum += mb_loss.detach().double().cpu()
-            for i in buffer.release(j):
-                _backward_through(*encoded.pop(i))
-        if encoded:
-            raise RuntimeError(f"encoder microbatches {sorted(encoded)} were never consumed (invalid plan)")
-        return loss_sum, buffer.peak
+    def _encode_branch(self, name: str, batch: Batch | None, calls: int) -> torch.Tensor:
+        """Projected features of branch ``name`` on ``batch``'s items, or on a dummy item (``batch`` None), in
+        ``calls`` encoder calls (:func:`~plait.train.step_run.encode_padded`)."""
+        inputs = batch.modality_inputs[name] if batch is not None else None
+        with self.autocast():
+            return encode_padded(self.model, name, inputs, calls, self.info.device)
+
+    def _uniform_loss(self, step: StepBatches) -> Any:
+        """The LLM loss of microbatch ``j`` of ``step``, or of a dummy batch (no target) when it is None."""
+        def loss(j: int, batch: Batch | None, features: dict[str, torch.Tensor]) -> torch.Tensor:
+            if batch is None:
+                batch = dummy_llm_batch(self.processor.pad_id, 2 * self.cp, self.info.device)
+                return self.microbatch_loss(batch, self._llm_kwargs(batch), {})
+            return self.microbatch_loss(batch, step.llm_kwargs[j], features)
+        return loss
 
     def _encode(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Every encoder branch on the items of ``batch``: per branch, projected features ``[rows, hidden]``."""
@@ -378,7 +377,13 @@ class Trainer:
         ``(gradient norm before clipping, learning rate used)``."""
         params = [p for _, p in self.model.trainable_parameters()]
         clip = self.cfg.train.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if self.tp:  # DTensor grads
+            grad_norm = self.tp.clip_grad_norm_(params, clip, self.info.device)
+        elif self.sharded is not None:  # FSDP2 shards (each rank one) and replicated tied gradients
+            grad_norm = clip_grad_norm_(params, clip if clip > 0 else float("inf"), self.info.world_size, None,
+                                        self.info.device)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -413,9 +418,11 @@ class Trainer:
             self._eval_metrics = load_metrics(self.cfg.train.eval_metrics)
         self._eval_train_mode(False)
         try:
-            self.last_eval = evaluate_on(self.val_set, self._eval_side(), self.processor.pad_id, self.info.device,
-                                         eval_batch_size(self.cfg.train), self.step, self._eval_metrics,
-                                         self.run_dir, self.info.is_main and self.cfg.metrics.progress)
+            with gathered(self.sharded):  # FSDP2: parameters gathered once; the ranks' forwards may then differ
+                self.last_eval = evaluate_on(self.val_set, self._eval_side(), self.processor.pad_id,
+                                             self.info.device, eval_batch_size(self.cfg.train), self.step,
+                                             self._eval_metrics, self.run_dir,
+                                             self.info.is_main and self.cfg.metrics.progress)
         finally:
             self._eval_train_mode(True)
         return self.last_eval.exact_match
@@ -486,8 +493,16 @@ class Trainer:
     def full_model(self, path: str | Path | None = None) -> MultimodalModel:
         """The whole trained model, for export (``final/``; evaluation never needs it): here the one in memory
         (``path`` is for trainers that hold a part of it and assemble the whole from a checkpoint, as
-        ``PipelineTrainer``)."""
-        return self.model
+        ``PipelineTrainer``); under FSDP2 the whole model from checkpoint ``path`` (default: the newest).
+
+        Raises:
+            FileNotFoundError: under FSDP2 when there is no checkpoint.
+        """
+        if self.sharded is None:
+            return self.model
+        model = model_from_checkpoint(self.cfg, self.tokenizer, self.run_dir, path, self.info.device)
+        self._use_attention(model)
+        return model
 
     def fit(self, resume: bool | str = False, stop_after: int | None = None, overwrite: bool = False
             ) -> dict[str, Any]:
@@ -549,52 +564,15 @@ class Trainer:
                 "skipped": len(self.train_set.skipped), "dropped": len(self.dropped)}
 
     def _clear_earlier_run(self, overwrite: bool = False) -> None:
-        """A new run into a run directory holding an earlier run's checkpoints or final model: refused
-        (:func:`~plait.train.run_dir.check_new_run`, on every rank alike) unless ``overwrite``; then rank 0 removes
-        them (with a warning saying how many), so a later ``--resume`` can only find this run's; every rank waits.
-
-        Raises:
-            ValueError: without ``overwrite``, naming the folder and how to resume or overwrite.
-        """
-        if not overwrite:
-            check_new_run(self.run_dir)
-        elif self.info.is_main:
-            newest, final = latest_checkpoint(self.run_dir), self.run_dir / "final"
-            held = earlier_run(self.run_dir)
-            removed = remove_checkpoints(self.run_dir)
-            if final.is_dir():
-                shutil.rmtree(final)
-            if held:
-                log.warning("%s already holds checkpoints of an earlier run: removed its %d checkpoint(s)%s%s; this "
-                            "new run also overwrites its metrics (--overwrite; use --resume to continue it instead)",
-                            self.run_dir, removed, f" (newest {newest.name})" if newest else "",
-                            " and its final model" if "a final model (final/)" in held else "")
-        if dist.is_initialized() and self.info.world_size > 1:
-            dist.barrier()
+        """Refuse, or with ``overwrite`` clear, an earlier run in the run folder (:func:`clear_earlier_run`)."""
+        clear_earlier_run(self.run_dir, self.info.is_main, self.info.world_size, overwrite)
 
     def _report_setup(self, writer: MetricsWriter) -> None:
-        """Main rank: write ``config.json`` to the run folder, print the data, steps, parameters and the run folder
-        with where the metrics go (``writer.destinations``), log skipped records."""
-        if not self.info.is_main:
-            return
-        import json
-
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(config_to_dict(self.cfg), indent=2))
-        n_train, n_all = self._parameter_counts()
-        log.info("model: %.2fM parameters, %.2fM trainable", n_all / 1e6, n_train / 1e6)
-        sets = [("train", self.train_set)] + ([("val", self.val_set)] if self.val_set else [])
-        for name, ds in sets:
-            if ds.skipped:
-                log.warning("%s: skipped %d bad record(s), e.g. %s", name, len(ds.skipped), ds.skipped[0].reason)
-        print(
-            f"plait: {len(self.train_set)} train samples ({len(self.train_set.skipped)} skipped), "
-            f"{len(self.val_set) if self.val_set else 0} val samples, {self.total_steps} steps, "
-            f"world size {self.info.world_size}, {n_train / 1e6:.2f}M of {n_all / 1e6:.2f}M parameters trainable",
-            flush=True,
-        )
-        print(f"plait: run folder {self.run_dir} (metrics to {', '.join(writer.destinations())}; checkpoints/, "
-              "final/)", flush=True)
+        """Main rank: ``config.json`` in the run folder, the setup printed (:func:`report_setup`)."""
+        if self.info.is_main:
+            sets = [("train", self.train_set)] + ([("val", self.val_set)] if self.val_set else [])
+            report_setup(self.run_dir, config_to_dict(self.cfg), self._parameter_counts(), sets, self.total_steps,
+                         self.info.world_size, writer.destinations())
 
 
 def _fmt(evals: dict[str, float]) -> str:

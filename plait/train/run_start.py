@@ -1,0 +1,64 @@
+"""What a training run does before its first step, on the main rank: refuse or clear an earlier run in its run
+folder (:func:`clear_earlier_run`) and report its setup (:func:`report_setup`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from plait.train.checkpoint import latest_checkpoint, remove_checkpoints
+from plait.train.run_dir import check_new_run, earlier_run
+
+__all__ = ["clear_earlier_run", "report_setup"]
+
+log = logging.getLogger("plait.train.trainer")
+
+
+def clear_earlier_run(run_dir: Path, is_main: bool, world_size: int, overwrite: bool = False) -> None:
+    """A new run into ``run_dir`` holding an earlier run's checkpoints or final model: refused
+    (:func:`~plait.train.run_dir.check_new_run`, on every rank alike) unless ``overwrite``; then the main rank removes
+    them (with a warning saying how many), so a later ``--resume`` can only find this run's; every rank waits.
+
+    Raises:
+        ValueError: without ``overwrite``, naming the folder and how to resume or overwrite.
+    """
+    if not overwrite:
+        check_new_run(run_dir)
+    elif is_main:
+        newest, final = latest_checkpoint(run_dir), run_dir / "final"
+        held = earlier_run(run_dir)
+        removed = remove_checkpoints(run_dir)
+        if final.is_dir():
+            shutil.rmtree(final)
+        if held:
+            log.warning("%s already holds checkpoints of an earlier run: removed its %d checkpoint(s)%s%s; this "
+                        "new run also overwrites its metrics (--overwrite; use --resume to continue it instead)",
+                        run_dir, removed, f" (newest {newest.name})" if newest else "",
+                        " and its final model" if "a final model (final/)" in held else "")
+    if dist.is_initialized() and world_size > 1:
+        dist.barrier()
+
+
+def report_setup(run_dir: Path, config: dict[str, Any], counts: tuple[int, int], sets: Sequence[tuple[str, Any]],
+                 total_steps: int, world_size: int, destinations: Sequence[str]) -> None:
+    """Write ``config.json`` (the job ``config``) to ``run_dir``, print the data (``sets``: ``(name, dataset)``,
+    train first), steps, ``counts`` = (trainable, all) parameters and the run folder with where the metrics go
+    (``destinations``), log skipped records. Call on the main rank."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(config, indent=2))
+    n_train, n_all = counts
+    log.info("model: %.2fM parameters, %.2fM trainable", n_all / 1e6, n_train / 1e6)
+    for name, ds in sets:
+        if ds.skipped:
+            log.warning("%s: skipped %d bad record(s), e.g. %s", name, len(ds.skipped), ds.skipped[0].reason)
+    train = sets[0][1]
+    n_val = len(sets[1][1]) if len(sets) > 1 else 0
+    print(f"plait: {len(train)} train samples ({len(train.skipped)} skipped), {n_val} val samples, {total_steps} "
+          f"steps, world size {world_size}, {n_train / 1e6:.2f}M of {n_all / 1e6:.2f}M parameters trainable",
+          flush=True)
+    print(f"plait: run folder {run_dir} (metrics to {', '.join(destinations)}; checkpoints/, final/)", flush=True)

@@ -1,0 +1,50 @@
+"""Worker for the FSDP2 tests: train a job (config JSON) on one fixed global batch, then ``fit``; rank 0 writes the
+first step's plan (deferred samples), full gradients, which DP ranks saw an image, the per-step losses and the
+full final parameters (sharded tensors gathered). With ``resume_from`` in the JSON, it first resumes that
+checkpoint (written with another layout) and trains the remaining steps instead."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from plait.config.loader import config_from_dict
+from plait.train.trainer import Trainer
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly FSDP2-sharded) parameter or gradient; collective for a DTensor."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def main(config_path: str, out_path: str) -> None:
+    data = json.loads(open(config_path).read())
+    resume_from = data.pop("resume_from", None)
+    cfg = config_from_dict(data)
+    trainer = Trainer.build(cfg)
+    out: dict = {"world": trainer.info.world_size, "sharded": trainer.sharded is not None}
+    if resume_from is None:
+        first = trainer.loader.epoch_order(0)[: cfg.train.global_batch_size].tolist()
+        plan, _ = trainer.plan_step(first)
+        trainer.forward_backward(first, plan)
+        out["grads"] = {n: full(p.grad) for n, p in trainer.model.named_parameters() if p.grad is not None}
+        images = [sum(any(e == "vision" for e, _ in trainer.train_set.sample_meta(first[k]).items)
+                      for mb in plan.microbatches[r] for k in mb) for r in range(plan.dp)]
+        out.update(deferred=plan.deferred(), dp=plan.dp, images_per_rank=images)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        result = trainer.fit()
+    else:
+        result = trainer.fit(resume=resume_from)
+    out["losses"], out["start"] = result["losses"], result["step"] - result["steps"]
+    out["params"] = {n: full(p) for n, p in trainer.model.named_parameters()}
+    out["groups"] = list(trainer.sharded.names) if trainer.sharded is not None else []
+    if trainer.info.is_main:
+        torch.save(out, out_path)
+    if trainer.info.world_size > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,113 @@
+"""FSDP2 (``parallel.dp_shard``) and HSDP under torchrun (gloo) equal one process on the same global batches:
+losses (rel 1e-5), first-step gradients and final parameters after AdamW steps (``assert_same_training``: rel 1e-5
+of each gradient's scale; parameters rtol 1e-5 / atol 1e-6), with frozen encoders + trainable projectors and with
+everything trainable; deferral on (hierarchical plans that defer), activation checkpointing inside the sharded
+units, a DP rank whose share of the batch holds no image (HSDP 2x2), and resuming across a dp_shard change (DCP
+reshards: one process -> dp_shard=2 and dp_shard=2 -> DDP)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from tests.conftest import ROOT, demo_records, tiny_config_dict, write_jsonl
+from tests.distributed.spawning import free_port
+from tests.distributed.test_data_parallel import assert_same_training
+from tests.unit.train.test_deferral import deferral_records
+
+WORKER = ROOT / "tests" / "distributed" / "fsdp_worker.py"
+LIMIT_S = 240
+
+
+def run(cfg: dict, tmp_path, name: str, nproc: int, **extra) -> dict:
+    """Train ``cfg`` on ``nproc`` processes (the worker) into run folder ``run_<name>``; returns what rank 0
+    wrote."""
+    cfg = json.loads(json.dumps(cfg)) | extra
+    cfg["metrics"]["run_dir"] = str(tmp_path / f"run_{name}")
+    cfg_path = tmp_path / f"{name}.json"
+    cfg_path.write_text(json.dumps(cfg))
+    out = tmp_path / f"{name}.pt"
+    cmd = [sys.executable, str(WORKER), str(cfg_path), str(out)]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", "--master_addr=127.0.0.1", *cmd[1:]]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LIMIT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out)
+
+
+def job(tmp_path, frozen: bool, records: list[dict] | None = None, train: dict | None = None,
+        **parallel) -> dict:
+    """The deferral mix (hierarchical plans defer; or ``records``), 2 steps of a global batch of 8 in microbatches
+    of 2, a checkpoint every step."""
+    data = write_jsonl(tmp_path / "train.jsonl", records or deferral_records())
+    cfg = tiny_config_dict(str(data), None, str(tmp_path / "run"), data={"shuffle": False},
+                           train={"steps": 2, "global_batch_size": 8, "microbatch_size": 2, "threads": 1,
+                                  "microbatch_policy": "hierarchical", **(train or {})},
+                           parallel={"timeout_s": 60, **parallel}, checkpoint={"every": 1, "keep": 2})
+    if frozen:
+        for enc in cfg["model"]["encoders"].values():
+            enc["freeze"] = True
+    return cfg
+
+
+def assert_equal_runs(single: dict, other: dict) -> None:
+    torch.testing.assert_close(torch.tensor(other["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
+    assert_same_training(single, other)
+
+
+def assert_same_params(ref: dict, other: dict) -> None:
+    """Final parameters equal (rtol 1e-4 / atol 1e-5, as the resume-across-layouts test) wherever the reference's
+    first gradient is not zero in exact arithmetic."""
+    compared = 0
+    for name, value in ref["params"].items():
+        if name in ref["grads"] and ref["grads"][name].abs().max() > 1e-6:
+            torch.testing.assert_close(other["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+            compared += 1
+    assert compared > 0.8 * len(ref["grads"])
+
+
+def test_fsdp2_frozen_encoders_trainable_projectors(tmp_path):
+    single = run(job(tmp_path, True), tmp_path, "single", 1)
+    fsdp = run(job(tmp_path, True, train={"activation_checkpointing": "selective"}, dp_shard=2), tmp_path, "fsdp", 2)
+    assert fsdp["sharded"] and not single["sharded"] and fsdp["dp"] == 2
+    assert len(fsdp["deferred"]) >= 1  # the plan defers: the buffered encoder-output path runs sharded
+    assert not any(n.startswith("encoders.vision.encoder") for n in single["grads"])  # frozen: replicated
+    assert any("projector" in g for g in fsdp["groups"]) and not any(".encoder." in g for g in fsdp["groups"])
+    assert_equal_runs(single, fsdp)
+
+
+def test_fsdp2_all_trainable_with_checkpointing_and_resume_across_dp_shard(tmp_path):
+    single = run(job(tmp_path, False), tmp_path, "single", 1)
+    fsdp = run(job(tmp_path, False, train={"activation_checkpointing": "full"}, dp_shard=2), tmp_path, "fsdp", 2)
+    assert fsdp["sharded"] and len(fsdp["deferred"]) >= 1
+    assert any(n.startswith("encoders.vision.encoder.") for n in single["grads"])
+    assert sum(".layers." in g for g in fsdp["groups"]) >= 2  # one group per layer unit
+    assert_equal_runs(single, fsdp)
+    # resume step 1 of the one-process run with dp_shard=2, and step 1 of the dp_shard=2 run as DDP (dp=2)
+    step1 = "checkpoints/step_000001"
+    to_fsdp = run(job(tmp_path, False, dp_shard=2), tmp_path, "to_fsdp", 2,
+                  resume_from=str(tmp_path / "run_single" / step1))
+    to_ddp = run(job(tmp_path, False, dp=2), tmp_path, "to_ddp", 2, resume_from=str(tmp_path / "run_fsdp" / step1))
+    assert (to_fsdp["start"], to_ddp["start"], to_fsdp["sharded"], to_ddp["sharded"]) == (1, 1, True, False)
+    for resumed in (to_fsdp, to_ddp):
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(single["losses"][1:]), rtol=1e-5,
+                                   atol=0)
+        assert_same_params(single, resumed)
+
+
+def test_hsdp_2x2_with_a_rank_that_sees_no_image(tmp_path):
+    images = demo_records("train", ("image_digit",), limit=3)
+    others = demo_records("train", ("audio_transcribe",), limit=3) + demo_records("train", ("text",), limit=2)
+    records = images + others
+    single = run(job(tmp_path, False, records, {"microbatch_policy": "arrival"}), tmp_path, "single", 1)
+    hsdp = run(job(tmp_path, False, records, {"microbatch_policy": "arrival"}, dp=2, dp_shard=2), tmp_path,
+               "hsdp", 4)
+    assert hsdp["sharded"] and hsdp["dp"] == 4 and hsdp["world"] == 4
+    assert min(hsdp["images_per_rank"]) == 0 < max(hsdp["images_per_rank"])  # a rank joins the encoder's
+    assert_equal_runs(single, hsdp)  # collectives on a dummy image, with zero gradient
