@@ -165,6 +165,7 @@ def worker(spec_path: str, out_dir: str) -> None:
                      spec["train"], spec["run_dir"])
     trainer = Trainer.build(cfg)
     out = measure(trainer, covering_batch(trainer, cfg.train.global_batch_size))
+    out["rank"] = trainer.info.rank
     Path(out_dir, f"rank{trainer.info.rank}.json").write_text(json.dumps(out))
     if trainer.info.world_size > 1:
         torch.distributed.destroy_process_group()
@@ -195,14 +196,18 @@ def run_column(model: str, label: str, policy: str, microbatch: int, folder: Pat
         lines = [line for line in (proc.stderr_text or proc.stdout_text).splitlines() if "Error" in line]
         return (lines[-1] if lines else f"exit {proc.returncode}")[:160]
     result = {kind: max(r[kind] for r in ranks) for kind in KINDS}
-    result["rank_llm_tokens"] = ranks[0]["rank_llm_tokens"]
+    result["rank_llm_tokens"] = [r["rank_llm_tokens"] for r in ranks]
     return result
 
 
-def predicted(trainer, label: str, tokens: dict) -> dict[str, float]:
+def predicted(trainer, label: str, tokens: dict | list[dict]) -> dict[str, float]:
     """The planner's per-rank bytes of a column (``planner.sharding.rank_memory``; module docstring): the units of
-    ``trainer`` (a one-process trainer of the job), analytic costs of the rank's microbatch (``tokens``: LLM samples x
-    padded length; each encoder its items at their native length)."""
+    ``trainer`` (a one-process trainer of the job), analytic costs of a rank's microbatch (``tokens``: LLM samples x
+    padded length; each encoder its items at their native length); for a list (one per rank) the largest over the
+    ranks of each kind, as measured."""
+    if isinstance(tokens, list):
+        each = [predicted(trainer, label, t) for t in tokens]
+        return {kind: max(e[kind] for e in each) for kind in each[0]}
     from plait.models.units import model_units
     from plait.parallel.checkpointing import checkpoint_policy
     from plait.planner.arch import arch_from_config

@@ -1,5 +1,5 @@
 """The planner's per-rank memory (``planner.sharding.rank_memory``) within 15% of ``bench/memory.py``'s bytes measured
-from real storages under torchrun (gloo): tensor parallelism over 2 ranks (issue 14, acceptance)."""
+from real storages under torchrun (gloo): tensor parallelism and FSDP2 over 2 ranks (issue 14, acceptance)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from plait.train.trainer import Trainer
 from tests.conftest import ROOT
 
 
-@pytest.mark.parametrize("label", ["TP 2"])
+@pytest.mark.parametrize("label", ["TP 2", "FSDP2 2"])
 def test_planner_within_15_percent_of_measured_per_rank(label):
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
