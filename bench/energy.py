@@ -42,8 +42,8 @@ from plait.planner.schedules import build_schedule  # noqa: E402
 from plait.planner.search import LayoutChoice, megatron_even_split, plan_layout  # noqa: E402
 
 STRAGGLER = 1.2
-MAX_SLOWDOWN = 1.5  # lowtime traces the fast part of the frontier (options up to 1.5x slower)
-REFINE_S = 10.0  # MILP seconds on the T* point and the straggler point
+MAX_SLOWDOWN = 1.3  # lowtime traces the fast part of the frontier (options up to 1.3x slower)
+REFINE_S = 20.0  # MILP seconds on the T* point and on the straggler point
 
 
 def plan_energy(choice: LayoutChoice, units, profile, steps: int, time_limit_s: float) -> dict[str, float]:
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--gpu", default="h100", help="GPU preset (a100, h100, h200); the plans use bench/"
                                                      "pipeline_plans.py's H100 roofline")
     parser.add_argument("--steps", type=int, default=60, help="lowtime time quanta over the frontier's span")
-    parser.add_argument("--time-limit", type=float, default=25.0, help="seconds lowtime may trace one frontier")
+    parser.add_argument("--time-limit", type=float, default=12.0, help="seconds lowtime may trace one frontier")
     args = parser.parse_args()
     gpu = gpu_preset(args.gpu)
     print(f"energy per replica iteration, preset {gpu.name} (TDP {gpu.tdp_w:.0f} W, clocks "

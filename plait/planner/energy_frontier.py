@@ -108,16 +108,23 @@ class EnergyDag:
         energy = sum(self.options[v][c][2] for v, c in enumerate(choice))
         return makespan, energy + self.blocking_w * (self.num_ranks * makespan - busy)
 
-    def polish(self, choice: Sequence[int], deadline: float) -> tuple[int, ...]:
+    def polish(self, choice: Sequence[int], deadline: float, rounds: int = 1) -> tuple[int, ...]:
         """``choice`` with actions moved to their cheapest option (least ``e - P_blocking t``) that fits their
-        slack, so that the iteration still ends by ``deadline`` (which ``choice`` must meet). Two greedy sweeps,
-        the cheaper result kept: in reverse topological order (an action may last until the latest start of its
+        slack, so that the iteration still ends by ``deadline`` (which ``choice`` must meet). Rounds of two greedy
+        sweeps (at most ``rounds``, until a round gains nothing), the cheaper result kept: in reverse topological order (an action may last until the latest start of its
         already settled successors; its predecessors keep their times and later use the slack left) and in
         topological order (an action starts when its settled predecessors end and may last until the latest
         start its successors allow at their current times)."""
-        late = self._sweep(choice, deadline, backward=True)
-        early = self._sweep(choice, deadline, backward=False)
-        return min((late, early), key=lambda c: self.evaluate(c)[1])
+        best, energy = tuple(choice), self.evaluate(choice)[1]
+        for _ in range(rounds):  # sweeps from the best so far, until one round gains nothing
+            late = self._sweep(best, deadline, backward=True)
+            early = self._sweep(late, deadline, backward=False)
+            found = min((late, early), key=lambda c: self.evaluate(c)[1])
+            found_energy = self.evaluate(found)[1]
+            if found_energy >= energy * (1 - 1e-12):
+                break
+            best, energy = found, found_energy
+        return best
 
     def _sweep(self, choice: Sequence[int], deadline: float, backward: bool) -> tuple[int, ...]:
         succs = self._successors()
@@ -139,6 +146,14 @@ class EnergyDag:
             out[v] = self._cheapest(v, out[v], latest_end - start + slack)
             ends[v] = start + self.options[v][out[v]][1]
         return tuple(out)
+
+    def stretched(self, factor: float) -> tuple[int, ...]:
+        """Every action at its cheapest option lasting at most ``factor`` times its top-clock time: an assignment
+        whose iteration ends by ``factor`` times the top-clock one (transfers do not stretch), Perseus' uniform
+        answer to a straggler, which the polish and the solver then improve."""
+        top = self.top_clock
+        return tuple(self._cheapest(v, top[v], factor * self.options[v][top[v]][1] * (1 + 1e-12))
+                     for v in range(len(self.options)))
 
     def _cheapest(self, v: int, current: int, window: float) -> int:
         """The option of node ``v`` with the least effective cost among those lasting at most ``window``
@@ -277,7 +292,10 @@ def energy_frontier(dag: EnergyDag, *, method: str = "auto", steps: int = 400, t
     if method == "auto":
         method = "exact" if sum(len(o) for o in dag.options) <= exact_max_options else "lowtime"
     top_time, _ = dag.evaluate(dag.top_clock)
-    candidates = {dag.polish(dag.top_clock, top_time)}
+    candidates = {dag.polish(dag.top_clock, top_time, rounds=4)}
+    for factor in _stretch_factors(max_slowdown, [d / top_time for d in deadlines if top_time > 0]):
+        stretched = dag.stretched(factor)
+        candidates.add(dag.polish(stretched, dag.evaluate(stretched)[0]))
     if method == "exact":
         from plait.planner.energy_exact import exact_choices
 
@@ -289,6 +307,13 @@ def energy_frontier(dag: EnergyDag, *, method: str = "auto", steps: int = 400, t
             candidates.add(dag.polish(choice, deadline))
     front = _fill(dag, [FrontierCandidate(*dag.evaluate(c), c) for c in candidates], deadlines)
     return _refine(dag, front, [top_time, *deadlines], refine_s) if refine_s > 0 and method != "exact" else front
+
+
+def _stretch_factors(max_slowdown: float | None, extra: Sequence[float], count: int = 8) -> list[float]:
+    """Slowdown factors of the stretched candidates (``EnergyDag.stretched``): ``count`` evenly from 1 to
+    ``max_slowdown`` (1.5 when None) and each of ``extra``."""
+    top = 1.5 if max_slowdown is None else max_slowdown
+    return [1 + (top - 1) * i / (count - 1) for i in range(count)] + [f for f in extra if f >= 1]
 
 
 def _refine(dag: EnergyDag, front: list[FrontierCandidate], targets: Sequence[float],
@@ -319,7 +344,7 @@ def _fill(dag: EnergyDag, candidates: Sequence[FrontierCandidate], deadlines: Se
     for deadline in deadlines:
         within = [c for c in front if c.time_s <= deadline]
         if within:
-            best = dag.polish(min(within, key=lambda c: c.energy_j).choice, deadline)
+            best = dag.polish(min(within, key=lambda c: c.energy_j).choice, deadline, rounds=4)
             front = _pareto(list(front) + [FrontierCandidate(*dag.evaluate(best), best)])
     return front
 
