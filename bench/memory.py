@@ -125,9 +125,9 @@ def measure(trainer, indices) -> dict[str, int]:
     activations = saved_activation_bytes(trainer, indices, plan)
     params = [p for p in trainer.model.parameters()]
     state = [v for s in trainer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return {"parameters": storage_bytes(params), "gradients": storage_bytes(p.grad for p in params if p.grad is not None),
-            "optimizer": storage_bytes(state), "activations": activations, "rank_llm_tokens": _rank_tokens(trainer,
-                                                                                                       indices, plan)}
+    grads = [p.grad for p in params if p.grad is not None]
+    return {"parameters": storage_bytes(params), "gradients": storage_bytes(grads), "optimizer": storage_bytes(state),
+            "activations": activations, "rank_llm_tokens": _rank_tokens(trainer, indices, plan)}
 
 
 def _rank_tokens(trainer, indices, plan) -> dict:

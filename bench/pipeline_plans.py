@@ -272,7 +272,8 @@ def _cell(choice: LayoutChoice | None, degrees: bool = False) -> str:
 
 
 def _degrees_tag(choice: LayoutChoice) -> str:
-    """``t<tp> s<dp_shard> <ac>`` (``ac``: ``sel``/``full``) of a plan with TP, FSDP2 or checkpointing; ``-`` without."""
+    """``t<tp> s<dp_shard> <ac>`` (``ac``: ``sel``/``full``) of a plan with TP, FSDP2 or checkpointing; ``-``
+    without."""
     parts = [f"t{choice.tp}"] if choice.tp > 1 else []
     parts += [f"s{choice.dp_shard}"] if choice.dp_shard > 1 else []
     parts += [{"selective": "sel", "full": "full"}[choice.checkpointing]] if choice.checkpointing != "none" else []

@@ -114,8 +114,8 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
                 return first
         except ValueError as exc:
             errors.append(f"{_label(base)}: {exc}")
-    ranked = sorted((o for o in options if o != base or not prefer_base), key=lambda o: (_bound(true_units, whole, o, link, devices,
-                                                                             microbatches), _preference(o)))
+    ranked = sorted((o for o in options if o != base or not prefer_base),
+                    key=lambda o: (_bound(true_units, whole, o, link, devices, microbatches), _preference(o)))
     best: LayoutChoice | None = None
     for degrees in ranked:
         if best is not None and _bound(true_units, whole, degrees, link, devices, microbatches) >= best.iteration_s:

@@ -173,8 +173,8 @@ def shard_buffer_bytes(units: Sequence[Unit], costs: Sequence[UnitCost], degrees
                        dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec()) -> float:
     """Bytes FSDP2 holds unsharded at its peak (module docstring): the largest unsharded parameters of two trainable
     units next to each other (the running unit and the prefetched next one, in unit order; frozen units are not
-    sharded, so not gathered) plus the largest unsharded gradient of a trainable unit, all on one TP rank (``costs`` are whole-unit costs, before ``shard_costs``). 0 when
-    ``dp_shard == 1``."""
+    sharded, so not gathered) plus the largest unsharded gradient of a trainable unit, all on one TP rank
+    (``costs`` are whole-unit costs, before ``shard_costs``). 0 when ``dp_shard == 1``."""
     if degrees.dp_shard == 1:
         return 0.0
     tp_costs = [_tp_cost(u, c, degrees.tp, None) for u, c in zip(units, costs)]
