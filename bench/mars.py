@@ -64,16 +64,17 @@ def grid_run(cfg, r_vision: int, r_llm: int, out: Path) -> dict:
 
 
 def _smaller_job(cfg, records: int, batch: int, out: Path) -> Path:
-    """The job on the first ``records`` training records (``subset_records``' shuffle), one epoch of ``batch``
-    samples per step (default: the job's), written to ``out/job.toml``."""
-    batch = batch or cfg.train.global_batch_size
-    data = out / f"train_{records}.jsonl"
-    data.parent.mkdir(parents=True, exist_ok=True)
-    data.write_text("".join(json.dumps(r) + "\n" for r in subset_records(cfg.data.train, cfg.train.seed)[:records]))
+    """The job (``cfg``) written to ``out/job.toml``; with ``records`` > 0 on the first ``records`` training records
+    (``subset_records``' shuffle) for one epoch of ``batch`` samples per step (default: the job's)."""
     job = config_to_dict(cfg)
-    job["data"]["train"] = str(data.resolve())
-    job["train"].update(steps=math.ceil(records / batch), global_batch_size=batch,
-                        microbatch_size=min(batch, job["train"]["microbatch_size"]))
+    if records:
+        batch = batch or cfg.train.global_batch_size
+        data = out / f"train_{records}.jsonl"
+        data.parent.mkdir(parents=True, exist_ok=True)
+        data.write_text("".join(json.dumps(r) + "\n" for r in subset_records(cfg.data.train, cfg.train.seed)[:records]))
+        job["data"]["train"] = str(data.resolve())
+        job["train"].update(steps=math.ceil(records / batch), global_batch_size=batch,
+                            microbatch_size=min(batch, job["train"]["microbatch_size"]))
     return write_job_toml(job, out / "job.toml")
 
 
@@ -95,14 +96,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="fine-tune on the first N records of the job's training set (the fixed shuffle tune-ranks "
                         "draws its subsets from), one epoch; 0: the job as it is")
     p.add_argument("--batch", type=int, default=0, help="with --train-records: global batch of the fine-tunes")
+    p.add_argument("--pretrained", default="", help="the trained demo to fine-tune (default: the job's, runs/demo/final)")
     a = p.parse_args(argv)
     ranks = tuple(int(x) for x in a.ranks.split(","))
     out = Path(a.out)
     if a.uniform not in ranks:
         print(f"--uniform {a.uniform} is not one of --ranks {a.ranks}", file=sys.stderr)
         return 2
-    if a.train_records:
-        a.config = str(_smaller_job(load_config(a.config), a.train_records, a.batch, out))
+    if a.train_records or a.pretrained:
+        overrides = [f"--model.pretrained={a.pretrained}"] if a.pretrained else []
+        a.config = str(_smaller_job(load_config(a.config, overrides), a.train_records, a.batch, out))
     cfg = load_config(a.config)
     if not (Path(cfg.model.pretrained) / "plait_config.json").is_file():
         print(f"bench/mars.py needs {cfg.model.pretrained} (run `make demo` first)", file=sys.stderr)
