@@ -96,7 +96,8 @@ def _energy(args: argparse.Namespace, overrides: list[str]) -> int:
     from plait.commands.energy import energy_command
 
     energy_command(args.config, args.devices, straggler=args.straggler, gpu=args.gpu, out_dir=args.out_dir,
-                   overrides=overrides, microbatches=args.microbatches, method=args.method)
+                   overrides=overrides, microbatches=args.microbatches, method=args.method,
+                   energy_profile=args.energy_profile)
     return 0
 
 
@@ -220,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     energy.add_argument("--out-dir", default=None, help="folder for energy_plan.json, frontier.json/.png and "
                         "timelines.png (default: runs/<job file stem>/energy)")
     energy.add_argument("--microbatches", type=int, default=None, help="as plait plan --microbatches")
+    energy.add_argument("--energy-profile", default=None, help="measured energy profile JSON (plait profile --energy, "
+                        "runs/profiles/energy-profile-<key>.json) instead of the --gpu preset")
     energy.add_argument("--method", choices=("auto", "exact", "lowtime"), default="auto",
                         help="frontier solver: lowtime (Phillips-Dessouky), exact (MILP per point, small DAGs) or "
                              "auto (exact when small)")

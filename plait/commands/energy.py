@@ -36,7 +36,13 @@ from plait.planner.energy_frontier import (
     schedule_energy_dag,
 )
 from plait.planner.energy_plan import EnergyPlan, FrontierPoint
-from plait.planner.energy_profile import GPU_PRESETS, analytic_energy_profile, gpu_preset, stage_action_options
+from plait.planner.energy_profile import (
+    GPU_PRESETS,
+    EnergyProfile,
+    analytic_energy_profile,
+    gpu_preset,
+    stage_action_options,
+)
 from plait.planner.profile import ProfileKey
 from plait.planner.schedules import build_schedule
 from plait.planner.search import LayoutChoice
@@ -52,7 +58,8 @@ REFINE_S = 10.0
 
 def energy_command(config_path: str | Path, devices: int, *, straggler: float = 1.2, gpu: str = "h100",
                    out_dir: str | Path | None = None, overrides: Sequence[str] = (), microbatches: int | None = None,
-                   method: str = "auto", out: TextIO | None = None) -> dict[str, Any]:
+                   method: str = "auto", energy_profile: str | Path | None = None,
+                   out: TextIO | None = None) -> dict[str, Any]:
     """``plait energy`` (module docstring).
 
     Args:
@@ -63,6 +70,9 @@ def energy_command(config_path: str | Path, devices: int, *, straggler: float = 
         out_dir: folder for the outputs (default ``runs/<job file stem>/energy``).
         microbatches: as ``plait plan --microbatches``.
         method: frontier solver (``energy_frontier.energy_frontier``: ``auto``, ``exact``, ``lowtime``).
+        energy_profile: a measured energy profile JSON (``plait profile --energy``:
+            ``energy_profile.EnergyProfile``) to use instead of the preset: its clocks, times, energies and blocking
+            power, unscaled (the frontier's ``T*`` is then the measured prediction, not the plan's).
         out: text stream (default stdout).
 
     Returns:
@@ -76,25 +86,30 @@ def energy_command(config_path: str | Path, devices: int, *, straggler: float = 
     if not straggler >= 1.0:
         raise ValueError(f"--straggler must be >= 1 (a multiple of the fastest iteration time), got {straggler}")
     preset = gpu_preset(gpu)
+    measured = _read_profile(energy_profile) if energy_profile is not None else None
     choice = plan_command(config_path, devices, None, overrides=overrides, device=preset.name,
                           microbatches=microbatches, out=stream, profile_store=None)
     schedule = build_schedule(choice.plan, choice.schedule, choice.microbatches_per_replica)
-    options = job_action_options(config_path, overrides, microbatches, choice, preset.name)
-    blocking = preset.blocking_w
+    options = job_action_options(config_path, overrides, microbatches, choice, preset.name, measured)
+    blocking = preset.blocking_w if measured is None else measured.blocking_power_w
+    if measured is not None:
+        print(f"plait energy: measured energy profile {energy_profile} ({measured.gpu}, clocks "
+              f"{measured.frequencies_mhz[-1]}-{measured.max_frequency_mhz} MHz)", file=stream)
     dag = schedule_energy_dag(schedule, options, p2p=choice.p2p,
                               boundary_bytes=dict(enumerate(choice.stage_boundary_bytes)), blocking_w=blocking)
     t_star, e_max = dag.evaluate(dag.top_clock)
     deadline = straggler * t_star
     frontier = energy_frontier(dag, method=method, deadlines=[deadline], max_slowdown=max(1.5, 1.25 * straggler),
                                refine_s=REFINE_S, time_limit_s=TRACE_S)
-    plan = energy_plan(dag, frontier, preset.name, preset.max_frequency_mhz, keep=[t_star, deadline])
+    gpu_name, top = (preset.name, preset.max_frequency_mhz) if measured is None else (measured.gpu, measured.max_frequency_mhz)
+    plan = energy_plan(dag, frontier, gpu_name, top, keep=[t_star, deadline])
     slow = min((p for p in plan.points if p.iteration_time_s <= deadline * (1 + 1e-12)),
                key=lambda p: energy_at_deadline(p, deadline, dag.num_ranks, blocking))
     fastest = plan.point_for(t_star * (1 + 1e-9))
     rows = {"max frequency": (t_star, e_max), "plan at T*": (fastest.iteration_time_s, fastest.energy_j),
             f"max frequency, waiting {straggler:g}x": (deadline, e_max + blocking * dag.num_ranks * (deadline - t_star)),
             f"plan at {straggler:g}x T*": (deadline, energy_at_deadline(slow, deadline, dag.num_ranks, blocking))}
-    _print_table(stream, rows, choice, preset.name, len(frontier))
+    _print_table(stream, rows, choice, gpu_name, len(frontier))
     folder = Path(out_dir) if out_dir is not None else Path("runs") / Path(config_path).stem / "energy"
     paths = _write(folder, plan, frontier, rows, schedule, options, choice, blocking, (fastest, slow), straggler)
     for name, path in paths.items():
@@ -103,11 +118,17 @@ def energy_command(config_path: str | Path, devices: int, *, straggler: float = 
 
 
 def job_action_options(config_path: str | Path, overrides: Sequence[str], microbatches: int | None,
-                       choice: LayoutChoice, gpu: str) -> dict[tuple[int, str], list[tuple[int, float, float]]]:
+                       choice: LayoutChoice, gpu: str,
+                       measured: EnergyProfile | None = None) -> dict[tuple[int, str], list[tuple[int, float, float]]]:
     """Per stage action of ``choice``, ``(frequency_mhz, seconds, joules)`` at the preset's clocks: the job's units
     (``commands.plan.build_plan_inputs``) through ``energy_profile.analytic_energy_profile``, each action's times
     and energies scaled so that its top-clock time is the plan's own (``choice.stage_forward_s`` /
-    ``stage_backward_s``, which include activation recomputation and runtime overheads when charged)."""
+    ``stage_backward_s``, which include activation recomputation and runtime overheads when charged). With a
+    ``measured`` profile, its own numbers per unit, unscaled.
+
+    Raises:
+        ValueError: when ``measured`` lacks a unit of the plan (naming it).
+    """
     preset = gpu_preset(gpu)
     cfg, _ = load_config_for_planning(config_path, overrides)
     cfg = split_global_batch(cfg, microbatches)
@@ -116,6 +137,8 @@ def job_action_options(config_path: str | Path, overrides: Sequence[str], microb
     estimates = unit_estimates(inputs.units, inputs.model_configs, inputs.shapes, inputs.dtype)
     key = ProfileKey({"job": str(config_path)}, {m: s.to_dict() for m, s in inputs.shapes.items()}, inputs.dtype,
                      preset.name, "", "")
+    if measured is not None:
+        return stage_action_options(choice.plan, inputs.units, measured)
     profile = analytic_energy_profile(inputs.units, estimates, preset, key, device=spec)
     options = stage_action_options(choice.plan, inputs.units, profile)
     targets = {"F": choice.stage_forward_s, "B": choice.stage_backward_s}
@@ -191,6 +214,22 @@ def _energy_at_t_star(config_path: str | Path, overrides: Sequence[str], microba
     frontier = energy_frontier(dag, method="lowtime", steps=40, time_limit_s=10.0, max_slowdown=1.2, refine_s=5.0)
     t_star, _ = dag.evaluate(dag.top_clock)
     return min(c.energy_j for c in frontier if c.time_s <= t_star * (1 + 1e-9))
+
+
+def _read_profile(path: str | Path) -> EnergyProfile:
+    """The measured ``EnergyProfile`` at ``path``.
+
+    Raises:
+        FileNotFoundError: when it does not exist; ValueError: naming the file when it is not an energy profile.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--energy-profile {file} does not exist")
+    try:
+        return EnergyProfile.from_json(file.read_text())
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"--energy-profile {file} is not an energy profile written by `plait profile --energy` "
+                         f"({exc})") from exc
 
 
 def _print_table(stream: TextIO, rows: dict[str, tuple[float, float]], choice: LayoutChoice, gpu: str,

@@ -59,3 +59,34 @@ def test_plan_energy_breaks_ties_by_energy(tmp_path, capsys):
     layout, dp, _, _ = min(rows, key=lambda r: float(r[3]))
     assert f"chose {layout}, DP {dp}" in text
     assert json.loads(out.read_text())
+
+
+def test_energy_with_a_measured_profile(tmp_path, capsys):
+    """A measured energy profile (the form ``plait profile --energy`` stores) replaces the preset: its GPU name,
+    clocks and blocking power go into the plan."""
+    import dataclasses
+
+    from plait.commands.plan import build_plan_inputs, device_spec, load_config_for_planning
+    from plait.planner.cost_model import unit_estimates
+    from plait.planner.energy_profile import analytic_energy_profile, gpu_preset
+    from plait.planner.profile import ProfileKey
+
+    cfg, _ = load_config_for_planning(DEMO)
+    inputs = build_plan_inputs(cfg, device_spec("a100"))
+    gpu = dataclasses.replace(gpu_preset("a100"), name="NVIDIA A100 (measured)", frequencies_mhz=(1410, 1110, 810))
+    key = ProfileKey({"job": "demo"}, [], inputs.dtype, gpu.name, "", "")
+    profile = analytic_energy_profile(inputs.units, unit_estimates(inputs.units, inputs.model_configs, inputs.shapes),
+                                      gpu, key)
+    path = tmp_path / "energy-profile.json"
+    path.write_text(dataclasses.replace(profile, source="measured").to_json())
+    assert main(["energy", "--config", str(DEMO), "--devices", "2", "--gpu", "a100", "--method", "lowtime",
+                 "--energy-profile", str(path), "--out-dir", str(tmp_path / "out")]) == 0
+    text = capsys.readouterr().out
+    assert f"measured energy profile {path} (NVIDIA A100 (measured), clocks 810-1410 MHz)" in text
+    plan = EnergyPlan.from_json((tmp_path / "out" / "energy_plan.json").read_text())
+    assert plan.gpu == "NVIDIA A100 (measured)" and plan.max_frequency_mhz == 1410
+    assert {f.frequency_mhz for p in plan.points for f in p.frequencies} <= {1110, 810}
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["energy", "--config", str(DEMO), "--devices", "2", "--energy-profile", str(bad)]) == 2
+    assert "is not an energy profile" in capsys.readouterr().err
