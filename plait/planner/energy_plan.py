@@ -11,6 +11,7 @@ on microbatch 3), the label the measured and predicted timelines use for the sam
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -91,10 +92,15 @@ class FrontierPoint(JsonDataclass):
         if self.iteration_time_s < 0 or self.energy_j < 0:
             raise ValueError(f"FrontierPoint needs time and energy >= 0, got {self.iteration_time_s} s, "
                              f"{self.energy_j} J")
-        keys = [(a.rank, a.label) for a in self.frequencies]
-        if len(set(keys)) != len(keys):
+        if len(self.frequency_table) != len(self.frequencies):
+            keys = [(a.rank, a.label) for a in self.frequencies]
             dup = next(k for k in keys if keys.count(k) > 1)
             raise ValueError(f"FrontierPoint lists action {dup[1]!r} on rank {dup[0]} twice")
+
+    @functools.cached_property
+    def frequency_table(self) -> dict[tuple[int, str], int]:
+        """``{(rank, label): frequency_mhz}`` of the listed actions (built once: the runtime asks per action)."""
+        return {(entry.rank, entry.label): entry.frequency_mhz for entry in self.frequencies}
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,4 @@ class EnergyPlan(JsonDataclass):
     def frequency_of(self, point: FrontierPoint, rank: int, label: str) -> int:
         """The frequency (MHz) ``point`` gives the action ``label`` on ``rank``; ``max_frequency_mhz`` when it
         is not listed."""
-        for entry in point.frequencies:
-            if entry.rank == rank and entry.label == label:
-                return entry.frequency_mhz
-        return self.max_frequency_mhz
+        return point.frequency_table.get((rank, label), self.max_frequency_mhz)
