@@ -4,8 +4,10 @@ setting) on 8, 16 and 32 GPUs of one preset, Megatron-style even split (A) and p
 For each plan, one replica's iteration (the plan's schedule: 1F1B or interleaved 1F1B) becomes the action DAG of
 ``plait.planner.energy_frontier`` with each stage action's (time, energy) at the preset's SM clocks
 (``plait.planner.energy_profile``: the analytic GPU preset combined with the roofline cost model), and the
-time-energy frontier is traced (lowtime's Phillips-Dessouky solver, points re-timed exactly and slack-polished).
-Columns:
+time-energy frontier is traced (``energy_frontier.energy_frontier``: lowtime's Phillips-Dessouky solver for 12 s
+over options at most 1.3x slower than the top clock, uniformly stretched candidates, every point re-timed exactly
+and slack-polished, and the points at ``T*`` and at the straggler's time refined by a HiGHS MILP for 20 s each,
+warm-started from the best point found). Columns:
 
 - ``T*``: iteration time of one replica with every action at the top clock (the simulator's makespan);
 - ``E max``: energy of one replica's iteration at the top clock, blocking power included
