@@ -154,8 +154,8 @@ def _trainable_islands(module: nn.Module) -> list[nn.Module]:
 
     def visit(m: nn.Module) -> None:
         params = list(m.parameters())
-        if params and all(p.requires_grad for p in params):
-            out.append(m)
+        if params and all(p.requires_grad for p in params) and type(m).forward is not nn.Module.forward:
+            out.append(m)  # (a container without forward, as peft's lora_A ModuleDict, is entered instead)
             return
         for child in m.children():
             visit(child)

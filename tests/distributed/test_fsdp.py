@@ -111,3 +111,20 @@ def test_hsdp_2x2_with_a_rank_that_sees_no_image(tmp_path):
     assert hsdp["sharded"] and hsdp["dp"] == 4 and hsdp["world"] == 4
     assert min(hsdp["images_per_rank"]) == 0 < max(hsdp["images_per_rank"])  # a rank joins the encoder's
     assert_equal_runs(single, hsdp)  # collectives on a dummy image, with zero gradient
+
+
+def test_fsdp2_with_lora_adapters_in_their_own_groups(tmp_path):
+    cfg = job(tmp_path, False)
+    cfg["model"]["llm"]["lora"] = {"r": 4, "alpha": 8.0}
+    cfg["model"]["encoders"]["vision"]["lora"] = {"r": 2, "alpha": 4.0}
+    single = run(cfg, tmp_path, "single", 1)
+    fsdp = run(cfg | {"parallel": {**cfg["parallel"], "dp_shard": 2}}, tmp_path, "fsdp", 2)
+    lora_parts = [n for n in single["grads"] if n.startswith(("language_model.", "encoders.vision.encoder."))]
+    assert lora_parts and all(".lora_" in n for n in lora_parts)  # only the adapters of the LoRA parts train
+    assert sum(g.endswith("(adapter)") for g in fsdp["groups"]) >= 4  # adapters: own groups in frozen bases
+    torch.testing.assert_close(torch.tensor(fsdp["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
+    assert set(fsdp["grads"]) == set(single["grads"])
+    for name, grad in single["grads"].items():  # lora_A's first gradient is exactly 0 (lora_B starts at 0)
+        tol = 1e-5 * float(grad.abs().max()) + 1e-9
+        torch.testing.assert_close(fsdp["grads"][name], grad, rtol=1e-5, atol=tol, msg=name)
+        torch.testing.assert_close(fsdp["params"][name], single["params"][name], rtol=1e-4, atol=1e-5, msg=name)
