@@ -102,6 +102,8 @@ def _modality_inputs(samples: Sequence[ProcessedSample]) -> dict[str, dict[str, 
         items = [it for s in samples for it in s.inputs.get(name, [])]
         if "pixel_values" in items[0]:
             out[name] = {"pixel_values": [it["pixel_values"] for it in items]}
+            if "spatial_shapes" in items[0]:  # SigLIP2 NaFlex: each image's patch grid (h, w)
+                out[name]["spatial_shapes"] = [it["spatial_shapes"] for it in items]
         else:
             out[name] = {
                 "input_features": torch.stack([it["input_features"] for it in items]),

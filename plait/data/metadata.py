@@ -40,7 +40,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from plait.data.chat_template import render_prompt, render_with_assistant_mask
-from plait.data.processing import MultimodalProcessor, SampleMeta
+from plait.data.processing import MultimodalProcessor, SampleMeta, process_image
 from plait.data.sources import MediaBytes, RecordSource, SampleError, parse_record, path_note, record_id
 
 __all__ = ["SkippedSample", "MetadataTable", "metadata_key", "metadata_pass", "record_metadata", "default_cache_dir",
@@ -123,8 +123,7 @@ def _processed_image_size(spec: Any, size: tuple[int, int], memo: _Headers) -> t
     key = (id(spec), *size)
     if key not in memo.processed:
         blank = Image.new("RGB", size)
-        memo.processed[key] = tuple(spec.hf_processor(images=[blank], return_tensors="pt")["pixel_values"][0]
-                                    .shape[-2:])
+        memo.processed[key] = process_image(spec.hf_processor, blank)[1]
     return memo.processed[key]
 
 

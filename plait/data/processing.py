@@ -22,7 +22,8 @@ from PIL import Image
 from plait.data.chat_template import render_prompt, render_with_assistant_mask
 from plait.data.sources import RawSample, SampleError, path_note
 
-__all__ = ["ModalitySpec", "SampleMeta", "ProcessedSample", "MultimodalProcessor", "load_audio", "load_image"]
+__all__ = ["ModalitySpec", "SampleMeta", "ProcessedSample", "MultimodalProcessor", "load_audio", "load_image",
+           "process_image"]
 
 IGNORE = -100
 
@@ -119,6 +120,24 @@ def load_image(path: str | bytes) -> Image.Image:
         raise SampleError(f"image file {path} does not exist{path_note(path)}") from exc
     except Exception as exc:  # PIL raises several types for corrupt files
         raise SampleError(f"cannot decode image {path}: {_decode_reason(exc, source, path)}") from exc
+
+
+def process_image(hf_processor: Any, image: Image.Image) -> tuple[dict[str, Any], tuple[int, int]]:
+    """One image through its Hugging Face image processor: ``(item, size)``, ``size`` being what the encoder's
+    feature-count function takes.
+
+    Fixed-grid processors (CLIP, SigLIP, ViT): ``item = {"pixel_values": [C, H, W]}``, ``size = (H, W)`` pixels.
+    SigLIP2 NaFlex (output with ``spatial_shapes``): ``item = {"pixel_values": [h*w, C*p*p], "spatial_shapes":
+    [2]}`` with only the ``h * w`` real patches (the processor pads to ``max_num_patches``), ``size = (h, w)``
+    patches.
+    """
+    out = hf_processor(images=[image], return_tensors="pt")
+    if "spatial_shapes" in out:
+        shape = out["spatial_shapes"][0].long()
+        h, w = int(shape[0]), int(shape[1])
+        return {"pixel_values": out["pixel_values"][0, : h * w], "spatial_shapes": shape}, (h, w)
+    pixels = out["pixel_values"][0]
+    return {"pixel_values": pixels}, (int(pixels.shape[-2]), int(pixels.shape[-1]))
 
 
 def load_audio(path: str | bytes) -> tuple[np.ndarray, int]:
@@ -286,10 +305,8 @@ class MultimodalProcessor:
 
     def _item(self, spec: ModalitySpec, path: str) -> tuple[dict[str, Any], int]:
         if spec.modality == "image":
-            img = load_image(path)
-            pixels = spec.hf_processor(images=[img], return_tensors="pt")["pixel_values"][0]
-            item = {"pixel_values": pixels}
-            return self._checked(spec, item, path), self._count(spec, tuple(pixels.shape[-2:]), path)
+            item, size = process_image(spec.hf_processor, load_image(path))
+            return self._checked(spec, item, path), self._count(spec, size, path)
         data, rate = load_audio(path)
         expected = int(spec.hf_processor.sampling_rate)
         if rate != expected:

@@ -19,6 +19,7 @@ from plait.models.hf import (
     feature_count_for,
 )
 from plait.models.families.qwen2_audio import Qwen2AudioFeatureCount, qwen2_audio_attention_mask
+from plait.models.families.siglip2 import siglip2_inputs
 from plait.models.projector import Projector
 
 __all__ = ["ModalityEncoder"]
@@ -101,6 +102,12 @@ class ModalityEncoder(nn.Module):
             ValueError: naming the processor's and the encoder's channels, mel bins or window frames.
         """
         cfg = self.encoder.config
+        if self.modality == "image" and "spatial_shapes" in item:
+            width, expected = int(item["pixel_values"].shape[-1]), int(cfg.num_channels) * int(cfg.patch_size) ** 2
+            if width != expected:
+                raise ValueError(f"the image processor gives patches of {width} values, the SigLIP2 encoder expects "
+                                 f"{expected} (num_channels x patch_size^2: check the processor's patch_size)")
+            return
         if self.modality == "image":
             channels = int(item["pixel_values"].shape[0])
             if channels != int(cfg.num_channels):
@@ -147,7 +154,8 @@ class ModalityEncoder(nn.Module):
         """The encoder calls a batch of items needs: ``(HF encoder kwargs, item indices)`` per group.
 
         Images of equal size form one group (``pixel_values`` ``[n, C, H, W]``, with
-        ``interpolate_pos_encoding`` when the size is not the native one), in order of first appearance;
+        ``interpolate_pos_encoding`` when the size is not the native one), in order of first appearance; SigLIP2
+        images (``pixel_values`` ``[h*w, C*p*p]`` with ``spatial_shapes`` ``(h, w)``) of one patch grid likewise;
         audio is one group (``input_features`` ``[n, mel, T]``; for Qwen2-Audio with the key-padding
         ``attention_mask`` of its clips' lengths, as Hugging Face's composite model passes it).
         """
@@ -159,9 +167,13 @@ class ModalityEncoder(nn.Module):
                     self.encoder.config, self.feature_count, inputs["num_samples"], self.encoder.dtype)
             return [(kwargs, list(range(feats.shape[0])))]
         images = inputs["pixel_values"]
+        if "spatial_shapes" in inputs:  # SigLIP2 NaFlex: images of one patch grid (h, w) together
+            shapes = inputs["spatial_shapes"]
+            return [(siglip2_inputs([images[i] for i in idx], [shapes[i] for i in idx]), idx)
+                    for idx in _image_groups(inputs).values()]
         native = int(self.encoder.config.image_size)
         out = []
-        for shape, idx in _shape_groups(images).items():
+        for shape, idx in _image_groups(inputs).items():
             kwargs = {"pixel_values": torch.stack([images[i] for i in idx])}
             if shape[-2:] != (native, native):
                 kwargs["interpolate_pos_encoding"] = True
@@ -176,12 +188,12 @@ class ModalityEncoder(nn.Module):
             ValueError: when a group's feature count differs from the feature-count formula.
         """
         if self.modality == "image":
-            return self._assemble_images(inputs["pixel_values"], hidden)
+            return self._assemble_images(inputs, hidden)
         return self._assemble_audio(hidden[0], inputs["num_samples"])
 
-    def _assemble_images(self, images: list[torch.Tensor], hidden: list[torch.Tensor]) -> torch.Tensor:
-        per_item: list[torch.Tensor | None] = [None] * len(images)
-        for (shape, idx), group in zip(_shape_groups(images).items(), hidden):
+    def _assemble_images(self, inputs: dict[str, Any], hidden: list[torch.Tensor]) -> torch.Tensor:
+        per_item: list[torch.Tensor | None] = [None] * len(inputs["pixel_values"])
+        for (shape, idx), group in zip(_image_groups(inputs).items(), hidden):
             expected = self.feature_count(shape[-2:])
             if group.shape[1] != expected:
                 raise ValueError(
@@ -224,9 +236,12 @@ class ModalityEncoder(nn.Module):
         return frozenset(n for (n, _), g in zip(params.items(), grads) if g is None)
 
 
-def _shape_groups(images: list[torch.Tensor]) -> dict[tuple[int, ...], list[int]]:
-    """Indices of the images of each shape, shapes in order of first appearance."""
+def _image_groups(inputs: dict[str, Any]) -> dict[tuple[int, ...], list[int]]:
+    """Indices of the images of each shape (``[C, H, W]``; SigLIP2: the patch grid ``(h, w)``), shapes in order of
+    first appearance."""
+    shapes = inputs.get("spatial_shapes")
     groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
-    for i, img in enumerate(images):
-        groups[tuple(img.shape)].append(i)
+    for i, img in enumerate(inputs["pixel_values"]):
+        key = tuple(int(d) for d in shapes[i]) if shapes is not None else tuple(img.shape)
+        groups[key].append(i)
     return dict(groups)

@@ -18,7 +18,7 @@ import transformers
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from plait.data.sources import path_note
-from plait.models.families import qwen2_audio
+from plait.models.families import qwen2_audio, siglip2
 
 __all__ = [
     "VisionFeatureCount",
@@ -43,6 +43,7 @@ _VISION = {
     "clip_vision_model": ("CLIPVisionModel", True),
     "clip": ("CLIPVisionModel", True),
     "vit": ("ViTModel", True),
+    **{t: ("Siglip2VisionModel", False) for t in siglip2.MODEL_TYPES},
 }
 _AUDIO = {"whisper": "transformers.models.whisper.modeling_whisper.WhisperEncoder",
           **{t: qwen2_audio.ENCODER_CLASS for t in qwen2_audio.MODEL_TYPES}}
@@ -77,6 +78,7 @@ _ENCODER_LAYOUTS = {
     "clip_vision_model": EncoderLayout(("embeddings", "pre_layrnorm"), "encoder.layers", "post_layernorm"),
     "clip": EncoderLayout(("embeddings", "pre_layrnorm"), "encoder.layers", "post_layernorm"),
     "vit": EncoderLayout(("embeddings",), "layers", "layernorm", ("pooler",)),
+    "siglip2_vision_model": EncoderLayout(("embeddings",), "encoder.layers", "post_layernorm", ("head",)),
     "whisper": EncoderLayout(("conv1", "conv2", "embed_positions"), "layers", "layer_norm"),
     # the avg_pooler runs between the last layer and layer_norm: a stage owning the embedding must own every layer
     "qwen2_audio_encoder": EncoderLayout(("conv1", "conv2", "embed_positions"), "layers", "layer_norm"),
@@ -91,6 +93,7 @@ _ATTN_MLP = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self
 _ENCODER_TP_PLANS = {
     "siglip_vision_model": {**_ATTN_MLP, "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
     "siglip": {**_ATTN_MLP, "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
+    "siglip2_vision_model": {**_ATTN_MLP, "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
     "clip_vision_model": {**_ATTN_MLP, "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
     "clip": {**_ATTN_MLP, "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
     "vit": {"attention.q_proj": "colwise", "attention.k_proj": "colwise", "attention.v_proj": "colwise",
@@ -303,7 +306,7 @@ def encoder_hidden_size(encoder: PreTrainedModel) -> int:
 def feature_count_for(
     encoder: PreTrainedModel, modality: str, select: str, downsample: int, hop_length: int = 160,
     sampling_rate: int = 16000,
-) -> VisionFeatureCount | AudioFeatureCount | qwen2_audio.Qwen2AudioFeatureCount:
+) -> VisionFeatureCount | AudioFeatureCount | qwen2_audio.Qwen2AudioFeatureCount | siglip2.Siglip2FeatureCount:
     """The feature-count function of an encoder with plait's feature selection and pooling.
 
     Raises:
@@ -317,6 +320,8 @@ def feature_count_for(
             raise ValueError(f"select='drop_cls' but {cfg.model_type} outputs have no CLS token")
         if downsample != 1:
             raise ValueError("downsample applies to audio frames only; use 1 for images")
+        if cfg.model_type in siglip2.MODEL_TYPES:
+            return siglip2.Siglip2FeatureCount(int(cfg.num_patches))
         return VisionFeatureCount(int(cfg.patch_size), int(has_cls and select == "full"))
     if cfg.model_type in qwen2_audio.MODEL_TYPES:
         return qwen2_audio.Qwen2AudioFeatureCount(hop_length, downsample, int(cfg.max_source_positions), sampling_rate)
@@ -332,6 +337,8 @@ def dummy_encoder_input(
     model without weights), used to probe which parameters reach the output."""
     cfg = encoder.config
     dtype = next(encoder.parameters()).dtype
+    if cfg.model_type in siglip2.MODEL_TYPES:
+        return siglip2.siglip2_dummy_input(cfg, dtype, device)
     if modality == "image":
         size = int(cfg.image_size)
         return {"pixel_values": torch.zeros(1, int(cfg.num_channels), size, size, dtype=dtype, device=device)}

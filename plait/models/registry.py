@@ -28,6 +28,7 @@ _DEFAULT_IMAGE_PROCESSOR = {
     "clip_vision_model": "CLIPImageProcessor",
     "clip": "CLIPImageProcessor",
     "vit": "ViTImageProcessor",
+    "siglip2_vision_model": "Siglip2ImageProcessorPil",  # NaFlex, PIL backend (no torchvision)
 }
 
 
@@ -150,6 +151,9 @@ def _hf_processor(enc: EncoderConfig, branch: ModalityEncoder) -> Any:
     cfg = branch.encoder.config
     if enc.modality == "image":
         cls_name = kwargs.pop("class", _DEFAULT_IMAGE_PROCESSOR.get(cfg.model_type, "SiglipImageProcessor"))
+        if cfg.model_type == "siglip2_vision_model":  # the tower's patch and position grid, unless configured
+            kwargs.setdefault("patch_size", int(cfg.patch_size))
+            kwargs.setdefault("max_num_patches", int(cfg.num_patches))
         return getattr(transformers, cls_name)(**kwargs)
     count = branch.feature_count
     kwargs.setdefault("feature_size", int(cfg.num_mel_bins))

@@ -281,6 +281,7 @@ class EncoderArch:
         post_norm: final LayerNorm (its own pipeline unit).
         output_pool: average pooling of the encoder output before the post-norm (Qwen2-Audio: 2).
         item_len: native tokens per item (image: patches + prefix; audio clip: output frames).
+        resized_positions: SigLIP2 NaFlex resizes its position grid per image (a matmul: positions MACs/token).
     """
 
     modality: str
@@ -307,6 +308,7 @@ class EncoderArch:
     post_norm: bool = True
     output_pool: int = 1
     item_len: int = 1
+    resized_positions: bool = False
 
     @property
     def q_dim(self) -> int:
@@ -375,7 +377,7 @@ class EncoderArch:
         h = self.hidden
         if self.modality == "audio":
             return 2 * self.num_mel_bins * self.conv_kernel * h + h * self.conv_kernel * h
-        return self.num_channels * self.patch[0] * self.patch[1] * h
+        return self.num_channels * self.patch[0] * self.patch[1] * h + self.resized_positions * self.positions * h
 
 
 def _audio_arch(config: Any, mtype: str) -> EncoderArch:
@@ -393,9 +395,12 @@ def _vision_arch(config: Any, mtype: str) -> EncoderArch:
     if _field(config, "vision_config", None) is not None:
         raise ValueError(f"config {mtype!r} is composite: pass its vision_config")
     hidden, heads = _positive(config, "hidden_size"), _positive(config, "num_attention_heads")
-    image = _pair(_field(config, "image_size"), "image_size")
     patch = _pair(_field(config, "patch_size"), "patch_size")
-    patches = (image[0] // patch[0]) * (image[1] // patch[1])
+    if mtype == "siglip2_vision_model":  # NaFlex: no image size, a num_patches position grid
+        patches = _positive(config, "num_patches")
+    else:
+        image = _pair(_field(config, "image_size"), "image_size")
+        patches = (image[0] // patch[0]) * (image[1] // patch[1])
     prefix = 0 if mtype.startswith("siglip") else 1
     fields: dict[str, Any] = dict(
         modality="vision", hidden=hidden, layers=_positive(config, "num_hidden_layers"), heads=heads,
@@ -411,6 +416,8 @@ def _vision_arch(config: Any, mtype: str) -> EncoderArch:
 
 def _vision_family_fields(config: Any, mtype: str, hidden: int) -> dict[str, Any]:
     """Per-family differences from a plain ViT (CLS token, biased patch conv, LayerNorm, post-norm)."""
+    if mtype == "siglip2_vision_model":
+        return {"resized_positions": True}
     if mtype == "clip_vision_model":
         return {"patch_bias": False, "pre_norm": True}
     if mtype == "vit":

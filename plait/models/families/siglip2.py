@@ -1,0 +1,69 @@
+"""SigLIP2 NaFlex vision tower (transformers' ``Siglip2VisionModel``): variable resolution, one patch sequence per
+image.
+
+The image processor (``Siglip2ImageProcessorPil``) resizes each image, keeping its aspect ratio, to at most
+``max_num_patches`` patches and patchifies it: ``pixel_values [max_num_patches, C * p * p]`` (padded),
+``spatial_shapes (h, w)`` in patches and a padding mask. The tower resizes its ``num_patches`` position grid to
+``(h, w)`` per image. plait keeps only the ``h * w`` real patches of an image and encodes images of equal
+``(h, w)`` together (no padding, so the stock forward gets ``pixel_attention_mask=None`` and layers run
+without mask in later pipeline stages too); the features equal the stock tower's on the padded batch at the real
+positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["MODEL_TYPES", "Siglip2FeatureCount", "siglip2_inputs", "siglip2_dummy_input"]
+
+# config model_type -> where the vision config lives (None: the config itself)
+MODEL_TYPES = {"siglip2_vision_model": None, "siglip2": "vision_config"}
+
+
+@dataclass(frozen=True)
+class Siglip2FeatureCount:
+    """Features of one image: its ``h * w`` patches (``size = (h, w)``, the processor's ``spatial_shapes``).
+
+    Attributes:
+        max_patches: the tower's ``num_patches`` (its position grid); the processor's ``max_num_patches`` must not
+            exceed it (an image with more patches is refused).
+    """
+
+    max_patches: int
+
+    def __call__(self, size: tuple[int, int]) -> int:
+        """Features (tokens) of an image of ``size = (h, w)`` patches.
+
+        Raises:
+            ValueError: when the image has no patch or more than ``max_patches``.
+        """
+        h, w = int(size[0]), int(size[1])
+        if h < 1 or w < 1:
+            raise ValueError(f"image of {h}x{w} patches has no patch")
+        if h * w > self.max_patches:
+            raise ValueError(f"image of {h}x{w} = {h * w} patches is larger than the SigLIP2 tower's maximum of "
+                             f"{self.max_patches} patches (lower the processor's max_num_patches)")
+        return h * w
+
+
+def siglip2_inputs(pixel_values: list[torch.Tensor], spatial_shapes: list[torch.Tensor]) -> dict[str, Any]:
+    """Stock-forward kwargs for images of one ``(h, w)``: ``pixel_values [n, h*w, C*p*p]``, ``spatial_shapes [n, 2]``
+    and ``pixel_attention_mask=None`` (no padding: every position attends to every other, as the all-ones mask)."""
+    pixels = torch.stack(pixel_values)
+    shapes = torch.stack([torch.as_tensor(s, dtype=torch.long) for s in spatial_shapes]).to(pixels.device)
+    return {"pixel_values": pixels, "spatial_shapes": shapes, "pixel_attention_mask": None}
+
+
+def siglip2_dummy_input(config: Any, dtype: torch.dtype, device: torch.device | str | None) -> dict[str, Any]:
+    """A one-image input at the native grid (``sqrt(num_patches)`` squared), zeros in ``dtype``. On the meta device
+    ``spatial_shapes`` stays on the CPU: the stock forward checks its values (``.item()``) and builds the position
+    resize weights from it, then moves them to the table's device."""
+    side = int(round(int(config.num_patches) ** 0.5))
+    width = int(config.num_channels) * int(config.patch_size) ** 2
+    pixels = torch.zeros(1, side * side, width, dtype=dtype, device=device)
+    shapes_device = "cpu" if torch.device(device or "cpu").type == "meta" else device
+    return {"pixel_values": pixels, "spatial_shapes": torch.tensor([[side, side]], device=shapes_device),
+            "pixel_attention_mask": None}
