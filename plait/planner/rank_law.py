@@ -29,9 +29,11 @@ in log space (the fallback when there is no solution). A combination is kept whe
 ``tolerance`` (a factor, 1.5) of the LLM's; when none is, the best-aligned combination of each LLM rank is kept.
 
 **Law-P** (performance): ``v_m(r, D) = v0_m + A_m D^b_m r^c_m``, the final validation loss of the run in which only
-``m`` trains, fitted the same way. A combination's loss is predicted by adding the modules' gains over the untuned
-model: ``v(r_1..r_M) = v_base - sum_m (v_base - v_m(r_m, D))`` (``v_base``: the untuned model's loss, measured as the
-mean first-step training loss of the calibration runs, before any update). :func:`choose_ranks` picks the kept
+``m`` trains, fitted the same way. A combination's loss is predicted by multiplying the modules' loss ratios to the
+untuned model (their gains add in log space): ``v(r_1..r_M) = v_base * prod_m (v_m(r_m, D) / v_base)`` (``v_base``:
+the untuned model's loss, measured as the mean first-step training loss of the calibration runs, before any update).
+Adding the gains themselves (``v_base - sum_m (v_base - v_m)``) went negative on the demo task, where either module
+alone (with the projectors) learns most of the answer format, so the gains overlap; the product stays positive. :func:`choose_ranks` picks the kept
 combination of lowest predicted loss (ties: the smaller total rank) and :func:`lora_toml` writes it as the
 ``[model.*.lora]`` tables to paste into the job.
 """
@@ -292,15 +294,17 @@ def _pos(x: float) -> float:
 
 
 def predict_combo_loss(laws: Mapping[str, PowerLaw], ranks: Mapping[str, int], samples: int, base: float) -> float:
-    """Law-P of a combination: ``base - sum_m (base - v_m(r_m, samples))`` (module docstring).
+    """Law-P of a combination: ``base * prod_m (v_m(r_m, samples) / base)`` (module docstring).
 
     Raises:
-        ValueError: when a module of ``ranks`` has no law.
+        ValueError: when a module of ``ranks`` has no law, or on ``base <= 0``.
     """
     missing = sorted(set(ranks) - set(laws))
     if missing:
         raise ValueError(f"no performance law for module(s) {missing}")
-    return base - sum(base - laws[m].predict(samples, r) for m, r in ranks.items())
+    if base <= 0:
+        raise ValueError(f"the untuned model's loss must be > 0, got {base}")
+    return base * math.prod(laws[m].predict(samples, r) / base for m, r in ranks.items())
 
 
 @dataclass(frozen=True)

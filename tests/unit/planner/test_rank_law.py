@@ -119,11 +119,13 @@ def test_align_ranks_falls_back_to_nearest_when_nothing_aligns():
 
 def test_choose_ranks_takes_lowest_predicted_loss_and_round_trips():
     perf = {"llm": PowerLaw(1.0, 1.0, 0.0, -1.0, 1.0, ()), "vision": PowerLaw(1.0, 0.5, 0.0, -1.0, 1.0, ())}
-    # base 2: (2, 8): 2 - (2 - 1.25) - (2 - 1.125) = 0.375; (4, 16): 2 - (2 - 1.125) - (2 - 1.0625) = 0.1875
-    assert predict_combo_loss(perf, {"vision": 2, "llm": 8}, 1000, 2.0) == pytest.approx(0.375)
+    # base 2: (2, 8): 2 * (1.25 / 2) * (1.125 / 2) = 0.703125; (4, 16): 2 * (1.125 / 2) * (1.0625 / 2) = 0.59765625
+    assert predict_combo_loss(perf, {"vision": 2, "llm": 8}, 1000, 2.0) == pytest.approx(0.703125)
     choice = choose_ranks(_laws(), perf, [2, 4, 8, 16], 1000, base=2.0, tolerance=1.01)
     assert choice.chosen == {"llm": 16, "vision": 4}
-    assert choice.predicted_loss == pytest.approx((0.375, 0.1875))
+    assert choice.predicted_loss == pytest.approx((0.703125, 0.59765625))
+    with pytest.raises(ValueError, match="must be > 0"):
+        predict_combo_loss(perf, {"llm": 2}, 1000, 0.0)
     assert RankChoice.from_dict(json.loads(json.dumps(choice.to_dict()))) == choice
 
 
