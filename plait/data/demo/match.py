@@ -1,9 +1,11 @@
-"""The demo's fine-tuning task: "is the handwritten digit one of the spoken digits?" (task ``digit_match``).
+"""The demo's fine-tuning task: "how many times is the handwritten digit spoken?" (task ``digit_match``).
 
 A second, harder task set on the demo data that needs both modalities: each record holds one image of the demo
-set (a handwritten digit) and one clip (1 to 3 spoken digits), and the answer is ``yes`` when the image's digit
-is among the spoken ones, else ``no`` (half of the records each, so always answering one word scores 50%).
-Neither modality alone answers it: the image gives one digit, the clip the others, and the model must compare.
+set (a handwritten digit) and one clip (1 to 3 spoken digits), and the answer is the number of times the image's
+digit is spoken, as a digit word: ``zero`` for half of the records, ``one``/``two``/``three`` for the others (so
+always answering ``zero`` scores 50%). Neither modality alone answers it: the image gives one digit, the clip the
+others, and the model must compare. The answers are words the demo model already writes (a yes/no version needed
+tokens the demo never trained: 48 LoRA steps left it writing "nee"/"yee", 0% exact match).
 
 Built from the committed demo set only (no espeak-ng, no scikit-learn): images and clips are taken from the
 records of the same split (``image_digit``/``image_audio`` for images with their label, ``audio_transcribe``/
@@ -29,9 +31,9 @@ __all__ = ["MATCH_PROMPTS", "MATCH_TASK", "MatchConfig", "MediaPools", "build_ma
 
 MATCH_TASK = "digit_match"
 MATCH_PROMPTS = (
-    "<image>\n<audio>\nIs the handwritten digit one of the spoken digits?",
-    "<image>\n<audio>\nDoes the audio say the digit shown in the image?",
-    "Is the digit in the image among the digits spoken in the audio?\n<image>\n<audio>",
+    "<image>\n<audio>\nHow many times is the handwritten digit spoken?",
+    "<image>\n<audio>\nHow often does the audio say the digit shown in the image?",
+    "Count how many spoken digits equal the digit in the image.\n<image>\n<audio>",
 )
 _WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
@@ -83,9 +85,9 @@ def media_pools(records: Sequence[dict], source: str = "records") -> MediaPools:
 
 
 def make_match_records(pools: MediaPools, n: int, split: str, rng: np.random.Generator) -> list[dict]:
-    """``n`` match records of one split: clips drawn in shuffled passes, answers alternate yes / no (then the
-    order is shuffled), and each record's image is drawn among the pool's images whose digit is (yes) or is not
-    (no) spoken in the clip.
+    """``n`` match records of one split: clips drawn in shuffled passes, every other record's image is drawn among
+    the pool's images whose digit is spoken in the clip (the answer is how often: ``one`` to ``three``), the others'
+    among those whose digit is not (``zero``); then the order is shuffled.
 
     Raises:
         ValueError: on ``n < 0`` or a pool without images or clips.
@@ -107,7 +109,7 @@ def make_match_records(pools: MediaPools, n: int, split: str, rng: np.random.Gen
         out.append({
             "id": f"{split}-match-{k:05d}", "task": MATCH_TASK,
             "messages": [{"role": "user", "content": MATCH_PROMPTS[rng.integers(len(MATCH_PROMPTS))]},
-                         {"role": "assistant", "content": "yes" if want else "no"}],
+                         {"role": "assistant", "content": _WORDS[spoken.count(digit)]}],
             "images": [image], "audios": [clip],
             "meta": {"image_digit": digit, "spoken_digits": list(spoken)},
         })
