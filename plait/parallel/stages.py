@@ -208,13 +208,22 @@ class PipelineStage:
         stage: the plan's stage.
         chunks: per module of ``stage.modules``, its chunk.
         is_last: the stage computes the loss.
-        params: the parameters of the stage's units (each once, in unit order).
+        modules: the modules of the stage's units, in unit order (their parameters are :attr:`params`).
     """
 
     def __init__(self, stage: Stage, chunks: Mapping[str, _EncoderChunk | _LlmChunk], is_last: bool,
-                 params: Sequence[nn.Parameter] = ()) -> None:
+                 modules: Sequence[nn.Module] = ()) -> None:
         self.stage, self.chunks, self.is_last = stage, dict(chunks), is_last
-        self.params = list(params)
+        self.unit_modules = list(modules)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The parameters of the stage's units, each once, in unit order; read from the modules at each call, so
+        parameters replaced in place later (tensor parallelism's DTensors, FSDP2's shards) are the current ones."""
+        params: dict[int, nn.Parameter] = {}
+        for module in self.unit_modules:
+            params.update((id(p), p) for p in module.parameters())
+        return list(params.values())
 
     @property
     def index(self) -> int:
@@ -336,11 +345,8 @@ def _build_stage(
             chunks[module] = _LlmChunk(model, specs)
         else:
             chunks[module] = _EncoderChunk(module, model.encoders[module], specs)  # type: ignore[arg-type]
-    params: dict[int, nn.Parameter] = {}
-    for name in stage.units:
-        for path in by_name[name].modules:
-            params.update((id(p), p) for p in model.get_submodule(path).parameters())
-    return PipelineStage(stage, chunks, stage.index == plan.num_stages - 1, list(params.values()))
+    modules = [model.get_submodule(path) for name in stage.units for path in by_name[name].modules]
+    return PipelineStage(stage, chunks, stage.index == plan.num_stages - 1, modules)
 
 
 def _check_units_cover_trainable(model: MultimodalModel, specs: Sequence[UnitSpec]) -> None:

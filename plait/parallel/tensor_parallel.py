@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from plait.models.hf import encoder_tp_plan, llm_tp_plan
+from plait.models.hf import encoder_tp_plan, llm_layout, llm_tp_plan
 from plait.models.multimodal import MultimodalModel
 from plait.parallel.data_parallel import sum_gradients
 from plait.parallel.dims import ParallelDims
@@ -97,14 +97,16 @@ def model_tp_plan(model: MultimodalModel) -> dict[str, str]:
     """
     llm = model.language_model
     plan = {f"language_model.{k}": v for k, v in llm_tp_plan(llm).items()}
-    embed, head = llm.get_input_embeddings(), llm.get_output_embeddings()
-    if head is not None and getattr(head, "weight", None) is embed.weight:
-        names = {id(m): n for n, m in llm.named_modules()}
-        for module in (embed, head):
-            plan.pop(f"language_model.{names[id(module)]}", None)
+    layout = llm_layout(llm)  # embeddings by name: a pipeline rank may hold one of them, the other pruned
+    weight = getattr(llm.get_input_embeddings(), "weight", None)
+    tied = getattr(llm.config.get_text_config(), "tie_word_embeddings", False) or (
+        weight is not None and weight is getattr(llm.get_output_embeddings(), "weight", None))
+    if tied:  # one parameter, possibly on two pipeline ranks: replicated, like the rest of the embedding unit
+        for path in (layout.embed, layout.head):
+            plan.pop(f"language_model.{path}", None)
     for name, branch in model.encoders.items():
         plan.update({f"encoders.{name}.encoder.{k}": v for k, v in encoder_tp_plan(branch.encoder).items()})
-        if branch.projector.kind == "mlp":
+        if getattr(branch.projector, "kind", None) == "mlp":  # pruned (nn.Identity) on other pipeline ranks
             plan.update({f"encoders.{name}.projector.{k}": v for k, v in PROJECTOR_TP_PLAN.items()})
     return plan
 
@@ -327,11 +329,12 @@ class RankTensorParallel:
         return clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), self.copies, None, device)
 
 
-def apply_job_tensor_parallel(model: MultimodalModel, dims: ParallelDims, mesh: Any,
-                              rank: int) -> RankTensorParallel | None:
+def apply_job_tensor_parallel(model: MultimodalModel, dims: ParallelDims, mesh: Any, rank: int,
+                              device_type: str = "cpu") -> RankTensorParallel | None:
     """Tensor parallelism for a trainer: None when ``dims.tp`` is 1; otherwise ``model`` (whole, or a pipeline
     rank's pruned composite: only its own units are split) is split over ``mesh["tp"]`` (``mesh``: the job's
-    named DeviceMesh over :data:`plait.parallel.dims.AXES`) and the gradient group of this TP rank is made.
+    named DeviceMesh over :data:`plait.parallel.dims.AXES`; None: built here on ``device_type``) and the gradient
+    group of this TP rank is made.
     Collective (every rank creates every group, in the same order). Call before activation checkpointing and
     FSDP2 (``fully_shard`` then shards the DTensors over ``dp_shard``: a 2-D layout).
 
@@ -340,6 +343,7 @@ def apply_job_tensor_parallel(model: MultimodalModel, dims: ParallelDims, mesh: 
     """
     if dims.tp == 1:
         return None
+    mesh = dims.build_mesh(device_type) if mesh is None else mesh
     plan = apply_tensor_parallel(model, mesh["tp"])
     peers = ("dp", "dp_shard", "cp")
     group = dims.new_group(peers, rank)  # one rank without DP/CP peers: the sum is a no-op

@@ -77,6 +77,7 @@ from plait.parallel.pipeline import (
     run_pipeline_step,
 )
 from plait.parallel.stages import build_rank_stages
+from plait.parallel.tensor_parallel import apply_job_tensor_parallel
 from plait.planner.microbatch import MicrobatchPlan
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
 from plait.planner.schedule_ir import Schedule
@@ -138,7 +139,8 @@ class PipelineTrainer(Trainer):
 
     def _setup_mesh(self) -> None:
         self.dims = PipelineTrainer.layout(self.cfg, self.info.world_size)
-        self.comm = build_pipeline_comm(self.dims.pp, self.info.device, self.dims.cp, self.dims.dp)
+        self.comm = build_pipeline_comm(self.dims.pp, self.info.device, self.dims.cp, self.dims.dp, self.dims.dp_shard,
+                                        self.dims.tp)
         self.dp, self.pp, self.cp, self.mesh = self.dims.dp, self.dims.pp, self.dims.cp, None
         self.dp_rank, self.pp_rank, self.cp_rank = self.comm.dp_rank, self.comm.pp_rank, self.comm.cp_rank
         self.cp_group = self.comm.cp_group
@@ -153,6 +155,7 @@ class PipelineTrainer(Trainer):
                     source=weight_source(self.cfg.model, self.model))  # before pruning: tied copies agree
         apply_activation_checkpointing(self.model, *checkpoint_policy(self.cfg))  # before pruning: whole model
         self.stages = build_rank_stages(self.model, self.plan, self.pp_rank, self.info.device)
+        self.tp = apply_job_tensor_parallel(self.model, self.dims, None, self.info.rank, self.info.device.type)
         self.ddp_model = self.model  # pruned in place; no wrapper (the runtime reduces over DP)
         self.optimizer = None
         if self.stages.trainable_parameters():

@@ -58,10 +58,12 @@ def assert_same(ref: dict, other: dict, frozen: bool) -> None:
         torch.testing.assert_close(other["grads"][name], grad, rtol=1e-5, atol=tol, msg=name)
     compared = 0
     for name, value in ref["params"].items():
-        if name not in ref["grads"] or ref["grads"][name].abs().max() > 1e-6:
+        if name not in other["params"]:  # a pipeline prunes modules on no unit's path (an unused post-norm)
+            assert name not in ref["grads"], name
+        elif name not in ref["grads"] or ref["grads"][name].abs().max() > 1e-6:
             torch.testing.assert_close(other["params"][name], value, rtol=1e-5, atol=2e-6, msg=name)
             compared += 1
-    assert compared > 0.9 * len(ref["params"])
+    assert compared > 0.75 * len(ref["params"])
 
 
 def test_tp2_and_cp2_x_tp2_equal_single_process(tmp_path):
@@ -100,3 +102,21 @@ def test_resume_across_tp_changes_is_exact(tmp_path):
     for name, value in ref["params"].items():
         if not name.endswith("k_proj.bias"):
             torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_pp2_x_tp2_equals_single_process(tmp_path):
+    """PP=2 (encoders on stage 0, the LLM on stage 1, 1F1B) x TP=2, 4 processes: each pipeline rank splits only its
+    own units; everything trainable. Vision only: a pipeline rank without the audio encoder cannot process audio
+    records at this commit (``ModalityEncoder.check_item`` probes the pruned encoder)."""
+    records = demo_records("train", ("image_digit",), limit=3) + demo_records("train", ("text",), limit=1)
+    cfg = job(tmp_path, frozen=False)
+    cfg["data"]["train"] = str(write_jsonl(tmp_path / "vision.jsonl", records))
+    del cfg["model"]["encoders"]["audio"]
+    cfg["metrics"]["run_dir"] = str(tmp_path / "run_single")
+    single = run(cfg, tmp_path, "single", 1)
+    cfg["parallel"].update(tp=2, pp={"degree": 2, "layout": "encoders_colocated", "schedule": "1f1b"})
+    cfg["metrics"]["run_dir"] = str(tmp_path / "run_pp_tp")
+    other = run(cfg, tmp_path, "pp_tp", 4)
+    assert any(n.startswith("language_model.") for n in other["sharded"])
+    assert any(n.startswith("encoders.vision.encoder.") for n in other["sharded"])
+    assert_same(single, other, frozen=False)

@@ -22,9 +22,17 @@ def _trainer(cfg):
     return (PipelineTrainer if cfg.parallel.pp.degree > 1 else Trainer).build(cfg)
 
 
+def _gathered(named: dict) -> dict:
+    """Every rank's ``{name: full tensor}`` merged on rank 0 (pipeline ranks hold different stages)."""
+    if not torch.distributed.is_initialized():
+        return named
+    parts = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
+    torch.distributed.gather_object(named, parts, dst=0)
+    return {k: v for part in parts or [] for k, v in part.items()}
+
+
 def _named(trainer):
-    model = trainer.model
-    return list(model.named_parameters())
+    return [(n, p) for n, p in trainer.model.named_parameters() if not p.is_meta]
 
 
 def main(config_path: str, out_path: str, resume: str = "") -> None:
@@ -34,11 +42,12 @@ def main(config_path: str, out_path: str, resume: str = "") -> None:
     if not resume:
         first = trainer.loader.epoch_order(0)[: cfg.train.global_batch_size].tolist()
         trainer.forward_backward(first)
-        grads = {n: _full(p.grad) for n, p in _named(trainer) if p.grad is not None}
-        trainer.optimizer.zero_grad(set_to_none=True)
+        grads = _gathered({n: _full(p.grad) for n, p in _named(trainer) if p.grad is not None})
+        for _, p in _named(trainer):
+            p.grad = None
     result = trainer.fit(resume=bool(resume))
-    params = {n: _full(p) for n, p in _named(trainer)}
-    sharded = sorted(n for n, p in _named(trainer) if isinstance(p, DTensor))
+    params = _gathered({n: _full(p) for n, p in _named(trainer)})
+    sharded = sorted(_gathered({n: 0 for n, p in _named(trainer) if isinstance(p, DTensor)}))
     if trainer.info.is_main:
         torch.save({"losses": result["losses"], "params": params, "grads": grads, "sharded": sharded,
                     "world": trainer.info.world_size}, out_path)

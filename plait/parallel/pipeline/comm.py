@@ -61,6 +61,9 @@ class PipelineComm:
             gradients are summed (None when ``dp_size * cp_size == 1``; the DP group when ``cp_size == 1``).
         capacities: the receive capacities of the packed gloo transport, per channel, kept across steps
             (:class:`ChannelCapacities`; both ends of a channel grow theirs alike).
+        tp_rank: index of this rank among its stage's TP ranks (same other coordinates).
+        tp_size: TP degree (ranks holding a shard of this rank's stages' split modules; each has its own
+            pipeline of the same-``tp_rank`` ranks).
     """
 
     pp_rank: int = 0
@@ -74,6 +77,8 @@ class PipelineComm:
     cp_group: Any = None
     grad_group: Any = None
     capacities: ChannelCapacities = field(default_factory=ChannelCapacities, compare=False, repr=False)
+    tp_rank: int = 0
+    tp_size: int = 1
 
     @property
     def distributed(self) -> bool:
@@ -96,17 +101,18 @@ class PipelineComm:
 
 
 def build_pipeline_comm(pp_size: int, device: torch.device | str = "cpu", cp_size: int = 1,
-                        dp_size: int = 0) -> PipelineComm:
+                        dp_size: int = 0, dp_shard: int = 1, tp: int = 1) -> PipelineComm:
     """Coordinates of this process in a DP x PP x CP job laid out by :class:`~plait.parallel.dims.ParallelDims`
     (see :class:`PipelineComm`); creates the DP, CP and gradient (DP x CP) groups. Collective: every rank must
-    call it, with the same degrees (``dp_size`` = 0: from the world size).
+    call it, with the same degrees (``dp_size`` = 0: from the world size). ``dp_shard`` and ``tp``: the FSDP2 and
+    TP degrees; every (shard, TP) coordinate has its own pipelines and groups.
 
     Raises:
         ValueError: when the degrees do not fit the world size (:meth:`ParallelDims.from_world`).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    dims = ParallelDims.from_world(world, pp_size, cp_size, dp_size)
+    dims = ParallelDims.from_world(world, pp_size, cp_size, dp_size, dp_shard, tp)
     at = dims.coords(rank)
     dp_group = dims.new_group(("dp",), rank, dims.dp > 1)
     cp_group = dims.new_group(("cp",), rank, dims.cp > 1)
@@ -117,7 +123,7 @@ def build_pipeline_comm(pp_size: int, device: torch.device | str = "cpu", cp_siz
     if dist.is_initialized():
         dist.barrier()  # NCCL: the default communicator exists before the first batched P2P call
     return PipelineComm(at.pp, dims.pipeline_ranks(rank), at.dp, dims.dp, dp_group, torch.device(device), at.cp,
-                        dims.cp, cp_group, grad_group)
+                        dims.cp, cp_group, grad_group, tp_rank=at.tp, tp_size=dims.tp)
 
 
 def pipeline_comm_from_mesh(mesh: Any, device: torch.device | str = "cpu") -> PipelineComm:

@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 from plait.data.collate import Batch
-from plait.parallel.data_parallel import sum_gradients
 from plait.parallel.energy import FrequencyController
 from plait.parallel.pipeline.comm import PipelineComm
 from plait.parallel.pipeline.executor import Executor, StepInputs
 from plait.parallel.stages import RankStages
+from plait.parallel.tensor_parallel import align_gradients, grad_square_sum, local_tensor, sum_local_gradients
 from plait.planner.routing import FeatureRouting
 from plait.planner.schedule_ir import Schedule
 from plait.planner.timeline import TimelineEvent
@@ -140,7 +140,7 @@ def run_pipeline_step(
     if comm.distributed:
         _sum_tied(stages, comm)
     loss_sum = torch.zeros((), dtype=torch.float64, device=comm.device)
-    for loss in executor.losses:
+    for loss in executor.losses if comm.tp_rank == 0 else ():  # TP ranks hold the same losses: count one
         loss_sum += loss.double().to(comm.device)
     if comm.distributed:
         dist.all_reduce(loss_sum)  # last-stage ranks hold losses (per CP rank: its tokens'): the world sum
@@ -238,7 +238,7 @@ def _reduce_dp(params: Sequence[torch.nn.Parameter], comm: PipelineComm) -> None
     used on some copy gets zeros where it was unused."""
     if comm.stage_replicas == 1 or not params:
         return
-    sum_gradients(params, comm.reduce_group, comm.device)
+    sum_local_gradients(params, comm.reduce_group, comm.device)  # DTensor gradients (TP): their local shards
 
 
 def _sum_tied(stages: RankStages, comm: PipelineComm) -> None:
@@ -260,7 +260,8 @@ def clip_grad_norm_pipeline(stages: RankStages, max_norm: float, comm: PipelineC
     """Clip the gradients of the whole pipeline to a global L2 norm of ``max_norm``; returns the norm before
     clipping (the same on every rank). Call after :func:`run_pipeline_step` (gradients already summed over the
     DP x CP copies of each stage, so every copy holds the same ones and the world sum of squares is divided by
-    their number; a tied embedding copy counts once). Collective.
+    their number; a tied embedding copy counts once; a TP-split gradient counts its local shard,
+    :func:`~plait.parallel.tensor_parallel.grad_square_sum`). Collective.
 
     Raises:
         ValueError: on a negative ``max_norm``.
@@ -269,19 +270,17 @@ def clip_grad_norm_pipeline(stages: RankStages, max_norm: float, comm: PipelineC
         raise ValueError(f"max_norm must be >= 0, got {max_norm}")
     comm = comm or PipelineComm()
     mirror = stages.tied.param if stages.tied is not None and stages.tied.mirror else None
+    align_gradients([p for _, p in stages.trainable_parameters()])  # TP: DTensor grads in their params' layout
     grads = [p.grad for _, p in stages.trainable_parameters() if p.grad is not None]
     counted = [p.grad for _, p in stages.trainable_parameters() if p.grad is not None and p is not mirror]
-    sumsq = torch.zeros((), dtype=torch.float64, device=comm.device)
-    for g in counted:
-        sumsq += g.detach().double().pow(2).sum()
+    sumsq = grad_square_sum(counted, comm.stage_replicas * comm.tp_size if comm.distributed else 1).to(comm.device)
     if comm.distributed:
         dist.all_reduce(sumsq)
-        sumsq /= comm.stage_replicas
     norm = float(sumsq.sqrt())
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
         for g in grads:
-            g.mul_(coef)
+            local_tensor(g).mul_(coef)
     return norm
 
 
