@@ -1,9 +1,10 @@
 """Workers of tests/distributed/test_resilience.py: two heterogeneous pipelines (workers 0+1: 2 ranks; worker 2:
-1 rank) train a tiny MLLM; worker 1 is SIGKILLed at the start of step 1; the survivors detect it, re-form their
-group (plait.parallel.membership), plan the reconfiguration (plait.planner.reconfigure: pipeline 0 shrinks to the
-1-rank template), worker 0 receives the units it lacks (parameters and AdamW state) from worker 2
-(plait.parallel.unit_transfer), and the step is replayed from its start. Every committed step's loss, gradients
-and the final parameters equal one process training the same global batches."""
+1 rank) train a tiny MLLM with f = 1. Worker 0 (rank 0) is SIGKILLed at the start of step 1: the survivors detect
+it, re-form their group (plait.parallel.membership), plan the reconfiguration (plait.planner.reconfigure: pipeline
+0 shrinks to the 1-rank template), worker 1 receives the units it lacks (parameters and AdamW state) from worker 2
+(plait.parallel.unit_transfer), and the step is replayed from its start. Worker 2 (the other pipeline) is
+SIGKILLed at the start of step 2 and worker 1 goes on alone. Every committed step's loss, gradients and the final
+parameters equal one process training the same global batches."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ from plait.planner.templates import Instantiation, PipelineTemplate, TemplateSet
 from plait.train.loss import token_loss_sum
 from tests.distributed.pipeline_worker import _check_grads, _close, apply_mode, make_batch, reference_step, tiny_model
 
-STEPS = (("iva", "t", "i"), ("a", "ia", "t"), ("t", "i", "a"))
-VICTIM, FAIL_STEP = 1, 1
+STEPS = (("iva", "t", "i"), ("a", "ia", "t"), ("t", "i", "a"), ("ia", "a", "i"))
+VICTIMS = {0: 1, 2: 2}  # worker id -> the step at whose start it is killed
 TIMEOUT_S = 4.0
 PLANS = {  # template size -> (layout, stages per module, plan rank per stage)
     2: ("encoder_parallel", {"vision": 2, "audio": 1, "llm": 2}, (0, 1, 0, 1, 0)),
@@ -105,7 +106,7 @@ def worker(wid: int, world: int, port: int) -> None:
     step, failed_at = 0, None
     while step < len(STEPS):
         batches = [make_batch(k, 100 * step + i) for i, k in enumerate(STEPS[step])]
-        if wid == VICTIM and step == FAIL_STEP:
+        if VICTIMS.get(wid) == step:
             os.kill(os.getpid(), signal.SIGKILL)  # in the middle of the job, before its step's first message
         targets = sum(b.target_tokens for b in batches)
         try:

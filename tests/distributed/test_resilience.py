@@ -1,4 +1,4 @@
-"""Surviving a SIGKILLed worker in place: heterogeneous pipelines, membership re-forming, reconfiguration with
+"""Surviving SIGKILLed workers in place (rank 0, then the other pipeline's only rank): heterogeneous pipelines, membership re-forming, reconfiguration with
 state copied from the surviving replica, the interrupted step replayed; losses, gradients and final parameters
 equal one process (tests/distributed/resilience_worker.py)."""
 
@@ -11,10 +11,10 @@ import time
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.distributed.resilience_worker import STEPS, VICTIM, worker
+from tests.distributed.resilience_worker import STEPS, VICTIMS, worker
 from tests.distributed.spawning import free_port
 
-LIMIT_S = 120
+LIMIT_S = 240  # a hang guard: about 40 s on an idle 2-core machine
 
 
 def test_killed_worker_is_survived_by_reconfiguring_and_replaying_the_step():
@@ -32,14 +32,13 @@ def test_killed_worker_is_survived_by_reconfiguring_and_replaying_the_step():
     for i in hung:
         procs[i].kill()
     assert not hung, f"workers {hung} still running after {LIMIT_S} s"
-    assert [p.exitcode for p in procs] == [0 if w != VICTIM else -9 for w in range(3)]
-    results = {w: json.loads(store.get(f"result/{w}")) for w in (0, 2)}
-    for w, seen in results.items():
-        assert len(seen["losses"]) == len(STEPS)  # every step committed once (losses checked in the worker)
-        assert seen["pipelines"] == [[[0], [2]]]  # pipeline 0 shrank to the 1-rank template on worker 0
-        (copies,) = seen["copies"]  # one reconfiguration: every copy from worker 2 (the surviving replica) to 0
-        assert copies and all(src == 2 and dst == 0 for _, src, dst in copies)
-        assert len(seen["recovery_s"]) == 1 and 0 < seen["recovery_s"][0] < 15
-        print(f"worker {w}: recovery (failure seen -> replayed step done) {seen['recovery_s'][0]:.2f} s, "
-              f"{len(copies)} units copied to worker 0")
-    assert results[0]["losses"] == results[2]["losses"]
+    assert [p.exitcode for p in procs] == [-9 if w in VICTIMS else 0 for w in range(3)]
+    seen = json.loads(store.get("result/1"))
+    assert len(seen["losses"]) == len(STEPS)  # every step committed once (losses checked in the worker)
+    # rank 0 killed: pipeline 0 shrank to worker 1; then pipeline 1 (worker 2) lost its only rank
+    assert seen["pipelines"] == [[[1], [2]], [[1]]]
+    copies = seen["copies"]
+    assert copies[0] and all(src == 2 and dst == 1 for _, src, dst in copies[0]) and copies[1] == []
+    assert len(seen["recovery_s"]) == 2 and all(0 < s < 20 for s in seen["recovery_s"])
+    print("recovery (failure seen -> replayed step done): "
+          + ", ".join(f"{s:.2f} s" for s in seen["recovery_s"]) + f"; {len(copies[0])} units copied to worker 1")
