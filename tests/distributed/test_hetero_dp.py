@@ -8,4 +8,4 @@ from tests.distributed.spawning import free_port, spawn_and_wait
 
 
 def test_two_pipelines_with_different_stage_counts_match_one_process():
-    spawn_and_wait(worker, (3, free_port()), 3, 180, "heterogeneous DP test with 3 processes")
+    spawn_and_wait(worker, (3, free_port()), 3, 300, "heterogeneous DP test with 3 processes")
