@@ -135,33 +135,46 @@ def test_interleaved_schedule_replays_and_straggler_point():
     assert energy_at_deadline(straggler, 1.2 * t_star, 2, BLOCKING_W) < waiting
 
 
-def test_analytic_profile_combines_with_the_cost_model():
-    configs = {"llm": dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=4, vocab_size=1000)}
+def _layer_profile(hidden: int, tokens: int):
     from plait.planner.arch import units_from_configs
 
+    configs = {"llm": dict(model_type="llama", hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, vocab_size=1000)}
     units = units_from_configs(configs, {"llm": False})
-    estimates = unit_estimates(units, configs, MicrobatchShape(tokens=4096, seq_len=1024))
+    estimates = unit_estimates(units, configs, MicrobatchShape(tokens=tokens, seq_len=1024))
+    key = ProfileKey({"m": hidden}, [[tokens]], "bfloat16", "h100", "0", "0")
+    profile = analytic_energy_profile(units, estimates, gpu_preset("h100"), key)
+    index = next(i for i, u in enumerate(units) if u.name.endswith("layers.1"))
+    return units, profile, profile.units[index], estimates[index]
+
+
+def test_analytic_profile_combines_with_the_cost_model():
     gpu = gpu_preset("h100")
-    key = ProfileKey({"m": 1}, [[1, 1024]], "bfloat16", "h100", "0", "0")
-    profile = analytic_energy_profile(units, estimates, gpu, key)
-    assert EnergyProfile.from_json(profile.to_json()) == profile
-    assert energy_profile_mismatch(profile, key, "H100") is None
-    assert "gpu differs" in energy_profile_mismatch(profile, key, "a100")
-    # compute-bound passes: time grows as f_max / f, energy at the top clock is TDP x time
-    layer = next(u for u in profile.units if u.name.endswith("layers.1"))
-    est = estimates[[u.name for u in units].index(layer.name)]
-    compute = (est.weight_flops + est.attention_flops) / (gpu.device.peak_flops * gpu.device.efficiency)
-    if compute > est.forward_bytes / gpu.device.hbm_bandwidth:
-        assert layer.forward_s[0] == pytest.approx(compute)
-        assert layer.forward_j[0] == pytest.approx(700.0 * compute)
-        assert layer.forward_s[-1] == pytest.approx(compute * 1980 / gpu.frequencies_mhz[-1])
+    peak, bandwidth = gpu.device.peak_flops * gpu.device.efficiency, gpu.device.hbm_bandwidth
+    # a compute-bound layer: time grows as f_max / f, the top clock draws the TDP
+    units, profile, layer, est = _layer_profile(1024, 8192)
+    compute, memory = (est.weight_flops + est.attention_flops) / peak, est.forward_bytes / bandwidth
+    assert compute > memory
+    assert layer.forward_s[0] == pytest.approx(compute)
+    assert layer.forward_j[0] == pytest.approx(700.0 * compute)
+    assert layer.forward_s[-1] == pytest.approx(compute * 1980 / gpu.frequencies_mhz[-1])
     assert layer.forward_j[3] < layer.forward_j[0]  # lower clocks save energy
+    assert EnergyProfile.from_json(profile.to_json()) == profile
+    assert energy_profile_mismatch(profile, profile.key, "H100") is None
+    assert "gpu differs" in energy_profile_mismatch(profile, profile.key, "a100")
     plan = plan_pipeline(units, stages_per_module={"llm": 2})
     options = stage_action_options(plan, units, profile)
     assert [o[0] for o in options[(0, "F")]] == list(gpu.frequencies_mhz)
     stage0 = plan.stages[0].units
     assert options[(0, "F")][0][1] == pytest.approx(sum(u.forward_s[0] for u in profile.units if u.name in stage0))
+    # a memory-bound layer: the same time at a lower clock, less energy (memory-bound activity beta)
+    _, _, small, est = _layer_profile(256, 4096)
+    compute, memory = (est.weight_flops + est.attention_flops) / peak, est.forward_bytes / bandwidth
+    assert compute < memory * 1875 / 1980
+    assert small.forward_s[1] == small.forward_s[0] == pytest.approx(memory)
+    share = compute / memory
+    assert small.forward_j[0] == pytest.approx(memory * (150 + 550 * (share + (1 - share) * 0.6)))
+    assert small.forward_j[1] < small.forward_j[0]
 
 
 def test_bad_inputs():
