@@ -6,7 +6,7 @@ For each plan, one replica's iteration (the plan's schedule: 1F1B or interleaved
 (``plait.planner.energy_profile``: the analytic GPU preset combined with the roofline cost model), and the
 time-energy frontier is traced (``energy_frontier.energy_frontier``: lowtime's Phillips-Dessouky solver for 12 s
 over options at most 1.3x slower than the top clock, uniformly stretched candidates, every point re-timed exactly
-and slack-polished, and the points at ``T*`` and at the straggler's time refined by a HiGHS MILP for 20 s each,
+and slack-polished, and the points at ``T*`` and at the straggler's time refined by a HiGHS MILP for 17 s each,
 warm-started from the best point found). Columns:
 
 - ``T*``: iteration time of one replica with every action at the top clock (the simulator's makespan);
@@ -45,7 +45,7 @@ from plait.planner.search import LayoutChoice, megatron_even_split, plan_layout 
 
 STRAGGLER = 1.2
 MAX_SLOWDOWN = 1.3  # lowtime traces the fast part of the frontier (options up to 1.3x slower)
-REFINE_S = 20.0  # MILP seconds on the T* point and on the straggler point
+REFINE_S = 17.0  # MILP seconds on the T* point and on the straggler point
 
 
 def plan_energy(choice: LayoutChoice, units, profile, steps: int, time_limit_s: float) -> dict[str, float]:

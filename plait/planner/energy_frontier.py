@@ -19,10 +19,14 @@ pipeline replica, every replica runs the same plan):
    What lowtime cannot express exactly, and how it is handled: it works on integer time quanta
    (``unit_time``) and interpolates between the discrete frequencies with a continuous cost model (here the
    lower convex hull of each action's options, :class:`_HullModel`, instead of its exponential fit, which
-   fails on two or three options). So every assignment lowtime visits is re-timed exactly
-   (:meth:`EnergyDag.evaluate`), then *polished*: one backward pass over the DAG gives each action the
-   cheapest option that fits its slack without moving the iteration end (:meth:`EnergyDag.polish`). The
-   all-top-frequency assignment is polished too (the ``T*`` candidate). Dominated candidates are dropped.
+   fails on two or three options), and the discrete problem is NP-hard, which its min-cut steps do not solve
+   exactly. So every assignment lowtime visits is re-timed exactly (:meth:`EnergyDag.evaluate`), then
+   *polished*: greedy sweeps over the DAG give actions the cheapest option that fits their slack without moving
+   the iteration end (:meth:`EnergyDag.polish`). Added candidates: the all-top-clock assignment polished (the
+   ``T*`` candidate) and uniformly *stretched* ones (:meth:`EnergyDag.stretched`). On request the points at
+   ``T*`` and at given deadlines (a straggler's time) are refined by a MILP warm-started from the best point
+   (``energy_exact.best_within``, HiGHS, time-limited); small DAGs get the exact frontier by MILP
+   (``energy_exact.exact_choices``, ``method="exact"``). Dominated candidates are dropped.
 3. :func:`energy_plan`: the frontier as the shared plan file (``planner.energy_plan.EnergyPlan``): per point
    the actions not at the top clock; :func:`replay_plan` replays a point through the simulator (time and
    energy) and returns its timeline with each action's frequency.
