@@ -56,8 +56,8 @@ def hetero_pipeline_comm(pipelines: Sequence[Sequence[int]], rank: int | None = 
         raise ValueError(f"pipelines share ranks: {[list(p) for p in pipelines]}")
     for index, ranks in enumerate(pipelines):
         if rank in ranks:
-            return PipelineComm(list(ranks).index(rank), tuple(int(r) for r in ranks), index, 1, None,
-                                torch.device(device))
+            return PipelineComm(pp_rank=list(ranks).index(rank), pp_ranks=tuple(int(r) for r in ranks),
+                                dp_rank=index, dp_size=1, device=torch.device(device))
     raise ValueError(f"rank {rank} is in no pipeline of {[list(p) for p in pipelines]}")
 
 
