@@ -128,3 +128,13 @@ def test_fsdp2_with_lora_adapters_in_their_own_groups(tmp_path):
         tol = 1e-5 * float(grad.abs().max()) + 1e-9
         torch.testing.assert_close(fsdp["grads"][name], grad, rtol=1e-5, atol=tol, msg=name)
         torch.testing.assert_close(fsdp["params"][name], single["params"][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_fsdp2_dp_shard2_with_cp2(tmp_path):
+    attention = {"mask": "bidirectional_items", "block_size": 16}
+    cfg = job(tmp_path, False)
+    single = run(cfg | {"attention": attention}, tmp_path, "single", 1)
+    both = job(tmp_path, False, dp_shard=2, cp=2)
+    fsdp_cp = run(both | {"attention": attention}, tmp_path, "fsdp_cp", 4)
+    assert fsdp_cp["sharded"] and fsdp_cp["dp"] == 2 and fsdp_cp["world"] == 4
+    assert_equal_runs(single, fsdp_cp)  # CP's sum over the shards' local pieces, FSDP2's over dp_shard
