@@ -132,9 +132,13 @@ class PipelineTrainer(Trainer):
         """The DP x PP x CP layout of ``cfg`` on ``world_size`` processes.
 
         Raises:
-            ValueError: when the degrees do not fit the world size (:meth:`ParallelDims.from_world`).
+            ValueError: when the degrees do not fit the world size (:meth:`ParallelDims.from_world`), or with
+                ``parallel.dp_shard`` > 1 (not supported under pipeline parallelism yet).
         """
         par = cfg.parallel
+        if par.dp_shard > 1:  # also reached by parallel.plan = "auto" (the loader refuses a written one)
+            raise ValueError(f"parallel.dp_shard={par.dp_shard} with parallel.pp.degree={par.pp.degree}: FSDP2 under "
+                             "pipeline parallelism is not supported yet; use parallel.dp for the replicas of a pipeline")
         return ParallelDims.from_world(world_size, par.pp.degree, par.cp, par.dp, par.dp_shard, par.tp)
 
     def _setup_mesh(self) -> None:
