@@ -78,6 +78,10 @@ class ModalityEncoder(nn.Module):
         if self.pooled_output and feature_layer not in (-1, layers):
             raise ValueError(f"feature_layer={feature_layer}: the {encoder.config.model_type} encoder's features are "
                              "its pooled, normed last hidden state; use feature_layer = -1")
+        if encoder.config.model_type == "siglip2_vision_model":
+            # its forward calls its pooling head with two arguments, which a pipeline stage's nn.Identity stand-in
+            # cannot take; plait never reads the pooled output, so the forward skips it (the weights stay, frozen)
+            encoder.use_head = False
         self.unreachable: frozenset[str] = frozenset()
         self.unreachable = self._probe_unreachable()
         for name, param in self.encoder.named_parameters():
