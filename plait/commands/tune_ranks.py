@@ -278,6 +278,10 @@ def _report(conv: dict[str, PowerLaw], perf: dict[str, PowerLaw], choice: RankCh
         lines.append(f"  {m:>8} Law-P {perf[m].describe('v')}")
         lines.append(f"  {m:>8} residuals t: " + " ".join(f"{x:+.3g}" for x in conv[m].residuals)
                      + " | v: " + " ".join(f"{x:+.3g}" for x in perf[m].residuals))
+    if len({o.samples for r in results for o in [r.observation]}) < 3:
+        lines.append("  note: with 2 subset sizes each law's offset, scale and data exponent are fitted to 2 data sizes, so "
+                     "an R^2 near 1 says little and the extrapolation to the full data is uncertain; give 3 or more "
+                     "--sizes")
     lines.append("kept rank combinations (aligned convergence; predicted final validation loss):")
     for combo, loss in zip(choice.combos, choice.predicted_loss):
         ranks = ", ".join(f"{m}={r}" for m, r in combo.ranks.items())
