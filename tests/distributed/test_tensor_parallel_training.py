@@ -67,9 +67,13 @@ def assert_same(ref: dict, other: dict, frozen: bool) -> None:
 
 
 def test_tp2_and_cp2_x_tp2_equal_single_process(tmp_path):
-    """TP=2 in both freezing modes; CP=2 x TP=2 (4 processes) with frozen encoders + trainable projectors."""
+    """TP=2 in both freezing modes; CP=2 x TP=2 (4 processes) with frozen encoders + trainable projectors. With
+    frozen encoders the run validates after its last step too (loss and greedy answers through the TP model)."""
     for frozen in (True, False):
         cfg = job(tmp_path, frozen)
+        if frozen:
+            cfg["data"]["val"] = str(write_jsonl(tmp_path / "val.jsonl", demo_records("val", limit=3)))
+            cfg["train"]["max_new_tokens"] = 3
         cfg["metrics"]["run_dir"] = str(tmp_path / f"run_single{frozen}")
         single = run(cfg, tmp_path, f"single{frozen}", 1)
         layouts = {"tp2": {"tp": 2}, "cp2tp2": {"tp": 2, "cp": 2}} if frozen else {"tp2": {"tp": 2}}
@@ -80,6 +84,10 @@ def test_tp2_and_cp2_x_tp2_equal_single_process(tmp_path):
             assert other["world"] == 2 * degrees.get("cp", 1)
             assert any(n.startswith("language_model.") for n in other["sharded"])
             assert_same(single, other, frozen)
+            if frozen:
+                assert other["eval"]["samples"] == single["eval"]["samples"] == 3
+                assert other["eval"]["exact"] == single["eval"]["exact"]
+                assert abs(other["eval"]["loss"] - single["eval"]["loss"]) <= 1e-5 * single["eval"]["loss"]
 
 
 def test_resume_across_tp_changes_is_exact(tmp_path):

@@ -49,7 +49,9 @@ def main(config_path: str, out_path: str, resume: str = "") -> None:
     params = _gathered({n: _full(p) for n, p in _named(trainer)})
     sharded = sorted(_gathered({n: 0 for n, p in _named(trainer) if isinstance(p, DTensor)}))
     if trainer.info.is_main:
-        torch.save({"losses": result["losses"], "params": params, "grads": grads, "sharded": sharded,
+        last = getattr(trainer, "last_eval", None)
+        evals = {"loss": last.loss_overall, "exact": last.exact_match_overall, "samples": last.samples} if last else {}
+        torch.save({"losses": result["losses"], "params": params, "grads": grads, "sharded": sharded, "eval": evals,
                     "world": trainer.info.world_size}, out_path)
     if trainer.info.world_size > 1:
         torch.distributed.destroy_process_group()
