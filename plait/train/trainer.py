@@ -428,11 +428,14 @@ class Trainer:
         return self.last_eval.exact_match
 
     def _eval_side(self) -> EvalSide:
-        """This rank's part in an evaluation: the loss over the DP replicas (CP rank 0 counts targets), answers
-        over every rank (generation runs the whole model, no CP)."""
+        """This rank's part in an evaluation: the loss over the DP replicas (CP and TP rank 0 count it), answers
+        over every rank but TP peers, which answer the same samples (generation runs the whole model, no CP)."""
         stop = stop_token_ids(self.tokenizer, self.model.language_model.generation_config)
-        return EvalSide((self.dp, self.dp_rank), (self.info.world_size, self.info.rank), self.cp_rank == 0, True, 1,
-                        lambda batches: [self.microbatch_loss(b, self._llm_kwargs(b)) for b in batches],
+        tp, lead = self.dims.tp, self.dims.coords(self.info.rank).tp == 0  # TP peers run the same samples
+        return EvalSide((self.dp, self.dp_rank), (self.info.world_size // tp, self.info.rank // tp),
+                        self.cp_rank == 0 and lead, lead, 1,
+                        lambda batches: [x for x in [self.microbatch_loss(b, self._llm_kwargs(b)) for b in batches]
+                                         if lead],
                         lambda batches: [self.generate(b, stop) for b in batches])
 
     def _eval_train_mode(self, train: bool) -> None:
