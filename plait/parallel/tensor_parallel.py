@@ -220,7 +220,9 @@ def _shard_count(t: torch.Tensor) -> int:
     """Ranks among which ``t``'s elements are split (1 for a plain or replicated tensor)."""
     if not isinstance(t, DTensor):
         return 1
-    return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_shard())
+    # FSDP2 over TP-split parameters gives _StridedShard placements, which are not is_shard() in torch 2.13
+    return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements)
+                     if not (p.is_replicate() or p.is_partial()))
 
 
 def grad_square_sum(grads: Iterable[torch.Tensor], copies: int) -> torch.Tensor:
