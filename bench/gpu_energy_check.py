@@ -15,7 +15,8 @@
 Where clocks cannot be locked (no GPU, zeus missing, no ``SYS_ADMIN``) step 1 says why and is skipped, the plan is
 a synthetic one (every F at 1500 MHz, every B at 1200 MHz) and step 3 runs the recording path: the script is known
 to work on CPU: ``.venv/bin/python bench/gpu_energy_check.py --device cpu``. On a GPU:
-``.venv/bin/python bench/gpu_energy_check.py`` (needs ``pip install -e ".[energy]"``; about 2-4 minutes).
+``.venv/bin/python bench/gpu_energy_check.py`` (needs ``pip install -e ".[energy]"``; expected 2-4 minutes: about
+20 units x 4 passes x 4 clocks of two 0.1 s NVML windows each, plus the steps; not yet run on a GPU).
 """
 
 from __future__ import annotations
