@@ -88,11 +88,13 @@ def energy_profile_job(cfg: Any, *, store_dir: str | Path = "runs/profiles", clo
     stream = out or sys.stdout
     if clocks < 1:
         raise ValueError(f"--clocks must be >= 1, got {clocks}")
-    inputs = build_profile_inputs(cfg, microbatches=microbatches, microbatch_size=microbatch_size)
-    control, reason = gpu_clock_control(inputs.microbatches[0].input_ids.device)
+    t = cfg.train
+    cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    control, reason = gpu_clock_control(torch.device("cuda" if cuda else "cpu"))  # before building anything
     if control is None:
         print(f"plait profile: energy sweep skipped: {reason}", file=stream)
         return None
+    inputs = build_profile_inputs(cfg, microbatches=microbatches, microbatch_size=microbatch_size)
     path = Path(store_dir) / f"energy-profile-{inputs.key.digest()}.json"
     if path.is_file() and not force:
         stored = EnergyProfile.from_json(path.read_text())
