@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from plait.models.hf import (
     AudioFeatureCount,
     VisionFeatureCount,
+    audio_window,
     dummy_encoder_input,
     encoder_hidden_size,
     encoder_layout,
@@ -119,10 +120,10 @@ class ModalityEncoder(nn.Module):
                                  f"{int(cfg.num_channels)}")
             return
         mel, frames = (int(d) for d in item["input_features"].shape)
-        window = dummy_encoder_input(self.encoder, "audio", "meta")["input_features"].shape
-        if (mel, frames) != (int(window[1]), int(window[2])):
+        window = audio_window(cfg)
+        if (mel, frames) != window:
             raise ValueError(f"the feature extractor gives {mel} mel bins x {frames} frames, the encoder expects "
-                             f"{int(window[1])} x {int(window[2])} (feature_size / chunk_length of the processor)")
+                             f"{window[0]} x {window[1]} (feature_size / chunk_length of the processor)")
 
     def settings(self) -> dict[str, Any]:
         """The JSON-serialisable construction arguments (saved next to the weights)."""

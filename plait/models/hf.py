@@ -34,6 +34,7 @@ __all__ = [
     "llm_layout",
     "llm_tp_plan",
     "run_encoder_layer",
+    "audio_window",
 ]
 
 # model_type -> (transformers class name, outputs start with a CLS token)
@@ -342,8 +343,19 @@ def dummy_encoder_input(
     if modality == "image":
         size = int(cfg.image_size)
         return {"pixel_values": torch.zeros(1, int(cfg.num_channels), size, size, dtype=dtype, device=device)}
-    frames = int(cfg.max_source_positions) * int(encoder.conv1.stride[0]) * int(encoder.conv2.stride[0])
-    return {"input_features": torch.zeros(1, int(cfg.num_mel_bins), frames, dtype=dtype, device=device)}
+    return {"input_features": torch.zeros(1, *audio_window(cfg), dtype=dtype, device=device)}
+
+
+# WhisperEncoder and Qwen2AudioEncoder build conv1 with stride 1 and conv2 with stride 2 (fixed in transformers'
+# modeling code, not a config field); the encoder refuses any other number of input frames.
+_AUDIO_CONV_STRIDE = 2
+
+
+def audio_window(cfg: PretrainedConfig) -> tuple[int, int]:
+    """``(mel bins, frames)`` of the one input window a Whisper-style audio encoder accepts, from its config
+    alone (``max_source_positions`` x the convolutions' stride 2), so that a pipeline rank whose encoder units
+    were pruned away (no parameters, no convolutions) still knows it."""
+    return int(cfg.num_mel_bins), int(cfg.max_source_positions) * _AUDIO_CONV_STRIDE
 
 
 def encoder_layout(encoder: PreTrainedModel) -> EncoderLayout:
