@@ -11,6 +11,7 @@ answers of a trained model, printed or written as JSONL predictions.
 ``plait tune-ranks --config job.toml [--ranks 2,4,8,16] [--budget N]``: choose a LoRA rank per module (MARS).
 ``plait energy --config job.toml --devices N [--straggler 1.2] [--gpu h100]``: the time-energy frontier of the job's
 plan and a GPU frequency per action (Perseus): table, frontier plot and frequency plan JSON.
+``plait launch --config job.toml --nproc N [--f 1]``: resilient training that survives worker failures in place.
 """
 
 from __future__ import annotations
@@ -108,6 +109,15 @@ OVERRIDES_HELP = """overrides:
   section path follows the job file ([model.encoders.vision] -> --model.encoders.vision.freeze=true).
   Overrides are applied after the file is read and validated together with it; every field is
   documented in plait/config/schema.py."""
+
+
+def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
+    from plait.commands.launch import launch_command, worker_main
+
+    if args.worker is not None:  # one worker process, started by the launcher
+        return worker_main(args.config, overrides, args.worker, args.nproc, args.store)
+    sizes = [int(n) for n in args.pipelines.split(",")] if args.pipelines else []
+    return launch_command(args.config, args.nproc, args.f, overrides, sizes, args.kill, args.timeout)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -226,6 +236,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     energy.add_argument("--method", choices=("auto", "exact", "lowtime"), default="auto",
                         help="frontier solver: lowtime (Phillips-Dessouky), exact (MILP per point, small DAGs) or "
                              "auto (exact when small)")
+    launch = sub.add_parser("launch", help="resilient training: N worker processes as heterogeneous pipelines that "
+                            "survive worker failures (Oobleck) without a restart", epilog=OVERRIDES_HELP)
+    launch.add_argument("--config", required=True, help="TOML job file")
+    launch.add_argument("--nproc", type=int, required=True, help="worker processes")
+    launch.add_argument("--f", type=int, default=1, help="simultaneous failures to survive (f+1 pipelines at least)")
+    launch.add_argument("--pipelines", default="", help="first pipelines' sizes in worker order, e.g. 3,3 "
+                        "(default: the fastest predicted instantiation)")
+    launch.add_argument("--timeout", type=float, default=10.0, help="collective timeout in seconds (a hung peer "
+                        "is declared failed after it)")
+    launch.add_argument("--kill", action="append", default=[], metavar="WORKER:STEP",
+                        help="fault injection for tests: that worker SIGKILLs itself in the middle of that step")
+    launch.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    launch.add_argument("--store", default="", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args(argv)
     bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
     if bad:
@@ -237,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # no "Writing model shards" bars per checkpoint/final save
     try:
         commands = {"train": _train, "plan": _plan, "simulate": _simulate, "profile": _profile,
-                    "generate": _generate, "tune-ranks": _tune_ranks, "energy": _energy}
+                    "generate": _generate, "tune-ranks": _tune_ranks, "energy": _energy,
+                    "launch": _launch}
         return commands[args.command](args, rest)
     except (ValueError, FileNotFoundError) as exc:
         _report_error(exc)

@@ -11,10 +11,11 @@ rank 0 included, leaves it up. Each worker:
 2. When a collective or P2P call fails (gloo raises once a peer's socket closes, or after the group's timeout),
    the survivor calls :meth:`Membership.reform`: it marks itself present in the next generation
    (``gen<g+1>/present/<id>``), then waits until every member of generation ``g`` is either present there or has
-   a stale heartbeat (none for ``dead_after_s``). A live member keeps beating, so everyone waits for it until it
+   a stale heartbeat (none for ``dead_after_s``) or a ``dead/<id>`` key (the launcher writes it when a child exits). A live member keeps beating, so everyone waits for it until it
    is present; a dead one never becomes present. Every survivor therefore computes the same set, the members
    present (a member dying during the agreement fails the next group and leads to one more generation).
-3. It destroys its process group and initialises the default group again over the survivors, ranked by their
+3. It aborts its process groups first (:meth:`Membership.abandon`: their sockets close, so peers still blocked
+   on it fail at once), then initialises the default group again over the survivors, ranked by their
    worker ids, on the prefix ``gen<g+1>/``.
 
 Worker ids are the ranks of generation 0 and never change; :attr:`Membership.rank` is the rank in the current
@@ -25,12 +26,15 @@ group. Survivors' tensors, modules and optimizers stay in memory: the caller app
 from __future__ import annotations
 
 import datetime
+import gc
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 __all__ = ["Membership", "NoQuorumError"]
 
@@ -49,8 +53,8 @@ class Membership:
         world: workers in generation 0.
         heartbeat_s: seconds between heartbeats.
         dead_after_s: a member whose heartbeat is older than this is dead (seconds; a few heartbeats).
-        timeout_s: collective timeout of the process groups (a hung peer is detected after it), and the longest
-            the agreement waits (seconds).
+        timeout_s: collective timeout of the process groups (a hung peer is detected after it); the agreement
+            waits at most twice as long (seconds).
         min_members: fewer survivors raise :class:`NoQuorumError`.
         generation: the current generation (0 at :meth:`join`).
         members: worker ids of the current generation, ascending (``members[rank]`` is that rank's worker).
@@ -117,22 +121,37 @@ class Membership:
 
         Raises:
             NoQuorumError: when fewer than ``min_members`` survive, when this worker is not among them, or when
-                the agreement does not settle within ``timeout_s``.
+                the agreement does not settle within ``2 * timeout_s``.
         """
+        self.abandon()
         nxt = self.generation + 1
         self._store.set(f"gen{nxt}/present/{self.worker}", "1")
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + 2 * self.timeout_s
         while True:
             present = [w for w in self.members if self._store.check([f"gen{nxt}/present/{w}"])]
             stale = [w for w in self.members if w not in present
-                     and time.time() - self._last_beat(w) > self.dead_after_s]
+                     and (self._store.check([f"dead/{w}"]) or time.time() - self._last_beat(w) > self.dead_after_s)]
             if len(present) + len(stale) == len(self.members):
                 break
             if time.monotonic() > deadline:
-                raise NoQuorumError(f"worker {self.worker}: generation {nxt} did not settle in {self.timeout_s} s "
-                                    f"(present {present}, dead {stale}, of {list(self.members)})")
+                raise NoQuorumError(f"worker {self.worker}: generation {nxt} did not settle in "
+                                    f"{2 * self.timeout_s} s (present {present}, dead {stale}, of {list(self.members)})")
             time.sleep(self.heartbeat_s / 2)
         return self._switch(nxt, tuple(present))
+
+    def abandon(self) -> None:
+        """Abort every process group of this worker now: their sockets close, so a peer blocked on this worker
+        in a collective or P2P call fails at once instead of after its timeout (the failure cascades to every
+        survivor in about a second). :meth:`reform` calls it first; the groups are unusable afterwards. A group's
+        sockets close when its last reference goes: callers drop theirs (e.g. gradient groups) before."""
+        for group in list(c10d._world.pg_map):
+            try:
+                group._get_backend(torch.device("cpu")).abort()
+            except RuntimeError:  # no CPU backend, or already aborted
+                pass
+        if dist.is_initialized():
+            c10d._abort_process_group()
+        gc.collect()  # the aborted groups' last references: their sockets close now
 
     def _switch(self, generation: int, survivors: Sequence[int]) -> tuple[int, ...]:
         if len(survivors) < self.min_members or self.worker not in survivors:

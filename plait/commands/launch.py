@@ -1,0 +1,144 @@
+"""``plait launch``: start a resilient job (``plait.train.resilient``) of ``--nproc`` worker processes that keeps
+training when workers die, rank 0 included.
+
+The launcher, not torchrun: torchrun's elastic agent restarts every worker of the job on a failure (a restart
+from the last checkpoint), and torchft protects identical replicas only; plait's pipelines are heterogeneous
+replicas reshaped in place. The launcher:
+
+1. plans the pipeline templates for ``--nproc`` ranks and ``--f`` failures (``plan_templates`` on the job's
+   analytic unit costs, as ``plait plan``) and the first instantiation (``plan_instantiation``, or the pipeline
+   sizes of ``--pipelines``), written to ``<metrics.run_dir>/resilient/launch.json``;
+2. hosts the membership ``TCPStore`` in its own process, so no worker's death takes it down;
+3. starts the workers (``plait launch --worker ID --store HOST:PORT``, same config and overrides) and waits for
+   them, writing ``dead/<id>`` in the store when one exits (the survivors' agreement then does not wait for its
+   heartbeat to go stale).
+
+Exit status: 0 when every worker that was not killed by a signal finished; otherwise the first failing worker's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch.distributed as dist
+
+from plait.commands.plan import build_plan_inputs
+from plait.config.loader import load_config
+from plait.planner.templates import instantiate, plan_instantiation, plan_templates
+from plait.train.resilient import LaunchPlan, run_resilient_worker
+
+__all__ = ["launch_command", "launch_plan", "parse_kills", "worker_command", "worker_main"]
+
+
+def parse_kills(values: Sequence[str]) -> tuple[tuple[int, int], ...]:
+    """``WORKER:STEP`` strings (``--kill``) as pairs.
+
+    Raises:
+        ValueError: naming a malformed value.
+    """
+    out = []
+    for v in values:
+        parts = v.split(":")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"--kill {v!r}: expected WORKER:STEP (two non-negative integers)")
+        out.append((int(parts[0]), int(parts[1])))
+    return tuple(out)
+
+
+def launch_plan(cfg, nproc: int, failures: int, pipelines: Sequence[int] = (), timeout_s: float = 10.0,
+                kills: Sequence[tuple[int, int]] = ()) -> LaunchPlan:
+    """Templates for ``nproc`` ranks and ``failures`` failures and the first instantiation (the given pipeline
+    sizes in worker order, else the fastest predicted). Costs are analytic, for the job's device.
+
+    Raises:
+        ValueError: when the sizes do not add up to ``nproc``, or from ``plan_templates`` / ``instantiate``.
+    """
+    inputs = build_plan_inputs(cfg, "cpu" if cfg.train.device == "cpu" else "h100")
+    templates = plan_templates(inputs.units, inputs.costs, nproc, failures, microbatches=inputs.microbatches,
+                               dtype=inputs.dtype)
+    if pipelines:
+        if sum(pipelines) != nproc:
+            raise ValueError(f"--pipelines {list(pipelines)} use {sum(pipelines)} workers, --nproc is {nproc}")
+        starts = [sum(pipelines[:i]) for i in range(len(pipelines))]
+        inst = instantiate(templates, [list(range(s, s + n)) for s, n in zip(starts, pipelines)])
+    else:
+        inst = plan_instantiation(templates)
+    return LaunchPlan(templates, inst, timeout_s, tuple(kills))
+
+
+def worker_command(config: str | Path, overrides: Sequence[str], worker: int, world: int, store: str) -> list[str]:
+    """The command line of one worker process."""
+    return [sys.executable, "-m", "plait.cli", "launch", "--config", str(config), "--nproc", str(world),
+            "--worker", str(worker), "--store", store, *overrides]
+
+
+def _wait(procs: list[subprocess.Popen], store: dist.TCPStore, limit_s: float | None) -> list[int]:
+    """Wait for every worker; write ``dead/<id>`` when one exits with an error. Returns the exit codes."""
+    codes: list[int | None] = [None] * len(procs)
+    deadline = None if limit_s is None else time.monotonic() + limit_s
+    while any(c is None for c in codes):
+        for w, p in enumerate(procs):
+            if codes[w] is None and (rc := p.poll()) is not None:
+                codes[w] = rc
+                if rc != 0:
+                    store.set(f"dead/{w}", str(rc))
+                    print(f"plait launch: worker {w} exited with {'signal ' + str(-rc) if rc < 0 else rc}",
+                          flush=True)
+        if deadline is not None and time.monotonic() > deadline:
+            for w, p in enumerate(procs):
+                if codes[w] is None:
+                    p.kill()
+                    codes[w] = p.wait()
+            print(f"plait launch: stopped workers still running after {limit_s} s", file=sys.stderr)
+        time.sleep(0.05)
+    return [int(c) for c in codes]
+
+
+def launch_command(config: str | Path, nproc: int, failures: int, overrides: Sequence[str] = (),
+                   pipelines: Sequence[int] = (), kills: Sequence[str] = (), timeout_s: float = 10.0,
+                   limit_s: float | None = None) -> int:
+    """Plan, host the store, run ``nproc`` workers to the end (module docstring). Returns the exit status.
+
+    Raises:
+        ValueError: on bad numbers or a job that cannot hold ``failures + 1`` pipelines.
+    """
+    if nproc < 2:
+        raise ValueError(f"--nproc must be >= 2 for a resilient job, got {nproc}")
+    cfg = load_config(config, overrides)
+    plan = launch_plan(cfg, nproc, failures, pipelines, timeout_s, parse_kills(kills))
+    out = Path(cfg.metrics.run_dir) / "resilient"
+    out.mkdir(parents=True, exist_ok=True)
+    for old in list(out.glob("worker*.jsonl")) + list(out.glob("final-worker*.pt")):
+        old.unlink()
+    (out / "launch.json").write_text(plan.to_json())
+    print(f"plait launch: {nproc} workers, f = {failures}: {plan.instantiation.describe()}", flush=True)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    address = f"127.0.0.1:{store.port}"
+    procs = [subprocess.Popen(worker_command(config, overrides, w, nproc, address)) for w in range(nproc)]
+    codes = _wait(procs, store, limit_s)
+    failed = [(w, c) for w, c in enumerate(codes) if c > 0]
+    if failed:
+        print(f"plait launch: worker {failed[0][0]} failed (exit {failed[0][1]}); logs in {out}", file=sys.stderr)
+        return failed[0][1]
+    print(f"plait launch: done; per-step logs and final parameters in {out}", flush=True)
+    return 0
+
+
+def worker_main(config: str | Path, overrides: Sequence[str], worker: int, world: int, store: str) -> int:
+    """One worker process (started by :func:`launch_command`). Returns 3 with the message when the job cannot
+    go on (some unit lost every copy, or no quorum)."""
+    cfg = load_config(config, overrides)
+    host, port = store.rsplit(":", 1)
+    try:
+        run_resilient_worker(cfg, Path(cfg.metrics.run_dir) / "resilient" / "launch.json", worker, world, host,
+                             int(port))
+    except (ValueError, RuntimeError) as exc:  # LostUnitsError, NoQuorumError
+        print(f"plait launch: worker {worker} stops: {exc}", file=sys.stderr, flush=True)
+        return 3
+    return 0

@@ -1,0 +1,317 @@
+"""The resilient training loop of ``plait launch`` (Oobleck, SOSP 2023; ../shared/REFERENCES.md section 2): one
+worker process of a job whose pipelines are heterogeneous data-parallel replicas (``plait.planner.templates``)
+and whose workers may die, rank 0 included.
+
+Each worker (its id is its rank in generation 0 and never changes):
+
+1. joins the job's membership (``plait.parallel.membership``: heartbeats in the launcher's ``TCPStore``, the gloo
+   group on a per-generation store prefix) and builds the stages of its pipeline's plan rank
+   (``build_rank_stages``) and the per-unit gradient groups (``plait.parallel.hetero_dp``);
+2. per step draws the global batch from the job's loader (a function of seed, epoch and step), splits it into
+   ``train.global_batch_size / train.microbatch_size`` microbatches and runs its pipeline's share (the
+   instantiation's contiguous range; the loss is normalised by the whole global batch's target tokens);
+3. votes to commit (an all-reduce every survivor must reach after the gradient sums) before its optimizer step,
+   so no survivor steps when another has not seen the step through;
+4. when a collective or P2P call fails (a peer died), re-forms the group over the survivors, plans the
+   reconfiguration (``plait.planner.reconfigure``: shrink, borrow, merge), builds its new stages on a fresh model,
+   fills them from what it held and from the surviving replicas (``plait.parallel.unit_transfer``: parameters
+   and AdamW state), prints one line and replays the step from its start with the same global batch. When some
+   unit has no surviving copy it stops with :class:`~plait.planner.reconfigure.LostUnitsError`'s message (the
+   lost units, resume from the last checkpoint).
+
+Every worker appends one JSON line per committed step to ``<out>/worker<id>.jsonl`` (step, epoch, loss, learning
+rate, the sample ids trained, the pipelines) and one per reconfiguration; at the end it saves its parameters to
+``<out>/final-worker<id>.pt`` (by FQN). The LR schedule is the trainers' (``lr_factor`` of the step), so it
+continues across reconfigurations.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from plait.config.schema import JobConfig
+from plait.data.chat_template import tokenizer_dir
+from plait.data.collate import Batch, collate
+from plait.data.mixture import build_batch_loader
+from plait.models.registry import build_model, build_processor, load_tokenizer
+from plait.parallel.hetero_dp import HeteroDP, build_hetero_dp, clip_grad_norm_hetero, hetero_pipeline_comm
+from plait.parallel.hetero_dp import hetero_pipeline_step
+from plait.parallel.membership import Membership, NoQuorumError
+from plait.parallel.stages import RankStages, build_rank_stages
+from plait.parallel.unit_transfer import move_units, unit_parameter_names
+from plait.planner.reconfigure import Reconfiguration, Transfer, plan_reconfiguration
+from plait.planner.schedule_ir import Schedule
+from plait.planner.schedules import build_schedule
+from plait.planner.templates import Instantiation, TemplateSet
+from plait.train.build import build_datasets, seed_everything
+from plait.train.loss import token_loss_sum
+from plait.train.optim import build_optimizer, lr_factor
+
+__all__ = ["LaunchPlan", "ResilientWorker", "WorkerRun", "microbatch_ranges", "run_resilient_worker"]
+
+ADAMW_STATE = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(1), "exp_avg_sq": torch.zeros(1)}
+"""The per-parameter state keys of AdamW (shapes per parameter), for receiving moved units."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What the launcher decided before starting the workers (written as ``launch.json``).
+
+    Attributes:
+        templates: the pipeline templates for the job's ranks and ``f``.
+        instantiation: the first instantiation (its ranks are worker ids).
+        timeout_s: collective timeout of the workers' groups (seconds): a hung peer is detected after it.
+        kills: fault injection for tests: ``(worker, step)`` pairs; that worker SIGKILLs itself at the first module
+            forward of that step (in the middle of the step).
+    """
+
+    templates: TemplateSet
+    instantiation: Instantiation
+    timeout_s: float = 10.0
+    kills: tuple[tuple[int, int], ...] = ()
+
+    def to_json(self) -> str:
+        """The plan as JSON (templates and instantiation by their own ``to_dict``)."""
+        return json.dumps({"templates": self.templates.to_dict(), "instantiation": self.instantiation.to_dict(),
+                           "timeout_s": self.timeout_s, "kills": [list(k) for k in self.kills]})
+
+    @classmethod
+    def from_json(cls, text: str) -> LaunchPlan:
+        """Read :meth:`to_json`'s output."""
+        d = json.loads(text)
+        return cls(TemplateSet.from_dict(d["templates"]), Instantiation.from_dict(d["instantiation"]),
+                   float(d["timeout_s"]), tuple((int(w), int(s)) for w, s in d["kills"]))
+
+
+def microbatch_ranges(indices: Sequence[int], microbatch_size: int, count: int) -> list[list[int]]:
+    """The global batch ``indices`` split into ``count`` microbatches of ``microbatch_size`` samples, in order
+    (the last ones shorter or empty when the batch is short, e.g. an epoch's last).
+
+    Raises:
+        ValueError: when the batch holds more than ``count * microbatch_size`` samples.
+    """
+    if microbatch_size < 1 or count < 1:
+        raise ValueError(f"need microbatch_size >= 1 and count >= 1, got {microbatch_size} and {count}")
+    if len(indices) > count * microbatch_size:
+        raise ValueError(f"{len(indices)} samples do not fit {count} microbatches of {microbatch_size}")
+    return [list(indices[i * microbatch_size:(i + 1) * microbatch_size]) for i in range(count)]
+
+
+@dataclass
+class WorkerRun:
+    """This worker's part of an instantiation: stages, gradient groups, schedule, optimizer, microbatch range."""
+
+    inst: Instantiation
+    stages: RankStages
+    hetero: HeteroDP
+    schedule: Schedule
+    opt: torch.optim.Optimizer | None
+    first: int
+    count: int
+
+
+@dataclass
+class ResilientWorker:
+    """One worker of a resilient job (module docstring). ``out``: the folder of logs and final parameters."""
+
+    cfg: JobConfig
+    plan: LaunchPlan
+    membership: Membership
+    out: Path
+    tokenizer: Any = None
+    processor: Any = None
+    train_set: Any = None
+    names: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def worker(self) -> int:
+        """This worker's id."""
+        return self.membership.worker
+
+    def setup(self) -> None:
+        """Tokenizer, processor and training set (no process group needed)."""
+        cfg = self.cfg
+        seed_everything(cfg.train.seed)
+        self.tokenizer = load_tokenizer(tokenizer_dir(cfg.data, cfg.model), cfg.data.chat_template)
+        model = self._fresh_model()
+        self.processor = build_processor(cfg.model, model, self.tokenizer, cfg.data.max_length)
+        self.train_set, _ = build_datasets(cfg, self.processor, False)
+        self.names = unit_parameter_names(model)
+
+    def _fresh_model(self) -> Any:
+        return build_model(self.cfg.model, self.tokenizer, device="cpu", seed=self.cfg.train.seed)
+
+    def build_run(self, inst: Instantiation, old: WorkerRun | None = None,
+                  transfers: Sequence[Transfer] = ()) -> WorkerRun:
+        """Build this worker's stages for ``inst`` on a fresh model, fill them from ``old`` and the transfers
+        (collective over the current group), and create its gradient groups (collective)."""
+        members = self.membership.members
+        rank_of = {w: i for i, w in enumerate(members)}
+        index = inst.pipeline_of(self.worker)
+        pipeline = inst.pipelines[index]
+        comm = hetero_pipeline_comm([[rank_of[w] for w in p.ranks] for p in inst.pipelines], rank_of[self.worker])
+        stages = build_rank_stages(self._fresh_model(), pipeline.template.plan, comm.pp_rank)
+        t = self.cfg.train
+        opt = None
+        if stages.trainable_parameters():  # a rank of frozen units only has no optimizer
+            scales = {name: enc.lr_scale for name, enc in self.cfg.model.encoders.items()}
+            opt = build_optimizer(stages.model, t.lr, t.weight_decay, t.betas, scales)
+            for group in opt.param_groups:
+                group.setdefault("initial_lr", group["lr"])
+        if old is not None:
+            held = {n: (p, old.opt.state.get(p, {}) if old.opt is not None else {})
+                    for n, p in old.stages.model.named_parameters(remove_duplicate=False)}
+            new = dict(stages.model.named_parameters(remove_duplicate=False))
+            state = move_units(held, new, self.names, transfers, self.worker, rank_of, ADAMW_STATE)
+            for fqn, values in state.items():
+                if values and new[fqn].requires_grad and opt is not None:
+                    opt.state[new[fqn]] = values
+        hetero = build_hetero_dp(stages, comm, datetime.timedelta(seconds=self.plan.timeout_s))
+        schedule = build_schedule(pipeline.template.plan, pipeline.template.schedule, pipeline.microbatches)
+        first = sum(p.microbatches for p in inst.pipelines[:index])
+        return WorkerRun(inst, stages, hetero, schedule, opt, first, pipeline.microbatches)
+
+    def _batches(self, indices: Sequence[int]) -> tuple[list[Batch | None], int]:
+        """The global batch's microbatches (collated) and its target tokens."""
+        parts = microbatch_ranges(indices, self.cfg.train.microbatch_size, self.plan.templates.microbatches)
+        batches = [collate([self.train_set[i] for i in mb], self.processor.pad_id, pack=self.cfg.data.packing)
+                   if mb else None for mb in parts]
+        return batches, sum(b.target_tokens for b in batches if b is not None)
+
+    def _step(self, run: WorkerRun, batches: list[Batch | None], targets: int, step: int,
+              total: int) -> tuple[float, float]:
+        """One step: the pipeline's share, gradient sums, clipping, the commit vote, then the optimizer step.
+        Returns ``(loss, lr)``. Raises ``RuntimeError`` (a peer died) before the optimizer step."""
+        res = hetero_pipeline_step(run.stages, run.schedule, batches[run.first:run.first + run.count], targets,
+                                   run.hetero, loss_fn=token_loss_sum)
+        clip = self.cfg.train.grad_clip
+        clip_grad_norm_hetero(run.hetero, clip if clip > 0 else float("inf"))
+        vote = torch.ones(())
+        torch.distributed.all_reduce(vote)  # the commit vote: every survivor saw the step through
+        t = self.cfg.train
+        factor = lr_factor(t.warmup_steps, total, t.min_lr_ratio)(step)
+        if run.opt is not None:
+            for group in run.opt.param_groups:
+                group["lr"] = group["initial_lr"] * factor
+            run.opt.step()
+            run.opt.zero_grad(set_to_none=True)
+        return res.loss, t.lr * factor
+
+    def _try_step(self, run: WorkerRun, batches: list[Batch | None], targets: int, step: int,
+                  total: int) -> tuple[float, float] | None:
+        """:meth:`_step`, or None when a peer failed during it (the step is abandoned before any optimizer step)."""
+        hook = self._maybe_kill(step)
+        try:
+            return self._step(run, batches, targets, step, total)
+        except RuntimeError:
+            return None
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    def _maybe_kill(self, step: int) -> Any:
+        """Fault injection (``LaunchPlan.kills``): SIGKILL this process at its first module forward of ``step``."""
+        if (self.worker, step) not in self.plan.kills:
+            return None
+        return register_module_forward_pre_hook(lambda module, args: os.kill(os.getpid(), signal.SIGKILL))
+
+    def _log(self, record: dict[str, Any]) -> None:
+        record["time"] = time.time()
+        with open(self.out / f"worker{self.worker}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def reconfigure(self, run: WorkerRun, failed_at: float) -> WorkerRun:
+        """After a failed step: re-form the group, plan and apply the reconfiguration, print one line.
+
+        Raises:
+            LostUnitsError: when some unit has no surviving copy (naming them); NoQuorumError from the agreement.
+        """
+        run.hetero.groups.clear()  # the old groups' last references: abandoning closes their sockets
+        self.membership.reform()
+        left = tuple(w for w in run.inst.ranks if w not in self.membership.members)
+        rec: Reconfiguration = plan_reconfiguration(self.plan.templates, run.inst, left)
+        new = self.build_run(rec.after, run, rec.transfers)
+        seconds = time.monotonic() - failed_at
+        line = (f"plait launch: reconfigured in {seconds:.2f} s: worker(s) {list(left)} failed; {rec.summary()}; "
+                f"workers per pipeline {[list(p.ranks) for p in rec.after.pipelines]}")
+        if self.membership.rank == 0:
+            print(line, flush=True)
+        self._log({"event": "reconfigure", "failed": list(left), "bytes": rec.bytes, "seconds": seconds,
+                   "pipelines": [list(p.ranks) for p in rec.after.pipelines],
+                   "copies": [[t.unit, t.src, t.dst] for t in rec.transfers]})
+        return new
+
+    def _recover(self, run: WorkerRun, failed_at: float) -> WorkerRun:
+        """:meth:`reconfigure` until it succeeds (another worker failing during it leads to one more round)."""
+        while True:
+            try:
+                return self.reconfigure(run, failed_at)
+            except NoQuorumError:
+                raise
+            except RuntimeError:  # another worker failed during it: one more generation
+                pass
+
+    def train(self) -> None:
+        """Train every step of the job (``train.steps``, or ``train.epochs`` of the loader), surviving failures."""
+        loader = build_batch_loader(self.cfg, self.train_set)
+        total = self.cfg.train.steps or math.ceil(self.cfg.train.epochs * loader.batches_per_epoch)
+        run = self.build_run(self.plan.instantiation)
+        step, failed_at = 0, None
+        while step < total:
+            epoch = loader.epoch
+            indices = loader.next_batch()
+            batches, targets = self._batches(indices)
+            while True:  # replay the step until it commits
+                done = self._try_step(run, batches, targets, step, total)
+                if done is not None:
+                    loss, lr = done
+                    break
+                failed_at = failed_at or time.monotonic()
+                run = self._recover(run, failed_at)  # outside the except: its traceback held the old groups
+            record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr,
+                      "samples": [self.train_set.sample_meta(i).id for i in indices],
+                      "pipelines": [list(p.ranks) for p in run.inst.pipelines]}
+            if failed_at is not None:
+                record["recovery_s"] = time.monotonic() - failed_at
+                if self.membership.rank == 0:
+                    print(f"plait launch: recovered: step {step} done {record['recovery_s']:.2f} s after the "
+                          "failure was seen", flush=True)
+                failed_at = None
+            self._log(record)
+            step += 1
+        torch.save({n: p.detach().clone() for n, p in run.stages.model.named_parameters()},
+                   self.out / f"final-worker{self.worker}.pt")
+
+
+def run_resilient_worker(cfg: JobConfig, plan_path: str | Path, worker: int, world: int, host: str,
+                         port: int) -> None:
+    """Run worker ``worker`` of ``world`` of the job planned in ``plan_path`` (``LaunchPlan`` JSON; its folder
+    also receives the logs), with the membership store at ``host:port`` (hosted by the launcher).
+
+    Raises:
+        LostUnitsError: when failures left some unit with no copy; NoQuorumError: when the survivors cannot
+            agree (see ``plait.parallel.membership``).
+    """
+    torch.set_num_threads(cfg.train.threads or 1)
+    plan_path = Path(plan_path)
+    plan = LaunchPlan.from_json(plan_path.read_text())
+    membership = Membership(host, port, worker, world, timeout_s=plan.timeout_s)
+    job = ResilientWorker(cfg, plan, membership, plan_path.parent)
+    job.setup()
+    membership.join()
+    try:
+        job.train()
+    finally:
+        membership.close()
