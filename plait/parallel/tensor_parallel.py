@@ -72,7 +72,7 @@ _HEAD_PROJ = ("q_proj", "k_proj", "v_proj")
 
 def _torch_style(name: str, where: str) -> ParallelStyle | None:
     """PyTorch's style for transformers' style ``name`` (None: replicated). ``where`` names the module in errors."""
-    if name in ("colwise",):
+    if name == "colwise":
         return ColwiseParallel()
     if name in ("colwise_gather_output", "colwise_rep"):
         return ColwiseParallel(output_layouts=Replicate())
