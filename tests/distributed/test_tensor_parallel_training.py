@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.conftest import ROOT, demo_records, tiny_config_dict, write_jsonl
@@ -127,14 +128,15 @@ def test_pp2_x_tp2_equals_single_process(tmp_path):
     assert_same(single, other, frozen=False)
 
 
-def test_tp2_x_dp_shard2_equals_single_process(tmp_path):
-    """TP=2 x FSDP2 dp_shard=2 (4 processes, a 2-D layout: fully_shard over the TP-split DTensors), frozen encoders
-    + trainable projectors: each of the 2 shard ranks trains its own half of the batch."""
-    cfg = job(tmp_path, frozen=True)
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen-encoders", "all-trainable"])
+def test_tp2_x_dp_shard2_equals_single_process(tmp_path, frozen):
+    """TP=2 x FSDP2 dp_shard=2 (4 processes, a 2-D layout: fully_shard over the TP-split DTensors): each of the 2
+    shard ranks trains its own half of the batch."""
+    cfg = job(tmp_path, frozen=frozen)
     cfg["metrics"]["run_dir"] = str(tmp_path / "run_single")
     single = run(cfg, tmp_path, "single", 1)
     cfg["parallel"].update(tp=2, dp_shard=2)
     cfg["metrics"]["run_dir"] = str(tmp_path / "run_tp_fsdp")
     other = run(cfg, tmp_path, "tp_fsdp", 4)
     assert any(n.startswith("language_model.") for n in other["sharded"])
-    assert_same(single, other, frozen=True)
+    assert_same(single, other, frozen=frozen)
