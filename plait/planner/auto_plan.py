@@ -92,7 +92,9 @@ def _best_filling(units: Sequence[Unit], costs: Sequence[UnitCost], world_size: 
     """
     best: LayoutChoice | None = None
     errors = []
-    for dp in (d for d in range(dp_shard, world_size + 1, dp_shard) if world_size % d == 0):
+    # the runtime shards (FSDP2) without pipeline stages only: with dp_shard > 1 every rank is a DP rank (pp = 1)
+    candidates = range(dp_shard, world_size + 1, dp_shard) if dp_shard == 1 else [world_size]
+    for dp in (d for d in candidates if world_size % d == 0 and d % dp_shard == 0):
         try:
             choice = _filling_choice(units, costs, world_size, microbatches, dp, dict(search, dp_shard=dp_shard))
         except ValueError as exc:

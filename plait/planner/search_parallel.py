@@ -190,6 +190,10 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
 
     def one(per_rank: Sequence[UnitCost], pipe_devices: int, cap: float | None, degrees: ParallelDegrees):
         dps = None if dp_degrees is None else [d for d in dp_degrees if d <= pipe_devices] or [1]
+        if degrees.dp_shard > 1:  # the runtime shards (FSDP2) without pipeline stages only: pp = 1
+            dps = [pipe_devices] if dps is None or pipe_devices in dps else []
+            if not dps:
+                raise ValueError(f"dp_shard {degrees.dp_shard} needs pp = 1 (all {pipe_devices} devices in DP)")
         return plan_layout(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=cap,
                            dp_degrees=dps, dtype=dtype, optimizer=optimizer, dp_shard=degrees.dp_shard, **search)
 
