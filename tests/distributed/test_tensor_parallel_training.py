@@ -113,10 +113,11 @@ def test_resume_across_tp_changes_is_exact(tmp_path):
             torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_pp2_x_tp2_equals_single_process(tmp_path):
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen-encoders", "all-trainable"])
+def test_pp2_x_tp2_equals_single_process(tmp_path, frozen):
     """PP=2 (encoders on stage 0, the LLM on stage 1, 1F1B) x TP=2, 4 processes: each pipeline rank splits only its
-    own units; everything trainable."""
-    cfg = job(tmp_path, frozen=False)
+    own units."""
+    cfg = job(tmp_path, frozen=frozen)
     cfg["metrics"]["run_dir"] = str(tmp_path / "run_single")
     single = run(cfg, tmp_path, "single", 1)
     cfg["parallel"].update(tp=2, pp={"degree": 2, "layout": "encoders_colocated", "schedule": "1f1b"})
@@ -125,7 +126,7 @@ def test_pp2_x_tp2_equals_single_process(tmp_path):
     assert any(n.startswith("language_model.") for n in other["sharded"])
     assert any(n.startswith("encoders.vision.encoder.") for n in other["sharded"])
     assert any(n.startswith("encoders.audio.encoder.") for n in other["sharded"])
-    assert_same(single, other, frozen=False)
+    assert_same(single, other, frozen=frozen)
 
 
 @pytest.mark.parametrize("frozen", [True, False], ids=["frozen-encoders", "all-trainable"])
