@@ -68,8 +68,8 @@ def assert_same(ref: dict, other: dict, frozen: bool) -> None:
 
 
 def test_tp2_and_cp2_x_tp2_equal_single_process(tmp_path):
-    """TP=2 in both freezing modes; CP=2 x TP=2 (4 processes) with frozen encoders + trainable projectors. With
-    frozen encoders the run validates after its last step too (loss and greedy answers through the TP model)."""
+    """TP=2 and CP=2 x TP=2 (4 processes) in both freezing modes. With frozen encoders the runs validate after
+    their last step too (loss and greedy answers through the TP model)."""
     for frozen in (True, False):
         cfg = job(tmp_path, frozen)
         if frozen:
@@ -77,7 +77,7 @@ def test_tp2_and_cp2_x_tp2_equal_single_process(tmp_path):
             cfg["train"]["max_new_tokens"] = 3
         cfg["metrics"]["run_dir"] = str(tmp_path / f"run_single{frozen}")
         single = run(cfg, tmp_path, f"single{frozen}", 1)
-        layouts = {"tp2": {"tp": 2}, "cp2tp2": {"tp": 2, "cp": 2}} if frozen else {"tp2": {"tp": 2}}
+        layouts = {"tp2": {"tp": 2}, "cp2tp2": {"tp": 2, "cp": 2}}
         for name, degrees in layouts.items():
             cfg["parallel"].update(degrees)
             cfg["metrics"]["run_dir"] = str(tmp_path / f"run_{name}{frozen}")
