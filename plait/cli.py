@@ -115,9 +115,10 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
     from plait.commands.launch import launch_command, worker_main
 
     if args.worker is not None:  # one worker process, started by the launcher
-        return worker_main(args.config, overrides, args.worker, args.nproc, args.store)
+        return worker_main(args.config, overrides, args.worker, args.nproc, args.store, args.joining)
     sizes = [int(n) for n in args.pipelines.split(",")] if args.pipelines else []
-    return launch_command(args.config, args.nproc, args.f, overrides, sizes, args.kill, args.timeout)
+    return launch_command(args.config, args.nproc, args.f, overrides, sizes, args.kill, args.timeout,
+                          rejoins=args.rejoin)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -247,6 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "is declared failed after it)")
     launch.add_argument("--kill", action="append", default=[], metavar="WORKER:STEP",
                         help="fault injection for tests: that worker SIGKILLs itself in the middle of that step")
+    launch.add_argument("--rejoin", action="append", default=[], metavar="WORKER:STEP", help="restart that worker "
+                        "once it died; the job admits it at the start of that step and re-instantiates")
+    launch.add_argument("--joining", action="store_true", help=argparse.SUPPRESS)
     launch.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     launch.add_argument("--store", default="", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args(argv)

@@ -22,7 +22,7 @@ import datetime
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch.distributed as dist
@@ -36,7 +36,7 @@ __all__ = ["launch_command", "launch_plan", "parse_kills", "worker_command", "wo
 
 
 def parse_kills(values: Sequence[str]) -> tuple[tuple[int, int], ...]:
-    """``WORKER:STEP`` strings (``--kill``) as pairs.
+    """``WORKER:STEP`` strings (``--kill``, ``--rejoin``) as pairs.
 
     Raises:
         ValueError: naming a malformed value.
@@ -45,13 +45,13 @@ def parse_kills(values: Sequence[str]) -> tuple[tuple[int, int], ...]:
     for v in values:
         parts = v.split(":")
         if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-            raise ValueError(f"--kill {v!r}: expected WORKER:STEP (two non-negative integers)")
+            raise ValueError(f"{v!r}: expected WORKER:STEP (two non-negative integers)")
         out.append((int(parts[0]), int(parts[1])))
     return tuple(out)
 
 
 def launch_plan(cfg, nproc: int, failures: int, pipelines: Sequence[int] = (), timeout_s: float = 10.0,
-                kills: Sequence[tuple[int, int]] = ()) -> LaunchPlan:
+                kills: Sequence[tuple[int, int]] = (), rejoins: Sequence[tuple[int, int]] = ()) -> LaunchPlan:
     """Templates for ``nproc`` ranks and ``failures`` failures and the first instantiation (the given pipeline
     sizes in worker order, else the fastest predicted). Costs are analytic, for the job's device.
 
@@ -68,17 +68,20 @@ def launch_plan(cfg, nproc: int, failures: int, pipelines: Sequence[int] = (), t
         inst = instantiate(templates, [list(range(s, s + n)) for s, n in zip(starts, pipelines)])
     else:
         inst = plan_instantiation(templates)
-    return LaunchPlan(templates, inst, timeout_s, tuple(kills))
+    return LaunchPlan(templates, inst, timeout_s, tuple(kills), tuple(rejoins))
 
 
-def worker_command(config: str | Path, overrides: Sequence[str], worker: int, world: int, store: str) -> list[str]:
-    """The command line of one worker process."""
+def worker_command(config: str | Path, overrides: Sequence[str], worker: int, world: int, store: str,
+                   joining: bool = False) -> list[str]:
+    """The command line of one worker process (``joining``: restarted, it joins the running job)."""
     return [sys.executable, "-m", "plait.cli", "launch", "--config", str(config), "--nproc", str(world),
-            "--worker", str(worker), "--store", store, *overrides]
+            "--worker", str(worker), "--store", store, *(["--joining"] if joining else []), *overrides]
 
 
-def _wait(procs: list[subprocess.Popen], store: dist.TCPStore, limit_s: float | None) -> list[int]:
-    """Wait for every worker; write ``dead/<id>`` when one exits with an error. Returns the exit codes."""
+def _wait(procs: list[subprocess.Popen], store: dist.TCPStore, limit_s: float | None,
+          restart: Callable[[int], subprocess.Popen | None]) -> list[int]:
+    """Wait for every worker; write ``dead/<id>`` when one exits with an error, then ``restart`` it (a process,
+    or None to leave it dead). Returns the exit codes."""
     codes: list[int | None] = [None] * len(procs)
     deadline = None if limit_s is None else time.monotonic() + limit_s
     while any(c is None for c in codes):
@@ -89,6 +92,9 @@ def _wait(procs: list[subprocess.Popen], store: dist.TCPStore, limit_s: float | 
                     store.set(f"dead/{w}", str(rc))
                     print(f"plait launch: worker {w} exited with {'signal ' + str(-rc) if rc < 0 else rc}",
                           flush=True)
+                    if rc < 0 and (again := restart(w)) is not None:
+                        procs[w], codes[w] = again, None
+                        print(f"plait launch: worker {w} restarted to rejoin", flush=True)
         if deadline is not None and time.monotonic() > deadline:
             for w, p in enumerate(procs):
                 if codes[w] is None:
@@ -101,7 +107,7 @@ def _wait(procs: list[subprocess.Popen], store: dist.TCPStore, limit_s: float | 
 
 def launch_command(config: str | Path, nproc: int, failures: int, overrides: Sequence[str] = (),
                    pipelines: Sequence[int] = (), kills: Sequence[str] = (), timeout_s: float = 10.0,
-                   limit_s: float | None = None) -> int:
+                   limit_s: float | None = None, rejoins: Sequence[str] = ()) -> int:
     """Plan, host the store, run ``nproc`` workers to the end (module docstring). Returns the exit status.
 
     Raises:
@@ -110,7 +116,7 @@ def launch_command(config: str | Path, nproc: int, failures: int, overrides: Seq
     if nproc < 2:
         raise ValueError(f"--nproc must be >= 2 for a resilient job, got {nproc}")
     cfg = load_config(config, overrides)
-    plan = launch_plan(cfg, nproc, failures, pipelines, timeout_s, parse_kills(kills))
+    plan = launch_plan(cfg, nproc, failures, pipelines, timeout_s, parse_kills(kills), parse_kills(rejoins))
     out = Path(cfg.metrics.run_dir) / "resilient"
     out.mkdir(parents=True, exist_ok=True)
     for old in list(out.glob("worker*.jsonl")) + list(out.glob("final-worker*.pt")):
@@ -121,7 +127,15 @@ def launch_command(config: str | Path, nproc: int, failures: int, overrides: Seq
                           timeout=datetime.timedelta(seconds=60))
     address = f"127.0.0.1:{store.port}"
     procs = [subprocess.Popen(worker_command(config, overrides, w, nproc, address)) for w in range(nproc)]
-    codes = _wait(procs, store, limit_s)
+    pending = {w for w, _ in plan.rejoins}
+
+    def restart(w: int) -> subprocess.Popen | None:
+        if w not in pending:
+            return None
+        pending.discard(w)
+        return subprocess.Popen(worker_command(config, overrides, w, nproc, address, joining=True))
+
+    codes = _wait(procs, store, limit_s, restart)
     failed = [(w, c) for w, c in enumerate(codes) if c > 0]
     if failed:
         print(f"plait launch: worker {failed[0][0]} failed (exit {failed[0][1]}); logs in {out}", file=sys.stderr)
@@ -130,14 +144,15 @@ def launch_command(config: str | Path, nproc: int, failures: int, overrides: Seq
     return 0
 
 
-def worker_main(config: str | Path, overrides: Sequence[str], worker: int, world: int, store: str) -> int:
+def worker_main(config: str | Path, overrides: Sequence[str], worker: int, world: int, store: str,
+                joining: bool = False) -> int:
     """One worker process (started by :func:`launch_command`). Returns 3 with the message when the job cannot
     go on (some unit lost every copy, or no quorum)."""
     cfg = load_config(config, overrides)
     host, port = store.rsplit(":", 1)
     try:
         run_resilient_worker(cfg, Path(cfg.metrics.run_dir) / "resilient" / "launch.json", worker, world, host,
-                             int(port))
+                             int(port), joining)
     except (ValueError, RuntimeError) as exc:  # LostUnitsError, NoQuorumError
         print(f"plait launch: worker {worker} stops: {exc}", file=sys.stderr, flush=True)
         return 3

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import threading
 import time
 from collections.abc import Sequence
@@ -163,6 +164,47 @@ class Membership:
         self.generation, self.members = generation, tuple(sorted(survivors))
         self._init_group()
         return left
+
+    def rejoin(self) -> dict:
+        """A restarted worker asks to join (``join/<id>``) and waits until the members admit it
+        (:meth:`admit`), then joins their new generation. Returns the members' payload (what the job needs to
+        continue: its step, instantiation, ...).
+
+        Raises:
+            NoQuorumError: when no admission comes within ``10 * timeout_s`` seconds.
+        """
+        self._store = self._connect()
+        self._beat(self._store)
+        self._thread = threading.Thread(target=self._heartbeats, daemon=True, name=f"heartbeat-{self.worker}")
+        self._thread.start()
+        self._store.delete_key(f"dead/{self.worker}")  # the launcher's mark of this worker's previous process
+        self._store.set(f"join/{self.worker}", "1")
+        deadline = time.monotonic() + 10 * self.timeout_s
+        while not self._store.check([f"admit/{self.worker}"]):
+            if time.monotonic() > deadline:
+                raise NoQuorumError(f"worker {self.worker}: not admitted within {10 * self.timeout_s} s")
+            time.sleep(self.heartbeat_s / 2)
+        payload = json.loads(self._store.get(f"admit/{self.worker}").decode())
+        self.generation, self.members = int(payload["generation"]), tuple(payload["members"])
+        self._init_group()
+        return payload
+
+    def joined(self, candidates: Sequence[int]) -> list[int]:
+        """Which of ``candidates`` (not members) asked to join (:meth:`rejoin`); read from the store, so the
+        members must agree on the answer themselves (e.g. rank 0 reads and broadcasts)."""
+        return [w for w in candidates if w not in self.members and self._store.check([f"join/{w}"])]
+
+    def admit(self, joiners: Sequence[int], payload: dict) -> None:
+        """Every member, at the same step boundary: admit ``joiners`` (rank 0 writes their ``admit/<id>`` with
+        ``payload`` plus the new generation and members), abandon the current groups and form the next
+        generation over members and joiners. Collective over the members and the joiners."""
+        nxt, members = self.generation + 1, tuple(sorted(set(self.members) | set(joiners)))
+        if self.rank == 0:
+            for w in joiners:
+                self._store.set(f"admit/{w}", json.dumps({**payload, "generation": nxt, "members": list(members)}))
+        self.abandon()
+        self.generation, self.members = nxt, members
+        self._init_group()
 
     def close(self) -> None:
         """Stop the heartbeat and destroy the process group (a clean exit)."""

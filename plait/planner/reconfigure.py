@@ -25,9 +25,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from plait.planner.serialize import JsonDataclass
-from plait.planner.templates import Instantiation, TemplateSet, instantiate
+from plait.planner.templates import Instantiation, TemplateSet, instantiate, plan_instantiation
 
-__all__ = ["LostUnitsError", "Reconfiguration", "Transfer", "check_instantiation", "plan_reconfiguration"]
+__all__ = ["LostUnitsError", "Reconfiguration", "Transfer", "check_instantiation", "plan_reconfiguration",
+           "plan_rejoin"]
 
 
 class LostUnitsError(ValueError):
@@ -126,6 +127,23 @@ def plan_reconfiguration(templates: TemplateSet, current: Instantiation, failed:
     return Reconfiguration(failed_t, current, after, _transfers(templates, current, after), tuple(actions))
 
 
+def plan_rejoin(templates: TemplateSet, current: Instantiation, joined: Iterable[int]) -> Reconfiguration:
+    """Scale back up: ranks ``joined`` (restarted or new, holding nothing) join at a step boundary; the job
+    re-instantiates over every rank (``plan_instantiation``) and each rank receives the units it now holds but did
+    not hold before from a current holder (a joiner receives all of its units).
+
+    Raises:
+        ValueError: when a joining rank is already in ``current``, or no instantiation covers the ranks.
+    """
+    joined_t = tuple(sorted({int(r) for r in joined}))
+    again = sorted(set(joined_t) & set(current.ranks))
+    if again:
+        raise ValueError(f"ranks {again} are already in the instantiation and cannot join")
+    after = plan_instantiation(templates, sorted(current.ranks + joined_t))
+    action = f"ranks {list(joined_t)} join; re-instantiated over {len(after.ranks)} ranks"
+    return Reconfiguration((), current, after, _transfers(templates, current, after), (action,))
+
+
 def _check_copies(templates: TemplateSet, current: Instantiation, failed: set[int], failed_t: tuple[int, ...]) -> None:
     lost = tuple(u.name for u in templates.units if all(h in failed for h in current.holders(u.name)))
     if lost:
@@ -179,7 +197,7 @@ def _transfers(templates: TemplateSet, before: Instantiation, after: Instantiati
     sent: dict[int, int] = {}
     out = []
     for rank in after.ranks:
-        had = set(before.units_of(rank))
+        had = set(before.units_of(rank)) if rank in before.ranks else set()  # a joiner holds nothing
         for unit in sorted(set(after.units_of(rank)) - had, key=order.__getitem__):
             sources = [h for h in before.holders(unit) if h in alive]
             src = min(sources, key=lambda h: (sent.get(h, 0), h))

@@ -51,7 +51,7 @@ from plait.parallel.hetero_dp import hetero_pipeline_step
 from plait.parallel.membership import Membership, NoQuorumError
 from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.unit_transfer import move_units, unit_parameter_names
-from plait.planner.reconfigure import Reconfiguration, Transfer, plan_reconfiguration
+from plait.planner.reconfigure import Reconfiguration, Transfer, plan_reconfiguration, plan_rejoin
 from plait.planner.schedule_ir import Schedule
 from plait.planner.schedules import build_schedule
 from plait.planner.templates import Instantiation, TemplateSet
@@ -75,24 +75,29 @@ class LaunchPlan:
         timeout_s: collective timeout of the workers' groups (seconds): a hung peer is detected after it.
         kills: fault injection for tests: ``(worker, step)`` pairs; that worker SIGKILLs itself at the first module
             forward of that step (in the middle of the step).
+        rejoins: ``(worker, step)`` pairs: the launcher restarts that worker once it died, and the members admit it
+            at the start of that step (waiting for it at most ``2 * timeout_s``).
     """
 
     templates: TemplateSet
     instantiation: Instantiation
     timeout_s: float = 10.0
     kills: tuple[tuple[int, int], ...] = ()
+    rejoins: tuple[tuple[int, int], ...] = ()
 
     def to_json(self) -> str:
         """The plan as JSON (templates and instantiation by their own ``to_dict``)."""
         return json.dumps({"templates": self.templates.to_dict(), "instantiation": self.instantiation.to_dict(),
-                           "timeout_s": self.timeout_s, "kills": [list(k) for k in self.kills]})
+                           "timeout_s": self.timeout_s, "kills": [list(k) for k in self.kills],
+                           "rejoins": [list(r) for r in self.rejoins]})
 
     @classmethod
     def from_json(cls, text: str) -> LaunchPlan:
         """Read :meth:`to_json`'s output."""
         d = json.loads(text)
         return cls(TemplateSet.from_dict(d["templates"]), Instantiation.from_dict(d["instantiation"]),
-                   float(d["timeout_s"]), tuple((int(w), int(s)) for w, s in d["kills"]))
+                   float(d["timeout_s"]), tuple((int(w), int(s)) for w, s in d["kills"]),
+                   tuple((int(w), int(s)) for w, s in d.get("rejoins", ())))
 
 
 def microbatch_ranges(indices: Sequence[int], microbatch_size: int, count: int) -> list[list[int]]:
@@ -170,9 +175,9 @@ class ResilientWorker:
             opt = build_optimizer(stages.model, t.lr, t.weight_decay, t.betas, scales)
             for group in opt.param_groups:
                 group.setdefault("initial_lr", group["lr"])
-        if old is not None:
+        if old is not None or transfers:  # a joiner (old None) holds nothing and receives every unit
             held = {n: (p, old.opt.state.get(p, {}) if old.opt is not None else {})
-                    for n, p in old.stages.model.named_parameters(remove_duplicate=False)}
+                    for n, p in old.stages.model.named_parameters(remove_duplicate=False)} if old else {}
             new = dict(stages.model.named_parameters(remove_duplicate=False))
             state = move_units(held, new, self.names, transfers, self.worker, rank_of, ADAMW_STATE)
             for fqn, values in state.items():
@@ -263,13 +268,58 @@ class ResilientWorker:
             except RuntimeError:  # another worker failed during it: one more generation
                 pass
 
-    def train(self) -> None:
-        """Train every step of the job (``train.steps``, or ``train.epochs`` of the loader), surviving failures."""
+    def admit_joiners(self, run: WorkerRun, step: int) -> WorkerRun:
+        """At the start of ``step``: admit the workers planned to rejoin then (``LaunchPlan.rejoins``) that asked
+        (rank 0 waits for them at most ``2 * timeout_s`` and broadcasts who came), re-instantiate over the larger
+        set (``plan_rejoin``) and copy their units to them. Collective."""
+        planned = [w for w, s in self.plan.rejoins if s == step and w not in self.membership.members]
+        if not planned:
+            return run
+        came = torch.zeros(len(planned))
+        if self.membership.rank == 0:
+            deadline = time.monotonic() + 2 * self.plan.timeout_s
+            while len(self.membership.joined(planned)) < len(planned) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            came = torch.tensor([float(w in self.membership.joined(planned)) for w in planned])
+        torch.distributed.broadcast(came, 0)
+        joiners = [w for w, c in zip(planned, came.tolist()) if c]
+        if not joiners:
+            return run
+        start = time.monotonic()
+        run.hetero.groups.clear()
+        self.membership.admit(joiners, {"step": step, "inst": run.inst.to_dict(), "joiners": joiners})
+        return self._apply_rejoin(run.inst, joiners, run, start)
+
+    def _apply_rejoin(self, inst: Instantiation, joiners: Sequence[int], run: WorkerRun | None,
+                      start: float) -> WorkerRun:
+        rec = plan_rejoin(self.plan.templates, inst, joiners)
+        new = self.build_run(rec.after, run, rec.transfers)
+        seconds = time.monotonic() - start
+        if self.membership.rank == 0:
+            print(f"plait launch: worker(s) {list(joiners)} rejoined in {seconds:.2f} s; {len(rec.transfers)} unit "
+                  f"copies, {rec.bytes / 2**20:.1f} MiB; workers per pipeline "
+                  f"{[list(p.ranks) for p in rec.after.pipelines]}", flush=True)
+        self._log({"event": "rejoin", "joined": list(joiners), "bytes": rec.bytes, "seconds": seconds,
+                   "pipelines": [list(p.ranks) for p in rec.after.pipelines]})
+        return new
+
+    def train(self, joining: bool = False) -> None:
+        """Train every step of the job (``train.steps``, or ``train.epochs`` of the loader), surviving failures;
+        ``joining``: this worker was restarted and joins the running job (:meth:`Membership.rejoin`)."""
         loader = build_batch_loader(self.cfg, self.train_set)
         total = self.cfg.train.steps or math.ceil(self.cfg.train.epochs * loader.batches_per_epoch)
-        run = self.build_run(self.plan.instantiation)
         step, failed_at = 0, None
+        if joining:
+            start = time.monotonic()
+            payload = self.membership.rejoin()
+            step = int(payload["step"])
+            for _ in range(step):  # the data position: the global batches are a function of (seed, epoch, step)
+                loader.next_batch()
+            run = self._apply_rejoin(Instantiation.from_dict(payload["inst"]), payload["joiners"], None, start)
+        else:
+            run = self.build_run(self.plan.instantiation)
         while step < total:
+            run = self.admit_joiners(run, step)
             epoch = loader.epoch
             indices = loader.next_batch()
             batches, targets = self._batches(indices)
@@ -296,9 +346,10 @@ class ResilientWorker:
 
 
 def run_resilient_worker(cfg: JobConfig, plan_path: str | Path, worker: int, world: int, host: str,
-                         port: int) -> None:
+                         port: int, joining: bool = False) -> None:
     """Run worker ``worker`` of ``world`` of the job planned in ``plan_path`` (``LaunchPlan`` JSON; its folder
-    also receives the logs), with the membership store at ``host:port`` (hosted by the launcher).
+    also receives the logs), with the membership store at ``host:port`` (hosted by the launcher); ``joining``: a
+    restarted worker joining the running job.
 
     Raises:
         LostUnitsError: when failures left some unit with no copy; NoQuorumError: when the survivors cannot
@@ -307,11 +358,14 @@ def run_resilient_worker(cfg: JobConfig, plan_path: str | Path, worker: int, wor
     torch.set_num_threads(cfg.train.threads or 1)
     plan_path = Path(plan_path)
     plan = LaunchPlan.from_json(plan_path.read_text())
-    membership = Membership(host, port, worker, world, timeout_s=plan.timeout_s)
+    # a dead process is known at once from the launcher's dead/<id> key; a stale heartbeat (a hung worker, or a
+    # heartbeat thread starved on a loaded machine) only counts after the collective timeout
+    membership = Membership(host, port, worker, world, dead_after_s=plan.timeout_s, timeout_s=plan.timeout_s)
     job = ResilientWorker(cfg, plan, membership, plan_path.parent)
     job.setup()
-    membership.join()
+    if not joining:
+        membership.join()
     try:
-        job.train()
+        job.train(joining)
     finally:
         membership.close()

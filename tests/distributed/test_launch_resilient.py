@@ -1,5 +1,6 @@
 """``plait launch``: 6 workers as 2 pipelines of 3 ranks (f = 1) train a tiny MLLM; worker 4 (pipeline 1) is
-SIGKILLed in the middle of step 1 and worker 0 (rank 0, pipeline 0) in the middle of step 3. Every step finishes,
+SIGKILLed in the middle of step 1 and worker 0 (rank 0, pipeline 0) in the middle of step 3; the launcher restarts
+worker 4, which rejoins at the start of step 5 (the job re-instantiates over 5 workers). Every step finishes,
 per-step losses and final parameters equal an uninterrupted launch (1e-5), each sample id is trained exactly once
 per epoch, and each reconfiguration prints its line with the recovery time. Killing both holders of a unit at once
 stops the job with the lost units named (no hang)."""
@@ -16,7 +17,7 @@ import torch
 from tests.conftest import demo_records, tiny_config_dict, write_jsonl
 from tests.distributed.test_pipeline_training import to_toml
 
-SAMPLES, BATCH, STEPS = 16, 8, 5  # 2 steps per epoch: steps 0-1 epoch 0, 2-3 epoch 1, 4 epoch 2
+SAMPLES, BATCH, STEPS = 16, 8, 7  # 2 steps per epoch: steps 0-1 epoch 0, 2-3 epoch 1, 4-5 epoch 2, 6 epoch 3
 LIMIT_S = 240  # a hang guard per launch
 
 
@@ -30,11 +31,9 @@ def _job(tmp_path: Path, name: str) -> Path:
     return path
 
 
-def _launch(tmp_path: Path, name: str, nproc: int, pipelines: str, *kills: str) -> subprocess.CompletedProcess:
+def _launch(tmp_path: Path, name: str, nproc: int, pipelines: str, *faults: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "plait.cli", "launch", "--config", str(_job(tmp_path, name)), "--nproc",
-           str(nproc), "--pipelines", pipelines, "--timeout", "10"]
-    for k in kills:
-        cmd += ["--kill", k]
+           str(nproc), "--pipelines", pipelines, "--timeout", "10", *faults]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S)
 
 
@@ -44,7 +43,7 @@ def _records(run_dir: Path) -> tuple[dict[int, dict], list[dict]]:
     for path in sorted((run_dir / "resilient").glob("worker*.jsonl")):
         for line in path.read_text().splitlines():
             rec = json.loads(line)
-            if rec.get("event") == "reconfigure":
+            if "event" in rec:
                 events.append(rec)
                 continue
             if rec["step"] in steps:
@@ -64,7 +63,7 @@ def _final(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_launch_survives_killed_workers_rank0_included_and_equals_an_uninterrupted_run(tmp_path):
     ref = _launch(tmp_path, "ref", 6, "3,3")
     assert ref.returncode == 0, ref.stdout + ref.stderr
-    run = _launch(tmp_path, "kill", 6, "3,3", "4:1", "0:3")
+    run = _launch(tmp_path, "kill", 6, "3,3", "--kill", "4:1", "--kill", "0:3", "--rejoin", "4:5")
     assert run.returncode == 0, run.stdout + run.stderr
     ref_steps, ref_events = _records(tmp_path / "ref")
     steps, events = _records(tmp_path / "kill")
@@ -72,13 +71,15 @@ def test_launch_survives_killed_workers_rank0_included_and_equals_an_uninterrupt
     for s in range(STEPS):
         assert abs(steps[s]["loss"] - ref_steps[s]["loss"]) < 1e-5, (s, steps[s]["loss"], ref_steps[s]["loss"])
         assert steps[s]["samples"] == ref_steps[s]["samples"] and steps[s]["lr"] == ref_steps[s]["lr"]
-    for epoch in range(2):  # the full epochs: every sample id exactly once
+    for epoch in range(3):  # the full epochs: every sample id exactly once
         ids = [i for s in steps.values() if s["epoch"] == epoch for i in s["samples"]]
         assert len(ids) == SAMPLES == len(set(ids)), epoch
     assert steps[0]["pipelines"] == [[0, 1, 2], [3, 4, 5]]
     assert steps[2]["pipelines"] == [[0, 1, 2], [3, 5]] and steps[4]["pipelines"] == [[1, 2], [3, 5]]
-    failed = sorted({tuple(e["failed"]) for e in events})
+    assert steps[6]["pipelines"] == [[1, 2], [3], [4], [5]]  # worker 4 rejoined: re-instantiated over 5 workers
+    failed = sorted({tuple(e["failed"]) for e in events if e["event"] == "reconfigure"})
     assert failed == [(0,), (4,)], events
+    assert {tuple(e["joined"]) for e in events if e["event"] == "rejoin"} == {(4,)}
     assert all(e["bytes"] > 0 for e in events)
     final, ref_final = _final(tmp_path / "kill"), _final(tmp_path / "ref")
     assert sorted(final) == sorted(ref_final)
@@ -86,12 +87,12 @@ def test_launch_survives_killed_workers_rank0_included_and_equals_an_uninterrupt
         torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
     lines = [line for line in run.stdout.splitlines() if "reconfigured in" in line]
     assert len(lines) == 2 and "worker(s) [4] failed" in lines[0] and "worker(s) [0] failed" in lines[1]
-    assert run.stdout.count("plait launch: recovered") == 2
-    print("\n".join(line for line in run.stdout.splitlines() if "reconfigured" in line or "recovered" in line))
+    assert run.stdout.count("plait launch: recovered") == 2 and "worker(s) [4] rejoined" in run.stdout
+    print("\n".join(line for line in run.stdout.splitlines() if "launch: re" in line or "rejoined" in line))
 
 
 def test_launch_stops_naming_the_lost_units_when_every_copy_dies(tmp_path):
-    run = _launch(tmp_path, "lost", 4, "2,2", "0:1", "2:1")  # both pipelines' first ranks: every vision copy
+    run = _launch(tmp_path, "lost", 4, "2,2", "--kill", "0:1", "--kill", "2:1")  # both pipelines' first ranks: every vision copy
     assert run.returncode == 3, run.stdout + run.stderr
     assert "held every copy of" in run.stderr and "encoders.vision" in run.stderr, run.stderr
     assert "resume from the last checkpoint" in run.stderr
