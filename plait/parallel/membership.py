@@ -11,7 +11,8 @@ rank 0 included, leaves it up. Each worker:
 2. When a collective or P2P call fails (gloo raises once a peer's socket closes, or after the group's timeout),
    the survivor calls :meth:`Membership.reform`: it marks itself present in the next generation
    (``gen<g+1>/present/<id>``), then waits until every member of generation ``g`` is either present there or has
-   a stale heartbeat (none for ``dead_after_s``) or a ``dead/<id>`` key (the launcher writes it when a child exits). A live member keeps beating, so everyone waits for it until it
+   a stale heartbeat (none for ``dead_after_s``) or a ``dead/<id>`` key (the launcher writes it when a child
+   exits). A live member keeps beating, so everyone waits for it until it
    is present; a dead one never becomes present. Every survivor therefore computes the same set, the members
    present (a member dying during the agreement fails the next group and leads to one more generation).
 3. It aborts its process groups first (:meth:`Membership.abandon`: their sockets close, so peers still blocked
@@ -136,7 +137,8 @@ class Membership:
                 break
             if time.monotonic() > deadline:
                 raise NoQuorumError(f"worker {self.worker}: generation {nxt} did not settle in "
-                                    f"{2 * self.timeout_s} s (present {present}, dead {stale}, of {list(self.members)})")
+                                    f"{2 * self.timeout_s} s (present {present}, dead {stale}, "
+                                    f"of {list(self.members)})")
             time.sleep(self.heartbeat_s / 2)
         return self._switch(nxt, tuple(present))
 

@@ -92,7 +92,8 @@ def test_launch_survives_killed_workers_rank0_included_and_equals_an_uninterrupt
 
 
 def test_launch_stops_naming_the_lost_units_when_every_copy_dies(tmp_path):
-    run = _launch(tmp_path, "lost", 4, "2,2", "--kill", "0:1", "--kill", "2:1")  # both pipelines' first ranks: every vision copy
+    # both pipelines' first ranks die in the same step: every copy of the vision encoder
+    run = _launch(tmp_path, "lost", 4, "2,2", "--kill", "0:1", "--kill", "2:1")
     assert run.returncode == 3, run.stdout + run.stderr
     assert "held every copy of" in run.stderr and "encoders.vision" in run.stderr, run.stderr
     assert "resume from the last checkpoint" in run.stderr

@@ -12,6 +12,7 @@ from plait.planner.reconfigure import (
     Reconfiguration,
     check_instantiation,
     plan_reconfiguration,
+    plan_rejoin,
 )
 from plait.planner.templates import instantiate, plan_instantiation
 from tests.unit.planner.test_templates import templates
@@ -103,3 +104,18 @@ def test_unknown_failed_rank_and_too_few_survivors():
     small = instantiate(ts, [[0, 1, 2], [3, 4, 5]])
     with pytest.raises(ValueError):
         plan_reconfiguration(ts, small, [0, 3, 1, 4])
+
+
+def test_a_joining_rank_receives_every_unit_it_now_holds():
+    ts = templates(8, 1)
+    before = plan_reconfiguration(ts, plan_instantiation(ts), [7]).after
+    rec = plan_rejoin(ts, before, [7])
+    check_instantiation(ts, rec.after)
+    assert rec.after.ranks == tuple(range(8)) and rec.failed == ()
+    assert {t.unit for t in rec.received_by(7)} == set(rec.after.units_of(7)) and rec.received_by(7)
+    for rank in before.ranks:
+        missing = set(rec.after.units_of(rank)) - set(before.units_of(rank))
+        assert {t.unit for t in rec.received_by(rank)} == missing
+    assert all(t.src in before.ranks and t.unit in before.units_of(t.src) for t in rec.transfers)
+    with pytest.raises(ValueError, match=r"ranks \[3\] are already in the instantiation"):
+        plan_rejoin(ts, before, [3])
