@@ -207,7 +207,7 @@ class MultimodalModel(nn.Module):
             _save_part(branch.encoder, sub / "encoder", merge_lora, meta["lora"], name)
             state = {k: v.detach().contiguous() for k, v in branch.projector.state_dict().items()}
             save_file(state, str(sub / "projector.safetensors"))
-            meta["encoders"][name] = branch.settings() | {"encoder_dim": branch.encoder_dim}
+            meta["encoders"][name] = branch.settings() | {"encoder_dim": branch.encoder_dim} | _audio_window(branch)
         (root / PLAIT_CONFIG).write_text(json.dumps(meta, indent=2))
 
     @classmethod
@@ -237,10 +237,20 @@ class MultimodalModel(nn.Module):
             projector = build_projector(s["projector"], encoder_hidden_size(enc), hidden)
             if weights:
                 projector.load_state_dict(load_file(str(root / "encoders" / name / "projector.safetensors")))
+            window = {k: int(s[k]) for k in ("hop_length", "sampling_rate") if k in s}  # audio, when saved
             encoders[name] = ModalityEncoder(
-                enc, projector, s["modality"], s["feature_layer"], s["select"], s["downsample"]
+                enc, projector, s["modality"], s["feature_layer"], s["select"], s["downsample"], **window
             )
         return cls(llm, encoders, meta["placeholder_ids"])
+
+
+def _audio_window(branch: ModalityEncoder) -> dict[str, int]:
+    """An audio branch's ``hop_length`` (samples per log-mel frame) and ``sampling_rate`` (Hz), saved so that a
+    loaded branch counts features as its saved processor computes them; ``{}`` for image branches."""
+    count = branch.feature_count
+    if branch.modality != "audio" or not hasattr(count, "hop_length"):
+        return {}
+    return {"hop_length": int(count.hop_length), "sampling_rate": int(count.sampling_rate)}
 
 
 def _save_part(module: nn.Module, directory: Path, merge: bool, lora: dict[str, Any], key: str) -> None:

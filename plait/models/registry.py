@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ from plait.models.lora import apply_lora
 from plait.models.multimodal import MultimodalModel
 from plait.models.projector import build_projector
 
-__all__ = ["load_tokenizer", "build_model", "compose_model", "build_processor", "apply_freezing", "placeholder_of"]
+__all__ = ["load_tokenizer", "build_model", "compose_model", "build_processor", "apply_freezing", "placeholder_of",
+           "check_pretrained_branch"]
 
 _DEFAULT_IMAGE_PROCESSOR = {
     "siglip_vision_model": "SiglipImageProcessor",
@@ -116,6 +118,8 @@ def compose_model(cfg: ModelConfig, tokenizer: Any, weights: bool = True) -> Mul
         missing = set(cfg.encoders) - set(model.encoders)
         if missing:
             raise ValueError(f"model.encoders {sorted(missing)} are not in the checkpoint {cfg.pretrained}")
+        for name, enc in cfg.encoders.items():
+            check_pretrained_branch(name, enc, model, cfg.pretrained)
         return model
     llm = build_causal_lm(cfg.llm.path, cfg.llm.config, len(tokenizer), cfg.llm.attn_implementation, weights,
                           field="model.llm")
@@ -133,6 +137,44 @@ def compose_model(cfg: ModelConfig, tokenizer: Any, weights: bool = True) -> Mul
         except ValueError as exc:
             raise ValueError(f"model.encoders.{name}: {exc}") from exc
     return MultimodalModel(llm, encoders, _placeholder_ids(cfg, tokenizer))
+
+
+_STRUCTURE = ("modality", "feature_layer", "select", "downsample", "projector")
+"""Branch fields a plait checkpoint fixes (``plait_config.json``): a job table may repeat them, not change them."""
+
+
+def check_pretrained_branch(name: str, enc: EncoderConfig, model: MultimodalModel, pretrained: str) -> None:
+    """Refuse a ``[model.encoders.<name>]`` table of a ``model.pretrained`` job that sets a structural field
+    (:data:`_STRUCTURE`) to another value than the checkpoint's branch has (``plait_config.json``). A field left at
+    its default takes the checkpoint's value, so a table that only adds flags (``lora``, ``freeze``) inherits the
+    branch's modality; limitation: ``modality = "image"`` (the default) written for an audio branch cannot be told
+    from a table that omits it, and is taken as the checkpoint's. The placeholder is checked by
+    :func:`build_processor` (it needs the tokenizer).
+
+    Raises:
+        ValueError: naming the field, the job's and the checkpoint's value.
+    """
+    saved = model.encoders[name].settings()
+    default = EncoderConfig()
+    for field in _STRUCTURE:
+        mine = getattr(enc, field)
+        if mine != getattr(default, field) and mine != saved[field]:
+            raise ValueError(f"model.encoders.{name}.{field} = {mine!r} but the checkpoint {pretrained} has "
+                             f"{saved[field]!r} for branch {name!r}; leave it out to use the checkpoint's")
+
+
+def _pretrained_placeholder(name: str, enc: EncoderConfig, model: MultimodalModel, tokenizer: Any,
+                            pretrained: str) -> str:
+    """The placeholder string of branch ``name`` of a checkpoint: the token of its saved placeholder id.
+
+    Raises:
+        ValueError: when the job's ``placeholder`` names another token.
+    """
+    token = tokenizer.convert_ids_to_tokens(model.placeholder_ids[name])
+    if enc.placeholder and enc.placeholder != token:
+        raise ValueError(f"model.encoders.{name}.placeholder = {enc.placeholder!r} but the checkpoint {pretrained} "
+                         f"uses {token!r} for branch {name!r}; leave it out to use the checkpoint's")
+    return token
 
 
 def apply_freezing(model: MultimodalModel, cfg: ModelConfig) -> None:
@@ -171,8 +213,14 @@ def _hf_processor(enc: EncoderConfig, branch: ModalityEncoder) -> Any:
 def build_processor(cfg: ModelConfig, model: MultimodalModel, tokenizer: Any, max_length: int) -> MultimodalProcessor:
     """The :class:`MultimodalProcessor` matching ``model``'s branches (same feature-count functions).
 
+    With ``cfg.pretrained`` (a plait ``final/`` folder) each branch's defaults are the checkpoint's: its modality,
+    its placeholder (the token of its saved id) and its processor (``processors/<name>/``), the job's
+    ``processor`` fields overriding the saved settings (:func:`_pretrained_processor`); a job table may therefore
+    only add flags (``lora``, ``freeze``).
+
     Raises:
-        ValueError: when ``max_length`` exceeds the LLM's ``max_position_embeddings``.
+        ValueError: when ``max_length`` exceeds the LLM's ``max_position_embeddings``, or a pretrained job's
+            ``placeholder`` differs from the checkpoint's (naming the field).
     """
     limit = getattr(model.language_model.config, "max_position_embeddings", None)
     if limit is not None and max_length > limit:
@@ -180,15 +228,28 @@ def build_processor(cfg: ModelConfig, model: MultimodalModel, tokenizer: Any, ma
     specs = []
     for name, branch in model.encoders.items():
         enc = cfg.encoders.get(name) or EncoderConfig(modality=branch.modality)
-        specs.append(
-            ModalitySpec(
-                name,
-                branch.modality,
-                placeholder_of(enc),
-                model.placeholder_ids[name],
-                _hf_processor(enc, branch),
-                branch.feature_count,
-                branch.check_item,
-            )
-        )
+        if cfg.pretrained:
+            placeholder = _pretrained_placeholder(name, enc, model, tokenizer, cfg.pretrained)
+            hf = _pretrained_processor(Path(cfg.pretrained), name, enc, branch)
+        else:
+            placeholder, hf = placeholder_of(enc), _hf_processor(enc, branch)
+        specs.append(ModalitySpec(name, branch.modality, placeholder, model.placeholder_ids[name], hf,
+                                  branch.feature_count, branch.check_item))
     return MultimodalProcessor(tokenizer, specs, max_length)
+
+
+def _pretrained_processor(root: Path, name: str, enc: EncoderConfig, branch: ModalityEncoder) -> Any:
+    """Branch ``name``'s processor in a ``model.pretrained`` job: the one saved next to the checkpoint
+    (``<root>/processors/<name>/``, as ``plait train`` writes ``final/``) with the job's ``processor`` fields
+    overriding its settings (``class`` chooses the class); the job's ``path`` takes precedence; a checkpoint
+    without that folder falls back to the job's table (:func:`_hf_processor`) with the checkpoint's modality."""
+    folder = root / "processors" / name
+    enc = dataclasses.replace(enc, modality=branch.modality)
+    if enc.path or not folder.is_dir():
+        return _hf_processor(enc, branch)
+    kwargs = dict(enc.processor)
+    if "class" in kwargs:
+        cls: Any = getattr(transformers, kwargs.pop("class"))
+    else:
+        cls = transformers.AutoImageProcessor if branch.modality == "image" else transformers.AutoFeatureExtractor
+    return cls.from_pretrained(str(folder), **kwargs)
