@@ -51,7 +51,8 @@ class MetricsWriter:
     ``elapsed_s`` (module docstring); numeric fields also go to TensorBoard and Weights & Biases when on.
 
     On resume from step ``k`` the lines of steps after ``k`` (written by the interrupted run) are removed, so
-    the file describes one consistent run.
+    the file describes one consistent run; a run folder without ``metrics.jsonl`` gets a new, empty one (with a
+    warning), which the resumed run's rows then fill.
 
     Args:
         run_dir: the run's folder.
@@ -89,6 +90,10 @@ class MetricsWriter:
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
             self._elapsed_before = max((float(r.get("elapsed_s", 0.0)) for r in kept), default=0.0)
+        else:  # resuming a run whose metrics.jsonl is gone: start it again (rows from the resumed step on)
+            log.warning("%s does not exist: resuming at step %d with a new one (it holds the rows from then on)",
+                        self.path, resume_step)
+            self.path.write_text("")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

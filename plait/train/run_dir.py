@@ -7,7 +7,7 @@ from pathlib import Path
 
 from plait.train.checkpoint import latest_checkpoint
 
-__all__ = ["check_new_run", "earlier_run"]
+__all__ = ["check_new_run", "earlier_run", "no_checkpoint_message"]
 
 
 def earlier_run(run_dir: str | Path) -> list[str]:
@@ -38,3 +38,20 @@ def check_new_run(run_dir: str | Path) -> None:
             "`plait train --config JOB --resume` (longer: add --train.steps=N), replace it with `plait train "
             f"--config JOB --overwrite`, or write this run elsewhere with --metrics.run_dir=DIR (in Python: "
             "Trainer.fit(resume=True) or fit(overwrite=True))")
+
+
+def no_checkpoint_message(run_dir: str | Path) -> str:
+    """Why ``--resume`` cannot continue the run in ``run_dir`` (it has no checkpoint under ``checkpoints/``) and
+    what to do instead: name the folder, what it holds (a final model, metrics) and the commands that start a new
+    run there or resume from a checkpoint elsewhere."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        held = "the folder does not exist"
+    else:
+        parts = [what for what, name in (("a final model (final/)", "final"), ("metrics.jsonl", "metrics.jsonl"))
+                 if (run_dir / name).exists()]
+        held = f"the folder holds {' and '.join(parts)} but no checkpoint" if parts else "the folder holds no checkpoint"
+    return (f"no checkpoint to resume from under {run_dir / 'checkpoints'} ({held}; checkpoints are written every "
+            "checkpoint.every steps and at the end of a run): start a new run with `plait train --config JOB` "
+            "(add --overwrite to replace what the folder holds), or resume from a checkpoint directory with "
+            "--resume=DIR")

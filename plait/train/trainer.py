@@ -70,6 +70,7 @@ from plait.train.feed import receive_step, upcoming_rank_samples
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter, Progress, detect_energy_meter
 from plait.train.optim import LRSchedule, build_optimizer, lr_factor
+from plait.train.run_dir import no_checkpoint_message
 from plait.train.run_start import clear_earlier_run, report_setup
 from plait.train.step_run import (Uniform, dummy_llm_batch, encode_padded, encoder_calls, run_microbatches,
                                   run_uniform_microbatches)
@@ -460,7 +461,7 @@ class Trainer:
         """
         ckpt = Path(path) if path else latest_checkpoint(self.run_dir)
         if ckpt is None:
-            raise FileNotFoundError(f"no checkpoint to resume from under {self.run_dir / 'checkpoints'}")
+            raise FileNotFoundError(no_checkpoint_message(self.run_dir))
         layout = self._checkpoint_layout()
         state = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler, self.loader.state_dict(),
                                 layout, config_to_dict(self.cfg)["model"], self.cfg.train.seed)
