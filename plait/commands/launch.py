@@ -19,6 +19,7 @@ Exit status: 0 when every worker that was not killed by a signal finished; other
 from __future__ import annotations
 
 import datetime
+import os
 import subprocess
 import sys
 import time
@@ -146,8 +147,8 @@ def launch_command(config: str | Path, nproc: int, failures: int, overrides: Seq
 
 def worker_main(config: str | Path, overrides: Sequence[str], worker: int, world: int, store: str,
                 joining: bool = False) -> int:
-    """One worker process (started by :func:`launch_command`). Returns 3 with the message when the job cannot
-    go on (some unit lost every copy, or no quorum)."""
+    """One worker process (started by :func:`launch_command`); ends the process with status 0, or 3 with the
+    message when the job cannot go on (some unit lost every copy, or no quorum)."""
     cfg = load_config(config, overrides)
     host, port = store.rsplit(":", 1)
     try:
@@ -155,5 +156,14 @@ def worker_main(config: str | Path, overrides: Sequence[str], worker: int, world
                              int(port), joining)
     except (ValueError, RuntimeError) as exc:  # LostUnitsError, NoQuorumError
         print(f"plait launch: worker {worker} stops: {exc}", file=sys.stderr, flush=True)
-        return 3
+        _exit_now(3)
+    _exit_now(0)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    """End the worker process at once: its work is saved and its groups closed, but the interpreter's shutdown
+    waits about the collective timeout on the gloo contexts of groups whose peers already left."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
