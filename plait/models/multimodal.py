@@ -196,9 +196,10 @@ class MultimodalModel(nn.Module):
         """Write the composite: ``llm/`` and ``encoders/<name>/encoder/`` in Hugging Face format,
         ``encoders/<name>/projector.safetensors`` and ``plait_config.json`` (placeholder ids and each branch's
         settings, an audio branch's ``hop_length``/``sampling_rate`` too, which :meth:`from_pretrained` restores).
-        A part with LoRA adapters (:mod:`plait.models.lora`) is written as its plain Hugging Face base plus its adapter in ``peft``'s format
-        in ``<part>/adapter/`` (``peft.PeftModel.from_pretrained(part, "<part>/adapter")`` loads it); with
-        ``merge_lora`` the adapters are merged into the base weights instead (no adapter folder)."""
+        A part with LoRA adapters (:mod:`plait.models.lora`) is written as its plain Hugging Face base plus its
+        adapter in ``peft``'s format in ``<part>/adapter/`` (``peft.PeftModel.from_pretrained(part,
+        "<part>/adapter")`` loads it); with ``merge_lora`` the adapters are merged into the base weights instead (no
+        adapter folder)."""
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
         meta: dict[str, Any] = {"placeholder_ids": self.placeholder_ids, "encoders": {}, "lora": {}}

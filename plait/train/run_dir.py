@@ -50,7 +50,7 @@ def no_checkpoint_message(run_dir: str | Path) -> str:
     else:
         parts = [what for what, name in (("a final model (final/)", "final"), ("metrics.jsonl", "metrics.jsonl"))
                  if (run_dir / name).exists()]
-        held = f"the folder holds {' and '.join(parts)} but no checkpoint" if parts else "the folder holds no checkpoint"
+        held = f"the folder holds {' and '.join(parts)} but no checkpoint" if parts else "it holds no checkpoint"
     return (f"no checkpoint to resume from under {run_dir / 'checkpoints'} ({held}; checkpoints are written every "
             "checkpoint.every steps and at the end of a run): start a new run with `plait train --config JOB` "
             "(add --overwrite to replace what the folder holds), or resume from a checkpoint directory with "
