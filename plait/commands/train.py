@@ -90,7 +90,10 @@ def _check_before_building(cfg: JobConfig, config: str | Path, resume: bool | st
 def _save_and_report(trainer: Trainer, result: dict[str, Any]) -> None:
     """Main rank after ``fit``: the loss curve, the final model with its tokenizer and processors, and one line
     each for them, the last step's pipeline timeline and the validation scores."""
-    png = plot_loss_curve(trainer.run_dir / "metrics.jsonl", trainer.run_dir / "loss.png")
+    try:
+        png = plot_loss_curve(trainer.run_dir / "metrics.jsonl", trainer.run_dir / "loss.png")
+    except ValueError:  # a resumed run that had nothing left to train and whose metrics.jsonl was lost
+        png = "not drawn (metrics.jsonl holds no training loss)"
     final = trainer.run_dir / "final"
     trainer.full_model().save_pretrained(final, merge_lora=trainer.cfg.checkpoint.merge_lora)  # PP: from a checkpoint
     trainer.tokenizer.save_pretrained(final / "tokenizer")

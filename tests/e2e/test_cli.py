@@ -55,6 +55,11 @@ def test_train_then_resume_from_the_command_line(tmp_path):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
+    (run / "metrics.jsonl").unlink()  # a finished run whose metrics were lost: nothing to train, final/ saved again
+    done = plait("train", "--config", job, *small[1:], "--train.steps=6", "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "nothing trained (model at step 6); loss curve not drawn (metrics.jsonl holds no training loss)" in done.stdout
+
     resized = plait("train", "--config", job, *small[1:], "--train.steps=8", "--resume",
                     "--model.llm.config.hidden_size=64")  # same names, other shapes: one line, no traceback
     assert resized.returncode == 2 and "Traceback" not in resized.stderr, resized.stderr[-3000:]
