@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,10 +21,10 @@ from plait.models.hf import (
     feature_count_for,
 )
 from plait.models.families.qwen2_audio import Qwen2AudioFeatureCount, qwen2_audio_attention_mask
-from plait.models.families.siglip2 import siglip2_inputs
+from plait.models.families.siglip2 import MODEL_TYPES as SIGLIP2_TYPES, siglip2_inputs
 from plait.models.projector import Projector
 
-__all__ = ["ModalityEncoder"]
+__all__ = ["EncoderInputCheck", "ModalityEncoder"]
 
 
 class ModalityEncoder(nn.Module):
@@ -99,31 +100,17 @@ class ModalityEncoder(nn.Module):
         one of its layers' hidden states."""
         return isinstance(self.feature_count, Qwen2AudioFeatureCount)
 
-    def check_item(self, item: dict[str, Any]) -> None:
-        """Check one processed item (``pixel_values [C, H, W]`` or ``input_features [mel, T]``) against the
-        encoder's input shape, so that a processor that does not match the encoder is caught per sample.
-
-        Raises:
-            ValueError: naming the processor's and the encoder's channels, mel bins or window frames.
-        """
+    @property
+    def check_item(self) -> "EncoderInputCheck":
+        """The check of one processed item against this encoder's input shape (:class:`EncoderInputCheck`: a
+        small picklable object holding only the numbers it needs, so DataLoader workers do not receive the
+        encoder)."""
         cfg = self.encoder.config
-        if self.modality == "image" and "spatial_shapes" in item:
-            width, expected = int(item["pixel_values"].shape[-1]), int(cfg.num_channels) * int(cfg.patch_size) ** 2
-            if width != expected:
-                raise ValueError(f"the image processor gives patches of {width} values, the SigLIP2 encoder expects "
-                                 f"{expected} (num_channels x patch_size^2: check the processor's patch_size)")
-            return
         if self.modality == "image":
-            channels = int(item["pixel_values"].shape[0])
-            if channels != int(cfg.num_channels):
-                raise ValueError(f"the image processor gives {channels} channels, the encoder expects "
-                                 f"{int(cfg.num_channels)}")
-            return
-        mel, frames = (int(d) for d in item["input_features"].shape)
-        window = audio_window(cfg)
-        if (mel, frames) != window:
-            raise ValueError(f"the feature extractor gives {mel} mel bins x {frames} frames, the encoder expects "
-                             f"{window[0]} x {window[1]} (feature_size / chunk_length of the processor)")
+            siglip2 = cfg.model_type in SIGLIP2_TYPES
+            width = int(cfg.num_channels) * int(cfg.patch_size) ** 2 if siglip2 else 0
+            return EncoderInputCheck("image", int(cfg.num_channels), width)
+        return EncoderInputCheck("audio", audio_window=audio_window(cfg))
 
     def settings(self) -> dict[str, Any]:
         """The JSON-serialisable construction arguments (saved next to the weights)."""
@@ -250,3 +237,43 @@ def _image_groups(inputs: dict[str, Any]) -> dict[tuple[int, ...], list[int]]:
         key = tuple(int(d) for d in shapes[i]) if shapes is not None else tuple(img.shape)
         groups[key].append(i)
     return dict(groups)
+
+
+@dataclass(frozen=True)
+class EncoderInputCheck:
+    """Checks one processed item (``pixel_values [C, H, W]``, SigLIP2's patches ``[n, C x patch^2]`` with
+    ``spatial_shapes``, or ``input_features [mel, T]``) against an encoder's input shape, so that a processor that
+    does not match the encoder is caught per sample (``data.processing.ModalitySpec.check_item``).
+
+    Attributes:
+        modality: ``"image"`` or ``"audio"``.
+        channels: the image encoder's input channels (0 for audio).
+        patch_values: values per patch of a SigLIP2 tower (channels x patch_size^2), 0 for other towers.
+        audio_window: ``(mel bins, frames)`` the audio encoder accepts (``models.hf.audio_window``).
+    """
+
+    modality: str
+    channels: int = 0
+    patch_values: int = 0
+    audio_window: tuple[int, int] | None = None
+
+    def __call__(self, item: dict[str, Any]) -> None:
+        """Raises:
+            ValueError: naming the processor's and the encoder's channels, patch width, mel bins or frames.
+        """
+        if self.modality == "image" and "spatial_shapes" in item:
+            width = int(item["pixel_values"].shape[-1])
+            if width != self.patch_values:
+                raise ValueError(f"the image processor gives patches of {width} values, the SigLIP2 encoder expects "
+                                 f"{self.patch_values} (num_channels x patch_size^2: check the processor's patch_size)")
+            return
+        if self.modality == "image":
+            channels = int(item["pixel_values"].shape[0])
+            if channels != self.channels:
+                raise ValueError(f"the image processor gives {channels} channels, the encoder expects {self.channels}")
+            return
+        mel, frames = (int(d) for d in item["input_features"].shape)
+        if (mel, frames) != self.audio_window:
+            raise ValueError(f"the feature extractor gives {mel} mel bins x {frames} frames, the encoder expects "
+                             f"{self.audio_window[0]} x {self.audio_window[1]} (feature_size / chunk_length of the "
+                             "processor)")

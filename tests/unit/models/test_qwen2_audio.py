@@ -177,3 +177,24 @@ def test_too_long_clip_is_refused_naming_record_and_file(tmp_path, audio_job):
     processor = build_processor(cfg.model, model, tokenizer, 256)
     with pytest.raises(SampleError, match=r"record 'long-1'.*long.wav.*4.00 s is longer than the encoder window of 3.00 s"):
         processor(sample_at(JsonlSource(cfg.data.train), 0))
+
+
+def test_processor_pickles_without_the_encoder(tmp_path, audio_job):
+    """DataLoader workers (spawn) receive the processor pickled: its per-item encoder check must be the small
+    ``EncoderInputCheck``, never a bound method of the encoder module (transformers' hooks do not pickle, and the
+    weights would be copied to every worker)."""
+    import pickle
+
+    from plait.models.encoder import EncoderInputCheck
+    from plait.models.registry import build_model, build_processor, load_tokenizer
+
+    cfg = audio_job(tmp_path, demo_records("train", ("audio_transcribe",), limit=1))
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    model = build_model(cfg.model, tokenizer)
+    processor = build_processor(cfg.model, model, tokenizer, 256)
+    checks = [spec.check_item for spec in processor.specs.values()]
+    assert checks and all(isinstance(c, EncoderInputCheck) for c in checks)
+    again = pickle.loads(pickle.dumps(processor))
+    assert [spec.check_item for spec in again.specs.values()] == checks
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert len(pickle.dumps(processor)) < weights  # no encoder weights travel with it
