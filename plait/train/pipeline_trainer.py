@@ -160,6 +160,7 @@ class PipelineTrainer(Trainer):
         apply_activation_checkpointing(self.model, *checkpoint_policy(self.cfg))  # before pruning: whole model
         self.stages = build_rank_stages(self.model, self.plan, self.pp_rank, self.info.device)
         self.tp = apply_job_tensor_parallel(self.model, self.dims, None, self.info.rank, self.info.device.type)
+        self.sharded = None  # FSDP2 under PP is refused (layout())
         self.ddp_model = self.model  # pruned in place; no wrapper (the runtime reduces over DP)
         self.optimizer = None
         if self.stages.trainable_parameters():

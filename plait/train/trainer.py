@@ -497,12 +497,13 @@ class Trainer:
     def full_model(self, path: str | Path | None = None) -> MultimodalModel:
         """The whole trained model, for export (``final/``; evaluation never needs it): here the one in memory
         (``path`` is for trainers that hold a part of it and assemble the whole from a checkpoint, as
-        ``PipelineTrainer``); under FSDP2 the whole model from checkpoint ``path`` (default: the newest).
+        ``PipelineTrainer``); under FSDP2 or TP (parameters split over ranks) the whole model from checkpoint
+        ``path`` (default: the newest).
 
         Raises:
-            FileNotFoundError: under FSDP2 when there is no checkpoint.
+            FileNotFoundError: under FSDP2 or TP when there is no checkpoint.
         """
-        if self.sharded is None:
+        if self.sharded is None and self.tp is None:
             return self.model
         model = model_from_checkpoint(self.cfg, self.tokenizer, self.run_dir, path, self.info.device)
         self._use_attention(model)

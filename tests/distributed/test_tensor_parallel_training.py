@@ -85,6 +85,10 @@ def test_tp2_and_cp2_x_tp2_equal_single_process(tmp_path):
             assert other["world"] == 2 * degrees.get("cp", 1)
             assert any(n.startswith("language_model.") for n in other["sharded"])
             assert_same(single, other, frozen)
+            exported = other["exported"]  # final/'s whole model equals the trained split one
+            assert set(exported) == set(other["params"])
+            for n, value in other["params"].items():
+                torch.testing.assert_close(exported[n], value, rtol=0, atol=0, msg=n)
             if frozen:
                 assert other["eval"]["samples"] == single["eval"]["samples"] == 3
                 assert other["eval"]["exact"] == single["eval"]["exact"]

@@ -48,11 +48,16 @@ def main(config_path: str, out_path: str, resume: str = "") -> None:
     result = trainer.fit(resume=bool(resume))
     params = _gathered({n: _full(p) for n, p in _named(trainer)})
     sharded = sorted(_gathered({n: 0 for n, p in _named(trainer) if isinstance(p, DTensor)}))
+    exported = {}
+    if trainer.info.is_main:  # what plait train exports to final/ (rank 0, after fit): the whole model, saved
+        whole = trainer.full_model()
+        whole.save_pretrained(out_path + ".final")
+        exported = {n: p.detach().clone() for n, p in whole.named_parameters()}
     if trainer.info.is_main:
         last = getattr(trainer, "last_eval", None)
         evals = {"loss": last.loss_overall, "exact": last.exact_match_overall, "samples": last.samples} if last else {}
         torch.save({"losses": result["losses"], "params": params, "grads": grads, "sharded": sharded, "eval": evals,
-                    "world": trainer.info.world_size}, out_path)
+                    "world": trainer.info.world_size, "exported": exported}, out_path)
     if trainer.info.world_size > 1:
         torch.distributed.destroy_process_group()
 
