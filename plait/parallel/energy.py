@@ -95,6 +95,10 @@ class FrequencyController:
         """Set the frequency of the action about to run (``kind`` F/B/W of ``stage`` on ``microbatch``); returns it
         (MHz). The clock is changed only when it differs from the current one."""
         label = action_label(kind, stage, microbatch)
+        if not self.plan.plans_action(self.rank, label):
+            raise ValueError(f"the energy plan ([energy] plan) was made for another layout: it has no action "
+                             f"{label!r} on rank {self.rank}, which this job runs (plan {len(self.plan.schedule)} "
+                             "actions); make it for this job with plait energy --config <this job>")
         mhz = self.plan.frequency_of(self.point, self.rank, label)
         if mhz != self.current_mhz:
             self._apply(mhz)

@@ -469,7 +469,8 @@ def energy_plan(dag: EnergyDag, frontier: Sequence[FrontierCandidate], gpu: str,
                       for v, ((rank, a), c) in enumerate(zip(dag.actions, cand.choice))
                       if dag.options[v][c][0] != max_frequency_mhz)
         points.append(FrontierPoint(cand.time_s, cand.energy_j, freqs))
-    return EnergyPlan(gpu, int(max_frequency_mhz), tuple(points))
+    schedule = tuple(f"{rank} {action_label(a.kind, a.stage, a.microbatch)}" for rank, a in dag.actions)
+    return EnergyPlan(gpu, int(max_frequency_mhz), tuple(points), schedule)
 
 
 def _thin(frontier: Sequence[FrontierCandidate], limit: int) -> list[FrontierCandidate]:

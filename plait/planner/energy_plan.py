@@ -111,6 +111,9 @@ class EnergyPlan(JsonDataclass):
         gpu: GPU name (e.g. ``"h100"``, or the profiled device's name).
         max_frequency_mhz: the highest SM clock (MHz), the frequency of any action a point does not list.
         points: frontier points sorted by iteration time, ascending (the first is the fastest, ``T*``).
+        schedule: every action of the planned schedule as ``"<rank> <label>"`` (e.g. ``"1 F s1 m3"``), so that the
+            runtime refuses a plan made for another layout (:meth:`plans_action`); empty in plans written before
+            it existed (not checked).
 
     Raises:
         ValueError: on an empty gpu name, a max frequency <= 0, or points not sorted by time.
@@ -119,6 +122,16 @@ class EnergyPlan(JsonDataclass):
     gpu: str
     max_frequency_mhz: int
     points: tuple[FrontierPoint, ...] = ()
+    schedule: tuple[str, ...] = ()
+
+    @functools.cached_property
+    def _scheduled(self) -> frozenset[str]:
+        return frozenset(self.schedule)
+
+    def plans_action(self, rank: int, label: str) -> bool:
+        """Whether the planned schedule holds action ``label`` on ``rank`` (True for a plan without
+        ``schedule``)."""
+        return not self.schedule or f"{rank} {label}" in self._scheduled
 
     def __post_init__(self) -> None:
         if not self.gpu or self.max_frequency_mhz <= 0:

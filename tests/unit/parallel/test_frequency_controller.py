@@ -128,3 +128,19 @@ def test_energy_config_is_validated():
         validate(job({"patience": 0}, pp=1))
     with pytest.raises(ValueError, match=r"unknown config key\(s\) \['energy.plann'\]"):
         job({"plann": "x"})
+
+
+def test_a_plan_made_for_another_layout_is_refused_at_its_first_unknown_action():
+    """A plan records its schedule; the controller refuses an action the planned schedule does not hold (a
+    2-stage job given a plan made for one stage), instead of running it silently at the top clock."""
+    from plait.planner.energy_plan import ActionFrequency, EnergyPlan, FrontierPoint
+
+    point = FrontierPoint(1.0, 10.0, (ActionFrequency(0, "F s0 m0", 1140),))
+    plan = EnergyPlan("h100", 1980, (point,), schedule=("0 F s0 m0", "0 B s0 m0"))
+    again = EnergyPlan.from_json(plan.to_json())
+    assert again == plan and again.plans_action(0, "B s0 m0") and not again.plans_action(1, "F s1 m0")
+    controller = FrequencyController(again, rank=0)
+    assert controller.before("F", 0, 0) == 1140 and controller.before("B", 0, 0) == 1980
+    with pytest.raises(ValueError, match=r"made for another layout: it has no action 'F s0 m1' on rank 0"):
+        controller.before("F", 0, 1)
+    assert FrequencyController(EnergyPlan("h100", 1980, (point,)), rank=1).before("F", 1, 0) == 1980  # unchecked
