@@ -44,6 +44,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     plan_command(args.config, args.devices, args.out, overrides=overrides, device=args.device,
                  microbatches=args.microbatches, frozen_aware=not args.frozen_unaware,
                  macrobatches=args.macrobatches, dp_degrees=None if args.dp is None else [args.dp],
+                 memory_fraction=args.memory_fraction,
                  **({"virtual_stages": (1,), "attach_encoders": False} if args.one_stage_per_rank else {}))
     return 0
 
@@ -159,6 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="among the best plans of every DP degree and layout within TOLERANCE (default 0.02 = 2%%) "
                            "of the fastest iteration, choose the least energy per iteration (plait energy's frontier "
                            "at T*, --device's GPU preset, h100 by default)")
+    plan.add_argument("--memory-fraction", type=float, default=0.9,
+                      help="fraction of each device's memory a stage may use (the memory cap; the rest: CUDA context, "
+                           "workspaces); when no plain plan fits it, tp, dp_shard and activation checkpointing are "
+                           "searched (default 0.9)")
     plan.add_argument("--macrobatches", type=int, default=0,
                       help="sample N global batches from data.train: report how module totals vary and plan for "
                            "the expected batch (processes the training set; e.g. 32)")

@@ -444,7 +444,7 @@ def plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], 
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"--devices must be an integer >= 1, got {devices!r}")
     if not 0 < memory_fraction <= 1:
-        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        raise ValueError(f"--memory-fraction must be in (0, 1], got {memory_fraction}")
     if isinstance(macrobatches, bool) or not isinstance(macrobatches, int) or macrobatches < 0:
         raise ValueError(f"macrobatches must be an integer >= 0, got {macrobatches!r}")
     cfg, replaced = load_config_for_planning(config_path, overrides)

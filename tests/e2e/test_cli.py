@@ -112,6 +112,8 @@ def test_plan_and_simulate_commands(tmp_path):
     # demo.toml: 2 microbatches per step, so --dp is at most 2; the flag is named
     dp = plait("plan", "--config", str(ROOT / "configs" / "demo.toml"), "--devices", "4", "--dp", "3")
     assert dp.returncode == 2 and dp.stderr.startswith("plait: error: --dp 3: ") and "dp_degrees" not in dp.stderr
+    frac = plait("plan", "--config", str(ROOT / "configs" / "demo.toml"), "--devices", "4", "--memory-fraction", "0")
+    assert frac.returncode == 2 and "--memory-fraction must be in (0, 1], got 0.0" in frac.stderr
 
 
 def test_a_new_run_never_removes_an_earlier_one_and_a_longer_run_keeps_its_lr_smooth(tmp_path):
