@@ -19,7 +19,6 @@ and the caller skips the sweep with that message (``plait profile --energy``, ``
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -33,7 +32,7 @@ from plait.models.multimodal import MultimodalModel
 from plait.models.units import unit_specs
 from plait.planner.energy_profile import EnergyProfile, UnitEnergy
 from plait.planner.profile import ProfileKey
-from plait.train.profiler import KwargsFn, PassTiming, device_name, unit_pass_timings
+from plait.train.profiler import KwargsFn, PassTiming, device_name, median_seconds, unit_pass_timings
 
 __all__ = ["ClockControl", "EnergyTimer", "gpu_clock_control", "measure_energy_profile", "sweep_clocks"]
 
@@ -136,14 +135,7 @@ class EnergyTimer:
         """Median seconds of ``fn(setup())`` over ``repeats`` runs after ``warmup``; ``last_joules``: the energy
         per run of ``fn`` alone, by difference of two windows of ``n`` runs each (``n`` enough for
         ``min_window_s``, at most ``max_runs``): ``setup`` then ``fn``, and ``setup`` alone."""
-        times = []
-        for i in range(self.warmup + self.repeats):
-            state = setup()
-            start = self.now()
-            fn(state)
-            if i >= self.warmup:
-                times.append(self.now() - start)
-        seconds = statistics.median(times)
+        seconds = median_seconds(fn, setup, self.now, self.repeats, self.warmup)
         runs = min(self.max_runs, max(self.repeats, math.ceil(self.min_window_s / max(seconds, 1e-9))))
         both = self._window(runs, lambda: fn(setup()))
         alone = self._window(runs, setup)

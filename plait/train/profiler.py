@@ -61,8 +61,8 @@ from plait.planner.pipeline_plan import plan_pipeline
 from plait.planner.profile import Profile, ProfileKey, UnitMeasurement
 from plait.planner.schedules import build_schedule
 
-__all__ = ["CLOCKS", "KwargsFn", "LossFn", "PassTiming", "device_name", "measure_profile", "microbatch_shapes",
-           "profile_key", "unit_pass_timings"]
+__all__ = ["CLOCKS", "KwargsFn", "LossFn", "PassTiming", "device_name", "measure_profile", "median_seconds",
+           "microbatch_shapes", "profile_key", "unit_pass_timings"]
 
 CLOCKS = ("wall", "thread")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -139,14 +139,21 @@ class _Timer:
 
     def median(self, fn: Callable[[Any], Any], setup: Callable[[], Any]) -> float:
         """Median seconds of ``fn(setup())`` over ``repeats`` runs after ``warmup`` runs (``setup`` untimed)."""
-        times = []
-        for i in range(self.warmup + self.repeats):
-            state = setup()
-            start = self.now()
-            fn(state)
-            if i >= self.warmup:
-                times.append(self.now() - start)
-        return statistics.median(times) if times else 0.0
+        return median_seconds(fn, setup, self.now, self.repeats, self.warmup)
+
+
+def median_seconds(fn: Callable[[Any], Any], setup: Callable[[], Any], now: Callable[[], float], repeats: int,
+                   warmup: int) -> float:
+    """The one timing loop of the profilers: median seconds (by the clock ``now``) of ``fn(setup())`` over
+    ``repeats`` runs after ``warmup`` discarded ones, ``setup`` untimed; 0.0 when ``repeats`` is 0."""
+    times = []
+    for i in range(warmup + repeats):
+        state = setup()
+        start = now()
+        fn(state)
+        if i >= warmup:
+            times.append(now() - start)
+    return statistics.median(times) if times else 0.0
 
 
 def _nbytes(t: torch.Tensor) -> int:
