@@ -18,6 +18,7 @@ import transformers
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from plait.data.sources import path_note
+from plait.models.families.clips import checked_clip_samples
 from plait.models.families import qwen2_audio, siglip2
 
 __all__ = [
@@ -168,14 +169,7 @@ class AudioFeatureCount:
         Raises:
             ValueError: for an empty clip or one longer than the encoder window.
         """
-        n = int(num_samples)
-        if n <= 0:
-            raise ValueError("audio clip is empty")
-        if n > self.max_samples:
-            raise ValueError(
-                f"audio clip of {n / self.sampling_rate:.2f} s is longer than the encoder window of "
-                f"{self.max_samples / self.sampling_rate:.2f} s"
-            )
+        n = checked_clip_samples(num_samples, self.max_samples, self.sampling_rate)
         frames = math.ceil(n / self.hop_length)
         positions = math.ceil(frames / self.conv_stride)
         return math.ceil(positions / self.downsample)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from transformers.masking_utils import create_bidirectional_mask
 
+from plait.models.families.clips import checked_clip_samples
+
 __all__ = ["MODEL_TYPES", "ENCODER_CLASS", "Qwen2AudioFeatureCount", "qwen2_audio_attention_mask"]
 
 # config model_type -> the encoder config lives at (None: the config itself; "audio_config": a full model's)
@@ -63,14 +65,7 @@ class Qwen2AudioFeatureCount:
         Raises:
             ValueError: for an empty clip, one too short for a single feature, or one longer than the window.
         """
-        n = int(num_samples)
-        if n <= 0:
-            raise ValueError("audio clip is empty")
-        if n > self.max_samples:
-            raise ValueError(
-                f"audio clip of {n / self.sampling_rate:.2f} s is longer than the encoder window of "
-                f"{self.max_samples / self.sampling_rate:.2f} s"
-            )
+        n = checked_clip_samples(num_samples, self.max_samples, self.sampling_rate)
         pooled = (self.conv_positions(n) - 2) // 2 + 1
         if pooled <= 0:
             raise ValueError(f"audio clip of {n} samples is too short for one Qwen2-Audio feature "
