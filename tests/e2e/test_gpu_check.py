@@ -1,0 +1,26 @@
+"""``bench/gpu_check.py`` (issue 14's prepared GPU check) runs end to end on CPU at its smallest size: the flex vs
+SDPA check passes, the three training runs print their rows and plait's first-step loss equals the HF loop's."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_runs_on_cpu_at_the_smallest_size():
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--models", "tiny", "--steps", "1",
+                           "--batch", "2"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "flex within max(2 x SDPA's error, 1e-05): True" in out
+    rows = {name: re.search(rf"^{re.escape(name)}\s+([\d.]+)\s+(\d+)\s+([\d.]+)%\s+n/a\s+([\d.]+)\s+([\d.]+)$", out,
+                            re.M) for name in ("plait FSDP2 + AC", "plait FSDP2", "HF loop")}
+    assert all(rows.values()), out
+    losses = {name: float(m.group(5)) for name, m in rows.items()}
+    assert abs(losses["plait FSDP2 + AC"] - losses["HF loop"]) <= 2e-4 and abs(losses["plait FSDP2"] - losses["HF loop"]) <= 2e-4
+    saved = {name: float(m.group(4)) for name, m in rows.items()}
+    assert saved["plait FSDP2 + AC"] < saved["plait FSDP2"]  # checkpointing keeps less for the backward
+    assert "first-step loss vs the HF loop within 0.0001: True" in out
+    assert out.rstrip().splitlines()[-1].startswith("all checks passed: True")
