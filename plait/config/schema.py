@@ -11,6 +11,7 @@ from typing import Any
 
 __all__ = [
     "LoraConfig",
+    "VideoConfig",
     "EncoderConfig",
     "LLMConfig",
     "ModelConfig",
@@ -43,6 +44,22 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=list)
     """Names (last component) of the ``nn.Linear`` modules to adapt; empty = the family's default
     (:data:`plait.models.lora.DEFAULT_TARGETS`: attention q/k/v/o and MLP projections)."""
+
+
+@dataclass
+class VideoConfig:
+    """How an image branch takes a record's ``videos`` (``[model.encoders.<name>.video]``, :mod:`plait.data.video`):
+    frames are sampled from the stream's header, each sampled frame goes through the branch's image processor, and
+    the video's placeholder expands to frames x per-frame features (one image item of the branch per frame)."""
+
+    placeholder: str = "<video>"
+    """Placeholder of a video in the text; a single token of the tokenizer (else records with videos are refused)."""
+    fps: float = 1.0
+    """Frames sampled per second of video (frame ``k`` is the one shown at ``k / fps`` s); 0: every frame. A video
+    gives ``ceil(frames x fps / its frame rate)`` frames (every frame when fps is not below its rate)."""
+    max_frames: int = 32
+    """Most frames a video may give at ``fps``; a longer video is a bad record naming this field (see
+    ``data.on_error``); >= 1."""
 
 
 @dataclass
@@ -81,6 +98,8 @@ class EncoderConfig:
     """This branch's activation checkpointing, replacing ``train.activation_checkpointing`` (None: follow it)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters on the encoder (``r > 0`` turns them on; the encoder's base weights are then frozen)."""
+    video: VideoConfig = field(default_factory=VideoConfig)
+    """Videos fed to this branch (an image branch): placeholder, frame rate sampled, frame limit."""
 
 
 @dataclass
