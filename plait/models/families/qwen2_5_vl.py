@@ -1,0 +1,199 @@
+"""The Qwen2.5-VL vision tower (transformers' ``Qwen2_5_VisionTransformerPretrainedModel``): dynamic resolution,
+window attention and the 2x2 patch merger.
+
+The image processor (``Qwen2VLImageProcessorPil``: PIL backend, no torchvision) resizes each image to multiples of
+``patch_size * merge_size`` pixels within ``[min_pixels, max_pixels]`` and patchifies it: ``pixel_values
+[t*h*w, C * T * p * p]`` (``T = temporal_patch_size``; an image is one frame repeated to ``T``) and its grid
+``image_grid_thw = (t, h, w)`` in patches. The tower packs the patches of every image of a call into one sequence
+(``cu_seqlens`` per image, ``cu_window_seqlens`` per attention window), permutes them into window order, runs the
+blocks (full attention in ``fullatt_block_indexes``, window attention elsewhere) with 2D rotary position embeddings
+from the grid, and merges each 2x2 patch block with the merger (``ln_q`` + MLP to ``out_hidden_size``), back in
+image order: ``t * h * w / merge_size^2`` features per image, what ``Qwen2_5_VLModel.get_image_features`` returns.
+
+Projector role: the merger stays a unit of the tower (its last one, in the post-norm slot of the pipeline layout)
+and plait's projector follows it. The merger's weights live in the tower's checkpoint (``visual.merger``), it runs
+inside the stock forward on window-ordered hidden states before the reverse permutation, and the tower's
+``pooler_output`` is then exactly the merged features of Hugging Face's model (peer parity without touching the
+stock forward); a job that imports a Qwen2.5-VL checkpoint, whose merger already maps to the LLM width, sets the
+projector as the import chooses. Consequence: ``freeze`` of the branch freezes the merger with the blocks.
+
+Pipeline stages: the per-call inputs (rotary cos/sin, ``cu_seqlens``, window index) are recomputed on every stage
+from ``grid_thw`` (:class:`Qwen25VLCall`, the :mod:`plait.models.tower_call` hook); hidden states travel between
+stages in window order ``[patches, hidden]`` and the merger's stage restores image order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionRotaryEmbedding
+from transformers.utils.generic import get_max_seqlen
+from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids, get_vision_window_index
+
+__all__ = ["MODEL_TYPES", "ENCODER_CLASS", "MAX_PIXELS", "Qwen25VLFeatureCount", "Qwen25VLCall", "qwen2_5_vl_inputs",
+           "qwen2_5_vl_dummy_input", "patch_values", "check_qwen2_5_vl_processor", "feature_count", "max_patches"]
+
+# config model_type -> where the vision config lives (None: the config itself; "vision_config": a full model's)
+MODEL_TYPES = {"qwen2_5_vl_vision": None, "qwen2_5_vl": "vision_config"}
+ENCODER_CLASS = "Qwen2_5_VisionTransformerPretrainedModel"
+MAX_PIXELS = 12845056
+"""The largest image Qwen2.5-VL is published for (its processor's ``max_pixels``, 16384 merged 28x28 blocks): the
+tower's maximum, in pixels of the resized image."""
+
+
+@dataclass(frozen=True)
+class Qwen25VLFeatureCount:
+    """Features of one image or clip of ``(t, h, w)`` patches (the processor's ``image_grid_thw``):
+    ``t * h * w / merge_size^2`` (one per merged block), as ``Qwen2_5_VLModel.get_image_features`` splits them.
+
+    Attributes:
+        merge_size: the tower's ``spatial_merge_size`` (2: 2x2 blocks).
+        max_patches: patches of the largest image the tower takes (:data:`MAX_PIXELS` / ``patch_size^2``).
+    """
+
+    merge_size: int
+    max_patches: int
+
+    def __call__(self, size: tuple[int, ...]) -> int:
+        """Features (tokens) of a grid ``size = (t, h, w)`` (or ``(h, w)``: one frame) in patches.
+
+        Raises:
+            ValueError: for an empty grid, a side that is not a multiple of ``merge_size`` (the processor's
+                ``merge_size`` or ``patch_size`` is not the tower's), or more patches than ``max_patches``.
+        """
+        t, h, w = (1, *size) if len(size) == 2 else size
+        t, h, w = int(t), int(h), int(w)
+        if min(t, h, w) < 1:
+            raise ValueError(f"image grid {t}x{h}x{w} has no patch")
+        if h % self.merge_size or w % self.merge_size:
+            raise ValueError(f"image grid of {h}x{w} patches is not a multiple of the Qwen2.5-VL tower's "
+                             f"{self.merge_size}x{self.merge_size} merge blocks (the processor's merge_size or "
+                             "patch_size differs from the tower's)")
+        if h * w > self.max_patches:
+            raise ValueError(f"image of {h}x{w} = {h * w} patches is larger than the Qwen2.5-VL tower's maximum of "
+                             f"{self.max_patches} patches ({MAX_PIXELS} pixels: lower the processor's max_pixels)")
+        return t * h * w // self.merge_size**2
+
+
+def patch_values(config: Any) -> int:
+    """Values per patch row of ``pixel_values``: ``in_channels * temporal_patch_size * patch_size^2``."""
+    return int(config.in_channels) * int(config.temporal_patch_size) * int(config.patch_size) ** 2
+
+
+def check_qwen2_5_vl_processor(processor: Any, config: Any) -> None:
+    """Refuse, when the job is built, an image processor that does not fit the tower ``config``: its ``patch_size``,
+    ``temporal_patch_size`` or ``merge_size`` differs from the tower's, or its largest image (``max_pixels``,
+    ``size.longest_edge``) is above :data:`MAX_PIXELS`.
+
+    Raises:
+        ValueError: starting with the processor field (``processor.max_pixels = ...``).
+    """
+    for field, tower in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+                         ("merge_size", "spatial_merge_size")):
+        value = getattr(processor, field, None)
+        if value is not None and int(value) != int(getattr(config, tower)):
+            raise ValueError(f"processor.{field} = {value} but the Qwen2.5-VL tower's {tower} is "
+                             f"{getattr(config, tower)}; leave it out to use the tower's")
+    size = getattr(processor, "size", None) or {}
+    largest = size.get("longest_edge") if hasattr(size, "get") else None
+    if largest is not None and int(largest) > MAX_PIXELS:
+        raise ValueError(f"processor.max_pixels = {largest} is above the Qwen2.5-VL tower's maximum of {MAX_PIXELS} "
+                         "pixels (size.longest_edge); lower it or leave it out")
+
+
+def qwen2_5_vl_inputs(pixel_values: list[torch.Tensor], grids: list[torch.Tensor]) -> dict[str, Any]:
+    """Stock-forward kwargs packing images of any sizes into one call: ``hidden_states [sum t*h*w, C*T*p*p]``
+    (the tower's name for its input patches) and ``grid_thw [n, 3]``."""
+    pixels = torch.cat(pixel_values)
+    grid = torch.stack([torch.as_tensor(g, dtype=torch.long) for g in grids]).to(pixels.device)
+    return {"hidden_states": pixels, "grid_thw": grid}
+
+
+def qwen2_5_vl_dummy_input(config: Any, dtype: torch.dtype, device: torch.device | str | None) -> dict[str, Any]:
+    """A one-image input of one window (``window_size`` pixels square), zeros in ``dtype``. On the meta device the
+    per-call tensors are passed precomputed (the stock forward accepts them): position ids and window index on
+    ``device``, the sequence boundaries (read with ``.tolist()``) and the grid on the CPU."""
+    side = max(1, int(config.window_size) // int(config.patch_size))
+    side += side % int(config.spatial_merge_size)
+    grid = torch.tensor([[1, side, side]])
+    pixels = torch.zeros(side * side, patch_values(config), dtype=dtype, device=device)
+    if torch.device(device or "cpu").type != "meta":
+        return {"hidden_states": pixels, "grid_thw": grid.to(device)}
+    pre = _precomputed(config, grid)
+    pre["position_ids"], pre["window_index"] = pre["position_ids"].to(device), pre["window_index"].to(device)
+    return {"hidden_states": pixels, "grid_thw": grid, **pre}
+
+
+def _precomputed(config: Any, grid: torch.Tensor) -> dict[str, Any]:
+    """The per-call tensors of a call on ``grid`` ``[n, 3]`` by transformers' own helpers (``vision_utils``), under
+    the kwarg names the stock forward accepts precomputed."""
+    merge = int(config.spatial_merge_size)
+    cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, config)
+    window_index, cu_window = get_vision_window_index(grid, merge, int(config.window_size), int(config.patch_size))
+    out = {"position_ids": get_vision_position_ids(grid, merge), "cu_seqlens": cu_seqlens,
+           "window_index": window_index.to(grid.device), "cu_window_seqlens": cu_window}
+    out["max_seqlen"], out["max_window_seqlen"] = max_seqlen, get_max_seqlen(cu_window, config)
+    return out
+
+
+class Qwen25VLCall:
+    """Per-call inputs of one Qwen2.5-VL tower call (the :class:`plait.models.tower_call.TowerCall` interface),
+    from its ``grid_thw`` only: every block gets ``cu_seqlens`` (per image for ``fullatt_block_indexes``, per
+    window otherwise), the matching ``max_seqlen`` (flash attention) and the rotary ``(cos, sin)`` in window order;
+    the merger's output is put back in image order. Hidden states between stages are ``[patches, hidden]`` in
+    window order (the stock forward's ``last_hidden_state``).
+
+    Args:
+        encoder: the tower (a pipeline rank's pruned one: its ``patch_embed`` and ``rotary_pos_emb`` may be
+            ``nn.Identity``; the rotary table is rebuilt from the config, a parameter-free module).
+        kwargs: one call's stock-forward kwargs (:func:`qwen2_5_vl_inputs`).
+    """
+
+    def __init__(self, encoder: nn.Module, kwargs: dict[str, Any]) -> None:
+        self.encoder, self.grid = encoder, kwargs["grid_thw"]
+
+    @cached_property
+    def _pre(self) -> dict[str, Any]:
+        return _precomputed(self.encoder.config, self.grid)
+
+    def _rope(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary ``(cos, sin)`` ``[patches, head_dim]`` in window order, as the stock forward computes them."""
+        if not hasattr(self, "_cos_sin"):
+            rotary = Qwen2_5_VLVisionRotaryEmbedding(self.encoder.config).to(hidden.device)
+            pre, seq = self._pre, hidden.shape[0]
+            cos_sin = rotary(hidden, pre["position_ids"].to(hidden.device))
+            index = pre["window_index"].to(hidden.device)
+            self._cos_sin = tuple(self.encoder.permute_input_for_window_attn(f, index, seq) for f in cos_sin)
+        return self._cos_sin  # type: ignore[return-value]
+
+    def stock_output(self, out: Any, owns_post_norm: bool) -> torch.Tensor:
+        """The merged features ``[features, out_hidden_size]`` (``pooler_output``, image order) when the merger
+        ran, else the last block's ``[patches, hidden]`` in window order."""
+        return out.pooler_output if owns_post_norm else out.last_hidden_state
+
+    def layer(self, layer: nn.Module, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Block number ``index`` on window-ordered ``hidden`` ``[patches, hidden]``."""
+        full = index in self.encoder.config.fullatt_block_indexes
+        pre = self._pre
+        cu = (pre["cu_seqlens"] if full else pre["cu_window_seqlens"]).to(hidden.device)
+        longest = pre["max_seqlen"] if full else pre["max_window_seqlen"]
+        return layer(hidden, cu_seqlens=cu, max_seqlen=longest, position_embeddings=self._rope(hidden))
+
+    def post_norm(self, module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """The merger on window-ordered ``hidden``, its output back in image order ``[features, out_hidden]``."""
+        return module(hidden)[torch.argsort(self._pre["window_index"].to(hidden.device))]
+
+
+def max_patches(config: Any) -> int:
+    """Patches of a :data:`MAX_PIXELS` image for the tower's ``patch_size``."""
+    return MAX_PIXELS // int(config.patch_size) ** 2
+
+
+def feature_count(config: Any) -> Qwen25VLFeatureCount:
+    """The tower's feature-count function (shared by the processor and the encoder)."""
+    return Qwen25VLFeatureCount(int(config.spatial_merge_size), max_patches(config))
+
