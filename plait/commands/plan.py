@@ -42,6 +42,7 @@ from plait.data.chat_template import tokenizer_dir
 from plait.data.loader import GlobalBatchLoader, MultimodalDataset
 from plait.models.registry import build_model, build_processor, load_tokenizer, placeholder_of
 from plait.commands.plan_costs import host_cpu, host_device, runtime_costs, stored_profile
+from plait.commands.plan_fit import no_fit_message
 from plait.commands.plan_snippet import MODEL_UNITS, pp_snippet
 from plait.models.units import model_units
 from plait.parallel.checkpointing import checkpoint_policy
@@ -390,11 +391,16 @@ def plan_command(
     setup = plan_setup(config_path, devices, overrides, device, microbatches, items_per_sample, memory_fraction,
                         dp_degrees, dp_link_Bps, macrobatches, profile_store, stream)
     cfg, inputs, spec = setup.cfg, setup.inputs, setup.spec
-    choice = plan_parallel(
-        inputs.units, inputs.costs, devices, microbatches=inputs.microbatches, frozen_aware=frozen_aware,
-        layouts=layouts, dp_degrees=dp_degrees, rel_tol=rel_tol, virtual_stages=virtual_stages,
-        attach_encoders=attach_encoders, **setup.search, **setup.degrees,
-    )
+    try:
+        choice = plan_parallel(
+            inputs.units, inputs.costs, devices, microbatches=inputs.microbatches, frozen_aware=frozen_aware,
+            layouts=layouts, dp_degrees=dp_degrees, rel_tol=rel_tol, virtual_stages=virtual_stages,
+            attach_encoders=attach_encoders, **setup.search, **setup.degrees,
+        )
+    except ValueError as exc:
+        if not str(exc).startswith(("no plan fits", "no layout fits")):
+            raise
+        raise ValueError(no_fit_message(setup, devices, memory_fraction)) from None
     print(f"plait plan: {config_path} on {devices} x {spec.name}, {inputs.microbatches} microbatches of "
           f"{cfg.train.microbatch_size} samples (global batch {cfg.train.global_batch_size})", file=stream)
     print(format_plan(choice), file=stream)

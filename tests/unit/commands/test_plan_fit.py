@@ -1,0 +1,57 @@
+"""``plait plan`` with no fitting plan says so in one short sentence a user can act on (the cap and the least need in
+GiB/MiB, what to change), not the search's internal cases; ``least_need`` is a lower bound of every option."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+
+import pytest
+
+from plait.commands.plan import plan_command, plan_setup
+from plait.commands.plan_fit import least_need
+from plait.planner.cost_model import DeviceSpec
+from plait.planner.graph import consistent_units
+from plait.planner.search_parallel import degree_options
+from plait.planner.sharding import ParallelDegrees, rank_memory
+from tests.conftest import ROOT
+
+DEMO = ROOT / "configs" / "demo.toml"
+
+
+def _setup(memory_bytes: float, devices: int):
+    device = dataclasses.replace(DeviceSpec.h100(), memory_bytes=memory_bytes)
+    return plan_setup(DEMO, devices, (), device, None, 1, 0.9, None, None, 0, None, io.StringIO()), device
+
+
+def test_least_need_of_a_sharded_option_is_its_whole_rank_memory():
+    setup, _ = _setup(80 * 2**30, 4)
+    units, costs = consistent_units(setup.inputs.units), setup.inputs.costs
+    option = ParallelDegrees(1, 4, "full")
+    need, best = least_need(units, costs, 4, [option], dtype=setup.search["dtype"])
+    assert best == option
+    assert need == pytest.approx(rank_memory(units, costs, option, dtype=setup.search["dtype"]).total)
+    plain, _ = least_need(units, costs, 4, [ParallelDegrees()], dtype=setup.search["dtype"])
+    whole = rank_memory(units, costs, ParallelDegrees(), dtype=setup.search["dtype"]).total
+    assert whole / 4 <= plain <= whole
+
+
+def test_no_plan_fits_is_one_readable_sentence(tmp_path):
+    setup, _ = _setup(80 * 2**30, 2)
+    need, best = least_need(setup.inputs.units, setup.inputs.costs, 2, degree_options(2),
+                            dtype=setup.search["dtype"])
+    _, device = _setup(0.5 * need / 0.9, 2)  # a cap of half the least need
+    with pytest.raises(ValueError) as info:
+        plan_command(DEMO, 2, tmp_path / "plan.json", device=device, out=io.StringIO(), profile_store=None)
+    text = str(info.value)
+    assert ";" in text and text.count(";") == 1 and "memory_cap=" not in text and "bytes" not in text
+    assert len(text) < 420 and "\n" not in text
+    shown = float(re.search(r"needs is about ([\d.]+) MiB", text).group(1))
+    assert shown == pytest.approx(need / 2**20, abs=0.05)
+    assert f"tp {best.tp}, dp_shard {best.dp_shard}, activation checkpointing {best.checkpointing}" in text
+    for hint in ("--devices", "--memory-fraction", "--device"):
+        assert hint in text
+    with pytest.raises(ValueError):  # the bound holds: just under it nothing fits either
+        _, device = _setup(0.99 * need / 0.9, 2)
+        plan_command(DEMO, 2, None, device=device, out=io.StringIO(), profile_store=None)
