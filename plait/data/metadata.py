@@ -6,7 +6,9 @@ LLM length, text tokens, target tokens and per media item the placeholder tokens
 the file header (``PIL.Image.open(...).size`` reads no pixels); the size the image processor outputs for that
 input size is found once per distinct size by processing a blank image of it (exact for any processor whose
 output shape depends only on the input size, as resize / center-crop processors do). Audio lengths come from
-the header (``wave`` for WAV, as the decoder reads it; ``soundfile.info`` for other formats). The result equals
+the header (``wave`` for WAV, as the decoder reads it; ``soundfile.info`` for other formats). A video's frame count,
+rate and frame size come from its container and stream headers (:func:`plait.data.video.read_video_header`: no
+frame is decoded), its sampled frames from :func:`plait.data.video.sample_indices`. The result equals
 what :class:`~plait.data.processing.MultimodalProcessor` computes when it decodes the sample (the loader checks
 that at load time, :meth:`plait.data.loader.MultimodalDataset.load`).
 
@@ -42,6 +44,7 @@ from tqdm import tqdm
 from plait.data.chat_template import render_prompt, render_with_assistant_mask
 from plait.data.processing import MultimodalProcessor, SampleMeta, process_image
 from plait.data.sources import MediaBytes, RecordSource, SampleError, parse_record, path_note, record_id
+from plait.data.video import VideoHeader, read_video_header
 
 __all__ = ["SkippedSample", "MetadataTable", "metadata_key", "metadata_pass", "record_metadata", "default_cache_dir",
            "METADATA_VERSION"]
@@ -70,6 +73,7 @@ class _Headers:
     def __init__(self) -> None:
         self.images: dict[str, tuple[int, int]] = {}
         self.audios: dict[str, tuple[int, int]] = {}
+        self.videos: dict[str, VideoHeader] = {}
         self.processed: dict[tuple[int, int, int], tuple[int, int]] = {}
 
 
@@ -118,6 +122,18 @@ def _audio_header(item: str | MediaBytes, memo: _Headers) -> tuple[int, int]:
     return header
 
 
+def _video_header(item: str | MediaBytes, memo: _Headers) -> VideoHeader:
+    """The video's :class:`VideoHeader` (no frame decoded), memoised by path. Raises SampleError like
+    ``load_video``."""
+    key = None if isinstance(item, bytes) else str(item)
+    if key is not None and key in memo.videos:
+        return memo.videos[key]
+    header = read_video_header(item)
+    if key is not None:
+        memo.videos[key] = header
+    return header
+
+
 def _processed_image_size(spec: Any, size: tuple[int, int], memo: _Headers) -> tuple[int, int]:
     """``(H, W)`` of ``spec.hf_processor``'s output for an input of ``size = (width, height)``."""
     key = (id(spec), *size)
@@ -127,18 +143,24 @@ def _processed_image_size(spec: Any, size: tuple[int, int], memo: _Headers) -> t
     return memo.processed[key]
 
 
-def _item_tokens(spec: Any, item: str | MediaBytes, memo: _Headers) -> int:
-    """Placeholder tokens of one media item, from its header; the checks of the decoding path."""
-    if spec.modality == "image":
-        size = _processed_image_size(spec, _image_size(item, memo), memo)
+def _item_tokens(kind: str, spec: Any, item: str | MediaBytes, memo: _Headers) -> list[int]:
+    """Placeholder tokens of each encoder item of one media item (one for an image or a clip, one per frame for a
+    video with the default encoding), from its header; the checks of the decoding path."""
+    if kind == "video":
+        header = _video_header(item, memo)
+        frames = len(spec.video.frame_indices(header, item))
+        frame = _processed_image_size(spec, (header.width, header.height), memo)
+        sizes = spec.video.encoding.sizes(frames, frame)
+    elif kind == "image":
+        sizes = [_processed_image_size(spec, _image_size(item, memo), memo)]
     else:
         frames, rate = _audio_header(item, memo)
         expected = int(spec.hf_processor.sampling_rate)
         if rate != expected:
             raise SampleError(f"audio {item} is sampled at {rate} Hz; the feature extractor expects {expected} Hz")
-        size = frames
+        sizes = [frames]
     try:
-        return spec.feature_count(size)
+        return [spec.feature_count(size) for size in sizes]
     except ValueError as exc:
         raise SampleError(f"{item}: {exc}") from exc
 
@@ -167,34 +189,29 @@ def _record_metadata(processor: MultimodalProcessor, raw: Any, prompt_only: bool
         ids, answer = render_with_assistant_mask(processor.tokenizer, messages)
         if not any(answer):
             raise SampleError("the chat template marked no assistant tokens (empty answer?)")
-    for modality, items in raw.media.items():
-        if items and modality not in processor.specs:
-            raise SampleError(f"has {len(items)} {modality} item(s) but the model has no {modality} encoder")
-    counts: dict[int, list[int]] = {}
-    for modality, spec in processor.specs.items():
-        items = raw.media.get(modality, ())
-        n_placeholders = sum(1 for t in ids if t == spec.placeholder_id)
-        if n_placeholders != len(items):
-            raise SampleError(f"{n_placeholders} {spec.placeholder} placeholder(s) in the text but {len(items)} "
-                              f"{modality} item(s)")
-        counts[spec.placeholder_id] = [_item_tokens(spec, it, memo) for it in items]
+    processor.check_placeholders(raw.media, ids)
+    counts = {pid: [_item_tokens(kind, spec, it, memo) for it in raw.media.get(kind, ())]
+              for kind, (spec, pid, _) in processor.placeholders().items()}
     return _expanded_meta(processor, raw, ids, answer, counts)
 
 
 def _expanded_meta(processor: MultimodalProcessor, raw: Any, ids: list[int], answer: list[int],
-                   counts: dict[int, list[int]]) -> SampleMeta:
-    """Counts of the expanded sequence (each placeholder repeated by its item's tokens), as the processor lays
-    it out: ``target_tokens`` counts answer tokens at positions >= 1 (a label is the next token)."""
-    encoder = {s.placeholder_id: s.encoder for s in processor.specs.values()}
+                   counts: dict[int, list[list[int]]]) -> SampleMeta:
+    """Counts of the expanded sequence (each placeholder repeated by its encoder items' tokens; ``counts``: per
+    placeholder id, per occurrence, the tokens of each encoder item), as the processor lays it out:
+    ``target_tokens`` counts answer tokens at positions >= 1 (a label is the next token)."""
+    encoder = {pid: spec.encoder for spec, pid, _ in processor.placeholders().values()}
+    seen = dict.fromkeys(encoder, 0)
     items: list[tuple[str, int]] = []
     length = text = targets = 0
     first_answer = None
     for tok, is_answer in zip(ids, answer):
         if tok in encoder:
-            n = counts[tok][sum(1 for e, _ in items if e == encoder[tok])]
-            items.append((encoder[tok], n))
-            first_answer = 0 if first_answer is None and n else first_answer
-            length += n
+            for n in counts[tok][seen[tok]]:
+                items.append((encoder[tok], n))
+                first_answer = 0 if first_answer is None and n else first_answer
+                length += n
+            seen[tok] += 1
             continue
         first_answer = int(is_answer) if first_answer is None else first_answer
         length, text, targets = length + 1, text + 1, targets + int(is_answer)
@@ -280,7 +297,7 @@ class _ChunkTask(torch.utils.data.Dataset):
     def _stamps(self) -> dict[str, tuple[int, int]]:
         """``path -> (size, mtime_ns)`` of the media files this process read since its last chunk."""
         out = {}
-        for path in {*self.memo.images, *self.memo.audios} - self.stamped:
+        for path in {*self.memo.images, *self.memo.audios, *self.memo.videos} - self.stamped:
             self.stamped.add(path)
             st = os.stat(path)
             out[path] = (st.st_size, st.st_mtime_ns)
@@ -444,13 +461,15 @@ def _duplicates(hashes: np.ndarray, id_len: np.ndarray, blob: np.ndarray,
 def metadata_key(source: RecordSource, processor: MultimodalProcessor, prompt_only: bool, rows: int) -> str:
     """SHA-256 (hex) of everything the metadata depends on: :data:`METADATA_VERSION`, the source's identity
     (files, sizes, mtimes), the rows read, ``prompt_only``, the tokenizer (class, vocabulary and rules,
-    special tokens, chat template), ``max_length`` and per encoder branch its placeholder, feature-count rule
-    and the settings of its image processor / feature extractor."""
+    special tokens, chat template), ``max_length`` and per encoder branch its placeholder, feature-count rule,
+    the settings of its image processor / feature extractor and its video settings (placeholder, fps, max
+    frames, encoding)."""
     tok = processor.tokenizer
     backend = getattr(tok, "backend_tokenizer", None)
     vocab = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
     specs = [[s.encoder, s.modality, s.placeholder, s.placeholder_id, repr(s.feature_count),
-              s.hf_processor.to_json_string() if hasattr(s.hf_processor, "to_json_string") else repr(s.hf_processor)]
+              s.hf_processor.to_json_string() if hasattr(s.hf_processor, "to_json_string") else repr(s.hf_processor),
+              repr(s.video)]
              for s in processor.specs.values()]
     desc = {"version": METADATA_VERSION, "source": source.identity(), "rows": rows, "prompt_only": prompt_only,
             "tokenizer": [type(tok).__name__, hashlib.sha256(vocab.encode()).hexdigest(), tok.chat_template,

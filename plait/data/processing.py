@@ -21,9 +21,10 @@ from PIL import Image
 
 from plait.data.chat_template import render_prompt, render_with_assistant_mask
 from plait.data.sources import RawSample, SampleError, path_note
+from plait.data.video import VideoSpec, load_video
 
-__all__ = ["ModalitySpec", "SampleMeta", "ProcessedSample", "MultimodalProcessor", "load_audio", "load_image",
-           "process_image"]
+__all__ = ["ModalitySpec", "SampleMeta", "ProcessedSample", "MultimodalProcessor", "PerFrame", "load_audio",
+           "load_image", "process_image"]
 
 IGNORE = -100
 
@@ -41,6 +42,8 @@ class ModalitySpec:
         feature_count: the encoder's feature-count function (image ``(H, W)`` or audio samples -> tokens).
         check_item: the encoder's check of one processed item (raises ``ValueError`` when the processor's output
             does not fit the encoder: channels, mel bins, window), or None.
+        video: for an image branch that also takes videos, how (:class:`plait.data.video.VideoSpec`: placeholder,
+            frame sampling, the family's encoding of frames into image items), else None.
     """
 
     encoder: str
@@ -50,6 +53,7 @@ class ModalitySpec:
     hf_processor: Any
     feature_count: Callable[[Any], int]
     check_item: Callable[[dict[str, Any]], None] | None = None
+    video: VideoSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,20 @@ def process_image(hf_processor: Any, image: Image.Image) -> tuple[dict[str, Any]
     return {"pixel_values": pixels}, (int(pixels.shape[-2]), int(pixels.shape[-1]))
 
 
+@dataclass(frozen=True)
+class PerFrame:
+    """The default :class:`plait.data.video.VideoEncoding` of an image branch: every sampled frame is one image item
+    (:func:`process_image`), so a video's placeholder expands to frames x per-frame features."""
+
+    def items(self, hf_processor: Any, frames: list[Image.Image]) -> list[tuple[dict[str, Any], Any]]:
+        """Each frame through :func:`process_image`: ``[(item, size), ...]``."""
+        return [process_image(hf_processor, frame) for frame in frames]
+
+    def sizes(self, frames: int, frame_size: Any) -> list[Any]:
+        """``frame_size`` (one processed frame's size) once per frame."""
+        return [frame_size] * frames
+
+
 def load_audio(path: str | bytes) -> tuple[np.ndarray, int]:
     """Decode audio to mono float32 in [-1, 1]: ``(samples [n], sampling_rate in Hz)``. ``path``: a file path,
     or the encoded file itself as ``bytes`` (embedded media, :class:`plait.data.sources.MediaBytes`).
@@ -198,11 +216,14 @@ class MultimodalProcessor:
         tokenizer: a Hugging Face tokenizer with a chat template (any: one that wraps assistant turns in
             ``{% generation %}`` marks them itself, others are rendered turn by turn, see
             :func:`plait.data.chat_template.render_with_assistant_mask`).
-        specs: one :class:`ModalitySpec` per encoder branch (at most one branch per modality).
+        specs: one :class:`ModalitySpec` per encoder branch (at most one branch per modality); the image branch's
+            ``video`` takes the records' videos (each expands into image items of that branch,
+            :mod:`plait.data.video`).
         max_length: longest sequence in tokens; longer samples are refused, never cut through a span.
 
     Raises:
-        ValueError: when two specs share a modality or a placeholder is not a single token.
+        ValueError: when two specs share a modality, a placeholder is not a single token, or two placeholders
+            are the same token.
     """
 
     def __init__(self, tokenizer: Any, specs: list[ModalitySpec], max_length: int) -> None:
@@ -216,6 +237,45 @@ class MultimodalProcessor:
         self.tokenizer = tokenizer
         self.specs = {s.modality: s for s in specs}
         self.max_length = max_length
+        ids = [pid for _, pid, _ in self.placeholders().values()]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"placeholders must be distinct tokens, got {list(self.placeholders())} -> {ids}")
+
+    def placeholders(self) -> dict[str, tuple[ModalitySpec, int, str]]:
+        """Per kind of media a record holds (``"image"``, ``"audio"``, ``"video"``: the keys of
+        :attr:`RawSample.media`) that this processor takes: ``(branch spec, placeholder id, placeholder)``. Videos
+        go to the image branch whose ``video`` placeholder is a token."""
+        out = {m: (s, s.placeholder_id, s.placeholder) for m, s in self.specs.items()}
+        image = self.specs.get("image")
+        if image is not None and image.video is not None and image.video.placeholder_id is not None:
+            out["video"] = (image, image.video.placeholder_id, image.video.placeholder)
+        return out
+
+    def check_placeholders(self, media: dict[str, tuple[Any, ...]], ids: list[int]) -> None:
+        """Refuse a record whose media do not match its placeholders.
+
+        Raises:
+            SampleError: for items of a kind no branch takes (naming the video placeholder field when the
+                placeholder is not a token) or a placeholder/item count mismatch.
+        """
+        kinds = self.placeholders()
+        for kind, items in media.items():
+            if items and kind not in kinds:
+                raise SampleError(f"has {len(items)} {kind} item(s) but {self._no_branch(kind)}")
+        for kind, (_, pid, placeholder) in kinds.items():
+            n_items, n_placeholders = len(media.get(kind, ())), sum(1 for t in ids if t == pid)
+            if n_placeholders != n_items:
+                raise SampleError(f"{n_placeholders} {placeholder} placeholder(s) in the text but {n_items} {kind} "
+                                  "item(s)")
+
+    def _no_branch(self, kind: str) -> str:
+        image = self.specs.get("image")
+        if kind == "video" and image is not None and image.video is not None:
+            return (f"the video placeholder {image.video.placeholder!r} is not a token of the tokenizer "
+                    f"({image.video.field}.placeholder)")
+        if kind == "video":
+            return "the model has no image encoder to encode video frames"
+        return f"the model has no {kind} encoder"
 
     @property
     def pad_id(self) -> int:
@@ -240,26 +300,30 @@ class MultimodalProcessor:
     def _process(self, sample: RawSample, prompt_only: bool) -> ProcessedSample:
         messages = list(sample.messages[:-1] if prompt_only else sample.messages)
         ids, assistant = self._render(messages, prompt_only)
-        inputs, counts = self._media(sample, ids)
+        media = self._media(sample, ids)
+        inputs: dict[str, list[dict[str, Any]]] = {s.encoder: [] for s in self.specs.values()}
         out_ids: list[int] = []
         out_mask: list[int] = []
         out_item: list[int] = []
-        cursors = {m: 0 for m in self.specs}
-        by_id = {s.placeholder_id: s for s in self.specs.values()}
+        kinds = self.placeholders()
+        by_id = {pid: kind for kind, (_, pid, _) in kinds.items()}
+        cursors = dict.fromkeys(by_id.values(), 0)
         items: list[tuple[str, int]] = []
         for tok, is_answer in zip(ids, assistant):
-            spec = by_id.get(tok)
-            if spec is None:
+            kind = by_id.get(tok)
+            if kind is None:
                 out_ids.append(tok)
                 out_mask.append(is_answer)
                 out_item.append(-1)
                 continue
-            n = counts[spec.modality][cursors[spec.modality]]
-            cursors[spec.modality] += 1
-            out_ids += [tok] * n
-            out_mask += [0] * n
-            out_item += [len(items)] * n
-            items.append((spec.encoder, n))
+            spec = kinds[kind][0]
+            for item, n in media[kind][cursors[kind]]:  # a video: one item per frame (or temporal group)
+                out_ids += [spec.placeholder_id] * n
+                out_mask += [0] * n
+                out_item += [len(items)] * n
+                items.append((spec.encoder, n))
+                inputs[spec.encoder].append(item)
+            cursors[kind] += 1
         if len(out_ids) > self.max_length:
             raise SampleError(f"{len(out_ids)} tokens is longer than data.max_length={self.max_length}")
         input_ids = torch.tensor(out_ids, dtype=torch.long)
@@ -285,35 +349,28 @@ class MultimodalProcessor:
             raise SampleError("the chat template marked no assistant tokens (empty answer?)")
         return ids, mask
 
-    def _media(self, sample: RawSample, ids: list[int]) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[int]]]:
-        inputs: dict[str, list[dict[str, Any]]] = {}
-        counts: dict[str, list[int]] = {}
-        for modality, paths in sample.media.items():
-            if paths and modality not in self.specs:
-                raise SampleError(f"has {len(paths)} {modality} item(s) but the model has no {modality} encoder")
-        for modality, spec in self.specs.items():
-            paths = sample.media.get(modality, ())
-            n_placeholders = sum(1 for t in ids if t == spec.placeholder_id)
-            if n_placeholders != len(paths):
-                raise SampleError(
-                    f"{n_placeholders} {spec.placeholder} placeholder(s) in the text but {len(paths)} {modality} item(s)"
-                )
-            items = [self._item(spec, p) for p in paths]
-            inputs[spec.encoder] = [it for it, _ in items]
-            counts[modality] = [c for _, c in items]
-        return inputs, counts
+    def _media(self, sample: RawSample, ids: list[int]) -> dict[str, list[list[tuple[dict[str, Any], int]]]]:
+        """Per media kind, per item in placeholder order, its encoder items and their tokens (one for an image or
+        a clip, one per frame for a video)."""
+        self.check_placeholders(sample.media, ids)
+        return {kind: [self._item(kind, spec, p) for p in sample.media.get(kind, ())]
+                for kind, (spec, _, _) in self.placeholders().items()}
 
-    def _item(self, spec: ModalitySpec, path: str) -> tuple[dict[str, Any], int]:
-        if spec.modality == "image":
+    def _item(self, kind: str, spec: ModalitySpec, path: str) -> list[tuple[dict[str, Any], int]]:
+        if kind == "video":
+            frames = load_video(path, spec.video)
+            items = spec.video.encoding.items(spec.hf_processor, frames)
+            return [(self._checked(spec, item, path), self._count(spec, size, path)) for item, size in items]
+        if kind == "image":
             item, size = process_image(spec.hf_processor, load_image(path))
-            return self._checked(spec, item, path), self._count(spec, size, path)
+            return [(self._checked(spec, item, path), self._count(spec, size, path))]
         data, rate = load_audio(path)
         expected = int(spec.hf_processor.sampling_rate)
         if rate != expected:
             raise SampleError(f"audio {path} is sampled at {rate} Hz; the feature extractor expects {expected} Hz")
         count = self._count(spec, len(data), path)
         feats = spec.hf_processor(data, sampling_rate=rate, return_tensors="pt")["input_features"][0]
-        return self._checked(spec, {"input_features": feats, "num_samples": len(data)}, path), count
+        return [(self._checked(spec, {"input_features": feats, "num_samples": len(data)}, path), count)]
 
     @staticmethod
     def _checked(spec: ModalitySpec, item: dict[str, Any], path: str) -> dict[str, Any]:

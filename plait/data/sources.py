@@ -9,7 +9,8 @@ One record per line (UTF-8, lines ending at ``\\n``; see :func:`read_jsonl`)::
 
 Media paths are relative to the JSONL file's folder (absolute paths are kept). ``id`` (a non-empty string or
 an integer, unique in the file) and ``messages`` are required; ``task`` is optional (``"default"``);
-``images``/``audios`` default to none; ``meta`` is free-form and ignored. Any other field is an error
+``images``/``audios``/``videos`` default to none (``videos`` fill ``<video>`` placeholders: :mod:`plait.data.video`);
+``meta`` is free-form and ignored. Any other field is an error
 (:data:`RECORD_FIELDS`), so a misspelt key such as ``"image"`` cannot silently drop the media. A media item
 may also be the file's bytes (formats that embed media, such as Parquet: :mod:`plait.data.formats`); such an item
 is kept as :class:`MediaBytes`.
@@ -36,7 +37,7 @@ __all__ = ["RawSample", "SampleError", "MediaBytes", "Row", "RecordSource", "Fil
            "ROLES", "RECORD_FIELDS"]
 
 ROLES = ("system", "user", "assistant")
-RECORD_FIELDS = ("id", "task", "messages", "images", "audios", "meta")
+RECORD_FIELDS = ("id", "task", "messages", "images", "audios", "meta", "videos")
 """The fields a record may have (module docstring)."""
 _UTF8_BOM = b"\xef\xbb\xbf"
 
@@ -58,7 +59,7 @@ class RawSample:
         id: record id (an integer id as its decimal string).
         task: task name used to group validation accuracy.
         messages: ``({"role": ..., "content": ...}, ...)``; roles in :data:`ROLES`, last one is the assistant.
-        media: per modality (``"image"``, ``"audio"``) the items in placeholder order: absolute file paths, or
+        media: per kind (``"image"``, ``"audio"``, ``"video"``) the items in placeholder order: absolute file paths, or
             :class:`MediaBytes` for media embedded in the data file.
         source: where the record is (``"<jsonl path>:<line>"``, :data:`Row`), for error messages.
     """
@@ -331,7 +332,7 @@ def parse_record(obj: dict[str, Any], where: str, base_dir: str | Path) -> RawSa
     if clean[-1]["role"] != "assistant":
         raise SampleError(f"{label}: the last message must be the assistant's answer")
     media = {}
-    for modality, key in (("image", "images"), ("audio", "audios")):
+    for modality, key in (("image", "images"), ("audio", "audios"), ("video", "videos")):
         items = obj.get(key, []) or []
         if not isinstance(items, list) or not all(isinstance(p, (str, bytes)) for p in items):
             raise SampleError(f"{label}: {key!r} must be a list of file paths")

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from plait.data.processing import PerFrame
 from plait.models.hf import (
     AudioFeatureCount,
     VisionFeatureCount,
@@ -111,6 +112,13 @@ class ModalityEncoder(nn.Module):
             width = int(cfg.num_channels) * int(cfg.patch_size) ** 2 if siglip2 else 0
             return EncoderInputCheck("image", int(cfg.num_channels), width)
         return EncoderInputCheck("audio", audio_window=audio_window(cfg))
+
+    @property
+    def video_encoding(self) -> PerFrame:
+        """How this (image) branch encodes a video's sampled frames (:class:`plait.data.video.VideoEncoding`): by
+        default every frame is one image item (:class:`plait.data.processing.PerFrame`); a family with temporal
+        patches (Qwen2.5-VL) returns its own encoding here."""
+        return PerFrame()
 
     def settings(self) -> dict[str, Any]:
         """The JSON-serialisable construction arguments (saved next to the weights)."""

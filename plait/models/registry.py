@@ -14,6 +14,7 @@ from plait.config.schema import EncoderConfig, ModelConfig
 from plait.data.chat_template import read_chat_template, template_names
 from plait.data.processing import ModalitySpec, MultimodalProcessor
 from plait.data.sources import path_note
+from plait.data.video import VideoSpec
 from plait.models.encoder import ModalityEncoder
 from plait.models.hf import build_causal_lm, build_encoder, encoder_hidden_size
 from plait.models.init import materialize, weight_source
@@ -234,7 +235,7 @@ def build_processor(cfg: ModelConfig, model: MultimodalModel, tokenizer: Any, ma
         else:
             placeholder, hf = placeholder_of(enc), _hf_processor(enc, branch)
         specs.append(ModalitySpec(name, branch.modality, placeholder, model.placeholder_ids[name], hf,
-                                  branch.feature_count, branch.check_item))
+                                  branch.feature_count, branch.check_item, _video_spec(name, enc, branch, tokenizer)))
     return MultimodalProcessor(tokenizer, specs, max_length)
 
 
@@ -253,3 +254,19 @@ def _pretrained_processor(root: Path, name: str, enc: EncoderConfig, branch: Mod
     else:
         cls = transformers.AutoImageProcessor if branch.modality == "image" else transformers.AutoFeatureExtractor
     return cls.from_pretrained(str(folder), **kwargs)
+
+
+def _video_spec(name: str, enc: EncoderConfig, branch: ModalityEncoder, tokenizer: Any) -> VideoSpec | None:
+    """How image branch ``name`` takes videos (``[model.encoders.<name>.video]``; the placeholder id is None when
+    the placeholder is not a token: records with videos are then refused naming the field); None for audio.
+
+    Raises:
+        ValueError: for a negative fps or a frame limit below 1 (naming the field).
+    """
+    if branch.modality != "image":
+        return None
+    video = enc.video
+    tid = tokenizer.convert_tokens_to_ids(video.placeholder)
+    tid = None if tid is None or tid == tokenizer.unk_token_id else int(tid)
+    return VideoSpec(video.placeholder, tid, float(video.fps), int(video.max_frames), f"model.encoders.{name}.video",
+                     branch.video_encoding)

@@ -1,0 +1,217 @@
+"""Video records: headers, frame sampling, decoding and the per-branch encoding hook.
+
+A record's ``videos`` (file paths, or encoded bytes embedded in the data file) fill the ``<video>`` placeholders of
+its text in order. A video is fed to the job's image branch: its frames are sampled at ``fps`` frames per second of
+video (:func:`sample_indices`, from the stream's header alone), each sampled frame goes through the branch's image
+processor like an image, and the branch's :class:`VideoEncoding` turns the frames into encoder items. The default
+(:class:`plait.data.processing.PerFrame`) makes every frame one image item, so a video's placeholder expands to
+``frames x per-frame features`` tokens of the branch's image placeholder; a tower with temporal patches (Qwen2.5-VL)
+supplies its own encoding (``ModalityEncoder.video_encoding``).
+
+Decoding uses PyAV (``av``: Python bindings to FFmpeg whose wheels bundle the FFmpeg libraries, so nothing has to
+be installed on the system; torchcodec needs the system's FFmpeg libraries). :func:`read_video_header` reads the
+container and stream headers only (no frame is decoded): the metadata pass (:mod:`plait.data.metadata`) counts a
+video's tokens from it; :func:`load_video` decodes the sampled frames when the sample is loaded.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from PIL import Image
+
+from plait.data.sources import SampleError, path_note
+
+__all__ = ["VideoHeader", "VideoEncoding", "VideoSpec", "read_video_header", "sample_indices",
+           "load_video"]
+
+
+@dataclass(frozen=True)
+class VideoHeader:
+    """What a video's headers say, without decoding a frame.
+
+    Attributes:
+        frames: frames of the video stream (the stream's count, else duration x frame rate, rounded).
+        rate: frames per second of the stream (its average rate), exact.
+        width, height: frame size in pixels.
+    """
+
+    frames: int
+    rate: Fraction
+    width: int
+    height: int
+
+    @property
+    def duration_s(self) -> float:
+        """Length in seconds (``frames / rate``)."""
+        return float(self.frames / self.rate)
+
+
+class VideoEncoding(Protocol):
+    """How an image branch turns a video's sampled frames into encoder items (the family hook).
+
+    ``items(hf_processor, frames)``: the frames (RGB PIL images, in time order) as ``[(item, size), ...]``: each an
+    item of the branch's encoder inputs (as :func:`plait.data.processing.process_image` returns for an image) and
+    the size its feature-count function takes. ``sizes(frames, frame_size)``: the same sizes from the number of
+    sampled frames and the size one processed frame has (``process_image``'s size), for the metadata pass, which
+    decodes nothing. ``len(items(...)) == len(sizes(...))`` and the sizes are equal.
+    """
+
+    def items(self, hf_processor: Any, frames: Sequence[Image.Image]) -> list[tuple[dict[str, Any], Any]]: ...
+
+    def sizes(self, frames: int, frame_size: Any) -> list[Any]: ...
+
+
+@dataclass(frozen=True)
+class VideoSpec:
+    """How an image branch takes videos: placeholder, sampling and encoding.
+
+    Attributes:
+        placeholder: the video placeholder in the text (``"<video>"``).
+        placeholder_id: its token id, or None when it is not a single token of the tokenizer (a record with
+            videos is then refused, naming the field).
+        fps: frames sampled per second of video; 0 samples every frame.
+        max_frames: most frames a video may give (more is a bad record, naming the field).
+        field: the config table of these settings, for error messages (``"model.encoders.vision.video"``).
+        encoding: the branch's :class:`VideoEncoding` (``plait.data.processing.PerFrame``: an item per frame).
+
+    Raises:
+        ValueError: for a negative ``fps`` or ``max_frames`` below 1 (naming the field).
+    """
+
+    placeholder: str
+    placeholder_id: int | None
+    fps: float
+    max_frames: int
+    field: str
+    encoding: VideoEncoding
+
+    def __post_init__(self) -> None:
+        if not self.fps >= 0:
+            raise ValueError(f"{self.field}.fps must be >= 0 (0: every frame), got {self.fps}")
+        if self.max_frames < 1:
+            raise ValueError(f"{self.field}.max_frames must be >= 1, got {self.max_frames}")
+
+    def frame_indices(self, header: VideoHeader, item: Any) -> list[int]:
+        """:func:`sample_indices` of this spec's ``fps`` / ``max_frames`` for a video (``item`` names it)."""
+        return sample_indices(header, self.fps, self.max_frames, f"video {item}", self.field)
+
+
+def _open(item: str | bytes) -> Any:
+    """``av.open`` of a path or of embedded bytes. Raises SampleError for a missing file."""
+    import av
+
+    if not isinstance(item, bytes) and not Path(item).is_file():
+        raise SampleError(f"video file {item} does not exist{path_note(item)}")
+    return av.open(io.BytesIO(item) if isinstance(item, bytes) else str(item))
+
+
+def read_video_header(item: str | bytes) -> VideoHeader:
+    """The :class:`VideoHeader` of a video file (or embedded bytes, :class:`plait.data.sources.MediaBytes`) from its
+    container and stream headers; no frame is decoded.
+
+    Raises:
+        SampleError: when the file is missing, not a readable container, has no video stream, or has no frames
+            (zero length), naming the file.
+    """
+    try:
+        with _open(item) as container:
+            return _header(container, item)
+    except SampleError:
+        raise
+    except Exception as exc:  # av.error.* for unreadable containers
+        raise SampleError(f"cannot decode video {item}: {_reason(exc)}") from exc
+
+
+def _header(container: Any, item: Any) -> VideoHeader:
+    if not container.streams.video:
+        raise SampleError(f"video {item} has no video stream")
+    stream = container.streams.video[0]
+    rate = stream.average_rate or stream.guessed_rate
+    if not rate or rate <= 0:
+        raise SampleError(f"video {item} has no frame rate in its header")
+    rate = Fraction(rate)
+    frames = int(stream.frames or 0)
+    if frames <= 0:
+        if stream.duration is not None and stream.time_base is not None:
+            seconds = Fraction(stream.duration) * Fraction(stream.time_base)
+        elif container.duration is not None:
+            seconds = Fraction(container.duration, 1_000_000)  # av.time_base: microseconds
+        else:
+            seconds = Fraction(0)
+        frames = int(round(seconds * rate))
+    if frames <= 0:
+        raise SampleError(f"video {item} has no frames (zero length)")
+    ctx = stream.codec_context
+    return VideoHeader(frames, rate, int(ctx.width), int(ctx.height))
+
+
+def sample_indices(header: VideoHeader, fps: float, max_frames: int, label: str = "video",
+                   field: str = "video") -> list[int]:
+    """Indices of the frames sampled from a video: ``ceil(frames x fps / rate)`` frames, frame ``k`` being the one
+    shown at time ``k / fps`` (``floor(k x rate / fps)``); every frame when ``fps`` is 0 or not below the video's
+    own rate. Exact (rational arithmetic), a function of the header only.
+
+    Args:
+        header: the video's header.
+        fps: frames per second to sample (0: every frame).
+        max_frames: the most frames allowed.
+        label, field: the video and the config table, for the error.
+
+    Raises:
+        SampleError: when more than ``max_frames`` frames would be sampled (naming the limit and its field).
+    """
+    step = header.rate / Fraction(str(fps)) if fps else Fraction(1)
+    if step <= 1:
+        indices = list(range(header.frames))
+    else:
+        count = math.ceil(header.frames / step)
+        indices = [math.floor(k * step) for k in range(count)]
+    if len(indices) > max_frames:
+        at = f"{fps:g} frames per second" if fps else "every frame"
+        raise SampleError(f"{label} gives {len(indices)} frames ({header.duration_s:.2f} s sampled at {at}), more than "
+                          f"{field}.max_frames = {max_frames}; raise {field}.max_frames or lower {field}.fps")
+    return indices
+
+
+def load_video(item: str | bytes, spec: VideoSpec) -> list[Image.Image]:
+    """Decode the frames ``spec`` samples from a video (:meth:`VideoSpec.frame_indices` of its header), as RGB
+    images in time order.
+
+    Raises:
+        SampleError: as :func:`read_video_header`, for too many frames, and when the frames cannot be decoded or the
+            stream ends before a sampled frame (a truncated or corrupt file), naming the file.
+    """
+    try:
+        with _open(item) as container:
+            header = _header(container, item)
+            wanted = spec.frame_indices(header, item)
+            return _decode(container, wanted, header, item)
+    except SampleError:
+        raise
+    except Exception as exc:  # av.error.* (InvalidDataError, ...) for corrupt streams
+        raise SampleError(f"cannot decode video {item}: {_reason(exc)}") from exc
+
+
+def _decode(container: Any, wanted: list[int], header: VideoHeader, item: Any) -> list[Image.Image]:
+    """The frames at ``wanted`` (sorted indices) of the first video stream, decoding from the start."""
+    keep, out = set(wanted), []
+    index = -1
+    for index, frame in enumerate(container.decode(video=0)):
+        if index in keep:
+            out.append(frame.to_image().convert("RGB"))
+            if len(out) == len(wanted):
+                return out
+    raise SampleError(f"cannot decode video {item}: the stream ends after {index + 1} frame(s) but its header says "
+                      f"{header.frames} (frame {wanted[len(out)]} is sampled); the file is truncated or corrupt")
+
+
+def _reason(exc: Exception) -> str:
+    """The decoder's message without PyAV's ``<_io.BytesIO object at 0x...>`` for embedded bytes."""
+    return str(exc).split(": '<_io.BytesIO")[0]
+
