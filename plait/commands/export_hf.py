@@ -1,0 +1,83 @@
+"""``plait export``: a trained plait model back as a Hugging Face multimodal checkpoint.
+
+``plait export --run runs/llava15 --format llava --out llava-trained`` reads ``<run>/final`` (or a ``final/``
+folder itself: the model, ``tokenizer/``, ``processors/<branch>/``), merges LoRA adapters into their base weights,
+and writes a ``LlavaForConditionalGeneration`` / ``Qwen2AudioForConditionalGeneration`` folder with its processor
+(``LlavaProcessor`` / ``Qwen2AudioProcessor``: the branch's image processor or feature extractor, the tokenizer and
+its chat template), which ``transformers``' ``from_pretrained`` and ``AutoProcessor`` load. A composite the class
+cannot hold (two encoders, a projector LLaVA lacks, ...) is refused naming the difference
+(:func:`plait.models.hf_io.check_exportable`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import transformers
+
+from plait.data.sources import path_note
+from plait.models.hf_io import HF_FORMATS, check_exportable, hf_from_composite, hf_processor, merge_adapters
+from plait.models.multimodal import PLAIT_CONFIG, MultimodalModel
+
+__all__ = ["export_command", "export_checkpoint", "final_folder"]
+
+
+def export_command(run: str | Path, fmt: str, out: str | Path | None = None) -> int:
+    """``plait export``: :func:`export_checkpoint`, then print where it went. Returns 0.
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`export_checkpoint`.
+    """
+    folder = export_checkpoint(run, fmt, out)
+    print(f"plait: exported {final_folder(run)} as {HF_FORMATS[fmt].model_class} to {folder} "
+          f"(transformers: {HF_FORMATS[fmt].model_class}.from_pretrained, AutoProcessor.from_pretrained)", flush=True)
+    return 0
+
+
+def final_folder(run: str | Path) -> Path:
+    """The trained model folder of ``run``: ``run`` itself when it holds ``plait_config.json``, else ``run/final``.
+
+    Raises:
+        FileNotFoundError: naming what is missing.
+    """
+    root = Path(run)
+    if not root.is_dir():
+        raise FileNotFoundError(f"--run {root}: no such folder{path_note(root)}")
+    for folder in (root, root / "final"):
+        if (folder / PLAIT_CONFIG).is_file():
+            return folder
+    raise FileNotFoundError(f"--run {root}: neither it nor {root / 'final'} holds {PLAIT_CONFIG} (plait train writes "
+                            "the trained model to <metrics.run_dir>/final)")
+
+
+def export_checkpoint(run: str | Path, fmt: str, out: str | Path | None = None) -> Path:
+    """Write the trained model of ``run`` (:func:`final_folder`) as ``fmt``'s Hugging Face class and processor to
+    ``out`` (default ``<final>/../hf-<fmt>``); returns the folder.
+
+    Raises:
+        ValueError: for an unknown ``fmt``, a composite the class cannot hold, an ``out`` folder holding files.
+        FileNotFoundError: for a missing model, ``tokenizer/`` or ``processors/<branch>/`` folder.
+    """
+    if fmt not in HF_FORMATS:
+        raise ValueError(f"--format {fmt!r}: plait export writes {', '.join(HF_FORMATS)}")
+    spec, final = HF_FORMATS[fmt], final_folder(run)
+    target = Path(out) if out is not None else final.parent / f"hf-{fmt}"
+    if target.exists() and any(target.iterdir()):
+        raise ValueError(f"--out {target} already holds files; choose another folder or remove it")
+    model = MultimodalModel.from_pretrained(final)
+    check_exportable(model, spec)
+    name = next(iter(model.encoders))
+    folders = {"tokenizer": final / "tokenizer", "processor": final / "processors" / name}
+    for what, folder in folders.items():
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder} does not exist: the export needs the {what} plait train saves in "
+                                    "final/")
+    merge_adapters(model.language_model)
+    merge_adapters(model.encoders[name].encoder)
+    hf = hf_from_composite(model, spec)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folders["tokenizer"]))
+    auto = transformers.AutoImageProcessor if spec.modality == "image" else transformers.AutoFeatureExtractor
+    media = auto.from_pretrained(str(folders["processor"]))
+    hf.save_pretrained(target)
+    hf_processor(spec, model, tokenizer, media).save_pretrained(target)
+    return target

@@ -1,0 +1,181 @@
+"""``plait import``: a local Hugging Face multimodal checkpoint as a plait model and a job that trains from it.
+
+``plait import --from llava-1.5-7b-hf --out imported/llava15`` reads a ``LlavaForConditionalGeneration``
+(LLaVA-1.5 style) or ``Qwen2AudioForConditionalGeneration`` folder (weights, ``config.json``, processor and
+tokenizer files, as ``save_pretrained`` writes them) and writes
+
+- ``<out>/model/``: the composite as ``plait train`` writes ``final/`` (LLM, encoder and projector weights,
+  ``plait_config.json`` with the feature layer, selection and placeholder id; ``tokenizer/`` with the chat
+  template; ``processors/<branch>/`` with the image processor or feature extractor), loadable by
+  ``model.pretrained``, ``plait generate --model`` and ``plait export``;
+- ``<out>/job.toml``: a job that fine-tunes it (``model.pretrained`` = that folder; set ``data.train``).
+
+The mapping is :mod:`plait.models.hf_io` (the same tensors, so ``plait export`` gives the checkpoint back
+bit-identically).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import transformers
+from transformers import AutoConfig, AutoProcessor
+
+from plait.data.chat_template import read_chat_template
+from plait.data.sources import path_note
+from plait.models.hf_io import HfFormat, composite_from_hf, hf_format_of, string_content_template
+from plait.models.multimodal import MultimodalModel
+
+__all__ = ["import_command", "import_checkpoint", "job_toml"]
+
+
+def import_command(source: str | Path, out: str | Path, *, train: str = "", val: str = "",
+                   chat_template: str = "") -> int:
+    """``plait import``: :func:`import_checkpoint`, then print what was written. Returns 0.
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`import_checkpoint`.
+    """
+    model_dir, job = import_checkpoint(source, out, train=train, val=val, chat_template=chat_template)
+    print(f"plait: imported {source} into {model_dir} (model.pretrained) and the job {job}", flush=True)
+    print(f"plait: set data.train in {job}, then: plait train --config {job}", flush=True)
+    return 0
+
+
+def import_checkpoint(source: str | Path, out: str | Path, *, train: str = "", val: str = "",
+                      chat_template: str = "") -> tuple[Path, Path]:
+    """Write ``<out>/model`` and ``<out>/job.toml`` from the checkpoint folder ``source`` (module docstring).
+
+    Args:
+        train, val: data files the job names (default: ``<out>/train.jsonl``, no validation).
+        chat_template: a Jinja file or committed template name for a checkpoint without a chat template.
+
+    Returns:
+        ``(model folder, job file)``.
+
+    Raises:
+        FileNotFoundError: when ``source`` is not a folder.
+        ValueError: for a folder without ``config.json`` or processor files, an unsupported or refused class
+            (:func:`plait.models.hf_io.hf_format_of`), a placeholder token that is not the config's id, no chat
+            template, or an ``out`` folder that already holds a model.
+    """
+    src, root = Path(source), Path(out)
+    fmt = _format(src)
+    model_dir = root / "model"
+    if model_dir.exists() and any(model_dir.iterdir()):
+        raise ValueError(f"{model_dir} already holds files; choose another --out or remove it")
+    processor = _processor(src)
+    media = processor.image_processor if fmt.modality == "image" else processor.feature_extractor
+    hf = getattr(transformers, fmt.model_class).from_pretrained(str(src)).eval()
+    _check_placeholder(fmt, hf.config, processor, src)
+    audio = {"hop_length": int(media.hop_length), "sampling_rate": int(media.sampling_rate)} \
+        if fmt.modality == "audio" else {}
+    model = composite_from_hf(hf, fmt, **audio)
+    tokenizer = processor.tokenizer
+    tokenizer.chat_template = _chat_template(processor, tokenizer, chat_template, src)
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir / "tokenizer")
+    media.save_pretrained(model_dir / "processors" / fmt.branch)
+    job = root / "job.toml"
+    job.write_text(job_toml(fmt, src, model_dir, model, train or str(root / "train.jsonl"), val))
+    return model_dir, job
+
+
+def _format(src: Path) -> HfFormat:
+    """The checkpoint's :class:`HfFormat` from its ``config.json``."""
+    if not src.is_dir():
+        raise FileNotFoundError(f"--from {src}: no such folder{path_note(src)}")
+    if not (src / "config.json").is_file():
+        raise ValueError(f"--from {src}: no config.json (a Hugging Face checkpoint folder, as save_pretrained "
+                         "writes it)")
+    return hf_format_of(AutoConfig.from_pretrained(str(src)), str(src))
+
+
+def _processor(src: Path) -> Any:
+    """The checkpoint's Hugging Face processor (image processor or feature extractor, tokenizer, chat template).
+
+    Raises:
+        ValueError: when the folder holds no processor files.
+    """
+    try:
+        return AutoProcessor.from_pretrained(str(src))
+    except (OSError, ValueError, TypeError) as exc:
+        raise ValueError(f"--from {src}: cannot load its processor ({str(exc)[:200]}); the folder needs the "
+                         "processor and tokenizer files (processor_config.json or preprocessor_config.json, "
+                         "tokenizer files)") from None
+
+
+def _check_placeholder(fmt: HfFormat, config: Any, processor: Any, src: Path) -> None:
+    """The processor's placeholder token must be the model's placeholder id.
+
+    Raises:
+        ValueError: naming both.
+    """
+    token = processor.image_token if fmt.modality == "image" else processor.audio_token
+    tid = processor.tokenizer.convert_tokens_to_ids(token)
+    want = int(getattr(config, fmt.token_field))
+    if tid != want:
+        raise ValueError(f"--from {src}: the processor's placeholder {token!r} is token {tid}, but the model's "
+                         f"{fmt.token_field} is {want}")
+
+
+def _chat_template(processor: Any, tokenizer: Any, override: str, src: Path) -> str:
+    """The chat template plait renders records with: ``override`` (a file or committed name), else the processor's
+    or tokenizer's, made to render string contents (:func:`plait.models.hf_io.string_content_template`).
+
+    Raises:
+        ValueError: when there is none.
+    """
+    if override:
+        return read_chat_template(override)
+    template = getattr(processor, "chat_template", None) or tokenizer.chat_template
+    if not template:
+        raise ValueError(f"--from {src}: no chat template in the processor or tokenizer; give --chat-template "
+                         "(a Jinja file or a committed name such as chatml)")
+
+    def render(text: str, messages: list[dict[str, Any]]) -> str:
+        return tokenizer.apply_chat_template(messages, chat_template=text, tokenize=False)
+
+    return string_content_template(template, render)
+
+
+def job_toml(fmt: HfFormat, src: Path, model_dir: Path, model: MultimodalModel, train: str, val: str) -> str:
+    """The text of the imported job: fine-tune the LLM and projector, the tower frozen (LLaVA-1.5's stage 2),
+    sequences up to the LLM's ``max_position_embeddings`` (at most 2048 tokens)."""
+    limit = int(getattr(model.language_model.config, "max_position_embeddings", 2048) or 2048)
+    token = model.placeholder_ids[fmt.branch]
+    val_line = f'val = "{Path(val).resolve()}"\n' if val else ""
+    run_dir = (model_dir.parent / "runs" / "finetune").resolve()
+    return f"""# plait job written by plait import from {src.resolve()} ({fmt.model_class}).
+# The model (LLM, {fmt.branch} encoder and projector, placeholder id {token}, processor, chat template) is in
+# {model_dir.resolve()}. Set data.train (plait JSONL, LLaVA JSON or Parquet; one placeholder per item in the text,
+# as the tokenizer's processor writes it), then
+#   plait train --config <this file>
+# and back to Hugging Face: plait export --run {run_dir} --format {fmt.name}
+
+[model]
+pretrained = "{model_dir.resolve()}"
+
+[model.llm]
+freeze = false
+
+[model.encoders.{fmt.branch}]
+freeze = true  # the tower as imported (false: train it too)
+
+[data]
+train = "{Path(train).resolve()}"
+{val_line}max_length = {min(limit, 2048)}
+
+[train]
+global_batch_size = 16
+microbatch_size = 4
+epochs = 1
+lr = 2e-5
+warmup_steps = 10
+weight_decay = 0.0
+grad_clip = 1.0
+
+[metrics]
+run_dir = "{run_dir}"
+"""

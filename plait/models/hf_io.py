@@ -1,0 +1,327 @@
+"""Hugging Face multimodal checkpoints in and out of plait's composite: the weight and config mapping.
+
+A ``LlavaForConditionalGeneration`` (LLaVA-1.5 style) or ``Qwen2AudioForConditionalGeneration`` is exactly a plait
+composite with one branch: its tower (``model.vision_tower`` / ``model.audio_tower``, a stock CLIP/SigLIP vision
+model or ``Qwen2AudioEncoder``), its projector (``model.multi_modal_projector``: LLaVA's Linear-GELU-Linear is
+plait's ``"mlp"``, Qwen2-Audio's one Linear is plait's ``"linear"``), its LLM (``model.language_model``, the
+decoder stack, plus ``lm_head``: the text config's ``*ForCausalLM``), the placeholder id (``image_token_id`` /
+``audio_token_id``) and the feature selection (LLaVA's ``vision_feature_layer``, ``vision_feature_select_strategy``
+``"default"`` = plait's ``drop_cls``; Qwen2-Audio's pooled last hidden state). :func:`composite_from_hf` and
+:func:`hf_from_composite` move the same module objects and tensors from one class to the other (nothing is copied
+or computed, so a round trip is bit-identical); :func:`check_exportable` refuses a composite that the class cannot
+hold, naming what differs. The processors (Hugging Face's ``LlavaProcessor`` / ``Qwen2AudioProcessor`` around the
+branch's image processor or feature extractor) are built by :func:`hf_processor`.
+
+Refused on import with the reason (:func:`hf_format_of`): LLaVA-NeXT's anyres tiling and Qwen2-VL/Qwen2.5-VL's
+multimodal rotary positions, which plait's composition does not have.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import peft
+import torch
+import transformers
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from plait.models.encoder import ModalityEncoder
+from plait.models.hf import llm_layout
+from plait.models.lora import ADAPTER, base_state_dict, has_lora
+from plait.models.multimodal import MultimodalModel
+from plait.models.projector import build_projector
+
+__all__ = ["HfFormat", "HF_FORMATS", "hf_format_of", "composite_from_hf", "hf_from_composite", "check_exportable",
+           "hf_processor", "merge_adapters", "string_content_template"]
+
+
+@dataclass(frozen=True)
+class HfFormat:
+    """One Hugging Face multimodal class plait maps to and from a one-branch composite.
+
+    Attributes:
+        name: the ``--format`` name (``"llava"``).
+        model_type: the checkpoint's ``config.model_type``.
+        model_class: the transformers class.
+        processor_class: its transformers processor class.
+        modality: the branch's modality; ``branch`` its name in plait.
+        tower: attribute of ``model.model`` holding the encoder.
+        projector: plait's projector kind; ``projector_keys`` maps plait's projector state-dict keys to the
+            class's ``multi_modal_projector`` keys.
+        token_field: the config field of the placeholder id.
+        encoder_types: encoder ``model_type`` values the class accepts.
+    """
+
+    name: str
+    model_type: str
+    model_class: str
+    processor_class: str
+    modality: str
+    branch: str
+    tower: str
+    projector: str
+    projector_keys: tuple[tuple[str, str], ...]
+    token_field: str
+    encoder_types: tuple[str, ...]
+
+
+_MLP_KEYS = tuple((f"linear_{i}.{p}", f"linear_{i}.{p}") for i in (1, 2) for p in ("weight", "bias"))
+HF_FORMATS = {
+    "llava": HfFormat("llava", "llava", "LlavaForConditionalGeneration", "LlavaProcessor", "image", "vision",
+                      "vision_tower", "mlp", _MLP_KEYS, "image_token_id",
+                      ("clip_vision_model", "siglip_vision_model")),
+    "qwen2_audio": HfFormat("qwen2_audio", "qwen2_audio", "Qwen2AudioForConditionalGeneration", "Qwen2AudioProcessor",
+                            "audio", "audio", "audio_tower", "linear",
+                            (("linear_1.weight", "linear.weight"), ("linear_1.bias", "linear.bias")), "audio_token_id",
+                            ("qwen2_audio_encoder",)),
+}
+"""The supported classes by ``--format`` name."""
+
+_REFUSED = {
+    "llava_next": "LLaVA-NeXT's anyres tiling (several crops per image chosen from image_grid_pinpoints, plus the "
+                  "learned image_newline row embedding) is not in plait's composition, which feeds one fixed-size "
+                  "image per <image> placeholder; import a LLaVA-1.5-style LlavaForConditionalGeneration",
+    "llava_next_video": "LLaVA-NeXT-Video's anyres tiling and video pooling are not in plait's composition",
+    "llava_onevision": "LLaVA-OneVision's anyres tiling is not in plait's composition",
+    "qwen2_5_vl": "Qwen2.5-VL's LLM takes multimodal rotary positions (3-D M-RoPE position ids per image patch) and "
+                  "its vision tower (window attention, 2x2 patch merger) is not a plait encoder family yet; neither "
+                  "is in plait's composition",
+    "qwen2_vl": "Qwen2-VL's LLM takes multimodal rotary positions (3-D M-RoPE position ids per image patch), which "
+                "plait's composition does not have",
+}
+
+
+def hf_format_of(config: PretrainedConfig, where: str) -> HfFormat:
+    """The :class:`HfFormat` of a checkpoint's config (``where``: its folder, for errors).
+
+    Raises:
+        ValueError: for a refused family (with what plait lacks) or any other ``model_type`` (naming the supported).
+    """
+    model_type = getattr(config, "model_type", "")
+    if model_type in _REFUSED:
+        raise ValueError(f"{where}: cannot import a {model_type} checkpoint: {_REFUSED[model_type]}")
+    for fmt in HF_FORMATS.values():
+        if fmt.model_type == model_type:
+            return fmt
+    raise ValueError(f"{where} holds a {model_type or 'model without model_type'}; plait import reads "
+                     + ", ".join(f.model_class for f in HF_FORMATS.values()))
+
+
+# ----------------------------------------------------------------------------------------------- import
+def _feature_selection(fmt: HfFormat, config: PretrainedConfig, tower: PreTrainedModel) -> tuple[int, str]:
+    """``(feature_layer, select)`` of the checkpoint's branch.
+
+    Raises:
+        ValueError: for a LLaVA config plait's branch cannot express (several feature layers, another projector
+            activation or no projector bias, dropping the first position of a tower without a CLS token).
+    """
+    if fmt.name != "llava":
+        return -1, "full"
+    layer, strategy = config.vision_feature_layer, config.vision_feature_select_strategy
+    if not isinstance(layer, int):
+        raise ValueError(f"vision_feature_layer = {layer!r}: plait's branch takes one hidden state, not a "
+                         "concatenation of several layers")
+    if config.projector_hidden_act != "gelu" or not getattr(config, "multimodal_projector_bias", True):
+        raise ValueError(f"projector_hidden_act = {config.projector_hidden_act!r}, multimodal_projector_bias = "
+                         f"{config.multimodal_projector_bias}: plait's mlp projector is Linear(bias)-GELU-Linear(bias)")
+    if strategy == "default" and tower.config.model_type != "clip_vision_model":
+        raise ValueError(f"vision_feature_select_strategy = 'default' drops the first position of a "
+                         f"{tower.config.model_type} tower, which has no CLS token; plait's drop_cls refuses that")
+    return layer, ("drop_cls" if strategy == "default" else "full")
+
+
+def composite_from_hf(hf: PreTrainedModel, fmt: HfFormat, hop_length: int = 160,
+                      sampling_rate: int = 16000) -> MultimodalModel:
+    """The plait composite holding ``hf``'s own modules (tower, decoder stack, ``lm_head``: shared, not copied) and
+    its projector's tensors; ``hop_length``/``sampling_rate`` (samples) are the audio feature extractor's.
+
+    Raises:
+        ValueError: as :func:`_feature_selection`, for a tower plait does not know, or a decoder stack that does
+            not fit the text config's ``*ForCausalLM``.
+    """
+    tower = getattr(hf.model, fmt.tower)
+    if tower.config.model_type not in fmt.encoder_types:
+        raise ValueError(f"{fmt.model_class} with a {tower.config.model_type} tower: plait maps "
+                         f"{', '.join(fmt.encoder_types)}")
+    layer, select = _feature_selection(fmt, hf.config, tower)
+    llm = _causal_lm(hf.config.get_text_config(), hf.model.language_model, hf.lm_head)
+    hidden = llm.get_input_embeddings().embedding_dim
+    width = int(getattr(tower.config, "hidden_size", None) or tower.config.d_model)
+    projector = build_projector(fmt.projector, width, hidden).to(hf.lm_head.weight.dtype)
+    source = hf.model.multi_modal_projector.state_dict()
+    projector.load_state_dict({mine: source[theirs] for mine, theirs in fmt.projector_keys}, strict=True)
+    branch = ModalityEncoder(tower, projector, fmt.modality, layer, select, 1, hop_length, sampling_rate)
+    token = int(getattr(hf.config, fmt.token_field))
+    return MultimodalModel(llm, {fmt.branch: branch}, {fmt.branch: token})
+
+
+def _causal_lm(text_config: PretrainedConfig, base: nn.Module, head: nn.Module) -> PreTrainedModel:
+    """The text config's ``*ForCausalLM`` holding the decoder stack ``base`` and ``head`` (built on the meta
+    device, its own submodules replaced).
+
+    Raises:
+        ValueError: when the text config has no causal-LM class or the class holds more than the two.
+    """
+    cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(text_config), None)
+    if cls is None:
+        raise ValueError(f"the text model {text_config.model_type} has no *ForCausalLM class in transformers")
+    with torch.device("meta"):
+        llm = cls(copy.deepcopy(text_config))
+    setattr(llm, llm.base_model_prefix, base)
+    llm.set_output_embeddings(head)
+    left = [n for n, t in [*llm.named_parameters(), *llm.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{cls.__name__} holds tensors beyond its decoder stack and lm_head ({left[:3]}); plait "
+                         "cannot assemble it from the multimodal checkpoint")
+    return llm
+
+
+# ----------------------------------------------------------------------------------------------- export
+def merge_adapters(part: nn.Module) -> None:
+    """Merge the LoRA adapters of a loaded part into its base weights in place (``W + alpha / r * B A``, the one
+    merge of :func:`plait.models.lora.base_state_dict`) and put the plain base layers back, so the part is a
+    stock Hugging Face module again; a part without adapters is left as it is."""
+    if not has_lora(part):
+        return
+    state = base_state_dict(part, merge=True)
+    for name, layer in list(part.named_modules()):
+        if isinstance(layer, peft.tuners.lora.LoraLayer) and ADAPTER in layer.lora_A:
+            part.set_submodule(name, layer.get_base_layer())
+    part.load_state_dict(state, strict=True)
+
+
+def check_exportable(model: MultimodalModel, fmt: HfFormat) -> None:
+    """Refuse a composite ``fmt``'s class cannot hold.
+
+    Raises:
+        ValueError: naming the difference: several branches or another modality, another tower family, another
+            projector kind, audio ``downsample``, a LLaVA feature selection HF cannot express, an LLM whose output
+            head has a bias or is not a plain ``*ForCausalLM``.
+    """
+    if len(model.encoders) != 1:
+        raise ValueError(f"{fmt.model_class} has one encoder; this model has {len(model.encoders)} "
+                         f"({', '.join(model.encoders)})")
+    name, branch = next(iter(model.encoders.items()))
+    where = f"branch {name!r}"
+    if branch.modality != fmt.modality:
+        raise ValueError(f"{fmt.model_class} takes {fmt.modality}; {where} is {branch.modality}")
+    kind = branch.encoder.config.model_type
+    if kind not in fmt.encoder_types:
+        raise ValueError(f"{fmt.model_class}'s tower is {' or '.join(fmt.encoder_types)}; {where} is a {kind}")
+    if branch.projector.kind != fmt.projector:
+        shape = "Linear-GELU-Linear" if fmt.projector == "mlp" else "one Linear"
+        raise ValueError(f"{fmt.model_class}'s projector is {shape} (plait's {fmt.projector!r}); {where} has a "
+                         f"{branch.projector.kind!r} projector")
+    if branch.downsample != 1:
+        raise ValueError(f"{fmt.model_class} feeds every pooled feature; {where} averages {branch.downsample}")
+    if fmt.name == "llava" and branch.select == "drop_cls" and kind != "clip_vision_model":
+        raise ValueError(f"{where} drops the CLS position of a {kind}, which LLaVA's 'default' strategy cannot")
+    head = model.language_model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(f"{fmt.model_class}'s lm_head has no bias; this LLM's output head has one")
+    llm_layout(model.language_model)  # a decoder stack with layers, norm and both embeddings
+
+
+def hf_from_composite(model: MultimodalModel, fmt: HfFormat) -> PreTrainedModel:
+    """``fmt``'s class holding the composite's modules (tower, decoder stack, ``lm_head``: shared, not copied) and
+    its projector's tensors; LoRA adapters must be merged first (:func:`merge_adapters`).
+
+    Raises:
+        ValueError: as :func:`check_exportable`, when a part still holds adapters, or when the assembled state
+            dict differs in names or shapes from the class built from the same config.
+    """
+    check_exportable(model, fmt)
+    name, branch = next(iter(model.encoders.items()))
+    if has_lora(model):
+        raise ValueError("merge the LoRA adapters first (plait.models.hf_io.merge_adapters)")
+    llm = model.language_model
+    cfg = _hf_config(model, fmt, name)
+    with torch.device("meta"):
+        hf = getattr(transformers, fmt.model_class)(cfg)
+    expected = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    setattr(hf.model, fmt.tower, branch.encoder)
+    hf.model.language_model = llm.get_submodule(llm.base_model_prefix)
+    hf.lm_head = llm.get_output_embeddings()
+    mine = branch.projector.state_dict()
+    hf.model.multi_modal_projector.load_state_dict({theirs: mine[m] for m, theirs in fmt.projector_keys},
+                                                   strict=True, assign=True)
+    got = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    if got != expected:
+        diff = sorted(set(got.items()) ^ set(expected.items()))[:4]
+        raise ValueError(f"the composite does not fit {fmt.model_class}: tensors differ in name or shape ({diff})")
+    hf.generation_config = copy.deepcopy(llm.generation_config)
+    return hf
+
+
+def _hf_config(model: MultimodalModel, fmt: HfFormat, name: str) -> PretrainedConfig:
+    """The config of ``fmt``'s class for the composite: its tower's and LLM's configs, placeholder id, feature
+    selection (LLaVA) and the image feature count at the tower's native size (``image_seq_length``)."""
+    branch = model.encoders[name]
+    text = copy.deepcopy(model.language_model.config)
+    tower = copy.deepcopy(branch.encoder.config)
+    token = model.placeholder_ids[name]
+    config_cls = getattr(transformers, fmt.model_class).config_class
+    if fmt.name == "llava":
+        size = int(tower.image_size)
+        return config_cls(vision_config=tower, text_config=text, image_token_id=token,
+                          vision_feature_layer=branch.feature_layer,
+                          vision_feature_select_strategy="default" if branch.select == "drop_cls" else "full",
+                          projector_hidden_act="gelu", multimodal_projector_bias=True,
+                          image_seq_length=branch.feature_count((size, size)),
+                          tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)))
+    return config_cls(audio_config=tower, text_config=text, audio_token_id=token)
+
+
+# -------------------------------------------------------------------------------------------- processors
+def hf_processor(fmt: HfFormat, model: MultimodalModel, tokenizer: Any, media_processor: Any) -> Any:
+    """``fmt``'s Hugging Face processor for the composite: the branch's image processor or feature extractor
+    (``media_processor``), the tokenizer with its chat template (without the string-content prelude
+    :func:`string_content_template` may have added on import: the template the checkpoint came with), and the
+    placeholder token (LLaVA: the tower's patch size, the feature selection and the CLS position it counts)."""
+    name, branch = next(iter(model.encoders.items()))
+    token = tokenizer.convert_ids_to_tokens(model.placeholder_ids[name])
+    cls = getattr(transformers, fmt.processor_class)
+    template = (tokenizer.chat_template or "").removeprefix(_STRING_PRELUDE) or None
+    tokenizer.chat_template = template
+    if fmt.name == "llava":
+        cfg = branch.encoder.config
+        return cls(image_processor=media_processor, tokenizer=tokenizer, chat_template=template,
+                   patch_size=int(cfg.patch_size), image_token=token,
+                   vision_feature_select_strategy="default" if branch.select == "drop_cls" else "full",
+                   num_additional_image_tokens=int(cfg.model_type == "clip_vision_model"))
+    return cls(feature_extractor=media_processor, tokenizer=tokenizer, chat_template=template, audio_token=token)
+
+
+_STRING_PRELUDE = (
+    "{#- plait: message contents given as a string become one text part, as Hugging Face processors do -#}\n"
+    "{%- set plait_ns = namespace(messages=[]) -%}\n"
+    "{%- for m in messages -%}\n"
+    "{%- if m['content'] is string -%}"
+    "{%- set plait_ns.messages = plait_ns.messages + [{'role': m['role'], "
+    "'content': [{'type': 'text', 'text': m['content']}]}] -%}\n"
+    "{%- else -%}{%- set plait_ns.messages = plait_ns.messages + [m] -%}{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- set messages = plait_ns.messages -%}\n"
+)
+
+
+def string_content_template(template: str, render: Any) -> str:
+    """A chat template that renders plait's string message contents: ``template`` itself when it does, else
+    ``template`` behind a prelude that turns each string content into ``[{"type": "text", "text": ...}]`` (the
+    processors' typed-content templates, e.g. LLaVA's). ``render(template, messages) -> str`` renders one.
+
+    Raises:
+        ValueError: when neither renders the text of a one-turn conversation.
+    """
+    probe = [{"role": "user", "content": "plait-probe-text"}]
+    for candidate in (template, _STRING_PRELUDE + template):
+        try:
+            if "plait-probe-text" in render(candidate, probe):
+                return candidate
+        except Exception:  # a template may raise on contents it does not expect  # noqa: BLE001
+            continue
+    raise ValueError("the checkpoint's chat template renders neither string message contents nor typed text parts; "
+                     "set data.chat_template in the job")

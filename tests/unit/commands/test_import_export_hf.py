@@ -1,0 +1,217 @@
+"""``plait import`` / ``plait export`` on tiny Hugging Face checkpoints saved locally: import then export gives every
+tensor and the config fields that matter back bit-identically (LLaVA, Qwen2-Audio); the imported job trains; the
+exported trained model, loaded with transformers, generates the same tokens (greedy) as plait's generation for the
+same prompt and image/audio; composites and checkpoints the classes cannot hold are refused with the reason."""
+
+from __future__ import annotations
+
+import json
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from safetensors.torch import load_file
+
+from plait.commands.export_hf import export_checkpoint, final_folder
+from plait.commands.import_hf import import_checkpoint
+from plait.commands.train import train_command
+from plait.models.generation import Generator, Prompt, greedy_token_ids
+from plait.models.hf_io import HF_FORMATS, check_exportable, hf_format_of
+from plait.models.multimodal import MultimodalModel
+from plait.data.collate import collate
+from tests.conftest import demo_records, write_jsonl
+from tests.unit.commands.tiny_hf_checkpoints import LLAVA_TEMPLATE, save_llava, save_qwen2_audio
+
+_LLAVA_FIELDS = ("image_token_index", "vision_feature_layer", "vision_feature_select_strategy", "image_seq_length",
+                 "projector_hidden_act", "multimodal_projector_bias", "tie_word_embeddings")
+_TEXT_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "max_position_embeddings", "rope_parameters", "rms_norm_eps",
+                "tie_word_embeddings")
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _assert_same_tensors(a: Path, b: Path) -> None:
+    left, right = _tensors(a), _tensors(b)
+    assert sorted(left) == sorted(right)
+    for key in left:
+        assert left[key].dtype == right[key].dtype and torch.equal(left[key], right[key]), key
+
+
+def _config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def test_llava_import_export_round_trip_is_bit_identical(tmp_path):
+    src = save_llava(tmp_path / "src")
+    model_dir, job = import_checkpoint(src, tmp_path / "imported")
+    settings = json.loads((model_dir / "plait_config.json").read_text())
+    assert settings["placeholder_ids"] == {"vision": 5}
+    assert {k: settings["encoders"]["vision"][k] for k in ("modality", "feature_layer", "select", "projector")} == \
+        {"modality": "image", "feature_layer": -2, "select": "drop_cls", "projector": "mlp"}
+    assert f'pretrained = "{model_dir.resolve()}"' in job.read_text()
+    out = export_checkpoint(model_dir, "llava", tmp_path / "exported")
+    _assert_same_tensors(src, out)
+    mine, theirs = _config(out), _config(src)
+    assert {k: mine[k] for k in _LLAVA_FIELDS} == {k: theirs[k] for k in _LLAVA_FIELDS}
+    assert {k: mine["text_config"].get(k) for k in _TEXT_FIELDS} == {k: theirs["text_config"].get(k) for k in _TEXT_FIELDS}
+    vision = ("model_type", "hidden_size", "num_hidden_layers", "image_size", "patch_size", "hidden_act")
+    assert {k: mine["vision_config"][k] for k in vision} == {k: theirs["vision_config"][k] for k in vision}
+    a, b = T.AutoProcessor.from_pretrained(str(src)), T.AutoProcessor.from_pretrained(str(out))
+    assert (b.patch_size, b.image_token, b.vision_feature_select_strategy, b.num_additional_image_tokens) == \
+        (a.patch_size, a.image_token, a.vision_feature_select_strategy, a.num_additional_image_tokens) == \
+        (8, "<image>", "default", 1)
+    assert b.chat_template == a.chat_template == LLAVA_TEMPLATE  # the typed template given back without plait's prelude
+    assert b.image_processor.to_dict() == a.image_processor.to_dict()
+    # the imported tokenizer renders plait's string contents through LLaVA's typed template
+    tok = T.AutoTokenizer.from_pretrained(str(model_dir / "tokenizer"))
+    text = tok.apply_chat_template([{"role": "user", "content": "<image>\nWhat is it?"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text == "USER: <image>\nWhat is it? ASSISTANT:"
+
+
+def test_qwen2_audio_import_export_round_trip_is_bit_identical(tmp_path):
+    src = save_qwen2_audio(tmp_path / "src")
+    model_dir, _ = import_checkpoint(src, tmp_path / "imported")
+    settings = json.loads((model_dir / "plait_config.json").read_text())["encoders"]["audio"]
+    assert (settings["projector"], settings["hop_length"], settings["sampling_rate"]) == ("linear", 160, 16000)
+    out = export_checkpoint(model_dir, "qwen2_audio", tmp_path / "exported")
+    _assert_same_tensors(src, out)
+    mine, theirs = _config(out), _config(src)
+    assert mine["audio_token_index"] == theirs["audio_token_index"] == 6
+    assert {k: mine["text_config"].get(k) for k in _TEXT_FIELDS} == {k: theirs["text_config"].get(k) for k in _TEXT_FIELDS}
+    audio = ("model_type", "d_model", "encoder_layers", "num_mel_bins", "max_source_positions")
+    assert {k: mine["audio_config"][k] for k in audio} == {k: theirs["audio_config"][k] for k in audio}
+    a, b = T.AutoProcessor.from_pretrained(str(src)), T.AutoProcessor.from_pretrained(str(out))
+    assert b.audio_token == a.audio_token == "<audio>" and b.chat_template == a.chat_template
+    assert b.feature_extractor.to_dict() == a.feature_extractor.to_dict()
+
+
+def _train_imported(job: Path, records: list[dict], root: Path) -> Path:
+    """Two steps of the imported job on ``records``; returns the run's final/ folder."""
+    train = write_jsonl(root / "train.jsonl", records)
+    run = root / "run"
+    overrides = [f"--data.train={train}", f"--metrics.run_dir={run}", "--train.steps=2", "--train.global_batch_size=4",
+                 "--train.microbatch_size=2", "--train.lr=1e-3", "--train.warmup_steps=0", "--train.threads=1",
+                 "--data.num_workers=0", "--metrics.progress=false", "--metrics.tensorboard=false",
+                 "--model.llm.attn_implementation=eager"]
+    assert train_command(job, overrides) == 0
+    return final_folder(run)
+
+
+def _plait_tokens(final: Path, prompt: Prompt, new: int) -> tuple[list[int], list[int], Generator]:
+    """Prompt ids and greedy new tokens of ``plait generate``'s model (fp32, CPU)."""
+    gen = Generator.from_pretrained(final, device="cpu", dtype="fp32", attn_implementation="eager")
+    sample = gen.process([prompt])[0]
+    batch = collate([sample], gen.processor.pad_id, padding_side="left")
+    out = greedy_token_ids(gen.model, batch, gen.stop_ids, new, gen.processor.pad_id)
+    return batch.input_ids[0].tolist(), out[0].tolist(), gen
+
+
+def _hf_tokens(hf: T.PreTrainedModel, inputs: dict, stop: list[int], new: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=new, do_sample=False, eos_token_id=stop, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_llava_trained_from_import_exports_and_generates_like_plait(tmp_path):
+    src = save_llava(tmp_path / "src")
+    _, job = import_checkpoint(src, tmp_path / "imported")
+    records = demo_records("train", ("image_digit",), limit=4)
+    final = _train_imported(job, records, tmp_path)
+    out = export_checkpoint(final.parent, "llava", tmp_path / "exported")
+    image = records[0]["images"][0]
+    prompt = Prompt(({"role": "user", "content": "<image>\nWhat digit is shown?"},), images=(image,))
+    ids, plait_new, gen = _plait_tokens(final, prompt, 8)
+
+    hf = T.LlavaForConditionalGeneration.from_pretrained(str(out), attn_implementation="eager").eval()
+    processor = T.AutoProcessor.from_pretrained(str(out))
+    typed = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What digit is shown?"}]}]
+    text = processor.apply_chat_template(typed, add_generation_prompt=True)
+    from PIL import Image
+
+    inputs = processor(text=text, images=Image.open(image).convert("RGB"), return_tensors="pt")
+    assert inputs["input_ids"][0].tolist() == ids  # the exported processor gives plait's prompt, 16 <image> tokens
+    assert ids.count(5) == 16
+    hf_new = _hf_tokens(hf, dict(inputs), gen.stop_ids, 8)
+    assert hf_new == plait_new and len(plait_new) >= 1  # one row: plait keeps its stop token and pads nothing
+
+
+def _wav(path: Path, seconds: float) -> Path:
+    samples = (np.sin(np.arange(int(16000 * seconds)) * 0.05) * 12000).astype(np.int16)
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(1), f.setsampwidth(2), f.setframerate(16000), f.writeframes(samples.tobytes())
+    return path
+
+
+def test_qwen2_audio_trained_from_import_exports_and_generates_like_plait(tmp_path):
+    src = save_qwen2_audio(tmp_path / "src")
+    _, job = import_checkpoint(src, tmp_path / "imported")
+    records = demo_records("train", ("audio_transcribe",), limit=4)
+    final = _train_imported(job, records, tmp_path)
+    out = export_checkpoint(final, "qwen2_audio", tmp_path / "exported")
+    clip = _wav(tmp_path / "clip.wav", 1.3)
+    prompt = Prompt(({"role": "user", "content": "<audio>\nWhich digits are spoken?"},), audios=(str(clip),))
+    ids, plait_new, gen = _plait_tokens(final, prompt, 8)
+
+    hf = T.Qwen2AudioForConditionalGeneration.from_pretrained(str(out), attn_implementation="eager").eval()
+    processor = T.AutoProcessor.from_pretrained(str(out))
+    text = gen.tokenizer.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True)
+    with wave.open(str(clip)) as f:
+        audio = np.frombuffer(f.readframes(f.getnframes()), np.int16).astype(np.float32) / 32768.0
+    inputs = processor(text=text, audio=audio, sampling_rate=16000, return_tensors="pt")
+    assert inputs["input_ids"][0].tolist() == ids
+    hf_new = _hf_tokens(hf, dict(inputs), gen.stop_ids, 8)
+    assert hf_new == plait_new and len(plait_new) >= 1
+
+
+def test_import_refuses_what_plait_cannot_compose(tmp_path):
+    with pytest.raises(ValueError, match="llava-next-folder: cannot import a llava_next checkpoint: .*anyres tiling"):
+        hf_format_of(T.LlavaNextConfig(), "llava-next-folder")
+    with pytest.raises(ValueError, match="multimodal rotary positions"):
+        hf_format_of(T.Qwen2_5_VLConfig(), "qwen25vl-folder")
+    with pytest.raises(ValueError, match="holds a llama; plait import reads LlavaForConditionalGeneration"):
+        hf_format_of(T.LlamaConfig(), "llm-folder")
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        import_checkpoint(tmp_path / "missing", tmp_path / "out")
+    src = save_llava(tmp_path / "src")
+    import_checkpoint(src, tmp_path / "out")
+    with pytest.raises(ValueError, match="already holds files"):
+        import_checkpoint(src, tmp_path / "out")
+
+
+def test_export_refuses_composites_the_class_cannot_hold(tmp_path):
+    model_dir, _ = import_checkpoint(save_llava(tmp_path / "src"), tmp_path / "imported")
+    model = MultimodalModel.from_pretrained(model_dir)
+    with pytest.raises(ValueError, match="Qwen2AudioForConditionalGeneration takes audio; branch 'vision' is image"):
+        check_exportable(model, HF_FORMATS["qwen2_audio"])
+    branch = model.encoders["vision"]
+    branch.projector.kind = "linear"
+    with pytest.raises(ValueError, match="projector is Linear-GELU-Linear .* has a 'linear' projector"):
+        check_exportable(model, HF_FORMATS["llava"])
+    branch.projector.kind = "mlp"
+    model.encoders["second"] = branch
+    with pytest.raises(ValueError, match="has one encoder; this model has 2 \\(vision, second\\)"):
+        check_exportable(model, HF_FORMATS["llava"])
+    with pytest.raises(ValueError, match="--format 'gemma3': plait export writes llava, qwen2_audio"):
+        export_checkpoint(model_dir, "gemma3")
+    with pytest.raises(FileNotFoundError, match="neither it nor .* holds plait_config.json"):
+        export_checkpoint(tmp_path, "llava")
+
+
+def test_cli_import_and_export(tmp_path, capsys):
+    from plait.cli import main
+
+    src = save_qwen2_audio(tmp_path / "src")
+    assert main(["import", "--from", str(src), "--out", str(tmp_path / "imp"), "--train", "data.jsonl"]) == 0
+    assert f'train = "{Path("data.jsonl").resolve()}"' in (tmp_path / "imp" / "job.toml").read_text()
+    assert main(["export", "--run", str(tmp_path / "imp" / "model"), "--format", "llava"]) == 2
+    assert "LlavaForConditionalGeneration takes image; branch 'audio' is audio" in capsys.readouterr().err
+    assert main(["export", "--run", str(tmp_path / "imp" / "model"), "--format", "qwen2_audio"]) == 0
+    assert (tmp_path / "imp" / "hf-qwen2_audio" / "model.safetensors").is_file()
+    assert "as Qwen2AudioForConditionalGeneration to" in capsys.readouterr().out
