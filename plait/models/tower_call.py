@@ -42,11 +42,6 @@ class TowerCall:
     def __init__(self, encoder: PreTrainedModel, kwargs: dict[str, Any]) -> None:
         self.encoder = encoder
 
-    def stock_kwargs(self) -> dict[str, Any]:
-        """Extra kwargs for the stock forward on the stage owning the embedding (precomputed per-call tensors the
-        forward accepts instead of computing them again); default none."""
-        return {}
-
     def stock_output(self, out: Any, owns_post_norm: bool) -> torch.Tensor:
         """The hidden states a stage owning the embedding takes from the stock forward's output ``out`` (the
         post-norm swapped for ``nn.Identity`` unless ``owns_post_norm``); default ``out.last_hidden_state``."""

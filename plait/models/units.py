@@ -1,6 +1,7 @@
 """Ordered pipeline units of a composite model, with frozen-aware flags (../shared/DESIGN.md, principle 6).
 
-Each encoder branch gives ``[embed, layers.0..k, post-norm, projector]`` and the LLM gives
+Each encoder branch gives ``[embed, layers.0..k, post-norm, projector]`` (no post-norm unit for a tower without
+one; Qwen2.5-VL's patch merger takes that slot) and the LLM gives
 ``[embed_tokens, layers.0..n-1, norm, lm_head]``; names are fully qualified module names read from the model
 through the per-family layouts of :mod:`plait.models.hf`. Encoder units whose parameters can never reach the
 selected features (``ModalityEncoder.unreachable``: layers after ``feature_layer``, an unused post-norm) are
@@ -75,7 +76,8 @@ def _encoder_parts(name: str, branch: ModalityEncoder) -> list[tuple[str, tuple[
     n_layers = len(branch.encoder.get_submodule(layout.layers))
     parts = [("embed", layout.embed, -1)]
     parts += [("layer", (f"{layout.layers}.{i}",), i) for i in range(n_layers)]
-    parts.append(("norm", (layout.post_norm,), -1))
+    if layout.post_norm:  # None: a tower without a post-layer module (Pixtral)
+        parts.append(("norm", (layout.post_norm,), -1))
     reachable = [p for p in parts if _reachable(branch, p[1])]
     out = [(kind, tuple(prefix + m for m in mods), i) for kind, mods, i in reachable]
     return out + [("projector", (f"encoders.{name}.projector",), -1)]

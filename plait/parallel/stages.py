@@ -12,9 +12,11 @@ A stage runs stock Hugging Face modules through their public interfaces only (``
 
 - encoder chunk owning the embedding: the HF encoder's own ``forward`` with its layer list set to the
   chunk's layers and the post-norm set to ``nn.Identity`` unless the chunk owns it; other chunks call their
-  layers one by one (``run_encoder_layer``) then the post-norm if owned. The branch's last chunk selects
-  positions, assembles item features and applies the projector (the same ``ModalityEncoder`` methods as the
-  single-process path).
+  layers one by one then the post-norm if owned, through the family's per-call hook
+  (:func:`plait.models.tower_call.tower_call`: rotary tables, sequence boundaries, window indices recomputed on
+  this stage from the item group's metadata in ``batch.modality_inputs``; the stock output a stage takes). The
+  branch's last chunk selects positions, assembles item features and applies the projector (the same
+  ``ModalityEncoder`` methods as the single-process path).
 - LLM chunk: the HF decoder stack with ``inputs_embeds`` = the received hidden states (HF computes rotary
   embeddings and masks itself), layer list = the chunk's layers, final norm ``nn.Identity`` unless owned;
   the chunk owning ``lm_head`` runs the ``*ForCausalLM`` forward (so logit post-processing stays HF's) and
@@ -39,8 +41,9 @@ from torch import nn
 
 from plait.data.collate import Batch
 from plait.models.encoder import ModalityEncoder
-from plait.models.hf import EncoderLayout, encoder_layout, llm_layout, run_encoder_layer
+from plait.models.hf import EncoderLayout, encoder_layout, llm_layout
 from plait.models.multimodal import MultimodalModel
+from plait.models.tower_call import TowerCall, tower_call
 from plait.models.units import UnitSpec, unit_specs
 from plait.parallel.context import shard_tokens
 from plait.planner.pipeline_plan import PipelinePlan, Stage, check_plan_units
@@ -71,6 +74,10 @@ class OwnedLayers(nn.ModuleList):
     def __getitem__(self, idx: int | slice) -> Any:
         values = list(self._modules.values())
         return nn.ModuleList(values[idx]) if isinstance(idx, slice) else values[idx]
+
+    def indexed(self) -> list[tuple[int, nn.Module]]:
+        """``(original index, layer)`` of the owned layers, in order."""
+        return [(int(key), module) for key, module in self._modules.items()]
 
 
 @contextmanager
@@ -117,22 +124,28 @@ class _EncoderChunk:
         if inputs is None:
             return []
         encoder = self.branch.encoder
+        groups = self.branch.item_groups(inputs)
+        calls = [tower_call(encoder, kwargs) for kwargs, _ in groups]
         if self.owns_embed:
-            norm = encoder.get_submodule(self.layout.post_norm) if self.owns_norm else nn.Identity()
-            with _swapped(encoder, {self.layout.layers: self.layers, self.layout.post_norm: norm}):
-                hidden = [encoder(**kwargs).last_hidden_state for kwargs, _ in self.branch.item_groups(inputs)]
+            swaps: dict[str, nn.Module] = {self.layout.layers: self.layers}
+            if self.layout.post_norm and not self.owns_norm:
+                swaps[self.layout.post_norm] = nn.Identity()
+            with _swapped(encoder, swaps):
+                hidden = [call.stock_output(encoder(**kwargs), self.owns_norm)
+                          for (kwargs, _), call in zip(groups, calls)]
         else:
-            hidden = [self._layers_and_norm(h) for h in hidden or []]
+            hidden = [self._layers_and_norm(h, call) for h, call in zip(hidden or [], calls)]
         if not self.owns_projector:
             return hidden
         selected = [self.branch.select_positions(h) for h in hidden]
         return [self.branch.projector(self.branch.assemble_features(dict(inputs), selected))]
 
-    def _layers_and_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            hidden = run_encoder_layer(layer, hidden)
-        if self.owns_norm:
-            hidden = self.branch.encoder.get_submodule(self.layout.post_norm)(hidden)
+    def _layers_and_norm(self, hidden: torch.Tensor, call: TowerCall) -> torch.Tensor:
+        """The chunk's layers (each under its original index) and owned post-norm on one group's ``hidden``."""
+        for index, layer in self.layers.indexed():
+            hidden = call.layer(layer, index, hidden)
+        if self.owns_norm and self.layout.post_norm:
+            hidden = call.post_norm(self.branch.encoder.get_submodule(self.layout.post_norm), hidden)
         return hidden
 
 
@@ -419,7 +432,7 @@ def _prune(model: MultimodalModel, specs: Sequence[UnitSpec], owned: set[str]) -
         layout = encoder_layout(branch.encoder)  # type: ignore[arg-type]
         prefix = f"encoders.{name}.encoder."
         layer_lists[prefix + layout.layers] = []
-        for path in (*layout.heads, layout.post_norm):
+        for path in (*layout.heads, *([layout.post_norm] if layout.post_norm else [])):
             if prefix + path not in on_path:
                 model.set_submodule(prefix + path, nn.Identity())
     for spec in specs:
