@@ -2,8 +2,10 @@
 SIGKILLed in the middle of step 1 and worker 0 (rank 0, pipeline 0) in the middle of step 3; the launcher restarts
 worker 4, which rejoins at the start of step 5 (the job re-instantiates over 5 workers). Every step finishes,
 per-step losses and final parameters equal an uninterrupted launch (1e-5), each sample id is trained exactly once
-per epoch, and each reconfiguration prints its line with the recovery time. Killing both holders of a unit at once
-stops the job with the lost units named (no hang)."""
+per epoch, and each reconfiguration prints its line with the recovery time. With f = 1 and three pipelines (2+2+2),
+two failures in different pipelines at different steps are both survived, equal to the same uninterrupted launch
+(one reference run, shared). Killing both holders of a unit at once stops the job with the lost units named (no
+hang)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.conftest import demo_records, tiny_config_dict, write_jsonl
@@ -19,6 +22,15 @@ from tests.distributed.test_pipeline_training import to_toml
 
 SAMPLES, BATCH, STEPS = 16, 8, 7  # 2 steps per epoch: steps 0-1 epoch 0, 2-3 epoch 1, 4-5 epoch 2, 6 epoch 3
 LIMIT_S = 240  # a hang guard per launch
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted launch (6 workers as 3+3): the run folder every fault test is compared with."""
+    root = tmp_path_factory.mktemp("launch")
+    ref = _launch(root, "ref", 6, "3,3")
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    return root / "ref"
 
 
 def _job(tmp_path: Path, name: str) -> Path:
@@ -60,13 +72,11 @@ def _final(run_dir: Path) -> dict[str, torch.Tensor]:
     return merged
 
 
-def test_launch_survives_killed_workers_rank0_included_and_equals_an_uninterrupted_run(tmp_path):
-    ref = _launch(tmp_path, "ref", 6, "3,3")
-    assert ref.returncode == 0, ref.stdout + ref.stderr
-    run = _launch(tmp_path, "kill", 6, "3,3", "--kill", "4:1", "--kill", "0:3", "--rejoin", "4:5")
-    assert run.returncode == 0, run.stdout + run.stderr
-    ref_steps, ref_events = _records(tmp_path / "ref")
-    steps, events = _records(tmp_path / "kill")
+def _assert_equals_reference(run_dir: Path, reference: Path) -> tuple[dict[int, dict], list[dict]]:
+    """Every step done once, with the reference's losses (1e-5), samples and LRs; every sample id once in each
+    full epoch; final parameters equal (1e-5). Returns the run's steps and events."""
+    ref_steps, ref_events = _records(reference)
+    steps, events = _records(run_dir)
     assert not ref_events and sorted(steps) == list(range(STEPS)) == sorted(ref_steps)
     for s in range(STEPS):
         assert abs(steps[s]["loss"] - ref_steps[s]["loss"]) < 1e-5, (s, steps[s]["loss"], ref_steps[s]["loss"])
@@ -74,6 +84,17 @@ def test_launch_survives_killed_workers_rank0_included_and_equals_an_uninterrupt
     for epoch in range(3):  # the full epochs: every sample id exactly once
         ids = [i for s in steps.values() if s["epoch"] == epoch for i in s["samples"]]
         assert len(ids) == SAMPLES == len(set(ids)), epoch
+    final, ref_final = _final(run_dir), _final(reference)
+    assert sorted(final) == sorted(ref_final)
+    for name, value in ref_final.items():
+        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    return steps, events
+
+
+def test_launch_survives_killed_workers_rank0_included_and_equals_an_uninterrupted_run(tmp_path, reference):
+    run = _launch(tmp_path, "kill", 6, "3,3", "--kill", "4:1", "--kill", "0:3", "--rejoin", "4:5")
+    assert run.returncode == 0, run.stdout + run.stderr
+    steps, events = _assert_equals_reference(tmp_path / "kill", reference)
     assert steps[0]["pipelines"] == [[0, 1, 2], [3, 4, 5]]
     assert steps[2]["pipelines"] == [[0, 1, 2], [3, 5]] and steps[4]["pipelines"] == [[1, 2], [3, 5]]
     assert steps[6]["pipelines"] == [[1, 2], [3], [4], [5]]  # worker 4 rejoined: re-instantiated over 5 workers
@@ -81,14 +102,22 @@ def test_launch_survives_killed_workers_rank0_included_and_equals_an_uninterrupt
     assert failed == [(0,), (4,)], events
     assert {tuple(e["joined"]) for e in events if e["event"] == "rejoin"} == {(4,)}
     assert all(e["bytes"] > 0 for e in events)
-    final, ref_final = _final(tmp_path / "kill"), _final(tmp_path / "ref")
-    assert sorted(final) == sorted(ref_final)
-    for name, value in ref_final.items():
-        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
     lines = [line for line in run.stdout.splitlines() if "reconfigured in" in line]
     assert len(lines) == 2 and "worker(s) [4] failed" in lines[0] and "worker(s) [0] failed" in lines[1]
     assert run.stdout.count("plait launch: recovered") == 2 and "worker(s) [4] rejoined" in run.stdout
     print("\n".join(line for line in run.stdout.splitlines() if "launch: re" in line or "rejoined" in line))
+
+
+def test_launch_with_three_pipelines_survives_two_failures_in_different_pipelines(tmp_path, reference):
+    # f = 1, pipelines 2+2+2: worker 1 (pipeline 0) dies in step 1, worker 5 (pipeline 2) in step 3
+    run = _launch(tmp_path, "three", 6, "2,2,2", "--kill", "1:1", "--kill", "5:3")
+    assert run.returncode == 0, run.stdout + run.stderr
+    steps, events = _assert_equals_reference(tmp_path / "three", reference)
+    assert steps[0]["pipelines"] == [[0, 1], [2, 3], [4, 5]]
+    assert steps[2]["pipelines"] == [[0], [2, 3], [4, 5]] and steps[4]["pipelines"] == [[0], [2, 3], [4]]
+    assert sorted({tuple(e["failed"]) for e in events if e["event"] == "reconfigure"}) == [(1,), (5,)], events
+    assert run.stdout.count("plait launch: recovered") == 2
+    print("\n".join(line for line in run.stdout.splitlines() if "launch: re" in line))
 
 
 def test_launch_stops_naming_the_lost_units_when_every_copy_dies(tmp_path):
