@@ -43,6 +43,7 @@ from plait.data.loader import GlobalBatchLoader, MultimodalDataset
 from plait.models.registry import build_model, build_processor, load_tokenizer, placeholder_of
 from plait.commands.plan_costs import host_cpu, host_device, runtime_costs, stored_profile
 from plait.commands.plan_fit import no_fit_message
+from plait.commands.plan_fsdp import fsdp_line
 from plait.commands.plan_snippet import MODEL_UNITS, pp_snippet
 from plait.models.units import model_units
 from plait.parallel.checkpointing import checkpoint_policy
@@ -404,6 +405,8 @@ def plan_command(
     print(f"plait plan: {config_path} on {devices} x {spec.name}, {inputs.microbatches} microbatches of "
           f"{cfg.train.microbatch_size} samples (global batch {cfg.train.global_batch_size})", file=stream)
     print(format_plan(choice), file=stream)
+    if choice.dp_shard > 1:
+        print(fsdp_line(inputs.units, inputs.costs, choice, setup.degrees.get("shard_link")), file=stream)
     print(format_lora_units(inputs.units), end="", file=stream)
     snippet, why = pp_snippet(cfg, choice, inputs.units, inputs.unit_source)
     if snippet is None:
@@ -423,7 +426,8 @@ class PlanSetup:
     """What ``plan_command`` searches with: the job config (global batch split), the plan inputs (costs without
     activation checkpointing), the device, the ``plan_layout`` keyword arguments of the machine (memory cap, link,
     DP link, dtype, overheads) and the job's checkpointing as ``search_parallel.plan_parallel`` takes it
-    (``degrees``: ``base_checkpointing``, ``checkpoint_overrides``)."""
+    (``degrees``: ``base_checkpointing``, ``checkpoint_overrides``, and ``shard_link``: the link of FSDP2's
+    collectives)."""
 
     cfg: Any
     inputs: PlanInputs
@@ -495,7 +499,10 @@ def plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], 
                   dtype=inputs.dtype)
     if not costs.overheads.zero:
         search["overheads"] = costs.overheads
-    return PlanSetup(cfg, inputs, spec, search, dict(base_checkpointing=policy, checkpoint_overrides=overrides))
+    # FSDP2's all-gathers and reduce-scatters: on the DP link, else (GPU presets charge no DP all-reduce) the node's
+    shard_link = costs.dp_link or costs.p2p
+    return PlanSetup(cfg, inputs, spec, search, dict(base_checkpointing=policy, checkpoint_overrides=overrides,
+                                                     shard_link=shard_link))
 
 
 def load_config_for_planning(config_path: str | Path, overrides: Sequence[str] = ()) -> tuple[Any, str]:

@@ -105,8 +105,10 @@ def format_plan(choice: LayoutChoice) -> str:
     lines += [
         f"{shape} = {choice.devices_used} of {choice.devices} devices"
         + ("" if plan.num_ranks == 1 else f"; stages: {counts}") + idle_devices_note(choice),
-        f"iteration {1e3 * choice.iteration_s:.2f} ms (pipeline {1e3 * choice.makespan_s:.2f} ms + gradient "
-        f"all-reduce {1e3 * choice.grad_sync_s:.2f} ms"
+        f"iteration {1e3 * choice.iteration_s:.2f} ms (pipeline {1e3 * choice.makespan_s:.2f} ms + "
+        + (f"gradient all-reduce {1e3 * choice.grad_sync_s:.2f} ms" if choice.dp_shard == 1 else
+           f"FSDP2 gradient reduce-scatter {1e3 * choice.grad_sync_s:.2f} ms" if choice.grad_sync_s else
+           "FSDP2 gradient reduce-scatter not charged: no DP link")
         + (f" + optimizer step {1e3 * choice.update_s:.2f} ms" if choice.update_s else "")
         + f") with {choice.microbatches_per_replica} of "
         f"{choice.microbatches} microbatches per replica; bubble {100 * choice.bubble_fraction:.1f}%; "
