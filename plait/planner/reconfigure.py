@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from plait.planner.serialize import JsonDataclass
-from plait.planner.templates import Instantiation, TemplateSet, instantiate, plan_instantiation
+from plait.planner.templates import Instantiation, TemplateSet, format_seconds, instantiate, plan_instantiation
 
 __all__ = ["LostUnitsError", "Reconfiguration", "Transfer", "check_instantiation", "plan_reconfiguration",
            "plan_rejoin"]
@@ -99,7 +99,8 @@ class Reconfiguration(JsonDataclass):
         sizes = "+".join(str(len(p.ranks)) for p in self.after.pipelines)
         return (f"ranks {list(self.failed)} failed; {'; '.join(self.actions) or 'no pipeline changed'}; "
                 f"pipelines now {sizes} ranks; {len(self.transfers)} unit copies, {self.bytes / 2**20:.1f} MiB; "
-                f"predicted {self.before.iteration_s:.3f} -> {self.after.iteration_s:.3f} s per iteration")
+                f"predicted {format_seconds(self.before.iteration_s)} -> {format_seconds(self.after.iteration_s)} "
+                "per iteration")
 
 
 def plan_reconfiguration(templates: TemplateSet, current: Instantiation, failed: Iterable[int]) -> Reconfiguration:

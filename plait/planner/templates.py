@@ -44,6 +44,7 @@ __all__ = [
     "TemplateSet",
     "UnitBytes",
     "distribute_microbatches",
+    "format_seconds",
     "instantiate",
     "plan_instantiation",
     "plan_templates",
@@ -265,7 +266,16 @@ class Instantiation(JsonDataclass):
         """One line for people: ``3 pipelines: 4 ranks x 10 mb, ...; predicted 1.234 s``."""
         parts = ", ".join(f"{len(p.ranks)} ranks ({p.template.plan.num_stages} stages) x {p.microbatches} mb"
                           for p in self.pipelines)
-        return f"{len(self.pipelines)} pipelines: {parts}; predicted {self.iteration_s:.3f} s per iteration"
+        return f"{len(self.pipelines)} pipelines: {parts}; predicted {format_seconds(self.iteration_s)} per iteration"
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration for people with 4 significant digits in a unit that fits: ``1.234 s``, ``12.35 ms``,
+    ``45.60 us`` (a tiny model's predicted iteration is well under a millisecond)."""
+    for scale, unit in ((1.0, "s"), (1e-3, "ms")):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.4g} {unit}"
+    return f"{seconds / 1e-6:.4g} us"
 
 
 def plan_templates(

@@ -10,6 +10,7 @@ from plait.planner.pipeline_plan import synthetic_units
 from plait.planner.search import evaluate_plan, plan_layout
 from plait.planner.simulator import P2PModel
 from plait.planner.templates import (
+    format_seconds,
     PipelineTemplate,
     TemplateSet,
     distribute_microbatches,
@@ -124,3 +125,10 @@ def test_a_group_no_template_split_covers_runs_the_largest_template_with_spares(
     assert pipeline.ranks == (0, 1, 2, 3, 4) and pipeline.template == ts.template(4)
     assert pipeline.units_of(4) == () and pipeline.microbatches == 12
     assert plan_instantiation(ts, ranks=range(6), min_pipelines=1).iteration_s < inst.iteration_s
+
+
+def test_format_seconds_keeps_four_digits_in_a_fitting_unit():
+    assert format_seconds(1.23456) == "1.235 s"
+    assert format_seconds(0.0123456) == "12.35 ms"
+    assert format_seconds(4.56e-5) == "45.6 us"
+    assert format_seconds(0.0) == "0 us"
