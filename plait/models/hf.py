@@ -19,7 +19,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from plait.data.sources import path_note
 from plait.models.families.clips import checked_clip_samples
-from plait.models.families import qwen2_audio, siglip2
+from plait.models.families import internvl, pixtral, qwen2_5_vl, qwen2_audio, siglip2
 
 __all__ = [
     "VisionFeatureCount",
@@ -27,6 +27,8 @@ __all__ = [
     "build_encoder",
     "build_causal_lm",
     "encoder_hidden_size",
+    "encoder_feature_size",
+    "check_processor",
     "feature_count_for",
     "EncoderLayout",
     "LlmLayout",
@@ -46,6 +48,9 @@ _VISION = {
     "clip": ("CLIPVisionModel", True),
     "vit": ("ViTModel", True),
     **{t: ("Siglip2VisionModel", False) for t in siglip2.MODEL_TYPES},
+    **{t: ("PixtralVisionModel", False) for t in pixtral.MODEL_TYPES},
+    **{t: ("InternVLVisionModel", True) for t in internvl.MODEL_TYPES},
+    **{t: (qwen2_5_vl.ENCODER_CLASS, False) for t in qwen2_5_vl.MODEL_TYPES},
 }
 _AUDIO = {"whisper": "transformers.models.whisper.modeling_whisper.WhisperEncoder",
           **{t: qwen2_audio.ENCODER_CLASS for t in qwen2_audio.MODEL_TYPES}}
@@ -63,13 +68,14 @@ class EncoderLayout:
     Attributes:
         embed: modules of the embedding unit, in the order the forward applies them.
         layers: the ``nn.ModuleList`` of encoder layers.
-        post_norm: the norm the forward applies to the last layer's output.
+        post_norm: the norm the forward applies to the last layer's output; None for a tower without one
+            (Pixtral; InternVL with ``use_mean_pooling``, whose ``layernorm`` is an ``nn.Identity``): no unit.
         heads: modules off the hidden-state path.
     """
 
     embed: tuple[str, ...]
     layers: str
-    post_norm: str
+    post_norm: str | None
     heads: tuple[str, ...] = ()
 
 
@@ -84,6 +90,13 @@ _ENCODER_LAYOUTS = {
     "whisper": EncoderLayout(("conv1", "conv2", "embed_positions"), "layers", "layer_norm"),
     # the avg_pooler runs between the last layer and layer_norm: a stage owning the embedding must own every layer
     "qwen2_audio_encoder": EncoderLayout(("conv1", "conv2", "embed_positions"), "layers", "layer_norm"),
+    # no final norm; patch_positional_embedding (2D RoPE, a buffer only) belongs to no unit and stays on every stage
+    "pixtral": EncoderLayout(("patch_conv", "ln_pre"), "transformer.layers", None),
+    # post_norm None with use_mean_pooling (its layernorm is an nn.Identity): encoder_layout reads the config
+    "internvl_vision": EncoderLayout(("embeddings",), "encoder.layer", "layernorm"),
+    # the merger (ln_q + MLP over 2x2 blocks) in the post-norm slot; rotary_pos_emb (a buffer only) rides with
+    # patch_embed; the blocks' per-call inputs come from models.tower_call (families.qwen2_5_vl.Qwen25VLCall)
+    "qwen2_5_vl_vision": EncoderLayout(("patch_embed", "rotary_pos_emb"), "blocks", "merger"),
 }
 
 
@@ -298,25 +311,79 @@ def encoder_hidden_size(encoder: PreTrainedModel) -> int:
     return int(getattr(cfg, "hidden_size", None) or cfg.d_model)
 
 
+def encoder_feature_size(encoder: PreTrainedModel, downsample: int) -> int:
+    """Width of the features a branch hands its projector: the hidden size, times ``downsample ** 2`` for InternVL
+    (its pixel shuffle stacks ``downsample x downsample`` neighbouring patches into one feature)."""
+    if encoder.config.model_type in internvl.MODEL_TYPES:
+        return encoder_hidden_size(encoder) * int(downsample) ** 2
+    if encoder.config.model_type in qwen2_5_vl.MODEL_TYPES:  # the merger's output width
+        return int(encoder.config.out_hidden_size)
+    return encoder_hidden_size(encoder)
+
+
+def check_processor(encoder: PreTrainedModel, processor: Any) -> None:
+    """Refuse an image processor whose settings cannot fit ``encoder``'s family, when the job is built (before any
+    sample is read): SigLIP2's ``max_num_patches`` above the tower's ``num_patches``, Pixtral's ``patch_size`` or
+    ``size.longest_edge``, InternVL's tile ``size``. Other families are checked per sample
+    (``encoder.EncoderInputCheck``).
+
+    Raises:
+        ValueError: starting with the processor field (``processor.max_num_patches = 32 ...``).
+    """
+    cfg = encoder.config
+    if cfg.model_type in siglip2.MODEL_TYPES:
+        siglip2.check_siglip2_processor(processor, cfg)
+    elif cfg.model_type in pixtral.MODEL_TYPES:
+        pixtral.check_pixtral_processor(processor, cfg)
+    elif cfg.model_type in internvl.MODEL_TYPES:
+        internvl.check_internvl_processor(processor, cfg)
+    elif cfg.model_type in qwen2_5_vl.MODEL_TYPES:
+        qwen2_5_vl.check_qwen2_5_vl_processor(processor, cfg)
+
+
+def _side(value: Any) -> int:
+    """A square size (an int, or an ``(H, W)`` pair of equal sides, as InternVL's config stores it) as an int.
+
+    Raises:
+        ValueError: for a non-square pair.
+    """
+    if isinstance(value, int):
+        return value
+    h, w = (int(v) for v in value)
+    if h != w:
+        raise ValueError(f"size {h}x{w} is not square")
+    return h
+
+
 def feature_count_for(
     encoder: PreTrainedModel, modality: str, select: str, downsample: int, hop_length: int = 160,
     sampling_rate: int = 16000,
-) -> VisionFeatureCount | AudioFeatureCount | qwen2_audio.Qwen2AudioFeatureCount | siglip2.Siglip2FeatureCount:
-    """The feature-count function of an encoder with plait's feature selection and pooling.
+) -> Any:
+    """The feature-count function of an encoder with plait's feature selection and pooling (``VisionFeatureCount``,
+    ``AudioFeatureCount`` or a family's own: ``Qwen2AudioFeatureCount``, ``Siglip2FeatureCount``,
+    ``PixtralFeatureCount``, ``InternVLFeatureCount``, whose ``downsample`` is the pixel-shuffle factor).
 
     Raises:
         ValueError: when ``select="drop_cls"`` is asked of an encoder without a CLS token, or
-            ``downsample > 1`` for images.
+            ``downsample > 1`` for images other than InternVL's (its pixel shuffle: a power of two dividing the
+            patch grid, with ``select="drop_cls"``).
     """
     cfg = encoder.config
     if modality == "image":
         has_cls = _VISION.get(cfg.model_type, ("", False))[1]
         if select == "drop_cls" and not has_cls:
             raise ValueError(f"select='drop_cls' but {cfg.model_type} outputs have no CLS token")
+        if cfg.model_type in internvl.MODEL_TYPES:
+            return internvl.InternVLFeatureCount(_side(cfg.patch_size), internvl.tile_size(cfg), int(downsample),
+                                                 int(select == "full"))
         if downsample != 1:
             raise ValueError("downsample applies to audio frames only; use 1 for images")
         if cfg.model_type in siglip2.MODEL_TYPES:
             return siglip2.Siglip2FeatureCount(int(cfg.num_patches))
+        if cfg.model_type in pixtral.MODEL_TYPES:
+            return pixtral.PixtralFeatureCount(int(cfg.patch_size), int(cfg.image_size))
+        if cfg.model_type in qwen2_5_vl.MODEL_TYPES:
+            return qwen2_5_vl.feature_count(cfg)
         return VisionFeatureCount(int(cfg.patch_size), int(has_cls and select == "full"))
     if cfg.model_type in qwen2_audio.MODEL_TYPES:
         return qwen2_audio.Qwen2AudioFeatureCount(hop_length, downsample, int(cfg.max_source_positions), sampling_rate)
@@ -334,6 +401,12 @@ def dummy_encoder_input(
     dtype = next(encoder.parameters()).dtype
     if cfg.model_type in siglip2.MODEL_TYPES:
         return siglip2.siglip2_dummy_input(cfg, dtype, device)
+    if cfg.model_type in pixtral.MODEL_TYPES:
+        return pixtral.pixtral_dummy_input(cfg, dtype, device)
+    if cfg.model_type in internvl.MODEL_TYPES:
+        return internvl.internvl_dummy_input(cfg, dtype, device)
+    if cfg.model_type in qwen2_5_vl.MODEL_TYPES:
+        return qwen2_5_vl.qwen2_5_vl_dummy_input(cfg, dtype, device)
     if modality == "image":
         size = int(cfg.image_size)
         return {"pixel_values": torch.zeros(1, int(cfg.num_channels), size, size, dtype=dtype, device=device)}
@@ -364,7 +437,9 @@ def encoder_layout(encoder: PreTrainedModel) -> EncoderLayout:
         raise ValueError(
             f"no pipeline layout for encoder model_type {model_type!r}; supported: {sorted(_ENCODER_LAYOUTS)}"
         )
-    paths = [*layout.embed, layout.layers, layout.post_norm]
+    if model_type in internvl.MODEL_TYPES and not internvl.has_post_norm(encoder.config):
+        layout = EncoderLayout(layout.embed, layout.layers, None, layout.heads)
+    paths = [*layout.embed, layout.layers, *([layout.post_norm] if layout.post_norm else [])]
     missing = [path for path in paths if not _has_module(encoder, path)]
     if missing or not isinstance(encoder.get_submodule(layout.layers), torch.nn.ModuleList):
         raise ValueError(f"{type(encoder).__name__} does not have the expected modules {paths} (missing {missing})")
@@ -406,15 +481,22 @@ def llm_tp_plan(llm: PreTrainedModel) -> dict[str, str]:
 
 def run_encoder_layer(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """One encoder layer on ``hidden`` ``[n, positions, dim]`` without attention mask, as the stock encoder
-    forwards of every family in ``_ENCODER_LAYOUTS`` call it (``layer(hidden_states, None)``).
+    forwards of every family in ``_ENCODER_LAYOUTS`` call it (``layer(hidden_states, None)``; InternVL's layers
+    take the hidden states only).
 
     Raises:
         ValueError: for a Qwen2-Audio layer (its padding mask and pooler live in the stock forward only: a pipeline
-            stage that owns its embedding must own all its layers).
+            stage that owns its embedding must own all its layers) or a Pixtral layer (its 2D RoPE and block mask,
+            likewise).
     """
     if type(layer).__name__ == "Qwen2AudioEncoderLayer":
         raise ValueError("the Qwen2-Audio encoder's layers cannot start a pipeline stage (its padding mask and "
                          "pooler run inside its own forward): give the branch one stage")
+    if type(layer).__name__ == pixtral.LAYER_CLASS:
+        raise ValueError("the Pixtral tower's layers cannot start a pipeline stage (their 2D rotary positions and "
+                         "block mask are computed inside its own forward): give the branch one stage")
+    if type(layer).__name__ == internvl.LAYER_CLASS:  # takes the hidden states only
+        return layer(hidden)
     out = layer(hidden, None)
     return out[0] if isinstance(out, tuple) else out
 

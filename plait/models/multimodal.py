@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from plait.models.encoder import ModalityEncoder
 from plait.config.schema import LoraConfig
-from plait.models.hf import build_causal_lm, build_encoder, encoder_hidden_size
+from plait.models.hf import build_causal_lm, build_encoder, encoder_feature_size
 from plait.models.lora import ADAPTER_DIR, base_state_dict, has_lora, inject_lora, load_adapter, lora_settings, save_adapter
 from plait.models.projector import build_projector
 
@@ -236,7 +236,7 @@ class MultimodalModel(nn.Module):
         for name, s in meta["encoders"].items():
             enc = build_encoder(s["modality"], path=str(root / "encoders" / name / "encoder"), weights=weights)
             _restore_adapter(enc, root / "encoders" / name / "encoder", lora.get(name), weights)
-            projector = build_projector(s["projector"], encoder_hidden_size(enc), hidden)
+            projector = build_projector(s["projector"], encoder_feature_size(enc, s["downsample"]), hidden)
             if weights:
                 projector.load_state_dict(load_file(str(root / "encoders" / name / "projector.safetensors")))
             window = {k: int(s[k]) for k in ("hop_length", "sampling_rate") if k in s}  # audio, when saved

@@ -282,6 +282,10 @@ class EncoderArch:
         output_pool: average pooling of the encoder output before the post-norm (Qwen2-Audio: 2).
         item_len: native tokens per item (image: patches + prefix; audio clip: output frames).
         resized_positions: SigLIP2 NaFlex resizes its position grid per image (a matmul: positions MACs/token).
+        merger: ``(in, out)`` widths of a patch merger in the post-norm slot (Qwen2.5-VL: RMSNorm ``H``, then
+            Linear(in, in) -> GELU -> Linear(in, out) on ``in = merge^2 H``); ``(0, 0)``: a plain LayerNorm.
+        window, full_layers: patches per attention window of the layers not in ``full_layers`` (Qwen2.5-VL's
+            window attention); 0: every layer attends over the whole item.
     """
 
     modality: str
@@ -309,11 +313,18 @@ class EncoderArch:
     output_pool: int = 1
     item_len: int = 1
     resized_positions: bool = False
+    merger: tuple[int, int] = (0, 0)
+    window: int = 0
+    full_layers: tuple[int, ...] = ()
 
     @property
     def q_dim(self) -> int:
         """``q = heads * head_dim``."""
         return self.heads * self.head_dim
+
+    def norm_macs_per_token(self) -> int:
+        """Multiply-accumulates of the post-norm unit per output token: a merger's ``in^2 + in out``, else 0."""
+        return self.merger[0] * (self.merger[0] + self.merger[1])
 
     @classmethod
     def from_config(cls, config: Any) -> "EncoderArch":
@@ -327,6 +338,8 @@ class EncoderArch:
         mtype = _model_type(config)
         if mtype in ("whisper", "qwen2_audio_encoder"):
             return _audio_arch(config, mtype)
+        if mtype == "qwen2_5_vl_vision":
+            return _qwen2_5_vl_arch(config)
         return _vision_arch(config, mtype)
 
     def layout(self) -> list[tuple[str, str, int]]:
@@ -335,19 +348,23 @@ class EncoderArch:
         return units + ([("post_norm", "norm", -1)] if self.post_norm else [])
 
     def norm_params(self) -> int:
-        """Parameters of the final LayerNorm: ``2 H``."""
+        """Parameters of the final LayerNorm: ``2 H``; of a merger: ``H + in^2 + in + in out + out``."""
+        m_in, m_out = self.merger
+        if m_in:
+            return self.hidden + m_in * m_in + m_in + m_in * m_out + m_out
         return 2 * self.hidden
 
     def embed_params(self) -> int:
         """Embedding parameters. Vision: ``C p_h p_w H`` patch weights (+ ``H`` bias), ``prefix H`` CLS,
-        ``positions H`` table, ``2 H`` pre-norm. Audio: conv1 ``mel k H + H``, conv2 ``H k H + H``,
-        ``positions H`` (Whisper's fixed sinusoidal table is a parameter too)."""
+        ``positions H`` table, ``2 H`` pre-norm (``H``: an RMSNorm, Pixtral's ``ln_pre``). Audio: conv1
+        ``mel k H + H``, conv2 ``H k H + H``, ``positions H`` (Whisper's fixed sinusoidal table is a parameter
+        too)."""
         h = self.hidden
         if self.modality == "audio":
             conv = self.num_mel_bins * self.conv_kernel * h + h + h * self.conv_kernel * h + h
             return conv + self.positions * h
         patch = self.num_channels * self.patch[0] * self.patch[1] * h + self.patch_bias * h
-        return patch + (self.prefix_tokens + self.positions) * h + self.pre_norm * 2 * h
+        return patch + (self.prefix_tokens + self.positions) * h + self.pre_norm * (2 if self.norm_bias else 1) * h
 
     def layer_params(self) -> int:
         """Parameters of one layer: ``4 H q``-style attention (``H 3q + q H`` + biases), ``2 qk_norm_dim``,
@@ -414,6 +431,24 @@ def _vision_arch(config: Any, mtype: str) -> EncoderArch:
     return EncoderArch(**fields)
 
 
+def _qwen2_5_vl_arch(config: Any) -> EncoderArch:
+    """Qwen2.5-VL's tower: a bias-free Conv3d patch embedding over ``T x p x p`` (``patch = (T p, p)``), rotary
+    positions (no table), RMSNorms, gated MLP with biases, window attention outside ``fullatt_block_indexes``, the
+    2x2 merger as post-norm (``output_pool = merge^2``). It has no native size: an item is one window."""
+    hidden, heads = _positive(config, "hidden_size"), _positive(config, "num_heads")
+    patch, merge = _positive(config, "patch_size"), _positive(config, "spatial_merge_size")
+    window = (_positive(config, "window_size") // patch) ** 2
+    return EncoderArch(
+        modality="vision", hidden=hidden, layers=_positive(config, "depth"), heads=heads, head_dim=hidden // heads,
+        intermediate=_positive(config, "intermediate_size"), gated_mlp=True, norm_bias=False,
+        num_channels=_positive(config, "in_channels", 3),
+        patch=(_positive(config, "temporal_patch_size") * patch, patch),
+        patch_bias=False, output_pool=merge**2, item_len=window, window=window,
+        merger=(merge**2 * hidden, _positive(config, "out_hidden_size")),
+        full_layers=tuple(int(i) for i in _field(config, "fullatt_block_indexes", ())),
+    )
+
+
 def _vision_family_fields(config: Any, mtype: str, hidden: int) -> dict[str, Any]:
     """Per-family differences from a plain ViT (CLS token, biased patch conv, LayerNorm, post-norm)."""
     if mtype == "siglip2_vision_model":
@@ -431,6 +466,13 @@ def _vision_family_fields(config: Any, mtype: str, hidden: int) -> dict[str, Any
             "qk_norm_dim": hidden if _field(config, "use_qk_norm", False) else 0,
             "post_norm": not _field(config, "use_mean_pooling", True),
             "no_positions": not _field(config, "use_absolute_position_embeddings", True),
+        }
+    if mtype == "pixtral":  # 2D RoPE (no position table), RMSNorms, gated MLP, no bias, no CLS, no post-norm
+        patches = (_positive(config, "image_size") // _positive(config, "patch_size")) ** 2
+        return {
+            "gated_mlp": True, "qkv_bias": (False, False, False), "o_bias": False, "mlp_bias": False,
+            "norm_bias": False, "patch_bias": False, "pre_norm": True, "post_norm": False, "prefix_tokens": 0,
+            "item_len": patches, "no_positions": True,
         }
     if mtype == "intern_vit_6b":
         bias = bool(_field(config, "qkv_bias", False))
@@ -542,7 +584,9 @@ def projector_arch(encoder: str, archs: Mapping[str, Arch], projectors: Mapping[
     out_dim = given.get("out_dim") or (archs[LLM_MODULE].hidden if LLM_MODULE in archs else None)
     if out_dim is None:
         raise ValueError(f"projector of {encoder!r} needs out_dim or an 'llm' config")
-    return ProjectorArch(given.get("kind", "mlp"), int(given.get("in_dim") or archs[encoder].hidden), int(out_dim))
+    encoder_arch = archs[encoder]
+    features = (encoder_arch.merger[1] if isinstance(encoder_arch, EncoderArch) else 0) or encoder_arch.hidden
+    return ProjectorArch(given.get("kind", "mlp"), int(given.get("in_dim") or features), int(out_dim))
 
 
 def units_from_configs(model_configs: Mapping[str, Any], frozen: Mapping[str, bool] | None = None) -> tuple[Unit, ...]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MODEL_TYPES", "Siglip2FeatureCount", "siglip2_inputs", "siglip2_dummy_input"]
+__all__ = ["MODEL_TYPES", "Siglip2FeatureCount", "siglip2_inputs", "siglip2_dummy_input", "check_siglip2_processor"]
 
 # config model_type -> where the vision config lives (None: the config itself)
 MODEL_TYPES = {"siglip2_vision_model": None, "siglip2": "vision_config"}
@@ -67,3 +67,17 @@ def siglip2_dummy_input(config: Any, dtype: torch.dtype, device: torch.device | 
     shapes_device = "cpu" if torch.device(device or "cpu").type == "meta" else device
     return {"pixel_values": pixels, "spatial_shapes": torch.tensor([[side, side]], device=shapes_device),
             "pixel_attention_mask": None}
+
+
+def check_siglip2_processor(processor: Any, config: Any) -> None:
+    """Refuse a NaFlex image processor that would give images larger than the tower ``config``'s position grid,
+    when the job is built (rather than per record in the metadata pass).
+
+    Raises:
+        ValueError: naming ``processor.max_num_patches`` when it is above the tower's ``num_patches``.
+    """
+    limit = getattr(processor, "max_num_patches", None)
+    if limit is not None and int(limit) > int(config.num_patches):
+        raise ValueError(f"processor.max_num_patches = {limit} is above the SigLIP2 tower's num_patches = "
+                         f"{config.num_patches} (its position grid): images of more patches than that cannot be "
+                         "encoded; lower it or leave it out (the default is the tower's)")

@@ -120,11 +120,23 @@ def test_bad_images_are_refused_naming_record_and_file(tmp_path):
     from plait.models.registry import build_model, build_processor, load_tokenizer
 
     records = _two_image_records(tmp_path)
-    for processor, message in [({"max_num_patches": 32}, "larger than the SigLIP2 tower's maximum of 16 patches"),
-                               ({"patch_size": 8}, "patches of 192 values, the SigLIP2 encoder expects 48")]:
+    for processor, message in [({"patch_size": 8}, "patches of 192 values, the SigLIP2 encoder expects 48")]:
         cfg = config_from_dict(_job(tmp_path, records, processor))
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         model = build_model(cfg.model, tokenizer)
         mm = build_processor(cfg.model, model, tokenizer, 256)
         with pytest.raises(SampleError, match=rf"record 'pair-0'.*img0.png.*{message}"):
             mm(sample_at(JsonlSource(cfg.data.train), 0))
+
+
+def test_max_num_patches_above_the_tower_is_refused_when_the_job_is_built(tmp_path):
+    """Images larger than the tower's position grid were refused record by record (the feature count still refuses
+    them, test_feature_count_and_checks); a processor that allows them is now refused before any record is read."""
+    from plait.models.registry import build_model, build_processor, load_tokenizer
+
+    cfg = config_from_dict(_job(tmp_path, _two_image_records(tmp_path), {"max_num_patches": 32}))
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    model = build_model(cfg.model, tokenizer)
+    with pytest.raises(ValueError, match=r"model.encoders.vision.processor.max_num_patches = 32 is above the SigLIP2 "
+                                         r"tower's num_patches = 16"):
+        build_processor(cfg.model, model, tokenizer, 256)

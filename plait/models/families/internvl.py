@@ -1,0 +1,143 @@
+"""InternVL's vision tower (transformers' ``InternVLVisionModel``): dynamic tiling and pixel-shuffle downsampling.
+
+The image processor (transformers' ``GotOcr2ImageProcessorPil`` with ``crop_to_patches=True``, what InternVL's
+processor uses, no torchvision) cuts an image into ``cols x rows`` tiles of ``S x S`` pixels (the grid whose aspect
+ratio is closest to the image's, ``min_patches <= cols * rows <= max_patches``) plus a thumbnail of the whole image
+when there is more than one tile: one item ``pixel_values [t, C, S, S]`` per image (``data.processing.process_image``,
+``size = (t, S, S)``). The tower encodes every tile as a fixed-size ViT image (CLS + ``g x g`` patches, ``g = S /
+patch``); all tiles of a microbatch's images have one shape, so they are one encoder call.
+
+Between the tower and the projector ``InternVLModel.get_image_features`` drops the CLS token, reshapes each tile's
+patches to ``[g, g, D]`` and applies ``InternVLModel.pixel_shuffle`` with ``scale_factor = downsample_ratio``
+(0.5): ``[g/2, g/2, 4 D]``, i.e. ``(g / 2)^2`` features of ``4 D`` values per tile. plait's ``downsample`` of an
+InternVL branch is ``1 / downsample_ratio`` (2 for InternVL) and :func:`pixel_shuffle_features` calls transformers'
+own ``pixel_shuffle`` (it reads nothing of its model instance, so it is called on the class), so the features equal
+the stock model's projector input.
+
+With ``use_mean_pooling`` (every InternVL checkpoint) the tower's ``layernorm`` is an ``nn.Identity``: the branch has
+no post-norm unit. Its layers take the hidden states only (no mask, no positions), so a pipeline stage may start at
+any layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.models.internvl.modeling_internvl import InternVLModel
+
+__all__ = ["MODEL_TYPES", "LAYER_CLASS", "InternVLFeatureCount", "internvl_inputs", "internvl_dummy_input",
+           "pixel_shuffle_features", "has_post_norm", "tile_size", "check_internvl_processor"]
+
+# config model_type -> where the vision config lives (None: the config itself)
+MODEL_TYPES = {"internvl_vision": None}
+LAYER_CLASS = "InternVLVisionLayer"
+
+
+def tile_size(config: Any) -> int:
+    """The tower's square tile side in pixels (``image_size``, an int or an ``(H, W)`` pair of equal sides).
+
+    Raises:
+        ValueError: for a non-square ``image_size``.
+    """
+    size = config.image_size
+    h, w = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+    if h != w:
+        raise ValueError(f"InternVL tower image_size {h}x{w} is not square (tiles are square)")
+    return int(h)
+
+
+def has_post_norm(config: Any) -> bool:
+    """False with ``use_mean_pooling`` (the tower's ``layernorm`` is an ``nn.Identity``, no unit)."""
+    return not bool(getattr(config, "use_mean_pooling", True))
+
+
+@dataclass(frozen=True)
+class InternVLFeatureCount:
+    """Features of one image of ``size = (t, S, S)``: ``t`` tiles of ``S x S`` pixels (thumbnail included), each
+    giving ``(g / downsample)^2`` features after the pixel shuffle (``g = S // patch_size``; CLS dropped), or
+    ``g^2 + 1`` with ``downsample = 1`` and the CLS kept (``select = "full"``).
+
+    Attributes:
+        patch_size: the tower's patch side in pixels.
+        tile: the tower's ``image_size`` (tile side in pixels); a processor giving other tiles is refused.
+        downsample: ``1 / downsample_ratio`` of InternVL's pixel shuffle (2), 1 for none.
+        cls_tokens: 1 when the CLS position is kept (``select = "full"``, only without pixel shuffle).
+    """
+
+    patch_size: int
+    tile: int
+    downsample: int
+    cls_tokens: int
+
+    def __post_init__(self) -> None:
+        grid = self.tile // self.patch_size
+        if self.downsample < 1 or self.downsample & (self.downsample - 1):
+            raise ValueError(f"downsample = {self.downsample}: InternVL's pixel shuffle takes a power of two (2)")
+        if grid % self.downsample:
+            raise ValueError(f"downsample = {self.downsample} does not divide the tower's {grid}x{grid} patch grid")
+        if self.downsample > 1 and self.cls_tokens:
+            raise ValueError("the pixel shuffle (downsample > 1) needs select = 'drop_cls' (InternVL drops the CLS)")
+
+    @property
+    def per_tile(self) -> int:
+        """Features of one tile."""
+        return (self.tile // self.patch_size // self.downsample) ** 2 + self.cls_tokens
+
+    def __call__(self, size: tuple[int, int, int]) -> int:
+        """Features (tokens) of an image of ``size = (tiles, S, S)``.
+
+        Raises:
+            ValueError: for no tile, a size without a tile count, or tiles of another size than the tower's.
+        """
+        if len(size) != 3:
+            raise ValueError(f"image size {tuple(size)} has no tile count: the InternVL tower needs its tiling "
+                             "processor (GotOcr2ImageProcessorPil with crop_to_patches)")
+        tiles, h, w = (int(s) for s in size)
+        if tiles < 1:
+            raise ValueError("image has no tile")
+        if (h, w) != (self.tile, self.tile):
+            raise ValueError(f"the image processor gives {h}x{w} tiles, the InternVL tower expects {self.tile}x"
+                             f"{self.tile} (its image_size: set the processor's size)")
+        return tiles * self.per_tile
+
+
+def internvl_inputs(pixel_values: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stock-forward kwargs of a microbatch's images (items ``[t_i, C, S, S]``): every tile, in item order,
+    ``pixel_values [sum t_i, C, S, S]``."""
+    return {"pixel_values": torch.cat(list(pixel_values))}
+
+
+def internvl_dummy_input(config: Any, dtype: torch.dtype, device: torch.device | str | None) -> dict[str, Any]:
+    """A one-tile input at the tower's tile size, zeros in ``dtype`` on ``device``."""
+    side = tile_size(config)
+    return {"pixel_values": torch.zeros(1, int(config.num_channels), side, side, dtype=dtype, device=device)}
+
+
+def pixel_shuffle_features(hidden: torch.Tensor, downsample: int) -> torch.Tensor:
+    """``hidden [tiles, g * g, D]`` (CLS dropped) -> ``[tiles * (g / d)^2, D d^2]`` with transformers'
+    ``InternVLModel.pixel_shuffle`` (``scale_factor = 1 / d``), tile by tile in order, as
+    ``InternVLModel.get_image_features`` reshapes around it. ``d = 1`` returns the rows unchanged."""
+    tiles, positions, dim = hidden.shape
+    if downsample == 1:
+        return hidden.reshape(tiles * positions, dim)
+    grid = int(round(positions ** 0.5))
+    square = hidden.reshape(tiles, grid, grid, dim)
+    shuffled = InternVLModel.pixel_shuffle(None, square, scale_factor=1 / downsample)  # reads nothing of self
+    return shuffled.reshape(-1, shuffled.shape[-1])
+
+
+def check_internvl_processor(processor: Any, config: Any) -> None:
+    """Refuse an image processor whose tiles are not the tower's ``image_size``, before any sample is read.
+
+    Raises:
+        ValueError: naming ``processor.size``.
+    """
+    size = getattr(processor, "size", None)
+    h = size.get("height") if isinstance(size, dict) else getattr(size, "height", None)
+    w = size.get("width") if isinstance(size, dict) else getattr(size, "width", None)
+    side = tile_size(config)
+    if h is not None and (int(h), int(w)) != (side, side):
+        raise ValueError(f"processor.size = {h}x{w} but the InternVL tower's tiles are {side}x{side} pixels "
+                         "(its image_size)")

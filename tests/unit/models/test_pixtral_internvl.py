@@ -1,0 +1,203 @@
+"""Pixtral and InternVL vision branches: features equal the stock Hugging Face modules (Pixtral: ``PixtralVisionModel``
+on the processor's padded batch of images of different sizes, packed with a block-diagonal mask; InternVL: the
+input of ``InternVLModel``'s projector after its pixel shuffle, and ``get_image_features`` through that projector),
+fp32 1e-5; feature counts shared with the processor; the cost model equals the real towers (parameters, FLOPs);
+processor settings that cannot fit the tower refused when the job is built; the per-call hook (Pixtral's 2D RoPE and
+block mask recomputed on a later stage) equals the stock forward."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from PIL import Image
+from torch.utils.flop_counter import FlopCounterMode
+
+from plait.config.loader import config_from_dict
+from plait.data.processing import process_image
+from plait.models.encoder import ModalityEncoder
+from plait.models.families.internvl import InternVLFeatureCount, pixel_shuffle_features
+from plait.models.families.pixtral import PixtralCall, PixtralFeatureCount, pixtral_inputs
+from plait.models.hf import build_encoder, encoder_feature_size, encoder_layout, run_encoder_layer
+from plait.models.projector import build_projector
+from plait.planner.arch import model_param_count, units_from_configs
+from plait.planner.cost_model import MicrobatchShape, unit_estimates
+from tests.conftest import TINY_LLM, tiny_config_dict, write_jsonl
+
+TINY_PIXTRAL = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, head_dim=16, patch_size=4, image_size=32, num_channels=3)
+TINY_INTERNVL = dict(model_type="internvl_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, patch_size=4, image_size=32, num_channels=3)
+
+
+def _kwargs(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k != "model_type"}
+
+
+def _images(sizes) -> list[Image.Image]:
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+
+
+def _pixtral(attn: str = "eager", layers: int = 2) -> T.PixtralVisionModel:
+    torch.manual_seed(0)
+    cfg = T.PixtralVisionConfig(**dict(_kwargs(TINY_PIXTRAL), num_hidden_layers=layers), attn_implementation=attn)
+    return T.PixtralVisionModel(cfg).eval()
+
+
+def test_pixtral_features_equal_the_stock_tower_on_the_padded_batch():
+    encoder = _pixtral()
+    processor = T.PixtralImageProcessorPil(patch_size=4, size={"longest_edge": 32})
+    images = _images([(24, 40), (16, 16), (50, 20)])
+    padded = processor(images=images, return_tensors="pt")
+    branch = ModalityEncoder(encoder, build_projector("linear", 32, 32), "image")
+    items = [process_image(processor, img) for img in images]
+    sizes = [size for _, size in items]
+    assert sizes == [tuple(s) for s in padded["image_sizes"].tolist()] == [(20, 32), (16, 16), (32, 12)]
+    inputs = {"pixel_values": [it["pixel_values"] for it, _ in items]}
+    with torch.no_grad():
+        stock = encoder(**padded).last_hidden_state[0]
+        mine = branch.encoder_forward(inputs)
+    assert [branch.feature_count(s) for s in sizes] == [40, 16, 24] and mine.shape == (80, 32)
+    torch.testing.assert_close(mine, stock, rtol=1e-5, atol=1e-5)
+    assert len(branch.item_groups(inputs)) == 1 and encoder_layout(encoder).post_norm is None
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_pixtral_call_recomputes_rope_and_block_mask_for_later_layers(attn):
+    encoder = _pixtral(attn, layers=3)
+    kwargs = pixtral_inputs([torch.randn(3, 20, 32), torch.randn(3, 16, 16), torch.randn(3, 32, 12)])
+    with torch.no_grad():
+        out = encoder(**kwargs, output_hidden_states=True)
+        call, hidden = PixtralCall(encoder, kwargs), out.hidden_states[1]
+        for index in (1, 2):
+            hidden = call.layer(encoder.transformer.layers[index], index, hidden)
+    torch.testing.assert_close(hidden, out.last_hidden_state, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="Pixtral tower's layers cannot start a pipeline stage"):
+        run_encoder_layer(encoder.transformer.layers[1], hidden)
+
+
+def test_pixtral_feature_count_refuses_images_above_the_tower():
+    count = PixtralFeatureCount(patch_size=4, max_side=32)
+    assert count((20, 32)) == 40 and count.max_patches == 64
+    with pytest.raises(ValueError, match="larger than the Pixtral tower's maximum of 32 pixels per side"):
+        count((36, 8))
+    with pytest.raises(ValueError, match="smaller than one 4-pixel patch"):
+        count((2, 8))
+
+
+def _internvl_model() -> T.InternVLModel:
+    torch.manual_seed(0)
+    text = T.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=64)
+    full = T.InternVLConfig(vision_config=_kwargs(TINY_INTERNVL), text_config=text.to_dict(), downsample_ratio=0.5)
+    full.vision_config._attn_implementation = "eager"
+    return T.InternVLModel(full).eval()
+
+
+def _tiling_processor(**kwargs) -> T.GotOcr2ImageProcessorPil:
+    return T.GotOcr2ImageProcessorPil(crop_to_patches=True, size={"height": 32, "width": 32}, max_patches=6,
+                                      **kwargs)
+
+
+def test_internvl_features_equal_get_image_features():
+    model = _internvl_model()
+    processor = _tiling_processor()
+    images = _images([(24, 80), (16, 16), (70, 30)])
+    batch = processor(images=images, return_tensors="pt")
+    branch = ModalityEncoder(model.vision_tower, build_projector("linear", 128, 32), "image", select="drop_cls",
+                             downsample=2)
+    tiles = [processor(images=[img], return_tensors="pt")["pixel_values"] for img in images]
+    sizes = [(int(t.shape[0]), 32, 32) for t in tiles]
+    assert sizes == [(4, 32, 32), (1, 32, 32), (3, 32, 32)] and batch["num_patches"].tolist() == [4, 1, 3]
+    seen = {}
+    hook = model.multi_modal_projector.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
+    with torch.no_grad():
+        stock = model.get_image_features(pixel_values=batch["pixel_values"], vision_feature_layer=-1,
+                                         vision_feature_select_strategy="default").pooler_output
+        mine = branch.encoder_forward({"pixel_values": tiles})
+    hook.remove()
+    assert [branch.feature_count(s) for s in sizes] == [64, 16, 48] and mine.shape == (128, 128)
+    torch.testing.assert_close(mine, seen["x"].reshape(-1, 128), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(model.multi_modal_projector(mine), stock.reshape(-1, 32), rtol=1e-5, atol=1e-5)
+    assert encoder_feature_size(model.vision_tower, 2) == 128 and encoder_layout(model.vision_tower).post_norm is None
+
+
+def test_internvl_feature_count_pixel_shuffle_and_checks():
+    count = InternVLFeatureCount(patch_size=4, tile=32, downsample=2, cls_tokens=0)
+    assert count((5, 32, 32)) == 80 and InternVLFeatureCount(4, 32, 1, 1)((2, 32, 32)) == 2 * 65
+    with pytest.raises(ValueError, match="gives 16x16 tiles, the InternVL tower expects 32x32"):
+        count((1, 16, 16))
+    with pytest.raises(ValueError, match="no tile count"):
+        count((32, 32))
+    with pytest.raises(ValueError, match="needs select = 'drop_cls'"):
+        InternVLFeatureCount(4, 32, 2, 1)
+    with pytest.raises(ValueError, match="does not divide the tower's 8x8 patch grid"):
+        InternVLFeatureCount(4, 32, 16, 0)
+    hidden = torch.arange(2 * 16 * 3, dtype=torch.float32).reshape(2, 16, 3)
+    shuffled = pixel_shuffle_features(hidden, 2)
+    assert shuffled.shape == (8, 12)
+    torch.testing.assert_close(shuffled[0], torch.cat([hidden[0, 0], hidden[0, 1], hidden[0, 4], hidden[0, 5]]))
+    branch = ModalityEncoder(build_encoder("image", config=dict(TINY_INTERNVL)), build_projector("linear", 128, 32),
+                             "image", select="drop_cls", downsample=2)
+    branch.check_item({"pixel_values": torch.zeros(3, 3, 32, 32)})
+    with pytest.raises(ValueError, match="tiles of 3 channels x 16x16 pixels, the InternVL encoder expects 3 x 32x32"):
+        branch.check_item({"pixel_values": torch.zeros(3, 3, 16, 16)})
+    with pytest.raises(ValueError, match="expects tiles"):
+        branch.check_item({"pixel_values": torch.zeros(3, 32, 32)})
+
+
+def _flops_and_estimates(cfg, tower, inputs: dict, tokens: int) -> tuple[int, int]:
+    with FlopCounterMode(display=False) as counter:
+        tower(**inputs)
+    llm = T.LlamaConfig(**_kwargs(TINY_LLM), vocab_size=64)
+    units = [u for u in units_from_configs({"v": cfg, "llm": llm}) if u.module == "v" and u.kind != "projector"]
+    est = unit_estimates(units, {"v": cfg}, MicrobatchShape(tokens=tokens))
+    return counter.get_total_flops(), sum(e.weight_flops + e.attention_flops for e in est)
+
+
+def test_cost_model_params_and_flops_equal_the_real_towers():
+    pixtral = _pixtral()
+    assert model_param_count(pixtral.config) == sum(p.numel() for p in pixtral.parameters())
+    measured, predicted = _flops_and_estimates(pixtral.config, pixtral, pixtral_inputs([torch.randn(3, 32, 32)]), 64)
+    assert measured == predicted
+    internvl = _internvl_model().vision_tower
+    assert model_param_count(internvl.config) == sum(p.numel() for p in internvl.parameters())
+    measured, predicted = _flops_and_estimates(internvl.config, internvl, {"pixel_values": torch.randn(2, 3, 32, 32)},
+                                               2 * 65)
+    assert measured == predicted
+
+
+def _job(tmp_path, family: str, processor: dict) -> dict:
+    image = tmp_path / "wide.png"
+    _images([(24, 40)])[0].save(image)
+    ask = {"role": "user", "content": "<image>\nWhat is it?"}
+    data = write_jsonl(tmp_path / "train.jsonl", [{"id": "wide-0", "task": "t", "images": [str(image)],
+                                                   "messages": [ask, {"role": "assistant", "content": "six"}]}])
+    cfg = tiny_config_dict(str(data), None, str(tmp_path / "run"))
+    branch = {"modality": "image", "config": dict(TINY_PIXTRAL if family == "pixtral" else TINY_INTERNVL),
+              "processor": processor}
+    if family == "internvl":
+        branch.update(select="drop_cls", downsample=2)
+    cfg["model"]["encoders"] = {"vision": branch}
+    return cfg
+
+
+@pytest.mark.parametrize("family, processor, message", [
+    ("pixtral", {"size": {"longest_edge": 64}}, r"model.encoders.vision.processor.size.longest_edge = 64 is above "
+                                                r"the Pixtral tower's image_size = 32"),
+    ("pixtral", {"patch_size": 8}, r"model.encoders.vision.processor.patch_size = 8 but the Pixtral tower's "
+                                   r"patch_size is 4"),
+    ("internvl", {"size": {"height": 16, "width": 16}}, r"model.encoders.vision.processor.size = 16x16 but the "
+                                                        r"InternVL tower's tiles are 32x32"),
+])
+def test_processor_that_cannot_fit_the_tower_is_refused_when_the_job_is_built(tmp_path, family, processor, message):
+    from plait.models.registry import build_model, build_processor, load_tokenizer
+
+    cfg = config_from_dict(_job(tmp_path, family, processor))
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    model = build_model(cfg.model, tokenizer)
+    with pytest.raises(ValueError, match=message):
+        build_processor(cfg.model, model, tokenizer, 256)
