@@ -17,13 +17,16 @@ from plait.models.hf import (
     VisionFeatureCount,
     audio_window,
     dummy_encoder_input,
+    encoder_feature_size,
     encoder_hidden_size,
     encoder_layout,
     feature_count_for,
 )
+from plait.models.families import internvl, pixtral, qwen2_5_vl
 from plait.models.families.qwen2_audio import Qwen2AudioFeatureCount, qwen2_audio_attention_mask
 from plait.models.families.siglip2 import MODEL_TYPES as SIGLIP2_TYPES, siglip2_inputs
 from plait.models.projector import Projector
+from plait.models.tower_call import tower_call
 
 __all__ = ["EncoderInputCheck", "ModalityEncoder"]
 
@@ -97,9 +100,9 @@ class ModalityEncoder(nn.Module):
 
     @property
     def pooled_output(self) -> bool:
-        """True for an encoder whose features are its ``last_hidden_state`` after a pooler (Qwen2-Audio), not
-        one of its layers' hidden states."""
-        return isinstance(self.feature_count, Qwen2AudioFeatureCount)
+        """True for an encoder whose features are its output after a pooler (Qwen2-Audio's ``last_hidden_state``,
+        Qwen2.5-VL's merged ``pooler_output``: ``TowerCall.stock_output``), not one of its layers' hidden states."""
+        return isinstance(self.feature_count, (Qwen2AudioFeatureCount, qwen2_5_vl.Qwen25VLFeatureCount))
 
     @property
     def check_item(self) -> "EncoderInputCheck":
@@ -107,6 +110,10 @@ class ModalityEncoder(nn.Module):
         small picklable object holding only the numbers it needs, so DataLoader workers do not receive the
         encoder)."""
         cfg = self.encoder.config
+        if self.modality == "image" and cfg.model_type in internvl.MODEL_TYPES:
+            return EncoderInputCheck("image", int(cfg.num_channels), tile=internvl.tile_size(cfg))
+        if self.modality == "image" and cfg.model_type in qwen2_5_vl.MODEL_TYPES:
+            return EncoderInputCheck("image", int(cfg.in_channels), qwen2_5_vl.patch_values(cfg))
         if self.modality == "image":
             siglip2 = cfg.model_type in SIGLIP2_TYPES
             width = int(cfg.num_channels) * int(cfg.patch_size) ** 2 if siglip2 else 0
@@ -142,7 +149,7 @@ class ModalityEncoder(nn.Module):
     def encoder_features(self, model_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Selected hidden state ``[n, positions, encoder_dim]`` for a stacked batch of same-shape items."""
         if self.pooled_output:
-            return self.encoder(**model_inputs).last_hidden_state
+            return tower_call(self.encoder, model_inputs).stock_output(self.encoder(**model_inputs), True)
         out = self.encoder(**model_inputs, output_hidden_states=True)
         return self.select_positions(out.hidden_states[self.feature_layer])
 
@@ -167,6 +174,11 @@ class ModalityEncoder(nn.Module):
                     self.encoder.config, self.feature_count, inputs["num_samples"], self.encoder.dtype)
             return [(kwargs, list(range(feats.shape[0])))]
         images = inputs["pixel_values"]
+        if "image_grid_thw" in inputs:  # Qwen2.5-VL: every image's patches packed into one call
+            return [(qwen2_5_vl.qwen2_5_vl_inputs(images, inputs["image_grid_thw"]), list(range(len(images))))]
+        packed = self._packed_inputs(images) if len(images) else None
+        if packed is not None:
+            return [(packed, list(range(len(images))))]
         if "spatial_shapes" in inputs:  # SigLIP2 NaFlex: images of one patch grid (h, w) together
             shapes = inputs["spatial_shapes"]
             return [(siglip2_inputs([images[i] for i in idx], [shapes[i] for i in idx]), idx)
@@ -180,16 +192,68 @@ class ModalityEncoder(nn.Module):
             out.append((kwargs, idx))
         return out
 
+    def _packed_inputs(self, images: list[torch.Tensor]) -> dict[str, Any] | None:
+        """The one stock-forward call of all images of a batch, for the families that take them together: Pixtral
+        packs every image's patches into one sequence (block-diagonal mask), InternVL encodes every tile (all of
+        one size); None for the other families (one call per image size)."""
+        model_type = self.encoder.config.model_type
+        if model_type in pixtral.MODEL_TYPES:
+            return pixtral.pixtral_inputs(images)
+        if model_type in internvl.MODEL_TYPES:
+            return internvl.internvl_inputs(images)
+        return None
+
+    def _assemble_packed(self, inputs: dict[str, Any], hidden: torch.Tensor) -> torch.Tensor:
+        """Features of the one packed call (:meth:`_packed_inputs`): Pixtral's ``[1, P, D]`` rows as they are,
+        InternVL's ``[tiles, positions, D]`` through the pixel shuffle (``[tiles x (g/d)^2, D d^2]``).
+
+        Raises:
+            ValueError: when the rows differ from the feature counts of the items' sizes.
+        """
+        if isinstance(self.feature_count, internvl.InternVLFeatureCount):
+            sizes = [(int(p.shape[0]), int(p.shape[-2]), int(p.shape[-1])) for p in inputs["pixel_values"]]
+            features = internvl.pixel_shuffle_features(hidden, self.downsample)
+        else:
+            sizes = [(int(p.shape[-2]), int(p.shape[-1])) for p in inputs["pixel_values"]]
+            features = hidden.reshape(-1, hidden.shape[-1])
+        expected = sum(self.feature_count(size) for size in sizes)
+        if features.shape[0] != expected:
+            raise ValueError(f"{type(self.encoder).__name__} gave {features.shape[0]} features for images of sizes "
+                             f"{sizes} but the feature-count formula says {expected}")
+        return features
+
     def assemble_features(self, inputs: dict[str, Any], hidden: list[torch.Tensor]) -> torch.Tensor:
         """Features ``[total_features, encoder_dim]`` of all items, in item order, from the selected hidden
-        states of each group of ``item_groups(inputs)`` (audio is pooled and cut to each clip's count).
+        states of each group of ``item_groups(inputs)`` (audio is pooled and cut to each clip's count; InternVL's
+        tiles pixel-shuffled, ``[total_features, encoder_dim * downsample^2]``).
 
         Raises:
             ValueError: when a group's feature count differs from the feature-count formula.
         """
+        if self.modality == "image" and self.encoder.config.model_type in (*pixtral.MODEL_TYPES,
+                                                                            *internvl.MODEL_TYPES):
+            if not hidden:
+                return torch.zeros(0, encoder_feature_size(self.encoder, self.downsample))
+            return self._assemble_packed(inputs, hidden[0])
+        if self.modality == "image" and "image_grid_thw" in inputs:
+            return self._assemble_grids(inputs["image_grid_thw"], hidden)
         if self.modality == "image":
             return self._assemble_images(inputs, hidden)
         return self._assemble_audio(hidden[0], inputs["num_samples"])
+
+    def _assemble_grids(self, grids: list[torch.Tensor], hidden: list[torch.Tensor]) -> torch.Tensor:
+        """Qwen2.5-VL: the one call's merged features ``[sum of counts, out_hidden_size]``, already in image order.
+
+        Raises:
+            ValueError: when their number differs from the feature counts of the images' ``(t, h, w)`` grids.
+        """
+        sizes = [tuple(int(g) for g in grid) for grid in grids]
+        expected = sum(self.feature_count(size) for size in sizes)
+        features = hidden[0] if hidden else torch.zeros(0, encoder_feature_size(self.encoder, self.downsample))
+        if features.shape[0] != expected:
+            raise ValueError(f"{type(self.encoder).__name__} gave {features.shape[0]} features for image grids {sizes} "
+                             f"but the feature-count formula says {expected}")
+        return features
 
     def _assemble_images(self, inputs: dict[str, Any], hidden: list[torch.Tensor]) -> torch.Tensor:
         per_item: list[torch.Tensor | None] = [None] * len(inputs["pixel_values"])
@@ -264,11 +328,19 @@ class EncoderInputCheck:
     channels: int = 0
     patch_values: int = 0
     audio_window: tuple[int, int] | None = None
+    tile: int = 0
 
     def __call__(self, item: dict[str, Any]) -> None:
         """Raises:
-            ValueError: naming the processor's and the encoder's channels, patch width, mel bins or frames.
+            ValueError: naming the processor's and the encoder's channels, patch width, tile size, mel bins or
+                frames.
         """
+        if self.tile:
+            self._check_tiles(item["pixel_values"])
+            return
+        if self.modality == "image" and "image_grid_thw" in item:
+            self._check_grid(item["pixel_values"], item["image_grid_thw"])
+            return
         if self.modality == "image" and "spatial_shapes" in item:
             width = int(item["pixel_values"].shape[-1])
             if width != self.patch_values:
@@ -285,3 +357,25 @@ class EncoderInputCheck:
             raise ValueError(f"the feature extractor gives {mel} mel bins x {frames} frames, the encoder expects "
                              f"{self.audio_window[0]} x {self.audio_window[1]} (feature_size / chunk_length of the "
                              "processor)")
+
+    def _check_tiles(self, pixels: torch.Tensor) -> None:
+        """InternVL: ``pixels`` must be ``[t, C, S, S]`` tiles of the tower's channels and tile side ``S``."""
+        if pixels.dim() != 4:
+            raise ValueError(f"the image processor gives pixel_values of shape {tuple(pixels.shape)}, the InternVL "
+                             "encoder expects tiles [t, C, S, S] (GotOcr2ImageProcessorPil with crop_to_patches)")
+        shape = (int(pixels.shape[1]), int(pixels.shape[2]), int(pixels.shape[3]))
+        if shape != (self.channels, self.tile, self.tile):
+            raise ValueError(f"the image processor gives tiles of {shape[0]} channels x {shape[1]}x{shape[2]} "
+                             f"pixels, the InternVL encoder expects {self.channels} x {self.tile}x{self.tile}")
+
+    def _check_grid(self, pixels: torch.Tensor, grid: torch.Tensor) -> None:
+        """Qwen2.5-VL: ``pixels`` must be ``[t*h*w, C*T*p*p]`` patch rows of the tower's width for ``grid``."""
+        t, h, w = (int(g) for g in grid)
+        width = int(pixels.shape[-1])
+        if width != self.patch_values:
+            raise ValueError(f"the image processor gives patches of {width} values, the Qwen2.5-VL encoder expects "
+                             f"{self.patch_values} (in_channels x temporal_patch_size x patch_size^2: check the "
+                             "processor's patch_size and temporal_patch_size)")
+        if pixels.dim() != 2 or int(pixels.shape[0]) != t * h * w:
+            raise ValueError(f"the image processor gives {tuple(pixels.shape)} patch values for a {t}x{h}x{w} grid, "
+                             f"expected {t * h * w} rows")

@@ -16,7 +16,8 @@ from plait.data.processing import ModalitySpec, MultimodalProcessor
 from plait.data.sources import path_note
 from plait.data.video import VideoSpec
 from plait.models.encoder import ModalityEncoder
-from plait.models.hf import build_causal_lm, build_encoder, encoder_hidden_size
+from plait.models.families import internvl
+from plait.models.hf import build_causal_lm, build_encoder, check_processor, encoder_feature_size
 from plait.models.init import materialize, weight_source
 from plait.models.lora import apply_lora
 from plait.models.multimodal import MultimodalModel
@@ -32,7 +33,11 @@ _DEFAULT_IMAGE_PROCESSOR = {
     "clip": "CLIPImageProcessor",
     "vit": "ViTImageProcessor",
     "siglip2_vision_model": "Siglip2ImageProcessorPil",  # NaFlex, PIL backend (no torchvision)
+    "pixtral": "PixtralImageProcessorPil",  # native resolution, PIL backend
+    "internvl_vision": "GotOcr2ImageProcessorPil",  # InternVL's dynamic tiling (crop_to_patches), PIL backend
+    "qwen2_5_vl_vision": "Qwen2VLImageProcessorPil",  # dynamic resolution, PIL backend (no torchvision)
 }
+_IMAGENET_MEAN, _IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # InternVL's normalisation
 
 
 def load_tokenizer(path: str, chat_template: str = "") -> Any:
@@ -128,7 +133,7 @@ def compose_model(cfg: ModelConfig, tokenizer: Any, weights: bool = True) -> Mul
     encoders = {}
     for name, enc in cfg.encoders.items():
         hf_encoder = build_encoder(enc.modality, enc.path, enc.config, weights, field=f"model.encoders.{name}")
-        projector = build_projector(enc.projector, encoder_hidden_size(hf_encoder), hidden)
+        projector = build_projector(enc.projector, encoder_feature_size(hf_encoder, enc.downsample), hidden)
         hop = int(enc.processor.get("hop_length", 160))
         rate = int(enc.processor.get("sampling_rate", 16000))
         try:
@@ -197,6 +202,19 @@ def _hf_processor(enc: EncoderConfig, branch: ModalityEncoder) -> Any:
         if cfg.model_type == "siglip2_vision_model":  # the tower's patch and position grid, unless configured
             kwargs.setdefault("patch_size", int(cfg.patch_size))
             kwargs.setdefault("max_num_patches", int(cfg.num_patches))
+        if cfg.model_type == "pixtral":  # the tower's patch and largest side, unless configured
+            kwargs.setdefault("patch_size", int(cfg.patch_size))
+            kwargs.setdefault("size", {"longest_edge": int(cfg.image_size)})
+        if cfg.model_type == "internvl_vision":  # InternVL's processor: tiles of the tower's image_size + thumbnail
+            side = int(internvl.tile_size(cfg))
+            kwargs.setdefault("crop_to_patches", True)
+            kwargs.setdefault("size", {"height": side, "width": side})
+            kwargs.setdefault("image_mean", _IMAGENET_MEAN)
+            kwargs.setdefault("image_std", _IMAGENET_STD)
+        if cfg.model_type == "qwen2_5_vl_vision":  # the tower's patch, temporal patch and merge sizes, unless set
+            kwargs.setdefault("patch_size", int(cfg.patch_size))
+            kwargs.setdefault("temporal_patch_size", int(cfg.temporal_patch_size))
+            kwargs.setdefault("merge_size", int(cfg.spatial_merge_size))
         return getattr(transformers, cls_name)(**kwargs)
     count = branch.feature_count
     kwargs.setdefault("feature_size", int(cfg.num_mel_bins))
@@ -234,6 +252,10 @@ def build_processor(cfg: ModelConfig, model: MultimodalModel, tokenizer: Any, ma
             hf = _pretrained_processor(Path(cfg.pretrained), name, enc, branch)
         else:
             placeholder, hf = placeholder_of(enc), _hf_processor(enc, branch)
+        try:
+            check_processor(branch.encoder, hf)
+        except ValueError as exc:
+            raise ValueError(f"model.encoders.{name}.{exc}") from exc
         specs.append(ModalitySpec(name, branch.modality, placeholder, model.placeholder_ids[name], hf,
                                   branch.feature_count, branch.check_item, _video_spec(name, enc, branch, tokenizer)))
     return MultimodalProcessor(tokenizer, specs, max_length)
