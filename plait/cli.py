@@ -40,7 +40,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.energy is not None:
         from plait.commands.energy import plan_by_energy
 
-        plan_by_energy(args.config, args.devices, tolerance=args.energy, gpu=args.device or "h100", out_json=args.out,
+        plan_by_energy(args.config, args.devices, tolerance=args.energy, gpu=args.device, out_json=args.out,
                        overrides=overrides, microbatches=args.microbatches, frozen_aware=not args.frozen_unaware)
         return 0
     plan_command(args.config, args.devices, args.out, overrides=overrides, device=args.device,
@@ -137,7 +137,7 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
         return worker_main(args.config, overrides, args.worker, args.nproc, args.store, args.joining)
     sizes = [int(n) for n in args.pipelines.split(",")] if args.pipelines else []
     return launch_command(args.config, args.nproc, args.f, overrides, sizes, args.kill, args.timeout,
-                          rejoins=args.rejoin)
+                          rejoins=args.rejoin, overwrite=args.overwrite)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -273,6 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="fault injection for tests: that worker SIGKILLs itself in the middle of that step")
     launch.add_argument("--rejoin", action="append", default=[], metavar="WORKER:STEP", help="restart that worker "
                         "once it died; the job admits it at the start of that step and re-instantiates")
+    launch.add_argument("--overwrite", action="store_true", help="start a new run even when metrics.run_dir holds "
+                        "an earlier run's checkpoints, final model or launch logs: they are removed (else refused)")
     launch.add_argument("--joining", action="store_true", help=argparse.SUPPRESS)
     launch.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     launch.add_argument("--store", default="", help=argparse.SUPPRESS)

@@ -150,17 +150,40 @@ def job_action_options(config_path: str | Path, overrides: Sequence[str], microb
     return out
 
 
-def plan_by_energy(config_path: str | Path, devices: int, *, tolerance: float = 0.02, gpu: str = "h100",
+def _energy_preset(gpu: str | None, stream: TextIO) -> Any:
+    """The GPU power preset of ``plait plan --energy`` (``plan_by_energy``'s ``gpu``), announced in one line.
+
+    Raises:
+        ValueError: when ``gpu`` names no GPU preset (``cpu``: energy is planned for GPUs only).
+    """
+    from plait.commands.plan_costs import host_device
+
+    if gpu is None:
+        host, why = host_device()
+        name, why = (host, why) if host != "cpu" else ("h100", f"{why}: the default")
+    else:
+        name, why = gpu, "--device"
+    if name.lower() not in GPU_PRESETS:
+        raise ValueError(f"plait plan --energy plans SM clocks of GPUs: --device {name} has no energy preset; "
+                         f"choose one of {sorted(GPU_PRESETS)} (without --device: this host's GPU, else h100)")
+    preset = gpu_preset(name)
+    print(f"plait plan --energy: planning for the {preset.name} GPU preset ({preset.device.name}; {why}; --device "
+          f"{'|'.join(sorted(GPU_PRESETS))} for another)", file=stream)
+    return preset
+
+
+def plan_by_energy(config_path: str | Path, devices: int, *, tolerance: float = 0.02, gpu: str | None = None,
                    out_json: str | Path | None = None, overrides: Sequence[str] = (), microbatches: int | None = None,
                    out: TextIO | None = None, **plan_options: Any) -> LayoutChoice:
     """``plait plan --energy``: among the best plan of every DP degree and layout (``plan_command`` restricted to
     each), those whose predicted iteration time is within ``tolerance`` (a fraction) of the fastest are compared by
     energy per iteration at their own ``T*`` (all replicas: DP x one replica's frontier point at ``T*``, on the
     ``gpu`` preset; GPUs a plan leaves idle are not charged) and the least-energy one is printed and written as
-    ``plait plan`` does.
+    ``plait plan`` does. ``gpu``: the GPU preset (``plait plan --device``); None: this host's GPU's
+    (``plan_costs.host_device``), else (no GPU) the H100's; the first line printed names it and why.
 
     Raises:
-        ValueError: on a negative tolerance, and as ``plait plan``.
+        ValueError: on a negative tolerance, a device without a GPU energy preset (``cpu``), and as ``plait plan``.
     """
     import io
 
@@ -169,7 +192,7 @@ def plan_by_energy(config_path: str | Path, devices: int, *, tolerance: float = 
     if not tolerance >= 0:
         raise ValueError(f"--energy tolerance must be >= 0 (a fraction of the fastest iteration time), got {tolerance}")
     stream = out or sys.stdout
-    preset = gpu_preset(gpu)
+    preset = _energy_preset(gpu, stream)
     candidates, seen = [], set()
     for dp in [d for d in range(1, devices + 1) if devices % d == 0]:
         for layout in LAYOUTS:

@@ -412,9 +412,10 @@ def _encoder_embed(arch: EncoderArch, shape: MicrobatchShape, b: float) -> UnitE
                      (compute_tokens * per_token_in + t * saved) * b, t * h * b, b, input_grad=False)
 
 
-def _encoder_estimate(arch: EncoderArch, kind: str, shape: MicrobatchShape, b: float) -> UnitEstimate:
-    """Estimate of one encoder unit (embeddings, a layer with ``P`` defaulting to full ``n L^2``, or the
-    post-norm, which sees ``T / output_pool`` tokens)."""
+def _encoder_estimate(arch: EncoderArch, kind: str, shape: MicrobatchShape, b: float, layer: int = -1) -> UnitEstimate:
+    """Estimate of one encoder unit (embeddings, a layer with ``P`` defaulting to full ``n L^2`` and at most
+    ``T window`` in a window-attention layer, or the post-norm, which sees ``T / output_pool`` tokens and costs a
+    merger's ``2 macs`` per output token)."""
     t, h = shape.tokens, arch.hidden
     if kind == "embed":
         return _encoder_embed(arch, shape, b)
@@ -422,11 +423,14 @@ def _encoder_estimate(arch: EncoderArch, kind: str, shape: MicrobatchShape, b: f
         if not arch.post_norm:
             raise ValueError("this encoder has no post-norm unit")
         pooled = t / arch.output_pool
-        return _estimate(arch.norm_params(), 0, 0, (t + pooled) * h * b, pooled * h * b, pooled * h * b, b)
+        flops = 2 * pooled * arch.norm_macs_per_token()
+        return _estimate(arch.norm_params(), flops, 0, (t + pooled) * h * b, pooled * h * b, pooled * h * b, b)
     if kind != "layer":
         raise ValueError(f"an encoder has no {kind!r} unit")
     items, length = _sequences(shape, arch.item_len)
     pairs = shape.attended_pairs if shape.attended_pairs is not None else items * full_pairs(length)
+    if arch.window and layer not in arch.full_layers:
+        pairs = min(pairs, t * arch.window)
     per_token, per_pair = arch.layer_flops()
     return _estimate(arch.layer_params(), t * per_token, pairs * per_pair,
                      t * _encoder_layer_io(arch) * b, t * _encoder_layer_saved(arch, b), t * h * b, b)
@@ -504,9 +508,8 @@ def unit_estimates(units: Sequence[Unit], model_configs: Mapping[str, Any],
             layer = _layer_index(unit, arch) if unit.kind == "layer" else -1
             estimates.append(_decoder_estimate(arch, unit.kind, layer, mb, b))
         else:
-            if unit.kind == "layer":
-                _layer_index(unit, arch)
-            estimates.append(_encoder_estimate(arch, unit.kind, mb, b))
+            layer = _layer_index(unit, arch) if unit.kind == "layer" else -1
+            estimates.append(_encoder_estimate(arch, unit.kind, mb, b, layer))
     return estimates
 
 

@@ -14,8 +14,8 @@ from tests.conftest import DEMO
 __all__ = ["LLAVA_TEMPLATE", "VOCAB", "tokenizer", "save_llava", "save_qwen2_audio", "save_llm", "save_clip",
            "save_siglip", "save_whisper"]
 
-VOCAB = 401
-"""The demo tokenizer's size."""
+VOCAB = 512
+"""LLM vocabulary rows: more than the demo tokenizer has tokens (spare rows, as Qwen2's)."""
 IMAGE_ID, AUDIO_ID = 5, 6
 """``<image>`` and ``<audio>`` in the demo tokenizer."""
 
@@ -120,7 +120,8 @@ def save_whisper(folder: Path) -> Path:
     """A tiny Whisper model (plait takes its encoder) with a 3 s feature extractor."""
     cfg = T.WhisperConfig(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
                           num_mel_bins=80, max_source_positions=150, decoder_layers=1, decoder_attention_heads=2,
-                          decoder_ffn_dim=32, vocab_size=64, max_target_positions=32)
+                          decoder_ffn_dim=32, vocab_size=64, max_target_positions=32, pad_token_id=0, bos_token_id=1,
+                          eos_token_id=2, decoder_start_token_id=1)
     T.WhisperForConditionalGeneration(cfg).save_pretrained(folder)
     _feature_extractor().save_pretrained(folder)
     return folder
