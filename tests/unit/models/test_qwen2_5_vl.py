@@ -1,0 +1,189 @@
+"""Qwen2.5-VL vision branch: images of different sizes packed in one call, merged features equal to transformers'
+own ``Qwen2_5_VLModel.get_image_features`` (fp32, 1e-5), the feature count shared with the processor, the
+per-call hook (``models.tower_call``) reproducing the stock forward block by block, bad input refused clearly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from PIL import Image
+
+from plait.models.encoder import ModalityEncoder
+from plait.models.families.qwen2_5_vl import MAX_PIXELS, Qwen25VLFeatureCount, check_qwen2_5_vl_processor
+from plait.models.hf import build_encoder, encoder_feature_size, encoder_layout
+from plait.models.projector import build_projector
+from plait.models.tower_call import tower_call
+
+# window_size 56 px = 2x2 merged blocks of 2x2 patches of 14 px: 4x4-patch windows; blocks 1 and 3 attend fully
+TINY_QWEN2_5_VL = dict(model_type="qwen2_5_vl_vision", depth=4, hidden_size=32, intermediate_size=64, num_heads=2,
+                       patch_size=14, window_size=56, out_hidden_size=48, fullatt_block_indexes=[1, 3],
+                       temporal_patch_size=2, spatial_merge_size=2)
+# min/max pixels small enough for a few patches per image
+TINY_PROCESSOR = dict(min_pixels=28 * 28, max_pixels=28 * 28 * 30)
+
+
+def tiny_images(sizes=((100, 150), (60, 60), (150, 90))) -> list[Image.Image]:
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+
+
+def _branch(seed: int = 0) -> ModalityEncoder:
+    torch.manual_seed(seed)
+    encoder = build_encoder("image", config=dict(TINY_QWEN2_5_VL)).eval()
+    return ModalityEncoder(encoder, build_projector("linear", 48, 32), "image")
+
+
+def _processed(processor, images):
+    out = [processor(images=[img], return_tensors="pt") for img in images]
+    return {"pixel_values": [o["pixel_values"] for o in out], "image_grid_thw": [o["image_grid_thw"][0] for o in out]}
+
+
+def test_merged_features_equal_hf_get_image_features():
+    branch = _branch()
+    cfg = T.Qwen2_5_VLConfig(vision_config={k: v for k, v in TINY_QWEN2_5_VL.items() if k != "model_type"},
+                             text_config=dict(hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+    hf = T.Qwen2_5_VLModel(cfg).eval()
+    hf.visual.load_state_dict(branch.encoder.state_dict())
+    processor = T.Qwen2VLImageProcessorPil(**TINY_PROCESSOR)
+    batch = processor(images=tiny_images(), return_tensors="pt")
+    inputs = _processed(processor, tiny_images())
+    with torch.no_grad():
+        stock = hf.get_image_features(batch["pixel_values"], batch["image_grid_thw"]).pooler_output
+        mine = branch.encoder_forward(inputs)
+    grids = [tuple(g.tolist()) for g in inputs["image_grid_thw"]]
+    assert grids == [tuple(g) for g in batch["image_grid_thw"].tolist()]
+    counts = [branch.feature_count(g) for g in grids]
+    assert [s.shape[0] for s in stock] == counts and len(set(counts)) == 3
+    assert mine.shape == (sum(counts), 48) and encoder_feature_size(branch.encoder, 1) == 48
+    torch.testing.assert_close(mine, torch.cat(stock), rtol=1e-5, atol=1e-5)
+    assert len(branch.item_groups(inputs)) == 1 and encoder_layout(branch.encoder).post_norm == "merger"
+
+
+def test_tower_call_runs_the_blocks_one_by_one_like_the_stock_forward():
+    branch = _branch()
+    encoder = branch.encoder
+    inputs = _processed(T.Qwen2VLImageProcessorPil(**TINY_PROCESSOR), tiny_images())
+    (kwargs, _), = branch.item_groups(inputs)
+    call = tower_call(encoder, kwargs)
+    with torch.no_grad():
+        stock = encoder(**kwargs)
+        hidden = encoder.permute_input_for_window_attn(encoder.patch_embed(kwargs["hidden_states"]),
+                                                       call._pre["window_index"], kwargs["hidden_states"].shape[0])
+        for index, block in enumerate(encoder.blocks):
+            hidden = call.layer(block, index, hidden)
+        merged = call.post_norm(encoder.merger, hidden)
+    torch.testing.assert_close(hidden, stock.last_hidden_state, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged, call.stock_output(stock, True), rtol=1e-5, atol=1e-6)
+
+
+def test_feature_count_and_its_errors():
+    count = Qwen25VLFeatureCount(2, MAX_PIXELS // 14**2)
+    assert count((1, 8, 10)) == 20 and count((8, 10)) == 20 and count((2, 4, 4)) == 8
+    with pytest.raises(ValueError, match="not a multiple of the Qwen2.5-VL tower's 2x2 merge blocks"):
+        count((1, 5, 4))
+    with pytest.raises(ValueError, match="larger than the Qwen2.5-VL tower's maximum of 65536 patches"):
+        count((1, 512, 130))
+    with pytest.raises(ValueError, match="has no patch"):
+        count((0, 2, 2))
+
+
+def test_processor_mismatch_is_refused_naming_the_field():
+    cfg = build_encoder("image", config=dict(TINY_QWEN2_5_VL)).config
+    check_qwen2_5_vl_processor(T.Qwen2VLImageProcessorPil(**TINY_PROCESSOR), cfg)
+    with pytest.raises(ValueError, match=r"processor.patch_size = 16 but the Qwen2.5-VL tower's patch_size is 14"):
+        check_qwen2_5_vl_processor(T.Qwen2VLImageProcessorPil(patch_size=16), cfg)
+    with pytest.raises(ValueError, match=r"processor.max_pixels = 20000000 is above the Qwen2.5-VL tower's maximum"):
+        check_qwen2_5_vl_processor(T.Qwen2VLImageProcessorPil(max_pixels=20_000_000), cfg)
+
+
+def test_encoder_input_check_names_patch_width_and_rows():
+    check = _branch().check_item
+    processor = T.Qwen2VLImageProcessorPil(**TINY_PROCESSOR)
+    out = processor(images=tiny_images()[:1], return_tensors="pt")
+    item = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"][0]}
+    check(item)
+    with pytest.raises(ValueError, match="patches of 588 values, the Qwen2.5-VL encoder expects 1176"):
+        check({**item, "pixel_values": item["pixel_values"][:, :588]})
+    with pytest.raises(ValueError, match="expected 80 rows"):
+        check({**item, "pixel_values": item["pixel_values"][:40]})
+
+
+def _model(seed: int = 0):
+    from plait.models.hf import build_causal_lm
+    from plait.models.multimodal import MultimodalModel
+    from tests.conftest import TINY_LLM
+
+    torch.manual_seed(seed)
+    llm = build_causal_lm(config=TINY_LLM, vocab_size=50, attn_implementation="eager")
+    return MultimodalModel(llm, {"image": _branch(seed)}, {"image": 48})
+
+
+def _inputs() -> dict:
+    return _processed(T.Qwen2VLImageProcessorPil(**TINY_PROCESSOR), tiny_images())
+
+
+def test_branch_split_at_every_unit_reproduces_its_features():
+    from tests.unit.parallel.test_stages import _check_branch_chain
+
+    _check_branch_chain(_model(), "image", _inputs())
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_split_inside_the_blocks_gives_the_features_and_gradients_of_one_module(checkpointing):
+    """Stages [patch_embed + blocks 0, 1] | [blocks 2, 3 (full attention in 3), merger, projector], with and without
+    activation checkpointing of the blocks: features and every encoder gradient equal the unsplit branch's."""
+    from plait.models.units import model_units
+    from plait.parallel.checkpointing import apply_activation_checkpointing
+    from plait.parallel.stages import build_rank_stages
+    from plait.planner.pipeline_plan import plan_pipeline
+    from tests.distributed.pipeline_worker import make_batch
+    from tests.unit.parallel.test_stages import on_one_rank
+
+    reference, model = _model(), _model()
+    inputs = _inputs()
+    expected = reference.encoders["image"](inputs)
+    expected.pow(2).sum().backward()
+    done = apply_activation_checkpointing(model, checkpointing)
+    assert sum(".blocks." in name for name in done) == (4 if checkpointing == "full" else 0)
+    plan = on_one_rank(plan_pipeline(model_units(model), splits={"image": ["encoders.image.encoder.blocks.2"]}))
+    stages = build_rank_stages(model, plan, 0)
+    batch = make_batch("t", 0)
+    batch.modality_inputs = {"image": inputs}
+    first, second = (stages.stages[i] for i in plan.module_stages("image"))
+    hidden = first.forward(batch, {}, None, {})
+    patches = sum(int(g.prod()) for g in inputs["image_grid_thw"])  # window-ordered patches travel between stages
+    assert hidden["image"][0].shape == (patches, 32) and patches == 4 * expected.shape[0]
+    out = second.forward(batch, {first.index: hidden}, None, {})["image"][0]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    out.pow(2).sum().backward()
+    ref = dict(reference.encoders["image"].named_parameters())
+    for name, param in model.encoders["image"].named_parameters():
+        torch.testing.assert_close(param.grad, ref[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_cost_model_params_and_flops_equal_the_real_tower():
+    """Two images of 8x8 patches (4 windows of 4x4 patches each): window layers attend 16 patches, full layers 64."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from plait.planner.arch import model_param_count, projector_arch, split_model_configs, units_from_configs
+    from plait.planner.cost_model import MicrobatchShape, unit_estimates
+    from tests.conftest import TINY_LLM
+
+    kwargs = {k: v for k, v in TINY_QWEN2_5_VL.items() if k != "model_type"}
+    cfg = T.Qwen2_5_VLConfig(vision_config=kwargs).vision_config
+    cfg._attn_implementation = "eager"  # the flop counter sees eager attention's matmuls (not CPU SDPA's kernel)
+    tower = T.Qwen2_5_VisionTransformerPretrainedModel(cfg)
+    assert model_param_count(cfg) == sum(p.numel() for p in tower.parameters())
+    grid = torch.tensor([[1, 8, 8], [1, 8, 8]])
+    with FlopCounterMode(display=False) as counter:
+        tower(torch.randn(128, 1176), grid_thw=grid)
+    llm = T.LlamaConfig(**{k: v for k, v in TINY_LLM.items() if k != "model_type"}, vocab_size=64)
+    units = [u for u in units_from_configs({"v": cfg, "llm": llm}) if u.module == "v"]
+    est = unit_estimates([u for u in units if u.kind != "projector"], {"v": cfg},
+                         MicrobatchShape(tokens=128, seq_len=64))
+    assert counter.get_total_flops() == sum(e.weight_flops + e.attention_flops for e in est)
+    archs, _ = split_model_configs({"v": cfg, "llm": llm})
+    assert projector_arch("v", archs, {}).in_dim == 48 and [u.kind for u in units][-2:] == ["norm", "projector"]
