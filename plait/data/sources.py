@@ -37,7 +37,7 @@ __all__ = ["RawSample", "SampleError", "MediaBytes", "Row", "RecordSource", "Fil
            "ROLES", "RECORD_FIELDS"]
 
 ROLES = ("system", "user", "assistant")
-RECORD_FIELDS = ("id", "task", "messages", "images", "audios", "meta", "videos")
+RECORD_FIELDS = ("id", "task", "messages", "images", "audios", "videos", "meta")
 """The fields a record may have (module docstring)."""
 _UTF8_BOM = b"\xef\xbb\xbf"
 

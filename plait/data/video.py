@@ -108,6 +108,8 @@ def _open(item: str | bytes) -> Any:
 
     if not isinstance(item, bytes) and not Path(item).is_file():
         raise SampleError(f"video file {item} does not exist{path_note(item)}")
+    if len(item) == 0 if isinstance(item, bytes) else Path(item).stat().st_size == 0:
+        raise SampleError(f"video {item} is empty (0 bytes): zero length")
     return av.open(io.BytesIO(item) if isinstance(item, bytes) else str(item))
 
 
@@ -130,7 +132,8 @@ def read_video_header(item: str | bytes) -> VideoHeader:
 
 def _header(container: Any, item: Any) -> VideoHeader:
     if not container.streams.video:
-        raise SampleError(f"video {item} has no video stream")
+        raise SampleError(f"video {item} has no video stream: zero length, or not a video (an empty or audio-only "
+                          "container)")
     stream = container.streams.video[0]
     rate = stream.average_rate or stream.guessed_rate
     if not rate or rate <= 0:

@@ -6,7 +6,8 @@ format       extensions                       reader
 ``jsonl``    ``.jsonl``                       :class:`plait.data.sources.JsonlSource` (plait's record
                                               format, one per line; media paths relative to the file)
 ``llava``    ``.json``                        :class:`plait.data.formats.llava.LlavaSource` (one array of
-                                              LLaVA records: ``conversations``, ``image``, ``id``)
+                                              LLaVA records: ``conversations``, ``image``,
+                                              ``video``, ``id``)
 ``parquet``  ``.parquet``                     :class:`plait.data.formats.arrow.ArrowSource` (one row per
                                               record, media bytes embedded)
 ``arrow``    ``.arrow``, ``.feather``         the same, Arrow IPC (memory-mapped)

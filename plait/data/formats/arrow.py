@@ -11,6 +11,7 @@ column          Arrow type                                                      
                 the data file), or ``list<struct<bytes: binary, path: string>>`` (Hugging Face
                 ``datasets``' ``Image`` feature: the bytes, else the path)
 ``audios``      as ``images`` (WAV, FLAC, OGG bytes; ``datasets``' ``Audio`` feature)                    no
+``videos``      as ``images`` (MP4, WebM, MKV, ... bytes or paths: :mod:`plait.data.video`)               no
 ``task``        string                                                                                  no
 ``meta``        any (ignored)                                                                           no
 ==============  ======================================================================================  ========
@@ -42,10 +43,10 @@ from plait.data.sources import FileSource, Row, check_index
 
 __all__ = ["ArrowSource", "ARROW_COLUMNS", "write_parquet"]
 
-ARROW_COLUMNS = ("id", "task", "messages", "images", "audios", "meta")
+ARROW_COLUMNS = ("id", "task", "messages", "images", "audios", "videos", "meta")
 """The columns a Parquet/Arrow data file may have (module docstring)."""
 _REQUIRED = ("id", "messages")
-_MEDIA = ("images", "audios")
+_MEDIA = ("images", "audios", "videos")
 
 
 class ArrowSource(FileSource):
@@ -139,7 +140,8 @@ def _check_schema(schema: pa.Schema, path: Path) -> None:
     missing = [n for n in _REQUIRED if n not in schema.names]
     if missing:
         raise ValueError(f"{path}: no {missing[0]!r} column; every data file needs {' and '.join(_REQUIRED)}")
-    checks = {"id": _is_id, "task": _is_text, "messages": _is_messages, "images": _is_media, "audios": _is_media}
+    checks = {"id": _is_id, "task": _is_text, "messages": _is_messages, "images": _is_media, "audios": _is_media,
+              "videos": _is_media}
     for name, ok in checks.items():
         if name in schema.names and not ok(schema.field(name).type):
             raise ValueError(f"{path}: column {name!r} has type {schema.field(name).type}; "
@@ -152,6 +154,7 @@ _EXPECTED = {
     "messages": "list<struct<role: string, content: string>> or a JSON string",
     "images": "list<binary>, list<string> or list<struct<bytes: binary, path: string>>",
     "audios": "list<binary>, list<string> or list<struct<bytes: binary, path: string>>",
+    "videos": "list<binary>, list<string> or list<struct<bytes: binary, path: string>>",
 }
 
 
@@ -217,8 +220,8 @@ def write_parquet(records: Iterable[dict[str, Any]], path: str | Path, base_dir:
                   row_group_size: int = 256) -> Path:
     """Write plait records (the JSONL format) to a Parquet file with their media files' bytes embedded.
 
-    Columns ``id``, ``task``, ``messages`` (list of structs), ``images`` and ``audios`` (list of binary);
-    ``meta`` is left out. Row groups of ``row_group_size`` rows keep random access cheap (:class:`ArrowSource`).
+    Columns ``id``, ``task``, ``messages`` (list of structs), ``images``, ``audios`` and ``videos`` (list of
+    binary); ``meta`` is left out. Row groups of ``row_group_size`` rows keep random access cheap (:class:`ArrowSource`).
 
     Args:
         records: plait records (dicts), media paths relative to ``base_dir`` (or absolute).
@@ -232,9 +235,11 @@ def write_parquet(records: Iterable[dict[str, Any]], path: str | Path, base_dir:
     rows = [{"id": str(r["id"]), "task": str(r.get("task", "default")),
              "messages": [{"role": m["role"], "content": m["content"]} for m in r["messages"]],
              "images": [(Path(base_dir) / p).read_bytes() for p in r.get("images", []) or []],
-             "audios": [(Path(base_dir) / p).read_bytes() for p in r.get("audios", []) or []]} for r in records]
+             "audios": [(Path(base_dir) / p).read_bytes() for p in r.get("audios", []) or []],
+             "videos": [(Path(base_dir) / p).read_bytes() for p in r.get("videos", []) or []]} for r in records]
     message = pa.struct([("role", pa.string()), ("content", pa.string())])
     schema = pa.schema([("id", pa.string()), ("task", pa.string()), ("messages", pa.list_(message)),
-                        ("images", pa.list_(pa.binary())), ("audios", pa.list_(pa.binary()))])
+                        ("images", pa.list_(pa.binary())), ("audios", pa.list_(pa.binary())),
+                        ("videos", pa.list_(pa.binary()))])
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path, row_group_size=row_group_size)
     return Path(path)

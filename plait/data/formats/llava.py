@@ -8,9 +8,11 @@
 Mapping to plait's record (:mod:`plait.data.sources`): ``id`` -> ``id``; each turn ``from`` ``human`` / ``gpt`` /
 ``system`` -> ``role`` ``user`` / ``assistant`` / ``system``, ``value`` -> ``content`` (``<image>`` stays the
 placeholder); ``image`` (one path, or a list of paths, relative to the JSON file's folder) -> ``images``;
-``model`` is ignored (LLaVA's text-only records carry it); any other field is an error. The ``<image>``
-placeholders of the human turns must match the images in number, and no other turn may hold one. ``task`` is
-``"default"``. A row is labelled ``"<path>:record <index>"`` (0-based index in the array) and its errors name
+``video`` (the same) -> ``videos`` with ``<video>`` placeholders; ``model`` is ignored (LLaVA's text-only records
+carry it); any other field is an error. The ``<image>`` (``<video>``) placeholders of the human turns must match the
+images (videos) in number, and no other turn may hold one. A record with videos, no images and no ``<video>``
+placeholder whose ``<image>`` placeholders match its videos in number (LLaVA-Video's convention) has them read as
+``<video>``. ``task`` is ``"default"``. A row is labelled ``"<path>:record <index>"`` (0-based index in the array) and its errors name
 the field (``conversations[3].from``).
 """
 
@@ -29,11 +31,12 @@ from plait.data.sources import ByteRanges, FileSource, Row, check_index
 
 __all__ = ["LlavaSource", "llava_record", "LLAVA_FIELDS", "LLAVA_ROLES"]
 
-LLAVA_FIELDS = ("id", "image", "conversations", "model")
+LLAVA_FIELDS = ("id", "image", "video", "conversations", "model")
 """The fields a LLaVA record may have (``model`` is ignored)."""
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 """LLaVA's ``from`` -> plait's ``role``."""
 IMAGE_TOKEN = "<image>"
+VIDEO_TOKEN = "<video>"
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 
 
@@ -161,7 +164,8 @@ def llava_record(obj: Any) -> dict[str, Any]:
     Raises:
         ValueError: naming the field: not an object, an unknown field, no ``conversations`` list, a turn
             without ``from``/``value``, an unknown ``from``, a non-string ``value``, a malformed ``image``, or
-            ``<image>`` placeholders that do not match the images (count, or one outside a human turn).
+            ``<image>`` / ``<video>`` placeholders that do not match the images / videos (count, or one outside a
+            human turn).
     """
     if not isinstance(obj, dict):
         raise ValueError("record is not a JSON object")
@@ -172,9 +176,12 @@ def llava_record(obj: Any) -> dict[str, Any]:
     if not isinstance(turns, list) or not turns:
         raise ValueError("'conversations' must be a non-empty list of {from, value} turns")
     messages = [_turn(turn, i) for i, turn in enumerate(turns)]
-    images = _images(obj.get("image"))
-    _check_placeholders(turns, messages, len(images))
-    record = {"messages": messages, "images": images}
+    images, videos = _paths(obj.get("image"), "image"), _paths(obj.get("video"), "video")
+    if videos and not images and not _count(messages, VIDEO_TOKEN) and _count(messages, IMAGE_TOKEN) == len(videos):
+        messages = [{**m, "content": m["content"].replace(IMAGE_TOKEN, VIDEO_TOKEN)} for m in messages]
+    _check_placeholders(turns, messages, IMAGE_TOKEN, len(images), "image")
+    _check_placeholders(turns, messages, VIDEO_TOKEN, len(videos), "video")
+    record = {"messages": messages, "images": images, **({"videos": videos} if videos else {})}
     if "id" in obj:
         record = {"id": obj["id"], **record}
     return record
@@ -191,24 +198,29 @@ def _turn(turn: Any, i: int) -> dict[str, str]:
     return {"role": LLAVA_ROLES[turn["from"]], "content": turn["value"]}
 
 
-def _images(image: Any) -> list[str]:
-    """The ``image`` field (absent, one path, or a list of paths) as a list of paths."""
-    if image is None:
+def _paths(value: Any, key: str) -> list[str]:
+    """The ``image`` / ``video`` field ``key`` (absent, one path, or a list of paths) as a list of paths."""
+    if value is None:
         return []
-    if isinstance(image, str) and image:
-        return [image]
-    if isinstance(image, list) and all(isinstance(p, str) and p for p in image):
-        return list(image)
-    raise ValueError(f"'image' must be a file path or a list of file paths, got {json.dumps(image)[:80]}")
+    if isinstance(value, str) and value:
+        return [value]
+    if isinstance(value, list) and all(isinstance(p, str) and p for p in value):
+        return list(value)
+    raise ValueError(f"'{key}' must be a file path or a list of file paths, got {json.dumps(value)[:80]}")
 
 
-def _check_placeholders(turns: list[dict], messages: list[dict[str, str]], n_images: int) -> None:
-    """``<image>`` appears only in human turns, as often as there are images."""
+def _count(messages: list[dict[str, str]], token: str) -> int:
+    return sum(m["content"].count(token) for m in messages)
+
+
+def _check_placeholders(turns: list[dict], messages: list[dict[str, str]], token: str, n_items: int,
+                        key: str) -> None:
+    """``token`` appears only in human turns, as often as there are items in field ``key``."""
     count = 0
     for i, msg in enumerate(messages):
-        n = msg["content"].count(IMAGE_TOKEN)
+        n = msg["content"].count(token)
         if n and msg["role"] != "user":
-            raise ValueError(f"conversations[{i}] ({turns[i]['from']}) holds {IMAGE_TOKEN}; only human turns may")
+            raise ValueError(f"conversations[{i}] ({turns[i]['from']}) holds {token}; only human turns may")
         count += n
-    if count != n_images:
-        raise ValueError(f"{count} {IMAGE_TOKEN} placeholder(s) in conversations but {n_images} image(s) in 'image'")
+    if count != n_items:
+        raise ValueError(f"{count} {token} placeholder(s) in conversations but {n_items} {key}(s) in '{key}'")

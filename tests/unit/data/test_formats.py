@@ -108,7 +108,7 @@ def test_llava_json_round_trips_to_the_jsonl_samples(tmp_path):
     ({"id": "a", "image": 5, "conversations": [{"from": "human", "value": "<image>"}]},
      "'image' must be a file path or a list of file paths, got 5"),
     ({"id": "a", "images": ["x.png"], "conversations": []},
-     "unknown field 'images'; a LLaVA record's fields are id, image, conversations, model"),
+     "unknown field 'images'; a LLaVA record's fields are id, image, video, conversations, model"),
     ([1, 2], "record is not a JSON object"),
 ])
 def test_bad_llava_records_are_named_by_index_and_field(tmp_path, record, error):
@@ -225,7 +225,7 @@ def test_a_corrupt_embedded_image_is_named_by_row_and_item(tmp_path):
 
 @pytest.mark.parametrize("columns, error", [
     ({"id": pa.array(["a"]), "messages": pa.array(["[]"]), "image": pa.array([b"x"])},
-     "unknown column 'image'; a data file's columns are id, task, messages, images, audios, meta"),
+     "unknown column 'image'; a data file's columns are id, task, messages, images, audios, videos, meta"),
     ({"messages": pa.array(["[]"])}, "no 'id' column; every data file needs id and messages"),
     ({"id": pa.array(["a"]), "messages": pa.array(["[]"]), "images": pa.array([b"x"])},
      "column 'images' has type binary; expected list<binary>, list<string> or list<struct<bytes: binary, "

@@ -97,7 +97,7 @@ def bad_cases(tmp_path):
         "corrupt audio": ({**good_aud, "audios": [str(corrupt_flac)]}, "cannot decode audio"),
         "missing audio": ({**good_aud, "audios": [str(tmp_path / "nope.flac")]}, "audio file .*nope.flac does not exist$"),
         "unknown field": ({**good_img, "weight": "heavy"},
-                          "unknown field 'weight'; a record's fields are id, task, messages, images, audios, meta, videos$"),
+                          "unknown field 'weight'; a record's fields are id, task, messages, images, audios, videos, meta$"),
         "placeholder count": ({**good_img, "images": good_img["images"] * 2}, "1 <image> placeholder.* but 2 image"),
         "too long": ({**good_img, "messages": [{"role": "user", "content": "<image>\n" + "nine " * 300},
                                                good_img["messages"][-1]]}, "longer than data.max_length=256"),
