@@ -215,7 +215,7 @@ def load_or_measure(store: ProfileStore, key: ProfileKey, measure: Callable[[], 
     if profile is not None:
         print(f"plait profile: reusing {path or store.path_for(key)}", file=stream)
         return profile
-    print(f"plait profile: measuring ({reason})", file=stream)
+    print(f"plait profile: measuring ({reason})", file=stream, flush=True)
     profile = measure()
     saved = store.save(profile, path)
     print(f"plait profile: wrote {saved}", file=stream)
@@ -307,7 +307,7 @@ def profile_job(cfg: Any, *, store_dir: str | Path = "runs/profiles", out_path: 
 
     def measure() -> Profile:
         return measure_profile(inputs.model, inputs.microbatches, inputs.key, repeats=repeats, warmup=warmup,
-                               llm_kwargs=inputs.llm_kwargs, autocast=inputs.autocast)
+                               llm_kwargs=inputs.llm_kwargs, autocast=inputs.autocast, progress=True)
 
     return load_or_measure(ProfileStore(store_dir), inputs.key, measure, path=out_path, force=force, out=out)
 

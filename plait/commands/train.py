@@ -10,6 +10,7 @@ the loss curve and prints where everything went.
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,8 @@ def _save_and_report(trainer: Trainer, result: dict[str, Any]) -> None:
     trainer.tokenizer.save_pretrained(final / "tokenizer")
     for spec in trainer.processor.specs.values():
         spec.hf_processor.save_pretrained(final / "processors" / spec.encoder)
-    done = f"trained {result['steps']} steps" if result["steps"] else "nothing trained"
+    done = (f"trained {result['steps']} step{'' if result['steps'] == 1 else 's'}" if result["steps"]
+            else "nothing trained")
     print(f"plait: {done} (model at step {result['step']}); loss curve {png}; model {final}")
     if result.get("timeline"):
         print(f"plait: pipeline timeline of the last step {result['timeline']} (Chrome trace; open in "
@@ -118,7 +120,13 @@ def resolve_auto(cfg: JobConfig, store: str | Path) -> tuple[JobConfig, Any]:
         ``(resolved config, the process's DistInfo)``.
     """
     info = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s)
+    if info.is_main:
+        print(f"plait: parallel.plan=auto: the model's per-unit costs on this machine, from {store} when stored, else "
+              "measured now (minutes on a CPU; a progress bar on stderr)", flush=True)
+    started = time.perf_counter()
     box = [profile_job(cfg, store_dir=store).to_dict() if info.is_main else None]
+    if info.is_main:
+        print(f"plait: parallel.plan=auto: costs ready after {time.perf_counter() - started:.0f} s", flush=True)
     if info.world_size > 1:
         dist.broadcast_object_list(box, src=0)
     profile = Profile.from_dict(box[0])
@@ -131,8 +139,13 @@ def resolve_auto(cfg: JobConfig, store: str | Path) -> tuple[JobConfig, Any]:
         shape = (f"layout {pp.layout}, stages {pp.stages}, splits {pp.splits or 'even'}, virtual stages "
                  f"{pp.virtual_stages}, encoders attached {pp.attach_encoders}, schedule {pp.schedule}, "
                  f"{pp.microbatches} microbatches per replica" if pp.degree > 1 else "no pipeline parallelism")
-        print(f"plait: parallel.plan=auto for {info.world_size} process(es): DP {resolved.parallel.dp} x PP "
-              f"{pp.degree}, {shape}")
+        par = resolved.parallel
+        extra = (f" x TP {par.tp}" if par.tp > 1 else "") + (f", FSDP2 dp_shard {par.dp_shard}" if par.dp_shard > 1
+                                                             else "")
+        extra += (f", activation checkpointing {resolved.train.activation_checkpointing}"
+                  if resolved.train.activation_checkpointing != "none" else "")
+        print(f"plait: parallel.plan=auto for {info.world_size} process(es): DP {par.dp} x PP {pp.degree}{extra}, "
+              f"{shape}")
         note = auto_plan_replaces(cfg, resolved)
         if note:
             print(note)
@@ -143,12 +156,18 @@ def resolve_auto(cfg: JobConfig, store: str | Path) -> tuple[JobConfig, Any]:
 
 def auto_plan_replaces(cfg: JobConfig, resolved: JobConfig) -> str | None:
     """One line saying what ``parallel.plan = "auto"`` replaced: the job's ``parallel.dp`` and ``[parallel.pp]``
-    fields that differ from their defaults, as written and as chosen (``resolved``); None when the job set none."""
+    fields that differ from their defaults, as written and as chosen (``resolved``), and the ``parallel.dp_shard``,
+    ``parallel.tp`` and ``train.activation_checkpointing`` the plan writes when they differ from the job's; None
+    when there is nothing to say."""
     default_pp, written, chosen = PipelineConfig(), cfg.parallel.pp, resolved.parallel.pp
     changes = [f"parallel.pp.{f.name} = {getattr(written, f.name)!r} -> {getattr(chosen, f.name)!r}"
                for f in dataclasses.fields(PipelineConfig) if getattr(written, f.name) != getattr(default_pp, f.name)]
     if cfg.parallel.dp != ParallelConfig().dp:
         changes.insert(0, f"parallel.dp = {cfg.parallel.dp} -> {resolved.parallel.dp}")
+    for section, name in (("parallel", "dp_shard"), ("parallel", "tp"), ("train", "activation_checkpointing")):
+        was, now = getattr(getattr(cfg, section), name), getattr(getattr(resolved, section), name)
+        if was != now:
+            changes.append(f"{section}.{name} = {was!r} -> {now!r}")
     if not changes:
         return None
     return "plait: parallel.plan=auto replaces the job's " + ", ".join(changes) + " (written -> chosen)"

@@ -72,9 +72,14 @@ _LOADER_FIXED = (("global_batch_size", "train.global_batch_size"), ("seed", "tra
 
 @dataclass(frozen=True)
 class CheckpointLayout:
-    """The parallel layout of a job: world size (processes), DP/PP/CP degrees and, under pipeline
-    parallelism, the plan (which units each stage holds and on which pipeline rank). Two layouts are the same
-    when every field is; then rank ``r`` plays the same part in both.
+    """The parallel layout of a job: world size (processes), DP/PP/CP/TP degrees, the FSDP2 shard degree and, under
+    pipeline parallelism, the plan (which units each stage holds and on which pipeline rank). Two layouts are the
+    same when every field is; then rank ``r`` plays the same part in both.
+
+    Attributes:
+        dp: data-parallel ranks of each stage, replicas x shards (``parallel.dp x parallel.dp_shard``).
+        dp_shard: of those, how many share one FSDP2-sharded copy (``parallel.dp_shard``).
+        tp: tensor-parallel degree (``parallel.tp``).
 
     Raises:
         ValueError: from :meth:`from_dict` on unknown or missing fields.
@@ -85,12 +90,17 @@ class CheckpointLayout:
     pp: int = 1
     cp: int = 1
     plan: str = ""
+    tp: int = 1
+    dp_shard: int = 1
 
     def describe(self) -> str:
-        """One line, e.g. ``2 processes (DP 1 x PP 2 x CP 1; <plan>)``."""
+        """One line, e.g. ``2 processes (DP 1 x PP 2 x CP 1; <plan>)`` or, with TP or FSDP2,
+        ``4 processes (DP 2 x PP 1 x CP 1 x TP 2; FSDP2 dp_shard 2)``."""
         procs = f"{self.world_size} process" + ("" if self.world_size == 1 else "es")
+        tp = f" x TP {self.tp}" if self.tp > 1 else ""
+        shard = f"; FSDP2 dp_shard {self.dp_shard}" if self.dp_shard > 1 else ""
         plan = f"; {self.plan}" if self.plan else ""
-        return f"{procs} (DP {self.dp} x PP {self.pp} x CP {self.cp}{plan})"
+        return f"{procs} (DP {self.dp} x PP {self.pp} x CP {self.cp}{tp}{shard}{plan})"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON round-trippable)."""
@@ -98,8 +108,9 @@ class CheckpointLayout:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CheckpointLayout":
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict`; a layout written before ``tp`` and ``dp_shard`` were recorded has 1 for both."""
         names = {f.name for f in fields(cls)}
+        data = {"tp": 1, "dp_shard": 1, **data}
         if set(data) != names:
             raise ValueError(f"checkpoint layout fields {sorted(data)} are not {sorted(names)}")
         return cls(**data)

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from plait.data.collate import Batch
 from plait.models.multimodal import MultimodalModel
@@ -326,10 +327,12 @@ def _forward_loss(model: MultimodalModel, batch: Batch, llm_kwargs: KwargsFn, lo
 
 
 def unit_pass_timings(model: MultimodalModel, specs: Sequence[UnitSpec], batch: Batch, timer: _Timer,
-                      llm_kwargs: KwargsFn, autocast: Callable[[], AbstractContextManager]) -> list[PassTiming]:
+                      llm_kwargs: KwargsFn, autocast: Callable[[], AbstractContextManager],
+                      bar: Any = None) -> list[PassTiming]:
     """Per unit (``specs`` order), the summed isolated timings (and joules, when ``timer`` measures them) of its
     calls for one microbatch ``batch``, with every parameter trainable (module docstring, steps 1-2). In a
-    multi-module unit only the first module's dX is the unit's; the later modules' dX count as dW."""
+    multi-module unit only the first module's dX is the unit's; the later modules' dX count as dW. ``bar``: a
+    progress bar (``tqdm``) advanced by one per unit."""
     modules = _unit_modules(model, specs)
     with _all_trainable(model):
         with _capture_calls(modules) as calls, autocast():
@@ -351,6 +354,8 @@ def unit_pass_timings(model: MultimodalModel, specs: Sequence[UnitSpec], batch: 
             last = unit_calls[-1].module if unit_calls else None
             total.output_bytes = sum(c.output_bytes for c in unit_calls if c.module is last)
             out.append(total)
+            if bar is not None:
+                bar.update(1)
     return out
 
 
@@ -514,6 +519,7 @@ def measure_profile(
     warmup: int = 2,
     llm_kwargs: KwargsFn | None = None,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
+    progress: bool = False,
 ) -> Profile:
     """Measure every unit of ``model`` on ``microbatches`` (module docstring for the method), timed with
     ``key.clock``: ``"wall"`` (``time.perf_counter``, CUDA synchronised) or ``"thread"`` (``time.thread_time``,
@@ -529,6 +535,7 @@ def measure_profile(
         repeats, warmup: timed and discarded runs per measurement (median of the timed ones).
         llm_kwargs: extra LLM keyword arguments per microbatch (attention metadata), as the trainer passes.
         autocast: context factory around every forward/backward (e.g. bf16 autocast).
+        progress: show a ``tqdm`` bar on stderr (units timed, then the module chunks).
 
     Returns:
         The :class:`Profile` (times in seconds, memory in bytes).
@@ -547,7 +554,9 @@ def measure_profile(
         raise ValueError("clock='thread' times CPU work of one thread: use it on CPU with torch.set_num_threads(1)")
     specs = unit_specs(model)
     timer = _Timer(device, clock, repeats, warmup)
-    per_mb = [unit_pass_timings(model, specs, b, timer, llm_kwargs, autocast) for b in microbatches]
+    bar = tqdm(total=len(specs) * len(microbatches), desc="profiling units", unit="unit", disable=not progress,
+               dynamic_ncols=True)
+    per_mb = [unit_pass_timings(model, specs, b, timer, llm_kwargs, autocast, bar) for b in microbatches]
     saved = [_saved_bytes(model, specs, b, llm_kwargs, autocast) for b in microbatches]
     n = len(microbatches)
     measurements = []
@@ -559,6 +568,8 @@ def measure_profile(
             round(sum(s[i] for s in saved) / n), round(mean("output_bytes"))))
     units = tuple(s.unit for s in specs)
     costs = [m.to_cost(u) for u, m in zip(units, measurements)]
+    bar.set_description("profiling module chunks and runtime overheads")
     chunks, per_action = _module_chunk_times(model, microbatches, llm_kwargs, autocast, timer)
+    bar.close()
     return Profile(key, units, tuple(measurements), _chunk_overhead(chunks, units, costs), repeats, warmup,
                    per_action)

@@ -483,8 +483,9 @@ class Trainer:
         return self.step
 
     def _checkpoint_layout(self) -> CheckpointLayout:
-        """The layout checkpoints record and resume compares (world size, DP and CP degrees; no pipeline)."""
-        return CheckpointLayout(world_size=self.info.world_size, dp=self.dp, pp=1, cp=self.cp)
+        """The layout checkpoints record and resume compares (world size, DP, CP, TP and shard degrees; no pipeline)."""
+        return CheckpointLayout(world_size=self.info.world_size, dp=self.dp, pp=1, cp=self.cp, tp=self.dims.tp,
+                                dp_shard=self.dims.dp_shard)
 
     def save(self) -> Path:
         """Write a checkpoint of the current step (collective), with its layout and ``[model]`` config."""

@@ -58,7 +58,7 @@ def test_train_with_an_automatic_plan(tmp_path, capsys):
     assert main(["train", "--config", job, "--parallel.plan=auto", "--profile-store", str(store),
                  "--metrics.progress=false", "--metrics.tensorboard=false"]) == 0
     text = capsys.readouterr().out
-    assert "plait: parallel.plan=auto for 1 process(es): DP 1 x PP 1" in text and "trained 1 steps" in text
+    assert "plait: parallel.plan=auto for 1 process(es): DP 1 x PP 1" in text and "trained 1 step (" in text
     assert len(list(store.glob("profile-*.json"))) == 1
 
 

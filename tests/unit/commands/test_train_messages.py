@@ -1,0 +1,30 @@
+"""What ``plait train`` tells the user: the checkpoint layout names TP and FSDP2 sharding, ``parallel.plan = "auto"``
+reports the dp_shard / tp / checkpointing it writes, and one step is "1 step"."""
+
+from __future__ import annotations
+
+from plait.commands.train import auto_plan_replaces
+from plait.config.loader import config_from_dict
+from plait.train.checkpoint import CheckpointLayout
+from tests.conftest import tiny_config_dict
+
+
+def test_checkpoint_layout_names_tp_and_dp_shard_and_reads_older_layouts():
+    layout = CheckpointLayout(world_size=4, dp=2, pp=1, cp=1, tp=2, dp_shard=2)
+    assert layout.describe() == "4 processes (DP 2 x PP 1 x CP 1 x TP 2; FSDP2 dp_shard 2)"
+    assert CheckpointLayout(world_size=4, dp=1, pp=2, cp=1, tp=2, plan="p").describe() == (
+        "4 processes (DP 1 x PP 2 x CP 1 x TP 2; p)")
+    assert CheckpointLayout.from_dict(layout.to_dict()) == layout
+    older = {"world_size": 2, "dp": 2, "pp": 1, "cp": 1, "plan": ""}  # written before tp / dp_shard were recorded
+    assert CheckpointLayout.from_dict(older) == CheckpointLayout(world_size=2, dp=2)
+    assert layout != CheckpointLayout(world_size=4, dp=2, pp=1, cp=1, tp=2)  # another shard degree: another layout
+
+
+def test_auto_plan_reports_the_sharding_tp_and_checkpointing_it_writes():
+    cfg = config_from_dict(tiny_config_dict("train.jsonl"))
+    resolved = config_from_dict(tiny_config_dict("train.jsonl"))
+    resolved.parallel.dp_shard, resolved.parallel.tp = 2, 2
+    resolved.train.activation_checkpointing = "full"
+    assert auto_plan_replaces(cfg, resolved) == (
+        "plait: parallel.plan=auto replaces the job's parallel.dp_shard = 1 -> 2, parallel.tp = 1 -> 2, "
+        "train.activation_checkpointing = 'none' -> 'full' (written -> chosen)")
