@@ -20,6 +20,14 @@ projector as the import chooses. Consequence: ``freeze`` of the branch freezes t
 Pipeline stages: the per-call inputs (rotary cos/sin, ``cu_seqlens``, window index) are recomputed on every stage
 from ``grid_thw`` (:class:`Qwen25VLCall`, the :mod:`plait.models.tower_call` hook); hidden states travel between
 stages in window order ``[patches, hidden]`` and the merger's stage restores image order.
+
+Whole model: Qwen2.5-VL's LLM rotates with 3-D multimodal positions (M-RoPE: ``position_ids [3, B, N]`` from
+``Qwen2_5_VLModel.get_rope_index``, image tokens at their (t, h, w) grid coordinates). plait composes a
+``*ForCausalLM`` (transformers has no causal-LM class for ``qwen2_5_vl_text``; the text weights load into
+``Qwen2ForCausalLM``) and passes it ``position_ids [B, N]`` from the collator, so its logits equal
+``Qwen2_5_VLForConditionalGeneration``'s when that model gets the same 1-D positions (three equal M-RoPE streams
+are 1-D RoPE), not with its own multimodal positions: that needs an LLM class taking ``[3, B, N]`` positions and
+the collator computing them per image grid, neither of which plait's composition has.
 """
 
 from __future__ import annotations

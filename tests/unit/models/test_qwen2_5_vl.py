@@ -187,3 +187,46 @@ def test_cost_model_params_and_flops_equal_the_real_tower():
     assert counter.get_total_flops() == sum(e.weight_flops + e.attention_flops for e in est)
     archs, _ = split_model_configs({"v": cfg, "llm": llm})
     assert projector_arch("v", archs, {}).in_dim == 48 and [u.kind for u in units][-2:] == ["norm", "projector"]
+
+
+def test_whole_model_logits_equal_hf_where_positions_allow():
+    """plait's composite (the tower, an identity projector, Qwen2ForCausalLM with the text weights) equals
+    ``Qwen2_5_VLForConditionalGeneration`` given 1-D positions (its M-RoPE with three equal streams is 1-D RoPE).
+    With Hugging Face's own multimodal positions (``get_rope_index``: image tokens at (t, h, w) grid positions) the
+    logits differ: plait's LLM is a ``*ForCausalLM`` taking ``[B, N]`` position ids (see the family's docstring)."""
+    vision = {k: v for k, v in TINY_QWEN2_5_VL.items() if k != "model_type"}
+    text = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, vocab_size=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                       "mrope_section": [4, 4, 4]})
+    torch.manual_seed(0)
+    hf = T.Qwen2_5_VLForConditionalGeneration(T.Qwen2_5_VLConfig(
+        vision_config=vision, text_config=dict(text, bos_token_id=None, eos_token_id=None), image_token_id=60)).eval()
+    from plait.models.multimodal import MultimodalModel
+
+    tc = hf.config.text_config
+    llm = T.Qwen2ForCausalLM(T.Qwen2Config(hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                                           rms_norm_eps=tc.rms_norm_eps, rope_theta=10000.0,
+                                           tie_word_embeddings=hf.config.tie_word_embeddings,
+                                           bos_token_id=None, eos_token_id=None)).eval()
+    missing, unexpected = llm.model.load_state_dict(hf.model.language_model.state_dict(), strict=False)
+    assert not unexpected and not [k for k in missing if "rotary" not in k]
+    llm.lm_head.load_state_dict(hf.lm_head.state_dict())
+    branch = ModalityEncoder(build_encoder("image", config=dict(TINY_QWEN2_5_VL)), build_projector("linear", 48, 48),
+                             "image")
+    branch.encoder.load_state_dict(hf.model.visual.state_dict())
+    with torch.no_grad():
+        branch.projector.linear_1.weight.copy_(torch.eye(48))
+        branch.projector.linear_1.bias.zero_()
+    model = MultimodalModel(llm, {"image": branch}, {"image": 60}).eval()
+    processor = T.Qwen2VLImageProcessorPil(**TINY_PROCESSOR)
+    images = tiny_images()[:2]
+    batch = processor(images=images, return_tensors="pt")
+    counts = [branch.feature_count(tuple(g)) for g in batch["image_grid_thw"].tolist()]
+    ids = torch.tensor([[1, 5] + [60] * counts[0] + [7, 8] + [60] * counts[1] + [9, 10, 11]])
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        stock = hf(input_ids=ids, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                   position_ids=positions).logits
+        mine = model(ids, {"image": _processed(processor, images)}, position_ids=positions)
+    torch.testing.assert_close(mine, stock, rtol=1e-5, atol=1e-5)
