@@ -9,12 +9,14 @@ import json
 from pathlib import Path
 
 import torch
+import transformers as T
 from safetensors.torch import load_file
 
 from plait.commands.export_hf import export_checkpoint
 from plait.commands.import_hf import import_checkpoint
 from plait.commands.train import train_command
 from plait.config.loader import load_config
+from plait.models.multimodal import MultimodalModel
 from tests.conftest import ROOT, demo_records, write_jsonl
 from tests.unit.commands.tiny_hf_checkpoints import save_clip, save_llm, save_qwen2_audio, save_siglip, save_whisper
 
@@ -82,6 +84,15 @@ def test_qwen2_audio_recipe_trains_from_an_import(tmp_path):
     saved = json.loads((final / "plait_config.json").read_text())
     assert saved["lora"]["llm"]["r"] == 16 and (final / "llm" / "adapter").is_dir()
     assert _changed(_weights(model_dir / "encoders/audio/encoder"), _weights(final / "encoders/audio/encoder")) == set()
+    # the export merges the adapters as plait's own merged save does (checkpoint.merge_lora)
+    MultimodalModel.from_pretrained(final).save_pretrained(tmp_path / "merged", merge_lora=True)
+    merged = _weights(tmp_path / "merged" / "llm")
+    assert _changed(_weights(model_dir / "llm"), merged)  # the adapters changed the LLM's weights
+    hf = T.Qwen2AudioForConditionalGeneration.from_pretrained(str(export_checkpoint(final, "qwen2_audio")))
+    exported = {f"model.{k}": v for k, v in hf.model.language_model.state_dict().items()} | {
+        "lm_head.weight": hf.lm_head.weight}
+    assert sorted(exported) == sorted(merged)
+    assert all(torch.equal(merged[k], exported[k]) for k in merged)
 
 
 def test_vision_audio_recipe_trains(tmp_path):
