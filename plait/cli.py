@@ -290,8 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     exp = sub.add_parser("export", help="a trained plait model as a Hugging Face LLaVA or Qwen2-Audio checkpoint "
                          "with its processor")
     exp.add_argument("--run", required=True, help="the run folder (its final/) or a final/ folder")
-    exp.add_argument("--format", required=True, choices=("llava", "qwen2_audio"),
-                     help="llava: LlavaForConditionalGeneration; qwen2_audio: Qwen2AudioForConditionalGeneration")
+    exp.add_argument("--format", required=True, choices=("llava", "qwen2_audio", "qwen2_5_vl"),
+                     help="llava: LlavaForConditionalGeneration; qwen2_audio: Qwen2AudioForConditionalGeneration; "
+                          "qwen2_5_vl: refused, naming what plait's composition lacks (M-RoPE positions)")
     exp.add_argument("--out", default=None, help="the checkpoint folder (default: <run>/hf-<format>)")
     args, rest = parser.parse_known_args(argv)
     bad = [a for a in rest if not (a.startswith("--") and "=" in a)]

@@ -16,7 +16,7 @@ from pathlib import Path
 import transformers
 
 from plait.data.sources import path_note
-from plait.models.hf_io import HF_FORMATS, check_exportable, hf_from_composite, hf_processor, merge_adapters
+from plait.models.hf_io import HF_FORMATS, REFUSED_EXPORTS, check_exportable, hf_from_composite, hf_processor, merge_adapters
 from plait.models.multimodal import PLAIT_CONFIG, MultimodalModel
 
 __all__ = ["export_command", "export_checkpoint", "final_folder"]
@@ -55,9 +55,11 @@ def export_checkpoint(run: str | Path, fmt: str, out: str | Path | None = None) 
     ``out`` (default ``<final>/../hf-<fmt>``); returns the folder.
 
     Raises:
-        ValueError: for an unknown ``fmt``, a composite the class cannot hold, an ``out`` folder holding files.
+        ValueError: for an unknown or refused ``fmt`` (``qwen2_5_vl``: naming what plait lacks), a composite the class cannot hold, an ``out`` folder holding files.
         FileNotFoundError: for a missing model, ``tokenizer/`` or ``processors/<branch>/`` folder.
     """
+    if fmt in REFUSED_EXPORTS:
+        raise ValueError(f"--format {fmt}: cannot export: {REFUSED_EXPORTS[fmt]}")
     if fmt not in HF_FORMATS:
         raise ValueError(f"--format {fmt!r}: plait export writes {', '.join(HF_FORMATS)}")
     spec, final = HF_FORMATS[fmt], final_folder(run)

@@ -12,8 +12,9 @@ or computed, so a round trip is bit-identical); :func:`check_exportable` refuses
 hold, naming what differs. The processors (Hugging Face's ``LlavaProcessor`` / ``Qwen2AudioProcessor`` around the
 branch's image processor or feature extractor) are built by :func:`hf_processor`.
 
-Refused on import with the reason (:func:`hf_format_of`): LLaVA-NeXT's anyres tiling and Qwen2-VL/Qwen2.5-VL's
-multimodal rotary positions, which plait's composition does not have.
+Refused on import with the reason (:func:`hf_format_of`), and Qwen2.5-VL on export too (:data:`REFUSED_EXPORTS`):
+LLaVA-NeXT's anyres tiling and Qwen2-VL/Qwen2.5-VL's multimodal rotary positions, which plait's composition does not
+have (``plait.models.families.qwen2_5_vl`` holds the Qwen2.5-VL tower; its LLM would take 1-D positions).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from plait.models.lora import ADAPTER, base_state_dict, has_lora
 from plait.models.multimodal import MultimodalModel
 from plait.models.projector import build_projector
 
-__all__ = ["HfFormat", "HF_FORMATS", "hf_format_of", "composite_from_hf", "hf_from_composite", "check_exportable",
+__all__ = ["HfFormat", "HF_FORMATS", "REFUSED_EXPORTS", "hf_format_of", "composite_from_hf", "hf_from_composite", "check_exportable",
            "hf_processor", "merge_adapters", "string_content_template"]
 
 
@@ -86,12 +87,16 @@ _REFUSED = {
                   "image per <image> placeholder; import a LLaVA-1.5-style LlavaForConditionalGeneration",
     "llava_next_video": "LLaVA-NeXT-Video's anyres tiling and video pooling are not in plait's composition",
     "llava_onevision": "LLaVA-OneVision's anyres tiling is not in plait's composition",
-    "qwen2_5_vl": "Qwen2.5-VL's LLM takes multimodal rotary positions (3-D M-RoPE position ids per image patch) and "
-                  "its vision tower (window attention, 2x2 patch merger) is not a plait encoder family yet; neither "
-                  "is in plait's composition",
-    "qwen2_vl": "Qwen2-VL's LLM takes multimodal rotary positions (3-D M-RoPE position ids per image patch), which "
-                "plait's composition does not have",
+    "qwen2_5_vl": "plait has Qwen2.5-VL's vision tower (window attention, 2x2 patch merger) but not its LLM's "
+                  "multimodal rotary positions (M-RoPE: position_ids [3, B, N] per image grid from "
+                  "Qwen2_5_VLModel.get_rope_index); plait composes a *ForCausalLM fed 1-D positions, which equals "
+                  "Qwen2.5-VL only on text, so an imported or exported model would see images at other positions "
+                  "(missing: an LLM taking [3, B, N] positions and a collator computing them per image grid)",
+    "qwen2_vl": "Qwen2-VL's LLM takes multimodal rotary positions (M-RoPE: position_ids [3, B, N] per image grid), "
+                "which plait's composition does not have (it feeds its *ForCausalLM 1-D positions)",
 }
+REFUSED_EXPORTS = {"qwen2_5_vl": _REFUSED["qwen2_5_vl"]}
+"""``--format`` names plait export knows but refuses, with what is missing."""
 
 
 def hf_format_of(config: PretrainedConfig, where: str) -> HfFormat:

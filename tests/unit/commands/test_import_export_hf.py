@@ -173,7 +173,8 @@ def test_qwen2_audio_trained_from_import_exports_and_generates_like_plait(tmp_pa
 def test_import_refuses_what_plait_cannot_compose(tmp_path):
     with pytest.raises(ValueError, match="llava-next-folder: cannot import a llava_next checkpoint: .*anyres tiling"):
         hf_format_of(T.LlavaNextConfig(), "llava-next-folder")
-    with pytest.raises(ValueError, match="multimodal rotary positions"):
+    with pytest.raises(ValueError, match="qwen25vl-folder: cannot import a qwen2_5_vl checkpoint: plait has "
+                                         "Qwen2.5-VL's vision tower .* but not its LLM's multimodal rotary positions"):
         hf_format_of(T.Qwen2_5_VLConfig(), "qwen25vl-folder")
     with pytest.raises(ValueError, match="holds a llama; plait import reads LlavaForConditionalGeneration"):
         hf_format_of(T.LlamaConfig(), "llm-folder")
@@ -198,6 +199,8 @@ def test_export_refuses_composites_the_class_cannot_hold(tmp_path):
     model.encoders["second"] = branch
     with pytest.raises(ValueError, match="has one encoder; this model has 2 \\(vision, second\\)"):
         check_exportable(model, HF_FORMATS["llava"])
+    with pytest.raises(ValueError, match=r"--format qwen2_5_vl: cannot export: .*position_ids \[3, B, N\]"):
+        export_checkpoint(model_dir, "qwen2_5_vl")
     with pytest.raises(ValueError, match="--format 'gemma3': plait export writes llava, qwen2_audio"):
         export_checkpoint(model_dir, "gemma3")
     with pytest.raises(FileNotFoundError, match="neither it nor .* holds plait_config.json"):
