@@ -121,10 +121,12 @@ class ModalityEncoder(nn.Module):
         return EncoderInputCheck("audio", audio_window=audio_window(cfg))
 
     @property
-    def video_encoding(self) -> PerFrame:
+    def video_encoding(self) -> PerFrame | qwen2_5_vl.TemporalPatches:
         """How this (image) branch encodes a video's sampled frames (:class:`plait.data.video.VideoEncoding`): by
         default every frame is one image item (:class:`plait.data.processing.PerFrame`); a family with temporal
-        patches (Qwen2.5-VL) returns its own encoding here."""
+        patches (Qwen2.5-VL: :class:`~plait.models.families.qwen2_5_vl.TemporalPatches`) returns its own encoding."""
+        if self.encoder.config.model_type in qwen2_5_vl.MODEL_TYPES:
+            return qwen2_5_vl.TemporalPatches(int(self.encoder.config.temporal_patch_size))
         return PerFrame()
 
     def settings(self) -> dict[str, Any]:

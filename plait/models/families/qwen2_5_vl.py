@@ -42,7 +42,8 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionR
 from transformers.utils.generic import get_max_seqlen
 from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids, get_vision_window_index
 
-__all__ = ["MODEL_TYPES", "ENCODER_CLASS", "MAX_PIXELS", "Qwen25VLFeatureCount", "Qwen25VLCall", "qwen2_5_vl_inputs",
+__all__ = ["MODEL_TYPES", "ENCODER_CLASS", "MAX_PIXELS", "Qwen25VLFeatureCount", "Qwen25VLCall", "TemporalPatches",
+           "qwen2_5_vl_inputs",
            "qwen2_5_vl_dummy_input", "patch_values", "check_qwen2_5_vl_processor", "feature_count", "max_patches"]
 
 # config model_type -> where the vision config lives (None: the config itself; "vision_config": a full model's)
@@ -194,6 +195,52 @@ class Qwen25VLCall:
     def post_norm(self, module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """The merger on window-ordered ``hidden``, its output back in image order ``[features, out_hidden]``."""
         return module(hidden)[torch.argsort(self._pre["window_index"].to(hidden.device))]
+
+
+@dataclass(frozen=True)
+class TemporalPatches:
+    """Qwen2.5-VL's video encoding (``plait.data.video.VideoEncoding``): a video is ONE item of the image branch
+    whose temporal patches join ``temporal_patch_size`` consecutive sampled frames (the last frame repeated to fill
+    the final patch, as Qwen2-VL's video processor pads), grid ``(ceil(frames / T), h, w)``: ``t h w / 4``
+    features instead of ``frames h w / 4`` per-frame ones.
+
+    Each frame goes through the branch's image processor (same resize, normalisation and block-major patch order),
+    whose rows are ``[h w, C, T, p, p]`` with the frame in every temporal slot; temporal patch ``g`` takes slot
+    ``j`` from frame ``g T + j``, the row layout of ``Qwen2VLVideoProcessor`` (which needs torchvision).
+
+    Attributes:
+        temporal_patch_size: the tower's ``T`` (frames per temporal patch).
+    """
+
+    temporal_patch_size: int
+
+    def items(self, hf_processor: Any, frames: list[Any]) -> list[tuple[dict[str, Any], tuple[int, int, int]]]:
+        """``[(item, (t, h, w))]``: the video's patches ``[t h w, C T p p]`` and grid.
+
+        Raises:
+            ValueError: for no frame, or frames whose processed grids differ.
+        """
+        if not frames:
+            raise ValueError("video has no frame")
+        outs = [hf_processor(images=[frame], return_tensors="pt") for frame in frames]
+        grids = {tuple(int(g) for g in out["image_grid_thw"][0]) for out in outs}
+        if len(grids) != 1:
+            raise ValueError(f"video frames give different patch grids {sorted(grids)}")
+        (_, h, w), = grids
+        size = self.temporal_patch_size
+        steps = -(-len(outs) // size)
+        pixels = [o["pixel_values"] for o in outs] + [outs[-1]["pixel_values"]] * (steps * size - len(outs))
+        area = int(hf_processor.patch_size) ** 2
+        rows = [p.reshape(h * w, -1, size, area) for p in pixels]  # [hw, C, T, p*p]
+        patches = [torch.stack([rows[g * size + j][:, :, j] for j in range(size)], dim=2).reshape(h * w, -1)
+                   for g in range(steps)]
+        grid = torch.tensor([steps, h, w])
+        return [({"pixel_values": torch.cat(patches), "image_grid_thw": grid}, (steps, h, w))]
+
+    def sizes(self, frames: int, frame_size: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        """The one item's grid from the frame count and one processed frame's size ``(1, h, w)`` or ``(h, w)``."""
+        h, w = (int(d) for d in frame_size[-2:])
+        return [(-(-int(frames) // self.temporal_patch_size), h, w)]
 
 
 def max_patches(config: Any) -> int:

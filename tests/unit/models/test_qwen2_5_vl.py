@@ -230,3 +230,34 @@ def test_whole_model_logits_equal_hf_where_positions_allow():
                    position_ids=positions).logits
         mine = model(ids, {"image": _processed(processor, images)}, position_ids=positions)
     torch.testing.assert_close(mine, stock, rtol=1e-5, atol=1e-5)
+
+
+def test_video_temporal_patches_join_consecutive_frames():
+    """Three frames -> one item of 2 temporal patches (the last frame repeated), t*h*w/4 features; two equal frames
+    give exactly the image processor's rows of that frame (an image is its frame in every temporal slot)."""
+    from plait.models.families.qwen2_5_vl import TemporalPatches
+
+    branch = _branch()
+    encoding = branch.video_encoding
+    assert encoding == TemporalPatches(2)
+    processor = T.Qwen2VLImageProcessorPil(**TINY_PROCESSOR)
+    rng = np.random.default_rng(3)
+    frames = [Image.fromarray(rng.integers(0, 255, (100, 150, 3), dtype=np.uint8)) for _ in range(3)]
+    (item, size), = encoding.items(processor, frames)
+    frame = processor(images=[frames[0]], return_tensors="pt")
+    h, w = (int(d) for d in frame["image_grid_thw"][0, 1:])
+    assert size == (2, h, w) == tuple(item["image_grid_thw"].tolist())
+    assert encoding.sizes(3, (1, h, w)) == [size] and branch.feature_count(size) == 2 * h * w // 4
+    rows = item["pixel_values"].reshape(2, h * w, 3, 2, 14 * 14)
+    per_frame = [processor(images=[f], return_tensors="pt")["pixel_values"].reshape(h * w, 3, 2, 196) for f in frames]
+    torch.testing.assert_close(rows[0, :, :, 0], per_frame[0][:, :, 0])
+    torch.testing.assert_close(rows[0, :, :, 1], per_frame[1][:, :, 1])
+    torch.testing.assert_close(rows[1, :, :, 0], per_frame[2][:, :, 0])
+    torch.testing.assert_close(rows[1, :, :, 1], per_frame[2][:, :, 1])
+    (still, _), = encoding.items(processor, [frames[0], frames[0]])
+    torch.testing.assert_close(still["pixel_values"], frame["pixel_values"])
+    branch.check_item(item)
+    with torch.no_grad():
+        features = branch.encoder_forward({"pixel_values": [item["pixel_values"]],
+                                           "image_grid_thw": [item["image_grid_thw"]]})
+    assert features.shape == (2 * h * w // 4, 48)
