@@ -282,3 +282,31 @@ def test_videos_of_different_sizes_and_images_collate_into_one_batch(setup):
     with torch.no_grad():
         feats = model.encode("vision", batch.modality_inputs["vision"])
     assert feats.shape[0] == 4 + 45 == int((batch.input_ids == model.placeholder_ids["vision"]).sum())
+
+
+def test_a_video_feeds_a_siglip2_naflex_branch_frame_by_frame(tmp_path):
+    """A variable-resolution tower: each frame is resized by the NaFlex processor to its own patch grid (here 5 x 3
+    patches for 40 x 24 frames, 4 x 4 for a 16 x 16 image) and encoded as one image item."""
+    from plait.config.loader import config_from_dict
+
+    siglip2 = dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=2, patch_size=4, num_patches=16, num_channels=3)
+    cfg = tiny_config_dict("unused.jsonl")
+    cfg["data"]["tokenizer"] = str(video_tokenizer(tmp_path / "tok"))
+    cfg["model"]["encoders"] = {"vision": {"modality": "image", "config": siglip2, "video": {"fps": 0}}}
+    cfg = config_from_dict(cfg)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    model = build_model(cfg.model, tok)
+    proc = build_processor(cfg.model, model, tok, 256)
+    video = write_video(tmp_path / "wide.mp4", 3, width=40, height=24)
+    image = write_image(tmp_path / "square.png", 16, 16)
+    raw = parse_record(video_record("s1", [str(video)], [str(image)], "<video> <image> What?"), "t:1", tmp_path)
+    s = proc(raw)
+    assert s.meta.items == (("vision", 15),) * 3 + (("vision", 16),)
+    assert [tuple(it["spatial_shapes"].tolist()) for it in s.inputs["vision"]] == [(3, 5)] * 3 + [(4, 4)]
+    assert record_metadata(proc, raw) == s.meta
+    batch = collate([s], proc.pad_id)
+    with torch.no_grad():
+        logits = model(batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids)
+    assert logits.shape[1] == batch.input_ids.shape[1] and int((batch.input_ids == model.placeholder_ids["vision"])
+                                                                .sum()) == 61
