@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["best_within", "exact_choices"]
+__all__ = ["best_within", "exact_choices", "quiet_highs"]
 
 
 def exact_choices(dag: Any, *, time_limit_s: float = 60.0, max_points: int = 10_000) -> list[tuple[int, ...]]:
@@ -91,6 +91,21 @@ def _solution(dag: Any, columns: dict[str, Any], choice: tuple[int, ...], highsp
     return solution
 
 
+def quiet_highs(highspy: Any) -> Any:
+    """A HiGHS solver that prints nothing, not even its banner.
+
+    HiGHS prints ``Running HiGHS ...`` at the first call on an instance unless ``output_flag`` is already false
+    (ERGO-Code/HiGHS#1702: set it before calling any other method), and ``highspy.Highs()`` itself makes such a call
+    (it enables its callbacks) before the caller can set the option. So the solver is built from the class
+    ``highspy.Highs`` extends (the HiGHS binding, which has every method used here: options, model edits, ``run``,
+    solutions), silenced first, and returned; plait uses no highspy callback.
+    """
+    binding = next(c for c in highspy.Highs.__mro__[1:] if hasattr(c, "run") and hasattr(c, "setOptionValue"))
+    h = binding()
+    h.setOptionValue("output_flag", False)
+    return h
+
+
 def _model(dag: Any, highspy: Any) -> tuple[Any, dict[str, Any]]:
     """The MILP of the module docstring without the time bound; columns: ``x`` (per node, its option columns),
     ``s`` (per node, its start column) and ``T``."""
@@ -106,8 +121,7 @@ def _model(dag: Any, highspy: Any) -> tuple[Any, dict[str, Any]]:
     for v, options in enumerate(dag.options):
         cost[x_cols[v]] = [e - dag.blocking_w * t for _, t, e in options]
     cost[t_col] = dag.blocking_w * dag.num_ranks
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = quiet_highs(highspy)
     h.setOptionValue("mip_rel_gap", 0.0)
     h.setOptionValue("mip_abs_gap", 1e-9)
     upper = np.r_[np.ones(col), np.full(len(dag.options) + 1, inf)]
