@@ -153,6 +153,7 @@ def test_metadata_pass_reads_no_frame_and_equals_the_decoded_samples(setup, monk
     table = metadata_pass(source, proc)
     assert [table.meta(i) for i in range(len(table))] == decoded
     assert [len(m.items) for m in decoded] == [1, 3, 4]  # 0.5 s, 1.25 s, 2 s at 2 fps
+    assert {str(v) for v in videos} <= set(table.media)  # stamped: a changed video makes a cached table stale
 
 
 def test_every_format_reads_videos(setup):
