@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import transformers
+from safetensors.torch import load_file
 
 from plait.data.sources import path_note
 from plait.models.hf_io import HF_FORMATS, REFUSED_EXPORTS, check_exportable, hf_from_composite, hf_processor, merge_adapters
@@ -52,7 +53,7 @@ def final_folder(run: str | Path) -> Path:
 
 def export_checkpoint(run: str | Path, fmt: str, out: str | Path | None = None) -> Path:
     """Write the trained model of ``run`` (:func:`final_folder`) as ``fmt``'s Hugging Face class and processor to
-    ``out`` (default ``<final>/../hf-<fmt>``); returns the folder.
+    ``out`` (default ``<final>/../hf-<fmt>``); returns the folder. Every tensor keeps the dtype it was saved in.
 
     Raises:
         ValueError: for an unknown or refused ``fmt`` (``qwen2_5_vl``: naming what plait lacks), a composite the class cannot hold, an ``out`` folder holding files.
@@ -76,6 +77,8 @@ def export_checkpoint(run: str | Path, fmt: str, out: str | Path | None = None) 
                                     "final/")
     merge_adapters(model.language_model)
     merge_adapters(model.encoders[name].encoder)
+    saved = load_file(str(final / "encoders" / name / "projector.safetensors"))
+    model.encoders[name].projector.to(next(iter(saved.values())).dtype)  # as saved (loading builds it in fp32)
     hf = hf_from_composite(model, spec)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folders["tokenizer"]))
     auto = transformers.AutoImageProcessor if spec.modality == "image" else transformers.AutoFeatureExtractor

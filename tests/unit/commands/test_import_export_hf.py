@@ -47,8 +47,9 @@ def _config(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
 
 
-def test_llava_import_export_round_trip_is_bit_identical(tmp_path):
-    src = save_llava(tmp_path / "src")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_llava_import_export_round_trip_is_bit_identical(tmp_path, dtype):
+    src = save_llava(tmp_path / "src", dtype=dtype)
     model_dir, job = import_checkpoint(src, tmp_path / "imported")
     settings = json.loads((model_dir / "plait_config.json").read_text())
     assert settings["placeholder_ids"] == {"vision": 5}
@@ -56,8 +57,9 @@ def test_llava_import_export_round_trip_is_bit_identical(tmp_path):
         {"modality": "image", "feature_layer": -2, "select": "drop_cls", "projector": "mlp"}
     assert f'pretrained = "{model_dir.resolve()}"' in job.read_text()
     out = export_checkpoint(model_dir, "llava", tmp_path / "exported")
-    _assert_same_tensors(src, out)
+    _assert_same_tensors(src, out)  # names, dtypes and values
     mine, theirs = _config(out), _config(src)
+    assert mine["dtype"] == theirs["dtype"] == str(dtype).removeprefix("torch.")
     assert {k: mine[k] for k in _LLAVA_FIELDS} == {k: theirs[k] for k in _LLAVA_FIELDS}
     assert {k: mine["text_config"].get(k) for k in _TEXT_FIELDS} == {k: theirs["text_config"].get(k) for k in _TEXT_FIELDS}
     vision = ("model_type", "hidden_size", "num_hidden_layers", "image_size", "patch_size", "hidden_act")
@@ -75,8 +77,9 @@ def test_llava_import_export_round_trip_is_bit_identical(tmp_path):
     assert text == "USER: <image>\nWhat is it? ASSISTANT:"
 
 
-def test_qwen2_audio_import_export_round_trip_is_bit_identical(tmp_path):
-    src = save_qwen2_audio(tmp_path / "src")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen2_audio_import_export_round_trip_is_bit_identical(tmp_path, dtype):
+    src = save_qwen2_audio(tmp_path / "src", dtype=dtype)
     model_dir, _ = import_checkpoint(src, tmp_path / "imported")
     settings = json.loads((model_dir / "plait_config.json").read_text())["encoders"]["audio"]
     assert (settings["projector"], settings["hop_length"], settings["sampling_rate"]) == ("linear", 160, 16000)

@@ -51,16 +51,17 @@ def _feature_extractor() -> T.WhisperFeatureExtractor:
     return T.WhisperFeatureExtractor(feature_size=80, sampling_rate=16000, hop_length=160, chunk_length=3)
 
 
-def save_llava(folder: Path, seed: int = 0, typed_template: bool = True) -> Path:
-    """A tiny LLaVA-1.5-style checkpoint (CLIP tower, layer -2, CLS dropped, Linear-GELU-Linear, Llama) with its
-    ``LlavaProcessor``; ``typed_template``: LLaVA's own typed-content chat template, else the demo's ChatML."""
+def save_llava(folder: Path, seed: int = 0, typed_template: bool = True, dtype: torch.dtype = torch.float32) -> Path:
+    """A tiny LLaVA-1.5-style checkpoint (CLIP tower, layer -2, CLS dropped, Linear-GELU-Linear, Llama) in ``dtype``
+    with its ``LlavaProcessor``; ``typed_template``: LLaVA's own typed-content chat template, else the demo's
+    ChatML."""
     torch.manual_seed(seed)
     cfg = T.LlavaConfig(vision_config=T.CLIPVisionConfig(**_CLIP), text_config=T.LlamaConfig(**_TEXT),
                         image_token_id=IMAGE_ID, vision_feature_layer=-2, vision_feature_select_strategy="default",
                         image_seq_length=16)
     model = T.LlavaForConditionalGeneration(cfg)
     _randomise(model)
-    model.save_pretrained(folder)
+    model.to(dtype).save_pretrained(folder)
     tok = tokenizer()
     template = LLAVA_TEMPLATE if typed_template else tok.chat_template
     T.LlavaProcessor(image_processor=_image_processor(), tokenizer=tok, patch_size=8, chat_template=template,
@@ -69,16 +70,16 @@ def save_llava(folder: Path, seed: int = 0, typed_template: bool = True) -> Path
     return folder
 
 
-def save_qwen2_audio(folder: Path, seed: int = 0) -> Path:
-    """A tiny Qwen2-Audio checkpoint (Qwen2AudioEncoder with a 3 s window, one-Linear projector, Qwen2) with its
-    ``Qwen2AudioProcessor`` (placeholder ``<audio>``)."""
+def save_qwen2_audio(folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """A tiny Qwen2-Audio checkpoint (Qwen2AudioEncoder with a 3 s window, one-Linear projector, Qwen2) in ``dtype``
+    with its ``Qwen2AudioProcessor`` (placeholder ``<audio>``)."""
     torch.manual_seed(seed)
     text = T.Qwen2Config(**_TEXT)
     cfg = T.Qwen2AudioConfig(audio_config=T.Qwen2AudioEncoderConfig(**_QWEN2_AUDIO), text_config=text,
                              audio_token_id=AUDIO_ID)
     model = T.Qwen2AudioForConditionalGeneration(cfg)
     _randomise(model)
-    model.save_pretrained(folder)
+    model.to(dtype).save_pretrained(folder)
     tok = tokenizer()
     T.Qwen2AudioProcessor(feature_extractor=_feature_extractor(), tokenizer=tok, chat_template=tok.chat_template,
                           audio_token="<audio>").save_pretrained(folder)
