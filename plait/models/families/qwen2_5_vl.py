@@ -42,13 +42,15 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionR
 from transformers.utils.generic import get_max_seqlen
 from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids, get_vision_window_index
 
-__all__ = ["MODEL_TYPES", "ENCODER_CLASS", "MAX_PIXELS", "Qwen25VLFeatureCount", "Qwen25VLCall", "TemporalPatches",
-           "qwen2_5_vl_inputs",
-           "qwen2_5_vl_dummy_input", "patch_values", "check_qwen2_5_vl_processor", "feature_count", "max_patches"]
+__all__ = ["MODEL_TYPES", "ENCODER_CLASS", "TOWER_KEYS", "MAX_PIXELS", "Qwen25VLFeatureCount", "Qwen25VLCall",
+           "TemporalPatches", "qwen2_5_vl_inputs", "qwen2_5_vl_dummy_input", "patch_values",
+           "check_qwen2_5_vl_processor", "feature_count", "max_patches"]
 
 # config model_type -> where the vision config lives (None: the config itself; "vision_config": a full model's)
 MODEL_TYPES = {"qwen2_5_vl_vision": None, "qwen2_5_vl": "vision_config"}
 ENCODER_CLASS = "Qwen2_5_VisionTransformerPretrainedModel"
+TOWER_KEYS = {r"^(model\.)?visual\.": ""}
+"""``from_pretrained`` key mapping that loads a full Qwen2.5-VL checkpoint's tower (stored as ``visual.*``)."""
 MAX_PIXELS = 12845056
 """The largest image Qwen2.5-VL is published for (its processor's ``max_pixels``, 16384 merged 28x28 blocks): the
 tower's maximum, in pixels of the resized image."""

@@ -261,3 +261,16 @@ def test_video_temporal_patches_join_consecutive_frames():
         features = branch.encoder_forward({"pixel_values": [item["pixel_values"]],
                                            "image_grid_thw": [item["image_grid_thw"]]})
     assert features.shape == (2 * h * w // 4, 48)
+
+
+def test_full_checkpoint_gives_its_vision_tower(tmp_path):
+    vision = {k: v for k, v in TINY_QWEN2_5_VL.items() if k != "model_type"}
+    text = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, vocab_size=64, bos_token_id=None, eos_token_id=None)
+    hf = T.Qwen2_5_VLForConditionalGeneration(T.Qwen2_5_VLConfig(vision_config=vision, text_config=text))
+    hf.save_pretrained(tmp_path)
+    tower = build_encoder("image", path=str(tmp_path))
+    expected = hf.model.visual.state_dict()
+    assert set(tower.state_dict()) == set(expected)
+    for name, value in tower.state_dict().items():
+        assert torch.equal(value, expected[name]), name
