@@ -90,8 +90,9 @@ _ENCODER_LAYOUTS = {
     "whisper": EncoderLayout(("conv1", "conv2", "embed_positions"), "layers", "layer_norm"),
     # the avg_pooler runs between the last layer and layer_norm: a stage owning the embedding must own every layer
     "qwen2_audio_encoder": EncoderLayout(("conv1", "conv2", "embed_positions"), "layers", "layer_norm"),
-    # no final norm; patch_positional_embedding (2D RoPE, a buffer only) belongs to no unit and stays on every stage
-    "pixtral": EncoderLayout(("patch_conv", "ln_pre"), "transformer.layers", None),
+    # no final norm; patch_positional_embedding (2D RoPE, buffers only) rides with the embedding (a later stage
+    # rebuilds its rotary table: families.pixtral.PixtralCall)
+    "pixtral": EncoderLayout(("patch_conv", "ln_pre", "patch_positional_embedding"), "transformer.layers", None),
     # post_norm None with use_mean_pooling (its layernorm is an nn.Identity): encoder_layout reads the config
     "internvl_vision": EncoderLayout(("embeddings",), "encoder.layer", "layernorm"),
     # the merger (ln_q + MLP over 2x2 blocks) in the post-norm slot; rotary_pos_emb (a buffer only) rides with
@@ -488,15 +489,15 @@ def run_encoder_layer(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Ten
 
     Raises:
         ValueError: for a Qwen2-Audio layer (its padding mask and pooler live in the stock forward only: a pipeline
-            stage that owns its embedding must own all its layers) or a Pixtral layer (its 2D RoPE and block mask,
-            likewise).
+            stage that owns its embedding must own all its layers) or a Pixtral layer called without its per-call
+            inputs (``families.pixtral.PixtralCall.layer`` gives them).
     """
     if type(layer).__name__ == "Qwen2AudioEncoderLayer":
         raise ValueError("the Qwen2-Audio encoder's layers cannot start a pipeline stage (its padding mask and "
                          "pooler run inside its own forward): give the branch one stage")
     if type(layer).__name__ == pixtral.LAYER_CLASS:
-        raise ValueError("the Pixtral tower's layers cannot start a pipeline stage (their 2D rotary positions and "
-                         "block mask are computed inside its own forward): give the branch one stage")
+        raise ValueError("a Pixtral layer needs its call's 2D rotary positions and block mask: run it through "
+                         "plait.models.tower_call (families.pixtral.PixtralCall.layer)")
     if type(layer).__name__ == internvl.LAYER_CLASS:  # takes the hidden states only
         return layer(hidden)
     out = layer(hidden, None)

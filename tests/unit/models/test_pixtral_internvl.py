@@ -74,7 +74,7 @@ def test_pixtral_call_recomputes_rope_and_block_mask_for_later_layers(attn):
         for index in (1, 2):
             hidden = call.layer(encoder.transformer.layers[index], index, hidden)
     torch.testing.assert_close(hidden, out.last_hidden_state, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="Pixtral tower's layers cannot start a pipeline stage"):
+    with pytest.raises(ValueError, match="a Pixtral layer needs its call's 2D rotary positions and block mask"):
         run_encoder_layer(encoder.transformer.layers[1], hidden)
 
 
@@ -201,3 +201,32 @@ def test_processor_that_cannot_fit_the_tower_is_refused_when_the_job_is_built(tm
     model = build_model(cfg.model, tokenizer)
     with pytest.raises(ValueError, match=message):
         build_processor(cfg.model, model, tokenizer, 256)
+
+
+def _composite(cfg: dict, feature_layer: int = -1, **branch) -> "MultimodalModel":
+    from plait.models.hf import build_causal_lm
+    from plait.models.multimodal import MultimodalModel
+
+    torch.manual_seed(0)
+    llm = build_causal_lm(config=TINY_LLM, vocab_size=50, attn_implementation="eager")
+    encoder = build_encoder("image", config=cfg)
+    projector = build_projector("mlp", encoder_feature_size(encoder, branch.get("downsample", 1)), 32)
+    return MultimodalModel(llm, {"image": ModalityEncoder(encoder, projector, "image", feature_layer, **branch)},
+                           {"image": 48})
+
+
+@pytest.mark.parametrize("feature_layer", [-1, -2])
+def test_pixtral_branch_split_at_every_unit_reproduces_its_features(feature_layer):
+    from tests.unit.parallel.test_stages import _check_branch_chain
+
+    model = _composite(dict(TINY_PIXTRAL, num_hidden_layers=3), feature_layer)
+    inputs = {"pixel_values": [torch.randn(3, 20, 32), torch.randn(3, 16, 16), torch.randn(3, 32, 12)]}
+    _check_branch_chain(model, "image", inputs)
+
+
+def test_internvl_branch_split_at_every_unit_reproduces_its_features():
+    from tests.unit.parallel.test_stages import _check_branch_chain
+
+    model = _composite(dict(TINY_INTERNVL, num_hidden_layers=3), select="drop_cls", downsample=2)
+    inputs = {"pixel_values": [torch.randn(4, 3, 32, 32), torch.randn(1, 3, 32, 32)]}
+    _check_branch_chain(model, "image", inputs)
