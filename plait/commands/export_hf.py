@@ -67,6 +67,7 @@ def export_checkpoint(run: str | Path, fmt: str, out: str | Path | None = None) 
     target = Path(out) if out is not None else final.parent / f"hf-{fmt}"
     if target.exists() and any(target.iterdir()):
         raise ValueError(f"--out {target} already holds files; choose another folder or remove it")
+    print(f"plait: reading {final}", flush=True)
     model = MultimodalModel.from_pretrained(final)
     check_exportable(model, spec)
     name = next(iter(model.encoders))
@@ -83,6 +84,7 @@ def export_checkpoint(run: str | Path, fmt: str, out: str | Path | None = None) 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folders["tokenizer"]))
     auto = transformers.AutoImageProcessor if spec.modality == "image" else transformers.AutoFeatureExtractor
     media = auto.from_pretrained(str(folders["processor"]))
+    print(f"plait: writing {target} ({spec.model_class})", flush=True)
     hf.save_pretrained(target)
     hf_processor(spec, model, tokenizer, media).save_pretrained(target)
     return target

@@ -19,7 +19,7 @@ from plait.commands.export_hf import export_checkpoint, final_folder
 from plait.commands.import_hf import import_checkpoint
 from plait.commands.train import train_command
 from plait.models.generation import Generator, Prompt, greedy_token_ids
-from plait.models.hf_io import HF_FORMATS, check_exportable, hf_format_of
+from plait.models.hf_io import HF_FORMATS, check_exportable, composite_from_hf, hf_format_of, hf_from_composite
 from plait.models.multimodal import MultimodalModel
 from plait.data.collate import collate
 from tests.conftest import demo_records, write_jsonl
@@ -221,3 +221,41 @@ def test_cli_import_and_export(tmp_path, capsys):
     assert main(["export", "--run", str(tmp_path / "imp" / "model"), "--format", "qwen2_audio"]) == 0
     assert (tmp_path / "imp" / "hf-qwen2_audio" / "model.safetensors").is_file()
     assert "as Qwen2AudioForConditionalGeneration to" in capsys.readouterr().out
+
+
+def _siglip_llava(**fields) -> T.LlavaForConditionalGeneration:
+    torch.manual_seed(0)
+    vision = T.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=32, patch_size=8)
+    text = T.LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=96, tie_word_embeddings=False)
+    cfg = T.LlavaConfig(vision_config=vision, text_config=text, image_token_id=90, **fields)
+    cfg._attn_implementation = "eager"
+    return T.LlavaForConditionalGeneration(cfg).eval()
+
+
+def test_siglip_llava_maps_both_ways_with_equal_logits():
+    hf = _siglip_llava(vision_feature_layer=-1, vision_feature_select_strategy="full")
+    before = {k: v.clone() for k, v in hf.state_dict().items()}
+    model = composite_from_hf(hf, HF_FORMATS["llava"]).eval()
+    branch = model.encoders["vision"]
+    assert (branch.feature_layer, branch.select, branch.feature_count((32, 32))) == (-1, "full", 16)
+    ids = torch.randint(1, 80, (1, 20))
+    ids[0, 2:18] = 90
+    pixels = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, {"vision": {"pixel_values": list(pixels)}}),
+                                   hf(input_ids=ids, pixel_values=pixels).logits, rtol=1e-5, atol=1e-5)
+    back = hf_from_composite(model, HF_FORMATS["llava"]).state_dict()
+    assert sorted(back) == sorted(before) and all(torch.equal(back[k], before[k]) for k in before)
+
+
+def test_llava_configs_plait_cannot_express_are_refused():
+    with pytest.raises(ValueError, match="vision_feature_layer = \\[-2, -1\\]: plait's branch takes one hidden state"):
+        composite_from_hf(_siglip_llava(vision_feature_layer=[-2, -1], vision_feature_select_strategy="full"),
+                          HF_FORMATS["llava"])
+    with pytest.raises(ValueError, match="'default' drops the first position of a siglip_vision_model tower"):
+        composite_from_hf(_siglip_llava(vision_feature_select_strategy="default"), HF_FORMATS["llava"])
+    with pytest.raises(ValueError, match="projector_hidden_act = 'relu'"):
+        composite_from_hf(_siglip_llava(vision_feature_select_strategy="full", projector_hidden_act="relu"),
+                          HF_FORMATS["llava"])
