@@ -43,6 +43,7 @@ from plait.planner.rank_law import (
     choose_ranks,
     convergence_samples,
     fit_power_law,
+    lora_at_rank,
     lora_toml,
     plan_calibration,
 )
@@ -136,13 +137,15 @@ def write_job_toml(job: dict[str, Any], path: Path) -> Path:
 
 
 def _run_job(cfg: JobConfig, run: CalibrationRun, subset: Path, run_dir: Path, val_samples: int) -> dict[str, Any]:
-    """The job of one calibration run: only ``run.module``'s adapters (at ``run.rank``) train, the other modules
+    """The job of one calibration run: only ``run.module``'s adapters (at ``run.rank``, the job's ``alpha / r``
+    kept: :func:`~plait.planner.rank_law.lora_at_rank`) train, the other modules
     with adapters frozen without them; ``run.steps`` steps of ``run.batch`` samples on ``subset``, validation on
     ``val_samples`` records at the end, no intermediate checkpoints, no progress bars."""
     job = config_to_dict(cfg)
     parts = {LLM_MODULE: job["model"]["llm"], **job["model"]["encoders"]}
     for name in lora_modules(cfg):
-        parts[name]["lora"]["r"] = run.rank if name == run.module else 0
+        parts[name]["lora"] = lora_at_rank(parts[name]["lora"], run.rank) if name == run.module else \
+            dict(parts[name]["lora"], r=0)
         parts[name]["freeze"] = name != run.module or parts[name].get("freeze", False)
     job["data"].update(train=str(subset.resolve()), val_max_samples=val_samples, sources=[])
     micro = min(job["train"]["microbatch_size"], run.batch)
@@ -325,8 +328,9 @@ def tune_ranks_command(config: str | Path, overrides: Sequence[str] = (), settin
     conv, perf = _fit(observations, modules)
     base = float(np.mean([o.first_loss for o in observations]))
     choice = choose_ranks(conv, perf, settings.ranks, full, base, settings.tolerance)
-    lora = {LLM_MODULE: config_to_dict(cfg)["model"]["llm"]["lora"],
-            **{m: config_to_dict(cfg)["model"]["encoders"][m]["lora"] for m in modules if m != LLM_MODULE}}
+    job = config_to_dict(cfg)["model"]
+    lora = {m: lora_at_rank((job["llm"] if m == LLM_MODULE else job["encoders"][m])["lora"], r)
+            for m, r in choice.chosen.items()}
     toml = lora_toml(choice.chosen, lora)
     png = plot_laws(observations, conv, perf, full, out / "laws.png")
     (out / "ranks.toml").write_text(toml)

@@ -59,6 +59,7 @@ __all__ = [
     "choose_ranks",
     "convergence_samples",
     "fit_power_law",
+    "lora_at_rank",
     "lora_toml",
     "plan_calibration",
     "predict_combo_loss",
@@ -330,10 +331,33 @@ def choose_ranks(convergence: Mapping[str, PowerLaw], performance: Mapping[str, 
     return RankChoice(combos, losses, dict(combos[best].ranks))
 
 
+def lora_at_rank(settings: Mapping[str, object], rank: int) -> dict[str, object]:
+    """A part's LoRA settings (``[model.*.lora]`` as a dict: ``r``, ``alpha``, ...) moved to ``rank``, keeping the
+    adapter's scale ``alpha / r`` (peft multiplies the adapter's output by ``lora_alpha / r``).
+
+    peft's own default holds ``lora_alpha`` fixed when ``r`` changes (scale ``alpha / r`` shrinks as the rank grows);
+    the rank search instead keeps the job's scale, the one its ``lr`` was chosen with (the common "alpha = 2 r"
+    practice): every candidate rank, calibration run and chosen table gets ``alpha = job_alpha * rank / job_r``.
+    Then a rank changes the adapter's capacity, not its step size. Settings without ``alpha`` or with ``r`` < 1 (no
+    adapter in the job) only get the new ``r``.
+
+    Raises:
+        ValueError: on ``rank < 1``.
+    """
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+    out = dict(settings)
+    old = int(settings.get("r", 0) or 0)
+    if "alpha" in settings and old >= 1:
+        out["alpha"] = float(settings["alpha"]) * rank / old
+    out["r"] = int(rank)
+    return out
+
+
 def lora_toml(ranks: Mapping[str, int], settings: Mapping[str, Mapping[str, object]] | None = None) -> str:
     """The ``[model.llm.lora]`` / ``[model.encoders.<name>.lora]`` tables for ``ranks`` (module -> r), each with
-    the other fields of ``settings[module]`` (e.g. the job's ``alpha``, ``dropout``, ``target_modules``), to
-    replace the job's own tables.
+    the other fields of ``settings[module]`` written as given (e.g. ``alpha``, ``dropout``, ``target_modules``;
+    pass :func:`lora_at_rank`'s settings to keep the job's ``alpha / r``), to replace the job's own tables.
 
     Raises:
         ValueError: on a rank < 1.

@@ -60,10 +60,14 @@ def test_tune_ranks_chooses_writes_and_resumes(tmp_path, capsys, monkeypatch):
     run_cfg = load_config(run / "job.toml")
     assert run_cfg.model.encoders["vision"].lora.r == 2 and run_cfg.model.llm.lora.r == 0 and run_cfg.model.llm.freeze
 
-    # The TOML tables parse and carry the job's alpha.
+    # The run keeps the job's alpha / r (8 / 4): alpha 4 at rank 2.
+    assert run_cfg.model.encoders["vision"].lora.alpha == 4.0
+
+    # The TOML tables parse and carry the job's alpha / r (alpha = 2 r; the job's alpha 8.0 at its rank 4).
     tables = tomllib.loads((out / "ranks.toml").read_text())
     assert tables["model"]["llm"]["lora"]["r"] == search["chosen"]["llm"]
-    assert tables["model"]["encoders"]["vision"]["lora"]["alpha"] == 8.0
+    assert tables["model"]["encoders"]["vision"]["lora"]["alpha"] == 2.0 * search["chosen"]["vision"]
+    assert tables["model"]["llm"]["lora"]["alpha"] == 2.0 * search["chosen"]["llm"]
 
     # Resume: every finished run is found on disk, nothing trains again, the same choice comes out.
     def refuse(*a, **k):

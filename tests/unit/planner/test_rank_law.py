@@ -18,6 +18,7 @@ from plait.planner.rank_law import (
     choose_ranks,
     convergence_samples,
     fit_power_law,
+    lora_at_rank,
     lora_toml,
     plan_calibration,
     predict_combo_loss,
@@ -139,3 +140,20 @@ def test_lora_toml_parses_into_the_job_tables():
     with pytest.raises(ValueError, match="rank of 'llm' must be >= 1"):
         lora_toml({"llm": 0})
     assert math.isfinite(PowerLaw(0, 1, 0, 0, 1, ()).predict(1, 1))
+
+
+def test_lora_at_rank_keeps_the_jobs_alpha_over_r():
+    job = {"r": 8, "alpha": 16.0, "dropout": 0.1, "target_modules": ["q_proj"]}
+    assert lora_at_rank(job, 2) == {"r": 2, "alpha": 4.0, "dropout": 0.1, "target_modules": ["q_proj"]}
+    assert lora_at_rank(job, 32) == {"r": 32, "alpha": 64.0, "dropout": 0.1, "target_modules": ["q_proj"]}
+    for r in (1, 3, 8, 64):  # the adapter's scale alpha / r (peft's lora_alpha / r) is the job's 2.0 at every rank
+        moved = lora_at_rank(job, r)
+        assert moved["alpha"] / moved["r"] == 2.0
+    assert job == {"r": 8, "alpha": 16.0, "dropout": 0.1, "target_modules": ["q_proj"]}  # not changed in place
+    assert lora_at_rank({"r": 0, "alpha": 16.0}, 4) == {"r": 4, "alpha": 16.0}  # no adapter in the job: alpha as is
+    assert lora_at_rank({"dropout": 0.0}, 4) == {"dropout": 0.0, "r": 4}
+    with pytest.raises(ValueError, match="LoRA rank must be >= 1, got 0"):
+        lora_at_rank(job, 0)
+    text = lora_toml({"llm": 4}, {"llm": lora_at_rank(job, 4)})
+    assert tomllib.loads(text)["model"]["llm"]["lora"] == {"r": 4, "alpha": 8.0, "dropout": 0.1,
+                                                           "target_modules": ["q_proj"]}
