@@ -95,10 +95,14 @@ def tokenizer_dir(data: DataConfig, model: ModelConfig) -> str:
     (``tokenizer_config.json`` or ``tokenizer.json``).
 
     Raises:
-        ValueError: when ``data.tokenizer`` is empty and no such folder holds a tokenizer.
+        ValueError: when ``data.tokenizer`` is empty and no such folder holds a tokenizer, or ``model.pretrained``
+            names a folder that does not exist.
     """
     if data.tokenizer:
         return data.tokenizer
+    if model.pretrained and not Path(model.pretrained).is_dir():
+        raise ValueError(f"model.pretrained = {model.pretrained!r} does not exist: train that run first (its final/ "
+                         "folder; for runs/demo/final: `make demo`)")
     candidates = [(f"model.llm.path = {model.llm.path!r}", model.llm.path)]
     if model.pretrained:
         candidates.insert(0, (f"model.pretrained = {model.pretrained!r} (its tokenizer/ folder)",

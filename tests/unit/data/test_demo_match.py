@@ -1,4 +1,4 @@
-"""The demo's fine-tuning task digit_match (plait/data/demo/match.py): the committed files' answers recomputed from
+"""The demo's fine-tuning task digit_pair (plait/data/demo/match.py): the committed files' answers recomputed from
 the demo's own labels, balance, split hygiene, determinism of the builder, and its job file configs/demo_match.toml.
 """
 
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from plait.config.loader import load_config
+from plait.data.chat_template import tokenizer_dir
 from plait.data.demo.match import MATCH_TASK, MediaPools, build_match_task, make_match_records, media_pools
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -38,18 +39,19 @@ def _labels(split: str) -> tuple[dict[str, int], dict[str, list[int]]]:
 
 
 @pytest.mark.parametrize("split,count", [("train", 1200), ("val", 200)])
-def test_committed_match_records_answer_right_and_balanced(split, count):
+def test_committed_match_records_answer_right_and_cover_the_digits(split, count):
     images, clips = _labels(split)
     records = _read(DEMO / f"match_{split}.jsonl")
     assert len(records) == count and len({r["id"] for r in records}) == count
-    yes = 0
     for r in records:
-        assert r["task"] == MATCH_TASK
-        assert r["messages"][0]["content"].count("<image>") == 1 and r["messages"][0]["content"].count("<audio>") == 1
-        want = WORDS[clips[r["audios"][0]].count(images[r["images"][0]])]
+        assert r["task"] == MATCH_TASK == "digit_pair"
+        assert r["messages"][0]["content"] == "<image>\n<audio>\nSay the handwritten digit, then the first spoken digit."
+        want = f"{WORDS[images[r['images'][0]]]} {WORDS[clips[r['audios'][0]][0]]}"
         assert r["messages"][1]["content"] == want, r["id"]
-        yes += want != "zero"
-    assert yes == count // 2
+    # Both words vary over all ten digits, and mostly differ: neither modality alone answers.
+    answers = [r["messages"][1]["content"].split() for r in records]
+    assert {a[0] for a in answers} == {a[1] for a in answers} == set(WORDS)
+    assert sum(a[0] != a[1] for a in answers) > 0.8 * count
 
 
 def test_match_splits_share_no_media():
@@ -66,16 +68,20 @@ def test_builder_is_deterministic_and_reproduces_the_committed_files(tmp_path):
         assert (tmp_path / f"match_{split}.jsonl").read_bytes() == (DEMO / f"match_{split}.jsonl").read_bytes()
 
 
-def test_make_match_records_pairs_by_membership():
-    pools = MediaPools(images=(("a.png", 1), ("b.png", 2), ("c.png", 3)), clips=(("x.flac", (1, 2, 1)), ("y.flac", (3,))))
+def test_make_match_records_answers_image_digit_then_first_spoken_digit():
+    pools = MediaPools(images=(("a.png", 1), ("b.png", 2), ("c.png", 3)), clips=(("x.flac", (4, 2, 7)), ("y.flac", (3,))))
     records = make_match_records(pools, 8, "t", np.random.default_rng(0))
-    digit = dict(pools.images)
-    spoken = dict(pools.clips)
-    assert sum(r["messages"][1]["content"] == "zero" for r in records) == 4
+    digit, spoken = dict(pools.images), dict(pools.clips)
+    assert sorted(r["audios"][0] for r in records) == ["x.flac"] * 4 + ["y.flac"] * 4  # clips in shuffled passes
+    assert len({r["id"] for r in records}) == 8
     for r in records:
-        assert r["messages"][1]["content"] == WORDS[spoken[r["audios"][0]].count(digit[r["images"][0]])]
+        answer = r["messages"][1]["content"]
+        assert answer == f"{WORDS[digit[r['images'][0]]]} {'four' if r['audios'][0] == 'x.flac' else 'three'}"
+        assert r["meta"] == {"image_digit": digit[r["images"][0]], "spoken_digits": list(spoken[r["audios"][0]])}
     with pytest.raises(ValueError, match="no images or no clips"):
         make_match_records(MediaPools((), pools.clips), 2, "t", np.random.default_rng(0))
+    with pytest.raises(ValueError, match="record count must be >= 0, got -1"):
+        make_match_records(pools, -1, "t", np.random.default_rng(0))
 
 
 def test_media_pools_names_a_bad_answer():
@@ -92,3 +98,10 @@ def test_match_job_loads(monkeypatch):
     assert cfg.model.pretrained == "runs/demo/final"
     assert cfg.model.llm.lora.r == 8 and cfg.model.encoders["vision"].lora.r == 8
     assert cfg.model.encoders["audio"].freeze and cfg.data.train.endswith("match_train.jsonl")
+
+
+def test_match_job_without_the_trained_demo_says_to_train_it(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # no runs/demo/final here
+    cfg = load_config(ROOT / "configs" / "demo_match.toml")
+    with pytest.raises(ValueError, match=r"model.pretrained = 'runs/demo/final' does not exist: .*`make demo`"):
+        tokenizer_dir(cfg.data, cfg.model)
