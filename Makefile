@@ -18,7 +18,7 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/plait train --config configs/demo.toml --overwrite  # a new demo run replaces runs/demo
 
-# The demo's fine-tuning task (digit_match, LoRA from the trained demo; trains the demo first when it is missing),
+# The demo's fine-tuning task (digit_pair, LoRA from the trained demo; trains the demo first when it is missing),
 # MARS's rank search on it, and MARS against a full grid (bench/mars.py, ~15 min on 2 idle cores).
 runs/demo/final/plait_config.json:
 	$(MAKE) demo
@@ -27,7 +27,7 @@ demo-match: venv runs/demo/final/plait_config.json
 	$(VENV)/bin/plait train --config configs/demo_match.toml --overwrite
 
 tune-ranks: venv runs/demo/final/plait_config.json
-	$(VENV)/bin/plait tune-ranks --config configs/demo_match.toml --sizes 96,192 --batch 8
+	$(VENV)/bin/plait tune-ranks --config configs/demo_match.toml --ranks 2,8,32 --sizes 32,64,128 --batch 4 --val-samples 48
 
 bench-mars: venv runs/demo/final/plait_config.json
 	$(PY) bench/mars.py

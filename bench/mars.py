@@ -1,14 +1,15 @@
-"""MARS rank search vs a full grid on the demo fine-tuning task (digit_match, configs/demo_match.toml).
+"""MARS rank search vs a full grid on the demo fine-tuning task (digit_pair, configs/demo_match.toml).
 
-Candidates: the same ranks for the vision encoder and the LLM (default 2, 4, 8, 16). Three sides, one run:
+Candidates: the same ranks for the vision encoder and the LLM (default 2, 8, 32). Every run keeps the job's adapter
+scale ``alpha / r`` (:func:`plait.planner.rank_law.lora_at_rank`). Three sides, one run:
 
 - **grid**: every (vision rank, LLM rank) pair fine-tuned with the job's own settings (``train.steps`` steps on the
   whole ``match_train.jsonl``), validation loss and exact match on ``match_val.jsonl`` (train/evaluation.py);
   its best pair by accuracy (ties: lower loss).
 - **uniform**: the same rank for both modules, the common default ``r = 8`` (peft's default), read from the grid;
   the best diagonal pair is printed too.
-- **MARS**: ``plait tune-ranks`` on the job (calibration runs on two subset sizes, Law-C, pruning, Law-P), its chosen
-  pair's full fine-tune read from the grid (same candidates, so the grid holds it).
+- **MARS**: ``plait tune-ranks`` on the job (calibration runs on three subset sizes, Law-C, pruning, Law-P), its
+  chosen pair's full fine-tune read from the grid (same candidates, so the grid holds it).
 
 Compute: train steps, training samples and CPU seconds (this process and its children, all threads) of MARS's
 calibration against the whole grid's. Targets (issue 15): MARS within 1 point of the grid's best accuracy at >= 5x
@@ -17,7 +18,8 @@ less search compute, and >= the uniform default.
 Needs the demo's trained model ``runs/demo/final`` (``make demo``). Runs are kept under ``--out`` (default
 ``runs/bench_mars``) and found again by a later run of the bench (delete the folder to measure afresh; the compute
 figures of runs found on disk are the ones recorded when they ran). Run from the repository root:
-``.venv/bin/python bench/mars.py`` (``--help``: ranks, sizes, steps, out folder). About 15 minutes on 2 idle cores.
+``.venv/bin/python bench/mars.py`` (``--help``: ranks, sizes, steps, out folder). About 15 minutes on 2 idle cores
+(9 fine-tunes of 150 steps, 18 calibration runs of 8-32 steps); ``grid.png`` draws the grid's accuracy and loss.
 """
 
 from __future__ import annotations
@@ -37,15 +39,17 @@ sys.path.insert(0, str(ROOT))
 from plait.commands.tune_ranks import (  # noqa: E402
     SearchSettings, cpu_seconds, subset_records, train_job, tune_ranks_command, write_job_toml)
 from plait.config.loader import config_to_dict, load_config  # noqa: E402
+from plait.planner.rank_law import lora_at_rank  # noqa: E402
 from plait.train.metrics import read_metrics  # noqa: E402
+from plait.train.plots import new_figure, save_figure  # noqa: E402
 
 
 def grid_run(cfg, r_vision: int, r_llm: int, out: Path) -> dict:
     """Fine-tune one pair with the job's settings (or read its ``result.json``): val loss, exact match, compute."""
     run_dir = out / "grid" / f"vision{r_vision}_llm{r_llm}"
     job = config_to_dict(cfg)
-    job["model"]["encoders"]["vision"]["lora"]["r"] = r_vision
-    job["model"]["llm"]["lora"]["r"] = r_llm
+    vision, llm = job["model"]["encoders"]["vision"], job["model"]["llm"]
+    vision["lora"], llm["lora"] = lora_at_rank(vision["lora"], r_vision), lora_at_rank(llm["lora"], r_llm)
     job["metrics"].update(run_dir=str(run_dir.resolve()), progress=False, tensorboard=False)
     done = run_dir / "result.json"
     if done.is_file() and json.loads(done.read_text()).get("job") == job:
@@ -78,6 +82,23 @@ def _smaller_job(cfg, records: int, batch: int, out: Path) -> Path:
     return write_job_toml(job, out / "job.toml")
 
 
+def plot_grid(grid: dict, ranks: tuple[int, ...], path: Path) -> Path:
+    """``grid.png``: exact match (%) and validation loss of every (vision rank, LLM rank) pair as two heat maps."""
+    fig, axes = new_figure(4.5, 7, nrows=2, sharex=False)
+    for ax, key, scale, fmt in ((axes[0], "accuracy", 100, "{:.1f}%"), (axes[1], "val_loss", 1, "{:.4f}")):
+        values = [[scale * grid[(rv, rl)][key] for rl in ranks] for rv in ranks]
+        ax.imshow(values, cmap="YlGn" if key == "accuracy" else "YlGn_r")
+        for i, row in enumerate(values):
+            for j, v in enumerate(row):
+                ax.text(j, i, fmt.format(v), ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(ranks)), [str(r) for r in ranks])
+        ax.set_yticks(range(len(ranks)), [str(r) for r in ranks])
+        ax.set_xlabel("LLM rank")
+        ax.set_ylabel("vision rank")
+        ax.set_title("exact match" if key == "accuracy" else "validation loss", fontsize=9)
+    return save_figure(fig, path)
+
+
 def _row(name: str, res: dict) -> str:
     return (f"{name:<26} vision r={res['r_vision']:<3} llm r={res['r_llm']:<3} accuracy {100 * res['accuracy']:5.1f}%  "
             f"val loss {res['val_loss']:.4f}")
@@ -86,10 +107,10 @@ def _row(name: str, res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default=str(ROOT / "configs" / "demo_match.toml"))
-    p.add_argument("--ranks", default="2,4,8,16")
-    p.add_argument("--sizes", default="96,192", help="MARS calibration subset sizes (samples)")
-    p.add_argument("--calib-batch", type=int, default=8, help="global batch of the calibration runs")
-    p.add_argument("--val-samples", type=int, default=64, help="validation records per calibration run")
+    p.add_argument("--ranks", default="2,8,32")
+    p.add_argument("--sizes", default="32,64,128", help="MARS calibration subset sizes (samples)")
+    p.add_argument("--calib-batch", type=int, default=4, help="global batch of the calibration runs")
+    p.add_argument("--val-samples", type=int, default=48, help="validation records per calibration run")
     p.add_argument("--uniform", type=int, default=8, help="the uniform default rank")
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_mars"))
     p.add_argument("--train-records", type=int, default=0,
@@ -123,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     mars = grid[(search["chosen"]["vision"], search["chosen"]["llm"])]
     calib, gsteps = search["compute"], sum(r["steps"] for r in grid.values())
     gsamples, gcpu = sum(r["samples"] for r in grid.values()), sum(r["cpu_s"] for r in grid.values())
-    print("\n== MARS vs grid on digit_match (exact match on match_val.jsonl, 200 records) ==")
+    plot_grid(grid, ranks, out / "grid.png")
+    print(f"\n== MARS vs grid on {Path(cfg.data.train).name} (exact match and loss on {Path(cfg.data.val).name}, "
+          f"{cfg.data.val_max_samples or 'all'} records) ==")
     print(f"grid of {len(grid)} pairs: accuracy by (vision r, llm r):")
     print("vision\\llm " + "".join(f"{r:>8}" for r in ranks))
     for rv in ranks:

@@ -16,7 +16,7 @@ Run ``python -m plait.data.demo.build --out data/demo [--seed 0]``. The output f
   transformers fast tokenizer with a ChatML chat template whose assistant turns are marked with
   ``{% generation %}`` so ``return_assistant_tokens_mask=True`` works.
 - ``build_info.json`` and ``README.md``: versions, seed, counts and sizes.
-- ``match_train.jsonl`` / ``match_val.jsonl``: the fine-tuning task ``digit_match`` built from the above
+- ``match_train.jsonl`` / ``match_val.jsonl``: the fine-tuning task ``digit_pair`` built from the above
   (:mod:`plait.data.demo.match`).
 
 Requires espeak-ng on PATH and the Python packages scikit-learn, scipy, soundfile, Pillow, numpy,
@@ -471,7 +471,7 @@ def build_demo(out: Path, cfg: BuildConfig = BuildConfig(), log: Any = print) ->
     summary = {**_summary(out, cfg, records, clips), "tokenizer_vocab": len(tokenizer)}
     (out / "build_info.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "README.md").write_text(_readme(summary))
-    log(f"wrote the fine-tuning task digit_match: {build_match_task(out)} records")
+    log(f"wrote the fine-tuning task digit_pair: {build_match_task(out)} records")
     return summary
 
 

@@ -1,11 +1,18 @@
-"""The demo's fine-tuning task: "how many times is the handwritten digit spoken?" (task ``digit_match``).
+"""The demo's fine-tuning task: "say the handwritten digit, then the first spoken digit" (task ``digit_pair``).
 
-A second, harder task set on the demo data that needs both modalities: each record holds one image of the demo
-set (a handwritten digit) and one clip (1 to 3 spoken digits), and the answer is the number of times the image's
-digit is spoken, as a digit word: ``zero`` for half of the records, ``one``/``two``/``three`` for the others (so
-always answering ``zero`` scores 50%). Neither modality alone answers it: the image gives one digit, the clip the
-others, and the model must compare. The answers are words the demo model already writes (a yes/no version needed
-tokens the demo never trained: 48 LoRA steps left it writing "nee"/"yee", 0% exact match).
+A second task set on the demo data that needs both modalities: each record holds one image of the demo set (a
+handwritten digit) and one clip (1 to 3 spoken digits), and the answer is two digit words, the image's digit and
+the clip's first digit, e.g. ``"seven two"``. Neither modality alone answers it: the image gives the first word,
+the clip the second (always answering one word twice scores about 10%). The words are ones the demo model already
+writes; the form is new to it (the demo's ``image_audio`` task writes ``"<digit> ; <all spoken digits>"``).
+
+Why this task (measured from the demo at step 800 of 940, LoRA r = 32 / alpha 16 on the LLM and the vision encoder,
+lr 2e-3, batch 8, exact match on 100 validation records): it reached 84% after 100 steps and 90% after 200. Harder
+rules were not learned in that budget: "how many times is the handwritten digit spoken?" (zero to three, half
+zero; the task of an earlier version) stayed at chance, 40-44%, over 300 steps with a flat validation loss, and so
+did its easiest form with one-digit clips ("once or not at all") after 100 steps; asking for the first or the last
+spoken digit by the question stayed at 46% after 200 steps (the first digit learned, the last not). Comparing or
+locating perceived digits is beyond a few hundred LoRA steps on this tiny model; naming one of each is not.
 
 Built from the committed demo set only (no espeak-ng, no scikit-learn): images and clips are taken from the
 records of the same split (``image_digit``/``image_audio`` for images with their label, ``audio_transcribe``/
@@ -26,15 +33,11 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["MATCH_PROMPTS", "MATCH_TASK", "MatchConfig", "MediaPools", "build_match_task", "main",
+__all__ = ["MATCH_PROMPT", "MATCH_TASK", "MatchConfig", "MediaPools", "build_match_task", "main",
            "make_match_records", "media_pools"]
 
-MATCH_TASK = "digit_match"
-MATCH_PROMPTS = (
-    "<image>\n<audio>\nHow many times is the handwritten digit spoken?",
-    "<image>\n<audio>\nHow often does the audio say the digit shown in the image?",
-    "Count how many spoken digits equal the digit in the image.\n<image>\n<audio>",
-)
+MATCH_TASK = "digit_pair"
+MATCH_PROMPT = "<image>\n<audio>\nSay the handwritten digit, then the first spoken digit."
 _WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 
@@ -85,9 +88,9 @@ def media_pools(records: Sequence[dict], source: str = "records") -> MediaPools:
 
 
 def make_match_records(pools: MediaPools, n: int, split: str, rng: np.random.Generator) -> list[dict]:
-    """``n`` match records of one split: clips drawn in shuffled passes, every other record's image is drawn among
-    the pool's images whose digit is spoken in the clip (the answer is how often: ``one`` to ``three``), the others'
-    among those whose digit is not (``zero``); then the order is shuffled.
+    """``n`` records of one split: clips drawn in shuffled passes over the pool, each with an image drawn uniformly
+    from the pool; then the order is shuffled. The answer is ``"<image digit> <first spoken digit>"`` in digit
+    words; ``meta`` keeps the labels.
 
     Raises:
         ValueError: on ``n < 0`` or a pool without images or clips.
@@ -96,20 +99,16 @@ def make_match_records(pools: MediaPools, n: int, split: str, rng: np.random.Gen
         raise ValueError(f"record count must be >= 0, got {n}")
     if not pools.images or not pools.clips:
         raise ValueError(f"{split}: the demo split has no images or no clips to pair")
-    by_digit = {d: [p for p, label in pools.images if label == d] for d in range(10)}
     out, order = [], []
     for k in range(n):
         if not order:
             order = list(rng.permutation(len(pools.clips)))
         clip, spoken = pools.clips[order.pop()]
-        want = k % 2 == 0
-        digits = [d for d in range(10) if (d in spoken) == want and by_digit[d]]
-        digit = int(digits[rng.integers(len(digits))])
-        image = by_digit[digit][rng.integers(len(by_digit[digit]))]
+        image, digit = pools.images[rng.integers(len(pools.images))]
         out.append({
             "id": f"{split}-match-{k:05d}", "task": MATCH_TASK,
-            "messages": [{"role": "user", "content": MATCH_PROMPTS[rng.integers(len(MATCH_PROMPTS))]},
-                         {"role": "assistant", "content": _WORDS[spoken.count(digit)]}],
+            "messages": [{"role": "user", "content": MATCH_PROMPT},
+                         {"role": "assistant", "content": f"{_WORDS[digit]} {_WORDS[spoken[0]]}"}],
             "images": [image], "audios": [clip],
             "meta": {"image_digit": digit, "spoken_digits": list(spoken)},
         })

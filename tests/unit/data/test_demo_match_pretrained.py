@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import transformers
+from PIL import Image
 
 from plait.config.loader import load_config
 from plait.data.chat_template import tokenizer_dir
@@ -37,7 +38,8 @@ def demo_final(tmp_path_factory):
     tok.save_pretrained(root / "tokenizer")
     for spec in proc.specs.values():
         spec.hf_processor.save_pretrained(root / "processors" / spec.encoder)
-    record = json.loads((DEMO / "match_train.jsonl").read_text().splitlines()[0])
+    records = [json.loads(line) for line in (DEMO / "match_train.jsonl").read_text().splitlines()]
+    record = next(r for r in records if Image.open(DEMO / r["images"][0]).size == (32, 32))  # the largest demo size
     return root, proc, record
 
 
