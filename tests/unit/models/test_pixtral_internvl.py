@@ -230,3 +230,44 @@ def test_internvl_branch_split_at_every_unit_reproduces_its_features():
     model = _composite(dict(TINY_INTERNVL, num_hidden_layers=3), select="drop_cls", downsample=2)
     inputs = {"pixel_values": [torch.randn(4, 3, 32, 32), torch.randn(1, 3, 32, 32)]}
     _check_branch_chain(model, "image", inputs)
+
+
+@pytest.mark.parametrize("family, processor, message", [
+    ("pixtral", {"do_resize": False}, r"image of 24x40 pixels = 60 patches is larger than the Pixtral tower's "
+                                      r"maximum of 32 pixels per side"),
+    ("internvl", {"class": "SiglipImageProcessor", "size": {"height": 32, "width": 32}},
+     r"the image processor gives pixel_values of shape \(3, 32, 32\), the InternVL encoder expects tiles"),
+])
+def test_bad_images_are_refused_naming_record_and_file(tmp_path, family, processor, message):
+    from plait.data.sources import JsonlSource, SampleError, sample_at
+    from plait.models.registry import build_model, build_processor, load_tokenizer
+
+    cfg = config_from_dict(_job(tmp_path, family, processor))
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    mm = build_processor(cfg.model, build_model(cfg.model, tokenizer), tokenizer, 256)
+    with pytest.raises(SampleError, match=rf"record 'wide-0'.*wide.png.*{message}"):
+        mm(sample_at(JsonlSource(cfg.data.train), 0))
+
+
+def test_tiny_pixtral_job_with_two_images_of_different_sizes_trains(tmp_path):
+    from plait.train.trainer import Trainer
+    from tests.conftest import demo_records
+
+    paths = []
+    for i, img in enumerate(_images([(20, 36), (28, 12)])):
+        paths.append(str(tmp_path / f"pair{i}.png"))
+        img.save(paths[-1])
+    ask = {"role": "user", "content": "<image> <image>\nSame digit?"}
+    records = [{"id": "pair-0", "task": "pair", "images": paths,
+                "messages": [ask, {"role": "assistant", "content": "no"}]}] + demo_records("train", ("image_digit",), 1)
+    cfg = tiny_config_dict(str(write_jsonl(tmp_path / "train.jsonl", records)), None, str(tmp_path / "run"),
+                           train={"steps": 2, "global_batch_size": 2, "microbatch_size": 2, "threads": 1})
+    cfg["model"]["encoders"] = {"vision": {"modality": "image", "config": dict(TINY_PIXTRAL)}}
+    trainer = Trainer.build(config_from_dict(cfg))
+    # 20x36 is resized to 20x32 (longest edge 32): 5x8 patches; 28x12: 7x3
+    assert trainer.train_set[0].meta.items == (("vision", 40), ("vision", 21))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    result = trainer.fit()
+    assert len(result["losses"]) == 2 and all(np.isfinite(result["losses"]))
+    moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert "encoders.vision.encoder.patch_conv.weight" in moved
