@@ -67,14 +67,14 @@ def import_checkpoint(source: str | Path, out: str | Path, *, train: str = "", v
         raise ValueError(f"{model_dir} already holds files; choose another --out or remove it")
     processor = _processor(src)
     media = processor.image_processor if fmt.modality == "image" else processor.feature_extractor
+    tokenizer = processor.tokenizer
+    tokenizer.chat_template = _chat_template(processor, tokenizer, chat_template, src)  # checked before the weights
     print(f"plait: reading {src} ({fmt.model_class})", flush=True)
     hf = getattr(transformers, fmt.model_class).from_pretrained(str(src)).eval()
     _check_placeholder(fmt, hf.config, processor, src)
     audio = {"hop_length": int(media.hop_length), "sampling_rate": int(media.sampling_rate)} \
         if fmt.modality == "audio" else {}
     model = composite_from_hf(hf, fmt, **audio)
-    tokenizer = processor.tokenizer
-    tokenizer.chat_template = _chat_template(processor, tokenizer, chat_template, src)
     print(f"plait: writing {model_dir}", flush=True)
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir / "tokenizer")

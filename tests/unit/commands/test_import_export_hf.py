@@ -259,3 +259,13 @@ def test_llava_configs_plait_cannot_express_are_refused():
     with pytest.raises(ValueError, match="projector_hidden_act = 'relu'"):
         composite_from_hf(_siglip_llava(vision_feature_select_strategy="full", projector_hidden_act="relu"),
                           HF_FORMATS["llava"])
+
+
+def test_import_without_a_chat_template_needs_one_named(tmp_path):
+    src = save_llava(tmp_path / "src")
+    for f in src.glob("chat_template*"):
+        f.unlink()
+    with pytest.raises(ValueError, match="no chat template in the processor or tokenizer; give --chat-template"):
+        import_checkpoint(src, tmp_path / "a")
+    model_dir, _ = import_checkpoint(src, tmp_path / "b", chat_template="chatml")
+    assert "<|im_start|>" in T.AutoTokenizer.from_pretrained(str(model_dir / "tokenizer")).chat_template
