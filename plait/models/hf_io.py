@@ -326,7 +326,7 @@ def string_content_template(template: str, render: Any) -> str:
         try:
             if "plait-probe-text" in render(candidate, probe):
                 return candidate
-        except Exception:  # a template may raise on contents it does not expect  # noqa: BLE001
+        except Exception:  # jinja2 errors of any kind: a template may raise on contents it does not expect
             continue
     raise ValueError("the checkpoint's chat template renders neither string message contents nor typed text parts; "
                      "set data.chat_template in the job")
