@@ -130,11 +130,12 @@ def qwen2_5_vl_dummy_input(config: Any, dtype: torch.dtype, device: torch.device
     ``device``, the sequence boundaries (read with ``.tolist()``) and the grid on the CPU."""
     side = max(1, int(config.window_size) // int(config.patch_size))
     side += side % int(config.spatial_merge_size)
-    grid = torch.tensor([[1, side, side]])
     pixels = torch.zeros(side * side, patch_values(config), dtype=dtype, device=device)
     if torch.device(device or "cpu").type != "meta":
-        return {"hidden_states": pixels, "grid_thw": grid.to(device)}
-    pre = _precomputed(config, grid)
+        return {"hidden_states": pixels, "grid_thw": torch.tensor([[1, side, side]], device=device)}
+    with torch.device("cpu"):  # the probe may run inside a torch.device("meta") context (a meta build)
+        grid = torch.tensor([[1, side, side]])
+        pre = _precomputed(config, grid)
     pre["position_ids"], pre["window_index"] = pre["position_ids"].to(device), pre["window_index"].to(device)
     return {"hidden_states": pixels, "grid_thw": grid, **pre}
 

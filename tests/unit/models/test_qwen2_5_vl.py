@@ -22,6 +22,8 @@ TINY_QWEN2_5_VL = dict(model_type="qwen2_5_vl_vision", depth=4, hidden_size=32, 
                        temporal_patch_size=2, spatial_merge_size=2)
 # min/max pixels small enough for a few patches per image
 TINY_PROCESSOR = dict(min_pixels=28 * 28, max_pixels=28 * 28 * 30)
+BRANCH_CONFIG = {"modality": "image", "config": dict(TINY_QWEN2_5_VL), "projector": "linear",
+                 "processor": dict(TINY_PROCESSOR)}
 
 
 def tiny_images(sizes=((100, 150), (60, 60), (150, 90))) -> list[Image.Image]:
@@ -274,3 +276,21 @@ def test_full_checkpoint_gives_its_vision_tower(tmp_path):
     assert set(tower.state_dict()) == set(expected)
     for name, value in tower.state_dict().items():
         assert torch.equal(value, expected[name]), name
+
+
+def test_meta_build_and_each_ranks_share_equal_the_full_model():
+    """The composite built on meta and materialised equals the eager build; each rank of a plan cutting the tower in
+    two (vision stages 2, audio 1, LLM 1) materialises only its units, with the full model's values (the rotary
+    table rides with the patch embedding)."""
+    from plait.config.loader import config_from_dict
+    from plait.models.registry import build_model, load_tokenizer
+    from tests.conftest import tiny_config_dict
+    from tests.unit.models.test_meta_init import SEED, assert_same, check_ranks, eager_reference, tensors
+
+    cfg_dict = tiny_config_dict("unused.jsonl")
+    cfg_dict["model"]["encoders"]["vision"] = dict(BRANCH_CONFIG)
+    cfg = config_from_dict(cfg_dict).model
+    tokenizer = load_tokenizer(cfg_dict["data"]["tokenizer"])
+    full = build_model(cfg, tokenizer, seed=SEED)
+    assert_same(tensors(full), tensors(eager_reference(cfg, tokenizer)))
+    check_ranks(cfg, tokenizer, full, {"vision": 2, "audio": 1, "llm": 1})
