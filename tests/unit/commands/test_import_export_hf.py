@@ -47,9 +47,9 @@ def _config(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_llava_import_export_round_trip_is_bit_identical(tmp_path, dtype):
-    src = save_llava(tmp_path / "src", dtype=dtype)
+@pytest.mark.parametrize("dtype,tied", [(torch.float32, False), (torch.bfloat16, True)])
+def test_llava_import_export_round_trip_is_bit_identical(tmp_path, dtype, tied):
+    src = save_llava(tmp_path / "src", dtype=dtype, tied=tied)
     model_dir, job = import_checkpoint(src, tmp_path / "imported")
     settings = json.loads((model_dir / "plait_config.json").read_text())
     assert settings["placeholder_ids"] == {"vision": 5}
@@ -57,7 +57,9 @@ def test_llava_import_export_round_trip_is_bit_identical(tmp_path, dtype):
         {"modality": "image", "feature_layer": -2, "select": "drop_cls", "projector": "mlp"}
     assert f'pretrained = "{model_dir.resolve()}"' in job.read_text()
     out = export_checkpoint(model_dir, "llava", tmp_path / "exported")
-    _assert_same_tensors(src, out)  # names, dtypes and values
+    _assert_same_tensors(src, out)  # names, dtypes and values (no lm_head.weight when tied)
+    hf = T.LlavaForConditionalGeneration.from_pretrained(str(out))
+    assert (hf.lm_head.weight is hf.model.language_model.embed_tokens.weight) == tied
     mine, theirs = _config(out), _config(src)
     assert mine["dtype"] == theirs["dtype"] == str(dtype).removeprefix("torch.")
     assert {k: mine[k] for k in _LLAVA_FIELDS} == {k: theirs[k] for k in _LLAVA_FIELDS}

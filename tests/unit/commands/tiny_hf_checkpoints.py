@@ -51,12 +51,14 @@ def _feature_extractor() -> T.WhisperFeatureExtractor:
     return T.WhisperFeatureExtractor(feature_size=80, sampling_rate=16000, hop_length=160, chunk_length=3)
 
 
-def save_llava(folder: Path, seed: int = 0, typed_template: bool = True, dtype: torch.dtype = torch.float32) -> Path:
-    """A tiny LLaVA-1.5-style checkpoint (CLIP tower, layer -2, CLS dropped, Linear-GELU-Linear, Llama) in ``dtype``
-    with its ``LlavaProcessor``; ``typed_template``: LLaVA's own typed-content chat template, else the demo's
-    ChatML."""
+def save_llava(folder: Path, seed: int = 0, typed_template: bool = True, dtype: torch.dtype = torch.float32,
+               tied: bool = False) -> Path:
+    """A tiny LLaVA-1.5-style checkpoint (CLIP tower, layer -2, CLS dropped, Linear-GELU-Linear, Llama; ``tied``: the
+    LLM's input and output embeddings tied) in ``dtype`` with its ``LlavaProcessor``; ``typed_template``: LLaVA's own
+    typed-content chat template, else the demo's ChatML."""
     torch.manual_seed(seed)
-    cfg = T.LlavaConfig(vision_config=T.CLIPVisionConfig(**_CLIP), text_config=T.LlamaConfig(**_TEXT),
+    text = T.LlamaConfig(**(_TEXT | {"tie_word_embeddings": tied}))
+    cfg = T.LlavaConfig(vision_config=T.CLIPVisionConfig(**_CLIP), text_config=text,
                         image_token_id=IMAGE_ID, vision_feature_layer=-2, vision_feature_select_strategy="default",
                         image_seq_length=16)
     model = T.LlavaForConditionalGeneration(cfg)
