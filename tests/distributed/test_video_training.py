@@ -34,7 +34,7 @@ def test_video_and_multi_image_samples_train_under_dp2_equal_to_one_process(tmp_
     data = write_jsonl(tmp_path / "train.jsonl", _records(tmp_path))
     cfg = tiny_config_dict(str(data), None, str(tmp_path / "run"),
                            data={"shuffle": False, "tokenizer": str(video_tokenizer(tmp_path / "tok")),
-                                 "metadata_cache": "off"},
+                                 "metadata_cache": "off", "num_workers": 0},
                            train={"steps": 2, "global_batch_size": 4, "microbatch_size": 1, "threads": 1},
                            parallel={"timeout_s": 60})  # 2 steps of 4: every record once
     cfg["model"]["encoders"]["vision"]["video"] = {"fps": 2.0, "max_frames": 8}

@@ -20,8 +20,9 @@ def video_job(tiny_job, tmp_path, run: str, on_error: str):
     recs = [{"id": f"v{i}", "messages": [{"role": "user", "content": "<video>\nWhat happens?"},
                                          {"role": "assistant", "content": f"it fades {i}"}], "videos": [str(v)]}
             for i, v in enumerate([good[0], bad, *good[1:]])]
+    # one DataLoader worker (spawned): the processor and its video settings travel to it and back
     return tiny_job(recs, train={"steps": 1, "global_batch_size": 4, "microbatch_size": 2},
-                    data={"shuffle": False, "on_error": on_error, "num_workers": 0,
+                    data={"shuffle": False, "on_error": on_error, "num_workers": 1,
                           "tokenizer": str(video_tokenizer(tmp_path / "tok")), "metadata_cache": "off"},
                     metrics={"run_dir": str(tmp_path / run), "progress": False, "tensorboard": False}), bad
 
