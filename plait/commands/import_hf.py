@@ -61,7 +61,7 @@ def import_checkpoint(source: str | Path, out: str | Path, *, train: str = "", v
             template, or an ``out`` folder that already holds a model.
     """
     src, root = Path(source), Path(out)
-    fmt = _format(src)
+    fmt, config = _format(src)
     model_dir = root / "model"
     if model_dir.exists() and any(model_dir.iterdir()):
         raise ValueError(f"{model_dir} already holds files; choose another --out or remove it")
@@ -69,9 +69,9 @@ def import_checkpoint(source: str | Path, out: str | Path, *, train: str = "", v
     media = processor.image_processor if fmt.modality == "image" else processor.feature_extractor
     tokenizer = processor.tokenizer
     tokenizer.chat_template = _chat_template(processor, tokenizer, chat_template, src)  # checked before the weights
+    _check_placeholder(fmt, config, processor, src)
     print(f"plait: reading {src} ({fmt.model_class})", flush=True)
     hf = getattr(transformers, fmt.model_class).from_pretrained(str(src)).eval()
-    _check_placeholder(fmt, hf.config, processor, src)
     audio = {"hop_length": int(media.hop_length), "sampling_rate": int(media.sampling_rate)} \
         if fmt.modality == "audio" else {}
     model = composite_from_hf(hf, fmt, **audio)
@@ -84,14 +84,15 @@ def import_checkpoint(source: str | Path, out: str | Path, *, train: str = "", v
     return model_dir, job
 
 
-def _format(src: Path) -> HfFormat:
-    """The checkpoint's :class:`HfFormat` from its ``config.json``."""
+def _format(src: Path) -> tuple[HfFormat, Any]:
+    """The checkpoint's :class:`HfFormat` and config (its ``config.json``)."""
     if not src.is_dir():
         raise FileNotFoundError(f"--from {src}: no such folder{path_note(src)}")
     if not (src / "config.json").is_file():
         raise ValueError(f"--from {src}: no config.json (a Hugging Face checkpoint folder, as save_pretrained "
                          "writes it)")
-    return hf_format_of(AutoConfig.from_pretrained(str(src)), str(src))
+    config = AutoConfig.from_pretrained(str(src))
+    return hf_format_of(config, str(src)), config
 
 
 def _processor(src: Path) -> Any:
