@@ -14,6 +14,9 @@ job's parallel layout), fits Law-C and Law-P, prunes and chooses, and writes int
 - ``search.json`` (observations, laws with R^2 and residuals, kept combinations with predicted losses, the choice,
   the compute spent), ``laws.png`` (each law against its observations) and ``ranks.toml`` (the chosen
   ``[model.*.lora]`` tables, to replace the job's).
+
+Every candidate rank keeps the job's adapter scale ``alpha / r`` (:func:`~plait.planner.rank_law.lora_at_rank`), in
+the calibration runs and in ``ranks.toml``.
 """
 
 from __future__ import annotations
