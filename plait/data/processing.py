@@ -5,7 +5,9 @@ by the template's ``{% generation %}`` blocks, or found by rendering turn by tur
 :mod:`plait.data.chat_template`), each placeholder token is expanded to as many copies as
 its encoder will emit features (the encoder's own feature-count function), media are decoded and run
 through the Hugging Face image processor / feature extractor, and labels are the next token where that
-token belongs to an assistant answer (-100 elsewhere: prompt, placeholders, padding).
+token belongs to an assistant answer (-100 elsewhere: prompt, placeholders, padding). A video's sampled frames
+(:mod:`plait.data.video`) become image items of the image branch (:class:`PerFrame`, or the family's encoding), so
+its placeholder expands to the image placeholder, frames x per-frame features times.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class ProcessedSample:
             no loss is taken.
         item_ids: ``[L]`` int64: -1 on text tokens, else the index of the media item within the sample.
         inputs: per encoder name, a list of per-item dicts (``pixel_values [C,H,W]`` or
-            ``input_features [mel, T]`` + ``num_samples``).
+            ``input_features [mel, T]`` + ``num_samples``), in sequence order; a video gives one item per frame.
         meta: :class:`SampleMeta`.
         answer: the reference answer text (last assistant message), for validation.
     """
@@ -133,9 +135,13 @@ def process_image(hf_processor: Any, image: Image.Image) -> tuple[dict[str, Any]
     Fixed-grid processors (CLIP, SigLIP, ViT): ``item = {"pixel_values": [C, H, W]}``, ``size = (H, W)`` pixels.
     SigLIP2 NaFlex (output with ``spatial_shapes``): ``item = {"pixel_values": [h*w, C*p*p], "spatial_shapes":
     [2]}`` with only the ``h * w`` real patches (the processor pads to ``max_num_patches``), ``size = (h, w)``
-    patches.
+    patches. Qwen2.5-VL (output with ``image_grid_thw``): ``item = {"pixel_values": [t*h*w, C*T*p*p],
+    "image_grid_thw": [3]}``, ``size = (t, h, w)`` patches.
     """
     out = hf_processor(images=[image], return_tensors="pt")
+    if "image_grid_thw" in out:  # Qwen2.5-VL: the patches of the (t, h, w) grid, flattened
+        grid = out["image_grid_thw"][0].long()
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}, tuple(int(g) for g in grid)
     if "spatial_shapes" in out:
         shape = out["spatial_shapes"][0].long()
         h, w = int(shape[0]), int(shape[1])

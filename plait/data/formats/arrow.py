@@ -221,7 +221,8 @@ def write_parquet(records: Iterable[dict[str, Any]], path: str | Path, base_dir:
     """Write plait records (the JSONL format) to a Parquet file with their media files' bytes embedded.
 
     Columns ``id``, ``task``, ``messages`` (list of structs), ``images``, ``audios`` and ``videos`` (list of
-    binary); ``meta`` is left out. Row groups of ``row_group_size`` rows keep random access cheap (:class:`ArrowSource`).
+    binary); ``meta`` is left out. Row groups of ``row_group_size`` rows keep random access cheap
+    (:class:`ArrowSource`).
 
     Args:
         records: plait records (dicts), media paths relative to ``base_dir`` (or absolute).

@@ -12,8 +12,8 @@ placeholder); ``image`` (one path, or a list of paths, relative to the JSON file
 carry it); any other field is an error. The ``<image>`` (``<video>``) placeholders of the human turns must match the
 images (videos) in number, and no other turn may hold one. A record with videos, no images and no ``<video>``
 placeholder whose ``<image>`` placeholders match its videos in number (LLaVA-Video's convention) has them read as
-``<video>``. ``task`` is ``"default"``. A row is labelled ``"<path>:record <index>"`` (0-based index in the array) and its errors name
-the field (``conversations[3].from``).
+``<video>``. ``task`` is ``"default"``. A row is labelled ``"<path>:record <index>"`` (0-based index in the array)
+and its errors name the field (``conversations[3].from``).
 """
 
 from __future__ import annotations

@@ -83,9 +83,9 @@ def test_more_frames_than_the_limit_names_the_limit_and_the_field():
     header = VideoHeader(40, Fraction(4), 32, 24)
     with pytest.raises(SampleError) as info:
         sample_indices(header, 2.0, 8, "video clip.mp4", "model.encoders.vision.video")
-    assert str(info.value) == ("video clip.mp4 gives 20 frames (10.00 s sampled at 2 frames per second), more than "
-                               "model.encoders.vision.video.max_frames = 8; raise model.encoders.vision.video.max_frames "
-                               "or lower model.encoders.vision.video.fps")
+    field = "model.encoders.vision.video"
+    assert str(info.value) == (f"video clip.mp4 gives 20 frames (10.00 s sampled at 2 frames per second), more than "
+                               f"{field}.max_frames = 8; raise {field}.max_frames or lower {field}.fps")
 
 
 def test_decoded_frames_are_the_sampled_ones(tmp_path):
