@@ -271,3 +271,12 @@ def test_import_without_a_chat_template_needs_one_named(tmp_path):
         import_checkpoint(src, tmp_path / "a")
     model_dir, _ = import_checkpoint(src, tmp_path / "b", chat_template="chatml")
     assert "<|im_start|>" in T.AutoTokenizer.from_pretrained(str(model_dir / "tokenizer")).chat_template
+
+
+def test_import_refuses_a_placeholder_that_is_not_the_models(tmp_path):
+    src = save_llava(tmp_path / "src")
+    cfg = _config(src) | {"image_token_index": 7}
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="the processor's placeholder '<image>' is token 5, but the model's "
+                                         "image_token_id is 7"):
+        import_checkpoint(src, tmp_path / "out")
