@@ -11,6 +11,11 @@ The degrees are taken in increasing lower bound ``microbatches x (per-rank work 
 reaches the best time found: the fastest fitting plan over the degrees, exact given each search's exactness.
 Ties go to less TP, then less sharding, then less checkpointing.
 
+With a shard degree above 1 both runtimes of FSDP2 are searched (``plan_parallel``): every rank a DP rank
+(``pp = 1``: units gathered per microbatch, ``sharding.shard_costs`` and its buffer) and pipeline stages whose DP
+ranks shard them (``pp > 1``: gathered once per step, ``sharding.pipelined_shard_costs``, whole parameters and
+gradients within the step, a shard of the optimizer state); the faster fitting plan is kept.
+
 The result's ``lower_bound_s`` is ``microbatches x (work of the given costs) / devices``: still a lower bound
 with TP (a layer's work split over ``tp`` devices plus its all-reduces is at least its work on one), sharding
 (all-gathers only add) and checkpointing (recomputation only adds), so ratios to it stay comparable.
@@ -28,7 +33,9 @@ from plait.planner.graph import consistent_units
 from plait.planner.recompute import CHECKPOINT_POLICIES
 from plait.planner.search import LayoutChoice, plan_layout
 from plait.planner.search_model import Costs, cost_list
-from plait.planner.sharding import ParallelDegrees, shard_buffer_bytes, shard_costs
+from plait.planner.overheads import ActionOverheads
+from plait.planner.sharding import (ParallelDegrees, pipelined_optimizer, pipelined_overheads, pipelined_shard_costs,
+                                    shard_buffer_bytes, shard_costs)
 from plait.planner.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
 
@@ -102,8 +109,9 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
         if left is not None and left <= 0:
             raise ValueError(f"FSDP2's buffer alone ({buffer:.3g} bytes) exceeds the memory cap")
         choice = search(per_rank, devices // degrees.tp, left, degrees)
+        buffered = buffer if choice.plan.num_ranks == 1 else 0.0  # with stages: whole within the step (sharding)
         return dataclasses.replace(choice, devices=devices, tp=degrees.tp, checkpointing=degrees.checkpointing,
-                                   shard_buffer_bytes=buffer, memory_cap=memory_cap,
+                                   shard_buffer_bytes=buffered, memory_cap=memory_cap,
                                    lower_bound_s=microbatches * work / devices)
 
     errors = []
@@ -136,8 +144,9 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
 
 def _bound(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees, link: dict[str, Any],
            devices: int, microbatches: int) -> float:
-    """``microbatches x per-rank work / (devices / tp)``: a lower bound of any plan under ``degrees``."""
-    per_rank = shard_costs(units, costs, degrees, **link)
+    """``microbatches x per-rank work / (devices / tp)``: a lower bound of any plan under ``degrees`` (FSDP2's
+    all-gathers free: with pipeline stages they run once per step, not per microbatch)."""
+    per_rank = shard_costs(units, costs, degrees, **dict(link, shard_link=None))
     work = math.fsum(c.forward_s + c.backward_s(u) for u, c in zip(units, per_rank))
     return microbatches * work / (devices // degrees.tp)
 
@@ -188,17 +197,68 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
     tp_link = tp_link if tp_link is not None else search.get("p2p")
     shard_link = shard_link if shard_link is not None else search.get("dp_link")
 
+    true_units = consistent_units(units)
+    whole = cost_list(units, costs)
+
     def one(per_rank: Sequence[UnitCost], pipe_devices: int, cap: float | None, degrees: ParallelDegrees):
         dps = None if dp_degrees is None else [d for d in dp_degrees if d <= pipe_devices] or [1]
-        if degrees.dp_shard > 1:  # the runtime shards (FSDP2) without pipeline stages only: pp = 1
-            dps = [pipe_devices] if dps is None or pipe_devices in dps else []
-            if not dps:
-                raise ValueError(f"dp_shard {degrees.dp_shard} needs pp = 1 (all {pipe_devices} devices in DP)")
-        return plan_layout(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=cap,
-                           dp_degrees=dps, dtype=dtype, optimizer=optimizer, dp_shard=degrees.dp_shard, **search)
+        if degrees.dp_shard == 1:
+            return plan_layout(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=cap,
+                               dp_degrees=dps, dtype=dtype, optimizer=optimizer, **search)
+
+        def flat(flat_dps: list[int]) -> LayoutChoice:  # every device a DP rank: FSDP2 per microbatch, the buffer
+            return plan_layout(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=cap,
+                               dp_degrees=flat_dps, dtype=dtype, optimizer=optimizer, dp_shard=degrees.dp_shard,
+                               **search)
+
+        def staged(staged_dps: list[int]) -> LayoutChoice:  # pipeline stages sharded over their DP ranks
+            return _pipelined(true_units, whole, degrees, pipe_devices, staged_dps, microbatches, memory_cap, dtype,
+                              optimizer, tp_link, checkpoint_overrides, search)
+
+        return _sharded(degrees, pipe_devices, microbatches, dps, flat, staged)
 
     options = degree_options(devices, tp_degrees, dp_shard_degrees, checkpointing)
     return search_degrees(units, costs, devices, microbatches, one, options, memory_cap=memory_cap,
                           base=ParallelDegrees(checkpointing=base_checkpointing), tp_link=tp_link,
                           shard_link=shard_link, dtype=dtype, optimizer=optimizer,
                           checkpoint_overrides=checkpoint_overrides, prefer_base=prefer_plain)
+
+
+def _sharded(degrees: ParallelDegrees, pipe_devices: int, microbatches: int, dps: Sequence[int] | None,
+             flat: Callable[[list[int]], LayoutChoice], staged: Callable[[list[int]], LayoutChoice]) -> LayoutChoice:
+    """The faster fitting of FSDP2 without pipeline stages (``flat``, every device a DP rank) and with them
+    (``staged``, the DP degrees ``dp_shard`` divides below ``pipe_devices``, up to ``microbatches``); each called
+    with its DP degrees.
+
+    Raises:
+        ValueError: when neither finds a plan (both reasons).
+    """
+    wanted = [d for d in (dps if dps is not None else range(1, pipe_devices + 1)) if d % degrees.dp_shard == 0]
+    runs = [(flat, [pipe_devices] if pipe_devices in wanted else []),
+            (staged, [d for d in wanted if d < pipe_devices and pipe_devices % d == 0 and d <= microbatches])]
+    found, errors = [], []
+    for search, degrees_dp in runs:
+        if not degrees_dp:
+            continue
+        try:
+            found.append(search(degrees_dp))
+        except ValueError as exc:
+            errors.append(str(exc))
+    if not found:
+        raise ValueError(f"dp_shard {degrees.dp_shard} divides no DP degree of {pipe_devices} devices that fits: "
+                         + ("; ".join(errors) or "no such DP degree"))
+    return min(found, key=lambda c: (not c.fits_memory, c.iteration_s))
+
+
+def _pipelined(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees, pipe_devices: int,
+               dps: list[int], microbatches: int, memory_cap: float | None, dtype: Any, optimizer: OptimizerSpec,
+               tp_link: P2PModel | None, overrides: dict[str, str] | None, search: dict[str, Any]) -> LayoutChoice:
+    """``plan_layout`` with pipeline stages sharded by FSDP2 (``sharding``, "FSDP2 under pipeline stages"): whole
+    per-unit costs and parameters, a shard of the optimizer state, the DP all-reduce's bytes; the whole memory cap
+    (no separate buffer). The result records ``degrees.dp_shard``."""
+    per_rank = pipelined_shard_costs(units, costs, degrees, tp_link=tp_link, checkpoint_overrides=overrides)
+    options = dict(search, overheads=pipelined_overheads(search.get("overheads", ActionOverheads()), degrees.dp_shard))
+    choice = plan_layout(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=memory_cap,
+                         dp_degrees=dps, dtype=dtype, optimizer=pipelined_optimizer(optimizer, degrees.dp_shard),
+                         **options)
+    return dataclasses.replace(choice, dp_shard=degrees.dp_shard)

@@ -31,6 +31,18 @@ the degrees. The formulas, per pipeline unit ``u`` with ``P_u`` parameter bytes,
   those of the next unit (prefetch) and, in the backward, its unsharded gradient before the reduce-scatter:
   ``shard_buffer_bytes``, kept free below the memory cap. Tied parameters (an LLM's embedding and head) are
   counted per unit, as the cost model counts them.
+- **FSDP2 under pipeline stages** (``pp`` > 1; ``parallel.fsdp``, "Under pipeline parallelism", the pattern of
+  ``torch.distributed.pipelining`` and torchtitan): a rank all-gathers its stage's trainable units once at the
+  start of the step and keeps them whole through it, the microbatches' gradients accumulate whole, and each stage's
+  gradients are reduce-scattered once after its last backward. So within a step a rank holds the stage's
+  parameters and gradients whole and only the optimizer state (with the fp32 master copy) is divided:
+  ``pipelined_shard_costs`` keeps ``param_bytes`` whole (TP and AC applied, no per-microbatch all-gather) and
+  ``pipelined_optimizer`` divides ``state_bytes_per_param`` by ``dp_shard``. The step's communication, an all-gather
+  of the parameters plus a reduce-scatter of the gradients over ``dp_shard`` (then the all-reduce of the shards over
+  the ``r`` replicas), moves ``2 (s - 1) / s + 2 (r - 1) / (r s) = 2 (rs - 1) / (rs)`` times the gradient bytes:
+  exactly the ring all-reduce over the ``rs`` data-parallel ranks the search charges with ``dp_shard = 1`` (its
+  ``2 (rs - 1)`` latencies bound the ``2 (s - 1) + 2 (r - 1)`` of the sharded collectives); the optimizer step
+  updates one shard (``pipelined_overheads``).
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plait.planner.cost_model import OptimizerSpec, dtype_bytes, unit_activation_bytes, unit_static_bytes
+from plait.planner.overheads import ActionOverheads
 from plait.planner.recompute import CHECKPOINT_POLICIES, checkpointed_costs, plan_checkpointing
 from plait.planner.serialize import JsonDataclass
 from plait.planner.simulator import P2PModel
@@ -52,6 +65,9 @@ __all__ = [
     "ParallelDegrees",
     "RankMemory",
     "gather_s",
+    "pipelined_optimizer",
+    "pipelined_overheads",
+    "pipelined_shard_costs",
     "rank_memory",
     "shard_buffer_bytes",
     "shard_costs",
@@ -169,6 +185,35 @@ def shard_costs(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: Paral
     return [_shard_cost(u, c, degrees.dp_shard, shard_link) for u, c in zip(units, out)]
 
 
+def pipelined_shard_costs(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees, *,
+                          tp_link: P2PModel | None = None,
+                          checkpoint_overrides: dict[str, str] | None = None) -> list[UnitCost]:
+    """Per-rank costs of ``units`` under ``degrees`` in a plan with pipeline stages (module docstring, "FSDP2 under
+    pipeline stages"): TP and AC as :func:`shard_costs`; FSDP2 leaves each unit's time and ``param_bytes`` whole (the
+    stage's parameters are gathered once per step, not per microbatch). Search them with
+    :func:`pipelined_optimizer`, :func:`pipelined_overheads` and ``dp_shard = 1`` (the step's gather and
+    reduce-scatter move the bytes of the DP all-reduce).
+
+    Raises:
+        ValueError: as :func:`shard_costs`.
+    """
+    whole = dataclasses.replace(degrees, dp_shard=1)
+    return shard_costs(units, costs, whole, tp_link=tp_link, checkpoint_overrides=checkpoint_overrides)
+
+
+def pipelined_optimizer(optimizer: OptimizerSpec, dp_shard: int) -> OptimizerSpec:
+    """``optimizer`` with its state (AdamW moments and fp32 master copy) divided over ``dp_shard`` ranks: with
+    :func:`pipelined_shard_costs`, ``cost_model.unit_static_bytes`` is then what a rank holds under FSDP2 with
+    pipeline stages (whole parameters and gradients, a shard of the state)."""
+    return OptimizerSpec(optimizer.grad_bytes_per_param, optimizer.state_bytes_per_param / dp_shard)
+
+
+def pipelined_overheads(overheads: ActionOverheads, dp_shard: int) -> ActionOverheads:
+    """``overheads`` with the optimizer step over one shard of the parameters (``optimizer_s_per_byte / dp_shard``,
+    charged on the whole bytes of :func:`pipelined_shard_costs`)."""
+    return dataclasses.replace(overheads, optimizer_s_per_byte=overheads.optimizer_s_per_byte / dp_shard)
+
+
 def shard_buffer_bytes(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees,
                        dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec()) -> float:
     """Bytes FSDP2 holds unsharded at its peak (module docstring): the largest unsharded parameters of two trainable
@@ -215,20 +260,32 @@ class RankMemory(JsonDataclass):
 
 def rank_memory(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees = ParallelDegrees(), *,
                 in_flight: float = 1, dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec(),
-                checkpoint_overrides: dict[str, str] | None = None) -> RankMemory:
+                checkpoint_overrides: dict[str, str] | None = None, pipelined: bool = False) -> RankMemory:
     """Per-rank memory of a stage holding ``units`` under ``degrees``, split by kind (``RankMemory``): the same
-    ``cost_model.unit_static_bytes`` / ``unit_activation_bytes`` the search charges, on ``shard_costs``.
+    ``cost_model.unit_static_bytes`` / ``unit_activation_bytes`` the search charges, on ``shard_costs`` (with
+    ``pipelined``, a stage of a plan with pipeline stages: :func:`pipelined_shard_costs` and
+    :func:`pipelined_optimizer`, no separate buffer).
 
     Raises:
         ValueError: on mismatched lengths or a negative ``in_flight``.
     """
     if in_flight < 0:
         raise ValueError(f"in_flight must be >= 0, got {in_flight}")
+    if pipelined and degrees.dp_shard > 1:
+        per_rank = pipelined_shard_costs(units, costs, degrees, checkpoint_overrides=checkpoint_overrides)
+        memory = _memory(units, per_rank, in_flight, dtype, pipelined_optimizer(optimizer, degrees.dp_shard))
+        return dataclasses.replace(memory, buffer=0.0)
     per_rank = shard_costs(units, costs, degrees, checkpoint_overrides=checkpoint_overrides)
+    memory = _memory(units, per_rank, in_flight, dtype, optimizer)
+    return dataclasses.replace(memory, buffer=shard_buffer_bytes(units, costs, degrees, dtype, optimizer))
+
+
+def _memory(units: Sequence[Unit], per_rank: Sequence[UnitCost], in_flight: float, dtype: Any,
+            optimizer: OptimizerSpec) -> RankMemory:
+    """``RankMemory`` of per-rank costs, without a buffer."""
     params = float(sum(c.param_bytes for c in per_rank))
     no_state = OptimizerSpec(grad_bytes_per_param=optimizer.grad_bytes_per_param, state_bytes_per_param=0.0)
     static = sum(unit_static_bytes(u, c, dtype, optimizer) for u, c in zip(units, per_rank))
     with_grads = sum(unit_static_bytes(u, c, dtype, no_state) for u, c in zip(units, per_rank))
     acts = sum(unit_activation_bytes(u, c) for u, c in zip(units, per_rank))
-    return RankMemory(params, with_grads - params, static - with_grads, in_flight * acts,
-                      shard_buffer_bytes(units, costs, degrees, dtype, optimizer))
+    return RankMemory(params, with_grads - params, static - with_grads, in_flight * acts, 0.0)
