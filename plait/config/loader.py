@@ -194,9 +194,6 @@ def validate(cfg: JobConfig) -> None:
     _check(cfg.parallel.cp >= 1 and cfg.parallel.dp >= 0, "parallel.cp must be >= 1 and parallel.dp >= 0")
     _check(cfg.parallel.dp_shard >= 1, f"parallel.dp_shard must be >= 1 (1: no sharding), got {cfg.parallel.dp_shard}")
     _check(cfg.parallel.tp >= 1, f"parallel.tp must be >= 1 (1: no tensor parallelism), got {cfg.parallel.tp}")
-    _check(cfg.parallel.dp_shard == 1 or cfg.parallel.pp.degree == 1,
-           f"parallel.dp_shard={cfg.parallel.dp_shard} with parallel.pp.degree={cfg.parallel.pp.degree}: FSDP2 "
-           "under pipeline parallelism is not supported yet; use parallel.dp for the replicas of a pipeline")
     _check(cfg.parallel.cp_distribution in ("uniform", "zigzag", "lpt", "ilp"),
            f"parallel.cp_distribution must be uniform, zigzag, lpt or ilp, got {cfg.parallel.cp_distribution!r}")
     _check(cfg.parallel.plan in ("manual", "auto"),

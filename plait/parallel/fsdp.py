@@ -22,14 +22,28 @@ What is plait's own here, the rest is PyTorch's:
 - **Mixed precision** on GPU: bf16 parameters for compute, fp32 gradient reduction and fp32 master weights
   (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``); fp32 throughout on CPU.
 
-Every rank must run the same sequence of forwards and backwards through the sharded groups (their all-gathers
-and reduce-scatters are collectives): :mod:`plait.train.sharded_step` makes the trainer's step uniform.
+Without pipeline stages every rank must run the same sequence of forwards and backwards through the sharded
+groups (their all-gathers and reduce-scatters are collectives): :mod:`plait.train.step_run` makes the trainer's
+step uniform.
+
+**Under pipeline parallelism** (each rank shards only its own stages' units over the ``dp_shard`` ranks of its
+stage) a step runs the schedule's F/B/W actions, whose count and content differ between the shard ranks (a share
+without an image, deferred encoder backwards, empty LLM microbatches). So FSDP2 runs no collective inside them:
+:meth:`ShardedModel.begin_step` all-gathers every group of the rank once at the start of the step (in the same
+order on every shard rank) and keeps the parameters unsharded through it (``reshard_after_forward`` and
+``reshard_after_backward`` off, gradient sync off: the microbatches' gradients accumulate unsharded), and
+:meth:`ShardedModel.reduce_gradients` reduce-scatters a stage's groups once, right after the stage's last backward
+action of the step (the same point of the same schedule on every shard rank), then reshards them. A parameter that
+got no gradient on a rank (its share had no image) contributes zeros (``set_reduce_scatter_unused_params``). This
+is the pattern of ``torch.distributed.pipelining``'s ``REDUCE_GRAD`` action and of torchtitan's
+``reshard_after_forward = not pp_enabled``: between steps parameters, gradients and optimizer state are sharded;
+within a step the stage's parameters and gradients are whole (``planner.sharding`` charges this).
 Source: PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``), torchtitan's per-block wrapping.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,18 +63,68 @@ class ShardedModel:
 
     Attributes:
         groups: per module, the ``FSDPModule`` groups holding its trainable units (adapter groups first).
-        names: per group (same order as :meth:`all_groups`), the unit name it was built for.
+        names: per group (same order as :meth:`all_groups`), the unit name it was built for (`` (adapter)`` added
+            for an adapter group).
         replicated: trainable parameters left outside FSDP2 (tied across units): their gradients are summed over
             the data-parallel and CP ranks by ``sum_local_gradients``.
+        units: per group (same order), the unit name alone.
     """
 
     groups: dict[str, list[FSDPModule]] = field(default_factory=dict)
     names: list[str] = field(default_factory=list)
     replicated: list[nn.Parameter] = field(default_factory=list)
+    units: list[str] = field(default_factory=list)
 
     def all_groups(self) -> list[FSDPModule]:
         """Every group, module by module."""
         return [g for groups in self.groups.values() for g in groups]
+
+    def groups_of(self, units: Collection[str]) -> list[FSDPModule]:
+        """The groups built for the units named ``units`` (a pipeline stage's), in :meth:`all_groups` order."""
+        return [g for g, unit in zip(self.all_groups(), self.units) if unit in units]
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every parameter FSDP2 shards (each once; the sharded DTensors between steps)."""
+        seen: dict[int, nn.Parameter] = {}
+        for g in self.all_groups():
+            seen.update((id(p), p) for p in g.parameters())  # type: ignore[attr-defined]
+        return list(seen.values())
+
+    def begin_step(self) -> None:
+        """Pipeline step start (module docstring): every group all-gathered once (collective over each group's
+        shard ranks, in :meth:`all_groups` order) and kept unsharded through the step; its gradients accumulate
+        unsharded until :meth:`reduce_gradients`."""
+        for g in self._roots():
+            _state(g)  # resolve the roots before any forward (a group may run none this step on this rank)
+        for g in self.all_groups():
+            g.set_reshard_after_forward(False, recurse=False)
+            g.set_reshard_after_backward(False, recurse=False)
+            g.set_requires_gradient_sync(False, recurse=False)
+            g.set_reduce_scatter_unused_params(True, recurse=False)
+            g.set_is_last_backward(False)
+        for g in self.all_groups():
+            g.unshard()
+
+    def reduce_gradients(self, groups: Sequence[FSDPModule]) -> None:
+        """Reduce-scatter (HSDP: then all-reduce over the replicas) the gradients ``groups`` accumulated since
+        :meth:`begin_step`, once, and reshard their parameters: each parameter's ``.grad`` becomes its summed
+        shard. Collective over each group's shard ranks, which call it with the same groups in the same order (a
+        parameter without a gradient on this rank sends zeros). FSDP2 has no public call for a reduction outside
+        autograd; this is the call ``torch.distributed.pipelining``'s ``perform_reduce_grad`` makes."""
+        for g in groups:
+            g.set_requires_gradient_sync(True, recurse=False)
+            g.set_reshard_after_backward(True, recurse=False)
+            g.set_is_last_backward(True)
+            for param_group in _state(g)._fsdp_param_groups:
+                param_group.post_backward()
+        roots = {id(g) for g in self._roots()}
+        for g in groups:
+            if id(g) in roots:
+                _state(g)._root_post_backward_final_callback()  # waits for the reductions, finalizes the grads
+
+    def _roots(self) -> list[FSDPModule]:
+        """The unit groups (an adapter group sits inside its unit's group, whose FSDP2 state is its root)."""
+        return [g for g, name in zip(self.all_groups(), self.names) if not name.endswith("(adapter)")]
 
     def sharded(self, module: str) -> bool:
         """Whether ``module`` (``"llm"`` or a branch) has a sharded group (then every rank must run it)."""
@@ -80,7 +144,8 @@ def mixed_precision(device_type: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_type: str) -> ShardedModel:
+def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_type: str,
+               replicate: Collection[nn.Parameter] = ()) -> ShardedModel:
     """Shard, in place, the trainable units of ``model`` over ``mesh`` (module docstring for the rules).
 
     Args:
@@ -91,6 +156,8 @@ def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_ty
         mesh: a 1-D ``("dp_shard",)`` DeviceMesh (FSDP) or 2-D ``("dp", "dp_shard")`` (HSDP: replicate over
             ``dp``, shard over ``dp_shard``).
         device_type: ``"cuda"`` (bf16 mixed precision) or ``"cpu"``.
+        replicate: parameters to keep replicated besides those tied between two units of ``model`` (a pipeline
+            rank's embedding tied to the head on another rank: ``RankStages.tied``).
 
     Returns:
         The groups made, by module.
@@ -99,7 +166,7 @@ def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_ty
     policy = mixed_precision(device_type)
     units = [(s.unit.module, s.unit.name, [m for m in map(lambda p: _held(model, p), s.modules) if m is not None])
              for s in specs]
-    tied = _tied(units)
+    tied = _tied(units) | {id(p) for p in replicate}
     seen: set[int] = set()
     for module, unit, modules in units:
         for m in modules:
@@ -115,8 +182,10 @@ def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_ty
                 for island in _trainable_islands(m):
                     groups.append(_shard(island, mesh, policy))
                     out.names.append(f"{unit} (adapter)")
+                    out.units.append(unit)
             groups.append(_shard(m, mesh, policy))
             out.names.append(unit)
+            out.units.append(unit)
     return out
 
 
@@ -126,6 +195,14 @@ def _shard(modules: nn.Module | list[nn.Module], mesh: Any, policy: MixedPrecisi
     group.set_gradient_divide_factor(1.0)
     group.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM; the factor is 1)
     return group
+
+
+def _state(group: FSDPModule) -> Any:
+    """The FSDP2 state of ``group``, lazily initialised (what its first forward would do: a unit group becomes
+    the root of its adapter groups)."""
+    state = group._get_fsdp_state()
+    state._lazy_init()
+    return state
 
 
 def _tied(units: Sequence[tuple[str, str, list[nn.Module]]]) -> set[int]:

@@ -6,7 +6,11 @@ consecutive ranks. With ``parallel.cp`` > 1 every stage is replicated
 over its CP group: encoder stages run whole on each CP rank, the LLM stages only on the CP rank's tokens (the
 same ``plan_tokens`` assignment as the non-pipeline trainer, computed on every rank from the mask metadata),
 each pipeline (one CP index) passing only those tokens' hidden states, and gradients are summed over the
-DP x CP copies of each stage. The plan (:func:`build_pipeline_plan`) is ``plan_pipeline(model_units(model),
+DP x CP copies of each stage. With ``parallel.dp_shard`` > 1 (FSDP2, HSDP when ``parallel.dp`` > 1 too) every
+shard rank runs its own pipeline on its own share of the batch, and each rank shards only its own stages'
+trainable units over the ``dp x dp_shard`` ranks of its stage (:func:`plait.parallel.fsdp.apply_fsdp`; an
+embedding tied to the head on another pipeline rank stays replicated): gathered once per step, reduced once after
+each stage's last backward action (:mod:`plait.parallel.fsdp`, "Under pipeline parallelism"). The plan (:func:`build_pipeline_plan`) is ``plan_pipeline(model_units(model),
 parallel.pp.layout, ...)`` with the even counts, explicit ``parallel.pp.splits`` and stage ranks of
 :func:`plait.config.loader.pipeline_plan_kwargs`: stage ``i`` on pipeline rank ``i`` by default; with
 ``parallel.pp.virtual_stages = v`` > 1 the LLM's ``v p`` stages cyclic over its ``p`` ranks (interleaved 1F1B,
@@ -65,10 +69,11 @@ from plait.data.collate import Batch
 from plait.models.generation import stop_token_ids
 from plait.models.multimodal import MultimodalModel
 from plait.models.init import materialize, rank_prefixes, weight_source
-from plait.models.units import model_units
+from plait.models.units import model_units, unit_specs
 from plait.parallel.checkpointing import apply_activation_checkpointing, checkpoint_policy
 from plait.parallel.dims import ParallelDims
 from plait.parallel.energy import build_energy_runtime
+from plait.parallel.fsdp import ShardedModel, apply_fsdp
 from plait.parallel.pipeline import (
     build_pipeline_comm,
     clip_grad_norm_pipeline,
@@ -132,20 +137,18 @@ class PipelineTrainer(Trainer):
         """The DP x PP x CP layout of ``cfg`` on ``world_size`` processes.
 
         Raises:
-            ValueError: when the degrees do not fit the world size (:meth:`ParallelDims.from_world`), or with
-                ``parallel.dp_shard`` > 1 (not supported under pipeline parallelism yet).
+            ValueError: when the degrees do not fit the world size (:meth:`ParallelDims.from_world`).
         """
         par = cfg.parallel
-        if par.dp_shard > 1:  # also reached by parallel.plan = "auto" (the loader refuses a written one)
-            raise ValueError(f"parallel.dp_shard={par.dp_shard} with parallel.pp.degree={par.pp.degree}: FSDP2 under "
-                             "pipeline parallelism is not supported yet; use parallel.dp for the replicas of a pipeline")
         return ParallelDims.from_world(world_size, par.pp.degree, par.cp, par.dp, par.dp_shard, par.tp)
 
     def _setup_mesh(self) -> None:
         self.dims = PipelineTrainer.layout(self.cfg, self.info.world_size)
         self.comm = build_pipeline_comm(self.dims.pp, self.info.device, self.dims.cp, self.dims.dp, self.dims.dp_shard,
                                         self.dims.tp)
-        self.dp, self.pp, self.cp, self.mesh = self.dims.dp, self.dims.pp, self.dims.cp, None
+        self.dp, self.pp, self.cp, self.mesh = self.dims.batch, self.dims.pp, self.dims.cp, None  # DP: pipelines
+        if self.dims.dp_shard * self.dims.tp > 1:  # FSDP2 and TP meshes are slices of the job's named mesh
+            self.mesh = self.dims.build_mesh(self.info.device.type)
         self.dp_rank, self.pp_rank, self.cp_rank = self.comm.dp_rank, self.comm.pp_rank, self.comm.cp_rank
         self.cp_group = self.comm.cp_group
 
@@ -158,9 +161,14 @@ class PipelineTrainer(Trainer):
         materialize(self.model, self.info.device, self.cfg.train.seed, keep=rank_prefixes(self.model, units),
                     source=weight_source(self.cfg.model, self.model))  # before pruning: tied copies agree
         apply_activation_checkpointing(self.model, *checkpoint_policy(self.cfg))  # before pruning: whole model
+        specs = unit_specs(self.model)  # of the whole model, before pruning
         self.stages = build_rank_stages(self.model, self.plan, self.pp_rank, self.info.device)
-        self.tp = apply_job_tensor_parallel(self.model, self.dims, None, self.info.rank, self.info.device.type)
-        self.sharded = None  # FSDP2 under PP is refused (layout())
+        self.tp = apply_job_tensor_parallel(self.model, self.dims, self.mesh, self.info.rank, self.info.device.type)
+        self.sharded: ShardedModel | None = None
+        if self.dims.dp_shard > 1:  # FSDP2 over this stage's dp x dp_shard ranks (HSDP when dp > 1)
+            mesh = self.mesh["dp", "dp_shard"] if self.dims.dp > 1 else self.mesh["dp_shard"]
+            tied = [self.stages.tied.param] if self.stages.tied is not None else []  # summed with the peer rank
+            self.sharded = apply_fsdp(self.model, specs, mesh, self.info.device.type, replicate=tied)
         self.ddp_model = self.model  # pruned in place; no wrapper (the runtime reduces over DP)
         self.optimizer = None
         if self.stages.trainable_parameters():
@@ -244,7 +252,8 @@ class PipelineTrainer(Trainer):
                                 loss_fn=loss_fn, autocast=self.autocast, llm_kwargs=kwargs,
                                 routing=step.routing if routed else None,
                                 encoder_batches=step.encoder_batches if routed else None,
-                                frequency=self.energy.controller if self.energy is not None else None)
+                                frequency=self.energy.controller if self.energy is not None else None,
+                                sharded=self.sharded)
         self.last_events = res.events
         if self.energy is not None:
             self.energy.after_step(res.events)  # straggler reaction (collective)

@@ -23,15 +23,15 @@ WORKER = ROOT / "tests" / "distributed" / "fsdp_worker.py"
 LIMIT_S = 240
 
 
-def run(cfg: dict, tmp_path, name: str, nproc: int, **extra) -> dict:
-    """Train ``cfg`` on ``nproc`` processes (the worker) into run folder ``run_<name>``; returns what rank 0
+def run(cfg: dict, tmp_path, name: str, nproc: int, worker=WORKER, **extra) -> dict:
+    """Train ``cfg`` on ``nproc`` processes (``worker``) into run folder ``run_<name>``; returns what rank 0
     wrote."""
     cfg = json.loads(json.dumps(cfg)) | extra
     cfg["metrics"]["run_dir"] = str(tmp_path / f"run_{name}")
     cfg_path = tmp_path / f"{name}.json"
     cfg_path.write_text(json.dumps(cfg))
     out = tmp_path / f"{name}.pt"
-    cmd = [sys.executable, str(WORKER), str(cfg_path), str(out)]
+    cmd = [sys.executable, str(worker), str(cfg_path), str(out)]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={free_port()}", "--master_addr=127.0.0.1", *cmd[1:]]

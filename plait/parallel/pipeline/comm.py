@@ -43,14 +43,16 @@ class PipelineComm:
 
     Rank layout: :class:`~plait.parallel.dims.ParallelDims` (the CP axis innermost, then the pipeline axis). A
     pipeline is the ``pp`` ranks with one ``(dp_rank, cp_rank)``: its P2P messages carry the hidden states of that
-    CP rank's tokens only.
+    CP rank's tokens only. With FSDP2 (``dp_shard`` > 1) every shard rank has its own pipeline and share of the
+    batch: the DP axis here is the batch axis ``dp x dp_shard`` (``ParallelDims.batch``).
 
     Attributes:
         pp_rank: coordinate on the pipeline axis (the plan's rank numbering).
         pp_ranks: global rank of every pipeline rank of this process's pipeline (same ``dp_rank``/``cp_rank``).
-        dp_rank: index of this pipeline's model replica among the DP replicas.
-        dp_size: number of DP replicas.
-        dp_group: process group of the ranks with this ``pp_rank`` and ``cp_rank`` in every DP replica (None when
+        dp_rank: index of this pipeline's share of the batch among the DP x FSDP2 pipelines
+            (``ParallelDims.batch_rank``).
+        dp_size: number of such pipelines (``dp x dp_shard``).
+        dp_group: process group of the ranks with this ``pp_rank`` and ``cp_rank`` in every pipeline (None when
             ``dp_size == 1``).
         device: device of this rank's stages (P2P buffers live there: CPU for gloo, CUDA for NCCL).
         cp_rank: index of this rank in its stage's CP group.
@@ -114,16 +116,16 @@ def build_pipeline_comm(pp_size: int, device: torch.device | str = "cpu", cp_siz
     rank = dist.get_rank() if dist.is_initialized() else 0
     dims = ParallelDims.from_world(world, pp_size, cp_size, dp_size, dp_shard, tp)
     at = dims.coords(rank)
-    dp_group = dims.new_group(("dp",), rank, dims.dp > 1)
+    dp_group = dims.new_group(("dp", "dp_shard"), rank, dims.batch > 1)
     cp_group = dims.new_group(("cp",), rank, dims.cp > 1)
     grad_group = dp_group
     if dims.cp > 1:
-        grad_group = dims.new_group(("dp", "cp"), rank, dims.dp > 1)
+        grad_group = dims.new_group(("dp", "dp_shard", "cp"), rank, dims.batch > 1)
         grad_group = cp_group if grad_group is None else grad_group  # dp = 1: the CP group holds every copy
     if dist.is_initialized():
         dist.barrier()  # NCCL: the default communicator exists before the first batched P2P call
-    return PipelineComm(at.pp, dims.pipeline_ranks(rank), at.dp, dims.dp, dp_group, torch.device(device), at.cp,
-                        dims.cp, cp_group, grad_group, tp_rank=at.tp, tp_size=dims.tp)
+    return PipelineComm(at.pp, dims.pipeline_ranks(rank), dims.batch_rank(rank), dims.batch, dp_group,
+                        torch.device(device), at.cp, dims.cp, cp_group, grad_group, tp_rank=at.tp, tp_size=dims.tp)
 
 
 def pipeline_comm_from_mesh(mesh: Any, device: torch.device | str = "cpu") -> PipelineComm:

@@ -23,6 +23,10 @@ features as a fresh leaf. Its ``B(j)`` sends the gradient of exactly those featu
 piece through the graph of the encoder microbatch that produced it (retaining a graph while a later LLM
 microbatch still has gradients for it), and send upstream, per such encoder microbatch, the partial input
 gradients. By linearity the pieces sum to one fused backward.
+
+Under FSDP2 (``StepInputs.sharded``) the actions run no collective of FSDP2's (the stage's parameters are gathered
+before the step); right after each stage's last backward action the executor reduces that stage's gradients
+(``ShardedModel.reduce_gradients``), at the same action on every shard rank.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch
 from plait.data.collate import Batch
 from plait.parallel.deferral import FeatureBuffer, split_feature_grad
 from plait.parallel.energy import FrequencyController
+from plait.parallel.fsdp import ShardedModel
 from plait.parallel.pipeline.comm import PipelineComm
 from plait.parallel.pipeline.transport import MessageKey, Transport
 from plait.parallel.stages import Payload, PipelineStage, RankStages
@@ -67,6 +72,8 @@ class StepInputs:
         encoder_batches: with ``routing``, per microbatch the batch the encoder stages run (None: no sample).
         frequency: sets (on GPU) or records (on CPU) each action's SM frequency before it runs, from an energy
             plan (:mod:`plait.parallel.energy`); the frequency goes into the action's timeline event. None: none.
+        sharded: this rank's FSDP2 groups (``parallel.dp_shard`` > 1), unsharded by ``ShardedModel.begin_step``:
+            each stage's groups are reduced right after its last backward action (:mod:`plait.parallel.fsdp`).
     """
 
     microbatches: Sequence[Batch | None]
@@ -78,6 +85,7 @@ class StepInputs:
     routing: FeatureRouting | None = None
     encoder_batches: Sequence[Batch | None] = ()
     frequency: FrequencyController | None = None
+    sharded: ShardedModel | None = None
 
 
 @dataclass
@@ -110,8 +118,11 @@ class Executor:
         self.mhz = 0  # the SM frequency set before the current action (0: no energy plan)
 
     def run(self) -> None:
-        """Every action of this rank, in schedule order; then wait for the sends."""
-        for action in self.schedule.actions[self.comm.pp_rank]:
+        """Every action of this rank, in schedule order (under FSDP2 each stage's gradients reduced after its last
+        backward action, :meth:`_reduce_sharded`); then wait for the sends."""
+        actions = self.schedule.actions[self.comm.pp_rank]
+        last = {a.stage: k for k, a in enumerate(actions) if a.kind != "F"}  # each stage's last backward action
+        for k, action in enumerate(actions):
             if self.inputs.frequency is not None:
                 self.mhz = self.inputs.frequency.before(action.kind, action.stage, action.microbatch)
             if action.kind == "F":
@@ -120,8 +131,22 @@ class Executor:
                 self._backward_routed(action)
             else:
                 self._backward(action)
+            if last.get(action.stage) == k:
+                self._reduce_sharded(action.stage)
+        for s in sorted(set(self.stages.stages) - set(last)):  # a stage without backward actions
+            self._reduce_sharded(s)
         if self.transport is not None:
             self.transport.finish()
+
+    def _reduce_sharded(self, s: int) -> None:
+        """Under FSDP2, reduce stage ``s``'s gradients of the step (``ShardedModel.reduce_gradients``: a collective
+        over its shard ranks, which run the same schedule, so they reach it at the same action)."""
+        sharded = self.inputs.sharded
+        if sharded is None or self.forward_only:
+            return
+        groups = sharded.groups_of(set(self.plan.stages[s].units))
+        if groups:
+            sharded.reduce_gradients(groups)
 
     def _routed(self, s: int) -> bool:
         """An encoder stage under a routing: its microbatch ``i`` is the encoder view's."""

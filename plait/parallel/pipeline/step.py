@@ -14,6 +14,12 @@ parameter gradients are partial per CP rank and are summed over the DP x CP copi
 stage holds the loss of its tokens; the world sum of the losses is the global one. The CP ranks of a stage run the
 same actions in the same order, so the K/V all-gathers (forward) and reduce-scatters (backward, in ``B`` and again
 in ``W``) inside the LLM stages match up.
+
+FSDP2 (``parallel.dp_shard``, :mod:`plait.parallel.fsdp`): every shard rank runs its own pipeline on its own share of
+the batch; its stages' trainable units are gathered once at the start of the step, each stage's gradients are
+reduce-scattered (HSDP: then all-reduced over the replicas) once, right after the stage's last backward action of
+the schedule (the executor), summed over CP as local shards; tied copies and other replicated parameters are summed
+over the DP x shard x CP copies as without sharding.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch.distributed as dist
 
 from plait.data.collate import Batch
 from plait.parallel.energy import FrequencyController
+from plait.parallel.fsdp import ShardedModel
 from plait.parallel.pipeline.comm import PipelineComm
 from plait.parallel.pipeline.executor import Executor, StepInputs
 from plait.parallel.stages import RankStages
@@ -79,6 +86,7 @@ def run_pipeline_step(
     routing: FeatureRouting | None = None,
     encoder_batches: Sequence[Batch | None] | None = None,
     frequency: FrequencyController | None = None,
+    sharded: ShardedModel | None = None,
 ) -> PipelineStepResult:
     """Forward and backward of this pipeline's ``M`` microbatches of a global batch, then gradient reduction.
 
@@ -114,6 +122,10 @@ def run_pipeline_step(
         encoder_batches: with ``routing``, per microbatch the batch of the encoder view (None: no sample).
         frequency: this rank's frequency controller (``[energy] plan``, :mod:`plait.parallel.energy`), called
             before each action; the frequency goes into each event's ``frequency_mhz``. None: no energy plan.
+        sharded: this rank's FSDP2 groups (``parallel.dp_shard`` > 1; :func:`plait.parallel.fsdp.apply_fsdp` over
+            the ``dp`` x ``dp_shard`` ranks of each stage): gathered once at the start of the step, each stage's
+            gradients reduce-scattered once after its last backward action (:mod:`plait.parallel.fsdp`), then
+            summed over the CP ranks; the replicated (tied) parameters summed over the DP x CP copies.
 
     Returns:
         :class:`PipelineStepResult` (loss the same on every rank).
@@ -132,11 +144,17 @@ def run_pipeline_step(
     if len(kwargs) != len(microbatches):
         raise ValueError(f"llm_kwargs has {len(kwargs)} entries for {len(microbatches)} microbatches")
     inputs = StepInputs(microbatches, kwargs, 1.0 / max(1, global_targets), loss_fn, autocast, instrument, routing,
-                        tuple(encoder_batches or ()), frequency)
+                        tuple(encoder_batches or ()), frequency, sharded)
     executor = Executor(stages, schedule, comm, inputs)
+    if sharded is not None:
+        sharded.begin_step()
     executor.run()
-    params = [p for _, p in stages.trainable_parameters()]
-    _reduce_dp(params, comm)
+    if sharded is None:
+        _reduce_dp([p for _, p in stages.trainable_parameters()], comm)
+    else:  # FSDP2 reduced its groups over dp x dp_shard; CP ranks hold partial sums of the same shards
+        _reduce_dp(sharded.replicated, comm)
+        if comm.cp_size > 1:
+            sum_local_gradients(sharded.parameters(), comm.cp_group, comm.device)
     if comm.distributed:
         _sum_tied(stages, comm)
     loss_sum = torch.zeros((), dtype=torch.float64, device=comm.device)

@@ -20,9 +20,8 @@ def test_overrides_set_dp_shard_and_tp_and_the_layout_follows():
     assert (default.parallel.dp_shard, default.parallel.tp) == (1, 1)
     pp = load_config(ROOT / "configs" / "demo_pp.toml", ["--parallel.tp=2"])
     assert PipelineTrainer.layout(pp, 16) == ParallelDims(dp=2, pp=4, cp=1, tp=2)
-    with pytest.raises(ValueError, match="parallel.dp_shard=2 with parallel.pp.degree=4: FSDP2 under pipeline "
-                                         "parallelism is not supported yet; use parallel.dp"):
-        load_config(ROOT / "configs" / "demo_pp.toml", ["--parallel.dp_shard=2"])
+    sharded = load_config(ROOT / "configs" / "demo_pp.toml", ["--parallel.dp_shard=2"])  # FSDP2 per stage
+    assert PipelineTrainer.layout(sharded, 16) == ParallelDims(dp=2, pp=4, cp=1, dp_shard=2)
 
 
 @pytest.mark.parametrize("field,value,message", [
