@@ -20,17 +20,20 @@ def frame_array(index: int, width: int, height: int) -> np.ndarray:
     return arr
 
 
-def write_video(path: Path, frames: int, width: int = 32, height: int = 24, rate: int = 4) -> Path:
+def write_video(path: Path, frames: int, width: int = 32, height: int = 24, rate: int = 4, codec: str | None = None,
+                gop: int | None = None) -> Path:
     """Write a video of ``frames`` frames (:func:`frame_array`) at ``rate`` frames per second; the container and
     codec follow the extension (``.mp4``: MPEG-4 part 2, whose header counts the frames; ``.mkv``: FFV1 in
-    Matroska and ``.webm``: VP8, whose headers give only the duration). ``frames = 0`` writes a stream without
-    frames."""
+    Matroska and ``.webm``: VP8, whose headers give only the duration) unless ``codec`` names another
+    (``"libx264"``); ``gop``: frames between keyframes. ``frames = 0`` writes a stream without frames."""
     import av
 
-    fmt, codec = _FORMATS[path.suffix]
+    fmt, default = _FORMATS[path.suffix]
     with av.open(str(path), "w", format=fmt) as container:
-        stream = container.add_stream(codec, rate=rate)
+        stream = container.add_stream(codec or default, rate=rate)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if gop is not None:
+            stream.gop_size = gop
         container.start_encoding()  # the header, even without frames
         for i in range(frames):
             frame = av.VideoFrame.from_ndarray(frame_array(i, width, height), format="rgb24")

@@ -28,7 +28,7 @@ from PIL import Image
 from plait.data.sources import SampleError, path_note
 
 __all__ = ["VideoHeader", "VideoEncoding", "VideoSpec", "read_video_header", "sample_indices",
-           "load_video"]
+           "load_video", "SEEK_GAP_S"]
 
 
 @dataclass(frozen=True)
@@ -201,17 +201,41 @@ def load_video(item: str | bytes, spec: VideoSpec) -> list[Image.Image]:
         raise SampleError(f"cannot decode video {item}: {_reason(exc)}") from exc
 
 
+SEEK_GAP_S = 2.0
+"""Seconds of video between the last decoded frame and the next sampled one beyond which decoding seeks (to the
+keyframe at or before the sampled frame) instead of decoding every frame in between."""
+
+
 def _decode(container: Any, wanted: list[int], header: VideoHeader, item: Any) -> list[Image.Image]:
-    """The frames at ``wanted`` (sorted indices) of the first video stream, decoding from the start."""
-    keep, out = set(wanted), []
-    index = -1
-    for index, frame in enumerate(container.decode(video=0)):
-        if index in keep:
-            out.append(frame.to_image().convert("RGB"))
-            if len(out) == len(wanted):
-                return out
-    raise SampleError(f"cannot decode video {item}: the stream ends after {index + 1} frame(s) but its header says "
-                      f"{header.frames} (frame {wanted[len(out)]} is sampled); the file is truncated or corrupt")
+    """The frames at ``wanted`` (sorted indices) of the first video stream, in order. Frame ``i`` is the one whose
+    timestamp is ``i / rate`` after the stream's start (the ``i``-th decoded frame where frames carry none); where
+    the next sampled frame lies more than :data:`SEEK_GAP_S` past the last decoded one, decoding seeks to the
+    keyframe before it."""
+    stream = container.streams.video[0]
+    timed = stream.time_base is not None
+    start = stream.start_time  # None: the first frame's timestamp (the first sampled frame is frame 0)
+    per_frame = 1 / (header.rate * Fraction(stream.time_base)) if timed else Fraction(1)  # timestamp units a frame
+    gap = SEEK_GAP_S * float(header.rate)  # frames
+    frames, out, index = container.decode(stream), [], -1
+    for target in wanted:
+        if timed and start is not None and target - index > gap:
+            _seek(container, stream, start + int(target * per_frame))
+            frames = container.decode(stream)
+        for frame in frames:
+            start = frame.pts if start is None else start
+            index = round((frame.pts - start) / per_frame) if timed and frame.pts is not None else index + 1
+            if index >= target:
+                out.append(frame.to_image().convert("RGB"))
+                break
+        else:
+            raise SampleError(f"cannot decode video {item}: the stream ends after {index + 1} frame(s) but its header "
+                              f"says {header.frames} (frame {target} is sampled); the file is truncated or corrupt")
+    return out
+
+
+def _seek(container: Any, stream: Any, timestamp: int) -> None:
+    """Move ``container`` to the keyframe of ``stream`` at or before ``timestamp`` (in the stream's time base)."""
+    container.seek(timestamp, stream=stream, backward=True, any_frame=False)
 
 
 def _reason(exc: Exception) -> str:

@@ -311,3 +311,23 @@ def test_a_video_feeds_a_siglip2_naflex_branch_frame_by_frame(tmp_path):
         logits = model(batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids)
     assert logits.shape[1] == batch.input_ids.shape[1] and int((batch.input_ids == model.placeholder_ids["vision"])
                                                                 .sum()) == 61
+
+
+@pytest.mark.parametrize("name, codec", [("h264.mp4", "libx264"), ("mpeg4.mp4", None), ("vp8.webm", None),
+                                         ("ffv1.mkv", None)])
+def test_seeking_to_sparse_frames_gives_the_frames_decoding_every_frame_gives(tmp_path, monkeypatch, name, codec):
+    import plait.data.video as video_module
+
+    path = write_video(tmp_path / name, 96, rate=8, codec=codec, gop=8)  # 12 s, a keyframe a second
+    spec = VideoSpec("<video>", 1, 0.25, 32, "f", PerFrame())  # frames 0, 32, 64: 4 s apart (> SEEK_GAP_S)
+    seeks = []
+    seek = video_module._seek
+    monkeypatch.setattr(video_module, "_seek", lambda *a: (seeks.append(a[-1]), seek(*a)))
+    sought = load_video(str(path), spec)
+    assert len(seeks) == 2
+    monkeypatch.setattr(video_module, "SEEK_GAP_S", float("inf"))
+    decoded = load_video(str(path), spec)
+    assert len(seeks) == 2 and len(sought) == len(decoded) == 3
+    for a, b, index in zip(sought, decoded, [0, 32, 64]):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+        assert abs(int(np.asarray(a)[12, 20, 0]) - (20 + 30 * index) % 250) <= 3  # frame `index`'s grey level
