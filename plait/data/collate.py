@@ -104,6 +104,8 @@ def _modality_inputs(samples: Sequence[ProcessedSample]) -> dict[str, dict[str, 
             out[name] = {"pixel_values": [it["pixel_values"] for it in items]}
             if "spatial_shapes" in items[0]:  # SigLIP2 NaFlex: each image's patch grid (h, w)
                 out[name]["spatial_shapes"] = [it["spatial_shapes"] for it in items]
+            if "image_grid_thw" in items[0]:  # Qwen2.5-VL: each image's patch grid (t, h, w)
+                out[name]["image_grid_thw"] = [it["image_grid_thw"] for it in items]
         else:
             out[name] = {
                 "input_features": torch.stack([it["input_features"] for it in items]),
