@@ -294,3 +294,66 @@ def test_meta_build_and_each_ranks_share_equal_the_full_model():
     full = build_model(cfg, tokenizer, seed=SEED)
     assert_same(tensors(full), tensors(eager_reference(cfg, tokenizer)))
     check_ranks(cfg, tokenizer, full, {"vision": 2, "audio": 1, "llm": 1})
+
+
+def _job(tmp_path, records, processor=None, steps=2, **tower) -> dict:
+    from tests.conftest import tiny_config_dict, write_jsonl
+
+    data = write_jsonl(tmp_path / "train.jsonl", records)
+    cfg = tiny_config_dict(str(data), None, str(tmp_path / "run"),
+                           train={"steps": steps, "global_batch_size": 2, "microbatch_size": 1, "threads": 1})
+    branch = dict(BRANCH_CONFIG, config=dict(TINY_QWEN2_5_VL, **tower))
+    branch["processor"] = dict(TINY_PROCESSOR, **(processor or {}))
+    cfg["model"]["encoders"] = {"vision": branch}
+    return cfg
+
+
+def _two_image_records(tmp_path) -> list[dict]:
+    paths = []
+    for i, img in enumerate(tiny_images()):
+        paths.append(str(tmp_path / f"img{i}.png"))
+        img.save(paths[-1])
+    ask = {"role": "user", "content": "<image> <image>\nSame digit?"}
+    return [{"id": f"pair-{k}", "task": "pair", "images": pair, "messages": [ask, {"role": "assistant", "content": a}]}
+            for k, (pair, a) in enumerate([((paths[0], paths[1]), "no"), ((paths[2], paths[0]), "yes")])]
+
+
+def test_tiny_job_with_several_images_of_different_sizes_trains(tmp_path):
+    from plait.config.loader import config_from_dict
+    from plait.data.collate import collate
+    from plait.train.trainer import Trainer
+    from tests.conftest import demo_records
+
+    records = _two_image_records(tmp_path) + demo_records("train", ("image_digit",), limit=2)
+    trainer = Trainer.build(config_from_dict(_job(tmp_path, records, steps=3)))
+    metas = [trainer.train_set[i].meta.items for i in (0, 1)]
+    assert metas == [(("vision", 20), ("vision", 4)), (("vision", 15), ("vision", 20))]
+    batch = collate([trainer.train_set[0], trainer.train_set[1]], pad_id=0)
+    grids = [tuple(g.tolist()) for g in batch.modality_inputs["vision"]["image_grid_thw"]]
+    assert grids == [(1, 8, 10), (1, 4, 4), (1, 10, 6), (1, 8, 10)]
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    result = trainer.fit()
+    assert len(result["losses"]) == 3 and all(np.isfinite(result["losses"]))
+    moved = {n.split(".")[3] for n, p in trainer.model.named_parameters()
+             if n.startswith("encoders.vision.encoder.") and not torch.equal(p, before[n])}
+    assert moved == {"patch_embed", "blocks", "merger"}
+
+
+def test_bad_input_is_refused_naming_record_and_file_or_field(tmp_path):
+    from plait.config.loader import config_from_dict
+    from plait.data.sources import JsonlSource, SampleError, sample_at
+    from plait.models.registry import build_model, build_processor, load_tokenizer
+
+    records = _two_image_records(tmp_path)
+    cfg = config_from_dict(_job(tmp_path, records, in_channels=1))  # a grey tower fed the processor's RGB patches
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    model = build_model(cfg.model, tokenizer)
+    mm = build_processor(cfg.model, model, tokenizer, 256)
+    with pytest.raises(SampleError, match=r"record 'pair-0'.*img0.png.*patches of 1176 values, the Qwen2.5-VL "
+                                          r"encoder expects 392"):
+        mm(sample_at(JsonlSource(cfg.data.train), 0))
+    cfg = config_from_dict(_job(tmp_path, records, {"max_pixels": 13_000_000}))
+    model = build_model(cfg.model, tokenizer)
+    with pytest.raises(ValueError, match=r"model.encoders.vision.processor.max_pixels = 13000000 is above the "
+                                         r"Qwen2.5-VL tower's maximum of 12845056"):
+        build_processor(cfg.model, model, tokenizer, 256)

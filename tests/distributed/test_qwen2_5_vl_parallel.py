@@ -1,0 +1,66 @@
+"""The Qwen2.5-VL vision branch under PP=2 (both layouts), PP=3 with the tower split inside its blocks across two
+ranks (the per-call hook: rotary tables, cu_seqlens and the window index recomputed from ``grid_thw`` on the later
+stage; window-ordered hidden states on the wire; the merger on the second rank) and CP=2 (gloo, ``plait train``
+under torchrun) equal one process: per-step losses and the final model.
+
+The job mixes single-image demo records with a two-image record of different sizes, so microbatches pack images of
+several grids into one tower call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.config.loader import config_from_dict
+from plait.models.multimodal import MultimodalModel
+from plait.train.trainer import Trainer
+from tests.conftest import demo_records, tiny_config_dict, write_jsonl
+from tests.distributed.test_pipeline_training import losses_of
+from tests.distributed.test_pixtral_internvl_parallel import _torchrun_train, _two_image_record
+from tests.unit.models.test_qwen2_5_vl import TINY_PROCESSOR, TINY_QWEN2_5_VL
+
+BRANCH = {"modality": "image", "config": dict(TINY_QWEN2_5_VL), "projector": "linear",
+          "processor": dict(TINY_PROCESSOR)}
+LAYOUTS = {
+    "pp2-encoder_parallel": (2, {"pp": {"degree": 2, "layout": "encoder_parallel", "schedule": "1f1b"}}),
+    "pp2-encoders_colocated": (2, {"pp": {"degree": 2, "layout": "encoders_colocated", "schedule": "gpipe"}}),
+    "pp3-tower_split": (3, {"pp": {"degree": 3, "layout": "encoder_parallel", "schedule": "1f1b",
+                                   "splits": {"vision": ["encoders.vision.encoder.blocks.2"]}}}),
+    "cp2": (2, {"cp": 2}),
+}
+
+
+def _job(tmp_path, run: str) -> dict:
+    records = demo_records("train", ("image_digit",), limit=2) + [_two_image_record(tmp_path)]
+    records += demo_records("train", ("text",), limit=1)
+    data = write_jsonl(tmp_path / "train.jsonl", records)
+    job = tiny_config_dict(str(data), None, str(tmp_path / run), data={"shuffle": False},
+                           train={"steps": 2, "global_batch_size": 4, "microbatch_size": 2, "threads": 1},
+                           attention={"block_size": 16}, parallel={"timeout_s": 60})
+    job["model"]["encoders"] = {"vision": dict(BRANCH)}
+    return job
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Single-process losses and final parameters (computed once)."""
+    trainer = Trainer.build(config_from_dict(_job(tmp_path_factory.mktemp("qwen2_5_vl"), "single")))
+    assert [len(trainer.train_set[i].meta.items) for i in range(3)] == [1, 1, 2]
+    result = trainer.fit()
+    return result["losses"], {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_qwen2_5_vl_under_pp_and_cp_equals_one_process(tmp_path, reference, layout):
+    ref_losses, ref_params = reference
+    nproc, parallel = LAYOUTS[layout]
+    job = _job(tmp_path, layout)
+    job["parallel"].update(parallel)
+    _torchrun_train(job, tmp_path, layout, nproc)
+    losses = losses_of(tmp_path / layout)
+    torch.testing.assert_close(torch.tensor([losses[s] for s in (1, 2)]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    final = dict(MultimodalModel.from_pretrained(tmp_path / layout / "final", "eager").named_parameters())
+    assert set(final) == set(ref_params)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=name)
