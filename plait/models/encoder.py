@@ -316,7 +316,8 @@ def _image_groups(inputs: dict[str, Any]) -> dict[tuple[int, ...], list[int]]:
 @dataclass(frozen=True)
 class EncoderInputCheck:
     """Checks one processed item (``pixel_values [C, H, W]``, SigLIP2's patches ``[n, C x patch^2]`` with
-    ``spatial_shapes``, or ``input_features [mel, T]``) against an encoder's input shape, so that a processor that
+    ``spatial_shapes``, Qwen2.5-VL's ``[t h w, C x T x patch^2]`` with ``image_grid_thw``, or ``input_features
+    [mel, T]``) against an encoder's input shape, so that a processor that
     does not match the encoder is caught per sample (``data.processing.ModalitySpec.check_item``).
 
     Attributes:

@@ -51,8 +51,9 @@ from plait.planner.types import LLM_MODULE
 
 __all__ = ["OwnedLayers", "PipelineStage", "RankStages", "TiedEmbedding", "build_rank_stages", "Payload"]
 
-# What flows along a plan edge: per module, a list of tensors (an encoder branch: one hidden-state tensor
-# [n, positions, dim] per item-size group, or after its projector one [features, hidden] tensor; the LLM:
+# What flows along a plan edge: per module, a list of tensors (an encoder branch: one hidden-state tensor per item
+# group, [n, positions, dim] or a packed tower's [patches, dim] (Qwen2.5-VL, window order) / [1, patches, dim]
+# (Pixtral), or after its projector one [features, hidden] tensor; the LLM:
 # [hidden [B, N, H]]; the last stage: [loss sum]). An empty list means the module had no input this microbatch.
 Payload = dict[str, list[torch.Tensor]]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
