@@ -357,3 +357,30 @@ def test_bad_input_is_refused_naming_record_and_file_or_field(tmp_path):
     with pytest.raises(ValueError, match=r"model.encoders.vision.processor.max_pixels = 13000000 is above the "
                                          r"Qwen2.5-VL tower's maximum of 12845056"):
         build_processor(cfg.model, model, tokenizer, 256)
+
+
+def test_video_record_is_one_item_of_temporal_patches_and_trains(tmp_path):
+    """A 6-frame video sampled at 2 fps (frames 0, 2, 4) is one item of grid (2, h, w) in the processor, the
+    metadata pass (headers only) and the batch; a job mixing it with images trains."""
+    from plait.config.loader import config_from_dict
+    from plait.data.metadata import record_metadata
+    from plait.data.sources import parse_record
+    from plait.train.trainer import Trainer
+    from tests.media import video_tokenizer, write_video
+
+    video = write_video(tmp_path / "fade.mp4", 6, width=64, height=48)
+    rec = {"id": "v1", "images": [], "videos": [str(video)],
+           "messages": [{"role": "user", "content": "<video>\nWhat happens?"},
+                        {"role": "assistant", "content": "it fades"}]}
+    records = [rec] + _two_image_records(tmp_path)
+    job = _job(tmp_path, records, steps=2)
+    job["data"]["tokenizer"] = str(video_tokenizer(tmp_path / "tok"))
+    job["model"]["encoders"]["vision"]["video"] = {"fps": 2.0, "max_frames": 4}
+    trainer = Trainer.build(config_from_dict(job))
+    sample = trainer.train_set[0]
+    (item,) = sample.inputs["vision"]
+    t, h, w = (int(g) for g in item["image_grid_thw"])
+    assert t == 2 and sample.meta.items == (("vision", t * h * w // 4),)
+    assert record_metadata(trainer.processor, parse_record(rec, "t.jsonl:1", tmp_path)) == sample.meta
+    result = trainer.fit()
+    assert len(result["losses"]) == 2 and all(np.isfinite(result["losses"]))
