@@ -3,14 +3,28 @@ process on the same global batches: losses (rel 1e-5), first-step gradients and 
 (``assert_same_training``, the tolerances of ``test_fsdp.py``), with frozen encoders + trainable projectors (deferral
 on: hierarchical plans that defer) and with everything trainable (encoders on the first LLM rank, the LLM cut in
 two stages with its embedding tied to the head on the other rank, activation checkpointing, a pipeline whose share
-of the batch holds no image)."""
+of the batch holds no image); and the runtime alone with a split-backward schedule (``W`` actions) on 2 shard
+ranks."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
+from plait.models.units import model_units, unit_specs
+from plait.parallel.fsdp import apply_fsdp
+from plait.parallel.pipeline import build_pipeline_comm, run_pipeline_step
+from plait.parallel.stages import build_rank_stages
+from plait.planner.pipeline_plan import plan_pipeline
+from plait.planner.schedules import build_schedule
+from plait.train.loss import token_loss_sum
 from tests.conftest import ROOT, demo_records
+from tests.distributed.pipeline_worker import apply_mode, make_batch, reference_step, tiny_model
+from tests.distributed.spawning import free_port, gloo_group, spawn_and_wait
 from tests.distributed.test_fsdp import assert_equal_runs, job, run
+from tests.unit.parallel.test_stages import SPLIT, on_one_rank
 
 WORKER = ROOT / "tests" / "distributed" / "fsdp_pipeline_worker.py"
 
@@ -52,3 +66,43 @@ def test_pp2_fsdp2_all_trainable_tied_embeddings_and_a_pipeline_without_images(t
     for head in both["tied_head"]:  # stays equal to the embedding (gradients summed over the two copies)
         torch.testing.assert_close(head, both["params"][embed + ".weight"], rtol=0, atol=0)
     assert_equal_runs(single, both)
+
+
+def _split_backward_worker(rank: int, port: int, out: str) -> None:
+    """Shard rank ``rank`` of dp_shard=2: every stage of a 5-stage plan on its one pipeline rank, a split-backward
+    schedule (``W`` actions: weight gradients by ``autograd.grad`` on the gathered parameters), its own share of
+    the batch (rank 1: no audio, so the audio encoder's groups reduce zeros); rank 0 saves every full gradient."""
+    with gloo_group(rank, 2, port):
+        model = apply_mode(tiny_model(tied=True), "all")
+        plan = on_one_rank(plan_pipeline(model_units(model), "encoder_parallel", stages_per_module=SPLIT))
+        specs = unit_specs(model)
+        stages = build_rank_stages(model, plan, 0)
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+        sharded = apply_fsdp(model, specs, mesh, "cpu")
+        comm = build_pipeline_comm(1, "cpu", 1, 0, 2)
+        batches = [make_batch(k, i) for i, k in enumerate(SHARES[rank])]
+        targets = sum(make_batch(k, i).target_tokens for share in SHARES for i, k in enumerate(share))
+        schedule = build_schedule(plan, "1f1b", len(batches), split_backward=True)
+        res = run_pipeline_step(stages, schedule, batches, targets, comm, loss_fn=token_loss_sum, sharded=sharded)
+        grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                 for n, p in stages.trainable_parameters() if p.grad is not None}
+        if rank == 0:
+            torch.save({"grads": grads, "loss": res.loss, "groups": list(sharded.names)}, out)
+
+
+SHARES = (("iva", "t"), ("i", "it"))
+
+
+def test_fsdp2_with_a_split_backward_schedule_equals_one_process(tmp_path):
+    model = apply_mode(tiny_model(tied=True), "all")
+    batches = [make_batch(k, i) for r in SHARES for i, k in enumerate(r)]
+    loss = reference_step(model, batches)
+    out = tmp_path / "split.pt"
+    spawn_and_wait(_split_backward_worker, (free_port(), str(out)), 2, 120, "FSDP2 split-backward pipeline")
+    got = torch.load(out)
+    assert sum(".layers." in g for g in got["groups"]) >= 6 and got["loss"] == pytest.approx(loss, rel=1e-5)
+    ref = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(got["grads"]) == set(ref) and len(ref) > 30
+    for name, grad in ref.items():
+        tol = 1e-5 * float(grad.abs().max()) + 1e-9
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=tol, msg=name)
