@@ -11,7 +11,9 @@ supplies its own encoding (``ModalityEncoder.video_encoding``).
 Decoding uses PyAV (``av``: Python bindings to FFmpeg whose wheels bundle the FFmpeg libraries, so nothing has to
 be installed on the system; torchcodec needs the system's FFmpeg libraries). :func:`read_video_header` reads the
 container and stream headers only (no frame is decoded): the metadata pass (:mod:`plait.data.metadata`) counts a
-video's tokens from it; :func:`load_video` decodes the sampled frames when the sample is loaded.
+video's tokens from it; :func:`load_video` decodes the sampled frames when the sample is loaded (seeking to the
+keyframe before a sampled frame that lies more than :data:`SEEK_GAP_S` ahead, so a long video sampled sparsely is not
+decoded whole).
 """
 
 from __future__ import annotations
@@ -176,9 +178,9 @@ def sample_indices(header: VideoHeader, fps: float, max_frames: int, label: str 
         count = math.ceil(header.frames / step)
         indices = [math.floor(k * step) for k in range(count)]
     if len(indices) > max_frames:
-        at = f"{fps:g} frames per second" if fps else "every frame"
+        at, fix = (f"{fps:g} frames per second", "lower") if fps else ("every frame", "set")
         raise SampleError(f"{label} gives {len(indices)} frames ({header.duration_s:.2f} s sampled at {at}), more than "
-                          f"{field}.max_frames = {max_frames}; raise {field}.max_frames or lower {field}.fps")
+                          f"{field}.max_frames = {max_frames}; raise {field}.max_frames or {fix} {field}.fps")
     return indices
 
 

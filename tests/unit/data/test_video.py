@@ -88,6 +88,12 @@ def test_more_frames_than_the_limit_names_the_limit_and_the_field():
                                f"{field}.max_frames = 8; raise {field}.max_frames or lower {field}.fps")
 
 
+def test_every_frame_over_the_limit_says_to_set_fps():
+    with pytest.raises(SampleError, match=r"sampled at every frame\), more than f.max_frames = 4; raise f.max_frames "
+                                          r"or set f.fps$"):
+        sample_indices(VideoHeader(6, Fraction(4), 32, 24), 0.0, 4, "video v.mp4", "f")
+
+
 def test_decoded_frames_are_the_sampled_ones(tmp_path):
     path = write_video(tmp_path / "v.mkv", 6)  # FFV1: lossless
     frames = load_video(str(path), VideoSpec("<video>", 1, 2.0, 8, "f", PerFrame()))
