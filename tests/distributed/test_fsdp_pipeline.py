@@ -1,7 +1,7 @@
 """FSDP2 under pipeline parallelism: PP=2 x ``parallel.dp_shard=2`` under torchrun (gloo, 4 processes) equals one
 process on the same global batches: losses (rel 1e-5), first-step gradients and final parameters after AdamW steps
 (``assert_same_training``, the tolerances of ``test_fsdp.py``), with frozen encoders + trainable projectors (deferral
-on: hierarchical plans that defer) and with everything trainable (encoders on the first LLM rank, the LLM cut in
+on: hierarchical plans that defer; validation through the sharded stages equals one process's too) and with everything trainable (encoders on the first LLM rank, the LLM cut in
 two stages with its embedding tied to the head on the other rank, activation checkpointing, a pipeline whose share
 of the batch holds no image); and the runtime alone with a split-backward schedule (``W`` actions) on 2 shard
 ranks."""
@@ -20,7 +20,8 @@ from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline_plan import plan_pipeline
 from plait.planner.schedules import build_schedule
 from plait.train.loss import token_loss_sum
-from tests.conftest import ROOT, demo_records
+from plait.train.metrics import read_metrics
+from tests.conftest import ROOT, demo_records, write_jsonl
 from tests.distributed.pipeline_worker import apply_mode, make_batch, reference_step, tiny_model
 from tests.distributed.spawning import free_port, gloo_group, spawn_and_wait
 from tests.distributed.test_fsdp import assert_equal_runs, job, run
@@ -34,9 +35,23 @@ def pipeline(**pp) -> dict:
     return {"degree": 2, "layout": "encoders_colocated", "schedule": "1f1b", **pp}
 
 
+def with_validation(cfg: dict, tmp_path) -> dict:
+    """``cfg`` validating 5 demo samples (loss and 3-token answers) after its second step."""
+    cfg["data"]["val"] = str(write_jsonl(tmp_path / "val.jsonl", demo_records("val", limit=5)))
+    cfg["train"].update(eval_every=2, max_new_tokens=3)
+    return cfg
+
+
+def val_loss(tmp_path, name: str) -> float:
+    """The validation loss run ``name`` wrote to its metrics."""
+    return next(r["val_loss"] for r in read_metrics(tmp_path / f"run_{name}" / "metrics.jsonl") if "val_loss" in r)
+
+
 def test_pp2_fsdp2_frozen_encoders_trainable_projectors_with_deferral(tmp_path):
-    single = run(job(tmp_path, True), tmp_path, "single", 1, WORKER)
-    both = run(job(tmp_path, True, dp_shard=2, pp=pipeline()), tmp_path, "pp_fsdp", 4, WORKER)
+    single = run(with_validation(job(tmp_path, True), tmp_path), tmp_path, "single", 1, WORKER)
+    both = run(with_validation(job(tmp_path, True, dp_shard=2, pp=pipeline()), tmp_path), tmp_path, "pp_fsdp", 4,
+               WORKER)
+    assert val_loss(tmp_path, "pp_fsdp") == pytest.approx(val_loss(tmp_path, "single"), rel=1e-5)  # gathered
     assert both["sharded"] and both["dp"] == 2 and both["world"] == 4
     assert len(both["deferred"]) >= 1  # encoder features buffered on the first LLM stage, sharded projectors
     encoders, llm = both["groups"][0], both["groups"][1]  # ranks: (shard x 2 + pipeline rank)
