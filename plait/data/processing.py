@@ -128,7 +128,7 @@ def load_image(path: str | bytes) -> Image.Image:
         raise SampleError(f"cannot decode image {path}: {_decode_reason(exc, source, path)}") from exc
 
 
-def process_image(hf_processor: Any, image: Image.Image) -> tuple[dict[str, Any], tuple[int, int]]:
+def process_image(hf_processor: Any, image: Image.Image) -> tuple[dict[str, Any], tuple[int, ...]]:
     """One image through its Hugging Face image processor: ``(item, size)``, ``size`` being what the encoder's
     feature-count function takes.
 
@@ -136,12 +136,16 @@ def process_image(hf_processor: Any, image: Image.Image) -> tuple[dict[str, Any]
     SigLIP2 NaFlex (output with ``spatial_shapes``): ``item = {"pixel_values": [h*w, C*p*p], "spatial_shapes":
     [2]}`` with only the ``h * w`` real patches (the processor pads to ``max_num_patches``), ``size = (h, w)``
     patches. Qwen2.5-VL (output with ``image_grid_thw``): ``item = {"pixel_values": [t*h*w, C*T*p*p],
-    "image_grid_thw": [3]}``, ``size = (t, h, w)`` patches.
+    "image_grid_thw": [3]}``, ``size = (t, h, w)`` patches. InternVL tiling (output with ``num_patches``):
+    ``item = {"pixel_values": [t, C, S, S]}`` (every tile, the thumbnail last), ``size = (t, S, S)``.
     """
     out = hf_processor(images=[image], return_tensors="pt")
     if "image_grid_thw" in out:  # Qwen2.5-VL: the patches of the (t, h, w) grid, flattened
         grid = out["image_grid_thw"][0].long()
         return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}, tuple(int(g) for g in grid)
+    if "num_patches" in out:  # InternVL / GOT-OCR2 dynamic tiling: every tile of the image (thumbnail last)
+        tiles = out["pixel_values"]
+        return {"pixel_values": tiles}, (int(tiles.shape[0]), int(tiles.shape[-2]), int(tiles.shape[-1]))
     if "spatial_shapes" in out:
         shape = out["spatial_shapes"][0].long()
         h, w = int(shape[0]), int(shape[1])
