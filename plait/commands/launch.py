@@ -5,13 +5,20 @@ The launcher, not torchrun: torchrun's elastic agent restarts every worker of th
 from the last checkpoint), and torchft protects identical replicas only; plait's pipelines are heterogeneous
 replicas reshaped in place. The launcher:
 
-1. plans the pipeline templates for ``--nproc`` ranks and ``--f`` failures (``plan_templates`` on the job's
-   analytic unit costs, as ``plait plan``) and the first instantiation (``plan_instantiation``, or the pipeline
-   sizes of ``--pipelines``), written to ``<metrics.run_dir>/resilient/launch.json``;
+1. checks the job (:func:`check_launch`: a layout of its own, no validation, fault injection naming real workers)
+   and the run folder (an earlier run's checkpoints, final model or launch logs are refused, or removed with
+   ``--overwrite``, as ``plait train`` does); plans the pipeline templates for ``--nproc`` ranks and ``--f``
+   failures (``plan_templates`` on the job's analytic unit costs, as ``plait plan``) and the first instantiation
+   (``plan_instantiation``, or the pipeline sizes of ``--pipelines``), written to
+   ``<metrics.run_dir>/resilient/launch.json``;
 2. hosts the membership ``TCPStore`` in its own process, so no worker's death takes it down;
 3. starts the workers (``plait launch --worker ID --store HOST:PORT``, same config and overrides) and waits for
    them, writing ``dead/<id>`` in the store when one exits (the survivors' agreement then does not wait for its
    heartbeat to go stale).
+
+Metrics (``metrics.jsonl``) and checkpoints (``checkpoint.every`` and the end) are written as ``plait train``
+writes them (``plait.train.resilient``); ``plait train --resume`` continues a launched run with any ordinary
+layout.
 
 Exit status: 0 when every worker that was not killed by a signal finished; otherwise the first failing worker's.
 """
@@ -32,8 +39,9 @@ from plait.commands.plan import build_plan_inputs
 from plait.config.loader import load_config
 from plait.planner.templates import instantiate, plan_instantiation, plan_templates
 from plait.train.resilient import LaunchPlan, run_resilient_worker
+from plait.train.run_start import clear_earlier_run
 
-__all__ = ["launch_command", "launch_plan", "parse_kills", "worker_command", "worker_main"]
+__all__ = ["check_launch", "launch_command", "launch_plan", "parse_kills", "worker_command", "worker_main"]
 
 
 def parse_kills(values: Sequence[str]) -> tuple[tuple[int, int], ...]:
@@ -49,6 +57,37 @@ def parse_kills(values: Sequence[str]) -> tuple[tuple[int, int], ...]:
             raise ValueError(f"{v!r}: expected WORKER:STEP (two non-negative integers)")
         out.append((int(parts[0]), int(parts[1])))
     return tuple(out)
+
+
+def check_launch(cfg, nproc: int, kills: Sequence[tuple[int, int]] = (),
+                 rejoins: Sequence[tuple[int, int]] = ()) -> None:
+    """Refuse what ``plait launch`` would otherwise ignore silently.
+
+    Raises:
+        ValueError: naming the setting: ``parallel.tp``, ``parallel.dp_shard`` or ``parallel.cp`` above 1 (the
+            launcher plans its own pipelines of whole layers: no tensor, FSDP2 or context parallelism inside
+            them); validation data (``data.val``, a source's ``val``: the heterogeneous pipelines do not
+            validate); a ``--kill`` or ``--rejoin`` of a worker id outside ``0..nproc-1`` (naming the valid ids).
+    """
+    p = cfg.parallel
+    for name, value in (("tp", p.tp), ("dp_shard", p.dp_shard), ("cp", p.cp)):
+        if value > 1:
+            raise ValueError(f"parallel.{name} = {value}: plait launch plans its own pipelines (heterogeneous "
+                             "data-parallel replicas of whole layers) and runs no tensor, FSDP2 or context "
+                             f"parallelism inside them; set --parallel.{name}=1, or train with plait train under "
+                             "torchrun (not resilient)")
+    d = cfg.data
+    vals = [f"data.val = {d.val!r}"] if d.val else []
+    vals += [f"data.sources[{i}].val = {src.val!r}" for i, src in enumerate(d.sources or ()) if src.val]
+    if vals:
+        raise ValueError(f"{', '.join(vals)}: plait launch does not validate (its pipelines are heterogeneous "
+                         "replicas); train without validation data (--data.val=\"\"; a source's val removed from "
+                         "the job file); plait train --resume from one of the checkpoints it writes continues "
+                         "with validation under an ordinary layout")
+    for flag, pairs in (("--kill", kills), ("--rejoin", rejoins)):
+        bad = sorted({w for w, _ in pairs if not 0 <= w < nproc})
+        if bad:
+            raise ValueError(f"{flag}: no worker {', '.join(map(str, bad))} (the workers are 0..{nproc - 1})")
 
 
 def launch_plan(cfg, nproc: int, failures: int, pipelines: Sequence[int] = (), timeout_s: float = 10.0,
@@ -108,19 +147,33 @@ def _wait(procs: list[subprocess.Popen], store: dist.TCPStore, limit_s: float | 
 
 def launch_command(config: str | Path, nproc: int, failures: int, overrides: Sequence[str] = (),
                    pipelines: Sequence[int] = (), kills: Sequence[str] = (), timeout_s: float = 10.0,
-                   limit_s: float | None = None, rejoins: Sequence[str] = ()) -> int:
-    """Plan, host the store, run ``nproc`` workers to the end (module docstring). Returns the exit status.
+                   limit_s: float | None = None, rejoins: Sequence[str] = (), overwrite: bool = False) -> int:
+    """Check, plan, host the store, run ``nproc`` workers to the end (module docstring). Returns the exit status.
 
     Raises:
-        ValueError: on bad numbers or a job that cannot hold ``failures + 1`` pipelines.
+        ValueError: on bad numbers, settings :func:`check_launch` refuses, a run folder holding an earlier run
+            (without ``overwrite``), or a job that cannot hold ``failures + 1`` pipelines.
     """
     if nproc < 2:
         raise ValueError(f"--nproc must be >= 2 for a resilient job, got {nproc}")
     cfg = load_config(config, overrides)
-    plan = launch_plan(cfg, nproc, failures, pipelines, timeout_s, parse_kills(kills), parse_kills(rejoins))
-    out = Path(cfg.metrics.run_dir) / "resilient"
+    kills_, rejoins_ = parse_kills(kills), parse_kills(rejoins)
+    check_launch(cfg, nproc, kills_, rejoins_)
+    run_dir = Path(cfg.metrics.run_dir)
+    out = run_dir / "resilient"
+    logs = sorted(out.glob("worker*.jsonl")) + sorted(out.glob("final-worker*.pt"))
+    if logs and not overwrite:
+        raise ValueError(f"{out} holds an earlier launch's logs ({len(logs)} files), which a new run would remove: "
+                         "replace them with plait launch ... --overwrite, or write this run elsewhere with "
+                         "--metrics.run_dir=DIR")
+    try:
+        clear_earlier_run(run_dir, True, 1, overwrite)
+    except ValueError as exc:  # the guard names plait train's flag: this command has the same one
+        raise ValueError(str(exc).replace("`plait train --config JOB --overwrite`",
+                                          "`plait launch --config JOB --nproc N --overwrite`")) from None
+    plan = launch_plan(cfg, nproc, failures, pipelines, timeout_s, kills_, rejoins_)
     out.mkdir(parents=True, exist_ok=True)
-    for old in list(out.glob("worker*.jsonl")) + list(out.glob("final-worker*.pt")):
+    for old in logs:
         old.unlink()
     (out / "launch.json").write_text(plan.to_json())
     print(f"plait launch: {nproc} workers, f = {failures}: {plan.instantiation.describe()}", flush=True)

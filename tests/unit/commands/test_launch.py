@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from plait.commands.launch import parse_kills, worker_command
+from plait.commands.launch import check_launch, launch_command, parse_kills, worker_command
+from plait.config.loader import config_from_dict
+from tests.conftest import tiny_config_dict
+from tests.distributed.test_pipeline_training import to_toml
 
 
 def test_parse_kills_reads_worker_step_pairs_and_names_a_bad_value():
@@ -18,3 +21,36 @@ def test_worker_command_passes_the_config_overrides_and_joining_flag():
     cmd = worker_command("job.toml", ["--train.lr=1e-3"], 2, 6, "127.0.0.1:1234", joining=True)
     assert cmd[1:] == ["-m", "plait.cli", "launch", "--config", "job.toml", "--nproc", "6", "--worker", "2",
                        "--store", "127.0.0.1:1234", "--joining", "--train.lr=1e-3"]
+
+
+def _cfg(**sections):
+    return config_from_dict(tiny_config_dict("train.jsonl", None, "runs/x", **sections))
+
+
+def test_check_launch_refuses_layout_settings_validation_data_and_unknown_workers():
+    check_launch(_cfg(), 6, ((4, 1), (0, 3)), ((4, 5),))  # a plain job passes
+    for name in ("tp", "dp_shard", "cp"):
+        with pytest.raises(ValueError, match=rf"parallel.{name} = 2: plait launch plans its own pipelines"):
+            check_launch(_cfg(parallel={name: 2}), 6)
+    with pytest.raises(ValueError, match=r"data.val = 'val.jsonl': plait launch does not validate"):
+        check_launch(_cfg(data={"val": "val.jsonl"}), 6)
+    with pytest.raises(ValueError, match=r"--kill: no worker 5, 9 \(the workers are 0..3\)"):
+        check_launch(_cfg(), 4, ((9, 1), (5, 1), (1, 2)))
+    with pytest.raises(ValueError, match=r"--rejoin: no worker 6 \(the workers are 0..5\)"):
+        check_launch(_cfg(), 6, (), ((6, 2),))
+
+
+def test_launch_refuses_a_run_folder_holding_an_earlier_run_before_starting_anything(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text(to_toml(tiny_config_dict(str(tmp_path / "train.jsonl"), None, str(tmp_path / "run"))) + "\n")
+    logs = tmp_path / "run" / "resilient"
+    logs.mkdir(parents=True)
+    (logs / "worker0.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match=r"holds an earlier launch's logs \(1 files\).*--overwrite"):
+        launch_command(job, 4, 1)
+    (logs / "worker0.jsonl").unlink()
+    (tmp_path / "run" / "checkpoints" / "step_000004").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_000004" / ".metadata").write_text("")
+    with pytest.raises(ValueError, match=r"holds an earlier run \(1 checkpoint\(s\), newest step_000004\).*"
+                                         r"`plait launch --config JOB --nproc N --overwrite`"):
+        launch_command(job, 4, 1)
