@@ -150,7 +150,10 @@ def _item_tokens(kind: str, spec: Any, item: str | MediaBytes, memo: _Headers) -
         header = _video_header(item, memo)
         frames = len(spec.video.frame_indices(header, item))
         frame = _processed_image_size(spec, (header.width, header.height), memo)
-        sizes = spec.video.encoding.sizes(frames, frame)
+        try:
+            sizes = spec.video.encoding.sizes(frames, frame)
+        except ValueError as exc:  # the family's encoding refuses the frames
+            raise SampleError(f"video {item}: {exc}") from exc
     elif kind == "image":
         sizes = [_processed_image_size(spec, _image_size(item, memo), memo)]
     else:

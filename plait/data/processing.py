@@ -369,7 +369,10 @@ class MultimodalProcessor:
     def _item(self, kind: str, spec: ModalitySpec, path: str) -> list[tuple[dict[str, Any], int]]:
         if kind == "video":
             frames = load_video(path, spec.video)
-            items = spec.video.encoding.items(spec.hf_processor, frames)
+            try:
+                items = spec.video.encoding.items(spec.hf_processor, frames)
+            except ValueError as exc:  # the family's encoding refuses the frames
+                raise SampleError(f"video {path}: {exc}") from exc
             return [(self._checked(spec, item, path), self._count(spec, size, path)) for item, size in items]
         if kind == "image":
             item, size = process_image(spec.hf_processor, load_image(path))

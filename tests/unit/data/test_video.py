@@ -337,3 +337,23 @@ def test_seeking_to_sparse_frames_gives_the_frames_decoding_every_frame_gives(tm
     for a, b, index in zip(sought, decoded, [0, 32, 64]):
         assert np.array_equal(np.asarray(a), np.asarray(b))
         assert abs(int(np.asarray(a)[12, 20, 0]) - (20 + 30 * index) % 250) <= 3  # frame `index`'s grey level
+
+
+def test_a_family_encoding_that_refuses_the_frames_names_record_and_file(setup, monkeypatch):
+    folder, _, _, proc = setup
+
+    class Refusing(PerFrame):
+        def items(self, hf_processor, frames):
+            raise ValueError("video frames give different patch grids")
+
+        def sizes(self, frames, frame_size):
+            raise ValueError("video frames give different patch grids")
+
+    import dataclasses
+
+    spec = proc.specs["image"]
+    monkeypatch.setitem(proc.specs, "image", dataclasses.replace(
+        spec, video=dataclasses.replace(spec.video, encoding=Refusing())))
+    path = write_video(folder / "refused.mp4", 2)
+    for error in _bad(proc, folder, video_record("r1", [str(path)])):
+        assert error == f"record 'r1' ({folder}/bad.jsonl:3): video {path}: video frames give different patch grids"
