@@ -19,6 +19,11 @@ rank 0 included, leaves it up. Each worker:
    on it fail at once), then initialises the default group again over the survivors, ranked by their
    worker ids, on the prefix ``gen<g+1>/``.
 
+Between a step's gradients and its optimizer step, every member votes through the store
+(:meth:`Membership.commit`, a two-phase commit decided once by the store's atomic ``compare_set``): either every
+survivor applies the step or none does, which an all-reduce vote cannot promise (a peer may die while some ranks
+have its result and others not).
+
 Worker ids are the ranks of generation 0 and never change; :attr:`Membership.rank` is the rank in the current
 group. Survivors' tensors, modules and optimizers stay in memory: the caller applies its reconfiguration plan
 (``plait.planner.reconfigure``) and replays the interrupted step.
@@ -91,13 +96,18 @@ class Membership:
         return dist.TCPStore(self.host, self.port, is_master=False,
                              timeout=datetime.timedelta(seconds=self.timeout_s))
 
-    def join(self) -> None:
-        """Start the heartbeat and form generation 0 (the default gloo group of all ``world`` workers).
-        Collective over every worker."""
+    def connect(self) -> None:
+        """Connect to the store and start this worker's heartbeat (no process group: :meth:`join` and
+        :meth:`rejoin` form one afterwards)."""
         self._store = self._connect()
         self._beat(self._store)
         self._thread = threading.Thread(target=self._heartbeats, daemon=True, name=f"heartbeat-{self.worker}")
         self._thread.start()
+
+    def join(self) -> None:
+        """Start the heartbeat and form generation 0 (the default gloo group of all ``world`` workers).
+        Collective over every worker."""
+        self.connect()
         self.members = tuple(range(self.world))
         self._init_group()
 
@@ -131,8 +141,7 @@ class Membership:
         deadline = time.monotonic() + 2 * self.timeout_s
         while True:
             present = [w for w in self.members if self._store.check([f"gen{nxt}/present/{w}"])]
-            stale = [w for w in self.members if w not in present
-                     and (self._store.check([f"dead/{w}"]) or time.time() - self._last_beat(w) > self.dead_after_s)]
+            stale = [w for w in self.members if w not in present and self._gone(w)]
             if len(present) + len(stale) == len(self.members):
                 break
             if time.monotonic() > deadline:
@@ -141,6 +150,48 @@ class Membership:
                                     f"of {list(self.members)})")
             time.sleep(self.heartbeat_s / 2)
         return self._switch(nxt, tuple(present))
+
+    def _gone(self, worker: int) -> bool:
+        """Whether ``worker`` is dead: the launcher's ``dead/<id>`` key, or no heartbeat for ``dead_after_s``."""
+        return self._store.check([f"dead/{worker}"]) or time.time() - self._last_beat(worker) > self.dead_after_s
+
+    def commit(self, tag: str, ready: bool = True) -> bool:
+        """Two-phase commit through the store of what ``tag`` names (``"step<k>"``: step ``k``'s optimizer step;
+        ``"save<k>"``: its checkpoint): whether every member may go on as if it succeeded everywhere.
+
+        Phase 1: a member that saw it through writes ``commit/gen<g>/<tag>/ready/<id>`` and waits until every
+        member of the generation is ready (proposal: commit), or some member that is not ready is dead
+        (:meth:`_gone`), or the wait passes ``2 * timeout_s`` (proposal: abort). A member that saw a failure
+        during the step (``ready=False``) proposes abort at once, so the others stop waiting for it. Phase 2: the
+        first proposal written to ``commit/gen<g>/<tag>/decision`` (the store's atomic ``compare_set``) is the
+        decision every member reads back and follows. So either every survivor applies the step or none does,
+        even when a member dies right after writing its ready key, or a member thought dead (a stale heartbeat)
+        is ready after all: a decision is written once, and a commit needs every member's ready key.
+
+        Returns:
+            True to apply it; False to abandon it (re-form the group, :meth:`reform`, and replay it).
+        """
+        base = f"commit/gen{self.generation}/{tag}/"
+        proposal = "abort"
+        if ready:
+            self._store.set(f"{base}ready/{self.worker}", "1")
+            proposal = self._await_ready(base)
+        return self._store.compare_set(f"{base}decision", "", proposal).decode() == "commit"
+
+    def _await_ready(self, base: str) -> str:
+        """Phase 1 of :meth:`commit`: ``"commit"`` once every member is ready, ``"abort"`` when a member that is
+        not is dead, the wait passes ``2 * timeout_s``, or another member already decided abort."""
+        keys = [f"{base}ready/{w}" for w in self.members]
+        deadline, pause = time.monotonic() + 2 * self.timeout_s, 0.001
+        while not self._store.check(keys):
+            if self._store.check([f"{base}decision"]):
+                return self._store.get(f"{base}decision").decode()
+            missing = [w for w, key in zip(self.members, keys) if not self._store.check([key])]
+            if any(self._gone(w) for w in missing) or time.monotonic() > deadline:
+                return "abort"
+            time.sleep(pause)
+            pause = min(2 * pause, self.heartbeat_s / 4)
+        return "commit"
 
     def abandon(self) -> None:
         """Abort every process group of this worker now: their sockets close, so a peer blocked on this worker
@@ -175,10 +226,7 @@ class Membership:
         Raises:
             NoQuorumError: when no admission comes within ``10 * timeout_s`` seconds.
         """
-        self._store = self._connect()
-        self._beat(self._store)
-        self._thread = threading.Thread(target=self._heartbeats, daemon=True, name=f"heartbeat-{self.worker}")
-        self._thread.start()
+        self.connect()
         self._store.delete_key(f"dead/{self.worker}")  # the launcher's mark of this worker's previous process
         self._store.set(f"join/{self.worker}", "1")
         deadline = time.monotonic() + 10 * self.timeout_s

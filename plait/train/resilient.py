@@ -10,8 +10,8 @@ Each worker (its id is its rank in generation 0 and never changes):
 2. per step draws the global batch from the job's loader (a function of seed, epoch and step), splits it into
    ``train.global_batch_size / train.microbatch_size`` microbatches and runs its pipeline's share (the
    instantiation's contiguous range; the loss is normalised by the whole global batch's target tokens);
-3. votes to commit (an all-reduce every survivor must reach after the gradient sums) before its optimizer step,
-   so no survivor steps when another has not seen the step through;
+3. votes to commit before its optimizer step (``Membership.commit``: a two-phase commit through the store), so
+   either every survivor steps or none does;
 4. when a collective or P2P call fails (a peer died), re-forms the group over the survivors, plans the
    reconfiguration (``plait.planner.reconfigure``: shrink, borrow, merge), builds its new stages on a fresh model,
    fills them from what it held and from the surviving replicas (``plait.parallel.unit_transfer``: parameters
@@ -21,8 +21,15 @@ Each worker (its id is its rank in generation 0 and never changes):
 
 Every worker appends one JSON line per committed step to ``<out>/worker<id>.jsonl`` (step, epoch, loss, learning
 rate, the sample ids trained, the pipelines) and one per reconfiguration; at the end it saves its parameters to
-``<out>/final-worker<id>.pt`` (by FQN). The LR schedule is the trainers' (``lr_factor`` of the step), so it
-continues across reconfigurations.
+``<out>/final-worker<id>.pt`` (by FQN). The LR schedule is the trainers' (:class:`~plait.train.optim.LRSchedule`),
+so it continues across reconfigurations.
+
+As ``plait train``, the job writes ``<metrics.run_dir>/metrics.jsonl`` (one row per step, by the current rank 0;
+a worker that becomes rank 0 after the previous one died rewrites the last committed step's row and goes on) and
+checkpoints every ``checkpoint.every`` steps and at the end (:func:`~plait.train.checkpoint.save_checkpoint`:
+DCP, every worker its pruned stage model under full-model names, replicas' identical keys stored once), which
+``plait train --resume`` continues with any ordinary layout. A checkpoint is committed like a step: when a worker
+dies during it, the survivors reconfigure and write it again.
 """
 
 from __future__ import annotations
@@ -39,8 +46,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from plait.config.loader import config_to_dict
 from plait.config.schema import JobConfig
 from plait.data.chat_template import tokenizer_dir
 from plait.data.collate import Batch, collate
@@ -56,8 +65,10 @@ from plait.planner.schedule_ir import Schedule
 from plait.planner.schedules import build_schedule
 from plait.planner.templates import Instantiation, TemplateSet
 from plait.train.build import build_datasets, seed_everything
+from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, save_checkpoint
 from plait.train.loss import token_loss_sum
-from plait.train.optim import build_optimizer, lr_factor
+from plait.train.metrics import MetricsWriter
+from plait.train.optim import LRSchedule, build_optimizer, lr_factor
 
 __all__ = ["LaunchPlan", "ResilientWorker", "WorkerRun", "microbatch_ranges", "run_resilient_worker"]
 
@@ -139,6 +150,9 @@ class ResilientWorker:
     processor: Any = None
     train_set: Any = None
     names: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    schedule: LRSchedule | None = None
+    writer: MetricsWriter | None = None
+    last_row: dict[str, Any] | None = None
 
     @property
     def worker(self) -> int:
@@ -195,42 +209,93 @@ class ResilientWorker:
                    if mb else None for mb in parts]
         return batches, sum(b.target_tokens for b in batches if b is not None)
 
-    def _step(self, run: WorkerRun, batches: list[Batch | None], targets: int, step: int,
-              total: int) -> tuple[float, float]:
-        """One step: the pipeline's share, gradient sums, clipping, the commit vote, then the optimizer step.
-        Returns ``(loss, lr)``. Raises ``RuntimeError`` (a peer died) before the optimizer step."""
+    def _gradients(self, run: WorkerRun, batches: list[Batch | None], targets: int) -> tuple[float, float]:
+        """The pipeline's share of the step, gradient sums and clipping; returns ``(loss, gradient norm)``.
+        Raises ``RuntimeError`` when a peer died (collective over the group)."""
         res = hetero_pipeline_step(run.stages, run.schedule, batches[run.first:run.first + run.count], targets,
                                    run.hetero, loss_fn=token_loss_sum)
         clip = self.cfg.train.grad_clip
-        clip_grad_norm_hetero(run.hetero, clip if clip > 0 else float("inf"))
-        vote = torch.ones(())
-        torch.distributed.all_reduce(vote)  # the commit vote: every survivor saw the step through
-        t = self.cfg.train
-        factor = lr_factor(t.warmup_steps, total, t.min_lr_ratio)(step)
+        return res.loss, clip_grad_norm_hetero(run.hetero, clip if clip > 0 else float("inf"))
+
+    def _try_step(self, run: WorkerRun, batches: list[Batch | None], targets: int,
+                  step: int) -> tuple[float, float, float] | None:
+        """One step: gradients, the two-phase commit (``Membership.commit``), then the optimizer step at the LR
+        schedule's step. Returns ``(loss, lr, gradient norm)``, or None when the step is abandoned (a peer failed
+        during it, here or on another member): then no member applied it."""
+        hook = self._maybe_kill(step)
+        try:
+            loss, norm = self._gradients(run, batches, targets)
+        except RuntimeError:
+            self.membership.commit(f"step{step}", ready=False)  # the others stop waiting for this worker
+            return None
+        finally:
+            if hook is not None:
+                hook.remove()
+        if not self.membership.commit(f"step{step}"):
+            return None
+        factor = self.schedule.current_factor()
         if run.opt is not None:
             for group in run.opt.param_groups:
                 group["lr"] = group["initial_lr"] * factor
             run.opt.step()
             run.opt.zero_grad(set_to_none=True)
-        return res.loss, t.lr * factor
-
-    def _try_step(self, run: WorkerRun, batches: list[Batch | None], targets: int, step: int,
-                  total: int) -> tuple[float, float] | None:
-        """:meth:`_step`, or None when a peer failed during it (the step is abandoned before any optimizer step)."""
-        hook = self._maybe_kill(step)
-        try:
-            return self._step(run, batches, targets, step, total)
-        except RuntimeError:
-            return None
-        finally:
-            if hook is not None:
-                hook.remove()
+        self.schedule.step()
+        return loss, self.cfg.train.lr * factor, norm
 
     def _maybe_kill(self, step: int) -> Any:
         """Fault injection (``LaunchPlan.kills``): SIGKILL this process at its first module forward of ``step``."""
         if (self.worker, step) not in self.plan.kills:
             return None
         return register_module_forward_pre_hook(lambda module, args: os.kill(os.getpid(), signal.SIGKILL))
+
+    def _write_row(self, row: dict[str, Any]) -> None:
+        """``metrics.jsonl`` as ``plait train`` writes it, by the current rank 0. A worker that becomes rank 0
+        mid-run (the previous one died) reopens the file at the step before its last committed row (which the
+        dead worker may not have written) and writes that row again before ``row``."""
+        last, self.last_row = self.last_row, row
+        if self.membership.rank != 0:
+            if self.writer is not None:  # a rejoined lower worker id is rank 0 now
+                self.writer.close()
+                self.writer = None
+            return
+        m = self.cfg.metrics
+        if self.writer is None:
+            fresh = last is None and row["step"] == 1
+            again = last if last is not None else row
+            self.writer = MetricsWriter(m.run_dir, True, m.tensorboard, None if fresh else again["step"] - 1)
+            if last is not None:
+                self.writer.write(last)
+        self.writer.write(row)
+
+    def _checkpoint(self, run: WorkerRun, steps: int, loader: Any, total: int) -> WorkerRun:
+        """Write the checkpoint of ``steps`` steps done when ``checkpoint.every`` or the end asks for one
+        (collective); a worker failing during it leads to a reconfiguration and the checkpoint written again.
+        Returns the (possibly reconfigured) run."""
+        every = self.cfg.checkpoint.every
+        if not ((every and steps % every == 0) or steps == total):
+            return run
+        while True:
+            try:
+                save_checkpoint(checkpoint_dir(self.cfg.metrics.run_dir, steps), run.stages.model, run.opt,
+                                self.schedule, loader.state_dict(), steps, keep=self.cfg.checkpoint.keep,
+                                layout=self._layout(run.inst), model_config=config_to_dict(self.cfg)["model"])
+                saved = True
+            except (RuntimeError, CheckpointException):
+                saved = False
+            if self.membership.commit(f"save{steps}", ready=saved):
+                return run
+            run = self._recover(run, time.monotonic())
+
+    def _layout(self, inst: Instantiation) -> CheckpointLayout:
+        """The checkpoint's record of the job's layout: the workers, the pipelines as DP replicas and, as PP
+        degree, the deepest pipeline's ranks, at least 2: every worker saves its pruned stage model as a pipeline
+        rank does (model parts on no unit are never saved), which ``load_checkpoint`` accepts from a pipeline
+        checkpoint only."""
+        pipelines = "; ".join(f"workers {list(p.ranks)}: {p.template.plan.num_stages} stages, {p.microbatches} mb"
+                              for p in inst.pipelines)
+        deepest = max(p.template.plan.num_ranks for p in inst.pipelines)
+        return CheckpointLayout(world_size=len(self.membership.members), dp=len(inst.pipelines),
+                                pp=max(2, deepest), cp=1, plan=f"plait launch: {pipelines}")
 
     def _log(self, record: dict[str, Any]) -> None:
         record["time"] = time.time()
@@ -304,15 +369,19 @@ class ResilientWorker:
         return new
 
     def train(self, joining: bool = False) -> None:
-        """Train every step of the job (``train.steps``, or ``train.epochs`` of the loader), surviving failures;
-        ``joining``: this worker was restarted and joins the running job (:meth:`Membership.rejoin`)."""
+        """Train every step of the job (``train.steps``, or ``train.epochs`` of the loader), surviving failures,
+        writing metrics and checkpoints as ``plait train`` does; ``joining``: this worker was restarted and joins
+        the running job (:meth:`Membership.rejoin`)."""
         loader = build_batch_loader(self.cfg, self.train_set)
-        total = self.cfg.train.steps or math.ceil(self.cfg.train.epochs * loader.batches_per_epoch)
-        step, failed_at = 0, None
+        t = self.cfg.train
+        total = t.steps or math.ceil(t.epochs * loader.batches_per_epoch)
+        self.schedule = LRSchedule(t.lr, lr_factor(t.warmup_steps, total, t.min_lr_ratio))
+        step = 0
         if joining:
             start = time.monotonic()
             payload = self.membership.rejoin()
             step = int(payload["step"])
+            self.schedule.load_state_dict({"last_epoch": step, "_step_count": step + 1})
             for _ in range(step):  # the data position: the global batches are a function of (seed, epoch, step)
                 loader.next_batch()
             run = self._apply_rejoin(Instantiation.from_dict(payload["inst"]), payload["joiners"], None, start)
@@ -320,29 +389,40 @@ class ResilientWorker:
             run = self.build_run(self.plan.instantiation)
         while step < total:
             run = self.admit_joiners(run, step)
-            epoch = loader.epoch
-            indices = loader.next_batch()
-            batches, targets = self._batches(indices)
-            while True:  # replay the step until it commits
-                done = self._try_step(run, batches, targets, step, total)
-                if done is not None:
-                    loss, lr = done
-                    break
-                failed_at = failed_at or time.monotonic()
-                run = self._recover(run, failed_at)  # outside the except: its traceback held the old groups
-            record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr,
-                      "samples": [self.train_set.sample_meta(i).id for i in indices],
-                      "pipelines": [list(p.ranks) for p in run.inst.pipelines]}
-            if failed_at is not None:
-                record["recovery_s"] = time.monotonic() - failed_at
-                if self.membership.rank == 0:
-                    print(f"plait launch: recovered: step {step} done {record['recovery_s']:.2f} s after the "
-                          "failure was seen", flush=True)
-                failed_at = None
-            self._log(record)
+            run = self._run_step(run, loader, step)
             step += 1
+            run = self._checkpoint(run, step, loader, total)
+        if self.writer is not None:
+            self.writer.close()
         torch.save({n: p.detach().clone() for n, p in run.stages.model.named_parameters()},
                    self.out / f"final-worker{self.worker}.pt")
+
+    def _run_step(self, run: WorkerRun, loader: Any, step: int) -> WorkerRun:
+        """Step ``step`` (0-based) on the loader's next global batch, replayed after reconfigurations until it
+        commits; logs it (the worker's log, ``metrics.jsonl``). Returns the (possibly reconfigured) run."""
+        epoch, begin = loader.epoch, time.monotonic()
+        indices = loader.next_batch()
+        batches, targets = self._batches(indices)
+        failed_at = None
+        while (done := self._try_step(run, batches, targets, step)) is None:  # replay the step until it commits
+            failed_at = failed_at or time.monotonic()
+            run = self._recover(run, failed_at)  # outside the except: its traceback held the old groups
+        loss, lr, norm = done
+        record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr,
+                  "samples": [self.train_set.sample_meta(i).id for i in indices],
+                  "pipelines": [list(p.ranks) for p in run.inst.pipelines]}
+        if failed_at is not None:
+            record["recovery_s"] = time.monotonic() - failed_at
+            if self.membership.rank == 0:
+                print(f"plait launch: recovered: step {step} done {record['recovery_s']:.2f} s after the "
+                      "failure was seen", flush=True)
+        self._log(record)
+        tokens = sum(self.train_set.sample_meta(i).length for i in indices)
+        self._write_row({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
+                         "tokens_per_s": tokens / (time.monotonic() - begin), "target_tokens": targets,
+                         "epoch": loader.epoch, "pipelines": record["pipelines"],
+                         **({"recovery_s": record["recovery_s"]} if failed_at is not None else {})})
+        return run
 
 
 def run_resilient_worker(cfg: JobConfig, plan_path: str | Path, worker: int, world: int, host: str,

@@ -17,11 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from plait.config.loader import config_from_dict
+from plait.train.metrics import read_metrics
+from plait.train.trainer import Trainer
+
 from tests.conftest import demo_records, tiny_config_dict, write_jsonl
 from tests.distributed.test_pipeline_training import to_toml
 
 SAMPLES, BATCH, STEPS = 16, 8, 7  # 2 steps per epoch: steps 0-1 epoch 0, 2-3 epoch 1, 4-5 epoch 2, 6 epoch 3
-LIMIT_S = 240  # a hang guard per launch
+LIMIT_S = 600  # a hang guard per launch (a launch takes about 30 s on an idle 2-core machine, minutes when loaded)
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +38,8 @@ def reference(tmp_path_factory) -> Path:
 
 
 def _job(tmp_path: Path, name: str) -> Path:
-    train = write_jsonl(tmp_path / "train.jsonl", demo_records("train", limit=SAMPLES))
-    job = tiny_config_dict(str(train), None, str(tmp_path / name),
-                           train={"global_batch_size": BATCH, "microbatch_size": 1, "steps": STEPS, "lr": 1e-3,
-                                  "threads": 1})
     path = tmp_path / f"{name}.toml"
-    path.write_text(to_toml(job) + "\n")
+    path.write_text(to_toml(tiny_config_job(tmp_path, name)) + "\n")
     return path
 
 
@@ -63,6 +63,11 @@ def _records(run_dir: Path) -> tuple[dict[int, dict], list[dict]]:
                 assert steps[rec["step"]]["samples"] == rec["samples"]
             steps.setdefault(rec["step"], rec)
     return steps, events
+
+
+def _rows(run_dir: Path) -> dict[int, dict]:
+    """``metrics.jsonl``'s training rows by step (1-based, as ``plait train`` writes them)."""
+    return {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
 
 
 def _final(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -102,6 +107,10 @@ def test_launch_survives_killed_workers_rank0_included_and_equals_an_uninterrupt
     assert failed == [(0,), (4,)], events
     assert {tuple(e["joined"]) for e in events if e["event"] == "rejoin"} == {(4,)}
     assert all(e["bytes"] > 0 for e in events)
+    rows, ref_rows = _rows(tmp_path / "kill"), _rows(reference)  # rank 0 died in step 3: worker 1 took over
+    assert sorted(rows) == list(range(1, STEPS + 1)) == sorted(ref_rows)
+    assert all(abs(rows[s]["loss"] - ref_rows[s]["loss"]) < 1e-5 for s in rows)
+    assert sorted(p.name for p in (tmp_path / "kill/checkpoints").iterdir()) == ["step_000004", "step_000007"]
     lines = [line for line in run.stdout.splitlines() if "reconfigured in" in line]
     assert len(lines) == 2 and "worker(s) [4] failed" in lines[0] and "worker(s) [0] failed" in lines[1]
     assert run.stdout.count("plait launch: recovered") == 2 and "worker(s) [4] rejoined" in run.stdout
@@ -118,6 +127,41 @@ def test_launch_with_three_pipelines_survives_two_failures_in_different_pipeline
     assert sorted({tuple(e["failed"]) for e in events if e["event"] == "reconfigure"}) == [(1,), (5,)], events
     assert run.stdout.count("plait launch: recovered") == 2
     print("\n".join(line for line in run.stdout.splitlines() if "launch: re" in line))
+
+
+def test_a_launched_run_equals_plait_train_and_its_checkpoint_resumes_under_plait_train(tmp_path, reference, capsys):
+    # the launch's metrics.jsonl equals an uninterrupted single-process plait train of the same job, and plait train
+    # --resume from the launch's step-4 checkpoint (6 workers, 3+3) continues it to the same losses and parameters
+    single = Trainer.build(config_from_dict(tiny_config_job(tmp_path, "single")))
+    single.fit()
+    ref_rows, rows = _rows(tmp_path / "single"), _rows(reference)
+    assert sorted(rows) == list(range(1, STEPS + 1)) == sorted(ref_rows)
+    for s in rows:
+        assert abs(rows[s]["loss"] - ref_rows[s]["loss"]) <= 1e-5 * abs(ref_rows[s]["loss"]), (s, rows[s], ref_rows[s])
+        assert abs(rows[s]["lr"] - ref_rows[s]["lr"]) <= 1e-12 * ref_rows[s]["lr"], s
+    assert (reference / "checkpoints/step_000004/.metadata").is_file()
+    capsys.readouterr()
+    resumed = Trainer.build(config_from_dict(tiny_config_job(tmp_path, "resumed")))
+    resumed.fit(resume=str(reference / "checkpoints/step_000004"))
+    out = capsys.readouterr().out
+    assert "resuming step 4 written with 6 processes (DP 2 x PP 3 x CP 1; plait launch: workers [0, 1, 2]" in out, out
+    got = _rows(tmp_path / "resumed")
+    assert sorted(got) == list(range(5, STEPS + 1))
+    for s in got:
+        assert abs(got[s]["loss"] - ref_rows[s]["loss"]) <= 1e-5 * abs(ref_rows[s]["loss"]), (s, got[s], ref_rows[s])
+        assert abs(got[s]["lr"] - ref_rows[s]["lr"]) <= 1e-12 * ref_rows[s]["lr"], s
+    ref_params = dict(single.model.named_parameters())
+    for name, param in resumed.model.named_parameters():
+        if not name.endswith("k_proj.bias"):  # zero gradient in exact arithmetic (test_resume_reconfigure.py)
+            torch.testing.assert_close(param, ref_params[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def tiny_config_job(tmp_path: Path, name: str) -> dict:
+    """The launch tests' job as a dict (run folder ``tmp_path/name``)."""
+    train = write_jsonl(tmp_path / "train.jsonl", demo_records("train", limit=SAMPLES))
+    return tiny_config_dict(str(train), None, str(tmp_path / name),
+                            train={"global_batch_size": BATCH, "microbatch_size": 1, "steps": STEPS, "lr": 1e-3,
+                                   "threads": 1, "min_lr_ratio": 0.1}, checkpoint={"every": 4})
 
 
 def test_launch_stops_naming_the_lost_units_when_every_copy_dies(tmp_path):

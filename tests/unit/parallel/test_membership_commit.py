@@ -1,0 +1,66 @@
+"""``Membership.commit``: the two-phase commit through a real ``TCPStore`` (in this process, members as threads and
+no process group). Every member reaches the same decision in the windows an all-reduce vote leaves open: a member
+dying right after it voted ready, and a member thought dead (stale heartbeat) that votes ready afterwards."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch.distributed as dist
+
+from plait.parallel.membership import Membership
+from tests.distributed.spawning import free_port
+
+
+@pytest.fixture()
+def members():
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    group = [Membership("127.0.0.1", port, w, 3, heartbeat_s=0.05, dead_after_s=0.5, timeout_s=3.0) for w in range(3)]
+    for m in group:
+        m.connect()
+        m.members = (0, 1, 2)
+    yield server, group
+    for m in group:
+        m.close()
+
+
+def test_every_member_ready_commits_everywhere(members):
+    _, group = members
+    with ThreadPoolExecutor(3) as pool:
+        assert list(pool.map(lambda m: m.commit("step0"), group)) == [True, True, True]
+
+
+def test_a_member_dying_after_its_ready_vote_still_commits_everywhere(members):
+    server, (m0, m1, m2) = members
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(m0.commit, "step3")  # waits for m1
+        dying = pool.submit(m2.commit, "step3")
+        time.sleep(0.2)
+        server.set("dead/2", "-9")  # m2 dies after writing its ready key (the launcher marks it)
+        m2.close()
+        assert m1.commit("step3") is True
+        assert first.result(timeout=5) is True and dying.result(timeout=5) is True
+
+
+def test_a_member_thought_dead_that_votes_ready_late_is_overruled(members):
+    _, (m0, m1, m2) = members
+    m2.close()  # m2 stops beating (hung, not dead) before it votes
+    time.sleep(0.7)  # its heartbeat is stale: m1 proposes abort, and the store records it once
+    assert m1.commit("step5") is False
+    assert m2.commit("step5") is False and m0.commit("step5") is False  # all ready now, but the decision stands
+
+
+def test_a_member_that_saw_the_failure_aborts_without_the_others_waiting(members):
+    _, (m0, m1, m2) = members
+    start = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        waiting = [pool.submit(m.commit, "step2") for m in (m1, m2)]
+        time.sleep(0.1)
+        assert m0.commit("step2", ready=False) is False
+        assert [f.result(timeout=5) for f in waiting] == [False, False]
+    assert time.monotonic() - start < 1.5  # not the 2 x 3 s wait for a missing vote
