@@ -271,3 +271,34 @@ def test_tiny_pixtral_job_with_two_images_of_different_sizes_trains(tmp_path):
     assert len(result["losses"]) == 2 and all(np.isfinite(result["losses"]))
     moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
     assert "encoders.vision.encoder.patch_conv.weight" in moved
+
+
+def test_tiny_internvl_job_tiles_images_of_different_sizes_and_trains(tmp_path):
+    from plait.data.collate import collate
+    from plait.train.trainer import Trainer
+
+    paths = []
+    for i, img in enumerate(_images([(24, 80), (16, 16)])):
+        paths.append(str(tmp_path / f"pair{i}.png"))
+        img.save(paths[-1])
+    ask = {"role": "user", "content": "<image> <image>\nSame digit?"}
+    records = [{"id": f"pair-{k}", "task": "pair", "images": pair, "messages": [ask, {"role": "assistant",
+                                                                                     "content": "no"}]}
+               for k, pair in enumerate([paths, paths[::-1]])]
+    cfg = tiny_config_dict(str(write_jsonl(tmp_path / "train.jsonl", records)), None, str(tmp_path / "run"),
+                           train={"steps": 2, "global_batch_size": 2, "microbatch_size": 2, "threads": 1})
+    cfg["model"]["encoders"] = {"vision": {"modality": "image", "config": dict(TINY_INTERNVL), "select": "drop_cls",
+                                           "downsample": 2, "processor": {"max_patches": 6}}}
+    trainer = Trainer.build(config_from_dict(cfg))
+    # 24x80: 3x1 tiles + thumbnail = 4 tiles of 16 features; 16x16: one tile (no thumbnail)
+    assert trainer.train_set[0].meta.items == (("vision", 64), ("vision", 16))
+    batch = collate([trainer.train_set[0], trainer.train_set[1]], pad_id=0)
+    tiles = [int(p.shape[0]) for p in batch.modality_inputs["vision"]["pixel_values"]]
+    assert tiles == [4, 1, 1, 4] and {tuple(p.shape[1:]) for p in batch.modality_inputs["vision"]["pixel_values"]} == {
+        (3, 32, 32)}
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    result = trainer.fit()
+    assert len(result["losses"]) == 2 and all(np.isfinite(result["losses"]))
+    moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert "encoders.vision.encoder.embeddings.patch_embeddings.projection.weight" in moved
+    assert trainer.model.encoders["vision"].projector.linear_1.in_features == 128

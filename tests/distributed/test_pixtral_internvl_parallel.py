@@ -1,0 +1,103 @@
+"""Pixtral and InternVL vision branches under PP=2 (both layouts), PP=3 with the tower split across two ranks (the
+per-call hook: Pixtral's 2D RoPE and block mask recomputed on the later stage) and CP=2 (gloo, ``plait train`` under
+torchrun) equal one process: per-step losses and the final model.
+
+The jobs mix single-image demo records with a two-image record of different sizes (Pixtral packs both into one patch
+sequence; InternVL tiles each), so every microbatch holds images of several sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from plait.config.loader import config_from_dict
+from plait.models.multimodal import MultimodalModel
+from plait.train.trainer import Trainer
+from tests.conftest import demo_records, tiny_config_dict, write_jsonl
+from tests.distributed.spawning import free_port
+from tests.distributed.test_pipeline_training import ROOT, losses_of, to_toml
+from tests.unit.models.test_pixtral_internvl import TINY_INTERNVL, TINY_PIXTRAL
+
+FAMILIES = {
+    "pixtral": ({"modality": "image", "config": dict(TINY_PIXTRAL)}, "encoders.vision.encoder.transformer.layers.1"),
+    "internvl": ({"modality": "image", "config": dict(TINY_INTERNVL), "select": "drop_cls", "downsample": 2,
+                  "processor": {"max_patches": 4}}, "encoders.vision.encoder.encoder.layer.1"),
+}
+LAYOUTS = {
+    "pp2-encoder_parallel": (2, {"pp": {"degree": 2, "layout": "encoder_parallel", "schedule": "1f1b"}}),
+    "pp2-encoders_colocated": (2, {"pp": {"degree": 2, "layout": "encoders_colocated", "schedule": "gpipe"}}),
+    "pp3-tower_split": (3, {"pp": {"degree": 3, "layout": "encoder_parallel", "schedule": "1f1b"}}),
+    "cp2": (2, {"cp": 2}),
+}
+
+
+def _two_image_record(tmp_path) -> dict:
+    rng = np.random.default_rng(1)
+    paths = []
+    for i, (h, w) in enumerate([(20, 36), (28, 12)]):
+        paths.append(str(tmp_path / f"pair{i}.png"))
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(paths[-1])
+    ask = {"role": "user", "content": "<image> <image>\nSame digit?"}
+    return {"id": "pair-0", "task": "pair", "images": paths, "messages": [ask, {"role": "assistant", "content": "no"}]}
+
+
+def _job(tmp_path, family: str, run: str) -> dict:
+    records = demo_records("train", ("image_digit",), limit=2) + [_two_image_record(tmp_path)]
+    records += demo_records("train", ("text",), limit=1)
+    data = write_jsonl(tmp_path / "train.jsonl", records)
+    job = tiny_config_dict(str(data), None, str(tmp_path / run), data={"shuffle": False},
+                           train={"steps": 2, "global_batch_size": 4, "microbatch_size": 2, "threads": 1},
+                           attention={"block_size": 16}, parallel={"timeout_s": 60})
+    job["model"]["encoders"] = {"vision": dict(FAMILIES[family][0])}
+    return job
+
+
+def _torchrun_train(job: dict, tmp_path, name: str, nproc: int) -> None:
+    path = tmp_path / f"{name}.toml"
+    path.write_text(to_toml(job) + "\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           "--master_addr=127.0.0.1", "-m", "plait.cli", "train", "--config", str(path)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Single-process losses and final parameters of a family (each computed once, when first asked for)."""
+    out: dict = {}
+
+    def reference(family: str) -> tuple:
+        if family not in out:
+            trainer = Trainer.build(config_from_dict(_job(tmp_path_factory.mktemp(family), family, "single")))
+            assert [len(trainer.train_set[i].meta.items) for i in range(3)] == [1, 1, 2]
+            result = trainer.fit()
+            out[family] = (result["losses"], {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+        return out[family]
+
+    return reference
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_pixtral_and_internvl_under_pp_and_cp_equal_one_process(tmp_path, references, family, layout):
+    ref_losses, ref_params = references(family)
+    nproc, parallel = LAYOUTS[layout]
+    job = _job(tmp_path, family, layout)
+    job["parallel"].update(parallel)
+    if layout == "pp3-tower_split":  # two vision stages on ranks 0 and 1 (the second starts inside the layers)
+        job["parallel"]["pp"]["splits"] = {"vision": [FAMILIES[family][1]]}
+    _torchrun_train(job, tmp_path, layout, nproc)
+    losses = losses_of(tmp_path / layout)
+    torch.testing.assert_close(torch.tensor([losses[s] for s in (1, 2)]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    final = dict(MultimodalModel.from_pretrained(tmp_path / layout / "final", "eager").named_parameters())
+    assert set(final) == set(ref_params)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=name)
