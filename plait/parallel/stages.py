@@ -43,7 +43,7 @@ from plait.data.collate import Batch
 from plait.models.encoder import ModalityEncoder
 from plait.models.hf import EncoderLayout, encoder_layout, llm_layout
 from plait.models.multimodal import MultimodalModel
-from plait.models.tower_call import TowerCall, tower_call
+from plait.models.tower_call import TOWER_CALLS, TowerCall, tower_call
 from plait.models.units import UnitSpec, unit_specs
 from plait.parallel.context import shard_tokens
 from plait.planner.pipeline_plan import PipelinePlan, Stage, check_plan_units
@@ -125,21 +125,29 @@ class _EncoderChunk:
         if inputs is None:
             return []
         encoder = self.branch.encoder
-        groups = self.branch.item_groups(inputs)
-        calls = [tower_call(encoder, kwargs) for kwargs, _ in groups]
         if self.owns_embed:
+            groups = self.branch.item_groups(inputs)
             swaps: dict[str, nn.Module] = {self.layout.layers: self.layers}
             if self.layout.post_norm and not self.owns_norm:
                 swaps[self.layout.post_norm] = nn.Identity()
             with _swapped(encoder, swaps):
-                hidden = [call.stock_output(encoder(**kwargs), self.owns_norm)
-                          for (kwargs, _), call in zip(groups, calls)]
+                hidden = [tower_call(encoder, kwargs).stock_output(encoder(**kwargs), self.owns_norm)
+                          for kwargs, _ in groups]
         else:
-            hidden = [self._layers_and_norm(h, call) for h, call in zip(hidden or [], calls)]
+            hidden = hidden or []
+            hidden = [self._layers_and_norm(h, call) for h, call in zip(hidden, self._calls(inputs, len(hidden)))]
         if not self.owns_projector:
             return hidden
         selected = [self.branch.select_positions(h) for h in hidden]
         return [self.branch.projector(self.branch.assemble_features(dict(inputs), selected))]
+
+    def _calls(self, inputs: Mapping[str, Any], groups: int) -> list[TowerCall]:
+        """The per-call inputs of each of the ``groups`` item groups, recomputed from their metadata; a family
+        without any (not in ``TOWER_CALLS``) gets the default, without building the groups' inputs."""
+        encoder = self.branch.encoder
+        if encoder.config.model_type not in TOWER_CALLS:
+            return [TowerCall(encoder, {})] * groups
+        return [tower_call(encoder, kwargs) for kwargs, _ in self.branch.item_groups(inputs)]
 
     def _layers_and_norm(self, hidden: torch.Tensor, call: TowerCall) -> torch.Tensor:
         """The chunk's layers (each under its original index) and owned post-norm on one group's ``hidden``."""
