@@ -302,3 +302,32 @@ def test_tiny_internvl_job_tiles_images_of_different_sizes_and_trains(tmp_path):
     moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
     assert "encoders.vision.encoder.embeddings.patch_embeddings.projection.weight" in moved
     assert trainer.model.encoders["vision"].projector.linear_1.in_features == 128
+
+
+def test_pixtral_split_tower_under_activation_checkpointing_gives_the_same_gradients():
+    from plait.models.units import model_units
+    from plait.parallel.checkpointing import apply_activation_checkpointing
+    from plait.parallel.stages import build_rank_stages
+    from plait.planner.pipeline_plan import plan_pipeline
+    from tests.distributed.pipeline_worker import make_batch
+    from tests.unit.parallel.test_stages import on_one_rank
+
+    inputs = {"pixel_values": [torch.randn(3, 20, 32), torch.randn(3, 16, 16)]}
+    reference = _composite(dict(TINY_PIXTRAL, num_hidden_layers=3))
+    reference.encoders["image"](inputs).square().sum().backward()
+    model = _composite(dict(TINY_PIXTRAL, num_hidden_layers=3))
+    assert apply_activation_checkpointing(model, "full") == [f"encoders.image.encoder.transformer.layers.{i}"
+                                                             for i in range(3)] + [
+        f"language_model.model.layers.{i}" for i in range(2)]
+    plan = on_one_rank(plan_pipeline(model_units(model),
+                                     splits={"image": ["encoders.image.encoder.transformer.layers.1"]}))
+    stages = build_rank_stages(model, plan, 0)
+    batch = make_batch("t", 0)
+    batch.modality_inputs = {"image": inputs}
+    first, second = (stages.stages[i] for i in plan.module_stages("image"))
+    out = second.forward(batch, {first.index: first.forward(batch, {}, None, {})}, None, {})
+    out["image"][0].square().sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if n.startswith("encoders.")}
+    for name, param in reference.named_parameters():
+        if name.startswith("encoders."):
+            torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-6, msg=name)
