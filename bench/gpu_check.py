@@ -30,7 +30,7 @@ no manual steps, prints tables and exits 1 when a check fails.
    (ratio in one run) and the check that the first losses agree (same weights, same batch, same causal mask: within
    2% in bf16, 1e-4 in fp32).
 
-Run on a GPU: ``.venv/bin/python bench/gpu_check.py`` (demo and 1b; expected 2-4 minutes, most of it building the
+Run on a GPU: ``.venv/bin/python bench/gpu_check.py`` (demo and 1b; expected 3-5 minutes, most of it building the
 1b model three times on the CPU and compiling flex; not yet run on a GPU). On CPU, small:
 ``.venv/bin/python bench/gpu_check.py --device cpu --models tiny --steps 1`` (tests/e2e/test_gpu_check.py).
 """
@@ -193,6 +193,7 @@ def job(model: str, device: str, run: str, batch: int):
 
     attention = "hf" if run == "HF loop" else ("plait" if device == "cuda" else "plait_sdpa")
     overrides = [*MODELS[model], f"--train.device={device}", "--data.num_workers=0", f"--train.microbatch_size={batch}",
+                 f"--train.global_batch_size={batch}",
                  f"--train.threads={1 if device == 'cpu' else 0}",  # all cores build the model on a GPU host
                  f"--attention.implementation={attention}", "--attention.mask=causal",
                  f"--train.activation_checkpointing={'full' if run.endswith('AC') else 'none'}"]
