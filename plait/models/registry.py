@@ -238,8 +238,9 @@ def build_processor(cfg: ModelConfig, model: MultimodalModel, tokenizer: Any, ma
     only add flags (``lora``, ``freeze``).
 
     Raises:
-        ValueError: when ``max_length`` exceeds the LLM's ``max_position_embeddings``, or a pretrained job's
-            ``placeholder`` differs from the checkpoint's (naming the field).
+        ValueError: when ``max_length`` exceeds the LLM's ``max_position_embeddings``, a pretrained job's
+            ``placeholder`` differs from the checkpoint's, or a processor setting cannot fit its tower
+            (:func:`plait.models.hf.check_processor`; each naming the field).
     """
     limit = getattr(model.language_model.config, "max_position_embeddings", None)
     if limit is not None and max_length > limit:
