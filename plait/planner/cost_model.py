@@ -35,6 +35,7 @@ Conventions (all formulas below use them):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -277,6 +278,9 @@ class UnitEstimate(JsonDataclass):
         activation_bytes: bytes the forward saves for backward (one microbatch).
         output_bytes: bytes of the unit's output tensor (what a stage boundary after it sends).
         input_grad: whether the unit has a dX at all (False for embeddings: ids, pixels, mel frames).
+        tied_params: of ``params``, those another unit holds (a tied LLM head uses the embedding matrix): they
+            count in FLOPs and bytes moved, and the unit computes their dW, but their memory is the other unit's
+            (``UnitCost.param_bytes`` leaves them out), so the units' parameters add up to the model's.
     """
 
     params: int
@@ -287,17 +291,19 @@ class UnitEstimate(JsonDataclass):
     activation_bytes: float
     output_bytes: float
     input_grad: bool = True
+    tied_params: int = 0
 
     def to_cost(self, device: DeviceSpec, dtype: Any = "bfloat16") -> UnitCost:
         """Roofline ``UnitCost`` on ``device``: forward ``W + A`` FLOPs, dX ``W + 2A`` (0 if no dX),
-        dW ``W`` FLOPs (0 without parameters), each against the bytes it moves; parameters in ``dtype``."""
+        dW ``W`` FLOPs (0 without parameters), each against the bytes it moves; parameters held (``params`` but
+        the tied ones) in ``dtype``."""
         forward = device.compute_time(self.weight_flops + self.attention_flops, self.forward_bytes)
         dx = (device.compute_time(self.weight_flops + 2 * self.attention_flops, self.forward_bytes)
               if self.input_grad else 0.0)
         dw = device.compute_time(self.weight_flops, self.weight_grad_bytes) if self.params else 0.0
         return UnitCost(
             forward_s=forward, input_grad_s=dx, weight_grad_s=dw,
-            param_bytes=int(round(self.params * dtype_bytes(dtype))),
+            param_bytes=int(round((self.params - self.tied_params) * dtype_bytes(dtype))),
             activation_bytes=int(round(self.activation_bytes)), output_bytes=int(round(self.output_bytes)),
         )
 
@@ -350,7 +356,8 @@ def _decoder_layer_saved(arch: DecoderArch, b: float) -> float:
 def _decoder_estimate(arch: DecoderArch, kind: str, layer: int, shape: MicrobatchShape, b: float) -> UnitEstimate:
     """Estimate of one LLM unit. Embedding: ``V H`` params, no FLOPs, reads ids (8 B) and copies ``H``
     rows; its dW writes a dense ``V H`` gradient. Norm: ``H`` (or ``2 H``) params, ``2 H`` elements moved.
-    Head: ``V H`` weights, ``2 T H V`` FLOPs; logits written in dtype, upcast to fp32 and log-softmaxed
+    Head: ``V H`` weights (tied to the embedding's with ``tie_word_embeddings``: held by the embedding unit,
+    ``UnitEstimate.tied_params``), ``2 T H V`` FLOPs; logits written in dtype, upcast to fp32 and log-softmaxed
     (three fp32 passes), saving ``H`` inputs and ``4 V`` bytes of fp32 log-probabilities per token."""
     t, h, v = shape.tokens, arch.hidden, arch.vocab
     if kind == "embed":
@@ -361,7 +368,8 @@ def _decoder_estimate(arch: DecoderArch, kind: str, layer: int, shape: Microbatc
         return _estimate(params, 0, 0, 2 * t * h * b, t * h * b, t * h * b, b)
     if kind == "head":
         io = t * (h * b + v * b + 12 * v)
-        return _estimate(v * h + arch.head_bias * v, 2 * t * h * v, 0, io, t * (h * b + 4 * v), t * v * b, b)
+        head = _estimate(v * h + arch.head_bias * v, 2 * t * h * v, 0, io, t * (h * b + 4 * v), t * v * b, b)
+        return dataclasses.replace(head, tied_params=v * h) if arch.tied_embeddings else head
     if kind != "layer":
         raise ValueError(f"an LLM has no {kind!r} unit")
     sequences, length = _sequences(shape, t)

@@ -403,9 +403,13 @@ def _adamw_state_bytes(params: Sequence[nn.Parameter]) -> int:
     return sum(_nbytes(v) for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor))
 
 
-def _unit_bytes(model: MultimodalModel, spec: UnitSpec) -> tuple[int, int, int]:
-    """``(parameter, gradient, optimizer-state)`` bytes of a unit under the real flags."""
-    params = list({id(p): p for m in spec.modules for p in model.get_submodule(m).parameters()}.values())
+def _unit_bytes(model: MultimodalModel, spec: UnitSpec, held: set[int]) -> tuple[int, int, int]:
+    """``(parameter, gradient, optimizer-state)`` bytes of a unit under the real flags; a parameter in ``held`` (ids
+    of the earlier units' parameters: a tied LLM head's weight is the embedding's) is not counted again. Adds the
+    unit's parameters to ``held``."""
+    params = [p for p in {id(p): p for m in spec.modules for p in model.get_submodule(m).parameters()}.values()
+              if id(p) not in held]
+    held.update(id(p) for p in params)
     trainable = [p for p in params if p.requires_grad]
     return (sum(_nbytes(p) for p in params), sum(_nbytes(p) for p in trainable), _adamw_state_bytes(trainable))
 
@@ -560,8 +564,9 @@ def measure_profile(
     saved = [_saved_bytes(model, specs, b, llm_kwargs, autocast) for b in microbatches]
     n = len(microbatches)
     measurements = []
+    held: set[int] = set()
     for i, spec in enumerate(specs):
-        param, grad, state = _unit_bytes(model, spec)
+        param, grad, state = _unit_bytes(model, spec, held)
         mean = lambda attr: sum(getattr(t[i], attr) for t in per_mb) / n  # noqa: E731
         measurements.append(UnitMeasurement(
             spec.unit.name, mean("forward"), mean("dx"), mean("dw"), mean("fused"), param, grad, state,
