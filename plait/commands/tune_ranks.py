@@ -254,7 +254,7 @@ def plot_laws(observations: Sequence[Observation], conv: dict[str, PowerLaw], pe
     """``laws.png``: per module, Law-C and Law-P against rank (log-log), the observations as dots per subset size
     and the fitted law as lines, plus the law's prediction at the full data size (dashed)."""
     modules = list(conv)
-    fig, axes = new_figure(10, 3.2 * len(modules), nrows=2 * len(modules), sharex=False)
+    fig, axes = new_figure(10, 2.8 * 2 * len(modules), nrows=2 * len(modules), sharex=False)
     ranks = sorted({o.rank for o in observations})
     grid = np.geomspace(min(ranks), max(ranks), 50)
     for k, m in enumerate(modules):
