@@ -215,6 +215,9 @@ class PipelineTrainer(Trainer):
                            for s in self.plan.stages)
         placement = f", {pp.virtual_stages} LLM stages per rank" if pp.virtual_stages > 1 else ""
         placement += ", encoders on the first LLM rank" if pp.attach_encoders else ""
+        if self.dims.dp_shard > 1:  # self.dp counts every pipeline: dp replicas x dp_shard shard ranks
+            hsdp = f", HSDP over {self.dims.dp} replicas" if self.dims.dp > 1 else ""
+            placement += f", each stage's trainable units sharded (FSDP2) over {self.dims.dp_shard} ranks{hsdp}"
         print(f"plait: pipeline {pp.layout}, {self.plan.num_stages} stages on {self.pp} ranks{placement} x "
               f"{self.dp} replica(s) x CP {self.cp}, schedule {pp.schedule}; stages {stages}", flush=True)
 
