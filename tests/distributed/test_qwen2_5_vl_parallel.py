@@ -1,7 +1,7 @@
 """The Qwen2.5-VL vision branch under PP=2 (both layouts), PP=3 with the tower split inside its blocks across two
 ranks (the per-call hook: rotary tables, cu_seqlens and the window index recomputed from ``grid_thw`` on the later
-stage; window-ordered hidden states on the wire; the merger on the second rank) and CP=2 (gloo, ``plait train``
-under torchrun) equal one process: per-step losses and the final model.
+stage; window-ordered hidden states on the wire; the merger on the second rank), CP=2 and DP=2 (gloo, ``plait
+train`` under torchrun) equal one process: per-step losses and the final model.
 
 The job mixes single-image demo records with a two-image record of different sizes, so microbatches pack images of
 several grids into one tower call.
@@ -28,6 +28,7 @@ LAYOUTS = {
     "pp3-tower_split": (3, {"pp": {"degree": 3, "layout": "encoder_parallel", "schedule": "1f1b",
                                    "splits": {"vision": ["encoders.vision.encoder.blocks.2"]}}}),
     "cp2": (2, {"cp": 2}),
+    "dp2": (2, {"dp": 2}),
 }
 
 
