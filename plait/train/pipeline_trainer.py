@@ -219,7 +219,8 @@ class PipelineTrainer(Trainer):
             hsdp = f", HSDP over {self.dims.dp} replicas" if self.dims.dp > 1 else ""
             placement += f", each stage's trainable units sharded (FSDP2) over {self.dims.dp_shard} ranks{hsdp}"
         print(f"plait: pipeline {pp.layout}, {self.plan.num_stages} stages on {self.pp} ranks{placement} x "
-              f"{self.dp} replica(s) x CP {self.cp}, schedule {pp.schedule}; stages {stages}", flush=True)
+              f"{self.dp} {'pipelines' if self.dims.dp_shard > 1 else 'replica(s)'} x CP {self.cp}, schedule "
+              f"{pp.schedule}; stages {stages}", flush=True)
 
     # ------------------------------------------------------------------ one step
     def schedule_for(self, num_microbatches: int) -> Schedule:
