@@ -128,8 +128,8 @@ def qwen2_5_vl_dummy_input(config: Any, dtype: torch.dtype, device: torch.device
     """A one-image input of one window (``window_size`` pixels square), zeros in ``dtype``. On the meta device the
     per-call tensors are passed precomputed (the stock forward accepts them): position ids and window index on
     ``device``, the sequence boundaries (read with ``.tolist()``) and the grid on the CPU."""
-    side = max(1, int(config.window_size) // int(config.patch_size))
-    side += side % int(config.spatial_merge_size)
+    merge = int(config.spatial_merge_size)
+    side = -(-max(1, int(config.window_size) // int(config.patch_size)) // merge) * merge  # whole merge blocks
     pixels = torch.zeros(side * side, patch_values(config), dtype=dtype, device=device)
     if torch.device(device or "cpu").type != "meta":
         return {"hidden_states": pixels, "grid_thw": torch.tensor([[1, side, side]], device=device)}
