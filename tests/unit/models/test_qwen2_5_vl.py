@@ -384,3 +384,30 @@ def test_video_record_is_one_item_of_temporal_patches_and_trains(tmp_path):
     assert record_metadata(trainer.processor, parse_record(rec, "t.jsonl:1", tmp_path)) == sample.meta
     result = trainer.fit()
     assert len(result["losses"]) == 2 and all(np.isfinite(result["losses"]))
+
+
+def test_frozen_tower_units_keep_no_graph_and_its_projector_trains():
+    """Frozen tower, trainable projector: the tower's units neither train nor need input gradients, a stage split
+    inside the blocks runs them without autograd, and only the projector receives gradients."""
+    from plait.models.units import model_units
+    from plait.parallel.stages import build_rank_stages
+    from plait.planner.pipeline_plan import plan_pipeline
+    from tests.distributed.pipeline_worker import make_batch
+    from tests.unit.parallel.test_stages import on_one_rank
+
+    model = _model()
+    model.set_frozen("encoder", True, "image")
+    units = [u for u in model_units(model) if u.module == "image"]
+    assert [(u.kind, u.trainable, u.needs_input_grad) for u in units] == (
+        [("embed", False, False)] + [("layer", False, False)] * 4 + [("norm", False, False), ("projector", True, False)])
+    plan = on_one_rank(plan_pipeline(model_units(model), splits={"image": ["encoders.image.encoder.blocks.2"]}))
+    stages = build_rank_stages(model, plan, 0)
+    batch = make_batch("t", 0)
+    batch.modality_inputs = {"image": _inputs()}
+    first, second = (stages.stages[i] for i in plan.module_stages("image"))
+    hidden = first.forward(batch, {}, None, {})
+    assert hidden["image"][0].grad_fn is None
+    out = second.forward(batch, {first.index: hidden}, None, {})["image"][0]
+    out.sum().backward()
+    grads = {n for n, p in model.encoders["image"].named_parameters() if p.grad is not None}
+    assert grads == {"projector.linear_1.weight", "projector.linear_1.bias"}
