@@ -1,7 +1,8 @@
 """FSDP2 under pipeline parallelism: PP=2 x ``parallel.dp_shard=2`` under torchrun (gloo, 4 processes) equals one
 process on the same global batches: losses (rel 1e-5), first-step gradients and final parameters after AdamW steps
 (``assert_same_training``, the tolerances of ``test_fsdp.py``), with frozen encoders + trainable projectors (deferral
-on: hierarchical plans that defer; validation through the sharded stages equals one process's too) and with everything trainable (encoders on the first LLM rank, the LLM cut in
+on: hierarchical plans that defer; validation through the sharded stages equals one process's too, and
+its checkpoint resumes in one process) and with everything trainable (encoders on the first LLM rank, the LLM cut in
 two stages with its embedding tied to the head on the other rank, activation checkpointing, a pipeline whose share
 of the batch holds no image); and the runtime alone with a split-backward schedule (``W`` actions) on 2 shard
 ranks."""
@@ -24,7 +25,7 @@ from plait.train.metrics import read_metrics
 from tests.conftest import ROOT, demo_records, write_jsonl
 from tests.distributed.pipeline_worker import apply_mode, make_batch, reference_step, tiny_model
 from tests.distributed.spawning import free_port, gloo_group, spawn_and_wait
-from tests.distributed.test_fsdp import assert_equal_runs, job, run
+from tests.distributed.test_fsdp import assert_equal_runs, assert_same_params, job, run
 from tests.unit.parallel.test_stages import SPLIT, on_one_rank
 
 WORKER = ROOT / "tests" / "distributed" / "fsdp_pipeline_worker.py"
@@ -60,6 +61,12 @@ def test_pp2_fsdp2_frozen_encoders_trainable_projectors_with_deferral(tmp_path):
     assert not any(g.startswith("language_model.") for g in encoders)  # each rank shards only its own stages
     assert sum(".layers." in g for g in llm) == 2 and not any(g.startswith("encoders.") for g in llm)
     assert_equal_runs(single, both)
+    # its step-1 checkpoint (sharded stages) resumed by one process: DCP reshards, the last step repeats exactly
+    resumed = run(job(tmp_path, True), tmp_path, "resumed", 1, resume_from=str(
+        tmp_path / "run_pp_fsdp" / "checkpoints" / "step_000001"))
+    assert resumed["start"] == 1
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(single["losses"][1:]), rtol=1e-5, atol=0)
+    assert_same_params(single, resumed)
 
 
 def test_pp2_fsdp2_all_trainable_tied_embeddings_and_a_pipeline_without_images(tmp_path):
