@@ -116,6 +116,11 @@ _ENCODER_TP_PLANS = {
             "attention.o_proj": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
     "whisper": {**_ATTN_MLP, "fc1": "colwise", "fc2": "rowwise"},
     "qwen2_audio_encoder": {**_ATTN_MLP, "fc1": "colwise", "fc2": "rowwise"},
+    # Pixtral: heads split with their 2D RoPE (the same per-head rotation on every head); gated MLP. InternVL has no
+    # plan: its attention reshapes its output to the full embed_dim, which a rank holding some heads does not have
+    "pixtral": {"attention.q_proj": "colwise", "attention.k_proj": "colwise", "attention.v_proj": "colwise",
+                "attention.o_proj": "rowwise", "feed_forward.gate_proj": "colwise", "feed_forward.up_proj": "colwise",
+                "feed_forward.down_proj": "rowwise"},
 }
 
 

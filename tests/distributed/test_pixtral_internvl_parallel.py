@@ -1,6 +1,6 @@
 """Pixtral and InternVL vision branches under PP=2 (both layouts), PP=3 with the tower split across two ranks (the
-per-call hook: Pixtral's 2D RoPE and block mask recomputed on the later stage) and CP=2 (gloo, ``plait train`` under
-torchrun) equal one process: per-step losses and the final model.
+per-call hook: Pixtral's 2D RoPE and block mask recomputed on the later stage), CP=2 and (Pixtral) TP=2 (gloo,
+``plait train`` under torchrun) equal one process: per-step losses and the final model.
 
 The jobs mix single-image demo records with a two-image record of different sizes (Pixtral packs both into one patch
 sequence; InternVL tiles each), so every microbatch holds images of several sizes.
@@ -35,6 +35,7 @@ LAYOUTS = {
     "pp2-encoders_colocated": (2, {"pp": {"degree": 2, "layout": "encoders_colocated", "schedule": "gpipe"}}),
     "pp3-tower_split": (3, {"pp": {"degree": 3, "layout": "encoder_parallel", "schedule": "1f1b"}}),
     "cp2": (2, {"cp": 2}),
+    "tp2": (2, {"tp": 2}),
 }
 
 
@@ -86,8 +87,9 @@ def references(tmp_path_factory):
 
 
 # InternVL's layers take no per-call input: its tower split is checked in one process
-# (tests/unit/models/test_pixtral_internvl.py), which keeps this file's runtime down
-CASES = [(f, layout) for f in FAMILIES for layout in LAYOUTS if (f, layout) != ("internvl", "pp3-tower_split")]
+# (tests/unit/models/test_pixtral_internvl.py), which keeps this file's runtime down; it has no TP plan
+CASES = [(f, layout) for f in FAMILIES for layout in LAYOUTS
+         if (f, layout) not in (("internvl", "pp3-tower_split"), ("internvl", "tp2"))]
 
 
 @pytest.mark.parametrize("family, layout", CASES)

@@ -331,3 +331,15 @@ def test_pixtral_split_tower_under_activation_checkpointing_gives_the_same_gradi
     for name, param in reference.named_parameters():
         if name.startswith("encoders."):
             torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_pixtral_tp_plan_covers_every_linear_of_a_layer_and_internvl_has_none():
+    from plait.models.hf import encoder_tp_plan
+
+    encoder = _pixtral()
+    plan = encoder_tp_plan(encoder)
+    linears = {f"transformer.layers.*.{n}" for n, m in encoder.transformer.layers[0].named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    assert set(plan) == linears and plan["transformer.layers.*.attention.o_proj"] == "rowwise"
+    with pytest.raises(ValueError, match="no tensor-parallel plan for encoder model_type 'internvl_vision'"):
+        encoder_tp_plan(build_encoder("image", config=dict(TINY_INTERNVL)))
