@@ -1,7 +1,8 @@
 """The Qwen2.5-VL vision branch under PP=2 (both layouts), PP=3 with the tower split inside its blocks across two
 ranks (the per-call hook: rotary tables, cu_seqlens and the window index recomputed from ``grid_thw`` on the later
-stage; window-ordered hidden states on the wire; the merger on the second rank), CP=2 and DP=2 (gloo, ``plait
-train`` under torchrun) equal one process: per-step losses and the final model.
+stage; window-ordered hidden states on the wire; the merger on the second rank), CP=2, DP=2 and FSDP2
+(``dp_shard = 2``) with activation checkpointing (gloo, ``plait train`` under torchrun) equal one process: per-step
+losses and the final model.
 
 The job mixes single-image demo records with a two-image record of different sizes, so microbatches pack images of
 several grids into one tower call.
@@ -29,6 +30,7 @@ LAYOUTS = {
                                    "splits": {"vision": ["encoders.vision.encoder.blocks.2"]}}}),
     "cp2": (2, {"cp": 2}),
     "dp2": (2, {"dp": 2}),
+    "fsdp2-checkpointing": (2, {"dp_shard": 2}),
 }
 
 
@@ -53,11 +55,13 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_qwen2_5_vl_under_pp_and_cp_equals_one_process(tmp_path, reference, layout):
+def test_qwen2_5_vl_under_parallel_layouts_equals_one_process(tmp_path, reference, layout):
     ref_losses, ref_params = reference
     nproc, parallel = LAYOUTS[layout]
     job = _job(tmp_path, layout)
     job["parallel"].update(parallel)
+    if layout == "fsdp2-checkpointing":  # each block its own FSDP2 unit, recomputed in the backward
+        job["train"]["activation_checkpointing"] = "full"
     _torchrun_train(job, tmp_path, layout, nproc)
     losses = losses_of(tmp_path / layout)
     torch.testing.assert_close(torch.tensor([losses[s] for s in (1, 2)]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
