@@ -1,6 +1,6 @@
 """The Qwen2.5-VL vision branch under PP=2 (both layouts), PP=3 with the tower split inside its blocks across two
 ranks (the per-call hook: rotary tables, cu_seqlens and the window index recomputed from ``grid_thw`` on the later
-stage; window-ordered hidden states on the wire; the merger on the second rank), CP=2, DP=2 and FSDP2
+stage; window-ordered hidden states on the wire; the merger on the second rank), CP=2 and FSDP2
 (``dp_shard = 2``) with activation checkpointing (gloo, ``plait train`` under torchrun) equal one process: per-step
 losses and the final model.
 
@@ -29,7 +29,6 @@ LAYOUTS = {
     "pp3-tower_split": (3, {"pp": {"degree": 3, "layout": "encoder_parallel", "schedule": "1f1b",
                                    "splits": {"vision": ["encoders.vision.encoder.blocks.2"]}}}),
     "cp2": (2, {"cp": 2}),
-    "dp2": (2, {"dp": 2}),
     "fsdp2-checkpointing": (2, {"dp_shard": 2}),
 }
 
