@@ -1,0 +1,34 @@
+"""A plan with FSDP2-sharded pipeline stages (``plan_parallel`` choosing ``dp_shard`` > 1 with ``pp`` > 1) emits a
+``[parallel]`` + ``[parallel.pp]`` snippet that loads and lays the job out as planned."""
+
+from __future__ import annotations
+
+from plait.commands.plan import build_plan_inputs
+from plait.commands.plan_snippet import pp_snippet
+from plait.config.loader import load_config
+from plait.parallel.dims import ParallelDims
+from plait.planner.search import plan_layout
+from plait.planner.search_parallel import plan_parallel
+from plait.train.pipeline_trainer import PipelineTrainer
+from tests.conftest import ROOT
+
+DEMO = ROOT / "configs" / "demo.toml"
+
+
+def test_sharded_pipeline_plan_snippet_loads_as_planned(tmp_path):
+    cfg = load_config(DEMO)
+    inputs = build_plan_inputs(cfg, "cpu")
+    common = dict(microbatches=4, dp_degrees=[2], dtype=inputs.dtype, virtual_stages=(1,))
+    plain = plan_layout(inputs.units, inputs.costs, 8, **common)
+    cap = 0.9 * max(plain.stage_memory_bytes)  # 8 devices, 4 microbatches: FSDP2 without stages cannot run
+    choice = plan_parallel(inputs.units, inputs.costs, 8, memory_cap=cap, tp_degrees=[1], dp_shard_degrees=[2],
+                           checkpointing=["none"], prefer_plain=False, **common)
+    assert (choice.dp, choice.dp_shard, choice.plan.num_ranks) == (2, 2, 4) and choice.fits_memory
+    snippet, why = pp_snippet(cfg, choice, inputs.units, inputs.unit_source)
+    assert snippet is not None, why
+    assert "8 processes = dp 1 x dp_shard 2 x pp 4 x tp 1" in snippet.splitlines()[0]
+    job = tmp_path / "job.toml"  # the tables pasted in place of the job's [parallel] keys
+    job.write_text(DEMO.read_text() + "\n" + snippet)
+    planned = load_config(job)
+    assert PipelineTrainer.layout(planned, 8) == ParallelDims(dp=1, pp=4, dp_shard=2)
+    assert planned.parallel.pp.microbatches == choice.microbatches_per_replica == 2
