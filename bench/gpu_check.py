@@ -5,8 +5,9 @@ no manual steps, prints tables and exits 1 when a check fails.
    (rows of several documents, each with an image item whose tokens see each other: ``bidirectional_items``), with
    grouped-query heads: the flex backend (``torch.compile``'d ``flex_attention`` on CUDA) and plait's chunked SDPA
    backend, forward and backward, each against a float32 dense-mask SDPA reference; prints the largest error of the
-   output and of the query/key/value gradients and the milliseconds of one forward+backward. Passes when flex's
-   error is at most twice SDPA's (or below 2e-2 in bf16). On CPU flex has no backward: forward only, eager.
+   output and of the query/key/value gradients (relative to the reference's largest magnitude) and the milliseconds
+   of one forward+backward. Passes when flex's error is at most 3 x SDPA's (or below 1e-2 in bf16, 1e-5 in fp32).
+   On CPU flex has no backward: forward only, eager.
 2. **training**: for each model (``demo``: ``configs/demo.toml``; ``1b``: the demo job with a 1.0B-parameter Llama
    LLM, a 86M SigLIP vision tower and a 19M Whisper audio encoder, about 1.1B parameters in all, from config
    overrides; ``tiny``: a few thousand parameters, for the CPU test) on the first ``--batch`` demo training samples
@@ -124,7 +125,9 @@ def _reference(q, k, v, info, grad_out):
 
 
 def _max_error(got, ref) -> float:
-    return max(float((g.float() - r.float()).abs().max()) for g, r in zip(got, ref))
+    """The largest ``max |got - ref| / max |ref|`` over the tensor pairs (relative to each reference's scale)."""
+    return max(float((g.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-30))
+               for g, r in zip(got, ref))
 
 
 def _timed_ms(fn, device: str, repeats: int) -> float:
@@ -154,7 +157,7 @@ def flex_check(device: str) -> bool:
           f"image item each, {heads} query / {kv_heads} KV heads of {dim}, {str(dtype).removeprefix('torch.')}; "
           f"{'forward + backward, flex compiled' if cuda else 'forward only, flex eager: no CPU backward'}) vs a "
           "float32 dense-mask SDPA reference", flush=True)
-    print(f"{'backend':<16} {'out max err':>12} {'grad max err':>13} {'fwd+bwd ms' if cuda else 'fwd ms':>11}")
+    print(f"{'backend':<16} {'out rel err':>12} {'grad rel err':>13} {'fwd+bwd ms' if cuda else 'fwd ms':>11}")
     errors = {}
     for backend in ("flex", "sdpa"):
         run = lambda: _attention_pass(backend, q, k, v, info, grad_out, cuda)  # noqa: E731
@@ -165,9 +168,9 @@ def flex_check(device: str) -> bool:
         errors[backend] = (_max_error([out], [ref_out]), _max_error(grads, ref_grads) if grads else 0.0)
         grad = f"{errors[backend][1]:.2e}" if grads else "n/a"
         print(f"{backend:<16} {errors[backend][0]:>12.2e} {grad:>13} {ms:>11.2f}")
-    floor = 2e-2 if cuda else 1e-5
-    ok = all(errors["flex"][i] <= max(2 * errors["sdpa"][i], floor) for i in range(2))
-    print(f"flex within max(2 x SDPA's error, {floor:g}): {ok}")
+    floor = 1e-2 if cuda else 1e-5
+    ok = all(errors["flex"][i] <= max(3 * errors["sdpa"][i], floor) for i in range(2))
+    print(f"flex within max(3 x SDPA's error, {floor:g}) of the reference's scale: {ok}")
     return ok
 
 
