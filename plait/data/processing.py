@@ -88,7 +88,8 @@ class ProcessedSample:
             no loss is taken.
         item_ids: ``[L]`` int64: -1 on text tokens, else the index of the media item within the sample.
         inputs: per encoder name, a list of per-item dicts (``pixel_values [C,H,W]`` or
-            ``input_features [mel, T]`` + ``num_samples``), in sequence order; a video gives one item per frame.
+            ``input_features [mel, T]`` + ``num_samples``), in sequence order; a video gives its encoding's items
+            (one per frame by default).
         meta: :class:`SampleMeta`.
         answer: the reference answer text (last assistant message), for validation.
     """
