@@ -72,6 +72,10 @@ from plait.train.optim import LRSchedule, build_optimizer, lr_factor
 
 __all__ = ["LaunchPlan", "ResilientWorker", "WorkerRun", "microbatch_ranges", "run_resilient_worker"]
 
+MAX_REPLAYS = 3
+"""Replays of a step that fails with every worker alive (a slow worker taken for dead, or an error of the step
+itself) before the job stops with the error."""
+
 ADAMW_STATE = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(1), "exp_avg_sq": torch.zeros(1)}
 """The per-parameter state keys of AdamW (shapes per parameter), for receiving moved units."""
 
@@ -153,6 +157,7 @@ class ResilientWorker:
     schedule: LRSchedule | None = None
     writer: MetricsWriter | None = None
     last_row: dict[str, Any] | None = None
+    last_error: str = ""
 
     @property
     def worker(self) -> int:
@@ -225,7 +230,8 @@ class ResilientWorker:
         hook = self._maybe_kill(step)
         try:
             loss, norm = self._gradients(run, batches, targets)
-        except RuntimeError:
+        except RuntimeError as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"  # text only: the traceback holds the old groups
             self.membership.commit(f"step{step}", ready=False)  # the others stop waiting for this worker
             return None
         finally:
@@ -403,10 +409,15 @@ class ResilientWorker:
         epoch, begin = loader.epoch, time.monotonic()
         indices = loader.next_batch()
         batches, targets = self._batches(indices)
-        failed_at = None
+        failed_at, in_vain = None, 0
         while (done := self._try_step(run, batches, targets, step)) is None:  # replay the step until it commits
-            failed_at = failed_at or time.monotonic()
+            failed_at, members = failed_at or time.monotonic(), self.membership.members
             run = self._recover(run, failed_at)  # outside the except: its traceback held the old groups
+            in_vain = in_vain + 1 if self.membership.members == members else 0
+            if in_vain == MAX_REPLAYS:  # a failure no worker's death explains (a bug, not a peer): stop
+                seen = self.last_error or "none here (another worker abandoned the step)"
+                raise RuntimeError(f"step {step} failed {in_vain} times in a row with every worker alive; last "
+                                   f"error on worker {self.worker}: {seen}")
         loss, lr, norm = done
         record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr,
                   "samples": [self.train_set.sample_meta(i).id for i in indices],
