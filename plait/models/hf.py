@@ -244,6 +244,8 @@ def build_encoder(
             return cls(sub, **kwargs)
         if weights and sub is not cfg and cfg.model_type in qwen2_5_vl.MODEL_TYPES:  # a full checkpoint's tower
             return cls.from_pretrained(path, config=sub, key_mapping=qwen2_5_vl.TOWER_KEYS)
+        if weights and sub is not cfg and cfg.model_type in internvl.MODEL_TYPES:  # a full InternVL checkpoint's tower
+            return cls.from_pretrained(path, config=sub, key_mapping=internvl.TOWER_KEYS)
         return cls.from_pretrained(path, **kwargs) if weights else cls._from_config(sub, **kwargs)
     if modality == "audio":
         if cfg.model_type not in _AUDIO:

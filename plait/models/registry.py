@@ -194,6 +194,8 @@ def apply_freezing(model: MultimodalModel, cfg: ModelConfig) -> None:
 def _hf_processor(enc: EncoderConfig, branch: ModalityEncoder) -> Any:
     if enc.path:
         auto = transformers.AutoImageProcessor if enc.modality == "image" else transformers.AutoFeatureExtractor
+        if branch.encoder.config.model_type in internvl.MODEL_TYPES:  # InternVL's processor tiles on every call
+            return auto.from_pretrained(enc.path, **{"crop_to_patches": True, **enc.processor})
         return auto.from_pretrained(enc.path)
     kwargs = dict(enc.processor)
     cfg = branch.encoder.config

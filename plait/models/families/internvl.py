@@ -14,6 +14,10 @@ InternVL branch is ``1 / downsample_ratio`` (2 for InternVL) and :func:`pixel_sh
 own ``pixel_shuffle`` (it reads nothing of its model instance, so it is called on the class), so the features equal
 the stock model's projector input.
 
+A full InternVL checkpoint (``model_type = "internvl"``, e.g. ``InternVL3-1B-hf``) gives its vision tower (its
+``downsample_ratio`` 0.5 is plait's ``downsample = 2``); its saved image processor is the tiling one, used with
+``crop_to_patches`` on as InternVL's processor calls it.
+
 With ``use_mean_pooling`` (every InternVL checkpoint) the tower's ``layernorm`` is an ``nn.Identity``: the branch has
 no post-norm unit. Its layers take the hidden states only (no mask, no positions), so a pipeline stage may start at
 any layer.
@@ -27,11 +31,14 @@ from typing import Any
 import torch
 from transformers.models.internvl.modeling_internvl import InternVLModel
 
-__all__ = ["MODEL_TYPES", "LAYER_CLASS", "InternVLFeatureCount", "internvl_inputs", "internvl_dummy_input",
+__all__ = ["MODEL_TYPES", "TOWER_KEYS", "LAYER_CLASS", "InternVLFeatureCount", "internvl_inputs", "internvl_dummy_input",
            "pixel_shuffle_features", "has_post_norm", "tile_size", "check_internvl_processor"]
 
-# config model_type -> where the vision config lives (None: the config itself)
-MODEL_TYPES = {"internvl_vision": None}
+# config model_type -> where the vision config lives (None: the config itself; "vision_config": a full model's)
+MODEL_TYPES = {"internvl_vision": None, "internvl": "vision_config"}
+TOWER_KEYS = {r"^(model\.)?vision_tower\.": ""}
+"""Key mapping of a full InternVL checkpoint (``InternVLForConditionalGeneration``: ``model.vision_tower.*``) onto
+the tower's own names, for ``from_pretrained(..., key_mapping=...)``."""
 LAYER_CLASS = "InternVLVisionLayer"
 
 

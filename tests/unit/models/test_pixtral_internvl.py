@@ -343,3 +343,26 @@ def test_pixtral_tp_plan_covers_every_linear_of_a_layer_and_internvl_has_none():
     assert set(plan) == linears and plan["transformer.layers.*.attention.o_proj"] == "rowwise"
     with pytest.raises(ValueError, match="no tensor-parallel plan for encoder model_type 'internvl_vision'"):
         encoder_tp_plan(build_encoder("image", config=dict(TINY_INTERNVL)))
+
+
+def test_a_full_internvl_checkpoint_gives_its_tower_and_tiling_processor(tmp_path):
+    from plait.models.registry import build_model, build_processor, load_tokenizer
+
+    full = T.InternVLForConditionalGeneration(_internvl_model().config)
+    full.save_pretrained(tmp_path / "internvl")
+    _tiling_processor().__class__(size={"height": 32, "width": 32}).save_pretrained(tmp_path / "internvl")
+    job = _job(tmp_path, "internvl", {})
+    job["model"]["encoders"]["vision"] = {"modality": "image", "path": str(tmp_path / "internvl"),
+                                          "select": "drop_cls", "downsample": 2}
+    cfg = config_from_dict(job)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    model = build_model(cfg.model, tokenizer)
+    tower = model.encoders["vision"].encoder
+    assert tower.config.model_type == "internvl_vision"
+    loaded = build_encoder("image", path=str(tmp_path / "internvl")).state_dict()  # from_pretrained's key mapping
+    for name, value in full.model.vision_tower.state_dict().items():
+        torch.testing.assert_close(tower.state_dict()[name], value, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
+    processor = build_processor(cfg.model, model, tokenizer, 256).specs["image"].hf_processor
+    assert processor.crop_to_patches and processor(images=_images([(24, 80)]), return_tensors="pt")[
+        "num_patches"].tolist() == [4]
