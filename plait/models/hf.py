@@ -222,10 +222,11 @@ def build_encoder(
     """Build (from a config dict) or load (from a local directory) a Hugging Face modality encoder.
 
     Vision: SigLIP / CLIP vision towers and ViT (a full CLIP/SigLIP checkpoint gives its vision
-    tower), SigLIP2, Qwen2.5-VL, Pixtral and InternVL vision towers (``models.families``). Audio: the Whisper encoder (a full Whisper checkpoint gives its encoder). With ``weights=False``
-    a ``path`` only supplies the config (and dtype): the module is built as ``from_pretrained`` would build
-    it but keeps its constructor's values (call under ``torch.device("meta")`` for a structure-only build,
-    then :func:`plait.models.init.materialize`). ``field`` (``model.encoders.vision``) names the job's table in
+    tower), SigLIP2, Qwen2.5-VL, Pixtral and InternVL vision towers (``models.families``; a full Qwen2.5-VL or
+    InternVL checkpoint gives its tower). Audio: the Whisper encoder (a full Whisper checkpoint gives its encoder).
+    With ``weights=False`` a ``path`` only supplies the config (and dtype): the module is built as
+    ``from_pretrained`` would build it but keeps its constructor's values (call under ``torch.device("meta")`` for
+    a structure-only build, then :func:`plait.models.init.materialize`). ``field`` (``model.encoders.vision``) names the job's table in
     errors.
 
     Raises:

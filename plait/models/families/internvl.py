@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from transformers.models.internvl.modeling_internvl import InternVLModel
 
-__all__ = ["MODEL_TYPES", "TOWER_KEYS", "LAYER_CLASS", "InternVLFeatureCount", "internvl_inputs", "internvl_dummy_input",
-           "pixel_shuffle_features", "has_post_norm", "tile_size", "check_internvl_processor"]
+__all__ = ["MODEL_TYPES", "TOWER_KEYS", "LAYER_CLASS", "InternVLFeatureCount", "internvl_inputs",
+           "internvl_dummy_input", "pixel_shuffle_features", "has_post_norm", "tile_size", "check_internvl_processor"]
 
 # config model_type -> where the vision config lives (None: the config itself; "vision_config": a full model's)
 MODEL_TYPES = {"internvl_vision": None, "internvl": "vision_config"}
