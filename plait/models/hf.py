@@ -226,8 +226,8 @@ def build_encoder(
     InternVL checkpoint gives its tower). Audio: the Whisper encoder (a full Whisper checkpoint gives its encoder).
     With ``weights=False`` a ``path`` only supplies the config (and dtype): the module is built as
     ``from_pretrained`` would build it but keeps its constructor's values (call under ``torch.device("meta")`` for
-    a structure-only build, then :func:`plait.models.init.materialize`). ``field`` (``model.encoders.vision``) names the job's table in
-    errors.
+    a structure-only build, then :func:`plait.models.init.materialize`). ``field`` (``model.encoders.vision``)
+    names the job's table in errors.
 
     Raises:
         ValueError: for an unsupported ``model_type`` or modality, naming the supported ones; for a ``path``
