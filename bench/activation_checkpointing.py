@@ -8,8 +8,9 @@ For each model (the demo ``configs/demo.toml``; ``larger``: the demo job with a 
 2. **saved bytes**: one ``forward_backward`` of the global batch per policy, counting the distinct storages kept
    for the backward (real tensors, every microbatch of the step): what autograd saves
    (``torch.autograd.graph.saved_tensors_hooks``) plus what each checkpointed layer holds for its recomputation
-   (its tensor arguments: input hidden states, masks; a forward pre-hook), with the planner's prediction of the
-   same ratio next to it (``planner.recompute.checkpointed_costs`` on the analytic unit costs);
+   (its tensor arguments: input hidden states, masks; a forward pre-hook), parameters excluded (a matmul saves its
+   weight: parameter memory, not an activation; the one counter, ``bench/tensor_bytes.py``), with the planner's
+   prediction of the same ratio next to it (``planner.recompute.checkpointed_costs`` on the analytic unit costs);
 3. **step time**: ``--steps`` optimizer steps per policy after one warm-up, interleaved (policy order rotated each
    round, so drifts in machine load hit every policy alike), median seconds;
 4. print one table per model with ratios to ``none``.
@@ -34,6 +35,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from bench.plan_holds import small_train_set  # noqa: E402
+from bench.tensor_bytes import saved_activation_bytes  # noqa: E402
 
 POLICIES = ("none", "selective", "full")
 LARGER = [
@@ -60,34 +62,11 @@ def build(model: str, policy: str, folder: Path, samples: int, batch: int):
 
 
 def saved_bytes(trainer, indices: list[int]) -> int:
-    """Bytes of the distinct storages kept for the backward over one forward/backward of ``indices``: what autograd
-    saves, plus the tensor arguments a checkpointed layer holds for its recomputation (its input, masks); each
-    storage once (held alive to the end, so no address is reused and counted twice)."""
-    from plait.parallel.checkpointing import is_checkpointed
-
-    seen: dict[int, int] = {}
-    alive: list[torch.Tensor] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-        alive.append(t)
-        return t
-
-    def held(module, args, kwargs) -> None:
-        if torch.is_grad_enabled():
-            for value in (*args, *kwargs.values()):
-                if isinstance(value, torch.Tensor):
-                    pack(value)
-
-    hooks = [m.register_forward_pre_hook(held, with_kwargs=True) for m in trainer.model.modules()
-             if is_checkpointed(m)]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        trainer.forward_backward(indices)
-    for hook in hooks:
-        hook.remove()
+    """Bytes kept for the backward over one forward/backward of ``indices`` (``bench.tensor_bytes``: what autograd
+    saves plus a checkpointed layer's arguments, parameters excluded, each storage once)."""
+    saved = saved_activation_bytes(trainer.model, lambda: trainer.forward_backward(indices))
     trainer.optimizer.zero_grad(set_to_none=True)
-    return sum(seen.values())
+    return saved
 
 
 def predicted_ratios(trainer) -> dict[str, float]:

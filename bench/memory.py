@@ -13,7 +13,8 @@ tied and shared tensors count once; a sharded or TP-split parameter by its local
 - optimizer state: every tensor in AdamW's state (``exp_avg``, ``exp_avg_sq``, ``step``);
 - saved activations: what autograd keeps for the backward of one forward/backward
   (``torch.autograd.graph.saved_tensors_hooks``) plus the tensor arguments a checkpointed layer holds for its
-  recomputation, excluding parameters (a matmul saves its weight: that is parameter memory, counted above).
+  recomputation, excluding parameters (a matmul saves its weight: that is parameter memory, counted above); the
+  one counter, ``bench/tensor_bytes.py``.
 
 The table gives each per-rank figure (the largest over the ranks), its ratio to DDP's (the same per-rank bytes as
 one process: every DDP rank holds everything), and the planner's prediction (``planner.sharding.rank_memory``:
@@ -43,6 +44,7 @@ import torch  # noqa: E402
 
 from bench.activation_checkpointing import MODELS  # noqa: E402
 from bench.plan_holds import small_train_set  # noqa: E402
+from bench.tensor_bytes import saved_activation_bytes, storage_bytes  # noqa: E402
 
 COLUMNS = {  # label -> (dp_shard, tp)
     "DDP": (1, 1),
@@ -70,59 +72,12 @@ def job_config(model: str, dp_shard: int, tp: int, policy: str, microbatch: int,
     return cfg
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages of ``tensors`` (DTensors by their local shard)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        storage = _local(t).untyped_storage()
-        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-    return sum(seen.values())
-
-
-def saved_activation_bytes(trainer, indices, plan) -> int:
-    """Distinct storages kept for the backward of one forward/backward (module docstring), parameters excluded."""
-    from plait.parallel.checkpointing import is_checkpointed
-
-    params = {_local(p).untyped_storage().data_ptr() for p in trainer.model.parameters()}
-    seen: dict[int, int] = {}
-    alive: list[torch.Tensor] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
-            return t
-        storage = _local(t).untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-            alive.append(t)  # held to the end: no address reused and counted twice
-        return t
-
-    def held(module, args, kwargs) -> None:
-        if torch.is_grad_enabled():
-            for value in (*args, *kwargs.values()):
-                if isinstance(value, torch.Tensor):
-                    pack(value)
-
-    hooks = [m.register_forward_pre_hook(held, with_kwargs=True) for m in trainer.model.modules()
-             if is_checkpointed(m)]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        trainer.forward_backward(indices, plan)
-    for hook in hooks:
-        hook.remove()
-    return sum(seen.values())
-
-
 def measure(trainer, indices) -> dict[str, int]:
     """This rank's bytes of each kind (module docstring) after one optimizer step and one more forward/backward."""
     trainer.train_step(indices)  # AdamW's state exists from here
     trainer.optimizer.zero_grad(set_to_none=True)
     plan, _ = trainer.plan_step(indices)
-    activations = saved_activation_bytes(trainer, indices, plan)
+    activations = saved_activation_bytes(trainer.model, lambda: trainer.forward_backward(indices, plan))
     params = [p for p in trainer.model.parameters()]
     state = [v for s in trainer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     grads = [p.grad for p in params if p.grad is not None]
