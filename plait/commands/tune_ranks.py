@@ -239,12 +239,13 @@ def train_job(job: Path, log: Path, nproc: int) -> None:
 
 
 def _fit(observations: Sequence[Observation], modules: Sequence[str]) -> tuple[dict[str, PowerLaw], dict[str, PowerLaw]]:
-    """Law-C (convergence samples) and Law-P (validation loss) of every module from its observations."""
+    """Law-C (convergence samples; rank exponent varying with the data size) and Law-P (validation loss) of every
+    module from its observations."""
     conv, perf = {}, {}
     for m in modules:
         obs = [o for o in observations if o.module == m]
         d, r = [o.samples for o in obs], [o.rank for o in obs]
-        conv[m] = fit_power_law(d, r, [o.convergence for o in obs])
+        conv[m] = fit_power_law(d, r, [o.convergence for o in obs], rank_by_data=True)
         perf[m] = fit_power_law(d, r, [o.val_loss for o in obs])
     return conv, perf
 

@@ -157,3 +157,25 @@ def test_lora_at_rank_keeps_the_jobs_alpha_over_r():
     text = lora_toml({"llm": 4}, {"llm": lora_at_rank(job, 4)})
     assert tomllib.loads(text)["model"]["llm"]["lora"] == {"r": 4, "alpha": 8.0, "dropout": 0.1,
                                                            "target_modules": ["q_proj"]}
+
+
+def test_fit_recovers_a_rank_exponent_that_changes_with_the_data_size():
+    d, r = _grid()  # sizes 64, 128, 256 (geometric mean 128); ranks 2..16
+    y = 3.0 * d ** 0.9 * r ** (-0.1 - 0.2 * np.log(d / 128.0))  # -0.1 at D = 128, -0.3 at D = 384
+    law = fit_power_law(d, r, y, offset_grid=50, rank_by_data=True)
+    assert law.ref_samples == pytest.approx(128.0)
+    assert law.rank_exp == pytest.approx(-0.1, abs=1e-3) and law.rank_data_exp == pytest.approx(-0.2, abs=1e-3)
+    assert law.data_exp == pytest.approx(0.9, abs=1e-3) and law.offset < 1e-6 and law.r2 > 0.9999
+    assert law.rank_exponent(128.0 * math.e) == pytest.approx(-0.3, abs=1e-3)
+    assert law.predict(800, 8) == pytest.approx(3.0 * 800 ** 0.9 * 8 ** (-0.1 - 0.2 * math.log(800 / 128)), rel=1e-3)
+    t = law.predict(800, 8)
+    assert law.solve_rank(t, 800) == pytest.approx(8.0, rel=1e-6)
+    assert "r^(-0.100 -0.200 ln(D/128))" in law.describe("t")
+    assert PowerLaw.from_dict(json.loads(json.dumps(law.to_dict()))) == law
+    # A single exponent cannot follow the change: worse fit, residuals of several samples.
+    flat = fit_power_law(d, r, y, offset_grid=50)
+    assert flat.rank_data_exp == 0.0 and flat.r2 < 0.999 < law.r2
+    assert max(map(abs, flat.residuals)) > 10.0 and max(map(abs, law.residuals)) < 1e-6
+    # Two sizes cannot tell a changing exponent from a constant one: it stays constant.
+    two = d < 256
+    assert fit_power_law(d[two], r[two], y[two], offset_grid=50, rank_by_data=True).rank_data_exp == 0.0
