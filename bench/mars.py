@@ -76,8 +76,10 @@ def _smaller_job(cfg, records: int, batch: int, out: Path) -> Path:
     if records:
         batch = batch or cfg.train.global_batch_size
         data = out / f"train_{records}.jsonl"
-        data.parent.mkdir(parents=True, exist_ok=True)
-        data.write_text("".join(json.dumps(r) + "\n" for r in subset_records(cfg.data.train, cfg.train.seed)[:records]))
+        text = "".join(json.dumps(r) + "\n" for r in subset_records(cfg.data.train, cfg.train.seed)[:records])
+        if not data.is_file() or data.read_text() != text:  # unchanged: left alone for runs that read it now
+            data.parent.mkdir(parents=True, exist_ok=True)
+            data.write_text(text)
         job["data"]["train"] = str(data.resolve())
         job["train"].update(steps=math.ceil(records / batch), global_batch_size=batch,
                             microbatch_size=min(batch, job["train"]["microbatch_size"]))
