@@ -5,7 +5,7 @@ The launcher, not torchrun: torchrun's elastic agent restarts every worker of th
 from the last checkpoint), and torchft protects identical replicas only; plait's pipelines are heterogeneous
 replicas reshaped in place. The launcher:
 
-1. checks the job (:func:`check_launch`: a layout of its own, no validation, fault injection naming real workers)
+1. checks the job (:func:`check_launch`: a layout of its own, fault injection naming real workers)
    and the run folder (an earlier run's checkpoints, final model or launch logs are refused, or removed with
    ``--overwrite``, as ``plait train`` does); plans the pipeline templates for ``--nproc`` ranks and ``--f``
    failures (``plan_templates`` on the job's analytic unit costs, as ``plait plan``) and the first instantiation
@@ -16,8 +16,8 @@ replicas reshaped in place. The launcher:
    them, writing ``dead/<id>`` in the store when one exits (the survivors' agreement then does not wait for its
    heartbeat to go stale).
 
-Metrics (``metrics.jsonl``) and checkpoints (``checkpoint.every`` and the end) are written as ``plait train``
-writes them (``plait.train.resilient``); ``plait train --resume`` continues a launched run with any ordinary
+Metrics (``metrics.jsonl``), validation (``train.eval_every`` and the end, through the pipelines) and checkpoints
+(``checkpoint.every`` and the end) are done as ``plait train`` does them (``plait.train.resilient``); ``plait train --resume`` continues a launched run with any ordinary
 layout.
 
 Exit status: 0 when every worker that was not killed by a signal finished; otherwise the first failing worker's.
@@ -66,8 +66,7 @@ def check_launch(cfg, nproc: int, kills: Sequence[tuple[int, int]] = (),
     Raises:
         ValueError: naming the setting: ``parallel.tp``, ``parallel.dp_shard`` or ``parallel.cp`` above 1 (the
             launcher plans its own pipelines of whole layers: no tensor, FSDP2 or context parallelism inside
-            them); validation data (``data.val``, a source's ``val``: the heterogeneous pipelines do not
-            validate); a ``--kill`` or ``--rejoin`` of a worker id outside ``0..nproc-1`` (naming the valid ids).
+            them); a ``--kill`` or ``--rejoin`` of a worker id outside ``0..nproc-1`` (naming the valid ids).
     """
     p = cfg.parallel
     for name, value in (("tp", p.tp), ("dp_shard", p.dp_shard), ("cp", p.cp)):
@@ -76,14 +75,6 @@ def check_launch(cfg, nproc: int, kills: Sequence[tuple[int, int]] = (),
                              "data-parallel replicas of whole layers) and runs no tensor, FSDP2 or context "
                              f"parallelism inside them; set --parallel.{name}=1, or train with plait train under "
                              "torchrun (not resilient)")
-    d = cfg.data
-    vals = [f"data.val = {d.val!r}"] if d.val else []
-    vals += [f"data.sources[{i}].val = {src.val!r}" for i, src in enumerate(d.sources or ()) if src.val]
-    if vals:
-        raise ValueError(f"{', '.join(vals)}: plait launch does not validate (its pipelines are heterogeneous "
-                         "replicas); train without validation data (--data.val=\"\"; a source's val removed from "
-                         "the job file); plait train --resume from one of the checkpoints it writes continues "
-                         "with validation under an ordinary layout")
     for flag, pairs in (("--kill", kills), ("--rejoin", rejoins)):
         bad = sorted({w for w, _ in pairs if not 0 <= w < nproc})
         if bad:

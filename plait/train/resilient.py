@@ -54,6 +54,7 @@ from plait.config.schema import JobConfig
 from plait.data.chat_template import tokenizer_dir
 from plait.data.collate import Batch, collate
 from plait.data.mixture import build_batch_loader
+from plait.models.generation import stop_token_ids
 from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.parallel.hetero_dp import HeteroDP, build_hetero_dp, clip_grad_norm_hetero, hetero_pipeline_comm
 from plait.parallel.hetero_dp import hetero_pipeline_step
@@ -66,9 +67,11 @@ from plait.planner.schedules import build_schedule
 from plait.planner.templates import Instantiation, TemplateSet
 from plait.train.build import build_datasets, seed_everything
 from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, save_checkpoint
+from plait.train.evaluation import EvalReport, eval_batch_size, evaluate_on, load_metrics
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter
 from plait.train.optim import LRSchedule, build_optimizer, lr_factor
+from plait.train.replica_eval import replica_eval_side
 
 __all__ = ["LaunchPlan", "ResilientWorker", "WorkerRun", "microbatch_ranges", "run_resilient_worker"]
 
@@ -140,6 +143,13 @@ class WorkerRun:
     opt: torch.optim.Optimizer | None
     first: int
     count: int
+    eval_group: Any = None
+
+    def drop_groups(self) -> None:
+        """Drop this run's references to its process groups (gradient and validation groups), so that abandoning
+        them closes their sockets."""
+        self.hetero.groups.clear()
+        self.eval_group = None
 
 
 @dataclass
@@ -153,7 +163,10 @@ class ResilientWorker:
     tokenizer: Any = None
     processor: Any = None
     train_set: Any = None
+    val_set: Any = None
     names: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    stop_ids: list[int] = field(default_factory=list)
+    metric_fns: dict[str, Any] = field(default_factory=dict)
     schedule: LRSchedule | None = None
     writer: MetricsWriter | None = None
     last_row: dict[str, Any] | None = None
@@ -171,8 +184,10 @@ class ResilientWorker:
         self.tokenizer = load_tokenizer(tokenizer_dir(cfg.data, cfg.model), cfg.data.chat_template)
         model = self._fresh_model()
         self.processor = build_processor(cfg.model, model, self.tokenizer, cfg.data.max_length)
-        self.train_set, _ = build_datasets(cfg, self.processor, False)
+        self.train_set, self.val_set = build_datasets(cfg, self.processor, False)
         self.names = unit_parameter_names(model)
+        self.stop_ids = stop_token_ids(self.tokenizer, model.language_model.generation_config)
+        self.metric_fns = load_metrics(cfg.train.eval_metrics) if self.val_set is not None else {}
 
     def _fresh_model(self) -> Any:
         return build_model(self.cfg.model, self.tokenizer, device="cpu", seed=self.cfg.train.seed)
@@ -205,7 +220,13 @@ class ResilientWorker:
         hetero = build_hetero_dp(stages, comm, datetime.timedelta(seconds=self.plan.timeout_s))
         schedule = build_schedule(pipeline.template.plan, pipeline.template.schedule, pipeline.microbatches)
         first = sum(p.microbatches for p in inst.pipelines[:index])
-        return WorkerRun(inst, stages, hetero, schedule, opt, first, pipeline.microbatches)
+        eval_group = None
+        if self.val_set is not None:  # every rank creates every pipeline's group, in the same order (collective)
+            for p in inst.pipelines:
+                group = torch.distributed.new_group([rank_of[w] for w in p.ranks],
+                                                    timeout=datetime.timedelta(seconds=self.plan.timeout_s))
+                eval_group = group if p is pipeline and len(p.ranks) > 1 else eval_group
+        return WorkerRun(inst, stages, hetero, schedule, opt, first, pipeline.microbatches, eval_group)
 
     def _batches(self, indices: Sequence[int]) -> tuple[list[Batch | None], int]:
         """The global batch's microbatches (collated) and its target tokens."""
@@ -254,11 +275,14 @@ class ResilientWorker:
             return None
         return register_module_forward_pre_hook(lambda module, args: os.kill(os.getpid(), signal.SIGKILL))
 
-    def _write_row(self, row: dict[str, Any]) -> None:
-        """``metrics.jsonl`` as ``plait train`` writes it, by the current rank 0. A worker that becomes rank 0
-        mid-run (the previous one died) reopens the file at the step before its last committed row (which the
-        dead worker may not have written) and writes that row again before ``row``."""
-        last, self.last_row = self.last_row, row
+    def _write_row(self, row: dict[str, Any], training: bool = True) -> None:
+        """``metrics.jsonl`` as ``plait train`` writes it (``training``: a step's row, else a validation row), by
+        the current rank 0. A worker that becomes rank 0 mid-run (the previous one died) reopens the file at the
+        step before its last committed row (which the dead worker may not have written) and writes that row again
+        before ``row``."""
+        last = self.last_row
+        if training:
+            self.last_row = row
         if self.membership.rank != 0:
             if self.writer is not None:  # a rejoined lower worker id is rank 0 now
                 self.writer.close()
@@ -266,7 +290,7 @@ class ResilientWorker:
             return
         m = self.cfg.metrics
         if self.writer is None:
-            fresh = last is None and row["step"] == 1
+            fresh = last is None and row["step"] == 1 and training
             again = last if last is not None else row
             self.writer = MetricsWriter(m.run_dir, True, m.tensorboard, None if fresh else again["step"] - 1)
             if last is not None:
@@ -292,6 +316,37 @@ class ResilientWorker:
                 return run
             run = self._recover(run, time.monotonic())
 
+    def _evaluate(self, run: WorkerRun, steps: int, total: int) -> WorkerRun:
+        """Validate after ``steps`` steps when ``train.eval_every`` or the end asks for it, as ``plait train``
+        does (the loss per task, greedy answers, exact match, ``train.eval_metrics``, the predictions file), through
+        the pipelines (:func:`~plait.train.replica_eval.replica_eval_side`; collective). Committed like a step: a
+        worker failing during it leads to a reconfiguration and the validation again. Returns the run."""
+        every, t = self.cfg.train.eval_every, self.cfg.train
+        if self.val_set is None or not ((every and steps % every == 0) or steps == total):
+            return run
+        while True:
+            report: EvalReport | None = None
+            run.stages.train(False)
+            try:
+                side = replica_eval_side(run.stages, run.inst.pipelines[run.hetero.comm.dp_rank].template.plan,
+                                         run.hetero.comm, (len(run.inst.pipelines), run.hetero.comm.dp_rank),
+                                         run.eval_group, self.tokenizer, self.stop_ids, t.max_new_tokens,
+                                         self.processor.pad_id)
+                report = evaluate_on(self.val_set, side, self.processor.pad_id, run.hetero.comm.device,
+                                     eval_batch_size(t), steps, self.metric_fns, self.cfg.metrics.run_dir)
+            except RuntimeError:
+                pass
+            finally:
+                run.stages.train(True)
+            if self.membership.commit(f"eval{steps}", ready=report is not None):
+                break
+            run = self._recover(run, time.monotonic())
+        self._write_row({"step": steps, "eval": report.exact_match, **report.record()}, training=False)
+        if self.membership.rank == 0:
+            print(f"plait launch: step {steps}: validation exact match "
+                  + ", ".join(f"{k}={v:.1%}" for k, v in report.exact_match.items()), flush=True)
+        return run
+
     def _layout(self, inst: Instantiation) -> CheckpointLayout:
         """The checkpoint's record of the job's layout: the workers, the pipelines as DP replicas and, as PP
         degree, the deepest pipeline's ranks, at least 2: every worker saves its pruned stage model as a pipeline
@@ -314,7 +369,7 @@ class ResilientWorker:
         Raises:
             LostUnitsError: when some unit has no surviving copy (naming them); NoQuorumError from the agreement.
         """
-        run.hetero.groups.clear()  # the old groups' last references: abandoning closes their sockets
+        run.drop_groups()  # the old groups' last references: abandoning closes their sockets
         self.membership.reform()
         left = tuple(w for w in run.inst.ranks if w not in self.membership.members)
         rec: Reconfiguration = plan_reconfiguration(self.plan.templates, run.inst, left)
@@ -357,7 +412,7 @@ class ResilientWorker:
         if not joiners:
             return run
         start = time.monotonic()
-        run.hetero.groups.clear()
+        run.drop_groups()
         self.membership.admit(joiners, {"step": step, "inst": run.inst.to_dict(), "joiners": joiners})
         return self._apply_rejoin(run.inst, joiners, run, start)
 
@@ -397,6 +452,7 @@ class ResilientWorker:
             run = self.admit_joiners(run, step)
             run = self._run_step(run, loader, step)
             step += 1
+            run = self._evaluate(run, step, total)
             run = self._checkpoint(run, step, loader, total)
         if self.writer is not None:
             self.writer.close()

@@ -65,9 +65,20 @@ def _records(run_dir: Path) -> tuple[dict[int, dict], list[dict]]:
     return steps, events
 
 
-def _rows(run_dir: Path) -> dict[int, dict]:
-    """``metrics.jsonl``'s training rows by step (1-based, as ``plait train`` writes them)."""
-    return {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+def _rows(run_dir: Path, kind: str = "loss") -> dict[int, dict]:
+    """``metrics.jsonl``'s training rows (``kind="loss"``) or validation rows (``"val_loss"``) by step (1-based,
+    as ``plait train`` writes them)."""
+    return {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if kind in r}
+
+
+def _assert_same_validation(run_dir: Path, reference: Path) -> None:
+    """Validation after steps 4 and 7 with the reference's loss per task (rel 1e-5) and answers."""
+    got, ref = _rows(run_dir, "val_loss"), _rows(reference, "val_loss")
+    assert sorted(got) == sorted(ref) == [4, STEPS], (sorted(got), sorted(ref))
+    for s in got:
+        for task, value in ref[s]["val_loss_per_task"].items():
+            assert abs(got[s]["val_loss_per_task"][task] - value) <= 1e-5 * abs(value), (s, task, got[s], ref[s])
+        assert got[s]["eval"] == ref[s]["eval"] and got[s]["exact_match"] == ref[s]["exact_match"], s
 
 
 def _final(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -111,6 +122,7 @@ def test_launch_survives_killed_workers_rank0_included_and_equals_an_uninterrupt
     assert sorted(rows) == list(range(1, STEPS + 1)) == sorted(ref_rows)
     assert all(abs(rows[s]["loss"] - ref_rows[s]["loss"]) < 1e-5 for s in rows)
     assert sorted(p.name for p in (tmp_path / "kill/checkpoints").iterdir()) == ["step_000004", "step_000007"]
+    _assert_same_validation(tmp_path / "kill", reference)  # step 4: through the pipelines re-formed without worker 0
     lines = [line for line in run.stdout.splitlines() if "reconfigured in" in line]
     assert len(lines) == 2 and "worker(s) [4] failed" in lines[0] and "worker(s) [0] failed" in lines[1]
     assert run.stdout.count("plait launch: recovered") == 2 and "worker(s) [4] rejoined" in run.stdout
@@ -139,6 +151,9 @@ def test_a_launched_run_equals_plait_train_and_its_checkpoint_resumes_under_plai
     for s in rows:
         assert abs(rows[s]["loss"] - ref_rows[s]["loss"]) <= 1e-5 * abs(ref_rows[s]["loss"]), (s, rows[s], ref_rows[s])
         assert abs(rows[s]["lr"] - ref_rows[s]["lr"]) <= 1e-12 * ref_rows[s]["lr"], s
+    _assert_same_validation(reference, tmp_path / "single")  # the launch's validation through its pipelines
+    predictions = reference / "predictions" / f"step_{STEPS}.jsonl"
+    assert predictions.read_text() == (tmp_path / "single" / "predictions" / predictions.name).read_text()
     assert (reference / "checkpoints/step_000004/.metadata").is_file()
     capsys.readouterr()
     resumed = Trainer.build(config_from_dict(tiny_config_job(tmp_path, "resumed")))
@@ -157,11 +172,14 @@ def test_a_launched_run_equals_plait_train_and_its_checkpoint_resumes_under_plai
 
 
 def tiny_config_job(tmp_path: Path, name: str) -> dict:
-    """The launch tests' job as a dict (run folder ``tmp_path/name``)."""
+    """The launch tests' job as a dict (run folder ``tmp_path/name``): validation of 6 samples (4 new tokens)
+    and a checkpoint after steps 4 and 7."""
     train = write_jsonl(tmp_path / "train.jsonl", demo_records("train", limit=SAMPLES))
-    return tiny_config_dict(str(train), None, str(tmp_path / name),
+    val = write_jsonl(tmp_path / "val.jsonl", demo_records("val", limit=6))
+    return tiny_config_dict(str(train), str(val), str(tmp_path / name),
                             train={"global_batch_size": BATCH, "microbatch_size": 1, "steps": STEPS, "lr": 1e-3,
-                                   "threads": 1, "min_lr_ratio": 0.1}, checkpoint={"every": 4})
+                                   "threads": 1, "min_lr_ratio": 0.1, "eval_every": 4, "max_new_tokens": 4},
+                            checkpoint={"every": 4})
 
 
 def test_launch_stops_naming_the_lost_units_when_every_copy_dies(tmp_path):
