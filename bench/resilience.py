@@ -39,7 +39,9 @@ row:
   trained) stalling 120 s, and Oobleck reconfigures in 10 s and writes no checkpoint (so plait writes none under
   these settings; the torchft-style strategy checkpoints as Varuna). They were measured for GPT-3 6.7B on the
   paper's cluster; here the same seconds are applied to every model (not scaled to the MLLMs' sizes), so the MLLM
-  rows under them are indicative only.
+  rows under them are indicative only. Without checkpoints, a plait job that cannot keep ``f + 1`` pipelines and
+  falls back to a restart (column ``reconf/restart``; e.g. ALM-M on 16 GPUs, ``n0 = 7``) loses all its work there,
+  and when restart's rate is near zero the ratio says little: read such rows by their rates.
 
 Approximations: iterations run at the planned time; checkpoint writes happen at iteration boundaries; the gradient
 all-reduce of a shrunken torchft-style job keeps its initial time.
