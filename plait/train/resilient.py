@@ -25,11 +25,13 @@ rate, the sample ids trained, the pipelines) and one per reconfiguration; at the
 so it continues across reconfigurations.
 
 As ``plait train``, the job writes ``<metrics.run_dir>/metrics.jsonl`` (one row per step, by the current rank 0;
-a worker that becomes rank 0 after the previous one died rewrites the last committed step's row and goes on) and
-checkpoints every ``checkpoint.every`` steps and at the end (:func:`~plait.train.checkpoint.save_checkpoint`:
-DCP, every worker its pruned stage model under full-model names, replicas' identical keys stored once), which
-``plait train --resume`` continues with any ordinary layout. A checkpoint is committed like a step: when a worker
-dies during it, the survivors reconfigure and write it again.
+a worker that becomes rank 0 after the previous one died rewrites the last committed step's row and goes on),
+validates every ``train.eval_every`` steps and at the end through its pipelines (``plait.train.replica_eval``: each
+pipeline a share of the validation samples) and checkpoints every ``checkpoint.every`` steps and at the end
+(:func:`~plait.train.checkpoint.save_checkpoint`: DCP, every worker its pruned stage model under full-model names,
+replicas' identical keys stored once), which ``plait train --resume`` continues with any ordinary layout. A
+validation and a checkpoint are committed like a step: when a worker dies during one, the survivors reconfigure
+and do it again.
 """
 
 from __future__ import annotations
