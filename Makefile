@@ -19,7 +19,7 @@ demo: venv
 	$(VENV)/bin/plait train --config configs/demo.toml --overwrite  # a new demo run replaces runs/demo
 
 # The demo's fine-tuning task (digit_pair, LoRA from the trained demo; trains the demo first when it is missing),
-# MARS's rank search on it, and MARS against a full grid (bench/mars.py, ~15 min on 2 idle cores).
+# MARS's rank search on it, and MARS against a full 3x3 grid (bench/mars.py, about 400 CPU s on one core).
 runs/demo/final/plait_config.json:
 	$(MAKE) demo
 
