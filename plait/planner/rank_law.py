@@ -23,8 +23,9 @@ space (:func:`fit_power_law`: ``log(t - t0) = log K + g log D + a log r + e log 
 ``t0`` by a search over ``[0, min t)`` minimising the relative residuals of ``t`` itself; ``D_ref`` the geometric
 mean of the subset sizes). The rank exponent may change with the data size (``e``, fitted with 3 or more sizes):
 on the demo task the LLM's ranks converged alike in 8-step runs (20-24 samples) and 2x apart in 32-step runs
-(r = 2: 84, r = 32: 40), so a single exponent (-0.09 there) averaged the separation away and aligned nothing; the
-varying one extrapolates it to the full data size (bench/mars.py).
+(r = 2: 84, r = 32: 40), so a single exponent (-0.09 there) averaged the separation away and the alignment kept
+only the extreme pair (vision 32 / LLM 2, 4 points behind the grid's best); the varying one extrapolates it to the
+full data size and aligns vision 2 / LLM 2 (0.5 points behind; README "LoRA rank search", bench/mars.py).
 
 **Alignment and pruning** (:func:`align_ranks`): for each candidate LLM rank, the LLM's time at the full data size
 ``t_llm``; for each encoder the rank that solves ``t_e(r, D) = t_llm`` (``r = ((t_llm - t0) / (K D^g))^(1/a)``;
