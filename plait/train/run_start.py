@@ -11,10 +11,10 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from plait.train.checkpoint import latest_checkpoint, remove_checkpoints
+from plait.train.checkpoint import CheckpointLayout, latest_checkpoint, remove_checkpoints
 from plait.train.run_dir import check_new_run, earlier_run
 
-__all__ = ["clear_earlier_run", "report_setup"]
+__all__ = ["clear_earlier_run", "layout_description", "report_setup"]
 
 log = logging.getLogger("plait.train.trainer")
 
@@ -44,11 +44,20 @@ def clear_earlier_run(run_dir: Path, is_main: bool, world_size: int, overwrite: 
         dist.barrier()
 
 
+def layout_description(dims: Any) -> str:
+    """A job's degrees in one phrase, e.g. ``DP 2 x PP 1 x CP 1 x TP 2; FSDP2 dp_shard 2`` (``dims``: its
+    ``plait.parallel.dims.ParallelDims``; DP counts every data-parallel rank, replicas x shards; TP and the FSDP2
+    shard degree only when above 1), the form of the checkpoint layouts' ``describe``."""
+    return CheckpointLayout(world_size=dims.world_size, dp=dims.batch, pp=dims.pp, cp=dims.cp, tp=dims.tp,
+                            dp_shard=dims.dp_shard).describe().split(" (", 1)[1][:-1]
+
+
 def report_setup(run_dir: Path, config: dict[str, Any], counts: tuple[int, int], sets: Sequence[tuple[str, Any]],
-                 total_steps: int, world_size: int, destinations: Sequence[str]) -> None:
+                 total_steps: int, world_size: int, destinations: Sequence[str], dims: Any = None) -> None:
     """Write ``config.json`` (the job ``config``) to ``run_dir``, print the data (``sets``: ``(name, dataset)``,
-    train first), steps, ``counts`` = (trainable, all) parameters and the run folder with where the metrics go
-    (``destinations``), log skipped records. Call on the main rank."""
+    train first), steps, the world size with the layout's degrees (``dims``, :func:`layout_description`), ``counts``
+    = (trainable, all) parameters and the run folder with where the metrics go (``destinations``), log skipped
+    records. Call on the main rank."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config, indent=2))
     n_train, n_all = counts
@@ -58,7 +67,8 @@ def report_setup(run_dir: Path, config: dict[str, Any], counts: tuple[int, int],
             log.warning("%s: skipped %d bad record(s), e.g. %s", name, len(ds.skipped), ds.skipped[0].reason)
     train = sets[0][1]
     n_val = len(sets[1][1]) if len(sets) > 1 else 0
+    layout = f" ({layout_description(dims)})" if dims is not None else ""
     print(f"plait: {len(train)} train samples ({len(train.skipped)} skipped), {n_val} val samples, {total_steps} "
-          f"steps, world size {world_size}, {n_train / 1e6:.2f}M of {n_all / 1e6:.2f}M parameters trainable",
+          f"steps, world size {world_size}{layout}, {n_train / 1e6:.2f}M of {n_all / 1e6:.2f}M parameters trainable",
           flush=True)
     print(f"plait: run folder {run_dir} (metrics to {', '.join(destinations)}; checkpoints/, final/)", flush=True)

@@ -578,7 +578,7 @@ class Trainer:
         if self.info.is_main:
             sets = [("train", self.train_set)] + ([("val", self.val_set)] if self.val_set else [])
             report_setup(self.run_dir, config_to_dict(self.cfg), self._parameter_counts(), sets, self.total_steps,
-                         self.info.world_size, writer.destinations())
+                         self.info.world_size, writer.destinations(), self.dims)
 
 
 def _fmt(evals: dict[str, float]) -> str:

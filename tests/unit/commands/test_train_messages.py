@@ -28,3 +28,12 @@ def test_auto_plan_reports_the_sharding_tp_and_checkpointing_it_writes():
     assert auto_plan_replaces(cfg, resolved) == (
         "plait: parallel.plan=auto replaces the job's parallel.dp_shard = 1 -> 2, parallel.tp = 1 -> 2, "
         "train.activation_checkpointing = 'none' -> 'full' (written -> chosen)")
+
+
+def test_the_setup_line_names_the_layouts_degrees():
+    from plait.parallel.dims import ParallelDims
+    from plait.train.run_start import layout_description
+
+    assert layout_description(ParallelDims(dp=1, dp_shard=2, tp=2)) == "DP 2 x PP 1 x CP 1 x TP 2; FSDP2 dp_shard 2"
+    assert layout_description(ParallelDims(pp=2, tp=2)) == "DP 1 x PP 2 x CP 1 x TP 2"  # PP x TP names TP
+    assert layout_description(ParallelDims()) == "DP 1 x PP 1 x CP 1"
