@@ -16,9 +16,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from plait.commands.plan_fit import explain_no_fit
 from plait.commands.profile import profile_job
 from plait.config.loader import load_config
 from plait.config.schema import JobConfig, ParallelConfig, PipelineConfig
+from plait.parallel.checkpointing import checkpoint_policy
 from plait.parallel.machine import auto_plan_inputs
 from plait.parallel.mesh import init_distributed
 from plait.planner.profile import Profile
@@ -131,9 +133,18 @@ def resolve_auto(cfg: JobConfig, store: str | Path) -> tuple[JobConfig, Any]:
         dist.broadcast_object_list(box, src=0)
     profile = Profile.from_dict(box[0])
     machine = auto_plan_inputs(info.device, max((c.output_bytes for c in profile.costs), default=0))
-    resolved, choice = resolve_auto_plan(cfg, info.world_size, profile.units, profile.costs, p2p=machine.p2p,
-                                         dp_link=machine.p2p, memory_cap=machine.memory_cap_bytes,
-                                         dtype=profile.key.dtype)
+    try:
+        resolved, choice = resolve_auto_plan(cfg, info.world_size, profile.units, profile.costs, p2p=machine.p2p,
+                                             dp_link=machine.p2p, memory_cap=machine.memory_cap_bytes,
+                                             dtype=profile.key.dtype)
+    except ValueError as exc:
+        if not str(exc).startswith(("no plan fits", "no layout fits")):
+            raise
+        policy, overrides = checkpoint_policy(cfg)
+        raise ValueError("parallel.plan=auto: " + explain_no_fit(
+            profile.units, profile.costs, info.world_size, machine.memory_cap_bytes, machine.memory_source,
+            "more processes, a device with more memory, or freeze more of the model", dtype=profile.key.dtype,
+            base_checkpointing=policy, checkpoint_overrides=overrides)) from None
     if info.is_main:
         pp = resolved.parallel.pp
         shape = (f"layout {pp.layout}, stages {pp.stages}, splits {pp.splits or 'even'}, virtual stages "

@@ -55,3 +55,27 @@ def test_no_plan_fits_is_one_readable_sentence(tmp_path):
     with pytest.raises(ValueError):  # the bound holds: just under it nothing fits either
         _, device = _setup(0.99 * need / 0.9, 2)
         plan_command(DEMO, 2, None, device=device, out=io.StringIO(), profile_store=None)
+
+
+def test_auto_plan_with_no_fitting_plan_says_so_in_one_sentence(tmp_path, monkeypatch, capsys):
+    """``parallel.plan = "auto"`` on a machine whose (patched) memory cap is 1 KiB: the error is the same readable
+    sentence, naming where the cap came from and what to change."""
+    from plait.cli import main
+    from plait.parallel.machine import AutoPlanInputs
+    from plait.planner.simulator import P2PModel
+    from tests.conftest import demo_records, tiny_config_dict, write_jsonl
+    from tests.distributed.test_pipeline_training import to_toml
+
+    train = write_jsonl(tmp_path / "train.jsonl", demo_records("train", ("image_audio",), limit=2))
+    job = tiny_config_dict(str(train), None, str(tmp_path / "run"),
+                           train={"steps": 1, "global_batch_size": 2, "microbatch_size": 2, "threads": 1})
+    (tmp_path / "job.toml").write_text(to_toml(job) + "\n")
+    tiny = AutoPlanInputs(1024.0, P2PModel(), "1 KiB (patched)", "none")
+    monkeypatch.setattr("plait.commands.train.auto_plan_inputs", lambda *args, **kwargs: tiny)
+    assert main(["train", "--config", str(tmp_path / "job.toml"), "--parallel.plan=auto", "--profile-store",
+                 str(tmp_path / "profiles"), "--metrics.progress=false", "--metrics.tensorboard=false"]) != 0
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if "parallel.plan=auto: no plan fits" in x)
+    assert "no plan fits in 0.0 MiB per device (1 KiB (patched))" in line
+    assert re.search(r"the least any option searched needs is about [\d.]+ MiB per device \(tp \d", line)
+    assert "more processes" in line and "memory_cap=" not in line and line.count(";") == 1
