@@ -219,8 +219,9 @@ class PipelineTrainer(Trainer):
             hsdp = f", HSDP over {self.dims.dp} replicas" if self.dims.dp > 1 else ""
             placement += f", each stage's trainable units sharded (FSDP2) over {self.dims.dp_shard} ranks{hsdp}"
         print(f"plait: pipeline {pp.layout}, {self.plan.num_stages} stages on {self.pp} ranks{placement} x "
-              f"{self.dp} {'pipelines' if self.dims.dp_shard > 1 else 'replica(s)'} x CP {self.cp}, schedule "
-              f"{pp.schedule}; stages {stages}", flush=True)
+              f"{self.dp} {'pipelines' if self.dims.dp_shard > 1 else 'replica(s)'} x CP {self.cp}"
+              f"{f' x TP {self.dims.tp}' if self.dims.tp > 1 else ''}, schedule {pp.schedule}; stages {stages}",
+              flush=True)
 
     # ------------------------------------------------------------------ one step
     def schedule_for(self, num_microbatches: int) -> Schedule:
@@ -293,9 +294,12 @@ class PipelineTrainer(Trainer):
         over the DP replicas, counted and recorded by pipeline rank 0 / CP rank 0 of each replica; the loss by
         forward-only pipeline passes, the answers by greedy decoding through them (:meth:`_pipeline_answers`)."""
         group = max(2 * self.pp, self.cfg.parallel.pp.microbatches)
-        first = self.pp_rank == 0 and self.cp_rank == 0
+        lead = self.dims.coords(self.info.rank).tp == 0  # TP peers hold the same loss sums and answers
+        first = self.pp_rank == 0 and self.cp_rank == 0 and lead
+        # _forward_only is a collective pipeline pass: every rank runs it, only TP rank 0 reports its sums
         return EvalSide((self.dp, self.dp_rank), (self.dp, self.dp_rank), first, first, group,
-                        lambda batches: self._forward_only(batches, token_loss_sum), self._pipeline_answers)
+                        lambda batches: [x for x in self._forward_only(batches, token_loss_sum) if lead],
+                        self._pipeline_answers)
 
     def _forward_only(self, batches: list[Batch], output_fn: Any) -> list[torch.Tensor]:
         """One forward-only pass of ``batches`` through this replica's pipeline (``run_pipeline_forward``): the
@@ -354,7 +358,8 @@ class PipelineTrainer(Trainer):
         stages = "; ".join(f"{s.index}: {'+'.join(s.modules)} ({len(s.units)} units, rank {s.rank})"
                            for s in self.plan.stages)
         return CheckpointLayout(world_size=self.info.world_size, dp=self.dp, pp=self.pp, cp=self.cp,
-                                plan=f"{self.plan.layout}, stages {stages}")
+                                plan=f"{self.plan.layout}, stages {stages}", tp=self.dims.tp,
+                                dp_shard=self.dims.dp_shard)
 
     def save(self) -> Path:
         """Write a checkpoint of the current step (collective; once per step, however often it is called)."""
