@@ -66,7 +66,9 @@ def check_launch(cfg, nproc: int, kills: Sequence[tuple[int, int]] = (),
     Raises:
         ValueError: naming the setting: ``parallel.tp``, ``parallel.dp_shard`` or ``parallel.cp`` above 1 (the
             launcher plans its own pipelines of whole layers: no tensor, FSDP2 or context parallelism inside
-            them); a ``--kill`` or ``--rejoin`` of a worker id outside ``0..nproc-1`` (naming the valid ids).
+            them); a ``--kill`` or ``--rejoin`` of a worker id outside ``0..nproc-1`` (naming the valid ids) or
+            of a step past the job's last (``0..train.steps-1``, 0-based; not checked for a job of
+            ``train.epochs``, whose step count depends on its data).
     """
     p = cfg.parallel
     for name, value in (("tp", p.tp), ("dp_shard", p.dp_shard), ("cp", p.cp)):
@@ -79,6 +81,12 @@ def check_launch(cfg, nproc: int, kills: Sequence[tuple[int, int]] = (),
         bad = sorted({w for w, _ in pairs if not 0 <= w < nproc})
         if bad:
             raise ValueError(f"{flag}: no worker {', '.join(map(str, bad))} (the workers are 0..{nproc - 1})")
+        steps = cfg.train.steps
+        late = sorted({s for _, s in pairs if steps > 0 and s >= steps})
+        if late:
+            raise ValueError(f"{flag}: step {', '.join(map(str, late))} is past the job's last step (train.steps = "
+                             f"{steps}: the steps are 0..{steps - 1}, 0-based), so it would never happen; pick a "
+                             "step in that range or raise --train.steps")
 
 
 def launch_plan(cfg, nproc: int, failures: int, pipelines: Sequence[int] = (), timeout_s: float = 10.0,

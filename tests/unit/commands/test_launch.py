@@ -28,7 +28,7 @@ def _cfg(**sections):
 
 
 def test_check_launch_refuses_layout_settings_and_unknown_workers():
-    check_launch(_cfg(), 6, ((4, 1), (0, 3)), ((4, 5),))  # a plain job passes
+    check_launch(_cfg(train={"steps": 6}), 6, ((4, 1), (0, 3)), ((4, 5),))  # a plain job passes
     for name in ("tp", "dp_shard", "cp"):
         with pytest.raises(ValueError, match=rf"parallel.{name} = 2: plait launch plans its own pipelines"):
             check_launch(_cfg(parallel={name: 2}), 6)
@@ -37,6 +37,16 @@ def test_check_launch_refuses_layout_settings_and_unknown_workers():
         check_launch(_cfg(), 4, ((9, 1), (5, 1), (1, 2)))
     with pytest.raises(ValueError, match=r"--rejoin: no worker 6 \(the workers are 0..5\)"):
         check_launch(_cfg(), 6, (), ((6, 2),))
+
+
+def test_check_launch_refuses_a_kill_or_rejoin_past_the_last_step():
+    check_launch(_cfg(train={"steps": 6}), 4, ((1, 5),), ((1, 0),))  # steps 0..5
+    with pytest.raises(ValueError, match=r"--kill: step 6, 99 is past the job's last step \(train.steps = 6: the "
+                                         r"steps are 0..5, 0-based\)"):
+        check_launch(_cfg(train={"steps": 6}), 4, ((1, 99), (2, 6), (3, 2)))
+    with pytest.raises(ValueError, match=r"--rejoin: step 7 is past the job's last step \(train.steps = 6"):
+        check_launch(_cfg(train={"steps": 6}), 4, (), ((1, 7),))
+    check_launch(_cfg(train={"steps": 0, "epochs": 1.0}), 4, ((1, 99),))  # epochs: the count depends on the data
 
 
 def test_launch_refuses_a_run_folder_holding_an_earlier_run_before_starting_anything(tmp_path):
