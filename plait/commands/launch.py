@@ -6,8 +6,8 @@ from the last checkpoint), and torchft protects identical replicas only; plait's
 replicas reshaped in place. The launcher:
 
 1. checks the job (:func:`check_launch`: a layout of its own, fault injection naming real workers)
-   and the run folder (an earlier run's checkpoints, final model or launch logs are refused, or removed with
-   ``--overwrite``, as ``plait train`` does); plans the pipeline templates for ``--nproc`` ranks and ``--f``
+   and the run folder (an earlier run's checkpoints, final model or launch logs are refused, or removed together
+   with ``--overwrite`` once every argument is checked and the plan made, as ``plait train`` does); plans the pipeline templates for ``--nproc`` ranks and ``--f``
    failures (``plan_templates`` on the job's analytic unit costs, as ``plait plan``) and the first instantiation
    (``plan_instantiation``, or the pipeline sizes of ``--pipelines``), written to
    ``<metrics.run_dir>/resilient/launch.json``;
@@ -39,7 +39,7 @@ from plait.commands.plan import build_plan_inputs
 from plait.config.loader import load_config
 from plait.planner.templates import instantiate, plan_instantiation, plan_templates
 from plait.train.resilient import LaunchPlan, run_resilient_worker
-from plait.train.run_start import clear_earlier_run
+from plait.train.run_start import clear_earlier_run, launch_logs
 
 __all__ = ["check_launch", "launch_command", "launch_plan", "parse_kills", "worker_command", "worker_main"]
 
@@ -144,6 +144,21 @@ def _wait(procs: list[subprocess.Popen], store: dist.TCPStore, limit_s: float | 
     return [int(c) for c in codes]
 
 
+def _refuse_earlier_run(run_dir: Path) -> None:
+    """Refuse a run folder holding an earlier launch's logs or an earlier run's checkpoints or final model (without
+    ``--overwrite``), naming this command's flag."""
+    logs = launch_logs(run_dir)
+    if logs:
+        raise ValueError(f"{run_dir / 'resilient'} holds an earlier launch's logs ({len(logs)} files), which a new "
+                         "run would remove: replace them with plait launch ... --overwrite, or write this run "
+                         "elsewhere with --metrics.run_dir=DIR")
+    try:
+        clear_earlier_run(run_dir, True, 1, overwrite=False)
+    except ValueError as exc:  # the guard names plait train's flag: this command has the same one
+        raise ValueError(str(exc).replace("`plait train --config JOB --overwrite`",
+                                          "`plait launch --config JOB --nproc N --overwrite`")) from None
+
+
 def launch_command(config: str | Path, nproc: int, failures: int, overrides: Sequence[str] = (),
                    pipelines: Sequence[int] = (), kills: Sequence[str] = (), timeout_s: float = 10.0,
                    limit_s: float | None = None, rejoins: Sequence[str] = (), overwrite: bool = False) -> int:
@@ -151,7 +166,8 @@ def launch_command(config: str | Path, nproc: int, failures: int, overrides: Seq
 
     Raises:
         ValueError: on bad numbers, settings :func:`check_launch` refuses, a run folder holding an earlier run
-            (without ``overwrite``), or a job that cannot hold ``failures + 1`` pipelines.
+            (without ``overwrite``), or a job that cannot hold ``failures + 1`` pipelines. Every argument is checked
+            before ``overwrite`` removes the earlier run (checkpoints, final model and launch logs together).
     """
     if nproc < 2:
         raise ValueError(f"--nproc must be >= 2 for a resilient job, got {nproc}")
@@ -160,20 +176,12 @@ def launch_command(config: str | Path, nproc: int, failures: int, overrides: Seq
     check_launch(cfg, nproc, kills_, rejoins_)
     run_dir = Path(cfg.metrics.run_dir)
     out = run_dir / "resilient"
-    logs = sorted(out.glob("worker*.jsonl")) + sorted(out.glob("final-worker*.pt"))
-    if logs and not overwrite:
-        raise ValueError(f"{out} holds an earlier launch's logs ({len(logs)} files), which a new run would remove: "
-                         "replace them with plait launch ... --overwrite, or write this run elsewhere with "
-                         "--metrics.run_dir=DIR")
-    try:
-        clear_earlier_run(run_dir, True, 1, overwrite)
-    except ValueError as exc:  # the guard names plait train's flag: this command has the same one
-        raise ValueError(str(exc).replace("`plait train --config JOB --overwrite`",
-                                          "`plait launch --config JOB --nproc N --overwrite`")) from None
+    if not overwrite:
+        _refuse_earlier_run(run_dir)
     plan = launch_plan(cfg, nproc, failures, pipelines, timeout_s, kills_, rejoins_)
+    if overwrite:  # only once every argument is checked: a refused command leaves the folder as it was
+        clear_earlier_run(run_dir, True, 1, overwrite=True)
     out.mkdir(parents=True, exist_ok=True)
-    for old in logs:
-        old.unlink()
     (out / "launch.json").write_text(plan.to_json())
     print(f"plait launch: {nproc} workers, f = {failures}: {plan.instantiation.describe()}", flush=True)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,

@@ -14,15 +14,24 @@ import torch.distributed as dist
 from plait.train.checkpoint import CheckpointLayout, latest_checkpoint, remove_checkpoints
 from plait.train.run_dir import check_new_run, earlier_run
 
-__all__ = ["clear_earlier_run", "layout_description", "report_setup"]
+__all__ = ["clear_earlier_run", "launch_logs", "layout_description", "report_setup"]
 
 log = logging.getLogger("plait.train.trainer")
+
+
+def launch_logs(run_dir: Path) -> list[Path]:
+    """What an earlier ``plait launch`` left under ``<run_dir>/resilient``: its per-worker logs
+    (``worker<id>.jsonl``) and final parameters (``final-worker<id>.pt``); its plan (``launch.json``), which the next
+    launch replaces, is not counted."""
+    out = Path(run_dir) / "resilient"
+    return sorted(out.glob("worker*.jsonl")) + sorted(out.glob("final-worker*.pt"))
 
 
 def clear_earlier_run(run_dir: Path, is_main: bool, world_size: int, overwrite: bool = False) -> None:
     """A new run into ``run_dir`` holding an earlier run's checkpoints or final model: refused
     (:func:`~plait.train.run_dir.check_new_run`, on every rank alike) unless ``overwrite``; then the main rank removes
-    them (with a warning saying how many), so a later ``--resume`` can only find this run's; every rank waits.
+    them together with an earlier launch's logs (:func:`launch_logs`) and warns saying how many, so a later
+    ``--resume`` can only find this run's and no log of the old run is left beside the new one; every rank waits.
 
     Raises:
         ValueError: without ``overwrite``, naming the folder and how to resume or overwrite.
@@ -32,14 +41,18 @@ def clear_earlier_run(run_dir: Path, is_main: bool, world_size: int, overwrite: 
     elif is_main:
         newest, final = latest_checkpoint(run_dir), run_dir / "final"
         held = earlier_run(run_dir)
-        removed = remove_checkpoints(run_dir)
+        removed, logs = remove_checkpoints(run_dir), launch_logs(run_dir)
         if final.is_dir():
             shutil.rmtree(final)
-        if held:
-            log.warning("%s already holds checkpoints of an earlier run: removed its %d checkpoint(s)%s%s; this "
-                        "new run also overwrites its metrics (--overwrite; use --resume to continue it instead)",
-                        run_dir, removed, f" (newest {newest.name})" if newest else "",
-                        " and its final model" if "a final model (final/)" in held else "")
+        for old in (*logs, Path(run_dir) / "resilient" / "launch.json"):
+            old.unlink(missing_ok=True)
+        if held or logs:
+            log.warning("%s already holds %s: removed its %d checkpoint(s)%s%s%s; this new run also "
+                        "overwrites its metrics (--overwrite; use --resume to continue it instead)", run_dir,
+                        "checkpoints of an earlier run" if held else "an earlier launch's logs",
+                        removed, f" (newest {newest.name})" if newest else "",
+                        " and its final model" if "a final model (final/)" in held else "",
+                        f" and its {len(logs)} launch log file(s) (resilient/)" if logs else "")
     if dist.is_initialized() and world_size > 1:
         dist.barrier()
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from plait.commands.launch import check_launch, launch_command, parse_kills, worker_command
 from plait.config.loader import config_from_dict
+from plait.train.run_start import clear_earlier_run, launch_logs
 from tests.conftest import tiny_config_dict
 from tests.distributed.test_pipeline_training import to_toml
 
@@ -63,3 +67,49 @@ def test_launch_refuses_a_run_folder_holding_an_earlier_run_before_starting_anyt
     with pytest.raises(ValueError, match=r"holds an earlier run \(1 checkpoint\(s\), newest step_000004\).*"
                                          r"`plait launch --config JOB --nproc N --overwrite`"):
         launch_command(job, 4, 1)
+
+
+def _earlier_launched_run(run: Path) -> dict[str, str]:
+    """A finished launch's folder: two checkpoints, a final model, the launch's logs and plan. Returns the files."""
+    for step in ("step_000003", "step_000006"):
+        (run / "checkpoints" / step).mkdir(parents=True)
+        (run / "checkpoints" / step / ".metadata").write_text(step)
+    (run / "final").mkdir()
+    (run / "final" / "model.safetensors").write_text("weights")
+    (run / "resilient").mkdir()
+    for name in ("worker0.jsonl", "worker1.jsonl", "final-worker0.pt", "launch.json"):
+        (run / "resilient" / name).write_text(name)
+    return {str(p.relative_to(run)): p.read_text() for p in run.rglob("*") if p.is_file()}
+
+
+def test_a_refused_launch_with_overwrite_leaves_the_earlier_run_untouched(tmp_path):
+    run = tmp_path / "run"
+    job = tmp_path / "job.toml"
+    job.write_text(to_toml(tiny_config_dict(str(tmp_path / "train.jsonl"), None, str(run))) + "\n")
+    before = _earlier_launched_run(run)
+    with pytest.raises(ValueError, match=r"--pipelines \[3, 3\] use 6 workers, --nproc is 4"):
+        launch_command(job, 4, 1, pipelines=[3, 3], overwrite=True)
+    with pytest.raises(ValueError, match=r"cannot hold failures \+ 1 = 6 pipelines"):
+        launch_command(job, 4, 5, overwrite=True)
+    with pytest.raises(ValueError, match=r"--kill: step 9 is past the job's last step"):
+        launch_command(job, 4, 1, kills=["1:9"], overwrite=True)
+    assert {str(p.relative_to(run)): p.read_text() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_overwrite_removes_the_checkpoints_final_model_and_launch_logs_together(tmp_path, caplog):
+    run = tmp_path / "run"
+    _earlier_launched_run(run)
+    (run / "metrics.jsonl").write_text("{}\n")
+    with caplog.at_level("WARNING", logger="plait.train.trainer"):
+        clear_earlier_run(run, True, 1, overwrite=True)
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file()) == ["metrics.jsonl"]
+    assert launch_logs(run) == []
+    assert ("removed its 2 checkpoint(s) (newest step_000006) and its final model and its 3 launch log file(s) "
+            "(resilient/)") in caplog.text
+    _earlier_launched_run(tmp_path / "only-logs")
+    for path in ("checkpoints", "final"):
+        shutil.rmtree(tmp_path / "only-logs" / path)
+    with caplog.at_level("WARNING", logger="plait.train.trainer"):
+        clear_earlier_run(tmp_path / "only-logs", True, 1, overwrite=True)
+    assert "already holds an earlier launch's logs: removed its 0 checkpoint(s) and its 3 launch log" in caplog.text
+    assert not any(p.is_file() for p in (tmp_path / "only-logs").rglob("*"))
