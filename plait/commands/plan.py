@@ -396,7 +396,7 @@ def plan_command(
         choice = plan_parallel(
             inputs.units, inputs.costs, devices, microbatches=inputs.microbatches, frozen_aware=frozen_aware,
             layouts=layouts, dp_degrees=dp_degrees, rel_tol=rel_tol, virtual_stages=virtual_stages,
-            attach_encoders=attach_encoders, **setup.search, **setup.degrees,
+            attach_encoders=attach_encoders, **setup.search, **setup.degrees, **job_degrees(cfg, devices, stream),
         )
     except ValueError as exc:
         if not str(exc).startswith(("no plan fits", "no layout fits")):
@@ -419,6 +419,25 @@ def plan_command(
         path.write_text(plan_to_json(choice, snippet))
         print(f"plan written to {path}", file=stream)
     return choice
+
+
+def job_degrees(cfg: Any, devices: int, stream: TextIO) -> dict[str, Any]:
+    """``plan_parallel`` keyword arguments that keep the job's own ``parallel.tp`` / ``parallel.dp_shard`` when
+    either is above 1 (the plan is then searched with exactly those degrees, not the plain plan first), printing
+    that it does; ``{}`` when both are 1 (TP and sharding are searched only when memory requires them).
+
+    Raises:
+        ValueError: when ``tp x dp_shard`` does not divide ``devices`` (named).
+    """
+    tp, shard = cfg.parallel.tp, cfg.parallel.dp_shard
+    if tp == 1 and shard == 1:
+        return {}
+    if devices % (tp * shard):
+        raise ValueError(f"the job's parallel.tp = {tp} x parallel.dp_shard = {shard} does not divide --devices "
+                         f"{devices}: change --devices or set them to 1 to let the plan choose")
+    print(f"plait plan: the job sets parallel.tp = {tp}, parallel.dp_shard = {shard}: the plan keeps them "
+          "(set them to 1 to let it choose)", file=stream)
+    return dict(tp_degrees=[tp], dp_shard_degrees=[shard], prefer_plain=False)
 
 
 @dataclass(frozen=True)

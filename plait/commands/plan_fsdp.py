@@ -53,6 +53,12 @@ def fsdp_line(units: Sequence[Unit], costs: Sequence[UnitCost], choice: LayoutCh
         return "FSDP2 collectives: not timed (no link to charge them on)"
     gathers, sync = fsdp_collectives(units, costs, choice, link)
     speed = f"{link.bandwidth_Bps / 1e9:.1f} GB/s" if link.bandwidth_Bps else "unlimited"
+    if choice.plan.num_ranks > 1:  # FSDP2 under stages (parallel.fsdp): one gather per step, a reduction per stage
+        return (f"FSDP2 collectives ({speed} link): each rank all-gathers its stages' trainable parameters once per "
+                f"step and reduce-scatters each stage's gradients after its last backward: {1e3 * gathers / 2:.2f} ms "
+                f"of all-gathers and {1e3 * sync:.2f} ms of gradient reduce-scatter"
+                f"{' + replica all-reduce' if choice.dp > choice.dp_shard else ''} per step over all stages "
+                "(the search charges them as the DP all-reduce's bytes)")
     return (f"FSDP2 collectives per rank ({speed} link): parameter all-gathers {1e3 * gathers:.2f} ms per microbatch "
             f"(forward and backward; what compute does not hide is in the stage times), gradient reduce-scatter"
             f"{' + replica all-reduce' if choice.dp > choice.dp_shard else ''} {1e3 * sync:.2f} ms per step "

@@ -132,8 +132,9 @@ def degrees_line(choice: LayoutChoice) -> str:
         parts.append(f"tensor parallel {choice.tp} (each pipeline rank is {choice.tp} devices)")
     if choice.dp_shard > 1:
         hsdp = f" (HSDP: {choice.dp // choice.dp_shard} replicas)" if choice.dp > choice.dp_shard else ""
-        parts.append(f"FSDP2 over {choice.dp_shard} of the {choice.dp} data-parallel ranks{hsdp} + "
-                     f"{choice.shard_buffer_bytes / _GIB:.2f} GiB unsharded buffer")
+        buffer = (f" + {choice.shard_buffer_bytes / _GIB:.2f} GiB unsharded buffer" if choice.plan.num_ranks == 1
+                  else " (under stages: optimizer state sharded, parameters and gradients whole within a step)")
+        parts.append(f"FSDP2 over {choice.dp_shard} of the {choice.dp} data-parallel ranks{hsdp}{buffer}")
     if choice.checkpointing != "none":
         parts.append(f"activation checkpointing {choice.checkpointing}")
     return "memory: " + ", ".join(parts) if parts else ""

@@ -1,0 +1,37 @@
+"""``plait plan`` keeps a job's own ``parallel.tp`` / ``parallel.dp_shard`` (it planned as if they were 1 and the
+pasted table then asked for more processes than planned: found by a fresh-user pass)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from plait.commands.plan import plan_command
+from plait.planner.cost_model import DeviceSpec
+from tests.conftest import ROOT
+
+DEMO = ROOT / "configs" / "demo.toml"
+
+
+@pytest.mark.parametrize("override, tp, shard", [("--parallel.dp_shard=2", 1, 2), ("--parallel.tp=2", 2, 1)])
+def test_plan_keeps_the_jobs_tp_and_dp_shard(override, tp, shard):
+    out = io.StringIO()
+    choice = plan_command(DEMO, 4, None, overrides=[override], device=DeviceSpec.cpu(), out=out, profile_store=None)
+    text = out.getvalue()
+    assert (choice.tp, choice.dp_shard) == (tp, shard)
+    assert choice.dp * choice.tp * choice.plan.num_ranks == 4  # the plan uses the 4 devices with those degrees
+    assert f"the job sets parallel.tp = {tp}, parallel.dp_shard = {shard}: the plan keeps them" in text
+    assert f"dp_shard = {shard}\ntp = {tp}\n" in text  # the pasted [parallel] table carries them
+
+
+def test_plan_refuses_job_degrees_that_do_not_divide_the_devices():
+    with pytest.raises(ValueError, match=r"parallel.tp = 3 x parallel.dp_shard = 1 does not divide --devices 4"):
+        plan_command(DEMO, 4, None, overrides=["--parallel.tp=3"], device=DeviceSpec.cpu(), out=io.StringIO(),
+                     profile_store=None)
+
+
+def test_plan_without_job_degrees_searches_them_only_for_memory():
+    out = io.StringIO()
+    choice = plan_command(DEMO, 4, None, device=DeviceSpec.cpu(), out=out, profile_store=None)
+    assert (choice.tp, choice.dp_shard) == (1, 1) and "the plan keeps them" not in out.getvalue()
