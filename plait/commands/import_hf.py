@@ -32,14 +32,18 @@ __all__ = ["import_command", "import_checkpoint", "job_toml"]
 
 def import_command(source: str | Path, out: str | Path, *, train: str = "", val: str = "",
                    chat_template: str = "") -> int:
-    """``plait import``: :func:`import_checkpoint`, then print what was written. Returns 0.
+    """``plait import``: :func:`import_checkpoint`, then print what was written and the train command (first asking
+    to set ``data.train`` when ``train`` was not given). Returns 0.
 
     Raises:
         ValueError, FileNotFoundError: as :func:`import_checkpoint`.
     """
     model_dir, job = import_checkpoint(source, out, train=train, val=val, chat_template=chat_template)
     print(f"plait: imported {source} into {model_dir} (model.pretrained) and the job {job}", flush=True)
-    print(f"plait: set data.train in {job}, then: plait train --config {job}", flush=True)
+    if train:  # the job names the data already
+        print(f"plait: train with: plait train --config {job}", flush=True)
+    else:
+        print(f"plait: set data.train in {job}, then: plait train --config {job}", flush=True)
     return 0
 
 

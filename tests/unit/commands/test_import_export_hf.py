@@ -225,6 +225,20 @@ def test_cli_import_and_export(tmp_path, capsys):
     assert "as Qwen2AudioForConditionalGeneration to" in capsys.readouterr().out
 
 
+def test_import_prints_the_train_command_and_asks_for_data_only_when_no_train_file_was_given(tmp_path, capsys):
+    from plait.commands.import_hf import import_command
+
+    src = save_qwen2_audio(tmp_path / "src")
+    assert import_command(src, tmp_path / "with", train=str(tmp_path / "data.jsonl")) == 0
+    job = tmp_path / "with" / "job.toml"
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == f"plait: train with: plait train --config {job}"
+    assert "set data.train" not in out
+    assert import_command(src, tmp_path / "without") == 0
+    job = tmp_path / "without" / "job.toml"
+    assert capsys.readouterr().out.splitlines()[-1] == f"plait: set data.train in {job}, then: plait train --config {job}"
+
+
 def _siglip_llava(**fields) -> T.LlavaForConditionalGeneration:
     torch.manual_seed(0)
     vision = T.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
