@@ -53,7 +53,8 @@ class VideoConfig:
     the video's placeholder expands to frames x per-frame features (one image item of the branch per frame)."""
 
     placeholder: str = "<video>"
-    """Placeholder of a video in the text; a single token of the tokenizer (else records with videos are refused)."""
+    """Placeholder of a video in the text; a single token of the tokenizer (else records with videos are refused;
+    a placeholder other than the default that is not a token is refused when the job is built)."""
     fps: float = 1.0
     """Frames sampled per second of video (frame ``k`` is the one shown at ``k / fps`` s); 0: every frame. A video
     gives ``ceil(frames x fps / its frame rate)`` frames (every frame when fps is not below its rate)."""

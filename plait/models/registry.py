@@ -10,7 +10,7 @@ import torch
 import transformers
 from transformers import AutoTokenizer
 
-from plait.config.schema import EncoderConfig, ModelConfig
+from plait.config.schema import EncoderConfig, ModelConfig, VideoConfig
 from plait.data.chat_template import read_chat_template, template_names
 from plait.data.processing import ModalitySpec, MultimodalProcessor
 from plait.data.sources import path_note
@@ -241,8 +241,9 @@ def build_processor(cfg: ModelConfig, model: MultimodalModel, tokenizer: Any, ma
 
     Raises:
         ValueError: when ``max_length`` exceeds the LLM's ``max_position_embeddings``, a pretrained job's
-            ``placeholder`` differs from the checkpoint's, or a processor setting cannot fit its tower
-            (:func:`plait.models.hf.check_processor`; each naming the field).
+            ``placeholder`` differs from the checkpoint's, a processor setting cannot fit its tower
+            (:func:`plait.models.hf.check_processor`), or a video placeholder set in the job is not a token
+            (each naming the field).
     """
     limit = getattr(model.language_model.config, "max_position_embeddings", None)
     if limit is not None and max_length > limit:
@@ -283,15 +284,22 @@ def _pretrained_processor(root: Path, name: str, enc: EncoderConfig, branch: Mod
 
 def _video_spec(name: str, enc: EncoderConfig, branch: ModalityEncoder, tokenizer: Any) -> VideoSpec | None:
     """How image branch ``name`` takes videos (``[model.encoders.<name>.video]``; the placeholder id is None when
-    the placeholder is not a token: records with videos are then refused naming the field); None for audio.
+    the default placeholder is not a token: a tokenizer for images only, whose records with videos are then refused
+    naming the field); None for audio.
 
     Raises:
-        ValueError: for a negative fps or a frame limit below 1 (naming the field).
+        ValueError: for a placeholder set in the job (not the default) that is not a token of the tokenizer, as
+            an image placeholder is refused (a job error, not every video record's); a negative fps or a frame
+            limit below 1 (naming the field).
     """
     if branch.modality != "image":
         return None
     video = enc.video
     tid = tokenizer.convert_tokens_to_ids(video.placeholder)
     tid = None if tid is None or tid == tokenizer.unk_token_id else int(tid)
+    if tid is None and video.placeholder != VideoConfig().placeholder:
+        raise ValueError(f"model.encoders.{name}.video.placeholder: {video.placeholder!r} is not a token of the "
+                         "tokenizer (set a single token of it, or leave the default "
+                         f"{VideoConfig().placeholder!r} for a job without videos)")
     return VideoSpec(video.placeholder, tid, float(video.fps), int(video.max_frames), f"model.encoders.{name}.video",
                      branch.video_encoding)

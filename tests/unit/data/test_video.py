@@ -275,6 +275,19 @@ def test_a_video_placeholder_that_is_not_a_token_names_the_field(tmp_path):
                          "'<video>' is not a token of the tokenizer (model.encoders.vision.video.placeholder)")
 
 
+def test_a_video_placeholder_set_in_the_job_that_is_not_a_token_is_refused_at_build(tmp_path):
+    from plait.config.loader import config_from_dict
+
+    data = tiny_config_dict("unused.jsonl")  # the demo tokenizer has no <vid>: refused as an image placeholder is
+    data["model"]["encoders"]["vision"]["video"] = {"placeholder": "<vid>"}
+    cfg = config_from_dict(data)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    model = build_model(cfg.model, tok, device="meta")
+    with pytest.raises(ValueError, match=r"^model\.encoders\.vision\.video\.placeholder: '<vid>' is not a token of "
+                                         r"the tokenizer \(set a single token of it, or leave the default '<video>'"):
+        build_processor(cfg.model, model, tok, 256)
+
+
 def test_videos_of_different_sizes_and_images_collate_into_one_batch(setup):
     folder, _, model, proc = setup
     small = write_video(folder / "small.mp4", 2, width=16, height=16)
