@@ -45,6 +45,7 @@ from plait.commands.plan_costs import host_cpu, host_device, runtime_costs, stor
 from plait.commands.plan_fit import no_fit_message
 from plait.commands.plan_fsdp import fsdp_line
 from plait.commands.plan_snippet import MODEL_UNITS, pp_snippet
+from plait.models.families.internvl import MODEL_TYPES as INTERNVL_TYPES
 from plait.models.units import model_units
 from plait.parallel.checkpointing import checkpoint_policy
 from plait.planner.arch import arch_from_config, units_from_configs
@@ -146,6 +147,13 @@ def _encoder_arch(config: Any, downsample: int) -> Any:
     return dataclasses.replace(arch, output_pool=arch.output_pool * downsample) if downsample > 1 else arch
 
 
+def _is_internvl(config: Any) -> bool:
+    """Whether an encoder config is InternVL's vision model (or a full InternVL checkpoint's config), whose
+    ``downsample`` is a pixel shuffle (``models.families.internvl``), not pooling."""
+    sub = getattr(config, "vision_config", None)
+    return getattr(sub if sub is not None else config, "model_type", "") in INTERNVL_TYPES
+
+
 def _tokenizer_size(path: str) -> int | None:
     """Vocabulary size of the tokenizer directory at ``path`` (None when there is none)."""
     if not path or not Path(path).is_dir():
@@ -166,9 +174,14 @@ def model_parts(cfg: Any) -> tuple[dict[str, Any], dict[str, bool], dict[str, in
         settings = meta.get(name, {})
         where = f"model.encoders.{name}"
         path = str(Path(model.pretrained) / "encoders" / name / "encoder") if model.pretrained else enc.path
-        arch = _encoder_arch(_hf_config(path, enc.config, where), int(settings.get("downsample", enc.downsample)))
+        hf_config = _hf_config(path, enc.config, where)
+        downsample = int(settings.get("downsample", enc.downsample))
+        shuffled = downsample > 1 and _is_internvl(hf_config)  # pixel shuffle: d x d patches -> one feature, d^2 wide
+        arch = _encoder_arch(hf_config, downsample ** 2 if shuffled else downsample)
         configs[name] = arch
         configs[f"{name}.projector"] = {"kind": settings.get("projector", enc.projector)}
+        if shuffled:
+            configs[f"{name}.projector"]["in_dim"] = arch.hidden * downsample ** 2
         frozen[name], frozen[f"{name}.projector"] = enc.freeze, enc.freeze_projector
         dropped[name] = arch.prefix_tokens if settings.get("select", enc.select) == "drop_cls" else 0
     fields = dict(model.llm.config or {})
