@@ -9,6 +9,8 @@ modules and samples matter to the planner.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from plait.models.lora import has_lora
@@ -24,7 +26,8 @@ __all__ = ["microbatch_cost_coeffs", "pass_work"]
 def microbatch_cost_coeffs(model: MultimodalModel) -> dict[str, ModuleCostCoeffs]:
     """Cost coefficients per encoder branch and for ``"llm"``, in forward FLOPs x pass factor.
 
-    Encoders: a vision item of ``n`` placeholders costs ``L (a n + b n^2)`` (full attention); a Whisper
+    Encoders: a vision item of ``n`` encoder tokens costs ``L (a n + b n^2)`` (full attention; window and
+    per-tile attention and the tokens per placeholder of Qwen2.5-VL and InternVL: ``_vision_coeffs``); a Whisper
     clip always fills the encoder's fixed window, so its cost is a constant per item (``fixed``). LLM: a
     sample of ``L`` tokens costs ``layers (a L + b L^2 / 2) + 2 H V L`` (causal attention, LM head).
     Flags: ``trainable`` from the parameters' ``requires_grad``, ``needs_input_grad`` by the unit-graph rule
@@ -44,9 +47,10 @@ def microbatch_cost_coeffs(model: MultimodalModel) -> dict[str, ModuleCostCoeffs
             fixed = arch.layers * (per_token * n + per_pair * n * n) * scale
             coeffs[name] = ModuleCostCoeffs(linear=0.0, fixed=fixed, trainable=trains, needs_input_grad=needs)
         else:
-            coeffs[name] = ModuleCostCoeffs(linear=arch.layers * per_token * scale,
-                                            quadratic=arch.layers * per_pair * scale,
-                                            trainable=trains, needs_input_grad=needs)
+            linear, quadratic, per_feature = _vision_coeffs(arch, per_token, per_pair, branch.downsample)
+            coeffs[name] = ModuleCostCoeffs(linear=linear * scale, quadratic=quadratic * scale,
+                                            trainable=trains, needs_input_grad=needs,
+                                            encoder_tokens_per_feature=per_feature)
     llm_arch = arch_from_config(model.language_model.config)
     per_token, per_pair = map(float, llm_arch.layer_flops())
     scale = _lora_scale(flags[LLM_MODULE], fractions[LLM_MODULE])
@@ -57,6 +61,21 @@ def microbatch_cost_coeffs(model: MultimodalModel) -> dict[str, ModuleCostCoeffs
         needs_input_grad=flags[LLM_MODULE].needs_input_grad,
     )
     return coeffs
+
+
+def _vision_coeffs(arch: Any, per_token: float, per_pair: float, downsample: int) -> tuple[float, float, float]:
+    """``(linear, quadratic, encoder tokens per placeholder)`` of a vision tower in forward FLOPs per encoder token.
+    Full attention over an item's tokens by default; Qwen2.5-VL (``arch.window``): its window layers attend at most
+    ``window`` tokens each (linear), only ``arch.full_layers`` over the whole item, and 4 patches make one
+    placeholder (``arch.output_pool``, the 2x2 merger); InternVL (``downsample`` is its pixel shuffle): attention
+    within each tile of ``arch.item_len`` tokens (linear) and ``downsample^2`` patches per placeholder."""
+    if arch.window:
+        full = len(arch.full_layers)
+        return (arch.layers * per_token + (arch.layers - full) * per_pair * arch.window, full * per_pair,
+                float(arch.output_pool))
+    if downsample > 1:  # InternVL's pixel shuffle (the only vision family with downsample > 1)
+        return arch.layers * (per_token + per_pair * arch.item_len), 0.0, float(downsample ** 2)
+    return arch.layers * per_token, arch.layers * per_pair, float(arch.output_pool)
 
 
 def pass_work(flags: ModuleFlags, trainable_fraction: float = 1.0) -> float:
