@@ -236,7 +236,8 @@ def test_import_prints_the_train_command_and_asks_for_data_only_when_no_train_fi
     assert "set data.train" not in out
     assert import_command(src, tmp_path / "without") == 0
     job = tmp_path / "without" / "job.toml"
-    assert capsys.readouterr().out.splitlines()[-1] == f"plait: set data.train in {job}, then: plait train --config {job}"
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == f"plait: set data.train in {job}, then: plait train --config {job}"
 
 
 def _siglip_llava(**fields) -> T.LlavaForConditionalGeneration:
