@@ -137,7 +137,7 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
         return worker_main(args.config, overrides, args.worker, args.nproc, args.store, args.joining)
     sizes = [int(n) for n in args.pipelines.split(",")] if args.pipelines else []
     return launch_command(args.config, args.nproc, args.f, overrides, sizes, args.kill, args.timeout,
-                          rejoins=args.rejoin, overwrite=args.overwrite)
+                          rejoins=args.rejoin, overwrite=args.overwrite, device=args.device)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -275,6 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "once it died; the job admits it at the start of that step and re-instantiates")
     launch.add_argument("--overwrite", action="store_true", help="start a new run even when metrics.run_dir holds "
                         "an earlier run's checkpoints, final model or launch logs: they are removed (else refused)")
+    launch.add_argument("--device", default=None, help="device preset to plan the pipelines for: h100, h200, a100 "
+                        "or cpu (default: this host's CPU measured, which the workers train on)")
     launch.add_argument("--joining", action="store_true", help=argparse.SUPPRESS)
     launch.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     launch.add_argument("--store", default="", help=argparse.SUPPRESS)

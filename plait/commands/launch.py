@@ -7,9 +7,11 @@ replicas reshaped in place. The launcher:
 
 1. checks the job (:func:`check_launch`: a layout of its own, fault injection naming real workers)
    and the run folder (an earlier run's checkpoints, final model or launch logs are refused, or removed together
-   with ``--overwrite`` once every argument is checked and the plan made, as ``plait train`` does); plans the pipeline templates for ``--nproc`` ranks and ``--f``
-   failures (``plan_templates`` on the job's analytic unit costs, as ``plait plan``) and the first instantiation
-   (``plan_instantiation``, or the pipeline sizes of ``--pipelines``), written to
+   with ``--overwrite`` once every argument is checked and the plan made, as ``plait train`` does); plans the
+   pipeline templates for ``--nproc`` ranks and ``--f`` failures (``plan_templates`` on the job's analytic unit
+   costs and runtime overheads for this host's CPU or ``--device``, chosen as ``plait plan`` chooses them:
+   :func:`launch_device`) and the first instantiation (``plan_instantiation``, or the pipeline sizes of
+   ``--pipelines``), written to
    ``<metrics.run_dir>/resilient/launch.json``;
 2. hosts the membership ``TCPStore`` in its own process, so no worker's death takes it down;
 3. starts the workers (``plait launch --worker ID --store HOST:PORT``, same config and overrides) and waits for
@@ -35,13 +37,16 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from plait.commands.plan import build_plan_inputs
+from plait.commands.plan import build_plan_inputs, device_spec
+from plait.commands.plan_costs import RuntimeCosts, host_cpu, runtime_costs
 from plait.config.loader import load_config
+from plait.planner.cost_model import DeviceSpec
 from plait.planner.templates import instantiate, plan_instantiation, plan_templates
 from plait.train.resilient import LaunchPlan, run_resilient_worker
 from plait.train.run_start import clear_earlier_run, launch_logs
 
-__all__ = ["check_launch", "launch_command", "launch_plan", "parse_kills", "worker_command", "worker_main"]
+__all__ = ["check_launch", "launch_command", "launch_device", "launch_plan", "parse_kills", "worker_command",
+           "worker_main"]
 
 
 def parse_kills(values: Sequence[str]) -> tuple[tuple[int, int], ...]:
@@ -89,17 +94,41 @@ def check_launch(cfg, nproc: int, kills: Sequence[tuple[int, int]] = (),
                              "step in that range or raise --train.steps")
 
 
-def launch_plan(cfg, nproc: int, failures: int, pipelines: Sequence[int] = (), timeout_s: float = 10.0,
-                kills: Sequence[tuple[int, int]] = (), rejoins: Sequence[tuple[int, int]] = ()) -> LaunchPlan:
-    """Templates for ``nproc`` ranks and ``failures`` failures and the first instantiation (the given pipeline
-    sizes in worker order, else the fastest predicted). Costs are analytic, for the job's device.
+def launch_device(cfg, nproc: int, device: str | None = None) -> tuple[DeviceSpec, RuntimeCosts]:
+    """The device and runtime costs ``plait launch`` plans with, chosen as ``plait plan`` chooses them
+    (``plan_costs``): the preset ``device`` (``plan.DEVICES``, ``--device``), else this host's CPU measured
+    (``host_cpu``, with ``train.threads`` threads, else the cores / ``nproc``; memory: RAM / ``nproc``), as
+    ``plait plan`` does on a host without a GPU: the resilient workers train on the CPU with gloo
+    (``plait.train.resilient``), GPU or not. Costs: the device's link, DP all-reduce link and per-chunk,
+    per-action and per-message overheads (``runtime_costs``, analytic: no stored profile).
 
     Raises:
-        ValueError: when the sizes do not add up to ``nproc``, or from ``plan_templates`` / ``instantiate``.
+        ValueError: on an unknown preset name.
     """
-    inputs = build_plan_inputs(cfg, "cpu" if cfg.train.device == "cpu" else "h100")
+    if device is None:
+        spec = host_cpu(cfg.train.threads or max(1, (os.cpu_count() or 1) // nproc), nproc)
+    else:
+        spec = device_spec(device)
+    return spec, runtime_costs(spec)
+
+
+def launch_plan(cfg, nproc: int, failures: int, pipelines: Sequence[int] = (), timeout_s: float = 10.0,
+                kills: Sequence[tuple[int, int]] = (), rejoins: Sequence[tuple[int, int]] = (),
+                device: tuple[DeviceSpec, RuntimeCosts] | None = None) -> LaunchPlan:
+    """Templates for ``nproc`` ranks and ``failures`` failures and the first instantiation (the given pipeline
+    sizes in worker order, else the fastest predicted). Costs are analytic, for ``device`` (default
+    :func:`launch_device`): its unit costs, memory, links and runtime overheads.
+
+    Raises:
+        ValueError: when the sizes do not add up to ``nproc``, a first pipeline's plan leaves some of its workers
+            without a stage (spares, which the workers cannot run), or from ``plan_templates`` / ``instantiate``.
+    """
+    spec, costs = device or launch_device(cfg, nproc)
+    inputs = build_plan_inputs(cfg, spec)
+    extra = {} if costs.overheads.zero else {"overheads": costs.overheads}
     templates = plan_templates(inputs.units, inputs.costs, nproc, failures, microbatches=inputs.microbatches,
-                               dtype=inputs.dtype)
+                               memory_cap=spec.memory_bytes, p2p=costs.p2p, dp_link=costs.dp_link,
+                               dtype=inputs.dtype, **extra)
     if pipelines:
         if sum(pipelines) != nproc:
             raise ValueError(f"--pipelines {list(pipelines)} use {sum(pipelines)} workers, --nproc is {nproc}")
@@ -107,6 +136,13 @@ def launch_plan(cfg, nproc: int, failures: int, pipelines: Sequence[int] = (), t
         inst = instantiate(templates, [list(range(s, s + n)) for s, n in zip(starts, pipelines)])
     else:
         inst = plan_instantiation(templates)
+    spares = [(len(p.ranks), p.template.plan.num_ranks) for p in inst.pipelines
+              if p.template.plan.num_ranks < len(p.ranks)]
+    if spares:  # the planner keeps them as spares; the workers cannot run a rank without a stage yet
+        n, used = spares[0]
+        raise ValueError(f"a pipeline of {n} workers: the fastest plan for {spec.name} runs on {used} of them and "
+                         "plait launch cannot leave a worker idle as a spare; give smaller pipelines with "
+                         "--pipelines, fewer workers with --nproc, or plan for another --device")
     return LaunchPlan(templates, inst, timeout_s, tuple(kills), tuple(rejoins))
 
 
@@ -161,8 +197,10 @@ def _refuse_earlier_run(run_dir: Path) -> None:
 
 def launch_command(config: str | Path, nproc: int, failures: int, overrides: Sequence[str] = (),
                    pipelines: Sequence[int] = (), kills: Sequence[str] = (), timeout_s: float = 10.0,
-                   limit_s: float | None = None, rejoins: Sequence[str] = (), overwrite: bool = False) -> int:
-    """Check, plan, host the store, run ``nproc`` workers to the end (module docstring). Returns the exit status.
+                   limit_s: float | None = None, rejoins: Sequence[str] = (), overwrite: bool = False,
+                   device: str | None = None) -> int:
+    """Check, plan (for ``device``: :func:`launch_device`, printed), host the store, run ``nproc`` workers to the
+    end (module docstring). Returns the exit status.
 
     Raises:
         ValueError: on bad numbers, settings :func:`check_launch` refuses, a run folder holding an earlier run
@@ -178,7 +216,11 @@ def launch_command(config: str | Path, nproc: int, failures: int, overrides: Seq
     out = run_dir / "resilient"
     if not overwrite:
         _refuse_earlier_run(run_dir)
-    plan = launch_plan(cfg, nproc, failures, pipelines, timeout_s, kills_, rejoins_)
+    costs = launch_device(cfg, nproc, device)
+    why = ("--device" if device is not None
+           else "the workers train on this host's CPU with gloo; --device to plan for another")
+    print(f"plait launch: planning for {costs[0].name} ({why}); costs: {costs[1].source}", flush=True)
+    plan = launch_plan(cfg, nproc, failures, pipelines, timeout_s, kills_, rejoins_, costs)
     if overwrite:  # only once every argument is checked: a refused command leaves the folder as it was
         clear_earlier_run(run_dir, True, 1, overwrite=True)
     out.mkdir(parents=True, exist_ok=True)

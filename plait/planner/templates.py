@@ -30,6 +30,7 @@ from typing import Any
 
 from plait.planner.cost_model import OptimizerSpec, dtype_bytes
 from plait.planner.graph import consistent_units
+from plait.planner.overheads import ActionOverheads
 from plait.planner.pipeline_plan import PipelinePlan
 from plait.planner.search import evaluate_plan, plan_layout
 from plait.planner.search_model import Costs, allreduce_s, cost_list
@@ -328,7 +329,8 @@ def plan_templates(
             if templates:
                 raise
             continue
-        templates.append(_template(n, choice.plan, choice.schedule, true_units, cost_seq, microbatches, options))
+        templates.append(_template(n, choice.plan, choice.schedule, true_units, cost_seq, microbatches,
+                                   {**options, "overheads": search.get("overheads", ActionOverheads())}))
     if not templates:
         raise ValueError(f"no pipeline plan fits on {num_ranks} ranks (memory_cap={memory_cap} bytes)")
     n0 = templates[0].num_ranks
@@ -341,8 +343,10 @@ def plan_templates(
 
 def _template(n: int, plan: PipelinePlan, schedule: str, units: Sequence[Unit], costs: Sequence[Any],
               microbatches: int, options: dict[str, Any]) -> PipelineTemplate:
-    """Time ``plan`` at ``M`` and ``2 M`` microbatches and fit the linear makespan."""
-    timing = dict(p2p=options["p2p"], dtype=options["dtype"], optimizer=options["optimizer"], schedule=schedule)
+    """Time ``plan`` at ``M`` and ``2 M`` microbatches (with the runtime ``overheads`` it was searched with) and fit
+    the linear makespan."""
+    timing = dict(p2p=options["p2p"], dtype=options["dtype"], optimizer=options["optimizer"], schedule=schedule,
+                  overheads=options["overheads"])
     one = evaluate_plan(plan, units, costs, dp=1, microbatches=microbatches, **timing).makespan_s
     two = evaluate_plan(plan, units, costs, dp=1, microbatches=2 * microbatches, **timing).makespan_s
     per = max(0.0, (two - one) / microbatches)

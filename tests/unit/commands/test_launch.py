@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from plait.commands.launch import check_launch, launch_command, parse_kills, worker_command
+from plait.commands.launch import check_launch, launch_command, launch_device, launch_plan, parse_kills, worker_command
+from plait.planner.cost_model import DeviceSpec
 from plait.config.loader import config_from_dict
 from plait.train.run_start import clear_earlier_run, launch_logs
 from tests.conftest import tiny_config_dict
@@ -113,3 +114,32 @@ def test_overwrite_removes_the_checkpoints_final_model_and_launch_logs_together(
         clear_earlier_run(tmp_path / "only-logs", True, 1, overwrite=True)
     assert "already holds an earlier launch's logs: removed its 0 checkpoint(s) and its 3 launch log" in caplog.text
     assert not any(p.is_file() for p in (tmp_path / "only-logs").rglob("*"))
+
+
+def test_launch_plans_for_this_hosts_cpu_with_its_runtime_costs_as_plait_plan_does(tmp_path, capsys):
+    cfg = _cfg()
+    spec, costs = launch_device(cfg, 4)
+    assert spec.name.startswith("CPU (this host, 1 thread: ")  # train.threads = 1
+    assert spec.chunk_overhead_s == DeviceSpec.cpu().chunk_overhead_s > 0 and spec.memory_bytes > 0
+    assert costs.source.startswith(f"analytic costs ({spec.name}): 5.00 ms per module chunk and action")
+    assert costs.dp_link is not None and not costs.overheads.zero
+    plan = launch_plan(cfg, 4, 1, device=(spec, costs))
+    # one microbatch per pipeline pays a forward and a backward of at least one module chunk: milliseconds
+    assert plan.instantiation.iteration_s >= 2 * spec.chunk_overhead_s
+    assert "us per iteration" not in plan.instantiation.describe()
+    preset, preset_costs = launch_device(cfg, 4, "cpu")  # --device: a preset, as plait plan --device
+    assert preset == DeviceSpec.cpu() and preset_costs.source.startswith(f"analytic costs ({preset.name}): 5.00 ms")
+    h100 = launch_device(cfg, 4, "h100")  # the tiny model on H100s: one rank beats any split over NVLink
+    with pytest.raises(ValueError, match=r"a pipeline of 2 workers: the fastest plan for H100.* runs on 1 of them and "
+                                         r"plait launch cannot leave a worker idle as a spare"):
+        launch_plan(cfg, 4, 1, [2, 2], device=h100)
+    with pytest.raises(ValueError, match=r"unknown device 'tpu'; choose one of \('h100', 'h200', 'a100', 'cpu'\)"):
+        launch_device(cfg, 4, "tpu")
+    job = tmp_path / "job.toml"
+    job.write_text(to_toml(tiny_config_dict(str(tmp_path / "train.jsonl"), None, str(tmp_path / "run"))) + "\n")
+    with pytest.raises(ValueError, match=r"--pipelines \[3, 3\] use 6 workers"):
+        launch_command(job, 4, 1, pipelines=[3, 3])
+    assert capsys.readouterr().out.startswith("plait launch: planning for CPU (this host, 1 thread: ")
+    with pytest.raises(ValueError, match=r"--pipelines \[3, 3\] use 6 workers"):
+        launch_command(job, 4, 1, pipelines=[3, 3], device="h100")
+    assert capsys.readouterr().out.startswith("plait launch: planning for H100")

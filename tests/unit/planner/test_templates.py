@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from plait.planner.overheads import ActionOverheads
 from plait.planner.pipeline_plan import synthetic_units
 from plait.planner.search import evaluate_plan, plan_layout
 from plait.planner.simulator import P2PModel
@@ -132,3 +133,17 @@ def test_format_seconds_keeps_four_digits_in_a_fitting_unit():
     assert format_seconds(0.0123456) == "12.35 ms"
     assert format_seconds(4.56e-5) == "45.6 us"
     assert format_seconds(0.0) == "0 us"
+
+
+def test_templates_are_timed_with_the_runtime_overheads_they_are_searched_with():
+    units, costs = model()
+    overheads = ActionOverheads(0.002, 0.005, 0.005)
+    ts = templates(8, 1, overheads=overheads)
+    for t in ts.templates:
+        for nb in (12, 24):
+            real = evaluate_plan(t.plan, units, costs, dp=1, microbatches=nb, schedule=t.schedule,
+                                 overheads=overheads).makespan_s
+            assert t.makespan_s(nb) == pytest.approx(real, rel=1e-9)
+    plain = {t.num_ranks: t for t in templates(8, 1).templates}
+    for t in ts.templates:  # at least the 5 ms forward and backward chunk overheads of each microbatch
+        assert t.per_microbatch_s >= plain[t.num_ranks].per_microbatch_s + 0.01 - 1e-12
