@@ -136,8 +136,7 @@ def launch_plan(cfg, nproc: int, failures: int, pipelines: Sequence[int] = (), t
         inst = instantiate(templates, [list(range(s, s + n)) for s, n in zip(starts, pipelines)])
     else:
         inst = plan_instantiation(templates)
-    spares = [(len(p.ranks), p.template.plan.num_ranks) for p in inst.pipelines
-              if p.template.plan.num_ranks < len(p.ranks)]
+    spares = inst.spares()
     if spares:  # the planner keeps them as spares; the workers cannot run a rank without a stage yet
         n, used = spares[0]
         raise ValueError(f"a pipeline of {n} workers: the fastest plan for {spec.name} runs on {used} of them and "

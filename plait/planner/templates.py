@@ -244,6 +244,12 @@ class Instantiation(JsonDataclass):
         """The global batch's microbatches (the sum over pipelines)."""
         return sum(p.microbatches for p in self.pipelines)
 
+    def spares(self) -> list[tuple[int, int]]:
+        """``(ranks, ranks with a stage)`` of each pipeline whose plan leaves some of its ranks without a stage
+        (spares), in pipeline order; empty when every rank runs a stage."""
+        return [(len(p.ranks), p.template.plan.num_ranks) for p in self.pipelines
+                if p.template.plan.num_ranks < len(p.ranks)]
+
     def pipeline_of(self, rank: int) -> int:
         """Index of the pipeline holding global rank ``rank``.
 

@@ -147,3 +147,14 @@ def test_templates_are_timed_with_the_runtime_overheads_they_are_searched_with()
     plain = {t.num_ranks: t for t in templates(8, 1).templates}
     for t in ts.templates:  # at least the 5 ms forward and backward chunk overheads of each microbatch
         assert t.per_microbatch_s >= plain[t.num_ranks].per_microbatch_s + 0.01 - 1e-12
+
+
+def test_spares_name_pipelines_with_ranks_left_without_a_stage():
+    ts = templates(8, 1)
+    largest = ts.max_ranks
+    n0 = ts.min_ranks
+    assert ts.template(n0).plan.num_ranks == n0  # the memory minimum needs every one of its ranks
+    assert instantiate(ts, [list(range(0, n0)), list(range(n0, 2 * n0))]).spares() == []
+    wide = instantiate(ts, [list(range(0, largest + 1)), list(range(largest + 1, largest + 1 + ts.min_ranks))])
+    used = ts.template(largest).plan.num_ranks
+    assert wide.spares()[0] == (largest + 1, used) and used <= largest
