@@ -73,7 +73,8 @@ def check_launch(cfg, nproc: int, kills: Sequence[tuple[int, int]] = (),
             launcher plans its own pipelines of whole layers: no tensor, FSDP2 or context parallelism inside
             them); a ``--kill`` or ``--rejoin`` of a worker id outside ``0..nproc-1`` (naming the valid ids) or
             of a step past the job's last (``0..train.steps-1``, 0-based; not checked for a job of
-            ``train.epochs``, whose step count depends on its data).
+            ``train.epochs``, whose step count depends on its data); a ``--rejoin`` that cannot happen
+            (:func:`_check_rejoins`).
     """
     p = cfg.parallel
     for name, value in (("tp", p.tp), ("dp_shard", p.dp_shard), ("cp", p.cp)):
@@ -92,6 +93,32 @@ def check_launch(cfg, nproc: int, kills: Sequence[tuple[int, int]] = (),
             raise ValueError(f"{flag}: step {', '.join(map(str, late))} is past the job's last step (train.steps = "
                              f"{steps}: the steps are 0..{steps - 1}, 0-based), so it would never happen; pick a "
                              "step in that range or raise --train.steps")
+    _check_rejoins(kills, rejoins)
+
+
+def _check_rejoins(kills: Sequence[tuple[int, int]], rejoins: Sequence[tuple[int, int]]) -> None:
+    """Refuse a ``--rejoin W:S`` that cannot happen: the launcher restarts a worker once, after its first death
+    (``--kill``), and the members admit it at the start of step ``S``, so ``S`` must come after that kill step.
+
+    Raises:
+        ValueError: naming the worker, the steps and the rule: a rejoin of a worker no ``--kill`` stops, a second
+            rejoin of one worker, or a rejoin at or before the worker's first kill step.
+    """
+    first_kill: dict[int, int] = {}
+    for w, s in kills:
+        first_kill[w] = min(s, first_kill.get(w, s))
+    seen: dict[int, int] = {}
+    for w, s in rejoins:
+        if w in seen:
+            raise ValueError(f"--rejoin {w}:{seen[w]} and --rejoin {w}:{s}: worker {w} rejoins at most once (the "
+                             "launcher restarts a killed worker once)")
+        seen[w] = s
+        if w not in first_kill:
+            raise ValueError(f"--rejoin {w}:{s} needs a --kill of worker {w} at an earlier step (only a killed "
+                             "worker is restarted to rejoin), or it would never happen")
+        if s <= first_kill[w]:
+            raise ValueError(f"--rejoin {w}:{s} must come after --kill {w}:{first_kill[w]}: worker {w} rejoins at "
+                             f"the start of a step after the one it dies in (step {first_kill[w] + 1} or later)")
 
 
 def launch_device(cfg, nproc: int, device: str | None = None) -> tuple[DeviceSpec, RuntimeCosts]:

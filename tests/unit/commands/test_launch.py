@@ -45,13 +45,32 @@ def test_check_launch_refuses_layout_settings_and_unknown_workers():
 
 
 def test_check_launch_refuses_a_kill_or_rejoin_past_the_last_step():
-    check_launch(_cfg(train={"steps": 6}), 4, ((1, 5),), ((1, 0),))  # steps 0..5
+    check_launch(_cfg(train={"steps": 6}), 4, ((1, 5), (2, 0)), ((2, 5),))  # steps 0..5
     with pytest.raises(ValueError, match=r"--kill: step 6, 99 is past the job's last step \(train.steps = 6: the "
                                          r"steps are 0..5, 0-based\)"):
         check_launch(_cfg(train={"steps": 6}), 4, ((1, 99), (2, 6), (3, 2)))
     with pytest.raises(ValueError, match=r"--rejoin: step 7 is past the job's last step \(train.steps = 6"):
         check_launch(_cfg(train={"steps": 6}), 4, (), ((1, 7),))
     check_launch(_cfg(train={"steps": 0, "epochs": 1.0}), 4, ((1, 99),))  # epochs: the count depends on the data
+
+
+def test_check_launch_refuses_a_rejoin_that_cannot_happen():
+    cfg = _cfg(train={"steps": 6})
+    check_launch(cfg, 4, ((1, 2),), ((1, 3),))  # the step after the kill
+    check_launch(cfg, 4, ((1, 2), (1, 5)), ((1, 4),))  # rejoins after its first death, killed again later
+    with pytest.raises(ValueError, match=r"--rejoin 1:50: step|--rejoin: step 50 is past the job's last step"):
+        check_launch(cfg, 3, ((1, 2),), ((1, 50),))
+    with pytest.raises(ValueError, match=r"^--rejoin 1:2 must come after --kill 1:4: worker 1 rejoins at the start "
+                                         r"of a step after the one it dies in \(step 5 or later\)$"):
+        check_launch(cfg, 3, ((1, 4),), ((1, 2),))
+    with pytest.raises(ValueError, match=r"^--rejoin 1:2 must come after --kill 1:2: .*\(step 3 or later\)$"):
+        check_launch(cfg, 3, ((1, 2),), ((1, 2),))
+    with pytest.raises(ValueError, match=r"^--rejoin 1:3 needs a --kill of worker 1 at an earlier step"):
+        check_launch(cfg, 3, (), ((1, 3),))
+    with pytest.raises(ValueError, match=r"^--rejoin 2:3 needs a --kill of worker 2"):
+        check_launch(cfg, 3, ((1, 2),), ((2, 3),))
+    with pytest.raises(ValueError, match=r"^--rejoin 1:3 and --rejoin 1:5: worker 1 rejoins at most once"):
+        check_launch(cfg, 3, ((1, 2), (1, 4)), ((1, 3), (1, 5)))
 
 
 def test_launch_refuses_a_run_folder_holding_an_earlier_run_before_starting_anything(tmp_path):
