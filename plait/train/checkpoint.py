@@ -95,10 +95,12 @@ class CheckpointLayout:
 
     def describe(self) -> str:
         """One line, e.g. ``2 processes (DP 1 x PP 2 x CP 1; <plan>)`` or, with TP or FSDP2,
-        ``4 processes (DP 2 x PP 1 x CP 1 x TP 2; FSDP2 dp_shard 2)``."""
+        ``4 processes (DP 2 x PP 1 x CP 1 x TP 2; DP = 1 replica(s) x FSDP2 dp_shard 2)``: DP counts every
+        data-parallel rank, FSDP2's shard ranks included."""
         procs = f"{self.world_size} process" + ("" if self.world_size == 1 else "es")
         tp = f" x TP {self.tp}" if self.tp > 1 else ""
-        shard = f"; FSDP2 dp_shard {self.dp_shard}" if self.dp_shard > 1 else ""
+        shard = (f"; DP = {self.dp // self.dp_shard} replica(s) x FSDP2 dp_shard {self.dp_shard}"
+                 if self.dp_shard > 1 else "")
         plan = f"; {self.plan}" if self.plan else ""
         return f"{procs} (DP {self.dp} x PP {self.pp} x CP {self.cp}{tp}{shard}{plan})"
 

@@ -58,7 +58,7 @@ def clear_earlier_run(run_dir: Path, is_main: bool, world_size: int, overwrite: 
 
 
 def layout_description(dims: Any) -> str:
-    """A job's degrees in one phrase, e.g. ``DP 2 x PP 1 x CP 1 x TP 2; FSDP2 dp_shard 2`` (``dims``: its
+    """A job's degrees in one phrase, e.g. ``DP 2 x PP 1 x CP 1 x TP 2; DP = 1 replica(s) x FSDP2 dp_shard 2`` (``dims``: its
     ``plait.parallel.dims.ParallelDims``; DP counts every data-parallel rank, replicas x shards; TP and the FSDP2
     shard degree only when above 1), the form of the checkpoint layouts' ``describe``."""
     return CheckpointLayout(world_size=dims.world_size, dp=dims.batch, pp=dims.pp, cp=dims.cp, tp=dims.tp,

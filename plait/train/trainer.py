@@ -467,7 +467,8 @@ class Trainer:
                                 layout, config_to_dict(self.cfg)["model"], self.cfg.train.seed)
         self.loader.load_state_dict(state["loader"])
         self.step = state["step"]
-        if self.info.is_main and self.scheduler.extended_from is not None:
+        # with nothing left to train (fit warns "nothing to train") the LR's continuation is not news
+        if self.info.is_main and self.scheduler.extended_from is not None and self.step < self.total_steps:
             print(f"plait: the run's length changed from {self.scheduler.extended_from} to {self.total_steps} steps: "
                   f"the LR continues from {self.cfg.train.lr * self.scheduler.current_factor():.3g} at step "
                   f"{self.step}, the rest of "

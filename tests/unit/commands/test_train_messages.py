@@ -11,7 +11,7 @@ from tests.conftest import tiny_config_dict
 
 def test_checkpoint_layout_names_tp_and_dp_shard_and_reads_older_layouts():
     layout = CheckpointLayout(world_size=4, dp=2, pp=1, cp=1, tp=2, dp_shard=2)
-    assert layout.describe() == "4 processes (DP 2 x PP 1 x CP 1 x TP 2; FSDP2 dp_shard 2)"
+    assert layout.describe() == "4 processes (DP 2 x PP 1 x CP 1 x TP 2; DP = 1 replica(s) x FSDP2 dp_shard 2)"
     assert CheckpointLayout(world_size=4, dp=1, pp=2, cp=1, tp=2, plan="p").describe() == (
         "4 processes (DP 1 x PP 2 x CP 1 x TP 2; p)")
     assert CheckpointLayout.from_dict(layout.to_dict()) == layout
@@ -34,6 +34,6 @@ def test_the_setup_line_names_the_layouts_degrees():
     from plait.parallel.dims import ParallelDims
     from plait.train.run_start import layout_description
 
-    assert layout_description(ParallelDims(dp=1, dp_shard=2, tp=2)) == "DP 2 x PP 1 x CP 1 x TP 2; FSDP2 dp_shard 2"
+    assert layout_description(ParallelDims(dp=1, dp_shard=2, tp=2)) == "DP 2 x PP 1 x CP 1 x TP 2; DP = 1 replica(s) x FSDP2 dp_shard 2"
     assert layout_description(ParallelDims(pp=2, tp=2)) == "DP 1 x PP 2 x CP 1 x TP 2"  # PP x TP names TP
     assert layout_description(ParallelDims()) == "DP 1 x PP 1 x CP 1"

@@ -234,3 +234,14 @@ def test_generation_stops_on_eos_and_the_chat_templates_turn_end():
 
     tok = AutoTokenizer.from_pretrained(DEMO / "tokenizer")
     assert stop_token_ids(tok) == sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}) == [2, 4]
+
+
+def test_resume_past_a_shorter_train_steps_does_not_announce_a_re_stretched_cosine(tiny_job, capsys):
+    recs = demo_records("train", ("text",), limit=4)
+    cfg = tiny_job(recs, train={"steps": 3, "global_batch_size": 2}, checkpoint={"every": 1, "keep": 3})
+    Trainer.build(cfg).fit()
+    capsys.readouterr()
+    shorter = tiny_job(recs, train={"steps": 2, "global_batch_size": 2}, checkpoint={"every": 1, "keep": 3})
+    assert Trainer.build(shorter).fit(resume=True)["steps"] == 0
+    out = capsys.readouterr().out
+    assert "resuming step 3" in out and "re-stretched" not in out
