@@ -88,7 +88,7 @@ class EncoderConfig:
     projector: str = "mlp"
     """``"linear"`` or ``"mlp"`` (Linear -> GELU -> Linear, as LLaVA-1.5)."""
     processor: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the Hugging Face image processor / feature extractor (when no ``path``)."""
+    """Keyword arguments of the Hugging Face image processor / feature extractor (with ``path``: over the folder's)."""
     freeze: bool = False
     """Freeze the encoder (no weight gradient, not in the optimizer)."""
     freeze_projector: bool = False

@@ -192,11 +192,10 @@ def apply_freezing(model: MultimodalModel, cfg: ModelConfig) -> None:
 
 
 def _hf_processor(enc: EncoderConfig, branch: ModalityEncoder) -> Any:
-    if enc.path:
-        auto = transformers.AutoImageProcessor if enc.modality == "image" else transformers.AutoFeatureExtractor
-        if branch.encoder.config.model_type in internvl.MODEL_TYPES:  # InternVL's processor tiles on every call
-            return auto.from_pretrained(enc.path, **{"crop_to_patches": True, **enc.processor})
-        return auto.from_pretrained(enc.path)
+    if enc.path:  # the folder's processor, the job's table over it (as for a model.pretrained checkpoint)
+        tiles = branch.encoder.config.model_type in internvl.MODEL_TYPES  # InternVL's processor tiles on every call
+        return _folder_processor(Path(enc.path), enc.modality, {**({"crop_to_patches": True} if tiles else {}),
+                                                                **enc.processor})
     kwargs = dict(enc.processor)
     cfg = branch.encoder.config
     if enc.modality == "image":
@@ -274,11 +273,17 @@ def _pretrained_processor(root: Path, name: str, enc: EncoderConfig, branch: Mod
     enc = dataclasses.replace(enc, modality=branch.modality)
     if enc.path or not folder.is_dir():
         return _hf_processor(enc, branch)
-    kwargs = dict(enc.processor)
+    return _folder_processor(folder, branch.modality, dict(enc.processor))
+
+
+def _folder_processor(folder: Path, modality: str, table: dict[str, Any]) -> Any:
+    """The processor saved in ``folder`` with ``table`` (a job's ``processor`` fields) overriding its settings;
+    ``class`` chooses the class (default: the auto class of ``modality``)."""
+    kwargs = dict(table)
     if "class" in kwargs:
         cls: Any = getattr(transformers, kwargs.pop("class"))
     else:
-        cls = transformers.AutoImageProcessor if branch.modality == "image" else transformers.AutoFeatureExtractor
+        cls = transformers.AutoImageProcessor if modality == "image" else transformers.AutoFeatureExtractor
     return cls.from_pretrained(str(folder), **kwargs)
 
 

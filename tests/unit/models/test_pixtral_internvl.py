@@ -366,3 +366,24 @@ def test_a_full_internvl_checkpoint_gives_its_tower_and_tiling_processor(tmp_pat
     processor = build_processor(cfg.model, model, tokenizer, 256).specs["image"].hf_processor
     assert processor.crop_to_patches and processor(images=_images([(24, 80)]), return_tensors="pt")[
         "num_patches"].tolist() == [4]
+
+
+def test_a_pixtral_path_towers_processor_table_is_applied_and_checked(tmp_path):
+    """The job's ``processor`` table goes over the processor saved in the tower's ``path`` folder (it was ignored)."""
+    from plait.models.registry import build_model, build_processor, load_tokenizer
+
+    folder = tmp_path / "pixtral"
+    build_encoder("image", config=dict(TINY_PIXTRAL)).save_pretrained(folder)
+    T.PixtralImageProcessorPil(patch_size=4, size={"longest_edge": 32}).save_pretrained(folder)
+
+    def processor(table: dict):
+        job = _job(tmp_path, "pixtral", table)
+        job["model"]["encoders"]["vision"] = {"modality": "image", "path": str(folder), "processor": table}
+        cfg = config_from_dict(job)
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        return build_processor(cfg.model, build_model(cfg.model, tokenizer), tokenizer, 256).specs["image"]
+
+    assert processor({"size": {"longest_edge": 16}}).hf_processor.size["longest_edge"] == 16
+    with pytest.raises(ValueError, match=r"model.encoders.vision.processor.size.longest_edge = 64 is above the "
+                                         r"Pixtral tower's image_size = 32"):
+        processor({"size": {"longest_edge": 64}})

@@ -140,3 +140,28 @@ def test_max_num_patches_above_the_tower_is_refused_when_the_job_is_built(tmp_pa
     with pytest.raises(ValueError, match=r"model.encoders.vision.processor.max_num_patches = 32 is above the SigLIP2 "
                                          r"tower's num_patches = 16"):
         build_processor(cfg.model, model, tokenizer, 256)
+
+
+def test_a_path_towers_processor_table_overrides_the_saved_processor_and_is_checked(tmp_path):
+    """A tower loaded from ``path`` (a local folder written by save_pretrained) applies the job's ``processor``
+    table over the folder's processor, as a ``config`` tower does (the table was ignored: the saved values won)."""
+    from plait.models.registry import build_model, build_processor, load_tokenizer
+
+    folder = tmp_path / "siglip2"
+    kwargs = {k: v for k, v in TINY_SIGLIP2.items() if k != "model_type"}
+    T.Siglip2VisionModel(T.Siglip2VisionConfig(**kwargs)).save_pretrained(folder)
+    T.Siglip2ImageProcessorPil(patch_size=4, max_num_patches=16).save_pretrained(folder)
+    records = _two_image_records(tmp_path)
+
+    def processor(table: dict):
+        job = _job(tmp_path, records, table)
+        job["model"]["encoders"]["vision"] = {"modality": "image", "path": str(folder), "processor": table}
+        cfg = config_from_dict(job)
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        return build_processor(cfg.model, build_model(cfg.model, tokenizer), tokenizer, 256)
+
+    assert processor({}).specs["image"].hf_processor.max_num_patches == 16  # the folder's
+    assert processor({"max_num_patches": 4}).specs["image"].hf_processor.max_num_patches == 4
+    with pytest.raises(ValueError, match=r"model.encoders.vision.processor.max_num_patches = 64 is above the SigLIP2 "
+                                         r"tower's num_patches = 16"):
+        processor({"max_num_patches": 64})
