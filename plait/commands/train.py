@@ -20,6 +20,7 @@ from plait.commands.plan_fit import explain_no_fit
 from plait.commands.profile import profile_job
 from plait.config.loader import load_config
 from plait.config.schema import JobConfig, ParallelConfig, PipelineConfig
+from plait.models.generation import save_final
 from plait.parallel.checkpointing import checkpoint_policy
 from plait.parallel.machine import auto_plan_inputs
 from plait.parallel.mesh import init_distributed
@@ -98,10 +99,7 @@ def _save_and_report(trainer: Trainer, result: dict[str, Any]) -> None:
     except ValueError:  # a resumed run that had nothing left to train and whose metrics.jsonl was lost
         png = "not drawn (metrics.jsonl holds no training loss)"
     final = trainer.run_dir / "final"
-    trainer.full_model().save_pretrained(final, merge_lora=trainer.cfg.checkpoint.merge_lora)  # PP: from a checkpoint
-    trainer.tokenizer.save_pretrained(final / "tokenizer")
-    for spec in trainer.processor.specs.values():
-        spec.hf_processor.save_pretrained(final / "processors" / spec.encoder)
+    save_final(trainer.full_model(), trainer.processor, final, trainer.cfg.checkpoint.merge_lora)  # PP: from a ckpt
     done = (f"trained {result['steps']} step{'' if result['steps'] == 1 else 's'}" if result["steps"]
             else "nothing trained")
     print(f"plait: {done} (model at step {result['step']}); loss curve {png}; model {final}")

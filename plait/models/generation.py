@@ -22,17 +22,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
+from plait.config.schema import ModelConfig
 from plait.data.chat_template import render_with_assistant_mask
 from plait.data.collate import Batch, collate
-from plait.data.processing import ModalitySpec, MultimodalProcessor, ProcessedSample
+from plait.data.processing import MultimodalProcessor, ProcessedSample
 from plait.data.sources import RawSample, path_note
 from plait.models.multimodal import PLAIT_CONFIG, MultimodalModel
-from plait.models.registry import load_tokenizer
+from plait.models.registry import build_processor, load_tokenizer
 
 __all__ = ["Prompt", "Generator", "stop_token_ids", "greedy_token_ids", "greedy_generate", "exact_match",
-           "resolve_device", "inference_processor", "check_decoding"]
+           "resolve_device", "inference_processor", "check_decoding", "save_final"]
 
 
 def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
@@ -309,23 +309,34 @@ def _require_final(root: Path) -> None:
                                 "plait train saves next to it")
 
 
+def save_final(model: MultimodalModel, processor: MultimodalProcessor, directory: str | Path,
+               merge_lora: bool = False) -> None:
+    """Write what :meth:`Generator.from_pretrained` and a ``model.pretrained`` job load (``plait train``'s
+    ``<run_dir>/final``): the model (:meth:`MultimodalModel.save_pretrained`, with each image branch's video
+    settings, so videos are read as in training), ``tokenizer/`` and ``processors/<encoder>/``."""
+    root = Path(directory)
+    video = {s.encoder: {"placeholder": s.video.placeholder, "fps": s.video.fps, "max_frames": s.video.max_frames}
+             for s in processor.specs.values() if s.video is not None}
+    model.save_pretrained(root, merge_lora=merge_lora, video=video)
+    processor.tokenizer.save_pretrained(root / "tokenizer")
+    for spec in processor.specs.values():
+        spec.hf_processor.save_pretrained(root / "processors" / spec.encoder)
+
+
 def inference_processor(root: Path, model: MultimodalModel, tokenizer: Any) -> MultimodalProcessor:
-    """The :class:`MultimodalProcessor` of a ``final/`` folder: per branch its saved Hugging Face processor
-    (``processors/<encoder>/``), placeholder (the token of the branch's placeholder id) and feature-count
-    function; prompts up to the LLM's ``max_position_embeddings`` tokens.
+    """The :class:`MultimodalProcessor` of a ``final/`` folder, built as a ``model.pretrained`` job builds its
+    processor (:func:`plait.models.registry.build_processor`): per branch its saved Hugging Face processor
+    (``processors/<encoder>/``), placeholder (the token of the branch's placeholder id), feature-count function and
+    video settings (``plait_config.json``; the defaults of ``[model.encoders.<name>.video]`` for a folder saved
+    without them); prompts up to the LLM's ``max_position_embeddings`` tokens.
 
     Raises:
         FileNotFoundError: when a ``processors/<encoder>/`` folder is missing.
     """
-    specs = []
-    for name, branch in model.encoders.items():
+    for name in model.encoders:
         folder = root / "processors" / name
         if not folder.is_dir():
             raise FileNotFoundError(f"{folder} does not exist: the model's {name!r} encoder needs the processor "
                                     "that plait train saves next to it")
-        auto = transformers.AutoImageProcessor if branch.modality == "image" else transformers.AutoFeatureExtractor
-        pid = model.placeholder_ids[name]
-        specs.append(ModalitySpec(name, branch.modality, tokenizer.convert_ids_to_tokens(pid), pid,
-                                  auto.from_pretrained(str(folder)), branch.feature_count))
     limit = getattr(model.language_model.config, "max_position_embeddings", None) or tokenizer.model_max_length
-    return MultimodalProcessor(tokenizer, specs, int(limit))
+    return build_processor(ModelConfig(pretrained=str(root)), model, tokenizer, int(limit))

@@ -23,7 +23,7 @@ from plait.models.hf import build_causal_lm, build_encoder, encoder_feature_size
 from plait.models.lora import ADAPTER_DIR, base_state_dict, has_lora, inject_lora, load_adapter, lora_settings, save_adapter
 from plait.models.projector import build_projector
 
-__all__ = ["MultimodalModel", "PLAIT_CONFIG"]
+__all__ = ["MultimodalModel", "PLAIT_CONFIG", "saved_video_settings"]
 
 PLAIT_CONFIG = "plait_config.json"
 PARTS = ("llm", "encoder", "projector")
@@ -192,10 +192,13 @@ class MultimodalModel(nn.Module):
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
 
     # ------------------------------------------------------------------ save / load
-    def save_pretrained(self, directory: str | Path, merge_lora: bool = False) -> None:
+    def save_pretrained(self, directory: str | Path, merge_lora: bool = False,
+                        video: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         """Write the composite: ``llm/`` and ``encoders/<name>/encoder/`` in Hugging Face format,
         ``encoders/<name>/projector.safetensors`` and ``plait_config.json`` (placeholder ids and each branch's
-        settings, an audio branch's ``hop_length``/``sampling_rate`` too, which :meth:`from_pretrained` restores).
+        settings, an audio branch's ``hop_length``/``sampling_rate`` too, which :meth:`from_pretrained` restores;
+        ``video[name]``, an image branch's video settings ``{"placeholder", "fps", "max_frames"}``, as its
+        ``"video"`` entry, which :func:`saved_video_settings` reads back for the processor).
         A part with LoRA adapters (:mod:`plait.models.lora`) is written as its plain Hugging Face base plus its
         adapter in ``peft``'s format in ``<part>/adapter/`` (``peft.PeftModel.from_pretrained(part,
         "<part>/adapter")`` loads it); with ``merge_lora`` the adapters are merged into the base weights instead (no
@@ -210,6 +213,8 @@ class MultimodalModel(nn.Module):
             state = {k: v.detach().contiguous() for k, v in branch.projector.state_dict().items()}
             save_file(state, str(sub / "projector.safetensors"))
             meta["encoders"][name] = branch.settings() | {"encoder_dim": branch.encoder_dim} | _audio_window(branch)
+            if video and name in video:
+                meta["encoders"][name]["video"] = dict(video[name])
         (root / PLAIT_CONFIG).write_text(json.dumps(meta, indent=2))
 
     @classmethod
@@ -244,6 +249,21 @@ class MultimodalModel(nn.Module):
                 enc, projector, s["modality"], s["feature_layer"], s["select"], s["downsample"], **window
             )
         return cls(llm, encoders, meta["placeholder_ids"])
+
+
+def saved_video_settings(directory: str | Path) -> dict[str, dict[str, Any]]:
+    """Each image branch's video settings saved in ``directory``'s ``plait_config.json`` by
+    :meth:`MultimodalModel.save_pretrained` (``{"placeholder", "fps", "max_frames"}`` by branch name; a branch
+    saved without them, as by plait before they were saved, is absent).
+
+    Raises:
+        FileNotFoundError: when ``directory`` has no ``plait_config.json``.
+    """
+    path = Path(directory) / PLAIT_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} is not a plait model directory (no {PLAIT_CONFIG})")
+    meta = json.loads(path.read_text())
+    return {name: dict(s["video"]) for name, s in meta["encoders"].items() if s.get("video")}
 
 
 def _audio_window(branch: ModalityEncoder) -> dict[str, int]:

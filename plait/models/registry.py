@@ -20,7 +20,7 @@ from plait.models.families import internvl
 from plait.models.hf import build_causal_lm, build_encoder, check_processor, encoder_feature_size
 from plait.models.init import materialize, weight_source
 from plait.models.lora import apply_lora
-from plait.models.multimodal import MultimodalModel
+from plait.models.multimodal import MultimodalModel, saved_video_settings
 from plait.models.projector import build_projector
 
 __all__ = ["load_tokenizer", "build_model", "compose_model", "build_processor", "apply_freezing", "placeholder_of",
@@ -234,9 +234,10 @@ def build_processor(cfg: ModelConfig, model: MultimodalModel, tokenizer: Any, ma
     """The :class:`MultimodalProcessor` matching ``model``'s branches (same feature-count functions).
 
     With ``cfg.pretrained`` (a plait ``final/`` folder) each branch's defaults are the checkpoint's: its modality,
-    its placeholder (the token of its saved id) and its processor (``processors/<name>/``), the job's
-    ``processor`` fields overriding the saved settings (:func:`_pretrained_processor`); a job table may therefore
-    only add flags (``lora``, ``freeze``).
+    its placeholder (the token of its saved id), its processor (``processors/<name>/``), the job's
+    ``processor`` fields overriding the saved settings (:func:`_pretrained_processor`), and its video settings
+    (saved in ``plait_config.json``, overridden field by field by the job's, :func:`_pretrained_video`); a job
+    table may therefore only add flags (``lora``, ``freeze``).
 
     Raises:
         ValueError: when ``max_length`` exceeds the LLM's ``max_position_embeddings``, a pretrained job's
@@ -253,6 +254,8 @@ def build_processor(cfg: ModelConfig, model: MultimodalModel, tokenizer: Any, ma
         if cfg.pretrained:
             placeholder = _pretrained_placeholder(name, enc, model, tokenizer, cfg.pretrained)
             hf = _pretrained_processor(Path(cfg.pretrained), name, enc, branch)
+            saved = saved_video_settings(cfg.pretrained).get(name)
+            enc = dataclasses.replace(enc, video=_pretrained_video(enc.video, saved))
         else:
             placeholder, hf = placeholder_of(enc), _hf_processor(enc, branch)
         try:
@@ -285,6 +288,17 @@ def _folder_processor(folder: Path, modality: str, table: dict[str, Any]) -> Any
     else:
         cls = transformers.AutoImageProcessor if modality == "image" else transformers.AutoFeatureExtractor
     return cls.from_pretrained(str(folder), **kwargs)
+
+
+def _pretrained_video(job: VideoConfig, saved: dict[str, Any] | None) -> VideoConfig:
+    """A ``model.pretrained`` branch's video settings: the checkpoint's (``plait_config.json``, as ``plait train``
+    saves the job's ``[model.encoders.<name>.video]``), each field the job sets to another value than its default
+    overriding it (limitation: a field set to its default cannot be told from one left out)."""
+    if not saved:
+        return job
+    default = VideoConfig()
+    return VideoConfig(**{f.name: getattr(job, f.name) if getattr(job, f.name) != getattr(default, f.name)
+                          else saved.get(f.name, getattr(default, f.name)) for f in dataclasses.fields(VideoConfig)})
 
 
 def _video_spec(name: str, enc: EncoderConfig, branch: ModalityEncoder, tokenizer: Any) -> VideoSpec | None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from plait.config.loader import config_from_dict
 from plait.data.collate import collate
+from plait.models.generation import save_final as write_final
 from plait.models.generation import stop_token_ids
 from plait.train.trainer import Trainer
 from tests.conftest import demo_records, tiny_config_dict, write_jsonl
@@ -29,10 +30,7 @@ def task_records(split: str, per_task: int) -> list[dict]:
 
 def save_final(trainer: Trainer, final: Path) -> None:
     """What ``plait train`` writes to ``<run_dir>/final`` (plait.commands.train._save_and_report)."""
-    trainer.full_model().save_pretrained(final)
-    trainer.tokenizer.save_pretrained(final / "tokenizer")
-    for spec in trainer.processor.specs.values():
-        spec.hf_processor.save_pretrained(final / "processors" / spec.encoder)
+    write_final(trainer.full_model(), trainer.processor, final)
 
 
 def train_final(root: Path) -> tuple[Trainer, Path, dict[str, float], Path]:

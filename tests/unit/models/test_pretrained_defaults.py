@@ -12,6 +12,7 @@ import transformers
 
 from plait.config.loader import config_from_dict
 from plait.data.sources import parse_record
+from plait.models.generation import save_final
 from plait.models.registry import build_model, build_processor, load_tokenizer
 from tests.conftest import DEMO, demo_records, tiny_config_dict
 
@@ -25,10 +26,7 @@ def final(tmp_path_factory) -> tuple[Path, dict[str, int]]:
     tok = load_tokenizer(cfg.data.tokenizer)
     model = build_model(cfg.model, tok)
     proc = build_processor(cfg.model, model, tok, 256)
-    model.save_pretrained(root / "final")
-    tok.save_pretrained(root / "final" / "tokenizer")
-    for spec in proc.specs.values():
-        spec.hf_processor.save_pretrained(root / "final" / "processors" / spec.encoder)
+    save_final(model, proc, root / "final")
     return root / "final", _counts(proc)
 
 
