@@ -11,7 +11,7 @@ import importlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import transformers
@@ -212,7 +212,24 @@ def _config_from_dict(fields: dict[str, Any], where: str = "model config") -> Pr
     unknown = sorted(k for k in fields if not hasattr(default, k))
     if unknown:
         raise ValueError(f"{where}: {model_type} config has no field(s) {unknown} (typo?)")
-    return AutoConfig.for_model(model_type, **fields)
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except Exception as exc:  # noqa: BLE001  transformers validates with huggingface_hub's StrictDataclassError
+        raise ValueError(f"{where}: {_one_line(exc)}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    """A library error's message on one line (transformers' validation errors span several)."""
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
+def _build_from_table(where: str, build: Callable[[], PreTrainedModel]) -> PreTrainedModel:
+    """``build()`` the model of a ``config`` table; the library's error on a value it cannot build (a negative
+    size: torch's RuntimeError) as a ValueError naming the table ``where``."""
+    try:
+        return build()
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(f"{where}: cannot build the model from this table: {_one_line(exc)}") from None
 
 
 def build_encoder(
@@ -231,7 +248,8 @@ def build_encoder(
 
     Raises:
         ValueError: for an unsupported ``model_type`` or modality, naming the supported ones; for a ``path``
-            without a usable ``config.json`` or a ``config`` table with an unknown type or field, naming ``field``.
+            without a usable ``config.json`` or a ``config`` table with an unknown type or field, naming ``field``;
+            for a ``config`` table value the library refuses or cannot build, naming the table and its reason.
         FileNotFoundError: when ``path`` is not a directory.
     """
     cfg = _load_config(path, field) if path is not None else _config_from_dict(config or {}, f"{field}.config")
@@ -242,7 +260,7 @@ def build_encoder(
         kwargs = {"add_pooling_layer": False} if cfg.model_type == "vit" else {}
         sub = getattr(cfg, "vision_config", cfg)
         if path is None:
-            return cls(sub, **kwargs)
+            return _build_from_table(f"{field}.config", lambda: cls(sub, **kwargs))
         if weights and sub is not cfg and cfg.model_type in qwen2_5_vl.MODEL_TYPES:  # a full checkpoint's tower
             return cls.from_pretrained(path, config=sub, key_mapping=qwen2_5_vl.TOWER_KEYS)
         if weights and sub is not cfg and cfg.model_type in internvl.MODEL_TYPES:  # a full InternVL checkpoint's tower
@@ -254,7 +272,7 @@ def build_encoder(
         encoder_cls = _class(_AUDIO[cfg.model_type])
         sub = getattr(cfg, "audio_config", cfg)  # a full Qwen2-Audio checkpoint gives its audio tower
         if path is None:
-            return encoder_cls(sub)
+            return _build_from_table(f"{field}.config", lambda: encoder_cls(sub))
         if not weights:
             return encoder_cls._from_config(sub)
         if (cfg.architectures or [None])[0] == encoder_cls.__name__:
@@ -281,7 +299,7 @@ def build_causal_lm(
     Raises:
         ValueError: when a loaded model's vocabulary is smaller than ``vocab_size``; naming ``field``, for a
             ``path`` without a usable ``config.json`` or holding no causal LM, or a ``config`` table with an
-            unknown type or field.
+            unknown type or field, or a value the library refuses or cannot build (naming its reason).
         FileNotFoundError: when ``path`` is not a directory.
     """
     if path is not None:
@@ -301,7 +319,8 @@ def build_causal_lm(
         fields["vocab_size"] = vocab_size
     cfg = _config_from_dict(fields, f"{field}.config")
     cfg._attn_implementation = attn_implementation
-    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
+    return _build_from_table(f"{field}.config", lambda: transformers.AutoModelForCausalLM.from_config(
+        cfg, attn_implementation=attn_implementation))
 
 
 def _load_config(path: str, field: str = "model") -> PretrainedConfig:

@@ -58,3 +58,27 @@ def test_typos_in_config_tables_namethe_table(tmp_path):
         model["encoders"][name]["config"] = {**model["encoders"][name]["config"], "hiden_size": 8}
     with pytest.raises(ValueError, match=r"model\.encoders\.\w+\.config: .* config has no field\(s\) \['hiden_size'\]"):
         _compose(tmp_path, encoder_typo)
+
+
+@pytest.mark.parametrize("table, value, message", [
+    ("llm", {"hidden_size": "abc"}, r"model\.llm\.config: Validation error for field 'hidden_size': TypeError: "
+                                    r"Field 'hidden_size' expected int, got str \(value: 'abc'\)"),
+    ("llm", {"num_attention_heads": 3}, r"model\.llm\.config: .*The hidden size \(\d+\) is not a multiple of the "
+                                        r"number of attention heads \(3\)"),
+    ("llm", {"hidden_size": -64}, r"model\.llm\.config: cannot build the model from this table: .*negative "
+                                  r"dimension -64"),
+    ("encoder", {"hidden_size": -32}, r"model\.encoders\.\w+\.config: cannot build the model from this table: "
+                                      r".*negative dimension -32"),
+])
+def test_bad_values_in_config_tables_name_the_table_and_the_librarys_reason(tmp_path, table, value, message):
+    """Bad values (not typos) in a ``config`` table ended in a traceback (found by a fresh-user pass)."""
+    def edit(model):
+        target = model["llm"] if table == "llm" else next(iter(model["encoders"].values()))
+        target["config"] = {**target["config"], **value}
+    for weights in (False, True):
+        data = tiny_config_dict(str(tmp_path / "t.jsonl"))
+        edit(data["model"])
+        cfg = config_from_dict(data)
+        with pytest.raises(ValueError, match=message) as info:
+            compose_model(cfg.model, load_tokenizer(cfg.data.tokenizer), weights=weights)
+        assert "\n" not in str(info.value)
