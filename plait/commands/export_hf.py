@@ -17,6 +17,7 @@ import transformers
 from safetensors.torch import load_file
 
 from plait.data.sources import path_note
+from plait.models.generation import with_stop_tokens
 from plait.models.hf_io import HF_FORMATS, REFUSED_EXPORTS, check_exportable, hf_from_composite, hf_processor, merge_adapters
 from plait.models.multimodal import PLAIT_CONFIG, MultimodalModel
 
@@ -54,6 +55,9 @@ def final_folder(run: str | Path) -> Path:
 def export_checkpoint(run: str | Path, fmt: str, out: str | Path | None = None) -> Path:
     """Write the trained model of ``run`` (:func:`final_folder`) as ``fmt``'s Hugging Face class and processor to
     ``out`` (default ``<final>/../hf-<fmt>``); returns the folder. Every tensor keeps the dtype it was saved in.
+    ``generation_config.json`` lists plait's stop tokens as ``eos_token_id``
+    (:func:`plait.models.generation.with_stop_tokens`: the chat template's end of turn too), so transformers'
+    ``generate`` stops where ``plait generate`` does.
 
     Raises:
         ValueError: for an unknown or refused ``fmt`` (``qwen2_5_vl``: naming what plait lacks), a composite the class cannot hold, an ``out`` folder holding files.
@@ -82,6 +86,7 @@ def export_checkpoint(run: str | Path, fmt: str, out: str | Path | None = None) 
     model.encoders[name].projector.to(next(iter(saved.values())).dtype)  # as saved (loading builds it in fp32)
     hf = hf_from_composite(model, spec)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folders["tokenizer"]))
+    hf.generation_config = with_stop_tokens(hf.generation_config, tokenizer)  # stop where plait generate stops
     auto = transformers.AutoImageProcessor if spec.modality == "image" else transformers.AutoFeatureExtractor
     media = auto.from_pretrained(str(folders["processor"]))
     print(f"plait: writing {target} ({spec.model_class})", flush=True)

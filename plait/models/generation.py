@@ -15,6 +15,7 @@ records of plait's data format, processed by the caller) into text.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -32,7 +33,8 @@ from plait.models.multimodal import PLAIT_CONFIG, MultimodalModel
 from plait.models.registry import build_processor, load_tokenizer
 
 __all__ = ["Prompt", "Generator", "stop_token_ids", "greedy_token_ids", "greedy_generate", "exact_match",
-           "resolve_device", "inference_processor", "check_decoding", "save_final"]
+           "resolve_device", "inference_processor", "check_decoding", "save_final",
+           "with_stop_tokens"]
 
 
 def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
@@ -60,6 +62,22 @@ def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
         if isinstance(t, int) and t in special:
             found.add(t)
     return sorted(t for t in found if isinstance(t, int) and t != unk)
+
+
+def with_stop_tokens(generation_config: Any, tokenizer: Any) -> Any:
+    """A copy of an LLM's ``GenerationConfig`` whose ``eos_token_id`` lists :func:`stop_token_ids` (the chat
+    template's end of turn too) and whose ``pad_token_id`` is the tokenizer's when unset: saved as
+    ``generation_config.json`` (``final/llm/``, ``plait export``), transformers' ``generate`` (and servers reading
+    that file) stop where plait's generation stops instead of running on through the end-of-turn token.
+
+    Raises:
+        SampleError: as :func:`stop_token_ids`.
+    """
+    out = copy.deepcopy(generation_config)
+    out.eos_token_id = stop_token_ids(tokenizer, generation_config)
+    if out.pad_token_id is None and tokenizer.pad_token_id is not None:
+        out.pad_token_id = int(tokenizer.pad_token_id)
+    return out
 
 
 def check_decoding(max_new_tokens: int, stop_ids: Sequence[int]) -> None:
@@ -313,11 +331,14 @@ def save_final(model: MultimodalModel, processor: MultimodalProcessor, directory
                merge_lora: bool = False) -> None:
     """Write what :meth:`Generator.from_pretrained` and a ``model.pretrained`` job load (``plait train``'s
     ``<run_dir>/final``): the model (:meth:`MultimodalModel.save_pretrained`, with each image branch's video
-    settings, so videos are read as in training), ``tokenizer/`` and ``processors/<encoder>/``."""
+    settings, so videos are read as in training; ``llm/generation_config.json`` with :func:`with_stop_tokens`),
+    ``tokenizer/`` and ``processors/<encoder>/``."""
     root = Path(directory)
     video = {s.encoder: {"placeholder": s.video.placeholder, "fps": s.video.fps, "max_frames": s.video.max_frames}
              for s in processor.specs.values() if s.video is not None}
     model.save_pretrained(root, merge_lora=merge_lora, video=video)
+    if getattr(model.language_model, "generation_config", None) is not None:  # stop where plait's generation stops
+        with_stop_tokens(model.language_model.generation_config, processor.tokenizer).save_pretrained(root / "llm")
     processor.tokenizer.save_pretrained(root / "tokenizer")
     for spec in processor.specs.values():
         spec.hf_processor.save_pretrained(root / "processors" / spec.encoder)

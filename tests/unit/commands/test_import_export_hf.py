@@ -175,6 +175,47 @@ def test_qwen2_audio_trained_from_import_exports_and_generates_like_plait(tmp_pa
     assert hf_new == plait_new and len(plait_new) >= 1
 
 
+def test_exported_model_stops_at_the_chat_turn_end_where_plait_stops(tmp_path):
+    """A model that learnt to end its turn (``seven<|im_end|>``): the export's generation config lists the ChatML
+    end of turn, so transformers' greedy generate with the saved config stops where plait's does (with the
+    tokenizer's EOS alone it runs on through ``<|im_end|>``); plait's own ``final/llm/`` lists it too."""
+    from plait.config.loader import config_from_dict
+    from plait.models.generation import save_final
+    from plait.train.trainer import Trainer
+    from tests.conftest import tiny_config_dict
+
+    recs = [dict(r, messages=[r["messages"][0], {"role": "assistant", "content": "seven"}])
+            for r in demo_records("train", ("image_digit",), limit=8)]
+    cfg = tiny_config_dict(str(write_jsonl(tmp_path / "train.jsonl", recs)), None, str(tmp_path / "run"),
+                           train={"steps": 30, "lr": 3e-3, "global_batch_size": 8, "microbatch_size": 4})
+    del cfg["model"]["encoders"]["audio"]  # LLaVA holds one image branch, of fixed size (the tower's 32 px)
+    cfg["model"]["encoders"]["vision"]["processor"] = {"size": {"height": 32, "width": 32}}
+    trainer = Trainer.build(config_from_dict(cfg))
+    trainer.fit()
+    final = tmp_path / "final"
+    save_final(trainer.full_model(), trainer.processor, final)
+    assert T.GenerationConfig.from_pretrained(str(final / "llm")).eos_token_id == [2, 4]  # <|eos|>, <|im_end|>
+    out = export_checkpoint(final, "llava", tmp_path / "exported")
+    prompt = Prompt(({"role": "user", "content": recs[0]["messages"][0]["content"]},), images=tuple(recs[0]["images"]))
+    ids, plait_new, gen = _plait_tokens(final, prompt, 8)
+    assert gen.stop_ids == [2, 4] and plait_new == [gen.tokenizer.convert_tokens_to_ids("seven"), 4]
+
+    hf = T.LlavaForConditionalGeneration.from_pretrained(str(out), attn_implementation="eager").eval()
+    assert hf.generation_config.eos_token_id == [2, 4] and hf.generation_config.pad_token_id == 0
+    processor = T.AutoProcessor.from_pretrained(str(out))
+    text = gen.tokenizer.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True)
+    from PIL import Image
+
+    inputs = processor(text=text, images=Image.open(recs[0]["images"][0]).convert("RGB"), return_tensors="pt")
+    assert inputs["input_ids"][0].tolist() == ids
+    with torch.no_grad():  # the saved generation config alone: no eos_token_id given
+        got = hf.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert got[0, len(ids):].tolist() == plait_new
+    with torch.no_grad():
+        eos_only = hf.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=2)
+    assert eos_only[0, len(ids):len(ids) + 2].tolist() == plait_new and eos_only.shape[1] > len(ids) + 2
+
+
 def test_import_refuses_what_plait_cannot_compose(tmp_path):
     with pytest.raises(ValueError, match="llava-next-folder: cannot import a llava_next checkpoint: .*anyres tiling"):
         hf_format_of(T.LlavaNextConfig(), "llava-next-folder")
