@@ -54,10 +54,12 @@ def job_dict(tmp_path, run: str) -> dict:
     return job
 
 
-def torchrun_train(job: dict, tmp_path, name: str, *extra: str) -> subprocess.CompletedProcess:
+def torchrun_train(job: dict, tmp_path, name: str, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    """``plait train`` of ``job`` (written to ``<tmp_path>/<name>.toml``) under torchrun with ``nproc`` processes;
+    fails the test with the output's tail when it exits non-zero (240 s limit)."""
     path = tmp_path / f"{name}.toml"
     path.write_text(to_toml(job) + "\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            "--master_addr=127.0.0.1", "-m", "plait.cli", "train", "--config", str(path), *extra]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
@@ -67,6 +69,19 @@ def torchrun_train(job: dict, tmp_path, name: str, *extra: str) -> subprocess.Co
 
 def losses_of(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+
+
+def assert_run_equals(run_dir, ref_losses, ref_params, steps=(1, 2)) -> None:
+    """The run in ``run_dir`` logged ``ref_losses`` at ``steps`` (rel 1e-5) and its ``final/`` holds exactly the
+    parameters ``ref_params`` (name -> tensor; rel 1e-4, abs 1e-5)."""
+    from plait.models.multimodal import MultimodalModel
+
+    losses = losses_of(run_dir)
+    torch.testing.assert_close(torch.tensor([losses[s] for s in steps]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    final = dict(MultimodalModel.from_pretrained(run_dir / "final", "eager").named_parameters())
+    assert set(final) == set(ref_params)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_pp2_trains_like_one_process_writes_timeline_and_resumes(tmp_path):

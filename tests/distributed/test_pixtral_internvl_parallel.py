@@ -8,21 +8,15 @@ sequence; InternVL tiles each), so every microbatch holds images of several size
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from plait.config.loader import config_from_dict
-from plait.models.multimodal import MultimodalModel
 from plait.train.trainer import Trainer
 from tests.conftest import demo_records, tiny_config_dict, write_jsonl
-from tests.distributed.spawning import free_port
-from tests.distributed.test_pipeline_training import ROOT, losses_of, to_toml
+from tests.distributed.test_pipeline_training import assert_run_equals, torchrun_train
 from tests.unit.models.test_pixtral_internvl import TINY_INTERNVL, TINY_PIXTRAL
 
 FAMILIES = {
@@ -60,16 +54,6 @@ def _job(tmp_path, family: str, run: str) -> dict:
     return job
 
 
-def _torchrun_train(job: dict, tmp_path, name: str, nproc: int) -> None:
-    path = tmp_path / f"{name}.toml"
-    path.write_text(to_toml(job) + "\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           "--master_addr=127.0.0.1", "-m", "plait.cli", "train", "--config", str(path)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-
-
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """Single-process losses and final parameters of a family (each computed once, when first asked for)."""
@@ -100,10 +84,5 @@ def test_pixtral_and_internvl_under_pp_and_cp_equal_one_process(tmp_path, refere
     job["parallel"].update(parallel)
     if layout == "pp3-tower_split":  # two vision stages on ranks 0 and 1 (the second starts inside the layers)
         job["parallel"]["pp"]["splits"] = {"vision": [FAMILIES[family][1]]}
-    _torchrun_train(job, tmp_path, layout, nproc)
-    losses = losses_of(tmp_path / layout)
-    torch.testing.assert_close(torch.tensor([losses[s] for s in (1, 2)]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    final = dict(MultimodalModel.from_pretrained(tmp_path / layout / "final", "eager").named_parameters())
-    assert set(final) == set(ref_params)
-    for name, value in ref_params.items():
-        torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    torchrun_train(job, tmp_path, layout, nproc=nproc)
+    assert_run_equals(tmp_path / layout, ref_losses, ref_params)
