@@ -43,14 +43,16 @@ def _two_image_record(tmp_path) -> dict:
     return {"id": "pair-0", "task": "pair", "images": paths, "messages": [ask, {"role": "assistant", "content": "no"}]}
 
 
-def _job(tmp_path, family: str, run: str) -> dict:
+def vision_job(tmp_path, branch: dict, run: str) -> dict:
+    """A 2-step job (run folder ``<tmp_path>/<run>``) whose one vision ``branch`` sees single images, a two-image
+    record with images of different sizes and a text-only record."""
     records = demo_records("train", ("image_digit",), limit=2) + [_two_image_record(tmp_path)]
     records += demo_records("train", ("text",), limit=1)
     data = write_jsonl(tmp_path / "train.jsonl", records)
     job = tiny_config_dict(str(data), None, str(tmp_path / run), data={"shuffle": False},
                            train={"steps": 2, "global_batch_size": 4, "microbatch_size": 2, "threads": 1},
                            attention={"block_size": 16}, parallel={"timeout_s": 60})
-    job["model"]["encoders"] = {"vision": dict(FAMILIES[family][0])}
+    job["model"]["encoders"] = {"vision": dict(branch)}
     return job
 
 
@@ -61,7 +63,7 @@ def references(tmp_path_factory):
 
     def reference(family: str) -> tuple:
         if family not in out:
-            trainer = Trainer.build(config_from_dict(_job(tmp_path_factory.mktemp(family), family, "single")))
+            trainer = Trainer.build(config_from_dict(vision_job(tmp_path_factory.mktemp(family), FAMILIES[family][0], "single")))
             assert [len(trainer.train_set[i].meta.items) for i in range(3)] == [1, 1, 2]
             result = trainer.fit()
             out[family] = (result["losses"], {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
@@ -80,7 +82,7 @@ CASES = [(f, layout) for f in FAMILIES for layout in LAYOUTS
 def test_pixtral_and_internvl_under_pp_and_cp_equal_one_process(tmp_path, references, family, layout):
     ref_losses, ref_params = references(family)
     nproc, parallel = LAYOUTS[layout]
-    job = _job(tmp_path, family, layout)
+    job = vision_job(tmp_path, FAMILIES[family][0], layout)
     job["parallel"].update(parallel)
     if layout == "pp3-tower_split":  # two vision stages on ranks 0 and 1 (the second starts inside the layers)
         job["parallel"]["pp"]["splits"] = {"vision": [FAMILIES[family][1]]}

@@ -14,9 +14,8 @@ import pytest
 
 from plait.config.loader import config_from_dict
 from plait.train.trainer import Trainer
-from tests.conftest import demo_records, tiny_config_dict, write_jsonl
 from tests.distributed.test_pipeline_training import assert_run_equals, torchrun_train
-from tests.distributed.test_pixtral_internvl_parallel import _two_image_record
+from tests.distributed.test_pixtral_internvl_parallel import vision_job
 from tests.unit.models.test_qwen2_5_vl import TINY_PROCESSOR, TINY_QWEN2_5_VL
 
 BRANCH = {"modality": "image", "config": dict(TINY_QWEN2_5_VL), "projector": "linear",
@@ -31,21 +30,10 @@ LAYOUTS = {
 }
 
 
-def _job(tmp_path, run: str) -> dict:
-    records = demo_records("train", ("image_digit",), limit=2) + [_two_image_record(tmp_path)]
-    records += demo_records("train", ("text",), limit=1)
-    data = write_jsonl(tmp_path / "train.jsonl", records)
-    job = tiny_config_dict(str(data), None, str(tmp_path / run), data={"shuffle": False},
-                           train={"steps": 2, "global_batch_size": 4, "microbatch_size": 2, "threads": 1},
-                           attention={"block_size": 16}, parallel={"timeout_s": 60})
-    job["model"]["encoders"] = {"vision": dict(BRANCH)}
-    return job
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Single-process losses and final parameters (computed once)."""
-    trainer = Trainer.build(config_from_dict(_job(tmp_path_factory.mktemp("qwen2_5_vl"), "single")))
+    trainer = Trainer.build(config_from_dict(vision_job(tmp_path_factory.mktemp("qwen2_5_vl"), BRANCH, "single")))
     assert [len(trainer.train_set[i].meta.items) for i in range(3)] == [1, 1, 2]
     result = trainer.fit()
     return result["losses"], {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -55,7 +43,7 @@ def reference(tmp_path_factory):
 def test_qwen2_5_vl_under_parallel_layouts_equals_one_process(tmp_path, reference, layout):
     ref_losses, ref_params = reference
     nproc, parallel = LAYOUTS[layout]
-    job = _job(tmp_path, layout)
+    job = vision_job(tmp_path, BRANCH, layout)
     job["parallel"].update(parallel)
     if layout == "fsdp2-checkpointing":  # each block its own FSDP2 unit, recomputed in the backward
         job["train"]["activation_checkpointing"] = "full"
