@@ -218,11 +218,7 @@ class ModalityEncoder(nn.Module):
         else:
             sizes = [(int(p.shape[-2]), int(p.shape[-1])) for p in inputs["pixel_values"]]
             features = hidden.reshape(-1, hidden.shape[-1])
-        expected = sum(self.feature_count(size) for size in sizes)
-        if features.shape[0] != expected:
-            raise ValueError(f"{type(self.encoder).__name__} gave {features.shape[0]} features for images of sizes "
-                             f"{sizes} but the feature-count formula says {expected}")
-        return features
+        return self._counted(features, sizes, "images of sizes")
 
     def assemble_features(self, inputs: dict[str, Any], hidden: list[torch.Tensor]) -> torch.Tensor:
         """Features ``[total_features, encoder_dim]`` of all items, in item order, from the selected hidden
@@ -250,10 +246,18 @@ class ModalityEncoder(nn.Module):
             ValueError: when their number differs from the feature counts of the images' ``(t, h, w)`` grids.
         """
         sizes = [tuple(int(g) for g in grid) for grid in grids]
-        expected = sum(self.feature_count(size) for size in sizes)
         features = hidden[0] if hidden else torch.zeros(0, encoder_feature_size(self.encoder, self.downsample))
+        return self._counted(features, sizes, "image grids")
+
+    def _counted(self, features: torch.Tensor, sizes: list[tuple[int, ...]], what: str) -> torch.Tensor:
+        """``features`` (``[rows, D]``) when their rows equal the feature counts of the items' ``sizes``.
+
+        Raises:
+            ValueError: naming the encoder, the sizes (``what``) and both counts.
+        """
+        expected = sum(self.feature_count(size) for size in sizes)
         if features.shape[0] != expected:
-            raise ValueError(f"{type(self.encoder).__name__} gave {features.shape[0]} features for image grids {sizes} "
+            raise ValueError(f"{type(self.encoder).__name__} gave {features.shape[0]} features for {what} {sizes} "
                              f"but the feature-count formula says {expected}")
         return features
 
