@@ -198,8 +198,9 @@ class ResilientWorker:
                   transfers: Sequence[Transfer] = ()) -> WorkerRun:
         """Build this worker's stages for ``inst`` on a fresh model, fill them from ``old`` and the transfers
         (collective over the current group), and create its gradient groups (collective)."""
-        if inst.spares():  # the planner may keep spares (templates.PipelineTemplate); the runtime cannot run one
-            n, used = inst.spares()[0]
+        spares = inst.spares()
+        if spares:  # the planner may keep spares (templates.PipelineTemplate); the runtime cannot run one
+            n, used = spares[0]
             raise ValueError(f"the new pipelines {[list(p.ranks) for p in inst.pipelines]} put {n} workers in a "
                              f"pipeline whose plan runs on {used}: plait launch cannot leave a worker idle as a "
                              "spare yet; resume from the last checkpoint with `plait train --resume`")
