@@ -540,33 +540,35 @@ class Trainer:
         losses, evals = [], {}
         feed = SampleFeed(self.train_set, upcoming_rank_samples(self.loader, self.step, end, self._rank_samples),
                           self.cfg.data.num_workers, self.cfg.data.prefetch)
-        while self.step < end:
-            got = receive_step(feed.next(), self.loader.next_batch(), self.train_set, self.info.device,
-                               self.cfg.data.on_error, self.step + 1)
-            self._loaded, self.dropped = got.samples, self.dropped + got.dropped
-            res = self.train_step(got.indices)
-            self._loaded = {}
-            losses.append(res.loss)
-            rec = {"step": res.step, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
-                   "tokens_per_s": res.tokens / res.time_s, "target_tokens": res.target_tokens,
-                   "epoch": self.loader.epoch, "workload": res.workload, "deferred_samples": res.deferred_samples,
-                   "encoder_buffer_peak_bytes": res.encoder_buffer_peak_bytes, "data_wait_s": got.wait_s,
-                   "dropped_samples": len(got.dropped), **batch_sources(self.loader, got.indices)}
-            if res.step % self.cfg.metrics.log_every == 0 or res.step == end:
-                writer.write(rec)
-            bar.update(res.step, res.loss, rec["tokens_per_s"], last=res.step == end)
-            every = self.cfg.train.eval_every
-            if self.val_set is not None and ((every and res.step % every == 0) or res.step == self.total_steps):
-                evals = self.evaluate()
-                writer.write({"step": res.step, "eval": evals, **self.last_eval.record()})
-                if main:
-                    bar.write(f"step {res.step}: validation exact match " + _fmt(evals))
-            every = self.cfg.checkpoint.every
-            if (every and res.step % every == 0) or res.step == end:
-                self.save()
-        feed.close()
-        bar.close()
-        writer.close()
+        try:  # closed on an error too: no sample-feed thread or loader worker outlives the run
+            while self.step < end:
+                got = receive_step(feed.next(), self.loader.next_batch(), self.train_set, self.info.device,
+                                   self.cfg.data.on_error, self.step + 1)
+                self._loaded, self.dropped = got.samples, self.dropped + got.dropped
+                res = self.train_step(got.indices)
+                self._loaded = {}
+                losses.append(res.loss)
+                rec = {"step": res.step, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
+                       "tokens_per_s": res.tokens / res.time_s, "target_tokens": res.target_tokens,
+                       "epoch": self.loader.epoch, "workload": res.workload, "deferred_samples": res.deferred_samples,
+                       "encoder_buffer_peak_bytes": res.encoder_buffer_peak_bytes, "data_wait_s": got.wait_s,
+                       "dropped_samples": len(got.dropped), **batch_sources(self.loader, got.indices)}
+                if res.step % self.cfg.metrics.log_every == 0 or res.step == end:
+                    writer.write(rec)
+                bar.update(res.step, res.loss, rec["tokens_per_s"], last=res.step == end)
+                every = self.cfg.train.eval_every
+                if self.val_set is not None and ((every and res.step % every == 0) or res.step == self.total_steps):
+                    evals = self.evaluate()
+                    writer.write({"step": res.step, "eval": evals, **self.last_eval.record()})
+                    if main:
+                        bar.write(f"step {res.step}: validation exact match " + _fmt(evals))
+                every = self.cfg.checkpoint.every
+                if (every and res.step % every == 0) or res.step == end:
+                    self.save()
+        finally:
+            feed.close()
+            bar.close()
+            writer.close()
         return {"steps": self.step - first, "step": self.step, "losses": losses, "eval": evals,
                 "skipped": len(self.train_set.skipped), "dropped": len(self.dropped)}
 
