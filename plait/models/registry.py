@@ -18,6 +18,7 @@ from plait.data.video import VideoSpec
 from plait.models.encoder import ModalityEncoder
 from plait.models.families import internvl
 from plait.models.hf import build_causal_lm, build_encoder, check_processor, encoder_feature_size
+from plait.models.processor_table import check_processor_table
 from plait.models.init import materialize, weight_source
 from plait.models.lora import apply_lora
 from plait.models.multimodal import MultimodalModel, saved_video_settings
@@ -260,6 +261,7 @@ def build_processor(cfg: ModelConfig, model: MultimodalModel, tokenizer: Any, ma
             placeholder, hf = placeholder_of(enc), _hf_processor(enc, branch)
         try:
             check_processor(branch.encoder, hf)
+            check_processor_table(hf, enc.processor)
         except ValueError as exc:
             raise ValueError(f"model.encoders.{name}.{exc}") from exc
         specs.append(ModalitySpec(name, branch.modality, placeholder, model.placeholder_ids[name], hf,
