@@ -36,8 +36,12 @@ def import_command(source: str | Path, out: str | Path, *, train: str = "", val:
     to set ``data.train`` when ``train`` was not given). Returns 0.
 
     Raises:
-        ValueError, FileNotFoundError: as :func:`import_checkpoint`.
+        ValueError, FileNotFoundError: as :func:`import_checkpoint`; FileNotFoundError for a ``--train`` or ``--val``
+            file that does not exist (checked first: the job would name it).
     """
+    for flag, path in (("--train", train), ("--val", val)):  # H4: the job must not name a missing data file
+        if path and not Path(path).is_file():
+            raise FileNotFoundError(f"plait import {flag} {path}: no such data file{path_note(path)}")
     model_dir, job = import_checkpoint(source, out, train=train, val=val, chat_template=chat_template)
     print(f"plait: imported {source} into {model_dir} (model.pretrained) and the job {job}", flush=True)
     if train:  # the job names the data already

@@ -270,6 +270,7 @@ def test_import_prints_the_train_command_and_asks_for_data_only_when_no_train_fi
     from plait.commands.import_hf import import_command
 
     src = save_qwen2_audio(tmp_path / "src")
+    (tmp_path / "data.jsonl").write_text("")  # import refuses a --train file that does not exist
     assert import_command(src, tmp_path / "with", train=str(tmp_path / "data.jsonl")) == 0
     job = tmp_path / "with" / "job.toml"
     out = capsys.readouterr().out
