@@ -49,3 +49,34 @@ def test_plain_vision_towers_keep_full_attention_over_one_token_per_placeholder(
                                                               "patch_size": 4}})
     assert coeffs.encoder_tokens_per_feature == 1.0
     assert (coeffs.linear, coeffs.quadratic) == (pytest.approx(2 * per_token), pytest.approx(2 * per_pair))
+
+
+def test_pixtral_packed_call_is_priced_per_image_like_qwen2_5_vl_packing():
+    """A microbatch's Pixtral images are one packed call (block-diagonal mask): its linear layers run over all
+    patches (``linear`` per patch: the packed call's matmuls exactly) and attention is priced within each image
+    (``quadratic`` per image: the per-image calls' attention exactly), as Qwen2.5-VL's packed call is priced.
+    transformers' eager/sdpa Pixtral computes the packed call's attention scores over all P x P pairs and masks
+    them (flash attention's ``cu_seq_lens`` does the per-image work), so that path does ``(sum n)^2`` work."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from plait.models.families.pixtral import pixtral_inputs
+    from tests.unit.models.test_pixtral_internvl import TINY_PIXTRAL, _pixtral
+
+    coeffs, arch, (per_token, per_pair) = _coeffs({"config": dict(TINY_PIXTRAL)})
+    assert coeffs.encoder_tokens_per_feature == 1.0 and coeffs.fixed == 0.0
+    assert (coeffs.linear, coeffs.quadratic) == (pytest.approx(arch.layers * per_token),
+                                                 pytest.approx(arch.layers * per_pair))
+    tower = _pixtral("eager")
+    images = [torch.randn(3, 32, 32), torch.randn(3, 16, 24), torch.randn(3, 8, 8)]
+    patches = [64, 24, 4]
+
+    def layer_flops(group: list) -> dict[str, int]:
+        with FlopCounterMode(display=False) as counter:
+            tower(**pixtral_inputs(group))
+        return {str(op): n for op, n in counter.get_flop_counts()["PixtralVisionModel.transformer"].items()}
+
+    packed = layer_flops(images)
+    assert packed["aten.mm"] == coeffs.linear * sum(patches)  # linear layers over all patches of the call
+    assert sum(layer_flops([image])["aten.bmm"] for image in images) == coeffs.quadratic * sum(n * n for n in patches)
+    assert packed["aten.bmm"] == coeffs.quadratic * sum(patches) ** 2  # eager: scores of every pair, then masked
