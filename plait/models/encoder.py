@@ -68,6 +68,8 @@ class ModalityEncoder(nn.Module):
             raise ValueError(f"modality must be 'image' or 'audio', got {modality!r}")
         if select not in ("full", "drop_cls"):
             raise ValueError(f"select must be 'full' or 'drop_cls', got {select!r}")
+        if encoder.config.model_type in internvl.MODEL_TYPES:
+            internvl.check_internvl_select(select)
         self.encoder = encoder
         self.projector = projector
         self.modality = modality

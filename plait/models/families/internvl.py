@@ -32,7 +32,8 @@ import torch
 from transformers.models.internvl.modeling_internvl import InternVLModel
 
 __all__ = ["MODEL_TYPES", "TOWER_KEYS", "LAYER_CLASS", "InternVLFeatureCount", "internvl_inputs",
-           "internvl_dummy_input", "pixel_shuffle_features", "has_post_norm", "tile_size", "check_internvl_processor"]
+           "internvl_dummy_input", "pixel_shuffle_features", "has_post_norm", "tile_size", "check_internvl_processor",
+           "check_internvl_select"]
 
 # config model_type -> where the vision config lives (None: the config itself; "vision_config": a full model's)
 MODEL_TYPES = {"internvl_vision": None, "internvl": "vision_config"}
@@ -148,3 +149,18 @@ def check_internvl_processor(processor: Any, config: Any) -> None:
     if h is not None and (int(h), int(w)) != (side, side):
         raise ValueError(f"processor.size = {h}x{w} but the InternVL tower's tiles are {side}x{side} pixels "
                          "(its image_size)")
+
+
+def check_internvl_select(select: str) -> None:
+    """Refuse ``select = "full"`` for an InternVL branch: transformers' InternVL feeds its projector the patches
+    without the CLS token only (``vision_feature_select_strategy = "default"``; with ``"full"``
+    ``InternVLModel.get_image_features`` fails reshaping ``g^2 + 1`` positions to a ``g x g`` grid), so no
+    InternVL checkpoint has features with the CLS. ``downsample = 1`` (``downsample_ratio = 1``: the pixel shuffle
+    leaves the patches as they are) is kept: its features equal ``get_image_features``'.
+
+    Raises:
+        ValueError: naming the field ``select``.
+    """
+    if select != "drop_cls":
+        raise ValueError(f"select = {select!r}: an InternVL branch takes select = 'drop_cls' (transformers' InternVL "
+                         "feeds its projector the patches without the CLS token; its 'full' strategy fails)")
