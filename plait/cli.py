@@ -74,7 +74,7 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if overrides:
         raise ValueError(f"plait generate takes no overrides, got {overrides}")
-    return generate_command(args.model, prompt=args.prompt, images=args.image, audios=args.audio,
+    return generate_command(args.model, prompt=args.prompt, images=args.image, audios=args.audio, videos=args.video,
                             input_path=args.input, output_path=args.output, max_new_tokens=args.max_new_tokens,
                             batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                             threads=args.threads)
@@ -214,6 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "item is put before it unless it has them")
     generate.add_argument("--image", action="append", default=[], help="an image file (repeat for several)")
     generate.add_argument("--audio", action="append", default=[], help="an audio file (repeat for several)")
+    generate.add_argument("--video", action="append", default=[],
+                          help="a video file (repeat for several), sampled as in training; for a model whose image "
+                               "branch takes videos")
     generate.add_argument("--input", default=None, help="JSONL records in plait's data format to answer "
                           "(an assistant answer at the end is the reference)")
     generate.add_argument("--output", default=None, help="JSONL predictions (id, task, prompt, prediction, reference)")

@@ -1,7 +1,9 @@
 """``plait generate``: answer prompts with a trained model (``<run_dir>/final``), greedily, as validation does.
 
 One prompt: ``plait generate --model runs/demo/final --image x.png --prompt "Which digit is this?"`` prints the
-answer. A batch: ``plait generate --model runs/demo/final --input data.jsonl --output predictions.jsonl`` answers
+answer; ``--video clip.mp4`` gives a video to a model whose image branch takes videos, its frames sampled and
+processed as in training (the branch's saved ``[model.encoders.<name>.video]`` settings, through
+:class:`~plait.data.processing.MultimodalProcessor` and :mod:`plait.data.video`). A batch: ``plait generate --model runs/demo/final --input data.jsonl --output predictions.jsonl`` answers
 every record of a JSONL file in plait's data format (:mod:`plait.data.sources`; the last message may be the
 user's, or an assistant answer, which becomes the reference and is not shown to the model) and writes one line
 per record: ``id``, ``task``, ``prompt`` (the last user message), ``prediction`` and, when the record has an
@@ -11,6 +13,7 @@ answer, ``reference``; it then prints the exact match per task and overall. Deco
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -22,31 +25,35 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from plait.config.schema import VideoConfig
 from plait.data.formats import open_source
 from plait.data.sources import RawSample, SampleError, parse_record
-from plait.models.generation import Generator, exact_match
+from plait.models.generation import Generator, Prompt, exact_match
 
-__all__ = ["generate_command", "read_prompts", "exact_match_report"]
+__all__ = ["generate_command", "prompt_sample", "read_prompts", "exact_match_report"]
 
 
 def generate_command(model: str | Path, *, prompt: str | None = None, images: Sequence[str] = (),
-                     audios: Sequence[str] = (), input_path: str | Path | None = None,
+                     audios: Sequence[str] = (), videos: Sequence[str] = (), input_path: str | Path | None = None,
                      output_path: str | Path | None = None, max_new_tokens: int = 16, batch_size: int = 16,
                      device: str = "auto", dtype: str = "auto", threads: int | None = None) -> int:
     """``plait generate``: with ``prompt`` print the answer to it (with ``images``/``audios``); with
-    ``input_path`` answer every record of that data file into ``output_path`` (module docstring); ``device`` and
+    ``input_path`` answer every record of that data file into ``output_path`` (module docstring); ``videos`` go with
+    ``prompt`` (:func:`prompt_sample`); ``device`` and
     ``dtype`` as :class:`~plait.models.generation.Generator`; ``threads``: torch's intra-op CPU threads
     (``torch.set_num_threads``, as training's ``train.threads``), None keeps torch's default. Returns 0.
 
     Raises:
         ValueError: for a bad combination of arguments, a bad record (naming file, line and record), and as
             :meth:`Generator.from_pretrained`.
+        SampleError: for a video that cannot be decoded, gives more frames than the model's ``max_frames`` (naming
+            the file and the field), or goes to a model that takes no video.
         FileNotFoundError: for a missing model folder, input file or media file (naming it).
     """
     if (prompt is None) == (input_path is None):
         raise ValueError("give either --prompt (one answer, printed) or --input with --output (a JSONL file)")
-    if input_path is not None and (images or audios):
-        raise ValueError("--image/--audio go with --prompt; with --input the records name their media")
+    if input_path is not None and (images or audios or videos):
+        raise ValueError("--image/--audio/--video go with --prompt; with --input the records name their media")
     if input_path is not None and output_path is None:
         raise ValueError("--input needs --output: the JSONL file to write the predictions to")
     if max_new_tokens < 1 or batch_size < 1:
@@ -57,10 +64,28 @@ def generate_command(model: str | Path, *, prompt: str | None = None, images: Se
         torch.set_num_threads(threads)
     gen = Generator.from_pretrained(model, device=device, dtype=dtype)
     if prompt is not None:
-        print(gen.ask(prompt, images, audios, max_new_tokens=max_new_tokens), flush=True)
+        answer = gen.generate_raw([prompt_sample(gen, prompt, images, audios, videos)], max_new_tokens)[0] \
+            if videos else gen.ask(prompt, images, audios, max_new_tokens=max_new_tokens)
+        print(answer, flush=True)
         return 0
     _answer_file(gen, Path(input_path), Path(output_path), max_new_tokens, batch_size)  # type: ignore[arg-type]
     return 0
+
+
+def prompt_sample(gen: Generator, text: str, images: Sequence[str] = (), audios: Sequence[str] = (),
+                  videos: Sequence[str] = ()) -> RawSample:
+    """The one-turn prompt ``text`` with its media as the raw sample :meth:`Generator.generate_raw` answers (what
+    :meth:`Generator.ask` builds, plus videos): when ``text`` holds no video placeholder, one per video is put before
+    it, each on its own line, as :meth:`Prompt.from_text` does for images and audio. The videos are decoded,
+    sampled and processed when the sample is processed, by the same code as training's records, which also refuses
+    videos for a model that takes none (``SampleError`` naming the reason)."""
+    marks = {m: s.placeholder for m, s in gen.processor.specs.items()}
+    image = gen.processor.specs.get("image")
+    mark = image.video.placeholder if image is not None and image.video is not None else VideoConfig().placeholder
+    if videos and mark not in text:
+        text = f"{mark}\n" * len(videos) + text
+    raw = Prompt.from_text(text, images, audios, marks).raw()
+    return dataclasses.replace(raw, media=raw.media | {"video": tuple(videos)})
 
 
 def _answer_file(gen: Generator, input_path: Path, out: Path, max_new_tokens: int, batch_size: int) -> None:

@@ -86,3 +86,35 @@ def test_a_pretrained_job_takes_the_saved_video_settings_and_overrides_what_it_s
     job = ModelConfig(pretrained=str(final), encoders={"vision": EncoderConfig(video=VideoConfig(max_frames=8))})
     override = build_processor(job, gen.model, gen.tokenizer, 256).specs["image"].video
     assert (override.placeholder, override.fps, override.max_frames) == ("<video>", 2.0, 8)
+
+
+def test_generate_prompt_with_video_samples_frames_as_training(trained, capsys):
+    """``plait generate --prompt ... --video clip.mp4``: the prompt's video is sampled and processed as the same
+    video in a validation record (the saved fps = 2, max_frames = 4), and answered as that record is."""
+    from plait.commands.generate import prompt_sample
+
+    trainer, final, val, folder = trained
+    gen = Generator.from_pretrained(final, device="cpu")
+    video = str(folder / "v0.mp4")
+    raw = prompt_sample(gen, "What happens?", videos=[video])
+    assert raw.messages[0]["content"] == "<video>\nWhat happens?" and raw.media["video"] == (video,)
+    mine = gen.processor(raw, prompt_only=True)
+    assert mine.input_ids.tolist() == trainer.val_set[0].input_ids.tolist()  # 3 frames x PER_FRAME placeholders
+    record = parse_record(json.loads(val.read_text().splitlines()[0]), "val.jsonl:1", folder)
+    expected = gen.generate_raw([record], max_new_tokens=4)[0]
+    from plait.cli import main
+
+    assert main(["generate", "--model", str(final), "--prompt", "What happens?", "--video", video,
+                 "--max-new-tokens", "4", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def test_generate_refuses_an_unreadable_video_naming_it(trained, tmp_path):
+    _, final, _, _ = trained
+    bad = tmp_path / "broken.mp4"
+    bad.write_bytes(b"not a video at all" * 10)
+    with pytest.raises(SampleError, match=rf"record 'prompt' \(the prompt\): cannot decode video {bad}: .*Invalid data"):
+        generate_command(final, prompt="What happens?", videos=[str(bad)], max_new_tokens=2, device="cpu")
+    with pytest.raises(ValueError, match="--image/--audio/--video go with --prompt"):
+        generate_command(final, input_path=tmp_path / "x.jsonl", output_path=tmp_path / "y.jsonl",
+                         videos=[str(bad)])
