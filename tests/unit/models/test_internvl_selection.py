@@ -6,44 +6,29 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers as T
 
 from plait.config.loader import config_from_dict
 from plait.models.encoder import ModalityEncoder
 from plait.models.projector import build_projector
-from tests.unit.models.test_pixtral_internvl import TINY_INTERNVL, _images, _job, _kwargs, _tiling_processor
-
-
-def _internvl(ratio: float) -> T.InternVLModel:
-    torch.manual_seed(0)
-    text = T.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=64)
-    full = T.InternVLConfig(vision_config=_kwargs(TINY_INTERNVL), text_config=text.to_dict(), downsample_ratio=ratio)
-    full.vision_config._attn_implementation = "eager"
-    return T.InternVLModel(full).eval()
+from tests.unit.models.test_pixtral_internvl import (_images, _job, _tiling_processor, internvl_model,
+                                                     stock_projector_input)
 
 
 def test_downsample_1_features_equal_get_image_features_with_downsample_ratio_1():
-    model, processor = _internvl(1.0), _tiling_processor()
+    model, processor = internvl_model(1.0), _tiling_processor()
     images = _images([(24, 80), (16, 16)])
     batch = processor(images=images, return_tensors="pt")
     tiles = [processor(images=[img], return_tensors="pt")["pixel_values"] for img in images]
     branch = ModalityEncoder(model.vision_tower, build_projector("linear", 32, 32), "image", select="drop_cls",
                              downsample=1)
-    seen = {}
-    hook = model.multi_modal_projector.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
-    with torch.no_grad():
-        stock = model.get_image_features(pixel_values=batch["pixel_values"], vision_feature_layer=-1,
-                                         vision_feature_select_strategy="default").pooler_output
-        mine = branch.encoder_forward({"pixel_values": tiles})
-    hook.remove()
+    stock, projector_input, mine = stock_projector_input(model, batch["pixel_values"], branch, tiles)
     assert [branch.feature_count((int(t.shape[0]), 32, 32)) for t in tiles] == [4 * 64, 64]
     assert mine.shape == (5 * 64, 32) and stock.shape == (5, 64, 32)
-    torch.testing.assert_close(mine, seen["x"].reshape(-1, 32), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mine, projector_input.reshape(-1, 32), rtol=1e-5, atol=1e-5)
 
 
 def test_transformers_internvl_has_no_full_selection_and_plait_refuses_it(tmp_path):
-    model = _internvl(1.0)
+    model = internvl_model(1.0)
     with pytest.raises(RuntimeError, match="invalid for input of size"):
         model.get_image_features(pixel_values=torch.randn(2, 3, 32, 32), vision_feature_layer=-1,
                                  vision_feature_select_strategy="full")

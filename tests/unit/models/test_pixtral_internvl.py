@@ -87,11 +87,11 @@ def test_pixtral_feature_count_refuses_images_above_the_tower():
         count((2, 8))
 
 
-def _internvl_model() -> T.InternVLModel:
+def internvl_model(ratio: float = 0.5) -> T.InternVLModel:
     torch.manual_seed(0)
     text = T.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=2, vocab_size=64)
-    full = T.InternVLConfig(vision_config=_kwargs(TINY_INTERNVL), text_config=text.to_dict(), downsample_ratio=0.5)
+    full = T.InternVLConfig(vision_config=_kwargs(TINY_INTERNVL), text_config=text.to_dict(), downsample_ratio=ratio)
     full.vision_config._attn_implementation = "eager"
     return T.InternVLModel(full).eval()
 
@@ -101,8 +101,21 @@ def _tiling_processor(**kwargs) -> T.GotOcr2ImageProcessorPil:
                                       **kwargs)
 
 
+def stock_projector_input(model: T.InternVLModel, pixel_values: torch.Tensor, branch: ModalityEncoder,
+                          tiles: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(get_image_features' output, its projector's input, the branch's features of tiles)`` (no grad)."""
+    seen = {}
+    hook = model.multi_modal_projector.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
+    with torch.no_grad():
+        stock = model.get_image_features(pixel_values=pixel_values, vision_feature_layer=-1,
+                                         vision_feature_select_strategy="default").pooler_output
+        mine = branch.encoder_forward({"pixel_values": tiles})
+    hook.remove()
+    return stock, seen["x"], mine
+
+
 def test_internvl_features_equal_get_image_features():
-    model = _internvl_model()
+    model = internvl_model()
     processor = _tiling_processor()
     images = _images([(24, 80), (16, 16), (70, 30)])
     batch = processor(images=images, return_tensors="pt")
@@ -111,15 +124,9 @@ def test_internvl_features_equal_get_image_features():
     tiles = [processor(images=[img], return_tensors="pt")["pixel_values"] for img in images]
     sizes = [(int(t.shape[0]), 32, 32) for t in tiles]
     assert sizes == [(4, 32, 32), (1, 32, 32), (3, 32, 32)] and batch["num_patches"].tolist() == [4, 1, 3]
-    seen = {}
-    hook = model.multi_modal_projector.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
-    with torch.no_grad():
-        stock = model.get_image_features(pixel_values=batch["pixel_values"], vision_feature_layer=-1,
-                                         vision_feature_select_strategy="default").pooler_output
-        mine = branch.encoder_forward({"pixel_values": tiles})
-    hook.remove()
+    stock, projector_input, mine = stock_projector_input(model, batch["pixel_values"], branch, tiles)
     assert [branch.feature_count(s) for s in sizes] == [64, 16, 48] and mine.shape == (128, 128)
-    torch.testing.assert_close(mine, seen["x"].reshape(-1, 128), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mine, projector_input.reshape(-1, 128), rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         torch.testing.assert_close(model.multi_modal_projector(mine), stock.reshape(-1, 32), rtol=1e-5, atol=1e-5)
     assert encoder_feature_size(model.vision_tower, 2) == 128 and encoder_layout(model.vision_tower).post_norm is None
@@ -163,7 +170,7 @@ def test_cost_model_params_and_flops_equal_the_real_towers():
     assert model_param_count(pixtral.config) == sum(p.numel() for p in pixtral.parameters())
     measured, predicted = _flops_and_estimates(pixtral.config, pixtral, pixtral_inputs([torch.randn(3, 32, 32)]), 64)
     assert measured == predicted
-    internvl = _internvl_model().vision_tower
+    internvl = internvl_model().vision_tower
     assert model_param_count(internvl.config) == sum(p.numel() for p in internvl.parameters())
     measured, predicted = _flops_and_estimates(internvl.config, internvl, {"pixel_values": torch.randn(2, 3, 32, 32)},
                                                2 * 65)
@@ -348,7 +355,7 @@ def test_pixtral_tp_plan_covers_every_linear_of_a_layer_and_internvl_has_none():
 def test_a_full_internvl_checkpoint_gives_its_tower_and_tiling_processor(tmp_path):
     from plait.models.registry import build_model, build_processor, load_tokenizer
 
-    full = T.InternVLForConditionalGeneration(_internvl_model().config)
+    full = T.InternVLForConditionalGeneration(internvl_model().config)
     full.save_pretrained(tmp_path / "internvl")
     _tiling_processor().__class__(size={"height": 32, "width": 32}).save_pretrained(tmp_path / "internvl")
     job = _job(tmp_path, "internvl", {})
