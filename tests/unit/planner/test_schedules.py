@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
 from plait.planner.schedule_ir import Action, Schedule, check_schedule, in_flight_peaks, schedule_dag
 from plait.planner.schedules import build_schedule, gpipe, memory_capped_1f1b, one_f_one_b
+from tests.unit.planner.random_plans import draw_plan, generate
 
 
 def _parse(text: str) -> tuple[Action, ...]:
@@ -260,24 +261,7 @@ def test_checker_deadlock_through_encoder_branch():
 # ----- property tests over random plans ----------------------------------------------------------
 @st.composite
 def random_plans(draw, shared_ranks: bool = False):
-    layout = draw(st.sampled_from(["encoder_parallel", "encoders_colocated"]))
-    n_enc = draw(st.integers(1, 3))
-    stages = [draw(st.integers(1, 3)) for _ in range(n_enc)]
-    if layout == "encoders_colocated":
-        stages = [stages[0]] * n_enc
-    encoders = {f"e{k}": draw(st.lists(st.booleans(), min_size=s, max_size=s + 2)) for k, s in enumerate(stages)}
-    s_llm = draw(st.integers(1, 4))
-    llm = draw(st.lists(st.booleans(), min_size=s_llm, max_size=s_llm + 2))
-    counts = {f"e{k}": s for k, s in enumerate(stages)} | {"llm": s_llm}
-    units = synthetic_units(encoders, llm)
-    n_stages = (sum(stages) if layout == "encoder_parallel" else stages[0]) + s_llm
-    ranks = None
-    if shared_ranks:
-        n_ranks = draw(st.integers(1, n_stages))
-        extra = n_stages - n_ranks
-        ranks = list(range(n_ranks)) + draw(st.lists(st.integers(0, n_ranks - 1), min_size=extra, max_size=extra))
-        ranks = draw(st.permutations(ranks))
-    plan = plan_pipeline(units, layout, stages_per_module=counts, ranks=ranks)
+    plan, layout, stages, s_llm = draw_plan(draw, slack=2, shared_ranks=shared_ranks)
     depths = []  # S_enc + S_llm - i for encoder stage i of a branch, S_llm - j for LLM stage j
     if layout == "encoder_parallel":
         for s in stages:
@@ -286,14 +270,6 @@ def random_plans(draw, shared_ranks: bool = False):
         depths += [stages[0] + s_llm - i for i in range(stages[0])]
     depths += [s_llm - j for j in range(s_llm)]
     return plan, depths
-
-
-def _generate(kind, plan, m, split, defer, cap):
-    if kind == "gpipe":
-        return gpipe(plan, m, split_backward=split, defer_weight_grad=defer)
-    if kind == "1f1b":
-        return one_f_one_b(plan, m, split_backward=split, defer_weight_grad=defer)
-    return memory_capped_1f1b(plan, m, cap, split_backward=split, defer_weight_grad=defer)
 
 
 def _assert_valid(schedule):
@@ -317,7 +293,7 @@ def _assert_valid(schedule):
 def test_generators_on_random_plans(case, m, kind, split_defer, cap):
     plan, depths = case
     split, defer = split_defer
-    schedule = _generate(kind, plan, m, split, defer, cap)
+    schedule = generate(kind, plan, m, split, defer, cap)
     _assert_valid(schedule)
     peaks = _ref_peaks(schedule)
     assert peaks == dict(enumerate(in_flight_peaks(schedule)))
@@ -347,7 +323,7 @@ def test_generators_on_random_plans(case, m, kind, split_defer, cap):
 )
 def test_generators_with_shared_ranks(case, m, kind, split_defer):
     plan, depths = case
-    schedule = _generate(kind, plan, m, *split_defer, cap=2)
+    schedule = generate(kind, plan, m, *split_defer, cap=2)
     _assert_valid(schedule)
     if kind == "capped":
         assert all(p <= 2 for p in in_flight_peaks(schedule))

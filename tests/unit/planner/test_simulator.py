@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
-from plait.planner.schedules import gpipe, memory_capped_1f1b, one_f_one_b
+from plait.planner.schedules import gpipe, one_f_one_b
 from plait.planner.timeline import TimelineEvent
 from plait.planner.simulator import (
     P2PModel,
@@ -22,6 +22,7 @@ from plait.planner.simulator import (
     stage_costs_from_units,
 )
 from plait.planner.types import UnitCost
+from tests.unit.planner.random_plans import draw_plan, generate
 
 
 def _chain(n_stages: int, trainable: bool = True):
@@ -166,26 +167,11 @@ def test_zero_bubble_deferred_w():
 # ----- brute force on random plans --------------------------------------------------------------
 @st.composite
 def random_cases(draw):
-    layout = draw(st.sampled_from(["encoder_parallel", "encoders_colocated"]))
-    n_enc = draw(st.integers(1, 3))
-    stages = [draw(st.integers(1, 3)) for _ in range(n_enc)]
-    if layout == "encoders_colocated":
-        stages = [stages[0]] * n_enc
-    encoders = {f"e{k}": draw(st.lists(st.booleans(), min_size=n, max_size=n + 1)) for k, n in enumerate(stages)}
-    s_llm = draw(st.integers(1, 4))
-    llm = draw(st.lists(st.booleans(), min_size=s_llm, max_size=s_llm + 1))
-    counts = {f"e{k}": n for k, n in enumerate(stages)} | {"llm": s_llm}
-    plan = plan_pipeline(synthetic_units(encoders, llm), layout, stages_per_module=counts)
+    plan = draw_plan(draw, slack=1)[0]
     m = draw(st.integers(1, 6))
     kind = draw(st.sampled_from(["gpipe", "1f1b", "capped"]))
     split, defer = draw(st.sampled_from([(False, False), (True, False), (True, True)]))
-    options = {"split_backward": split, "defer_weight_grad": defer}
-    if kind == "gpipe":
-        schedule = gpipe(plan, m, **options)
-    elif kind == "1f1b":
-        schedule = one_f_one_b(plan, m, **options)
-    else:
-        schedule = memory_capped_1f1b(plan, m, draw(st.integers(1, 3)), **options)
+    schedule = generate(kind, plan, m, split, defer, draw(st.integers(1, 3)) if kind == "capped" else None)
     n = plan.num_stages
     table = {k: [[draw(st.integers(0, 6)) for _ in range(m)] for _ in range(n)] for k in "FBW"}
     boundary = {s: draw(st.integers(0, 3)) for s in range(n)}
