@@ -12,8 +12,10 @@ answers of a trained model, printed or written as JSONL predictions.
 ``plait energy --config job.toml --devices N [--straggler 1.2] [--gpu h100]``: the time-energy frontier of the job's
 plan and a GPU frequency per action (Perseus): table, frontier plot and frequency plan JSON.
 ``plait launch --config job.toml --nproc N [--f 1]``: resilient training that survives worker failures in place.
-``plait import --from HF_FOLDER --out DIR``: a Hugging Face LLaVA / Qwen2-Audio checkpoint as a plait model and job.
-``plait export --run RUN --format llava|qwen2_audio [--out DIR]``: a trained model back as that Hugging Face class.
+``plait import --from HF_FOLDER --out DIR``: a Hugging Face LLaVA / Qwen2-Audio / Qwen2.5-VL checkpoint as a plait
+model and job.
+``plait export --run RUN --format llava|qwen2_audio|qwen2_5_vl [--out DIR]``: a trained model back as that Hugging
+Face class.
 """
 
 from __future__ import annotations
@@ -283,21 +285,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     launch.add_argument("--joining", action="store_true", help=argparse.SUPPRESS)
     launch.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     launch.add_argument("--store", default="", help=argparse.SUPPRESS)
-    imp = sub.add_parser("import", help="a local Hugging Face LLaVA or Qwen2-Audio checkpoint as a plait model and a "
-                         "job that fine-tunes it")
-    imp.add_argument("--from", dest="source", required=True, help="the checkpoint folder (LlavaForConditionalGeneration "
-                     "or Qwen2AudioForConditionalGeneration with its processor and tokenizer files)")
+    imp = sub.add_parser("import", help="a local Hugging Face LLaVA, Qwen2-Audio or Qwen2.5-VL checkpoint as a plait "
+                         "model and a job that fine-tunes it")
+    imp.add_argument("--from", dest="source", required=True, help="the checkpoint folder (LlavaForConditionalGeneration"
+                     ", Qwen2AudioForConditionalGeneration or Qwen2_5_VLForConditionalGeneration with its processor "
+                     "and tokenizer files)")
     imp.add_argument("--out", required=True, help="folder for model/ (plait's final/ layout) and job.toml")
     imp.add_argument("--train", default="", help="the job's data.train (default: <out>/train.jsonl, to be written)")
     imp.add_argument("--val", default="", help="the job's data.val (default: none)")
     imp.add_argument("--chat-template", default="", help="a Jinja file or committed template name, for a checkpoint "
                      "without a chat template")
-    exp = sub.add_parser("export", help="a trained plait model as a Hugging Face LLaVA or Qwen2-Audio checkpoint "
-                         "with its processor")
+    exp = sub.add_parser("export", help="a trained plait model as a Hugging Face LLaVA, Qwen2-Audio or Qwen2.5-VL "
+                         "checkpoint with its processor")
     exp.add_argument("--run", required=True, help="the run folder (its final/) or a final/ folder")
     exp.add_argument("--format", required=True, choices=("llava", "qwen2_audio", "qwen2_5_vl"),
                      help="llava: LlavaForConditionalGeneration; qwen2_audio: Qwen2AudioForConditionalGeneration; "
-                          "qwen2_5_vl: refused, naming what plait's composition lacks (M-RoPE positions)")
+                          "qwen2_5_vl: Qwen2_5_VLForConditionalGeneration (projector folded into the merger)")
     exp.add_argument("--out", default=None, help="the checkpoint folder (default: <run>/hf-<format>)")
     args, rest = parser.parse_known_args(argv)
     bad = [a for a in rest if not (a.startswith("--") and "=" in a)]

@@ -2,9 +2,12 @@
 
 ``plait export --run runs/llava15 --format llava --out llava-trained`` reads ``<run>/final`` (or a ``final/``
 folder itself: the model, ``tokenizer/``, ``processors/<branch>/``), merges LoRA adapters into their base weights,
-and writes a ``LlavaForConditionalGeneration`` / ``Qwen2AudioForConditionalGeneration`` folder with its processor
-(``LlavaProcessor`` / ``Qwen2AudioProcessor``: the branch's image processor or feature extractor, the tokenizer and
-its chat template), which ``transformers``' ``from_pretrained`` and ``AutoProcessor`` load. A composite the class
+and writes a ``LlavaForConditionalGeneration`` / ``Qwen2AudioForConditionalGeneration`` /
+``Qwen2_5_VLForConditionalGeneration`` folder with its processor (``LlavaProcessor`` / ``Qwen2AudioProcessor`` /
+``Qwen2_5_VLProcessor``: the branch's image processor or feature extractor, the tokenizer and its chat template),
+which ``transformers``' ``from_pretrained`` and ``AutoProcessor`` load (``Qwen2_5_VLProcessor`` where torchvision is
+installed, for its video processor; its image processor and tokenizer load without). Qwen2.5-VL's projector is folded
+into the tower's merger (:mod:`plait.models.hf_io`). A composite the class
 cannot hold (two encoders, a projector LLaVA lacks, ...) is refused naming the difference
 (:func:`plait.models.hf_io.check_exportable`).
 """
@@ -18,7 +21,8 @@ from safetensors.torch import load_file
 
 from plait.data.sources import path_note
 from plait.models.generation import with_stop_tokens
-from plait.models.hf_io import HF_FORMATS, REFUSED_EXPORTS, check_exportable, hf_from_composite, hf_processor, merge_adapters
+from plait.models.hf_io import (HF_FORMATS, QWEN_VL_TOKENS, REFUSED_EXPORTS, check_exportable, hf_from_composite,
+                                merge_adapters, save_hf_processor)
 from plait.models.multimodal import PLAIT_CONFIG, MultimodalModel
 
 __all__ = ["export_command", "export_checkpoint", "final_folder"]
@@ -60,7 +64,8 @@ def export_checkpoint(run: str | Path, fmt: str, out: str | Path | None = None) 
     ``generate`` stops where ``plait generate`` does.
 
     Raises:
-        ValueError: for an unknown or refused ``fmt`` (``qwen2_5_vl``: naming what plait lacks), a composite the class cannot hold, an ``out`` folder holding files.
+        ValueError: for an unknown or refused ``fmt`` (naming what plait lacks), a composite the class cannot hold,
+            an ``out`` folder holding files.
         FileNotFoundError: for a missing model, ``tokenizer/`` or ``processors/<branch>/`` folder.
     """
     if fmt in REFUSED_EXPORTS:
@@ -84,12 +89,21 @@ def export_checkpoint(run: str | Path, fmt: str, out: str | Path | None = None) 
     merge_adapters(model.encoders[name].encoder)
     saved = load_file(str(final / "encoders" / name / "projector.safetensors"))
     model.encoders[name].projector.to(next(iter(saved.values())).dtype)  # as saved (loading builds it in fp32)
-    hf = hf_from_composite(model, spec)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folders["tokenizer"]))
+    hf = hf_from_composite(model, spec, _token_ids(spec.name, tokenizer))
     hf.generation_config = with_stop_tokens(hf.generation_config, tokenizer)  # stop where plait generate stops
     auto = transformers.AutoImageProcessor if spec.modality == "image" else transformers.AutoFeatureExtractor
     media = auto.from_pretrained(str(folders["processor"]))
     print(f"plait: writing {target} ({spec.model_class})", flush=True)
     hf.save_pretrained(target)
-    hf_processor(spec, model, tokenizer, media).save_pretrained(target)
+    save_hf_processor(spec, model, tokenizer, media, target)
     return target
+
+
+def _token_ids(fmt: str, tokenizer: transformers.PreTrainedTokenizerBase) -> dict[str, int]:
+    """Qwen2.5-VL's config ids of its video and vision start/end tokens that the tokenizer has
+    (:data:`plait.models.hf_io.QWEN_VL_TOKENS`); ``{}`` for the other formats."""
+    if fmt != "qwen2_5_vl":
+        return {}
+    ids = {field: tokenizer.convert_tokens_to_ids(token) for field, token in QWEN_VL_TOKENS.items()}
+    return {field: int(i) for field, i in ids.items() if i is not None and i != tokenizer.unk_token_id}

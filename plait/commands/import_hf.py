@@ -1,8 +1,8 @@
 """``plait import``: a local Hugging Face multimodal checkpoint as a plait model and a job that trains from it.
 
 ``plait import --from llava-1.5-7b-hf --out imported/llava15`` reads a ``LlavaForConditionalGeneration``
-(LLaVA-1.5 style) or ``Qwen2AudioForConditionalGeneration`` folder (weights, ``config.json``, processor and
-tokenizer files, as ``save_pretrained`` writes them) and writes
+(LLaVA-1.5 style), ``Qwen2AudioForConditionalGeneration`` or ``Qwen2_5_VLForConditionalGeneration`` folder
+(weights, ``config.json``, processor and tokenizer files, as ``save_pretrained`` writes them) and writes
 
 - ``<out>/model/``: the composite as ``plait train`` writes ``final/`` (LLM, encoder and projector weights,
   ``plait_config.json`` with the feature layer, selection and placeholder id; ``tokenizer/`` with the chat
@@ -11,16 +11,21 @@ tokenizer files, as ``save_pretrained`` writes them) and writes
 - ``<out>/job.toml``: a job that fine-tunes it (``model.pretrained`` = that folder; set ``data.train``).
 
 The mapping is :mod:`plait.models.hf_io` (the same tensors, so ``plait export`` gives the checkpoint back
-bit-identically).
+bit-identically). A Qwen2.5-VL folder's processor is read as its parts (``AutoImageProcessor``: the PIL
+``Qwen2VLImageProcessorPil`` with its min/max pixels, patch, merge and temporal sizes; the tokenizer and chat
+template), since ``Qwen2_5_VLProcessor`` needs torchvision for its video processor; its placeholder is
+``<|image_pad|>`` (records write ``<|vision_start|><|image_pad|><|vision_end|>`` per image, as its chat template
+does).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import transformers
-from transformers import AutoConfig, AutoProcessor
+from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
 
 from plait.data.chat_template import read_chat_template
 from plait.data.sources import path_note
@@ -73,7 +78,7 @@ def import_checkpoint(source: str | Path, out: str | Path, *, train: str = "", v
     model_dir = root / "model"
     if model_dir.exists() and any(model_dir.iterdir()):
         raise ValueError(f"{model_dir} already holds files; choose another --out or remove it")
-    processor = _processor(src)
+    processor = _processor(src, fmt)
     media = processor.image_processor if fmt.modality == "image" else processor.feature_extractor
     tokenizer = processor.tokenizer
     tokenizer.chat_template = _chat_template(processor, tokenizer, chat_template, src)  # checked before the weights
@@ -103,13 +108,19 @@ def _format(src: Path) -> tuple[HfFormat, Any]:
     return hf_format_of(config, str(src)), config
 
 
-def _processor(src: Path) -> Any:
-    """The checkpoint's Hugging Face processor (image processor or feature extractor, tokenizer, chat template).
+def _processor(src: Path, fmt: HfFormat) -> Any:
+    """The checkpoint's Hugging Face processor (image processor or feature extractor, tokenizer, chat template);
+    for Qwen2.5-VL its parts (``image_processor``, ``tokenizer``, ``chat_template``, ``image_token``).
 
     Raises:
         ValueError: when the folder holds no processor files.
     """
     try:
+        if fmt.name == "qwen2_5_vl":
+            tokenizer = AutoTokenizer.from_pretrained(str(src))
+            return SimpleNamespace(image_processor=AutoImageProcessor.from_pretrained(str(src)), tokenizer=tokenizer,
+                                   chat_template=tokenizer.chat_template,
+                                   image_token=getattr(tokenizer, "image_token", None) or "<|image_pad|>")
         return AutoProcessor.from_pretrained(str(src))
     except (OSError, ValueError, TypeError) as exc:
         raise ValueError(f"--from {src}: cannot load its processor ({str(exc)[:200]}); the folder needs the "

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
+from plait.data.mrope import mrope_positions
 from plait.data.processing import IGNORE, ProcessedSample, SampleMeta
 
 __all__ = ["Batch", "collate"]
@@ -27,6 +28,11 @@ class Batch:
             item in row-major placeholder order; encoders without items are absent.
         meta: per-sample :class:`SampleMeta` (text tokens, tokens per item, target tokens).
         answers: reference answers (validation).
+        rope_position_ids: ``[3, B, N]`` int64 multimodal rotary positions (M-RoPE, :mod:`plait.data.mrope`) of
+            each document when some item of the batch has an image grid (``image_grid_thw``: Qwen2.5-VL), else
+            None; 0 on padding, per document in packed rows. An LLM that rotates with M-RoPE takes these instead of
+            ``position_ids`` (which stay the positions inside the document, for the attention mask); every other
+            LLM ignores them.
     """
 
     input_ids: torch.Tensor
@@ -38,6 +44,7 @@ class Batch:
     modality_inputs: dict[str, dict[str, Any]]
     meta: tuple[SampleMeta, ...]
     answers: tuple[str, ...] = field(default=())
+    rope_position_ids: torch.Tensor | None = None
 
     @property
     def target_tokens(self) -> int:
@@ -91,8 +98,36 @@ def collate(samples: Sequence[ProcessedSample], pad_id: int, padding_side: str =
         pos[r, cols] = torch.arange(n)
         docs[r, cols] = 0
         items[r, cols] = s.item_ids
+    rope = _rope_rows(samples)
+    if rope is not None:
+        rows_rope = torch.zeros((3, rows, width), dtype=torch.long)
+        for r, (s, row) in enumerate(zip(samples, rope)):
+            n = len(s.input_ids)
+            rows_rope[:, r, slice(width - n, width) if padding_side == "left" else slice(0, n)] = row
+        rope = rows_rope
     return Batch(ids, labels, attn, pos, docs, items, _modality_inputs(samples), tuple(s.meta for s in samples),
-                 tuple(s.answer for s in samples))
+                 tuple(s.answer for s in samples), rope)
+
+
+def _rope_rows(samples: Sequence[ProcessedSample]) -> list[torch.Tensor] | None:
+    """Per sample, its M-RoPE positions ``[3, n]`` (:func:`plait.data.mrope.mrope_positions`) when some item of
+    ``samples`` has an ``image_grid_thw``; None otherwise."""
+    if not any("image_grid_thw" in it for s in samples for items in s.inputs.values() for it in items):
+        return None
+    rows = []
+    for s in samples:
+        seen: dict[str, int] = {}
+        grids = []
+        for name, _ in s.meta.items:
+            item = s.inputs[name][seen.get(name, 0)]
+            seen[name] = seen.get(name, 0) + 1
+            grid = item.get("image_grid_thw")
+            grids.append(None if grid is None else [int(g) for g in torch.as_tensor(grid).reshape(-1)])
+        try:
+            rows.append(mrope_positions(s.input_ids, s.item_ids, grids))
+        except ValueError as exc:
+            raise ValueError(f"sample {s.meta.id}: {exc}") from None
+    return rows
 
 
 def _modality_inputs(samples: Sequence[ProcessedSample]) -> dict[str, dict[str, Any]]:
@@ -122,5 +157,7 @@ def _pack(samples: Sequence[ProcessedSample]) -> Batch:
     docs = torch.cat([torch.full((len(s.input_ids),), d) for d, s in enumerate(samples)])[None]
     items = torch.cat([torch.where(s.item_ids >= 0, s.item_ids + items_before[d], -1)
                        for d, s in enumerate(samples)])[None]
+    rope = _rope_rows(samples)
     return Batch(ids, labels, torch.ones_like(ids), pos, docs, items, _modality_inputs(samples),
-                 tuple(s.meta for s in samples), tuple(s.answer for s in samples))
+                 tuple(s.meta for s in samples), tuple(s.answer for s in samples),
+                 None if rope is None else torch.cat(rope, dim=1)[:, None])

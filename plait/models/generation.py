@@ -6,7 +6,8 @@ images and audio.
 an answer given at inference is the answer validation scored. It embeds a left-padded batch of prompts (encoder
 features placed at their placeholders, :meth:`MultimodalModel.embed`) and runs the Hugging Face LLM's own
 ``generate`` on ``inputs_embeds`` (KV cache; positions derived from the attention mask, so left padding is
-harmless), greedy, until every row emits a stop token (:func:`stop_token_ids`) or ``max_new_tokens``.
+harmless; an M-RoPE LLM gets the prompt's ``Batch.rope_position_ids`` and continues them, Qwen2.5-VL's rule),
+greedy, until every row emits a stop token (:func:`stop_token_ids`) or ``max_new_tokens``.
 
 :class:`Generator` loads what ``plait train`` writes to ``<run_dir>/final`` (the model, ``tokenizer/``,
 ``processors/<encoder>/``) in eval mode with every parameter frozen, and turns :class:`Prompt` objects (or
@@ -27,6 +28,7 @@ import torch
 from plait.config.schema import ModelConfig
 from plait.data.chat_template import render_with_assistant_mask
 from plait.data.collate import Batch, collate
+from plait.data.mrope import next_mrope_positions
 from plait.data.processing import MultimodalProcessor, ProcessedSample
 from plait.data.sources import RawSample, path_note
 from plait.models.multimodal import PLAIT_CONFIG, MultimodalModel
@@ -112,16 +114,38 @@ def greedy_token_ids(model: MultimodalModel, batch: Batch, stop_ids: Sequence[in
         ValueError: when ``max_new_tokens`` < 1 or there is no stop token.
     """
     check_decoding(max_new_tokens, stop_ids)
+    positions = _mrope_prompt_positions(model, batch)
     with autocast():
         embeds = model.embed(batch.input_ids, batch.modality_inputs)
         return model.language_model.generate(
             inputs_embeds=embeds,
             attention_mask=batch.attention_mask,
+            **({} if positions is None else {"position_ids": positions}),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             eos_token_id=list(stop_ids),
             pad_token_id=pad_id,
         )
+
+
+def _mrope_prompt_positions(model: MultimodalModel, batch: Batch) -> torch.Tensor | None:
+    """The prompt's M-RoPE positions ``[3, B, N]`` for an M-RoPE LLM given ``Batch.rope_position_ids``, else None
+    (the LLM derives 1-D positions from the attention mask). transformers' ``generate`` puts decoding step ``k`` at
+    the prompt's last position ``+ 1 + k`` on each stream; Qwen2.5-VL's rule (``rope_deltas``) puts it at the
+    prompt's largest position ``+ 1 + k`` (:func:`plait.data.mrope.next_mrope_positions`): the same whenever the
+    prompt ends with text after its images (a chat template's generation prompt), which is checked.
+
+    Raises:
+        ValueError: when a prompt's last token is not at its largest position on every stream.
+    """
+    positions = model.llm_positions(batch.position_ids, batch.rope_position_ids)
+    if positions is None or positions.ndim != 3:
+        return None
+    following = next_mrope_positions(positions, batch.attention_mask)
+    if not torch.equal(positions[:, :, -1:] + 1, following.to(positions.device)):
+        raise ValueError("M-RoPE generation needs each prompt to end with text after its images/videos (its last "
+                         "token at its largest position); end the prompt with the chat template's generation prompt")
+    return positions
 
 
 def greedy_generate(model: MultimodalModel, batch: Batch, tokenizer: Any, stop_ids: Sequence[int],

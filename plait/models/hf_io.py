@@ -12,15 +12,27 @@ or computed, so a round trip is bit-identical); :func:`check_exportable` refuses
 hold, naming what differs. The processors (Hugging Face's ``LlavaProcessor`` / ``Qwen2AudioProcessor`` around the
 branch's image processor or feature extractor) are built by :func:`hf_processor`.
 
-Refused on import with the reason (:func:`hf_format_of`), and Qwen2.5-VL on export too (:data:`REFUSED_EXPORTS`):
-LLaVA-NeXT's anyres tiling and Qwen2-VL/Qwen2.5-VL's multimodal rotary positions, which plait's composition does not
-have (``plait.models.families.qwen2_5_vl`` holds the Qwen2.5-VL tower; its LLM would take 1-D positions).
+``Qwen2_5_VLForConditionalGeneration`` maps too: its tower ``model.visual`` (blocks and patch merger) is the branch's
+encoder, its text model ``model.language_model`` with ``lm_head`` is plait's LLM
+(:class:`plait.models.families.qwen2_5_vl.Qwen25VLTextForCausalLM`, M-RoPE positions from the collator), and it has
+no projector: the merger already maps to the LLM width. plait's branch keeps a ``"linear"`` projector after the
+merger; the import makes it the identity (weight ``I``, bias 0), and the export folds it into the merger's last
+Linear (``W_p (W_2 x + b_2) + b_p``: weight ``W_p W_2``, bias ``W_p b_2 + b_p``, computed in fp32), leaving an
+identity projector out entirely, so a round trip is bit-identical and a trained projector is kept exactly (up to
+rounding). Its processor (``Qwen2_5_VLProcessor``) needs torchvision for its video processor, which plait does not
+use: :func:`save_hf_processor` writes the processor folder's files (``Qwen2VLImageProcessorPil`` settings, tokenizer,
+chat template, ``processor_config.json``), which ``AutoProcessor`` loads where torchvision is installed.
+
+Refused on import with the reason (:func:`hf_format_of`): LLaVA-NeXT's anyres tiling and Qwen2-VL's LLM (M-RoPE
+positions without Qwen2.5-VL's text class; plait registers a causal LM for ``qwen2_5_vl_text`` only).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import peft
@@ -30,13 +42,14 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from plait.models.encoder import ModalityEncoder
-from plait.models.hf import llm_layout
+from plait.models.hf import encoder_feature_size, llm_layout
 from plait.models.lora import ADAPTER, base_state_dict, has_lora
 from plait.models.multimodal import MultimodalModel
 from plait.models.projector import build_projector
 
-__all__ = ["HfFormat", "HF_FORMATS", "REFUSED_EXPORTS", "hf_format_of", "composite_from_hf", "hf_from_composite", "check_exportable",
-           "hf_processor", "merge_adapters", "string_content_template"]
+__all__ = ["HfFormat", "HF_FORMATS", "REFUSED_EXPORTS", "hf_format_of", "composite_from_hf", "hf_from_composite",
+           "check_exportable", "hf_processor", "save_hf_processor", "merge_adapters", "string_content_template",
+           "QWEN_VL_TOKENS"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +64,8 @@ class HfFormat:
         modality: the branch's modality; ``branch`` its name in plait.
         tower: attribute of ``model.model`` holding the encoder.
         projector: plait's projector kind; ``projector_keys`` maps plait's projector state-dict keys to the
-            class's ``multi_modal_projector`` keys.
+            class's ``multi_modal_projector`` keys (empty: the class has no projector, plait's is the identity
+            on import and folded into the tower's merger on export).
         token_field: the config field of the placeholder id.
         encoder_types: encoder ``model_type`` values the class accepts.
     """
@@ -78,6 +92,8 @@ HF_FORMATS = {
                             "audio", "audio", "audio_tower", "linear",
                             (("linear_1.weight", "linear.weight"), ("linear_1.bias", "linear.bias")), "audio_token_id",
                             ("qwen2_audio_encoder",)),
+    "qwen2_5_vl": HfFormat("qwen2_5_vl", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor",
+                           "image", "vision", "visual", "linear", (), "image_token_id", ("qwen2_5_vl_vision",)),
 }
 """The supported classes by ``--format`` name."""
 
@@ -87,15 +103,12 @@ _REFUSED = {
                   "image per <image> placeholder; import a LLaVA-1.5-style LlavaForConditionalGeneration",
     "llava_next_video": "LLaVA-NeXT-Video's anyres tiling and video pooling are not in plait's composition",
     "llava_onevision": "LLaVA-OneVision's anyres tiling is not in plait's composition",
-    "qwen2_5_vl": "plait has Qwen2.5-VL's vision tower (window attention, 2x2 patch merger) but not its LLM's "
-                  "multimodal rotary positions (M-RoPE: position_ids [3, B, N] per image grid from "
-                  "Qwen2_5_VLModel.get_rope_index); plait composes a *ForCausalLM fed 1-D positions, which equals "
-                  "Qwen2.5-VL only on text, so an imported or exported model would see images at other positions "
-                  "(missing: an LLM taking [3, B, N] positions and a collator computing them per image grid)",
     "qwen2_vl": "Qwen2-VL's LLM takes multimodal rotary positions (M-RoPE: position_ids [3, B, N] per image grid), "
-                "which plait's composition does not have (it feeds its *ForCausalLM 1-D positions)",
+                "which plait has for Qwen2.5-VL's text model only (qwen2_5_vl_text; Qwen2-VL's qwen2_vl_text has no "
+                "causal-LM class in plait), so its LLM would see images at 1-D positions; import a Qwen2.5-VL "
+                "checkpoint",
 }
-REFUSED_EXPORTS = {"qwen2_5_vl": _REFUSED["qwen2_5_vl"]}
+REFUSED_EXPORTS: dict[str, str] = {}
 """``--format`` names plait export knows but refuses, with what is missing."""
 
 
@@ -154,13 +167,45 @@ def composite_from_hf(hf: PreTrainedModel, fmt: HfFormat, hop_length: int = 160,
     layer, select = _feature_selection(fmt, hf.config, tower)
     llm = _causal_lm(hf.config.get_text_config(), hf.model.language_model, hf.lm_head)
     hidden = llm.get_input_embeddings().embedding_dim
-    width = int(getattr(tower.config, "hidden_size", None) or tower.config.d_model)
-    source = hf.model.multi_modal_projector.state_dict()
-    projector = build_projector(fmt.projector, width, hidden).to(next(iter(source.values())).dtype)
-    projector.load_state_dict({mine: source[theirs] for mine, theirs in fmt.projector_keys}, strict=True)
+    if not fmt.projector_keys:  # the merger is the projector (Qwen2.5-VL): plait's is the identity
+        projector = _identity_projector(encoder_feature_size(tower, 1), hidden, next(tower.parameters()).dtype)
+    else:
+        width = int(getattr(tower.config, "hidden_size", None) or tower.config.d_model)
+        source = hf.model.multi_modal_projector.state_dict()
+        projector = build_projector(fmt.projector, width, hidden).to(next(iter(source.values())).dtype)
+        projector.load_state_dict({mine: source[theirs] for mine, theirs in fmt.projector_keys}, strict=True)
     branch = ModalityEncoder(tower, projector, fmt.modality, layer, select, 1, hop_length, sampling_rate)
     token = int(getattr(hf.config, fmt.token_field))
     return MultimodalModel(llm, {fmt.branch: branch}, {fmt.branch: token})
+
+
+def _identity_projector(width: int, hidden: int, dtype: torch.dtype) -> nn.Module:
+    """A ``"linear"`` projector that passes ``width`` features through unchanged (weight ``I``, bias 0).
+
+    Raises:
+        ValueError: when ``width`` differs from the LLM's ``hidden`` size (the tower's merger must map to it).
+    """
+    if width != hidden:
+        raise ValueError(f"the tower's merger gives {width} features but the LLM's hidden size is {hidden}")
+    projector = build_projector("linear", width, hidden).to(dtype)
+    with torch.no_grad():
+        projector.linear_1.weight.copy_(torch.eye(width, dtype=dtype))
+        projector.linear_1.bias.zero_()
+    return projector
+
+
+def _fold_projector(branch: ModalityEncoder) -> None:
+    """Fold the branch's ``"linear"`` projector into the tower's merger (``merger.mlp[-1]``, a Linear) in place:
+    weight ``W_p W_2``, bias ``W_p b_2 + b_p`` in fp32, cast back to the merger's dtype; an identity projector
+    (weight exactly ``I``, bias exactly 0) leaves the merger untouched (bit-identical round trips)."""
+    proj, last = branch.projector.linear_1, branch.encoder.merger.mlp[-1]
+    w_p, b_p = proj.weight.detach().float(), proj.bias.detach().float()
+    if torch.equal(w_p, torch.eye(*w_p.shape)) and not bool(b_p.any()):
+        return
+    with torch.no_grad():
+        w2, b2 = last.weight.float(), last.bias.float()
+        last.weight.copy_((w_p @ w2).to(last.weight.dtype))
+        last.bias.copy_((w_p @ b2 + b_p).to(last.bias.dtype))
 
 
 def _causal_lm(text_config: PretrainedConfig, base: nn.Module, head: nn.Module) -> PreTrainedModel:
@@ -220,6 +265,10 @@ def check_exportable(model: MultimodalModel, fmt: HfFormat) -> None:
         shape = "Linear-GELU-Linear" if fmt.projector == "mlp" else "one Linear"
         raise ValueError(f"{fmt.model_class}'s projector is {shape} (plait's {fmt.projector!r}); {where} has a "
                          f"{branch.projector.kind!r} projector")
+    if not fmt.projector_keys and branch.projector.linear_1.in_features != branch.projector.linear_1.out_features:
+        raise ValueError(f"{fmt.model_class} has no projector after its merger; {where}'s projector maps "
+                         f"{branch.projector.linear_1.in_features} to {branch.projector.linear_1.out_features} "
+                         "features, which cannot fold into the merger")
     if branch.downsample != 1:
         raise ValueError(f"{fmt.model_class} feeds every pooled feature; {where} averages {branch.downsample}")
     if fmt.name == "llava" and branch.select == "drop_cls" and kind != "clip_vision_model":
@@ -230,9 +279,12 @@ def check_exportable(model: MultimodalModel, fmt: HfFormat) -> None:
     llm_layout(model.language_model)  # a decoder stack with layers, norm and both embeddings
 
 
-def hf_from_composite(model: MultimodalModel, fmt: HfFormat) -> PreTrainedModel:
+def hf_from_composite(model: MultimodalModel, fmt: HfFormat, token_ids: dict[str, int] | None = None
+                      ) -> PreTrainedModel:
     """``fmt``'s class holding the composite's modules (tower, decoder stack, ``lm_head``: shared, not copied) and
-    its projector's tensors; LoRA adapters must be merged first (:func:`merge_adapters`).
+    its projector's tensors (Qwen2.5-VL: the projector folded into the tower's merger in place,
+    :func:`_fold_projector`); LoRA adapters must be merged first (:func:`merge_adapters`). ``token_ids``: further
+    config ids (Qwen2.5-VL's ``video_token_id``, ``vision_start_token_id``, ``vision_end_token_id``).
 
     Raises:
         ValueError: as :func:`check_exportable`, when a part still holds adapters, or when the assembled state
@@ -243,16 +295,19 @@ def hf_from_composite(model: MultimodalModel, fmt: HfFormat) -> PreTrainedModel:
     if has_lora(model):
         raise ValueError("merge the LoRA adapters first (plait.models.hf_io.merge_adapters)")
     llm = model.language_model
-    cfg = _hf_config(model, fmt, name)
+    cfg = _hf_config(model, fmt, name, token_ids or {})
     with torch.device("meta"):
         hf = getattr(transformers, fmt.model_class)(cfg)
     expected = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
     setattr(hf.model, fmt.tower, branch.encoder)
     hf.model.language_model = llm.get_submodule(llm.base_model_prefix)
     hf.lm_head = llm.get_output_embeddings()
-    mine = branch.projector.state_dict()
-    hf.model.multi_modal_projector.load_state_dict({theirs: mine[m] for m, theirs in fmt.projector_keys},
-                                                   strict=True, assign=True)
+    if fmt.projector_keys:
+        mine = branch.projector.state_dict()
+        hf.model.multi_modal_projector.load_state_dict({theirs: mine[m] for m, theirs in fmt.projector_keys},
+                                                       strict=True, assign=True)
+    else:
+        _fold_projector(branch)
     got = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
     if got != expected:
         diff = sorted(set(got.items()) ^ set(expected.items()))[:4]
@@ -261,9 +316,10 @@ def hf_from_composite(model: MultimodalModel, fmt: HfFormat) -> PreTrainedModel:
     return hf
 
 
-def _hf_config(model: MultimodalModel, fmt: HfFormat, name: str) -> PretrainedConfig:
+def _hf_config(model: MultimodalModel, fmt: HfFormat, name: str, token_ids: dict[str, int]) -> PretrainedConfig:
     """The config of ``fmt``'s class for the composite: its tower's and LLM's configs, placeholder id, feature
-    selection (LLaVA) and the image feature count at the tower's native size (``image_seq_length``)."""
+    selection (LLaVA) and the image feature count at the tower's native size (``image_seq_length``); Qwen2.5-VL's
+    further ``token_ids``."""
     branch = model.encoders[name]
     text = copy.deepcopy(model.language_model.config)
     tower = copy.deepcopy(branch.encoder.config)
@@ -277,6 +333,9 @@ def _hf_config(model: MultimodalModel, fmt: HfFormat, name: str) -> PretrainedCo
                           projector_hidden_act="gelu", multimodal_projector_bias=True,
                           image_seq_length=branch.feature_count((size, size)),
                           tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)))
+    if fmt.name == "qwen2_5_vl":
+        return config_cls(vision_config=tower.to_dict(), text_config=text.to_dict(), image_token_id=token,
+                          tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)), **token_ids)
     return config_cls(audio_config=tower, text_config=text, audio_token_id=token)
 
 
@@ -285,7 +344,14 @@ def hf_processor(fmt: HfFormat, model: MultimodalModel, tokenizer: Any, media_pr
     """``fmt``'s Hugging Face processor for the composite: the branch's image processor or feature extractor
     (``media_processor``), the tokenizer with its chat template (without the string-content prelude
     :func:`string_content_template` may have added on import: the template the checkpoint came with), and the
-    placeholder token (LLaVA: the tower's patch size, the feature selection and the CLS position it counts)."""
+    placeholder token (LLaVA: the tower's patch size, the feature selection and the CLS position it counts).
+
+    Raises:
+        ValueError: for Qwen2.5-VL (:func:`save_hf_processor` writes its files instead).
+    """
+    if fmt.name == "qwen2_5_vl":
+        raise ValueError("Qwen2_5_VLProcessor needs torchvision (its video processor); write its files with "
+                         "save_hf_processor")
     name, branch = next(iter(model.encoders.items()))
     token = tokenizer.convert_ids_to_tokens(model.placeholder_ids[name])
     cls = getattr(transformers, fmt.processor_class)
@@ -298,6 +364,29 @@ def hf_processor(fmt: HfFormat, model: MultimodalModel, tokenizer: Any, media_pr
                    vision_feature_select_strategy="default" if branch.select == "drop_cls" else "full",
                    num_additional_image_tokens=int(cfg.model_type == "clip_vision_model"))
     return cls(feature_extractor=media_processor, tokenizer=tokenizer, chat_template=template, audio_token=token)
+
+
+QWEN_VL_TOKENS = {"video_token_id": "<|video_pad|>", "vision_start_token_id": "<|vision_start|>",
+                  "vision_end_token_id": "<|vision_end|>"}
+"""Qwen2.5-VL's config ids beyond the placeholder, by config field: the tokens its chat template writes."""
+
+
+def save_hf_processor(fmt: HfFormat, model: MultimodalModel, tokenizer: Any, media_processor: Any,
+                      folder: Path) -> None:
+    """Write ``fmt``'s processor for the composite to ``folder``: :func:`hf_processor` saved, or for Qwen2.5-VL
+    (whose ``Qwen2_5_VLProcessor`` cannot be built without torchvision, for its video processor) the files it
+    loads from: the image processor's ``preprocessor_config.json``, the tokenizer with the chat template
+    (without plait's string-content prelude) and ``processor_config.json`` naming the class."""
+    if fmt.name != "qwen2_5_vl":
+        hf_processor(fmt, model, tokenizer, media_processor).save_pretrained(folder)
+        return
+    template = (tokenizer.chat_template or "").removeprefix(_STRING_PRELUDE) or None
+    tokenizer.chat_template = template
+    media_processor.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    if template:
+        (Path(folder) / "chat_template.jinja").write_text(template)
+    (Path(folder) / "processor_config.json").write_text(json.dumps({"processor_class": fmt.processor_class}, indent=2))
 
 
 _STRING_PRELUDE = (

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from plait.models.encoder import ModalityEncoder
 from plait.config.schema import LoraConfig
+from plait.models.families.qwen2_5_vl import takes_mrope
 from plait.models.hf import build_causal_lm, build_encoder, encoder_feature_size
 from plait.models.lora import ADAPTER_DIR, base_state_dict, has_lora, inject_lora, load_adapter, lora_settings, save_adapter
 from plait.models.projector import build_projector
@@ -127,6 +128,7 @@ class MultimodalModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         token_index: torch.Tensor | None = None,
         features: Mapping[str, torch.Tensor] | None = None,
+        rope_position_ids: torch.Tensor | None = None,
         **llm_kwargs: Any,
     ) -> torch.Tensor:
         """Logits ``[B, N, vocab]`` (fp32 or the autocast dtype) for ``input_ids`` ``[B, N]``.
@@ -141,6 +143,10 @@ class MultimodalModel(nn.Module):
         row-major, as :meth:`encode` returns them), placed instead of running the encoders; used when encoder
         outputs were computed in an earlier microbatch (deferral, ``plait.train.trainer``).
 
+        ``rope_position_ids``: the batch's M-RoPE positions ``[3, B, N]`` (``Batch.rope_position_ids``, all ``N``
+        tokens even with ``token_index``: :meth:`llm_positions` takes the shard's); an LLM that rotates with
+        M-RoPE (Qwen2.5-VL's) gets them as its ``position_ids``, every other LLM gets ``position_ids``.
+
         Raises:
             ValueError: when both ``modality_inputs`` and ``features`` are given, and as :meth:`place_features`.
         """
@@ -153,10 +159,22 @@ class MultimodalModel(nn.Module):
         if token_index is not None:
             embeds = embeds.index_select(1, token_index)
         llm_kwargs.setdefault("use_cache", False)  # logits only: no KV cache (it would hold every layer's K/V)
-        out = self.language_model(
-            inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids, **llm_kwargs
-        )
+        positions = self.llm_positions(position_ids, rope_position_ids, token_index)
+        out = self.language_model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
+                                  **llm_kwargs)
         return out.logits
+
+    def llm_positions(self, position_ids: torch.Tensor | None, rope_position_ids: torch.Tensor | None,
+                      token_index: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The ``position_ids`` the LLM rotates with: for an M-RoPE LLM (Qwen2.5-VL's,
+        :func:`plait.models.families.qwen2_5_vl.takes_mrope`) given ``rope_position_ids`` ``[3, B, N]``, those (the
+        ``token_index`` tokens of them when given: a context-parallel shard), else ``position_ids`` (``[B, N]`` or
+        the shard's ``[B, n]``; an M-RoPE LLM spreads them over its three streams: text)."""
+        if rope_position_ids is None or not takes_mrope(self.language_model.config):
+            return position_ids
+        if token_index is not None:
+            return rope_position_ids.index_select(-1, token_index.to(rope_position_ids.device))
+        return rope_position_ids
 
     # ------------------------------------------------------------------ freezing
     def part_parameters(self, part: str, encoder: str | None = None) -> list[nn.Parameter]:

@@ -179,7 +179,9 @@ class _LlmChunk:
         With a context-parallel shard ``llm_kwargs["plait_cp"]`` (:class:`~plait.parallel.context.CPShard`) the
         chunk works on the shard's ``n_local`` tokens only: the embedding chunk embeds the whole rows (the
         features of every item are placed) and keeps the shard's tokens, hidden states are ``[B, n_local, H]``,
-        positions and labels are the shard's (global positions), and the loss is the sum over its tokens.
+        positions and labels are the shard's (global positions), and the loss is the sum over its tokens. An
+        M-RoPE LLM rotates with ``batch.rope_position_ids`` ``[3, B, N]`` (the shard's along the last dim),
+        :meth:`~plait.models.multimodal.MultimodalModel.llm_positions`.
         """
         shard = llm_kwargs.get("plait_cp")
         if self.owns_embed:
@@ -190,9 +192,11 @@ class _LlmChunk:
             return hidden  # type: ignore[return-value]
         llm = self.model.language_model
         norm = llm.get_submodule(self.layout.norm) if self.owns_norm else nn.Identity()
-        labels, positions, mask = batch.labels, batch.position_ids, batch.attention_mask
+        labels, mask = batch.labels, batch.attention_mask
+        positions = self.model.llm_positions(batch.position_ids, batch.rope_position_ids)  # M-RoPE [3, B, N]
         if shard is not None:  # plait attention masks from plait_mask; the 2-D mask would not fit n_local tokens
-            labels, positions, mask = shard_tokens(labels, shard), shard_tokens(positions, shard), None
+            labels, mask = shard_tokens(labels, shard), None
+            positions = shard_tokens(positions, shard, dim=positions.ndim - 1)
         kwargs = dict(inputs_embeds=hidden, attention_mask=mask, position_ids=positions, use_cache=False,
                       **llm_kwargs)
         with _swapped(llm, {self.layout.layers: self.layers, self.layout.norm: norm}):

@@ -21,13 +21,14 @@ Pipeline stages: the per-call inputs (rotary cos/sin, ``cu_seqlens``, window ind
 from ``grid_thw`` (:class:`Qwen25VLCall`, the :mod:`plait.models.tower_call` hook); hidden states travel between
 stages in window order ``[patches, hidden]`` and the merger's stage restores image order.
 
-Whole model: Qwen2.5-VL's LLM rotates with 3-D multimodal positions (M-RoPE: ``position_ids [3, B, N]`` from
-``Qwen2_5_VLModel.get_rope_index``, image tokens at their (t, h, w) grid coordinates). plait composes a
-``*ForCausalLM`` (transformers has no causal-LM class for ``qwen2_5_vl_text``; the text weights load into
-``Qwen2ForCausalLM``) and passes it ``position_ids [B, N]`` from the collator, so its logits equal
-``Qwen2_5_VLForConditionalGeneration``'s when that model gets the same 1-D positions (three equal M-RoPE streams
-are 1-D RoPE), not with its own multimodal positions: that needs an LLM class taking ``[3, B, N]`` positions and
-the collator computing them per image grid, neither of which plait's composition has.
+Whole model: Qwen2.5-VL's LLM rotates with 3-D multimodal positions (M-RoPE: ``position_ids [3, B, N]``, image
+tokens at their (t, h, w) grid coordinates). transformers has the text model (``Qwen2_5_VLTextModel``, config
+``qwen2_5_vl_text``) but no causal-LM class for it; :class:`Qwen25VLTextForCausalLM` is ``Qwen2ForCausalLM`` (its
+``lm_head`` and forward) holding ``Qwen2_5_VLTextModel`` as its decoder stack, registered with
+``AutoModelForCausalLM`` so that plait builds, saves and loads it like any causal LM. The collator computes each
+document's M-RoPE positions (:mod:`plait.data.mrope`, transformers' ``get_rope_index``) into
+``Batch.rope_position_ids`` and the composite passes them as the text model's public ``position_ids`` argument
+(:func:`takes_mrope`), so its logits equal ``Qwen2_5_VLForConditionalGeneration``'s with HF's own positions.
 """
 
 from __future__ import annotations
@@ -38,13 +39,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionRotaryEmbedding
+import transformers
+from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel, Qwen2_5_VLVisionRotaryEmbedding
 from transformers.utils.generic import get_max_seqlen
 from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids, get_vision_window_index
 
 __all__ = ["MODEL_TYPES", "ENCODER_CLASS", "TOWER_KEYS", "MAX_PIXELS", "Qwen25VLFeatureCount", "Qwen25VLCall",
            "TemporalPatches", "qwen2_5_vl_inputs", "qwen2_5_vl_dummy_input", "patch_values",
-           "check_qwen2_5_vl_processor", "feature_count", "max_patches"]
+           "check_qwen2_5_vl_processor", "feature_count", "max_patches", "Qwen25VLTextForCausalLM", "MROPE_TEXT_TYPES",
+           "takes_mrope"]
 
 # config model_type -> where the vision config lives (None: the config itself; "vision_config": a full model's)
 MODEL_TYPES = {"qwen2_5_vl_vision": None, "qwen2_5_vl": "vision_config"}
@@ -255,3 +260,33 @@ def feature_count(config: Any) -> Qwen25VLFeatureCount:
     """The tower's feature-count function (shared by the processor and the encoder)."""
     return Qwen25VLFeatureCount(int(config.spatial_merge_size), max_patches(config))
 
+
+
+MROPE_TEXT_TYPES = ("qwen2_5_vl_text",)
+"""Text-model ``model_type`` values whose LLM rotates with M-RoPE positions ``[3, B, N]``."""
+
+
+def takes_mrope(config: Any) -> bool:
+    """Whether an LLM of ``config`` rotates with M-RoPE positions (``Batch.rope_position_ids``)."""
+    return getattr(config, "model_type", None) in MROPE_TEXT_TYPES
+
+
+class Qwen25VLTextForCausalLM(Qwen2ForCausalLM):
+    """Qwen2.5-VL's LLM as a causal LM: ``Qwen2ForCausalLM`` (``lm_head``, forward, generation) whose decoder stack
+    ``model`` is transformers' ``Qwen2_5_VLTextModel`` (M-RoPE: ``position_ids`` ``[3, B, N]``, or ``[B, N]`` for
+    text, which it spreads over the three streams). State-dict names are ``model.*`` and ``lm_head.weight``, the
+    ``language_model`` / ``lm_head`` tensors of ``Qwen2_5_VLForConditionalGeneration``.
+
+    Args:
+        config: a ``Qwen2_5_VLTextConfig``.
+    """
+
+    config_class = Qwen2_5_VLTextConfig
+
+    def __init__(self, config: Qwen2_5_VLTextConfig) -> None:
+        super().__init__(config)
+        self.model = Qwen2_5_VLTextModel(config)
+        self.post_init()
+
+
+transformers.AutoModelForCausalLM.register(Qwen2_5_VLTextConfig, Qwen25VLTextForCausalLM, exist_ok=True)

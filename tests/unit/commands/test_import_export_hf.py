@@ -219,9 +219,10 @@ def test_exported_model_stops_at_the_chat_turn_end_where_plait_stops(tmp_path):
 def test_import_refuses_what_plait_cannot_compose(tmp_path):
     with pytest.raises(ValueError, match="llava-next-folder: cannot import a llava_next checkpoint: .*anyres tiling"):
         hf_format_of(T.LlavaNextConfig(), "llava-next-folder")
-    with pytest.raises(ValueError, match="qwen25vl-folder: cannot import a qwen2_5_vl checkpoint: plait has "
-                                         "Qwen2.5-VL's vision tower .* but not its LLM's multimodal rotary positions"):
-        hf_format_of(T.Qwen2_5_VLConfig(), "qwen25vl-folder")
+    # Qwen2.5-VL imports now (tests/unit/models/test_hf_io_qwen2_5_vl.py); Qwen2-VL's LLM stays refused
+    with pytest.raises(ValueError, match="qwen2vl-folder: cannot import a qwen2_vl checkpoint: Qwen2-VL's LLM takes "
+                                         "multimodal rotary positions"):
+        hf_format_of(T.Qwen2VLConfig(), "qwen2vl-folder")
     with pytest.raises(ValueError, match="holds a llama; plait import reads LlavaForConditionalGeneration"):
         hf_format_of(T.LlamaConfig(), "llm-folder")
     with pytest.raises(FileNotFoundError, match="no such folder"):
@@ -245,18 +246,21 @@ def test_export_refuses_composites_the_class_cannot_hold(tmp_path):
     model.encoders["second"] = branch
     with pytest.raises(ValueError, match="has one encoder; this model has 2 \\(vision, second\\)"):
         check_exportable(model, HF_FORMATS["llava"])
-    with pytest.raises(ValueError, match=r"--format qwen2_5_vl: cannot export: .*position_ids \[3, B, N\]"):
-        export_checkpoint(model_dir, "qwen2_5_vl")
+    with pytest.raises(ValueError, match="Qwen2_5_VLForConditionalGeneration's tower is qwen2_5_vl_vision; branch "
+                                         "'vision' is a clip_vision_model"):
+        export_checkpoint(model_dir, "qwen2_5_vl")  # exported since Qwen2.5-VL's M-RoPE LLM; a CLIP branch is not
     with pytest.raises(ValueError, match="--format 'gemma3': plait export writes llava, qwen2_audio"):
         export_checkpoint(model_dir, "gemma3")
     with pytest.raises(FileNotFoundError, match="neither it nor .* holds plait_config.json"):
         export_checkpoint(tmp_path, "llava")
 
 
-def test_cli_import_and_export(tmp_path, capsys):
+def test_cli_import_and_export(tmp_path, capsys, monkeypatch):
     from plait.cli import main
 
     src = save_qwen2_audio(tmp_path / "src")
+    monkeypatch.chdir(tmp_path)  # the relative --train file exists (import refuses a missing one)
+    (tmp_path / "data.jsonl").write_text("")
     assert main(["import", "--from", str(src), "--out", str(tmp_path / "imp"), "--train", "data.jsonl"]) == 0
     assert f'train = "{Path("data.jsonl").resolve()}"' in (tmp_path / "imp" / "job.toml").read_text()
     assert main(["export", "--run", str(tmp_path / "imp" / "model"), "--format", "llava"]) == 2

@@ -11,7 +11,8 @@ import transformers as T
 
 from tests.conftest import DEMO
 
-__all__ = ["LLAVA_TEMPLATE", "VOCAB", "tokenizer", "save_llava", "save_qwen2_audio", "save_llm", "save_clip",
+__all__ = ["LLAVA_TEMPLATE", "VOCAB", "tokenizer", "save_llava", "save_qwen2_audio", "save_qwen2_5_vl",
+           "QWEN_VL_TOKENS", "QWEN_VL_PIXELS", "save_llm", "save_clip",
            "save_siglip", "save_whisper"]
 
 VOCAB = 512
@@ -85,6 +86,38 @@ def save_qwen2_audio(folder: Path, seed: int = 0, dtype: torch.dtype = torch.flo
     tok = tokenizer()
     T.Qwen2AudioProcessor(feature_extractor=_feature_extractor(), tokenizer=tok, chat_template=tok.chat_template,
                           audio_token="<audio>").save_pretrained(folder)
+    return folder
+
+
+QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+"""Qwen2.5-VL's vision tokens, added to the demo tokenizer as special tokens."""
+_QWEN_VL_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, window_size=56,
+                       out_hidden_size=48, fullatt_block_indexes=[1], temporal_patch_size=2, spatial_merge_size=2)
+QWEN_VL_PIXELS = dict(min_pixels=28 * 28, max_pixels=28 * 28 * 30)
+"""The tiny Qwen2.5-VL image processor's pixel range (a few merged blocks per image)."""
+
+
+def save_qwen2_5_vl(folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32, tied: bool = False) -> Path:
+    """A tiny ``Qwen2_5_VLForConditionalGeneration`` (window attention, 2x2 merger to the LLM width, M-RoPE sections
+    [2, 2, 2] of the 12-wide heads) in ``dtype`` with its ``Qwen2_5_VLProcessor`` files (PIL image processor, no video
+    processor: it needs torchvision): the demo tokenizer with :data:`QWEN_VL_TOKENS` and its ChatML template."""
+    torch.manual_seed(seed)
+    tok = tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": list(QWEN_VL_TOKENS)})
+    start, end, image, video = tok.convert_tokens_to_ids(list(QWEN_VL_TOKENS))
+    text = dict(_TEXT | {"tie_word_embeddings": tied},
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2]})
+    cfg = T.Qwen2_5_VLConfig(vision_config=_QWEN_VL_VISION, text_config=text, image_token_id=image,
+                             video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+                             tie_word_embeddings=tied)
+    model = T.Qwen2_5_VLForConditionalGeneration(cfg)
+    _randomise(model)
+    model.to(dtype).save_pretrained(folder)
+    # Qwen2_5_VLProcessor's own save needs torchvision (its video processor): the files it would write
+    T.Qwen2VLImageProcessorPil(**QWEN_VL_PIXELS).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text(tok.chat_template)
+    (folder / "processor_config.json").write_text('{"processor_class": "Qwen2_5_VLProcessor"}')
     return folder
 
 

@@ -194,8 +194,9 @@ def test_cost_model_params_and_flops_equal_the_real_tower():
 def test_whole_model_logits_equal_hf_where_positions_allow():
     """plait's composite (the tower, an identity projector, Qwen2ForCausalLM with the text weights) equals
     ``Qwen2_5_VLForConditionalGeneration`` given 1-D positions (its M-RoPE with three equal streams is 1-D RoPE).
-    With Hugging Face's own multimodal positions (``get_rope_index``: image tokens at (t, h, w) grid positions) the
-    logits differ: plait's LLM is a ``*ForCausalLM`` taking ``[B, N]`` position ids (see the family's docstring)."""
+    With Hugging Face's own multimodal positions (``get_rope_index``: image tokens at (t, h, w) grid positions) an
+    imported composite (Qwen2.5-VL's text model, the collator's M-RoPE positions) equals it:
+    tests/unit/models/test_hf_io_qwen2_5_vl.py."""
     vision = {k: v for k, v in TINY_QWEN2_5_VL.items() if k != "model_type"}
     text = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, vocab_size=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,

@@ -1,0 +1,201 @@
+"""Qwen2.5-VL in and out of plait: M-RoPE positions of the collator equal transformers' ``get_rope_index`` (padded and
+packed), the imported composite's logits equal ``Qwen2_5_VLForConditionalGeneration`` with its own multimodal
+positions on a prompt with two images of different sizes (fp32, 1e-5), import then export gives every tensor back
+bit-identically (fp32, bf16 tied), and a model trained from the import, exported and loaded with transformers,
+generates plait's tokens from the exported processor's prompt ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from PIL import Image
+from safetensors.torch import load_file
+
+from plait.commands.export_hf import export_checkpoint, final_folder
+from plait.commands.import_hf import import_checkpoint
+from plait.commands.train import train_command
+from plait.data.collate import collate
+from plait.data.mrope import mrope_positions
+from plait.models.families.qwen2_5_vl import Qwen25VLTextForCausalLM
+from plait.models.generation import Generator, Prompt, greedy_token_ids
+from plait.models.hf_io import hf_format_of
+from tests.conftest import write_jsonl
+from tests.unit.commands.tiny_hf_checkpoints import save_qwen2_5_vl
+
+PAD = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def _images(folder: Path, sizes=((60, 90), (100, 150))) -> list[str]:
+    rng = np.random.default_rng(0)
+    paths = []
+    for i, (h, w) in enumerate(sizes):
+        path = folder / f"img{i}.png"
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(path)
+        paths.append(str(path))
+    return paths
+
+
+def _prompt(images: list[str], question: str = "What is it?") -> Prompt:
+    text = f"{PAD}first {PAD}{question}"
+    return Prompt.from_text(text, images=images, placeholders={"image": "<|image_pad|>"})
+
+
+def _hf_inputs(batch, image_id: int) -> dict:
+    """transformers' inputs for plait's collated prompt: the same ids, patches and grids, and its token types
+    (images 1), from which the model computes its own M-RoPE positions."""
+    vision = batch.modality_inputs["vision"]
+    return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+            "pixel_values": torch.cat(vision["pixel_values"]),
+            "image_grid_thw": torch.stack([torch.as_tensor(g) for g in vision["image_grid_thw"]]),
+            "mm_token_type_ids": (batch.input_ids == image_id).int()}
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen_vl")
+    src = save_qwen2_5_vl(root / "src")
+    model_dir, job = import_checkpoint(src, root / "imported")
+    return src, model_dir, job, root
+
+
+def test_mrope_positions_equal_get_rope_index_padded_and_packed(imported):
+    src, model_dir, _, root = imported
+    hf = T.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(src)).eval()
+    gen = Generator.from_pretrained(model_dir, device="cpu", dtype="fp32")
+    images = _images(root)
+    one = Prompt(({"role": "user", "content": f"{PAD}Why?"},), images=tuple(images[1:]))
+    samples = gen.process([_prompt(images), one, Prompt.from_text("text only")])
+    batch = collate(samples, gen.processor.pad_id, padding_side="left")
+    image_id = hf.config.image_token_id
+    inputs = _hf_inputs(batch, image_id)
+    want, _ = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"],
+                                      attention_mask=inputs["attention_mask"])
+    assert batch.rope_position_ids.shape == (3, 3, batch.input_ids.shape[1])
+    assert torch.equal(batch.rope_position_ids, want)  # padding 0, as transformers leaves it
+    real = batch.attention_mask[2] == 1
+    assert torch.equal(batch.position_ids[2][real], torch.arange(int(real.sum())))
+    packed = collate(samples, gen.processor.pad_id, pack=True)
+    rows = [want[:, r, batch.attention_mask[r] == 1] for r in range(3)]
+    assert torch.equal(packed.rope_position_ids[:, 0], torch.cat(rows, dim=1))
+    assert collate(samples[2:], gen.processor.pad_id).rope_position_ids is None  # no grid in the batch
+
+
+def test_mrope_positions_refuse_items_it_cannot_position():
+    ids = torch.tensor([1, 9, 9, 9, 9, 9, 9, 9, 9, 2])
+    items = torch.tensor([-1, 0, 0, 0, 0, 1, 1, 1, 1, -1])
+    with pytest.raises(ValueError, match="follow each other without a text token"):
+        mrope_positions(ids, items, [(1, 4, 4), (1, 4, 4)])
+    with pytest.raises(ValueError, match="item 0: grid 1x4x6 with 4 placeholder tokens"):
+        mrope_positions(ids[:6], torch.tensor([-1, 0, 0, 0, 0, -1]), [(1, 4, 6)])
+    text = mrope_positions(ids, torch.full_like(ids, -1), [])
+    assert torch.equal(text, torch.arange(10).expand(3, -1))
+
+
+def test_imported_logits_equal_hf_with_its_own_multimodal_positions(imported):
+    src, model_dir, _, root = imported
+    hf = T.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(src), attn_implementation="eager").eval()
+    gen = Generator.from_pretrained(model_dir, device="cpu", dtype="fp32", attn_implementation="eager")
+    assert isinstance(gen.model.language_model, Qwen25VLTextForCausalLM)
+    batch = collate(gen.process([_prompt(_images(root))]), gen.processor.pad_id)
+    grids = batch.modality_inputs["vision"]["image_grid_thw"]
+    assert len({tuple(g.tolist()) for g in grids}) == 2  # two images of different sizes
+    with torch.no_grad():
+        stock = hf(**_hf_inputs(batch, hf.config.image_token_id)).logits
+        mine = gen.model(batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids,
+                         rope_position_ids=batch.rope_position_ids)
+        one_d = gen.model(batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids)
+    torch.testing.assert_close(mine, stock, rtol=1e-5, atol=1e-5)
+    assert (one_d - stock).abs().max() > 1e-3  # 1-D positions would not do
+
+
+def _same_tensors(a: Path, b: Path) -> None:
+    left, right = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert sorted(left) == sorted(right)
+    for key in left:
+        assert left[key].dtype == right[key].dtype and torch.equal(left[key], right[key]), key
+
+
+@pytest.mark.parametrize("dtype,tied", [(torch.float32, False), (torch.bfloat16, True)])
+def test_import_export_round_trip_is_bit_identical(tmp_path, dtype, tied):
+    src = save_qwen2_5_vl(tmp_path / "src", dtype=dtype, tied=tied)
+    model_dir, job = import_checkpoint(src, tmp_path / "imported")
+    settings = json.loads((model_dir / "plait_config.json").read_text())
+    image_id = json.loads((src / "config.json").read_text())["image_token_id"]
+    assert settings["placeholder_ids"] == {"vision": image_id}
+    assert settings["encoders"]["vision"]["projector"] == "linear"
+    assert "--format qwen2_5_vl" in job.read_text()
+    out = export_checkpoint(model_dir, "qwen2_5_vl", tmp_path / "exported")
+    _same_tensors(src, out)
+    mine, theirs = (json.loads((f / "config.json").read_text()) for f in (out, src))
+    fields = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "tie_word_embeddings")
+    assert {k: mine[k] for k in fields} == {k: theirs[k] for k in fields}
+    assert mine["dtype"] == str(dtype).removeprefix("torch.")
+    text = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "rope_parameters", "rms_norm_eps")
+    assert {k: mine["text_config"][k] for k in text} == {k: theirs["text_config"][k] for k in text}
+    vision = ("depth", "hidden_size", "out_hidden_size", "window_size", "fullatt_block_indexes", "spatial_merge_size")
+    assert {k: mine["vision_config"][k] for k in vision} == {k: theirs["vision_config"][k] for k in vision}
+    assert T.AutoImageProcessor.from_pretrained(str(out)).to_dict() == \
+        T.AutoImageProcessor.from_pretrained(str(src)).to_dict()
+    assert json.loads((out / "processor_config.json").read_text())["processor_class"] == "Qwen2_5_VLProcessor"
+    hf = T.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(out))
+    assert (hf.lm_head.weight is hf.model.language_model.embed_tokens.weight) == tied
+
+
+def test_trained_import_exports_and_generates_like_plait(imported, tmp_path):
+    src, _, job, root = imported
+    images = _images(root)
+    records = [{"id": f"r{i}", "images": images[i % 2:i % 2 + 1],
+                "messages": [{"role": "user", "content": f"{PAD}What is it?"},
+                             {"role": "assistant", "content": "a picture"}]} for i in range(4)]
+    train = write_jsonl(tmp_path / "train.jsonl", records)
+    run = tmp_path / "run"
+    overrides = [f"--data.train={train}", f"--metrics.run_dir={run}", "--train.steps=2", "--train.global_batch_size=4",
+                 "--train.microbatch_size=2", "--train.lr=1e-2", "--train.warmup_steps=0", "--train.threads=1",
+                 "--data.num_workers=0", "--metrics.progress=false", "--metrics.tensorboard=false",
+                 "--model.llm.attn_implementation=eager", "--model.encoders.vision.freeze=false"]
+    assert train_command(job, overrides) == 0
+    final = final_folder(run)
+    out = export_checkpoint(final.parent, "qwen2_5_vl", tmp_path / "exported")
+
+    gen = Generator.from_pretrained(final, device="cpu", dtype="fp32", attn_implementation="eager")
+    batch = collate(gen.process([_prompt(images)]), gen.processor.pad_id, padding_side="left")
+    plait_new = greedy_token_ids(gen.model, batch, gen.stop_ids, 8, gen.processor.pad_id)[0].tolist()
+
+    # the exported processor's parts (Qwen2_5_VLProcessor itself needs torchvision): its chat template renders the
+    # prompt, each <|image_pad|> becomes t*h*w/merge^2 pads of its image's grid, the tokenizer gives plait's ids
+    tok = T.AutoTokenizer.from_pretrained(str(out))
+    pil = [Image.open(p).convert("RGB") for p in images]
+    images_out = T.AutoImageProcessor.from_pretrained(str(out))(images=pil, return_tensors="pt")
+    text = tok.apply_chat_template([{"role": "user", "content": f"{PAD}first {PAD}What is it?"}], tokenize=False,
+                                   add_generation_prompt=True)
+    pieces = text.split("<|image_pad|>")
+    merge = images_out.get("merge_size", 2)
+    counts = [int(g.prod()) // 4 for g in images_out["image_grid_thw"]]
+    text = pieces[0] + "".join("<|image_pad|>" * n + rest for n, rest in zip(counts, pieces[1:]))
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    assert ids[0].tolist() == batch.input_ids[0].tolist() and merge == 2
+    hf = T.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(out), attn_implementation="eager").eval()
+    image_id = hf.config.image_token_id
+    with torch.no_grad():
+        hf_out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             pixel_values=images_out["pixel_values"], image_grid_thw=images_out["image_grid_thw"],
+                             mm_token_type_ids=(ids == image_id).int(),
+                             max_new_tokens=8, do_sample=False, eos_token_id=gen.stop_ids, pad_token_id=0)
+    hf_new = hf_out[0, ids.shape[1]:].tolist()
+    assert hf_new == plait_new and len(plait_new) >= 1
+    projector = load_file(str(final / "encoders" / "vision" / "projector.safetensors"))["linear_1.weight"]
+    assert not torch.equal(projector, torch.eye(projector.shape[0]))  # it trained: the export folded it
+    key = "visual.merger.mlp.2.weight"
+    exported, source = (load_file(str(f / "model.safetensors"))[key] for f in (out, src))
+    assert not torch.equal(exported, source)
+
+
+def test_qwen2_vl_stays_refused_with_its_reason():
+    cfg = T.Qwen2VLConfig()
+    with pytest.raises(ValueError, match="cannot import a qwen2_vl checkpoint: .*M-RoPE"):
+        hf_format_of(cfg, "ckpt")
