@@ -353,7 +353,8 @@ class Trainer:
             labels, positions = shard_tokens(labels, shard), shard_tokens(positions, shard)
         inputs = None if features is not None else batch.modality_inputs
         with self.autocast():
-            logits = self.model(batch.input_ids, inputs, attn, positions, features=features, **kwargs)
+            logits = self.model(batch.input_ids, inputs, attn, positions, features=features,
+                                rope_position_ids=batch.rope_position_ids, **kwargs)
         return token_loss_sum(logits, labels)
 
     def _cp_shard(self, info: MaskInfo) -> CPShard:
