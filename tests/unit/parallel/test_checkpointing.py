@@ -34,12 +34,7 @@ MODES = {
 BATCHES = ("iva", "t", "ia")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/unit/parallel/conftest.py
 
 
 def frozen_model(mode: str):

@@ -27,13 +27,7 @@ from tests.distributed.pipeline_worker import apply_mode, make_batch, reference_
 SPLIT = {"vision": 2, "audio": 2, "llm": 3}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster than two on a shared, oversubscribed machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/unit/parallel/conftest.py
 
 
 def on_one_rank(plan: PipelinePlan) -> PipelinePlan:
