@@ -7,20 +7,17 @@ from plait.data.processing import load_audio, load_image
 from plait.data.sources import MediaBytes, SampleError
 
 
-def test_corrupt_image_file_is_named_by_path(tmp_path):
-    path = tmp_path / "corrupt.png"
-    path.write_bytes(b"not an image")
+@pytest.mark.parametrize("load, name, content, message", [
+    (load_image, "corrupt.png", b"not an image", "cannot decode image {path}: cannot identify image file '{path}'"),
+    (load_audio, "some.png", b"not audio at all",
+     "cannot decode audio {path}: Error opening '{path}': Format not recognised."),
+], ids=["image", "audio"])
+def test_corrupt_media_file_is_named_by_path(tmp_path, load, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
     with pytest.raises(SampleError) as err:
-        load_image(str(path))
-    assert str(err.value) == f"cannot decode image {path}: cannot identify image file '{path}'"
-
-
-def test_non_audio_file_is_named_by_path(tmp_path):
-    path = tmp_path / "some.png"
-    path.write_bytes(b"not audio at all")
-    with pytest.raises(SampleError) as err:
-        load_audio(str(path))
-    assert str(err.value) == f"cannot decode audio {path}: Error opening '{path}': Format not recognised."
+        load(str(path))
+    assert str(err.value) == message.format(path=path)
 
 
 def test_embedded_bytes_keep_their_label():
