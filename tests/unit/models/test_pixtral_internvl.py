@@ -256,15 +256,20 @@ def test_bad_images_are_refused_naming_record_and_file(tmp_path, family, process
         mm(sample_at(JsonlSource(cfg.data.train), 0))
 
 
+def _image_pair(tmp_path, sizes) -> tuple[list[str], dict]:
+    """Two images of ``sizes`` saved as ``pair0.png``, ``pair1.png``, and a user turn asking about both."""
+    paths = []
+    for i, img in enumerate(_images(sizes)):
+        paths.append(str(tmp_path / f"pair{i}.png"))
+        img.save(paths[-1])
+    return paths, {"role": "user", "content": "<image> <image>\nSame digit?"}
+
+
 def test_tiny_pixtral_job_with_two_images_of_different_sizes_trains(tmp_path):
     from plait.train.trainer import Trainer
     from tests.conftest import demo_records
 
-    paths = []
-    for i, img in enumerate(_images([(20, 36), (28, 12)])):
-        paths.append(str(tmp_path / f"pair{i}.png"))
-        img.save(paths[-1])
-    ask = {"role": "user", "content": "<image> <image>\nSame digit?"}
+    paths, ask = _image_pair(tmp_path, [(20, 36), (28, 12)])
     records = [{"id": "pair-0", "task": "pair", "images": paths,
                 "messages": [ask, {"role": "assistant", "content": "no"}]}] + demo_records("train", ("image_digit",), 1)
     cfg = tiny_config_dict(str(write_jsonl(tmp_path / "train.jsonl", records)), None, str(tmp_path / "run"),
@@ -284,11 +289,7 @@ def test_tiny_internvl_job_tiles_images_of_different_sizes_and_trains(tmp_path):
     from plait.data.collate import collate
     from plait.train.trainer import Trainer
 
-    paths = []
-    for i, img in enumerate(_images([(24, 80), (16, 16)])):
-        paths.append(str(tmp_path / f"pair{i}.png"))
-        img.save(paths[-1])
-    ask = {"role": "user", "content": "<image> <image>\nSame digit?"}
+    paths, ask = _image_pair(tmp_path, [(24, 80), (16, 16)])
     records = [{"id": f"pair-{k}", "task": "pair", "images": pair, "messages": [ask, {"role": "assistant",
                                                                                      "content": "no"}]}
                for k, pair in enumerate([paths, paths[::-1]])]
