@@ -10,8 +10,12 @@ What is plait's own here, the rest is PyTorch's:
   unit made of several modules (Whisper's ``conv1, conv2, embed_positions``) gives one group per module. Inside a
   unit, every maximal submodule whose parameters all train while others in the unit do not (LoRA's ``lora_A`` /
   ``lora_B``) is its own group first: a group keeps one ``requires_grad`` and one dtype.
-- **Tied parameters stay replicated**: a module holding a parameter that another unit uses too (tied LLM
-  embeddings and head) is not sharded (one FSDP2 group cannot span two roots); its gradient is summed like DDP's
+- **Tied parameters are sharded once**: the modules of several units that share a parameter (tied LLM embeddings
+  and head) form ONE group, ``fully_shard([embedding, head])`` (FSDP2's grouped modules: gathered at the first
+  module's forward, resharded after the last one's, the gradients of both uses summed before one reduce-scatter,
+  which the group's final backward callback runs after the embedding's backward). The group belongs to the first
+  module's unit (the embedding's). Under pipeline parallelism an embedding tied to a head on another pipeline rank
+  (``replicate``: ``RankStages.tied``) stays replicated, its gradient summed like DDP's
   (:attr:`ShardedModel.replicated`, ``plait.parallel.tensor_parallel.sum_local_gradients``).
 - **Frozen units stay replicated**, outside FSDP: they have no gradient or optimizer state to shard, their
   parameters are 1/8 of the bytes a trained parameter costs under AdamW (2 of 16 in bf16), and sharding them
@@ -19,6 +23,9 @@ What is plait's own here, the rest is PyTorch's:
   its share of the batch may not run. A fully frozen part is therefore never wrapped and never reduced.
 - **Sums, not means**: the trainer already scales each loss by 1 / the global batch's target tokens, so the
   groups reduce with divide factor 1 (the sum over the ``dp x dp_shard`` ranks, like ``sum_gradients``).
+- **CPU offload** (``parallel.offload = "cpu"``, FSDP2's ``CPUOffloadPolicy``): the shards, their gradients and
+  so AdamW's state and step live on the host; each group's shard is copied to the device before its all-gather and
+  its reduce-scattered gradient back. Without pipeline stages only (``config.loader`` refuses it with ``pp`` > 1).
 - **Mixed precision** on GPU: bf16 parameters for compute, fp32 gradient reduction and fp32 master weights
   (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``); fp32 throughout on CPU.
 
@@ -50,11 +57,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from plait.models.units import UnitSpec
 
-__all__ = ["ShardedModel", "apply_fsdp", "gathered", "mixed_precision"]
+__all__ = ["ShardedModel", "apply_fsdp", "gathered", "mixed_precision", "offload_policy"]
 
 
 @dataclass
@@ -64,16 +71,22 @@ class ShardedModel:
     Attributes:
         groups: per module, the ``FSDPModule`` groups holding its trainable units (adapter groups first).
         names: per group (same order as :meth:`all_groups`), the unit name it was built for (`` (adapter)`` added
-            for an adapter group).
-        replicated: trainable parameters left outside FSDP2 (tied across units): their gradients are summed over
-            the data-parallel and CP ranks by ``sum_local_gradients``.
+            for an adapter group, `` (tied)`` for the group of the modules sharing a tied parameter).
+        replicated: trainable parameters left outside FSDP2 (tied to a unit on another pipeline rank): their
+            gradients are summed over the data-parallel and CP ranks by ``sum_local_gradients``.
         units: per group (same order), the unit name alone.
+        holders: by ``id`` of a tied group, its FSDP2 root (``_holder``: a grouped state cannot be a root).
+        offload: the groups offload to the host (``parallel.offload = "cpu"``): gradients are then reduce-scattered
+            after every microbatch's backward (:meth:`set_gradient_sync` keeps it on), so the unsharded gradients
+            never accumulate on the device; the shards accumulate on the host.
     """
 
     groups: dict[str, list[FSDPModule]] = field(default_factory=dict)
     names: list[str] = field(default_factory=list)
     replicated: list[nn.Parameter] = field(default_factory=list)
     units: list[str] = field(default_factory=list)
+    holders: dict[int, FSDPModule] = field(default_factory=dict)
+    offload: bool = False
 
     def all_groups(self) -> list[FSDPModule]:
         """Every group, module by module."""
@@ -95,7 +108,7 @@ class ShardedModel:
         shard ranks, in :meth:`all_groups` order) and kept unsharded through the step; its gradients accumulate
         unsharded until :meth:`reduce_gradients`."""
         for g in self._roots():
-            _state(g)  # resolve the roots before any forward (a group may run none this step on this rank)
+            _state(self.holders.get(id(g), g))  # resolve the roots before any forward (a group may run none)
         for g in self.all_groups():
             g.set_reshard_after_forward(False, recurse=False)
             g.set_reshard_after_backward(False, recurse=False)
@@ -119,11 +132,12 @@ class ShardedModel:
                 param_group.post_backward()
         roots = {id(g) for g in self._roots()}
         for g in groups:
-            if id(g) in roots:
-                _state(g)._root_post_backward_final_callback()  # waits for the reductions, finalizes the grads
+            if id(g) in roots:  # waits for the reductions, finalizes the grads
+                _state(self.holders.get(id(g), g))._root_post_backward_final_callback()
 
     def _roots(self) -> list[FSDPModule]:
-        """The unit groups (an adapter group sits inside its unit's group, whose FSDP2 state is its root)."""
+        """The unit groups (an adapter group sits inside its unit's group, whose FSDP2 state is its root; a tied
+        group's root is its holder, :attr:`holders`)."""
         return [g for g, name in zip(self.all_groups(), self.names) if not name.endswith("(adapter)")]
 
     def sharded(self, module: str) -> bool:
@@ -132,9 +146,10 @@ class ShardedModel:
 
     def set_gradient_sync(self, sync: bool, module: str | None = None) -> None:
         """Reduce-scatter gradients at the end of each group's backward (``sync``) or accumulate them unsharded
-        (microbatches before the last), for ``module``'s groups (default: all)."""
+        (microbatches before the last), for ``module``'s groups (default: all). Under :attr:`offload` always
+        reduce-scatter (the shards accumulate on the host)."""
         for group in self.all_groups() if module is None else self.groups.get(module, []):
-            group.set_requires_gradient_sync(sync, recurse=False)
+            group.set_requires_gradient_sync(sync or self.offload, recurse=False)
 
 
 def mixed_precision(device_type: str) -> MixedPrecisionPolicy:
@@ -145,7 +160,7 @@ def mixed_precision(device_type: str) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_type: str,
-               replicate: Collection[nn.Parameter] = ()) -> ShardedModel:
+               replicate: Collection[nn.Parameter] = (), offload: bool = False) -> ShardedModel:
     """Shard, in place, the trainable units of ``model`` over ``mesh`` (module docstring for the rules).
 
     Args:
@@ -156,28 +171,47 @@ def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_ty
         mesh: a 1-D ``("dp_shard",)`` DeviceMesh (FSDP) or 2-D ``("dp", "dp_shard")`` (HSDP: replicate over
             ``dp``, shard over ``dp_shard``).
         device_type: ``"cuda"`` (bf16 mixed precision) or ``"cpu"``.
-        replicate: parameters to keep replicated besides those tied between two units of ``model`` (a pipeline
-            rank's embedding tied to the head on another rank: ``RankStages.tied``).
+        replicate: parameters to keep replicated, outside FSDP2 (a pipeline rank's embedding tied to the head on
+            another rank: ``RankStages.tied``); parameters tied between units of ``model`` are one group instead.
+        offload: CPU offload (``parallel.offload = "cpu"``, :func:`offload_policy`): every group's shards, their
+            gradients (and so the optimizer state and step) on the host.
 
     Returns:
         The groups made, by module.
+
+    Raises:
+        ValueError: when modules sharing a tied parameter hold frozen parameters next to trained ones, or a module
+            holds both of its own (FSDP2 needs one ``requires_grad`` per group).
     """
-    out = ShardedModel()
-    policy = mixed_precision(device_type)
+    out = ShardedModel(offload=offload)
+    policy = (mixed_precision(device_type), offload_policy(device_type, offload))
     units = [(s.unit.module, s.unit.name, [m for m in map(lambda p: _held(model, p), s.modules) if m is not None])
              for s in specs]
-    tied = _tied(units) | {id(p) for p in replicate}
-    seen: set[int] = set()
+    kept = {id(p) for p in replicate}
+    tied = _tied(units) - kept
+    done: set[int] = set()  # modules already placed in a (tied) group
+    seen: set[int] = set()  # parameters already in out.replicated
     for module, unit, modules in units:
         for m in modules:
             params = list(m.parameters())
-            if not any(p.requires_grad for p in params):
+            if id(m) in done or not any(p.requires_grad for p in params):
                 continue  # frozen: replicated, no gradient, no collective
-            if any(id(p) in tied for p in params):
+            if any(id(p) in kept for p in params):
                 out.replicated += [p for p in params if p.requires_grad and id(p) not in seen]
                 seen.update(id(p) for p in params)
                 continue
             groups = out.groups.setdefault(module, [])
+            if any(id(p) in tied for p in params):
+                sharing = _sharing(m, tied, units)
+                if not all(p.requires_grad for s in sharing for p in s.parameters()):
+                    raise ValueError(f"{unit}: modules tied to it hold frozen parameters next to trained ones: "
+                                     "FSDP2 needs one requires_grad per group; freeze or train them together")
+                done.update(id(s) for s in sharing)
+                groups.append(_shard(sharing, mesh, policy))
+                out.holders[id(groups[-1])] = _holder(sharing, mesh, policy)
+                out.names.append(f"{unit} (tied)")
+                out.units.append(unit)
+                continue
             if not all(p.requires_grad for p in params):
                 for island in _trainable_islands(m):
                     groups.append(_shard(island, mesh, policy))
@@ -189,8 +223,55 @@ def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_ty
     return out
 
 
-def _shard(modules: nn.Module | list[nn.Module], mesh: Any, policy: MixedPrecisionPolicy) -> FSDPModule:
-    group = fully_shard(modules, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+class _Holder(nn.Module):
+    """A module over a tied group's modules, outside the model, never run: their FSDP2 root (:func:`_holder`)."""
+
+    def __init__(self, members: list[nn.Module]) -> None:
+        super().__init__()
+        self.members = nn.ModuleList(members)
+
+    def forward(self, *_: Any) -> None:
+        raise RuntimeError("the FSDP2 root of a tied group is never run: its members are called on their own")
+
+
+def _holder(sharing: list[nn.Module], mesh: Any, policy: tuple[MixedPrecisionPolicy, OffloadPolicy]) -> FSDPModule:
+    """The FSDP2 root of a tied group: FSDP2 needs one root module per state tree and a grouped state cannot be one,
+    so a parameterless :class:`_Holder` of the group's modules (outside the model) is sharded over them and
+    initialised before the first of them runs (a pre-forward hook ahead of FSDP2's): the tied group then runs as its
+    non-root child, each module called on its own."""
+    holder = fully_shard(_Holder(sharing), mesh=mesh, reshard_after_forward=True, mp_policy=policy[0],
+                         offload_policy=policy[1])
+    for m in sharing:
+        m.register_forward_pre_hook(lambda *_: _state(holder) and None, prepend=True)
+    return holder
+
+
+def _sharing(first: nn.Module, tied: set[int], units: Sequence[tuple[str, str, list[nn.Module]]]) -> list[nn.Module]:
+    """``first`` and every module of ``units`` sharing a tied parameter with it, transitively, in unit order: one
+    FSDP2 group (``fully_shard([embedding, head])``), so the tied parameter is sharded once. Its group is the first
+    module's unit's (the embedding's, whose backward comes last: the reduction waits for both uses)."""
+    group, params = [first], {id(p) for p in first.parameters()} & tied
+    grown = True
+    while grown:
+        grown = False
+        for _, _, modules in units:
+            for m in modules:
+                if all(m is not g for g in group) and params & {id(p) for p in m.parameters()}:
+                    group.append(m)
+                    params |= {id(p) for p in m.parameters()} & tied
+                    grown = True
+    return group
+
+
+def offload_policy(device_type: str, offload: bool) -> OffloadPolicy:
+    """FSDP2's offload policy: ``CPUOffloadPolicy`` (sharded parameters and gradients in host memory, pinned on
+    CUDA for asynchronous copies; the optimizer step then runs on the host) when ``offload``, else none."""
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda") if offload else OffloadPolicy()
+
+
+def _shard(modules: nn.Module | list[nn.Module], mesh: Any,
+           policy: tuple[MixedPrecisionPolicy, OffloadPolicy]) -> FSDPModule:
+    group = fully_shard(modules, mesh=mesh, reshard_after_forward=True, mp_policy=policy[0], offload_policy=policy[1])
     group = group[0] if isinstance(group, list) else group  # several modules share one state: any handles it
     group.set_gradient_divide_factor(1.0)
     group.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM; the factor is 1)

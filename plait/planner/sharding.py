@@ -29,8 +29,11 @@ the degrees. The formulas, per pipeline unit ``u`` with ``P_u`` parameter bytes,
   prefetch, so only the excess ``max(0, gather - compute)`` is charged. Gradients are reduce-scattered once per
   step at the flush (``search_model.grad_sync_s``). While a unit runs, FSDP2 holds its unsharded parameters,
   those of the next unit (prefetch) and, in the backward, its unsharded gradient before the reduce-scatter:
-  ``shard_buffer_bytes``, kept free below the memory cap. Tied parameters (an LLM's embedding and head) are
-  counted per unit, as the cost model counts them.
+  ``shard_buffer_bytes``, kept free below the memory cap. Tied parameters (an LLM's embedding and head): the
+  cost model holds the tied matrix in the embedding unit only (``cost_model.UnitEstimate.tied_params``) and FSDP2
+  shards it once (``parallel.fsdp`` puts the embedding and head in one group), so dividing the embedding unit's
+  bytes is exactly what a rank keeps. Not charged: that group stays unsharded from the embedding's forward to the
+  head's, and again through the backward (units carry no tie flag to charge it by).
 - **FSDP2 under pipeline stages** (``pp`` > 1; ``parallel.fsdp``, "Under pipeline parallelism", the pattern of
   ``torch.distributed.pipelining`` and torchtitan): a rank all-gathers its stage's trainable units once at the
   start of the step and keeps them whole through it, the microbatches' gradients accumulate whole, and each stage's

@@ -72,14 +72,26 @@ def assert_same_params(ref: dict, other: dict) -> None:
     assert compared > 0.8 * len(ref["grads"])
 
 
+def tied(cfg: dict) -> dict:
+    """``cfg`` with the LLM's embedding tied to its head (the demo's ``tie_word_embeddings``)."""
+    cfg["model"]["llm"]["config"]["tie_word_embeddings"] = True
+    return cfg
+
+
 def test_fsdp2_frozen_encoders_trainable_projectors(tmp_path):
-    single = run(job(tmp_path, True), tmp_path, "single", 1)
-    fsdp = run(job(tmp_path, True, train={"activation_checkpointing": "selective"}, dp_shard=2), tmp_path, "fsdp", 2)
+    """Tied LLM embedding and head (one FSDP2 group, sharded once), and the same run with CPU offload."""
+    single = run(tied(job(tmp_path, True)), tmp_path, "single", 1)
+    fsdp = run(tied(job(tmp_path, True, train={"activation_checkpointing": "selective"}, dp_shard=2)), tmp_path,
+               "fsdp", 2)
     assert fsdp["sharded"] and not single["sharded"] and fsdp["dp"] == 2
     assert len(fsdp["deferred"]) >= 1  # the plan defers: the buffered encoder-output path runs sharded
     assert not any(n.startswith("encoders.vision.encoder") for n in single["grads"])  # frozen: replicated
     assert any("projector" in g for g in fsdp["groups"]) and not any(".encoder." in g for g in fsdp["groups"])
     assert_equal_runs(single, fsdp)
+    assert sum(g.endswith("(tied)") for g in fsdp["groups"]) == 1 and fsdp["replicated"] == 0  # sharded once
+    offload = run(tied(job(tmp_path, True, dp_shard=2, offload="cpu")), tmp_path, "offload", 2)
+    assert offload["offloaded"] and offload["sharded"]  # FSDP2's shards and their gradients on the host
+    assert_equal_runs(single, offload)
 
 
 def test_fsdp2_all_trainable_with_checkpointing_and_resume_across_dp_shard(tmp_path):
