@@ -194,6 +194,7 @@ def validate(cfg: JobConfig) -> None:
     _check(cfg.parallel.cp >= 1 and cfg.parallel.dp >= 0, "parallel.cp must be >= 1 and parallel.dp >= 0")
     _check(cfg.parallel.dp_shard >= 1, f"parallel.dp_shard must be >= 1 (1: no sharding), got {cfg.parallel.dp_shard}")
     _check(cfg.parallel.tp >= 1, f"parallel.tp must be >= 1 (1: no tensor parallelism), got {cfg.parallel.tp}")
+    _validate_offload(cfg.parallel)
     _check(cfg.parallel.cp_distribution in ("uniform", "zigzag", "lpt", "ilp"),
            f"parallel.cp_distribution must be uniform, zigzag, lpt or ilp, got {cfg.parallel.cp_distribution!r}")
     _check(cfg.parallel.plan in ("manual", "auto"),
@@ -267,6 +268,17 @@ def _validate_sources(d: DataConfig) -> None:
         _check(name not in names, f"{at}.name {name!r} is already the name of data.sources[{names.get(name)}]; "
                "give each source a unique 'name'")
         names[name] = i
+
+
+def _validate_offload(p: Any) -> None:
+    """``parallel.offload``: ``"none"`` or ``"cpu"``, the latter only with FSDP2 wrapping and no pipeline stages."""
+    _check(p.offload in ("none", "cpu"), f"parallel.offload must be 'none' or 'cpu', got {p.offload!r}")
+    if p.offload == "cpu":
+        _check(p.dp_shard > 1, "parallel.offload = 'cpu' offloads FSDP2's shards to the host: it needs "
+               f"parallel.dp_shard > 1 (FSDP2 wrapping), got dp_shard = {p.dp_shard}")
+        _check(p.pp.degree == 1, "parallel.offload = 'cpu' needs parallel.pp.degree = 1: under pipeline stages a "
+               "stage's parameters and gradients stay whole on the device through the step, so offload would move "
+               f"only the optimizer state (not supported), got pp.degree = {p.pp.degree}")
 
 
 def _validate_pipeline(cfg: JobConfig) -> None:

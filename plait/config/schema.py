@@ -275,6 +275,13 @@ class ParallelConfig:
     """FSDP2 shard degree: each parameter, gradient and AdamW state is split over ``dp_shard`` ranks that each
     train on their own samples (``torch.distributed.fsdp.fully_shard`` per pipeline unit). HSDP (shard within a
     group, replicate across groups) when ``dp`` > 1 too."""
+    offload: str = "none"
+    """FSDP2 CPU offload: ``"none"`` or ``"cpu"`` (``fully_shard(offload_policy=CPUOffloadPolicy())``: the sharded
+    parameters, their gradients and the AdamW state live in host memory, pinned on CUDA; each group's shard is
+    copied to the device before its all-gather, its reduce-scattered gradient back to the host, and the optimizer
+    step runs on the host). Needs ``dp_shard`` > 1 (FSDP2 wrapping) and ``pp.degree`` = 1 (under pipeline stages the
+    stage's parameters stay whole on the device through the step, so offloading would save only the optimizer
+    state: not supported)."""
     tp: int = 1
     """Tensor-parallel degree: the attention heads and MLPs of every layer are split over ``tp`` ranks."""
     cp: int = 1
