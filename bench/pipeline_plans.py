@@ -32,7 +32,10 @@ trains). For 8, 16 and 32 GPUs the tables give the simulated iteration time (tru
 - C: plait's plan (``search_parallel.plan_parallel``: ``plan_layout``, and when no plan fits the memory cap, tensor
   parallelism (2/4/8, all-reduces on the NVLink link), FSDP2 sharding (shard degree dividing the DP degree,
   collectives on the DP link) and activation checkpointing (selective / full) searched too; column
-  ``TP/FSDP/AC``: ``t<tp> s<dp_shard> sel|full``, ``-`` for none).
+  ``TP/FSDP/AC``: ``t<tp> s<dp_shard> sel|full``, ``-`` for none), and when nothing fits without it FSDP2 CPU
+  offload (``parallel.offload = "cpu"``, ``planner.offload``: shards, gradients and AdamW on the host, 256 GiB of
+  host memory per GPU, 25 GB/s host-device copies, the host's AdamW at 2.5e8 parameters/s per GPU:
+  ``offload.HostSpec``'s documented defaults), shown as ``off`` at the end of the layout column.
 
 B and C search the same schedules: 1F1B, and interleaved 1F1B with ``v`` in ``--virtual-stages`` (default
 1, 2, 4) LLM chunks per LLM rank (``schedules_interleaved.interleaved_1f1b``; Narayanan et al., SC'21,
@@ -46,8 +49,9 @@ rank, ``mix``: other stages sharing ranks), DP degree, stages per module (``PxV`
 the DP degree (divisors of the GPU count up to the microbatch count) for every method; Table 2 fixes
 DP = 1 (one pipeline over all GPUs, where only the partition and layout differ). A baseline marked ``!``
 exceeds the memory cap at every DP degree (its best-predicted plan is shown) and is left out of the
-means, as are rows where no plan of C fits; such a row says when no plan can fit at all (the model's parameters,
-gradients and AdamW state exceed the memory of all the GPUs together: it needs more GPUs or optimizer offload).
+means, as are rows where no plan of C fits; such a row says when no plan can fit without CPU offload (the model's
+parameters, gradients and AdamW state exceed the memory of all the GPUs together; offload needs FSDP2 over DP
+ranks, so Table 2's single pipeline cannot use it).
 The lower bound stays one with TP, sharding and recomputation (they only add device-seconds); every ratio is
 checked to be at least 1. Finally the wall time of full layout searches for 1,024 GPUs
 (every layout and DP degree).
@@ -209,7 +213,7 @@ def _encoder_share(name: str, setting: str) -> float:
 def _layout_tag(choice: LayoutChoice) -> str:
     """Layout (``par``/``col``; ``att``: one stage per encoder on the first LLM rank; ``mix``: other shared
     ranks), DP degree, stages per module and schedule: ``1f1b``, or ``i<v>`` for interleaved 1F1B with ``v``
-    LLM chunks per rank (the LLM count is then LLM ranks x v)."""
+    LLM chunks per rank (the LLM count is then LLM ranks x v); `` off`` with FSDP2 CPU offload."""
     plan = choice.plan
     v = plan.virtual_stages if choice.schedule == "interleaved_1f1b" else 1
     llm_ranks = {plan.stages[s].rank for s in plan.llm_stages}
@@ -225,7 +229,7 @@ def _layout_tag(choice: LayoutChoice) -> str:
     if v > 1:
         counts[-1] = f"{s // v}x{v}" if (s := choice.stages_per_module[-1][1]) else counts[-1]
     sched = f"i{v}" if v > 1 else "1f1b"
-    return f"{tag} dp{choice.dp} {'+'.join(counts)} {sched}"
+    return f"{tag} dp{choice.dp} {'+'.join(counts)} {sched}" + (" off" if choice.offload == "cpu" else "")
 
 
 def _generous_megatron(units, costs, gpus: int, microbatches: int, dps: list[int]) -> LayoutChoice | None:
@@ -281,12 +285,13 @@ def _degrees_tag(choice: LayoutChoice) -> str:
 
 
 def _state_floor(units, costs, gpus: int) -> str:
-    """Why no plan can fit: the model's parameters, gradients and AdamW state over all GPUs exceed the cap ('' when
-    they do not: the state alone could fit when fully sharded)."""
+    """Why no plan can fit without CPU offload: the model's parameters, gradients and AdamW state over all GPUs
+    exceed the cap ('' when they do not: the state alone could fit when fully sharded)."""
     state = sum(unit_static_bytes(u, c) for u, c in zip(consistent_units(units), costs))
     if state <= gpus * MEMORY_CAP:
         return ""
-    return f"  (state {state / 2**30:.0f} GiB > {gpus} x cap {MEMORY_CAP / 2**30:.0f} GiB: no plan can fit)"
+    return (f"  (state {state / 2**30:.0f} GiB > {gpus} x cap {MEMORY_CAP / 2**30:.0f} GiB: no plan fits without "
+            "CPU offload)")
 
 
 def _speedup(base: LayoutChoice | None, ours: LayoutChoice | None) -> float:
@@ -299,7 +304,7 @@ def _speedup(base: LayoutChoice | None, ours: LayoutChoice | None) -> float:
 def run_table(names: list[str], gpu_counts: list[int], microbatches: int, dp_fixed: int | None) -> dict:
     """Print one side-by-side table; returns the speedups C/A, C/A*, C/B per setting."""
     speedups: dict[str, list[float]] = {}
-    fits: dict[str, list[bool]] = {"C": [], "impossible": []}
+    fits: dict[str, list[bool]] = {"C": [], "impossible": [], "offload": []}
     header = (f"{'model':<7} {'setting':<9} {'GPUs':>4} | {'A megatron even':<34} | {'A* (dp by true)':<34} | "
               f"{'B frozen-unaware':<34} {'TP/FSDP/AC':<9} | {'C plait':<34} {'TP/FSDP/AC':<9} |  C/A  C/A*  C/B")
     print(header)
@@ -314,6 +319,7 @@ def run_table(names: list[str], gpu_counts: list[int], microbatches: int, dp_fix
                     speedups.setdefault((setting, key), []).append(value)
                 fits["C"].append(res["C"] is not None and res["C"].fits_memory)
                 fits["impossible"].append(bool(_state_floor(units, costs, gpus)))
+                fits["offload"].append(fits["C"][-1] and res["C"].offload == "cpu")
                 print(f"{name:<7} {setting:<9} {gpus:>4} | {_cell(res['A'])} | {_cell(res['A*'])} | "
                       f"{_cell(res['B'], True)} | {_cell(res['C'], True)} | " + " ".join(f"{r:4.2f}" for r in ratios)
                       + ("" if fits["C"][-1] else _state_floor(units, costs, gpus)))
@@ -326,8 +332,9 @@ def run_table(names: list[str], gpu_counts: list[int], microbatches: int, dp_fix
             parts.append(f"C/{key} {_mean(finite):.2f}x ({len(finite)} of {len(values)} rows)")
         print(f"mean speedup, {setting}: " + "; ".join(parts))
     possible = [f for f, imp in zip(fits["C"], fits["impossible"]) if not imp]
-    print(f"C fits the memory cap in {sum(fits['C'])} of {len(fits['C'])} rows; {len(fits['C']) - len(possible)} rows "
-          f"cannot fit any plan (state over all GPUs' memory); C fits {sum(possible)} of the other {len(possible)}")
+    print(f"C fits the memory cap in {sum(fits['C'])} of {len(fits['C'])} rows ({sum(fits['offload'])} with CPU "
+          f"offload); {len(fits['C']) - len(possible)} rows hold more state than all their GPUs (they fit only with "
+          f"offload); C fits {sum(possible)} of the other {len(possible)}")
     return speedups
 
 

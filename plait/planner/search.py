@@ -150,6 +150,11 @@ class LayoutChoice(JsonDataclass):
         checkpointing: the activation checkpointing policy the costs include (``train.activation_checkpointing``).
         shard_buffer_bytes: FSDP2's transient unsharded bytes per rank (``sharding.shard_buffer_bytes``), included
             in ``fits_memory`` (not in the per-stage memory).
+        offload: ``"cpu"`` when FSDP2 offloads its shards, gradients and optimizer state to the host
+            (``parallel.offload``; ``offload.offload_cost``: a plan without pipeline stages), else ``"none"``.
+        host_memory_bytes: host memory per device the plan needs (offload), included in ``fits_memory``.
+        offload_s: seconds offload adds to the iteration (copies, per-microbatch reduce-scatters, the host's
+            AdamW), included in ``iteration_s``.
 
     Raises:
         ValueError: when the per-stage tuples do not have one entry per stage, or an unknown method.
@@ -185,6 +190,9 @@ class LayoutChoice(JsonDataclass):
     tp: int = 1
     checkpointing: str = "none"
     shard_buffer_bytes: float = 0.0
+    offload: str = "none"
+    host_memory_bytes: float = 0.0
+    offload_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, PipelinePlan):

@@ -16,6 +16,13 @@ With a shard degree above 1 both runtimes of FSDP2 are searched (``plan_parallel
 ranks shard them (``pp > 1``: gathered once per step, ``sharding.pipelined_shard_costs``, whole parameters and
 gradients within the step, a shard of the optimizer state); the faster fitting plan is kept.
 
+**CPU offload** (``parallel.offload = "cpu"``, ``offload.offload_cost``) is searched only when no degrees give a
+fitting plan (it costs host-device copies and a host optimizer step): over the same degrees with a shard degree
+above 1, the plan without pipeline stages (every device a DP rank, the only one the runtime offloads), whose device
+memory (frozen units, FSDP2's working set, one microbatch's activations) fits the cap and whose host memory fits
+``HostSpec.memory_bytes``; the fastest (``plan_layout``'s time with no device optimizer step, plus
+``OffloadCost.step_s``) is chosen, its ``LayoutChoice.offload`` set to ``"cpu"``.
+
 The result's ``lower_bound_s`` is ``microbatches x (work of the given costs) / devices``: still a lower bound
 with TP (a layer's work split over ``tp`` devices plus its all-reduces is at least its work on one), sharding
 (all-gathers only add) and checkpointing (recomputation only adds), so ratios to it stay comparable.
@@ -30,6 +37,7 @@ from typing import Any
 
 from plait.planner.cost_model import OptimizerSpec
 from plait.planner.graph import consistent_units
+from plait.planner.offload import HostSpec, offload_cost
 from plait.planner.recompute import CHECKPOINT_POLICIES
 from plait.planner.search import LayoutChoice, plan_layout
 from plait.planner.search_model import Costs, cost_list
@@ -39,7 +47,7 @@ from plait.planner.sharding import (ParallelDegrees, pipelined_optimizer, pipeli
 from plait.planner.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
 
-__all__ = ["SearchOne", "degree_options", "plan_parallel", "search_degrees"]
+__all__ = ["SearchOne", "degree_options", "plan_offloaded", "plan_parallel", "search_degrees"]
 
 SearchOne = Callable[[Sequence[UnitCost], int, float | None, ParallelDegrees], LayoutChoice]
 """One search under fixed degrees: ``(per-rank costs, devices / tp, memory cap left, degrees) -> LayoutChoice``;
@@ -170,9 +178,11 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
                   checkpoint_overrides: dict[str, str] | None = None, prefer_plain: bool = True,
                   tp_link: P2PModel | None = None, shard_link: P2PModel | None = None,
                   dp_degrees: Sequence[int] | None = None, dtype: Any = "bfloat16",
-                  optimizer: OptimizerSpec = OptimizerSpec(), **search: Any) -> LayoutChoice:
+                  optimizer: OptimizerSpec = OptimizerSpec(), host: HostSpec | None = HostSpec(),
+                  **search: Any) -> LayoutChoice:
     """``search.plan_layout`` over layouts, stages and DP degrees, and over TP degree, FSDP2 shard degree and
-    activation checkpointing when the plain plan does not fit ``memory_cap`` (module docstring).
+    activation checkpointing when the plain plan does not fit ``memory_cap``, and FSDP2 CPU offload when nothing
+    fits without it (module docstring).
 
     Args:
         units, costs, devices, microbatches, memory_cap, dtype, optimizer: as ``plan_layout``; ``costs`` without
@@ -188,6 +198,7 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
             dropped for that TP degree.
         search: the other ``plan_layout`` keyword arguments (``frozen_aware``, ``p2p``, ``dp_link``, ``layouts``,
             ``rel_tol``, ``virtual_stages``, ``attach_encoders``, ``max_timed``, ``overheads``).
+        host: the host side of a device for CPU offload (``offload.HostSpec``); None: offload not searched.
 
     Raises:
         ValueError: on bad arguments or when no plan fits.
@@ -218,10 +229,18 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
         return _sharded(degrees, pipe_devices, microbatches, dps, flat, staged)
 
     options = degree_options(devices, tp_degrees, dp_shard_degrees, checkpointing)
-    return search_degrees(units, costs, devices, microbatches, one, options, memory_cap=memory_cap,
-                          base=ParallelDegrees(checkpointing=base_checkpointing), tp_link=tp_link,
-                          shard_link=shard_link, dtype=dtype, optimizer=optimizer,
-                          checkpoint_overrides=checkpoint_overrides, prefer_base=prefer_plain)
+    try:
+        return search_degrees(units, costs, devices, microbatches, one, options, memory_cap=memory_cap,
+                              base=ParallelDegrees(checkpointing=base_checkpointing), tp_link=tp_link,
+                              shard_link=shard_link, dtype=dtype, optimizer=optimizer,
+                              checkpoint_overrides=checkpoint_overrides, prefer_base=prefer_plain)
+    except ValueError as exc:
+        if host is None or memory_cap is None:
+            raise
+        job = _Offload(units, true_units, whole, devices, microbatches, memory_cap, host, dtype, optimizer,
+                       dict(tp_link=tp_link, shard_link=shard_link, checkpoint_overrides=checkpoint_overrides),
+                       dp_degrees, search)
+        return plan_offloaded(job, options, exc)
 
 
 def _sharded(degrees: ParallelDegrees, pipe_devices: int, microbatches: int, dps: Sequence[int] | None,
@@ -262,3 +281,79 @@ def _pipelined(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: Parall
                          dp_degrees=dps, dtype=dtype, optimizer=pipelined_optimizer(optimizer, degrees.dp_shard),
                          **options)
     return dataclasses.replace(choice, dp_shard=degrees.dp_shard)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Offload:
+    """What :func:`plan_offloaded` searches: ``plan_parallel``'s arguments (``links``: ``tp_link``, ``shard_link``,
+    ``checkpoint_overrides``)."""
+
+    units: Sequence[Unit]
+    true_units: Sequence[Unit]
+    whole: Sequence[UnitCost]
+    devices: int
+    microbatches: int
+    memory_cap: float
+    host: HostSpec
+    dtype: Any
+    optimizer: OptimizerSpec
+    links: dict[str, Any]
+    dp_degrees: Sequence[int] | None
+    search: dict[str, Any]
+
+
+def plan_offloaded(job: _Offload, options: Sequence[ParallelDegrees], cause: Exception) -> LayoutChoice:
+    """The fastest plan with FSDP2 CPU offload over ``options`` (module docstring), when no plan fits without it.
+
+    Raises:
+        ValueError: ``cause``'s message and why no offloaded plan fits either.
+    """
+    best: LayoutChoice | None = None
+    why: list[str] = []
+    for degrees in sorted((o for o in options if o.dp_shard > 1), key=_preference):
+        try:
+            choice = _offloaded_one(job, degrees)
+        except ValueError as exc:
+            why.append(f"{_label(degrees)}: {exc}")
+            continue
+        if best is None or (choice.iteration_s, _preference(degrees)) < (best.iteration_s,
+                                                                          _preference(_degrees_of(best))):
+            best = choice
+    if best is None:
+        raise ValueError(f"{cause}; with CPU offload: " + ("; ".join(why[:4]) or "no shard degree above 1")
+                         + (f"; ... ({len(why)} in all)" if len(why) > 4 else ""))
+    return best
+
+
+def _offloaded_one(job: _Offload, degrees: ParallelDegrees) -> LayoutChoice:
+    """The plan without pipeline stages under ``degrees`` with CPU offload (``offload.offload_cost``).
+
+    Raises:
+        ValueError: when the device or host memory does not fit, or the DP degree is not searched."""
+    pipe = job.devices // degrees.tp
+    if job.dp_degrees is not None and pipe not in job.dp_degrees:
+        raise ValueError(f"DP degree {pipe} (every device a DP rank) is not searched")
+    cost = offload_cost(job.true_units, job.whole, degrees, job.host, dtype=job.dtype, optimizer=job.optimizer,
+                        checkpoint_overrides=job.links["checkpoint_overrides"])
+    if cost.device_bytes > job.memory_cap or cost.host_bytes > job.host.memory_bytes:
+        raise ValueError(f"device {cost.device_bytes / 2**30:.1f} GiB (cap {job.memory_cap / 2**30:.1f}), host "
+                         f"{cost.host_bytes / 2**30:.1f} GiB (of {job.host.memory_bytes / 2**30:.1f})")
+    per_rank = shard_costs(job.true_units, job.whole, degrees, **job.links)
+    overheads = dataclasses.replace(job.search.get("overheads", ActionOverheads()), optimizer_s_per_byte=0.0)
+    choice = plan_layout(job.units, per_rank, pipe, microbatches=job.microbatches, dp_degrees=[pipe],
+                         dtype=job.dtype, optimizer=job.optimizer, dp_shard=degrees.dp_shard,
+                         **dict(job.search, overheads=overheads))
+    added = cost.step_s(choice.microbatches_per_replica, choice.grad_sync_s)
+    by_name = {u.name: (u, c) for u, c in zip(job.true_units, per_rank)}
+    static = tuple(float(sum(by_name[n][1].param_bytes for n in st.units if not by_name[n][0].trainable))
+                   for st in choice.plan.stages)
+    work = math.fsum(c.forward_s + c.backward_s(u) for u, c in zip(job.true_units, job.whole))
+    delta = added - choice.update_s
+    return dataclasses.replace(
+        choice, devices=job.devices, tp=degrees.tp, checkpointing=degrees.checkpointing,
+        iteration_s=choice.iteration_s + delta, planned_iteration_s=choice.planned_iteration_s + delta,
+        update_s=0.0, offload_s=added, offload="cpu", host_memory_bytes=cost.host_bytes,
+        shard_buffer_bytes=cost.buffer_bytes, memory_cap=job.memory_cap, fits_memory=True,
+        stage_static_bytes=static,
+        stage_memory_bytes=tuple(s + a for s, a in zip(static, choice.stage_activation_bytes)),
+        lower_bound_s=job.microbatches * work / job.devices)

@@ -1,0 +1,52 @@
+"""FSDP2 CPU offload in the planner (planner.offload, planner.search_parallel): the hand-worked device, host and
+time figures of a small model, and the search falling back to offload only when nothing fits without it."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.planner.offload import HostSpec, offload_cost
+from plait.planner.search import plan_layout
+from plait.planner.search_parallel import plan_parallel
+from plait.planner.sharding import ParallelDegrees
+from plait.planner.simulator import P2PModel
+from tests.unit.planner.test_sharding import _costs, _model, _units
+
+
+def test_offload_cost_hand_worked():
+    host = HostSpec(memory_bytes=1e6, h2d_Bps=1e3, d2h_Bps=2e3, adamw_params_per_s=100)
+    cost = offload_cost(_units(), _costs(), ParallelDegrees(dp_shard=2), host)
+    assert cost.device_static_bytes == 200 + 800  # the frozen vision embed and layer, whole on the device
+    assert cost.activation_bytes == 50 + 50 + 1000 + 50  # units that run a backward
+    assert cost.buffer_bytes == (200 + 800) + 800  # embed + layer unsharded, the layer's gradient
+    assert cost.host_bytes == 8 * (100 + 100 + 400 + 100)  # bf16 shard + bf16 grad + 12 state bytes: 16 / 2
+    assert cost.trainable_shard_params == 350
+    assert cost.copy_s_per_microbatch == pytest.approx(2 * 350 * 4 / 1e3 + 350 * 4 / 2e3)  # fp32 H2D x2, D2H
+    assert cost.adamw_s == pytest.approx(3.5)
+    assert cost.step_s(3, 0.5) == pytest.approx(3 * 3.5 + 2 * 0.5 + 3.5)
+    assert cost.device_bytes == 1000 + 1150 + 1800
+    with pytest.raises(ValueError, match="dp_shard > 1"):
+        offload_cost(_units(), _costs(), ParallelDegrees(dp_shard=1), host)
+    with pytest.raises(ValueError, match="h2d_Bps"):
+        HostSpec(h2d_Bps=0)
+
+
+def test_offload_searched_only_when_nothing_fits_without_it():
+    units, costs = _model()
+    link = P2PModel(latency_s=1e-5, bandwidth_Bps=100e9)
+    whole = sum(plan_layout(units, costs, 1, microbatches=8).stage_memory_bytes)
+    common = dict(microbatches=8, p2p=link, dp_link=link)
+    assert plan_parallel(units, costs, 4, memory_cap=0.3 * whole, **common).offload == "none"  # sharding fits
+    cap = 0.1 * whole
+    with pytest.raises(ValueError, match="no plan fits"):
+        plan_parallel(units, costs, 4, memory_cap=cap, host=None, **common)
+    chosen = plan_parallel(units, costs, 4, memory_cap=cap, **common)
+    assert chosen.offload == "cpu" and chosen.fits_memory and chosen.dp_shard > 1 and chosen.plan.num_ranks == 1
+    cost = offload_cost(units, costs, ParallelDegrees(chosen.tp, chosen.dp_shard, chosen.checkpointing))
+    assert max(chosen.stage_memory_bytes) + chosen.shard_buffer_bytes <= cap
+    assert chosen.host_memory_bytes == cost.host_bytes <= HostSpec().memory_bytes
+    assert chosen.offload_s == pytest.approx(cost.step_s(chosen.microbatches_per_replica, chosen.grad_sync_s))
+    assert chosen.iteration_s == pytest.approx(chosen.makespan_s + chosen.grad_sync_s + chosen.offload_s)
+    assert chosen.iteration_s >= chosen.lower_bound_s
+    with pytest.raises(ValueError, match="with CPU offload"):
+        plan_parallel(units, costs, 4, memory_cap=cap, host=HostSpec(memory_bytes=1e6), **common)
