@@ -47,8 +47,11 @@ from plait.planner.sharding import (ParallelDegrees, pipelined_optimizer, pipeli
 from plait.planner.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
 
-__all__ = ["SearchOne", "degree_options", "plan_offloaded", "plan_parallel", "search_degrees"]
+__all__ = ["LayoutSearch", "SearchOne", "degree_options", "plan_offloaded", "plan_parallel", "search_degrees"]
 
+LayoutSearch = Callable[..., LayoutChoice]
+"""A search with ``search.plan_layout``'s signature: ``plan_layout``, or ``planner.auto_plan.plan_filling_layout``
+(the plans that use every device)."""
 SearchOne = Callable[[Sequence[UnitCost], int, float | None, ParallelDegrees], LayoutChoice]
 """One search under fixed degrees: ``(per-rank costs, devices / tp, memory cap left, degrees) -> LayoutChoice``;
 raises ``ValueError`` when nothing fits."""
@@ -179,7 +182,7 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
                   tp_link: P2PModel | None = None, shard_link: P2PModel | None = None,
                   dp_degrees: Sequence[int] | None = None, dtype: Any = "bfloat16",
                   optimizer: OptimizerSpec = OptimizerSpec(), host: HostSpec | None = HostSpec(),
-                  **search: Any) -> LayoutChoice:
+                  layout_search: LayoutSearch = plan_layout, **search: Any) -> LayoutChoice:
     """``search.plan_layout`` over layouts, stages and DP degrees, and over TP degree, FSDP2 shard degree and
     activation checkpointing when the plain plan does not fit ``memory_cap``, and FSDP2 CPU offload when nothing
     fits without it (module docstring).
@@ -199,6 +202,9 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
         search: the other ``plan_layout`` keyword arguments (``frozen_aware``, ``p2p``, ``dp_link``, ``layouts``,
             ``rel_tol``, ``virtual_stages``, ``attach_encoders``, ``max_timed``, ``overheads``).
         host: the host side of a device for CPU offload (``offload.HostSpec``); None: offload not searched.
+        layout_search: the search under fixed degrees (``LayoutSearch``: ``plan_layout``, or
+            ``planner.auto_plan.plan_filling_layout``, the plans that use every device), used by every option,
+            FSDP2's both runtimes and CPU offload alike.
 
     Raises:
         ValueError: on bad arguments or when no plan fits.
@@ -214,17 +220,17 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
     def one(per_rank: Sequence[UnitCost], pipe_devices: int, cap: float | None, degrees: ParallelDegrees):
         dps = None if dp_degrees is None else [d for d in dp_degrees if d <= pipe_devices] or [1]
         if degrees.dp_shard == 1:
-            return plan_layout(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=cap,
+            return layout_search(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=cap,
                                dp_degrees=dps, dtype=dtype, optimizer=optimizer, **search)
 
         def flat(flat_dps: list[int]) -> LayoutChoice:  # every device a DP rank: FSDP2 per microbatch, the buffer
-            return plan_layout(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=cap,
+            return layout_search(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=cap,
                                dp_degrees=flat_dps, dtype=dtype, optimizer=optimizer, dp_shard=degrees.dp_shard,
                                **search)
 
         def staged(staged_dps: list[int]) -> LayoutChoice:  # pipeline stages sharded over their DP ranks
             return _pipelined(true_units, whole, degrees, pipe_devices, staged_dps, microbatches, memory_cap, dtype,
-                              optimizer, tp_link, checkpoint_overrides, search)
+                              optimizer, tp_link, checkpoint_overrides, search, layout_search)
 
         return _sharded(degrees, pipe_devices, microbatches, dps, flat, staged)
 
@@ -239,7 +245,7 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
             raise
         job = _Offload(units, true_units, whole, devices, microbatches, memory_cap, host, dtype, optimizer,
                        dict(tp_link=tp_link, shard_link=shard_link, checkpoint_overrides=checkpoint_overrides),
-                       dp_degrees, search)
+                       dp_degrees, search, layout_search)
         return plan_offloaded(job, options, exc)
 
 
@@ -271,13 +277,14 @@ def _sharded(degrees: ParallelDegrees, pipe_devices: int, microbatches: int, dps
 
 def _pipelined(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees, pipe_devices: int,
                dps: list[int], microbatches: int, memory_cap: float | None, dtype: Any, optimizer: OptimizerSpec,
-               tp_link: P2PModel | None, overrides: dict[str, str] | None, search: dict[str, Any]) -> LayoutChoice:
+               tp_link: P2PModel | None, overrides: dict[str, str] | None, search: dict[str, Any],
+               layout_search: LayoutSearch = plan_layout) -> LayoutChoice:
     """``plan_layout`` with pipeline stages sharded by FSDP2 (``sharding``, "FSDP2 under pipeline stages"): whole
     per-unit costs and parameters, a shard of the optimizer state, the DP all-reduce's bytes; the whole memory cap
     (no separate buffer). The result records ``degrees.dp_shard``."""
     per_rank = pipelined_shard_costs(units, costs, degrees, tp_link=tp_link, checkpoint_overrides=overrides)
     options = dict(search, overheads=pipelined_overheads(search.get("overheads", ActionOverheads()), degrees.dp_shard))
-    choice = plan_layout(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=memory_cap,
+    choice = layout_search(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=memory_cap,
                          dp_degrees=dps, dtype=dtype, optimizer=pipelined_optimizer(optimizer, degrees.dp_shard),
                          **options)
     return dataclasses.replace(choice, dp_shard=degrees.dp_shard)
@@ -300,6 +307,7 @@ class _Offload:
     links: dict[str, Any]
     dp_degrees: Sequence[int] | None
     search: dict[str, Any]
+    layout_search: LayoutSearch = plan_layout
 
 
 def plan_offloaded(job: _Offload, options: Sequence[ParallelDegrees], cause: Exception) -> LayoutChoice:
@@ -340,7 +348,7 @@ def _offloaded_one(job: _Offload, degrees: ParallelDegrees) -> LayoutChoice:
                          f"{cost.host_bytes / 2**30:.1f} GiB (of {job.host.memory_bytes / 2**30:.1f})")
     per_rank = shard_costs(job.true_units, job.whole, degrees, **job.links)
     overheads = dataclasses.replace(job.search.get("overheads", ActionOverheads()), optimizer_s_per_byte=0.0)
-    choice = plan_layout(job.units, per_rank, pipe, microbatches=job.microbatches, dp_degrees=[pipe],
+    choice = job.layout_search(job.units, per_rank, pipe, microbatches=job.microbatches, dp_degrees=[pipe],
                          dtype=job.dtype, optimizer=job.optimizer, dp_shard=degrees.dp_shard,
                          **dict(job.search, overheads=overheads))
     added = cost.step_s(choice.microbatches_per_replica, choice.grad_sync_s)
