@@ -159,19 +159,28 @@ class MultimodalModel(nn.Module):
         if token_index is not None:
             embeds = embeds.index_select(1, token_index)
         llm_kwargs.setdefault("use_cache", False)  # logits only: no KV cache (it would hold every layer's K/V)
-        positions = self.llm_positions(position_ids, rope_position_ids, token_index)
+        positions = self.llm_positions(position_ids, rope_position_ids, token_index, input_ids.shape[1])
         out = self.language_model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
                                   **llm_kwargs)
         return out.logits
 
     def llm_positions(self, position_ids: torch.Tensor | None, rope_position_ids: torch.Tensor | None,
-                      token_index: torch.Tensor | None = None) -> torch.Tensor | None:
+                      token_index: torch.Tensor | None = None, tokens: int | None = None) -> torch.Tensor | None:
         """The ``position_ids`` the LLM rotates with: for an M-RoPE LLM (Qwen2.5-VL's,
         :func:`plait.models.families.qwen2_5_vl.takes_mrope`) given ``rope_position_ids`` ``[3, B, N]``, those (the
         ``token_index`` tokens of them when given: a context-parallel shard), else ``position_ids`` (``[B, N]`` or
-        the shard's ``[B, n]``; an M-RoPE LLM spreads them over its three streams: text)."""
+        the shard's ``[B, n]``; an M-RoPE LLM spreads them over its three streams: text).
+
+        ``tokens``: the rows' length; rows grown past the M-RoPE positions by decoding (tokens appended to
+        left-padded prompts, as greedy decoding by forward passes does) put appended token ``k`` at the row's
+        largest position ``+ 1 + k`` on all three streams (Qwen2.5-VL's ``rope_deltas`` rule; padding is 0)."""
         if rope_position_ids is None or not takes_mrope(self.language_model.config):
             return position_ids
+        grown = 0 if tokens is None else tokens - rope_position_ids.shape[-1]
+        if grown > 0:
+            start = rope_position_ids.amax(dim=(0, 2)).add(1)[:, None]
+            extra = start + torch.arange(grown, device=start.device)
+            rope_position_ids = torch.cat([rope_position_ids, extra.expand(3, -1, -1)], dim=-1)
         if token_index is not None:
             return rope_position_ids.index_select(-1, token_index.to(rope_position_ids.device))
         return rope_position_ids

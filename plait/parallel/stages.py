@@ -193,7 +193,8 @@ class _LlmChunk:
         llm = self.model.language_model
         norm = llm.get_submodule(self.layout.norm) if self.owns_norm else nn.Identity()
         labels, mask = batch.labels, batch.attention_mask
-        positions = self.model.llm_positions(batch.position_ids, batch.rope_position_ids)  # M-RoPE [3, B, N]
+        positions = self.model.llm_positions(batch.position_ids, batch.rope_position_ids,
+                                             tokens=batch.input_ids.shape[1])  # M-RoPE [3, B, N]
         if shard is not None:  # plait attention masks from plait_mask; the 2-D mask would not fit n_local tokens
             labels, mask = shard_tokens(labels, shard), None
             positions = shard_tokens(positions, shard, dim=positions.ndim - 1)

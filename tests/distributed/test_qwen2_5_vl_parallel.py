@@ -5,14 +5,18 @@ stage; window-ordered hidden states on the wire; the merger on the second rank),
 losses and the final model.
 
 The job mixes single-image demo records with a two-image record of different sizes, so microbatches pack images of
-several grids into one tower call.
+several grids into one tower call. Its LLM is Qwen2.5-VL's text model (``qwen2_5_vl_text``), which rotates with the
+collator's M-RoPE positions ``[3, B, N]``: every layout (the LLM stages of PP, the token shards of CP) must carry them
+as one process does.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from plait.config.loader import config_from_dict
+from plait.data.collate import collate
 from plait.train.trainer import Trainer
 from tests.distributed.test_pipeline_training import assert_run_equals, torchrun_train
 from tests.distributed.test_pixtral_internvl_parallel import vision_job
@@ -20,6 +24,10 @@ from tests.unit.models.test_qwen2_5_vl import TINY_PROCESSOR, TINY_QWEN2_5_VL
 
 BRANCH = {"modality": "image", "config": dict(TINY_QWEN2_5_VL), "projector": "linear",
           "processor": dict(TINY_PROCESSOR)}
+MROPE_LLM = dict(model_type="qwen2_5_vl_text", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+"""Qwen2.5-VL's LLM at the tiny LLM's sizes (M-RoPE sections of the 8-wide heads)."""
 LAYOUTS = {
     "pp2-encoder_parallel": (2, {"pp": {"degree": 2, "layout": "encoder_parallel", "schedule": "1f1b"}}),
     "pp2-encoders_colocated": (2, {"pp": {"degree": 2, "layout": "encoders_colocated", "schedule": "gpipe"}}),
@@ -30,11 +38,23 @@ LAYOUTS = {
 }
 
 
+def _job(tmp_path, run: str) -> dict:
+    """The vision job of the Pixtral/InternVL test with the Qwen2.5-VL branch and Qwen2.5-VL's M-RoPE LLM."""
+    job = vision_job(tmp_path, BRANCH, run)
+    job["model"]["llm"]["config"] = dict(MROPE_LLM)
+    job["model"]["encoders"]["vision"]["processor"]["min_pixels"] = 56 * 56  # >= 2x2 merged blocks per image
+    return job
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Single-process losses and final parameters (computed once)."""
-    trainer = Trainer.build(config_from_dict(vision_job(tmp_path_factory.mktemp("qwen2_5_vl"), BRANCH, "single")))
+    trainer = Trainer.build(config_from_dict(_job(tmp_path_factory.mktemp("qwen2_5_vl"), "single")))
     assert [len(trainer.train_set[i].meta.items) for i in range(3)] == [1, 1, 2]
+    assert type(trainer.model.language_model).__name__ == "Qwen25VLTextForCausalLM"
+    two = collate([trainer.train_set[2]], 0)  # the two-image record: its images at grid positions, not 1-D ones
+    assert two.rope_position_ids is not None
+    assert not torch.equal(two.rope_position_ids, two.position_ids.expand(3, -1, -1))
     result = trainer.fit()
     return result["losses"], {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
@@ -43,7 +63,7 @@ def reference(tmp_path_factory):
 def test_qwen2_5_vl_under_parallel_layouts_equals_one_process(tmp_path, reference, layout):
     ref_losses, ref_params = reference
     nproc, parallel = LAYOUTS[layout]
-    job = vision_job(tmp_path, BRANCH, layout)
+    job = _job(tmp_path, layout)
     job["parallel"].update(parallel)
     if layout == "fsdp2-checkpointing":  # each block its own FSDP2 unit, recomputed in the backward
         job["train"]["activation_checkpointing"] = "full"

@@ -24,6 +24,7 @@ from plait.data.mrope import mrope_positions
 from plait.models.families.qwen2_5_vl import Qwen25VLTextForCausalLM
 from plait.models.generation import Generator, Prompt, greedy_token_ids
 from plait.models.hf_io import hf_format_of
+from plait.train.evaluation import greedy_by_forward
 from tests.conftest import write_jsonl
 from tests.unit.commands.tiny_hf_checkpoints import save_qwen2_5_vl
 
@@ -96,6 +97,19 @@ def test_mrope_positions_refuse_items_it_cannot_position():
     assert torch.equal(text, torch.arange(10).expand(3, -1))
 
 
+def test_decoded_tokens_continue_the_mrope_positions(imported):
+    """Tokens appended to left-padded prompts (greedy decoding by forward passes) sit at the row's largest position
+    + 1 + k on all streams; the shard's tokens are taken after; an LLM without M-RoPE gets ``position_ids``."""
+    _, model_dir, _, _ = imported
+    model = Generator.from_pretrained(model_dir, device="cpu", dtype="fp32").model
+    rope = torch.tensor([[[0, 0, 1, 2, 5]], [[0, 0, 1, 3, 5]], [[0, 0, 1, 4, 5]]])
+    pos = torch.tensor([[0, 0, 1, 2, 3]])
+    grown = model.llm_positions(pos, rope, tokens=7)
+    assert torch.equal(grown[:, 0], torch.tensor([[0, 0, 1, 2, 5, 6, 7], [0, 0, 1, 3, 5, 6, 7], [0, 0, 1, 4, 5, 6, 7]]))
+    assert torch.equal(model.llm_positions(pos, rope, torch.tensor([1, 6]), 7)[:, 0], torch.tensor([[0, 7]] * 3))
+    assert model.llm_positions(pos, None) is pos
+
+
 def test_imported_logits_equal_hf_with_its_own_multimodal_positions(imported):
     src, model_dir, _, root = imported
     hf = T.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(src), attn_implementation="eager").eval()
@@ -165,6 +179,13 @@ def test_trained_import_exports_and_generates_like_plait(imported, tmp_path):
     gen = Generator.from_pretrained(final, device="cpu", dtype="fp32", attn_implementation="eager")
     batch = collate(gen.process([_prompt(images)]), gen.processor.pad_id, padding_side="left")
     plait_new = greedy_token_ids(gen.model, batch, gen.stop_ids, 8, gen.processor.pad_id)[0].tolist()
+
+    def forward(batches):  # validation's decoding by forward passes (no KV cache): appended tokens continue M-RoPE
+        with torch.no_grad():
+            return [gen.model(b.input_ids, b.modality_inputs, b.attention_mask, b.position_ids,
+                              rope_position_ids=b.rope_position_ids)[:, -1].argmax(-1) for b in batches]
+
+    assert greedy_by_forward(forward, [batch], gen.stop_ids, 8, gen.processor.pad_id)[0][0].tolist() == plait_new
 
     # the exported processor's parts (Qwen2_5_VLProcessor itself needs torchvision): its chat template renders the
     # prompt, each <|image_pad|> becomes t*h*w/merge^2 pads of its image's grid, the tokenizer gives plait's ids
