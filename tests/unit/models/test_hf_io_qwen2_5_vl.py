@@ -142,7 +142,7 @@ def test_import_export_round_trip_is_bit_identical(tmp_path, dtype, tied):
     image_id = json.loads((src / "config.json").read_text())["image_token_id"]
     assert settings["placeholder_ids"] == {"vision": image_id}
     assert settings["encoders"]["vision"]["projector"] == "linear"
-    assert "--format qwen2_5_vl" in job.read_text()
+    assert "--format qwen2_5_vl" in job.read_text() and "\nfreeze_projector = true  # the identity" in job.read_text()
     out = export_checkpoint(model_dir, "qwen2_5_vl", tmp_path / "exported")
     _same_tensors(src, out)
     mine, theirs = (json.loads((f / "config.json").read_text()) for f in (out, src))
@@ -171,7 +171,8 @@ def test_trained_import_exports_and_generates_like_plait(imported, tmp_path):
     overrides = [f"--data.train={train}", f"--metrics.run_dir={run}", "--train.steps=2", "--train.global_batch_size=4",
                  "--train.microbatch_size=2", "--train.lr=1e-2", "--train.warmup_steps=0", "--train.threads=1",
                  "--data.num_workers=0", "--metrics.progress=false", "--metrics.tensorboard=false",
-                 "--model.llm.attn_implementation=eager", "--model.encoders.vision.freeze=false"]
+                 "--model.llm.attn_implementation=eager", "--model.encoders.vision.freeze=false",
+                 "--model.encoders.vision.freeze_projector=false"]  # trained: the export folds it into the merger
     assert train_command(job, overrides) == 0
     final = final_folder(run)
     out = export_checkpoint(final.parent, "qwen2_5_vl", tmp_path / "exported")
