@@ -42,6 +42,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from plait.models.encoder import ModalityEncoder
+from plait.models.families.qwen2_5_vl import takes_mrope
 from plait.models.hf import encoder_feature_size, llm_layout
 from plait.models.lora import ADAPTER, base_state_dict, has_lora
 from plait.models.multimodal import MultimodalModel
@@ -249,7 +250,8 @@ def check_exportable(model: MultimodalModel, fmt: HfFormat) -> None:
     Raises:
         ValueError: naming the difference: several branches or another modality, another tower family, another
             projector kind, audio ``downsample``, a LLaVA feature selection HF cannot express, an LLM whose output
-            head has a bias or is not a plain ``*ForCausalLM``.
+            head has a bias or is not a plain ``*ForCausalLM``; for Qwen2.5-VL a projector that changes the width
+            (it cannot fold into the merger) or an LLM that is not Qwen2.5-VL's text model.
     """
     if len(model.encoders) != 1:
         raise ValueError(f"{fmt.model_class} has one encoder; this model has {len(model.encoders)} "
@@ -273,6 +275,10 @@ def check_exportable(model: MultimodalModel, fmt: HfFormat) -> None:
         raise ValueError(f"{fmt.model_class} feeds every pooled feature; {where} averages {branch.downsample}")
     if fmt.name == "llava" and branch.select == "drop_cls" and kind != "clip_vision_model":
         raise ValueError(f"{where} drops the CLS position of a {kind}, which LLaVA's 'default' strategy cannot")
+    text_type = model.language_model.config.model_type
+    if not fmt.projector_keys and not takes_mrope(model.language_model.config):
+        raise ValueError(f"{fmt.model_class}'s LLM is Qwen2.5-VL's text model (qwen2_5_vl_text, M-RoPE); this "
+                         f"model's LLM is a {text_type}")
     head = model.language_model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{fmt.model_class}'s lm_head has no bias; this LLM's output head has one")

@@ -217,6 +217,28 @@ def test_trained_import_exports_and_generates_like_plait(imported, tmp_path):
     assert not torch.equal(exported, source)
 
 
+def test_export_refuses_a_composite_qwen2_5_vl_cannot_hold():
+    from plait.models.encoder import ModalityEncoder
+    from plait.models.hf import build_causal_lm, build_encoder
+    from plait.models.hf_io import HF_FORMATS, check_exportable
+    from plait.models.multimodal import MultimodalModel
+    from plait.models.projector import build_projector
+    from tests.unit.models.test_qwen2_5_vl import TINY_QWEN2_5_VL
+
+    def model(llm: dict, width: int) -> MultimodalModel:
+        tower = build_encoder("image", config=dict(TINY_QWEN2_5_VL))
+        branch = ModalityEncoder(tower, build_projector("linear", 48, width), "image")
+        return MultimodalModel(build_causal_lm(config=llm), {"vision": branch}, {"vision": 5})
+
+    sizes = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=64)
+    fmt = HF_FORMATS["qwen2_5_vl"]
+    with pytest.raises(ValueError, match="LLM is Qwen2.5-VL's text model .*; this model's LLM is a llama"):
+        check_exportable(model(dict(sizes, model_type="llama"), 48), fmt)
+    with pytest.raises(ValueError, match="projector maps 48 to 32 features, which cannot fold into the merger"):
+        check_exportable(model(dict(sizes, model_type="qwen2_5_vl_text", hidden_size=32), 32), fmt)
+
+
 def test_qwen2_vl_stays_refused_with_its_reason():
     cfg = T.Qwen2VLConfig()
     with pytest.raises(ValueError, match="cannot import a qwen2_vl checkpoint: .*M-RoPE"):
