@@ -1,37 +1,35 @@
-"""Tensor parallelism in the trainers (torchrun, gloo) equals one process on the same global batches: TP=2 with
-frozen encoders + trainable projectors and with everything trainable, CP=2 x TP=2 (plait attention on the local
-heads and local tokens), gradients clipped by the true global norm; losses, first-step gradients (full tensors)
-and final parameters after AdamW steps."""
+"""Tensor parallelism in the trainers (gloo; ranks started with torchrun's variables by ``spawning.run_main``)
+equals one process on the same global batches: TP=2 with frozen encoders + trainable projectors and with
+everything trainable, CP=2 x TP=2 (plait attention on the local heads and local tokens), gradients clipped by the
+true global norm; losses, first-step gradients (full tensors) and final parameters after AdamW steps."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.conftest import ROOT, demo_records, tiny_config_dict, write_jsonl
-from tests.distributed.spawning import free_port
+from tests.distributed.spawning import run_main, shared_reference
 
 WORKER = ROOT / "tests" / "distributed" / "tp_train_worker.py"
 
 
 def run(cfg: dict, tmp_path, name: str, nproc: int, resume: bool = False) -> dict:
-    """Train ``cfg`` on ``nproc`` processes (``resume``: continue the newest checkpoint of its run folder)."""
+    """Train ``cfg`` on ``nproc`` processes started like torchrun's (``resume``: continue the newest checkpoint of
+    its run folder)."""
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
     out = tmp_path / f"{name}.pt"
-    cmd = [str(WORKER), str(path), str(out)] + (["resume"] if resume else [])
-    if nproc > 1:
-        cmd = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-               "--master_addr=127.0.0.1", *cmd]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, *cmd], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    argv = [str(path), str(out)] + (["resume"] if resume else [])
+    run_main("tests.distributed.tp_train_worker", argv, nproc, 300, f"{name} on {nproc} process(es)")
     return torch.load(out)
+
+
+def reference(cfg: dict, tmp_path, name: str) -> dict:
+    """The single-process run of ``cfg``, trained once per session for all the tests comparing against that job."""
+    return shared_reference(str(WORKER), cfg, lambda: run(cfg, tmp_path, name, 1))
 
 
 def job(tmp_path, frozen: bool, **sections) -> dict:
@@ -76,7 +74,7 @@ def test_tp2_and_cp2_x_tp2_equal_single_process(tmp_path):
             cfg["data"]["val"] = str(write_jsonl(tmp_path / "val.jsonl", demo_records("val", limit=3)))
             cfg["train"]["max_new_tokens"] = 3
         cfg["metrics"]["run_dir"] = str(tmp_path / f"run_single{frozen}")
-        single = run(cfg, tmp_path, f"single{frozen}", 1)
+        single = reference(cfg, tmp_path, f"single{frozen}")
         layouts = {"tp2": {"tp": 2}, "cp2tp2": {"tp": 2, "cp": 2}}
         for name, degrees in layouts.items():
             cfg["parallel"].update(degrees)
@@ -123,7 +121,7 @@ def test_pp2_x_tp2_equals_single_process(tmp_path, frozen):
     own units."""
     cfg = job(tmp_path, frozen=frozen)
     cfg["metrics"]["run_dir"] = str(tmp_path / "run_single")
-    single = run(cfg, tmp_path, "single", 1)
+    single = reference(cfg, tmp_path, "single")
     cfg["parallel"].update(tp=2, pp={"degree": 2, "layout": "encoders_colocated", "schedule": "1f1b"})
     cfg["metrics"]["run_dir"] = str(tmp_path / "run_pp_tp")
     other = run(cfg, tmp_path, "pp_tp", 4)
@@ -139,7 +137,7 @@ def test_tp2_x_dp_shard2_equals_single_process(tmp_path, frozen):
     shard ranks trains its own half of the batch."""
     cfg = job(tmp_path, frozen=frozen)
     cfg["metrics"]["run_dir"] = str(tmp_path / "run_single")
-    single = run(cfg, tmp_path, "single", 1)
+    single = reference(cfg, tmp_path, "single")
     cfg["parallel"].update(tp=2, dp_shard=2)
     cfg["metrics"]["run_dir"] = str(tmp_path / "run_tp_fsdp")
     other = run(cfg, tmp_path, "tp_fsdp", 4)
