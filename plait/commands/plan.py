@@ -42,7 +42,7 @@ from plait.data.chat_template import tokenizer_dir
 from plait.data.loader import GlobalBatchLoader, MultimodalDataset
 from plait.models.registry import build_model, build_processor, load_tokenizer, placeholder_of
 from plait.commands.plan_costs import host_cpu, host_device, runtime_costs, stored_profile
-from plait.commands.plan_fit import no_fit_message
+from plait.commands.plan_fit import search_plan
 from plait.commands.plan_fsdp import fsdp_line
 from plait.commands.plan_snippet import MODEL_UNITS, pp_snippet
 from plait.models.families.internvl import MODEL_TYPES as INTERNVL_TYPES
@@ -55,8 +55,8 @@ from plait.planner.pipeline_plan import LAYOUTS
 from plait.planner.recompute import checkpointed_costs, plan_checkpointing
 from plait.planner.report import format_lora_units, format_plan, plan_to_json
 from plait.planner.search import LayoutChoice
-from plait.planner.search_parallel import plan_parallel
 from plait.planner.types import Unit, UnitCost
+from plait.train.auto_plan import kept_degrees
 from plait.train.costs import microbatch_cost_coeffs
 
 __all__ = [
@@ -405,16 +405,9 @@ def plan_command(
     setup = plan_setup(config_path, devices, overrides, device, microbatches, items_per_sample, memory_fraction,
                         dp_degrees, dp_link_Bps, macrobatches, profile_store, stream)
     cfg, inputs, spec = setup.cfg, setup.inputs, setup.spec
-    try:
-        choice = plan_parallel(
-            inputs.units, inputs.costs, devices, microbatches=inputs.microbatches, frozen_aware=frozen_aware,
-            layouts=layouts, dp_degrees=dp_degrees, rel_tol=rel_tol, virtual_stages=virtual_stages,
-            attach_encoders=attach_encoders, **setup.search, **setup.degrees, **job_degrees(cfg, devices, stream),
-        )
-    except ValueError as exc:
-        if not str(exc).startswith(("no plan fits", "no layout fits")):
-            raise
-        raise ValueError(no_fit_message(setup, devices, memory_fraction)) from None
+    choice = search_plan(setup, devices, memory_fraction, frozen_aware=frozen_aware, layouts=layouts,
+                         dp_degrees=dp_degrees, rel_tol=rel_tol, virtual_stages=virtual_stages,
+                         attach_encoders=attach_encoders, **job_degrees(cfg, devices, stream))
     print(f"plait plan: {config_path} on {devices} x {spec.name}, {inputs.microbatches} microbatches of "
           f"{cfg.train.microbatch_size} samples (global batch {cfg.train.global_batch_size})", file=stream)
     print(format_plan(choice), file=stream)
@@ -440,17 +433,13 @@ def job_degrees(cfg: Any, devices: int, stream: TextIO) -> dict[str, Any]:
     that it does; ``{}`` when both are 1 (TP and sharding are searched only when memory requires them).
 
     Raises:
-        ValueError: when ``tp x dp_shard`` does not divide ``devices`` (named).
+        ValueError: when ``tp x dp_shard`` does not divide ``devices`` (named; ``train.auto_plan.kept_degrees``).
     """
-    tp, shard = cfg.parallel.tp, cfg.parallel.dp_shard
-    if tp == 1 and shard == 1:
-        return {}
-    if devices % (tp * shard):
-        raise ValueError(f"the job's parallel.tp = {tp} x parallel.dp_shard = {shard} does not divide --devices "
-                         f"{devices}: change --devices or set them to 1 to let the plan choose")
-    print(f"plait plan: the job sets parallel.tp = {tp}, parallel.dp_shard = {shard}: the plan keeps them "
-          "(set them to 1 to let it choose)", file=stream)
-    return dict(tp_degrees=[tp], dp_shard_degrees=[shard], prefer_plain=False)
+    kept = kept_degrees(cfg, devices, f"--devices {devices}")
+    if kept:
+        print(f"plait plan: the job sets parallel.tp = {cfg.parallel.tp}, parallel.dp_shard = "
+              f"{cfg.parallel.dp_shard}: the plan keeps them (set them to 1 to let it choose)", file=stream)
+    return kept
 
 
 @dataclass(frozen=True)

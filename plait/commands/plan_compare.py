@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from plait.commands.plan import plan_setup
+from plait.commands.plan_fit import search_plan
 from plait.commands.plan_snippet import pp_snippet
 from plait.planner.cost_model import DeviceSpec
 from plait.planner.pipeline_plan import LAYOUTS
 from plait.planner.search import LayoutChoice, plan_layout
-from plait.planner.search_parallel import plan_parallel
 from plait.planner.types import Unit
 
 __all__ = ["considered_plans", "plan_label"]
@@ -37,13 +37,12 @@ def considered_plans(config_path: str | Path, devices: int, *, overrides: Sequen
         recommendation is listed first when no family gave it).
 
     Raises:
-        ValueError, FileNotFoundError: as ``plan_command``.
+        ValueError, FileNotFoundError: as ``plan_command`` (no fitting plan: its one-sentence message).
     """
     setup = plan_setup(config_path, devices, overrides, device, None, 1, 0.9, None, None, 0, profile_store,
                         io.StringIO())
     inputs = setup.inputs
-    recommended = plan_parallel(inputs.units, inputs.costs, devices, microbatches=inputs.microbatches,
-                                virtual_stages=(1, 2, 4), attach_encoders=True, **setup.search, **setup.degrees)
+    recommended = search_plan(setup, devices, 0.9, virtual_stages=(1, 2, 4), attach_encoders=True)
     costs = setup.checkpointed_costs()  # the job's activation checkpointing, as the families run it
     dp_top = max(d for d in range(1, min(devices, inputs.microbatches) + 1) if devices % d == 0)
     families = [dict(dp_degrees=[dp_top])] + [dict(layouts=[layout]) for layout in LAYOUTS]

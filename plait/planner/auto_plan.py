@@ -10,9 +10,11 @@ all-reduce of the trainable gradients over ``dp_link`` charged, is kept when it 
 not, the best 1F1B plan with one stage per rank is tried as well); ``d = world_size``, plain DP, always fills
 them. A DP degree above the microbatch count (replicas without a microbatch) is searched as one replica with one
 microbatch and then timed with its all-reduce. Ties go to DP degrees that give every replica a microbatch, then to
-fewer replicas. When no such plan fits the memory cap, tensor parallelism, FSDP2 sharding and activation
-checkpointing are searched as ``plait plan`` searches them (``search_parallel.search_degrees``: ``world_size / tp``
-processes per TP rank, DP degrees the shard degree divides, per-rank costs of ``sharding.shard_costs``).
+fewer replicas. That search is :func:`plan_filling_layout`, and it runs inside ``plait plan``'s own search
+(``search_parallel.plan_parallel`` with it as ``layout_search``): the plain plan when it fits the memory cap, else
+tensor parallelism, FSDP2 sharding (flat, every rank a DP rank, and staged, pipeline stages sharded over their DP
+ranks: the faster fitting one) and activation checkpointing exactly as ``plait plan`` searches them, so for the same
+job and costs both choose the same plan whenever ``plait plan``'s uses all the processes.
 :func:`layout_pp_fields` gives the ``[parallel.pp]`` field values that run a choice (degree, layout,
 stages, explicit ``splits`` where the partition is not the even split by unit count, ``virtual_stages``,
 ``attach_encoders``, the schedule, microbatches per replica); ``plait.train.auto_plan`` writes them into a job
@@ -26,14 +28,13 @@ from typing import Any
 
 from plait.planner.overheads import ActionOverheads
 from plait.planner.pipeline_plan import PipelinePlan, split_even
-from plait.planner.recompute import CHECKPOINT_POLICIES
 from plait.planner.search import LayoutChoice, evaluate_plan, plan_layout
-from plait.planner.search_parallel import degree_options, search_degrees
-from plait.planner.sharding import ParallelDegrees
+from plait.planner.search_model import Costs
+from plait.planner.search_parallel import plan_parallel
 from plait.planner.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
 
-__all__ = ["layout_pp_fields", "plan_auto_layout", "plan_splits"]
+__all__ = ["layout_pp_fields", "plan_auto_layout", "plan_filling_layout", "plan_splits"]
 
 
 def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_size: int, microbatches: int, *,
@@ -41,9 +42,10 @@ def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_siz
                      dp_link: P2PModel | None = None, virtual_stages: Sequence[int] = (1, 2, 4),
                      attach_encoders: bool = True, overheads: ActionOverheads = ActionOverheads(),
                      checkpointing: str = "none", checkpoint_overrides: dict[str, str] | None = None,
-                     tp_degrees: Sequence[int] | None = None,
-                     dp_shard_degrees: Sequence[int] | None = None) -> LayoutChoice:
-    """The fastest runnable plan for ``world_size`` processes (module docstring).
+                     tp_degrees: Sequence[int] | None = None, dp_shard_degrees: Sequence[int] | None = None,
+                     prefer_plain: bool = True) -> LayoutChoice:
+    """The fastest runnable plan for ``world_size`` processes (module docstring): ``plait plan``'s search
+    (``search_parallel.plan_parallel``) with :func:`plan_filling_layout` as its layout search.
 
     Args:
         units, costs: pipeline units (real flags) and their per-microbatch costs (e.g. a measured profile).
@@ -59,6 +61,7 @@ def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_siz
             ``costs`` are without it). When the plain plan does not fit, a job without checkpointing may get one.
         tp_degrees, dp_shard_degrees: TP and FSDP2 degrees searched when the plain plan does not fit memory
             (``search_parallel.degree_options``; the TP all-reduces on ``p2p``, FSDP2's collectives on ``dp_link``).
+        prefer_plain: keep the plain plan whenever it fits (default); False: the fastest over the degrees.
 
     Returns:
         The chosen ``LayoutChoice`` (``dp * plan.num_ranks * tp == world_size``; ``schedule`` is ``"1f1b"`` or
@@ -69,45 +72,43 @@ def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_siz
     """
     if world_size < 1 or microbatches < 1:
         raise ValueError(f"world_size and microbatches must be >= 1, got {world_size} and {microbatches}")
-    search = dict(p2p=p2p, dtype=dtype, dp_link=dp_link, virtual_stages=tuple(virtual_stages),
-                  attach_encoders=attach_encoders, overheads=overheads)
-
-    def one(per_rank: Sequence[UnitCost], processes: int, cap: float | None, degrees: ParallelDegrees) -> LayoutChoice:
-        return _best_filling(units, per_rank, processes, microbatches, dict(search, memory_cap=cap),
-                             degrees.dp_shard)
-
-    policies = CHECKPOINT_POLICIES if checkpointing == "none" else (checkpointing,)
-    options = degree_options(world_size, tp_degrees, dp_shard_degrees, policies)
-    return search_degrees(units, costs, world_size, microbatches, one, options, memory_cap=memory_cap,
-                          base=ParallelDegrees(checkpointing=checkpointing), tp_link=p2p, shard_link=dp_link,
-                          dtype=dtype, checkpoint_overrides=checkpoint_overrides)
+    return plan_parallel(units, costs, world_size, microbatches=microbatches, memory_cap=memory_cap,
+                         tp_degrees=tp_degrees, dp_shard_degrees=dp_shard_degrees, base_checkpointing=checkpointing,
+                         checkpoint_overrides=checkpoint_overrides, dtype=dtype, layout_search=plan_filling_layout,
+                         p2p=p2p, dp_link=dp_link, virtual_stages=tuple(virtual_stages),
+                         attach_encoders=attach_encoders, overheads=overheads, prefer_plain=prefer_plain)
 
 
-def _best_filling(units: Sequence[Unit], costs: Sequence[UnitCost], world_size: int, microbatches: int,
-                  search: dict[str, Any], dp_shard: int) -> LayoutChoice:
-    """The fastest plan filling ``world_size`` ranks over the DP degrees ``dp_shard`` divides (``_filling_choice``).
+def plan_filling_layout(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int,
+                        dp_degrees: Sequence[int] | None = None, dp_shard: int = 1, **search: Any) -> LayoutChoice:
+    """``search.plan_layout`` restricted to the plans that use all ``devices`` (module docstring): for each DP
+    degree (default every divisor of ``devices``, above ``microbatches`` too) that divides ``devices`` and that
+    ``dp_shard`` divides, the best plan of that many replicas filling their ranks; the fastest of those, ties to
+    every replica having a microbatch, then to fewer replicas. Same signature as ``plan_layout`` (the
+    ``search_parallel.LayoutSearch`` of ``parallel.plan = "auto"``).
 
     Raises:
-        ValueError: when none fits memory (naming each degree's reason).
+        ValueError: when no DP degree gives a runnable plan that fits memory (naming each degree's reason).
     """
     best: LayoutChoice | None = None
     errors = []
-    # the runtime shards (FSDP2) without pipeline stages only: with dp_shard > 1 every rank is a DP rank (pp = 1)
-    candidates = range(dp_shard, world_size + 1, dp_shard) if dp_shard == 1 else [world_size]
-    for dp in (d for d in candidates if world_size % d == 0 and d % dp_shard == 0):
+    candidates = dp_degrees if dp_degrees is not None else range(1, devices + 1)
+    for dp in (d for d in candidates if devices % d == 0 and d % dp_shard == 0):
         try:
-            choice = _filling_choice(units, costs, world_size, microbatches, dp, dict(search, dp_shard=dp_shard))
+            choice = _filling_choice(units, costs, devices, microbatches, dp, dict(search, dp_shard=dp_shard))
         except ValueError as exc:
             errors.append(f"dp {dp}: {exc}")
             continue
         if choice is not None and (best is None or _rank(choice) < _rank(best)):
             best = choice
+        elif choice is None:
+            errors.append(f"dp {dp}: no plan uses all {devices // dp} ranks of a replica")
     if best is None:
-        raise ValueError(f"no runnable plan for {world_size} processes: " + "; ".join(errors))
+        raise ValueError(f"no runnable plan for {devices} processes: " + ("; ".join(errors) or "no DP degree"))
     return best
 
 
-def _filling_choice(units: Sequence[Unit], costs: Sequence[UnitCost], world_size: int, microbatches: int, dp: int,
+def _filling_choice(units: Sequence[Unit], costs: Costs, world_size: int, microbatches: int, dp: int,
                     search: dict[str, Any]) -> LayoutChoice | None:
     """The best plan of ``dp`` replicas that uses all ``world_size / dp`` ranks of each: the full search's, else
     (it leaves ranks idle) the best 1F1B plan with one stage per rank if that one fills them; else None.
@@ -124,7 +125,11 @@ def _filling_choice(units: Sequence[Unit], costs: Sequence[UnitCost], world_size
     return None
 
 
-def _search_dp(units: Sequence[Unit], costs: Sequence[UnitCost], world_size: int, microbatches: int, dp: int,
+_EVALUATED = ("p2p", "dp_link", "memory_cap", "dtype", "optimizer", "overheads", "dp_shard")
+"""``plan_layout`` keyword arguments that ``evaluate_plan`` takes too."""
+
+
+def _search_dp(units: Sequence[Unit], costs: Costs, world_size: int, microbatches: int, dp: int,
                options: dict[str, Any]) -> LayoutChoice:
     """``plan_layout`` restricted to DP degree ``dp`` (all-reduce charged in the search). ``plan_layout`` takes DP
     degrees up to ``microbatches`` only: a larger ``dp`` is searched as one replica with one microbatch on
@@ -132,11 +137,10 @@ def _search_dp(units: Sequence[Unit], costs: Sequence[UnitCost], world_size: int
     if dp <= microbatches:
         return plan_layout(units, costs, world_size, microbatches=microbatches, dp_degrees=[dp], **options)
     one = plan_layout(units, costs, world_size // dp, microbatches=1, dp_degrees=[1], **dict(options, dp_shard=1))
+    timed = {k: v for k, v in options.items() if k in _EVALUATED}
     return evaluate_plan(one.plan, units, costs, dp=dp, microbatches=microbatches, devices=world_size,
-                         p2p=options["p2p"], dp_link=options["dp_link"], memory_cap=options["memory_cap"],
-                         dtype=options["dtype"], method=one.method, candidates=one.candidates,
-                         simulated=one.simulated, schedule=one.schedule, overheads=options["overheads"],
-                         dp_shard=options["dp_shard"])
+                         method=one.method, candidates=one.candidates, simulated=one.simulated,
+                         schedule=one.schedule, **timed)
 
 
 def _rank(choice: LayoutChoice) -> tuple:

@@ -163,10 +163,11 @@ def pp_toml(fields: Mapping[str, Any], dp: int, degrees: Mapping[str, Any] | Non
     """The ``[parallel.pp]`` TOML table of ``fields`` (``degree`` first; the values ``toml_value`` writes) under a
     comment line giving the rest of the job's config: the ``parallel.dp`` to set in ``[parallel]`` when there are
     several replicas (``dp``; the table describes one pipeline replica) and ``parallel.plan = "manual"``.
-    With ``degrees`` (a plan with TP, FSDP2 or checkpointing: ``dp``, ``dp_shard``, ``tp`` and
-    ``activation_checkpointing``) a ``[parallel]`` table with ``plan``, ``dp`` (replicas), ``dp_shard`` and ``tp``
-    comes first instead (the job's own ``[parallel]`` keys are then replaced by it), and the comment names
-    ``train.activation_checkpointing`` to set in ``[train]``. A table
+    With ``degrees`` (a plan with TP, FSDP2 or checkpointing: ``dp``, ``dp_shard``, ``tp``,
+    ``activation_checkpointing`` and optionally ``offload``) a ``[parallel]`` table with ``plan``, ``dp`` (replicas),
+    ``dp_shard``, ``tp`` and ``offload`` (only when not ``"none"``) comes first instead (the job's own
+    ``[parallel]`` keys are then replaced by it), and the comment names ``train.activation_checkpointing`` to set in
+    ``[train]``. A table
     never pairs ``layout = "encoder_parallel"`` with ``attach_encoders = true`` (the encoders then sit on the first
     LLM rank, not on parallel ranks): the layout line is left out there (its default) and a comment says where
     the encoders run.
@@ -196,7 +197,8 @@ def _degrees_head(degrees: Mapping[str, Any], pp: int) -> str:
             "replace the job's [parallel] keys by this table"
             + (f"; also set activation_checkpointing = {toml_value(ac)} in [train]" if ac != "none" else "") + "\n")
     return (note + "[parallel]\nplan = \"manual\"\n"
-            + "".join(f"{k} = {v}\n" for k, v in (("dp", dp), ("dp_shard", shard), ("tp", tp))))
+            + "".join(f"{k} = {v}\n" for k, v in (("dp", dp), ("dp_shard", shard), ("tp", tp)))
+            + (f"offload = {toml_value(degrees['offload'])}\n" if degrees.get("offload", "none") != "none" else ""))
 
 
 def _snippet_head(dp: int, degree: int) -> str:

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import Any
 
 from plait.config.loader import pipeline_plan_kwargs
 from plait.config.schema import JobConfig, PipelineConfig
 from plait.parallel.checkpointing import checkpoint_policy
 from plait.planner.auto_plan import layout_pp_fields, plan_auto_layout
+from plait.planner.overheads import ActionOverheads
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
 from plait.planner.search import LayoutChoice
 from plait.planner.simulator import P2PModel
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
-__all__ = ["apply_layout_choice", "auto_microbatches", "resolve_auto_plan"]
+__all__ = ["apply_layout_choice", "auto_microbatches", "kept_degrees", "resolve_auto_plan"]
 
 
 def auto_microbatches(cfg: JobConfig) -> int:
@@ -29,9 +31,28 @@ def auto_microbatches(cfg: JobConfig) -> int:
     return max(1, -(-cfg.train.global_batch_size // cfg.train.microbatch_size))
 
 
+def kept_degrees(cfg: JobConfig, devices: int, named: str = "") -> dict[str, Any]:
+    """The search's keyword arguments (``search_parallel.plan_parallel``, ``plan_auto_layout``) that keep the job's
+    own ``parallel.tp`` / ``parallel.dp_shard`` when either is above 1: exactly those degrees, searched even when
+    the plain plan fits (``prefer_plain=False``); ``{}`` when both are 1 (TP and sharding are then searched only
+    when memory requires them). The one rule of ``plait plan`` and ``parallel.plan = "auto"``.
+
+    Raises:
+        ValueError: when ``tp x dp_shard`` does not divide ``devices`` (named).
+    """
+    tp, shard = cfg.parallel.tp, cfg.parallel.dp_shard
+    if tp == 1 and shard == 1:
+        return {}
+    if devices % (tp * shard):
+        raise ValueError(f"the job's parallel.tp = {tp} x parallel.dp_shard = {shard} does not divide "
+                         f"{named or f'the {devices} processes'}: change it or set them to 1 to let the plan choose")
+    return dict(tp_degrees=[tp], dp_shard_degrees=[shard], prefer_plain=False)
+
+
 def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Unit]) -> JobConfig:
     """A copy of ``cfg`` running ``choice``: ``parallel.dp`` = its replicas (``choice.dp / choice.dp_shard``),
-    ``parallel.dp_shard`` and ``parallel.tp`` = its FSDP2 and TP degrees, ``[parallel.pp]`` = its plan
+    ``parallel.dp_shard`` and ``parallel.tp`` = its FSDP2 and TP degrees, ``parallel.offload`` = its FSDP2 CPU
+    offload (``"none"`` or ``"cpu"``), ``[parallel.pp]`` = its plan
     (``layout_pp_fields``: degree 1 when it is a single rank), ``parallel.plan = "manual"`` (resolved), and
     ``train.activation_checkpointing`` = its policy when it has one (a choice without checkpointing leaves the
     job's policy: its costs were the job's).
@@ -46,6 +67,7 @@ def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Un
     out.parallel.dp = choice.dp // choice.dp_shard
     out.parallel.dp_shard = choice.dp_shard
     out.parallel.tp = choice.tp
+    out.parallel.offload = choice.offload
     if choice.checkpointing != "none":
         out.train.activation_checkpointing = choice.checkpointing
     out.parallel.pp = PipelineConfig(**layout_pp_fields(choice, units))
@@ -75,16 +97,19 @@ def _check_expressed(pp: PipelineConfig, plan: PipelinePlan, units: Sequence[Uni
 def resolve_auto_plan(cfg: JobConfig, world_size: int, units: Sequence[Unit], costs: Sequence[UnitCost], *,
                       p2p: P2PModel | None = None, memory_cap: float | None = None,
                       dtype: str = "float32", dp_link: P2PModel | None = None,
-                      virtual_stages: Sequence[int] = (1, 2, 4),
-                      attach_encoders: bool = True) -> tuple[JobConfig, LayoutChoice]:
+                      virtual_stages: Sequence[int] = (1, 2, 4), attach_encoders: bool = True,
+                      overheads: ActionOverheads = ActionOverheads()) -> tuple[JobConfig, LayoutChoice]:
     """``cfg`` with ``parallel.plan = "auto"`` resolved for ``world_size`` processes from unit costs: the
     config to train with and the chosen plan (``plan_auto_layout`` with the same keyword arguments, e.g.
-    ``dp_link`` for the DP all-reduce, and the job's activation checkpointing, whose recomputation it charges;
-    when nothing fits ``memory_cap`` it searches TP, FSDP2 and checkpointing too; :func:`apply_layout_choice`).
+    ``dp_link`` for the DP all-reduce and ``overheads`` for the runtime's fixed costs (``plait plan``'s
+    ``plan_costs.runtime_costs``), and the job's activation checkpointing, whose recomputation it charges;
+    when nothing fits ``memory_cap`` it searches TP, FSDP2 and checkpointing too, and a job's own ``parallel.tp`` /
+    ``parallel.dp_shard`` above 1 are kept as ``plait plan`` keeps them (:func:`kept_degrees`);
+    :func:`apply_layout_choice`).
 
     Raises:
-        ValueError: when ``parallel.plan`` is not ``"auto"``, the units are not the model's (no LLM unit), or
-            no plan fits.
+        ValueError: when ``parallel.plan`` is not ``"auto"``, the units are not the model's (no LLM unit), the
+            job's ``tp x dp_shard`` does not divide ``world_size``, or no plan fits.
     """
     if cfg.parallel.plan != "auto":
         raise ValueError(f"parallel.plan is {cfg.parallel.plan!r}; only 'auto' is resolved")
@@ -93,5 +118,6 @@ def resolve_auto_plan(cfg: JobConfig, world_size: int, units: Sequence[Unit], co
     policy, overrides = checkpoint_policy(cfg)  # recomputation charged (planner.sharding.shard_costs)
     choice = plan_auto_layout(units, costs, world_size, auto_microbatches(cfg), p2p=p2p, memory_cap=memory_cap,
                               dtype=dtype, dp_link=dp_link, virtual_stages=virtual_stages,
-                              attach_encoders=attach_encoders, checkpointing=policy, checkpoint_overrides=overrides)
+                              attach_encoders=attach_encoders, overheads=overheads, checkpointing=policy,
+                              checkpoint_overrides=overrides, **kept_degrees(cfg, world_size))
     return apply_layout_choice(cfg, choice, units), choice

@@ -13,6 +13,7 @@ from plait.commands.plan import plan_command, plan_setup
 from plait.commands.plan_fit import least_need
 from plait.planner.cost_model import DeviceSpec
 from plait.planner.graph import consistent_units
+from plait.planner.offload import HostSpec
 from plait.planner.search_parallel import degree_options
 from plait.planner.sharding import ParallelDegrees, rank_memory
 from tests.conftest import ROOT
@@ -40,7 +41,7 @@ def test_least_need_of_a_sharded_option_is_its_whole_rank_memory():
 def test_no_plan_fits_is_one_readable_sentence(tmp_path):
     setup, _ = _setup(80 * 2**30, 2)
     need, best = least_need(setup.inputs.units, setup.inputs.costs, 2, degree_options(2),
-                            dtype=setup.search["dtype"])
+                            dtype=setup.search["dtype"], host=HostSpec())  # plait plan searches CPU offload too
     _, device = _setup(0.5 * need / 0.9, 2)  # a cap of half the least need
     with pytest.raises(ValueError) as info:
         plan_command(DEMO, 2, tmp_path / "plan.json", device=device, out=io.StringIO(), profile_store=None)
