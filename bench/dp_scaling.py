@@ -5,7 +5,11 @@ the first ``--samples`` training records with a fixed per-rank batch (``--per-ra
 weak scaling, so ideal scaling is N x the one-process tokens/s):
 
 - ``single``: one process (the reference);
-- ``ddp``: ``parallel.dp = 2`` (full replicas, one bucketed all-reduce after the last backward: ``sum_gradients``);
+- ``ddp``: ``parallel.dp = 2`` (full replicas; ``data_parallel.GradientReducer``: the LLM's gradient buckets
+  all-reduced asynchronously as the last LLM backward finishes them, the encoders' after the deferred encoder
+  backwards, all awaited before the optimizer);
+- ``ddp_sync``: the same with every bucket all-reduced after the last backward (no overlap), only with
+  ``--sync`` (what the overlap gains, in the same interleaved rounds);
 - ``fsdp2``: ``parallel.dp_shard = 2`` (FSDP2 per pipeline unit: parameters all-gathered per unit, gradients
   reduce-scattered as each unit's backward ends, overlapping the rest of the backward);
 - ``hsdp``: ``parallel.dp = 2, dp_shard = 2`` (4 processes), only with ``--hsdp`` (it needs 4 cores to mean
@@ -17,7 +21,7 @@ run's tokens/s is the global batch's tokens over the median step time. The table
 median over rounds of tokens/s and the ratio to ideal scaling (``tokens/s / (N x single's)``). The machine is
 shared: read the spread across rounds too.
 
-Run: ``.venv/bin/python bench/dp_scaling.py [--rounds 3] [--steps 6] [--per-rank 8] [--hsdp]`` (about 4 minutes
+Run: ``.venv/bin/python bench/dp_scaling.py [--rounds 3] [--steps 6] [--per-rank 8] [--hsdp] [--sync]`` (about 4 minutes
 on the 2-core CPU with the defaults).
 """
 
@@ -37,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CONFIGS = {"single": (1, {}), "ddp": (2, {"dp": 2}), "fsdp2": (2, {"dp_shard": 2}),
+CONFIGS = {"single": (1, {}), "ddp": (2, {"dp": 2}), "ddp_sync": (2, {"dp": 2}), "fsdp2": (2, {"dp_shard": 2}),
            "hsdp": (4, {"dp": 2, "dp_shard": 2})}
 """name -> (processes, ``[parallel]`` degrees)."""
 
@@ -59,6 +63,8 @@ def worker(args: argparse.Namespace) -> None:
     cfg.data.val = None
     cfg.data.train = str(Path(args.folder) / "train.jsonl")
     trainer = Trainer.build(cfg)
+    if args.worker == "ddp_sync":  # no GradientReducer: the trainer sums every gradient after the last backward
+        trainer._gradient_reducer = lambda: None
     order = trainer.loader.epoch_order(0).tolist()
     times, tokens = [], []
     for k in range(args.steps + 1):
@@ -97,6 +103,7 @@ def main() -> None:
     parser.add_argument("--per-rank", type=int, default=8, help="samples per rank per step")
     parser.add_argument("--samples", type=int, default=64, help="training records used")
     parser.add_argument("--hsdp", action="store_true", help="also HSDP 2x2 (4 processes)")
+    parser.add_argument("--sync", action="store_true", help="also DDP with the all-reduce after the backward")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -106,7 +113,7 @@ def main() -> None:
     from bench.plan_holds import small_train_set
     from tests.distributed.spawning import free_port
 
-    names = ["single", "ddp", "fsdp2"] + (["hsdp"] if args.hsdp else [])
+    names = ["single", "ddp"] + (["ddp_sync"] if args.sync else []) + ["fsdp2"] + (["hsdp"] if args.hsdp else [])
     results: dict[str, list[float]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

@@ -1,10 +1,18 @@
 """Data parallelism over the ``dp`` (and ``cp``) ranks: a DDP wrapper that makes every rank start from rank 0's
-parameters, and :func:`sum_gradients`, the one gradient all-reduce both trainers call after their last
-backward (gloo on CPU, NCCL on GPU)."""
+parameters, and the one gradient all-reduce both trainers use (gloo on CPU, NCCL on GPU): :func:`sum_gradients`
+after the last backward, or a :class:`GradientReducer` whose buckets start during the last backward.
+
+Buckets (the source is PyTorch DDP's reducer, Li et al., "PyTorch Distributed", VLDB 2020: fixed buckets in reverse
+parameter order, each all-reduced asynchronously as soon as its gradients are final, all awaited before the
+optimizer): every rank cuts the same parameters into the same buckets, and each bucket carries one flag per
+parameter (1 where this rank has a gradient) after its gradients, so "which parameters got a gradient anywhere"
+needs no collective of its own: a parameter without a gradient on every rank keeps ``grad=None`` (as in one
+process: the optimizer skips it); one with a gradient on some rank gets the sum (zeros where it was unused).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -14,41 +22,127 @@ from torch.nn.parallel import DistributedDataParallel
 
 from plait.parallel.mesh import DistInfo
 
-__all__ = ["apply_data_parallel", "unwrap", "sum_gradients", "BUCKET_ELEMENTS"]
+__all__ = ["apply_data_parallel", "unwrap", "sum_gradients", "BUCKET_ELEMENTS", "GradientReducer",
+           "OVERLAP_BUCKET_ELEMENTS"]
 
 BUCKET_ELEMENTS = 1 << 24
 """Elements per all-reduce bucket of :func:`sum_gradients` (bounds its temporary flat buffer)."""
+OVERLAP_BUCKET_ELEMENTS = 1 << 19
+"""Elements per bucket of a :class:`GradientReducer` in the trainer: small enough that the buckets of the LLM's last
+layers start while the backward still runs through the earlier ones (2 MiB of float32, DDP's 25 MB scaled to the
+CPU demo's 6 MB of gradients)."""
 
 
 def sum_gradients(params: Sequence[nn.Parameter], group: Any = None, device: torch.device | str = "cpu",
                   bucket_elements: int = BUCKET_ELEMENTS) -> None:
-    """Sum ``.grad`` of ``params`` over the ranks of ``group`` (default: all ranks), in place.
-
-    A parameter without a gradient on every rank keeps ``grad=None`` (as in one process: the optimizer skips
-    it); one with a gradient on some rank gets the sum (zeros where it was unused). One all-reduce of a
-    per-parameter flag (int32 ``[len(params)]`` on ``device``), then one per bucket: a run of parameters of one
-    gradient dtype and device of at most ``bucket_elements`` elements (a larger parameter alone), flattened.
-    Collective over ``group``: every rank passes the same parameters in the same order.
+    """Sum ``.grad`` of ``params`` over the ranks of ``group`` (default: all ranks), in place (module docstring:
+    ``None`` where no rank has a gradient, zeros where this rank has none). One all-reduce per bucket: a run of
+    parameters of one dtype and device of at most ``bucket_elements`` elements (a larger parameter alone),
+    flattened with their flags (on the gradients' device; ``device`` is not needed). Collective over ``group``:
+    every rank passes the same parameters in the same order.
     """
-    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
-    dist.all_reduce(present, group=group)
-    used = [p for p, n in zip(params, present.tolist()) if n > 0]
-    for p in used:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    for bucket in _buckets(used, bucket_elements):
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # type: ignore[union-attr]
-        dist.all_reduce(flat, group=group)
-        for p, piece in zip(bucket, flat.split([p.numel() for p in bucket])):
-            p.grad.copy_(piece.view_as(p))  # type: ignore[union-attr]
+    GradientReducer(params, group, bucket_elements).finish()
 
 
-def _buckets(params: Sequence[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:
-    """``params`` in order, cut into runs of one gradient dtype/device and at most ``limit`` elements."""
+class GradientReducer:
+    """Gradient sums over ``group`` whose buckets start during the last backward of a step (module docstring).
+
+    Args:
+        params: the parameters to reduce, the same on every rank in the same order; cut into buckets in reverse
+            order (the backward's order), ``early`` ones first, of one dtype and device, at most ``bucket_elements``
+            elements each (a larger parameter alone), a bucket never mixing ``early`` and other parameters.
+        group: the process group (default: all ranks).
+        early: parameters whose gradient is final when the backward after :meth:`arm` has accumulated it once
+            (e.g. the LLM's: only LLM microbatch backwards reach them, not the deferred encoder backwards): a bucket
+            of them starts as soon as all its parameters' gradients are accumulated in that backward
+            (``register_post_accumulate_grad_hook``), if every bucket before it has started. The others start in
+            :meth:`finish`, in order, so every rank starts the same collectives in the same order.
+
+    Use: ``arm()`` just before the step's last backward that reaches ``early`` (a rank without one does not call it),
+    then ``finish()`` after the step's last backward: it starts the remaining buckets, waits for all and writes the
+    sums into ``.grad``. :meth:`close` removes the hooks.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], group: Any = None, bucket_elements: int = BUCKET_ELEMENTS,
+                 early: Collection[nn.Parameter] = ()) -> None:
+        early_ids = {id(p) for p in early}
+        self.group = group
+        backward = list(params)[::-1]
+        order = [p for p in backward if id(p) in early_ids] + [p for p in backward if id(p) not in early_ids]
+        self.buckets = _buckets(order, bucket_elements, lambda p: id(p) in early_ids)
+        self._early = [all(id(p) in early_ids for p in b) for b in self.buckets]
+        self._bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
+        self._pending = [len(b) if e else -1 for b, e in zip(self.buckets, self._early)]
+        self._started: list[tuple[torch.Tensor, Any]] = []
+        self._armed = False
+        self.started_early = 0
+        """Buckets of the last :meth:`finish`'s step that had started before it (during the backward)."""
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated)
+                       for b, e in zip(self.buckets, self._early) if e for p in b]
+
+    def arm(self) -> None:
+        """The next backward is the step's last that reaches the ``early`` parameters."""
+        self._armed = True
+
+    def _accumulated(self, p: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: count ``p`` in its bucket; start the buckets now ready, in order.
+
+        Raises:
+            RuntimeError: when ``p``'s bucket has already started (its gradient was not final: a misuse of
+                :meth:`arm`).
+        """
+        if not self._armed:
+            return
+        k = self._bucket_of[id(p)]
+        if k < len(self._started):
+            raise RuntimeError(f"a gradient of bucket {k} was accumulated after its all-reduce started: arm() must "
+                               "come just before the last backward that reaches the early parameters")
+        self._pending[k] -= 1
+        while len(self._started) < len(self.buckets) and self._pending[len(self._started)] == 0:
+            self._start(len(self._started))
+
+    def _start(self, k: int) -> None:
+        """Start bucket ``k``'s asynchronous all-reduce: its gradients (zeros where None) and flags, flattened."""
+        bucket = self.buckets[k]
+        dtype = bucket[0].dtype
+        flags = torch.tensor([p.grad is not None for p in bucket], dtype=dtype, device=bucket[0].device)
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
+                         + [flags])
+        self._started.append((flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+
+    def finish(self) -> None:
+        """Start the buckets not started yet (in order), wait for every bucket and write the sums into ``.grad``
+        (in place where this rank had a gradient); then ready for the next step. Collective over ``group``."""
+        self.started_early = len(self._started)
+        while len(self._started) < len(self.buckets):
+            self._start(len(self._started))
+        for bucket, (flat, work) in zip(self.buckets, self._started):
+            work.wait()
+            pieces = flat.split([p.numel() for p in bucket] + [len(bucket)])
+            for p, piece, used in zip(bucket, pieces, pieces[-1].tolist()):
+                if used == 0:
+                    p.grad = None
+                elif p.grad is None:
+                    p.grad = piece.view_as(p).clone()
+                else:
+                    p.grad.copy_(piece.view_as(p))
+        self._started = []
+        self._pending = [len(b) if e else -1 for b, e in zip(self.buckets, self._early)]
+        self._armed = False
+
+    def close(self) -> None:
+        """Remove the post-accumulate-grad hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+def _buckets(params: Sequence[nn.Parameter], limit: int, kind: Any = lambda p: None) -> list[list[nn.Parameter]]:
+    """``params`` in order, cut into runs of one dtype/device/``kind(p)`` and at most ``limit`` elements."""
     out: list[list[nn.Parameter]] = []
     size, key = 0, None
     for p in params:
-        k = (p.grad.dtype, p.grad.device)  # type: ignore[union-attr]
+        k = (p.dtype, p.device, kind(p))
         if not out or k != key or size + p.numel() > limit:
             out.append([])
             size, key = 0, k

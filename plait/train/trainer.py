@@ -46,7 +46,7 @@ from plait.models.multimodal import MultimodalModel
 from plait.models.units import unit_specs
 from plait.parallel.checkpointing import apply_activation_checkpointing, checkpoint_policy
 from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
-from plait.parallel.data_parallel import apply_data_parallel
+from plait.parallel.data_parallel import OVERLAP_BUCKET_ELEMENTS, GradientReducer, apply_data_parallel
 from plait.parallel.dims import AXES, ParallelDims
 from plait.parallel.fsdp import ShardedModel, apply_fsdp, gathered
 from plait.parallel.mesh import DistInfo
@@ -191,7 +191,8 @@ class Trainer:
         self.sharded: ShardedModel | None = None
         if self.dims.dp_shard > 1:  # FSDP2 (HSDP with dp > 1): after checkpointing, before the optimizer
             mesh = self.mesh["dp", "dp_shard"] if self.dims.dp > 1 else self.mesh["dp_shard"]
-            self.sharded = apply_fsdp(self.model, unit_specs(self.model), mesh, self.info.device.type)
+            self.sharded = apply_fsdp(self.model, unit_specs(self.model), mesh, self.info.device.type,
+                                      offload=self.cfg.parallel.offload == "cpu")
         plain = self.sharded is None and self.tp is None
         self.ddp_model = apply_data_parallel(self.model, self.info) if plain else self.model
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas,
@@ -279,9 +280,10 @@ class Trainer:
         (:class:`~plait.parallel.deferral.FeatureBuffer`); once every LLM microbatch that reads them has run
         backward, the gradients accumulated on the leaves are propagated through the encoder graph (detached-leaf
         re-injection), so deferred samples get the gradient of one fused forward/backward. Gradients are
-        reduced once, explicitly, after the last backward (``sum_gradients``): DDP's reducer would
-        all-reduce at the end of the last LLM backward, before the deferred encoder backwards. A rank whose
-        share is empty joins that reduction with no gradient (zeros).
+        reduced once per step (:meth:`_gradient_reducer`): the LLM's buckets start during the last LLM backward,
+        the encoders' after the deferred encoder backwards, all awaited before this returns (DDP's own reducer
+        would reduce the encoders before their deferred backwards). A rank whose share is empty joins every
+        bucket with no gradient (zeros).
         """
         self.model.train()
         plan = plan or self.plan_step(indices)[0]
@@ -297,14 +299,36 @@ class Trainer:
                 sharded = [p for _, p in self.model.trainable_parameters() if isinstance(p, DTensor)]
                 sum_local_gradients(sharded, self.cp_group, self.info.device)
         else:
-            loss_sum, self.encoder_buffer_peak_bytes = run_microbatches(
-                batches, scale, self._encode, lambda j, b, f: self.microbatch_loss(b, batches.llm_kwargs[j], f))
-            if self.info.world_size > 1:
+            reducer = self._gradient_reducer()
+            last = max((j for j, b in enumerate(batches.llm_batches) if b is not None), default=-1)
+
+            def loss(j: int, batch: Batch, features: dict[str, torch.Tensor]) -> torch.Tensor:
+                if reducer is not None and j == last:  # its backward is the last to reach the LLM's parameters
+                    reducer.arm()
+                return self.microbatch_loss(batch, batches.llm_kwargs[j], features)
+
+            loss_sum, self.encoder_buffer_peak_bytes = run_microbatches(batches, scale, self._encode, loss)
+            if reducer is not None:
+                reducer.finish()
+            elif self.info.world_size > 1:  # TP: DTensor gradients
                 sum_local_gradients([p for _, p in self.model.trainable_parameters()], self.tp and self.tp.grad_group,
                                     self.info.device)
         if self.info.world_size > 1:
             dist.all_reduce(loss_sum, group=self.tp and self.tp.grad_group)  # TP ranks share their tokens
         return float(loss_sum) / max(1, global_targets), global_targets
+
+    def _gradient_reducer(self) -> GradientReducer | None:
+        """The DP (and CP) gradient sum of the plain trainer, built once: buckets of the LLM's parameters start
+        during the last LLM backward of the step, the encoders' after the deferred encoder backwards
+        (:class:`~plait.parallel.data_parallel.GradientReducer`). None for one process and under TP
+        (``sum_local_gradients`` sums DTensor gradients)."""
+        if self.info.world_size == 1 or self.tp is not None:
+            return None
+        if getattr(self, "_reducer", None) is None:
+            llm = [p for p in self.model.language_model.parameters() if p.requires_grad]
+            self._reducer = GradientReducer([p for _, p in self.model.trainable_parameters()],
+                                            bucket_elements=OVERLAP_BUCKET_ELEMENTS, early=llm)
+        return self._reducer
 
     def _encode_branch(self, name: str, batch: Batch | None, calls: int) -> torch.Tensor:
         """Projected features of branch ``name`` on ``batch``'s items, or on a dummy item (``batch`` None), in

@@ -15,13 +15,15 @@ def main(config_path: str, out_path: str) -> None:
     trainer = Trainer.build(cfg)
     first = trainer.loader.epoch_order(0)[: cfg.train.global_batch_size].tolist()
     trainer.forward_backward(first)
+    reducer = trainer._gradient_reducer()  # DP: buckets started during the backward (overlapped)
+    early = reducer.started_early if reducer is not None else 0
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     trainer.optimizer.zero_grad(set_to_none=True)
     result = trainer.fit()
     if trainer.info.is_main:
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         torch.save({"losses": result["losses"], "params": params, "grads": grads,
-                    "world": trainer.info.world_size}, out_path)
+                    "world": trainer.info.world_size, "early": early}, out_path)
     if trainer.info.world_size > 1:
         torch.distributed.destroy_process_group()
 
