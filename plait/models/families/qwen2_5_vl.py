@@ -14,8 +14,9 @@ Projector role: the merger stays a unit of the tower (its last one, in the post-
 and plait's projector follows it. The merger's weights live in the tower's checkpoint (``visual.merger``), it runs
 inside the stock forward on window-ordered hidden states before the reverse permutation, and the tower's
 ``pooler_output`` is then exactly the merged features of Hugging Face's model (peer parity without touching the
-stock forward); a job that imports a Qwen2.5-VL checkpoint, whose merger already maps to the LLM width, sets the
-projector as the import chooses. Consequence: ``freeze`` of the branch freezes the merger with the blocks.
+stock forward); ``plait import`` of a Qwen2.5-VL checkpoint, whose merger already maps to the LLM width, makes that
+projector the identity (frozen in the imported job) and ``plait export`` folds it into the merger's last Linear
+(:mod:`plait.models.hf_io`). Consequence: ``freeze`` of the branch freezes the merger with the blocks.
 
 Pipeline stages: the per-call inputs (rotary cos/sin, ``cu_seqlens``, window index) are recomputed on every stage
 from ``grid_thw`` (:class:`Qwen25VLCall`, the :mod:`plait.models.tower_call` hook); hidden states travel between
