@@ -241,8 +241,12 @@ def _holder(sharing: list[nn.Module], mesh: Any, policy: tuple[MixedPrecisionPol
     non-root child, each module called on its own."""
     holder = fully_shard(_Holder(sharing), mesh=mesh, reshard_after_forward=True, mp_policy=policy[0],
                          offload_policy=policy[1])
+
+    def init_root(*_: Any) -> None:
+        _state(holder)  # idempotent: FSDP2's lazy init of the root and its tied child
+
     for m in sharing:
-        m.register_forward_pre_hook(lambda *_: _state(holder) and None, prepend=True)
+        m.register_forward_pre_hook(init_root, prepend=True)
     return holder
 
 
