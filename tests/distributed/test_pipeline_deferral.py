@@ -8,9 +8,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,10 +18,10 @@ from plait.planner.routing import FeatureRouting
 from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline_plan import plan_pipeline
 from plait.planner.schedules import build_schedule
-from tests.conftest import ROOT, tiny_config_dict, write_jsonl
+from tests.conftest import tiny_config_dict, write_jsonl
 from tests.distributed import pipeline_deferral_worker as w
 from tests.distributed.pipeline_worker import apply_mode, reference_step, tiny_model
-from tests.distributed.spawning import free_port, spawn_and_wait
+from tests.distributed.spawning import free_port, run_main, spawn_and_wait
 from plait.train.loss import token_loss_sum
 from tests.unit.train.test_deferral import assert_same_training, deferral_records
 
@@ -113,7 +110,8 @@ def test_pipeline_deferral_with_pp2xdp2_and_pp2xcp2_equals_one_process():
 
 
 def _train(cfg: dict, tmp_path, name: str, nproc: int) -> dict:
-    """Run ``trainer_main`` on ``cfg`` (in this process, or under torchrun when ``nproc`` > 1); the ranks' outputs
+    """Run ``trainer_main`` on ``cfg`` (in this process, or on ``nproc`` > 1 ranks started with torchrun's variables);
+    the ranks' outputs
     merged (gradients and parameters by name: each rank holds its own stage's)."""
     cfg = json.loads(json.dumps(cfg))
     cfg["metrics"]["run_dir"] = str(tmp_path / f"run_{name}")
@@ -122,12 +120,8 @@ def _train(cfg: dict, tmp_path, name: str, nproc: int) -> dict:
     if nproc == 1:
         w.trainer_main(str(path), str(tmp_path / name))
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", "--master_addr=127.0.0.1",
-               str(ROOT / "tests" / "distributed" / "pipeline_deferral_worker.py"), str(path), str(tmp_path / name)]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        run_main("tests.distributed.pipeline_deferral_worker", [str(path), str(tmp_path / name)], nproc, 300,
+                 f"{name} on {nproc} processes", function="trainer_main")
     parts = [torch.load(tmp_path / f"{name}.{r}.pt") for r in range(nproc)]
     merged = dict(parts[0], grads={}, params={})
     for part in parts:
