@@ -8,14 +8,12 @@ reshards: one process -> dp_shard=2 and dp_shard=2 -> DDP)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+from pathlib import Path
 
 import torch
 
 from tests.conftest import ROOT, demo_records, tiny_config_dict, write_jsonl
-from tests.distributed.spawning import free_port
+from tests.distributed.spawning import run_main
 from tests.distributed.test_data_parallel import assert_same_training
 from tests.unit.train.test_deferral import deferral_records
 
@@ -24,20 +22,14 @@ LIMIT_S = 240
 
 
 def run(cfg: dict, tmp_path, name: str, nproc: int, worker=WORKER, **extra) -> dict:
-    """Train ``cfg`` on ``nproc`` processes (``worker``) into run folder ``run_<name>``; returns what rank 0
-    wrote."""
+    """Train ``cfg`` on ``nproc`` processes (``worker``'s ``main``, with torchrun's variables: ``run_main``) into
+    run folder ``run_<name>``; returns what rank 0 wrote."""
     cfg = json.loads(json.dumps(cfg)) | extra
     cfg["metrics"]["run_dir"] = str(tmp_path / f"run_{name}")
     cfg_path = tmp_path / f"{name}.json"
     cfg_path.write_text(json.dumps(cfg))
     out = tmp_path / f"{name}.pt"
-    cmd = [sys.executable, str(worker), str(cfg_path), str(out)]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", "--master_addr=127.0.0.1", *cmd[1:]]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LIMIT_S)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_main(f"tests.distributed.{Path(worker).stem}", [str(cfg_path), str(out)], nproc, LIMIT_S, name)
     return torch.load(out)
 
 
