@@ -65,7 +65,6 @@ import torch.distributed as dist
 
 from plait.config.loader import pipeline_plan_kwargs
 from plait.config.schema import JobConfig, PipelineConfig
-from plait.data.collate import Batch
 from plait.models.generation import stop_token_ids
 from plait.models.multimodal import MultimodalModel
 from plait.models.init import materialize, rank_prefixes, weight_source
@@ -78,7 +77,6 @@ from plait.parallel.pipeline import (
     build_pipeline_comm,
     clip_grad_norm_pipeline,
     gather_timeline,
-    run_pipeline_forward,
     run_pipeline_step,
 )
 from plait.parallel.stages import build_rank_stages
@@ -86,14 +84,15 @@ from plait.parallel.tensor_parallel import apply_job_tensor_parallel
 from plait.planner.microbatch import MicrobatchPlan
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
 from plait.planner.schedule_ir import Schedule
-from plait.planner.schedules import build_schedule, forward_only
+from plait.planner.schedules import build_schedule
 from plait.planner.timeline import TimelineEvent
 from plait.train.build import model_from_checkpoint
 from plait.train.checkpoint import CheckpointLayout, checkpoint_dir
-from plait.train.evaluation import EvalSide, greedy_by_forward, next_token_ids
+from plait.train.evaluation import EvalSide
 from plait.train.loss import token_loss_sum, zero_loss
 from plait.train.metrics import MetricsWriter
 from plait.train.plots import plot_timeline, write_chrome_trace
+from plait.train.replica_eval import PipelinePasses
 from plait.train.optim import LRSchedule, build_optimizer, lr_factor
 from plait.train.trainer import Trainer
 
@@ -292,52 +291,27 @@ class PipelineTrainer(Trainer):
     def _eval_side(self) -> EvalSide:
         """This rank's part in an evaluation through its stages (module docstring, "Validation"): loss and answers
         over the DP replicas, counted and recorded by pipeline rank 0 / CP rank 0 of each replica; the loss by
-        forward-only pipeline passes, the answers by greedy decoding through them (:meth:`_pipeline_answers`)."""
+        forward-only pipeline passes, the answers by greedy decoding through them
+        (:class:`~plait.train.replica_eval.PipelinePasses`, as ``plait launch``'s pipelines)."""
         group = max(2 * self.pp, self.cfg.parallel.pp.microbatches)
         lead = self.dims.coords(self.info.rank).tp == 0  # TP peers hold the same loss sums and answers
         first = self.pp_rank == 0 and self.cp_rank == 0 and lead
-        # _forward_only is a collective pipeline pass: every rank runs it, only TP rank 0 reports its sums
-        return EvalSide((self.dp, self.dp_rank), (self.dp, self.dp_rank), first, first, group,
-                        lambda batches: [x for x in self._forward_only(batches, token_loss_sum) if lead],
-                        self._pipeline_answers)
-
-    def _forward_only(self, batches: list[Batch], output_fn: Any) -> list[torch.Tensor]:
-        """One forward-only pass of ``batches`` through this replica's pipeline (``run_pipeline_forward``): the
-        last stage's ``output_fn`` per batch on its ranks, ``[]`` elsewhere."""
-        if len(batches) not in self._forward_schedules:
-            self._forward_schedules[len(batches)] = forward_only(self.plan, len(batches))
-        return run_pipeline_forward(self.stages, self._forward_schedules[len(batches)], batches, self.comm,
-                                    output_fn=output_fn, autocast=self.autocast,
-                                    llm_kwargs=[self._llm_kwargs(b) for b in batches])
-
-    def _pipeline_answers(self, batches: list[Batch]) -> list[list[str]]:
-        """Greedy answers to left-padded prompt batches by repeated forward-only pipeline passes without a KV
-        cache (:func:`~plait.train.evaluation.greedy_by_forward`; cost in :mod:`plait.train.evaluation`): each pass's
-        next tokens come from the last stage (with CP, the CP rank holding the last position) and are agreed on
-        by one all-reduce (max) over this replica's ranks."""
         stop = stop_token_ids(self.tokenizer, self.model.language_model.generation_config)
-        rows = [b.input_ids.shape[0] for b in batches]
-
-        def forward(current: list[Batch]) -> list[torch.Tensor]:
-            outs = self._forward_only(current, next_token_ids)
-            tokens = torch.cat(outs) if outs else torch.full((sum(rows),), -1, dtype=torch.long)
-            tokens = tokens.to(self.info.device)
-            if self._replica_group is not False:
-                dist.all_reduce(tokens, op=dist.ReduceOp.MAX, group=self._replica_group)
-            return list(tokens.cpu().split(rows))
-
-        new = greedy_by_forward(forward, batches, stop, self.cfg.train.max_new_tokens, self.processor.pad_id)
-        return [self.tokenizer.batch_decode(t, skip_special_tokens=True) for t in new]
+        passes = self._passes
+        # a forward-only pass is collective over the pipeline: every rank runs it, only TP rank 0 reports its sums
+        return EvalSide((self.dp, self.dp_rank), (self.dp, self.dp_rank), first, first, group,
+                        lambda batches: [x for x in passes.forward(batches, token_loss_sum) if lead],
+                        lambda batches: passes.answers(batches, self.tokenizer, stop, self.cfg.train.max_new_tokens,
+                                                       self.processor.pad_id))
 
     def _eval_train_mode(self, train: bool) -> None:
-        """Eval mode for the stages (no dropout); the replica's process group (pipeline x CP ranks) is created on
-        the first evaluation (collective: every rank evaluates)."""
+        """Eval mode for the stages (no dropout); the replica's passes and process group (pipeline x CP ranks) are
+        created on the first evaluation (collective: every rank evaluates)."""
         self.stages.train(train)
-        if not hasattr(self, "_forward_schedules"):
-            self._forward_schedules: dict[int, Schedule] = {}
+        if not hasattr(self, "_passes"):
             spans = self.pp * self.cp > 1 and self.comm.distributed
-            self._replica_group = (None if self.dp == 1 else self.dims.new_group(("pp", "cp"), self.info.rank)) \
-                if spans else False
+            group = (None if self.dp == 1 else self.dims.new_group(("pp", "cp"), self.info.rank)) if spans else False
+            self._passes = PipelinePasses(self.stages, self.plan, self.comm, group, self.autocast, self._llm_kwargs)
 
     def full_model(self, path: str | Path | None = None) -> MultimodalModel:
         """The whole model with the weights of checkpoint ``path`` (default: the run's newest), on this rank's

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-import plait.train.pipeline_trainer as pipeline_trainer
+import plait.train.replica_eval as replica_eval
 from plait.config.loader import config_from_dict
 from plait.train.pipeline_trainer import PipelineTrainer
 from plait.train.trainer import Trainer
@@ -30,7 +30,7 @@ def main(config_path: str, out_path: str) -> None:
     owned = {id(p) for p in trainer.model.parameters() if p.device.type != "meta"}
     calls = [0]
     if cls is PipelineTrainer:
-        run = pipeline_trainer.run_pipeline_forward
+        run = replica_eval.run_pipeline_forward  # the one forward-only pass of every pipeline evaluation
 
         def checked(*args, **kwargs):
             if calls[0] == 0 or calls[0] % 5 == 0:
@@ -40,7 +40,7 @@ def main(config_path: str, out_path: str) -> None:
             calls[0] += 1
             return run(*args, **kwargs)
 
-        pipeline_trainer.run_pipeline_forward = checked
+        replica_eval.run_pipeline_forward = checked
     result = trainer.fit()
     extra = live_parameters() - owned
     assert not extra, f"rank {trainer.info.rank}: {len(extra)} parameters outside its stages after evaluate"
