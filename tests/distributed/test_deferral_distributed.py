@@ -4,18 +4,13 @@ re-injection of buffered encoder outputs, trainable encoders) equals one process
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import torch
 
-from tests.conftest import ROOT, tiny_config_dict, write_jsonl
-from tests.distributed.spawning import free_port
+from tests.conftest import tiny_config_dict, write_jsonl
+from tests.distributed.spawning import run_main
 from tests.distributed.test_data_parallel import assert_same_training
 from tests.unit.train.test_deferral import deferral_records
-
-WORKER = ROOT / "tests" / "distributed" / "deferral_worker.py"
 
 
 def run(cfg: dict, tmp_path, name: str, nproc: int) -> dict:
@@ -24,13 +19,8 @@ def run(cfg: dict, tmp_path, name: str, nproc: int) -> dict:
     cfg_path = tmp_path / f"{name}.json"
     cfg_path.write_text(json.dumps(cfg))
     out = tmp_path / f"{name}.pt"
-    cmd = [sys.executable, str(WORKER), str(cfg_path), str(out)]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", "--master_addr=127.0.0.1", *cmd[1:]]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_main("tests.distributed.deferral_worker", [str(cfg_path), str(out)], nproc, 300,
+             f"{name} on {nproc} process(es)")
     return torch.load(out)
 
 

@@ -10,6 +10,7 @@ import pytest
 from tests.conftest import demo_records
 from tests.distributed.test_fsdp import assert_equal_runs, job, run
 from tests.distributed.test_pipeline_eval import job as eval_job
+from tests.distributed.test_pipeline_eval import reference as eval_reference
 from tests.distributed.test_pipeline_eval import run as eval_run
 from tests.distributed.test_tensor_parallel_training import assert_same as assert_same_tp
 
@@ -41,7 +42,7 @@ def test_tp2_with_deferral_equals_one_process(tmp_path, frozen):
 def pp2_tp2_eval(tmp_path_factory) -> tuple[dict, dict]:
     """One process's and PP=2 x TP=2's (4 processes) evaluation after training (``eval_worker.py``)."""
     tmp = tmp_path_factory.mktemp("pp2_tp2_eval")
-    single = eval_run(eval_job(tmp, "single", {}), tmp, "single", 1)
+    single = eval_reference(tmp)  # one run for this module and test_pipeline_eval.py
     parallel = {"tp": 2, "pp": {"degree": 2, "layout": "encoders_colocated", "schedule": "1f1b"}}
     return single, eval_run(eval_job(tmp, "pp2-tp2", parallel), tmp, "pp2-tp2", 4)
 

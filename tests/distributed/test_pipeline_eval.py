@@ -1,20 +1,18 @@
 """Evaluation through the job's own layout (issue 12, item 3): PP=2, PP=2 x DP=2, DP=2, CP=2 and PP=2 x CP=2 jobs
-(gloo, torchrun) report the validation loss of one process (1e-5), per task and overall, and the same greedy
-answers (hence the same exact match and pluggable metrics), with no rank holding a materialised parameter outside
-its stages while and after it evaluates (checked in ``eval_worker.py``: every live non-meta ``nn.Parameter`` of the
-process is one of its trainer's, at the forward-only pipeline passes and after ``fit``)."""
+(gloo; ranks started with torchrun's variables) report the validation loss of one process (1e-5), per task and
+overall, and the same greedy answers (hence the same exact match and pluggable metrics), with no rank holding a
+materialised parameter outside its stages while and after it evaluates (checked in ``eval_worker.py``: every live
+non-meta ``nn.Parameter`` of the process is one of its trainer's, at the forward-only pipeline passes and after
+``fit``)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from tests.conftest import ROOT, demo_records, tiny_config_dict, write_jsonl
-from tests.distributed.spawning import free_port
+from tests.distributed.spawning import run_main, shared_reference
 
 WORKER = ROOT / "tests" / "distributed" / "eval_worker.py"
 METRICS = ["tests.unit.train.eval_metric_fns:first_char_match", "tests.unit.train.eval_metric_fns:answer_lengths"]
@@ -46,20 +44,20 @@ def run(cfg: dict, tmp_path, name: str, nproc: int) -> dict:
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
     out = tmp_path / f"{name}.pt"
-    cmd = [sys.executable, str(WORKER), str(path), str(out)]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", "--master_addr=127.0.0.1", *cmd[1:]]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_main("tests.distributed.eval_worker", [str(path), str(out)], nproc, 300, f"{name} on {nproc} process(es)")
     return torch.load(out, weights_only=False)
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("single")
-    return run(job(tmp, "single", {}), tmp, "single", 1)
+    return reference(tmp_path_factory.mktemp("single"))
+
+
+def reference(tmp_path) -> dict:
+    """One process's training and evaluation of the job (in ``tmp_path``), run once per session for every test
+    comparing a layout against it (here and in ``test_parallel_gaps.py``)."""
+    cfg = job(tmp_path, "single", {})
+    return shared_reference(str(WORKER), cfg, lambda: run(cfg, tmp_path, "single", 1))
 
 
 @pytest.mark.parametrize("case", list(CASES))
