@@ -78,3 +78,12 @@ def tiny_job(tmp_path):
                                                  str(tmp_path / "run"), **sections))
 
     return make
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster than two on a shared, oversubscribed machine (restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -34,7 +34,7 @@ MODES = {
 BATCHES = ("iva", "t", "ia")
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/unit/parallel/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def frozen_model(mode: str):

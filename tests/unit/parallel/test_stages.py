@@ -27,7 +27,7 @@ from tests.distributed.pipeline_worker import apply_mode, make_batch, reference_
 SPLIT = {"vision": 2, "audio": 2, "llm": 3}
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/unit/parallel/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def on_one_rank(plan: PipelinePlan) -> PipelinePlan:
