@@ -1,31 +1,20 @@
-"""DP=2 under torchrun (gloo) equals one process on the same global batches."""
+"""DP=2 (gloo; ranks started with torchrun's variables) equals one process on the same global batches."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import torch
 
-from tests.conftest import ROOT, demo_records, tiny_config_dict, write_jsonl
-from tests.distributed.spawning import free_port
-
-WORKER = ROOT / "tests" / "distributed" / "dp_worker.py"
+from tests.conftest import demo_records, tiny_config_dict, write_jsonl
+from tests.distributed.spawning import run_main
 
 
 def run(cfg: dict, tmp_path, name: str, nproc: int) -> dict:
     cfg_path = tmp_path / f"{name}.json"
     cfg_path.write_text(json.dumps(cfg))
     out = tmp_path / f"{name}.pt"
-    cmd = [sys.executable, str(WORKER), str(cfg_path), str(out)]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", "--master_addr=127.0.0.1", *cmd[1:]]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_main("tests.distributed.dp_worker", [str(cfg_path), str(out)], nproc, 300, f"{name} on {nproc} process(es)")
     return torch.load(out)
 
 
