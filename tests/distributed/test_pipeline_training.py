@@ -1,5 +1,6 @@
-"""``plait train`` with pipeline parallelism: PP=2 under torchrun (gloo) equals one process, writes a
-measured timeline, checkpoints, validation accuracies and the whole final model, and resumes exactly.
+"""``plait train`` with pipeline parallelism: PP=2 (gloo; ranks started with torchrun's variables) equals one
+process, writes a measured timeline, checkpoints, validation accuracies and the whole final model, and resumes
+exactly.
 
 Layout of the PP job: ``encoders_colocated`` with the default stage counts (both encoders on stage 0, the LLM
 on stage 1), 1F1B, 2 microbatches per step. The single-process reference is the plain ``Trainer`` in this
@@ -12,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +26,7 @@ from plait.train.metrics import read_metrics
 from plait.train.plots import read_chrome_trace
 from plait.train.trainer import Trainer
 from tests.conftest import ROOT, demo_records, tiny_config_dict, write_jsonl
-from tests.distributed.spawning import free_port
+from tests.distributed.spawning import run_main
 
 STEPS, GLOBAL_BATCH, MICROBATCH = 3, 4, 2
 
@@ -55,16 +58,45 @@ def job_dict(tmp_path, run: str) -> dict:
 
 
 def torchrun_train(job: dict, tmp_path, name: str, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    """``plait train`` of ``job`` (written to ``<tmp_path>/<name>.toml``) under torchrun with ``nproc`` processes;
-    fails the test with the output's tail when it exits non-zero (240 s limit)."""
+    """``plait train`` of ``job`` (written to ``<tmp_path>/<name>.toml``) on ``nproc`` ranks started with torchrun's
+    variables (``spawning.run_main``: forked from the session's fork server, no launcher, no interpreter start per
+    rank); the ranks' exit codes (the largest), stdout and stderr (rank 0's first) as a finished process; fails the
+    test with the output's tail when a rank exits non-zero (240 s limit)."""
     path = tmp_path / f"{name}.toml"
     path.write_text(to_toml(job) + "\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           "--master_addr=127.0.0.1", "-m", "plait.cli", "train", "--config", str(path), *extra]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    argv = ["train", "--config", str(path), *extra]
+    logs = tmp_path / f"{name}.rank"
+    run_main("tests.distributed.test_pipeline_training", [str(logs), *argv], nproc, 240,
+             f"plait train {name} on {nproc} processes", function="cli_rank")
+    out = [Path(f"{logs}.{r}.{kind}").read_text() for kind in ("rc", "out", "err") for r in range(nproc)]
+    proc = subprocess.CompletedProcess(["plait", *argv], max(map(int, out[:nproc])), "".join(out[nproc:2 * nproc]),
+                                       "".join(out[2 * nproc:]))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
+
+
+def cli_rank(logs: str, *argv: str) -> None:
+    """One rank of :func:`torchrun_train`: ``plait <argv>`` in the repository root, its file descriptors 1 and 2
+    (Python, C++ and child processes alike) in ``<logs>.<rank>.out``/``.err``, its exit code in ``<logs>.<rank>.rc``
+    (1 with the traceback on stderr when it raises)."""
+    from plait.cli import main
+
+    rank = os.environ.get("RANK", "0")
+    os.chdir(ROOT)
+    code = 1
+    with open(f"{logs}.{rank}.out", "w") as out, open(f"{logs}.{rank}.err", "w") as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            code = main(list(argv))
+        except BaseException:  # noqa: BLE001 - reported through the exit code and stderr, as a process would
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+    Path(f"{logs}.{rank}.rc").write_text(str(code))
 
 
 def losses_of(run_dir) -> dict[int, float]:
