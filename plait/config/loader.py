@@ -195,6 +195,7 @@ def validate(cfg: JobConfig) -> None:
     _check(cfg.parallel.dp_shard >= 1, f"parallel.dp_shard must be >= 1 (1: no sharding), got {cfg.parallel.dp_shard}")
     _check(cfg.parallel.tp >= 1, f"parallel.tp must be >= 1 (1: no tensor parallelism), got {cfg.parallel.tp}")
     _validate_offload(cfg.parallel)
+    _validate_fsdp_reduce(cfg.parallel)
     _check(cfg.parallel.cp_distribution in ("uniform", "zigzag", "lpt", "ilp"),
            f"parallel.cp_distribution must be uniform, zigzag, lpt or ilp, got {cfg.parallel.cp_distribution!r}")
     _check(cfg.parallel.plan in ("manual", "auto"),
@@ -279,6 +280,18 @@ def _validate_offload(p: Any) -> None:
         _check(p.pp.degree == 1, "parallel.offload = 'cpu' needs parallel.pp.degree = 1: under pipeline stages a "
                "stage's parameters and gradients stay whole on the device through the step, so offload would move "
                f"only the optimizer state (not supported), got pp.degree = {p.pp.degree}")
+
+
+def _validate_fsdp_reduce(p: Any) -> None:
+    """``parallel.fsdp_reduce``: ``"step"`` or ``"microbatch"``, the latter only with FSDP2 and no pipeline stages."""
+    _check(p.fsdp_reduce in ("step", "microbatch"),
+           f"parallel.fsdp_reduce must be 'step' or 'microbatch', got {p.fsdp_reduce!r}")
+    if p.fsdp_reduce == "microbatch":
+        _check(p.dp_shard > 1, "parallel.fsdp_reduce = 'microbatch' reduce-scatters FSDP2's gradients: it needs "
+               f"parallel.dp_shard > 1, got dp_shard = {p.dp_shard}")
+        _check(p.pp.degree == 1, "parallel.fsdp_reduce = 'microbatch' needs parallel.pp.degree = 1: under pipeline "
+               "stages each stage's gradients are reduce-scattered once after its last backward, got pp.degree = "
+               f"{p.pp.degree}")
 
 
 def _validate_pipeline(cfg: JobConfig) -> None:

@@ -282,6 +282,13 @@ class ParallelConfig:
     step runs on the host). Needs ``dp_shard`` > 1 (FSDP2 wrapping) and ``pp.degree`` = 1 (under pipeline stages the
     stage's parameters stay whole on the device through the step, so offloading would save only the optimizer
     state: not supported)."""
+    fsdp_reduce: str = "step"
+    """When FSDP2 without pipeline stages reduce-scatters gradients over a step's microbatches: ``"step"`` (gradient
+    sync off until the last microbatch: every trainable unit's gradient accumulates unsharded on the device, one
+    reduce-scatter per step) or ``"microbatch"`` (a reduce-scatter after every microbatch's backward, the shards
+    accumulate: one unit's unsharded gradient at a time, ``M`` reductions per step). ``plait plan`` and
+    ``parallel.plan = "auto"`` choose it (``planner.search_parallel.flat_reduce``). ``"microbatch"`` needs
+    ``dp_shard`` > 1 and ``pp.degree`` = 1; CPU offload always reduces every microbatch."""
     tp: int = 1
     """Tensor-parallel degree: the attention heads and MLPs of every layer are split over ``tp`` ranks."""
     cp: int = 1

@@ -26,6 +26,10 @@ What is plait's own here, the rest is PyTorch's:
 - **CPU offload** (``parallel.offload = "cpu"``, FSDP2's ``CPUOffloadPolicy``): the shards, their gradients and
   so AdamW's state and step live on the host; each group's shard is copied to the device before its all-gather and
   its reduce-scattered gradient back. Without pipeline stages only (``config.loader`` refuses it with ``pp`` > 1).
+- **Gradient reduction over microbatches** (without pipeline stages, ``parallel.fsdp_reduce``): ``"step"`` turns
+  gradient sync off until the last microbatch (``train.step_run``), so every group's gradient accumulates unsharded
+  and is reduce-scattered once; ``"microbatch"`` (:attr:`ShardedModel.reduce_each_microbatch`) keeps sync on, as CPU
+  offload does: one reduce-scatter per microbatch, the shards accumulate (``planner.sharding`` charges both).
 - **Mixed precision** on GPU: bf16 parameters for compute, fp32 gradient reduction and fp32 master weights
   (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``); fp32 throughout on CPU.
 
@@ -79,6 +83,9 @@ class ShardedModel:
         offload: the groups offload to the host (``parallel.offload = "cpu"``): gradients are then reduce-scattered
             after every microbatch's backward (:meth:`set_gradient_sync` keeps it on), so the unsharded gradients
             never accumulate on the device; the shards accumulate on the host.
+        reduce_each_microbatch: ``parallel.fsdp_reduce = "microbatch"``: as under :attr:`offload`, gradients are
+            reduce-scattered after every microbatch's backward and the shards accumulate on the device (one unit's
+            unsharded gradient at a time instead of all of them, for one reduction per microbatch).
     """
 
     groups: dict[str, list[FSDPModule]] = field(default_factory=dict)
@@ -87,6 +94,7 @@ class ShardedModel:
     units: list[str] = field(default_factory=list)
     holders: dict[int, FSDPModule] = field(default_factory=dict)
     offload: bool = False
+    reduce_each_microbatch: bool = False
 
     def all_groups(self) -> list[FSDPModule]:
         """Every group, module by module."""
@@ -146,10 +154,11 @@ class ShardedModel:
 
     def set_gradient_sync(self, sync: bool, module: str | None = None) -> None:
         """Reduce-scatter gradients at the end of each group's backward (``sync``) or accumulate them unsharded
-        (microbatches before the last), for ``module``'s groups (default: all). Under :attr:`offload` always
-        reduce-scatter (the shards accumulate on the host)."""
+        (microbatches before the last), for ``module``'s groups (default: all). Under :attr:`offload` or
+        :attr:`reduce_each_microbatch` always reduce-scatter (the shards accumulate)."""
+        always = self.offload or self.reduce_each_microbatch
         for group in self.all_groups() if module is None else self.groups.get(module, []):
-            group.set_requires_gradient_sync(sync or self.offload, recurse=False)
+            group.set_requires_gradient_sync(sync or always, recurse=False)
 
 
 def mixed_precision(device_type: str) -> MixedPrecisionPolicy:
@@ -160,7 +169,8 @@ def mixed_precision(device_type: str) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_type: str,
-               replicate: Collection[nn.Parameter] = (), offload: bool = False) -> ShardedModel:
+               replicate: Collection[nn.Parameter] = (), offload: bool = False,
+               reduce_each_microbatch: bool = False) -> ShardedModel:
     """Shard, in place, the trainable units of ``model`` over ``mesh`` (module docstring for the rules).
 
     Args:
@@ -175,6 +185,7 @@ def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_ty
             another rank: ``RankStages.tied``); parameters tied between units of ``model`` are one group instead.
         offload: CPU offload (``parallel.offload = "cpu"``, :func:`offload_policy`): every group's shards, their
             gradients (and so the optimizer state and step) on the host.
+        reduce_each_microbatch: ``parallel.fsdp_reduce = "microbatch"`` (:class:`ShardedModel`).
 
     Returns:
         The groups made, by module.
@@ -183,7 +194,7 @@ def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_ty
         ValueError: when modules sharing a tied parameter hold frozen parameters next to trained ones, or a module
             holds both of its own (FSDP2 needs one ``requires_grad`` per group).
     """
-    out = ShardedModel(offload=offload)
+    out = ShardedModel(offload=offload, reduce_each_microbatch=reduce_each_microbatch)
     policy = (mixed_precision(device_type), offload_policy(device_type, offload))
     units = [(s.unit.module, s.unit.name, [m for m in map(lambda p: _held(model, p), s.modules) if m is not None])
              for s in specs]

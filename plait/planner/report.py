@@ -134,7 +134,8 @@ def degrees_line(choice: LayoutChoice) -> str:
         hsdp = f" (HSDP: {choice.dp // choice.dp_shard} replicas)" if choice.dp > choice.dp_shard else ""
         buffer = (f" + {choice.shard_buffer_bytes / _GIB:.2f} GiB unsharded buffer" if choice.plan.num_ranks == 1
                   else " (under stages: optimizer state sharded, parameters and gradients whole within a step)")
-        parts.append(f"FSDP2 over {choice.dp_shard} of the {choice.dp} data-parallel ranks{hsdp}{buffer}")
+        reduce = ", gradients reduce-scattered every microbatch" if choice.fsdp_reduce == "microbatch" else ""
+        parts.append(f"FSDP2 over {choice.dp_shard} of the {choice.dp} data-parallel ranks{hsdp}{buffer}{reduce}")
     if choice.checkpointing != "none":
         parts.append(f"activation checkpointing {choice.checkpointing}")
     return "memory: " + ", ".join(parts) if parts else ""
@@ -164,8 +165,9 @@ def pp_toml(fields: Mapping[str, Any], dp: int, degrees: Mapping[str, Any] | Non
     comment line giving the rest of the job's config: the ``parallel.dp`` to set in ``[parallel]`` when there are
     several replicas (``dp``; the table describes one pipeline replica) and ``parallel.plan = "manual"``.
     With ``degrees`` (a plan with TP, FSDP2 or checkpointing: ``dp``, ``dp_shard``, ``tp``,
-    ``activation_checkpointing`` and optionally ``offload``) a ``[parallel]`` table with ``plan``, ``dp`` (replicas),
-    ``dp_shard``, ``tp`` and ``offload`` (only when not ``"none"``) comes first instead (the job's own
+    ``activation_checkpointing`` and optionally ``offload`` and ``fsdp_reduce``) a ``[parallel]`` table with ``plan``,
+    ``dp`` (replicas), ``dp_shard``, ``tp``, ``offload`` (only when not ``"none"``) and ``fsdp_reduce`` (only when not
+    ``"step"``) comes first instead (the job's own
     ``[parallel]`` keys are then replaced by it), and the comment names ``train.activation_checkpointing`` to set in
     ``[train]``. A table
     never pairs ``layout = "encoder_parallel"`` with ``attach_encoders = true`` (the encoders then sit on the first
@@ -198,7 +200,9 @@ def _degrees_head(degrees: Mapping[str, Any], pp: int) -> str:
             + (f"; also set activation_checkpointing = {toml_value(ac)} in [train]" if ac != "none" else "") + "\n")
     return (note + "[parallel]\nplan = \"manual\"\n"
             + "".join(f"{k} = {v}\n" for k, v in (("dp", dp), ("dp_shard", shard), ("tp", tp)))
-            + (f"offload = {toml_value(degrees['offload'])}\n" if degrees.get("offload", "none") != "none" else ""))
+            + (f"offload = {toml_value(degrees['offload'])}\n" if degrees.get("offload", "none") != "none" else "")
+            + (f"fsdp_reduce = {toml_value(degrees['fsdp_reduce'])}\n"
+               if degrees.get("fsdp_reduce", "step") != "step" else ""))
 
 
 def _snippet_head(dp: int, degree: int) -> str:

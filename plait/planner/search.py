@@ -155,6 +155,9 @@ class LayoutChoice(JsonDataclass):
         host_memory_bytes: host memory per device the plan needs (offload), included in ``fits_memory``.
         offload_s: seconds offload adds to the iteration (copies, per-microbatch reduce-scatters, the host's
             AdamW), included in ``iteration_s``.
+        fsdp_reduce: FSDP2 without pipeline stages (``parallel.fsdp_reduce``, ``search_parallel.flat_reduce``):
+            ``"step"`` (gradients accumulate unsharded, reduce-scattered at the last microbatch) or ``"microbatch"``
+            (reduce-scattered after every microbatch, included in ``iteration_s``).
 
     Raises:
         ValueError: when the per-stage tuples do not have one entry per stage, or an unknown method.
@@ -193,6 +196,7 @@ class LayoutChoice(JsonDataclass):
     offload: str = "none"
     host_memory_bytes: float = 0.0
     offload_s: float = 0.0
+    fsdp_reduce: str = "step"
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, PipelinePlan):

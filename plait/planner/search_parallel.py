@@ -12,7 +12,8 @@ reaches the best time found: the fastest fitting plan over the degrees, exact gi
 Ties go to less TP, then less sharding, then less checkpointing.
 
 With a shard degree above 1 both runtimes of FSDP2 are searched (``plan_parallel``): every rank a DP rank
-(``pp = 1``: units gathered per microbatch, ``sharding.shard_costs`` and its buffer) and pipeline stages whose DP
+(``pp = 1``: units gathered per microbatch, ``sharding.shard_costs`` and its buffer; with several microbatches per
+rank both gradient reductions, ``parallel.fsdp_reduce`` ``"step"`` and ``"microbatch"``, ``flat_reduce``) and pipeline stages whose DP
 ranks shard them (``pp > 1``: gathered once per step, ``sharding.pipelined_shard_costs``, whole parameters and
 gradients within the step, a shard of the optimizer state); the faster fitting plan is kept.
 
@@ -42,12 +43,12 @@ from plait.planner.recompute import CHECKPOINT_POLICIES
 from plait.planner.search import LayoutChoice, plan_layout
 from plait.planner.search_model import Costs, cost_list
 from plait.planner.overheads import ActionOverheads
-from plait.planner.sharding import (ParallelDegrees, pipelined_optimizer, pipelined_overheads, pipelined_shard_costs,
+from plait.planner.sharding import (ParallelDegrees, accumulated_grad_bytes, pipelined_optimizer, pipelined_overheads, pipelined_shard_costs,
                                     shard_buffer_bytes, shard_costs)
 from plait.planner.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
 
-__all__ = ["LayoutSearch", "SearchOne", "degree_options", "plan_offloaded", "plan_parallel", "search_degrees"]
+__all__ = ["LayoutSearch", "SearchOne", "degree_options", "flat_reduce", "plan_offloaded", "plan_parallel", "search_degrees"]
 
 LayoutSearch = Callable[..., LayoutChoice]
 """A search with ``search.plan_layout``'s signature: ``plan_layout``, or ``planner.auto_plan.plan_filling_layout``
@@ -120,7 +121,8 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
         if left is not None and left <= 0:
             raise ValueError(f"FSDP2's buffer alone ({buffer:.3g} bytes) exceeds the memory cap")
         choice = search(per_rank, devices // degrees.tp, left, degrees)
-        buffered = buffer if choice.plan.num_ranks == 1 else 0.0  # with stages: whole within the step (sharding)
+        # with stages: whole within the step (sharding); without, the flat search's accumulated gradients added
+        buffered = buffer + choice.shard_buffer_bytes if choice.plan.num_ranks == 1 else 0.0
         return dataclasses.replace(choice, devices=devices, tp=degrees.tp, checkpointing=degrees.checkpointing,
                                    shard_buffer_bytes=buffered, memory_cap=memory_cap,
                                    lower_bound_s=microbatches * work / devices)
@@ -224,9 +226,13 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
                                dp_degrees=dps, dtype=dtype, optimizer=optimizer, **search)
 
         def flat(flat_dps: list[int]) -> LayoutChoice:  # every device a DP rank: FSDP2 per microbatch, the buffer
-            return layout_search(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=cap,
-                               dp_degrees=flat_dps, dtype=dtype, optimizer=optimizer, dp_shard=degrees.dp_shard,
-                               **search)
+            def run(flat_cap: float | None) -> LayoutChoice:
+                return layout_search(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=flat_cap,
+                                     dp_degrees=flat_dps, dtype=dtype, optimizer=optimizer,
+                                     dp_shard=degrees.dp_shard, **search)
+
+            extra = accumulated_grad_bytes(true_units, whole, degrees, dtype, optimizer)
+            return flat_reduce(run, cap, -(-microbatches // pipe_devices), extra)
 
         def staged(staged_dps: list[int]) -> LayoutChoice:  # pipeline stages sharded over their DP ranks
             return _pipelined(true_units, whole, degrees, pipe_devices, staged_dps, microbatches, memory_cap, dtype,
@@ -247,6 +253,44 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
                        dict(tp_link=tp_link, shard_link=shard_link, checkpoint_overrides=checkpoint_overrides),
                        dp_degrees, search, layout_search)
         return plan_offloaded(job, options, exc)
+
+
+def flat_reduce(run: Callable[[float | None], LayoutChoice], cap: float | None, per_rank: int,
+                extra: float) -> LayoutChoice:
+    """The faster fitting of FSDP2's two gradient reductions without pipeline stages (``sharding``,
+    ``parallel.fsdp_reduce``): ``"step"`` (the unsharded gradients accumulate over the ``per_rank`` microbatches:
+    ``run`` under the cap lowered by ``extra``, ``sharding.accumulated_grad_bytes``, recorded in the result's
+    ``shard_buffer_bytes``) and ``"microbatch"`` (a reduce-scatter after every microbatch: ``run`` under ``cap``,
+    ``per_rank - 1`` more of the plan's ``grad_sync_s`` added to its iteration). With one microbatch per rank (or
+    nothing accumulated) the two are the same: ``"step"``. Ties go to ``"step"``.
+
+    Args:
+        run: the search under a memory cap (bytes; None: no cap); cap: the cap left after FSDP2's one-unit buffer.
+        per_rank: microbatches each rank runs per step; extra: bytes ``"step"`` adds to the buffer.
+
+    Raises:
+        ValueError: when neither fits a plan (both reasons).
+    """
+    if per_rank <= 1 or extra <= 0:
+        return run(cap)
+    found, errors = [], []
+    if cap is None or cap - extra > 0:
+        try:
+            found.append(dataclasses.replace(run(None if cap is None else cap - extra), shard_buffer_bytes=extra))
+        except ValueError as exc:
+            errors.append(f"fsdp_reduce step: {exc}")
+    else:
+        errors.append(f"fsdp_reduce step: the accumulated unsharded gradients ({extra:.3g} bytes) exceed the cap")
+    try:
+        choice = run(cap)
+        added = (per_rank - 1) * choice.grad_sync_s
+        found.append(dataclasses.replace(choice, fsdp_reduce="microbatch", iteration_s=choice.iteration_s + added,
+                                         planned_iteration_s=choice.planned_iteration_s + added))
+    except ValueError as exc:
+        errors.append(f"fsdp_reduce microbatch: {exc}")
+    if not found:
+        raise ValueError("; ".join(errors))
+    return min(found, key=lambda c: (not c.fits_memory, c.iteration_s, c.fsdp_reduce != "step"))
 
 
 def _sharded(degrees: ParallelDegrees, pipe_devices: int, microbatches: int, dps: Sequence[int] | None,

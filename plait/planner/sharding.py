@@ -29,7 +29,12 @@ the degrees. The formulas, per pipeline unit ``u`` with ``P_u`` parameter bytes,
   prefetch, so only the excess ``max(0, gather - compute)`` is charged. Gradients are reduce-scattered once per
   step at the flush (``search_model.grad_sync_s``). While a unit runs, FSDP2 holds its unsharded parameters,
   those of the next unit (prefetch) and, in the backward, its unsharded gradient before the reduce-scatter:
-  ``shard_buffer_bytes``, kept free below the memory cap. Tied parameters (an LLM's embedding and head): the
+  ``shard_buffer_bytes``, kept free below the memory cap. With several microbatches per rank the runtime either
+  accumulates every trainable unit's gradient unsharded until the last microbatch's backward reduce-scatters it
+  (``parallel.fsdp_reduce = "step"``: the buffer then holds all of them, ``accumulated_grad_bytes``, not one
+  unit's) or reduce-scatters after every microbatch (``"microbatch"``, like CPU offload: one unit's unsharded
+  gradient, the shards accumulate; the reduction, ``search_model.grad_sync_s``, paid once per microbatch).
+  ``search_parallel`` keeps the faster fitting of the two. Tied parameters (an LLM's embedding and head): the
   cost model holds the tied matrix in the embedding unit only (``cost_model.UnitEstimate.tied_params``) and FSDP2
   shards it once (``parallel.fsdp`` puts the embedding and head in one group), so dividing the embedding unit's
   bytes is exactly what a rank keeps. Not charged: that group stays unsharded from the embedding's forward to the
@@ -65,8 +70,10 @@ from plait.planner.types import Unit, UnitCost
 
 __all__ = [
     "TP_KINDS",
+    "FSDP_REDUCE",
     "ParallelDegrees",
     "RankMemory",
+    "accumulated_grad_bytes",
     "gather_s",
     "pipelined_optimizer",
     "pipelined_overheads",
@@ -79,6 +86,8 @@ __all__ = [
 
 TP_KINDS = ("layer",)
 """Unit kinds tensor parallelism splits (module docstring); the others are replicated on every TP rank."""
+FSDP_REDUCE = ("step", "microbatch")
+"""When FSDP2 without pipeline stages reduce-scatters the gradients (``parallel.fsdp_reduce``, module docstring)."""
 _TP_WHOLE_OUTPUTS = 4
 """Saved activations of a layer that keep the full hidden size under TP, in multiples of its output bytes."""
 
@@ -217,21 +226,42 @@ def pipelined_overheads(overheads: ActionOverheads, dp_shard: int) -> ActionOver
     return dataclasses.replace(overheads, optimizer_s_per_byte=overheads.optimizer_s_per_byte / dp_shard)
 
 
+def _unsharded_grads(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees, dtype: Any,
+                     optimizer: OptimizerSpec) -> tuple[list[UnitCost], list[float]]:
+    """Per unit its TP-split cost and the bytes of its whole (unsharded) gradient on one TP rank (0 when frozen)."""
+    tp_costs = [_tp_cost(u, c, degrees.tp, None) for u, c in zip(units, costs)]
+    b = dtype_bytes(dtype)
+    grad_b = b if optimizer.grad_bytes_per_param is None else optimizer.grad_bytes_per_param
+    return tp_costs, [c.param_bytes * u.trained_fraction / b * grad_b for u, c in zip(units, tp_costs)]
+
+
+def accumulated_grad_bytes(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees,
+                           dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec()) -> float:
+    """Bytes ``fsdp_reduce = "step"`` with several microbatches per rank adds to :func:`shard_buffer_bytes`: every
+    trainable unit's unsharded gradient (of one TP rank) is kept from the first microbatch's backward to the last,
+    instead of one unit's at a time: ``sum(grads) - max(grads)``. 0 when ``dp_shard == 1``."""
+    if degrees.dp_shard == 1:
+        return 0.0
+    grads = _unsharded_grads(units, costs, degrees, dtype, optimizer)[1]
+    return float(math.fsum(grads) - max(grads, default=0.0))
+
+
 def shard_buffer_bytes(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees,
-                       dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec()) -> float:
+                       dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec(), *,
+                       accumulate: bool = False) -> float:
     """Bytes FSDP2 holds unsharded at its peak (module docstring): the largest unsharded parameters of two trainable
     units next to each other (the running unit and the prefetched next one, in unit order; frozen units are not
     sharded, so not gathered) plus the largest unsharded gradient of a trainable unit, all on one TP rank
-    (``costs`` are whole-unit costs, before ``shard_costs``). 0 when ``dp_shard == 1``."""
+    (``costs`` are whole-unit costs, before ``shard_costs``); with ``accumulate`` (``fsdp_reduce = "step"`` and
+    several microbatches per rank) every trainable unit's unsharded gradient instead (:func:`accumulated_grad_bytes`).
+    0 when ``dp_shard == 1``."""
     if degrees.dp_shard == 1:
         return 0.0
-    tp_costs = [_tp_cost(u, c, degrees.tp, None) for u, c in zip(units, costs)]
+    tp_costs, grads = _unsharded_grads(units, costs, degrees, dtype, optimizer)
     params = [c.param_bytes if u.trainable else 0 for u, c in zip(units, tp_costs)]
     pairs = max((a + b for a, b in zip(params, params[1:])), default=sum(params))
-    b = dtype_bytes(dtype)
-    grad_b = b if optimizer.grad_bytes_per_param is None else optimizer.grad_bytes_per_param
-    grads = [c.param_bytes * u.trained_fraction / b * grad_b for u, c in zip(units, tp_costs)]
-    return float(pairs + max(grads, default=0.0))
+    held = math.fsum(grads) if accumulate else max(grads, default=0.0)
+    return float(pairs + held)
 
 
 @dataclass(frozen=True)
@@ -263,24 +293,34 @@ class RankMemory(JsonDataclass):
 
 def rank_memory(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees = ParallelDegrees(), *,
                 in_flight: float = 1, dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec(),
-                checkpoint_overrides: dict[str, str] | None = None, pipelined: bool = False) -> RankMemory:
+                checkpoint_overrides: dict[str, str] | None = None, pipelined: bool = False,
+                microbatches: int = 1, fsdp_reduce: str = "step") -> RankMemory:
     """Per-rank memory of a stage holding ``units`` under ``degrees``, split by kind (``RankMemory``): the same
     ``cost_model.unit_static_bytes`` / ``unit_activation_bytes`` the search charges, on ``shard_costs`` (with
     ``pipelined``, a stage of a plan with pipeline stages: :func:`pipelined_shard_costs` and
-    :func:`pipelined_optimizer`, no separate buffer).
+    :func:`pipelined_optimizer`, no separate buffer). Without pipeline stages, ``microbatches`` (per rank, per
+    step) above 1 with ``fsdp_reduce = "step"`` makes the buffer hold every trainable unit's unsharded gradient
+    (:func:`shard_buffer_bytes` with ``accumulate``).
 
     Raises:
-        ValueError: on mismatched lengths or a negative ``in_flight``.
+        ValueError: on mismatched lengths, a negative ``in_flight``, ``microbatches`` below 1 or an unknown
+            ``fsdp_reduce``.
     """
     if in_flight < 0:
         raise ValueError(f"in_flight must be >= 0, got {in_flight}")
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    if fsdp_reduce not in FSDP_REDUCE:
+        raise ValueError(f"fsdp_reduce must be one of {FSDP_REDUCE}, got {fsdp_reduce!r}")
     if pipelined and degrees.dp_shard > 1:
         per_rank = pipelined_shard_costs(units, costs, degrees, checkpoint_overrides=checkpoint_overrides)
         memory = _memory(units, per_rank, in_flight, dtype, pipelined_optimizer(optimizer, degrees.dp_shard))
         return dataclasses.replace(memory, buffer=0.0)
     per_rank = shard_costs(units, costs, degrees, checkpoint_overrides=checkpoint_overrides)
     memory = _memory(units, per_rank, in_flight, dtype, optimizer)
-    return dataclasses.replace(memory, buffer=shard_buffer_bytes(units, costs, degrees, dtype, optimizer))
+    accumulate = microbatches > 1 and fsdp_reduce == "step"
+    return dataclasses.replace(memory, buffer=shard_buffer_bytes(units, costs, degrees, dtype, optimizer,
+                                                                 accumulate=accumulate))
 
 
 def _memory(units: Sequence[Unit], per_rank: Sequence[UnitCost], in_flight: float, dtype: Any,

@@ -52,7 +52,7 @@ def kept_degrees(cfg: JobConfig, devices: int, named: str = "") -> dict[str, Any
 def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Unit]) -> JobConfig:
     """A copy of ``cfg`` running ``choice``: ``parallel.dp`` = its replicas (``choice.dp / choice.dp_shard``),
     ``parallel.dp_shard`` and ``parallel.tp`` = its FSDP2 and TP degrees, ``parallel.offload`` = its FSDP2 CPU
-    offload (``"none"`` or ``"cpu"``), ``[parallel.pp]`` = its plan
+    offload (``"none"`` or ``"cpu"``), ``parallel.fsdp_reduce`` = its gradient reduction, ``[parallel.pp]`` = its plan
     (``layout_pp_fields``: degree 1 when it is a single rank), ``parallel.plan = "manual"`` (resolved), and
     ``train.activation_checkpointing`` = its policy when it has one (a choice without checkpointing leaves the
     job's policy: its costs were the job's).
@@ -68,6 +68,7 @@ def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Un
     out.parallel.dp_shard = choice.dp_shard
     out.parallel.tp = choice.tp
     out.parallel.offload = choice.offload
+    out.parallel.fsdp_reduce = choice.fsdp_reduce
     if choice.checkpointing != "none":
         out.train.activation_checkpointing = choice.checkpointing
     out.parallel.pp = PipelineConfig(**layout_pp_fields(choice, units))

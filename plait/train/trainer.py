@@ -192,7 +192,8 @@ class Trainer:
         if self.dims.dp_shard > 1:  # FSDP2 (HSDP with dp > 1): after checkpointing, before the optimizer
             mesh = self.mesh["dp", "dp_shard"] if self.dims.dp > 1 else self.mesh["dp_shard"]
             self.sharded = apply_fsdp(self.model, unit_specs(self.model), mesh, self.info.device.type,
-                                      offload=self.cfg.parallel.offload == "cpu")
+                                      offload=self.cfg.parallel.offload == "cpu",
+                                      reduce_each_microbatch=self.cfg.parallel.fsdp_reduce == "microbatch")
         plain = self.sharded is None and self.tp is None
         self.ddp_model = apply_data_parallel(self.model, self.info) if plain else self.model
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas,

@@ -1,7 +1,7 @@
 """Worker for the FSDP2 tests: train a job (config JSON) on one fixed global batch, then ``fit``; rank 0 writes the
 first step's plan (deferred samples), full gradients, which DP ranks saw an image, the per-step losses and the
 full final parameters (sharded tensors gathered), the FSDP2 group names, the parameters left replicated and
-whether every group offloads to the host. With ``resume_from`` in the JSON, it first resumes that
+whether every group offloads to the host or reduce-scatters after every microbatch. With ``resume_from`` in the JSON, it first resumes that
 checkpoint (written with another layout) and trains the remaining steps instead."""
 
 import json
@@ -45,6 +45,7 @@ def main(config_path: str, out_path: str) -> None:
     out["replicated"] = len(trainer.sharded.replicated) if trainer.sharded is not None else 0
     states = [s for g in (trainer.sharded.all_groups() if trainer.sharded is not None else [])
               for s in g._get_fsdp_state()._fsdp_param_groups]
+    out["reduce_each_microbatch"] = trainer.sharded is not None and trainer.sharded.reduce_each_microbatch
     out["offloaded"] = bool(states) and all(isinstance(s.offload_policy, CPUOffloadPolicy) for s in states)
     if trainer.info.is_main:
         torch.save(out, out_path)

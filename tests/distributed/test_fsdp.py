@@ -2,7 +2,8 @@
 losses (rel 1e-5), first-step gradients and final parameters after AdamW steps (``assert_same_training``: rel 1e-5
 of each gradient's scale; parameters rtol 1e-5 / atol 1e-6), with frozen encoders + trainable projectors and with
 everything trainable; deferral on (hierarchical plans that defer), activation checkpointing inside the sharded
-units, a DP rank whose share of the batch holds no image (HSDP 2x2), and resuming across a dp_shard change (DCP
+units, gradients reduce-scattered after every microbatch (``parallel.fsdp_reduce = "microbatch"``), a DP rank whose
+share of the batch holds no image (HSDP 2x2), and resuming across a dp_shard change (DCP
 reshards: one process -> dp_shard=2 and dp_shard=2 -> DDP)."""
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ def test_fsdp2_all_trainable_with_checkpointing_and_resume_across_dp_shard(tmp_p
     assert any(n.startswith("encoders.vision.encoder.") for n in single["grads"])
     assert sum(".layers." in g for g in fsdp["groups"]) >= 2  # one group per layer unit
     assert_equal_runs(single, fsdp)
+    # parallel.fsdp_reduce = "microbatch": a reduce-scatter after each of a rank's 2 microbatches, shards accumulate
+    each = run(job(tmp_path, False, dp_shard=2, fsdp_reduce="microbatch"), tmp_path, "each", 2)
+    assert each["reduce_each_microbatch"] and not fsdp["reduce_each_microbatch"] and each["sharded"]
+    assert_equal_runs(single, each)
     # resume step 1 of the one-process run with dp_shard=2, and step 1 of the dp_shard=2 run as DDP (dp=2)
     step1 = "checkpoints/step_000001"
     to_fsdp = run(job(tmp_path, False, dp_shard=2), tmp_path, "to_fsdp", 2,

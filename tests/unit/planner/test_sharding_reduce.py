@@ -1,0 +1,91 @@
+"""FSDP2 without pipeline stages over several microbatches per rank (``parallel.fsdp_reduce``): ``"step"`` keeps
+every trainable unit's unsharded gradient until the last microbatch (``sharding.accumulated_grad_bytes``),
+``"microbatch"`` one unit's at a time for a reduction per microbatch; ``search_parallel.flat_reduce`` keeps the
+faster fitting of the two, and the emitted ``[parallel]`` table names it. Hand-worked values."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from plait.planner.cost_model import OptimizerSpec
+from plait.planner.graph import consistent_units
+from plait.planner.report import pp_toml
+from plait.planner.search import plan_layout
+from plait.planner.search_parallel import flat_reduce, plan_parallel
+from plait.planner.sharding import ParallelDegrees, accumulated_grad_bytes, rank_memory, shard_buffer_bytes
+from plait.planner.simulator import P2PModel
+from tests.unit.planner.test_sharding import _costs, _model, _units
+
+OPT = OptimizerSpec(grad_bytes_per_param=4, state_bytes_per_param=8)
+
+
+def test_step_reduction_over_several_microbatches_holds_every_unsharded_gradient():
+    units, costs = _units(), _costs()
+    two = ParallelDegrees(dp_shard=2)
+    # trainable: projector 200, LLM embed 200, LLM layer 800, head 200 (fp32, 4-byte gradients): 1400 in all
+    assert accumulated_grad_bytes(units, costs, two, "float32", OPT) == 1400 - 800
+    assert shard_buffer_bytes(units, costs, two, "float32", OPT) == 1000 + 800  # layer + neighbour, one gradient
+    assert shard_buffer_bytes(units, costs, two, "float32", OPT, accumulate=True) == 1000 + 1400
+    assert accumulated_grad_bytes(units, costs, ParallelDegrees(), "float32", OPT) == 0.0
+    memory = {(m, r): rank_memory(units, costs, two, dtype="float32", optimizer=OPT, microbatches=m, fsdp_reduce=r)
+              for m in (1, 3) for r in ("step", "microbatch")}
+    assert memory[1, "step"].buffer == memory[1, "microbatch"].buffer == memory[3, "microbatch"].buffer == 1800
+    assert memory[3, "step"].buffer == 2400
+    assert memory[3, "step"].gradients == memory[1, "step"].gradients == 1400 / 2  # the shards stay resident
+    with pytest.raises(ValueError, match="fsdp_reduce must be one of"):
+        rank_memory(units, costs, two, fsdp_reduce="layer")
+    with pytest.raises(ValueError, match="microbatches must be >= 1"):
+        rank_memory(units, costs, two, microbatches=0)
+    tp = ParallelDegrees(tp=2, dp_shard=2)  # TP halves the layer: 400 of its gradient on each TP rank
+    assert accumulated_grad_bytes(units, costs, tp, "float32", OPT) == (400 + 3 * 200) - 400
+
+
+def _fake_run(need: float, grad_sync_s: float):
+    base = dataclasses.replace(plan_layout(_units(), _costs(), 1, microbatches=4), grad_sync_s=grad_sync_s)
+
+    def run(cap):
+        return dataclasses.replace(base, fits_memory=cap is None or need <= cap)
+    return base, run
+
+
+def test_flat_reduce_keeps_the_faster_fitting_reduction():
+    base, run = _fake_run(need=700, grad_sync_s=0.5)
+    roomy = flat_reduce(run, 2000.0, 4, 600.0)  # step fits under 2000 - 600: no extra time
+    assert (roomy.fsdp_reduce, roomy.shard_buffer_bytes, roomy.iteration_s) == ("step", 600.0, base.iteration_s)
+    tight = flat_reduce(run, 1000.0, 4, 600.0)  # 1000 - 600 < 700: a reduce-scatter after each of 4 microbatches
+    assert tight.fsdp_reduce == "microbatch" and tight.fits_memory and tight.shard_buffer_bytes == 0.0
+    assert tight.iteration_s == pytest.approx(base.iteration_s + 3 * 0.5)
+    assert tight.planned_iteration_s == pytest.approx(base.planned_iteration_s + 3 * 0.5)
+    one = flat_reduce(run, 1000.0, 1, 600.0)  # one microbatch per rank: the two are the same
+    assert (one.fsdp_reduce, one.shard_buffer_bytes) == ("step", 0.0)
+    assert flat_reduce(run, None, 4, 600.0).fsdp_reduce == "step"
+
+
+def test_plan_parallel_reduces_every_microbatch_only_when_accumulating_does_not_fit():
+    units, costs = _model()
+    link = P2PModel(latency_s=1e-5, bandwidth_Bps=100e9)
+    whole = sum(plan_layout(units, costs, 1, microbatches=8).stage_memory_bytes)
+    common = dict(microbatches=8, p2p=link, dp_link=link, tp_degrees=[1], dp_shard_degrees=[2],
+                  checkpointing=["none"], prefer_plain=False, dp_degrees=[2])
+    extra = accumulated_grad_bytes(consistent_units(units), costs, ParallelDegrees(dp_shard=2))
+    base = shard_buffer_bytes(consistent_units(units), costs, ParallelDegrees(dp_shard=2))
+    roomy = plan_parallel(units, costs, 2, memory_cap=0.7 * whole, **common)
+    assert (roomy.fsdp_reduce, roomy.dp_shard, roomy.plan.num_ranks, roomy.dp) == ("step", 2, 1, 2)
+    assert roomy.shard_buffer_bytes == pytest.approx(base + extra)  # 4 microbatches per rank accumulate
+    assert max(roomy.stage_memory_bytes) + roomy.shard_buffer_bytes <= 0.7 * whole
+    tight = plan_parallel(units, costs, 2, memory_cap=0.6 * whole, **common)
+    assert (tight.fsdp_reduce, tight.plan.num_ranks, tight.dp) == ("microbatch", 1, 2)
+    assert tight.shard_buffer_bytes == pytest.approx(base)
+    assert max(tight.stage_memory_bytes) + base <= 0.6 * whole < max(tight.stage_memory_bytes) + base + extra
+    assert tight.iteration_s == pytest.approx(roomy.iteration_s + 3 * roomy.grad_sync_s)  # 3 more reductions
+
+
+def test_emitted_parallel_table_names_the_reduction_only_when_not_step():
+    fields = {"degree": 1}
+    degrees = dict(dp=1, dp_shard=2, tp=1, activation_checkpointing="none", offload="none")
+    assert "fsdp_reduce" not in pp_toml(fields, 2, degrees | {"fsdp_reduce": "step"})
+    assert "fsdp_reduce" not in pp_toml(fields, 2, degrees)
+    text = pp_toml(fields, 2, degrees | {"fsdp_reduce": "microbatch"})
+    assert 'tp = 1\nfsdp_reduce = "microbatch"\n[parallel.pp]\n' in text
