@@ -164,14 +164,18 @@ def _chat_template(processor: Any, tokenizer: Any, override: str, src: Path) -> 
 
 def job_toml(fmt: HfFormat, src: Path, model_dir: Path, model: MultimodalModel, train: str, val: str) -> str:
     """The text of the imported job: fine-tune the LLM and projector, the tower frozen (LLaVA-1.5's stage 2;
-    Qwen2.5-VL: the LLM, the tower with its merger frozen and plait's identity projector after it frozen too),
-    sequences up to the LLM's ``max_position_embeddings`` (at most 2048 tokens)."""
+    Qwen2.5-VL: the LLM, the tower with its merger frozen and plait's identity projector after it frozen too, and
+    videos at ``<|video_pad|>``, 2 frames per second, as ``Qwen2_5_VLProcessor`` takes them), sequences up to the
+    LLM's ``max_position_embeddings`` (at most 2048 tokens)."""
     limit = int(getattr(model.language_model.config, "max_position_embeddings", 2048) or 2048)
     token = model.placeholder_ids[fmt.branch]
     val_line = f'val = "{Path(val).resolve()}"\n' if val else ""
     projector_line = ("freeze_projector = true  # the identity after Qwen2.5-VL's merger, its projector (false: train "
                       "it too; export folds it into the merger)\n" if not fmt.projector_keys else "")
     run_dir = (model_dir.parent / "runs" / "finetune").resolve()
+    video = (f'\n[model.encoders.{fmt.branch}.video]\nplaceholder = "<|video_pad|>"  # transformers\' video token: a '
+             "video is positioned as Qwen2_5_VLProcessor gives it\nfps = 2.0  # sampled frames per second (its video "
+             "processor's default)\n" if fmt.name == "qwen2_5_vl" else "")
     return f"""# plait job written by plait import from {src.resolve()} ({fmt.model_class}).
 # The model (LLM, {fmt.branch} encoder and projector, placeholder id {token}, processor, chat template) is in
 # {model_dir.resolve()}. Set data.train (plait JSONL, LLaVA JSON or Parquet; one placeholder per item in the text,
@@ -187,7 +191,7 @@ freeze = false
 
 [model.encoders.{fmt.branch}]
 freeze = true  # the tower as imported (false: train it too)
-{projector_line}
+{projector_line}{video}
 [data]
 train = "{Path(train).resolve()}"
 {val_line}max_length = {min(limit, 2048)}

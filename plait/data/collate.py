@@ -30,9 +30,10 @@ class Batch:
         answers: reference answers (validation).
         rope_position_ids: ``[3, B, N]`` int64 multimodal rotary positions (M-RoPE, :mod:`plait.data.mrope`) of
             each document when some item of the batch has an image grid (``image_grid_thw``: Qwen2.5-VL), else
-            None; 0 on padding, per document in packed rows. An LLM that rotates with M-RoPE takes these instead of
-            ``position_ids`` (which stay the positions inside the document, for the attention mask); every other
-            LLM ignores them.
+            None (an item with ``second_per_grid_t`` and ``tokens_per_second``, a Qwen2.5-VL video, is positioned as
+            transformers positions a video); 0 on padding, per document in packed rows. An LLM that rotates with
+            M-RoPE takes these instead of ``position_ids`` (which stay the positions inside the document, for the
+            attention mask); every other LLM ignores them.
     """
 
     input_ids: torch.Tensor
@@ -117,14 +118,16 @@ def _rope_rows(samples: Sequence[ProcessedSample]) -> list[torch.Tensor] | None:
     rows = []
     for s in samples:
         seen: dict[str, int] = {}
-        grids = []
+        grids, timing = [], []
         for name, _ in s.meta.items:
             item = s.inputs[name][seen.get(name, 0)]
             seen[name] = seen.get(name, 0) + 1
             grid = item.get("image_grid_thw")
             grids.append(None if grid is None else [int(g) for g in torch.as_tensor(grid).reshape(-1)])
+            video = "second_per_grid_t" in item  # a Qwen2.5-VL video with its timing: positioned as a video
+            timing.append((item["second_per_grid_t"], item["tokens_per_second"]) if video else None)
         try:
-            rows.append(mrope_positions(s.input_ids, s.item_ids, grids))
+            rows.append(mrope_positions(s.input_ids, s.item_ids, grids, timing))
         except ValueError as exc:
             raise ValueError(f"sample {s.meta.id}: {exc}") from None
     return rows

@@ -9,10 +9,14 @@ plus ``max(h, w) / m``. The one implementation is transformers' own ``Qwen2_5_VL
 (``spatial_merge_size``, ``tokens_per_second``), as :mod:`plait.models.families.internvl` calls
 ``InternVLModel.pixel_shuffle``: no copy of the rule.
 
-plait's image branch feeds image and video items alike through the image placeholder, so every item is positioned
-as an image (``time_interval`` 1 between temporal patches): what transformers computes for the same ids when the
-exported model gets a video as image tokens. The merge size is read from the data: an item of grid ``(t, h, w)``
-with ``k`` tokens has ``m = sqrt(t h w / k)`` (the collator does not know the tower).
+An item is positioned as a video (transformers' token type 2: its temporal patches ``tokens_per_second x
+second_per_grid_t`` positions apart, ``video_grid_thw`` and ``second_per_grid_ts`` as ``Qwen2_5_VLProcessor`` gives
+them) when it carries its timing (a Qwen2.5-VL video, :class:`plait.models.families.qwen2_5_vl.TemporalPatches`),
+else as an image (``time_interval`` 1). The placeholder tokens under a video stay the branch's image placeholder:
+the LLM never sees them (features replace their embeddings, as transformers replaces ``<|video_pad|>``'s), so only
+the positions differ between the two, and they are transformers' video positions. The merge size is read from the
+data: an item of grid ``(t, h, w)`` with ``k`` tokens has ``m = sqrt(t h w / k)`` (the collator does not know the
+tower).
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ def _merge_size(grid: Sequence[int], tokens: int, item: int) -> int:
     return m
 
 
-def mrope_positions(input_ids: torch.Tensor, item_ids: torch.Tensor, grids: Sequence[Sequence[int] | None]
-                    ) -> torch.Tensor:
+def mrope_positions(input_ids: torch.Tensor, item_ids: torch.Tensor, grids: Sequence[Sequence[int] | None],
+                    timing: Sequence[tuple[float, float] | None] | None = None) -> torch.Tensor:
     """M-RoPE positions ``[3, n]`` int64 of one document (module docstring), by ``Qwen2_5_VLModel.get_rope_index``.
 
     Args:
@@ -50,10 +54,13 @@ def mrope_positions(input_ids: torch.Tensor, item_ids: torch.Tensor, grids: Sequ
         item_ids: ``[n]``: -1 on text, else the index of the media item (into ``grids``) the token belongs to.
         grids: per item, its grid ``(t, h, w)`` in patches, or None for an item without a grid (another branch,
             such as audio: its tokens are positioned as text, which is what a 1-D LLM position is).
+        timing: per item, ``(second_per_grid_t, tokens_per_second)`` for a video (seconds of video per temporal
+            patch; the tower's temporal position step per second), None for an image; None: every item an image.
 
     Raises:
-        ValueError: for an item whose token count is not ``t h w / m^2``, grid items of different merge sizes, or
-            two grid items with no text token between them (transformers would take them for one item).
+        ValueError: for an item whose token count is not ``t h w / m^2``, grid items of different merge sizes,
+            videos of different ``tokens_per_second``, or two grid items with no text token between them
+            (transformers would take them for one item).
     """
     ids, items = input_ids.reshape(-1).long(), item_ids.reshape(-1).long()
     gridded = torch.tensor([g is not None for g in grids] + [False], dtype=torch.bool)
@@ -67,11 +74,25 @@ def mrope_positions(input_ids: torch.Tensor, item_ids: torch.Tensor, grids: Sequ
     if len(merges) != 1:
         raise ValueError(f"grid items of merge sizes {sorted(merges)} in one document")
     _check_separated(items, on_grid)
+    timing = list(timing) if timing is not None else [None] * len(grids)
+    videos = [i for i in order if timing[i] is not None]
+    rates = {float(timing[i][1]) for i in videos}  # type: ignore[index]
+    if len(rates) > 1:
+        raise ValueError(f"videos of tokens_per_second {sorted(rates)} in one document")
     holder = SimpleNamespace(
-        config=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=merges.pop(), tokens_per_second=1)),
+        config=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=merges.pop(),
+                                                             tokens_per_second=rates.pop() if rates else 1)),
         get_vision_position_ids=lambda *a, **k: Qwen2_5_VLModel.get_vision_position_ids(None, *a, **k))
-    grid = torch.tensor([[int(g) for g in grids[i]] for i in order], dtype=torch.long)  # type: ignore[union-attr]
-    positions, _ = Qwen2_5_VLModel.get_rope_index(holder, ids[None], on_grid.int()[None], image_grid_thw=grid)
+    kinds = torch.tensor([2 if t is not None else 1 for t in timing] + [0], dtype=torch.int)
+    types = torch.where(on_grid, kinds[torch.where(items >= 0, items, len(grids))], 0)
+
+    def grid(chosen: list[int]) -> torch.Tensor | None:
+        rows = [[int(g) for g in grids[i]] for i in chosen]  # type: ignore[union-attr]
+        return torch.tensor(rows, dtype=torch.long) if rows else None
+
+    seconds = torch.tensor([float(timing[i][0]) for i in videos]) if videos else None  # type: ignore[index]
+    positions, _ = Qwen2_5_VLModel.get_rope_index(holder, ids[None], types[None], image_grid_thw=grid(
+        [i for i in order if timing[i] is None]), video_grid_thw=grid(videos), second_per_grid_ts=seconds)
     return positions[:, 0]
 
 

@@ -23,7 +23,7 @@ from PIL import Image
 
 from plait.data.chat_template import render_prompt, render_with_assistant_mask
 from plait.data.sources import RawSample, SampleError, path_note
-from plait.data.video import VideoSpec, load_video
+from plait.data.video import VideoSpec, load_sampled
 
 __all__ = ["ModalitySpec", "SampleMeta", "ProcessedSample", "MultimodalProcessor", "PerFrame", "load_audio",
            "load_image", "process_image"]
@@ -167,6 +167,10 @@ class PerFrame:
     def sizes(self, frames: int, frame_size: Any) -> list[Any]:
         """``frame_size`` (one processed frame's size) once per frame."""
         return [frame_size] * frames
+
+    def timing(self, fps: float) -> dict[str, float]:
+        """Nothing: each frame is an image, positioned as one."""
+        return {}
 
 
 def load_audio(path: str | bytes) -> tuple[np.ndarray, int]:
@@ -369,12 +373,14 @@ class MultimodalProcessor:
 
     def _item(self, kind: str, spec: ModalitySpec, path: str) -> list[tuple[dict[str, Any], int]]:
         if kind == "video":
-            frames = load_video(path, spec.video)
+            frames, fps = load_sampled(path, spec.video)
             try:
                 items = spec.video.encoding.items(spec.hf_processor, frames)
+                timing = spec.video.encoding.timing(fps)  # Qwen2.5-VL: the video's M-RoPE time step
             except ValueError as exc:  # the family's encoding refuses the frames
                 raise SampleError(f"video {path}: {exc}") from exc
-            return [(self._checked(spec, item, path), self._count(spec, size, path)) for item, size in items]
+            return [(self._checked(spec, {**item, **timing}, path), self._count(spec, size, path))
+                    for item, size in items]
         if kind == "image":
             item, size = process_image(spec.hf_processor, load_image(path))
             return [(self._checked(spec, item, path), self._count(spec, size, path))]

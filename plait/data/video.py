@@ -30,7 +30,7 @@ from PIL import Image
 from plait.data.sources import SampleError, path_note
 
 __all__ = ["VideoHeader", "VideoEncoding", "VideoSpec", "read_video_header", "sample_indices",
-           "load_video", "SEEK_GAP_S"]
+           "load_video", "load_sampled", "SEEK_GAP_S"]
 
 
 @dataclass(frozen=True)
@@ -59,12 +59,16 @@ class VideoEncoding(Protocol):
 
     ``items(hf_processor, frames)``: the frames (RGB PIL images, in time order) as ``[(item, size), ...]``: each an
     item of the branch's encoder inputs (as :func:`plait.data.processing.process_image` returns for an image) and
-    the size its feature-count function takes. ``sizes(frames, frame_size)``: the same sizes from the number of
+    the size its feature-count function takes. ``timing(fps)``: the entries every item of a video sampled at ``fps``
+    frames per second of video (:meth:`VideoSpec.sampled_fps`) also carries for its positions (Qwen2.5-VL's
+    ``second_per_grid_t`` and ``tokens_per_second``, :mod:`plait.data.mrope`); empty for per-frame images. ``sizes(frames, frame_size)``: the same sizes from the number of
     sampled frames and the size one processed frame has (``process_image``'s size), for the metadata pass, which
     decodes nothing. ``len(items(...)) == len(sizes(...))`` and the sizes are equal.
     """
 
     def items(self, hf_processor: Any, frames: Sequence[Image.Image]) -> list[tuple[dict[str, Any], Any]]: ...
+
+    def timing(self, fps: float) -> dict[str, float]: ...
 
     def sizes(self, frames: int, frame_size: Any) -> list[Any]: ...
 
@@ -102,6 +106,11 @@ class VideoSpec:
     def frame_indices(self, header: VideoHeader, item: Any) -> list[int]:
         """:func:`sample_indices` of this spec's ``fps`` / ``max_frames`` for a video (``item`` names it)."""
         return sample_indices(header, self.fps, self.max_frames, f"video {item}", self.field)
+
+    def sampled_fps(self, header: VideoHeader) -> float:
+        """Frames per second of video that :meth:`frame_indices` gives: ``fps``, or the video's own rate when every
+        frame is taken (``fps`` 0 or not below the rate); what transformers' video metadata calls ``sampled_fps``."""
+        return float(self.fps) if 0 < Fraction(str(self.fps)) < header.rate else float(header.rate)
 
 
 def _open(item: str | bytes) -> Any:
@@ -192,11 +201,17 @@ def load_video(item: str | bytes, spec: VideoSpec) -> list[Image.Image]:
         SampleError: as :func:`read_video_header`, for too many frames, and when the frames cannot be decoded or the
             stream ends before a sampled frame (a truncated or corrupt file), naming the file.
     """
+    return load_sampled(item, spec)[0]
+
+
+def load_sampled(item: str | bytes, spec: VideoSpec) -> tuple[list[Image.Image], float]:
+    """:func:`load_video`'s frames and the rate they were sampled at (frames per second of video,
+    :meth:`VideoSpec.sampled_fps`). Raises as :func:`load_video`."""
     try:
         with _open(item) as container:
             header = _header(container, item)
             wanted = spec.frame_indices(header, item)
-            return _decode(container, wanted, header, item)
+            return _decode(container, wanted, header, item), spec.sampled_fps(header)
     except SampleError:
         raise
     except Exception as exc:  # av.error.* (InvalidDataError, ...) for corrupt streams

@@ -128,7 +128,8 @@ class ModalityEncoder(nn.Module):
         default every frame is one image item (:class:`plait.data.processing.PerFrame`); a family with temporal
         patches (Qwen2.5-VL: :class:`~plait.models.families.qwen2_5_vl.TemporalPatches`) returns its own encoding."""
         if self.encoder.config.model_type in qwen2_5_vl.MODEL_TYPES:
-            return qwen2_5_vl.TemporalPatches(int(self.encoder.config.temporal_patch_size))
+            return qwen2_5_vl.TemporalPatches(int(self.encoder.config.temporal_patch_size),
+                                              self.encoder.config.tokens_per_second)
         return PerFrame()
 
     def settings(self) -> dict[str, Any]:

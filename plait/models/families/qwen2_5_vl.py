@@ -34,7 +34,7 @@ document's M-RoPE positions (:mod:`plait.data.mrope`, transformers' ``get_rope_i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -217,11 +217,22 @@ class TemporalPatches:
     whose rows are ``[h w, C, T, p, p]`` with the frame in every temporal slot; temporal patch ``g`` takes slot
     ``j`` from frame ``g T + j``, the row layout of ``Qwen2VLVideoProcessor`` (which needs torchvision).
 
+    :meth:`timing` gives, from the rate the frames were sampled at (``fps``) and the tower's ``tokens_per_second``,
+    what the item also carries of transformers' ``Qwen2_5_VLProcessor``'s video inputs for its M-RoPE positions:
+    ``second_per_grid_t``
+    (seconds of video per temporal patch, ``T / fps``, its ``second_per_grid_ts``) and ``tokens_per_second`` (the
+    tower config's temporal position step per second); :mod:`plait.data.mrope` then positions the item as a video
+    (temporal patches ``tokens_per_second x second_per_grid_t`` positions apart), not as an image. The tower's value
+    travels with the item because the collator, which computes positions, does not know the tower.
+
     Attributes:
         temporal_patch_size: the tower's ``T`` (frames per temporal patch).
+        tokens_per_second: the tower config's ``tokens_per_second``; None leaves the timing out (positioned as an
+            image of ``t`` temporal patches). Not part of equality: it does not change the patches.
     """
 
     temporal_patch_size: int
+    tokens_per_second: float | None = field(default=None, compare=False)
 
     def items(self, hf_processor: Any, frames: list[Any]) -> list[tuple[dict[str, Any], tuple[int, int, int]]]:
         """``[(item, (t, h, w))]``: the video's patches ``[t h w, C T p p]`` and grid.
@@ -245,6 +256,20 @@ class TemporalPatches:
                    for g in range(steps)]
         grid = torch.tensor([steps, h, w])
         return [({"pixel_values": torch.cat(patches), "image_grid_thw": grid}, (steps, h, w))]
+
+    def timing(self, fps: float) -> dict[str, float]:
+        """``{"second_per_grid_t": T / fps, "tokens_per_second": ...}`` for frames sampled at ``fps`` frames per second
+        of video (``Qwen2_5_VLProcessor``'s ``second_per_grid_ts``); empty without ``tokens_per_second``.
+
+        Raises:
+            ValueError: for ``fps`` not above 0.
+        """
+        if not fps > 0:
+            raise ValueError(f"video sampled at {fps} frames per second")
+        if self.tokens_per_second is None:
+            return {}
+        return {"second_per_grid_t": self.temporal_patch_size / float(fps),
+                "tokens_per_second": float(self.tokens_per_second)}
 
     def sizes(self, frames: int, frame_size: tuple[int, ...]) -> list[tuple[int, int, int]]:
         """The one item's grid from the frame count and one processed frame's size ``(1, h, w)`` or ``(h, w)``."""

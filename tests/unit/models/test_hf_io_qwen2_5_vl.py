@@ -2,7 +2,9 @@
 packed), the imported composite's logits equal ``Qwen2_5_VLForConditionalGeneration`` with its own multimodal
 positions on a prompt with two images of different sizes (fp32, 1e-5), import then export gives every tensor back
 bit-identically (fp32, bf16 tied), and a model trained from the import, exported and loaded with transformers,
-generates plait's tokens from the exported processor's prompt ids."""
+generates plait's tokens from the exported processor's prompt ids. A video (temporal patches) is positioned as
+transformers positions a video: the same positions as ``get_rope_index`` with ``video_grid_thw`` and
+``second_per_grid_ts``, and logits equal to ``Qwen2_5_VLForConditionalGeneration`` given the video as a video."""
 
 from __future__ import annotations
 
@@ -21,11 +23,15 @@ from plait.commands.import_hf import import_checkpoint
 from plait.commands.train import train_command
 from plait.data.collate import collate
 from plait.data.mrope import mrope_positions
-from plait.models.families.qwen2_5_vl import Qwen25VLTextForCausalLM
+from plait.config.loader import load_config
+from plait.data.sources import RawSample
+from plait.models.families.qwen2_5_vl import Qwen25VLTextForCausalLM, TemporalPatches
 from plait.models.generation import Generator, Prompt, greedy_token_ids
 from plait.models.hf_io import hf_format_of
+from plait.models.registry import build_processor
 from plait.train.evaluation import greedy_by_forward
 from tests.conftest import write_jsonl
+from tests.media import write_video
 from tests.unit.commands.tiny_hf_checkpoints import save_qwen2_5_vl
 
 PAD = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -243,3 +249,58 @@ def test_qwen2_vl_stays_refused_with_its_reason():
     cfg = T.Qwen2VLConfig()
     with pytest.raises(ValueError, match="cannot import a qwen2_vl checkpoint: .*M-RoPE"):
         hf_format_of(cfg, "ckpt")
+
+
+VIDEO_FPS = 3.0  # sampled frames per second of a 4 fps video: 2/3 s per temporal patch, a fractional time step
+
+
+def _video_batch(gen: Generator, job: Path, root: Path):
+    """plait's collated sample of an image then a video (5 frames at 4 fps, sampled at :data:`VIDEO_FPS`: 4 frames,
+    2 temporal patches) through the processor of the imported job (its video placeholder ``<|video_pad|>``)."""
+    cfg = load_config(job, [f"--model.encoders.vision.video.fps={VIDEO_FPS}"])
+    processor = build_processor(cfg.model, gen.model, gen.processor.tokenizer, 512)
+    video = processor.specs["image"].video
+    assert video.placeholder == "<|video_pad|>" and isinstance(video.encoding, TemporalPatches)
+    clip = write_video(root / "clip.mkv", 5, width=84, height=56, rate=4)
+    text = f"{PAD}first <|vision_start|><|video_pad|><|vision_end|>What happens?"
+    sample = RawSample("v", "t", ({"role": "user", "content": text}, {"role": "assistant", "content": "x"}),
+                       {"image": (_images(root)[0],), "video": (str(clip),)}, "test")
+    return collate([processor(sample, prompt_only=True)], processor.pad_id)
+
+
+def _hf_video_inputs(batch, hf) -> dict:
+    """transformers' inputs for the same prompt with the video as a video: its tokens ``<|video_pad|>`` (type 2),
+    ``pixel_values_videos``, ``video_grid_thw`` and ``second_per_grid_ts = temporal_patch_size / fps`` (what
+    ``Qwen2_5_VLProcessor`` computes from the sampled fps; the patch rows are its video processor's layout, checked
+    in test_qwen2_5_vl's temporal-patch test)."""
+    vision = batch.modality_inputs["vision"]
+    video_item = 1  # the image is item 0
+    on_video = batch.item_ids == video_item
+    ids = torch.where(on_video, hf.config.video_token_id, batch.input_ids)
+    types = (ids == hf.config.image_token_id).int() + 2 * on_video.int()
+    step = hf.config.vision_config.temporal_patch_size / VIDEO_FPS
+    return {"input_ids": ids, "attention_mask": batch.attention_mask, "mm_token_type_ids": types,
+            "pixel_values": vision["pixel_values"][0], "image_grid_thw": vision["image_grid_thw"][0][None],
+            "pixel_values_videos": vision["pixel_values"][1], "video_grid_thw": vision["image_grid_thw"][1][None],
+            "second_per_grid_ts": torch.tensor([step])}
+
+
+def test_a_video_is_positioned_and_computed_as_transformers_does_a_video(imported):
+    src, model_dir, job, root = imported
+    hf = T.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(src), attn_implementation="eager").eval()
+    gen = Generator.from_pretrained(model_dir, device="cpu", dtype="fp32", attn_implementation="eager")
+    batch = _video_batch(gen, job, root)
+    assert batch.modality_inputs["vision"]["image_grid_thw"][1][0] == 2  # 4 frames: 2 temporal patches
+    inputs = _hf_video_inputs(batch, hf)
+    want, _ = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"],
+                                      inputs["video_grid_thw"], inputs["second_per_grid_ts"])
+    assert torch.equal(batch.rope_position_ids, want)
+    on_video = inputs["mm_token_type_ids"][0] == 2
+    steps = want[0, 0, on_video].unique().tolist()
+    tps = hf.config.vision_config.tokens_per_second
+    assert steps[1] - steps[0] == int(tps * 2 / VIDEO_FPS) != 1  # video timing, not an image's temporal step 1
+    with torch.no_grad():
+        stock = hf(**inputs).logits
+        mine = gen.model(batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids,
+                         rope_position_ids=batch.rope_position_ids)
+    torch.testing.assert_close(mine, stock, rtol=1e-5, atol=1e-5)
