@@ -4,7 +4,8 @@ positions on a prompt with two images of different sizes (fp32, 1e-5), import th
 bit-identically (fp32, bf16 tied), and a model trained from the import, exported and loaded with transformers,
 generates plait's tokens from the exported processor's prompt ids. A video (temporal patches) is positioned as
 transformers positions a video: the same positions as ``get_rope_index`` with ``video_grid_thw`` and
-``second_per_grid_ts``, and logits equal to ``Qwen2_5_VLForConditionalGeneration`` given the video as a video."""
+``second_per_grid_ts``, logits equal to ``Qwen2_5_VLForConditionalGeneration`` given the video as a video, and the
+same greedy tokens."""
 
 from __future__ import annotations
 
@@ -304,3 +305,8 @@ def test_a_video_is_positioned_and_computed_as_transformers_does_a_video(importe
         mine = gen.model(batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids,
                          rope_position_ids=batch.rope_position_ids)
     torch.testing.assert_close(mine, stock, rtol=1e-5, atol=1e-5)
+    # greedy generation: plait's (M-RoPE positions continued past the prompt) equals transformers' with the video
+    plait_new = greedy_token_ids(gen.model, batch, gen.stop_ids, 6, gen.processor.pad_id)[0].tolist()
+    with torch.no_grad():
+        hf_out = hf.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=gen.stop_ids, pad_token_id=0)
+    assert hf_out[0, batch.input_ids.shape[1]:].tolist() == plait_new and len(plait_new) >= 1
