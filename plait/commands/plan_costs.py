@@ -29,7 +29,7 @@ from plait.planner.profile import Profile
 from plait.planner.simulator import P2PModel
 
 __all__ = ["CPU_ALLREDUCE_BPS", "CPU_OPTIMIZER_S_PER_BYTE", "RuntimeCosts", "host_cpu", "host_device",
-           "runtime_costs", "stored_profile"]
+           "measured_overheads", "runtime_costs", "stored_profile"]
 
 CPU_ALLREDUCE_BPS = 0.75e9
 """Bandwidth (B/s) of the DP gradient all-reduce between CPU processes (``search_model.allreduce_s``'s link): gloo's
@@ -124,6 +124,16 @@ class RuntimeCosts:
     source: str
 
 
+def measured_overheads(profile: Profile, optimizer_s_per_byte: float = 0.0) -> ActionOverheads:
+    """The runtime's fixed costs measured in ``profile``: seconds per action and per module chunk (F, B; a negative
+    chunk overhead, a measurement that ran faster as one chunk, is taken as 0), with ``optimizer_s_per_byte``
+    seconds of optimizer step per trainable byte. The one reading of a profile's overheads (``plait plan`` and
+    ``parallel.plan = "auto"``)."""
+    modules = {m: (max(0.0, d.get("F", 0.0)), max(0.0, d.get("B", 0.0))) for m, d in profile.chunk_overhead_s.items()}
+    return ActionOverheads(max(0.0, profile.action_overhead_s), modules=modules,
+                           optimizer_s_per_byte=optimizer_s_per_byte)
+
+
 def runtime_costs(spec: DeviceSpec, profile: Profile | None = None, dp_link_Bps: float | None = None) -> RuntimeCosts:
     """The link, DP link and overheads of ``spec`` (and ``profile``'s measured overheads when given).
 
@@ -141,11 +151,8 @@ def runtime_costs(spec: DeviceSpec, profile: Profile | None = None, dp_link_Bps:
         P2PModel(spec.link_latency, CPU_ALLREDUCE_BPS) if host else None)
     optimizer_s_per_byte = CPU_OPTIMIZER_S_PER_BYTE if host else 0.0
     if profile is not None:
-        modules = {m: (max(0.0, d.get("F", 0.0)), max(0.0, d.get("B", 0.0)))
-                   for m, d in profile.chunk_overhead_s.items()}
-        overheads = ActionOverheads(max(0.0, profile.action_overhead_s), modules=modules,
-                                    optimizer_s_per_byte=optimizer_s_per_byte)
-        chunks = ", ".join(f"{m} {1e3 * f:.1f}/{1e3 * b:.1f}" for m, (f, b) in modules.items())
+        overheads = measured_overheads(profile, optimizer_s_per_byte)
+        chunks = ", ".join(f"{m} {1e3 * f:.1f}/{1e3 * b:.1f}" for m, (f, b) in overheads.modules.items())
         source = (f"measured profile ({profile.key.device}): runtime {1e3 * overheads.per_action_s:.2f} ms per action, "
                   f"chunk overheads F/B ms {chunks}; {1e3 * o:.2f} ms per message and end")
     else:

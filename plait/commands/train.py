@@ -16,7 +16,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from plait.commands.plan_fit import explain_no_fit
+from plait.commands.plan_costs import CPU_OPTIMIZER_S_PER_BYTE, measured_overheads
+from plait.commands.plan_fit import explain_no_fit, is_no_fit
 from plait.commands.profile import profile_job
 from plait.config.loader import load_config
 from plait.config.schema import JobConfig, ParallelConfig, PipelineConfig
@@ -113,7 +114,8 @@ def _save_and_report(trainer: Trainer, result: dict[str, Any]) -> None:
 def resolve_auto(cfg: JobConfig, store: str | Path) -> tuple[JobConfig, Any]:
     """``parallel.plan = "auto"``: rank 0 profiles the model (reusing a stored profile whose key matches), every
     rank receives the profile, the smallest device memory cap and the link model (``auto_plan_inputs``: same on
-    every rank) and runs the same deterministic search, so all ranks agree on the plan. The main rank prints
+    every rank) and runs the same deterministic search, so all ranks agree on the plan, charging the runtime
+    overheads the profile measured as ``plait plan`` does (``plan_costs.measured_overheads``). The main rank prints
     the choice.
 
     Returns:
@@ -132,11 +134,13 @@ def resolve_auto(cfg: JobConfig, store: str | Path) -> tuple[JobConfig, Any]:
     profile = Profile.from_dict(box[0])
     machine = auto_plan_inputs(info.device, max((c.output_bytes for c in profile.costs), default=0))
     try:
+        optimizer_s_per_byte = CPU_OPTIMIZER_S_PER_BYTE if info.device.type == "cpu" else 0.0
         resolved, choice = resolve_auto_plan(cfg, info.world_size, profile.units, profile.costs, p2p=machine.p2p,
                                              dp_link=machine.p2p, memory_cap=machine.memory_cap_bytes,
-                                             dtype=profile.key.dtype)
+                                             dtype=profile.key.dtype,
+                                             overheads=measured_overheads(profile, optimizer_s_per_byte))
     except ValueError as exc:
-        if not str(exc).startswith(("no plan fits", "no layout fits")):
+        if not is_no_fit(exc):
             raise
         policy, overrides = checkpoint_policy(cfg)
         raise ValueError("parallel.plan=auto: " + explain_no_fit(
