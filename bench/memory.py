@@ -16,6 +16,13 @@ tied and shared tensors count once; a sharded or TP-split parameter by its local
   recomputation, excluding parameters (a matmul saves its weight: that is parameter memory, counted above); the
   one counter, ``bench/tensor_bytes.py``.
 
+Under FSDP2 each rank also runs the batch again in 2 microbatches per rank and records, at each microbatch's start
+(``ShardedModel.set_gradient_sync``) and after the last, per module the bytes of FSDP2's unsharded gradients (real
+storages of each sharded parameter's accumulated unsharded gradient), summed over the modules: with
+``parallel.fsdp_reduce = "step"`` every trainable unit's whole gradient (``accumulated_gradients``, next to the
+planner's ``sharding.unsharded_grad_bytes``), with ``"microbatch"`` none between microbatches
+(``reduced_gradients``).
+
 The table gives each per-rank figure (the largest over the ranks), its ratio to DDP's (the same per-rank bytes as
 one process: every DDP rank holds everything), and the planner's prediction (``planner.sharding.rank_memory``:
 the job's pipeline units, analytic costs of the rank's microbatch, fp32 with AdamW's 8 state bytes per trained
@@ -45,6 +52,7 @@ import torch  # noqa: E402
 from bench.activation_checkpointing import MODELS  # noqa: E402
 from bench.plan_holds import small_train_set  # noqa: E402
 from bench.tensor_bytes import saved_activation_bytes, storage_bytes  # noqa: E402
+from plait.planner.cost_model import OptimizerSpec  # noqa: E402
 
 COLUMNS = {  # label -> (dp_shard, tp)
     "DDP": (1, 1),
@@ -54,7 +62,12 @@ COLUMNS = {  # label -> (dp_shard, tp)
     "TP 2 x FSDP2 2": (2, 2),
 }
 KINDS = ("parameters", "gradients", "optimizer", "activations")
+EXTRA = {"accumulated_gradients": False, "reduced_gradients": True}
+"""FSDP2's peak unsharded gradients over 2 microbatches per rank (``peak_unsharded_gradients``): key -> reduced
+every microbatch."""
 LIMIT_S = 240
+_OPTIMIZER = OptimizerSpec(grad_bytes_per_param=4, state_bytes_per_param=8)
+"""fp32 gradients and AdamW's two fp32 moments, per trained parameter (bytes)."""
 
 
 def job_config(model: str, dp_shard: int, tp: int, policy: str, microbatch: int, train_file: str, run_dir: str):
@@ -83,6 +96,56 @@ def measure(trainer, indices) -> dict[str, int]:
     grads = [p.grad for p in params if p.grad is not None]
     return {"parameters": storage_bytes(params), "gradients": storage_bytes(grads), "optimizer": storage_bytes(state),
             "activations": activations, "rank_llm_tokens": _rank_tokens(trainer, indices, plan)}
+
+
+def unsharded_gradient_bytes(sharded, module: str) -> int:
+    """Bytes of the unsharded gradients FSDP2 holds now for ``module``'s groups (real storages, each once): every
+    sharded parameter's accumulated unsharded gradient (``FSDPParam.unsharded_accumulated_grad``, else its unsharded
+    parameter's ``.grad``)."""
+    grads = []
+    for group in sharded.groups.get(module, []):
+        for param_group in group._get_fsdp_state()._fsdp_param_groups:
+            for fsdp_param in param_group.fsdp_params:
+                whole = getattr(fsdp_param, "_unsharded_param", None)
+                grads += [t for t in (fsdp_param.unsharded_accumulated_grad, getattr(whole, "grad", None))
+                          if t is not None]
+    return storage_bytes(grads)
+
+
+def peak_unsharded_gradients(trainer, indices, each_microbatch: bool, microbatches: int = 2) -> int:
+    """Per module (the LLM, each encoder) the most bytes of its unsharded gradients (:func:`unsharded_gradient_bytes`)
+    at each microbatch's gradient-sync switch (``ShardedModel.set_gradient_sync``: before each backward, so after
+    the earlier microbatches' backwards) and after the last, summed over the modules, over one forward/backward of
+    ``indices`` in ``microbatches`` microbatches per rank, gradients reduce-scattered every microbatch
+    (``each_microbatch``, ``parallel.fsdp_reduce = "microbatch"``) or once. With ``"step"`` this is each module's
+    whole accumulated gradient: what the planner charges (``sharding.unsharded_grad_bytes``; all modules at once when
+    the encoders' backwards are not deferred past the LLM's last). 0 without FSDP2. The trainer's microbatch size
+    and reduction are restored, its gradients cleared."""
+    sharded, train = trainer.sharded, trainer.cfg.train
+    if sharded is None:
+        return 0
+    size, each, peaks = train.microbatch_size, sharded.reduce_each_microbatch, dict.fromkeys(sharded.groups, 0)
+    original = sharded.set_gradient_sync
+
+    def record() -> None:
+        for module in peaks:
+            peaks[module] = max(peaks[module], unsharded_gradient_bytes(sharded, module))
+
+    def recording(sync: bool, module: str | None = None) -> None:
+        record()
+        original(sync, module)
+
+    sharded.set_gradient_sync, sharded.reduce_each_microbatch = recording, each_microbatch
+    train.microbatch_size = max(1, size // microbatches)
+    try:
+        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.forward_backward(indices, trainer.plan_step(indices)[0])
+        record()
+    finally:
+        train.microbatch_size, sharded.reduce_each_microbatch = size, each
+        del sharded.set_gradient_sync  # the method again
+        trainer.optimizer.zero_grad(set_to_none=True)
+    return sum(peaks.values())
 
 
 def _rank_tokens(trainer, indices, plan) -> dict:
@@ -119,7 +182,9 @@ def worker(spec_path: str, out_dir: str) -> None:
     cfg = job_config(spec["model"], spec["dp_shard"], spec["tp"], spec["policy"], spec["microbatch"],
                      spec["train"], spec["run_dir"])
     trainer = Trainer.build(cfg)
-    out = measure(trainer, covering_batch(trainer, cfg.train.global_batch_size))
+    indices = covering_batch(trainer, cfg.train.global_batch_size)
+    out = measure(trainer, indices)
+    out.update({key: peak_unsharded_gradients(trainer, indices, each) for key, each in EXTRA.items()})
     out["rank"] = trainer.info.rank
     Path(out_dir, f"rank{trainer.info.rank}.json").write_text(json.dumps(out))
     if trainer.info.world_size > 1:
@@ -150,7 +215,7 @@ def run_column(model: str, label: str, policy: str, microbatch: int, folder: Pat
     if proc.returncode != 0 or len(ranks) != dp_shard * tp:
         lines = [line for line in (proc.stderr_text or proc.stdout_text).splitlines() if "Error" in line]
         return (lines[-1] if lines else f"exit {proc.returncode}")[:160]
-    result = {kind: max(r[kind] for r in ranks) for kind in KINDS}
+    result = {kind: max(r[kind] for r in ranks) for kind in (*KINDS, *EXTRA)}
     result["rank_llm_tokens"] = [r["rank_llm_tokens"] for r in ranks]
     return result
 
@@ -163,13 +228,34 @@ def predicted(trainer, label: str, tokens: dict | list[dict]) -> dict[str, float
     if isinstance(tokens, list):
         each = [predicted(trainer, label, t) for t in tokens]
         return {kind: max(e[kind] for e in each) for kind in each[0]}
-    from plait.models.units import model_units
     from plait.parallel.checkpointing import checkpoint_policy
-    from plait.planner.arch import arch_from_config
-    from plait.planner.cost_model import DeviceSpec, MicrobatchShape, OptimizerSpec, unit_costs
     from plait.planner.sharding import ParallelDegrees, rank_memory
 
     dp_shard, tp = COLUMNS[label]
+    units, costs = _unit_costs(trainer, tokens)
+    default, overrides = checkpoint_policy(trainer.cfg)
+    memory = rank_memory(units, costs, ParallelDegrees(tp, dp_shard, default), dtype="fp32", optimizer=_OPTIMIZER,
+                         checkpoint_overrides=overrides)
+    return {"parameters": memory.parameters, "gradients": memory.gradients, "optimizer": memory.optimizer,
+            "activations": memory.activations}
+
+
+def predicted_unsharded_gradients(trainer, label: str, tokens: dict) -> float:
+    """The planner's bytes of every trainable unit's unsharded gradient on one TP rank of a column
+    (``planner.sharding.unsharded_grad_bytes``): what ``fsdp_reduce = "step"`` keeps between microbatches."""
+    from plait.planner.sharding import ParallelDegrees, unsharded_grad_bytes
+
+    dp_shard, tp = COLUMNS[label]
+    units, costs = _unit_costs(trainer, tokens)
+    return unsharded_grad_bytes(units, costs, ParallelDegrees(tp, dp_shard), "fp32", _OPTIMIZER)
+
+
+def _unit_costs(trainer, tokens: dict) -> tuple[list, list]:
+    """The job's pipeline units and their analytic fp32 costs of one rank's microbatch (``predicted``)."""
+    from plait.models.units import model_units
+    from plait.planner.arch import arch_from_config
+    from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_costs
+
     units = model_units(trainer.model)
     configs = {"llm": trainer.model.language_model.config,
                **{n: b.encoder.config for n, b in trainer.model.encoders.items()}}
@@ -177,13 +263,7 @@ def predicted(trainer, label: str, tokens: dict | list[dict]) -> dict[str, float
     for name in trainer.model.encoders:
         length = arch_from_config(configs[name]).item_len
         shapes[name] = MicrobatchShape(max(1, tokens["items"].get(name, 0)) * length, length)
-    costs = unit_costs(units, configs, shapes, DeviceSpec.cpu(), "fp32")
-    default, overrides = checkpoint_policy(trainer.cfg)
-    memory = rank_memory(units, costs, ParallelDegrees(tp, dp_shard, default), dtype="fp32",
-                         optimizer=OptimizerSpec(grad_bytes_per_param=4, state_bytes_per_param=8),
-                         checkpoint_overrides=overrides)
-    return {"parameters": memory.parameters, "gradients": memory.gradients, "optimizer": memory.optimizer,
-            "activations": memory.activations}
+    return units, unit_costs(units, configs, shapes, DeviceSpec.cpu(), "fp32")
 
 
 def main() -> None:

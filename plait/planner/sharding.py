@@ -82,6 +82,7 @@ __all__ = [
     "shard_buffer_bytes",
     "shard_costs",
     "tp_allreduce_s",
+    "unsharded_grad_bytes",
 ]
 
 TP_KINDS = ("layer",)
@@ -233,6 +234,13 @@ def _unsharded_grads(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: 
     b = dtype_bytes(dtype)
     grad_b = b if optimizer.grad_bytes_per_param is None else optimizer.grad_bytes_per_param
     return tp_costs, [c.param_bytes * u.trained_fraction / b * grad_b for u, c in zip(units, tp_costs)]
+
+
+def unsharded_grad_bytes(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees,
+                         dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec()) -> float:
+    """Bytes of every trainable unit's whole (unsharded) gradient on one TP rank: what ``fsdp_reduce = "step"`` keeps
+    on the device between a rank's microbatches (``costs`` are whole-unit costs; ``dp_shard`` plays no part)."""
+    return float(math.fsum(_unsharded_grads(units, costs, degrees, dtype, optimizer)[1]))
 
 
 def accumulated_grad_bytes(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees,

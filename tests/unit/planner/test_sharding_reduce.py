@@ -14,7 +14,13 @@ from plait.planner.graph import consistent_units
 from plait.planner.report import pp_toml
 from plait.planner.search import plan_layout
 from plait.planner.search_parallel import flat_reduce, plan_parallel
-from plait.planner.sharding import ParallelDegrees, accumulated_grad_bytes, rank_memory, shard_buffer_bytes
+from plait.planner.sharding import (
+    ParallelDegrees,
+    accumulated_grad_bytes,
+    rank_memory,
+    shard_buffer_bytes,
+    unsharded_grad_bytes,
+)
 from plait.planner.simulator import P2PModel
 from tests.unit.planner.test_sharding import _costs, _model, _units
 
@@ -26,6 +32,8 @@ def test_step_reduction_over_several_microbatches_holds_every_unsharded_gradient
     two = ParallelDegrees(dp_shard=2)
     # trainable: projector 200, LLM embed 200, LLM layer 800, head 200 (fp32, 4-byte gradients): 1400 in all
     assert accumulated_grad_bytes(units, costs, two, "float32", OPT) == 1400 - 800
+    assert unsharded_grad_bytes(units, costs, two, "float32", OPT) == 1400
+    assert unsharded_grad_bytes(units, costs, ParallelDegrees(tp=2), "float32", OPT) == 400 + 3 * 200
     assert shard_buffer_bytes(units, costs, two, "float32", OPT) == 1000 + 800  # layer + neighbour, one gradient
     assert shard_buffer_bytes(units, costs, two, "float32", OPT, accumulate=True) == 1000 + 1400
     assert accumulated_grad_bytes(units, costs, ParallelDegrees(), "float32", OPT) == 0.0
