@@ -97,3 +97,17 @@ def test_emitted_parallel_table_names_the_reduction_only_when_not_step():
     assert "fsdp_reduce" not in pp_toml(fields, 2, degrees)
     text = pp_toml(fields, 2, degrees | {"fsdp_reduce": "microbatch"})
     assert 'tp = 1\nfsdp_reduce = "microbatch"\n[parallel.pp]\n' in text
+
+
+def test_auto_plan_config_follows_the_chosen_reduction():
+    from plait.config.loader import config_from_dict, validate
+    from plait.train.auto_plan import apply_layout_choice
+    from tests.conftest import tiny_config_dict
+
+    cfg = config_from_dict(tiny_config_dict("train.jsonl"))
+    choice = plan_layout(_units(), _costs(), 2, microbatches=4, dp_degrees=[2], dp_shard=2)
+    assert choice.plan.num_ranks == 1 and choice.fsdp_reduce == "step"
+    each = apply_layout_choice(cfg, dataclasses.replace(choice, fsdp_reduce="microbatch"), _units())
+    validate(each)
+    assert (each.parallel.fsdp_reduce, each.parallel.dp_shard, each.parallel.pp.degree) == ("microbatch", 2, 1)
+    assert apply_layout_choice(cfg, choice, _units()).parallel.fsdp_reduce == "step"
