@@ -11,7 +11,7 @@ import pytest
 
 from plait.planner.cost_model import OptimizerSpec
 from plait.planner.graph import consistent_units
-from plait.planner.report import pp_toml
+from plait.planner.report import degrees_line, pp_toml
 from plait.planner.search import plan_layout
 from plait.planner.search_parallel import flat_reduce, plan_parallel
 from plait.planner.sharding import (
@@ -111,3 +111,7 @@ def test_auto_plan_config_follows_the_chosen_reduction():
     validate(each)
     assert (each.parallel.fsdp_reduce, each.parallel.dp_shard, each.parallel.pp.degree) == ("microbatch", 2, 1)
     assert apply_layout_choice(cfg, choice, _units()).parallel.fsdp_reduce == "step"
+    line = degrees_line(dataclasses.replace(choice, fsdp_reduce="microbatch"))
+    assert line.startswith("memory: FSDP2 over 2 of the 2 data-parallel ranks + ")
+    assert line.endswith("GiB unsharded buffer, gradients reduce-scattered every microbatch")
+    assert "every microbatch" not in degrees_line(choice)
