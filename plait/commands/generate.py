@@ -76,15 +76,18 @@ def prompt_sample(gen: Generator, text: str, images: Sequence[str] = (), audios:
                   videos: Sequence[str] = ()) -> RawSample:
     """The one-turn prompt ``text`` with its media as the raw sample :meth:`Generator.generate_raw` answers (what
     :meth:`Generator.ask` builds, plus videos): when ``text`` holds no video placeholder, one per video is put before
-    it, each on its own line, as :meth:`Prompt.from_text` does for images and audio. The videos are decoded,
+    it, each on its own line, as :meth:`Prompt.from_text` does for images and audio; each item as the checkpoint's
+    records write it (:meth:`Generator.item_texts`: ``<|vision_start|><|image_pad|><|vision_end|>`` for an imported
+    Qwen2.5-VL, ``<|audio_bos|><|AUDIO|><|audio_eos|>`` for Qwen2-Audio, else the bare placeholder). The videos are decoded,
     sampled and processed when the sample is processed, by the same code as training's records, which also refuses
     videos for a model that takes none (``SampleError`` naming the reason)."""
     marks = {m: s.placeholder for m, s in gen.processor.specs.items()}
     image = gen.processor.specs.get("image")
     mark = image.video.placeholder if image is not None and image.video is not None else VideoConfig().placeholder
+    texts = gen.item_texts()
     if videos and mark not in text:
-        text = f"{mark}\n" * len(videos) + text
-    raw = Prompt.from_text(text, images, audios, marks).raw()
+        text = f"{texts.get('video', mark)}\n" * len(videos) + text
+    raw = Prompt.from_text(text, images, audios, marks, item_texts=texts).raw()
     return dataclasses.replace(raw, media=raw.media | {"video": tuple(videos)})
 
 

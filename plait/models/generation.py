@@ -36,7 +36,7 @@ from plait.models.registry import build_processor, load_tokenizer
 
 __all__ = ["Prompt", "Generator", "stop_token_ids", "greedy_token_ids", "greedy_generate", "exact_match",
            "resolve_device", "inference_processor", "check_decoding", "save_final",
-           "with_stop_tokens"]
+           "with_stop_tokens", "ITEM_WRAPPERS", "item_prompt_text"]
 
 
 def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
@@ -201,12 +201,16 @@ class Prompt:
 
     @classmethod
     def from_text(cls, text: str, images: Sequence[str] = (), audios: Sequence[str] = (),
-                  placeholders: Mapping[str, str] | None = None, id: str = "prompt") -> "Prompt":
+                  placeholders: Mapping[str, str] | None = None, id: str = "prompt",
+                  item_texts: Mapping[str, str] | None = None) -> "Prompt":
         """A one-turn prompt. When ``text`` holds no placeholder of a modality that has items, one placeholder
         per item is put before the text, each on its own line (``"<image>\\n<audio>\\nWhat ...?"``, the demo's
-        layout). ``placeholders``: modality -> placeholder string (default ``<image>``, ``<audio>``)."""
+        layout). ``placeholders``: modality -> placeholder string (default ``<image>``, ``<audio>``);
+        ``item_texts``: modality -> the text put per item instead of the bare placeholder (a checkpoint's
+        convention, :func:`item_prompt_text`)."""
         marks = {"image": "<image>", "audio": "<audio>"} | dict(placeholders or {})
-        head = "".join(f"{marks[m]}\n" * len(items) for m, items in (("image", images), ("audio", audios))
+        texts = marks | dict(item_texts or {})
+        head = "".join(f"{texts[m]}\n" * len(items) for m, items in (("image", images), ("audio", audios))
                        if items and marks[m] not in text)
         return cls(({"role": "user", "content": head + text},), tuple(images), tuple(audios), id)
 
@@ -330,7 +334,37 @@ class Generator:
         """The greedy answer to one user message with these images and audio clips (:meth:`Prompt.from_text`,
         with this model's placeholder strings)."""
         marks = {m: s.placeholder for m, s in self.processor.specs.items()}
-        return self.generate([Prompt.from_text(text, images, audios, marks)], max_new_tokens)[0]
+        return self.generate([Prompt.from_text(text, images, audios, marks, item_texts=self.item_texts())],
+                             max_new_tokens)[0]
+
+    def item_texts(self) -> dict[str, str]:
+        """Modality (``image``, ``audio``, ``video``) -> the text a prompt without placeholders gets per item:
+        :func:`item_prompt_text` of the model's placeholder (the video's, for an image branch that takes videos)."""
+        marks = {m: s.placeholder for m, s in self.processor.specs.items()}
+        image = self.processor.specs.get("image")
+        if image is not None and image.video is not None:
+            marks["video"] = image.video.placeholder
+        return {m: item_prompt_text(mark, self.tokenizer) for m, mark in marks.items()}
+
+
+ITEM_WRAPPERS = {"<|image_pad|>": ("<|vision_start|>", "<|vision_end|>"),
+                 "<|video_pad|>": ("<|vision_start|>", "<|vision_end|>"),
+                 "<|AUDIO|>": ("<|audio_bos|>", "<|audio_eos|>")}
+"""Placeholder -> the tokens around each item in the checkpoint's prompts: Qwen2-VL/Qwen2.5-VL's chat template
+writes ``<|vision_start|><|image_pad|><|vision_end|>`` (``<|video_pad|>`` for a video; transformers' M-RoPE
+positions find items by ``vision_start``), Qwen2-Audio's ``<|audio_bos|><|AUDIO|><|audio_eos|>`` (the conventions
+the README gives for these imported models' records)."""
+
+
+def item_prompt_text(placeholder: str, tokenizer: Any) -> str:
+    """The text a prompt without placeholders gets per media item: ``placeholder`` between its
+    :data:`ITEM_WRAPPERS` tokens when both are single tokens of ``tokenizer`` (an imported Qwen2.5-VL or
+    Qwen2-Audio), else the bare placeholder."""
+    wrap = ITEM_WRAPPERS.get(placeholder)
+    vocab = tokenizer.get_vocab()
+    if wrap is None or any(t not in vocab for t in wrap):
+        return placeholder
+    return f"{wrap[0]}{placeholder}{wrap[1]}"
 
 
 def _check_batch_size(batch_size: int) -> None:

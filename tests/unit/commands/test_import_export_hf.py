@@ -341,3 +341,21 @@ def test_import_refuses_a_placeholder_that_is_not_the_models(tmp_path):
     with pytest.raises(ValueError, match="the processor's placeholder '<image>' is token 5, but the model's "
                                          "image_token_id is 7"):
         import_checkpoint(src, tmp_path / "out")
+
+
+def test_a_prompt_without_placeholders_gets_qwen2_audios_wrapped_placeholder(tmp_path):
+    """``plait generate --audio x --prompt text`` on an imported Qwen2-Audio: the clip goes in as the README's record
+    convention ``<|audio_bos|><|AUDIO|><|audio_eos|>``, the same input ids as that prompt written out."""
+    from plait.commands.generate import prompt_sample
+
+    src = save_qwen2_audio(tmp_path / "src", qwen_tokens=True)
+    model_dir, _ = import_checkpoint(src, tmp_path / "imported")
+    gen = Generator.from_pretrained(model_dir, device="cpu", dtype="fp32")
+    clip = str(_wav(tmp_path / "clip.wav", 1.3))
+    auto = gen.processor(prompt_sample(gen, "which digits?", audios=[clip]), prompt_only=True)
+    wrapped = gen.processor(prompt_sample(gen, "<|audio_bos|><|AUDIO|><|audio_eos|>\nwhich digits?", audios=[clip]),
+                            prompt_only=True)
+    assert gen.item_texts()["audio"] == "<|audio_bos|><|AUDIO|><|audio_eos|>"
+    assert torch.equal(auto.input_ids, wrapped.input_ids)
+    bos = gen.tokenizer.convert_tokens_to_ids("<|audio_bos|>")
+    assert int((auto.input_ids == bos).sum()) == 1

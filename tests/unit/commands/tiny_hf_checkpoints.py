@@ -73,19 +73,24 @@ def save_llava(folder: Path, seed: int = 0, typed_template: bool = True, dtype: 
     return folder
 
 
-def save_qwen2_audio(folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+def save_qwen2_audio(folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
+                     qwen_tokens: bool = False) -> Path:
     """A tiny Qwen2-Audio checkpoint (Qwen2AudioEncoder with a 3 s window, one-Linear projector, Qwen2) in ``dtype``
-    with its ``Qwen2AudioProcessor`` (placeholder ``<audio>``)."""
+    with its ``Qwen2AudioProcessor`` (placeholder ``<audio>``; ``qwen_tokens``: Qwen2-Audio's own
+    ``<|audio_bos|>``, ``<|AUDIO|>`` (the placeholder) and ``<|audio_eos|>`` added as special tokens)."""
     torch.manual_seed(seed)
+    tok = tokenizer()
+    if qwen_tokens:
+        tok.add_special_tokens({"additional_special_tokens": ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]})
+    token = "<|AUDIO|>" if qwen_tokens else "<audio>"
     text = T.Qwen2Config(**_TEXT)
     cfg = T.Qwen2AudioConfig(audio_config=T.Qwen2AudioEncoderConfig(**_QWEN2_AUDIO), text_config=text,
-                             audio_token_id=AUDIO_ID)
+                             audio_token_id=tok.convert_tokens_to_ids(token))
     model = T.Qwen2AudioForConditionalGeneration(cfg)
     _randomise(model)
     model.to(dtype).save_pretrained(folder)
-    tok = tokenizer()
     T.Qwen2AudioProcessor(feature_extractor=_feature_extractor(), tokenizer=tok, chat_template=tok.chat_template,
-                          audio_token="<audio>").save_pretrained(folder)
+                          audio_token=token).save_pretrained(folder)
     return folder
 
 

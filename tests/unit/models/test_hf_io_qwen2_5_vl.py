@@ -310,3 +310,22 @@ def test_a_video_is_positioned_and_computed_as_transformers_does_a_video(importe
     with torch.no_grad():
         hf_out = hf.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=gen.stop_ids, pad_token_id=0)
     assert hf_out[0, batch.input_ids.shape[1]:].tolist() == plait_new and len(plait_new) >= 1
+
+
+def test_a_prompt_without_placeholders_gets_the_wrapped_image_and_video(imported):
+    """``plait generate --image x --video v --prompt text`` on an imported Qwen2.5-VL: each item goes in as its
+    records write it (``<|vision_start|><|image_pad|><|vision_end|>``, ``<|video_pad|>`` for the video; transformers'
+    positions find items by ``vision_start``): the same input ids and M-RoPE positions as that prompt written out."""
+    from plait.commands.generate import prompt_sample
+
+    src, model_dir, job, root = imported
+    base = Generator.from_pretrained(model_dir, device="cpu", dtype="fp32")
+    gen = Generator(base.model, build_processor(load_config(job).model, base.model, base.tokenizer, 512), "cpu", "fp32")
+    image, clip = _images(root)[0], str(write_video(root / "clip2.mkv", 4, width=56, height=56, rate=2))
+    auto = prompt_sample(gen, "What happens?", [image], videos=[clip])
+    written = prompt_sample(gen, "<|vision_start|><|image_pad|><|vision_end|>\n<|vision_start|><|video_pad|>"
+                                 "<|vision_end|>\nWhat happens?", [image], videos=[clip])
+    a, b = (collate([gen.processor(r, prompt_only=True)], gen.processor.pad_id) for r in (auto, written))
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.rope_position_ids, b.rope_position_ids)
+    start = gen.tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    assert int((a.input_ids == start).sum()) == 2
