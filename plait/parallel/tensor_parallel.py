@@ -50,6 +50,7 @@ __all__ = [
     "align_gradients",
     "apply_job_tensor_parallel",
     "apply_tensor_parallel",
+    "check_tp_heads",
     "clip_grad_norm_",
     "concrete_plan",
     "grad_square_sum",
@@ -188,6 +189,17 @@ def _divide_heads(model: nn.Module, plan: Mapping[str, str], tp: int) -> None:
             value = getattr(attention, attr, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 setattr(attention, attr, value // tp)
+
+
+def check_tp_heads(model: MultimodalModel, tp: int) -> None:
+    """Refuse a TP degree ``model`` cannot be split by, before any process is launched (the check
+    :func:`apply_tensor_parallel` runs; ``model`` may be on the meta device).
+
+    Raises:
+        ValueError: when a family of the model has no TP plan, or ``tp`` does not divide the heads of a split
+            attention module (naming it).
+    """
+    _check_divisible(model, concrete_plan(model, model_tp_plan(model)), tp)
 
 
 def apply_tensor_parallel(model: MultimodalModel, mesh: Any) -> dict[str, str]:

@@ -20,9 +20,10 @@ from plait.data.mixture import mixture_sources
 from plait.models.multimodal import MultimodalModel
 from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.parallel.mesh import DistInfo, init_distributed
+from plait.parallel.tensor_parallel import check_tp_heads
 from plait.train.checkpoint import latest_checkpoint, load_model_state
 
-__all__ = ["TrainerParts", "build_datasets", "build_trainer_parts", "join_job", "metadata_cache_dir",
+__all__ = ["TrainerParts", "build_datasets", "build_trainer_parts", "check_tp_degree", "join_job", "metadata_cache_dir",
            "model_from_checkpoint", "seed_everything"]
 
 
@@ -84,6 +85,26 @@ def metadata_cache_dir(cfg: JobConfig) -> Path | None:
     if value == "off":
         return None
     return Path(value) if value else default_cache_dir()
+
+
+def check_tp_degree(cfg: JobConfig) -> None:
+    """Refuse ``parallel.tp`` when the job's model cannot be split that way (:func:`check_tp_heads` on the model
+    composed on the meta device: no weights loaded), so a layout error never suggests a launch that would fail on
+    every rank. Does nothing for ``parallel.tp`` = 1.
+
+    Raises:
+        ValueError: naming the module whose heads ``parallel.tp`` does not divide, and saying no launch helps.
+    """
+    tp = cfg.parallel.tp
+    if tp == 1:
+        return
+    model = build_model(cfg.model, load_tokenizer(tokenizer_dir(cfg.data, cfg.model), cfg.data.chat_template),
+                        device="meta")
+    try:
+        check_tp_heads(model, tp)
+    except ValueError as exc:
+        raise ValueError(f"{exc}: parallel.tp={tp} cannot work for this model with any number of processes; "
+                         "pick a degree that divides its heads") from None
 
 
 def build_trainer_parts(cfg: JobConfig, info: DistInfo, meta: bool = False) -> TrainerParts:

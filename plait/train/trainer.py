@@ -62,7 +62,7 @@ from plait.planner.microbatch import (
 from plait.planner.routing import plan_feature_routing
 from plait.planner.token_distributor import plan_tokens
 from plait.train.batches import StepBatches, encoder_view_batch
-from plait.train.build import TrainerParts, build_trainer_parts, join_job, model_from_checkpoint
+from plait.train.build import TrainerParts, build_trainer_parts, check_tp_degree, join_job, model_from_checkpoint
 from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from plait.train.costs import microbatch_cost_coeffs
 from plait.train.evaluation import EvalSide, eval_batch_size, evaluate_on, load_metrics
@@ -149,7 +149,11 @@ class Trainer:
             ValueError: as :meth:`layout` and the parts' builders.
         """
         info = join_job(cfg, info)
-        cls.layout(cfg, info.world_size)
+        try:
+            cls.layout(cfg, info.world_size)
+        except ValueError:
+            check_tp_degree(cfg)  # a degree the model cannot take: say so rather than suggest a launch
+            raise
         return cls(cfg, build_trainer_parts(cfg, info, meta=cls.materializes_own_units))
 
     @staticmethod

@@ -5,9 +5,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from plait.config.loader import config_from_dict
 from plait.parallel.dims import ParallelDims
+from plait.parallel.mesh import DistInfo
 from plait.train.pipeline_trainer import PipelineTrainer
 from plait.train.trainer import Trainer
 from tests.conftest import tiny_config_dict
@@ -57,3 +59,16 @@ def test_both_trainers_take_their_layout_from_parallel_dims():
     assert Trainer.layout(single, 4) == ParallelDims(dp=2, pp=1, cp=2)
     with pytest.raises(ValueError, match="parallel.pp.degree=1 x parallel.cp=2 does not fit the world size 3"):
         Trainer.layout(single, 3)
+
+
+@pytest.mark.parametrize("cls, pp", [(Trainer, 1), (PipelineTrainer, 2)])
+def test_one_process_tp_names_heads_it_cannot_split_before_suggesting_a_launch(cls, pp):
+    """parallel.tp=3 on the tiny model (4 query, 2 key/value heads): the one-process error says no launch helps
+    instead of suggesting ``torchrun --nproc_per_node``; tp=2 divides the heads, so the launch is suggested."""
+    one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"parallel.tp=3 does not divide the \d heads of .*: parallel.tp=3 cannot "
+                                         r"work for this model with any number of processes") as err:
+        cls.build(job(tp=3, pp={"degree": pp}), one)
+    assert "torchrun" not in str(err.value)
+    with pytest.raises(ValueError, match=rf"launch a multiple of {2 * pp} processes, e.g. torchrun --nproc_per_node"):
+        cls.build(job(tp=2, pp={"degree": pp}), one)
