@@ -30,7 +30,10 @@ from plait.data.formats import open_source
 from plait.data.sources import RawSample, SampleError, parse_record
 from plait.models.generation import Generator, Prompt, exact_match
 
-__all__ = ["generate_command", "prompt_sample", "read_prompts", "exact_match_report"]
+__all__ = ["generate_command", "prompt_sample", "read_prompts", "exact_match_report", "EMPTY_ANSWER"]
+
+EMPTY_ANSWER = "(empty answer: the model produced a stop token first)"
+"""What ``plait generate --prompt`` prints on stderr after an empty answer (stdout keeps the answer itself)."""
 
 
 def generate_command(model: str | Path, *, prompt: str | None = None, images: Sequence[str] = (),
@@ -43,8 +46,10 @@ def generate_command(model: str | Path, *, prompt: str | None = None, images: Se
     ``dtype`` as :class:`~plait.models.generation.Generator`; ``threads``: torch's intra-op CPU threads
     (``torch.set_num_threads``, as training's ``train.threads``), None keeps torch's default. Returns 0.
 
+    An empty answer is printed as it is, followed by :data:`EMPTY_ANSWER` on stderr.
+
     Raises:
-        ValueError: for a bad combination of arguments, a bad record (naming file, line and record), and as
+        ValueError: for a bad combination of arguments, an empty ``prompt`` without media, a bad record (naming file, line and record), and as
             :meth:`Generator.from_pretrained`.
         SampleError: for a video that cannot be decoded, gives more frames than the model's ``max_frames`` (naming
             the file and the field), or goes to a model that takes no video.
@@ -60,6 +65,8 @@ def generate_command(model: str | Path, *, prompt: str | None = None, images: Se
         raise ValueError(f"--max-new-tokens and --batch-size must be >= 1, got {max_new_tokens} and {batch_size}")
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
+    if prompt is not None and not prompt.strip() and not (images or audios or videos):
+        raise ValueError("--prompt is empty and no --image/--audio/--video is given: there is nothing to answer")
     if threads is not None:
         torch.set_num_threads(threads)
     gen = Generator.from_pretrained(model, device=device, dtype=dtype)
@@ -67,6 +74,8 @@ def generate_command(model: str | Path, *, prompt: str | None = None, images: Se
         answer = gen.generate_raw([prompt_sample(gen, prompt, images, audios, videos)], max_new_tokens)[0] \
             if videos else gen.ask(prompt, images, audios, max_new_tokens=max_new_tokens)
         print(answer, flush=True)
+        if not answer.strip():
+            print(EMPTY_ANSWER, file=sys.stderr, flush=True)
         return 0
     _answer_file(gen, Path(input_path), Path(output_path), max_new_tokens, batch_size)  # type: ignore[arg-type]
     return 0
@@ -83,12 +92,31 @@ def prompt_sample(gen: Generator, text: str, images: Sequence[str] = (), audios:
     videos for a model that takes none (``SampleError`` naming the reason)."""
     marks = {m: s.placeholder for m, s in gen.processor.specs.items()}
     image = gen.processor.specs.get("image")
+    if videos:
+        _check_takes_video(gen)
     mark = image.video.placeholder if image is not None and image.video is not None else VideoConfig().placeholder
     texts = gen.item_texts()
     if videos and mark not in text:
         text = f"{texts.get('video', mark)}\n" * len(videos) + text
     raw = Prompt.from_text(text, images, audios, marks, item_texts=texts).raw()
     return dataclasses.replace(raw, media=raw.media | {"video": tuple(videos)})
+
+
+def _check_takes_video(gen: Generator) -> None:
+    """Refuse ``--video`` for a model that takes none, saying why and what to do (the data layer's message names the
+    training field instead).
+
+    Raises:
+        SampleError: when the model has no image branch, or its video placeholder is not a token of its tokenizer.
+    """
+    image = gen.processor.specs.get("image")
+    if image is None:
+        raise SampleError("this model takes no video: it has no image encoder to encode the frames")
+    if image.video is None or image.video.placeholder_id is None:
+        name = image.encoder
+        raise SampleError(f"this model takes no video (its job had no [model.encoders.{name}.video] placeholder that is "
+                          "a token of its tokenizer): give the frames as --image files, or train it on video records "
+                          f"with [model.encoders.{name}.video] placeholder = a token of the tokenizer")
 
 
 def _answer_file(gen: Generator, input_path: Path, out: Path, max_new_tokens: int, batch_size: int) -> None:

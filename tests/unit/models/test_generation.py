@@ -134,3 +134,21 @@ def test_stop_tokens_of_a_template_whose_turn_ends_otherwise_are_honoured(tiny_j
     assert gen.generate(prompts, max_new_tokens=8) == ["seven", "seven"]
     longer = greedy_token_ids(gen.model, batch, [eos], 8, gen.processor.pad_id)  # without the turn end: goes on
     assert longer[:, :2].tolist() == [[word, eot], [word, eot]] and longer.shape[1] > 2
+
+
+def test_generate_names_an_empty_answer_an_empty_prompt_and_a_model_without_video(trained, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """``plait generate``: an empty answer is marked on stderr (stdout keeps the answer); an empty prompt without
+    media is refused; ``--video`` on a model whose job had no video placeholder says so and what to do."""
+    from plait.commands.generate import EMPTY_ANSWER, generate_command
+
+    _, final, _, _ = trained
+    with pytest.raises(ValueError, match=r"--prompt is empty and no --image/--audio/--video is given"):
+        generate_command(final, prompt="  ", device="cpu")
+    with pytest.raises(SampleError, match=r"^this model takes no video \(its job had no \[model.encoders.vision.video\] "
+                                          r"placeholder that is a token of its tokenizer\): give the frames as --image"):
+        generate_command(final, prompt="What?", videos=[str(tmp_path / "clip.mp4")], device="cpu")
+    monkeypatch.setattr(Generator, "ask", lambda *args, **kwargs: "")
+    assert generate_command(final, prompt="Which digit?", device="cpu") == 0
+    out = capsys.readouterr()
+    assert out.out == "\n" and out.err.endswith("\n" + EMPTY_ANSWER + "\n")  # after the weight-loading bars
