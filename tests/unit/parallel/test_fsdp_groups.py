@@ -43,16 +43,17 @@ def tiny_model(tmp_path, freeze_encoders: bool = False, lora: bool = False, tied
     return build_model(cfg.model, tokenizer, seed=0)
 
 
-def test_trainable_units_are_sharded_frozen_and_tied_ones_replicated(tmp_path, one_rank):
+def test_trainable_units_are_sharded_frozen_ones_replicated_and_a_tied_pair_is_one_group(tmp_path, one_rank):
     model = tiny_model(tmp_path, freeze_encoders=True, tied=True)
     sharded = apply_fsdp(model, unit_specs(model), one_rank, "cpu")
     assert sorted(sharded.groups) == ["audio", "llm", "vision"]
     assert [n for n in sharded.names if n.startswith("encoders.vision")] == ["encoders.vision.projector"]
     llm = [n for n in sharded.names if n.startswith("language_model.")]
-    assert llm == ["language_model.model.layers.0", "language_model.model.layers.1", "language_model.model.norm"]
+    assert llm == ["language_model.model.embed_tokens (tied)", "language_model.model.layers.0",
+                   "language_model.model.layers.1", "language_model.model.norm"]
     head = model.language_model.get_output_embeddings().weight
-    assert head is model.language_model.get_input_embeddings().weight and not isinstance(head, DTensor)
-    assert [id(p) for p in sharded.replicated] == [id(head)]  # tied: replicated, summed like DDP
+    assert head is model.language_model.get_input_embeddings().weight and isinstance(head, DTensor)
+    assert sharded.replicated == []  # the tied embedding and head: one FSDP2 group, the weight sharded once
     assert not any(isinstance(p, DTensor) for p in model.encoders["vision"].encoder.parameters())  # frozen
     assert all(isinstance(p, DTensor) for p in model.encoders["vision"].projector.parameters())
     with gathered(sharded):
