@@ -61,5 +61,6 @@ def fsdp_line(units: Sequence[Unit], costs: Sequence[UnitCost], choice: LayoutCh
                 "(the search charges them as the DP all-reduce's bytes)")
     return (f"FSDP2 collectives per rank ({speed} link): parameter all-gathers {1e3 * gathers:.2f} ms per microbatch "
             f"(forward and backward; what compute does not hide is in the stage times), gradient reduce-scatter"
-            f"{' + replica all-reduce' if choice.dp > choice.dp_shard else ''} {1e3 * sync:.2f} ms per step "
-            "(each unit's as its backward ends)")
+            f"{' + replica all-reduce' if choice.dp > choice.dp_shard else ''} {1e3 * sync:.2f} ms "
+            + (f"per microbatch ({choice.microbatches_per_replica} per step, parallel.fsdp_reduce = \"microbatch\")"
+               if choice.fsdp_reduce == "microbatch" else "per step") + " (each unit's as its backward ends)")

@@ -30,7 +30,7 @@ def pp_snippet(cfg: Any, choice: LayoutChoice, units: Sequence[Unit],
     ``degree = 1``, no pipeline parallelism) and units named as the model names them (``unit_source`` is
     ``MODEL_UNITS``, see ``plan.job_units``). A plan with TP, FSDP2 sharding or activation checkpointing gets a
     ``[parallel]`` table too (``plan``, ``dp``: replicas, ``dp_shard``, ``tp``, ``offload`` when the plan offloads
-    FSDP2's shards to the host) and a comment naming
+    FSDP2's shards to the host, ``fsdp_reduce`` when it reduce-scatters every microbatch) and a comment naming
     ``train.activation_checkpointing`` (``report.pp_toml``).
 
     Args:
@@ -59,7 +59,8 @@ def pp_snippet(cfg: Any, choice: LayoutChoice, units: Sequence[Unit],
     if choice.tp > 1 or choice.dp_shard > 1 or choice.checkpointing != "none":  # the [parallel] table too
         out = apply_layout_choice(cfg, choice, units)
         degrees = dict(dp=out.parallel.dp, dp_shard=out.parallel.dp_shard, tp=out.parallel.tp,
-                       activation_checkpointing=out.train.activation_checkpointing, offload=out.parallel.offload)
+                       activation_checkpointing=out.train.activation_checkpointing, offload=out.parallel.offload,
+                       fsdp_reduce=out.parallel.fsdp_reduce)
     return pp_toml(fields, choice.dp, degrees), ""
 
 
