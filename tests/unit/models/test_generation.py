@@ -151,4 +151,5 @@ def test_generate_names_an_empty_answer_an_empty_prompt_and_a_model_without_vide
     monkeypatch.setattr(Generator, "ask", lambda *args, **kwargs: "")
     assert generate_command(final, prompt="Which digit?", device="cpu") == 0
     out = capsys.readouterr()
-    assert out.out == "\n" and out.err.endswith("\n" + EMPTY_ANSWER + "\n")  # after the weight-loading bars
+    assert out.out == "\n" and out.err.endswith(EMPTY_ANSWER + "\n")  # after any weight-loading bars
+    assert out.err.splitlines()[-1] == EMPTY_ANSWER
