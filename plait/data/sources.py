@@ -309,8 +309,9 @@ def parse_record(obj: dict[str, Any], where: str, base_dir: str | Path) -> RawSa
 
     Raises:
         SampleError: for a missing or malformed ``id``, a field not in :data:`RECORD_FIELDS`, an empty or
-            malformed conversation, an unknown role, a non-string content, no assistant turn at the end, or a
-            malformed media list; the message names the record (when it has an id) and its file and line.
+            malformed conversation, an unknown role, a non-string content, no assistant turn at the end, a
+            malformed media list, or nothing to answer (no media and only empty messages before the answer); the
+            message names the record (when it has an id) and its file and line.
     """
     rid = record_id(obj, where)
     label = f"record {rid!r} ({where})"
@@ -337,6 +338,9 @@ def parse_record(obj: dict[str, Any], where: str, base_dir: str | Path) -> RawSa
         if not isinstance(items, list) or not all(isinstance(p, (str, bytes)) for p in items):
             raise SampleError(f"{label}: {key!r} must be a list of file paths")
         media[modality] = tuple(_media_item(p, f"{key}[{j}] of {where}", base_dir) for j, p in enumerate(items))
+    if not any(media.values()) and not any(m["content"].strip() for m in clean if m["role"] != "assistant"):
+        raise SampleError(f"{label}: nothing to answer: every message before the answer is empty and the record has "
+                          "no images, audios or videos")
     return RawSample(rid, str(obj.get("task", "default")), tuple(clean), media, where)
 
 

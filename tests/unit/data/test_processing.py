@@ -105,11 +105,16 @@ def bad_cases(tmp_path):
         "unknown role": ({**good_img, "messages": [{"role": "robot", "content": "hi"}, good_img["messages"][-1]]},
                          "unknown role 'robot'"),
         "no answer": ({**good_img, "messages": good_img["messages"][:1]}, "last message must be the assistant"),
+        "nothing to answer": ({**good_img, "images": [], "messages": [{"role": "user", "content": "  "},
+                                                                      good_img["messages"][-1]]},
+                              "nothing to answer: every message before the answer is empty and the record has no "
+                              "images, audios or videos$"),
     }
 
 
 @pytest.mark.parametrize("case", ["missing image", "corrupt image", "corrupt audio", "missing audio", "unknown field",
-                                  "placeholder count", "too long", "empty conversation", "unknown role", "no answer"])
+                                  "placeholder count", "too long", "empty conversation", "unknown role", "no answer",
+                                  "nothing to answer"])
 def test_bad_input_raises_naming_record_and_file(setup, tmp_path, case):
     _, _, proc = setup
     rec, pattern = bad_cases(tmp_path)[case]
