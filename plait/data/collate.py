@@ -90,6 +90,8 @@ def collate(samples: Sequence[ProcessedSample], pad_id: int, padding_side: str =
     pos = torch.zeros((rows, width), dtype=torch.long)
     docs = torch.full((rows, width), -1, dtype=torch.long)
     items = torch.full((rows, width), -1, dtype=torch.long)
+    rope_rows = _rope_rows(samples)
+    rope = None if rope_rows is None else torch.zeros((3, rows, width), dtype=torch.long)
     for r, s in enumerate(samples):
         n = len(s.input_ids)
         cols = slice(width - n, width) if padding_side == "left" else slice(0, n)
@@ -99,13 +101,8 @@ def collate(samples: Sequence[ProcessedSample], pad_id: int, padding_side: str =
         pos[r, cols] = torch.arange(n)
         docs[r, cols] = 0
         items[r, cols] = s.item_ids
-    rope = _rope_rows(samples)
-    if rope is not None:
-        rows_rope = torch.zeros((3, rows, width), dtype=torch.long)
-        for r, (s, row) in enumerate(zip(samples, rope)):
-            n = len(s.input_ids)
-            rows_rope[:, r, slice(width - n, width) if padding_side == "left" else slice(0, n)] = row
-        rope = rows_rope
+        if rope is not None:
+            rope[:, r, cols] = rope_rows[r]  # type: ignore[index]
     return Batch(ids, labels, attn, pos, docs, items, _modality_inputs(samples), tuple(s.meta for s in samples),
                  tuple(s.answer for s in samples), rope)
 
