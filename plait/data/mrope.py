@@ -106,9 +106,10 @@ def _check_separated(items: torch.Tensor, on_grid: torch.Tensor) -> None:
                          "take them for one item")
 
 
-def next_mrope_positions(positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def next_mrope_positions(positions: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The positions ``[3, B, 1]`` of the token after left-padded prompts with M-RoPE ``positions`` ``[3, B, N]``
-    (``attention_mask`` ``[B, N]``, 1 on tokens): one past the largest position of each row on all three streams,
-    transformers' ``rope_deltas`` rule (decoding step ``k`` is at ``max + 1 + k``)."""
-    masked = positions.masked_fill(attention_mask[None] == 0, -1)
+    (``attention_mask`` ``[B, N]``, 1 on tokens; None: every column counts, as padding's 0 does not raise the
+    maximum): one past the largest position of each row on all three streams, transformers' ``rope_deltas`` rule
+    (decoding step ``k`` is at ``max + 1 + k``)."""
+    masked = positions if attention_mask is None else positions.masked_fill(attention_mask[None] == 0, -1)
     return masked.amax(dim=(0, 2)).add(1).view(1, -1, 1).expand(3, -1, -1)

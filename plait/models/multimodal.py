@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from plait.models.encoder import ModalityEncoder
 from plait.config.schema import LoraConfig
+from plait.data.mrope import next_mrope_positions
 from plait.models.families.qwen2_5_vl import takes_mrope
 from plait.models.hf import build_causal_lm, build_encoder, encoder_feature_size
 from plait.models.lora import ADAPTER_DIR, base_state_dict, has_lora, inject_lora, load_adapter, lora_settings, save_adapter
@@ -178,7 +179,7 @@ class MultimodalModel(nn.Module):
             return position_ids
         grown = 0 if tokens is None else tokens - rope_position_ids.shape[-1]
         if grown > 0:
-            start = rope_position_ids.amax(dim=(0, 2)).add(1)[:, None]
+            start = next_mrope_positions(rope_position_ids)[0]  # [B, 1]
             extra = start + torch.arange(grown, device=start.device)
             rope_position_ids = torch.cat([rope_position_ids, extra.expand(3, -1, -1)], dim=-1)
         if token_index is not None:
