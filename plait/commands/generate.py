@@ -13,7 +13,6 @@ answer, ``reference``; it then prints the exact match per task and overall. Deco
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
@@ -25,10 +24,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from plait.config.schema import VideoConfig
 from plait.data.formats import open_source
 from plait.data.sources import RawSample, SampleError, parse_record
-from plait.models.generation import Generator, Prompt, exact_match
+from plait.models.generation import Generator, exact_match
 
 __all__ = ["generate_command", "prompt_sample", "read_prompts", "exact_match_report", "EMPTY_ANSWER"]
 
@@ -42,7 +40,7 @@ def generate_command(model: str | Path, *, prompt: str | None = None, images: Se
                      device: str = "auto", dtype: str = "auto", threads: int | None = None) -> int:
     """``plait generate``: with ``prompt`` print the answer to it (with ``images``/``audios``); with
     ``input_path`` answer every record of that data file into ``output_path`` (module docstring); ``videos`` go with
-    ``prompt`` (:func:`prompt_sample`); ``device`` and
+    ``prompt`` (:meth:`Generator.ask`, refused for a model that takes none); ``device`` and
     ``dtype`` as :class:`~plait.models.generation.Generator`; ``threads``: torch's intra-op CPU threads
     (``torch.set_num_threads``, as training's ``train.threads``), None keeps torch's default. Returns 0.
 
@@ -71,8 +69,9 @@ def generate_command(model: str | Path, *, prompt: str | None = None, images: Se
         torch.set_num_threads(threads)
     gen = Generator.from_pretrained(model, device=device, dtype=dtype)
     if prompt is not None:
-        answer = gen.generate_raw([prompt_sample(gen, prompt, images, audios, videos)], max_new_tokens)[0] \
-            if videos else gen.ask(prompt, images, audios, max_new_tokens=max_new_tokens)
+        if videos:
+            _check_takes_video(gen)
+        answer = gen.ask(prompt, images, audios, max_new_tokens=max_new_tokens, videos=videos)
         print(answer, flush=True)
         if not answer.strip():
             print(EMPTY_ANSWER, file=sys.stderr, flush=True)
@@ -83,23 +82,18 @@ def generate_command(model: str | Path, *, prompt: str | None = None, images: Se
 
 def prompt_sample(gen: Generator, text: str, images: Sequence[str] = (), audios: Sequence[str] = (),
                   videos: Sequence[str] = ()) -> RawSample:
-    """The one-turn prompt ``text`` with its media as the raw sample :meth:`Generator.generate_raw` answers (what
-    :meth:`Generator.ask` builds, plus videos): when ``text`` holds no video placeholder, one per video is put before
-    it, each on its own line, as :meth:`Prompt.from_text` does for images and audio; each item as the checkpoint's
-    records write it (:meth:`Generator.item_texts`: ``<|vision_start|><|image_pad|><|vision_end|>`` for an imported
-    Qwen2.5-VL, ``<|audio_bos|><|AUDIO|><|audio_eos|>`` for Qwen2-Audio, else the bare placeholder). The videos are decoded,
-    sampled and processed when the sample is processed, by the same code as training's records, which also refuses
-    videos for a model that takes none (``SampleError`` naming the reason)."""
-    marks = {m: s.placeholder for m, s in gen.processor.specs.items()}
-    image = gen.processor.specs.get("image")
+    """The one-turn prompt ``text`` with its media as the raw sample ``plait generate --prompt`` answers
+    (:meth:`Generator.prompt`: a placeholder per item put before ``text`` when it holds none, each item as the
+    checkpoint's records write it: ``<|vision_start|><|image_pad|><|vision_end|>`` for an imported Qwen2.5-VL,
+    ``<|audio_bos|><|AUDIO|><|audio_eos|>`` for Qwen2-Audio, else the bare placeholder). The videos are decoded,
+    sampled and processed when the sample is processed, by the same code as training's records.
+
+    Raises:
+        SampleError: when ``videos`` go to a model that takes none (:func:`_check_takes_video`).
+    """
     if videos:
         _check_takes_video(gen)
-    mark = image.video.placeholder if image is not None and image.video is not None else VideoConfig().placeholder
-    texts = gen.item_texts()
-    if videos and mark not in text:
-        text = f"{texts.get('video', mark)}\n" * len(videos) + text
-    raw = Prompt.from_text(text, images, audios, marks, item_texts=texts).raw()
-    return dataclasses.replace(raw, media=raw.media | {"video": tuple(videos)})
+    return gen.prompt(text, images, audios, videos).raw()
 
 
 def _check_takes_video(gen: Generator) -> None:

@@ -189,8 +189,9 @@ class Prompt:
 
     Attributes:
         messages: ``({"role": ..., "content": ...}, ...)`` ending with the user's turn (roles ``system``, ``user``,
-            ``assistant``); media placeholders (``<image>``, ``<audio>``) in the text, one per item, in order.
-        images, audios: file paths, in placeholder order.
+            ``assistant``); media placeholders (``<image>``, ``<audio>``, ``<video>``) in the text, one per item, in
+            order.
+        images, audios, videos: file paths, in placeholder order (videos go to an image branch that takes them).
         id: a name for error messages.
     """
 
@@ -198,21 +199,22 @@ class Prompt:
     images: tuple[str, ...] = ()
     audios: tuple[str, ...] = ()
     id: str = "prompt"
+    videos: tuple[str, ...] = ()
 
     @classmethod
     def from_text(cls, text: str, images: Sequence[str] = (), audios: Sequence[str] = (),
                   placeholders: Mapping[str, str] | None = None, id: str = "prompt",
-                  item_texts: Mapping[str, str] | None = None) -> "Prompt":
+                  item_texts: Mapping[str, str] | None = None, videos: Sequence[str] = ()) -> "Prompt":
         """A one-turn prompt. When ``text`` holds no placeholder of a modality that has items, one placeholder
-        per item is put before the text, each on its own line (``"<image>\\n<audio>\\nWhat ...?"``, the demo's
-        layout). ``placeholders``: modality -> placeholder string (default ``<image>``, ``<audio>``);
-        ``item_texts``: modality -> the text put per item instead of the bare placeholder (a checkpoint's
-        convention, :func:`item_prompt_text`)."""
-        marks = {"image": "<image>", "audio": "<audio>"} | dict(placeholders or {})
+        per item is put before the text, each on its own line, images, then audio, then videos
+        (``"<image>\\n<audio>\\nWhat ...?"``, the demo's layout). ``placeholders``: modality -> placeholder string
+        (default ``<image>``, ``<audio>``, ``<video>``); ``item_texts``: modality -> the text put per item instead of
+        the bare placeholder (a checkpoint's convention, :func:`item_prompt_text`)."""
+        marks = {"image": "<image>", "audio": "<audio>", "video": "<video>"} | dict(placeholders or {})
         texts = marks | dict(item_texts or {})
-        head = "".join(f"{texts[m]}\n" * len(items) for m, items in (("image", images), ("audio", audios))
-                       if items and marks[m] not in text)
-        return cls(({"role": "user", "content": head + text},), tuple(images), tuple(audios), id)
+        kinds = (("image", images), ("audio", audios), ("video", videos))
+        head = "".join(f"{texts[m]}\n" * len(items) for m, items in kinds if items and marks[m] not in text)
+        return cls(({"role": "user", "content": head + text},), tuple(images), tuple(audios), id, tuple(videos))
 
     def raw(self) -> RawSample:
         """The prompt as a :class:`RawSample` whose last (assistant) message is empty: what
@@ -225,7 +227,7 @@ class Prompt:
             raise ValueError(f"prompt {self.id!r}: the messages must end with the user's turn")
         messages = tuple({"role": m["role"], "content": m["content"]} for m in self.messages)
         return RawSample(self.id, "default", messages + ({"role": "assistant", "content": ""},),
-                         {"image": self.images, "audio": self.audios}, "the prompt")
+                         {"image": self.images, "audio": self.audios, "video": self.videos}, "the prompt")
 
 
 class Generator:
@@ -330,21 +332,31 @@ class Generator:
                 progress(len(chunk))
         return answers
 
-    def ask(self, text: str, images: Sequence[str] = (), audios: Sequence[str] = (), max_new_tokens: int = 16) -> str:
-        """The greedy answer to one user message with these images and audio clips (:meth:`Prompt.from_text`,
-        with this model's placeholder strings)."""
-        marks = {m: s.placeholder for m, s in self.processor.specs.items()}
-        return self.generate([Prompt.from_text(text, images, audios, marks, item_texts=self.item_texts())],
-                             max_new_tokens)[0]
+    def ask(self, text: str, images: Sequence[str] = (), audios: Sequence[str] = (), max_new_tokens: int = 16,
+            videos: Sequence[str] = ()) -> str:
+        """The greedy answer to one user message with these images, audio clips and videos (:meth:`prompt`)."""
+        return self.generate([self.prompt(text, images, audios, videos)], max_new_tokens)[0]
 
-    def item_texts(self) -> dict[str, str]:
-        """Modality (``image``, ``audio``, ``video``) -> the text a prompt without placeholders gets per item:
-        :func:`item_prompt_text` of the model's placeholder (the video's, for an image branch that takes videos)."""
+    def prompt(self, text: str, images: Sequence[str] = (), audios: Sequence[str] = (),
+               videos: Sequence[str] = ()) -> Prompt:
+        """:meth:`Prompt.from_text` with this model's placeholder strings (:meth:`placeholders`), each item as the
+        checkpoint's records write it (:meth:`item_texts`)."""
+        return Prompt.from_text(text, images, audios, self.placeholders(), item_texts=self.item_texts(),
+                                videos=videos)
+
+    def placeholders(self) -> dict[str, str]:
+        """Modality (``image``, ``audio``, ``video``) -> the model's placeholder string (the video's, for an image
+        branch that takes videos)."""
         marks = {m: s.placeholder for m, s in self.processor.specs.items()}
         image = self.processor.specs.get("image")
         if image is not None and image.video is not None:
             marks["video"] = image.video.placeholder
-        return {m: item_prompt_text(mark, self.tokenizer) for m, mark in marks.items()}
+        return marks
+
+    def item_texts(self) -> dict[str, str]:
+        """Modality -> the text a prompt without placeholders gets per item: :func:`item_prompt_text` of the
+        model's placeholder (:meth:`placeholders`)."""
+        return {m: item_prompt_text(mark, self.tokenizer) for m, mark in self.placeholders().items()}
 
 
 ITEM_WRAPPERS = {"<|image_pad|>": ("<|vision_start|>", "<|vision_end|>"),
