@@ -33,12 +33,11 @@ layers start while the backward still runs through the earlier ones (2 MiB of fl
 CPU demo's 6 MB of gradients)."""
 
 
-def sum_gradients(params: Sequence[nn.Parameter], group: Any = None, device: torch.device | str = "cpu",
-                  bucket_elements: int = BUCKET_ELEMENTS) -> None:
+def sum_gradients(params: Sequence[nn.Parameter], group: Any = None, bucket_elements: int = BUCKET_ELEMENTS) -> None:
     """Sum ``.grad`` of ``params`` over the ranks of ``group`` (default: all ranks), in place (module docstring:
     ``None`` where no rank has a gradient, zeros where this rank has none). One all-reduce per bucket: a run of
     parameters of one dtype and device of at most ``bucket_elements`` elements (a larger parameter alone),
-    flattened with their flags (on the gradients' device; ``device`` is not needed). Collective over ``group``:
+    flattened with their flags (on the gradients' device). Collective over ``group``:
     every rank passes the same parameters in the same order.
     """
     GradientReducer(params, group, bucket_elements).finish()
@@ -72,9 +71,10 @@ class GradientReducer:
         self.buckets = _buckets(order, bucket_elements, lambda p: id(p) in early_ids)
         self._early = [all(id(p) in early_ids for p in b) for b in self.buckets]
         self._bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
-        self._pending = [len(b) if e else -1 for b, e in zip(self.buckets, self._early)]
+        self._pending: list[int] = []
         self._started: list[tuple[torch.Tensor, Any]] = []
         self._armed = False
+        self._reset()
         self.started_early = 0
         """Buckets of the last :meth:`finish`'s step that had started before it (during the backward)."""
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated)
@@ -126,6 +126,10 @@ class GradientReducer:
                     p.grad = piece.view_as(p).clone()
                 else:
                     p.grad.copy_(piece.view_as(p))
+        self._reset()
+
+    def _reset(self) -> None:
+        """Ready for a step: no bucket started, each early bucket waiting for all its gradients, not armed."""
         self._started = []
         self._pending = [len(b) if e else -1 for b, e in zip(self.buckets, self._early)]
         self._armed = False

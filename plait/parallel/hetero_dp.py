@@ -94,7 +94,7 @@ class HeteroDP:
             for param, mirror in zip(g.params, g.mirrors):
                 if mirror and param.grad is not None:
                     param.grad = torch.zeros_like(param.grad)
-            sum_gradients(g.params, g.group, self.comm.device)
+            sum_gradients(g.params, g.group)
 
 
 def _canonical_names(stages: RankStages) -> list[tuple[str, nn.Parameter, bool]]:

@@ -293,7 +293,7 @@ def align_gradients(params: Iterable[nn.Parameter]) -> None:
             p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
-def sum_local_gradients(params: Sequence[nn.Parameter], group: Any = None, device: torch.device | str = "cpu") -> None:
+def sum_local_gradients(params: Sequence[nn.Parameter], group: Any = None) -> None:
     """:func:`plait.parallel.data_parallel.sum_gradients` over ``group`` for parameters that may be DTensors: each
     DTensor gradient's local shard is summed in place (every rank of ``group`` holds the same shard of it: the
     group spans one TP rank's data-parallel / CP peers); a DTensor parameter without a gradient on this rank but
@@ -307,7 +307,7 @@ def sum_local_gradients(params: Sequence[nn.Parameter], group: Any = None, devic
         proxy = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
         proxy.grad = None if p.grad is None else p.grad.to_local()
         proxies.append(proxy)
-    sum_gradients(proxies, group, device)
+    sum_gradients(proxies, group)
     for p, proxy in zip(params, proxies):
         if isinstance(p, DTensor) and p.grad is None and proxy.grad is not None:
             p.grad = DTensor.from_local(proxy.grad, p.device_mesh, p.placements, run_check=False,
@@ -331,10 +331,10 @@ class RankTensorParallel:
     grad_group: Any
     copies: int
 
-    def sum_gradients(self, params: Sequence[nn.Parameter], device: torch.device | str = "cpu") -> None:
+    def sum_gradients(self, params: Sequence[nn.Parameter]) -> None:
         """Sum the gradients of ``params`` over :attr:`grad_group` (:func:`sum_local_gradients`). Collective over
         the group."""
-        sum_local_gradients(params, self.grad_group, device)
+        sum_local_gradients(params, self.grad_group)
 
     def clip_grad_norm_(self, params: Sequence[nn.Parameter], max_norm: float,
                         device: torch.device | str = "cpu") -> float:

@@ -299,10 +299,10 @@ class Trainer:
             uniform = Uniform(self.sharded, list(self.model.encoders), partial(encoder_calls, self.model))
             loss_sum, self.encoder_buffer_peak_bytes = run_uniform_microbatches(
                 batches, scale, self._encode_branch, self._uniform_loss(batches), uniform)
-            sum_local_gradients(self.sharded.replicated, self.tp and self.tp.grad_group, self.info.device)  # tied
+            sum_local_gradients(self.sharded.replicated, self.tp and self.tp.grad_group)  # tied
             if self.cp > 1:
                 sharded = [p for _, p in self.model.trainable_parameters() if isinstance(p, DTensor)]
-                sum_local_gradients(sharded, self.cp_group, self.info.device)
+                sum_local_gradients(sharded, self.cp_group)
         else:
             reducer = self._gradient_reducer()
             last = max((j for j, b in enumerate(batches.llm_batches) if b is not None), default=-1)
@@ -316,8 +316,7 @@ class Trainer:
             if reducer is not None:
                 reducer.finish()
             elif self.info.world_size > 1:  # TP: DTensor gradients
-                sum_local_gradients([p for _, p in self.model.trainable_parameters()], self.tp and self.tp.grad_group,
-                                    self.info.device)
+                sum_local_gradients([p for _, p in self.model.trainable_parameters()], self.tp and self.tp.grad_group)
         if self.info.world_size > 1:
             dist.all_reduce(loss_sum, group=self.tp and self.tp.grad_group)  # TP ranks share their tokens
         return float(loss_sum) / max(1, global_targets), global_targets

@@ -154,7 +154,7 @@ def run_pipeline_step(
     else:  # FSDP2 reduced its groups over dp x dp_shard; CP ranks hold partial sums of the same shards
         _reduce_dp(sharded.replicated, comm)
         if comm.cp_size > 1:
-            sum_local_gradients(sharded.parameters(), comm.cp_group, comm.device)
+            sum_local_gradients(sharded.parameters(), comm.cp_group)
     if comm.distributed:
         _sum_tied(stages, comm)
     loss_sum = torch.zeros((), dtype=torch.float64, device=comm.device)
@@ -256,7 +256,7 @@ def _reduce_dp(params: Sequence[torch.nn.Parameter], comm: PipelineComm) -> None
     used on some copy gets zeros where it was unused."""
     if comm.stage_replicas == 1 or not params:
         return
-    sum_local_gradients(params, comm.reduce_group, comm.device)  # DTensor gradients (TP): their local shards
+    sum_local_gradients(params, comm.reduce_group)  # DTensor gradients (TP): their local shards
 
 
 def _sum_tied(stages: RankStages, comm: PipelineComm) -> None:
