@@ -43,12 +43,13 @@ from plait.planner.recompute import CHECKPOINT_POLICIES
 from plait.planner.search import LayoutChoice, plan_layout
 from plait.planner.search_model import Costs, cost_list
 from plait.planner.overheads import ActionOverheads
-from plait.planner.sharding import (ParallelDegrees, accumulated_grad_bytes, pipelined_optimizer, pipelined_overheads, pipelined_shard_costs,
-                                    shard_buffer_bytes, shard_costs)
+from plait.planner.sharding import (ParallelDegrees, accumulated_grad_bytes, pipelined_optimizer, pipelined_overheads,
+                                    pipelined_shard_costs, shard_buffer_bytes, shard_costs)
 from plait.planner.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
 
-__all__ = ["LayoutSearch", "SearchOne", "degree_options", "flat_reduce", "plan_offloaded", "plan_parallel", "search_degrees"]
+__all__ = ["LayoutSearch", "SearchOne", "degree_options", "flat_reduce", "plan_offloaded", "plan_parallel",
+           "search_degrees"]
 
 LayoutSearch = Callable[..., LayoutChoice]
 """A search with ``search.plan_layout``'s signature: ``plan_layout``, or ``planner.auto_plan.plan_filling_layout``
@@ -223,7 +224,7 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
         dps = None if dp_degrees is None else [d for d in dp_degrees if d <= pipe_devices] or [1]
         if degrees.dp_shard == 1:
             return layout_search(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=cap,
-                               dp_degrees=dps, dtype=dtype, optimizer=optimizer, **search)
+                                 dp_degrees=dps, dtype=dtype, optimizer=optimizer, **search)
 
         def flat(flat_dps: list[int]) -> LayoutChoice:  # every device a DP rank: FSDP2 per microbatch, the buffer
             def run(flat_cap: float | None) -> LayoutChoice:
@@ -329,8 +330,8 @@ def _pipelined(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: Parall
     per_rank = pipelined_shard_costs(units, costs, degrees, tp_link=tp_link, checkpoint_overrides=overrides)
     options = dict(search, overheads=pipelined_overheads(search.get("overheads", ActionOverheads()), degrees.dp_shard))
     choice = layout_search(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=memory_cap,
-                         dp_degrees=dps, dtype=dtype, optimizer=pipelined_optimizer(optimizer, degrees.dp_shard),
-                         **options)
+                           dp_degrees=dps, dtype=dtype, optimizer=pipelined_optimizer(optimizer, degrees.dp_shard),
+                           **options)
     return dataclasses.replace(choice, dp_shard=degrees.dp_shard)
 
 
@@ -393,8 +394,8 @@ def _offloaded_one(job: _Offload, degrees: ParallelDegrees) -> LayoutChoice:
     per_rank = shard_costs(job.true_units, job.whole, degrees, **job.links)
     overheads = dataclasses.replace(job.search.get("overheads", ActionOverheads()), optimizer_s_per_byte=0.0)
     choice = job.layout_search(job.units, per_rank, pipe, microbatches=job.microbatches, dp_degrees=[pipe],
-                         dtype=job.dtype, optimizer=job.optimizer, dp_shard=degrees.dp_shard,
-                         **dict(job.search, overheads=overheads))
+                               dtype=job.dtype, optimizer=job.optimizer, dp_shard=degrees.dp_shard,
+                               **dict(job.search, overheads=overheads))
     added = cost.step_s(choice.microbatches_per_replica, choice.grad_sync_s)
     by_name = {u.name: (u, c) for u, c in zip(job.true_units, per_rank)}
     static = tuple(float(sum(by_name[n][1].param_bytes for n in st.units if not by_name[n][0].trainable))
