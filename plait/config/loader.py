@@ -196,6 +196,7 @@ def validate(cfg: JobConfig) -> None:
     _check(cfg.parallel.tp >= 1, f"parallel.tp must be >= 1 (1: no tensor parallelism), got {cfg.parallel.tp}")
     _validate_offload(cfg.parallel)
     _validate_fsdp_reduce(cfg.parallel)
+    _validate_fsdp_reshard(cfg.parallel)
     _check(cfg.parallel.cp_distribution in ("uniform", "zigzag", "lpt", "ilp"),
            f"parallel.cp_distribution must be uniform, zigzag, lpt or ilp, got {cfg.parallel.cp_distribution!r}")
     _check(cfg.parallel.plan in ("manual", "auto"),
@@ -292,6 +293,19 @@ def _validate_fsdp_reduce(p: Any) -> None:
         _check(p.pp.degree == 1, "parallel.fsdp_reduce = 'microbatch' needs parallel.pp.degree = 1: under pipeline "
                "stages each stage's gradients are reduce-scattered once after its last backward, got pp.degree = "
                f"{p.pp.degree}")
+
+
+def _validate_fsdp_reshard(p: Any) -> None:
+    """``parallel.fsdp_reshard``: ``"auto"``, ``"after_forward"`` or ``"after_backward"``, the explicit ones only with
+    FSDP2 and no pipeline stages."""
+    _check(p.fsdp_reshard in ("auto", "after_forward", "after_backward"),
+           f"parallel.fsdp_reshard must be 'auto', 'after_forward' or 'after_backward', got {p.fsdp_reshard!r}")
+    if p.fsdp_reshard != "auto":
+        _check(p.dp_shard > 1, f"parallel.fsdp_reshard = {p.fsdp_reshard!r} says when FSDP2 frees its gathered "
+               f"parameters: it needs parallel.dp_shard > 1, got dp_shard = {p.dp_shard}")
+        _check(p.pp.degree == 1, f"parallel.fsdp_reshard = {p.fsdp_reshard!r} needs parallel.pp.degree = 1: under "
+               "pipeline stages each stage's parameters are gathered once per step and kept whole until its "
+               f"reduction (leave it 'auto'), got pp.degree = {p.pp.degree}")
 
 
 def _validate_pipeline(cfg: JobConfig) -> None:

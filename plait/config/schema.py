@@ -289,6 +289,15 @@ class ParallelConfig:
     accumulate: one unit's unsharded gradient at a time, ``M`` reductions per step). ``plait plan`` and
     ``parallel.plan = "auto"`` choose it (``planner.search_parallel.flat_reduce``). ``"microbatch"`` needs
     ``dp_shard`` > 1 and ``pp.degree`` = 1; CPU offload always reduces every microbatch."""
+    fsdp_reshard: str = "auto"
+    """When FSDP2 without pipeline stages frees each unit's all-gathered parameters: ``"after_forward"`` (gathered
+    again for the backward: two all-gathers per unit per microbatch, one unit's whole parameters held at a time) or
+    ``"after_backward"`` (kept from the unit's forward to its backward: one all-gather per unit per microbatch, the
+    whole parameters of every trainable unit held at the end of the forward; ``fully_shard(...,
+    reshard_after_forward=False)``). ``"auto"``: the planner's choice (``parallel.plan = "auto"`` writes it, ``plait
+    plan`` prints it: ``"after_backward"`` when the memory cap allows); a manual job with ``"auto"`` reshards after
+    the forward. The explicit values need ``dp_shard`` > 1 and ``pp.degree`` = 1 (under pipeline stages each
+    stage's parameters are gathered once per step and kept whole until its reduction)."""
     tp: int = 1
     """Tensor-parallel degree: the attention heads and MLPs of every layer are split over ``tp`` ranks."""
     cp: int = 1
