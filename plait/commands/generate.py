@@ -6,8 +6,10 @@ processed as in training (the branch's saved ``[model.encoders.<name>.video]`` s
 :class:`~plait.data.processing.MultimodalProcessor` and :mod:`plait.data.video`). A batch: ``plait generate --model runs/demo/final --input data.jsonl --output predictions.jsonl`` answers
 every record of a JSONL file in plait's data format (:mod:`plait.data.sources`; the last message may be the
 user's, or an assistant answer, which becomes the reference and is not shown to the model) and writes one line
-per record: ``id``, ``task``, ``prompt`` (the last user message), ``prediction`` and, when the record has an
-answer, ``reference``; it then prints the exact match per task and overall. Decoding is
+per record: ``id``, ``task``, ``prompt`` (the last user message), ``prediction``, ``"empty": true`` when the
+answer is empty (:func:`~plait.models.generation.is_empty_answer`: the model produced a stop token first) and, when
+the record has an answer, ``reference``; it then prints how many answers are empty and the exact match per task and
+overall. Decoding is
 :func:`plait.models.generation.greedy_generate`, the one that training's validation runs.
 """
 
@@ -26,9 +28,10 @@ from tqdm import tqdm
 
 from plait.data.formats import open_source
 from plait.data.sources import RawSample, SampleError, parse_record
-from plait.models.generation import Generator, exact_match
+from plait.models.generation import Generator, exact_match, is_empty_answer
 
-__all__ = ["generate_command", "prompt_sample", "read_prompts", "exact_match_report", "EMPTY_ANSWER"]
+__all__ = ["generate_command", "prompt_sample", "read_prompts", "exact_match_report", "prediction_row",
+           "empty_report", "EMPTY_ANSWER"]
 
 EMPTY_ANSWER = "(empty answer: the model produced a stop token first)"
 """What ``plait generate --prompt`` prints on stderr after an empty answer (stdout keeps the answer itself)."""
@@ -44,7 +47,9 @@ def generate_command(model: str | Path, *, prompt: str | None = None, images: Se
     ``dtype`` as :class:`~plait.models.generation.Generator`; ``threads``: torch's intra-op CPU threads
     (``torch.set_num_threads``, as training's ``train.threads``), None keeps torch's default. Returns 0.
 
-    An empty answer is printed as it is, followed by :data:`EMPTY_ANSWER` on stderr.
+    An empty answer (:func:`~plait.models.generation.is_empty_answer`) is printed as it is, followed by
+    :data:`EMPTY_ANSWER` on stderr; in ``output_path`` its line has ``"empty": true`` (:func:`prediction_row`) and
+    the summary counts them (:func:`empty_report`).
 
     Raises:
         ValueError: for a bad combination of arguments, an empty ``prompt`` without media, a bad record (naming file, line and record), and as
@@ -73,7 +78,7 @@ def generate_command(model: str | Path, *, prompt: str | None = None, images: Se
             _check_takes_video(gen)
         answer = gen.ask(prompt, images, audios, max_new_tokens=max_new_tokens, videos=videos)
         print(answer, flush=True)
-        if not answer.strip():
+        if is_empty_answer(answer):
             print(EMPTY_ANSWER, file=sys.stderr, flush=True)
         return 0
     _answer_file(gen, Path(input_path), Path(output_path), max_new_tokens, batch_size)  # type: ignore[arg-type]
@@ -122,11 +127,11 @@ def _answer_file(gen: Generator, input_path: Path, out: Path, max_new_tokens: in
         predictions = gen.generate_raw(raws, max_new_tokens, batch_size, progress=progress)
     finally:
         progress.close()
-    rows = [rec | {"prediction": p} for rec, p in zip(records, predictions)]
+    rows = [prediction_row(rec, p) for rec, p in zip(records, predictions)]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     print(f"plait: {len(rows)} predictions written to {out}", flush=True)
-    for line in exact_match_report(rows):
+    for line in [empty_report(rows), *exact_match_report(rows)]:
         print(line, flush=True)
 
 
@@ -181,6 +186,21 @@ def read_prompts(path: str | Path) -> tuple[list[RawSample], list[dict[str, Any]
     if not raws:
         raise SampleError(f"{path} holds no record")
     return raws, records
+
+
+def prediction_row(record: dict[str, Any], prediction: str) -> dict[str, Any]:
+    """One line of ``--output``: the record's fields (:func:`read_prompts`) with its ``prediction``, and
+    ``"empty": true`` when the prediction is empty (:func:`~plait.models.generation.is_empty_answer`; the field is
+    absent otherwise)."""
+    return record | {"prediction": prediction} | ({"empty": True} if is_empty_answer(prediction) else {})
+
+
+def empty_report(rows: Sequence[dict[str, Any]]) -> str:
+    """The summary line counting the rows marked ``"empty"`` (:func:`prediction_row`), e.g.
+    ``plait: 2 of 16 answers empty (the model produced a stop token first; "empty": true in their lines)``."""
+    empty = sum(1 for r in rows if r.get("empty"))
+    return (f"plait: {empty} of {len(rows)} answers empty (the model produced a stop token first; "
+            '"empty": true in their lines)')
 
 
 def exact_match_report(rows: Sequence[dict[str, Any]]) -> list[str]:

@@ -35,7 +35,7 @@ from plait.models.multimodal import PLAIT_CONFIG, MultimodalModel
 from plait.models.registry import build_processor, load_tokenizer
 
 __all__ = ["Prompt", "Generator", "stop_token_ids", "greedy_token_ids", "greedy_generate", "exact_match",
-           "resolve_device", "inference_processor", "check_decoding", "save_final",
+           "is_empty_answer", "resolve_device", "inference_processor", "check_decoding", "save_final",
            "with_stop_tokens", "ITEM_WRAPPERS", "item_prompt_text"]
 
 
@@ -164,6 +164,13 @@ def greedy_generate(model: MultimodalModel, batch: Batch, tokenizer: Any, stop_i
 def exact_match(prediction: str, reference: str) -> bool:
     """Whether a generated answer equals the reference, ignoring surrounding whitespace (the validation rule)."""
     return prediction.strip() == reference.strip()
+
+
+def is_empty_answer(answer: str) -> bool:
+    """Whether a generated answer is empty: nothing but whitespace once the stop and padding tokens are dropped (the
+    model's first new token was a stop token, usual early in training). The one rule by which ``plait generate``
+    marks empty answers (on stderr for ``--prompt``, ``"empty": true`` in ``--output`` lines)."""
+    return not answer.strip()
 
 
 def resolve_device(device: str) -> torch.device:

@@ -4,6 +4,8 @@ turn end."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -153,3 +155,41 @@ def test_generate_names_an_empty_answer_an_empty_prompt_and_a_model_without_vide
     out = capsys.readouterr()
     assert out.out == "\n" and out.err.endswith(EMPTY_ANSWER + "\n")  # after any weight-loading bars
     assert out.err.splitlines()[-1] == EMPTY_ANSWER
+
+
+def test_generate_file_marks_empty_answers_and_counts_them(trained, tmp_path, capsys, monkeypatch):
+    """``plait generate --input``: an answer that is a stop token first (here forced on the first row of each batch by
+    a bias on the end-of-turn logit) is written as ``"prediction": ""`` with ``"empty": true`` and counted in the
+    summary; the other rows keep validation's answers and carry no ``empty`` field."""
+    from plait.commands.generate import generate_command
+    from plait.models.generation import is_empty_answer
+
+    trainer, final, _, val = trained
+    load = Generator.from_pretrained
+
+    def biased(*args, **kwargs):
+        gen = load(*args, **kwargs)
+        eot = max(gen.stop_ids)  # <|im_end|>
+
+        def first_row_stops(module, inputs, logits):
+            logits = logits.clone()
+            logits[0, :, eot] += 1e4
+            return logits
+
+        gen.model.language_model.lm_head.register_forward_hook(first_row_stops)
+        return gen
+
+    monkeypatch.setattr(Generator, "from_pretrained", biased)
+    out = tmp_path / "predictions.jsonl"
+    assert generate_command(final, input_path=val, output_path=out, batch_size=2, device="cpu",
+                            max_new_tokens=trainer.cfg.train.max_new_tokens) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    expected = trainer_predictions(trainer)
+    assert len(rows) == len(expected) == 16
+    assert [r["prediction"] for r in rows[0::2]] == [""] * 8 and all(r["empty"] is True for r in rows[0::2])
+    assert [r["prediction"] for r in rows[1::2]] == expected[1::2] and not any("empty" in r for r in rows[1::2])
+    assert all(p.strip() for p in expected[1::2])  # the unbiased rows really answered
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1] == ('plait: 8 of 16 answers empty (the model produced a stop token first; "empty": true in '
+                          'their lines)')
+    assert is_empty_answer(" \n") and not is_empty_answer(" 7")
