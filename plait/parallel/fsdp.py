@@ -30,6 +30,14 @@ What is plait's own here, the rest is PyTorch's:
   gradient sync off until the last microbatch (``train.step_run``), so every group's gradient accumulates unsharded
   and is reduce-scattered once; ``"microbatch"`` (:attr:`ShardedModel.reduce_each_microbatch`) keeps sync on, as CPU
   offload does: one reduce-scatter per microbatch, the shards accumulate (``planner.sharding`` charges both).
+- **Resharding after the forward** (without pipeline stages, ``parallel.fsdp_reshard``): ``"after_forward"``
+  (:attr:`ShardedModel.reshard_after_forward`, FSDP2's default) frees each group's gathered parameters after its
+  forward and all-gathers them again for its backward; ``"after_backward"`` keeps them from the forward to the end of
+  the backward (torchtitan's ``reshard_after_forward = False``; ZeRO-2 within the microbatch): one all-gather per
+  group per microbatch instead of two, for the unsharded parameters of every unit whose backward is pending
+  (``planner.sharding`` charges them). Every trainable group's forward is followed by its backward before the
+  optimizer step (:mod:`plait.train.step_run`), which reshards it; forwards without a backward run inside
+  :func:`gathered`.
 - **Mixed precision** on GPU: bf16 parameters for compute, fp32 gradient reduction and fp32 master weights
   (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``); fp32 throughout on CPU.
 
@@ -86,6 +94,10 @@ class ShardedModel:
         reduce_each_microbatch: ``parallel.fsdp_reduce = "microbatch"``: as under :attr:`offload`, gradients are
             reduce-scattered after every microbatch's backward and the shards accumulate on the device (one unit's
             unsharded gradient at a time instead of all of them, for one reduction per microbatch).
+        reshard_after_forward: each group frees its all-gathered parameters after its forward and gathers them again
+            for its backward (``parallel.fsdp_reshard = "after_forward"``), or keeps them from its forward to the end
+            of its backward (``"after_backward"``: one all-gather per microbatch instead of two, the unsharded
+            parameters of every unit whose backward is pending held at once). :func:`gathered` restores it.
     """
 
     groups: dict[str, list[FSDPModule]] = field(default_factory=dict)
@@ -95,6 +107,7 @@ class ShardedModel:
     holders: dict[int, FSDPModule] = field(default_factory=dict)
     offload: bool = False
     reduce_each_microbatch: bool = False
+    reshard_after_forward: bool = True
 
     def all_groups(self) -> list[FSDPModule]:
         """Every group, module by module."""
@@ -170,7 +183,7 @@ def mixed_precision(device_type: str) -> MixedPrecisionPolicy:
 
 def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_type: str,
                replicate: Collection[nn.Parameter] = (), offload: bool = False,
-               reduce_each_microbatch: bool = False) -> ShardedModel:
+               reduce_each_microbatch: bool = False, reshard_after_forward: bool = True) -> ShardedModel:
     """Shard, in place, the trainable units of ``model`` over ``mesh`` (module docstring for the rules).
 
     Args:
@@ -186,6 +199,8 @@ def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_ty
         offload: CPU offload (``parallel.offload = "cpu"``, :func:`offload_policy`): every group's shards, their
             gradients (and so the optimizer state and step) on the host.
         reduce_each_microbatch: ``parallel.fsdp_reduce = "microbatch"`` (:class:`ShardedModel`).
+        reshard_after_forward: ``fully_shard``'s flag for every group (``parallel.fsdp_reshard``,
+            :attr:`ShardedModel.reshard_after_forward`); pipeline steps override it (:meth:`ShardedModel.begin_step`).
 
     Returns:
         The groups made, by module.
@@ -194,8 +209,9 @@ def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_ty
         ValueError: when modules sharing a tied parameter hold frozen parameters next to trained ones, or a module
             holds both of its own (FSDP2 needs one ``requires_grad`` per group).
     """
-    out = ShardedModel(offload=offload, reduce_each_microbatch=reduce_each_microbatch)
-    policy = (mixed_precision(device_type), offload_policy(device_type, offload))
+    out = ShardedModel(offload=offload, reduce_each_microbatch=reduce_each_microbatch,
+                       reshard_after_forward=reshard_after_forward)
+    policy = _Policy(mixed_precision(device_type), offload_policy(device_type, offload), reshard_after_forward)
     units = [(s.unit.module, s.unit.name, [m for m in map(lambda p: _held(model, p), s.modules) if m is not None])
              for s in specs]
     kept = {id(p) for p in replicate}
@@ -245,13 +261,12 @@ class _Holder(nn.Module):
         raise RuntimeError("the FSDP2 root of a tied group is never run: its members are called on their own")
 
 
-def _holder(sharing: list[nn.Module], mesh: Any, policy: tuple[MixedPrecisionPolicy, OffloadPolicy]) -> FSDPModule:
+def _holder(sharing: list[nn.Module], mesh: Any, policy: _Policy) -> FSDPModule:
     """The FSDP2 root of a tied group: FSDP2 needs one root module per state tree and a grouped state cannot be one,
     so a parameterless :class:`_Holder` of the group's modules (outside the model) is sharded over them and
     initialised before the first of them runs (a pre-forward hook ahead of FSDP2's): the tied group then runs as its
     non-root child, each module called on its own."""
-    holder = fully_shard(_Holder(sharing), mesh=mesh, reshard_after_forward=True, mp_policy=policy[0],
-                         offload_policy=policy[1])
+    holder = _shard(_Holder(sharing), mesh, policy)
 
     def init_root(*_: Any) -> None:
         _state(holder)  # idempotent: FSDP2's lazy init of the root and its tied child
@@ -284,9 +299,19 @@ def offload_policy(device_type: str, offload: bool) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=device_type == "cuda") if offload else OffloadPolicy()
 
 
-def _shard(modules: nn.Module | list[nn.Module], mesh: Any,
-           policy: tuple[MixedPrecisionPolicy, OffloadPolicy]) -> FSDPModule:
-    group = fully_shard(modules, mesh=mesh, reshard_after_forward=True, mp_policy=policy[0], offload_policy=policy[1])
+@dataclass(frozen=True)
+class _Policy:
+    """What every ``fully_shard`` call of one model shares (:func:`apply_fsdp`)."""
+
+    mp: MixedPrecisionPolicy
+    offload: OffloadPolicy
+    reshard_after_forward: bool
+
+
+def _shard(modules: nn.Module | list[nn.Module], mesh: Any, policy: _Policy) -> FSDPModule:
+    """``fully_shard`` of ``modules`` (one group; a list: one grouped state) under ``policy``, reducing plain sums."""
+    group = fully_shard(modules, mesh=mesh, reshard_after_forward=policy.reshard_after_forward, mp_policy=policy.mp,
+                        offload_policy=policy.offload)
     group = group[0] if isinstance(group, list) else group  # several modules share one state: any handles it
     group.set_gradient_divide_factor(1.0)
     group.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM; the factor is 1)
@@ -356,6 +381,6 @@ def gathered(sharded: ShardedModel | None) -> Iterator[None]:
     finally:
         for g in groups:
             g.reshard()
-            g.set_reshard_after_forward(True, recurse=False)
+            g.set_reshard_after_forward(sharded.reshard_after_forward, recurse=False)  # type: ignore[union-attr]
 
 

@@ -197,7 +197,8 @@ class Trainer:
             mesh = self.mesh["dp", "dp_shard"] if self.dims.dp > 1 else self.mesh["dp_shard"]
             self.sharded = apply_fsdp(self.model, unit_specs(self.model), mesh, self.info.device.type,
                                       offload=self.cfg.parallel.offload == "cpu",
-                                      reduce_each_microbatch=self.cfg.parallel.fsdp_reduce == "microbatch")
+                                      reduce_each_microbatch=self.cfg.parallel.fsdp_reduce == "microbatch",
+                                      reshard_after_forward=self.cfg.parallel.fsdp_reshard != "after_backward")
         plain = self.sharded is None and self.tp is None
         self.ddp_model = apply_data_parallel(self.model, self.info) if plain else self.model
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas,

@@ -1,10 +1,12 @@
 """Worker for the FSDP2 tests: train a job (config JSON) on one fixed global batch, then ``fit``; rank 0 writes the
 first step's plan (deferred samples), full gradients, which DP ranks saw an image, the per-step losses and the
 full final parameters (sharded tensors gathered), the FSDP2 group names, the parameters left replicated and
-whether every group offloads to the host or reduce-scatters after every microbatch. With ``resume_from`` in the JSON, it first resumes that
+whether every group offloads to the host or reduce-scatters after every microbatch, which groups keep their gathered
+parameters from forward to backward (``parallel.fsdp_reshard``) and how many all-gathers the first step ran. With ``resume_from`` in the JSON, it first resumes that
 checkpoint (written with another layout) and trains the remaining steps instead."""
 
 import json
+from contextlib import contextmanager
 import sys
 
 import torch
@@ -21,6 +23,22 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
+@contextmanager
+def counted_all_gathers():
+    """Within: ``dist.all_gather_single`` calls (FSDP2's parameter all-gathers) counted in the yielded list's item."""
+    count, original = [0], dist.all_gather_single
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_gather_single = counting
+    try:
+        yield count
+    finally:
+        dist.all_gather_single = original
+
+
 def main(config_path: str, out_path: str) -> None:
     data = json.loads(open(config_path).read())
     resume_from = data.pop("resume_from", None)
@@ -30,7 +48,9 @@ def main(config_path: str, out_path: str) -> None:
     if resume_from is None:
         first = trainer.loader.epoch_order(0)[: cfg.train.global_batch_size].tolist()
         plan, _ = trainer.plan_step(first)
-        trainer.forward_backward(first, plan)
+        with counted_all_gathers() as gathers:
+            trainer.forward_backward(first, plan)
+        out["all_gathers"] = gathers[0]
         out["grads"] = {n: full(p.grad) for n, p in trainer.model.named_parameters() if p.grad is not None}
         images = [sum(any(e == "vision" for e, _ in trainer.train_set.sample_meta(first[k]).items)
                       for mb in plan.microbatches[r] for k in mb) for r in range(plan.dp)]
@@ -46,6 +66,7 @@ def main(config_path: str, out_path: str) -> None:
     states = [s for g in (trainer.sharded.all_groups() if trainer.sharded is not None else [])
               for s in g._get_fsdp_state()._fsdp_param_groups]
     out["reduce_each_microbatch"] = trainer.sharded is not None and trainer.sharded.reduce_each_microbatch
+    out["kept_after_forward"] = [s.post_forward_mesh_info is None for s in states]
     out["offloaded"] = bool(states) and all(isinstance(s.offload_policy, CPUOffloadPolicy) for s in states)
     if trainer.info.is_main:
         torch.save(out, out_path)

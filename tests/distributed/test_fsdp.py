@@ -4,7 +4,9 @@ of each gradient's scale; parameters rtol 1e-5 / atol 1e-6), with frozen encoder
 everything trainable; deferral on (hierarchical plans that defer), activation checkpointing inside the sharded
 units, gradients reduce-scattered after every microbatch (``parallel.fsdp_reduce = "microbatch"``), a DP rank whose
 share of the batch holds no image (HSDP 2x2), and resuming across a dp_shard change (DCP
-reshards: one process -> dp_shard=2 and dp_shard=2 -> DDP)."""
+reshards: one process -> dp_shard=2 and dp_shard=2 -> DDP). Parameters resharded after the forward (the default) and
+kept to the backward (``parallel.fsdp_reshard = "after_backward"``: the CPU-offload, per-microbatch-reduction,
+resumed and HSDP runs; fewer all-gathers)."""
 
 from __future__ import annotations
 
@@ -82,9 +84,13 @@ def test_fsdp2_frozen_encoders_trainable_projectors(tmp_path):
     assert any("projector" in g for g in fsdp["groups"]) and not any(".encoder." in g for g in fsdp["groups"])
     assert_equal_runs(single, fsdp)
     assert sum(g.endswith("(tied)") for g in fsdp["groups"]) == 1 and fsdp["replicated"] == 0  # sharded once
-    offload = run(tied(job(tmp_path, True, dp_shard=2, offload="cpu")), tmp_path, "offload", 2)
+    offload = run(tied(job(tmp_path, True, dp_shard=2, offload="cpu", fsdp_reshard="after_backward")), tmp_path,
+                  "offload", 2)
     assert offload["offloaded"] and offload["sharded"]  # FSDP2's shards and their gradients on the host
     assert_equal_runs(single, offload)
+    # parallel.fsdp_reshard: "auto" (a manual job's: after the forward) vs "after_backward" (kept to the backward)
+    assert not any(fsdp["kept_after_forward"]) and all(offload["kept_after_forward"])
+    assert 0 < offload["all_gathers"] < fsdp["all_gathers"]
 
 
 def test_fsdp2_all_trainable_with_checkpointing_and_resume_across_dp_shard(tmp_path):
@@ -95,12 +101,14 @@ def test_fsdp2_all_trainable_with_checkpointing_and_resume_across_dp_shard(tmp_p
     assert sum(".layers." in g for g in fsdp["groups"]) >= 2  # one group per layer unit
     assert_equal_runs(single, fsdp)
     # parallel.fsdp_reduce = "microbatch": a reduce-scatter after each of a rank's 2 microbatches, shards accumulate
-    each = run(job(tmp_path, False, dp_shard=2, fsdp_reduce="microbatch"), tmp_path, "each", 2)
+    each = run(job(tmp_path, False, dp_shard=2, fsdp_reduce="microbatch", fsdp_reshard="after_backward"), tmp_path,
+               "each", 2)
     assert each["reduce_each_microbatch"] and not fsdp["reduce_each_microbatch"] and each["sharded"]
+    assert all(each["kept_after_forward"]) and 0 < each["all_gathers"] < fsdp["all_gathers"]
     assert_equal_runs(single, each)
     # resume step 1 of the one-process run with dp_shard=2, and step 1 of the dp_shard=2 run as DDP (dp=2)
     step1 = "checkpoints/step_000001"
-    to_fsdp = run(job(tmp_path, False, dp_shard=2), tmp_path, "to_fsdp", 2,
+    to_fsdp = run(job(tmp_path, False, dp_shard=2, fsdp_reshard="after_backward"), tmp_path, "to_fsdp", 2,
                   resume_from=str(tmp_path / "run_single" / step1))
     to_ddp = run(job(tmp_path, False, dp=2), tmp_path, "to_ddp", 2, resume_from=str(tmp_path / "run_fsdp" / step1))
     assert (to_fsdp["start"], to_ddp["start"], to_fsdp["sharded"], to_ddp["sharded"]) == (1, 1, True, False)
@@ -115,9 +123,9 @@ def test_hsdp_2x2_with_a_rank_that_sees_no_image(tmp_path):
     others = demo_records("train", ("audio_transcribe",), limit=3) + demo_records("train", ("text",), limit=2)
     records = images + others
     single = run(job(tmp_path, False, records, {"microbatch_policy": "arrival"}), tmp_path, "single", 1)
-    hsdp = run(job(tmp_path, False, records, {"microbatch_policy": "arrival"}, dp=2, dp_shard=2), tmp_path,
-               "hsdp", 4)
-    assert hsdp["sharded"] and hsdp["dp"] == 4 and hsdp["world"] == 4
+    hsdp = run(job(tmp_path, False, records, {"microbatch_policy": "arrival"}, dp=2, dp_shard=2,
+                   fsdp_reshard="after_backward"), tmp_path, "hsdp", 4)
+    assert hsdp["sharded"] and hsdp["dp"] == 4 and hsdp["world"] == 4 and all(hsdp["kept_after_forward"])
     assert min(hsdp["images_per_rank"]) == 0 < max(hsdp["images_per_rank"])  # a rank joins the encoder's
     assert_equal_runs(single, hsdp)  # collectives on a dummy image, with zero gradient
 
