@@ -145,7 +145,8 @@ def _free_port() -> int:
 
 def bench_job(name: str, path: Path, args: argparse.Namespace) -> tuple[list[Row], str]:
     """Plan ``path`` for 2 devices, run the recommended plan and every considered one; rows and the plan text."""
-    from plait.commands.plan import load_config_for_planning, plan_command
+    from plait.commands.job_file import load_config_for_planning
+    from plait.commands.plan import plan_command
     from plait.commands.plan_compare import considered_plans
     from plait.train.auto_plan import apply_layout_choice
 

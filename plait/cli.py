@@ -54,10 +54,10 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _simulate(args: argparse.Namespace, overrides: list[str]) -> int:
-    from plait.commands.simulate import simulate_command
-
     if overrides:
         raise ValueError(f"plait simulate takes no overrides, got {overrides}")
+    from plait.commands.simulate import simulate_command
+
     simulate_command(args.plan, args.out_dir)
     return 0
 
@@ -72,10 +72,10 @@ def _profile(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
-    from plait.commands.generate import generate_command
-
     if overrides:
         raise ValueError(f"plait generate takes no overrides, got {overrides}")
+    from plait.commands.generate import generate_command
+
     return generate_command(args.model, prompt=args.prompt, images=args.image, audios=args.audio, videos=args.video,
                             input_path=args.input, output_path=args.output, max_new_tokens=args.max_new_tokens,
                             batch_size=args.batch_size, device=args.device, dtype=args.dtype,
@@ -108,18 +108,18 @@ def _energy(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _import(args: argparse.Namespace, overrides: list[str]) -> int:
-    from plait.commands.import_hf import import_command
-
     if overrides:
         raise ValueError(f"plait import takes no overrides, got {overrides}")
+    from plait.commands.import_hf import import_command
+
     return import_command(args.source, args.out, train=args.train, val=args.val, chat_template=args.chat_template)
 
 
 def _export(args: argparse.Namespace, overrides: list[str]) -> int:
-    from plait.commands.export_hf import export_command
-
     if overrides:
         raise ValueError(f"plait export takes no overrides, got {overrides}")
+    from plait.commands.export_hf import export_command
+
     return export_command(args.run, args.format, args.out)
 
 
@@ -140,6 +140,11 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
     sizes = [int(n) for n in args.pipelines.split(",")] if args.pipelines else []
     return launch_command(args.config, args.nproc, args.f, overrides, sizes, args.kill, args.timeout,
                           rejoins=args.rejoin, overwrite=args.overwrite, device=args.device)
+
+
+_JOB_VERBS = {"train": False, "profile": False, "tune-ranks": False, "launch": False, "plan": True, "energy": True}
+"""The verbs that read a ``--config`` job file, checked before the verb's module is imported: True for the verbs
+that read it for planning (their ``[parallel.pp]`` table and ``parallel.dp`` replaced by the plan)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -307,11 +312,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         parser.error(f"unrecognised arguments {bad}; overrides look like --train.lr=1e-3")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bars per checkpoint/final save
     try:
+        if args.command in _JOB_VERBS:  # a bad job file is refused in ~0.3 s, before torch and transformers load
+            from plait.commands.job_file import check_job
+
+            check_job(args.config, rest, planning=_JOB_VERBS[args.command])
+        if args.command != "simulate":  # the one verb that never loads a model (transformers: ~0.6 CPU-s)
+            _quiet_transformers()
         commands = {"train": _train, "plan": _plan, "simulate": _simulate, "profile": _profile,
                     "generate": _generate, "tune-ranks": _tune_ranks, "energy": _energy,
                     "launch": _launch, "import": _import, "export": _export}
@@ -322,6 +329,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("plait: interrupted", file=sys.stderr)
         return 130
+
+
+def _quiet_transformers() -> None:
+    """transformers' own logging to errors only and no progress bars ("Writing model shards" per checkpoint or final
+    save). Importing transformers takes seconds, so this runs after the job file is checked."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 def _report_error(exc: Exception) -> None:

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from plait.commands.plan import build_plan_inputs, device_spec, load_config_for_planning, plan_command, split_global_batch
+from plait.commands.job_file import load_config_for_planning
+from plait.commands.plan import build_plan_inputs, device_spec, plan_command, split_global_batch
 from plait.planner.cost_model import unit_estimates
 from plait.planner.energy_frontier import (
     energy_at_deadline,

@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from plait.config.loader import config_from_dict, read_config_data, validate
 from plait.data.chat_template import tokenizer_dir
 from plait.data.loader import GlobalBatchLoader, MultimodalDataset
 from plait.models.registry import build_model, build_processor, load_tokenizer, placeholder_of
+from plait.commands.job_file import load_config_for_planning
 from plait.commands.plan_costs import host_cpu, host_device, runtime_costs, stored_profile
 from plait.commands.plan_fit import search_plan
 from plait.commands.plan_fsdp import fsdp_line
@@ -68,7 +68,6 @@ __all__ = [
     "dataset_metadata",
     "device_spec",
     "job_units",
-    "load_config_for_planning",
     "model_parts",
     "plan_setup",
     "plan_command",
@@ -524,34 +523,6 @@ def plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], 
     shard_link = costs.dp_link or costs.p2p
     return PlanSetup(cfg, inputs, spec, search, dict(base_checkpointing=policy, checkpoint_overrides=overrides,
                                                      shard_link=shard_link))
-
-
-def load_config_for_planning(config_path: str | Path, overrides: Sequence[str] = ()) -> tuple[Any, str]:
-    """The job config ``plait plan`` plans for: the TOML file with its ``--section.key=value`` overrides, read and
-    validated as ``plait.config.loader.load_config`` does, except that the job's ``[parallel.pp]`` table and
-    ``parallel.dp`` are reset to their defaults first: the plan replaces them, so a table written for another
-    model or world size (e.g. ``attach_encoders = true`` on an LLM-only job) must not stop the planning.
-
-    Returns:
-        ``(JobConfig, replaced)``: ``replaced`` names what was reset (``"[parallel.pp] table"``,
-        ``"parallel.dp = 2"``, both joined by ``" and "``), ``""`` when the job set neither.
-
-    Raises:
-        FileNotFoundError: when the file does not exist; ValueError: as ``load_config`` (TOML syntax, unknown
-            keys, wrong types or invalid values outside ``[parallel.pp]``, named by dotted key).
-    """
-    data = read_config_data(config_path, overrides)
-    parallel = data.get("parallel")
-    replaced = []
-    if isinstance(parallel, dict):
-        if parallel.pop("pp", None):
-            replaced.append("[parallel.pp] table")
-        if parallel.get("dp", 0) not in (0, 1):
-            replaced.append(f"parallel.dp = {parallel['dp']}")
-        parallel.pop("dp", None)
-    cfg = config_from_dict(data)
-    validate(cfg)
-    return cfg, " and ".join(replaced)
 
 
 def split_global_batch(cfg: Any, microbatches: int | None) -> Any:

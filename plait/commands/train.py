@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from plait.commands.job_file import same_on_every_rank
 from plait.commands.plan_costs import CPU_OPTIMIZER_S_PER_BYTE, measured_overheads
 from plait.commands.plan_fit import explain_no_fit, is_no_fit
 from plait.commands.profile import profile_job
@@ -56,12 +57,9 @@ def train_command(config: str | Path, overrides: list[str], *, resume: bool | st
             ``overwrite``, or ``metrics.wandb`` without wandb (marked ``same_on_every_rank``: every rank reads the
             same files), and as the trainer.
     """
-    try:
+    with same_on_every_rank():  # every rank reads the same files
         cfg = load_config(config, overrides)
         _check_before_building(cfg, config, resume, overwrite)
-    except (ValueError, FileNotFoundError) as exc:
-        exc.same_on_every_rank = True  # type: ignore[attr-defined]  # every rank reads the same file
-        raise
     info = None
     if cfg.parallel.plan == "auto":
         cfg, info = resolve_auto(cfg, profile_store)
