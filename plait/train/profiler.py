@@ -5,7 +5,8 @@ For a list of microbatches (real samples, collated), :func:`measure_profile` mea
 
 1. **Capture**: one forward of the whole model with every parameter made trainable, forward hooks on every
    module of every unit record each call's inputs (positional and keyword: hidden states, position
-   embeddings, masks) and output. A module called several times per forward (an encoder run once per
+   embeddings, masks) and output. The LLM gets the positions it trains with: an M-RoPE LLM (Qwen2.5-VL's) the
+   batch's ``rope_position_ids`` ``[3, B, N]``, any other ``position_ids`` ``[B, N]``. A module called several times per forward (an encoder run once per
    group of equally sized items) contributes every call.
 2. **Isolation**: each captured call is re-run alone on detached inputs (the hidden-state input made a graph
    leaf when it was part of the graph): the forward (graph recorded, as in training), then
@@ -321,8 +322,10 @@ def _all_trainable(model: nn.Module) -> Iterator[None]:
 
 
 def _forward_loss(model: MultimodalModel, batch: Batch, llm_kwargs: KwargsFn, loss_fn: LossFn) -> torch.Tensor:
+    """The loss of one whole-model forward as training runs it: an M-RoPE LLM rotates with the batch's
+    ``rope_position_ids`` ``[3, B, N]`` (:meth:`MultimodalModel.llm_positions`), any other with ``position_ids``."""
     logits = model(batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids,
-                   use_cache=False, **llm_kwargs(batch))
+                   rope_position_ids=batch.rope_position_ids, use_cache=False, **llm_kwargs(batch))
     return loss_fn(logits, batch.labels)
 
 

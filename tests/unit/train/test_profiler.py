@@ -180,3 +180,29 @@ def test_pipeline_splits_are_validated(tmp_path, pp, message):
     job["parallel"] = {"pp": pp}
     with pytest.raises(ValueError, match=message):
         validate(config_from_dict(job))
+
+
+def test_profiler_gives_an_mrope_llm_the_positions_it_trains_with(tmp_path):
+    """A Qwen2.5-VL job (its M-RoPE text model as the LLM): every forward of the profile (capture, saved bytes, the
+    module chunks and the runtime step) hands the text model the batch's ``rope_position_ids [3, B, N]``, which
+    differ from the 1-D positions (a record with two images), as training does."""
+    from plait.commands.profile import build_profile_inputs
+    from plait.config.loader import config_from_dict
+    from tests.distributed.test_qwen2_5_vl_parallel import _job
+
+    torch.set_num_threads(1)
+    inputs = build_profile_inputs(config_from_dict(_job(tmp_path, "profile")), microbatch_size=4, device="cpu")
+    (batch,) = inputs.microbatches
+    rope = batch.rope_position_ids
+    assert rope is not None and rope.shape == (3, *batch.input_ids.shape)
+    assert not torch.equal(rope, batch.position_ids.expand(3, -1, -1))  # the two images sit at grid positions
+    text_model = inputs.model.language_model.model
+    assert type(text_model).__name__ == "Qwen2_5_VLTextModel"
+    seen = []
+    text_model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["position_ids"]), with_kwargs=True)
+    profile = measure_profile(inputs.model, [batch], inputs.key, repeats=1, warmup=0,
+                              llm_kwargs=inputs.llm_kwargs, autocast=inputs.autocast)
+    assert len(seen) == 4  # capture, saved bytes, the LLM chunk's pass, the runtime step (hooks copied with the model)
+    assert all(torch.equal(p, rope) for p in seen)
+    layer = next(m for m in profile.measurements if m.name == "language_model.model.layers.0")
+    assert layer.forward_s > 0 and layer.fused_backward_s > 0
