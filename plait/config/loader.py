@@ -194,9 +194,7 @@ def validate(cfg: JobConfig) -> None:
     _check(cfg.parallel.cp >= 1 and cfg.parallel.dp >= 0, "parallel.cp must be >= 1 and parallel.dp >= 0")
     _check(cfg.parallel.dp_shard >= 1, f"parallel.dp_shard must be >= 1 (1: no sharding), got {cfg.parallel.dp_shard}")
     _check(cfg.parallel.tp >= 1, f"parallel.tp must be >= 1 (1: no tensor parallelism), got {cfg.parallel.tp}")
-    _validate_offload(cfg.parallel)
-    _validate_fsdp_reduce(cfg.parallel)
-    _validate_fsdp_reshard(cfg.parallel)
+    _validate_fsdp_options(cfg.parallel)
     _check(cfg.parallel.cp_distribution in ("uniform", "zigzag", "lpt", "ilp"),
            f"parallel.cp_distribution must be uniform, zigzag, lpt or ilp, got {cfg.parallel.cp_distribution!r}")
     _check(cfg.parallel.plan in ("manual", "auto"),
@@ -272,40 +270,41 @@ def _validate_sources(d: DataConfig) -> None:
         names[name] = i
 
 
-def _validate_offload(p: Any) -> None:
-    """``parallel.offload``: ``"none"`` or ``"cpu"``, the latter only with FSDP2 wrapping and no pipeline stages."""
-    _check(p.offload in ("none", "cpu"), f"parallel.offload must be 'none' or 'cpu', got {p.offload!r}")
-    if p.offload == "cpu":
-        _check(p.dp_shard > 1, "parallel.offload = 'cpu' offloads FSDP2's shards to the host: it needs "
-               f"parallel.dp_shard > 1 (FSDP2 wrapping), got dp_shard = {p.dp_shard}")
-        _check(p.pp.degree == 1, "parallel.offload = 'cpu' needs parallel.pp.degree = 1: under pipeline stages a "
-               "stage's parameters and gradients stay whole on the device through the step, so offload would move "
-               f"only the optimizer state (not supported), got pp.degree = {p.pp.degree}")
+def _validate_fsdp_options(p: Any) -> None:
+    """``parallel.offload``, ``parallel.fsdp_reduce`` and ``parallel.fsdp_reshard``: FSDP2 settings for jobs without
+    pipeline stages (:func:`_check_fsdp_option`)."""
+    _check_fsdp_option(p, "offload", ("none", "cpu"), "offloads FSDP2's shards to the host",
+                       "a stage's parameters and gradients stay whole on the device through the step, so offload would "
+                       "move only the optimizer state (not supported)", wrapping=" (FSDP2 wrapping)")
+    _check_fsdp_option(p, "fsdp_reduce", ("step", "microbatch"), "reduce-scatters FSDP2's gradients",
+                       "each stage's gradients are reduce-scattered once after its last backward")
+    _check_fsdp_option(p, "fsdp_reshard", ("auto", "after_forward", "after_backward"),
+                       "says when FSDP2 frees its gathered parameters", "each stage's parameters are gathered once per "
+                       "step and kept whole until its reduction (leave it 'auto')")
 
 
-def _validate_fsdp_reduce(p: Any) -> None:
-    """``parallel.fsdp_reduce``: ``"step"`` or ``"microbatch"``, the latter only with FSDP2 and no pipeline stages."""
-    _check(p.fsdp_reduce in ("step", "microbatch"),
-           f"parallel.fsdp_reduce must be 'step' or 'microbatch', got {p.fsdp_reduce!r}")
-    if p.fsdp_reduce == "microbatch":
-        _check(p.dp_shard > 1, "parallel.fsdp_reduce = 'microbatch' reduce-scatters FSDP2's gradients: it needs "
-               f"parallel.dp_shard > 1, got dp_shard = {p.dp_shard}")
-        _check(p.pp.degree == 1, "parallel.fsdp_reduce = 'microbatch' needs parallel.pp.degree = 1: under pipeline "
-               "stages each stage's gradients are reduce-scattered once after its last backward, got pp.degree = "
-               f"{p.pp.degree}")
+def _check_fsdp_option(p: Any, name: str, choices: tuple[str, ...], does: str, under_stages: str,
+                       wrapping: str = "") -> None:
+    """``parallel.<name>`` is one of ``choices``; any but the first (the default) acts on FSDP2's shards of a job
+    without pipeline stages, so it needs ``parallel.dp_shard > 1`` and ``parallel.pp.degree = 1``.
 
+    Args:
+        does: what a value other than the default does, for the message (``"... <does>: it needs ..."``).
+        under_stages: why pipeline stages refuse it (``"under pipeline stages <under_stages>, got ..."``).
+        wrapping: a note after ``parallel.dp_shard > 1`` in the message.
 
-def _validate_fsdp_reshard(p: Any) -> None:
-    """``parallel.fsdp_reshard``: ``"auto"``, ``"after_forward"`` or ``"after_backward"``, the explicit ones only with
-    FSDP2 and no pipeline stages."""
-    _check(p.fsdp_reshard in ("auto", "after_forward", "after_backward"),
-           f"parallel.fsdp_reshard must be 'auto', 'after_forward' or 'after_backward', got {p.fsdp_reshard!r}")
-    if p.fsdp_reshard != "auto":
-        _check(p.dp_shard > 1, f"parallel.fsdp_reshard = {p.fsdp_reshard!r} says when FSDP2 frees its gathered "
-               f"parameters: it needs parallel.dp_shard > 1, got dp_shard = {p.dp_shard}")
-        _check(p.pp.degree == 1, f"parallel.fsdp_reshard = {p.fsdp_reshard!r} needs parallel.pp.degree = 1: under "
-               "pipeline stages each stage's parameters are gathered once per step and kept whole until its "
-               f"reduction (leave it 'auto'), got pp.degree = {p.pp.degree}")
+    Raises:
+        ValueError: naming ``parallel.<name>``, its value and the degree it needs.
+    """
+    value = getattr(p, name)
+    listed = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
+    _check(value in choices, f"parallel.{name} must be {listed}, got {value!r}")
+    if value == choices[0]:
+        return
+    _check(p.dp_shard > 1, f"parallel.{name} = {value!r} {does}: it needs parallel.dp_shard > 1{wrapping}, "
+           f"got dp_shard = {p.dp_shard}")
+    _check(p.pp.degree == 1, f"parallel.{name} = {value!r} needs parallel.pp.degree = 1: under pipeline stages "
+           f"{under_stages}, got pp.degree = {p.pp.degree}")
 
 
 def _validate_pipeline(cfg: JobConfig) -> None:
