@@ -316,7 +316,8 @@ def sum_local_gradients(params: Sequence[nn.Parameter], group: Any = None) -> No
 
 @dataclass(frozen=True)
 class RankTensorParallel:
-    """This rank's tensor parallelism in a trainer: the applied plan and how its gradients are reduced and clipped.
+    """This rank's tensor parallelism in a trainer: the applied plan, the group its gradients are summed over (the
+    trainer calls :func:`sum_local_gradients` with :attr:`grad_group`) and the clipping of its gradients.
 
     Attributes:
         plan: applied plan (concrete module name -> style name), :func:`apply_tensor_parallel`.
@@ -330,11 +331,6 @@ class RankTensorParallel:
     degree: int
     grad_group: Any
     copies: int
-
-    def sum_gradients(self, params: Sequence[nn.Parameter]) -> None:
-        """Sum the gradients of ``params`` over :attr:`grad_group` (:func:`sum_local_gradients`). Collective over
-        the group."""
-        sum_local_gradients(params, self.grad_group)
 
     def clip_grad_norm_(self, params: Sequence[nn.Parameter], max_norm: float,
                         device: torch.device | str = "cpu") -> float:
