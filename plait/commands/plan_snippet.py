@@ -60,7 +60,7 @@ def pp_snippet(cfg: Any, choice: LayoutChoice, units: Sequence[Unit],
         out = apply_layout_choice(cfg, choice, units)
         degrees = dict(dp=out.parallel.dp, dp_shard=out.parallel.dp_shard, tp=out.parallel.tp,
                        activation_checkpointing=out.train.activation_checkpointing, offload=out.parallel.offload,
-                       fsdp_reduce=out.parallel.fsdp_reduce)
+                       fsdp_reduce=out.parallel.fsdp_reduce, fsdp_reshard=out.parallel.fsdp_reshard)
     return pp_toml(fields, choice.dp, degrees), ""
 
 

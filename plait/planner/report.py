@@ -135,6 +135,8 @@ def degrees_line(choice: LayoutChoice) -> str:
         buffer = (f" + {choice.shard_buffer_bytes / _GIB:.2f} GiB unsharded buffer" if choice.plan.num_ranks == 1
                   else " (under stages: optimizer state sharded, parameters and gradients whole within a step)")
         reduce = ", gradients reduce-scattered every microbatch" if choice.fsdp_reduce == "microbatch" else ""
+        reduce += (", parameters kept gathered from forward to backward" if choice.fsdp_reshard == "after_backward"
+                   and choice.plan.num_ranks == 1 else "")
         parts.append(f"FSDP2 over {choice.dp_shard} of the {choice.dp} data-parallel ranks{hsdp}{buffer}{reduce}")
     if choice.checkpointing != "none":
         parts.append(f"activation checkpointing {choice.checkpointing}")
@@ -165,9 +167,10 @@ def pp_toml(fields: Mapping[str, Any], dp: int, degrees: Mapping[str, Any] | Non
     comment line giving the rest of the job's config: the ``parallel.dp`` to set in ``[parallel]`` when there are
     several replicas (``dp``; the table describes one pipeline replica) and ``parallel.plan = "manual"``.
     With ``degrees`` (a plan with TP, FSDP2 or checkpointing: ``dp``, ``dp_shard``, ``tp``,
-    ``activation_checkpointing`` and optionally ``offload`` and ``fsdp_reduce``) a ``[parallel]`` table with ``plan``,
-    ``dp`` (replicas), ``dp_shard``, ``tp``, ``offload`` (only when not ``"none"``) and ``fsdp_reduce`` (only when not
-    ``"step"``) comes first instead (the job's own
+    ``activation_checkpointing`` and optionally ``offload``, ``fsdp_reduce`` and ``fsdp_reshard``) a ``[parallel]``
+    table with ``plan``, ``dp`` (replicas), ``dp_shard``, ``tp``, ``offload`` (only when not ``"none"``),
+    ``fsdp_reduce`` (only when not ``"step"``) and ``fsdp_reshard`` (only when ``"after_backward"``) comes first
+    instead (the job's own
     ``[parallel]`` keys are then replaced by it), and the comment names ``train.activation_checkpointing`` to set in
     ``[train]``. A table
     never pairs ``layout = "encoder_parallel"`` with ``attach_encoders = true`` (the encoders then sit on the first
@@ -202,7 +205,9 @@ def _degrees_head(degrees: Mapping[str, Any], pp: int) -> str:
             + "".join(f"{k} = {v}\n" for k, v in (("dp", dp), ("dp_shard", shard), ("tp", tp)))
             + (f"offload = {toml_value(degrees['offload'])}\n" if degrees.get("offload", "none") != "none" else "")
             + (f"fsdp_reduce = {toml_value(degrees['fsdp_reduce'])}\n"
-               if degrees.get("fsdp_reduce", "step") != "step" else ""))
+               if degrees.get("fsdp_reduce", "step") != "step" else "")
+            + (f"fsdp_reshard = {toml_value(degrees['fsdp_reshard'])}\n"  # "auto" runs "after_forward"
+               if degrees.get("fsdp_reshard", "auto") not in ("auto", "after_forward") else ""))
 
 
 def _snippet_head(dp: int, degree: int) -> str:

@@ -158,6 +158,9 @@ class LayoutChoice(JsonDataclass):
         fsdp_reduce: FSDP2 without pipeline stages (``parallel.fsdp_reduce``, ``search_parallel.flat_reduce``):
             ``"step"`` (gradients accumulate unsharded, reduce-scattered at the last microbatch) or ``"microbatch"``
             (reduce-scattered after every microbatch, included in ``iteration_s``).
+        fsdp_reshard: FSDP2 without pipeline stages (``parallel.fsdp_reshard``, ``sharding.FSDP_RESHARD``):
+            ``"after_forward"`` (each unit gathered again for its backward) or ``"after_backward"`` (kept from its
+            forward: no backward all-gather, every trainable unit's parameters in ``shard_buffer_bytes``).
 
     Raises:
         ValueError: when the per-stage tuples do not have one entry per stage, or an unknown method.
@@ -197,6 +200,7 @@ class LayoutChoice(JsonDataclass):
     host_memory_bytes: float = 0.0
     offload_s: float = 0.0
     fsdp_reduce: str = "step"
+    fsdp_reshard: str = "after_forward"
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, PipelinePlan):

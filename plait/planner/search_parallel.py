@@ -15,7 +15,10 @@ With a shard degree above 1 both runtimes of FSDP2 are searched (``plan_parallel
 (``pp = 1``: units gathered per microbatch, ``sharding.shard_costs`` and its buffer; with several microbatches per
 rank both gradient reductions, ``parallel.fsdp_reduce`` ``"step"`` and ``"microbatch"``, ``flat_reduce``) and pipeline stages whose DP
 ranks shard them (``pp > 1``: gathered once per step, ``sharding.pipelined_shard_costs``, whole parameters and
-gradients within the step, a shard of the optimizer state); the faster fitting plan is kept.
+gradients within the step, a shard of the optimizer state); the faster fitting plan is kept. Without stages both
+``parallel.fsdp_reshard`` values are options (``ParallelDegrees.fsdp_reshard``): ``"after_backward"`` saves the
+backward's all-gathers and holds every trainable unit's gathered parameters (``sharding.shard_buffer_bytes``), so it
+is chosen when the cap allows it and it is faster (ties: ``"after_forward"``).
 
 **CPU offload** (``parallel.offload = "cpu"``, ``offload.offload_cost``) is searched only when no degrees give a
 fitting plan (it costs host-device copies and a host optimizer step): over the same degrees with a shard degree
@@ -43,8 +46,8 @@ from plait.planner.recompute import CHECKPOINT_POLICIES
 from plait.planner.search import LayoutChoice, plan_layout
 from plait.planner.search_model import Costs, cost_list
 from plait.planner.overheads import ActionOverheads
-from plait.planner.sharding import (ParallelDegrees, accumulated_grad_bytes, pipelined_optimizer, pipelined_overheads,
-                                    pipelined_shard_costs, shard_buffer_bytes, shard_costs)
+from plait.planner.sharding import (FSDP_RESHARD, ParallelDegrees, accumulated_grad_bytes, pipelined_optimizer,
+                                    pipelined_overheads, pipelined_shard_costs, shard_buffer_bytes, shard_costs)
 from plait.planner.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
 
@@ -65,12 +68,14 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def degree_options(devices: int, tp_degrees: Sequence[int] | None = None,
                    dp_shard_degrees: Sequence[int] | None = None,
-                   checkpointing: Sequence[str] = CHECKPOINT_POLICIES) -> list[ParallelDegrees]:
+                   checkpointing: Sequence[str] = CHECKPOINT_POLICIES,
+                   fsdp_reshard: Sequence[str] = FSDP_RESHARD) -> list[ParallelDegrees]:
     """Every ``ParallelDegrees`` to consider on ``devices``: TP degrees (default powers of two up to 8) dividing
-    ``devices``, shard degrees (default powers of two) dividing ``devices / tp``, each checkpointing policy.
+    ``devices``, shard degrees (default powers of two) dividing ``devices / tp``, each checkpointing policy, and
+    with a shard degree above 1 each of ``fsdp_reshard`` (``sharding.FSDP_RESHARD``).
 
     Raises:
-        ValueError: on a degree below 1 or an unknown policy.
+        ValueError: on a degree below 1, an unknown policy or an unknown ``fsdp_reshard``.
     """
     tps = sorted({int(t) for t in (tp_degrees if tp_degrees is not None else _powers_of_two(min(8, devices)))})
     out = []
@@ -78,7 +83,8 @@ def degree_options(devices: int, tp_degrees: Sequence[int] | None = None,
         rest = devices // tp
         shards = dp_shard_degrees if dp_shard_degrees is not None else _powers_of_two(rest)
         for shard in sorted({int(s) for s in shards if rest % max(int(s), 1) == 0}):
-            out += [ParallelDegrees(tp, shard, policy) for policy in checkpointing]
+            reshards = fsdp_reshard if shard > 1 else ("after_forward",)
+            out += [ParallelDegrees(tp, shard, policy, r) for policy in checkpointing for r in reshards]
     return out
 
 
@@ -123,9 +129,11 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
             raise ValueError(f"FSDP2's buffer alone ({buffer:.3g} bytes) exceeds the memory cap")
         choice = search(per_rank, devices // degrees.tp, left, degrees)
         # with stages: whole within the step (sharding); without, the flat search's accumulated gradients added
-        buffered = buffer + choice.shard_buffer_bytes if choice.plan.num_ranks == 1 else 0.0
+        flat = choice.plan.num_ranks == 1
+        buffered = buffer + choice.shard_buffer_bytes if flat else 0.0
+        reshard = degrees.fsdp_reshard if flat else "after_forward"  # with stages: whole within the step anyway
         return dataclasses.replace(choice, devices=devices, tp=degrees.tp, checkpointing=degrees.checkpointing,
-                                   shard_buffer_bytes=buffered, memory_cap=memory_cap,
+                                   shard_buffer_bytes=buffered, memory_cap=memory_cap, fsdp_reshard=reshard,
                                    lower_bound_s=microbatches * work / devices)
 
     errors = []
@@ -165,22 +173,26 @@ def _bound(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDe
     return microbatches * work / (devices // degrees.tp)
 
 
-def _preference(degrees: ParallelDegrees) -> tuple[int, int, int]:
-    return degrees.tp, degrees.dp_shard, CHECKPOINT_POLICIES.index(degrees.checkpointing)
+def _preference(degrees: ParallelDegrees) -> tuple[int, int, int, int]:
+    """Tie order: less TP, less sharding, less checkpointing, parameters resharded after the forward (less memory)."""
+    return (degrees.tp, degrees.dp_shard, CHECKPOINT_POLICIES.index(degrees.checkpointing),
+            FSDP_RESHARD.index(degrees.fsdp_reshard))
 
 
 def _degrees_of(choice: LayoutChoice) -> ParallelDegrees:
-    return ParallelDegrees(choice.tp, choice.dp_shard, choice.checkpointing)
+    return ParallelDegrees(choice.tp, choice.dp_shard, choice.checkpointing, choice.fsdp_reshard)
 
 
 def _label(degrees: ParallelDegrees) -> str:
-    return f"tp {degrees.tp}, dp_shard {degrees.dp_shard}, checkpointing {degrees.checkpointing}"
+    reshard = f", fsdp_reshard {degrees.fsdp_reshard}" if degrees.fsdp_reshard != "after_forward" else ""
+    return f"tp {degrees.tp}, dp_shard {degrees.dp_shard}, checkpointing {degrees.checkpointing}{reshard}"
 
 
 def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int,
                   memory_cap: float | None = None, tp_degrees: Sequence[int] | None = None,
                   dp_shard_degrees: Sequence[int] | None = None,
                   checkpointing: Sequence[str] = CHECKPOINT_POLICIES, base_checkpointing: str = "none",
+                  fsdp_reshard: Sequence[str] = FSDP_RESHARD,
                   checkpoint_overrides: dict[str, str] | None = None, prefer_plain: bool = True,
                   tp_link: P2PModel | None = None, shard_link: P2PModel | None = None,
                   dp_degrees: Sequence[int] | None = None, dtype: Any = "bfloat16",
@@ -193,7 +205,8 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
     Args:
         units, costs, devices, microbatches, memory_cap, dtype, optimizer: as ``plan_layout``; ``costs`` without
             checkpointing (``base_checkpointing`` and the searched policies are applied here).
-        tp_degrees, dp_shard_degrees, checkpointing: the degrees and policies to search (``degree_options``).
+        tp_degrees, dp_shard_degrees, checkpointing, fsdp_reshard: the degrees and policies to search
+            (``degree_options``; ``fsdp_reshard`` only for FSDP2 without pipeline stages, ``sharding``).
         base_checkpointing: the job's own policy: the plain plan's, and the only one searched when not ``"none"``;
             checkpoint_overrides: the job's per-module
             policies (``recompute.plan_checkpointing``), kept in every option.
@@ -239,9 +252,11 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
             return _pipelined(true_units, whole, degrees, pipe_devices, staged_dps, microbatches, memory_cap, dtype,
                               optimizer, tp_link, checkpoint_overrides, search, layout_search)
 
-        return _sharded(degrees, pipe_devices, microbatches, dps, flat, staged)
+        # staged plans keep their stages whole within the step whatever fsdp_reshard says: searched once
+        return _sharded(degrees, pipe_devices, microbatches, dps, flat,
+                        staged if degrees.fsdp_reshard == "after_forward" else None)
 
-    options = degree_options(devices, tp_degrees, dp_shard_degrees, checkpointing)
+    options = degree_options(devices, tp_degrees, dp_shard_degrees, checkpointing, fsdp_reshard)
     try:
         return search_degrees(units, costs, devices, microbatches, one, options, memory_cap=memory_cap,
                               base=ParallelDegrees(checkpointing=base_checkpointing), tp_link=tp_link,
@@ -295,17 +310,19 @@ def flat_reduce(run: Callable[[float | None], LayoutChoice], cap: float | None, 
 
 
 def _sharded(degrees: ParallelDegrees, pipe_devices: int, microbatches: int, dps: Sequence[int] | None,
-             flat: Callable[[list[int]], LayoutChoice], staged: Callable[[list[int]], LayoutChoice]) -> LayoutChoice:
+             flat: Callable[[list[int]], LayoutChoice],
+             staged: Callable[[list[int]], LayoutChoice] | None) -> LayoutChoice:
     """The faster fitting of FSDP2 without pipeline stages (``flat``, every device a DP rank) and with them
-    (``staged``, the DP degrees ``dp_shard`` divides below ``pipe_devices``, up to ``microbatches``); each called
-    with its DP degrees.
+    (``staged``, the DP degrees ``dp_shard`` divides below ``pipe_devices``, up to ``microbatches``; None: not
+    searched); each called with its DP degrees.
 
     Raises:
         ValueError: when neither finds a plan (both reasons).
     """
     wanted = [d for d in (dps if dps is not None else range(1, pipe_devices + 1)) if d % degrees.dp_shard == 0]
-    runs = [(flat, [pipe_devices] if pipe_devices in wanted else []),
-            (staged, [d for d in wanted if d < pipe_devices and pipe_devices % d == 0 and d <= microbatches])]
+    runs = [(flat, [pipe_devices] if pipe_devices in wanted else [])]
+    if staged is not None:
+        runs.append((staged, [d for d in wanted if d < pipe_devices and pipe_devices % d == 0 and d <= microbatches]))
     found, errors = [], []
     for search, degrees_dp in runs:
         if not degrees_dp:
@@ -404,7 +421,7 @@ def _offloaded_one(job: _Offload, degrees: ParallelDegrees) -> LayoutChoice:
     delta = added - choice.update_s
     return dataclasses.replace(
         choice, devices=job.devices, tp=degrees.tp, checkpointing=degrees.checkpointing,
-        iteration_s=choice.iteration_s + delta, planned_iteration_s=choice.planned_iteration_s + delta,
+        fsdp_reshard=degrees.fsdp_reshard, iteration_s=choice.iteration_s + delta, planned_iteration_s=choice.planned_iteration_s + delta,
         update_s=0.0, offload_s=added, offload="cpu", host_memory_bytes=cost.host_bytes,
         shard_buffer_bytes=cost.buffer_bytes, memory_cap=job.memory_cap, fits_memory=True,
         stage_static_bytes=static,

@@ -34,7 +34,12 @@ the degrees. The formulas, per pipeline unit ``u`` with ``P_u`` parameter bytes,
   (``parallel.fsdp_reduce = "step"``: the buffer then holds all of them, ``accumulated_grad_bytes``, not one
   unit's) or reduce-scatters after every microbatch (``"microbatch"``, like CPU offload: one unit's unsharded
   gradient, the shards accumulate; the reduction, ``search_model.grad_sync_s``, paid once per microbatch).
-  ``search_parallel`` keeps the faster fitting of the two. Tied parameters (an LLM's embedding and head): the
+  ``search_parallel`` keeps the faster fitting of the two. With ``parallel.fsdp_reshard = "after_backward"``
+  (``ParallelDegrees.fsdp_reshard``; FSDP2's ``reshard_after_forward=False``, torchtitan's default without PP) a
+  unit's parameters stay gathered from its forward to its backward: no all-gather before the backward (its excess
+  over compute is not charged), but the whole parameters of every trainable unit are held at the end of the
+  forward (``kept_param_bytes``), which ``shard_buffer_bytes`` charges; ``search_parallel`` chooses it when the
+  memory cap allows and it is faster. Tied parameters (an LLM's embedding and head): the
   cost model holds the tied matrix in the embedding unit only (``cost_model.UnitEstimate.tied_params``) and FSDP2
   shards it once (``parallel.fsdp`` puts the embedding and head in one group), so dividing the embedding unit's
   bytes is exactly what a rank keeps. Not charged: that group stays unsharded from the embedding's forward to the
@@ -71,10 +76,12 @@ from plait.planner.types import Unit, UnitCost
 __all__ = [
     "TP_KINDS",
     "FSDP_REDUCE",
+    "FSDP_RESHARD",
     "ParallelDegrees",
     "RankMemory",
     "accumulated_grad_bytes",
     "gather_s",
+    "kept_param_bytes",
     "pipelined_optimizer",
     "pipelined_overheads",
     "pipelined_shard_costs",
@@ -89,6 +96,9 @@ TP_KINDS = ("layer",)
 """Unit kinds tensor parallelism splits (module docstring); the others are replicated on every TP rank."""
 FSDP_REDUCE = ("step", "microbatch")
 """When FSDP2 without pipeline stages reduce-scatters the gradients (``parallel.fsdp_reduce``, module docstring)."""
+FSDP_RESHARD = ("after_forward", "after_backward")
+"""When FSDP2 without pipeline stages frees a unit's gathered parameters (``parallel.fsdp_reshard``, module
+docstring)."""
 _TP_WHOLE_OUTPUTS = 4
 """Saved activations of a layer that keep the full hidden size under TP, in multiples of its output bytes."""
 
@@ -103,14 +113,17 @@ class ParallelDegrees(JsonDataclass):
             and optimizer state; it divides the plan's data-parallel degree (the rest is ``parallel.dp``, replicas).
         checkpointing: activation checkpointing policy (``train.activation_checkpointing``,
             ``recompute.CHECKPOINT_POLICIES``).
+        fsdp_reshard: when FSDP2 without pipeline stages frees a unit's gathered parameters
+            (``parallel.fsdp_reshard``, ``FSDP_RESHARD``; module docstring); no effect with ``dp_shard == 1``.
 
     Raises:
-        ValueError: on a degree below 1 or an unknown policy.
+        ValueError: on a degree below 1, an unknown policy or an unknown ``fsdp_reshard``.
     """
 
     tp: int = 1
     dp_shard: int = 1
     checkpointing: str = "none"
+    fsdp_reshard: str = "after_forward"
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp_shard"):
@@ -120,6 +133,8 @@ class ParallelDegrees(JsonDataclass):
         if self.checkpointing not in CHECKPOINT_POLICIES:
             raise ValueError(f"ParallelDegrees.checkpointing must be one of {CHECKPOINT_POLICIES}, "
                              f"got {self.checkpointing!r}")
+        if self.fsdp_reshard not in FSDP_RESHARD:
+            raise ValueError(f"ParallelDegrees.fsdp_reshard must be one of {FSDP_RESHARD}, got {self.fsdp_reshard!r}")
 
     @property
     def plain(self) -> bool:
@@ -158,15 +173,16 @@ def _tp_cost(unit: Unit, cost: UnitCost, tp: int, link: P2PModel | None) -> Unit
         recompute_s=cost.recompute_s / tp)
 
 
-def _shard_cost(unit: Unit, cost: UnitCost, shards: int, link: P2PModel | None) -> UnitCost:
+def _shard_cost(unit: Unit, cost: UnitCost, shards: int, link: P2PModel | None, kept: bool = False) -> UnitCost:
     """One unit's cost with its state sharded over ``shards`` ranks: parameter bytes divided, the all-gathers'
-    excess over compute added (forward; backward on its dX, else its dW)."""
+    excess over compute added (forward; backward on its dX, else its dW; none in the backward when the parameters
+    are ``kept`` from the forward, ``fsdp_reshard = "after_backward"``)."""
     if shards == 1 or not unit.trainable:  # frozen units stay whole, outside FSDP2
         return cost
     gather = gather_s(cost.param_bytes, shards, link)
     forward = max(cost.forward_s, gather)
     backward = cost.backward_s(unit)
-    extra = max(0.0, gather - backward) if unit.runs_backward else 0.0
+    extra = max(0.0, gather - backward) if unit.runs_backward and not kept else 0.0
     dx, dw = cost.input_grad_s, cost.weight_grad_s
     if unit.needs_input_grad or not unit.trainable:
         dx += extra
@@ -195,7 +211,8 @@ def shard_costs(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: Paral
         raise ValueError(f"{len(units)} units but {len(costs)} costs")
     out = [_tp_cost(u, c, degrees.tp, tp_link) for u, c in zip(units, costs)]
     out = checkpointed_costs(out, plan_checkpointing(units, degrees.checkpointing, checkpoint_overrides))
-    return [_shard_cost(u, c, degrees.dp_shard, shard_link) for u, c in zip(units, out)]
+    kept = degrees.fsdp_reshard == "after_backward"
+    return [_shard_cost(u, c, degrees.dp_shard, shard_link, kept) for u, c in zip(units, out)]
 
 
 def pipelined_shard_costs(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees, *,
@@ -247,26 +264,49 @@ def accumulated_grad_bytes(units: Sequence[Unit], costs: Sequence[UnitCost], deg
                            dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec()) -> float:
     """Bytes ``fsdp_reduce = "step"`` with several microbatches per rank adds to :func:`shard_buffer_bytes`: every
     trainable unit's unsharded gradient (of one TP rank) is kept from the first microbatch's backward to the last,
-    instead of one unit's at a time: ``sum(grads) - max(grads)``. 0 when ``dp_shard == 1``."""
+    instead of one unit's at a time: ``sum(grads) - max(grads)`` (with ``fsdp_reshard = "after_backward"`` the
+    difference of the two peaks of :func:`shard_buffer_bytes`). 0 when ``dp_shard == 1``."""
     if degrees.dp_shard == 1:
         return 0.0
+    if degrees.fsdp_reshard == "after_backward":
+        return (shard_buffer_bytes(units, costs, degrees, dtype, optimizer, accumulate=True)
+                - shard_buffer_bytes(units, costs, degrees, dtype, optimizer))
     grads = _unsharded_grads(units, costs, degrees, dtype, optimizer)[1]
     return float(math.fsum(grads) - max(grads, default=0.0))
+
+
+def kept_param_bytes(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees,
+                     dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec()) -> float:
+    """Bytes of unsharded parameters FSDP2 keeps from the forward to the backward (one TP rank; ``costs`` whole-unit,
+    in the compute dtype): with ``fsdp_reshard = "after_backward"`` every trainable unit's, all held at the end of a
+    microbatch's forward; 0 with ``"after_forward"`` (each unit's freed after its forward) or ``dp_shard == 1``."""
+    if degrees.dp_shard == 1 or degrees.fsdp_reshard != "after_backward":
+        return 0.0
+    tp_costs = _unsharded_grads(units, costs, degrees, dtype, optimizer)[0]
+    return float(math.fsum(c.param_bytes for u, c in zip(units, tp_costs) if u.trainable))
 
 
 def shard_buffer_bytes(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees,
                        dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec(), *,
                        accumulate: bool = False) -> float:
-    """Bytes FSDP2 holds unsharded at its peak (module docstring): the largest unsharded parameters of two trainable
-    units next to each other (the running unit and the prefetched next one, in unit order; frozen units are not
-    sharded, so not gathered) plus the largest unsharded gradient of a trainable unit, all on one TP rank
-    (``costs`` are whole-unit costs, before ``shard_costs``); with ``accumulate`` (``fsdp_reduce = "step"`` and
-    several microbatches per rank) every trainable unit's unsharded gradient instead (:func:`accumulated_grad_bytes`).
-    0 when ``dp_shard == 1``."""
+    """Bytes FSDP2 holds unsharded at its peak (module docstring), all on one TP rank (``costs`` are whole-unit costs,
+    before ``shard_costs``; frozen units are not sharded, so not gathered). With ``fsdp_reshard = "after_forward"``:
+    the largest unsharded parameters of two trainable units next to each other (the running unit and the
+    prefetched next one, in unit order) plus the largest unsharded gradient of a trainable unit; with
+    ``accumulate`` (``fsdp_reduce = "step"`` and several microbatches per rank) every trainable unit's unsharded
+    gradient instead (:func:`accumulated_grad_bytes`). With ``"after_backward"`` the parameters of every unit whose
+    backward is pending stay gathered: the peak over the backward (units in reverse order) of the parameters of
+    units ``0..k`` plus unit ``k``'s gradient; with ``accumulate`` every parameter and every gradient (the end of a
+    later microbatch's forward). 0 when ``dp_shard == 1``."""
     if degrees.dp_shard == 1:
         return 0.0
     tp_costs, grads = _unsharded_grads(units, costs, degrees, dtype, optimizer)
     params = [c.param_bytes if u.trainable else 0 for u, c in zip(units, tp_costs)]
+    if degrees.fsdp_reshard == "after_backward":
+        if accumulate:
+            return float(math.fsum(params) + math.fsum(grads))
+        prefix = [math.fsum(params[: k + 1]) for k in range(len(params))]
+        return float(max((p + g for p, g in zip(prefix, grads)), default=0.0))
     pairs = max((a + b for a, b in zip(params, params[1:])), default=sum(params))
     held = math.fsum(grads) if accumulate else max(grads, default=0.0)
     return float(pairs + held)

@@ -52,7 +52,8 @@ def kept_degrees(cfg: JobConfig, devices: int, named: str = "") -> dict[str, Any
 def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Unit]) -> JobConfig:
     """A copy of ``cfg`` running ``choice``: ``parallel.dp`` = its replicas (``choice.dp / choice.dp_shard``),
     ``parallel.dp_shard`` and ``parallel.tp`` = its FSDP2 and TP degrees, ``parallel.offload`` = its FSDP2 CPU
-    offload (``"none"`` or ``"cpu"``), ``parallel.fsdp_reduce`` = its gradient reduction, ``[parallel.pp]`` = its plan
+    offload (``"none"`` or ``"cpu"``), ``parallel.fsdp_reduce`` = its gradient reduction, ``parallel.fsdp_reshard``
+    = its FSDP2 resharding (``"auto"`` with pipeline stages or without FSDP2), ``[parallel.pp]`` = its plan
     (``layout_pp_fields``: degree 1 when it is a single rank), ``parallel.plan = "manual"`` (resolved), and
     ``train.activation_checkpointing`` = its policy when it has one (a choice without checkpointing leaves the
     job's policy: its costs were the job's).
@@ -69,6 +70,7 @@ def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Un
     out.parallel.tp = choice.tp
     out.parallel.offload = choice.offload
     out.parallel.fsdp_reduce = choice.fsdp_reduce
+    out.parallel.fsdp_reshard = choice.fsdp_reshard if choice.dp_shard > 1 and choice.plan.num_ranks == 1 else "auto"
     if choice.checkpointing != "none":
         out.train.activation_checkpointing = choice.checkpointing
     out.parallel.pp = PipelineConfig(**layout_pp_fields(choice, units))

@@ -1,0 +1,113 @@
+"""FSDP2 without pipeline stages keeping each unit's gathered parameters from its forward to its backward
+(``parallel.fsdp_reshard = "after_backward"``, ``ParallelDegrees.fsdp_reshard``): no backward all-gather charged,
+every trainable unit's unsharded parameters charged in FSDP2's buffer; ``plan_parallel`` chooses it when the cap
+allows and it is faster, the emitted ``[parallel]`` table and the auto-plan config carry it. Hand-worked values."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from plait.planner.cost_model import OptimizerSpec
+from plait.planner.graph import consistent_units
+from plait.planner.report import degrees_line, pp_toml
+from plait.planner.search_parallel import degree_options, plan_parallel
+from plait.planner.sharding import (
+    ParallelDegrees,
+    accumulated_grad_bytes,
+    kept_param_bytes,
+    rank_memory,
+    shard_buffer_bytes,
+    shard_costs,
+)
+from plait.planner.simulator import P2PModel
+from tests.unit.planner.test_sharding import _costs, _model, _units
+
+OPT = OptimizerSpec(grad_bytes_per_param=4, state_bytes_per_param=8)
+KEPT = ParallelDegrees(dp_shard=2, fsdp_reshard="after_backward")
+
+
+def test_kept_parameters_skip_the_backward_gather():
+    units, costs = _units(), _costs()
+    slow = P2PModel(latency_s=0.0, bandwidth_Bps=100.0)  # gathering 800 B over 4 ranks: 600 B -> 6 s
+    kept = shard_costs(units, costs, ParallelDegrees(dp_shard=4, fsdp_reshard="after_backward"), shard_link=slow)
+    freed = shard_costs(units, costs, ParallelDegrees(dp_shard=4), shard_link=slow)
+    assert kept[4].forward_s == freed[4].forward_s == pytest.approx(6.0)  # the forward's gather: beyond 1 s compute
+    assert kept[4].backward_s(units[4]) == pytest.approx(2.0)  # dX + dW, no second gather
+    assert freed[4].backward_s(units[4]) == pytest.approx(6.0)
+    assert kept[4].param_bytes == freed[4].param_bytes == 200
+    assert kept[1] == freed[1] == costs[1]  # the frozen encoder layer: not sharded
+    with pytest.raises(ValueError, match="fsdp_reshard must be one of"):
+        ParallelDegrees(dp_shard=2, fsdp_reshard="never")
+
+
+def test_buffer_holds_every_trainable_units_parameters():
+    units, costs = _units(), _costs()
+    # trainable parameters (fp32 = gradient bytes): projector 200, LLM embed 200, LLM layer 800, head 200
+    assert kept_param_bytes(units, costs, KEPT, "float32", OPT) == 1400
+    assert kept_param_bytes(units, costs, ParallelDegrees(dp_shard=2), "float32", OPT) == 0.0
+    assert kept_param_bytes(units, costs, dataclasses.replace(KEPT, dp_shard=1), "float32", OPT) == 0.0
+    # backward in reverse unit order: at the layer, the parameters of projector, embed and layer + its gradient
+    assert shard_buffer_bytes(units, costs, KEPT, "float32", OPT) == (200 + 200 + 800) + 800
+    assert shard_buffer_bytes(units, costs, KEPT, "float32", OPT, accumulate=True) == 1400 + 1400
+    assert accumulated_grad_bytes(units, costs, KEPT, "float32", OPT) == 2800 - 2000
+    tp = dataclasses.replace(KEPT, tp=2)  # the layer halved on each TP rank: 400 of parameters, 400 of gradient
+    assert shard_buffer_bytes(units, costs, tp, "float32", OPT) == (200 + 200 + 400) + 400
+    memory = {m: rank_memory(units, costs, KEPT, dtype="float32", optimizer=OPT, microbatches=m) for m in (1, 3)}
+    assert (memory[1].buffer, memory[3].buffer) == (2000, 2800)
+    freed = rank_memory(units, costs, ParallelDegrees(dp_shard=2), dtype="float32", optimizer=OPT)
+    assert memory[1].state == freed.state and freed.buffer == 1800  # only the transient buffer differs
+
+
+def test_degree_options_offer_both_only_with_sharding():
+    got = degree_options(2, [1], [1, 2], ["none"])
+    assert got == [ParallelDegrees(1, 1, "none"), ParallelDegrees(1, 2, "none", "after_forward"),
+                   ParallelDegrees(1, 2, "none", "after_backward")]
+    assert degree_options(2, [1], [2], ["none"], ["after_forward"]) == [ParallelDegrees(1, 2, "none")]
+
+
+def test_plan_parallel_keeps_parameters_gathered_when_the_cap_allows():
+    units, costs = _model()
+    link = P2PModel(latency_s=1e-4, bandwidth_Bps=2e9)  # slow enough that the backward's gathers show
+    common = dict(microbatches=2, p2p=link, dp_link=link, tp_degrees=[1], dp_shard_degrees=[2],
+                  checkpointing=["full"], prefer_plain=False, dp_degrees=[2], host=None)
+    freed = plan_parallel(units, costs, 2, fsdp_reshard=["after_forward"], **common)
+    kept = plan_parallel(units, costs, 2, fsdp_reshard=["after_backward"], **common)
+    assert (freed.plan.num_ranks, kept.plan.num_ranks, freed.fsdp_reshard, kept.fsdp_reshard) == (
+        1, 1, "after_forward", "after_backward")
+    assert kept.iteration_s < freed.iteration_s and kept.shard_buffer_bytes > freed.shard_buffer_bytes
+    true = consistent_units(units)
+    degrees = ParallelDegrees(1, 2, "full", "after_backward")
+    assert kept.shard_buffer_bytes == pytest.approx(shard_buffer_bytes(true, costs, degrees))
+    assert kept_param_bytes(true, costs, degrees) > 0.5 * sum(c.param_bytes for u, c in zip(true, costs)
+                                                              if u.trainable)
+    need = {c.fsdp_reshard: sum(c.stage_memory_bytes) + c.shard_buffer_bytes for c in (freed, kept)}  # one rank
+    roomy = plan_parallel(units, costs, 2, memory_cap=1.01 * need["after_backward"], **common)
+    assert roomy.fsdp_reshard == "after_backward" and roomy.iteration_s == pytest.approx(kept.iteration_s)
+    between = (need["after_forward"] + need["after_backward"]) / 2
+    tight = plan_parallel(units, costs, 2, memory_cap=between, **common)
+    assert tight.fsdp_reshard == "after_forward" and tight.iteration_s == pytest.approx(freed.iteration_s)
+    assert "parameters kept gathered from forward to backward" in degrees_line(roomy)
+    assert "kept gathered" not in degrees_line(tight)
+
+
+def test_emitted_table_and_auto_plan_config_carry_the_choice():
+    from plait.config.loader import config_from_dict, validate
+    from plait.planner.search import plan_layout
+    from plait.train.auto_plan import apply_layout_choice
+    from tests.conftest import tiny_config_dict
+
+    fields, degrees = {"degree": 1}, dict(dp=1, dp_shard=2, tp=1, activation_checkpointing="none")
+    assert 'tp = 1\nfsdp_reshard = "after_backward"\n[parallel.pp]\n' in pp_toml(
+        fields, 2, degrees | {"fsdp_reshard": "after_backward"})
+    assert all("fsdp_reshard" not in pp_toml(fields, 2, degrees | {"fsdp_reshard": r})
+               for r in ("auto", "after_forward"))  # a manual job's "auto" runs "after_forward"
+    cfg = config_from_dict(tiny_config_dict("train.jsonl"))
+    flat = plan_layout(_units(), _costs(), 2, microbatches=4, dp_degrees=[2], dp_shard=2)
+    kept = apply_layout_choice(cfg, dataclasses.replace(flat, fsdp_reshard="after_backward"), _units())
+    validate(kept)
+    assert (kept.parallel.fsdp_reshard, kept.parallel.dp_shard, kept.parallel.pp.degree) == ("after_backward", 2, 1)
+    assert apply_layout_choice(cfg, flat, _units()).parallel.fsdp_reshard == "after_forward"
+    plain = plan_layout(_units(), _costs(), 2, microbatches=4, dp_degrees=[2])
+    assert apply_layout_choice(cfg, plain, _units()).parallel.fsdp_reshard == "auto"  # no FSDP2: not its field
