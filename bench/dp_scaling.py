@@ -16,10 +16,12 @@ weak scaling, so ideal scaling is N x the one-process tokens/s):
   anything).
 
 Runs are interleaved (``--rounds`` rounds, the configuration order rotated every round, so a change in machine load
-hits every configuration alike). Inside a run, after one warm-up step, ``--steps`` optimizer steps are timed; a
-run's tokens/s is the global batch's tokens over the median step time. The table gives per configuration the
-median over rounds of tokens/s and the ratio to ideal scaling (``tokens/s / (N x single's)``). The machine is
-shared: read the spread across rounds too.
+hits every configuration alike). Every configuration times the same samples: after one warm-up step, the next
+``--steps`` x ``--per-rank`` x (the largest process count run) records of the epoch order, in steps of its own
+global batch (``--per-rank`` x processes), so one process takes N times as many steps as N processes over the same
+work (comparing different samples would mix the modalities' costs into the ratio). A run's tokens/s is those
+samples' tokens over the sum of its step times. The table gives per configuration the median over rounds of
+tokens/s and the ratio to ideal scaling (``tokens/s / (N x single's)``). Read the spread across rounds too.
 
 Run: ``.venv/bin/python bench/dp_scaling.py [--rounds 3] [--steps 6] [--per-rank 8] [--hsdp] [--sync]`` (about 4 minutes
 on the 2-core CPU with the defaults).
@@ -47,8 +49,9 @@ CONFIGS = {"single": (1, {}), "ddp": (2, {"dp": 2}), "ddp_sync": (2, {"dp": 2}),
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One run (inside torchrun): build the trainer, one warm-up step, ``--steps`` timed steps; rank 0 prints
-    ``{"tokens_per_s", "step_s"}`` as JSON on its last line."""
+    """One run (inside torchrun): build the trainer, one warm-up step, then the timed records (module docstring) in
+    steps of this configuration's global batch; rank 0 prints ``{"tokens_per_s", "step_s"}`` (tokens over the summed
+    step seconds, the median step) as JSON on its last line."""
     import torch.distributed as dist
 
     from plait.config.loader import load_config
@@ -56,6 +59,7 @@ def worker(args: argparse.Namespace) -> None:
 
     procs, parallel = CONFIGS[args.worker]
     batch = args.per_rank * procs
+    timed = args.steps * args.per_rank * args.max_procs  # the same records for every configuration
     overrides = [f"--train.global_batch_size={batch}", f"--train.microbatch_size={max(1, args.per_rank // 2)}",
                  "--train.steps=1000", "--train.threads=1", f"--metrics.run_dir={args.folder}/run_{args.worker}",
                  "--metrics.progress=false", *[f"--parallel.{k}={v}" for k, v in parallel.items()]]
@@ -67,18 +71,18 @@ def worker(args: argparse.Namespace) -> None:
         trainer._gradient_reducer = lambda: None
     order = trainer.loader.epoch_order(0).tolist()
     times, tokens = [], []
-    for k in range(args.steps + 1):
-        indices = [order[(k * batch + i) % len(order)] for i in range(batch)]
+    warm = args.per_rank * args.max_procs  # the first step warms up on records no configuration times
+    for k in range(-1, timed // batch):
+        indices = [order[(warm + k * batch + i) % len(order)] for i in range(batch)]
         if dist.is_initialized():
             dist.barrier()
         start = time.perf_counter()
         res = trainer.train_step(indices)
-        if k:  # the first step warms up
+        if k >= 0:
             times.append(time.perf_counter() - start)
             tokens.append(res.tokens)
-    step_s = statistics.median(times)
     if trainer.info.is_main:
-        print(json.dumps({"tokens_per_s": statistics.mean(tokens) / step_s, "step_s": step_s}), flush=True)
+        print(json.dumps({"tokens_per_s": sum(tokens) / sum(times), "step_s": statistics.median(times)}), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -88,7 +92,7 @@ def launch(name: str, args: argparse.Namespace, folder: Path, port: int) -> dict
     procs = CONFIGS[name][0]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", f"--master_port={port}",
            "--master_addr=127.0.0.1", str(Path(__file__).resolve()), "--worker", name, "--folder", str(folder),
-           "--steps", str(args.steps), "--per-rank", str(args.per_rank)]
+           "--steps", str(args.steps), "--per-rank", str(args.per_rank), "--max-procs", str(args.max_procs)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
@@ -104,6 +108,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=64, help="training records used")
     parser.add_argument("--hsdp", action="store_true", help="also HSDP 2x2 (4 processes)")
     parser.add_argument("--sync", action="store_true", help="also DDP with the all-reduce after the backward")
+    parser.add_argument("--max-procs", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -114,6 +119,7 @@ def main() -> None:
     from tests.distributed.spawning import free_port
 
     names = ["single", "ddp"] + (["ddp_sync"] if args.sync else []) + ["fsdp2"] + (["hsdp"] if args.hsdp else [])
+    args.max_procs = max(CONFIGS[n][0] for n in names)
     results: dict[str, list[float]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -123,8 +129,8 @@ def main() -> None:
                 results[name].append(launch(name, args, folder, free_port())["tokens_per_s"])
                 print(f"round {r + 1}: {name:6s} {results[name][-1]:9.0f} tokens/s", flush=True)
     base = statistics.median(results["single"])
-    print(f"\ndemo, {args.per_rank} samples per rank per step, {args.steps} timed steps, {args.rounds} interleaved "
-          f"rounds (median; min-max over rounds)")
+    print(f"\ndemo, {args.per_rank} samples per rank per step, the records of {args.steps} timed steps of "
+          f"{args.max_procs} processes in every configuration, {args.rounds} interleaved rounds (median; min-max)")
     print(f"{'config':8s} {'procs':>5s} {'tokens/s':>10s} {'min-max':>15s} {'ideal':>7s}")
     for name in names:
         procs, vals = CONFIGS[name][0], results[name]

@@ -70,6 +70,8 @@ class GradientReducer:
         order = [p for p in backward if id(p) in early_ids] + [p for p in backward if id(p) not in early_ids]
         self.buckets = _buckets(order, bucket_elements, lambda p: id(p) in early_ids)
         self._early = [all(id(p) in early_ids for p in b) for b in self.buckets]
+        self._flat = [torch.empty(sum(p.numel() for p in b) + len(b), dtype=b[0].dtype, device=b[0].device)
+                      for b in self.buckets]  # one buffer per bucket for the step's life (DDP's buckets)
         self._bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
         self._pending: list[int] = []
         self._started: list[tuple[torch.Tensor, Any]] = []
@@ -102,17 +104,23 @@ class GradientReducer:
             self._start(len(self._started))
 
     def _start(self, k: int) -> None:
-        """Start bucket ``k``'s asynchronous all-reduce: its gradients (zeros where None) and flags, flattened."""
-        bucket = self.buckets[k]
-        dtype = bucket[0].dtype
-        flags = torch.tensor([p.grad is not None for p in bucket], dtype=dtype, device=bucket[0].device)
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
-                         + [flags])
+        """Start bucket ``k``'s asynchronous all-reduce: its gradients (zeros where None) and flags, copied into
+        the bucket's buffer (a new buffer when a gradient is still a view of it: the last step's sums were not
+        consumed and set to None, e.g. two backward passes without an optimizer step)."""
+        bucket, flat = self.buckets[k], self._flat[k]
+        buffer = flat.untyped_storage().data_ptr()
+        if any(p.grad is not None and p.grad.untyped_storage().data_ptr() == buffer for p in bucket):
+            flat = self._flat[k] = torch.empty_like(flat)
+        flags = torch.tensor([p.grad is not None for p in bucket], dtype=flat.dtype, device=flat.device)
+        torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket] + [flags],
+                  out=flat)
         self._started.append((flat, dist.all_reduce(flat, group=self.group, async_op=True)))
 
     def finish(self) -> None:
-        """Start the buckets not started yet (in order), wait for every bucket and write the sums into ``.grad``
-        (in place where this rank had a gradient); then ready for the next step. Collective over ``group``."""
+        """Start the buckets not started yet (in order), wait for every bucket and make each ``.grad`` a view of
+        its sum in the bucket's buffer (DDP's ``gradient_as_bucket_view``: no copy back; a later step writes the
+        buffer again only when no gradient is a view of it any more, e.g. after ``zero_grad(set_to_none=True)``);
+        then ready for the next step. Collective over ``group``."""
         self.started_early = len(self._started)
         while len(self._started) < len(self.buckets):
             self._start(len(self._started))
@@ -120,12 +128,7 @@ class GradientReducer:
             work.wait()
             pieces = flat.split([p.numel() for p in bucket] + [len(bucket)])
             for p, piece, used in zip(bucket, pieces, pieces[-1].tolist()):
-                if used == 0:
-                    p.grad = None
-                elif p.grad is None:
-                    p.grad = piece.view_as(p).clone()
-                else:
-                    p.grad.copy_(piece.view_as(p))
+                p.grad = piece.view_as(p) if used else None
         self._reset()
 
     def _reset(self) -> None:
