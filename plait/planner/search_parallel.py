@@ -421,7 +421,8 @@ def _offloaded_one(job: _Offload, degrees: ParallelDegrees) -> LayoutChoice:
     delta = added - choice.update_s
     return dataclasses.replace(
         choice, devices=job.devices, tp=degrees.tp, checkpointing=degrees.checkpointing,
-        fsdp_reshard=degrees.fsdp_reshard, iteration_s=choice.iteration_s + delta, planned_iteration_s=choice.planned_iteration_s + delta,
+        fsdp_reshard=degrees.fsdp_reshard, iteration_s=choice.iteration_s + delta,
+        planned_iteration_s=choice.planned_iteration_s + delta,
         update_s=0.0, offload_s=added, offload="cpu", host_memory_bytes=cost.host_bytes,
         shard_buffer_bytes=cost.buffer_bytes, memory_cap=job.memory_cap, fits_memory=True,
         stage_static_bytes=static,
