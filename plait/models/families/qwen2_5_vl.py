@@ -310,8 +310,13 @@ class Qwen25VLTextForCausalLM(Qwen2ForCausalLM):
     config_class = Qwen2_5_VLTextConfig
 
     def __init__(self, config: Qwen2_5_VLTextConfig) -> None:
-        super().__init__(config)
+        # PreTrainedModel's init path (config, generation config), not Qwen2ForCausalLM.__init__, which would build
+        # and initialise a Qwen2Model only for it to be replaced; then Qwen2ForCausalLM's attributes around the
+        # M-RoPE decoder stack, as Qwen2_5_VLForConditionalGeneration builds its lm_head.
+        super(Qwen2ForCausalLM, self).__init__(config)
         self.model = Qwen2_5_VLTextModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
 

@@ -412,3 +412,27 @@ def test_frozen_tower_units_keep_no_graph_and_its_projector_trains():
     out.sum().backward()
     grads = {n for n, p in model.encoders["image"].named_parameters() if p.grad is not None}
     assert grads == {"projector.linear_1.weight", "projector.linear_1.bias"}
+
+
+def test_text_causal_lm_builds_no_throwaway_qwen2_model(monkeypatch):
+    """``Qwen25VLTextForCausalLM`` builds only its M-RoPE decoder stack (no ``Qwen2Model`` made and replaced), with
+    ``Qwen2_5_VLForConditionalGeneration``'s ``language_model`` / ``lm_head`` names and shapes."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
+
+    from plait.models.families.qwen2_5_vl import Qwen25VLTextForCausalLM
+    from tests.distributed.test_qwen2_5_vl_parallel import MROPE_LLM
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a Qwen2Model was built")
+
+    monkeypatch.setattr(Qwen2Model, "__init__", refuse)
+    config = T.Qwen2_5_VLTextConfig(**{k: v for k, v in MROPE_LLM.items() if k != "model_type"}, vocab_size=50)
+    model = Qwen25VLTextForCausalLM(config)
+    assert type(model.model) is T.Qwen2_5_VLTextModel and model.vocab_size == 50
+    assert model.lm_head.weight.shape == (50, 32) and model.lm_head.bias is None
+    hf = T.Qwen2_5_VLForConditionalGeneration(T.Qwen2_5_VLConfig(text_config=config.to_dict(),
+                                                                  vision_config=TINY_QWEN2_5_VL))
+    theirs = {k.removeprefix("model.language_model."): v.shape for k, v in hf.state_dict().items()
+              if k.startswith(("model.language_model.", "lm_head."))}
+    ours = {k.removeprefix("model."): v.shape for k, v in model.state_dict().items()}
+    assert ours == theirs
