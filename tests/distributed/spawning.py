@@ -27,11 +27,21 @@ __all__ = ["PRELOAD", "START_METHOD", "free_port", "gloo_group", "job_key", "run
            "spawn_and_wait"]
 
 
+_HELD_PORTS: list[socket.socket] = []
+"""The sockets :func:`free_port` bound, open until this process ends."""
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on, reserved until this process ends: the socket that found it
+    stays bound (``SO_REUSEADDR``, never listening), so the kernel hands the port to no other ``bind(0)`` or
+    ``connect()`` on the machine (another test's gloo listener or ``TCPStore`` on port 0 could otherwise take it
+    before the rendezvous binds it: ranks then meet a foreign store, gloo's "connection closed by peer"), while the
+    ``TCPStore`` or gloo rendezvous given the port binds it as usual (torch sets ``SO_REUSEADDR`` too)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    _HELD_PORTS.append(s)
+    return s.getsockname()[1]
 
 
 @contextmanager

@@ -1,0 +1,28 @@
+"""``free_port`` (tests/distributed/spawning.py): the port it returns stays reserved against the kernel's automatic
+port choices (another test's gloo listener or ``TCPStore`` on port 0) until the rendezvous binds it, which it can."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch.distributed as dist
+
+from tests.distributed.spawning import free_port
+
+
+def test_a_free_port_is_never_chosen_by_bind_zero_yet_a_store_binds_it():
+    port = free_port()
+    others = [socket.socket() for _ in range(500)]  # a released port was taken by one of 500 in about 1 run of 20
+    try:
+        for s in others:
+            s.bind(("127.0.0.1", 0))
+        assert port not in {s.getsockname()[1] for s in others}
+    finally:
+        for s in others:
+            s.close()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    store.set("key", "value")
+    assert (store.port, store.get("key")) == (port, b"value")
+    assert free_port() != port
