@@ -1,7 +1,8 @@
 """Every recipe of configs/recipes/ trains (two steps) on tiny models of the same architectures saved locally, its
 paths overridden from the test: LLaVA-1.5 stage 1 (only the projector changes) then stage 2 from stage 1's model
 (projector and LLM change, the tower does not; exported as LLaVA), Qwen2-Audio (from an imported checkpoint, LoRA on
-the LLM) and vision + audio (SigLIP, Whisper, Qwen2)."""
+the LLM), Qwen2.5-VL (imported, LoRA on its M-RoPE LLM, answers generated, exported) and vision + audio (SigLIP,
+Whisper, Qwen2)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from plait.commands.train import train_command
 from plait.config.loader import load_config
 from plait.models.multimodal import MultimodalModel
 from tests.conftest import ROOT, demo_records, write_jsonl
-from tests.unit.commands.tiny_hf_checkpoints import save_clip, save_llm, save_qwen2_audio, save_siglip, save_whisper
+from tests.unit.commands.tiny_hf_checkpoints import (save_clip, save_llm, save_qwen2_5_vl, save_qwen2_audio,
+                                                     save_siglip, save_whisper)
 
 RECIPES = ROOT / "configs" / "recipes"
 SMALL = ["--train.steps=2", "--train.global_batch_size=4", "--train.microbatch_size=2", "--train.warmup_steps=0",
@@ -55,7 +57,7 @@ def test_every_recipe_loads():
     for recipe in sorted(RECIPES.glob("*.toml")):
         load_config(recipe)  # fields and values valid (paths are checked when a job builds)
     assert {p.name for p in RECIPES.glob("*.toml")} == {"llava15_stage1.toml", "llava15_stage2.toml", "qwen2_audio.toml",
-                                                        "vision_audio.toml"}
+                                                        "qwen2_5_vl.toml", "vision_audio.toml"}
 
 
 def test_llava15_stages_train_and_export(tmp_path, monkeypatch):
@@ -104,3 +106,38 @@ def test_vision_audio_recipe_trains(tmp_path):
     saved = json.loads((final / "plait_config.json").read_text())
     assert (saved["encoders"]["audio"]["downsample"], saved["encoders"]["vision"]["projector"]) == (2, "mlp")
     assert saved["lora"]["llm"]["r"] == 16
+
+
+def test_qwen2_5_vl_recipe_trains_from_an_import_generates_and_exports(tmp_path):
+    """Import -> train (LoRA on the M-RoPE LLM; tower, merger and identity projector frozen) -> generate -> export:
+    the exported model's logits equal plait's trained model with its M-RoPE positions."""
+    from plait.commands.generate import generate_command
+    from plait.data.collate import collate
+    from plait.models.generation import Generator
+    from tests.unit.models.test_hf_io_qwen2_5_vl import PAD, _hf_inputs
+
+    model_dir, _ = import_checkpoint(save_qwen2_5_vl(tmp_path / "qwen2.5-vl"), tmp_path / "imported")
+    records = [dict(r, messages=[{"role": "user", "content": r["messages"][0]["content"].replace("<image>", PAD)},
+                                 r["messages"][1]]) for r in demo_records("train", ("image_digit",), limit=4)]
+    data = write_jsonl(tmp_path / "train.jsonl", records)
+    final = _train("qwen2_5_vl.toml", tmp_path / "run", f"--model.pretrained={model_dir}", f"--data.train={data}")
+    saved = json.loads((final / "plait_config.json").read_text())
+    assert saved["lora"]["llm"]["r"] == 16 and (final / "llm" / "adapter").is_dir()
+    for part in ("encoders/vision/encoder", "encoders/vision"):  # the tower with its merger, the identity projector
+        assert _changed(_weights(model_dir / part), _weights(final / part)) == set()
+    out = tmp_path / "predictions.jsonl"
+    assert generate_command(final, input_path=data, output_path=out, max_new_tokens=4, device="cpu") == 0
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [r["id"] for r in records]
+
+    gen = Generator.from_pretrained(final, device="cpu", dtype="fp32")
+    batch = collate([gen.processor(gen.prompt("Which digit is this?", records[0]["images"]).raw(), prompt_only=True)],
+                    gen.processor.pad_id)
+    hf = T.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(export_checkpoint(final, "qwen2_5_vl"))).eval()
+    with torch.no_grad():
+        mine = gen.model(batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids,
+                         rope_position_ids=batch.rope_position_ids)
+        stock = hf(**_hf_inputs(batch, hf.config.image_token_id)).logits
+    torch.testing.assert_close(mine, stock, rtol=1e-4, atol=1e-4)
+    q_proj = "model.layers.0.self_attn.q_proj.weight"  # the adapters trained and were merged into the export
+    exported = hf.model.language_model.state_dict()[q_proj.removeprefix("model.")]
+    assert not torch.equal(_weights(model_dir / "llm")[q_proj], exported)
