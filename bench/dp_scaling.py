@@ -108,6 +108,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=64, help="training records used")
     parser.add_argument("--hsdp", action="store_true", help="also HSDP 2x2 (4 processes)")
     parser.add_argument("--sync", action="store_true", help="also DDP with the all-reduce after the backward")
+    parser.add_argument("--only", nargs="+", choices=sorted(CONFIGS), help="run just these configurations (single "
+                        "is always run: it is the reference)")
     parser.add_argument("--max-procs", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
@@ -119,6 +121,8 @@ def main() -> None:
     from tests.distributed.spawning import free_port
 
     names = ["single", "ddp"] + (["ddp_sync"] if args.sync else []) + ["fsdp2"] + (["hsdp"] if args.hsdp else [])
+    if args.only:
+        names = ["single"] + [n for n in CONFIGS if n in args.only and n != "single"]
     args.max_procs = max(CONFIGS[n][0] for n in names)
     results: dict[str, list[float]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
