@@ -57,6 +57,7 @@ __all__ = [
     "dtype_bytes",
     "full_pairs",
     "stage_work",
+    "trained_params",
     "unit_activation_bytes",
     "unit_costs",
     "unit_estimates",
@@ -213,6 +214,11 @@ class OptimizerSpec(JsonDataclass):
             raise ValueError(f"OptimizerSpec.grad_bytes_per_param must be >= 0, got {self.grad_bytes_per_param}")
         if self.state_bytes_per_param < 0:
             raise ValueError(f"OptimizerSpec.state_bytes_per_param must be >= 0, got {self.state_bytes_per_param}")
+
+    def grad_bytes(self, dtype: Any = "bfloat16") -> float:
+        """Gradient bytes per parameter trained in ``dtype``: ``grad_bytes_per_param``, or the dtype's size when
+        None (:func:`dtype_bytes`)."""
+        return dtype_bytes(dtype) if self.grad_bytes_per_param is None else float(self.grad_bytes_per_param)
 
 
 def dtype_bytes(dtype: Any) -> float:
@@ -563,12 +569,18 @@ def unit_static_bytes(unit: Unit, cost: UnitCost, dtype: Any = "bfloat16",
     """Memory (bytes) a unit holds whatever the microbatches in flight: ``param_bytes`` plus, if it trains
     (or ``frozen_aware`` is False), ``(param_bytes / b) (grad_bytes_per_param + state_bytes_per_param)`` times the
     share of its parameters that train (``Unit.trained_fraction``: a LoRA unit's adapters only)."""
-    b = dtype_bytes(dtype)
     if not (unit.trainable or not frozen_aware):
         return float(cost.param_bytes)
-    grad = b if optimizer.grad_bytes_per_param is None else optimizer.grad_bytes_per_param
     share = unit.trained_fraction if frozen_aware else 1.0
-    return cost.param_bytes + cost.param_bytes * share / b * (grad + optimizer.state_bytes_per_param)
+    return cost.param_bytes + cost.param_bytes * share / dtype_bytes(dtype) * (optimizer.grad_bytes(dtype)
+                                                                             + optimizer.state_bytes_per_param)
+
+
+def trained_params(unit: Unit, cost: UnitCost, dtype: Any = "bfloat16") -> float:
+    """Parameters of ``unit`` that have a gradient and optimizer state: ``param_bytes`` over the dtype's size
+    (:func:`dtype_bytes`) times ``Unit.trained_fraction`` (0 when the unit does not train; a LoRA unit's adapters
+    only). Per rank when ``cost`` is a rank's cost (``sharding.shard_costs``)."""
+    return cost.param_bytes * unit.trained_fraction / dtype_bytes(dtype)
 
 
 def unit_activation_bytes(unit: Unit, cost: UnitCost, frozen_aware: bool = True) -> float:

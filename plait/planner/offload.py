@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plait.planner.cost_model import OptimizerSpec, dtype_bytes, unit_activation_bytes, unit_static_bytes
+from plait.planner.cost_model import (OptimizerSpec, dtype_bytes, trained_params, unit_activation_bytes,
+                                     unit_static_bytes)
 from plait.planner.serialize import JsonDataclass
 from plait.planner.sharding import ParallelDegrees, shard_buffer_bytes, shard_costs
 from plait.planner.types import Unit, UnitCost
@@ -126,9 +127,8 @@ def offload_cost(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: Para
         raise ValueError(f"CPU offload offloads FSDP2's shards: it needs dp_shard > 1, got {degrees.dp_shard}")
     per_rank = shard_costs(units, costs, degrees, checkpoint_overrides=checkpoint_overrides)
     trained = [(u, c) for u, c in zip(units, per_rank) if u.trainable]
-    b = dtype_bytes(dtype)
-    shard_elements = sum(c.param_bytes for _, c in trained) / b
-    grad_elements = sum(c.param_bytes * u.trained_fraction for u, c in trained) / b
+    shard_elements = sum(c.param_bytes for _, c in trained) / dtype_bytes(dtype)
+    grad_elements = sum(trained_params(u, c, dtype) for u, c in trained)
     copies = 2 * shard_elements * _MASTER_BYTES / host.h2d_Bps + grad_elements * _MASTER_BYTES / host.d2h_Bps
     return OffloadCost(
         device_static_bytes=float(sum(c.param_bytes for u, c in zip(units, per_rank) if not u.trainable)),

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plait.planner.cost_model import OptimizerSpec, dtype_bytes
+from plait.planner.cost_model import OptimizerSpec, trained_params
 from plait.planner.graph import consistent_units
 from plait.planner.overheads import ActionOverheads
 from plait.planner.pipeline_plan import PipelinePlan
@@ -366,7 +366,7 @@ def _template(n: int, plan: PipelinePlan, schedule: str, units: Sequence[Unit], 
 
 def _unit_bytes(unit: Unit, cost: Any, dtype: Any, optimizer: OptimizerSpec) -> UnitBytes:
     """Parameters and optimizer state of one unit (gradients are not copied: the interrupted step is replayed)."""
-    state = cost.param_bytes / dtype_bytes(dtype) * unit.trained_fraction * optimizer.state_bytes_per_param
+    state = trained_params(unit, cost, dtype) * optimizer.state_bytes_per_param
     return UnitBytes(unit.name, int(cost.param_bytes), int(round(state)))
 
 
