@@ -21,7 +21,10 @@ Under FSDP2 each rank also runs the batch again in 2 microbatches per rank and r
 storages of each sharded parameter's accumulated unsharded gradient), summed over the modules: with
 ``parallel.fsdp_reduce = "step"`` every trainable unit's whole gradient (``accumulated_gradients``, next to the
 planner's ``sharding.unsharded_grad_bytes``), with ``"microbatch"`` none between microbatches
-(``reduced_gradients``).
+(``reduced_gradients``). It also runs the batch once with every group keeping its gathered parameters from forward
+to backward (``parallel.fsdp_reshard = "after_backward"``, set at runtime) and records the most bytes of gathered
+parameters FSDP2 holds after any group's forward (``kept_parameters``, next to the planner's
+``sharding.kept_param_bytes``; the other kinds do not change with the mode: only this transient buffer does).
 
 The table gives each per-rank figure (the largest over the ranks), its ratio to DDP's (the same per-rank bytes as
 one process: every DDP rank holds everything), and the planner's prediction (``planner.sharding.rank_memory``:
@@ -63,6 +66,9 @@ COLUMNS = {  # label -> (dp_shard, tp)
 }
 KINDS = ("parameters", "gradients", "optimizer", "activations")
 EXTRA = {"accumulated_gradients": False, "reduced_gradients": True}
+KEPT = "kept_parameters"
+"""FSDP2's gathered parameters at the end of a forward with ``fsdp_reshard = "after_backward"``
+(``kept_parameter_bytes``)."""
 """FSDP2's peak unsharded gradients over 2 microbatches per rank (``peak_unsharded_gradients``): key -> reduced
 every microbatch."""
 LIMIT_S = 240
@@ -148,6 +154,45 @@ def peak_unsharded_gradients(trainer, indices, each_microbatch: bool, microbatch
     return sum(peaks.values())
 
 
+def gathered_parameter_bytes(sharded) -> int:
+    """Bytes of the parameters FSDP2 holds gathered now (real storages of every unsharded group's parameters)."""
+    tensors = []
+    for group in sharded.all_groups():
+        for param_group in group._get_fsdp_state()._fsdp_param_groups:
+            if param_group.is_unsharded:
+                tensors += [p._unsharded_param for p in param_group.fsdp_params if hasattr(p, "_unsharded_param")]
+    return storage_bytes(tensors)
+
+
+def kept_parameter_bytes(trainer, indices) -> int:
+    """The most bytes of gathered parameters (:func:`gathered_parameter_bytes`) after any FSDP2 group's forward over
+    one forward/backward of ``indices`` with every group keeping its parameters from forward to backward
+    (``set_reshard_after_forward(False)``: ``parallel.fsdp_reshard = "after_backward"``): what the planner charges
+    (``sharding.kept_param_bytes``). 0 without FSDP2. The groups' mode is restored, the gradients cleared."""
+    sharded = trainer.sharded
+    if sharded is None:
+        return 0
+    groups, peak = sharded.all_groups(), [0]
+
+    def after_forward(*_) -> None:  # registered after FSDP2's own post-forward hook: runs after it
+        peak[0] = max(peak[0], gathered_parameter_bytes(sharded))
+
+    modules = {id(m): m for g in groups for m in g._get_fsdp_state()._modules}
+    handles = [m.register_forward_hook(after_forward) for m in modules.values()]
+    for g in groups:
+        g.set_reshard_after_forward(False, recurse=False)
+    try:
+        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.forward_backward(indices, trainer.plan_step(indices)[0])
+    finally:
+        for h in handles:
+            h.remove()
+        for g in groups:
+            g.set_reshard_after_forward(sharded.reshard_after_forward, recurse=False)
+        trainer.optimizer.zero_grad(set_to_none=True)
+    return peak[0]
+
+
 def _rank_tokens(trainer, indices, plan) -> dict:
     """This rank's microbatch as the planner sees it: samples, their padded LLM length and items per encoder."""
     rank = trainer.dims.batch_rank(trainer.info.rank)
@@ -185,6 +230,7 @@ def worker(spec_path: str, out_dir: str) -> None:
     indices = covering_batch(trainer, cfg.train.global_batch_size)
     out = measure(trainer, indices)
     out.update({key: peak_unsharded_gradients(trainer, indices, each) for key, each in EXTRA.items()})
+    out[KEPT] = kept_parameter_bytes(trainer, indices)
     out["rank"] = trainer.info.rank
     Path(out_dir, f"rank{trainer.info.rank}.json").write_text(json.dumps(out))
     if trainer.info.world_size > 1:
@@ -215,7 +261,7 @@ def run_column(model: str, label: str, policy: str, microbatch: int, folder: Pat
     if proc.returncode != 0 or len(ranks) != dp_shard * tp:
         lines = [line for line in (proc.stderr_text or proc.stdout_text).splitlines() if "Error" in line]
         return (lines[-1] if lines else f"exit {proc.returncode}")[:160]
-    result = {kind: max(r[kind] for r in ranks) for kind in (*KINDS, *EXTRA)}
+    result = {kind: max(r[kind] for r in ranks) for kind in (*KINDS, *EXTRA, KEPT)}
     result["rank_llm_tokens"] = [r["rank_llm_tokens"] for r in ranks]
     return result
 
@@ -248,6 +294,17 @@ def predicted_unsharded_gradients(trainer, label: str, tokens: dict) -> float:
     dp_shard, tp = COLUMNS[label]
     units, costs = _unit_costs(trainer, tokens)
     return unsharded_grad_bytes(units, costs, ParallelDegrees(tp, dp_shard), "fp32", _OPTIMIZER)
+
+
+def predicted_kept_parameters(trainer, label: str, tokens: dict) -> float:
+    """The planner's bytes of gathered parameters kept from forward to backward on one rank of a column under
+    ``parallel.fsdp_reshard = "after_backward"`` (``planner.sharding.kept_param_bytes``; 0 without FSDP2)."""
+    from plait.planner.sharding import ParallelDegrees, kept_param_bytes
+
+    dp_shard, tp = COLUMNS[label]
+    units, costs = _unit_costs(trainer, tokens)
+    return kept_param_bytes(units, costs, ParallelDegrees(tp, dp_shard, fsdp_reshard="after_backward"), "fp32",
+                            _OPTIMIZER)
 
 
 def _unit_costs(trainer, tokens: dict) -> tuple[list, list]:
@@ -287,7 +344,7 @@ def print_table(model: str, policy: str, labels: list[str], microbatch: int, fol
     print(f"\n{model}, activation checkpointing {policy}, {microbatch} samples per microbatch, per rank "
           "(largest over ranks), MiB measured [planner]")
     print(f"{'column':<16} " + " ".join(f"{k:>22}" for k in KINDS) + f" {'state x DDP':>11} {'total x DDP':>11} "
-          f"{'planner/meas':>12}")
+          f"{'planner/meas':>12} {'kept params (after_backward)':>28}")
     from plait.train.trainer import Trainer
 
     one = Trainer.build(job_config(model, 1, 1, policy, microbatch, str(train), str(folder / f"one_{model}_{policy}")))
@@ -298,13 +355,14 @@ def print_table(model: str, policy: str, labels: list[str], microbatch: int, fol
             print(f"{label:<16} not runnable: {got}")
             continue
         pred = predicted(one, label, got["rank_llm_tokens"])
+        kept = predicted_kept_parameters(one, label, got["rank_llm_tokens"][0])  # parameters only: any rank's
         state = sum(got[k] for k in KINDS[:3])
         total = state + got["activations"]
         if label == "DDP":
             base = (state, total)
         ratios = f" {state / base[0]:>11.3f} {total / base[1]:>11.3f}" if base else f" {'-':>11} {'-':>11}"
         print(f"{label:<16} " + " ".join(f"{got[k] / 2**20:>10.3f} [{pred[k] / 2**20:>9.3f}]" for k in KINDS)
-              + ratios + f" {sum(pred.values()) / total:>12.3f}")
+              + ratios + f" {sum(pred.values()) / total:>12.3f} {got[KEPT] / 2**20:>16.3f} [{kept / 2**20:>9.3f}]")
 
 
 if __name__ == "__main__":
