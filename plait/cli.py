@@ -54,8 +54,6 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _simulate(args: argparse.Namespace, overrides: list[str]) -> int:
-    if overrides:
-        raise ValueError(f"plait simulate takes no overrides, got {overrides}")
     from plait.commands.simulate import simulate_command
 
     simulate_command(args.plan, args.out_dir)
@@ -72,8 +70,6 @@ def _profile(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
-    if overrides:
-        raise ValueError(f"plait generate takes no overrides, got {overrides}")
     from plait.commands.generate import generate_command
 
     return generate_command(args.model, prompt=args.prompt, images=args.image, audios=args.audio, videos=args.video,
@@ -108,16 +104,12 @@ def _energy(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _import(args: argparse.Namespace, overrides: list[str]) -> int:
-    if overrides:
-        raise ValueError(f"plait import takes no overrides, got {overrides}")
     from plait.commands.import_hf import import_command
 
     return import_command(args.source, args.out, train=args.train, val=args.val, chat_template=args.chat_template)
 
 
 def _export(args: argparse.Namespace, overrides: list[str]) -> int:
-    if overrides:
-        raise ValueError(f"plait export takes no overrides, got {overrides}")
     from plait.commands.export_hf import export_command
 
     return export_command(args.run, args.format, args.out)
@@ -145,6 +137,10 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
 _JOB_VERBS = {"train": False, "profile": False, "tune-ranks": False, "launch": False, "plan": True, "energy": True}
 """The verbs that read a ``--config`` job file, checked before the verb's module is imported: True for the verbs
 that read it for planning (their ``[parallel.pp]`` table and ``parallel.dp`` replaced by the plan)."""
+
+
+_NO_OVERRIDES = ("simulate", "generate", "import", "export")
+"""The verbs that read no job file, so take no ``--section.key=value`` overrides."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -313,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognised arguments {bad}; overrides look like --train.lr=1e-3")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if rest and args.command in _NO_OVERRIDES:
+            raise ValueError(f"plait {args.command} takes no overrides, got {rest}")
         if args.command in _JOB_VERBS:  # a bad job file is refused in ~0.3 s, before torch and transformers load
             from plait.commands.job_file import check_job
 

@@ -1,5 +1,6 @@
 """A bad job file is refused before torch or transformers is imported (``plait.commands.job_file``, ``plait.cli``):
-every verb that reads ``--config`` reads it as the verb will, and the error carries ``same_on_every_rank``."""
+every verb that reads ``--config`` reads it as the verb will, and the error carries ``same_on_every_rank``; the verbs
+without a job file refuse overrides as early."""
 
 from __future__ import annotations
 
@@ -35,13 +36,15 @@ def test_every_job_verb_refuses_a_bad_job_before_importing_torch_or_transformers
              ["profile", "--config", JOB, "--train.lr=-1"],
              ["tune-ranks", "--config", JOB, "--model.llm.freeze=maybe"],
              ["launch", "--config", JOB, "--nproc", "2", "--parallel.pp.degree=0"],
-             ["simulate", "--plan", str(bad_plan), "--out-dir", str(tmp_path / "sim")]]
+             ["simulate", "--plan", str(bad_plan), "--out-dir", str(tmp_path / "sim")],
+             ["generate", "--model", str(tmp_path), "--prompt", "hi", "--train.lr=1"],
+             ["export", "--run", str(tmp_path), "--format", "llava", "--train.lr=1"]]
     run = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(cases)], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert json.loads(run.stdout) == {"codes": [2] * 7, "loaded": []}
+    assert json.loads(run.stdout) == {"codes": [2] * 9, "loaded": []}
     lines = run.stderr.splitlines()
-    assert len(lines) == 7, run.stderr
+    assert len(lines) == 9, run.stderr
     assert lines[0].startswith("plait: error: unknown config key(s) ['train.bogus']; known: ['activation_checkpointing'")
     assert lines[1:6] == [f"plait: error: config file {missing} does not exist",
                           "plait: error: train.lr: expected float, got 'x'",
@@ -49,6 +52,8 @@ def test_every_job_verb_refuses_a_bad_job_before_importing_torch_or_transformers
                           "plait: error: model.llm.freeze: expected bool, got 'maybe'",
                           "plait: error: parallel.pp.degree must be >= 1, got 0"]
     assert lines[6].startswith(f"plait: error: --plan {bad_plan} is not a plan JSON written by `plait plan --out`")
+    assert lines[7:] == ["plait: error: plait generate takes no overrides, got ['--train.lr=1']",
+                         "plait: error: plait export takes no overrides, got ['--train.lr=1']"]
 
 
 def test_check_job_reads_as_the_verb_reads_and_marks_the_error_for_every_rank():
