@@ -68,7 +68,7 @@ def worker(args: argparse.Namespace) -> None:
     cfg.data.train = str(Path(args.folder) / "train.jsonl")
     trainer = Trainer.build(cfg)
     if args.worker == "ddp_sync":  # no GradientReducer: the trainer sums every gradient after the last backward
-        trainer._gradient_reducer = lambda: None
+        trainer.gradient_reducer = None
     order = trainer.loader.epoch_order(0).tolist()
     times, tokens = [], []
     warm = args.per_rank * args.max_procs  # the first step warms up on records no configuration times

@@ -114,6 +114,10 @@ class Trainer:
 
     materializes_own_units = False
     """Whether the trainer builds the model on the meta device and materialises only its rank's units."""
+    gradient_reducer: GradientReducer | None = None
+    """The DP (and CP) gradient sum of :meth:`forward_backward` when there is more than one rank and neither TP nor
+    FSDP2 (:meth:`_build_gradient_reducer`); None otherwise (and in :class:`PipelineTrainer`, which reduces per
+    stage)."""
 
     def __init__(self, cfg: JobConfig, parts: TrainerParts) -> None:
         self.cfg, self.info = cfg, parts.info
@@ -201,6 +205,7 @@ class Trainer:
                                       reshard_after_forward=self.cfg.parallel.fsdp_reshard != "after_backward")
         plain = self.sharded is None and self.tp is None
         self.ddp_model = apply_data_parallel(self.model, self.info) if plain else self.model
+        self.gradient_reducer = self._build_gradient_reducer() if plain and self.info.world_size > 1 else None
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas,
                                          {n: e.lr_scale for n, e in self.cfg.model.encoders.items()})
         self.scheduler = LRSchedule(t.lr, lr_factor(t.warmup_steps, self.total_steps, t.min_lr_ratio), self.optimizer)
@@ -286,7 +291,7 @@ class Trainer:
         (:class:`~plait.parallel.deferral.FeatureBuffer`); once every LLM microbatch that reads them has run
         backward, the gradients accumulated on the leaves are propagated through the encoder graph (detached-leaf
         re-injection), so deferred samples get the gradient of one fused forward/backward. Gradients are
-        reduced once per step (:meth:`_gradient_reducer`): the LLM's buckets start during the last LLM backward,
+        reduced once per step (``gradient_reducer``): the LLM's buckets start during the last LLM backward,
         the encoders' after the deferred encoder backwards, all awaited before this returns (DDP's own reducer
         would reduce the encoders before their deferred backwards). A rank whose share is empty joins every
         bucket with no gradient (zeros).
@@ -305,7 +310,7 @@ class Trainer:
                 sharded = [p for _, p in self.model.trainable_parameters() if isinstance(p, DTensor)]
                 sum_local_gradients(sharded, self.cp_group)
         else:
-            reducer = self._gradient_reducer()
+            reducer = self.gradient_reducer
             last = max((j for j, b in enumerate(batches.llm_batches) if b is not None), default=-1)
 
             def loss(j: int, batch: Batch, features: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -322,18 +327,14 @@ class Trainer:
             dist.all_reduce(loss_sum, group=self.tp and self.tp.grad_group)  # TP ranks share their tokens
         return float(loss_sum) / max(1, global_targets), global_targets
 
-    def _gradient_reducer(self) -> GradientReducer | None:
-        """The DP (and CP) gradient sum of the plain trainer, built once: buckets of the LLM's parameters start
-        during the last LLM backward of the step, the encoders' after the deferred encoder backwards
-        (:class:`~plait.parallel.data_parallel.GradientReducer`). None for one process and under TP
-        (``sum_local_gradients`` sums DTensor gradients)."""
-        if self.info.world_size == 1 or self.tp is not None:
-            return None
-        if getattr(self, "_reducer", None) is None:
-            llm = [p for p in self.model.language_model.parameters() if p.requires_grad]
-            self._reducer = GradientReducer([p for _, p in self.model.trainable_parameters()],
-                                            bucket_elements=OVERLAP_BUCKET_ELEMENTS, early=llm)
-        return self._reducer
+    def _build_gradient_reducer(self) -> GradientReducer:
+        """The DP (and CP) gradient sum of the plain trainer (neither TP, whose ``sum_local_gradients`` sums DTensor
+        gradients, nor FSDP2, which reduces inside the backward): buckets of the LLM's parameters start during the
+        last LLM backward of the step, the encoders' after the deferred encoder backwards
+        (:class:`~plait.parallel.data_parallel.GradientReducer`)."""
+        llm = [p for p in self.model.language_model.parameters() if p.requires_grad]
+        return GradientReducer([p for _, p in self.model.trainable_parameters()],
+                               bucket_elements=OVERLAP_BUCKET_ELEMENTS, early=llm)
 
     def _encode_branch(self, name: str, batch: Batch | None, calls: int) -> torch.Tensor:
         """Projected features of branch ``name`` on ``batch``'s items, or on a dummy item (``batch`` None), in

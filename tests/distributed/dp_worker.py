@@ -15,7 +15,7 @@ def main(config_path: str, out_path: str) -> None:
     trainer = Trainer.build(cfg)
     first = trainer.loader.epoch_order(0)[: cfg.train.global_batch_size].tolist()
     trainer.forward_backward(first)
-    reducer = trainer._gradient_reducer()  # DP: buckets started during the backward (overlapped)
+    reducer = trainer.gradient_reducer  # DP: buckets started during the backward (overlapped)
     early = reducer.started_early if reducer is not None else 0
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     trainer.optimizer.zero_grad(set_to_none=True)
