@@ -140,6 +140,18 @@ def not_a_profile(path: str | Path) -> str | None:
     return f"no profile {' or '.join(repr(k) for k in missing)} key" if missing else None
 
 
+def _refuse_foreign(target: Path, advice: str = "") -> None:
+    """Refuse to overwrite ``target`` when it exists and is not a plait profile (:func:`not_a_profile`).
+
+    Raises:
+        ValueError: naming the file, why it is not a profile and ``advice``.
+    """
+    foreign = not_a_profile(target)
+    if foreign is not None:
+        raise ValueError(f"profile file {target} exists and is not a plait profile ({foreign}); refusing to "
+                         f"overwrite it{advice}")
+
+
 class ProfileStore:
     """Profiles as JSON files under ``root``: ``<root>/profile-<key digest>.json``.
 
@@ -154,17 +166,18 @@ class ProfileStore:
         """The file of ``key``'s profile."""
         return self.root / f"profile-{key.digest()}.json"
 
+    def file(self, key: ProfileKey, path: str | Path | None = None) -> Path:
+        """The file of ``key``'s profile: ``path`` when given, else :meth:`path_for`."""
+        return Path(path) if path is not None else self.path_for(key)
+
     def save(self, profile: Profile, path: str | Path | None = None) -> Path:
         """Write ``profile`` (to ``path``, default ``path_for(profile.key)``); returns the path.
 
         Raises:
             ValueError: when the file exists and is not a plait profile (``not_a_profile``): never overwritten.
         """
-        target = Path(path) if path is not None else self.path_for(profile.key)
-        foreign = not_a_profile(target)
-        if foreign is not None:
-            raise ValueError(f"profile file {target} exists and is not a plait profile ({foreign}); refusing to "
-                             "overwrite it")
+        target = self.file(profile.key, path)
+        _refuse_foreign(target)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(profile.to_dict(), indent=1, sort_keys=True))
         return target
@@ -176,7 +189,7 @@ class ProfileStore:
             ``(profile, "hit")``, or ``(None, reason)`` when there is no file, it cannot be read, or any key
             field differs (:func:`profile_mismatch`): the caller must re-measure.
         """
-        source = Path(path) if path is not None else self.path_for(key)
+        source = self.file(key, path)
         if not source.is_file():
             return None, f"no stored profile at {source}"
         try:
@@ -206,14 +219,11 @@ def load_or_measure(store: ProfileStore, key: ProfileKey, measure: Callable[[], 
             that is stale, of another format version or unreadable field by field is re-measured and replaced.
     """
     stream = out or sys.stdout
-    target = Path(path) if path is not None else store.path_for(key)
-    foreign = not_a_profile(target)
-    if foreign is not None:
-        raise ValueError(f"profile file {target} exists and is not a plait profile ({foreign}); refusing to "
-                         "overwrite it: give another --out (or store) or remove the file")
+    target = store.file(key, path)
+    _refuse_foreign(target, ": give another --out (or store) or remove the file")
     profile, reason = (None, "forced by the caller") if force else store.load(key, path)
     if profile is not None:
-        print(f"plait profile: reusing {path or store.path_for(key)}", file=stream)
+        print(f"plait profile: reusing {target}", file=stream)
         return profile
     print(f"plait profile: measuring ({reason})", file=stream, flush=True)
     profile = measure()
