@@ -57,7 +57,7 @@ _PEFT_PREFIX = "base_model.model."
 _DECODER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _ENCODER = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
-    "llama": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER, "mistral": _DECODER, "gemma": _DECODER,
+    "llama": _DECODER, "qwen2": _DECODER, "qwen2_5_vl_text": _DECODER, "qwen3": _DECODER, "mistral": _DECODER, "gemma": _DECODER,
     "gemma2": _DECODER, "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     "siglip_vision_model": _ENCODER, "siglip": _ENCODER, "clip_vision_model": _ENCODER, "clip": _ENCODER,
     "whisper": _ENCODER, "vit": ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"),

@@ -49,7 +49,7 @@ from tqdm import tqdm
 from plait.data.collate import Batch, collate
 from plait.data.processing import IGNORE, ProcessedSample
 from plait.data.sources import RawSample, sample_at
-from plait.models.generation import check_decoding, exact_match
+from plait.models.generation import check_decoding, exact_match, is_empty_answer
 
 __all__ = [
     "EvalReport",
@@ -248,9 +248,11 @@ class Prediction:
     reference: str
 
     def to_json(self) -> str:
-        """One line of the predictions file (``index`` left out)."""
+        """One line of the predictions file (``index`` left out; ``"empty": true`` on an empty answer,
+        :func:`~plait.models.generation.is_empty_answer`, as ``plait generate`` writes it)."""
         return json.dumps({"id": self.id, "task": self.task, "prompt": self.prompt, "prediction": self.prediction,
-                           "reference": self.reference}, ensure_ascii=False)
+                           "reference": self.reference} | ({"empty": True} if is_empty_answer(self.prediction) else {}),
+                          ensure_ascii=False)
 
 
 def load_metrics(paths: Sequence[str]) -> dict[str, MetricFn]:

@@ -136,6 +136,13 @@ def test_score_and_predictions_file(tmp_path):
     assert rows[2] == {"id": "r2", "task": "b", "prompt": "p2", "prediction": " seven ", "reference": "seven"}
 
 
+def test_predictions_file_marks_empty_answers_as_generate_does(tmp_path):
+    preds = [Prediction(0, "r0", "a", "p0", "  ", "two"), Prediction(1, "r1", "a", "p1", "three", "three")]
+    rows = [json.loads(line) for line in write_predictions(tmp_path, 1, preds).read_text().splitlines()]
+    assert rows == [{"id": "r0", "task": "a", "prompt": "p0", "prediction": "  ", "reference": "two", "empty": True},
+                    {"id": "r1", "task": "a", "prompt": "p1", "prediction": "three", "reference": "three"}]
+
+
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval")
