@@ -33,6 +33,7 @@ from plait.parallel.data_parallel import sum_gradients
 from plait.parallel.pipeline.comm import PipelineComm
 from plait.parallel.pipeline.step import PipelineStepResult, run_pipeline_step
 from plait.parallel.stages import RankStages
+from plait.parallel.tensor_parallel import check_max_norm, clip_by_square_sum_
 from plait.planner.schedule_ir import Schedule
 
 __all__ = ["HeteroDP", "build_hetero_dp", "clip_grad_norm_hetero", "hetero_pipeline_comm", "hetero_pipeline_step"]
@@ -175,17 +176,9 @@ def clip_grad_norm_hetero(hetero: HeteroDP, max_norm: float) -> float:
     Raises:
         ValueError: on a negative ``max_norm``.
     """
-    if max_norm < 0:
-        raise ValueError(f"max_norm must be >= 0, got {max_norm}")
-    sumsq = torch.zeros((), dtype=torch.float64, device=hetero.comm.device)
+    check_max_norm(max_norm)
+    sumsq = torch.zeros((), dtype=torch.float64, device=hetero.comm.device)  # plain gradients: summed on the device
     for p in hetero.counted:
         if p.grad is not None:
             sumsq += p.grad.detach().double().pow(2).sum()
-    dist.all_reduce(sumsq)
-    norm = float(sumsq.sqrt())
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        for p in hetero.params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
-    return norm
+    return clip_by_square_sum_([p.grad for p in hetero.params if p.grad is not None], sumsq, max_norm, reduce=True)

@@ -50,7 +50,9 @@ __all__ = [
     "align_gradients",
     "apply_job_tensor_parallel",
     "apply_tensor_parallel",
+    "check_max_norm",
     "check_tp_heads",
+    "clip_by_square_sum_",
     "clip_grad_norm_",
     "concrete_plan",
     "grad_square_sum",
@@ -269,17 +271,36 @@ def clip_grad_norm_(params: Sequence[nn.Parameter], max_norm: float, copies: int
     Raises:
         ValueError: on a negative ``max_norm``.
     """
-    if max_norm < 0:
-        raise ValueError(f"max_norm must be >= 0, got {max_norm}")
+    check_max_norm(max_norm)
     align_gradients(params)
     grads = [p.grad for p in params if p.grad is not None]
-    sumsq = grad_square_sum(grads, copies).to(device)
-    if copies > 1:
+    return clip_by_square_sum_(grads, grad_square_sum(grads, copies).to(device), max_norm, reduce=copies > 1,
+                               group=group)
+
+
+def check_max_norm(max_norm: float) -> None:
+    """A clipping norm must be >= 0 (``float("inf")``: no clipping).
+
+    Raises:
+        ValueError: on a negative ``max_norm``.
+    """
+    if max_norm < 0:
+        raise ValueError(f"max_norm must be >= 0, got {max_norm}")
+
+
+def clip_by_square_sum_(grads: Iterable[torch.Tensor], sumsq: torch.Tensor, max_norm: float, *, reduce: bool,
+                        group: Any = None) -> float:
+    """The end of every gradient clipping: the global L2 norm from ``sumsq`` (this rank's share of the squared
+    norm, float64 scalar, :func:`grad_square_sum`; summed over ``group`` first when ``reduce``: collective, default
+    group all ranks), then ``grads`` (their local tensors) scaled in place by ``max_norm / (norm + 1e-6)`` when
+    that is below 1 (``torch.nn.utils.clip_grad_norm_``'s rule). Returns the norm before clipping."""
+    if reduce:
         dist.all_reduce(sumsq, group=group)
     norm = float(sumsq.sqrt())
-    coef = min(1.0, max_norm / (norm + 1e-6))
-    for g in grads:
-        local_tensor(g).mul_(coef)
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            local_tensor(g).mul_(coef)
     return norm
 
 

@@ -38,7 +38,8 @@ from plait.parallel.fsdp import ShardedModel
 from plait.parallel.pipeline.comm import PipelineComm
 from plait.parallel.pipeline.executor import Executor, StepInputs
 from plait.parallel.stages import RankStages
-from plait.parallel.tensor_parallel import align_gradients, grad_square_sum, local_tensor, sum_local_gradients
+from plait.parallel.tensor_parallel import (align_gradients, check_max_norm, clip_by_square_sum_, grad_square_sum,
+                                             sum_local_gradients)
 from plait.planner.routing import FeatureRouting
 from plait.planner.schedule_ir import Schedule
 from plait.planner.timeline import TimelineEvent
@@ -284,22 +285,14 @@ def clip_grad_norm_pipeline(stages: RankStages, max_norm: float, comm: PipelineC
     Raises:
         ValueError: on a negative ``max_norm``.
     """
-    if max_norm < 0:
-        raise ValueError(f"max_norm must be >= 0, got {max_norm}")
+    check_max_norm(max_norm)
     comm = comm or PipelineComm()
     mirror = stages.tied.param if stages.tied is not None and stages.tied.mirror else None
     align_gradients([p for _, p in stages.trainable_parameters()])  # TP: DTensor grads in their params' layout
     grads = [p.grad for _, p in stages.trainable_parameters() if p.grad is not None]
     counted = [p.grad for _, p in stages.trainable_parameters() if p.grad is not None and p is not mirror]
     sumsq = grad_square_sum(counted, comm.stage_replicas * comm.tp_size if comm.distributed else 1).to(comm.device)
-    if comm.distributed:
-        dist.all_reduce(sumsq)
-    norm = float(sumsq.sqrt())
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        for g in grads:
-            local_tensor(g).mul_(coef)
-    return norm
+    return clip_by_square_sum_(grads, sumsq, max_norm, reduce=comm.distributed)
 
 
 def gather_timeline(events: Sequence[TimelineEvent], comm: PipelineComm | None = None) -> list[TimelineEvent]:
