@@ -10,6 +10,7 @@ imports) is loaded, so a misspelt key, a wrong type or value, or a missing file 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,17 +35,24 @@ def same_on_every_rank() -> Iterator[None]:
 def check_job(config: str | Path, overrides: Sequence[str], *, planning: bool = False) -> None:
     """Read and validate the job file ``config`` with its ``--section.key=value`` overrides as the verb will:
     ``plait.config.loader.load_config``, or :func:`load_config_for_planning` when ``planning`` (``plait plan``,
-    ``plait energy``). Imports nothing beyond the config loader and the planner (about 0.2 s).
+    ``plait energy``). Imports nothing beyond the config loader and the planner (about 0.2 s). The loader's
+    warnings (legal but odd values) are left to the verb's own reading, so they are printed once.
 
     Raises:
         FileNotFoundError, ValueError: as the reader (missing file, TOML syntax, unknown keys, wrong types or
             values, named by dotted key), marked ``same_on_every_rank``.
     """
-    with same_on_every_rank():
-        if planning:
-            load_config_for_planning(config, overrides)
-        else:
-            load_config(config, list(overrides))
+    log = logging.getLogger(load_config.__module__)
+    level = log.level
+    log.setLevel(logging.ERROR)  # the loader's warnings are the verb's to print, when it reads the job
+    try:
+        with same_on_every_rank():
+            if planning:
+                load_config_for_planning(config, overrides)
+            else:
+                load_config(config, list(overrides))
+    finally:
+        log.setLevel(level)
 
 
 def load_config_for_planning(config_path: str | Path, overrides: Sequence[str] = ()) -> tuple[JobConfig, str]:

@@ -5,6 +5,7 @@ without a job file refuse overrides as early."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -65,3 +66,15 @@ def test_check_job_reads_as_the_verb_reads_and_marks_the_error_for_every_rank():
     with pytest.raises(FileNotFoundError, match="config file nowhere.toml does not exist") as missing:
         check_job("nowhere.toml", [], planning=True)
     assert missing.value.same_on_every_rank is True
+
+
+def test_check_job_leaves_the_loaders_warnings_to_the_verb(caplog):
+    big = ["--train.microbatch_size=100000"]  # legal, but larger than the global batch: the loader warns
+    with caplog.at_level(logging.WARNING, logger="plait.config.loader"):
+        check_job(JOB, big)
+        check_job(JOB, big, planning=True)
+        assert caplog.records == []
+        load_config(JOB, big)
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "train.microbatch_size (100000) is larger than train.global_batch_size (32)"]
+    assert logging.getLogger("plait.config.loader").level == logging.NOTSET
