@@ -66,7 +66,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plait.planner.cost_model import OptimizerSpec, dtype_bytes, unit_activation_bytes, unit_static_bytes
+from plait.planner.cost_model import OptimizerSpec, trained_params, unit_activation_bytes, unit_static_bytes
 from plait.planner.overheads import ActionOverheads
 from plait.planner.recompute import CHECKPOINT_POLICIES, checkpointed_costs, plan_checkpointing
 from plait.planner.serialize import JsonDataclass
@@ -248,9 +248,8 @@ def _unsharded_grads(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: 
                      optimizer: OptimizerSpec) -> tuple[list[UnitCost], list[float]]:
     """Per unit its TP-split cost and the bytes of its whole (unsharded) gradient on one TP rank (0 when frozen)."""
     tp_costs = [_tp_cost(u, c, degrees.tp, None) for u, c in zip(units, costs)]
-    b = dtype_bytes(dtype)
-    grad_b = b if optimizer.grad_bytes_per_param is None else optimizer.grad_bytes_per_param
-    return tp_costs, [c.param_bytes * u.trained_fraction / b * grad_b for u, c in zip(units, tp_costs)]
+    grad_b = optimizer.grad_bytes(dtype)
+    return tp_costs, [trained_params(u, c, dtype) * grad_b for u, c in zip(units, tp_costs)]
 
 
 def unsharded_grad_bytes(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees,
