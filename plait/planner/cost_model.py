@@ -216,8 +216,7 @@ class OptimizerSpec(JsonDataclass):
             raise ValueError(f"OptimizerSpec.state_bytes_per_param must be >= 0, got {self.state_bytes_per_param}")
 
     def grad_bytes(self, dtype: Any = "bfloat16") -> float:
-        """Gradient bytes per parameter trained in ``dtype``: ``grad_bytes_per_param``, or the dtype's size when
-        None (:func:`dtype_bytes`)."""
+        """Gradient bytes per trained parameter: ``grad_bytes_per_param``, or ``dtype``'s size when it is None."""
         return dtype_bytes(dtype) if self.grad_bytes_per_param is None else float(self.grad_bytes_per_param)
 
 
@@ -577,9 +576,8 @@ def unit_static_bytes(unit: Unit, cost: UnitCost, dtype: Any = "bfloat16",
 
 
 def trained_params(unit: Unit, cost: UnitCost, dtype: Any = "bfloat16") -> float:
-    """Parameters of ``unit`` that have a gradient and optimizer state: ``param_bytes`` over the dtype's size
-    (:func:`dtype_bytes`) times ``Unit.trained_fraction`` (0 when the unit does not train; a LoRA unit's adapters
-    only). Per rank when ``cost`` is a rank's cost (``sharding.shard_costs``)."""
+    """Parameters of ``unit`` with a gradient and optimizer state (of one rank when ``cost`` is a rank's):
+    ``param_bytes / dtype_bytes(dtype) x Unit.trained_fraction`` (0 when frozen; a LoRA unit's adapters)."""
     return cost.param_bytes * unit.trained_fraction / dtype_bytes(dtype)
 
 
