@@ -31,6 +31,7 @@ from plait.planner.pipeline_plan import PipelinePlan, split_even
 from plait.planner.search import LayoutChoice, evaluate_plan, plan_layout
 from plait.planner.search_model import Costs
 from plait.planner.search_parallel import plan_parallel
+from plait.planner.sharding import FSDP_RESHARD
 from plait.planner.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
 
@@ -43,7 +44,7 @@ def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_siz
                      attach_encoders: bool = True, overheads: ActionOverheads = ActionOverheads(),
                      checkpointing: str = "none", checkpoint_overrides: dict[str, str] | None = None,
                      tp_degrees: Sequence[int] | None = None, dp_shard_degrees: Sequence[int] | None = None,
-                     prefer_plain: bool = True) -> LayoutChoice:
+                     prefer_plain: bool = True, fsdp_reshard: Sequence[str] = FSDP_RESHARD) -> LayoutChoice:
     """The fastest runnable plan for ``world_size`` processes (module docstring): ``plait plan``'s search
     (``search_parallel.plan_parallel``) with :func:`plan_filling_layout` as its layout search.
 
@@ -62,6 +63,7 @@ def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_siz
         tp_degrees, dp_shard_degrees: TP and FSDP2 degrees searched when the plain plan does not fit memory
             (``search_parallel.degree_options``; the TP all-reduces on ``p2p``, FSDP2's collectives on ``dp_link``).
         prefer_plain: keep the plain plan whenever it fits (default); False: the fastest over the degrees.
+        fsdp_reshard: FSDP2's resharding options searched without pipeline stages (``sharding.FSDP_RESHARD``).
 
     Returns:
         The chosen ``LayoutChoice`` (``dp * plan.num_ranks * tp == world_size``; ``schedule`` is ``"1f1b"`` or
@@ -76,7 +78,8 @@ def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_siz
                          tp_degrees=tp_degrees, dp_shard_degrees=dp_shard_degrees, base_checkpointing=checkpointing,
                          checkpoint_overrides=checkpoint_overrides, dtype=dtype, layout_search=plan_filling_layout,
                          p2p=p2p, dp_link=dp_link, virtual_stages=tuple(virtual_stages),
-                         attach_encoders=attach_encoders, overheads=overheads, prefer_plain=prefer_plain)
+                         attach_encoders=attach_encoders, overheads=overheads, prefer_plain=prefer_plain,
+                         fsdp_reshard=fsdp_reshard)
 
 
 def plan_filling_layout(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int,

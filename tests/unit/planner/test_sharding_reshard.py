@@ -111,3 +111,24 @@ def test_emitted_table_and_auto_plan_config_carry_the_choice():
     assert apply_layout_choice(cfg, flat, _units()).parallel.fsdp_reshard == "after_forward"
     plain = plan_layout(_units(), _costs(), 2, microbatches=4, dp_degrees=[2])
     assert apply_layout_choice(cfg, plain, _units()).parallel.fsdp_reshard == "auto"  # no FSDP2: not its field
+
+
+def test_a_jobs_own_fsdp_reshard_is_kept_by_plait_plan_and_auto_plan():
+    from plait.config.loader import config_from_dict
+    from plait.planner.auto_plan import plan_auto_layout
+    from plait.train.auto_plan import kept_degrees
+    from tests.conftest import tiny_config_dict
+
+    def cfg(**parallel):
+        return config_from_dict(tiny_config_dict("train.jsonl", parallel=parallel))
+
+    assert "fsdp_reshard" not in kept_degrees(cfg(dp_shard=2), 2)  # "auto": both searched
+    kept = kept_degrees(cfg(dp_shard=2, fsdp_reshard="after_forward"), 2)
+    assert kept == dict(tp_degrees=[1], dp_shard_degrees=[2], prefer_plain=False, fsdp_reshard=["after_forward"])
+    units, costs = _model()
+    link = P2PModel(latency_s=1e-4, bandwidth_Bps=2e9)
+    common = dict(p2p=link, dp_link=link, virtual_stages=(1,), checkpointing="full")
+    free = plan_auto_layout(units, costs, 2, 2, **common, **kept_degrees(cfg(dp_shard=2), 2))
+    own = plan_auto_layout(units, costs, 2, 2, **common, **kept)
+    assert (free.dp_shard, free.plan.num_ranks, free.fsdp_reshard) == (2, 1, "after_backward")  # faster, no cap
+    assert (own.dp_shard, own.plan.num_ranks, own.fsdp_reshard) == (2, 1, "after_forward")
