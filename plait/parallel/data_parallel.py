@@ -35,9 +35,8 @@ cores the backward uses, so smaller buckets add collectives without hiding any."
 
 
 def sum_gradients(params: Sequence[nn.Parameter], group: Any = None, bucket_elements: int = BUCKET_ELEMENTS) -> None:
-    """Sum ``.grad`` of ``params`` over the ranks of ``group`` (default: all ranks): each becomes a view of its sum
-    (module docstring: ``None`` where no rank has a gradient, zeros where this rank has none). One all-reduce per
-    bucket: a run of
+    """Sum ``.grad`` of ``params`` over the ranks of ``group`` (default: all ranks), in place (module docstring:
+    ``None`` where no rank has a gradient, zeros where this rank has none). One all-reduce per bucket: a run of
     parameters of one dtype and device of at most ``bucket_elements`` elements (a larger parameter alone),
     flattened with their flags (on the gradients' device). Collective over ``group``:
     every rank passes the same parameters in the same order.
@@ -58,23 +57,30 @@ class GradientReducer:
             of them starts as soon as all its parameters' gradients are accumulated in that backward
             (``register_post_accumulate_grad_hook``), if every bucket before it has started. The others start in
             :meth:`finish`, in order, so every rank starts the same collectives in the same order.
+        views: keep one buffer per bucket for the reducer's life and let :meth:`prepare` make the gradients views
+            of it, so the backward accumulates into the buckets (DDP's ``gradient_as_bucket_view``): the gradients
+            live once, nothing is copied in or out. Otherwise each step flattens the gradients into new buffers and
+            copies the sums back (in place where this rank has a gradient).
 
-    Use: ``arm()`` just before the step's last backward that reaches ``early`` (a rank without one does not call it),
-    then ``finish()`` after the step's last backward: it starts the remaining buckets, waits for all and writes the
-    sums into ``.grad``. :meth:`close` removes the hooks.
+    Use: ``prepare()`` before the step's first backward (``views``), ``arm()`` just before the step's last backward
+    that reaches ``early`` (a rank without one does not call it), then ``finish()`` after the step's last backward:
+    it starts the remaining buckets, waits for all and leaves the sums in ``.grad``. :meth:`close` removes the hooks.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], group: Any = None, bucket_elements: int = BUCKET_ELEMENTS,
-                 early: Collection[nn.Parameter] = ()) -> None:
+                 early: Collection[nn.Parameter] = (), views: bool = False) -> None:
         early_ids = {id(p) for p in early}
         self.group = group
         backward = list(params)[::-1]
         order = [p for p in backward if id(p) in early_ids] + [p for p in backward if id(p) not in early_ids]
         self.buckets = _buckets(order, bucket_elements, lambda p: id(p) in early_ids)
         self._early = [all(id(p) in early_ids for p in b) for b in self.buckets]
-        self._flat = [torch.empty(sum(p.numel() for p in b) + len(b), dtype=b[0].dtype, device=b[0].device)
-                      for b in self.buckets]  # one buffer per bucket for the step's life (DDP's buckets)
+        self._sizes = [[p.numel() for p in b] + [len(b)] for b in self.buckets]  # gradients, then the flags
+        self._flat = [torch.zeros(sum(n), dtype=b[0].dtype, device=b[0].device)
+                      for b, n in zip(self.buckets, self._sizes)] if views else []
         self._bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
+        self._viewed = False  # this step's gradients are views of the buffers (prepare)
+        self._seen: set[int] = set()  # parameters whose gradient this rank accumulated this step (views)
         self._pending: list[int] = []
         self._started: list[tuple[torch.Tensor, Any]] = []
         self._armed = False
@@ -82,22 +88,36 @@ class GradientReducer:
         self.started_early = 0
         """Buckets of the last :meth:`finish`'s step that had started before it (during the backward)."""
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated)
-                       for b, e in zip(self.buckets, self._early) if e for p in b]
+                       for b, e in zip(self.buckets, self._early) if e or views for p in b]
+
+    def prepare(self) -> None:
+        """Before the step's first backward (``views``): zero the buffers and make every parameter's ``.grad`` a
+        view of its place in its bucket. Only when no parameter has a gradient (e.g. after
+        ``zero_grad(set_to_none=True)``); otherwise, or without ``views``, this step copies."""
+        self._seen.clear()
+        self._viewed = bool(self._flat) and all(p.grad is None for b in self.buckets for p in b)
+        if self._viewed:
+            for bucket, flat, sizes in zip(self.buckets, self._flat, self._sizes):
+                flat.zero_()
+                for p, piece in zip(bucket, flat.split(sizes)):
+                    p.grad = piece.view_as(p)
 
     def arm(self) -> None:
         """The next backward is the step's last that reaches the ``early`` parameters."""
         self._armed = True
 
     def _accumulated(self, p: nn.Parameter) -> None:
-        """Post-accumulate-grad hook: count ``p`` in its bucket; start the buckets now ready, in order.
+        """Post-accumulate-grad hook: note that ``p`` has a gradient; when armed, count ``p`` in its early bucket and
+        start the buckets now ready, in order.
 
         Raises:
             RuntimeError: when ``p``'s bucket has already started (its gradient was not final: a misuse of
                 :meth:`arm`).
         """
-        if not self._armed:
-            return
+        self._seen.add(id(p))
         k = self._bucket_of[id(p)]
+        if not self._armed or not self._early[k]:
+            return
         if k < len(self._started):
             raise RuntimeError(f"a gradient of bucket {k} was accumulated after its all-reduce started: arm() must "
                                "come just before the last backward that reaches the early parameters")
@@ -106,38 +126,48 @@ class GradientReducer:
             self._start(len(self._started))
 
     def _start(self, k: int) -> None:
-        """Start bucket ``k``'s asynchronous all-reduce: its gradients (zeros where None) and flags, copied into
-        the bucket's buffer (a new buffer when a gradient is still a view of it: the last step's sums were not
-        consumed and set to None, e.g. two backward passes without an optimizer step)."""
-        bucket, flat = self.buckets[k], self._flat[k]
-        buffer = flat.untyped_storage().data_ptr()
-        if any(p.grad is not None and p.grad.untyped_storage().data_ptr() == buffer for p in bucket):
-            flat = self._flat[k] = torch.empty_like(flat)
-        flags = torch.tensor([p.grad is not None for p in bucket], dtype=flat.dtype, device=flat.device)
-        torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket] + [flags],
-                  out=flat)
+        """Start bucket ``k``'s asynchronous all-reduce: its gradients (zeros where None) and flags, in its buffer
+        (views: a gradient no longer a view of it is copied in) or flattened into a new one."""
+        bucket = self.buckets[k]
+        if self._viewed:
+            flat = self._flat[k]
+            pieces = flat.split(self._sizes[k])
+            for p, piece in zip(bucket, pieces):
+                if p.grad is None:
+                    piece.zero_()
+                elif p.grad.data_ptr() != piece.data_ptr():
+                    piece.copy_(p.grad.reshape(-1))
+            pieces[-1].copy_(torch.tensor([id(p) in self._seen for p in bucket], dtype=flat.dtype))
+        else:
+            flags = torch.tensor([p.grad is not None for p in bucket], dtype=bucket[0].dtype, device=bucket[0].device)
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
+                             + [flags])
         self._started.append((flat, dist.all_reduce(flat, group=self.group, async_op=True)))
 
     def finish(self) -> None:
-        """Start the buckets not started yet (in order), wait for every bucket and make each ``.grad`` a view of
-        its sum in the bucket's buffer (DDP's ``gradient_as_bucket_view``: no copy back; a later step writes the
-        buffer again only when no gradient is a view of it any more, e.g. after ``zero_grad(set_to_none=True)``);
-        then ready for the next step. Collective over ``group``."""
+        """Start the buckets not started yet (in order), wait for every bucket and leave the sums in ``.grad``
+        (views of the buffers, or copied back); then ready for the next step. Collective over ``group``."""
         self.started_early = len(self._started)
         while len(self._started) < len(self.buckets):
             self._start(len(self._started))
-        for bucket, (flat, work) in zip(self.buckets, self._started):
+        for bucket, sizes, (flat, work) in zip(self.buckets, self._sizes, self._started):
             work.wait()
-            pieces = flat.split([p.numel() for p in bucket] + [len(bucket)])
+            pieces = flat.split(sizes)
             for p, piece, used in zip(bucket, pieces, pieces[-1].tolist()):
-                p.grad = piece.view_as(p) if used else None
+                if used == 0:
+                    p.grad = None
+                elif self._viewed or p.grad is None:
+                    p.grad = piece.view_as(p) if self._viewed else piece.view_as(p).clone()
+                else:
+                    p.grad.copy_(piece.view_as(p))
         self._reset()
 
     def _reset(self) -> None:
-        """Ready for a step: no bucket started, each early bucket waiting for all its gradients, not armed."""
+        """Ready for a step: no bucket started, each early bucket waiting for all its gradients, not armed, copying
+        until :meth:`prepare`."""
         self._started = []
         self._pending = [len(b) if e else -1 for b, e in zip(self.buckets, self._early)]
-        self._armed = False
+        self._armed = self._viewed = False
 
     def close(self) -> None:
         """Remove the post-accumulate-grad hooks."""

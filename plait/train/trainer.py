@@ -311,6 +311,8 @@ class Trainer:
                 sum_local_gradients(sharded, self.cp_group)
         else:
             reducer = self.gradient_reducer
+            if reducer is not None:
+                reducer.prepare()  # the backward accumulates into its buckets
             last = max((j for j, b in enumerate(batches.llm_batches) if b is not None), default=-1)
 
             def loss(j: int, batch: Batch, features: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -330,11 +332,11 @@ class Trainer:
     def _build_gradient_reducer(self) -> GradientReducer:
         """The DP (and CP) gradient sum of the plain trainer (neither TP, whose ``sum_local_gradients`` sums DTensor
         gradients, nor FSDP2, which reduces inside the backward): buckets of the LLM's parameters start during the
-        last LLM backward of the step, the encoders' after the deferred encoder backwards
-        (:class:`~plait.parallel.data_parallel.GradientReducer`)."""
+        last LLM backward of the step, the encoders' after the deferred encoder backwards, the gradients views of
+        its buckets (:class:`~plait.parallel.data_parallel.GradientReducer`)."""
         llm = [p for p in self.model.language_model.parameters() if p.requires_grad]
         return GradientReducer([p for _, p in self.model.trainable_parameters()],
-                               bucket_elements=OVERLAP_BUCKET_ELEMENTS, early=llm)
+                               bucket_elements=OVERLAP_BUCKET_ELEMENTS, early=llm, views=True)
 
     def _encode_branch(self, name: str, batch: Batch | None, calls: int) -> torch.Tensor:
         """Projected features of branch ``name`` on ``batch``'s items, or on a dummy item (``batch`` None), in

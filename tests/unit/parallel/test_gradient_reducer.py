@@ -75,3 +75,53 @@ def test_a_gradient_after_its_bucket_started_is_refused(one_rank):
     p.grad = torch.full((3,), 2.0)
     sum_gradients([p, q])  # one rank: the sum is its own gradient; q, unused everywhere, keeps none
     assert p.grad.tolist() == [2.0, 2.0, 2.0] and q.grad is None
+
+
+def test_views_mode_accumulates_into_the_buckets_and_sums_like_the_copying_mode(one_rank):
+    encoder, llm, unused = _net()
+    params = [*encoder.parameters(), *llm.parameters(), unused]
+    x = torch.randn(6, 3)
+
+    def step(reducer: GradientReducer) -> dict[str, torch.Tensor]:
+        reducer.prepare()
+        for k in range(2):  # two microbatches: the second accumulates into the first's gradients
+            features = encoder(x[3 * k:3 * k + 3])
+            leaf = features.detach().requires_grad_()
+            if k == 1:
+                reducer.arm()
+            llm(leaf).square().sum().backward()
+            features.backward(leaf.grad)
+        reducer.finish()
+        grads = {n: None if p.grad is None else p.grad.clone()
+                 for n, p in [*encoder.named_parameters(), *llm.named_parameters(), ("unused", unused)]}
+        return grads
+
+    copying = GradientReducer(params, bucket_elements=12, early=list(llm.parameters()))
+    expected = step(copying)
+    copying.close()
+    for p in params:
+        p.grad = None
+    viewing = GradientReducer(params, bucket_elements=12, early=list(llm.parameters()), views=True)
+    got = step(viewing)
+    assert got["unused"] is None and expected["unused"] is None and viewing.started_early == 3
+    for n, g in expected.items():
+        if g is not None:
+            torch.testing.assert_close(got[n], g, rtol=0, atol=0)
+    buffers = {f.untyped_storage().data_ptr() for f in viewing._flat}
+    assert all(p.grad.untyped_storage().data_ptr() in buffers for p in params if p.grad is not None)
+    before = {id(p): p.grad.clone() for p in params if p.grad is not None}
+    llm(encoder(x)).sum().backward()  # a second step without zeroing: prepare() copies, and the sums accumulate
+    added = {id(p): p.grad - before[id(p)] for p in params if p.grad is not None}
+    viewing.prepare()
+    assert not viewing._viewed
+    viewing.finish()
+    for p in params:
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, before[id(p)] + added[id(p)], rtol=0, atol=0)
+    for p in params:
+        p.grad = None
+    viewing.prepare()  # after zero_grad(set_to_none): views again, zeroed
+    assert viewing._viewed and all(float(p.grad.abs().sum()) == 0 for p in params)
+    viewing.finish()
+    assert all(p.grad is None for p in params)  # nothing accumulated anywhere: no gradient
+    viewing.close()
