@@ -5,13 +5,16 @@ the first ``--samples`` training records with a fixed per-rank batch (``--per-ra
 weak scaling, so ideal scaling is N x the one-process tokens/s):
 
 - ``single``: one process (the reference);
-- ``ddp``: ``parallel.dp = 2`` (full replicas; ``data_parallel.GradientReducer``: the LLM's gradient buckets
-  all-reduced asynchronously as the last LLM backward finishes them, the encoders' after the deferred encoder
-  backwards, all awaited before the optimizer);
-- ``ddp_sync``: the same with every bucket all-reduced after the last backward (no overlap), only with
-  ``--sync`` (what the overlap gains, in the same interleaved rounds);
+- ``ddp``: ``parallel.dp = 2`` (full replicas; ``data_parallel.GradientReducer``: the backward accumulates into
+  25 MiB gradient buckets, the LLM's all-reduced asynchronously as the last LLM backward finishes them, the
+  encoders' after the deferred encoder backwards, all awaited before the optimizer);
+- ``ddp_sync``: the same with the gradients flattened into one bucket after the last backward, all-reduced and
+  copied back (``sum_gradients``: no overlap, no views), only with ``--sync`` (what the reducer gains, in the same
+  interleaved rounds);
 - ``fsdp2``: ``parallel.dp_shard = 2`` (FSDP2 per pipeline unit: parameters all-gathered per unit, gradients
   reduce-scattered as each unit's backward ends, overlapping the rest of the backward);
+- ``fsdp2_kept``: the same with ``parallel.fsdp_reshard = "after_backward"`` (each unit's gathered parameters kept
+  from its forward to its backward: one all-gather per unit per microbatch instead of two);
 - ``hsdp``: ``parallel.dp = 2, dp_shard = 2`` (4 processes), only with ``--hsdp`` (it needs 4 cores to mean
   anything).
 
@@ -44,6 +47,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 CONFIGS = {"single": (1, {}), "ddp": (2, {"dp": 2}), "ddp_sync": (2, {"dp": 2}), "fsdp2": (2, {"dp_shard": 2}),
+           "fsdp2_kept": (2, {"dp_shard": 2, "fsdp_reshard": "after_backward"}),
            "hsdp": (4, {"dp": 2, "dp_shard": 2})}
 """name -> (processes, ``[parallel]`` degrees)."""
 
@@ -120,7 +124,8 @@ def main() -> None:
     from bench.plan_holds import small_train_set
     from tests.distributed.spawning import free_port
 
-    names = ["single", "ddp"] + (["ddp_sync"] if args.sync else []) + ["fsdp2"] + (["hsdp"] if args.hsdp else [])
+    names = (["single", "ddp"] + (["ddp_sync"] if args.sync else []) + ["fsdp2", "fsdp2_kept"]
+             + (["hsdp"] if args.hsdp else []))
     if args.only:
         names = ["single"] + [n for n in CONFIGS if n in args.only and n != "single"]
     args.max_procs = max(CONFIGS[n][0] for n in names)
@@ -131,15 +136,15 @@ def main() -> None:
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
                 results[name].append(launch(name, args, folder, free_port())["tokens_per_s"])
-                print(f"round {r + 1}: {name:6s} {results[name][-1]:9.0f} tokens/s", flush=True)
+                print(f"round {r + 1}: {name:10s} {results[name][-1]:9.0f} tokens/s", flush=True)
     base = statistics.median(results["single"])
     print(f"\ndemo, {args.per_rank} samples per rank per step, the records of {args.steps} timed steps of "
           f"{args.max_procs} processes in every configuration, {args.rounds} interleaved rounds (median; min-max)")
-    print(f"{'config':8s} {'procs':>5s} {'tokens/s':>10s} {'min-max':>15s} {'ideal':>7s}")
+    print(f"{'config':10s} {'procs':>5s} {'tokens/s':>10s} {'min-max':>15s} {'ideal':>7s}")
     for name in names:
         procs, vals = CONFIGS[name][0], results[name]
         ratio = statistics.median(vals) / (procs * base)
-        print(f"{name:8s} {procs:5d} {statistics.median(vals):10.0f} {min(vals):7.0f}-{max(vals):<7.0f} "
+        print(f"{name:10s} {procs:5d} {statistics.median(vals):10.0f} {min(vals):7.0f}-{max(vals):<7.0f} "
               f"{ratio:7.2f}")
 
 
