@@ -25,7 +25,8 @@ __all__ = ["fsdp_collectives", "fsdp_line"]
 def fsdp_collectives(units: Sequence[Unit], costs: Sequence[UnitCost], choice: LayoutChoice,
                      link: P2PModel | None) -> tuple[float, float]:
     """``(all-gather seconds per microbatch, gradient synchronisation seconds per step)`` of one rank of a sharded
-    plan: two all-gathers (forward, backward) of each trainable unit's parameters (``costs``: whole units on one
+    plan: two all-gathers (forward, backward; one when ``choice.fsdp_reshard`` is ``"after_backward"``) of each
+    trainable unit's parameters (``costs``: whole units on one
     device; their TP shard under the plan's TP degree, ``sharding.shard_costs``) over ``choice.dp_shard`` ranks, and the reduce-scatter of the trained
     share of those bytes over them plus the all-reduce of the shard over the ``dp / dp_shard`` replicas (HSDP).
     ``(0, 0)`` without a link or sharding.
@@ -40,7 +41,8 @@ def fsdp_collectives(units: Sequence[Unit], costs: Sequence[UnitCost], choice: L
     units = consistent_units(units)
     split = shard_costs(units, costs, ParallelDegrees(tp=choice.tp))  # the TP shard of each unit, as the search's
     trained = [(u, c.param_bytes) for u, c in zip(units, split) if u.trainable]
-    gathers = 2 * sum(gather_s(b, choice.dp_shard, link) for _, b in trained)
+    passes = 1 if choice.fsdp_reshard == "after_backward" else 2  # kept from the forward to the backward: one
+    gathers = passes * sum(gather_s(b, choice.dp_shard, link) for _, b in trained)
     shard = sum(b * u.trained_fraction for u, b in trained) / choice.dp_shard
     return gathers, grad_sync_s(shard, choice.dp, link, choice.dp_shard)
 
@@ -60,7 +62,9 @@ def fsdp_line(units: Sequence[Unit], costs: Sequence[UnitCost], choice: LayoutCh
                 f"{' + replica all-reduce' if choice.dp > choice.dp_shard else ''} per step over all stages "
                 "(the search charges them as the DP all-reduce's bytes)")
     return (f"FSDP2 collectives per rank ({speed} link): parameter all-gathers {1e3 * gathers:.2f} ms per microbatch "
-            f"(forward and backward; what compute does not hide is in the stage times), gradient reduce-scatter"
+            + ("(forward only: kept until the backward, parallel.fsdp_reshard = \"after_backward\"; "
+               if choice.fsdp_reshard == "after_backward" else "(forward and backward; ")
+            + f"what compute does not hide is in the stage times), gradient reduce-scatter"
             f"{' + replica all-reduce' if choice.dp > choice.dp_shard else ''} {1e3 * sync:.2f} ms "
             + (f"per microbatch ({choice.microbatches_per_replica} per step, parallel.fsdp_reduce = \"microbatch\")"
                if choice.fsdp_reduce == "microbatch" else "per step") + " (each unit's as its backward ends)")

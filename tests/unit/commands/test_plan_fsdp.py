@@ -38,8 +38,11 @@ def test_sharded_plan_prints_fsdp2_collectives_not_a_dp_all_reduce():
     assert sync == pytest.approx(choice.grad_sync_s, rel=1e-6) and sync > 0
     units = consistent_units(setup.inputs.units)
     split = shard_costs(units, setup.inputs.costs, ParallelDegrees(tp=2))
-    assert gathers == pytest.approx(2 * sum(gather_s(c.param_bytes, 2, link) for u, c in zip(units, split)
-                                            if u.trainable))
+    one = sum(gather_s(c.param_bytes, 2, link) for u, c in zip(units, split) if u.trainable)
+    assert choice.fsdp_reshard == "after_backward"  # the planner keeps the gathered parameters (it fits)
+    assert gathers == pytest.approx(one) and "(forward only: kept until the backward" in text
+    resharded = dataclasses.replace(choice, fsdp_reshard="after_forward")
+    assert fsdp_collectives(setup.inputs.units, setup.inputs.costs, resharded, link)[0] == pytest.approx(2 * one)
     assert "gradient all-reduce" not in text
     assert f"FSDP2 gradient reduce-scatter {1e3 * choice.grad_sync_s:.2f} ms" in text
     assert f"parameter all-gathers {1e3 * gathers:.2f} ms per microbatch" in text
