@@ -7,7 +7,7 @@ processed as in training (the branch's saved ``[model.encoders.<name>.video]`` s
 every record of a JSONL file in plait's data format (:mod:`plait.data.sources`; the last message may be the
 user's, or an assistant answer, which becomes the reference and is not shown to the model) and writes one line
 per record: ``id``, ``task``, ``prompt`` (the last user message), ``prediction``, ``"empty": true`` when the
-answer is empty (:func:`~plait.models.generation.is_empty_answer`: the model produced a stop token first) and, when
+answer is empty (:func:`~plait.models.generation.is_empty_answer`: no text, only whitespace before the stop token) and, when
 the record has an answer, ``reference``; it then prints how many answers are empty and the exact match per task and
 overall. Decoding is
 :func:`plait.models.generation.greedy_generate`, the one that training's validation runs.
@@ -30,10 +30,12 @@ from plait.data.formats import open_source
 from plait.data.sources import RawSample, SampleError, parse_record
 from plait.models.generation import Generator, exact_match, is_empty_answer
 
-__all__ = ["generate_command", "prompt_sample", "read_prompts", "exact_match_report", "prediction_row",
-           "empty_report", "EMPTY_ANSWER"]
+__all__ = ["generate_command", "check_output_path", "prompt_sample", "read_prompts", "exact_match_report", "prediction_row",
+           "empty_report", "EMPTY_ANSWER", "EMPTY_WHY"]
 
-EMPTY_ANSWER = "(empty answer: the model produced a stop token first)"
+EMPTY_ANSWER = "(empty answer: the model generated no text, nothing but whitespace before its stop token)"
+EMPTY_WHY = "no text, nothing but whitespace before the stop token"
+"""Why an answer counts as empty (:func:`~plait.models.generation.is_empty_answer`), in the ``--output`` summary."""
 """What ``plait generate --prompt`` prints on stderr after an empty answer (stdout keeps the answer itself)."""
 
 
@@ -52,7 +54,9 @@ def generate_command(model: str | Path, *, prompt: str | None = None, images: Se
     the summary counts them (:func:`empty_report`).
 
     Raises:
-        ValueError: for a bad combination of arguments, an empty ``prompt`` without media, a bad record (naming file, line and record), and as
+        ValueError: for a bad combination of arguments, an empty ``prompt`` without media, an ``output_path`` that is
+            the input file or a directory (:func:`check_output_path`, before any generation), a bad record (naming
+            file, line and record), and as
             :meth:`Generator.from_pretrained`.
         SampleError: for a video that cannot be decoded, gives more frames than the model's ``max_frames`` (naming
             the file and the field), or goes to a model that takes no video.
@@ -70,6 +74,8 @@ def generate_command(model: str | Path, *, prompt: str | None = None, images: Se
         raise ValueError(f"--threads must be >= 1, got {threads}")
     if prompt is not None and not prompt.strip() and not (images or audios or videos):
         raise ValueError("--prompt is empty and no --image/--audio/--video is given: there is nothing to answer")
+    if output_path is not None:
+        check_output_path(Path(output_path), Path(input_path))  # type: ignore[arg-type]
     if threads is not None:
         torch.set_num_threads(threads)
     gen = Generator.from_pretrained(model, device=device, dtype=dtype)
@@ -83,6 +89,25 @@ def generate_command(model: str | Path, *, prompt: str | None = None, images: Se
         return 0
     _answer_file(gen, Path(input_path), Path(output_path), max_new_tokens, batch_size)  # type: ignore[arg-type]
     return 0
+
+
+def check_output_path(output_path: Path, input_path: Path) -> None:
+    """Refuse an ``--output`` that would destroy data or fail only after every prompt is answered: one that resolves
+    to the ``--input`` file (same path after ``..`` and links are resolved, or the same file by inode), or an
+    existing directory. An existing other file is overwritten, as any output file.
+
+    Raises:
+        ValueError: naming both paths, or the directory.
+    """
+    if output_path.is_dir():
+        raise ValueError(f"--output {output_path} is a directory: give the JSONL file to write the predictions to, "
+                         f"e.g. --output {output_path / 'predictions.jsonl'}")
+    same = output_path.resolve() == input_path.resolve()
+    if not same and output_path.exists() and input_path.exists():
+        same = output_path.samefile(input_path)
+    if same:
+        raise ValueError(f"--output {output_path} is the --input file {input_path}: writing the predictions there "
+                         "would overwrite the records; give another --output file")
 
 
 def prompt_sample(gen: Generator, text: str, images: Sequence[str] = (), audios: Sequence[str] = (),
@@ -197,9 +222,10 @@ def prediction_row(record: dict[str, Any], prediction: str) -> dict[str, Any]:
 
 def empty_report(rows: Sequence[dict[str, Any]]) -> str:
     """The summary line counting the rows marked ``"empty"`` (:func:`prediction_row`), e.g.
-    ``plait: 2 of 16 answers empty (the model produced a stop token first; "empty": true in their lines)``."""
+    ``plait: 2 of 16 answers empty (no text, nothing but whitespace before the stop token; "empty": true in their
+    lines)``."""
     empty = sum(1 for r in rows if r.get("empty"))
-    return (f"plait: {empty} of {len(rows)} answers empty (the model produced a stop token first; "
+    return (f"plait: {empty} of {len(rows)} answers empty ({EMPTY_WHY}; "
             '"empty": true in their lines)')
 
 

@@ -168,7 +168,8 @@ def exact_match(prediction: str, reference: str) -> bool:
 
 def is_empty_answer(answer: str) -> bool:
     """Whether a generated answer is empty: nothing but whitespace once the stop and padding tokens are dropped (the
-    model's first new token was a stop token, usual early in training). The one rule by which ``plait generate``
+    model's first new token was a stop token, usual early in training, or it wrote only spaces or newlines before
+    one). The one rule by which ``plait generate``
     marks empty answers (on stderr for ``--prompt``, ``"empty": true`` in ``--output`` lines) and evaluation marks them in
     ``predictions/step_<N>.jsonl``."""
     return not answer.strip()

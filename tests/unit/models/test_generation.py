@@ -190,6 +190,6 @@ def test_generate_file_marks_empty_answers_and_counts_them(trained, tmp_path, ca
     assert [r["prediction"] for r in rows[1::2]] == expected[1::2] and not any("empty" in r for r in rows[1::2])
     assert all(p.strip() for p in expected[1::2])  # the unbiased rows really answered
     printed = capsys.readouterr().out.splitlines()
-    assert printed[1] == ('plait: 8 of 16 answers empty (the model produced a stop token first; "empty": true in '
-                          'their lines)')
+    assert printed[1] == ('plait: 8 of 16 answers empty (no text, nothing but whitespace before the stop token; "empty": '
+                          'true in their lines)')
     assert is_empty_answer(" \n") and not is_empty_answer(" 7")
