@@ -20,11 +20,14 @@ does).
 
 from __future__ import annotations
 
+import json
+import pickle
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import transformers
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
 
 from plait.data.chat_template import read_chat_template
@@ -32,7 +35,7 @@ from plait.data.sources import path_note
 from plait.models.hf_io import HfFormat, composite_from_hf, hf_format_of, string_content_template
 from plait.models.multimodal import MultimodalModel
 
-__all__ = ["import_command", "import_checkpoint", "job_toml"]
+__all__ = ["import_command", "import_checkpoint", "job_toml", "check_weights", "WEIGHT_FILES"]
 
 
 def import_command(source: str | Path, out: str | Path, *, train: str = "", val: str = "",
@@ -69,12 +72,14 @@ def import_checkpoint(source: str | Path, out: str | Path, *, train: str = "", v
 
     Raises:
         FileNotFoundError: when ``source`` is not a folder.
-        ValueError: for a folder without ``config.json`` or processor files, an unsupported or refused class
+        ValueError: for a folder without ``config.json``, weights (:func:`check_weights`) or processor files, an
+            unreadable ``config.json`` or weight file (each named, in one line), an unsupported or refused class
             (:func:`plait.models.hf_io.hf_format_of`), a placeholder token that is not the config's id, no chat
             template, or an ``out`` folder that already holds a model.
     """
     src, root = Path(source), Path(out)
     fmt, config = _format(src)
+    weights = check_weights(src)  # a damaged checkpoint named before anything is read or written
     model_dir = root / "model"
     if model_dir.exists() and any(model_dir.iterdir()):
         raise ValueError(f"{model_dir} already holds files; choose another --out or remove it")
@@ -84,7 +89,7 @@ def import_checkpoint(source: str | Path, out: str | Path, *, train: str = "", v
     tokenizer.chat_template = _chat_template(processor, tokenizer, chat_template, src)  # checked before the weights
     _check_placeholder(fmt, config, processor, src)
     print(f"plait: reading {src} ({fmt.model_class})", flush=True)
-    hf = getattr(transformers, fmt.model_class).from_pretrained(str(src)).eval()
+    hf = _load_model(src, fmt, weights)
     audio = {"hop_length": int(media.hop_length), "sampling_rate": int(media.sampling_rate)} \
         if fmt.modality == "audio" else {}
     model = composite_from_hf(hf, fmt, **audio)
@@ -104,8 +109,71 @@ def _format(src: Path) -> tuple[HfFormat, Any]:
     if not (src / "config.json").is_file():
         raise ValueError(f"--from {src}: no config.json (a Hugging Face checkpoint folder, as save_pretrained "
                          "writes it)")
-    config = AutoConfig.from_pretrained(str(src))
+    try:
+        config = AutoConfig.from_pretrained(str(src))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--from {src}: cannot read {src / 'config.json'}: {_first_line(exc)}") from None
     return hf_format_of(config, str(src)), config
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+"""The weight files ``from_pretrained`` looks for in a checkpoint folder, in its order (one file, or an index of
+shards)."""
+
+
+def check_weights(src: Path) -> list[Path]:
+    """The weight files of the checkpoint folder ``src`` (the first of :data:`WEIGHT_FILES` present; an index's
+    shards), each safetensors file's header read and checked against the file's size (``safetensors.safe_open``):
+    a damaged checkpoint is named here, in one line, before any weight is loaded.
+
+    Raises:
+        ValueError: naming the folder when it holds no weight file, or the file that is missing (a shard an index
+            names), unreadable, or truncated.
+    """
+    name = next((n for n in WEIGHT_FILES if (src / n).is_file()), None)
+    if name is None:
+        raise ValueError(f"--from {src}: no weights (none of {', '.join(WEIGHT_FILES)}; a Hugging Face checkpoint "
+                         "folder, as save_pretrained writes it)")
+    files = [src / name]
+    if name.endswith(".index.json"):
+        try:
+            shards = sorted(set(json.loads(files[0].read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"--from {src}: cannot read the weight index {files[0]}: {_first_line(exc)}") from None
+        files = [src / shard for shard in shards]
+    for file in files:
+        if not file.is_file():
+            raise ValueError(f"--from {src}: the weight file {file} is missing (named by {src / name})")
+        if file.suffix == ".safetensors":
+            try:
+                with safe_open(str(file), framework="pt"):
+                    pass
+            except (OSError, SafetensorError) as exc:
+                raise ValueError(f"--from {src}: {file} is not a readable safetensors file (truncated or damaged: "
+                                 f"{_first_line(exc)})") from None
+    return files
+
+
+def _load_model(src: Path, fmt: HfFormat, files: list[Path]) -> Any:
+    """The checkpoint as its transformers class, in eval mode (``files``: its weight files, as
+    :func:`check_weights` found them).
+
+    Raises:
+        ValueError: naming the folder and transformers' reason when loading still fails (a damaged ``.bin``, weights
+            that do not fit the config).
+    """
+    try:
+        return getattr(transformers, fmt.model_class).from_pretrained(str(src)).eval()
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError, EOFError, pickle.UnpicklingError) as exc:
+        names = ", ".join(str(f) for f in files)
+        raise ValueError(f"--from {src}: cannot load the weights ({names}) as {fmt.model_class}: "
+                         f"{_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message, at most ``limit`` characters (a library's error text in one line)."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _processor(src: Path, fmt: HfFormat) -> Any:
