@@ -17,20 +17,13 @@ from plait.planner.cost_model import OptimizerSpec
 from plait.planner.graph import consistent_units
 from plait.planner.offload import HostSpec, offload_cost
 from plait.planner.recompute import CHECKPOINT_POLICIES
+from plait.planner.report import format_bytes
 from plait.planner.search import LayoutChoice
 from plait.planner.search_parallel import degree_options, plan_parallel
 from plait.planner.sharding import ParallelDegrees, rank_memory
 from plait.planner.types import Unit, UnitCost
 
 __all__ = ["explain_no_fit", "is_no_fit", "least_need", "no_fit_message", "search_plan"]
-
-GIB = 2**30
-
-
-def _size(num_bytes: float) -> str:
-    """``"12.34 GiB"``, or MiB below one GiB."""
-    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / 2**20:.1f} MiB"
-
 
 def least_need(units: Sequence[Unit], costs: Sequence[UnitCost], devices: int, options: Sequence[ParallelDegrees], *,
                dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec(),
@@ -85,8 +78,8 @@ def explain_no_fit(units: Sequence[Unit], costs: Sequence[UnitCost], devices: in
     options = degree_options(devices, None, None, policies)
     need, best = least_need(units, costs, devices, options, host=HostSpec(), **kw)
     offloaded = need < least_need(units, costs, devices, options, **kw)[0]
-    return (f"no plan fits in {_size(cap)} per device ({where}): the least any option searched needs is about "
-            f"{_size(need)} per device (tp {best.tp}, dp_shard {best.dp_shard}, activation checkpointing "
+    return (f"no plan fits in {format_bytes(cap)} per device ({where}): the least any option searched needs is about "
+            f"{format_bytes(need)} per device (tp {best.tp}, dp_shard {best.dp_shard}, activation checkpointing "
             f"{best.checkpointing}{', CPU offload' if offloaded else ''}; tp up to {min(8, devices)}, dp_shard up "
             f"to {devices} and CPU offload were searched). To fit: {hints}")
 
@@ -94,7 +87,7 @@ def explain_no_fit(units: Sequence[Unit], costs: Sequence[UnitCost], devices: in
 def no_fit_message(setup: Any, devices: int, memory_fraction: float) -> str:
     """The readable error of a ``plait plan`` that found no fitting plan (``setup``: ``plan.PlanSetup``): the cap,
     the least need over the options searched and what to change (:func:`explain_no_fit`)."""
-    where = f"{memory_fraction:g} of the {_size(setup.spec.memory_bytes)} of a {setup.spec.name}, --memory-fraction"
+    where = f"{memory_fraction:g} of the {format_bytes(setup.spec.memory_bytes)} of a {setup.spec.name}, --memory-fraction"
     hints = ("more devices (--devices), a larger --memory-fraction or a device with more memory (--device), or freeze "
              "more of the model")
     return explain_no_fit(setup.inputs.units, setup.inputs.costs, devices, setup.search["memory_cap"], where, hints,

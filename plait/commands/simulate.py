@@ -12,13 +12,10 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from plait.planner.report import plan_from_json, simulate_choice
+from plait.planner.report import format_bytes, plan_from_json, simulate_choice
 from plait.train.plots import plot_timeline, write_chrome_trace
 
 __all__ = ["simulate_command"]
-
-_GIB = 2**30
-
 
 def simulate_command(plan_json: str | Path, out_dir: str | Path, *, out: TextIO | None = None) -> dict[str, Path]:
     """``plait simulate``: write ``<out_dir>/timeline.json`` (Chrome trace: open in https://ui.perfetto.dev) and
@@ -50,7 +47,7 @@ def simulate_command(plan_json: str | Path, out_dir: str | Path, *, out: TextIO 
     png = plot_timeline(result.events, folder / "timeline.png", title=title)
     stream = out or sys.stdout
     print(f"plait simulate: makespan {1e3 * result.makespan_s:.2f} ms, bubble "
-          f"{100 * result.mean_bubble_fraction:.1f}%, peak memory {max(result.peak_memory_bytes) / _GIB:.2f} GiB; "
+          f"{100 * result.mean_bubble_fraction:.1f}%, peak memory {format_bytes(max(result.peak_memory_bytes))}; "
           f"wrote {trace} and {png}", file=stream)
     print(f"plait: predicted timeline {trace} (Chrome trace) and {png}", file=stream)
     return {"trace": trace, "png": png}

@@ -7,6 +7,8 @@
   plus the ``[parallel.pp]`` table under ``PP_TOML_KEY``), read back with messages that name what a wrong file
   looks like (a profile, a Chrome trace).
 - :func:`format_profile`: a measured ``Profile`` as a text table.
+- :func:`format_bytes` / :func:`memory_unit`: the one rule for memory figures shown to people (GiB from one GiB
+  up, MiB below it).
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from plait.planner.types import Unit
 
 __all__ = [
     "degrees_line",
+    "format_bytes",
     "format_lora_units",
     "PP_TOML_KEY",
     "format_plan",
     "format_profile",
     "idle_devices_note",
+    "memory_unit",
     "plan_from_json",
     "plan_to_json",
     "pp_toml",
@@ -42,6 +46,22 @@ PP_TOML_KEY = "parallel_pp_toml"
 """Key of the plan JSON (:func:`plan_to_json`) holding the ``[parallel.pp]`` table (:func:`pp_toml`; null when
 there is none); every other key is a ``LayoutChoice`` field."""
 _GIB = 2**30
+_MIB = 2**20
+
+
+# ----- memory figures ----------------------------------------------------------------------------------------
+def memory_unit(largest: float) -> tuple[str, float, int]:
+    """The unit of memory figures whose largest is ``largest`` bytes: ``("GiB", 2**30, 2)`` from one GiB up, else
+    ``("MiB", 2**20, 1)`` (name, bytes per unit, decimals), so that a small cap or peak does not read as 0.0 GiB.
+    Figures shown together (a column, a list of ranks) share the unit of their largest."""
+    return ("GiB", _GIB, 2) if largest >= _GIB else ("MiB", _MIB, 1)
+
+
+def format_bytes(num_bytes: float, largest: float | None = None) -> str:
+    """``num_bytes`` for people: ``"12.34 GiB"``, or ``"61.4 MiB"`` below one GiB (:func:`memory_unit`); with
+    ``largest`` in the unit of that figure instead (``format_bytes(2**29, 2**30) == "0.50 GiB"``)."""
+    name, size, decimals = memory_unit(num_bytes if largest is None else largest)
+    return f"{num_bytes / size:.{decimals}f} {name}"
 
 
 # ----- simulation of a choice --------------------------------------------------------------------------------
@@ -84,10 +104,12 @@ def _chunk_label(names: Sequence[str]) -> str:
 
 def format_plan(choice: LayoutChoice) -> str:
     """The plan as a text table: one row per stage (rank, modules, units, forward and backward ms per
-    microbatch, that stage's own peak memory GiB), then the totals with the peak memory per rank (device):
-    ``rank_peak_memory_bytes``, the sum over a rank's stages, not the largest stage."""
+    microbatch, that stage's own peak memory in GiB, or MiB when every stage holds less than one GiB), then the
+    totals with the peak memory per rank (device): ``rank_peak_memory_bytes``, the sum over a rank's stages, not
+    the largest stage. Memory figures follow :func:`format_bytes`."""
     plan = choice.plan
-    lines = [f"{'stage':>5} {'rank':>4} {'module':<8} {'units':<64} {'F ms':>8} {'B ms':>8} {'stage GiB':>9}"]
+    unit, size, decimals = memory_unit(max(choice.stage_memory_bytes, default=0))
+    lines = [f"{'stage':>5} {'rank':>4} {'module':<8} {'units':<64} {'F ms':>8} {'B ms':>8} {'stage ' + unit:>9}"]
     for stage in plan.stages:
         for k, module in enumerate(stage.modules):
             first = k == 0
@@ -95,10 +117,8 @@ def format_plan(choice: LayoutChoice) -> str:
                 f"{stage.index if first else '':>5} {stage.rank if first else '':>4} {module:<8} "
                 f"{_chunk_label(stage.module_units(module)):<64} "
                 + (f"{1e3 * choice.stage_forward_s[stage.index]:>8.2f} {1e3 * choice.stage_backward_s[stage.index]:>8.2f} "
-                   f"{choice.stage_memory_bytes[stage.index] / _GIB:>9.2f}" if first else ""))
+                   f"{choice.stage_memory_bytes[stage.index] / size:>9.{decimals}f}" if first else ""))
     counts = ", ".join(f"{m} {s}" for m, s in choice.stages_per_module)
-    peaks = rank_peak_memory_bytes(choice)
-    cap = "no cap" if choice.memory_cap is None else f"cap {choice.memory_cap / _GIB:.1f} GiB"
     shape = (f"layout {choice.layout}, DP {choice.dp} x {plan.num_ranks} pipeline ranks" if plan.num_ranks > 1
              else f"no pipeline (the whole model on each rank), DP {choice.dp}")
     shape += f" x TP {choice.tp}" if choice.tp > 1 else ""
@@ -113,13 +133,24 @@ def format_plan(choice: LayoutChoice) -> str:
         + f") with {choice.microbatches_per_replica} of "
         f"{choice.microbatches} microbatches per replica; bubble {100 * choice.bubble_fraction:.1f}%; "
         f"{choice.ratio_to_lower_bound:.2f}x the lower bound {1e3 * choice.lower_bound_s:.2f} ms",
-        f"peak memory per rank (device) {max(peaks) / _GIB:.2f} GiB ({cap})"
-        + (f"; ranks {' / '.join(f'{p / _GIB:.2f}' for p in peaks)} GiB" if len(peaks) > 1 else "")
-        + ("; 'stage GiB' is each stage's own peak, a rank holds all of its stages"
-           if plan.num_stages > plan.num_ranks else ""),
+        _peak_line(choice, unit),
     ]
     degrees = degrees_line(choice)
     return "\n".join(lines + ([degrees] if degrees else []))
+
+
+def _peak_line(choice: LayoutChoice, stage_unit: str) -> str:
+    """``"peak memory per rank (device) 41.2 MiB (cap 61.4 MiB); ranks 41.2 / 30.0 MiB"`` (:func:`format_bytes`;
+    the ranks in the unit of the largest), with a note when a rank holds several stages."""
+    peaks = rank_peak_memory_bytes(choice)
+    cap = "no cap" if choice.memory_cap is None else f"cap {format_bytes(choice.memory_cap)}"
+    ranks = ""
+    if len(peaks) > 1:
+        unit, size, decimals = memory_unit(max(peaks))
+        ranks = f"; ranks {' / '.join(f'{p / size:.{decimals}f}' for p in peaks)} {unit}"
+    note = (f"; 'stage {stage_unit}' is each stage's own peak, a rank holds all of its stages"
+            if choice.plan.num_stages > choice.plan.num_ranks else "")
+    return f"peak memory per rank (device) {format_bytes(max(peaks))} ({cap}){ranks}{note}"
 
 
 def degrees_line(choice: LayoutChoice) -> str:
@@ -132,7 +163,7 @@ def degrees_line(choice: LayoutChoice) -> str:
         parts.append(f"tensor parallel {choice.tp} (each pipeline rank is {choice.tp} devices)")
     if choice.dp_shard > 1:
         hsdp = f" (HSDP: {choice.dp // choice.dp_shard} replicas)" if choice.dp > choice.dp_shard else ""
-        buffer = (f" + {choice.shard_buffer_bytes / _GIB:.2f} GiB unsharded buffer" if choice.plan.num_ranks == 1
+        buffer = (f" + {format_bytes(choice.shard_buffer_bytes)} unsharded buffer" if choice.plan.num_ranks == 1
                   else " (under stages: optimizer state sharded, parameters and gradients whole within a step)")
         reduce = ", gradients reduce-scattered every microbatch" if choice.fsdp_reduce == "microbatch" else ""
         reduce += (", parameters kept gathered from forward to backward" if choice.fsdp_reshard == "after_backward"

@@ -249,8 +249,8 @@ def test_plan_and_simulate_print_the_same_peak_memory(tmp_path):
     out, sim = io.StringIO(), io.StringIO()
     choice = plan_command(DEMO, 3, tmp_path / "plan.json", device="cpu", dp_degrees=[1], out=out)
     simulate_command(tmp_path / "plan.json", tmp_path / "sim", out=sim)
-    planned = re.search(r"peak memory per rank \(device\) ([\d.]+) GiB", out.getvalue()).group(1)
-    simulated = re.search(r"peak memory ([\d.]+) GiB", sim.getvalue()).group(1)
+    planned = re.search(r"peak memory per rank \(device\) ([\d.]+ [GM]iB)", out.getvalue()).group(1)
+    simulated = re.search(r"peak memory ([\d.]+ [GM]iB)", sim.getvalue()).group(1)
     assert planned == simulated
     for rank in range(choice.plan.num_ranks):  # a rank holds at least the static bytes of all its stages
         static = sum(choice.stage_static_bytes[s.index] for s in choice.plan.stages if s.rank == rank)
