@@ -260,8 +260,8 @@ def build_processor(cfg: ModelConfig, model: MultimodalModel, tokenizer: Any, ma
         else:
             placeholder, hf = placeholder_of(enc), _hf_processor(enc, branch)
         try:
+            check_processor_table(hf, enc.processor)  # keys and value types first: the family check computes
             check_processor(branch.encoder, hf)
-            check_processor_table(hf, enc.processor)
         except ValueError as exc:
             raise ValueError(f"model.encoders.{name}.{exc}") from exc
         specs.append(ModalitySpec(name, branch.modality, placeholder, model.placeholder_ids[name], hf,

@@ -74,3 +74,26 @@ def test_the_known_keys_are_the_class_settings_and_plaits_own():
     with pytest.raises(ValueError, match=r"processor.zzz: WhisperFeatureExtractor has no such setting \(its "
                                          r"settings: chunk_length, class, dither,"):
         check_processor_table(T.WhisperFeatureExtractor(), {"zzz": 1})
+
+
+@pytest.mark.parametrize("family, table, message", [
+    ("qwen2_5_vl", {"max_pixels": "abc"}, r"max_pixels: expected an integer, got 'abc'$"),
+    ("siglip", {"do_resize": "no"}, r"do_resize: expected true or false, got 'no'$"),
+    ("whisper", {"dither": "x"}, r"dither: expected a number, got 'x'$"),
+])
+def test_a_value_of_the_wrong_type_names_the_field_and_the_type(tmp_path, family, table, message):
+    with pytest.raises(ValueError, match=r"^model\.encoders\.enc\.processor\." + message):
+        _build(tmp_path, family, table)
+
+
+def test_expected_types_follow_the_class_annotations_and_defaults():
+    from plait.models.processor_table import expected_type, processor_types
+
+    qwen, whisper = processor_types(T.Qwen2VLImageProcessorPil), processor_types(T.WhisperFeatureExtractor)
+    assert expected_type(qwen["max_pixels"], 1003520) is None and expected_type(qwen["max_pixels"], True) == "an integer"
+    assert expected_type(qwen["size"], "x") == "an integer or a list or a table"
+    assert expected_type(qwen["size"], {"longest_edge": 100}) is None
+    assert expected_type(qwen["image_mean"], [0.25, 0.5, 0.75]) is None and expected_type(qwen["image_mean"], 1) is None
+    assert expected_type(qwen["resample"], "anything") is None  # an enum forward reference: not judged
+    assert whisper["hop_length"] is int and whisper["dither"] is float and whisper["return_attention_mask"] is bool
+    assert expected_type(whisper["dither"], 0) is None and expected_type(whisper["dither"], "0") == "a number"
