@@ -344,10 +344,18 @@ def _report_error(exc: Exception) -> None:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and getattr(exc, "same_on_every_rank", False):
         if rank == 0:
-            print(f"plait: error: {exc}", file=sys.stderr)
+            _error_line(f"plait: error: {exc}")
         return
     where = f" (rank {rank} of {world})" if world > 1 else ""
-    print(f"plait: error{where}: {exc}", file=sys.stderr)
+    _error_line(f"plait: error{where}: {exc}")
+
+
+def _error_line(line: str) -> None:
+    """Write ``line`` and its newline to stderr in one write: under torchrun the ranks share one stderr, unbuffered
+    when ``PYTHONUNBUFFERED`` is set, where ``print``'s two writes (text, then newline) let another rank's line land
+    between them (``... --nproc_per_node 3plait: error (rank 1 of 2): ...``)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import math
@@ -116,9 +117,26 @@ def _build(cls: type, data: Any, where: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ValueError(f"unknown config key(s) {[_join(where, k) for k in unknown]}; known: {sorted(names)}")
+        raise ValueError(f"unknown config key(s) {[_join(where, k) for k in unknown]}{_close_keys(unknown, names, where)}"
+                         f"; known: {sorted(names)}")
     kwargs = {name: _coerce(hints[name], value, _join(where, name)) for name, value in data.items()}
     return cls(**kwargs)
+
+
+def _close_keys(unknown: typing.Sequence[str], names: typing.Collection[str], where: str) -> str:
+    """The "did you mean" of unknown keys: ``" (did you mean train.lr?)"``, for several keys ``" (train.lrr: did
+    you mean train.lr?; ...)"``, only the keys with close matches among ``names`` (``difflib.get_close_matches``
+    with its default cutoff 0.6, as ``plait.models.processor_table.check_processor_table``); empty when none has."""
+    hints = {}
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(names), n=3)
+        if close:
+            hints[_join(where, key)] = " or ".join(_join(where, c) for c in close)
+    if not hints:
+        return ""
+    if len(unknown) == 1:
+        return f" (did you mean {next(iter(hints.values()))}?)"
+    return " (" + "; ".join(f"{key}: did you mean {close}?" for key, close in hints.items()) + ")"
 
 
 def _join(where: str, key: str) -> str:
@@ -183,6 +201,7 @@ def validate(cfg: JobConfig) -> None:
     _check(t.microbatch_policy in METHODS,
            f"train.microbatch_policy must be one of {METHODS}, got {t.microbatch_policy!r}")
     _check(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got {t.device!r}")
+    _validate_loop(cfg)
     _validate_checkpointing(cfg)
     d = cfg.data
     _check(d.on_error in ("raise", "skip"), f"data.on_error must be 'raise' or 'skip', got {d.on_error!r}")
@@ -191,7 +210,11 @@ def validate(cfg: JobConfig) -> None:
     _check(d.prefetch >= 1, f"data.prefetch must be >= 1, got {d.prefetch}")
     _validate_sources(d)
     _check(cfg.parallel.backend in ("auto", "gloo", "nccl"), "parallel.backend must be auto, gloo or nccl")
-    _check(cfg.parallel.cp >= 1 and cfg.parallel.dp >= 0, "parallel.cp must be >= 1 and parallel.dp >= 0")
+    _check(cfg.parallel.dp >= 0, f"parallel.dp must be >= 0 (0: world size / (dp_shard x pp x cp x tp)), "
+           f"got {cfg.parallel.dp}")
+    _check(cfg.parallel.cp >= 1, f"parallel.cp must be >= 1 (1: no context parallelism), got {cfg.parallel.cp}")
+    _check(math.isfinite(cfg.parallel.timeout_s) and cfg.parallel.timeout_s > 0,
+           f"parallel.timeout_s must be a positive number of seconds, got {cfg.parallel.timeout_s}")
     _check(cfg.parallel.dp_shard >= 1, f"parallel.dp_shard must be >= 1 (1: no sharding), got {cfg.parallel.dp_shard}")
     _check(cfg.parallel.tp >= 1, f"parallel.tp must be >= 1 (1: no tensor parallelism), got {cfg.parallel.tp}")
     _validate_fsdp_options(cfg.parallel)
@@ -216,6 +239,34 @@ def validate(cfg: JobConfig) -> None:
         _validate_encoder(name, enc, m.pretrained is not None, _known_encoders(m.encoders))
     _validate_lora(m.llm.lora, "model.llm.lora")
     _validate_energy(cfg)
+
+
+def _validate_loop(cfg: JobConfig) -> None:
+    """Plain ranges of the optimizer, validation, checkpoint and metrics settings (``train``, ``checkpoint``,
+    ``metrics``, ``data.val_max_samples``), checked with the rest of the job before anything heavy is imported.
+
+    Raises:
+        ValueError: naming the field, its range and the value.
+    """
+    t = cfg.train
+    _check(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    _check(math.isfinite(t.weight_decay) and t.weight_decay >= 0,
+           f"train.weight_decay must be >= 0 (0: no weight decay), got {t.weight_decay}")
+    _check(all(0 <= b < 1 for b in t.betas), f"train.betas must both be in [0, 1) (AdamW's), got {list(t.betas)}")
+    _check(math.isfinite(t.grad_clip) and t.grad_clip >= 0,
+           f"train.grad_clip must be >= 0 (0: no clipping), got {t.grad_clip}")
+    _check(t.eval_every >= 0, f"train.eval_every must be >= 0 (0: only at the end), got {t.eval_every}")
+    _check(t.max_new_tokens >= 1, f"train.max_new_tokens must be >= 1, got {t.max_new_tokens}")
+    _check(t.eval_batch_size >= 0, f"train.eval_batch_size must be >= 0 (0: max(train.microbatch_size, 16)), "
+           f"got {t.eval_batch_size}")
+    vmax = cfg.data.val_max_samples
+    _check(vmax is None or vmax >= 1, f"data.val_max_samples must be >= 1 (leave it unset for every validation "
+           f"record; no data.val for none), got {vmax}")
+    c = cfg.checkpoint
+    _check(c.every >= 0, f"checkpoint.every must be >= 0 (0: only at the end), got {c.every}")
+    _check(c.keep >= 0, f"checkpoint.keep must be >= 0 (0: keep all), got {c.keep}")
+    _check(cfg.metrics.log_every >= 1, f"metrics.log_every must be >= 1 (a row every N steps), "
+           f"got {cfg.metrics.log_every}")
 
 
 def _validate_energy(cfg: JobConfig) -> None:
@@ -466,6 +517,9 @@ def _validate_encoder(name: str, enc: EncoderConfig, pretrained: bool, known: st
     _check(enc.projector in ("linear", "mlp"), f"{where}.projector must be 'linear' or 'mlp'")
     _check(enc.downsample >= 1, f"{where}.downsample must be >= 1")
     _check(enc.lr_scale > 0, f"{where}.lr_scale must be > 0")
+    _check(math.isfinite(enc.video.fps) and enc.video.fps >= 0,
+           f"{where}.video.fps must be >= 0 (0: every frame), got {enc.video.fps}")
+    _check(enc.video.max_frames >= 1, f"{where}.video.max_frames must be >= 1, got {enc.video.max_frames}")
     if not pretrained:
         _check(enc.path is not None or enc.config is not None,
                f"{where}: no such encoder in the job (encoders: {known or 'none'}); a new encoder needs path or config")

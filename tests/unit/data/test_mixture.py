@@ -218,8 +218,8 @@ def test_bad_sources_are_refused_naming_the_field(data, error):
 
 
 @pytest.mark.parametrize("sources, error", [
-    ([{"path": "a", "wieght": 1}], "unknown config key(s) ['data.sources[0].wieght']; known: ['format', 'name', "
-                                   "'path', 'val', 'weight']"),
+    ([{"path": "a", "wieght": 1}], "unknown config key(s) ['data.sources[0].wieght'] (did you mean "
+                                   "data.sources[0].weight?); known: ['format', 'name', 'path', 'val', 'weight']"),
     ([{"path": "a", "weight": "x"}], "data.sources[0].weight: expected float, got 'x'"),
     ({"path": "a"}, "data.sources: expected a list, got {'path': 'a'}"),
 ])
