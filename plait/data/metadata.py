@@ -42,7 +42,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from plait.data.chat_template import render_prompt, render_with_assistant_mask
-from plait.data.processing import MultimodalProcessor, SampleMeta, process_image
+from plait.data.processing import MultimodalProcessor, SampleMeta, decode_reason, process_image
 from plait.data.sources import MediaBytes, RecordSource, SampleError, parse_record, path_note, record_id
 from plait.data.video import VideoHeader, read_video_header
 
@@ -114,7 +114,8 @@ def _audio_header(item: str | MediaBytes, memo: _Headers) -> tuple[int, int]:
             info = soundfile.info(io.BytesIO(item) if isinstance(item, bytes) else key)
             header = (int(info.frames), int(info.samplerate))
     except Exception as exc:
-        raise SampleError(f"cannot decode audio {item}: {exc}") from exc
+        raise SampleError(f"cannot decode audio {item}: {decode_reason(exc, key if key is not None else item)}") \
+            from exc
     if header[0] == 0:
         raise SampleError(f"audio file {item} has no samples")
     if key is not None:

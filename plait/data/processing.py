@@ -12,6 +12,7 @@ its placeholder expands to the image placeholder, frames x per-frame features ti
 
 from __future__ import annotations
 
+import os
 import wave
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ from plait.data.sources import RawSample, SampleError, path_note
 from plait.data.video import VideoSpec, load_sampled
 
 __all__ = ["ModalitySpec", "SampleMeta", "ProcessedSample", "MultimodalProcessor", "PerFrame", "load_audio",
-           "load_image", "process_image"]
+           "load_image", "process_image", "decode_reason"]
 
 IGNORE = -100
 
@@ -126,7 +127,7 @@ def load_image(path: str | bytes) -> Image.Image:
     except FileNotFoundError as exc:
         raise SampleError(f"image file {path} does not exist{path_note(path)}") from exc
     except Exception as exc:  # PIL raises several types for corrupt files
-        raise SampleError(f"cannot decode image {path}: {_decode_reason(exc, source, path)}") from exc
+        raise SampleError(f"cannot decode image {path}: {decode_reason(exc, path, source, 'image data')}") from exc
 
 
 def process_image(hf_processor: Any, image: Image.Image) -> tuple[dict[str, Any], tuple[int, ...]]:
@@ -201,17 +202,29 @@ def load_audio(path: str | bytes) -> tuple[np.ndarray, int]:
     except FileNotFoundError as exc:
         raise SampleError(f"audio file {path} does not exist{path_note(path)}") from exc
     except Exception as exc:
-        raise SampleError(f"cannot decode audio {path}: {_decode_reason(exc, source, path)}") from exc
+        raise SampleError(f"cannot decode audio {path}: {decode_reason(exc, path, source)}") from exc
     if data.size == 0:
         raise SampleError(f"audio file {path} has no samples")
     return data.astype(np.float32), int(rate)
 
 
-def _decode_reason(exc: Exception, source: Any, path: str | bytes) -> str:
-    """The decoder's message; for embedded bytes its ``<_io.BytesIO object at 0x...>`` reads "the embedded
-    bytes" (a file path stays in the message as the decoder wrote it)."""
-    reason = str(exc)
-    return reason.replace(repr(source), "the embedded bytes") if isinstance(path, bytes) else reason
+def decode_reason(exc: BaseException, path: str | bytes, source: Any = None, content: str = "audio frames") -> str:
+    """Why a media file (a path, or embedded bytes read through ``source``) could not be decoded, in words: an
+    empty file reads ``no audio frames (empty file, 0 bytes)`` (``content`` names what is missing), a file that
+    ends inside its header (the standard library's bare ``EOFError``) ``no audio frames (the file ends inside its
+    header: truncated)``; otherwise the decoder's message without a dangling ``": "`` (libsndfile's ``Error opening
+    '<path>': ``), or the exception's type when it has none. For embedded bytes the decoder's
+    ``<_io.BytesIO object at 0x...>`` reads "the embedded bytes" (a file path stays as the decoder wrote it)."""
+    embedded = isinstance(path, bytes)
+    size = len(path) if embedded else (os.path.getsize(path) if os.path.isfile(path) else None)
+    if size == 0:
+        return f"no {content} (empty file, 0 bytes)"
+    reason = str(exc).strip()
+    if embedded and source is not None:
+        reason = reason.replace(repr(source), "the embedded bytes")
+    if isinstance(exc, EOFError):
+        return f"no {content} (the file ends inside its header: truncated{'; ' + reason if reason else ''})"
+    return reason.rstrip(":").rstrip() or type(exc).__name__
 
 
 def _read_wav(path: str) -> tuple[np.ndarray, int]:
