@@ -41,7 +41,7 @@ from transformers import PreTrainedModel
 from transformers.initialization import guard_torch_init_functions
 
 from plait.config.schema import ModelConfig
-from plait.models.lora import ADAPTER_DIR, adapter_key
+from plait.models.lora import ADAPTER_DIR, adapter_key, initialised_summary
 
 __all__ = [
     "module_seed",
@@ -365,7 +365,7 @@ class WeightSource:
                     with torch.no_grad():
                         tensor.copy_(value)
         if missing:
-            log.info("not in the checkpoint (initialised): %s", missing)
+            log.info("not in the checkpoint (initialised): %s", initialised_summary(missing))
         return missing
 
 

@@ -20,7 +20,7 @@ or left out.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ __all__ = [
     "base_name",
     "base_state_dict",
     "has_lora",
+    "initialised_summary",
     "inject_lora",
     "load_adapter",
     "lora_settings",
@@ -155,6 +156,22 @@ def adapter_key(name: str) -> str | None:
     if ".lora_" not in name:
         return None
     return _PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".").replace(f".{ADAPTER}", "")
+
+
+def initialised_summary(names: Sequence[str], shown: int = 3) -> str:
+    """The tensors a checkpoint did not hold (so they were initialised), summarised for one log line: the LoRA
+    adapter tensors (``.lora_`` in the name: new when a job adds LoRA to a pretrained model, thousands for a 7B
+    LLM) and the others, each as a count and its first ``shown`` names, e.g. ``56 LoRA adapter tensors
+    (model.layers.0.self_attn.q_proj.lora_A.default.weight, ... and 53 more); 2 other tensors (a, b)``."""
+    adapters = [n for n in names if ".lora_" in n]
+    others = [n for n in names if ".lora_" not in n]
+    parts = []
+    for group, what in ((adapters, "LoRA adapter tensor"), (others, "other tensor")):
+        if group:
+            more = f" and {len(group) - shown} more" if len(group) > shown else ""
+            plural = "s" if len(group) != 1 else ""
+            parts.append(f"{len(group)} {what}{plural} ({', '.join(group[:shown])}{more})")
+    return "; ".join(parts)
 
 
 def lora_settings(module: nn.Module) -> dict[str, Any] | None:

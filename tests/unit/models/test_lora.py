@@ -188,3 +188,29 @@ def test_family_defaults_adapt_every_reachable_layer(tok, vision, llm):
     n_vision = sum(n.startswith("encoders.vision.") for n in lora_a)
     assert n_llm == 2 * per_layer[llm] and n_vision == 1 * per_layer[vision]
     assert sum(n.startswith("encoders.audio.") for n in lora_a) == 2 * 6
+
+
+def test_initialised_summary_counts_adapters_and_names_a_few():
+    from plait.models.lora import initialised_summary
+
+    adapters = [f"l.{i}.q_proj.lora_{ab}.default.weight" for i in range(3) for ab in "AB"]
+    assert initialised_summary(adapters + ["rotary.inv_freq"]) == (
+        "6 LoRA adapter tensors (l.0.q_proj.lora_A.default.weight, l.0.q_proj.lora_B.default.weight, "
+        "l.1.q_proj.lora_A.default.weight and 3 more); 1 other tensor (rotary.inv_freq)")
+    assert initialised_summary(["a", "b"]) == "2 other tensors (a, b)"
+
+
+def test_lora_added_to_a_pretrained_model_is_logged_as_a_count(tok, tmp_path, caplog):
+    """A job adding LoRA to a checkpoint without adapters initialises them: one INFO line with their count and a
+    few names, not every adapter tensor (thousands for a 7B LLM)."""
+    cfg = tiny_config_dict("unused.jsonl")
+    build_model(config_from_dict(cfg).model, tok, seed=SEED).save_pretrained(tmp_path / "m")
+    cfg["model"] = {"pretrained": str(tmp_path / "m"), "llm": {"lora": {"r": 2}},
+                    "encoders": {"vision": {"modality": "image"}, "audio": {"modality": "audio"}}}
+    with caplog.at_level("INFO", logger="plait.models.init"):
+        job = build_model(config_from_dict(cfg).model, tok, seed=SEED)
+    adapters = [n for n, _ in job.named_parameters() if ".lora_" in n]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("not in the checkpoint")]
+    assert len(lines) == 1 and len(adapters) > 3
+    assert lines[0].startswith(f"not in the checkpoint (initialised): {len(adapters)} LoRA adapter tensors (")
+    assert lines[0].count(".lora_") == 3 and f"and {len(adapters) - 3} more)" in lines[0]
