@@ -43,6 +43,7 @@ from plait.config.loader import load_config
 from plait.planner.cost_model import DeviceSpec
 from plait.planner.templates import instantiate, plan_instantiation, plan_templates
 from plait.train.resilient import LaunchPlan, run_resilient_worker
+from plait.train.run_lock import hold_run_lock
 from plait.train.run_start import clear_earlier_run, launch_logs
 
 __all__ = ["check_launch", "launch_command", "launch_device", "launch_plan", "parse_kills", "worker_command",
@@ -239,38 +240,39 @@ def launch_command(config: str | Path, nproc: int, failures: int, overrides: Seq
     kills_, rejoins_ = parse_kills(kills), parse_kills(rejoins)
     check_launch(cfg, nproc, kills_, rejoins_)
     run_dir = Path(cfg.metrics.run_dir)
-    out = run_dir / "resilient"
-    if not overwrite:
-        _refuse_earlier_run(run_dir)
-    costs = launch_device(cfg, nproc, device)
-    why = ("--device" if device is not None
-           else "the workers train on this host's CPU with gloo; --device to plan for another")
-    print(f"plait launch: planning for {costs[0].name} ({why}); costs: {costs[1].source}", flush=True)
-    plan = launch_plan(cfg, nproc, failures, pipelines, timeout_s, kills_, rejoins_, costs)
-    if overwrite:  # only once every argument is checked: a refused command leaves the folder as it was
-        clear_earlier_run(run_dir, True, 1, overwrite=True)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "launch.json").write_text(plan.to_json())
-    print(f"plait launch: {nproc} workers, f = {failures}: {plan.instantiation.describe()}", flush=True)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
-    address = f"127.0.0.1:{store.port}"
-    procs = [subprocess.Popen(worker_command(config, overrides, w, nproc, address)) for w in range(nproc)]
-    pending = {w for w, _ in plan.rejoins}
+    with hold_run_lock(run_dir):  # the launcher holds the run folder's lock while its workers write it
+        out = run_dir / "resilient"
+        if not overwrite:
+            _refuse_earlier_run(run_dir)
+        costs = launch_device(cfg, nproc, device)
+        why = ("--device" if device is not None
+               else "the workers train on this host's CPU with gloo; --device to plan for another")
+        print(f"plait launch: planning for {costs[0].name} ({why}); costs: {costs[1].source}", flush=True)
+        plan = launch_plan(cfg, nproc, failures, pipelines, timeout_s, kills_, rejoins_, costs)
+        if overwrite:  # only once every argument is checked: a refused command leaves the folder as it was
+            clear_earlier_run(run_dir, True, 1, overwrite=True)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "launch.json").write_text(plan.to_json())
+        print(f"plait launch: {nproc} workers, f = {failures}: {plan.instantiation.describe()}", flush=True)
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=60))
+        address = f"127.0.0.1:{store.port}"
+        procs = [subprocess.Popen(worker_command(config, overrides, w, nproc, address)) for w in range(nproc)]
+        pending = {w for w, _ in plan.rejoins}
 
-    def restart(w: int) -> subprocess.Popen | None:
-        if w not in pending:
-            return None
-        pending.discard(w)
-        return subprocess.Popen(worker_command(config, overrides, w, nproc, address, joining=True))
+        def restart(w: int) -> subprocess.Popen | None:
+            if w not in pending:
+                return None
+            pending.discard(w)
+            return subprocess.Popen(worker_command(config, overrides, w, nproc, address, joining=True))
 
-    codes = _wait(procs, store, limit_s, restart)
-    failed = [(w, c) for w, c in enumerate(codes) if c > 0]
-    if failed:
-        print(f"plait launch: worker {failed[0][0]} failed (exit {failed[0][1]}); logs in {out}", file=sys.stderr)
-        return failed[0][1]
-    print(f"plait launch: done; per-step logs and final parameters in {out}", flush=True)
-    return 0
+        codes = _wait(procs, store, limit_s, restart)
+        failed = [(w, c) for w, c in enumerate(codes) if c > 0]
+        if failed:
+            print(f"plait launch: worker {failed[0][0]} failed (exit {failed[0][1]}); logs in {out}", file=sys.stderr)
+            return failed[0][1]
+        print(f"plait launch: done; per-step logs and final parameters in {out}", flush=True)
+        return 0
 
 
 def worker_main(config: str | Path, overrides: Sequence[str], worker: int, world: int, store: str,

@@ -33,6 +33,7 @@ from plait.train.metrics import import_wandb
 from plait.train.pipeline_trainer import PipelineTrainer
 from plait.train.plots import plot_loss_curve
 from plait.train.run_dir import check_new_run
+from plait.train.run_lock import check_run_free, hold_run_lock
 from plait.train.trainer import Trainer
 
 __all__ = ["auto_plan_replaces", "resolve_auto", "train_command"]
@@ -42,9 +43,10 @@ def train_command(config: str | Path, overrides: list[str], *, resume: bool | st
                   profile_store: str | Path = "runs/profiles", overwrite: bool = False) -> int:
     """``plait train``: train the job in ``config`` (with its ``--section.key=value`` overrides); returns 0.
 
-    Before anything is built: a new run into a ``metrics.run_dir`` holding an earlier run's checkpoints or final
-    model is refused unless ``overwrite`` (:func:`~plait.train.run_dir.check_new_run`), and ``metrics.wandb``
-    needs the ``wandb`` package.
+    Before anything is built: a ``metrics.run_dir`` that another live run is writing is refused
+    (:func:`~plait.train.run_lock.check_run_free`; the run folder's lock is then held until the final model is
+    saved), a new run into one holding an earlier run's checkpoints or final model is refused unless ``overwrite``
+    (:func:`~plait.train.run_dir.check_new_run`), and ``metrics.wandb`` needs the ``wandb`` package.
 
     Args:
         resume: True to resume from the newest checkpoint of the run, or a checkpoint directory.
@@ -64,9 +66,10 @@ def train_command(config: str | Path, overrides: list[str], *, resume: bool | st
     if cfg.parallel.plan == "auto":
         cfg, info = resolve_auto(cfg, profile_store)
     trainer = PipelineTrainer.build(cfg, info) if cfg.parallel.pp.degree > 1 else Trainer.build(cfg, info)
-    result = trainer.fit(resume=resume, overwrite=overwrite)
-    if trainer.info.is_main:
-        _save_and_report(trainer, result)
+    with hold_run_lock(trainer.run_dir, trainer.info.is_main, trainer.info.world_size):  # through final/, not fit alone
+        result = trainer.fit(resume=resume, overwrite=overwrite)
+        if trainer.info.is_main:
+            _save_and_report(trainer, result)
     if dist.is_initialized():  # a clean shutdown: gloo's worker threads must not outlive the interpreter
         dist.destroy_process_group()
     return 0
@@ -81,6 +84,7 @@ def _check_before_building(cfg: JobConfig, config: str | Path, resume: bool | st
     """
     if resume and overwrite:
         raise ValueError("--resume continues the run in metrics.run_dir and --overwrite replaces it: give one")
+    check_run_free(cfg.metrics.run_dir)  # another live run writing there (its lock): refused whatever the flags
     if not resume and not overwrite:
         try:
             check_new_run(cfg.metrics.run_dir)

@@ -24,7 +24,10 @@ unit (a pooling head, an unused post-norm), which keep their (seed, FQN) initial
 
 What cannot change on resume (``ValueError`` naming the field): the ``[model]`` section (except
 ``llm.attn_implementation``), the global batch size (the data position counts global batches of the saved size,
-and a different size would give other batches than the uninterrupted run), the seed and the training set size.
+and a different size would give other batches than the uninterrupted run), the seed, the training set size and
+the training set itself: its usable samples' ids in order (:func:`training_set_identity`; a checkpoint written
+without it is not compared), so a sample index means the same record after the resume. The same records under
+another path (a moved or copied file) resume.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ __all__ = [
     "remove_checkpoints",
     "derive_rng_seed",
     "seed_rng_streams",
+    "training_set_identity",
 ]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -125,6 +129,20 @@ def _optimizers(optimizer: torch.optim.Optimizer | None) -> Any:
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
     """``<run_dir>/checkpoints/step_<step, 6 digits>``."""
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def training_set_identity(dataset: Any) -> dict[str, Any]:
+    """What a resumed run must train on: ``{"files": [path, ...], "samples": n, "ids_sha256": hex}`` of a
+    ``plait.data.loader.MultimodalDataset`` (its source's file, or a mixture's files in order), where ``ids_sha256``
+    is SHA-256 of its ``n`` usable samples' record ids in sample order (from the metadata pass: nothing is read).
+    The data position of a checkpoint indexes these samples, so the same ids in the same order mean the same
+    batches; a reordered, edited-by-id or other file of the same size gives another digest."""
+    table = dataset.table
+    digest = hashlib.sha256(np.ascontiguousarray(table.id_offsets, dtype=np.int64).tobytes())
+    digest.update(np.ascontiguousarray(table.id_blob, dtype=np.uint8).tobytes())
+    sources = getattr(dataset.source, "sources", [dataset.source])
+    return {"files": [str(Path(s.path).absolute()) for s in sources], "samples": len(table),
+            "ids_sha256": digest.hexdigest()}
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -227,20 +245,23 @@ def save_checkpoint(
     keep: int = 0,
     layout: CheckpointLayout | None = None,
     model_config: dict[str, Any] | None = None,
+    data: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint of this step to ``path`` (collective: every rank calls it).
 
     ``optimizer`` is None on a rank that trains nothing (a frozen pipeline stage); ``scheduler`` is any object
     with ``state_dict``/``load_state_dict``. ``keep`` > 0 removes older ``step_*`` siblings beyond the newest
-    ``keep`` (on rank 0). ``layout`` (default: plain DP over the world) and ``model_config`` (the job's
-    ``[model]`` section as a plain dict; None records nothing) are recorded for :func:`load_checkpoint`.
+    ``keep`` (on rank 0). ``layout`` (default: plain DP over the world), ``model_config`` (the job's
+    ``[model]`` section as a plain dict; None records nothing) and ``data`` (the training set's
+    :func:`training_set_identity`; None records nothing) are recorded for :func:`load_checkpoint`.
     """
     path = Path(path)
     layout = layout or CheckpointLayout(world_size=_world(), dp=_world())
     model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer), options=_OPTIONS)
     extra = {"scheduler": scheduler.state_dict(), "loader": loader_state, "step": step,
              "layout": json.dumps(layout.to_dict(), sort_keys=True),
-             "model_config": json.dumps(model_config, sort_keys=True) if model_config is not None else ""}
+             "model_config": json.dumps(model_config, sort_keys=True) if model_config is not None else "",
+             "data": json.dumps(data, sort_keys=True) if data is not None else ""}
     state = {"model": model_sd, "optim": _with_tied_aliases(model, optim_sd), "extra": extra,
              f"rng_rank{_rank()}": _rng_state()}
     with _single_process_quiet(), warnings.catch_warnings():
@@ -261,6 +282,7 @@ def load_checkpoint(
     layout: CheckpointLayout | None = None,
     model_config: dict[str, Any] | None = None,
     seed: int = 0,
+    data: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Restore model, optimizer (unless None), LR schedule and RNG from ``path``, written with any layout
     (module docstring). Collective: every rank calls it (DCP's load agrees on the ranks' read plans).
@@ -274,6 +296,8 @@ def load_checkpoint(
             layouts were recorded counts as the same layout when it holds one RNG state per current rank.
         model_config: this job's ``[model]`` section (plain dict); None skips the comparison.
         seed: ``train.seed``, for re-derived RNG streams.
+        data: this job's training set, :func:`training_set_identity`; None (or a checkpoint that recorded none)
+            skips the comparison.
 
     Returns:
         ``{"step": int, "loader": dict, "layout": CheckpointLayout | None (None: written before layouts were
@@ -281,13 +305,15 @@ def load_checkpoint(
 
     Raises:
         FileNotFoundError: when ``path`` is not a complete checkpoint.
-        ValueError: when the model config, global batch size, seed or training set size differ from the saved
-            run's, or the checkpoint lacks or mis-shapes a parameter of ``model``.
+        ValueError: when the model config, global batch size, seed, training set size or training set (its
+            sample ids in order) differ from the saved run's, or the checkpoint lacks or mis-shapes a parameter of
+            ``model``.
     """
     path = _complete(path)
     keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     extra = _read_extra(path, keys)
     _check_loader(path, extra["loader"], loader_state)
+    _check_data(path, extra.get("data") or None, data)
     saved = CheckpointLayout.from_dict(json.loads(extra["layout"])) if extra.get("layout") else None
     current = layout or CheckpointLayout(world_size=_world(), dp=_world())
     same = saved == current if saved is not None else _rng_keys(keys) == _world()
@@ -357,6 +383,24 @@ def _check_loader(path: Path, saved: dict[str, Any], current: dict[str, Any]) ->
             raise _same_everywhere(ValueError(
                 f"cannot resume from {path}: {what} was {saved[key]} when it was written, now {current[key]}; "
                 "the data position counts global batches of that run, so the next batches would differ from it"))
+
+
+def _check_data(path: Path, saved_json: str | bytes | None, current: dict[str, Any] | None) -> None:
+    """Raise ValueError when the training set's sample ids in order (:func:`training_set_identity`) differ from the
+    ones the checkpoint was written with, naming both files; nothing when either side is unknown."""
+    if not saved_json or current is None:
+        return
+    saved = json.loads(saved_json)
+    if saved.get("ids_sha256") == current["ids_sha256"]:
+        return
+    was, now = ", ".join(saved.get("files", ["?"])), ", ".join(current["files"])
+    change = (f"{now} changed since it was written (same path, other records or another order)" if was == now
+              else f"it was written training on {was}, now on {now}")
+    raise _same_everywhere(ValueError(
+        f"cannot resume from {path}: the training set differs: {change} ({saved.get('samples', '?')} and "
+        f"{current['samples']} usable samples; their record ids in order differ); the data position indexes the "
+        "saved run's samples, so the next batches would be other samples than it would have seen: resume with that "
+        "run's data.train, or start a new run (--overwrite, or --metrics.run_dir=DIR) on this one"))
 
 
 def _flat(data: Any, prefix: str = "") -> dict[str, Any]:

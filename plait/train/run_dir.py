@@ -1,5 +1,6 @@
 """A run's folder (``metrics.run_dir``): what an earlier run left in it, and the guard that keeps a new run from
-removing it. The default folder, ``runs/<job file name>``, is set by ``plait.config.loader.read_config_data``."""
+removing it (the lock that keeps two live runs out of one folder is :mod:`plait.train.run_lock`). The default
+folder, ``runs/<job file name>``, is set by ``plait.config.loader.read_config_data``."""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from plait.train.checkpoint import CheckpointLayout, latest_checkpoint, remove_checkpoints
 from plait.train.run_dir import check_new_run, earlier_run
 
-__all__ = ["clear_earlier_run", "launch_logs", "layout_description", "report_setup"]
+__all__ = ["clear_earlier_run", "fsdp_description", "launch_logs", "layout_description", "nothing_to_train",
+           "report_setup"]
 
 log = logging.getLogger("plait.train.trainer")
 
@@ -57,6 +58,16 @@ def clear_earlier_run(run_dir: Path, is_main: bool, world_size: int, overwrite: 
         dist.barrier()
 
 
+def nothing_to_train(resumed: int, total_steps: int, train: Any) -> str:
+    """What a resumed run whose checkpoint (step ``resumed``) is at or past its length (``total_steps``, from
+    ``train``: the job's ``TrainConfig``, ``steps`` or ``epochs``) says, and how to train on."""
+    goal = f"train.steps = {train.steps}" if train.steps else f"train.epochs = {train.epochs} ({total_steps} steps)"
+    if resumed == total_steps:
+        return f"nothing to train: checkpoint is at step {resumed}, {goal} (longer: --train.steps=N above {resumed})"
+    return (f"checkpoint at step {resumed} is past {goal}: nothing to train (train.steps counts from the run's "
+            f"start, not from the checkpoint: {total_steps} more steps is --train.steps={resumed + total_steps})")
+
+
 def layout_description(dims: Any) -> str:
     """A job's degrees in one phrase, e.g. ``DP 2 x PP 1 x CP 1 x TP 2; DP = 1 replica(s) x FSDP2 dp_shard 2`` (``dims``: its
     ``plait.parallel.dims.ParallelDims``; DP counts every data-parallel rank, replicas x shards; TP and the FSDP2
@@ -65,12 +76,25 @@ def layout_description(dims: Any) -> str:
                             dp_shard=dims.dp_shard).describe().split(" (", 1)[1][:-1]
 
 
+def fsdp_description(sharded: Any, pipeline: bool = False) -> str:
+    """How FSDP2 runs, e.g. ``fsdp_reshard after_backward, offload cpu`` (``sharded``: the trainer's
+    ``plait.parallel.fsdp.ShardedModel``, its ``reshard_after_forward`` and ``offload``, which
+    ``parallel.fsdp_reshard`` and ``parallel.offload`` set; ``""`` for None: no FSDP2). Under pipeline stages
+    (``pipeline``) each stage's parameters are gathered once per step whatever ``fsdp_reshard`` says, and said so."""
+    if sharded is None:
+        return ""
+    reshard = ("parameters gathered once per step (pipeline stages)" if pipeline
+               else f"fsdp_reshard {'after_forward' if sharded.reshard_after_forward else 'after_backward'}")
+    return f"{reshard}, offload {'cpu' if sharded.offload else 'none'}"
+
+
 def report_setup(run_dir: Path, config: dict[str, Any], counts: tuple[int, int], sets: Sequence[tuple[str, Any]],
-                 total_steps: int, world_size: int, destinations: Sequence[str], dims: Any = None) -> None:
+                 total_steps: int, world_size: int, destinations: Sequence[str], dims: Any = None,
+                 fsdp: str = "") -> None:
     """Write ``config.json`` (the job ``config``) to ``run_dir``, print the data (``sets``: ``(name, dataset)``,
-    train first), steps, the world size with the layout's degrees (``dims``, :func:`layout_description`), ``counts``
-    = (trainable, all) parameters and the run folder with where the metrics go (``destinations``), log skipped
-    records. Call on the main rank."""
+    train first), steps, the world size with the layout's degrees (``dims``, :func:`layout_description`) and how
+    FSDP2 runs (``fsdp``, :func:`fsdp_description`), ``counts`` = (trainable, all) parameters and the run folder
+    with where the metrics go (``destinations``), log skipped records. Call on the main rank."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config, indent=2))
     n_train, n_all = counts
@@ -80,7 +104,7 @@ def report_setup(run_dir: Path, config: dict[str, Any], counts: tuple[int, int],
             log.warning("%s: skipped %d bad record(s), e.g. %s", name, len(ds.skipped), ds.skipped[0].reason)
     train = sets[0][1]
     n_val = len(sets[1][1]) if len(sets) > 1 else 0
-    layout = f" ({layout_description(dims)})" if dims is not None else ""
+    layout = f" ({'; '.join(x for x in (layout_description(dims), fsdp) if x)})" if dims is not None else ""
     print(f"plait: {len(train)} train samples ({len(train.skipped)} skipped), {n_val} val samples, {total_steps} "
           f"steps, world size {world_size}{layout}, {n_train / 1e6:.2f}M of {n_all / 1e6:.2f}M parameters trainable",
           flush=True)

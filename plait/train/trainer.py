@@ -63,7 +63,8 @@ from plait.planner.routing import plan_feature_routing
 from plait.planner.token_distributor import plan_tokens
 from plait.train.batches import StepBatches, encoder_view_batch
 from plait.train.build import TrainerParts, build_trainer_parts, check_tp_degree, join_job, model_from_checkpoint
-from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+from plait.train.checkpoint import (CheckpointLayout, checkpoint_dir, latest_checkpoint, load_checkpoint,
+                                    save_checkpoint, training_set_identity)
 from plait.train.costs import microbatch_cost_coeffs
 from plait.train.evaluation import EvalSide, eval_batch_size, evaluate_on, load_metrics
 from plait.train.feed import receive_step, upcoming_rank_samples
@@ -71,7 +72,8 @@ from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter, Progress, detect_energy_meter
 from plait.train.optim import LRSchedule, build_optimizer, lr_factor
 from plait.train.run_dir import no_checkpoint_message
-from plait.train.run_start import clear_earlier_run, report_setup
+from plait.train.run_lock import hold_run_lock
+from plait.train.run_start import clear_earlier_run, fsdp_description, nothing_to_train, report_setup
 from plait.train.step_run import (Uniform, dummy_llm_batch, encode_padded, encoder_calls, run_microbatches,
                                   run_uniform_microbatches)
 
@@ -490,14 +492,16 @@ class Trainer:
 
         Raises:
             FileNotFoundError: when there is nothing to resume from.
-            ValueError: when the checkpoint's model config, global batch size, seed or training set differ.
+            ValueError: when the checkpoint's model config, global batch size, seed or training set (size, or
+                its sample ids in order) differ.
         """
         ckpt = Path(path) if path else latest_checkpoint(self.run_dir)
         if ckpt is None:
             raise FileNotFoundError(no_checkpoint_message(self.run_dir))
         layout = self._checkpoint_layout()
         state = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler, self.loader.state_dict(),
-                                layout, config_to_dict(self.cfg)["model"], self.cfg.train.seed)
+                                layout, config_to_dict(self.cfg)["model"], self.cfg.train.seed,
+                                training_set_identity(self.train_set))
         self.loader.load_state_dict(state["loader"])
         self.step = state["step"]
         # with nothing left to train (fit warns "nothing to train") the LR's continuation is not news
@@ -527,6 +531,7 @@ class Trainer:
             checkpoint_dir(self.run_dir, self.step), self.model, self.optimizer, self.scheduler,
             self.loader.state_dict(), self.step, keep=self.cfg.checkpoint.keep,
             layout=self._checkpoint_layout(), model_config=config_to_dict(self.cfg)["model"],
+            data=training_set_identity(self.train_set),
         )
 
     def full_model(self, path: str | Path | None = None) -> MultimodalModel:
@@ -547,21 +552,25 @@ class Trainer:
     def fit(self, resume: bool | str = False, stop_after: int | None = None, overwrite: bool = False
             ) -> dict[str, Any]:
         """Train until ``train.steps`` (or ``stop_after`` steps, for tests), validating and checkpointing on
-        schedule. A fresh run (no ``resume``) refuses a run directory holding an earlier run's checkpoints or
-        final model, or with ``overwrite`` removes them first (:meth:`_clear_earlier_run`). Each step's samples
-        are loaded ahead by ``data.num_workers`` worker processes (:class:`~plait.data.loader.SampleFeed`,
-        :mod:`plait.train.feed`); one that fails to load is dropped from its step on every rank alike (or stops
-        the run with ``data.on_error = "raise"``); the wait goes to the metrics as ``data_wait_s``. Returns
-        ``{"steps": steps trained by this call, "step": the step reached, "losses", "eval", "skipped",
-        "dropped"}``."""
+        schedule, holding the run folder's lock throughout (:func:`~plait.train.run_lock.hold_run_lock`: a run folder
+        another live run is writing is refused, ``ValueError``). A fresh run (no ``resume``) refuses a run
+        directory holding an earlier run's checkpoints or final model, or with ``overwrite`` removes them first
+        (:meth:`_clear_earlier_run`). Each step's samples are loaded ahead by ``data.num_workers`` worker processes
+        (:class:`~plait.data.loader.SampleFeed`, :mod:`plait.train.feed`); one that fails to load is dropped from
+        its step on every rank alike (or stops the run with ``data.on_error = "raise"``); the wait goes to the
+        metrics as ``data_wait_s``. Returns ``{"steps": steps trained by this call, "step": the step reached,
+        "losses", "eval", "skipped", "dropped"}``."""
+        with hold_run_lock(self.run_dir, self.info.is_main, self.info.world_size):
+            return self._fit(resume, stop_after, overwrite)
+
+    def _fit(self, resume: bool | str, stop_after: int | None, overwrite: bool) -> dict[str, Any]:
+        """:meth:`fit` once the run folder is locked."""
         resumed = self.resume(None if resume is True else resume) if resume else None
         if not resume:
             self._clear_earlier_run(overwrite)
         main = self.info.is_main
         if resumed is not None and resumed >= self.total_steps and main:
-            t = self.cfg.train
-            goal = f"train.steps = {t.steps}" if t.steps else f"train.epochs = {t.epochs} ({self.total_steps} steps)"
-            log.warning("nothing to train: checkpoint is at step %d, %s", resumed, goal)
+            log.warning(nothing_to_train(resumed, self.total_steps, self.cfg.train))
         m = self.cfg.metrics
         writer = MetricsWriter(self.run_dir, main, m.tensorboard, resume_step=resumed, wandb=m.wandb,
                                wandb_project=m.wandb_project, config=config_to_dict(self.cfg),
@@ -614,7 +623,8 @@ class Trainer:
         if self.info.is_main:
             sets = [("train", self.train_set)] + ([("val", self.val_set)] if self.val_set else [])
             report_setup(self.run_dir, config_to_dict(self.cfg), self._parameter_counts(), sets, self.total_steps,
-                         self.info.world_size, writer.destinations(), self.dims)
+                         self.info.world_size, writer.destinations(), self.dims,
+                         fsdp_description(self.sharded, self.dims.pp > 1))
 
 
 def _fmt(evals: dict[str, float]) -> str:
