@@ -53,7 +53,9 @@ order on every shard rank) and keeps the parameters unsharded through it (``resh
 ``reshard_after_backward`` off, gradient sync off: the microbatches' gradients accumulate unsharded), and
 :meth:`ShardedModel.reduce_gradients` reduce-scatters a stage's groups once, right after the stage's last backward
 action of the step (the same point of the same schedule on every shard rank), then reshards them. A parameter that
-got no gradient on a rank (its share had no image) contributes zeros (``set_reduce_scatter_unused_params``). This
+got no gradient on a rank (its share had no image) contributes zeros (``set_reduce_scatter_unused_params``); a
+module that no rank used in the step ends with no gradient (:meth:`ShardedModel.drop_gradients`, called by the
+pipeline trainer), as in one process. This
 is the pattern of ``torch.distributed.pipelining``'s ``REDUCE_GRAD`` action and of torchtitan's
 ``reshard_after_forward = not pp_enabled``: between steps parameters, gradients and optimizer state are sharded;
 within a step the stage's parameters and gradients are whole (``planner.sharding`` charges this).
@@ -155,6 +157,17 @@ class ShardedModel:
         for g in groups:
             if id(g) in roots:  # waits for the reductions, finalizes the grads
                 _state(self.holders.get(id(g), g))._root_post_backward_final_callback()
+
+    def drop_gradients(self, modules: Collection[str]) -> None:
+        """Set the gradient of every parameter of ``modules``' groups (encoder branches, ``"llm"``) to ``None``: a
+        module that no rank used in the step, whose reduction under pipeline parallelism still gave its groups
+        zeros (:meth:`reduce_gradients`). Then AdamW skips them (no weight decay, no step of their state), as in
+        one process. Not collective: every rank of the groups passes the same ``modules`` (decided from the global
+        batch, which every rank knows)."""
+        for module in modules:
+            for g in self.groups.get(module, []):
+                for p in g.parameters():  # type: ignore[attr-defined]
+                    p.grad = None
 
     def _roots(self) -> list[FSDPModule]:
         """The unit groups (an adapter group sits inside its unit's group, whose FSDP2 state is its root; a tied

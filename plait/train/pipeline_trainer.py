@@ -93,6 +93,7 @@ from plait.train.loss import token_loss_sum, zero_loss
 from plait.train.metrics import MetricsWriter
 from plait.train.plots import plot_timeline, write_chrome_trace
 from plait.train.replica_eval import PipelinePasses
+from plait.train.step_run import unused_branches
 from plait.train.optim import LRSchedule, build_optimizer, lr_factor
 from plait.train.trainer import Trainer
 
@@ -258,6 +259,8 @@ class PipelineTrainer(Trainer):
                                 encoder_batches=step.encoder_batches if routed else None,
                                 frequency=self.energy.controller if self.energy is not None else None,
                                 sharded=self.sharded)
+        if self.sharded is not None:  # a branch no sample of the step uses keeps no gradient, as in one process
+            self.sharded.drop_gradients(unused_branches(self.sharded, [self.train_set.sample_meta(i) for i in indices]))
         self.last_events = res.events
         if self.energy is not None:
             self.energy.after_step(res.events)  # straggler reaction (collective)

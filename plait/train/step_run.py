@@ -9,16 +9,21 @@ Under FSDP2 (:mod:`plait.parallel.fsdp`) every rank must run the same sequence o
 the sharded groups, whatever its share of the batch holds. :class:`Uniform` makes it so:
 
 - every LLM microbatch runs on every rank when the LLM is sharded (an empty one on a dummy batch whose loss is
-  multiplied by 0), every sharded encoder branch runs in every encoder microbatch (on a dummy item, its
-  backward fed zeros, when the share has no item of that modality), branch by branch in model order, with the
-  same number of encoder calls on every rank (images of several sizes take one call per size: the ranks with
-  fewer add calls on a dummy item, joined to the features with weight 0, :func:`encode_padded`);
+  multiplied by 0), every sharded encoder branch that some rank uses in the step runs in every encoder
+  microbatch (on a dummy item, its backward fed zeros, when the share has no item of that modality), branch by
+  branch in model order, with the same number of encoder calls on every rank (images of several sizes take one
+  call per size: the ranks with fewer add calls on a dummy item, joined to the features with weight 0,
+  :func:`encode_padded`);
+- a branch that no rank uses in the step (no item of its modality in the global batch) runs nowhere: its
+  parameters keep no gradient (``None``), so AdamW neither decays nor steps them, as in one process and under DP
+  (whose reducer keeps a used-flag per parameter);
 - encoder microbatch ``i``'s backward runs after LLM microbatch ``r[i]``, ``r[i]`` the latest of every rank's
   last reader of ``i`` (one all-reduce MAX of ``M`` integers per step): the same point on every rank;
 - gradients accumulate unsharded until each module's last backward of the step, whose reduce-scatter then
   overlaps the remaining backwards (``set_requires_gradient_sync``): one reduction per step.
 
-The dummy work adds exact zeros, so gradients equal one process's.
+The dummy work adds exact zeros, so gradients equal one process's, and a parameter gets a gradient exactly when it
+would in one process (at the granularity of a branch).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from plait.planner.types import LLM_MODULE
 from plait.train.batches import StepBatches
 
 __all__ = ["Uniform", "agreed_schedule", "dummy_llm_batch", "encode_padded", "encoder_calls", "run_microbatches",
-           "run_uniform_microbatches"]
+           "run_uniform_microbatches", "unused_branches"]
 
 Encode = Callable[[str, Batch | None, int], torch.Tensor]
 """``(branch, encoder batch or None for a dummy item, encoder calls)`` -> projected features ``[rows, hidden]``
@@ -72,7 +77,8 @@ def agreed_schedule(step: StepBatches, uniform: Uniform) -> tuple[list[int], lis
     """What every rank of ``uniform.group`` runs alike: per encoder microbatch ``i``, the LLM microbatch after which
     ``i``'s backward runs (the latest over the ranks of the last LLM microbatch reading it; itself when nothing
     reads it), and per encoder microbatch and branch the encoder calls (the most over the ranks; at least 1 for a
-    sharded branch). One all-reduce MAX. Collective."""
+    sharded branch that some rank uses in some microbatch of the step, 0 in every microbatch for one that no rank
+    uses: it then runs nowhere and its parameters keep no gradient). One all-reduce MAX. Collective."""
     routing, n, k = step.routing, step.routing.num_microbatches, len(uniform.branches)
     last = [max((i, *users)) for i, users in enumerate(routing.users)]
     calls = [[uniform.calls(b, batch) if batch is not None and b in batch.modality_inputs else 0
@@ -81,9 +87,9 @@ def agreed_schedule(step: StepBatches, uniform: Uniform) -> tuple[list[int], lis
     if dist.is_initialized():
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=uniform.group)
     agreed = [int(x) for x in flat]
-    calls = [[max(c, int(uniform.sharded.sharded(b))) for c, b in zip(agreed[n + j * k: n + (j + 1) * k],
-                                                                     uniform.branches)] for j in range(n)]
-    return agreed[:n], calls
+    rows = [agreed[n + j * k: n + (j + 1) * k] for j in range(n)]
+    least = [int(uniform.sharded.sharded(b) and any(row[m] for row in rows)) for m, b in enumerate(uniform.branches)]
+    return agreed[:n], [[max(c, low) for c, low in zip(row, least)] for row in rows]
 
 
 def run_microbatches(step: StepBatches, scale: float, encode: Callable[[Batch], dict[str, torch.Tensor]],
@@ -150,13 +156,13 @@ def _encode_all(batch: Batch | None, encode: Encode, uniform: Uniform, calls: Se
                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Outputs and leaves of one encoder microbatch, branch by branch in model order with the agreed encoder
     ``calls``: real items where the batch has them, a dummy item (key ``"~<branch>"``: never held, never read)
-    for a sharded branch where it has none."""
+    for a sharded branch where it has none and some rank uses the branch in the step (``calls`` > 0)."""
     outputs: dict[str, torch.Tensor] = {}
     present = batch.modality_inputs if batch is not None else {}
     for b, n in zip(uniform.branches, calls):
         if b in present:
             outputs[b] = encode(b, batch, n)
-        elif uniform.sharded.sharded(b):
+        elif n > 0 and uniform.sharded.sharded(b):
             outputs["~" + b] = encode(b, None, n)
     return outputs, _leaves(outputs)
 
@@ -197,6 +203,15 @@ def _backward_each(outputs: dict[str, torch.Tensor], leaves: dict[str, torch.Ten
             if out is not None and out.requires_grad:
                 grad = leaves[key].grad
                 out.backward(grad if grad is not None and key == b else torch.zeros_like(out))
+
+
+def unused_branches(sharded: ShardedModel, metas: Sequence[SampleMeta]) -> list[str]:
+    """The encoder branches with FSDP2 groups in ``sharded`` that no sample of a global batch (``metas``: every
+    sample's metadata, known to every rank) uses: no item of their modality. Under pipeline parallelism their
+    reduction still gives them zeros; ``ShardedModel.drop_gradients`` then leaves them no gradient, as in one
+    process."""
+    used = {name for meta in metas for name, _ in meta.items}
+    return [m for m in sharded.groups if m != LLM_MODULE and m not in used]
 
 
 def encoder_calls(model: Any, name: str, batch: Batch) -> int:

@@ -3,7 +3,9 @@ no pipeline), one fixed global batch first, then ``fit``; rank 0 writes what eve
 step's full gradients, which DP x shard pipelines saw an image, the per-step losses, the full final parameters
 (FSDP2 shards gathered over their shard ranks) and the FSDP2 group names per rank. The head's copy of an embedding
 tied across pipeline ranks is left out of both (its gradient is the sum of the two copies' like the embedding's)
-and written apart, per rank holding it, as ``tied_head``."""
+and written apart, per rank holding it, as ``tied_head``. With ``step_without`` (a modality) in the JSON, one more
+step then runs on the samples without it (``fsdp_worker.step_without``: the branch's parameters, gradients kept and
+AdamW state, merged over the ranks)."""
 
 import json
 import sys
@@ -14,7 +16,7 @@ import torch.distributed as dist
 from plait.config.loader import config_from_dict
 from plait.train.pipeline_trainer import PipelineTrainer
 from plait.train.trainer import Trainer
-from tests.distributed.fsdp_worker import full
+from tests.distributed.fsdp_worker import full, step_without
 
 
 def gathered(part: dict) -> list:
@@ -34,8 +36,16 @@ def merged(parts: list) -> dict:
     return out
 
 
+def merged_without(parts: list) -> dict:
+    """Every rank's ``step_without`` result as one (empty without one)."""
+    return {"params": merged([p["params"] for p in parts]), "state": merged([p["state"] for p in parts]),
+            "grads": sorted({n for p in parts for n in p["grads"]})}
+
+
 def main(config_path: str, out_path: str) -> None:
-    cfg = config_from_dict(json.loads(open(config_path).read()))
+    data = json.loads(open(config_path).read())
+    without = data.pop("step_without", None)
+    cfg = config_from_dict(data)
     trainer = (PipelineTrainer if cfg.parallel.pp.degree > 1 else Trainer).build(cfg)
     first = trainer.loader.epoch_order(0)[: cfg.train.global_batch_size].tolist()
     plan, _ = trainer.plan_step(first)
@@ -51,12 +61,14 @@ def main(config_path: str, out_path: str) -> None:
     params = {n: full(p) for n, p in trainer.model.named_parameters() if p is not mirror}
     groups = list(trainer.sharded.names) if trainer.sharded is not None else []
     head = {"head": full(mirror)} if mirror is not None else {}
-    parts = gathered({"grads": grads, "params": params, "groups": groups, **head})
+    extra = {"without": step_without(trainer, without)} if without is not None else {}
+    parts = gathered({"grads": grads, "params": params, "groups": groups, **head, **extra})
     if trainer.info.is_main:
         torch.save({"world": trainer.info.world_size, "sharded": trainer.sharded is not None, "dp": plan.dp,
                     "deferred": plan.deferred(), "images_per_rank": images, "losses": result["losses"],
                     "grads": merged([p["grads"] for p in parts]), "params": merged([p["params"] for p in parts]),
-                    "groups": [p["groups"] for p in parts], "tied_head": [p["head"] for p in parts if "head" in p]},
+                    "groups": [p["groups"] for p in parts], "tied_head": [p["head"] for p in parts if "head" in p],
+                    "without": merged_without([p["without"] for p in parts if "without" in p])},
                    out_path)
     if trainer.info.world_size > 1:
         dist.destroy_process_group()

@@ -3,7 +3,8 @@ first step's plan (deferred samples), full gradients, which DP ranks saw an imag
 full final parameters (sharded tensors gathered), the FSDP2 group names, the parameters left replicated and
 whether every group offloads to the host or reduce-scatters after every microbatch, which groups keep their gathered
 parameters from forward to backward (``parallel.fsdp_reshard``) and how many all-gathers the first step ran. With ``resume_from`` in the JSON, it first resumes that
-checkpoint (written with another layout) and trains the remaining steps instead."""
+checkpoint (written with another layout) and trains the remaining steps instead. With ``step_without`` (a modality)
+it then runs one more step on the samples without that modality (:func:`step_without`)."""
 
 import json
 from contextlib import contextmanager
@@ -39,9 +40,27 @@ def counted_all_gathers():
         dist.all_gather_single = original
 
 
+def step_without(trainer, modality: str) -> dict:
+    """One more optimizer step on the training samples with no item of ``modality`` (a global batch that never
+    runs its encoder branch); returns that branch's full parameters, the names of those that got a gradient in
+    the step's backward, and its AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``; gathered) after the step.
+    Collective."""
+    meta = trainer.train_set.sample_meta
+    indices = [i for i in range(len(trainer.train_set)) if all(e != modality for e, _ in meta(i).items)]
+    named = [(n, p) for n, p in trainer.model.named_parameters() if n.startswith(f"encoders.{modality}.")]
+    trainer.forward_backward(indices, trainer.plan_step(indices)[0])
+    kept = [n for n, p in named if p.grad is not None]
+    trainer.optimizer_step()
+    state = trainer.optimizer.state if trainer.optimizer is not None else {}  # a pipeline rank may train nothing
+    states = {n: state.get(p, {}) for n, p in named}
+    return {"params": {n: full(p) for n, p in named}, "grads": kept,
+            "state": {n: {k: full(v) for k, v in sorted(st.items())} for n, st in states.items()}}
+
+
 def main(config_path: str, out_path: str) -> None:
     data = json.loads(open(config_path).read())
     resume_from = data.pop("resume_from", None)
+    without = data.pop("step_without", None)
     cfg = config_from_dict(data)
     trainer = Trainer.build(cfg)
     out: dict = {"world": trainer.info.world_size, "sharded": trainer.sharded is not None}
@@ -61,6 +80,8 @@ def main(config_path: str, out_path: str) -> None:
         result = trainer.fit(resume=resume_from)
     out["losses"], out["start"] = result["losses"], result["step"] - result["steps"]
     out["params"] = {n: full(p) for n, p in trainer.model.named_parameters()}
+    if without is not None:
+        out["without"] = step_without(trainer, without)
     out["groups"] = list(trainer.sharded.names) if trainer.sharded is not None else []
     out["replicated"] = len(trainer.sharded.replicated) if trainer.sharded is not None else 0
     states = [s for g in (trainer.sharded.all_groups() if trainer.sharded is not None else [])

@@ -6,7 +6,8 @@ units, gradients reduce-scattered after every microbatch (``parallel.fsdp_reduce
 share of the batch holds no image (HSDP 2x2), and resuming across a dp_shard change (DCP
 reshards: one process -> dp_shard=2 and dp_shard=2 -> DDP). Parameters resharded after the forward (the default) and
 kept to the backward (``parallel.fsdp_reshard = "after_backward"``: the CPU-offload, per-microbatch-reduction,
-resumed and HSDP runs; fewer all-gathers)."""
+resumed and HSDP runs; fewer all-gathers). A step whose global batch holds no audio leaves the audio branch with no
+gradient, so AdamW (weight decay 0.1) leaves its parameters and state as one process does."""
 
 from __future__ import annotations
 
@@ -93,24 +94,46 @@ def test_fsdp2_frozen_encoders_trainable_projectors(tmp_path):
     assert 0 < offload["all_gathers"] < fsdp["all_gathers"]
 
 
+def assert_untouched_without(single: dict, other: dict, steps: int) -> None:
+    """After the workers' step on a global batch without audio (``step_without``): the audio branch kept no
+    gradient in both runs, so AdamW neither decayed its parameters nor stepped its state (still at ``steps``, the
+    steps that saw audio): parameters and state equal one process's."""
+    ref, got = single["without"], other["without"]
+    assert ref["grads"] == got["grads"] == [] and len(ref["params"]) > 5 and set(got["params"]) == set(ref["params"])
+    assert {float(s["step"]) for s in ref["state"].values()} == {float(steps)}
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    for name, state in ref["state"].items():
+        assert set(got["state"][name]) == set(state), name
+        for key, value in state.items():
+            tol = 1e-5 * float(value.abs().max()) + 1e-12
+            torch.testing.assert_close(got["state"][name][key], value, rtol=1e-5, atol=tol, msg=f"{name} {key}")
+
+
 def test_fsdp2_all_trainable_with_checkpointing_and_resume_across_dp_shard(tmp_path):
-    single = run(job(tmp_path, False), tmp_path, "single", 1)
-    fsdp = run(job(tmp_path, False, train={"activation_checkpointing": "full"}, dp_shard=2), tmp_path, "fsdp", 2)
+    """Also: a later step whose global batch holds no audio leaves the audio branch as one process does (no
+    gradient: no weight decay, no AdamW step; ``weight_decay`` 0.1 in every run of this test)."""
+    decay = {"weight_decay": 0.1}
+    single = run(job(tmp_path, False, train=decay), tmp_path, "single", 1, step_without="audio")
+    fsdp = run(job(tmp_path, False, train={"activation_checkpointing": "full", **decay}, dp_shard=2), tmp_path,
+               "fsdp", 2, step_without="audio")
     assert fsdp["sharded"] and len(fsdp["deferred"]) >= 1
     assert any(n.startswith("encoders.vision.encoder.") for n in single["grads"])
     assert sum(".layers." in g for g in fsdp["groups"]) >= 2  # one group per layer unit
     assert_equal_runs(single, fsdp)
+    assert_untouched_without(single, fsdp, 2)  # FSDP2 runs the unused branch nowhere (no dummy item)
     # parallel.fsdp_reduce = "microbatch": a reduce-scatter after each of a rank's 2 microbatches, shards accumulate
-    each = run(job(tmp_path, False, dp_shard=2, fsdp_reduce="microbatch", fsdp_reshard="after_backward"), tmp_path,
-               "each", 2)
+    each = run(job(tmp_path, False, train=decay, dp_shard=2, fsdp_reduce="microbatch", fsdp_reshard="after_backward"),
+               tmp_path, "each", 2)
     assert each["reduce_each_microbatch"] and not fsdp["reduce_each_microbatch"] and each["sharded"]
     assert all(each["kept_after_forward"]) and 0 < each["all_gathers"] < fsdp["all_gathers"]
     assert_equal_runs(single, each)
     # resume step 1 of the one-process run with dp_shard=2, and step 1 of the dp_shard=2 run as DDP (dp=2)
     step1 = "checkpoints/step_000001"
-    to_fsdp = run(job(tmp_path, False, dp_shard=2, fsdp_reshard="after_backward"), tmp_path, "to_fsdp", 2,
-                  resume_from=str(tmp_path / "run_single" / step1))
-    to_ddp = run(job(tmp_path, False, dp=2), tmp_path, "to_ddp", 2, resume_from=str(tmp_path / "run_fsdp" / step1))
+    to_fsdp = run(job(tmp_path, False, train=decay, dp_shard=2, fsdp_reshard="after_backward"), tmp_path, "to_fsdp",
+                  2, resume_from=str(tmp_path / "run_single" / step1))
+    to_ddp = run(job(tmp_path, False, train=decay, dp=2), tmp_path, "to_ddp", 2,
+                 resume_from=str(tmp_path / "run_fsdp" / step1))
     assert (to_fsdp["start"], to_ddp["start"], to_fsdp["sharded"], to_ddp["sharded"]) == (1, 1, True, False)
     for resumed in (to_fsdp, to_ddp):
         torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(single["losses"][1:]), rtol=1e-5,

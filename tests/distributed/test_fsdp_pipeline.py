@@ -4,8 +4,9 @@ process on the same global batches: losses (rel 1e-5), first-step gradients and 
 on: hierarchical plans that defer; validation through the sharded stages equals one process's too, and
 its checkpoint resumes in one process) and with everything trainable (encoders on the first LLM rank, the LLM cut in
 two stages with its embedding tied to the head on the other rank, activation checkpointing, a pipeline whose share
-of the batch holds no image); and the runtime alone with a split-backward schedule (``W`` actions) on 2 shard
-ranks."""
+of the batch holds no image, then a step whose global batch holds no audio: the audio branch's parameters and AdamW
+state (weight decay 0.1) stay as one process leaves them); and the runtime alone with a split-backward schedule
+(``W`` actions) on 2 shard ranks."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from plait.train.metrics import read_metrics
 from tests.conftest import ROOT, demo_records, write_jsonl
 from tests.distributed.pipeline_worker import apply_mode, make_batch, reference_step, tiny_model
 from tests.distributed.spawning import free_port, gloo_group, spawn_and_wait
-from tests.distributed.test_fsdp import assert_equal_runs, assert_same_params, job, run
+from tests.distributed.test_fsdp import assert_equal_runs, assert_same_params, assert_untouched_without, job, run
 from tests.unit.parallel.test_stages import SPLIT, on_one_rank
 
 WORKER = ROOT / "tests" / "distributed" / "fsdp_pipeline_worker.py"
@@ -72,13 +73,13 @@ def test_pp2_fsdp2_frozen_encoders_trainable_projectors_with_deferral(tmp_path):
 def test_pp2_fsdp2_all_trainable_tied_embeddings_and_a_pipeline_without_images(tmp_path):
     images = demo_records("train", ("image_digit",), limit=3)
     others = demo_records("train", ("audio_transcribe",), limit=3) + demo_records("train", ("text",), limit=2)
-    train = {"microbatch_policy": "arrival", "activation_checkpointing": "full"}
+    train = {"microbatch_policy": "arrival", "activation_checkpointing": "full", "weight_decay": 0.1}
     cfg = job(tmp_path, False, images + others, train)
     cfg["model"]["llm"]["config"]["tie_word_embeddings"] = True
-    single = run(cfg, tmp_path, "single", 1, WORKER)
+    single = run(cfg, tmp_path, "single", 1, WORKER, step_without="audio")
     pp = pipeline(attach_encoders=True, stages={"vision": 1, "audio": 1, "llm": 2})
     both = run(job(tmp_path, False, images + others, train, dp_shard=2, pp=pp) | {"model": cfg["model"]}, tmp_path,
-               "pp_fsdp", 4, WORKER)
+               "pp_fsdp", 4, WORKER, step_without="audio")
     assert both["sharded"] and both["dp"] == 2
     assert min(both["images_per_rank"]) == 0 < max(both["images_per_rank"])  # its encoder groups reduce zeros
     embed = "language_model.model.embed_tokens"
@@ -88,6 +89,7 @@ def test_pp2_fsdp2_all_trainable_tied_embeddings_and_a_pipeline_without_images(t
     for head in both["tied_head"]:  # stays equal to the embedding (gradients summed over the two copies)
         torch.testing.assert_close(head, both["params"][embed + ".weight"], rtol=0, atol=0)
     assert_equal_runs(single, both)
+    assert_untouched_without(single, both, 2)  # a step without audio: the audio groups' zeros dropped, as unused
 
 
 def _split_backward_worker(rank: int, port: int, out: str) -> None:
