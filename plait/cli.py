@@ -314,7 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in _JOB_VERBS:  # a bad job file is refused in ~0.3 s, before torch and transformers load
             from plait.commands.job_file import check_job
 
-            check_job(args.config, rest, planning=_JOB_VERBS[args.command])
+            check_job(args.config, rest, planning=_JOB_VERBS[args.command],
+                      run_folder=args.command == "train" or (args.command == "launch" and args.worker is None))
         if args.command != "simulate":  # the one verb that never loads a model (transformers: ~0.6 CPU-s)
             _quiet_transformers()
         commands = {"train": _train, "plan": _plan, "simulate": _simulate, "profile": _profile,

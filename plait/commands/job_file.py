@@ -17,6 +17,7 @@ from pathlib import Path
 
 from plait.config.loader import config_from_dict, load_config, read_config_data, validate
 from plait.config.schema import JobConfig
+from plait.train.run_lock import check_run_free
 
 __all__ = ["check_job", "load_config_for_planning", "same_on_every_rank"]
 
@@ -32,15 +33,20 @@ def same_on_every_rank() -> Iterator[None]:
         raise
 
 
-def check_job(config: str | Path, overrides: Sequence[str], *, planning: bool = False) -> None:
+def check_job(config: str | Path, overrides: Sequence[str], *, planning: bool = False,
+              run_folder: bool = False) -> None:
     """Read and validate the job file ``config`` with its ``--section.key=value`` overrides as the verb will:
     ``plait.config.loader.load_config``, or :func:`load_config_for_planning` when ``planning`` (``plait plan``,
-    ``plait energy``). Imports nothing beyond the config loader and the planner (about 0.2 s). The loader's
-    warnings (legal but odd values) are left to the verb's own reading, so they are printed once.
+    ``plait energy``). With ``run_folder`` (``plait train``, ``plait launch``'s launcher: not its workers, whose
+    launcher holds the lock) a ``metrics.run_dir`` another live run is writing is refused too
+    (:func:`plait.train.run_lock.check_run_free`). Imports nothing beyond the config loader, the planner and the
+    run lock (about 0.2 s). The loader's warnings (legal but odd values) are left to the verb's own reading, so they
+    are printed once.
 
     Raises:
         FileNotFoundError, ValueError: as the reader (missing file, TOML syntax, unknown keys, wrong types or
-            values, named by dotted key), marked ``same_on_every_rank``.
+            values, named by dotted key), or naming the busy run folder and its process, marked
+            ``same_on_every_rank``.
     """
     log = logging.getLogger(load_config.__module__)
     level = log.level
@@ -50,7 +56,9 @@ def check_job(config: str | Path, overrides: Sequence[str], *, planning: bool = 
             if planning:
                 load_config_for_planning(config, overrides)
             else:
-                load_config(config, list(overrides))
+                cfg = load_config(config, list(overrides))
+                if run_folder:
+                    check_run_free(cfg.metrics.run_dir)
     finally:
         log.setLevel(level)
 

@@ -115,7 +115,9 @@ def test_the_lock_is_reentrant_and_released_on_every_exit_path(tmp_path):
         assert not (run / LOCK_NAME).exists()
 
 
-def test_plait_train_and_launch_refuse_a_folder_in_use_before_building_anything(tmp_path):
+def test_plait_train_and_launch_refuse_a_folder_in_use_before_building_anything(tmp_path, capsys):
+    from plait.cli import main
+    from plait.commands.job_file import check_job
     from plait.commands.launch import launch_command
     from plait.commands.train import train_command
     from tests.conftest import tiny_config_dict
@@ -132,6 +134,12 @@ def test_plait_train_and_launch_refuse_a_folder_in_use_before_building_anything(
             assert refused.value.same_on_every_rank
         with pytest.raises(ValueError, match=f"process {proc.pid} on this host"):
             launch_command(job, 4, 1)
+        with pytest.raises(ValueError, match=f"process {proc.pid} on this host") as refused:  # before torch loads
+            check_job(job, [], run_folder=True)
+        assert refused.value.same_on_every_rank
+        check_job(job, [])  # plait launch's workers (their launcher holds the lock), plait profile, ...
+        assert main(["train", "--config", str(job)]) == 2
+        assert capsys.readouterr().err == f"plait: error: {refused.value}\n"
         assert proc.poll() is None and lock_owner(run) == proc.pid
     finally:
         assert stop_holder(proc) == 0
