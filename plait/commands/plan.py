@@ -53,7 +53,7 @@ from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_costs
 from plait.planner.macrobatch import MacrobatchStats, expected_shapes, macrobatch_stats
 from plait.planner.pipeline_plan import LAYOUTS
 from plait.planner.recompute import checkpointed_costs, plan_checkpointing
-from plait.planner.report import format_lora_units, format_plan, plan_to_json
+from plait.planner.report import format_bytes, format_lora_units, format_plan, plan_to_json
 from plait.planner.search import LayoutChoice
 from plait.planner.types import Unit, UnitCost
 from plait.train.auto_plan import kept_degrees
@@ -436,8 +436,11 @@ def job_degrees(cfg: Any, devices: int, stream: TextIO) -> dict[str, Any]:
     """
     kept = kept_degrees(cfg, devices, f"--devices {devices}")
     if kept:
+        own = "".join([f", parallel.fsdp_reshard = {cfg.parallel.fsdp_reshard!r}" if "fsdp_reshard" in kept else "",
+                       ", parallel.offload = 'cpu'" if "offload" in kept else ""])
         print(f"plait plan: the job sets parallel.tp = {cfg.parallel.tp}, parallel.dp_shard = "
-              f"{cfg.parallel.dp_shard}: the plan keeps them (set them to 1 to let it choose)", file=stream)
+              f"{cfg.parallel.dp_shard}{own}: the plan keeps them (set tp and dp_shard to 1 to let it choose)",
+              file=stream)
     return kept
 
 
@@ -502,7 +505,7 @@ def plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], 
         if profile_store is None:
             profile, why = None, "no store"
         elif weights > spec.memory_bytes / 4:  # keying a profile builds the model with its weights
-            profile, why = None, f"the model's {weights / 2**30:.1f} GiB of parameters are not built here to key one"
+            profile, why = None, f"the model's {format_bytes(weights)} of parameters are not built here to key one"
         else:
             profile, why = stored_profile(cfg, profile_store)
         if profile is not None and expected is None:

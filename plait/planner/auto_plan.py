@@ -44,7 +44,8 @@ def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_siz
                      attach_encoders: bool = True, overheads: ActionOverheads = ActionOverheads(),
                      checkpointing: str = "none", checkpoint_overrides: dict[str, str] | None = None,
                      tp_degrees: Sequence[int] | None = None, dp_shard_degrees: Sequence[int] | None = None,
-                     prefer_plain: bool = True, fsdp_reshard: Sequence[str] = FSDP_RESHARD) -> LayoutChoice:
+                     prefer_plain: bool = True, fsdp_reshard: Sequence[str] = FSDP_RESHARD,
+                     offload: str = "auto") -> LayoutChoice:
     """The fastest runnable plan for ``world_size`` processes (module docstring): ``plait plan``'s search
     (``search_parallel.plan_parallel``) with :func:`plan_filling_layout` as its layout search.
 
@@ -64,6 +65,8 @@ def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_siz
             (``search_parallel.degree_options``; the TP all-reduces on ``p2p``, FSDP2's collectives on ``dp_link``).
         prefer_plain: keep the plain plan whenever it fits (default); False: the fastest over the degrees.
         fsdp_reshard: FSDP2's resharding options searched without pipeline stages (``sharding.FSDP_RESHARD``).
+        offload: ``"auto"`` (CPU offload when nothing fits without it) or ``"cpu"`` (offloaded plans only: a job's
+            own ``parallel.offload``); ``search_parallel.plan_parallel``.
 
     Returns:
         The chosen ``LayoutChoice`` (``dp * plan.num_ranks * tp == world_size``; ``schedule`` is ``"1f1b"`` or
@@ -79,7 +82,7 @@ def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_siz
                          checkpoint_overrides=checkpoint_overrides, dtype=dtype, layout_search=plan_filling_layout,
                          p2p=p2p, dp_link=dp_link, virtual_stages=tuple(virtual_stages),
                          attach_encoders=attach_encoders, overheads=overheads, prefer_plain=prefer_plain,
-                         fsdp_reshard=fsdp_reshard)
+                         fsdp_reshard=fsdp_reshard, offload=offload)
 
 
 def plan_filling_layout(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int,

@@ -25,7 +25,8 @@ fitting plan (it costs host-device copies and a host optimizer step): over the s
 above 1, the plan without pipeline stages (every device a DP rank, the only one the runtime offloads), whose device
 memory (frozen units, FSDP2's working set, one microbatch's activations) fits the cap and whose host memory fits
 ``HostSpec.memory_bytes``; the fastest (``plan_layout``'s time with no device optimizer step, plus
-``OffloadCost.step_s``) is chosen, its ``LayoutChoice.offload`` set to ``"cpu"``.
+``OffloadCost.step_s``) is chosen, its ``LayoutChoice.offload`` set to ``"cpu"``. A job's own
+``parallel.offload = "cpu"`` (``plan_parallel(offload="cpu")``) searches offloaded plans only.
 
 The result's ``lower_bound_s`` is ``microbatches x (work of the given costs) / devices``: still a lower bound
 with TP (a layer's work split over ``tp`` devices plus its all-reduces is at least its work on one), sharding
@@ -43,6 +44,7 @@ from plait.planner.cost_model import OptimizerSpec
 from plait.planner.graph import consistent_units
 from plait.planner.offload import HostSpec, offload_cost
 from plait.planner.recompute import CHECKPOINT_POLICIES
+from plait.planner.report import format_bytes
 from plait.planner.search import LayoutChoice, plan_layout
 from plait.planner.search_model import Costs, cost_list
 from plait.planner.overheads import ActionOverheads
@@ -197,7 +199,7 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
                   tp_link: P2PModel | None = None, shard_link: P2PModel | None = None,
                   dp_degrees: Sequence[int] | None = None, dtype: Any = "bfloat16",
                   optimizer: OptimizerSpec = OptimizerSpec(), host: HostSpec | None = HostSpec(),
-                  layout_search: LayoutSearch = plan_layout, **search: Any) -> LayoutChoice:
+                  offload: str = "auto", layout_search: LayoutSearch = plan_layout, **search: Any) -> LayoutChoice:
     """``search.plan_layout`` over layouts, stages and DP degrees, and over TP degree, FSDP2 shard degree and
     activation checkpointing when the plain plan does not fit ``memory_cap``, and FSDP2 CPU offload when nothing
     fits without it (module docstring).
@@ -218,13 +220,18 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
         search: the other ``plan_layout`` keyword arguments (``frozen_aware``, ``p2p``, ``dp_link``, ``layouts``,
             ``rel_tol``, ``virtual_stages``, ``attach_encoders``, ``max_timed``, ``overheads``).
         host: the host side of a device for CPU offload (``offload.HostSpec``); None: offload not searched.
+        offload: ``"auto"``: CPU offload searched only when nothing fits without it (default); ``"cpu"``: a job's
+            own ``parallel.offload = "cpu"``: only offloaded plans (:func:`plan_offloaded` over the options with a
+            shard degree above 1; ``host`` None: the default ``HostSpec``; no ``memory_cap``: the device unchecked).
         layout_search: the search under fixed degrees (``LayoutSearch``: ``plan_layout``, or
             ``planner.auto_plan.plan_filling_layout``, the plans that use every device), used by every option,
             FSDP2's both runtimes and CPU offload alike.
 
     Raises:
-        ValueError: on bad arguments or when no plan fits.
+        ValueError: on bad arguments (``offload`` not ``"auto"`` or ``"cpu"``) or when no plan fits.
     """
+    if offload not in ("auto", "cpu"):
+        raise ValueError(f"offload must be 'auto' or 'cpu', got {offload!r}")
     if base_checkpointing != "none":  # the job's own policy is kept: only TP and sharding are searched
         checkpointing = (base_checkpointing,)
     tp_link = tp_link if tp_link is not None else search.get("p2p")
@@ -257,6 +264,12 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
                         staged if degrees.fsdp_reshard == "after_forward" else None)
 
     options = degree_options(devices, tp_degrees, dp_shard_degrees, checkpointing, fsdp_reshard)
+    links = dict(tp_link=tp_link, shard_link=shard_link, checkpoint_overrides=checkpoint_overrides)
+    if offload == "cpu":  # the job's own CPU offload: only offloaded plans, whether or not others fit
+        job = _Offload(units, true_units, whole, devices, microbatches, memory_cap, host or HostSpec(), dtype,
+                       optimizer, links, dp_degrees, search, layout_search)
+        return plan_offloaded(job, options, ValueError("no plan fits the memory cap with the job's CPU offload "
+                                                       "(parallel.offload = 'cpu')"))
     try:
         return search_degrees(units, costs, devices, microbatches, one, options, memory_cap=memory_cap,
                               base=ParallelDegrees(checkpointing=base_checkpointing), tp_link=tp_link,
@@ -265,8 +278,7 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
     except ValueError as exc:
         if host is None or memory_cap is None:
             raise
-        job = _Offload(units, true_units, whole, devices, microbatches, memory_cap, host, dtype, optimizer,
-                       dict(tp_link=tp_link, shard_link=shard_link, checkpoint_overrides=checkpoint_overrides),
+        job = _Offload(units, true_units, whole, devices, microbatches, memory_cap, host, dtype, optimizer, links,
                        dp_degrees, search, layout_search)
         return plan_offloaded(job, options, exc)
 
@@ -362,7 +374,7 @@ class _Offload:
     whole: Sequence[UnitCost]
     devices: int
     microbatches: int
-    memory_cap: float
+    memory_cap: float | None
     host: HostSpec
     dtype: Any
     optimizer: OptimizerSpec
@@ -405,9 +417,11 @@ def _offloaded_one(job: _Offload, degrees: ParallelDegrees) -> LayoutChoice:
         raise ValueError(f"DP degree {pipe} (every device a DP rank) is not searched")
     cost = offload_cost(job.true_units, job.whole, degrees, job.host, dtype=job.dtype, optimizer=job.optimizer,
                         checkpoint_overrides=job.links["checkpoint_overrides"])
-    if cost.device_bytes > job.memory_cap or cost.host_bytes > job.host.memory_bytes:
-        raise ValueError(f"device {cost.device_bytes / 2**30:.1f} GiB (cap {job.memory_cap / 2**30:.1f}), host "
-                         f"{cost.host_bytes / 2**30:.1f} GiB (of {job.host.memory_bytes / 2**30:.1f})")
+    cap = math.inf if job.memory_cap is None else job.memory_cap
+    if cost.device_bytes > cap or cost.host_bytes > job.host.memory_bytes:
+        cap_text = format_bytes(cap) if job.memory_cap is not None else "none"
+        raise ValueError(f"device {format_bytes(cost.device_bytes)} (cap {cap_text}), host "
+                         f"{format_bytes(cost.host_bytes)} (of {format_bytes(job.host.memory_bytes)})")
     per_rank = shard_costs(job.true_units, job.whole, degrees, **job.links)
     overheads = dataclasses.replace(job.search.get("overheads", ActionOverheads()), optimizer_s_per_byte=0.0)
     choice = job.layout_search(job.units, per_rank, pipe, microbatches=job.microbatches, dp_degrees=[pipe],

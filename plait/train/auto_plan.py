@@ -34,8 +34,10 @@ def auto_microbatches(cfg: JobConfig) -> int:
 def kept_degrees(cfg: JobConfig, devices: int, named: str = "") -> dict[str, Any]:
     """The search's keyword arguments (``search_parallel.plan_parallel``, ``plan_auto_layout``) that keep the job's
     own ``parallel.tp`` / ``parallel.dp_shard`` when either is above 1: exactly those degrees, searched even when
-    the plain plan fits (``prefer_plain=False``), and its ``parallel.fsdp_reshard`` when not ``"auto"``; ``{}`` when
-    both are 1 (TP and sharding are then searched only when memory requires them). The one rule of ``plait plan`` and ``parallel.plan = "auto"``.
+    the plain plan fits (``prefer_plain=False``), its ``parallel.fsdp_reshard`` when not ``"auto"`` and its
+    ``parallel.offload = "cpu"`` (offloaded plans only); ``{}`` when both are 1 (TP and sharding are then searched
+    only when memory requires them; the loader refuses FSDP2 options without ``dp_shard`` > 1). The one rule of
+    ``plait plan`` and ``parallel.plan = "auto"``.
 
     Raises:
         ValueError: when ``tp x dp_shard`` does not divide ``devices`` (named).
@@ -49,6 +51,8 @@ def kept_degrees(cfg: JobConfig, devices: int, named: str = "") -> dict[str, Any
     kept: dict[str, Any] = dict(tp_degrees=[tp], dp_shard_degrees=[shard], prefer_plain=False)
     if cfg.parallel.fsdp_reshard != "auto":  # the job's own FSDP2 resharding too (it needs dp_shard > 1)
         kept["fsdp_reshard"] = [cfg.parallel.fsdp_reshard]
+    if cfg.parallel.offload == "cpu":  # the job's own CPU offload: the plan offloads too, whether or not it must
+        kept["offload"] = "cpu"
     return kept
 
 

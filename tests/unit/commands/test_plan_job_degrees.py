@@ -35,3 +35,15 @@ def test_plan_without_job_degrees_searches_them_only_for_memory():
     out = io.StringIO()
     choice = plan_command(DEMO, 4, None, device=DeviceSpec.cpu(), out=out, profile_store=None)
     assert (choice.tp, choice.dp_shard) == (1, 1) and "the plan keeps them" not in out.getvalue()
+
+
+def test_plan_keeps_the_jobs_cpu_offload_and_fsdp_reshard_and_its_table_carries_them():
+    out = io.StringIO()
+    overrides = ["--parallel.dp_shard=2", "--parallel.offload=cpu", "--parallel.fsdp_reshard=after_backward"]
+    choice = plan_command(DEMO, 2, None, overrides=overrides, device=DeviceSpec.cpu(), out=out, profile_store=None)
+    text = out.getvalue()
+    assert (choice.offload, choice.fsdp_reshard, choice.dp_shard, choice.plan.num_ranks) == (
+        "cpu", "after_backward", 2, 1)
+    assert ("the job sets parallel.tp = 1, parallel.dp_shard = 2, parallel.fsdp_reshard = 'after_backward', "
+            "parallel.offload = 'cpu': the plan keeps them") in text
+    assert 'dp_shard = 2\ntp = 1\noffload = "cpu"\nfsdp_reshard = "after_backward"\n' in text  # the pasted table

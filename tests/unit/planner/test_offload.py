@@ -50,3 +50,53 @@ def test_offload_searched_only_when_nothing_fits_without_it():
     assert chosen.iteration_s >= chosen.lower_bound_s
     with pytest.raises(ValueError, match="with CPU offload"):
         plan_parallel(units, costs, 4, memory_cap=cap, host=HostSpec(memory_bytes=1e6), **common)
+
+
+def test_a_jobs_own_offload_searches_offloaded_plans_only():
+    units, costs = _model()
+    link = P2PModel(latency_s=1e-5, bandwidth_Bps=100e9)
+    whole = sum(plan_layout(units, costs, 1, microbatches=8).stage_memory_bytes)
+    common = dict(microbatches=8, p2p=link, dp_link=link, tp_degrees=[1], dp_shard_degrees=[4], prefer_plain=False)
+    free = plan_parallel(units, costs, 4, memory_cap=0.3 * whole, **common)
+    own = plan_parallel(units, costs, 4, memory_cap=0.3 * whole, offload="cpu", **common)
+    assert free.offload == "none" and free.dp_shard == 4  # fits without offload: not offloaded unless asked
+    assert (own.offload, own.dp_shard, own.plan.num_ranks, own.fits_memory) == ("cpu", 4, 1, True)
+    cost = offload_cost(units, costs, ParallelDegrees(own.tp, own.dp_shard, own.checkpointing, own.fsdp_reshard))
+    assert own.host_memory_bytes == cost.host_bytes and own.offload_s > 0 and own.iteration_s > free.iteration_s
+    # the same plan as the search offloads when nothing else fits (its degrees, its time)
+    forced = plan_parallel(units, costs, 4, memory_cap=0.1 * whole, **common)
+    assert forced.offload == "cpu" and forced.iteration_s == pytest.approx(
+        plan_parallel(units, costs, 4, memory_cap=0.1 * whole, offload="cpu", **common).iteration_s)
+    uncapped = plan_parallel(units, costs, 4, offload="cpu", host=None, **common)  # no cap: the device unchecked
+    assert uncapped.offload == "cpu" and uncapped.memory_cap is None and uncapped.host_memory_bytes == cost.host_bytes
+    with pytest.raises(ValueError, match=r"no plan fits the memory cap with the job's CPU offload .*with CPU offload"):
+        plan_parallel(units, costs, 4, memory_cap=1.0, offload="cpu", **common)
+    with pytest.raises(ValueError, match="offload must be 'auto' or 'cpu', got 'none'"):
+        plan_parallel(units, costs, 4, offload="none", **common)
+
+
+def test_a_jobs_own_offload_is_kept_by_plait_plan_and_auto_plan():
+    from plait.config.loader import config_from_dict, validate
+    from plait.planner.auto_plan import plan_auto_layout
+    from plait.train.auto_plan import apply_layout_choice, kept_degrees
+    from tests.conftest import tiny_config_dict
+
+    def cfg(**parallel):
+        return config_from_dict(tiny_config_dict("train.jsonl", parallel=parallel))
+
+    assert "offload" not in kept_degrees(cfg(dp_shard=2), 2)  # "none": offload only when nothing else fits
+    job = cfg(dp_shard=2, offload="cpu", fsdp_reshard="after_backward")
+    kept = kept_degrees(job, 2)
+    assert kept == dict(tp_degrees=[1], dp_shard_degrees=[2], prefer_plain=False, fsdp_reshard=["after_backward"],
+                        offload="cpu")
+    units, costs = _model()
+    link = P2PModel(latency_s=1e-4, bandwidth_Bps=2e9)
+    common = dict(p2p=link, dp_link=link, virtual_stages=(1,), checkpointing="full")
+    free = plan_auto_layout(units, costs, 2, 2, **common, **kept_degrees(cfg(dp_shard=2), 2))
+    own = plan_auto_layout(units, costs, 2, 2, **common, **kept)
+    assert (free.offload, own.offload, own.dp_shard, own.plan.num_ranks, own.fsdp_reshard) == (
+        "none", "cpu", 2, 1, "after_backward")
+    resolved = apply_layout_choice(job, own, units)  # the config auto plan trains with, the table plait plan prints
+    validate(resolved)
+    assert (resolved.parallel.offload, resolved.parallel.fsdp_reshard, resolved.parallel.dp_shard) == (
+        "cpu", "after_backward", 2)
