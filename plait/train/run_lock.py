@@ -164,8 +164,8 @@ def hold_run_lock(run_dir: str | Path, is_main: bool = True, world_size: int = 1
     is broadcast (collective: every rank enters), so every rank refuses alike. Re-entrant in one process.
 
     Raises:
-        ValueError: on every rank, when another live run holds the lock (naming the folder and its process), marked
-            ``same_on_every_rank``.
+        ValueError: on every rank, when another live run holds the lock (naming the folder and its process) or the
+            lock cannot be written, marked ``same_on_every_rank``.
     """
     error = None
     if is_main:
@@ -173,6 +173,8 @@ def hold_run_lock(run_dir: str | Path, is_main: bool = True, world_size: int = 1
             acquire_run_lock(run_dir)
         except ValueError as exc:
             error = str(exc)
+        except OSError as exc:  # e.g. a read-only or foreign folder: every rank must hear of it
+            error = f"cannot write the lock of run folder {run_dir}: {exc}"
     if world_size > 1:
         import torch.distributed as dist
 

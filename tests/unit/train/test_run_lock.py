@@ -101,7 +101,7 @@ def test_another_hosts_lock_is_refused_with_how_to_remove_it(tmp_path):
     assert lock.read_text() == before
 
 
-def test_the_lock_is_reentrant_and_released_on_every_exit_path(tmp_path):
+def test_the_lock_is_reentrant_and_released_on_every_exit_path(tmp_path, monkeypatch):
     run = tmp_path / "run"
     with hold_run_lock(run):
         with hold_run_lock(run):  # the command holds it around fit, which takes it too
@@ -113,6 +113,15 @@ def test_the_lock_is_reentrant_and_released_on_every_exit_path(tmp_path):
     assert not (run / LOCK_NAME).exists()
     with hold_run_lock(run, is_main=False):  # another rank: neither takes nor checks it
         assert not (run / LOCK_NAME).exists()
+
+    def unwritable(run_dir):
+        raise PermissionError(13, "Permission denied", str(run_dir))
+
+    monkeypatch.setattr("plait.train.run_lock.acquire_run_lock", unwritable)
+    with pytest.raises(ValueError, match=f"^cannot write the lock of run folder {run}: .*Permission denied") as err:
+        with hold_run_lock(run):
+            raise AssertionError("the block must not run")
+    assert err.value.same_on_every_rank  # a ValueError every rank raises, not rank 0's OSError alone
 
 
 def test_plait_train_and_launch_refuse_a_folder_in_use_before_building_anything(tmp_path, capsys):
