@@ -32,6 +32,7 @@ from plait.config.loader import config_to_dict, load_config
 from plait.data.chat_template import tokenizer_dir
 from plait.data.collate import Batch, collate
 from plait.data.loader import MultimodalDataset
+from plait.data.metadata import this_process_only
 from plait.models.multimodal import MultimodalModel
 from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.planner.energy_profile import EnergyProfile, energy_profile_mismatch
@@ -260,7 +261,9 @@ def build_profile_inputs(cfg: Any, *, microbatches: int = 1, microbatch_size: in
     """Build a job's model (seed ``train.seed``, freezing applied) and its first ``microbatches`` x
     ``microbatch_size`` (default ``train.microbatch_size``) training samples in file order, collated into
     microbatches, with the trainer's attention setup (``"hf"`` when it suffices, else plait SDPA/flex);
-    ``clock`` goes into the key (:func:`profile_key`).
+    ``clock`` goes into the key (:func:`profile_key`). Work of this process alone: the data's metadata pass
+    enters no collective (``metadata.this_process_only``), so one rank of a process group may build the inputs
+    while the others wait (``parallel.plan = "auto"``).
 
     Raises:
         ValueError: on counts < 1, fewer usable samples than needed or an unknown clock; FileNotFoundError:
@@ -282,7 +285,8 @@ def build_profile_inputs(cfg: Any, *, microbatches: int = 1, microbatch_size: in
     if attention != "hf":
         use_plait_attention(model.language_model, "sdpa" if attention == "plait_sdpa" else "flex")
     needed = microbatches * size
-    dataset = MultimodalDataset(cfg.data.train, processor, cfg.data.on_error, max_samples=needed)
+    with this_process_only():
+        dataset = MultimodalDataset(cfg.data.train, processor, cfg.data.on_error, max_samples=needed)
     if len(dataset) < needed:
         raise ValueError(f"data.train has {len(dataset)} usable samples; profiling needs {needed}")
     batches = [collate([dataset[i] for i in range(k * size, (k + 1) * size)], processor.pad_id,

@@ -13,7 +13,8 @@ what :class:`~plait.data.processing.MultimodalProcessor` computes when it decode
 that at load time, :meth:`plait.data.loader.MultimodalDataset.load`).
 
 Work is split into chunks of rows: DP rank ``r`` of ``w`` takes chunks ``r, r + w, ...`` and computes them in
-``workers`` torch DataLoader worker processes; the ranks' results are gathered with ``all_gather_object``. The
+``workers`` torch DataLoader worker processes; the ranks' results are gathered with ``all_gather_object``
+(inside :func:`this_process_only` one process does every chunk and gathers nothing). The
 gathered table (:class:`MetadataTable`, numpy arrays: about 40 bytes per record plus its id) is cached on disk
 under a key of the data files' identity (:meth:`RecordSource.identity`: path, size, mtime) and every processor
 setting that changes the counts (:func:`metadata_key`); the media files read are stamped (size, mtime) in the
@@ -31,6 +32,9 @@ import os
 import sys
 import time
 import wave
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -47,7 +51,7 @@ from plait.data.sources import MediaBytes, RecordSource, SampleError, parse_reco
 from plait.data.video import VideoHeader, read_video_header
 
 __all__ = ["SkippedSample", "MetadataTable", "metadata_key", "metadata_pass", "record_metadata", "default_cache_dir",
-           "METADATA_VERSION"]
+           "METADATA_VERSION", "this_process_only"]
 
 log = logging.getLogger(__name__)
 
@@ -487,12 +491,30 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "plait" / "metadata"
 
 
+_THIS_PROCESS_ONLY: ContextVar[bool] = ContextVar("plait_metadata_this_process_only", default=False)
+"""True inside :func:`this_process_only`."""
+
+
+@contextmanager
+def this_process_only() -> Iterator[None]:
+    """Inside, every :func:`metadata_pass` runs in this process alone, as without a process group: all rows here,
+    no collective, the cache (if any) read and written by this process. For data one rank builds alone while the
+    others wait, e.g. the profile of ``parallel.plan = "auto"`` (``plait.commands.train.resolve_auto``): a
+    collective pass there waits for ranks that never enter it."""
+    token = _THIS_PROCESS_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _THIS_PROCESS_ONLY.reset(token)
+
+
 def metadata_pass(source: RecordSource, processor: MultimodalProcessor, *, prompt_only: bool = False,
                   max_rows: int | None = None, workers: int = 0, cache_dir: str | Path | None = None,
                   progress: bool = False, chunk: int = CHUNK) -> MetadataTable:
     """The :class:`MetadataTable` of the first ``max_rows`` rows of ``source`` (all without it): from the cache
     under ``cache_dir`` when fresh there on every rank, else computed (module docstring) and written by rank 0.
-    Collective when ``torch.distributed`` is initialized with several ranks: every rank calls it.
+    Collective when ``torch.distributed`` is initialized with several ranks: every rank calls it (inside
+    :func:`this_process_only`: never).
 
     Args:
         source: the records.
@@ -542,7 +564,8 @@ def metadata_pass(source: RecordSource, processor: MultimodalProcessor, *, promp
 
 
 def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    """Whether the pass is split over, and gathered from, several ranks."""
+    return not _THIS_PROCESS_ONLY.get() and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _gather(obj: Any) -> list[Any]:

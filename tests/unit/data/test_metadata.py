@@ -9,9 +9,10 @@ import shutil
 
 import numpy as np
 import pytest
+import torch.distributed as dist
 
 from plait.data.loader import MultimodalDataset
-from plait.data.metadata import MetadataTable, metadata_key, metadata_pass
+from plait.data.metadata import MetadataTable, metadata_key, metadata_pass, this_process_only
 from plait.data.sources import JsonlSource, SampleError, sample_at
 from tests.conftest import DEMO, demo_records, write_jsonl
 from tests.unit.data.test_processing import setup  # noqa: F401  (fixture: tokenizer, model, processor)
@@ -51,6 +52,27 @@ def test_workers_and_chunks_do_not_change_the_table(setup, tmp_path):
     assert a.skipped == b.skipped and [s.source for s in a.skipped] == [f"{src.path}:11", f"{src.path}:41"]
     assert a.skipped[1].reason == f"record {recs[3]['id']!r} ({src.path}:41): the id is already used at {src.path}:4"
     assert len(a) == 58 and a.rows[10] == 11
+
+
+def test_a_pass_of_this_process_only_enters_no_collective(setup, tmp_path, monkeypatch):
+    _, _, proc = setup
+    src = JsonlSource(write_jsonl(tmp_path / "d.jsonl", demo_records("train", limit=12)))
+    alone = metadata_pass(src, proc, chunk=5)  # no process group: the reference
+
+    def never(*args, **kwargs):
+        raise AssertionError("a collective")
+
+    # a process group of 2 ranks in which the other rank never joins this pass (rank 0 building a profile's data)
+    for name, value in (("is_initialized", lambda: True), ("get_world_size", lambda: 2), ("get_rank", lambda: 1)):
+        monkeypatch.setattr(dist, name, value)
+    monkeypatch.setattr(dist, "all_gather_object", never)
+    with this_process_only():
+        table = metadata_pass(src, proc, chunk=5, cache_dir=tmp_path / "cache")
+    for name in ("rows", "counts", "item_offsets", "item_branch", "item_tokens", "id_blob", "id_offsets"):
+        assert np.array_equal(getattr(alone, name), getattr(table, name)), name
+    assert len(table) == 12 and len(list((tmp_path / "cache").glob("*.npz"))) == 1  # all rows; cached by itself
+    with pytest.raises(AssertionError, match="a collective"):  # outside it the pass is collective again
+        metadata_pass(src, proc, chunk=5)
 
 
 def test_cache_is_reused_when_fresh_and_recomputed_when_stale(setup, tmp_path, caplog):
