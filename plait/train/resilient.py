@@ -68,7 +68,7 @@ from plait.planner.schedule_ir import Schedule
 from plait.planner.schedules import build_schedule
 from plait.planner.templates import Instantiation, TemplateSet
 from plait.train.build import build_datasets, seed_everything
-from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, save_checkpoint
+from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, save_checkpoint, training_set_identity
 from plait.train.evaluation import EvalReport, eval_batch_size, evaluate_on, load_metrics
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter
@@ -316,7 +316,8 @@ class ResilientWorker:
             try:
                 save_checkpoint(checkpoint_dir(self.cfg.metrics.run_dir, steps), run.stages.model, run.opt,
                                 self.schedule, loader.state_dict(), steps, keep=self.cfg.checkpoint.keep,
-                                layout=self._layout(run.inst), model_config=config_to_dict(self.cfg)["model"])
+                                layout=self._layout(run.inst), model_config=config_to_dict(self.cfg)["model"],
+                                data=training_set_identity(self.train_set))
                 saved = True
             except (RuntimeError, CheckpointException):
                 saved = False
