@@ -67,7 +67,11 @@ def busy_run_message(run_dir: str | Path) -> str | None:
     process on another host), with how to proceed; None when the folder is free (no lock, this process's own, or a
     stale one whose process is gone)."""
     path = _lock_path(run_dir)
-    holder = _read_lock(path)
+    return _busy(run_dir, path, _read_lock(path))
+
+
+def _busy(run_dir: str | Path, path: Path, holder: dict[str, Any] | None) -> str | None:
+    """:func:`busy_run_message` for the lock at ``path`` read as ``holder`` (:func:`_read_lock`)."""
     if not holder:  # none, or one being written by a process that has not finished it: acquire decides
         return None
     host, pid = str(holder["host"]), int(holder["pid"])
@@ -127,11 +131,14 @@ def acquire_run_lock(run_dir: str | Path) -> Path:
 
 def _clear_stale(path: Path, run_dir: str | Path, attempt: int) -> None:
     """The lock at ``path`` exists: raise when a live run holds it, remove it when stale (warning), or wait a moment
-    when it is being written (an unreadable lock is taken as stale after about a second)."""
-    message = busy_run_message(run_dir)
+    when it is being written (an unreadable lock is taken as stale after about a second). The lock is read once,
+    so what is removed is what was judged stale; gone meanwhile, the caller's next attempt creates it."""
+    holder = _read_lock(path)
+    if holder is None:
+        return
+    message = _busy(run_dir, path, holder)
     if message is not None:
         raise ValueError(message)
-    holder = _read_lock(path)
     if holder == {} and attempt < 20:
         time.sleep(0.05)
         return
