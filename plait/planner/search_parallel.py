@@ -252,8 +252,10 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
                                      dp_degrees=flat_dps, dtype=dtype, optimizer=optimizer,
                                      dp_shard=degrees.dp_shard, **search)
 
-            extra = accumulated_grad_bytes(true_units, whole, degrees, dtype, optimizer)
-            return flat_reduce(run, cap, -(-microbatches // pipe_devices), extra)
+            rank_microbatches = -(-microbatches // pipe_devices)
+            extra = (accumulated_grad_bytes(true_units, whole, degrees, dtype, optimizer) if rank_microbatches > 1
+                     else 0.0)
+            return flat_reduce(run, cap, rank_microbatches, extra)
 
         def staged(staged_dps: list[int]) -> LayoutChoice:  # pipeline stages sharded over their DP ranks
             return _pipelined(true_units, whole, degrees, pipe_devices, staged_dps, microbatches, memory_cap, dtype,
@@ -301,16 +303,17 @@ def flat_reduce(run: Callable[[float | None], LayoutChoice], cap: float | None, 
     """
     if per_rank <= 1 or extra <= 0:
         return run(cap)
-    found, errors = [], []
+    found, errors, step = [], [], None
     if cap is None or cap - extra > 0:
         try:
-            found.append(dataclasses.replace(run(None if cap is None else cap - extra), shard_buffer_bytes=extra))
+            step = run(None if cap is None else cap - extra)
+            found.append(dataclasses.replace(step, shard_buffer_bytes=extra))
         except ValueError as exc:
             errors.append(f"fsdp_reduce step: {exc}")
     else:
         errors.append(f"fsdp_reduce step: the accumulated unsharded gradients ({extra:.3g} bytes) exceed the cap")
     try:
-        choice = run(cap)
+        choice = step if cap is None and step is not None else run(cap)  # no cap: the same search as "step"
         added = (per_rank - 1) * choice.grad_sync_s
         found.append(dataclasses.replace(choice, fsdp_reduce="microbatch", iteration_s=choice.iteration_s + added,
                                          planned_iteration_s=choice.planned_iteration_s + added))
