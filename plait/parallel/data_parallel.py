@@ -156,8 +156,10 @@ class GradientReducer:
             for p, piece, used in zip(bucket, pieces, pieces[-1].tolist()):
                 if used == 0:
                     p.grad = None
-                elif self._viewed or p.grad is None:
-                    p.grad = piece.view_as(p) if self._viewed else piece.view_as(p).clone()
+                elif self._viewed:
+                    p.grad = piece.view_as(p)
+                elif p.grad is None:
+                    p.grad = piece.view_as(p).clone()
                 else:
                     p.grad.copy_(piece.view_as(p))
         self._reset()
