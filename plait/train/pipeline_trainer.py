@@ -245,7 +245,8 @@ class PipelineTrainer(Trainer):
         the :class:`~plait.planner.routing.FeatureRouting`; microbatches empty in both views are dropped (order
         kept). Without deferral both views are the same and the step runs without routing."""
         plan = plan or self.plan_step(indices)[0]
-        global_targets = sum(self.train_set.sample_meta(i).target_tokens for i in indices)
+        metas = [self.train_set.sample_meta(i) for i in indices]
+        global_targets = sum(m.target_tokens for m in metas)
         step, loss_fn = self.plan_batches(indices, plan), token_loss_sum
         routed = plan.deferred() and step.routing.num_microbatches > 0
         batches, kwargs = list(step.llm_batches), list(step.llm_kwargs)
@@ -260,7 +261,7 @@ class PipelineTrainer(Trainer):
                                 frequency=self.energy.controller if self.energy is not None else None,
                                 sharded=self.sharded)
         if self.sharded is not None:  # a branch no sample of the step uses keeps no gradient, as in one process
-            self.sharded.drop_gradients(unused_branches(self.sharded, [self.train_set.sample_meta(i) for i in indices]))
+            self.sharded.drop_gradients(unused_branches(self.sharded, metas))
         self.last_events = res.events
         if self.energy is not None:
             self.energy.after_step(res.events)  # straggler reaction (collective)
