@@ -136,11 +136,8 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
 
 _JOB_VERBS = {"train": False, "profile": False, "tune-ranks": False, "launch": False, "plan": True, "energy": True}
 """The verbs that read a ``--config`` job file, checked before the verb's module is imported: True for the verbs
-that read it for planning (their ``[parallel.pp]`` table and ``parallel.dp`` replaced by the plan)."""
-
-
-_NO_OVERRIDES = ("simulate", "generate", "import", "export")
-"""The verbs that read no job file, so take no ``--section.key=value`` overrides."""
+that read it for planning (their ``[parallel.pp]`` table and ``parallel.dp`` replaced by the plan). The other verbs
+read no job file, so take no ``--section.key=value`` overrides."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -309,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognised arguments {bad}; overrides look like --train.lr=1e-3")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        if rest and args.command in _NO_OVERRIDES:
+        if rest and args.command not in _JOB_VERBS:
             raise ValueError(f"plait {args.command} takes no overrides, got {rest}")
         if args.command in _JOB_VERBS:  # a bad job file is refused in ~0.3 s, before torch and transformers load
             from plait.commands.job_file import check_job
