@@ -34,9 +34,9 @@ __all__ = ["generate_command", "check_output_path", "prompt_sample", "read_promp
            "empty_report", "EMPTY_ANSWER", "EMPTY_WHY"]
 
 EMPTY_ANSWER = "(empty answer: the model generated no text, nothing but whitespace before its stop token)"
+"""What ``plait generate --prompt`` prints on stderr after an empty answer (stdout keeps the answer itself)."""
 EMPTY_WHY = "no text, nothing but whitespace before the stop token"
 """Why an answer counts as empty (:func:`~plait.models.generation.is_empty_answer`), in the ``--output`` summary."""
-"""What ``plait generate --prompt`` prints on stderr after an empty answer (stdout keeps the answer itself)."""
 
 
 def generate_command(model: str | Path, *, prompt: str | None = None, images: Sequence[str] = (),

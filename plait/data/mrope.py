@@ -64,7 +64,8 @@ def mrope_positions(input_ids: torch.Tensor, item_ids: torch.Tensor, grids: Sequ
     """
     ids, items = input_ids.reshape(-1).long(), item_ids.reshape(-1).long()
     gridded = torch.tensor([g is not None for g in grids] + [False], dtype=torch.bool)
-    on_grid = gridded[torch.where(items >= 0, items, len(grids))]
+    slot = torch.where(items >= 0, items, len(grids))  # each token's item, len(grids) for text
+    on_grid = gridded[slot]
     if not bool(on_grid.any()):
         return torch.arange(ids.numel()).expand(3, -1).clone()
     order = [int(i) for i in torch.unique_consecutive(items[on_grid])]
@@ -84,7 +85,7 @@ def mrope_positions(input_ids: torch.Tensor, item_ids: torch.Tensor, grids: Sequ
                                                              tokens_per_second=rates.pop() if rates else 1)),
         get_vision_position_ids=lambda *a, **k: Qwen2_5_VLModel.get_vision_position_ids(None, *a, **k))
     kinds = torch.tensor([2 if t is not None else 1 for t in timing] + [0], dtype=torch.int)
-    types = torch.where(on_grid, kinds[torch.where(items >= 0, items, len(grids))], 0)
+    types = torch.where(on_grid, kinds[slot], 0)
 
     def grid(chosen: list[int]) -> torch.Tensor | None:
         rows = [[int(g) for g in grids[i]] for i in chosen]  # type: ignore[union-attr]
