@@ -240,16 +240,18 @@ def launch_command(config: str | Path, nproc: int, failures: int, overrides: Seq
     kills_, rejoins_ = parse_kills(kills), parse_kills(rejoins)
     check_launch(cfg, nproc, kills_, rejoins_)
     run_dir = Path(cfg.metrics.run_dir)
-    with hold_run_lock(run_dir):  # the launcher holds the run folder's lock while its workers write it
-        out = run_dir / "resilient"
-        if not overwrite:
-            _refuse_earlier_run(run_dir)
-        costs = launch_device(cfg, nproc, device)
-        why = ("--device" if device is not None
-               else "the workers train on this host's CPU with gloo; --device to plan for another")
-        print(f"plait launch: planning for {costs[0].name} ({why}); costs: {costs[1].source}", flush=True)
-        plan = launch_plan(cfg, nproc, failures, pipelines, timeout_s, kills_, rejoins_, costs)
-        if overwrite:  # only once every argument is checked: a refused command leaves the folder as it was
+    out = run_dir / "resilient"
+    if not overwrite:
+        _refuse_earlier_run(run_dir)
+    costs = launch_device(cfg, nproc, device)
+    why = ("--device" if device is not None
+           else "the workers train on this host's CPU with gloo; --device to plan for another")
+    print(f"plait launch: planning for {costs[0].name} ({why}); costs: {costs[1].source}", flush=True)
+    plan = launch_plan(cfg, nproc, failures, pipelines, timeout_s, kills_, rejoins_, costs)
+    # only once every argument is checked (a refused command leaves the folder as it was, not even created), the
+    # launcher takes the run folder's lock and holds it while its workers write the folder
+    with hold_run_lock(run_dir):
+        if overwrite:
             clear_earlier_run(run_dir, True, 1, overwrite=True)
         out.mkdir(parents=True, exist_ok=True)
         (out / "launch.json").write_text(plan.to_json())

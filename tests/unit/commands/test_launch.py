@@ -116,6 +116,15 @@ def test_a_refused_launch_with_overwrite_leaves_the_earlier_run_untouched(tmp_pa
     assert {str(p.relative_to(run)): p.read_text() for p in run.rglob("*") if p.is_file()} == before
 
 
+def test_a_refused_launch_creates_no_run_folder(tmp_path):
+    run = tmp_path / "new-run"
+    job = tmp_path / "job.toml"
+    job.write_text(to_toml(tiny_config_dict(str(tmp_path / "train.jsonl"), None, str(run))) + "\n")
+    with pytest.raises(ValueError, match=r"--pipelines \[3, 3\] use 6 workers, --nproc is 4"):
+        launch_command(job, 4, 1, pipelines=[3, 3])
+    assert not run.exists()  # refused while planning: the run folder's lock was never taken
+
+
 def test_overwrite_removes_the_checkpoints_final_model_and_launch_logs_together(tmp_path, caplog):
     run = tmp_path / "run"
     _earlier_launched_run(run)
