@@ -21,6 +21,7 @@ Face class.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
@@ -142,8 +143,9 @@ read no job file, so take no ``--section.key=value`` overrides."""
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``plait`` command; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="plait", description="Train multimodal LLMs composed of Hugging Face parts.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="plait", description="Train multimodal LLMs composed of Hugging Face parts.",
+                                     allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_ExactParser)
     train = sub.add_parser(
         "train", help="train a job (single process, or under torchrun for DP/CP/PP)",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=OVERRIDES_HELP)
@@ -300,6 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                      help="llava: LlavaForConditionalGeneration; qwen2_audio: Qwen2AudioForConditionalGeneration; "
                           "qwen2_5_vl: Qwen2_5_VLForConditionalGeneration (projector folded into the merger)")
     exp.add_argument("--out", default=None, help="the checkpoint folder (default: <run>/hf-<format>)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verb = next((a for a in argv if not a.startswith("-")), None)
+    if verb in sub.choices:
+        _refuse_unknown_flags(sub.choices[verb], argv[argv.index(verb) + 1:])
     args, rest = parser.parse_known_args(argv)
     bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
     if bad:
@@ -325,6 +331,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("plait: interrupted", file=sys.stderr)
         return 130
+
+
+class _ExactParser(argparse.ArgumentParser):
+    """A verb's parser that matches options by their full name only: argparse's prefix matching ran ``--o`` as
+    ``--overwrite`` (removing an earlier run) and ``--resum`` as ``--resume``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+
+def _refuse_unknown_flags(verb: argparse.ArgumentParser, args: list[str]) -> None:
+    """Exit with a usage error (code 2) naming the first argument of ``args`` that is neither one of ``verb``'s
+    options, written in full, nor a ``--section.key=value`` override, with the closest options as suggestions.
+    Checked before parsing, so ``--confg x`` is named itself (not reported as a missing ``--config``)."""
+    known = sorted(o for o in verb._option_string_actions if o.startswith("--"))
+    takes_value = {o for o, action in verb._option_string_actions.items() if action.nargs != 0}
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        if not arg.startswith("-") or arg == "--":
+            continue
+        name = arg.split("=", 1)[0]
+        if name in verb._option_string_actions:
+            skip = "=" not in arg and name in takes_value and verb._option_string_actions[name].nargs != "?"
+            continue
+        if arg.startswith("--") and "=" in arg and "." in name:
+            continue  # an override, checked against the job's fields by the job file check
+        close = [o for o in known if o.startswith(name)]
+        close += [o for o in difflib.get_close_matches(name, known, n=2, cutoff=0.6) if o not in close]
+        close = close[:2]
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        if "." in name and "=" not in arg:
+            hint = f"; an override needs a value: {name}=VALUE"
+        verb.error(f"unrecognised argument {arg!r} (options are matched by their full name{hint}); overrides look "
+                   f"like --train.lr=1e-3")
 
 
 def _quiet_transformers() -> None:

@@ -555,7 +555,7 @@ change the audio bytes).
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point: ``python -m plait.data.demo.build --out DIR [--seed N]``; returns the exit code."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--out", type=Path, default=Path("data/demo"), help="output folder")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-records", type=int, default=BuildConfig.train_records)

@@ -138,7 +138,7 @@ def build_match_task(demo: Path, cfg: MatchConfig = MatchConfig()) -> dict[str, 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m plait.data.demo.match --demo DIR [--seed N] [--train N] [--val N]``; returns the exit code."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--demo", type=Path, default=Path("data/demo"), help="the demo folder (train.jsonl, val.jsonl)")
     p.add_argument("--seed", type=int, default=MatchConfig.seed)
     p.add_argument("--train", type=int, default=MatchConfig.train, help="train records")
