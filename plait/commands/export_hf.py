@@ -20,6 +20,7 @@ import transformers
 from safetensors.torch import load_file
 
 from plait.data.sources import path_note
+from plait.models.file_modes import share_saved_files
 from plait.models.generation import with_stop_tokens
 from plait.models.hf_io import (HF_FORMATS, QWEN_VL_TOKENS, REFUSED_EXPORTS, check_exportable, hf_from_composite,
                                 merge_adapters, save_hf_processor)
@@ -97,6 +98,7 @@ def export_checkpoint(run: str | Path, fmt: str, out: str | Path | None = None) 
     print(f"plait: writing {target} ({spec.model_class})", flush=True)
     hf.save_pretrained(target)
     save_hf_processor(spec, model, tokenizer, media, target)
+    share_saved_files(target)  # safetensors writes 0600
     return target
 
 

@@ -50,6 +50,7 @@ from plait.models.projector import build_projector
 
 __all__ = ["HfFormat", "HF_FORMATS", "REFUSED_EXPORTS", "hf_format_of", "composite_from_hf", "hf_from_composite",
            "check_exportable", "hf_processor", "save_hf_processor", "merge_adapters", "string_content_template",
+           "export_chat_template",
            "QWEN_VL_TOKENS"]
 
 
@@ -361,8 +362,7 @@ def hf_processor(fmt: HfFormat, model: MultimodalModel, tokenizer: Any, media_pr
     name, branch = next(iter(model.encoders.items()))
     token = tokenizer.convert_ids_to_tokens(model.placeholder_ids[name])
     cls = getattr(transformers, fmt.processor_class)
-    template = (tokenizer.chat_template or "").removeprefix(_STRING_PRELUDE) or None
-    tokenizer.chat_template = template
+    template = export_chat_template(tokenizer, token)
     if fmt.name == "llava":
         cfg = branch.encoder.config
         return cls(image_processor=media_processor, tokenizer=tokenizer, chat_template=template,
@@ -386,8 +386,8 @@ def save_hf_processor(fmt: HfFormat, model: MultimodalModel, tokenizer: Any, med
     if fmt.name != "qwen2_5_vl":
         hf_processor(fmt, model, tokenizer, media_processor).save_pretrained(folder)
         return
-    template = (tokenizer.chat_template or "").removeprefix(_STRING_PRELUDE) or None
-    tokenizer.chat_template = template
+    name = next(iter(model.encoders))
+    template = export_chat_template(tokenizer, tokenizer.convert_ids_to_tokens(model.placeholder_ids[name]))
     media_processor.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     if template:
@@ -406,6 +406,54 @@ _STRING_PRELUDE = (
     "{%- endfor -%}\n"
     "{%- set messages = plait_ns.messages -%}\n"
 )
+
+
+_TYPED_PRELUDE = (
+    "{#- plait: typed message contents become one string: each text part its text, each media part the "
+    "model's placeholder token -#}\n"
+    "{%- set plait_typed = namespace(messages=[]) -%}\n"
+    "{%- for m in messages -%}\n"
+    "{%- if m['content'] is string -%}{%- set plait_typed.messages = plait_typed.messages + [m] -%}\n"
+    "{%- else -%}{%- set plait_text = namespace(s='') -%}\n"
+    "{%- for part in m['content'] -%}\n"
+    "{%- if part['type'] == 'text' -%}{%- set plait_text.s = plait_text.s + part['text'] -%}\n"
+    "{%- elif part['type'] in ['image', 'audio', 'video'] -%}{%- set plait_text.s = plait_text.s + PLACEHOLDER -%}\n"
+    "{%- else -%}{{- raise_exception('message content part of type ' + part['type'] + ': this template renders "
+    "text, image, audio and video parts') -}}{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- set plait_typed.messages = plait_typed.messages + [{'role': m['role'], 'content': plait_text.s}] -%}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- set messages = plait_typed.messages -%}\n"
+)
+
+
+def export_chat_template(tokenizer: Any, placeholder: str) -> str | None:
+    """The chat template an export writes, set on ``tokenizer`` too: the tokenizer's own without the string-content
+    prelude :func:`string_content_template` may have added on import (the template the checkpoint came with), and,
+    when that renders string contents only (plait's ChatML before typed parts, or a user's template), behind a
+    prelude that turns typed contents (``[{"type": "image"}, {"type": "text", "text": ...}]``, the form transformers'
+    processors and ``apply_chat_template`` users write) into one string, each media part ``placeholder`` (the
+    branch's placeholder token, e.g. ``"<image>"``). None when the tokenizer has no template.
+
+    Raises:
+        ValueError: when neither form renders the text of a one-turn typed conversation.
+    """
+    template = (tokenizer.chat_template or "").removeprefix(_STRING_PRELUDE) or None
+    if template is not None:
+        probe = [{"role": "user", "content": [{"type": "text", "text": "plait-probe-text"}]}]
+        for candidate in (template, _TYPED_PRELUDE.replace("PLACEHOLDER", repr(placeholder)) + template):
+            try:
+                text = tokenizer.apply_chat_template(probe, chat_template=candidate, tokenize=False)
+                if "plait-probe-text" in text and "'type'" not in text:  # not the list printed whole
+                    template = candidate
+                    break
+            except Exception:  # jinja2 errors of any kind: a template may raise on contents it does not expect
+                continue
+        else:
+            raise ValueError("the model's chat template renders neither typed nor string message contents")
+    tokenizer.chat_template = template
+    return template
 
 
 def string_content_template(template: str, render: Any) -> str:

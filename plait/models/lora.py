@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from plait.config.schema import LoraConfig, ModelConfig
+from plait.models.file_modes import share_saved_files
 
 __all__ = [
     "ADAPTER",
@@ -204,6 +205,7 @@ def save_adapter(module: nn.Module, directory: str | Path) -> None:
         if key is not None:
             state[key] = param.detach().to("cpu").contiguous()
     save_file(state, str(root / "adapter_model.safetensors"), metadata={"format": "pt"})
+    share_saved_files(root)  # safetensors writes 0600
 
 
 def load_adapter(module: nn.Module, directory: str | Path) -> None:

@@ -21,6 +21,7 @@ from plait.models.encoder import ModalityEncoder
 from plait.config.schema import LoraConfig
 from plait.data.mrope import next_mrope_positions
 from plait.models.families.qwen2_5_vl import takes_mrope
+from plait.models.file_modes import share_saved_files
 from plait.models.hf import build_causal_lm, build_encoder, encoder_feature_size
 from plait.models.lora import ADAPTER_DIR, base_state_dict, has_lora, inject_lora, load_adapter, lora_settings, save_adapter
 from plait.models.projector import build_projector
@@ -244,6 +245,7 @@ class MultimodalModel(nn.Module):
             if video and name in video:
                 meta["encoders"][name]["video"] = dict(video[name])
         (root / PLAIT_CONFIG).write_text(json.dumps(meta, indent=2))
+        share_saved_files(root)  # safetensors writes 0600
 
     @classmethod
     def from_pretrained(

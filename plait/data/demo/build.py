@@ -38,6 +38,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from plait.data.chat_template import read_chat_template
 from plait.data.demo.match import build_match_task
 
 __all__ = [
@@ -75,19 +76,9 @@ IMAGE_TOKEN, AUDIO_TOKEN = "<image>", "<audio>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, IM_START, IM_END, IMAGE_TOKEN, AUDIO_TOKEN)
 TOKENIZER_VOCAB_SIZE = 512
 
-# ChatML; the assistant content and its closing <|im_end|> are the generation (trained) span.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'assistant' -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- generation -%}{{- message['content'] + '<|im_end|>' -}}{%- endgeneration -%}"
-    "{{- '\\n' -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+# ChatML, the committed template: string or typed message contents; the assistant content and its closing
+# <|im_end|> are the generation (trained) span.
+CHAT_TEMPLATE = read_chat_template("chatml")
 
 PROMPTS = {
     "image_digit": (

@@ -204,6 +204,11 @@ def test_exported_model_stops_at_the_chat_turn_end_where_plait_stops(tmp_path):
     assert hf.generation_config.eos_token_id == [2, 4] and hf.generation_config.pad_token_id == 0
     processor = T.AutoProcessor.from_pretrained(str(out))
     text = gen.tokenizer.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True)
+    before, after = prompt.messages[0]["content"].split("<image>")
+    typed = [{"role": "user", "content": [{"type": "text", "text": before}, {"type": "image"},
+                                          {"type": "text", "text": after}]}]
+    assert processor.apply_chat_template(typed, add_generation_prompt=True) == text  # transformers' message form
+    assert (out / "model.safetensors").stat().st_mode & 0o044 == 0o044  # readable as the umask allows, not 0600
     from PIL import Image
 
     inputs = processor(text=text, images=Image.open(recs[0]["images"][0]).convert("RGB"), return_tensors="pt")
