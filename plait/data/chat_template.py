@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.config.schema import DataConfig, ModelConfig
-from plait.data.sources import SampleError
+from plait.data.sources import SampleError, path_note
 
 __all__ = [
     "TEMPLATE_DIR",
@@ -95,9 +95,12 @@ def tokenizer_dir(data: DataConfig, model: ModelConfig) -> str:
     (``tokenizer_config.json`` or ``tokenizer.json``).
 
     Raises:
-        ValueError: when ``data.tokenizer`` is empty and no such folder holds a tokenizer, or ``model.pretrained``
-            names a folder that does not exist.
+        ValueError: when ``model.llm.path`` names a folder that does not exist, ``data.tokenizer`` is empty and no
+            such folder holds a tokenizer, or ``model.pretrained`` names a folder that does not exist.
     """
+    if model.llm.path and not Path(model.llm.path).is_dir():  # the model's folder, before any tokenizer question
+        raise ValueError(f"model.llm.path = {model.llm.path!r} does not exist{path_note(model.llm.path)}: give the "
+                         "local Hugging Face folder of the LLM (plait loads no weights from a hub)")
     if data.tokenizer:
         return data.tokenizer
     if model.pretrained and not Path(model.pretrained).is_dir():

@@ -336,3 +336,12 @@ def test_a_token_across_the_prompt_and_answer_boundary_is_refused_naming_the_tok
                                           r"tokens that are not found at token 0 of the whole conversation \(they "
                                           r"first differ at token \d+: '\\n\\n' vs '\\n'\)"):
         render_with_assistant_mask(tok, CONVERSATION)
+
+
+def test_a_missing_llm_folder_is_named_as_such_not_as_a_tokenizer_problem(tmp_path):
+    missing = str(tmp_path / "no-such-llm")
+    for data in (DataConfig(), DataConfig(tokenizer=str(DEMO / "tokenizer"))):
+        with pytest.raises(ValueError, match=r"model.llm.path = '.*no-such-llm' does not exist: give the local "
+                                             r"Hugging Face folder") as err:
+            tokenizer_dir(data, ModelConfig(llm=LLMConfig(path=missing)))
+        assert "tokenizer" not in str(err.value)
