@@ -201,8 +201,11 @@ def check_python(body: str) -> None:
                 assert _defines(path, alias.name), f"{node.module} defines no {alias.name}"
 
 
-def _defines(path: Path, name: str) -> bool:
-    return re.search(rf"^(class|def) {re.escape(name)}\b|^{re.escape(name)}\s*[:=]", path.read_text(), re.M) is not None
+def _defines(path: Path, name: str, nested: bool = False) -> bool:
+    """Whether the module file defines ``name`` at its top level (or, ``nested``, anywhere: a method)."""
+    indent = r"[ \t]*" if nested else ""
+    pattern = rf"^{indent}(class|def) {re.escape(name)}\b|^{indent}{re.escape(name)}\s*[:=]"
+    return re.search(pattern, path.read_text(), re.M) is not None
 
 
 SNIPPETS = snippets()
@@ -221,12 +224,13 @@ def test_the_documented_commands_are_found():
 
 
 def _dotted_name_exists(dotted: str) -> bool:
-    """``plait.a.b.Name.attr``: the longest module prefix is a file of the repository defining the next name."""
+    """``plait.a.b.Name.attr``: the longest module prefix is a file of the repository defining ``Name`` (and
+    ``attr`` within it)."""
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
         path = _module_file(".".join(parts[:cut]))
         if path:
-            return cut == len(parts) or _defines(path, parts[cut])
+            return all(_defines(path, name, nested=i > cut) for i, name in enumerate(parts[cut:], cut))
     return False
 
 
@@ -249,7 +253,7 @@ def test_links_and_paths_exist():
                 problems.append(f"{name}: link {target}: no such heading")
         for n, span in _inline_spans(text):
             for word in span.split():
-                word = word.strip(",;:()'\"")
+                word = word.split("(")[0].strip(",;:)'\"")
                 if "<" in word or "*" in word or "{" in word:
                     continue
                 if word.startswith(REPO_PREFIXES) and not (ROOT / word).exists():
