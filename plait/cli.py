@@ -27,7 +27,7 @@ import os
 import sys
 from typing import Sequence
 
-__all__ = ["main"]
+__all__ = ["build_parser", "check_job_arguments", "main", "parse_command_line"]
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -141,8 +141,8 @@ that read it for planning (their ``[parallel.pp]`` table and ``parallel.dp`` rep
 read no job file, so take no ``--section.key=value`` overrides."""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``plait`` command; returns the exit code."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``plait`` parser with one subparser per verb (options matched by their full name only)."""
     parser = argparse.ArgumentParser(prog="plait", description="Train multimodal LLMs composed of Hugging Face parts.",
                                      allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_ExactParser)
@@ -302,23 +302,51 @@ def main(argv: Sequence[str] | None = None) -> int:
                      help="llava: LlavaForConditionalGeneration; qwen2_audio: Qwen2AudioForConditionalGeneration; "
                           "qwen2_5_vl: Qwen2_5_VLForConditionalGeneration (projector folded into the merger)")
     exp.add_argument("--out", default=None, help="the checkpoint folder (default: <run>/hf-<format>)")
-    argv = list(sys.argv[1:] if argv is None else argv)
+    return parser
+
+
+def parse_command_line(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Parse ``argv`` (the arguments after ``plait``) into the verb's options and its ``--section.key=value``
+    overrides. Exits with a usage error (code 2) on an unknown verb or option (named with the closest options), a
+    missing required option, or a stray argument that is not an override."""
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    argv = list(argv)
     verb = next((a for a in argv if not a.startswith("-")), None)
-    if verb in sub.choices:
-        _refuse_unknown_flags(sub.choices[verb], argv[argv.index(verb) + 1:])
+    if verb in verbs:
+        _refuse_unknown_flags(verbs[verb], argv[argv.index(verb) + 1:])
     args, rest = parser.parse_known_args(argv)
     bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
     if bad:
         parser.error(f"unrecognised arguments {bad}; overrides look like --train.lr=1e-3")
+    return args, rest
+
+
+def check_job_arguments(args: argparse.Namespace, overrides: Sequence[str], *, run_folder: bool = True) -> None:
+    """Check a parsed command's job file and overrides without loading torch (about 0.2 s): a verb outside
+    ``_JOB_VERBS`` takes no overrides; a job verb's ``--config`` is read and validated with them as the verb will
+    read it. With ``run_folder``, ``plait train`` and ``plait launch``'s launcher also refuse a run folder another
+    live run holds.
+
+    Raises:
+        ValueError, FileNotFoundError: naming the override, the config key or the file.
+    """
+    if overrides and args.command not in _JOB_VERBS:
+        raise ValueError(f"plait {args.command} takes no overrides, got {list(overrides)}")
+    if args.command in _JOB_VERBS:  # a bad job file is refused in ~0.3 s, before torch and transformers load
+        from plait.commands.job_file import check_job
+
+        check_job(args.config, overrides, planning=_JOB_VERBS[args.command],
+                  run_folder=run_folder and (args.command == "train"
+                                             or (args.command == "launch" and args.worker is None)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``plait`` command; returns the exit code."""
+    args, rest = parse_command_line(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        if rest and args.command not in _JOB_VERBS:
-            raise ValueError(f"plait {args.command} takes no overrides, got {rest}")
-        if args.command in _JOB_VERBS:  # a bad job file is refused in ~0.3 s, before torch and transformers load
-            from plait.commands.job_file import check_job
-
-            check_job(args.config, rest, planning=_JOB_VERBS[args.command],
-                      run_folder=args.command == "train" or (args.command == "launch" and args.worker is None))
+        check_job_arguments(args, rest)
         if args.command != "simulate":  # the one verb that never loads a model (transformers: ~0.6 CPU-s)
             _quiet_transformers()
         commands = {"train": _train, "plan": _plan, "simulate": _simulate, "profile": _profile,
