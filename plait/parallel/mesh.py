@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "init_distributed", "resolve_device"]
+from plait.models.device import resolve_device
+
+__all__ = ["DistInfo", "init_distributed"]
 
 
 @dataclass(frozen=True)
@@ -27,27 +29,13 @@ class DistInfo:
         return self.rank == 0
 
 
-def resolve_device(device: str, local_rank: int = 0) -> torch.device:
-    """``"auto"`` -> this process's CUDA device when CUDA is available, else CPU.
-
-    Raises:
-        ValueError: when ``"cuda"`` is asked for on a machine without CUDA.
-    """
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device='cuda' but CUDA is not available")
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
     """Join the process group started by ``torchrun`` (``WORLD_SIZE`` > 1), or run as a single process.
 
-    The backend is NCCL on GPU and gloo on CPU unless given.
+    The device is ``resolve_device(device, LOCAL_RANK)``; the backend is NCCL on GPU and gloo on CPU unless given.
 
     Raises:
-        ValueError: for NCCL on a CPU device.
+        ValueError: for NCCL on a CPU device, and as ``resolve_device``.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
