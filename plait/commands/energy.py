@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from plait.commands.job_file import load_config_for_planning
-from plait.commands.plan import build_plan_inputs, device_spec, plan_command, split_global_batch
+from plait.commands.plan import plan_command, split_global_batch
+from plait.models.plan_inputs import build_plan_inputs, device_spec
 from plait.planner.cost_model import unit_estimates
 from plait.planner.energy_frontier import (
     energy_at_deadline,
@@ -122,7 +123,7 @@ def job_action_options(config_path: str | Path, overrides: Sequence[str], microb
                        choice: LayoutChoice, gpu: str,
                        measured: EnergyProfile | None = None) -> dict[tuple[int, str], list[tuple[int, float, float]]]:
     """Per stage action of ``choice``, ``(frequency_mhz, seconds, joules)`` at the preset's clocks: the job's units
-    (``commands.plan.build_plan_inputs``) through ``energy_profile.analytic_energy_profile``, each action's times
+    (``models.plan_inputs.build_plan_inputs``) through ``energy_profile.analytic_energy_profile``, each action's times
     and energies scaled so that its top-clock time is the plan's own (``choice.stage_forward_s`` /
     ``stage_backward_s``, which include activation recomputation and runtime overheads when charged). With a
     ``measured`` profile, its own numbers per unit, unscaled.

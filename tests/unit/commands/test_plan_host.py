@@ -58,7 +58,7 @@ def test_host_cpu_measures_this_host():
     assert spec.peak_flops > 1e9 and spec.hbm_bandwidth > 1e8 and spec.name.startswith("CPU (this host, 1 thread: ")
     assert spec.chunk_overhead_s == DeviceSpec.cpu().chunk_overhead_s and spec.efficiency == 0.3
     from plait.commands.job_file import load_config_for_planning
-    from plait.commands.plan import build_plan_inputs
+    from plait.models.plan_inputs import build_plan_inputs
 
     cfg, _ = load_config_for_planning(DEMO)  # train.dtype auto: float32 on a CPU, as the trainer runs it
     assert build_plan_inputs(cfg, spec).dtype == "float32" and build_plan_inputs(cfg, "h100").dtype == "bfloat16"
