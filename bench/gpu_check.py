@@ -219,7 +219,7 @@ def build_run(cfg, run: str, device: str):
     activation checkpointing and FSDP2 on a one-device mesh (in that order, as the trainer)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from plait.commands.profile import build_profile_inputs
+    from plait.measure.job_profile import build_profile_inputs
     from plait.models.units import unit_specs
     from plait.parallel.checkpointing import apply_activation_checkpointing, checkpoint_policy
     from plait.parallel.fsdp import apply_fsdp

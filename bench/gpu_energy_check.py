@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from plait.commands.profile import build_profile_inputs  # noqa: E402
+from plait.measure.job_profile import build_profile_inputs  # noqa: E402
 from plait.config.loader import load_config  # noqa: E402
 from plait.models.units import model_units  # noqa: E402
 from plait.parallel.energy import build_frequency_controller  # noqa: E402

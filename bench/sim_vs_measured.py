@@ -59,12 +59,12 @@ from plait.parallel.pipeline import build_pipeline_comm, run_pipeline_step  # no
 from plait.train.loss import token_loss_sum  # noqa: E402
 from plait.parallel.stages import build_rank_stages  # noqa: E402
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline  # noqa: E402
-from plait.commands.profile import ProfileStore  # noqa: E402
+from plait.measure.job_profile import ProfileStore  # noqa: E402
 from plait.planner.profile import Profile, stage_action_costs  # noqa: E402
 from plait.planner.schedules import build_schedule  # noqa: E402
 from plait.planner.timeline import TimelineEvent  # noqa: E402
 from plait.planner.simulator import P2PModel, SimResult, boundary_bytes_from_units, simulate  # noqa: E402
-from plait.commands.profile import build_profile_inputs  # noqa: E402
+from plait.measure.job_profile import build_profile_inputs  # noqa: E402
 from plait.train.profiler import measure_profile  # noqa: E402
 
 LAYOUTS = ("encoder_parallel", "encoders_colocated")

@@ -1,7 +1,7 @@
 """``plait train``: train a job (single process, or under torchrun for DP/CP/PP) and save the result.
 
 :func:`train_command` loads the job, resolves ``parallel.plan = "auto"`` (:func:`resolve_auto`: rank 0
-profiles the model alone through ``plait.commands.profile.profile_job`` while the others wait, every rank runs the
+profiles the model alone through ``plait.measure.job_profile.profile_job`` while the others wait, every rank runs the
 same deterministic search, ``plait.train.auto_plan.resolve_auto_plan``), builds the trainer (``PipelineTrainer`` when
 ``parallel.pp.degree`` > 1), fits, and on the main rank saves the final model, tokenizer and processors, draws
 the loss curve and prints where everything went.
@@ -20,9 +20,9 @@ import torch.distributed as dist
 from plait.commands.job_file import same_on_every_rank
 from plait.commands.plan_costs import CPU_OPTIMIZER_S_PER_BYTE, measured_overheads
 from plait.commands.plan_fit import explain_no_fit, is_no_fit
-from plait.commands.profile import profile_job
 from plait.config.loader import load_config
 from plait.config.schema import JobConfig, ParallelConfig, PipelineConfig
+from plait.measure.job_profile import profile_job
 from plait.models.generation import save_final
 from plait.parallel.checkpointing import checkpoint_policy
 from plait.parallel.machine import auto_plan_inputs

@@ -186,7 +186,7 @@ def test_profiler_gives_an_mrope_llm_the_positions_it_trains_with(tmp_path):
     """A Qwen2.5-VL job (its M-RoPE text model as the LLM): every forward of the profile (capture, saved bytes, the
     module chunks and the runtime step) hands the text model the batch's ``rope_position_ids [3, B, N]``, which
     differ from the 1-D positions (a record with two images), as training does."""
-    from plait.commands.profile import build_profile_inputs
+    from plait.measure.job_profile import build_profile_inputs
     from plait.config.loader import config_from_dict
     from tests.distributed.test_qwen2_5_vl_parallel import _job
 
