@@ -80,6 +80,7 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _tune_ranks(args: argparse.Namespace, overrides: list[str]) -> int:
+    from plait.commands.train import train_command
     from plait.commands.tune_ranks import SearchSettings, tune_ranks_command
 
     def ints(text: str, flag: str) -> tuple[int, ...]:
@@ -91,7 +92,7 @@ def _tune_ranks(args: argparse.Namespace, overrides: list[str]) -> int:
     settings = SearchSettings(ranks=ints(args.ranks, "--ranks"), sizes=ints(args.sizes, "--sizes"), epochs=args.epochs,
                               batch=args.batch, val_samples=args.val_samples, tolerance=args.tolerance,
                               budget=args.budget, nproc=args.nproc)
-    tune_ranks_command(args.config, overrides, settings, args.out_dir)
+    tune_ranks_command(args.config, overrides, settings, args.out_dir, train=train_command)
     return 0
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from plait.models.device import resolve_device
 
-__all__ = ["DistInfo", "init_distributed"]
+__all__ = ["DistInfo", "broadcast_from_main", "init_distributed"]
 
 
 @dataclass(frozen=True)
@@ -48,3 +49,18 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return DistInfo(rank, world, local_rank, dev)
+
+
+def broadcast_from_main(value: Any, info: DistInfo, wait_s: float) -> Any:
+    """Rank 0's ``value`` (any picklable object) on every rank; ``value`` itself in a single process. Sent in a gloo
+    group of its own whose timeout is ``wait_s`` seconds, not the job's ``parallel.timeout_s``, so the other ranks
+    may wait while rank 0 works alone for minutes; a rank that dies ends the wait at once (its connections close).
+    """
+    box = [value]
+    if info.world_size > 1:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=wait_s))
+        try:
+            dist.broadcast_object_list(box, src=0, group=group)
+        finally:
+            dist.destroy_process_group(group)
+    return box[0]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait.commands import plan_costs
+import plait.commands.plan_costs as plan_costs
 from plait.commands.plan import plan_command
 from plait.commands.plan_compare import considered_plans, plan_label
 from plait.commands.plan_costs import CPU_OPTIMIZER_S_PER_BYTE, host_cpu, host_device, runtime_costs

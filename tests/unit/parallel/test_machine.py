@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from plait.parallel import machine
+import plait.parallel.machine as machine
 from plait.parallel.link import describe_link, job_link, preset_link
 from plait.parallel.machine import MEMORY_FRACTION, auto_plan_inputs, device_memory_bytes, memory_cap
 from plait.planner.cost_model import DeviceSpec
