@@ -145,8 +145,8 @@ def plan_command(
         out_json: where to write the plan JSON (``plait.planner.report.plan_to_json``; parents
             created); None: do not write.
         device: accelerator preset (``DEVICES``) or ``DeviceSpec``; its link is the stage-to-stage P2P model.
-            None: this host's (``plan_costs.host_device``: the GPU's preset; without a GPU this host's CPU measured
-            by ``plan_costs.host_cpu`` with ``train.threads`` threads, else the cores / ``devices``), printed.
+            None: this host's (``plan_costs.host_device``: the GPU's preset; without a GPU this host's CPU
+            measured by ``plan_costs.host_cpu`` with ``train.threads`` threads, else the cores / ``devices``), printed.
             On a device with host overheads (the ``"cpu"`` preset) the plan charges the runtime's fixed costs
             (``plan_costs.runtime_costs``): the job's measured profile from ``profile_store`` when one matches
             (``plan_costs.stored_profile``: its unit costs and overheads), else the analytic costs plus the

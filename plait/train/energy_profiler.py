@@ -3,8 +3,8 @@ energy with NVML (through zeus), into the planner's :class:`~plait.planner.energ
 
 Method, per clock of the sweep (:func:`measure_energy_profile`): the SM clock is locked
 (``set_gpu_locked_clocks``, zeus's device layer), then every unit's passes are re-run in isolation exactly as the
-time profiler does (:func:`plait.train.profiler.unit_pass_timings`: forward, dX, dW, fused backward of every captured
-call) with an :class:`EnergyTimer`: the time is the median of ``repeats`` runs; the energy per run is the
+time profiler does (:func:`plait.train.profiler.unit_pass_timings`: forward, dX, dW, fused backward of every
+captured call) with an :class:`EnergyTimer`: the time is the median of ``repeats`` runs; the energy per run is the
 difference of two ``ZeusMonitor`` windows of ``n`` runs each, one of the pass with its setup (a backward's forward
 graph), one of the setup alone, divided by ``n`` (``n`` enough for ``min_window_s``: NVML's energy counter moves
 every few to 100 ms, so short windows would read nothing).

@@ -274,11 +274,12 @@ def test_the_checker_reports_a_forbidden_import() -> None:
     assert any(v.startswith("plait/attention/bad.py:1: plait.attention.bad imports plait.parallel.context")
                for v in violations), violations
     assert any(v.startswith("plait/data/bad.py:1: plait.data.bad imports plait.models.registry") for v in violations)
-    assert any(v.startswith("plait/train/bad.py:1: plait.train.bad imports plait.commands.plan") for v in violations)
+    assert any(v.startswith("plait/train/bad.py:1: plait.train.bad imports plait.commands.plan")
+               for v in violations)
     assert any(v.startswith("plait/train/bad_measure.py:1: plait.train.bad_measure imports plait.measure.job_profile")
                for v in violations), violations
-    assert ("plait/measure/bad.py:2: plait.measure.bad imports plait.commands.plan: plait.measure may import only "
-            "attention, config, data, models, parallel, planner, train of plait (ALLOWED_IMPORTS)") in violations
+    assert ("plait/measure/bad.py:2: plait.measure.bad imports plait.commands.plan: plait.measure may import "
+            "only attention, config, data, models, parallel, planner, train of plait (ALLOWED_IMPORTS)") in violations
 
 
 def test_the_checker_reports_a_cycle() -> None:

@@ -1,5 +1,5 @@
-"""Microbatch cost coefficients of a live LoRA model (plait/train/costs.py): a module with adapters pays dX and only
-its adapters' share of dW (the rule of UnitCost.backward_s), with the share counted here from the parameters."""
+"""Microbatch cost coefficients of a live LoRA model (plait/train/costs.py): a module with adapters pays dX and
+only its adapters' share of dW (the rule of UnitCost.backward_s), with the share counted here from the parameters."""
 
 from __future__ import annotations
 
