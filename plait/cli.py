@@ -38,10 +38,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
-    from plait.commands.plan import plan_command
+    from plait.commands.plan.command import plan_command
 
     if args.energy is not None:
-        from plait.commands.energy import plan_by_energy
+        from plait.commands.plan.energy import plan_by_energy
 
         plan_by_energy(args.config, args.devices, tolerance=args.energy, gpu=args.device, out_json=args.out,
                        overrides=overrides, microbatches=args.microbatches, frozen_aware=not args.frozen_unaware)
@@ -97,7 +97,7 @@ def _tune_ranks(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _energy(args: argparse.Namespace, overrides: list[str]) -> int:
-    from plait.commands.energy import energy_command
+    from plait.commands.plan.energy import energy_command
 
     energy_command(args.config, args.devices, straggler=args.straggler, gpu=args.gpu, out_dir=args.out_dir,
                    overrides=overrides, microbatches=args.microbatches, method=args.method,
@@ -316,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rest and args.command not in _JOB_VERBS:
             raise ValueError(f"plait {args.command} takes no overrides, got {rest}")
         if args.command in _JOB_VERBS:  # a bad job file is refused in ~0.3 s, before torch and transformers load
-            from plait.commands.job_file import check_job
+            from plait.train.job_file import check_job
 
             check_job(args.config, rest, planning=_JOB_VERBS[args.command],
                       run_folder=args.command == "train" or (args.command == "launch" and args.worker is None))

@@ -2,7 +2,7 @@
 
 :func:`train_command` loads the job, resolves ``parallel.plan = "auto"`` (:func:`resolve_auto`: rank 0
 profiles the model alone (``plait.measure.auto_profile.main_rank_profile``) while the others wait, every rank runs the
-same deterministic search, ``plait.train.auto_plan.resolve_auto_plan``), builds the trainer (``PipelineTrainer`` when
+same deterministic search, ``plait.train.apply_plan.resolve_auto_plan``), builds the trainer (``PipelineTrainer`` when
 ``parallel.pp.degree`` > 1), fits, and on the main rank saves the final model, tokenizer and processors, draws
 the loss curve and prints where everything went.
 """
@@ -16,18 +16,18 @@ from typing import Any
 
 import torch.distributed as dist
 
-from plait.commands.job_file import same_on_every_rank
-from plait.commands.plan_costs import CPU_OPTIMIZER_S_PER_BYTE, measured_overheads
-from plait.commands.plan_fit import explain_no_fit, is_no_fit
+from plait.train.job_file import same_on_every_rank
+from plait.measure.host_costs import CPU_OPTIMIZER_S_PER_BYTE, measured_overheads
+from plait.train.plan_search import explain_no_fit, is_no_fit
 from plait.config.loader import load_config
 from plait.config.schema import JobConfig, ParallelConfig, PipelineConfig
 from plait.measure.auto_profile import main_rank_profile
 from plait.models.generation import save_final
 from plait.parallel.checkpointing import checkpoint_policy
-from plait.parallel.machine import auto_plan_inputs
-from plait.parallel.mesh import init_distributed
+from plait.measure.machine import auto_plan_inputs
+from plait.parallel.process_group import init_distributed
 from plait.planner.report import format_plan
-from plait.train.auto_plan import resolve_auto_plan
+from plait.train.apply_plan import resolve_auto_plan
 from plait.train.metrics import import_wandb
 from plait.train.pipeline_trainer import PipelineTrainer
 from plait.train.plots import plot_loss_curve
@@ -116,7 +116,7 @@ def resolve_auto(cfg: JobConfig, store: str | Path) -> tuple[JobConfig, Any]:
     ``plait.measure.auto_profile.main_rank_profile``), every rank receives the profile, the smallest device memory
     cap and the link model (``auto_plan_inputs``: same on every rank) and runs the same deterministic search, so all ranks agree on the
     plan, charging the runtime overheads the profile measured as ``plait plan`` does
-    (``plan_costs.measured_overheads``). The main rank prints the choice.
+    (``measure.host_costs.measured_overheads``). The main rank prints the choice.
 
     Returns:
         ``(resolved config, the process's DistInfo)``.

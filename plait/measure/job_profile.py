@@ -1,11 +1,11 @@
 """Profiling a job: its model and first samples (:func:`build_profile_inputs`), measured by
-``plait.train.profiler.measure_profile`` unless a stored profile's key matches (:func:`load_or_measure`: model,
+``plait.measure.unit_timing.measure_profile`` unless a stored profile's key matches (:func:`load_or_measure`: model,
 freezing, shapes, dtype, device, versions; a stale one is re-measured and the reason printed).
 
 Profiles are JSON files under a folder, one per key (:class:`ProfileStore`); a file that is not a plait profile is
 never overwritten (:func:`not_a_profile`). ``plait profile`` and ``parallel.plan = "auto"`` profile through
 :func:`profile_job`. :func:`energy_profile_job` sweeps N SM clocks of the GPU and stores the measured energy
-profile (``plait.train.energy_profiler``) as ``<store>/energy-profile-<key digest>.json``, reused while its key
+profile (``plait.measure.energy_sweep``) as ``<store>/energy-profile-<key digest>.json``, reused while its key
 and GPU match (``energy_profile_mismatch``); where clocks cannot be locked (no GPU, no zeus, no ``SYS_ADMIN``) it
 prints why and skips. Messages go to the ``out`` stream the caller gives (default stdout): they are the verbs'
 output.
@@ -35,7 +35,7 @@ from plait.models.multimodal import MultimodalModel
 from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.planner.energy_profile import EnergyProfile, energy_profile_mismatch
 from plait.planner.profile import Profile, ProfileKey, profile_mismatch
-from plait.train.profiler import KwargsFn, measure_profile, profile_key
+from plait.measure.unit_timing import KwargsFn, measure_profile, profile_key
 
 __all__ = [
     "ProfileInputs",
@@ -52,14 +52,14 @@ __all__ = [
 def energy_profile_job(cfg: Any, *, store_dir: str | Path = "runs/profiles", clocks: int = 5, microbatches: int = 1,
                        microbatch_size: int | None = None, repeats: int = 5, warmup: int = 2, force: bool = False,
                        out: TextIO | None = None) -> EnergyProfile | None:
-    """The job's measured GPU energy profile at ``clocks`` SM clocks (``plait.train.energy_profiler``), stored as
+    """The job's measured GPU energy profile at ``clocks`` SM clocks (``plait.measure.energy_sweep``), stored as
     ``<store_dir>/energy-profile-<key digest>.json`` and reused while its key and GPU match; None, with the
     reason printed, where clocks cannot be locked (``gpu_clock_control``).
 
     Raises:
         ValueError, FileNotFoundError: as :func:`build_profile_inputs`; ValueError on ``clocks < 1``.
     """
-    from plait.train.energy_profiler import gpu_clock_control, measure_energy_profile, sweep_clocks
+    from plait.measure.energy_sweep import gpu_clock_control, measure_energy_profile, sweep_clocks
 
     stream = out or sys.stdout
     if clocks < 1:

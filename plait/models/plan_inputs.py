@@ -199,7 +199,7 @@ def build_plan_inputs(cfg: Any, device: str | DeviceSpec = "h100", *, microbatch
     length = cfg.data.max_length
     shapes["llm"] = MicrobatchShape(tokens=per_mb * length, seq_len=length)
     shapes.update({name: shape for name, shape in (shapes_override or {}).items() if name in shapes})
-    on_cpu = spec.name.split(" ")[0] == "CPU"  # the preset and a host CPU measured (plait.commands.plan_costs.host_cpu)
+    on_cpu = spec.name.split(" ")[0] == "CPU"  # the preset and a host CPU measured (plait.measure.host_costs.host_cpu)
     dtype = "float32" if train.dtype == "fp32" or (train.dtype == "auto" and on_cpu) else "bfloat16"
     units, source = job_units(cfg, configs, frozen)
     costs = unit_costs(units, configs, shapes, spec, dtype)

@@ -262,9 +262,9 @@ def test_the_checker_reports_a_forbidden_import() -> None:
         "plait.planner.bad": "import math\n\n\ndef f():\n    from plait.train import trainer\n    return trainer\n",
         "plait.attention.bad": "from ..parallel.context import CPShard\n",
         "plait.data.bad": "import plait.models.registry as registry\n",
-        "plait.train.bad": "from plait.commands.plan import plan_command\n",
+        "plait.train.bad": "from plait.commands.plan.command import plan_command\n",
         "plait.train.bad_measure": "from plait.measure import job_profile\n",
-        "plait.measure.bad": "def f():\n    from plait.commands.plan import plan_command\n",
+        "plait.measure.bad": "def f():\n    from plait.commands.plan.command import plan_command\n",
     })
     violations = layer_violations(all_imports(sources))
     assert ("plait/planner/bad.py:5: plait.planner.bad imports plait.train.trainer: plait.planner may import nothing "
@@ -274,11 +274,11 @@ def test_the_checker_reports_a_forbidden_import() -> None:
     assert any(v.startswith("plait/attention/bad.py:1: plait.attention.bad imports plait.parallel.context")
                for v in violations), violations
     assert any(v.startswith("plait/data/bad.py:1: plait.data.bad imports plait.models.registry") for v in violations)
-    assert any(v.startswith("plait/train/bad.py:1: plait.train.bad imports plait.commands.plan")
+    assert any(v.startswith("plait/train/bad.py:1: plait.train.bad imports plait.commands.plan.command")
                for v in violations)
     assert any(v.startswith("plait/train/bad_measure.py:1: plait.train.bad_measure imports plait.measure.job_profile")
                for v in violations), violations
-    assert ("plait/measure/bad.py:2: plait.measure.bad imports plait.commands.plan: plait.measure may import "
+    assert ("plait/measure/bad.py:2: plait.measure.bad imports plait.commands.plan.command: plait.measure may import "
             "only attention, config, data, models, parallel, planner, train of plait (ALLOWED_IMPORTS)") in violations
 
 

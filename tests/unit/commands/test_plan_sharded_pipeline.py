@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from plait.models.plan_inputs import build_plan_inputs
-from plait.commands.plan_snippet import pp_snippet
+from plait.commands.plan.snippet import pp_snippet
 from plait.config.loader import load_config
 from plait.parallel.dims import ParallelDims
 from plait.planner.search import plan_layout

@@ -127,7 +127,7 @@ def _sync(device: torch.device) -> None:
 @dataclass(frozen=True)
 class _Timer:
     """How to time: device to synchronise, clock, repetitions. A timer that also measures energy (the GPU sweep
-    of ``plait.train.energy_profiler``) sets ``last_joules`` to the joules per run of its last :meth:`median`."""
+    of ``plait.measure.energy_sweep``) sets ``last_joules`` to the joules per run of its last :meth:`median`."""
 
     device: torch.device
     clock: str

@@ -1,6 +1,6 @@
 """Profiler and the automatic plan: bytes checked against the parameters and tensor shapes, freezing against the
 frozen-aware rules, stage costs by hand, and the automatic plan against brute force over every runnable plan (the
-profile store's tests are in tests/unit/commands/test_profile.py)."""
+profile store's tests are in tests/unit/measure/test_job_profile.py)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
 from plait.planner.profile import stage_action_costs
 from plait.planner.search import evaluate_plan
 from plait.planner.types import UnitCost
-from plait.train.auto_plan import resolve_auto_plan
-from plait.train.profiler import measure_profile, microbatch_shapes, profile_key
+from plait.train.apply_plan import resolve_auto_plan
+from plait.measure.unit_timing import measure_profile, microbatch_shapes, profile_key
 from tests.conftest import tiny_config_dict
 from tests.distributed.pipeline_worker import apply_mode, make_batch, tiny_model
 from tests.unit.profile_cases import make_profile as _profile

@@ -40,11 +40,11 @@ from plait.data.chat_template import tokenizer_dir
 from plait.data.loader import GlobalBatchLoader, MultimodalDataset
 from plait.models.plan_inputs import PlanInputs, build_plan_inputs, device_spec, model_parts
 from plait.models.registry import build_model, build_processor, load_tokenizer
-from plait.commands.job_file import load_config_for_planning
-from plait.commands.plan_costs import host_cpu, host_device, runtime_costs, stored_profile
-from plait.commands.plan_fit import search_plan
-from plait.commands.plan_fsdp import fsdp_line
-from plait.commands.plan_snippet import pp_snippet
+from plait.train.job_file import load_config_for_planning
+from plait.measure.host_costs import host_cpu, host_device, runtime_costs, stored_profile
+from plait.train.plan_search import search_plan
+from plait.commands.plan.fsdp import fsdp_line
+from plait.commands.plan.snippet import pp_snippet
 from plait.parallel.checkpointing import checkpoint_policy
 from plait.planner.cost_model import DeviceSpec, MicrobatchShape
 from plait.planner.macrobatch import MacrobatchStats, expected_shapes, macrobatch_stats
@@ -53,8 +53,8 @@ from plait.planner.recompute import checkpointed_costs, plan_checkpointing
 from plait.planner.report import format_bytes, format_lora_units, format_plan, plan_to_json
 from plait.planner.search import LayoutChoice
 from plait.planner.types import UnitCost
-from plait.train.auto_plan import kept_degrees
-from plait.train.costs import microbatch_cost_coeffs
+from plait.train.apply_plan import kept_degrees
+from plait.train.cost_coeffs import microbatch_cost_coeffs
 
 __all__ = [
     "DEFAULT_MACROBATCHES",
@@ -73,7 +73,7 @@ def dataset_metadata(cfg: Any) -> tuple[list[Any], dict[str, Any]]:
 
     The samples are processed exactly as the trainer does (``MultimodalDataset``: same tokenizer, placeholder
     expansion and feature counts; bad records follow ``data.on_error``); the model is built on the meta
-    device (no weights, no init), which is all ``plait.train.costs.microbatch_cost_coeffs`` reads.
+    device (no weights, no init), which is all ``plait.train.cost_coeffs.microbatch_cost_coeffs`` reads.
 
     Returns:
         ``(metas, coeffs)``: ``SampleMeta`` per usable sample and ``ModuleCostCoeffs`` per encoder and ``"llm"``
@@ -145,11 +145,11 @@ def plan_command(
         out_json: where to write the plan JSON (``plait.planner.report.plan_to_json``; parents
             created); None: do not write.
         device: accelerator preset (``DEVICES``) or ``DeviceSpec``; its link is the stage-to-stage P2P model.
-            None: this host's (``plan_costs.host_device``: the GPU's preset; without a GPU this host's CPU
-            measured by ``plan_costs.host_cpu`` with ``train.threads`` threads, else the cores / ``devices``), printed.
+            None: this host's (``measure.host_costs.host_device``: the GPU's preset; without a GPU this host's CPU
+            measured by ``measure.host_costs.host_cpu`` with ``train.threads`` threads, else the cores / ``devices``), printed.
             On a device with host overheads (the ``"cpu"`` preset) the plan charges the runtime's fixed costs
-            (``plan_costs.runtime_costs``): the job's measured profile from ``profile_store`` when one matches
-            (``plan_costs.stored_profile``: its unit costs and overheads), else the analytic costs plus the
+            (``measure.host_costs.runtime_costs``): the job's measured profile from ``profile_store`` when one matches
+            (``measure.host_costs.stored_profile``: its unit costs and overheads), else the analytic costs plus the
             preset's measured per-chunk-action and per-message overheads; and the DP all-reduce on its link.
         microbatches: global microbatches per step: the job's global batch split into this many microbatches of
             ``ceil(train.global_batch_size / microbatches)`` samples (``split_global_batch``; at most
@@ -209,7 +209,7 @@ def job_degrees(cfg: Any, devices: int, stream: TextIO) -> dict[str, Any]:
     that it does; ``{}`` when both are 1 (TP and sharding are searched only when memory requires them).
 
     Raises:
-        ValueError: when ``tp x dp_shard`` does not divide ``devices`` (named; ``train.auto_plan.kept_degrees``).
+        ValueError: when ``tp x dp_shard`` does not divide ``devices`` (named; ``train.apply_plan.kept_degrees``).
     """
     kept = kept_degrees(cfg, devices, f"--devices {devices}")
     if kept:

@@ -9,7 +9,7 @@ from plait.models.plan_inputs import MODEL_UNITS
 from plait.planner.report import pp_toml
 from plait.planner.search import LayoutChoice
 from plait.planner.types import Unit
-from plait.train.auto_plan import apply_layout_choice
+from plait.train.apply_plan import apply_layout_choice
 
 __all__ = ["pp_snippet"]
 
@@ -18,7 +18,7 @@ def pp_snippet(cfg: Any, choice: LayoutChoice, units: Sequence[Unit],
                unit_source: str = MODEL_UNITS) -> tuple[str | None, str]:
     """A ready-to-paste ``[parallel.pp]`` TOML table that makes the job run ``choice``, or None and why not.
 
-    The table is ``plait.train.auto_plan.apply_layout_choice``'s ``parallel.pp`` (degree, layout, stages per module,
+    The table is ``plait.train.apply_plan.apply_layout_choice``'s ``parallel.pp`` (degree, layout, stages per module,
     schedule, microbatches per replica, and ``splits`` for the modules whose cost-balanced boundaries are not
     the even split by unit count, ``virtual_stages`` and ``attach_encoders`` when the plan interleaves),
     written as TOML, under a comment line giving the rest of ``apply_layout_choice``'s config: ``parallel.dp``
