@@ -123,7 +123,7 @@ def child_train(job: dict) -> dict:
     """Build the demo trainer (warm cache) and train; peak RSS (MB) after the build and after the steps, the
     build time, and per step the loader wait and the step time (s)."""
     from plait.config.loader import config_from_dict
-    from plait.parallel.mesh import DistInfo
+    from plait.parallel.process_group import DistInfo
     from plait.train.trainer import Trainer
 
     import torch

@@ -25,7 +25,7 @@ no manual steps, prints tables and exits 1 when a check fails.
    All three run in bf16 autocast on CUDA (fp32 on CPU). Printed per run: median step ms, tokens/s (real tokens of
    the batch), MFU (model FLOPs of one forward+backward, counted by ``torch.utils.flop_counter.FlopCounterMode`` on
    the HF run, recomputation not counted, over the step time and the device's dense bf16 peak:
-   ``plait.commands.plan_costs.host_device``'s preset on CUDA, the measured matmul peak on CPU), the peak device
+   ``plait.measure.host_costs.host_device``'s preset on CUDA, the measured matmul peak on CPU), the peak device
    memory of the timed steps (``torch.cuda.max_memory_allocated``; n/a on CPU), the saved-activation MiB of one
    forward/backward (``bench/tensor_bytes.py``) and the first step's loss. Then plait's tokens/s over the HF loop's
    (ratio in one run) and the check that the first losses agree (same weights, same batch, same causal mask: within
@@ -219,7 +219,7 @@ def build_run(cfg, run: str, device: str):
     activation checkpointing and FSDP2 on a one-device mesh (in that order, as the trainer)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from plait.commands.profile import build_profile_inputs
+    from plait.measure.job_profile import build_profile_inputs
     from plait.models.units import unit_specs
     from plait.parallel.checkpointing import apply_activation_checkpointing, checkpoint_policy
     from plait.parallel.fsdp import apply_fsdp
@@ -289,8 +289,8 @@ def time_run(inputs, optimizer, run: str, device: str, warmup: int, steps: int) 
 
 
 def peak_flops(device: str, threads: int) -> tuple[float, str]:
-    """The device's dense peak FLOP/s and its name (``plan_costs.host_device`` preset; measured on CPU)."""
-    from plait.commands.plan_costs import host_cpu, host_device
+    """The device's dense peak FLOP/s and its name (``measure.host_costs.host_device`` preset; measured on CPU)."""
+    from plait.measure.host_costs import host_cpu, host_device
     from plait.planner.cost_model import DeviceSpec
 
     if device == "cuda":

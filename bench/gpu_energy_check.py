@@ -1,7 +1,7 @@
 """Prepared GPU check of issue 17 (energy, Perseus): one command, a few minutes on one GPU, prints tables.
 
 1. **Profile**: the demo model's (``configs/demo.toml``) pipeline units at ``--clocks`` SM clocks (3-5, from the
-   top down to half of it), time and energy per pass with NVML through zeus (``plait.train.energy_profiler``),
+   top down to half of it), time and energy per pass with NVML through zeus (``plait.measure.energy_sweep``),
    summed into the stage actions of the demo's pipeline plan (``encoder_parallel``: vision, audio and LLM stages,
    one per rank); prints, per clock, each stage action's milliseconds and joules.
 2. **Plan**: the 1F1B schedule of that plan as the action DAG, its time-energy frontier
@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from plait.commands.profile import build_profile_inputs  # noqa: E402
+from plait.measure.job_profile import build_profile_inputs  # noqa: E402
 from plait.config.loader import load_config  # noqa: E402
 from plait.models.units import model_units  # noqa: E402
 from plait.parallel.energy import build_frequency_controller  # noqa: E402
@@ -44,7 +44,7 @@ from plait.planner.energy_plan import ActionFrequency, EnergyPlan, FrontierPoint
 from plait.planner.energy_profile import stage_action_options  # noqa: E402
 from plait.planner.pipeline_plan import plan_pipeline  # noqa: E402
 from plait.planner.schedules import build_schedule  # noqa: E402
-from plait.train.energy_profiler import gpu_clock_control, measure_energy_profile, sweep_clocks  # noqa: E402
+from plait.measure.energy_sweep import gpu_clock_control, measure_energy_profile, sweep_clocks  # noqa: E402
 from plait.train.loss import token_loss_sum  # noqa: E402
 from plait.train.metrics import detect_energy_meter  # noqa: E402
 

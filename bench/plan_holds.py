@@ -6,7 +6,7 @@ encoder; ``bench/jobs/plan_holds_2stage.toml``, a wide LLM-only model with short
 pipeline pays off):
 
 1. **Plan** as ``plait plan --config JOB --devices 2`` does on this host
-   (``plait.commands.plan_compare.considered_plans``, with ``plan_command``'s costs: this host's CPU measured, a
+   (``plait.commands.plan.compare.considered_plans``, with ``plan_command``'s costs: this host's CPU measured, a
    stored profile when one matches ``--profile-store``, else the analytic costs plus the CPU overheads): its
    recommendation and the best plan of each runnable family it weighs (plain DP, 1F1B in each layout,
    interleaved 1F1B, encoders attached), deduplicated. ``plan_command``'s own output gives the costs line.
@@ -68,7 +68,7 @@ def worker(configs: list[str], steps: int, warmup: int, out: str) -> None:
     import torch.distributed as dist
 
     from plait.config.loader import config_from_dict, validate
-    from plait.parallel.mesh import init_distributed
+    from plait.parallel.process_group import init_distributed
     from plait.train.pipeline_trainer import PipelineTrainer
     from plait.train.trainer import Trainer
 
@@ -145,10 +145,10 @@ def _free_port() -> int:
 
 def bench_job(name: str, path: Path, args: argparse.Namespace) -> tuple[list[Row], str]:
     """Plan ``path`` for 2 devices, run the recommended plan and every considered one; rows and the plan text."""
-    from plait.commands.job_file import load_config_for_planning
-    from plait.commands.plan import plan_command
-    from plait.commands.plan_compare import considered_plans
-    from plait.train.auto_plan import apply_layout_choice
+    from plait.train.job_file import load_config_for_planning
+    from plait.commands.plan.command import plan_command
+    from plait.commands.plan.compare import considered_plans
+    from plait.train.apply_plan import apply_layout_choice
 
     with tempfile.TemporaryDirectory(prefix=f"plan_holds_{name}_") as tmp:
         folder = Path(tmp)

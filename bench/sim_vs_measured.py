@@ -4,13 +4,13 @@ For each layout (``encoder_parallel``: both encoder branches on pipeline rank 0,
 ``encoders_colocated``: one stage with both encoders on rank 0, the LLM on rank 1), with 1F1B over ``M``
 microbatches:
 
-1. **Link** (2 processes, gloo; ``plait.parallel.link.measure_link``): ping-pongs of a message packed as the
+1. **Link** (2 processes, gloo; ``plait.measure.link.measure_link``): ping-pongs of a message packed as the
    runtime's transport packs it (one buffer of header and payload, its receive posted ahead), empty and of the
    largest boundary size: the host time each end spends per message (LogP's overhead ``o``: packing and
    posting on the sender, waiting and unpacking on the receiver; main-thread CPU seconds) and the wire time
    ``latency + bytes / bandwidth`` (one-way time less both overheads). That is the simulator's ``P2PModel``.
 2. **Profile and measure, interleaved** (both ranks, ``torch.set_num_threads(1)`` each): ``rounds`` times,
-   both ranks profile the model (``plait.train.profiler``: per-unit costs, per-module chunk overheads and the
+   both ranks profile the model (``plait.measure.unit_timing``: per-unit costs, per-module chunk overheads and the
    executor's per-action cost, on one real microbatch of the demo set), then run ``steps / rounds`` pipeline
    steps of every layout (``run_pipeline_step`` on the rank's stages from ``build_rank_stages``; the
    microbatch repeated ``M`` times), after one warm-up step. Iteration time of a step = latest end -
@@ -54,18 +54,18 @@ if str(ROOT) not in sys.path:
 
 from plait.config.loader import load_config  # noqa: E402
 from plait.models.units import model_units  # noqa: E402
-from plait.parallel.link import measure_link  # noqa: E402
+from plait.measure.link import measure_link  # noqa: E402
 from plait.parallel.pipeline import build_pipeline_comm, run_pipeline_step  # noqa: E402
 from plait.train.loss import token_loss_sum  # noqa: E402
 from plait.parallel.stages import build_rank_stages  # noqa: E402
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline  # noqa: E402
-from plait.commands.profile import ProfileStore  # noqa: E402
+from plait.measure.job_profile import ProfileStore  # noqa: E402
 from plait.planner.profile import Profile, stage_action_costs  # noqa: E402
 from plait.planner.schedules import build_schedule  # noqa: E402
 from plait.planner.timeline import TimelineEvent  # noqa: E402
 from plait.planner.simulator import P2PModel, SimResult, boundary_bytes_from_units, simulate  # noqa: E402
-from plait.commands.profile import build_profile_inputs  # noqa: E402
-from plait.train.profiler import measure_profile  # noqa: E402
+from plait.measure.job_profile import build_profile_inputs  # noqa: E402
+from plait.measure.unit_timing import measure_profile  # noqa: E402
 
 LAYOUTS = ("encoder_parallel", "encoders_colocated")
 DEMO = ROOT / "configs" / "demo.toml"

@@ -38,10 +38,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
-    from plait.commands.plan import plan_command
+    from plait.commands.plan.command import plan_command
 
     if args.energy is not None:
-        from plait.commands.energy import plan_by_energy
+        from plait.commands.plan.energy import plan_by_energy
 
         plan_by_energy(args.config, args.devices, tolerance=args.energy, gpu=args.device, out_json=args.out,
                        overrides=overrides, microbatches=args.microbatches, frozen_aware=not args.frozen_unaware)
@@ -80,6 +80,7 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _tune_ranks(args: argparse.Namespace, overrides: list[str]) -> int:
+    from plait.commands.train import train_command
     from plait.commands.tune_ranks import SearchSettings, tune_ranks_command
 
     def ints(text: str, flag: str) -> tuple[int, ...]:
@@ -91,12 +92,12 @@ def _tune_ranks(args: argparse.Namespace, overrides: list[str]) -> int:
     settings = SearchSettings(ranks=ints(args.ranks, "--ranks"), sizes=ints(args.sizes, "--sizes"), epochs=args.epochs,
                               batch=args.batch, val_samples=args.val_samples, tolerance=args.tolerance,
                               budget=args.budget, nproc=args.nproc)
-    tune_ranks_command(args.config, overrides, settings, args.out_dir)
+    tune_ranks_command(args.config, overrides, settings, args.out_dir, train=train_command)
     return 0
 
 
 def _energy(args: argparse.Namespace, overrides: list[str]) -> int:
-    from plait.commands.energy import energy_command
+    from plait.commands.plan.energy import energy_command
 
     energy_command(args.config, args.devices, straggler=args.straggler, gpu=args.gpu, out_dir=args.out_dir,
                    overrides=overrides, microbatches=args.microbatches, method=args.method,
@@ -334,7 +335,7 @@ def check_job_arguments(args: argparse.Namespace, overrides: Sequence[str], *, r
     if overrides and args.command not in _JOB_VERBS:
         raise ValueError(f"plait {args.command} takes no overrides, got {list(overrides)}")
     if args.command in _JOB_VERBS:  # a bad job file is refused in ~0.3 s, before torch and transformers load
-        from plait.commands.job_file import check_job
+        from plait.train.job_file import check_job
 
         check_job(args.config, overrides, planning=_JOB_VERBS[args.command],
                   run_folder=run_folder and (args.command == "train"

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from plait.commands.plan import build_plan_inputs, device_spec
-from plait.commands.plan_costs import RuntimeCosts, host_cpu, runtime_costs
+from plait.models.plan_inputs import build_plan_inputs, device_spec
+from plait.measure.host_costs import RuntimeCosts, host_cpu, runtime_costs
 from plait.config.loader import load_config
 from plait.planner.cost_model import DeviceSpec
 from plait.planner.templates import instantiate, plan_instantiation, plan_templates
@@ -124,7 +124,7 @@ def _check_rejoins(kills: Sequence[tuple[int, int]], rejoins: Sequence[tuple[int
 
 def launch_device(cfg, nproc: int, device: str | None = None) -> tuple[DeviceSpec, RuntimeCosts]:
     """The device and runtime costs ``plait launch`` plans with, chosen as ``plait plan`` chooses them
-    (``plan_costs``): the preset ``device`` (``plan.DEVICES``, ``--device``), else this host's CPU measured
+    (``plait.measure.host_costs``): the preset ``device`` (``plan_inputs.DEVICES``, ``--device``), else this host's CPU measured
     (``host_cpu``, with ``train.threads`` threads, else the cores / ``nproc``; memory: RAM / ``nproc``), as
     ``plait plan`` does on a host without a GPU: the resilient workers train on the CPU with gloo
     (``plait.train.resilient``), GPU or not. Costs: the device's link, DP all-reduce link and per-chunk,

@@ -1,8 +1,8 @@
 """``plait train``: train a job (single process, or under torchrun for DP/CP/PP) and save the result.
 
 :func:`train_command` loads the job, resolves ``parallel.plan = "auto"`` (:func:`resolve_auto`: rank 0
-profiles the model alone through ``plait.commands.profile.profile_job`` while the others wait, every rank runs the
-same deterministic search, ``plait.train.auto_plan.resolve_auto_plan``), builds the trainer (``PipelineTrainer`` when
+profiles the model alone (``plait.measure.auto_profile.main_rank_profile``) while the others wait, every rank runs the
+same deterministic search, ``plait.train.apply_plan.resolve_auto_plan``), builds the trainer (``PipelineTrainer`` when
 ``parallel.pp.degree`` > 1), fits, and on the main rank saves the final model, tokenizer and processors, draws
 the loss curve and prints where everything went.
 """
@@ -10,26 +10,24 @@ the loss curve and prints where everything went.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import time
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from plait.commands.job_file import same_on_every_rank
-from plait.commands.plan_costs import CPU_OPTIMIZER_S_PER_BYTE, measured_overheads
-from plait.commands.plan_fit import explain_no_fit, is_no_fit
-from plait.commands.profile import profile_job
+from plait.train.job_file import same_on_every_rank
+from plait.measure.host_costs import CPU_OPTIMIZER_S_PER_BYTE, measured_overheads
+from plait.train.plan_search import explain_no_fit, is_no_fit
 from plait.config.loader import load_config
 from plait.config.schema import JobConfig, ParallelConfig, PipelineConfig
+from plait.measure.auto_profile import main_rank_profile
 from plait.models.generation import save_final
 from plait.parallel.checkpointing import checkpoint_policy
-from plait.parallel.machine import auto_plan_inputs
-from plait.parallel.mesh import DistInfo, init_distributed
-from plait.planner.profile import Profile
+from plait.measure.machine import auto_plan_inputs
+from plait.parallel.process_group import init_distributed
 from plait.planner.report import format_plan
-from plait.train.auto_plan import resolve_auto_plan
+from plait.train.apply_plan import resolve_auto_plan
 from plait.train.metrics import import_wandb
 from plait.train.pipeline_trainer import PipelineTrainer
 from plait.train.plots import plot_loss_curve
@@ -37,16 +35,7 @@ from plait.train.run_dir import check_new_run
 from plait.train.run_lock import check_run_free, hold_run_lock
 from plait.train.trainer import Trainer
 
-__all__ = ["PROFILE_WAIT_S", "auto_plan_replaces", "resolve_auto", "train_command"]
-
-PROFILE_WAIT_S = 3600.0
-"""Seconds the other ranks wait for rank 0's profile under ``parallel.plan = "auto"`` (at least
-``parallel.timeout_s``): measuring one takes minutes on a CPU, longer than an ordinary collective may take. A rank
-that dies ends the wait at once (its connections close)."""
-
-_SHARED_ERRORS = (ValueError, FileNotFoundError)
-"""Rank 0's profiling errors every rank raises alike (bad data, too few samples, a missing file)."""
-
+__all__ = ["auto_plan_replaces", "resolve_auto", "train_command"]
 
 def train_command(config: str | Path, overrides: list[str], *, resume: bool | str = False,
                   profile_store: str | Path = "runs/profiles", overwrite: bool = False) -> int:
@@ -124,10 +113,10 @@ def _save_and_report(trainer: Trainer, result: dict[str, Any]) -> None:
 
 def resolve_auto(cfg: JobConfig, store: str | Path) -> tuple[JobConfig, Any]:
     """``parallel.plan = "auto"``: rank 0 profiles the model alone (reusing a stored profile whose key matches;
-    :func:`_rank0_profile`), every rank receives the profile, the smallest device memory cap and the link model
-    (``auto_plan_inputs``: same on every rank) and runs the same deterministic search, so all ranks agree on the
+    ``plait.measure.auto_profile.main_rank_profile``), every rank receives the profile, the smallest device memory
+    cap and the link model (``auto_plan_inputs``: same on every rank) and runs the same deterministic search, so all ranks agree on the
     plan, charging the runtime overheads the profile measured as ``plait plan`` does
-    (``plan_costs.measured_overheads``). The main rank prints the choice.
+    (``measure.host_costs.measured_overheads``). The main rank prints the choice.
 
     Returns:
         ``(resolved config, the process's DistInfo)``.
@@ -137,7 +126,7 @@ def resolve_auto(cfg: JobConfig, store: str | Path) -> tuple[JobConfig, Any]:
         print(f"plait: parallel.plan=auto: the model's per-unit costs on this machine, from {store} when stored, else "
               "measured now (minutes on a CPU; a progress bar on stderr)", flush=True)
     started = time.perf_counter()
-    profile = _rank0_profile(cfg, store, info)
+    profile = main_rank_profile(cfg, store, info)
     if info.is_main:
         print(f"plait: parallel.plan=auto: costs ready after {time.perf_counter() - started:.0f} s", flush=True)
     machine = auto_plan_inputs(info.device, max((c.output_bytes for c in profile.costs), default=0))
@@ -173,44 +162,6 @@ def resolve_auto(cfg: JobConfig, store: str | Path) -> tuple[JobConfig, Any]:
         print(f"plait: auto-plan inputs: {machine.describe()}")
         print(format_plan(choice), flush=True)
     return resolved, info
-
-
-def _rank0_profile(cfg: JobConfig, store: str | Path, info: DistInfo) -> Profile:
-    """Rank 0's ``profile_job`` of the job, on every rank. Rank 0 builds the profile's model and data alone (its
-    metadata pass enters no collective: ``build_profile_inputs``); the others wait for the result in a gloo
-    group of their own whose timeout is :data:`PROFILE_WAIT_S`, not ``parallel.timeout_s``.
-
-    Raises:
-        ValueError, FileNotFoundError: rank 0's (e.g. too few usable samples to profile), on every rank alike
-            (``same_on_every_rank``: printed once); RuntimeError on the other ranks naming any other error of
-            rank 0, which raises its own.
-    """
-    box: list[Any] = [None]
-    error: Exception | None = None
-    if info.is_main:
-        try:
-            box = [profile_job(cfg, store_dir=store).to_dict()]
-        except Exception as exc:  # noqa: BLE001 - sent to the waiting ranks, then raised here
-            kind = next((k.__name__ for k in _SHARED_ERRORS if isinstance(exc, k)), type(exc).__name__)
-            error, box = exc, [(kind, str(exc))]
-    if info.world_size > 1:
-        wait = datetime.timedelta(seconds=max(PROFILE_WAIT_S, cfg.parallel.timeout_s))
-        group = dist.new_group(backend="gloo", timeout=wait)
-        try:
-            dist.broadcast_object_list(box, src=0, group=group)
-        finally:
-            dist.destroy_process_group(group)
-    if isinstance(box[0], dict):
-        return Profile.from_dict(box[0])
-    kind, message = box[0]
-    shared = next((k for k in _SHARED_ERRORS if k.__name__ == kind), None)
-    if error is None:  # a waiting rank
-        error = shared(message) if shared else RuntimeError(
-            f"parallel.plan=auto: rank 0 failed to profile the model ({kind}: {message})")
-    if shared:
-        with same_on_every_rank():  # printed once, by rank 0
-            raise error
-    raise error
 
 
 def auto_plan_replaces(cfg: JobConfig, resolved: JobConfig) -> str | None:

@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -54,8 +54,13 @@ from plait.planner.types import LLM_MODULE
 from plait.train.metrics import read_metrics
 from plait.train.plots import new_figure, save_figure
 
-__all__ = ["RunResult", "SearchSettings", "cpu_seconds", "lora_modules", "plot_laws", "run_calibration",
+__all__ = ["RunResult", "SearchSettings", "TrainVerb", "cpu_seconds", "lora_modules", "plot_laws", "run_calibration",
            "subset_records", "train_job", "tune_ranks_command", "write_job_toml"]
+
+
+TrainVerb = Callable[..., Any]
+"""``plait train``'s function (``train_command(job, overrides, overwrite=True)``), which trains a calibration run
+in this process; the command line passes it in (a verb imports no other verb)."""
 
 
 @dataclass(frozen=True)
@@ -178,8 +183,9 @@ def _observe(run: CalibrationRun, run_dir: Path, fraction: float) -> Observation
 
 
 def run_calibration(cfg: JobConfig, run: CalibrationRun, records: list[dict], out: Path,
-                    settings: SearchSettings) -> RunResult:
-    """Run (or find on disk) one calibration run under ``out/runs/<run.name>``; returns what it measured.
+                    settings: SearchSettings, train: TrainVerb | None = None) -> RunResult:
+    """Run (or find on disk) one calibration run under ``out/runs/<run.name>`` (``train``: as :func:`train_job`);
+    returns what it measured.
 
     A ``result.json`` whose recorded job and subset (SHA-256 of its text) equal this run's means the run finished
     before: it is read, not run.
@@ -203,7 +209,7 @@ def run_calibration(cfg: JobConfig, run: CalibrationRun, records: list[dict], ou
                              saved["cpu_s"], saved["wall_s"], True)
     path = write_job_toml(job, run_dir / "job.toml")
     cpu0, wall0 = cpu_seconds(), time.perf_counter()
-    train_job(path, run_dir / "train.log", settings.nproc)
+    train_job(path, run_dir / "train.log", settings.nproc, train)
     cpu, wall = cpu_seconds() - cpu0, time.perf_counter() - wall0
     obs = _observe(run, run_dir, settings.fraction)
     done.write_text(json.dumps({"job": job, "data_sha256": data_sha, "observation": obs.to_dict(), "cpu_s": cpu,
@@ -217,18 +223,18 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def train_job(job: Path, log: Path, nproc: int) -> None:
-    """Train the job file ``job`` with ``plait train --overwrite``: here (``nproc`` 1, output to ``log``) or under
-    torchrun with ``nproc`` processes.
+def train_job(job: Path, log: Path, nproc: int, train: TrainVerb | None = None) -> None:
+    """Train the job file ``job`` with ``plait train --overwrite``: here (``nproc`` 1, by ``train``, output to
+    ``log``) or under torchrun with ``nproc`` processes.
 
     Raises:
-        RuntimeError: naming ``log`` when torchrun fails.
+        RuntimeError: naming ``log`` when torchrun fails; ValueError when ``nproc`` is 1 and ``train`` is None.
     """
     if nproc == 1:
-        from plait.commands.train import train_command
-
+        if train is None:
+            raise ValueError("a calibration run in this process needs plait train's function (train=...)")
         with log.open("w") as f, contextlib.redirect_stdout(f):
-            train_command(job, [], overwrite=True)
+            train(job, [], overwrite=True)
         return
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
            "plait.cli", "train", "--config", str(job), "--overwrite"]  # --standalone: a free local rendezvous port
@@ -303,8 +309,9 @@ def _report(conv: dict[str, PowerLaw], perf: dict[str, PowerLaw], choice: RankCh
 
 
 def tune_ranks_command(config: str | Path, overrides: Sequence[str] = (), settings: SearchSettings = SearchSettings(),
-                       out_dir: str | Path | None = None) -> dict[str, Any]:
-    """``plait tune-ranks``: calibrate, fit, prune, choose; print and write the results (module docstring).
+                       out_dir: str | Path | None = None, train: TrainVerb | None = None) -> dict[str, Any]:
+    """``plait tune-ranks``: calibrate, fit, prune, choose; print and write the results (module docstring). Runs
+    of one process train in this process by ``train`` (:data:`TrainVerb`).
 
     Returns:
         The content of ``search.json`` (``chosen``: module -> rank; ``toml``: the tables; ``observations``,
@@ -326,7 +333,7 @@ def tune_ranks_command(config: str | Path, overrides: Sequence[str] = (), settin
     sizes = settings.sizes or (max(1, full // 8), max(2, full // 4))
     batch = settings.batch or cfg.train.global_batch_size
     runs = plan_calibration(modules, settings.ranks, sizes, settings.epochs, batch, full, settings.budget)
-    results = [run_calibration(cfg, run, records, out, settings)
+    results = [run_calibration(cfg, run, records, out, settings, train)
                for run in tqdm(runs, desc="calibration runs", unit="run", file=sys.stderr)]
     observations = [r.observation for r in results]
     conv, perf = _fit(observations, modules)

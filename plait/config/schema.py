@@ -313,7 +313,7 @@ class ParallelConfig:
     """Pipeline parallelism (``[parallel.pp]``)."""
     plan: str = "manual"
     """``"manual"``: use ``dp`` and ``[parallel.pp]`` as written. ``"auto"``: ``plait train`` profiles the model
-    on this machine (``plait.train.profiler``, reusing a stored profile whose key matches), searches layout,
+    on this machine (``plait.measure.unit_timing``, reusing a stored profile whose key matches), searches layout,
     stages per module, partition and DP degree for the world size (``plait.planner.search.plan_layout``),
     writes the result into ``dp`` and ``[parallel.pp]`` (1F1B, or interleaved 1F1B with ``virtual_stages`` /
     ``attach_encoders`` when such a plan is faster) and prints it before building the trainer."""

@@ -31,11 +31,12 @@ from plait.data.collate import Batch, collate
 from plait.data.mrope import next_mrope_positions
 from plait.data.processing import MultimodalProcessor, ProcessedSample
 from plait.data.sources import RawSample, path_note
+from plait.models.device import resolve_device
 from plait.models.multimodal import PLAIT_CONFIG, MultimodalModel
 from plait.models.registry import build_processor, load_tokenizer
 
 __all__ = ["Prompt", "Generator", "stop_token_ids", "greedy_token_ids", "greedy_generate", "exact_match",
-           "is_empty_answer", "resolve_device", "inference_processor", "check_decoding", "save_final",
+           "is_empty_answer", "inference_processor", "check_decoding", "save_final",
            "with_stop_tokens", "ITEM_WRAPPERS", "item_prompt_text"]
 
 
@@ -173,23 +174,6 @@ def is_empty_answer(answer: str) -> bool:
     marks empty answers (on stderr for ``--prompt``, ``"empty": true`` in ``--output`` lines) and evaluation marks them in
     ``predictions/step_<N>.jsonl``."""
     return not answer.strip()
-
-
-def resolve_device(device: str) -> torch.device:
-    """``"auto"``: the first CUDA device when there is one, else the CPU; anything else as ``torch.device``.
-
-    Raises:
-        ValueError: for an unknown device string, or ``cuda`` without a CUDA device.
-    """
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"device {device!r}: {exc}") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r}: no CUDA device here (use cpu or auto)")
-    return dev
 
 
 @dataclass(frozen=True)

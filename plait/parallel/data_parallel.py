@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from plait.parallel.mesh import DistInfo
+from plait.parallel.process_group import DistInfo
 
 __all__ = ["apply_data_parallel", "unwrap", "sum_gradients", "BUCKET_ELEMENTS", "GradientReducer",
            "OVERLAP_BUCKET_ELEMENTS"]

@@ -17,7 +17,7 @@ ranks: the faster fitting one) and activation checkpointing exactly as ``plait p
 job and costs both choose the same plan whenever ``plait plan``'s uses all the processes.
 :func:`layout_pp_fields` gives the ``[parallel.pp]`` field values that run a choice (degree, layout,
 stages, explicit ``splits`` where the partition is not the even split by unit count, ``virtual_stages``,
-``attach_encoders``, the schedule, microbatches per replica); ``plait.train.auto_plan`` writes them into a job
+``attach_encoders``, the schedule, microbatches per replica); ``plait.train.apply_plan`` writes them into a job
 config. Plain data in and out: nothing here reads a config, touches torch or the file system.
 """
 

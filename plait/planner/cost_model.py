@@ -152,7 +152,7 @@ class DeviceSpec(JsonDataclass):
         thread per process: ``plait profile``'s chunk overheads (forward and backward) of the three
         ``bench/plan_holds.py`` jobs, 0-5 ms for the 2-layer job's 512-token microbatches, 1-28 ms for the demo's
         4096-token ones, up to 40 ms for the wide LLM-only job (a typical 5 ms taken), and
-        ``plait.parallel.link.measure_link`` (54-62 us per end for a 64 KiB message, 170-240 us for 1 MiB)."""
+        ``plait.measure.link.measure_link`` (54-62 us per end for a 64 KiB message, 170-240 us for 1 MiB)."""
         return cls("CPU", 1e12, efficiency, 64 * 2**30, 50e9, 5e9, 5e-5, CPU_CHUNK_OVERHEAD_S, CPU_MESSAGE_OVERHEAD_S)
 
 

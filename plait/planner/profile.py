@@ -1,6 +1,6 @@
 """Measured unit costs as data: the profile of one model on one device, keyed so a stale one is never reused.
 
-A :class:`Profile` holds what ``plait.train.profiler`` measured for one microbatch shape: per pipeline unit
+A :class:`Profile` holds what ``plait.measure.unit_timing`` measured for one microbatch shape: per pipeline unit
 the raw timings and bytes (:class:`UnitMeasurement`), the planner's :class:`~plait.planner.types.UnitCost`
 derived from them (so ``partitioner``, ``search`` and ``simulator`` take measured costs unchanged), and per
 module the *chunk overhead*: what one module chunk of a stage costs beyond the sum of its units (the glue the

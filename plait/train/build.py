@@ -19,7 +19,7 @@ from plait.data.metadata import default_cache_dir
 from plait.data.mixture import mixture_sources
 from plait.models.multimodal import MultimodalModel
 from plait.models.registry import build_model, build_processor, load_tokenizer
-from plait.parallel.mesh import DistInfo, init_distributed
+from plait.parallel.process_group import DistInfo, init_distributed
 from plait.parallel.tensor_parallel import check_tp_heads
 from plait.train.checkpoint import latest_checkpoint, load_model_state
 

@@ -49,7 +49,7 @@ from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
 from plait.parallel.data_parallel import OVERLAP_BUCKET_ELEMENTS, GradientReducer, apply_data_parallel
 from plait.parallel.dims import AXES, ParallelDims
 from plait.parallel.fsdp import ShardedModel, apply_fsdp, gathered
-from plait.parallel.mesh import DistInfo
+from plait.parallel.process_group import DistInfo
 from plait.parallel.tensor_parallel import apply_job_tensor_parallel, clip_grad_norm_, sum_local_gradients
 from plait.planner.microbatch import (
     MicrobatchPlan,
@@ -65,7 +65,7 @@ from plait.train.batches import StepBatches, encoder_view_batch
 from plait.train.build import TrainerParts, build_trainer_parts, check_tp_degree, join_job, model_from_checkpoint
 from plait.train.checkpoint import (CheckpointLayout, checkpoint_dir, latest_checkpoint, load_checkpoint,
                                     save_checkpoint, training_set_identity)
-from plait.train.costs import microbatch_cost_coeffs
+from plait.train.cost_coeffs import microbatch_cost_coeffs
 from plait.train.evaluation import EvalSide, eval_batch_size, evaluate_on, load_metrics
 from plait.train.feed import receive_step, upcoming_rank_samples
 from plait.train.loss import token_loss_sum

@@ -8,7 +8,7 @@ import io
 import json
 from pathlib import Path
 
-from plait.commands.plan import plan_command
+from plait.commands.plan.command import plan_command
 from tests.conftest import demo_records, tiny_config_dict, write_jsonl
 from tests.distributed.spawning import run_main
 from tests.distributed.test_pipeline_training import to_toml

@@ -23,7 +23,7 @@ STEPS = int(os.environ.get("PLAIT_LAZY_STEPS", "4"))
 
 def _build(cfg_dict: dict, rank: int, world: int):
     from plait.config.loader import config_from_dict
-    from plait.parallel.mesh import DistInfo
+    from plait.parallel.process_group import DistInfo
     from plait.train.trainer import Trainer
 
     return Trainer.build(config_from_dict(cfg_dict), DistInfo(rank, world, rank, torch.device("cpu")))

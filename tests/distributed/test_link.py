@@ -1,4 +1,4 @@
-"""The auto-plan machine facts on gloo processes: the link measured by ranks 0 and 1 (``plait.parallel.link``)
+"""The auto-plan machine facts on gloo processes: the link measured by ranks 0 and 1 (``plait.measure.link``)
 and the memory cap reach every rank identically (the plan search must see the same numbers everywhere)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ NBYTES = 1 << 20
 def _worker(rank: int, world: int, port: int, folder: str) -> None:
     """One rank: join the group, take the auto-plan inputs, write them. Rank ``r`` claims ``r + 1`` processes on
     its host, so the ranks' own caps differ and the agreed one is the last rank's."""
-    from plait.parallel.machine import auto_plan_inputs, device_memory_bytes
+    from plait.measure.machine import auto_plan_inputs, device_memory_bytes
 
     os.environ["LOCAL_WORLD_SIZE"] = str(rank + 1)
     with gloo_group(rank, world, port, timeout_s=60):

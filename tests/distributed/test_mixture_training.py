@@ -14,7 +14,7 @@ from tests.unit.data.test_mixture import mixture_job
 
 def _worker(rank: int, world: int, port: int, cfg_dict: dict, folder: str) -> None:
     from plait.config.loader import config_from_dict
-    from plait.parallel.mesh import DistInfo
+    from plait.parallel.process_group import DistInfo
     from plait.train.trainer import Trainer
 
     with gloo_group(rank, world, port, timeout_s=60):

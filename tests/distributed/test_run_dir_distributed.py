@@ -14,7 +14,7 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, folder: str) -> No
     import torch
 
     from plait.config.loader import config_from_dict
-    from plait.parallel.mesh import DistInfo
+    from plait.parallel.process_group import DistInfo
     from plait.train.trainer import Trainer
 
     out = {}

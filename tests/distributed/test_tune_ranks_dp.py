@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from plait.commands.train import train_command
 from plait.commands.tune_ranks import SearchSettings, run_calibration, subset_records
 from plait.config.loader import load_config
 from plait.planner.rank_law import CalibrationRun
@@ -18,7 +19,7 @@ def test_calibration_run_under_torchrun_matches_one_process(tmp_path):
     cfg = load_config(job, ["--train.microbatch_size=2", "--parallel.timeout_s=60"])
     records = subset_records(cfg.data.train, cfg.train.seed)
     run = CalibrationRun("llm", 4, 16, 4, 4)
-    one = run_calibration(cfg, run, records, tmp_path / "one", SearchSettings(val_samples=4))
+    one = run_calibration(cfg, run, records, tmp_path / "one", SearchSettings(val_samples=4), train_command)
     two = run_calibration(cfg, run, records, tmp_path / "two", SearchSettings(val_samples=4, nproc=2))
     losses = [[r["loss"] for r in read_metrics(d / "runs" / run.name / "metrics.jsonl") if "loss" in r]
               for d in (tmp_path / "one", tmp_path / "two")]

@@ -10,7 +10,7 @@ import pytest
 
 from plait.config.loader import load_config
 from plait.data.loader import GlobalBatchLoader
-from plait.commands.plan import DEFAULT_MACROBATCHES, dataset_metadata
+from plait.commands.plan.command import DEFAULT_MACROBATCHES, dataset_metadata
 from tests.e2e.test_cli import plait, write_job
 
 OVERRIDES = ["--train.global_batch_size=6", "--train.microbatch_size=2", "--train.seed=3"]
@@ -65,7 +65,7 @@ def test_plan_prints_macrobatch_variation_and_plans_for_the_expected_batch(tmp_p
 def test_macrobatches_are_off_by_default(tmp_path):
     import io
 
-    from plait.commands.plan import plan_command
+    from plait.commands.plan.command import plan_command
 
     job = write_job(tmp_path)
     plain, flagged = io.StringIO(), io.StringIO()

@@ -3,14 +3,16 @@
 ``ALLOWED_IMPORTS`` is the rule, as data: for each top-level part of plait (a subpackage, or ``cli`` for
 ``plait/cli.py``), the other parts its modules may import. Imports run downward only::
 
-    cli -> commands -> train -> parallel -> models -> data / attention -> config -> planner
+    cli -> commands -> measure -> train -> parallel -> models -> data / attention -> config -> planner
 
 ``planner`` imports nothing of plait outside itself (plans are data, computed by pure functions); ``config``
 validates names the planner defines (layouts, schedules, microbatch methods), so it sits just above it;
 ``attention`` never imports ``parallel`` (context parallelism reaches attention through the ``plait_cp``
 object it passes, see ``plait.attention.interface``); ``models`` never imports ``train``, ``parallel`` or
-``commands``; ``data`` never imports ``models``, ``train``, ``parallel`` or ``commands``; only ``cli``
-imports ``commands``, and nothing imports ``cli``.
+``commands``; ``data`` never imports ``models``, ``train``, ``parallel`` or ``commands``; ``measure`` (profilers,
+link and host measurement, the profile store) builds what it times from the training loop's parts and is imported
+by the verbs only; only ``cli`` imports ``commands``, and nothing imports ``cli``; ``cli`` may import ``train`` too (it
+reads ``train.job_file`` only, to refuse a bad job file before torch loads).
 
 Every import counts: module level, inside functions (lazy), under ``TYPE_CHECKING``, absolute and relative.
 The same walk also refuses any import cycle, between modules and between top-level parts.
@@ -26,8 +28,9 @@ from pathlib import Path
 PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "plait"
 
 ALLOWED_IMPORTS: dict[str, frozenset[str]] = {
-    "cli": frozenset({"commands"}),
-    "commands": frozenset({"train", "parallel", "models", "data", "attention", "config", "planner"}),
+    "cli": frozenset({"commands", "train"}),
+    "commands": frozenset({"measure", "train", "parallel", "models", "data", "attention", "config", "planner"}),
+    "measure": frozenset({"train", "parallel", "models", "data", "attention", "config", "planner"}),
     "train": frozenset({"parallel", "models", "data", "attention", "config", "planner"}),
     "parallel": frozenset({"models", "data", "attention", "config", "planner"}),
     "models": frozenset({"data", "attention", "config", "planner"}),
@@ -259,7 +262,9 @@ def test_the_checker_reports_a_forbidden_import() -> None:
         "plait.planner.bad": "import math\n\n\ndef f():\n    from plait.train import trainer\n    return trainer\n",
         "plait.attention.bad": "from ..parallel.context import CPShard\n",
         "plait.data.bad": "import plait.models.registry as registry\n",
-        "plait.train.bad": "from plait.commands import plan\n",
+        "plait.train.bad": "from plait.commands.plan.command import plan_command\n",
+        "plait.train.bad_measure": "from plait.measure import job_profile\n",
+        "plait.measure.bad": "def f():\n    from plait.commands.plan.command import plan_command\n",
     })
     violations = layer_violations(all_imports(sources))
     assert ("plait/planner/bad.py:5: plait.planner.bad imports plait.train.trainer: plait.planner may import nothing "
@@ -269,7 +274,12 @@ def test_the_checker_reports_a_forbidden_import() -> None:
     assert any(v.startswith("plait/attention/bad.py:1: plait.attention.bad imports plait.parallel.context")
                for v in violations), violations
     assert any(v.startswith("plait/data/bad.py:1: plait.data.bad imports plait.models.registry") for v in violations)
-    assert any(v.startswith("plait/train/bad.py:1: plait.train.bad imports plait.commands.plan") for v in violations)
+    assert any(v.startswith("plait/train/bad.py:1: plait.train.bad imports plait.commands.plan.command")
+               for v in violations)
+    assert any(v.startswith("plait/train/bad_measure.py:1: plait.train.bad_measure imports plait.measure.job_profile")
+               for v in violations), violations
+    assert ("plait/measure/bad.py:2: plait.measure.bad imports plait.commands.plan.command: plait.measure may import "
+            "only attention, config, data, models, parallel, planner, train of plait (ALLOWED_IMPORTS)") in violations
 
 
 def test_the_checker_reports_a_cycle() -> None:

@@ -66,8 +66,8 @@ def test_energy_with_a_measured_profile(tmp_path, capsys):
     clocks and blocking power go into the plan."""
     import dataclasses
 
-    from plait.commands.job_file import load_config_for_planning
-    from plait.commands.plan import build_plan_inputs, device_spec
+    from plait.train.job_file import load_config_for_planning
+    from plait.models.plan_inputs import build_plan_inputs, device_spec
     from plait.planner.cost_model import unit_estimates
     from plait.planner.energy_profile import analytic_energy_profile, gpu_preset
     from plait.planner.profile import ProfileKey

@@ -1,4 +1,4 @@
-"""A bad job file is refused before torch or transformers is imported (``plait.commands.job_file``, ``plait.cli``):
+"""A bad job file is refused before torch or transformers is imported (``plait.train.job_file``, ``plait.cli``):
 every verb that reads ``--config`` reads it as the verb will, and the error carries ``same_on_every_rank``; the verbs
 without a job file refuse overrides as early."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from plait.commands.job_file import check_job, load_config_for_planning
+from plait.train.job_file import check_job, load_config_for_planning
 from plait.config.loader import load_config
 from tests.conftest import ROOT
 

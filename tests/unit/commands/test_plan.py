@@ -18,14 +18,10 @@ from plait.planner.arch import units_from_configs
 from plait.planner.pipeline_plan import plan_pipeline
 from plait.config.schema import PipelineConfig
 from plait.planner.pipeline_plan import synthetic_units
-from plait.commands.plan import (
-    build_plan_inputs,
-    model_parts,
-    plan_command,
-    split_global_batch,
-)
-from plait.commands.job_file import load_config_for_planning
-from plait.commands.plan_snippet import MODEL_UNITS, pp_snippet
+from plait.commands.plan.command import plan_command, split_global_batch
+from plait.models.plan_inputs import MODEL_UNITS, build_plan_inputs, model_parts
+from plait.train.job_file import load_config_for_planning
+from plait.commands.plan.snippet import pp_snippet
 from plait.commands.simulate import simulate_command
 from plait.planner.report import PP_TOML_KEY, format_plan, plan_from_json, rank_peak_memory_bytes, toml_value
 from plait.planner.search import evaluate_plan

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.commands.plan import plan_command
+from plait.commands.plan.command import plan_command
 from tests.conftest import ROOT
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 
-from plait.commands.plan import plan_command
+from plait.commands.plan.command import plan_command
 from tests.conftest import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"

@@ -1,5 +1,5 @@
-"""``plan_compare.considered_plans`` with no fitting plan raises ``plait plan``'s one-sentence message (not the
-search's list of internal cases), and ``plan_fit.least_need`` bounds FSDP2-sharded pipeline stages too."""
+"""``commands.plan.compare.considered_plans`` with no fitting plan raises ``plait plan``'s one-sentence message (not the
+search's list of internal cases), and ``train.plan_search.least_need`` bounds FSDP2-sharded pipeline stages too."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import io
 
 import pytest
 
-from plait.commands.plan import plan_setup
-from plait.commands.plan_compare import considered_plans
-from plait.commands.plan_fit import least_need
+from plait.commands.plan.command import plan_setup
+from plait.commands.plan.compare import considered_plans
+from plait.train.plan_search import least_need
 from plait.planner.cost_model import DeviceSpec
 from plait.planner.graph import consistent_units
 from plait.planner.sharding import ParallelDegrees, rank_memory

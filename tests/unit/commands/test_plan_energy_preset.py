@@ -8,19 +8,19 @@ import io
 import pytest
 
 from plait.cli import main
-from plait.commands.energy import _energy_preset
+from plait.commands.plan.energy import _energy_preset
 from tests.conftest import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
 
 
 def test_energy_preset_is_announced_in_one_line(monkeypatch):
-    monkeypatch.setattr("plait.commands.plan_costs.host_device", lambda: ("cpu", "this host has no GPU"))
+    monkeypatch.setattr("plait.measure.host_costs.host_device", lambda: ("cpu", "this host has no GPU"))
     out = io.StringIO()
     assert _energy_preset(None, out).name == "h100"
     assert out.getvalue() == ("plait plan --energy: planning for the h100 GPU preset (H100-SXM; this host has no GPU: "
                               "the default; --device a100|h100|h200 for another)\n")
-    monkeypatch.setattr("plait.commands.plan_costs.host_device", lambda: ("h200", "this host's GPU is NVIDIA H200"))
+    monkeypatch.setattr("plait.measure.host_costs.host_device", lambda: ("h200", "this host's GPU is NVIDIA H200"))
     out = io.StringIO()
     assert _energy_preset(None, out).name == "h200"
     assert "h200 GPU preset (H200-SXM; this host's GPU is NVIDIA H200;" in out.getvalue()

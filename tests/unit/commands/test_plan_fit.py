@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from plait.commands.plan import plan_command, plan_setup
-from plait.commands.plan_fit import least_need
+from plait.commands.plan.command import plan_command, plan_setup
+from plait.train.plan_search import least_need
 from plait.planner.cost_model import DeviceSpec
 from plait.planner.graph import consistent_units
 from plait.planner.offload import HostSpec
@@ -62,7 +62,7 @@ def test_auto_plan_with_no_fitting_plan_says_so_in_one_sentence(tmp_path, monkey
     """``parallel.plan = "auto"`` on a machine whose (patched) memory cap is 1 KiB: the error is the same readable
     sentence, naming where the cap came from and what to change."""
     from plait.cli import main
-    from plait.parallel.machine import AutoPlanInputs
+    from plait.measure.machine import AutoPlanInputs
     from plait.planner.simulator import P2PModel
     from tests.conftest import demo_records, tiny_config_dict, write_jsonl
     from tests.distributed.test_pipeline_training import to_toml

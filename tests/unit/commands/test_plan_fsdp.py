@@ -8,8 +8,8 @@ import io
 
 import pytest
 
-from plait.commands.plan import plan_command, plan_setup
-from plait.commands.plan_fsdp import fsdp_collectives, fsdp_line
+from plait.commands.plan.command import plan_command, plan_setup
+from plait.commands.plan.fsdp import fsdp_collectives, fsdp_line
 from plait.planner.cost_model import DeviceSpec
 from plait.planner.graph import consistent_units
 from plait.planner.report import format_plan

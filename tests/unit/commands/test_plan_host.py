@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait.commands import plan_costs
-from plait.commands.plan import plan_command
-from plait.commands.plan_compare import considered_plans, plan_label
-from plait.commands.plan_costs import CPU_OPTIMIZER_S_PER_BYTE, host_cpu, host_device, runtime_costs
+import plait.measure.host_costs as plan_costs
+from plait.commands.plan.command import plan_command
+from plait.commands.plan.compare import considered_plans, plan_label
+from plait.measure.host_costs import CPU_OPTIMIZER_S_PER_BYTE, host_cpu, host_device, runtime_costs
 from plait.planner.cost_model import DeviceSpec
 from plait.planner.overheads import ActionOverheads
 from plait.planner.pipeline_plan import plan_pipeline, stage_ranks
@@ -57,8 +57,8 @@ def test_host_cpu_measures_this_host():
     spec = host_cpu(1, 4)
     assert spec.peak_flops > 1e9 and spec.hbm_bandwidth > 1e8 and spec.name.startswith("CPU (this host, 1 thread: ")
     assert spec.chunk_overhead_s == DeviceSpec.cpu().chunk_overhead_s and spec.efficiency == 0.3
-    from plait.commands.job_file import load_config_for_planning
-    from plait.commands.plan import build_plan_inputs
+    from plait.train.job_file import load_config_for_planning
+    from plait.models.plan_inputs import build_plan_inputs
 
     cfg, _ = load_config_for_planning(DEMO)  # train.dtype auto: float32 on a CPU, as the trainer runs it
     assert build_plan_inputs(cfg, spec).dtype == "float32" and build_plan_inputs(cfg, "h100").dtype == "bfloat16"
@@ -85,7 +85,7 @@ def test_a_gpu_plan_ignores_stored_profiles(monkeypatch):
         raise AssertionError("a GPU plan must not look for a CPU profile")
 
     monkeypatch.setattr(plan_costs, "stored_profile", forbidden)
-    monkeypatch.setattr("plait.commands.plan.stored_profile", forbidden)
+    monkeypatch.setattr("plait.commands.plan.command.stored_profile", forbidden)
     out = io.StringIO()
     plan_command(DEMO, 8, device="h100", out=out)
     assert "planning for" not in out.getvalue() and "costs:" not in out.getvalue()

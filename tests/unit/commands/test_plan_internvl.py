@@ -4,7 +4,7 @@ tile shrink by d^2 (it costed a projector of width H over 1 / d of the tokens)."
 
 from __future__ import annotations
 
-from plait.commands.plan import build_plan_inputs
+from plait.models.plan_inputs import build_plan_inputs
 from plait.config.loader import config_from_dict
 from plait.models.registry import build_model, load_tokenizer
 from tests.conftest import tiny_config_dict, write_jsonl

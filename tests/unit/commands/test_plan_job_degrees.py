@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from plait.commands.plan import plan_command
+from plait.commands.plan.command import plan_command
 from plait.planner.cost_model import DeviceSpec
 from tests.conftest import ROOT
 

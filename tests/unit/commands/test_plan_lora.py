@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from plait.commands.plan import plan_command
+from plait.commands.plan.command import plan_command
 
 DEMO = Path(__file__).resolve().parents[3] / "configs" / "demo.toml"
 

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from plait.commands.plan import build_plan_inputs
-from plait.commands.plan_snippet import pp_snippet
+from plait.models.plan_inputs import build_plan_inputs
+from plait.commands.plan.snippet import pp_snippet
 from plait.config.loader import load_config
 from plait.parallel.dims import ParallelDims
 from plait.planner.search import plan_layout

@@ -7,7 +7,7 @@ import dataclasses
 import io
 import tomllib
 
-from plait.commands.plan import plan_command
+from plait.commands.plan.command import plan_command
 from plait.config.loader import load_config
 from plait.planner.cost_model import DeviceSpec
 from tests.conftest import ROOT

@@ -9,7 +9,7 @@ import io
 
 import pytest
 
-from plait.commands.plan import plan_command, plan_setup
+from plait.commands.plan.command import plan_command, plan_setup
 from plait.config.schema import JobConfig, PipelineConfig
 from plait.parallel.dims import ParallelDims
 from plait.planner.auto_plan import plan_auto_layout
@@ -19,7 +19,7 @@ from plait.planner.search import plan_layout
 from plait.planner.search_parallel import plan_parallel
 from plait.planner.sharding import ParallelDegrees, rank_memory
 from plait.planner.simulator import P2PModel
-from plait.train.auto_plan import apply_layout_choice, resolve_auto_plan
+from plait.train.apply_plan import apply_layout_choice, resolve_auto_plan
 from plait.train.pipeline_trainer import PipelineTrainer
 from tests.conftest import ROOT
 from tests.unit.planner.test_sharding import _model

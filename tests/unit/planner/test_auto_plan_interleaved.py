@@ -19,7 +19,7 @@ from plait.planner.pipeline_plan import plan_pipeline, stage_ranks
 from plait.planner.search import evaluate_plan
 from plait.planner.simulator import P2PModel
 from plait.planner.types import UnitCost
-from plait.train.auto_plan import apply_layout_choice, resolve_auto_plan
+from plait.train.apply_plan import apply_layout_choice, resolve_auto_plan
 from plait.train.pipeline_trainer import build_pipeline_plan
 from tests.conftest import DEMO, tiny_config_dict
 

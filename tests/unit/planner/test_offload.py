@@ -78,7 +78,7 @@ def test_a_jobs_own_offload_searches_offloaded_plans_only():
 def test_a_jobs_own_offload_is_kept_by_plait_plan_and_auto_plan():
     from plait.config.loader import config_from_dict, validate
     from plait.planner.auto_plan import plan_auto_layout
-    from plait.train.auto_plan import apply_layout_choice, kept_degrees
+    from plait.train.apply_plan import apply_layout_choice, kept_degrees
     from tests.conftest import tiny_config_dict
 
     def cfg(**parallel):

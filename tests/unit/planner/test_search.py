@@ -392,7 +392,8 @@ def test_plan_and_simulate_commands_on_the_demo_config(tmp_path):
     import io
 
     from plait.config.loader import load_config
-    from plait.commands.plan import build_plan_inputs, plan_command
+    from plait.commands.plan.command import plan_command
+    from plait.models.plan_inputs import build_plan_inputs
     from plait.commands.simulate import simulate_command
     from plait.planner.report import plan_from_json
     from plait.train.plots import read_chrome_trace

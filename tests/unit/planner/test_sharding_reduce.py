@@ -101,7 +101,7 @@ def test_emitted_parallel_table_names_the_reduction_only_when_not_step():
 
 def test_auto_plan_config_follows_the_chosen_reduction():
     from plait.config.loader import config_from_dict, validate
-    from plait.train.auto_plan import apply_layout_choice
+    from plait.train.apply_plan import apply_layout_choice
     from tests.conftest import tiny_config_dict
 
     cfg = config_from_dict(tiny_config_dict("train.jsonl"))

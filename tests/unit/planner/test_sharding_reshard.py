@@ -95,7 +95,7 @@ def test_plan_parallel_keeps_parameters_gathered_when_the_cap_allows():
 def test_emitted_table_and_auto_plan_config_carry_the_choice():
     from plait.config.loader import config_from_dict, validate
     from plait.planner.search import plan_layout
-    from plait.train.auto_plan import apply_layout_choice
+    from plait.train.apply_plan import apply_layout_choice
     from tests.conftest import tiny_config_dict
 
     fields, degrees = {"degree": 1}, dict(dp=1, dp_shard=2, tp=1, activation_checkpointing="none")
@@ -116,7 +116,7 @@ def test_emitted_table_and_auto_plan_config_carry_the_choice():
 def test_a_jobs_own_fsdp_reshard_is_kept_by_plait_plan_and_auto_plan():
     from plait.config.loader import config_from_dict
     from plait.planner.auto_plan import plan_auto_layout
-    from plait.train.auto_plan import kept_degrees
+    from plait.train.apply_plan import kept_degrees
     from tests.conftest import tiny_config_dict
 
     def cfg(**parallel):

@@ -9,7 +9,7 @@ from plait.config.loader import config_from_dict
 from plait.models.registry import build_model
 from plait.models.units import model_units
 from plait.planner.types import UnitCost
-from plait.train.auto_plan import resolve_auto_plan
+from plait.train.apply_plan import resolve_auto_plan
 from tests.conftest import DEMO, tiny_config_dict
 
 

@@ -1,4 +1,4 @@
-"""Microbatch cost coefficients of the native-resolution towers (plait/train/costs.py): Qwen2.5-VL's window layers
+"""Microbatch cost coefficients of the native-resolution towers (plait/train/cost_coeffs.py): Qwen2.5-VL's window layers
 attend a window (linear in tokens), only its full-attention layers are quadratic, and 4 patches make one
 placeholder (its 2x2 merger); InternVL attends within each tile and pixel-shuffles d x d patches into one
 placeholder. Both were costed as full attention over one token per placeholder (4x too few tokens)."""
@@ -11,7 +11,7 @@ from plait.config.loader import config_from_dict
 from plait.data.chat_template import tokenizer_dir
 from plait.models.registry import build_model, load_tokenizer
 from plait.planner.arch import arch_from_config
-from plait.train.costs import microbatch_cost_coeffs
+from plait.train.cost_coeffs import microbatch_cost_coeffs
 from tests.conftest import tiny_config_dict
 from tests.unit.models.test_pixtral_internvl import TINY_INTERNVL
 from tests.unit.models.test_qwen2_5_vl import TINY_QWEN2_5_VL

@@ -1,5 +1,5 @@
-"""Microbatch cost coefficients of a live LoRA model (plait/train/costs.py): a module with adapters pays dX and only
-its adapters' share of dW (the rule of UnitCost.backward_s), with the share counted here from the parameters."""
+"""Microbatch cost coefficients of a live LoRA model (plait/train/cost_coeffs.py): a module with adapters pays dX and
+only its adapters' share of dW (the rule of UnitCost.backward_s), with the share counted here from the parameters."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from plait.config.loader import config_from_dict
 from plait.data.chat_template import tokenizer_dir
 from plait.models.registry import build_model, load_tokenizer
 from plait.planner.graph import ModuleFlags
-from plait.train.costs import microbatch_cost_coeffs, pass_work
+from plait.train.cost_coeffs import microbatch_cost_coeffs, pass_work
 from tests.conftest import tiny_config_dict
 
 

@@ -9,7 +9,7 @@ import torch
 
 from plait.config.loader import config_from_dict
 from plait.parallel.dims import ParallelDims
-from plait.parallel.mesh import DistInfo
+from plait.parallel.process_group import DistInfo
 from plait.train.pipeline_trainer import PipelineTrainer
 from plait.train.trainer import Trainer
 from tests.conftest import tiny_config_dict

@@ -126,7 +126,7 @@ def test_the_lock_is_reentrant_and_released_on_every_exit_path(tmp_path, monkeyp
 
 def test_plait_train_and_launch_refuse_a_folder_in_use_before_building_anything(tmp_path, capsys):
     from plait.cli import main
-    from plait.commands.job_file import check_job
+    from plait.train.job_file import check_job
     from plait.commands.launch import launch_command
     from plait.commands.train import train_command
     from tests.conftest import tiny_config_dict

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from plait.parallel import machine
-from plait.parallel.link import describe_link, job_link, preset_link
-from plait.parallel.machine import MEMORY_FRACTION, auto_plan_inputs, device_memory_bytes, memory_cap
+import plait.measure.machine as machine
+from plait.measure.link import describe_link, job_link, preset_link
+from plait.measure.machine import MEMORY_FRACTION, auto_plan_inputs, device_memory_bytes, memory_cap
 from plait.planner.cost_model import DeviceSpec
 from plait.planner.simulator import P2PModel
 

@@ -33,7 +33,7 @@ For a list of microbatches (real samples, collated), :func:`measure_profile` mea
 The result is a :class:`~plait.planner.profile.Profile` whose ``costs`` are the planner's
 ``UnitCost`` (so the partitioner, the layout search and the simulator take measured costs unchanged) and
 whose ``chunk_overhead_s`` feeds ``plait.planner.profile.stage_action_costs``. Building a job's model and samples,
-storing profiles and reusing them by key is the ``plait profile`` command's part (``plait.commands.profile``).
+storing profiles and reusing them by key is the ``plait profile`` command's part (``plait.measure.job_profile``).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def _sync(device: torch.device) -> None:
 @dataclass(frozen=True)
 class _Timer:
     """How to time: device to synchronise, clock, repetitions. A timer that also measures energy (the GPU sweep
-    of ``plait.train.energy_profiler``) sets ``last_joules`` to the joules per run of its last :meth:`median`."""
+    of ``plait.measure.energy_sweep``) sets ``last_joules`` to the joules per run of its last :meth:`median`."""
 
     device: torch.device
     clock: str

@@ -1,6 +1,6 @@
 """Profiler and the automatic plan: bytes checked against the parameters and tensor shapes, freezing against the
 frozen-aware rules, stage costs by hand, and the automatic plan against brute force over every runnable plan (the
-profile store's tests are in tests/unit/commands/test_profile.py)."""
+profile store's tests are in tests/unit/measure/test_job_profile.py)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
 from plait.planner.profile import stage_action_costs
 from plait.planner.search import evaluate_plan
 from plait.planner.types import UnitCost
-from plait.train.auto_plan import resolve_auto_plan
-from plait.train.profiler import measure_profile, microbatch_shapes, profile_key
+from plait.train.apply_plan import resolve_auto_plan
+from plait.measure.unit_timing import measure_profile, microbatch_shapes, profile_key
 from tests.conftest import tiny_config_dict
 from tests.distributed.pipeline_worker import apply_mode, make_batch, tiny_model
 from tests.unit.profile_cases import make_profile as _profile
@@ -186,7 +186,7 @@ def test_profiler_gives_an_mrope_llm_the_positions_it_trains_with(tmp_path):
     """A Qwen2.5-VL job (its M-RoPE text model as the LLM): every forward of the profile (capture, saved bytes, the
     module chunks and the runtime step) hands the text model the batch's ``rope_position_ids [3, B, N]``, which
     differ from the 1-D positions (a record with two images), as training does."""
-    from plait.commands.profile import build_profile_inputs
+    from plait.measure.job_profile import build_profile_inputs
     from plait.config.loader import config_from_dict
     from tests.distributed.test_qwen2_5_vl_parallel import _job
 

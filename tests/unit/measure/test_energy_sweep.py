@@ -12,15 +12,15 @@ import torch
 
 from plait.models.units import unit_specs
 from plait.planner.energy_profile import EnergyProfile
-from plait.train.energy_profiler import (
+from plait.measure.energy_sweep import (
     ClockControl,
     EnergyTimer,
     gpu_clock_control,
     measure_energy_profile,
     sweep_clocks,
 )
-from plait.train.profiler import PassTiming, profile_key
-from plait.train.energy_profiler import _unit_row
+from plait.measure.unit_timing import PassTiming, profile_key
+from plait.measure.energy_sweep import _unit_row
 from tests.distributed.pipeline_worker import apply_mode, make_batch, tiny_model
 
 

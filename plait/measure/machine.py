@@ -1,5 +1,5 @@
 """What ``parallel.plan = "auto"`` needs to know about the machine a job runs on: the memory one pipeline rank
-may fill and the stage-to-stage link (``plait.parallel.link``).
+may fill and the stage-to-stage link (``plait.measure.link``).
 
 - :func:`device_memory_bytes`: a CUDA device's total memory (``torch.cuda.get_device_properties``); on CPU the
   host's physical RAM (``os.sysconf``: pages x page size) divided by the processes of the job on this host
@@ -17,14 +17,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from plait.parallel.link import job_link
+from plait.measure.link import job_link
 from plait.planner.simulator import P2PModel
 
 __all__ = ["MEMORY_FRACTION", "AutoPlanInputs", "auto_plan_inputs", "device_memory_bytes", "memory_cap"]
 
 MEMORY_FRACTION = 0.9
 """Fraction of a device's memory a plan may fill (the rest: CUDA context, allocator fragmentation and
-workspaces on a GPU; the OS and other programs on a CPU); ``plait.commands.plan.plan_command``'s
+workspaces on a GPU; the OS and other programs on a CPU); ``plait.commands.plan.command.plan_command``'s
 ``memory_fraction`` has the same default."""
 
 _GIB = 2**30

@@ -1,10 +1,10 @@
 """``plait plan``: choose the pipeline layout of a job for N devices, print it, write it.
 
 - :func:`plan_command`: read a job config (:func:`load_config_for_planning`), build the model's pipeline units
-  (:func:`job_units`: the units and names of the job's own model, so a boundary printed here can be pasted into
-  ``parallel.pp.splits``) and their analytic costs (``plait.planner.cost_model``: Hugging Face configs from the
-  TOML ``config`` tables or local ``path`` directories, read with ``transformers.AutoConfig``; no weights),
-  search the layout (``plait.planner.search.plan_layout``), print the plan as a table
+  (``plait.models.plan_inputs.job_units``: the units and names of the job's own model, so a boundary printed here
+  can be pasted into ``parallel.pp.splits``) and their analytic costs (``plait.planner.cost_model``: Hugging Face
+  configs from the TOML ``config`` tables or local ``path`` directories, read with ``transformers.AutoConfig``; no
+  weights), search the layout (``plait.planner.search.plan_layout``), print the plan as a table
   (``plait.planner.report.format_plan``) with a ready-to-paste ``[parallel.pp]`` table (:func:`pp_snippet`) and
   write it as JSON (``plait.planner.report.plan_to_json``; ``plan_from_json`` reads it back, ``plait simulate``
   times it).
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -39,36 +38,28 @@ from typing import Any, TextIO
 
 from plait.data.chat_template import tokenizer_dir
 from plait.data.loader import GlobalBatchLoader, MultimodalDataset
-from plait.models.registry import build_model, build_processor, load_tokenizer, placeholder_of
-from plait.commands.job_file import load_config_for_planning
-from plait.commands.plan_costs import host_cpu, host_device, runtime_costs, stored_profile
-from plait.commands.plan_fit import search_plan
-from plait.commands.plan_fsdp import fsdp_line
-from plait.commands.plan_snippet import MODEL_UNITS, pp_snippet
-from plait.models.families.internvl import MODEL_TYPES as INTERNVL_TYPES
-from plait.models.units import model_units
+from plait.models.plan_inputs import PlanInputs, build_plan_inputs, device_spec, model_parts
+from plait.models.registry import build_model, build_processor, load_tokenizer
+from plait.train.job_file import load_config_for_planning
+from plait.measure.host_costs import host_cpu, host_device, runtime_costs, stored_profile
+from plait.train.plan_search import search_plan
+from plait.commands.plan.fsdp import fsdp_line
+from plait.commands.plan.snippet import pp_snippet
 from plait.parallel.checkpointing import checkpoint_policy
-from plait.planner.arch import arch_from_config, units_from_configs
-from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_costs
+from plait.planner.cost_model import DeviceSpec, MicrobatchShape
 from plait.planner.macrobatch import MacrobatchStats, expected_shapes, macrobatch_stats
 from plait.planner.pipeline_plan import LAYOUTS
 from plait.planner.recompute import checkpointed_costs, plan_checkpointing
 from plait.planner.report import format_bytes, format_lora_units, format_plan, plan_to_json
 from plait.planner.search import LayoutChoice
-from plait.planner.types import Unit, UnitCost
-from plait.train.auto_plan import kept_degrees
-from plait.train.costs import microbatch_cost_coeffs
+from plait.planner.types import UnitCost
+from plait.train.apply_plan import kept_degrees
+from plait.train.cost_coeffs import microbatch_cost_coeffs
 
 __all__ = [
     "DEFAULT_MACROBATCHES",
-    "DEVICES",
-    "PlanInputs",
     "PlanSetup",
-    "build_plan_inputs",
     "dataset_metadata",
-    "device_spec",
-    "job_units",
-    "model_parts",
     "plan_setup",
     "plan_command",
     "split_global_batch",
@@ -76,227 +67,13 @@ __all__ = [
 
 DEFAULT_MACROBATCHES = 32
 
-DEVICES = ("h100", "h200", "a100", "cpu")
-
-
-@dataclass(frozen=True)
-class PlanInputs:
-    """What the layout search needs, derived from a job config.
-
-    Attributes:
-        units: pipeline units (``arch.units_from_configs``) with the config's freezing flags.
-        costs: one ``UnitCost`` per unit on the chosen device.
-        model_configs: module -> Hugging Face config or architecture, plus ``"<encoder>.projector"``.
-        shapes: module -> ``MicrobatchShape`` of one microbatch.
-        microbatches: global microbatches per iteration.
-        dtype: training dtype of parameters and activations (``"bfloat16"`` or ``"float32"``).
-        unit_source: ``MODEL_UNITS`` (``"model"``) when ``units`` are the job model's own (``job_units``: the
-            names ``parallel.pp.splits`` takes); otherwise why the analytic units of
-            ``arch.units_from_configs`` were used instead.
-    """
-
-    units: tuple[Unit, ...]
-    costs: tuple[UnitCost, ...]
-    model_configs: dict[str, Any]
-    shapes: dict[str, MicrobatchShape]
-    microbatches: int
-    dtype: str
-    unit_source: str = MODEL_UNITS
-
-
-def device_spec(device: str | DeviceSpec) -> DeviceSpec:
-    """A ``DeviceSpec`` from a preset name (``DEVICES``) or passed through.
-
-    Raises:
-        ValueError: on an unknown name.
-    """
-    if isinstance(device, DeviceSpec):
-        return device
-    if device not in DEVICES:
-        raise ValueError(f"unknown device {device!r}; choose one of {DEVICES} or pass a DeviceSpec")
-    return getattr(DeviceSpec, device)()
-
-
-# ----- configs -------------------------------------------------------------------------------------
-def _hf_config(path: str | None, fields: dict[str, Any] | None, where: str) -> Any:
-    """A ``PretrainedConfig`` from a local directory or a dict with ``model_type``.
-
-    Raises:
-        ValueError: on a dict without ``model_type``; FileNotFoundError: on a missing directory.
-    """
-    from transformers import AutoConfig
-
-    if path is not None:
-        if not Path(path).is_dir():
-            raise FileNotFoundError(f"{where}: model directory {path} does not exist")
-        return AutoConfig.from_pretrained(path)
-    fields = dict(fields or {})
-    model_type = fields.pop("model_type", None)
-    if not model_type:
-        raise ValueError(f"{where}.config needs a 'model_type' field, got keys {sorted(fields)}")
-    return AutoConfig.for_model(model_type, **fields)
-
-
-def _encoder_arch(config: Any, downsample: int) -> Any:
-    """The encoder architecture of a (possibly composite) config, with feature pooling ``downsample``."""
-    sub = getattr(config, "vision_config", None)
-    if sub is not None and getattr(config, "model_type", "") not in ("whisper",):
-        config = sub
-    arch = arch_from_config(config)
-    return dataclasses.replace(arch, output_pool=arch.output_pool * downsample) if downsample > 1 else arch
-
-
-def _is_internvl(config: Any) -> bool:
-    """Whether an encoder config is InternVL's vision model (or a full InternVL checkpoint's config), whose
-    ``downsample`` is a pixel shuffle (``models.families.internvl``), not pooling."""
-    sub = getattr(config, "vision_config", None)
-    return getattr(sub if sub is not None else config, "model_type", "") in INTERNVL_TYPES
-
-
-def _tokenizer_size(path: str) -> int | None:
-    """Vocabulary size of the tokenizer directory at ``path`` (None when there is none)."""
-    if not path or not Path(path).is_dir():
-        return None
-    from transformers import AutoTokenizer
-
-    return len(AutoTokenizer.from_pretrained(path))
-
-
-def model_parts(cfg: Any) -> tuple[dict[str, Any], dict[str, bool], dict[str, int]]:
-    """(model_configs, frozen flags, features dropped per item) of a ``JobConfig``'s model section."""
-    model = cfg.model
-    configs: dict[str, Any] = {}
-    frozen: dict[str, bool] = {}
-    dropped: dict[str, int] = {}
-    meta = _pretrained_meta(model.pretrained) if model.pretrained else {}
-    for name, enc in model.encoders.items():
-        settings = meta.get(name, {})
-        where = f"model.encoders.{name}"
-        path = str(Path(model.pretrained) / "encoders" / name / "encoder") if model.pretrained else enc.path
-        hf_config = _hf_config(path, enc.config, where)
-        downsample = int(settings.get("downsample", enc.downsample))
-        shuffled = downsample > 1 and _is_internvl(hf_config)  # pixel shuffle: d x d patches -> one feature, d^2 wide
-        arch = _encoder_arch(hf_config, downsample ** 2 if shuffled else downsample)
-        configs[name] = arch
-        configs[f"{name}.projector"] = {"kind": settings.get("projector", enc.projector)}
-        if shuffled:
-            configs[f"{name}.projector"]["in_dim"] = arch.hidden * downsample ** 2
-        frozen[name], frozen[f"{name}.projector"] = enc.freeze, enc.freeze_projector
-        dropped[name] = arch.prefix_tokens if settings.get("select", enc.select) == "drop_cls" else 0
-    fields = dict(model.llm.config or {})
-    if model.pretrained is None and model.llm.path is None and "vocab_size" not in fields:
-        size = _tokenizer_size(cfg.data.tokenizer)
-        if size is not None:
-            fields["vocab_size"] = size
-    llm_path = str(Path(model.pretrained) / "llm") if model.pretrained else model.llm.path
-    configs["llm"] = _hf_config(llm_path, fields, "model.llm")
-    frozen["llm"] = model.llm.freeze
-    return configs, frozen, dropped
-
-
-def _pretrained_meta(directory: str) -> dict[str, Any]:
-    """Encoder settings stored by ``MultimodalModel.save_pretrained``.
-
-    Raises:
-        FileNotFoundError: when ``directory`` has no ``plait_config.json``.
-    """
-    meta_path = Path(directory) / "plait_config.json"
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"model.pretrained: {directory} is not a plait model directory (no {meta_path.name})")
-    return json.loads(meta_path.read_text()).get("encoders", {})
-
-
-def build_plan_inputs(cfg: Any, device: str | DeviceSpec = "h100", *, microbatches: int | None = None,
-                      items_per_sample: int = 1, shapes_override: dict[str, MicrobatchShape] | None = None) -> PlanInputs:
-    """Units, costs and workload of the model in a ``JobConfig`` (module docstring for the workload).
-
-    Args:
-        cfg: a loaded ``plait.config.schema.JobConfig``.
-        device: the accelerator the costs are for (preset name or ``DeviceSpec``).
-        microbatches: global microbatches per iteration (default
-            ``train.global_batch_size // train.microbatch_size``).
-        items_per_sample: modality items per sample and encoder (images per sample, clips per sample).
-        shapes_override: per-module microbatch shapes replacing the upper-bound workload (e.g. ``expected_shapes``);
-            modules not in it keep the upper bound.
-
-    Raises:
-        ValueError: on a bad count or config (named); FileNotFoundError: on a missing model directory.
-    """
-    spec = device_spec(device)
-    if items_per_sample < 1:
-        raise ValueError(f"items_per_sample must be >= 1, got {items_per_sample}")
-    train = cfg.train
-    count = microbatches if microbatches is not None else train.global_batch_size // train.microbatch_size
-    if count < 1:
-        raise ValueError(f"microbatches must be >= 1, got {count} (train.global_batch_size "
-                         f"{train.global_batch_size} / train.microbatch_size {train.microbatch_size})")
-    configs, frozen, _ = model_parts(cfg)
-    per_mb = train.microbatch_size
-    shapes = {name: MicrobatchShape(tokens=per_mb * items_per_sample * configs[name].item_len)
-              for name in configs if name != "llm" and not name.endswith(".projector")}
-    length = cfg.data.max_length
-    shapes["llm"] = MicrobatchShape(tokens=per_mb * length, seq_len=length)
-    shapes.update({name: shape for name, shape in (shapes_override or {}).items() if name in shapes})
-    on_cpu = spec.name.split(" ")[0] == "CPU"  # the preset and a measured host CPU (plan_costs.host_cpu)
-    dtype = "float32" if train.dtype == "fp32" or (train.dtype == "auto" and on_cpu) else "bfloat16"
-    units, source = job_units(cfg, configs, frozen)
-    costs = unit_costs(units, configs, shapes, spec, dtype)
-    return PlanInputs(tuple(units), tuple(costs), configs, shapes, int(count), dtype, source)
-
-
-class _StandInTokenizer:
-    """What composing a model reads of a tokenizer (``registry.compose_model``): its size (the LLM's vocabulary)
-    and one distinct id per placeholder token. Enough to build the module tree without the tokenizer files."""
-
-    unk_token_id = -1
-
-    def __init__(self, size: int, placeholders: Sequence[str]) -> None:
-        self.size, self.ids = size, {token: i for i, token in enumerate(placeholders)}
-
-    def __len__(self) -> int:
-        return self.size
-
-    def convert_tokens_to_ids(self, token: str) -> int:
-        return self.ids[token]
-
-
-def job_units(cfg: Any, configs: dict[str, Any], frozen: dict[str, bool]) -> tuple[tuple[Unit, ...], str]:
-    """The pipeline units of a ``JobConfig``'s model, named as the trainer names them, and their source.
-
-    The model is composed as the trainer composes it (``plait.models.registry.build_model``) on the meta
-    device: the module tree only, no weights and no memory (tenths of a second; about 1.5 s for an 80-layer
-    LLM), with a stand-in for the tokenizer. ``plait.models.units.model_units`` then gives the units by the
-    rules the runtime uses: fully qualified names from each family's module-list path
-    (``language_model.model.layers.2``, ``encoders.vision.encoder.encoder.layers.0``; the names
-    ``parallel.pp.splits`` takes), only the units the selected features reach (no layer after
-    ``feature_layer``, no post-norm the selected hidden state skips, e.g. SigLIP's and CLIP's), and the
-    frozen-aware flags of the config's freezing.
-
-    Args:
-        cfg: the ``JobConfig``; configs, frozen: its parts as ``model_parts`` reads them.
-
-    Returns:
-        ``(units, MODEL_UNITS)``; for a model plait cannot build (an encoder or LLM family without a pipeline
-        layout) ``(arch.units_from_configs(configs, frozen), reason)``: analytic names such as
-        ``llm.layers.2``, which no job can use as ``parallel.pp.splits``.
-    """
-    llm = configs["llm"]
-    stand_in = _StandInTokenizer(int(getattr(llm, "vocab_size", 0) or 1),
-                                 [placeholder_of(enc) for enc in cfg.model.encoders.values()])
-    try:
-        model = build_model(cfg.model, stand_in, device="meta")
-        return model_units(model), MODEL_UNITS
-    except ValueError as exc:
-        return units_from_configs(configs, frozen), f"plait cannot build this model ({exc})"
-
-
 # ----- macro-batches ---------------------------------------------------------------------------------
 def dataset_metadata(cfg: Any) -> tuple[list[Any], dict[str, Any]]:
     """Every training sample's metadata and the per-sample cost coefficients of a ``JobConfig``'s model.
 
     The samples are processed exactly as the trainer does (``MultimodalDataset``: same tokenizer, placeholder
     expansion and feature counts; bad records follow ``data.on_error``); the model is built on the meta
-    device (no weights, no init), which is all ``plait.train.costs.microbatch_cost_coeffs`` reads.
+    device (no weights, no init), which is all ``plait.train.cost_coeffs.microbatch_cost_coeffs`` reads.
 
     Returns:
         ``(metas, coeffs)``: ``SampleMeta`` per usable sample and ``ModuleCostCoeffs`` per encoder and ``"llm"``
@@ -368,11 +145,11 @@ def plan_command(
         out_json: where to write the plan JSON (``plait.planner.report.plan_to_json``; parents
             created); None: do not write.
         device: accelerator preset (``DEVICES``) or ``DeviceSpec``; its link is the stage-to-stage P2P model.
-            None: this host's (``plan_costs.host_device``: the GPU's preset; without a GPU this host's CPU measured
-            by ``plan_costs.host_cpu`` with ``train.threads`` threads, else the cores / ``devices``), printed.
+            None: this host's (``measure.host_costs.host_device``: the GPU's preset; without a GPU this host's CPU
+            measured by ``measure.host_costs.host_cpu`` with ``train.threads`` threads, else the cores / ``devices``), printed.
             On a device with host overheads (the ``"cpu"`` preset) the plan charges the runtime's fixed costs
-            (``plan_costs.runtime_costs``): the job's measured profile from ``profile_store`` when one matches
-            (``plan_costs.stored_profile``: its unit costs and overheads), else the analytic costs plus the
+            (``measure.host_costs.runtime_costs``): the job's measured profile from ``profile_store`` when one matches
+            (``measure.host_costs.stored_profile``: its unit costs and overheads), else the analytic costs plus the
             preset's measured per-chunk-action and per-message overheads; and the DP all-reduce on its link.
         microbatches: global microbatches per step: the job's global batch split into this many microbatches of
             ``ceil(train.global_batch_size / microbatches)`` samples (``split_global_batch``; at most
@@ -432,7 +209,7 @@ def job_degrees(cfg: Any, devices: int, stream: TextIO) -> dict[str, Any]:
     that it does; ``{}`` when both are 1 (TP and sharding are searched only when memory requires them).
 
     Raises:
-        ValueError: when ``tp x dp_shard`` does not divide ``devices`` (named; ``train.auto_plan.kept_degrees``).
+        ValueError: when ``tp x dp_shard`` does not divide ``devices`` (named; ``train.apply_plan.kept_degrees``).
     """
     kept = kept_degrees(cfg, devices, f"--devices {devices}")
     if kept:

@@ -5,22 +5,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from plait.models.plan_inputs import MODEL_UNITS
 from plait.planner.report import pp_toml
 from plait.planner.search import LayoutChoice
 from plait.planner.types import Unit
-from plait.train.auto_plan import apply_layout_choice
+from plait.train.apply_plan import apply_layout_choice
 
-__all__ = ["MODEL_UNITS", "pp_snippet"]
-
-MODEL_UNITS = "model"
-"""``PlanInputs.unit_source`` of units that are the job model's own (``plan.job_units``)."""
+__all__ = ["pp_snippet"]
 
 
 def pp_snippet(cfg: Any, choice: LayoutChoice, units: Sequence[Unit],
                unit_source: str = MODEL_UNITS) -> tuple[str | None, str]:
     """A ready-to-paste ``[parallel.pp]`` TOML table that makes the job run ``choice``, or None and why not.
 
-    The table is ``plait.train.auto_plan.apply_layout_choice``'s ``parallel.pp`` (degree, layout, stages per module,
+    The table is ``plait.train.apply_plan.apply_layout_choice``'s ``parallel.pp`` (degree, layout, stages per module,
     schedule, microbatches per replica, and ``splits`` for the modules whose cost-balanced boundaries are not
     the even split by unit count, ``virtual_stages`` and ``attach_encoders`` when the plan interleaves),
     written as TOML, under a comment line giving the rest of ``apply_layout_choice``'s config: ``parallel.dp``
@@ -28,7 +26,7 @@ def pp_snippet(cfg: Any, choice: LayoutChoice, units: Sequence[Unit],
     pipeline replica, ``microbatches`` per replica) and ``parallel.plan = "manual"``. There is one only for
     stage placement that ``[parallel.pp]`` can express (``apply_layout_choice`` accepts it; a one-rank plan is
     ``degree = 1``, no pipeline parallelism) and units named as the model names them (``unit_source`` is
-    ``MODEL_UNITS``, see ``plan.job_units``). A plan with TP, FSDP2 sharding or activation checkpointing gets a
+    ``MODEL_UNITS``, see ``plait.models.plan_inputs.job_units``). A plan with TP, FSDP2 sharding or activation checkpointing gets a
     ``[parallel]`` table too (``plan``, ``dp``: replicas, ``dp_shard``, ``tp``, ``offload`` when the plan offloads
     FSDP2's shards to the host, ``fsdp_reduce`` when it reduce-scatters every microbatch) and a comment naming
     ``train.activation_checkpointing`` (``report.pp_toml``).

@@ -6,11 +6,14 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "init_distributed", "resolve_device"]
+from plait.models.device import resolve_device
+
+__all__ = ["DistInfo", "broadcast_from_main", "init_distributed"]
 
 
 @dataclass(frozen=True)
@@ -27,27 +30,13 @@ class DistInfo:
         return self.rank == 0
 
 
-def resolve_device(device: str, local_rank: int = 0) -> torch.device:
-    """``"auto"`` -> this process's CUDA device when CUDA is available, else CPU.
-
-    Raises:
-        ValueError: when ``"cuda"`` is asked for on a machine without CUDA.
-    """
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device='cuda' but CUDA is not available")
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
     """Join the process group started by ``torchrun`` (``WORLD_SIZE`` > 1), or run as a single process.
 
-    The backend is NCCL on GPU and gloo on CPU unless given.
+    The device is ``resolve_device(device, LOCAL_RANK)``; the backend is NCCL on GPU and gloo on CPU unless given.
 
     Raises:
-        ValueError: for NCCL on a CPU device.
+        ValueError: for NCCL on a CPU device, and as ``resolve_device``.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -60,3 +49,18 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return DistInfo(rank, world, local_rank, dev)
+
+
+def broadcast_from_main(value: Any, info: DistInfo, wait_s: float) -> Any:
+    """Rank 0's ``value`` (any picklable object) on every rank; ``value`` itself in a single process. Sent in a gloo
+    group of its own whose timeout is ``wait_s`` seconds, not the job's ``parallel.timeout_s``, so the other ranks
+    may wait while rank 0 works alone for minutes; a rank that dies ends the wait at once (its connections close).
+    """
+    box = [value]
+    if info.world_size > 1:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=wait_s))
+        try:
+            dist.broadcast_object_list(box, src=0, group=group)
+        finally:
+            dist.destroy_process_group(group)
+    return box[0]

@@ -1,6 +1,6 @@
 """``plait energy``: the time-energy frontier of a job's pipeline plan and its per-action GPU frequencies (Perseus).
 
-:func:`energy_command` plans the job as ``plait plan`` does (``commands.plan.plan_command`` on the chosen GPU
+:func:`energy_command` plans the job as ``plait plan`` does (``commands.plan.command.plan_command`` on the chosen GPU
 preset), turns one replica's iteration of the plan's schedule into the action DAG of
 ``plait.planner.energy_frontier`` with each stage action's (time, energy) per SM clock (the analytic preset of
 ``plait.planner.energy_profile`` combined with the roofline cost model, scaled so that the top clock gives the
@@ -26,8 +26,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from plait.commands.job_file import load_config_for_planning
-from plait.commands.plan import build_plan_inputs, device_spec, plan_command, split_global_batch
+from plait.train.job_file import load_config_for_planning
+from plait.commands.plan.command import plan_command, split_global_batch
+from plait.models.plan_inputs import build_plan_inputs, device_spec
 from plait.planner.cost_model import unit_estimates
 from plait.planner.energy_frontier import (
     energy_at_deadline,
@@ -122,7 +123,7 @@ def job_action_options(config_path: str | Path, overrides: Sequence[str], microb
                        choice: LayoutChoice, gpu: str,
                        measured: EnergyProfile | None = None) -> dict[tuple[int, str], list[tuple[int, float, float]]]:
     """Per stage action of ``choice``, ``(frequency_mhz, seconds, joules)`` at the preset's clocks: the job's units
-    (``commands.plan.build_plan_inputs``) through ``energy_profile.analytic_energy_profile``, each action's times
+    (``models.plan_inputs.build_plan_inputs``) through ``energy_profile.analytic_energy_profile``, each action's times
     and energies scaled so that its top-clock time is the plan's own (``choice.stage_forward_s`` /
     ``stage_backward_s``, which include activation recomputation and runtime overheads when charged). With a
     ``measured`` profile, its own numbers per unit, unscaled.
@@ -157,7 +158,7 @@ def _energy_preset(gpu: str | None, stream: TextIO) -> Any:
     Raises:
         ValueError: when ``gpu`` names no GPU preset (``cpu``: energy is planned for GPUs only).
     """
-    from plait.commands.plan_costs import host_device
+    from plait.measure.host_costs import host_device
 
     if gpu is None:
         host, why = host_device()
@@ -181,7 +182,7 @@ def plan_by_energy(config_path: str | Path, devices: int, *, tolerance: float = 
     energy per iteration at their own ``T*`` (all replicas: DP x one replica's frontier point at ``T*``, on the
     ``gpu`` preset; GPUs a plan leaves idle are not charged) and the least-energy one is printed and written as
     ``plait plan`` does. ``gpu``: the GPU preset (``plait plan --device``); None: this host's GPU's
-    (``plan_costs.host_device``), else (no GPU) the H100's; the first line printed names it and why.
+    (``measure.host_costs.host_device``), else (no GPU) the H100's; the first line printed names it and why.
 
     Raises:
         ValueError: on a negative tolerance, a device without a GPU energy preset (``cpu``), and as ``plait plan``.

@@ -5,7 +5,7 @@ The search (``planner.search_parallel.plan_parallel``) reports every option it t
 (:func:`least_need`, a lower bound from ``planner.sharding.rank_memory``) and what to change: for ``plait plan``
 (:func:`no_fit_message`) and for ``parallel.plan = "auto"`` (``commands.train.resolve_auto``).
 :func:`search_plan` is ``plait plan``'s search on its setup with that message in place of the search's
-(``plan_command`` and ``plan_compare.considered_plans``); :func:`is_no_fit` tells that error from the others.
+(``plan_command`` and ``commands.plan.compare.considered_plans``); :func:`is_no_fit` tells that error from the others.
 """
 
 from __future__ import annotations

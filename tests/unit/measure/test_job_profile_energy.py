@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from plait.commands.profile import energy_profile_job
+from plait.measure.job_profile import energy_profile_job
 from plait.config.loader import config_from_dict, validate
 from tests.conftest import demo_records, tiny_config_dict, write_jsonl
 

@@ -3,8 +3,8 @@ energy with NVML (through zeus), into the planner's :class:`~plait.planner.energ
 
 Method, per clock of the sweep (:func:`measure_energy_profile`): the SM clock is locked
 (``set_gpu_locked_clocks``, zeus's device layer), then every unit's passes are re-run in isolation exactly as the
-time profiler does (:func:`plait.train.profiler.unit_pass_timings`: forward, dX, dW, fused backward of every captured
-call) with an :class:`EnergyTimer`: the time is the median of ``repeats`` runs; the energy per run is the
+time profiler does (:func:`plait.measure.unit_timing.unit_pass_timings`: forward, dX, dW, fused backward of every
+captured call) with an :class:`EnergyTimer`: the time is the median of ``repeats`` runs; the energy per run is the
 difference of two ``ZeusMonitor`` windows of ``n`` runs each, one of the pass with its setup (a backward's forward
 graph), one of the setup alone, divided by ``n`` (``n`` enough for ``min_window_s``: NVML's energy counter moves
 every few to 100 ms, so short windows would read nothing).
@@ -32,7 +32,7 @@ from plait.models.multimodal import MultimodalModel
 from plait.models.units import unit_specs
 from plait.planner.energy_profile import EnergyProfile, UnitEnergy
 from plait.planner.profile import ProfileKey
-from plait.train.profiler import KwargsFn, PassTiming, device_name, median_seconds, unit_pass_timings
+from plait.measure.unit_timing import KwargsFn, PassTiming, device_name, median_seconds, unit_pass_timings
 
 __all__ = ["ClockControl", "EnergyTimer", "gpu_clock_control", "measure_energy_profile", "sweep_clocks"]
 
@@ -104,7 +104,7 @@ def sweep_clocks(supported_mhz: Sequence[int], count: int, lowest_fraction: floa
 
 
 class EnergyTimer:
-    """A timer of :func:`~plait.train.profiler.unit_pass_timings` that also measures energy (module docstring):
+    """A timer of :func:`~plait.measure.unit_timing.unit_pass_timings` that also measures energy (module docstring):
     :meth:`median` returns the median seconds of ``repeats`` runs and leaves the joules per run in
     ``last_joules``.
 
@@ -181,7 +181,7 @@ def measure_energy_profile(model: MultimodalModel, microbatches: Sequence[Batch]
     ``microbatches`` (module docstring), as a measured :class:`EnergyProfile` (``gpu`` = ``clocks.name``).
 
     Args:
-        model, microbatches, llm_kwargs, autocast: as :func:`plait.train.profiler.measure_profile`.
+        model, microbatches, llm_kwargs, autocast: as :func:`plait.measure.unit_timing.measure_profile`.
         key: the profile key (same keying as time profiles, ``profile_key``).
         clocks: the GPU's clock control (:func:`gpu_clock_control`); frequencies_mhz: the sweep (any order).
         monitor: a ``ZeusMonitor`` of that GPU.

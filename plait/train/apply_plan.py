@@ -112,7 +112,7 @@ def resolve_auto_plan(cfg: JobConfig, world_size: int, units: Sequence[Unit], co
     """``cfg`` with ``parallel.plan = "auto"`` resolved for ``world_size`` processes from unit costs: the
     config to train with and the chosen plan (``plan_auto_layout`` with the same keyword arguments, e.g.
     ``dp_link`` for the DP all-reduce and ``overheads`` for the runtime's fixed costs (``plait plan``'s
-    ``plan_costs.runtime_costs``), and the job's activation checkpointing, whose recomputation it charges;
+    ``measure.host_costs.runtime_costs``), and the job's activation checkpointing, whose recomputation it charges;
     when nothing fits ``memory_cap`` it searches TP, FSDP2 and checkpointing too, and a job's own ``parallel.tp`` /
     ``parallel.dp_shard`` above 1 are kept as ``plait plan`` keeps them (:func:`kept_degrees`);
     :func:`apply_layout_choice`).

@@ -5,7 +5,7 @@ profile of the job when one is stored, else the analytic costs plus the CPU pres
   GPU) and a sentence saying so; :func:`host_cpu`: this host's CPU measured (a fraction of a second): matmul
   FLOP/s and memory bandwidth of one process with the job's threads.
 - :func:`stored_profile`: the job's profile from a ``plait profile`` store when its key matches this machine,
-  model, microbatch shape and versions (``plait.commands.profile.ProfileStore.load``), else None and why.
+  model, microbatch shape and versions (``plait.measure.job_profile.ProfileStore.load``), else None and why.
 - :func:`runtime_costs`: the link, DP link and ``ActionOverheads`` a plan is searched with, from a preset or a
   profile: per module chunk and action (``DeviceSpec.chunk_overhead_s`` or ``Profile.chunk_overhead_s``), per
   action of the pipeline executor (``Profile.action_overhead_s``) and per message (``DeviceSpec.message_overhead_s``,
@@ -96,7 +96,7 @@ def stored_profile(cfg: Any, store: str | Path) -> tuple[Profile | None, str]:
     the data or model cannot be built, no stored profile for the key, a stale one: ``ProfileStore.load``'s
     reasons). Building the key builds the job's model and first microbatch on the CPU, as ``plait profile``
     does (``build_profile_inputs``, default ``--microbatches 1`` and ``--microbatch-size``)."""
-    from plait.commands.profile import ProfileStore, build_profile_inputs
+    from plait.measure.job_profile import ProfileStore, build_profile_inputs
 
     if not cfg.data.train:
         return None, "the job has no data.train to key a profile"

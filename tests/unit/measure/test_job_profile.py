@@ -1,5 +1,5 @@
 """The profile command's store: hit and miss on every key field, unreadable and foreign files, reuse only of a
-matching profile (``plait.commands.profile``)."""
+matching profile (``plait.measure.job_profile``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from plait.commands.profile import ProfileStore, load_or_measure
+from plait.measure.job_profile import ProfileStore, load_or_measure
 from plait.planner.profile import ProfileKey, profile_mismatch
 from tests.unit.profile_cases import KEY
 from tests.unit.profile_cases import make_profile as _profile

@@ -15,6 +15,7 @@ from torch import nn
 
 from plait.models.lora import has_lora
 from plait.models.multimodal import MultimodalModel
+from plait.models.plan_inputs import pixel_shuffle_patches
 from plait.planner.arch import arch_from_config
 from plait.planner.graph import ModuleFlags, consistent_units, module_flags
 from plait.planner.microbatch import ModuleCostCoeffs
@@ -78,7 +79,7 @@ def _vision_coeffs(arch: Any, per_token: float, per_pair: float, downsample: int
         return (arch.layers * per_token + (arch.layers - full) * per_pair * arch.window, full * per_pair,
                 float(arch.output_pool))
     if downsample > 1:  # InternVL's pixel shuffle (the only vision family with downsample > 1)
-        return arch.layers * (per_token + per_pair * arch.item_len), 0.0, float(downsample ** 2)
+        return arch.layers * (per_token + per_pair * arch.item_len), 0.0, float(pixel_shuffle_patches(downsample))
     return arch.layers * per_token, arch.layers * per_pair, float(arch.output_pool)
 
 

@@ -1,5 +1,5 @@
 """The plans ``plait plan`` weighs, side by side: the best runnable plan of each family for a job
-(:func:`considered_plans`, searched with ``plait plan``'s costs: ``plait.commands.plan.plan_setup``) and a short
+(:func:`considered_plans`, searched with ``plait plan``'s costs: ``plait.commands.plan.command.plan_setup``) and a short
 name for each (:func:`plan_label`); ``bench/plan_holds.py`` runs them to check the recommendation holds.
 """
 
@@ -9,9 +9,9 @@ import io
 from collections.abc import Sequence
 from pathlib import Path
 
-from plait.commands.plan import plan_setup
-from plait.commands.plan_fit import search_plan
-from plait.commands.plan_snippet import pp_snippet
+from plait.commands.plan.command import plan_setup
+from plait.train.plan_search import search_plan
+from plait.commands.plan.snippet import pp_snippet
 from plait.planner.cost_model import DeviceSpec
 from plait.planner.pipeline_plan import LAYOUTS
 from plait.planner.search import LayoutChoice, plan_layout

@@ -1,0 +1,252 @@
+"""The planner's inputs of a job's model: its pipeline units, their analytic costs and one microbatch's workload
+(:func:`build_plan_inputs`), from the job's ``[model]`` tables (Hugging Face configs from the TOML ``config``
+tables or local ``path`` directories, read with ``transformers.AutoConfig``; no weights) and the model plait builds
+from them on the meta device (:func:`job_units`).
+
+Workload assumed per microbatch: ``train.microbatch_size`` sequences of ``data.max_length`` LLM tokens (an upper
+bound: padding to the longest), each with ``items_per_sample`` items per encoder at the encoder's native size
+(vision: its ``image_size`` patches; audio: its ``max_source_positions`` frames).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from plait.models.families.internvl import MODEL_TYPES as INTERNVL_TYPES
+from plait.models.multimodal import PLAIT_CONFIG
+from plait.models.registry import build_model, placeholder_of
+from plait.models.units import model_units
+from plait.planner.arch import arch_from_config, units_from_configs
+from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_costs
+from plait.planner.types import Unit, UnitCost
+
+__all__ = ["DEVICES", "MODEL_UNITS", "PlanInputs", "build_plan_inputs", "device_spec", "job_units", "model_parts",
+           "pixel_shuffle_patches"]
+
+MODEL_UNITS = "model"
+"""``PlanInputs.unit_source`` of units that are the job model's own (:func:`job_units`)."""
+
+DEVICES = ("h100", "h200", "a100", "cpu")
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the layout search needs, derived from a job config.
+
+    Attributes:
+        units: pipeline units (``arch.units_from_configs``) with the config's freezing flags.
+        costs: one ``UnitCost`` per unit on the chosen device.
+        model_configs: module -> Hugging Face config or architecture, plus ``"<encoder>.projector"``.
+        shapes: module -> ``MicrobatchShape`` of one microbatch.
+        microbatches: global microbatches per iteration.
+        dtype: training dtype of parameters and activations (``"bfloat16"`` or ``"float32"``).
+        unit_source: ``MODEL_UNITS`` (``"model"``) when ``units`` are the job model's own (``job_units``: the
+            names ``parallel.pp.splits`` takes); otherwise why the analytic units of
+            ``arch.units_from_configs`` were used instead.
+    """
+
+    units: tuple[Unit, ...]
+    costs: tuple[UnitCost, ...]
+    model_configs: dict[str, Any]
+    shapes: dict[str, MicrobatchShape]
+    microbatches: int
+    dtype: str
+    unit_source: str = MODEL_UNITS
+
+
+def device_spec(device: str | DeviceSpec) -> DeviceSpec:
+    """A ``DeviceSpec`` from a preset name (``DEVICES``) or passed through.
+
+    Raises:
+        ValueError: on an unknown name.
+    """
+    if isinstance(device, DeviceSpec):
+        return device
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; choose one of {DEVICES} or pass a DeviceSpec")
+    return getattr(DeviceSpec, device)()
+
+
+# ----- configs -------------------------------------------------------------------------------------
+def _hf_config(path: str | None, fields: dict[str, Any] | None, where: str) -> Any:
+    """A ``PretrainedConfig`` from a local directory or a dict with ``model_type``.
+
+    Raises:
+        ValueError: on a dict without ``model_type``; FileNotFoundError: on a missing directory.
+    """
+    from transformers import AutoConfig
+
+    if path is not None:
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"{where}: model directory {path} does not exist")
+        return AutoConfig.from_pretrained(path)
+    fields = dict(fields or {})
+    model_type = fields.pop("model_type", None)
+    if not model_type:
+        raise ValueError(f"{where}.config needs a 'model_type' field, got keys {sorted(fields)}")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def _encoder_arch(config: Any, downsample: int) -> Any:
+    """The encoder architecture of a (possibly composite) config, with feature pooling ``downsample``."""
+    sub = getattr(config, "vision_config", None)
+    if sub is not None and getattr(config, "model_type", "") not in ("whisper",):
+        config = sub
+    arch = arch_from_config(config)
+    return dataclasses.replace(arch, output_pool=arch.output_pool * downsample) if downsample > 1 else arch
+
+
+def _is_internvl(config: Any) -> bool:
+    """Whether an encoder config is InternVL's vision model (or a full InternVL checkpoint's config), whose
+    ``downsample`` is a pixel shuffle (``models.families.internvl``), not pooling."""
+    sub = getattr(config, "vision_config", None)
+    return getattr(sub if sub is not None else config, "model_type", "") in INTERNVL_TYPES
+
+
+def pixel_shuffle_patches(downsample: int) -> int:
+    """Encoder patches per feature of InternVL's pixel shuffle, whose ``downsample`` ``d`` (``1 / downsample_ratio``)
+    turns each ``d x d`` block of patches into one feature ``d^2`` times as wide: ``d^2`` (also the width factor of
+    the projector's input)."""
+    return downsample ** 2
+
+
+def _tokenizer_size(path: str) -> int | None:
+    """Vocabulary size of the tokenizer directory at ``path`` (None when there is none)."""
+    if not path or not Path(path).is_dir():
+        return None
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(path))
+
+
+def model_parts(cfg: Any) -> tuple[dict[str, Any], dict[str, bool], dict[str, int]]:
+    """(model_configs, frozen flags, features dropped per item) of a ``JobConfig``'s model section."""
+    model = cfg.model
+    configs: dict[str, Any] = {}
+    frozen: dict[str, bool] = {}
+    dropped: dict[str, int] = {}
+    meta = _pretrained_meta(model.pretrained) if model.pretrained else {}
+    for name, enc in model.encoders.items():
+        settings = meta.get(name, {})
+        where = f"model.encoders.{name}"
+        path = str(Path(model.pretrained) / "encoders" / name / "encoder") if model.pretrained else enc.path
+        hf_config = _hf_config(path, enc.config, where)
+        downsample = int(settings.get("downsample", enc.downsample))
+        shuffled = downsample > 1 and _is_internvl(hf_config)
+        arch = _encoder_arch(hf_config, pixel_shuffle_patches(downsample) if shuffled else downsample)
+        configs[name] = arch
+        configs[f"{name}.projector"] = {"kind": settings.get("projector", enc.projector)}
+        if shuffled:
+            configs[f"{name}.projector"]["in_dim"] = arch.hidden * pixel_shuffle_patches(downsample)
+        frozen[name], frozen[f"{name}.projector"] = enc.freeze, enc.freeze_projector
+        dropped[name] = arch.prefix_tokens if settings.get("select", enc.select) == "drop_cls" else 0
+    fields = dict(model.llm.config or {})
+    if model.pretrained is None and model.llm.path is None and "vocab_size" not in fields:
+        size = _tokenizer_size(cfg.data.tokenizer)
+        if size is not None:
+            fields["vocab_size"] = size
+    llm_path = str(Path(model.pretrained) / "llm") if model.pretrained else model.llm.path
+    configs["llm"] = _hf_config(llm_path, fields, "model.llm")
+    frozen["llm"] = model.llm.freeze
+    return configs, frozen, dropped
+
+
+def _pretrained_meta(directory: str) -> dict[str, Any]:
+    """Encoder settings stored by ``MultimodalModel.save_pretrained``.
+
+    Raises:
+        FileNotFoundError: when ``directory`` has no ``plait_config.json``.
+    """
+    meta_path = Path(directory) / PLAIT_CONFIG
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"model.pretrained: {directory} is not a plait model directory (no {meta_path.name})")
+    return json.loads(meta_path.read_text()).get("encoders", {})
+
+
+def build_plan_inputs(cfg: Any, device: str | DeviceSpec = "h100", *, microbatches: int | None = None,
+                      items_per_sample: int = 1, shapes_override: dict[str, MicrobatchShape] | None = None) -> PlanInputs:
+    """Units, costs and workload of the model in a ``JobConfig`` (module docstring for the workload).
+
+    Args:
+        cfg: a loaded ``plait.config.schema.JobConfig``.
+        device: the accelerator the costs are for (preset name or ``DeviceSpec``).
+        microbatches: global microbatches per iteration (default
+            ``train.global_batch_size // train.microbatch_size``).
+        items_per_sample: modality items per sample and encoder (images per sample, clips per sample).
+        shapes_override: per-module microbatch shapes replacing the upper-bound workload (e.g. ``expected_shapes``);
+            modules not in it keep the upper bound.
+
+    Raises:
+        ValueError: on a bad count or config (named); FileNotFoundError: on a missing model directory.
+    """
+    spec = device_spec(device)
+    if items_per_sample < 1:
+        raise ValueError(f"items_per_sample must be >= 1, got {items_per_sample}")
+    train = cfg.train
+    count = microbatches if microbatches is not None else train.global_batch_size // train.microbatch_size
+    if count < 1:
+        raise ValueError(f"microbatches must be >= 1, got {count} (train.global_batch_size "
+                         f"{train.global_batch_size} / train.microbatch_size {train.microbatch_size})")
+    configs, frozen, _ = model_parts(cfg)
+    per_mb = train.microbatch_size
+    shapes = {name: MicrobatchShape(tokens=per_mb * items_per_sample * configs[name].item_len)
+              for name in configs if name != "llm" and not name.endswith(".projector")}
+    length = cfg.data.max_length
+    shapes["llm"] = MicrobatchShape(tokens=per_mb * length, seq_len=length)
+    shapes.update({name: shape for name, shape in (shapes_override or {}).items() if name in shapes})
+    on_cpu = spec.name.split(" ")[0] == "CPU"  # the preset and a host CPU measured (plait.measure.host_costs.host_cpu)
+    dtype = "float32" if train.dtype == "fp32" or (train.dtype == "auto" and on_cpu) else "bfloat16"
+    units, source = job_units(cfg, configs, frozen)
+    costs = unit_costs(units, configs, shapes, spec, dtype)
+    return PlanInputs(tuple(units), tuple(costs), configs, shapes, int(count), dtype, source)
+
+
+class _StandInTokenizer:
+    """What composing a model reads of a tokenizer (``registry.compose_model``): its size (the LLM's vocabulary)
+    and one distinct id per placeholder token. Enough to build the module tree without the tokenizer files."""
+
+    unk_token_id = -1
+
+    def __init__(self, size: int, placeholders: Sequence[str]) -> None:
+        self.size, self.ids = size, {token: i for i, token in enumerate(placeholders)}
+
+    def __len__(self) -> int:
+        return self.size
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return self.ids[token]
+
+
+def job_units(cfg: Any, configs: dict[str, Any], frozen: dict[str, bool]) -> tuple[tuple[Unit, ...], str]:
+    """The pipeline units of a ``JobConfig``'s model, named as the trainer names them, and their source.
+
+    The model is composed as the trainer composes it (``plait.models.registry.build_model``) on the meta
+    device: the module tree only, no weights and no memory (tenths of a second; about 1.5 s for an 80-layer
+    LLM), with a stand-in for the tokenizer. ``plait.models.units.model_units`` then gives the units by the
+    rules the runtime uses: fully qualified names from each family's module-list path
+    (``language_model.model.layers.2``, ``encoders.vision.encoder.encoder.layers.0``; the names
+    ``parallel.pp.splits`` takes), only the units the selected features reach (no layer after
+    ``feature_layer``, no post-norm the selected hidden state skips, e.g. SigLIP's and CLIP's), and the
+    frozen-aware flags of the config's freezing.
+
+    Args:
+        cfg: the ``JobConfig``; configs, frozen: its parts as ``model_parts`` reads them.
+
+    Returns:
+        ``(units, MODEL_UNITS)``; for a model plait cannot build (an encoder or LLM family without a pipeline
+        layout) ``(arch.units_from_configs(configs, frozen), reason)``: analytic names such as
+        ``llm.layers.2``, which no job can use as ``parallel.pp.splits``.
+    """
+    llm = configs["llm"]
+    stand_in = _StandInTokenizer(int(getattr(llm, "vocab_size", 0) or 1),
+                                 [placeholder_of(enc) for enc in cfg.model.encoders.values()])
+    try:
+        model = build_model(cfg.model, stand_in, device="meta")
+        return model_units(model), MODEL_UNITS
+    except ValueError as exc:
+        return units_from_configs(configs, frozen), f"plait cannot build this model ({exc})"
