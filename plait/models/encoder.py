@@ -171,6 +171,18 @@ class ModalityEncoder(nn.Module):
         audio is one group (``input_features`` ``[n, mel, T]``; for Qwen2-Audio with the key-padding
         ``attention_mask`` of its clips' lengths, as Hugging Face's composite model passes it).
         """
+        return [(self._in_tower_dtype(kwargs), idx) for kwargs, idx in self._item_groups(inputs)]
+
+    def _in_tower_dtype(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` with their floating tensors in the dtype of the tower's weights (the tower computes in the
+        dtype its job table or checkpoint gives it); unchanged for a tower without weights on this rank."""
+        dtype = next((p.dtype for p in self.encoder.parameters() if p.is_floating_point()), None)
+        if dtype is None:
+            return kwargs
+        return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype else v
+                for k, v in kwargs.items()}
+
+    def _item_groups(self, inputs: dict[str, Any]) -> list[tuple[dict[str, Any], list[int]]]:
         if self.modality == "audio":
             feats = inputs["input_features"]
             kwargs: dict[str, Any] = {"input_features": feats}

@@ -260,7 +260,7 @@ def build_encoder(
         kwargs = {"add_pooling_layer": False} if cfg.model_type == "vit" else {}
         sub = getattr(cfg, "vision_config", cfg)
         if path is None:
-            return _build_from_table(f"{field}.config", lambda: cls(sub, **kwargs))
+            return _build_from_table(f"{field}.config", lambda: _from_table(cls, cfg, sub, **kwargs))
         if weights and sub is not cfg and cfg.model_type in qwen2_5_vl.MODEL_TYPES:  # a full checkpoint's tower
             return cls.from_pretrained(path, config=sub, key_mapping=qwen2_5_vl.TOWER_KEYS)
         if weights and sub is not cfg and cfg.model_type in internvl.MODEL_TYPES:  # a full InternVL checkpoint's tower
@@ -272,7 +272,7 @@ def build_encoder(
         encoder_cls = _class(_AUDIO[cfg.model_type])
         sub = getattr(cfg, "audio_config", cfg)  # a full Qwen2-Audio checkpoint gives its audio tower
         if path is None:
-            return _build_from_table(f"{field}.config", lambda: encoder_cls(sub))
+            return _build_from_table(f"{field}.config", lambda: _from_table(encoder_cls, cfg, sub))
         if not weights:
             return encoder_cls._from_config(sub)
         if (cfg.architectures or [None])[0] == encoder_cls.__name__:
@@ -280,6 +280,17 @@ def build_encoder(
         full = transformers.AutoModel.from_pretrained(path)
         return full.audio_tower if hasattr(full, "audio_tower") else full.get_encoder()
     raise ValueError(f"unknown modality {modality!r}; expected 'image' or 'audio'")
+
+
+def _from_table(cls: type[PreTrainedModel], cfg: PretrainedConfig, sub: PretrainedConfig,
+                **kwargs: Any) -> PreTrainedModel:
+    """The tower ``cls`` of config ``sub`` (``cfg``'s tower config, or ``cfg``), in the ``dtype`` the table sets
+    (on the tower's or the composite's config, as ``from_config`` honours it for a causal LM); default dtype
+    otherwise."""
+    dtype = getattr(sub, "dtype", None) or getattr(cfg, "dtype", None)
+    if dtype is None:
+        return cls(sub, **kwargs)
+    return cls._from_config(sub, dtype=dtype, **kwargs)
 
 
 def build_causal_lm(
