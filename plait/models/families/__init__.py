@@ -9,10 +9,12 @@ list it in :data:`FAMILIES`.
 
 from __future__ import annotations
 
+from typing import Any
+
 from plait.models.families import clip, internvl, pixtral, qwen2_5_vl, qwen2_audio, siglip, siglip2, vit, whisper
 from plait.models.families.base import AudioFamily, EncoderFamily, VisionFamily
 
-__all__ = ["FAMILIES", "family_of", "family_of_layer", "encoder_family", "supported_types"]
+__all__ = ["FAMILIES", "family_of", "family_of_layer", "encoder_family", "supported_types", "tower_config"]
 
 FAMILIES: tuple[EncoderFamily, ...] = (
     siglip.FAMILY,
@@ -57,3 +59,16 @@ def supported_types(modality: str, layout: bool = False, tp: bool = False) -> li
     when asked; ``modality`` ``""``: every modality)."""
     return sorted(t for t, f in _BY_TYPE.items() if (not modality or f.modality == modality)
                   and (not layout or f.layout is not None) and (not tp or f.tp_plan is not None))
+
+
+def tower_config(config: Any) -> Any:
+    """The tower's own config of a (possibly composite) encoder config, a config object or a plain dict: a full
+    checkpoint's ``vision_config``/``audio_config`` for the families whose ``model_types`` name one, else
+    ``config`` itself."""
+    model_type = config.get("model_type", "") if isinstance(config, dict) else getattr(config, "model_type", "")
+    family = family_of(model_type)
+    where = None if family is None else family.model_types.get(model_type)
+    if where is None:
+        return config
+    sub = config.get(where) if isinstance(config, dict) else getattr(config, where, None)
+    return config if sub is None else sub

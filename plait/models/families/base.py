@@ -18,11 +18,10 @@ from typing import Any
 import torch
 
 from plait.data.processing import PerFrame
-from plait.models.families.clips import checked_clip_samples
 
 __all__ = ["EncoderFamily", "VisionFamily", "AudioFamily", "EncoderLayout", "VisionFeatureCount",
            "AudioFeatureCount", "EncoderInputCheck", "AUDIO_CONV_STRIDE", "audio_window", "vision_arch_fields",
-           "config_field", "positive_field", "ATTN_MLP_PLAN", "WHISPER_PLAN"]
+           "config_field", "positive_field", "ATTN_MLP_PLAN", "WHISPER_PLAN", "checked_clip_samples"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +68,25 @@ class VisionFeatureCount:
         if h < self.patch_size or w < self.patch_size:
             raise ValueError(f"image of {h}x{w} pixels is smaller than one {self.patch_size}-pixel patch")
         return (h // self.patch_size) * (w // self.patch_size) + self.cls_tokens
+
+
+def checked_clip_samples(num_samples: int, max_samples: int, sampling_rate: int) -> int:
+    """``num_samples`` as an int once it is a clip the encoder accepts (samples at ``sampling_rate`` Hz): the one
+    check of a clip's length against an encoder's fixed input window, shared by every audio family's feature count.
+
+    Raises:
+        ValueError: for an empty clip, or one longer than the encoder window of ``max_samples`` samples (both
+            lengths in seconds in the message).
+    """
+    n = int(num_samples)
+    if n <= 0:
+        raise ValueError("audio clip is empty")
+    if n > max_samples:
+        raise ValueError(
+            f"audio clip of {n / sampling_rate:.2f} s is longer than the encoder window of "
+            f"{max_samples / sampling_rate:.2f} s"
+        )
+    return n
 
 
 @dataclass(frozen=True)
@@ -220,6 +238,8 @@ class EncoderFamily:
         layer_refusal: why a layer cannot be called on its own (a pipeline stage starting inside the tower);
             empty when it can.
         pooled_output: the features are the tower's pooled output (``TowerCall.stock_output``), not a hidden state.
+        pixel_shuffle: ``downsample`` stacks ``d x d`` neighbouring patches into one feature ``d^2`` times as wide
+            (InternVL), instead of average-pooling ``d`` features (audio).
         image_processor: the default image processor class (a ``transformers`` name).
         folder_processor_args: arguments over a model folder's saved processor (before the job's own).
     """
@@ -238,6 +258,7 @@ class EncoderFamily:
     layer_hidden_only: bool = False
     layer_refusal: str = ""
     pooled_output: bool = False
+    pixel_shuffle: bool = False
     image_processor: str = "SiglipImageProcessor"
     folder_processor_args: dict[str, Any] = {}
 

@@ -184,6 +184,7 @@ class InternVLFamily(VisionFamily):
     # heads does not have
     layer_class = LAYER_CLASS
     layer_hidden_only = True
+    pixel_shuffle = True
     image_processor = "GotOcr2ImageProcessorPil"  # InternVL's dynamic tiling (crop_to_patches), PIL backend
     folder_processor_args = {"crop_to_patches": True}  # InternVL's processor tiles on every call
     packed = True

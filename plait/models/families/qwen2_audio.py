@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from transformers.masking_utils import create_bidirectional_mask
 
-from plait.models.families.base import WHISPER_PLAN, AudioFamily, EncoderLayout
-from plait.models.families.clips import checked_clip_samples
+from plait.models.families.base import WHISPER_PLAN, AudioFamily, EncoderLayout, checked_clip_samples
 
 __all__ = ["FAMILY", "MODEL_TYPES", "ENCODER_CLASS", "Qwen2AudioFeatureCount", "qwen2_audio_attention_mask"]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from plait.models.families import FAMILIES, encoder_family, family_of, supported_types
+from plait.models.families import FAMILIES, encoder_family, family_of, supported_types, tower_config
 from plait.models.families.base import AudioFamily, VisionFamily
 from plait.models.hf import build_encoder
 from plait.planner.arch import EncoderArch
@@ -73,3 +73,14 @@ def test_a_familys_tower_builds_and_probes_with_its_own_facts(model_type):
     assert type(encoder).__name__ == family.encoder_class.rpartition(".")[2]
     inputs = family.dummy_input(encoder.config, torch.float32, "meta")
     assert inputs and family.input_check(encoder.config).modality == family.modality
+
+
+def test_the_tower_config_of_a_full_checkpoint_and_the_pixel_shuffle_fact():
+    vision = {"model_type": "internvl_vision", **CONFIGS["internvl_vision"]}
+    full = AutoConfig.for_model("internvl", vision_config=vision)
+    assert tower_config(full) is full.vision_config
+    assert tower_config({"model_type": "qwen2_audio", "audio_config": {"d_model": 8}}) == {"d_model": 8}
+    whisper = AutoConfig.for_model("whisper", **CONFIGS["whisper"])
+    assert tower_config(whisper) is whisper  # the encoder-decoder's own config holds the encoder's fields
+    assert [f.name for f in FAMILIES if f.pixel_shuffle] == ["InternVL"]
+    assert family_of("internvl").feature_size(full.vision_config, 32, 2) == 128
