@@ -21,7 +21,7 @@ from plait.data.processing import PerFrame
 
 __all__ = ["EncoderFamily", "VisionFamily", "AudioFamily", "EncoderLayout", "VisionFeatureCount",
            "AudioFeatureCount", "EncoderInputCheck", "AUDIO_CONV_STRIDE", "audio_window", "vision_arch_fields",
-           "config_field", "positive_field", "ATTN_MLP_PLAN", "WHISPER_PLAN", "checked_clip_samples"]
+           "config_field", "positive_field", "ATTN_MLP_PLAN", "WHISPER_PLAN", "ATTN_MLP_LORA", "checked_clip_samples"]
 
 
 @dataclass(frozen=True)
@@ -214,6 +214,8 @@ heads split by colwise q/k/v and a rowwise output projection, the MLP by colwise
 layout). Embeddings, norms and the post-norm stay replicated."""
 WHISPER_PLAN = {**_ATTN, "fc1": "colwise", "fc2": "rowwise"}
 """The tensor-parallel plan of one Whisper-style encoder layer (as :data:`ATTN_MLP_PLAN`, MLP at the layer's top)."""
+ATTN_MLP_LORA = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+"""The LoRA targets of a CLIP- or Whisper-style layer: the attention and MLP projections."""
 
 
 class EncoderFamily:
@@ -241,6 +243,7 @@ class EncoderFamily:
         pixel_shuffle: ``downsample`` stacks ``d x d`` neighbouring patches into one feature ``d^2`` times as wide
             (InternVL), instead of average-pooling ``d`` features (audio).
         image_processor: the default image processor class (a ``transformers`` name).
+        lora_targets: the default LoRA ``target_modules`` of the tower (empty: the job must name them).
         folder_processor_args: arguments over a model folder's saved processor (before the job's own).
     """
 
@@ -261,6 +264,7 @@ class EncoderFamily:
     pixel_shuffle: bool = False
     image_processor: str = "SiglipImageProcessor"
     folder_processor_args: dict[str, Any] = {}
+    lora_targets: tuple[str, ...] = ()
 
     def layout_of(self, config: Any) -> EncoderLayout | None:
         """The pipeline layout of a tower of ``config`` (default: :attr:`layout`)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plait.models.families.base import ATTN_MLP_PLAN, EncoderLayout, VisionFamily
+from plait.models.families.base import ATTN_MLP_LORA, ATTN_MLP_PLAN, EncoderLayout, VisionFamily
 
 __all__ = ["FAMILY", "MODEL_TYPES"]
 
@@ -19,6 +19,7 @@ class ClipFamily(VisionFamily):
     encoder_class = "CLIPVisionModel"
     has_cls = True
     layout = EncoderLayout(("embeddings", "pre_layrnorm"), "encoder.layers", "post_layernorm")
+    lora_targets = ATTN_MLP_LORA
     tp_plan = ATTN_MLP_PLAN
     image_processor = "CLIPImageProcessor"
 

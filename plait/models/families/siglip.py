@@ -3,7 +3,7 @@ plait never reads (a full SigLIP checkpoint gives its vision tower)."""
 
 from __future__ import annotations
 
-from plait.models.families.base import ATTN_MLP_PLAN, EncoderLayout, VisionFamily
+from plait.models.families.base import ATTN_MLP_LORA, ATTN_MLP_PLAN, EncoderLayout, VisionFamily
 
 __all__ = ["FAMILY", "MODEL_TYPES"]
 
@@ -16,6 +16,7 @@ class SiglipFamily(VisionFamily):
     model_types = MODEL_TYPES
     encoder_class = "SiglipVisionModel"
     layout = EncoderLayout(("embeddings",), "encoder.layers", "post_layernorm", ("head",))
+    lora_targets = ATTN_MLP_LORA
     tp_plan = ATTN_MLP_PLAN
     image_processor = "SiglipImageProcessor"
 

@@ -22,6 +22,7 @@ class VitFamily(VisionFamily):
     tp_plan = {"attention.q_proj": "colwise", "attention.k_proj": "colwise", "attention.v_proj": "colwise",
                "attention.o_proj": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
     image_processor = "ViTImageProcessor"
+    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2")
 
     def arch_fields(self, config: Any) -> dict[str, Any]:
         bias = bool(config_field(config, "qkv_bias", True))

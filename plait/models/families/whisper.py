@@ -3,7 +3,7 @@ window of log-mel frames, two convolutions (the second of stride 2), learned pos
 
 from __future__ import annotations
 
-from plait.models.families.base import WHISPER_PLAN, AudioFamily, EncoderLayout
+from plait.models.families.base import ATTN_MLP_LORA, WHISPER_PLAN, AudioFamily, EncoderLayout
 
 __all__ = ["FAMILY", "MODEL_TYPES"]
 
@@ -16,6 +16,7 @@ class WhisperFamily(AudioFamily):
     model_types = MODEL_TYPES
     encoder_class = "transformers.models.whisper.modeling_whisper.WhisperEncoder"
     layout = EncoderLayout(("conv1", "conv2", "embed_positions"), "layers", "layer_norm")
+    lora_targets = ATTN_MLP_LORA
     tp_plan = WHISPER_PLAN
 
 
