@@ -1,14 +1,13 @@
 """Thin per-family facts about Hugging Face encoders and causal LMs, and how to build or load them.
 
-plait never copies modeling code: it builds stock ``transformers`` models and only records what it needs
-to know about a family (which class is the encoder, whether outputs start with a CLS token, how many
-features an input yields).
+plait never copies modeling code: it builds stock ``transformers`` models; what it needs to know about an encoder
+family (which class is the encoder, whether outputs start with a CLS token, how many features an input yields, its
+layout and tensor-parallel plan) is the family's module in :mod:`plait.models.families`.
 """
 
 from __future__ import annotations
 
 import importlib
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -18,111 +17,23 @@ import transformers
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from plait.data.sources import path_note
-from plait.models.families.clips import checked_clip_samples
-from plait.models.families import internvl, pixtral, qwen2_5_vl, qwen2_audio, siglip2
+from plait.models.families import encoder_family, family_of, family_of_layer, supported_types
+from plait.models.families.base import EncoderLayout
 
 __all__ = [
-    "VisionFeatureCount",
-    "AudioFeatureCount",
     "build_encoder",
     "build_causal_lm",
     "encoder_hidden_size",
     "encoder_feature_size",
     "check_processor",
     "feature_count_for",
-    "EncoderLayout",
     "LlmLayout",
     "encoder_layout",
     "encoder_tp_plan",
     "llm_layout",
     "llm_tp_plan",
     "run_encoder_layer",
-    "audio_window",
 ]
-
-# model_type -> (transformers class name, outputs start with a CLS token)
-_VISION = {
-    "siglip_vision_model": ("SiglipVisionModel", False),
-    "siglip": ("SiglipVisionModel", False),
-    "clip_vision_model": ("CLIPVisionModel", True),
-    "clip": ("CLIPVisionModel", True),
-    "vit": ("ViTModel", True),
-    **{t: ("Siglip2VisionModel", False) for t in siglip2.MODEL_TYPES},
-    **{t: ("PixtralVisionModel", False) for t in pixtral.MODEL_TYPES},
-    **{t: ("InternVLVisionModel", True) for t in internvl.MODEL_TYPES},
-    **{t: (qwen2_5_vl.ENCODER_CLASS, False) for t in qwen2_5_vl.MODEL_TYPES},
-}
-_AUDIO = {"whisper": "transformers.models.whisper.modeling_whisper.WhisperEncoder",
-          **{t: qwen2_audio.ENCODER_CLASS for t in qwen2_audio.MODEL_TYPES}}
-
-
-@dataclass(frozen=True)
-class EncoderLayout:
-    """Where the pipeline units of an encoder family live (module paths relative to the HF encoder).
-
-    The HF encoder's own ``forward`` runs ``embed`` then the ``layers`` list then ``post_norm``, so a stage
-    that owns the embedding runs that forward with its ``layers`` list cut to the owned layers and every
-    module it does not own replaced by ``nn.Identity``; a stage without the embedding calls its layers one by
-    one (``run_encoder_layer``). ``heads`` are modules that never feed hidden states (pooling heads).
-
-    Attributes:
-        embed: modules of the embedding unit, in the order the forward applies them.
-        layers: the ``nn.ModuleList`` of encoder layers.
-        post_norm: the norm the forward applies to the last layer's output; None for a tower without one
-            (Pixtral; InternVL with ``use_mean_pooling``, whose ``layernorm`` is an ``nn.Identity``): no unit.
-        heads: modules off the hidden-state path.
-    """
-
-    embed: tuple[str, ...]
-    layers: str
-    post_norm: str | None
-    heads: tuple[str, ...] = ()
-
-
-# model_type -> layout (transformers 5 module tree; checked against the stock forward in the unit tests)
-_ENCODER_LAYOUTS = {
-    "siglip_vision_model": EncoderLayout(("embeddings",), "encoder.layers", "post_layernorm", ("head",)),
-    "siglip": EncoderLayout(("embeddings",), "encoder.layers", "post_layernorm", ("head",)),
-    "clip_vision_model": EncoderLayout(("embeddings", "pre_layrnorm"), "encoder.layers", "post_layernorm"),
-    "clip": EncoderLayout(("embeddings", "pre_layrnorm"), "encoder.layers", "post_layernorm"),
-    "vit": EncoderLayout(("embeddings",), "layers", "layernorm", ("pooler",)),
-    "siglip2_vision_model": EncoderLayout(("embeddings",), "encoder.layers", "post_layernorm", ("head",)),
-    "whisper": EncoderLayout(("conv1", "conv2", "embed_positions"), "layers", "layer_norm"),
-    # the avg_pooler runs between the last layer and layer_norm: a stage owning the embedding must own every layer
-    "qwen2_audio_encoder": EncoderLayout(("conv1", "conv2", "embed_positions"), "layers", "layer_norm"),
-    # no final norm; patch_positional_embedding (2D RoPE, buffers only) rides with the embedding (a later stage
-    # rebuilds its rotary table: families.pixtral.PixtralCall)
-    "pixtral": EncoderLayout(("patch_conv", "ln_pre", "patch_positional_embedding"), "transformer.layers", None),
-    # post_norm None with use_mean_pooling (its layernorm is an nn.Identity): encoder_layout reads the config
-    "internvl_vision": EncoderLayout(("embeddings",), "encoder.layer", "layernorm"),
-    # the merger (ln_q + MLP over 2x2 blocks) in the post-norm slot; rotary_pos_emb (a buffer only) rides with
-    # patch_embed; the blocks' per-call inputs come from models.tower_call (families.qwen2_5_vl.Qwen25VLCall)
-    "qwen2_5_vl_vision": EncoderLayout(("patch_embed", "rotary_pos_emb"), "blocks", "merger"),
-}
-
-
-_ATTN_MLP = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-             "self_attn.out_proj": "rowwise"}
-# model_type -> tensor-parallel plan of one encoder layer (module path in the layer -> transformers' style name):
-# attention heads split by colwise q/k/v and a rowwise output projection, the MLP by colwise fc1 and rowwise fc2
-# (Megatron-LM's layout). Embeddings, norms and the post-norm stay replicated. None of these families ships a plan.
-_ENCODER_TP_PLANS = {
-    "siglip_vision_model": {**_ATTN_MLP, "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
-    "siglip": {**_ATTN_MLP, "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
-    "siglip2_vision_model": {**_ATTN_MLP, "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
-    "clip_vision_model": {**_ATTN_MLP, "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
-    "clip": {**_ATTN_MLP, "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
-    "vit": {"attention.q_proj": "colwise", "attention.k_proj": "colwise", "attention.v_proj": "colwise",
-            "attention.o_proj": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
-    "whisper": {**_ATTN_MLP, "fc1": "colwise", "fc2": "rowwise"},
-    "qwen2_audio_encoder": {**_ATTN_MLP, "fc1": "colwise", "fc2": "rowwise"},
-    # Pixtral: heads split with their 2D RoPE (the same per-head rotation on every head); gated MLP. InternVL has no
-    # plan: its attention reshapes its output to the full embed_dim, which a rank holding some heads does not have
-    "pixtral": {"attention.q_proj": "colwise", "attention.k_proj": "colwise", "attention.v_proj": "colwise",
-                "attention.o_proj": "rowwise", "feed_forward.gate_proj": "colwise", "feed_forward.up_proj": "colwise",
-                "feed_forward.down_proj": "rowwise"},
-}
-
 
 @dataclass(frozen=True)
 class LlmLayout:
@@ -137,61 +48,6 @@ class LlmLayout:
     layers: str
     norm: str
     head: str
-
-
-@dataclass(frozen=True)
-class VisionFeatureCount:
-    """Features a ViT-style encoder emits for one image: ``(H // patch) * (W // patch) + cls_tokens``.
-
-    The same object counts placeholders in the processor and checks the encoder's real output, so the two
-    can never disagree.
-    """
-
-    patch_size: int
-    cls_tokens: int
-
-    def __call__(self, size: tuple[int, int]) -> int:
-        """Features (tokens) for an image of ``size = (height, width)`` pixels.
-
-        Raises:
-            ValueError: when the image is smaller than one patch.
-        """
-        h, w = int(size[0]), int(size[1])
-        if h < self.patch_size or w < self.patch_size:
-            raise ValueError(f"image of {h}x{w} pixels is smaller than one {self.patch_size}-pixel patch")
-        return (h // self.patch_size) * (w // self.patch_size) + self.cls_tokens
-
-
-@dataclass(frozen=True)
-class AudioFeatureCount:
-    """Features a Whisper-style encoder emits for a clip of ``n`` samples, after optional pooling.
-
-    Log-mel frames: ``ceil(n / hop_length)``; the stride-2 convolution halves them (``ceil(f / 2)``);
-    average pooling by ``downsample`` gives ``ceil(x / downsample)``. Whisper pads every clip to a fixed
-    window of ``max_positions`` encoder positions; plait keeps only the features that cover real audio.
-    """
-
-    hop_length: int
-    conv_stride: int
-    downsample: int
-    max_positions: int
-    sampling_rate: int
-
-    @property
-    def max_samples(self) -> int:
-        """Longest clip in samples that fits the encoder's window."""
-        return self.max_positions * self.conv_stride * self.hop_length
-
-    def __call__(self, num_samples: int) -> int:
-        """Features (tokens) for a clip of ``num_samples`` samples.
-
-        Raises:
-            ValueError: for an empty clip or one longer than the encoder window.
-        """
-        n = checked_clip_samples(num_samples, self.max_samples, self.sampling_rate)
-        frames = math.ceil(n / self.hop_length)
-        positions = math.ceil(frames / self.conv_stride)
-        return math.ceil(positions / self.downsample)
 
 
 def _class(name: str) -> type[PreTrainedModel]:
@@ -254,25 +110,27 @@ def build_encoder(
     """
     cfg = _load_config(path, field) if path is not None else _config_from_dict(config or {}, f"{field}.config")
     if modality == "image":
-        if cfg.model_type not in _VISION:
-            raise ValueError(f"unsupported vision encoder model_type {cfg.model_type!r}; supported: {sorted(_VISION)}")
-        cls = _class(_VISION[cfg.model_type][0])
-        kwargs = {"add_pooling_layer": False} if cfg.model_type == "vit" else {}
+        family = family_of(cfg.model_type, "image")
+        if family is None:
+            raise ValueError(f"unsupported vision encoder model_type {cfg.model_type!r}; supported: "
+                             f"{supported_types('image')}")
+        cls = _class(family.encoder_class)
+        kwargs = dict(family.build_kwargs)
         sub = getattr(cfg, "vision_config", cfg)
         if path is None:
-            return _build_from_table(f"{field}.config", lambda: cls(sub, **kwargs))
-        if weights and sub is not cfg and cfg.model_type in qwen2_5_vl.MODEL_TYPES:  # a full checkpoint's tower
-            return cls.from_pretrained(path, config=sub, key_mapping=qwen2_5_vl.TOWER_KEYS)
-        if weights and sub is not cfg and cfg.model_type in internvl.MODEL_TYPES:  # a full InternVL checkpoint's tower
-            return cls.from_pretrained(path, config=sub, key_mapping=internvl.TOWER_KEYS)
+            return _build_from_table(f"{field}.config", lambda: _from_table(cls, cfg, sub, **kwargs))
+        if weights and sub is not cfg and family.tower_keys is not None:  # a full checkpoint's tower
+            return cls.from_pretrained(path, config=sub, key_mapping=family.tower_keys)
         return cls.from_pretrained(path, **kwargs) if weights else cls._from_config(sub, **kwargs)
     if modality == "audio":
-        if cfg.model_type not in _AUDIO:
-            raise ValueError(f"unsupported audio encoder model_type {cfg.model_type!r}; supported: {sorted(_AUDIO)}")
-        encoder_cls = _class(_AUDIO[cfg.model_type])
+        family = family_of(cfg.model_type, "audio")
+        if family is None:
+            raise ValueError(f"unsupported audio encoder model_type {cfg.model_type!r}; supported: "
+                             f"{supported_types('audio')}")
+        encoder_cls = _class(family.encoder_class)
         sub = getattr(cfg, "audio_config", cfg)  # a full Qwen2-Audio checkpoint gives its audio tower
         if path is None:
-            return _build_from_table(f"{field}.config", lambda: encoder_cls(sub))
+            return _build_from_table(f"{field}.config", lambda: _from_table(encoder_cls, cfg, sub))
         if not weights:
             return encoder_cls._from_config(sub)
         if (cfg.architectures or [None])[0] == encoder_cls.__name__:
@@ -280,6 +138,17 @@ def build_encoder(
         full = transformers.AutoModel.from_pretrained(path)
         return full.audio_tower if hasattr(full, "audio_tower") else full.get_encoder()
     raise ValueError(f"unknown modality {modality!r}; expected 'image' or 'audio'")
+
+
+def _from_table(cls: type[PreTrainedModel], cfg: PretrainedConfig, sub: PretrainedConfig,
+                **kwargs: Any) -> PreTrainedModel:
+    """The tower ``cls`` of config ``sub`` (``cfg``'s tower config, or ``cfg``), in the ``dtype`` the table sets
+    (on the tower's or the composite's config, as ``from_config`` honours it for a causal LM); default dtype
+    otherwise."""
+    dtype = getattr(sub, "dtype", None) or getattr(cfg, "dtype", None)
+    if dtype is None:
+        return cls(sub, **kwargs)
+    return cls._from_config(sub, dtype=dtype, **kwargs)
 
 
 def build_causal_lm(
@@ -344,45 +213,23 @@ def encoder_hidden_size(encoder: PreTrainedModel) -> int:
 def encoder_feature_size(encoder: PreTrainedModel, downsample: int) -> int:
     """Width of the features a branch hands its projector: the hidden size, times ``downsample ** 2`` for InternVL
     (its pixel shuffle stacks ``downsample x downsample`` neighbouring patches into one feature)."""
-    if encoder.config.model_type in internvl.MODEL_TYPES:
-        return encoder_hidden_size(encoder) * int(downsample) ** 2
-    if encoder.config.model_type in qwen2_5_vl.MODEL_TYPES:  # the merger's output width
-        return int(encoder.config.out_hidden_size)
-    return encoder_hidden_size(encoder)
+    family = family_of(encoder.config.model_type)
+    hidden = encoder_hidden_size(encoder)
+    return hidden if family is None else family.feature_size(encoder.config, hidden, downsample)
 
 
 def check_processor(encoder: PreTrainedModel, processor: Any) -> None:
     """Refuse an image processor whose settings cannot fit ``encoder``'s family, when the job is built (before any
     sample is read): SigLIP2's ``max_num_patches`` above the tower's ``num_patches``, Pixtral's ``patch_size`` or
     ``size.longest_edge``, InternVL's tile ``size``. Other families are checked per sample
-    (``encoder.EncoderInputCheck``).
+    (``families.base.EncoderInputCheck``).
 
     Raises:
         ValueError: starting with the processor field (``processor.max_num_patches = 32 ...``).
     """
-    cfg = encoder.config
-    if cfg.model_type in siglip2.MODEL_TYPES:
-        siglip2.check_siglip2_processor(processor, cfg)
-    elif cfg.model_type in pixtral.MODEL_TYPES:
-        pixtral.check_pixtral_processor(processor, cfg)
-    elif cfg.model_type in internvl.MODEL_TYPES:
-        internvl.check_internvl_processor(processor, cfg)
-    elif cfg.model_type in qwen2_5_vl.MODEL_TYPES:
-        qwen2_5_vl.check_qwen2_5_vl_processor(processor, cfg)
-
-
-def _side(value: Any) -> int:
-    """A square size (an int, or an ``(H, W)`` pair of equal sides, as InternVL's config stores it) as an int.
-
-    Raises:
-        ValueError: for a non-square pair.
-    """
-    if isinstance(value, int):
-        return value
-    h, w = (int(v) for v in value)
-    if h != w:
-        raise ValueError(f"size {h}x{w} is not square")
-    return h
+    family = family_of(encoder.config.model_type)
+    if family is not None:
+        family.check_processor(processor, encoder.config)
 
 
 def feature_count_for(
@@ -398,27 +245,8 @@ def feature_count_for(
             ``downsample > 1`` for images other than InternVL's (its pixel shuffle: a power of two dividing the
             patch grid, with ``select="drop_cls"``).
     """
-    cfg = encoder.config
-    if modality == "image":
-        has_cls = _VISION.get(cfg.model_type, ("", False))[1]
-        if select == "drop_cls" and not has_cls:
-            raise ValueError(f"select='drop_cls' but {cfg.model_type} outputs have no CLS token")
-        if cfg.model_type in internvl.MODEL_TYPES:
-            return internvl.InternVLFeatureCount(_side(cfg.patch_size), internvl.tile_size(cfg), int(downsample),
-                                                 int(select == "full"))
-        if downsample != 1:
-            raise ValueError("downsample applies to audio frames only; use 1 for images")
-        if cfg.model_type in siglip2.MODEL_TYPES:
-            return siglip2.Siglip2FeatureCount(int(cfg.num_patches))
-        if cfg.model_type in pixtral.MODEL_TYPES:
-            return pixtral.PixtralFeatureCount(int(cfg.patch_size), int(cfg.image_size))
-        if cfg.model_type in qwen2_5_vl.MODEL_TYPES:
-            return qwen2_5_vl.feature_count(cfg)
-        return VisionFeatureCount(int(cfg.patch_size), int(has_cls and select == "full"))
-    if cfg.model_type in qwen2_audio.MODEL_TYPES:
-        return qwen2_audio.Qwen2AudioFeatureCount(hop_length, downsample, int(cfg.max_source_positions), sampling_rate)
-    conv_stride = int(encoder.conv2.stride[0]) * int(encoder.conv1.stride[0])
-    return AudioFeatureCount(hop_length, conv_stride, downsample, int(cfg.max_source_positions), sampling_rate)
+    family = encoder_family(encoder.config.model_type, modality)
+    return family.feature_count(encoder, select, downsample, hop_length, sampling_rate)
 
 
 def dummy_encoder_input(
@@ -427,32 +255,8 @@ def dummy_encoder_input(
     """A one-item input of the encoder's native shape (image ``[1, C, size, size]``, audio
     ``[1, mel, frames]``, zeros in the encoder's dtype, on ``device``: default CPU; ``"meta"`` for a probe of a
     model without weights), used to probe which parameters reach the output."""
-    cfg = encoder.config
     dtype = next(encoder.parameters()).dtype
-    if cfg.model_type in siglip2.MODEL_TYPES:
-        return siglip2.siglip2_dummy_input(cfg, dtype, device)
-    if cfg.model_type in pixtral.MODEL_TYPES:
-        return pixtral.pixtral_dummy_input(cfg, dtype, device)
-    if cfg.model_type in internvl.MODEL_TYPES:
-        return internvl.internvl_dummy_input(cfg, dtype, device)
-    if cfg.model_type in qwen2_5_vl.MODEL_TYPES:
-        return qwen2_5_vl.qwen2_5_vl_dummy_input(cfg, dtype, device)
-    if modality == "image":
-        size = int(cfg.image_size)
-        return {"pixel_values": torch.zeros(1, int(cfg.num_channels), size, size, dtype=dtype, device=device)}
-    return {"input_features": torch.zeros(1, *audio_window(cfg), dtype=dtype, device=device)}
-
-
-# WhisperEncoder and Qwen2AudioEncoder build conv1 with stride 1 and conv2 with stride 2 (fixed in transformers'
-# modeling code, not a config field); the encoder refuses any other number of input frames.
-_AUDIO_CONV_STRIDE = 2
-
-
-def audio_window(cfg: PretrainedConfig) -> tuple[int, int]:
-    """``(mel bins, frames)`` of the one input window a Whisper-style audio encoder accepts, from its config
-    alone (``max_source_positions`` x the convolutions' stride 2), so that a pipeline rank whose encoder units
-    were pruned away (no parameters, no convolutions) still knows it."""
-    return int(cfg.num_mel_bins), int(cfg.max_source_positions) * _AUDIO_CONV_STRIDE
+    return encoder_family(encoder.config.model_type, modality).dummy_input(encoder.config, dtype, device)
 
 
 def encoder_layout(encoder: PreTrainedModel) -> EncoderLayout:
@@ -462,13 +266,12 @@ def encoder_layout(encoder: PreTrainedModel) -> EncoderLayout:
         ValueError: for a family without a known layout, or a module tree that does not match it.
     """
     model_type = encoder.config.model_type
-    layout = _ENCODER_LAYOUTS.get(model_type)
+    family = family_of(model_type)
+    layout = None if family is None else family.layout_of(encoder.config)
     if layout is None:
         raise ValueError(
-            f"no pipeline layout for encoder model_type {model_type!r}; supported: {sorted(_ENCODER_LAYOUTS)}"
+            f"no pipeline layout for encoder model_type {model_type!r}; supported: {supported_types('', layout=True)}"
         )
-    if model_type in internvl.MODEL_TYPES and not internvl.has_post_norm(encoder.config):
-        layout = EncoderLayout(layout.embed, layout.layers, None, layout.heads)
     paths = [*layout.embed, layout.layers, *([layout.post_norm] if layout.post_norm else [])]
     missing = [path for path in paths if not _has_module(encoder, path)]
     if missing or not isinstance(encoder.get_submodule(layout.layers), torch.nn.ModuleList):
@@ -486,10 +289,11 @@ def encoder_tp_plan(encoder: PreTrainedModel) -> dict[str, str]:
         ValueError: for a family without a plan (as :func:`encoder_layout`).
     """
     layout = encoder_layout(encoder)
-    plan = _ENCODER_TP_PLANS.get(encoder.config.model_type)
+    family = family_of(encoder.config.model_type)
+    plan = None if family is None else family.tp_plan
     if plan is None:
         raise ValueError(f"no tensor-parallel plan for encoder model_type {encoder.config.model_type!r}; "
-                         f"supported: {sorted(_ENCODER_TP_PLANS)}")
+                         f"supported: {supported_types('', tp=True)}")
     return {f"{layout.layers}.*.{path}": style for path, style in plan.items()}
 
 
@@ -511,21 +315,19 @@ def llm_tp_plan(llm: PreTrainedModel) -> dict[str, str]:
 
 def run_encoder_layer(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """One encoder layer on ``hidden`` ``[n, positions, dim]`` without attention mask, as the stock encoder
-    forwards of every family in ``_ENCODER_LAYOUTS`` call it (``layer(hidden_states, None)``; InternVL's layers
-    take the hidden states only).
+    forwards of every family with a layout call it (``layer(hidden_states, None)``; a family's
+    ``layer_hidden_only`` layers, InternVL's, take the hidden states only).
 
     Raises:
-        ValueError: for a Qwen2-Audio layer (its padding mask and pooler live in the stock forward only: a pipeline
-            stage that owns its embedding must own all its layers) or a Pixtral layer called without its per-call
-            inputs (``families.pixtral.PixtralCall.layer`` gives them).
+        ValueError: for a layer its family cannot call on its own (``EncoderFamily.layer_refusal``): Qwen2-Audio's
+            (its padding mask and pooler live in the stock forward only: a pipeline stage that owns its embedding
+            must own all its layers) or Pixtral's called without its per-call inputs
+            (``families.pixtral.PixtralCall.layer`` gives them).
     """
-    if type(layer).__name__ == "Qwen2AudioEncoderLayer":
-        raise ValueError("the Qwen2-Audio encoder's layers cannot start a pipeline stage (its padding mask and "
-                         "pooler run inside its own forward): give the branch one stage")
-    if type(layer).__name__ == pixtral.LAYER_CLASS:
-        raise ValueError("a Pixtral layer needs its call's 2D rotary positions and block mask: run it through "
-                         "plait.models.tower_call (families.pixtral.PixtralCall.layer)")
-    if type(layer).__name__ == internvl.LAYER_CLASS:  # takes the hidden states only
+    family = family_of_layer(type(layer).__name__)
+    if family is not None and family.layer_refusal:
+        raise ValueError(family.layer_refusal)
+    if family is not None and family.layer_hidden_only:
         return layer(hidden)
     out = layer(hidden, None)
     return out[0] if isinstance(out, tuple) else out

@@ -42,6 +42,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from plait.models.encoder import ModalityEncoder
+from plait.models.families import encoder_family
 from plait.models.families.qwen2_5_vl import takes_mrope
 from plait.models.hf import encoder_feature_size, llm_layout
 from plait.models.lora import ADAPTER, base_state_dict, has_lora
@@ -147,7 +148,7 @@ def _feature_selection(fmt: HfFormat, config: PretrainedConfig, tower: PreTraine
     if config.projector_hidden_act != "gelu" or not getattr(config, "multimodal_projector_bias", True):
         raise ValueError(f"projector_hidden_act = {config.projector_hidden_act!r}, multimodal_projector_bias = "
                          f"{config.multimodal_projector_bias}: plait's mlp projector is Linear(bias)-GELU-Linear(bias)")
-    if strategy == "default" and tower.config.model_type != "clip_vision_model":
+    if strategy == "default" and not encoder_family(tower.config.model_type, "image").has_cls:
         raise ValueError(f"vision_feature_select_strategy = 'default' drops the first position of a "
                          f"{tower.config.model_type} tower, which has no CLS token; plait's drop_cls refuses that")
     return layer, ("drop_cls" if strategy == "default" else "full")
@@ -368,7 +369,7 @@ def hf_processor(fmt: HfFormat, model: MultimodalModel, tokenizer: Any, media_pr
         return cls(image_processor=media_processor, tokenizer=tokenizer, chat_template=template,
                    patch_size=int(cfg.patch_size), image_token=token,
                    vision_feature_select_strategy="default" if branch.select == "drop_cls" else "full",
-                   num_additional_image_tokens=int(cfg.model_type == "clip_vision_model"))
+                   num_additional_image_tokens=int(encoder_family(cfg.model_type, "image").has_cls))
     return cls(feature_extractor=media_processor, tokenizer=tokenizer, chat_template=template, audio_token=token)
 
 

@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from plait.config.schema import LoraConfig, ModelConfig
+from plait.models.families import FAMILIES
 from plait.models.file_modes import share_saved_files
 
 __all__ = [
@@ -57,14 +58,13 @@ ADAPTER_DIR = "adapter"
 _PEFT_PREFIX = "base_model.model."
 
 _DECODER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_ENCODER = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
-    "llama": _DECODER, "qwen2": _DECODER, "qwen2_5_vl_text": _DECODER, "qwen3": _DECODER, "mistral": _DECODER, "gemma": _DECODER,
-    "gemma2": _DECODER, "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
-    "siglip_vision_model": _ENCODER, "siglip": _ENCODER, "clip_vision_model": _ENCODER, "clip": _ENCODER,
-    "whisper": _ENCODER, "vit": ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"),
+    "llama": _DECODER, "qwen2": _DECODER, "qwen2_5_vl_text": _DECODER, "qwen3": _DECODER, "mistral": _DECODER,
+    "gemma": _DECODER, "gemma2": _DECODER, "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    **{t: f.lora_targets for f in FAMILIES if f.lora_targets for t in f.model_types},
 }
-"""Default ``target_modules`` per ``model_type``: the attention projections and the MLP projections."""
+"""Default ``target_modules`` per ``model_type``: the attention projections and the MLP projections (an encoder's:
+its family's ``lora_targets``)."""
 
 
 def lora_targets(module: nn.Module, names: Collection[str], skip: Collection[str] = ()) -> list[str]:

@@ -11,7 +11,9 @@ __all__ = ["Projector", "build_projector"]
 class Projector(nn.Module):
     """``linear``: one Linear; ``mlp``: Linear -> GELU -> Linear (the LLaVA-1.5 projector).
 
-    Input ``[..., in_dim]``, output ``[..., out_dim]``.
+    Input ``[..., in_dim]``, output ``[..., out_dim]``. Features of another dtype than the projector's weights (a
+    tower kept in bf16 before an fp32 projector) are cast to the weights' dtype, unless autocast chooses the
+    matmul dtype.
     """
 
     def __init__(self, in_dim: int, out_dim: int, kind: str = "mlp") -> None:
@@ -25,6 +27,9 @@ class Projector(nn.Module):
             self.linear_2 = nn.Linear(out_dim, out_dim)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
+        dtype = self.linear_1.weight.dtype
+        if features.dtype != dtype and not torch.is_autocast_enabled(features.device.type):
+            features = features.to(dtype)
         hidden = self.linear_1(features)
         if self.kind == "mlp":
             hidden = self.linear_2(self.act(hidden))

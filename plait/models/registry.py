@@ -16,7 +16,7 @@ from plait.data.processing import ModalitySpec, MultimodalProcessor
 from plait.data.sources import path_note
 from plait.data.video import VideoSpec
 from plait.models.encoder import ModalityEncoder
-from plait.models.families import internvl
+from plait.models.families import encoder_family
 from plait.models.hf import build_causal_lm, build_encoder, check_processor, encoder_feature_size
 from plait.models.processor_table import check_processor_table
 from plait.models.init import materialize, weight_source
@@ -26,19 +26,6 @@ from plait.models.projector import build_projector
 
 __all__ = ["load_tokenizer", "build_model", "compose_model", "build_processor", "apply_freezing", "placeholder_of",
            "check_pretrained_branch"]
-
-_DEFAULT_IMAGE_PROCESSOR = {
-    "siglip_vision_model": "SiglipImageProcessor",
-    "siglip": "SiglipImageProcessor",
-    "clip_vision_model": "CLIPImageProcessor",
-    "clip": "CLIPImageProcessor",
-    "vit": "ViTImageProcessor",
-    "siglip2_vision_model": "Siglip2ImageProcessorPil",  # NaFlex, PIL backend (no torchvision)
-    "pixtral": "PixtralImageProcessorPil",  # native resolution, PIL backend
-    "internvl_vision": "GotOcr2ImageProcessorPil",  # InternVL's dynamic tiling (crop_to_patches), PIL backend
-    "qwen2_5_vl_vision": "Qwen2VLImageProcessorPil",  # dynamic resolution, PIL backend (no torchvision)
-}
-_IMAGENET_MEAN, _IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # InternVL's normalisation
 
 
 def load_tokenizer(path: str, chat_template: str = "") -> Any:
@@ -194,29 +181,14 @@ def apply_freezing(model: MultimodalModel, cfg: ModelConfig) -> None:
 
 def _hf_processor(enc: EncoderConfig, branch: ModalityEncoder) -> Any:
     if enc.path:  # the folder's processor, the job's table over it (as for a model.pretrained checkpoint)
-        tiles = branch.encoder.config.model_type in internvl.MODEL_TYPES  # InternVL's processor tiles on every call
-        return _folder_processor(Path(enc.path), enc.modality, {**({"crop_to_patches": True} if tiles else {}),
-                                                                **enc.processor})
+        family = encoder_family(branch.encoder.config.model_type, enc.modality)
+        return _folder_processor(Path(enc.path), enc.modality, {**family.folder_processor_args, **enc.processor})
     kwargs = dict(enc.processor)
     cfg = branch.encoder.config
     if enc.modality == "image":
-        cls_name = kwargs.pop("class", _DEFAULT_IMAGE_PROCESSOR.get(cfg.model_type, "SiglipImageProcessor"))
-        if cfg.model_type == "siglip2_vision_model":  # the tower's patch and position grid, unless configured
-            kwargs.setdefault("patch_size", int(cfg.patch_size))
-            kwargs.setdefault("max_num_patches", int(cfg.num_patches))
-        if cfg.model_type == "pixtral":  # the tower's patch and largest side, unless configured
-            kwargs.setdefault("patch_size", int(cfg.patch_size))
-            kwargs.setdefault("size", {"longest_edge": int(cfg.image_size)})
-        if cfg.model_type == "internvl_vision":  # InternVL's processor: tiles of the tower's image_size + thumbnail
-            side = int(internvl.tile_size(cfg))
-            kwargs.setdefault("crop_to_patches", True)
-            kwargs.setdefault("size", {"height": side, "width": side})
-            kwargs.setdefault("image_mean", _IMAGENET_MEAN)
-            kwargs.setdefault("image_std", _IMAGENET_STD)
-        if cfg.model_type == "qwen2_5_vl_vision":  # the tower's patch, temporal patch and merge sizes, unless set
-            kwargs.setdefault("patch_size", int(cfg.patch_size))
-            kwargs.setdefault("temporal_patch_size", int(cfg.temporal_patch_size))
-            kwargs.setdefault("merge_size", int(cfg.spatial_merge_size))
+        family = encoder_family(cfg.model_type, "image")
+        cls_name = kwargs.pop("class", family.image_processor)
+        family.processor_defaults(cfg, kwargs)  # what the tower fixes (patch size, grid, tiles), unless configured
         return getattr(transformers, cls_name)(**kwargs)
     count = branch.feature_count
     kwargs.setdefault("feature_size", int(cfg.num_mel_bins))

@@ -11,10 +11,11 @@ the metadata) and runs each layer through :meth:`TowerCall.layer`. Activation ch
 gradient).
 
 A family with per-call inputs writes a class with :class:`TowerCall`'s constructor and four methods in its
-``models/families/`` module (duck-typed: the family modules import nothing of ``plait.models`` but ``families/``,
-which keeps ``models.hf`` free of cycles) and lists it in :data:`TOWER_CALLS` under its ``model_type``; the
-constructor must compute from the kwargs' metadata and the config only (on a later stage the embedding is an
-``nn.Identity`` and modules in no unit may be on the meta device).
+``models/families/`` module (duck-typed: the family modules import nothing of ``plait.models`` but
+``families/``, which keeps ``models.hf`` free of cycles) and names it as its family's ``tower_call``
+(:data:`TOWER_CALLS` collects them by ``model_type``); the constructor must compute from the kwargs' metadata and
+the config only (on a later stage the embedding is an ``nn.Identity`` and modules in no unit may be on the meta
+device).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from plait.models.families import pixtral, qwen2_5_vl
+from plait.models.families import FAMILIES
 from plait.models.hf import run_encoder_layer
 
 __all__ = ["TowerCall", "TOWER_CALLS", "tower_call"]
@@ -57,10 +58,7 @@ class TowerCall:
         return module(hidden)
 
 
-TOWER_CALLS: dict[str, Any] = {
-    **{t: qwen2_5_vl.Qwen25VLCall for t in qwen2_5_vl.MODEL_TYPES},
-    **{t: pixtral.PixtralCall for t in pixtral.MODEL_TYPES},
-}
+TOWER_CALLS: dict[str, Any] = {t: f.tower_call for f in FAMILIES if f.tower_call is not None for t in f.model_types}
 """``model_type`` -> the family's per-call class (the :class:`TowerCall` interface); other families use
 :class:`TowerCall`."""
 

@@ -41,7 +41,8 @@ from torch import nn
 
 from plait.data.collate import Batch
 from plait.models.encoder import ModalityEncoder
-from plait.models.hf import EncoderLayout, encoder_layout, llm_layout
+from plait.models.families.base import EncoderLayout
+from plait.models.hf import encoder_layout, llm_layout
 from plait.models.multimodal import MultimodalModel
 from plait.models.tower_call import TOWER_CALLS, TowerCall, tower_call
 from plait.models.units import UnitSpec, unit_specs

@@ -31,7 +31,9 @@ from typing import Any
 import torch
 from transformers.models.internvl.modeling_internvl import InternVLModel
 
-__all__ = ["MODEL_TYPES", "TOWER_KEYS", "LAYER_CLASS", "InternVLFeatureCount", "internvl_inputs",
+from plait.models.families.base import EncoderInputCheck, EncoderLayout, VisionFamily, config_field
+
+__all__ = ["FAMILY", "MODEL_TYPES", "TOWER_KEYS", "LAYER_CLASS", "InternVLFeatureCount", "internvl_inputs",
            "internvl_dummy_input", "pixel_shuffle_features", "has_post_norm", "tile_size", "check_internvl_processor",
            "check_internvl_select"]
 
@@ -164,3 +166,99 @@ def check_internvl_select(select: str) -> None:
     if select != "drop_cls":
         raise ValueError(f"select = {select!r}: an InternVL branch takes select = 'drop_cls' (transformers' InternVL "
                          "feeds its projector the patches without the CLS token; its 'full' strategy fails)")
+
+
+_IMAGENET_MEAN, _IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # InternVL's normalisation
+
+
+class InternVLFamily(VisionFamily):
+    """InternVL: every tile of a batch in one call, pixel-shuffled into the projector's features."""
+
+    name = "InternVL"
+    model_types = MODEL_TYPES
+    encoder_class = "InternVLVisionModel"
+    tower_keys = TOWER_KEYS
+    has_cls = True
+    layout = EncoderLayout(("embeddings",), "encoder.layer", "layernorm")
+    # no tensor-parallel plan: its attention reshapes its output to the full embed_dim, which a rank holding some
+    # heads does not have
+    layer_class = LAYER_CLASS
+    layer_hidden_only = True
+    pixel_shuffle = True
+    image_processor = "GotOcr2ImageProcessorPil"  # InternVL's dynamic tiling (crop_to_patches), PIL backend
+    folder_processor_args = {"crop_to_patches": True}  # InternVL's processor tiles on every call
+    packed = True
+
+    def layout_of(self, config: Any) -> EncoderLayout:
+        """Without post-norm unit with ``use_mean_pooling`` (its ``layernorm`` is an ``nn.Identity``)."""
+        layout = self.layout
+        return layout if has_post_norm(config) else EncoderLayout(layout.embed, layout.layers, None, layout.heads)
+
+    def check_select(self, select: str) -> None:
+        check_internvl_select(select)
+
+    def feature_count(self, encoder: Any, select: str, downsample: int, hop_length: int = 160,
+                      sampling_rate: int = 16000) -> InternVLFeatureCount:
+        """Tiles of ``(g / downsample)^2`` features: ``downsample`` is the pixel-shuffle factor."""
+        cfg = encoder.config
+        self.check_drop_cls(cfg, select)
+        return InternVLFeatureCount(_side(cfg.patch_size), tile_size(cfg), int(downsample), int(select == "full"))
+
+    def feature_size(self, config: Any, hidden: int, downsample: int) -> int:
+        """The pixel shuffle stacks ``downsample x downsample`` neighbouring patches into one feature."""
+        return hidden * int(downsample) ** 2
+
+    def dummy_input(self, config: Any, dtype: torch.dtype, device: torch.device | str | None) -> dict[str, Any]:
+        return internvl_dummy_input(config, dtype, device)
+
+    def check_processor(self, processor: Any, config: Any) -> None:
+        check_internvl_processor(processor, config)
+
+    def processor_defaults(self, config: Any, kwargs: dict[str, Any]) -> None:
+        """InternVL's processor: tiles of the tower's image_size + thumbnail, ImageNet normalisation."""
+        side = int(tile_size(config))
+        kwargs.setdefault("crop_to_patches", True)
+        kwargs.setdefault("size", {"height": side, "width": side})
+        kwargs.setdefault("image_mean", _IMAGENET_MEAN)
+        kwargs.setdefault("image_std", _IMAGENET_STD)
+
+    def input_check(self, config: Any) -> EncoderInputCheck:
+        return EncoderInputCheck("image", int(config.num_channels), tile=tile_size(config))
+
+    def packed_inputs(self, inputs: dict[str, Any]) -> dict[str, Any] | None:
+        return internvl_inputs(inputs["pixel_values"]) if len(inputs["pixel_values"]) else None
+
+    def packed_features(self, hidden: torch.Tensor, inputs: dict[str, Any], downsample: int
+                        ) -> tuple[torch.Tensor, list[tuple[int, ...]]]:
+        """The tiles' ``[tiles, positions, D]`` through the pixel shuffle; sizes ``(t, S, S)``."""
+        sizes = [(int(p.shape[0]), int(p.shape[-2]), int(p.shape[-1])) for p in inputs["pixel_values"]]
+        return pixel_shuffle_features(hidden, downsample), sizes
+
+    def arch_fields(self, config: Any) -> dict[str, Any]:
+        """Layer scale, optional q/k norms and biases, RMS or LayerNorm, mean pooling instead of a post-norm."""
+        hidden = int(config_field(config, "hidden_size"))
+        bias = bool(config_field(config, "attention_bias", False))
+        fields = {**super().arch_fields(config), "qkv_bias": (bias, bias, bias), "layer_scale": True,
+                  "norm_bias": config_field(config, "norm_type", "layer_norm") == "layer_norm",
+                  "qk_norm_dim": hidden if config_field(config, "use_qk_norm", False) else 0,
+                  "post_norm": not config_field(config, "use_mean_pooling", True)}
+        if not config_field(config, "use_absolute_position_embeddings", True):
+            fields["positions"] = 0
+        return fields
+
+
+def _side(value: Any) -> int:
+    """A square size (an int, or an ``(H, W)`` pair of equal sides, as InternVL's config stores it) as an int.
+
+    Raises:
+        ValueError: for a non-square pair.
+    """
+    if isinstance(value, int):
+        return value
+    h, w = (int(v) for v in value)
+    if h != w:
+        raise ValueError(f"size {h}x{w} is not square")
+    return h
+
+
+FAMILY = InternVLFamily()

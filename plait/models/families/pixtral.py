@@ -28,7 +28,9 @@ from torch import nn
 from transformers.models.pixtral.modeling_pixtral import PixtralVisionRotaryEmbedding, generate_block_attention_mask
 from transformers.utils.generic import is_flash_attention_requested
 
-__all__ = ["MODEL_TYPES", "LAYER_CLASS", "PixtralFeatureCount", "PixtralCall", "pixtral_inputs",
+from plait.models.families.base import EncoderLayout, VisionFamily, positive_field
+
+__all__ = ["FAMILY", "MODEL_TYPES", "LAYER_CLASS", "PixtralFeatureCount", "PixtralCall", "pixtral_inputs",
            "pixtral_dummy_input", "check_pixtral_processor"]
 
 # config model_type -> where the vision config lives (None: the config itself)
@@ -159,3 +161,58 @@ class PixtralCall:
     def post_norm(self, module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """The tower has no post-norm unit; a module here is applied as it is."""
         return module(hidden)
+
+
+class PixtralFamily(VisionFamily):
+    """Pixtral: every image of a batch packed into one call; per-call layer inputs (:class:`PixtralCall`)."""
+
+    name = "Pixtral"
+    model_types = MODEL_TYPES
+    encoder_class = "PixtralVisionModel"
+    # no final norm; patch_positional_embedding (2D RoPE, buffers only) rides with the embedding (a later stage
+    # rebuilds its rotary table: PixtralCall)
+    layout = EncoderLayout(("patch_conv", "ln_pre", "patch_positional_embedding"), "transformer.layers",
+                           None)
+    # heads split with their 2D RoPE (the same per-head rotation on every head); gated MLP
+    tp_plan = {"attention.q_proj": "colwise", "attention.k_proj": "colwise", "attention.v_proj": "colwise",
+               "attention.o_proj": "rowwise", "feed_forward.gate_proj": "colwise", "feed_forward.up_proj": "colwise",
+               "feed_forward.down_proj": "rowwise"}
+    tower_call = PixtralCall
+    layer_class = LAYER_CLASS
+    layer_refusal = ("a Pixtral layer needs its call's 2D rotary positions and block mask: run it through "
+                     "plait.models.tower_call (families.pixtral.PixtralCall.layer)")
+    image_processor = "PixtralImageProcessorPil"  # native resolution, PIL backend
+    packed = True
+
+    def image_feature_count(self, config: Any, select: str) -> PixtralFeatureCount:
+        return PixtralFeatureCount(int(config.patch_size), int(config.image_size))
+
+    def dummy_input(self, config: Any, dtype: torch.dtype, device: torch.device | str | None) -> dict[str, Any]:
+        return pixtral_dummy_input(config, dtype, device)
+
+    def check_processor(self, processor: Any, config: Any) -> None:
+        check_pixtral_processor(processor, config)
+
+    def processor_defaults(self, config: Any, kwargs: dict[str, Any]) -> None:
+        """The tower's patch and largest side, unless configured."""
+        kwargs.setdefault("patch_size", int(config.patch_size))
+        kwargs.setdefault("size", {"longest_edge": int(config.image_size)})
+
+    def packed_inputs(self, inputs: dict[str, Any]) -> dict[str, Any] | None:
+        return pixtral_inputs(inputs["pixel_values"]) if len(inputs["pixel_values"]) else None
+
+    def packed_features(self, hidden: torch.Tensor, inputs: dict[str, Any], downsample: int
+                        ) -> tuple[torch.Tensor, list[tuple[int, ...]]]:
+        """The packed ``[1, P, D]`` rows as they are; sizes ``(H, W)``."""
+        sizes = [(int(p.shape[-2]), int(p.shape[-1])) for p in inputs["pixel_values"]]
+        return hidden.reshape(-1, hidden.shape[-1]), sizes
+
+    def arch_fields(self, config: Any) -> dict[str, Any]:
+        """2D RoPE (no position table), RMSNorms, gated MLP, no bias, no CLS, no post-norm."""
+        patches = (positive_field(config, "image_size") // positive_field(config, "patch_size")) ** 2
+        return {**super().arch_fields(config), "gated_mlp": True, "qkv_bias": (False, False, False),
+                "o_bias": False, "mlp_bias": False, "norm_bias": False, "patch_bias": False, "pre_norm": True,
+                "post_norm": False, "prefix_tokens": 0, "item_len": patches, "positions": 0}
+
+
+FAMILY = PixtralFamily()

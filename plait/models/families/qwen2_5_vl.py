@@ -47,7 +47,9 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextMod
 from transformers.utils.generic import get_max_seqlen
 from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids, get_vision_window_index
 
-__all__ = ["MODEL_TYPES", "ENCODER_CLASS", "TOWER_KEYS", "MAX_PIXELS", "Qwen25VLFeatureCount", "Qwen25VLCall",
+from plait.models.families.base import EncoderInputCheck, EncoderLayout, VisionFamily, config_field, positive_field
+
+__all__ = ["FAMILY", "MODEL_TYPES", "ENCODER_CLASS", "TOWER_KEYS", "MAX_PIXELS", "Qwen25VLFeatureCount", "Qwen25VLCall",
            "TemporalPatches", "qwen2_5_vl_inputs", "qwen2_5_vl_dummy_input", "patch_values",
            "check_qwen2_5_vl_processor", "feature_count", "max_patches", "Qwen25VLTextForCausalLM", "MROPE_TEXT_TYPES",
            "takes_mrope"]
@@ -321,3 +323,73 @@ class Qwen25VLTextForCausalLM(Qwen2ForCausalLM):
 
 
 transformers.AutoModelForCausalLM.register(Qwen2_5_VLTextConfig, Qwen25VLTextForCausalLM, exist_ok=True)
+
+
+class Qwen25VLFamily(VisionFamily):
+    """Qwen2.5-VL: every image's patches packed into one call, merged 2x2 by the merger (the pooled output)."""
+
+    name = "Qwen2.5-VL"
+    model_types = MODEL_TYPES
+    encoder_class = ENCODER_CLASS
+    tower_keys = TOWER_KEYS
+    # the merger (ln_q + MLP over 2x2 blocks) in the post-norm slot; rotary_pos_emb (a buffer only) rides with
+    # patch_embed; the blocks' per-call inputs come from Qwen25VLCall
+    layout = EncoderLayout(("patch_embed", "rotary_pos_emb"), "blocks", "merger")
+    tower_call = Qwen25VLCall
+    pooled_output = True
+    image_processor = "Qwen2VLImageProcessorPil"  # dynamic resolution, PIL backend (no torchvision)
+    packed = True
+    packed_what = "image grids"
+
+    def image_feature_count(self, config: Any, select: str) -> Qwen25VLFeatureCount:
+        return feature_count(config)
+
+    def feature_size(self, config: Any, hidden: int, downsample: int) -> int:
+        """The merger's output width ``out_hidden_size``."""
+        return int(config.out_hidden_size)
+
+    def dummy_input(self, config: Any, dtype: torch.dtype, device: torch.device | str | None) -> dict[str, Any]:
+        return qwen2_5_vl_dummy_input(config, dtype, device)
+
+    def check_processor(self, processor: Any, config: Any) -> None:
+        check_qwen2_5_vl_processor(processor, config)
+
+    def processor_defaults(self, config: Any, kwargs: dict[str, Any]) -> None:
+        """The tower's patch, temporal patch and merge sizes, unless set."""
+        kwargs.setdefault("patch_size", int(config.patch_size))
+        kwargs.setdefault("temporal_patch_size", int(config.temporal_patch_size))
+        kwargs.setdefault("merge_size", int(config.spatial_merge_size))
+
+    def input_check(self, config: Any) -> EncoderInputCheck:
+        return EncoderInputCheck("image", int(config.in_channels), patch_values(config))
+
+    def video_encoding(self, config: Any) -> TemporalPatches:
+        """Temporal patches of ``temporal_patch_size`` frames, timed by ``tokens_per_second``."""
+        return TemporalPatches(int(config.temporal_patch_size), config.tokens_per_second)
+
+    def packed_inputs(self, inputs: dict[str, Any]) -> dict[str, Any] | None:
+        return qwen2_5_vl_inputs(inputs["pixel_values"], inputs["image_grid_thw"])
+
+    def packed_features(self, hidden: torch.Tensor, inputs: dict[str, Any], downsample: int
+                        ) -> tuple[torch.Tensor, list[tuple[int, ...]]]:
+        """The one call's merged features, already in image order; sizes: the images' ``(t, h, w)`` grids."""
+        return hidden, [tuple(int(g) for g in grid) for grid in inputs["image_grid_thw"]]
+
+    def arch_fields(self, config: Any) -> dict[str, Any]:
+        """A bias-free Conv3d patch embedding over ``T x p x p`` (``patch = (T p, p)``), rotary positions (no table),
+        RMSNorms, gated MLP with biases, window attention outside ``fullatt_block_indexes``, the 2x2 merger as
+        post-norm (``output_pool = merge^2``). It has no native size: an item is one window."""
+        hidden, heads = positive_field(config, "hidden_size"), positive_field(config, "num_heads")
+        patch, merge = positive_field(config, "patch_size"), positive_field(config, "spatial_merge_size")
+        window = (positive_field(config, "window_size") // patch) ** 2
+        return dict(
+            modality="vision", hidden=hidden, layers=positive_field(config, "depth"), heads=heads,
+            head_dim=hidden // heads, intermediate=positive_field(config, "intermediate_size"), gated_mlp=True,
+            norm_bias=False, num_channels=positive_field(config, "in_channels", 3),
+            patch=(positive_field(config, "temporal_patch_size") * patch, patch), patch_bias=False,
+            output_pool=merge**2, item_len=window, window=window,
+            merger=(merge**2 * hidden, positive_field(config, "out_hidden_size")),
+            full_layers=tuple(int(i) for i in config_field(config, "fullatt_block_indexes", ())))
+
+
+FAMILY = Qwen25VLFamily()

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.masking_utils import create_bidirectional_mask
 
-from plait.models.families.clips import checked_clip_samples
+from plait.models.families.base import WHISPER_PLAN, AudioFamily, EncoderLayout, checked_clip_samples
 
-__all__ = ["MODEL_TYPES", "ENCODER_CLASS", "Qwen2AudioFeatureCount", "qwen2_audio_attention_mask"]
+__all__ = ["FAMILY", "MODEL_TYPES", "ENCODER_CLASS", "Qwen2AudioFeatureCount", "qwen2_audio_attention_mask"]
 
 # config model_type -> the encoder config lives at (None: the config itself; "audio_config": a full model's)
 MODEL_TYPES = {"qwen2_audio_encoder": None, "qwen2_audio": "audio_config"}
@@ -85,3 +86,32 @@ def qwen2_audio_attention_mask(
     keep = (torch.arange(positions, device=num_samples.device)[None] < lengths[:, None]).long()
     dummy = torch.zeros(len(lengths), positions, 1, dtype=dtype, device=num_samples.device)
     return create_bidirectional_mask(config=config, inputs_embeds=dummy, attention_mask=keep)
+
+
+class Qwen2AudioFamily(AudioFamily):
+    """Qwen2-Audio: Whisper's encoder with an average pooler before its final norm and a key-padding mask."""
+
+    name = "Qwen2-Audio"
+    model_types = MODEL_TYPES
+    encoder_class = ENCODER_CLASS
+    # the avg_pooler runs between the last layer and layer_norm: a stage owning the embedding must own every layer
+    layout = EncoderLayout(("conv1", "conv2", "embed_positions"), "layers", "layer_norm")
+    tp_plan = WHISPER_PLAN
+    layer_class = "Qwen2AudioEncoderLayer"
+    layer_refusal = ("the Qwen2-Audio encoder's layers cannot start a pipeline stage (its padding mask and pooler "
+                     "run inside its own forward): give the branch one stage")
+    pooled_output = True
+    output_pool = 2
+
+    def feature_count(self, encoder: Any, select: str, downsample: int, hop_length: int = 160,
+                      sampling_rate: int = 16000) -> Qwen2AudioFeatureCount:
+        return Qwen2AudioFeatureCount(hop_length, downsample, int(encoder.config.max_source_positions), sampling_rate)
+
+    def call_inputs(self, encoder: Any, count: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+        """With the key-padding ``attention_mask`` of the clips' lengths, as Hugging Face's composite model passes
+        it."""
+        mask = qwen2_audio_attention_mask(encoder.config, count, inputs["num_samples"], encoder.dtype)
+        return {"input_features": inputs["input_features"], "attention_mask": mask}
+
+
+FAMILY = Qwen2AudioFamily()

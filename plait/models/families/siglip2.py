@@ -17,7 +17,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["MODEL_TYPES", "Siglip2FeatureCount", "siglip2_inputs", "siglip2_dummy_input", "check_siglip2_processor"]
+from plait.models.families.base import (ATTN_MLP_PLAN, EncoderInputCheck, EncoderLayout, VisionFamily,
+                                        positive_field, vision_arch_fields)
+
+__all__ = ["FAMILY", "MODEL_TYPES", "Siglip2FeatureCount",
+           "siglip2_inputs", "siglip2_dummy_input", "check_siglip2_processor"]
 
 # config model_type -> where the vision config lives (None: the config itself)
 MODEL_TYPES = {"siglip2_vision_model": None, "siglip2": "vision_config"}
@@ -81,3 +85,48 @@ def check_siglip2_processor(processor: Any, config: Any) -> None:
         raise ValueError(f"processor.max_num_patches = {limit} is above the SigLIP2 tower's num_patches = "
                          f"{config.num_patches} (its position grid): images of more patches than that cannot be "
                          "encoded; lower it or leave it out (the default is the tower's)")
+
+
+class Siglip2Family(VisionFamily):
+    """SigLIP2 NaFlex: images of one patch grid encoded together; the pooling head is skipped (``use_head``)."""
+
+    name = "SigLIP2"
+    model_types = MODEL_TYPES
+    encoder_class = "Siglip2VisionModel"
+    layout = EncoderLayout(("embeddings",), "encoder.layers", "post_layernorm", ("head",))
+    tp_plan = ATTN_MLP_PLAN
+    image_processor = "Siglip2ImageProcessorPil"  # NaFlex, PIL backend (no torchvision)
+
+    def image_feature_count(self, config: Any, select: str) -> Siglip2FeatureCount:
+        return Siglip2FeatureCount(int(config.num_patches))
+
+    def prepare_tower(self, encoder: Any) -> None:
+        """Its forward calls its pooling head with two arguments, which a pipeline stage's ``nn.Identity`` stand-in
+        cannot take; plait never reads the pooled output, so the forward skips it (the weights stay, frozen)."""
+        encoder.use_head = False
+
+    def group_inputs(self, config: Any, images: list[torch.Tensor], sizes: list[Any]) -> dict[str, Any]:
+        """Images of one patch grid ``(h, w)`` (``sizes``: their ``spatial_shapes``) in one call."""
+        return siglip2_inputs(images, sizes)
+
+    def dummy_input(self, config: Any, dtype: torch.dtype, device: torch.device | str | None) -> dict[str, Any]:
+        return siglip2_dummy_input(config, dtype, device)
+
+    def check_processor(self, processor: Any, config: Any) -> None:
+        check_siglip2_processor(processor, config)
+
+    def processor_defaults(self, config: Any, kwargs: dict[str, Any]) -> None:
+        """The tower's patch and position grid, unless configured."""
+        kwargs.setdefault("patch_size", int(config.patch_size))
+        kwargs.setdefault("max_num_patches", int(config.num_patches))
+
+    def input_check(self, config: Any) -> EncoderInputCheck:
+        channels = int(config.num_channels)
+        return EncoderInputCheck("image", channels, channels * int(config.patch_size) ** 2)
+
+    def arch_fields(self, config: Any) -> dict[str, Any]:
+        """NaFlex: no image size, a ``num_patches`` position grid resized per image."""
+        return {**vision_arch_fields(config, 0, positive_field(config, "num_patches")), "resized_positions": True}
+
+
+FAMILY = Siglip2Family()

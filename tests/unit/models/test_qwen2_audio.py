@@ -185,7 +185,7 @@ def test_processor_pickles_without_the_encoder(tmp_path, audio_job):
     weights would be copied to every worker)."""
     import pickle
 
-    from plait.models.encoder import EncoderInputCheck
+    from plait.models.families.base import EncoderInputCheck
     from plait.models.registry import build_model, build_processor, load_tokenizer
 
     cfg = audio_job(tmp_path, demo_records("train", ("audio_transcribe",), limit=1))
