@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from plait.data.formats import open_source
 from plait.data.sources import RawSample, SampleError, parse_record
+from plait.models.device import apply_cpu_threads
 from plait.models.generation import Generator, exact_match, is_empty_answer
 
 __all__ = ["generate_command", "check_output_path", "prompt_sample", "read_prompts", "exact_match_report", "prediction_row",
@@ -47,7 +48,8 @@ def generate_command(model: str | Path, *, prompt: str | None = None, images: Se
     ``input_path`` answer every record of that data file into ``output_path`` (module docstring); ``videos`` go with
     ``prompt`` (:meth:`Generator.ask`, refused for a model that takes none); ``device`` and
     ``dtype`` as :class:`~plait.models.generation.Generator`; ``threads``: torch's intra-op CPU threads
-    (``torch.set_num_threads``, as training's ``train.threads``), None keeps torch's default. Returns 0.
+    (``torch.set_num_threads``, as training's ``train.threads``), None chooses them from this host's free cores
+    (:func:`plait.models.device.choose_cpu_threads`). Returns 0.
 
     An empty answer (:func:`~plait.models.generation.is_empty_answer`) is printed as it is, followed by
     :data:`EMPTY_ANSWER` on stderr; in ``output_path`` its line has ``"empty": true`` (:func:`prediction_row`) and
@@ -76,8 +78,7 @@ def generate_command(model: str | Path, *, prompt: str | None = None, images: Se
         raise ValueError("--prompt is empty and no --image/--audio/--video is given: there is nothing to answer")
     if output_path is not None:
         check_output_path(Path(output_path), Path(input_path))  # type: ignore[arg-type]
-    if threads is not None:
-        torch.set_num_threads(threads)
+    apply_cpu_threads(threads or 0, "--threads")
     gen = Generator.from_pretrained(model, device=device, dtype=dtype)
     if prompt is not None:
         if videos:

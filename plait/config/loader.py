@@ -195,7 +195,7 @@ def validate(cfg: JobConfig) -> None:
             "train.microbatch_size (%d) is larger than train.global_batch_size (%d): every step is one microbatch "
             "of at most %d samples", t.microbatch_size, t.global_batch_size, t.global_batch_size)
     _check(t.steps >= 0 and t.epochs > 0, "train.steps must be >= 0 and train.epochs > 0")
-    _check(t.threads >= 0, f"train.threads must be >= 0 (0: torch's default), got {t.threads}")
+    _check(t.threads >= 0, f"train.threads must be >= 0 (0: automatic), got {t.threads}")
     _check(t.lr > 0 and 0 <= t.min_lr_ratio <= 1, "train.lr must be > 0 and train.min_lr_ratio in [0, 1]")
     _check(t.dtype in ("auto", "fp32", "bf16"), f"train.dtype must be auto, fp32 or bf16, got {t.dtype!r}")
     _check(t.microbatch_policy in METHODS,

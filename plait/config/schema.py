@@ -363,7 +363,8 @@ class TrainConfig:
     device: str = "auto"
     """``"cpu"``, ``"cuda"`` or ``"auto"``."""
     threads: int = 0
-    """torch intra-op threads per process on CPU (0: torch default)."""
+    """torch intra-op threads per process (0: automatic: ``OMP_NUM_THREADS`` when set, as ``torchrun`` sets it to 1 per
+    worker; else this process's share of the host's cores that no other work keeps busy, from the load average)."""
     activation_checkpointing: str = "none"
     """Recompute layer activations in the backward instead of keeping them (``plait.planner.recompute``):
     ``"none"``; ``"full"``: every transformer layer unit of the encoders and the LLM keeps only its input and runs

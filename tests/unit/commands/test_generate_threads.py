@@ -1,5 +1,5 @@
-"""plait generate --threads N sets torch's intra-op threads before the model loads; without it torch's default
-stays."""
+"""plait generate --threads N sets torch's intra-op threads before the model loads; without it they are chosen from
+the host's free cores (``plait.models.device.choose_cpu_threads``), not torch's one per core."""
 
 import pytest
 import torch
@@ -28,10 +28,14 @@ def test_cli_passes_threads(tmp_path, restore_threads):
     assert torch.get_num_threads() == target
 
 
-def test_default_keeps_torch_threads(tmp_path, restore_threads):
+def test_default_takes_the_free_cores_not_torchs_one_per_core(tmp_path, restore_threads, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(4)))
+    monkeypatch.setattr("os.getloadavg", lambda: (2.0, 0.0, 0.0))  # two other busy processes
     with pytest.raises(FileNotFoundError):
         generate_command(tmp_path / "missing", prompt="hi")
-    assert torch.get_num_threads() == restore_threads
+    assert torch.get_num_threads() == 2  # 4 - 2 = 2 free cores
 
 
 def test_threads_below_one_are_refused(tmp_path):

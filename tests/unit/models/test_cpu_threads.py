@@ -1,0 +1,51 @@
+"""The CPU thread rule of training and generation: what is set wins, then OMP_NUM_THREADS (torchrun's 1 per worker),
+then this process's share of the cores no other work keeps busy."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from plait.models.device import choose_cpu_threads
+from tests.conftest import ROOT
+
+
+@pytest.mark.parametrize("requested, omp, cores, load, local, want", [
+    (3, None, 2, 5.0, 1, 3),      # as set, even beyond the cores
+    (0, "1", 16, 0.0, 8, 1),      # torchrun's OMP_NUM_THREADS=1 per worker
+    (0, "4", 16, 0.0, 1, 4),
+    (0, None, 2, 0.1, 1, 2),      # an idle 2-core host: both cores
+    (0, None, 2, 1.0, 1, 1),      # one other busy process: one thread, not two fighting for one core
+    (0, None, 2, 7.5, 1, 1),      # overloaded: still one
+    (0, None, 16, 0.0, 4, 4),     # 4 processes of the job share 16 idle cores
+    (0, None, 16, 8.0, 4, 2),     # half the cores busy with other work
+    (0, None, 16, 0.0, 32, 1),    # more processes than cores
+])
+def test_thread_choice(requested, omp, cores, load, local, want):
+    threads, why = choose_cpu_threads(requested, omp, cores, load, local)
+    assert threads == want
+    assert why == ("as set" if requested else "OMP_NUM_THREADS" if omp else why)
+    if not requested and not omp:
+        assert why.startswith(f"auto: {cores} cores, load {load:.1f}")
+
+
+@pytest.mark.parametrize("args, match", [((-1, None, 2, 0.0, 1), "threads must be >= 0"),
+                                         ((0, "x", 2, 0.0, 1), "OMP_NUM_THREADS='x'"),
+                                         ((0, "0", 2, 0.0, 1), "OMP_NUM_THREADS='0'"),
+                                         ((0, None, 2, 0.0, 0), "processes >= 1")])
+def test_bad_thread_inputs_are_named(args, match):
+    with pytest.raises(ValueError, match=match):
+        choose_cpu_threads(*args)
+
+
+def test_the_real_command_logs_its_choice(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE")}
+    out = subprocess.run([sys.executable, "-m", "plait.cli", "generate", "--model", str(tmp_path / "missing"),
+                          "--prompt", "hi"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert out.returncode == 2
+    line = next(x for x in out.stderr.splitlines() if "CPU intra-op threads" in x)
+    threads = int(line.split("CPU intra-op threads: ")[1].split()[0])
+    assert 1 <= threads <= len(os.sched_getaffinity(0)) and "set --threads to choose" in line
