@@ -72,7 +72,7 @@ from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, save_checkp
 from plait.train.evaluation import EvalReport, eval_batch_size, evaluate_on, load_metrics
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter
-from plait.train.optim import LRSchedule, build_optimizer, lr_factor
+from plait.train.optim import LRSchedule, build_optimizer, lr_factor, step_optimizer
 from plait.train.replica_eval import replica_eval_side
 
 __all__ = ["LaunchPlan", "ResilientWorker", "WorkerRun", "microbatch_ranges", "run_resilient_worker"]
@@ -215,8 +215,6 @@ class ResilientWorker:
         if stages.trainable_parameters():  # a rank of frozen units only has no optimizer
             scales = {name: enc.lr_scale for name, enc in self.cfg.model.encoders.items()}
             opt = build_optimizer(stages.model, t.lr, t.weight_decay, t.betas, scales)
-            for group in opt.param_groups:
-                group.setdefault("initial_lr", group["lr"])
         if old is not None or transfers:  # a joiner (old None) holds nothing and receives every unit
             held = {n: (p, old.opt.state.get(p, {}) if old.opt is not None else {})
                     for n, p in old.stages.model.named_parameters(remove_duplicate=False)} if old else {}
@@ -268,14 +266,7 @@ class ResilientWorker:
                 hook.remove()
         if not self.membership.commit(f"step{step}"):
             return None
-        factor = self.schedule.current_factor()
-        if run.opt is not None:
-            for group in run.opt.param_groups:
-                group["lr"] = group["initial_lr"] * factor
-            run.opt.step()
-            run.opt.zero_grad(set_to_none=True)
-        self.schedule.step()
-        return loss, self.cfg.train.lr * factor, norm
+        return loss, step_optimizer(run.opt, self.schedule), norm
 
     def _maybe_kill(self, step: int) -> Any:
         """Fault injection (``LaunchPlan.kills``): SIGKILL this process at its first module forward of ``step``."""
