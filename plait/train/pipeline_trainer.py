@@ -67,20 +67,16 @@ from plait.config.loader import pipeline_plan_kwargs
 from plait.config.schema import JobConfig, PipelineConfig
 from plait.models.generation import stop_token_ids
 from plait.models.multimodal import MultimodalModel
-from plait.models.init import materialize, rank_prefixes, weight_source
-from plait.models.units import model_units, unit_specs
-from plait.parallel.checkpointing import apply_activation_checkpointing, checkpoint_policy
+from plait.models.units import model_units
 from plait.parallel.dims import ParallelDims
 from plait.parallel.energy import build_energy_runtime
-from plait.parallel.fsdp import ShardedModel, apply_fsdp
+from plait.parallel.parallelize import PipelinePlace
 from plait.parallel.pipeline import (
     build_pipeline_comm,
     clip_grad_norm_pipeline,
     gather_timeline,
     run_pipeline_step,
 )
-from plait.parallel.stages import build_rank_stages
-from plait.parallel.tensor_parallel import apply_job_tensor_parallel
 from plait.planner.microbatch import MicrobatchPlan
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
 from plait.planner.schedule_ir import Schedule
@@ -94,7 +90,7 @@ from plait.train.metrics import MetricsWriter
 from plait.train.plots import plot_timeline, write_chrome_trace
 from plait.train.replica_eval import PipelinePasses
 from plait.train.step_run import unused_branches
-from plait.train.optim import LRSchedule, build_optimizer, lr_factor
+from plait.train.optim import LRSchedule, build_optimizer, lr_factor, step_optimizer
 from plait.train.trainer import Trainer
 
 __all__ = ["PipelineTrainer", "build_pipeline_plan"]
@@ -157,24 +153,11 @@ class PipelineTrainer(Trainer):
         self._check_microbatches()
         self._counts = super()._parameter_counts()  # the whole model, before pruning
         self.plan: PipelinePlan = build_pipeline_plan(self.model, pp)
-        units = {u for s in self.plan.stages_on_rank(self.pp_rank) for u in self.plan.stages[s].units}
-        materialize(self.model, self.info.device, self.cfg.train.seed, keep=rank_prefixes(self.model, units),
-                    source=weight_source(self.cfg.model, self.model))  # before pruning: tied copies agree
-        apply_activation_checkpointing(self.model, *checkpoint_policy(self.cfg))  # before pruning: whole model
-        specs = unit_specs(self.model)  # of the whole model, before pruning
-        self.stages = build_rank_stages(self.model, self.plan, self.pp_rank, self.info.device)
-        self.tp = apply_job_tensor_parallel(self.model, self.dims, self.mesh, self.info.rank, self.info.device.type)
-        self.sharded: ShardedModel | None = None
-        if self.dims.dp_shard > 1:  # FSDP2 over this stage's dp x dp_shard ranks (HSDP when dp > 1)
-            mesh = self.mesh["dp", "dp_shard"] if self.dims.dp > 1 else self.mesh["dp_shard"]
-            tied = [self.stages.tied.param] if self.stages.tied is not None else []  # summed with the peer rank
-            self.sharded = apply_fsdp(self.model, specs, mesh, self.info.device.type, replicate=tied)
-        self.ddp_model = self.model  # pruned in place; no wrapper (the runtime reduces over DP)
+        self._parallelize(PipelinePlace(self.plan, self.comm))
         self.optimizer = None
         if self.stages.trainable_parameters():
             scales = {name: enc.lr_scale for name, enc in self.cfg.model.encoders.items()}
             self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas, scales)
-        self._base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
         self.scheduler = LRSchedule(t.lr, lr_factor(t.warmup_steps, self.total_steps, t.min_lr_ratio))
         self._schedules: dict[int, Schedule] = {}
         self._saved_step: int | None = None
@@ -281,13 +264,7 @@ class PipelineTrainer(Trainer):
         scheduled LR, advance the schedule. Returns ``(gradient norm before clipping, learning rate used)``."""
         clip = self.cfg.train.grad_clip
         grad_norm = clip_grad_norm_pipeline(self.stages, clip if clip > 0 else float("inf"), self.comm)
-        lr, factor = self.scheduler.get_last_lr()[0], self.scheduler.current_factor()
-        if self.optimizer is not None:
-            for group, base in zip(self.optimizer.param_groups, self._base_lrs):
-                group["lr"] = base * factor
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        lr = step_optimizer(self.optimizer, self.scheduler)
         self.step += 1
         return grad_norm, lr
 

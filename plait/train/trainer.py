@@ -30,8 +30,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from plait.attention.interface import resolve_implementation, use_plait_attention
 from plait.attention.masks import MaskInfo, block_work
@@ -43,14 +41,12 @@ from plait.data.metadata import SkippedSample
 from plait.data.mixture import batch_sources, build_batch_loader
 from plait.models.generation import greedy_generate, stop_token_ids
 from plait.models.multimodal import MultimodalModel
-from plait.models.units import unit_specs
-from plait.parallel.checkpointing import apply_activation_checkpointing, checkpoint_policy
 from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
-from plait.parallel.data_parallel import OVERLAP_BUCKET_ELEMENTS, GradientReducer, apply_data_parallel
+from plait.parallel.grad_sync import GradientSync
 from plait.parallel.dims import AXES, ParallelDims
-from plait.parallel.fsdp import ShardedModel, apply_fsdp, gathered
+from plait.parallel.fsdp import gathered
 from plait.parallel.mesh import DistInfo
-from plait.parallel.tensor_parallel import apply_job_tensor_parallel, clip_grad_norm_, sum_local_gradients
+from plait.parallel.parallelize import PipelinePlace, parallelize
 from plait.planner.microbatch import (
     MicrobatchPlan,
     MicrobatchPolicy,
@@ -70,7 +66,7 @@ from plait.train.evaluation import EvalSide, eval_batch_size, evaluate_on, load_
 from plait.train.feed import receive_step, upcoming_rank_samples
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter, Progress, detect_energy_meter
-from plait.train.optim import LRSchedule, build_optimizer, lr_factor
+from plait.train.optim import LRSchedule, build_optimizer, lr_factor, step_optimizer
 from plait.train.run_dir import no_checkpoint_message
 from plait.train.run_lock import hold_run_lock
 from plait.train.run_start import clear_earlier_run, fsdp_description, nothing_to_train, report_setup
@@ -116,10 +112,8 @@ class Trainer:
 
     materializes_own_units = False
     """Whether the trainer builds the model on the meta device and materialises only its rank's units."""
-    gradient_reducer: GradientReducer | None = None
-    """The DP (and CP) gradient sum of :meth:`forward_backward` when there is more than one rank and neither TP nor
-    FSDP2 (:meth:`_build_gradient_reducer`); None otherwise (and in :class:`PipelineTrainer`, which reduces per
-    stage)."""
+    sync: GradientSync
+    """The step's gradient sum (:meth:`_parallelize`, :mod:`plait.parallel.grad_sync`)."""
 
     def __init__(self, cfg: JobConfig, parts: TrainerParts) -> None:
         self.cfg, self.info = cfg, parts.info
@@ -190,24 +184,9 @@ class Trainer:
         self.cp_group = self.mesh.get_group("cp") if (self.mesh is not None and self.cp > 1) else None
 
     def _setup_training(self) -> None:
-        """Wrap the model for DP (``ddp_model``) and build ``optimizer`` and LR ``scheduler``.
-
-        The wrapper makes every rank start from rank 0's parameters; the forward passes bypass it (they run
-        ``model``) and ``forward_backward`` reduces the gradients itself, after the deferred encoder backwards.
-        """
+        """Parallelize the model (:meth:`_parallelize`) and build ``optimizer`` and LR ``scheduler``."""
         t = self.cfg.train
-        self.tp = apply_job_tensor_parallel(self.model, self.dims, self.mesh, self.info.rank)  # before AC, FSDP2
-        apply_activation_checkpointing(self.model, *checkpoint_policy(self.cfg))
-        self.sharded: ShardedModel | None = None
-        if self.dims.dp_shard > 1:  # FSDP2 (HSDP with dp > 1): after checkpointing, before the optimizer
-            mesh = self.mesh["dp", "dp_shard"] if self.dims.dp > 1 else self.mesh["dp_shard"]
-            self.sharded = apply_fsdp(self.model, unit_specs(self.model), mesh, self.info.device.type,
-                                      offload=self.cfg.parallel.offload == "cpu",
-                                      reduce_each_microbatch=self.cfg.parallel.fsdp_reduce == "microbatch",
-                                      reshard_after_forward=self.cfg.parallel.fsdp_reshard != "after_backward")
-        plain = self.sharded is None and self.tp is None
-        self.ddp_model = apply_data_parallel(self.model, self.info) if plain else self.model
-        self.gradient_reducer = self._build_gradient_reducer() if plain and self.info.world_size > 1 else None
+        self._parallelize(None)
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas,
                                          {n: e.lr_scale for n, e in self.cfg.model.encoders.items()})
         self.scheduler = LRSchedule(t.lr, lr_factor(t.warmup_steps, self.total_steps, t.min_lr_ratio), self.optimizer)
@@ -293,7 +272,7 @@ class Trainer:
         (:class:`~plait.parallel.deferral.FeatureBuffer`); once every LLM microbatch that reads them has run
         backward, the gradients accumulated on the leaves are propagated through the encoder graph (detached-leaf
         re-injection), so deferred samples get the gradient of one fused forward/backward. Gradients are
-        reduced once per step (``gradient_reducer``): the LLM's buckets start during the last LLM backward,
+        reduced once per step (``sync``, :mod:`plait.parallel.grad_sync`): the LLM's buckets start during the last LLM backward,
         the encoders' after the deferred encoder backwards, all awaited before this returns (DDP's own reducer
         would reduce the encoders before their deferred backwards). A rank whose share is empty joins every
         bucket with no gradient (zeros).
@@ -302,43 +281,33 @@ class Trainer:
         plan = plan or self.plan_step(indices)[0]
         global_targets = sum(self.train_set.sample_meta(i).target_tokens for i in indices)
         batches = self.plan_batches(indices, plan)
-        scale = 1.0 / max(1, global_targets)
-        if self.sharded is not None:  # FSDP2 reduces over dp x dp_shard inside the backward; CP here
-            uniform = Uniform(self.sharded, list(self.model.encoders), partial(encoder_calls, self.model))
+        scale, sync = 1.0 / max(1, global_targets), self.sync
+        sync.start()
+        if sync.uniform:  # FSDP2: every rank runs the same collectives
+            uniform = Uniform(sync.sharded, list(self.model.encoders), partial(encoder_calls, self.model))
             loss_sum, self.encoder_buffer_peak_bytes = run_uniform_microbatches(
                 batches, scale, self._encode_branch, self._uniform_loss(batches), uniform)
-            sum_local_gradients(self.sharded.replicated, self.tp and self.tp.grad_group)  # tied
-            if self.cp > 1:
-                sharded = [p for _, p in self.model.trainable_parameters() if isinstance(p, DTensor)]
-                sum_local_gradients(sharded, self.cp_group)
         else:
-            reducer = self.gradient_reducer
-            if reducer is not None:
-                reducer.prepare()  # the backward accumulates into its buckets
             last = max((j for j, b in enumerate(batches.llm_batches) if b is not None), default=-1)
 
             def loss(j: int, batch: Batch, features: dict[str, torch.Tensor]) -> torch.Tensor:
-                if reducer is not None and j == last:  # its backward is the last to reach the LLM's parameters
-                    reducer.arm()
+                if j == last:  # its backward is the last to reach the LLM's parameters
+                    sync.arm()
                 return self.microbatch_loss(batch, batches.llm_kwargs[j], features)
 
             loss_sum, self.encoder_buffer_peak_bytes = run_microbatches(batches, scale, self._encode, loss)
-            if reducer is not None:
-                reducer.finish()
-            elif self.info.world_size > 1:  # TP: DTensor gradients
-                sum_local_gradients([p for _, p in self.model.trainable_parameters()], self.tp and self.tp.grad_group)
-        if self.info.world_size > 1:
-            dist.all_reduce(loss_sum, group=self.tp and self.tp.grad_group)  # TP ranks share their tokens
+        sync.finish()
+        sync.reduce_loss(loss_sum)
         return float(loss_sum) / max(1, global_targets), global_targets
 
-    def _build_gradient_reducer(self) -> GradientReducer:
-        """The DP (and CP) gradient sum of the plain trainer (neither TP, whose ``sum_local_gradients`` sums DTensor
-        gradients, nor FSDP2, which reduces inside the backward): buckets of the LLM's parameters start during the
-        last LLM backward of the step, the encoders' after the deferred encoder backwards, the gradients views of
-        its buckets (:class:`~plait.parallel.data_parallel.GradientReducer`)."""
-        llm = [p for p in self.model.language_model.parameters() if p.requires_grad]
-        return GradientReducer([p for _, p in self.model.trainable_parameters()],
-                               bucket_elements=OVERLAP_BUCKET_ELEMENTS, early=llm, views=True)
+    def _parallelize(self, pipeline: PipelinePlace | None) -> None:
+        """Apply the job's parallelism to ``model`` (:func:`~plait.parallel.parallelize.parallelize`, one order for
+        every trainer): sets ``tp``, ``sharded``, ``stages`` (None without pipeline), ``sync`` (the step's gradient
+        sum) and ``ddp_model`` (the DDP wrapper of plain DP: every rank starts from rank 0's parameters; the
+        forwards bypass it and ``sync`` reduces the gradients after the deferred encoder backwards)."""
+        par = parallelize(self.model, self.cfg, self.dims, self.mesh, self.info, pipeline)
+        self.tp, self.sharded, self.stages, self.sync, self.ddp_model = (par.tp, par.sharded, par.stages, par.sync,
+                                                                         par.ddp_model)
 
     def _encode_branch(self, name: str, batch: Batch | None, calls: int) -> torch.Tensor:
         """Projected features of branch ``name`` on ``batch``'s items, or on a dummy item (``batch`` None), in
@@ -412,18 +381,8 @@ class Trainer:
         """Clip the gradient norm, step optimizer and LR schedule, zero gradients. Returns
         ``(gradient norm before clipping, learning rate used)``."""
         params = [p for _, p in self.model.trainable_parameters()]
-        clip = self.cfg.train.grad_clip
-        if self.tp:  # DTensor grads
-            grad_norm = self.tp.clip_grad_norm_(params, clip, self.info.device)
-        elif self.sharded is not None:  # FSDP2 shards (each rank one) and replicated tied gradients
-            grad_norm = clip_grad_norm_(params, clip if clip > 0 else float("inf"), self.info.world_size, None,
-                                        self.info.device)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self.sync.clip(params, self.cfg.train.grad_clip)
+        lr = step_optimizer(self.optimizer, self.scheduler)
         self.step += 1
         return float(grad_norm), lr
 
