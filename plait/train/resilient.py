@@ -1,4 +1,4 @@
-"""The resilient training loop of ``plait launch`` (Oobleck, SOSP 2023; ../shared/REFERENCES.md section 2): one
+"""The resilient training loop of ``plait launch`` (Oobleck, Jang et al., SOSP 2023): one
 worker process of a job whose pipelines are heterogeneous data-parallel replicas (``plait.planner.templates``)
 and whose workers may die, rank 0 included.
 
@@ -8,8 +8,10 @@ Each worker (its id is its rank in generation 0 and never changes):
    group on a per-generation store prefix) and builds the stages of its pipeline's plan rank
    (``build_rank_stages``) and the per-unit gradient groups (``plait.parallel.hetero_dp``);
 2. per step draws the global batch from the job's loader (a function of seed, epoch and step), splits it into
-   ``train.global_batch_size / train.microbatch_size`` microbatches and runs its pipeline's share (the
-   instantiation's contiguous range; the loss is normalised by the whole global batch's target tokens);
+   the templates' microbatches (``plan_microbatches``, arrival order) and runs its pipeline's share (the
+   instantiation's contiguous range; the loss is normalised by the whole global batch's target tokens), the
+   gradients summed and clipped by :class:`~plait.parallel.grad_sync.HeteroSync` and the optimizer stepped by
+   :func:`~plait.train.optim.step_optimizer`, as the trainers do;
 3. votes to commit before its optimizer step (``Membership.commit``: a two-phase commit through the store), so
    either every survivor steps or none does;
 4. when a collective or P2P call fails (a peer died), re-forms the group over the survivors, plans the
@@ -58,24 +60,27 @@ from plait.data.collate import Batch, collate
 from plait.data.mixture import build_batch_loader
 from plait.models.generation import stop_token_ids
 from plait.models.registry import build_model, build_processor, load_tokenizer
-from plait.parallel.hetero_dp import HeteroDP, build_hetero_dp, clip_grad_norm_hetero, hetero_pipeline_comm
-from plait.parallel.hetero_dp import hetero_pipeline_step
+from plait.parallel.grad_sync import HeteroSync
+from plait.parallel.hetero_dp import HeteroDP, build_hetero_dp, hetero_pipeline_comm, hetero_pipeline_step
 from plait.parallel.membership import Membership, NoQuorumError
 from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.unit_transfer import move_units, unit_parameter_names
+from plait.planner.microbatch import MicrobatchPolicy, plan_microbatches, sample_costs_from_metadata
 from plait.planner.reconfigure import Reconfiguration, Transfer, plan_reconfiguration, plan_rejoin
 from plait.planner.schedule_ir import Schedule
 from plait.planner.schedules import build_schedule
 from plait.planner.templates import Instantiation, TemplateSet
 from plait.train.build import build_datasets, seed_everything
 from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, save_checkpoint, training_set_identity
+from plait.train.costs import microbatch_cost_coeffs
 from plait.train.evaluation import EvalReport, eval_batch_size, evaluate_on, load_metrics
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter
 from plait.train.optim import LRSchedule, build_optimizer, lr_factor, step_optimizer
 from plait.train.replica_eval import replica_eval_side
+from plait.train.run_start import say
 
-__all__ = ["LaunchPlan", "ResilientWorker", "WorkerRun", "microbatch_ranges", "run_resilient_worker"]
+__all__ = ["LaunchPlan", "ResilientWorker", "WorkerRun", "run_resilient_worker"]
 
 MAX_REPLAYS = 3
 """Replays of a step that fails with every worker alive (a slow worker taken for dead, or an error of the step
@@ -120,27 +125,15 @@ class LaunchPlan:
                    tuple((int(w), int(s)) for w, s in d.get("rejoins", ())))
 
 
-def microbatch_ranges(indices: Sequence[int], microbatch_size: int, count: int) -> list[list[int]]:
-    """The global batch ``indices`` split into ``count`` microbatches of ``microbatch_size`` samples, in order
-    (the last ones shorter or empty when the batch is short, e.g. an epoch's last).
-
-    Raises:
-        ValueError: when the batch holds more than ``count * microbatch_size`` samples.
-    """
-    if microbatch_size < 1 or count < 1:
-        raise ValueError(f"need microbatch_size >= 1 and count >= 1, got {microbatch_size} and {count}")
-    if len(indices) > count * microbatch_size:
-        raise ValueError(f"{len(indices)} samples do not fit {count} microbatches of {microbatch_size}")
-    return [list(indices[i * microbatch_size:(i + 1) * microbatch_size]) for i in range(count)]
-
-
 @dataclass
 class WorkerRun:
-    """This worker's part of an instantiation: stages, gradient groups, schedule, optimizer, microbatch range."""
+    """This worker's part of an instantiation: stages, gradient groups (and their sum, ``sync``), schedule,
+    optimizer, microbatch range."""
 
     inst: Instantiation
     stages: RankStages
     hetero: HeteroDP
+    sync: HeteroSync
     schedule: Schedule
     opt: torch.optim.Optimizer | None
     first: int
@@ -169,6 +162,7 @@ class ResilientWorker:
     names: dict[str, tuple[str, ...]] = field(default_factory=dict)
     stop_ids: list[int] = field(default_factory=list)
     metric_fns: dict[str, Any] = field(default_factory=dict)
+    cost_coeffs: dict[str, Any] = field(default_factory=dict)
     schedule: LRSchedule | None = None
     writer: MetricsWriter | None = None
     last_row: dict[str, Any] | None = None
@@ -188,6 +182,7 @@ class ResilientWorker:
         self.processor = build_processor(cfg.model, model, self.tokenizer, cfg.data.max_length)
         self.train_set, self.val_set = build_datasets(cfg, self.processor, False)
         self.names = unit_parameter_names(model)
+        self.cost_coeffs = microbatch_cost_coeffs(model)
         self.stop_ids = stop_token_ids(self.tokenizer, model.language_model.generation_config)
         self.metric_fns = load_metrics(cfg.train.eval_metrics) if self.val_set is not None else {}
 
@@ -232,11 +227,17 @@ class ResilientWorker:
                 group = torch.distributed.new_group([rank_of[w] for w in p.ranks],
                                                     timeout=datetime.timedelta(seconds=self.plan.timeout_s))
                 eval_group = group if p is pipeline and len(p.ranks) > 1 else eval_group
-        return WorkerRun(inst, stages, hetero, schedule, opt, first, pipeline.microbatches, eval_group)
+        return WorkerRun(inst, stages, hetero, HeteroSync(hetero), schedule, opt, first, pipeline.microbatches,
+                         eval_group)
 
-    def _batches(self, indices: Sequence[int]) -> tuple[list[Batch | None], int]:
-        """The global batch's microbatches (collated) and its target tokens."""
-        parts = microbatch_ranges(indices, self.cfg.train.microbatch_size, self.plan.templates.microbatches)
+    def _batches(self, indices: Sequence[int], step: int) -> tuple[list[Batch | None], int]:
+        """The global batch's microbatches (collated; None for an empty one) and its target tokens: the templates'
+        microbatch count of consecutive equal-count groups in arrival order (``plan_microbatches``, ``"arrival"``:
+        each pipeline's contiguous range then holds the samples its template was planned for)."""
+        costs = sample_costs_from_metadata([self.train_set.sample_meta(i) for i in indices], self.cost_coeffs)
+        policy = MicrobatchPolicy(method="arrival", num_microbatches=self.plan.templates.microbatches,
+                                  seed=self.cfg.train.seed, allow_deferral=False)
+        parts = [[indices[k] for k in mb] for mb in plan_microbatches(costs, policy, step).microbatches[0]]
         batches = [collate([self.train_set[i] for i in mb], self.processor.pad_id, pack=self.cfg.data.packing)
                    if mb else None for mb in parts]
         return batches, sum(b.target_tokens for b in batches if b is not None)
@@ -246,8 +247,7 @@ class ResilientWorker:
         Raises ``RuntimeError`` when a peer died (collective over the group)."""
         res = hetero_pipeline_step(run.stages, run.schedule, batches[run.first:run.first + run.count], targets,
                                    run.hetero, loss_fn=token_loss_sum)
-        clip = self.cfg.train.grad_clip
-        return res.loss, clip_grad_norm_hetero(run.hetero, clip if clip > 0 else float("inf"))
+        return res.loss, run.sync.clip(run.hetero.params, self.cfg.train.grad_clip)
 
     def _try_step(self, run: WorkerRun, batches: list[Batch | None], targets: int,
                   step: int) -> tuple[float, float, float] | None:
@@ -343,8 +343,8 @@ class ResilientWorker:
             run = self._recover(run, time.monotonic())
         self._write_row({"step": steps, "eval": report.exact_match, **report.record()}, training=False)
         if self.membership.rank == 0:
-            print(f"plait launch: step {steps}: validation exact match "
-                  + ", ".join(f"{k}={v:.1%}" for k, v in report.exact_match.items()), flush=True)
+            say(f"plait launch: step {steps}: validation exact match "
+                + ", ".join(f"{k}={v:.1%}" for k, v in report.exact_match.items()))
         return run
 
     def _layout(self, inst: Instantiation) -> CheckpointLayout:
@@ -378,7 +378,7 @@ class ResilientWorker:
         line = (f"plait launch: reconfigured in {seconds:.2f} s: worker(s) {list(left)} failed; {rec.summary()}; "
                 f"workers per pipeline {[list(p.ranks) for p in rec.after.pipelines]}")
         if self.membership.rank == 0:
-            print(line, flush=True)
+            say(line)
         self._log({"event": "reconfigure", "failed": list(left), "bytes": rec.bytes, "seconds": seconds,
                    "pipelines": [list(p.ranks) for p in rec.after.pipelines],
                    "copies": [[t.unit, t.src, t.dst] for t in rec.transfers]})
@@ -422,9 +422,9 @@ class ResilientWorker:
         new = self.build_run(rec.after, run, rec.transfers)
         seconds = time.monotonic() - start
         if self.membership.rank == 0:
-            print(f"plait launch: worker(s) {list(joiners)} rejoined in {seconds:.2f} s; {len(rec.transfers)} unit "
-                  f"copies, {rec.bytes / 2**20:.1f} MiB; workers per pipeline "
-                  f"{[list(p.ranks) for p in rec.after.pipelines]}", flush=True)
+            say(f"plait launch: worker(s) {list(joiners)} rejoined in {seconds:.2f} s; {len(rec.transfers)} unit "
+                f"copies, {rec.bytes / 2**20:.1f} MiB; workers per pipeline "
+                f"{[list(p.ranks) for p in rec.after.pipelines]}")
         self._log({"event": "rejoin", "joined": list(joiners), "bytes": rec.bytes, "seconds": seconds,
                    "pipelines": [list(p.ranks) for p in rec.after.pipelines]})
         return new
@@ -464,7 +464,7 @@ class ResilientWorker:
         commits; logs it (the worker's log, ``metrics.jsonl``). Returns the (possibly reconfigured) run."""
         epoch, begin = loader.epoch, time.monotonic()
         indices = loader.next_batch()
-        batches, targets = self._batches(indices)
+        batches, targets = self._batches(indices, step)
         failed_at, in_vain = None, 0
         while (done := self._try_step(run, batches, targets, step)) is None:  # replay the step until it commits
             failed_at, members = failed_at or time.monotonic(), self.membership.members
@@ -481,8 +481,8 @@ class ResilientWorker:
         if failed_at is not None:
             record["recovery_s"] = time.monotonic() - failed_at
             if self.membership.rank == 0:
-                print(f"plait launch: recovered: step {step} done {record['recovery_s']:.2f} s after the "
-                      "failure was seen", flush=True)
+                say(f"plait launch: recovered: step {step} done {record['recovery_s']:.2f} s after the "
+                    "failure was seen")
         self._log(record)
         tokens = sum(self.train_set.sample_meta(i).length for i in indices)
         self._write_row({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
