@@ -8,7 +8,7 @@ Each worker (its id is its rank in generation 0 and never changes):
    group on a per-generation store prefix) and builds the stages of its pipeline's plan rank
    (``build_rank_stages``) and the per-unit gradient groups (``plait.parallel.hetero_dp``);
 2. per step draws the global batch from the job's loader (a function of seed, epoch and step), splits it into
-   the templates' microbatches (``plan_microbatches``, arrival order) and runs its pipeline's share (the
+   ``train.global_batch_size / train.microbatch_size`` microbatches and runs its pipeline's share (the
    instantiation's contiguous range; the loss is normalised by the whole global batch's target tokens), the
    gradients summed and clipped by :class:`~plait.parallel.grad_sync.HeteroSync` and the optimizer stepped by
    :func:`~plait.train.optim.step_optimizer`, as the trainers do;
@@ -65,14 +65,12 @@ from plait.parallel.hetero_dp import HeteroDP, build_hetero_dp, hetero_pipeline_
 from plait.parallel.membership import Membership, NoQuorumError
 from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.unit_transfer import move_units, unit_parameter_names
-from plait.planner.microbatch import MicrobatchPolicy, plan_microbatches, sample_costs_from_metadata
 from plait.planner.reconfigure import Reconfiguration, Transfer, plan_reconfiguration, plan_rejoin
 from plait.planner.schedule_ir import Schedule
 from plait.planner.schedules import build_schedule
 from plait.planner.templates import Instantiation, TemplateSet
 from plait.train.build import build_datasets, seed_everything
 from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, save_checkpoint, training_set_identity
-from plait.train.costs import microbatch_cost_coeffs
 from plait.train.evaluation import EvalReport, eval_batch_size, evaluate_on, load_metrics
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter
@@ -80,7 +78,7 @@ from plait.train.optim import LRSchedule, build_optimizer, lr_factor, step_optim
 from plait.train.replica_eval import replica_eval_side
 from plait.train.run_start import say
 
-__all__ = ["LaunchPlan", "ResilientWorker", "WorkerRun", "run_resilient_worker"]
+__all__ = ["LaunchPlan", "ResilientWorker", "WorkerRun", "microbatch_ranges", "run_resilient_worker"]
 
 MAX_REPLAYS = 3
 """Replays of a step that fails with every worker alive (a slow worker taken for dead, or an error of the step
@@ -125,6 +123,20 @@ class LaunchPlan:
                    tuple((int(w), int(s)) for w, s in d.get("rejoins", ())))
 
 
+def microbatch_ranges(indices: Sequence[int], microbatch_size: int, count: int) -> list[list[int]]:
+    """The global batch ``indices`` split into ``count`` microbatches of ``microbatch_size`` samples, in order
+    (the last ones shorter or empty when the batch is short, e.g. an epoch's last).
+
+    Raises:
+        ValueError: when the batch holds more than ``count * microbatch_size`` samples.
+    """
+    if microbatch_size < 1 or count < 1:
+        raise ValueError(f"need microbatch_size >= 1 and count >= 1, got {microbatch_size} and {count}")
+    if len(indices) > count * microbatch_size:
+        raise ValueError(f"{len(indices)} samples do not fit {count} microbatches of {microbatch_size}")
+    return [list(indices[i * microbatch_size:(i + 1) * microbatch_size]) for i in range(count)]
+
+
 @dataclass
 class WorkerRun:
     """This worker's part of an instantiation: stages, gradient groups (and their sum, ``sync``), schedule,
@@ -162,7 +174,6 @@ class ResilientWorker:
     names: dict[str, tuple[str, ...]] = field(default_factory=dict)
     stop_ids: list[int] = field(default_factory=list)
     metric_fns: dict[str, Any] = field(default_factory=dict)
-    cost_coeffs: dict[str, Any] = field(default_factory=dict)
     schedule: LRSchedule | None = None
     writer: MetricsWriter | None = None
     last_row: dict[str, Any] | None = None
@@ -182,7 +193,6 @@ class ResilientWorker:
         self.processor = build_processor(cfg.model, model, self.tokenizer, cfg.data.max_length)
         self.train_set, self.val_set = build_datasets(cfg, self.processor, False)
         self.names = unit_parameter_names(model)
-        self.cost_coeffs = microbatch_cost_coeffs(model)
         self.stop_ids = stop_token_ids(self.tokenizer, model.language_model.generation_config)
         self.metric_fns = load_metrics(cfg.train.eval_metrics) if self.val_set is not None else {}
 
@@ -230,14 +240,9 @@ class ResilientWorker:
         return WorkerRun(inst, stages, hetero, HeteroSync(hetero), schedule, opt, first, pipeline.microbatches,
                          eval_group)
 
-    def _batches(self, indices: Sequence[int], step: int) -> tuple[list[Batch | None], int]:
-        """The global batch's microbatches (collated; None for an empty one) and its target tokens: the templates'
-        microbatch count of consecutive equal-count groups in arrival order (``plan_microbatches``, ``"arrival"``:
-        each pipeline's contiguous range then holds the samples its template was planned for)."""
-        costs = sample_costs_from_metadata([self.train_set.sample_meta(i) for i in indices], self.cost_coeffs)
-        policy = MicrobatchPolicy(method="arrival", num_microbatches=self.plan.templates.microbatches,
-                                  seed=self.cfg.train.seed, allow_deferral=False)
-        parts = [[indices[k] for k in mb] for mb in plan_microbatches(costs, policy, step).microbatches[0]]
+    def _batches(self, indices: Sequence[int]) -> tuple[list[Batch | None], int]:
+        """The global batch's microbatches (collated) and its target tokens."""
+        parts = microbatch_ranges(indices, self.cfg.train.microbatch_size, self.plan.templates.microbatches)
         batches = [collate([self.train_set[i] for i in mb], self.processor.pad_id, pack=self.cfg.data.packing)
                    if mb else None for mb in parts]
         return batches, sum(b.target_tokens for b in batches if b is not None)
@@ -464,7 +469,7 @@ class ResilientWorker:
         commits; logs it (the worker's log, ``metrics.jsonl``). Returns the (possibly reconfigured) run."""
         epoch, begin = loader.epoch, time.monotonic()
         indices = loader.next_batch()
-        batches, targets = self._batches(indices, step)
+        batches, targets = self._batches(indices)
         failed_at, in_vain = None, 0
         while (done := self._try_step(run, batches, targets, step)) is None:  # replay the step until it commits
             failed_at, members = failed_at or time.monotonic(), self.membership.members
