@@ -299,8 +299,8 @@ class Progress:
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
             self.bar.update(1)
         elif self.enabled and (last or step == self.initial + 1 or time.monotonic() - self.last >= self.interval):
-            print(f"train: step {step}/{self.total}, loss {loss:.3f}, {tokens_per_s:.0f} tokens/s", file=sys.stderr,
-                  flush=True)
+            sys.stderr.write(f"train: step {step}/{self.total}, loss {loss:.3f}, {tokens_per_s:.0f} tokens/s\n")
+            sys.stderr.flush()
             self.last = time.monotonic()
 
     def write(self, message: str) -> None:
