@@ -47,7 +47,7 @@ from plait.commands.plan_fsdp import fsdp_line
 from plait.commands.plan_snippet import MODEL_UNITS, pp_snippet
 from plait.models.families.internvl import MODEL_TYPES as INTERNVL_TYPES
 from plait.models.units import model_units
-from plait.parallel.checkpointing import checkpoint_policy
+from plait.parallel.activation_checkpointing import checkpoint_policy
 from plait.planner.arch import arch_from_config, units_from_configs
 from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_costs
 from plait.planner.macrobatch import MacrobatchStats, expected_shapes, macrobatch_stats

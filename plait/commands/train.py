@@ -24,7 +24,7 @@ from plait.commands.profile import profile_job
 from plait.config.loader import load_config
 from plait.config.schema import JobConfig, ParallelConfig, PipelineConfig
 from plait.models.generation import save_final
-from plait.parallel.checkpointing import checkpoint_policy
+from plait.parallel.activation_checkpointing import checkpoint_policy
 from plait.parallel.machine import auto_plan_inputs
 from plait.parallel.mesh import DistInfo, init_distributed
 from plait.planner.profile import Profile

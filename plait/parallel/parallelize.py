@@ -3,7 +3,7 @@ trainer (:func:`parallelize`):
 
 1. materialise (a pipeline rank only: the model was built on the meta device; its stages' units get their weights,
    :func:`plait.models.init.materialize`, before pruning so tied copies agree);
-2. activation checkpointing (:mod:`plait.parallel.checkpointing`), with the whole model's unit specs: it wraps
+2. activation checkpointing (:mod:`plait.parallel.activation_checkpointing`), with the whole model's unit specs: it wraps
    forwards and leaves the module tree alone, so TP's hooks and FSDP2's groups see the same names;
 3. prune to this rank's stages (a pipeline rank only, :func:`~plait.parallel.stages.build_rank_stages`);
 4. tensor parallelism (:func:`~plait.parallel.tensor_parallel.apply_job_tensor_parallel`): DTensor parameters;
@@ -24,7 +24,7 @@ from plait.config.schema import JobConfig
 from plait.models.init import materialize, rank_prefixes, weight_source
 from plait.models.multimodal import MultimodalModel
 from plait.models.units import unit_specs
-from plait.parallel.checkpointing import apply_activation_checkpointing, checkpoint_policy
+from plait.parallel.activation_checkpointing import apply_activation_checkpointing, checkpoint_policy
 from plait.parallel.data_parallel import OVERLAP_BUCKET_ELEMENTS, GradientReducer, apply_data_parallel
 from plait.parallel.dims import ParallelDims
 from plait.parallel.fsdp import ShardedModel, apply_fsdp
