@@ -59,6 +59,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from plait.config.loader import load_config
+    from plait.parallel.grad_sync import SumSync
     from plait.train.trainer import Trainer
 
     procs, parallel = CONFIGS[args.worker]
@@ -72,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
     cfg.data.train = str(Path(args.folder) / "train.jsonl")
     trainer = Trainer.build(cfg)
     if args.worker == "ddp_sync":  # no GradientReducer: the trainer sums every gradient after the last backward
-        trainer.gradient_reducer = None
+        trainer.sync = SumSync([p for _, p in trainer.model.trainable_parameters()])
     order = trainer.loader.epoch_order(0).tolist()
     times, tokens = [], []
     warm = args.per_rank * args.max_procs  # the first step warms up on records no configuration times

@@ -17,7 +17,7 @@ no manual steps, prints tables and exits 1 when a check fails.
      one-rank job (``torch.distributed`` with a local ``HashStore``: NCCL on CUDA, gloo on CPU) and every trainable
      pipeline unit is an FSDP2 group (``plait.parallel.fsdp.apply_fsdp`` on a 1-device mesh: bf16 parameters for
      compute, fp32 reduction and master weights on CUDA) under full activation checkpointing
-     (``plait.parallel.checkpointing``, non-reentrant); AdamW as plait builds it;
+     (``plait.parallel.activation_checkpointing``, non-reentrant); AdamW as plait builds it;
    - ``plait FSDP2``: the same without checkpointing;
    - ``HF loop``: the same model (same seed, same weights) with Hugging Face's own ``sdpa`` attention and the
      batch's padding mask, no FSDP2, no checkpointing, ``torch.optim.AdamW``: the plain loop a user writes.
@@ -221,7 +221,7 @@ def build_run(cfg, run: str, device: str):
 
     from plait.measure.job_profile import build_profile_inputs
     from plait.models.units import unit_specs
-    from plait.parallel.checkpointing import apply_activation_checkpointing, checkpoint_policy
+    from plait.parallel.activation_checkpointing import apply_activation_checkpointing, checkpoint_policy
     from plait.parallel.fsdp import apply_fsdp
     from plait.train.optim import build_optimizer
 

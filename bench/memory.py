@@ -274,7 +274,7 @@ def predicted(trainer, label: str, tokens: dict | list[dict]) -> dict[str, float
     if isinstance(tokens, list):
         each = [predicted(trainer, label, t) for t in tokens]
         return {kind: max(e[kind] for e in each) for kind in each[0]}
-    from plait.parallel.checkpointing import checkpoint_policy
+    from plait.parallel.activation_checkpointing import checkpoint_policy
     from plait.planner.sharding import ParallelDegrees, rank_memory
 
     dp_shard, tp = COLUMNS[label]

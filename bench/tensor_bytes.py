@@ -52,10 +52,10 @@ def saved_activation_bytes(model: torch.nn.Module, forward_backward: Callable[[]
 
     Args:
         model: the model whose parameters are excluded and whose checkpointed layers' arguments are counted
-            (``plait.parallel.checkpointing.is_checkpointed``).
+            (``plait.parallel.activation_checkpointing.is_checkpointed``).
         forward_backward: runs one forward and backward of ``model``.
     """
-    from plait.parallel.checkpointing import is_checkpointed
+    from plait.parallel.activation_checkpointing import is_checkpointed
 
     params = {local_tensor(p).untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}

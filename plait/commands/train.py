@@ -23,7 +23,7 @@ from plait.config.loader import load_config
 from plait.config.schema import JobConfig, ParallelConfig, PipelineConfig
 from plait.measure.auto_profile import main_rank_profile
 from plait.models.generation import save_final
-from plait.parallel.checkpointing import checkpoint_policy
+from plait.parallel.activation_checkpointing import checkpoint_policy
 from plait.measure.machine import auto_plan_inputs
 from plait.parallel.process_group import init_distributed
 from plait.planner.report import format_plan

@@ -2,7 +2,7 @@
 
 Each rank of a CP group holds any subset of a microbatch's LLM tokens, given by a
 :class:`~plait.planner.token_distributor.TokenAssignment` (not necessarily contiguous or equal-sized).
-Attention runs as in Llama 3 / Cornstarch (../shared/REFERENCES.md section 1): each rank all-gathers K and V
+Attention runs as in Llama 3 / Cornstarch: each rank all-gathers K and V
 of every token (variable-size shards, padded to the largest), puts them in global token order, and attends
 its local queries against them, masking with the global token index of each query
 (:func:`plait.attention.masks.build_mask_mod` with ``q_global``). The backward of the all-gather is a

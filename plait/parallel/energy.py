@@ -1,4 +1,4 @@
-"""Per-action GPU frequencies in the pipeline runtime (issue 17, Perseus, ../shared/REFERENCES.md section 4).
+"""Per-action GPU frequencies in the pipeline runtime (Perseus, Chung et al., SOSP 2024).
 
 A frequency plan (:class:`plait.planner.energy_plan.EnergyPlan`, written by ``plait energy``) gives every ``F``/``B``
 /``W`` action of every pipeline rank an SM clock. With ``[energy] plan = "path"`` the executor

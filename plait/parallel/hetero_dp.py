@@ -1,5 +1,5 @@
 """Heterogeneous data parallelism: pipelines with different stage boundaries train as replicas of one model
-(Oobleck, SOSP 2023; ../shared/REFERENCES.md section 2; the plans are ``plait.planner.templates``).
+(Oobleck, Jang et al., SOSP 2023; the plans are ``plait.planner.templates``).
 
 Each pipeline runs its own plan with the pipeline runtime unchanged (``run_pipeline_step`` on a
 :class:`~plait.parallel.pipeline.comm.PipelineComm` of DP degree 1: deferral, frozen stages, split backward and

@@ -1,5 +1,5 @@
 """Membership of a job whose workers may die: heartbeats in a ``TCPStore``, agreement on the surviving set, and
-the default gloo process group re-formed in the same processes (../shared/REFERENCES.md section 7: destroy and
+the default gloo process group re-formed in the same processes (destroy and
 re-initialise on a new store prefix, what Oobleck does).
 
 The store is hosted outside the workers (the launcher, or a test's parent process), so the failure of any worker,

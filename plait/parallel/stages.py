@@ -1,4 +1,4 @@
-"""Plan -> this rank's pipeline stage modules (../shared/DESIGN.md, "parallel/stages.py").
+"""Plan -> this rank's pipeline stage modules.
 
 Materialisation: the caller builds the composite on the meta device and materialises only this rank's
 units (:func:`plait.models.init.materialize` with :func:`plait.models.init.rank_prefixes`: per-module init

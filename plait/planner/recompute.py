@@ -1,6 +1,6 @@
 """Activation checkpointing as a plan: which pipeline units recompute their forward, and what that costs.
 
-One rule decides the checkpointed units for the runtime (``plait.parallel.checkpointing``) and for the planner
+One rule decides the checkpointed units for the runtime (``plait.parallel.activation_checkpointing``) and for the planner
 (:func:`checkpointed_costs`), so the two never disagree:
 
 - only ``layer`` units are checkpointed (transformer blocks of an encoder or the LLM): they hold almost all of

@@ -15,7 +15,7 @@ from typing import Any
 
 from plait.config.loader import pipeline_plan_kwargs
 from plait.config.schema import JobConfig, PipelineConfig
-from plait.parallel.checkpointing import checkpoint_policy
+from plait.parallel.activation_checkpointing import checkpoint_policy
 from plait.planner.auto_plan import layout_pp_fields, plan_auto_layout
 from plait.planner.overheads import ActionOverheads
 from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline

@@ -23,7 +23,7 @@ __all__ = ["StepBatches", "encoder_view_batch"]
 
 @dataclass(frozen=True)
 class StepBatches:
-    """One DP replica's share of a step, planned before any of it runs (DESIGN "One training step").
+    """One DP replica's share of a step, planned before any of it runs.
 
     Attributes:
         routing: the replica's feature routing (sample keys: positions in the global batch); no microbatch when

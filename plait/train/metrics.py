@@ -5,7 +5,7 @@ Every JSONL row gets ``time`` (ISO 8601, UTC, when it was written) and ``elapsed
 started; a resumed run continues from the ``elapsed_s`` of the last row it keeps, so the clock spans the whole run
 without the time the run was stopped).
 
-Energy (issue 17), where it can be measured (:func:`detect_energy_meter`): every row gets ``energy_j``, the joules
+Energy, where it can be measured (:func:`detect_energy_meter`): every row gets ``energy_j``, the joules
 used since the previous row (the steps or the validation that row reports), and ``energy_source``; training rows
 also ``energy_per_step_j``. On a CUDA job, rank 0 measures every GPU visible to it through zeus's ``ZeusMonitor``
 (NVML; ``pip install -e ".[energy]"``): with torchrun on one node, every GPU of the node. On CPU, the host's CPU
@@ -299,8 +299,8 @@ class Progress:
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
             self.bar.update(1)
         elif self.enabled and (last or step == self.initial + 1 or time.monotonic() - self.last >= self.interval):
-            print(f"train: step {step}/{self.total}, loss {loss:.3f}, {tokens_per_s:.0f} tokens/s", file=sys.stderr,
-                  flush=True)
+            sys.stderr.write(f"train: step {step}/{self.total}, loss {loss:.3f}, {tokens_per_s:.0f} tokens/s\n")
+            sys.stderr.flush()
             self.last = time.monotonic()
 
     def write(self, message: str) -> None:

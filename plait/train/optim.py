@@ -1,6 +1,5 @@
-"""Optimizer and LR schedule of both trainers: AdamW over the trainable parameters; linear warm-up then cosine
-decay (:class:`CosineSchedule`), one :class:`LRSchedule` (on the optimizer's groups in the trainer, driven directly
-by the pipeline trainer).
+"""Optimizer and LR schedule of every training loop: AdamW over the trainable parameters; linear warm-up then cosine
+decay (:class:`CosineSchedule`), one :class:`LRSchedule` and one way to apply it (:func:`step_optimizer`).
 
 The LR of step ``s`` (0-based: the metrics row of step ``s + 1``) is ``train.lr x factor(s)``, with warm-up ``W``
 (``train.warmup_steps``), floor ``r`` (``train.min_lr_ratio``) and total ``T`` (``train.steps``)::
@@ -30,7 +29,7 @@ import torch
 
 from plait.models.multimodal import MultimodalModel
 
-__all__ = ["CosineSchedule", "LRSchedule", "build_optimizer", "build_scheduler", "lr_factor"]
+__all__ = ["CosineSchedule", "LRSchedule", "build_optimizer", "build_scheduler", "lr_factor", "step_optimizer"]
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +40,7 @@ def build_optimizer(
 ) -> torch.optim.AdamW:
     """AdamW over trainable parameters only (frozen ones are not in it); no weight decay on biases and
     norms (parameters with fewer than 2 dims); encoder branch ``b`` (encoder and projector) learns at
-    ``lr * lr_scales[b]``.
+    ``lr * lr_scales[b]``, each group's base LR also kept as ``initial_lr`` (what :class:`LRSchedule` scales).
 
     Raises:
         ValueError: when nothing is trainable.
@@ -54,7 +53,7 @@ def build_optimizer(
     if not groups:
         raise ValueError("every parameter is frozen: nothing to train")
     return torch.optim.AdamW(
-        [{"params": ps, "lr": lr * scale, "weight_decay": weight_decay if decay else 0.0}
+        [{"params": ps, "lr": lr * scale, "initial_lr": lr * scale, "weight_decay": weight_decay if decay else 0.0}
          for (scale, decay), ps in groups.items()],
         lr=lr, betas=betas,
     )
@@ -133,14 +132,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, warmup: int, total: int, m
 
 
 class LRSchedule:
-    """The LR schedule of both trainers: the LR of the current step is each base LR times ``factor(step)``;
+    """The LR schedule of every training loop: the LR of the current step is each base LR times ``factor(step)``;
     :meth:`step` advances. With an ``optimizer`` it drives the optimizer's groups as a ``LambdaLR`` does (base LRs:
     each group's ``initial_lr``, set from its ``lr``; the groups' ``lr`` set at construction, :meth:`step` and
-    :meth:`load_state_dict`); without, the caller applies :meth:`current_factor` (the pipeline trainer). Its state
-    holds a ``LambdaLR``'s position keys (``base_lrs``, ``last_epoch``, ``_step_count``, ``_last_lr``), so
-    checkpoints of either kind restore into the other (``plait.train.checkpoint`` takes only the position across
-    layouts), plus ``schedule``: the :class:`CosineSchedule` as JSON, from which :meth:`load_state_dict` continues
-    (and extends, when this job's total differs).
+    :meth:`load_state_dict`); without one (a pipeline rank or resilient worker, whose optimizer may be missing or
+    rebuilt), :func:`step_optimizer` applies it to the optimizer of the step (:meth:`apply`). Its state holds a
+    ``LambdaLR``'s position keys (``base_lrs``, ``last_epoch``, ``_step_count``, ``_last_lr``), so checkpoints of
+    either kind restore into the other (``plait.train.checkpoint`` takes only the position across layouts), plus
+    ``schedule``: the :class:`CosineSchedule` as JSON, from which :meth:`load_state_dict` continues (and extends,
+    when this job's total differs).
 
     Args:
         base_lr: the job's LR (``train.lr``).
@@ -168,6 +168,19 @@ class LRSchedule:
         """The factor of the current step."""
         return self.factor(self.last_epoch)
 
+    @property
+    def lr(self) -> float:
+        """The job's LR of the current step (``train.lr`` x factor; what the metrics record)."""
+        return self.base_lr * self.current_factor()
+
+    def apply(self, optimizer: torch.optim.Optimizer) -> None:
+        """Set each group of ``optimizer`` to its base LR (``initial_lr``, set from its ``lr`` the first time)
+        times the current factor."""
+        factor = self.current_factor()
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+            group["lr"] = group["initial_lr"] * factor
+
     def get_last_lr(self) -> list[float]:
         """Each base LR x the factor of the current step (``LambdaLR``'s accessor)."""
         return [base * self.current_factor() for base in self.base_lrs]
@@ -181,8 +194,7 @@ class LRSchedule:
     def _apply(self) -> None:
         """Write the current LRs into the driven optimizer's groups."""
         if self.optimizer is not None:
-            for group, lr in zip(self.optimizer.param_groups, self.get_last_lr()):
-                group["lr"] = lr
+            self.apply(self.optimizer)
 
     def state_dict(self) -> dict[str, Any]:
         """The position, under a ``LambdaLR``'s keys, and the schedule (``schedule``: JSON, or ``""``)."""
@@ -207,3 +219,16 @@ class LRSchedule:
                 self.extended_from = old.total if old.total != self.factor.total else None
                 self.factor = old.extended(self.last_epoch, self.factor.total)
         self._apply()
+
+
+def step_optimizer(optimizer: torch.optim.Optimizer | None, schedule: LRSchedule) -> float:
+    """Step ``optimizer`` (None: a rank with nothing to train) at the schedule's current LR, zero its gradients
+    and advance the schedule: the one optimizer step of every loop. Returns the job's LR used
+    (:attr:`LRSchedule.lr`)."""
+    lr = schedule.lr
+    if optimizer is not None:
+        schedule.apply(optimizer)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    schedule.step()
+    return lr

@@ -1,7 +1,7 @@
 """Plots and trace files: pipeline timelines (Chrome trace JSON and PNG Gantt charts).
 
 Predicted (simulator) and measured (runtime) timelines share one event format,
-``plait.planner.schedules.TimelineEvent``, and one pair of outputs (../shared/DESIGN.md, principle 2):
+``plait.planner.schedules.TimelineEvent``, and one pair of outputs:
 
 - ``write_chrome_trace``: Chrome trace-event JSON (opens in https://ui.perfetto.dev or chrome://tracing),
   one process per timeline label, one thread (track) per rank, one complete event (``"ph": "X"``) per
@@ -322,7 +322,7 @@ def loss_curve_figure(records: Sequence[Mapping[str, Any]], source: str = "metri
     return fig
 
 
-# ----- energy (issue 17) -----------------------------------------------------------------------
+# ----- energy -----------------------------------------------------------------------------------
 def plot_energy_frontier(points: Sequence[tuple[float, float]], path: str | Path, *,
                          marks: Mapping[str, tuple[float, float]] | None = None, title: str = "") -> Path:
     """The time-energy frontier as a PNG: energy per iteration (kJ) against iteration time (s), one dot per

@@ -1,4 +1,4 @@
-"""The resilient training loop of ``plait launch`` (Oobleck, SOSP 2023; ../shared/REFERENCES.md section 2): one
+"""The resilient training loop of ``plait launch`` (Oobleck, Jang et al., SOSP 2023): one
 worker process of a job whose pipelines are heterogeneous data-parallel replicas (``plait.planner.templates``)
 and whose workers may die, rank 0 included.
 
@@ -9,7 +9,9 @@ Each worker (its id is its rank in generation 0 and never changes):
    (``build_rank_stages``) and the per-unit gradient groups (``plait.parallel.hetero_dp``);
 2. per step draws the global batch from the job's loader (a function of seed, epoch and step), splits it into
    ``train.global_batch_size / train.microbatch_size`` microbatches and runs its pipeline's share (the
-   instantiation's contiguous range; the loss is normalised by the whole global batch's target tokens);
+   instantiation's contiguous range; the loss is normalised by the whole global batch's target tokens), the
+   gradients summed and clipped by :class:`~plait.parallel.grad_sync.HeteroSync` and the optimizer stepped by
+   :func:`~plait.train.optim.step_optimizer`, as the trainers do;
 3. votes to commit before its optimizer step (``Membership.commit``: a two-phase commit through the store), so
    either every survivor steps or none does;
 4. when a collective or P2P call fails (a peer died), re-forms the group over the survivors, plans the
@@ -58,8 +60,8 @@ from plait.data.collate import Batch, collate
 from plait.data.mixture import build_batch_loader
 from plait.models.generation import stop_token_ids
 from plait.models.registry import build_model, build_processor, load_tokenizer
-from plait.parallel.hetero_dp import HeteroDP, build_hetero_dp, clip_grad_norm_hetero, hetero_pipeline_comm
-from plait.parallel.hetero_dp import hetero_pipeline_step
+from plait.parallel.grad_sync import HeteroSync
+from plait.parallel.hetero_dp import HeteroDP, build_hetero_dp, hetero_pipeline_comm, hetero_pipeline_step
 from plait.parallel.membership import Membership, NoQuorumError
 from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.unit_transfer import move_units, unit_parameter_names
@@ -72,8 +74,9 @@ from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, save_checkp
 from plait.train.evaluation import EvalReport, eval_batch_size, evaluate_on, load_metrics
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter
-from plait.train.optim import LRSchedule, build_optimizer, lr_factor
+from plait.train.optim import LRSchedule, build_optimizer, lr_factor, step_optimizer
 from plait.train.replica_eval import replica_eval_side
+from plait.train.run_start import say
 
 __all__ = ["LaunchPlan", "ResilientWorker", "WorkerRun", "microbatch_ranges", "run_resilient_worker"]
 
@@ -136,11 +139,13 @@ def microbatch_ranges(indices: Sequence[int], microbatch_size: int, count: int) 
 
 @dataclass
 class WorkerRun:
-    """This worker's part of an instantiation: stages, gradient groups, schedule, optimizer, microbatch range."""
+    """This worker's part of an instantiation: stages, gradient groups (and their sum, ``sync``), schedule,
+    optimizer, microbatch range."""
 
     inst: Instantiation
     stages: RankStages
     hetero: HeteroDP
+    sync: HeteroSync
     schedule: Schedule
     opt: torch.optim.Optimizer | None
     first: int
@@ -215,8 +220,6 @@ class ResilientWorker:
         if stages.trainable_parameters():  # a rank of frozen units only has no optimizer
             scales = {name: enc.lr_scale for name, enc in self.cfg.model.encoders.items()}
             opt = build_optimizer(stages.model, t.lr, t.weight_decay, t.betas, scales)
-            for group in opt.param_groups:
-                group.setdefault("initial_lr", group["lr"])
         if old is not None or transfers:  # a joiner (old None) holds nothing and receives every unit
             held = {n: (p, old.opt.state.get(p, {}) if old.opt is not None else {})
                     for n, p in old.stages.model.named_parameters(remove_duplicate=False)} if old else {}
@@ -234,7 +237,8 @@ class ResilientWorker:
                 group = torch.distributed.new_group([rank_of[w] for w in p.ranks],
                                                     timeout=datetime.timedelta(seconds=self.plan.timeout_s))
                 eval_group = group if p is pipeline and len(p.ranks) > 1 else eval_group
-        return WorkerRun(inst, stages, hetero, schedule, opt, first, pipeline.microbatches, eval_group)
+        return WorkerRun(inst, stages, hetero, HeteroSync(hetero), schedule, opt, first, pipeline.microbatches,
+                         eval_group)
 
     def _batches(self, indices: Sequence[int]) -> tuple[list[Batch | None], int]:
         """The global batch's microbatches (collated) and its target tokens."""
@@ -248,8 +252,7 @@ class ResilientWorker:
         Raises ``RuntimeError`` when a peer died (collective over the group)."""
         res = hetero_pipeline_step(run.stages, run.schedule, batches[run.first:run.first + run.count], targets,
                                    run.hetero, loss_fn=token_loss_sum)
-        clip = self.cfg.train.grad_clip
-        return res.loss, clip_grad_norm_hetero(run.hetero, clip if clip > 0 else float("inf"))
+        return res.loss, run.sync.clip(run.hetero.params, self.cfg.train.grad_clip)
 
     def _try_step(self, run: WorkerRun, batches: list[Batch | None], targets: int,
                   step: int) -> tuple[float, float, float] | None:
@@ -268,14 +271,7 @@ class ResilientWorker:
                 hook.remove()
         if not self.membership.commit(f"step{step}"):
             return None
-        factor = self.schedule.current_factor()
-        if run.opt is not None:
-            for group in run.opt.param_groups:
-                group["lr"] = group["initial_lr"] * factor
-            run.opt.step()
-            run.opt.zero_grad(set_to_none=True)
-        self.schedule.step()
-        return loss, self.cfg.train.lr * factor, norm
+        return loss, step_optimizer(run.opt, self.schedule), norm
 
     def _maybe_kill(self, step: int) -> Any:
         """Fault injection (``LaunchPlan.kills``): SIGKILL this process at its first module forward of ``step``."""
@@ -352,8 +348,8 @@ class ResilientWorker:
             run = self._recover(run, time.monotonic())
         self._write_row({"step": steps, "eval": report.exact_match, **report.record()}, training=False)
         if self.membership.rank == 0:
-            print(f"plait launch: step {steps}: validation exact match "
-                  + ", ".join(f"{k}={v:.1%}" for k, v in report.exact_match.items()), flush=True)
+            say(f"plait launch: step {steps}: validation exact match "
+                + ", ".join(f"{k}={v:.1%}" for k, v in report.exact_match.items()))
         return run
 
     def _layout(self, inst: Instantiation) -> CheckpointLayout:
@@ -387,7 +383,7 @@ class ResilientWorker:
         line = (f"plait launch: reconfigured in {seconds:.2f} s: worker(s) {list(left)} failed; {rec.summary()}; "
                 f"workers per pipeline {[list(p.ranks) for p in rec.after.pipelines]}")
         if self.membership.rank == 0:
-            print(line, flush=True)
+            say(line)
         self._log({"event": "reconfigure", "failed": list(left), "bytes": rec.bytes, "seconds": seconds,
                    "pipelines": [list(p.ranks) for p in rec.after.pipelines],
                    "copies": [[t.unit, t.src, t.dst] for t in rec.transfers]})
@@ -431,9 +427,9 @@ class ResilientWorker:
         new = self.build_run(rec.after, run, rec.transfers)
         seconds = time.monotonic() - start
         if self.membership.rank == 0:
-            print(f"plait launch: worker(s) {list(joiners)} rejoined in {seconds:.2f} s; {len(rec.transfers)} unit "
-                  f"copies, {rec.bytes / 2**20:.1f} MiB; workers per pipeline "
-                  f"{[list(p.ranks) for p in rec.after.pipelines]}", flush=True)
+            say(f"plait launch: worker(s) {list(joiners)} rejoined in {seconds:.2f} s; {len(rec.transfers)} unit "
+                f"copies, {rec.bytes / 2**20:.1f} MiB; workers per pipeline "
+                f"{[list(p.ranks) for p in rec.after.pipelines]}")
         self._log({"event": "rejoin", "joined": list(joiners), "bytes": rec.bytes, "seconds": seconds,
                    "pipelines": [list(p.ranks) for p in rec.after.pipelines]})
         return new
@@ -490,8 +486,8 @@ class ResilientWorker:
         if failed_at is not None:
             record["recovery_s"] = time.monotonic() - failed_at
             if self.membership.rank == 0:
-                print(f"plait launch: recovered: step {step} done {record['recovery_s']:.2f} s after the "
-                      "failure was seen", flush=True)
+                say(f"plait launch: recovered: step {step} done {record['recovery_s']:.2f} s after the "
+                    "failure was seen")
         self._log(record)
         tokens = sum(self.train_set.sample_meta(i).length for i in indices)
         self._write_row({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,

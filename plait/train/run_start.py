@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -15,9 +16,35 @@ from plait.train.checkpoint import CheckpointLayout, latest_checkpoint, remove_c
 from plait.train.run_dir import check_new_run, earlier_run
 
 __all__ = ["clear_earlier_run", "fsdp_description", "launch_logs", "layout_description", "nothing_to_train",
-           "report_setup"]
+           "report_setup", "say"]
 
 log = logging.getLogger("plait.train.trainer")
+
+
+class _Stdout(logging.Handler):
+    """Writes a record's message as one line to the current ``sys.stdout`` (looked up per record, so a replaced
+    stream, e.g. a test's capture, receives it), flushed."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stdout.write(self.format(record) + "\n")
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 - logging never raises into the caller
+            self.handleError(record)
+
+
+user = logging.getLogger("plait.user")
+"""The run's user-facing summary lines (setup, resume, reconfiguration): INFO records written to standard output
+as they are, whatever the root logger's configuration (not propagated)."""
+if not user.handlers:
+    user.addHandler(_Stdout())
+    user.setLevel(logging.INFO)
+    user.propagate = False
+
+
+def say(line: str) -> None:
+    """Log ``line`` to the user (:data:`user`: standard output)."""
+    user.info(line)
 
 
 def launch_logs(run_dir: Path) -> list[Path]:
@@ -90,11 +117,12 @@ def fsdp_description(sharded: Any, pipeline: bool = False) -> str:
 
 def report_setup(run_dir: Path, config: dict[str, Any], counts: tuple[int, int], sets: Sequence[tuple[str, Any]],
                  total_steps: int, world_size: int, destinations: Sequence[str], dims: Any = None,
-                 fsdp: str = "") -> None:
+                 fsdp: str = "", extra: str | None = None) -> None:
     """Write ``config.json`` (the job ``config``) to ``run_dir``, print the data (``sets``: ``(name, dataset)``,
     train first), steps, the world size with the layout's degrees (``dims``, :func:`layout_description`) and how
     FSDP2 runs (``fsdp``, :func:`fsdp_description`), ``counts`` = (trainable, all) parameters and the run folder
-    with where the metrics go (``destinations``), log skipped records. Call on the main rank."""
+    with where the metrics go (``destinations``) and ``extra`` (a step runner's own line, e.g. the pipeline), log
+    skipped records. Call on the main rank."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config, indent=2))
     n_train, n_all = counts
@@ -105,7 +133,8 @@ def report_setup(run_dir: Path, config: dict[str, Any], counts: tuple[int, int],
     train = sets[0][1]
     n_val = len(sets[1][1]) if len(sets) > 1 else 0
     layout = f" ({'; '.join(x for x in (layout_description(dims), fsdp) if x)})" if dims is not None else ""
-    print(f"plait: {len(train)} train samples ({len(train.skipped)} skipped), {n_val} val samples, {total_steps} "
-          f"steps, world size {world_size}{layout}, {n_train / 1e6:.2f}M of {n_all / 1e6:.2f}M parameters trainable",
-          flush=True)
-    print(f"plait: run folder {run_dir} (metrics to {', '.join(destinations)}; checkpoints/, final/)", flush=True)
+    say(f"plait: {len(train)} train samples ({len(train.skipped)} skipped), {n_val} val samples, {total_steps} "
+        f"steps, world size {world_size}{layout}, {n_train / 1e6:.2f}M of {n_all / 1e6:.2f}M parameters trainable")
+    say(f"plait: run folder {run_dir} (metrics to {', '.join(destinations)}; checkpoints/, final/)")
+    if extra:
+        say(extra)

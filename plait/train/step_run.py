@@ -1,4 +1,5 @@
-"""One rank's forward/backward of its planned microbatches (deferral included), for the non-pipeline trainer.
+"""One rank's forward/backward of its planned microbatches (deferral included) for a model trained whole on every
+rank: the flat step runner (:class:`FlatRunner`) of :class:`~plait.train.trainer.Trainer`.
 
 :func:`run_microbatches` runs encoder microbatch ``i`` just before LLM microbatch ``i`` (planned order). Encoder
 outputs enter the LLM microbatches as detached leaves, assembled by the one deferral implementation
@@ -29,24 +30,26 @@ would in one process (at the granularity of a branch).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
-
 from contextlib import nullcontext
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from plait.data.collate import Batch
 from plait.data.processing import SampleMeta
+from plait.models.generation import stop_token_ids
 from plait.models.hf import dummy_encoder_input
 from plait.parallel.deferral import FeatureBuffer
 from plait.parallel.fsdp import ShardedModel
 from plait.planner.routing import FeatureRouting
 from plait.planner.types import LLM_MODULE
 from plait.train.batches import StepBatches
+from plait.train.evaluation import EvalSide
 
-__all__ = ["Uniform", "agreed_schedule", "dummy_llm_batch", "encode_padded", "encoder_calls", "run_microbatches",
+__all__ = ["FlatRunner", "Uniform", "agreed_schedule", "dummy_llm_batch", "encode_padded", "encoder_calls", "run_microbatches",
            "run_uniform_microbatches", "unused_branches"]
 
 Encode = Callable[[str, Batch | None, int], torch.Tensor]
@@ -252,3 +255,97 @@ def dummy_llm_batch(pad_id: int, tokens: int, device: torch.device) -> Batch:
     ones = torch.ones_like(ids)
     return Batch(ids, torch.full_like(ids, -100), ones, torch.arange(tokens, device=device)[None], 0 * ones,
                  -ones, {}, (SampleMeta("dummy", "", tokens, tokens, 0, ()),))
+
+
+class FlatRunner:
+    """The step and validation of a model trained whole on every rank (one process, DP x CP, TP, FSDP2): this rank's
+    planned microbatches in order (:func:`run_microbatches`; :func:`run_uniform_microbatches` when the gradient sum
+    needs every rank to run the same collectives), the gradients summed by the trainer's ``sync``
+    (:mod:`plait.parallel.grad_sync`) once, after the deferred encoder backwards.
+
+    Args:
+        trainer: the :class:`~plait.train.trainer.Trainer` (its ``model``, ``sync``, the step's planning
+            ``plan_batches`` and the loss ``microbatch_loss``).
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self.t = trainer
+
+    def forward_backward(self, indices: Sequence[int], plan: Any) -> tuple[float, int, int]:
+        """Forward/backward this rank's share of the global batch ``indices`` by the microbatch ``plan`` (deferral
+        included); the gradients, summed over all ranks and scaled by 1 / global target tokens, accumulate in
+        ``.grad``. Returns ``(global loss, global target tokens, peak bytes of encoder outputs this rank kept
+        across a microbatch boundary)``.
+
+        Encoder microbatch ``i`` runs just before LLM microbatch ``i``; its outputs enter the LLM microbatches as
+        detached leaves (:class:`~plait.parallel.deferral.FeatureBuffer`), whose gathered gradients go back through
+        the encoders once every LLM microbatch reading them has run backward. The gradient sum is armed before the
+        last LLM microbatch's backward (DP buckets of the LLM start during it) and finished after the deferred
+        encoder backwards. A rank whose share is empty joins the sum with no gradient (zeros)."""
+        t = self.t
+        t.model.train()
+        global_targets = sum(t.train_set.sample_meta(i).target_tokens for i in indices)
+        batches = t.plan_batches(indices, plan)
+        scale, sync = 1.0 / max(1, global_targets), t.sync
+        sync.start()
+        if sync.uniform:  # FSDP2: every rank runs the same collectives
+            uniform = Uniform(sync.sharded, list(t.model.encoders), partial(encoder_calls, t.model))
+            loss_sum, peak = run_uniform_microbatches(batches, scale, self._encode_branch, self._uniform_loss(batches),
+                                                      uniform)
+        else:
+            last = max((j for j, b in enumerate(batches.llm_batches) if b is not None), default=-1)
+
+            def loss(j: int, batch: Batch, features: dict[str, torch.Tensor]) -> torch.Tensor:
+                if j == last:  # its backward is the last to reach the LLM's parameters
+                    sync.arm()
+                return t.microbatch_loss(batch, batches.llm_kwargs[j], features)
+
+            loss_sum, peak = run_microbatches(batches, scale, self._encode, loss)
+        sync.finish()
+        sync.reduce_loss(loss_sum)
+        return float(loss_sum) / max(1, global_targets), global_targets, peak
+
+    def _encode_branch(self, name: str, batch: Batch | None, calls: int) -> torch.Tensor:
+        """Projected features of branch ``name`` on ``batch``'s items, or on a dummy item (``batch`` None), in
+        ``calls`` encoder calls (:func:`encode_padded`)."""
+        inputs = batch.modality_inputs[name] if batch is not None else None
+        with self.t.autocast():
+            return encode_padded(self.t.model, name, inputs, calls, self.t.info.device)
+
+    def _uniform_loss(self, step: StepBatches) -> LlmLoss:
+        """The LLM loss of microbatch ``j`` of ``step``, or of a dummy batch (no target) when it is None."""
+        t = self.t
+
+        def loss(j: int, batch: Batch | None, features: dict[str, torch.Tensor]) -> torch.Tensor:
+            if batch is None:
+                batch = dummy_llm_batch(t.processor.pad_id, 2 * t.cp, t.info.device)
+                return t.microbatch_loss(batch, t._llm_kwargs(batch), {})
+            return t.microbatch_loss(batch, step.llm_kwargs[j], features)
+        return loss
+
+    def _encode(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Every encoder branch on the items of ``batch``: per branch, projected features ``[rows, hidden]``."""
+        with self.t.autocast():
+            return {name: self.t.model.encode(name, inputs) for name, inputs in batch.modality_inputs.items()}
+
+    def eval_side(self) -> EvalSide:
+        """This rank's part in an evaluation: the loss over the DP replicas (CP and TP rank 0 count it), answers
+        over every rank but TP peers, which answer the same samples (generation runs the whole model, no CP)."""
+        t = self.t
+        stop = stop_token_ids(t.tokenizer, t.model.language_model.generation_config)
+        tp, lead = t.dims.tp, t.dims.coords(t.info.rank).tp == 0  # TP peers run the same samples
+        return EvalSide((t.dp, t.dp_rank), (t.info.world_size // tp, t.info.rank // tp), t.cp_rank == 0 and lead,
+                        lead, 1,
+                        lambda batches: [x for x in [t.microbatch_loss(b, t._llm_kwargs(b)) for b in batches] if lead],
+                        lambda batches: [t.generate(b, stop) for b in batches])
+
+    def train_mode(self, train: bool) -> None:
+        """Evaluation runs the model in eval mode (no dropout); training mode again afterwards."""
+        self.t.model.train(train)
+
+    def after_fit(self, result: dict[str, Any]) -> None:
+        """Nothing to add after the run."""
+
+    def describe(self) -> str | None:
+        """No setup line of its own."""
+        return None

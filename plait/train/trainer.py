@@ -1,13 +1,13 @@
 """The training loop: build (:meth:`Trainer.build`, parts from :mod:`plait.train.build`), step, validate,
 checkpoint, resume.
 
-Loss normalisation (../shared/DESIGN.md): the loss of a global batch is the sum of token cross-entropies
+Loss normalisation: the loss of a global batch is the sum of token cross-entropies
 divided by the number of target tokens of the whole global batch (all microbatches, all DP ranks). Every
 microbatch's loss sum is divided by that global count before its backward, so gradients do not depend on
 how samples are grouped into microbatches or ranks.
 
-One step (DESIGN "One training step"): ``plan_microbatches`` assigns the global batch to DP ranks and
-microbatches (../shared/REFERENCES.md section 3), deferral included; :meth:`Trainer.plan_batches` then plans this
+One step: ``plan_microbatches`` assigns the global batch to DP ranks and
+microbatches, deferral included; :meth:`Trainer.plan_batches` then plans this
 rank's share before anything runs: the feature routing (``plan_feature_routing``), each sample collated once, each
 LLM microbatch's attention metadata and CP token assignment (``plan_tokens``). A sample's encoder work runs in its
 encoder microbatch, its LLM work possibly in a later one: the encoder outputs are kept as detached leaves by the
@@ -25,13 +25,10 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from plait.attention.interface import resolve_implementation, use_plait_attention
 from plait.attention.masks import MaskInfo, block_work
@@ -41,16 +38,15 @@ from plait.data.collate import Batch, collate
 from plait.data.loader import SampleFeed
 from plait.data.metadata import SkippedSample
 from plait.data.mixture import batch_sources, build_batch_loader
-from plait.models.generation import greedy_generate, stop_token_ids
+from plait.models.generation import greedy_generate
 from plait.models.multimodal import MultimodalModel
-from plait.models.units import unit_specs
-from plait.parallel.checkpointing import apply_activation_checkpointing, checkpoint_policy
 from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
-from plait.parallel.data_parallel import OVERLAP_BUCKET_ELEMENTS, GradientReducer, apply_data_parallel
+from plait.parallel.grad_sync import GradientSync
 from plait.parallel.dims import AXES, ParallelDims
-from plait.parallel.fsdp import ShardedModel, apply_fsdp, gathered
+from plait.parallel.fsdp import gathered
 from plait.parallel.process_group import DistInfo
-from plait.parallel.tensor_parallel import apply_job_tensor_parallel, clip_grad_norm_, sum_local_gradients
+from plait.parallel.parallelize import PipelinePlace, parallelize
+from plait.parallel.pipeline import build_pipeline_comm
 from plait.planner.microbatch import (
     MicrobatchPlan,
     MicrobatchPolicy,
@@ -59,6 +55,7 @@ from plait.planner.microbatch import (
     sample_costs_from_metadata,
     workload_stats,
 )
+from plait.planner.pipeline_plan import PipelinePlan
 from plait.planner.routing import plan_feature_routing
 from plait.planner.token_distributor import plan_tokens
 from plait.train.batches import StepBatches, encoder_view_batch
@@ -66,16 +63,16 @@ from plait.train.build import TrainerParts, build_trainer_parts, check_tp_degree
 from plait.train.checkpoint import (CheckpointLayout, checkpoint_dir, latest_checkpoint, load_checkpoint,
                                     save_checkpoint, training_set_identity)
 from plait.train.cost_coeffs import microbatch_cost_coeffs
-from plait.train.evaluation import EvalSide, eval_batch_size, evaluate_on, load_metrics
+from plait.train.evaluation import eval_batch_size, evaluate_on, load_metrics
 from plait.train.feed import receive_step, upcoming_rank_samples
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter, Progress, detect_energy_meter
-from plait.train.optim import LRSchedule, build_optimizer, lr_factor
+from plait.train.optim import LRSchedule, build_optimizer, lr_factor, step_optimizer
 from plait.train.run_dir import no_checkpoint_message
 from plait.train.run_lock import hold_run_lock
-from plait.train.run_start import clear_earlier_run, fsdp_description, nothing_to_train, report_setup
-from plait.train.step_run import (Uniform, dummy_llm_batch, encode_padded, encoder_calls, run_microbatches,
-                                  run_uniform_microbatches)
+from plait.train.run_start import clear_earlier_run, fsdp_description, nothing_to_train, report_setup, say
+from plait.train.pipeline_run import PipelineRunner, build_pipeline_plan, check_pipeline_microbatches, describe_stages
+from plait.train.step_run import FlatRunner
 
 __all__ = ["Trainer", "StepResult"]
 
@@ -103,7 +100,11 @@ class StepResult:
 
 
 class Trainer:
-    """Trains a :class:`JobConfig` (single process or DP x CP) on built parts (:meth:`build` builds them).
+    """Trains a :class:`JobConfig` on built parts (:meth:`build` builds them): the one training loop (fit, evaluate,
+    checkpoint, metrics, LR) of every layout, delegating a step's forward/backward and validation to a step runner:
+    :class:`~plait.train.step_run.FlatRunner` for a model trained whole on every rank (one process, DP x CP, TP,
+    FSDP2), :class:`~plait.train.pipeline_run.PipelineRunner` for this rank's pipeline stages
+    (``parallel.pp.degree`` > 1, built by :class:`~plait.train.pipeline_trainer.PipelineTrainer`).
 
     Args:
         cfg: the job.
@@ -116,10 +117,10 @@ class Trainer:
 
     materializes_own_units = False
     """Whether the trainer builds the model on the meta device and materialises only its rank's units."""
-    gradient_reducer: GradientReducer | None = None
-    """The DP (and CP) gradient sum of :meth:`forward_backward` when there is more than one rank and neither TP nor
-    FSDP2 (:meth:`_build_gradient_reducer`); None otherwise (and in :class:`PipelineTrainer`, which reduces per
-    stage)."""
+    sync: GradientSync
+    """The step's gradient sum (:meth:`_parallelize`, :mod:`plait.parallel.grad_sync`)."""
+    runner: FlatRunner | PipelineRunner
+    """The step runner (class docstring)."""
 
     def __init__(self, cfg: JobConfig, parts: TrainerParts) -> None:
         self.cfg, self.info = cfg, parts.info
@@ -137,6 +138,7 @@ class Trainer:
         self.cost_coeffs = microbatch_cost_coeffs(self.model)
         self._setup_training()
         self.step = 0
+        self._saved_step: int | None = None
         self._loaded: dict[int, Any] = {}  # this step's samples loaded ahead (fit), by dataset index
         self.dropped: list[SkippedSample] = []  # samples dropped from their step: they failed to load
         self.encoder_buffer_peak_bytes = 0  # of the last forward_backward (deferred encoder outputs)
@@ -175,51 +177,69 @@ class Trainer:
             raise ValueError(f"parallel.pp.degree={par.pp.degree}: pipeline jobs run with PipelineTrainer")
         return ParallelDims.from_world(world_size, 1, par.cp, par.dp, par.dp_shard, par.tp)
 
-    # ------------------------------------------------------------------ setup hooks (subclasses override)
+    # ------------------------------------------------------------------ setup
     def _setup_mesh(self) -> None:
-        """Parallel layout: ``dims`` (:class:`ParallelDims`), ``mesh`` (a ``("dp", "cp")`` DeviceMesh, None for one
-        process), ``dp``/``dp_rank`` (DP replicas), ``cp``/``cp_rank``/``cp_group``.
+        """Parallel layout: ``dims`` (:class:`ParallelDims`), ``dp``/``dp_rank`` (DP replicas: replicas x shards,
+        each with its own samples; pipelines under PP), ``pp``/``pp_rank``, ``cp``/``cp_rank``/``cp_group``,
+        ``mesh`` (the job's named DeviceMesh; None for one process, and for a pipeline job without FSDP2 or TP) and,
+        under PP, ``comm`` (this rank's ``PipelineComm``).
 
         Raises:
             ValueError: as :meth:`layout`.
         """
-        self.dims = Trainer.layout(self.cfg, self.info.world_size)
-        self.dp, self.cp = self.dims.batch, self.dims.cp  # DP: replicas x shards, each with its own samples
-        self.dp_rank, self.cp_rank = self.dims.batch_rank(self.info.rank), self.dims.coords(self.info.rank).cp
-        self.mesh = self.dims.build_mesh(self.info.device.type, AXES) if self.info.world_size > 1 else None
+        d = self.dims = self.layout(self.cfg, self.info.world_size)
+        self.dp, self.pp, self.cp = d.batch, d.pp, d.cp
+        if d.pp > 1:
+            self.comm = build_pipeline_comm(d.pp, self.info.device, d.cp, d.dp, d.dp_shard, d.tp)
+            self.mesh = d.build_mesh(self.info.device.type) if d.dp_shard * d.tp > 1 else None
+            self.dp_rank, self.pp_rank, self.cp_rank = self.comm.dp_rank, self.comm.pp_rank, self.comm.cp_rank
+            self.cp_group = self.comm.cp_group
+            return
+        self.dp_rank, self.pp_rank, self.cp_rank = d.batch_rank(self.info.rank), 0, d.coords(self.info.rank).cp
+        self.mesh = d.build_mesh(self.info.device.type, AXES) if self.info.world_size > 1 else None
         self.cp_group = self.mesh.get_group("cp") if (self.mesh is not None and self.cp > 1) else None
 
     def _setup_training(self) -> None:
-        """Wrap the model for DP (``ddp_model``) and build ``optimizer`` and LR ``scheduler``.
+        """Parallelize the model (:meth:`_parallelize`; under PP first the pipeline plan, ``plan``), build
+        ``optimizer`` (None on a pipeline rank whose stages are frozen), the LR ``scheduler`` and the step
+        ``runner``.
 
-        The wrapper makes every rank start from rank 0's parameters; the forward passes bypass it (they run
-        ``model``) and ``forward_backward`` reduces the gradients itself, after the deferred encoder backwards.
+        Raises:
+            ValueError: under PP, when ``parallel.pp.microbatches`` exceeds a DP replica's share of the global
+                batch or the stage counts and placement do not fit the model.
         """
-        t = self.cfg.train
-        self.tp = apply_job_tensor_parallel(self.model, self.dims, self.mesh, self.info.rank)  # before AC, FSDP2
-        apply_activation_checkpointing(self.model, *checkpoint_policy(self.cfg))
-        self.sharded: ShardedModel | None = None
-        if self.dims.dp_shard > 1:  # FSDP2 (HSDP with dp > 1): after checkpointing, before the optimizer
-            mesh = self.mesh["dp", "dp_shard"] if self.dims.dp > 1 else self.mesh["dp_shard"]
-            self.sharded = apply_fsdp(self.model, unit_specs(self.model), mesh, self.info.device.type,
-                                      offload=self.cfg.parallel.offload == "cpu",
-                                      reduce_each_microbatch=self.cfg.parallel.fsdp_reduce == "microbatch",
-                                      reshard_after_forward=self.cfg.parallel.fsdp_reshard != "after_backward")
-        plain = self.sharded is None and self.tp is None
-        self.ddp_model = apply_data_parallel(self.model, self.info) if plain else self.model
-        self.gradient_reducer = self._build_gradient_reducer() if plain and self.info.world_size > 1 else None
-        self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas,
-                                         {n: e.lr_scale for n, e in self.cfg.model.encoders.items()})
-        self.scheduler = LRSchedule(t.lr, lr_factor(t.warmup_steps, self.total_steps, t.min_lr_ratio), self.optimizer)
+        t, pipeline = self.cfg.train, None
+        self._counts = (sum(p.numel() for _, p in self.model.trainable_parameters()),  # the whole model
+                        sum(p.numel() for p in self.model.parameters()))
+        if self.pp > 1:
+            check_pipeline_microbatches(self.cfg, self.dp, len(self.train_set))
+            self.plan: PipelinePlan = build_pipeline_plan(self.model, self.cfg.parallel.pp)
+            pipeline = PipelinePlace(self.plan, self.comm)
+        self._parallelize(pipeline)
+        self.optimizer = None
+        if self.stages is None or self.stages.trainable_parameters():
+            self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas,
+                                             {n: e.lr_scale for n, e in self.cfg.model.encoders.items()})
+        factor = lr_factor(t.warmup_steps, self.total_steps, t.min_lr_ratio)
+        # a pipeline's ranks hold different groups (or none): one job-level schedule state on every rank
+        self.scheduler = LRSchedule(t.lr, factor, self.optimizer if self.stages is None else None)
+        self.runner = FlatRunner(self) if self.stages is None else PipelineRunner(self)
+
+    def _parallelize(self, pipeline: PipelinePlace | None) -> None:
+        """Apply the job's parallelism to ``model`` (:func:`~plait.parallel.parallelize.parallelize`, one order for
+        every trainer): sets ``tp``, ``sharded``, ``stages`` (None without pipeline), ``sync`` (the step's gradient
+        sum) and ``ddp_model`` (the DDP wrapper of plain DP: every rank starts from rank 0's parameters; the
+        forwards bypass it and ``sync`` reduces the gradients after the deferred encoder backwards)."""
+        par = parallelize(self.model, self.cfg, self.dims, self.mesh, self.info, pipeline)
+        self.tp, self.sharded, self.stages, self.sync, self.ddp_model = (par.tp, par.sharded, par.stages, par.sync,
+                                                                         par.ddp_model)
 
     def _num_microbatches(self, samples: int) -> int:
-        """Microbatches of a DP rank's share of ``samples`` samples (``train.microbatch_size`` per microbatch)."""
+        """Microbatches of a DP rank's share of ``samples`` samples: ``parallel.pp.microbatches`` under PP when
+        set, else ``train.microbatch_size`` per microbatch."""
+        if self.pp > 1 and self.cfg.parallel.pp.microbatches:
+            return self.cfg.parallel.pp.microbatches
         return max(1, -(-samples // self.cfg.train.microbatch_size))
-
-    def _parameter_counts(self) -> tuple[int, int]:
-        """``(trainable, all)`` parameter counts of the whole model (for the setup report)."""
-        return (sum(p.numel() for _, p in self.model.trainable_parameters()),
-                sum(p.numel() for p in self.model.parameters()))
 
     # ------------------------------------------------------------------ one step
     def plan_step(self, indices: Sequence[int],
@@ -284,82 +304,13 @@ class Trainer:
         return {"plait_mask": info, "plait_cp": self._cp_shard(info)}
 
     def forward_backward(self, indices: Sequence[int], plan: MicrobatchPlan | None = None) -> tuple[float, int]:
-        """Forward/backward this rank's share of the global batch ``indices`` by the plan (deferral included);
-        the gradients, summed over all ranks and scaled by 1 / global target tokens, accumulate in ``.grad``.
-        Returns ``(global loss, global target tokens)``; sets ``encoder_buffer_peak_bytes``.
-
-        Encoder microbatch ``i`` runs just before LLM microbatch ``i`` (planned order). Its outputs enter the
-        LLM microbatches as detached leaves, assembled by the one deferral implementation
-        (:class:`~plait.parallel.deferral.FeatureBuffer`); once every LLM microbatch that reads them has run
-        backward, the gradients accumulated on the leaves are propagated through the encoder graph (detached-leaf
-        re-injection), so deferred samples get the gradient of one fused forward/backward. Gradients are
-        reduced once per step (``gradient_reducer``): the LLM's buckets start during the last LLM backward,
-        the encoders' after the deferred encoder backwards, all awaited before this returns (DDP's own reducer
-        would reduce the encoders before their deferred backwards). A rank whose share is empty joins every
-        bucket with no gradient (zeros).
-        """
-        self.model.train()
+        """Forward/backward this rank's share of the global batch ``indices`` by the plan (deferral included) through
+        the step ``runner``; the gradients, summed over all ranks holding the same parameters and scaled by 1 /
+        global target tokens, accumulate in ``.grad``. Returns ``(global loss, global target tokens)``; sets
+        ``encoder_buffer_peak_bytes``. Collective when distributed."""
         plan = plan or self.plan_step(indices)[0]
-        global_targets = sum(self.train_set.sample_meta(i).target_tokens for i in indices)
-        batches = self.plan_batches(indices, plan)
-        scale = 1.0 / max(1, global_targets)
-        if self.sharded is not None:  # FSDP2 reduces over dp x dp_shard inside the backward; CP here
-            uniform = Uniform(self.sharded, list(self.model.encoders), partial(encoder_calls, self.model))
-            loss_sum, self.encoder_buffer_peak_bytes = run_uniform_microbatches(
-                batches, scale, self._encode_branch, self._uniform_loss(batches), uniform)
-            sum_local_gradients(self.sharded.replicated, self.tp and self.tp.grad_group)  # tied
-            if self.cp > 1:
-                sharded = [p for _, p in self.model.trainable_parameters() if isinstance(p, DTensor)]
-                sum_local_gradients(sharded, self.cp_group)
-        else:
-            reducer = self.gradient_reducer
-            if reducer is not None:
-                reducer.prepare()  # the backward accumulates into its buckets
-            last = max((j for j, b in enumerate(batches.llm_batches) if b is not None), default=-1)
-
-            def loss(j: int, batch: Batch, features: dict[str, torch.Tensor]) -> torch.Tensor:
-                if reducer is not None and j == last:  # its backward is the last to reach the LLM's parameters
-                    reducer.arm()
-                return self.microbatch_loss(batch, batches.llm_kwargs[j], features)
-
-            loss_sum, self.encoder_buffer_peak_bytes = run_microbatches(batches, scale, self._encode, loss)
-            if reducer is not None:
-                reducer.finish()
-            elif self.info.world_size > 1:  # TP: DTensor gradients
-                sum_local_gradients([p for _, p in self.model.trainable_parameters()], self.tp and self.tp.grad_group)
-        if self.info.world_size > 1:
-            dist.all_reduce(loss_sum, group=self.tp and self.tp.grad_group)  # TP ranks share their tokens
-        return float(loss_sum) / max(1, global_targets), global_targets
-
-    def _build_gradient_reducer(self) -> GradientReducer:
-        """The DP (and CP) gradient sum of the plain trainer (neither TP, whose ``sum_local_gradients`` sums DTensor
-        gradients, nor FSDP2, which reduces inside the backward): buckets of the LLM's parameters start during the
-        last LLM backward of the step, the encoders' after the deferred encoder backwards, the gradients views of
-        its buckets (:class:`~plait.parallel.data_parallel.GradientReducer`)."""
-        llm = [p for p in self.model.language_model.parameters() if p.requires_grad]
-        return GradientReducer([p for _, p in self.model.trainable_parameters()],
-                               bucket_elements=OVERLAP_BUCKET_ELEMENTS, early=llm, views=True)
-
-    def _encode_branch(self, name: str, batch: Batch | None, calls: int) -> torch.Tensor:
-        """Projected features of branch ``name`` on ``batch``'s items, or on a dummy item (``batch`` None), in
-        ``calls`` encoder calls (:func:`~plait.train.step_run.encode_padded`)."""
-        inputs = batch.modality_inputs[name] if batch is not None else None
-        with self.autocast():
-            return encode_padded(self.model, name, inputs, calls, self.info.device)
-
-    def _uniform_loss(self, step: StepBatches) -> Any:
-        """The LLM loss of microbatch ``j`` of ``step``, or of a dummy batch (no target) when it is None."""
-        def loss(j: int, batch: Batch | None, features: dict[str, torch.Tensor]) -> torch.Tensor:
-            if batch is None:
-                batch = dummy_llm_batch(self.processor.pad_id, 2 * self.cp, self.info.device)
-                return self.microbatch_loss(batch, self._llm_kwargs(batch), {})
-            return self.microbatch_loss(batch, step.llm_kwargs[j], features)
-        return loss
-
-    def _encode(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """Every encoder branch on the items of ``batch``: per branch, projected features ``[rows, hidden]``."""
-        with self.autocast():
-            return {name: self.model.encode(name, inputs) for name, inputs in batch.modality_inputs.items()}
+        loss, targets, self.encoder_buffer_peak_bytes = self.runner.forward_backward(indices, plan)
+        return loss, targets
 
     def _feature_rows(self, index: int) -> dict[str, int]:
         """Projected feature rows per encoder branch of dataset sample ``index`` (its placeholder tokens)."""
@@ -409,21 +360,12 @@ class Trainer:
             use_plait_attention(model.language_model, "sdpa" if self.attention == "plait_sdpa" else "flex")
 
     def optimizer_step(self) -> tuple[float, float]:
-        """Clip the gradient norm, step optimizer and LR schedule, zero gradients. Returns
-        ``(gradient norm before clipping, learning rate used)``."""
+        """Clip the global gradient norm (``sync``; collective when distributed), step the optimizer at the
+        scheduled LR and advance the schedule (:func:`~plait.train.optim.step_optimizer`). Returns ``(gradient
+        norm before clipping, learning rate used)``."""
         params = [p for _, p in self.model.trainable_parameters()]
-        clip = self.cfg.train.grad_clip
-        if self.tp:  # DTensor grads
-            grad_norm = self.tp.clip_grad_norm_(params, clip, self.info.device)
-        elif self.sharded is not None:  # FSDP2 shards (each rank one) and replicated tied gradients
-            grad_norm = clip_grad_norm_(params, clip if clip > 0 else float("inf"), self.info.world_size, None,
-                                        self.info.device)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self.sync.clip(params, self.cfg.train.grad_clip)
+        lr = step_optimizer(self.optimizer, self.scheduler)
         self.step += 1
         return float(grad_norm), lr
 
@@ -452,31 +394,16 @@ class Trainer:
             return {}
         if not hasattr(self, "_eval_metrics"):
             self._eval_metrics = load_metrics(self.cfg.train.eval_metrics)
-        self._eval_train_mode(False)
+        self.runner.train_mode(False)
         try:
             with gathered(self.sharded):  # FSDP2: parameters gathered once; the ranks' forwards may then differ
-                self.last_eval = evaluate_on(self.val_set, self._eval_side(), self.processor.pad_id,
+                self.last_eval = evaluate_on(self.val_set, self.runner.eval_side(), self.processor.pad_id,
                                              self.info.device, eval_batch_size(self.cfg.train), self.step,
                                              self._eval_metrics, self.run_dir,
                                              self.info.is_main and self.cfg.metrics.progress)
         finally:
-            self._eval_train_mode(True)
+            self.runner.train_mode(True)
         return self.last_eval.exact_match
-
-    def _eval_side(self) -> EvalSide:
-        """This rank's part in an evaluation: the loss over the DP replicas (CP and TP rank 0 count it), answers
-        over every rank but TP peers, which answer the same samples (generation runs the whole model, no CP)."""
-        stop = stop_token_ids(self.tokenizer, self.model.language_model.generation_config)
-        tp, lead = self.dims.tp, self.dims.coords(self.info.rank).tp == 0  # TP peers run the same samples
-        return EvalSide((self.dp, self.dp_rank), (self.info.world_size // tp, self.info.rank // tp),
-                        self.cp_rank == 0 and lead, lead, 1,
-                        lambda batches: [x for x in [self.microbatch_loss(b, self._llm_kwargs(b)) for b in batches]
-                                         if lead],
-                        lambda batches: [self.generate(b, stop) for b in batches])
-
-    def _eval_train_mode(self, train: bool) -> None:
-        """Evaluation runs the model in eval mode (no dropout); training mode again afterwards."""
-        self.model.train(train)
 
     def generate(self, batch: Batch, stop_ids: list[int], model: MultimodalModel | None = None) -> list[str]:
         """Greedy answers (decoded text) for a left-padded batch of prompts, by ``model`` (default: the
@@ -506,44 +433,48 @@ class Trainer:
         self.step = state["step"]
         # with nothing left to train (fit warns "nothing to train") the LR's continuation is not news
         if self.info.is_main and self.scheduler.extended_from is not None and self.step < self.total_steps:
-            print(f"plait: the run's length changed from {self.scheduler.extended_from} to {self.total_steps} steps: "
-                  f"the LR continues from {self.cfg.train.lr * self.scheduler.current_factor():.3g} at step "
-                  f"{self.step}, the rest of "
-                  f"its cosine re-stretched to end at step {self.total_steps} (no jump; README \"Longer runs\")",
-                  flush=True)
+            say(f"plait: the run's length changed from {self.scheduler.extended_from} to {self.total_steps} steps: "
+                f"the LR continues from {self.scheduler.lr:.3g} at step {self.step}, the rest of its cosine "
+                f"re-stretched to end at step {self.total_steps} (no jump; README \"Longer runs\")")
         if self.info.is_main:
             was = state["layout"].describe() if state["layout"] is not None else "an unrecorded layout"
-            print(f"plait: resuming step {self.step} written with {was}, now {layout.describe()}", flush=True)
+            say(f"plait: resuming step {self.step} written with {was}, now {layout.describe()}")
             if state["rng"] == "derived":
-                print("plait: the layout changed, so RNG streams were re-derived from (train.seed, step, rank): "
-                      "dropout/sampling randomness differs from an uninterrupted run; model, optimizer, LR "
-                      "schedule and data position continue exactly", flush=True)
+                say("plait: the layout changed, so RNG streams were re-derived from (train.seed, step, rank): "
+                    "dropout/sampling randomness differs from an uninterrupted run; model, optimizer, LR "
+                    "schedule and data position continue exactly")
         return self.step
 
     def _checkpoint_layout(self) -> CheckpointLayout:
-        """The layout checkpoints record and resume compares (world size, DP, CP, TP and shard degrees; no pipeline)."""
-        return CheckpointLayout(world_size=self.info.world_size, dp=self.dp, pp=1, cp=self.cp, tp=self.dims.tp,
-                                dp_shard=self.dims.dp_shard)
+        """The layout checkpoints record and resume compare: world size, DP, PP, CP, TP and shard degrees and,
+        under PP, the plan (per stage its modules, unit count and pipeline rank)."""
+        plan = f"{self.plan.layout}, stages {describe_stages(self.plan)}" if self.stages is not None else ""
+        return CheckpointLayout(world_size=self.info.world_size, dp=self.dp, pp=self.pp, cp=self.cp, plan=plan,
+                                tp=self.dims.tp, dp_shard=self.dims.dp_shard)
 
     def save(self) -> Path:
-        """Write a checkpoint of the current step (collective), with its layout and ``[model]`` config."""
-        return save_checkpoint(
+        """Write a checkpoint of the current step (collective; once per step, however often it is called), with
+        its layout and ``[model]`` config."""
+        if self._saved_step == self.step:
+            return checkpoint_dir(self.run_dir, self.step)
+        path = save_checkpoint(
             checkpoint_dir(self.run_dir, self.step), self.model, self.optimizer, self.scheduler,
             self.loader.state_dict(), self.step, keep=self.cfg.checkpoint.keep,
             layout=self._checkpoint_layout(), model_config=config_to_dict(self.cfg)["model"],
             data=training_set_identity(self.train_set),
         )
+        self._saved_step = self.step
+        return path
 
     def full_model(self, path: str | Path | None = None) -> MultimodalModel:
-        """The whole trained model, for export (``final/``; evaluation never needs it): here the one in memory
-        (``path`` is for trainers that hold a part of it and assemble the whole from a checkpoint, as
-        ``PipelineTrainer``); under FSDP2 or TP (parameters split over ranks) the whole model from checkpoint
-        ``path`` (default: the newest).
+        """The whole trained model, for export (``final/``; evaluation never needs it): the one in memory when
+        every rank holds it whole; under PP, FSDP2 or TP (parameters split over ranks) the whole model built from
+        the config (same seed) with the weights of checkpoint ``path`` (default: the newest), in this process alone.
 
         Raises:
-            FileNotFoundError: under FSDP2 or TP when there is no checkpoint.
+            FileNotFoundError: under PP, FSDP2 or TP when there is no checkpoint.
         """
-        if self.sharded is None and self.tp is None:
+        if self.stages is None and self.sharded is None and self.tp is None:
             return self.model
         model = model_from_checkpoint(self.cfg, self.tokenizer, self.run_dir, path, self.info.device)
         self._use_attention(model)
@@ -559,9 +490,11 @@ class Trainer:
         (:class:`~plait.data.loader.SampleFeed`, :mod:`plait.train.feed`); one that fails to load is dropped from
         its step on every rank alike (or stops the run with ``data.on_error = "raise"``); the wait goes to the
         metrics as ``data_wait_s``. Returns ``{"steps": steps trained by this call, "step": the step reached,
-        "losses", "eval", "skipped", "dropped"}``."""
+        "losses", "eval", "skipped", "dropped"}``, under PP also ``"timeline"``."""
         with hold_run_lock(self.run_dir, self.info.is_main, self.info.world_size):
-            return self._fit(resume, stop_after, overwrite)
+            result = self._fit(resume, stop_after, overwrite)
+        self.runner.after_fit(result)  # a pipeline's timeline ("timeline": its JSON path on rank 0, else None)
+        return result
 
     def _fit(self, resume: bool | str, stop_after: int | None, overwrite: bool) -> dict[str, Any]:
         """:meth:`fit` once the run folder is locked."""
@@ -622,9 +555,9 @@ class Trainer:
         """Main rank: ``config.json`` in the run folder, the setup printed (:func:`report_setup`)."""
         if self.info.is_main:
             sets = [("train", self.train_set)] + ([("val", self.val_set)] if self.val_set else [])
-            report_setup(self.run_dir, config_to_dict(self.cfg), self._parameter_counts(), sets, self.total_steps,
+            report_setup(self.run_dir, config_to_dict(self.cfg), self._counts, sets, self.total_steps,
                          self.info.world_size, writer.destinations(), self.dims,
-                         fsdp_description(self.sharded, self.dims.pp > 1))
+                         fsdp_description(self.sharded, self.dims.pp > 1), self.runner.describe())
 
 
 def _fmt(evals: dict[str, float]) -> str:

@@ -7,6 +7,7 @@ import sys
 import torch
 
 from plait.config.loader import config_from_dict
+from plait.parallel.grad_sync import BucketSync
 from plait.train.trainer import Trainer
 
 
@@ -15,8 +16,8 @@ def main(config_path: str, out_path: str) -> None:
     trainer = Trainer.build(cfg)
     first = trainer.loader.epoch_order(0)[: cfg.train.global_batch_size].tolist()
     trainer.forward_backward(first)
-    reducer = trainer.gradient_reducer  # DP: buckets started during the backward (overlapped)
-    early = reducer.started_early if reducer is not None else 0
+    sync = trainer.sync  # DP: buckets started during the backward (overlapped)
+    early = sync.reducer.started_early if isinstance(sync, BucketSync) else 0
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     trainer.optimizer.zero_grad(set_to_none=True)
     result = trainer.fit()

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from plait.models.units import model_units
-from plait.parallel.checkpointing import apply_activation_checkpointing
+from plait.parallel.activation_checkpointing import apply_activation_checkpointing
 from plait.parallel.pipeline import build_pipeline_comm, run_pipeline_step
 from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline_plan import plan_pipeline

@@ -45,7 +45,7 @@ from plait.measure.host_costs import host_cpu, host_device, runtime_costs, store
 from plait.train.plan_search import search_plan
 from plait.commands.plan.fsdp import fsdp_line
 from plait.commands.plan.snippet import pp_snippet
-from plait.parallel.checkpointing import checkpoint_policy
+from plait.parallel.activation_checkpointing import checkpoint_policy
 from plait.planner.cost_model import DeviceSpec, MicrobatchShape
 from plait.planner.macrobatch import MacrobatchStats, expected_shapes, macrobatch_stats
 from plait.planner.pipeline_plan import LAYOUTS

@@ -1,4 +1,4 @@
-"""The pipeline runtime (DESIGN principle 3: it only executes): one file per job.
+"""The pipeline runtime (it only executes): one file per job.
 
 - :mod:`.comm`: this process's place in a DP x PP x CP job (:class:`PipelineComm`), its process groups and the
   receive capacities its channels keep across steps (:class:`ChannelCapacities`);

@@ -4,7 +4,7 @@ Transfers follow the plan's edges: ``F(s, m)`` receives the payload of every pre
 its successor; ``B(s, m)`` receives the output gradient from the successor and sends the input gradient of each
 branch back to the predecessors that run backward. Stages on the same rank hand payloads over locally.
 
-Frozen-aware execution (DESIGN principle 6): a stage that runs no backward runs its forward under ``no_grad`` and
+Frozen-aware execution: a stage that runs no backward runs its forward under ``no_grad`` and
 keeps nothing; a frozen stage that needs an input gradient keeps its activations and its backward computes input
 gradients only (its parameters have ``requires_grad`` False). With ``split_backward`` schedules ``B`` computes
 input gradients (``autograd.grad``, graph retained) and ``W`` weight gradients (a second pass over the retained

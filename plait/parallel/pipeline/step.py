@@ -6,7 +6,7 @@ Loss: the last stage's sum of token cross-entropies (the caller's ``loss_fn``), 
 by ``1 / global target tokens`` (the whole global batch, all DP replicas), and gradients summed over the DP group,
 so the result equals one process on the global batch.
 
-Context parallelism (CP, DESIGN "One training step"): each stage is replicated over a CP group (the innermost rank
+Context parallelism (CP): each stage is replicated over a CP group (the innermost rank
 axis, :class:`~.comm.PipelineComm`); a pipeline is the stages with one CP index, and its messages carry only that
 CP rank's LLM tokens. Encoder stages run on every CP rank (redundantly, as the non-pipeline trainer does); the
 input-gradient of the features that reaches an encoder stage covers only its CP rank's tokens, so every stage's

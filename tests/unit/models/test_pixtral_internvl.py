@@ -314,7 +314,7 @@ def test_tiny_internvl_job_tiles_images_of_different_sizes_and_trains(tmp_path):
 
 def test_pixtral_split_tower_under_activation_checkpointing_gives_the_same_gradients():
     from plait.models.units import model_units
-    from plait.parallel.checkpointing import apply_activation_checkpointing
+    from plait.parallel.activation_checkpointing import apply_activation_checkpointing
     from plait.parallel.stages import build_rank_stages
     from plait.planner.pipeline_plan import plan_pipeline
     from tests.distributed.pipeline_worker import make_batch

@@ -138,7 +138,7 @@ def test_split_inside_the_blocks_gives_the_features_and_gradients_of_one_module(
     """Stages [patch_embed + blocks 0, 1] | [blocks 2, 3 (full attention in 3), merger, projector], with and without
     activation checkpointing of the blocks: features and every encoder gradient equal the unsplit branch's."""
     from plait.models.units import model_units
-    from plait.parallel.checkpointing import apply_activation_checkpointing
+    from plait.parallel.activation_checkpointing import apply_activation_checkpointing
     from plait.parallel.stages import build_rank_stages
     from plait.planner.pipeline_plan import plan_pipeline
     from tests.distributed.pipeline_worker import make_batch

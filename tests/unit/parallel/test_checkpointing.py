@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from plait.models.units import model_units
-from plait.parallel.checkpointing import apply_activation_checkpointing, checkpoint_policy, is_checkpointed
+from plait.parallel.activation_checkpointing import apply_activation_checkpointing, checkpoint_policy, is_checkpointed
 from plait.parallel.pipeline import run_pipeline_step
 from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline_plan import plan_pipeline

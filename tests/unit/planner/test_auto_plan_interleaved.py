@@ -20,7 +20,7 @@ from plait.planner.search import evaluate_plan
 from plait.planner.simulator import P2PModel
 from plait.planner.types import UnitCost
 from plait.train.apply_plan import apply_layout_choice, resolve_auto_plan
-from plait.train.pipeline_trainer import build_pipeline_plan
+from plait.train.pipeline_run import build_pipeline_plan
 from tests.conftest import DEMO, tiny_config_dict
 
 SLOW_LINK = P2PModel(latency_s=0.0, bandwidth_Bps=1e5)  # 1 MB of gradients takes 10 s

@@ -10,6 +10,7 @@ import torch
 from plait.config.loader import config_from_dict
 from plait.parallel.dims import ParallelDims
 from plait.parallel.process_group import DistInfo
+from plait.train.pipeline_run import check_pipeline_microbatches
 from plait.train.pipeline_trainer import PipelineTrainer
 from plait.train.trainer import Trainer
 from tests.conftest import tiny_config_dict
@@ -26,13 +27,13 @@ def test_a_set_dp_asks_for_exactly_dp_x_pp_x_cp_processes(dp, cp, world, needed)
     fake = SimpleNamespace(cfg=job(dp=dp, cp=cp), info=SimpleNamespace(world_size=world))
     with pytest.raises(ValueError, match=rf"= {needed} processes does not fit the world size {world}: launch "
                                          rf"exactly {needed} processes, e.g. torchrun --nproc_per_node {needed} "):
-        PipelineTrainer._setup_mesh(fake)
+        PipelineTrainer.layout(fake.cfg, fake.info.world_size)
 
 
 def test_without_dp_any_multiple_of_pp_x_cp_is_asked_for():
     fake = SimpleNamespace(cfg=job(cp=2), info=SimpleNamespace(world_size=6))
     with pytest.raises(ValueError, match=r"launch a multiple of 4 processes, e.g. torchrun --nproc_per_node 4$"):
-        PipelineTrainer._setup_mesh(fake)
+        PipelineTrainer.layout(fake.cfg, fake.info.world_size)
 
 
 @pytest.mark.parametrize("microbatches, dp, samples, share", [(64, 1, 100, 32), (17, 2, 100, 16), (11, 1, 10, 10)])
@@ -41,13 +42,13 @@ def test_more_microbatches_than_a_replicas_samples_is_refused(microbatches, dp, 
     with pytest.raises(ValueError, match=rf"parallel.pp.microbatches={microbatches} is more than the {share} samples "
                                          rf".*global batch of {min(32, samples)} samples.*set parallel.pp.microbatches "
                                          rf"<= {share}"):
-        PipelineTrainer._check_microbatches(fake)
+        check_pipeline_microbatches(fake.cfg, fake.dp, len(fake.train_set))
 
 
 @pytest.mark.parametrize("microbatches, dp", [(32, 1), (16, 2), (0, 1)])
 def test_up_to_one_sample_per_microbatch_is_accepted(microbatches, dp):
     fake = SimpleNamespace(cfg=job(pp={"microbatches": microbatches}), dp=dp, train_set=[None] * 100)
-    PipelineTrainer._check_microbatches(fake)
+    check_pipeline_microbatches(fake.cfg, fake.dp, len(fake.train_set))
 
 
 def test_both_trainers_take_their_layout_from_parallel_dims():
