@@ -22,6 +22,7 @@ from plait.train.plan_search import explain_no_fit, is_no_fit
 from plait.config.loader import load_config
 from plait.config.schema import JobConfig, ParallelConfig, PipelineConfig
 from plait.measure.auto_profile import main_rank_profile
+from plait.models.device import apply_cpu_threads
 from plait.models.generation import save_final
 from plait.parallel.activation_checkpointing import checkpoint_policy
 from plait.measure.machine import auto_plan_inputs
@@ -60,6 +61,7 @@ def train_command(config: str | Path, overrides: list[str], *, resume: bool | st
     with same_on_every_rank():  # every rank reads the same files
         cfg = load_config(config, overrides)
         _check_before_building(cfg, config, resume, overwrite)
+    apply_cpu_threads(cfg.train.threads)  # before profiling or building: torch's one per core crawls on a shared CPU
     info = None
     if cfg.parallel.plan == "auto":
         cfg, info = resolve_auto(cfg, profile_store)
