@@ -32,6 +32,7 @@ from plait.train.apply_plan import resolve_auto_plan
 from plait.train.metrics import import_wandb
 from plait.train.pipeline_trainer import PipelineTrainer
 from plait.train.plots import plot_loss_curve
+from plait.train.preemption import exit_code
 from plait.train.run_dir import check_new_run
 from plait.train.run_lock import check_run_free, hold_run_lock
 from plait.train.trainer import Trainer
@@ -40,7 +41,8 @@ __all__ = ["auto_plan_replaces", "resolve_auto", "train_command"]
 
 def train_command(config: str | Path, overrides: list[str], *, resume: bool | str = False,
                   profile_store: str | Path = "runs/profiles", overwrite: bool = False) -> int:
-    """``plait train``: train the job in ``config`` (with its ``--section.key=value`` overrides); returns 0.
+    """``plait train``: train the job in ``config`` (with its ``--section.key=value`` overrides); returns 0, or
+    128 + the signal's number when SIGTERM / SIGINT stopped it after a checkpoint (no ``final/`` then).
 
     Before anything is built: a ``metrics.run_dir`` that another live run is writing is refused
     (:func:`~plait.train.run_lock.check_run_free`; the run folder's lock is then held until the final model is
@@ -68,11 +70,11 @@ def train_command(config: str | Path, overrides: list[str], *, resume: bool | st
     trainer = PipelineTrainer.build(cfg, info) if cfg.parallel.pp.degree > 1 else Trainer.build(cfg, info)
     with hold_run_lock(trainer.run_dir, trainer.info.is_main, trainer.info.world_size):  # through final/, not fit alone
         result = trainer.fit(resume=resume, overwrite=overwrite)
-        if trainer.info.is_main:
+        if trainer.info.is_main and not result["stopped"]:  # a stopped run has a checkpoint, not a final model
             _save_and_report(trainer, result)
     if dist.is_initialized():  # a clean shutdown: gloo's worker threads must not outlive the interpreter
         dist.destroy_process_group()
-    return 0
+    return exit_code(result["stopped"]) if result["stopped"] else 0
 
 
 def _check_before_building(cfg: JobConfig, config: str | Path, resume: bool | str, overwrite: bool) -> None:

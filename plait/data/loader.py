@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import signal
 import threading
 import time
 import weakref
@@ -173,6 +174,15 @@ class _LoadTask(torch.utils.data.Dataset):
         return out
 
 
+def _ignore_interrupts(worker_id: int) -> None:
+    """DataLoader workers ignore Ctrl-C and SIGTERM (a terminal sends Ctrl-C to the whole process group, torchrun
+    sends SIGTERM to each worker's): the main process decides when to stop (a checkpoint after the current step)
+    and closes them; a worker killed by the signal would fail the step that checkpoint waits for. A worker whose
+    main process dies still ends (DataLoader's watchdog)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class SampleFeed:
     """Loads the samples of the coming steps in ``workers`` DataLoader worker processes, each up to ``prefetch``
     steps ahead, so a step's samples are ready when it starts (``workers = 0``: loaded in this process when
@@ -192,7 +202,7 @@ class SampleFeed:
             raise ValueError(f"workers must be >= 0, prefetch and ahead >= 1, got {workers}, {prefetch}, {ahead}")
         self._loader = torch.utils.data.DataLoader(
             _LoadTask(dataset), batch_size=None, sampler=_Steps(steps), num_workers=workers,
-            collate_fn=_identity, prefetch_factor=prefetch if workers else None,
+            collate_fn=_identity, prefetch_factor=prefetch if workers else None, worker_init_fn=_ignore_interrupts,
             generator=torch.Generator().manual_seed(0))  # leaves the global RNG (checkpointed) alone
         self._it: Any = None
         self._ready: queue.Queue | None = queue.Queue(maxsize=ahead) if workers else None

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from plait.models.device import resolve_device
 
-__all__ = ["DistInfo", "broadcast_from_main", "init_distributed"]
+__all__ = ["DistInfo", "broadcast_from_main", "init_distributed", "max_over_ranks"]
 
 
 @dataclass(frozen=True)
@@ -64,3 +64,14 @@ def broadcast_from_main(value: Any, info: DistInfo, wait_s: float) -> Any:
         finally:
             dist.destroy_process_group(group)
     return box[0]
+
+
+def max_over_ranks(value: int, info: DistInfo) -> int:
+    """The largest of every rank's ``value`` (an all-reduce of one integer over the job's default group, on
+    ``info.device``: NCCL needs a CUDA tensor); ``value`` itself in a single process. Every rank must call it at
+    the same point of the job."""
+    if info.world_size == 1 or not dist.is_initialized():
+        return value
+    box = torch.tensor([value], dtype=torch.int64, device=info.device)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return int(box.item())

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ from plait.train.feed import receive_step, upcoming_rank_samples
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter, Progress, detect_energy_meter
 from plait.train.optim import LRSchedule, build_optimizer, lr_factor, step_optimizer
+from plait.train.preemption import StopSignals
 from plait.train.run_dir import no_checkpoint_message
 from plait.train.run_lock import hold_run_lock
 from plait.train.run_start import clear_earlier_run, fsdp_description, nothing_to_train, report_setup, say
@@ -489,8 +491,10 @@ class Trainer:
         (:meth:`_clear_earlier_run`). Each step's samples are loaded ahead by ``data.num_workers`` worker processes
         (:class:`~plait.data.loader.SampleFeed`, :mod:`plait.train.feed`); one that fails to load is dropped from
         its step on every rank alike (or stops the run with ``data.on_error = "raise"``); the wait goes to the
-        metrics as ``data_wait_s``. Returns ``{"steps": steps trained by this call, "step": the step reached,
-        "losses", "eval", "skipped", "dropped"}``, under PP also ``"timeline"``."""
+        metrics as ``data_wait_s``. SIGTERM or SIGINT on any rank (:class:`~plait.train.preemption.StopSignals`)
+        ends the run after the current step, with a checkpoint. Returns ``{"steps": steps trained by this call,
+        "step": the step reached, "losses", "eval", "skipped", "dropped", "stopped": the signal that stopped it or
+        0}``, under PP also ``"timeline"``."""
         with hold_run_lock(self.run_dir, self.info.is_main, self.info.world_size):
             result = self._fit(resume, stop_after, overwrite)
         self.runner.after_fit(result)  # a pipeline's timeline ("timeline": its JSON path on rank 0, else None)
@@ -515,37 +519,45 @@ class Trainer:
         losses, evals = [], {}
         feed = SampleFeed(self.train_set, upcoming_rank_samples(self.loader, self.step, end, self._rank_samples),
                           self.cfg.data.num_workers, self.cfg.data.prefetch)
-        try:  # closed on an error too: no sample-feed thread or loader worker outlives the run
-            while self.step < end:
-                got = receive_step(feed.next(), self.loader.next_batch(), self.train_set, self.info.device,
-                                   self.cfg.data.on_error, self.step + 1)
-                self._loaded, self.dropped = got.samples, self.dropped + got.dropped
-                res = self.train_step(got.indices)
-                self._loaded = {}
-                losses.append(res.loss)
-                rec = {"step": res.step, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
-                       "tokens_per_s": res.tokens / res.time_s, "target_tokens": res.target_tokens,
-                       "epoch": self.loader.epoch, "workload": res.workload, "deferred_samples": res.deferred_samples,
-                       "encoder_buffer_peak_bytes": res.encoder_buffer_peak_bytes, "data_wait_s": got.wait_s,
-                       "dropped_samples": len(got.dropped), **batch_sources(self.loader, got.indices)}
-                if res.step % self.cfg.metrics.log_every == 0 or res.step == end:
-                    writer.write(rec)
-                bar.update(res.step, res.loss, rec["tokens_per_s"], last=res.step == end)
-                every = self.cfg.train.eval_every
-                if self.val_set is not None and ((every and res.step % every == 0) or res.step == self.total_steps):
-                    evals = self.evaluate()
-                    writer.write({"step": res.step, "eval": evals, **self.last_eval.record()})
-                    if main:
-                        bar.write(f"step {res.step}: validation exact match " + _fmt(evals))
-                every = self.cfg.checkpoint.every
-                if (every and res.step % every == 0) or res.step == end:
-                    self.save()
-        finally:
-            feed.close()
-            bar.close()
-            writer.close()
+        stop, stopped = StopSignals(), 0
+        with stop:
+            try:  # closed on an error too: no sample-feed thread or loader worker outlives the run
+                while self.step < end and not stopped:
+                    got = receive_step(feed.next(), self.loader.next_batch(), self.train_set, self.info.device,
+                                       self.cfg.data.on_error, self.step + 1)
+                    self._loaded, self.dropped = got.samples, self.dropped + got.dropped
+                    res = self.train_step(got.indices)
+                    self._loaded = {}
+                    losses.append(res.loss)
+                    rec = {"step": res.step, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
+                           "tokens_per_s": res.tokens / res.time_s, "target_tokens": res.target_tokens,
+                           "epoch": self.loader.epoch, "workload": res.workload,
+                           "deferred_samples": res.deferred_samples,
+                           "encoder_buffer_peak_bytes": res.encoder_buffer_peak_bytes, "data_wait_s": got.wait_s,
+                           "dropped_samples": len(got.dropped), **batch_sources(self.loader, got.indices)}
+                    if res.step % self.cfg.metrics.log_every == 0 or res.step == end:
+                        writer.write(rec)
+                    bar.update(res.step, res.loss, rec["tokens_per_s"], last=res.step == end)
+                    every = self.cfg.train.eval_every
+                    if self.val_set is not None and ((every and res.step % every == 0) or res.step == self.total_steps):
+                        evals = self.evaluate()
+                        writer.write({"step": res.step, "eval": evals, **self.last_eval.record()})
+                        if main:
+                            bar.write(f"step {res.step}: validation exact match " + _fmt(evals))
+                    every = self.cfg.checkpoint.every
+                    stopped = stop.agreed(self.info)  # SIGTERM / Ctrl-C on any rank: every rank stops after this step
+                    if (every and res.step % every == 0) or res.step == end or stopped:
+                        self.save()
+            finally:
+                feed.close()
+                bar.close()
+                writer.close()
+        if stopped and main:
+            log.warning("stopped by %s at step %d of %d: checkpoint %s; continue with --resume",
+                        signal.Signals(stopped).name, self.step, self.total_steps,
+                        checkpoint_dir(self.run_dir, self.step))
         return {"steps": self.step - first, "step": self.step, "losses": losses, "eval": evals,
-                "skipped": len(self.train_set.skipped), "dropped": len(self.dropped)}
+                "skipped": len(self.train_set.skipped), "dropped": len(self.dropped), "stopped": stopped}
 
     def _clear_earlier_run(self, overwrite: bool = False) -> None:
         """Refuse, or with ``overwrite`` clear, an earlier run in the run folder (:func:`clear_earlier_run`)."""
