@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from plait.data.formats import open_source
+from plait.data.progress import Progress
 from plait.data.sources import RawSample, SampleError, parse_record
 from plait.models.device import apply_cpu_threads
 from plait.models.generation import Generator, exact_match, is_empty_answer
@@ -145,12 +144,12 @@ def _check_takes_video(gen: Generator) -> None:
 
 
 def _answer_file(gen: Generator, input_path: Path, out: Path, max_new_tokens: int, batch_size: int) -> None:
-    """Answer every record of ``input_path`` into ``out`` (:class:`_Progress` on stderr), then print the
+    """Answer every record of ``input_path`` into ``out`` (progress on stderr), then print the
     exact-match lines."""
     raws, records = read_prompts(input_path)
-    progress = _Progress(len(raws))
+    progress = Progress(len(raws), "generate", "prompt")
     try:
-        predictions = gen.generate_raw(raws, max_new_tokens, batch_size, progress=progress)
+        predictions = gen.generate_raw(raws, max_new_tokens, batch_size, progress=progress.update)
     finally:
         progress.close()
     rows = [prediction_row(rec, p) for rec, p in zip(records, predictions)]
@@ -159,27 +158,6 @@ def _answer_file(gen: Generator, input_path: Path, out: Path, max_new_tokens: in
     print(f"plait: {len(rows)} predictions written to {out}", flush=True)
     for line in [empty_report(rows), *exact_match_report(rows)]:
         print(line, flush=True)
-
-
-class _Progress:
-    """Prompts answered so far, on stderr: a tqdm bar on a terminal, otherwise (a log file, a pipe) a plain line at
-    most every ``interval`` seconds and at the end (no carriage-return updates in logs)."""
-
-    def __init__(self, total: int, interval: float = 30.0) -> None:
-        self.total, self.done, self.interval = total, 0, interval
-        self.tty = sys.stderr.isatty()
-        self.bar = tqdm(total=total, desc="generate", unit="prompt", disable=not self.tty, dynamic_ncols=True)
-        self.last = time.monotonic()
-
-    def __call__(self, n: int) -> None:
-        self.done += n
-        self.bar.update(n)
-        if not self.tty and (self.done == self.total or time.monotonic() - self.last >= self.interval):
-            print(f"generate: {self.done}/{self.total} prompts", file=sys.stderr, flush=True)
-            self.last = time.monotonic()
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 def read_prompts(path: str | Path) -> tuple[list[RawSample], list[dict[str, Any]]]:

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from tqdm import tqdm
 
+from plait.data.progress import Progress
 from plait.config.loader import config_to_dict, load_config
 from plait.config.schema import JobConfig
 from plait.planner.rank_law import (
@@ -333,8 +333,12 @@ def tune_ranks_command(config: str | Path, overrides: Sequence[str] = (), settin
     sizes = settings.sizes or (max(1, full // 8), max(2, full // 4))
     batch = settings.batch or cfg.train.global_batch_size
     runs = plan_calibration(modules, settings.ranks, sizes, settings.epochs, batch, full, settings.budget)
-    results = [run_calibration(cfg, run, records, out, settings, train)
-               for run in tqdm(runs, desc="calibration runs", unit="run", file=sys.stderr)]
+    bar = Progress(len(runs), "calibration runs", "run")
+    results = []
+    for run in runs:
+        results.append(run_calibration(cfg, run, records, out, settings, train))
+        bar.update(1)
+    bar.close()
     observations = [r.observation for r in results]
     conv, perf = _fit(observations, modules)
     base = float(np.mean([o.first_loss for o in observations]))

@@ -29,7 +29,6 @@ import io
 import json
 import logging
 import os
-import sys
 import time
 import wave
 from collections.abc import Iterator
@@ -43,10 +42,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from PIL import Image
-from tqdm import tqdm
 
 from plait.data.chat_template import render_prompt, render_with_assistant_mask
 from plait.data.processing import MultimodalProcessor, SampleMeta, decode_reason, process_image
+from plait.data.progress import Progress
 from plait.data.sources import MediaBytes, RecordSource, SampleError, parse_record, path_note, record_id
 from plait.data.video import VideoHeader, read_video_header
 
@@ -545,8 +544,7 @@ def metadata_pass(source: RecordSource, processor: MultimodalProcessor, *, promp
     if workers:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     total = sum(min(rows, (c + 1) * chunk) - c * chunk for c in mine)
-    bar = tqdm(total=total, desc=f"metadata {source.name}", unit="rec", unit_scale=True, leave=False,
-               disable=not (progress and sys.stderr.isatty()))
+    bar = Progress(total, f"metadata {source.name}", "record", progress, leave=False)
     done, start = [], time.perf_counter()
     for part in loader:
         done.append(part)

@@ -51,9 +51,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from plait.data.collate import Batch
+from plait.data.progress import Progress
 from plait.models.multimodal import MultimodalModel
 from plait.models.units import UnitSpec, unit_specs
 from plait.parallel.pipeline import run_pipeline_step
@@ -335,7 +335,7 @@ def unit_pass_timings(model: MultimodalModel, specs: Sequence[UnitSpec], batch: 
     """Per unit (``specs`` order), the summed isolated timings (and joules, when ``timer`` measures them) of its
     calls for one microbatch ``batch``, with every parameter trainable (module docstring, steps 1-2). In a
     multi-module unit only the first module's dX is the unit's; the later modules' dX count as dW. ``bar``: a
-    progress bar (``tqdm``) advanced by one per unit."""
+    progress (:class:`~plait.data.progress.Progress`) advanced by one per unit."""
     modules = _unit_modules(model, specs)
     with _all_trainable(model):
         with _capture_calls(modules) as calls, autocast():
@@ -542,7 +542,7 @@ def measure_profile(
         repeats, warmup: timed and discarded runs per measurement (median of the timed ones).
         llm_kwargs: extra LLM keyword arguments per microbatch (attention metadata), as the trainer passes.
         autocast: context factory around every forward/backward (e.g. bf16 autocast).
-        progress: show a ``tqdm`` bar on stderr (units timed, then the module chunks).
+        progress: show progress on stderr (a bar on a terminal) (units timed, then the module chunks).
 
     Returns:
         The :class:`Profile` (times in seconds, memory in bytes).
@@ -561,8 +561,7 @@ def measure_profile(
         raise ValueError("clock='thread' times CPU work of one thread: use it on CPU with torch.set_num_threads(1)")
     specs = unit_specs(model)
     timer = _Timer(device, clock, repeats, warmup)
-    bar = tqdm(total=len(specs) * len(microbatches), desc="profiling units", unit="unit", disable=not progress,
-               dynamic_ncols=True)
+    bar = Progress(len(specs) * len(microbatches), "profiling units", "unit", progress)
     per_mb = [unit_pass_timings(model, specs, b, timer, llm_kwargs, autocast, bar) for b in microbatches]
     saved = [_saved_bytes(model, specs, b, llm_kwargs, autocast) for b in microbatches]
     n = len(microbatches)
@@ -576,7 +575,7 @@ def measure_profile(
             round(sum(s[i] for s in saved) / n), round(mean("output_bytes"))))
     units = tuple(s.unit for s in specs)
     costs = [m.to_cost(u) for u, m in zip(units, measurements)]
-    bar.set_description("profiling module chunks and runtime overheads")
+    bar.describe("profiling module chunks and runtime overheads")
     chunks, per_action = _module_chunk_times(model, microbatches, llm_kwargs, autocast, timer)
     bar.close()
     return Profile(key, units, tuple(measurements), _chunk_overhead(chunks, units, costs), repeats, warmup,

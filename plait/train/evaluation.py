@@ -36,7 +36,6 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -44,10 +43,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from plait.data.collate import Batch, collate
 from plait.data.processing import IGNORE, ProcessedSample
+from plait.data.progress import Progress
 from plait.data.sources import RawSample, sample_at
 from plait.models.generation import check_decoding, exact_match, is_empty_answer
 
@@ -427,8 +426,7 @@ def evaluate_on(val_set: Any, side: EvalSide, pad_id: int, device: torch.device,
     losses = LossTable(tasks)
     loss_mbs = plan_eval_microbatches(tasks, *side.loss_share, size)
     answer_mbs = plan_eval_microbatches(tasks, *side.answer_share, size)
-    bar = tqdm(total=sum(map(len, loss_mbs + answer_mbs)), desc=f"validation step {step}", leave=False,
-               disable=not (progress and sys.stderr.isatty()), dynamic_ncols=True)
+    bar = Progress(sum(map(len, loss_mbs + answer_mbs)), f"validation step {step}", "sample", progress, leave=False)
     for chunk in _groups(loss_mbs, side.group):
         batches = [collate([teacher_forced_sample(val_set, i) for i in mb], pad_id).to(device) for mb in chunk]
         sums = side.loss_of(batches)

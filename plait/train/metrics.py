@@ -19,15 +19,13 @@ import datetime
 import importlib
 import json
 import logging
-import sys
 import re
 import time
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
 
-__all__ = ["EnergyMeter", "MetricsWriter", "NvmlEnergyMeter", "Progress", "RAPL_ROOT", "RaplEnergyMeter",
+__all__ = ["EnergyMeter", "MetricsWriter", "NvmlEnergyMeter", "RAPL_ROOT", "RaplEnergyMeter",
            "detect_energy_meter", "import_wandb", "read_metrics"]
 
 log = logging.getLogger(__name__)
@@ -276,37 +274,3 @@ def _flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """All records of a metrics JSONL file, in order."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-class Progress:
-    """Training progress on rank 0. On a terminal: a tqdm bar. Otherwise (stderr is a log file or a pipe): one
-    plain line on stderr for the first and the last step and at most every ``interval`` seconds (no carriage-return
-    updates piling up in the log).
-
-    Args:
-        total: the run's steps; initial: the step it starts from; enabled: show anything.
-    """
-
-    def __init__(self, total: int, initial: int, enabled: bool, interval: float = 30.0) -> None:
-        self.enabled, self.total, self.initial, self.interval = enabled, total, initial, interval
-        self.tty = enabled and sys.stderr.isatty()
-        self.bar = tqdm(total=total, initial=initial, disable=not self.tty, desc="train", dynamic_ncols=True)
-        self.last = time.monotonic()
-
-    def update(self, step: int, loss: float, tokens_per_s: float, last: bool = False) -> None:
-        """Step ``step`` is done with this loss and throughput (tokens/s); ``last``: the loop's final step."""
-        if self.tty:
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
-            self.bar.update(1)
-        elif self.enabled and (last or step == self.initial + 1 or time.monotonic() - self.last >= self.interval):
-            sys.stderr.write(f"train: step {step}/{self.total}, loss {loss:.3f}, {tokens_per_s:.0f} tokens/s\n")
-            sys.stderr.flush()
-            self.last = time.monotonic()
-
-    def write(self, message: str) -> None:
-        """Print ``message`` on stdout without breaking the bar."""
-        self.bar.write(message)
-
-    def close(self) -> None:
-        """Close the bar."""
-        self.bar.close()

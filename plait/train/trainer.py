@@ -37,6 +37,7 @@ from plait.config.loader import config_to_dict
 from plait.config.schema import JobConfig
 from plait.data.collate import Batch, collate
 from plait.data.loader import SampleFeed
+from plait.data.progress import Progress
 from plait.data.metadata import SkippedSample
 from plait.data.mixture import batch_sources, build_batch_loader
 from plait.models.generation import greedy_generate
@@ -67,7 +68,7 @@ from plait.train.cost_coeffs import microbatch_cost_coeffs
 from plait.train.evaluation import eval_batch_size, evaluate_on, load_metrics
 from plait.train.feed import receive_step, upcoming_rank_samples
 from plait.train.loss import token_loss_sum
-from plait.train.metrics import MetricsWriter, Progress, detect_energy_meter
+from plait.train.metrics import MetricsWriter, detect_energy_meter
 from plait.train.optim import LRSchedule, build_optimizer, lr_factor, step_optimizer
 from plait.train.preemption import StopSignals
 from plait.train.run_dir import no_checkpoint_message
@@ -515,7 +516,7 @@ class Trainer:
         self._report_setup(writer)
         first = self.step
         end = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
-        bar = Progress(self.total_steps, self.step, main and self.cfg.metrics.progress)
+        bar = Progress(self.total_steps, "train", "step", main and self.cfg.metrics.progress, initial=self.step)
         losses, evals = [], {}
         feed = SampleFeed(self.train_set, upcoming_rank_samples(self.loader, self.step, end, self._rank_samples),
                           self.cfg.data.num_workers, self.cfg.data.prefetch)
@@ -537,7 +538,7 @@ class Trainer:
                            "dropped_samples": len(got.dropped), **batch_sources(self.loader, got.indices)}
                     if res.step % self.cfg.metrics.log_every == 0 or res.step == end:
                         writer.write(rec)
-                    bar.update(res.step, res.loss, rec["tokens_per_s"], last=res.step == end)
+                    bar.update(1, **{"loss": f"{res.loss:.3f}", "tokens/s": f"{rec['tokens_per_s']:.0f}"})
                     every = self.cfg.train.eval_every
                     if self.val_set is not None and ((every and res.step % every == 0) or res.step == self.total_steps):
                         evals = self.evaluate()
