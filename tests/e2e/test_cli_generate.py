@@ -45,7 +45,7 @@ def test_jsonl_mode_scores_like_the_trainers_validation(trained, tmp_path):
     right = sum(c for c, _ in printed.values())
     assert f"plait: exact match: {right / len(rows):.1%} ({right}/{len(rows)})" in run.stdout
     assert f"plait: {len(rows)} predictions written to {out}" in run.stdout
-    assert f"generate: {len(rows)}/{len(rows)} prompts" in run.stderr  # progress, as plain lines in a log
+    assert f"generate: prompt {len(rows)}/{len(rows)}" in run.stderr  # progress, as plain lines in a log
 
     # one prompt, as a user types it: image and audio files, no placeholders in the text
     head = "<image>\n<audio>\n"  # where plait puts the placeholders of a prompt that has none
