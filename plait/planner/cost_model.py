@@ -237,10 +237,6 @@ def dtype_bytes(dtype: Any) -> float:
     return float(_DTYPE_BYTES[name])
 
 
-# --------------------------------------------------------------------------------------------------
-# Attention pair counts
-
-
 def causal_pairs(seq_len: int) -> int:
     """(query, key) pairs of a causal mask over ``seq_len`` tokens: ``L (L + 1) / 2``."""
     return seq_len * (seq_len + 1) // 2
