@@ -27,7 +27,8 @@ from plait.commands.plan import (
 from plait.commands.job_file import load_config_for_planning
 from plait.commands.plan_snippet import MODEL_UNITS, pp_snippet
 from plait.commands.simulate import simulate_command
-from plait.planner.report import PP_TOML_KEY, format_plan, plan_from_json, rank_peak_memory_bytes, toml_value
+from plait.planner.report import PP_TOML_KEY, format_plan, plan_from_json, rank_peak_memory_bytes
+from plait.planner.toml_text import toml_value
 from plait.planner.search import evaluate_plan
 from plait.planner.types import UnitCost
 from tests.conftest import TINY_AUDIO, TINY_LLM, TINY_VISION, tiny_config_dict
