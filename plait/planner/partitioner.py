@@ -35,16 +35,16 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any, Union
+from typing import Union
 
 import numpy as np
 
 from plait.planner.cost_model import (
-    OptimizerSpec,
     unit_activation_bytes,
     unit_static_bytes,
     unit_work,
 )
+from plait.planner.request import Machine
 from plait.planner.serialize import JsonDataclass
 from plait.planner.types import Unit, UnitCost
 
@@ -480,10 +480,8 @@ def partition_units(
     costs: Sequence[UnitCost],
     num_stages: int,
     *,
-    memory_cap: float | None = None,
+    machine: Machine = Machine(),
     frozen_aware: bool = True,
-    dtype: Any = "bfloat16",
-    optimizer: OptimizerSpec = OptimizerSpec(),
     in_flight: InFlight | None = None,
     static_memory_per_stage: float | Sequence[float] = 0.0,
 ) -> UnitPartition:
@@ -498,17 +496,17 @@ def partition_units(
     Args:
         units, costs: the chain in execution order and one ``UnitCost`` per unit.
         num_stages: pipeline stages ``S``.
-        memory_cap: bytes per stage (e.g. ``DeviceSpec.memory_bytes``), None for none.
-        dtype, optimizer: parameter dtype and per-parameter gradient / optimizer bytes.
+        machine: its ``memory_cap`` (bytes per stage, e.g. ``DeviceSpec.memory_bytes``; None for none), ``dtype``
+            and ``optimizer`` (per-parameter gradient / optimizer bytes); links and overheads unused.
         in_flight, static_memory_per_stage: as ``partition_chain`` (default 1F1B ``S - stage``).
 
     Raises:
         ValueError: as ``partition_chain``, or when ``units`` and ``costs`` differ in length.
     """
     work = unit_work(units, costs, frozen_aware)
-    memory = [unit_static_bytes(u, c, dtype, optimizer) for u, c in zip(units, costs)]
+    memory = [unit_static_bytes(u, c, machine.dtype, machine.optimizer) for u, c in zip(units, costs)]
     activation = [unit_activation_bytes(u, c) for u, c in zip(units, costs)]
-    ranges = partition_chain(work, num_stages, memory, memory_cap, static_memory_per_stage, activation,
+    ranges = partition_chain(work, num_stages, memory, machine.memory_cap, static_memory_per_stage, activation,
                              in_flight, [u.name for u in units])
     loads = stage_loads(work, ranges)
     return UnitPartition(
