@@ -26,7 +26,7 @@ above 1, the plan without pipeline stages (every device a DP rank, the only one 
 memory (frozen units, FSDP2's working set, one microbatch's activations) fits the cap and whose host memory fits
 ``HostSpec.memory_bytes``; the fastest (``plan_layout``'s time with no device optimizer step, plus
 ``OffloadCost.step_s``) is chosen, its ``LayoutChoice.offload`` set to ``"cpu"``. A job's own
-``parallel.offload = "cpu"`` (``plan_parallel(offload="cpu")``) searches offloaded plans only.
+``parallel.offload = "cpu"`` (``SearchSpace(offload="cpu")``) searches offloaded plans only.
 
 The result's ``lower_bound_s`` is ``microbatches x (work of the given costs) / devices``: still a lower bound
 with TP (a layer's work split over ``tp`` devices plus its all-reduces is at least its work on one), sharding

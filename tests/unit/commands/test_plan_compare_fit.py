@@ -1,5 +1,5 @@
 """``plan_compare.considered_plans`` with no fitting plan raises ``plait plan``'s one-sentence message (not the
-search's list of internal cases), and ``plan_fit.least_need`` bounds FSDP2-sharded pipeline stages too."""
+search's list of internal cases), and ``planner.fit.least_need`` bounds FSDP2-sharded pipeline stages too."""
 
 from __future__ import annotations
 
