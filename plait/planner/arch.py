@@ -557,7 +557,7 @@ def units_from_configs(model_configs: Mapping[str, Any], frozen: Mapping[str, bo
         model_configs: ``{"vision": cfg, "llm": cfg, "vision.projector": {...}}`` (projector optional).
         frozen: ``{"vision": True, "vision.projector": False, "llm": True}``; a missing key means trainable.
 
-    Flags (../shared/DESIGN.md principle 6): ``trainable`` = the unit's part is not frozen;
+    Flags: ``trainable`` = the unit's part is not frozen;
     ``needs_input_grad`` by the unit-graph rule (``graph.consistent_units``): some unit upstream trains. So
     encoder embeddings never need an input gradient (pixels, mel frames); the LLM's token embedding needs one
     when an encoder branch trains, since the projected features are merged there.

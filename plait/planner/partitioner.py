@@ -24,7 +24,7 @@ smallest ``b`` in ``Z_{i+1}`` above ``a`` has ``[a, b)`` within ``B`` and stage 
 Ties: among partitions with bottleneck ``B*`` we return the one with lexicographically largest
 boundaries (each stage, from the first, as long as the others still fit). Front-loading leaves slack at
 the end of the pipeline, which shortens the 1F1B drain: with Oobleck's pipeline time
-``T = sum w_i + (Nb - S + k* - 1) w_k* + sum_{i>=k*} w_i`` (REFERENCES.md section 2) a bottleneck
+``T = sum w_i + (Nb - S + k* - 1) w_k* + sum_{i>=k*} w_i`` a bottleneck
 stage early (small ``k*``) is never worse than one late.
 """
 
@@ -488,8 +488,8 @@ def partition_units(
     """Partition pipeline units by their frozen-aware work and memory (``cost_model.unit_work``,
     ``unit_static_bytes``, ``unit_activation_bytes``) with ``partition_chain``.
 
-    With ``frozen_aware=False`` every unit's work is ``f + dX + dW`` (the frozen-unaware baseline of
-    REFERENCES.md section 1) and the reported ``stage_work_s`` uses that model too. Memory always follows
+    With ``frozen_aware=False`` every unit's work is ``f + dX + dW`` (the frozen-unaware baseline
+    Cornstarch compares against) and the reported ``stage_work_s`` uses that model too. Memory always follows
     the units' flags: it is the hard limit the runtime really meets (frozen units hold no optimizer state
     whatever the planner believes about their time).
 

@@ -1,4 +1,4 @@
-"""MARS: per-module LoRA rank search from short calibration runs (../shared/REFERENCES.md section 5; pure).
+"""MARS: per-module LoRA rank search from short calibration runs (pure).
 
 A LoRA rank sets how fast a module's adapters converge. MARS picks one rank per module (each encoder with adapters,
 and the LLM) so that the encoders and the LLM converge together, then picks, among such aligned combinations, the

@@ -3,7 +3,7 @@
 Given the pipeline units of a model and their costs, ``plan_layout`` chooses, for ``devices`` accelerators
 and a global batch of ``microbatches`` microbatches:
 
-- the layout (../shared/REFERENCES.md section 1, "Modality parallelism"): ``"encoder_parallel"`` (each
+- the layout (Cornstarch, "Modality parallelism"): ``"encoder_parallel"`` (each
   encoder branch its own chain of stages, all feeding the first LLM stage) or ``"encoders_colocated"``
   (encoder stage ``s`` runs the ``s``-th chunk of every encoder, then the LLM stages: a line);
 - the number of stages of each module (each encoder branch, the LLM);
@@ -35,7 +35,7 @@ and three modules: about 10^6 candidates), and timing one candidate costs millis
 
 Frozen-unaware baseline: with ``frozen_aware=False`` the search believes every unit trains (work
 ``f + dX + dW`` everywhere, every stage runs a backward, every parameter is all-reduced), as a planner that
-ignores frozen-ness would (REFERENCES.md section 1); memory always follows the real flags (it is the limit
+ignores frozen-ness would; memory always follows the real flags (it is the limit
 the runtime meets). The chosen plan is evaluated with the true costs. ``megatron_even_split`` is the
 Megatron-style baseline: units spread evenly by count over the pipeline ranks, encoders first.
 

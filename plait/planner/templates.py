@@ -1,5 +1,4 @@
-"""Pipeline templates and their instantiation: the plans of resilient training (Oobleck, SOSP 2023;
-../shared/REFERENCES.md section 2).
+"""Pipeline templates and their instantiation: the plans of resilient training (Oobleck, SOSP 2023).
 
 - A **pipeline template** is the best plan for one pipeline on exactly ``n`` ranks, from plait's own layout
   search (``search.plan_layout`` with DP degree 1: encoder branches, colocated encoders, interleaved and attached

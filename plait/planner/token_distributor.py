@@ -1,12 +1,12 @@
 """Distribute one microbatch's LLM tokens over the ranks of a context-parallel (CP) group.
 
-Pure planner (../shared/DESIGN.md, principle 1): plain data in (per-block attention work from
+Pure planner: plain data in (per-block attention work from
 :func:`plait.attention.masks.block_work`), a frozen, JSON round-trippable :class:`TokenAssignment` out.
 
 Tokens are grouped in blocks of ``block_size`` consecutive tokens (the last block may be shorter); a block
 is the unit of assignment. The work of block ``b`` is ``alpha * attn_b + beta * tokens_b``: ``attn_b`` the
 (query, key) pairs its queries attend (quadratic part: attention), ``tokens_b`` its token count (linear
-part: projections, MLP, norms). Methods (Cornstarch, ../shared/REFERENCES.md section 1):
+part: projections, MLP, norms). Methods (Cornstarch):
 
 - ``"uniform"``: ``cp`` contiguous chunks of (almost) equal block counts;
 - ``"zigzag"``: ``2 * cp`` contiguous chunks, rank ``r`` takes chunks ``r`` and ``2cp - 1 - r`` (balanced for
