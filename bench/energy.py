@@ -44,6 +44,7 @@ from plait.planner.energy_frontier import energy_at_deadline, energy_frontier, e
 from plait.planner.energy_profile import analytic_energy_profile, gpu_preset, stage_action_options  # noqa: E402
 from plait.planner.profile import ProfileKey  # noqa: E402
 from plait.planner.schedules import build_schedule  # noqa: E402
+from plait.planner.request import Machine, SearchSpace  # noqa: E402
 from plait.planner.search import LayoutChoice, megatron_even_split, plan_layout  # noqa: E402
 
 STRAGGLER = 1.2
@@ -114,13 +115,13 @@ def main() -> None:
         profile = _profile(name, units, gpu)
         for gpus in args.gpus:
             print(f"{name} on {gpus} GPUs")
-            common = dict(microbatches=pp.MICROBATCHES, memory_cap=pp.MEMORY_CAP, p2p=pp.P2P, dp_link=pp.DP_LINK)
+            common = dict(microbatches=pp.MICROBATCHES,
+                          machine=Machine(memory_cap=pp.MEMORY_CAP, p2p=pp.P2P, dp_link=pp.DP_LINK))
             dps = [d for d in range(1, min(gpus, pp.MICROBATCHES) + 1) if gpus % d == 0]
+            space = SearchSpace(dp_degrees=dps, virtual_stages=pp.VIRTUAL_STAGES, attach_encoders=True)
             plans = {}
             for key, call in (("A", lambda: megatron_even_split(units, costs, gpus, **common)),
-                              ("C", lambda: plan_layout(units, costs, gpus, dp_degrees=dps,
-                                                        virtual_stages=pp.VIRTUAL_STAGES, attach_encoders=True,
-                                                        **common))):
+                              ("C", lambda: plan_layout(units, costs, gpus, space=space, **common))):
                 try:
                     plans[key] = call()
                 except ValueError:

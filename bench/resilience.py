@@ -67,6 +67,7 @@ from bench.pipeline_plans import DEVICE, DP_LINK, MEMORY_CAP, P2P, build  # noqa
 from plait.planner.arch import DecoderArch, units_from_configs  # noqa: E402
 from plait.planner.cost_model import MicrobatchShape, unit_costs  # noqa: E402
 from plait.planner.reconfigure import plan_reconfiguration  # noqa: E402
+from plait.planner.request import Machine  # noqa: E402
 from plait.planner.search import plan_layout  # noqa: E402
 from plait.planner.templates import TemplateSet, plan_instantiation, plan_templates  # noqa: E402
 
@@ -171,7 +172,7 @@ class Homogeneous:
     def plan(self, gpus: int):
         if gpus not in self.cache:
             self.cache[gpus] = plan_layout(self.units, self.costs, gpus, microbatches=self.microbatches,
-                                           memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK)
+                                           machine=Machine(memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK))
         return self.cache[gpus]
 
 
@@ -280,7 +281,7 @@ def bench_model(name: str, gpu_counts: list[int], args: argparse.Namespace,
     units, unit_cost = model_parts(name)
     start = time.perf_counter()
     full = plan_templates(units, unit_cost, max(gpu_counts), args.failures, microbatches=args.microbatches,
-                          memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK)
+                          machine=Machine(memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK))
     home = Homogeneous(units, unit_cost, args.microbatches)
     total = state_bytes(full)
     ratios: dict[str, list[float]] = {c.label: [] for c in settings}

@@ -50,6 +50,7 @@ from plait.planner.rank_law import (
     lora_toml,
     plan_calibration,
 )
+from plait.planner.toml_text import toml_text
 from plait.planner.types import LLM_MODULE
 from plait.train.metrics import read_metrics
 from plait.train.plots import new_figure, save_figure
@@ -126,21 +127,10 @@ def subset_records(train_path: str | Path, seed: int) -> list[dict]:
     return [records[i] for i in order]
 
 
-def _to_toml(data: dict[str, Any], prefix: str = "") -> list[str]:
-    """Nested dicts as TOML dotted-key lines (None left out; JSON scalars, arrays and ``{}`` are TOML too)."""
-    lines = []
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            lines += _to_toml(value, f"{prefix}{key}.")
-        elif value is not None:
-            lines.append(f"{prefix}{json.dumps(key)} = {json.dumps(value)}")
-    return lines
-
-
 def write_job_toml(job: dict[str, Any], path: Path) -> Path:
     """Write a job dict (``config_to_dict``'s form) as a TOML job file that ``load_config`` reads back."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(_to_toml(job)) + "\n")
+    path.write_text(toml_text(job))
     return path
 
 

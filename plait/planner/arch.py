@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Union
 
+from plait.planner.config_fields import config_field, config_model_type, config_pair, positive_field
 from plait.planner.graph import consistent_units
 from plait.planner.types import LLM_MODULE, Unit
 
@@ -32,53 +33,6 @@ __all__ = [
     "split_model_configs",
     "units_from_configs",
 ]
-
-_MISSING = object()
-
-
-# --------------------------------------------------------------------------------------------------
-# Config access
-
-
-def _model_type(config: Any) -> str:
-    value = config.get("model_type", "") if isinstance(config, Mapping) else getattr(config, "model_type", "")
-    return str(value or "")
-
-
-def _field(config: Any, name: str, default: Any = _MISSING) -> Any:
-    """``config.name`` for a config object or ``config[name]`` for a dict; ``default`` when absent or None.
-
-    Raises:
-        ValueError: when the field is absent (or None) and no default is given.
-    """
-    if isinstance(config, Mapping):
-        value = config.get(name, None)
-    else:
-        try:
-            value = getattr(config, name, None)
-        except AttributeError:
-            value = None
-    if value is None:
-        if default is _MISSING:
-            raise ValueError(f"config (model_type {_model_type(config)!r}) lacks required field {name!r}")
-        return default
-    return value
-
-
-def _pair(value: Any, name: str) -> tuple[int, int]:
-    if isinstance(value, (list, tuple)):
-        if len(value) != 2:
-            raise ValueError(f"config field {name!r} must be an int or a pair, got {value!r}")
-        return int(value[0]), int(value[1])
-    return int(value), int(value)
-
-
-def _positive(config: Any, name: str, default: Any = _MISSING) -> int:
-    value = int(_field(config, name, default))
-    if value <= 0:
-        raise ValueError(f"config (model_type {_model_type(config)!r}) field {name!r} must be > 0, got {value}")
-    return value
-
 
 # --------------------------------------------------------------------------------------------------
 # Architectures
@@ -149,21 +103,21 @@ class DecoderArch:
             ValueError: on a missing field, or a MoE layout not modelled (shared experts, dense layers
                 mixed with sparse ones).
         """
-        mtype = _model_type(config)
-        hidden, heads = _positive(config, "hidden_size"), _positive(config, "num_attention_heads")
-        layers = _positive(config, "num_hidden_layers")
+        mtype = config_model_type(config)
+        hidden, heads = positive_field(config, "hidden_size"), positive_field(config, "num_attention_heads")
+        layers = positive_field(config, "num_hidden_layers")
         window, sliding = _sliding_layout(config, layers)
         qkv_bias, o_bias, mlp_bias = _decoder_biases(config, mtype)
-        head_dim = _positive(config, "head_dim", hidden // heads)
+        head_dim = positive_field(config, "head_dim", hidden // heads)
         return cls(
             hidden=hidden, layers=layers, heads=heads,
-            kv_heads=_positive(config, "num_key_value_heads", heads), head_dim=head_dim,
-            intermediate=_positive(config, "intermediate_size"), vocab=_positive(config, "vocab_size"),
+            kv_heads=positive_field(config, "num_key_value_heads", heads), head_dim=head_dim,
+            intermediate=positive_field(config, "intermediate_size"), vocab=positive_field(config, "vocab_size"),
             gated_mlp=mtype not in _PLAIN_MLPLLM_MODULES, **_moe_fields(config),
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, head_bias=mtype == "phi",
             norm_bias=mtype == "phi", norms_per_layer=4 if mtype in _FOUR_NORMLLM_MODULES else (1 if mtype == "phi" else 2),
             qk_norm_dim=head_dim if mtype in _QK_NORMLLM_MODULES else 0,
-            tied_embeddings=bool(_field(config, "tie_word_embeddings", False)),
+            tied_embeddings=bool(config_field(config, "tie_word_embeddings", False)),
             sliding_window=window, sliding_layers=sliding,
         )
 
@@ -215,12 +169,12 @@ def _decoder_biases(config: Any, mtype: str) -> tuple[bool, bool, bool]:
     if mtype == "phi":
         return True, True, True
     if mtype == "internlm2":
-        bias = bool(_field(config, "bias", True))
+        bias = bool(config_field(config, "bias", True))
         return bias, bias, False
-    mlp_bias = bool(_field(config, "mlp_bias", False))
+    mlp_bias = bool(config_field(config, "mlp_bias", False))
     if mtype in ("qwen2", "qwen2_moe"):
         return True, False, mlp_bias
-    attention_bias = bool(_field(config, "attention_bias", False))
+    attention_bias = bool(config_field(config, "attention_bias", False))
     return attention_bias, attention_bias, mlp_bias
 
 
@@ -230,33 +184,34 @@ def _moe_fields(config: Any) -> dict[str, int]:
     Raises:
         ValueError: on shared experts or sparse layers mixed with dense ones (not modelled).
     """
-    experts = int(_field(config, "num_local_experts", 0) or _field(config, "num_experts", 0))
+    experts = int(config_field(config, "num_local_experts", 0) or config_field(config, "num_experts", 0))
     if not experts:
         return {}
-    if _field(config, "shared_expert_intermediate_size", 0):
+    if config_field(config, "shared_expert_intermediate_size", 0):
         raise ValueError("MoE with shared experts (shared_expert_intermediate_size) is not modelled")
-    if _field(config, "mlp_only_layers", []) or int(_field(config, "decoder_sparse_step", 1)) != 1:
+    if config_field(config, "mlp_only_layers", []) or int(config_field(config, "decoder_sparse_step", 1)) != 1:
         raise ValueError("MoE configs mixing dense and sparse layers (mlp_only_layers / decoder_sparse_step) "
                          "are not modelled")
     return {
         "num_experts": experts,
-        "experts_per_token": _positive(config, "num_experts_per_tok"),
-        "expert_intermediate": _positive(config, "moe_intermediate_size", _field(config, "intermediate_size")),
+        "experts_per_token": positive_field(config, "num_experts_per_tok"),
+        "expert_intermediate": positive_field(config, "moe_intermediate_size",
+                                              config_field(config, "intermediate_size")),
     }
 
 
 def _sliding_layout(config: Any, layers: int) -> tuple[int | None, tuple[bool, ...]]:
     """Sliding window and per-layer flags: from ``layer_types`` when present, else every layer uses
     ``sliding_window`` unless ``use_sliding_window`` is False."""
-    window = _field(config, "sliding_window", None)
-    layer_types = _field(config, "layer_types", None)
+    window = config_field(config, "sliding_window", None)
+    layer_types = config_field(config, "layer_types", None)
     if window is None:
         return None, ()
     if layer_types is not None:
         if len(layer_types) != layers:
             raise ValueError(f"config layer_types has {len(layer_types)} entries for {layers} layers")
         return int(window), tuple(t == "sliding_attention" for t in layer_types)
-    if _field(config, "use_sliding_window", True) is False:
+    if config_field(config, "use_sliding_window", True) is False:
         return None, ()
     return int(window), (True,) * layers
 
@@ -335,7 +290,7 @@ class EncoderArch:
         Raises:
             ValueError: on a missing field or a composite config (pass its ``vision_config``).
         """
-        mtype = _model_type(config)
+        mtype = config_model_type(config)
         if mtype in ("whisper", "qwen2_audio_encoder"):
             return _audio_arch(config, mtype)
         if mtype == "qwen2_5_vl_vision":
@@ -398,31 +353,31 @@ class EncoderArch:
 
 
 def _audio_arch(config: Any, mtype: str) -> EncoderArch:
-    hidden, heads = _positive(config, "d_model"), _positive(config, "encoder_attention_heads")
-    positions = _positive(config, "max_source_positions")
+    hidden, heads = positive_field(config, "d_model"), positive_field(config, "encoder_attention_heads")
+    positions = positive_field(config, "max_source_positions")
     return EncoderArch(
-        modality="audio", hidden=hidden, layers=_positive(config, "encoder_layers"), heads=heads,
-        head_dim=hidden // heads, intermediate=_positive(config, "encoder_ffn_dim"),
-        qkv_bias=(True, False, True), num_mel_bins=_positive(config, "num_mel_bins"),
+        modality="audio", hidden=hidden, layers=positive_field(config, "encoder_layers"), heads=heads,
+        head_dim=hidden // heads, intermediate=positive_field(config, "encoder_ffn_dim"),
+        qkv_bias=(True, False, True), num_mel_bins=positive_field(config, "num_mel_bins"),
         positions=positions, output_pool=2 if mtype == "qwen2_audio_encoder" else 1, item_len=positions,
     )
 
 
 def _vision_arch(config: Any, mtype: str) -> EncoderArch:
-    if _field(config, "vision_config", None) is not None:
+    if config_field(config, "vision_config", None) is not None:
         raise ValueError(f"config {mtype!r} is composite: pass its vision_config")
-    hidden, heads = _positive(config, "hidden_size"), _positive(config, "num_attention_heads")
-    patch = _pair(_field(config, "patch_size"), "patch_size")
+    hidden, heads = positive_field(config, "hidden_size"), positive_field(config, "num_attention_heads")
+    patch = config_pair(config_field(config, "patch_size"), "patch_size")
     if mtype == "siglip2_vision_model":  # NaFlex: no image size, a num_patches position grid
-        patches = _positive(config, "num_patches")
+        patches = positive_field(config, "num_patches")
     else:
-        image = _pair(_field(config, "image_size"), "image_size")
+        image = config_pair(config_field(config, "image_size"), "image_size")
         patches = (image[0] // patch[0]) * (image[1] // patch[1])
     prefix = 0 if mtype.startswith("siglip") else 1
     fields: dict[str, Any] = dict(
-        modality="vision", hidden=hidden, layers=_positive(config, "num_hidden_layers"), heads=heads,
-        head_dim=hidden // heads, intermediate=_positive(config, "intermediate_size"),
-        num_channels=_positive(config, "num_channels", 3), patch=patch, prefix_tokens=prefix,
+        modality="vision", hidden=hidden, layers=positive_field(config, "num_hidden_layers"), heads=heads,
+        head_dim=hidden // heads, intermediate=positive_field(config, "intermediate_size"),
+        num_channels=positive_field(config, "num_channels", 3), patch=patch, prefix_tokens=prefix,
         positions=patches + prefix, item_len=patches + prefix,
     )
     fields.update(_vision_family_fields(config, mtype, hidden))
@@ -435,17 +390,17 @@ def _qwen2_5_vl_arch(config: Any) -> EncoderArch:
     """Qwen2.5-VL's tower: a bias-free Conv3d patch embedding over ``T x p x p`` (``patch = (T p, p)``), rotary
     positions (no table), RMSNorms, gated MLP with biases, window attention outside ``fullatt_block_indexes``, the
     2x2 merger as post-norm (``output_pool = merge^2``). It has no native size: an item is one window."""
-    hidden, heads = _positive(config, "hidden_size"), _positive(config, "num_heads")
-    patch, merge = _positive(config, "patch_size"), _positive(config, "spatial_merge_size")
-    window = (_positive(config, "window_size") // patch) ** 2
+    hidden, heads = positive_field(config, "hidden_size"), positive_field(config, "num_heads")
+    patch, merge = positive_field(config, "patch_size"), positive_field(config, "spatial_merge_size")
+    window = (positive_field(config, "window_size") // patch) ** 2
     return EncoderArch(
-        modality="vision", hidden=hidden, layers=_positive(config, "depth"), heads=heads, head_dim=hidden // heads,
-        intermediate=_positive(config, "intermediate_size"), gated_mlp=True, norm_bias=False,
-        num_channels=_positive(config, "in_channels", 3),
-        patch=(_positive(config, "temporal_patch_size") * patch, patch),
+        modality="vision", hidden=hidden, layers=positive_field(config, "depth"), heads=heads, head_dim=hidden // heads,
+        intermediate=positive_field(config, "intermediate_size"), gated_mlp=True, norm_bias=False,
+        num_channels=positive_field(config, "in_channels", 3),
+        patch=(positive_field(config, "temporal_patch_size") * patch, patch),
         patch_bias=False, output_pool=merge**2, item_len=window, window=window,
-        merger=(merge**2 * hidden, _positive(config, "out_hidden_size")),
-        full_layers=tuple(int(i) for i in _field(config, "fullatt_block_indexes", ())),
+        merger=(merge**2 * hidden, positive_field(config, "out_hidden_size")),
+        full_layers=tuple(int(i) for i in config_field(config, "fullatt_block_indexes", ())),
     )
 
 
@@ -456,30 +411,30 @@ def _vision_family_fields(config: Any, mtype: str, hidden: int) -> dict[str, Any
     if mtype == "clip_vision_model":
         return {"patch_bias": False, "pre_norm": True}
     if mtype == "vit":
-        bias = bool(_field(config, "qkv_bias", True))
+        bias = bool(config_field(config, "qkv_bias", True))
         return {"qkv_bias": (bias, bias, bias)}
     if mtype == "internvl_vision":
-        bias = bool(_field(config, "attention_bias", False))
+        bias = bool(config_field(config, "attention_bias", False))
         return {
             "qkv_bias": (bias, bias, bias), "layer_scale": True,
-            "norm_bias": _field(config, "norm_type", "layer_norm") == "layer_norm",
-            "qk_norm_dim": hidden if _field(config, "use_qk_norm", False) else 0,
-            "post_norm": not _field(config, "use_mean_pooling", True),
-            "no_positions": not _field(config, "use_absolute_position_embeddings", True),
+            "norm_bias": config_field(config, "norm_type", "layer_norm") == "layer_norm",
+            "qk_norm_dim": hidden if config_field(config, "use_qk_norm", False) else 0,
+            "post_norm": not config_field(config, "use_mean_pooling", True),
+            "no_positions": not config_field(config, "use_absolute_position_embeddings", True),
         }
     if mtype == "pixtral":  # 2D RoPE (no position table), RMSNorms, gated MLP, no bias, no CLS, no post-norm
-        patches = (_positive(config, "image_size") // _positive(config, "patch_size")) ** 2
+        patches = (positive_field(config, "image_size") // positive_field(config, "patch_size")) ** 2
         return {
             "gated_mlp": True, "qkv_bias": (False, False, False), "o_bias": False, "mlp_bias": False,
             "norm_bias": False, "patch_bias": False, "pre_norm": True, "post_norm": False, "prefix_tokens": 0,
             "item_len": patches, "no_positions": True,
         }
     if mtype == "intern_vit_6b":
-        bias = bool(_field(config, "qkv_bias", False))
+        bias = bool(config_field(config, "qkv_bias", False))
         return {
             "qkv_bias": (bias, bias, bias), "layer_scale": True, "post_norm": False,
-            "norm_bias": _field(config, "norm_type", "rms_norm") == "layer_norm",
-            "qk_norm_dim": hidden if _field(config, "qk_normalization", False) else 0,
+            "norm_bias": config_field(config, "norm_type", "rms_norm") == "layer_norm",
+            "qk_norm_dim": hidden if config_field(config, "qk_normalization", False) else 0,
         }
     return {}
 
@@ -529,10 +484,11 @@ def arch_from_config(config: Any) -> DecoderArch | EncoderArch:
     """
     if isinstance(config, (DecoderArch, EncoderArch)):
         return config
-    if _model_type(config) in ("whisper", "qwen2_audio_encoder") or _field(config, "patch_size", None) is not None:
+    if config_model_type(config) in ("whisper", "qwen2_audio_encoder") or config_field(config, "patch_size",
+                                                                                       None) is not None:
         return EncoderArch.from_config(config)
-    if _field(config, "vision_config", None) is not None or _field(config, "text_config", None) is not None:
-        raise ValueError(f"config {_model_type(config)!r} is composite: pass its text_config / vision_config")
+    if config_field(config, "vision_config", None) is not None or config_field(config, "text_config", None) is not None:
+        raise ValueError(f"config {config_model_type(config)!r} is composite: pass its text_config / vision_config")
     return DecoderArch.from_config(config)
 
 
@@ -601,7 +557,7 @@ def units_from_configs(model_configs: Mapping[str, Any], frozen: Mapping[str, bo
         model_configs: ``{"vision": cfg, "llm": cfg, "vision.projector": {...}}`` (projector optional).
         frozen: ``{"vision": True, "vision.projector": False, "llm": True}``; a missing key means trainable.
 
-    Flags (../shared/DESIGN.md principle 6): ``trainable`` = the unit's part is not frozen;
+    Flags: ``trainable`` = the unit's part is not frozen;
     ``needs_input_grad`` by the unit-graph rule (``graph.consistent_units``): some unit upstream trains. So
     encoder embeddings never need an input gradient (pixels, mel frames); the LLM's token embedding needs one
     when an encoder branch trains, since the projected features are merged there.

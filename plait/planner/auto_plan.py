@@ -23,74 +23,64 @@ config. Plain data in and out: nothing here reads a config, touches torch or the
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from plait.planner.overheads import ActionOverheads
 from plait.planner.pipeline_plan import PipelinePlan, split_even
+from plait.planner.request import Machine, SearchSpace
 from plait.planner.search import LayoutChoice, evaluate_plan, plan_layout
 from plait.planner.search_model import Costs
 from plait.planner.search_parallel import plan_parallel
-from plait.planner.sharding import FSDP_RESHARD
-from plait.planner.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
 
-__all__ = ["layout_pp_fields", "plan_auto_layout", "plan_filling_layout", "plan_splits"]
+__all__ = ["AUTO_MACHINE", "AUTO_SPACE", "layout_pp_fields", "plan_auto_layout", "plan_filling_layout",
+           "plan_splits"]
+
+
+AUTO_MACHINE = Machine(dtype="float32")
+"""``plan_auto_layout``'s default machine: no cap, free links, float32 parameters."""
+AUTO_SPACE = SearchSpace(virtual_stages=(1, 2, 4), attach_encoders=True)
+"""``plan_auto_layout``'s default search space: interleaved 1F1B with 2 or 4 LLM stages per rank and encoders on
+the first LLM rank searched too (the pipeline trainer runs them)."""
 
 
 def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_size: int, microbatches: int, *,
-                     p2p: P2PModel | None = None, memory_cap: float | None = None, dtype: str = "float32",
-                     dp_link: P2PModel | None = None, virtual_stages: Sequence[int] = (1, 2, 4),
-                     attach_encoders: bool = True, overheads: ActionOverheads = ActionOverheads(),
-                     checkpointing: str = "none", checkpoint_overrides: dict[str, str] | None = None,
-                     tp_degrees: Sequence[int] | None = None, dp_shard_degrees: Sequence[int] | None = None,
-                     prefer_plain: bool = True, fsdp_reshard: Sequence[str] = FSDP_RESHARD,
-                     offload: str = "auto") -> LayoutChoice:
+                     machine: Machine = AUTO_MACHINE, space: SearchSpace = AUTO_SPACE) -> LayoutChoice:
     """The fastest runnable plan for ``world_size`` processes (module docstring): ``plait plan``'s search
     (``search_parallel.plan_parallel``) with :func:`plan_filling_layout` as its layout search.
 
     Args:
         units, costs: pipeline units (real flags) and their per-microbatch costs (e.g. a measured profile).
         world_size: processes of the job; microbatches: global microbatches per step.
-        p2p: stage-to-stage transfer model; memory_cap: bytes per device (None: unchecked); dtype: parameter
-            dtype for memory.
-        dp_link: link of the DP gradient all-reduce (ring, ``search.allreduce_s``) of each rank's trainable
-            parameters after the flush; None: not charged.
-        virtual_stages: LLM stages per LLM rank to consider (1: one stage per rank; ``v`` > 1: interleaved 1F1B).
-        attach_encoders: also consider plans whose encoders are one stage each on the first LLM rank.
-        overheads: the runtime's fixed costs per action, module chunk and optimizer byte (``search.plan_layout``).
-        checkpointing, checkpoint_overrides: the job's activation checkpointing (``recompute.plan_checkpointing``;
-            ``costs`` are without it). When the plain plan does not fit, a job without checkpointing may get one.
-        tp_degrees, dp_shard_degrees: TP and FSDP2 degrees searched when the plain plan does not fit memory
-            (``search_parallel.degree_options``; the TP all-reduces on ``p2p``, FSDP2's collectives on ``dp_link``).
-        prefer_plain: keep the plain plan whenever it fits (default); False: the fastest over the degrees.
-        fsdp_reshard: FSDP2's resharding options searched without pipeline stages (``sharding.FSDP_RESHARD``).
-        offload: ``"auto"`` (CPU offload when nothing fits without it) or ``"cpu"`` (offloaded plans only: a job's
-            own ``parallel.offload``); ``search_parallel.plan_parallel``.
+        machine: memory cap (None: unchecked), the stage-to-stage ``p2p`` link (also the TP all-reduces'), the
+            ``dp_link`` of the DP gradient all-reduce (ring, ``search.allreduce_s``, of each rank's trainable
+            parameters after the flush; None: not charged; also FSDP2's collectives'), dtype, the runtime's fixed
+            ``overheads`` (``search.plan_layout``).
+        space: as ``plan_parallel``: ``virtual_stages``, ``attach_encoders``, the job's activation checkpointing
+            (``base_checkpointing``, ``checkpoint_overrides``: ``costs`` are without it; when the plain plan does
+            not fit, a job without checkpointing may get one), ``tp_degrees``, ``dp_shard_degrees``,
+            ``fsdp_reshard``, ``prefer_plain`` and ``offload``.
 
     Returns:
         The chosen ``LayoutChoice`` (``dp * plan.num_ranks * tp == world_size``; ``schedule`` is ``"1f1b"`` or
         ``"interleaved_1f1b"``; ``dp_shard`` divides ``dp``).
 
     Raises:
-        ValueError: on a world size or microbatch count < 1, or when no plan fits memory.
+        ValueError: on a world size or microbatch count < 1; ``NoPlanFits`` when no plan fits memory.
     """
     if world_size < 1 or microbatches < 1:
         raise ValueError(f"world_size and microbatches must be >= 1, got {world_size} and {microbatches}")
-    return plan_parallel(units, costs, world_size, microbatches=microbatches, memory_cap=memory_cap,
-                         tp_degrees=tp_degrees, dp_shard_degrees=dp_shard_degrees, base_checkpointing=checkpointing,
-                         checkpoint_overrides=checkpoint_overrides, dtype=dtype, layout_search=plan_filling_layout,
-                         p2p=p2p, dp_link=dp_link, virtual_stages=tuple(virtual_stages),
-                         attach_encoders=attach_encoders, overheads=overheads, prefer_plain=prefer_plain,
-                         fsdp_reshard=fsdp_reshard, offload=offload)
+    return plan_parallel(units, costs, world_size, microbatches=microbatches, machine=machine, space=space,
+                         layout_search=plan_filling_layout)
 
 
 def plan_filling_layout(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int,
-                        dp_degrees: Sequence[int] | None = None, dp_shard: int = 1, **search: Any) -> LayoutChoice:
+                        machine: Machine = Machine(), space: SearchSpace = SearchSpace()) -> LayoutChoice:
     """``search.plan_layout`` restricted to the plans that use all ``devices`` (module docstring): for each DP
     degree (default every divisor of ``devices``, above ``microbatches`` too) that divides ``devices`` and that
-    ``dp_shard`` divides, the best plan of that many replicas filling their ranks; the fastest of those, ties to
-    every replica having a microbatch, then to fewer replicas. Same signature as ``plan_layout`` (the
+    ``machine.dp_shard`` divides, the best plan of that many replicas filling their ranks; the fastest of those,
+    ties to every replica having a microbatch, then to fewer replicas. Same signature as ``plan_layout`` (the
     ``search_parallel.LayoutSearch`` of ``parallel.plan = "auto"``).
 
     Raises:
@@ -98,10 +88,10 @@ def plan_filling_layout(units: Sequence[Unit], costs: Costs, devices: int, *, mi
     """
     best: LayoutChoice | None = None
     errors = []
-    candidates = dp_degrees if dp_degrees is not None else range(1, devices + 1)
-    for dp in (d for d in candidates if devices % d == 0 and d % dp_shard == 0):
+    candidates = space.dp_degrees if space.dp_degrees is not None else range(1, devices + 1)
+    for dp in (d for d in candidates if devices % d == 0 and d % machine.dp_shard == 0):
         try:
-            choice = _filling_choice(units, costs, devices, microbatches, dp, dict(search, dp_shard=dp_shard))
+            choice = _filling_choice(units, costs, (devices, microbatches, dp), machine, space)
         except ValueError as exc:
             errors.append(f"dp {dp}: {exc}")
             continue
@@ -114,39 +104,40 @@ def plan_filling_layout(units: Sequence[Unit], costs: Costs, devices: int, *, mi
     return best
 
 
-def _filling_choice(units: Sequence[Unit], costs: Costs, world_size: int, microbatches: int, dp: int,
-                    search: dict[str, Any]) -> LayoutChoice | None:
-    """The best plan of ``dp`` replicas that uses all ``world_size / dp`` ranks of each: the full search's, else
-    (it leaves ranks idle) the best 1F1B plan with one stage per rank if that one fills them; else None.
+def _filling_choice(units: Sequence[Unit], costs: Costs, shape: tuple[int, int, int], machine: Machine,
+                    space: SearchSpace) -> LayoutChoice | None:
+    """The best plan of ``dp`` replicas (``shape``: world size, microbatches, dp) that uses all ``world_size / dp``
+    ranks of each: the full search's, else (it leaves ranks idle) the best 1F1B plan with one stage per rank if
+    that one fills them; else None.
 
     Raises:
         ValueError: when no plan fits memory (``plan_layout``).
     """
-    one_per_rank = dict(search, virtual_stages=(1,), attach_encoders=False)
-    attempts = [search] if search == one_per_rank else [search, one_per_rank]
+    world_size, microbatches, dp = shape
+    one_per_rank = dataclasses.replace(space, virtual_stages=(1,), attach_encoders=False)
+    attempts = [space] if space == one_per_rank else [space, one_per_rank]
     for options in attempts:
-        choice = _search_dp(units, costs, world_size, microbatches, dp, options)
+        choice = _search_dp(units, costs, shape, machine, options)
         if choice.plan.num_ranks * dp == world_size:
             return choice
     return None
 
 
-_EVALUATED = ("p2p", "dp_link", "memory_cap", "dtype", "optimizer", "overheads", "dp_shard")
-"""``plan_layout`` keyword arguments that ``evaluate_plan`` takes too."""
-
-
-def _search_dp(units: Sequence[Unit], costs: Costs, world_size: int, microbatches: int, dp: int,
-               options: dict[str, Any]) -> LayoutChoice:
-    """``plan_layout`` restricted to DP degree ``dp`` (all-reduce charged in the search). ``plan_layout`` takes DP
-    degrees up to ``microbatches`` only: a larger ``dp`` is searched as one replica with one microbatch on
-    ``world_size / dp`` devices, then timed as ``dp`` replicas with the all-reduce (``evaluate_plan``)."""
+def _search_dp(units: Sequence[Unit], costs: Costs, shape: tuple[int, int, int], machine: Machine,
+               space: SearchSpace) -> LayoutChoice:
+    """``plan_layout`` restricted to DP degree ``dp`` (``shape``: world size, microbatches, dp; all-reduce charged
+    in the search). ``plan_layout`` takes DP degrees up to ``microbatches`` only: a larger ``dp`` is searched as one
+    replica with one microbatch on ``world_size / dp`` devices, then timed as ``dp`` replicas with the all-reduce
+    (``evaluate_plan``)."""
+    world_size, microbatches, dp = shape
     if dp <= microbatches:
-        return plan_layout(units, costs, world_size, microbatches=microbatches, dp_degrees=[dp], **options)
-    one = plan_layout(units, costs, world_size // dp, microbatches=1, dp_degrees=[1], **dict(options, dp_shard=1))
-    timed = {k: v for k, v in options.items() if k in _EVALUATED}
-    return evaluate_plan(one.plan, units, costs, dp=dp, microbatches=microbatches, devices=world_size,
-                         method=one.method, candidates=one.candidates, simulated=one.simulated,
-                         schedule=one.schedule, **timed)
+        return plan_layout(units, costs, world_size, microbatches=microbatches, machine=machine,
+                           space=dataclasses.replace(space, dp_degrees=(dp,)))
+    one = plan_layout(units, costs, world_size // dp, microbatches=1, machine=dataclasses.replace(machine, dp_shard=1),
+                      space=dataclasses.replace(space, dp_degrees=(1,)))
+    timed = evaluate_plan(one.plan, units, costs, dp=dp, microbatches=microbatches, devices=world_size,
+                          machine=machine, schedule=one.schedule)
+    return dataclasses.replace(timed, method=one.method, candidates=one.candidates, simulated=one.simulated)
 
 
 def _rank(choice: LayoutChoice) -> tuple:

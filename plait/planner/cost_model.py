@@ -23,8 +23,8 @@ Conventions (all formulas below use them):
   moves about the forward's bytes. Embeddings have no dX (their input is token ids, pixels or mel
   frames). Hence ``dX + dW = 2 (W + A) = 2 f`` for compute-bound units: a frozen-unaware planner that
   charges ``f + dX + dW`` weighs a fully frozen encoder 3x and a frozen LLM after a trainable projector
-  ``(3W + 3A) / (2W + 3A)``, about 1.5x (../shared/REFERENCES.md, section 1, Cornstarch).
-- Memory of a unit (../shared/DESIGN.md, "Cost of a unit"): parameters (``b`` bytes each), plus
+  ``(3W + 3A) / (2W + 3A)``, about 1.5x (Cornstarch).
+- Memory of a unit: parameters (``b`` bytes each), plus
   gradients and optimizer state if trainable (``OptimizerSpec``; AdamW with fp32 master, m and v is 12
   bytes per parameter), plus saved activations per microbatch in flight if the unit runs a backward.
   Activation checkpointing (``planner.recompute.checkpointed_costs``) turns a checkpointed unit's saved
@@ -235,10 +235,6 @@ def dtype_bytes(dtype: Any) -> float:
     if name not in _DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_BYTES)}")
     return float(_DTYPE_BYTES[name])
-
-
-# --------------------------------------------------------------------------------------------------
-# Attention pair counts
 
 
 def causal_pairs(seq_len: int) -> int:

@@ -1,6 +1,6 @@
-"""The time-energy frontier of a pipeline schedule: one GPU frequency per action (Perseus, issue 17).
+"""The time-energy frontier of a pipeline schedule: one GPU frequency per action (Perseus).
 
-Perseus (Chung et al., SOSP 2024, arXiv 2312.06902; ../shared/REFERENCES.md section 4) turns one iteration of a
+Perseus (Chung et al., SOSP 2024, arXiv 2312.06902) turns one iteration of a
 pipeline schedule into a DAG of computations, each with its (time, energy) options per SM frequency, and
 traces the DAG's time-energy Pareto frontier; the fastest point removes *intrinsic* bloat (computations off the
 critical path slowed down, iteration time unchanged) and the point at a straggler's iteration time ``T'``

@@ -1,4 +1,4 @@
-"""The frequency plan: per pipeline action, the GPU SM frequency to run it at (issue 17, Perseus).
+"""The frequency plan: per pipeline action, the GPU SM frequency to run it at (Perseus).
 
 One JSON file, written by the energy planner (``plait energy``: the time-energy frontier of a schedule's DAG,
 ``planner.energy_frontier``) and read by the pipeline runtime, which sets each action's frequency before running

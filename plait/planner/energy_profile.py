@@ -1,7 +1,7 @@
-"""Energy profiles as data: time and energy of each pipeline unit's passes per GPU SM frequency (issue 17).
+"""Energy profiles as data: time and energy of each pipeline unit's passes per GPU SM frequency.
 
-Perseus (Chung et al., "Perseus: Reducing Energy Bloat in Large Model Training", SOSP 2024, arXiv 2312.06902;
-../shared/REFERENCES.md section 4) plans one SM frequency per forward and backward from each computation's
+Perseus (Chung et al., "Perseus: Reducing Energy Bloat in Large Model Training", SOSP 2024, arXiv 2312.06902)
+plans one SM frequency per forward and backward from each computation's
 (time, energy) at every frequency. This module holds those numbers:
 
 - :class:`UnitEnergy`: per pipeline unit, per frequency, the seconds and joules of its forward, input-gradient

@@ -1,4 +1,4 @@
-"""The unit graph: which pipeline units train and which need an input gradient (../shared/DESIGN.md, principle 6).
+"""The unit graph: which pipeline units train and which need an input gradient.
 
 A model's pipeline units form a small graph: each encoder branch is a chain (``[embed, layers, post-norm,
 projector]``), and every branch feeds the LLM's first unit (its token embedding, into whose output the

@@ -1,6 +1,6 @@
 """Macro-batch statistics: how much work each module gets per global batch, and how much that varies.
 
-Entrain (arXiv 2605.27918, summarised in ../shared/REFERENCES.md section 3) observes that although single
+Entrain (arXiv 2605.27918) observes that although single
 samples differ wildly (a 4-megapixel image against a text-only chat), the *total* work a module receives
 over a whole global batch of ``B`` samples concentrates: its coefficient of variation (CV = std / mean)
 across batches shrinks as ``1 / sqrt(B)``. A static model-parallel configuration can therefore be planned

@@ -24,7 +24,7 @@ smallest ``b`` in ``Z_{i+1}`` above ``a`` has ``[a, b)`` within ``B`` and stage 
 Ties: among partitions with bottleneck ``B*`` we return the one with lexicographically largest
 boundaries (each stage, from the first, as long as the others still fit). Front-loading leaves slack at
 the end of the pipeline, which shortens the 1F1B drain: with Oobleck's pipeline time
-``T = sum w_i + (Nb - S + k* - 1) w_k* + sum_{i>=k*} w_i`` (REFERENCES.md section 2) a bottleneck
+``T = sum w_i + (Nb - S + k* - 1) w_k* + sum_{i>=k*} w_i`` a bottleneck
 stage early (small ``k*``) is never worse than one late.
 """
 
@@ -35,16 +35,16 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any, Union
+from typing import Union
 
 import numpy as np
 
 from plait.planner.cost_model import (
-    OptimizerSpec,
     unit_activation_bytes,
     unit_static_bytes,
     unit_work,
 )
+from plait.planner.request import Machine
 from plait.planner.serialize import JsonDataclass
 from plait.planner.types import Unit, UnitCost
 
@@ -480,35 +480,33 @@ def partition_units(
     costs: Sequence[UnitCost],
     num_stages: int,
     *,
-    memory_cap: float | None = None,
+    machine: Machine = Machine(),
     frozen_aware: bool = True,
-    dtype: Any = "bfloat16",
-    optimizer: OptimizerSpec = OptimizerSpec(),
     in_flight: InFlight | None = None,
     static_memory_per_stage: float | Sequence[float] = 0.0,
 ) -> UnitPartition:
     """Partition pipeline units by their frozen-aware work and memory (``cost_model.unit_work``,
     ``unit_static_bytes``, ``unit_activation_bytes``) with ``partition_chain``.
 
-    With ``frozen_aware=False`` every unit's work is ``f + dX + dW`` (the frozen-unaware baseline of
-    REFERENCES.md section 1) and the reported ``stage_work_s`` uses that model too. Memory always follows
+    With ``frozen_aware=False`` every unit's work is ``f + dX + dW`` (the frozen-unaware baseline
+    Cornstarch compares against) and the reported ``stage_work_s`` uses that model too. Memory always follows
     the units' flags: it is the hard limit the runtime really meets (frozen units hold no optimizer state
     whatever the planner believes about their time).
 
     Args:
         units, costs: the chain in execution order and one ``UnitCost`` per unit.
         num_stages: pipeline stages ``S``.
-        memory_cap: bytes per stage (e.g. ``DeviceSpec.memory_bytes``), None for none.
-        dtype, optimizer: parameter dtype and per-parameter gradient / optimizer bytes.
+        machine: its ``memory_cap`` (bytes per stage, e.g. ``DeviceSpec.memory_bytes``; None for none), ``dtype``
+            and ``optimizer`` (per-parameter gradient / optimizer bytes); links and overheads unused.
         in_flight, static_memory_per_stage: as ``partition_chain`` (default 1F1B ``S - stage``).
 
     Raises:
         ValueError: as ``partition_chain``, or when ``units`` and ``costs`` differ in length.
     """
     work = unit_work(units, costs, frozen_aware)
-    memory = [unit_static_bytes(u, c, dtype, optimizer) for u, c in zip(units, costs)]
+    memory = [unit_static_bytes(u, c, machine.dtype, machine.optimizer) for u, c in zip(units, costs)]
     activation = [unit_activation_bytes(u, c) for u, c in zip(units, costs)]
-    ranges = partition_chain(work, num_stages, memory, memory_cap, static_memory_per_stage, activation,
+    ranges = partition_chain(work, num_stages, memory, machine.memory_cap, static_memory_per_stage, activation,
                              in_flight, [u.name for u in units])
     loads = stage_loads(work, ranges)
     return UnitPartition(

@@ -1,6 +1,6 @@
 """Pipeline plans: which units each pipeline stage runs, on which rank, and how the stages connect.
 
-An MLLM pipeline is a DAG, not a line (../shared/REFERENCES.md section 1, "Modality parallelism"):
+An MLLM pipeline is a DAG, not a line (Cornstarch, "Modality parallelism"):
 
 - ``"encoder_parallel"``: each encoder branch is its own chain of stages (its last stage holds the
   projector) and every branch feeds the first LLM stage; the LLM stages form a chain.
@@ -12,7 +12,7 @@ LLM stages last, and the last stage (the one that computes the loss) is the only
 its output to exactly one successor; the first LLM stage of an ``encoder_parallel`` plan receives from one
 predecessor per encoder branch.
 
-A stage's flags come from its units (../shared/DESIGN.md, principle 6): it is ``trainable`` when any of its
+A stage's flags come from its units: it is ``trainable`` when any of its
 units trains, it ``needs_input_grad`` when the first unit of (any of) its module chunk(s) needs one, and
 it ``runs_backward`` when either holds. A stage that runs no backward is forward-only: the schedule gives
 it no ``B``/``W`` actions and it keeps no activations.
@@ -212,8 +212,7 @@ class PipelinePlan(JsonDataclass):
         """Number of stages on the path from ``stage`` to the last stage, both included.
 
         This is the warm-up depth of multimodal 1F1B: encoder stage ``i`` of a branch with ``S_enc`` stages
-        has depth ``S_enc + S_llm - i``, LLM stage ``j`` has depth ``S_llm - j``
-        (../shared/REFERENCES.md section 1).
+        has depth ``S_enc + S_llm - i``, LLM stage ``j`` has depth ``S_llm - j`` (Cornstarch).
         """
         depth = 1
         while self._successors[stage]:

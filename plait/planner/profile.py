@@ -14,7 +14,7 @@ torch version; :meth:`ProfileKey.digest` names its file. :func:`profile_mismatch
 stored profile with the requested key and names the fields that differ, so the caller re-measures instead of
 silently reusing numbers of another model or machine.
 
-Pure data (../shared/DESIGN.md, principle 1): no torch and no files here; ``plait.commands.profile.ProfileStore``
+Pure data: no torch and no files here; ``plait.commands.profile.ProfileStore``
 reads and writes profiles (``Profile.to_dict`` / ``from_dict``) as JSON files.
 """
 

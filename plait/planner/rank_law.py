@@ -1,4 +1,4 @@
-"""MARS: per-module LoRA rank search from short calibration runs (../shared/REFERENCES.md section 5; pure).
+"""MARS: per-module LoRA rank search from short calibration runs (pure).
 
 A LoRA rank sets how fast a module's adapters converge. MARS picks one rank per module (each encoder with adapters,
 and the LLM) so that the encoders and the LLM converge together, then picks, among such aligned combinations, the
@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from plait.planner.serialize import JsonDataclass
+from plait.planner.toml_text import toml_text
 from plait.planner.types import LLM_MODULE
 
 __all__ = [
@@ -395,21 +396,7 @@ def lora_toml(ranks: Mapping[str, int], settings: Mapping[str, Mapping[str, obje
         if ranks[module] < 1:
             raise ValueError(f"rank of {module!r} must be >= 1, got {ranks[module]}")
         table = "model.llm.lora" if module == LLM_MODULE else f"model.encoders.{module}.lora"
-        lines = [f"[{table}]", f"r = {int(ranks[module])}"]
-        for key, value in (settings or {}).get(module, {}).items():
-            if key != "r":
-                lines.append(f"{key} = {_toml_value(value)}")
-        out.append("\n".join(lines))
+        fields = {"r": int(ranks[module])}
+        fields.update((k, v) for k, v in (settings or {}).get(module, {}).items() if k != "r")
+        out.append(toml_text(fields, table=table).rstrip("\n"))
     return "\n\n".join(out) + "\n"
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(float(value)) if isinstance(value, float) else str(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise ValueError(f"cannot write {value!r} as a TOML value")

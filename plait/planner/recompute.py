@@ -6,7 +6,7 @@ One rule decides the checkpointed units for the runtime (``plait.parallel.activa
 - only ``layer`` units are checkpointed (transformer blocks of an encoder or the LLM): they hold almost all of
   a model's saved activations, while an embedding, norm, projector or head saves about its input or output,
   which a checkpoint would keep anyway;
-- frozen-aware (../shared/DESIGN.md, principle 6): a unit that runs no backward (neither ``trainable`` nor
+- frozen-aware: a unit that runs no backward (neither ``trainable`` nor
   ``needs_input_grad``) is never checkpointed: it runs under ``no_grad`` and keeps nothing already; a unit that
   needs an input gradient but trains nothing (a frozen LLM after a trainable projector) is checkpointed like
   any other, since its activations are kept for the dX backward;

@@ -1,5 +1,5 @@
 """Reconfiguration after losing ranks: the survivors' new pipelines and the state each must receive (Oobleck,
-SOSP 2023, section 5; ../shared/REFERENCES.md section 2).
+SOSP 2023, section 5).
 
 :func:`plan_reconfiguration` takes the running :class:`~plait.planner.templates.Instantiation` and the failed
 ranks and, as the paper does:

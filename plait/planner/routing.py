@@ -1,4 +1,4 @@
-"""Feature routing (deferred encoder outputs, issue 5; Entrain's level 2, ../shared/REFERENCES.md section 3): which
+"""Feature routing (deferred encoder outputs; Entrain's level 2): which
 rows of which encoder microbatch feed which LLM microbatch, as plan data computed from a ``MicrobatchPlan``.
 
 A microbatch plan may run a sample's LLM work in a later microbatch ``j`` than its encoder work ``i``. The

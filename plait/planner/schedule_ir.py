@@ -1,6 +1,6 @@
 """Pipeline schedule IR: actions, per-rank schedules, their dependencies and the schedule checker.
 
-One schedule, many readers (../shared/DESIGN.md, principle 2): a ``Schedule`` is, per pipeline rank, the
+One schedule, many readers: a ``Schedule`` is, per pipeline rank, the
 ordered actions that rank executes. An ``Action`` is ``F`` (forward), ``B`` (backward: the input-gradient
 part when the schedule splits the backward, the full backward otherwise) or ``W`` (weight-gradient part),
 of one stage and one microbatch. Sends and receives are implied by the plan's edges: ``F`` of a stage

@@ -9,7 +9,7 @@ Generators (all deadlock-free by construction, and checked before they return):
 - ``gpipe``: all forwards, then all backwards (Huang et al., "GPipe", NeurIPS 2019).
 - ``one_f_one_b``: multimodal 1F1B (one-forward-one-backward with a flush per iteration: Narayanan et al.,
   "Memory-Efficient Pipeline-Parallel DNN Training" (PipeDream-Flush), ICML 2021, section 2; multimodal
-  warm-up from Cornstarch, ../shared/REFERENCES.md section 1): a stage of depth ``d``
+  warm-up from Cornstarch): a stage of depth ``d``
   (``PipelinePlan.depth``) warms up with ``d - 1`` forwards, then alternates forward and backward, then
   drains. For encoder stage ``i`` of a branch with ``S_enc`` stages, ``d - 1 = S_enc + S_llm - i - 1``;
   for LLM stage ``j``, ``S_llm - j - 1``.
@@ -119,8 +119,8 @@ def memory_capped_1f1b(
 ) -> Schedule:
     """1F1B with at most ``cap`` microbatches in flight (forwarded, activations not yet freed) per stage.
 
-    A stage of depth ``d`` warms up with ``min(d, cap) - 1`` forwards (Cornstarch's memory-aware schedule,
-    ../shared/REFERENCES.md section 1). Forward-only stages keep no activations and are not capped. Since
+    A stage of depth ``d`` warms up with ``min(d, cap) - 1`` forwards (Cornstarch's memory-aware schedule).
+    Forward-only stages keep no activations and are not capped. Since
     warm-up depth never grows along an edge, the result stays deadlock-free.
 
     Args:

@@ -3,7 +3,7 @@
 Given the pipeline units of a model and their costs, ``plan_layout`` chooses, for ``devices`` accelerators
 and a global batch of ``microbatches`` microbatches:
 
-- the layout (../shared/REFERENCES.md section 1, "Modality parallelism"): ``"encoder_parallel"`` (each
+- the layout (Cornstarch, "Modality parallelism"): ``"encoder_parallel"`` (each
   encoder branch its own chain of stages, all feeding the first LLM stage) or ``"encoders_colocated"``
   (encoder stage ``s`` runs the ``s``-th chunk of every encoder, then the LLM stages: a line);
 - the number of stages of each module (each encoder branch, the LLM);
@@ -35,7 +35,7 @@ and three modules: about 10^6 candidates), and timing one candidate costs millis
 
 Frozen-unaware baseline: with ``frozen_aware=False`` the search believes every unit trains (work
 ``f + dX + dW`` everywhere, every stage runs a backward, every parameter is all-reduced), as a planner that
-ignores frozen-ness would (REFERENCES.md section 1); memory always follows the real flags (it is the limit
+ignores frozen-ness would; memory always follows the real flags (it is the limit
 the runtime meets). The chosen plan is evaluated with the true costs. ``megatron_even_split`` is the
 Megatron-style baseline: units spread evenly by count over the pipeline ranks, encoders first.
 
@@ -64,7 +64,6 @@ from typing import Any
 
 from plait.planner.cost_model import OptimizerSpec, unit_activation_bytes, unit_static_bytes
 from plait.planner.graph import consistent_units
-from plait.planner.overheads import ActionOverheads
 from plait.planner.pipeline_plan import LAYOUTS, PipelinePlan, check_plan_units, plan_pipeline, stage_ranks
 from plait.planner.schedule_ir import in_flight_peaks
 from plait.planner.schedules import build_schedule
@@ -87,6 +86,7 @@ from plait.planner.simulator import (
     simulate,
     stage_costs_from_units,
 )
+from plait.planner.request import Machine, NoPlanFits, SearchSpace
 from plait.planner.serialize import JsonDataclass
 from plait.planner.types import Unit, UnitCost
 
@@ -279,20 +279,8 @@ def plan_layout(
     devices: int,
     *,
     microbatches: int,
-    frozen_aware: bool = True,
-    memory_cap: float | None = None,
-    p2p: P2PModel | None = None,
-    dp_link: P2PModel | None = None,
-    layouts: Sequence[str] = LAYOUTS,
-    dp_degrees: Sequence[int] | None = None,
-    rel_tol: float = 0.0,
-    dtype: Any = "bfloat16",
-    optimizer: OptimizerSpec = OptimizerSpec(),
-    virtual_stages: Sequence[int] = (1,),
-    attach_encoders: bool = False,
-    max_timed: int = 256,
-    overheads: ActionOverheads = ActionOverheads(),
-    dp_shard: int = 1,
+    machine: Machine = Machine(),
+    space: SearchSpace = SearchSpace(),
 ) -> LayoutChoice:
     """Search layout, stages per module, DP degree and LLM chunks per rank minimising the predicted
     iteration time.
@@ -302,85 +290,84 @@ def plan_layout(
         costs: one ``UnitCost`` per unit (same order) or a mapping from unit name.
         devices: accelerators available (``dp * pipeline ranks <= devices``).
         microbatches: global microbatches per iteration, split over the DP replicas.
-        frozen_aware: plan with the true frozen-aware costs (True) or as the frozen-unaware baseline
-            (module docstring); the returned times are always the true ones.
-        memory_cap: bytes per device (parameters, gradients, optimizer state, 1F1B activations); None: no cap.
-        p2p: transfer model between pipeline stages (default free and instant).
-        dp_link: link of the gradient all-reduce between replicas (None: not modelled).
-        layouts: layouts to consider (a model without encoders has one layout either way).
-        dp_degrees: DP degrees to consider (default: divisors of ``devices`` up to ``microbatches``).
-        rel_tol: stop when no candidate can beat the best by more than this fraction (0: exact optimum).
-        dtype, optimizer: parameter dtype and optimizer memory per trainable parameter.
-        virtual_stages: LLM chunks per LLM rank ``v`` to consider: 1 is 1F1B with one stage per rank; ``v > 1``
-            splits the LLM into ``v p`` stages cyclically on ``p >= 2`` ranks, run with
-            ``schedules_interleaved.interleaved_1f1b`` (``v p`` at most the LLM's unit count). Default ``(1,)``; the
-            benchmark passes ``(1, 2, 4)``.
-        attach_encoders: also consider plans whose encoders are one stage each on the first LLM rank (the
-            rank runs an encoder forward just before the first LLM stage's, its backward just after), for
-            every LLM rank count and ``v``; the time of such a candidate is bounded by its busiest rank
-            (``attached_stream``) and it is timed on the real schedule order.
-        max_timed: at most this many interleaved / attached candidates are timed (in increasing lower bound;
-            each costs a schedule and a timing pass); the search is exact over them only when fewer have a
-            bound below the best time (1F1B candidates with one stage per rank are not limited).
-        overheads: the runtime's fixed seconds per action and module chunk (``overheads.ActionOverheads``),
-            charged in the search's stage costs and in the chosen plan's timing; ``p2p``'s send and receive
-            overheads are charged per message alike. Default none (GPU presets).
-        dp_shard: FSDP2 shard degree: ``costs`` are per shard (``sharding.shard_costs``), only DP degrees it
-            divides are searched and gradients are reduce-scattered (``search_model.grad_sync_s``). The memory
-            cap is the caller's (``search_parallel`` keeps FSDP2's transient buffer free below it).
+        machine: memory cap (bytes per device: parameters, gradients, optimizer state, 1F1B activations), the
+            stage-to-stage ``p2p`` link (default free and instant), the DP all-reduce's ``dp_link`` (None: not
+            modelled), dtype, optimizer, the runtime's fixed ``overheads`` (charged in the search's stage costs and
+            in the chosen plan's timing; ``p2p``'s send and receive overheads per message alike) and ``dp_shard``,
+            the FSDP2 shard degree: ``costs`` are per shard (``sharding.shard_costs``), only DP degrees it divides
+            are searched and gradients are reduce-scattered (``search_model.grad_sync_s``); the cap is the
+            caller's (``search_parallel`` keeps FSDP2's transient buffer free below it).
+        space: ``layouts``; ``dp_degrees`` (default: divisors of ``devices`` up to ``microbatches``);
+            ``frozen_aware``: plan with the true frozen-aware costs or as the frozen-unaware baseline (module
+            docstring; the returned times are always the true ones); ``rel_tol``: stop when no candidate can beat
+            the best by more than this fraction (0: exact optimum); ``virtual_stages``: LLM chunks per LLM rank
+            ``v`` (1: 1F1B with one stage per rank; ``v > 1`` splits the LLM into ``v p`` stages cyclically on
+            ``p >= 2`` ranks, run with ``schedules_interleaved.interleaved_1f1b``, ``v p`` at most the LLM's unit
+            count); ``attach_encoders``: also plans whose encoders are one stage each on the first LLM rank (an
+            encoder forward just before the first LLM stage's, its backward just after; bounded by the busiest
+            rank, ``attached_stream``, timed on the real schedule order); ``max_timed``: at most this many
+            interleaved / attached candidates are timed in increasing lower bound (exact over them only when
+            fewer have a bound below the best time; 1F1B candidates with one stage per rank are not limited).
 
     Returns:
         The best ``LayoutChoice`` (method ``"plait"`` or ``"frozen_unaware"``; ``schedule`` says which).
 
     Raises:
-        ValueError: on bad arguments (named), an unknown layout, or when no candidate fits the memory cap.
+        ValueError: on bad arguments (named) or an unknown layout; ``NoPlanFits`` when no candidate fits the
+            memory cap.
     """
-    _check_common(devices, microbatches, memory_cap, rel_tol)
+    memory_cap, dp_link, dp_shard = machine.memory_cap, machine.dp_link, machine.dp_shard
+    layouts, virtual_stages, frozen_aware = space.layouts, space.virtual_stages, space.frozen_aware
+    _check_common(devices, microbatches, memory_cap, space.rel_tol)
     unknown = [lay for lay in layouts if lay not in LAYOUTS]
     if unknown or not layouts:
         raise ValueError(f"layouts must be a non-empty subset of {LAYOUTS}, got {list(layouts)}")
     if not virtual_stages or any(int(v) != v or v < 1 for v in virtual_stages):
         raise ValueError(f"virtual_stages must be a non-empty list of integers >= 1, got {list(virtual_stages)}")
-    p2p = p2p or P2PModel()
-    dps = [d for d in _dp_candidates(devices, microbatches, dp_degrees) if d % dp_shard == 0]
+    p2p = machine.p2p or P2PModel()
+    dps = [d for d in _dp_candidates(devices, microbatches, space.dp_degrees) if d % dp_shard == 0]
     if not dps:
         raise ValueError(f"dp_shard {dp_shard} divides none of the DP degrees searched for {devices} devices and "
                          f"{microbatches} microbatches")
-    model = SearchModel(units, costs, frozen_aware, dtype, optimizer, overheads, dp_shard)
+    model = SearchModel(units, costs, frozen_aware, machine.dtype, machine.optimizer, machine.overheads, dp_shard)
     parts = Partitions(model, memory_cap)
     chosen_layouts = list(dict.fromkeys(layouts)) if model.encoders else [layouts[0]]
     streams = [s for v in sorted({int(x) for x in virtual_stages}) for lay in chosen_layouts for d in dps
                if (s := layout_stream(parts, lay, d, devices, microbatches, p2p, dp_link, v)) is not None]
-    if attach_encoders and model.encoders:
+    if space.attach_encoders and model.encoders:
         streams += [s for v in sorted({int(x) for x in virtual_stages}) for d in dps
                     if (s := attached_stream(parts, d, devices, microbatches, p2p, v)) is not None]
-    best, considered, timed = branch_and_bound(parts, streams, p2p, dp_link, rel_tol, max_timed)
-    common = dict(microbatches=microbatches, devices=devices, p2p=p2p, dp_link=dp_link, memory_cap=memory_cap,
-                  method="plait" if frozen_aware else "frozen_unaware", dtype=dtype, optimizer=optimizer,
-                  overheads=overheads, dp_shard=dp_shard)
-    single = _single_rank(model, units, costs, max(dps), dp_link, common)
+    best, considered, timed = branch_and_bound(parts, streams, p2p, dp_link, space.rel_tol, space.max_timed)
+    timing = dataclasses.replace(machine, p2p=p2p)
+    method = "plait" if frozen_aware else "frozen_unaware"
+    single = _single_rank(model, units, costs, max(dps), (microbatches, devices, timing))
     if single is not None and (best.stages is None or single[0] < best.time):
-        return dataclasses.replace(single[1], candidates=considered + 1, simulated=timed + 1)
+        return dataclasses.replace(single[1], method=method, candidates=considered + 1, simulated=timed + 1)
     if best.stages is None:
-        raise ValueError(f"no layout fits: every candidate for {devices} devices exceeds memory_cap={memory_cap} "
+        raise NoPlanFits(f"no layout fits: every candidate for {devices} devices exceeds memory_cap={memory_cap} "
                          "bytes (or has fewer pipeline ranks than modules)")
     plan = _plan_from_stages(model, best)
     schedule = "interleaved_1f1b" if best.v > 1 or best.attached else "1f1b"
-    return evaluate_plan(plan, units, costs, dp=best.dp, planned_iteration_s=best.time, candidates=considered,
-                         simulated=timed + (single is not None), schedule=schedule, **common)
+    choice = evaluate_plan(plan, units, costs, dp=best.dp, microbatches=microbatches, devices=devices,
+                           machine=timing, schedule=schedule)
+    return dataclasses.replace(choice, method=method, planned_iteration_s=best.time, candidates=considered,
+                               simulated=timed + (single is not None))
 
 
-def _single_rank(model: SearchModel, units: Sequence[Unit], costs: Costs, dp: int, dp_link: P2PModel | None,
-                 common: dict[str, Any]) -> tuple[float, LayoutChoice] | None:
-    """The no-pipeline candidate: every module's single stage on one rank, ``dp`` replicas. One rank never
-    waits, so its time in the planning view is ``M_r * sum(work) + all-reduce``. None when it does not fit
-    memory (checked with the simulator's in-flight peaks)."""
+def _single_rank(model: SearchModel, units: Sequence[Unit], costs: Costs, dp: int,
+                 common: tuple[int, int, Machine]) -> tuple[float, LayoutChoice] | None:
+    """The no-pipeline candidate: every module's single stage on one rank, ``dp`` replicas (``common``: the
+    microbatches, devices and machine). One rank never waits, so its time in the planning view is
+    ``M_r * sum(work) + all-reduce``. None when it does not fit memory (checked with the simulator's in-flight
+    peaks)."""
+    microbatches, devices, machine = common
     layout = "encoders_colocated" if model.encoders else "encoder_parallel"
     plan = plan_pipeline(model.units, layout, ranks=[0] * (1 + min(len(model.encoders), 1)))
-    choice = evaluate_plan(plan, units, costs, dp=dp, **common)
+    choice = evaluate_plan(plan, units, costs, dp=dp, microbatches=microbatches, devices=devices, machine=machine)
     if not choice.fits_memory:
         return None
-    nb = -(-common["microbatches"] // dp)
+    dp_link = machine.dp_link
+    nb = -(-microbatches // dp)
     chunks = [(m, any(u.runs_backward for u in model.view if u.module == m)) for m in model.modules]
     fixed = sum(model.overheads.stage_s(kind, chunks, pipelined=False) for kind in ("F", "B"))
     planned = nb * (math.fsum(model.work) + fixed) + flush_s(math.fsum(model.grad), dp, dp_link, model.overheads,
@@ -407,18 +394,8 @@ def evaluate_plan(
     dp: int,
     microbatches: int,
     devices: int | None = None,
-    p2p: P2PModel | None = None,
-    dp_link: P2PModel | None = None,
-    memory_cap: float | None = None,
-    method: str = "given",
-    planned_iteration_s: float | None = None,
-    candidates: int = 0,
-    simulated: int = 0,
-    dtype: Any = "bfloat16",
-    optimizer: OptimizerSpec = OptimizerSpec(),
+    machine: Machine = Machine(),
     schedule: str | None = None,
-    overheads: ActionOverheads = ActionOverheads(),
-    dp_shard: int = 1,
 ) -> LayoutChoice:
     """Time ``plan`` with the true frozen-aware costs: ``simulator.simulate`` on its schedule (``schedule``,
     a ``schedules.SCHEDULE_NAMES`` entry; default ``"interleaved_1f1b"`` when
@@ -431,16 +408,17 @@ def evaluate_plan(
         units, costs: as ``plan_layout``.
         dp: DP degree; microbatches: global microbatches; devices: for ``lower_bound_s`` (default
             ``dp * plan.num_ranks``).
-        p2p, dp_link, memory_cap, dtype, optimizer: as ``plan_layout``.
-        method, planned_iteration_s, candidates, simulated: recorded in the result
-            (``planned_iteration_s`` defaults to the true time).
-        overheads: added to every stage action (``ActionOverheads.stage_s`` of its module chunks; the
-            executor's ``per_action_s`` only when the plan has more than one rank).
-        dp_shard: FSDP2 shard degree (``plan_layout``): costs per shard, gradients reduce-scattered.
+        machine: as ``plan_layout``; its ``overheads`` are added to every stage action
+            (``ActionOverheads.stage_s`` of its module chunks; the executor's ``per_action_s`` only when the plan
+            has more than one rank); ``dp_shard``: costs per shard, gradients reduce-scattered.
+
+    Returns:
+        The ``LayoutChoice`` (method ``"given"``; ``planned_iteration_s`` the true time; no candidates).
 
     Raises:
         ValueError: when the plan does not match the units, on bad numbers, or ``dp * ranks > devices``.
     """
+    memory_cap, dp_shard, overheads = machine.memory_cap, machine.dp_shard, machine.overheads
     _check_common(devices or 1, microbatches, memory_cap)
     if int(dp) != dp or dp < 1:
         raise ValueError(f"dp must be a positive integer, got {dp!r}")
@@ -449,7 +427,7 @@ def evaluate_plan(
     devices = devices or dp * plan.num_ranks
     if dp * plan.num_ranks > devices:
         raise ValueError(f"dp {dp} x {plan.num_ranks} pipeline ranks exceeds devices={devices}")
-    p2p = p2p or P2PModel()
+    p2p = machine.p2p or P2PModel()
     true_units = consistent_units(units)
     by_name_units = _by_name(true_units)
     check_plan_units(plan, true_units)
@@ -465,32 +443,31 @@ def evaluate_plan(
             for kind in ("F", "B"):
                 action[(stage.index, kind)] += overheads.stage_s(kind, chunks, pipelined=plan.num_ranks > 1)
     boundary = boundary_bytes_from_units(plan, cost_map)
-    memory = _stage_memory(plan, true_units, cost_map, dtype, optimizer)
+    memory = _stage_memory(plan, true_units, cost_map, machine.dtype, machine.optimizer)
     result = simulate(schedule, action, p2p=p2p, boundary_bytes=boundary, memory=memory)
     peaks = in_flight_peaks(schedule)
     by_name = _by_name(true_units)
     grads = [0.0] * plan.num_ranks
     for stage in plan.stages:
         grads[stage.rank] += sum(cost_map[n].param_bytes * by_name[n].trained_fraction for n in stage.units)
-    sync = max(grad_sync_s(g, dp, dp_link, dp_shard) for g in grads)
+    sync = max(grad_sync_s(g, dp, machine.dp_link, dp_shard) for g in grads)
     update = max(overheads.update_s(g) for g in grads)
     work = sum(c.forward_s + c.backward_s(u) for u, c in zip(true_units, cost_map.values()))
     n = plan.num_stages
     fits = memory_cap is None or max(result.peak_memory_bytes) <= memory_cap
     return LayoutChoice(
-        method=method, layout=plan.layout, dp=dp,
+        method="given", layout=plan.layout, dp=dp,
         stages_per_module=tuple((m, len(plan.module_stages(m))) for m in plan.modules), plan=plan,
         microbatches=microbatches, devices=devices, iteration_s=result.makespan_s + sync + update,
         makespan_s=result.makespan_s, grad_sync_s=sync,
-        planned_iteration_s=(result.makespan_s + sync + update if planned_iteration_s is None
-                             else planned_iteration_s),
+        planned_iteration_s=result.makespan_s + sync + update,
         lower_bound_s=microbatches * work / devices, bubble_fraction=result.mean_bubble_fraction,
         stage_forward_s=[action[(s, "F")] for s in range(n)], stage_backward_s=[action[(s, "B")] for s in range(n)],
         stage_static_bytes=[memory[s].static_bytes for s in range(n)],
         stage_activation_bytes=[memory[s].activation_bytes for s in range(n)],
         stage_memory_bytes=[memory[s].static_bytes + peaks[s] * memory[s].activation_bytes for s in range(n)],
         stage_boundary_bytes=[boundary[s] for s in range(n)], memory_cap=memory_cap, fits_memory=fits, p2p=p2p,
-        candidates=candidates, simulated=simulated, schedule=name, update_s=update, dp_shard=dp_shard,
+        schedule=name, update_s=update, dp_shard=dp_shard,
     )
 
 
@@ -518,11 +495,7 @@ def megatron_even_split(
     *,
     microbatches: int,
     dp: int | None = None,
-    memory_cap: float | None = None,
-    p2p: P2PModel | None = None,
-    dp_link: P2PModel | None = None,
-    dtype: Any = "bfloat16",
-    optimizer: OptimizerSpec = OptimizerSpec(),
+    machine: Machine = Machine(),
 ) -> LayoutChoice:
     """Megatron-style baseline: the units, encoders first, spread evenly by count over the
     ``devices // dp`` pipeline ranks (the first ``n mod ranks`` ranks get one unit more). A rank whose run
@@ -533,6 +506,7 @@ def megatron_even_split(
     ``dp=None`` every divisor of ``devices`` (up to ``microbatches``, leaving at least one unit per
     rank) is tried and, among those whose plan fits ``memory_cap``, the one with the lowest iteration time
     predicted by the frozen-unaware cost model is kept, as a Megatron user tuning with that model would.
+    ``machine``: memory cap, links, dtype and optimizer as ``plan_layout`` (its overheads and ``dp_shard`` unused).
     When none fits, the best of all is returned with ``fits_memory=False`` (such a run would need
     activation recomputation or a memory-capped schedule, which this baseline does not model).
 
@@ -542,10 +516,12 @@ def megatron_even_split(
     Raises:
         ValueError: on bad arguments, or fewer units than the pipeline ranks of every DP degree.
     """
-    _check_common(devices, microbatches, memory_cap)
+    _check_common(devices, microbatches, machine.memory_cap)
+    machine = Machine(memory_cap=machine.memory_cap, p2p=machine.p2p, dp_link=machine.dp_link, dtype=machine.dtype,
+                      optimizer=machine.optimizer)
     if dp is not None:
-        return _megatron_for(units, costs, devices, microbatches, dp, memory_cap, p2p, dp_link, dtype, optimizer)
-    choices = [_megatron_for(units, costs, devices, microbatches, d, memory_cap, p2p, dp_link, dtype, optimizer)
+        return _megatron_for(units, costs, devices, microbatches, dp, machine)
+    choices = [_megatron_for(units, costs, devices, microbatches, d, machine)
                for d in _dp_candidates(devices, microbatches, None) if devices // d <= len(units)]
     if not choices:
         raise ValueError(f"{len(units)} units cannot fill the pipeline ranks of any DP degree of {devices} devices")
@@ -553,7 +529,7 @@ def megatron_even_split(
     return min(fitting, key=lambda c: c.planned_iteration_s)
 
 
-def _megatron_for(units, costs, devices, microbatches, dp, memory_cap, p2p, dp_link, dtype, optimizer):
+def _megatron_for(units, costs, devices, microbatches, dp, machine):
     """Even split for one DP degree, timed true and frozen-unaware."""
     ranks = devices // dp
     if ranks < 1 or ranks > len(units):
@@ -571,14 +547,13 @@ def _megatron_for(units, costs, devices, microbatches, dp, memory_cap, p2p, dp_l
             rank_per_stage.append(rank_of[index])
             previous = key
     plan = plan_pipeline(true_units, "encoder_parallel", splits=splits, ranks=rank_per_stage)
-    common = dict(dp=dp, microbatches=microbatches, devices=devices, p2p=p2p, dp_link=dp_link,
-                  memory_cap=memory_cap, dtype=dtype, optimizer=optimizer)
+    common = dict(dp=dp, microbatches=microbatches, devices=devices, machine=machine)
     unaware_units = consistent_units(units, all_trainable=True)
     unaware_costs = [_unaware_cost(c) for c in cost_list(units, costs)]
     planned = evaluate_plan(plan_pipeline(unaware_units, "encoder_parallel", splits=splits, ranks=rank_per_stage),
                             unaware_units, unaware_costs, **common)
-    return evaluate_plan(plan, units, costs, method="megatron_even", planned_iteration_s=planned.iteration_s,
-                         **common)
+    return dataclasses.replace(evaluate_plan(plan, units, costs, **common), method="megatron_even",
+                               planned_iteration_s=planned.iteration_s)
 
 
 def _unaware_cost(cost: UnitCost) -> UnitCost:

@@ -26,7 +26,7 @@ above 1, the plan without pipeline stages (every device a DP rank, the only one 
 memory (frozen units, FSDP2's working set, one microbatch's activations) fits the cap and whose host memory fits
 ``HostSpec.memory_bytes``; the fastest (``plan_layout``'s time with no device optimizer step, plus
 ``OffloadCost.step_s``) is chosen, its ``LayoutChoice.offload`` set to ``"cpu"``. A job's own
-``parallel.offload = "cpu"`` (``plan_parallel(offload="cpu")``) searches offloaded plans only.
+``parallel.offload = "cpu"`` (``SearchSpace(offload="cpu")``) searches offloaded plans only.
 
 The result's ``lower_bound_s`` is ``microbatches x (work of the given costs) / devices``: still a lower bound
 with TP (a layer's work split over ``tp`` devices plus its all-reduces is at least its work on one), sharding
@@ -40,24 +40,24 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from plait.planner.cost_model import OptimizerSpec
+from plait.planner.fit import least_need_of
 from plait.planner.graph import consistent_units
 from plait.planner.offload import HostSpec, offload_cost
 from plait.planner.recompute import CHECKPOINT_POLICIES
 from plait.planner.report import format_bytes
+from plait.planner.request import Machine, NoPlanFits, SearchSpace
 from plait.planner.search import LayoutChoice, plan_layout
 from plait.planner.search_model import Costs, cost_list
-from plait.planner.overheads import ActionOverheads
 from plait.planner.sharding import (FSDP_RESHARD, ParallelDegrees, accumulated_grad_bytes, pipelined_optimizer,
                                     pipelined_overheads, pipelined_shard_costs, shard_buffer_bytes, shard_costs)
-from plait.planner.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
 
 __all__ = ["LayoutSearch", "SearchOne", "degree_options", "flat_reduce", "plan_offloaded", "plan_parallel",
            "search_degrees"]
 
 LayoutSearch = Callable[..., LayoutChoice]
-"""A search with ``search.plan_layout``'s signature: ``plan_layout``, or ``planner.auto_plan.plan_filling_layout``
+"""A search with ``search.plan_layout``'s signature ``(units, costs, devices, *, microbatches, machine, space)``:
+``plan_layout``, or ``planner.auto_plan.plan_filling_layout``
 (the plans that use every device)."""
 SearchOne = Callable[[Sequence[UnitCost], int, float | None, ParallelDegrees], LayoutChoice]
 """One search under fixed degrees: ``(per-rank costs, devices / tp, memory cap left, degrees) -> LayoutChoice``;
@@ -91,11 +91,8 @@ def degree_options(devices: int, tp_degrees: Sequence[int] | None = None,
 
 
 def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatches: int, search: SearchOne,
-                   options: Sequence[ParallelDegrees], *, memory_cap: float | None = None,
-                   base: ParallelDegrees = ParallelDegrees(), tp_link: P2PModel | None = None,
-                   shard_link: P2PModel | None = None, dtype: Any = "bfloat16",
-                   optimizer: OptimizerSpec = OptimizerSpec(),
-                   checkpoint_overrides: dict[str, str] | None = None, prefer_base: bool = True) -> LayoutChoice:
+                   options: Sequence[ParallelDegrees], *, machine: Machine = Machine(),
+                   space: SearchSpace = SearchSpace()) -> LayoutChoice:
     """The plain search ``base`` if it fits, else the fastest fitting plan over ``options`` (module docstring).
 
     Args:
@@ -103,21 +100,24 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
             policy is applied here); devices: all devices.
         search: the search under fixed degrees (``SearchOne``).
         options: degrees to try when ``base`` does not fit (``degree_options``).
-        memory_cap: bytes per device (None: everything fits: ``base`` is returned).
-        base: the degrees tried first (the job's own checkpointing policy, no TP, no sharding).
-        tp_link, shard_link: links of the TP all-reduces and FSDP2 all-gathers (``sharding.shard_costs``).
-        dtype, optimizer: for FSDP2's buffer (``sharding.shard_buffer_bytes``).
-        checkpoint_overrides: per module a checkpointing policy replacing the degrees' (``sharding.shard_costs``).
-        prefer_base: return ``base``'s plan whenever it fits (default); False: the fastest over ``options`` (``base``
-            is then searched only when it is among them).
+        machine: ``memory_cap`` (bytes per device; None: everything fits: the base degrees are returned), the
+            links of the TP all-reduces and FSDP2 all-gathers (``tp_link``, ``shard_link``, already defaulted;
+            ``sharding.shard_costs``), dtype and optimizer for FSDP2's buffer (``sharding.shard_buffer_bytes``).
+        space: ``base_checkpointing`` gives the degrees tried first (the job's own policy, no TP, no sharding);
+            ``checkpoint_overrides``: per module a policy replacing the degrees' (``sharding.shard_costs``);
+            ``prefer_plain``: return the base degrees' plan whenever it fits (default); False: the fastest over
+            ``options`` (the base degrees are then searched only when among them).
 
     Returns:
         The chosen ``LayoutChoice`` with ``tp``, ``dp_shard``, ``checkpointing``, ``shard_buffer_bytes``, the
         devices and the caller's cap filled in, and the lower bound of the given costs.
 
     Raises:
-        ValueError: when no degrees give a fitting plan (listing why for each).
+        NoPlanFits: when no degrees give a fitting plan (listing why for each; no least need).
     """
+    memory_cap, dtype, optimizer = machine.memory_cap, machine.dtype, machine.optimizer
+    base, prefer_base = ParallelDegrees(checkpointing=space.base_checkpointing), space.prefer_plain
+    tp_link, shard_link, checkpoint_overrides = machine.tp_link, machine.shard_link, space.checkpoint_overrides
     true_units = consistent_units(units)
     whole = cost_list(units, costs)
     work = math.fsum(c.forward_s + c.backward_s(u) for u, c in zip(true_units, whole))
@@ -161,7 +161,7 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
                                    (best.iteration_s, _preference(_degrees_of(best)))):
             best = choice
     if best is None:
-        raise ValueError("no plan fits the memory cap with any TP degree, shard degree or checkpointing: "
+        raise NoPlanFits("no plan fits the memory cap with any TP degree, shard degree or checkpointing: "
                          + "; ".join(errors[:6]) + (f"; ... ({len(errors)} in all)" if len(errors) > 6 else ""))
     return best
 
@@ -191,97 +191,120 @@ def _label(degrees: ParallelDegrees) -> str:
 
 
 def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int,
-                  memory_cap: float | None = None, tp_degrees: Sequence[int] | None = None,
-                  dp_shard_degrees: Sequence[int] | None = None,
-                  checkpointing: Sequence[str] = CHECKPOINT_POLICIES, base_checkpointing: str = "none",
-                  fsdp_reshard: Sequence[str] = FSDP_RESHARD,
-                  checkpoint_overrides: dict[str, str] | None = None, prefer_plain: bool = True,
-                  tp_link: P2PModel | None = None, shard_link: P2PModel | None = None,
-                  dp_degrees: Sequence[int] | None = None, dtype: Any = "bfloat16",
-                  optimizer: OptimizerSpec = OptimizerSpec(), host: HostSpec | None = HostSpec(),
-                  offload: str = "auto", layout_search: LayoutSearch = plan_layout, **search: Any) -> LayoutChoice:
+                  machine: Machine = Machine(), space: SearchSpace = SearchSpace(),
+                  layout_search: LayoutSearch = plan_layout) -> LayoutChoice:
     """``search.plan_layout`` over layouts, stages and DP degrees, and over TP degree, FSDP2 shard degree and
-    activation checkpointing when the plain plan does not fit ``memory_cap``, and FSDP2 CPU offload when nothing
-    fits without it (module docstring).
+    activation checkpointing when the plain plan does not fit ``machine.memory_cap``, and FSDP2 CPU offload when
+    nothing fits without it (module docstring).
 
     Args:
-        units, costs, devices, microbatches, memory_cap, dtype, optimizer: as ``plan_layout``; ``costs`` without
-            checkpointing (``base_checkpointing`` and the searched policies are applied here).
-        tp_degrees, dp_shard_degrees, checkpointing, fsdp_reshard: the degrees and policies to search
-            (``degree_options``; ``fsdp_reshard`` only for FSDP2 without pipeline stages, ``sharding``).
-        base_checkpointing: the job's own policy: the plain plan's, and the only one searched when not ``"none"``;
-            checkpoint_overrides: the job's per-module
-            policies (``recompute.plan_checkpointing``), kept in every option.
-        prefer_plain: keep the plain plan whenever it fits (default); False: the fastest plan over every option.
-        tp_link: link of the TP all-reduces (default ``search["p2p"]``, the stage-to-stage link: within a node);
-            shard_link: link of FSDP2's all-gathers and reduce-scatters (default ``search["dp_link"]``).
-        dp_degrees: data-parallel degrees (all of ``dp x dp_shard``) to consider; those above ``devices / tp`` are
-            dropped for that TP degree.
-        search: the other ``plan_layout`` keyword arguments (``frozen_aware``, ``p2p``, ``dp_link``, ``layouts``,
-            ``rel_tol``, ``virtual_stages``, ``attach_encoders``, ``max_timed``, ``overheads``).
-        host: the host side of a device for CPU offload (``offload.HostSpec``); None: offload not searched.
-        offload: ``"auto"``: CPU offload searched only when nothing fits without it (default); ``"cpu"``: a job's
-            own ``parallel.offload = "cpu"``: only offloaded plans (:func:`plan_offloaded` over the options with a
-            shard degree above 1; ``host`` None: the default ``HostSpec``; no ``memory_cap``: the device unchecked).
+        units, costs, devices, microbatches: as ``plan_layout``; ``costs`` without checkpointing
+            (``space.base_checkpointing`` and the searched policies are applied here).
+        machine: as ``plan_layout``; ``tp_link``: link of the TP all-reduces (default ``p2p``, the stage-to-stage
+            link: within a node); ``shard_link``: link of FSDP2's all-gathers and reduce-scatters (default
+            ``dp_link``); ``host``: the host side of a device for CPU offload (None: offload not searched).
+        space: as ``plan_layout``, plus the degrees and policies to search (``tp_degrees``, ``dp_shard_degrees``,
+            ``checkpointing``, ``fsdp_reshard``: ``degree_options``; ``fsdp_reshard`` only for FSDP2 without
+            pipeline stages), ``base_checkpointing`` (the job's own policy: the plain plan's, and the only one
+            searched when not ``"none"``), ``checkpoint_overrides`` (kept in every option), ``prefer_plain`` and
+            ``offload`` (``"auto"``: CPU offload only when nothing fits without it; ``"cpu"``: a job's own
+            ``parallel.offload = "cpu"``: only offloaded plans, :func:`plan_offloaded` over the options with a
+            shard degree above 1; ``host`` None: the default ``HostSpec``; no cap: the device unchecked).
+            ``dp_degrees`` (all of ``dp x dp_shard``) above ``devices / tp`` are dropped for that TP degree.
         layout_search: the search under fixed degrees (``LayoutSearch``: ``plan_layout``, or
             ``planner.auto_plan.plan_filling_layout``, the plans that use every device), used by every option,
-            FSDP2's both runtimes and CPU offload alike.
+            FSDP2's both runtimes and CPU offload alike; ``machine.dp_shard`` is set per option.
 
     Raises:
-        ValueError: on bad arguments (``offload`` not ``"auto"`` or ``"cpu"``) or when no plan fits.
+        ValueError: on bad arguments (``offload`` not ``"auto"`` or ``"cpu"``); ``NoPlanFits`` with the least need
+            over the options searched (``fit.least_need``) when no plan fits.
     """
-    if offload not in ("auto", "cpu"):
-        raise ValueError(f"offload must be 'auto' or 'cpu', got {offload!r}")
-    if base_checkpointing != "none":  # the job's own policy is kept: only TP and sharding are searched
-        checkpointing = (base_checkpointing,)
-    tp_link = tp_link if tp_link is not None else search.get("p2p")
-    shard_link = shard_link if shard_link is not None else search.get("dp_link")
+    if space.offload not in ("auto", "cpu"):
+        raise ValueError(f"offload must be 'auto' or 'cpu', got {space.offload!r}")
+    if space.base_checkpointing != "none":  # the job's own policy is kept: only TP and sharding are searched
+        space = dataclasses.replace(space, checkpointing=(space.base_checkpointing,))
+    machine = dataclasses.replace(machine, dp_shard=1,
+                                  tp_link=machine.tp_link if machine.tp_link is not None else machine.p2p,
+                                  shard_link=machine.shard_link if machine.shard_link is not None
+                                  else machine.dp_link)
+    options = degree_options(devices, space.tp_degrees, space.dp_shard_degrees, space.checkpointing,
+                             space.fsdp_reshard)
+    job = _Job(units, consistent_units(units), cost_list(units, costs), devices, microbatches, machine, space,
+               layout_search)
+    try:
+        return _plan_parallel(job, costs, options)
+    except NoPlanFits as exc:
+        host = machine.host or (HostSpec() if space.offload == "cpu" else None)
+        raise NoPlanFits(str(exc), least_need_of(job.true_units, job.whole, devices, options, dtype=machine.dtype,
+                                                 optimizer=machine.optimizer,
+                                                 checkpoint_overrides=space.checkpoint_overrides, host=host)) from exc
 
-    true_units = consistent_units(units)
-    whole = cost_list(units, costs)
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What ``plan_parallel`` searches: its arguments, the units as ``consistent_units`` gives them and their
+    whole-unit costs (``cost_list``); the machine's TP and shard links defaulted."""
+
+    units: Sequence[Unit]
+    true_units: Sequence[Unit]
+    whole: Sequence[UnitCost]
+    devices: int
+    microbatches: int
+    machine: Machine
+    space: SearchSpace
+    layout_search: LayoutSearch = plan_layout
+
+    def search(self, per_rank: Sequence[UnitCost], devices: int, *, microbatches: int | None = None,
+               **changes: Any) -> LayoutChoice:
+        """``layout_search`` on ``per_rank`` costs over ``devices``; ``changes``: ``Machine`` fields (``memory_cap``,
+        ``optimizer``, ``overheads``, ``dp_shard``) and ``dp_degrees``."""
+        dps = changes.pop("dp_degrees")
+        space = dataclasses.replace(self.space, dp_degrees=None if dps is None else tuple(dps))
+        return self.layout_search(self.units, per_rank, devices,
+                                  microbatches=self.microbatches if microbatches is None else microbatches,
+                                  machine=dataclasses.replace(self.machine, **changes), space=space)
+
+
+def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees]) -> LayoutChoice:
+    """``plan_parallel`` after its arguments are checked (module docstring).
+
+    Raises:
+        NoPlanFits: without the least need."""
+    machine, space, microbatches = job.machine, job.space, job.microbatches
 
     def one(per_rank: Sequence[UnitCost], pipe_devices: int, cap: float | None, degrees: ParallelDegrees):
-        dps = None if dp_degrees is None else [d for d in dp_degrees if d <= pipe_devices] or [1]
+        dps = None if space.dp_degrees is None else [d for d in space.dp_degrees if d <= pipe_devices] or [1]
         if degrees.dp_shard == 1:
-            return layout_search(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=cap,
-                                 dp_degrees=dps, dtype=dtype, optimizer=optimizer, **search)
+            return job.search(per_rank, pipe_devices, memory_cap=cap, dp_degrees=dps)
 
         def flat(flat_dps: list[int]) -> LayoutChoice:  # every device a DP rank: FSDP2 per microbatch, the buffer
             def run(flat_cap: float | None) -> LayoutChoice:
-                return layout_search(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=flat_cap,
-                                     dp_degrees=flat_dps, dtype=dtype, optimizer=optimizer,
-                                     dp_shard=degrees.dp_shard, **search)
+                return job.search(per_rank, pipe_devices, memory_cap=flat_cap, dp_degrees=flat_dps,
+                                  dp_shard=degrees.dp_shard)
 
             rank_microbatches = -(-microbatches // pipe_devices)
-            extra = (accumulated_grad_bytes(true_units, whole, degrees, dtype, optimizer) if rank_microbatches > 1
-                     else 0.0)
+            extra = (accumulated_grad_bytes(job.true_units, job.whole, degrees, machine.dtype, machine.optimizer)
+                     if rank_microbatches > 1 else 0.0)
             return flat_reduce(run, cap, rank_microbatches, extra)
 
         def staged(staged_dps: list[int]) -> LayoutChoice:  # pipeline stages sharded over their DP ranks
-            return _pipelined(true_units, whole, degrees, pipe_devices, staged_dps, microbatches, memory_cap, dtype,
-                              optimizer, tp_link, checkpoint_overrides, search, layout_search)
+            return _pipelined(job, degrees, pipe_devices, staged_dps)
 
         # staged plans keep their stages whole within the step whatever fsdp_reshard says: searched once
         return _sharded(degrees, pipe_devices, microbatches, dps, flat,
                         staged if degrees.fsdp_reshard == "after_forward" else None)
 
-    options = degree_options(devices, tp_degrees, dp_shard_degrees, checkpointing, fsdp_reshard)
-    links = dict(tp_link=tp_link, shard_link=shard_link, checkpoint_overrides=checkpoint_overrides)
-    if offload == "cpu":  # the job's own CPU offload: only offloaded plans, whether or not others fit
-        job = _Offload(units, true_units, whole, devices, microbatches, memory_cap, host or HostSpec(), dtype,
-                       optimizer, links, dp_degrees, search, layout_search)
-        return plan_offloaded(job, options, ValueError("no plan fits the memory cap with the job's CPU offload "
+    if space.offload == "cpu":  # the job's own CPU offload: only offloaded plans, whether or not others fit
+        if machine.host is None:
+            job = dataclasses.replace(job, machine=dataclasses.replace(machine, host=HostSpec()))
+        return plan_offloaded(job, options, NoPlanFits("no plan fits the memory cap with the job's CPU offload "
                                                        "(parallel.offload = 'cpu')"))
     try:
-        return search_degrees(units, costs, devices, microbatches, one, options, memory_cap=memory_cap,
-                              base=ParallelDegrees(checkpointing=base_checkpointing), tp_link=tp_link,
-                              shard_link=shard_link, dtype=dtype, optimizer=optimizer,
-                              checkpoint_overrides=checkpoint_overrides, prefer_base=prefer_plain)
+        return search_degrees(job.units, costs, job.devices, microbatches, one, options, machine=machine,
+                              space=space)
     except ValueError as exc:
-        if host is None or memory_cap is None:
+        if machine.host is None or machine.memory_cap is None:
             raise
-        job = _Offload(units, true_units, whole, devices, microbatches, memory_cap, host, dtype, optimizer, links,
-                       dp_degrees, search, layout_search)
         return plan_offloaded(job, options, exc)
 
 
@@ -352,46 +375,26 @@ def _sharded(degrees: ParallelDegrees, pipe_devices: int, microbatches: int, dps
     return min(found, key=lambda c: (not c.fits_memory, c.iteration_s))
 
 
-def _pipelined(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees, pipe_devices: int,
-               dps: list[int], microbatches: int, memory_cap: float | None, dtype: Any, optimizer: OptimizerSpec,
-               tp_link: P2PModel | None, overrides: dict[str, str] | None, search: dict[str, Any],
-               layout_search: LayoutSearch = plan_layout) -> LayoutChoice:
+def _pipelined(job: _Job, degrees: ParallelDegrees, pipe_devices: int, dps: list[int]) -> LayoutChoice:
     """``plan_layout`` with pipeline stages sharded by FSDP2 (``sharding``, "FSDP2 under pipeline stages"): whole
     per-unit costs and parameters, a shard of the optimizer state, the DP all-reduce's bytes; the whole memory cap
     (no separate buffer). The result records ``degrees.dp_shard``."""
-    per_rank = pipelined_shard_costs(units, costs, degrees, tp_link=tp_link, checkpoint_overrides=overrides)
-    options = dict(search, overheads=pipelined_overheads(search.get("overheads", ActionOverheads()), degrees.dp_shard))
-    choice = layout_search(units, per_rank, pipe_devices, microbatches=microbatches, memory_cap=memory_cap,
-                           dp_degrees=dps, dtype=dtype, optimizer=pipelined_optimizer(optimizer, degrees.dp_shard),
-                           **options)
+    machine = job.machine
+    per_rank = pipelined_shard_costs(job.true_units, job.whole, degrees, tp_link=machine.tp_link,
+                                     checkpoint_overrides=job.space.checkpoint_overrides)
+    choice = job.search(per_rank, pipe_devices, dp_degrees=dps,
+                        overheads=pipelined_overheads(machine.overheads, degrees.dp_shard),
+                        optimizer=pipelined_optimizer(machine.optimizer, degrees.dp_shard))
     return dataclasses.replace(choice, dp_shard=degrees.dp_shard)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Offload:
-    """What :func:`plan_offloaded` searches: ``plan_parallel``'s arguments (``links``: ``tp_link``, ``shard_link``,
-    ``checkpoint_overrides``)."""
-
-    units: Sequence[Unit]
-    true_units: Sequence[Unit]
-    whole: Sequence[UnitCost]
-    devices: int
-    microbatches: int
-    memory_cap: float | None
-    host: HostSpec
-    dtype: Any
-    optimizer: OptimizerSpec
-    links: dict[str, Any]
-    dp_degrees: Sequence[int] | None
-    search: dict[str, Any]
-    layout_search: LayoutSearch = plan_layout
-
-
-def plan_offloaded(job: _Offload, options: Sequence[ParallelDegrees], cause: Exception) -> LayoutChoice:
-    """The fastest plan with FSDP2 CPU offload over ``options`` (module docstring), when no plan fits without it.
+def plan_offloaded(job: _Job, options: Sequence[ParallelDegrees], cause: Exception) -> LayoutChoice:
+    """The fastest plan with FSDP2 CPU offload over ``options`` (module docstring), when no plan fits without it;
+    ``job``: ``plan_parallel``'s search (its machine's ``host`` set).
 
     Raises:
-        ValueError: ``cause``'s message and why no offloaded plan fits either.
+        NoPlanFits: ``cause``'s message and why no offloaded plan fits either (a ``ValueError`` when ``cause`` is
+            not a ``NoPlanFits``).
     """
     best: LayoutChoice | None = None
     why: list[str] = []
@@ -405,31 +408,33 @@ def plan_offloaded(job: _Offload, options: Sequence[ParallelDegrees], cause: Exc
                                                                           _preference(_degrees_of(best))):
             best = choice
     if best is None:
-        raise ValueError(f"{cause}; with CPU offload: " + ("; ".join(why[:4]) or "no shard degree above 1")
+        error = NoPlanFits if isinstance(cause, NoPlanFits) else ValueError
+        raise error(f"{cause}; with CPU offload: " + ("; ".join(why[:4]) or "no shard degree above 1")
                          + (f"; ... ({len(why)} in all)" if len(why) > 4 else ""))
     return best
 
 
-def _offloaded_one(job: _Offload, degrees: ParallelDegrees) -> LayoutChoice:
+def _offloaded_one(job: _Job, degrees: ParallelDegrees) -> LayoutChoice:
     """The plan without pipeline stages under ``degrees`` with CPU offload (``offload.offload_cost``).
 
     Raises:
         ValueError: when the device or host memory does not fit, or the DP degree is not searched."""
+    machine, space, host = job.machine, job.space, job.machine.host
     pipe = job.devices // degrees.tp
-    if job.dp_degrees is not None and pipe not in job.dp_degrees:
+    if space.dp_degrees is not None and pipe not in space.dp_degrees:
         raise ValueError(f"DP degree {pipe} (every device a DP rank) is not searched")
-    cost = offload_cost(job.true_units, job.whole, degrees, job.host, dtype=job.dtype, optimizer=job.optimizer,
-                        checkpoint_overrides=job.links["checkpoint_overrides"])
-    cap = math.inf if job.memory_cap is None else job.memory_cap
-    if cost.device_bytes > cap or cost.host_bytes > job.host.memory_bytes:
-        cap_text = format_bytes(cap) if job.memory_cap is not None else "none"
+    cost = offload_cost(job.true_units, job.whole, degrees, host, dtype=machine.dtype, optimizer=machine.optimizer,
+                        checkpoint_overrides=space.checkpoint_overrides)
+    cap = math.inf if machine.memory_cap is None else machine.memory_cap
+    if cost.device_bytes > cap or cost.host_bytes > host.memory_bytes:
+        cap_text = format_bytes(cap) if machine.memory_cap is not None else "none"
         raise ValueError(f"device {format_bytes(cost.device_bytes)} (cap {cap_text}), host "
-                         f"{format_bytes(cost.host_bytes)} (of {format_bytes(job.host.memory_bytes)})")
-    per_rank = shard_costs(job.true_units, job.whole, degrees, **job.links)
-    overheads = dataclasses.replace(job.search.get("overheads", ActionOverheads()), optimizer_s_per_byte=0.0)
-    choice = job.layout_search(job.units, per_rank, pipe, microbatches=job.microbatches, dp_degrees=[pipe],
-                               dtype=job.dtype, optimizer=job.optimizer, dp_shard=degrees.dp_shard,
-                               **dict(job.search, overheads=overheads))
+                         f"{format_bytes(cost.host_bytes)} (of {format_bytes(host.memory_bytes)})")
+    per_rank = shard_costs(job.true_units, job.whole, degrees, tp_link=machine.tp_link, shard_link=machine.shard_link,
+                           checkpoint_overrides=space.checkpoint_overrides)
+    overheads = dataclasses.replace(machine.overheads, optimizer_s_per_byte=0.0)
+    choice = job.search(per_rank, pipe, dp_degrees=[pipe], memory_cap=None, dp_shard=degrees.dp_shard,
+                        overheads=overheads)
     added = cost.step_s(choice.microbatches_per_replica, choice.grad_sync_s)
     by_name = {u.name: (u, c) for u, c in zip(job.true_units, per_rank)}
     static = tuple(float(sum(by_name[n][1].param_bytes for n in st.units if not by_name[n][0].trainable))
@@ -441,7 +446,7 @@ def _offloaded_one(job: _Offload, degrees: ParallelDegrees) -> LayoutChoice:
         fsdp_reshard=degrees.fsdp_reshard, iteration_s=choice.iteration_s + delta,
         planned_iteration_s=choice.planned_iteration_s + delta,
         update_s=0.0, offload_s=added, offload="cpu", host_memory_bytes=cost.host_bytes,
-        shard_buffer_bytes=cost.buffer_bytes, memory_cap=job.memory_cap, fits_memory=True,
+        shard_buffer_bytes=cost.buffer_bytes, memory_cap=machine.memory_cap, fits_memory=True,
         stage_static_bytes=static,
         stage_memory_bytes=tuple(s + a for s, a in zip(static, choice.stage_activation_bytes)),
         lower_bound_s=job.microbatches * work / job.devices)

@@ -76,6 +76,7 @@ from plait.planner.types import Unit, UnitCost
 __all__ = [
     "TP_KINDS",
     "FSDP_REDUCE",
+    "GradAccumulation",
     "FSDP_RESHARD",
     "ParallelDegrees",
     "RankMemory",
@@ -338,34 +339,49 @@ class RankMemory(JsonDataclass):
         return self.state + self.activations + self.buffer
 
 
-def rank_memory(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees = ParallelDegrees(), *,
-                in_flight: float = 1, dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec(),
-                checkpoint_overrides: dict[str, str] | None = None, pipelined: bool = False,
-                microbatches: int = 1, fsdp_reduce: str = "step") -> RankMemory:
-    """Per-rank memory of a stage holding ``units`` under ``degrees``, split by kind (``RankMemory``): the same
-    ``cost_model.unit_static_bytes`` / ``unit_activation_bytes`` the search charges, on ``shard_costs`` (with
-    ``pipelined``, a stage of a plan with pipeline stages: :func:`pipelined_shard_costs` and
-    :func:`pipelined_optimizer`, no separate buffer). Without pipeline stages, ``microbatches`` (per rank, per
-    step) above 1 with ``fsdp_reduce = "step"`` makes the buffer hold every trainable unit's unsharded gradient
-    (:func:`shard_buffer_bytes` with ``accumulate``).
+@dataclass(frozen=True)
+class GradAccumulation(JsonDataclass):
+    """How a rank without pipeline stages accumulates gradients over a step: ``microbatches`` it runs per step and
+    FSDP2's ``fsdp_reduce`` (``"step"``: the unsharded gradients accumulate; ``"microbatch"``: reduce-scattered
+    after each).
 
     Raises:
-        ValueError: on mismatched lengths, a negative ``in_flight``, ``microbatches`` below 1 or an unknown
-            ``fsdp_reduce``.
+        ValueError: on ``microbatches`` below 1 or an unknown ``fsdp_reduce`` (``FSDP_REDUCE``).
     """
-    if in_flight < 0:
-        raise ValueError(f"in_flight must be >= 0, got {in_flight}")
-    if microbatches < 1:
-        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
-    if fsdp_reduce not in FSDP_REDUCE:
-        raise ValueError(f"fsdp_reduce must be one of {FSDP_REDUCE}, got {fsdp_reduce!r}")
+
+    microbatches: int = 1
+    fsdp_reduce: str = "step"
+
+    def __post_init__(self) -> None:
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.fsdp_reduce not in FSDP_REDUCE:
+            raise ValueError(f"fsdp_reduce must be one of {FSDP_REDUCE}, got {self.fsdp_reduce!r}")
+
+
+def rank_memory(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees = ParallelDegrees(), *,
+                dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec(),
+                checkpoint_overrides: dict[str, str] | None = None, pipelined: bool = False,
+                accumulation: GradAccumulation = GradAccumulation()) -> RankMemory:
+    """Per-rank memory of a stage holding ``units`` under ``degrees`` with one microbatch's activations in flight,
+    split by kind (``RankMemory``): the same
+    ``cost_model.unit_static_bytes`` / ``unit_activation_bytes`` the search charges, on ``shard_costs`` (with
+    ``pipelined``, a stage of a plan with pipeline stages: :func:`pipelined_shard_costs` and
+    :func:`pipelined_optimizer`, no separate buffer). Without pipeline stages, ``accumulation.microbatches`` (per
+    rank, per step) above 1 with ``fsdp_reduce = "step"`` makes the buffer hold every trainable unit's unsharded
+    gradient (:func:`shard_buffer_bytes` with ``accumulate``).
+
+    Raises:
+        ValueError: on mismatched lengths.
+    """
+    in_flight = 1
     if pipelined and degrees.dp_shard > 1:
         per_rank = pipelined_shard_costs(units, costs, degrees, checkpoint_overrides=checkpoint_overrides)
         memory = _memory(units, per_rank, in_flight, dtype, pipelined_optimizer(optimizer, degrees.dp_shard))
         return dataclasses.replace(memory, buffer=0.0)
     per_rank = shard_costs(units, costs, degrees, checkpoint_overrides=checkpoint_overrides)
     memory = _memory(units, per_rank, in_flight, dtype, optimizer)
-    accumulate = microbatches > 1 and fsdp_reduce == "step"
+    accumulate = accumulation.microbatches > 1 and accumulation.fsdp_reduce == "step"
     return dataclasses.replace(memory, buffer=shard_buffer_bytes(units, costs, degrees, dtype, optimizer,
                                                                  accumulate=accumulate))
 

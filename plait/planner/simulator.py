@@ -1,6 +1,6 @@
 """Time a pipeline schedule: makespan, bubbles, peak memory and the predicted timeline.
 
-The simulator executes a ``Schedule`` the way the runtime does (../shared/DESIGN.md, principle 2): each
+The simulator executes a ``Schedule`` the way the runtime does: each
 rank runs its actions in order and an action starts once its rank is free and every action it depends on
 (``schedule_ir.action_dependencies``) has finished and, across ranks, its P2P transfer has arrived. Transfers
 take ``latency_s + bytes / bandwidth`` and overlap with compute (asynchronous sends, no link contention);
@@ -501,7 +501,7 @@ def stage_costs_from_units(
 
     ``F`` is the sum of forwards. Unsplit, ``B`` is the sum of ``UnitCost.backward_s`` (dX where the unit
     needs an input gradient, plus dW where it trains: the frozen-aware model of
-    ../shared/REFERENCES.md section 1). Split, ``B`` is the dX part and ``W`` the dW part. A checkpointed unit
+    Cornstarch). Split, ``B`` is the dX part and ``W`` the dW part. A checkpointed unit
     (``UnitCost.recompute_s``, ``planner.recompute``) adds its recomputation to ``B``, and split also to ``W``.
 
     Raises:

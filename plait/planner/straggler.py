@@ -1,4 +1,4 @@
-"""Straggler reaction (issue 17 item 4, Perseus "extrinsic bloat"): when one DP replica is measured slower for
+"""Straggler reaction (Perseus "extrinsic bloat"): when one DP replica is measured slower for
 several steps, the others need not finish early and wait in the gradient all-reduce; they switch to the frontier
 point at the straggler's iteration time (:meth:`plait.planner.energy_plan.EnergyPlan.point_for`) and back to the
 fastest point ``T*`` when it recovers.

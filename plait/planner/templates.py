@@ -1,5 +1,4 @@
-"""Pipeline templates and their instantiation: the plans of resilient training (Oobleck, SOSP 2023;
-../shared/REFERENCES.md section 2).
+"""Pipeline templates and their instantiation: the plans of resilient training (Oobleck, SOSP 2023).
 
 - A **pipeline template** is the best plan for one pipeline on exactly ``n`` ranks, from plait's own layout
   search (``search.plan_layout`` with DP degree 1: encoder branches, colocated encoders, interleaved and attached
@@ -23,6 +22,7 @@ pipeline) are the group its gradients are summed over (``plait.parallel.hetero_d
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,8 +30,8 @@ from typing import Any
 
 from plait.planner.cost_model import OptimizerSpec, trained_params
 from plait.planner.graph import consistent_units
-from plait.planner.overheads import ActionOverheads
 from plait.planner.pipeline_plan import PipelinePlan
+from plait.planner.request import Machine, SearchSpace
 from plait.planner.search import evaluate_plan, plan_layout
 from plait.planner.search_model import Costs, allreduce_s, cost_list
 from plait.planner.serialize import JsonDataclass
@@ -292,27 +292,23 @@ def plan_templates(
     failures: int,
     *,
     microbatches: int,
-    memory_cap: float | None = None,
-    p2p: P2PModel | None = None,
-    dp_link: P2PModel | None = None,
-    dtype: Any = "bfloat16",
-    optimizer: OptimizerSpec = OptimizerSpec(),
-    **search: Any,
+    machine: Machine = Machine(),
+    space: SearchSpace = SearchSpace(),
 ) -> TemplateSet:
     """Pipeline templates for every size from the memory minimum ``n0`` to ``num_ranks - failures * n0``.
 
-    Each template is ``search.plan_layout`` on ``n`` devices with DP degree 1 (``search`` passes further
-    options: ``layouts``, ``virtual_stages``, ``attach_encoders``, ``overheads``, ...), fitted to
-    ``fixed_s + per_microbatch_s * nb`` by timing its plan (``search.evaluate_plan``) with ``microbatches`` and
-    ``2 * microbatches`` microbatches.
+    Each template is ``search.plan_layout`` on ``n`` devices with DP degree 1 (``space``: ``layouts``,
+    ``virtual_stages``, ``attach_encoders``, ...), fitted to ``fixed_s + per_microbatch_s * nb`` by timing its plan
+    (``search.evaluate_plan``) with ``microbatches`` and ``2 * microbatches`` microbatches.
 
     Args:
         units, costs: the model's pipeline units and their costs (as ``plan_layout``).
         num_ranks: ranks of the job (``N``).
         failures: simultaneous failures to tolerate (``f >= 0``).
         microbatches: microbatches of the global batch (``M``).
-        memory_cap, p2p, dtype, optimizer: as ``plan_layout``; dp_link: the link of the gradient all-reduce
-            between pipelines.
+        machine: memory cap, ``p2p``, dtype, optimizer, overheads as ``plan_layout``; ``dp_link``: the link of
+            the gradient all-reduce between pipelines (not charged within a template).
+        space: as ``plan_layout`` (its ``dp_degrees`` replaced by ``(1,)``).
 
     Raises:
         ValueError: on bad numbers, when no plan fits on ``N`` ranks, or when ``N < (f + 1) n0`` (naming both).
@@ -321,7 +317,9 @@ def plan_templates(
         raise ValueError(f"num_ranks must be >= 1 and failures >= 0 (integers), got {num_ranks} and {failures}")
     if int(microbatches) != microbatches or microbatches < 1:
         raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
-    options = dict(memory_cap=memory_cap, p2p=p2p, dtype=dtype, optimizer=optimizer)
+    searched = Machine(memory_cap=machine.memory_cap, p2p=machine.p2p, dtype=machine.dtype,
+                       optimizer=machine.optimizer, overheads=machine.overheads)
+    space = dataclasses.replace(space, dp_degrees=(1,))
     true_units = consistent_units(units)
     cost_seq = cost_list(units, costs)
     templates: list[PipelineTemplate] = []
@@ -329,32 +327,30 @@ def plan_templates(
         if templates and n > num_ranks - failures * templates[0].num_ranks:
             break
         try:
-            choice = plan_layout(true_units, cost_seq, n, microbatches=microbatches, dp_degrees=[1], **options,
-                                 **search)
+            choice = plan_layout(true_units, cost_seq, n, microbatches=microbatches, machine=searched, space=space)
         except ValueError:
             if templates:
                 raise
             continue
         templates.append(_template(n, choice.plan, choice.schedule, true_units, cost_seq, microbatches,
-                                   {**options, "overheads": search.get("overheads", ActionOverheads())}))
+                                   dataclasses.replace(searched, memory_cap=None)))
     if not templates:
-        raise ValueError(f"no pipeline plan fits on {num_ranks} ranks (memory_cap={memory_cap} bytes)")
+        raise ValueError(f"no pipeline plan fits on {num_ranks} ranks (memory_cap={machine.memory_cap} bytes)")
     n0 = templates[0].num_ranks
     if num_ranks < (failures + 1) * n0:
         raise ValueError(f"{num_ranks} ranks cannot hold failures + 1 = {failures + 1} pipelines of at least "
                          f"n0 = {n0} ranks (the smallest that fits memory)")
-    unit_bytes = tuple(_unit_bytes(u, c, dtype, optimizer) for u, c in zip(true_units, cost_seq))
-    return TemplateSet(num_ranks, failures, microbatches, tuple(templates), unit_bytes, dp_link)
+    unit_bytes = tuple(_unit_bytes(u, c, machine.dtype, machine.optimizer) for u, c in zip(true_units, cost_seq))
+    return TemplateSet(num_ranks, failures, microbatches, tuple(templates), unit_bytes, machine.dp_link)
 
 
 def _template(n: int, plan: PipelinePlan, schedule: str, units: Sequence[Unit], costs: Sequence[Any],
-              microbatches: int, options: dict[str, Any]) -> PipelineTemplate:
-    """Time ``plan`` at ``M`` and ``2 M`` microbatches (with the runtime ``overheads`` it was searched with) and fit
-    the linear makespan."""
-    timing = dict(p2p=options["p2p"], dtype=options["dtype"], optimizer=options["optimizer"], schedule=schedule,
-                  overheads=options["overheads"])
-    one = evaluate_plan(plan, units, costs, dp=1, microbatches=microbatches, **timing).makespan_s
-    two = evaluate_plan(plan, units, costs, dp=1, microbatches=2 * microbatches, **timing).makespan_s
+              microbatches: int, machine: Machine) -> PipelineTemplate:
+    """Time ``plan`` at ``M`` and ``2 M`` microbatches (on ``machine``: the link, dtype, optimizer and runtime
+    ``overheads`` it was searched with) and fit the linear makespan."""
+    timing = dict(dp=1, machine=machine, schedule=schedule)
+    one = evaluate_plan(plan, units, costs, microbatches=microbatches, **timing).makespan_s
+    two = evaluate_plan(plan, units, costs, microbatches=2 * microbatches, **timing).makespan_s
     per = max(0.0, (two - one) / microbatches)
     by_name = {u.name: (u, c) for u, c in zip(units, costs)}
     grads = tuple(float(sum(by_name[name][1].param_bytes * by_name[name][0].trained_fraction

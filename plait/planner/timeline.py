@@ -1,5 +1,5 @@
 """Timelines: timed actions per rank, the one format of predicted (simulator) and measured (runtime)
-timelines (../shared/DESIGN.md, principle 2), and their makespan / busy / bubble summary."""
+timelines, and their makespan / busy / bubble summary."""
 
 from __future__ import annotations
 

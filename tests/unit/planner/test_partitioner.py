@@ -23,6 +23,7 @@ from plait.planner.partitioner import (
     stage_memory,
 )
 from plait.planner.types import Unit
+from plait.planner.request import Machine
 
 
 def brute_force(work, num_stages, memory=None, cap=None, activation=None, static=0, in_flight=None):
@@ -218,7 +219,7 @@ def test_partition_units_memory_cap():
     units, costs = _frozen_mllm()
     free = partition_units(units, costs, 4)
     cap = 0.9 * max(free.stage_memory_bytes)
-    capped = partition_units(units, costs, 4, memory_cap=cap)
+    capped = partition_units(units, costs, 4, machine=Machine(memory_cap=cap))
     assert max(capped.stage_memory_bytes) <= cap
     assert capped.bottleneck_s >= free.bottleneck_s
 
