@@ -3,7 +3,7 @@ best frozen-unaware plan vs plait's frozen-aware search, on simulated H100s.
 
 Models (Jang et al., "Efficient Distributed MLLM Training with Cornstarch", arXiv 2503.11367; summary in
 ../shared/REFERENCES.md section 1): VLM/ALM/VALM in sizes S/M/L. Their costs come from the analytic,
-frozen-aware cost model (``plait.planner.cost_model``) fed with the public configs written out below as
+frozen-aware cost model (``plait.planner.cost.analytic``) fed with the public configs written out below as
 dicts (Hugging Face field names); families the cost model does not read (Pixtral, Qwen2-VL vision) are given
 as ``EncoderArch`` directly. Uncertain figures are marked ``# uncertain``.
 
@@ -68,14 +68,14 @@ import statistics
 import time
 from typing import Any
 
-from plait.planner.arch import EncoderArch, arch_from_config, model_param_count, units_from_configs
-from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_costs
-from plait.planner.graph import consistent_units
-from plait.planner.cost_model import unit_static_bytes
-from plait.planner.request import Machine, SearchSpace
-from plait.planner.search import LayoutChoice, megatron_even_split, plan_layout
-from plait.planner.search_parallel import plan_parallel
-from plait.planner.simulator import P2PModel
+from plait.planner.cost.arch import EncoderArch, arch_from_config, model_param_count, units_from_configs
+from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, unit_costs
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.cost.analytic import unit_static_bytes
+from plait.planner.search.types import Machine, SearchSpace
+from plait.planner.search.layout import LayoutChoice, megatron_even_split, plan_layout
+from plait.planner.search.parallel import plan_parallel
+from plait.planner.pipeline.simulator import P2PModel
 
 TEXT_TOKENS = 1024
 AUDIO_FRAMES = 1500

@@ -40,9 +40,9 @@ import torch.distributed as dist
 from plait.models.plan_inputs import build_plan_inputs, device_spec
 from plait.measure.host_costs import RuntimeCosts, host_cpu, runtime_costs
 from plait.config.loader import load_config
-from plait.planner.cost_model import DeviceSpec
-from plait.planner.request import Machine
-from plait.planner.templates import instantiate, plan_instantiation, plan_templates
+from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.search.types import Machine
+from plait.planner.resilience.templates import instantiate, plan_instantiation, plan_templates
 from plait.train.resilient import LaunchPlan, run_resilient_worker
 from plait.train.run_lock import hold_run_lock
 from plait.train.run_start import clear_earlier_run, launch_logs

@@ -26,7 +26,7 @@ from plait.models.device import apply_cpu_threads
 from plait.models.generation import save_final
 from plait.measure.machine import auto_plan_inputs
 from plait.parallel.process_group import init_distributed
-from plait.planner.request import Machine, NoPlanFits
+from plait.planner.search.types import Machine, NoPlanFits
 from plait.planner.report import format_plan
 from plait.train.apply_plan import resolve_auto_plan
 from plait.train.metrics import import_wandb

@@ -18,10 +18,10 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from plait.planner.profile import Profile
-from plait.planner.schedules import build_schedule
-from plait.planner.search import LayoutChoice
-from plait.planner.simulator import SimResult, StageMemory, simulate
+from plait.planner.cost.measured_profile import Profile
+from plait.planner.pipeline.schedules import build_schedule
+from plait.planner.search.layout import LayoutChoice
+from plait.planner.pipeline.simulator import SimResult, StageMemory, simulate
 from plait.planner.toml_text import toml_key, toml_value
 from plait.planner.types import Unit
 

@@ -1,9 +1,9 @@
 """A chosen layout written into a job config: the config side of ``parallel.plan = "auto"`` and of the
 ``[parallel.pp]`` table ``plait plan`` prints.
 
-:func:`apply_layout_choice` writes a ``LayoutChoice`` (``plait.planner.auto_plan.layout_pp_fields``) into a copy
+:func:`apply_layout_choice` writes a ``LayoutChoice`` (``plait.planner.search.auto_layout.layout_pp_fields``) into a copy
 of a ``JobConfig`` and checks that the ``[parallel.pp]`` it wrote rebuilds the chosen plan as the trainer builds
-it; :func:`resolve_auto_plan` searches (``plait.planner.auto_plan.plan_auto_layout``) and applies. The search
+it; :func:`resolve_auto_plan` searches (``plait.planner.search.auto_layout.plan_auto_layout``) and applies. The search
 itself is pure planner code; this module is where it meets the config (no torch, no files).
 """
 
@@ -17,10 +17,10 @@ from typing import Any
 from plait.config.loader import pipeline_plan_kwargs
 from plait.config.schema import JobConfig, PipelineConfig
 from plait.parallel.activation_checkpointing import checkpoint_policy
-from plait.planner.auto_plan import AUTO_MACHINE, AUTO_SPACE, layout_pp_fields, plan_auto_layout
-from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
-from plait.planner.request import Machine, SearchSpace
-from plait.planner.search import LayoutChoice
+from plait.planner.search.auto_layout import AUTO_MACHINE, AUTO_SPACE, layout_pp_fields, plan_auto_layout
+from plait.planner.pipeline.plan import PipelinePlan, plan_pipeline
+from plait.planner.search.types import Machine, SearchSpace
+from plait.planner.search.layout import LayoutChoice
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
 __all__ = ["apply_layout_choice", "auto_microbatches", "kept_degrees", "resolve_auto_plan"]

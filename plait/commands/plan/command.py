@@ -2,9 +2,9 @@
 
 - :func:`plan_command`: read a job config (:func:`load_config_for_planning`), build the model's pipeline units
   (``plait.models.plan_inputs.job_units``: the units and names of the job's own model, so a boundary printed here
-  can be pasted into ``parallel.pp.splits``) and their analytic costs (``plait.planner.cost_model``: Hugging Face
+  can be pasted into ``parallel.pp.splits``) and their analytic costs (``plait.planner.cost.analytic``: Hugging Face
   configs from the TOML ``config`` tables or local ``path`` directories, read with ``transformers.AutoConfig``; no
-  weights), search the layout (``plait.planner.search.plan_layout``), print the plan as a table
+  weights), search the layout (``plait.planner.search.layout.plan_layout``), print the plan as a table
   (``plait.planner.report.format_plan``) with a ready-to-paste ``[parallel.pp]`` table (:func:`pp_snippet`) and
   write it as JSON (``plait.planner.report.plan_to_json``; ``plan_from_json`` reads it back, ``plait simulate``
   times it).
@@ -19,10 +19,10 @@ global batch split into ``--microbatches N`` microbatches of ``ceil(global_batch
 Macro-batches (../shared/REFERENCES.md section 3, Entrain): when the job has training data and
 ``macrobatches`` > 0, :func:`plan_command` reads every sample's metadata (:func:`dataset_metadata`: the trainer's
 processing; the model is built on the meta device, so no weights), draws that many global batches in the
-loader's order (``plait.planner.macrobatch.macrobatch_stats``), prints how much each module's total work varies
+loader's order (``plait.planner.microbatch.macrobatch.macrobatch_stats``), prints how much each module's total work varies
 between batches (CV, min/max, against the ``1 / sqrt(B)`` law) and plans for the **expected** global batch
 instead of the upper bound above: per microbatch, ``microbatch_size`` x the mean per-sample encoder tokens,
-attended pairs and LLM tokens (``plait.planner.macrobatch.expected_shapes``).
+attended pairs and LLM tokens (``plait.planner.microbatch.macrobatch.expected_shapes``).
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ from plait.train.plan_search import search_plan
 from plait.commands.plan.fsdp import fsdp_line
 from plait.commands.plan.snippet import pp_snippet
 from plait.parallel.activation_checkpointing import checkpoint_policy
-from plait.planner.cost_model import DeviceSpec, MicrobatchShape
-from plait.planner.macrobatch import MacrobatchStats, expected_shapes, macrobatch_stats
-from plait.planner.pipeline_plan import LAYOUTS
-from plait.planner.recompute import checkpointed_costs, plan_checkpointing
+from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape
+from plait.planner.microbatch.macrobatch import MacrobatchStats, expected_shapes, macrobatch_stats
+from plait.planner.pipeline.plan import LAYOUTS
+from plait.planner.cost.recompute import checkpointed_costs, plan_checkpointing
 from plait.planner.report import format_bytes, format_lora_units, format_plan, plan_to_json
-from plait.planner.request import Machine, SearchSpace
-from plait.planner.search import LayoutChoice
+from plait.planner.search.types import Machine, SearchSpace
+from plait.planner.search.layout import LayoutChoice
 from plait.planner.types import UnitCost
 from plait.train.apply_plan import kept_degrees
 from plait.train.cost_coeffs import microbatch_cost_coeffs

@@ -14,10 +14,10 @@ import pytest
 from plait.config.loader import config_from_dict, load_config, pipeline_plan_kwargs
 from plait.models.registry import build_model, load_tokenizer
 from plait.models.units import model_units
-from plait.planner.arch import units_from_configs
-from plait.planner.pipeline_plan import plan_pipeline
+from plait.planner.cost.arch import units_from_configs
+from plait.planner.pipeline.plan import plan_pipeline
 from plait.config.schema import PipelineConfig
-from plait.planner.pipeline_plan import synthetic_units
+from plait.planner.pipeline.plan import synthetic_units
 from plait.commands.plan.command import plan_command, split_global_batch
 from plait.models.plan_inputs import MODEL_UNITS, build_plan_inputs, model_parts
 from plait.train.job_file import load_config_for_planning
@@ -25,9 +25,9 @@ from plait.commands.plan.snippet import pp_snippet
 from plait.commands.simulate import simulate_command
 from plait.planner.report import PP_TOML_KEY, format_plan, plan_from_json, rank_peak_memory_bytes
 from plait.planner.toml_text import toml_value
-from plait.planner.search import evaluate_plan
+from plait.planner.search.layout import evaluate_plan
 from plait.planner.types import UnitCost
-from plait.planner.request import Machine, SearchSpace
+from plait.planner.search.types import Machine, SearchSpace
 from tests.conftest import TINY_AUDIO, TINY_LLM, TINY_VISION, tiny_config_dict
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -176,7 +176,7 @@ def test_several_replicas_get_one_replicas_table_and_the_parallel_dp_to_set(tmp_
 def test_single_rank_replicas_snippet_says_no_pipeline_and_parallel_dp():
     cfg = load_config(DEMO)
     inputs = build_plan_inputs(cfg, "cpu")
-    from plait.planner.search import plan_layout
+    from plait.planner.search.layout import plan_layout
 
     choice = plan_layout(inputs.units, inputs.costs, 2, microbatches=2, machine=Machine(dtype=inputs.dtype),
                          space=SearchSpace(dp_degrees=[2], virtual_stages=(1,)))
@@ -282,7 +282,7 @@ def test_simulate_names_a_file_that_is_not_a_plan(tmp_path, kind):
 def test_interleaved_plan_snippet_is_accepted_and_rebuilds_the_plan(tmp_path):
     cfg = load_config(DEMO)
     inputs = build_plan_inputs(cfg, "cpu")
-    from plait.planner.search import plan_layout
+    from plait.planner.search.layout import plan_layout
 
     choice = plan_layout(inputs.units, inputs.costs, 3, microbatches=4, machine=Machine(dtype=inputs.dtype),
                          space=SearchSpace(dp_degrees=[1], layouts=["encoders_colocated"], virtual_stages=(2,)))
@@ -300,7 +300,7 @@ def test_interleaved_plan_snippet_is_accepted_and_rebuilds_the_plan(tmp_path):
 def test_single_rank_plan_snippet_is_degree_one():
     cfg = load_config(DEMO)
     inputs = build_plan_inputs(cfg, "cpu")
-    from plait.planner.search import plan_layout
+    from plait.planner.search.layout import plan_layout
 
     choice = plan_layout(inputs.units, inputs.costs, 1, microbatches=2, machine=Machine(dtype=inputs.dtype),
                          space=SearchSpace(dp_degrees=[1]))

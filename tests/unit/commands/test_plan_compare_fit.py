@@ -10,10 +10,10 @@ import pytest
 
 from plait.commands.plan.command import plan_setup
 from plait.commands.plan.compare import considered_plans
-from plait.planner.fit import least_need
-from plait.planner.cost_model import DeviceSpec
-from plait.planner.graph import consistent_units
-from plait.planner.sharding import ParallelDegrees, rank_memory
+from plait.planner.search.fit import least_need
+from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.cost.sharding import ParallelDegrees, rank_memory
 from tests.conftest import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"

@@ -10,12 +10,12 @@ import re
 import pytest
 
 from plait.commands.plan.command import plan_command, plan_setup
-from plait.planner.fit import least_need
-from plait.planner.cost_model import DeviceSpec
-from plait.planner.graph import consistent_units
-from plait.planner.offload import HostSpec
-from plait.planner.search_parallel import degree_options
-from plait.planner.sharding import ParallelDegrees, rank_memory
+from plait.planner.search.fit import least_need
+from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.cost.offload import HostSpec
+from plait.planner.search.parallel import degree_options
+from plait.planner.cost.sharding import ParallelDegrees, rank_memory
 from tests.conftest import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
@@ -63,7 +63,7 @@ def test_auto_plan_with_no_fitting_plan_says_so_in_one_sentence(tmp_path, monkey
     sentence, naming where the cap came from and what to change."""
     from plait.cli import main
     from plait.measure.machine import AutoPlanInputs
-    from plait.planner.simulator import P2PModel
+    from plait.planner.pipeline.simulator import P2PModel
     from tests.conftest import demo_records, tiny_config_dict, write_jsonl
     from tests.distributed.test_pipeline_training import to_toml
 

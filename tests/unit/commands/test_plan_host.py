@@ -16,13 +16,13 @@ import plait.measure.host_costs as plan_costs
 from plait.commands.plan.command import plan_command
 from plait.commands.plan.compare import considered_plans, plan_label
 from plait.measure.host_costs import CPU_OPTIMIZER_S_PER_BYTE, host_cpu, host_device, runtime_costs
-from plait.planner.cost_model import DeviceSpec
-from plait.planner.overheads import ActionOverheads
-from plait.planner.pipeline_plan import plan_pipeline, stage_ranks
+from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.cost.overheads import ActionOverheads
+from plait.planner.pipeline.plan import plan_pipeline, stage_ranks
 from plait.planner.report import format_plan, idle_devices_note, pp_toml
-from plait.planner.search import evaluate_plan
+from plait.planner.search.layout import evaluate_plan
 from plait.planner.types import Unit, UnitCost
-from plait.planner.request import Machine
+from plait.planner.search.types import Machine
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "configs" / "demo.toml"
@@ -139,7 +139,7 @@ def test_a_table_never_pairs_encoder_parallel_with_attached_encoders():
 
 
 def test_an_attached_one_encoder_plan_is_written_colocated():
-    from plait.planner.auto_plan import layout_pp_fields
+    from plait.planner.search.auto_layout import layout_pp_fields
 
     units = _units()
     plan = plan_pipeline(units, "encoder_parallel", stages_per_module={"llm": 2}, ranks=stage_ranks(1, 2, 1, True))

@@ -8,10 +8,10 @@ from plait.models.plan_inputs import build_plan_inputs
 from plait.commands.plan.snippet import pp_snippet
 from plait.config.loader import load_config
 from plait.parallel.dims import ParallelDims
-from plait.planner.search import plan_layout
-from plait.planner.search_parallel import plan_parallel
+from plait.planner.search.layout import plan_layout
+from plait.planner.search.parallel import plan_parallel
 from plait.train.pipeline_trainer import PipelineTrainer
-from plait.planner.request import Machine, SearchSpace
+from plait.planner.search.types import Machine, SearchSpace
 from tests.conftest import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"

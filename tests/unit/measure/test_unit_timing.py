@@ -13,15 +13,15 @@ import torch
 
 from plait.config.loader import config_from_dict, config_to_dict, pipeline_plan_kwargs, validate
 from plait.models.units import model_units, unit_specs
-from plait.planner.auto_plan import plan_auto_layout
-from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
-from plait.planner.profile import stage_action_costs
-from plait.planner.search import evaluate_plan
+from plait.planner.search.auto_layout import plan_auto_layout
+from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
+from plait.planner.cost.measured_profile import stage_action_costs
+from plait.planner.search.layout import evaluate_plan
 from plait.planner.types import UnitCost
 from plait.train.apply_plan import resolve_auto_plan
 from plait.measure.unit_timing import measure_profile, microbatch_shapes, profile_key
-from plait.planner.request import Machine
-from plait.planner.auto_plan import AUTO_MACHINE
+from plait.planner.search.types import Machine
+from plait.planner.search.auto_layout import AUTO_MACHINE
 from tests.conftest import tiny_config_dict
 from tests.distributed.pipeline_worker import apply_mode, make_batch, tiny_model
 from tests.unit.profile_cases import make_profile as _profile

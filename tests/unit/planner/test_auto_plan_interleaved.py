@@ -14,15 +14,15 @@ from transformers import AutoTokenizer
 from plait.config.loader import config_from_dict, validate
 from plait.models.registry import build_model
 from plait.models.units import model_units
-from plait.planner.auto_plan import plan_auto_layout
-from plait.planner.pipeline_plan import plan_pipeline, stage_ranks
-from plait.planner.search import evaluate_plan
-from plait.planner.simulator import P2PModel
+from plait.planner.search.auto_layout import plan_auto_layout
+from plait.planner.pipeline.plan import plan_pipeline, stage_ranks
+from plait.planner.search.layout import evaluate_plan
+from plait.planner.pipeline.simulator import P2PModel
 from plait.planner.types import UnitCost
 from plait.train.apply_plan import apply_layout_choice, resolve_auto_plan
 from plait.train.pipeline_run import build_pipeline_plan
-from plait.planner.request import Machine
-from plait.planner.auto_plan import AUTO_MACHINE
+from plait.planner.search.types import Machine
+from plait.planner.search.auto_layout import AUTO_MACHINE
 from tests.conftest import DEMO, tiny_config_dict
 
 SLOW_LINK = P2PModel(latency_s=0.0, bandwidth_Bps=1e5)  # 1 MB of gradients takes 10 s

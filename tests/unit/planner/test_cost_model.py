@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
-from plait.planner.arch import (
+from plait.planner.cost.arch import (
     DecoderArch,
     EncoderArch,
     ProjectorArch,
@@ -20,7 +20,7 @@ from plait.planner.arch import (
     model_param_count,
     units_from_configs,
 )
-from plait.planner.cost_model import (
+from plait.planner.cost.analytic import (
     DeviceSpec,
     MicrobatchShape,
     OptimizerSpec,
@@ -36,9 +36,9 @@ from plait.planner.cost_model import (
     unit_work,
     windowed_causal_pairs,
 )
-from plait.planner.partitioner import partition_units
+from plait.planner.search.partitioner import partition_units
 from plait.planner.types import Unit, UnitCost
-from plait.planner.request import Machine
+from plait.planner.search.types import Machine
 
 LLM_KW = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               num_hidden_layers=3, vocab_size=100)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 import pytest
 
-from plait.planner.offload import HostSpec, offload_cost
-from plait.planner.search import plan_layout
-from plait.planner.search_parallel import plan_parallel
-from plait.planner.sharding import ParallelDegrees
-from plait.planner.simulator import P2PModel
-from plait.planner.request import Machine, SearchSpace
+from plait.planner.cost.offload import HostSpec, offload_cost
+from plait.planner.search.layout import plan_layout
+from plait.planner.search.parallel import plan_parallel
+from plait.planner.cost.sharding import ParallelDegrees
+from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.search.types import Machine, SearchSpace
 from tests.unit.planner.test_sharding import _costs, _model, _units
 
 
@@ -90,7 +90,7 @@ def test_a_jobs_own_offload_searches_offloaded_plans_only():
 
 def test_a_jobs_own_offload_is_kept_by_plait_plan_and_auto_plan():
     from plait.config.loader import config_from_dict, validate
-    from plait.planner.auto_plan import AUTO_MACHINE, AUTO_SPACE, plan_auto_layout
+    from plait.planner.search.auto_layout import AUTO_MACHINE, AUTO_SPACE, plan_auto_layout
     from plait.train.apply_plan import apply_layout_choice, kept_degrees
     from tests.conftest import tiny_config_dict
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import dataclasses
 import pytest
 
-from plait.planner.cost_model import DeviceSpec
-from plait.planner.overheads import ActionOverheads
-from plait.planner.pipeline_plan import plan_pipeline
-from plait.planner.search import evaluate_plan, plan_layout
-from plait.planner.simulator import P2PModel
+from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.cost.overheads import ActionOverheads
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.search.layout import evaluate_plan, plan_layout
+from plait.planner.pipeline.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
-from plait.planner.request import Machine, SearchSpace
-from plait.planner.auto_plan import AUTO_MACHINE
+from plait.planner.search.types import Machine, SearchSpace
+from plait.planner.search.auto_layout import AUTO_MACHINE
 
 MS = 1e-3
 
@@ -139,7 +139,7 @@ def test_the_optimizer_step_makes_a_pipeline_worth_it_for_many_parameters():
 
 
 def test_the_automatic_plan_charges_the_same_overheads():
-    from plait.planner.auto_plan import plan_auto_layout
+    from plait.planner.search.auto_layout import plan_auto_layout
 
     units = _llm(6)
     costs = [UnitCost(1 * MS, 1 * MS if i else 0.0, 1 * MS, param_bytes=10**8) for i in range(6)]

@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
+from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
 from plait.planner.report import format_bytes, format_plan, memory_unit, rank_peak_memory_bytes
-from plait.planner.search import evaluate_plan
+from plait.planner.search.layout import evaluate_plan
 from plait.planner.types import UnitCost
-from plait.planner.request import Machine
+from plait.planner.search.types import Machine
 
 MIB, GIB = 2**20, 2**30
 

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from plait.planner.fit import least_need
-from plait.planner.graph import consistent_units
-from plait.planner.offload import HostSpec
-from plait.planner.overheads import ActionOverheads
-from plait.planner.request import Machine, NoPlanFits, SearchSpace
-from plait.planner.search_parallel import degree_options, plan_parallel
-from plait.planner.simulator import P2PModel
+from plait.planner.search.fit import least_need
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.cost.offload import HostSpec
+from plait.planner.cost.overheads import ActionOverheads
+from plait.planner.search.types import Machine, NoPlanFits, SearchSpace
+from plait.planner.search.parallel import degree_options, plan_parallel
+from plait.planner.pipeline.simulator import P2PModel
 from tests.unit.planner.test_sharding import _model
 
 

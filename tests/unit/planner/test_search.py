@@ -14,10 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.planner import search as search_module
-from plait.planner import search_bounds, search_candidates, search_model
-from plait.planner.arch import units_from_configs
-from plait.planner.cost_model import (
+from plait.planner.search import layout as search_module
+from plait.planner.search import bounds as search_bounds
+from plait.planner.search import candidates as search_candidates
+from plait.planner.search import model as search_model
+from plait.planner.cost.arch import units_from_configs
+from plait.planner.cost.analytic import (
     DeviceSpec,
     MicrobatchShape,
     OptimizerSpec,
@@ -25,17 +27,17 @@ from plait.planner.cost_model import (
     unit_costs,
     unit_static_bytes,
 )
-from plait.planner.partitioner import partition_chain
-from plait.planner.graph import consistent_units
-from plait.planner.pipeline_plan import LAYOUTS, plan_pipeline, synthetic_units
-from plait.planner.schedules import one_f_one_b
-from plait.planner.search import (
+from plait.planner.search.partitioner import partition_chain
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.pipeline.plan import LAYOUTS, plan_pipeline, synthetic_units
+from plait.planner.pipeline.schedules import one_f_one_b
+from plait.planner.search.layout import (
     LayoutChoice,
     evaluate_plan,
     megatron_even_split,
     plan_layout,
 )
-from plait.planner.simulator import (
+from plait.planner.pipeline.simulator import (
     P2PModel,
     StageMemory,
     boundary_bytes_from_units,
@@ -43,7 +45,7 @@ from plait.planner.simulator import (
     stage_costs_from_units,
 )
 from plait.planner.types import Unit, UnitCost
-from plait.planner.request import Machine, SearchSpace
+from plait.planner.search.types import Machine, SearchSpace
 
 
 # ----- an independent exhaustive enumeration -----------------------------------------------------
@@ -439,7 +441,7 @@ def _big_llm_model(seed: int, encoders: int):
 
 
 def test_interleaved_and_attached_candidates_bounded_and_timed_like_the_simulator():
-    from plait.planner.schedules import build_schedule
+    from plait.planner.pipeline.schedules import build_schedule
 
     for seed in range(4):
         units, costs = _big_llm_model(seed, 1 + seed % 2)

@@ -9,13 +9,13 @@ import math
 
 import pytest
 
-from plait.planner.arch import units_from_configs
-from plait.planner.cost_model import DeviceSpec, MicrobatchShape, OptimizerSpec, unit_costs
-from plait.planner.graph import consistent_units
-from plait.planner.search import plan_layout
-from plait.planner.search_model import allreduce_s, grad_sync_s, grad_sync_terms
-from plait.planner.search_parallel import degree_options, plan_parallel
-from plait.planner.sharding import (
+from plait.planner.cost.arch import units_from_configs
+from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, OptimizerSpec, unit_costs
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.search.layout import plan_layout
+from plait.planner.search.model import allreduce_s, grad_sync_s, grad_sync_terms
+from plait.planner.search.parallel import degree_options, plan_parallel
+from plait.planner.cost.sharding import (
     ParallelDegrees,
     gather_s,
     rank_memory,
@@ -23,9 +23,9 @@ from plait.planner.sharding import (
     shard_costs,
     tp_allreduce_s,
 )
-from plait.planner.simulator import P2PModel
+from plait.planner.pipeline.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
-from plait.planner.request import Machine, SearchSpace
+from plait.planner.search.types import Machine, SearchSpace
 
 LINK = P2PModel(latency_s=1e-5, bandwidth_Bps=1e9)
 
@@ -176,8 +176,10 @@ def test_tight_cap_searched_exactly_over_the_degrees():
 def test_first_bounds_stay_below_the_timing_with_tp_costs_and_sharded_gradients():
     # search_bounds' LB1 (with the reduce-scatter + all-reduce of search_model.grad_sync_terms) never exceeds a
     # candidate's 1F1B time + its gradient synchronisation, on TP-split costs with FSDP2 over 2 of 2 DP ranks.
-    from plait.planner import search_bounds, search_candidates, search_model
-    from plait.planner.pipeline_plan import LAYOUTS
+    from plait.planner.search import bounds as search_bounds
+    from plait.planner.search import candidates as search_candidates
+    from plait.planner.search import model as search_model
+    from plait.planner.pipeline.plan import LAYOUTS
     from tests.unit.planner.test_search import _model as random_model
 
     p2p, link = P2PModel(0.125, 64.0), P2PModel(0.0625, 32.0)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 import pytest
 
-from plait.planner.cost_model import OptimizerSpec
-from plait.planner.overheads import ActionOverheads
-from plait.planner.search import plan_layout
-from plait.planner.search_parallel import plan_parallel
-from plait.planner.sharding import (
+from plait.planner.cost.analytic import OptimizerSpec
+from plait.planner.cost.overheads import ActionOverheads
+from plait.planner.search.layout import plan_layout
+from plait.planner.search.parallel import plan_parallel
+from plait.planner.cost.sharding import (
     ParallelDegrees,
     pipelined_optimizer,
     pipelined_overheads,
@@ -19,8 +19,8 @@ from plait.planner.sharding import (
     rank_memory,
     shard_costs,
 )
-from plait.planner.simulator import P2PModel
-from plait.planner.request import Machine, SearchSpace
+from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.search.types import Machine, SearchSpace
 from tests.unit.planner.test_sharding import _costs, _model, _units
 
 LINK = P2PModel(latency_s=1e-5, bandwidth_Bps=100e9)

@@ -9,12 +9,12 @@ import dataclasses
 
 import pytest
 
-from plait.planner.cost_model import OptimizerSpec
-from plait.planner.graph import consistent_units
+from plait.planner.cost.analytic import OptimizerSpec
+from plait.planner.pipeline.graph import consistent_units
 from plait.planner.report import degrees_line, pp_toml
-from plait.planner.search import plan_layout
-from plait.planner.search_parallel import flat_reduce, plan_parallel
-from plait.planner.sharding import (
+from plait.planner.search.layout import plan_layout
+from plait.planner.search.parallel import flat_reduce, plan_parallel
+from plait.planner.cost.sharding import (
     GradAccumulation,
     ParallelDegrees,
     accumulated_grad_bytes,
@@ -22,8 +22,8 @@ from plait.planner.sharding import (
     shard_buffer_bytes,
     unsharded_grad_bytes,
 )
-from plait.planner.simulator import P2PModel
-from plait.planner.request import Machine, SearchSpace
+from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.search.types import Machine, SearchSpace
 from tests.unit.planner.test_sharding import _costs, _model, _units
 
 OPT = OptimizerSpec(grad_bytes_per_param=4, state_bytes_per_param=8)

@@ -9,11 +9,11 @@ import dataclasses
 
 import pytest
 
-from plait.planner.cost_model import OptimizerSpec
-from plait.planner.graph import consistent_units
+from plait.planner.cost.analytic import OptimizerSpec
+from plait.planner.pipeline.graph import consistent_units
 from plait.planner.report import degrees_line, pp_toml
-from plait.planner.search_parallel import degree_options, plan_parallel
-from plait.planner.sharding import (
+from plait.planner.search.parallel import degree_options, plan_parallel
+from plait.planner.cost.sharding import (
     GradAccumulation,
     ParallelDegrees,
     accumulated_grad_bytes,
@@ -22,8 +22,8 @@ from plait.planner.sharding import (
     shard_buffer_bytes,
     shard_costs,
 )
-from plait.planner.simulator import P2PModel
-from plait.planner.request import Machine, SearchSpace
+from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.search.types import Machine, SearchSpace
 from tests.unit.planner.test_sharding import _costs, _model, _units
 
 OPT = OptimizerSpec(grad_bytes_per_param=4, state_bytes_per_param=8)
@@ -103,7 +103,7 @@ def test_plan_parallel_keeps_parameters_gathered_when_the_cap_allows():
 
 def test_emitted_table_and_auto_plan_config_carry_the_choice():
     from plait.config.loader import config_from_dict, validate
-    from plait.planner.search import plan_layout
+    from plait.planner.search.layout import plan_layout
     from plait.train.apply_plan import apply_layout_choice
     from tests.conftest import tiny_config_dict
 
@@ -125,7 +125,7 @@ def test_emitted_table_and_auto_plan_config_carry_the_choice():
 
 def test_a_jobs_own_fsdp_reshard_is_kept_by_plait_plan_and_auto_plan():
     from plait.config.loader import config_from_dict
-    from plait.planner.auto_plan import AUTO_MACHINE, AUTO_SPACE, plan_auto_layout
+    from plait.planner.search.auto_layout import AUTO_MACHINE, AUTO_SPACE, plan_auto_layout
     from plait.train.apply_plan import kept_degrees
     from tests.conftest import tiny_config_dict
 

@@ -6,11 +6,11 @@ import itertools
 
 import pytest
 
-from plait.planner.overheads import ActionOverheads
-from plait.planner.pipeline_plan import synthetic_units
-from plait.planner.search import evaluate_plan, plan_layout
-from plait.planner.simulator import P2PModel
-from plait.planner.templates import (
+from plait.planner.cost.overheads import ActionOverheads
+from plait.planner.pipeline.plan import synthetic_units
+from plait.planner.search.layout import evaluate_plan, plan_layout
+from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.resilience.templates import (
     format_seconds,
     PipelineTemplate,
     TemplateSet,
@@ -20,7 +20,7 @@ from plait.planner.templates import (
     plan_templates,
 )
 from plait.planner.types import UnitCost
-from plait.planner.request import Machine, SearchSpace
+from plait.planner.search.types import Machine, SearchSpace
 
 GIB = 1 << 30
 PARAM = GIB // 4

@@ -41,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from plait.planner.arch import EncoderArch
-from plait.planner.cost_model import MicrobatchShape
+from plait.planner.cost.arch import EncoderArch
+from plait.planner.cost.analytic import MicrobatchShape
 from plait.planner.microbatch import ModuleCostCoeffs, module_order, sample_costs_from_metadata
 from plait.planner.serialize import JsonDataclass
 

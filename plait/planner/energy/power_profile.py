@@ -6,7 +6,7 @@ plans one SM frequency per forward and backward from each computation's
 
 - :class:`UnitEnergy`: per pipeline unit, per frequency, the seconds and joules of its forward, input-gradient
   (dX) and weight-gradient (dW) passes for one microbatch shape; :class:`EnergyProfile` collects them under the
-  same :class:`~plait.planner.profile.ProfileKey` as the time profiles (model, shapes, dtype, device, versions),
+  same :class:`~plait.planner.cost.measured_profile.ProfileKey` as the time profiles (model, shapes, dtype, device, versions),
   so :func:`energy_profile_mismatch` refuses a stale one by the same rules as ``profile.profile_mismatch``.
   A measured profile (NVML through zeus, on a GPU) and an analytic one have the same form.
 - :class:`GpuPowerModel` and :data:`GPU_PRESETS`: analytic presets for A100, H100 and H200 to plan without a
@@ -42,11 +42,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from plait.planner.cost_model import DeviceSpec, UnitEstimate
-from plait.planner.pipeline_plan import PipelinePlan
-from plait.planner.profile import ProfileKey, profile_mismatch
+from plait.planner.cost.analytic import DeviceSpec, UnitEstimate
+from plait.planner.pipeline.plan import PipelinePlan
+from plait.planner.cost.measured_profile import ProfileKey, profile_mismatch
 from plait.planner.serialize import JsonDataclass
-from plait.planner.simulator import stage_costs_from_units
+from plait.planner.pipeline.simulator import stage_costs_from_units
 from plait.planner.types import Unit, UnitCost
 
 __all__ = [

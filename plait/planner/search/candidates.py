@@ -25,12 +25,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from plait.planner.overheads import ActionOverheads
-from plait.planner.pipeline_plan import PipelinePlan, stage_ranks
-from plait.planner.schedule_ir import Action, one_f_one_b_order
-from plait.planner.schedules_interleaved import interleaved_1f1b, interleaved_orders
-from plait.planner.search_bounds import Stream, stage_bounds
-from plait.planner.search_model import (
+from plait.planner.cost.overheads import ActionOverheads
+from plait.planner.pipeline.plan import PipelinePlan, stage_ranks
+from plait.planner.pipeline.schedule_ir import Action, one_f_one_b_order
+from plait.planner.pipeline.interleaved import interleaved_1f1b, interleaved_orders
+from plait.planner.search.bounds import Stream, stage_bounds
+from plait.planner.search.model import (
     CandidateStages,
     Partitions,
     SearchModel,
@@ -39,7 +39,7 @@ from plait.planner.search_model import (
     in_flight,
     plan_from_chunks,
 )
-from plait.planner.simulator import (
+from plait.planner.pipeline.simulator import (
     ActionDurations,
     P2PModel,
     StageGraph,

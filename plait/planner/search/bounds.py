@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from plait.planner.schedules_interleaved import interleaved_chunk_order, interleaved_warmups
-from plait.planner.search_model import (
+from plait.planner.pipeline.interleaved import interleaved_chunk_order, interleaved_warmups
+from plait.planner.search.model import (
     CandidateStages,
     ChunkSums,
     Partitions,
@@ -43,7 +43,7 @@ from plait.planner.search_model import (
     grad_sync_terms,
     in_flight,
 )
-from plait.planner.simulator import P2PModel
+from plait.planner.pipeline.simulator import P2PModel
 from plait.planner.types import LLM_MODULE
 
 __all__ = ["Stream", "attached_stream", "layout_stream", "stage_bounds"]

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from plait.planner.cost_model import DeviceSpec
+from plait.planner.cost.analytic import DeviceSpec
 from plait.planner.serialize import JsonDataclass
 
 __all__ = ["ActionOverheads"]

@@ -38,10 +38,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from plait.planner.energy_plan import ActionFrequency, EnergyPlan, FrontierPoint, action_label
-from plait.planner.energy_profile import ActionOption
-from plait.planner.schedule_ir import Action, Schedule, check_schedule, schedule_dag
-from plait.planner.simulator import P2PModel, SimResult, simulate
+from plait.planner.energy.plan import ActionFrequency, EnergyPlan, FrontierPoint, action_label
+from plait.planner.energy.power_profile import ActionOption
+from plait.planner.pipeline.schedule_ir import Action, Schedule, check_schedule, schedule_dag
+from plait.planner.pipeline.simulator import P2PModel, SimResult, simulate
 
 __all__ = [
     "EnergyDag",
@@ -301,7 +301,7 @@ def energy_frontier(dag: EnergyDag, *, method: str = "auto", steps: int = 400, t
         stretched = dag.stretched(factor)
         candidates.add(dag.polish(stretched, dag.evaluate(stretched)[0]))
     if method == "exact":
-        from plait.planner.energy_exact import exact_choices
+        from plait.planner.energy.exact import exact_choices
 
         candidates.update(exact_choices(dag, time_limit_s=time_limit_s))
     else:
@@ -324,7 +324,7 @@ def _refine(dag: EnergyDag, front: list[FrontierCandidate], targets: Sequence[fl
             seconds: float) -> list[FrontierCandidate]:
     """``front`` with, for each target time, the MILP's least-energy assignment within it (``seconds`` each),
     warm-started from the front's best point within it."""
-    from plait.planner.energy_exact import best_within
+    from plait.planner.energy.exact import best_within
 
     extra = []
     for target in targets:

@@ -40,15 +40,15 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from plait.planner.fit import least_need_of
-from plait.planner.graph import consistent_units
-from plait.planner.offload import HostSpec, offload_cost
-from plait.planner.recompute import CHECKPOINT_POLICIES
+from plait.planner.search.fit import least_need_of
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.cost.offload import HostSpec, offload_cost
+from plait.planner.cost.recompute import CHECKPOINT_POLICIES
 from plait.planner.report import format_bytes
-from plait.planner.request import Machine, NoPlanFits, SearchSpace
-from plait.planner.search import LayoutChoice, plan_layout
-from plait.planner.search_model import Costs, cost_list
-from plait.planner.sharding import (FSDP_RESHARD, ParallelDegrees, accumulated_grad_bytes, pipelined_optimizer,
+from plait.planner.search.types import Machine, NoPlanFits, SearchSpace
+from plait.planner.search.layout import LayoutChoice, plan_layout
+from plait.planner.search.model import Costs, cost_list
+from plait.planner.cost.sharding import (FSDP_RESHARD, ParallelDegrees, accumulated_grad_bytes, pipelined_optimizer,
                                     pipelined_overheads, pipelined_shard_costs, shard_buffer_bytes, shard_costs)
 from plait.planner.types import Unit, UnitCost
 

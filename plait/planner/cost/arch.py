@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Union
 
-from plait.planner.config_fields import config_field, config_model_type, config_pair, positive_field
-from plait.planner.graph import consistent_units
+from plait.planner.cost.config_fields import config_field, config_model_type, config_pair, positive_field
+from plait.planner.pipeline.graph import consistent_units
 from plait.planner.types import LLM_MODULE, Unit
 
 __all__ = [

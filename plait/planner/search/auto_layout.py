@@ -27,11 +27,11 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from plait.planner.pipeline_plan import PipelinePlan, split_even
-from plait.planner.request import Machine, SearchSpace
-from plait.planner.search import LayoutChoice, evaluate_plan, plan_layout
-from plait.planner.search_model import Costs
-from plait.planner.search_parallel import plan_parallel
+from plait.planner.pipeline.plan import PipelinePlan, split_even
+from plait.planner.search.types import Machine, SearchSpace
+from plait.planner.search.layout import LayoutChoice, evaluate_plan, plan_layout
+from plait.planner.search.model import Costs
+from plait.planner.search.parallel import plan_parallel
 from plait.planner.types import Unit, UnitCost
 
 __all__ = ["AUTO_MACHINE", "AUTO_SPACE", "layout_pp_fields", "plan_auto_layout", "plan_filling_layout",

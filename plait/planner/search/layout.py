@@ -62,15 +62,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plait.planner.cost_model import OptimizerSpec, unit_activation_bytes, unit_static_bytes
-from plait.planner.graph import consistent_units
-from plait.planner.pipeline_plan import LAYOUTS, PipelinePlan, check_plan_units, plan_pipeline, stage_ranks
-from plait.planner.schedule_ir import in_flight_peaks
-from plait.planner.schedules import build_schedule
-from plait.planner.schedules_interleaved import runs_interleaved
-from plait.planner.search_bounds import attached_stream, layout_stream
-from plait.planner.search_candidates import Best, branch_and_bound
-from plait.planner.search_model import (
+from plait.planner.cost.analytic import OptimizerSpec, unit_activation_bytes, unit_static_bytes
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.pipeline.plan import LAYOUTS, PipelinePlan, check_plan_units, plan_pipeline, stage_ranks
+from plait.planner.pipeline.schedule_ir import in_flight_peaks
+from plait.planner.pipeline.schedules import build_schedule
+from plait.planner.pipeline.interleaved import runs_interleaved
+from plait.planner.search.bounds import attached_stream, layout_stream
+from plait.planner.search.candidates import Best, branch_and_bound
+from plait.planner.search.model import (
     Costs,
     Partitions,
     SearchModel,
@@ -79,14 +79,14 @@ from plait.planner.search_model import (
     grad_sync_s,
     plan_from_chunks,
 )
-from plait.planner.simulator import (
+from plait.planner.pipeline.simulator import (
     P2PModel,
     StageMemory,
     boundary_bytes_from_units,
     simulate,
     stage_costs_from_units,
 )
-from plait.planner.request import Machine, NoPlanFits, SearchSpace
+from plait.planner.search.types import Machine, NoPlanFits, SearchSpace
 from plait.planner.serialize import JsonDataclass
 from plait.planner.types import Unit, UnitCost
 

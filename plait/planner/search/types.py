@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.planner.cost_model import OptimizerSpec
-from plait.planner.offload import HostSpec
-from plait.planner.overheads import ActionOverheads
-from plait.planner.pipeline_plan import LAYOUTS
-from plait.planner.recompute import CHECKPOINT_POLICIES
+from plait.planner.cost.analytic import OptimizerSpec
+from plait.planner.cost.offload import HostSpec
+from plait.planner.cost.overheads import ActionOverheads
+from plait.planner.pipeline.plan import LAYOUTS
+from plait.planner.cost.recompute import CHECKPOINT_POLICIES
 from plait.planner.serialize import JsonDataclass
-from plait.planner.sharding import FSDP_RESHARD, ParallelDegrees
-from plait.planner.simulator import P2PModel
+from plait.planner.cost.sharding import FSDP_RESHARD, ParallelDegrees
+from plait.planner.pipeline.simulator import P2PModel
 
 __all__ = ["LeastNeed", "Machine", "NoPlanFits", "SearchSpace"]
 

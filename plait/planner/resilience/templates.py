@@ -28,14 +28,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plait.planner.cost_model import OptimizerSpec, trained_params
-from plait.planner.graph import consistent_units
-from plait.planner.pipeline_plan import PipelinePlan
-from plait.planner.request import Machine, SearchSpace
-from plait.planner.search import evaluate_plan, plan_layout
-from plait.planner.search_model import Costs, allreduce_s, cost_list
+from plait.planner.cost.analytic import OptimizerSpec, trained_params
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.pipeline.plan import PipelinePlan
+from plait.planner.search.types import Machine, SearchSpace
+from plait.planner.search.layout import evaluate_plan, plan_layout
+from plait.planner.search.model import Costs, allreduce_s, cost_list
 from plait.planner.serialize import JsonDataclass
-from plait.planner.simulator import P2PModel
+from plait.planner.pipeline.simulator import P2PModel
 from plait.planner.types import Unit
 
 __all__ = [

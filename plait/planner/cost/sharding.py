@@ -66,11 +66,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plait.planner.cost_model import OptimizerSpec, trained_params, unit_activation_bytes, unit_static_bytes
-from plait.planner.overheads import ActionOverheads
-from plait.planner.recompute import CHECKPOINT_POLICIES, checkpointed_costs, plan_checkpointing
+from plait.planner.cost.analytic import OptimizerSpec, trained_params, unit_activation_bytes, unit_static_bytes
+from plait.planner.cost.overheads import ActionOverheads
+from plait.planner.cost.recompute import CHECKPOINT_POLICIES, checkpointed_costs, plan_checkpointing
 from plait.planner.serialize import JsonDataclass
-from plait.planner.simulator import P2PModel
+from plait.planner.pipeline.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Reconfiguration after losing ranks: the survivors' new pipelines and the state each must receive (Oobleck,
 SOSP 2023, section 5).
 
-:func:`plan_reconfiguration` takes the running :class:`~plait.planner.templates.Instantiation` and the failed
+:func:`plan_reconfiguration` takes the running :class:`~plait.planner.resilience.templates.Instantiation` and the failed
 ranks and, as the paper does:
 
 1. refuses when some unit has lost every copy (more than ``f`` failures hit all its holders), naming the lost
@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from plait.planner.serialize import JsonDataclass
-from plait.planner.templates import Instantiation, TemplateSet, format_seconds, instantiate, plan_instantiation
+from plait.planner.resilience.templates import Instantiation, TemplateSet, format_seconds, instantiate, plan_instantiation
 
 __all__ = ["LostUnitsError", "Reconfiguration", "Transfer", "check_instantiation", "plan_reconfiguration",
            "plan_rejoin"]

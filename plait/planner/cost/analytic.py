@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plait.planner.arch import Arch, DecoderArch, EncoderArch, ProjectorArch, projector_arch, split_model_configs
+from plait.planner.cost.arch import Arch, DecoderArch, EncoderArch, ProjectorArch, projector_arch, split_model_configs
 from plait.planner.serialize import JsonDataclass
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 

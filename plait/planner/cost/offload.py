@@ -30,10 +30,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plait.planner.cost_model import (OptimizerSpec, dtype_bytes, trained_params, unit_activation_bytes,
+from plait.planner.cost.analytic import (OptimizerSpec, dtype_bytes, trained_params, unit_activation_bytes,
                                      unit_static_bytes)
 from plait.planner.serialize import JsonDataclass
-from plait.planner.sharding import ParallelDegrees, shard_buffer_bytes, shard_costs
+from plait.planner.cost.sharding import ParallelDegrees, shard_buffer_bytes, shard_costs
 from plait.planner.types import Unit, UnitCost
 
 __all__ = ["HostSpec", "OffloadCost", "offload_cost"]

@@ -39,12 +39,12 @@ from typing import Union
 
 import numpy as np
 
-from plait.planner.cost_model import (
+from plait.planner.cost.analytic import (
     unit_activation_bytes,
     unit_static_bytes,
     unit_work,
 )
-from plait.planner.request import Machine
+from plait.planner.search.types import Machine
 from plait.planner.serialize import JsonDataclass
 from plait.planner.types import Unit, UnitCost
 

@@ -1,6 +1,6 @@
 """Straggler reaction (Perseus "extrinsic bloat"): when one DP replica is measured slower for
 several steps, the others need not finish early and wait in the gradient all-reduce; they switch to the frontier
-point at the straggler's iteration time (:meth:`plait.planner.energy_plan.EnergyPlan.point_for`) and back to the
+point at the straggler's iteration time (:meth:`plait.planner.energy.plan.EnergyPlan.point_for`) and back to the
 fastest point ``T*`` when it recovers.
 
 Pure decision, the same on every rank: each step every rank gets every replica's *relative time* (its measured
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from plait.planner.energy_plan import EnergyPlan, FrontierPoint
+from plait.planner.energy.plan import EnergyPlan, FrontierPoint
 from plait.planner.serialize import JsonDataclass
 
 __all__ = ["StragglerPolicy", "StragglerState", "react_to_stragglers", "replica_point"]

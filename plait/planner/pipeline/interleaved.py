@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from plait.planner.pipeline_plan import PipelinePlan
-from plait.planner.schedule_ir import (
+from plait.planner.pipeline.plan import PipelinePlan
+from plait.planner.pipeline.schedule_ir import (
     Action,
     Schedule,
     check_schedule,

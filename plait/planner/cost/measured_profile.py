@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from plait.planner.pipeline_plan import PipelinePlan
+from plait.planner.pipeline.plan import PipelinePlan
 from plait.planner.serialize import JsonDataclass, dataclass_from_dict
 from plait.planner.types import Unit, UnitCost
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from plait.planner.graph import consistent_units
+from plait.planner.pipeline.graph import consistent_units
 from plait.planner.serialize import JsonDataclass
 from plait.planner.types import LLM_MODULE, Unit
 

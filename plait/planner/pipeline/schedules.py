@@ -37,8 +37,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from plait.planner.pipeline_plan import PipelinePlan
-from plait.planner.schedule_ir import (
+from plait.planner.pipeline.plan import PipelinePlan
+from plait.planner.pipeline.schedule_ir import (
     Action,
     Schedule,
     action_dependencies,
@@ -49,7 +49,7 @@ from plait.planner.schedule_ir import (
     resolve_microbatches,
     run_blocking,
 )
-from plait.planner.schedules_interleaved import interleaved_1f1b
+from plait.planner.pipeline.interleaved import interleaved_1f1b
 
 __all__ = [
     "SCHEDULE_NAMES",

@@ -32,10 +32,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Union
 
-from plait.planner.pipeline_plan import PipelinePlan
-from plait.planner.schedule_ir import Action, Schedule, action_dependencies, check_schedule, frees_activations
+from plait.planner.pipeline.plan import PipelinePlan
+from plait.planner.pipeline.schedule_ir import Action, Schedule, action_dependencies, check_schedule, frees_activations
 from plait.planner.serialize import JsonDataclass
-from plait.planner.timeline import TimelineEvent, summarize_timeline
+from plait.planner.pipeline.timeline import TimelineEvent, summarize_timeline
 from plait.planner.types import Unit, UnitCost
 
 __all__ = [
