@@ -73,8 +73,8 @@ def predicted_ratios(trainer) -> dict[str, float]:
     """The planner's saved-activation bytes of each policy over ``none`` for the trainer's model (analytic unit
     costs of a 1024-token microbatch; frozen-aware, the same unit choice as the runtime)."""
     from plait.models.units import model_units
-    from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_activation_bytes, unit_costs
-    from plait.planner.recompute import checkpointed_costs, plan_checkpointing
+    from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, unit_activation_bytes, unit_costs
+    from plait.planner.cost.recompute import checkpointed_costs, plan_checkpointing
 
     model = trainer.model
     units = model_units(model)

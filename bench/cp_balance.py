@@ -29,7 +29,7 @@ import torch
 
 from plait.attention.interface import plait_attention
 from plait.attention.masks import MaskInfo, block_work
-from plait.planner.token_distributor import TokenAssignment, plan_tokens
+from plait.planner.token_distributor import IlpLimits, TokenAssignment, WorkWeights, plan_tokens
 
 IMAGE_TOKENS = (256, 576, 729, 1024)  # e.g. 16x16, 24x24, 27x27, 32x32 patches
 
@@ -87,7 +87,8 @@ def _plan(attn: np.ndarray, n: int, cp: int, method: str, args) -> tuple[TokenAs
     """Plan, returning the assignment and its planning time in ms (median of repeats)."""
     nb = attn.size
     cap = (math.ceil(nb / cp) + args.slack_blocks) * args.block
-    kwargs = dict(alpha=1.0, beta=args.plan_beta, block_size=args.block, time_limit_s=args.ilp_time)
+    kwargs = dict(weights=WorkWeights(alpha=1.0, beta=args.plan_beta), block_size=args.block,
+                  ilp=IlpLimits(time_s=args.ilp_time))
     if method in ("lpt", "ilp"):
         kwargs["max_tokens_per_rank"] = cap
     repeats = 1 if method == "ilp" else 5

@@ -2,8 +2,8 @@
 setting) on 8, 16 and 32 GPUs of one preset, Megatron-style even split (A) and plait's plan (C).
 
 For each plan, one replica's iteration (the plan's schedule: 1F1B or interleaved 1F1B) becomes the action DAG of
-``plait.planner.energy_frontier`` with each stage action's (time, energy) at the preset's SM clocks
-(``plait.planner.energy_profile``: the analytic GPU preset combined with the roofline cost model), and the
+``plait.planner.energy.frontier`` with each stage action's (time, energy) at the preset's SM clocks
+(``plait.planner.energy.power_profile``: the analytic GPU preset combined with the roofline cost model), and the
 time-energy frontier is traced (``energy_frontier.energy_frontier``: lowtime's Phillips-Dessouky solver for 12 s
 over options at most 1.3x slower than the top clock, uniformly stretched candidates, every point re-timed exactly
 and slack-polished, and the points at ``T*`` and at the straggler's time refined by a HiGHS MILP for 17 s each,
@@ -39,12 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pipeline_plans as pp  # noqa: E402  (the nine models, their units and the plan searches)
 
-from plait.planner.cost_model import unit_estimates  # noqa: E402
-from plait.planner.energy_frontier import energy_at_deadline, energy_frontier, energy_plan, schedule_energy_dag  # noqa: E402
-from plait.planner.energy_profile import analytic_energy_profile, gpu_preset, stage_action_options  # noqa: E402
-from plait.planner.profile import ProfileKey  # noqa: E402
-from plait.planner.schedules import build_schedule  # noqa: E402
-from plait.planner.search import LayoutChoice, megatron_even_split, plan_layout  # noqa: E402
+from plait.planner.cost.analytic import unit_estimates  # noqa: E402
+from plait.planner.energy.frontier import energy_at_deadline, energy_frontier, energy_plan, schedule_energy_dag  # noqa: E402
+from plait.planner.energy.power_profile import analytic_energy_profile, gpu_preset, stage_action_options  # noqa: E402
+from plait.planner.cost.measured_profile import ProfileKey  # noqa: E402
+from plait.planner.pipeline.schedules import build_schedule  # noqa: E402
+from plait.planner.search.types import Machine, SearchSpace  # noqa: E402
+from plait.planner.search.layout import LayoutChoice, megatron_even_split, plan_layout  # noqa: E402
 
 STRAGGLER = 1.2
 MAX_SLOWDOWN = 1.3  # lowtime traces the fast part of the frontier (options up to 1.3x slower)
@@ -114,13 +115,13 @@ def main() -> None:
         profile = _profile(name, units, gpu)
         for gpus in args.gpus:
             print(f"{name} on {gpus} GPUs")
-            common = dict(microbatches=pp.MICROBATCHES, memory_cap=pp.MEMORY_CAP, p2p=pp.P2P, dp_link=pp.DP_LINK)
+            common = dict(microbatches=pp.MICROBATCHES,
+                          machine=Machine(memory_cap=pp.MEMORY_CAP, p2p=pp.P2P, dp_link=pp.DP_LINK))
             dps = [d for d in range(1, min(gpus, pp.MICROBATCHES) + 1) if gpus % d == 0]
+            space = SearchSpace(dp_degrees=dps, virtual_stages=pp.VIRTUAL_STAGES, attach_encoders=True)
             plans = {}
             for key, call in (("A", lambda: megatron_even_split(units, costs, gpus, **common)),
-                              ("C", lambda: plan_layout(units, costs, gpus, dp_degrees=dps,
-                                                        virtual_stages=pp.VIRTUAL_STAGES, attach_encoders=True,
-                                                        **common))):
+                              ("C", lambda: plan_layout(units, costs, gpus, space=space, **common))):
                 try:
                     plans[key] = call()
                 except ValueError:

@@ -5,7 +5,7 @@
    summed into the stage actions of the demo's pipeline plan (``encoder_parallel``: vision, audio and LLM stages,
    one per rank); prints, per clock, each stage action's milliseconds and joules.
 2. **Plan**: the 1F1B schedule of that plan as the action DAG, its time-energy frontier
-   (``plait.planner.energy_frontier``) and the frequency plan; prints ``T*`` and the energy at the top clock and
+   (``plait.planner.energy.frontier``) and the frequency plan; prints ``T*`` and the energy at the top clock and
    at the fastest frontier point.
 3. **Run**: ``--steps`` pipeline steps in this process (the same stages, all on this device) at the top clock,
    then as many with the plan's fastest point set before every action (``plait.parallel.energy``); prints step
@@ -39,11 +39,11 @@ from plait.models.units import model_units  # noqa: E402
 from plait.parallel.energy import build_frequency_controller  # noqa: E402
 from plait.parallel.pipeline import run_pipeline_step  # noqa: E402
 from plait.parallel.stages import build_rank_stages  # noqa: E402
-from plait.planner.energy_frontier import energy_frontier, energy_plan, schedule_energy_dag  # noqa: E402
-from plait.planner.energy_plan import ActionFrequency, EnergyPlan, FrontierPoint, action_label  # noqa: E402
-from plait.planner.energy_profile import stage_action_options  # noqa: E402
-from plait.planner.pipeline_plan import plan_pipeline  # noqa: E402
-from plait.planner.schedules import build_schedule  # noqa: E402
+from plait.planner.energy.frontier import energy_frontier, energy_plan, schedule_energy_dag  # noqa: E402
+from plait.planner.energy.plan import ActionFrequency, EnergyPlan, FrontierPoint, action_label  # noqa: E402
+from plait.planner.energy.power_profile import stage_action_options  # noqa: E402
+from plait.planner.pipeline.plan import plan_pipeline  # noqa: E402
+from plait.planner.pipeline.schedules import build_schedule  # noqa: E402
 from plait.measure.energy_sweep import gpu_clock_control, measure_energy_profile, sweep_clocks  # noqa: E402
 from plait.train.loss import token_loss_sum  # noqa: E402
 from plait.train.metrics import detect_energy_meter  # noqa: E402

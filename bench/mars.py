@@ -1,7 +1,7 @@
 """MARS rank search vs a full grid on the demo fine-tuning task (digit_pair, configs/demo_match.toml).
 
 Candidates: the same ranks for the vision encoder and the LLM (default 2, 8, 32). Every run keeps the job's adapter
-scale ``alpha / r`` (:func:`plait.planner.rank_law.lora_at_rank`). Three sides, one run:
+scale ``alpha / r`` (:func:`plait.planner.ranks.rank_law.lora_at_rank`). Three sides, one run:
 
 - **grid**: every (vision rank, LLM rank) pair fine-tuned with the job's own settings (``train.steps`` steps on the
   whole ``match_train.jsonl``), validation loss and exact match on ``match_val.jsonl`` (train/evaluation.py);
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from plait.commands.tune_ranks import (  # noqa: E402
     SearchSettings, cpu_seconds, subset_records, train_job, tune_ranks_command, write_job_toml)
 from plait.config.loader import config_to_dict, load_config  # noqa: E402
-from plait.planner.rank_law import lora_at_rank  # noqa: E402
+from plait.planner.ranks.rank_law import lora_at_rank  # noqa: E402
 from plait.train.metrics import read_metrics  # noqa: E402
 from plait.train.plots import new_figure, save_figure  # noqa: E402
 

@@ -8,13 +8,13 @@ stride 2), pooled by 2 into 25 placeholders per second. Text is log-normal (medi
 8192). Each sample is a ``plait.data.processing.SampleMeta``, as the loader emits it.
 
 Cost model (``make_coeffs``): ``ModuleCostCoeffs`` with per-token and per-attended-pair FLOPs from the
-shapes of three public models, with the conventions of ``plait.planner.cost_model`` (2 FLOPs per MAC,
+shapes of three public models, with the conventions of ``plait.planner.cost.analytic`` (2 FLOPs per MAC,
 attention ``4 * pairs * q_dim`` per layer): a frozen SigLIP-so400m-like vision tower (and frozen
 projector; forward only), a trainable Whisper-large-v3-like audio encoder (forward + dX + dW = 3x) and a
 trainable Qwen2-1.5B-like LLM (3x; causal, so ``L^2 / 2`` pairs). FLOPs become seconds at 400 TFLOP/s
 (an H100 at ~40% MFU); only ratios matter.
 
-Part 1 prints ``plait.planner.macrobatch.macrobatch_stats`` for a 20k-sample dataset (what ``plait plan``
+Part 1 prints ``plait.planner.microbatch.macrobatch.macrobatch_stats`` for a 20k-sample dataset (what ``plait plan``
 reports) and the batch-to-batch CV for global batches of 1, 8, 64, 256 (Entrain's ``1 / sqrt(B)`` point).
 
 Part 2: for each seed a fresh global batch of 256 samples, split over ``dp`` in (1, 4) replicas and 16
@@ -50,7 +50,7 @@ import numpy as np
 
 from plait.data.loader import GlobalBatchLoader
 from plait.data.processing import SampleMeta
-from plait.planner.macrobatch import cv_by_batch_size, macrobatch_stats
+from plait.planner.microbatch.macrobatch import cv_by_batch_size, macrobatch_stats
 from plait.planner.microbatch import (
     METHODS,
     MicrobatchPlan,
@@ -62,9 +62,9 @@ from plait.planner.microbatch import (
     sample_costs_from_metadata,
     workload_stats,
 )
-from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline, synthetic_units
-from plait.planner.schedules import one_f_one_b
-from plait.planner.simulator import simulate
+from plait.planner.pipeline.plan import PipelinePlan, plan_pipeline, synthetic_units
+from plait.planner.pipeline.schedules import one_f_one_b
+from plait.planner.pipeline.simulator import simulate
 
 KINDS = ("image", "audio", "image+audio", "text")
 KIND_SHARES = (0.4, 0.2, 0.1, 0.3)

@@ -3,7 +3,7 @@ best frozen-unaware plan vs plait's frozen-aware search, on simulated H100s.
 
 Models (Jang et al., "Efficient Distributed MLLM Training with Cornstarch", arXiv 2503.11367; summary in
 ../shared/REFERENCES.md section 1): VLM/ALM/VALM in sizes S/M/L. Their costs come from the analytic,
-frozen-aware cost model (``plait.planner.cost_model``) fed with the public configs written out below as
+frozen-aware cost model (``plait.planner.cost.analytic``) fed with the public configs written out below as
 dicts (Hugging Face field names); families the cost model does not read (Pixtral, Qwen2-VL vision) are given
 as ``EncoderArch`` directly. Uncertain figures are marked ``# uncertain``.
 
@@ -27,7 +27,7 @@ trains). For 8, 16 and 32 GPUs the tables give the simulated iteration time (tru
 - A: Megatron-style even split by unit count, encoders first (stages crossing a module boundary share a
   rank), DP degree picked by the frozen-unaware model (``megatron_even_split``); A*: the same split with
   the DP degree that is best with the true costs (a more generous baseline);
-- B: the best frozen-unaware plan (``plan_parallel(frozen_aware=False)``: searched with f + dX + dW
+- B: the best frozen-unaware plan (``plan_parallel`` with ``SearchSpace(frozen_aware=False)``: searched with f + dX + dW
   everywhere, evaluated with the true costs);
 - C: plait's plan (``search_parallel.plan_parallel``: ``plan_layout``, and when no plan fits the memory cap, tensor
   parallelism (2/4/8, all-reduces on the NVLink link), FSDP2 sharding (shard degree dividing the DP degree,
@@ -68,13 +68,14 @@ import statistics
 import time
 from typing import Any
 
-from plait.planner.arch import EncoderArch, arch_from_config, model_param_count, units_from_configs
-from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_costs
-from plait.planner.graph import consistent_units
-from plait.planner.cost_model import unit_static_bytes
-from plait.planner.search import LayoutChoice, megatron_even_split, plan_layout
-from plait.planner.search_parallel import plan_parallel
-from plait.planner.simulator import P2PModel
+from plait.planner.cost.arch import EncoderArch, arch_from_config, model_param_count, units_from_configs
+from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, unit_costs
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.cost.analytic import unit_static_bytes
+from plait.planner.search.types import Machine, SearchSpace
+from plait.planner.search.layout import LayoutChoice, megatron_even_split, plan_layout
+from plait.planner.search.parallel import plan_parallel
+from plait.planner.pipeline.simulator import P2PModel
 
 TEXT_TOKENS = 1024
 AUDIO_FRAMES = 1500
@@ -239,8 +240,8 @@ def _generous_megatron(units, costs, gpus: int, microbatches: int, dps: list[int
     for dp in dps:
         if gpus // dp > len(units):
             continue
-        choice = megatron_even_split(units, costs, gpus, microbatches=microbatches, dp=dp, memory_cap=MEMORY_CAP,
-                                     p2p=P2P, dp_link=DP_LINK)
+        choice = megatron_even_split(units, costs, gpus, microbatches=microbatches, dp=dp,
+                                     machine=Machine(memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK))
         if best is None or (choice.fits_memory, -choice.iteration_s) > (best.fits_memory, -best.iteration_s):
             best = choice
     return best
@@ -248,13 +249,17 @@ def _generous_megatron(units, costs, gpus: int, microbatches: int, dps: list[int
 
 def _run_one(units, costs, gpus: int, microbatches: int, dp_fixed: int | None) -> dict[str, LayoutChoice | None]:
     """A, A*, B and C for one model, setting and GPU count (``dp_fixed``: one DP degree for all)."""
-    common = dict(microbatches=microbatches, memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK)
+    machine = Machine(memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK)
     dps = [dp_fixed] if dp_fixed else [d for d in range(1, min(gpus, microbatches) + 1) if gpus % d == 0]
-    search = dict(common, dp_degrees=dps, virtual_stages=VIRTUAL_STAGES, attach_encoders=True)
+    space = SearchSpace(dp_degrees=dps, virtual_stages=VIRTUAL_STAGES, attach_encoders=True)
+    unaware = dataclasses.replace(space, frozen_aware=False)
     out: dict[str, LayoutChoice | None] = {}
-    for key, call in (("A", lambda: megatron_even_split(units, costs, gpus, dp=dp_fixed, **common)),
-                      ("B", lambda: plan_parallel(units, costs, gpus, frozen_aware=False, **search)),
-                      ("C", lambda: plan_parallel(units, costs, gpus, **search))):
+    for key, call in (("A", lambda: megatron_even_split(units, costs, gpus, microbatches=microbatches, dp=dp_fixed,
+                                                        machine=machine)),
+                      ("B", lambda: plan_parallel(units, costs, gpus, microbatches=microbatches, machine=machine,
+                                                  space=unaware)),
+                      ("C", lambda: plan_parallel(units, costs, gpus, microbatches=microbatches, machine=machine,
+                                                  space=space))):
         try:
             out[key] = call()
         except ValueError:
@@ -351,9 +356,10 @@ def time_search(name: str, setting: str, gpus: int, microbatches: int, repeats: 
         for _ in range(repeats):
             start = time.perf_counter()
             try:
-                choice = plan_layout(units, costs, gpus, microbatches=microbatches, frozen_aware=aware,
-                                     memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK,
-                                     virtual_stages=VIRTUAL_STAGES, attach_encoders=True)
+                choice = plan_layout(units, costs, gpus, microbatches=microbatches,
+                                     machine=Machine(memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK),
+                                     space=SearchSpace(frozen_aware=aware, virtual_stages=VIRTUAL_STAGES,
+                                                       attach_encoders=True))
             except ValueError:
                 choice = None
             times.append(time.perf_counter() - start)

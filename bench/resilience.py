@@ -10,7 +10,7 @@ training, H100 costs, 90% of 80 GiB) and GPT-3 6.7B (2048 tokens per sample) for
 
 Strategies (each iteration commits when it ends; work is counted in microbatches):
 
-- **plait** (``plait.planner.templates`` + ``reconfigure``): templates for ``n0 .. N - f n0`` ranks from plait's
+- **plait** (``plait.planner.resilience.templates`` + ``reconfigure``): templates for ``n0 .. N - f n0`` ranks from plait's
   search, the best instantiation with ``f + 1`` pipelines; on a failure, ``plan_reconfiguration`` (shrink,
   borrow, merge); the interrupted iteration is replayed, nothing else is lost; downtime = ``--reconfig-s``
   (detection, agreement, re-forming process groups) + the largest per-rank copy / ``--copy-gbps``. A failure that
@@ -64,11 +64,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.pipeline_plans import DEVICE, DP_LINK, MEMORY_CAP, P2P, build  # noqa: E402
-from plait.planner.arch import DecoderArch, units_from_configs  # noqa: E402
-from plait.planner.cost_model import MicrobatchShape, unit_costs  # noqa: E402
-from plait.planner.reconfigure import plan_reconfiguration  # noqa: E402
-from plait.planner.search import plan_layout  # noqa: E402
-from plait.planner.templates import TemplateSet, plan_instantiation, plan_templates  # noqa: E402
+from plait.planner.cost.arch import DecoderArch, units_from_configs  # noqa: E402
+from plait.planner.cost.analytic import MicrobatchShape, unit_costs  # noqa: E402
+from plait.planner.resilience.reconfigure import plan_reconfiguration  # noqa: E402
+from plait.planner.search.types import Machine  # noqa: E402
+from plait.planner.search.layout import plan_layout  # noqa: E402
+from plait.planner.resilience.templates import TemplateSet, plan_instantiation, plan_templates  # noqa: E402
 
 GPT3_6_7B = DecoderArch(hidden=4096, layers=32, heads=32, kv_heads=32, head_dim=128, intermediate=16384,
                         vocab=50257, gated_mlp=False, qkv_bias=True, o_bias=True, mlp_bias=True, norm_bias=True,
@@ -171,7 +172,7 @@ class Homogeneous:
     def plan(self, gpus: int):
         if gpus not in self.cache:
             self.cache[gpus] = plan_layout(self.units, self.costs, gpus, microbatches=self.microbatches,
-                                           memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK)
+                                           machine=Machine(memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK))
         return self.cache[gpus]
 
 
@@ -280,7 +281,7 @@ def bench_model(name: str, gpu_counts: list[int], args: argparse.Namespace,
     units, unit_cost = model_parts(name)
     start = time.perf_counter()
     full = plan_templates(units, unit_cost, max(gpu_counts), args.failures, microbatches=args.microbatches,
-                          memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK)
+                          machine=Machine(memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK))
     home = Homogeneous(units, unit_cost, args.microbatches)
     total = state_bytes(full)
     ratios: dict[str, list[float]] = {c.label: [] for c in settings}

@@ -18,7 +18,7 @@ microbatches:
    of both ranks. This machine is a virtual machine whose speed drifts by 10-20% over seconds (other tenants
    of the host); profiling once before measuring made the prediction follow whatever speed the host had
    then (ratios 0.75-1.06 over seven runs), interleaving makes the drift reach both sides alike.
-3. **Predict**: ``simulator.simulate`` of the same schedule with ``plait.planner.profile.stage_action_costs`` and
+3. **Predict**: ``simulator.simulate`` of the same schedule with ``plait.planner.cost.measured_profile.stage_action_costs`` and
    the measured link.
 
 Prints predicted vs measured (median over steps) and their ratio per layout, and writes per layout
@@ -58,12 +58,12 @@ from plait.measure.link import measure_link  # noqa: E402
 from plait.parallel.pipeline import build_pipeline_comm, run_pipeline_step  # noqa: E402
 from plait.train.loss import token_loss_sum  # noqa: E402
 from plait.parallel.stages import build_rank_stages  # noqa: E402
-from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline  # noqa: E402
+from plait.planner.pipeline.plan import PipelinePlan, plan_pipeline  # noqa: E402
 from plait.measure.job_profile import ProfileStore  # noqa: E402
-from plait.planner.profile import Profile, stage_action_costs  # noqa: E402
-from plait.planner.schedules import build_schedule  # noqa: E402
-from plait.planner.timeline import TimelineEvent  # noqa: E402
-from plait.planner.simulator import P2PModel, SimResult, boundary_bytes_from_units, simulate  # noqa: E402
+from plait.planner.cost.measured_profile import Profile, stage_action_costs  # noqa: E402
+from plait.planner.pipeline.schedules import build_schedule  # noqa: E402
+from plait.planner.pipeline.timeline import TimelineEvent  # noqa: E402
+from plait.planner.pipeline.simulator import P2PModel, SimResult, boundary_bytes_from_units, simulate  # noqa: E402
 from plait.measure.job_profile import build_profile_inputs  # noqa: E402
 from plait.measure.unit_timing import measure_profile  # noqa: E402
 

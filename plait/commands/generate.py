@@ -22,8 +22,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from plait.data.formats import open_source
 from plait.data.progress import Progress
 from plait.data.sources import RawSample, SampleError, parse_record

@@ -40,8 +40,9 @@ import torch.distributed as dist
 from plait.models.plan_inputs import build_plan_inputs, device_spec
 from plait.measure.host_costs import RuntimeCosts, host_cpu, runtime_costs
 from plait.config.loader import load_config
-from plait.planner.cost_model import DeviceSpec
-from plait.planner.templates import instantiate, plan_instantiation, plan_templates
+from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.search.types import Machine
+from plait.planner.resilience.templates import instantiate, plan_instantiation, plan_templates
 from plait.train.resilient import LaunchPlan, run_resilient_worker
 from plait.train.run_lock import hold_run_lock
 from plait.train.run_start import clear_earlier_run, launch_logs
@@ -153,10 +154,10 @@ def launch_plan(cfg, nproc: int, failures: int, pipelines: Sequence[int] = (), t
     """
     spec, costs = device or launch_device(cfg, nproc)
     inputs = build_plan_inputs(cfg, spec)
-    extra = {} if costs.overheads.zero else {"overheads": costs.overheads}
+    machine = Machine(memory_cap=spec.memory_bytes, p2p=costs.p2p, dp_link=costs.dp_link, dtype=inputs.dtype,
+                      overheads=costs.overheads)
     templates = plan_templates(inputs.units, inputs.costs, nproc, failures, microbatches=inputs.microbatches,
-                               memory_cap=spec.memory_bytes, p2p=costs.p2p, dp_link=costs.dp_link,
-                               dtype=inputs.dtype, **extra)
+                               machine=machine)
     if pipelines:
         if sum(pipelines) != nproc:
             raise ValueError(f"--pipelines {list(pipelines)} use {sum(pipelines)} workers, --nproc is {nproc}")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from plait.config.loader import load_config
 from plait.measure.job_profile import energy_profile_job, profile_job
-from plait.planner.profile import Profile
+from plait.planner.cost.measured_profile import Profile
 from plait.planner.report import format_profile
 
 __all__ = ["profile_command"]

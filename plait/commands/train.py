@@ -18,15 +18,15 @@ import torch.distributed as dist
 
 from plait.train.job_file import same_on_every_rank
 from plait.measure.host_costs import CPU_OPTIMIZER_S_PER_BYTE, measured_overheads
-from plait.train.plan_search import explain_no_fit, is_no_fit
+from plait.train.plan_search import explain_no_fit
 from plait.config.loader import load_config
 from plait.config.schema import JobConfig, ParallelConfig, PipelineConfig
 from plait.measure.auto_profile import main_rank_profile
 from plait.models.device import apply_cpu_threads
 from plait.models.generation import save_final
-from plait.parallel.activation_checkpointing import checkpoint_policy
 from plait.measure.machine import auto_plan_inputs
 from plait.parallel.process_group import init_distributed
+from plait.planner.search.types import Machine, NoPlanFits
 from plait.planner.report import format_plan
 from plait.train.apply_plan import resolve_auto_plan
 from plait.train.metrics import import_wandb
@@ -136,18 +136,13 @@ def resolve_auto(cfg: JobConfig, store: str | Path) -> tuple[JobConfig, Any]:
     machine = auto_plan_inputs(info.device, max((c.output_bytes for c in profile.costs), default=0))
     try:
         optimizer_s_per_byte = CPU_OPTIMIZER_S_PER_BYTE if info.device.type == "cpu" else 0.0
-        resolved, choice = resolve_auto_plan(cfg, info.world_size, profile.units, profile.costs, p2p=machine.p2p,
-                                             dp_link=machine.p2p, memory_cap=machine.memory_cap_bytes,
-                                             dtype=profile.key.dtype,
-                                             overheads=measured_overheads(profile, optimizer_s_per_byte))
-    except ValueError as exc:
-        if not is_no_fit(exc):
-            raise
-        policy, overrides = checkpoint_policy(cfg)
+        resolved, choice = resolve_auto_plan(cfg, info.world_size, profile.units, profile.costs, machine=Machine(
+            memory_cap=machine.memory_cap_bytes, p2p=machine.p2p, dp_link=machine.p2p, dtype=profile.key.dtype,
+            overheads=measured_overheads(profile, optimizer_s_per_byte)))
+    except NoPlanFits as exc:
         raise ValueError("parallel.plan=auto: " + explain_no_fit(
-            profile.units, profile.costs, info.world_size, machine.memory_cap_bytes, machine.memory_source,
-            "more processes, a device with more memory, or freeze more of the model", dtype=profile.key.dtype,
-            base_checkpointing=policy, checkpoint_overrides=overrides)) from None
+            exc, info.world_size, machine.memory_cap_bytes, machine.memory_source,
+            "more processes, a device with more memory, or freeze more of the model")) from None
     if info.is_main:
         pp = resolved.parallel.pp
         shape = (f"layout {pp.layout}, stages {pp.stages}, splits {pp.splits or 'even'}, virtual stages "

@@ -1,7 +1,7 @@
-"""``plait tune-ranks``: choose a LoRA rank per module with MARS (``plait.planner.rank_law``; README "LoRA rank search").
+"""``plait tune-ranks``: choose a LoRA rank per module with MARS (``plait.planner.ranks.rank_law``; README "LoRA rank search").
 
 :func:`tune_ranks_command` reads the job, finds the modules with LoRA (``[model.llm.lora]`` and every
-``[model.encoders.<name>.lora]`` with ``r > 0``), plans the calibration runs (:func:`~plait.planner.rank_law.
+``[model.encoders.<name>.lora]`` with ``r > 0``), plans the calibration runs (:func:`~plait.planner.ranks.rank_law.
 plan_calibration`: every module x candidate rank x subset size, only that module's adapters training), runs each
 with plait's own trainer (in this process, or under ``torchrun --nproc_per_node N`` with ``--nproc N`` for the
 job's parallel layout), fits Law-C and Law-P, prunes and chooses, and writes into ``--out-dir`` (default
@@ -15,7 +15,7 @@ job's parallel layout), fits Law-C and Law-P, prunes and chooses, and writes int
   the compute spent), ``laws.png`` (each law against its observations) and ``ranks.toml`` (the chosen
   ``[model.*.lora]`` tables, to replace the job's).
 
-Every candidate rank keeps the job's adapter scale ``alpha / r`` (:func:`~plait.planner.rank_law.lora_at_rank`), in
+Every candidate rank keeps the job's adapter scale ``alpha / r`` (:func:`~plait.planner.ranks.rank_law.lora_at_rank`), in
 the calibration runs and in ``ranks.toml``.
 """
 
@@ -38,7 +38,7 @@ import numpy as np
 from plait.data.progress import Progress
 from plait.config.loader import config_to_dict, load_config
 from plait.config.schema import JobConfig
-from plait.planner.rank_law import (
+from plait.planner.ranks.rank_law import (
     CalibrationRun,
     Observation,
     PowerLaw,
@@ -50,6 +50,7 @@ from plait.planner.rank_law import (
     lora_toml,
     plan_calibration,
 )
+from plait.planner.toml_text import toml_text
 from plait.planner.types import LLM_MODULE
 from plait.train.metrics import read_metrics
 from plait.train.plots import new_figure, save_figure
@@ -126,27 +127,16 @@ def subset_records(train_path: str | Path, seed: int) -> list[dict]:
     return [records[i] for i in order]
 
 
-def _to_toml(data: dict[str, Any], prefix: str = "") -> list[str]:
-    """Nested dicts as TOML dotted-key lines (None left out; JSON scalars, arrays and ``{}`` are TOML too)."""
-    lines = []
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            lines += _to_toml(value, f"{prefix}{key}.")
-        elif value is not None:
-            lines.append(f"{prefix}{json.dumps(key)} = {json.dumps(value)}")
-    return lines
-
-
 def write_job_toml(job: dict[str, Any], path: Path) -> Path:
     """Write a job dict (``config_to_dict``'s form) as a TOML job file that ``load_config`` reads back."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(_to_toml(job)) + "\n")
+    path.write_text(toml_text(job))
     return path
 
 
 def _run_job(cfg: JobConfig, run: CalibrationRun, subset: Path, run_dir: Path, val_samples: int) -> dict[str, Any]:
     """The job of one calibration run: only ``run.module``'s adapters (at ``run.rank``, the job's ``alpha / r``
-    kept: :func:`~plait.planner.rank_law.lora_at_rank`) train, the other modules
+    kept: :func:`~plait.planner.ranks.rank_law.lora_at_rank`) train, the other modules
     with adapters frozen without them; ``run.steps`` steps of ``run.batch`` samples on ``subset``, validation on
     ``val_samples`` records at the end, no intermediate checkpoints, no progress bars."""
     job = config_to_dict(cfg)
@@ -319,7 +309,7 @@ def tune_ranks_command(config: str | Path, overrides: Sequence[str] = (), settin
 
     Raises:
         ValueError: on a job without LoRA on the LLM and an encoder, without ``data.val``, with a non-JSONL
-            ``data.train``, or on bad settings (as :func:`~plait.planner.rank_law.plan_calibration`).
+            ``data.train``, or on bad settings (as :func:`~plait.planner.ranks.rank_law.plan_calibration`).
     """
     cfg = load_config(config, list(overrides))
     modules = lora_modules(cfg)

@@ -15,9 +15,9 @@ from typing import Any
 
 from plait.config.schema import DATA_FORMATS, DataConfig, EncoderConfig, JobConfig, LoraConfig, PipelineConfig
 from plait.planner.microbatch import METHODS
-from plait.planner.pipeline_plan import LAYOUTS, stage_ranks
-from plait.planner.recompute import CHECKPOINT_POLICIES
-from plait.planner.schedules import SCHEDULE_NAMES
+from plait.planner.pipeline.plan import LAYOUTS, stage_ranks
+from plait.planner.cost.recompute import CHECKPOINT_POLICIES
+from plait.planner.pipeline.schedules import SCHEDULE_NAMES
 from plait.planner.types import LLM_MODULE
 
 __all__ = ["load_config", "read_config_data", "config_from_dict", "parse_overrides", "config_to_dict", "pipeline_stage_counts",
@@ -491,7 +491,7 @@ def _split_counts(pp: PipelineConfig, known: typing.Sequence[str]) -> dict[str, 
 def pipeline_plan_kwargs(pp: PipelineConfig, encoders: typing.Sequence[str]) -> dict[str, Any]:
     """Keyword arguments of ``plan_pipeline`` for ``parallel.pp``: ``stages_per_module`` (counts of the modules
     cut evenly, :func:`pipeline_stage_counts`), ``splits`` (explicit boundaries of the others) and ``ranks`` (the
-    pipeline rank of each stage, :func:`plait.planner.pipeline_plan.stage_ranks`: the placement the layout search
+    pipeline rank of each stage, :func:`plait.planner.pipeline.plan.stage_ranks`: the placement the layout search
     uses for the same ``virtual_stages`` and ``attach_encoders``).
 
     Raises:

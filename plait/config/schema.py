@@ -219,11 +219,11 @@ class AttentionConfig:
 
 @dataclass
 class PipelineConfig:
-    """Pipeline parallelism (plait.planner.pipeline_plan, plait.parallel.pipeline): the model is cut
+    """Pipeline parallelism (plait.planner.pipeline.plan, plait.parallel.pipeline): the model is cut
     into stages placed on ``degree`` pipeline ranks, and each global batch's microbatches flow through them on a
     schedule. By default every stage has its own rank; ``virtual_stages`` puts several LLM stages on each LLM rank
     and ``attach_encoders`` puts the encoder stages on the first LLM rank (the placements the layout search,
-    ``plait.planner.search.plan_layout``, considers; ``pipeline_plan.stage_ranks`` maps them to ranks).
+    ``plait.planner.search.layout.plan_layout``, considers; ``pipeline_plan.stage_ranks`` maps them to ranks).
     Combines with context parallelism: each stage is replicated over ``parallel.cp`` ranks that share every
     microbatch's LLM tokens (world size = dp x pp x cp, CP the innermost rank axis)."""
 
@@ -314,7 +314,7 @@ class ParallelConfig:
     plan: str = "manual"
     """``"manual"``: use ``dp`` and ``[parallel.pp]`` as written. ``"auto"``: ``plait train`` profiles the model
     on this machine (``plait.measure.unit_timing``, reusing a stored profile whose key matches), searches layout,
-    stages per module, partition and DP degree for the world size (``plait.planner.search.plan_layout``),
+    stages per module, partition and DP degree for the world size (``plait.planner.search.layout.plan_layout``),
     writes the result into ``dp`` and ``[parallel.pp]`` (1F1B, or interleaved 1F1B with ``virtual_stages`` /
     ``attach_encoders`` when such a plan is faster) and prints it before building the trainer."""
 
@@ -366,7 +366,7 @@ class TrainConfig:
     """torch intra-op threads per process (0: automatic: ``OMP_NUM_THREADS`` when set, as ``torchrun`` sets it to 1 per
     worker; else this process's share of the host's cores that no other work keeps busy, from the load average)."""
     activation_checkpointing: str = "none"
-    """Recompute layer activations in the backward instead of keeping them (``plait.planner.recompute``):
+    """Recompute layer activations in the backward instead of keeping them (``plait.planner.cost.recompute``):
     ``"none"``; ``"full"``: every transformer layer unit of the encoders and the LLM keeps only its input and runs
     its forward again in the backward (PyTorch's non-reentrant ``torch.utils.checkpoint``); ``"selective"``: every
     other layer unit of each module (the 0th, 2nd, ... of its chain), about half the memory saving for half the
@@ -413,10 +413,10 @@ class MetricsConfig:
 @dataclass
 class EnergyConfig:
     """Energy (issue 17, Perseus): per-action GPU frequencies from a frequency plan in the pipeline runtime
-    (``plait.parallel.energy``), and the reaction to a straggler DP replica (``plait.planner.straggler``)."""
+    (``plait.parallel.energy``), and the reaction to a straggler DP replica (``plait.planner.resilience.straggler``)."""
 
     plan: str = ""
-    """Frequency plan JSON written by ``plait energy`` (``plait.planner.energy_plan.EnergyPlan``); empty: off.
+    """Frequency plan JSON written by ``plait energy`` (``plait.planner.energy.plan.EnergyPlan``); empty: off.
     Pipeline jobs only (``parallel.pp.degree`` > 1): before each F/B/W action the runtime locks the GPU's SM clock
     at the plan's frequency (needs SYS_ADMIN and ``pip install -e ".[energy]"``; where refused it says so once and
     records only); on CPU it records the would-be frequency in the measured timeline (``frequency_mhz``)."""

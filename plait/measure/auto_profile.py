@@ -9,7 +9,7 @@ from typing import Any
 from plait.config.schema import JobConfig
 from plait.measure.job_profile import profile_job
 from plait.parallel.process_group import DistInfo, broadcast_from_main
-from plait.planner.profile import Profile
+from plait.planner.cost.measured_profile import Profile
 
 __all__ = ["PROFILE_WAIT_S", "main_rank_profile"]
 

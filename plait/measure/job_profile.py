@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +33,8 @@ from plait.data.metadata import this_process_only
 from plait.models.device import resolve_device
 from plait.models.multimodal import MultimodalModel
 from plait.models.registry import build_model, build_processor, load_tokenizer
-from plait.planner.energy_profile import EnergyProfile, energy_profile_mismatch
-from plait.planner.profile import Profile, ProfileKey, profile_mismatch
+from plait.planner.energy.power_profile import EnergyProfile, energy_profile_mismatch
+from plait.planner.cost.measured_profile import Profile, ProfileKey, profile_mismatch
 from plait.measure.unit_timing import KwargsFn, measure_profile, profile_key
 
 __all__ = [

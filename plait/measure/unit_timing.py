@@ -30,9 +30,9 @@ For a list of microbatches (real samples, collated), :func:`measure_profile` mea
    executor (``run_pipeline_step`` in this process): its time beyond the stage passes, per action, is the
    executor's own cost per action (``Profile.action_overhead_s``).
 
-The result is a :class:`~plait.planner.profile.Profile` whose ``costs`` are the planner's
+The result is a :class:`~plait.planner.cost.measured_profile.Profile` whose ``costs`` are the planner's
 ``UnitCost`` (so the partitioner, the layout search and the simulator take measured costs unchanged) and
-whose ``chunk_overhead_s`` feeds ``plait.planner.profile.stage_action_costs``. Building a job's model and samples,
+whose ``chunk_overhead_s`` feeds ``plait.planner.cost.measured_profile.stage_action_costs``. Building a job's model and samples,
 storing profiles and reusing them by key is the ``plait profile`` command's part (``plait.measure.job_profile``).
 """
 
@@ -59,9 +59,9 @@ from plait.models.units import UnitSpec, unit_specs
 from plait.parallel.pipeline import run_pipeline_step
 from plait.train.loss import token_loss_sum
 from plait.parallel.stages import build_rank_stages
-from plait.planner.pipeline_plan import plan_pipeline
-from plait.planner.profile import Profile, ProfileKey, UnitMeasurement
-from plait.planner.schedules import build_schedule
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.cost.measured_profile import Profile, ProfileKey, UnitMeasurement
+from plait.planner.pipeline.schedules import build_schedule
 
 __all__ = ["CLOCKS", "KwargsFn", "LossFn", "PassTiming", "device_name", "measure_profile", "median_seconds",
            "microbatch_shapes", "profile_key", "unit_pass_timings"]

@@ -21,8 +21,8 @@ from plait.models.families.internvl import MODEL_TYPES as INTERNVL_TYPES
 from plait.models.multimodal import PLAIT_CONFIG
 from plait.models.registry import build_model, placeholder_of
 from plait.models.units import model_units
-from plait.planner.arch import arch_from_config, units_from_configs
-from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_costs
+from plait.planner.cost.arch import arch_from_config, units_from_configs
+from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, unit_costs
 from plait.planner.types import Unit, UnitCost
 
 __all__ = ["DEVICES", "MODEL_UNITS", "PlanInputs", "build_plan_inputs", "device_spec", "job_units", "model_parts",

@@ -18,7 +18,7 @@ from torch import nn
 from plait.models.encoder import ModalityEncoder
 from plait.models.hf import encoder_layout, llm_layout
 from plait.models.multimodal import MultimodalModel
-from plait.planner.graph import consistent_units
+from plait.planner.pipeline.graph import consistent_units
 from plait.planner.types import LLM_MODULE, Unit
 
 __all__ = ["UnitSpec", "model_units", "unit_specs"]
@@ -46,7 +46,7 @@ def model_units(model: MultimodalModel) -> tuple[Unit, ...]:
 
     Flags (``Unit``): ``trainable`` when any reachable parameter of the unit has ``requires_grad``
     (``trainable_fraction``: the share that does, e.g. a LoRA unit's adapters);
-    ``needs_input_grad`` by the unit-graph rule (``plait.planner.graph.consistent_units``: some unit upstream
+    ``needs_input_grad`` by the unit-graph rule (``plait.planner.pipeline.graph.consistent_units``: some unit upstream
     trains, every encoder branch feeding the LLM's first unit).
 
     Raises:

@@ -1,6 +1,6 @@
 """Activation checkpointing of a model's pipeline units, with PyTorch's non-reentrant checkpoint.
 
-Which units are checkpointed is the planner's rule (:func:`plait.planner.recompute.plan_checkpointing`: layer
+Which units are checkpointed is the planner's rule (:func:`plait.planner.cost.recompute.plan_checkpointing`: layer
 units only, frozen-aware, ``none`` / ``full`` / ``selective`` per module), so the runtime recomputes exactly what
 the cost model charges. Each chosen unit's modules get an instance ``forward`` that runs the class's forward
 through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``:
@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from plait.config.schema import JobConfig
 from plait.models.multimodal import MultimodalModel
 from plait.models.units import UnitSpec, unit_specs
-from plait.planner.recompute import plan_checkpointing
+from plait.planner.cost.recompute import plan_checkpointing
 from plait.planner.types import LLM_MODULE
 
 __all__ = ["apply_activation_checkpointing", "checkpoint_policy", "is_checkpointed"]
@@ -58,7 +58,7 @@ def apply_activation_checkpointing(model: MultimodalModel, policy: str = "none",
     Args:
         model: the composite (whole, or a pipeline rank's pruned composite: modules of units it does not hold
             are skipped); its ``requires_grad`` flags final (freezing applied), as ``specs`` were taken.
-        policy, overrides: as :func:`plait.planner.recompute.plan_checkpointing` (see :func:`checkpoint_policy`).
+        policy, overrides: as :func:`plait.planner.cost.recompute.plan_checkpointing` (see :func:`checkpoint_policy`).
         specs: ``plait.models.units.unit_specs`` of the whole model; None: taken from ``model`` now (pass them
             for an already pruned composite).
 

@@ -1,4 +1,4 @@
-"""The one execution of a :class:`~plait.planner.routing.FeatureRouting` (deferred encoder outputs), shared by the
+"""The one execution of a :class:`~plait.planner.microbatch.routing.FeatureRouting` (deferred encoder outputs), shared by the
 non-pipeline trainer and the pipeline runtime's first LLM stage and encoder stages.
 
 :class:`FeatureBuffer` keeps the features each encoder microbatch produced until the last LLM microbatch that
@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from plait.planner.routing import FeatureRouting
+from plait.planner.microbatch.routing import FeatureRouting
 
 __all__ = ["FeatureBuffer", "split_feature_grad"]
 

@@ -1,6 +1,6 @@
 """Per-action GPU frequencies in the pipeline runtime (Perseus, Chung et al., SOSP 2024).
 
-A frequency plan (:class:`plait.planner.energy_plan.EnergyPlan`, written by ``plait energy``) gives every ``F``/``B``
+A frequency plan (:class:`plait.planner.energy.plan.EnergyPlan`, written by ``plait energy``) gives every ``F``/``B``
 /``W`` action of every pipeline rank an SM clock. With ``[energy] plan = "path"`` the executor
 (:mod:`plait.parallel.pipeline.executor`) calls this rank's :class:`FrequencyController` before each action:
 
@@ -10,12 +10,12 @@ A frequency plan (:class:`plait.planner.energy_plan.EnergyPlan`, written by ``pl
   (``pip install -e ".[energy]"``), one warning says so and the controller records only;
 - on CPU, :class:`FrequencyController` records the would-be frequency, so the path runs and is tested everywhere.
 
-Either way the frequency is written into the action's measured :class:`~plait.planner.timeline.TimelineEvent`
+Either way the frequency is written into the action's measured :class:`~plait.planner.pipeline.timeline.TimelineEvent`
 (``frequency_mhz``), and setting it changes nothing of the numerics (the same losses and parameters bit for bit).
 
 Straggler reaction (item 4): after each step :class:`StragglerReaction` exchanges every rank's step time (one
 ``all_gather`` of a float over the job) and moves this replica to the frontier point the pure policy
-:mod:`plait.planner.straggler` chooses (hysteresis stated there).
+:mod:`plait.planner.resilience.straggler` chooses (hysteresis stated there).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from plait.config.schema import EnergyConfig
-from plait.planner.energy_plan import EnergyPlan, FrontierPoint, action_label
-from plait.planner.straggler import StragglerPolicy, StragglerState, react_to_stragglers, replica_point
-from plait.planner.timeline import TimelineEvent
+from plait.planner.energy.plan import EnergyPlan, FrontierPoint, action_label
+from plait.planner.resilience.straggler import StragglerPolicy, StragglerState, react_to_stragglers, replica_point
+from plait.planner.pipeline.timeline import TimelineEvent
 
 __all__ = ["EnergyRuntime", "FrequencyController", "NvmlFrequencyController", "StragglerReaction",
            "build_energy_runtime", "build_frequency_controller", "import_zeus_gpus", "read_energy_plan",
@@ -187,8 +187,8 @@ class StragglerReaction:
     """Reacts to a slow DP replica (module docstring): each step, every rank's step time over the predicted
     iteration time of its current point goes to every rank (``all_gather`` of one float per rank over the default
     group: all ranks then decide alike), a replica's time is the largest of its ranks', and
-    :func:`~plait.planner.straggler.react_to_stragglers` updates the state; the controller runs
-    :func:`~plait.planner.straggler.replica_point` of it.
+    :func:`~plait.planner.resilience.straggler.react_to_stragglers` updates the state; the controller runs
+    :func:`~plait.planner.resilience.straggler.replica_point` of it.
 
     Args:
         controller: this rank's frequency controller (its plan and point).
@@ -197,7 +197,7 @@ class StragglerReaction:
         device: where the exchanged tensor lives (CPU for gloo, CUDA for NCCL).
 
     Attributes:
-        state: the current :class:`~plait.planner.straggler.StragglerState`.
+        state: the current :class:`~plait.planner.resilience.straggler.StragglerState`.
         history: per observed step, ``(state.straggler, frequency point time in seconds)``.
     """
 

@@ -1,5 +1,5 @@
 """Heterogeneous data parallelism: pipelines with different stage boundaries train as replicas of one model
-(Oobleck, Jang et al., SOSP 2023; the plans are ``plait.planner.templates``).
+(Oobleck, Jang et al., SOSP 2023; the plans are ``plait.planner.resilience.templates``).
 
 Each pipeline runs its own plan with the pipeline runtime unchanged (``run_pipeline_step`` on a
 :class:`~plait.parallel.pipeline.comm.PipelineComm` of DP degree 1: deferral, frozen stages, split backward and
@@ -34,7 +34,7 @@ from plait.parallel.pipeline.comm import PipelineComm
 from plait.parallel.pipeline.step import PipelineStepResult, run_pipeline_step
 from plait.parallel.stages import RankStages
 from plait.parallel.tensor_parallel import check_max_norm, clip_by_square_sum_
-from plait.planner.schedule_ir import Schedule
+from plait.planner.pipeline.schedule_ir import Schedule
 
 __all__ = ["HeteroDP", "build_hetero_dp", "clip_grad_norm_hetero", "hetero_pipeline_comm", "hetero_pipeline_step"]
 

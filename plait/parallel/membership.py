@@ -26,7 +26,7 @@ have its result and others not).
 
 Worker ids are the ranks of generation 0 and never change; :attr:`Membership.rank` is the rank in the current
 group. Survivors' tensors, modules and optimizers stay in memory: the caller applies its reconfiguration plan
-(``plait.planner.reconfigure``) and replays the interrupted step.
+(``plait.planner.resilience.reconfigure``) and replays the interrupted step.
 """
 
 from __future__ import annotations

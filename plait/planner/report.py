@@ -2,7 +2,7 @@
 
 - :func:`format_plan`: a ``LayoutChoice`` as a text table, with the per-rank peak memory of one simulated
   iteration (:func:`simulate_choice`, :func:`rank_peak_memory_bytes`).
-- :func:`pp_toml`: a ready-to-paste ``[parallel.pp]`` TOML table from its field values (:func:`toml_value`).
+- :func:`pp_toml`: a ready-to-paste ``[parallel.pp]`` TOML table from its field values (``toml_text.toml_value``).
 - :func:`plan_to_json` / :func:`plan_from_json`: the plan file of ``plait plan --out`` (``LayoutChoice.to_dict``
   plus the ``[parallel.pp]`` table under ``PP_TOML_KEY``), read back with messages that name what a wrong file
   looks like (a profile, a Chrome trace).
@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from plait.planner.profile import Profile
-from plait.planner.schedules import build_schedule
-from plait.planner.search import LayoutChoice
-from plait.planner.simulator import SimResult, StageMemory, simulate
+from plait.planner.cost.measured_profile import Profile
+from plait.planner.pipeline.schedules import build_schedule
+from plait.planner.search.layout import LayoutChoice
+from plait.planner.pipeline.simulator import SimResult, StageMemory, simulate
+from plait.planner.toml_text import toml_key, toml_value
 from plait.planner.types import Unit
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "pp_toml",
     "rank_peak_memory_bytes",
     "simulate_choice",
-    "toml_value",
 ]
 
 PP_TOML_KEY = "parallel_pp_toml"
@@ -219,7 +218,7 @@ def pp_toml(fields: Mapping[str, Any], dp: int, degrees: Mapping[str, Any] | Non
         fields = {k: v for k, v in fields.items() if k != "layout"}  # not "encoder_parallel" next to attached encoders
         note = ("# attach_encoders: every encoder is its own stage, all on the first LLM rank (layout left at its "
                 "default)\n")
-    body = "".join(f"{k} = {toml_value(v)}\n" for k, v in fields.items())
+    body = "".join(f"{toml_key(k)} = {toml_value(v)}\n" for k, v in fields.items())
     if degrees is not None:
         return _degrees_head(degrees, degree) + note + "[parallel.pp]\n" + body
     return _snippet_head(dp, degree) + note + "[parallel.pp]\n" + body
@@ -248,31 +247,6 @@ def _snippet_head(dp: int, degree: int) -> str:
         return f"# plait plan: one replica, {pipeline}; parallel.dp = 1, parallel.plan = \"manual\"\n"
     return (f"# plait plan: {dp} data-parallel replicas ({dp * degree} processes), each {pipeline}: also set "
             f"parallel.dp = {dp} and parallel.plan = \"manual\" in [parallel]\n")
-
-
-def toml_value(value: Any) -> str:
-    """TOML text of a bool, an int, a string, a list or a dict of them (inline table).
-
-    Raises:
-        ValueError: on another type.
-    """
-    if not isinstance(value, (bool, int, str, list, tuple, dict)):
-        raise ValueError(f"no TOML form for {value!r} here")
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string (ASCII, escaped) is a TOML basic string
-    if isinstance(value, dict):
-        items = ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items())
-        return f"{{ {items} }}" if items else "{}"
-    return "[" + ", ".join(toml_value(v) for v in value) + "]"
-
-
-def _toml_key(key: str) -> str:
-    """A bare key when TOML allows one (letters, digits, ``_``, ``-``), else a quoted key."""
-    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
 
 
 # ----- the plan file -----------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""One JSON round trip for the planner's frozen dataclasses (../shared/DESIGN.md, principle 1).
+"""One JSON round trip for the planner's frozen dataclasses.
 
 A plan is data: it is cached on disk, compared in tests and read by the runtime, so every planner dataclass
 turns into plain JSON values and back. Instead of a hand-written ``to_dict``/``from_dict`` pair per class,

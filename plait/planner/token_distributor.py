@@ -1,12 +1,12 @@
 """Distribute one microbatch's LLM tokens over the ranks of a context-parallel (CP) group.
 
-Pure planner (../shared/DESIGN.md, principle 1): plain data in (per-block attention work from
+Pure planner: plain data in (per-block attention work from
 :func:`plait.attention.masks.block_work`), a frozen, JSON round-trippable :class:`TokenAssignment` out.
 
 Tokens are grouped in blocks of ``block_size`` consecutive tokens (the last block may be shorter); a block
 is the unit of assignment. The work of block ``b`` is ``alpha * attn_b + beta * tokens_b``: ``attn_b`` the
 (query, key) pairs its queries attend (quadratic part: attention), ``tokens_b`` its token count (linear
-part: projections, MLP, norms). Methods (Cornstarch, ../shared/REFERENCES.md section 1):
+part: projections, MLP, norms). Methods (Cornstarch):
 
 - ``"uniform"``: ``cp`` contiguous chunks of (almost) equal block counts;
 - ``"zigzag"``: ``2 * cp`` contiguous chunks, rank ``r`` takes chunks ``r`` and ``2cp - 1 - r`` (balanced for
@@ -17,7 +17,7 @@ part: projections, MLP, norms). Methods (Cornstarch, ../shared/REFERENCES.md sec
   Cornstarch's LPT, the per-token (linear) cost is part of the work, so ranks do not end up with very
   unequal token counts;
 - ``"ilp"``: exact makespan minimisation with HiGHS (``highspy``), warm-started from LPT and stopped at
-  ``time_limit_s``; used only when ``num_blocks * cp <= ilp_max_vars``, otherwise (or without highspy) the
+  ``IlpLimits.time_s``; used only when ``num_blocks * cp <= IlpLimits.max_vars``, otherwise (or without highspy) the
   LPT result is returned and ``note`` says why.
 
 Every method is deterministic (ties go to the lower block index and the lower rank), except ``"ilp"``
@@ -35,7 +35,7 @@ import numpy as np
 
 from plait.planner.serialize import JsonDataclass
 
-__all__ = ["TOKEN_METHODS", "TokenAssignment", "plan_tokens"]
+__all__ = ["TOKEN_METHODS", "IlpLimits", "TokenAssignment", "WorkWeights", "plan_tokens"]
 
 TOKEN_METHODS = ("uniform", "zigzag", "lpt", "ilp")
 
@@ -243,10 +243,26 @@ def _ranges(owner: np.ndarray, num_tokens: int, block_size: int, cp: int) -> tup
     return tuple(tuple(spans) for spans in per_rank)
 
 
+@dataclass(frozen=True)
+class WorkWeights(JsonDataclass):
+    """Weights of a block's work: ``alpha`` per attention pair, ``beta`` per token (same work unit, e.g. FLOPs)."""
+
+    alpha: float = 1.0
+    beta: float = 0.0
+
+
+@dataclass(frozen=True)
+class IlpLimits(JsonDataclass):
+    """Limits of the ILP refinement (``plan_tokens(method="ilp")``): wall-clock seconds of a solve (``time_s``)
+    and the largest ``num_blocks * cp`` it is tried on (``max_vars``)."""
+
+    time_s: float = 1.0
+    max_vars: int = 4096
+
+
 def plan_tokens(block_attn_work: Sequence[float] | np.ndarray, num_tokens: int, cp: int,
-                method: str = "lpt", alpha: float = 1.0, beta: float = 0.0, block_size: int = 128,
-                max_tokens_per_rank: int | None = None, time_limit_s: float = 1.0,
-                ilp_max_vars: int = 4096) -> TokenAssignment:
+                method: str = "lpt", weights: WorkWeights = WorkWeights(), block_size: int = 128,
+                max_tokens_per_rank: int | None = None, ilp: IlpLimits = IlpLimits()) -> TokenAssignment:
     """Assign the blocks of one row (or of rows sharing an assignment) to ``cp`` ranks.
 
     Args:
@@ -256,12 +272,11 @@ def plan_tokens(block_attn_work: Sequence[float] | np.ndarray, num_tokens: int, 
         num_tokens: tokens per row (N); need not be a multiple of ``block_size`` or ``cp``.
         cp: CP degree.
         method: ``"uniform"``, ``"zigzag"``, ``"lpt"`` or ``"ilp"`` (module docstring).
-        alpha: weight of an attention pair; beta: weight of a token (same work unit, e.g. FLOPs).
+        weights: ``alpha``, the weight of an attention pair, and ``beta``, of a token (:class:`WorkWeights`).
         block_size: tokens per block.
         max_tokens_per_rank: cap on tokens per rank (activation memory), honoured by ``"lpt"``/``"ilp"``
             and checked for all methods; must allow ``ceil(num_blocks / cp)`` full blocks per rank.
-        time_limit_s: wall-clock limit of the ILP solve (seconds).
-        ilp_max_vars: largest ``num_blocks * cp`` the ILP is tried on.
+        ilp: the ILP solve's time limit and largest ``num_blocks * cp`` it is tried on (:class:`IlpLimits`).
 
     Returns:
         A :class:`TokenAssignment` with ranges, predicted work per rank and the method used.
@@ -270,6 +285,7 @@ def plan_tokens(block_attn_work: Sequence[float] | np.ndarray, num_tokens: int, 
         ValueError: on an unknown method, non-positive sizes, a work array of the wrong length or with
             negative values, fewer blocks than ranks, ``alpha = beta = 0``, or a cap too small.
     """
+    alpha, beta = weights.alpha, weights.beta
     attn = np.asarray(block_attn_work, dtype=np.float64)
     num_blocks = _validate(attn, num_tokens, cp, method, alpha, beta, block_size, max_tokens_per_rank)
     tokens = _block_tokens(num_tokens, block_size, num_blocks)
@@ -282,8 +298,7 @@ def plan_tokens(block_attn_work: Sequence[float] | np.ndarray, num_tokens: int, 
     else:
         owner = _lpt(work, tokens, cp, max_tokens_per_rank)
         if method == "ilp":
-            owner, used, note = _refine_ilp(owner, work, tokens, cp, max_tokens_per_rank, time_limit_s,
-                                            ilp_max_vars)
+            owner, used, note = _refine_ilp(owner, work, tokens, cp, max_tokens_per_rank, ilp.time_s, ilp.max_vars)
     per_rank = np.bincount(owner, weights=work, minlength=cp)
     return TokenAssignment(num_tokens=num_tokens, block_size=block_size, method=used,
                            ranges=_ranges(owner, num_tokens, block_size, cp),

@@ -2,7 +2,7 @@
 
 Everything here is a frozen dataclass that round-trips through JSON (``to_dict`` / ``from_dict`` from
 ``serialize.JsonDataclass``), so plans can be cached on disk, compared in tests and read by the runtime,
-the simulator and the plots alike (../shared/DESIGN.md, principle 1).
+the simulator and the plots alike.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Unit(JsonDataclass):
         needs_input_grad: some unit upstream of this one (in its own chain or in a chain feeding it) is
             trainable, so the gradient must flow through this unit's input (dX) and its activations must
             be kept. A unit with neither flag runs forward only, under ``torch.no_grad``
-            (../shared/DESIGN.md, principle 6).
+           .
         trainable_fraction: the share (0-1] of the unit's parameters, by count, that train when it is
             ``trainable``: 1 for a fully trainable unit; the adapters' parameters over all of the unit's for a
             LoRA unit (frozen base + adapters, :attr:`adapter`), whose dW work, gradients and optimizer state
@@ -114,7 +114,7 @@ class UnitCost(JsonDataclass):
         recomputation ``recompute_s`` of a checkpointed unit when it runs any backward.
 
         With ``frozen_aware=False`` every unit pays dX + dW (+ recomputation) whatever its flags (the
-        frozen-unaware model that Cornstarch compares against, ../shared/REFERENCES.md section 1).
+        frozen-unaware model that Cornstarch compares against).
         """
         if not frozen_aware:
             return self.input_grad_s + self.weight_grad_s + self.recompute_s

@@ -1,26 +1,26 @@
 """A chosen layout written into a job config: the config side of ``parallel.plan = "auto"`` and of the
 ``[parallel.pp]`` table ``plait plan`` prints.
 
-:func:`apply_layout_choice` writes a ``LayoutChoice`` (``plait.planner.auto_plan.layout_pp_fields``) into a copy
+:func:`apply_layout_choice` writes a ``LayoutChoice`` (``plait.planner.search.auto_layout.layout_pp_fields``) into a copy
 of a ``JobConfig`` and checks that the ``[parallel.pp]`` it wrote rebuilds the chosen plan as the trainer builds
-it; :func:`resolve_auto_plan` searches (``plait.planner.auto_plan.plan_auto_layout``) and applies. The search
+it; :func:`resolve_auto_plan` searches (``plait.planner.search.auto_layout.plan_auto_layout``) and applies. The search
 itself is pure planner code; this module is where it meets the config (no torch, no files).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from plait.config.loader import pipeline_plan_kwargs
 from plait.config.schema import JobConfig, PipelineConfig
 from plait.parallel.activation_checkpointing import checkpoint_policy
-from plait.planner.auto_plan import layout_pp_fields, plan_auto_layout
-from plait.planner.overheads import ActionOverheads
-from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
-from plait.planner.search import LayoutChoice
-from plait.planner.simulator import P2PModel
+from plait.planner.search.auto_layout import AUTO_MACHINE, AUTO_SPACE, layout_pp_fields, plan_auto_layout
+from plait.planner.pipeline.plan import PipelinePlan, plan_pipeline
+from plait.planner.search.types import Machine, SearchSpace
+from plait.planner.search.layout import LayoutChoice
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
 __all__ = ["apply_layout_choice", "auto_microbatches", "kept_degrees", "resolve_auto_plan"]
@@ -32,7 +32,7 @@ def auto_microbatches(cfg: JobConfig) -> int:
 
 
 def kept_degrees(cfg: JobConfig, devices: int, named: str = "") -> dict[str, Any]:
-    """The search's keyword arguments (``search_parallel.plan_parallel``, ``plan_auto_layout``) that keep the job's
+    """The ``SearchSpace`` fields (``search_parallel.plan_parallel``, ``plan_auto_layout``) that keep the job's
     own ``parallel.tp`` / ``parallel.dp_shard`` when either is above 1: exactly those degrees, searched even when
     the plain plan fits (``prefer_plain=False``), its ``parallel.fsdp_reshard`` when not ``"auto"`` and its
     ``parallel.offload = "cpu"`` (offloaded plans only); ``{}`` when both are 1 (TP and sharding are then searched
@@ -105,29 +105,25 @@ def _check_expressed(pp: PipelineConfig, plan: PipelinePlan, units: Sequence[Uni
 
 
 def resolve_auto_plan(cfg: JobConfig, world_size: int, units: Sequence[Unit], costs: Sequence[UnitCost], *,
-                      p2p: P2PModel | None = None, memory_cap: float | None = None,
-                      dtype: str = "float32", dp_link: P2PModel | None = None,
-                      virtual_stages: Sequence[int] = (1, 2, 4), attach_encoders: bool = True,
-                      overheads: ActionOverheads = ActionOverheads()) -> tuple[JobConfig, LayoutChoice]:
+                      machine: Machine = AUTO_MACHINE, space: SearchSpace = AUTO_SPACE
+                      ) -> tuple[JobConfig, LayoutChoice]:
     """``cfg`` with ``parallel.plan = "auto"`` resolved for ``world_size`` processes from unit costs: the
-    config to train with and the chosen plan (``plan_auto_layout`` with the same keyword arguments, e.g.
-    ``dp_link`` for the DP all-reduce and ``overheads`` for the runtime's fixed costs (``plait plan``'s
-    ``measure.host_costs.runtime_costs``), and the job's activation checkpointing, whose recomputation it charges;
-    when nothing fits ``memory_cap`` it searches TP, FSDP2 and checkpointing too, and a job's own ``parallel.tp`` /
-    ``parallel.dp_shard`` above 1 are kept as ``plait plan`` keeps them (:func:`kept_degrees`);
-    :func:`apply_layout_choice`).
+    config to train with and the chosen plan (``plan_auto_layout`` on ``machine``, e.g. ``dp_link`` for the DP
+    all-reduce and ``overheads`` for the runtime's fixed costs (``plait plan``'s ``measure.host_costs.runtime_costs``), and
+    ``space`` with the job's activation checkpointing, whose recomputation it charges; when nothing fits the memory
+    cap it searches TP, FSDP2 and checkpointing too, and a job's own ``parallel.tp`` / ``parallel.dp_shard`` above 1
+    are kept as ``plait plan`` keeps them (:func:`kept_degrees`); :func:`apply_layout_choice`).
 
     Raises:
         ValueError: when ``parallel.plan`` is not ``"auto"``, the units are not the model's (no LLM unit), the
-            job's ``tp x dp_shard`` does not divide ``world_size``, or no plan fits.
+            job's ``tp x dp_shard`` does not divide ``world_size``; ``NoPlanFits`` when no plan fits.
     """
     if cfg.parallel.plan != "auto":
         raise ValueError(f"parallel.plan is {cfg.parallel.plan!r}; only 'auto' is resolved")
     if not any(u.module == LLM_MODULE for u in units):
         raise ValueError("units have no LLM unit: they are not a plait model's pipeline units")
     policy, overrides = checkpoint_policy(cfg)  # recomputation charged (planner.sharding.shard_costs)
-    choice = plan_auto_layout(units, costs, world_size, auto_microbatches(cfg), p2p=p2p, memory_cap=memory_cap,
-                              dtype=dtype, dp_link=dp_link, virtual_stages=virtual_stages,
-                              attach_encoders=attach_encoders, overheads=overheads, checkpointing=policy,
-                              checkpoint_overrides=overrides, **kept_degrees(cfg, world_size))
+    space = dataclasses.replace(space, base_checkpointing=policy, checkpoint_overrides=overrides,
+                                **kept_degrees(cfg, world_size))
+    choice = plan_auto_layout(units, costs, world_size, auto_microbatches(cfg), machine=machine, space=space)
     return apply_layout_choice(cfg, choice, units), choice

@@ -1,5 +1,5 @@
 """A step's batches, planned before the step runs: per microbatch of a DP replica's
-:class:`~plait.planner.routing.FeatureRouting`, the LLM view's collated batch, the encoder view's batch and the
+:class:`~plait.planner.microbatch.routing.FeatureRouting`, the LLM view's collated batch, the encoder view's batch and the
 LLM keyword arguments (:class:`StepBatches`; built by ``Trainer.plan_batches``).
 
 Each sample is collated once, into the batch of its LLM microbatch. An encoder microbatch with the same samples
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from plait.data.collate import Batch
-from plait.planner.routing import FeatureRouting
+from plait.planner.microbatch.routing import FeatureRouting
 
 __all__ = ["StepBatches", "encoder_view_batch"]
 

@@ -16,8 +16,8 @@ from torch import nn
 from plait.models.lora import has_lora
 from plait.models.multimodal import MultimodalModel
 from plait.models.plan_inputs import pixel_shuffle_patches
-from plait.planner.arch import arch_from_config
-from plait.planner.graph import ModuleFlags, consistent_units, module_flags
+from plait.planner.cost.arch import arch_from_config
+from plait.planner.pipeline.graph import ModuleFlags, consistent_units, module_flags
 from plait.planner.microbatch import ModuleCostCoeffs
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 

@@ -15,7 +15,7 @@ The plan (:func:`build_pipeline_plan`) is ``plan_pipeline(model_units(model), pa
 counts, splits and stage ranks of :func:`plait.config.loader.pipeline_plan_kwargs`: stage ``i`` on pipeline rank
 ``i`` by default; with ``parallel.pp.virtual_stages = v`` > 1 the LLM's ``v p`` stages cyclic over its ``p`` ranks
 (interleaved 1F1B, Narayanan et al., SC'21, section 2.2.2), and with ``parallel.pp.attach_encoders`` the encoder
-stages on the first LLM rank: the placement ``plait.planner.search.plan_layout`` chooses for the same settings. A
+stages on the first LLM rank: the placement ``plait.planner.search.layout.plan_layout`` chooses for the same settings. A
 rank runs all its stages (``RankStages``) in the order of the configured schedule. The model is built on the meta
 device and only the rank's units materialised (:func:`plait.parallel.parallelize.parallelize`).
 
@@ -50,10 +50,10 @@ from plait.models.units import model_units
 from plait.parallel.energy import build_energy_runtime
 from plait.parallel.pipeline import gather_timeline, run_pipeline_step
 from plait.planner.microbatch import MicrobatchPlan
-from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
-from plait.planner.schedule_ir import Schedule
-from plait.planner.schedules import build_schedule
-from plait.planner.timeline import TimelineEvent
+from plait.planner.pipeline.plan import PipelinePlan, plan_pipeline
+from plait.planner.pipeline.schedule_ir import Schedule
+from plait.planner.pipeline.schedules import build_schedule
+from plait.planner.pipeline.timeline import TimelineEvent
 from plait.train.evaluation import EvalSide
 from plait.train.loss import token_loss_sum, zero_loss
 from plait.train.plots import plot_timeline, write_chrome_trace

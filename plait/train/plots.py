@@ -1,7 +1,7 @@
 """Plots and trace files: pipeline timelines (Chrome trace JSON and PNG Gantt charts).
 
 Predicted (simulator) and measured (runtime) timelines share one event format,
-``plait.planner.schedules.TimelineEvent``, and one pair of outputs:
+``plait.planner.pipeline.schedules.TimelineEvent``, and one pair of outputs:
 
 - ``write_chrome_trace``: Chrome trace-event JSON (opens in https://ui.perfetto.dev or chrome://tracing),
   one process per timeline label, one thread (track) per rank, one complete event (``"ph": "X"``) per
@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
 
-from plait.planner.timeline import TimelineEvent, summarize_timeline
+from plait.planner.pipeline.timeline import TimelineEvent, summarize_timeline
 
 __all__ = [
     "KIND_COLORS",

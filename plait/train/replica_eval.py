@@ -4,7 +4,7 @@ and ``plait launch``'s heterogeneous pipelines (:func:`replica_eval_side`).
 
 The validation samples are shared over the replicas (pipelines) as over DP replicas; each pipeline computes the
 teacher-forced loss of its share by forward-only passes (``run_pipeline_forward`` on a
-:func:`~plait.planner.schedules.forward_only` schedule of its plan) and answers its share of prompts by greedy
+:func:`~plait.planner.pipeline.schedules.forward_only` schedule of its plan) and answers its share of prompts by greedy
 decoding through the same passes (:func:`~plait.train.evaluation.greedy_by_forward`, no KV cache): each pass's next
 tokens come from the pipeline's last stage (with CP, the CP rank holding the last position) and are agreed on by
 an all-reduce (max) over the pipeline's ranks. The pipeline's first rank counts the target tokens and keeps the
@@ -25,9 +25,9 @@ from plait.data.collate import Batch
 from plait.parallel.pipeline.comm import PipelineComm
 from plait.parallel.pipeline.step import run_pipeline_forward
 from plait.parallel.stages import RankStages
-from plait.planner.pipeline_plan import PipelinePlan
-from plait.planner.schedule_ir import Schedule
-from plait.planner.schedules import forward_only
+from plait.planner.pipeline.plan import PipelinePlan
+from plait.planner.pipeline.schedule_ir import Schedule
+from plait.planner.pipeline.schedules import forward_only
 from plait.train.evaluation import EvalSide, greedy_by_forward, next_token_ids
 from plait.train.loss import token_loss_sum
 

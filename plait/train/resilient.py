@@ -1,5 +1,5 @@
 """The resilient training loop of ``plait launch`` (Oobleck, Jang et al., SOSP 2023): one
-worker process of a job whose pipelines are heterogeneous data-parallel replicas (``plait.planner.templates``)
+worker process of a job whose pipelines are heterogeneous data-parallel replicas (``plait.planner.resilience.templates``)
 and whose workers may die, rank 0 included.
 
 Each worker (its id is its rank in generation 0 and never changes):
@@ -15,10 +15,10 @@ Each worker (its id is its rank in generation 0 and never changes):
 3. votes to commit before its optimizer step (``Membership.commit``: a two-phase commit through the store), so
    either every survivor steps or none does;
 4. when a collective or P2P call fails (a peer died), re-forms the group over the survivors, plans the
-   reconfiguration (``plait.planner.reconfigure``: shrink, borrow, merge), builds its new stages on a fresh model,
+   reconfiguration (``plait.planner.resilience.reconfigure``: shrink, borrow, merge), builds its new stages on a fresh model,
    fills them from what it held and from the surviving replicas (``plait.parallel.unit_transfer``: parameters
    and AdamW state), prints one line and replays the step from its start with the same global batch. When some
-   unit has no surviving copy it stops with :class:`~plait.planner.reconfigure.LostUnitsError`'s message (the
+   unit has no surviving copy it stops with :class:`~plait.planner.resilience.reconfigure.LostUnitsError`'s message (the
    lost units, resume from the last checkpoint).
 
 Every worker appends one JSON line per committed step to ``<out>/worker<id>.jsonl`` (step, epoch, loss, learning
@@ -65,10 +65,10 @@ from plait.parallel.hetero_dp import HeteroDP, build_hetero_dp, hetero_pipeline_
 from plait.parallel.membership import Membership, NoQuorumError
 from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.unit_transfer import move_units, unit_parameter_names
-from plait.planner.reconfigure import Reconfiguration, Transfer, plan_reconfiguration, plan_rejoin
-from plait.planner.schedule_ir import Schedule
-from plait.planner.schedules import build_schedule
-from plait.planner.templates import Instantiation, TemplateSet
+from plait.planner.resilience.reconfigure import Reconfiguration, Transfer, plan_reconfiguration, plan_rejoin
+from plait.planner.pipeline.schedule_ir import Schedule
+from plait.planner.pipeline.schedules import build_schedule
+from plait.planner.resilience.templates import Instantiation, TemplateSet
 from plait.train.build import build_datasets, seed_everything
 from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, save_checkpoint, training_set_identity
 from plait.train.evaluation import EvalReport, eval_batch_size, evaluate_on, load_metrics

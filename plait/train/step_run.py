@@ -44,7 +44,6 @@ from plait.models.generation import stop_token_ids
 from plait.models.hf import dummy_encoder_input
 from plait.parallel.deferral import FeatureBuffer
 from plait.parallel.fsdp import ShardedModel
-from plait.planner.routing import FeatureRouting
 from plait.planner.types import LLM_MODULE
 from plait.train.batches import StepBatches
 from plait.train.evaluation import EvalSide

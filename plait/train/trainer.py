@@ -57,8 +57,8 @@ from plait.planner.microbatch import (
     sample_costs_from_metadata,
     workload_stats,
 )
-from plait.planner.pipeline_plan import PipelinePlan
-from plait.planner.routing import plan_feature_routing
+from plait.planner.pipeline.plan import PipelinePlan
+from plait.planner.microbatch.routing import plan_feature_routing
 from plait.planner.token_distributor import plan_tokens
 from plait.train.batches import StepBatches, encoder_view_batch
 from plait.train.build import TrainerParts, build_trainer_parts, check_tp_degree, join_job, model_from_checkpoint
@@ -254,7 +254,7 @@ class Trainer:
         Plan entries are positions in ``indices``. Returns the plan and the per-sample costs it balanced.
         Deferral (a sample's LLM work in a later microbatch than its encoder work) is allowed: this trainer
         buffers encoder outputs as detached leaves, the pipeline runtime on the first LLM stage
-        (:class:`~plait.planner.routing.FeatureRouting`).
+        (:class:`~plait.planner.microbatch.routing.FeatureRouting`).
         """
         t = self.cfg.train
         costs = sample_costs_from_metadata([self.train_set.sample_meta(i) for i in indices], self.cost_coeffs)

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from plait.models.units import model_units
 from plait.parallel.hetero_dp import build_hetero_dp, clip_grad_norm_hetero, hetero_pipeline_comm, hetero_pipeline_step
 from plait.parallel.stages import build_rank_stages
-from plait.planner.pipeline_plan import plan_pipeline
-from plait.planner.schedules import build_schedule
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.pipeline.schedules import build_schedule
 from plait.train.loss import token_loss_sum
 from tests.distributed.pipeline_deferral_worker import SAMPLES, deferring_plan, make_sample, routed_microbatches, stack
 from tests.distributed.pipeline_worker import _check_grads, _close, apply_mode, make_batch, reference_step, tiny_model

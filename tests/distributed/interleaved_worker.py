@@ -14,9 +14,9 @@ from plait.models.units import model_units
 from plait.parallel.pipeline import build_pipeline_comm, run_pipeline_step
 from plait.train.loss import token_loss_sum
 from plait.parallel.stages import build_rank_stages
-from plait.planner.pipeline_plan import plan_pipeline
-from plait.planner.schedule_ir import check_schedule
-from plait.planner.schedules import build_schedule
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.pipeline.schedule_ir import check_schedule
+from plait.planner.pipeline.schedules import build_schedule
 from tests.distributed.pipeline_worker import _check_grads, _close, apply_mode, make_batch, reference_step, tiny_model
 from tests.distributed.spawning import gloo_group
 

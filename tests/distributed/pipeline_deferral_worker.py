@@ -19,9 +19,9 @@ from plait.parallel.context import build_cp_shard
 from plait.parallel.pipeline import build_pipeline_comm, run_pipeline_step
 from plait.parallel.stages import build_rank_stages
 from plait.planner.microbatch import MicrobatchPlan, MicrobatchPolicy, SampleCost, plan_microbatches
-from plait.planner.pipeline_plan import plan_pipeline
-from plait.planner.routing import FeatureRouting
-from plait.planner.schedules import build_schedule
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.microbatch.routing import FeatureRouting
+from plait.planner.pipeline.schedules import build_schedule
 from tests.distributed.pipeline_worker import (
     AUD,
     COLOC,

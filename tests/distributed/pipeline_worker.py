@@ -29,8 +29,8 @@ from plait.parallel.pipeline import (
     run_pipeline_step,
 )
 from plait.parallel.stages import build_rank_stages
-from plait.planner.pipeline_plan import plan_pipeline
-from plait.planner.schedules import build_schedule
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.pipeline.schedules import build_schedule
 from plait.planner.token_distributor import TokenAssignment, plan_tokens
 from plait.train.loss import token_loss_sum
 from tests.conftest import TINY_AUDIO, TINY_LLM, TINY_VISION

@@ -1,6 +1,6 @@
 """Workers of tests/distributed/test_resilience.py: two heterogeneous pipelines (workers 0+1: 2 ranks; worker 2:
 1 rank) train a tiny MLLM with f = 1. Worker 0 (rank 0) is SIGKILLed at the start of step 1: the survivors detect
-it, re-form their group (plait.parallel.membership), plan the reconfiguration (plait.planner.reconfigure: pipeline
+it, re-form their group (plait.parallel.membership), plan the reconfiguration (plait.planner.resilience.reconfigure: pipeline
 0 shrinks to the 1-rank template), worker 1 receives the units it lacks (parameters and AdamW state) from worker 2
 (plait.parallel.unit_transfer), and the step is replayed from its start. Worker 2 (the other pipeline) is
 SIGKILLed at the start of step 2 and worker 1 goes on alone. Every committed step's loss, gradients and the final
@@ -23,11 +23,11 @@ from plait.parallel.hetero_dp import HeteroDP, build_hetero_dp, hetero_pipeline_
 from plait.parallel.membership import Membership
 from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.unit_transfer import move_units, unit_parameter_names
-from plait.planner.pipeline_plan import plan_pipeline
-from plait.planner.reconfigure import Transfer, plan_reconfiguration
-from plait.planner.schedule_ir import Schedule
-from plait.planner.schedules import build_schedule
-from plait.planner.templates import Instantiation, PipelineTemplate, TemplateSet, UnitBytes, instantiate
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.resilience.reconfigure import Transfer, plan_reconfiguration
+from plait.planner.pipeline.schedule_ir import Schedule
+from plait.planner.pipeline.schedules import build_schedule
+from plait.planner.resilience.templates import Instantiation, PipelineTemplate, TemplateSet, UnitBytes, instantiate
 from plait.train.loss import token_loss_sum
 from tests.distributed.pipeline_worker import _check_grads, _close, apply_mode, make_batch, reference_step, tiny_model
 

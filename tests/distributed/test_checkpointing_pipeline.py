@@ -15,8 +15,8 @@ from plait.models.units import model_units
 from plait.parallel.activation_checkpointing import apply_activation_checkpointing
 from plait.parallel.pipeline import build_pipeline_comm, run_pipeline_step
 from plait.parallel.stages import build_rank_stages
-from plait.planner.pipeline_plan import plan_pipeline
-from plait.planner.schedules import build_schedule
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.pipeline.schedules import build_schedule
 from plait.train.loss import token_loss_sum
 from tests.distributed import pipeline_deferral_worker as dw
 from tests.distributed.pipeline_worker import COLOC, ENC_PAR, _check_grads, _close, make_batch, reference_step

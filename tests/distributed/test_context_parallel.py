@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from plait.attention.masks import MaskInfo, block_work, dense_mask
 from plait.parallel.context import all_gather_tokens, build_cp_shard, cp_attention, shard_tokens, unshard_tokens
-from plait.planner.token_distributor import TokenAssignment, plan_tokens
+from plait.planner.token_distributor import TokenAssignment, WorkWeights, plan_tokens
 from tests.distributed.spawning import free_port, gloo_group, spawn_and_wait
 
 N = 53
@@ -46,7 +46,7 @@ def _assignments(world: int, info: MaskInfo) -> list[TokenAssignment]:
     else:
         ranges = (((0, 3), (30, 33)), ((3, 12), (44, N)), ((12, 21),), ((21, 30), (33, 44)))
     explicit = TokenAssignment(N, 1, "manual", ranges, (0.0,) * world)
-    planned = plan_tokens(block_work(info, 4), N, world, method="lpt", beta=2.0, block_size=4)
+    planned = plan_tokens(block_work(info, 4), N, world, method="lpt", block_size=4, weights=WorkWeights(beta=2.0))
     return [explicit, planned]
 
 

@@ -19,8 +19,8 @@ from plait.models.units import model_units, unit_specs
 from plait.parallel.fsdp import apply_fsdp
 from plait.parallel.pipeline import build_pipeline_comm, run_pipeline_step
 from plait.parallel.stages import build_rank_stages
-from plait.planner.pipeline_plan import plan_pipeline
-from plait.planner.schedules import build_schedule
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.pipeline.schedules import build_schedule
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import read_metrics
 from tests.conftest import ROOT, demo_records, write_jsonl

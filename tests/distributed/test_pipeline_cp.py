@@ -25,8 +25,8 @@ from plait.models.units import model_units
 from plait.parallel.context import build_cp_shard
 from plait.parallel.pipeline import PipelineComm, run_pipeline_step
 from plait.parallel.stages import build_rank_stages
-from plait.planner.pipeline_plan import plan_pipeline
-from plait.planner.schedules import build_schedule
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.pipeline.schedules import build_schedule
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import read_metrics
 from plait.train.trainer import Trainer

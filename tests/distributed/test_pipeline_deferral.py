@@ -14,10 +14,10 @@ import torch
 
 from plait.models.units import model_units
 from plait.parallel.pipeline import run_pipeline_step
-from plait.planner.routing import FeatureRouting
+from plait.planner.microbatch.routing import FeatureRouting
 from plait.parallel.stages import build_rank_stages
-from plait.planner.pipeline_plan import plan_pipeline
-from plait.planner.schedules import build_schedule
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.pipeline.schedules import build_schedule
 from tests.conftest import tiny_config_dict, write_jsonl
 from tests.distributed import pipeline_deferral_worker as w
 from tests.distributed.pipeline_worker import apply_mode, reference_step, tiny_model

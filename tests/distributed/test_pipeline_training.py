@@ -22,6 +22,7 @@ import torch
 from plait.config.loader import config_from_dict, pipeline_stage_counts, validate
 from plait.config.schema import PipelineConfig
 from plait.models.multimodal import MultimodalModel
+from plait.planner.toml_text import toml_text
 from plait.train.metrics import read_metrics
 from plait.train.plots import read_chrome_trace
 from plait.train.trainer import Trainer
@@ -31,17 +32,9 @@ from tests.distributed.spawning import run_main
 STEPS, GLOBAL_BATCH, MICROBATCH = 3, 4, 2
 
 
-def to_toml(data: dict, prefix: str = "") -> str:
-    """Nested dicts as TOML dotted-key lines (``None`` values left out; JSON scalars and arrays are TOML)."""
-    lines = []
-    for key, value in data.items():
-        if value is None:
-            continue
-        if isinstance(value, dict):
-            lines.append(to_toml(value, f"{prefix}{key}."))
-        else:
-            lines.append(f"{prefix}{key} = {json.dumps(value)}")
-    return "\n".join(line for line in lines if line)
+def to_toml(data: dict) -> str:
+    """Nested dicts as TOML dotted-key lines (``None`` values left out), without a final newline."""
+    return toml_text(data).rstrip("\n")
 
 
 def job_dict(tmp_path, run: str) -> dict:

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from bench.sim_vs_measured import LAYOUTS, compare
-from plait.planner.schedules import build_schedule
+from plait.planner.pipeline.schedules import build_schedule
 
 CONTENDED = 1.25  # wall / CPU time above which the cores are shared with other processes
 STEPS = 12  # measured pipeline steps per layout (4 rounds of 3, a profile before each round)

@@ -9,7 +9,7 @@ import pytest
 from plait.commands.train import train_command
 from plait.commands.tune_ranks import SearchSettings, run_calibration, subset_records
 from plait.config.loader import load_config
-from plait.planner.rank_law import CalibrationRun
+from plait.planner.ranks.rank_law import CalibrationRun
 from plait.train.metrics import read_metrics
 from tests.e2e.test_cli_tune_ranks import _job
 

@@ -11,7 +11,7 @@ import pytest
 import plait.commands.tune_ranks as tune_ranks
 from plait.cli import main
 from plait.config.loader import load_config
-from plait.planner.rank_law import convergence_samples
+from plait.planner.ranks.rank_law import convergence_samples
 from plait.train.metrics import read_metrics
 from tests.conftest import demo_records, tiny_config_dict, write_jsonl
 from tests.distributed.test_pipeline_training import to_toml

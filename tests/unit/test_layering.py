@@ -129,7 +129,7 @@ def module_imports(module: str, path: str, source: str, modules: Mapping[str, ob
 
 
 def part_of(module: str) -> str | None:
-    """The top-level part of a dotted plait module (``plait.planner.search`` -> ``planner``); None for ``plait``."""
+    """The top-level part of a dotted plait module (``plait.planner.search.layout`` -> ``planner``); None for ``plait``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else None
 

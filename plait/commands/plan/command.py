@@ -2,9 +2,9 @@
 
 - :func:`plan_command`: read a job config (:func:`load_config_for_planning`), build the model's pipeline units
   (``plait.models.plan_inputs.job_units``: the units and names of the job's own model, so a boundary printed here
-  can be pasted into ``parallel.pp.splits``) and their analytic costs (``plait.planner.cost_model``: Hugging Face
+  can be pasted into ``parallel.pp.splits``) and their analytic costs (``plait.planner.cost.analytic``: Hugging Face
   configs from the TOML ``config`` tables or local ``path`` directories, read with ``transformers.AutoConfig``; no
-  weights), search the layout (``plait.planner.search.plan_layout``), print the plan as a table
+  weights), search the layout (``plait.planner.search.layout.plan_layout``), print the plan as a table
   (``plait.planner.report.format_plan``) with a ready-to-paste ``[parallel.pp]`` table (:func:`pp_snippet`) and
   write it as JSON (``plait.planner.report.plan_to_json``; ``plan_from_json`` reads it back, ``plait simulate``
   times it).
@@ -19,10 +19,10 @@ global batch split into ``--microbatches N`` microbatches of ``ceil(global_batch
 Macro-batches (../shared/REFERENCES.md section 3, Entrain): when the job has training data and
 ``macrobatches`` > 0, :func:`plan_command` reads every sample's metadata (:func:`dataset_metadata`: the trainer's
 processing; the model is built on the meta device, so no weights), draws that many global batches in the
-loader's order (``plait.planner.macrobatch.macrobatch_stats``), prints how much each module's total work varies
+loader's order (``plait.planner.microbatch.macrobatch.macrobatch_stats``), prints how much each module's total work varies
 between batches (CV, min/max, against the ``1 / sqrt(B)`` law) and plans for the **expected** global batch
 instead of the upper bound above: per microbatch, ``microbatch_size`` x the mean per-sample encoder tokens,
-attended pairs and LLM tokens (``plait.planner.macrobatch.expected_shapes``).
+attended pairs and LLM tokens (``plait.planner.microbatch.macrobatch.expected_shapes``).
 """
 
 from __future__ import annotations
@@ -46,12 +46,13 @@ from plait.train.plan_search import search_plan
 from plait.commands.plan.fsdp import fsdp_line
 from plait.commands.plan.snippet import pp_snippet
 from plait.parallel.activation_checkpointing import checkpoint_policy
-from plait.planner.cost_model import DeviceSpec, MicrobatchShape
-from plait.planner.macrobatch import MacrobatchStats, expected_shapes, macrobatch_stats
-from plait.planner.pipeline_plan import LAYOUTS
-from plait.planner.recompute import checkpointed_costs, plan_checkpointing
+from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape
+from plait.planner.microbatch.macrobatch import MacrobatchStats, expected_shapes, macrobatch_stats
+from plait.planner.pipeline.plan import LAYOUTS
+from plait.planner.cost.recompute import checkpointed_costs, plan_checkpointing
 from plait.planner.report import format_bytes, format_lora_units, format_plan, plan_to_json
-from plait.planner.search import LayoutChoice
+from plait.planner.search.types import Machine, SearchSpace
+from plait.planner.search.layout import LayoutChoice
 from plait.planner.types import UnitCost
 from plait.train.apply_plan import kept_degrees
 from plait.train.cost_coeffs import microbatch_cost_coeffs
@@ -188,7 +189,7 @@ def plan_command(
           f"{cfg.train.microbatch_size} samples (global batch {cfg.train.global_batch_size})", file=stream)
     print(format_plan(choice), file=stream)
     if choice.dp_shard > 1:
-        print(fsdp_line(inputs.units, inputs.costs, choice, setup.degrees.get("shard_link")), file=stream)
+        print(fsdp_line(inputs.units, inputs.costs, choice, setup.machine.shard_link), file=stream)
     print(format_lora_units(inputs.units), end="", file=stream)
     snippet, why = pp_snippet(cfg, choice, inputs.units, inputs.unit_source)
     if snippet is None:
@@ -204,7 +205,7 @@ def plan_command(
 
 
 def job_degrees(cfg: Any, devices: int, stream: TextIO) -> dict[str, Any]:
-    """``plan_parallel`` keyword arguments that keep the job's own ``parallel.tp`` / ``parallel.dp_shard`` when
+    """``SearchSpace`` fields that keep the job's own ``parallel.tp`` / ``parallel.dp_shard`` when
     either is above 1 (the plan is then searched with exactly those degrees, not the plain plan first), printing
     that it does; ``{}`` when both are 1 (TP and sharding are searched only when memory requires them).
 
@@ -224,21 +225,20 @@ def job_degrees(cfg: Any, devices: int, stream: TextIO) -> dict[str, Any]:
 @dataclass(frozen=True)
 class PlanSetup:
     """What ``plan_command`` searches with: the job config (global batch split), the plan inputs (costs without
-    activation checkpointing), the device, the ``plan_layout`` keyword arguments of the machine (memory cap, link,
-    DP link, dtype, overheads) and the job's checkpointing as ``search_parallel.plan_parallel`` takes it
-    (``degrees``: ``base_checkpointing``, ``checkpoint_overrides``, and ``shard_link``: the link of FSDP2's
-    collectives)."""
+    activation checkpointing), the device, the machine (memory cap, link, DP link, FSDP2's ``shard_link``, dtype,
+    overheads) and the job's checkpointing as the search space of ``search_parallel.plan_parallel``
+    (``base_checkpointing``, ``checkpoint_overrides``)."""
 
     cfg: Any
     inputs: PlanInputs
     spec: DeviceSpec
-    search: dict[str, Any]
-    degrees: dict[str, Any] = dataclasses.field(default_factory=dict)
+    machine: Machine
+    space: SearchSpace = SearchSpace()
 
     def checkpointed_costs(self) -> tuple[UnitCost, ...]:
         """The inputs' costs with the job's activation checkpointing charged (``recompute.checkpointed_costs``)."""
-        policy = self.degrees.get("base_checkpointing", "none")
-        checkpointed = plan_checkpointing(self.inputs.units, policy, self.degrees.get("checkpoint_overrides"))
+        policy = self.space.base_checkpointing
+        checkpointed = plan_checkpointing(self.inputs.units, policy, self.space.checkpoint_overrides)
         return tuple(checkpointed_costs(self.inputs.costs, checkpointed))
 
 
@@ -295,14 +295,10 @@ def plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], 
     costs = runtime_costs(spec, profile, dp_link_Bps)
     if spec.chunk_overhead_s or spec.message_overhead_s:
         print(f"plait plan: costs: {costs.source}", file=stream)
-    search = dict(memory_cap=memory_fraction * spec.memory_bytes, p2p=costs.p2p, dp_link=costs.dp_link,
-                  dtype=inputs.dtype)
-    if not costs.overheads.zero:
-        search["overheads"] = costs.overheads
     # FSDP2's all-gathers and reduce-scatters: on the DP link, else (GPU presets charge no DP all-reduce) the node's
-    shard_link = costs.dp_link or costs.p2p
-    return PlanSetup(cfg, inputs, spec, search, dict(base_checkpointing=policy, checkpoint_overrides=overrides,
-                                                     shard_link=shard_link))
+    machine = Machine(memory_cap=memory_fraction * spec.memory_bytes, p2p=costs.p2p, dp_link=costs.dp_link,
+                      shard_link=costs.dp_link or costs.p2p, dtype=inputs.dtype, overheads=costs.overheads)
+    return PlanSetup(cfg, inputs, spec, machine, SearchSpace(base_checkpointing=policy, checkpoint_overrides=overrides))
 
 
 def split_global_batch(cfg: Any, microbatches: int | None) -> Any:

@@ -12,9 +12,10 @@ from pathlib import Path
 from plait.commands.plan.command import plan_setup
 from plait.train.plan_search import search_plan
 from plait.commands.plan.snippet import pp_snippet
-from plait.planner.cost_model import DeviceSpec
-from plait.planner.pipeline_plan import LAYOUTS
-from plait.planner.search import LayoutChoice, plan_layout
+from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.pipeline.plan import LAYOUTS
+from plait.planner.search.types import SearchSpace
+from plait.planner.search.layout import LayoutChoice, plan_layout
 from plait.planner.types import Unit
 
 __all__ = ["considered_plans", "plan_label"]
@@ -53,7 +54,7 @@ def considered_plans(config_path: str | Path, devices: int, *, overrides: Sequen
         options = {"dp_degrees": [1], **options}
         try:
             choice = plan_layout(inputs.units, costs, devices, microbatches=inputs.microbatches,
-                                 **options, **setup.search)
+                                 machine=setup.machine, space=SearchSpace(**options))
         except ValueError:
             continue
         key = _key(choice)

@@ -2,11 +2,11 @@
 
 :func:`energy_command` plans the job as ``plait plan`` does (``commands.plan.command.plan_command`` on the chosen GPU
 preset), turns one replica's iteration of the plan's schedule into the action DAG of
-``plait.planner.energy_frontier`` with each stage action's (time, energy) per SM clock (the analytic preset of
-``plait.planner.energy_profile`` combined with the roofline cost model, scaled so that the top clock gives the
+``plait.planner.energy.frontier`` with each stage action's (time, energy) per SM clock (the analytic preset of
+``plait.planner.energy.power_profile`` combined with the roofline cost model, scaled so that the top clock gives the
 plan's own stage times), traces the frontier and writes into ``--out-dir``:
 
-- ``energy_plan.json``: the frequency plan (``plait.planner.energy_plan.EnergyPlan``; the pipeline runtime reads
+- ``energy_plan.json``: the frequency plan (``plait.planner.energy.plan.EnergyPlan``; the pipeline runtime reads
   it through ``[energy] plan = "path"``): frontier points with each action's frequency;
 - ``frontier.json`` (every frontier point's time and energy) and ``frontier.png`` (energy against iteration
   time, the top-clock iteration and the chosen plans marked);
@@ -29,25 +29,25 @@ from typing import Any, TextIO
 from plait.train.job_file import load_config_for_planning
 from plait.commands.plan.command import plan_command, split_global_batch
 from plait.models.plan_inputs import build_plan_inputs, device_spec
-from plait.planner.cost_model import unit_estimates
-from plait.planner.energy_frontier import (
+from plait.planner.cost.analytic import unit_estimates
+from plait.planner.energy.frontier import (
     energy_at_deadline,
     energy_frontier,
     energy_plan,
     replay_plan,
     schedule_energy_dag,
 )
-from plait.planner.energy_plan import EnergyPlan, FrontierPoint
-from plait.planner.energy_profile import (
+from plait.planner.energy.plan import EnergyPlan, FrontierPoint
+from plait.planner.energy.power_profile import (
     GPU_PRESETS,
     EnergyProfile,
     analytic_energy_profile,
     gpu_preset,
     stage_action_options,
 )
-from plait.planner.profile import ProfileKey
-from plait.planner.schedules import build_schedule
-from plait.planner.search import LayoutChoice
+from plait.planner.cost.measured_profile import ProfileKey
+from plait.planner.pipeline.schedules import build_schedule
+from plait.planner.search.layout import LayoutChoice
 from plait.train.plots import plot_energy_frontier, plot_frequency_timelines
 
 __all__ = ["GPUS", "REFINE_S", "TRACE_S", "energy_command", "job_action_options", "plan_by_energy"]
@@ -189,7 +189,7 @@ def plan_by_energy(config_path: str | Path, devices: int, *, tolerance: float = 
     """
     import io
 
-    from plait.planner.pipeline_plan import LAYOUTS
+    from plait.planner.pipeline.plan import LAYOUTS
 
     if not tolerance >= 0:
         raise ValueError(f"--energy tolerance must be >= 0 (a fraction of the fastest iteration time), got {tolerance}")

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from plait.planner.graph import consistent_units
-from plait.planner.search import LayoutChoice
-from plait.planner.search_model import grad_sync_s
-from plait.planner.sharding import ParallelDegrees, gather_s, shard_costs
-from plait.planner.simulator import P2PModel
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.search.layout import LayoutChoice
+from plait.planner.search.model import grad_sync_s
+from plait.planner.cost.sharding import ParallelDegrees, gather_s, shard_costs
+from plait.planner.pipeline.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
 
 __all__ = ["fsdp_collectives", "fsdp_line"]

@@ -304,7 +304,7 @@ class EncoderFamily:
 
     def arch_fields(self, config: Any) -> dict[str, Any]:
         """The planner's architecture facts of a tower of ``config`` (a plain config dict or object): the fields
-        of ``plait.planner.arch.EncoderArch`` as plain values."""
+        of ``plait.planner.cost.arch.EncoderArch`` as plain values."""
         raise NotImplementedError
 
 

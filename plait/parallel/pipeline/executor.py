@@ -13,7 +13,7 @@ graph: correct, but it repeats the part of the backward shared by both, so it is
 Forward-only schedules (``schedules.forward_only``, evaluation): every forward runs without autograd and keeps
 nothing; the last stage's ``loss_fn`` output of each microbatch is collected in ``losses``.
 
-Deferred encoder outputs (:class:`~plait.planner.routing.FeatureRouting`): the schedule and its messages stay as
+Deferred encoder outputs (:class:`~plait.planner.microbatch.routing.FeatureRouting`): the schedule and its messages stay as
 they are (``F``/``B`` of microbatch ``m`` on every stage): encoder stages run microbatch ``m`` of the encoder
 view, LLM stages microbatch ``m`` of the LLM view. The first LLM stage keeps the features each branch sent for
 encoder microbatch ``i`` until the ``F`` of the last LLM microbatch reading them
@@ -47,9 +47,9 @@ from plait.parallel.fsdp import ShardedModel
 from plait.parallel.pipeline.comm import PipelineComm
 from plait.parallel.pipeline.transport import MessageKey, Transport
 from plait.parallel.stages import Payload, PipelineStage, RankStages
-from plait.planner.routing import FeatureRouting
-from plait.planner.schedule_ir import Action, Schedule, frees_activations
-from plait.planner.timeline import TimelineEvent
+from plait.planner.microbatch.routing import FeatureRouting
+from plait.planner.pipeline.schedule_ir import Action, Schedule, frees_activations
+from plait.planner.pipeline.timeline import TimelineEvent
 from plait.planner.types import LLM_MODULE
 
 __all__ = ["Executor", "StepInputs"]

@@ -40,9 +40,9 @@ from plait.parallel.pipeline.executor import Executor, StepInputs
 from plait.parallel.stages import RankStages
 from plait.parallel.tensor_parallel import (align_gradients, check_max_norm, clip_by_square_sum_, grad_square_sum,
                                              sum_local_gradients)
-from plait.planner.routing import FeatureRouting
-from plait.planner.schedule_ir import Schedule
-from plait.planner.timeline import TimelineEvent
+from plait.planner.microbatch.routing import FeatureRouting
+from plait.planner.pipeline.schedule_ir import Schedule
+from plait.planner.pipeline.timeline import TimelineEvent
 
 __all__ = ["PipelineStepResult", "clip_grad_norm_pipeline", "gather_timeline", "run_pipeline_forward",
            "run_pipeline_step"]
@@ -188,7 +188,7 @@ def run_pipeline_forward(
 
     Args:
         stages, comm: as :func:`run_pipeline_step`.
-        schedule: a forward-only schedule (``plait.planner.schedules.forward_only``) of ``stages.plan``.
+        schedule: a forward-only schedule (``plait.planner.pipeline.schedules.forward_only``) of ``stages.plan``.
         microbatches: the ``M`` batches, on ``comm.device``.
         output_fn: ``(logits [B, N, V], labels [B, N]) -> tensor`` run by the last stage on each microbatch
             (with CP on this rank's tokens only), e.g. ``plait.train.loss.token_loss_sum``.

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from plait.parallel.pipeline.comm import PipelineComm
 from plait.parallel.pipeline.wire import HEADER_SLOTS, decode_header, encode_header, pack, payload_tensors, unpack
-from plait.planner.schedule_ir import Action, Schedule
+from plait.planner.pipeline.schedule_ir import Action, Schedule
 
 __all__ = ["MessageKey", "Transport", "messages"]
 

@@ -17,8 +17,8 @@ Empty microbatches: with fewer samples than ``dp * num_microbatches`` (or when a
 some microbatches are empty tuples. The runtime must still run the iteration's schedule for them as
 no-ops (every stage of the replica reads the same plan, so they skip the same slots) and the replica still
 joins the gradient all-reduce. Because the loss of a global batch is the sum of token cross-entropies
-divided by the number of target tokens of the *whole* global batch (../shared/DESIGN.md, "Loss
-normalisation"), an empty microbatch contributes exactly zero loss and zero gradient, and neither the
+divided by the number of target tokens of the *whole* global batch, an empty microbatch contributes exactly
+zero loss and zero gradient, and neither the
 grouping nor unequal sample counts per rank change the gradient. With deferral a microbatch can also be
 empty for the encoders only (its LLM samples are text-only or come from buffers) or for the LLM only (all
 its samples deferred): the runtime reads the encoder view (``microbatches``) and the LLM view

@@ -1,5 +1,5 @@
-"""Source: Entrain, "variable heterogeneity in multimodal training" (arXiv 2605.27918), summarised in
-../shared/REFERENCES.md section 3. The source text of the algorithm was not available: the
+"""Source: Entrain, "variable heterogeneity in multimodal training" (arXiv 2605.27918). The source text of the
+algorithm was not available: the
 ``"hierarchical"`` method below is a **reconstruction** (our design, following the paper's outline):
 
 * **Level 0** (DP replicas) balances the *vector* of per-module totals: every module's work is normalised

@@ -55,7 +55,7 @@ def _item_tokens(item: Any, position: int, coeffs: Mapping[str, ModuleCostCoeffs
 def sample_costs_from_metadata(
     meta_list: Sequence[Any], coeffs: Mapping[str, ModuleCostCoeffs], llm: str = "llm"
 ) -> tuple[SampleCost, ...]:
-    """Per-sample module costs from loader metadata (../shared/REFERENCES.md section 3).
+    """Per-sample module costs from loader metadata.
 
     Args:
         meta_list: one entry per sample of the global batch (its position is ``SampleCost.index``): a

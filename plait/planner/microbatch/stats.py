@@ -19,7 +19,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class WorkloadStats(JsonDataclass):
-    """Work balance of a plan (Entrain's metric, ../shared/REFERENCES.md section 3).
+    """Work balance of a plan (Entrain's metric).
 
     Per-microbatch work of a module: the sum over the samples whose work of that module runs in the
     microbatch (encoders at the encoder microbatch, the LLM at the LLM microbatch), over all ``dp * M``

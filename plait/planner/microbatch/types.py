@@ -51,7 +51,7 @@ def check_real(owner: str, name: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class ModuleCostCoeffs(JsonDataclass):
-    """Cost model of one module per sample (../shared/REFERENCES.md section 3).
+    """Cost model of one module per sample.
 
     An encoder costs ``pass_factor * (fixed + linear * n + quadratic * n**2)`` per item (image, clip) of
     ``n`` encoder tokens (patches, frames), summed over the sample's items for that encoder. The LLM costs
@@ -71,8 +71,7 @@ class ModuleCostCoeffs(JsonDataclass):
             placeholders ``p``, the encoder cost is taken at ``n = round(p * encoder_tokens_per_feature)``.
 
     ``pass_factor`` = forward + dX + dW = 1, 2 or 3 (3 if trainable, 1 if frozen with nothing upstream
-    training, 2 for a frozen LLM after a trainable projector), as in the Cornstarch frozen-aware cost model
-    (../shared/REFERENCES.md section 1).
+    training, 2 for a frozen LLM after a trainable projector), as in the Cornstarch frozen-aware cost model.
 
     Raises:
         ValueError: on a negative or non-finite coefficient.

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from plait.cli import main
-from plait.planner.energy_plan import EnergyPlan
+from plait.planner.energy.plan import EnergyPlan
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "configs" / "demo.toml"
@@ -68,9 +68,9 @@ def test_energy_with_a_measured_profile(tmp_path, capsys):
 
     from plait.train.job_file import load_config_for_planning
     from plait.models.plan_inputs import build_plan_inputs, device_spec
-    from plait.planner.cost_model import unit_estimates
-    from plait.planner.energy_profile import analytic_energy_profile, gpu_preset
-    from plait.planner.profile import ProfileKey
+    from plait.planner.cost.analytic import unit_estimates
+    from plait.planner.energy.power_profile import analytic_energy_profile, gpu_preset
+    from plait.planner.cost.measured_profile import ProfileKey
 
     cfg, _ = load_config_for_planning(DEMO)
     inputs = build_plan_inputs(cfg, device_spec("a100"))

@@ -14,18 +14,20 @@ import pytest
 from plait.config.loader import config_from_dict, load_config, pipeline_plan_kwargs
 from plait.models.registry import build_model, load_tokenizer
 from plait.models.units import model_units
-from plait.planner.arch import units_from_configs
-from plait.planner.pipeline_plan import plan_pipeline
+from plait.planner.cost.arch import units_from_configs
+from plait.planner.pipeline.plan import plan_pipeline
 from plait.config.schema import PipelineConfig
-from plait.planner.pipeline_plan import synthetic_units
+from plait.planner.pipeline.plan import synthetic_units
 from plait.commands.plan.command import plan_command, split_global_batch
 from plait.models.plan_inputs import MODEL_UNITS, build_plan_inputs, model_parts
 from plait.train.job_file import load_config_for_planning
 from plait.commands.plan.snippet import pp_snippet
 from plait.commands.simulate import simulate_command
-from plait.planner.report import PP_TOML_KEY, format_plan, plan_from_json, rank_peak_memory_bytes, toml_value
-from plait.planner.search import evaluate_plan
+from plait.planner.report import PP_TOML_KEY, format_plan, plan_from_json, rank_peak_memory_bytes
+from plait.planner.toml_text import toml_value
+from plait.planner.search.layout import evaluate_plan
 from plait.planner.types import UnitCost
+from plait.planner.search.types import Machine, SearchSpace
 from tests.conftest import TINY_AUDIO, TINY_LLM, TINY_VISION, tiny_config_dict
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -174,10 +176,10 @@ def test_several_replicas_get_one_replicas_table_and_the_parallel_dp_to_set(tmp_
 def test_single_rank_replicas_snippet_says_no_pipeline_and_parallel_dp():
     cfg = load_config(DEMO)
     inputs = build_plan_inputs(cfg, "cpu")
-    from plait.planner.search import plan_layout
+    from plait.planner.search.layout import plan_layout
 
-    choice = plan_layout(inputs.units, inputs.costs, 2, microbatches=2, dp_degrees=[2], dtype=inputs.dtype,
-                         virtual_stages=(1,))
+    choice = plan_layout(inputs.units, inputs.costs, 2, microbatches=2, machine=Machine(dtype=inputs.dtype),
+                         space=SearchSpace(dp_degrees=[2], virtual_stages=(1,)))
     if choice.plan.num_ranks != 1:  # the demo on 2 CPUs: plain DP is the fastest 2-replica plan
         pytest.skip("the search put a pipeline in each replica")
     snippet, why = pp_snippet(cfg, choice, inputs.units)
@@ -234,7 +236,8 @@ def test_plan_table_prints_the_per_rank_peak_memory():
     units = synthetic_units({}, [True] * 4)
     costs = [UnitCost(1e-3, 1e-3, 1e-3, param_bytes=2**30, activation_bytes=0, output_bytes=8) for _ in units]
     plan = plan_pipeline(units, stages_per_module={"llm": 4}, ranks=[0, 1, 0, 1])
-    choice = evaluate_plan(plan, units, costs, dp=1, microbatches=4, dtype="float32", schedule="interleaved_1f1b")
+    choice = evaluate_plan(plan, units, costs, dp=1, microbatches=4, schedule="interleaved_1f1b",
+                           machine=Machine(dtype="float32"))
     assert choice.stage_memory_bytes == (5 * 2**30,) * 4
     text = format_plan(choice)
     assert "peak memory per rank (device) 10.00 GiB (no cap); ranks 10.00 / 10.00 GiB" in text
@@ -279,10 +282,10 @@ def test_simulate_names_a_file_that_is_not_a_plan(tmp_path, kind):
 def test_interleaved_plan_snippet_is_accepted_and_rebuilds_the_plan(tmp_path):
     cfg = load_config(DEMO)
     inputs = build_plan_inputs(cfg, "cpu")
-    from plait.planner.search import plan_layout
+    from plait.planner.search.layout import plan_layout
 
-    choice = plan_layout(inputs.units, inputs.costs, 3, microbatches=4, dp_degrees=[1], dtype=inputs.dtype,
-                         layouts=["encoders_colocated"], virtual_stages=(2,))
+    choice = plan_layout(inputs.units, inputs.costs, 3, microbatches=4, machine=Machine(dtype=inputs.dtype),
+                         space=SearchSpace(dp_degrees=[1], layouts=["encoders_colocated"], virtual_stages=(2,)))
     assert choice.schedule == "interleaved_1f1b" and choice.plan.num_stages > choice.plan.num_ranks
     snippet, why = pp_snippet(cfg, choice, inputs.units)
     assert why == "", why
@@ -297,9 +300,10 @@ def test_interleaved_plan_snippet_is_accepted_and_rebuilds_the_plan(tmp_path):
 def test_single_rank_plan_snippet_is_degree_one():
     cfg = load_config(DEMO)
     inputs = build_plan_inputs(cfg, "cpu")
-    from plait.planner.search import plan_layout
+    from plait.planner.search.layout import plan_layout
 
-    choice = plan_layout(inputs.units, inputs.costs, 1, microbatches=2, dp_degrees=[1], dtype=inputs.dtype)
+    choice = plan_layout(inputs.units, inputs.costs, 1, microbatches=2, machine=Machine(dtype=inputs.dtype),
+                         space=SearchSpace(dp_degrees=[1]))
     snippet, why = pp_snippet(cfg, choice, inputs.units)
     assert why == "" and tomllib.loads(snippet) == {"parallel": {"pp": {"degree": 1}}}
 

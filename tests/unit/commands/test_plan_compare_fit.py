@@ -1,5 +1,5 @@
 """``commands.plan.compare.considered_plans`` with no fitting plan raises ``plait plan``'s one-sentence message (not the
-search's list of internal cases), and ``train.plan_search.least_need`` bounds FSDP2-sharded pipeline stages too."""
+search's list of internal cases), and ``planner.fit.least_need`` bounds FSDP2-sharded pipeline stages too."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 
 from plait.commands.plan.command import plan_setup
 from plait.commands.plan.compare import considered_plans
-from plait.train.plan_search import least_need
-from plait.planner.cost_model import DeviceSpec
-from plait.planner.graph import consistent_units
-from plait.planner.sharding import ParallelDegrees, rank_memory
+from plait.planner.search.fit import least_need
+from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.cost.sharding import ParallelDegrees, rank_memory
 from tests.conftest import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
@@ -30,7 +30,7 @@ def test_considered_plans_without_a_fitting_plan_say_so_in_one_sentence():
 
 def test_least_need_of_sharded_stages_is_a_share_of_their_pipelined_memory():
     setup = plan_setup(DEMO, 8, (), DeviceSpec.cpu(), None, 1, 0.9, None, None, 0, None, io.StringIO())
-    units, costs, dtype = consistent_units(setup.inputs.units), setup.inputs.costs, setup.search["dtype"]
+    units, costs, dtype = consistent_units(setup.inputs.units), setup.inputs.costs, setup.machine.dtype
     option = ParallelDegrees(1, 2, "full")  # 8 devices: at most 4 pipeline ranks of FSDP2-sharded stages
     need, best = least_need(units, costs, 8, [option], dtype=dtype)
     flat = rank_memory(units, costs, option, dtype=dtype).total

@@ -10,12 +10,12 @@ import re
 import pytest
 
 from plait.commands.plan.command import plan_command, plan_setup
-from plait.train.plan_search import least_need
-from plait.planner.cost_model import DeviceSpec
-from plait.planner.graph import consistent_units
-from plait.planner.offload import HostSpec
-from plait.planner.search_parallel import degree_options
-from plait.planner.sharding import ParallelDegrees, rank_memory
+from plait.planner.search.fit import least_need
+from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.cost.offload import HostSpec
+from plait.planner.search.parallel import degree_options
+from plait.planner.cost.sharding import ParallelDegrees, rank_memory
 from tests.conftest import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
@@ -30,18 +30,18 @@ def test_least_need_of_a_sharded_option_is_its_whole_rank_memory():
     setup, _ = _setup(80 * 2**30, 4)
     units, costs = consistent_units(setup.inputs.units), setup.inputs.costs
     option = ParallelDegrees(1, 4, "full")
-    need, best = least_need(units, costs, 4, [option], dtype=setup.search["dtype"])
+    need, best = least_need(units, costs, 4, [option], dtype=setup.machine.dtype)
     assert best == option
-    assert need == pytest.approx(rank_memory(units, costs, option, dtype=setup.search["dtype"]).total)
-    plain, _ = least_need(units, costs, 4, [ParallelDegrees()], dtype=setup.search["dtype"])
-    whole = rank_memory(units, costs, ParallelDegrees(), dtype=setup.search["dtype"]).total
+    assert need == pytest.approx(rank_memory(units, costs, option, dtype=setup.machine.dtype).total)
+    plain, _ = least_need(units, costs, 4, [ParallelDegrees()], dtype=setup.machine.dtype)
+    whole = rank_memory(units, costs, ParallelDegrees(), dtype=setup.machine.dtype).total
     assert whole / 4 <= plain <= whole
 
 
 def test_no_plan_fits_is_one_readable_sentence(tmp_path):
     setup, _ = _setup(80 * 2**30, 2)
     need, best = least_need(setup.inputs.units, setup.inputs.costs, 2, degree_options(2),
-                            dtype=setup.search["dtype"], host=HostSpec())  # plait plan searches CPU offload too
+                            dtype=setup.machine.dtype, host=HostSpec())  # plait plan searches CPU offload too
     _, device = _setup(0.5 * need / 0.9, 2)  # a cap of half the least need
     with pytest.raises(ValueError) as info:
         plan_command(DEMO, 2, tmp_path / "plan.json", device=device, out=io.StringIO(), profile_store=None)
@@ -63,7 +63,7 @@ def test_auto_plan_with_no_fitting_plan_says_so_in_one_sentence(tmp_path, monkey
     sentence, naming where the cap came from and what to change."""
     from plait.cli import main
     from plait.measure.machine import AutoPlanInputs
-    from plait.planner.simulator import P2PModel
+    from plait.planner.pipeline.simulator import P2PModel
     from tests.conftest import demo_records, tiny_config_dict, write_jsonl
     from tests.distributed.test_pipeline_training import to_toml
 

@@ -10,10 +10,10 @@ import pytest
 
 from plait.commands.plan.command import plan_command, plan_setup
 from plait.commands.plan.fsdp import fsdp_collectives, fsdp_line
-from plait.planner.cost_model import DeviceSpec
-from plait.planner.graph import consistent_units
+from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.pipeline.graph import consistent_units
 from plait.planner.report import format_plan
-from plait.planner.sharding import ParallelDegrees, gather_s, shard_costs
+from plait.planner.cost.sharding import ParallelDegrees, gather_s, shard_costs
 from tests.conftest import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
@@ -33,7 +33,7 @@ def _sharded_plan():
 def test_sharded_plan_prints_fsdp2_collectives_not_a_dp_all_reduce():
     choice, text, setup = _sharded_plan()
     assert choice.dp_shard == 2 and choice.tp == 2
-    link = setup.degrees["shard_link"]
+    link = setup.machine.shard_link
     gathers, sync = fsdp_collectives(setup.inputs.units, setup.inputs.costs, choice, link)
     assert sync == pytest.approx(choice.grad_sync_s, rel=1e-6) and sync > 0
     units = consistent_units(setup.inputs.units)
@@ -53,7 +53,7 @@ def test_unsharded_plans_keep_the_all_reduce_and_an_uncharged_reduce_scatter_say
     choice, _, setup = _sharded_plan()
     plain = dataclasses.replace(choice, dp_shard=1)
     assert "gradient all-reduce" in format_plan(plain)
-    assert fsdp_collectives(setup.inputs.units, setup.inputs.costs, plain, setup.degrees["shard_link"]) == (0.0, 0.0)
+    assert fsdp_collectives(setup.inputs.units, setup.inputs.costs, plain, setup.machine.shard_link) == (0.0, 0.0)
     assert fsdp_line(setup.inputs.units, setup.inputs.costs, plain, None) == ""
     uncharged = format_plan(dataclasses.replace(choice, grad_sync_s=0.0))
     assert "FSDP2 gradient reduce-scatter not charged: no DP link" in uncharged

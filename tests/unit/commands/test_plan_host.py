@@ -16,12 +16,13 @@ import plait.measure.host_costs as plan_costs
 from plait.commands.plan.command import plan_command
 from plait.commands.plan.compare import considered_plans, plan_label
 from plait.measure.host_costs import CPU_OPTIMIZER_S_PER_BYTE, host_cpu, host_device, runtime_costs
-from plait.planner.cost_model import DeviceSpec
-from plait.planner.overheads import ActionOverheads
-from plait.planner.pipeline_plan import plan_pipeline, stage_ranks
+from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.cost.overheads import ActionOverheads
+from plait.planner.pipeline.plan import plan_pipeline, stage_ranks
 from plait.planner.report import format_plan, idle_devices_note, pp_toml
-from plait.planner.search import evaluate_plan
+from plait.planner.search.layout import evaluate_plan
 from plait.planner.types import Unit, UnitCost
+from plait.planner.search.types import Machine
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "configs" / "demo.toml"
@@ -104,7 +105,7 @@ def _costs(n):
 def test_one_stage_plan_prints_no_layout_and_explains_idle_devices():
     units = _units()
     single = plan_pipeline(units, "encoders_colocated", ranks=[0, 0])
-    choice = evaluate_plan(single, units, _costs(6), dp=2, microbatches=2, devices=8, dtype="float32")
+    choice = evaluate_plan(single, units, _costs(6), dp=2, microbatches=2, devices=8, machine=Machine(dtype="float32"))
     text = format_plan(choice)
     assert "layout" not in text
     assert ("no pipeline (the whole model on each rank), DP 2 = 2 of 8 devices; 6 devices idle: 2 microbatches per "
@@ -115,12 +116,12 @@ def test_one_stage_plan_prints_no_layout_and_explains_idle_devices():
 def test_idle_devices_note_for_pipelines():
     units = _units()
     plan = plan_pipeline(units, "encoders_colocated")  # 2 ranks
-    full = evaluate_plan(plan, units, _costs(6), dp=1, microbatches=4, devices=2, dtype="float32")
+    full = evaluate_plan(plan, units, _costs(6), dp=1, microbatches=4, devices=2, machine=Machine(dtype="float32"))
     assert idle_devices_note(full) == ""
-    one_mb = evaluate_plan(plan, units, _costs(6), dp=1, microbatches=1, devices=3, dtype="float32")
+    one_mb = evaluate_plan(plan, units, _costs(6), dp=1, microbatches=1, devices=3, machine=Machine(dtype="float32"))
     assert idle_devices_note(one_mb) == ("; 1 device idle: 1 microbatch per step: at most 1 pipeline, and a "
                                          "pipeline of more stages was predicted no faster")
-    spare = evaluate_plan(plan, units, _costs(6), dp=1, microbatches=4, devices=3, dtype="float32")
+    spare = evaluate_plan(plan, units, _costs(6), dp=1, microbatches=4, devices=3, machine=Machine(dtype="float32"))
     assert idle_devices_note(spare).startswith("; 1 device idle: no plan using them was predicted faster")
     assert "layout encoders_colocated, DP 1 x 2 pipeline ranks = 2 of 3 devices; stages: vision 1, llm 1; 1 device" \
         in format_plan(spare)
@@ -138,11 +139,12 @@ def test_a_table_never_pairs_encoder_parallel_with_attached_encoders():
 
 
 def test_an_attached_one_encoder_plan_is_written_colocated():
-    from plait.planner.auto_plan import layout_pp_fields
+    from plait.planner.search.auto_layout import layout_pp_fields
 
     units = _units()
     plan = plan_pipeline(units, "encoder_parallel", stages_per_module={"llm": 2}, ranks=stage_ranks(1, 2, 1, True))
-    choice = evaluate_plan(plan, units, _costs(6), dp=1, microbatches=4, dtype="float32", schedule="interleaved_1f1b")
+    choice = evaluate_plan(plan, units, _costs(6), dp=1, microbatches=4, schedule="interleaved_1f1b",
+                           machine=Machine(dtype="float32"))
     fields = layout_pp_fields(choice, units)
     assert fields["layout"] == "encoders_colocated" and fields["attach_encoders"] is True
     assert plan_label(choice) == "DP 1 x 1F1B, encoders attached, 3 stages"

@@ -8,7 +8,7 @@ import io
 import pytest
 
 from plait.commands.plan.command import plan_command
-from plait.planner.cost_model import DeviceSpec
+from plait.planner.cost.analytic import DeviceSpec
 from tests.conftest import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"

@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from plait.models.plan_inputs import build_plan_inputs
 from plait.commands.plan.snippet import pp_snippet
 from plait.config.loader import load_config
 from plait.parallel.dims import ParallelDims
-from plait.planner.search import plan_layout
-from plait.planner.search_parallel import plan_parallel
+from plait.planner.search.layout import plan_layout
+from plait.planner.search.parallel import plan_parallel
 from plait.train.pipeline_trainer import PipelineTrainer
+from plait.planner.search.types import Machine, SearchSpace
 from tests.conftest import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
@@ -18,11 +20,14 @@ DEMO = ROOT / "configs" / "demo.toml"
 def test_sharded_pipeline_plan_snippet_loads_as_planned(tmp_path):
     cfg = load_config(DEMO)
     inputs = build_plan_inputs(cfg, "cpu")
-    common = dict(microbatches=4, dp_degrees=[2], dtype=inputs.dtype, virtual_stages=(1,))
-    plain = plan_layout(inputs.units, inputs.costs, 8, **common)
+    machine = Machine(dtype=inputs.dtype)
+    space = SearchSpace(dp_degrees=[2], virtual_stages=(1,))
+    common = dict(microbatches=4)
+    plain = plan_layout(inputs.units, inputs.costs, 8, machine=machine, space=space, **common)
     cap = 0.9 * max(plain.stage_memory_bytes)  # 8 devices, 4 microbatches: FSDP2 without stages cannot run
-    choice = plan_parallel(inputs.units, inputs.costs, 8, memory_cap=cap, tp_degrees=[1], dp_shard_degrees=[2],
-                           checkpointing=["none"], prefer_plain=False, **common)
+    choice = plan_parallel(inputs.units, inputs.costs, 8, machine=dataclasses.replace(machine, memory_cap=cap),
+                           space=dataclasses.replace(space, tp_degrees=[1], dp_shard_degrees=[2],
+                                                     checkpointing=["none"], prefer_plain=False), **common)
     assert (choice.dp, choice.dp_shard, choice.plan.num_ranks) == (2, 2, 4) and choice.fits_memory
     snippet, why = pp_snippet(cfg, choice, inputs.units, inputs.unit_source)
     assert snippet is not None, why

@@ -8,9 +8,9 @@ import pytest
 
 from plait.config.loader import config_from_dict, load_config, pipeline_plan_kwargs, pipeline_stage_counts, validate
 from plait.config.schema import PipelineConfig
-from plait.planner.pipeline_plan import plan_pipeline, stage_ranks, synthetic_units
-from plait.planner.schedules import build_schedule
-from plait.planner.schedules_interleaved import runs_interleaved
+from plait.planner.pipeline.plan import plan_pipeline, stage_ranks, synthetic_units
+from plait.planner.pipeline.schedules import build_schedule
+from plait.planner.pipeline.interleaved import runs_interleaved
 from tests.conftest import ROOT, tiny_config_dict
 
 ENCODERS = ["vision", "audio"]

@@ -13,13 +13,15 @@ import torch
 
 from plait.config.loader import config_from_dict, config_to_dict, pipeline_plan_kwargs, validate
 from plait.models.units import model_units, unit_specs
-from plait.planner.auto_plan import plan_auto_layout
-from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
-from plait.planner.profile import stage_action_costs
-from plait.planner.search import evaluate_plan
+from plait.planner.search.auto_layout import plan_auto_layout
+from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
+from plait.planner.cost.measured_profile import stage_action_costs
+from plait.planner.search.layout import evaluate_plan
 from plait.planner.types import UnitCost
 from plait.train.apply_plan import resolve_auto_plan
 from plait.measure.unit_timing import measure_profile, microbatch_shapes, profile_key
+from plait.planner.search.types import Machine
+from plait.planner.search.auto_layout import AUTO_MACHINE
 from tests.conftest import tiny_config_dict
 from tests.distributed.pipeline_worker import apply_mode, make_batch, tiny_model
 from tests.unit.profile_cases import make_profile as _profile
@@ -135,7 +137,7 @@ def _brute_force(units, costs, world, microbatches):
                 for layout in ("encoder_parallel", "encoders_colocated"):
                     plans.append(plan_pipeline(units, layout, splits={"vision": list(cuts[0]), "llm": list(cuts[1])}))
         for plan in plans:
-            t = evaluate_plan(plan, units, costs, dp=1, microbatches=mb, dtype="float32").iteration_s
+            t = evaluate_plan(plan, units, costs, dp=1, microbatches=mb, machine=Machine(dtype="float32")).iteration_s
             best = t if best is None else min(best, t)
     return best
 
@@ -154,7 +156,8 @@ def test_auto_plan_writes_a_config_that_rebuilds_the_plan(tmp_path):
     job["parallel"] = {"plan": "auto"}
     del job["model"]["encoders"]["audio"]  # the model of the synthetic units: one vision branch and the LLM
     cfg = config_from_dict(job)
-    resolved, choice = resolve_auto_plan(cfg, 3, units, costs, memory_cap=16000)  # no single device fits
+    resolved, choice = resolve_auto_plan(cfg, 3, units, costs,  # no single device fits
+                                         machine=dataclasses.replace(AUTO_MACHINE, memory_cap=16000))
     assert cfg.parallel.plan == "auto" and resolved.parallel.plan == "manual"  # the input is not modified
     again = config_from_dict(json.loads(json.dumps(config_to_dict(resolved))))
     validate(again)

@@ -10,7 +10,7 @@ from transformers import AutoConfig
 from plait.models.families import FAMILIES, encoder_family, family_of, supported_types, tower_config
 from plait.models.families.base import AudioFamily, VisionFamily
 from plait.models.hf import build_encoder
-from plait.planner.arch import EncoderArch
+from plait.planner.cost.arch import EncoderArch
 
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=8,
               image_size=32, num_channels=3)

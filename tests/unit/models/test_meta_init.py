@@ -22,7 +22,7 @@ from plait.models.init import init_weights, materialize, meta_tensor_names, modu
 from plait.models.multimodal import MultimodalModel
 from plait.models.registry import apply_freezing, build_model, compose_model, load_tokenizer
 from plait.models.units import model_units, unit_specs
-from plait.planner.pipeline_plan import plan_pipeline
+from plait.planner.pipeline.plan import plan_pipeline
 from tests.conftest import TINY_AUDIO, TINY_LLM, TINY_VISION, tiny_config_dict
 
 SEED = 7

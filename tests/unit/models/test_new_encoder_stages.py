@@ -14,7 +14,7 @@ from plait.models.multimodal import MultimodalModel
 from plait.models.projector import build_projector
 from plait.models.units import model_units
 from plait.parallel.stages import build_rank_stages
-from plait.planner.pipeline_plan import plan_pipeline
+from plait.planner.pipeline.plan import plan_pipeline
 from tests.conftest import TINY_LLM
 from tests.distributed.pipeline_worker import make_batch
 from tests.unit.models.test_qwen2_audio import TINY_QWEN2_AUDIO

@@ -21,8 +21,8 @@ from plait.models.families.internvl import InternVLFeatureCount, pixel_shuffle_f
 from plait.models.families.pixtral import PixtralCall, PixtralFeatureCount, pixtral_inputs
 from plait.models.hf import build_encoder, encoder_feature_size, encoder_layout, run_encoder_layer
 from plait.models.projector import build_projector
-from plait.planner.arch import model_param_count, units_from_configs
-from plait.planner.cost_model import MicrobatchShape, unit_estimates
+from plait.planner.cost.arch import model_param_count, units_from_configs
+from plait.planner.cost.analytic import MicrobatchShape, unit_estimates
 from tests.conftest import TINY_LLM, tiny_config_dict, write_jsonl
 
 TINY_PIXTRAL = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -316,7 +316,7 @@ def test_pixtral_split_tower_under_activation_checkpointing_gives_the_same_gradi
     from plait.models.units import model_units
     from plait.parallel.activation_checkpointing import apply_activation_checkpointing
     from plait.parallel.stages import build_rank_stages
-    from plait.planner.pipeline_plan import plan_pipeline
+    from plait.planner.pipeline.plan import plan_pipeline
     from tests.distributed.pipeline_worker import make_batch
     from tests.unit.parallel.test_stages import on_one_rank
 

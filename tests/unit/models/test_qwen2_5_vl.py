@@ -140,7 +140,7 @@ def test_split_inside_the_blocks_gives_the_features_and_gradients_of_one_module(
     from plait.models.units import model_units
     from plait.parallel.activation_checkpointing import apply_activation_checkpointing
     from plait.parallel.stages import build_rank_stages
-    from plait.planner.pipeline_plan import plan_pipeline
+    from plait.planner.pipeline.plan import plan_pipeline
     from tests.distributed.pipeline_worker import make_batch
     from tests.unit.parallel.test_stages import on_one_rank
 
@@ -170,8 +170,8 @@ def test_cost_model_params_and_flops_equal_the_real_tower():
     """Two images of 8x8 patches (4 windows of 4x4 patches each): window layers attend 16 patches, full layers 64."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from plait.planner.arch import model_param_count, projector_arch, split_model_configs, units_from_configs
-    from plait.planner.cost_model import MicrobatchShape, unit_estimates
+    from plait.planner.cost.arch import model_param_count, projector_arch, split_model_configs, units_from_configs
+    from plait.planner.cost.analytic import MicrobatchShape, unit_estimates
     from tests.conftest import TINY_LLM
 
     kwargs = {k: v for k, v in TINY_QWEN2_5_VL.items() if k != "model_type"}
@@ -392,7 +392,7 @@ def test_frozen_tower_units_keep_no_graph_and_its_projector_trains():
     inside the blocks runs them without autograd, and only the projector receives gradients."""
     from plait.models.units import model_units
     from plait.parallel.stages import build_rank_stages
-    from plait.planner.pipeline_plan import plan_pipeline
+    from plait.planner.pipeline.plan import plan_pipeline
     from tests.distributed.pipeline_worker import make_batch
     from tests.unit.parallel.test_stages import on_one_rank
 

@@ -18,8 +18,8 @@ from plait.models.encoder import ModalityEncoder
 from plait.models.families.qwen2_audio import Qwen2AudioFeatureCount
 from plait.models.hf import build_encoder, encoder_layout, run_encoder_layer
 from plait.models.projector import build_projector
-from plait.planner.arch import model_param_count, units_from_configs
-from plait.planner.cost_model import MicrobatchShape, unit_estimates
+from plait.planner.cost.arch import model_param_count, units_from_configs
+from plait.planner.cost.analytic import MicrobatchShape, unit_estimates
 from tests.conftest import TINY_LLM, demo_records
 
 TINY_QWEN2_AUDIO = dict(model_type="qwen2_audio_encoder", d_model=32, encoder_layers=2, encoder_attention_heads=2,

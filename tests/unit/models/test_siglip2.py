@@ -19,8 +19,8 @@ from plait.models.encoder import ModalityEncoder
 from plait.models.families.siglip2 import Siglip2FeatureCount
 from plait.models.hf import build_encoder, encoder_layout
 from plait.models.projector import build_projector
-from plait.planner.arch import model_param_count, units_from_configs
-from plait.planner.cost_model import MicrobatchShape, unit_estimates
+from plait.planner.cost.arch import model_param_count, units_from_configs
+from plait.planner.cost.analytic import MicrobatchShape, unit_estimates
 from tests.conftest import TINY_LLM, demo_records, tiny_config_dict, write_jsonl
 
 TINY_SIGLIP2 = dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -10,7 +10,7 @@ from plait.models.hf import build_causal_lm, build_encoder
 from plait.models.multimodal import MultimodalModel
 from plait.models.projector import build_projector
 from plait.models.units import model_units, unit_specs
-from plait.planner.pipeline_plan import plan_pipeline
+from plait.planner.pipeline.plan import plan_pipeline
 from tests.conftest import TINY_LLM
 from tests.distributed.pipeline_worker import apply_mode, tiny_model
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from plait.parallel.deferral import FeatureBuffer, split_feature_grad
-from plait.planner.routing import FeatureRouting
+from plait.planner.microbatch.routing import FeatureRouting
 
 
 def test_buffer_gathers_in_placeholder_order_and_counts_held_bytes():

@@ -17,8 +17,8 @@ from plait.models.units import model_units, unit_specs
 from plait.parallel.pipeline import clip_grad_norm_pipeline, run_pipeline_step
 from plait.parallel.pipeline.wire import HEADER_SLOTS, decode_header, encode_header
 from plait.parallel.stages import OwnedLayers, build_rank_stages
-from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline
-from plait.planner.schedules import build_schedule, gpipe, one_f_one_b
+from plait.planner.pipeline.plan import PipelinePlan, plan_pipeline
+from plait.planner.pipeline.schedules import build_schedule, gpipe, one_f_one_b
 from plait.train.loss import token_loss_sum
 from plait.train.plots import read_chrome_trace, write_chrome_trace
 from tests.conftest import TINY_LLM

@@ -7,9 +7,9 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from plait.planner.pipeline_plan import PipelinePlan, plan_pipeline, synthetic_units
-from plait.planner.schedule_ir import Schedule
-from plait.planner.schedules import gpipe, memory_capped_1f1b, one_f_one_b
+from plait.planner.pipeline.plan import PipelinePlan, plan_pipeline, synthetic_units
+from plait.planner.pipeline.schedule_ir import Schedule
+from plait.planner.pipeline.schedules import gpipe, memory_capped_1f1b, one_f_one_b
 
 
 def draw_plan(draw: Any, slack: int, shared_ranks: bool = False) -> tuple[PipelinePlan, str, list[int], int]:

@@ -4,6 +4,7 @@ job where only FSDP2-sharded pipeline stages fit and on a model where only FSDP2
 
 from __future__ import annotations
 
+import dataclasses
 import copy
 import io
 
@@ -12,13 +13,14 @@ import pytest
 from plait.commands.plan.command import plan_command, plan_setup
 from plait.config.schema import JobConfig, PipelineConfig
 from plait.parallel.dims import ParallelDims
-from plait.planner.auto_plan import plan_auto_layout
-from plait.planner.cost_model import DeviceSpec
+from plait.planner.search.auto_layout import AUTO_MACHINE, plan_auto_layout
+from plait.planner.cost.analytic import DeviceSpec
 from plait.planner.report import pp_toml
-from plait.planner.search import plan_layout
-from plait.planner.search_parallel import plan_parallel
-from plait.planner.sharding import ParallelDegrees, rank_memory
-from plait.planner.simulator import P2PModel
+from plait.planner.search.types import Machine, SearchSpace
+from plait.planner.search.layout import plan_layout
+from plait.planner.search.parallel import plan_parallel
+from plait.planner.cost.sharding import ParallelDegrees, rank_memory
+from plait.planner.pipeline.simulator import P2PModel
 from plait.train.apply_plan import apply_layout_choice, resolve_auto_plan
 from plait.train.pipeline_trainer import PipelineTrainer
 from tests.conftest import ROOT
@@ -34,11 +36,11 @@ def test_auto_plan_and_plait_plan_choose_the_same_sharded_pipeline():
     fraction = CAP / spec.memory_bytes
     out = io.StringIO()
     setup = plan_setup(DEMO, 8, JOB, spec, None, 1, fraction, None, None, 0, None, out)
-    units, costs, search = setup.inputs.units, setup.inputs.costs, setup.search
-    assert search["memory_cap"] == pytest.approx(CAP)
+    units, costs, machine = setup.inputs.units, setup.inputs.costs, setup.machine
+    assert machine.memory_cap == pytest.approx(CAP)
     with pytest.raises(ValueError, match="no plan fits"):  # without sharding nothing fits, with any TP degree
-        plan_parallel(units, costs, 8, microbatches=4, dp_shard_degrees=[1], base_checkpointing="full",
-                      **search)
+        plan_parallel(units, costs, 8, microbatches=4, machine=machine,
+                      space=SearchSpace(dp_shard_degrees=[1], base_checkpointing="full"))
     flat = rank_memory(units, costs, ParallelDegrees(dp_shard=2, checkpointing="full"), dtype=setup.inputs.dtype)
     assert flat.total > CAP  # every rank a DP rank (pp = 1) does not fit either: the whole model's activations
 
@@ -46,9 +48,9 @@ def test_auto_plan_and_plait_plan_choose_the_same_sharded_pipeline():
                            out=out)
     cfg = copy.deepcopy(setup.cfg)
     cfg.parallel.plan = "auto"
-    resolved, auto = resolve_auto_plan(cfg, 8, units, costs, p2p=search["p2p"], dp_link=search["dp_link"],
-                                       memory_cap=search["memory_cap"], dtype=setup.inputs.dtype,
-                                       overheads=search["overheads"])
+    resolved, auto = resolve_auto_plan(cfg, 8, units, costs, machine=dataclasses.replace(
+        AUTO_MACHINE, p2p=machine.p2p, dp_link=machine.dp_link, memory_cap=machine.memory_cap, dtype=setup.inputs.dtype,
+        overheads=machine.overheads))
     assert (auto.dp, auto.dp_shard, auto.tp, auto.plan.num_ranks, auto.checkpointing) == (2, 2, 1, 4, "full")
     assert (planned.dp, planned.dp_shard, planned.tp, planned.checkpointing) == (2, 2, 1, "full")
     assert [(s.units, s.rank) for s in auto.plan.stages] == [(s.units, s.rank) for s in planned.plan.stages]
@@ -64,12 +66,12 @@ def test_auto_plan_and_plait_plan_choose_the_same_sharded_pipeline():
 def test_auto_plan_keeps_the_jobs_own_degrees_as_plait_plan_does():
     out = io.StringIO()
     setup = plan_setup(DEMO, 4, ["--parallel.dp_shard=2"], DeviceSpec.cpu(), None, 1, 0.9, None, None, 0, None, out)
-    search = setup.search
+    machine = setup.machine
     cfg = copy.deepcopy(setup.cfg)
     cfg.parallel.plan = "auto"
-    _, auto = resolve_auto_plan(cfg, 4, setup.inputs.units, setup.inputs.costs, p2p=search["p2p"],
-                                dp_link=search["dp_link"], memory_cap=search["memory_cap"],
-                                dtype=setup.inputs.dtype, overheads=search["overheads"])
+    _, auto = resolve_auto_plan(cfg, 4, setup.inputs.units, setup.inputs.costs, machine=dataclasses.replace(
+        AUTO_MACHINE, p2p=machine.p2p, dp_link=machine.dp_link, memory_cap=machine.memory_cap, dtype=setup.inputs.dtype,
+        overheads=machine.overheads))
     planned = plan_command(DEMO, 4, overrides=["--parallel.dp_shard=2"], device=DeviceSpec.cpu(),
                            profile_store=None, out=out)
     assert (auto.dp_shard, auto.tp) == (planned.dp_shard, planned.tp) == (2, 1)  # the plain plan fits, yet kept
@@ -83,9 +85,11 @@ def test_auto_plan_offloads_where_plait_plan_does_and_writes_it():
     units, costs = _model()  # nothing fits 4 devices at a tenth of the whole model's memory, except FSDP2 CPU offload
     link = P2PModel(latency_s=1e-5, bandwidth_Bps=100e9)
     cap = 0.1 * sum(plan_layout(units, costs, 1, microbatches=8).stage_memory_bytes)
-    planned = plan_parallel(units, costs, 4, microbatches=8, memory_cap=cap, p2p=link, dp_link=link,
-                            virtual_stages=(1, 2, 4), attach_encoders=True, dtype="float32")
-    auto = plan_auto_layout(units, costs, 4, 8, memory_cap=cap, p2p=link, dp_link=link)
+    planned = plan_parallel(units, costs, 4, microbatches=8,
+                            machine=Machine(memory_cap=cap, p2p=link, dp_link=link, dtype="float32"),
+                            space=SearchSpace(virtual_stages=(1, 2, 4), attach_encoders=True))
+    auto = plan_auto_layout(units, costs, 4, 8, machine=dataclasses.replace(AUTO_MACHINE, memory_cap=cap, p2p=link,
+                                                                            dp_link=link))
     assert (auto.offload, auto.dp, auto.dp_shard, auto.tp, auto.plan.num_ranks) == ("cpu", 4, auto.dp_shard, 1, 1)
     assert (planned.offload, planned.dp, planned.dp_shard, planned.checkpointing) == \
         (auto.offload, auto.dp, auto.dp_shard, auto.checkpointing)

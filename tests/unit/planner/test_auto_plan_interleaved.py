@@ -14,13 +14,15 @@ from transformers import AutoTokenizer
 from plait.config.loader import config_from_dict, validate
 from plait.models.registry import build_model
 from plait.models.units import model_units
-from plait.planner.auto_plan import plan_auto_layout
-from plait.planner.pipeline_plan import plan_pipeline, stage_ranks
-from plait.planner.search import evaluate_plan
-from plait.planner.simulator import P2PModel
+from plait.planner.search.auto_layout import plan_auto_layout
+from plait.planner.pipeline.plan import plan_pipeline, stage_ranks
+from plait.planner.search.layout import evaluate_plan
+from plait.planner.pipeline.simulator import P2PModel
 from plait.planner.types import UnitCost
 from plait.train.apply_plan import apply_layout_choice, resolve_auto_plan
 from plait.train.pipeline_run import build_pipeline_plan
+from plait.planner.search.types import Machine
+from plait.planner.search.auto_layout import AUTO_MACHINE
 from tests.conftest import DEMO, tiny_config_dict
 
 SLOW_LINK = P2PModel(latency_s=0.0, bandwidth_Bps=1e5)  # 1 MB of gradients takes 10 s
@@ -81,7 +83,8 @@ def test_a_written_choice_rebuilds_its_plan_in_the_trainer(model, layout, cuts, 
     units = model_units(model)
     plan = plan_pipeline(units, layout, ranks=stage_ranks(enc, p, v, attached), **cuts)
     schedule = "interleaved_1f1b" if v > 1 or attached else "1f1b"
-    choice = evaluate_plan(plan, units, _costs(units), dp=1, microbatches=4, dtype="float32", schedule=schedule)
+    choice = evaluate_plan(plan, units, _costs(units), dp=1, microbatches=4, schedule=schedule,
+                           machine=Machine(dtype="float32"))
     cfg = apply_layout_choice(config_from_dict(_job(plan="auto")), choice, units)
     validate(cfg)
     pp = cfg.parallel.pp
@@ -95,11 +98,13 @@ def test_plans_the_config_cannot_express_are_refused(model):
     units = model_units(model)
     costs = _costs(units)
     crossed = plan_pipeline(units, "encoders_colocated", stages_per_module={"llm": 4}, ranks=[0, 1, 2, 2, 1])
-    choice = evaluate_plan(crossed, units, costs, dp=1, microbatches=4, dtype="float32", schedule="gpipe")
+    choice = evaluate_plan(crossed, units, costs, dp=1, microbatches=4, schedule="gpipe",
+                           machine=Machine(dtype="float32"))
     with pytest.raises(ValueError, match="LayoutChoice.schedule is 'gpipe'"):
         apply_layout_choice(config_from_dict(_job(plan="auto")), choice, units)
     cyclic = plan_pipeline(units, "encoders_colocated", stages_per_module={"llm": 4}, ranks=[0, 1, 2, 1, 2])
-    choice = evaluate_plan(cyclic, units, costs, dp=1, microbatches=4, dtype="float32", schedule="interleaved_1f1b")
+    choice = evaluate_plan(cyclic, units, costs, dp=1, microbatches=4, schedule="interleaved_1f1b",
+                           machine=Machine(dtype="float32"))
     apply_layout_choice(config_from_dict(_job(plan="auto")), choice, units)  # expressible
     choice = dataclasses.replace(choice, plan=crossed.replace(num_microbatches=4))  # LLM stages not cyclic
     with pytest.raises(ValueError, match=r"cannot express the chosen plan: stage 3 would be .* the plan has"):
@@ -130,12 +135,12 @@ def test_a_slow_dp_link_makes_the_interleaved_pipeline_the_best_runnable_plan(mo
     fast = plan_auto_layout(units, costs, 2, 4)  # all-reduce not charged: plain DP, 2 microbatches per replica
     assert (fast.dp, fast.plan.num_ranks) == (2, 1) and fast.iteration_s == pytest.approx(2 * work, rel=1e-9)
 
-    choice = plan_auto_layout(units, costs, 2, 4, dp_link=SLOW_LINK)
+    choice = plan_auto_layout(units, costs, 2, 4, machine=dataclasses.replace(AUTO_MACHINE, dp_link=SLOW_LINK))
     dp_time = 2 * work + trainable / SLOW_LINK.bandwidth_Bps  # ring all-reduce over 2: 2 (d - 1) / d x bytes
     times = {}  # best time per LLM stages per rank (1 or 2) over the runnable 2-rank plans
     for plan, schedule in _runnable_on_two(units):
-        t = evaluate_plan(plan, units, costs, dp=1, microbatches=4, dp_link=SLOW_LINK, dtype="float32",
-                          schedule=schedule).iteration_s
+        t = evaluate_plan(plan, units, costs, dp=1, microbatches=4, schedule=schedule,
+                          machine=Machine(dp_link=SLOW_LINK, dtype="float32")).iteration_s
         times[plan.virtual_stages] = min(t, times.get(plan.virtual_stages, t))
     assert times[2] < min(times[1], dp_time)  # interleaving beats 1F1B and plain DP here
     assert choice.iteration_s == pytest.approx(times[2], rel=1e-9)
@@ -146,7 +151,8 @@ def test_a_slow_dp_link_makes_the_interleaved_pipeline_the_best_runnable_plan(mo
 def test_resolve_auto_plan_writes_an_interleaved_job_the_trainer_accepts(model):
     units = model_units(model)
     cfg = config_from_dict(_job(plan="auto"))
-    resolved, choice = resolve_auto_plan(cfg, 2, units, _costs(units), dp_link=SLOW_LINK)
+    resolved, choice = resolve_auto_plan(cfg, 2, units, _costs(units), machine=dataclasses.replace(AUTO_MACHINE,
+                                                                                                   dp_link=SLOW_LINK))
     assert cfg.parallel.plan == "auto" and resolved.parallel.plan == "manual"  # the input is unchanged
     validate(resolved)
     pp = resolved.parallel.pp
@@ -164,9 +170,9 @@ def test_more_replicas_than_microbatches_pay_the_all_reduce(model):
     units = model_units(model)
     costs = _costs(units)
     p2p = P2PModel(latency_s=1e-3)
-    free = plan_auto_layout(units, costs, 4, 2, p2p=p2p)
+    free = plan_auto_layout(units, costs, 4, 2, machine=dataclasses.replace(AUTO_MACHINE, p2p=p2p))
     assert (free.dp, free.plan.num_ranks) == (4, 1) and free.iteration_s == pytest.approx(_work(units, costs))
-    slow = plan_auto_layout(units, costs, 4, 2, p2p=p2p, dp_link=SLOW_LINK)
+    slow = plan_auto_layout(units, costs, 4, 2, machine=dataclasses.replace(AUTO_MACHINE, p2p=p2p, dp_link=SLOW_LINK))
     trainable = sum(c.param_bytes for u, c in zip(units, costs) if u.trainable)
     assert slow.dp < 4 and slow.iteration_s < _work(units, costs) + 1.5 * trainable / SLOW_LINK.bandwidth_Bps
     assert slow.dp * slow.plan.num_ranks == 4

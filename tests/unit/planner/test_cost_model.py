@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
-from plait.planner.arch import (
+from plait.planner.cost.arch import (
     DecoderArch,
     EncoderArch,
     ProjectorArch,
@@ -20,7 +20,7 @@ from plait.planner.arch import (
     model_param_count,
     units_from_configs,
 )
-from plait.planner.cost_model import (
+from plait.planner.cost.analytic import (
     DeviceSpec,
     MicrobatchShape,
     OptimizerSpec,
@@ -36,8 +36,9 @@ from plait.planner.cost_model import (
     unit_work,
     windowed_causal_pairs,
 )
-from plait.planner.partitioner import partition_units
+from plait.planner.search.partitioner import partition_units
 from plait.planner.types import Unit, UnitCost
+from plait.planner.search.types import Machine
 
 LLM_KW = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               num_hidden_layers=3, vocab_size=100)
@@ -323,7 +324,7 @@ def test_llama3_70b_plan_on_a_laptop():
     units = units_from_configs(configs, frozen={"vision": True, "vision.projector": False, "llm": True})
     shape = {"vision": MicrobatchShape(tokens=729), "llm": MicrobatchShape(tokens=4096)}
     costs = unit_costs(units, configs, shape, DeviceSpec.h100())
-    plan = partition_units(units, costs, 16, memory_cap=DeviceSpec.h100().memory_bytes)
+    plan = partition_units(units, costs, 16, machine=Machine(memory_cap=DeviceSpec.h100().memory_bytes))
     assert max(plan.stage_memory_bytes) <= DeviceSpec.h100().memory_bytes
     assert plan.bottleneck_s >= sum(unit_work(units, costs)) / 16
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import highspy
 
-from plait.planner.energy_exact import exact_choices, quiet_highs
-from plait.planner.energy_frontier import schedule_energy_dag
-from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
-from plait.planner.schedules import one_f_one_b
+from plait.planner.energy.exact import exact_choices, quiet_highs
+from plait.planner.energy.frontier import schedule_energy_dag
+from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
+from plait.planner.pipeline.schedules import one_f_one_b
 
 
 def test_quiet_highs_prints_no_banner(capfd):

@@ -8,27 +8,27 @@ import random
 
 import pytest
 
-from plait.planner.cost_model import MicrobatchShape, unit_estimates
-from plait.planner.energy_frontier import (
+from plait.planner.cost.analytic import MicrobatchShape, unit_estimates
+from plait.planner.energy.frontier import (
     energy_at_deadline,
     energy_frontier,
     energy_plan,
     replay_plan,
     schedule_energy_dag,
 )
-from plait.planner.energy_plan import EnergyPlan
-from plait.planner.energy_profile import (
+from plait.planner.energy.plan import EnergyPlan
+from plait.planner.energy.power_profile import (
     EnergyProfile,
     analytic_energy_profile,
     energy_profile_mismatch,
     gpu_preset,
     stage_action_options,
 )
-from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
-from plait.planner.profile import ProfileKey
-from plait.planner.schedules import one_f_one_b
-from plait.planner.schedules_interleaved import interleaved_1f1b
-from plait.planner.simulator import P2PModel, simulate
+from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
+from plait.planner.cost.measured_profile import ProfileKey
+from plait.planner.pipeline.schedules import one_f_one_b
+from plait.planner.pipeline.interleaved import interleaved_1f1b
+from plait.planner.pipeline.simulator import P2PModel, simulate
 
 BLOCKING_W = 80.0
 
@@ -113,7 +113,7 @@ def test_fastest_point_is_the_simulated_max_frequency_iteration_and_replays_matc
 
 
 def test_interleaved_schedule_replays_and_straggler_point():
-    from plait.planner.pipeline_plan import interleaved_ranks
+    from plait.planner.pipeline.plan import interleaved_ranks
 
     plan = plan_pipeline(synthetic_units({}, [True] * 4), stages_per_module={"llm": 4},
                          ranks=interleaved_ranks([], 2, 2), num_microbatches=2)
@@ -136,7 +136,7 @@ def test_interleaved_schedule_replays_and_straggler_point():
 
 
 def _layer_profile(hidden: int, tokens: int):
-    from plait.planner.arch import units_from_configs
+    from plait.planner.cost.arch import units_from_configs
 
     configs = {"llm": dict(model_type="llama", hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=4, vocab_size=1000)}

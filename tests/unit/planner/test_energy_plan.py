@@ -2,7 +2,7 @@
 
 import pytest
 
-from plait.planner.energy_plan import (
+from plait.planner.energy.plan import (
     ActionFrequency,
     EnergyPlan,
     FrontierPoint,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
-from plait.planner.schedule_ir import Action, run_blocking
-from plait.planner.schedules import forward_only
+from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
+from plait.planner.pipeline.schedule_ir import Action, run_blocking
+from plait.planner.pipeline.schedules import forward_only
 
 
 def _plan(ranks):

@@ -1,9 +1,9 @@
-"""The one needs_input_grad rule (plait.planner.graph) and the places that take their flags from it."""
+"""The one needs_input_grad rule (plait.planner.pipeline.graph) and the places that take their flags from it."""
 
 import pytest
 
-from plait.planner.graph import ModuleFlags, check_grouping, consistent_units, module_flags
-from plait.planner.pipeline_plan import synthetic_units
+from plait.planner.pipeline.graph import ModuleFlags, check_grouping, consistent_units, module_flags
+from plait.planner.pipeline.plan import synthetic_units
 from plait.planner.types import Unit
 
 

@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 
-from plait.planner.cost_model import OptimizerSpec, unit_activation_bytes, unit_static_bytes, unit_work
-from plait.planner.graph import consistent_units
-from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
+from plait.planner.cost.analytic import OptimizerSpec, unit_activation_bytes, unit_static_bytes, unit_work
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
 from plait.planner.report import format_lora_units
-from plait.planner.simulator import stage_costs_from_units
+from plait.planner.pipeline.simulator import stage_costs_from_units
 from plait.planner.types import Unit, UnitCost
 
 COST = UnitCost(forward_s=1.0, input_grad_s=2.0, weight_grad_s=4.0, param_bytes=1000, activation_bytes=300)

@@ -1,4 +1,4 @@
-"""Tests of plait.planner.macrobatch: a hand-worked 4-sample dataset, the loader's batch order, the
+"""Tests of plait.planner.microbatch.macrobatch: a hand-worked 4-sample dataset, the loader's batch order, the
 finite-population CV formula against brute-force enumeration, the CV shrinking with the batch size on a
 random mixture, JSON round trips and bad input."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from plait.data.loader import GlobalBatchLoader
-from plait.planner.macrobatch import (
+from plait.planner.microbatch.macrobatch import (
     CvScaling,
     MacrobatchStats,
     cv_by_batch_size,
@@ -207,8 +207,8 @@ def test_loader_order_is_passed_in_and_checked() -> None:
 def test_expected_shapes_are_the_mean_sample_per_microbatch() -> None:
     from types import SimpleNamespace
 
-    from plait.planner.arch import EncoderArch
-    from plait.planner.macrobatch import expected_shapes
+    from plait.planner.cost.arch import EncoderArch
+    from plait.planner.microbatch.macrobatch import expected_shapes
 
     metas = [SimpleNamespace(length=10, items=[("vision", 4), ("audio", 3)]), SimpleNamespace(length=20, items=[])]
     vision = EncoderArch("vision", hidden=8, layers=1, heads=1, head_dim=8, intermediate=16, prefix_tokens=1)

@@ -3,13 +3,15 @@ time figures of a small model, and the search falling back to offload only when 
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 
-from plait.planner.offload import HostSpec, offload_cost
-from plait.planner.search import plan_layout
-from plait.planner.search_parallel import plan_parallel
-from plait.planner.sharding import ParallelDegrees
-from plait.planner.simulator import P2PModel
+from plait.planner.cost.offload import HostSpec, offload_cost
+from plait.planner.search.layout import plan_layout
+from plait.planner.search.parallel import plan_parallel
+from plait.planner.cost.sharding import ParallelDegrees
+from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.search.types import Machine, SearchSpace
 from tests.unit.planner.test_sharding import _costs, _model, _units
 
 
@@ -35,12 +37,13 @@ def test_offload_searched_only_when_nothing_fits_without_it():
     units, costs = _model()
     link = P2PModel(latency_s=1e-5, bandwidth_Bps=100e9)
     whole = sum(plan_layout(units, costs, 1, microbatches=8).stage_memory_bytes)
-    common = dict(microbatches=8, p2p=link, dp_link=link)
-    assert plan_parallel(units, costs, 4, memory_cap=0.3 * whole, **common).offload == "none"  # sharding fits
+    machine = Machine(p2p=link, dp_link=link)
+    assert plan_parallel(units, costs, 4, machine=dataclasses.replace(machine, memory_cap=0.3 * whole),
+                         microbatches=8).offload == "none"  # sharding fits
     cap = 0.1 * whole
     with pytest.raises(ValueError, match="no plan fits"):
-        plan_parallel(units, costs, 4, memory_cap=cap, host=None, **common)
-    chosen = plan_parallel(units, costs, 4, memory_cap=cap, **common)
+        plan_parallel(units, costs, 4, machine=dataclasses.replace(machine, memory_cap=cap, host=None), microbatches=8)
+    chosen = plan_parallel(units, costs, 4, machine=dataclasses.replace(machine, memory_cap=cap), microbatches=8)
     assert chosen.offload == "cpu" and chosen.fits_memory and chosen.dp_shard > 1 and chosen.plan.num_ranks == 1
     cost = offload_cost(units, costs, ParallelDegrees(chosen.tp, chosen.dp_shard, chosen.checkpointing))
     assert max(chosen.stage_memory_bytes) + chosen.shard_buffer_bytes <= cap
@@ -49,35 +52,45 @@ def test_offload_searched_only_when_nothing_fits_without_it():
     assert chosen.iteration_s == pytest.approx(chosen.makespan_s + chosen.grad_sync_s + chosen.offload_s)
     assert chosen.iteration_s >= chosen.lower_bound_s
     with pytest.raises(ValueError, match="with CPU offload"):
-        plan_parallel(units, costs, 4, memory_cap=cap, host=HostSpec(memory_bytes=1e6), **common)
+        plan_parallel(units, costs, 4, machine=dataclasses.replace(machine, memory_cap=cap,
+                                                                   host=HostSpec(memory_bytes=1e6)), microbatches=8)
 
 
 def test_a_jobs_own_offload_searches_offloaded_plans_only():
     units, costs = _model()
     link = P2PModel(latency_s=1e-5, bandwidth_Bps=100e9)
     whole = sum(plan_layout(units, costs, 1, microbatches=8).stage_memory_bytes)
-    common = dict(microbatches=8, p2p=link, dp_link=link, tp_degrees=[1], dp_shard_degrees=[4], prefer_plain=False)
-    free = plan_parallel(units, costs, 4, memory_cap=0.3 * whole, **common)
-    own = plan_parallel(units, costs, 4, memory_cap=0.3 * whole, offload="cpu", **common)
+    machine = Machine(p2p=link, dp_link=link)
+    space = SearchSpace(tp_degrees=[1], dp_shard_degrees=[4], prefer_plain=False)
+    free = plan_parallel(units, costs, 4, machine=dataclasses.replace(machine, memory_cap=0.3 * whole), space=space,
+                         microbatches=8)
+    own = plan_parallel(units, costs, 4, machine=dataclasses.replace(machine, memory_cap=0.3 * whole),
+                        space=dataclasses.replace(space, offload="cpu"), microbatches=8)
     assert free.offload == "none" and free.dp_shard == 4  # fits without offload: not offloaded unless asked
     assert (own.offload, own.dp_shard, own.plan.num_ranks, own.fits_memory) == ("cpu", 4, 1, True)
     cost = offload_cost(units, costs, ParallelDegrees(own.tp, own.dp_shard, own.checkpointing, own.fsdp_reshard))
     assert own.host_memory_bytes == cost.host_bytes and own.offload_s > 0 and own.iteration_s > free.iteration_s
     # the same plan as the search offloads when nothing else fits (its degrees, its time)
-    forced = plan_parallel(units, costs, 4, memory_cap=0.1 * whole, **common)
+    forced = plan_parallel(units, costs, 4, machine=dataclasses.replace(machine, memory_cap=0.1 * whole), space=space,
+                           microbatches=8)
     assert forced.offload == "cpu" and forced.iteration_s == pytest.approx(
-        plan_parallel(units, costs, 4, memory_cap=0.1 * whole, offload="cpu", **common).iteration_s)
-    uncapped = plan_parallel(units, costs, 4, offload="cpu", host=None, **common)  # no cap: the device unchecked
+        plan_parallel(units, costs, 4, machine=dataclasses.replace(machine, memory_cap=0.1 * whole),
+                      space=dataclasses.replace(space, offload="cpu"), microbatches=8).iteration_s)
+    uncapped = plan_parallel(units, costs, 4, machine=dataclasses.replace(machine, host=None),
+                             space=dataclasses.replace(space,
+                                                       offload="cpu"), microbatches=8)  # no cap: the device unchecked
     assert uncapped.offload == "cpu" and uncapped.memory_cap is None and uncapped.host_memory_bytes == cost.host_bytes
     with pytest.raises(ValueError, match=r"no plan fits the memory cap with the job's CPU offload .*with CPU offload"):
-        plan_parallel(units, costs, 4, memory_cap=1.0, offload="cpu", **common)
+        plan_parallel(units, costs, 4, machine=dataclasses.replace(machine, memory_cap=1.0),
+                      space=dataclasses.replace(space, offload="cpu"), microbatches=8)
     with pytest.raises(ValueError, match="offload must be 'auto' or 'cpu', got 'none'"):
-        plan_parallel(units, costs, 4, offload="none", **common)
+        plan_parallel(units, costs, 4, machine=machine, space=dataclasses.replace(space, offload="none"),
+                      microbatches=8)
 
 
 def test_a_jobs_own_offload_is_kept_by_plait_plan_and_auto_plan():
     from plait.config.loader import config_from_dict, validate
-    from plait.planner.auto_plan import plan_auto_layout
+    from plait.planner.search.auto_layout import AUTO_MACHINE, AUTO_SPACE, plan_auto_layout
     from plait.train.apply_plan import apply_layout_choice, kept_degrees
     from tests.conftest import tiny_config_dict
 
@@ -91,9 +104,11 @@ def test_a_jobs_own_offload_is_kept_by_plait_plan_and_auto_plan():
                         offload="cpu")
     units, costs = _model()
     link = P2PModel(latency_s=1e-4, bandwidth_Bps=2e9)
-    common = dict(p2p=link, dp_link=link, virtual_stages=(1,), checkpointing="full")
-    free = plan_auto_layout(units, costs, 2, 2, **common, **kept_degrees(cfg(dp_shard=2), 2))
-    own = plan_auto_layout(units, costs, 2, 2, **common, **kept)
+    machine = dataclasses.replace(AUTO_MACHINE, p2p=link, dp_link=link)
+    space = dataclasses.replace(AUTO_SPACE, virtual_stages=(1,), base_checkpointing="full")
+    free = plan_auto_layout(units, costs, 2, 2, machine=machine,
+                            space=dataclasses.replace(space, **kept_degrees(cfg(dp_shard=2), 2)))
+    own = plan_auto_layout(units, costs, 2, 2, machine=machine, space=dataclasses.replace(space, **kept))
     assert (free.offload, own.offload, own.dp_shard, own.plan.num_ranks, own.fsdp_reshard) == (
         "none", "cpu", 2, 1, "after_backward")
     resolved = apply_layout_choice(job, own, units)  # the config auto plan trains with, the table plait plan prints

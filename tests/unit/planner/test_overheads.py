@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 
-from plait.planner.cost_model import DeviceSpec
-from plait.planner.overheads import ActionOverheads
-from plait.planner.pipeline_plan import plan_pipeline
-from plait.planner.search import evaluate_plan, plan_layout
-from plait.planner.simulator import P2PModel
+from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.cost.overheads import ActionOverheads
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.search.layout import evaluate_plan, plan_layout
+from plait.planner.pipeline.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
+from plait.planner.search.types import Machine, SearchSpace
+from plait.planner.search.auto_layout import AUTO_MACHINE
 
 MS = 1e-3
 
@@ -57,7 +60,8 @@ def test_evaluate_plan_charges_overheads_hand_worked():
     plan = plan_pipeline(units, "encoder_parallel", splits={"llm": ["llm.1"]})
     over = ActionOverheads(per_action_s=0.5 * MS, chunk_forward_s=2 * MS, chunk_backward_s=3 * MS)
     p2p = P2PModel(latency_s=0.0, send_overhead_s=0.1 * MS, recv_overhead_s=0.2 * MS)
-    choice = evaluate_plan(plan, units, costs, dp=1, microbatches=1, p2p=p2p, overheads=over, dtype="float32")
+    choice = evaluate_plan(plan, units, costs, dp=1, microbatches=1, machine=Machine(p2p=p2p, overheads=over,
+                                                                                     dtype="float32"))
     f0 = 1 + 0.5 + 2 + 0.1  # forward, executor, chunk, send
     f1 = 1 + 0.5 + 2 + 0.2  # forward, executor, chunk, receive
     b1 = 2 + 0.5 + 3 + 0.1  # dX + dW, executor, chunk, send the gradient
@@ -66,7 +70,8 @@ def test_evaluate_plan_charges_overheads_hand_worked():
     assert choice.stage_forward_s == pytest.approx(((1 + 0.5 + 2) * MS, (1 + 0.5 + 2) * MS))
     # one rank: no executor, no messages; each module's chunk once per action
     single = plan_pipeline(units, "encoder_parallel", ranks=[0])
-    alone = evaluate_plan(single, units, costs, dp=1, microbatches=3, p2p=p2p, overheads=over, dtype="float32")
+    alone = evaluate_plan(single, units, costs, dp=1, microbatches=3, machine=Machine(p2p=p2p, overheads=over,
+                                                                                      dtype="float32"))
     assert alone.iteration_s == pytest.approx(3 * (2 + 3 + 2 + 3) * MS)
 
 
@@ -76,14 +81,15 @@ def test_optimizer_step_after_the_flush_hand_worked():
     over = ActionOverheads(optimizer_s_per_byte=1e-8)
     assert over.update_s(2000) == pytest.approx(2e-5) and not over.zero
     single = evaluate_plan(plan_pipeline(units, "encoder_parallel", ranks=[0]), units, costs, dp=2, microbatches=2,
-                           overheads=over, dtype="float32")
+                           machine=Machine(overheads=over, dtype="float32"))
     assert single.update_s == pytest.approx(2e-5)
     assert single.iteration_s == pytest.approx(single.makespan_s + 2e-5)
     split = evaluate_plan(plan_pipeline(units, "encoder_parallel", splits={"llm": ["llm.1"]}), units, costs, dp=1,
-                          microbatches=2, overheads=over, dtype="float32")
+                          microbatches=2, machine=Machine(overheads=over, dtype="float32"))
     assert split.update_s == pytest.approx(1e-5) and split.iteration_s == pytest.approx(split.makespan_s + 1e-5)
     link = P2PModel(latency_s=0.0, bandwidth_Bps=1e6)  # all-reduce of 2000 bytes over 2 replicas: 2000 / 1e6 s
-    dp = plan_layout(units, costs, 2, microbatches=2, dp_degrees=[2], dp_link=link, overheads=over, dtype="float32")
+    dp = plan_layout(units, costs, 2, microbatches=2, machine=Machine(dp_link=link, overheads=over, dtype="float32"),
+                     space=SearchSpace(dp_degrees=[2]))
     assert dp.grad_sync_s == pytest.approx(2e-3) and dp.update_s == pytest.approx(2e-5)
     assert dp.planned_iteration_s == pytest.approx(dp.iteration_s)
 
@@ -93,8 +99,8 @@ def test_search_times_candidates_as_evaluate_plan_does_with_overheads():
     over = ActionOverheads(per_action_s=0.3 * MS, chunk_forward_s=1 * MS, chunk_backward_s=1.5 * MS)
     p2p = P2PModel(latency_s=0.05 * MS, send_overhead_s=0.1 * MS, recv_overhead_s=0.1 * MS)
     for v in ((1,), (2,)):
-        choice = plan_layout(units, costs, 2, microbatches=4, dp_degrees=[1], p2p=p2p, overheads=over,
-                             virtual_stages=v, dtype="float32")
+        choice = plan_layout(units, costs, 2, microbatches=4, machine=Machine(p2p=p2p, overheads=over, dtype="float32"),
+                             space=SearchSpace(dp_degrees=[1], virtual_stages=v))
         assert choice.planned_iteration_s == pytest.approx(choice.iteration_s)
 
 
@@ -103,14 +109,16 @@ def test_chunk_overheads_stop_the_interleaved_plan_that_runs_slower():
     # without overheads; with a chunk overhead as measured on a 2-core CPU (each chunk pays it per action), the
     # plain 2-stage 1F1B plan is faster and is chosen
     units, costs = _llm(8), _costs(8)
-    common = dict(microbatches=4, dp_degrees=[1], virtual_stages=(1, 2), dtype="float32")
-    free = plan_layout(units, costs, 2, **common)
+    machine = Machine(dtype="float32")
+    space = SearchSpace(dp_degrees=[1], virtual_stages=(1, 2))
+    common = dict(microbatches=4)
+    free = plan_layout(units, costs, 2, machine=machine, space=space, **common)
     assert free.schedule == "interleaved_1f1b" and free.plan.virtual_stages == 2
     over = ActionOverheads(chunk_forward_s=2.5 * MS, chunk_backward_s=2.5 * MS)
-    costly = plan_layout(units, costs, 2, overheads=over, **common)
+    costly = plan_layout(units, costs, 2, machine=dataclasses.replace(machine, overheads=over), space=space, **common)
     assert costly.schedule == "1f1b" and costly.plan.num_stages == 2
-    interleaved = evaluate_plan(free.plan, units, costs, dp=1, microbatches=4, overheads=over, dtype="float32",
-                                schedule="interleaved_1f1b")
+    interleaved = evaluate_plan(free.plan, units, costs, dp=1, microbatches=4, schedule="interleaved_1f1b",
+                                machine=Machine(overheads=over, dtype="float32"))
     assert costly.iteration_s < interleaved.iteration_s
 
 
@@ -119,23 +127,24 @@ def test_the_optimizer_step_makes_a_pipeline_worth_it_for_many_parameters():
     # the optimizer over all of them on every rank, a 2-stage pipeline over half of them per rank
     units = _llm(6)
     costs = [UnitCost(1 * MS, 1 * MS if i else 0.0, 1 * MS, param_bytes=10**8) for i in range(6)]
-    common = dict(microbatches=4, dtype="float32", memory_cap=None)
-    free = plan_layout(units, costs, 2, **common)
+    machine = Machine(dtype="float32", memory_cap=None)
+    common = dict(microbatches=4)
+    free = plan_layout(units, costs, 2, machine=machine, **common)
     assert free.dp == 2 and free.plan.num_ranks == 1
     over = ActionOverheads(optimizer_s_per_byte=5e-9)  # 3 s for 6e8 bytes, 1.5 s per rank when split in two
-    costly = plan_layout(units, costs, 2, overheads=over, **common)
+    costly = plan_layout(units, costs, 2, machine=dataclasses.replace(machine, overheads=over), **common)
     assert costly.dp == 1 and costly.plan.num_ranks == 2 and costly.update_s == pytest.approx(1.5)
-    assert costly.iteration_s < evaluate_plan(free.plan, units, costs, dp=2, microbatches=4, overheads=over,
-                                              dtype="float32").iteration_s
+    assert costly.iteration_s < evaluate_plan(free.plan, units, costs, dp=2, microbatches=4,
+                                              machine=Machine(overheads=over, dtype="float32")).iteration_s
 
 
 def test_the_automatic_plan_charges_the_same_overheads():
-    from plait.planner.auto_plan import plan_auto_layout
+    from plait.planner.search.auto_layout import plan_auto_layout
 
     units = _llm(6)
     costs = [UnitCost(1 * MS, 1 * MS if i else 0.0, 1 * MS, param_bytes=10**8) for i in range(6)]
     over = ActionOverheads(optimizer_s_per_byte=5e-9)
     free = plan_auto_layout(units, costs, 2, 4)
-    costly = plan_auto_layout(units, costs, 2, 4, overheads=over)
+    costly = plan_auto_layout(units, costs, 2, 4, machine=dataclasses.replace(AUTO_MACHINE, overheads=over))
     assert (free.dp, free.plan.num_ranks) == (2, 1) and free.update_s == 0.0
     assert (costly.dp, costly.plan.num_ranks) == (1, 2) and costly.update_s == pytest.approx(1.5)

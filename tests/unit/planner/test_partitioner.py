@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.planner.arch import units_from_configs
-from plait.planner.cost_model import DeviceSpec, MicrobatchShape, unit_costs, unit_work
-from plait.planner.partitioner import (
+from plait.planner.cost.arch import units_from_configs
+from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, unit_costs, unit_work
+from plait.planner.search.partitioner import (
     UnitPartition,
     one_f_one_b_in_flight,
     partition_chain,
@@ -23,6 +23,7 @@ from plait.planner.partitioner import (
     stage_memory,
 )
 from plait.planner.types import Unit
+from plait.planner.search.types import Machine
 
 
 def brute_force(work, num_stages, memory=None, cap=None, activation=None, static=0, in_flight=None):
@@ -218,14 +219,14 @@ def test_partition_units_memory_cap():
     units, costs = _frozen_mllm()
     free = partition_units(units, costs, 4)
     cap = 0.9 * max(free.stage_memory_bytes)
-    capped = partition_units(units, costs, 4, memory_cap=cap)
+    capped = partition_units(units, costs, 4, machine=Machine(memory_cap=cap))
     assert max(capped.stage_memory_bytes) <= cap
     assert capped.bottleneck_s >= free.bottleneck_s
 
 
 def test_rounding_of_a_single_unit_bottleneck_does_not_break_the_search():
     """Found by the layout search: prefix sums round the one-unit bottleneck below the unit's own work."""
-    from plait.planner.partitioner import partition_chain
+    from plait.planner.search.partitioner import partition_chain
 
     work = [3.9147759429125166, 3.58500129253287, 3.2710510052525685, 1.752143032177746,
             1.5045516793088045, 4.3128986216238605, 2.7343845424299924]

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.planner.pipeline_plan import (
+from plait.planner.pipeline.plan import (
     PipelinePlan,
     Stage,
     check_plan_units,
@@ -227,7 +227,7 @@ def test_random_plans_cover_units_and_flags(case):
 
 
 def test_interleaved_ranks_and_virtual_stages():
-    from plait.planner.pipeline_plan import interleaved_ranks
+    from plait.planner.pipeline.plan import interleaved_ranks
 
     assert interleaved_ranks([0, 1], 3, 2) == (0, 1, 2, 3, 4, 2, 3, 4)
     assert interleaved_ranks([], 2, 3) == (0, 1, 0, 1, 0, 1)

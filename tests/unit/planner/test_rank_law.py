@@ -1,4 +1,4 @@
-"""MARS laws (plait/planner/rank_law.py): recovery of known parameters from synthetic data, convergence time of
+"""MARS laws (plait/planner/ranks/rank_law.py): recovery of known parameters from synthetic data, convergence time of
 hand-made loss curves, alignment/pruning and selection on laws with hand-computed answers, the TOML tables."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import tomllib
 import numpy as np
 import pytest
 
-from plait.planner.rank_law import (
+from plait.planner.ranks.rank_law import (
     CalibrationRun,
     PowerLaw,
     RankChoice,

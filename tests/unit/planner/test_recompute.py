@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from plait.planner.cost_model import stage_work, unit_activation_bytes, unit_memory_bytes, unit_work
-from plait.planner.graph import consistent_units
-from plait.planner.pipeline_plan import plan_pipeline
-from plait.planner.recompute import checkpointed_costs, plan_checkpointing
-from plait.planner.simulator import stage_costs_from_units
+from plait.planner.cost.analytic import stage_work, unit_activation_bytes, unit_memory_bytes, unit_work
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.cost.recompute import checkpointed_costs, plan_checkpointing
+from plait.planner.pipeline.simulator import stage_costs_from_units
 from plait.planner.types import Unit, UnitCost
 
 

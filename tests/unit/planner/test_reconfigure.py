@@ -7,14 +7,14 @@ import itertools
 
 import pytest
 
-from plait.planner.reconfigure import (
+from plait.planner.resilience.reconfigure import (
     LostUnitsError,
     Reconfiguration,
     check_instantiation,
     plan_reconfiguration,
     plan_rejoin,
 )
-from plait.planner.templates import instantiate, plan_instantiation
+from plait.planner.resilience.templates import instantiate, plan_instantiation
 from tests.unit.planner.test_templates import templates
 
 

@@ -7,10 +7,11 @@ import dataclasses
 
 import pytest
 
-from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
+from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
 from plait.planner.report import format_bytes, format_plan, memory_unit, rank_peak_memory_bytes
-from plait.planner.search import evaluate_plan
+from plait.planner.search.layout import evaluate_plan
 from plait.planner.types import UnitCost
+from plait.planner.search.types import Machine
 
 MIB, GIB = 2**20, 2**30
 
@@ -35,7 +36,7 @@ def _small_choice(cap: float | None):
     units = synthetic_units({}, [True] * 4)
     costs = [UnitCost(1e-3, 1e-3, 1e-3, param_bytes=8 * MIB, activation_bytes=0, output_bytes=8) for _ in units]
     plan = plan_pipeline(units, stages_per_module={"llm": 2}, ranks=[0, 1])
-    choice = evaluate_plan(plan, units, costs, dp=1, microbatches=2, dtype="float32")
+    choice = evaluate_plan(plan, units, costs, dp=1, microbatches=2, machine=Machine(dtype="float32"))
     return dataclasses.replace(choice, memory_cap=cap)
 
 

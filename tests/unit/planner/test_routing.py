@@ -1,4 +1,4 @@
-"""The feature-routing planner (plait.planner.routing): views, rows, sources and users from a MicrobatchPlan, on
+"""The feature-routing planner (plait.planner.microbatch.routing): views, rows, sources and users from a MicrobatchPlan, on
 real values."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from plait.planner.microbatch import MicrobatchPlan
-from plait.planner.routing import FeatureRouting, plan_feature_routing
+from plait.planner.microbatch.routing import FeatureRouting, plan_feature_routing
 
 # one replica, 3 microbatches: sample 1's LLM work deferred from encoder microbatch 0 to 2; microbatch 1 holds
 # sample 2 only; a second replica holds sample 3

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
-from plait.planner.schedule_ir import Action, Schedule, check_schedule, in_flight_peaks, schedule_dag
-from plait.planner.schedules import build_schedule, gpipe, memory_capped_1f1b, one_f_one_b
+from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
+from plait.planner.pipeline.schedule_ir import Action, Schedule, check_schedule, in_flight_peaks, schedule_dag
+from plait.planner.pipeline.schedules import build_schedule, gpipe, memory_capped_1f1b, one_f_one_b
 from tests.unit.planner.random_plans import draw_plan, generate
 
 
@@ -357,7 +357,7 @@ def test_interleaved_orders_by_hand():
 def test_interleaved_bubble_is_one_over_v(p, v, k):
     # Megatron-LM (SC'21, 2.2.2): with M a multiple of p, per-chunk forward f and backward b and free
     # transfers, the iteration takes M v (f + b) + (p - 1)(f + b): the 1F1B bubble divided by v.
-    from plait.planner.simulator import simulate
+    from plait.planner.pipeline.simulator import simulate
 
     m, f, b = k * p, 1.0, 2.0
     schedule = build_schedule(_interleaved_chain(p, v), "interleaved_1f1b", m)
@@ -386,7 +386,7 @@ def test_interleaved_on_random_plans(p, v, m, encoder, trainable, split, extra_g
 def interleaved_plans(draw):
     """Random encoder branches (each stage on its own rank, or the first branch's single stage on the first
     LLM stage's rank) and an LLM of ``v p`` stages cyclic over ``p`` ranks; random frozen flags."""
-    from plait.planner.pipeline_plan import interleaved_ranks
+    from plait.planner.pipeline.plan import interleaved_ranks
 
     layout = draw(st.sampled_from(["encoder_parallel", "encoders_colocated"]))
     n_enc = draw(st.integers(0, 2))

@@ -14,10 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.planner import search as search_module
-from plait.planner import search_bounds, search_candidates, search_model
-from plait.planner.arch import units_from_configs
-from plait.planner.cost_model import (
+from plait.planner.search import layout as search_module
+from plait.planner.search import bounds as search_bounds
+from plait.planner.search import candidates as search_candidates
+from plait.planner.search import model as search_model
+from plait.planner.cost.arch import units_from_configs
+from plait.planner.cost.analytic import (
     DeviceSpec,
     MicrobatchShape,
     OptimizerSpec,
@@ -25,17 +27,17 @@ from plait.planner.cost_model import (
     unit_costs,
     unit_static_bytes,
 )
-from plait.planner.partitioner import partition_chain
-from plait.planner.graph import consistent_units
-from plait.planner.pipeline_plan import LAYOUTS, plan_pipeline, synthetic_units
-from plait.planner.schedules import one_f_one_b
-from plait.planner.search import (
+from plait.planner.search.partitioner import partition_chain
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.pipeline.plan import LAYOUTS, plan_pipeline, synthetic_units
+from plait.planner.pipeline.schedules import one_f_one_b
+from plait.planner.search.layout import (
     LayoutChoice,
     evaluate_plan,
     megatron_even_split,
     plan_layout,
 )
-from plait.planner.simulator import (
+from plait.planner.pipeline.simulator import (
     P2PModel,
     StageMemory,
     boundary_bytes_from_units,
@@ -43,6 +45,7 @@ from plait.planner.simulator import (
     stage_costs_from_units,
 )
 from plait.planner.types import Unit, UnitCost
+from plait.planner.search.types import Machine, SearchSpace
 
 
 # ----- an independent exhaustive enumeration -----------------------------------------------------
@@ -162,7 +165,7 @@ def test_search_finds_the_exhaustive_optimum(seed, encoders, devices, microbatch
     p2p = P2PModel(rng.choice([0.0, 0.125]), rng.choice([None, 64.0]))
     link = rng.choice([None, P2PModel(0.0625, 32.0)])
     brute = _exhaustive(units, costs, devices, microbatches, p2p=p2p, link=link)
-    choice = plan_layout(units, costs, devices, microbatches=microbatches, p2p=p2p, dp_link=link)
+    choice = plan_layout(units, costs, devices, microbatches=microbatches, machine=Machine(p2p=p2p, dp_link=link))
     assert choice.iteration_s == pytest.approx(min(t for _, t, _ in brute), rel=1e-12)
     # The search's own (array) timing agrees with simulator.simulate on the chosen plan.
     assert choice.planned_iteration_s == pytest.approx(choice.iteration_s, rel=1e-12)
@@ -179,9 +182,9 @@ def test_search_with_memory_cap_finds_the_exhaustive_optimum(seed, devices, micr
     brute = _exhaustive(units, costs, devices, microbatches, cap=cap)
     if not brute:
         with pytest.raises(ValueError, match="no layout fits"):
-            plan_layout(units, costs, devices, microbatches=microbatches, memory_cap=cap)
+            plan_layout(units, costs, devices, microbatches=microbatches, machine=Machine(memory_cap=cap))
         return
-    choice = plan_layout(units, costs, devices, microbatches=microbatches, memory_cap=cap)
+    choice = plan_layout(units, costs, devices, microbatches=microbatches, machine=Machine(memory_cap=cap))
     assert choice.iteration_s == pytest.approx(min(t for _, t, _ in brute), rel=1e-12)
     assert choice.fits_memory and max(choice.stage_memory_bytes) <= cap
 
@@ -194,7 +197,7 @@ def test_colocated_layout_when_ranks_are_scarce():
     brute = _exhaustive(units, costs, 3, 6, dps=[1])
     best = min(t for _, t, _ in brute)
     assert min(t for _, t, lay in brute if lay == "encoder_parallel") > 1.2 * best
-    choice = plan_layout(units, costs, 3, microbatches=6, dp_degrees=[1])
+    choice = plan_layout(units, costs, 3, microbatches=6, space=SearchSpace(dp_degrees=[1]))
     assert choice.layout == "encoders_colocated" and choice.iteration_s == pytest.approx(best, rel=1e-12)
     assert choice.stages_per_module == (("vision", 1), ("audio", 1), ("llm", 2))
 
@@ -227,8 +230,8 @@ def test_frozen_aware_beats_frozen_unaware_on_frozen_encoder_and_llm():
     unaware_true = {t for v, t, _ in unaware if v == best_view}
     optimum = min(t for _, t, _ in aware)
     assert min(unaware_true) > 1.2 * optimum  # the instance separates them (computed by enumeration)
-    c = plan_layout(units, costs, 4, microbatches=8, dp_degrees=[1])
-    b = plan_layout(units, costs, 4, microbatches=8, dp_degrees=[1], frozen_aware=False)
+    c = plan_layout(units, costs, 4, microbatches=8, space=SearchSpace(dp_degrees=[1]))
+    b = plan_layout(units, costs, 4, microbatches=8, space=SearchSpace(dp_degrees=[1], frozen_aware=False))
     assert c.iteration_s == pytest.approx(optimum, rel=1e-12)
     assert any(b.iteration_s == pytest.approx(t, rel=1e-12) for t in unaware_true)
     assert b.planned_iteration_s == pytest.approx(best_view, rel=1e-12)
@@ -306,7 +309,7 @@ def test_consistent_units_mark_the_llm_embedding_downstream_of_trainable_encoder
     assert not fixed["encoders.vision.layers.1"].needs_input_grad
     assert all(fixed[u.name].needs_input_grad == u.needs_input_grad for u in units if u.name != "llm.embed_tokens")
     costs = unit_costs(units, configs, {"vision": MicrobatchShape(16), "llm": MicrobatchShape(64)}, DeviceSpec.h100())
-    choice = plan_layout(units, costs, 4, microbatches=4, dp_degrees=[1])
+    choice = plan_layout(units, costs, 4, microbatches=4, space=SearchSpace(dp_degrees=[1]))
     assert choice.plan.stages[choice.plan.llm_stages[0]].needs_input_grad
     unaware = consistent_units(units, all_trainable=True)
     assert all(u.trainable for u in unaware) and not unaware[0].needs_input_grad and unaware[1].needs_input_grad
@@ -314,7 +317,7 @@ def test_consistent_units_mark_the_llm_embedding_downstream_of_trainable_encoder
 
 def test_layout_choice_json_round_trip():
     units, costs, _ = _model(11, 2)
-    choice = plan_layout(units, costs, 5, microbatches=4, p2p=P2PModel(0.125, 64.0), memory_cap=1e9)
+    choice = plan_layout(units, costs, 5, microbatches=4, machine=Machine(p2p=P2PModel(0.125, 64.0), memory_cap=1e9))
     again = LayoutChoice.from_json(choice.to_json(indent=1))
     assert again == choice
     assert json.loads(again.to_json()) == json.loads(choice.to_json())
@@ -327,7 +330,7 @@ def test_evaluate_plan_times_a_given_plan_with_true_costs():
     units = synthetic_units({"vision": [False, True]}, [True, True])
     costs = [UnitCost(1.0, 0.5, 0.5, param_bytes=10) for _ in units]
     plan = plan_pipeline(units, stages_per_module={"vision": 1, "llm": 2})
-    choice = evaluate_plan(plan, units, costs, dp=2, microbatches=3, dp_link=P2PModel(0.0, 10.0))
+    choice = evaluate_plan(plan, units, costs, dp=2, microbatches=3, machine=Machine(dp_link=P2PModel(0.0, 10.0)))
     # Two microbatches on the busiest replica; each rank all-reduces 10 bytes: 2 * 1/2 * 10 / 10 = 1 s.
     stage_costs = {(0, "F"): 2.0, (0, "B"): 0.5, (1, "F"): 1.0, (1, "B"): 1.0, (2, "F"): 1.0, (2, "B"): 1.0}
     expected = simulate(one_f_one_b(plan.replace(num_microbatches=2)), stage_costs).makespan_s
@@ -342,16 +345,17 @@ def test_bad_input_raises_value_error():
     with pytest.raises(ValueError, match="microbatches"):
         plan_layout(units, costs, 2, microbatches=0)
     with pytest.raises(ValueError, match="layouts"):
-        plan_layout(units, costs, 2, microbatches=2, layouts=("ring",))
+        plan_layout(units, costs, 2, microbatches=2, space=SearchSpace(layouts=("ring",)))
     with pytest.raises(ValueError, match="dp_degrees"):
-        plan_layout(units, costs, 4, microbatches=2, dp_degrees=[3])
+        plan_layout(units, costs, 4, microbatches=2, space=SearchSpace(dp_degrees=[3]))
     with pytest.raises(ValueError, match=f"{len(units)} units but {len(units) - 1} costs"):
         plan_layout(units, costs[:-1], 2, microbatches=2)
     with pytest.raises(ValueError, match="no unit belongs"):
         plan_layout([u for u in units if u.module != "llm"], costs[: sum(u.module != "llm" for u in units)], 2,
                     microbatches=2)
     with pytest.raises(ValueError, match="no layout fits"):
-        plan_layout(units, [dataclass_cost(c, 1000) for c in costs], 2, microbatches=2, memory_cap=10.0)
+        plan_layout(units, [dataclass_cost(c, 1000) for c in costs], 2, microbatches=2,
+                    machine=Machine(memory_cap=10.0))
 
 
 def dataclass_cost(cost: UnitCost, param_bytes: int) -> UnitCost:
@@ -375,14 +379,15 @@ def test_search_for_1024_devices_stays_fast_and_valid():
     costs = unit_costs(units, configs, shapes, device)
     cap = 0.9 * device.memory_bytes
     start = time.perf_counter()
-    choice = plan_layout(units, costs, 1024, microbatches=256, memory_cap=cap,
-                         p2p=P2PModel(device.link_latency, device.link_bandwidth), dp_link=P2PModel(1e-5, 50e9))
+    machine = Machine(memory_cap=cap, p2p=P2PModel(device.link_latency, device.link_bandwidth),
+                      dp_link=P2PModel(1e-5, 50e9))
+    choice = plan_layout(units, costs, 1024, microbatches=256, machine=machine)
     elapsed = time.perf_counter() - start
     assert elapsed < 30.0  # generous guard requested for this search; bench/pipeline_plans.py measures it
     assert choice.devices_used <= 1024 and choice.fits_memory and max(choice.stage_memory_bytes) <= cap
     assert choice.iteration_s >= choice.lower_bound_s
     assert choice.planned_iteration_s == pytest.approx(choice.iteration_s, rel=1e-9)
-    baseline = megatron_even_split(units, costs, 1024, microbatches=256, dp=choice.dp, memory_cap=cap)
+    baseline = megatron_even_split(units, costs, 1024, microbatches=256, dp=choice.dp, machine=Machine(memory_cap=cap))
     assert choice.iteration_s < baseline.iteration_s or not baseline.fits_memory
     assert math.isfinite(choice.bubble_fraction) and 0 <= choice.bubble_fraction < 1
 
@@ -436,7 +441,7 @@ def _big_llm_model(seed: int, encoders: int):
 
 
 def test_interleaved_and_attached_candidates_bounded_and_timed_like_the_simulator():
-    from plait.planner.schedules import build_schedule
+    from plait.planner.pipeline.schedules import build_schedule
 
     for seed in range(4):
         units, costs = _big_llm_model(seed, 1 + seed % 2)
@@ -476,12 +481,14 @@ def test_more_schedules_never_hurt_and_times_agree(seed, encoders, devices, micr
     cap = None
     if capped:
         cap = 0.5 * sum(unit_static_bytes(u, c) + 2 * unit_activation_bytes(u, c) for u, c in zip(units, costs))
-    common = dict(microbatches=microbatches, memory_cap=cap, p2p=P2PModel(0.125, 64.0))
+    machine = Machine(memory_cap=cap, p2p=P2PModel(0.125, 64.0))
+    common = dict(microbatches=microbatches)
     try:
-        plain = plan_layout(units, costs, devices, **common)
+        plain = plan_layout(units, costs, devices, machine=machine, **common)
     except ValueError:
         plain = None
-    wide = plan_layout(units, costs, devices, virtual_stages=(1, 2, 4), attach_encoders=True, **common) \
+    wide = plan_layout(units, costs, devices, space=SearchSpace(virtual_stages=(1, 2, 4), attach_encoders=True),
+                       machine=machine, **common) \
         if plain is not None else None
     if plain is None:
         return
@@ -497,7 +504,7 @@ def test_plan_layout_rejects_bad_virtual_stages():
     units, costs = _big_llm_model(0, 1)
     for bad in ((), (0,), (1.5,)):
         with pytest.raises(ValueError, match="virtual_stages"):
-            plan_layout(units, costs, 4, microbatches=4, virtual_stages=bad)
+            plan_layout(units, costs, 4, microbatches=4, space=SearchSpace(virtual_stages=bad))
 
 
 def test_memory_cap_is_checked_per_rank_not_per_stage_for_interleaved_plans():
@@ -510,15 +517,19 @@ def test_memory_cap_is_checked_per_rank_not_per_stage_for_interleaved_plans():
     static = unit_static_bytes(units[0], costs[0], "float32")
     cap = 1.5 * static
     plan = plan_pipeline(units, stages_per_module={"llm": 4}, ranks=[0, 1, 0, 1])
-    given = evaluate_plan(plan, units, costs, dp=1, microbatches=4, memory_cap=cap, dtype="float32",
-                          schedule="interleaved_1f1b")
+    given = evaluate_plan(plan, units, costs, dp=1, microbatches=4, schedule="interleaved_1f1b",
+                          machine=Machine(memory_cap=cap, dtype="float32"))
     assert max(given.stage_memory_bytes) == pytest.approx(static) and static <= cap
     assert rank_peak_memory_bytes(given) == (2 * static, 2 * static)
     assert not given.fits_memory
-    common = dict(microbatches=4, dp_degrees=[1], dtype="float32", virtual_stages=(2,))
-    uncapped = plan_layout(units, costs, 2, **common)  # without a cap the interleaved plan is the one chosen
+    machine = Machine(dtype="float32")
+    space = SearchSpace(dp_degrees=[1], virtual_stages=(2,))
+    common = dict(microbatches=4)
+    uncapped = plan_layout(units, costs, 2, machine=machine, space=space,
+                           **common)  # without a cap the interleaved plan is the one chosen
     assert uncapped.plan.virtual_stages == 2 and uncapped.plan.num_ranks == 2
     with pytest.raises(ValueError, match="no layout fits"):
-        plan_layout(units, costs, 2, memory_cap=cap, **common)
-    wide = plan_layout(units, costs, 4, memory_cap=cap, **dict(common, virtual_stages=(1, 2)))
+        plan_layout(units, costs, 2, machine=dataclasses.replace(machine, memory_cap=cap), space=space, **common)
+    wide = plan_layout(units, costs, 4, machine=dataclasses.replace(machine, memory_cap=cap),
+                       space=dataclasses.replace(space, virtual_stages=(1, 2)), **common)
     assert wide.plan.num_ranks == 4 and max(rank_peak_memory_bytes(wide)) <= cap

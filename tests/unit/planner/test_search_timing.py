@@ -7,13 +7,15 @@ from __future__ import annotations
 import itertools
 import random
 
-from plait.planner import search as search_module
-from plait.planner import search_bounds, search_candidates, search_model
-from plait.planner.cost_model import OptimizerSpec
-from plait.planner.pipeline_plan import stage_ranks, synthetic_units
-from plait.planner.schedules import one_f_one_b
-from plait.planner.schedules_interleaved import interleaved_1f1b, interleaved_orders
-from plait.planner.simulator import P2PModel, StageMemory, simulate
+from plait.planner.search import layout as search_module
+from plait.planner.search import bounds as search_bounds
+from plait.planner.search import candidates as search_candidates
+from plait.planner.search import model as search_model
+from plait.planner.cost.analytic import OptimizerSpec
+from plait.planner.pipeline.plan import stage_ranks, synthetic_units
+from plait.planner.pipeline.schedules import one_f_one_b
+from plait.planner.pipeline.interleaved import interleaved_1f1b, interleaved_orders
+from plait.planner.pipeline.simulator import P2PModel, StageMemory, simulate
 from plait.planner.types import UnitCost
 
 

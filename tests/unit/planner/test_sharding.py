@@ -4,17 +4,18 @@ and the search against an exhaustive loop over the degrees."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
-from plait.planner.arch import units_from_configs
-from plait.planner.cost_model import DeviceSpec, MicrobatchShape, OptimizerSpec, unit_costs
-from plait.planner.graph import consistent_units
-from plait.planner.search import plan_layout
-from plait.planner.search_model import allreduce_s, grad_sync_s, grad_sync_terms
-from plait.planner.search_parallel import degree_options, plan_parallel
-from plait.planner.sharding import (
+from plait.planner.cost.arch import units_from_configs
+from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, OptimizerSpec, unit_costs
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.search.layout import plan_layout
+from plait.planner.search.model import allreduce_s, grad_sync_s, grad_sync_terms
+from plait.planner.search.parallel import degree_options, plan_parallel
+from plait.planner.cost.sharding import (
     ParallelDegrees,
     gather_s,
     rank_memory,
@@ -22,8 +23,9 @@ from plait.planner.sharding import (
     shard_costs,
     tp_allreduce_s,
 )
-from plait.planner.simulator import P2PModel
+from plait.planner.pipeline.simulator import P2PModel
 from plait.planner.types import Unit, UnitCost
+from plait.planner.search.types import Machine, SearchSpace
 
 LINK = P2PModel(latency_s=1e-5, bandwidth_Bps=1e9)
 
@@ -134,7 +136,7 @@ def _model():
 def test_plain_plan_kept_when_it_fits():
     units, costs = _model()
     plain = plan_layout(units, costs, 4, microbatches=8)
-    chosen = plan_parallel(units, costs, 4, microbatches=8, memory_cap=1e12)
+    chosen = plan_parallel(units, costs, 4, microbatches=8, machine=Machine(memory_cap=1e12))
     assert (chosen.tp, chosen.dp_shard, chosen.checkpointing) == (1, 1, "none")
     assert chosen.iteration_s == plain.iteration_s
 
@@ -143,10 +145,11 @@ def test_tight_cap_searched_exactly_over_the_degrees():
     units, costs = _model()
     link = P2PModel(latency_s=1e-5, bandwidth_Bps=100e9)
     cap = 0.3 * sum(plan_layout(units, costs, 1, microbatches=8).stage_memory_bytes)  # the whole model: 1 rank
-    common = dict(microbatches=8, p2p=link, dp_link=link)
+    machine = Machine(p2p=link, dp_link=link)
+    common = dict(microbatches=8)
     with pytest.raises(ValueError):
-        plan_layout(units, costs, 4, memory_cap=cap, **common)
-    chosen = plan_parallel(units, costs, 4, memory_cap=cap, **common)
+        plan_layout(units, costs, 4, machine=dataclasses.replace(machine, memory_cap=cap), **common)
+    chosen = plan_parallel(units, costs, 4, machine=dataclasses.replace(machine, memory_cap=cap), **common)
     assert chosen.fits_memory and not (chosen.tp == chosen.dp_shard == 1 and chosen.checkpointing == "none")
     assert chosen.devices_used <= 4
     assert chosen.iteration_s >= chosen.lower_bound_s
@@ -155,9 +158,9 @@ def test_tight_cap_searched_exactly_over_the_degrees():
     best = math.inf  # every option alone, as plan_parallel's per-option search
     for degrees in degree_options(4):
         try:
-            one = plan_parallel(units, costs, 4, memory_cap=cap, tp_degrees=[degrees.tp],
-                                dp_shard_degrees=[degrees.dp_shard], checkpointing=[degrees.checkpointing],
-                                prefer_plain=False, **common)
+            one = plan_parallel(units, costs, 4, machine=dataclasses.replace(machine, memory_cap=cap),
+                                space=SearchSpace(tp_degrees=[degrees.tp], dp_shard_degrees=[degrees.dp_shard],
+                                                  checkpointing=[degrees.checkpointing], prefer_plain=False), **common)
         except ValueError:
             continue
         assert (one.tp, one.dp_shard, one.checkpointing) == (degrees.tp, degrees.dp_shard, degrees.checkpointing)
@@ -165,15 +168,18 @@ def test_tight_cap_searched_exactly_over_the_degrees():
             assert one.plan.num_ranks == 1 and one.dp * one.tp == 4, (degrees, one.plan.num_ranks, one.dp)
         best = min(best, one.iteration_s)
     assert chosen.iteration_s == pytest.approx(best)
-    free = plan_parallel(units, costs, 4, memory_cap=1e12, prefer_plain=False, **common)
-    assert free.iteration_s <= plan_layout(units, costs, 4, **common).iteration_s
+    free = plan_parallel(units, costs, 4, machine=dataclasses.replace(machine, memory_cap=1e12),
+                         space=SearchSpace(prefer_plain=False), **common)
+    assert free.iteration_s <= plan_layout(units, costs, 4, machine=machine, **common).iteration_s
 
 
 def test_first_bounds_stay_below_the_timing_with_tp_costs_and_sharded_gradients():
     # search_bounds' LB1 (with the reduce-scatter + all-reduce of search_model.grad_sync_terms) never exceeds a
     # candidate's 1F1B time + its gradient synchronisation, on TP-split costs with FSDP2 over 2 of 2 DP ranks.
-    from plait.planner import search_bounds, search_candidates, search_model
-    from plait.planner.pipeline_plan import LAYOUTS
+    from plait.planner.search import bounds as search_bounds
+    from plait.planner.search import candidates as search_candidates
+    from plait.planner.search import model as search_model
+    from plait.planner.pipeline.plan import LAYOUTS
     from tests.unit.planner.test_search import _model as random_model
 
     p2p, link = P2PModel(0.125, 64.0), P2PModel(0.0625, 32.0)

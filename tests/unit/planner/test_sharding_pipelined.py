@@ -4,13 +4,14 @@ the search choosing sharded pipeline stages where every-rank-a-DP-rank FSDP2 can
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 
-from plait.planner.cost_model import OptimizerSpec
-from plait.planner.overheads import ActionOverheads
-from plait.planner.search import plan_layout
-from plait.planner.search_parallel import plan_parallel
-from plait.planner.sharding import (
+from plait.planner.cost.analytic import OptimizerSpec
+from plait.planner.cost.overheads import ActionOverheads
+from plait.planner.search.layout import plan_layout
+from plait.planner.search.parallel import plan_parallel
+from plait.planner.cost.sharding import (
     ParallelDegrees,
     pipelined_optimizer,
     pipelined_overheads,
@@ -18,7 +19,8 @@ from plait.planner.sharding import (
     rank_memory,
     shard_costs,
 )
-from plait.planner.simulator import P2PModel
+from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.search.types import Machine, SearchSpace
 from tests.unit.planner.test_sharding import _costs, _model, _units
 
 LINK = P2PModel(latency_s=1e-5, bandwidth_Bps=100e9)
@@ -51,13 +53,16 @@ def test_pipelined_costs_keep_time_and_bytes_whole_and_shard_the_optimizer_step(
 def test_search_shards_pipeline_stages_when_devices_outnumber_microbatches():
     # 8 devices, 4 microbatches: FSDP2 without stages needs dp = 8 > 4 microbatches, so only sharded stages can run.
     units, costs = _model()
-    common = dict(microbatches=4, p2p=LINK, dp_link=LINK)
-    plain = plan_layout(units, costs, 8, dp_degrees=[2], **common)
+    machine = Machine(p2p=LINK, dp_link=LINK)
+    common = dict(microbatches=4)
+    plain = plan_layout(units, costs, 8, space=SearchSpace(dp_degrees=[2]), machine=machine, **common)
     cap = 0.8 * max(plain.stage_memory_bytes)
     with pytest.raises(ValueError):
-        plan_layout(units, costs, 8, dp_degrees=[2], memory_cap=cap, **common)
-    chosen = plan_parallel(units, costs, 8, memory_cap=cap, tp_degrees=[1], dp_shard_degrees=[2],
-                           checkpointing=["none"], dp_degrees=[2], **common)
+        plan_layout(units, costs, 8, machine=dataclasses.replace(machine, memory_cap=cap),
+                    space=SearchSpace(dp_degrees=[2]), **common)
+    chosen = plan_parallel(units, costs, 8, machine=dataclasses.replace(machine, memory_cap=cap),
+                           space=SearchSpace(tp_degrees=[1], dp_shard_degrees=[2], checkpointing=["none"],
+                                             dp_degrees=[2]), **common)
     assert (chosen.dp, chosen.dp_shard, chosen.plan.num_ranks) == (2, 2, 4) and chosen.fits_memory
     assert chosen.shard_buffer_bytes == 0 and max(chosen.stage_memory_bytes) <= cap
     assert chosen.iteration_s >= chosen.lower_bound_s

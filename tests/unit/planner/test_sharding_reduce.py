@@ -9,19 +9,21 @@ import dataclasses
 
 import pytest
 
-from plait.planner.cost_model import OptimizerSpec
-from plait.planner.graph import consistent_units
+from plait.planner.cost.analytic import OptimizerSpec
+from plait.planner.pipeline.graph import consistent_units
 from plait.planner.report import degrees_line, pp_toml
-from plait.planner.search import plan_layout
-from plait.planner.search_parallel import flat_reduce, plan_parallel
-from plait.planner.sharding import (
+from plait.planner.search.layout import plan_layout
+from plait.planner.search.parallel import flat_reduce, plan_parallel
+from plait.planner.cost.sharding import (
+    GradAccumulation,
     ParallelDegrees,
     accumulated_grad_bytes,
     rank_memory,
     shard_buffer_bytes,
     unsharded_grad_bytes,
 )
-from plait.planner.simulator import P2PModel
+from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.search.types import Machine, SearchSpace
 from tests.unit.planner.test_sharding import _costs, _model, _units
 
 OPT = OptimizerSpec(grad_bytes_per_param=4, state_bytes_per_param=8)
@@ -37,15 +39,16 @@ def test_step_reduction_over_several_microbatches_holds_every_unsharded_gradient
     assert shard_buffer_bytes(units, costs, two, "float32", OPT) == 1000 + 800  # layer + neighbour, one gradient
     assert shard_buffer_bytes(units, costs, two, "float32", OPT, accumulate=True) == 1000 + 1400
     assert accumulated_grad_bytes(units, costs, ParallelDegrees(), "float32", OPT) == 0.0
-    memory = {(m, r): rank_memory(units, costs, two, dtype="float32", optimizer=OPT, microbatches=m, fsdp_reduce=r)
+    memory = {(m, r): rank_memory(units, costs, two, dtype="float32", optimizer=OPT,
+                                  accumulation=GradAccumulation(m, r))
               for m in (1, 3) for r in ("step", "microbatch")}
     assert memory[1, "step"].buffer == memory[1, "microbatch"].buffer == memory[3, "microbatch"].buffer == 1800
     assert memory[3, "step"].buffer == 2400
     assert memory[3, "step"].gradients == memory[1, "step"].gradients == 1400 / 2  # the shards stay resident
     with pytest.raises(ValueError, match="fsdp_reduce must be one of"):
-        rank_memory(units, costs, two, fsdp_reduce="layer")
+        rank_memory(units, costs, two, accumulation=GradAccumulation(fsdp_reduce="layer"))
     with pytest.raises(ValueError, match="microbatches must be >= 1"):
-        rank_memory(units, costs, two, microbatches=0)
+        rank_memory(units, costs, two, accumulation=GradAccumulation(microbatches=0))
     tp = ParallelDegrees(tp=2, dp_shard=2)  # TP halves the layer: 400 of its gradient on each TP rank
     assert accumulated_grad_bytes(units, costs, tp, "float32", OPT) == (400 + 3 * 200) - 400
 
@@ -75,15 +78,19 @@ def test_plan_parallel_reduces_every_microbatch_only_when_accumulating_does_not_
     units, costs = _model()
     link = P2PModel(latency_s=1e-5, bandwidth_Bps=100e9)
     whole = sum(plan_layout(units, costs, 1, microbatches=8).stage_memory_bytes)
-    common = dict(microbatches=8, p2p=link, dp_link=link, tp_degrees=[1], dp_shard_degrees=[2],
-                  checkpointing=["none"], prefer_plain=False, dp_degrees=[2])
+    machine = Machine(p2p=link, dp_link=link)
+    space = SearchSpace(tp_degrees=[1], dp_shard_degrees=[2], checkpointing=["none"], prefer_plain=False,
+                        dp_degrees=[2])
+    common = dict(microbatches=8)
     extra = accumulated_grad_bytes(consistent_units(units), costs, ParallelDegrees(dp_shard=2))
     base = shard_buffer_bytes(consistent_units(units), costs, ParallelDegrees(dp_shard=2))
-    roomy = plan_parallel(units, costs, 2, memory_cap=0.7 * whole, **common)
+    roomy = plan_parallel(units, costs, 2, machine=dataclasses.replace(machine, memory_cap=0.7 * whole), space=space,
+                          **common)
     assert (roomy.fsdp_reduce, roomy.dp_shard, roomy.plan.num_ranks, roomy.dp) == ("step", 2, 1, 2)
     assert roomy.shard_buffer_bytes == pytest.approx(base + extra)  # 4 microbatches per rank accumulate
     assert max(roomy.stage_memory_bytes) + roomy.shard_buffer_bytes <= 0.7 * whole
-    tight = plan_parallel(units, costs, 2, memory_cap=0.6 * whole, **common)
+    tight = plan_parallel(units, costs, 2, machine=dataclasses.replace(machine, memory_cap=0.6 * whole), space=space,
+                          **common)
     assert (tight.fsdp_reduce, tight.plan.num_ranks, tight.dp) == ("microbatch", 1, 2)
     assert tight.shard_buffer_bytes == pytest.approx(base)
     assert max(tight.stage_memory_bytes) + base <= 0.6 * whole < max(tight.stage_memory_bytes) + base + extra
@@ -105,7 +112,8 @@ def test_auto_plan_config_follows_the_chosen_reduction():
     from tests.conftest import tiny_config_dict
 
     cfg = config_from_dict(tiny_config_dict("train.jsonl"))
-    choice = plan_layout(_units(), _costs(), 2, microbatches=4, dp_degrees=[2], dp_shard=2)
+    choice = plan_layout(_units(), _costs(), 2, microbatches=4, machine=Machine(dp_shard=2),
+                         space=SearchSpace(dp_degrees=[2]))
     assert choice.plan.num_ranks == 1 and choice.fsdp_reduce == "step"
     each = apply_layout_choice(cfg, dataclasses.replace(choice, fsdp_reduce="microbatch"), _units())
     validate(each)

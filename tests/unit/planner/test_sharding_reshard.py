@@ -9,11 +9,12 @@ import dataclasses
 
 import pytest
 
-from plait.planner.cost_model import OptimizerSpec
-from plait.planner.graph import consistent_units
+from plait.planner.cost.analytic import OptimizerSpec
+from plait.planner.pipeline.graph import consistent_units
 from plait.planner.report import degrees_line, pp_toml
-from plait.planner.search_parallel import degree_options, plan_parallel
-from plait.planner.sharding import (
+from plait.planner.search.parallel import degree_options, plan_parallel
+from plait.planner.cost.sharding import (
+    GradAccumulation,
     ParallelDegrees,
     accumulated_grad_bytes,
     kept_param_bytes,
@@ -21,7 +22,8 @@ from plait.planner.sharding import (
     shard_buffer_bytes,
     shard_costs,
 )
-from plait.planner.simulator import P2PModel
+from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.search.types import Machine, SearchSpace
 from tests.unit.planner.test_sharding import _costs, _model, _units
 
 OPT = OptimizerSpec(grad_bytes_per_param=4, state_bytes_per_param=8)
@@ -54,7 +56,8 @@ def test_buffer_holds_every_trainable_units_parameters():
     assert accumulated_grad_bytes(units, costs, KEPT, "float32", OPT) == 2800 - 2000
     tp = dataclasses.replace(KEPT, tp=2)  # the layer halved on each TP rank: 400 of parameters, 400 of gradient
     assert shard_buffer_bytes(units, costs, tp, "float32", OPT) == (200 + 200 + 400) + 400
-    memory = {m: rank_memory(units, costs, KEPT, dtype="float32", optimizer=OPT, microbatches=m) for m in (1, 3)}
+    memory = {m: rank_memory(units, costs, KEPT, dtype="float32", optimizer=OPT,
+                             accumulation=GradAccumulation(microbatches=m)) for m in (1, 3)}
     assert (memory[1].buffer, memory[3].buffer) == (2000, 2800)
     freed = rank_memory(units, costs, ParallelDegrees(dp_shard=2), dtype="float32", optimizer=OPT)
     assert memory[1].state == freed.state and freed.buffer == 1800  # only the transient buffer differs
@@ -70,10 +73,14 @@ def test_degree_options_offer_both_only_with_sharding():
 def test_plan_parallel_keeps_parameters_gathered_when_the_cap_allows():
     units, costs = _model()
     link = P2PModel(latency_s=1e-4, bandwidth_Bps=2e9)  # slow enough that the backward's gathers show
-    common = dict(microbatches=2, p2p=link, dp_link=link, tp_degrees=[1], dp_shard_degrees=[2],
-                  checkpointing=["full"], prefer_plain=False, dp_degrees=[2], host=None)
-    freed = plan_parallel(units, costs, 2, fsdp_reshard=["after_forward"], **common)
-    kept = plan_parallel(units, costs, 2, fsdp_reshard=["after_backward"], **common)
+    machine = Machine(p2p=link, dp_link=link, host=None)
+    space = SearchSpace(tp_degrees=[1], dp_shard_degrees=[2], checkpointing=["full"], prefer_plain=False,
+                        dp_degrees=[2])
+    common = dict(microbatches=2)
+    freed = plan_parallel(units, costs, 2, space=dataclasses.replace(space, fsdp_reshard=["after_forward"]),
+                          machine=machine, **common)
+    kept = plan_parallel(units, costs, 2, space=dataclasses.replace(space, fsdp_reshard=["after_backward"]),
+                         machine=machine, **common)
     assert (freed.plan.num_ranks, kept.plan.num_ranks, freed.fsdp_reshard, kept.fsdp_reshard) == (
         1, 1, "after_forward", "after_backward")
     assert kept.iteration_s < freed.iteration_s and kept.shard_buffer_bytes > freed.shard_buffer_bytes
@@ -83,10 +90,12 @@ def test_plan_parallel_keeps_parameters_gathered_when_the_cap_allows():
     assert kept_param_bytes(true, costs, degrees) > 0.5 * sum(c.param_bytes for u, c in zip(true, costs)
                                                               if u.trainable)
     need = {c.fsdp_reshard: sum(c.stage_memory_bytes) + c.shard_buffer_bytes for c in (freed, kept)}  # one rank
-    roomy = plan_parallel(units, costs, 2, memory_cap=1.01 * need["after_backward"], **common)
+    roomy = plan_parallel(units, costs, 2, machine=dataclasses.replace(machine, memory_cap=1.01 * need["after_backward"]),
+                          space=space, **common)
     assert roomy.fsdp_reshard == "after_backward" and roomy.iteration_s == pytest.approx(kept.iteration_s)
     between = (need["after_forward"] + need["after_backward"]) / 2
-    tight = plan_parallel(units, costs, 2, memory_cap=between, **common)
+    tight = plan_parallel(units, costs, 2, machine=dataclasses.replace(machine, memory_cap=between), space=space,
+                          **common)
     assert tight.fsdp_reshard == "after_forward" and tight.iteration_s == pytest.approx(freed.iteration_s)
     assert "parameters kept gathered from forward to backward" in degrees_line(roomy)
     assert "kept gathered" not in degrees_line(tight)
@@ -94,7 +103,7 @@ def test_plan_parallel_keeps_parameters_gathered_when_the_cap_allows():
 
 def test_emitted_table_and_auto_plan_config_carry_the_choice():
     from plait.config.loader import config_from_dict, validate
-    from plait.planner.search import plan_layout
+    from plait.planner.search.layout import plan_layout
     from plait.train.apply_plan import apply_layout_choice
     from tests.conftest import tiny_config_dict
 
@@ -104,18 +113,19 @@ def test_emitted_table_and_auto_plan_config_carry_the_choice():
     assert all("fsdp_reshard" not in pp_toml(fields, 2, degrees | {"fsdp_reshard": r})
                for r in ("auto", "after_forward"))  # a manual job's "auto" runs "after_forward"
     cfg = config_from_dict(tiny_config_dict("train.jsonl"))
-    flat = plan_layout(_units(), _costs(), 2, microbatches=4, dp_degrees=[2], dp_shard=2)
+    flat = plan_layout(_units(), _costs(), 2, microbatches=4, machine=Machine(dp_shard=2),
+                       space=SearchSpace(dp_degrees=[2]))
     kept = apply_layout_choice(cfg, dataclasses.replace(flat, fsdp_reshard="after_backward"), _units())
     validate(kept)
     assert (kept.parallel.fsdp_reshard, kept.parallel.dp_shard, kept.parallel.pp.degree) == ("after_backward", 2, 1)
     assert apply_layout_choice(cfg, flat, _units()).parallel.fsdp_reshard == "after_forward"
-    plain = plan_layout(_units(), _costs(), 2, microbatches=4, dp_degrees=[2])
+    plain = plan_layout(_units(), _costs(), 2, microbatches=4, space=SearchSpace(dp_degrees=[2]))
     assert apply_layout_choice(cfg, plain, _units()).parallel.fsdp_reshard == "auto"  # no FSDP2: not its field
 
 
 def test_a_jobs_own_fsdp_reshard_is_kept_by_plait_plan_and_auto_plan():
     from plait.config.loader import config_from_dict
-    from plait.planner.auto_plan import plan_auto_layout
+    from plait.planner.search.auto_layout import AUTO_MACHINE, AUTO_SPACE, plan_auto_layout
     from plait.train.apply_plan import kept_degrees
     from tests.conftest import tiny_config_dict
 
@@ -127,8 +137,10 @@ def test_a_jobs_own_fsdp_reshard_is_kept_by_plait_plan_and_auto_plan():
     assert kept == dict(tp_degrees=[1], dp_shard_degrees=[2], prefer_plain=False, fsdp_reshard=["after_forward"])
     units, costs = _model()
     link = P2PModel(latency_s=1e-4, bandwidth_Bps=2e9)
-    common = dict(p2p=link, dp_link=link, virtual_stages=(1,), checkpointing="full")
-    free = plan_auto_layout(units, costs, 2, 2, **common, **kept_degrees(cfg(dp_shard=2), 2))
-    own = plan_auto_layout(units, costs, 2, 2, **common, **kept)
+    machine = dataclasses.replace(AUTO_MACHINE, p2p=link, dp_link=link)
+    space = dataclasses.replace(AUTO_SPACE, virtual_stages=(1,), base_checkpointing="full")
+    free = plan_auto_layout(units, costs, 2, 2, machine=machine,
+                            space=dataclasses.replace(space, **kept_degrees(cfg(dp_shard=2), 2)))
+    own = plan_auto_layout(units, costs, 2, 2, machine=machine, space=dataclasses.replace(space, **kept))
     assert (free.dp_shard, free.plan.num_ranks, free.fsdp_reshard) == (2, 1, "after_backward")  # faster, no cap
     assert (own.dp_shard, own.plan.num_ranks, own.fsdp_reshard) == (2, 1, "after_forward")

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.planner.pipeline_plan import plan_pipeline, synthetic_units
-from plait.planner.schedules import gpipe, one_f_one_b
-from plait.planner.timeline import TimelineEvent
-from plait.planner.simulator import (
+from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
+from plait.planner.pipeline.schedules import gpipe, one_f_one_b
+from plait.planner.pipeline.timeline import TimelineEvent
+from plait.planner.pipeline.simulator import (
     P2PModel,
     SimResult,
     StageMemory,
@@ -320,8 +320,8 @@ def test_interleaved_schedule_memory_sums_a_ranks_chunks():
     # p = 2 ranks x v = 2 chunks, M = 2. Rank 0 (stages 0, 2) warms up with min(2 + 2, 4) = 4 forwards, so it
     # holds both microbatches of both chunks: 2 x 1 + 2 x 100 bytes. Rank 1 (stages 1, 3) runs
     # F1.0 F1.1 F3.0 B3.0 F3.1 B3.1 B1.0 B1.1: at most 2 x 10 + 1000. Static: 5 bytes per stage.
-    from plait.planner.pipeline_plan import interleaved_ranks
-    from plait.planner.schedules_interleaved import interleaved_1f1b
+    from plait.planner.pipeline.plan import interleaved_ranks
+    from plait.planner.pipeline.interleaved import interleaved_1f1b
 
     plan = plan_pipeline(synthetic_units({}, [True] * 4), stages_per_module={"llm": 4},
                          ranks=interleaved_ranks([], 2, 2), num_microbatches=2)

@@ -6,11 +6,11 @@ import itertools
 
 import pytest
 
-from plait.planner.overheads import ActionOverheads
-from plait.planner.pipeline_plan import synthetic_units
-from plait.planner.search import evaluate_plan, plan_layout
-from plait.planner.simulator import P2PModel
-from plait.planner.templates import (
+from plait.planner.cost.overheads import ActionOverheads
+from plait.planner.pipeline.plan import synthetic_units
+from plait.planner.search.layout import evaluate_plan, plan_layout
+from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.resilience.templates import (
     format_seconds,
     PipelineTemplate,
     TemplateSet,
@@ -20,6 +20,7 @@ from plait.planner.templates import (
     plan_templates,
 )
 from plait.planner.types import UnitCost
+from plait.planner.search.types import Machine, SearchSpace
 
 GIB = 1 << 30
 PARAM = GIB // 4
@@ -35,10 +36,10 @@ def model(trainable_llm: bool = True):
     return units, costs
 
 
-def templates(num_ranks: int = 8, failures: int = 1, microbatches: int = 12, **kw) -> TemplateSet:
+def templates(num_ranks: int = 8, failures: int = 1, microbatches: int = 12, **machine) -> TemplateSet:
     units, costs = model()
-    return plan_templates(units, costs, num_ranks, failures, microbatches=microbatches, memory_cap=CAP,
-                          dp_link=P2PModel(1e-5, 1e10), **kw)
+    return plan_templates(units, costs, num_ranks, failures, microbatches=microbatches,
+                          machine=Machine(memory_cap=CAP, dp_link=P2PModel(1e-5, 1e10), **machine))
 
 
 def test_templates_cover_n0_to_n_minus_f_n0_and_fit_their_simulated_times():
@@ -46,11 +47,13 @@ def test_templates_cover_n0_to_n_minus_f_n0_and_fit_their_simulated_times():
     ts = templates(8, 1)
     n0 = ts.min_ranks
     with pytest.raises(ValueError):
-        plan_layout(units, costs, n0 - 1, microbatches=12, dp_degrees=[1], memory_cap=CAP)
+        plan_layout(units, costs, n0 - 1, microbatches=12, machine=Machine(memory_cap=CAP),
+                    space=SearchSpace(dp_degrees=[1]))
     assert n0 >= 2
     assert [t.num_ranks for t in ts.templates] == list(range(n0, 8 - n0 + 1))
     for t in ts.templates:
-        choice = plan_layout(units, costs, t.num_ranks, microbatches=12, dp_degrees=[1], memory_cap=CAP)
+        choice = plan_layout(units, costs, t.num_ranks, microbatches=12, machine=Machine(memory_cap=CAP),
+                             space=SearchSpace(dp_degrees=[1]))
         assert t.plan.stages == choice.plan.stages and t.plan.num_ranks <= t.num_ranks
         for nb in (12, 24):
             real = evaluate_plan(t.plan, units, costs, dp=1, microbatches=nb, schedule=t.schedule).makespan_s
@@ -142,7 +145,7 @@ def test_templates_are_timed_with_the_runtime_overheads_they_are_searched_with()
     for t in ts.templates:
         for nb in (12, 24):
             real = evaluate_plan(t.plan, units, costs, dp=1, microbatches=nb, schedule=t.schedule,
-                                 overheads=overheads).makespan_s
+                                 machine=Machine(overheads=overheads)).makespan_s
             assert t.makespan_s(nb) == pytest.approx(real, rel=1e-9)
     plain = {t.num_ranks: t for t in templates(8, 1).templates}
     for t in ts.templates:  # at least the 5 ms forward and backward chunk overheads of each microbatch

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.planner.token_distributor import TokenAssignment, plan_tokens
+from plait.planner.token_distributor import IlpLimits, TokenAssignment, WorkWeights, plan_tokens
 
 
 def _owners(a: TokenAssignment) -> list[int]:
@@ -64,7 +64,7 @@ def test_lpt_hand_worked():
 
 def test_work_includes_linear_term_and_partial_last_block():
     attn = np.array([10.0, 20.0, 30.0])
-    a = plan_tokens(attn, num_tokens=21, cp=2, method="uniform", alpha=2.0, beta=0.5, block_size=8)
+    a = plan_tokens(attn, num_tokens=21, cp=2, method="uniform", block_size=8, weights=WorkWeights(alpha=2.0, beta=0.5))
     assert a.ranges == (((0, 16),), ((16, 21),))
     assert a.work == (2 * 30 + 0.5 * 16, 2 * 30 + 0.5 * 5)
 
@@ -78,7 +78,7 @@ def test_lpt_within_graham_bound_and_ilp_optimal(work, cp):
     opt = _brute_opt(work, tokens, cp)
     lpt = plan_tokens(work, len(work), cp, method="lpt", block_size=1)
     assert opt <= lpt.max_work <= (4 / 3 - 1 / (3 * cp)) * opt + 1e-9
-    ilp = plan_tokens(work, len(work), cp, method="ilp", block_size=1, time_limit_s=5.0)
+    ilp = plan_tokens(work, len(work), cp, method="ilp", block_size=1, ilp=IlpLimits(time_s=5.0))
     assert ilp.max_work == pytest.approx(opt)
 
 
@@ -91,7 +91,7 @@ def test_cap_respected_and_ilp_optimal_under_cap(work, cp, data):
     cap = data.draw(st.integers(per_rank, len(work)))
     for method in ("lpt", "ilp"):
         a = plan_tokens(work, len(work), cp, method=method, block_size=1, max_tokens_per_rank=cap,
-                        time_limit_s=5.0)
+                        ilp=IlpLimits(time_s=5.0))
         assert max(a.tokens_per_rank) <= cap and min(a.tokens_per_rank) >= 1
     assert a.max_work == pytest.approx(_brute_opt(work, np.ones(len(work)), cp, cap))
 
@@ -105,19 +105,19 @@ def test_partition_work_and_determinism(n, bs, cp, method, seed):
         return
     per_token = np.random.default_rng(seed).integers(1, 20, n)
     blocks = np.add.reduceat(per_token, np.arange(0, n, bs))
-    a = plan_tokens(blocks, n, cp, method=method, alpha=1.5, beta=3.0, block_size=bs)
+    a = plan_tokens(blocks, n, cp, method=method, block_size=bs, weights=WorkWeights(alpha=1.5, beta=3.0))
     everything = np.sort(np.concatenate([a.token_indices(r) for r in range(cp)]))
     assert np.array_equal(everything, np.arange(n))
     for r in range(cp):
         idx = a.token_indices(r)
         assert np.all(np.diff(idx) > 0) and idx.size >= 1
         assert a.work[r] == pytest.approx(1.5 * per_token[idx].sum() + 3.0 * idx.size)
-    assert plan_tokens(blocks, n, cp, method=method, alpha=1.5, beta=3.0, block_size=bs) == a
+    assert plan_tokens(blocks, n, cp, method=method, block_size=bs, weights=WorkWeights(alpha=1.5, beta=3.0)) == a
 
 
 def test_json_round_trip_and_ilp_fallback():
     work = np.arange(1, 41, dtype=float)
-    a = plan_tokens(work, 40 * 16 - 3, cp=4, method="ilp", block_size=16, ilp_max_vars=100)
+    a = plan_tokens(work, 40 * 16 - 3, cp=4, method="ilp", block_size=16, ilp=IlpLimits(max_vars=100))
     assert a.method == "lpt" and "160 binaries > ilp_max_vars=100" in a.note
     back = TokenAssignment.from_dict(json.loads(json.dumps(a.to_dict())))
     assert back == a
@@ -133,7 +133,7 @@ def test_invalid_inputs():
     with pytest.raises(ValueError, match="every rank needs a block"):
         plan_tokens([1, 2], 4, 3, block_size=2)
     with pytest.raises(ValueError, match="not both 0"):
-        plan_tokens([1, 2], 4, 2, alpha=0.0, beta=0.0, block_size=2)
+        plan_tokens([1, 2], 4, 2, block_size=2, weights=WorkWeights(alpha=0.0, beta=0.0))
     with pytest.raises(ValueError, match="need >= 4"):
         plan_tokens([1, 2, 3], 6, 2, block_size=2, max_tokens_per_rank=3)
     with pytest.raises(ValueError, match="do not partition"):

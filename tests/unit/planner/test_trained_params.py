@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.planner.cost_model import OptimizerSpec, trained_params, unit_static_bytes
+from plait.planner.cost.analytic import OptimizerSpec, trained_params, unit_static_bytes
 from plait.planner.types import Unit, UnitCost
 
 

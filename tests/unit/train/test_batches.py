@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from plait.planner.routing import FeatureRouting
+from plait.planner.microbatch.routing import FeatureRouting
 from plait.train.batches import encoder_view_batch
 from tests.distributed.pipeline_deferral_worker import FEATURES, make_sample, stack
 

@@ -10,7 +10,7 @@ import pytest
 from plait.config.loader import config_from_dict
 from plait.data.chat_template import tokenizer_dir
 from plait.models.registry import build_model, load_tokenizer
-from plait.planner.arch import arch_from_config
+from plait.planner.cost.arch import arch_from_config
 from plait.train.cost_coeffs import microbatch_cost_coeffs
 from tests.conftest import tiny_config_dict
 from tests.unit.models.test_pixtral_internvl import TINY_INTERNVL

@@ -8,7 +8,7 @@ import pytest
 from plait.config.loader import config_from_dict
 from plait.data.chat_template import tokenizer_dir
 from plait.models.registry import build_model, load_tokenizer
-from plait.planner.graph import ModuleFlags
+from plait.planner.pipeline.graph import ModuleFlags
 from plait.train.cost_coeffs import microbatch_cost_coeffs, pass_work
 from tests.conftest import tiny_config_dict
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.planner.templates import plan_instantiation
+from plait.planner.resilience.templates import plan_instantiation
 from plait.train.resilient import LaunchPlan, microbatch_ranges
 from tests.unit.planner.test_templates import templates
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from plait.data.processing import SampleMeta
 from plait.parallel.fsdp import ShardedModel
-from plait.planner.routing import FeatureRouting
+from plait.planner.microbatch.routing import FeatureRouting
 from plait.train.step_run import Uniform, agreed_schedule, unused_branches
 
 

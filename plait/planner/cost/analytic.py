@@ -1,0 +1,597 @@
+"""Analytic, frozen-aware cost model: FLOPs, bytes and time of each pipeline unit from Hugging Face configs.
+
+For models too big to profile (a 70B plan on a laptop), every unit's cost is derived from config fields
+alone (``hidden_size``, ``intermediate_size``, ``num_attention_heads``, ...); no model is built and no
+weights are read. The architecture facts (the families covered, per-layer parameters and FLOPs, the units
+of a config-described model) are in ``planner.arch``; this module turns them into per-unit FLOPs, bytes and
+time (``unit_estimates``, ``unit_costs``) and holds the frozen-aware work and memory rules.
+
+Conventions (all formulas below use them):
+
+- ``H`` hidden size, ``I`` MLP intermediate size, ``q = heads * head_dim``, ``kv = kv_heads * head_dim``,
+  ``V`` vocabulary, ``E`` experts, ``k`` experts per token, ``T`` tokens of the module in the microbatch,
+  ``P`` attended (query, key) pairs of one layer summed over the microbatch, ``b`` bytes per element of
+  the training dtype.
+- FLOPs count one multiply-accumulate as 2 FLOPs and include only matmuls and convolutions: *weight
+  FLOPs* ``2 * T * MACs-per-token`` of the weight matmuls, *attention FLOPs* ``4 * P * q`` (``Q K^T``
+  and ``softmax(.) V``). Elementwise work (norms, activations, softmax, rotary, residual adds, the loss)
+  is counted in bytes moved instead.
+- Time is a roofline on one device (``DeviceSpec``): ``t = max(FLOPs / (peak_flops * efficiency),
+  bytes / hbm_bandwidth)``, separately for forward, input gradient (dX) and weight gradient (dW):
+  forward ``W + A`` FLOPs, dX ``W + 2A`` FLOPs (the attention backward runs four matmuls for the
+  forward's two), dW ``W`` FLOPs (attention score/value matmuls have no weights). Each backward part
+  moves about the forward's bytes. Embeddings have no dX (their input is token ids, pixels or mel
+  frames). Hence ``dX + dW = 2 (W + A) = 2 f`` for compute-bound units: a frozen-unaware planner that
+  charges ``f + dX + dW`` weighs a fully frozen encoder 3x and a frozen LLM after a trainable projector
+  ``(3W + 3A) / (2W + 3A)``, about 1.5x (Cornstarch).
+- Memory of a unit: parameters (``b`` bytes each), plus
+  gradients and optimizer state if trainable (``OptimizerSpec``; AdamW with fp32 master, m and v is 12
+  bytes per parameter), plus saved activations per microbatch in flight if the unit runs a backward.
+  Activation checkpointing (``planner.recompute.checkpointed_costs``) turns a checkpointed unit's saved
+  activations into its input only and adds a forward's time to its backward (``UnitCost.recompute_s``).
+  Saved activations assume fused (flash/SDPA) attention, so no ``T x T`` term; see
+  ``_decoder_layer_saved`` and ``_encoder_layer_saved`` for the per-token element counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from plait.planner.cost.arch import Arch, DecoderArch, EncoderArch, ProjectorArch, projector_arch, split_model_configs
+from plait.planner.serialize import JsonDataclass
+from plait.planner.types import LLM_MODULE, Unit, UnitCost
+
+__all__ = [
+    "CPU_CHUNK_OVERHEAD_S",
+    "CPU_MESSAGE_OVERHEAD_S",
+    "DeviceSpec",
+    "MicrobatchShape",
+    "OptimizerSpec",
+    "UnitEstimate",
+    "causal_pairs",
+    "dtype_bytes",
+    "full_pairs",
+    "stage_work",
+    "trained_params",
+    "unit_activation_bytes",
+    "unit_costs",
+    "unit_estimates",
+    "unit_memory_bytes",
+    "unit_static_bytes",
+    "unit_work",
+    "windowed_causal_pairs",
+]
+
+_DTYPE_BYTES = {
+    "float32": 4, "fp32": 4, "float": 4, "tf32": 4,
+    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
+    "float8": 1, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Devices, shapes, optimizer
+
+
+@dataclass(frozen=True)
+class DeviceSpec(JsonDataclass):
+    """One accelerator (or CPU) as the roofline sees it.
+
+    Attributes:
+        name: label for plots and reports.
+        peak_flops: dense bf16 peak (FLOP/s).
+        efficiency: fraction of ``peak_flops`` reached by matmuls in training (MFU-like, in (0, 1]).
+        memory_bytes: device memory (bytes).
+        hbm_bandwidth: device memory bandwidth (B/s).
+        link_bandwidth: point-to-point bandwidth to a pipeline neighbour, one direction (B/s).
+        link_latency: per-message latency of that link (s).
+        chunk_overhead_s: host seconds one module chunk of a stage costs per action (``F``, or ``B`` of a chunk
+            that runs a backward) beyond its layers' work: the runtime's glue (rotary tables and masks of an
+            LLM chunk, feature placement, the loss, Python and autograd bookkeeping). 0 on GPU presets (hidden
+            behind asynchronous kernels); see ``planner.overheads.ActionOverheads``.
+        message_overhead_s: host seconds each end spends per cross-rank message (LogP's ``o``: packing and
+            posting, waiting and unpacking); the ``P2PModel`` send and receive overheads.
+
+    Raises:
+        ValueError: on a non-positive field, an efficiency above 1 or a negative latency or overhead.
+    """
+
+    name: str
+    peak_flops: float
+    efficiency: float
+    memory_bytes: float
+    hbm_bandwidth: float
+    link_bandwidth: float
+    link_latency: float = 0.0
+    chunk_overhead_s: float = 0.0
+    message_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field in ("peak_flops", "efficiency", "memory_bytes", "hbm_bandwidth", "link_bandwidth"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"DeviceSpec.{field} must be > 0, got {getattr(self, field)}")
+        if self.efficiency > 1:
+            raise ValueError(f"DeviceSpec.efficiency must be <= 1, got {self.efficiency}")
+        for field in ("link_latency", "chunk_overhead_s", "message_overhead_s"):
+            if not getattr(self, field) >= 0:
+                raise ValueError(f"DeviceSpec.{field} must be >= 0, got {getattr(self, field)}")
+
+    def compute_time(self, flops: float, bytes_moved: float) -> float:
+        """Roofline time (s): ``max(flops / (peak_flops * efficiency), bytes_moved / hbm_bandwidth)``."""
+        return max(flops / (self.peak_flops * self.efficiency), bytes_moved / self.hbm_bandwidth)
+
+    def transfer_time(self, num_bytes: float) -> float:
+        """Time (s) to send ``num_bytes`` to a neighbour: ``link_latency + num_bytes / link_bandwidth``."""
+        return self.link_latency + num_bytes / self.link_bandwidth
+
+    @classmethod
+    def h100(cls, efficiency: float = 0.5) -> "DeviceSpec":
+        """NVIDIA H100 SXM 80 GB: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 450 GB/s per direction."""
+        return cls("H100-SXM", 989e12, efficiency, 80 * 2**30, 3.35e12, 450e9, 1e-5)
+
+    @classmethod
+    def h200(cls, efficiency: float = 0.5) -> "DeviceSpec":
+        """NVIDIA H200 SXM 141 GB: 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e, NVLink 450 GB/s per direction."""
+        return cls("H200-SXM", 989e12, efficiency, 141e9, 4.8e12, 450e9, 1e-5)
+
+    @classmethod
+    def a100(cls, efficiency: float = 0.5) -> "DeviceSpec":
+        """NVIDIA A100 SXM 80 GB: 312 TFLOP/s bf16 dense, 2.04 TB/s HBM2e, NVLink 300 GB/s per direction."""
+        return cls("A100-SXM-80GB", 312e12, efficiency, 80 * 2**30, 2.039e12, 300e9, 1e-5)
+
+    @classmethod
+    def cpu(cls, efficiency: float = 0.3) -> "DeviceSpec":
+        """A generic many-core server CPU (rough; calibrate with the profiler): 1 TFLOP/s, 50 GB/s DRAM,
+        64 GiB, shared-memory gloo link at 5 GB/s with 50 us latency; per module chunk and action 5 ms of
+        runtime overhead and per message 0.1 ms at each end. The overheads are measured on a 2-core CPU with one
+        thread per process: ``plait profile``'s chunk overheads (forward and backward) of the three
+        ``bench/plan_holds.py`` jobs, 0-5 ms for the 2-layer job's 512-token microbatches, 1-28 ms for the demo's
+        4096-token ones, up to 40 ms for the wide LLM-only job (a typical 5 ms taken), and
+        ``plait.measure.link.measure_link`` (54-62 us per end for a 64 KiB message, 170-240 us for 1 MiB)."""
+        return cls("CPU", 1e12, efficiency, 64 * 2**30, 50e9, 5e9, 5e-5, CPU_CHUNK_OVERHEAD_S, CPU_MESSAGE_OVERHEAD_S)
+
+
+CPU_CHUNK_OVERHEAD_S = 5e-3
+"""``DeviceSpec.cpu``'s ``chunk_overhead_s`` (seconds; measured, see ``DeviceSpec.cpu``)."""
+CPU_MESSAGE_OVERHEAD_S = 1e-4
+"""``DeviceSpec.cpu``'s ``message_overhead_s`` (seconds; measured, see ``DeviceSpec.cpu``)."""
+
+
+@dataclass(frozen=True)
+class MicrobatchShape(JsonDataclass):
+    """Work of one module in one microbatch.
+
+    Attributes:
+        tokens: tokens through the module (all sequences / items of the microbatch). For an encoder, the
+            tokens its layers see (vision: patches plus prefix tokens such as CLS; Whisper: output frames,
+            1500 per 30 s clip); for the LLM, the sequence tokens after placeholder expansion.
+        seq_len: tokens per sequence (LLM) or per item (encoder); ``None``: LLM one sequence of ``tokens``,
+            encoder the config's native item length (e.g. ``(image_size / patch_size)^2 + 1`` for CLIP).
+        attended_pairs: attended (query, key) pairs of one layer summed over the microbatch, so real
+            multimodal / packed masks count exactly; ``None``: causal ``n L (L + 1) / 2`` for the LLM and
+            full ``n L^2`` for encoders, with ``n = tokens / L`` sequences of length ``L``.
+
+    Raises:
+        ValueError: on a non-positive ``tokens`` / ``seq_len`` or a negative ``attended_pairs``.
+    """
+
+    tokens: int
+    seq_len: int | None = None
+    attended_pairs: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens <= 0:
+            raise ValueError(f"MicrobatchShape.tokens must be > 0, got {self.tokens}")
+        if self.seq_len is not None and self.seq_len <= 0:
+            raise ValueError(f"MicrobatchShape.seq_len must be > 0, got {self.seq_len}")
+        if self.attended_pairs is not None and self.attended_pairs < 0:
+            raise ValueError(f"MicrobatchShape.attended_pairs must be >= 0, got {self.attended_pairs}")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec(JsonDataclass):
+    """Training memory per trainable parameter beyond the parameter itself.
+
+    Attributes:
+        grad_bytes_per_param: gradient bytes per parameter; ``None`` means the training dtype's size.
+        state_bytes_per_param: optimizer-state bytes per parameter; 12 for AdamW with an fp32 master
+            copy (4) and fp32 first (4) and second (4) moments.
+
+    Raises:
+        ValueError: on a negative field.
+    """
+
+    grad_bytes_per_param: float | None = None
+    state_bytes_per_param: float = 12.0
+
+    def __post_init__(self) -> None:
+        if self.grad_bytes_per_param is not None and self.grad_bytes_per_param < 0:
+            raise ValueError(f"OptimizerSpec.grad_bytes_per_param must be >= 0, got {self.grad_bytes_per_param}")
+        if self.state_bytes_per_param < 0:
+            raise ValueError(f"OptimizerSpec.state_bytes_per_param must be >= 0, got {self.state_bytes_per_param}")
+
+    def grad_bytes(self, dtype: Any = "bfloat16") -> float:
+        """Gradient bytes per trained parameter: ``grad_bytes_per_param``, or ``dtype``'s size when it is None."""
+        return dtype_bytes(dtype) if self.grad_bytes_per_param is None else float(self.grad_bytes_per_param)
+
+
+def dtype_bytes(dtype: Any) -> float:
+    """Bytes per element of ``dtype``: a number (returned as is), a name (``"bfloat16"``, ``"fp32"``, ...)
+    or a ``torch.dtype`` (read through its name, torch is not imported).
+
+    Raises:
+        ValueError: on an unknown name or a non-positive number.
+    """
+    if isinstance(dtype, (int, float)) and not isinstance(dtype, bool):
+        if dtype <= 0:
+            raise ValueError(f"dtype size must be > 0 bytes, got {dtype}")
+        return float(dtype)
+    name = str(dtype).removeprefix("torch.").lower()
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_BYTES)}")
+    return float(_DTYPE_BYTES[name])
+
+
+def causal_pairs(seq_len: int) -> int:
+    """(query, key) pairs of a causal mask over ``seq_len`` tokens: ``L (L + 1) / 2``."""
+    return seq_len * (seq_len + 1) // 2
+
+
+def full_pairs(seq_len: int) -> int:
+    """(query, key) pairs of a full (bidirectional) mask over ``seq_len`` tokens: ``L^2``."""
+    return seq_len * seq_len
+
+
+def windowed_causal_pairs(seq_len: int, window: int) -> int:
+    """Pairs of a causal sliding-window mask where query ``i`` sees keys ``max(0, i - window + 1) .. i``:
+    ``L (L + 1) / 2`` if ``L <= w``, else ``w (w + 1) / 2 + (L - w) w``.
+
+    Raises:
+        ValueError: on a non-positive ``window``.
+    """
+    if window <= 0:
+        raise ValueError(f"sliding window must be > 0, got {window}")
+    if seq_len <= window:
+        return causal_pairs(seq_len)
+    return causal_pairs(window) + (seq_len - window) * window
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-unit estimates
+
+
+@dataclass(frozen=True)
+class UnitEstimate(JsonDataclass):
+    """Device-independent work of one unit for one microbatch shape.
+
+    Attributes:
+        params: parameter count.
+        weight_flops: forward FLOPs of the weight matmuls / convolutions (= dW FLOPs).
+        attention_flops: forward FLOPs of ``Q K^T`` and ``P V`` (no weights, so no dW; dX pays it twice).
+        forward_bytes: bytes moved through device memory by the forward (weights read once plus each op's
+            inputs read and output written).
+        weight_grad_bytes: bytes moved by the dW pass.
+        activation_bytes: bytes the forward saves for backward (one microbatch).
+        output_bytes: bytes of the unit's output tensor (what a stage boundary after it sends).
+        input_grad: whether the unit has a dX at all (False for embeddings: ids, pixels, mel frames).
+        tied_params: of ``params``, those another unit holds (a tied LLM head uses the embedding matrix): they
+            count in FLOPs and bytes moved, and the unit computes their dW, but their memory is the other unit's
+            (``UnitCost.param_bytes`` leaves them out), so the units' parameters add up to the model's.
+    """
+
+    params: int
+    weight_flops: float
+    attention_flops: float
+    forward_bytes: float
+    weight_grad_bytes: float
+    activation_bytes: float
+    output_bytes: float
+    input_grad: bool = True
+    tied_params: int = 0
+
+    def to_cost(self, device: DeviceSpec, dtype: Any = "bfloat16") -> UnitCost:
+        """Roofline ``UnitCost`` on ``device``: forward ``W + A`` FLOPs, dX ``W + 2A`` (0 if no dX),
+        dW ``W`` FLOPs (0 without parameters), each against the bytes it moves; parameters held (``params`` but
+        the tied ones) in ``dtype``."""
+        forward = device.compute_time(self.weight_flops + self.attention_flops, self.forward_bytes)
+        dx = (device.compute_time(self.weight_flops + 2 * self.attention_flops, self.forward_bytes)
+              if self.input_grad else 0.0)
+        dw = device.compute_time(self.weight_flops, self.weight_grad_bytes) if self.params else 0.0
+        return UnitCost(
+            forward_s=forward, input_grad_s=dx, weight_grad_s=dw,
+            param_bytes=int(round((self.params - self.tied_params) * dtype_bytes(dtype))),
+            activation_bytes=int(round(self.activation_bytes)), output_bytes=int(round(self.output_bytes)),
+        )
+
+
+def _estimate(params: int, weight_flops: float, attention_flops: float, io_bytes: float, saved: float,
+              output: float, b: float, input_grad: bool = True, dw_bytes: float | None = None) -> UnitEstimate:
+    """Assemble an estimate; forward bytes = weights read (``params b``) + activation traffic ``io_bytes``."""
+    forward_bytes = params * b + io_bytes
+    return UnitEstimate(params, float(weight_flops), float(attention_flops), float(forward_bytes),
+                        float(forward_bytes if dw_bytes is None else dw_bytes), float(saved), float(output),
+                        input_grad)
+
+
+def _sequences(shape: MicrobatchShape, default_len: int) -> tuple[float, int]:
+    """(number of sequences / items, tokens per sequence)."""
+    length = shape.seq_len or default_len
+    return shape.tokens / length, length
+
+
+def _decoder_layer_io(arch: DecoderArch) -> int:
+    """Elements read + written per token by one decoder layer's activations: norms ``2 H`` each, q/k/v
+    projection ``H + q + 2 kv``, rotary ``2 (q + kv)``, attention ``2 q + 2 kv``, output projection
+    ``q + H``, two residual adds ``3 H`` each, q/k norms ``2 (q + kv)``, MLP (gated ``2 H + 6 I``, plain
+    ``2 H + 4 I``, MoE ``2 H + E + k (2 H + 6 I_e)``)."""
+    h, q, kv = arch.hidden, arch.q_dim, arch.kv_dim
+    attn = (h + q + 2 * kv) + 2 * (q + kv) + (2 * q + 2 * kv) + (q + h) + (2 * (q + kv) if arch.qk_norm_dim else 0)
+    if arch.num_experts:
+        mlp = 2 * h + arch.num_experts + arch.experts_per_token * (2 * h + 6 * arch.expert_intermediate)
+    else:
+        mlp = 2 * h + (6 if arch.gated_mlp else 4) * arch.intermediate
+    return attn + mlp + 2 * h * arch.norms_per_layer + 6 * h
+
+
+def _decoder_layer_saved(arch: DecoderArch, b: float) -> float:
+    """Bytes saved for backward per token by one decoder layer (fused attention):
+    ``b (norms_per_layer H + 2 H + (q + 2 kv) + q + mlp)`` + ``4 heads`` (fp32 log-sum-exp), where the
+    terms are: each norm's input, the normed inputs of the attention and MLP matmuls, q/k/v, the attention
+    output (input of the output projection); ``mlp`` = ``4 I`` gated (gate, act(gate), up, product),
+    ``2 I`` plain (fc1 output, activation output), MoE ``k (H + 4 I_e)`` + ``4 E / b`` (fp32 router logits);
+    q/k norms add their inputs ``q + kv``."""
+    h, q, kv = arch.hidden, arch.q_dim, arch.kv_dim
+    if arch.num_experts:
+        mlp = arch.experts_per_token * (h + 4 * arch.expert_intermediate) + 4 * arch.num_experts / b
+    else:
+        mlp = (4 if arch.gated_mlp else 2) * arch.intermediate
+    elements = arch.norms_per_layer * h + 2 * h + (q + 2 * kv) + q + mlp + (q + kv if arch.qk_norm_dim else 0)
+    return b * elements + 4 * arch.heads
+
+
+def _decoder_estimate(arch: DecoderArch, kind: str, layer: int, shape: MicrobatchShape, b: float) -> UnitEstimate:
+    """Estimate of one LLM unit. Embedding: ``V H`` params, no FLOPs, reads ids (8 B) and copies ``H``
+    rows; its dW writes a dense ``V H`` gradient. Norm: ``H`` (or ``2 H``) params, ``2 H`` elements moved.
+    Head: ``V H`` weights (tied to the embedding's with ``tie_word_embeddings``: held by the embedding unit,
+    ``UnitEstimate.tied_params``), ``2 T H V`` FLOPs; logits written in dtype, upcast to fp32 and log-softmaxed
+    (three fp32 passes), saving ``H`` inputs and ``4 V`` bytes of fp32 log-probabilities per token."""
+    t, h, v = shape.tokens, arch.hidden, arch.vocab
+    if kind == "embed":
+        io = t * (8 + 2 * h * b)
+        return _estimate(v * h, 0, 0, io, 8 * t, t * h * b, b, input_grad=False, dw_bytes=v * h * b + io)
+    if kind == "norm":
+        params = h * (2 if arch.norm_bias else 1)
+        return _estimate(params, 0, 0, 2 * t * h * b, t * h * b, t * h * b, b)
+    if kind == "head":
+        io = t * (h * b + v * b + 12 * v)
+        head = _estimate(v * h + arch.head_bias * v, 2 * t * h * v, 0, io, t * (h * b + 4 * v), t * v * b, b)
+        return dataclasses.replace(head, tied_params=v * h) if arch.tied_embeddings else head
+    if kind != "layer":
+        raise ValueError(f"an LLM has no {kind!r} unit")
+    sequences, length = _sequences(shape, t)
+    pairs = shape.attended_pairs if shape.attended_pairs is not None else sequences * causal_pairs(length)
+    if arch.is_sliding(layer):
+        pairs = min(pairs, sequences * windowed_causal_pairs(length, arch.sliding_window))
+    per_token, per_pair = arch.layer_flops()
+    return _estimate(arch.layer_params(), t * per_token, pairs * per_pair,
+                     t * _decoder_layer_io(arch) * b, t * _decoder_layer_saved(arch, b), t * h * b, b)
+
+
+def _encoder_layer_io(arch: EncoderArch) -> int:
+    """Elements read + written per token by one encoder layer: norms ``2 H`` each, q/k/v ``H + 3 q``,
+    attention ``4 q``, output projection ``q + H``, residual adds ``3 H`` each, layer scales ``2 H`` each,
+    q/k norms ``4 q``, MLP (plain ``2 H + 4 I``, gated ``2 H + 6 I``)."""
+    h, q = arch.hidden, arch.q_dim
+    attn = (h + 3 * q) + 4 * q + (q + h) + (4 * q if arch.qk_norm_dim else 0)
+    mlp = 2 * h + (6 if arch.gated_mlp else 4) * arch.intermediate
+    return attn + mlp + 4 * h + 6 * h + (4 * h if arch.layer_scale else 0)
+
+
+def _encoder_layer_saved(arch: EncoderArch, b: float) -> float:
+    """Bytes saved for backward per token by one encoder layer (fused attention):
+    ``b (2 H + 2 H + 3 q + q + mlp + 2 H [layer scale] + 2 q [q/k norms])`` + ``4 heads`` (fp32
+    log-sum-exp); ``mlp`` = ``2 I`` plain, ``4 I`` gated (see ``_decoder_layer_saved``)."""
+    h, q = arch.hidden, arch.q_dim
+    mlp = (4 if arch.gated_mlp else 2) * arch.intermediate
+    elements = 4 * h + 4 * q + mlp + (2 * h if arch.layer_scale else 0) + (2 * q if arch.qk_norm_dim else 0)
+    return b * elements + 4 * arch.heads
+
+
+def _encoder_embed(arch: EncoderArch, shape: MicrobatchShape, b: float) -> UnitEstimate:
+    """Encoder embedding. Vision: each patch reads ``C p_h p_w`` pixels and writes ``H``, plus the
+    position add (``3 H``) and pre-norm (``2 H``); saves the pixels (and the pre-norm input). Audio:
+    ``2 mel`` input frames per output frame, conv1 output, GELU and conv2 (``2 mel + 2 H + 4 H + 3 H +
+    2 H + 3 H`` elements); saves conv inputs and GELU inputs (``2 mel + 5 H``)."""
+    t, h = shape.tokens, arch.hidden
+    items, length = _sequences(shape, arch.item_len)
+    if arch.modality == "audio":
+        per_token_in, io, saved = 2 * arch.num_mel_bins, 14 * h, 5 * h
+        compute_tokens = t
+    else:
+        per_token_in = arch.num_channels * arch.patch[0] * arch.patch[1]
+        io, saved = h + 3 * h + (2 * h if arch.pre_norm else 0), (h if arch.pre_norm else 0)
+        compute_tokens = max(items * (length - arch.prefix_tokens), 0.0)
+    flops = 2 * compute_tokens * arch.embed_macs_per_token()
+    return _estimate(arch.embed_params(), flops, 0, (compute_tokens * per_token_in + t * io) * b,
+                     (compute_tokens * per_token_in + t * saved) * b, t * h * b, b, input_grad=False)
+
+
+def _encoder_estimate(arch: EncoderArch, kind: str, shape: MicrobatchShape, b: float, layer: int = -1) -> UnitEstimate:
+    """Estimate of one encoder unit (embeddings, a layer with ``P`` defaulting to full ``n L^2`` and at most
+    ``T window`` in a window-attention layer, or the post-norm, which sees ``T / output_pool`` tokens and costs a
+    merger's ``2 macs`` per output token)."""
+    t, h = shape.tokens, arch.hidden
+    if kind == "embed":
+        return _encoder_embed(arch, shape, b)
+    if kind == "norm":
+        if not arch.post_norm:
+            raise ValueError("this encoder has no post-norm unit")
+        pooled = t / arch.output_pool
+        flops = 2 * pooled * arch.norm_macs_per_token()
+        return _estimate(arch.norm_params(), flops, 0, (t + pooled) * h * b, pooled * h * b, pooled * h * b, b)
+    if kind != "layer":
+        raise ValueError(f"an encoder has no {kind!r} unit")
+    items, length = _sequences(shape, arch.item_len)
+    pairs = shape.attended_pairs if shape.attended_pairs is not None else items * full_pairs(length)
+    if arch.window and layer not in arch.full_layers:
+        pairs = min(pairs, t * arch.window)
+    per_token, per_pair = arch.layer_flops()
+    return _estimate(arch.layer_params(), t * per_token, pairs * per_pair,
+                     t * _encoder_layer_io(arch) * b, t * _encoder_layer_saved(arch, b), t * h * b, b)
+
+
+def _projector_estimate(arch: ProjectorArch, tokens: float, b: float) -> UnitEstimate:
+    """Projector on ``tokens`` features: ``2 T macs`` FLOPs; moves ``in + out`` (linear) or ``in + 5 out``
+    (mlp) elements per token and saves ``in`` (+ ``2 out``: linear_1 output for GELU, GELU output)."""
+    mlp = arch.kind == "mlp"
+    io = arch.in_dim + (5 if mlp else 1) * arch.out_dim
+    saved = arch.in_dim + (2 * arch.out_dim if mlp else 0)
+    return _estimate(arch.params(), 2 * tokens * arch.macs_per_token(), 0, tokens * io * b,
+                     tokens * saved * b, tokens * arch.out_dim * b, b)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model configs -> units, estimates, costs
+
+
+_LAYER_INDEX = re.compile(r"(\d+)$")
+
+
+def _layer_index(unit: Unit, arch: Arch) -> int:
+    """Layer index of a ``layer`` unit from its name's trailing number.
+
+    Raises:
+        ValueError: when the name has no trailing index or it is out of range.
+    """
+    match = _LAYER_INDEX.search(unit.name)
+    if match is None:
+        raise ValueError(f"unit {unit.name!r}: a layer unit's name must end with its layer index")
+    index = int(match.group(1))
+    if index >= arch.layers:
+        raise ValueError(f"unit {unit.name!r}: layer {index} out of range ({arch.layers} layers)")
+    return index
+
+
+def _shape_for(shape: MicrobatchShape | Mapping[str, MicrobatchShape], module: str) -> MicrobatchShape:
+    if isinstance(shape, MicrobatchShape):
+        return shape
+    if module not in shape:
+        raise ValueError(f"no MicrobatchShape for module {module!r}; given: {sorted(shape)}")
+    return shape[module]
+
+
+def unit_estimates(units: Sequence[Unit], model_configs: Mapping[str, Any],
+                   shape: MicrobatchShape | Mapping[str, MicrobatchShape],
+                   dtype: Any = "bfloat16") -> list[UnitEstimate]:
+    """Device-independent FLOPs / params / bytes of each unit, in unit order.
+
+    Args:
+        units: pipeline units (``Unit.module`` is an encoder name or ``"llm"``; ``kind`` says what it is;
+            a layer unit's name ends with its layer index).
+        model_configs: module -> HF config (or arch), plus optional ``"<encoder>.projector"`` entries.
+        shape: one ``MicrobatchShape`` for every module, or module -> shape (a projector uses its encoder's
+            shape, on ``tokens / output_pool`` features).
+        dtype: training dtype of parameters and activations.
+
+    Raises:
+        ValueError: on a unit whose module has no config or shape, a kind the module lacks, or a bad index.
+    """
+    archs, projectors = split_model_configs(model_configs)
+    b = dtype_bytes(dtype)
+    estimates = []
+    for unit in units:
+        if unit.module not in archs:
+            raise ValueError(f"unit {unit.name!r}: no config for module {unit.module!r}")
+        arch, mb = archs[unit.module], _shape_for(shape, unit.module)
+        if unit.kind == "projector":
+            if unit.module == LLM_MODULE:
+                raise ValueError(f"unit {unit.name!r}: the LLM has no projector")
+            proj = projector_arch(unit.module, archs, projectors)
+            estimates.append(_projector_estimate(proj, mb.tokens / arch.output_pool, b))
+        elif isinstance(arch, DecoderArch):
+            layer = _layer_index(unit, arch) if unit.kind == "layer" else -1
+            estimates.append(_decoder_estimate(arch, unit.kind, layer, mb, b))
+        else:
+            layer = _layer_index(unit, arch) if unit.kind == "layer" else -1
+            estimates.append(_encoder_estimate(arch, unit.kind, mb, b, layer))
+    return estimates
+
+
+def unit_costs(units: Sequence[Unit], model_configs: Mapping[str, Any],
+               shape: MicrobatchShape | Mapping[str, MicrobatchShape], device: DeviceSpec,
+               dtype: Any = "bfloat16") -> list[UnitCost]:
+    """``UnitCost`` of each unit on ``device`` (roofline, see the module docstring), in unit order.
+
+    The costs do not depend on the units' flags: ``UnitCost.backward_s`` and the memory helpers apply
+    them. Raises ``ValueError`` as ``unit_estimates``.
+    """
+    return [est.to_cost(device, dtype) for est in unit_estimates(units, model_configs, shape, dtype)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Frozen-aware work and memory
+
+
+def _check_lengths(units: Sequence[Unit], costs: Sequence[UnitCost]) -> None:
+    if len(units) != len(costs):
+        raise ValueError(f"{len(units)} units but {len(costs)} costs")
+
+
+def unit_work(units: Sequence[Unit], costs: Sequence[UnitCost], frozen_aware: bool = True) -> list[float]:
+    """Per-unit work (s) for one microbatch: ``forward_s + backward_s(unit, frozen_aware)``.
+
+    ``frozen_aware=False`` charges ``dX + dW`` everywhere (about ``2 f``), the frozen-unaware model.
+
+    Raises:
+        ValueError: when the lengths differ.
+    """
+    _check_lengths(units, costs)
+    return [c.forward_s + c.backward_s(u, frozen_aware) for u, c in zip(units, costs)]
+
+
+def stage_work(units: Sequence[Unit], costs: Sequence[UnitCost], frozen_aware: bool = True) -> float:
+    """Work (s) of a stage holding ``units``: ``sum(unit_work(units, costs, frozen_aware))``."""
+    return math.fsum(unit_work(units, costs, frozen_aware))
+
+
+def unit_static_bytes(unit: Unit, cost: UnitCost, dtype: Any = "bfloat16",
+                      optimizer: OptimizerSpec = OptimizerSpec(), frozen_aware: bool = True) -> float:
+    """Memory (bytes) a unit holds whatever the microbatches in flight: ``param_bytes`` plus, if it trains
+    (or ``frozen_aware`` is False), ``(param_bytes / b) (grad_bytes_per_param + state_bytes_per_param)`` times the
+    share of its parameters that train (``Unit.trained_fraction``: a LoRA unit's adapters only)."""
+    if not (unit.trainable or not frozen_aware):
+        return float(cost.param_bytes)
+    share = unit.trained_fraction if frozen_aware else 1.0
+    return cost.param_bytes + cost.param_bytes * share / dtype_bytes(dtype) * (optimizer.grad_bytes(dtype)
+                                                                             + optimizer.state_bytes_per_param)
+
+
+def trained_params(unit: Unit, cost: UnitCost, dtype: Any = "bfloat16") -> float:
+    """Parameters of ``unit`` with a gradient and optimizer state (of one rank when ``cost`` is a rank's):
+    ``param_bytes / dtype_bytes(dtype) x Unit.trained_fraction`` (0 when frozen; a LoRA unit's adapters)."""
+    return cost.param_bytes * unit.trained_fraction / dtype_bytes(dtype)
+
+
+def unit_activation_bytes(unit: Unit, cost: UnitCost, frozen_aware: bool = True) -> float:
+    """Saved-activation bytes per microbatch in flight: ``activation_bytes`` if the unit runs a backward
+    (or ``frozen_aware`` is False), else 0 (it runs under ``no_grad``)."""
+    return float(cost.activation_bytes) if (unit.runs_backward or not frozen_aware) else 0.0
+
+
+def unit_memory_bytes(unit: Unit, cost: UnitCost, in_flight: float = 1, dtype: Any = "bfloat16",
+                      optimizer: OptimizerSpec = OptimizerSpec(), frozen_aware: bool = True) -> float:
+    """Peak memory (bytes) of a unit with ``in_flight`` microbatches' activations kept:
+    ``unit_static_bytes + in_flight * unit_activation_bytes``.
+
+    Raises:
+        ValueError: on a negative ``in_flight``.
+    """
+    if in_flight < 0:
+        raise ValueError(f"in_flight must be >= 0, got {in_flight}")
+    return (unit_static_bytes(unit, cost, dtype, optimizer, frozen_aware)
+            + in_flight * unit_activation_bytes(unit, cost, frozen_aware))

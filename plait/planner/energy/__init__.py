@@ -1,0 +1,1 @@
+"""Energy plans: per-frequency unit profiles, the time-energy frontier (Perseus) and its plan."""

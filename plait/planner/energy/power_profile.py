@@ -1,0 +1,312 @@
+"""Energy profiles as data: time and energy of each pipeline unit's passes per GPU SM frequency.
+
+Perseus (Chung et al., "Perseus: Reducing Energy Bloat in Large Model Training", SOSP 2024, arXiv 2312.06902)
+plans one SM frequency per forward and backward from each computation's
+(time, energy) at every frequency. This module holds those numbers:
+
+- :class:`UnitEnergy`: per pipeline unit, per frequency, the seconds and joules of its forward, input-gradient
+  (dX) and weight-gradient (dW) passes for one microbatch shape; :class:`EnergyProfile` collects them under the
+  same :class:`~plait.planner.cost.measured_profile.ProfileKey` as the time profiles (model, shapes, dtype, device, versions),
+  so :func:`energy_profile_mismatch` refuses a stale one by the same rules as ``profile.profile_mismatch``.
+  A measured profile (NVML through zeus, on a GPU) and an analytic one have the same form.
+- :class:`GpuPowerModel` and :data:`GPU_PRESETS`: analytic presets for A100, H100 and H200 to plan without a
+  GPU. :func:`analytic_energy_profile` combines them with the roofline cost model (``planner.cost_model``:
+  each unit's compute seconds ``FLOPs / (peak * efficiency)`` and memory seconds ``bytes / HBM bandwidth``).
+- :func:`stage_action_options`: per stage action (``F``/``B``/``W``), the ``(frequency, seconds, joules)``
+  options, aggregated from units by the simulator's own rules (``simulator.stage_costs_from_units``: frozen
+  units pay no dW, LoRA units their adapters' share, checkpointed units a second forward).
+
+The analytic model, per unit pass at SM clock ``f`` (``x = f / f_max``):
+
+- time ``t(f) = max(t_compute * f_max / f, t_memory)``: matmul throughput scales with the SM clock (the
+  tensor-core peak is ``SMs x ops/clock x f``), HBM bandwidth does not (memory clock is not changed);
+- power ``P(f) = P_static + (P_tdp - P_static) * (a + (1 - a) * beta) * x**gamma`` with ``a`` the
+  compute-bound share of the pass's time at ``f`` (``t_compute * f_max / f / t(f)``), ``beta`` the relative
+  activity of memory-bound work, and ``gamma`` the exponent of dynamic power in the clock (``P_dyn ~ C V^2 f``
+  with the voltage rising with the clock over the DVFS range gives 2-3); energy ``E = P(f) * t(f)``. A
+  compute-bound pass at the top clock draws the board's TDP.
+
+Numbers of the presets. From NVIDIA's data sheets: A100 SXM4 80 GB: 400 W TDP, 1410 MHz maximum SM (boost)
+clock; H100 SXM5 80 GB: 700 W TDP, 1980 MHz; H200 SXM 141 GB: 700 W TDP, 1980 MHz. The rest are *assumptions*
+chosen to reproduce the shape Perseus and Zeus (You et al., NSDI 2023) report for transformer forward and
+backward passes on A100/H100, not measured values: energy per pass falls as the clock drops from the top,
+by about 10-20% at 75-80% of the maximum clock, for a 20-30% longer pass; the energy-optimal clock of
+compute-bound work lies near half the maximum: ``gamma = 2.5``, ``beta = 0.6``, a clock-independent busy
+floor ``P_static`` of about 22% of TDP (A100 90 W, H100/H200 150 W) and a blocking power (GPU waiting on a
+P2P receive, Perseus' ``P_blocking``) of 75 W (A100) and 110 W (H100/H200). Planned clocks: 9 steps from the
+maximum down to about 57% of it. Replace them with a measured profile (same form) when a GPU is at hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from plait.planner.cost.analytic import DeviceSpec, UnitEstimate
+from plait.planner.pipeline.plan import PipelinePlan
+from plait.planner.cost.measured_profile import ProfileKey, profile_mismatch
+from plait.planner.serialize import JsonDataclass
+from plait.planner.pipeline.simulator import stage_costs_from_units
+from plait.planner.types import Unit, UnitCost
+
+__all__ = [
+    "GPU_PRESETS",
+    "ActionOption",
+    "EnergyProfile",
+    "GpuPowerModel",
+    "UnitEnergy",
+    "analytic_energy_profile",
+    "energy_profile_mismatch",
+    "gpu_preset",
+    "stage_action_options",
+]
+
+PASSES = ("forward", "input_grad", "weight_grad")
+
+
+@dataclass(frozen=True)
+class GpuPowerModel(JsonDataclass):
+    """Time and power of a GPU's passes versus SM clock (module docstring for the model and its sources).
+
+    Attributes:
+        name: preset name (``"a100"``, ``"h100"``, ``"h200"``).
+        device: the roofline device of the cost model (``DeviceSpec``).
+        tdp_w: board power limit (W): a compute-bound pass at the top clock draws it.
+        static_w: clock-independent power of a busy GPU (W).
+        blocking_w: power while waiting on a P2P transfer or idle within the iteration (W), Perseus'
+            ``P_blocking``.
+        frequencies_mhz: SM clocks the planner may choose (MHz), descending; the first is the maximum.
+        gamma: exponent of the dynamic power in the clock.
+        beta: activity of memory-bound work relative to compute-bound work, in (0, 1].
+
+    Raises:
+        ValueError: on powers not ordered ``0 <= blocking_w, static_w < tdp_w``, frequencies not descending and
+            positive, or ``gamma``/``beta`` out of range.
+    """
+
+    name: str
+    device: DeviceSpec
+    tdp_w: float
+    static_w: float
+    blocking_w: float
+    frequencies_mhz: tuple[int, ...]
+    gamma: float = 2.5
+    beta: float = 0.6
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.static_w < self.tdp_w and 0 <= self.blocking_w < self.tdp_w):
+            raise ValueError(f"GpuPowerModel {self.name}: need 0 <= static_w, blocking_w < tdp_w, got "
+                             f"{self.static_w}, {self.blocking_w}, {self.tdp_w}")
+        freqs = list(self.frequencies_mhz)
+        if not freqs or freqs != sorted(set(freqs), reverse=True) or freqs[-1] <= 0:
+            raise ValueError(f"GpuPowerModel {self.name}: frequencies_mhz must be positive, distinct and "
+                             f"descending, got {freqs}")
+        if not (self.gamma > 0 and 0 < self.beta <= 1):
+            raise ValueError(f"GpuPowerModel {self.name}: need gamma > 0 and 0 < beta <= 1, got {self.gamma}, "
+                             f"{self.beta}")
+
+    @property
+    def max_frequency_mhz(self) -> int:
+        """The top SM clock (MHz)."""
+        return self.frequencies_mhz[0]
+
+    def pass_time_energy(self, compute_s: float, memory_s: float, frequency_mhz: int) -> tuple[float, float]:
+        """``(seconds, joules)`` of a pass whose roofline parts at the top clock are ``compute_s`` (FLOPs over
+        peak) and ``memory_s`` (bytes over HBM bandwidth), run at ``frequency_mhz`` (module docstring)."""
+        x = frequency_mhz / self.max_frequency_mhz
+        compute = compute_s / x
+        seconds = max(compute, memory_s)
+        if seconds <= 0:
+            return 0.0, 0.0
+        share = compute / seconds
+        power = self.static_w + (self.tdp_w - self.static_w) * (share + (1 - share) * self.beta) * x**self.gamma
+        return seconds, power * seconds
+
+
+def _steps(top: int, step: int, count: int) -> tuple[int, ...]:
+    return tuple(top - i * step for i in range(count))
+
+
+GPU_PRESETS: dict[str, GpuPowerModel] = {
+    "a100": GpuPowerModel("a100", DeviceSpec.a100(), 400.0, 90.0, 75.0, _steps(1410, 75, 9)),
+    "h100": GpuPowerModel("h100", DeviceSpec.h100(), 700.0, 150.0, 110.0, _steps(1980, 105, 9)),
+    "h200": GpuPowerModel("h200", DeviceSpec.h200(), 700.0, 150.0, 110.0, _steps(1980, 105, 9)),
+}
+"""The analytic presets (module docstring: data-sheet TDPs and clocks, assumed shape parameters)."""
+
+
+def gpu_preset(name: str) -> GpuPowerModel:
+    """The preset called ``name`` (case-insensitive).
+
+    Raises:
+        ValueError: naming the presets when there is none of that name.
+    """
+    key = name.lower()
+    if key not in GPU_PRESETS:
+        raise ValueError(f"unknown GPU {name!r} for energy planning; choose one of {sorted(GPU_PRESETS)}")
+    return GPU_PRESETS[key]
+
+
+@dataclass(frozen=True)
+class UnitEnergy(JsonDataclass):
+    """One unit's passes per frequency (index ``i`` of each tuple is ``EnergyProfile.frequencies_mhz[i]``).
+
+    Attributes:
+        name: the unit's name (``Unit.name``).
+        forward_s, forward_j: forward seconds and joules.
+        input_grad_s, input_grad_j: input-gradient (dX) seconds and joules.
+        weight_grad_s, weight_grad_j: weight-gradient (dW) seconds and joules of all its parameters.
+
+    Raises:
+        ValueError: on tuples of different lengths or negative values.
+    """
+
+    name: str
+    forward_s: tuple[float, ...]
+    forward_j: tuple[float, ...]
+    input_grad_s: tuple[float, ...]
+    input_grad_j: tuple[float, ...]
+    weight_grad_s: tuple[float, ...]
+    weight_grad_j: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        values = [getattr(self, f"{p}_{q}") for p in PASSES for q in "sj"]
+        if len({len(v) for v in values}) != 1:
+            raise ValueError(f"UnitEnergy {self.name}: every tuple needs one entry per frequency, got lengths "
+                             f"{[len(v) for v in values]}")
+        if any(x < 0 for v in values for x in v):
+            raise ValueError(f"UnitEnergy {self.name}: seconds and joules must be >= 0")
+
+    def at(self, index: int, joules: bool, recompute: bool) -> UnitCost:
+        """The unit's seconds (or, with ``joules``, its joules in the seconds fields) at frequency ``index`` as a
+        ``UnitCost``, so the simulator's aggregation rules apply to both; ``recompute``: a checkpointed unit's
+        backward pays its forward again."""
+        q = "j" if joules else "s"
+        forward = getattr(self, f"forward_{q}")[index]
+        return UnitCost(forward, getattr(self, f"input_grad_{q}")[index], getattr(self, f"weight_grad_{q}")[index],
+                        recompute_s=forward if recompute else 0.0)
+
+
+@dataclass(frozen=True)
+class EnergyProfile(JsonDataclass):
+    """Per unit and frequency, time and energy of one microbatch shape's passes on one GPU type.
+
+    Attributes:
+        key: what the numbers depend on, as for time profiles (``ProfileKey``; its ``device`` names the GPU).
+        gpu: GPU name (a preset name or the measured device's name).
+        blocking_power_w: power while waiting within an iteration (W).
+        frequencies_mhz: the SM clocks (MHz), descending; the first is the maximum.
+        units: one ``UnitEnergy`` per unit.
+        source: ``"analytic"`` (a preset) or ``"measured"``.
+
+    Raises:
+        ValueError: on frequencies not descending, a unit with another number of entries, a duplicate unit
+            name or a negative blocking power.
+    """
+
+    key: ProfileKey
+    gpu: str
+    blocking_power_w: float
+    frequencies_mhz: tuple[int, ...]
+    units: tuple[UnitEnergy, ...]
+    source: str = "analytic"
+
+    def __post_init__(self) -> None:
+        freqs = list(self.frequencies_mhz)
+        if not freqs or freqs != sorted(set(freqs), reverse=True):
+            raise ValueError(f"EnergyProfile.frequencies_mhz must be distinct and descending, got {freqs}")
+        if self.blocking_power_w < 0:
+            raise ValueError(f"EnergyProfile.blocking_power_w must be >= 0, got {self.blocking_power_w}")
+        names = [u.name for u in self.units]
+        if len(set(names)) != len(names):
+            raise ValueError(f"EnergyProfile lists a unit twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
+        for unit in self.units:
+            if len(unit.forward_s) != len(freqs):
+                raise ValueError(f"EnergyProfile unit {unit.name}: {len(unit.forward_s)} entries for "
+                                 f"{len(freqs)} frequencies")
+
+    @property
+    def max_frequency_mhz(self) -> int:
+        """The top SM clock (MHz)."""
+        return self.frequencies_mhz[0]
+
+
+def energy_profile_mismatch(stored: EnergyProfile, wanted: ProfileKey, gpu: str) -> str | None:
+    """Why ``stored`` must not be used for a job keyed ``wanted`` on ``gpu`` (None when it may): the time
+    profiles' rule (``profile.profile_mismatch``: every key field equal) plus the GPU name."""
+    reasons = [r for r in (profile_mismatch(stored.key, wanted),) if r]
+    if stored.gpu.lower() != gpu.lower():
+        reasons.append(f"gpu differs (stored {stored.gpu!r}, wanted {gpu!r})")
+    return "; ".join(reasons) or None
+
+
+def analytic_energy_profile(units: Sequence[Unit], estimates: Sequence[UnitEstimate], gpu: GpuPowerModel,
+                            key: ProfileKey, device: DeviceSpec | None = None) -> EnergyProfile:
+    """The preset's ``EnergyProfile`` of ``units`` from their roofline estimates (``cost_model.unit_estimates``).
+
+    Each pass splits as the cost model times it (``UnitEstimate.to_cost``): forward ``W + A`` FLOPs against the
+    forward bytes, dX ``W + 2A`` FLOPs (none without an input gradient), dW ``W`` FLOPs (none without
+    parameters) against the dW bytes; compute seconds scale with ``f_max / f`` (module docstring).
+
+    Args:
+        units, estimates: the units and their estimates, in the same order.
+        gpu: the power model; key: the profile key (``key.device`` should name the GPU).
+        device: the roofline device (default ``gpu.device``).
+
+    Raises:
+        ValueError: when ``units`` and ``estimates`` differ in length.
+    """
+    if len(units) != len(estimates):
+        raise ValueError(f"{len(units)} units but {len(estimates)} estimates")
+    spec = device or gpu.device
+    peak = spec.peak_flops * spec.efficiency
+    rows = []
+    for unit, est in zip(units, estimates):
+        parts = {
+            "forward": (est.weight_flops + est.attention_flops, est.forward_bytes),
+            "input_grad": (est.weight_flops + 2 * est.attention_flops, est.forward_bytes) if est.input_grad else (0, 0),
+            "weight_grad": (est.weight_flops, est.weight_grad_bytes) if est.params else (0, 0),
+        }
+        values: dict[str, tuple[float, ...]] = {}
+        for name, (flops, nbytes) in parts.items():
+            pairs = [gpu.pass_time_energy(flops / peak, nbytes / spec.hbm_bandwidth, f) for f in gpu.frequencies_mhz]
+            values[f"{name}_s"] = tuple(p[0] for p in pairs)
+            values[f"{name}_j"] = tuple(p[1] for p in pairs)
+        rows.append(UnitEnergy(unit.name, **values))
+    return EnergyProfile(key, gpu.name, gpu.blocking_w, gpu.frequencies_mhz, tuple(rows), "analytic")
+
+
+ActionOption = tuple[int, float, float]
+"""One way to run an action: ``(frequency_mhz, seconds, joules)``."""
+
+
+def stage_action_options(plan: PipelinePlan, units: Sequence[Unit], profile: EnergyProfile, *,
+                         split_backward: bool = False,
+                         checkpointed: Mapping[str, bool] | None = None) -> dict[tuple[int, str], list[ActionOption]]:
+    """Per stage action ``(stage, kind)``, its options at every profiled frequency (descending).
+
+    Time and energy of a stage action are the sums over its units at that frequency, by the simulator's rules
+    (``simulator.stage_costs_from_units``; energies are summed by the same function, given as the ``UnitCost``
+    fields). ``checkpointed``: unit name -> whether it is activation-checkpointed (its backward runs its
+    forward again).
+
+    Raises:
+        ValueError: when a unit of the plan is not in ``units`` or has no entry in ``profile``.
+    """
+    by_name = {u.name: u for u in profile.units}
+    missing = [n for s in plan.stages for n in s.units if n not in by_name]
+    if missing:
+        raise ValueError(f"energy profile has no entry for unit(s) {missing[:5]} of the plan")
+    marks = checkpointed or {}
+    names = [u.name for u in units if u.name in by_name]
+    kept = [u for u in units if u.name in by_name]
+    out: dict[tuple[int, str], list[ActionOption]] = {}
+    for index, frequency in enumerate(profile.frequencies_mhz):
+        seconds = stage_costs_from_units(plan, kept, {n: by_name[n].at(index, False, marks.get(n, False)) for n in names},
+                                         split_backward=split_backward)
+        joules = stage_costs_from_units(plan, kept, {n: by_name[n].at(index, True, marks.get(n, False)) for n in names},
+                                        split_backward=split_backward)
+        for key, value in seconds.items():
+            out.setdefault(key, []).append((frequency, value, joules[key]))
+    return out
+

@@ -1,0 +1,1 @@
+"""Pipeline plans as data: stages and ranks, schedules (1F1B, interleaved, GPipe), their simulation."""

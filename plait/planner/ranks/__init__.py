@@ -1,0 +1,1 @@
+"""LoRA ranks: the rank law and its TOML tables."""

@@ -1,0 +1,1 @@
+"""Planning under failures: pipeline templates (Oobleck), reconfiguration, stragglers."""

@@ -1,0 +1,472 @@
+"""Pipeline templates and their instantiation: the plans of resilient training (Oobleck, SOSP 2023).
+
+- A **pipeline template** is the best plan for one pipeline on exactly ``n`` ranks, from plait's own layout
+  search (``search.plan_layout`` with DP degree 1: encoder branches, colocated encoders, interleaved and attached
+  schedules alike), with its predicted time ``T(nb) = fixed_s + per_microbatch_s * nb`` for ``nb``
+  microbatches. When the search's best plan for ``n`` ranks uses fewer (more ranks do not help), the remaining
+  ranks are the pipeline's spares: they hold nothing and a failure there loses nothing.
+- :func:`plan_templates` makes one template for every ``n`` from the memory minimum ``n0`` (the fewest ranks
+  any plan fits on) to ``N - f * n0``: any ``N'`` with ``(f + 1) n0 <= N' <= N`` ranks is then covered by
+  ``f`` pipelines of ``n0`` and one of ``N' - f n0`` (Oobleck's f+1 rule: with at least ``f + 1`` pipelines
+  every unit has ``f + 1`` copies, so any ``f`` failures leave one).
+- :func:`plan_instantiation` picks pipelines (templates) that use all the given ranks, at least ``f + 1`` of
+  them, minimising the predicted iteration time; :func:`distribute_microbatches` spreads the global batch's
+  ``M`` microbatches over the pipelines so that they finish together (water-filling: each microbatch to the
+  pipeline whose time grows least, exact for the min-max with increasing times). The global batch and its loss
+  normalisation (sum of token losses over the target tokens of the whole global batch) never change, so the
+  gradients do not depend on the split.
+
+Every rank of an :class:`Instantiation` holds the units of its pipeline's plan rank; a unit's holders (one per
+pipeline) are the group its gradients are summed over (``plait.parallel.hetero_dp``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from plait.planner.cost.analytic import OptimizerSpec, trained_params
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.pipeline.plan import PipelinePlan
+from plait.planner.search.types import Machine, SearchSpace
+from plait.planner.search.layout import evaluate_plan, plan_layout
+from plait.planner.search.model import Costs, allreduce_s, cost_list
+from plait.planner.serialize import JsonDataclass
+from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.types import Unit
+
+__all__ = [
+    "Instantiation",
+    "PipelineInstance",
+    "PipelineTemplate",
+    "TemplateSet",
+    "UnitBytes",
+    "distribute_microbatches",
+    "format_seconds",
+    "instantiate",
+    "plan_instantiation",
+    "plan_templates",
+]
+
+BEAM = 12
+"""Partial pipeline sets kept per (ranks used, pipelines) state of :func:`plan_instantiation`'s search."""
+
+
+@dataclass(frozen=True)
+class PipelineTemplate(JsonDataclass):
+    """The best plan for one pipeline on ``num_ranks`` ranks, with its predicted time.
+
+    Attributes:
+        num_ranks: ranks the pipeline occupies (``n``); ``plan.num_ranks <= n`` run stages, the rest are spares.
+        plan: the pipeline plan (plan ranks ``0..plan.num_ranks-1``).
+        schedule: the schedule the search timed it with (``"1f1b"`` or ``"interleaved_1f1b"``).
+        fixed_s, per_microbatch_s: the pipeline's makespan for ``nb >= 1`` microbatches is
+            ``fixed_s + per_microbatch_s * nb`` seconds (fitted through two simulations of the plan; a 1F1B
+            makespan is linear in ``nb``, as Oobleck's formula ``sum w + (nb - S + k* - 1) w_k* + ...``).
+        rank_grad_bytes: per plan rank, the bytes of trainable parameters it holds (its gradient all-reduce).
+
+    Raises:
+        ValueError: when the plan needs more ranks than ``num_ranks`` or a time is negative.
+    """
+
+    num_ranks: int
+    plan: PipelinePlan
+    schedule: str
+    fixed_s: float
+    per_microbatch_s: float
+    rank_grad_bytes: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if self.plan.num_ranks > self.num_ranks:
+            raise ValueError(f"template for {self.num_ranks} ranks has a plan on {self.plan.num_ranks} ranks")
+        if self.per_microbatch_s < 0 or self.fixed_s < 0:
+            raise ValueError(f"template for {self.num_ranks} ranks: negative time ({self.fixed_s}, "
+                             f"{self.per_microbatch_s})")
+
+    def makespan_s(self, microbatches: int) -> float:
+        """Predicted makespan (s) of ``microbatches`` microbatches (0 for none)."""
+        return 0.0 if microbatches <= 0 else self.fixed_s + self.per_microbatch_s * microbatches
+
+    def units_of(self, plan_rank: int) -> tuple[str, ...]:
+        """Unit names plan rank ``plan_rank`` holds (empty for a spare)."""
+        return tuple(u for s in self.plan.stages_on_rank(plan_rank) for u in self.plan.stages[s].units)
+
+
+@dataclass(frozen=True)
+class UnitBytes(JsonDataclass):
+    """What moving one unit to another rank copies (bytes): its parameters and, when it trains, its optimizer
+    state (``OptimizerSpec.state_bytes_per_param`` per trained parameter; 0 for a frozen unit)."""
+
+    name: str
+    param_bytes: int
+    state_bytes: int
+
+
+@dataclass(frozen=True)
+class TemplateSet(JsonDataclass):
+    """Templates for every pipeline size a job of ``num_ranks`` ranks tolerating ``failures`` failures needs.
+
+    Attributes:
+        num_ranks: ranks of the job (``N``).
+        failures: failures tolerated at once (``f``): instantiations hold at least ``f + 1`` pipelines.
+        microbatches: microbatches of the global batch (``M``), the same whatever the pipelines.
+        templates: one per size, increasing, from ``min_ranks`` (``n0``) to ``max_ranks`` (``N - f n0``).
+        units: per unit (model order), its copy bytes.
+        dp_link: the link of the per-unit gradient all-reduce between pipelines (None: free).
+
+    Raises:
+        ValueError: on no template, sizes that are not consecutive, or templates over different units.
+    """
+
+    num_ranks: int
+    failures: int
+    microbatches: int
+    templates: tuple[PipelineTemplate, ...]
+    units: tuple[UnitBytes, ...]
+    dp_link: P2PModel | None = None
+
+    def __post_init__(self) -> None:
+        sizes = [t.num_ranks for t in self.templates]
+        if not sizes or sizes != list(range(sizes[0], sizes[0] + len(sizes))):
+            raise ValueError(f"TemplateSet needs templates for consecutive sizes, got {sizes}")
+        names = {u.name for u in self.units}
+        for t in self.templates:
+            held = {u for s in t.plan.stages for u in s.units}
+            if held != names:
+                raise ValueError(f"template for {t.num_ranks} ranks covers other units than the set's")
+
+    @property
+    def min_ranks(self) -> int:
+        """``n0``: the fewest ranks a pipeline fits on."""
+        return self.templates[0].num_ranks
+
+    @property
+    def max_ranks(self) -> int:
+        """The largest template's size."""
+        return self.templates[-1].num_ranks
+
+    def template(self, num_ranks: int) -> PipelineTemplate:
+        """The template for ``num_ranks`` ranks; above the largest size, the largest one (the extra ranks are
+        spares).
+
+        Raises:
+            ValueError: below ``min_ranks``.
+        """
+        if num_ranks < self.min_ranks:
+            raise ValueError(f"no pipeline fits on {num_ranks} ranks: the smallest template needs "
+                             f"{self.min_ranks}")
+        return self.templates[min(num_ranks, self.max_ranks) - self.min_ranks]
+
+    def unit_bytes(self) -> dict[str, UnitBytes]:
+        """Copy bytes by unit name."""
+        return {u.name: u for u in self.units}
+
+
+@dataclass(frozen=True)
+class PipelineInstance(JsonDataclass):
+    """One pipeline of an instantiation.
+
+    Attributes:
+        template: its template.
+        ranks: the global ranks it occupies; ``ranks[i]`` runs plan rank ``i`` (``i < template.plan.num_ranks``),
+            the rest are spares.
+        microbatches: its share of the global batch's microbatches.
+
+    Raises:
+        ValueError: when the rank count differs from the template's size (or is below its plan's), ranks
+            repeat, or a negative microbatch count.
+    """
+
+    template: PipelineTemplate
+    ranks: tuple[int, ...]
+    microbatches: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        if len(set(self.ranks)) != len(self.ranks) or len(self.ranks) < self.template.plan.num_ranks:
+            raise ValueError(f"pipeline ranks {self.ranks} must be distinct and at least the plan's "
+                             f"{self.template.plan.num_ranks}")
+        if self.microbatches < 0:
+            raise ValueError(f"a pipeline's microbatches must be >= 0, got {self.microbatches}")
+
+    def units_of(self, rank: int) -> tuple[str, ...]:
+        """Unit names global rank ``rank`` holds in this pipeline (empty for a spare).
+
+        Raises:
+            ValueError: when ``rank`` is not in the pipeline.
+        """
+        if rank not in self.ranks:
+            raise ValueError(f"rank {rank} is not in pipeline {self.ranks}")
+        return self.template.units_of(self.ranks.index(rank))
+
+    def holder(self, unit: str) -> int:
+        """The global rank holding ``unit`` in this pipeline."""
+        plan = self.template.plan
+        return self.ranks[plan.stages[plan.stage_of_unit(unit)].rank]
+
+    @property
+    def makespan_s(self) -> float:
+        """Predicted makespan (s) of its microbatches."""
+        return self.template.makespan_s(self.microbatches)
+
+
+@dataclass(frozen=True)
+class Instantiation(JsonDataclass):
+    """Pipelines (heterogeneous data-parallel replicas of one model) over a job's ranks.
+
+    Attributes:
+        pipelines: the pipelines; their ranks are disjoint.
+        iteration_s: predicted iteration time (s): the slowest pipeline's makespan plus the slowest rank's
+            gradient all-reduce among the pipelines.
+
+    Raises:
+        ValueError: when pipelines share a rank.
+    """
+
+    pipelines: tuple[PipelineInstance, ...]
+    iteration_s: float
+
+    def __post_init__(self) -> None:
+        ranks = [r for p in self.pipelines for r in p.ranks]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"pipelines share ranks: {[p.ranks for p in self.pipelines]}")
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank of the instantiation, sorted."""
+        return tuple(sorted(r for p in self.pipelines for r in p.ranks))
+
+    @property
+    def microbatches(self) -> int:
+        """The global batch's microbatches (the sum over pipelines)."""
+        return sum(p.microbatches for p in self.pipelines)
+
+    def spares(self) -> list[tuple[int, int]]:
+        """``(ranks, ranks with a stage)`` of each pipeline whose plan leaves some of its ranks without a stage
+        (spares), in pipeline order; empty when every rank runs a stage."""
+        return [(len(p.ranks), p.template.plan.num_ranks) for p in self.pipelines
+                if p.template.plan.num_ranks < len(p.ranks)]
+
+    def pipeline_of(self, rank: int) -> int:
+        """Index of the pipeline holding global rank ``rank``.
+
+        Raises:
+            ValueError: when no pipeline holds it.
+        """
+        for index, pipeline in enumerate(self.pipelines):
+            if rank in pipeline.ranks:
+                return index
+        raise ValueError(f"rank {rank} is in no pipeline of {[p.ranks for p in self.pipelines]}")
+
+    def units_of(self, rank: int) -> tuple[str, ...]:
+        """Unit names ``rank`` holds."""
+        return self.pipelines[self.pipeline_of(rank)].units_of(rank)
+
+    def holders(self, unit: str) -> tuple[int, ...]:
+        """The ranks holding ``unit``, one per pipeline in pipeline order: its gradient-reduction group."""
+        return tuple(p.holder(unit) for p in self.pipelines)
+
+    def describe(self) -> str:
+        """One line for people: ``3 pipelines: 4 ranks x 10 mb, ...; predicted 1.234 s``."""
+        parts = ", ".join(f"{len(p.ranks)} ranks ({p.template.plan.num_stages} stages) x {p.microbatches} mb"
+                          for p in self.pipelines)
+        return f"{len(self.pipelines)} pipelines: {parts}; predicted {format_seconds(self.iteration_s)} per iteration"
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration for people with 4 significant digits in a unit that fits: ``1.234 s``, ``12.35 ms``,
+    ``45.60 us`` (a tiny model's predicted iteration is well under a millisecond)."""
+    for scale, unit in ((1.0, "s"), (1e-3, "ms")):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.4g} {unit}"
+    return f"{seconds / 1e-6:.4g} us"
+
+
+def plan_templates(
+    units: Sequence[Unit],
+    costs: Costs,
+    num_ranks: int,
+    failures: int,
+    *,
+    microbatches: int,
+    machine: Machine = Machine(),
+    space: SearchSpace = SearchSpace(),
+) -> TemplateSet:
+    """Pipeline templates for every size from the memory minimum ``n0`` to ``num_ranks - failures * n0``.
+
+    Each template is ``search.plan_layout`` on ``n`` devices with DP degree 1 (``space``: ``layouts``,
+    ``virtual_stages``, ``attach_encoders``, ...), fitted to ``fixed_s + per_microbatch_s * nb`` by timing its plan
+    (``search.evaluate_plan``) with ``microbatches`` and ``2 * microbatches`` microbatches.
+
+    Args:
+        units, costs: the model's pipeline units and their costs (as ``plan_layout``).
+        num_ranks: ranks of the job (``N``).
+        failures: simultaneous failures to tolerate (``f >= 0``).
+        microbatches: microbatches of the global batch (``M``).
+        machine: memory cap, ``p2p``, dtype, optimizer, overheads as ``plan_layout``; ``dp_link``: the link of
+            the gradient all-reduce between pipelines (not charged within a template).
+        space: as ``plan_layout`` (its ``dp_degrees`` replaced by ``(1,)``).
+
+    Raises:
+        ValueError: on bad numbers, when no plan fits on ``N`` ranks, or when ``N < (f + 1) n0`` (naming both).
+    """
+    if int(num_ranks) != num_ranks or num_ranks < 1 or int(failures) != failures or failures < 0:
+        raise ValueError(f"num_ranks must be >= 1 and failures >= 0 (integers), got {num_ranks} and {failures}")
+    if int(microbatches) != microbatches or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+    searched = Machine(memory_cap=machine.memory_cap, p2p=machine.p2p, dtype=machine.dtype,
+                       optimizer=machine.optimizer, overheads=machine.overheads)
+    space = dataclasses.replace(space, dp_degrees=(1,))
+    true_units = consistent_units(units)
+    cost_seq = cost_list(units, costs)
+    templates: list[PipelineTemplate] = []
+    for n in range(1, num_ranks + 1):
+        if templates and n > num_ranks - failures * templates[0].num_ranks:
+            break
+        try:
+            choice = plan_layout(true_units, cost_seq, n, microbatches=microbatches, machine=searched, space=space)
+        except ValueError:
+            if templates:
+                raise
+            continue
+        templates.append(_template(n, choice.plan, choice.schedule, true_units, cost_seq, microbatches,
+                                   dataclasses.replace(searched, memory_cap=None)))
+    if not templates:
+        raise ValueError(f"no pipeline plan fits on {num_ranks} ranks (memory_cap={machine.memory_cap} bytes)")
+    n0 = templates[0].num_ranks
+    if num_ranks < (failures + 1) * n0:
+        raise ValueError(f"{num_ranks} ranks cannot hold failures + 1 = {failures + 1} pipelines of at least "
+                         f"n0 = {n0} ranks (the smallest that fits memory)")
+    unit_bytes = tuple(_unit_bytes(u, c, machine.dtype, machine.optimizer) for u, c in zip(true_units, cost_seq))
+    return TemplateSet(num_ranks, failures, microbatches, tuple(templates), unit_bytes, machine.dp_link)
+
+
+def _template(n: int, plan: PipelinePlan, schedule: str, units: Sequence[Unit], costs: Sequence[Any],
+              microbatches: int, machine: Machine) -> PipelineTemplate:
+    """Time ``plan`` at ``M`` and ``2 M`` microbatches (on ``machine``: the link, dtype, optimizer and runtime
+    ``overheads`` it was searched with) and fit the linear makespan."""
+    timing = dict(dp=1, machine=machine, schedule=schedule)
+    one = evaluate_plan(plan, units, costs, microbatches=microbatches, **timing).makespan_s
+    two = evaluate_plan(plan, units, costs, microbatches=2 * microbatches, **timing).makespan_s
+    per = max(0.0, (two - one) / microbatches)
+    by_name = {u.name: (u, c) for u, c in zip(units, costs)}
+    grads = tuple(float(sum(by_name[name][1].param_bytes * by_name[name][0].trained_fraction
+                            for s in plan.stages_on_rank(r) for name in plan.stages[s].units))
+                  for r in range(plan.num_ranks))
+    return PipelineTemplate(n, plan.replace(num_microbatches=1), schedule, max(0.0, one - per * microbatches), per,
+                            grads)
+
+
+def _unit_bytes(unit: Unit, cost: Any, dtype: Any, optimizer: OptimizerSpec) -> UnitBytes:
+    """Parameters and optimizer state of one unit (gradients are not copied: the interrupted step is replayed)."""
+    state = trained_params(unit, cost, dtype) * optimizer.state_bytes_per_param
+    return UnitBytes(unit.name, int(cost.param_bytes), int(round(state)))
+
+
+def distribute_microbatches(templates: Sequence[PipelineTemplate], microbatches: int) -> tuple[int, ...]:
+    """Microbatches per pipeline so that the pipelines finish together: water-filling, one microbatch at a
+    time to the pipeline whose makespan after taking it is least (ties: the lower index). Exact for minimising
+    the largest makespan, each makespan being increasing in its microbatches (Oobleck section 4.2).
+
+    Raises:
+        ValueError: on no pipeline or a negative count.
+    """
+    if not templates or microbatches < 0:
+        raise ValueError(f"need at least one pipeline and microbatches >= 0, got {len(templates)} and "
+                         f"{microbatches}")
+    counts = [0] * len(templates)
+    for _ in range(microbatches):
+        best = min(range(len(templates)), key=lambda i: (templates[i].makespan_s(counts[i] + 1), i))
+        counts[best] += 1
+    return tuple(counts)
+
+
+def instantiate(templates: TemplateSet, groups: Sequence[Sequence[int]]) -> Instantiation:
+    """The instantiation with one pipeline per rank group (``templates.template(len(group))``), microbatches
+    water-filled and its predicted iteration time."""
+    chosen = [templates.template(len(g)) for g in groups]
+    counts = distribute_microbatches(chosen, templates.microbatches)
+    pipelines = tuple(PipelineInstance(t, tuple(g), c) for t, g, c in zip(chosen, groups, counts))
+    return Instantiation(pipelines, _iteration_s(templates, chosen, counts))
+
+
+def _iteration_s(templates: TemplateSet, chosen: Sequence[PipelineTemplate], counts: Sequence[int]) -> float:
+    """Slowest makespan plus the slowest rank's all-reduce of its gradients over the pipelines."""
+    makespan = max(t.makespan_s(c) for t, c in zip(chosen, counts))
+    grads = max((g for t in chosen for g in t.rank_grad_bytes), default=0.0)
+    return makespan + allreduce_s(grads, len(chosen), templates.dp_link)
+
+
+def plan_instantiation(templates: TemplateSet, ranks: Sequence[int] | None = None,
+                       min_pipelines: int | None = None) -> Instantiation:
+    """Pipelines that use every one of ``ranks`` (default ``0..N-1``), at least ``min_pipelines`` of them
+    (default ``f + 1``) and at most ``M``, with the least predicted iteration time. A pipeline of more ranks than
+    the largest template (only when no split into templates exists: below ``2 n0`` ranks) runs the largest
+    template and keeps the rest as spares.
+
+    Search: a dynamic program over (ranks used, pipelines) that keeps the :data:`BEAM` best multisets of
+    template sizes per state by their fluid iteration time (``(M + sum fixed/per) / sum 1/per``, what
+    water-filling approaches), then water-fills each complete candidate and keeps the fastest. Ranks are given
+    to pipelines in order, largest pipeline first.
+
+    Raises:
+        ValueError: when no set of templates covers the ranks with enough pipelines (naming the counts).
+    """
+    ranks = list(range(templates.num_ranks)) if ranks is None else sorted(int(r) for r in ranks)
+    need = templates.failures + 1 if min_pipelines is None else int(min_pipelines)
+    total = len(ranks)
+    cap = min(total // templates.min_ranks, templates.microbatches)
+    if need < 1 or need > cap:
+        raise ValueError(f"{total} ranks cannot hold {need} pipelines of at least {templates.min_ranks} ranks "
+                         f"(and at most {templates.microbatches}, one microbatch each)")
+    candidates = _size_multisets(templates, total, need, cap)
+    if not candidates:
+        raise ValueError(f"no set of templates ({templates.min_ranks}..{templates.max_ranks} ranks) covers "
+                         f"{total} ranks with at least {need} pipelines")
+    best = None
+    for sizes in candidates:
+        groups, start = [], 0
+        for size in sorted(sizes, reverse=True):
+            groups.append(ranks[start:start + size])
+            start += size
+        inst = instantiate(templates, groups)
+        if best is None or inst.iteration_s < best.iteration_s - 1e-15:
+            best = inst
+    return best
+
+
+def _size_multisets(templates: TemplateSet, total: int, need: int, cap: int) -> list[tuple[int, ...]]:
+    """Candidate multisets of template sizes summing to ``total`` with ``need..cap`` members (beam DP)."""
+    # a group between the largest template and 2 n0 - 1 ranks cannot be split into templates: it runs the largest
+    # one with spares (larger groups split)
+    sizes = [t.num_ranks for t in templates.templates] + list(range(templates.max_ranks + 1, 2 * templates.min_ranks))
+    by_size = {n: templates.template(n) for n in sizes}
+    states: dict[tuple[int, int], list[tuple[int, ...]]] = {(0, 0): [()]}
+    for used in range(total):
+        for count in range(cap):
+            for partial in _prune(states.get((used, count), []), by_size, templates.microbatches):
+                for size in sizes:
+                    if used + size <= total and (not partial or size <= partial[-1]):  # each multiset once
+                        states.setdefault((used + size, count + 1), []).append(partial + (size,))
+    return [s for count in range(need, cap + 1)
+            for s in _prune(states.get((total, count), []), by_size, templates.microbatches)]
+
+
+def _prune(multisets: list[tuple[int, ...]], by_size: dict[int, PipelineTemplate], microbatches: int
+           ) -> list[tuple[int, ...]]:
+    """The :data:`BEAM` best distinct multisets by fluid iteration time."""
+    unique = list(dict.fromkeys(multisets))
+    if len(unique) <= BEAM:
+        return unique
+    return sorted(unique, key=lambda s: _fluid_s([by_size[n] for n in s], microbatches))[:BEAM]
+
+
+def _fluid_s(chosen: Sequence[PipelineTemplate], microbatches: int) -> float:
+    """Iteration time if microbatches were divisible: ``T`` with ``sum (T - fixed_i) / per_i = M``."""
+    if any(t.per_microbatch_s <= 0 for t in chosen):
+        return max(t.fixed_s for t in chosen)
+    rate = math.fsum(1.0 / t.per_microbatch_s for t in chosen)
+    return (microbatches + math.fsum(t.fixed_s / t.per_microbatch_s for t in chosen)) / rate

@@ -1,0 +1,201 @@
+"""``parallel.plan = "auto"``: choose the pipeline layout of a job from measured unit costs (pure).
+
+:func:`plan_auto_layout` searches layout, stages per module, cost-balanced partition, LLM stages per rank,
+encoder placement and DP degree (``search.plan_layout``) among the plans the pipeline trainer can run on exactly
+``world_size`` processes: ``dp x pipeline ranks = world_size``, with one stage per pipeline rank (1F1B), several
+LLM stages per LLM rank (``virtual_stages``, interleaved 1F1B: Narayanan et al., SC'21, section 2.2.2) or the
+encoders on the first LLM rank (``attach_encoders``). For each DP degree ``d`` dividing the world size, the best
+plan of ``d`` replicas on ``world_size / d`` ranks each, with ``ceil(M / d)`` microbatches per replica and the DP
+all-reduce of the trainable gradients over ``dp_link`` charged, is kept when it fills all of them (when it does
+not, the best 1F1B plan with one stage per rank is tried as well); ``d = world_size``, plain DP, always fills
+them. A DP degree above the microbatch count (replicas without a microbatch) is searched as one replica with one
+microbatch and then timed with its all-reduce. Ties go to DP degrees that give every replica a microbatch, then to
+fewer replicas. That search is :func:`plan_filling_layout`, and it runs inside ``plait plan``'s own search
+(``search_parallel.plan_parallel`` with it as ``layout_search``): the plain plan when it fits the memory cap, else
+tensor parallelism, FSDP2 sharding (flat, every rank a DP rank, and staged, pipeline stages sharded over their DP
+ranks: the faster fitting one) and activation checkpointing exactly as ``plait plan`` searches them, so for the same
+job and costs both choose the same plan whenever ``plait plan``'s uses all the processes.
+:func:`layout_pp_fields` gives the ``[parallel.pp]`` field values that run a choice (degree, layout,
+stages, explicit ``splits`` where the partition is not the even split by unit count, ``virtual_stages``,
+``attach_encoders``, the schedule, microbatches per replica); ``plait.train.apply_plan`` writes them into a job
+config. Plain data in and out: nothing here reads a config, touches torch or the file system.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from plait.planner.pipeline.plan import PipelinePlan, split_even
+from plait.planner.search.types import Machine, SearchSpace
+from plait.planner.search.layout import LayoutChoice, evaluate_plan, plan_layout
+from plait.planner.search.model import Costs
+from plait.planner.search.parallel import plan_parallel
+from plait.planner.types import Unit, UnitCost
+
+__all__ = ["AUTO_MACHINE", "AUTO_SPACE", "layout_pp_fields", "plan_auto_layout", "plan_filling_layout",
+           "plan_splits"]
+
+
+AUTO_MACHINE = Machine(dtype="float32")
+"""``plan_auto_layout``'s default machine: no cap, free links, float32 parameters."""
+AUTO_SPACE = SearchSpace(virtual_stages=(1, 2, 4), attach_encoders=True)
+"""``plan_auto_layout``'s default search space: interleaved 1F1B with 2 or 4 LLM stages per rank and encoders on
+the first LLM rank searched too (the pipeline trainer runs them)."""
+
+
+def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_size: int, microbatches: int, *,
+                     machine: Machine = AUTO_MACHINE, space: SearchSpace = AUTO_SPACE) -> LayoutChoice:
+    """The fastest runnable plan for ``world_size`` processes (module docstring): ``plait plan``'s search
+    (``search_parallel.plan_parallel``) with :func:`plan_filling_layout` as its layout search.
+
+    Args:
+        units, costs: pipeline units (real flags) and their per-microbatch costs (e.g. a measured profile).
+        world_size: processes of the job; microbatches: global microbatches per step.
+        machine: memory cap (None: unchecked), the stage-to-stage ``p2p`` link (also the TP all-reduces'), the
+            ``dp_link`` of the DP gradient all-reduce (ring, ``search.allreduce_s``, of each rank's trainable
+            parameters after the flush; None: not charged; also FSDP2's collectives'), dtype, the runtime's fixed
+            ``overheads`` (``search.plan_layout``).
+        space: as ``plan_parallel``: ``virtual_stages``, ``attach_encoders``, the job's activation checkpointing
+            (``base_checkpointing``, ``checkpoint_overrides``: ``costs`` are without it; when the plain plan does
+            not fit, a job without checkpointing may get one), ``tp_degrees``, ``dp_shard_degrees``,
+            ``fsdp_reshard``, ``prefer_plain`` and ``offload``.
+
+    Returns:
+        The chosen ``LayoutChoice`` (``dp * plan.num_ranks * tp == world_size``; ``schedule`` is ``"1f1b"`` or
+        ``"interleaved_1f1b"``; ``dp_shard`` divides ``dp``).
+
+    Raises:
+        ValueError: on a world size or microbatch count < 1; ``NoPlanFits`` when no plan fits memory.
+    """
+    if world_size < 1 or microbatches < 1:
+        raise ValueError(f"world_size and microbatches must be >= 1, got {world_size} and {microbatches}")
+    return plan_parallel(units, costs, world_size, microbatches=microbatches, machine=machine, space=space,
+                         layout_search=plan_filling_layout)
+
+
+def plan_filling_layout(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int,
+                        machine: Machine = Machine(), space: SearchSpace = SearchSpace()) -> LayoutChoice:
+    """``search.plan_layout`` restricted to the plans that use all ``devices`` (module docstring): for each DP
+    degree (default every divisor of ``devices``, above ``microbatches`` too) that divides ``devices`` and that
+    ``machine.dp_shard`` divides, the best plan of that many replicas filling their ranks; the fastest of those,
+    ties to every replica having a microbatch, then to fewer replicas. Same signature as ``plan_layout`` (the
+    ``search_parallel.LayoutSearch`` of ``parallel.plan = "auto"``).
+
+    Raises:
+        ValueError: when no DP degree gives a runnable plan that fits memory (naming each degree's reason).
+    """
+    best: LayoutChoice | None = None
+    errors = []
+    candidates = space.dp_degrees if space.dp_degrees is not None else range(1, devices + 1)
+    for dp in (d for d in candidates if devices % d == 0 and d % machine.dp_shard == 0):
+        try:
+            choice = _filling_choice(units, costs, (devices, microbatches, dp), machine, space)
+        except ValueError as exc:
+            errors.append(f"dp {dp}: {exc}")
+            continue
+        if choice is not None and (best is None or _rank(choice) < _rank(best)):
+            best = choice
+        elif choice is None:
+            errors.append(f"dp {dp}: no plan uses all {devices // dp} ranks of a replica")
+    if best is None:
+        raise ValueError(f"no runnable plan for {devices} processes: " + ("; ".join(errors) or "no DP degree"))
+    return best
+
+
+def _filling_choice(units: Sequence[Unit], costs: Costs, shape: tuple[int, int, int], machine: Machine,
+                    space: SearchSpace) -> LayoutChoice | None:
+    """The best plan of ``dp`` replicas (``shape``: world size, microbatches, dp) that uses all ``world_size / dp``
+    ranks of each: the full search's, else (it leaves ranks idle) the best 1F1B plan with one stage per rank if
+    that one fills them; else None.
+
+    Raises:
+        ValueError: when no plan fits memory (``plan_layout``).
+    """
+    world_size, microbatches, dp = shape
+    one_per_rank = dataclasses.replace(space, virtual_stages=(1,), attach_encoders=False)
+    attempts = [space] if space == one_per_rank else [space, one_per_rank]
+    for options in attempts:
+        choice = _search_dp(units, costs, shape, machine, options)
+        if choice.plan.num_ranks * dp == world_size:
+            return choice
+    return None
+
+
+def _search_dp(units: Sequence[Unit], costs: Costs, shape: tuple[int, int, int], machine: Machine,
+               space: SearchSpace) -> LayoutChoice:
+    """``plan_layout`` restricted to DP degree ``dp`` (``shape``: world size, microbatches, dp; all-reduce charged
+    in the search). ``plan_layout`` takes DP degrees up to ``microbatches`` only: a larger ``dp`` is searched as one
+    replica with one microbatch on ``world_size / dp`` devices, then timed as ``dp`` replicas with the all-reduce
+    (``evaluate_plan``)."""
+    world_size, microbatches, dp = shape
+    if dp <= microbatches:
+        return plan_layout(units, costs, world_size, microbatches=microbatches, machine=machine,
+                           space=dataclasses.replace(space, dp_degrees=(dp,)))
+    one = plan_layout(units, costs, world_size // dp, microbatches=1, machine=dataclasses.replace(machine, dp_shard=1),
+                      space=dataclasses.replace(space, dp_degrees=(1,)))
+    timed = evaluate_plan(one.plan, units, costs, dp=dp, microbatches=microbatches, devices=world_size,
+                          machine=machine, schedule=one.schedule)
+    return dataclasses.replace(timed, method=one.method, candidates=one.candidates, simulated=one.simulated)
+
+
+def _rank(choice: LayoutChoice) -> tuple:
+    """Order of preference: faster, then no replica without a microbatch, then fewer replicas."""
+    return (choice.iteration_s, choice.dp > choice.microbatches, choice.dp)
+
+
+def plan_splits(plan: PipelinePlan) -> dict[str, list[str]]:
+    """Per module with more than one stage, the first unit of each of its stages after the first (the
+    ``splits`` of ``plan_pipeline``)."""
+    out = {}
+    for module in plan.modules:
+        stages = plan.module_stages(module)
+        if len(stages) > 1:
+            out[module] = [plan.stages[s].module_units(module)[0] for s in stages[1:]]
+    return out
+
+
+def _even_splits(units: Sequence[Unit], module: str, count: int) -> list[str]:
+    """Boundaries of ``plan_pipeline``'s even split by unit count (``pipeline_plan.split_even``)."""
+    chunks = split_even(module, [u for u in units if u.module == module], count)
+    return [chunk[0].name for chunk in chunks[1:]]
+
+
+def _encoders_attached(plan: PipelinePlan) -> bool:
+    """True when the plan's encoder stages share the first LLM stage's rank (``attach_encoders``)."""
+    first = plan.stages[plan.llm_stages[0]].rank
+    return any(s.rank == first for s in plan.stages if not s.is_llm)
+
+
+def layout_pp_fields(choice: LayoutChoice, units: Sequence[Unit]) -> dict[str, Any]:
+    """The ``[parallel.pp]`` field values (``PipelineConfig`` field names) that run ``choice``'s plan, one replica.
+
+    ``{"degree": 1}`` when the plan is a single rank; else the degree, layout, stage counts for every module (the
+    LLM's: all its stages), ``splits`` only for modules whose boundaries differ from the even split by count,
+    ``virtual_stages`` = the plan's LLM stages per rank, ``attach_encoders`` when its encoder stages share the
+    first LLM rank (with one encoder stage, layout ``encoders_colocated``: the search's attached plans are
+    colocated, and a one-encoder-stage plan is the same in both layouts), the schedule (``interleaved_1f1b`` exactly for those plans) and the microbatches per replica.
+    The DP degree is ``choice.dp``.
+
+    Raises:
+        ValueError: when ``choice.schedule`` is not the one such a plan runs with.
+    """
+    plan = choice.plan
+    if plan.num_ranks == 1:
+        return {"degree": 1}
+    counts = {m: len(plan.module_stages(m)) for m in plan.modules}
+    splits = {m: names for m, names in plan_splits(plan).items()
+              if names != _even_splits(units, m, counts[m])}
+    attached = _encoders_attached(plan)
+    shared = plan.virtual_stages > 1 or attached
+    schedule = "interleaved_1f1b" if shared else "1f1b"
+    if choice.schedule != schedule:
+        raise ValueError(f"LayoutChoice.schedule is {choice.schedule!r}, but [parallel.pp] runs its plan "
+                         f"(virtual_stages={plan.virtual_stages}, attach_encoders={attached}) with {schedule!r}")
+    layout = plan.layout
+    if attached and sum(not s.is_llm for s in plan.stages) == 1:
+        layout = "encoders_colocated"  # one encoder stage: the same plan either way, named as attached plans are
+    return {"degree": plan.num_ranks, "layout": layout, "stages": counts, "virtual_stages": plan.virtual_stages,
+            "attach_encoders": attached, "schedule": schedule, "microbatches": choice.microbatches_per_replica,
+            "splits": splits}

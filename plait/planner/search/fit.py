@@ -1,0 +1,76 @@
+"""The least per-device memory a plan needs: what ``NoPlanFits`` reports when no plan fits the memory cap.
+
+:func:`least_need` is a lower bound, over the options a search tried, of the fullest device of any plan under
+them (``sharding.rank_memory`` with one microbatch's activations in flight, and FSDP2 CPU offload's device bytes,
+``offload.offload_cost``); :func:`least_need_of` packs it as ``request.LeastNeed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from plait.planner.cost.analytic import OptimizerSpec
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.cost.offload import HostSpec, offload_cost
+from plait.planner.search.types import LeastNeed
+from plait.planner.cost.sharding import ParallelDegrees, rank_memory
+from plait.planner.types import Unit, UnitCost
+
+__all__ = ["least_need", "least_need_of"]
+
+
+def least_need(units: Sequence[Unit], costs: Sequence[UnitCost], devices: int, options: Sequence[ParallelDegrees], *,
+               dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec(),
+               checkpoint_overrides: dict[str, str] | None = None,
+               host: HostSpec | None = None) -> tuple[float, ParallelDegrees]:
+    """The least per-device bytes any of ``options`` needs on ``devices`` devices, and that option: a lower bound
+    of its fullest device (one microbatch's activations in flight). Pipeline ranks share the units: at least the
+    largest unit, and at least an equal share of all of them, over the ``devices / tp`` ranks with ``dp_shard = 1``
+    (``rank_memory``) and over at most ``devices / (tp x dp_shard)`` ranks of FSDP2-sharded stages with
+    ``dp_shard > 1`` (``rank_memory(pipelined=True)``); FSDP2 without stages (every rank a DP rank) holds every
+    unit on one rank (``rank_memory``); a sharded option needs the least of them. With ``host`` a sharded option may
+    also offload to the host as ``plan_parallel`` searches it (``offload.offload_cost``: its device bytes, when its
+    host bytes fit ``host.memory_bytes``).
+
+    Raises:
+        ValueError: on no options or ``devices`` < 1.
+    """
+    if not options or devices < 1:
+        raise ValueError(f"least_need needs options and devices >= 1, got {len(options)} options, {devices} devices")
+    units = consistent_units(units)
+    kw = dict(dtype=dtype, optimizer=optimizer, checkpoint_overrides=checkpoint_overrides)
+
+    def shared(degrees: ParallelDegrees, ranks: int, pipelined: bool) -> float:
+        whole = rank_memory(units, costs, degrees, pipelined=pipelined, **kw).total
+        largest = max(rank_memory([u], [c], degrees, pipelined=pipelined, **kw).total for u, c in zip(units, costs))
+        return max(largest, whole / ranks)
+
+    def need(degrees: ParallelDegrees) -> float:
+        if degrees.dp_shard == 1:
+            return shared(degrees, devices // degrees.tp, False)
+        flat = rank_memory(units, costs, degrees, **kw).total
+        stages = devices // (degrees.tp * degrees.dp_shard)
+        least = min(flat, shared(degrees, stages, True)) if stages > 1 else flat
+        if host is not None:
+            offload = offload_cost(units, costs, degrees, host, **kw)
+            if offload.host_bytes <= host.memory_bytes:
+                least = min(least, offload.device_bytes)
+        return least
+
+    return min(((need(o), o) for o in options), key=lambda pair: (pair[0], pair[1].tp, pair[1].dp_shard))
+
+
+def least_need_of(units: Sequence[Unit], costs: Sequence[UnitCost], devices: int, options: Sequence[ParallelDegrees],
+                  *, dtype: Any = "bfloat16", optimizer: OptimizerSpec = OptimizerSpec(),
+                  checkpoint_overrides: dict[str, str] | None = None, host: HostSpec | None = None) -> LeastNeed:
+    """:func:`least_need` as a ``LeastNeed``, ``offloaded`` when CPU offload on ``host`` lowers it (the bound
+    without ``host`` is higher).
+
+    Raises:
+        ValueError: as :func:`least_need`.
+    """
+    kw = dict(dtype=dtype, optimizer=optimizer, checkpoint_overrides=checkpoint_overrides)
+    need, degrees = least_need(units, costs, devices, options, host=host, **kw)
+    offloaded = host is not None and need < least_need(units, costs, devices, options, **kw)[0]
+    return LeastNeed(need, degrees, offloaded)

@@ -1,0 +1,562 @@
+"""Automatic layout search: modality layout, stages per module and DP degree of an MLLM pipeline.
+
+Given the pipeline units of a model and their costs, ``plan_layout`` chooses, for ``devices`` accelerators
+and a global batch of ``microbatches`` microbatches:
+
+- the layout (Cornstarch, "Modality parallelism"): ``"encoder_parallel"`` (each
+  encoder branch its own chain of stages, all feeding the first LLM stage) or ``"encoders_colocated"``
+  (encoder stage ``s`` runs the ``s``-th chunk of every encoder, then the LLM stages: a line);
+- the number of stages of each module (each encoder branch, the LLM);
+- the DP degree ``d``: ``d`` identical pipeline replicas, each running ``ceil(M / d)`` microbatches (the
+  global microbatches split over the replicas; the slowest replica sets the iteration time), with
+  ``d * stages <= devices``.
+
+Each candidate is made concrete with the exact partitioner (``partitioner.partition_chain``: minimum
+bottleneck per module chain, under the memory cap with 1F1B in-flight counts ``min(depth, M_r)``) and timed
+with the multimodal 1F1B schedule (``schedules.one_f_one_b``) as the simulator times it, plus an optional
+data-parallel gradient all-reduce after the pipeline flush (``dp_link``).
+
+Search (exact branch and bound over this space; the modules below hold its parts):
+
+- ``search_model``: the candidate model: per-unit arrays, the minimum-bottleneck partition per module and
+  stage count (memoised; a memory-capped one only when the plain one does not fit), concrete stages;
+- ``search_bounds``: per (layout, DP degree, ``v``), every candidate with a vectorised lower bound, sorted;
+- ``search_candidates``: the branch and bound (candidates in increasing bound, a tighter bound for a taken
+  candidate, timing only when it is again the smallest) and the timing of candidates with the simulator's
+  core (``simulator.time_actions``); the chosen plan is then simulated with ``simulator.simulate`` itself
+  (``evaluate_plan``), always with the true frozen-aware costs.
+
+With ``rel_tol = 0`` the result is optimal over the search space. The space also holds the no-pipeline
+candidate (every module on one rank, largest DP degree). It does not hold plans whose stages share ranks
+across modules (``megatron_even_split`` makes such plans), nor partitions other than the minimum-bottleneck
+one per module and stage count (these are not always makespan-optimal: a different split can occasionally
+be faster by a fraction of a percent). The space is small per module but its product is large (1,024 GPUs
+and three modules: about 10^6 candidates), and timing one candidate costs milliseconds: hence the bounds.
+
+Frozen-unaware baseline: with ``frozen_aware=False`` the search believes every unit trains (work
+``f + dX + dW`` everywhere, every stage runs a backward, every parameter is all-reduced), as a planner that
+ignores frozen-ness would; memory always follows the real flags (it is the limit
+the runtime meets). The chosen plan is evaluated with the true costs. ``megatron_even_split`` is the
+Megatron-style baseline: units spread evenly by count over the pipeline ranks, encoders first.
+
+More schedules (``virtual_stages``, ``attach_encoders``): with ``v > 1`` a candidate cuts the LLM into
+``v p`` chunks cyclic over ``p`` ranks (``schedules_interleaved.interleaved_1f1b``; chunks balanced per rank by
+``search_model.Partitions.cyclic``, a heuristic); with ``attach_encoders`` every encoder is one stage on the
+first LLM rank (a frozen encoder then costs no rank of its own); ``pipeline_plan.stage_ranks`` places the
+stages, as it does for a job's ``[parallel.pp]`` (``virtual_stages``, ``attach_encoders``), so the trainer
+runs the chosen plan. These candidates get a lower bound valid for their schedule and, when taken, are timed
+on the real per-rank orders with the per-rank memory peak checked against the cap. The search stays exact
+over these candidates given their partitions.
+
+Unit flags are recomputed from ``trainable`` by their definition (``graph.consistent_units``):
+``needs_input_grad`` = some unit upstream trains, where the LLM's first unit (its embedding, into whose
+output the encoder features are injected) is downstream of every encoder branch. The returned plan is
+built on these units.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from plait.planner.cost.analytic import OptimizerSpec, unit_activation_bytes, unit_static_bytes
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.pipeline.plan import LAYOUTS, PipelinePlan, check_plan_units, plan_pipeline, stage_ranks
+from plait.planner.pipeline.schedule_ir import in_flight_peaks
+from plait.planner.pipeline.schedules import build_schedule
+from plait.planner.pipeline.interleaved import runs_interleaved
+from plait.planner.search.bounds import attached_stream, layout_stream
+from plait.planner.search.candidates import Best, branch_and_bound
+from plait.planner.search.model import (
+    Costs,
+    Partitions,
+    SearchModel,
+    cost_list,
+    flush_s,
+    grad_sync_s,
+    plan_from_chunks,
+)
+from plait.planner.pipeline.simulator import (
+    P2PModel,
+    StageMemory,
+    boundary_bytes_from_units,
+    simulate,
+    stage_costs_from_units,
+)
+from plait.planner.search.types import Machine, NoPlanFits, SearchSpace
+from plait.planner.serialize import JsonDataclass
+from plait.planner.types import Unit, UnitCost
+
+__all__ = [
+    "METHODS",
+    "LayoutChoice",
+    "evaluate_plan",
+    "megatron_even_split",
+    "plan_layout",
+]
+
+METHODS = ("plait", "frozen_unaware", "megatron_even", "given")
+
+
+# --------------------------------------------------------------------------------------------------
+# Result
+
+
+@dataclass(frozen=True)
+class LayoutChoice(JsonDataclass):
+    """A chosen pipeline layout with its predicted cost (times in seconds, memory in bytes).
+
+    Attributes:
+        method: who chose it: ``"plait"`` (frozen-aware search), ``"frozen_unaware"`` (search with the
+            frozen-unaware cost model), ``"megatron_even"`` (even split by unit count) or ``"given"``.
+        layout: ``"encoder_parallel"`` or ``"encoders_colocated"`` (the plan's layout).
+        dp: data-parallel degree (pipeline replicas).
+        stages_per_module: ``((module, stages), ...)`` in plan order, ``"llm"`` last.
+        plan: one replica's ``PipelinePlan`` (``num_microbatches`` = microbatches per replica).
+        microbatches: global microbatches per iteration (all replicas).
+        devices: accelerators available; ``devices_used = dp * plan.num_ranks``.
+        iteration_s: predicted iteration time with the true frozen-aware costs: ``makespan_s + grad_sync_s +
+            update_s``.
+        makespan_s: simulated 1F1B makespan of the busiest replica (``ceil(microbatches / dp)``
+            microbatches).
+        grad_sync_s: data-parallel gradient all-reduce after the flush (0 without ``dp_link`` or for dp 1).
+        update_s: the slowest rank's optimizer step after it (``overheads.ActionOverheads.update_s``; 0 unless
+            charged).
+        planned_iteration_s: the iteration time the choosing cost model predicted (differs from
+            ``iteration_s`` for ``"frozen_unaware"``).
+        lower_bound_s: ``microbatches * (total true work per microbatch) / devices``.
+        bubble_fraction: idle fraction of the pipeline ranks over the makespan, averaged over ranks.
+        stage_forward_s, stage_backward_s: per stage, forward and full backward (dX + dW) seconds per
+            microbatch (true costs); ``stage_work_s`` is their sum.
+        stage_static_bytes, stage_activation_bytes: per stage, parameters + gradients + optimizer state,
+            and saved activations per in-flight microbatch.
+        stage_memory_bytes: per stage, peak memory under 1F1B (static + peak in-flight x activations).
+        stage_boundary_bytes: per stage, bytes sent to its successor per microbatch (its gradient alike).
+        memory_cap: bytes per device the plan was checked against (None: unchecked).
+        fits_memory: every rank's simulated peak is within ``memory_cap``.
+        p2p: the point-to-point model used for stage transfers.
+        candidates: candidates the search considered (lower-bounded); simulated: candidates timed.
+        schedule: the schedule the plan is timed with (``"1f1b"``, or ``"interleaved_1f1b"`` when LLM ranks
+            hold several chunks or the encoders sit on the first LLM rank); the runtime must run the same one.
+        update_s: see ``iteration_s``.
+        dp_shard: of the ``dp`` data-parallel ranks of each stage, how many share one sharded copy of its
+            parameters, gradients and optimizer state (FSDP2, ``parallel.dp_shard``; it divides ``dp``; the
+            replicate degree ``parallel.dp`` is ``dp / dp_shard``). Costs and memory are then per shard.
+        tp: tensor-parallel degree: every pipeline rank is ``tp`` devices splitting its layers
+            (``sharding.shard_costs``); ``devices_used = dp * plan.num_ranks * tp``.
+        checkpointing: the activation checkpointing policy the costs include (``train.activation_checkpointing``).
+        shard_buffer_bytes: FSDP2's transient unsharded bytes per rank (``sharding.shard_buffer_bytes``), included
+            in ``fits_memory`` (not in the per-stage memory).
+        offload: ``"cpu"`` when FSDP2 offloads its shards, gradients and optimizer state to the host
+            (``parallel.offload``; ``offload.offload_cost``: a plan without pipeline stages), else ``"none"``.
+        host_memory_bytes: host memory per device the plan needs (offload), included in ``fits_memory``.
+        offload_s: seconds offload adds to the iteration (copies, per-microbatch reduce-scatters, the host's
+            AdamW), included in ``iteration_s``.
+        fsdp_reduce: FSDP2 without pipeline stages (``parallel.fsdp_reduce``, ``search_parallel.flat_reduce``):
+            ``"step"`` (gradients accumulate unsharded, reduce-scattered at the last microbatch) or ``"microbatch"``
+            (reduce-scattered after every microbatch, included in ``iteration_s``).
+        fsdp_reshard: FSDP2 without pipeline stages (``parallel.fsdp_reshard``, ``sharding.FSDP_RESHARD``):
+            ``"after_forward"`` (each unit gathered again for its backward) or ``"after_backward"`` (kept from its
+            forward: no backward all-gather, every trainable unit's parameters in ``shard_buffer_bytes``).
+
+    Raises:
+        ValueError: when the per-stage tuples do not have one entry per stage, or an unknown method.
+    """
+
+    method: str
+    layout: str
+    dp: int
+    stages_per_module: tuple[tuple[str, int], ...]
+    plan: PipelinePlan
+    microbatches: int
+    devices: int
+    iteration_s: float
+    makespan_s: float
+    grad_sync_s: float
+    planned_iteration_s: float
+    lower_bound_s: float
+    bubble_fraction: float
+    stage_forward_s: tuple[float, ...]
+    stage_backward_s: tuple[float, ...]
+    stage_static_bytes: tuple[float, ...]
+    stage_activation_bytes: tuple[float, ...]
+    stage_memory_bytes: tuple[float, ...]
+    stage_boundary_bytes: tuple[float, ...]
+    memory_cap: float | None = None
+    fits_memory: bool = True
+    p2p: P2PModel = P2PModel()
+    candidates: int = 0
+    simulated: int = 0
+    schedule: str = "1f1b"
+    update_s: float = 0.0
+    dp_shard: int = 1
+    tp: int = 1
+    checkpointing: str = "none"
+    shard_buffer_bytes: float = 0.0
+    offload: str = "none"
+    host_memory_bytes: float = 0.0
+    offload_s: float = 0.0
+    fsdp_reduce: str = "step"
+    fsdp_reshard: str = "after_forward"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.plan, PipelinePlan):
+            object.__setattr__(self, "plan", PipelinePlan.from_dict(self.plan))
+        if not isinstance(self.p2p, P2PModel):
+            object.__setattr__(self, "p2p", P2PModel.from_dict(self.p2p))
+        object.__setattr__(self, "stages_per_module", tuple((str(m), int(s)) for m, s in self.stages_per_module))
+        for name in _STAGE_FIELDS:
+            value = tuple(float(v) for v in getattr(self, name))
+            object.__setattr__(self, name, value)
+            if len(value) != self.plan.num_stages:
+                raise ValueError(f"LayoutChoice.{name} has {len(value)} entries for {self.plan.num_stages} stages")
+        if self.method not in METHODS:
+            raise ValueError(f"LayoutChoice.method must be one of {METHODS}, got {self.method!r}")
+
+    @property
+    def microbatches_per_replica(self) -> int:
+        """``ceil(microbatches / dp)``: what the busiest replica runs."""
+        return -(-self.microbatches // self.dp)
+
+    @property
+    def devices_used(self) -> int:
+        """``dp * pipeline ranks * tp``."""
+        return self.dp * self.plan.num_ranks * self.tp
+
+    @property
+    def stage_work_s(self) -> tuple[float, ...]:
+        """Per stage, forward + backward seconds per microbatch (true costs)."""
+        return tuple(f + b for f, b in zip(self.stage_forward_s, self.stage_backward_s))
+
+    @property
+    def ratio_to_lower_bound(self) -> float:
+        """``iteration_s / lower_bound_s`` (1 is perfect; inf when the bound is 0)."""
+        return self.iteration_s / self.lower_bound_s if self.lower_bound_s > 0 else math.inf
+
+
+_STAGE_FIELDS = ("stage_forward_s", "stage_backward_s", "stage_static_bytes", "stage_activation_bytes",
+                 "stage_memory_bytes", "stage_boundary_bytes")
+
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+
+
+def _dp_candidates(devices: int, microbatches: int, dp_degrees: Sequence[int] | None) -> list[int]:
+    """DP degrees to try: ``dp_degrees``, or the divisors of ``devices`` up to ``microbatches``.
+
+    Raises:
+        ValueError: on a degree < 1, above ``devices`` or above ``microbatches``.
+    """
+    if dp_degrees is None:
+        return [d for d in range(1, min(devices, microbatches) + 1) if devices % d == 0]
+    out = sorted({int(d) for d in dp_degrees})
+    for d in out:
+        if not 1 <= d <= min(devices, microbatches):
+            raise ValueError(f"dp_degrees: {d} must be in 1..min(devices, microbatches) = "
+                             f"1..{min(devices, microbatches)}")
+    return out
+
+
+def _check_common(devices: int, microbatches: int, memory_cap: float | None, rel_tol: float = 0.0) -> None:
+    if int(devices) != devices or devices < 1:
+        raise ValueError(f"devices must be a positive integer, got {devices!r}")
+    if int(microbatches) != microbatches or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if memory_cap is not None and not (math.isfinite(memory_cap) and memory_cap > 0):
+        raise ValueError(f"memory_cap must be a finite number > 0 or None, got {memory_cap!r}")
+    if not (math.isfinite(rel_tol) and rel_tol >= 0):
+        raise ValueError(f"rel_tol must be finite and >= 0, got {rel_tol!r}")
+
+
+def plan_layout(
+    units: Sequence[Unit],
+    costs: Costs,
+    devices: int,
+    *,
+    microbatches: int,
+    machine: Machine = Machine(),
+    space: SearchSpace = SearchSpace(),
+) -> LayoutChoice:
+    """Search layout, stages per module, DP degree and LLM chunks per rank minimising the predicted
+    iteration time.
+
+    Args:
+        units: pipeline units, grouped by module, encoders first and the LLM (``"llm"``) last.
+        costs: one ``UnitCost`` per unit (same order) or a mapping from unit name.
+        devices: accelerators available (``dp * pipeline ranks <= devices``).
+        microbatches: global microbatches per iteration, split over the DP replicas.
+        machine: memory cap (bytes per device: parameters, gradients, optimizer state, 1F1B activations), the
+            stage-to-stage ``p2p`` link (default free and instant), the DP all-reduce's ``dp_link`` (None: not
+            modelled), dtype, optimizer, the runtime's fixed ``overheads`` (charged in the search's stage costs and
+            in the chosen plan's timing; ``p2p``'s send and receive overheads per message alike) and ``dp_shard``,
+            the FSDP2 shard degree: ``costs`` are per shard (``sharding.shard_costs``), only DP degrees it divides
+            are searched and gradients are reduce-scattered (``search_model.grad_sync_s``); the cap is the
+            caller's (``search_parallel`` keeps FSDP2's transient buffer free below it).
+        space: ``layouts``; ``dp_degrees`` (default: divisors of ``devices`` up to ``microbatches``);
+            ``frozen_aware``: plan with the true frozen-aware costs or as the frozen-unaware baseline (module
+            docstring; the returned times are always the true ones); ``rel_tol``: stop when no candidate can beat
+            the best by more than this fraction (0: exact optimum); ``virtual_stages``: LLM chunks per LLM rank
+            ``v`` (1: 1F1B with one stage per rank; ``v > 1`` splits the LLM into ``v p`` stages cyclically on
+            ``p >= 2`` ranks, run with ``schedules_interleaved.interleaved_1f1b``, ``v p`` at most the LLM's unit
+            count); ``attach_encoders``: also plans whose encoders are one stage each on the first LLM rank (an
+            encoder forward just before the first LLM stage's, its backward just after; bounded by the busiest
+            rank, ``attached_stream``, timed on the real schedule order); ``max_timed``: at most this many
+            interleaved / attached candidates are timed in increasing lower bound (exact over them only when
+            fewer have a bound below the best time; 1F1B candidates with one stage per rank are not limited).
+
+    Returns:
+        The best ``LayoutChoice`` (method ``"plait"`` or ``"frozen_unaware"``; ``schedule`` says which).
+
+    Raises:
+        ValueError: on bad arguments (named) or an unknown layout; ``NoPlanFits`` when no candidate fits the
+            memory cap.
+    """
+    memory_cap, dp_link, dp_shard = machine.memory_cap, machine.dp_link, machine.dp_shard
+    layouts, virtual_stages, frozen_aware = space.layouts, space.virtual_stages, space.frozen_aware
+    _check_common(devices, microbatches, memory_cap, space.rel_tol)
+    unknown = [lay for lay in layouts if lay not in LAYOUTS]
+    if unknown or not layouts:
+        raise ValueError(f"layouts must be a non-empty subset of {LAYOUTS}, got {list(layouts)}")
+    if not virtual_stages or any(int(v) != v or v < 1 for v in virtual_stages):
+        raise ValueError(f"virtual_stages must be a non-empty list of integers >= 1, got {list(virtual_stages)}")
+    p2p = machine.p2p or P2PModel()
+    dps = [d for d in _dp_candidates(devices, microbatches, space.dp_degrees) if d % dp_shard == 0]
+    if not dps:
+        raise ValueError(f"dp_shard {dp_shard} divides none of the DP degrees searched for {devices} devices and "
+                         f"{microbatches} microbatches")
+    model = SearchModel(units, costs, frozen_aware, machine.dtype, machine.optimizer, machine.overheads, dp_shard)
+    parts = Partitions(model, memory_cap)
+    chosen_layouts = list(dict.fromkeys(layouts)) if model.encoders else [layouts[0]]
+    streams = [s for v in sorted({int(x) for x in virtual_stages}) for lay in chosen_layouts for d in dps
+               if (s := layout_stream(parts, lay, d, devices, microbatches, p2p, dp_link, v)) is not None]
+    if space.attach_encoders and model.encoders:
+        streams += [s for v in sorted({int(x) for x in virtual_stages}) for d in dps
+                    if (s := attached_stream(parts, d, devices, microbatches, p2p, v)) is not None]
+    best, considered, timed = branch_and_bound(parts, streams, p2p, dp_link, space.rel_tol, space.max_timed)
+    timing = dataclasses.replace(machine, p2p=p2p)
+    method = "plait" if frozen_aware else "frozen_unaware"
+    single = _single_rank(model, units, costs, max(dps), (microbatches, devices, timing))
+    if single is not None and (best.stages is None or single[0] < best.time):
+        return dataclasses.replace(single[1], method=method, candidates=considered + 1, simulated=timed + 1)
+    if best.stages is None:
+        raise NoPlanFits(f"no layout fits: every candidate for {devices} devices exceeds memory_cap={memory_cap} "
+                         "bytes (or has fewer pipeline ranks than modules)")
+    plan = _plan_from_stages(model, best)
+    schedule = "interleaved_1f1b" if best.v > 1 or best.attached else "1f1b"
+    choice = evaluate_plan(plan, units, costs, dp=best.dp, microbatches=microbatches, devices=devices,
+                           machine=timing, schedule=schedule)
+    return dataclasses.replace(choice, method=method, planned_iteration_s=best.time, candidates=considered,
+                               simulated=timed + (single is not None))
+
+
+def _single_rank(model: SearchModel, units: Sequence[Unit], costs: Costs, dp: int,
+                 common: tuple[int, int, Machine]) -> tuple[float, LayoutChoice] | None:
+    """The no-pipeline candidate: every module's single stage on one rank, ``dp`` replicas (``common``: the
+    microbatches, devices and machine). One rank never waits, so its time in the planning view is
+    ``M_r * sum(work) + all-reduce``. None when it does not fit memory (checked with the simulator's in-flight
+    peaks)."""
+    microbatches, devices, machine = common
+    layout = "encoders_colocated" if model.encoders else "encoder_parallel"
+    plan = plan_pipeline(model.units, layout, ranks=[0] * (1 + min(len(model.encoders), 1)))
+    choice = evaluate_plan(plan, units, costs, dp=dp, microbatches=microbatches, devices=devices, machine=machine)
+    if not choice.fits_memory:
+        return None
+    dp_link = machine.dp_link
+    nb = -(-microbatches // dp)
+    chunks = [(m, any(u.runs_backward for u in model.view if u.module == m)) for m in model.modules]
+    fixed = sum(model.overheads.stage_s(kind, chunks, pipelined=False) for kind in ("F", "B"))
+    planned = nb * (math.fsum(model.work) + fixed) + flush_s(math.fsum(model.grad), dp, dp_link, model.overheads,
+                                                              model.dp_shard)
+    return planned, dataclasses.replace(choice, planned_iteration_s=planned)
+
+
+def _plan_from_stages(model: SearchModel, best: Best) -> PipelinePlan:
+    """The ``PipelinePlan`` of the best candidate (splits at its chunk boundaries; LLM chunks cyclic over
+    the LLM ranks when ``best.v > 1``)."""
+    ranks = None
+    if best.v > 1 or best.attached:
+        n_enc = len(best.stages.chunks) - best.v * best.counts[-1]
+        ranks = stage_ranks(n_enc, best.counts[-1], best.v, best.attached)
+    return plan_from_chunks(model, model.units, best.layout, best.stages.chunks, ranks)
+
+
+
+def evaluate_plan(
+    plan: PipelinePlan,
+    units: Sequence[Unit],
+    costs: Costs,
+    *,
+    dp: int,
+    microbatches: int,
+    devices: int | None = None,
+    machine: Machine = Machine(),
+    schedule: str | None = None,
+) -> LayoutChoice:
+    """Time ``plan`` with the true frozen-aware costs: ``simulator.simulate`` on its schedule (``schedule``,
+    a ``schedules.SCHEDULE_NAMES`` entry; default ``"interleaved_1f1b"`` when
+    ``schedules_interleaved.runs_interleaved``, else ``"1f1b"``) with ``ceil(microbatches / dp)`` microbatches, plus the gradient all-reduce of
+    each rank's trainable parameters over ``dp`` replicas (after the flush; the slowest rank's).
+
+    Args:
+        plan: a pipeline plan over ``units`` (flags as ``consistent_units``; its ``num_microbatches`` is
+            replaced).
+        units, costs: as ``plan_layout``.
+        dp: DP degree; microbatches: global microbatches; devices: for ``lower_bound_s`` (default
+            ``dp * plan.num_ranks``).
+        machine: as ``plan_layout``; its ``overheads`` are added to every stage action
+            (``ActionOverheads.stage_s`` of its module chunks; the executor's ``per_action_s`` only when the plan
+            has more than one rank); ``dp_shard``: costs per shard, gradients reduce-scattered.
+
+    Returns:
+        The ``LayoutChoice`` (method ``"given"``; ``planned_iteration_s`` the true time; no candidates).
+
+    Raises:
+        ValueError: when the plan does not match the units, on bad numbers, or ``dp * ranks > devices``.
+    """
+    memory_cap, dp_shard, overheads = machine.memory_cap, machine.dp_shard, machine.overheads
+    _check_common(devices or 1, microbatches, memory_cap)
+    if int(dp) != dp or dp < 1:
+        raise ValueError(f"dp must be a positive integer, got {dp!r}")
+    if int(dp_shard) != dp_shard or dp_shard < 1 or dp % dp_shard:
+        raise ValueError(f"dp_shard must be a positive integer dividing dp {dp}, got {dp_shard!r}")
+    devices = devices or dp * plan.num_ranks
+    if dp * plan.num_ranks > devices:
+        raise ValueError(f"dp {dp} x {plan.num_ranks} pipeline ranks exceeds devices={devices}")
+    p2p = machine.p2p or P2PModel()
+    true_units = consistent_units(units)
+    by_name_units = _by_name(true_units)
+    check_plan_units(plan, true_units)
+    cost_map = dict(zip((u.name for u in true_units), cost_list(units, costs)))
+    nb = -(-microbatches // dp)
+    plan = plan.replace(num_microbatches=nb)
+    name = schedule or ("interleaved_1f1b" if runs_interleaved(plan) else "1f1b")
+    schedule = build_schedule(plan, name)
+    action = stage_costs_from_units(plan, true_units, cost_map)
+    if not overheads.zero:
+        for stage in plan.stages:
+            chunks = [(m, any(by_name_units[n].runs_backward for n in stage.module_units(m))) for m in stage.modules]
+            for kind in ("F", "B"):
+                action[(stage.index, kind)] += overheads.stage_s(kind, chunks, pipelined=plan.num_ranks > 1)
+    boundary = boundary_bytes_from_units(plan, cost_map)
+    memory = _stage_memory(plan, true_units, cost_map, machine.dtype, machine.optimizer)
+    result = simulate(schedule, action, p2p=p2p, boundary_bytes=boundary, memory=memory)
+    peaks = in_flight_peaks(schedule)
+    by_name = _by_name(true_units)
+    grads = [0.0] * plan.num_ranks
+    for stage in plan.stages:
+        grads[stage.rank] += sum(cost_map[n].param_bytes * by_name[n].trained_fraction for n in stage.units)
+    sync = max(grad_sync_s(g, dp, machine.dp_link, dp_shard) for g in grads)
+    update = max(overheads.update_s(g) for g in grads)
+    work = sum(c.forward_s + c.backward_s(u) for u, c in zip(true_units, cost_map.values()))
+    n = plan.num_stages
+    fits = memory_cap is None or max(result.peak_memory_bytes) <= memory_cap
+    return LayoutChoice(
+        method="given", layout=plan.layout, dp=dp,
+        stages_per_module=tuple((m, len(plan.module_stages(m))) for m in plan.modules), plan=plan,
+        microbatches=microbatches, devices=devices, iteration_s=result.makespan_s + sync + update,
+        makespan_s=result.makespan_s, grad_sync_s=sync,
+        planned_iteration_s=result.makespan_s + sync + update,
+        lower_bound_s=microbatches * work / devices, bubble_fraction=result.mean_bubble_fraction,
+        stage_forward_s=[action[(s, "F")] for s in range(n)], stage_backward_s=[action[(s, "B")] for s in range(n)],
+        stage_static_bytes=[memory[s].static_bytes for s in range(n)],
+        stage_activation_bytes=[memory[s].activation_bytes for s in range(n)],
+        stage_memory_bytes=[memory[s].static_bytes + peaks[s] * memory[s].activation_bytes for s in range(n)],
+        stage_boundary_bytes=[boundary[s] for s in range(n)], memory_cap=memory_cap, fits_memory=fits, p2p=p2p,
+        schedule=name, update_s=update, dp_shard=dp_shard,
+    )
+
+
+def _by_name(units: Sequence[Unit]) -> dict[str, Unit]:
+    return {u.name: u for u in units}
+
+
+def _stage_memory(plan: PipelinePlan, units: Sequence[Unit], cost_map: Mapping[str, UnitCost], dtype: Any,
+                  optimizer: OptimizerSpec) -> dict[int, StageMemory]:
+    """Per stage: static bytes (parameters, gradients, optimizer state) and activation bytes per microbatch."""
+    by_name = _by_name(units)
+    out = {}
+    for stage in plan.stages:
+        pairs = [(by_name[n], cost_map[n]) for n in stage.units]
+        static = sum(unit_static_bytes(u, c, dtype, optimizer) for u, c in pairs)
+        act = sum(unit_activation_bytes(u, c) for u, c in pairs)
+        out[stage.index] = StageMemory(int(round(static)), int(round(act)))
+    return out
+
+
+def megatron_even_split(
+    units: Sequence[Unit],
+    costs: Costs,
+    devices: int,
+    *,
+    microbatches: int,
+    dp: int | None = None,
+    machine: Machine = Machine(),
+) -> LayoutChoice:
+    """Megatron-style baseline: the units, encoders first, spread evenly by count over the
+    ``devices // dp`` pipeline ranks (the first ``n mod ranks`` ranks get one unit more). A rank whose run
+    of units crosses a module boundary holds one stage per module (stages sharing a rank); the plan's
+    layout is ``encoder_parallel`` (each encoder's chunks feed the first LLM stage).
+
+    With an explicit ``dp`` the plan is returned whether or not it fits (see ``fits_memory``). With
+    ``dp=None`` every divisor of ``devices`` (up to ``microbatches``, leaving at least one unit per
+    rank) is tried and, among those whose plan fits ``memory_cap``, the one with the lowest iteration time
+    predicted by the frozen-unaware cost model is kept, as a Megatron user tuning with that model would.
+    ``machine``: memory cap, links, dtype and optimizer as ``plan_layout`` (its overheads and ``dp_shard`` unused).
+    When none fits, the best of all is returned with ``fits_memory=False`` (such a run would need
+    activation recomputation or a memory-capped schedule, which this baseline does not model).
+
+    Returns:
+        A ``LayoutChoice`` (method ``"megatron_even"``) timed with the true costs.
+
+    Raises:
+        ValueError: on bad arguments, or fewer units than the pipeline ranks of every DP degree.
+    """
+    _check_common(devices, microbatches, machine.memory_cap)
+    machine = Machine(memory_cap=machine.memory_cap, p2p=machine.p2p, dp_link=machine.dp_link, dtype=machine.dtype,
+                      optimizer=machine.optimizer)
+    if dp is not None:
+        return _megatron_for(units, costs, devices, microbatches, dp, machine)
+    choices = [_megatron_for(units, costs, devices, microbatches, d, machine)
+               for d in _dp_candidates(devices, microbatches, None) if devices // d <= len(units)]
+    if not choices:
+        raise ValueError(f"{len(units)} units cannot fill the pipeline ranks of any DP degree of {devices} devices")
+    fitting = [c for c in choices if c.fits_memory] or choices
+    return min(fitting, key=lambda c: c.planned_iteration_s)
+
+
+def _megatron_for(units, costs, devices, microbatches, dp, machine):
+    """Even split for one DP degree, timed true and frozen-unaware."""
+    ranks = devices // dp
+    if ranks < 1 or ranks > len(units):
+        raise ValueError(f"dp={dp} leaves {ranks} pipeline ranks for {len(units)} units; need 1..{len(units)}")
+    true_units = consistent_units(units)
+    base, extra = divmod(len(true_units), ranks)
+    rank_of = [r for r in range(ranks) for _ in range(base + (r < extra))]
+    splits: dict[str, list[str]] = {}
+    rank_per_stage, previous = [], None
+    for index, unit in enumerate(true_units):
+        key = (unit.module, rank_of[index])
+        if key != previous:
+            if previous is not None and previous[0] == unit.module:
+                splits.setdefault(unit.module, []).append(unit.name)
+            rank_per_stage.append(rank_of[index])
+            previous = key
+    plan = plan_pipeline(true_units, "encoder_parallel", splits=splits, ranks=rank_per_stage)
+    common = dict(dp=dp, microbatches=microbatches, devices=devices, machine=machine)
+    unaware_units = consistent_units(units, all_trainable=True)
+    unaware_costs = [_unaware_cost(c) for c in cost_list(units, costs)]
+    planned = evaluate_plan(plan_pipeline(unaware_units, "encoder_parallel", splits=splits, ranks=rank_per_stage),
+                            unaware_units, unaware_costs, **common)
+    return dataclasses.replace(evaluate_plan(plan, units, costs, **common), method="megatron_even",
+                               planned_iteration_s=planned.iteration_s)
+
+
+def _unaware_cost(cost: UnitCost) -> UnitCost:
+    """The cost as the frozen-unaware model charges it on an all-trainable unit: backward ``dX + dW`` even
+    where no input gradient is needed (``UnitCost.backward_s(unit, frozen_aware=False)``), booked as dW."""
+    return dataclasses.replace(cost, input_grad_s=0.0, weight_grad_s=cost.input_grad_s + cost.weight_grad_s)
