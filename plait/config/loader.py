@@ -13,10 +13,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from plait.config.schema import DATA_FORMATS, DataConfig, EncoderConfig, JobConfig, LoraConfig, PipelineConfig
+from plait.config.schema import (DATA_FORMATS, DataConfig, EncoderConfig, JobConfig, LoraConfig, PipelineConfig,
+                                 check_checkpointing)
 from plait.planner.microbatch import METHODS
 from plait.planner.pipeline.plan import LAYOUTS, stage_ranks
-from plait.planner.cost.recompute import CHECKPOINT_POLICIES
 from plait.planner.pipeline.schedules import SCHEDULE_NAMES
 from plait.planner.types import LLM_MODULE
 
@@ -284,14 +284,14 @@ def _validate_energy(cfg: JobConfig) -> None:
 
 
 def _validate_checkpointing(cfg: JobConfig) -> None:
-    """``train.activation_checkpointing`` and its per-module overrides are policies of ``planner.recompute``."""
+    """``train.activation_checkpointing`` and its per-module overrides are policies of ``planner.recompute``
+    (checked again here: a field may have been set after the dataclass was built)."""
     fields = {"train.activation_checkpointing": cfg.train.activation_checkpointing,
               "model.llm.activation_checkpointing": cfg.model.llm.activation_checkpointing}
     fields.update({f"model.encoders.{name}.activation_checkpointing": enc.activation_checkpointing
                    for name, enc in cfg.model.encoders.items()})
     for field_name, value in fields.items():
-        _check(value is None and field_name != "train.activation_checkpointing" or value in CHECKPOINT_POLICIES,
-               f"{field_name} must be one of {CHECKPOINT_POLICIES}, got {value!r}")
+        check_checkpointing(field_name, value, follows=field_name != "train.activation_checkpointing")
 
 
 def _validate_sources(d: DataConfig) -> None:

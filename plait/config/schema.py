@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from plait.planner.recompute import CHECKPOINT_POLICIES
+
 __all__ = [
     "LoraConfig",
     "VideoConfig",
@@ -26,7 +28,23 @@ __all__ = [
     "MetricsConfig",
     "EnergyConfig",
     "JobConfig",
+    "check_checkpointing",
 ]
+
+
+def check_checkpointing(field_name: str, value: str | None, follows: bool) -> None:
+    """Refuse an activation checkpointing policy that ``plait.planner.recompute`` does not know.
+
+    Args:
+        field_name: the dotted key named in the error (``"train.activation_checkpointing"``).
+        value: the policy given.
+        follows: whether None is allowed (a per-module override following ``train.activation_checkpointing``).
+
+    Raises:
+        ValueError: ``"<field_name> must be one of ('none', 'full', 'selective'), got <value>"``.
+    """
+    if not (value is None and follows or value in CHECKPOINT_POLICIES):
+        raise ValueError(f"{field_name} must be one of {CHECKPOINT_POLICIES}, got {value!r}")
 
 
 @dataclass
@@ -131,6 +149,12 @@ class ModelConfig:
     llm: LLMConfig = field(default_factory=LLMConfig)
     encoders: dict[str, EncoderConfig] = field(default_factory=dict)
     """Encoder branches by name (e.g. ``vision``, ``audio``)."""
+
+    def __post_init__(self) -> None:
+        """Raises ValueError on an unknown ``activation_checkpointing`` of the LLM or an encoder."""
+        check_checkpointing("model.llm.activation_checkpointing", self.llm.activation_checkpointing, True)
+        for name, enc in self.encoders.items():
+            check_checkpointing(f"model.encoders.{name}.activation_checkpointing", enc.activation_checkpointing, True)
 
 
 DATA_FORMATS = ("jsonl", "llava", "parquet", "arrow")
@@ -373,6 +397,10 @@ class TrainConfig:
     recomputation, with costs the planner prices exactly. Frozen-aware: a unit that runs no backward (frozen,
     nothing trainable upstream) is never checkpointed (it keeps nothing already). Per module:
     ``[model.llm] activation_checkpointing`` and ``[model.encoders.<name>] activation_checkpointing``."""
+
+    def __post_init__(self) -> None:
+        """Raises ValueError on an unknown ``activation_checkpointing``."""
+        check_checkpointing("train.activation_checkpointing", self.activation_checkpointing, False)
 
 
 @dataclass

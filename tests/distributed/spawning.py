@@ -11,6 +11,7 @@ import importlib
 import json
 import multiprocessing
 import os
+import pickle
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["PRELOAD", "START_METHOD", "free_port", "gloo_group", "job_key", "run_main", "shared_reference",
-           "spawn_and_wait"]
+           "spawn_and_wait", "spawn_and_exit_codes"]
 
 
 _HELD_PORTS: list[socket.socket] = []
@@ -76,21 +77,48 @@ def _in_environment(rank: int, environ: dict, start_method: str, fn: Callable[..
     fn(rank, *args)
 
 
+def _start(fn: Callable[..., None], args: tuple, nprocs: int) -> mp.ProcessContext:
+    """``fn(rank, *args)`` started in ``nprocs`` processes by :data:`START_METHOD` under this process's environment."""
+    if START_METHOD == "forkserver":
+        mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))  # no effect once the server runs
+    environment = (dict(os.environ), multiprocessing.get_start_method())
+    return mp.start_processes(_in_environment, args=(*environment, fn, *args), nprocs=nprocs, join=False,
+                              start_method=START_METHOD)
+
+
 def spawn_and_wait(fn: Callable[..., None], args: tuple, nprocs: int, limit_s: float, what: str) -> None:
     """``fn(rank, *args)`` in ``nprocs`` new processes (``torch.multiprocessing.start_processes`` by
     :data:`START_METHOD`, each under this process's environment), failing the test when a worker fails (its
     exception is raised) or when they have not all finished after ``limit_s`` seconds (killed)."""
-    if START_METHOD == "forkserver":
-        mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))  # no effect once the server runs
-    environment = (dict(os.environ), multiprocessing.get_start_method())
-    context = mp.start_processes(_in_environment, args=(*environment, fn, *args), nprocs=nprocs, join=False,
-                                 start_method=START_METHOD)
+    context = _start(fn, args, nprocs)
     deadline = time.monotonic() + limit_s
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
             for proc in context.processes:
                 proc.kill()
             pytest.fail(f"{what} timed out after {limit_s} s")
+
+
+def spawn_and_exit_codes(fn: Callable[..., None], args: tuple, nprocs: int, limit_s: float, what: str) -> list[int]:
+    """As :func:`spawn_and_wait` for workers that may die on purpose (SIGKILLed to test failure handling): each
+    worker runs to its end, none is stopped when another dies; the exit codes by rank (``-9``: SIGKILLed). Fails
+    the test, with the traceback, when a worker raised, or when some still run after ``limit_s`` seconds (all
+    killed)."""
+    context = _start(fn, args, nprocs)
+    deadline = time.monotonic() + limit_s
+    for proc in context.processes:
+        proc.join(timeout=max(0.1, deadline - time.monotonic()))
+    hung = [rank for rank, proc in enumerate(context.processes) if proc.is_alive()]
+    for proc in context.processes:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if hung:
+        pytest.fail(f"{what} timed out after {limit_s} s: workers {hung} still running")
+    for rank, path in enumerate(context.error_files):
+        if os.path.isfile(path) and os.path.getsize(path):
+            pytest.fail(f"{what}: worker {rank} raised:\n{pickle.loads(Path(path).read_bytes())}")
+    return [proc.exitcode for proc in context.processes]
 
 
 def _torchrun_rank(rank: int, world: int, port: int, module: str, function: str, argv: tuple[str, ...]) -> None:

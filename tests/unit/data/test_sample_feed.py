@@ -3,8 +3,6 @@ caller), failures per sample, errors outside a sample re-raised, and a prompt cl
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from plait.data.loader import SampleFeed
@@ -66,9 +64,7 @@ def test_close_mid_run_stops_the_receiving_thread_promptly():
                       ahead=1)
     assert feed.next().samples == {0: 0}
     thread = feed._thread
-    start = time.perf_counter()
-    feed.close()
-    assert time.perf_counter() - start < 10
+    feed.close()  # joins the thread for at most 30 s: alive after it means the stop went unseen
     assert thread is not None and not thread.is_alive()
 
 
