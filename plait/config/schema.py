@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from plait.planner.recompute import CHECKPOINT_POLICIES
+from plait.planner.cost.recompute import CHECKPOINT_POLICIES
 
 __all__ = [
     "LoraConfig",
@@ -33,7 +33,7 @@ __all__ = [
 
 
 def check_checkpointing(field_name: str, value: str | None, follows: bool) -> None:
-    """Refuse an activation checkpointing policy that ``plait.planner.recompute`` does not know.
+    """Refuse an activation checkpointing policy that ``plait.planner.cost.recompute`` does not know.
 
     Args:
         field_name: the dotted key named in the error (``"train.activation_checkpointing"``).
