@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from tests.conftest import DEMO
+from tests.helpers.jobs import DEMO
 
 _FORMATS = {".mp4": ("mp4", "mpeg4"), ".mkv": ("matroska", "ffv1"), ".webm": ("webm", "libvpx")}
 

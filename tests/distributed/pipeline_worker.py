@@ -33,7 +33,7 @@ from plait.planner.pipeline.plan import plan_pipeline
 from plait.planner.pipeline.schedules import build_schedule
 from plait.planner.token_distributor import TokenAssignment, plan_tokens
 from plait.train.loss import token_loss_sum
-from tests.conftest import TINY_AUDIO, TINY_LLM, TINY_VISION
+from tests.helpers.jobs import TINY_AUDIO, TINY_LLM, TINY_VISION
 from tests.distributed.spawning import gloo_group
 
 VOCAB = 50

@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 from plait.commands.plan.command import plan_command
-from tests.conftest import demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
 from tests.distributed.spawning import run_main
-from tests.distributed.test_pipeline_training import to_toml
+from tests.helpers.pipeline_training import to_toml
 
 LIMIT_S = 150
 """The whole two-process run (profile, plan, two steps); a rank waiting on a collective the other never enters

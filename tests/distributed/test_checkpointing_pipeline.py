@@ -21,7 +21,7 @@ from plait.train.loss import token_loss_sum
 from tests.distributed import pipeline_deferral_worker as dw
 from tests.distributed.pipeline_worker import COLOC, ENC_PAR, _check_grads, _close, make_batch, reference_step
 from tests.distributed.spawning import free_port, gloo_group, spawn_and_wait
-from tests.unit.parallel.test_checkpointing import MODES, frozen_model
+from tests.helpers.checkpointing import MODES, frozen_model
 
 BATCHES = ("iva", "t", "ia")
 # (name, layout, schedule options, policy)
@@ -90,7 +90,7 @@ def test_plait_train_pp2_with_checkpointing_trains_like_one_process_without(tmp_
     checkpointing."""
     from plait.config.loader import config_from_dict
     from plait.train.trainer import Trainer
-    from tests.distributed.test_pipeline_training import job_dict, losses_of, torchrun_train
+    from tests.helpers.pipeline_training import job_dict, losses_of, torchrun_train
 
     job = job_dict(tmp_path, "single")
     job["data"]["val"] = None

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import demo_records, tiny_config_dict, write_jsonl
-from tests.distributed.test_data_parallel import assert_same_training, run
+from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.data_parallel import assert_same_training, run
 
 CASES = {
     "cp2-bidirectional-padded": (2, "bidirectional_items", False),

@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import json
 
 import torch
 
-from tests.conftest import demo_records, tiny_config_dict, write_jsonl
-from tests.distributed.spawning import run_main
-
-
-def run(cfg: dict, tmp_path, name: str, nproc: int) -> dict:
-    cfg_path = tmp_path / f"{name}.json"
-    cfg_path.write_text(json.dumps(cfg))
-    out = tmp_path / f"{name}.pt"
-    run_main("tests.distributed.dp_worker", [str(cfg_path), str(out)], nproc, 300, f"{name} on {nproc} process(es)")
-    return torch.load(out)
+from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.data_parallel import assert_same_training, run
 
 
 def test_dp2_equals_single_process_even_when_a_rank_never_sees_an_image(tmp_path):
@@ -36,18 +27,3 @@ def test_dp2_equals_single_process_even_when_a_rank_never_sees_an_image(tmp_path
     assert len(dp["losses"]) == 3
     torch.testing.assert_close(torch.tensor(dp["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
     assert_same_training(single, dp)
-
-
-def assert_same_training(ref: dict, other: dict) -> None:
-    """Equal first-step gradients (rel 1e-5 of each tensor's scale) and final parameters wherever the
-    gradient is not zero in exact arithmetic (key biases get ~1e-10 rounding noise that AdamW amplifies)."""
-    assert set(ref["grads"]) == set(other["grads"]) and len(ref["grads"]) > 20
-    for name, grad in ref["grads"].items():
-        tol = 1e-5 * float(grad.abs().max()) + 1e-9
-        torch.testing.assert_close(other["grads"][name], grad, rtol=1e-5, atol=tol, msg=name)
-    compared = 0
-    for name, value in ref["params"].items():
-        if name in ref["grads"] and ref["grads"][name].abs().max() > 1e-6:
-            torch.testing.assert_close(other["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
-            compared += 1
-    assert compared > 0.8 * len(ref["grads"])

@@ -7,10 +7,10 @@ import json
 
 import torch
 
-from tests.conftest import tiny_config_dict, write_jsonl
+from tests.helpers.jobs import tiny_config_dict, write_jsonl
 from tests.distributed.spawning import run_main
-from tests.distributed.test_data_parallel import assert_same_training
-from tests.unit.train.test_deferral import deferral_records
+from tests.helpers.data_parallel import assert_same_training
+from tests.helpers.deferral import deferral_records
 
 
 def run(cfg: dict, tmp_path, name: str, nproc: int) -> dict:

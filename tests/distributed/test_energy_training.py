@@ -7,8 +7,8 @@ from __future__ import annotations
 from plait.planner.energy.plan import ActionFrequency, EnergyPlan, FrontierPoint, action_label
 from plait.train.metrics import read_metrics
 from plait.train.plots import read_chrome_trace
-from tests.conftest import demo_records, write_jsonl
-from tests.distributed.test_pipeline_training import job_dict, torchrun_train
+from tests.helpers.jobs import demo_records, write_jsonl
+from tests.helpers.pipeline_training import job_dict, torchrun_train
 
 
 def test_plait_train_pp2_with_an_energy_plan(tmp_path):

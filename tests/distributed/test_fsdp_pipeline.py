@@ -23,11 +23,11 @@ from plait.planner.pipeline.plan import plan_pipeline
 from plait.planner.pipeline.schedules import build_schedule
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import read_metrics
-from tests.conftest import ROOT, demo_records, write_jsonl
+from tests.helpers.jobs import ROOT, demo_records, write_jsonl
 from tests.distributed.pipeline_worker import apply_mode, make_batch, reference_step, tiny_model
 from tests.distributed.spawning import free_port, gloo_group, spawn_and_wait
-from tests.distributed.test_fsdp import assert_equal_runs, assert_same_params, assert_untouched_without, job, run
-from tests.unit.parallel.test_stages import SPLIT, on_one_rank
+from tests.helpers.fsdp import assert_equal_runs, assert_same_params, assert_untouched_without, job, run
+from tests.helpers.stages import SPLIT, on_one_rank
 
 WORKER = ROOT / "tests" / "distributed" / "fsdp_pipeline_worker.py"
 

@@ -9,9 +9,9 @@ also buffered across microbatches. Worker: ``pipeline_deferral_worker.trainer_ma
 from __future__ import annotations
 
 from plait.train.plots import read_chrome_trace
-from tests.conftest import tiny_config_dict, write_jsonl
-from tests.distributed.test_pipeline_deferral import _train
-from tests.unit.train.test_deferral import assert_same_training, deferral_records
+from tests.helpers.jobs import tiny_config_dict, write_jsonl
+from tests.helpers.pipeline_deferral import deferral_train
+from tests.helpers.deferral import assert_same_training, deferral_records
 
 
 def test_interleaved_job_on_two_processes_trains_like_one_process(tmp_path):
@@ -19,9 +19,9 @@ def test_interleaved_job_on_two_processes_trains_like_one_process(tmp_path):
     cfg = tiny_config_dict(str(data), None, str(tmp_path / "run"), data={"shuffle": False},
                            train={"steps": 2, "global_batch_size": 8, "microbatch_size": 2, "threads": 1},
                            parallel={"timeout_s": 60})
-    single = _train(cfg, tmp_path, "single", 1)
+    single = deferral_train(cfg, tmp_path, "single", 1)
     cfg["parallel"]["pp"] = {"degree": 2, "virtual_stages": 2, "attach_encoders": True, "schedule": "interleaved_1f1b"}
-    pp = _train(cfg, tmp_path, "pp", 2)
+    pp = deferral_train(cfg, tmp_path, "pp", 2)
     assert any(n.startswith("encoders.audio.encoder") for n in single["grads"])  # encoders and LLM train
     assert_same_training(single, pp)
     assert pp["deferred"] == single["deferred"] and pp["deferred"]  # same plan, with deferred samples

@@ -21,8 +21,8 @@ from plait.config.loader import config_from_dict
 from plait.train.metrics import read_metrics
 from plait.train.trainer import Trainer
 
-from tests.conftest import demo_records, tiny_config_dict, write_jsonl
-from tests.distributed.test_pipeline_training import to_toml
+from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.pipeline_training import to_toml
 
 SAMPLES, BATCH, STEPS = 16, 8, 7  # 2 steps per epoch: steps 0-1 epoch 0, 2-3 epoch 1, 4-5 epoch 2, 6 epoch 3
 LIMIT_S = 600  # a hang guard per launch (a launch takes about 30 s on an idle 2-core machine, minutes when loaded)

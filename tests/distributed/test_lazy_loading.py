@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import DEMO, demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.jobs import DEMO, demo_records, tiny_config_dict, write_jsonl
 from tests.distributed.spawning import free_port, gloo_group, spawn_and_wait
 
 STEPS = int(os.environ.get("PLAIT_LAZY_STEPS", "4"))

@@ -19,11 +19,11 @@ from transformers import AutoModelForCausalLM
 from plait.config.loader import config_from_dict
 from plait.models.multimodal import MultimodalModel
 from plait.train.trainer import Trainer
-from tests.conftest import demo_records, tiny_config_dict, write_jsonl
-from tests.distributed.test_data_parallel import run
-from tests.distributed.test_pipeline_deferral import _train
-from tests.distributed.test_pipeline_training import job_dict, losses_of, torchrun_train
-from tests.unit.train.test_deferral import deferral_records
+from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.data_parallel import run
+from tests.helpers.pipeline_deferral import deferral_train
+from tests.helpers.pipeline_training import job_dict, losses_of, torchrun_train
+from tests.helpers.deferral import deferral_records
 
 
 def lora_job(tmp_path, run: str) -> dict:
@@ -131,10 +131,10 @@ def test_lora_gradients_equal_one_process_under_pp_with_deferral(tmp_path, case)
     cfg = with_lora(tiny_config_dict(str(data), None, str(tmp_path / "run"), data={"shuffle": False},
                                      train={"steps": 2, "global_batch_size": 8, "microbatch_size": 2, "threads": 1},
                                      parallel={"timeout_s": 60}))
-    single = _train(cfg, tmp_path, "single", 1)
+    single = deferral_train(cfg, tmp_path, "single", 1)
     assert single["grads"] and all(".lora_" in n or ".projector." in n for n in single["grads"])
     cfg["parallel"]["pp"], nproc = PP_CASES[case]
-    pp = _train(cfg, tmp_path, "pp", nproc)
+    pp = deferral_train(cfg, tmp_path, "pp", nproc)
     assert_same_lora_training(single, pp)
     assert pp["deferred"] == single["deferred"] and pp["deferred"]
 

@@ -14,7 +14,7 @@ from bench.memory import KEPT, KINDS, job_config, predicted, predicted_kept_para
     run_column
 from bench.plan_holds import small_train_set
 from plait.train.trainer import Trainer
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 
 @pytest.mark.parametrize("label", ["TP 2", "FSDP2 2"])

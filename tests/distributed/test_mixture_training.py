@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from tests.distributed.spawning import free_port, gloo_group, spawn_and_wait
-from tests.unit.data.test_mixture import mixture_job
+from tests.helpers.mixture import mixture_job
 
 
 def _worker(rank: int, world: int, port: int, cfg_dict: dict, folder: str) -> None:

@@ -14,10 +14,10 @@ import torch
 from plait.config.loader import config_from_dict
 from plait.models.multimodal import MultimodalModel
 from plait.train.trainer import Trainer
-from tests.conftest import demo_records, tiny_config_dict, write_jsonl
-from tests.distributed.test_pipeline_training import losses_of, torchrun_train
-from tests.unit.models.test_qwen2_audio import TINY_QWEN2_AUDIO
-from tests.unit.models.test_siglip2 import TINY_SIGLIP2
+from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.pipeline_training import losses_of, torchrun_train
+from tests.helpers.qwen2_audio import TINY_QWEN2_AUDIO
+from tests.helpers.siglip2 import TINY_SIGLIP2
 
 FAMILIES = {
     "qwen2_audio": ("audio_transcribe", {"modality": "audio", "config": dict(TINY_QWEN2_AUDIO), "projector": "linear"}),

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import demo_records
-from tests.distributed.test_fsdp import assert_equal_runs, job, run
-from tests.distributed.test_pipeline_eval import job as eval_job
-from tests.distributed.test_pipeline_eval import reference as eval_reference
-from tests.distributed.test_pipeline_eval import run as eval_run
-from tests.distributed.test_tensor_parallel_training import assert_same as assert_same_tp
+from tests.helpers.jobs import demo_records
+from tests.helpers.fsdp import assert_equal_runs, job, run
+from tests.helpers.pipeline_eval import job as eval_job
+from tests.helpers.pipeline_eval import reference as eval_reference
+from tests.helpers.pipeline_eval import run as eval_run
+from tests.helpers.tensor_parallel_training import assert_same as assert_same_tp
 
 
 def test_hsdp_2x2_frozen_encoders_trainable_projectors(tmp_path):

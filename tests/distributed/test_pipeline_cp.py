@@ -30,7 +30,7 @@ from plait.planner.pipeline.schedules import build_schedule
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import read_metrics
 from plait.train.trainer import Trainer
-from tests.conftest import ROOT, demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.jobs import ROOT, demo_records, tiny_config_dict, write_jsonl
 from tests.distributed.pipeline_worker import (
     COLOC,
     cp_assignment,
@@ -42,7 +42,7 @@ from tests.distributed.pipeline_worker import (
     with_items,
 )
 from tests.distributed.spawning import free_port, spawn_and_wait
-from tests.distributed.test_pipeline_training import to_toml
+from tests.helpers.pipeline_training import to_toml
 
 
 def test_pp2_x_cp2_matches_single_process():

@@ -18,12 +18,13 @@ from plait.planner.microbatch.routing import FeatureRouting
 from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline.plan import plan_pipeline
 from plait.planner.pipeline.schedules import build_schedule
-from tests.conftest import tiny_config_dict, write_jsonl
+from tests.helpers.jobs import tiny_config_dict, write_jsonl
 from tests.distributed import pipeline_deferral_worker as w
 from tests.distributed.pipeline_worker import apply_mode, reference_step, tiny_model
-from tests.distributed.spawning import free_port, run_main, spawn_and_wait
+from tests.distributed.spawning import free_port, spawn_and_wait
 from plait.train.loss import token_loss_sum
-from tests.unit.train.test_deferral import assert_same_training, deferral_records
+from tests.helpers.deferral import assert_same_training, deferral_records
+from tests.helpers.pipeline_deferral import deferral_train
 
 
 @pytest.fixture(autouse=True)
@@ -109,38 +110,16 @@ def test_pipeline_deferral_with_pp2xdp2_and_pp2xcp2_equals_one_process():
     spawn_and_wait(w.worker, (4, free_port()), 4, 240, "pipeline deferral test with 4 processes")
 
 
-def _train(cfg: dict, tmp_path, name: str, nproc: int) -> dict:
-    """Run ``trainer_main`` on ``cfg`` (in this process, or on ``nproc`` > 1 ranks started with torchrun's variables);
-    the ranks' outputs
-    merged (gradients and parameters by name: each rank holds its own stage's)."""
-    cfg = json.loads(json.dumps(cfg))
-    cfg["metrics"]["run_dir"] = str(tmp_path / f"run_{name}")
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(cfg))
-    if nproc == 1:
-        w.trainer_main(str(path), str(tmp_path / name))
-    else:
-        run_main("tests.distributed.pipeline_deferral_worker", [str(path), str(tmp_path / name)], nproc, 300,
-                 f"{name} on {nproc} processes", function="trainer_main")
-    parts = [torch.load(tmp_path / f"{name}.{r}.pt") for r in range(nproc)]
-    merged = dict(parts[0], grads={}, params={})
-    for part in parts:
-        assert part["losses"] == parts[0]["losses"] and part["buffered"] == parts[0]["buffered"]
-        merged["grads"].update(part["grads"])
-        merged["params"].update(part["params"])
-    return merged
-
-
 def test_pipeline_trainer_defers_and_trains_like_one_process_in_arrival_order(tmp_path):
     """``plait train`` with PP = 2 and the hierarchical plan (deferral on) equals one process with arrival order."""
     data = write_jsonl(tmp_path / "train.jsonl", deferral_records())
     cfg = tiny_config_dict(str(data), None, str(tmp_path / "run"), data={"shuffle": False},
                            train={"steps": 2, "global_batch_size": 8, "microbatch_size": 2, "threads": 1,
                                   "microbatch_policy": "arrival"}, parallel={"timeout_s": 60})
-    single = _train(cfg, tmp_path, "single", 1)
+    single = deferral_train(cfg, tmp_path, "single", 1)
     cfg["train"]["microbatch_policy"] = "hierarchical"
     cfg["parallel"]["pp"] = {"degree": 2, "layout": "encoders_colocated", "schedule": "1f1b"}
-    pp = _train(cfg, tmp_path, "pp", 2)
+    pp = deferral_train(cfg, tmp_path, "pp", 2)
     assert not single["deferred"] and single["buffered"] == 0
     assert len(pp["deferred"]) >= 1 and pp["buffered"] > 0
     assert any(n.startswith("encoders.vision.encoder") for n in single["grads"])  # encoders train

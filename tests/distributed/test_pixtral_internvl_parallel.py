@@ -9,15 +9,13 @@ sequence; InternVL tiles each), so every microbatch holds images of several size
 from __future__ import annotations
 
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from plait.config.loader import config_from_dict
 from plait.train.trainer import Trainer
-from tests.conftest import demo_records, tiny_config_dict, write_jsonl
-from tests.distributed.test_pipeline_training import assert_run_equals, torchrun_train
-from tests.unit.models.test_pixtral_internvl import TINY_INTERNVL, TINY_PIXTRAL
+from tests.helpers.pipeline_training import assert_run_equals, torchrun_train
+from tests.helpers.pixtral_internvl import TINY_INTERNVL, TINY_PIXTRAL
+from tests.helpers.pixtral_internvl_parallel import vision_job
 
 FAMILIES = {
     "pixtral": ({"modality": "image", "config": dict(TINY_PIXTRAL)}, "encoders.vision.encoder.transformer.layers.1"),
@@ -31,29 +29,6 @@ LAYOUTS = {
     "cp2": (2, {"cp": 2}),
     "tp2": (2, {"tp": 2}),
 }
-
-
-def _two_image_record(tmp_path) -> dict:
-    rng = np.random.default_rng(1)
-    paths = []
-    for i, (h, w) in enumerate([(20, 36), (28, 12)]):
-        paths.append(str(tmp_path / f"pair{i}.png"))
-        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(paths[-1])
-    ask = {"role": "user", "content": "<image> <image>\nSame digit?"}
-    return {"id": "pair-0", "task": "pair", "images": paths, "messages": [ask, {"role": "assistant", "content": "no"}]}
-
-
-def vision_job(tmp_path, branch: dict, run: str) -> dict:
-    """A 2-step job (run folder ``<tmp_path>/<run>``) whose one vision ``branch`` sees single images, a two-image
-    record with images of different sizes and a text-only record."""
-    records = demo_records("train", ("image_digit",), limit=2) + [_two_image_record(tmp_path)]
-    records += demo_records("train", ("text",), limit=1)
-    data = write_jsonl(tmp_path / "train.jsonl", records)
-    job = tiny_config_dict(str(data), None, str(tmp_path / run), data={"shuffle": False},
-                           train={"steps": 2, "global_batch_size": 4, "microbatch_size": 2, "threads": 1},
-                           attention={"block_size": 16}, parallel={"timeout_s": 60})
-    job["model"]["encoders"] = {"vision": dict(branch)}
-    return job
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, demo_records, write_jsonl
+from tests.helpers.jobs import ROOT, demo_records, write_jsonl
 from tests.distributed.spawning import free_port
 
 STEPS = 14

@@ -18,15 +18,9 @@ import torch
 from plait.config.loader import config_from_dict
 from plait.data.collate import collate
 from plait.train.trainer import Trainer
-from tests.distributed.test_pipeline_training import assert_run_equals, torchrun_train
-from tests.distributed.test_pixtral_internvl_parallel import vision_job
-from tests.unit.models.test_qwen2_5_vl import TINY_PROCESSOR, TINY_QWEN2_5_VL
+from tests.helpers.pipeline_training import assert_run_equals, torchrun_train
+from tests.helpers.qwen2_5_vl_parallel import qwen_vl_job
 
-BRANCH = {"modality": "image", "config": dict(TINY_QWEN2_5_VL), "projector": "linear",
-          "processor": dict(TINY_PROCESSOR)}
-MROPE_LLM = dict(model_type="qwen2_5_vl_text", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
 """Qwen2.5-VL's LLM at the tiny LLM's sizes (M-RoPE sections of the 8-wide heads)."""
 LAYOUTS = {
     "pp2-encoder_parallel": (2, {"pp": {"degree": 2, "layout": "encoder_parallel", "schedule": "1f1b"}}),
@@ -38,18 +32,10 @@ LAYOUTS = {
 }
 
 
-def _job(tmp_path, run: str) -> dict:
-    """The vision job of the Pixtral/InternVL test with the Qwen2.5-VL branch and Qwen2.5-VL's M-RoPE LLM."""
-    job = vision_job(tmp_path, BRANCH, run)
-    job["model"]["llm"]["config"] = dict(MROPE_LLM)
-    job["model"]["encoders"]["vision"]["processor"]["min_pixels"] = 56 * 56  # >= 2x2 merged blocks per image
-    return job
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Single-process losses and final parameters (computed once)."""
-    trainer = Trainer.build(config_from_dict(_job(tmp_path_factory.mktemp("qwen2_5_vl"), "single")))
+    trainer = Trainer.build(config_from_dict(qwen_vl_job(tmp_path_factory.mktemp("qwen2_5_vl"), "single")))
     assert [len(trainer.train_set[i].meta.items) for i in range(3)] == [1, 1, 2]
     assert type(trainer.model.language_model).__name__ == "Qwen25VLTextForCausalLM"
     two = collate([trainer.train_set[2]], 0)  # the two-image record: its images at grid positions, not 1-D ones
@@ -63,7 +49,7 @@ def reference(tmp_path_factory):
 def test_qwen2_5_vl_under_parallel_layouts_equals_one_process(tmp_path, reference, layout):
     ref_losses, ref_params = reference
     nproc, parallel = LAYOUTS[layout]
-    job = _job(tmp_path, layout)
+    job = qwen_vl_job(tmp_path, layout)
     job["parallel"].update(parallel)
     if layout == "fsdp2-checkpointing":  # each block its own FSDP2 unit, recomputed in the backward
         job["train"]["activation_checkpointing"] = "full"

@@ -25,7 +25,7 @@ import torch
 from plait.config.loader import config_from_dict
 from plait.train.metrics import read_metrics
 from plait.train.trainer import Trainer
-from tests.distributed.test_pipeline_training import job_dict, torchrun_train
+from tests.helpers.pipeline_training import job_dict, torchrun_train
 
 STEPS = 5
 LOSS_RTOL = 1e-5

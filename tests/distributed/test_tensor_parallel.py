@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
 from tests.distributed import tp_worker
 from tests.distributed.spawning import free_port, spawn_and_wait
 

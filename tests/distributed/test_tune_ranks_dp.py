@@ -11,11 +11,11 @@ from plait.commands.tune_ranks import SearchSettings, run_calibration, subset_re
 from plait.config.loader import load_config
 from plait.planner.ranks.rank_law import CalibrationRun
 from plait.train.metrics import read_metrics
-from tests.e2e.test_cli_tune_ranks import _job
+from tests.helpers.cli_tune_ranks import tune_job
 
 
 def test_calibration_run_under_torchrun_matches_one_process(tmp_path):
-    job = _job(tmp_path)
+    job = tune_job(tmp_path)
     cfg = load_config(job, ["--train.microbatch_size=2", "--parallel.timeout_s=60"])
     records = subset_records(cfg.data.train, cfg.train.seed)
     run = CalibrationRun("llm", 4, 16, 4, 4)

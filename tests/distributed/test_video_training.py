@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from tests.conftest import DEMO, tiny_config_dict, write_jsonl
-from tests.distributed.test_data_parallel import assert_same_training, run
+from tests.helpers.jobs import DEMO, tiny_config_dict, write_jsonl
+from tests.helpers.data_parallel import assert_same_training, run
 from tests.media import video_tokenizer, write_image, write_video
 
 

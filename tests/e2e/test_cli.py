@@ -3,34 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT, demo_records, write_jsonl
-
-
-def toml_value(v) -> str:
-    return json.dumps(v)
-
-
-def write_job(tmp_path) -> str:
-    train = write_jsonl(tmp_path / "train.jsonl", demo_records("train", limit=12))
-    val = write_jsonl(tmp_path / "val.jsonl", demo_records("val", limit=6))
-    text = (ROOT / "configs" / "demo.toml").read_text()
-    text = text.replace('"data/demo/train.jsonl"', toml_value(str(train))).replace(
-        '"data/demo/val.jsonl"', toml_value(str(val))).replace(
-        '"data/demo/tokenizer"', toml_value(str(ROOT / "data/demo/tokenizer"))).replace(
-        '"runs/demo"', toml_value(str(tmp_path / "run")))
-    job = tmp_path / "job.toml"
-    job.write_text(text)
-    return str(job)
-
-
-def plait(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "plait.cli", *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+from tests.helpers.jobs import ROOT
+from tests.helpers.cli import plait, write_job
 
 
 def test_train_then_resume_from_the_command_line(tmp_path):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 
 def plait(*args: str) -> subprocess.CompletedProcess:

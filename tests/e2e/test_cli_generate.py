@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, write_jsonl
+from tests.helpers.jobs import ROOT, write_jsonl
 from tests.unit.models.generation_cases import task_records, train_final, trainer_predictions
 
 

@@ -9,8 +9,8 @@ from plait.cli import main
 from plait.config.loader import config_from_dict
 from plait.models.registry import build_model, load_tokenizer
 from plait.models.units import model_units
-from tests.conftest import demo_records, tiny_config_dict, write_jsonl
-from tests.distributed.test_pipeline_training import to_toml
+from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.pipeline_training import to_toml
 
 FAST = ["--microbatch-size", "2", "--repeats", "1", "--warmup", "0"]
 

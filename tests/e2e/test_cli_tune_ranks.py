@@ -13,28 +13,11 @@ from plait.cli import main
 from plait.config.loader import load_config
 from plait.planner.ranks.rank_law import convergence_samples
 from plait.train.metrics import read_metrics
-from tests.conftest import demo_records, tiny_config_dict, write_jsonl
-from tests.distributed.test_pipeline_training import to_toml
-
-
-def _job(tmp_path, lora: bool = True):
-    train = write_jsonl(tmp_path / "train.jsonl", demo_records("train", ("image_audio",), limit=16))
-    val = write_jsonl(tmp_path / "val.jsonl", demo_records("val", ("image_audio",), limit=4))
-    job = tiny_config_dict(str(train), str(val), str(tmp_path / "run"),
-                           train={"global_batch_size": 4, "microbatch_size": 4, "steps": 8, "lr": 3e-3, "threads": 1,
-                                  "max_new_tokens": 2},
-                           data={"num_workers": 0})
-    if lora:
-        job["model"]["llm"]["lora"] = {"r": 4, "alpha": 8.0}
-        job["model"]["encoders"]["vision"]["lora"] = {"r": 4, "alpha": 8.0}
-    job["model"]["encoders"]["audio"]["freeze"] = True
-    path = tmp_path / "job.toml"
-    path.write_text(to_toml(job) + "\n")
-    return path
+from tests.helpers.cli_tune_ranks import tune_job
 
 
 def test_tune_ranks_chooses_writes_and_resumes(tmp_path, capsys, monkeypatch):
-    job = _job(tmp_path)
+    job = tune_job(tmp_path)
     out = tmp_path / "search"
     args = ["tune-ranks", "--config", str(job), "--ranks", "2,4", "--sizes", "8,16", "--val-samples", "4",
             "--out-dir", str(out)]
@@ -81,10 +64,10 @@ def test_tune_ranks_chooses_writes_and_resumes(tmp_path, capsys, monkeypatch):
 
 
 def test_tune_ranks_refuses_a_job_without_lora(tmp_path, capsys):
-    assert main(["tune-ranks", "--config", str(_job(tmp_path, lora=False)), "--out-dir", str(tmp_path / "s")]) == 2
+    assert main(["tune-ranks", "--config", str(tune_job(tmp_path, lora=False)), "--out-dir", str(tmp_path / "s")]) == 2
     assert "LoRA on the LLM and on at least one encoder" in capsys.readouterr().err
 
 
 def test_tune_ranks_refuses_bad_ranks(tmp_path, capsys):
-    assert main(["tune-ranks", "--config", str(_job(tmp_path)), "--ranks", "2,x"]) == 2
+    assert main(["tune-ranks", "--config", str(tune_job(tmp_path)), "--ranks", "2,x"]) == 2
     assert "--ranks takes comma-separated integers" in capsys.readouterr().err

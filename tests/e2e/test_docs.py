@@ -26,7 +26,7 @@ import pytest
 
 from plait.cli import _JOB_VERBS, build_parser, check_job_arguments, parse_command_line
 from plait.config.loader import config_from_dict, read_config_data
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 STAND_IN_JOB = "configs/demo.toml"  # checks the overrides of a command on a user's own job file

@@ -11,7 +11,7 @@ import pytest
 from plait.config.loader import load_config
 from plait.data.loader import GlobalBatchLoader
 from plait.commands.plan.command import DEFAULT_MACROBATCHES, dataset_metadata
-from tests.e2e.test_cli import plait, write_job
+from tests.helpers.cli import plait, write_job
 
 OVERRIDES = ["--train.global_batch_size=6", "--train.microbatch_size=2", "--train.seed=3"]
 

@@ -18,7 +18,7 @@ from plait.commands.import_hf import import_checkpoint
 from plait.commands.train import train_command
 from plait.config.loader import load_config
 from plait.models.multimodal import MultimodalModel
-from tests.conftest import ROOT, demo_records, write_jsonl
+from tests.helpers.jobs import ROOT, demo_records, write_jsonl
 from tests.unit.commands.tiny_hf_checkpoints import (save_clip, save_llm, save_qwen2_5_vl, save_qwen2_audio,
                                                      save_siglip, save_whisper)
 
@@ -114,7 +114,7 @@ def test_qwen2_5_vl_recipe_trains_from_an_import_generates_and_exports(tmp_path)
     from plait.commands.generate import generate_command
     from plait.data.collate import collate
     from plait.models.generation import Generator
-    from tests.unit.models.test_hf_io_qwen2_5_vl import PAD, _hf_inputs
+    from tests.helpers.hf_io_qwen2_5_vl import PAD, hf_inputs
 
     model_dir, _ = import_checkpoint(save_qwen2_5_vl(tmp_path / "qwen2.5-vl"), tmp_path / "imported")
     records = [dict(r, messages=[{"role": "user", "content": r["messages"][0]["content"].replace("<image>", PAD)},
@@ -136,7 +136,7 @@ def test_qwen2_5_vl_recipe_trains_from_an_import_generates_and_exports(tmp_path)
     with torch.no_grad():
         mine = gen.model(batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids,
                          rope_position_ids=batch.rope_position_ids)
-        stock = hf(**_hf_inputs(batch, hf.config.image_token_id)).logits
+        stock = hf(**hf_inputs(batch, hf.config.image_token_id)).logits
     torch.testing.assert_close(mine, stock, rtol=1e-4, atol=1e-4)
     q_proj = "model.layers.0.self_attn.q_proj.weight"  # the adapters trained and were merged into the export
     exported = hf.model.language_model.state_dict()[q_proj.removeprefix("model.")]

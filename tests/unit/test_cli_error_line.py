@@ -10,7 +10,7 @@ import sys
 import time
 
 from plait.cli import _report_error
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 
 class _Recorder:

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 IGNORED = ["runs/demo/metrics.jsonl", "runs/profiles/profile-abc.json", "runs/demo/energy/frontier.png",
            "runs/sim_vs_measured/1f1b.png", "scratch/notes.txt", "scratch/run/metrics.jsonl", "sim/timeline.json",

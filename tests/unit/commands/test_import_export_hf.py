@@ -22,7 +22,7 @@ from plait.models.generation import Generator, Prompt, greedy_token_ids
 from plait.models.hf_io import HF_FORMATS, check_exportable, composite_from_hf, hf_format_of, hf_from_composite
 from plait.models.multimodal import MultimodalModel
 from plait.data.collate import collate
-from tests.conftest import demo_records, write_jsonl
+from tests.helpers.jobs import demo_records, write_jsonl
 from tests.unit.commands.tiny_hf_checkpoints import LLAVA_TEMPLATE, save_llava, save_qwen2_audio
 
 _LLAVA_FIELDS = ("image_token_index", "vision_feature_layer", "vision_feature_select_strategy", "image_seq_length",
@@ -182,7 +182,7 @@ def test_exported_model_stops_at_the_chat_turn_end_where_plait_stops(tmp_path):
     from plait.config.loader import config_from_dict
     from plait.models.generation import save_final
     from plait.train.trainer import Trainer
-    from tests.conftest import tiny_config_dict
+    from tests.helpers.jobs import tiny_config_dict
 
     recs = [dict(r, messages=[r["messages"][0], {"role": "assistant", "content": "seven"}])
             for r in demo_records("train", ("image_digit",), limit=8)]

@@ -13,7 +13,7 @@ import pytest
 
 from plait.train.job_file import check_job, load_config_for_planning
 from plait.config.loader import load_config
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 JOB = str(ROOT / "configs" / "demo.toml")
 

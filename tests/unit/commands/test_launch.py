@@ -11,8 +11,8 @@ from plait.commands.launch import check_launch, launch_command, launch_device, l
 from plait.planner.cost.analytic import DeviceSpec
 from plait.config.loader import config_from_dict
 from plait.train.run_start import clear_earlier_run, launch_logs
-from tests.conftest import tiny_config_dict
-from tests.distributed.test_pipeline_training import to_toml
+from tests.helpers.jobs import tiny_config_dict
+from tests.helpers.pipeline_training import to_toml
 
 
 def test_parse_kills_reads_worker_step_pairs_and_names_a_bad_value():

@@ -28,7 +28,7 @@ from plait.planner.toml_text import toml_value
 from plait.planner.search.layout import evaluate_plan
 from plait.planner.types import UnitCost
 from plait.planner.search.types import Machine, SearchSpace
-from tests.conftest import TINY_AUDIO, TINY_LLM, TINY_VISION, tiny_config_dict
+from tests.helpers.jobs import TINY_AUDIO, TINY_LLM, TINY_VISION, tiny_config_dict
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "configs" / "demo.toml"

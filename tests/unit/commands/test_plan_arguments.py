@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from plait.commands.plan.command import plan_command
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 
 @pytest.mark.parametrize("devices", [0, -2])

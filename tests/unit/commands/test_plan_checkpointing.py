@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 
 from plait.commands.plan.command import plan_command
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
 

@@ -14,7 +14,7 @@ from plait.planner.search.fit import least_need
 from plait.planner.cost.analytic import DeviceSpec
 from plait.planner.pipeline.graph import consistent_units
 from plait.planner.cost.sharding import ParallelDegrees, rank_memory
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
 

@@ -9,7 +9,7 @@ import pytest
 
 from plait.cli import main
 from plait.commands.plan.energy import _energy_preset
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
 

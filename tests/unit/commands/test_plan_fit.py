@@ -16,7 +16,7 @@ from plait.planner.pipeline.graph import consistent_units
 from plait.planner.cost.offload import HostSpec
 from plait.planner.search.parallel import degree_options
 from plait.planner.cost.sharding import ParallelDegrees, rank_memory
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
 
@@ -64,8 +64,8 @@ def test_auto_plan_with_no_fitting_plan_says_so_in_one_sentence(tmp_path, monkey
     from plait.cli import main
     from plait.measure.machine import AutoPlanInputs
     from plait.planner.pipeline.simulator import P2PModel
-    from tests.conftest import demo_records, tiny_config_dict, write_jsonl
-    from tests.distributed.test_pipeline_training import to_toml
+    from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
+    from tests.helpers.pipeline_training import to_toml
 
     train = write_jsonl(tmp_path / "train.jsonl", demo_records("train", ("image_audio",), limit=2))
     job = tiny_config_dict(str(train), None, str(tmp_path / "run"),

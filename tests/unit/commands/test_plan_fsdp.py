@@ -14,7 +14,7 @@ from plait.planner.cost.analytic import DeviceSpec
 from plait.planner.pipeline.graph import consistent_units
 from plait.planner.report import format_plan
 from plait.planner.cost.sharding import ParallelDegrees, gather_s, shard_costs
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
 

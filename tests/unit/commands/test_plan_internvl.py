@@ -7,8 +7,8 @@ from __future__ import annotations
 from plait.models.plan_inputs import build_plan_inputs
 from plait.config.loader import config_from_dict
 from plait.models.registry import build_model, load_tokenizer
-from tests.conftest import tiny_config_dict, write_jsonl
-from tests.unit.models.test_pixtral_internvl import TINY_INTERNVL
+from tests.helpers.jobs import tiny_config_dict, write_jsonl
+from tests.helpers.pixtral_internvl import TINY_INTERNVL
 
 
 def test_plan_costs_internvl_projector_and_features_as_the_live_model(tmp_path):

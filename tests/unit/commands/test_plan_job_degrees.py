@@ -9,7 +9,7 @@ import pytest
 
 from plait.commands.plan.command import plan_command
 from plait.planner.cost.analytic import DeviceSpec
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
 

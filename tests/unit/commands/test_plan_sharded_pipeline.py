@@ -12,7 +12,7 @@ from plait.planner.search.layout import plan_layout
 from plait.planner.search.parallel import plan_parallel
 from plait.train.pipeline_trainer import PipelineTrainer
 from plait.planner.search.types import Machine, SearchSpace
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
 

@@ -10,7 +10,7 @@ import tomllib
 from plait.commands.plan.command import plan_command
 from plait.config.loader import load_config
 from plait.planner.cost.analytic import DeviceSpec
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from plait.commands.train import auto_plan_replaces
 from plait.config.loader import config_from_dict
 from plait.train.checkpoint import CheckpointLayout
-from tests.conftest import tiny_config_dict
+from tests.helpers.jobs import tiny_config_dict
 
 
 def test_checkpoint_layout_names_tp_and_dp_shard_and_reads_older_layouts():

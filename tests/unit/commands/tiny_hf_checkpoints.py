@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import transformers as T
 
-from tests.conftest import DEMO
+from tests.helpers.jobs import DEMO
 
 __all__ = ["LLAVA_TEMPLATE", "VOCAB", "tokenizer", "save_llava", "save_qwen2_audio", "save_qwen2_5_vl",
            "QWEN_VL_TOKENS", "QWEN_VL_PIXELS", "save_llm", "save_clip",

@@ -9,7 +9,7 @@ import pytest
 
 from plait.config.loader import config_from_dict, load_config
 from plait.config.schema import EncoderConfig, JobConfig, LLMConfig, ModelConfig, TrainConfig
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
 POLICIES = "('none', 'full', 'selective')"

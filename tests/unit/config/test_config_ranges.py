@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from plait.config.loader import load_config
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
 

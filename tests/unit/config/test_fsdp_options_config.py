@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from plait.config.loader import config_from_dict, validate
-from tests.conftest import tiny_config_dict
+from tests.helpers.jobs import tiny_config_dict
 
 
 def _cfg(**parallel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from plait.config.loader import config_from_dict, load_config, parse_overrides
-from tests.conftest import ROOT, tiny_config_dict
+from tests.helpers.jobs import ROOT, tiny_config_dict
 
 
 def test_demo_config_loads_with_overrides():

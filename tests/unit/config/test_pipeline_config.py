@@ -11,7 +11,7 @@ from plait.config.schema import PipelineConfig
 from plait.planner.pipeline.plan import plan_pipeline, stage_ranks, synthetic_units
 from plait.planner.pipeline.schedules import build_schedule
 from plait.planner.pipeline.interleaved import runs_interleaved
-from tests.conftest import ROOT, tiny_config_dict
+from tests.helpers.jobs import ROOT, tiny_config_dict
 
 ENCODERS = ["vision", "audio"]
 INTERLEAVED = {"schedule": "interleaved_1f1b"}

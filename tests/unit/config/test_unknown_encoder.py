@@ -7,7 +7,7 @@ import re
 import pytest
 
 from plait.config.loader import load_config
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 
 def test_a_misspelt_encoder_override_lists_the_known_encoders():

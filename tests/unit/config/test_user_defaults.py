@@ -7,7 +7,7 @@ import re
 import pytest
 
 from plait.config.loader import load_config, read_config_data
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
 

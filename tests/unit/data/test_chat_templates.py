@@ -7,10 +7,8 @@ below is written by hand as text segments (1 = trained) whose tokens are whole w
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,26 +26,9 @@ from plait.data.loader import MultimodalDataset
 from plait.data.processing import IGNORE
 from plait.data.sources import SampleError, parse_record
 from plait.models.registry import build_model, build_processor, load_tokenizer
-from tests.conftest import DEMO, TINY_LLM, demo_records, write_jsonl
+from tests.helpers.jobs import DEMO, TINY_LLM, demo_records, write_jsonl
+from tests.helpers.chat_templates import ASSETS, CONVERSATION, FAMILIES, PIECES, build_tokenizer
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets" / "chat_templates"
-PIECES = re.compile(r"\s|\w+|[^\w\s]")  # the tiny tokenizers' pre-tokenisation: each space, word, punctuation
-
-# family -> (template file, bos, eos, pad, special tokens of the family)
-FAMILIES = {
-    "llama3_1": ("llama3_1.jinja", "<|begin_of_text|>", "<|eot_id|>", "<|end_of_text|>",
-                 ["<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|python_tag|>"]),
-    "qwen2_5": ("qwen2_5.jinja", None, "<|im_end|>", "<|endoftext|>", ["<|im_start|>"]),
-    "gemma2": ("gemma2.jinja", "<bos>", "<eos>", "<pad>", ["<start_of_turn>", "<end_of_turn>"]),
-    "mistral_v0_1": ("mistral_v0_1.jinja", "<s>", "</s>", None, []),
-}
-
-CONVERSATION = [
-    {"role": "user", "content": "<image>\nWhich digit is this?"},
-    {"role": "assistant", "content": "seven"},
-    {"role": "user", "content": "And doubled?"},
-    {"role": "assistant", "content": "fourteen"},
-]
 
 LLAMA_SYSTEM = ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December "
                 "2023\nToday Date: 26 Jul 2024\n\n<|eot_id|>")
@@ -97,33 +78,6 @@ def _words(text: str, specials: list[str]) -> list[str]:
     return out
 
 
-def build_tokenizer(family: str, out_dir: Path, template: str | None = None, split: str = PIECES.pattern) -> Path:
-    """A word-level tokenizer for ``family`` (vocabulary: the template's and the demo set's words, and "\\n\\n")
-    saved with save_pretrained to ``out_dir``; it carries the family's stock template (or ``template``) and
-    pre-tokenizes with the regex ``split`` (default: each space, word and punctuation on its own)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    file, bos, eos, pad, extra = FAMILIES[family]
-    text = (ASSETS / file).read_text()
-    corpus = [text, *(json.dumps(r["messages"], ensure_ascii=False) for r in demo_records("train") + demo_records("val"))]
-    corpus += [m["content"] for m in CONVERSATION] + ["You are terse."]
-    vocab = {"[UNK]": 0, "\n\n": 1}
-    for piece in sorted({p for line in corpus for p in PIECES.findall(line.replace("\\n", "\n"))}):
-        vocab.setdefault(piece, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(split), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    specials = {"bos_token": bos, "eos_token": eos, "pad_token": pad}
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", **{k: v for k, v in specials.items() if v},
-        extra_special_tokens=[*extra, "<image>", "<audio>"], chat_template=template or text,
-        clean_up_tokenization_spaces=False,
-    )
-    hf.save_pretrained(str(out_dir))
-    return out_dir
-
-
 def family_specials(family: str) -> list[str]:
     _, bos, eos, pad, extra = FAMILIES[family]
     return [t for t in (bos, eos, pad) if t] + extra + ["<image>", "<audio>"]
@@ -138,7 +92,7 @@ def tokenizers(tmp_path_factory):
 @pytest.fixture(scope="module")
 def processors(tokenizers):
     from plait.config.loader import config_from_dict
-    from tests.conftest import tiny_config_dict
+    from tests.helpers.jobs import tiny_config_dict
 
     cfg = config_from_dict(tiny_config_dict("unused.jsonl"))
     out = {}
@@ -276,7 +230,7 @@ def test_a_template_that_renders_earlier_turns_differently_is_refused_naming_the
     ids, mask = render_with_assistant_mask(tok, CONVERSATION[:2])  # one answer: fine, the <eos> is trained
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "seven<end_of_turn><eos>"
     from plait.config.loader import config_from_dict
-    from tests.conftest import tiny_config_dict
+    from tests.helpers.jobs import tiny_config_dict
 
     cfg = config_from_dict(tiny_config_dict("unused.jsonl"))
     proc = build_processor(cfg.model, build_model(cfg.model, tok, device="meta"), tok, 256)

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from plait.data.loader import MultimodalDataset
-from tests.unit.data.test_processing import setup  # noqa: F401  (fixture: tokenizer, model, processor)
+from tests.helpers.processing import setup  # noqa: F401  (fixture: tokenizer, model, processor)
 
 
 @pytest.mark.parametrize("text", ["", "\n\n  \n"])

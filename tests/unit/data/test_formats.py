@@ -15,7 +15,7 @@ from plait.data.formats import format_of, open_source
 from plait.data.formats.arrow import write_parquet
 from plait.data.formats.llava import llava_record
 from plait.data.sources import JsonlSource, MediaBytes, RawSample, SampleError, read_jsonl, sample_at
-from tests.conftest import DEMO, tiny_config_dict, write_jsonl
+from tests.helpers.jobs import DEMO, tiny_config_dict, write_jsonl
 
 DEMO_JSONL = DEMO / "train.jsonl"
 N = 60  # demo records used: text, image and audio tasks mixed

@@ -10,7 +10,7 @@ import pytest
 
 from plait.data.sources import SampleError
 from plait.train.trainer import Trainer
-from tests.conftest import DEMO, demo_records
+from tests.helpers.jobs import DEMO, demo_records
 from tests.unit.data.lazy_reference import assert_same_batches, eager_run, record_batches
 
 STEPS = int(os.environ.get("PLAIT_LAZY_STEPS", "12"))

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from plait.data.loader import MultimodalDataset
 from plait.data.metadata import MetadataTable, metadata_key, metadata_pass, this_process_only
 from plait.data.sources import JsonlSource, SampleError, sample_at
-from tests.conftest import DEMO, demo_records, write_jsonl
-from tests.unit.data.test_processing import setup  # noqa: F401  (fixture: tokenizer, model, processor)
+from tests.helpers.jobs import DEMO, demo_records, write_jsonl
+from tests.helpers.processing import setup  # noqa: F401  (fixture: tokenizer, model, processor)
 
 
 def eager_metas(source, proc):

@@ -15,7 +15,8 @@ from plait.data.formats import FORMATS
 from plait.data.formats import open_source
 from plait.data.mixture import MixtureBatchLoader, batch_sources, mixture_counts, mixture_order, source_counts
 from plait.data.loader import GlobalBatchLoader
-from tests.conftest import tiny_config_dict, write_jsonl
+from tests.helpers.jobs import tiny_config_dict, write_jsonl
+from tests.helpers.mixture import mixture_job
 
 SIZES = (1000, 300, 5000)
 WEIGHTS = (0.5, 0.3, 0.2)
@@ -112,7 +113,7 @@ def source_files(tmp_path) -> tuple[Path, Path]:
     import json
     import shutil
 
-    from tests.conftest import DEMO
+    from tests.helpers.jobs import DEMO
 
     recs = [json.loads(line) for line in (DEMO / "train.jsonl").read_text().splitlines()]
     image_recs = [r for r in recs if r["images"]][:3]
@@ -235,30 +236,6 @@ def test_single_train_file_stays_valid_and_formats_agree():
 
 
 # --- training on a mixture -------------------------------------------------------------------------------------
-
-def mixture_job(tmp_path, run: str, **train) -> dict:
-    """A tiny job on a mixture of the demo's text records (JSONL, weight 3) and image records (Parquet, weight 1),
-    each with a validation file."""
-    import json
-
-    from plait.data.formats.arrow import write_parquet
-    from tests.conftest import DEMO
-
-    recs = [json.loads(line) for line in (DEMO / "train.jsonl").read_text().splitlines()]
-    text = [r for r in recs if r["task"] == "text"]
-    images = [r for r in recs if r["task"] == "image_digit"]
-    if not (tmp_path / "text.jsonl").exists():
-        write_jsonl(tmp_path / "text.jsonl", text[:30])
-        write_jsonl(tmp_path / "text_val.jsonl", text[30:34])
-        write_parquet(images[:10], tmp_path / "images.parquet", DEMO)
-        write_parquet(images[10:13], tmp_path / "images_val.parquet", DEMO)
-    d = tiny_config_dict("", None, str(tmp_path / run), train={"steps": 6, "global_batch_size": 8, **train})
-    d["data"]["sources"] = [
-        {"path": str(tmp_path / "text.jsonl"), "weight": 3, "val": str(tmp_path / "text_val.jsonl")},
-        {"path": str(tmp_path / "images.parquet"), "weight": 1, "val": str(tmp_path / "images_val.parquet")},
-    ]
-    d["data"]["epoch_samples"] = 24
-    return d
 
 
 def test_a_mixture_trains_with_per_source_counts_validation_and_exact_resume(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from plait.data.sources import parse_record, read_jsonl
 from plait.models.hf import _load_config
 from plait.models.registry import load_tokenizer
-from tests.conftest import DEMO, ROOT, demo_records, write_jsonl
+from tests.helpers.jobs import DEMO, ROOT, demo_records, write_jsonl
 
 
 def test_a_relative_job_path_is_read_from_the_working_directory(monkeypatch, tmp_path):

@@ -12,20 +12,9 @@ from plait.data.collate import collate
 from plait.data.loader import MultimodalDataset
 from plait.data.processing import IGNORE
 from plait.data.sources import SampleError, parse_record
-from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.train.loss import token_loss_sum
-from tests.conftest import DEMO, demo_records, write_jsonl
-
-
-@pytest.fixture(scope="module")
-def setup():
-    from plait.config.loader import config_from_dict
-    from tests.conftest import tiny_config_dict
-
-    cfg = config_from_dict(tiny_config_dict("unused.jsonl"))
-    tok = load_tokenizer(cfg.data.tokenizer)
-    model = build_model(cfg.model, tok)
-    return tok, model, build_processor(cfg.model, model, tok, 256)
+from tests.helpers.jobs import DEMO, demo_records, write_jsonl
+from tests.helpers.processing import setup
 
 
 def record(task: str):

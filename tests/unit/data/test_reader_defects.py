@@ -15,14 +15,14 @@ from transformers.image_transforms import convert_to_rgb
 from plait.data.loader import MultimodalDataset
 from plait.data.processing import load_image
 from plait.data.sources import SampleError, parse_record, read_jsonl
-from tests.conftest import demo_records
+from tests.helpers.jobs import demo_records
 
 
 @pytest.fixture(scope="module")
 def proc():
     from plait.config.loader import config_from_dict
     from plait.models.registry import build_model, build_processor, load_tokenizer
-    from tests.conftest import tiny_config_dict
+    from tests.helpers.jobs import tiny_config_dict
 
     cfg = config_from_dict(tiny_config_dict("unused.jsonl"))
     tok = load_tokenizer(cfg.data.tokenizer)

@@ -18,7 +18,7 @@ from plait.data.processing import PerFrame
 from plait.data.sources import SampleError, parse_record, sample_at
 from plait.data.video import VideoHeader, VideoSpec, load_video, read_video_header, sample_indices
 from plait.models.registry import build_model, build_processor, load_tokenizer
-from tests.conftest import DEMO, tiny_config_dict, write_jsonl
+from tests.helpers.jobs import DEMO, tiny_config_dict, write_jsonl
 from tests.media import video_tokenizer, write_image, write_video
 
 PER_FRAME = 4 * 3  # a 32x24 frame through the tiny SigLIP (patch 8, no resize): 4 x 3 patches

@@ -8,7 +8,7 @@ import pytest
 
 from plait.measure.job_profile import energy_profile_job
 from plait.config.loader import config_from_dict, validate
-from tests.conftest import demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
 
 
 def test_energy_sweep_skips_on_cpu_with_the_reason(tmp_path):

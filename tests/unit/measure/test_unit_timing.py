@@ -22,7 +22,7 @@ from plait.train.apply_plan import resolve_auto_plan
 from plait.measure.unit_timing import measure_profile, microbatch_shapes, profile_key
 from plait.planner.search.types import Machine
 from plait.planner.search.auto_layout import AUTO_MACHINE
-from tests.conftest import tiny_config_dict
+from tests.helpers.jobs import tiny_config_dict
 from tests.distributed.pipeline_worker import apply_mode, make_batch, tiny_model
 from tests.unit.profile_cases import make_profile as _profile
 from tests.unit.profile_cases import measurement as _measurement
@@ -191,10 +191,10 @@ def test_profiler_gives_an_mrope_llm_the_positions_it_trains_with(tmp_path):
     differ from the 1-D positions (a record with two images), as training does."""
     from plait.measure.job_profile import build_profile_inputs
     from plait.config.loader import config_from_dict
-    from tests.distributed.test_qwen2_5_vl_parallel import _job
+    from tests.helpers.qwen2_5_vl_parallel import qwen_vl_job
 
     torch.set_num_threads(1)
-    inputs = build_profile_inputs(config_from_dict(_job(tmp_path, "profile")), microbatch_size=4, device="cpu")
+    inputs = build_profile_inputs(config_from_dict(qwen_vl_job(tmp_path, "profile")), microbatch_size=4, device="cpu")
     (batch,) = inputs.microbatches
     rope = batch.rope_position_ids
     assert rope is not None and rope.shape == (3, *batch.input_ids.shape)

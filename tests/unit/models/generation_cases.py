@@ -11,7 +11,7 @@ from plait.data.collate import collate
 from plait.models.generation import save_final as write_final
 from plait.models.generation import stop_token_ids
 from plait.train.trainer import Trainer
-from tests.conftest import demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
 
 __all__ = ["ANSWERS", "task_records", "save_final", "train_final", "trainer_predictions"]
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from plait.models.device import choose_cpu_threads
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 
 @pytest.mark.parametrize("requested, omp, cores, load, local, want", [

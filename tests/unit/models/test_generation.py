@@ -15,7 +15,7 @@ from plait.data.sources import SampleError
 from plait.models.generation import Generator, Prompt, exact_match, greedy_token_ids, stop_token_ids
 from plait.models.registry import load_tokenizer
 from plait.train.trainer import Trainer
-from tests.conftest import demo_records
+from tests.helpers.jobs import demo_records
 from tests.unit.models.generation_cases import save_final, task_records, train_final, trainer_predictions
 
 
@@ -109,7 +109,7 @@ def test_a_folder_that_is_not_final_is_named(trained, tmp_path):
 
 def test_stop_tokens_of_a_template_whose_turn_ends_otherwise_are_honoured(tiny_job, tmp_path):
     """Gemma-2's template ends a turn with <end_of_turn>; a model trained to answer "seven" stops right there."""
-    from tests.unit.data.test_chat_templates import build_tokenizer
+    from tests.helpers.chat_templates import build_tokenizer
 
     tok_dir = build_tokenizer("gemma2", tmp_path / "gemma_tok")
     tok = load_tokenizer(str(tok_dir))

@@ -31,11 +31,10 @@ from plait.models.generation import Generator, Prompt, greedy_token_ids
 from plait.models.hf_io import hf_format_of
 from plait.models.registry import build_processor
 from plait.train.evaluation import greedy_by_forward
-from tests.conftest import write_jsonl
+from tests.helpers.jobs import write_jsonl
 from tests.media import write_video
 from tests.unit.commands.tiny_hf_checkpoints import save_qwen2_5_vl
-
-PAD = "<|vision_start|><|image_pad|><|vision_end|>"
+from tests.helpers.hf_io_qwen2_5_vl import PAD, hf_inputs
 
 
 def _images(folder: Path, sizes=((60, 90), (100, 150))) -> list[str]:
@@ -51,16 +50,6 @@ def _images(folder: Path, sizes=((60, 90), (100, 150))) -> list[str]:
 def _prompt(images: list[str], question: str = "What is it?") -> Prompt:
     text = f"{PAD}first {PAD}{question}"
     return Prompt.from_text(text, images=images, placeholders={"image": "<|image_pad|>"})
-
-
-def _hf_inputs(batch, image_id: int) -> dict:
-    """transformers' inputs for plait's collated prompt: the same ids, patches and grids, and its token types
-    (images 1), from which the model computes its own M-RoPE positions."""
-    vision = batch.modality_inputs["vision"]
-    return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-            "pixel_values": torch.cat(vision["pixel_values"]),
-            "image_grid_thw": torch.stack([torch.as_tensor(g) for g in vision["image_grid_thw"]]),
-            "mm_token_type_ids": (batch.input_ids == image_id).int()}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +69,7 @@ def test_mrope_positions_equal_get_rope_index_padded_and_packed(imported):
     samples = gen.process([_prompt(images), one, Prompt.from_text("text only")])
     batch = collate(samples, gen.processor.pad_id, padding_side="left")
     image_id = hf.config.image_token_id
-    inputs = _hf_inputs(batch, image_id)
+    inputs = hf_inputs(batch, image_id)
     want, _ = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"],
                                       attention_mask=inputs["attention_mask"])
     assert batch.rope_position_ids.shape == (3, 3, batch.input_ids.shape[1])
@@ -126,7 +115,7 @@ def test_imported_logits_equal_hf_with_its_own_multimodal_positions(imported):
     grids = batch.modality_inputs["vision"]["image_grid_thw"]
     assert len({tuple(g.tolist()) for g in grids}) == 2  # two images of different sizes
     with torch.no_grad():
-        stock = hf(**_hf_inputs(batch, hf.config.image_token_id)).logits
+        stock = hf(**hf_inputs(batch, hf.config.image_token_id)).logits
         mine = gen.model(batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids,
                          rope_position_ids=batch.rope_position_ids)
         one_d = gen.model(batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids)
@@ -230,7 +219,7 @@ def test_export_refuses_a_composite_qwen2_5_vl_cannot_hold():
     from plait.models.hf_io import HF_FORMATS, check_exportable
     from plait.models.multimodal import MultimodalModel
     from plait.models.projector import build_projector
-    from tests.unit.models.test_qwen2_5_vl import TINY_QWEN2_5_VL
+    from tests.helpers.qwen2_5_vl import TINY_QWEN2_5_VL
 
     def model(llm: dict, width: int) -> MultimodalModel:
         tower = build_encoder("image", config=dict(TINY_QWEN2_5_VL))

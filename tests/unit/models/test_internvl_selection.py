@@ -10,13 +10,13 @@ import torch
 from plait.config.loader import config_from_dict
 from plait.models.encoder import ModalityEncoder
 from plait.models.projector import build_projector
-from tests.unit.models.test_pixtral_internvl import (_images, _job, _tiling_processor, internvl_model,
-                                                     stock_projector_input)
+from tests.helpers.pixtral_internvl import (random_images, vision_family_job, tiling_processor, internvl_model,
+    stock_projector_input)
 
 
 def test_downsample_1_features_equal_get_image_features_with_downsample_ratio_1():
-    model, processor = internvl_model(1.0), _tiling_processor()
-    images = _images([(24, 80), (16, 16)])
+    model, processor = internvl_model(1.0), tiling_processor()
+    images = random_images([(24, 80), (16, 16)])
     batch = processor(images=images, return_tensors="pt")
     tiles = [processor(images=[img], return_tensors="pt")["pixel_values"] for img in images]
     branch = ModalityEncoder(model.vision_tower, build_projector("linear", 32, 32), "image", select="drop_cls",
@@ -36,7 +36,7 @@ def test_transformers_internvl_has_no_full_selection_and_plait_refuses_it(tmp_pa
         ModalityEncoder(model.vision_tower, build_projector("linear", 32, 32), "image", select="full")
     from plait.models.registry import build_model, load_tokenizer
 
-    job = _job(tmp_path, "internvl", {})
+    job = vision_family_job(tmp_path, "internvl", {})
     job["model"]["encoders"]["vision"].update(select="full", downsample=1)
     cfg = config_from_dict(job)
     with pytest.raises(ValueError, match=r"^model\.encoders\.vision: select = 'full': an InternVL branch"):

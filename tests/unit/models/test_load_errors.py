@@ -9,7 +9,7 @@ from transformers import CLIPVisionConfig
 
 from plait.config.loader import config_from_dict
 from plait.models.registry import compose_model, load_tokenizer
-from tests.conftest import tiny_config_dict
+from tests.helpers.jobs import tiny_config_dict
 
 
 def _compose(tmp_path, edit):

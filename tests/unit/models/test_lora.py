@@ -14,7 +14,7 @@ from plait.models.lora import DEFAULT_TARGETS, adapter_key, base_state_dict, sav
 from plait.models.multimodal import MultimodalModel
 from plait.models.registry import build_model, load_tokenizer
 from plait.models.units import model_units
-from tests.conftest import tiny_config_dict
+from tests.helpers.jobs import tiny_config_dict
 
 SEED = 3
 

@@ -9,7 +9,7 @@ from plait.models.encoder import ModalityEncoder
 from plait.models.hf import build_causal_lm, build_encoder
 from plait.models.multimodal import MultimodalModel
 from plait.models.projector import build_projector
-from tests.conftest import TINY_AUDIO, TINY_LLM, TINY_VISION
+from tests.helpers.jobs import TINY_AUDIO, TINY_LLM, TINY_VISION
 
 VOCAB = 50
 IMG, AUD = 48, 49

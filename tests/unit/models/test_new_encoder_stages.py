@@ -15,11 +15,11 @@ from plait.models.projector import build_projector
 from plait.models.units import model_units
 from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline.plan import plan_pipeline
-from tests.conftest import TINY_LLM
+from tests.helpers.jobs import TINY_LLM
 from tests.distributed.pipeline_worker import make_batch
-from tests.unit.models.test_qwen2_audio import TINY_QWEN2_AUDIO
-from tests.unit.models.test_siglip2 import TINY_SIGLIP2
-from tests.unit.parallel.test_stages import _check_branch_chain, on_one_rank
+from tests.helpers.qwen2_audio import TINY_QWEN2_AUDIO
+from tests.helpers.siglip2 import TINY_SIGLIP2
+from tests.helpers.stages import check_branch_chain, on_one_rank
 
 
 def _model(modality: str, cfg: dict, feature_layer: int = -1) -> MultimodalModel:
@@ -36,7 +36,7 @@ def test_siglip2_branch_split_at_every_unit_reproduces_its_features(feature_laye
     grids = [(3, 5), (4, 4), (3, 5)]
     inputs = {"pixel_values": [torch.randn(h * w, 48) for h, w in grids],
               "spatial_shapes": [torch.tensor([h, w]) for h, w in grids]}
-    _check_branch_chain(model, "image", inputs)
+    check_branch_chain(model, "image", inputs)
 
 
 def _audio_stages(model: MultimodalModel, splits: list[str]) -> list:

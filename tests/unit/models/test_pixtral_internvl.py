@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 import transformers as T
-from PIL import Image
 from torch.utils.flop_counter import FlopCounterMode
 
 from plait.config.loader import config_from_dict
@@ -23,33 +22,15 @@ from plait.models.hf import build_encoder, encoder_feature_size, encoder_layout,
 from plait.models.projector import build_projector
 from plait.planner.cost.arch import model_param_count, units_from_configs
 from plait.planner.cost.analytic import MicrobatchShape, unit_estimates
-from tests.conftest import TINY_LLM, tiny_config_dict, write_jsonl
-
-TINY_PIXTRAL = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=2, head_dim=16, patch_size=4, image_size=32, num_channels=3)
-TINY_INTERNVL = dict(model_type="internvl_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=2, patch_size=4, image_size=32, num_channels=3)
-
-
-def _kwargs(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k != "model_type"}
-
-
-def _images(sizes) -> list[Image.Image]:
-    rng = np.random.default_rng(0)
-    return [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
-
-
-def _pixtral(attn: str = "eager", layers: int = 2) -> T.PixtralVisionModel:
-    torch.manual_seed(0)
-    cfg = T.PixtralVisionConfig(**dict(_kwargs(TINY_PIXTRAL), num_hidden_layers=layers), attn_implementation=attn)
-    return T.PixtralVisionModel(cfg).eval()
+from tests.helpers.jobs import TINY_LLM, tiny_config_dict, write_jsonl
+from tests.helpers.pixtral_internvl import (TINY_INTERNVL, TINY_PIXTRAL, config_kwargs, internvl_model,
+    random_images, stock_projector_input, tiling_processor, tiny_pixtral, vision_family_job)
 
 
 def test_pixtral_features_equal_the_stock_tower_on_the_padded_batch():
-    encoder = _pixtral()
+    encoder = tiny_pixtral()
     processor = T.PixtralImageProcessorPil(patch_size=4, size={"longest_edge": 32})
-    images = _images([(24, 40), (16, 16), (50, 20)])
+    images = random_images([(24, 40), (16, 16), (50, 20)])
     padded = processor(images=images, return_tensors="pt")
     branch = ModalityEncoder(encoder, build_projector("linear", 32, 32), "image")
     items = [process_image(processor, img) for img in images]
@@ -66,7 +47,7 @@ def test_pixtral_features_equal_the_stock_tower_on_the_padded_batch():
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_pixtral_call_recomputes_rope_and_block_mask_for_later_layers(attn):
-    encoder = _pixtral(attn, layers=3)
+    encoder = tiny_pixtral(attn, layers=3)
     kwargs = pixtral_inputs([torch.randn(3, 20, 32), torch.randn(3, 16, 16), torch.randn(3, 32, 12)])
     with torch.no_grad():
         out = encoder(**kwargs, output_hidden_states=True)
@@ -87,37 +68,10 @@ def test_pixtral_feature_count_refuses_images_above_the_tower():
         count((2, 8))
 
 
-def internvl_model(ratio: float = 0.5) -> T.InternVLModel:
-    torch.manual_seed(0)
-    text = T.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=64)
-    full = T.InternVLConfig(vision_config=_kwargs(TINY_INTERNVL), text_config=text.to_dict(), downsample_ratio=ratio)
-    full.vision_config._attn_implementation = "eager"
-    return T.InternVLModel(full).eval()
-
-
-def _tiling_processor(**kwargs) -> T.GotOcr2ImageProcessorPil:
-    return T.GotOcr2ImageProcessorPil(crop_to_patches=True, size={"height": 32, "width": 32}, max_patches=6,
-                                      **kwargs)
-
-
-def stock_projector_input(model: T.InternVLModel, pixel_values: torch.Tensor, branch: ModalityEncoder,
-                          tiles: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(get_image_features' output, its projector's input, the branch's features of tiles)`` (no grad)."""
-    seen = {}
-    hook = model.multi_modal_projector.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
-    with torch.no_grad():
-        stock = model.get_image_features(pixel_values=pixel_values, vision_feature_layer=-1,
-                                         vision_feature_select_strategy="default").pooler_output
-        mine = branch.encoder_forward({"pixel_values": tiles})
-    hook.remove()
-    return stock, seen["x"], mine
-
-
 def test_internvl_features_equal_get_image_features():
     model = internvl_model()
-    processor = _tiling_processor()
-    images = _images([(24, 80), (16, 16), (70, 30)])
+    processor = tiling_processor()
+    images = random_images([(24, 80), (16, 16), (70, 30)])
     batch = processor(images=images, return_tensors="pt")
     branch = ModalityEncoder(model.vision_tower, build_projector("linear", 128, 32), "image", select="drop_cls",
                              downsample=2)
@@ -159,14 +113,14 @@ def test_internvl_feature_count_pixel_shuffle_and_checks():
 def _flops_and_estimates(cfg, tower, inputs: dict, tokens: int) -> tuple[int, int]:
     with FlopCounterMode(display=False) as counter:
         tower(**inputs)
-    llm = T.LlamaConfig(**_kwargs(TINY_LLM), vocab_size=64)
+    llm = T.LlamaConfig(**config_kwargs(TINY_LLM), vocab_size=64)
     units = [u for u in units_from_configs({"v": cfg, "llm": llm}) if u.module == "v" and u.kind != "projector"]
     est = unit_estimates(units, {"v": cfg}, MicrobatchShape(tokens=tokens))
     return counter.get_total_flops(), sum(e.weight_flops + e.attention_flops for e in est)
 
 
 def test_cost_model_params_and_flops_equal_the_real_towers():
-    pixtral = _pixtral()
+    pixtral = tiny_pixtral()
     assert model_param_count(pixtral.config) == sum(p.numel() for p in pixtral.parameters())
     measured, predicted = _flops_and_estimates(pixtral.config, pixtral, pixtral_inputs([torch.randn(3, 32, 32)]), 64)
     assert measured == predicted
@@ -175,21 +129,6 @@ def test_cost_model_params_and_flops_equal_the_real_towers():
     measured, predicted = _flops_and_estimates(internvl.config, internvl, {"pixel_values": torch.randn(2, 3, 32, 32)},
                                                2 * 65)
     assert measured == predicted
-
-
-def _job(tmp_path, family: str, processor: dict) -> dict:
-    image = tmp_path / "wide.png"
-    _images([(24, 40)])[0].save(image)
-    ask = {"role": "user", "content": "<image>\nWhat is it?"}
-    data = write_jsonl(tmp_path / "train.jsonl", [{"id": "wide-0", "task": "t", "images": [str(image)],
-                                                   "messages": [ask, {"role": "assistant", "content": "six"}]}])
-    cfg = tiny_config_dict(str(data), None, str(tmp_path / "run"))
-    branch = {"modality": "image", "config": dict(TINY_PIXTRAL if family == "pixtral" else TINY_INTERNVL),
-              "processor": processor}
-    if family == "internvl":
-        branch.update(select="drop_cls", downsample=2)
-    cfg["model"]["encoders"] = {"vision": branch}
-    return cfg
 
 
 @pytest.mark.parametrize("family, processor, message", [
@@ -203,7 +142,7 @@ def _job(tmp_path, family: str, processor: dict) -> dict:
 def test_processor_that_cannot_fit_the_tower_is_refused_when_the_job_is_built(tmp_path, family, processor, message):
     from plait.models.registry import build_model, build_processor, load_tokenizer
 
-    cfg = config_from_dict(_job(tmp_path, family, processor))
+    cfg = config_from_dict(vision_family_job(tmp_path, family, processor))
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     model = build_model(cfg.model, tokenizer)
     with pytest.raises(ValueError, match=message):
@@ -224,19 +163,19 @@ def _composite(cfg: dict, feature_layer: int = -1, **branch) -> "MultimodalModel
 
 @pytest.mark.parametrize("feature_layer", [-1, -2])
 def test_pixtral_branch_split_at_every_unit_reproduces_its_features(feature_layer):
-    from tests.unit.parallel.test_stages import _check_branch_chain
+    from tests.helpers.stages import check_branch_chain
 
     model = _composite(dict(TINY_PIXTRAL, num_hidden_layers=3), feature_layer)
     inputs = {"pixel_values": [torch.randn(3, 20, 32), torch.randn(3, 16, 16), torch.randn(3, 32, 12)]}
-    _check_branch_chain(model, "image", inputs)
+    check_branch_chain(model, "image", inputs)
 
 
 def test_internvl_branch_split_at_every_unit_reproduces_its_features():
-    from tests.unit.parallel.test_stages import _check_branch_chain
+    from tests.helpers.stages import check_branch_chain
 
     model = _composite(dict(TINY_INTERNVL, num_hidden_layers=3), select="drop_cls", downsample=2)
     inputs = {"pixel_values": [torch.randn(4, 3, 32, 32), torch.randn(1, 3, 32, 32)]}
-    _check_branch_chain(model, "image", inputs)
+    check_branch_chain(model, "image", inputs)
 
 
 @pytest.mark.parametrize("family, processor, message", [
@@ -249,7 +188,7 @@ def test_bad_images_are_refused_naming_record_and_file(tmp_path, family, process
     from plait.data.sources import JsonlSource, SampleError, sample_at
     from plait.models.registry import build_model, build_processor, load_tokenizer
 
-    cfg = config_from_dict(_job(tmp_path, family, processor))
+    cfg = config_from_dict(vision_family_job(tmp_path, family, processor))
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     mm = build_processor(cfg.model, build_model(cfg.model, tokenizer), tokenizer, 256)
     with pytest.raises(SampleError, match=rf"record 'wide-0'.*wide.png.*{message}"):
@@ -259,7 +198,7 @@ def test_bad_images_are_refused_naming_record_and_file(tmp_path, family, process
 def _image_pair(tmp_path, sizes) -> tuple[list[str], dict]:
     """Two images of ``sizes`` saved as ``pair0.png``, ``pair1.png``, and a user turn asking about both."""
     paths = []
-    for i, img in enumerate(_images(sizes)):
+    for i, img in enumerate(random_images(sizes)):
         paths.append(str(tmp_path / f"pair{i}.png"))
         img.save(paths[-1])
     return paths, {"role": "user", "content": "<image> <image>\nSame digit?"}
@@ -267,7 +206,7 @@ def _image_pair(tmp_path, sizes) -> tuple[list[str], dict]:
 
 def test_tiny_pixtral_job_with_two_images_of_different_sizes_trains(tmp_path):
     from plait.train.trainer import Trainer
-    from tests.conftest import demo_records
+    from tests.helpers.jobs import demo_records
 
     paths, ask = _image_pair(tmp_path, [(20, 36), (28, 12)])
     records = [{"id": "pair-0", "task": "pair", "images": paths,
@@ -318,7 +257,7 @@ def test_pixtral_split_tower_under_activation_checkpointing_gives_the_same_gradi
     from plait.parallel.stages import build_rank_stages
     from plait.planner.pipeline.plan import plan_pipeline
     from tests.distributed.pipeline_worker import make_batch
-    from tests.unit.parallel.test_stages import on_one_rank
+    from tests.helpers.stages import on_one_rank
 
     inputs = {"pixel_values": [torch.randn(3, 20, 32), torch.randn(3, 16, 16)]}
     reference = _composite(dict(TINY_PIXTRAL, num_hidden_layers=3))
@@ -344,7 +283,7 @@ def test_pixtral_split_tower_under_activation_checkpointing_gives_the_same_gradi
 def test_pixtral_tp_plan_covers_every_linear_of_a_layer_and_internvl_has_none():
     from plait.models.hf import encoder_tp_plan
 
-    encoder = _pixtral()
+    encoder = tiny_pixtral()
     plan = encoder_tp_plan(encoder)
     linears = {f"transformer.layers.*.{n}" for n, m in encoder.transformer.layers[0].named_modules()
                if isinstance(m, torch.nn.Linear)}
@@ -358,8 +297,8 @@ def test_a_full_internvl_checkpoint_gives_its_tower_and_tiling_processor(tmp_pat
 
     full = T.InternVLForConditionalGeneration(internvl_model().config)
     full.save_pretrained(tmp_path / "internvl")
-    _tiling_processor().__class__(size={"height": 32, "width": 32}).save_pretrained(tmp_path / "internvl")
-    job = _job(tmp_path, "internvl", {})
+    tiling_processor().__class__(size={"height": 32, "width": 32}).save_pretrained(tmp_path / "internvl")
+    job = vision_family_job(tmp_path, "internvl", {})
     job["model"]["encoders"]["vision"] = {"modality": "image", "path": str(tmp_path / "internvl"),
                                           "select": "drop_cls", "downsample": 2}
     cfg = config_from_dict(job)
@@ -372,7 +311,7 @@ def test_a_full_internvl_checkpoint_gives_its_tower_and_tiling_processor(tmp_pat
         torch.testing.assert_close(tower.state_dict()[name], value, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
     processor = build_processor(cfg.model, model, tokenizer, 256).specs["image"].hf_processor
-    assert processor.crop_to_patches and processor(images=_images([(24, 80)]), return_tensors="pt")[
+    assert processor.crop_to_patches and processor(images=random_images([(24, 80)]), return_tensors="pt")[
         "num_patches"].tolist() == [4]
 
 
@@ -385,7 +324,7 @@ def test_a_pixtral_path_towers_processor_table_is_applied_and_checked(tmp_path):
     T.PixtralImageProcessorPil(patch_size=4, size={"longest_edge": 32}).save_pretrained(folder)
 
     def processor(table: dict):
-        job = _job(tmp_path, "pixtral", table)
+        job = vision_family_job(tmp_path, "pixtral", table)
         job["model"]["encoders"]["vision"] = {"modality": "image", "path": str(folder), "processor": table}
         cfg = config_from_dict(job)
         tokenizer = load_tokenizer(cfg.data.tokenizer)

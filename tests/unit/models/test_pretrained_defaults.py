@@ -14,7 +14,7 @@ from plait.config.loader import config_from_dict
 from plait.data.sources import parse_record
 from plait.models.generation import save_final
 from plait.models.registry import build_model, build_processor, load_tokenizer
-from tests.conftest import DEMO, demo_records, tiny_config_dict
+from tests.helpers.jobs import DEMO, demo_records, tiny_config_dict
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,11 @@ import transformers as T
 
 from plait.config.loader import config_from_dict
 from plait.models.processor_table import check_processor_table, processor_keys
-from tests.conftest import TINY_AUDIO, TINY_VISION, tiny_config_dict, write_jsonl
-from tests.unit.models.test_pixtral_internvl import TINY_INTERNVL, TINY_PIXTRAL
-from tests.unit.models.test_qwen2_5_vl import TINY_QWEN2_5_VL
-from tests.unit.models.test_qwen2_audio import TINY_QWEN2_AUDIO
-from tests.unit.models.test_siglip2 import TINY_SIGLIP2
+from tests.helpers.jobs import TINY_AUDIO, TINY_VISION, tiny_config_dict, write_jsonl
+from tests.helpers.pixtral_internvl import TINY_INTERNVL, TINY_PIXTRAL
+from tests.helpers.qwen2_5_vl import TINY_QWEN2_5_VL
+from tests.helpers.qwen2_audio import TINY_QWEN2_AUDIO
+from tests.helpers.siglip2 import TINY_SIGLIP2
 
 BRANCHES = {
     "siglip": {"modality": "image", "config": TINY_VISION},

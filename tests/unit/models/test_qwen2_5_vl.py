@@ -15,13 +15,8 @@ from plait.models.families.qwen2_5_vl import MAX_PIXELS, Qwen25VLFeatureCount, c
 from plait.models.hf import build_encoder, encoder_feature_size, encoder_layout
 from plait.models.projector import build_projector
 from plait.models.tower_call import tower_call
+from tests.helpers.qwen2_5_vl import TINY_PROCESSOR, TINY_QWEN2_5_VL
 
-# window_size 56 px = 2x2 merged blocks of 2x2 patches of 14 px: 4x4-patch windows; blocks 1 and 3 attend fully
-TINY_QWEN2_5_VL = dict(model_type="qwen2_5_vl_vision", depth=4, hidden_size=32, intermediate_size=64, num_heads=2,
-                       patch_size=14, window_size=56, out_hidden_size=48, fullatt_block_indexes=[1, 3],
-                       temporal_patch_size=2, spatial_merge_size=2)
-# min/max pixels small enough for a few patches per image
-TINY_PROCESSOR = dict(min_pixels=28 * 28, max_pixels=28 * 28 * 30)
 BRANCH_CONFIG = {"modality": "image", "config": dict(TINY_QWEN2_5_VL), "projector": "linear",
                  "processor": dict(TINY_PROCESSOR)}
 
@@ -116,7 +111,7 @@ def test_encoder_input_check_names_patch_width_and_rows():
 def _model(seed: int = 0):
     from plait.models.hf import build_causal_lm
     from plait.models.multimodal import MultimodalModel
-    from tests.conftest import TINY_LLM
+    from tests.helpers.jobs import TINY_LLM
 
     torch.manual_seed(seed)
     llm = build_causal_lm(config=TINY_LLM, vocab_size=50, attn_implementation="eager")
@@ -128,9 +123,9 @@ def _inputs() -> dict:
 
 
 def test_branch_split_at_every_unit_reproduces_its_features():
-    from tests.unit.parallel.test_stages import _check_branch_chain
+    from tests.helpers.stages import check_branch_chain
 
-    _check_branch_chain(_model(), "image", _inputs())
+    check_branch_chain(_model(), "image", _inputs())
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
@@ -142,7 +137,7 @@ def test_split_inside_the_blocks_gives_the_features_and_gradients_of_one_module(
     from plait.parallel.stages import build_rank_stages
     from plait.planner.pipeline.plan import plan_pipeline
     from tests.distributed.pipeline_worker import make_batch
-    from tests.unit.parallel.test_stages import on_one_rank
+    from tests.helpers.stages import on_one_rank
 
     reference, model = _model(), _model()
     inputs = _inputs()
@@ -172,7 +167,7 @@ def test_cost_model_params_and_flops_equal_the_real_tower():
 
     from plait.planner.cost.arch import model_param_count, projector_arch, split_model_configs, units_from_configs
     from plait.planner.cost.analytic import MicrobatchShape, unit_estimates
-    from tests.conftest import TINY_LLM
+    from tests.helpers.jobs import TINY_LLM
 
     kwargs = {k: v for k, v in TINY_QWEN2_5_VL.items() if k != "model_type"}
     cfg = T.Qwen2_5_VLConfig(vision_config=kwargs).vision_config
@@ -285,8 +280,8 @@ def test_meta_build_and_each_ranks_share_equal_the_full_model():
     table rides with the patch embedding)."""
     from plait.config.loader import config_from_dict
     from plait.models.registry import build_model, load_tokenizer
-    from tests.conftest import tiny_config_dict
-    from tests.unit.models.test_meta_init import SEED, assert_same, check_ranks, eager_reference, tensors
+    from tests.helpers.jobs import tiny_config_dict
+    from tests.helpers.meta_init import SEED, assert_same, check_ranks, eager_reference, tensors
 
     cfg_dict = tiny_config_dict("unused.jsonl")
     cfg_dict["model"]["encoders"]["vision"] = dict(BRANCH_CONFIG)
@@ -298,7 +293,7 @@ def test_meta_build_and_each_ranks_share_equal_the_full_model():
 
 
 def _job(tmp_path, records, processor=None, steps=2, **tower) -> dict:
-    from tests.conftest import tiny_config_dict, write_jsonl
+    from tests.helpers.jobs import tiny_config_dict, write_jsonl
 
     data = write_jsonl(tmp_path / "train.jsonl", records)
     cfg = tiny_config_dict(str(data), None, str(tmp_path / "run"),
@@ -323,7 +318,7 @@ def test_tiny_job_with_several_images_of_different_sizes_trains(tmp_path):
     from plait.config.loader import config_from_dict
     from plait.data.collate import collate
     from plait.train.trainer import Trainer
-    from tests.conftest import demo_records
+    from tests.helpers.jobs import demo_records
 
     records = _two_image_records(tmp_path) + demo_records("train", ("image_digit",), limit=2)
     trainer = Trainer.build(config_from_dict(_job(tmp_path, records, steps=3)))
@@ -394,7 +389,7 @@ def test_frozen_tower_units_keep_no_graph_and_its_projector_trains():
     from plait.parallel.stages import build_rank_stages
     from plait.planner.pipeline.plan import plan_pipeline
     from tests.distributed.pipeline_worker import make_batch
-    from tests.unit.parallel.test_stages import on_one_rank
+    from tests.helpers.stages import on_one_rank
 
     model = _model()
     model.set_frozen("encoder", True, "image")
@@ -420,7 +415,7 @@ def test_text_causal_lm_builds_no_throwaway_qwen2_model(monkeypatch):
     from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
 
     from plait.models.families.qwen2_5_vl import Qwen25VLTextForCausalLM
-    from tests.distributed.test_qwen2_5_vl_parallel import MROPE_LLM
+    from tests.helpers.qwen2_5_vl_parallel import MROPE_LLM
 
     def refuse(self, *args, **kwargs):
         raise AssertionError("a Qwen2Model was built")

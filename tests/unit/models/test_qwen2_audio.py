@@ -20,10 +20,8 @@ from plait.models.hf import build_encoder, encoder_layout, run_encoder_layer
 from plait.models.projector import build_projector
 from plait.planner.cost.arch import model_param_count, units_from_configs
 from plait.planner.cost.analytic import MicrobatchShape, unit_estimates
-from tests.conftest import TINY_LLM, demo_records
-
-TINY_QWEN2_AUDIO = dict(model_type="qwen2_audio_encoder", d_model=32, encoder_layers=2, encoder_attention_heads=2,
-                        encoder_ffn_dim=64, num_mel_bins=80, max_source_positions=150)
+from tests.helpers.jobs import TINY_LLM, demo_records
+from tests.helpers.qwen2_audio import TINY_QWEN2_AUDIO
 
 
 def _extractor(seconds: int = 3) -> T.WhisperFeatureExtractor:
@@ -123,7 +121,7 @@ def test_cost_model_params_and_flops_equal_the_real_encoder():
 @pytest.fixture
 def audio_job():
     from plait.config.loader import config_from_dict
-    from tests.conftest import tiny_config_dict, write_jsonl
+    from tests.helpers.jobs import tiny_config_dict, write_jsonl
 
     def make(tmp_path, records, processor=None, steps=2):
         data = write_jsonl(tmp_path / "train.jsonl", records)

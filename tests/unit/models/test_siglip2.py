@@ -21,10 +21,8 @@ from plait.models.hf import build_encoder, encoder_layout
 from plait.models.projector import build_projector
 from plait.planner.cost.arch import model_param_count, units_from_configs
 from plait.planner.cost.analytic import MicrobatchShape, unit_estimates
-from tests.conftest import TINY_LLM, demo_records, tiny_config_dict, write_jsonl
-
-TINY_SIGLIP2 = dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=2, patch_size=4, num_patches=16, num_channels=3)
+from tests.helpers.jobs import TINY_LLM, demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.siglip2 import TINY_SIGLIP2
 
 
 def _images() -> list[Image.Image]:

@@ -18,7 +18,7 @@ from plait.models.encoder import ModalityEncoder
 from plait.models.hf import build_encoder
 from plait.models.projector import build_projector
 from plait.models.registry import build_model, load_tokenizer
-from tests.conftest import TINY_AUDIO, TINY_VISION, tiny_config_dict
+from tests.helpers.jobs import TINY_AUDIO, TINY_VISION, tiny_config_dict
 
 
 @pytest.fixture(scope="module")

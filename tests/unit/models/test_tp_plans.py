@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from plait.models.hf import build_causal_lm, build_encoder, encoder_layout, encoder_tp_plan, llm_tp_plan
-from tests.conftest import TINY_AUDIO, TINY_LLM
+from tests.helpers.jobs import TINY_AUDIO, TINY_LLM
 
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
                patch_size=16)

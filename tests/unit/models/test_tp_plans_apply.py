@@ -11,7 +11,7 @@ from plait.config.loader import config_from_dict
 from plait.data.chat_template import tokenizer_dir
 from plait.models.registry import build_model, load_tokenizer
 from plait.parallel.tensor_parallel import apply_tensor_parallel, concrete_plan, grad_square_sum, model_tp_plan
-from tests.conftest import tiny_config_dict
+from tests.helpers.jobs import tiny_config_dict
 
 
 def _model(tie: bool = False):

@@ -15,7 +15,7 @@ from plait.data.chat_template import read_chat_template
 from plait.models.file_modes import share_saved_files
 from plait.models.hf_io import export_chat_template
 from plait.models.registry import load_tokenizer
-from tests.conftest import DEMO
+from tests.helpers.jobs import DEMO
 
 STRING_ONLY_CHATML = (  # plait's ChatML as committed before typed parts: string contents only
     "{%- for message in messages -%}{%- if message['role'] == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"

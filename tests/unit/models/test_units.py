@@ -11,7 +11,7 @@ from plait.models.multimodal import MultimodalModel
 from plait.models.projector import build_projector
 from plait.models.units import model_units, unit_specs
 from plait.planner.pipeline.plan import plan_pipeline
-from tests.conftest import TINY_LLM
+from tests.helpers.jobs import TINY_LLM
 from tests.distributed.pipeline_worker import apply_mode, tiny_model
 
 VISION = ["encoders.vision.encoder.embeddings", "encoders.vision.encoder.encoder.layers.0",

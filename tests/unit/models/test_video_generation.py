@@ -14,7 +14,7 @@ from plait.data.sources import SampleError, parse_record
 from plait.models.generation import Generator, save_final
 from plait.models.registry import build_processor
 from plait.train.trainer import Trainer
-from tests.conftest import demo_records
+from tests.helpers.jobs import demo_records
 from tests.media import video_tokenizer, write_video
 from tests.unit.models.generation_cases import trainer_predictions
 
@@ -31,7 +31,7 @@ def trained(tmp_path_factory):
     """A tiny model trained 2 steps on image and video records with ``fps = 2``, ``max_frames = 4`` (not the
     defaults), validated on video records, saved to ``final/``: (trainer, final, val records, folder)."""
     from plait.config.loader import config_from_dict
-    from tests.conftest import tiny_config_dict, write_jsonl
+    from tests.helpers.jobs import tiny_config_dict, write_jsonl
 
     folder = tmp_path_factory.mktemp("video_gen")
     videos = [str(write_video(folder / f"v{i}.mp4", 6 + i, rate=4)) for i in range(3)]  # 1.5-2 s: 3-4 frames

@@ -22,28 +22,13 @@ from plait.planner.pipeline.schedules import build_schedule
 from plait.train.loss import token_loss_sum
 from plait.train.trainer import Trainer
 from tests.distributed.pipeline_worker import COLOC, ENC_PAR, make_batch, reference_step, tiny_model
-from tests.unit.train.test_deferral import deferral_records
+from tests.helpers.deferral import deferral_records
+from tests.helpers.checkpointing import MODES, frozen_model
 
-# freezing modes: (encoders frozen, projectors frozen, LLM frozen)
-MODES = {
-    "all": (False, False, False),
-    "frozen-encoders": (True, False, False),  # trainable projectors and LLM
-    "frozen-llm": (False, False, True),  # trainable encoders and projectors
-    "projectors-only": (True, False, True),
-}
 BATCHES = ("iva", "t", "ia")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def frozen_model(mode: str):
-    encoders, projectors, llm = MODES[mode]
-    model = tiny_model()
-    model.set_frozen("encoder", encoders)
-    model.set_frozen("projector", projectors)
-    model.set_frozen("llm", llm)
-    return model
 
 
 def _grads(named) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ from plait.config.loader import config_from_dict, load_config, validate
 from plait.parallel.dims import ParallelDims
 from plait.train.pipeline_trainer import PipelineTrainer
 from plait.train.trainer import Trainer
-from tests.conftest import ROOT, tiny_config_dict
+from tests.helpers.jobs import ROOT, tiny_config_dict
 
 
 def test_overrides_set_dp_shard_and_tp_and_the_layout_follows():

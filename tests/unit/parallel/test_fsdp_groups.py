@@ -18,7 +18,7 @@ from plait.models.registry import build_model, load_tokenizer
 from plait.models.units import unit_specs
 from plait.parallel.fsdp import apply_fsdp, gathered
 from plait.train.step_run import dummy_llm_batch, encode_padded
-from tests.conftest import tiny_config_dict
+from tests.helpers.jobs import tiny_config_dict
 from tests.distributed.spawning import free_port
 
 

@@ -4,7 +4,6 @@ and the runtime (every stage on pipeline rank 0) against the single-process mode
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -17,22 +16,16 @@ from plait.models.units import model_units, unit_specs
 from plait.parallel.pipeline import clip_grad_norm_pipeline, run_pipeline_step
 from plait.parallel.pipeline.wire import HEADER_SLOTS, decode_header, encode_header
 from plait.parallel.stages import OwnedLayers, build_rank_stages
-from plait.planner.pipeline.plan import PipelinePlan, plan_pipeline
+from plait.planner.pipeline.plan import plan_pipeline
 from plait.planner.pipeline.schedules import build_schedule, gpipe, one_f_one_b
 from plait.train.loss import token_loss_sum
 from plait.train.plots import read_chrome_trace, write_chrome_trace
-from tests.conftest import TINY_LLM
+from tests.helpers.jobs import TINY_LLM
 from tests.distributed.pipeline_worker import apply_mode, make_batch, reference_step, tiny_model
-
-SPLIT = {"vision": 2, "audio": 2, "llm": 3}
+from tests.helpers.stages import SPLIT, check_branch_chain, on_one_rank
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def on_one_rank(plan: PipelinePlan) -> PipelinePlan:
-    """The same stages, all on pipeline rank 0 (runs in this process with local hand-overs only)."""
-    return plan.replace(stages=tuple(dataclasses.replace(s, rank=0) for s in plan.stages))
 
 
 def grads_match(stages, ref) -> int:
@@ -100,7 +93,7 @@ FAMILIES = {
 @pytest.mark.parametrize("feature_layer", [-1, -2])
 def test_branch_stages_reproduce_the_encoder_features_with_stock_modules(family, feature_layer):
     model = _vision_model(FAMILIES[family], feature_layer)
-    _check_branch_chain(model, "vision", {"pixel_values": [torch.randn(3, 16, 16), torch.randn(3, 24, 32),
+    check_branch_chain(model, "vision", {"pixel_values": [torch.randn(3, 16, 16), torch.randn(3, 24, 32),
                                                            torch.randn(3, 16, 16)]})
 
 
@@ -108,24 +101,7 @@ def test_branch_stages_reproduce_the_encoder_features_with_stock_modules(family,
 def test_whisper_branch_stages_reproduce_the_encoder_features(feature_layer):
     model = tiny_model(feature_layer=feature_layer)
     inputs = {"input_features": torch.randn(2, 80, 300), "num_samples": torch.tensor([8000, 3000])}
-    _check_branch_chain(model, "audio", inputs)
-
-
-def _check_branch_chain(model: MultimodalModel, name: str, inputs: dict) -> None:
-    """Cut the branch into one stage per unit and feed each stage's output to the next: the last one must give
-    ``ModalityEncoder.forward`` (which reads ``hidden_states[feature_layer]`` of the full encoder)."""
-    expected = model.encoders[name](inputs)
-    units = model_units(model)
-    n = sum(u.module == name for u in units)
-    plan = on_one_rank(plan_pipeline(units, stages_per_module={name: n}))
-    stages = build_rank_stages(model, plan, 0)
-    batch = make_batch("t", 0)
-    batch.modality_inputs = {name: inputs}
-    payload: dict = {}
-    for index in plan.module_stages(name):
-        payload = stages.stages[index].forward(batch, {index - 1: payload} if payload else {}, None, {})
-    torch.testing.assert_close(payload[name][0], expected, rtol=1e-5, atol=1e-6)
-    assert len(payload[name]) == 1 and n >= 3
+    check_branch_chain(model, "audio", inputs)
 
 
 def test_a_rank_holds_exactly_the_parameters_of_its_units_under_their_original_names():

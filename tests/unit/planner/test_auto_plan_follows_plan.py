@@ -23,8 +23,8 @@ from plait.planner.cost.sharding import ParallelDegrees, rank_memory
 from plait.planner.pipeline.simulator import P2PModel
 from plait.train.apply_plan import apply_layout_choice, resolve_auto_plan
 from plait.train.pipeline_trainer import PipelineTrainer
-from tests.conftest import ROOT
-from tests.unit.planner.test_sharding import _model
+from tests.helpers.jobs import ROOT
+from tests.helpers.sharding import vit_llm
 
 DEMO = ROOT / "configs" / "demo.toml"
 JOB = ["--train.microbatch_size=8", "--train.activation_checkpointing=full"]  # 32 samples: 4 microbatches
@@ -82,7 +82,7 @@ def test_auto_plan_keeps_the_jobs_own_degrees_as_plait_plan_does():
 
 
 def test_auto_plan_offloads_where_plait_plan_does_and_writes_it():
-    units, costs = _model()  # nothing fits 4 devices at a tenth of the whole model's memory, except FSDP2 CPU offload
+    units, costs = vit_llm()  # nothing fits 4 devices at a tenth of the whole model's memory, except FSDP2 CPU offload
     link = P2PModel(latency_s=1e-5, bandwidth_Bps=100e9)
     cap = 0.1 * sum(plan_layout(units, costs, 1, microbatches=8).stage_memory_bytes)
     planned = plan_parallel(units, costs, 4, microbatches=8,

@@ -23,7 +23,7 @@ from plait.train.apply_plan import apply_layout_choice, resolve_auto_plan
 from plait.train.pipeline_run import build_pipeline_plan
 from plait.planner.search.types import Machine
 from plait.planner.search.auto_layout import AUTO_MACHINE
-from tests.conftest import DEMO, tiny_config_dict
+from tests.helpers.jobs import DEMO, tiny_config_dict
 
 SLOW_LINK = P2PModel(latency_s=0.0, bandwidth_Bps=1e5)  # 1 MB of gradients takes 10 s
 LLM_BYTES = 10**6

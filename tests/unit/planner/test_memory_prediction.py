@@ -17,7 +17,7 @@ from plait.planner.cost.analytic import OptimizerSpec
 from plait.planner.cost.sharding import ParallelDegrees, rank_memory
 from plait.planner.types import UnitCost
 from plait.train.trainer import Trainer
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 
 @pytest.fixture(scope="module")

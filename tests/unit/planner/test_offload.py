@@ -12,12 +12,12 @@ from plait.planner.search.parallel import plan_parallel
 from plait.planner.cost.sharding import ParallelDegrees
 from plait.planner.pipeline.simulator import P2PModel
 from plait.planner.search.types import Machine, SearchSpace
-from tests.unit.planner.test_sharding import _costs, _model, _units
+from tests.helpers.sharding import toy_costs, vit_llm, toy_units
 
 
 def test_offload_cost_hand_worked():
     host = HostSpec(memory_bytes=1e6, h2d_Bps=1e3, d2h_Bps=2e3, adamw_params_per_s=100)
-    cost = offload_cost(_units(), _costs(), ParallelDegrees(dp_shard=2), host)
+    cost = offload_cost(toy_units(), toy_costs(), ParallelDegrees(dp_shard=2), host)
     assert cost.device_static_bytes == 200 + 800  # the frozen vision embed and layer, whole on the device
     assert cost.activation_bytes == 50 + 50 + 1000 + 50  # units that run a backward
     assert cost.buffer_bytes == (200 + 800) + 800  # embed + layer unsharded, the layer's gradient
@@ -28,13 +28,13 @@ def test_offload_cost_hand_worked():
     assert cost.step_s(3, 0.5) == pytest.approx(3 * 3.5 + 2 * 0.5 + 3.5)
     assert cost.device_bytes == 1000 + 1150 + 1800
     with pytest.raises(ValueError, match="dp_shard > 1"):
-        offload_cost(_units(), _costs(), ParallelDegrees(dp_shard=1), host)
+        offload_cost(toy_units(), toy_costs(), ParallelDegrees(dp_shard=1), host)
     with pytest.raises(ValueError, match="h2d_Bps"):
         HostSpec(h2d_Bps=0)
 
 
 def test_offload_searched_only_when_nothing_fits_without_it():
-    units, costs = _model()
+    units, costs = vit_llm()
     link = P2PModel(latency_s=1e-5, bandwidth_Bps=100e9)
     whole = sum(plan_layout(units, costs, 1, microbatches=8).stage_memory_bytes)
     machine = Machine(p2p=link, dp_link=link)
@@ -57,7 +57,7 @@ def test_offload_searched_only_when_nothing_fits_without_it():
 
 
 def test_a_jobs_own_offload_searches_offloaded_plans_only():
-    units, costs = _model()
+    units, costs = vit_llm()
     link = P2PModel(latency_s=1e-5, bandwidth_Bps=100e9)
     whole = sum(plan_layout(units, costs, 1, microbatches=8).stage_memory_bytes)
     machine = Machine(p2p=link, dp_link=link)
@@ -92,7 +92,7 @@ def test_a_jobs_own_offload_is_kept_by_plait_plan_and_auto_plan():
     from plait.config.loader import config_from_dict, validate
     from plait.planner.search.auto_layout import AUTO_MACHINE, AUTO_SPACE, plan_auto_layout
     from plait.train.apply_plan import apply_layout_choice, kept_degrees
-    from tests.conftest import tiny_config_dict
+    from tests.helpers.jobs import tiny_config_dict
 
     def cfg(**parallel):
         return config_from_dict(tiny_config_dict("train.jsonl", parallel=parallel))
@@ -102,7 +102,7 @@ def test_a_jobs_own_offload_is_kept_by_plait_plan_and_auto_plan():
     kept = kept_degrees(job, 2)
     assert kept == dict(tp_degrees=[1], dp_shard_degrees=[2], prefer_plain=False, fsdp_reshard=["after_backward"],
                         offload="cpu")
-    units, costs = _model()
+    units, costs = vit_llm()
     link = P2PModel(latency_s=1e-4, bandwidth_Bps=2e9)
     machine = dataclasses.replace(AUTO_MACHINE, p2p=link, dp_link=link)
     space = dataclasses.replace(AUTO_SPACE, virtual_stages=(1,), base_checkpointing="full")

@@ -15,7 +15,7 @@ from plait.planner.resilience.reconfigure import (
     plan_rejoin,
 )
 from plait.planner.resilience.templates import instantiate, plan_instantiation
-from tests.unit.planner.test_templates import templates
+from tests.helpers.templates import templates
 
 
 def _check(ts, before, failed, rec: Reconfiguration) -> None:

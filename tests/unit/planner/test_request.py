@@ -14,7 +14,7 @@ from plait.planner.cost.overheads import ActionOverheads
 from plait.planner.search.types import Machine, NoPlanFits, SearchSpace
 from plait.planner.search.parallel import degree_options, plan_parallel
 from plait.planner.pipeline.simulator import P2PModel
-from tests.unit.planner.test_sharding import _model
+from tests.helpers.sharding import vit_llm
 
 
 def test_requests_round_trip_through_json():
@@ -28,7 +28,7 @@ def test_requests_round_trip_through_json():
 
 
 def test_no_plan_fits_carries_the_least_need():
-    units, costs = _model()
+    units, costs = vit_llm()
     whole = plan_parallel(units, costs, 1, microbatches=4).stage_memory_bytes[0]
     with pytest.raises(NoPlanFits) as info:
         plan_parallel(units, costs, 2, microbatches=4, machine=Machine(memory_cap=1e-3 * whole))

@@ -45,6 +45,7 @@ from plait.planner.pipeline.simulator import (
 )
 from plait.planner.types import Unit, UnitCost
 from plait.planner.search.types import Machine, SearchSpace
+from tests.helpers.search import random_model
 
 
 # ----- an independent exhaustive enumeration -----------------------------------------------------
@@ -143,24 +144,13 @@ def _exhaustive(units, costs, devices, microbatches, *, cap=None, p2p=None, link
 
 
 # ----- random small models with exact (dyadic) costs -------------------------------------------------
-def _model(seed: int, encoders: int):
-    rng = random.Random(seed)
-    spec = {}
-    for name in ("vision", "audio")[:encoders]:
-        n = rng.randint(1, 3)
-        spec[name] = [rng.random() < 0.3 for _ in range(n - 1)] + [rng.random() < 0.7]
-    units = synthetic_units(spec, [rng.random() < 0.4 for _ in range(rng.randint(1, 4))])
-    costs = [UnitCost(rng.randint(1, 16) / 8, rng.randint(0, 16) / 8, rng.randint(0, 16) / 8,
-                      param_bytes=rng.randint(0, 64), activation_bytes=rng.randint(0, 16),
-                      output_bytes=rng.randint(0, 32)) for _ in units]
-    return units, costs, rng
 
 
 @settings(max_examples=14, deadline=None)
 @given(seed=st.integers(0, 10**6), encoders=st.integers(0, 2), devices=st.integers(1, 6),
        microbatches=st.integers(1, 5))
 def test_search_finds_the_exhaustive_optimum(seed, encoders, devices, microbatches):
-    units, costs, rng = _model(seed, encoders)
+    units, costs, rng = random_model(seed, encoders)
     p2p = P2PModel(rng.choice([0.0, 0.125]), rng.choice([None, 64.0]))
     link = rng.choice([None, P2PModel(0.0625, 32.0)])
     brute = _exhaustive(units, costs, devices, microbatches, p2p=p2p, link=link)
@@ -175,7 +165,7 @@ def test_search_finds_the_exhaustive_optimum(seed, encoders, devices, microbatch
 @given(seed=st.integers(0, 10**6), devices=st.integers(2, 6), microbatches=st.integers(1, 5),
        fraction=st.floats(0.2, 1.0))
 def test_search_with_memory_cap_finds_the_exhaustive_optimum(seed, devices, microbatches, fraction):
-    units, costs, _ = _model(seed, 1)
+    units, costs, _ = random_model(seed, 1)
     memory = sum(unit_static_bytes(u, c) + microbatches * unit_activation_bytes(u, c) for u, c in zip(units, costs))
     cap = max(1.0, fraction * memory)
     brute = _exhaustive(units, costs, devices, microbatches, cap=cap)
@@ -240,7 +230,7 @@ def test_frozen_aware_beats_frozen_unaware_on_frozen_encoder_and_llm():
 def test_bounds_never_exceed_the_simulated_time():
     # Every candidate of the vectorised first bound, refined second bound and array timing, vs simulate().
     for seed in range(6):
-        units, costs, rng = _model(seed, 2)
+        units, costs, rng = random_model(seed, 2)
         p2p, link = P2PModel(0.125, 64.0), P2PModel(0.0625, 32.0)
         for aware in (True, False):
             model = search_model.SearchModel(units, costs, aware, "bfloat16", OptimizerSpec())
@@ -289,7 +279,7 @@ def test_megatron_even_split_by_hand():
 
 
 def test_megatron_picks_dp_by_unaware_model_and_search_matches_or_beats_it():
-    units, costs, _ = _model(3, 2)
+    units, costs, _ = random_model(3, 2)
     a = megatron_even_split(units, costs, 4, microbatches=4)
     options = [megatron_even_split(units, costs, 4, microbatches=4, dp=d) for d in (1, 2, 4) if 4 // d <= len(units)]
     assert a.planned_iteration_s == min(o.planned_iteration_s for o in options)
@@ -315,7 +305,7 @@ def test_consistent_units_mark_the_llm_embedding_downstream_of_trainable_encoder
 
 
 def test_layout_choice_json_round_trip():
-    units, costs, _ = _model(11, 2)
+    units, costs, _ = random_model(11, 2)
     choice = plan_layout(units, costs, 5, microbatches=4, machine=Machine(p2p=P2PModel(0.125, 64.0), memory_cap=1e9))
     again = LayoutChoice.from_json(choice.to_json(indent=1))
     assert again == choice
@@ -338,7 +328,7 @@ def test_evaluate_plan_times_a_given_plan_with_true_costs():
 
 
 def test_bad_input_raises_value_error():
-    units, costs, _ = _model(1, 1)
+    units, costs, _ = random_model(1, 1)
     with pytest.raises(ValueError, match="devices"):
         plan_layout(units, costs, 0, microbatches=2)
     with pytest.raises(ValueError, match="microbatches"):

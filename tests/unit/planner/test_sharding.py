@@ -9,8 +9,7 @@ import math
 
 import pytest
 
-from plait.planner.cost.arch import units_from_configs
-from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, OptimizerSpec, unit_costs
+from plait.planner.cost.analytic import OptimizerSpec
 from plait.planner.pipeline.graph import consistent_units
 from plait.planner.search.layout import plan_layout
 from plait.planner.search.model import allreduce_s, grad_sync_s, grad_sync_terms
@@ -24,32 +23,14 @@ from plait.planner.cost.sharding import (
     tp_allreduce_s,
 )
 from plait.planner.pipeline.simulator import P2PModel
-from plait.planner.types import Unit, UnitCost
 from plait.planner.search.types import Machine, SearchSpace
+from tests.helpers.sharding import toy_costs, toy_units, vit_llm
 
 LINK = P2PModel(latency_s=1e-5, bandwidth_Bps=1e9)
 
 
-def _units() -> list[Unit]:
-    return consistent_units([
-        Unit("v.embed", "vision", "embed", False, False),
-        Unit("v.layers.0", "vision", "layer", False, False),
-        Unit("v.proj", "vision", "projector", True, False),
-        Unit("llm.embed", "llm", "embed", True, False),
-        Unit("llm.layers.0", "llm", "layer", True, False),
-        Unit("llm.head", "llm", "head", True, False),
-    ])
-
-
-def _costs() -> list[UnitCost]:
-    layer = UnitCost(forward_s=1.0, input_grad_s=1.0, weight_grad_s=1.0, param_bytes=800, activation_bytes=1000,
-                     output_bytes=100)
-    small = UnitCost(0.1, 0.1, 0.1, param_bytes=200, activation_bytes=50, output_bytes=100)
-    return [small, layer, small, small, layer, small]
-
-
 def test_tp_splits_layers_and_charges_two_allreduces_each_way():
-    units, costs = _units(), _costs()
+    units, costs = toy_units(), toy_costs()
     out = shard_costs(units, costs, ParallelDegrees(tp=2), tp_link=LINK)
     ar = 2 * 1e-5 + 100 / 1e9  # ring all-reduce of 100 bytes over 2 ranks: 2 latencies + 2 (1/2) 100 B
     assert tp_allreduce_s(100, 2, LINK) == pytest.approx(ar)
@@ -63,7 +44,7 @@ def test_tp_splits_layers_and_charges_two_allreduces_each_way():
 
 
 def test_checkpointing_after_tp_recomputes_the_split_forward():
-    units, costs = _units(), _costs()
+    units, costs = toy_units(), toy_costs()
     out = shard_costs(units, costs, ParallelDegrees(tp=2, checkpointing="full"), tp_link=LINK)
     layer = out[4]
     assert layer.recompute_s == pytest.approx(layer.forward_s)
@@ -73,7 +54,7 @@ def test_checkpointing_after_tp_recomputes_the_split_forward():
 
 
 def test_fsdp_divides_state_and_charges_only_the_gather_beyond_compute():
-    units, costs = _units(), _costs()
+    units, costs = toy_units(), toy_costs()
     slow = P2PModel(latency_s=0.0, bandwidth_Bps=100.0)  # gathering 800 B over 4 ranks: 600 B -> 6 s
     out = shard_costs(units, costs, ParallelDegrees(dp_shard=4), shard_link=slow)
     assert gather_s(800, 4, slow) == pytest.approx(6.0)
@@ -86,7 +67,7 @@ def test_fsdp_divides_state_and_charges_only_the_gather_beyond_compute():
 
 
 def test_rank_memory_is_the_state_over_the_shard_degree():
-    units, costs = _units(), _costs()
+    units, costs = toy_units(), toy_costs()
     opt = OptimizerSpec(grad_bytes_per_param=4, state_bytes_per_param=8)
     whole = rank_memory(units, costs, dtype="float32", optimizer=opt)
     assert whole.parameters == 2 * 800 + 4 * 200
@@ -121,20 +102,8 @@ def test_degrees_validated_and_enumerated():
                                                       (4, 1), (4, 2), (8, 1)}
 
 
-def _model():
-    configs = {
-        "vision": dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
-                       num_attention_heads=16, image_size=224, patch_size=14),
-        "llm": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=12,
-                    num_attention_heads=16, num_key_value_heads=4, vocab_size=32000),
-    }
-    units = units_from_configs(configs, {})
-    shapes = {"vision": MicrobatchShape(257), "llm": MicrobatchShape(2048)}
-    return units, unit_costs(units, configs, shapes, DeviceSpec.h100())
-
-
 def test_plain_plan_kept_when_it_fits():
-    units, costs = _model()
+    units, costs = vit_llm()
     plain = plan_layout(units, costs, 4, microbatches=8)
     chosen = plan_parallel(units, costs, 4, microbatches=8, machine=Machine(memory_cap=1e12))
     assert (chosen.tp, chosen.dp_shard, chosen.checkpointing) == (1, 1, "none")
@@ -142,7 +111,7 @@ def test_plain_plan_kept_when_it_fits():
 
 
 def test_tight_cap_searched_exactly_over_the_degrees():
-    units, costs = _model()
+    units, costs = vit_llm()
     link = P2PModel(latency_s=1e-5, bandwidth_Bps=100e9)
     cap = 0.3 * sum(plan_layout(units, costs, 1, microbatches=8).stage_memory_bytes)  # the whole model: 1 rank
     machine = Machine(p2p=link, dp_link=link)
@@ -180,7 +149,7 @@ def test_first_bounds_stay_below_the_timing_with_tp_costs_and_sharded_gradients(
     from plait.planner.search import candidates as search_candidates
     from plait.planner.search import model as search_model
     from plait.planner.pipeline.plan import LAYOUTS
-    from tests.unit.planner.test_search import _model as random_model
+    from tests.helpers.search import random_model
 
     p2p, link = P2PModel(0.125, 64.0), P2PModel(0.0625, 32.0)
     for seed in range(6):

@@ -21,13 +21,13 @@ from plait.planner.cost.sharding import (
 )
 from plait.planner.pipeline.simulator import P2PModel
 from plait.planner.search.types import Machine, SearchSpace
-from tests.unit.planner.test_sharding import _costs, _model, _units
+from tests.helpers.sharding import toy_costs, vit_llm, toy_units
 
 LINK = P2PModel(latency_s=1e-5, bandwidth_Bps=100e9)
 
 
 def test_pipelined_memory_is_whole_parameters_and_gradients_and_a_shard_of_the_state():
-    units, costs = _units(), _costs()  # trainable: v.proj 200, llm.embed 200, llm.layers.0 800, llm.head 200 bytes
+    units, costs = toy_units(), toy_costs()  # trainable: v.proj 200, llm.embed 200, llm.layers.0 800, llm.head 200 bytes
     mem = rank_memory(units, costs, ParallelDegrees(dp_shard=2), pipelined=True)  # bf16: 2 bytes per parameter
     assert mem.parameters == 2400  # frozen 1000 + trainable 1400, all whole
     assert mem.gradients == 1400  # bf16 gradients of the 700 trainable parameters, whole
@@ -40,7 +40,7 @@ def test_pipelined_memory_is_whole_parameters_and_gradients_and_a_shard_of_the_s
 
 
 def test_pipelined_costs_keep_time_and_bytes_whole_and_shard_the_optimizer_step():
-    units, costs = _units(), _costs()
+    units, costs = toy_units(), toy_costs()
     slow = P2PModel(latency_s=0.0, bandwidth_Bps=100.0)
     degrees = ParallelDegrees(tp=2, dp_shard=4, checkpointing="full")
     out = pipelined_shard_costs(units, costs, degrees, tp_link=slow)
@@ -52,7 +52,7 @@ def test_pipelined_costs_keep_time_and_bytes_whole_and_shard_the_optimizer_step(
 
 def test_search_shards_pipeline_stages_when_devices_outnumber_microbatches():
     # 8 devices, 4 microbatches: FSDP2 without stages needs dp = 8 > 4 microbatches, so only sharded stages can run.
-    units, costs = _model()
+    units, costs = vit_llm()
     machine = Machine(p2p=LINK, dp_link=LINK)
     common = dict(microbatches=4)
     plain = plan_layout(units, costs, 8, space=SearchSpace(dp_degrees=[2]), machine=machine, **common)

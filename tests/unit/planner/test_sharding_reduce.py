@@ -24,13 +24,13 @@ from plait.planner.cost.sharding import (
 )
 from plait.planner.pipeline.simulator import P2PModel
 from plait.planner.search.types import Machine, SearchSpace
-from tests.unit.planner.test_sharding import _costs, _model, _units
+from tests.helpers.sharding import toy_costs, vit_llm, toy_units
 
 OPT = OptimizerSpec(grad_bytes_per_param=4, state_bytes_per_param=8)
 
 
 def test_step_reduction_over_several_microbatches_holds_every_unsharded_gradient():
-    units, costs = _units(), _costs()
+    units, costs = toy_units(), toy_costs()
     two = ParallelDegrees(dp_shard=2)
     # trainable: projector 200, LLM embed 200, LLM layer 800, head 200 (fp32, 4-byte gradients): 1400 in all
     assert accumulated_grad_bytes(units, costs, two, "float32", OPT) == 1400 - 800
@@ -54,7 +54,7 @@ def test_step_reduction_over_several_microbatches_holds_every_unsharded_gradient
 
 
 def _fake_run(need: float, grad_sync_s: float):
-    base = dataclasses.replace(plan_layout(_units(), _costs(), 1, microbatches=4), grad_sync_s=grad_sync_s)
+    base = dataclasses.replace(plan_layout(toy_units(), toy_costs(), 1, microbatches=4), grad_sync_s=grad_sync_s)
 
     def run(cap):
         return dataclasses.replace(base, fits_memory=cap is None or need <= cap)
@@ -75,7 +75,7 @@ def test_flat_reduce_keeps_the_faster_fitting_reduction():
 
 
 def test_plan_parallel_reduces_every_microbatch_only_when_accumulating_does_not_fit():
-    units, costs = _model()
+    units, costs = vit_llm()
     link = P2PModel(latency_s=1e-5, bandwidth_Bps=100e9)
     whole = sum(plan_layout(units, costs, 1, microbatches=8).stage_memory_bytes)
     machine = Machine(p2p=link, dp_link=link)
@@ -109,16 +109,16 @@ def test_emitted_parallel_table_names_the_reduction_only_when_not_step():
 def test_auto_plan_config_follows_the_chosen_reduction():
     from plait.config.loader import config_from_dict, validate
     from plait.train.apply_plan import apply_layout_choice
-    from tests.conftest import tiny_config_dict
+    from tests.helpers.jobs import tiny_config_dict
 
     cfg = config_from_dict(tiny_config_dict("train.jsonl"))
-    choice = plan_layout(_units(), _costs(), 2, microbatches=4, machine=Machine(dp_shard=2),
+    choice = plan_layout(toy_units(), toy_costs(), 2, microbatches=4, machine=Machine(dp_shard=2),
                          space=SearchSpace(dp_degrees=[2]))
     assert choice.plan.num_ranks == 1 and choice.fsdp_reduce == "step"
-    each = apply_layout_choice(cfg, dataclasses.replace(choice, fsdp_reduce="microbatch"), _units())
+    each = apply_layout_choice(cfg, dataclasses.replace(choice, fsdp_reduce="microbatch"), toy_units())
     validate(each)
     assert (each.parallel.fsdp_reduce, each.parallel.dp_shard, each.parallel.pp.degree) == ("microbatch", 2, 1)
-    assert apply_layout_choice(cfg, choice, _units()).parallel.fsdp_reduce == "step"
+    assert apply_layout_choice(cfg, choice, toy_units()).parallel.fsdp_reduce == "step"
     line = degrees_line(dataclasses.replace(choice, fsdp_reduce="microbatch"))
     assert line.startswith("memory: FSDP2 over 2 of the 2 data-parallel ranks + ")
     assert choice.shard_buffer_bytes < 2**20  # a few KB: MiB, not "0.00 GiB" (report.format_bytes)

@@ -24,14 +24,14 @@ from plait.planner.cost.sharding import (
 )
 from plait.planner.pipeline.simulator import P2PModel
 from plait.planner.search.types import Machine, SearchSpace
-from tests.unit.planner.test_sharding import _costs, _model, _units
+from tests.helpers.sharding import toy_costs, vit_llm, toy_units
 
 OPT = OptimizerSpec(grad_bytes_per_param=4, state_bytes_per_param=8)
 KEPT = ParallelDegrees(dp_shard=2, fsdp_reshard="after_backward")
 
 
 def test_kept_parameters_skip_the_backward_gather():
-    units, costs = _units(), _costs()
+    units, costs = toy_units(), toy_costs()
     slow = P2PModel(latency_s=0.0, bandwidth_Bps=100.0)  # gathering 800 B over 4 ranks: 600 B -> 6 s
     kept = shard_costs(units, costs, ParallelDegrees(dp_shard=4, fsdp_reshard="after_backward"), shard_link=slow)
     freed = shard_costs(units, costs, ParallelDegrees(dp_shard=4), shard_link=slow)
@@ -45,7 +45,7 @@ def test_kept_parameters_skip_the_backward_gather():
 
 
 def test_buffer_holds_every_trainable_units_parameters():
-    units, costs = _units(), _costs()
+    units, costs = toy_units(), toy_costs()
     # trainable parameters (fp32 = gradient bytes): projector 200, LLM embed 200, LLM layer 800, head 200
     assert kept_param_bytes(units, costs, KEPT, "float32", OPT) == 1400
     assert kept_param_bytes(units, costs, ParallelDegrees(dp_shard=2), "float32", OPT) == 0.0
@@ -71,7 +71,7 @@ def test_degree_options_offer_both_only_with_sharding():
 
 
 def test_plan_parallel_keeps_parameters_gathered_when_the_cap_allows():
-    units, costs = _model()
+    units, costs = vit_llm()
     link = P2PModel(latency_s=1e-4, bandwidth_Bps=2e9)  # slow enough that the backward's gathers show
     machine = Machine(p2p=link, dp_link=link, host=None)
     space = SearchSpace(tp_degrees=[1], dp_shard_degrees=[2], checkpointing=["full"], prefer_plain=False,
@@ -105,7 +105,7 @@ def test_emitted_table_and_auto_plan_config_carry_the_choice():
     from plait.config.loader import config_from_dict, validate
     from plait.planner.search.layout import plan_layout
     from plait.train.apply_plan import apply_layout_choice
-    from tests.conftest import tiny_config_dict
+    from tests.helpers.jobs import tiny_config_dict
 
     fields, degrees = {"degree": 1}, dict(dp=1, dp_shard=2, tp=1, activation_checkpointing="none")
     assert 'tp = 1\nfsdp_reshard = "after_backward"\n[parallel.pp]\n' in pp_toml(
@@ -113,21 +113,21 @@ def test_emitted_table_and_auto_plan_config_carry_the_choice():
     assert all("fsdp_reshard" not in pp_toml(fields, 2, degrees | {"fsdp_reshard": r})
                for r in ("auto", "after_forward"))  # a manual job's "auto" runs "after_forward"
     cfg = config_from_dict(tiny_config_dict("train.jsonl"))
-    flat = plan_layout(_units(), _costs(), 2, microbatches=4, machine=Machine(dp_shard=2),
+    flat = plan_layout(toy_units(), toy_costs(), 2, microbatches=4, machine=Machine(dp_shard=2),
                        space=SearchSpace(dp_degrees=[2]))
-    kept = apply_layout_choice(cfg, dataclasses.replace(flat, fsdp_reshard="after_backward"), _units())
+    kept = apply_layout_choice(cfg, dataclasses.replace(flat, fsdp_reshard="after_backward"), toy_units())
     validate(kept)
     assert (kept.parallel.fsdp_reshard, kept.parallel.dp_shard, kept.parallel.pp.degree) == ("after_backward", 2, 1)
-    assert apply_layout_choice(cfg, flat, _units()).parallel.fsdp_reshard == "after_forward"
-    plain = plan_layout(_units(), _costs(), 2, microbatches=4, space=SearchSpace(dp_degrees=[2]))
-    assert apply_layout_choice(cfg, plain, _units()).parallel.fsdp_reshard == "auto"  # no FSDP2: not its field
+    assert apply_layout_choice(cfg, flat, toy_units()).parallel.fsdp_reshard == "after_forward"
+    plain = plan_layout(toy_units(), toy_costs(), 2, microbatches=4, space=SearchSpace(dp_degrees=[2]))
+    assert apply_layout_choice(cfg, plain, toy_units()).parallel.fsdp_reshard == "auto"  # no FSDP2: not its field
 
 
 def test_a_jobs_own_fsdp_reshard_is_kept_by_plait_plan_and_auto_plan():
     from plait.config.loader import config_from_dict
     from plait.planner.search.auto_layout import AUTO_MACHINE, AUTO_SPACE, plan_auto_layout
     from plait.train.apply_plan import kept_degrees
-    from tests.conftest import tiny_config_dict
+    from tests.helpers.jobs import tiny_config_dict
 
     def cfg(**parallel):
         return config_from_dict(tiny_config_dict("train.jsonl", parallel=parallel))
@@ -135,7 +135,7 @@ def test_a_jobs_own_fsdp_reshard_is_kept_by_plait_plan_and_auto_plan():
     assert "fsdp_reshard" not in kept_degrees(cfg(dp_shard=2), 2)  # "auto": both searched
     kept = kept_degrees(cfg(dp_shard=2, fsdp_reshard="after_forward"), 2)
     assert kept == dict(tp_degrees=[1], dp_shard_degrees=[2], prefer_plain=False, fsdp_reshard=["after_forward"])
-    units, costs = _model()
+    units, costs = vit_llm()
     link = P2PModel(latency_s=1e-4, bandwidth_Bps=2e9)
     machine = dataclasses.replace(AUTO_MACHINE, p2p=link, dp_link=link)
     space = dataclasses.replace(AUTO_SPACE, virtual_stages=(1,), base_checkpointing="full")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ast
 
-from tests.conftest import ROOT
+from tests.helpers.jobs import ROOT
 
 PLANNER = ROOT / "plait" / "planner"
 LIMIT = 8

@@ -7,39 +7,11 @@ import itertools
 import pytest
 
 from plait.planner.cost.overheads import ActionOverheads
-from plait.planner.pipeline.plan import synthetic_units
 from plait.planner.search.layout import evaluate_plan, plan_layout
-from plait.planner.pipeline.simulator import P2PModel
-from plait.planner.resilience.templates import (
-    format_seconds,
-    PipelineTemplate,
-    TemplateSet,
-    distribute_microbatches,
-    instantiate,
-    plan_instantiation,
-    plan_templates,
-)
-from plait.planner.types import UnitCost
+from plait.planner.resilience.templates import (format_seconds, PipelineTemplate, TemplateSet,
+    distribute_microbatches, instantiate, plan_instantiation)
 from plait.planner.search.types import Machine, SearchSpace
-
-GIB = 1 << 30
-PARAM = GIB // 4
-CAP = 12 * GIB  # a trained unit holds 2 GiB (parameters, gradients, AdamW state): n0 = 2 or more
-
-
-def model(trainable_llm: bool = True):
-    """A vision encoder (4 units, frozen but its projector) and an 8-unit LLM, with costs."""
-    units = synthetic_units({"vision": [False, False, False, True]}, [trainable_llm] * 8)
-    costs = [UnitCost(forward_s=0.01 * (1 + (i % 3)), input_grad_s=0.01 * (1 + (i % 3)),
-                      weight_grad_s=0.01 * (1 + (i % 3)), param_bytes=PARAM, activation_bytes=GIB // 16,
-                      output_bytes=1 << 20) for i, _ in enumerate(units)]
-    return units, costs
-
-
-def templates(num_ranks: int = 8, failures: int = 1, microbatches: int = 12, **machine) -> TemplateSet:
-    units, costs = model()
-    return plan_templates(units, costs, num_ranks, failures, microbatches=microbatches,
-                          machine=Machine(memory_cap=CAP, dp_link=P2PModel(1e-5, 1e10), **machine))
+from tests.helpers.templates import CAP, PARAM, model, templates
 
 
 def test_templates_cover_n0_to_n_minus_f_n0_and_fit_their_simulated_times():

@@ -10,7 +10,7 @@ from plait.models.registry import build_model
 from plait.models.units import model_units
 from plait.planner.types import UnitCost
 from plait.train.apply_plan import resolve_auto_plan
-from tests.conftest import DEMO, tiny_config_dict
+from tests.helpers.jobs import DEMO, tiny_config_dict
 
 
 def test_auto_plan_charges_checkpointing():

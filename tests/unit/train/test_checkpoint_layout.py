@@ -23,7 +23,7 @@ from plait.train.checkpoint import (
 )
 from plait.train.optim import build_scheduler
 from plait.train.trainer import Trainer
-from tests.conftest import TINY_LLM, demo_records
+from tests.helpers.jobs import TINY_LLM, demo_records
 
 SINGLE = CheckpointLayout()
 PP2 = CheckpointLayout(world_size=2, dp=1, pp=2, cp=1, plan="encoders_colocated, stages 0: vision; 1: llm")

@@ -12,9 +12,9 @@ from plait.data.chat_template import tokenizer_dir
 from plait.models.registry import build_model, load_tokenizer
 from plait.planner.cost.arch import arch_from_config
 from plait.train.cost_coeffs import microbatch_cost_coeffs
-from tests.conftest import tiny_config_dict
-from tests.unit.models.test_pixtral_internvl import TINY_INTERNVL
-from tests.unit.models.test_qwen2_5_vl import TINY_QWEN2_5_VL
+from tests.helpers.jobs import tiny_config_dict
+from tests.helpers.pixtral_internvl import TINY_INTERNVL
+from tests.helpers.qwen2_5_vl import TINY_QWEN2_5_VL
 
 
 def _coeffs(branch: dict):
@@ -61,13 +61,13 @@ def test_pixtral_packed_call_is_priced_per_image_like_qwen2_5_vl_packing():
     from torch.utils.flop_counter import FlopCounterMode
 
     from plait.models.families.pixtral import pixtral_inputs
-    from tests.unit.models.test_pixtral_internvl import TINY_PIXTRAL, _pixtral
+    from tests.helpers.pixtral_internvl import TINY_PIXTRAL, tiny_pixtral
 
     coeffs, arch, (per_token, per_pair) = _coeffs({"config": dict(TINY_PIXTRAL)})
     assert coeffs.encoder_tokens_per_feature == 1.0 and coeffs.fixed == 0.0
     assert (coeffs.linear, coeffs.quadratic) == (pytest.approx(arch.layers * per_token),
                                                  pytest.approx(arch.layers * per_pair))
-    tower = _pixtral("eager")
+    tower = tiny_pixtral("eager")
     images = [torch.randn(3, 32, 32), torch.randn(3, 16, 24), torch.randn(3, 8, 8)]
     patches = [64, 24, 4]
 

@@ -10,7 +10,7 @@ from plait.data.chat_template import tokenizer_dir
 from plait.models.registry import build_model, load_tokenizer
 from plait.planner.pipeline.graph import ModuleFlags
 from plait.train.cost_coeffs import microbatch_cost_coeffs, pass_work
-from tests.conftest import tiny_config_dict
+from tests.helpers.jobs import tiny_config_dict
 
 
 def _model(lora: bool):

@@ -29,7 +29,7 @@ from plait.train.evaluation import (
 )
 from plait.train.loss import token_loss_sum
 from plait.train.trainer import Trainer
-from tests.conftest import demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
 
 METRICS = "tests.unit.train.eval_metric_fns"
 

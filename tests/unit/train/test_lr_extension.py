@@ -13,7 +13,7 @@ from plait.train.checkpoint import _restore_schedule
 from plait.train.metrics import read_metrics
 from plait.train.optim import CosineSchedule, LRSchedule, build_scheduler, lr_factor
 from plait.train.trainer import Trainer
-from tests.conftest import demo_records
+from tests.helpers.jobs import demo_records
 
 
 def cosine(r: float, phase: float) -> float:

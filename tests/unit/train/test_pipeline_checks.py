@@ -13,7 +13,7 @@ from plait.parallel.process_group import DistInfo
 from plait.train.pipeline_run import check_pipeline_microbatches
 from plait.train.pipeline_trainer import PipelineTrainer
 from plait.train.trainer import Trainer
-from tests.conftest import tiny_config_dict
+from tests.helpers.jobs import tiny_config_dict
 
 
 def job(**parallel):

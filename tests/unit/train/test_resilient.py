@@ -6,7 +6,7 @@ import pytest
 
 from plait.planner.resilience.templates import plan_instantiation
 from plait.train.resilient import LaunchPlan, microbatch_ranges
-from tests.unit.planner.test_templates import templates
+from tests.helpers.templates import templates
 
 
 def test_microbatch_ranges_keep_order_and_leave_short_batches_empty_at_the_end():

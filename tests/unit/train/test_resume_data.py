@@ -16,8 +16,8 @@ from plait.train.checkpoint import training_set_identity
 from plait.train.run_lock import LOCK_NAME
 from plait.train.run_start import fsdp_description, nothing_to_train
 from plait.train.trainer import Trainer
-from tests.conftest import demo_records, tiny_config_dict, write_jsonl
-from tests.unit.train.test_run_lock import start_holder, stop_holder
+from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.run_lock import start_holder, stop_holder
 
 
 def test_resume_refuses_another_training_set_of_the_same_size_naming_both_files(tiny_job, tmp_path):

@@ -12,7 +12,7 @@ from plait.config.loader import config_from_dict
 from plait.train.metrics import MetricsWriter, read_metrics
 from plait.train.run_dir import no_checkpoint_message
 from plait.train.trainer import Trainer
-from tests.conftest import demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
 
 
 def test_metrics_writer_resuming_without_a_file_starts_one(tmp_path, caplog):

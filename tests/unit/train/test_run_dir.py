@@ -12,19 +12,8 @@ from plait.commands.train import train_command
 from plait.config.loader import load_config
 from plait.train.run_dir import check_new_run, earlier_run
 from plait.train.trainer import Trainer
-from tests.conftest import demo_records, tiny_config_dict, write_jsonl
-
-
-def toml_text(data: dict, prefix: str = "") -> str:
-    """``data`` (nested dicts of TOML values; None dropped) as TOML text."""
-    scalars = {k: v for k, v in data.items() if v is not None and not isinstance(v, dict)}
-    lines = [f"[{prefix}]"] if prefix and scalars else []
-    lines += [f"{k} = {json.dumps(v)}" for k, v in scalars.items()]
-    text = "\n".join(lines) + "\n" if lines else ""
-    for k, v in data.items():
-        if isinstance(v, dict):
-            text += toml_text(v, f"{prefix}.{k}" if prefix else k)
-    return text
+from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.run_dir import toml_text
 
 
 def write_job(folder: Path, name: str, **sections) -> Path:

@@ -7,37 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from plait.train.run_lock import (LOCK_NAME, acquire_run_lock, busy_run_message, check_run_free, hold_run_lock,
                                   release_run_lock)
-
-REPO = Path(__file__).resolve().parents[3]
-# holds the lock of argv[1] until its stdin closes, then releases it (argv[2] == "release") or just exits
-HOLDER = ("import sys\nfrom plait.train.run_lock import acquire_run_lock, release_run_lock\n"
-          "acquire_run_lock(sys.argv[1])\nprint('held', flush=True)\nsys.stdin.read()\n"
-          "if sys.argv[2] == 'release':\n    release_run_lock(sys.argv[1])\n")
-
-
-def start_holder(run: Path, then: str = "release") -> subprocess.Popen:
-    """A second process holding ``run``'s lock (it has taken it when this returns)."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run), then], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, cwd=REPO)
-    assert proc.stdout.readline().strip() == "held"
-    return proc
-
-
-def stop_holder(proc: subprocess.Popen) -> int:
-    """Close the holder's stdin (it then ends as told) and return its exit status."""
-    if proc.poll() is None:
-        proc.stdin.close()
-    rc = proc.wait(timeout=60)
-    proc.stdout.close()
-    return rc
+from tests.helpers.run_lock import start_holder, stop_holder
 
 
 def lock_owner(run: Path) -> int:
@@ -129,8 +105,8 @@ def test_plait_train_and_launch_refuse_a_folder_in_use_before_building_anything(
     from plait.train.job_file import check_job
     from plait.commands.launch import launch_command
     from plait.commands.train import train_command
-    from tests.conftest import tiny_config_dict
-    from tests.unit.train.test_run_dir import toml_text
+    from tests.helpers.jobs import tiny_config_dict
+    from tests.helpers.run_dir import toml_text
 
     run = tmp_path / "run"
     job = tmp_path / "job.toml"

@@ -10,7 +10,7 @@ import torch
 
 from plait.train.optim import build_scheduler
 from plait.train.trainer import Trainer
-from tests.conftest import demo_records
+from tests.helpers.jobs import demo_records
 
 
 def mixed_records():
@@ -230,7 +230,7 @@ def test_generation_stops_on_eos_and_the_chat_templates_turn_end():
     from transformers import AutoTokenizer
 
     from plait.models.generation import stop_token_ids
-    from tests.conftest import DEMO
+    from tests.helpers.jobs import DEMO
 
     tok = AutoTokenizer.from_pretrained(DEMO / "tokenizer")
     assert stop_token_ids(tok) == sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}) == [2, 4]

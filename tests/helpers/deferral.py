@@ -1,0 +1,45 @@
+"""Helpers of several test modules, taken from tests/unit/train/test_deferral.py: a test module imports these
+from here, never from another test module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.jobs import demo_records
+
+
+# (task, index among that task's demo records, extra answer words): a mix whose LLM lengths fight the encoder
+# balance (long answers on samples with encoder work, no text-only sample to fill light microbatches), so the
+# hierarchical planner defers LLM work to later microbatches.
+MIX = [("image_digit", 2, 30), ("image_audio", 2, 30), ("image_digit", 3, 0), ("audio_transcribe", 0, 15),
+       ("image_digit", 1, 0), ("image_digit", 2, 0), ("image_audio", 0, 15), ("audio_transcribe", 1, 0)]
+
+
+def deferral_records() -> list[dict]:
+    """The eight records of ``MIX``: demo samples, some with an answer lengthened by ``extra`` words."""
+    pools = {task: demo_records("train", (task,), limit=4) for task in {t for t, _, _ in MIX}}
+    out = []
+    for k, (task, i, extra) in enumerate(MIX):
+        rec = dict(pools[task][i], id=f"mix-{k}")
+        if extra:
+            user, answer = rec["messages"][0], rec["messages"][1]
+            words = " ".join(["seven", "two", "nine"] * extra)[: 6 * extra]
+            rec["messages"] = [user, {"role": "assistant", "content": answer["content"] + " " + words}]
+        out.append(rec)
+    return out
+
+
+def assert_same_training(ref: dict, other: dict) -> None:
+    """Equal losses, gradients and (where the exact gradient is not zero) parameters, within fp32 tolerance."""
+    assert other["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert set(other["grads"]) == set(ref["grads"]) and len(ref["grads"]) > 10
+    for name, grad in ref["grads"].items():
+        tol = 1e-5 * float(grad.abs().max()) + 1e-9
+        torch.testing.assert_close(other["grads"][name], grad, rtol=1e-5, atol=tol, msg=name)
+    compared = 0
+    for name, value in ref["params"].items():
+        if name in ref["grads"] and ref["grads"][name].abs().max() > 1e-6:
+            torch.testing.assert_close(other["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+            compared += 1
+    assert compared > 0.8 * len(ref["grads"])
