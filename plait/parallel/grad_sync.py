@@ -14,7 +14,8 @@ reduce_loss` on the rank's loss sum, and the loop's optimizer step :meth:`~Gradi
   peers;
 - :class:`ShardedSync`: FSDP2 (HSDP), which reduce-scatters inside the backward; tied copies and CP summed after;
   the step must run the same collectives on every rank (``uniform``);
-- :class:`PipelineSync`: a pipeline rank's stages, summed over DP x CP by the pipeline runtime;
+- :class:`PipelineSync`: a pipeline rank's stages, summed over DP x CP by the pipeline runtime (which calls
+  ``finish`` and ``reduce_loss`` of the sync it is given);
 - :class:`HeteroSync`: heterogeneous pipelines (``plait launch``), summed per parameter over its holders.
 """
 
@@ -187,14 +188,20 @@ class PipelineSync(GradientSync):
     def __init__(self, stages: RankStages, comm: PipelineComm, sharded: ShardedModel | None = None) -> None:
         self.stages, self.comm, self.sharded = stages, comm, sharded
 
+    def reduce_loss(self, loss_sum: torch.Tensor) -> None:
+        if self.comm.distributed:  # the last-stage ranks hold the losses (per CP rank: its tokens'): the world sum
+            dist.all_reduce(loss_sum)
+
     def clip(self, params: Sequence[nn.Parameter], max_norm: float) -> float:
         return clip_grad_norm_pipeline(self.stages, _no_clip(max_norm), self.comm)
 
 
 class HeteroSync(GradientSync):
     """Heterogeneous pipelines (``plait launch``): after the pipeline's step every held parameter's gradient is
-    summed over its holders, one per pipeline (:class:`~plait.parallel.hetero_dp.HeteroDP`); the norm counts each
-    parameter once (:func:`~plait.parallel.hetero_dp.clip_grad_norm_hetero`).
+    summed over its holders, one per pipeline (:class:`~plait.parallel.hetero_dp.HeteroDP`), the loss over every
+    rank (a one-rank pipeline's too); the norm counts each parameter once
+    (:func:`~plait.parallel.hetero_dp.clip_grad_norm_hetero`). Given to
+    :func:`~plait.parallel.pipeline.run_pipeline_step` as its ``sync``.
 
     Args:
         hetero: this rank's per-parameter gradient groups.
@@ -202,6 +209,9 @@ class HeteroSync(GradientSync):
 
     def __init__(self, hetero: HeteroDP) -> None:
         self.hetero = hetero
+
+    def reduce_loss(self, loss_sum: torch.Tensor) -> None:
+        dist.all_reduce(loss_sum)
 
     def finish(self) -> None:
         self.hetero.reduce()

@@ -13,13 +13,15 @@ and one bucketed all-reduce). A weight tied between the input and output embeddi
 the pipeline's copy on the embedding rank contributes (``run_pipeline_step`` already summed the two copies of a
 pipeline that splits them), the ``lm_head`` rank's mirror contributes zeros and receives the sum.
 
+A step is ``run_pipeline_step(..., sync=HeteroSync(hetero))`` (:class:`~plait.parallel.grad_sync.HeteroSync`:
+:meth:`HeteroDP.reduce` after the pipeline's backward, the loss summed over every rank).
+
 Collectives: :func:`build_hetero_dp` gathers every rank's parameter names and creates the groups (all ranks, the
-same order); :func:`hetero_pipeline_step` and :func:`clip_grad_norm_hetero` are called by every rank.
+same order); the step and :func:`clip_grad_norm_hetero` are called by every rank.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,12 +33,10 @@ from torch import nn
 
 from plait.parallel.data_parallel import sum_gradients
 from plait.parallel.pipeline.comm import PipelineComm
-from plait.parallel.pipeline.step import PipelineStepResult, run_pipeline_step
 from plait.parallel.stages import RankStages
 from plait.parallel.tensor_parallel import check_max_norm, clip_by_square_sum_
-from plait.planner.pipeline.schedule_ir import Schedule
 
-__all__ = ["HeteroDP", "build_hetero_dp", "clip_grad_norm_hetero", "hetero_pipeline_comm", "hetero_pipeline_step"]
+__all__ = ["HeteroDP", "build_hetero_dp", "clip_grad_norm_hetero", "hetero_pipeline_comm"]
 
 
 def hetero_pipeline_comm(pipelines: Sequence[Sequence[int]], rank: int | None = None,
@@ -147,31 +147,10 @@ def build_hetero_dp(stages: RankStages, comm: PipelineComm, timeout: datetime.ti
     return HeteroDP(comm, groups, counted, [p for _, p, _ in mine])
 
 
-def hetero_pipeline_step(stages: RankStages, schedule: Schedule, microbatches: Sequence[Any], global_targets: int,
-                         hetero: HeteroDP, **step: Any) -> PipelineStepResult:
-    """One training step of this rank's pipeline on its microbatches, then the gradient sums across
-    pipelines. ``global_targets`` counts the target tokens of the whole global batch (every pipeline's
-    microbatches); ``step`` passes ``loss_fn`` and the other options of ``run_pipeline_step`` (``routing`` and
-    ``encoder_batches`` for deferral, ``llm_kwargs``, ``autocast``).
-
-    Returns:
-        ``run_pipeline_step``'s result with ``loss``/``loss_sum`` of the whole global batch on every rank.
-        Collective over the job.
-    """
-    comm = hetero.comm
-    result = run_pipeline_step(stages, schedule, microbatches, global_targets, comm, **step)
-    if not comm.distributed:  # a one-rank pipeline: run_pipeline_step kept its loss local; match the others' sum
-        total = torch.tensor(result.loss_sum, dtype=torch.float64, device=comm.device)
-        dist.all_reduce(total)
-        result = dataclasses.replace(result, loss_sum=float(total), loss=float(total) / max(1, global_targets))
-    hetero.reduce()
-    return result
-
-
 def clip_grad_norm_hetero(hetero: HeteroDP, max_norm: float) -> float:
-    """Clip every rank's gradients to a global L2 norm of ``max_norm`` after :func:`hetero_pipeline_step` (every
-    copy then holds the same gradients; each parameter counted once: pipeline 0's copy); returns the norm before
-    clipping, the same on every rank. Collective.
+    """Clip every rank's gradients to a global L2 norm of ``max_norm`` after the step's :meth:`HeteroDP.reduce`
+    (every copy then holds the same gradients; each parameter counted once: pipeline 0's copy); returns the norm
+    before clipping, the same on every rank. Collective.
 
     Raises:
         ValueError: on a negative ``max_norm``.

@@ -150,7 +150,7 @@ class PipelineRunner:
                                 routing=step.routing if routed else None,
                                 encoder_batches=step.encoder_batches if routed else None,
                                 frequency=self.energy.controller if self.energy is not None else None,
-                                sharded=t.sharded)
+                                sharded=t.sharded, sync=t.sync)
         if t.sharded is not None:  # a branch no sample of the step uses keeps no gradient, as in one process
             t.sharded.drop_gradients(unused_branches(t.sharded, metas))
         self.last_events = res.events

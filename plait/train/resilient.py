@@ -7,11 +7,12 @@ Each worker (its id is its rank in generation 0 and never changes):
 1. joins the job's membership (``plait.parallel.membership``: heartbeats in the launcher's ``TCPStore``, the gloo
    group on a per-generation store prefix) and builds the stages of its pipeline's plan rank
    (``build_rank_stages``) and the per-unit gradient groups (``plait.parallel.hetero_dp``);
-2. per step draws the global batch from the job's loader (a function of seed, epoch and step), splits it into
-   ``train.global_batch_size / train.microbatch_size`` microbatches and runs its pipeline's share (the
-   instantiation's contiguous range; the loss is normalised by the whole global batch's target tokens), the
-   gradients summed and clipped by :class:`~plait.parallel.grad_sync.HeteroSync` and the optimizer stepped by
-   :func:`~plait.train.optim.step_optimizer`, as the trainers do;
+2. per step draws the global batch from the job's loader (a function of seed, epoch and step), cuts it into the
+   instantiation's microbatches with the trainers' planner (:func:`pipeline_microbatches`: ``plan_microbatches``
+   in arrival order) and runs its pipeline's share through the pipeline runtime as the pipelined trainer does
+   (``run_pipeline_step``; the loss is normalised by the whole global batch's target tokens), the gradients
+   summed across pipelines and clipped by its sync (:class:`~plait.parallel.grad_sync.HeteroSync`) and the
+   optimizer stepped by :func:`~plait.train.optim.step_optimizer`, as the trainers do;
 3. votes to commit before its optimizer step (``Membership.commit``: a two-phase commit through the store), so
    either every survivor steps or none does;
 4. when a collective or P2P call fails (a peer died), re-forms the group over the survivors, plans the
@@ -56,19 +57,21 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from plait.config.loader import config_to_dict
 from plait.config.schema import JobConfig
 from plait.data.chat_template import tokenizer_dir
-from plait.data.collate import Batch, collate
+from plait.data.collate import collate
 from plait.data.mixture import build_batch_loader
 from plait.models.generation import stop_token_ids
 from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.parallel.grad_sync import HeteroSync
-from plait.parallel.hetero_dp import HeteroDP, build_hetero_dp, hetero_pipeline_comm, hetero_pipeline_step
+from plait.parallel.hetero_dp import HeteroDP, build_hetero_dp, hetero_pipeline_comm
 from plait.parallel.membership import Membership, NoQuorumError
+from plait.parallel.pipeline import run_pipeline_step
 from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.unit_transfer import move_units, unit_parameter_names
-from plait.planner.resilience.reconfigure import Reconfiguration, Transfer, plan_reconfiguration, plan_rejoin
-from plait.planner.pipeline.schedule_ir import Schedule
-from plait.planner.pipeline.schedules import build_schedule
-from plait.planner.resilience.templates import Instantiation, TemplateSet
+from plait.planner.microbatch import MicrobatchPolicy, SampleCost, plan_microbatches
+from plait.planner.reconfigure import Reconfiguration, Transfer, plan_reconfiguration, plan_rejoin
+from plait.planner.schedule_ir import Schedule
+from plait.planner.schedules import build_schedule
+from plait.planner.templates import Instantiation, TemplateSet
 from plait.train.build import build_datasets, seed_everything
 from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, save_checkpoint, training_set_identity
 from plait.train.evaluation import EvalReport, eval_batch_size, evaluate_on, load_metrics
@@ -78,7 +81,7 @@ from plait.train.optim import LRSchedule, build_optimizer, lr_factor, step_optim
 from plait.train.replica_eval import replica_eval_side
 from plait.train.run_start import say
 
-__all__ = ["LaunchPlan", "ResilientWorker", "WorkerRun", "microbatch_ranges", "run_resilient_worker"]
+__all__ = ["LaunchPlan", "ResilientWorker", "WorkerRun", "pipeline_microbatches", "run_resilient_worker"]
 
 MAX_REPLAYS = 3
 """Replays of a step that fails with every worker alive (a slow worker taken for dead, or an error of the step
@@ -123,24 +126,33 @@ class LaunchPlan:
                    tuple((int(w), int(s)) for w, s in d.get("rejoins", ())))
 
 
-def microbatch_ranges(indices: Sequence[int], microbatch_size: int, count: int) -> list[list[int]]:
-    """The global batch ``indices`` split into ``count`` microbatches of ``microbatch_size`` samples, in order
-    (the last ones shorter or empty when the batch is short, e.g. an epoch's last).
+def pipeline_microbatches(indices: Sequence[int], microbatch_size: int, counts: Sequence[int],
+                          step: int = 0) -> list[list[list[int]]]:
+    """The global batch ``indices`` cut into ``sum(counts)`` microbatches by ``plan_microbatches`` in arrival order
+    (one replica: consecutive groups whose sizes differ by at most one, the larger first; some empty when the
+    batch holds fewer samples than microbatches), pipeline ``p`` taking the next ``counts[p]``. Returns per
+    pipeline its microbatches (dataset indices).
 
     Raises:
-        ValueError: when the batch holds more than ``count * microbatch_size`` samples.
+        ValueError: when ``microbatch_size`` < 1, no pipeline has a microbatch, or the batch holds more than
+            ``sum(counts) * microbatch_size`` samples (a microbatch larger than the plan's).
     """
-    if microbatch_size < 1 or count < 1:
-        raise ValueError(f"need microbatch_size >= 1 and count >= 1, got {microbatch_size} and {count}")
-    if len(indices) > count * microbatch_size:
-        raise ValueError(f"{len(indices)} samples do not fit {count} microbatches of {microbatch_size}")
-    return [list(indices[i * microbatch_size:(i + 1) * microbatch_size]) for i in range(count)]
+    total = sum(counts)
+    if microbatch_size < 1 or total < 1:
+        raise ValueError(f"need microbatch_size >= 1 and some microbatch, got {microbatch_size} and {list(counts)}")
+    if len(indices) > total * microbatch_size:
+        raise ValueError(f"{len(indices)} samples do not fit {total} microbatches of {microbatch_size}")
+    costs = [SampleCost(k, (1.0,), 1) for k in range(len(indices))]  # arrival order reads no cost
+    plan = plan_microbatches(costs, MicrobatchPolicy("arrival", num_microbatches=total), step)
+    groups = [[indices[k] for k in mb] for mb in plan.microbatches[0]]
+    starts = [sum(counts[:p]) for p in range(len(counts))]
+    return [groups[a:a + c] for a, c in zip(starts, counts)]
 
 
 @dataclass
 class WorkerRun:
     """This worker's part of an instantiation: stages, gradient groups (and their sum, ``sync``), schedule,
-    optimizer, microbatch range."""
+    optimizer."""
 
     inst: Instantiation
     stages: RankStages
@@ -148,8 +160,6 @@ class WorkerRun:
     sync: HeteroSync
     schedule: Schedule
     opt: torch.optim.Optimizer | None
-    first: int
-    count: int
     eval_group: Any = None
 
     def drop_groups(self) -> None:
@@ -230,38 +240,35 @@ class ResilientWorker:
                     opt.state[new[fqn]] = values
         hetero = build_hetero_dp(stages, comm, datetime.timedelta(seconds=self.plan.timeout_s))
         schedule = build_schedule(pipeline.template.plan, pipeline.template.schedule, pipeline.microbatches)
-        first = sum(p.microbatches for p in inst.pipelines[:index])
         eval_group = None
         if self.val_set is not None:  # every rank creates every pipeline's group, in the same order (collective)
             for p in inst.pipelines:
                 group = torch.distributed.new_group([rank_of[w] for w in p.ranks],
                                                     timeout=datetime.timedelta(seconds=self.plan.timeout_s))
                 eval_group = group if p is pipeline and len(p.ranks) > 1 else eval_group
-        return WorkerRun(inst, stages, hetero, HeteroSync(hetero), schedule, opt, first, pipeline.microbatches,
-                         eval_group)
+        return WorkerRun(inst, stages, hetero, HeteroSync(hetero), schedule, opt, eval_group)
 
-    def _batches(self, indices: Sequence[int]) -> tuple[list[Batch | None], int]:
-        """The global batch's microbatches (collated) and its target tokens."""
-        parts = microbatch_ranges(indices, self.cfg.train.microbatch_size, self.plan.templates.microbatches)
+    def _gradients(self, run: WorkerRun, indices: Sequence[int], targets: int, step: int) -> tuple[float, float]:
+        """The pipeline's share of the global batch ``indices`` (:func:`pipeline_microbatches` of the run's
+        instantiation) through the pipeline runtime, the gradients summed across pipelines and clipped by the run's
+        sync; returns ``(loss, gradient norm)``. Raises ``RuntimeError`` when a peer died (collective over the
+        group)."""
+        counts = [p.microbatches for p in run.inst.pipelines]
+        mine = pipeline_microbatches(indices, self.cfg.train.microbatch_size, counts, step)[run.hetero.comm.dp_rank]
         batches = [collate([self.train_set[i] for i in mb], self.processor.pad_id, pack=self.cfg.data.packing)
-                   if mb else None for mb in parts]
-        return batches, sum(b.target_tokens for b in batches if b is not None)
-
-    def _gradients(self, run: WorkerRun, batches: list[Batch | None], targets: int) -> tuple[float, float]:
-        """The pipeline's share of the step, gradient sums and clipping; returns ``(loss, gradient norm)``.
-        Raises ``RuntimeError`` when a peer died (collective over the group)."""
-        res = hetero_pipeline_step(run.stages, run.schedule, batches[run.first:run.first + run.count], targets,
-                                   run.hetero, loss_fn=token_loss_sum)
+                   if mb else None for mb in mine]
+        res = run_pipeline_step(run.stages, run.schedule, batches, targets, run.hetero.comm, loss_fn=token_loss_sum,
+                                sync=run.sync)
         return res.loss, run.sync.clip(run.hetero.params, self.cfg.train.grad_clip)
 
-    def _try_step(self, run: WorkerRun, batches: list[Batch | None], targets: int,
+    def _try_step(self, run: WorkerRun, indices: Sequence[int], targets: int,
                   step: int) -> tuple[float, float, float] | None:
         """One step: gradients, the two-phase commit (``Membership.commit``), then the optimizer step at the LR
         schedule's step. Returns ``(loss, lr, gradient norm)``, or None when the step is abandoned (a peer failed
         during it, here or on another member): then no member applied it."""
         hook = self._maybe_kill(step)
         try:
-            loss, norm = self._gradients(run, batches, targets)
+            loss, norm = self._gradients(run, indices, targets, step)
         except RuntimeError as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"  # text only: the traceback holds the old groups
             self.membership.commit(f"step{step}", ready=False)  # the others stop waiting for this worker
@@ -469,9 +476,9 @@ class ResilientWorker:
         commits; logs it (the worker's log, ``metrics.jsonl``). Returns the (possibly reconfigured) run."""
         epoch, begin = loader.epoch, time.monotonic()
         indices = loader.next_batch()
-        batches, targets = self._batches(indices)
+        targets = sum(self.train_set.sample_meta(i).target_tokens for i in indices)
         failed_at, in_vain = None, 0
-        while (done := self._try_step(run, batches, targets, step)) is None:  # replay the step until it commits
+        while (done := self._try_step(run, indices, targets, step)) is None:  # replay the step until it commits
             failed_at, members = failed_at or time.monotonic(), self.membership.members
             run = self._recover(run, failed_at)  # outside the except: its traceback held the old groups
             in_vain = in_vain + 1 if self.membership.members == members else 0

@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 
 from plait.models.units import model_units
-from plait.parallel.hetero_dp import build_hetero_dp, clip_grad_norm_hetero, hetero_pipeline_comm, hetero_pipeline_step
+from plait.parallel.grad_sync import HeteroSync
+from plait.parallel.hetero_dp import build_hetero_dp, clip_grad_norm_hetero, hetero_pipeline_comm
+from plait.parallel.pipeline import run_pipeline_step
 from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline.plan import plan_pipeline
 from plait.planner.pipeline.schedules import build_schedule
@@ -71,7 +73,8 @@ def run_case(case: HeteroCase) -> None:
         where = f"{case.name} step {step} rank {rank}"
         batches = [make_batch(k, 100 * step + i) for i, k in enumerate(kinds)]
         targets = sum(b.target_tokens for b in batches)
-        res = hetero_pipeline_step(stages, schedule, batches[first:first + m], targets, hetero, loss_fn=token_loss_sum)
+        res = run_pipeline_step(stages, schedule, batches[first:first + m], targets, hetero.comm, loss_fn=token_loss_sum,
+                                sync=HeteroSync(hetero))
         _close(res.loss, reference_step(ref, batches), f"{where}: loss")
         _check_grads(stages, ref, where)
         null |= _null_gradients(ref)
@@ -118,8 +121,8 @@ def run_deferral_case(mode: str, steps: int = 2) -> None:
         batches, routing, enc_batches = routed_microbatches(mb_plan, comm.dp_rank, samples)
         assert routing.defers, f"{where}: the plan defers nothing"
         targets = sum(b.target_tokens for b in samples)
-        res = hetero_pipeline_step(stages, schedule, batches, targets, hetero, routing=routing,
-                                   encoder_batches=enc_batches, loss_fn=token_loss_sum)
+        res = run_pipeline_step(stages, schedule, batches, targets, hetero.comm, routing=routing,
+                                encoder_batches=enc_batches, loss_fn=token_loss_sum, sync=HeteroSync(hetero))
         per = -(-len(samples) // 4)
         _close(res.loss, reference_step(ref, [stack(samples[k:k + per]) for k in range(0, len(samples), per)]),
                f"{where}: loss")

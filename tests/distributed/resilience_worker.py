@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 
 from plait.models.units import model_units
-from plait.parallel.hetero_dp import HeteroDP, build_hetero_dp, hetero_pipeline_comm, hetero_pipeline_step
+from plait.parallel.grad_sync import HeteroSync
+from plait.parallel.hetero_dp import HeteroDP, build_hetero_dp, hetero_pipeline_comm
 from plait.parallel.membership import Membership
+from plait.parallel.pipeline import run_pipeline_step
 from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.unit_transfer import move_units, unit_parameter_names
 from plait.planner.pipeline.plan import plan_pipeline
@@ -110,8 +112,8 @@ def worker(wid: int, world: int, port: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # in the middle of the job, before its step's first message
         targets = sum(b.target_tokens for b in batches)
         try:
-            res = hetero_pipeline_step(run.stages, run.schedule, batches[run.first:run.first + run.count], targets,
-                                       run.hetero, loss_fn=token_loss_sum)
+            res = run_pipeline_step(run.stages, run.schedule, batches[run.first:run.first + run.count], targets,
+                                    run.hetero.comm, loss_fn=token_loss_sum, sync=HeteroSync(run.hetero))
         except RuntimeError:  # a peer died: re-form, reconfigure, copy state, replay this step
             failed_at = failed_at or time.monotonic()
             left = m.reform()

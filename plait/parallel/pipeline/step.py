@@ -88,6 +88,7 @@ def run_pipeline_step(
     encoder_batches: Sequence[Batch | None] | None = None,
     frequency: FrequencyController | None = None,
     sharded: ShardedModel | None = None,
+    sync: Any = None,
 ) -> PipelineStepResult:
     """Forward and backward of this pipeline's ``M`` microbatches of a global batch, then gradient reduction.
 
@@ -127,6 +128,9 @@ def run_pipeline_step(
             the ``dp`` x ``dp_shard`` ranks of each stage): gathered once at the start of the step, each stage's
             gradients reduce-scattered once after its last backward action (:mod:`plait.parallel.fsdp`), then
             summed over the CP ranks; the replicated (tied) parameters summed over the DP x CP copies.
+        sync: the step's gradient sync (a :class:`plait.parallel.grad_sync.GradientSync`), or None: after the
+            reductions above its ``finish`` (e.g. the sums across heterogeneous pipelines), then its
+            ``reduce_loss`` on the loss sum instead of the all-reduce over the job of a distributed ``comm``.
 
     Returns:
         :class:`PipelineStepResult` (loss the same on every rank).
@@ -161,7 +165,10 @@ def run_pipeline_step(
     loss_sum = torch.zeros((), dtype=torch.float64, device=comm.device)
     for loss in executor.losses if comm.tp_rank == 0 else ():  # TP ranks hold the same losses: count one
         loss_sum += loss.double().to(comm.device)
-    if comm.distributed:
+    if sync is not None:
+        sync.finish()
+        sync.reduce_loss(loss_sum)
+    elif comm.distributed:
         dist.all_reduce(loss_sum)  # last-stage ranks hold losses (per CP rank: its tokens'): the world sum
     total = float(loss_sum)
     return PipelineStepResult(total / max(1, global_targets), total, tuple(executor.events),
