@@ -68,10 +68,10 @@ from plait.parallel.pipeline import run_pipeline_step
 from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.unit_transfer import move_units, unit_parameter_names
 from plait.planner.microbatch import MicrobatchPolicy, SampleCost, plan_microbatches
-from plait.planner.reconfigure import Reconfiguration, Transfer, plan_reconfiguration, plan_rejoin
-from plait.planner.schedule_ir import Schedule
-from plait.planner.schedules import build_schedule
-from plait.planner.templates import Instantiation, TemplateSet
+from plait.planner.resilience.reconfigure import Reconfiguration, Transfer, plan_reconfiguration, plan_rejoin
+from plait.planner.pipeline.schedule_ir import Schedule
+from plait.planner.pipeline.schedules import build_schedule
+from plait.planner.resilience.templates import Instantiation, TemplateSet
 from plait.train.build import build_datasets, seed_everything
 from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, save_checkpoint, training_set_identity
 from plait.train.evaluation import EvalReport, eval_batch_size, evaluate_on, load_metrics
