@@ -290,3 +290,25 @@ def test_the_checker_reports_a_cycle() -> None:
     cycles = cycle_messages(all_imports(sources))
     assert any("import cycle between modules ['plait.planner.cyc_a', 'plait.planner.cyc_b']" in c
                and "plait/planner/cyc_b.py:2" in c for c in cycles), cycles
+
+
+MAX_LINES = 600
+"""The review rule: no module of plait longer than this."""
+
+
+def long_files(root: Path = PACKAGE_ROOT, limit: int = MAX_LINES) -> list[str]:
+    """``path: N lines`` of every Python file under ``root`` longer than ``limit`` lines."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        n = len(path.read_text().splitlines())
+        if n > limit:
+            out.append(f"{path.relative_to(root.parent)}: {n} lines (at most {limit})")
+    return out
+
+
+def test_no_file_of_plait_is_over_600_lines(tmp_path) -> None:
+    assert long_files() == []
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "big.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    (tmp_path / "pkg" / "small.py").write_text("x = 1\n" * MAX_LINES)
+    assert long_files(tmp_path / "pkg") == [f"pkg/big.py: {MAX_LINES + 1} lines (at most {MAX_LINES})"]
