@@ -107,7 +107,8 @@ def _save_and_report(trainer: Trainer, result: dict[str, Any]) -> None:
     save_final(trainer.full_model(), trainer.processor, final, trainer.cfg.checkpoint.merge_lora)  # PP: from a ckpt
     done = (f"trained {result['steps']} step{'' if result['steps'] == 1 else 's'}" if result["steps"]
             else "nothing trained")
-    print(f"plait: {done} (model at step {result['step']}); loss curve {png}; model {final}")
+    print(f"plait: {done} (model at step {result['step']}); loss curve {png}; model {final} (written by this run: "
+          f"{trainer.checkpoint_layout().describe()})")
     if result.get("timeline"):
         print(f"plait: pipeline timeline of the last step {result['timeline']} (Chrome trace; open in "
               f"https://ui.perfetto.dev) and {result['timeline'].with_suffix('.png')}")

@@ -11,7 +11,7 @@ job's parallel layout), fits Law-C and Law-P, prunes and chooses, and writes int
   made absolute; ``runs/<module>_r<rank>_d<D>/``: each run's job (``job.toml``), log, metrics and ``result.json``
   (what it measured, with its CPU seconds). A run whose ``result.json`` holds the same job is not run again, so an
   interrupted search resumes where it stopped.
-- ``search.json`` (observations, laws with R^2 and residuals, kept combinations with predicted losses, the choice,
+- ``search.json`` (observations, laws with R^2 and residuals, kept combinations with their Law-P scores, the choice,
   the compute spent), ``laws.png`` (each law against its observations) and ``ranks.toml`` (the chosen
   ``[model.*.lora]`` tables, to replace the job's).
 
@@ -273,8 +273,9 @@ def plot_laws(observations: Sequence[Observation], conv: dict[str, PowerLaw], pe
 
 
 def _report(conv: dict[str, PowerLaw], perf: dict[str, PowerLaw], choice: RankChoice, results: Sequence[RunResult],
-            full: int) -> str:
-    """The lines printed for people: laws with fit quality, kept combinations, compute, the choice."""
+            full: int, base: float) -> str:
+    """The lines printed for people: laws with fit quality, kept combinations with their Law-P scores (``base``: the
+    untuned model's loss), the measured calibration losses, compute, the choice."""
     lines = [f"plait tune-ranks: laws (D = training samples, r = rank; full data D = {full})"]
     for m in conv:
         lines.append(f"  {m:>8} Law-C {conv[m].describe('t')}")
@@ -285,11 +286,16 @@ def _report(conv: dict[str, PowerLaw], perf: dict[str, PowerLaw], choice: RankCh
         lines.append("  note: with 2 subset sizes each law's offset, scale and data exponent are fitted to 2 data sizes, so "
                      "an R^2 near 1 says little and the extrapolation to the full data is uncertain; give 3 or more "
                      "--sizes")
-    lines.append("kept rank combinations (aligned convergence; predicted final validation loss):")
+    lines.append(f"kept rank combinations (aligned convergence; Law-P score: each module's fitted validation loss at "
+                 f"D = {full} over the untuned loss {base:.4f}, multiplied, times {base:.4f}; lower is better; it ranks "
+                 "the combinations and is not a forecast of the fine-tune's validation loss):")
     for combo, loss in zip(choice.combos, choice.predicted_loss):
         ranks = ", ".join(f"{m}={r}" for m, r in combo.ranks.items())
         times = ", ".join(f"{m} {t:.0f}" for m, t in combo.times.items())
-        lines.append(f"  {ranks}: times {times} samples (mismatch x{combo.mismatch:.2f}), predicted loss {loss:.4f}")
+        lines.append(f"  {ranks}: times {times} samples (mismatch x{combo.mismatch:.2f}), Law-P score {loss:.4f}")
+    measured = [r.observation.val_loss for r in results]
+    lines.append(f"measured: the calibration runs' final validation losses (one module training, D <= "
+                 f"{max(r.observation.samples for r in results)}) range {min(measured):.4f} to {max(measured):.4f}")
     ran = [r for r in results if not r.resumed]
     lines.append(f"calibration: {len(results)} runs ({len(results) - len(ran)} found on disk), "
                  f"{sum(r.steps for r in results)} steps, {sum(r.samples for r in results)} samples, "
@@ -348,7 +354,7 @@ def tune_ranks_command(config: str | Path, overrides: Sequence[str] = (), settin
               "combos": [c.to_dict() for c in choice.combos], "predicted_loss": list(choice.predicted_loss),
               "compute": compute}
     (out / "search.json").write_text(json.dumps(search, indent=1))
-    print(_report(conv, perf, choice, results, full))
+    print(_report(conv, perf, choice, results, full, base))
     print(f"plait: laws plotted to {png}; search written to {out / 'search.json'}")
     print(f"plait: chosen LoRA ranks (also in {out / 'ranks.toml'}); replace the job's tables with:\n\n{toml}")
     return search

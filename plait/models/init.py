@@ -48,6 +48,7 @@ __all__ = [
     "init_weights",
     "materialize",
     "meta_tensor_names",
+    "computed_buffer_names",
     "rank_prefixes",
     "PartSource",
     "WeightSource",
@@ -73,6 +74,14 @@ def _tensors(model: nn.Module) -> dict[int, tuple[torch.Tensor, list[str]]]:
     for name, tensor in named:
         out.setdefault(id(tensor), (tensor, []))[1].append(name)
     return out
+
+
+def computed_buffer_names(model: nn.Module) -> set[str]:
+    """FQNs of the non-persistent buffers of ``model`` (rotary ``inv_freq``, position ids): values its init
+    computes, which no checkpoint needs to hold."""
+    return {f"{prefix}.{name}" if prefix else name
+            for prefix, module in model.named_modules(remove_duplicate=False)
+            for name in module._non_persistent_buffers_set if module._buffers.get(name) is not None}
 
 
 def meta_tensor_names(model: nn.Module) -> list[str]:
@@ -213,7 +222,7 @@ def materialize(
         _swap_in(tensor, _sentinel(tensor))
     init_weights(model, seed, [t for t, _ in chosen])
     if source is not None:
-        source.load(chosen)
+        source.load(chosen, computed_buffer_names(model))
     unset = [names[0] for t, names in chosen if _unset(t)]
     if unset:
         raise ValueError(f"tensors not initialised by their model's init nor found in a checkpoint: {unset[:8]}")
@@ -339,10 +348,15 @@ class WeightSource:
                         return stored[key], key
         return None
 
-    def load(self, tensors: Sequence[tuple[torch.Tensor, Sequence[str]]]) -> list[str]:
+    def load(self, tensors: Sequence[tuple[torch.Tensor, Sequence[str]]], computed: Collection[str] = ()
+             ) -> list[str]:
         """Copy the stored value of each ``(tensor, FQNs)`` into the (real, CPU) tensor; returns the FQNs of
-        the tensors of a pretrained part that no file holds (they keep their init; non-persistent buffers are
-        never stored).
+        the tensors of a pretrained part that no file holds (they keep their init).
+
+        Logs what no file holds apart: LoRA adapters (INFO: new when a job adds LoRA to a pretrained model) and
+        other weights (WARNING: the checkpoint lacks a parameter or stored buffer of the model, left at its random
+        init). Tensors named in ``computed`` (non-persistent buffers, :func:`computed_buffer_names`) are computed
+        by the model's init and never reported.
 
         Raises:
             ValueError: when a stored tensor's shape differs from the model's.
@@ -364,8 +378,14 @@ class WeightSource:
                                          f"{tuple(tensor.shape)}")
                     with torch.no_grad():
                         tensor.copy_(value)
-        if missing:
-            log.info("not in the checkpoint (initialised): %s", initialised_summary(missing))
+        computed = set(computed)
+        adapters = [n for n in missing if ".lora_" in n]
+        weights = [n for n in missing if ".lora_" not in n and n not in computed]
+        if adapters:
+            log.info("not in the checkpoint (initialised): %s", initialised_summary(adapters))
+        if weights:
+            log.warning("weights missing from the checkpoint, left at their random init: %s",
+                        initialised_summary(weights, other="tensor"))
         return missing
 
 

@@ -159,15 +159,16 @@ def adapter_key(name: str) -> str | None:
     return _PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".").replace(f".{ADAPTER}", "")
 
 
-def initialised_summary(names: Sequence[str], shown: int = 3) -> str:
+def initialised_summary(names: Sequence[str], shown: int = 3, other: str = "other tensor") -> str:
     """The tensors a checkpoint did not hold (so they were initialised), summarised for one log line: the LoRA
     adapter tensors (``.lora_`` in the name: new when a job adds LoRA to a pretrained model, thousands for a 7B
     LLM) and the others, each as a count and its first ``shown`` names, e.g. ``56 LoRA adapter tensors
-    (model.layers.0.self_attn.q_proj.lora_A.default.weight, ... and 53 more); 2 other tensors (a, b)``."""
+    (model.layers.0.self_attn.q_proj.lora_A.default.weight, ... and 53 more); 2 other tensors (a, b)`` (``other``:
+    what the non-adapter tensors are called)."""
     adapters = [n for n in names if ".lora_" in n]
     others = [n for n in names if ".lora_" not in n]
     parts = []
-    for group, what in ((adapters, "LoRA adapter tensor"), (others, "other tensor")):
+    for group, what in ((adapters, "LoRA adapter tensor"), (others, other)):
         if group:
             more = f" and {len(group) - shown} more" if len(group) > shown else ""
             plural = "s" if len(group) != 1 else ""

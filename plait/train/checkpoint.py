@@ -102,8 +102,12 @@ class CheckpointLayout:
     def describe(self) -> str:
         """One line, e.g. ``2 processes (DP 1 x PP 2 x CP 1; <plan>)`` or, with TP or FSDP2,
         ``4 processes (DP 2 x PP 1 x CP 1 x TP 2; DP = 1 replica(s) x FSDP2 dp_shard 2)``: DP counts every
-        data-parallel rank, FSDP2's shard ranks included."""
+        data-parallel rank, FSDP2's shard ranks included. When the degrees do not multiply to the world size
+        (``plait launch`` after a failure: pipelines of unequal depth), only the process count and the plan, e.g.
+        ``3 processes (plait launch: workers [0]: 1 stages, 2 mb; workers [1, 2]: 2 stages, 2 mb)``."""
         procs = f"{self.world_size} process" + ("" if self.world_size == 1 else "es")
+        if self.plan and self.dp * self.pp * self.cp * self.tp != self.world_size:
+            return f"{procs} ({self.plan})"  # pipelines of unequal depth (plait launch): the plan lists them
         tp = f" x TP {self.tp}" if self.tp > 1 else ""
         shard = (f"; DP = {self.dp // self.dp_shard} replica(s) x FSDP2 dp_shard {self.dp_shard}"
                  if self.dp_shard > 1 else "")

@@ -284,11 +284,17 @@ def plot_loss_curve(metrics_path: str | Path, out_path: str | Path) -> Path:
     return save_figure(loss_curve_figure(read_metrics(metrics_path), str(metrics_path)), out_path)
 
 
+_SERIES_COLORS = ("tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:pink", "tab:olive", "tab:cyan",
+                  "tab:gray")
+"""Colours of the validation scores in the loss curve, after the training loss (blue) and validation loss (red)."""
+
+
 def loss_curve_figure(records: Sequence[Mapping[str, Any]], source: str = "metrics"):
     """The loss-curve figure of metrics rows ``records``: the training loss per step as a line (log scale), the
     validation loss (rows' ``val_loss``) as points on the same axis, and each validation score (the numbers of
     the rows' ``eval`` dicts, e.g. exact match per task) as points on a right axis from 0 to 1 (markers, no
-    lines: validation is measured at a few steps only).
+    lines: validation is measured at a few steps only). Every series has its own colour (scores past the 8th
+    reuse them); one legend for both axes sits below the axes, so it covers no point.
 
     Returns:
         The matplotlib ``Figure`` (axes: the loss axis, then the validation axis when there are scores).
@@ -309,16 +315,19 @@ def loss_curve_figure(records: Sequence[Mapping[str, Any]], source: str = "metri
     ax.set(xlabel="step", ylabel="loss (mean token cross-entropy)", yscale="log", title="plait training")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, also on short runs
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper right", fontsize=8)
+    handles = list(ax.get_lines())
     evals = [r for r in records if isinstance(r.get("eval"), Mapping) and r["eval"]]  # validation off: empty
     if evals:
         ax2 = ax.twinx()
         names = sorted({k for r in evals for k, v in r["eval"].items() if isinstance(v, (int, float))})
-        for name in names:
+        for k, name in enumerate(names):
             points = [(r["step"], r["eval"][name]) for r in evals if isinstance(r["eval"].get(name), (int, float))]
-            ax2.plot(*zip(*points), marker="o", ms=4, linestyle="none", label=f"val {name}")
+            ax2.plot(*zip(*points), color=_SERIES_COLORS[k % len(_SERIES_COLORS)], marker="o", ms=4,
+                     linestyle="none", label=f"val {name}")
         ax2.set(ylabel="validation exact match", ylim=(0, 1.02))
-        ax2.legend(loc="center right", fontsize=8)
+        handles += list(ax2.get_lines())
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(len(handles), 4),
+              fontsize=8, frameon=False)
     return fig
 
 

@@ -428,7 +428,7 @@ class Trainer:
         ckpt = Path(path) if path else latest_checkpoint(self.run_dir)
         if ckpt is None:
             raise FileNotFoundError(no_checkpoint_message(self.run_dir))
-        layout = self._checkpoint_layout()
+        layout = self.checkpoint_layout()
         state = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler, self.loader.state_dict(),
                                 layout, config_to_dict(self.cfg)["model"], self.cfg.train.seed,
                                 training_set_identity(self.train_set))
@@ -448,7 +448,7 @@ class Trainer:
                     "schedule and data position continue exactly")
         return self.step
 
-    def _checkpoint_layout(self) -> CheckpointLayout:
+    def checkpoint_layout(self) -> CheckpointLayout:
         """The layout checkpoints record and resume compare: world size, DP, PP, CP, TP and shard degrees and,
         under PP, the plan (per stage its modules, unit count and pipeline rank)."""
         plan = f"{self.plan.layout}, stages {describe_stages(self.plan)}" if self.stages is not None else ""
@@ -463,7 +463,7 @@ class Trainer:
         path = save_checkpoint(
             checkpoint_dir(self.run_dir, self.step), self.model, self.optimizer, self.scheduler,
             self.loader.state_dict(), self.step, keep=self.cfg.checkpoint.keep,
-            layout=self._checkpoint_layout(), model_config=config_to_dict(self.cfg)["model"],
+            layout=self.checkpoint_layout(), model_config=config_to_dict(self.cfg)["model"],
             data=training_set_identity(self.train_set),
         )
         self._saved_step = self.step

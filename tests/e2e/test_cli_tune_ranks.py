@@ -30,6 +30,12 @@ def test_tune_ranks_chooses_writes_and_resumes(tmp_path, capsys, monkeypatch):
     assert set(search["chosen"]) == {"llm", "vision"} and set(search["chosen"].values()) <= {2, 4}
     assert "Law-C" in printed and "R^2" in printed and "chosen: " in printed
     assert (out / "laws.png").stat().st_size > 10_000
+    # The number each kept combination carries is a ranking score, printed as such (not as a forecast of the
+    # fine-tune's validation loss), beside the validation losses the calibration runs measured.
+    assert "predicted final validation loss" not in printed and "predicted loss" not in printed
+    assert "Law-P score" in printed and "not a forecast of the fine-tune's validation loss" in printed
+    measured = [o["val_loss"] for o in search["observations"]]
+    assert f"range {min(measured):.4f} to {max(measured):.4f}" in printed
 
     # Each observation is the convergence time of its own run's logged losses and its last validation loss.
     obs = {(o["module"], o["rank"], o["samples"]): o for o in search["observations"]}

@@ -38,8 +38,11 @@ in log space (the fallback when there is no solution). A combination is kept whe
 untuned model (their gains add in log space): ``v(r_1..r_M) = v_base * prod_m (v_m(r_m, D) / v_base)`` (``v_base``:
 the untuned model's loss, measured as the mean first-step training loss of the calibration runs, before any update).
 Adding the gains themselves (``v_base - sum_m (v_base - v_m)``) went negative on the demo task, where either module
-alone (with the projectors) learns most of the answer format, so the gains overlap; the product stays positive. :func:`choose_ranks` picks the kept
-combination of lowest predicted loss (ties: the smaller total rank) and :func:`lora_toml` writes it as the
+alone (with the projectors) learns most of the answer format, so the gains overlap; the product stays positive. The
+product is a score that ranks combinations, not a forecast of a fine-tune's validation loss: each factor extrapolates
+a law fitted to short one-module runs, and multiplying ratios compounds them (on the demo task a score of 0.005 beside
+a real validation loss of 0.12). :func:`choose_ranks` picks the kept
+combination of lowest score (ties: the smaller total rank) and :func:`lora_toml` writes it as the
 ``[model.*.lora]`` tables to paste into the job.
 """
 
@@ -339,7 +342,8 @@ def predict_combo_loss(laws: Mapping[str, PowerLaw], ranks: Mapping[str, int], s
 
 @dataclass(frozen=True)
 class RankChoice(JsonDataclass):
-    """The outcome of a search: kept combinations with their predicted losses (same order) and the chosen one."""
+    """The outcome of a search: kept combinations with their Law-P scores (``predicted_loss``, same order; a ranking
+    score, module docstring) and the chosen one."""
 
     combos: tuple[RankCombo, ...]
     predicted_loss: tuple[float, ...]

@@ -15,6 +15,10 @@ def test_checkpoint_layout_names_tp_and_dp_shard_and_reads_older_layouts():
     assert CheckpointLayout(world_size=4, dp=1, pp=2, cp=1, tp=2, plan="p").describe() == (
         "4 processes (DP 1 x PP 2 x CP 1 x TP 2; p)")
     assert CheckpointLayout.from_dict(layout.to_dict()) == layout
+    # plait launch after a failure (pipelines of 1 and 2 workers): degrees that do not multiply to the world size
+    # are not printed, the plan names the pipelines
+    launch = CheckpointLayout(world_size=3, dp=2, pp=2, cp=1, plan="plait launch: workers [0]: 1 stages; workers [1, 2]")
+    assert launch.describe() == "3 processes (plait launch: workers [0]: 1 stages; workers [1, 2])"
     older = {"world_size": 2, "dp": 2, "pp": 1, "cp": 1, "plan": ""}  # written before tp / dp_shard were recorded
     assert CheckpointLayout.from_dict(older) == CheckpointLayout(world_size=2, dp=2)
     assert layout != CheckpointLayout(world_size=4, dp=2, pp=1, cp=1, tp=2)  # another shard degree: another layout

@@ -214,3 +214,32 @@ def test_lora_added_to_a_pretrained_model_is_logged_as_a_count(tok, tmp_path, ca
     assert len(lines) == 1 and len(adapters) > 3
     assert lines[0].startswith(f"not in the checkpoint (initialised): {len(adapters)} LoRA adapter tensors (")
     assert lines[0].count(".lora_") == 3 and f"and {len(adapters) - 3} more)" in lines[0]
+
+
+def test_computed_buffers_are_not_reported_and_missing_weights_warn(tok, tmp_path, caplog):
+    """Loading a checkpoint reports neither the non-persistent buffers the model's init computes (rotary
+    ``inv_freq``, position ids) nor them as "other tensors"; a parameter the checkpoint lacks is a WARNING naming
+    it."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = tiny_config_dict("unused.jsonl")
+    build_model(config_from_dict(cfg).model, tok, seed=SEED).save_pretrained(tmp_path / "m")
+    cfg["model"] = {"pretrained": str(tmp_path / "m"), "llm": {"lora": {"r": 2}},
+                    "encoders": {"vision": {"modality": "image"}, "audio": {"modality": "audio"}}}
+    with caplog.at_level("INFO", logger="plait.models.init"):
+        build_model(config_from_dict(cfg).model, tok, seed=SEED)
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "LoRA adapter tensors" in text
+    assert "inv_freq" not in text and "position_ids" not in text and "other tensor" not in text
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+    weights = tmp_path / "m" / "llm" / "model.safetensors"
+    stored = load_file(weights)
+    del stored["model.norm.weight"]
+    save_file(stored, weights, metadata={"format": "pt"})
+    caplog.clear()
+    with caplog.at_level("INFO", logger="plait.models.init"):
+        build_model(config_from_dict(cfg).model, tok, seed=SEED)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "weights missing from the checkpoint" in warned[0]
+    assert "1 tensor (language_model.model.norm.weight)" in warned[0] and "inv_freq" not in warned[0]

@@ -132,6 +132,29 @@ def test_loss_plot_draws_validation_scores_as_points_not_lines():
         assert list(line.get_xdata()) == [10, 20] and list(line.get_ydata()) == values
 
 
+def test_loss_plot_gives_each_series_its_colour_and_keeps_the_legend_off_the_data(tmp_path):
+    from matplotlib.colors import to_hex
+
+    from plait.train.plots import loss_curve_figure, save_figure
+
+    records = [{"step": s, "loss": 4.0 / s} for s in range(1, 21)]
+    records += [{"step": s, "eval": {f"task{k}": 0.1 * k for k in range(5)}, "val_loss": 2.0 / s} for s in (10, 20)]
+    fig = loss_curve_figure(sorted(records, key=lambda r: r["step"]))
+    save_figure(fig, tmp_path / "loss.png")
+    lines = [line for ax in fig.axes for line in ax.get_lines()]
+    assert len(lines) == 7
+    colours = [to_hex(line.get_color()) for line in lines]
+    assert len(set(colours)) == len(colours), colours
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    assert len(legends) == 1  # one legend naming every series of both axes
+    assert [t.get_text() for t in legends[0].get_texts()] == [line.get_label() for line in lines]
+    renderer = fig.canvas.get_renderer()
+    box = legends[0].get_window_extent(renderer)
+    for ax in fig.axes:  # outside every axes: it covers no point
+        assert not box.overlaps(ax.get_window_extent(renderer))
+    assert fig.bbox.contains(box.x0, box.y0) and fig.bbox.contains(box.x1, box.y1)  # and not cut off
+
+
 def test_tensorboard_gets_the_numeric_fields_when_installed(tmp_path, monkeypatch):
     import sys
     import types
