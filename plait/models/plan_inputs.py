@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,10 +24,10 @@ from plait.models.registry import build_model, placeholder_of
 from plait.models.units import model_units
 from plait.planner.cost.arch import EncoderArch, arch_from_config, units_from_configs
 from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, unit_costs
-from plait.planner.types import Unit, UnitCost
+from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
 __all__ = ["DEVICES", "MODEL_UNITS", "PlanInputs", "build_plan_inputs", "device_spec", "encoder_arch", "job_units",
-           "model_parts", "pixel_shuffle_patches"]
+           "model_parts", "pixel_shuffle_patches", "plan_configs"]
 
 MODEL_UNITS = "model"
 """``PlanInputs.unit_source`` of units that are the job model's own (:func:`job_units`)."""
@@ -121,6 +121,17 @@ def encoder_arch(config: Any, downsample: int = 1) -> EncoderArch:
         if not isinstance(arch, EncoderArch):
             raise ValueError(f"config {getattr(tower, 'model_type', '')!r} is not an encoder's")
     return dataclasses.replace(arch, output_pool=arch.output_pool * downsample) if downsample > 1 else arch
+
+
+def plan_configs(configs: Mapping[str, Any]) -> dict[str, Any]:
+    """The planner's ``model_configs`` of ``configs`` (module -> config): each encoder's config (a key other than
+    ``"llm"`` and ``"<encoder>.projector"``) as its :func:`encoder_arch`, the others as they are.
+
+    Raises:
+        ValueError: as :func:`encoder_arch`.
+    """
+    return {key: value if key == LLM_MODULE or key.endswith(".projector") else encoder_arch(value)
+            for key, value in configs.items()}
 
 
 def pixel_shuffle_patches(downsample: int) -> int:
