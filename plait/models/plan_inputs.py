@@ -42,7 +42,8 @@ class PlanInputs:
     Attributes:
         units: pipeline units (``arch.units_from_configs``) with the config's freezing flags.
         costs: one ``UnitCost`` per unit on the chosen device.
-        model_configs: module -> Hugging Face config or architecture, plus ``"<encoder>.projector"``.
+        model_configs: ``"llm"`` -> its Hugging Face config, each encoder -> its ``EncoderArch`` (:func:`encoder_arch`),
+            plus ``"<encoder>.projector"``.
         shapes: module -> ``MicrobatchShape`` of one microbatch.
         microbatches: global microbatches per iteration.
         dtype: training dtype of parameters and activations (``"bfloat16"`` or ``"float32"``).

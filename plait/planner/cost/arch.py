@@ -218,7 +218,8 @@ def _sliding_layout(config: Any, layers: int) -> tuple[int | None, tuple[bool, .
 
 @dataclass(frozen=True)
 class EncoderArch:
-    """The shape facts of a ViT-style vision or Whisper-style audio encoder (read from an HF config).
+    """The shape facts of a ViT-style vision or Whisper-style audio encoder (given by the encoder's family, or read
+    from a plain ViT / Whisper config by ``from_config``).
 
     Attributes:
         modality: ``"vision"`` or ``"audio"``.
