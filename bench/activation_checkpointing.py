@@ -72,13 +72,15 @@ def saved_bytes(trainer, indices: list[int]) -> int:
 def predicted_ratios(trainer) -> dict[str, float]:
     """The planner's saved-activation bytes of each policy over ``none`` for the trainer's model (analytic unit
     costs of a 1024-token microbatch; frozen-aware, the same unit choice as the runtime)."""
+    from plait.models.plan_inputs import plan_configs
     from plait.models.units import model_units
     from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, unit_activation_bytes, unit_costs
     from plait.planner.cost.recompute import checkpointed_costs, plan_checkpointing
 
     model = trainer.model
     units = model_units(model)
-    configs = {"llm": model.language_model.config, **{n: b.encoder.config for n, b in model.encoders.items()}}
+    configs = plan_configs({"llm": model.language_model.config,
+                            **{n: b.encoder.config for n, b in model.encoders.items()}})
     costs = unit_costs(units, configs, MicrobatchShape(1024), DeviceSpec.cpu(), "fp32")
     totals = {p: sum(unit_activation_bytes(u, c) for u, c in
                      zip(units, checkpointed_costs(costs, plan_checkpointing(units, p)))) for p in POLICIES}

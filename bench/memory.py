@@ -309,16 +309,16 @@ def predicted_kept_parameters(trainer, label: str, tokens: dict) -> float:
 
 def _unit_costs(trainer, tokens: dict) -> tuple[list, list]:
     """The job's pipeline units and their analytic fp32 costs of one rank's microbatch (``predicted``)."""
+    from plait.models.plan_inputs import plan_configs
     from plait.models.units import model_units
-    from plait.planner.cost.arch import arch_from_config
     from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, unit_costs
 
     units = model_units(trainer.model)
-    configs = {"llm": trainer.model.language_model.config,
-               **{n: b.encoder.config for n, b in trainer.model.encoders.items()}}
+    configs = plan_configs({"llm": trainer.model.language_model.config,
+                            **{n: b.encoder.config for n, b in trainer.model.encoders.items()}})
     shapes = {"llm": MicrobatchShape(tokens["samples"] * tokens["max_tokens"], tokens["max_tokens"])}
     for name in trainer.model.encoders:
-        length = arch_from_config(configs[name]).item_len
+        length = configs[name].item_len
         shapes[name] = MicrobatchShape(max(1, tokens["items"].get(name, 0)) * length, length)
     return units, unit_costs(units, configs, shapes, DeviceSpec.cpu(), "fp32")
 

@@ -68,6 +68,7 @@ import statistics
 import time
 from typing import Any
 
+from plait.models.plan_inputs import encoder_arch
 from plait.planner.cost.arch import EncoderArch, arch_from_config, model_param_count, units_from_configs
 from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, unit_costs
 from plait.planner.pipeline.graph import consistent_units
@@ -118,9 +119,22 @@ PIXTRAL_400M = EncoderArch(  # Pixtral-12B vision tower: RMSNorm, gated (SwiGLU)
     patch_bias=False, pre_norm=True, post_norm=False, item_len=(1280 // 16) * (720 // 16))
 SIGLIP_SO400M = dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304,
                      num_hidden_layers=27, num_attention_heads=16, image_size=384, patch_size=14)
+# InternViT-6B has no plait family: its facts come from intern_vit_6b_arch
 INTERNVIT_6B = dict(model_type="intern_vit_6b", hidden_size=3200, intermediate_size=12800, num_hidden_layers=45,
                     num_attention_heads=25, image_size=448, patch_size=14, qk_normalization=True,
                     norm_type="rms_norm", qkv_bias=False)
+
+
+def intern_vit_6b_arch(config: dict[str, Any]) -> EncoderArch:
+    """InternViT-6B from its config fields: a ViT with a CLS token, layer scale, optional q/k norms (``H`` each),
+    RMS or LayerNorm, no post-norm."""
+    bias = bool(config.get("qkv_bias", False))
+    return dataclasses.replace(
+        arch_from_config(dict(config, qkv_bias=bias)), layer_scale=True, post_norm=False,
+        norm_bias=config.get("norm_type", "rms_norm") == "layer_norm",
+        qk_norm_dim=config["hidden_size"] if config.get("qk_normalization", False) else 0)
+
+
 QWEN2VL_GRID = (round(720 / 28) * 2, round(1280 / 28) * 2)  # 52 x 92 patches of 14 px after smart resize
 QWEN2VL_VIT_675M = EncoderArch(  # Qwen2-VL vision: 3D patch conv (2 frames x 14 x 14, as 6 channels), RoPE,
     modality="vision", hidden=1280, layers=32, heads=16, head_dim=80, intermediate=5120,  # merger LN = post-norm
@@ -170,7 +184,7 @@ def model_configs(name: str) -> tuple[dict[str, Any], dict[str, MicrobatchShape]
         given = parts[module]
         if module == "vision" and isinstance(given, dict) and IMAGE_MODE["mode"] == "native":
             given = dict(given, image_size=list(IMAGE_HW))
-        arch = arch_from_config(given)
+        arch = intern_vit_6b_arch(given) if parts[module] is INTERNVIT_6B else encoder_arch(given)
         if parts[module] is INTERNVIT_6B:  # pixel shuffle 0.5: 4 patch features -> 1 token of 4 x 3200
             arch = dataclasses.replace(arch, output_pool=4)
             configs["vision.projector"] = {"kind": "mlp", "in_dim": 4 * arch.hidden}

@@ -1,7 +1,7 @@
 """Multimodal attention masks from O(N) per-token metadata.
 
 A batch of packed rows is described per token by three int64 tensors of shape ``[B, N]`` (written by the
-collator, ../shared/DESIGN.md "Mask semantics"):
+collator; a token sees the earlier tokens of its own document, never another packed document's):
 
 - ``document_ids``: 0, 1, 2, ... per packed document of the row, -1 on padding;
 - ``item_ids``: -1 on text tokens, otherwise an id unique within the row for each modality item
@@ -13,7 +13,7 @@ Semantics (query token q, key token k of the same row):
 - q sees k when both are in the same document and ``k <= q`` (causal, by token index);
 - packed documents never see each other;
 - with ``mode="bidirectional_items"`` the tokens of one modality item also see each other, earlier or later
-  (Gemma-3 / prefix-LM style; Cornstarch, ../shared/REFERENCES.md section 1); with ``mode="causal"``
+  (Gemma-3 / prefix-LM style; Cornstarch, Jang et al., arXiv 2503.11367); with ``mode="causal"``
   (LLaVA-style) they do not;
 - padding sees nothing and is seen by nothing, except that a padding query sees itself, so that no softmax
   row is empty (no NaN) in any backend.
@@ -351,7 +351,7 @@ def block_work(info: MaskInfo, block_size: int = 128, row: int | None = None) ->
 
     Blocks are consecutive ``block_size`` tokens; the last one may be shorter. This is the per-block
     attention cost the token distributor balances (plait/planner/token_distributor.py); it refines the
-    per-tile (non-empty tile count) weight of Cornstarch (../shared/REFERENCES.md section 1) to pairs.
+    per-tile (non-empty tile count) weight of Cornstarch (Jang et al., arXiv 2503.11367) to pairs.
     ``row=None`` sums over rows.
 
     Raises:

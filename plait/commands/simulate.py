@@ -3,7 +3,7 @@
 The plan file is read back (``plait.planner.report.plan_from_json``), one iteration of its busiest replica is
 simulated from the per-stage costs it carries (``plait.planner.report.simulate_choice``: the plan's schedule,
 1F1B or interleaved) and the timeline is written as a Chrome trace and a PNG (``plait.train.plots``), the format
-measured timelines use too (../shared/DESIGN.md, principle 2).
+measured timelines use too (one schedule, one timeline format for predicted and measured runs).
 """
 
 from __future__ import annotations

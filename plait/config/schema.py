@@ -229,7 +229,8 @@ class DataConfig:
 
 @dataclass
 class AttentionConfig:
-    """Attention masks of the LLM (../shared/DESIGN.md, "Mask semantics")."""
+    """Attention masks of the LLM: a token sees the earlier tokens of its own document, never another packed
+    document's; ``mask`` says whether the tokens of one modality item also see each other."""
 
     mask: str = "causal"
     """``"causal"`` (HF LLaVA-style) or ``"bidirectional_items"`` (tokens of one image/clip see each other)."""
@@ -440,8 +441,9 @@ class MetricsConfig:
 
 @dataclass
 class EnergyConfig:
-    """Energy (issue 17, Perseus): per-action GPU frequencies from a frequency plan in the pipeline runtime
-    (``plait.parallel.energy``), and the reaction to a straggler DP replica (``plait.planner.resilience.straggler``)."""
+    """Energy (Perseus, Chung et al., SOSP 2024): per-action GPU frequencies from a frequency plan in the pipeline
+    runtime (``plait.parallel.energy``), and the reaction to a straggler DP replica
+    (``plait.planner.resilience.straggler``)."""
 
     plan: str = ""
     """Frequency plan JSON written by ``plait energy`` (``plait.planner.energy.plan.EnergyPlan``); empty: off.

@@ -1,5 +1,6 @@
-"""Measured GPU energy profiles (issue 17 item 1a): sweep SM clocks, measure each pipeline unit's passes in time and
-energy with NVML (through zeus), into the planner's :class:`~plait.planner.energy.power_profile.EnergyProfile`.
+"""Measured GPU energy profiles (as Perseus, Chung et al., SOSP 2024, profiles them): sweep SM clocks, measure
+each pipeline unit's passes in time and energy with NVML (through zeus), into the planner's
+:class:`~plait.planner.energy.power_profile.EnergyProfile`.
 
 Method, per clock of the sweep (:func:`measure_energy_profile`): the SM clock is locked
 (``set_gpu_locked_clocks``, zeus's device layer), then every unit's passes are re-run in isolation exactly as the

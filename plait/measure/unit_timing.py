@@ -1,4 +1,4 @@
-"""Measure the cost of every pipeline unit of a real model on the real device (issue 4, "Profiler").
+"""Measure the cost of every pipeline unit of a real model on the real device.
 
 For a list of microbatches (real samples, collated), :func:`measure_profile` measures per pipeline unit
 (``plait.models.units.unit_specs``):

@@ -1,6 +1,6 @@
 """The composite multimodal LLM: named modality encoders + a Hugging Face causal LM.
 
-Placeholder injection follows ../shared/REFERENCES.md section 1: the text carries one placeholder token
+Placeholder injection follows Cornstarch (Jang et al., arXiv 2503.11367): the text carries one placeholder token
 per encoder feature; placeholders are replaced by token 0 before the embedding lookup (no vocabulary
 resize needed), then the projected features are scattered into those positions out of place.
 """

@@ -12,21 +12,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plait.models.families.internvl import MODEL_TYPES as INTERNVL_TYPES
+from plait.models.families import family_of, tower_config
+from plait.models.families.base import EncoderFamily
 from plait.models.multimodal import PLAIT_CONFIG
 from plait.models.registry import build_model, placeholder_of
 from plait.models.units import model_units
-from plait.planner.cost.arch import arch_from_config, units_from_configs
+from plait.planner.cost.arch import EncoderArch, arch_from_config, units_from_configs
 from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, unit_costs
-from plait.planner.types import Unit, UnitCost
+from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
-__all__ = ["DEVICES", "MODEL_UNITS", "PlanInputs", "build_plan_inputs", "device_spec", "job_units", "model_parts",
-           "pixel_shuffle_patches"]
+__all__ = ["DEVICES", "MODEL_UNITS", "PlanInputs", "build_plan_inputs", "device_spec", "encoder_arch", "job_units",
+           "model_parts", "pixel_shuffle_patches", "plan_configs"]
 
 MODEL_UNITS = "model"
 """``PlanInputs.unit_source`` of units that are the job model's own (:func:`job_units`)."""
@@ -41,7 +42,8 @@ class PlanInputs:
     Attributes:
         units: pipeline units (``arch.units_from_configs``) with the config's freezing flags.
         costs: one ``UnitCost`` per unit on the chosen device.
-        model_configs: module -> Hugging Face config or architecture, plus ``"<encoder>.projector"``.
+        model_configs: ``"llm"`` -> its Hugging Face config, each encoder -> its ``EncoderArch`` (:func:`encoder_arch`),
+            plus ``"<encoder>.projector"``.
         shapes: module -> ``MicrobatchShape`` of one microbatch.
         microbatches: global microbatches per iteration.
         dtype: training dtype of parameters and activations (``"bfloat16"`` or ``"float32"``).
@@ -92,26 +94,51 @@ def _hf_config(path: str | None, fields: dict[str, Any] | None, where: str) -> A
     return AutoConfig.for_model(model_type, **fields)
 
 
-def _encoder_arch(config: Any, downsample: int) -> Any:
-    """The encoder architecture of a (possibly composite) config, with feature pooling ``downsample``."""
-    sub = getattr(config, "vision_config", None)
-    if sub is not None and getattr(config, "model_type", "") not in ("whisper",):
-        config = sub
-    arch = arch_from_config(config)
+def _family(config: Any) -> tuple[EncoderFamily | None, Any]:
+    """(family, the tower's own config) of a (possibly composite) encoder config; family None for a type plait
+    has no family of (then a composite config's ``vision_config`` is the tower's)."""
+    tower = tower_config(config)
+    model_type = tower.get("model_type", "") if isinstance(tower, dict) else getattr(tower, "model_type", "")
+    family = family_of(str(model_type or ""))
+    if family is None:
+        sub = tower.get("vision_config") if isinstance(tower, dict) else getattr(tower, "vision_config", None)
+        tower = tower if sub is None else sub
+    return family, tower
+
+
+def encoder_arch(config: Any, downsample: int = 1) -> EncoderArch:
+    """The planner's ``EncoderArch`` of an encoder config (object or dict; a full checkpoint's config gives its
+    tower's), with feature pooling ``downsample``: the family's facts (``EncoderFamily.arch_fields``); a type of no
+    plait family is read by the planner's generic reader (``arch_from_config``). An ``EncoderArch`` passes through.
+
+    Raises:
+        ValueError: on a missing field, or a config that is no encoder's.
+    """
+    if isinstance(config, EncoderArch):
+        arch = config
+    else:
+        family, tower = _family(config)
+        arch = EncoderArch(**family.arch_fields(tower)) if family is not None else arch_from_config(tower)
+        if not isinstance(arch, EncoderArch):
+            raise ValueError(f"config {getattr(tower, 'model_type', '')!r} is not an encoder's")
     return dataclasses.replace(arch, output_pool=arch.output_pool * downsample) if downsample > 1 else arch
 
 
-def _is_internvl(config: Any) -> bool:
-    """Whether an encoder config is InternVL's vision model (or a full InternVL checkpoint's config), whose
-    ``downsample`` is a pixel shuffle (``models.families.internvl``), not pooling."""
-    sub = getattr(config, "vision_config", None)
-    return getattr(sub if sub is not None else config, "model_type", "") in INTERNVL_TYPES
+def plan_configs(configs: Mapping[str, Any]) -> dict[str, Any]:
+    """The planner's ``model_configs`` of ``configs`` (module -> config): each encoder's config (a key other than
+    ``"llm"`` and ``"<encoder>.projector"``) as its :func:`encoder_arch`, the others as they are.
+
+    Raises:
+        ValueError: as :func:`encoder_arch`.
+    """
+    return {key: value if key == LLM_MODULE or key.endswith(".projector") else encoder_arch(value)
+            for key, value in configs.items()}
 
 
 def pixel_shuffle_patches(downsample: int) -> int:
-    """Encoder patches per feature of InternVL's pixel shuffle, whose ``downsample`` ``d`` (``1 / downsample_ratio``)
-    turns each ``d x d`` block of patches into one feature ``d^2`` times as wide: ``d^2`` (also the width factor of
-    the projector's input)."""
+    """Encoder patches per feature of a pixel shuffle (``EncoderFamily.pixel_shuffle``, InternVL's), whose
+    ``downsample`` ``d`` (``1 / downsample_ratio``) turns each ``d x d`` block of patches into one feature ``d^2``
+    times as wide: ``d^2`` (also the width factor of the projector's input)."""
     return downsample ** 2
 
 
@@ -137,8 +164,9 @@ def model_parts(cfg: Any) -> tuple[dict[str, Any], dict[str, bool], dict[str, in
         path = str(Path(model.pretrained) / "encoders" / name / "encoder") if model.pretrained else enc.path
         hf_config = _hf_config(path, enc.config, where)
         downsample = int(settings.get("downsample", enc.downsample))
-        shuffled = downsample > 1 and _is_internvl(hf_config)
-        arch = _encoder_arch(hf_config, pixel_shuffle_patches(downsample) if shuffled else downsample)
+        family, _ = _family(hf_config)
+        shuffled = downsample > 1 and family is not None and family.pixel_shuffle
+        arch = encoder_arch(hf_config, pixel_shuffle_patches(downsample) if shuffled else downsample)
         configs[name] = arch
         configs[f"{name}.projector"] = {"kind": settings.get("projector", enc.projector)}
         if shuffled:

@@ -1,4 +1,5 @@
-"""Ordered pipeline units of a composite model, with frozen-aware flags (../shared/DESIGN.md, principle 6).
+"""Ordered pipeline units of a composite model, with frozen-aware flags (whether a unit trains
+and whether anything upstream trains: the one place costs, memory, scheduling and execution read them).
 
 Each encoder branch gives ``[embed, layers.0..k, post-norm, projector]`` (no post-norm unit for a tower without
 one; Qwen2.5-VL's patch merger takes that slot) and the LLM gives

@@ -1,10 +1,11 @@
 """Per-sample cost coefficients of a live model, for the microbatch planner.
 
 FLOPs per forward pass from the Hugging Face configs by the planner's one per-layer formula
-(``arch_from_config(...).layer_flops()``, MoE routing included), scaled by the frozen-aware pass factor
-(forward + dX + dW, ../shared/DESIGN.md "Cost of a unit"). A module with LoRA adapters (frozen base) pays only its
-trained share of dW, by the one rule of ``UnitCost.backward_s`` (``Unit.trained_fraction``). Only ratios between
-modules and samples matter to the planner.
+(``EncoderArch`` / ``DecoderArch.layer_flops()``, MoE routing included; an encoder's facts from its family),
+scaled by the frozen-aware pass factor (forward, + dX when some unit upstream trains, + dW when the unit
+trains). A module with LoRA adapters (frozen base) pays only its trained share of dW, by the one rule of
+``UnitCost.backward_s`` (``Unit.trained_fraction``). Only ratios between modules and samples matter to the
+planner.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 
 from plait.models.lora import has_lora
 from plait.models.multimodal import MultimodalModel
-from plait.models.plan_inputs import pixel_shuffle_patches
+from plait.models.plan_inputs import encoder_arch, pixel_shuffle_patches
 from plait.planner.cost.arch import arch_from_config
 from plait.planner.pipeline.graph import ModuleFlags, consistent_units, module_flags
 from plait.planner.microbatch import ModuleCostCoeffs
@@ -39,7 +40,7 @@ def microbatch_cost_coeffs(model: MultimodalModel) -> dict[str, ModuleCostCoeffs
     flags, fractions = _module_flags(model)
     coeffs: dict[str, ModuleCostCoeffs] = {}
     for name, branch in model.encoders.items():
-        arch = arch_from_config(branch.encoder.config)
+        arch = encoder_arch(branch.encoder.config)
         per_token, per_pair = map(float, arch.layer_flops())
         trains, needs = flags[name].trainable, flags[name].needs_input_grad
         scale = _lora_scale(flags[name], fractions[name])

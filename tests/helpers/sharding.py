@@ -3,6 +3,7 @@ from here, never from another test module."""
 
 from __future__ import annotations
 
+from plait.models.plan_inputs import plan_configs
 from plait.planner.cost.arch import units_from_configs
 from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, unit_costs
 from plait.planner.pipeline.graph import consistent_units
@@ -28,12 +29,12 @@ def toy_costs() -> list[UnitCost]:
 
 
 def vit_llm():
-    configs = {
+    configs = plan_configs({
         "vision": dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
                        num_attention_heads=16, image_size=224, patch_size=14),
         "llm": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=12,
                     num_attention_heads=16, num_key_value_heads=4, vocab_size=32000),
-    }
+    })
     units = units_from_configs(configs, {})
     shapes = {"vision": MicrobatchShape(257), "llm": MicrobatchShape(2048)}
     return units, unit_costs(units, configs, shapes, DeviceSpec.h100())

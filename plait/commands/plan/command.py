@@ -16,7 +16,7 @@ items per encoder at the encoder's native size (vision: its ``image_size`` patch
 global batch split into ``--microbatches N`` microbatches of ``ceil(global_batch_size / N)`` sequences
 (:func:`split_global_batch`; never more samples than the job's global batch).
 
-Macro-batches (../shared/REFERENCES.md section 3, Entrain): when the job has training data and
+Macro-batches (Entrain, arXiv 2605.27918): when the job has training data and
 ``macrobatches`` > 0, :func:`plan_command` reads every sample's metadata (:func:`dataset_metadata`: the trainer's
 processing; the model is built on the meta device, so no weights), draws that many global batches in the
 loader's order (``plait.planner.microbatch.macrobatch.macrobatch_stats``), prints how much each module's total work varies

@@ -1,8 +1,8 @@
 """Architecture facts of a model described only by Hugging Face configs (no model built, no weights read).
 
 ``arch_from_config`` reads a decoder LLM (Llama, Mistral, Mixtral, Qwen2/3, Qwen3-MoE, Gemma/Gemma-2/3, Phi-3,
-Phi, InternLM2-like dicts), a ViT-style vision encoder (CLIP, SigLIP, ViT, InternVL/InternViT) or a
-Whisper-style audio encoder (Whisper, Qwen2-Audio) into a frozen ``DecoderArch`` / ``EncoderArch``;
+Phi, InternLM2-like dicts), a plain ViT or a Whisper-style audio encoder into a frozen ``DecoderArch`` /
+``EncoderArch`` (other encoder families give their ``EncoderArch`` as data, from ``plait.models.families``);
 ``ProjectorArch`` is the projector between an encoder and the LLM. The classes hold the per-layer facts the
 analytic cost model (``cost_model``) and the microbatch cost coefficients build on: parameters,
 multiply-accumulates and FLOPs per token (``layer_flops``: the one per-layer FLOP formula), the pipeline
@@ -218,7 +218,8 @@ def _sliding_layout(config: Any, layers: int) -> tuple[int | None, tuple[bool, .
 
 @dataclass(frozen=True)
 class EncoderArch:
-    """The shape facts of a ViT-style vision or Whisper-style audio encoder (read from an HF config).
+    """The shape facts of a ViT-style vision or Whisper-style audio encoder (given by the encoder's family, or read
+    from a plain ViT / Whisper config by ``from_config``).
 
     Attributes:
         modality: ``"vision"`` or ``"audio"``.
@@ -283,19 +284,17 @@ class EncoderArch:
 
     @classmethod
     def from_config(cls, config: Any) -> "EncoderArch":
-        """Read a vision (CLIP, SigLIP, ViT, InternVL, InternViT-6B) or audio (Whisper, Qwen2-Audio)
-        encoder config; unknown model types with ``patch_size`` are read as a CLIP-free ViT (CLS token,
-        biases, LayerNorm, post-norm).
+        """Read an encoder config by its fields alone, with no family knowledge: a Whisper-style audio encoder
+        (a ``num_mel_bins`` field) or else a plain ViT (CLS token, biases as ``qkv_bias`` says, default on,
+        LayerNorm, post-norm). A family's own facts (SigLIP's missing CLS token, CLIP's pre-norm, ...) are given
+        as an ``EncoderArch`` built from ``plait.models.families`` (``EncoderFamily.arch_fields``).
 
         Raises:
             ValueError: on a missing field or a composite config (pass its ``vision_config``).
         """
-        mtype = config_model_type(config)
-        if mtype in ("whisper", "qwen2_audio_encoder"):
-            return _audio_arch(config, mtype)
-        if mtype == "qwen2_5_vl_vision":
-            return _qwen2_5_vl_arch(config)
-        return _vision_arch(config, mtype)
+        if config_field(config, "num_mel_bins", None) is not None:
+            return _audio_arch(config)
+        return _vision_arch(config)
 
     def layout(self) -> list[tuple[str, str, int]]:
         """Pipeline units ``(name suffix, kind, layer index or -1)``: embeddings, layers.i, post_norm."""
@@ -352,91 +351,33 @@ class EncoderArch:
         return self.num_channels * self.patch[0] * self.patch[1] * h + self.resized_positions * self.positions * h
 
 
-def _audio_arch(config: Any, mtype: str) -> EncoderArch:
+def _audio_arch(config: Any) -> EncoderArch:
+    """A Whisper-style encoder: conv front-end, biases except on k, LayerNorm, post-norm, no output pooling."""
     hidden, heads = positive_field(config, "d_model"), positive_field(config, "encoder_attention_heads")
     positions = positive_field(config, "max_source_positions")
     return EncoderArch(
         modality="audio", hidden=hidden, layers=positive_field(config, "encoder_layers"), heads=heads,
         head_dim=hidden // heads, intermediate=positive_field(config, "encoder_ffn_dim"),
         qkv_bias=(True, False, True), num_mel_bins=positive_field(config, "num_mel_bins"),
-        positions=positions, output_pool=2 if mtype == "qwen2_audio_encoder" else 1, item_len=positions,
+        positions=positions, item_len=positions,
     )
 
 
-def _vision_arch(config: Any, mtype: str) -> EncoderArch:
+def _vision_arch(config: Any) -> EncoderArch:
+    """A plain ViT: a CLS token before ``(image_size / patch_size)^2`` patches, a learned position table."""
     if config_field(config, "vision_config", None) is not None:
-        raise ValueError(f"config {mtype!r} is composite: pass its vision_config")
+        raise ValueError(f"config {config_model_type(config)!r} is composite: pass its vision_config")
     hidden, heads = positive_field(config, "hidden_size"), positive_field(config, "num_attention_heads")
     patch = config_pair(config_field(config, "patch_size"), "patch_size")
-    if mtype == "siglip2_vision_model":  # NaFlex: no image size, a num_patches position grid
-        patches = positive_field(config, "num_patches")
-    else:
-        image = config_pair(config_field(config, "image_size"), "image_size")
-        patches = (image[0] // patch[0]) * (image[1] // patch[1])
-    prefix = 0 if mtype.startswith("siglip") else 1
-    fields: dict[str, Any] = dict(
+    image = config_pair(config_field(config, "image_size"), "image_size")
+    patches = (image[0] // patch[0]) * (image[1] // patch[1])
+    bias = bool(config_field(config, "qkv_bias", True))
+    return EncoderArch(
         modality="vision", hidden=hidden, layers=positive_field(config, "num_hidden_layers"), heads=heads,
         head_dim=hidden // heads, intermediate=positive_field(config, "intermediate_size"),
-        num_channels=positive_field(config, "num_channels", 3), patch=patch, prefix_tokens=prefix,
-        positions=patches + prefix, item_len=patches + prefix,
+        qkv_bias=(bias, bias, bias), num_channels=positive_field(config, "num_channels", 3), patch=patch,
+        prefix_tokens=1, positions=patches + 1, item_len=patches + 1,
     )
-    fields.update(_vision_family_fields(config, mtype, hidden))
-    if fields.pop("no_positions", False):
-        fields["positions"] = 0
-    return EncoderArch(**fields)
-
-
-def _qwen2_5_vl_arch(config: Any) -> EncoderArch:
-    """Qwen2.5-VL's tower: a bias-free Conv3d patch embedding over ``T x p x p`` (``patch = (T p, p)``), rotary
-    positions (no table), RMSNorms, gated MLP with biases, window attention outside ``fullatt_block_indexes``, the
-    2x2 merger as post-norm (``output_pool = merge^2``). It has no native size: an item is one window."""
-    hidden, heads = positive_field(config, "hidden_size"), positive_field(config, "num_heads")
-    patch, merge = positive_field(config, "patch_size"), positive_field(config, "spatial_merge_size")
-    window = (positive_field(config, "window_size") // patch) ** 2
-    return EncoderArch(
-        modality="vision", hidden=hidden, layers=positive_field(config, "depth"), heads=heads, head_dim=hidden // heads,
-        intermediate=positive_field(config, "intermediate_size"), gated_mlp=True, norm_bias=False,
-        num_channels=positive_field(config, "in_channels", 3),
-        patch=(positive_field(config, "temporal_patch_size") * patch, patch),
-        patch_bias=False, output_pool=merge**2, item_len=window, window=window,
-        merger=(merge**2 * hidden, positive_field(config, "out_hidden_size")),
-        full_layers=tuple(int(i) for i in config_field(config, "fullatt_block_indexes", ())),
-    )
-
-
-def _vision_family_fields(config: Any, mtype: str, hidden: int) -> dict[str, Any]:
-    """Per-family differences from a plain ViT (CLS token, biased patch conv, LayerNorm, post-norm)."""
-    if mtype == "siglip2_vision_model":
-        return {"resized_positions": True}
-    if mtype == "clip_vision_model":
-        return {"patch_bias": False, "pre_norm": True}
-    if mtype == "vit":
-        bias = bool(config_field(config, "qkv_bias", True))
-        return {"qkv_bias": (bias, bias, bias)}
-    if mtype == "internvl_vision":
-        bias = bool(config_field(config, "attention_bias", False))
-        return {
-            "qkv_bias": (bias, bias, bias), "layer_scale": True,
-            "norm_bias": config_field(config, "norm_type", "layer_norm") == "layer_norm",
-            "qk_norm_dim": hidden if config_field(config, "use_qk_norm", False) else 0,
-            "post_norm": not config_field(config, "use_mean_pooling", True),
-            "no_positions": not config_field(config, "use_absolute_position_embeddings", True),
-        }
-    if mtype == "pixtral":  # 2D RoPE (no position table), RMSNorms, gated MLP, no bias, no CLS, no post-norm
-        patches = (positive_field(config, "image_size") // positive_field(config, "patch_size")) ** 2
-        return {
-            "gated_mlp": True, "qkv_bias": (False, False, False), "o_bias": False, "mlp_bias": False,
-            "norm_bias": False, "patch_bias": False, "pre_norm": True, "post_norm": False, "prefix_tokens": 0,
-            "item_len": patches, "no_positions": True,
-        }
-    if mtype == "intern_vit_6b":
-        bias = bool(config_field(config, "qkv_bias", False))
-        return {
-            "qkv_bias": (bias, bias, bias), "layer_scale": True, "post_norm": False,
-            "norm_bias": config_field(config, "norm_type", "rms_norm") == "layer_norm",
-            "qk_norm_dim": hidden if config_field(config, "qk_normalization", False) else 0,
-        }
-    return {}
 
 
 @dataclass(frozen=True)
@@ -476,16 +417,15 @@ Arch = Union[DecoderArch, EncoderArch, ProjectorArch]
 
 def arch_from_config(config: Any) -> DecoderArch | EncoderArch:
     """Decoder or encoder architecture of an HF config (object or dict); an ``EncoderArch`` /
-    ``DecoderArch`` passes through. Audio: ``model_type`` whisper / qwen2_audio_encoder; vision: a
-    ``patch_size`` field; otherwise a decoder LLM.
+    ``DecoderArch`` passes through. A ``num_mel_bins`` or ``patch_size`` field: an encoder read by the generic
+    ``EncoderArch.from_config``; otherwise a decoder LLM.
 
     Raises:
         ValueError: on missing fields (named) or unsupported layouts.
     """
     if isinstance(config, (DecoderArch, EncoderArch)):
         return config
-    if config_model_type(config) in ("whisper", "qwen2_audio_encoder") or config_field(config, "patch_size",
-                                                                                       None) is not None:
+    if any(config_field(config, name, None) is not None for name in ("num_mel_bins", "patch_size")):
         return EncoderArch.from_config(config)
     if config_field(config, "vision_config", None) is not None or config_field(config, "text_config", None) is not None:
         raise ValueError(f"config {config_model_type(config)!r} is composite: pass its text_config / vision_config")

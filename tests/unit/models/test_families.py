@@ -10,7 +10,7 @@ from transformers import AutoConfig
 from plait.models.families import FAMILIES, encoder_family, family_of, supported_types, tower_config
 from plait.models.families.base import AudioFamily, VisionFamily
 from plait.models.hf import build_encoder
-from plait.planner.cost.arch import EncoderArch
+from plait.planner.cost.arch import EncoderArch, model_param_count
 
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=8,
               image_size=32, num_channels=3)
@@ -57,12 +57,18 @@ def test_unknown_types_fall_back_to_the_plain_defaults_and_are_refused_by_the_bu
 
 
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
-def test_a_familys_planner_facts_equal_what_the_planner_reads(model_type):
+def test_a_familys_planner_facts_count_its_towers_parameters(model_type):
     cfg = AutoConfig.for_model(model_type, **CONFIGS[model_type])
     family = family_of(model_type)
-    assert EncoderArch(**family.arch_fields(cfg)) == EncoderArch.from_config(cfg)
-    as_dict = {"model_type": model_type, **CONFIGS[model_type]}  # the planner also reads plain config tables
-    assert EncoderArch(**family.arch_fields(as_dict)) == EncoderArch.from_config(as_dict)
+    arch = EncoderArch(**family.arch_fields(cfg))
+    as_dict = {"model_type": model_type, **CONFIGS[model_type]}  # plain config tables read alike
+    assert EncoderArch(**family.arch_fields(as_dict)) == arch
+    with torch.device("meta"):
+        encoder = build_encoder(family.modality, config=as_dict)
+    modules = dict(encoder.named_modules())
+    heads = sum(p.numel() for h in family.layout_of(encoder.config).heads if h in modules
+                for p in modules[h].parameters())
+    assert model_param_count(arch) == sum(p.numel() for p in encoder.parameters()) - heads  # pooling heads: no unit
 
 
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))

@@ -20,6 +20,7 @@ from plait.models.families.internvl import InternVLFeatureCount, pixel_shuffle_f
 from plait.models.families.pixtral import PixtralCall, PixtralFeatureCount, pixtral_inputs
 from plait.models.hf import build_encoder, encoder_feature_size, encoder_layout, run_encoder_layer
 from plait.models.projector import build_projector
+from plait.models.plan_inputs import encoder_arch
 from plait.planner.cost.arch import model_param_count, units_from_configs
 from plait.planner.cost.analytic import MicrobatchShape, unit_estimates
 from tests.helpers.jobs import TINY_LLM, tiny_config_dict, write_jsonl
@@ -114,18 +115,18 @@ def _flops_and_estimates(cfg, tower, inputs: dict, tokens: int) -> tuple[int, in
     with FlopCounterMode(display=False) as counter:
         tower(**inputs)
     llm = T.LlamaConfig(**config_kwargs(TINY_LLM), vocab_size=64)
-    units = [u for u in units_from_configs({"v": cfg, "llm": llm}) if u.module == "v" and u.kind != "projector"]
-    est = unit_estimates(units, {"v": cfg}, MicrobatchShape(tokens=tokens))
+    units = [u for u in units_from_configs({"v": encoder_arch(cfg), "llm": llm}) if u.module == "v" and u.kind != "projector"]
+    est = unit_estimates(units, {"v": encoder_arch(cfg)}, MicrobatchShape(tokens=tokens))
     return counter.get_total_flops(), sum(e.weight_flops + e.attention_flops for e in est)
 
 
 def test_cost_model_params_and_flops_equal_the_real_towers():
     pixtral = tiny_pixtral()
-    assert model_param_count(pixtral.config) == sum(p.numel() for p in pixtral.parameters())
+    assert model_param_count(encoder_arch(pixtral.config)) == sum(p.numel() for p in pixtral.parameters())
     measured, predicted = _flops_and_estimates(pixtral.config, pixtral, pixtral_inputs([torch.randn(3, 32, 32)]), 64)
     assert measured == predicted
     internvl = internvl_model().vision_tower
-    assert model_param_count(internvl.config) == sum(p.numel() for p in internvl.parameters())
+    assert model_param_count(encoder_arch(internvl.config)) == sum(p.numel() for p in internvl.parameters())
     measured, predicted = _flops_and_estimates(internvl.config, internvl, {"pixel_values": torch.randn(2, 3, 32, 32)},
                                                2 * 65)
     assert measured == predicted

@@ -165,6 +165,7 @@ def test_cost_model_params_and_flops_equal_the_real_tower():
     """Two images of 8x8 patches (4 windows of 4x4 patches each): window layers attend 16 patches, full layers 64."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from plait.models.plan_inputs import encoder_arch
     from plait.planner.cost.arch import model_param_count, projector_arch, split_model_configs, units_from_configs
     from plait.planner.cost.analytic import MicrobatchShape, unit_estimates
     from tests.helpers.jobs import TINY_LLM
@@ -173,16 +174,17 @@ def test_cost_model_params_and_flops_equal_the_real_tower():
     cfg = T.Qwen2_5_VLConfig(vision_config=kwargs).vision_config
     cfg._attn_implementation = "eager"  # the flop counter sees eager attention's matmuls (not CPU SDPA's kernel)
     tower = T.Qwen2_5_VisionTransformerPretrainedModel(cfg)
-    assert model_param_count(cfg) == sum(p.numel() for p in tower.parameters())
+    arch = encoder_arch(cfg)  # the family's facts, as the planner receives them
+    assert model_param_count(arch) == sum(p.numel() for p in tower.parameters())
     grid = torch.tensor([[1, 8, 8], [1, 8, 8]])
     with FlopCounterMode(display=False) as counter:
         tower(torch.randn(128, 1176), grid_thw=grid)
     llm = T.LlamaConfig(**{k: v for k, v in TINY_LLM.items() if k != "model_type"}, vocab_size=64)
-    units = [u for u in units_from_configs({"v": cfg, "llm": llm}) if u.module == "v"]
-    est = unit_estimates([u for u in units if u.kind != "projector"], {"v": cfg},
+    units = [u for u in units_from_configs({"v": arch, "llm": llm}) if u.module == "v"]
+    est = unit_estimates([u for u in units if u.kind != "projector"], {"v": arch},
                          MicrobatchShape(tokens=128, seq_len=64))
     assert counter.get_total_flops() == sum(e.weight_flops + e.attention_flops for e in est)
-    archs, _ = split_model_configs({"v": cfg, "llm": llm})
+    archs, _ = split_model_configs({"v": arch, "llm": llm})
     assert projector_arch("v", archs, {}).in_dim == 48 and [u.kind for u in units][-2:] == ["norm", "projector"]
 
 

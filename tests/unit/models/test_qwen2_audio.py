@@ -18,6 +18,7 @@ from plait.models.encoder import ModalityEncoder
 from plait.models.families.qwen2_audio import Qwen2AudioFeatureCount
 from plait.models.hf import build_encoder, encoder_layout, run_encoder_layer
 from plait.models.projector import build_projector
+from plait.models.plan_inputs import encoder_arch
 from plait.planner.cost.arch import model_param_count, units_from_configs
 from plait.planner.cost.analytic import MicrobatchShape, unit_estimates
 from tests.helpers.jobs import TINY_LLM, demo_records
@@ -108,13 +109,14 @@ def test_cost_model_params_and_flops_equal_the_real_encoder():
     cfg = T.Qwen2AudioEncoderConfig(**{k: v for k, v in TINY_QWEN2_AUDIO.items() if k != "model_type"},
                                     attn_implementation="eager")
     encoder = Qwen2AudioEncoder(cfg)
-    assert model_param_count(cfg) == sum(p.numel() for p in encoder.parameters())
+    arch = encoder_arch(cfg)  # the family's facts, as the planner receives them
+    assert model_param_count(arch) == sum(p.numel() for p in encoder.parameters())
     with FlopCounterMode(display=False) as counter:
         encoder(torch.randn(2, 80, 300))
-    units = [u for u in units_from_configs({"a": cfg, "llm": T.LlamaConfig(**{k: v for k, v in TINY_LLM.items()
+    units = [u for u in units_from_configs({"a": arch, "llm": T.LlamaConfig(**{k: v for k, v in TINY_LLM.items()
                                                                            if k != "model_type"}, vocab_size=64)})
              if u.module == "a" and u.kind != "projector"]
-    est = unit_estimates(units, {"a": cfg}, MicrobatchShape(tokens=2 * 150))
+    est = unit_estimates(units, {"a": arch}, MicrobatchShape(tokens=2 * 150))
     assert counter.get_total_flops() == sum(e.weight_flops + e.attention_flops for e in est)
 
 

@@ -19,6 +19,7 @@ from plait.models.encoder import ModalityEncoder
 from plait.models.families.siglip2 import Siglip2FeatureCount
 from plait.models.hf import build_encoder, encoder_layout
 from plait.models.projector import build_projector
+from plait.models.plan_inputs import encoder_arch
 from plait.planner.cost.arch import model_param_count, units_from_configs
 from plait.planner.cost.analytic import MicrobatchShape, unit_estimates
 from tests.helpers.jobs import TINY_LLM, demo_records, tiny_config_dict, write_jsonl
@@ -68,13 +69,14 @@ def test_cost_model_params_and_flops_equal_the_real_tower():
     kwargs = {k: v for k, v in TINY_SIGLIP2.items() if k != "model_type"}
     cfg = T.Siglip2VisionConfig(**kwargs, attn_implementation="eager", vision_use_head=False)
     tower = T.Siglip2VisionModel(cfg)
-    assert model_param_count(cfg) == sum(p.numel() for p in tower.parameters())
+    arch = encoder_arch(cfg)  # the family's facts, as the planner receives them
+    assert model_param_count(arch) == sum(p.numel() for p in tower.parameters())
     with FlopCounterMode(display=False) as counter:
         tower(pixel_values=torch.randn(2, 16, 48), pixel_attention_mask=torch.ones(2, 16, dtype=torch.long),
               spatial_shapes=torch.tensor([[4, 4], [4, 4]]))
     llm = T.LlamaConfig(**{k: v for k, v in TINY_LLM.items() if k != "model_type"}, vocab_size=64)
-    units = [u for u in units_from_configs({"v": cfg, "llm": llm}) if u.module == "v" and u.kind != "projector"]
-    est = unit_estimates(units, {"v": cfg}, MicrobatchShape(tokens=2 * 16))
+    units = [u for u in units_from_configs({"v": arch, "llm": llm}) if u.module == "v" and u.kind != "projector"]
+    est = unit_estimates(units, {"v": arch}, MicrobatchShape(tokens=2 * 16))
     assert counter.get_total_flops() == sum(e.weight_flops + e.attention_flops for e in est)
 
 

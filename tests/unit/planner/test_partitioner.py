@@ -189,11 +189,13 @@ def test_helpers_map_ranges():
 def _frozen_mllm():
     import transformers
 
+    from plait.models.plan_inputs import plan_configs
+
     vision = transformers.SiglipVisionConfig(hidden_size=128, intermediate_size=512, num_attention_heads=4,
                                              num_hidden_layers=8, image_size=64, patch_size=8)
     llm = transformers.LlamaConfig(hidden_size=128, intermediate_size=352, num_attention_heads=4,
                                    num_key_value_heads=2, num_hidden_layers=8, vocab_size=1000)
-    configs = {"vision": vision, "llm": llm}
+    configs = plan_configs({"vision": vision, "llm": llm})
     units = units_from_configs(configs, frozen={"vision": True, "vision.projector": False, "llm": True})
     shape = {"vision": MicrobatchShape(tokens=16 * 64), "llm": MicrobatchShape(tokens=1024)}
     device = DeviceSpec("compute-bound", 1e12, 1.0, 1e12, 1e30, 1e9)

@@ -17,6 +17,7 @@ from plait.planner.search import layout as search_module
 from plait.planner.search import bounds as search_bounds
 from plait.planner.search import candidates as search_candidates
 from plait.planner.search import model as search_model
+from plait.models.plan_inputs import plan_configs
 from plait.planner.cost.arch import units_from_configs
 from plait.planner.cost.analytic import (
     DeviceSpec,
@@ -288,10 +289,11 @@ def test_megatron_picks_dp_by_unaware_model_and_search_matches_or_beats_it():
 
 # ----- flags, JSON, errors, scale ------------------------------------------------------------------------
 def test_consistent_units_mark_the_llm_embedding_downstream_of_trainable_encoders():
-    configs = {"vision": {"model_type": "siglip_vision_model", "hidden_size": 64, "intermediate_size": 96,
-                          "num_attention_heads": 4, "num_hidden_layers": 2, "image_size": 32, "patch_size": 8},
-               "llm": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
-                       "num_key_value_heads": 2, "num_hidden_layers": 3, "vocab_size": 100}}
+    configs = plan_configs({
+        "vision": {"model_type": "siglip_vision_model", "hidden_size": 64, "intermediate_size": 96,
+                   "num_attention_heads": 4, "num_hidden_layers": 2, "image_size": 32, "patch_size": 8},
+        "llm": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "num_hidden_layers": 3, "vocab_size": 100}})
     units = units_from_configs(configs, {"vision": True, "vision.projector": False, "llm": True})
     fixed = {u.name: u for u in consistent_units(units)}
     assert fixed["llm.embed_tokens"].needs_input_grad and not fixed["llm.embed_tokens"].trainable
@@ -353,14 +355,14 @@ def dataclass_cost(cost: UnitCost, param_bytes: int) -> UnitCost:
 
 def test_search_for_1024_devices_gives_a_valid_plan():  # its wall time: bench/pipeline_plans.py
     # Llama-3-70B + a 48-layer 5120-wide ViT + Whisper-large-v3 encoder (VALM-L-like), frozen, 1024 GPUs.
-    configs = {
+    configs = plan_configs({
         "vision": {"model_type": "clip_vision_model", "hidden_size": 5120, "intermediate_size": 20480,
                    "num_hidden_layers": 48, "num_attention_heads": 40, "image_size": 224, "patch_size": 14},
         "audio": {"model_type": "whisper", "d_model": 1280, "encoder_layers": 32, "encoder_attention_heads": 20,
                   "encoder_ffn_dim": 5120, "num_mel_bins": 128, "max_source_positions": 1500},
         "llm": {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                 "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256},
-    }
+    })
     frozen = {"vision": True, "vision.projector": False, "audio": True, "audio.projector": False, "llm": True}
     units = units_from_configs(configs, frozen)
     shapes = {"vision": MicrobatchShape(257), "audio": MicrobatchShape(1500), "llm": MicrobatchShape(2780, 2780)}

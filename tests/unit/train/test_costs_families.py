@@ -10,7 +10,7 @@ import pytest
 from plait.config.loader import config_from_dict
 from plait.data.chat_template import tokenizer_dir
 from plait.models.registry import build_model, load_tokenizer
-from plait.planner.cost.arch import arch_from_config
+from plait.models.plan_inputs import encoder_arch
 from plait.train.cost_coeffs import microbatch_cost_coeffs
 from tests.helpers.jobs import tiny_config_dict
 from tests.helpers.pixtral_internvl import TINY_INTERNVL
@@ -22,7 +22,7 @@ def _coeffs(branch: dict):
     job["model"]["encoders"] = {"vision": dict(modality="image", **branch)}
     cfg = config_from_dict(job)
     model = build_model(cfg.model, load_tokenizer(tokenizer_dir(cfg.data, cfg.model)), device="meta")
-    arch = arch_from_config(model.encoders["vision"].encoder.config)
+    arch = encoder_arch(model.encoders["vision"].encoder.config)
     return microbatch_cost_coeffs(model)["vision"], arch, [float(x) for x in arch.layer_flops()]
 
 
