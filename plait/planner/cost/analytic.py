@@ -39,22 +39,14 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from plait.planner.cost.arch import Arch, DecoderArch, EncoderArch, ProjectorArch, projector_arch, split_model_configs
-from plait.planner.serialize import JsonDataclass
+from plait.planner.cost.types import DeviceSpec, MicrobatchShape, OptimizerSpec, UnitEstimate, dtype_bytes
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
 __all__ = [
-    "CPU_CHUNK_OVERHEAD_S",
-    "CPU_MESSAGE_OVERHEAD_S",
-    "DeviceSpec",
-    "MicrobatchShape",
-    "OptimizerSpec",
-    "UnitEstimate",
     "causal_pairs",
-    "dtype_bytes",
     "full_pairs",
     "stage_work",
     "trained_params",
@@ -67,174 +59,9 @@ __all__ = [
     "windowed_causal_pairs",
 ]
 
-_DTYPE_BYTES = {
-    "float32": 4, "fp32": 4, "float": 4, "tf32": 4,
-    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
-    "float8": 1, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-}
-
 
 # --------------------------------------------------------------------------------------------------
-# Devices, shapes, optimizer
-
-
-@dataclass(frozen=True)
-class DeviceSpec(JsonDataclass):
-    """One accelerator (or CPU) as the roofline sees it.
-
-    Attributes:
-        name: label for plots and reports.
-        peak_flops: dense bf16 peak (FLOP/s).
-        efficiency: fraction of ``peak_flops`` reached by matmuls in training (MFU-like, in (0, 1]).
-        memory_bytes: device memory (bytes).
-        hbm_bandwidth: device memory bandwidth (B/s).
-        link_bandwidth: point-to-point bandwidth to a pipeline neighbour, one direction (B/s).
-        link_latency: per-message latency of that link (s).
-        chunk_overhead_s: host seconds one module chunk of a stage costs per action (``F``, or ``B`` of a chunk
-            that runs a backward) beyond its layers' work: the runtime's glue (rotary tables and masks of an
-            LLM chunk, feature placement, the loss, Python and autograd bookkeeping). 0 on GPU presets (hidden
-            behind asynchronous kernels); see ``planner.overheads.ActionOverheads``.
-        message_overhead_s: host seconds each end spends per cross-rank message (LogP's ``o``: packing and
-            posting, waiting and unpacking); the ``P2PModel`` send and receive overheads.
-
-    Raises:
-        ValueError: on a non-positive field, an efficiency above 1 or a negative latency or overhead.
-    """
-
-    name: str
-    peak_flops: float
-    efficiency: float
-    memory_bytes: float
-    hbm_bandwidth: float
-    link_bandwidth: float
-    link_latency: float = 0.0
-    chunk_overhead_s: float = 0.0
-    message_overhead_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        for field in ("peak_flops", "efficiency", "memory_bytes", "hbm_bandwidth", "link_bandwidth"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"DeviceSpec.{field} must be > 0, got {getattr(self, field)}")
-        if self.efficiency > 1:
-            raise ValueError(f"DeviceSpec.efficiency must be <= 1, got {self.efficiency}")
-        for field in ("link_latency", "chunk_overhead_s", "message_overhead_s"):
-            if not getattr(self, field) >= 0:
-                raise ValueError(f"DeviceSpec.{field} must be >= 0, got {getattr(self, field)}")
-
-    def compute_time(self, flops: float, bytes_moved: float) -> float:
-        """Roofline time (s): ``max(flops / (peak_flops * efficiency), bytes_moved / hbm_bandwidth)``."""
-        return max(flops / (self.peak_flops * self.efficiency), bytes_moved / self.hbm_bandwidth)
-
-    def transfer_time(self, num_bytes: float) -> float:
-        """Time (s) to send ``num_bytes`` to a neighbour: ``link_latency + num_bytes / link_bandwidth``."""
-        return self.link_latency + num_bytes / self.link_bandwidth
-
-    @classmethod
-    def h100(cls, efficiency: float = 0.5) -> "DeviceSpec":
-        """NVIDIA H100 SXM 80 GB: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 450 GB/s per direction."""
-        return cls("H100-SXM", 989e12, efficiency, 80 * 2**30, 3.35e12, 450e9, 1e-5)
-
-    @classmethod
-    def h200(cls, efficiency: float = 0.5) -> "DeviceSpec":
-        """NVIDIA H200 SXM 141 GB: 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e, NVLink 450 GB/s per direction."""
-        return cls("H200-SXM", 989e12, efficiency, 141e9, 4.8e12, 450e9, 1e-5)
-
-    @classmethod
-    def a100(cls, efficiency: float = 0.5) -> "DeviceSpec":
-        """NVIDIA A100 SXM 80 GB: 312 TFLOP/s bf16 dense, 2.04 TB/s HBM2e, NVLink 300 GB/s per direction."""
-        return cls("A100-SXM-80GB", 312e12, efficiency, 80 * 2**30, 2.039e12, 300e9, 1e-5)
-
-    @classmethod
-    def cpu(cls, efficiency: float = 0.3) -> "DeviceSpec":
-        """A generic many-core server CPU (rough; calibrate with the profiler): 1 TFLOP/s, 50 GB/s DRAM,
-        64 GiB, shared-memory gloo link at 5 GB/s with 50 us latency; per module chunk and action 5 ms of
-        runtime overhead and per message 0.1 ms at each end. The overheads are measured on a 2-core CPU with one
-        thread per process: ``plait profile``'s chunk overheads (forward and backward) of the three
-        ``bench/plan_holds.py`` jobs, 0-5 ms for the 2-layer job's 512-token microbatches, 1-28 ms for the demo's
-        4096-token ones, up to 40 ms for the wide LLM-only job (a typical 5 ms taken), and
-        ``plait.measure.link.measure_link`` (54-62 us per end for a 64 KiB message, 170-240 us for 1 MiB)."""
-        return cls("CPU", 1e12, efficiency, 64 * 2**30, 50e9, 5e9, 5e-5, CPU_CHUNK_OVERHEAD_S, CPU_MESSAGE_OVERHEAD_S)
-
-
-CPU_CHUNK_OVERHEAD_S = 5e-3
-"""``DeviceSpec.cpu``'s ``chunk_overhead_s`` (seconds; measured, see ``DeviceSpec.cpu``)."""
-CPU_MESSAGE_OVERHEAD_S = 1e-4
-"""``DeviceSpec.cpu``'s ``message_overhead_s`` (seconds; measured, see ``DeviceSpec.cpu``)."""
-
-
-@dataclass(frozen=True)
-class MicrobatchShape(JsonDataclass):
-    """Work of one module in one microbatch.
-
-    Attributes:
-        tokens: tokens through the module (all sequences / items of the microbatch). For an encoder, the
-            tokens its layers see (vision: patches plus prefix tokens such as CLS; Whisper: output frames,
-            1500 per 30 s clip); for the LLM, the sequence tokens after placeholder expansion.
-        seq_len: tokens per sequence (LLM) or per item (encoder); ``None``: LLM one sequence of ``tokens``,
-            encoder the config's native item length (e.g. ``(image_size / patch_size)^2 + 1`` for CLIP).
-        attended_pairs: attended (query, key) pairs of one layer summed over the microbatch, so real
-            multimodal / packed masks count exactly; ``None``: causal ``n L (L + 1) / 2`` for the LLM and
-            full ``n L^2`` for encoders, with ``n = tokens / L`` sequences of length ``L``.
-
-    Raises:
-        ValueError: on a non-positive ``tokens`` / ``seq_len`` or a negative ``attended_pairs``.
-    """
-
-    tokens: int
-    seq_len: int | None = None
-    attended_pairs: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.tokens <= 0:
-            raise ValueError(f"MicrobatchShape.tokens must be > 0, got {self.tokens}")
-        if self.seq_len is not None and self.seq_len <= 0:
-            raise ValueError(f"MicrobatchShape.seq_len must be > 0, got {self.seq_len}")
-        if self.attended_pairs is not None and self.attended_pairs < 0:
-            raise ValueError(f"MicrobatchShape.attended_pairs must be >= 0, got {self.attended_pairs}")
-
-
-@dataclass(frozen=True)
-class OptimizerSpec(JsonDataclass):
-    """Training memory per trainable parameter beyond the parameter itself.
-
-    Attributes:
-        grad_bytes_per_param: gradient bytes per parameter; ``None`` means the training dtype's size.
-        state_bytes_per_param: optimizer-state bytes per parameter; 12 for AdamW with an fp32 master
-            copy (4) and fp32 first (4) and second (4) moments.
-
-    Raises:
-        ValueError: on a negative field.
-    """
-
-    grad_bytes_per_param: float | None = None
-    state_bytes_per_param: float = 12.0
-
-    def __post_init__(self) -> None:
-        if self.grad_bytes_per_param is not None and self.grad_bytes_per_param < 0:
-            raise ValueError(f"OptimizerSpec.grad_bytes_per_param must be >= 0, got {self.grad_bytes_per_param}")
-        if self.state_bytes_per_param < 0:
-            raise ValueError(f"OptimizerSpec.state_bytes_per_param must be >= 0, got {self.state_bytes_per_param}")
-
-    def grad_bytes(self, dtype: Any = "bfloat16") -> float:
-        """Gradient bytes per trained parameter: ``grad_bytes_per_param``, or ``dtype``'s size when it is None."""
-        return dtype_bytes(dtype) if self.grad_bytes_per_param is None else float(self.grad_bytes_per_param)
-
-
-def dtype_bytes(dtype: Any) -> float:
-    """Bytes per element of ``dtype``: a number (returned as is), a name (``"bfloat16"``, ``"fp32"``, ...)
-    or a ``torch.dtype`` (read through its name, torch is not imported).
-
-    Raises:
-        ValueError: on an unknown name or a non-positive number.
-    """
-    if isinstance(dtype, (int, float)) and not isinstance(dtype, bool):
-        if dtype <= 0:
-            raise ValueError(f"dtype size must be > 0 bytes, got {dtype}")
-        return float(dtype)
-    name = str(dtype).removeprefix("torch.").lower()
-    if name not in _DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_BYTES)}")
-    return float(_DTYPE_BYTES[name])
+# Attention pairs
 
 
 def causal_pairs(seq_len: int) -> int:
@@ -263,50 +90,6 @@ def windowed_causal_pairs(seq_len: int, window: int) -> int:
 
 # --------------------------------------------------------------------------------------------------
 # Per-unit estimates
-
-
-@dataclass(frozen=True)
-class UnitEstimate(JsonDataclass):
-    """Device-independent work of one unit for one microbatch shape.
-
-    Attributes:
-        params: parameter count.
-        weight_flops: forward FLOPs of the weight matmuls / convolutions (= dW FLOPs).
-        attention_flops: forward FLOPs of ``Q K^T`` and ``P V`` (no weights, so no dW; dX pays it twice).
-        forward_bytes: bytes moved through device memory by the forward (weights read once plus each op's
-            inputs read and output written).
-        weight_grad_bytes: bytes moved by the dW pass.
-        activation_bytes: bytes the forward saves for backward (one microbatch).
-        output_bytes: bytes of the unit's output tensor (what a stage boundary after it sends).
-        input_grad: whether the unit has a dX at all (False for embeddings: ids, pixels, mel frames).
-        tied_params: of ``params``, those another unit holds (a tied LLM head uses the embedding matrix): they
-            count in FLOPs and bytes moved, and the unit computes their dW, but their memory is the other unit's
-            (``UnitCost.param_bytes`` leaves them out), so the units' parameters add up to the model's.
-    """
-
-    params: int
-    weight_flops: float
-    attention_flops: float
-    forward_bytes: float
-    weight_grad_bytes: float
-    activation_bytes: float
-    output_bytes: float
-    input_grad: bool = True
-    tied_params: int = 0
-
-    def to_cost(self, device: DeviceSpec, dtype: Any = "bfloat16") -> UnitCost:
-        """Roofline ``UnitCost`` on ``device``: forward ``W + A`` FLOPs, dX ``W + 2A`` (0 if no dX),
-        dW ``W`` FLOPs (0 without parameters), each against the bytes it moves; parameters held (``params`` but
-        the tied ones) in ``dtype``."""
-        forward = device.compute_time(self.weight_flops + self.attention_flops, self.forward_bytes)
-        dx = (device.compute_time(self.weight_flops + 2 * self.attention_flops, self.forward_bytes)
-              if self.input_grad else 0.0)
-        dw = device.compute_time(self.weight_flops, self.weight_grad_bytes) if self.params else 0.0
-        return UnitCost(
-            forward_s=forward, input_grad_s=dx, weight_grad_s=dw,
-            param_bytes=int(round((self.params - self.tied_params) * dtype_bytes(dtype))),
-            activation_bytes=int(round(self.activation_bytes)), output_bytes=int(round(self.output_bytes)),
-        )
 
 
 def _estimate(params: int, weight_flops: float, attention_flops: float, io_bytes: float, saved: float,

@@ -21,70 +21,19 @@ reads and writes profiles (``Profile.to_dict`` / ``from_dict``) as JSON files.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from plait.planner.pipeline.plan import PipelinePlan
-from plait.planner.serialize import JsonDataclass, dataclass_from_dict
+from plait.planner.cost.types import ProfileKey, UnitMeasurement
+from plait.planner.pipeline.types import PipelinePlan
+from plait.planner.serialize import dataclass_from_dict
 from plait.planner.types import Unit, UnitCost
 
-__all__ = [
-    "FORMAT_VERSION",
-    "OVERHEAD_KINDS",
-    "Profile",
-    "ProfileKey",
-    "UnitMeasurement",
-    "profile_mismatch",
-    "stage_action_costs",
-]
+__all__ = ["FORMAT_VERSION", "OVERHEAD_KINDS", "Profile", "profile_mismatch", "stage_action_costs"]
 
 FORMAT_VERSION = 1
 OVERHEAD_KINDS = ("F", "B")
-
-
-def _canonical(value: Any) -> Any:
-    """``value`` as plain JSON data (tuples -> lists, keys -> str), so equal keys compare equal after a round
-    trip through a file."""
-    return json.loads(json.dumps(value, sort_keys=True, default=str))
-
-
-@dataclass(frozen=True)
-class ProfileKey(JsonDataclass):
-    """Everything a measured profile depends on; two profiles are interchangeable only when all fields agree.
-
-    Attributes:
-        model: the model description: the config dicts of the LLM and every encoder (HF config fields or
-            paths), projector kinds, feature selection and the freezing flags, plus the attention settings.
-        shapes: the microbatch shapes profiled (per microbatch: ``input_ids`` ``[B, N]`` and per modality
-            the input tensor shapes).
-        dtype: training dtype of the measurement (``"float32"``, ``"bfloat16"``).
-        device: device name, with the CPU thread count (``"cpu x86_64 (1 threads)"``, ``"NVIDIA H200"``).
-        plait_version, torch_version: package versions at measurement time.
-        clock: how times were taken: ``"wall"`` (elapsed time, synchronised on GPUs) or ``"thread"`` (CPU
-            time of the measuring thread: insensitive to other processes sharing the CPU, meaningful only
-            with one intra-op thread).
-    """
-
-    model: Mapping[str, Any]
-    shapes: Any
-    dtype: str
-    device: str
-    plait_version: str
-    torch_version: str
-    clock: str = "wall"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "model", _canonical(self.model))
-        object.__setattr__(self, "shapes", _canonical(self.shapes))
-
-    def digest(self) -> str:
-        """A short stable hash of the whole key (16 hex digits), used in file names."""
-        text = json.dumps(self.to_dict(), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
-
 
 
 def profile_mismatch(stored: ProfileKey, wanted: ProfileKey) -> str | None:
@@ -136,48 +85,6 @@ def _at(value: Any, path: str) -> Any:
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-@dataclass(frozen=True)
-class UnitMeasurement(JsonDataclass):
-    """Raw measurements of one unit for one microbatch (mean over the profiled microbatches of the median
-    over repetitions after warm-up). Times in seconds, memory in bytes.
-
-    Attributes:
-        name: the unit's name (``Unit.name``).
-        forward_s: forward time (graph recorded, as in training).
-        input_grad_s: backward w.r.t. the unit's input only (dX); 0 when the input is raw data (pixels, ids).
-        weight_grad_s: backward w.r.t. the unit's parameters only (dW); measured with the parameters made
-            trainable for the measurement, so frozen units have one too (for frozen-unaware planning).
-        fused_backward_s: one backward computing both (what an unsplit backward runs).
-        param_bytes: parameter bytes; grad_bytes: gradient bytes of its trainable parameters;
-        optimizer_bytes: AdamW state bytes of its trainable parameters (measured after one step);
-        activation_bytes: bytes of the tensors its forward saves for backward (parameters excluded) under
-            the real freezing flags; output_bytes: bytes of its output.
-    """
-
-    name: str
-    forward_s: float
-    input_grad_s: float
-    weight_grad_s: float
-    fused_backward_s: float
-    param_bytes: int = 0
-    grad_bytes: int = 0
-    optimizer_bytes: int = 0
-    activation_bytes: int = 0
-    output_bytes: int = 0
-
-    def to_cost(self, unit: Unit) -> UnitCost:
-        """The planner's cost of ``unit`` (real flags), chosen so ``UnitCost.backward_s(unit)`` is the backward
-        the runtime runs: ``input_grad_s`` = dX; ``weight_grad_s`` = fused - dX when the unit needs an input
-        gradient (the extra cost of also producing weight gradients), else dW alone."""
-        if unit.needs_input_grad:
-            weight = max(0.0, self.fused_backward_s - self.input_grad_s)
-        else:
-            weight = self.weight_grad_s
-        return UnitCost(self.forward_s, self.input_grad_s, weight, self.param_bytes, self.activation_bytes,
-                        self.output_bytes)
-
 
 
 @dataclass(frozen=True)

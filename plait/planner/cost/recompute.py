@@ -29,12 +29,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from plait.planner.cost.types import CHECKPOINT_POLICIES
 from plait.planner.types import Unit, UnitCost
 
-__all__ = ["CHECKPOINT_POLICIES", "checkpointed_costs", "plan_checkpointing"]
-
-CHECKPOINT_POLICIES = ("none", "full", "selective")
-"""Values of ``train.activation_checkpointing`` and of its per-module overrides."""
+__all__ = ["checkpointed_costs", "plan_checkpointing"]
 
 
 def plan_checkpointing(units: Sequence[Unit], policy: str = "none",

@@ -63,23 +63,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from plait.planner.cost.analytic import OptimizerSpec, trained_params, unit_activation_bytes, unit_static_bytes
-from plait.planner.cost.overheads import ActionOverheads
-from plait.planner.cost.recompute import CHECKPOINT_POLICIES, checkpointed_costs, plan_checkpointing
-from plait.planner.serialize import JsonDataclass
-from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.cost.analytic import trained_params, unit_activation_bytes, unit_static_bytes
+from plait.planner.cost.types import ActionOverheads, GradAccumulation, OptimizerSpec, ParallelDegrees, RankMemory
+from plait.planner.cost.recompute import checkpointed_costs, plan_checkpointing
+from plait.planner.pipeline.types import P2PModel
 from plait.planner.types import Unit, UnitCost
 
 __all__ = [
     "TP_KINDS",
-    "FSDP_REDUCE",
-    "GradAccumulation",
-    "FSDP_RESHARD",
-    "ParallelDegrees",
-    "RankMemory",
     "accumulated_grad_bytes",
     "gather_s",
     "kept_param_bytes",
@@ -95,52 +88,8 @@ __all__ = [
 
 TP_KINDS = ("layer",)
 """Unit kinds tensor parallelism splits (module docstring); the others are replicated on every TP rank."""
-FSDP_REDUCE = ("step", "microbatch")
-"""When FSDP2 without pipeline stages reduce-scatters the gradients (``parallel.fsdp_reduce``, module docstring)."""
-FSDP_RESHARD = ("after_forward", "after_backward")
-"""When FSDP2 without pipeline stages frees a unit's gathered parameters (``parallel.fsdp_reshard``, module
-docstring)."""
 _TP_WHOLE_OUTPUTS = 4
 """Saved activations of a layer that keep the full hidden size under TP, in multiples of its output bytes."""
-
-
-@dataclass(frozen=True)
-class ParallelDegrees(JsonDataclass):
-    """The memory-saving choices of a plan beyond its pipeline layout.
-
-    Attributes:
-        tp: tensor-parallel degree (``parallel.tp``): ranks splitting each layer.
-        dp_shard: FSDP2 shard degree (``parallel.dp_shard``): ranks sharing one copy of the parameters, gradients
-            and optimizer state; it divides the plan's data-parallel degree (the rest is ``parallel.dp``, replicas).
-        checkpointing: activation checkpointing policy (``train.activation_checkpointing``,
-            ``recompute.CHECKPOINT_POLICIES``).
-        fsdp_reshard: when FSDP2 without pipeline stages frees a unit's gathered parameters
-            (``parallel.fsdp_reshard``, ``FSDP_RESHARD``; module docstring); no effect with ``dp_shard == 1``.
-
-    Raises:
-        ValueError: on a degree below 1, an unknown policy or an unknown ``fsdp_reshard``.
-    """
-
-    tp: int = 1
-    dp_shard: int = 1
-    checkpointing: str = "none"
-    fsdp_reshard: str = "after_forward"
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "dp_shard"):
-            value = getattr(self, name)
-            if int(value) != value or value < 1:
-                raise ValueError(f"ParallelDegrees.{name} must be an integer >= 1, got {value!r}")
-        if self.checkpointing not in CHECKPOINT_POLICIES:
-            raise ValueError(f"ParallelDegrees.checkpointing must be one of {CHECKPOINT_POLICIES}, "
-                             f"got {self.checkpointing!r}")
-        if self.fsdp_reshard not in FSDP_RESHARD:
-            raise ValueError(f"ParallelDegrees.fsdp_reshard must be one of {FSDP_RESHARD}, got {self.fsdp_reshard!r}")
-
-    @property
-    def plain(self) -> bool:
-        """True without TP, sharding or checkpointing (every rank holds its stages whole, DDP-style)."""
-        return self.tp == 1 and self.dp_shard == 1 and self.checkpointing == "none"
 
 
 def tp_allreduce_s(num_bytes: float, tp: int, link: P2PModel | None) -> float:
@@ -310,53 +259,6 @@ def shard_buffer_bytes(units: Sequence[Unit], costs: Sequence[UnitCost], degrees
     pairs = max((a + b for a, b in zip(params, params[1:])), default=sum(params))
     held = math.fsum(grads) if accumulate else max(grads, default=0.0)
     return float(pairs + held)
-
-
-@dataclass(frozen=True)
-class RankMemory(JsonDataclass):
-    """Predicted bytes one rank holds for ``units`` (one stage, ``in_flight`` microbatches' activations).
-
-    Attributes:
-        parameters, gradients, optimizer: resident parameter, gradient and optimizer-state bytes (shards under FSDP2).
-        activations: saved activations of ``in_flight`` microbatches.
-        buffer: FSDP2's transient unsharded parameters and gradient (``shard_buffer_bytes``).
-    """
-
-    parameters: float
-    gradients: float
-    optimizer: float
-    activations: float
-    buffer: float
-
-    @property
-    def state(self) -> float:
-        """Parameters + gradients + optimizer state (bytes)."""
-        return self.parameters + self.gradients + self.optimizer
-
-    @property
-    def total(self) -> float:
-        """Everything (bytes)."""
-        return self.state + self.activations + self.buffer
-
-
-@dataclass(frozen=True)
-class GradAccumulation(JsonDataclass):
-    """How a rank without pipeline stages accumulates gradients over a step: ``microbatches`` it runs per step and
-    FSDP2's ``fsdp_reduce`` (``"step"``: the unsharded gradients accumulate; ``"microbatch"``: reduce-scattered
-    after each).
-
-    Raises:
-        ValueError: on ``microbatches`` below 1 or an unknown ``fsdp_reduce`` (``FSDP_REDUCE``).
-    """
-
-    microbatches: int = 1
-    fsdp_reduce: str = "step"
-
-    def __post_init__(self) -> None:
-        if self.microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
-        if self.fsdp_reduce not in FSDP_REDUCE:
-            raise ValueError(f"fsdp_reduce must be one of {FSDP_REDUCE}, got {self.fsdp_reduce!r}")
 
 
 def rank_memory(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees = ParallelDegrees(), *,

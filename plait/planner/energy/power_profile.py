@@ -2,11 +2,11 @@
 
 Perseus (Chung et al., "Perseus: Reducing Energy Bloat in Large Model Training", SOSP 2024, arXiv 2312.06902)
 plans one SM frequency per forward and backward from each computation's
-(time, energy) at every frequency. This module holds those numbers:
+(time, energy) at every frequency. This module builds and reads those numbers (their types live in ``types``):
 
 - :class:`UnitEnergy`: per pipeline unit, per frequency, the seconds and joules of its forward, input-gradient
   (dX) and weight-gradient (dW) passes for one microbatch shape; :class:`EnergyProfile` collects them under the
-  same :class:`~plait.planner.cost.measured_profile.ProfileKey` as the time profiles (model, shapes, dtype, device, versions),
+  same :class:`~plait.planner.cost.types.ProfileKey` as the time profiles (model, shapes, dtype, device, versions),
   so :func:`energy_profile_mismatch` refuses a stale one by the same rules as ``profile.profile_mismatch``.
   A measured profile (NVML through zeus, on a GPU) and an analytic one have the same form.
 - :class:`GpuPowerModel` and :data:`GPU_PRESETS`: analytic presets for A100, H100 and H200 to plan without a
@@ -40,87 +40,22 @@ maximum down to about 57% of it. Replace them with a measured profile (same form
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
-from plait.planner.cost.analytic import DeviceSpec, UnitEstimate
-from plait.planner.pipeline.plan import PipelinePlan
-from plait.planner.cost.measured_profile import ProfileKey, profile_mismatch
-from plait.planner.serialize import JsonDataclass
+from plait.planner.cost.types import DeviceSpec, ProfileKey, UnitEstimate
+from plait.planner.pipeline.types import PipelinePlan
+from plait.planner.cost.measured_profile import profile_mismatch
+from plait.planner.energy.types import EnergyProfile, GpuPowerModel, UnitEnergy
 from plait.planner.pipeline.simulator import stage_costs_from_units
-from plait.planner.types import Unit, UnitCost
+from plait.planner.types import Unit
 
 __all__ = [
     "GPU_PRESETS",
     "ActionOption",
-    "EnergyProfile",
-    "GpuPowerModel",
-    "UnitEnergy",
     "analytic_energy_profile",
     "energy_profile_mismatch",
     "gpu_preset",
     "stage_action_options",
 ]
-
-PASSES = ("forward", "input_grad", "weight_grad")
-
-
-@dataclass(frozen=True)
-class GpuPowerModel(JsonDataclass):
-    """Time and power of a GPU's passes versus SM clock (module docstring for the model and its sources).
-
-    Attributes:
-        name: preset name (``"a100"``, ``"h100"``, ``"h200"``).
-        device: the roofline device of the cost model (``DeviceSpec``).
-        tdp_w: board power limit (W): a compute-bound pass at the top clock draws it.
-        static_w: clock-independent power of a busy GPU (W).
-        blocking_w: power while waiting on a P2P transfer or idle within the iteration (W), Perseus'
-            ``P_blocking``.
-        frequencies_mhz: SM clocks the planner may choose (MHz), descending; the first is the maximum.
-        gamma: exponent of the dynamic power in the clock.
-        beta: activity of memory-bound work relative to compute-bound work, in (0, 1].
-
-    Raises:
-        ValueError: on powers not ordered ``0 <= blocking_w, static_w < tdp_w``, frequencies not descending and
-            positive, or ``gamma``/``beta`` out of range.
-    """
-
-    name: str
-    device: DeviceSpec
-    tdp_w: float
-    static_w: float
-    blocking_w: float
-    frequencies_mhz: tuple[int, ...]
-    gamma: float = 2.5
-    beta: float = 0.6
-
-    def __post_init__(self) -> None:
-        if not (0 <= self.static_w < self.tdp_w and 0 <= self.blocking_w < self.tdp_w):
-            raise ValueError(f"GpuPowerModel {self.name}: need 0 <= static_w, blocking_w < tdp_w, got "
-                             f"{self.static_w}, {self.blocking_w}, {self.tdp_w}")
-        freqs = list(self.frequencies_mhz)
-        if not freqs or freqs != sorted(set(freqs), reverse=True) or freqs[-1] <= 0:
-            raise ValueError(f"GpuPowerModel {self.name}: frequencies_mhz must be positive, distinct and "
-                             f"descending, got {freqs}")
-        if not (self.gamma > 0 and 0 < self.beta <= 1):
-            raise ValueError(f"GpuPowerModel {self.name}: need gamma > 0 and 0 < beta <= 1, got {self.gamma}, "
-                             f"{self.beta}")
-
-    @property
-    def max_frequency_mhz(self) -> int:
-        """The top SM clock (MHz)."""
-        return self.frequencies_mhz[0]
-
-    def pass_time_energy(self, compute_s: float, memory_s: float, frequency_mhz: int) -> tuple[float, float]:
-        """``(seconds, joules)`` of a pass whose roofline parts at the top clock are ``compute_s`` (FLOPs over
-        peak) and ``memory_s`` (bytes over HBM bandwidth), run at ``frequency_mhz`` (module docstring)."""
-        x = frequency_mhz / self.max_frequency_mhz
-        compute = compute_s / x
-        seconds = max(compute, memory_s)
-        if seconds <= 0:
-            return 0.0, 0.0
-        share = compute / seconds
-        power = self.static_w + (self.tdp_w - self.static_w) * (share + (1 - share) * self.beta) * x**self.gamma
-        return seconds, power * seconds
 
 
 def _steps(top: int, step: int, count: int) -> tuple[int, ...]:
@@ -145,90 +80,6 @@ def gpu_preset(name: str) -> GpuPowerModel:
     if key not in GPU_PRESETS:
         raise ValueError(f"unknown GPU {name!r} for energy planning; choose one of {sorted(GPU_PRESETS)}")
     return GPU_PRESETS[key]
-
-
-@dataclass(frozen=True)
-class UnitEnergy(JsonDataclass):
-    """One unit's passes per frequency (index ``i`` of each tuple is ``EnergyProfile.frequencies_mhz[i]``).
-
-    Attributes:
-        name: the unit's name (``Unit.name``).
-        forward_s, forward_j: forward seconds and joules.
-        input_grad_s, input_grad_j: input-gradient (dX) seconds and joules.
-        weight_grad_s, weight_grad_j: weight-gradient (dW) seconds and joules of all its parameters.
-
-    Raises:
-        ValueError: on tuples of different lengths or negative values.
-    """
-
-    name: str
-    forward_s: tuple[float, ...]
-    forward_j: tuple[float, ...]
-    input_grad_s: tuple[float, ...]
-    input_grad_j: tuple[float, ...]
-    weight_grad_s: tuple[float, ...]
-    weight_grad_j: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        values = [getattr(self, f"{p}_{q}") for p in PASSES for q in "sj"]
-        if len({len(v) for v in values}) != 1:
-            raise ValueError(f"UnitEnergy {self.name}: every tuple needs one entry per frequency, got lengths "
-                             f"{[len(v) for v in values]}")
-        if any(x < 0 for v in values for x in v):
-            raise ValueError(f"UnitEnergy {self.name}: seconds and joules must be >= 0")
-
-    def at(self, index: int, joules: bool, recompute: bool) -> UnitCost:
-        """The unit's seconds (or, with ``joules``, its joules in the seconds fields) at frequency ``index`` as a
-        ``UnitCost``, so the simulator's aggregation rules apply to both; ``recompute``: a checkpointed unit's
-        backward pays its forward again."""
-        q = "j" if joules else "s"
-        forward = getattr(self, f"forward_{q}")[index]
-        return UnitCost(forward, getattr(self, f"input_grad_{q}")[index], getattr(self, f"weight_grad_{q}")[index],
-                        recompute_s=forward if recompute else 0.0)
-
-
-@dataclass(frozen=True)
-class EnergyProfile(JsonDataclass):
-    """Per unit and frequency, time and energy of one microbatch shape's passes on one GPU type.
-
-    Attributes:
-        key: what the numbers depend on, as for time profiles (``ProfileKey``; its ``device`` names the GPU).
-        gpu: GPU name (a preset name or the measured device's name).
-        blocking_power_w: power while waiting within an iteration (W).
-        frequencies_mhz: the SM clocks (MHz), descending; the first is the maximum.
-        units: one ``UnitEnergy`` per unit.
-        source: ``"analytic"`` (a preset) or ``"measured"``.
-
-    Raises:
-        ValueError: on frequencies not descending, a unit with another number of entries, a duplicate unit
-            name or a negative blocking power.
-    """
-
-    key: ProfileKey
-    gpu: str
-    blocking_power_w: float
-    frequencies_mhz: tuple[int, ...]
-    units: tuple[UnitEnergy, ...]
-    source: str = "analytic"
-
-    def __post_init__(self) -> None:
-        freqs = list(self.frequencies_mhz)
-        if not freqs or freqs != sorted(set(freqs), reverse=True):
-            raise ValueError(f"EnergyProfile.frequencies_mhz must be distinct and descending, got {freqs}")
-        if self.blocking_power_w < 0:
-            raise ValueError(f"EnergyProfile.blocking_power_w must be >= 0, got {self.blocking_power_w}")
-        names = [u.name for u in self.units]
-        if len(set(names)) != len(names):
-            raise ValueError(f"EnergyProfile lists a unit twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
-        for unit in self.units:
-            if len(unit.forward_s) != len(freqs):
-                raise ValueError(f"EnergyProfile unit {unit.name}: {len(unit.forward_s)} entries for "
-                                 f"{len(freqs)} frequencies")
-
-    @property
-    def max_frequency_mhz(self) -> int:
-        """The top SM clock (MHz)."""
-        return self.frequencies_mhz[0]
 
 
 def energy_profile_mismatch(stored: EnergyProfile, wanted: ProfileKey, gpu: str) -> str | None:

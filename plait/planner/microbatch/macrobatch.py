@@ -36,21 +36,18 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from plait.planner.cost.arch import EncoderArch
-from plait.planner.cost.analytic import MicrobatchShape
+from plait.planner.cost.types import MicrobatchShape
 from plait.planner.microbatch import ModuleCostCoeffs, module_order, sample_costs_from_metadata
-from plait.planner.serialize import JsonDataclass
+from plait.planner.microbatch.types import CvScaling, MacrobatchStats
 
 __all__ = [
     "SAMPLINGS",
     "EpochOrder",
-    "CvScaling",
-    "MacrobatchStats",
     "cv_by_batch_size",
     "draw_batches",
     "expected_shapes",
@@ -200,66 +197,6 @@ def _floats(values: Any) -> tuple[float, ...]:
     return tuple(float(v) for v in values)
 
 
-@dataclass(frozen=True)
-class MacrobatchStats(JsonDataclass):
-    """Per-module work of single samples and of whole global batches (module docstring).
-
-    All work figures are in the unit of the cost coefficients (seconds, FLOPs); tuples follow ``modules``
-    (encoders first, LLM last).
-
-    Attributes:
-        modules: module names.
-        num_samples: dataset size ``N``.
-        global_batch_size: ``B``.
-        num_batches: full batches drawn.
-        sampling: ``"loader"`` or ``"independent"``.
-        seed: the sampling seed.
-        usage: fraction of the dataset's samples that use each module (work > 0).
-        sample_mean, sample_cv, sample_min, sample_max: per-sample work over the whole dataset (samples that
-            do not use a module count as 0).
-        expected: exact expected total per batch, ``B * sample_mean``: what a static plan is sized for.
-        batch_mean, batch_cv, batch_min, batch_max: the totals per batch over the drawn batches.
-        predicted_cv: ``predicted_batch_cv(sample_cv, B, N)``, the ``1 / sqrt(B)`` law.
-    """
-
-    modules: tuple[str, ...]
-    num_samples: int
-    global_batch_size: int
-    num_batches: int
-    sampling: str
-    seed: int
-    usage: tuple[float, ...]
-    sample_mean: tuple[float, ...]
-    sample_cv: tuple[float, ...]
-    sample_min: tuple[float, ...]
-    sample_max: tuple[float, ...]
-    expected: tuple[float, ...]
-    batch_mean: tuple[float, ...]
-    batch_cv: tuple[float, ...]
-    batch_min: tuple[float, ...]
-    batch_max: tuple[float, ...]
-    predicted_cv: tuple[float, ...]
-
-    def format_table(self, unit: str = "") -> str:
-        """A fixed-width text table, one row per module (``unit`` labels the work columns)."""
-        where = f" ({unit})" if unit else ""
-        lines = [
-            f"macro-batch work per module{where}: N={self.num_samples} samples, global batch "
-            f"{self.global_batch_size}, {self.num_batches} batches ({self.sampling} order, seed {self.seed})",
-            f"{'module':<10} {'used':>6} | {'sample mean':>11} {'cv':>6} {'min':>9} {'max':>9} | "
-            f"{'batch expected':>14} {'mean':>9} {'cv':>7} {'cv 1/sqrtB':>10} {'min':>9} {'max':>9}",
-        ]
-        for k, name in enumerate(self.modules):
-            lines.append(
-                f"{name:<10} {self.usage[k]:>6.1%} | {self.sample_mean[k]:>11.4g} {self.sample_cv[k]:>6.2f} "
-                f"{self.sample_min[k]:>9.3g} {self.sample_max[k]:>9.3g} | {self.expected[k]:>14.4g} "
-                f"{self.batch_mean[k]:>9.4g} {self.batch_cv[k]:>7.2%} {self.predicted_cv[k]:>10.2%} "
-                f"{self.batch_min[k]:>9.4g} {self.batch_max[k]:>9.4g}"
-            )
-        return "\n".join(lines)
-
-
-
 def _stats_from_work(
     modules: tuple[str, ...], work: np.ndarray, global_batch_size: int, num_batches: int, seed: int, sampling: str,
     epoch_order: EpochOrder | None,
@@ -325,43 +262,6 @@ def macrobatch_stats(
 
 
 # ------------------------------------------------------------ CV against batch size
-
-
-@dataclass(frozen=True)
-class CvScaling(JsonDataclass):
-    """Batch-to-batch CV of each module's total for several batch sizes (the ``1 / sqrt(B)`` law).
-
-    Attributes:
-        modules: module names (encoders first, LLM last).
-        num_samples: dataset size ``N``.
-        num_batches: batches drawn per batch size.
-        sampling, seed: as ``MacrobatchStats``.
-        batch_sizes: the batch sizes, ascending.
-        cv: ``cv[s][k]``, measured CV of module ``k``'s batch total at ``batch_sizes[s]``.
-        predicted_cv: the same from ``predicted_batch_cv``.
-    """
-
-    modules: tuple[str, ...]
-    num_samples: int
-    num_batches: int
-    sampling: str
-    seed: int
-    batch_sizes: tuple[int, ...]
-    cv: tuple[tuple[float, ...], ...]
-    predicted_cv: tuple[tuple[float, ...], ...]
-
-    def format_table(self) -> str:
-        """A fixed-width text table: one row per batch size, measured (predicted) CV per module."""
-        lines = [
-            f"CV of per-module work per global batch (N={self.num_samples}, {self.num_batches} batches each, "
-            f"{self.sampling} order, seed {self.seed}): measured (1/sqrt(B) prediction)",
-            f"{'batch':>6} " + " ".join(f"{name:>19}" for name in self.modules),
-        ]
-        for b, row, pred in zip(self.batch_sizes, self.cv, self.predicted_cv):
-            cells = " ".join(f"{c:>9.2%} ({p:>7.2%})" for c, p in zip(row, pred))
-            lines.append(f"{b:>6} {cells}")
-        return "\n".join(lines)
-
 
 
 def cv_by_batch_size(

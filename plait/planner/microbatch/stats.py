@@ -4,47 +4,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-from plait.planner.microbatch.types import MicrobatchPlan, SampleCost, check_costs
-from plait.planner.serialize import JsonDataclass
+from plait.planner.microbatch.types import MicrobatchPlan, SampleCost, WorkloadStats, check_costs
 
-__all__ = [
-    "WorkloadStats",
-    "workload_stats",
-]
-
-
-@dataclass(frozen=True)
-class WorkloadStats(JsonDataclass):
-    """Work balance of a plan (Entrain's metric).
-
-    Per-microbatch work of a module: the sum over the samples whose work of that module runs in the
-    microbatch (encoders at the encoder microbatch, the LLM at the LLM microbatch), over all ``dp * M``
-    microbatches, empty ones included. A module with no work at all has ``cv = 0`` and ``max/mean = 1``.
-
-    Attributes:
-        modules: module names (``work`` order, LLM last).
-        cv: per module, population std / mean of the per-microbatch work.
-        max_over_mean: per module, max / mean of the per-microbatch work (stragglers set pipeline pace).
-        total_cv, total_max_over_mean: the same for the work summed over modules.
-        rank_max_over_mean: per module, max / mean of the per-rank totals (DP stragglers).
-        num_microbatches: ``dp * M``.
-        num_deferred: deferred samples.
-        max_buffered: most samples buffered across one microbatch boundary of one rank.
-    """
-
-    modules: tuple[str, ...]
-    cv: tuple[float, ...]
-    max_over_mean: tuple[float, ...]
-    total_cv: float
-    total_max_over_mean: float
-    rank_max_over_mean: tuple[float, ...]
-    num_microbatches: int
-    num_deferred: int
-    max_buffered: int
+__all__ = ["workload_stats"]
 
 
 def _spread(values: np.ndarray) -> tuple[float, float]:

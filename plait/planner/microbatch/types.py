@@ -19,10 +19,13 @@ from plait.planner.serialize import JsonDataclass
 
 __all__ = [
     "METHODS",
+    "CvScaling",
+    "MacrobatchStats",
     "MicrobatchPlan",
     "MicrobatchPolicy",
     "ModuleCostCoeffs",
     "SampleCost",
+    "WorkloadStats",
     "check_costs",
     "check_int",
     "check_real",
@@ -339,3 +342,128 @@ def check_costs(costs: Sequence[SampleCost]) -> tuple[SampleCost, ...]:
             )
         seen.add(cost.index)
     return costs
+
+
+@dataclass(frozen=True)
+class WorkloadStats(JsonDataclass):
+    """Work balance of a plan (Entrain's metric).
+
+    Per-microbatch work of a module: the sum over the samples whose work of that module runs in the
+    microbatch (encoders at the encoder microbatch, the LLM at the LLM microbatch), over all ``dp * M``
+    microbatches, empty ones included. A module with no work at all has ``cv = 0`` and ``max/mean = 1``.
+
+    Attributes:
+        modules: module names (``work`` order, LLM last).
+        cv: per module, population std / mean of the per-microbatch work.
+        max_over_mean: per module, max / mean of the per-microbatch work (stragglers set pipeline pace).
+        total_cv, total_max_over_mean: the same for the work summed over modules.
+        rank_max_over_mean: per module, max / mean of the per-rank totals (DP stragglers).
+        num_microbatches: ``dp * M``.
+        num_deferred: deferred samples.
+        max_buffered: most samples buffered across one microbatch boundary of one rank.
+    """
+
+    modules: tuple[str, ...]
+    cv: tuple[float, ...]
+    max_over_mean: tuple[float, ...]
+    total_cv: float
+    total_max_over_mean: float
+    rank_max_over_mean: tuple[float, ...]
+    num_microbatches: int
+    num_deferred: int
+    max_buffered: int
+
+
+@dataclass(frozen=True)
+class MacrobatchStats(JsonDataclass):
+    """Per-module work of single samples and of whole global batches (module docstring).
+
+    All work figures are in the unit of the cost coefficients (seconds, FLOPs); tuples follow ``modules``
+    (encoders first, LLM last).
+
+    Attributes:
+        modules: module names.
+        num_samples: dataset size ``N``.
+        global_batch_size: ``B``.
+        num_batches: full batches drawn.
+        sampling: ``"loader"`` or ``"independent"``.
+        seed: the sampling seed.
+        usage: fraction of the dataset's samples that use each module (work > 0).
+        sample_mean, sample_cv, sample_min, sample_max: per-sample work over the whole dataset (samples that
+            do not use a module count as 0).
+        expected: exact expected total per batch, ``B * sample_mean``: what a static plan is sized for.
+        batch_mean, batch_cv, batch_min, batch_max: the totals per batch over the drawn batches.
+        predicted_cv: ``predicted_batch_cv(sample_cv, B, N)``, the ``1 / sqrt(B)`` law.
+    """
+
+    modules: tuple[str, ...]
+    num_samples: int
+    global_batch_size: int
+    num_batches: int
+    sampling: str
+    seed: int
+    usage: tuple[float, ...]
+    sample_mean: tuple[float, ...]
+    sample_cv: tuple[float, ...]
+    sample_min: tuple[float, ...]
+    sample_max: tuple[float, ...]
+    expected: tuple[float, ...]
+    batch_mean: tuple[float, ...]
+    batch_cv: tuple[float, ...]
+    batch_min: tuple[float, ...]
+    batch_max: tuple[float, ...]
+    predicted_cv: tuple[float, ...]
+
+    def format_table(self, unit: str = "") -> str:
+        """A fixed-width text table, one row per module (``unit`` labels the work columns)."""
+        where = f" ({unit})" if unit else ""
+        lines = [
+            f"macro-batch work per module{where}: N={self.num_samples} samples, global batch "
+            f"{self.global_batch_size}, {self.num_batches} batches ({self.sampling} order, seed {self.seed})",
+            f"{'module':<10} {'used':>6} | {'sample mean':>11} {'cv':>6} {'min':>9} {'max':>9} | "
+            f"{'batch expected':>14} {'mean':>9} {'cv':>7} {'cv 1/sqrtB':>10} {'min':>9} {'max':>9}",
+        ]
+        for k, name in enumerate(self.modules):
+            lines.append(
+                f"{name:<10} {self.usage[k]:>6.1%} | {self.sample_mean[k]:>11.4g} {self.sample_cv[k]:>6.2f} "
+                f"{self.sample_min[k]:>9.3g} {self.sample_max[k]:>9.3g} | {self.expected[k]:>14.4g} "
+                f"{self.batch_mean[k]:>9.4g} {self.batch_cv[k]:>7.2%} {self.predicted_cv[k]:>10.2%} "
+                f"{self.batch_min[k]:>9.4g} {self.batch_max[k]:>9.4g}"
+            )
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class CvScaling(JsonDataclass):
+    """Batch-to-batch CV of each module's total for several batch sizes (the ``1 / sqrt(B)`` law).
+
+    Attributes:
+        modules: module names (encoders first, LLM last).
+        num_samples: dataset size ``N``.
+        num_batches: batches drawn per batch size.
+        sampling, seed: as ``MacrobatchStats``.
+        batch_sizes: the batch sizes, ascending.
+        cv: ``cv[s][k]``, measured CV of module ``k``'s batch total at ``batch_sizes[s]``.
+        predicted_cv: the same from ``predicted_batch_cv``.
+    """
+
+    modules: tuple[str, ...]
+    num_samples: int
+    num_batches: int
+    sampling: str
+    seed: int
+    batch_sizes: tuple[int, ...]
+    cv: tuple[tuple[float, ...], ...]
+    predicted_cv: tuple[tuple[float, ...], ...]
+
+    def format_table(self) -> str:
+        """A fixed-width text table: one row per batch size, measured (predicted) CV per module."""
+        lines = [
+            f"CV of per-module work per global batch (N={self.num_samples}, {self.num_batches} batches each, "
+            f"{self.sampling} order, seed {self.seed}): measured (1/sqrt(B) prediction)",
+            f"{'batch':>6} " + " ".join(f"{name:>19}" for name in self.modules),
+        ]
+        for b, row, pred in zip(self.batch_sizes, self.cv, self.predicted_cv):
+            cells = " ".join(f"{c:>9.2%} ({p:>7.2%})" for c, p in zip(row, pred))
+            lines.append(f"{b:>6} {cells}")
+        return "\n".join(lines)

@@ -29,23 +29,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Union
 
-from plait.planner.pipeline.plan import PipelinePlan
+from plait.planner.pipeline.types import P2PModel, PipelinePlan, SimResult, StageMemory, TimelineEvent
 from plait.planner.pipeline.schedule_ir import Action, Schedule, action_dependencies, check_schedule, frees_activations
-from plait.planner.serialize import JsonDataclass
-from plait.planner.pipeline.timeline import TimelineEvent, summarize_timeline
+from plait.planner.pipeline.timeline import summarize_timeline
 from plait.planner.types import Unit, UnitCost
 
 __all__ = [
     "ActionCosts",
     "ActionDurations",
     "ActionTimes",
-    "P2PModel",
-    "SimResult",
     "StageGraph",
-    "StageMemory",
     "activation_peaks",
     "boundary_bytes_from_units",
     "simulate",
@@ -71,98 +66,6 @@ ActionCosts = Union[
 ``B`` is the full backward when the schedule does not split the backward, the input-gradient part when it
 does.
 """
-
-
-@dataclass(frozen=True)
-class P2PModel(JsonDataclass):
-    """Point-to-point transfer time ``latency_s + nbytes / bandwidth_Bps``, plus the host time each end
-    spends per message (LogP's overhead ``o``, module docstring).
-
-    Attributes:
-        latency_s: per-transfer latency (seconds).
-        bandwidth_Bps: link bandwidth (bytes per second); ``None`` means unlimited.
-        send_overhead_s: seconds the sending rank is busy per cross-rank message it sends.
-        recv_overhead_s: seconds the receiving rank is busy per cross-rank message it receives.
-
-    Raises:
-        ValueError: on a negative latency or overhead, or a non-positive bandwidth.
-    """
-
-    latency_s: float = 0.0
-    bandwidth_Bps: float | None = None
-    send_overhead_s: float = 0.0
-    recv_overhead_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("latency_s", "send_overhead_s", "recv_overhead_s"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"P2PModel.{name} must be >= 0, got {getattr(self, name)}")
-        if self.bandwidth_Bps is not None and not self.bandwidth_Bps > 0:
-            raise ValueError(f"P2PModel.bandwidth_Bps must be > 0 or None, got {self.bandwidth_Bps}")
-
-    def transfer_s(self, nbytes: float) -> float:
-        """Seconds to move ``nbytes`` bytes between two ranks."""
-        return self.latency_s + (nbytes / self.bandwidth_Bps if self.bandwidth_Bps else 0.0)
-
-
-@dataclass(frozen=True)
-class StageMemory(JsonDataclass):
-    """Memory of one stage on its rank.
-
-    Attributes:
-        static_bytes: parameters, gradients and optimizer state (bytes), held for the whole iteration.
-        activation_bytes: activations kept per in-flight microbatch (bytes): one number for every
-            microbatch, or a tuple indexed by microbatch.
-
-    Raises:
-        ValueError: on negative bytes.
-    """
-
-    static_bytes: int = 0
-    activation_bytes: int | tuple[int, ...] = 0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.activation_bytes, (list, tuple)):
-            object.__setattr__(self, "activation_bytes", tuple(int(b) for b in self.activation_bytes))
-        values = self.activation_bytes if isinstance(self.activation_bytes, tuple) else (self.activation_bytes,)
-        if self.static_bytes < 0 or any(v < 0 for v in values):
-            raise ValueError(f"StageMemory bytes must be >= 0, got {self.static_bytes}/{self.activation_bytes}")
-
-    def activation_of(self, microbatch: int) -> int:
-        """Activation bytes of ``microbatch``.
-
-        Raises:
-            ValueError: when a per-microbatch tuple has no entry for it.
-        """
-        if not isinstance(self.activation_bytes, tuple):
-            return self.activation_bytes
-        if microbatch >= len(self.activation_bytes):
-            raise ValueError(f"StageMemory.activation_bytes has no entry for microbatch {microbatch}")
-        return self.activation_bytes[microbatch]
-
-
-@dataclass(frozen=True)
-class SimResult(JsonDataclass):
-    """What one simulated iteration costs.
-
-    Attributes:
-        makespan_s: iteration time (seconds), first start (0) to last end.
-        busy_s: per rank, seconds spent in actions.
-        bubble_fraction: per rank, ``1 - busy_s / makespan_s``.
-        peak_memory_bytes: per rank, the most bytes held at once (module docstring).
-        events: the timed actions, sorted by rank then start time.
-    """
-
-    makespan_s: float
-    busy_s: tuple[float, ...]
-    bubble_fraction: tuple[float, ...]
-    peak_memory_bytes: tuple[int, ...]
-    events: tuple[TimelineEvent, ...]
-
-    @property
-    def mean_bubble_fraction(self) -> float:
-        """Bubble fraction averaged over ranks."""
-        return sum(self.bubble_fraction) / len(self.bubble_fraction)
 
 
 # ----- the timing core: one implementation of "time a schedule" ---------------------------------

@@ -6,47 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from plait.planner.serialize import JsonDataclass
+from plait.planner.pipeline.types import TimelineEvent
 
-__all__ = ["TimelineEvent", "TimelineSummary", "summarize_timeline"]
-
-
-@dataclass(frozen=True)
-class TimelineEvent(JsonDataclass):
-    """One timed action on one rank: the format of predicted (simulator) and measured (runtime) timelines.
-
-    Attributes:
-        rank: pipeline rank that ran it.
-        kind: ``"F"``, ``"B"``, ``"W"``, or another label for measured non-pipeline work (e.g. ``"optim"``).
-        stage: stage index (-1 when not applicable).
-        microbatch: microbatch index (-1 when not applicable).
-        start_s: start time (seconds; any common origin).
-        end_s: end time (seconds), ``>= start_s``.
-        frequency_mhz: the GPU SM frequency (MHz) an energy plan set (on GPU) or would set (on CPU, recorded)
-            before the action (``plait.parallel.energy``); 0 when no plan applies.
-
-    Raises:
-        ValueError: on an empty kind, a negative rank or ``end_s < start_s``.
-    """
-
-    rank: int
-    kind: str
-    stage: int
-    microbatch: int
-    start_s: float
-    end_s: float
-    frequency_mhz: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.kind or self.rank < 0:
-            raise ValueError(f"TimelineEvent needs a kind and a rank >= 0, got {self.kind!r}/{self.rank}")
-        if self.end_s < self.start_s:
-            raise ValueError(f"TimelineEvent {self.kind} on rank {self.rank}: end {self.end_s} < start {self.start_s}")
-
-    @property
-    def duration_s(self) -> float:
-        """``end_s - start_s`` (seconds)."""
-        return self.end_s - self.start_s
+__all__ = ["TimelineSummary", "summarize_timeline"]
 
 
 @dataclass(frozen=True)

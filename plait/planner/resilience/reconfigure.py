@@ -1,7 +1,7 @@
 """Reconfiguration after losing ranks: the survivors' new pipelines and the state each must receive (Oobleck,
 SOSP 2023, section 5).
 
-:func:`plan_reconfiguration` takes the running :class:`~plait.planner.resilience.templates.Instantiation` and the failed
+:func:`plan_reconfiguration` takes the running :class:`~plait.planner.resilience.types.Instantiation` and the failed
 ranks and, as the paper does:
 
 1. refuses when some unit has lost every copy (more than ``f`` failures hit all its holders), naming the lost
@@ -22,85 +22,11 @@ Everything is pure: the runtime (``plait.parallel``) executes the transfers and 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from plait.planner.serialize import JsonDataclass
-from plait.planner.resilience.templates import Instantiation, TemplateSet, format_seconds, instantiate, plan_instantiation
+from plait.planner.resilience.templates import instantiate, plan_instantiation
+from plait.planner.resilience.types import Instantiation, LostUnitsError, Reconfiguration, TemplateSet, Transfer
 
-__all__ = ["LostUnitsError", "Reconfiguration", "Transfer", "check_instantiation", "plan_reconfiguration",
-           "plan_rejoin"]
-
-
-class LostUnitsError(ValueError):
-    """Every copy of some units was on failed ranks: training cannot continue from the replicas.
-
-    Attributes:
-        units: the lost units' names, in model order.
-    """
-
-    def __init__(self, units: tuple[str, ...], failed: tuple[int, ...]) -> None:
-        shown = ", ".join(units[:8]) + (f" and {len(units) - 8} more" if len(units) > 8 else "")
-        super().__init__(f"ranks {list(failed)} failed and held every copy of {len(units)} unit(s): {shown}; "
-                         "no replica is left to copy them from: resume from the last checkpoint")
-        self.units = units
-
-
-@dataclass(frozen=True)
-class Transfer(JsonDataclass):
-    """One unit's state sent from a surviving holder to a rank that now needs it.
-
-    Attributes:
-        unit: the unit's name.
-        src: global rank sending (held the unit before the failure).
-        dst: global rank receiving.
-        param_bytes: parameter bytes; state_bytes: optimizer-state bytes (0 for a frozen unit).
-    """
-
-    unit: str
-    src: int
-    dst: int
-    param_bytes: int
-    state_bytes: int
-
-    @property
-    def bytes(self) -> int:
-        """Bytes moved."""
-        return self.param_bytes + self.state_bytes
-
-
-@dataclass(frozen=True)
-class Reconfiguration(JsonDataclass):
-    """The plan after a failure.
-
-    Attributes:
-        failed: the failed ranks, sorted.
-        before, after: the instantiation before the failure and the survivors' new one.
-        transfers: every unit copy, grouped by receiving rank (ascending), units in model order.
-        actions: what happened to the pipelines, for people (``"pipeline 1 shrinks 4 -> 3 ranks"``, ...).
-    """
-
-    failed: tuple[int, ...]
-    before: Instantiation
-    after: Instantiation
-    transfers: tuple[Transfer, ...]
-    actions: tuple[str, ...]
-
-    @property
-    def bytes(self) -> int:
-        """Bytes copied in all."""
-        return sum(t.bytes for t in self.transfers)
-
-    def received_by(self, rank: int) -> tuple[Transfer, ...]:
-        """The transfers ``rank`` receives."""
-        return tuple(t for t in self.transfers if t.dst == rank)
-
-    def summary(self) -> str:
-        """One line: what failed, the new pipelines, bytes to copy."""
-        sizes = "+".join(str(len(p.ranks)) for p in self.after.pipelines)
-        return (f"ranks {list(self.failed)} failed; {'; '.join(self.actions) or 'no pipeline changed'}; "
-                f"pipelines now {sizes} ranks; {len(self.transfers)} unit copies, {self.bytes / 2**20:.1f} MiB; "
-                f"predicted {format_seconds(self.before.iteration_s)} -> {format_seconds(self.after.iteration_s)} "
-                "per iteration")
+__all__ = ["check_instantiation", "plan_reconfiguration", "plan_rejoin"]
 
 
 def plan_reconfiguration(templates: TemplateSet, current: Instantiation, failed: Iterable[int]) -> Reconfiguration:

@@ -1,6 +1,6 @@
 """Straggler reaction (Perseus "extrinsic bloat"): when one DP replica is measured slower for
 several steps, the others need not finish early and wait in the gradient all-reduce; they switch to the frontier
-point at the straggler's iteration time (:meth:`plait.planner.energy.plan.EnergyPlan.point_for`) and back to the
+point at the straggler's iteration time (:meth:`plait.planner.energy.types.EnergyPlan.point_for`) and back to the
 fastest point ``T*`` when it recovers.
 
 Pure decision, the same on every rank: each step every rank gets every replica's *relative time* (its measured
@@ -17,53 +17,11 @@ below ``slow_ratio``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from plait.planner.energy.plan import EnergyPlan, FrontierPoint
-from plait.planner.serialize import JsonDataclass
+from plait.planner.energy.types import EnergyPlan, FrontierPoint
+from plait.planner.resilience.types import StragglerPolicy, StragglerState
 
-__all__ = ["StragglerPolicy", "StragglerState", "react_to_stragglers", "replica_point"]
-
-
-@dataclass(frozen=True)
-class StragglerPolicy(JsonDataclass):
-    """When to react to a straggler and when to stop (module docstring).
-
-    Attributes:
-        slow_ratio: slowest / fastest relative replica time at which a step counts as slow (> 1).
-        recover_ratio: the ratio at or below which a step counts as recovered (>= 1, < ``slow_ratio``).
-        patience: consecutive slow (recovered) steps before switching (switching back), >= 1.
-
-    Raises:
-        ValueError: on ratios out of those ranges or ``patience < 1``.
-    """
-
-    slow_ratio: float = 1.15
-    recover_ratio: float = 1.05
-    patience: int = 3
-
-    def __post_init__(self) -> None:
-        if not (1.0 <= self.recover_ratio < self.slow_ratio) or self.patience < 1:
-            raise ValueError(f"StragglerPolicy needs 1 <= recover_ratio < slow_ratio and patience >= 1, got "
-                             f"recover_ratio={self.recover_ratio}, slow_ratio={self.slow_ratio}, "
-                             f"patience={self.patience}")
-
-
-@dataclass(frozen=True)
-class StragglerState(JsonDataclass):
-    """Where the reaction stands after some steps.
-
-    Attributes:
-        straggler: the DP replica being waited for (-1: none, every replica runs the fastest point).
-        slowdown: the straggler's relative time over the fastest replica's (1.0 when none).
-        slow_steps: consecutive slow steps counted while not reacting.
-        recovered_steps: consecutive recovered steps counted while reacting.
-    """
-
-    straggler: int = -1
-    slowdown: float = 1.0
-    slow_steps: int = 0
-    recovered_steps: int = 0
+__all__ = ["react_to_stragglers", "replica_point"]
 
 
 def react_to_stragglers(policy: StragglerPolicy, state: StragglerState,

@@ -59,12 +59,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from plait.planner.cost.analytic import OptimizerSpec, unit_activation_bytes, unit_static_bytes
+from plait.planner.cost.analytic import unit_activation_bytes, unit_static_bytes
+from plait.planner.cost.types import OptimizerSpec
 from plait.planner.pipeline.graph import consistent_units
-from plait.planner.pipeline.plan import LAYOUTS, PipelinePlan, check_plan_units, plan_pipeline, stage_ranks
+from plait.planner.pipeline.plan import check_plan_units, plan_pipeline, stage_ranks
+from plait.planner.pipeline.types import LAYOUTS, P2PModel, PipelinePlan, StageMemory
 from plait.planner.pipeline.schedule_ir import in_flight_peaks
 from plait.planner.pipeline.schedules import build_schedule
 from plait.planner.pipeline.interleaved import runs_interleaved
@@ -79,167 +80,11 @@ from plait.planner.search.model import (
     grad_sync_s,
     plan_from_chunks,
 )
-from plait.planner.pipeline.simulator import (
-    P2PModel,
-    StageMemory,
-    boundary_bytes_from_units,
-    simulate,
-    stage_costs_from_units,
-)
-from plait.planner.search.types import Machine, NoPlanFits, SearchSpace
-from plait.planner.serialize import JsonDataclass
+from plait.planner.pipeline.simulator import boundary_bytes_from_units, simulate, stage_costs_from_units
+from plait.planner.search.types import LayoutChoice, Machine, NoPlanFits, SearchSpace
 from plait.planner.types import Unit, UnitCost
 
-__all__ = [
-    "METHODS",
-    "LayoutChoice",
-    "evaluate_plan",
-    "megatron_even_split",
-    "plan_layout",
-]
-
-METHODS = ("plait", "frozen_unaware", "megatron_even", "given")
-
-
-# --------------------------------------------------------------------------------------------------
-# Result
-
-
-@dataclass(frozen=True)
-class LayoutChoice(JsonDataclass):
-    """A chosen pipeline layout with its predicted cost (times in seconds, memory in bytes).
-
-    Attributes:
-        method: who chose it: ``"plait"`` (frozen-aware search), ``"frozen_unaware"`` (search with the
-            frozen-unaware cost model), ``"megatron_even"`` (even split by unit count) or ``"given"``.
-        layout: ``"encoder_parallel"`` or ``"encoders_colocated"`` (the plan's layout).
-        dp: data-parallel degree (pipeline replicas).
-        stages_per_module: ``((module, stages), ...)`` in plan order, ``"llm"`` last.
-        plan: one replica's ``PipelinePlan`` (``num_microbatches`` = microbatches per replica).
-        microbatches: global microbatches per iteration (all replicas).
-        devices: accelerators available; ``devices_used = dp * plan.num_ranks``.
-        iteration_s: predicted iteration time with the true frozen-aware costs: ``makespan_s + grad_sync_s +
-            update_s``.
-        makespan_s: simulated 1F1B makespan of the busiest replica (``ceil(microbatches / dp)``
-            microbatches).
-        grad_sync_s: data-parallel gradient all-reduce after the flush (0 without ``dp_link`` or for dp 1).
-        update_s: the slowest rank's optimizer step after it (``overheads.ActionOverheads.update_s``; 0 unless
-            charged).
-        planned_iteration_s: the iteration time the choosing cost model predicted (differs from
-            ``iteration_s`` for ``"frozen_unaware"``).
-        lower_bound_s: ``microbatches * (total true work per microbatch) / devices``.
-        bubble_fraction: idle fraction of the pipeline ranks over the makespan, averaged over ranks.
-        stage_forward_s, stage_backward_s: per stage, forward and full backward (dX + dW) seconds per
-            microbatch (true costs); ``stage_work_s`` is their sum.
-        stage_static_bytes, stage_activation_bytes: per stage, parameters + gradients + optimizer state,
-            and saved activations per in-flight microbatch.
-        stage_memory_bytes: per stage, peak memory under 1F1B (static + peak in-flight x activations).
-        stage_boundary_bytes: per stage, bytes sent to its successor per microbatch (its gradient alike).
-        memory_cap: bytes per device the plan was checked against (None: unchecked).
-        fits_memory: every rank's simulated peak is within ``memory_cap``.
-        p2p: the point-to-point model used for stage transfers.
-        candidates: candidates the search considered (lower-bounded); simulated: candidates timed.
-        schedule: the schedule the plan is timed with (``"1f1b"``, or ``"interleaved_1f1b"`` when LLM ranks
-            hold several chunks or the encoders sit on the first LLM rank); the runtime must run the same one.
-        update_s: see ``iteration_s``.
-        dp_shard: of the ``dp`` data-parallel ranks of each stage, how many share one sharded copy of its
-            parameters, gradients and optimizer state (FSDP2, ``parallel.dp_shard``; it divides ``dp``; the
-            replicate degree ``parallel.dp`` is ``dp / dp_shard``). Costs and memory are then per shard.
-        tp: tensor-parallel degree: every pipeline rank is ``tp`` devices splitting its layers
-            (``sharding.shard_costs``); ``devices_used = dp * plan.num_ranks * tp``.
-        checkpointing: the activation checkpointing policy the costs include (``train.activation_checkpointing``).
-        shard_buffer_bytes: FSDP2's transient unsharded bytes per rank (``sharding.shard_buffer_bytes``), included
-            in ``fits_memory`` (not in the per-stage memory).
-        offload: ``"cpu"`` when FSDP2 offloads its shards, gradients and optimizer state to the host
-            (``parallel.offload``; ``offload.offload_cost``: a plan without pipeline stages), else ``"none"``.
-        host_memory_bytes: host memory per device the plan needs (offload), included in ``fits_memory``.
-        offload_s: seconds offload adds to the iteration (copies, per-microbatch reduce-scatters, the host's
-            AdamW), included in ``iteration_s``.
-        fsdp_reduce: FSDP2 without pipeline stages (``parallel.fsdp_reduce``, ``search_parallel.flat_reduce``):
-            ``"step"`` (gradients accumulate unsharded, reduce-scattered at the last microbatch) or ``"microbatch"``
-            (reduce-scattered after every microbatch, included in ``iteration_s``).
-        fsdp_reshard: FSDP2 without pipeline stages (``parallel.fsdp_reshard``, ``sharding.FSDP_RESHARD``):
-            ``"after_forward"`` (each unit gathered again for its backward) or ``"after_backward"`` (kept from its
-            forward: no backward all-gather, every trainable unit's parameters in ``shard_buffer_bytes``).
-
-    Raises:
-        ValueError: when the per-stage tuples do not have one entry per stage, or an unknown method.
-    """
-
-    method: str
-    layout: str
-    dp: int
-    stages_per_module: tuple[tuple[str, int], ...]
-    plan: PipelinePlan
-    microbatches: int
-    devices: int
-    iteration_s: float
-    makespan_s: float
-    grad_sync_s: float
-    planned_iteration_s: float
-    lower_bound_s: float
-    bubble_fraction: float
-    stage_forward_s: tuple[float, ...]
-    stage_backward_s: tuple[float, ...]
-    stage_static_bytes: tuple[float, ...]
-    stage_activation_bytes: tuple[float, ...]
-    stage_memory_bytes: tuple[float, ...]
-    stage_boundary_bytes: tuple[float, ...]
-    memory_cap: float | None = None
-    fits_memory: bool = True
-    p2p: P2PModel = P2PModel()
-    candidates: int = 0
-    simulated: int = 0
-    schedule: str = "1f1b"
-    update_s: float = 0.0
-    dp_shard: int = 1
-    tp: int = 1
-    checkpointing: str = "none"
-    shard_buffer_bytes: float = 0.0
-    offload: str = "none"
-    host_memory_bytes: float = 0.0
-    offload_s: float = 0.0
-    fsdp_reduce: str = "step"
-    fsdp_reshard: str = "after_forward"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.plan, PipelinePlan):
-            object.__setattr__(self, "plan", PipelinePlan.from_dict(self.plan))
-        if not isinstance(self.p2p, P2PModel):
-            object.__setattr__(self, "p2p", P2PModel.from_dict(self.p2p))
-        object.__setattr__(self, "stages_per_module", tuple((str(m), int(s)) for m, s in self.stages_per_module))
-        for name in _STAGE_FIELDS:
-            value = tuple(float(v) for v in getattr(self, name))
-            object.__setattr__(self, name, value)
-            if len(value) != self.plan.num_stages:
-                raise ValueError(f"LayoutChoice.{name} has {len(value)} entries for {self.plan.num_stages} stages")
-        if self.method not in METHODS:
-            raise ValueError(f"LayoutChoice.method must be one of {METHODS}, got {self.method!r}")
-
-    @property
-    def microbatches_per_replica(self) -> int:
-        """``ceil(microbatches / dp)``: what the busiest replica runs."""
-        return -(-self.microbatches // self.dp)
-
-    @property
-    def devices_used(self) -> int:
-        """``dp * pipeline ranks * tp``."""
-        return self.dp * self.plan.num_ranks * self.tp
-
-    @property
-    def stage_work_s(self) -> tuple[float, ...]:
-        """Per stage, forward + backward seconds per microbatch (true costs)."""
-        return tuple(f + b for f, b in zip(self.stage_forward_s, self.stage_backward_s))
-
-    @property
-    def ratio_to_lower_bound(self) -> float:
-        """``iteration_s / lower_bound_s`` (1 is perfect; inf when the bound is 0)."""
-        return self.iteration_s / self.lower_bound_s if self.lower_bound_s > 0 else math.inf
-
-
-_STAGE_FIELDS = ("stage_forward_s", "stage_backward_s", "stage_static_bytes", "stage_activation_bytes",
-                 "stage_memory_bytes", "stage_boundary_bytes")
-
+__all__ = ["evaluate_plan", "megatron_even_split", "plan_layout"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -383,7 +228,6 @@ def _plan_from_stages(model: SearchModel, best: Best) -> PipelinePlan:
         n_enc = len(best.stages.chunks) - best.v * best.counts[-1]
         ranks = stage_ranks(n_enc, best.counts[-1], best.v, best.attached)
     return plan_from_chunks(model, model.units, best.layout, best.stages.chunks, ranks)
-
 
 
 def evaluate_plan(

@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from itertools import accumulate
 from typing import Union
 
@@ -44,12 +43,10 @@ from plait.planner.cost.analytic import (
     unit_static_bytes,
     unit_work,
 )
-from plait.planner.search.types import Machine
-from plait.planner.serialize import JsonDataclass
+from plait.planner.search.types import Machine, UnitPartition
 from plait.planner.types import Unit, UnitCost
 
 __all__ = [
-    "UnitPartition",
     "one_f_one_b_in_flight",
     "partition_chain",
     "partition_units",
@@ -446,33 +443,6 @@ def partition_work_ranges(units: Sequence[Unit], ranges: Ranges) -> tuple[tuple[
     """
     _check_ranges(ranges, len(units))
     return tuple(tuple(u.name for u in units[a:b]) for a, b in ranges)
-
-
-@dataclass(frozen=True)
-class UnitPartition(JsonDataclass):
-    """A stage partition of named units with its predicted load.
-
-    Attributes:
-        ranges: half-open unit index range per stage.
-        stage_units: unit names per stage.
-        stage_work_s: forward + backward seconds per microbatch per stage.
-        stage_memory_bytes: peak memory per stage (bytes) with the in-flight microbatches used to plan.
-        bottleneck_s: ``max(stage_work_s)``.
-        frozen_aware: whether the work applied the units' frozen flags (memory always does).
-    """
-
-    ranges: tuple[tuple[int, int], ...]
-    stage_units: tuple[tuple[str, ...], ...]
-    stage_work_s: tuple[float, ...]
-    stage_memory_bytes: tuple[float, ...]
-    bottleneck_s: float
-    frozen_aware: bool = True
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ranges", tuple(tuple(r) for r in self.ranges))
-        object.__setattr__(self, "stage_units", tuple(tuple(s) for s in self.stage_units))
-        object.__setattr__(self, "stage_work_s", tuple(self.stage_work_s))
-        object.__setattr__(self, "stage_memory_bytes", tuple(self.stage_memory_bytes))
 
 
 def partition_units(

@@ -5,22 +5,22 @@ Every search entry point (``search.plan_layout``, ``search.evaluate_plan``, ``se
 :class:`SearchSpace`, instead of a long list of keyword arguments. Both are frozen and round-trip through JSON
 (``serialize.JsonDataclass``). :class:`NoPlanFits` is the error of a search whose every candidate exceeds the
 memory cap; it carries the least per-device memory any option searched needs (:class:`LeastNeed`).
+
+What a search returns is here too: :class:`LayoutChoice` (the chosen layout with its predicted cost) and
+:class:`UnitPartition` (a stage partition of named units with its predicted load).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from plait.planner.cost.analytic import OptimizerSpec
-from plait.planner.cost.offload import HostSpec
-from plait.planner.cost.overheads import ActionOverheads
-from plait.planner.pipeline.plan import LAYOUTS
-from plait.planner.cost.recompute import CHECKPOINT_POLICIES
+from plait.planner.cost.types import (CHECKPOINT_POLICIES, FSDP_RESHARD, ActionOverheads, HostSpec, OptimizerSpec,
+                                      ParallelDegrees)
+from plait.planner.pipeline.types import LAYOUTS, P2PModel, PipelinePlan
 from plait.planner.serialize import JsonDataclass
-from plait.planner.cost.sharding import FSDP_RESHARD, ParallelDegrees
-from plait.planner.pipeline.simulator import P2PModel
 
-__all__ = ["LeastNeed", "Machine", "NoPlanFits", "SearchSpace"]
+__all__ = ["METHODS", "LayoutChoice", "LeastNeed", "Machine", "NoPlanFits", "SearchSpace", "UnitPartition"]
 
 
 @dataclass(frozen=True)
@@ -131,3 +131,168 @@ class NoPlanFits(ValueError):
         super().__init__(message)
         self.least = least
 
+
+METHODS = ("plait", "frozen_unaware", "megatron_even", "given")
+
+
+@dataclass(frozen=True)
+class LayoutChoice(JsonDataclass):
+    """A chosen pipeline layout with its predicted cost (times in seconds, memory in bytes).
+
+    Attributes:
+        method: who chose it: ``"plait"`` (frozen-aware search), ``"frozen_unaware"`` (search with the
+            frozen-unaware cost model), ``"megatron_even"`` (even split by unit count) or ``"given"``.
+        layout: ``"encoder_parallel"`` or ``"encoders_colocated"`` (the plan's layout).
+        dp: data-parallel degree (pipeline replicas).
+        stages_per_module: ``((module, stages), ...)`` in plan order, ``"llm"`` last.
+        plan: one replica's ``PipelinePlan`` (``num_microbatches`` = microbatches per replica).
+        microbatches: global microbatches per iteration (all replicas).
+        devices: accelerators available; ``devices_used = dp * plan.num_ranks``.
+        iteration_s: predicted iteration time with the true frozen-aware costs: ``makespan_s + grad_sync_s +
+            update_s``.
+        makespan_s: simulated 1F1B makespan of the busiest replica (``ceil(microbatches / dp)``
+            microbatches).
+        grad_sync_s: data-parallel gradient all-reduce after the flush (0 without ``dp_link`` or for dp 1).
+        update_s: the slowest rank's optimizer step after it (``overheads.ActionOverheads.update_s``; 0 unless
+            charged).
+        planned_iteration_s: the iteration time the choosing cost model predicted (differs from
+            ``iteration_s`` for ``"frozen_unaware"``).
+        lower_bound_s: ``microbatches * (total true work per microbatch) / devices``.
+        bubble_fraction: idle fraction of the pipeline ranks over the makespan, averaged over ranks.
+        stage_forward_s, stage_backward_s: per stage, forward and full backward (dX + dW) seconds per
+            microbatch (true costs); ``stage_work_s`` is their sum.
+        stage_static_bytes, stage_activation_bytes: per stage, parameters + gradients + optimizer state,
+            and saved activations per in-flight microbatch.
+        stage_memory_bytes: per stage, peak memory under 1F1B (static + peak in-flight x activations).
+        stage_boundary_bytes: per stage, bytes sent to its successor per microbatch (its gradient alike).
+        memory_cap: bytes per device the plan was checked against (None: unchecked).
+        fits_memory: every rank's simulated peak is within ``memory_cap``.
+        p2p: the point-to-point model used for stage transfers.
+        candidates: candidates the search considered (lower-bounded); simulated: candidates timed.
+        schedule: the schedule the plan is timed with (``"1f1b"``, or ``"interleaved_1f1b"`` when LLM ranks
+            hold several chunks or the encoders sit on the first LLM rank); the runtime must run the same one.
+        update_s: see ``iteration_s``.
+        dp_shard: of the ``dp`` data-parallel ranks of each stage, how many share one sharded copy of its
+            parameters, gradients and optimizer state (FSDP2, ``parallel.dp_shard``; it divides ``dp``; the
+            replicate degree ``parallel.dp`` is ``dp / dp_shard``). Costs and memory are then per shard.
+        tp: tensor-parallel degree: every pipeline rank is ``tp`` devices splitting its layers
+            (``sharding.shard_costs``); ``devices_used = dp * plan.num_ranks * tp``.
+        checkpointing: the activation checkpointing policy the costs include (``train.activation_checkpointing``).
+        shard_buffer_bytes: FSDP2's transient unsharded bytes per rank (``sharding.shard_buffer_bytes``), included
+            in ``fits_memory`` (not in the per-stage memory).
+        offload: ``"cpu"`` when FSDP2 offloads its shards, gradients and optimizer state to the host
+            (``parallel.offload``; ``offload.offload_cost``: a plan without pipeline stages), else ``"none"``.
+        host_memory_bytes: host memory per device the plan needs (offload), included in ``fits_memory``.
+        offload_s: seconds offload adds to the iteration (copies, per-microbatch reduce-scatters, the host's
+            AdamW), included in ``iteration_s``.
+        fsdp_reduce: FSDP2 without pipeline stages (``parallel.fsdp_reduce``, ``search_parallel.flat_reduce``):
+            ``"step"`` (gradients accumulate unsharded, reduce-scattered at the last microbatch) or ``"microbatch"``
+            (reduce-scattered after every microbatch, included in ``iteration_s``).
+        fsdp_reshard: FSDP2 without pipeline stages (``parallel.fsdp_reshard``, ``sharding.FSDP_RESHARD``):
+            ``"after_forward"`` (each unit gathered again for its backward) or ``"after_backward"`` (kept from its
+            forward: no backward all-gather, every trainable unit's parameters in ``shard_buffer_bytes``).
+
+    Raises:
+        ValueError: when the per-stage tuples do not have one entry per stage, or an unknown method.
+    """
+
+    method: str
+    layout: str
+    dp: int
+    stages_per_module: tuple[tuple[str, int], ...]
+    plan: PipelinePlan
+    microbatches: int
+    devices: int
+    iteration_s: float
+    makespan_s: float
+    grad_sync_s: float
+    planned_iteration_s: float
+    lower_bound_s: float
+    bubble_fraction: float
+    stage_forward_s: tuple[float, ...]
+    stage_backward_s: tuple[float, ...]
+    stage_static_bytes: tuple[float, ...]
+    stage_activation_bytes: tuple[float, ...]
+    stage_memory_bytes: tuple[float, ...]
+    stage_boundary_bytes: tuple[float, ...]
+    memory_cap: float | None = None
+    fits_memory: bool = True
+    p2p: P2PModel = P2PModel()
+    candidates: int = 0
+    simulated: int = 0
+    schedule: str = "1f1b"
+    update_s: float = 0.0
+    dp_shard: int = 1
+    tp: int = 1
+    checkpointing: str = "none"
+    shard_buffer_bytes: float = 0.0
+    offload: str = "none"
+    host_memory_bytes: float = 0.0
+    offload_s: float = 0.0
+    fsdp_reduce: str = "step"
+    fsdp_reshard: str = "after_forward"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.plan, PipelinePlan):
+            object.__setattr__(self, "plan", PipelinePlan.from_dict(self.plan))
+        if not isinstance(self.p2p, P2PModel):
+            object.__setattr__(self, "p2p", P2PModel.from_dict(self.p2p))
+        object.__setattr__(self, "stages_per_module", tuple((str(m), int(s)) for m, s in self.stages_per_module))
+        for name in _STAGE_FIELDS:
+            value = tuple(float(v) for v in getattr(self, name))
+            object.__setattr__(self, name, value)
+            if len(value) != self.plan.num_stages:
+                raise ValueError(f"LayoutChoice.{name} has {len(value)} entries for {self.plan.num_stages} stages")
+        if self.method not in METHODS:
+            raise ValueError(f"LayoutChoice.method must be one of {METHODS}, got {self.method!r}")
+
+    @property
+    def microbatches_per_replica(self) -> int:
+        """``ceil(microbatches / dp)``: what the busiest replica runs."""
+        return -(-self.microbatches // self.dp)
+
+    @property
+    def devices_used(self) -> int:
+        """``dp * pipeline ranks * tp``."""
+        return self.dp * self.plan.num_ranks * self.tp
+
+    @property
+    def stage_work_s(self) -> tuple[float, ...]:
+        """Per stage, forward + backward seconds per microbatch (true costs)."""
+        return tuple(f + b for f, b in zip(self.stage_forward_s, self.stage_backward_s))
+
+    @property
+    def ratio_to_lower_bound(self) -> float:
+        """``iteration_s / lower_bound_s`` (1 is perfect; inf when the bound is 0)."""
+        return self.iteration_s / self.lower_bound_s if self.lower_bound_s > 0 else math.inf
+
+
+_STAGE_FIELDS = ("stage_forward_s", "stage_backward_s", "stage_static_bytes", "stage_activation_bytes",
+                 "stage_memory_bytes", "stage_boundary_bytes")
+
+
+@dataclass(frozen=True)
+class UnitPartition(JsonDataclass):
+    """A stage partition of named units with its predicted load.
+
+    Attributes:
+        ranges: half-open unit index range per stage.
+        stage_units: unit names per stage.
+        stage_work_s: forward + backward seconds per microbatch per stage.
+        stage_memory_bytes: peak memory per stage (bytes) with the in-flight microbatches used to plan.
+        bottleneck_s: ``max(stage_work_s)``.
+        frozen_aware: whether the work applied the units' frozen flags (memory always does).
+    """
+
+    ranges: tuple[tuple[int, int], ...]
+    stage_units: tuple[tuple[str, ...], ...]
+    stage_work_s: tuple[float, ...]
+    stage_memory_bytes: tuple[float, ...]
+    bottleneck_s: float
+    frozen_aware: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranges", tuple(tuple(r) for r in self.ranges))
+        object.__setattr__(self, "stage_units", tuple(tuple(s) for s in self.stage_units))
+        object.__setattr__(self, "stage_work_s", tuple(self.stage_work_s))
+        object.__setattr__(self, "stage_memory_bytes", tuple(self.stage_memory_bytes))
