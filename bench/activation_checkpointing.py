@@ -74,7 +74,8 @@ def predicted_ratios(trainer) -> dict[str, float]:
     costs of a 1024-token microbatch; frozen-aware, the same unit choice as the runtime)."""
     from plait.models.plan_inputs import plan_configs
     from plait.models.units import model_units
-    from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, unit_activation_bytes, unit_costs
+    from plait.planner.cost.analytic import unit_activation_bytes, unit_costs
+    from plait.planner.cost.types import DeviceSpec, MicrobatchShape
     from plait.planner.cost.recompute import checkpointed_costs, plan_checkpointing
 
     model = trainer.model

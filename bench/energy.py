@@ -42,10 +42,11 @@ import pipeline_plans as pp  # noqa: E402  (the nine models, their units and the
 from plait.planner.cost.analytic import unit_estimates  # noqa: E402
 from plait.planner.energy.frontier import energy_at_deadline, energy_frontier, energy_plan, schedule_energy_dag  # noqa: E402
 from plait.planner.energy.power_profile import analytic_energy_profile, gpu_preset, stage_action_options  # noqa: E402
-from plait.planner.cost.measured_profile import ProfileKey  # noqa: E402
+from plait.planner.cost.types import ProfileKey  # noqa: E402
 from plait.planner.pipeline.schedules import build_schedule  # noqa: E402
 from plait.planner.search.types import Machine, SearchSpace  # noqa: E402
-from plait.planner.search.layout import LayoutChoice, megatron_even_split, plan_layout  # noqa: E402
+from plait.planner.search.layout import megatron_even_split, plan_layout
+from plait.planner.search.types import LayoutChoice  # noqa: E402
 
 STRAGGLER = 1.2
 MAX_SLOWDOWN = 1.3  # lowtime traces the fast part of the frontier (options up to 1.3x slower)

@@ -291,7 +291,7 @@ def time_run(inputs, optimizer, run: str, device: str, warmup: int, steps: int) 
 def peak_flops(device: str, threads: int) -> tuple[float, str]:
     """The device's dense peak FLOP/s and its name (``measure.host_costs.host_device`` preset; measured on CPU)."""
     from plait.measure.host_costs import host_cpu, host_device
-    from plait.planner.cost.analytic import DeviceSpec
+    from plait.planner.cost.types import DeviceSpec
 
     if device == "cuda":
         preset, _ = host_device()

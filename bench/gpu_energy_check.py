@@ -40,7 +40,7 @@ from plait.parallel.energy import build_frequency_controller  # noqa: E402
 from plait.parallel.pipeline import run_pipeline_step  # noqa: E402
 from plait.parallel.stages import build_rank_stages  # noqa: E402
 from plait.planner.energy.frontier import energy_frontier, energy_plan, schedule_energy_dag  # noqa: E402
-from plait.planner.energy.plan import ActionFrequency, EnergyPlan, FrontierPoint, action_label  # noqa: E402
+from plait.planner.energy.types import ActionFrequency, EnergyPlan, FrontierPoint, action_label  # noqa: E402
 from plait.planner.energy.power_profile import stage_action_options  # noqa: E402
 from plait.planner.pipeline.plan import plan_pipeline  # noqa: E402
 from plait.planner.pipeline.schedules import build_schedule  # noqa: E402

@@ -55,7 +55,7 @@ import torch  # noqa: E402
 from bench.activation_checkpointing import MODELS  # noqa: E402
 from bench.plan_holds import small_train_set  # noqa: E402
 from bench.tensor_bytes import saved_activation_bytes, storage_bytes  # noqa: E402
-from plait.planner.cost.analytic import OptimizerSpec  # noqa: E402
+from plait.planner.cost.types import OptimizerSpec  # noqa: E402
 
 COLUMNS = {  # label -> (dp_shard, tp)
     "DDP": (1, 1),
@@ -275,7 +275,8 @@ def predicted(trainer, label: str, tokens: dict | list[dict]) -> dict[str, float
         each = [predicted(trainer, label, t) for t in tokens]
         return {kind: max(e[kind] for e in each) for kind in each[0]}
     from plait.parallel.activation_checkpointing import checkpoint_policy
-    from plait.planner.cost.sharding import ParallelDegrees, rank_memory
+    from plait.planner.cost.sharding import rank_memory
+    from plait.planner.cost.types import ParallelDegrees
 
     dp_shard, tp = COLUMNS[label]
     units, costs = _unit_costs(trainer, tokens)
@@ -289,7 +290,8 @@ def predicted(trainer, label: str, tokens: dict | list[dict]) -> dict[str, float
 def predicted_unsharded_gradients(trainer, label: str, tokens: dict) -> float:
     """The planner's bytes of every trainable unit's unsharded gradient on one TP rank of a column
     (``planner.sharding.unsharded_grad_bytes``): what ``fsdp_reduce = "step"`` keeps between microbatches."""
-    from plait.planner.cost.sharding import ParallelDegrees, unsharded_grad_bytes
+    from plait.planner.cost.sharding import unsharded_grad_bytes
+    from plait.planner.cost.types import ParallelDegrees
 
     dp_shard, tp = COLUMNS[label]
     units, costs = _unit_costs(trainer, tokens)
@@ -299,7 +301,8 @@ def predicted_unsharded_gradients(trainer, label: str, tokens: dict) -> float:
 def predicted_kept_parameters(trainer, label: str, tokens: dict) -> float:
     """The planner's bytes of gathered parameters kept from forward to backward on one rank of a column under
     ``parallel.fsdp_reshard = "after_backward"`` (``planner.sharding.kept_param_bytes``; 0 without FSDP2)."""
-    from plait.planner.cost.sharding import ParallelDegrees, kept_param_bytes
+    from plait.planner.cost.sharding import kept_param_bytes
+    from plait.planner.cost.types import ParallelDegrees
 
     dp_shard, tp = COLUMNS[label]
     units, costs = _unit_costs(trainer, tokens)
@@ -311,7 +314,8 @@ def _unit_costs(trainer, tokens: dict) -> tuple[list, list]:
     """The job's pipeline units and their analytic fp32 costs of one rank's microbatch (``predicted``)."""
     from plait.models.plan_inputs import plan_configs
     from plait.models.units import model_units
-    from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, unit_costs
+    from plait.planner.cost.analytic import unit_costs
+    from plait.planner.cost.types import DeviceSpec, MicrobatchShape
 
     units = model_units(trainer.model)
     configs = plan_configs({"llm": trainer.model.language_model.config,

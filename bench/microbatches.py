@@ -62,7 +62,8 @@ from plait.planner.microbatch import (
     sample_costs_from_metadata,
     workload_stats,
 )
-from plait.planner.pipeline.plan import PipelinePlan, plan_pipeline, synthetic_units
+from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
+from plait.planner.pipeline.types import PipelinePlan
 from plait.planner.pipeline.schedules import one_f_one_b
 from plait.planner.pipeline.simulator import simulate
 

@@ -70,13 +70,14 @@ from typing import Any
 
 from plait.models.plan_inputs import encoder_arch
 from plait.planner.cost.arch import EncoderArch, arch_from_config, model_param_count, units_from_configs
-from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, unit_costs
+from plait.planner.cost.analytic import unit_costs
+from plait.planner.cost.types import DeviceSpec, MicrobatchShape
 from plait.planner.pipeline.graph import consistent_units
 from plait.planner.cost.analytic import unit_static_bytes
-from plait.planner.search.types import Machine, SearchSpace
-from plait.planner.search.layout import LayoutChoice, megatron_even_split, plan_layout
+from plait.planner.search.types import LayoutChoice, Machine, SearchSpace
+from plait.planner.search.layout import megatron_even_split, plan_layout
 from plait.planner.search.parallel import plan_parallel
-from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.pipeline.types import P2PModel
 
 TEXT_TOKENS = 1024
 AUDIO_FRAMES = 1500

@@ -65,11 +65,13 @@ if str(ROOT) not in sys.path:
 
 from bench.pipeline_plans import DEVICE, DP_LINK, MEMORY_CAP, P2P, build  # noqa: E402
 from plait.planner.cost.arch import DecoderArch, units_from_configs  # noqa: E402
-from plait.planner.cost.analytic import MicrobatchShape, unit_costs  # noqa: E402
+from plait.planner.cost.analytic import unit_costs
+from plait.planner.cost.types import MicrobatchShape  # noqa: E402
 from plait.planner.resilience.reconfigure import plan_reconfiguration  # noqa: E402
 from plait.planner.search.types import Machine  # noqa: E402
 from plait.planner.search.layout import plan_layout  # noqa: E402
-from plait.planner.resilience.templates import TemplateSet, plan_instantiation, plan_templates  # noqa: E402
+from plait.planner.resilience.templates import plan_instantiation, plan_templates
+from plait.planner.resilience.types import TemplateSet  # noqa: E402
 
 GPT3_6_7B = DecoderArch(hidden=4096, layers=32, heads=32, kv_heads=32, head_dim=128, intermediate=16384,
                         vocab=50257, gated_mlp=False, qkv_bias=True, o_bias=True, mlp_bias=True, norm_bias=True,

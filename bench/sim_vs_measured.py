@@ -67,12 +67,14 @@ from plait.measure.link import measure_link  # noqa: E402
 from plait.parallel.pipeline import build_pipeline_comm, run_pipeline_step  # noqa: E402
 from plait.train.loss import token_loss_sum  # noqa: E402
 from plait.parallel.stages import build_rank_stages  # noqa: E402
-from plait.planner.pipeline.plan import PipelinePlan, plan_pipeline  # noqa: E402
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.pipeline.types import PipelinePlan  # noqa: E402
 from plait.measure.job_profile import ProfileStore  # noqa: E402
 from plait.planner.cost.measured_profile import Profile, stage_action_costs  # noqa: E402
 from plait.planner.pipeline.schedules import build_schedule  # noqa: E402
-from plait.planner.pipeline.timeline import TimelineEvent  # noqa: E402
-from plait.planner.pipeline.simulator import P2PModel, SimResult, boundary_bytes_from_units, simulate  # noqa: E402
+from plait.planner.pipeline.types import TimelineEvent  # noqa: E402
+from plait.planner.pipeline.simulator import boundary_bytes_from_units, simulate
+from plait.planner.pipeline.types import P2PModel, SimResult  # noqa: E402
 from plait.measure.job_profile import build_profile_inputs  # noqa: E402
 from plait.measure.unit_timing import measure_profile  # noqa: E402
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from plait.models.plan_inputs import build_plan_inputs, device_spec
 from plait.measure.host_costs import RuntimeCosts, host_cpu, runtime_costs
 from plait.config.loader import load_config
-from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.cost.types import DeviceSpec
 from plait.planner.search.types import Machine
 from plait.planner.resilience.templates import instantiate, plan_instantiation, plan_templates
 from plait.train.resilient import LaunchPlan, run_resilient_worker

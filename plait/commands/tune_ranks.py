@@ -39,17 +39,9 @@ from plait.data.progress import Progress
 from plait.config.loader import config_to_dict, load_config
 from plait.config.schema import JobConfig
 from plait.planner.ranks.rank_law import (
-    CalibrationRun,
-    Observation,
-    PowerLaw,
-    RankChoice,
-    choose_ranks,
-    convergence_samples,
-    fit_power_law,
-    lora_at_rank,
-    lora_toml,
-    plan_calibration,
+    choose_ranks, convergence_samples, fit_power_law, lora_at_rank, lora_toml, plan_calibration,
 )
+from plait.planner.ranks.types import CalibrationRun, Observation, PowerLaw, RankChoice
 from plait.planner.toml_text import toml_text
 from plait.planner.types import LLM_MODULE
 from plait.train.metrics import read_metrics

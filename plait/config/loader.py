@@ -16,7 +16,8 @@ from typing import Any
 from plait.config.schema import (DATA_FORMATS, DataConfig, EncoderConfig, JobConfig, LoraConfig, PipelineConfig,
                                  check_checkpointing)
 from plait.planner.microbatch import METHODS
-from plait.planner.pipeline.plan import LAYOUTS, stage_ranks
+from plait.planner.pipeline.plan import stage_ranks
+from plait.planner.pipeline.types import LAYOUTS
 from plait.planner.pipeline.schedules import SCHEDULE_NAMES
 from plait.planner.types import LLM_MODULE
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from plait.planner.cost.recompute import CHECKPOINT_POLICIES
+from plait.planner.cost.types import CHECKPOINT_POLICIES
 
 __all__ = [
     "LoraConfig",
@@ -446,7 +446,7 @@ class EnergyConfig:
     (``plait.planner.resilience.straggler``)."""
 
     plan: str = ""
-    """Frequency plan JSON written by ``plait energy`` (``plait.planner.energy.plan.EnergyPlan``); empty: off.
+    """Frequency plan JSON written by ``plait energy`` (``plait.planner.energy.types.EnergyPlan``); empty: off.
     Pipeline jobs only (``parallel.pp.degree`` > 1): before each F/B/W action the runtime locks the GPU's SM clock
     at the plan's frequency (needs SYS_ADMIN and ``pip install -e ".[energy]"``; where refused it says so once and
     records only); on CPU it records the would-be frequency in the measured timeline (``frequency_mhz``)."""

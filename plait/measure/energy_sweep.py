@@ -1,6 +1,6 @@
 """Measured GPU energy profiles (as Perseus, Chung et al., SOSP 2024, profiles them): sweep SM clocks, measure
 each pipeline unit's passes in time and energy with NVML (through zeus), into the planner's
-:class:`~plait.planner.energy.power_profile.EnergyProfile`.
+:class:`~plait.planner.energy.types.EnergyProfile`.
 
 Method, per clock of the sweep (:func:`measure_energy_profile`): the SM clock is locked
 (``set_gpu_locked_clocks``, zeus's device layer), then every unit's passes are re-run in isolation exactly as the
@@ -31,8 +31,8 @@ import torch
 from plait.data.collate import Batch
 from plait.models.multimodal import MultimodalModel
 from plait.models.units import unit_specs
-from plait.planner.energy.power_profile import EnergyProfile, UnitEnergy
-from plait.planner.cost.measured_profile import ProfileKey
+from plait.planner.energy.types import EnergyProfile, UnitEnergy
+from plait.planner.cost.types import ProfileKey
 from plait.measure.unit_timing import KwargsFn, PassTiming, device_name, median_seconds, unit_pass_timings
 
 __all__ = ["ClockControl", "EnergyTimer", "gpu_clock_control", "measure_energy_profile", "sweep_clocks"]

@@ -23,10 +23,9 @@ from typing import Any
 
 import torch
 
-from plait.planner.cost.analytic import DeviceSpec
-from plait.planner.cost.overheads import ActionOverheads
+from plait.planner.cost.types import ActionOverheads, DeviceSpec
 from plait.planner.cost.measured_profile import Profile
-from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.pipeline.types import P2PModel
 
 __all__ = ["CPU_ALLREDUCE_BPS", "CPU_OPTIMIZER_S_PER_BYTE", "RuntimeCosts", "host_cpu", "host_device",
            "measured_overheads", "runtime_costs", "stored_profile"]

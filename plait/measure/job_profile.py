@@ -33,8 +33,10 @@ from plait.data.metadata import this_process_only
 from plait.models.device import resolve_device
 from plait.models.multimodal import MultimodalModel
 from plait.models.registry import build_model, build_processor, load_tokenizer
-from plait.planner.energy.power_profile import EnergyProfile, energy_profile_mismatch
-from plait.planner.cost.measured_profile import Profile, ProfileKey, profile_mismatch
+from plait.planner.energy.power_profile import energy_profile_mismatch
+from plait.planner.energy.types import EnergyProfile
+from plait.planner.cost.measured_profile import Profile, profile_mismatch
+from plait.planner.cost.types import ProfileKey
 from plait.measure.unit_timing import KwargsFn, measure_profile, profile_key
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The stage-to-stage link as the simulator's :class:`~plait.planner.pipeline.simulator.P2PModel`, measured in a job.
+"""The stage-to-stage link as the simulator's :class:`~plait.planner.pipeline.types.P2PModel`, measured in a job.
 
 :func:`measure_link` (collective over the default process group): ranks 0 and 1 ping-pong messages packed as
 the pipeline runtime's gloo transport packs them (:func:`~plait.parallel.pipeline.wire.pack_payload`: one buffer
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from plait.parallel.pipeline.wire import pack_payload, unpack
-from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.pipeline.types import P2PModel
 
 __all__ = ["LinkSample", "MIN_LINK_BYTES", "describe_link", "job_link", "measure_link", "ping_pong", "preset_link"]
 
@@ -141,7 +141,7 @@ def preset_link(device_name: str) -> tuple[P2PModel, str]:
     on one NVLink node. Pipeline neighbours on different nodes see far less (InfiniBand), so a multi-node plan
     built on this link underrates transfers.
     """
-    from plait.planner.cost.analytic import DeviceSpec
+    from plait.planner.cost.types import DeviceSpec
 
     name = device_name.upper()
     preset = next((p for p in ("h200", "h100", "a100") if p.upper() in name), "h100")

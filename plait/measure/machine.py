@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from plait.measure.link import job_link
-from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.pipeline.types import P2PModel
 
 __all__ = ["MEMORY_FRACTION", "AutoPlanInputs", "auto_plan_inputs", "device_memory_bytes", "memory_cap"]
 

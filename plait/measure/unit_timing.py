@@ -60,7 +60,8 @@ from plait.parallel.pipeline import run_pipeline_step
 from plait.train.loss import token_loss_sum
 from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline.plan import plan_pipeline
-from plait.planner.cost.measured_profile import Profile, ProfileKey, UnitMeasurement
+from plait.planner.cost.measured_profile import Profile
+from plait.planner.cost.types import ProfileKey, UnitMeasurement
 from plait.planner.pipeline.schedules import build_schedule
 
 __all__ = ["CLOCKS", "KwargsFn", "LossFn", "PassTiming", "device_name", "measure_profile", "median_seconds",

@@ -23,7 +23,8 @@ from plait.models.multimodal import PLAIT_CONFIG
 from plait.models.registry import build_model, placeholder_of
 from plait.models.units import model_units
 from plait.planner.cost.arch import EncoderArch, arch_from_config, units_from_configs
-from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, unit_costs
+from plait.planner.cost.analytic import unit_costs
+from plait.planner.cost.types import DeviceSpec, MicrobatchShape
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
 __all__ = ["DEVICES", "MODEL_UNITS", "PlanInputs", "build_plan_inputs", "device_spec", "encoder_arch", "job_units",

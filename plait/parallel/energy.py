@@ -1,6 +1,6 @@
 """Per-action GPU frequencies in the pipeline runtime (Perseus, Chung et al., SOSP 2024).
 
-A frequency plan (:class:`plait.planner.energy.plan.EnergyPlan`, written by ``plait energy``) gives every ``F``/``B``
+A frequency plan (:class:`plait.planner.energy.types.EnergyPlan`, written by ``plait energy``) gives every ``F``/``B``
 /``W`` action of every pipeline rank an SM clock. With ``[energy] plan = "path"`` the executor
 (:mod:`plait.parallel.pipeline.executor`) calls this rank's :class:`FrequencyController` before each action:
 
@@ -10,7 +10,7 @@ A frequency plan (:class:`plait.planner.energy.plan.EnergyPlan`, written by ``pl
   (``pip install -e ".[energy]"``), one warning says so and the controller records only;
 - on CPU, :class:`FrequencyController` records the would-be frequency, so the path runs and is tested everywhere.
 
-Either way the frequency is written into the action's measured :class:`~plait.planner.pipeline.timeline.TimelineEvent`
+Either way the frequency is written into the action's measured :class:`~plait.planner.pipeline.types.TimelineEvent`
 (``frequency_mhz``), and setting it changes nothing of the numerics (the same losses and parameters bit for bit).
 
 Straggler reaction (item 4): after each step :class:`StragglerReaction` exchanges every rank's step time (one
@@ -30,9 +30,10 @@ import torch
 import torch.distributed as dist
 
 from plait.config.schema import EnergyConfig
-from plait.planner.energy.plan import EnergyPlan, FrontierPoint, action_label
-from plait.planner.resilience.straggler import StragglerPolicy, StragglerState, react_to_stragglers, replica_point
-from plait.planner.pipeline.timeline import TimelineEvent
+from plait.planner.energy.types import EnergyPlan, FrontierPoint, action_label
+from plait.planner.resilience.straggler import react_to_stragglers, replica_point
+from plait.planner.resilience.types import StragglerPolicy, StragglerState
+from plait.planner.pipeline.types import TimelineEvent
 
 __all__ = ["EnergyRuntime", "FrequencyController", "NvmlFrequencyController", "StragglerReaction",
            "build_energy_runtime", "build_frequency_controller", "import_zeus_gpus", "read_energy_plan",
@@ -197,7 +198,7 @@ class StragglerReaction:
         device: where the exchanged tensor lives (CPU for gloo, CUDA for NCCL).
 
     Attributes:
-        state: the current :class:`~plait.planner.resilience.straggler.StragglerState`.
+        state: the current :class:`~plait.planner.resilience.types.StragglerState`.
         history: per observed step, ``(state.straggler, frequency point time in seconds)``.
     """
 

@@ -34,7 +34,7 @@ from plait.parallel.process_group import DistInfo
 from plait.parallel.pipeline import PipelineComm
 from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.tensor_parallel import RankTensorParallel, apply_job_tensor_parallel
-from plait.planner.pipeline.plan import PipelinePlan
+from plait.planner.pipeline.types import PipelinePlan
 
 __all__ = ["Parallelized", "PipelinePlace", "parallelize"]
 

@@ -47,7 +47,8 @@ from plait.models.multimodal import MultimodalModel
 from plait.models.tower_call import TOWER_CALLS, TowerCall, tower_call
 from plait.models.units import UnitSpec, unit_specs
 from plait.parallel.context import shard_tokens
-from plait.planner.pipeline.plan import PipelinePlan, Stage, check_plan_units
+from plait.planner.pipeline.plan import check_plan_units
+from plait.planner.pipeline.types import PipelinePlan, Stage
 from plait.planner.types import LLM_MODULE
 
 __all__ = ["OwnedLayers", "PipelineStage", "RankStages", "TiedEmbedding", "build_rank_stages", "Payload"]

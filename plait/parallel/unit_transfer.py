@@ -1,4 +1,4 @@
-"""Executing a reconfiguration's copies (``plait.planner.resilience.reconfigure.Reconfiguration.transfers``): each unit's
+"""Executing a reconfiguration's copies (``plait.planner.resilience.types.Reconfiguration.transfers``): each unit's
 parameters and optimizer state go from a surviving holder to the rank that now runs the unit, point to point in
 the re-formed process group (``plait.parallel.membership``); what a rank already held it copies locally.
 
@@ -20,7 +20,7 @@ from torch import nn
 
 from plait.models.multimodal import MultimodalModel
 from plait.models.units import unit_specs
-from plait.planner.resilience.reconfigure import Transfer
+from plait.planner.resilience.types import Transfer
 
 __all__ = ["UnitState", "move_units", "unit_parameter_names"]
 

@@ -20,8 +20,9 @@ from typing import Any
 
 from plait.planner.cost.measured_profile import Profile
 from plait.planner.pipeline.schedules import build_schedule
-from plait.planner.search.layout import LayoutChoice
-from plait.planner.pipeline.simulator import SimResult, StageMemory, simulate
+from plait.planner.search.types import LayoutChoice
+from plait.planner.pipeline.simulator import simulate
+from plait.planner.pipeline.types import SimResult, StageMemory
 from plait.planner.toml_text import toml_key, toml_value
 from plait.planner.types import Unit
 

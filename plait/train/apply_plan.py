@@ -18,9 +18,9 @@ from plait.config.loader import pipeline_plan_kwargs
 from plait.config.schema import JobConfig, PipelineConfig
 from plait.parallel.activation_checkpointing import checkpoint_policy
 from plait.planner.search.auto_layout import AUTO_MACHINE, AUTO_SPACE, layout_pp_fields, plan_auto_layout
-from plait.planner.pipeline.plan import PipelinePlan, plan_pipeline
-from plait.planner.search.types import Machine, SearchSpace
-from plait.planner.search.layout import LayoutChoice
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.pipeline.types import PipelinePlan
+from plait.planner.search.types import LayoutChoice, Machine, SearchSpace
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
 __all__ = ["apply_layout_choice", "auto_microbatches", "kept_degrees", "resolve_auto_plan"]

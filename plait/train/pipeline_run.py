@@ -50,10 +50,10 @@ from plait.models.units import model_units
 from plait.parallel.energy import build_energy_runtime
 from plait.parallel.pipeline import gather_timeline, run_pipeline_step
 from plait.planner.microbatch import MicrobatchPlan
-from plait.planner.pipeline.plan import PipelinePlan, plan_pipeline
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.pipeline.types import PipelinePlan, TimelineEvent
 from plait.planner.pipeline.schedule_ir import Schedule
 from plait.planner.pipeline.schedules import build_schedule
-from plait.planner.pipeline.timeline import TimelineEvent
 from plait.train.evaluation import EvalSide
 from plait.train.loss import token_loss_sum, zero_loss
 from plait.train.plots import plot_timeline, write_chrome_trace

@@ -14,8 +14,7 @@ import dataclasses
 from typing import Any
 
 from plait.planner.report import format_bytes
-from plait.planner.search.types import NoPlanFits
-from plait.planner.search.layout import LayoutChoice
+from plait.planner.search.types import LayoutChoice, NoPlanFits
 from plait.planner.search.parallel import plan_parallel
 
 __all__ = ["explain_no_fit", "no_fit_message", "search_plan"]

@@ -21,7 +21,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
 
-from plait.planner.pipeline.timeline import TimelineEvent, summarize_timeline
+from plait.planner.pipeline.timeline import summarize_timeline
+from plait.planner.pipeline.types import TimelineEvent
 
 __all__ = [
     "KIND_COLORS",

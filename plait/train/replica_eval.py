@@ -25,7 +25,7 @@ from plait.data.collate import Batch
 from plait.parallel.pipeline.comm import PipelineComm
 from plait.parallel.pipeline.step import run_pipeline_forward
 from plait.parallel.stages import RankStages
-from plait.planner.pipeline.plan import PipelinePlan
+from plait.planner.pipeline.types import PipelinePlan
 from plait.planner.pipeline.schedule_ir import Schedule
 from plait.planner.pipeline.schedules import forward_only
 from plait.train.evaluation import EvalSide, greedy_by_forward, next_token_ids

@@ -19,7 +19,7 @@ Each worker (its id is its rank in generation 0 and never changes):
    reconfiguration (``plait.planner.resilience.reconfigure``: shrink, borrow, merge), builds its new stages on a fresh model,
    fills them from what it held and from the surviving replicas (``plait.parallel.unit_transfer``: parameters
    and AdamW state), prints one line and replays the step from its start with the same global batch. When some
-   unit has no surviving copy it stops with :class:`~plait.planner.resilience.reconfigure.LostUnitsError`'s message (the
+   unit has no surviving copy it stops with :class:`~plait.planner.resilience.types.LostUnitsError`'s message (the
    lost units, resume from the last checkpoint).
 
 Every worker appends one JSON line per committed step to ``<out>/worker<id>.jsonl`` (step, epoch, loss, learning
@@ -68,10 +68,10 @@ from plait.parallel.pipeline import run_pipeline_step
 from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.unit_transfer import move_units, unit_parameter_names
 from plait.planner.microbatch import MicrobatchPolicy, SampleCost, plan_microbatches
-from plait.planner.resilience.reconfigure import Reconfiguration, Transfer, plan_reconfiguration, plan_rejoin
+from plait.planner.resilience.reconfigure import plan_reconfiguration, plan_rejoin
+from plait.planner.resilience.types import Instantiation, Reconfiguration, TemplateSet, Transfer
 from plait.planner.pipeline.schedule_ir import Schedule
 from plait.planner.pipeline.schedules import build_schedule
-from plait.planner.resilience.templates import Instantiation, TemplateSet
 from plait.train.build import build_datasets, seed_everything
 from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, save_checkpoint, training_set_identity
 from plait.train.evaluation import EvalReport, eval_batch_size, evaluate_on, load_metrics

@@ -57,7 +57,7 @@ from plait.planner.microbatch import (
     sample_costs_from_metadata,
     workload_stats,
 )
-from plait.planner.pipeline.plan import PipelinePlan
+from plait.planner.pipeline.types import PipelinePlan
 from plait.planner.microbatch.routing import plan_feature_routing
 from plait.planner.token_distributor import plan_tokens
 from plait.train.batches import StepBatches, encoder_view_batch

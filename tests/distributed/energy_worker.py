@@ -21,10 +21,10 @@ from plait.models.units import model_units
 from plait.parallel.energy import FrequencyController, StragglerReaction, step_span_s
 from plait.parallel.pipeline import build_pipeline_comm, run_pipeline_step
 from plait.parallel.stages import build_rank_stages
-from plait.planner.energy.plan import ActionFrequency, EnergyPlan, FrontierPoint, action_label
+from plait.planner.energy.types import ActionFrequency, EnergyPlan, FrontierPoint, action_label
 from plait.planner.pipeline.plan import plan_pipeline
 from plait.planner.pipeline.schedules import build_schedule
-from plait.planner.resilience.straggler import StragglerPolicy
+from plait.planner.resilience.types import StragglerPolicy
 from plait.train.loss import token_loss_sum
 from tests.distributed.pipeline_worker import make_batch, tiny_model
 from tests.distributed.spawning import gloo_group

@@ -26,10 +26,11 @@ from plait.parallel.pipeline import run_pipeline_step
 from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.unit_transfer import move_units, unit_parameter_names
 from plait.planner.pipeline.plan import plan_pipeline
-from plait.planner.resilience.reconfigure import Transfer, plan_reconfiguration
+from plait.planner.resilience.reconfigure import plan_reconfiguration
+from plait.planner.resilience.types import Instantiation, PipelineTemplate, TemplateSet, Transfer, UnitBytes
 from plait.planner.pipeline.schedule_ir import Schedule
 from plait.planner.pipeline.schedules import build_schedule
-from plait.planner.resilience.templates import Instantiation, PipelineTemplate, TemplateSet, UnitBytes, instantiate
+from plait.planner.resilience.templates import instantiate
 from plait.train.loss import token_loss_sum
 from tests.distributed.pipeline_worker import _check_grads, _close, apply_mode, make_batch, reference_step, tiny_model
 

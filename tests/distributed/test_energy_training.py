@@ -4,7 +4,7 @@ Image and text records only, and no loader workers: the run exercises the energy
 
 from __future__ import annotations
 
-from plait.planner.energy.plan import ActionFrequency, EnergyPlan, FrontierPoint, action_label
+from plait.planner.energy.types import ActionFrequency, EnergyPlan, FrontierPoint, action_label
 from plait.train.metrics import read_metrics
 from plait.train.plots import read_chrome_trace
 from tests.helpers.jobs import demo_records, write_jsonl

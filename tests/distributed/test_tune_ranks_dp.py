@@ -9,7 +9,7 @@ import pytest
 from plait.commands.train import train_command
 from plait.commands.tune_ranks import SearchSettings, run_calibration, subset_records
 from plait.config.loader import load_config
-from plait.planner.ranks.rank_law import CalibrationRun
+from plait.planner.ranks.types import CalibrationRun
 from plait.train.metrics import read_metrics
 from tests.helpers.cli_tune_ranks import tune_job
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from plait.models.plan_inputs import plan_configs
 from plait.planner.cost.arch import units_from_configs
-from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, unit_costs
+from plait.planner.cost.analytic import unit_costs
+from plait.planner.cost.types import DeviceSpec, MicrobatchShape
 from plait.planner.pipeline.graph import consistent_units
 from plait.planner.types import Unit, UnitCost
 

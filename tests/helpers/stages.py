@@ -10,7 +10,8 @@ import torch
 from plait.models.multimodal import MultimodalModel
 from plait.models.units import model_units
 from plait.parallel.stages import build_rank_stages
-from plait.planner.pipeline.plan import PipelinePlan, plan_pipeline
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.pipeline.types import PipelinePlan
 from tests.distributed.pipeline_worker import make_batch
 
 

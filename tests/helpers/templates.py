@@ -4,8 +4,9 @@ from here, never from another test module."""
 from __future__ import annotations
 
 from plait.planner.pipeline.plan import synthetic_units
-from plait.planner.pipeline.simulator import P2PModel
-from plait.planner.resilience.templates import TemplateSet, plan_templates
+from plait.planner.pipeline.types import P2PModel
+from plait.planner.resilience.templates import plan_templates
+from plait.planner.resilience.types import TemplateSet
 from plait.planner.types import UnitCost
 from plait.planner.search.types import Machine
 

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from plait.planner.pipeline.plan import synthetic_units
-from plait.planner.cost.measured_profile import Profile, ProfileKey, UnitMeasurement
+from plait.planner.cost.measured_profile import Profile
+from plait.planner.cost.types import ProfileKey, UnitMeasurement
 
 KEY = ProfileKey({"llm": {"hidden_size": 32}, "freeze": False}, [{"input_ids": [2, 9]}], "float32",
                  "cpu x86_64 (1 threads)", "0.1.0", "2.13.0")

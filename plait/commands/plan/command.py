@@ -46,13 +46,13 @@ from plait.train.plan_search import search_plan
 from plait.commands.plan.fsdp import fsdp_line
 from plait.commands.plan.snippet import pp_snippet
 from plait.parallel.activation_checkpointing import checkpoint_policy
-from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape
-from plait.planner.microbatch.macrobatch import MacrobatchStats, expected_shapes, macrobatch_stats
-from plait.planner.pipeline.plan import LAYOUTS
+from plait.planner.cost.types import DeviceSpec, MicrobatchShape
+from plait.planner.microbatch.macrobatch import expected_shapes, macrobatch_stats
+from plait.planner.microbatch.types import MacrobatchStats
+from plait.planner.pipeline.types import LAYOUTS
 from plait.planner.cost.recompute import checkpointed_costs, plan_checkpointing
 from plait.planner.report import format_bytes, format_lora_units, format_plan, plan_to_json
-from plait.planner.search.types import Machine, SearchSpace
-from plait.planner.search.layout import LayoutChoice
+from plait.planner.search.types import LayoutChoice, Machine, SearchSpace
 from plait.planner.types import UnitCost
 from plait.train.apply_plan import kept_degrees
 from plait.train.cost_coeffs import microbatch_cost_coeffs

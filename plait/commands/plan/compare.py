@@ -12,10 +12,10 @@ from pathlib import Path
 from plait.commands.plan.command import plan_setup
 from plait.train.plan_search import search_plan
 from plait.commands.plan.snippet import pp_snippet
-from plait.planner.cost.analytic import DeviceSpec
-from plait.planner.pipeline.plan import LAYOUTS
-from plait.planner.search.types import SearchSpace
-from plait.planner.search.layout import LayoutChoice, plan_layout
+from plait.planner.cost.types import DeviceSpec
+from plait.planner.pipeline.types import LAYOUTS
+from plait.planner.search.types import LayoutChoice, SearchSpace
+from plait.planner.search.layout import plan_layout
 from plait.planner.types import Unit
 
 __all__ = ["considered_plans", "plan_label"]

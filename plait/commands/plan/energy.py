@@ -6,7 +6,7 @@ preset), turns one replica's iteration of the plan's schedule into the action DA
 ``plait.planner.energy.power_profile`` combined with the roofline cost model, scaled so that the top clock gives the
 plan's own stage times), traces the frontier and writes into ``--out-dir``:
 
-- ``energy_plan.json``: the frequency plan (``plait.planner.energy.plan.EnergyPlan``; the pipeline runtime reads
+- ``energy_plan.json``: the frequency plan (``plait.planner.energy.types.EnergyPlan``; the pipeline runtime reads
   it through ``[energy] plan = "path"``): frontier points with each action's frequency;
 - ``frontier.json`` (every frontier point's time and energy) and ``frontier.png`` (energy against iteration
   time, the top-clock iteration and the chosen plans marked);
@@ -37,17 +37,11 @@ from plait.planner.energy.frontier import (
     replay_plan,
     schedule_energy_dag,
 )
-from plait.planner.energy.plan import EnergyPlan, FrontierPoint
-from plait.planner.energy.power_profile import (
-    GPU_PRESETS,
-    EnergyProfile,
-    analytic_energy_profile,
-    gpu_preset,
-    stage_action_options,
-)
-from plait.planner.cost.measured_profile import ProfileKey
+from plait.planner.energy.types import EnergyPlan, EnergyProfile, FrontierPoint
+from plait.planner.energy.power_profile import GPU_PRESETS, analytic_energy_profile, gpu_preset, stage_action_options
+from plait.planner.cost.types import ProfileKey
 from plait.planner.pipeline.schedules import build_schedule
-from plait.planner.search.layout import LayoutChoice
+from plait.planner.search.types import LayoutChoice
 from plait.train.plots import plot_energy_frontier, plot_frequency_timelines
 
 __all__ = ["GPUS", "REFINE_S", "TRACE_S", "energy_command", "job_action_options", "plan_by_energy"]
@@ -189,7 +183,7 @@ def plan_by_energy(config_path: str | Path, devices: int, *, tolerance: float = 
     """
     import io
 
-    from plait.planner.pipeline.plan import LAYOUTS
+    from plait.planner.pipeline.types import LAYOUTS
 
     if not tolerance >= 0:
         raise ValueError(f"--energy tolerance must be >= 0 (a fraction of the fastest iteration time), got {tolerance}")

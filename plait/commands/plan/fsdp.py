@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from plait.planner.pipeline.graph import consistent_units
-from plait.planner.search.layout import LayoutChoice
+from plait.planner.search.types import LayoutChoice
 from plait.planner.search.model import grad_sync_s
-from plait.planner.cost.sharding import ParallelDegrees, gather_s, shard_costs
-from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.cost.sharding import gather_s, shard_costs
+from plait.planner.cost.types import ParallelDegrees
+from plait.planner.pipeline.types import P2PModel
 from plait.planner.types import Unit, UnitCost
 
 __all__ = ["fsdp_collectives", "fsdp_line"]

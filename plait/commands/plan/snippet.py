@@ -7,7 +7,7 @@ from typing import Any
 
 from plait.models.plan_inputs import MODEL_UNITS
 from plait.planner.report import pp_toml
-from plait.planner.search.layout import LayoutChoice
+from plait.planner.search.types import LayoutChoice
 from plait.planner.types import Unit
 from plait.train.apply_plan import apply_layout_choice
 

@@ -49,7 +49,7 @@ from plait.parallel.pipeline.transport import MessageKey, Transport
 from plait.parallel.stages import Payload, PipelineStage, RankStages
 from plait.planner.microbatch.routing import FeatureRouting
 from plait.planner.pipeline.schedule_ir import Action, Schedule, frees_activations
-from plait.planner.pipeline.timeline import TimelineEvent
+from plait.planner.pipeline.types import TimelineEvent
 from plait.planner.types import LLM_MODULE
 
 __all__ = ["Executor", "StepInputs"]

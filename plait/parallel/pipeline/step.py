@@ -42,7 +42,7 @@ from plait.parallel.tensor_parallel import (align_gradients, check_max_norm, cli
                                              sum_local_gradients)
 from plait.planner.microbatch.routing import FeatureRouting
 from plait.planner.pipeline.schedule_ir import Schedule
-from plait.planner.pipeline.timeline import TimelineEvent
+from plait.planner.pipeline.types import TimelineEvent
 
 __all__ = ["PipelineStepResult", "clip_grad_norm_pipeline", "gather_timeline", "run_pipeline_forward",
            "run_pipeline_step"]

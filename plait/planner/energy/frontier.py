@@ -38,10 +38,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from plait.planner.energy.plan import ActionFrequency, EnergyPlan, FrontierPoint, action_label
+from plait.planner.energy.types import ActionFrequency, EnergyPlan, FrontierPoint, action_label
 from plait.planner.energy.power_profile import ActionOption
 from plait.planner.pipeline.schedule_ir import Action, Schedule, check_schedule, schedule_dag
-from plait.planner.pipeline.simulator import P2PModel, SimResult, simulate
+from plait.planner.pipeline.simulator import simulate
+from plait.planner.pipeline.types import P2PModel, SimResult
 
 __all__ = [
     "EnergyDag",

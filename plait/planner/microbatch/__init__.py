@@ -31,8 +31,10 @@ the LLM is always the **last** entry (``sample_costs_from_metadata`` builds them
 
 from plait.planner.microbatch.metadata import module_order, sample_costs_from_metadata
 from plait.planner.microbatch.plan import plan_microbatches
-from plait.planner.microbatch.stats import WorkloadStats, workload_stats
-from plait.planner.microbatch.types import METHODS, MicrobatchPlan, MicrobatchPolicy, ModuleCostCoeffs, SampleCost
+from plait.planner.microbatch.stats import workload_stats
+from plait.planner.microbatch.types import (
+    METHODS, MicrobatchPlan, MicrobatchPolicy, ModuleCostCoeffs, SampleCost, WorkloadStats,
+)
 
 __all__ = [
     "METHODS",

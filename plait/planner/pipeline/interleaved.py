@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from plait.planner.pipeline.plan import PipelinePlan
+from plait.planner.pipeline.types import PipelinePlan
 from plait.planner.pipeline.schedule_ir import (
     Action,
     Schedule,

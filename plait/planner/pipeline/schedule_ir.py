@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plait.planner.pipeline.plan import PipelinePlan
+from plait.planner.pipeline.types import PipelinePlan
 from plait.planner.serialize import dataclass_from_dict
 
 __all__ = [

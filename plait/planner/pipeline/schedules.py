@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from plait.planner.pipeline.plan import PipelinePlan
+from plait.planner.pipeline.types import PipelinePlan
 from plait.planner.pipeline.schedule_ir import (
     Action,
     Schedule,

@@ -27,9 +27,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from plait.planner.pipeline.plan import PipelinePlan, split_even
-from plait.planner.search.types import Machine, SearchSpace
-from plait.planner.search.layout import LayoutChoice, evaluate_plan, plan_layout
+from plait.planner.pipeline.plan import split_even
+from plait.planner.pipeline.types import PipelinePlan
+from plait.planner.search.types import LayoutChoice, Machine, SearchSpace
+from plait.planner.search.layout import evaluate_plan, plan_layout
 from plait.planner.search.model import Costs
 from plait.planner.search.parallel import plan_parallel
 from plait.planner.types import Unit, UnitCost

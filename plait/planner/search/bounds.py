@@ -43,7 +43,7 @@ from plait.planner.search.model import (
     grad_sync_terms,
     in_flight,
 )
-from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.pipeline.types import P2PModel
 from plait.planner.types import LLM_MODULE
 
 __all__ = ["Stream", "attached_stream", "layout_stream", "stage_bounds"]

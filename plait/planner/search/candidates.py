@@ -25,8 +25,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from plait.planner.cost.overheads import ActionOverheads
-from plait.planner.pipeline.plan import PipelinePlan, stage_ranks
+from plait.planner.cost.types import ActionOverheads
+from plait.planner.pipeline.plan import stage_ranks
+from plait.planner.pipeline.types import P2PModel, PipelinePlan
 from plait.planner.pipeline.schedule_ir import Action, one_f_one_b_order
 from plait.planner.pipeline.interleaved import interleaved_1f1b, interleaved_orders
 from plait.planner.search.bounds import Stream, stage_bounds
@@ -39,14 +40,7 @@ from plait.planner.search.model import (
     in_flight,
     plan_from_chunks,
 )
-from plait.planner.pipeline.simulator import (
-    ActionDurations,
-    P2PModel,
-    StageGraph,
-    activation_peaks,
-    stage_graph,
-    time_actions,
-)
+from plait.planner.pipeline.simulator import ActionDurations, StageGraph, activation_peaks, stage_graph, time_actions
 from plait.planner.types import LLM_MODULE
 
 __all__ = [

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from plait.planner.cost.analytic import OptimizerSpec
+from plait.planner.cost.types import HostSpec, OptimizerSpec, ParallelDegrees
 from plait.planner.pipeline.graph import consistent_units
-from plait.planner.cost.offload import HostSpec, offload_cost
+from plait.planner.cost.offload import offload_cost
 from plait.planner.search.types import LeastNeed
-from plait.planner.cost.sharding import ParallelDegrees, rank_memory
+from plait.planner.cost.sharding import rank_memory
 from plait.planner.types import Unit, UnitCost
 
 __all__ = ["least_need", "least_need_of"]

@@ -28,12 +28,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from plait.planner.cost.analytic import OptimizerSpec, unit_activation_bytes, unit_static_bytes
+from plait.planner.cost.analytic import unit_activation_bytes, unit_static_bytes
+from plait.planner.cost.types import ActionOverheads, OptimizerSpec
 from plait.planner.pipeline.graph import check_grouping, consistent_units
-from plait.planner.cost.overheads import ActionOverheads
 from plait.planner.search.partitioner import partition_chain
-from plait.planner.pipeline.plan import PipelinePlan, plan_pipeline
-from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.pipeline.types import P2PModel, PipelinePlan
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
 __all__ = [

@@ -42,14 +42,16 @@ from typing import Any
 
 from plait.planner.search.fit import least_need_of
 from plait.planner.pipeline.graph import consistent_units
-from plait.planner.cost.offload import HostSpec, offload_cost
-from plait.planner.cost.recompute import CHECKPOINT_POLICIES
+from plait.planner.cost.offload import offload_cost
+from plait.planner.cost.types import CHECKPOINT_POLICIES, FSDP_RESHARD, HostSpec, ParallelDegrees
 from plait.planner.report import format_bytes
-from plait.planner.search.types import Machine, NoPlanFits, SearchSpace
-from plait.planner.search.layout import LayoutChoice, plan_layout
+from plait.planner.search.types import LayoutChoice, Machine, NoPlanFits, SearchSpace
+from plait.planner.search.layout import plan_layout
 from plait.planner.search.model import Costs, cost_list
-from plait.planner.cost.sharding import (FSDP_RESHARD, ParallelDegrees, accumulated_grad_bytes, pipelined_optimizer,
-                                    pipelined_overheads, pipelined_shard_costs, shard_buffer_bytes, shard_costs)
+from plait.planner.cost.sharding import (
+    accumulated_grad_bytes, pipelined_optimizer, pipelined_overheads, pipelined_shard_costs, shard_buffer_bytes,
+    shard_costs,
+)
 from plait.planner.types import Unit, UnitCost
 
 __all__ = ["LayoutSearch", "SearchOne", "degree_options", "flat_reduce", "plan_offloaded", "plan_parallel",

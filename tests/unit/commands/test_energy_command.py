@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from plait.cli import main
-from plait.planner.energy.plan import EnergyPlan
+from plait.planner.energy.types import EnergyPlan
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "configs" / "demo.toml"
@@ -70,7 +70,7 @@ def test_energy_with_a_measured_profile(tmp_path, capsys):
     from plait.models.plan_inputs import build_plan_inputs, device_spec
     from plait.planner.cost.analytic import unit_estimates
     from plait.planner.energy.power_profile import analytic_energy_profile, gpu_preset
-    from plait.planner.cost.measured_profile import ProfileKey
+    from plait.planner.cost.types import ProfileKey
 
     cfg, _ = load_config_for_planning(DEMO)
     inputs = build_plan_inputs(cfg, device_spec("a100"))

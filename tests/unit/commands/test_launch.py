@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from plait.commands.launch import check_launch, launch_command, launch_device, launch_plan, parse_kills, worker_command
-from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.cost.types import DeviceSpec
 from plait.config.loader import config_from_dict
 from plait.train.run_start import clear_earlier_run, launch_logs
 from tests.helpers.jobs import tiny_config_dict

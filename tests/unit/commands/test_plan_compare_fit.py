@@ -11,9 +11,9 @@ import pytest
 from plait.commands.plan.command import plan_setup
 from plait.commands.plan.compare import considered_plans
 from plait.planner.search.fit import least_need
-from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.cost.types import DeviceSpec, ParallelDegrees
 from plait.planner.pipeline.graph import consistent_units
-from plait.planner.cost.sharding import ParallelDegrees, rank_memory
+from plait.planner.cost.sharding import rank_memory
 from tests.helpers.jobs import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"

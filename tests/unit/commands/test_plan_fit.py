@@ -11,11 +11,10 @@ import pytest
 
 from plait.commands.plan.command import plan_command, plan_setup
 from plait.planner.search.fit import least_need
-from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.cost.types import DeviceSpec, HostSpec, ParallelDegrees
 from plait.planner.pipeline.graph import consistent_units
-from plait.planner.cost.offload import HostSpec
 from plait.planner.search.parallel import degree_options
-from plait.planner.cost.sharding import ParallelDegrees, rank_memory
+from plait.planner.cost.sharding import rank_memory
 from tests.helpers.jobs import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
@@ -63,7 +62,7 @@ def test_auto_plan_with_no_fitting_plan_says_so_in_one_sentence(tmp_path, monkey
     sentence, naming where the cap came from and what to change."""
     from plait.cli import main
     from plait.measure.machine import AutoPlanInputs
-    from plait.planner.pipeline.simulator import P2PModel
+    from plait.planner.pipeline.types import P2PModel
     from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
     from tests.helpers.pipeline_training import to_toml
 

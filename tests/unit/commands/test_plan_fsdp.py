@@ -10,10 +10,10 @@ import pytest
 
 from plait.commands.plan.command import plan_command, plan_setup
 from plait.commands.plan.fsdp import fsdp_collectives, fsdp_line
-from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.cost.types import DeviceSpec, ParallelDegrees
 from plait.planner.pipeline.graph import consistent_units
 from plait.planner.report import format_plan
-from plait.planner.cost.sharding import ParallelDegrees, gather_s, shard_costs
+from plait.planner.cost.sharding import gather_s, shard_costs
 from tests.helpers.jobs import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"

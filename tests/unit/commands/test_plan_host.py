@@ -16,8 +16,7 @@ import plait.measure.host_costs as plan_costs
 from plait.commands.plan.command import plan_command
 from plait.commands.plan.compare import considered_plans, plan_label
 from plait.measure.host_costs import CPU_OPTIMIZER_S_PER_BYTE, host_cpu, host_device, runtime_costs
-from plait.planner.cost.analytic import DeviceSpec
-from plait.planner.cost.overheads import ActionOverheads
+from plait.planner.cost.types import ActionOverheads, DeviceSpec
 from plait.planner.pipeline.plan import plan_pipeline, stage_ranks
 from plait.planner.report import format_plan, idle_devices_note, pp_toml
 from plait.planner.search.layout import evaluate_plan

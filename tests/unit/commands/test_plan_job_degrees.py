@@ -8,7 +8,7 @@ import io
 import pytest
 
 from plait.commands.plan.command import plan_command
-from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.cost.types import DeviceSpec
 from tests.helpers.jobs import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"

@@ -9,7 +9,7 @@ import tomllib
 
 from plait.commands.plan.command import plan_command
 from plait.config.loader import load_config
-from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.cost.types import DeviceSpec
 from tests.helpers.jobs import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"

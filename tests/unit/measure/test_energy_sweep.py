@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from plait.models.units import unit_specs
-from plait.planner.energy.power_profile import EnergyProfile
+from plait.planner.energy.types import EnergyProfile
 from plait.measure.energy_sweep import (
     ClockControl,
     EnergyTimer,

@@ -10,7 +10,8 @@ import json
 import pytest
 
 from plait.measure.job_profile import ProfileStore, load_or_measure
-from plait.planner.cost.measured_profile import ProfileKey, profile_mismatch
+from plait.planner.cost.measured_profile import profile_mismatch
+from plait.planner.cost.types import ProfileKey
 from tests.unit.profile_cases import KEY
 from tests.unit.profile_cases import make_profile as _profile
 

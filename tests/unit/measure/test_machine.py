@@ -9,8 +9,8 @@ import pytest
 import plait.measure.machine as machine
 from plait.measure.link import describe_link, job_link, preset_link
 from plait.measure.machine import MEMORY_FRACTION, auto_plan_inputs, device_memory_bytes, memory_cap
-from plait.planner.cost.analytic import DeviceSpec
-from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.cost.types import DeviceSpec
+from plait.planner.pipeline.types import P2PModel
 
 PAGE, PAGES = 4096, 3_000_001  # an odd page count: the division by processes rounds down
 

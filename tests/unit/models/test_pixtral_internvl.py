@@ -22,7 +22,8 @@ from plait.models.hf import build_encoder, encoder_feature_size, encoder_layout,
 from plait.models.projector import build_projector
 from plait.models.plan_inputs import encoder_arch
 from plait.planner.cost.arch import model_param_count, units_from_configs
-from plait.planner.cost.analytic import MicrobatchShape, unit_estimates
+from plait.planner.cost.analytic import unit_estimates
+from plait.planner.cost.types import MicrobatchShape
 from tests.helpers.jobs import TINY_LLM, tiny_config_dict, write_jsonl
 from tests.helpers.pixtral_internvl import (TINY_INTERNVL, TINY_PIXTRAL, config_kwargs, internvl_model,
     random_images, stock_projector_input, tiling_processor, tiny_pixtral, vision_family_job)

@@ -167,7 +167,8 @@ def test_cost_model_params_and_flops_equal_the_real_tower():
 
     from plait.models.plan_inputs import encoder_arch
     from plait.planner.cost.arch import model_param_count, projector_arch, split_model_configs, units_from_configs
-    from plait.planner.cost.analytic import MicrobatchShape, unit_estimates
+    from plait.planner.cost.analytic import unit_estimates
+    from plait.planner.cost.types import MicrobatchShape
     from tests.helpers.jobs import TINY_LLM
 
     kwargs = {k: v for k, v in TINY_QWEN2_5_VL.items() if k != "model_type"}

@@ -21,7 +21,8 @@ from plait.models.hf import build_encoder, encoder_layout
 from plait.models.projector import build_projector
 from plait.models.plan_inputs import encoder_arch
 from plait.planner.cost.arch import model_param_count, units_from_configs
-from plait.planner.cost.analytic import MicrobatchShape, unit_estimates
+from plait.planner.cost.analytic import unit_estimates
+from plait.planner.cost.types import MicrobatchShape
 from tests.helpers.jobs import TINY_LLM, demo_records, tiny_config_dict, write_jsonl
 from tests.helpers.siglip2 import TINY_SIGLIP2
 

@@ -14,9 +14,9 @@ from plait.parallel.energy import (
     read_energy_plan,
     step_span_s,
 )
-from plait.planner.energy.plan import ActionFrequency, EnergyPlan, FrontierPoint
-from plait.planner.resilience.straggler import StragglerPolicy
-from plait.planner.pipeline.timeline import TimelineEvent
+from plait.planner.energy.types import ActionFrequency, EnergyPlan, FrontierPoint
+from plait.planner.resilience.types import StragglerPolicy
+from plait.planner.pipeline.types import TimelineEvent
 
 PLAN = EnergyPlan("h100", 1980, (
     FrontierPoint(1.0, 500.0, (ActionFrequency(0, "F s0 m0", 1500), ActionFrequency(0, "B s0 m0", 1500),
@@ -133,7 +133,7 @@ def test_energy_config_is_validated():
 def test_a_plan_made_for_another_layout_is_refused_at_its_first_unknown_action():
     """A plan records its schedule; the controller refuses an action the planned schedule does not hold (a
     2-stage job given a plan made for one stage), instead of running it silently at the top clock."""
-    from plait.planner.energy.plan import ActionFrequency, EnergyPlan, FrontierPoint
+    from plait.planner.energy.types import ActionFrequency, EnergyPlan, FrontierPoint
 
     point = FrontierPoint(1.0, 10.0, (ActionFrequency(0, "F s0 m0", 1140),))
     plan = EnergyPlan("h100", 1980, (point,), schedule=("0 F s0 m0", "0 B s0 m0"))

@@ -7,7 +7,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from plait.planner.pipeline.plan import PipelinePlan, plan_pipeline, synthetic_units
+from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
+from plait.planner.pipeline.types import PipelinePlan
 from plait.planner.pipeline.schedule_ir import Schedule
 from plait.planner.pipeline.schedules import gpipe, memory_capped_1f1b, one_f_one_b
 

@@ -14,13 +14,13 @@ from plait.commands.plan.command import plan_command, plan_setup
 from plait.config.schema import JobConfig, PipelineConfig
 from plait.parallel.dims import ParallelDims
 from plait.planner.search.auto_layout import AUTO_MACHINE, plan_auto_layout
-from plait.planner.cost.analytic import DeviceSpec
+from plait.planner.cost.types import DeviceSpec, ParallelDegrees
 from plait.planner.report import pp_toml
 from plait.planner.search.types import Machine, SearchSpace
 from plait.planner.search.layout import plan_layout
 from plait.planner.search.parallel import plan_parallel
-from plait.planner.cost.sharding import ParallelDegrees, rank_memory
-from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.cost.sharding import rank_memory
+from plait.planner.pipeline.types import P2PModel
 from plait.train.apply_plan import apply_layout_choice, resolve_auto_plan
 from plait.train.pipeline_trainer import PipelineTrainer
 from tests.helpers.jobs import ROOT

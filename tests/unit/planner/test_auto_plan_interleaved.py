@@ -17,7 +17,7 @@ from plait.models.units import model_units
 from plait.planner.search.auto_layout import plan_auto_layout
 from plait.planner.pipeline.plan import plan_pipeline, stage_ranks
 from plait.planner.search.layout import evaluate_plan
-from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.pipeline.types import P2PModel
 from plait.planner.types import UnitCost
 from plait.train.apply_plan import apply_layout_choice, resolve_auto_plan
 from plait.train.pipeline_run import build_pipeline_plan

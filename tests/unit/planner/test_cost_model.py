@@ -23,21 +23,10 @@ from plait.planner.cost.arch import (
     units_from_configs,
 )
 from plait.planner.cost.analytic import (
-    DeviceSpec,
-    MicrobatchShape,
-    OptimizerSpec,
-    UnitEstimate,
-    causal_pairs,
-    dtype_bytes,
-    stage_work,
-    unit_activation_bytes,
-    unit_costs,
-    unit_estimates,
-    unit_memory_bytes,
-    unit_static_bytes,
-    unit_work,
-    windowed_causal_pairs,
+    causal_pairs, stage_work, unit_activation_bytes, unit_costs, unit_estimates, unit_memory_bytes, unit_static_bytes,
+    unit_work, windowed_causal_pairs,
 )
+from plait.planner.cost.types import DeviceSpec, MicrobatchShape, OptimizerSpec, UnitEstimate, dtype_bytes
 from plait.planner.search.partitioner import partition_units
 from plait.planner.types import Unit, UnitCost
 from plait.planner.search.types import Machine

@@ -8,7 +8,8 @@ import pytest
 import transformers as T
 
 from plait.planner.cost.arch import units_from_configs
-from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, unit_costs, unit_estimates
+from plait.planner.cost.analytic import unit_costs, unit_estimates
+from plait.planner.cost.types import DeviceSpec, MicrobatchShape
 
 KW = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
           vocab_size=100)

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from plait.planner.cost.analytic import MicrobatchShape, unit_estimates
+from plait.planner.cost.analytic import unit_estimates
+from plait.planner.cost.types import MicrobatchShape, ProfileKey
 from plait.planner.energy.frontier import (
     energy_at_deadline,
     energy_frontier,
@@ -16,19 +17,15 @@ from plait.planner.energy.frontier import (
     replay_plan,
     schedule_energy_dag,
 )
-from plait.planner.energy.plan import EnergyPlan
+from plait.planner.energy.types import EnergyPlan, EnergyProfile
 from plait.planner.energy.power_profile import (
-    EnergyProfile,
-    analytic_energy_profile,
-    energy_profile_mismatch,
-    gpu_preset,
-    stage_action_options,
+    analytic_energy_profile, energy_profile_mismatch, gpu_preset, stage_action_options,
 )
 from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
-from plait.planner.cost.measured_profile import ProfileKey
 from plait.planner.pipeline.schedules import one_f_one_b
 from plait.planner.pipeline.interleaved import interleaved_1f1b
-from plait.planner.pipeline.simulator import P2PModel, simulate
+from plait.planner.pipeline.simulator import simulate
+from plait.planner.pipeline.types import P2PModel
 
 BLOCKING_W = 80.0
 

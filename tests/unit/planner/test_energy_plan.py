@@ -2,13 +2,7 @@
 
 import pytest
 
-from plait.planner.energy.plan import (
-    ActionFrequency,
-    EnergyPlan,
-    FrontierPoint,
-    action_label,
-    parse_action_label,
-)
+from plait.planner.energy.types import ActionFrequency, EnergyPlan, FrontierPoint, action_label, parse_action_label
 
 
 def _plan() -> EnergyPlan:

@@ -8,7 +8,8 @@ import dataclasses
 
 import pytest
 
-from plait.planner.cost.analytic import OptimizerSpec, unit_activation_bytes, unit_static_bytes, unit_work
+from plait.planner.cost.analytic import unit_activation_bytes, unit_static_bytes, unit_work
+from plait.planner.cost.types import OptimizerSpec
 from plait.planner.pipeline.graph import consistent_units
 from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
 from plait.planner.report import format_lora_units

@@ -13,14 +13,8 @@ import numpy as np
 import pytest
 
 from plait.data.loader import GlobalBatchLoader
-from plait.planner.microbatch.macrobatch import (
-    CvScaling,
-    MacrobatchStats,
-    cv_by_batch_size,
-    draw_batches,
-    macrobatch_stats,
-    predicted_batch_cv,
-)
+from plait.planner.microbatch.macrobatch import cv_by_batch_size, draw_batches, macrobatch_stats, predicted_batch_cv
+from plait.planner.microbatch.types import CvScaling, MacrobatchStats
 from plait.planner.microbatch import ModuleCostCoeffs
 
 # vision: frozen, 1 unit of work per encoder token; llm: trainable (forward + dX + dW = 3x), 1 per token.

@@ -13,8 +13,8 @@ import torch
 from bench.memory import KINDS, covering_batch, job_config, measure, predicted
 from bench.plan_holds import small_train_set
 from plait.models.units import unit_specs
-from plait.planner.cost.analytic import OptimizerSpec
-from plait.planner.cost.sharding import ParallelDegrees, rank_memory
+from plait.planner.cost.types import OptimizerSpec, ParallelDegrees
+from plait.planner.cost.sharding import rank_memory
 from plait.planner.types import UnitCost
 from plait.train.trainer import Trainer
 from tests.helpers.jobs import ROOT

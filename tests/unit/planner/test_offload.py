@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 import pytest
 
-from plait.planner.cost.offload import HostSpec, offload_cost
+from plait.planner.cost.offload import offload_cost
+from plait.planner.cost.types import HostSpec, ParallelDegrees
 from plait.planner.search.layout import plan_layout
 from plait.planner.search.parallel import plan_parallel
-from plait.planner.cost.sharding import ParallelDegrees
-from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.pipeline.types import P2PModel
 from plait.planner.search.types import Machine, SearchSpace
 from tests.helpers.sharding import toy_costs, vit_llm, toy_units
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import dataclasses
 import pytest
 
-from plait.planner.cost.analytic import DeviceSpec
-from plait.planner.cost.overheads import ActionOverheads
+from plait.planner.cost.types import ActionOverheads, DeviceSpec
 from plait.planner.pipeline.plan import plan_pipeline
 from plait.planner.search.layout import evaluate_plan, plan_layout
-from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.pipeline.types import P2PModel
 from plait.planner.types import Unit, UnitCost
 from plait.planner.search.types import Machine, SearchSpace
 from plait.planner.search.auto_layout import AUTO_MACHINE

@@ -12,18 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plait.planner.cost.arch import units_from_configs
-from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, unit_costs, unit_work
+from plait.planner.cost.analytic import unit_costs, unit_work
+from plait.planner.cost.types import DeviceSpec, MicrobatchShape
 from plait.planner.search.partitioner import (
-    UnitPartition,
-    one_f_one_b_in_flight,
-    partition_chain,
-    partition_units,
-    partition_work_ranges,
-    stage_loads,
-    stage_memory,
+    one_f_one_b_in_flight, partition_chain, partition_units, partition_work_ranges, stage_loads, stage_memory,
 )
+from plait.planner.search.types import Machine, UnitPartition
 from plait.planner.types import Unit
-from plait.planner.search.types import Machine
 
 
 def brute_force(work, num_stages, memory=None, cap=None, activation=None, static=0, in_flight=None):

@@ -10,13 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.planner.pipeline.plan import (
-    PipelinePlan,
-    Stage,
-    check_plan_units,
-    plan_pipeline,
-    synthetic_units,
-)
+from plait.planner.pipeline.plan import check_plan_units, plan_pipeline, synthetic_units
+from plait.planner.pipeline.types import PipelinePlan, Stage
 from plait.planner.types import Unit
 
 

@@ -11,18 +11,10 @@ import numpy as np
 import pytest
 
 from plait.planner.ranks.rank_law import (
-    CalibrationRun,
-    PowerLaw,
-    RankChoice,
-    align_ranks,
-    choose_ranks,
-    convergence_samples,
-    fit_power_law,
-    lora_at_rank,
-    lora_toml,
-    plan_calibration,
+    align_ranks, choose_ranks, convergence_samples, fit_power_law, lora_at_rank, lora_toml, plan_calibration,
     predict_combo_loss,
 )
+from plait.planner.ranks.types import CalibrationRun, PowerLaw, RankChoice
 
 
 def _grid():

@@ -7,13 +7,8 @@ import itertools
 
 import pytest
 
-from plait.planner.resilience.reconfigure import (
-    LostUnitsError,
-    Reconfiguration,
-    check_instantiation,
-    plan_reconfiguration,
-    plan_rejoin,
-)
+from plait.planner.resilience.reconfigure import check_instantiation, plan_reconfiguration, plan_rejoin
+from plait.planner.resilience.types import LostUnitsError, Reconfiguration
 from plait.planner.resilience.templates import instantiate, plan_instantiation
 from tests.helpers.templates import templates
 

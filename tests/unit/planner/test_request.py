@@ -9,11 +9,10 @@ import pytest
 
 from plait.planner.search.fit import least_need
 from plait.planner.pipeline.graph import consistent_units
-from plait.planner.cost.offload import HostSpec
-from plait.planner.cost.overheads import ActionOverheads
+from plait.planner.cost.types import ActionOverheads, HostSpec
 from plait.planner.search.types import Machine, NoPlanFits, SearchSpace
 from plait.planner.search.parallel import degree_options, plan_parallel
-from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.pipeline.types import P2PModel
 from tests.helpers.sharding import vit_llm
 
 

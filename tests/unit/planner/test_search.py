@@ -19,33 +19,17 @@ from plait.planner.search import candidates as search_candidates
 from plait.planner.search import model as search_model
 from plait.models.plan_inputs import plan_configs
 from plait.planner.cost.arch import units_from_configs
-from plait.planner.cost.analytic import (
-    DeviceSpec,
-    MicrobatchShape,
-    OptimizerSpec,
-    unit_activation_bytes,
-    unit_costs,
-    unit_static_bytes,
-)
+from plait.planner.cost.analytic import unit_activation_bytes, unit_costs, unit_static_bytes
+from plait.planner.cost.types import DeviceSpec, MicrobatchShape, OptimizerSpec
 from plait.planner.search.partitioner import partition_chain
 from plait.planner.pipeline.graph import consistent_units
-from plait.planner.pipeline.plan import LAYOUTS, plan_pipeline, synthetic_units
+from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
+from plait.planner.pipeline.types import LAYOUTS, P2PModel, StageMemory
 from plait.planner.pipeline.schedules import one_f_one_b
-from plait.planner.search.layout import (
-    LayoutChoice,
-    evaluate_plan,
-    megatron_even_split,
-    plan_layout,
-)
-from plait.planner.pipeline.simulator import (
-    P2PModel,
-    StageMemory,
-    boundary_bytes_from_units,
-    simulate,
-    stage_costs_from_units,
-)
+from plait.planner.search.layout import evaluate_plan, megatron_even_split, plan_layout
+from plait.planner.search.types import LayoutChoice, Machine, SearchSpace
+from plait.planner.pipeline.simulator import boundary_bytes_from_units, simulate, stage_costs_from_units
 from plait.planner.types import Unit, UnitCost
-from plait.planner.search.types import Machine, SearchSpace
 from tests.helpers.search import random_model
 
 

@@ -11,11 +11,12 @@ from plait.planner.search import layout as search_module
 from plait.planner.search import bounds as search_bounds
 from plait.planner.search import candidates as search_candidates
 from plait.planner.search import model as search_model
-from plait.planner.cost.analytic import OptimizerSpec
+from plait.planner.cost.types import OptimizerSpec
 from plait.planner.pipeline.plan import stage_ranks, synthetic_units
 from plait.planner.pipeline.schedules import one_f_one_b
 from plait.planner.pipeline.interleaved import interleaved_1f1b, interleaved_orders
-from plait.planner.pipeline.simulator import P2PModel, StageMemory, simulate
+from plait.planner.pipeline.simulator import simulate
+from plait.planner.pipeline.types import P2PModel, StageMemory
 from plait.planner.types import UnitCost
 
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.planner.cost.analytic import DeviceSpec, MicrobatchShape, OptimizerSpec, UnitEstimate
+from plait.planner.cost.types import DeviceSpec, MicrobatchShape, OptimizerSpec, UnitEstimate
 from plait.planner.microbatch import (
     METHODS,
     MicrobatchPlan,
@@ -21,8 +21,10 @@ from plait.planner.microbatch import (
     plan_microbatches,
     workload_stats,
 )
-from plait.planner.search.partitioner import UnitPartition, partition_units
-from plait.planner.pipeline.plan import PipelinePlan, Stage, plan_pipeline, synthetic_units
+from plait.planner.search.partitioner import partition_units
+from plait.planner.search.types import UnitPartition
+from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
+from plait.planner.pipeline.types import PipelinePlan, Stage
 from plait.planner.serialize import JsonDataclass, dataclass_from_dict, dataclass_to_dict
 from plait.planner.token_distributor import TokenAssignment, plan_tokens
 from plait.planner.types import UNIT_KINDS, Unit, UnitCost

@@ -9,20 +9,13 @@ import math
 
 import pytest
 
-from plait.planner.cost.analytic import OptimizerSpec
+from plait.planner.cost.types import OptimizerSpec, ParallelDegrees
 from plait.planner.pipeline.graph import consistent_units
 from plait.planner.search.layout import plan_layout
 from plait.planner.search.model import allreduce_s, grad_sync_s, grad_sync_terms
 from plait.planner.search.parallel import degree_options, plan_parallel
-from plait.planner.cost.sharding import (
-    ParallelDegrees,
-    gather_s,
-    rank_memory,
-    shard_buffer_bytes,
-    shard_costs,
-    tp_allreduce_s,
-)
-from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.cost.sharding import gather_s, rank_memory, shard_buffer_bytes, shard_costs, tp_allreduce_s
+from plait.planner.pipeline.types import P2PModel
 from plait.planner.search.types import Machine, SearchSpace
 from tests.helpers.sharding import toy_costs, toy_units, vit_llm
 
@@ -148,7 +141,7 @@ def test_first_bounds_stay_below_the_timing_with_tp_costs_and_sharded_gradients(
     from plait.planner.search import bounds as search_bounds
     from plait.planner.search import candidates as search_candidates
     from plait.planner.search import model as search_model
-    from plait.planner.pipeline.plan import LAYOUTS
+    from plait.planner.pipeline.types import LAYOUTS
     from tests.helpers.search import random_model
 
     p2p, link = P2PModel(0.125, 64.0), P2PModel(0.0625, 32.0)

@@ -7,19 +7,13 @@ from __future__ import annotations
 import dataclasses
 import pytest
 
-from plait.planner.cost.analytic import OptimizerSpec
-from plait.planner.cost.overheads import ActionOverheads
+from plait.planner.cost.types import ActionOverheads, OptimizerSpec, ParallelDegrees
 from plait.planner.search.layout import plan_layout
 from plait.planner.search.parallel import plan_parallel
 from plait.planner.cost.sharding import (
-    ParallelDegrees,
-    pipelined_optimizer,
-    pipelined_overheads,
-    pipelined_shard_costs,
-    rank_memory,
-    shard_costs,
+    pipelined_optimizer, pipelined_overheads, pipelined_shard_costs, rank_memory, shard_costs,
 )
-from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.pipeline.types import P2PModel
 from plait.planner.search.types import Machine, SearchSpace
 from tests.helpers.sharding import toy_costs, vit_llm, toy_units
 

@@ -9,20 +9,14 @@ import dataclasses
 
 import pytest
 
-from plait.planner.cost.analytic import OptimizerSpec
+from plait.planner.cost.types import GradAccumulation, OptimizerSpec, ParallelDegrees
 from plait.planner.pipeline.graph import consistent_units
 from plait.planner.report import degrees_line, pp_toml
 from plait.planner.search.parallel import degree_options, plan_parallel
 from plait.planner.cost.sharding import (
-    GradAccumulation,
-    ParallelDegrees,
-    accumulated_grad_bytes,
-    kept_param_bytes,
-    rank_memory,
-    shard_buffer_bytes,
-    shard_costs,
+    accumulated_grad_bytes, kept_param_bytes, rank_memory, shard_buffer_bytes, shard_costs,
 )
-from plait.planner.pipeline.simulator import P2PModel
+from plait.planner.pipeline.types import P2PModel
 from plait.planner.search.types import Machine, SearchSpace
 from tests.helpers.sharding import toy_costs, vit_llm, toy_units
 

@@ -12,15 +12,8 @@ from hypothesis import strategies as st
 
 from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
 from plait.planner.pipeline.schedules import gpipe, one_f_one_b
-from plait.planner.pipeline.timeline import TimelineEvent
-from plait.planner.pipeline.simulator import (
-    P2PModel,
-    SimResult,
-    StageMemory,
-    boundary_bytes_from_units,
-    simulate,
-    stage_costs_from_units,
-)
+from plait.planner.pipeline.types import P2PModel, SimResult, StageMemory, TimelineEvent
+from plait.planner.pipeline.simulator import boundary_bytes_from_units, simulate, stage_costs_from_units
 from plait.planner.types import UnitCost
 from tests.unit.planner.random_plans import draw_plan, generate
 

@@ -2,8 +2,9 @@
 
 import pytest
 
-from plait.planner.energy.plan import ActionFrequency, EnergyPlan, FrontierPoint
-from plait.planner.resilience.straggler import StragglerPolicy, StragglerState, react_to_stragglers, replica_point
+from plait.planner.energy.types import ActionFrequency, EnergyPlan, FrontierPoint
+from plait.planner.resilience.straggler import react_to_stragglers, replica_point
+from plait.planner.resilience.types import StragglerPolicy, StragglerState
 
 PLAN = EnergyPlan("h100", 1980, (
     FrontierPoint(1.0, 500.0, (ActionFrequency(0, "F s0 m0", 1800),)),

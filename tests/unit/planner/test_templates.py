@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 
-from plait.planner.cost.overheads import ActionOverheads
+from plait.planner.cost.types import ActionOverheads
 from plait.planner.search.layout import evaluate_plan, plan_layout
-from plait.planner.resilience.templates import (format_seconds, PipelineTemplate, TemplateSet,
-    distribute_microbatches, instantiate, plan_instantiation)
+from plait.planner.resilience.templates import distribute_microbatches, instantiate, plan_instantiation
+from plait.planner.resilience.types import PipelineTemplate, TemplateSet, format_seconds
 from plait.planner.search.types import Machine, SearchSpace
 from tests.helpers.templates import CAP, PARAM, model, templates
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from plait.planner.cost.analytic import OptimizerSpec, trained_params, unit_static_bytes
+from plait.planner.cost.analytic import trained_params, unit_static_bytes
+from plait.planner.cost.types import OptimizerSpec
 from plait.planner.types import Unit, UnitCost
 
 

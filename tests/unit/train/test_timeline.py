@@ -8,7 +8,7 @@ import pytest
 
 from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
 from plait.planner.pipeline.schedules import one_f_one_b
-from plait.planner.pipeline.timeline import TimelineEvent
+from plait.planner.pipeline.types import TimelineEvent
 from plait.planner.pipeline.simulator import simulate
 from plait.train.plots import chrome_trace, plot_timeline, read_chrome_trace, write_chrome_trace
 
@@ -111,7 +111,7 @@ def test_timeline_blocks_are_labelled_with_stage_and_microbatch(tmp_path):
 
 
 def test_chrome_trace_keeps_the_frequency_of_energy_planned_actions(tmp_path):
-    from plait.planner.pipeline.timeline import TimelineEvent
+    from plait.planner.pipeline.types import TimelineEvent
     from plait.train.plots import read_chrome_trace, write_chrome_trace
 
     events = [TimelineEvent(0, "F", 0, 0, 10.0, 10.5, 1500), TimelineEvent(1, "B", 1, 0, 10.5, 11.0)]
