@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.commands.plan.command import PREFER_WITHIN, plan_command, plan_setup
+from plait.commands.plan.command import plan_command, plan_setup
 from plait.config.loader import load_config, parse_overrides
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -87,6 +87,8 @@ def test_a_plan_without_a_pipeline_shows_no_stage_table_and_needs_no_pp_table():
 
 
 def test_a_simpler_plan_within_the_tolerance_is_preferred_and_the_output_says_why():
+    from plait.commands.plan.command import PREFER_WITHIN
+
     assert PREFER_WITHIN == 0.10
     fastest = plan_command(DEMO, 8, device="cpu-preset", out=io.StringIO(), profile_store=None, prefer_within=0)
     assert fastest.plan.num_ranks > 1  # on the preset the pipeline is well ahead
