@@ -101,7 +101,7 @@ def _energy(args: argparse.Namespace, overrides: list[str]) -> int:
 
     energy_command(args.config, args.devices, straggler=args.straggler, gpu=args.gpu, out_dir=args.out_dir,
                    overrides=overrides, microbatches=args.microbatches, method=args.method,
-                   energy_profile=args.energy_profile)
+                   energy_profile=args.energy_profile, dp_degrees=None if args.dp is None else [args.dp])
     return 0
 
 
@@ -159,13 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "earlier run's checkpoints or final model: they are removed (without it, refused)")
     train.add_argument("--profile-store", default="runs/profiles",
                        help="folder of stored profiles for parallel.plan=auto")
-    plan = sub.add_parser("plan", help="choose a pipeline layout/partition for N devices (analytic costs)")
+    plan = sub.add_parser("plan", help="choose a pipeline layout/partition for N devices (analytic costs)",
+                          formatter_class=argparse.RawDescriptionHelpFormatter, epilog=OVERRIDES_HELP)
     plan.add_argument("--config", required=True, help="TOML job file (its [model] section is planned; its "
                       "[parallel.pp] table and parallel.dp are replaced by the plan, not checked)")
     plan.add_argument("--devices", type=int, required=True,
                       help="devices to plan for (GPUs, or CPU processes with --device cpu)")
     plan.add_argument("--out", default=None, help="write the chosen plan as JSON here")
-    plan.add_argument("--device", default=None, help="device preset: h100, h200, a100 or cpu (default: this host's)")
+    plan.add_argument("--device", default=None, help="device: h100, h200, a100 (presets), cpu (this host's CPU, "
+                      "measured) or cpu-preset (a fixed CPU preset); default: this host's GPU, else its CPU")
     plan.add_argument("--microbatches", type=int, default=None,
                       help="split the job's global batch (train.global_batch_size samples) into N microbatches of "
                            "ceil(global / N) samples, as parallel.pp.microbatches does; at most the global batch "
@@ -262,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     energy.add_argument("--out-dir", default=None, help="folder for energy_plan.json, frontier.json/.png and "
                         "timelines.png (default: runs/<job file stem>/energy)")
     energy.add_argument("--microbatches", type=int, default=None, help="as plait plan --microbatches")
+    energy.add_argument("--dp", type=int, default=None, help="as plait plan --dp (--dp 1: one pipeline over the "
+                        "devices; a frequency plan needs a pipeline)")
     energy.add_argument("--energy-profile", default=None, help="measured energy profile JSON (plait profile --energy, "
                         "runs/profiles/energy-profile-<key>.json) instead of the --gpu preset")
     energy.add_argument("--method", choices=("auto", "exact", "lowtime"), default="auto",

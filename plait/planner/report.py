@@ -2,7 +2,8 @@
 
 - :func:`format_plan`: a ``LayoutChoice`` as a text table, with the per-rank peak memory of one simulated
   iteration (:func:`simulate_choice`, :func:`rank_peak_memory_bytes`).
-- :func:`pp_toml`: a ready-to-paste ``[parallel.pp]`` TOML table from its field values (``toml_text.toml_value``).
+- :func:`pp_toml`: the ready-to-paste ``[parallel]`` (and, with a pipeline, ``[parallel.pp]``) TOML tables of a plan
+  (``toml_text.toml_value``).
 - :func:`plan_to_json` / :func:`plan_from_json`: the plan file of ``plait plan --out`` (``LayoutChoice.to_dict``
   plus the ``[parallel.pp]`` table under ``PP_TOML_KEY``), read back with messages that name what a wrong file
   looks like (a profile, a Chrome trace).
@@ -103,21 +104,19 @@ def _chunk_label(names: Sequence[str]) -> str:
 
 
 def format_plan(choice: LayoutChoice) -> str:
-    """The plan as a text table: one row per stage (rank, modules, units, forward and backward ms per
-    microbatch, that stage's own peak memory in GiB, or MiB when every stage holds less than one GiB), then the
+    """The plan as a text table: with a pipeline, one row per stage (rank, modules, units, forward and backward ms
+    per microbatch, that stage's own peak memory in GiB, or MiB when every stage holds less than one GiB); without
+    one, a line with the whole model's forward and backward ms per microbatch; then the
     totals with the peak memory per rank (device): ``rank_peak_memory_bytes``, the sum over a rank's stages, not
     the largest stage. Memory figures follow :func:`format_bytes`."""
     plan = choice.plan
     unit, size, decimals = memory_unit(max(choice.stage_memory_bytes, default=0))
-    lines = [f"{'stage':>5} {'rank':>4} {'module':<8} {'units':<64} {'F ms':>8} {'B ms':>8} {'stage ' + unit:>9}"]
-    for stage in plan.stages:
-        for k, module in enumerate(stage.modules):
-            first = k == 0
-            lines.append(
-                f"{stage.index if first else '':>5} {stage.rank if first else '':>4} {module:<8} "
-                f"{_chunk_label(stage.module_units(module)):<64} "
-                + (f"{1e3 * choice.stage_forward_s[stage.index]:>8.2f} {1e3 * choice.stage_backward_s[stage.index]:>8.2f} "
-                   f"{choice.stage_memory_bytes[stage.index] / size:>9.{decimals}f}" if first else ""))
+    if plan.num_ranks == 1:  # no pipeline: no stage table
+        lines = [f"whole model on each rank ({', '.join(plan.modules)}): forward "
+                 f"{1e3 * sum(choice.stage_forward_s):.2f} ms, backward {1e3 * sum(choice.stage_backward_s):.2f} ms "
+                 "per microbatch"]
+    else:
+        lines = _stage_rows(choice, size, decimals, unit)
     counts = ", ".join(f"{m} {s}" for m, s in choice.stages_per_module)
     shape = (f"layout {choice.layout}, DP {choice.dp} x {plan.num_ranks} pipeline ranks" if plan.num_ranks > 1
              else f"no pipeline (the whole model on each rank), DP {choice.dp}")
@@ -139,6 +138,19 @@ def format_plan(choice: LayoutChoice) -> str:
     return "\n".join(lines + ([degrees] if degrees else []))
 
 
+def _stage_rows(choice: LayoutChoice, size: float, decimals: int, unit: str) -> list[str]:
+    """The stage table of a pipelined plan (``format_plan``): the header and one row per stage and module."""
+    lines = [f"{'stage':>5} {'rank':>4} {'module':<8} {'units':<64} {'F ms':>8} {'B ms':>8} {'stage ' + unit:>9}"]
+    for stage in choice.plan.stages:
+        for k, module in enumerate(stage.modules):
+            first = k == 0
+            lines.append(
+                f"{stage.index if first else '':>5} {stage.rank if first else '':>4} {module:<8} "
+                f"{_chunk_label(stage.module_units(module)):<64} "
+                + (f"{1e3 * choice.stage_forward_s[stage.index]:>8.2f} {1e3 * choice.stage_backward_s[stage.index]:>8.2f} "
+                   f"{choice.stage_memory_bytes[stage.index] / size:>9.{decimals}f}" if first else ""))
+    return lines
+
 def _peak_line(choice: LayoutChoice, stage_unit: str) -> str:
     """``"peak memory per rank (device) 41.2 MiB (cap 61.4 MiB); ranks 41.2 / 30.0 MiB"`` (:func:`format_bytes`;
     the ranks in the unit of the largest), with a note when a rank holds several stages."""
@@ -149,7 +161,7 @@ def _peak_line(choice: LayoutChoice, stage_unit: str) -> str:
         unit, size, decimals = memory_unit(max(peaks))
         ranks = f"; ranks {' / '.join(f'{p / size:.{decimals}f}' for p in peaks)} {unit}"
     note = (f"; 'stage {stage_unit}' is each stage's own peak, a rank holds all of its stages"
-            if choice.plan.num_stages > choice.plan.num_ranks else "")
+            if choice.plan.num_stages > choice.plan.num_ranks > 1 else "")
     return f"peak memory per rank (device) {format_bytes(max(peaks))} ({cap}){ranks}{note}"
 
 
@@ -194,16 +206,15 @@ def idle_devices_note(choice: LayoutChoice) -> str:
 
 # ----- the [parallel.pp] table -------------------------------------------------------------------------------
 def pp_toml(fields: Mapping[str, Any], dp: int, degrees: Mapping[str, Any] | None = None) -> str:
-    """The ``[parallel.pp]`` TOML table of ``fields`` (``degree`` first; the values ``toml_value`` writes) under a
-    comment line giving the rest of the job's config: the ``parallel.dp`` to set in ``[parallel]`` when there are
-    several replicas (``dp``; the table describes one pipeline replica) and ``parallel.plan = "manual"``.
-    With ``degrees`` (a plan with TP, FSDP2 or checkpointing: ``dp``, ``dp_shard``, ``tp``,
-    ``activation_checkpointing`` and optionally ``offload``, ``fsdp_reduce`` and ``fsdp_reshard``) a ``[parallel]``
-    table with ``plan``, ``dp`` (replicas), ``dp_shard``, ``tp``, ``offload`` (only when not ``"none"``),
-    ``fsdp_reduce`` (only when not ``"step"``) and ``fsdp_reshard`` (only when ``"after_backward"``) comes first
-    instead (the job's own
-    ``[parallel]`` keys are then replaced by it), and the comment names ``train.activation_checkpointing`` to set in
-    ``[train]``. A table
+    """The job tables that run a plan, ready to paste: a comment line (processes, what to replace), the
+    ``[parallel]`` table (``plan = "manual"``, ``dp`` replicas, ``dp_shard``, ``tp``, ``cp``; ``offload`` only when
+    not ``"none"``, ``fsdp_reduce`` only when not ``"step"``, ``fsdp_reshard`` only when ``"after_backward"``) and,
+    only when there is a pipeline (``degree`` > 1), the ``[parallel.pp]`` table of ``fields`` (``degree`` first;
+    the values ``toml_value`` writes).
+
+    ``degrees`` (``dp``, ``dp_shard``, ``tp``, optionally ``cp``, ``activation_checkpointing``, ``offload``,
+    ``fsdp_reduce``, ``fsdp_reshard``) gives the ``[parallel]`` keys; None: ``dp`` replicas and every other degree
+    1. A plan with activation checkpointing names ``train.activation_checkpointing`` in the comment. A table
     never pairs ``layout = "encoder_parallel"`` with ``attach_encoders = true`` (the encoders then sit on the first
     LLM rank, not on parallel ranks): the layout line is left out there (its default) and a comment says where
     the encoders run.
@@ -214,40 +225,36 @@ def pp_toml(fields: Mapping[str, Any], dp: int, degrees: Mapping[str, Any] | Non
     if "degree" not in fields:
         raise ValueError(f"a [parallel.pp] table needs a degree, got fields {sorted(fields)}")
     degree = int(fields["degree"])
+    degrees = dict(dp=dp, dp_shard=1, tp=1) if degrees is None else degrees
+    head = _parallel_table(degrees, degree)
+    if degree == 1:
+        return head
     note = ""
     if fields.get("attach_encoders") and fields.get("layout") == "encoder_parallel":
         fields = {k: v for k, v in fields.items() if k != "layout"}  # not "encoder_parallel" next to attached encoders
         note = ("# attach_encoders: every encoder is its own stage, all on the first LLM rank (layout left at its "
                 "default)\n")
     body = "".join(f"{toml_key(k)} = {toml_value(v)}\n" for k, v in fields.items())
-    if degrees is not None:
-        return _degrees_head(degrees, degree) + note + "[parallel.pp]\n" + body
-    return _snippet_head(dp, degree) + note + "[parallel.pp]\n" + body
+    return head + note + "[parallel.pp]\n" + body
 
 
-def _degrees_head(degrees: Mapping[str, Any], pp: int) -> str:
-    """Comment and ``[parallel]`` table of a plan with TP, FSDP2 or checkpointing (``pp_toml``)."""
+def _parallel_table(degrees: Mapping[str, Any], pp: int) -> str:
+    """Comment line and ``[parallel]`` table of a plan (``pp_toml``)."""
     dp, shard, tp = int(degrees["dp"]), int(degrees["dp_shard"]), int(degrees["tp"])
+    cp = int(degrees.get("cp", 1))
     ac = degrees.get("activation_checkpointing", "none")
-    note = (f"# plait plan: {dp * shard * pp * tp} processes = dp {dp} x dp_shard {shard} x pp {pp} x tp {tp}; "
-            "replace the job's [parallel] keys by this table"
+    pipeline = f"a pipeline of {pp} ranks per replica" if pp > 1 else "no pipeline (the whole model on each rank)"
+    note = (f"# plait plan: {dp * shard * pp * tp * cp} processes = dp {dp} x dp_shard {shard} x pp {pp} x tp {tp} "
+            f"x cp {cp}, {pipeline}; these tables replace the job's [parallel]"
+            + (" and [parallel.pp]" if pp > 1 else " (and any [parallel.pp])")
             + (f"; also set activation_checkpointing = {toml_value(ac)} in [train]" if ac != "none" else "") + "\n")
     return (note + "[parallel]\nplan = \"manual\"\n"
-            + "".join(f"{k} = {v}\n" for k, v in (("dp", dp), ("dp_shard", shard), ("tp", tp)))
+            + "".join(f"{k} = {v}\n" for k, v in (("dp", dp), ("dp_shard", shard), ("tp", tp), ("cp", cp)))
             + (f"offload = {toml_value(degrees['offload'])}\n" if degrees.get("offload", "none") != "none" else "")
             + (f"fsdp_reduce = {toml_value(degrees['fsdp_reduce'])}\n"
                if degrees.get("fsdp_reduce", "step") != "step" else "")
             + (f"fsdp_reshard = {toml_value(degrees['fsdp_reshard'])}\n"  # "auto" runs "after_forward"
                if degrees.get("fsdp_reshard", "auto") not in ("auto", "after_forward") else ""))
-
-
-def _snippet_head(dp: int, degree: int) -> str:
-    """The comment line above a ``[parallel.pp]`` table: the replicas and what to set in ``[parallel]``."""
-    pipeline = f"a pipeline of {degree} ranks" if degree > 1 else "no pipeline (degree = 1: the whole model per rank)"
-    if dp == 1:
-        return f"# plait plan: one replica, {pipeline}; parallel.dp = 1, parallel.plan = \"manual\"\n"
-    return (f"# plait plan: {dp} data-parallel replicas ({dp * degree} processes), each {pipeline}: also set "
-            f"parallel.dp = {dp} and parallel.plan = \"manual\" in [parallel]\n")
 
 
 # ----- the plan file -----------------------------------------------------------------------------------------

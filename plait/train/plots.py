@@ -23,6 +23,7 @@ from typing import Any, Union
 
 from plait.planner.pipeline.timeline import summarize_timeline
 from plait.planner.pipeline.types import TimelineEvent
+from plait.planner.energy.units import ENERGY_UNIT, TIME_SCALE, TIME_UNIT
 
 __all__ = [
     "KIND_COLORS",
@@ -209,7 +210,7 @@ def plot_timeline(events: Timelines, path: str | Path, title: str | None = None)
     if not any(groups.values()):
         raise ValueError("plot_timeline: no events to draw")
     span = max(e.end_s for g in groups.values() for e in g)
-    unit, scale = _time_unit(span)
+    unit, scale = TIME_UNIT, TIME_SCALE  # plait energy's one time unit (planner.energy.units)
     rows = [1 + max((e.rank for e in g), default=0) for g in groups.values()]
     fig, axes = new_figure(12.0, sum(0.45 * r + 1.1 for r in rows), nrows=len(groups))
     for ax, (label, group) in zip(axes, groups.items()):
@@ -335,7 +336,8 @@ def loss_curve_figure(records: Sequence[Mapping[str, Any]], source: str = "metri
 # ----- energy -----------------------------------------------------------------------------------
 def plot_energy_frontier(points: Sequence[tuple[float, float]], path: str | Path, *,
                          marks: Mapping[str, tuple[float, float]] | None = None, title: str = "") -> Path:
-    """The time-energy frontier as a PNG: energy per iteration (kJ) against iteration time (s), one dot per
+    """The time-energy frontier as a PNG: energy per iteration (J) against iteration time (ms;
+    ``planner.energy.units``, the units of ``plait energy``'s table), one dot per
     frontier point joined by steps, and each of ``marks`` (``{label: (seconds, joules)}``, e.g. the all-top-clock
     iteration ``"max frequency"`` and the chosen plans) as a labelled marker.
 
@@ -346,11 +348,12 @@ def plot_energy_frontier(points: Sequence[tuple[float, float]], path: str | Path
         raise ValueError("plot_energy_frontier: no frontier point")
     fig, (ax,) = new_figure(7.5, 4.5, dpi=110)
     times, energies = zip(*sorted(points))
-    ax.plot(times, [e / 1e3 for e in energies], marker="o", ms=3, lw=1, drawstyle="steps-post",
+    ax.plot([t * TIME_SCALE for t in times], energies, marker="o", ms=3, lw=1, drawstyle="steps-post",
             color="tab:blue", label="frontier")
     for (label, (t, e)), marker in zip((marks or {}).items(), "*sD^v"):
-        ax.plot([t], [e / 1e3], marker=marker, ms=11 if marker == "*" else 7, linestyle="none", label=label)
-    ax.set(xlabel="iteration time (s)", ylabel="energy per iteration (kJ)", title=title or "time-energy frontier")
+        ax.plot([t * TIME_SCALE], [e], marker=marker, ms=11 if marker == "*" else 7, linestyle="none", label=label)
+    ax.set(xlabel=f"iteration time ({TIME_UNIT})", ylabel=f"energy per iteration ({ENERGY_UNIT})",
+           title=title or "time-energy frontier")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path)
@@ -360,7 +363,7 @@ def plot_frequency_timelines(timelines: Mapping[str, tuple[Sequence[TimelineEven
                              path: str | Path, *, title: str = "") -> Path:
     """Timelines side by side with each action coloured by its GPU frequency (one colour scale, MHz, shared by
     all panels): ``{label: (events, {(rank, "F s1 m3"): frequency_mhz})}``, e.g. the top-clock iteration beside
-    an energy plan's. Actions without a frequency are grey.
+    an energy plan's. Actions without a frequency are grey. Times in ms (``planner.energy.units``).
 
     Raises:
         ValueError: when no panel has events.
@@ -375,7 +378,7 @@ def plot_frequency_timelines(timelines: Mapping[str, tuple[Sequence[TimelineEven
     norm = Normalize(min(freqs, default=0), max(freqs, default=1) + (0 if len(set(freqs)) > 1 else 1))
     cmap = colormaps["viridis"]
     span = max(e.end_s for g in groups.values() for e in g)
-    unit, scale = _time_unit(span)
+    unit, scale = TIME_UNIT, TIME_SCALE  # plait energy's one time unit (planner.energy.units)
     rows = [1 + max((e.rank for e in g), default=0) for g in groups.values()]
     fig, axes = new_figure(12.0, sum(0.45 * r + 1.1 for r in rows), nrows=len(groups))
     for ax, (label, (events, fmap)) in zip(axes, timelines.items()):

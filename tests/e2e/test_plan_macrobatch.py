@@ -37,7 +37,7 @@ def brute_force_totals(metas, coeffs, batch: int, count: int, seed: int) -> dict
 
 def test_plan_prints_macrobatch_variation_and_plans_for_the_expected_batch(tmp_path):
     job = write_job(tmp_path)  # 12 demo samples: images, audio clips, image+audio and text
-    proc = plait("plan", "--config", job, "--devices", "2", "--device", "cpu", *OVERRIDES,
+    proc = plait("plan", "--config", job, "--devices", "2", "--device", "cpu-preset", *OVERRIDES,
                  f"--macrobatches={DEFAULT_MACROBATCHES}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -69,9 +69,9 @@ def test_macrobatches_are_off_by_default(tmp_path):
 
     job = write_job(tmp_path)
     plain, flagged = io.StringIO(), io.StringIO()
-    plan_command(job, 1, overrides=OVERRIDES, device="cpu", out=plain)
-    plan_command(job, 1, overrides=OVERRIDES, device="cpu", out=flagged, macrobatches=4)
+    plan_command(job, 1, overrides=OVERRIDES, device="cpu-preset", out=plain)
+    plan_command(job, 1, overrides=OVERRIDES, device="cpu-preset", out=flagged, macrobatches=4)
     assert "macro-batch" not in plain.getvalue()
     assert "global batch 6, 4 batches" in flagged.getvalue()
     with pytest.raises(ValueError, match="macrobatches must be an integer >= 0"):
-        plan_command(job, 1, overrides=OVERRIDES, device="cpu", out=io.StringIO(), macrobatches=-1)
+        plan_command(job, 1, overrides=OVERRIDES, device="cpu-preset", out=io.StringIO(), macrobatches=-1)

@@ -5,8 +5,9 @@
   can be pasted into ``parallel.pp.splits``) and their analytic costs (``plait.planner.cost.analytic``: Hugging Face
   configs from the TOML ``config`` tables or local ``path`` directories, read with ``transformers.AutoConfig``; no
   weights), search the layout (``plait.planner.search.layout.plan_layout``), print the plan as a table
-  (``plait.planner.report.format_plan``) with a ready-to-paste ``[parallel.pp]`` table (:func:`pp_snippet`) and
-  write it as JSON (``plait.planner.report.plan_to_json``; ``plan_from_json`` reads it back, ``plait simulate``
+  (``plait.planner.report.format_plan``) with the ready-to-paste job tables (``snippet.pp_snippet``) and the
+  command that runs it (``snippet.run_command``), preferring a plan without a pipeline on fewer devices when the
+  fastest is at most ``PREFER_WITHIN`` faster (:func:`prefer_simpler`), and write it as JSON (``plait.planner.report.plan_to_json``; ``plan_from_json`` reads it back, ``plait simulate``
   times it).
 
 Workload assumed per microbatch (from the config, overridable): ``train.microbatch_size`` sequences of
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import os
 import sys
 from collections.abc import Sequence
@@ -44,7 +46,7 @@ from plait.train.job_file import load_config_for_planning
 from plait.measure.host_costs import host_cpu, host_device, runtime_costs, stored_profile
 from plait.train.plan_search import search_plan
 from plait.commands.plan.fsdp import fsdp_line
-from plait.commands.plan.snippet import pp_snippet
+from plait.commands.plan.snippet import pp_snippet, run_command
 from plait.parallel.activation_checkpointing import checkpoint_policy
 from plait.planner.cost.types import DeviceSpec, MicrobatchShape
 from plait.planner.microbatch.macrobatch import expected_shapes, macrobatch_stats
@@ -58,15 +60,27 @@ from plait.train.apply_plan import kept_degrees
 from plait.train.cost_coeffs import microbatch_cost_coeffs
 
 __all__ = [
+    "CPU_PRESET",
     "DEFAULT_MACROBATCHES",
+    "DEVICE_CHOICES",
+    "PREFER_WITHIN",
     "PlanSetup",
     "dataset_metadata",
     "plan_setup",
     "plan_command",
+    "prefer_simpler",
     "split_global_batch",
 ]
 
 DEFAULT_MACROBATCHES = 32
+CPU_PRESET = "cpu-preset"
+"""``--device`` name of the fixed CPU preset (``DeviceSpec.cpu``); ``--device cpu`` is this host's CPU, measured."""
+DEVICE_CHOICES = ("h100", "h200", "a100", "cpu", CPU_PRESET)
+"""``plait plan --device`` names."""
+PREFER_WITHIN = 0.10
+"""Tolerance of ``plait plan``'s preference for simple plans: a plan without a pipeline on fewer devices is
+kept unless the fastest plan is predicted more than this fraction faster (a prediction's error is of this order,
+and a pipeline adds bubbles, transfers and processes that the prediction may miss)."""
 
 # ----- macro-batches ---------------------------------------------------------------------------------
 def dataset_metadata(cfg: Any) -> tuple[list[Any], dict[str, Any]]:
@@ -134,9 +148,10 @@ def plan_command(
     attach_encoders: bool = True,
     out: TextIO | None = None,
     profile_store: str | Path | None = "runs/profiles",
+    prefer_within: float = PREFER_WITHIN,
 ) -> LayoutChoice:
-    """``plait plan``: choose the pipeline layout of a job for ``devices`` accelerators, print it with its
-    ``[parallel.pp]`` table (``pp_snippet``, or why there is none), save it. The job file is read with
+    """``plait plan``: choose the pipeline layout of a job for ``devices`` accelerators, print it with its job
+    tables (``pp_snippet``, or why there are none) and the command that runs it (``run_command``), save it. The job file is read with
     ``load_config_for_planning``: its own ``[parallel.pp]`` table and ``parallel.dp`` are replaced by the plan,
     not checked.
 
@@ -145,7 +160,8 @@ def plan_command(
         devices: accelerators available.
         out_json: where to write the plan JSON (``plait.planner.report.plan_to_json``; parents
             created); None: do not write.
-        device: accelerator preset (``DEVICES``) or ``DeviceSpec``; its link is the stage-to-stage P2P model.
+        device: accelerator preset (``h100``, ``h200``, ``a100``; ``cpu-preset``: the fixed CPU preset) or
+            ``DeviceSpec``; its link is the stage-to-stage P2P model. ``"cpu"``: this host's CPU, measured as below.
             None: this host's (``measure.host_costs.host_device``: the GPU's preset; without a GPU this host's CPU
             measured by ``measure.host_costs.host_cpu`` with ``train.threads`` threads, else the cores / ``devices``), printed.
             On a device with host overheads (the ``"cpu"`` preset) the plan charges the runtime's fixed costs
@@ -169,6 +185,9 @@ def plan_command(
             because it processes the training set as the trainer does (about 30 ms per sample on a CPU core).
         out: text stream for the table (default stdout).
         profile_store: folder of ``plait profile``'s stored profiles (CPU plans); None: analytic costs only.
+        prefer_within: a plan without a pipeline, on fewer devices, replaces the fastest plan when that one is
+            predicted at most this fraction faster (:func:`prefer_simpler`; ``PREFER_WITHIN``); 0: the fastest.
+            Not applied with ``dp_degrees`` or a job's own ``tp`` / ``dp_shard``.
 
     Returns:
         The ``LayoutChoice``.
@@ -179,23 +198,32 @@ def plan_command(
             model directory.
     """
     stream = out or sys.stdout
-    setup = plan_setup(config_path, devices, overrides, device, microbatches, items_per_sample, memory_fraction,
-                        dp_degrees, dp_link_Bps, macrobatches, profile_store, stream)
+    setup = plan_setup(config_path, devices, overrides=overrides, device=device, microbatches=microbatches,
+                       items_per_sample=items_per_sample, memory_fraction=memory_fraction, dp_degrees=dp_degrees,
+                       dp_link_Bps=dp_link_Bps, macrobatches=macrobatches, profile_store=profile_store, stream=stream)
     cfg, inputs, spec = setup.cfg, setup.inputs, setup.spec
-    choice = search_plan(setup, devices, memory_fraction, frozen_aware=frozen_aware, layouts=layouts,
-                         dp_degrees=dp_degrees, rel_tol=rel_tol, virtual_stages=virtual_stages,
-                         attach_encoders=attach_encoders, **job_degrees(cfg, devices, stream))
+    kept = job_degrees(cfg, devices, stream)
+    space = dict(frozen_aware=frozen_aware, layouts=layouts, rel_tol=rel_tol, virtual_stages=virtual_stages,
+                 attach_encoders=attach_encoders)
+    choice = search_plan(setup, devices, memory_fraction, dp_degrees=dp_degrees, **space, **kept)
+    why_simpler = ""
+    if dp_degrees is None and not kept and prefer_within > 0:
+        choice, why_simpler = prefer_simpler(setup, choice, devices, memory_fraction, prefer_within, space)
     print(f"plait plan: {config_path} on {devices} x {spec.name}, {inputs.microbatches} microbatches of "
           f"{cfg.train.microbatch_size} samples (global batch {cfg.train.global_batch_size})", file=stream)
+    if why_simpler:
+        print(f"plait plan: {why_simpler}", file=stream)
     print(format_plan(choice), file=stream)
     if choice.dp_shard > 1:
         print(fsdp_line(inputs.units, inputs.costs, choice, setup.machine.shard_link), file=stream)
     print(format_lora_units(inputs.units), end="", file=stream)
     snippet, why = pp_snippet(cfg, choice, inputs.units, inputs.unit_source)
     if snippet is None:
-        print(f"no [parallel.pp] snippet: {why}", file=stream)
+        print(f"no [parallel.pp] snippet: {why} (no job tables, no command to run)", file=stream)
     else:
-        print(f"to run this plan, put this table in the job file:\n{snippet}", end="", file=stream)
+        command = run_command(config_path, overrides, cfg, choice, inputs.units)
+        print(f"to run this plan, put these tables in the job file:\n{snippet}"
+              f"or run it as printed (the same settings as overrides):\n  {command}", file=stream)
     if out_json is not None:
         path = Path(out_json)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -222,6 +250,33 @@ def job_degrees(cfg: Any, devices: int, stream: TextIO) -> dict[str, Any]:
     return kept
 
 
+def prefer_simpler(setup: "PlanSetup", fastest: LayoutChoice, devices: int, memory_fraction: float,
+                   within: float, space: dict[str, Any]) -> tuple[LayoutChoice, str]:
+    """The plan ``plait plan`` recommends: ``fastest``, unless a plan without a pipeline (plain data parallelism
+    on ``d`` of the ``devices``, ``d`` at most the microbatches per step) is predicted at most ``within`` (a
+    fraction, ``PREFER_WITHIN``) slower; then the one of those using the fewest devices. Returns the plan and a
+    sentence saying why it replaced ``fastest`` (empty when it did not)."""
+    simpler = []
+    for d in range(1, min(devices, setup.inputs.microbatches) + 1):
+        try:
+            option = search_plan(setup, d, memory_fraction, dp_degrees=[d], **space)
+        except ValueError:
+            continue  # no plain plan on d devices fits
+        if option.plan.num_ranks == 1 and option.iteration_s <= fastest.iteration_s * (1 + within):
+            simpler.append(option)
+    if not simpler or fastest.plan.num_ranks == 1 and fastest.devices_used <= min(c.devices_used for c in simpler):
+        return fastest, ""
+    chosen = min(simpler, key=lambda c: (c.devices_used, c.iteration_s))
+    gain = chosen.iteration_s / fastest.iteration_s - 1
+    faster = f"predicted only {100 * gain:.1f}% faster" if gain > 0 else "predicted no faster"
+    what = (f"DP {fastest.dp} x {fastest.plan.num_ranks} pipeline ranks" if fastest.plan.num_ranks > 1
+            else f"DP {fastest.dp}, no pipeline")
+    return chosen, (f"recommending DP {chosen.dp} without a pipeline on {chosen.devices_used} of {devices} devices "
+                    f"({1e3 * chosen.iteration_s:.2f} ms): the fastest plan, {what} on {fastest.devices_used} "
+                    f"devices ({1e3 * fastest.iteration_s:.2f} ms), is {faster}, "
+                    f"within the {100 * within:g}% tolerance (PREFER_WITHIN) that a simpler plan is preferred by")
+
+
 @dataclass(frozen=True)
 class PlanSetup:
     """What ``plan_command`` searches with: the job config (global batch split), the plan inputs (costs without
@@ -242,11 +297,13 @@ class PlanSetup:
         return tuple(checkpointed_costs(self.inputs.costs, checkpointed))
 
 
-def plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], device: str | DeviceSpec | None,
-                microbatches: int | None, items_per_sample: int, memory_fraction: float,
-                dp_degrees: Sequence[int] | None, dp_link_Bps: float | None, macrobatches: int,
-                profile_store: str | Path | None, stream: TextIO) -> PlanSetup:
-    """Read the job and derive what the search needs (``plan_command``'s arguments), printing the notes.
+def plan_setup(config_path: str | Path, devices: int, *, overrides: Sequence[str] = (),
+               device: str | DeviceSpec | None = None, microbatches: int | None = None, items_per_sample: int = 1,
+               memory_fraction: float = 0.9, dp_degrees: Sequence[int] | None = None,
+               dp_link_Bps: float | None = None, macrobatches: int = 0,
+               profile_store: str | Path | None = None, stream: TextIO | None = None) -> PlanSetup:
+    """Read the job and derive what the search needs (``plan_command``'s arguments, same meaning and defaults;
+    ``profile_store`` None: analytic costs only), printing the notes on ``stream`` (None: dropped).
 
     Raises:
         ValueError, FileNotFoundError: as ``plan_command``.
@@ -257,13 +314,16 @@ def plan_setup(config_path: str | Path, devices: int, overrides: Sequence[str], 
         raise ValueError(f"--memory-fraction must be in (0, 1], got {memory_fraction}")
     if isinstance(macrobatches, bool) or not isinstance(macrobatches, int) or macrobatches < 0:
         raise ValueError(f"macrobatches must be an integer >= 0, got {macrobatches!r}")
+    stream = stream if stream is not None else io.StringIO()
     cfg, replaced = load_config_for_planning(config_path, overrides)
-    if device is None:
-        device, why = host_device()
-        if device == "cpu":
+    if device is None or device == "cpu":
+        device, why = host_device() if device is None else ("cpu", "--device cpu: this host's CPU, measured")
+        if device == "cpu":  # this host's CPU, measured
             device = host_cpu(cfg.train.threads or max(1, (os.cpu_count() or 1) // devices), devices)
         print(f"plait plan: planning for {getattr(device, 'name', device)} ({why}; --device to plan for another)",
               file=stream)
+    elif device == CPU_PRESET:
+        device = "cpu"
     spec = device_spec(device)
     if replaced:
         print(f"plait plan: the job's {replaced} is not checked or used: the plan replaces it", file=stream)

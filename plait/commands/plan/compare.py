@@ -40,8 +40,8 @@ def considered_plans(config_path: str | Path, devices: int, *, overrides: Sequen
     Raises:
         ValueError, FileNotFoundError: as ``plan_command`` (no fitting plan: its one-sentence message).
     """
-    setup = plan_setup(config_path, devices, overrides, device, None, 1, 0.9, None, None, 0, profile_store,
-                        io.StringIO())
+    setup = plan_setup(config_path, devices, overrides=overrides, device=device, profile_store=profile_store,
+                       stream=io.StringIO())
     inputs = setup.inputs
     recommended = search_plan(setup, devices, 0.9, virtual_stages=(1, 2, 4), attach_encoders=True)
     costs = setup.checkpointed_costs()  # the job's activation checkpointing, as the families run it

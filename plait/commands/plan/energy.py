@@ -40,11 +40,13 @@ from plait.planner.energy.frontier import (
 from plait.planner.energy.types import EnergyPlan, EnergyProfile, FrontierPoint
 from plait.planner.energy.power_profile import GPU_PRESETS, analytic_energy_profile, gpu_preset, stage_action_options
 from plait.planner.cost.types import ProfileKey
+from plait.planner.energy.units import ENERGY_UNIT, TIME_SCALE, TIME_UNIT, format_energy, format_time
 from plait.planner.pipeline.schedules import build_schedule
 from plait.planner.search.types import LayoutChoice
 from plait.train.plots import plot_energy_frontier, plot_frequency_timelines
 
-__all__ = ["GPUS", "REFINE_S", "TRACE_S", "energy_command", "job_action_options", "plan_by_energy"]
+__all__ = ["GPUS", "REFINE_S", "TRACE_S", "energy_command", "job_action_options", "plan_by_energy",
+           "require_pipeline"]
 
 TRACE_S = 60.0
 """Seconds lowtime may trace the frontier (``energy_frontier``'s ``time_limit_s``)."""
@@ -55,7 +57,7 @@ REFINE_S = 10.0
 def energy_command(config_path: str | Path, devices: int, *, straggler: float = 1.2, gpu: str = "h100",
                    out_dir: str | Path | None = None, overrides: Sequence[str] = (), microbatches: int | None = None,
                    method: str = "auto", energy_profile: str | Path | None = None,
-                   out: TextIO | None = None) -> dict[str, Any]:
+                   dp_degrees: Sequence[int] | None = None, out: TextIO | None = None) -> dict[str, Any]:
     """``plait energy`` (module docstring).
 
     Args:
@@ -69,14 +71,17 @@ def energy_command(config_path: str | Path, devices: int, *, straggler: float = 
         energy_profile: a measured energy profile JSON (``plait profile --energy``:
             ``energy_profile.EnergyProfile``) to use instead of the preset: its clocks, times, energies and blocking
             power, unscaled (the frontier's ``T*`` is then the measured prediction, not the plan's).
+        dp_degrees: as ``plait plan --dp`` (``[1]``: one pipeline over the devices).
         out: text stream (default stdout).
 
     Returns:
         ``{"plan": EnergyPlan, "paths": {name: Path}, "rows": {name: (seconds, joules)}}``.
 
     Raises:
-        ValueError: on a straggler factor below 1, an unknown GPU or method, and as ``plait plan``;
-            FileNotFoundError: on a missing job file.
+        ValueError: on a straggler factor below 1, an unknown GPU or method, as ``plait plan``, and when the plan
+            has no pipeline (:func:`require_pipeline`: a frequency plan sets the clocks of pipeline actions and
+            training refuses ``energy.plan`` without ``parallel.pp.degree > 1``); FileNotFoundError: on a missing
+            job file.
     """
     stream = out or sys.stdout
     if not straggler >= 1.0:
@@ -84,7 +89,8 @@ def energy_command(config_path: str | Path, devices: int, *, straggler: float = 
     preset = gpu_preset(gpu)
     measured = _read_profile(energy_profile) if energy_profile is not None else None
     choice = plan_command(config_path, devices, None, overrides=overrides, device=preset.name,
-                          microbatches=microbatches, out=stream, profile_store=None)
+                          microbatches=microbatches, dp_degrees=dp_degrees, out=stream, profile_store=None)
+    require_pipeline(choice, devices)
     schedule = build_schedule(choice.plan, choice.schedule, choice.microbatches_per_replica)
     options = job_action_options(config_path, overrides, microbatches, choice, preset.name, measured)
     blocking = preset.blocking_w if measured is None else measured.blocking_power_w
@@ -111,6 +117,23 @@ def energy_command(config_path: str | Path, devices: int, *, straggler: float = 
     for name, path in paths.items():
         print(f"plait energy: wrote {name} {path}", file=stream)
     return {"plan": plan, "paths": paths, "rows": rows}
+
+
+def require_pipeline(choice: LayoutChoice, devices: int) -> None:
+    """Refuse a plan without a pipeline for ``plait energy``.
+
+    Raises:
+        ValueError: when ``choice`` has one pipeline rank, naming why (a frequency plan sets the SM clock of each
+            pipeline action; training refuses ``energy.plan`` without ``parallel.pp.degree > 1``) and what to do.
+    """
+    if choice.plan.num_ranks > 1:
+        return
+    raise ValueError(
+        f"plait energy: the plan for {devices} devices has no pipeline (DP {choice.dp}, the whole model on each "
+        "GPU), so there is no frequency plan to make: energy.plan sets the SM clock of each pipeline action and "
+        "training refuses it without parallel.pp.degree > 1. Plan one pipeline over the GPUs with --dp 1 (or "
+        "give each replica several GPUs: more --devices than the microbatches per step), or train without "
+        "[energy] plan")
 
 
 def job_action_options(config_path: str | Path, overrides: Sequence[str], microbatches: int | None,
@@ -205,7 +228,7 @@ def plan_by_energy(config_path: str | Path, devices: int, *, tolerance: float = 
     if not candidates:
         raise ValueError(f"plait plan --energy: no plan for {devices} devices")
     fastest = min(c.iteration_s for c in candidates)
-    print(f"plait plan --energy: plans within {100 * tolerance:g}% of the fastest ({fastest:.5g} s), energy per "
+    print(f"plait plan --energy: plans within {100 * tolerance:g}% of the fastest ({format_time(fastest)}), energy per "
           f"iteration at T* on {preset.name} (all replicas):", file=stream)
     best, best_energy = None, float("inf")
     for choice in sorted(candidates, key=lambda c: c.iteration_s):
@@ -213,7 +236,7 @@ def plan_by_energy(config_path: str | Path, devices: int, *, tolerance: float = 
             continue
         energy = choice.dp * _energy_at_t_star(config_path, overrides, microbatches, choice, preset.name)
         print(f"  {choice.layout:<20} DP {choice.dp:<3} {choice.plan.num_ranks} ranks per replica: iteration "
-              f"{choice.iteration_s:.5g} s, {energy:.5g} J", file=stream)
+              f"{format_time(choice.iteration_s)}, {format_energy(energy)}", file=stream)
         if energy < best_energy:
             best, best_energy = choice, energy
     print(f"plait plan --energy: chose {best.layout}, DP {best.dp}", file=stream)
@@ -255,12 +278,12 @@ def _print_table(stream: TextIO, rows: dict[str, tuple[float, float]], choice: L
                  points: int) -> None:
     print(f"\nplait energy: {points} frontier points on {gpu} (one replica: {choice.plan.num_ranks} GPUs, "
           f"DP {choice.dp}; energies per replica iteration, blocking power included)", file=stream)
-    print(f"{'':<30} {'iteration (s)':>14} {'energy (J)':>12} {'savings':>8}", file=stream)
+    print(f"{'':<30} {f'iteration ({TIME_UNIT})':>15} {f'energy ({ENERGY_UNIT})':>12} {'savings':>8}", file=stream)
     base = 0.0
     for index, (name, (seconds, joules)) in enumerate(rows.items()):
         base = joules if index % 2 == 0 else base
         saving = "" if index % 2 == 0 else f"{100 * (1 - joules / base):7.1f}%"
-        print(f"{name:<30} {seconds:14.5g} {joules:12.5g} {saving:>8}", file=stream)
+        print(f"{name:<30} {seconds * TIME_SCALE:15.5g} {joules:12.5g} {saving:>8}", file=stream)
 
 
 def _write(folder: Path, plan: EnergyPlan, frontier, rows, schedule, options, choice: LayoutChoice, blocking: float,

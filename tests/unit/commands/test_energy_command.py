@@ -23,7 +23,8 @@ def _row(text: str, name: str) -> tuple[float, float]:
 
 def test_energy_cli_on_the_demo_job(tmp_path, capsys):
     out = tmp_path / "energy"
-    assert main(["energy", "--config", str(DEMO), "--devices", "2", "--microbatches", "4", "--straggler", "1.3", "--method", "lowtime",
+    assert main(["energy", "--config", str(DEMO), "--devices", "2", "--dp", "1", "--microbatches", "4", "--straggler", "1.3",
+                 "--method", "lowtime",
                  "--out-dir", str(out)]) == 0
     text = capsys.readouterr().out
     t_max, e_max = _row(text, "max frequency")
@@ -52,7 +53,7 @@ def test_plan_energy_breaks_ties_by_energy(tmp_path, capsys):
     assert main(["plan", "--config", str(DEMO), "--devices", "2", "--energy", "0.6", "--device", "h100",
                  "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    rows = re.findall(r"^  (\S+)\s+DP (\d+)\s+\d+ ranks per replica: iteration (\S+) s, (\S+) J", text, re.M)
+    rows = re.findall(r"^  (\S+)\s+DP (\d+)\s+\d+ ranks per replica: iteration (\S+) ms, (\S+) J", text, re.M)
     assert rows, text
     fastest = min(float(t) for _, _, t, _ in rows)
     assert len(rows) == 2 and all(float(t) <= 1.6 * fastest for _, _, t, _ in rows)
@@ -80,7 +81,7 @@ def test_energy_with_a_measured_profile(tmp_path, capsys):
                                       gpu, key)
     path = tmp_path / "energy-profile.json"
     path.write_text(dataclasses.replace(profile, source="measured").to_json())
-    assert main(["energy", "--config", str(DEMO), "--devices", "2", "--gpu", "a100", "--method", "lowtime",
+    assert main(["energy", "--config", str(DEMO), "--devices", "2", "--dp", "1", "--gpu", "a100", "--method", "lowtime",
                  "--energy-profile", str(path), "--out-dir", str(tmp_path / "out")]) == 0
     text = capsys.readouterr().out
     assert f"measured energy profile {path} (NVIDIA A100 (measured), clocks 810-1410 MHz)" in text
@@ -91,3 +92,31 @@ def test_energy_with_a_measured_profile(tmp_path, capsys):
     bad.write_text("{}")
     assert main(["energy", "--config", str(DEMO), "--devices", "2", "--energy-profile", str(bad)]) == 2
     assert "is not an energy profile" in capsys.readouterr().err
+
+
+def test_energy_refuses_a_plan_without_a_pipeline_and_says_what_to_do(tmp_path, capsys):
+    # the demo on 8 GPUs: 2 microbatches per step, plain DP 2 is planned (no pipeline, nothing to clock)
+    assert main(["energy", "--config", str(DEMO), "--devices", "8", "--method", "lowtime",
+                 "--out-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "the plan for 8 devices has no pipeline" in err and "parallel.pp.degree > 1" in err and "--dp 1" in err
+    assert not (tmp_path / "out" / "energy_plan.json").exists()
+
+
+def test_energy_units_agree_across_table_plot_and_timelines(tmp_path, capsys):
+    assert main(["energy", "--config", str(DEMO), "--devices", "2", "--dp", "1", "--microbatches", "4",
+                 "--method", "lowtime", "--out-dir", str(tmp_path / "out")]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^\s+iteration \(ms\)\s+energy \(J\)\s+savings$", text, re.M), text
+    t_max, e_max = _row(text, "max frequency")
+    frontier = json.loads((tmp_path / "out" / "frontier.json").read_text())
+    assert t_max == pytest.approx(1e3 * frontier[0]["iteration_time_s"], rel=1e-4)  # the table's time is in ms
+    from plait.planner.energy.units import format_energy, format_time
+
+    assert format_time(0.0002475) == "0.2475 ms" and format_energy(1234.5) == "1234.5 J"
+    import inspect
+
+    from plait.train import plots
+
+    source = inspect.getsource(plots.plot_energy_frontier) + inspect.getsource(plots.plot_frequency_timelines)
+    assert "kJ" not in source and "_time_unit(" not in source  # the plots use the table's units

@@ -128,7 +128,7 @@ def test_a_model_plait_cannot_build_keeps_analytic_names_and_gets_no_snippet():
     assert inputs.unit_source.startswith("plait cannot build this model") and "no pipeline layout" in inputs.unit_source
     assert [u.name for u in inputs.units if u.module == "llm"][:2] == ["llm.embed_tokens", "llm.layers.0"]
     out = io.StringIO()
-    choice = plan_command(DEMO, 2, overrides=[f"--model.llm.config={toml_value(PHI)}"], device="cpu",
+    choice = plan_command(DEMO, 2, overrides=[f"--model.llm.config={toml_value(PHI)}"], device="cpu-preset",
                           dp_degrees=[1], out=out)
     assert choice.plan.num_ranks >= 1
     assert "no [parallel.pp] snippet: the unit names are not the model's: plait cannot build" in out.getvalue()
@@ -136,7 +136,7 @@ def test_a_model_plait_cannot_build_keeps_analytic_names_and_gets_no_snippet():
 
 def test_snippet_pasted_into_the_job_file_is_accepted_and_rebuilds_the_plan(tmp_path):
     out = io.StringIO()
-    choice = plan_command(DEMO, 4, tmp_path / "plan.json", device="cpu", dp_degrees=[1], out=out)
+    choice = plan_command(DEMO, 4, tmp_path / "plan.json", device="cpu-preset", dp_degrees=[1], out=out)
     written = json.loads((tmp_path / "plan.json").read_text())
     snippet = written[PP_TOML_KEY]
     assert snippet and snippet in out.getvalue()
@@ -158,14 +158,14 @@ def test_snippet_pasted_into_the_job_file_is_accepted_and_rebuilds_the_plan(tmp_
 
 def test_several_replicas_get_one_replicas_table_and_the_parallel_dp_to_set(tmp_path):
     out = io.StringIO()
-    choice = plan_command(DEMO, 4, tmp_path / "plan.json", device="cpu", dp_degrees=[2], out=out)
+    choice = plan_command(DEMO, 4, tmp_path / "plan.json", device="cpu-preset", dp_degrees=[2], out=out)
     assert choice.dp == 2
     snippet = json.loads((tmp_path / "plan.json").read_text())[PP_TOML_KEY]
     assert snippet and snippet in out.getvalue()
-    assert "also set parallel.dp = 2 and parallel.plan = \"manual\" in [parallel]" in snippet.splitlines()[0]
+    assert tomllib.loads(snippet)["parallel"]["dp"] == 2 and "processes = dp 2 x" in snippet.splitlines()[0]
     assert plan_from_json((tmp_path / "plan.json").read_text()) == choice
-    job = tmp_path / "job.toml"  # the table pasted, parallel.dp set as the comment says
-    job.write_text(DEMO.read_text() + "\n[parallel]\ndp = 2\n" + snippet)
+    job = tmp_path / "job.toml"  # the tables pasted as printed
+    job.write_text(DEMO.read_text() + "\n" + snippet)
     cfg = load_config(job)
     assert cfg.parallel.dp == 2 and cfg.parallel.pp.degree == choice.plan.num_ranks
     if choice.plan.num_ranks > 1:
@@ -184,28 +184,29 @@ def test_single_rank_replicas_snippet_says_no_pipeline_and_parallel_dp():
         pytest.skip("the search put a pipeline in each replica")
     snippet, why = pp_snippet(cfg, choice, inputs.units)
     head = snippet.splitlines()[0]
-    assert why == "" and tomllib.loads(snippet) == {"parallel": {"pp": {"degree": 1}}}
-    assert "no pipeline (degree = 1" in head and "parallel.dp = 2" in head
+    assert why == "" and tomllib.loads(snippet) == {"parallel": {"plan": "manual", "dp": 2, "dp_shard": 1, "tp": 1,
+                                                                 "cp": 1}}
+    assert "2 processes = dp 2 x" in head and "no pipeline" in head
 
 
 def test_dp_out_of_range_names_the_dp_flag():
     # demo.toml: global batch 32 of microbatch 16 = 2 microbatches, so --dp is at most min(4 devices, 2) = 2
     with pytest.raises(ValueError, match=r"--dp 3: .* 1\.\.2 \(at most --devices 4 and the 2 microbatches"):
-        plan_command(DEMO, 4, device="cpu", dp_degrees=[3], out=io.StringIO())
+        plan_command(DEMO, 4, device="cpu-preset", dp_degrees=[3], out=io.StringIO())
 
 
 def test_microbatches_split_the_global_batch_and_never_exceed_it():
     cfg = load_config(DEMO)  # global batch 32, microbatch 16
     with pytest.raises(ValueError, match=r"--microbatches 64: must be in 1\.\.32.*global_batch_size 32.*"
                                          r"microbatch_size 16"):
-        plan_command(DEMO, 2, device="cpu", microbatches=64, out=io.StringIO())
+        plan_command(DEMO, 2, device="cpu-preset", microbatches=64, out=io.StringIO())
     for count, size in ((4, 8), (5, 7), (32, 1), (1, 32)):  # ceil(32 / count) samples each
         split = split_global_batch(cfg, count)
         assert split.train.microbatch_size == size and cfg.train.microbatch_size == 16
         inputs = build_plan_inputs(split, "cpu", microbatches=count)
         assert inputs.microbatches == count and inputs.shapes["llm"].tokens == size * 256
     out = io.StringIO()
-    choice = plan_command(DEMO, 2, device="cpu", microbatches=4, dp_degrees=[1], out=out)
+    choice = plan_command(DEMO, 2, device="cpu-preset", microbatches=4, dp_degrees=[1], out=out)
     assert choice.microbatches == 4 and "4 microbatches of 8 samples (global batch 32)" in out.getvalue()
 
 
@@ -217,7 +218,7 @@ def test_the_jobs_own_pp_table_is_replaced_not_validated(tmp_path):
     with pytest.raises(ValueError, match="attach_encoders"):
         load_config(job)  # as a job to train, the table is invalid
     out = io.StringIO()
-    choice = plan_command(job, 2, device="cpu", dp_degrees=[1], out=out)
+    choice = plan_command(job, 2, device="cpu-preset", dp_degrees=[1], out=out)
     assert choice.stages_per_module[-1][0] == "llm" and len(choice.stages_per_module) == 1
     assert ("the job's [parallel.pp] table and parallel.dp = 4 is not checked or used: the plan replaces it"
             in out.getvalue())
@@ -246,7 +247,7 @@ def test_plan_table_prints_the_per_rank_peak_memory():
 
 def test_plan_and_simulate_print_the_same_peak_memory(tmp_path):
     out, sim = io.StringIO(), io.StringIO()
-    choice = plan_command(DEMO, 3, tmp_path / "plan.json", device="cpu", dp_degrees=[1], out=out)
+    choice = plan_command(DEMO, 3, tmp_path / "plan.json", device="cpu-preset", dp_degrees=[1], out=out)
     simulate_command(tmp_path / "plan.json", tmp_path / "sim", out=sim)
     planned = re.search(r"peak memory per rank \(device\) ([\d.]+ [GM]iB)", out.getvalue()).group(1)
     simulated = re.search(r"peak memory ([\d.]+ [GM]iB)", sim.getvalue()).group(1)
@@ -259,7 +260,7 @@ def test_plan_and_simulate_print_the_same_peak_memory(tmp_path):
 @pytest.mark.parametrize("kind", ["profile", "trace", "no_plan_key", "list"])
 def test_simulate_names_a_file_that_is_not_a_plan(tmp_path, kind):
     plan_json = tmp_path / "plan.json"
-    choice = plan_command(DEMO, 2, plan_json, device="cpu", dp_degrees=[1], out=io.StringIO())
+    choice = plan_command(DEMO, 2, plan_json, device="cpu-preset", dp_degrees=[1], out=io.StringIO())
     data = {
         "profile": {"format": 1, "key": {}, "units": [], "measurements": [], "chunk_overhead_s": {}},
         "trace": {"traceEvents": [{"ph": "X", "name": "F0"}], "displayTimeUnit": "ms"},
@@ -305,7 +306,8 @@ def test_single_rank_plan_snippet_is_degree_one():
     choice = plan_layout(inputs.units, inputs.costs, 1, microbatches=2, machine=Machine(dtype=inputs.dtype),
                          space=SearchSpace(dp_degrees=[1]))
     snippet, why = pp_snippet(cfg, choice, inputs.units)
-    assert why == "" and tomllib.loads(snippet) == {"parallel": {"pp": {"degree": 1}}}
+    assert why == "" and tomllib.loads(snippet) == {"parallel": {"plan": "manual", "dp": 1, "dp_shard": 1, "tp": 1,
+                                                                 "cp": 1}}
 
 
 @pytest.mark.parametrize("value", [

@@ -29,7 +29,7 @@ def test_considered_plans_without_a_fitting_plan_say_so_in_one_sentence():
 
 
 def test_least_need_of_sharded_stages_is_a_share_of_their_pipelined_memory():
-    setup = plan_setup(DEMO, 8, (), DeviceSpec.cpu(), None, 1, 0.9, None, None, 0, None, io.StringIO())
+    setup = plan_setup(DEMO, 8, device=DeviceSpec.cpu(), stream=io.StringIO())
     units, costs, dtype = consistent_units(setup.inputs.units), setup.inputs.costs, setup.machine.dtype
     option = ParallelDegrees(1, 2, "full")  # 8 devices: at most 4 pipeline ranks of FSDP2-sharded stages
     need, best = least_need(units, costs, 8, [option], dtype=dtype)

@@ -22,7 +22,7 @@ DEMO = ROOT / "configs" / "demo.toml"
 
 def _setup(memory_bytes: float, devices: int):
     device = dataclasses.replace(DeviceSpec.h100(), memory_bytes=memory_bytes)
-    return plan_setup(DEMO, devices, (), device, None, 1, 0.9, None, None, 0, None, io.StringIO()), device
+    return plan_setup(DEMO, devices, device=device, stream=io.StringIO()), device
 
 
 def test_least_need_of_a_sharded_option_is_its_whole_rank_memory():

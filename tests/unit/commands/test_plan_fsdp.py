@@ -26,7 +26,7 @@ def _sharded_plan():
     device = dataclasses.replace(DeviceSpec.cpu(), memory_bytes=0.4 * whole / 0.9)
     out = io.StringIO()
     choice = plan_command(DEMO, 4, None, device=device, out=out, profile_store=None)
-    setup = plan_setup(DEMO, 4, (), device, None, 1, 0.9, None, None, 0, None, io.StringIO())
+    setup = plan_setup(DEMO, 4, device=device, stream=io.StringIO())
     return choice, out.getvalue(), setup
 
 

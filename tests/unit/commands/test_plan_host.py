@@ -150,8 +150,8 @@ def test_an_attached_one_encoder_plan_is_written_colocated():
 
 
 def test_considered_plans_are_distinct_and_runnable():
-    recommended, plans = considered_plans(DEMO, 2, device="cpu", profile_store=None)
-    assert recommended == plan_command(DEMO, 2, device="cpu", profile_store=None, out=io.StringIO())
+    recommended, plans = considered_plans(DEMO, 2, device="cpu-preset", profile_store=None)
+    assert recommended == plan_command(DEMO, 2, device="cpu-preset", profile_store=None, out=io.StringIO())
     same = [c for _, c, _ in plans if (c.dp, c.schedule, c.plan) == (recommended.dp, recommended.schedule,
                                                                       recommended.plan)]
     assert len(same) == 1 and same[0].iteration_s == recommended.iteration_s

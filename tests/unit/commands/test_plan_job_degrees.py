@@ -46,4 +46,4 @@ def test_plan_keeps_the_jobs_cpu_offload_and_fsdp_reshard_and_its_table_carries_
         "cpu", "after_backward", 2, 1)
     assert ("the job sets parallel.tp = 1, parallel.dp_shard = 2, parallel.fsdp_reshard = 'after_backward', "
             "parallel.offload = 'cpu': the plan keeps them") in text
-    assert 'dp_shard = 2\ntp = 1\noffload = "cpu"\nfsdp_reshard = "after_backward"\n' in text  # the pasted table
+    assert 'dp_shard = 2\ntp = 1\ncp = 1\noffload = "cpu"\nfsdp_reshard = "after_backward"\n' in text  # the pasted table

@@ -12,7 +12,7 @@ DEMO = Path(__file__).resolve().parents[3] / "configs" / "demo.toml"
 
 def test_plan_shows_lora_units():
     out = io.StringIO()
-    plan_command(DEMO, 2, overrides=["--model.llm.lora.r=4"], device="cpu", dp_degrees=[1], out=out)
+    plan_command(DEMO, 2, overrides=["--model.llm.lora.r=4"], device="cpu-preset", dp_degrees=[1], out=out)
     text = out.getvalue()
     lines = [line for line in text.splitlines() if line.startswith("LoRA ")]
     assert len(lines) == 1 and lines[0].startswith("LoRA llm: ")

@@ -25,7 +25,7 @@ def _plan(memory_bytes: float, tmp_path, devices: int = 4):
 def test_roomy_device_keeps_the_plain_plan(tmp_path):
     choice, text = _plan(80 * 2**30, tmp_path)
     assert (choice.tp, choice.dp_shard, choice.checkpointing) == (1, 1, "none")
-    assert "memory: " not in text and "dp_shard" not in text
+    assert "memory: " not in text and "dp_shard = 1\n" in text
 
 
 def test_tight_device_gets_sharding_and_the_table_runs_it(tmp_path):
@@ -36,12 +36,12 @@ def test_tight_device_gets_sharding_and_the_table_runs_it(tmp_path):
     assert choice.devices_used <= 4
     assert max(choice.stage_memory_bytes) + choice.shard_buffer_bytes <= choice.memory_cap
     assert "memory: " in text
-    snippet = text[text.index("to run this plan, put this table in the job file:\n"):].split("\n", 1)[1]
-    snippet = snippet[:snippet.index("plan written to")]
+    snippet = text[text.index("to run this plan, put these tables in the job file:\n"):].split("\n", 1)[1]
+    snippet = snippet[:snippet.index("or run it as printed")]
     table = tomllib.loads(snippet)["parallel"]
     assert (table["dp"] * table["dp_shard"], table["dp_shard"], table["tp"]) == (choice.dp, choice.dp_shard,
                                                                                  choice.tp)
-    assert table["plan"] == "manual" and "pp" in table
+    assert table["plan"] == "manual" and ("pp" in table) == (choice.plan.num_ranks > 1)  # [parallel.pp]: pipelines
     job = tmp_path / "job.toml"
     text_job = DEMO.read_text()
     if choice.checkpointing != "none":

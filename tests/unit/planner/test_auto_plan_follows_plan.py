@@ -35,7 +35,7 @@ def test_auto_plan_and_plait_plan_choose_the_same_sharded_pipeline():
     spec = DeviceSpec.cpu()
     fraction = CAP / spec.memory_bytes
     out = io.StringIO()
-    setup = plan_setup(DEMO, 8, JOB, spec, None, 1, fraction, None, None, 0, None, out)
+    setup = plan_setup(DEMO, 8, overrides=JOB, device=spec, memory_fraction=fraction, stream=out)
     units, costs, machine = setup.inputs.units, setup.inputs.costs, setup.machine
     assert machine.memory_cap == pytest.approx(CAP)
     with pytest.raises(ValueError, match="no plan fits"):  # without sharding nothing fits, with any TP degree
@@ -65,7 +65,7 @@ def test_auto_plan_and_plait_plan_choose_the_same_sharded_pipeline():
 
 def test_auto_plan_keeps_the_jobs_own_degrees_as_plait_plan_does():
     out = io.StringIO()
-    setup = plan_setup(DEMO, 4, ["--parallel.dp_shard=2"], DeviceSpec.cpu(), None, 1, 0.9, None, None, 0, None, out)
+    setup = plan_setup(DEMO, 4, overrides=["--parallel.dp_shard=2"], device=DeviceSpec.cpu(), stream=out)
     machine = setup.machine
     cfg = copy.deepcopy(setup.cfg)
     cfg.parallel.plan = "auto"

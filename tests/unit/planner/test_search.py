@@ -383,7 +383,7 @@ def test_plan_and_simulate_commands_on_the_demo_config(tmp_path):
     assert inputs.shapes["vision"].tokens == 16 * 64 and inputs.shapes["audio"].tokens == 16 * 150
     assert inputs.model_configs["audio"].output_pool == 2
     text = io.StringIO()
-    choice = plan_command("configs/demo.toml", 4, tmp_path / "plan.json", device="cpu", dp_degrees=[1], out=text)
+    choice = plan_command("configs/demo.toml", 4, tmp_path / "plan.json", device="cpu-preset", dp_degrees=[1], out=text)
     assert plan_from_json((tmp_path / "plan.json").read_text()) == choice  # LayoutChoice + [parallel.pp] text
     table = text.getvalue()
     assert table.count("\n    ") >= choice.plan.num_stages - 1 and f"DP {choice.dp}" in table

@@ -96,7 +96,7 @@ def test_emitted_parallel_table_names_the_reduction_only_when_not_step():
     assert "fsdp_reduce" not in pp_toml(fields, 2, degrees | {"fsdp_reduce": "step"})
     assert "fsdp_reduce" not in pp_toml(fields, 2, degrees)
     text = pp_toml(fields, 2, degrees | {"fsdp_reduce": "microbatch"})
-    assert 'tp = 1\nfsdp_reduce = "microbatch"\n[parallel.pp]\n' in text
+    assert text.endswith('tp = 1\ncp = 1\nfsdp_reduce = "microbatch"\n')  # no pipeline: no [parallel.pp]
 
 
 def test_auto_plan_config_follows_the_chosen_reduction():

@@ -102,8 +102,8 @@ def test_emitted_table_and_auto_plan_config_carry_the_choice():
     from tests.helpers.jobs import tiny_config_dict
 
     fields, degrees = {"degree": 1}, dict(dp=1, dp_shard=2, tp=1, activation_checkpointing="none")
-    assert 'tp = 1\nfsdp_reshard = "after_backward"\n[parallel.pp]\n' in pp_toml(
-        fields, 2, degrees | {"fsdp_reshard": "after_backward"})
+    assert pp_toml(fields, 2, degrees | {"fsdp_reshard": "after_backward"}).endswith(
+        'tp = 1\ncp = 1\nfsdp_reshard = "after_backward"\n')  # no pipeline: no [parallel.pp]
     assert all("fsdp_reshard" not in pp_toml(fields, 2, degrees | {"fsdp_reshard": r})
                for r in ("auto", "after_forward"))  # a manual job's "auto" runs "after_forward"
     cfg = config_from_dict(tiny_config_dict("train.jsonl"))
