@@ -32,7 +32,7 @@ from plait.train.apply_plan import resolve_auto_plan
 from plait.train.metrics import import_wandb
 from plait.train.pipeline_trainer import PipelineTrainer
 from plait.train.plots import plot_loss_curve
-from plait.train.preemption import exit_code
+from plait.train.preemption import StopSignals, exit_code
 from plait.train.run_dir import check_new_run
 from plait.train.run_lock import check_run_free, hold_run_lock
 from plait.train.trainer import Trainer
@@ -68,7 +68,10 @@ def train_command(config: str | Path, overrides: list[str], *, resume: bool | st
     if cfg.parallel.plan == "auto":
         cfg, info = resolve_auto(cfg, profile_store)
     trainer = PipelineTrainer.build(cfg, info) if cfg.parallel.pp.degree > 1 else Trainer.build(cfg, info)
-    with hold_run_lock(trainer.run_dir, trainer.info.is_main, trainer.info.world_size):  # through final/, not fit alone
+    # SIGTERM / Ctrl-C after the last step (fit's own handling has ended) waits until final/ is whole and the lock
+    # released: a half-written final/ and a stale lock are never left; the run is complete, so the exit is 0
+    late = StopSignals("finishing the final model, then stopping")
+    with late, hold_run_lock(trainer.run_dir, trainer.info.is_main, trainer.info.world_size):
         result = trainer.fit(resume=resume, overwrite=overwrite)
         if trainer.info.is_main and not result["stopped"]:  # a stopped run has a checkpoint, not a final model
             _save_and_report(trainer, result)

@@ -281,7 +281,11 @@ def load_metrics(paths: Sequence[str]) -> dict[str, MetricFn]:
 
 
 def _metric_values(name: str, fn: MetricFn, preds: list[str], refs: list[str]) -> dict[str, float]:
-    value = fn(preds, refs)
+    try:
+        value = fn(preds, refs)
+    except Exception as exc:  # a user's function: any error, named as the metric's
+        raise ValueError(f"train.eval_metrics: {name}(predictions, references) raised {type(exc).__name__}: {exc} "
+                         "(a metric takes two lists of strings and returns a float or a dict of floats)") from exc
     if isinstance(value, Mapping):
         return {str(k): float(v) for k, v in value.items()}
     try:

@@ -21,12 +21,13 @@ log = logging.getLogger(__name__)
 
 class StopSignals:
     """Context manager catching SIGTERM and SIGINT while it is active (in the main thread only; elsewhere it does
-    nothing), restoring the previous handlers on exit. :meth:`agreed` is the stop every rank acts on."""
+    nothing), restoring the previous handlers on exit; ``then`` says what happens before the stop. :meth:`agreed` is
+    the stop every rank acts on."""
 
     CAUGHT = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
-        self.signum = 0
+    def __init__(self, then: str = "finishing this step, then writing a checkpoint and stopping") -> None:
+        self.signum, self.then = 0, then
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "StopSignals":
@@ -45,8 +46,7 @@ class StopSignals:
             raise KeyboardInterrupt  # asked twice: stop now, without the checkpoint
         if not self.signum:
             self.signum = signum
-            log.warning("%s received: finishing this step, then writing a checkpoint and stopping (Ctrl-C again "
-                        "stops at once, without it)", signal.Signals(signum).name)
+            log.warning("%s received: %s (Ctrl-C again stops at once)", signal.Signals(signum).name, self.then)
 
     def agreed(self, info: DistInfo) -> int:
         """The signal any rank caught so far (0 for none): the same value on every rank (a collective in a job of

@@ -395,8 +395,7 @@ class Trainer:
         on every rank); the whole :class:`~plait.train.evaluation.EvalReport` is ``last_eval``. Collective."""
         if self.val_set is None:
             return {}
-        if not hasattr(self, "_eval_metrics"):
-            self._eval_metrics = load_metrics(self.cfg.train.eval_metrics)
+        self._load_eval_metrics()
         self.runner.train_mode(False)
         try:
             with gathered(self.sharded):  # FSDP2: parameters gathered once; the ranks' forwards may then differ
@@ -407,6 +406,11 @@ class Trainer:
         finally:
             self.runner.train_mode(True)
         return self.last_eval.exact_match
+
+    def _load_eval_metrics(self) -> None:
+        """``train.eval_metrics`` imported once (a bad entry is a ValueError naming it)."""
+        if self.val_set is not None and not hasattr(self, "_eval_metrics"):
+            self._eval_metrics = load_metrics(self.cfg.train.eval_metrics)
 
     def generate(self, batch: Batch, stop_ids: list[int], model: MultimodalModel | None = None) -> list[str]:
         """Greedy answers (decoded text) for a left-padded batch of prompts, by ``model`` (default: the
@@ -503,6 +507,7 @@ class Trainer:
 
     def _fit(self, resume: bool | str, stop_after: int | None, overwrite: bool) -> dict[str, Any]:
         """:meth:`fit` once the run folder is locked."""
+        self._load_eval_metrics()  # a bad train.eval_metrics entry: refused before step 1, not at the first validation
         resumed = self.resume(None if resume is True else resume) if resume else None
         if not resume:
             self._clear_earlier_run(overwrite)

@@ -49,7 +49,8 @@ def losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def stop_after_step(cmd: list[str], run: Path, sig: int, step: int, limit_s: float = 240) -> subprocess.CompletedProcess:
+def stop_after_step(cmd: list[str], run: Path, sig: int, step: int,
+                    limit_s: float = 240) -> subprocess.CompletedProcess:
     """Run ``cmd``, send ``sig`` once ``run/metrics.jsonl`` shows ``step``, and wait for it to end."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -111,3 +112,26 @@ def test_ctrl_c_of_one_process_checkpoints_and_exits_130(tmp_path):
     assert last < STEPS and checkpoints(run_dir) == [f"step_{last:06d}"]
     assert "SIGINT received: finishing this step" in stopped.stderr
     assert "stopped by SIGINT at step" in stopped.stderr and not (run_dir / "final").exists()
+
+
+LATE_SIGTERM = """
+import os, signal, sys
+import plait.commands.train as train
+real = train.save_final
+def save_final(*args, **kwargs):  # SIGTERM arrives while final/ is being written
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(*args, **kwargs)
+train.save_final = save_final
+from plait.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_while_final_is_written_waits_for_it(tmp_path):
+    run_dir = tmp_path / "late"
+    args = command(1, job(tmp_path, "late"))[3:]  # the arguments after `python -m plait.cli`
+    done = run([sys.executable, "-c", LATE_SIGTERM, *args])
+    assert done.returncode == 0, done.stderr[-3000:]  # the run finished: its final model is whole
+    assert "SIGTERM received: finishing the final model" in done.stderr
+    assert (run_dir / "final" / "plait_config.json").is_file() and (run_dir / "final" / "tokenizer").is_dir()
+    assert not (run_dir / "plait.lock").exists()  # the lock released, not left stale
