@@ -62,7 +62,7 @@ def train_command(config: str | Path, overrides: list[str], *, resume: bool | st
     """
     with same_on_every_rank():  # every rank reads the same files
         cfg = load_config(config, overrides)
-        _check_before_building(cfg, config, resume, overwrite)
+        _check_before_building(cfg, config, resume, overwrite, overrides)
     apply_cpu_threads(cfg.train.threads)  # before profiling or building: torch's one per core crawls on a shared CPU
     info = None
     if cfg.parallel.plan == "auto":
@@ -80,7 +80,8 @@ def train_command(config: str | Path, overrides: list[str], *, resume: bool | st
     return exit_code(result["stopped"]) if result["stopped"] else 0
 
 
-def _check_before_building(cfg: JobConfig, config: str | Path, resume: bool | str, overwrite: bool) -> None:
+def _check_before_building(cfg: JobConfig, config: str | Path, resume: bool | str, overwrite: bool,
+                           overrides: list[str] = ()) -> None:
     """The checks that need no model: ``--resume`` with ``--overwrite``, an earlier run in the run directory of a
     new run (without ``--overwrite``), ``metrics.wandb`` without the package.
 
@@ -94,7 +95,8 @@ def _check_before_building(cfg: JobConfig, config: str | Path, resume: bool | st
         try:
             check_new_run(cfg.metrics.run_dir)
         except ValueError as exc:
-            raise ValueError(str(exc).replace("--config JOB", f"--config {config}")) from None
+            job = " ".join([f"--config {config}", *overrides])  # the suggested commands keep the user's overrides
+            raise ValueError(str(exc).replace("--config JOB", job)) from None
     if cfg.metrics.wandb:
         import_wandb()
 

@@ -60,3 +60,13 @@ def test_demo_builder_refuses_abbreviations():
     out = subprocess.run([sys.executable, "-m", "plait.data.demo.build", "--ou", "x"], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2 and "unrecognized arguments: --ou" in out.stderr
+
+
+def test_the_earlier_run_message_suggests_commands_with_the_users_overrides(tmp_path):
+    job, run = earlier_run(tmp_path)
+    elsewhere = tmp_path / "job2.toml"
+    elsewhere.write_text(job.read_text().replace(str(run), str(tmp_path / "other")))
+    out = plait("train", "--config", str(elsewhere), f"--metrics.run_dir={run}", "--train.steps=1")
+    assert out.returncode == 2, out.stderr
+    assert f"plait train --config {elsewhere} --metrics.run_dir={run} --train.steps=1 --resume" in out.stderr
+    assert f"plait train --config {elsewhere} --metrics.run_dir={run} --train.steps=1 --overwrite" in out.stderr
