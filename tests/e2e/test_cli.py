@@ -106,8 +106,8 @@ def test_a_new_run_never_removes_an_earlier_one_and_a_longer_run_keeps_its_lr_sm
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
     assert (f"plait: error: {run} holds an earlier run (2 checkpoint(s), newest step_000004; a final model (final/))"
             in refused.stderr)
-    assert f"plait train --config {job} --resume" in refused.stderr
-    assert f"plait train --config {job} --overwrite" in refused.stderr
+    assert f"plait train --config {job} {' '.join(small)} --resume" in refused.stderr  # the user's overrides kept
+    assert f"plait train --config {job} {' '.join(small)} --overwrite" in refused.stderr
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
 
     longer = plait("train", "--config", job, *small, "--train.steps=8",
