@@ -60,8 +60,9 @@ def test_a_new_job_writes_runs_of_its_name_and_refuses_an_earlier_run_without_ov
         train_command(job.name, overrides)
     message = str(refused.value)
     assert message.startswith("runs/myjob holds an earlier run (1 checkpoint(s), newest step_000002; a final model")
-    assert "`plait train --config myjob.toml --resume`" in message
-    assert "`plait train --config myjob.toml --overwrite`" in message and "--metrics.run_dir=DIR" in message
+    job_args = "--config myjob.toml --metrics.progress=false --metrics.tensorboard=false"  # the overrides kept
+    assert f"`plait train {job_args} --resume`" in message
+    assert f"`plait train {job_args} --overwrite`" in message and "--metrics.run_dir=DIR" in message
     assert getattr(refused.value, "same_on_every_rank", False)
     with pytest.raises(ValueError, match="--resume continues the run in metrics.run_dir and --overwrite replaces it"):
         train_command(job.name, overrides, resume=True, overwrite=True)
