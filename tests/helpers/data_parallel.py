@@ -21,7 +21,13 @@ def run(cfg: dict, tmp_path, name: str, nproc: int) -> dict:
 def assert_same_training(ref: dict, other: dict) -> None:
     """Equal first-step gradients (rel 1e-5 of each tensor's scale) and final parameters wherever the
     gradient is not zero in exact arithmetic (key biases get ~1e-10 rounding noise that AdamW amplifies)."""
-    assert set(ref["grads"]) == set(other["grads"]) and len(ref["grads"]) > 20
+    assert_same_gradients_and_parameters(ref, other, min_grads=20)
+
+
+def assert_same_gradients_and_parameters(ref: dict, other: dict, min_grads: int) -> None:
+    """``other``'s gradients equal ``ref``'s (rel 1e-5 of each tensor's scale; more than ``min_grads`` of them,
+    same names) and its parameters too wherever the gradient is not zero in exact arithmetic (over 80% of them)."""
+    assert set(ref["grads"]) == set(other["grads"]) and len(ref["grads"]) > min_grads
     for name, grad in ref["grads"].items():
         tol = 1e-5 * float(grad.abs().max()) + 1e-9
         torch.testing.assert_close(other["grads"][name], grad, rtol=1e-5, atol=tol, msg=name)
