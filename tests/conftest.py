@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import faulthandler
+import gc
+import multiprocessing
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -35,3 +39,29 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+EXIT_DEADLINE_S = 120
+"""Seconds the test process may take to exit after the session: past them every thread's stack is printed and the
+process ends with status 1 (a hang at exit then fails CI with its cause instead of running into CI's time limit)."""
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Child processes a test left running, ended and named: the interpreter's exit joins its children, so one that
+    ignores SIGTERM (a DataLoader worker of plait's) would hang the run after every test passed."""
+    gc.collect()  # a dropped DataLoader iterator shuts its workers down when it is collected
+    left = multiprocessing.active_children()
+    for proc in left:
+        proc.join(timeout=5)
+    left = [proc for proc in left if proc.is_alive()]
+    for proc in left:
+        proc.kill()
+        proc.join(timeout=5)
+    if left:
+        names = ", ".join(f"{proc.name} (pid {proc.pid})" for proc in left)
+        print(f"\nconftest: {len(left)} child process(es) left running by the tests were killed: {names}",
+              file=sys.stderr)
+
+
+def pytest_unconfigure(config):
+    faulthandler.dump_traceback_later(EXIT_DEADLINE_S, exit=True)

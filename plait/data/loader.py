@@ -15,6 +15,7 @@ import queue
 import signal
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -232,7 +233,9 @@ class SampleFeed:
         return got
 
     def close(self) -> None:
-        """Stop the receiving thread and the worker processes."""
+        """Stop the receiving thread and the worker processes: once the thread has ended, the feed held the
+        DataLoader iterator's last reference, whose release shuts its workers down (they ignore SIGTERM, so a
+        worker left running would block the interpreter's exit, which joins its child processes)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -242,14 +245,19 @@ class SampleFeed:
 
 def _receive(steps: Iterator[LoadedSamples], ready: queue.Queue, stop: threading.Event) -> None:
     """A :class:`SampleFeed`'s receiving thread: the loaded steps in order into ``ready``, then StopIteration (or
-    the error loading raised); it ends early when ``stop`` is set. It holds no reference to the feed."""
+    the error loading raised); it ends early when ``stop`` is set. It holds no reference to the feed, and the
+    error it hands over holds none to the iterator: the frames of its traceback keep their lines, not their
+    locals (a caller keeping the error would otherwise keep the worker processes alive)."""
     try:
         for got in steps:
             if not _put(ready, stop, got):
                 return
-        _put(ready, stop, StopIteration())
+        item: BaseException = StopIteration()
     except Exception as exc:  # noqa: BLE001  (handed to the caller by SampleFeed.next)
-        _put(ready, stop, exc)
+        traceback.clear_frames(exc.__traceback__)  # the loader's frames hold the iterator as ``self``
+        item = exc
+    del steps  # this frame is in the error's traceback too
+    _put(ready, stop, item)
 
 
 def _put(ready: queue.Queue, stop: threading.Event, item: Any) -> bool:

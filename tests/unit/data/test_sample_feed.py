@@ -3,6 +3,8 @@ caller), failures per sample, errors outside a sample re-raised, and a prompt cl
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 
 from plait.data.loader import SampleFeed
@@ -57,6 +59,22 @@ def test_an_error_outside_a_sample_is_raised_to_the_caller_from_the_worker():
     with pytest.raises(RuntimeError, match="boom at 13"):
         feed.next()  # and again: the feed does not skip past it
     feed.close()
+
+
+def test_close_after_an_error_ends_the_workers_while_the_caller_keeps_the_error():
+    """The workers ignore SIGTERM: one left running blocks the interpreter's exit (it joins its children)."""
+    before = set(multiprocessing.active_children())
+    feed = SampleFeed(FakeDataset(), iter([(0,), (13,), (14,)]), workers=2, prefetch=2)
+    assert feed.next().samples == {0: 0}
+    with pytest.raises(RuntimeError, match="boom at 13") as caught:
+        feed.next()
+    workers = [p for p in multiprocessing.active_children() if p not in before]
+    assert len(workers) == 2
+    feed.close()
+    for proc in workers:
+        proc.join(timeout=10)
+    assert [proc.is_alive() for proc in workers] == [False, False]
+    assert "boom at 13" in str(caught.value)  # still held here, with its traceback
 
 
 def test_close_mid_run_stops_the_receiving_thread_promptly():
