@@ -15,10 +15,34 @@ from typing import Any
 
 import torch
 
+from plait.config.schema import JobConfig
 from plait.data.collate import Batch
+from plait.planner.microbatch.types import ModuleCostCoeffs
+from plait.planner.microbatch import (MicrobatchPlan, MicrobatchPolicy, SampleCost, plan_microbatches,
+                                      sample_costs_from_metadata)
 from plait.planner.microbatch.routing import FeatureRouting
 
-__all__ = ["StepBatches", "encoder_view_batch"]
+__all__ = ["StepBatches", "encoder_view_batch", "plan_global_batch"]
+
+
+def plan_global_batch(cfg: JobConfig, metas: Sequence[Any], coeffs: Mapping[str, ModuleCostCoeffs], dp: int,
+                      num_microbatches: int, step: int, allow_deferral: bool = True
+                      ) -> tuple[MicrobatchPlan, tuple[SampleCost, ...]]:
+    """The assignment of a global batch to ``dp`` replicas of ``num_microbatches`` microbatches each by the job's
+    ``train.microbatch_policy`` (Entrain's workload balance; ``plan_microbatches``), from the samples' metadata
+    (``metas``, one per sample in arrival order: ``SampleMeta``) and the modules' cost coefficients (``coeffs``,
+    :func:`~plait.train.cost_coeffs.microbatch_cost_coeffs`), seeded by ``train.seed`` and ``step``: the same plan
+    on every rank, without communication, for ``plait train``'s replicas and ``plait launch``'s pipelines alike.
+    ``allow_deferral``: a sample's LLM work may run in a later microbatch than its encoder work. Returns the plan
+    (entries are positions in the batch) and the per-sample costs it balanced.
+
+    Raises:
+        ValueError: as ``plan_microbatches`` (inconsistent costs, a negative step).
+    """
+    costs = sample_costs_from_metadata(metas, coeffs)
+    policy = MicrobatchPolicy(method=cfg.train.microbatch_policy, dp=dp, num_microbatches=num_microbatches,
+                              seed=cfg.train.seed, allow_deferral=allow_deferral)
+    return plan_microbatches(costs, policy, step), costs
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from plait.config.schema import TrainConfig
 from plait.models.multimodal import MultimodalModel
 
 __all__ = ["CosineSchedule", "LRSchedule", "build_optimizer", "build_scheduler", "lr_factor", "step_optimizer"]
@@ -151,6 +152,12 @@ class LRSchedule:
         extended_from: after :meth:`load_state_dict`, the saved total when this job's total differs and the saved
             schedule was re-stretched to it (None otherwise).
     """
+
+    @classmethod
+    def of_job(cls, train: TrainConfig, total: int, optimizer: torch.optim.Optimizer | None = None) -> LRSchedule:
+        """The schedule of a job's ``[train]`` section (``lr``, ``warmup_steps``, ``min_lr_ratio``) over ``total``
+        steps: every training loop's, ``plait train``'s and ``plait launch``'s workers'."""
+        return cls(train.lr, lr_factor(train.warmup_steps, total, train.min_lr_ratio), optimizer)
 
     def __init__(self, base_lr: float, factor: Callable[[int], float],
                  optimizer: torch.optim.Optimizer | None = None) -> None:

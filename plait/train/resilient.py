@@ -7,12 +7,15 @@ Each worker (its id is its rank in generation 0 and never changes):
 1. joins the job's membership (``plait.parallel.membership``: heartbeats in the launcher's ``TCPStore``, the gloo
    group on a per-generation store prefix) and builds the stages of its pipeline's plan rank
    (``build_rank_stages``) and the per-unit gradient groups (``plait.parallel.hetero_dp``);
-2. per step draws the global batch from the job's loader (a function of seed, epoch and step), cuts it into the
-   instantiation's microbatches with the trainers' planner (:func:`pipeline_microbatches`: ``plan_microbatches``
-   in arrival order) and runs its pipeline's share through the pipeline runtime as the pipelined trainer does
-   (``run_pipeline_step``; the loss is normalised by the whole global batch's target tokens), the gradients
-   summed across pipelines and clipped by its sync (:class:`~plait.parallel.grad_sync.HeteroSync`) and the
-   optimizer stepped by :func:`~plait.train.optim.step_optimizer`, as the trainers do;
+2. runs the loop of every plait job (:func:`~plait.train.loop.run_steps`: when to write, validate and
+   checkpoint; the progress bar), this worker its step host: per step it draws the global batch from the job's
+   loader (a function of seed, epoch and step), plans it with ``plait train``'s planner
+   (:func:`~plait.train.batches.plan_global_batch`: ``train.microbatch_policy`` over the instantiation's
+   microbatches, pipeline ``p`` taking the next ``counts[p]`` of them, :func:`pipeline_microbatches`) and runs its
+   pipeline's share through the pipeline runtime as the pipelined trainer does (``run_pipeline_step``; the loss is
+   normalised by the whole global batch's target tokens), the gradients summed across pipelines and clipped by its
+   sync (:class:`~plait.parallel.grad_sync.HeteroSync`) and the optimizer stepped by
+   :func:`~plait.train.optim.step_optimizer` at the LR of the trainers' schedule (``LRSchedule.of_job``);
 3. votes to commit before its optimizer step (``Membership.commit``: a two-phase commit through the store), so
    either every survivor steps or none does;
 4. when a collective or P2P call fails (a peer died), re-forms the group over the survivors, plans the
@@ -41,7 +44,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import signal
 import time
@@ -59,6 +61,7 @@ from plait.config.schema import JobConfig
 from plait.data.chat_template import tokenizer_dir
 from plait.data.collate import collate
 from plait.data.mixture import build_batch_loader
+from plait.data.progress import Progress
 from plait.models.generation import stop_token_ids
 from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.parallel.grad_sync import HeteroSync
@@ -67,17 +70,20 @@ from plait.parallel.membership import Membership, NoQuorumError
 from plait.parallel.pipeline import run_pipeline_step
 from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.unit_transfer import move_units, unit_parameter_names
-from plait.planner.microbatch import MicrobatchPolicy, SampleCost, plan_microbatches
+from plait.planner.microbatch import MicrobatchPlan
 from plait.planner.resilience.reconfigure import plan_reconfiguration, plan_rejoin
 from plait.planner.resilience.types import Instantiation, Reconfiguration, TemplateSet, Transfer
 from plait.planner.pipeline.schedule_ir import Schedule
 from plait.planner.pipeline.schedules import build_schedule
+from plait.train.batches import plan_global_batch
 from plait.train.build import build_datasets, seed_everything
+from plait.train.cost_coeffs import microbatch_cost_coeffs
 from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, save_checkpoint, training_set_identity
 from plait.train.evaluation import EvalReport, eval_batch_size, evaluate_on, load_metrics
+from plait.train.loop import LoopSchedule, run_steps, total_steps
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter
-from plait.train.optim import LRSchedule, build_optimizer, lr_factor, step_optimizer
+from plait.train.optim import LRSchedule, build_optimizer, step_optimizer
 from plait.train.replica_eval import replica_eval_side
 from plait.train.run_start import say
 
@@ -126,24 +132,19 @@ class LaunchPlan:
                    tuple((int(w), int(s)) for w, s in d.get("rejoins", ())))
 
 
-def pipeline_microbatches(indices: Sequence[int], microbatch_size: int, counts: Sequence[int],
-                          step: int = 0) -> list[list[list[int]]]:
-    """The global batch ``indices`` cut into ``sum(counts)`` microbatches by ``plan_microbatches`` in arrival order
-    (one replica: consecutive groups whose sizes differ by at most one, the larger first; some empty when the
-    batch holds fewer samples than microbatches), pipeline ``p`` taking the next ``counts[p]``. Returns per
-    pipeline its microbatches (dataset indices).
+def pipeline_microbatches(indices: Sequence[int], plan: MicrobatchPlan, counts: Sequence[int]
+                          ) -> list[list[list[int]]]:
+    """The global batch ``indices`` in the microbatches of ``plan`` (one replica of ``sum(counts)`` microbatches,
+    :func:`~plait.train.batches.plan_global_batch`: the job's ``train.microbatch_policy``, as ``plait train``),
+    pipeline ``p`` taking the next ``counts[p]`` of them. Returns per pipeline its microbatches (dataset indices;
+    some empty when the batch holds fewer samples than microbatches).
 
     Raises:
-        ValueError: when ``microbatch_size`` < 1, no pipeline has a microbatch, or the batch holds more than
-            ``sum(counts) * microbatch_size`` samples (a microbatch larger than the plan's).
+        ValueError: when ``plan`` is not one replica of ``sum(counts)`` microbatches.
     """
-    total = sum(counts)
-    if microbatch_size < 1 or total < 1:
-        raise ValueError(f"need microbatch_size >= 1 and some microbatch, got {microbatch_size} and {list(counts)}")
-    if len(indices) > total * microbatch_size:
-        raise ValueError(f"{len(indices)} samples do not fit {total} microbatches of {microbatch_size}")
-    costs = [SampleCost(k, (1.0,), 1) for k in range(len(indices))]  # arrival order reads no cost
-    plan = plan_microbatches(costs, MicrobatchPolicy("arrival", num_microbatches=total), step)
+    if plan.dp != 1 or plan.num_microbatches != sum(counts):
+        raise ValueError(f"a plan of {plan.dp} replicas x {plan.num_microbatches} microbatches for pipelines of "
+                         f"{list(counts)} microbatches")
     groups = [[indices[k] for k in mb] for mb in plan.microbatches[0]]
     starts = [sum(counts[:p]) for p in range(len(counts))]
     return [groups[a:a + c] for a, c in zip(starts, counts)]
@@ -182,12 +183,19 @@ class ResilientWorker:
     train_set: Any = None
     val_set: Any = None
     names: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    cost_coeffs: dict[str, Any] = field(default_factory=dict)
     stop_ids: list[int] = field(default_factory=list)
     metric_fns: dict[str, Any] = field(default_factory=dict)
     schedule: LRSchedule | None = None
     writer: MetricsWriter | None = None
     last_row: dict[str, Any] | None = None
     last_error: str = ""
+    run: WorkerRun | None = None
+    """This worker's part of the current instantiation (:meth:`train` on)."""
+    loader: Any = None
+    """The job's global batch loader (:meth:`train` on)."""
+    step: int = 0
+    """Steps committed."""
 
     @property
     def worker(self) -> int:
@@ -203,6 +211,7 @@ class ResilientWorker:
         self.processor = build_processor(cfg.model, model, self.tokenizer, cfg.data.max_length)
         self.train_set, self.val_set = build_datasets(cfg, self.processor, False)
         self.names = unit_parameter_names(model)
+        self.cost_coeffs = microbatch_cost_coeffs(model)
         self.stop_ids = stop_token_ids(self.tokenizer, model.language_model.generation_config)
         self.metric_fns = load_metrics(cfg.train.eval_metrics) if self.val_set is not None else {}
 
@@ -254,7 +263,12 @@ class ResilientWorker:
         sync; returns ``(loss, gradient norm)``. Raises ``RuntimeError`` when a peer died (collective over the
         group)."""
         counts = [p.microbatches for p in run.inst.pipelines]
-        mine = pipeline_microbatches(indices, self.cfg.train.microbatch_size, counts, step)[run.hetero.comm.dp_rank]
+        if len(indices) > sum(counts) * self.cfg.train.microbatch_size:
+            raise ValueError(f"{len(indices)} samples do not fit {sum(counts)} microbatches of "
+                             f"{self.cfg.train.microbatch_size}")
+        plan, _ = plan_global_batch(self.cfg, [self.train_set.sample_meta(i) for i in indices], self.cost_coeffs, 1,
+                                    sum(counts), step, allow_deferral=False)  # the pipelines route no features
+        mine = pipeline_microbatches(indices, plan, counts)[run.hetero.comm.dp_rank]
         batches = [collate([self.train_set[i] for i in mb], self.processor.pad_id, pack=self.cfg.data.packing)
                    if mb else None for mb in mine]
         res = run_pipeline_step(run.stages, run.schedule, batches, targets, run.hetero.comm, loss_fn=token_loss_sum,
@@ -286,12 +300,13 @@ class ResilientWorker:
             return None
         return register_module_forward_pre_hook(lambda module, args: os.kill(os.getpid(), signal.SIGKILL))
 
-    def _write_row(self, row: dict[str, Any], training: bool = True) -> None:
-        """``metrics.jsonl`` as ``plait train`` writes it (``training``: a step's row, else a validation row), by
+    def write(self, row: dict[str, Any]) -> None:
+        """``metrics.jsonl`` as ``plait train`` writes it (a step's row, or a validation row: with ``eval``), by
         the current rank 0. A worker that becomes rank 0 mid-run (the previous one died) reopens the file at the
         step before its last committed row (which the dead worker may not have written) and writes that row again
         before ``row``."""
         last = self.last_row
+        training = "eval" not in row
         if training:
             self.last_row = row
         if self.membership.rank != 0:
@@ -308,13 +323,12 @@ class ResilientWorker:
                 self.writer.write(last)
         self.writer.write(row)
 
-    def _checkpoint(self, run: WorkerRun, steps: int, loader: Any, total: int) -> WorkerRun:
-        """Write the checkpoint of ``steps`` steps done when ``checkpoint.every`` or the end asks for one
-        (collective); a worker failing during it leads to a reconfiguration and the checkpoint written again.
-        Returns the (possibly reconfigured) run."""
-        every = self.cfg.checkpoint.every
-        if not ((every and steps % every == 0) or steps == total):
-            return run
+    def checkpoint(self, steps: int) -> None:
+        """Write the checkpoint of ``steps`` steps done (collective); a worker failing during it leads to a
+        reconfiguration and the checkpoint written again."""
+        self.run = self._checkpoint(self.run, steps, self.loader)
+
+    def _checkpoint(self, run: WorkerRun, steps: int, loader: Any) -> WorkerRun:
         while True:
             try:
                 save_checkpoint(checkpoint_dir(self.cfg.metrics.run_dir, steps), run.stages.model, run.opt,
@@ -328,14 +342,16 @@ class ResilientWorker:
                 return run
             run = self._recover(run, time.monotonic())
 
-    def _evaluate(self, run: WorkerRun, steps: int, total: int) -> WorkerRun:
-        """Validate after ``steps`` steps when ``train.eval_every`` or the end asks for it, as ``plait train``
-        does (the loss per task, greedy answers, exact match, ``train.eval_metrics``, the predictions file), through
-        the pipelines (:func:`~plait.train.replica_eval.replica_eval_side`; collective). Committed like a step: a
-        worker failing during it leads to a reconfiguration and the validation again. Returns the run."""
-        every, t = self.cfg.train.eval_every, self.cfg.train
-        if self.val_set is None or not ((every and steps % every == 0) or steps == total):
-            return run
+    def validate(self, steps: int) -> dict[str, Any]:
+        """Validate after ``steps`` steps as ``plait train`` does (the loss per task, greedy answers, exact match,
+        ``train.eval_metrics``, the predictions file), through the pipelines
+        (:func:`~plait.train.replica_eval.replica_eval_side`; collective). Committed like a step: a worker failing
+        during it leads to a reconfiguration and the validation again. Returns the validation row."""
+        self.run, report = self._evaluate(self.run, steps)
+        return {"step": steps, "eval": report.exact_match, **report.record()}
+
+    def _evaluate(self, run: WorkerRun, steps: int) -> tuple[WorkerRun, EvalReport]:
+        t = self.cfg.train
         while True:
             report: EvalReport | None = None
             run.stages.train(False)
@@ -351,13 +367,8 @@ class ResilientWorker:
             finally:
                 run.stages.train(True)
             if self.membership.commit(f"eval{steps}", ready=report is not None):
-                break
+                return run, report
             run = self._recover(run, time.monotonic())
-        self._write_row({"step": steps, "eval": report.exact_match, **report.record()}, training=False)
-        if self.membership.rank == 0:
-            say(f"plait launch: step {steps}: validation exact match "
-                + ", ".join(f"{k}={v:.1%}" for k, v in report.exact_match.items()))
-        return run
 
     def _layout(self, inst: Instantiation) -> CheckpointLayout:
         """The checkpoint's record of the job's layout: the workers, the pipelines as DP replicas and, as PP
@@ -442,66 +453,79 @@ class ResilientWorker:
         return new
 
     def train(self, joining: bool = False) -> None:
-        """Train every step of the job (``train.steps``, or ``train.epochs`` of the loader), surviving failures,
-        writing metrics and checkpoints as ``plait train`` does; ``joining``: this worker was restarted and joins
-        the running job (:meth:`Membership.rejoin`)."""
-        loader = build_batch_loader(self.cfg, self.train_set)
-        t = self.cfg.train
-        total = t.steps or math.ceil(t.epochs * loader.batches_per_epoch)
-        self.schedule = LRSchedule(t.lr, lr_factor(t.warmup_steps, total, t.min_lr_ratio))
-        step = 0
+        """Train every step of the job (``train.steps``, or ``train.epochs`` of the loader) by the loop of every
+        plait job (:func:`~plait.train.loop.run_steps`, this worker its :class:`~plait.train.loop.StepHost`),
+        surviving failures, writing metrics and checkpoints as ``plait train`` does; ``joining``: this worker was
+        restarted and joins the running job (:meth:`Membership.rejoin`). A progress bar on the worker that starts
+        as rank 0 (``metrics.progress``)."""
+        self.loader = loader = build_batch_loader(self.cfg, self.train_set)
+        total = total_steps(self.cfg, loader.batches_per_epoch)
+        self.schedule = LRSchedule.of_job(self.cfg.train, total)
+        self.step = 0
         if joining:
             start = time.monotonic()
             payload = self.membership.rejoin()
-            step = int(payload["step"])
-            self.schedule.load_state_dict({"last_epoch": step, "_step_count": step + 1})
-            for _ in range(step):  # the data position: the global batches are a function of (seed, epoch, step)
+            self.step = int(payload["step"])
+            self.schedule.load_state_dict({"last_epoch": self.step, "_step_count": self.step + 1})
+            for _ in range(self.step):  # the data position: the global batches are a function of (seed, epoch, step)
                 loader.next_batch()
-            run = self._apply_rejoin(Instantiation.from_dict(payload["inst"]), payload["joiners"], None, start)
+            self.run = self._apply_rejoin(Instantiation.from_dict(payload["inst"]), payload["joiners"], None, start)
         else:
-            run = self.build_run(self.plan.instantiation)
-        while step < total:
-            run = self.admit_joiners(run, step)
-            run = self._run_step(run, loader, step)
-            step += 1
-            run = self._evaluate(run, step, total)
-            run = self._checkpoint(run, step, loader, total)
+            self.run = self.build_run(self.plan.instantiation)
+        bar = Progress(total, "launch", "step", self.membership.rank == 0 and self.cfg.metrics.progress,
+                       initial=self.step)
+        try:
+            run_steps(self, LoopSchedule.of(self.cfg, total, validates=self.val_set is not None), self.step, bar)
+        finally:
+            bar.close()
         if self.writer is not None:
             self.writer.close()
-        torch.save({n: p.detach().clone() for n, p in run.stages.model.named_parameters()},
+        torch.save({n: p.detach().clone() for n, p in self.run.stages.model.named_parameters()},
                    self.out / f"final-worker{self.worker}.pt")
 
-    def _run_step(self, run: WorkerRun, loader: Any, step: int) -> WorkerRun:
-        """Step ``step`` (0-based) on the loader's next global batch, replayed after reconfigurations until it
-        commits; logs it (the worker's log, ``metrics.jsonl``). Returns the (possibly reconfigured) run."""
+    def before_step(self, step: int) -> None:
+        """Admit the workers planned to rejoin at ``step`` (:meth:`admit_joiners`)."""
+        self.run = self.admit_joiners(self.run, step)
+
+    def stop_agreed(self) -> int:
+        """0: the launcher, not the loop, handles the job's signals."""
+        return 0
+
+    def say(self, message: str) -> None:
+        """``message`` on the current rank 0."""
+        if self.membership.rank == 0:
+            say(f"plait launch: {message}")
+
+    def next_step(self) -> dict[str, Any]:
+        """The next step on the loader's next global batch, replayed after reconfigurations until it commits;
+        logged in the worker's log. Returns its metrics row."""
+        loader, step = self.loader, self.step
         epoch, begin = loader.epoch, time.monotonic()
         indices = loader.next_batch()
         targets = sum(self.train_set.sample_meta(i).target_tokens for i in indices)
         failed_at, in_vain = None, 0
-        while (done := self._try_step(run, indices, targets, step)) is None:  # replay the step until it commits
+        while (done := self._try_step(self.run, indices, targets, step)) is None:  # replay the step until it commits
             failed_at, members = failed_at or time.monotonic(), self.membership.members
-            run = self._recover(run, failed_at)  # outside the except: its traceback held the old groups
+            self.run = self._recover(self.run, failed_at)  # outside the except: its traceback held the old groups
             in_vain = in_vain + 1 if self.membership.members == members else 0
             if in_vain == MAX_REPLAYS:  # a failure no worker's death explains (a bug, not a peer): stop
                 seen = self.last_error or "none here (another worker abandoned the step)"
                 raise RuntimeError(f"step {step} failed {in_vain} times in a row with every worker alive; last "
                                    f"error on worker {self.worker}: {seen}")
         loss, lr, norm = done
+        self.step += 1
         record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr,
                   "samples": [self.train_set.sample_meta(i).id for i in indices],
-                  "pipelines": [list(p.ranks) for p in run.inst.pipelines]}
+                  "pipelines": [list(p.ranks) for p in self.run.inst.pipelines]}
         if failed_at is not None:
             record["recovery_s"] = time.monotonic() - failed_at
-            if self.membership.rank == 0:
-                say(f"plait launch: recovered: step {step} done {record['recovery_s']:.2f} s after the "
-                    "failure was seen")
+            self.say(f"recovered: step {step} done {record['recovery_s']:.2f} s after the failure was seen")
         self._log(record)
         tokens = sum(self.train_set.sample_meta(i).length for i in indices)
-        self._write_row({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
-                         "tokens_per_s": tokens / (time.monotonic() - begin), "target_tokens": targets,
-                         "epoch": loader.epoch, "pipelines": record["pipelines"],
-                         **({"recovery_s": record["recovery_s"]} if failed_at is not None else {})})
-        return run
+        return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
+                "tokens_per_s": tokens / (time.monotonic() - begin), "target_tokens": targets,
+                "epoch": loader.epoch, "pipelines": record["pipelines"],
+                **({"recovery_s": record["recovery_s"]} if failed_at is not None else {})}
 
 
 def run_resilient_worker(cfg: JobConfig, plan_path: str | Path, worker: int, world: int, host: str,

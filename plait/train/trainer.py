@@ -21,13 +21,12 @@ deferred encoder backwards.
 from __future__ import annotations
 
 import logging
-import math
 import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -49,27 +48,21 @@ from plait.parallel.fsdp import gathered
 from plait.parallel.process_group import DistInfo
 from plait.parallel.parallelize import PipelinePlace, parallelize
 from plait.parallel.pipeline import build_pipeline_comm
-from plait.planner.microbatch import (
-    MicrobatchPlan,
-    MicrobatchPolicy,
-    SampleCost,
-    plan_microbatches,
-    sample_costs_from_metadata,
-    workload_stats,
-)
+from plait.planner.microbatch import MicrobatchPlan, SampleCost, workload_stats
 from plait.planner.pipeline.types import PipelinePlan
 from plait.planner.microbatch.routing import plan_feature_routing
 from plait.planner.token_distributor import plan_tokens
-from plait.train.batches import StepBatches, encoder_view_batch
+from plait.train.batches import StepBatches, encoder_view_batch, plan_global_batch
 from plait.train.build import TrainerParts, build_trainer_parts, check_tp_degree, join_job, model_from_checkpoint
 from plait.train.checkpoint import (CheckpointLayout, checkpoint_dir, latest_checkpoint, load_checkpoint,
                                     save_checkpoint, training_set_identity)
 from plait.train.cost_coeffs import microbatch_cost_coeffs
 from plait.train.evaluation import eval_batch_size, evaluate_on, load_metrics
 from plait.train.feed import receive_step, upcoming_rank_samples
+from plait.train.loop import LoopSchedule, run_steps, total_steps
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter, detect_energy_meter
-from plait.train.optim import LRSchedule, build_optimizer, lr_factor, step_optimizer
+from plait.train.optim import LRSchedule, build_optimizer, step_optimizer
 from plait.train.preemption import StopSignals
 from plait.train.run_dir import no_checkpoint_message
 from plait.train.run_lock import hold_run_lock
@@ -80,6 +73,15 @@ from plait.train.step_run import FlatRunner
 __all__ = ["Trainer", "StepResult"]
 
 log = logging.getLogger(__name__)
+
+
+class _Fitting(NamedTuple):
+    """What a :meth:`Trainer.fit` call holds while its steps run."""
+
+    feed: SampleFeed
+    writer: MetricsWriter
+    stop: StopSignals
+    bar: Progress
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,7 @@ class Trainer:
                                                 self.info.device.type)
         self._use_attention(self.model)
         self.loader = build_batch_loader(cfg, self.train_set)  # a MixtureBatchLoader for [[data.sources]]
-        self.total_steps = t.steps or math.ceil(t.epochs * self.loader.batches_per_epoch)
+        self.total_steps = total_steps(cfg, self.loader.batches_per_epoch)
         self.cost_coeffs = microbatch_cost_coeffs(self.model)
         self._setup_training()
         self.step = 0
@@ -145,6 +147,7 @@ class Trainer:
         self._loaded: dict[int, Any] = {}  # this step's samples loaded ahead (fit), by dataset index
         self.dropped: list[SkippedSample] = []  # samples dropped from their step: they failed to load
         self.encoder_buffer_peak_bytes = 0  # of the last forward_backward (deferred encoder outputs)
+        self._fitting: _Fitting | None = None  # while fit runs its steps
         use_bf16 = t.dtype == "bf16" or (t.dtype == "auto" and self.info.device.type == "cuda")
         self.autocast = (
             (lambda: torch.autocast(self.info.device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
@@ -223,9 +226,8 @@ class Trainer:
         if self.stages is None or self.stages.trainable_parameters():
             self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, t.betas,
                                              {n: e.lr_scale for n, e in self.cfg.model.encoders.items()})
-        factor = lr_factor(t.warmup_steps, self.total_steps, t.min_lr_ratio)
         # a pipeline's ranks hold different groups (or none): one job-level schedule state on every rank
-        self.scheduler = LRSchedule(t.lr, factor, self.optimizer if self.stages is None else None)
+        self.scheduler = LRSchedule.of_job(t, self.total_steps, self.optimizer if self.stages is None else None)
         self.runner = FlatRunner(self) if self.stages is None else PipelineRunner(self)
 
     def _parallelize(self, pipeline: PipelinePlace | None) -> None:
@@ -256,14 +258,9 @@ class Trainer:
         buffers encoder outputs as detached leaves, the pipeline runtime on the first LLM stage
         (:class:`~plait.planner.microbatch.routing.FeatureRouting`).
         """
-        t = self.cfg.train
-        costs = sample_costs_from_metadata([self.train_set.sample_meta(i) for i in indices], self.cost_coeffs)
         per_rank = -(-len(indices) // self.dp)
-        policy = MicrobatchPolicy(
-            method=t.microbatch_policy, dp=self.dp, num_microbatches=self._num_microbatches(per_rank),
-            seed=t.seed, allow_deferral=True,
-        )
-        return plan_microbatches(costs, policy, self.step if step is None else step), costs
+        return plan_global_batch(self.cfg, [self.train_set.sample_meta(i) for i in indices], self.cost_coeffs,
+                                 self.dp, self._num_microbatches(per_rank), self.step if step is None else step)
 
     def _rank_samples(self, indices: Sequence[int], step: int) -> list[int]:
         """The dataset indices of the global batch ``indices`` of ``step`` that this rank's DP replica trains."""
@@ -493,7 +490,7 @@ class Trainer:
         schedule, holding the run folder's lock throughout (:func:`~plait.train.run_lock.hold_run_lock`: a run folder
         another live run is writing is refused, ``ValueError``). A fresh run (no ``resume``) refuses a run
         directory holding an earlier run's checkpoints or final model, or with ``overwrite`` removes them first
-        (:meth:`_clear_earlier_run`). Each step's samples are loaded ahead by ``data.num_workers`` worker processes
+        (:func:`~plait.train.run_start.clear_earlier_run`). Each step's samples are loaded ahead by ``data.num_workers`` worker processes
         (:class:`~plait.data.loader.SampleFeed`, :mod:`plait.train.feed`); one that fails to load is dropped from
         its step on every rank alike (or stops the run with ``data.on_error = "raise"``); the wait goes to the
         metrics as ``data_wait_s``. SIGTERM or SIGINT on any rank (:class:`~plait.train.preemption.StopSignals`)
@@ -506,11 +503,12 @@ class Trainer:
         return result
 
     def _fit(self, resume: bool | str, stop_after: int | None, overwrite: bool) -> dict[str, Any]:
-        """:meth:`fit` once the run folder is locked."""
+        """:meth:`fit` once the run folder is locked: the steps by :func:`~plait.train.loop.run_steps`, this trainer
+        its :class:`~plait.train.loop.StepHost`."""
         self._load_eval_metrics()  # a bad train.eval_metrics entry: refused before step 1, not at the first validation
         resumed = self.resume(None if resume is True else resume) if resume else None
         if not resume:
-            self._clear_earlier_run(overwrite)
+            clear_earlier_run(self.run_dir, self.info.is_main, self.info.world_size, overwrite)
         main = self.info.is_main
         if resumed is not None and resumed >= self.total_steps and main:
             log.warning(nothing_to_train(resumed, self.total_steps, self.cfg.train))
@@ -521,53 +519,64 @@ class Trainer:
         self._report_setup(writer)
         first = self.step
         end = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
+        when = LoopSchedule.of(self.cfg, self.total_steps, end, self.val_set is not None)
         bar = Progress(self.total_steps, "train", "step", main and self.cfg.metrics.progress, initial=self.step)
-        losses, evals = [], {}
         feed = SampleFeed(self.train_set, upcoming_rank_samples(self.loader, self.step, end, self._rank_samples),
                           self.cfg.data.num_workers, self.cfg.data.prefetch)
-        stop, stopped = StopSignals(), 0
-        with stop:
+        self._fitting = _Fitting(feed, writer, StopSignals(), bar)
+        with self._fitting.stop:
             try:  # closed on an error too: no sample-feed thread or loader worker outlives the run
-                while self.step < end and not stopped:
-                    got = receive_step(feed.next(), self.loader.next_batch(), self.train_set, self.info.device,
-                                       self.cfg.data.on_error, self.step + 1)
-                    self._loaded, self.dropped = got.samples, self.dropped + got.dropped
-                    res = self.train_step(got.indices)
-                    self._loaded = {}
-                    losses.append(res.loss)
-                    rec = {"step": res.step, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
-                           "tokens_per_s": res.tokens / res.time_s, "target_tokens": res.target_tokens,
-                           "epoch": self.loader.epoch, "workload": res.workload,
-                           "deferred_samples": res.deferred_samples,
-                           "encoder_buffer_peak_bytes": res.encoder_buffer_peak_bytes, "data_wait_s": got.wait_s,
-                           "dropped_samples": len(got.dropped), **batch_sources(self.loader, got.indices)}
-                    if res.step % self.cfg.metrics.log_every == 0 or res.step == end:
-                        writer.write(rec)
-                    bar.update(1, **{"loss": f"{res.loss:.3f}", "tokens/s": f"{rec['tokens_per_s']:.0f}"})
-                    every = self.cfg.train.eval_every
-                    if self.val_set is not None and ((every and res.step % every == 0) or res.step == self.total_steps):
-                        evals = self.evaluate()
-                        writer.write({"step": res.step, "eval": evals, **self.last_eval.record()})
-                        if main:
-                            bar.write(f"step {res.step}: validation exact match " + _fmt(evals))
-                    every = self.cfg.checkpoint.every
-                    stopped = stop.agreed(self.info)  # SIGTERM / Ctrl-C on any rank: every rank stops after this step
-                    if (every and res.step % every == 0) or res.step == end or stopped:
-                        self.save()
+                done = run_steps(self, when, self.step, bar)
             finally:
                 feed.close()
                 bar.close()
                 writer.close()
-        if stopped and main:
+                self._fitting = None
+        if done.stopped and main:
             log.warning("stopped by %s at step %d of %d: checkpoint %s; continue with --resume",
-                        signal.Signals(stopped).name, self.step, self.total_steps,
+                        signal.Signals(done.stopped).name, self.step, self.total_steps,
                         checkpoint_dir(self.run_dir, self.step))
-        return {"steps": self.step - first, "step": self.step, "losses": losses, "eval": evals,
-                "skipped": len(self.train_set.skipped), "dropped": len(self.dropped), "stopped": stopped}
+        return {"steps": self.step - first, "step": self.step, "losses": done.losses, "eval": done.evals,
+                "skipped": len(self.train_set.skipped), "dropped": len(self.dropped), "stopped": done.stopped}
 
-    def _clear_earlier_run(self, overwrite: bool = False) -> None:
-        """Refuse, or with ``overwrite`` clear, an earlier run in the run folder (:func:`clear_earlier_run`)."""
-        clear_earlier_run(self.run_dir, self.info.is_main, self.info.world_size, overwrite)
+    # ------------------------------------------------------------------ the loop's steps (plait.train.loop.StepHost)
+    def before_step(self, step: int) -> None:
+        """Nothing to do before a step of ``plait train``."""
+
+    def next_step(self) -> dict[str, Any]:
+        """The next global batch's samples from the feed (one that failed to load dropped alike on every rank,
+        :func:`~plait.train.feed.receive_step`), one optimizer step on them (:meth:`train_step`); its metrics row."""
+        got = receive_step(self._fitting.feed.next(), self.loader.next_batch(), self.train_set, self.info.device,
+                           self.cfg.data.on_error, self.step + 1)
+        self._loaded, self.dropped = got.samples, self.dropped + got.dropped
+        res = self.train_step(got.indices)
+        self._loaded = {}
+        return {"step": res.step, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
+                "tokens_per_s": res.tokens / res.time_s, "target_tokens": res.target_tokens,
+                "epoch": self.loader.epoch, "workload": res.workload, "deferred_samples": res.deferred_samples,
+                "encoder_buffer_peak_bytes": res.encoder_buffer_peak_bytes, "data_wait_s": got.wait_s,
+                "dropped_samples": len(got.dropped), **batch_sources(self.loader, got.indices)}
+
+    def validate(self, step: int) -> dict[str, Any]:
+        """:meth:`evaluate`; the validation row of step ``step``."""
+        return {"step": step, "eval": self.evaluate(), **self.last_eval.record()}  # evaluate() sets last_eval
+
+    def write(self, row: dict[str, Any]) -> None:
+        """A metrics row to the run's writers (the main rank's)."""
+        self._fitting.writer.write(row)
+
+    def stop_agreed(self) -> int:
+        """SIGTERM / Ctrl-C on any rank (:class:`~plait.train.preemption.StopSignals`; collective)."""
+        return self._fitting.stop.agreed(self.info)
+
+    def checkpoint(self, step: int) -> None:
+        """:meth:`save` (the checkpoint of the current step, ``step``)."""
+        self.save()
+
+    def say(self, message: str) -> None:
+        """``message`` on the main rank, without breaking the progress bar."""
+        if self.info.is_main:
+            self._fitting.bar.write(message)
 
     def _report_setup(self, writer: MetricsWriter) -> None:
         """Main rank: ``config.json`` in the run folder, the setup printed (:func:`report_setup`)."""
@@ -577,6 +586,3 @@ class Trainer:
                          self.info.world_size, writer.destinations(), self.dims,
                          fsdp_description(self.sharded, self.dims.pp > 1), self.runner.describe())
 
-
-def _fmt(evals: dict[str, float]) -> str:
-    return ", ".join(f"{k}={v:.1%}" for k, v in evals.items())
