@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from plait.models.device import host_cpu_threads
 from plait.models.plan_inputs import build_plan_inputs, device_spec
 from plait.measure.host_costs import RuntimeCosts, host_cpu, runtime_costs
 from plait.config.loader import load_config
@@ -126,7 +127,8 @@ def _check_rejoins(kills: Sequence[tuple[int, int]], rejoins: Sequence[tuple[int
 def launch_device(cfg, nproc: int, device: str | None = None) -> tuple[DeviceSpec, RuntimeCosts]:
     """The device and runtime costs ``plait launch`` plans with, chosen as ``plait plan`` chooses them
     (``plait.measure.host_costs``): the preset ``device`` (``plan_inputs.DEVICES``, ``--device``), else this host's CPU measured
-    (``host_cpu``, with ``train.threads`` threads, else the cores / ``nproc``; memory: RAM / ``nproc``), as
+    (``host_cpu``, with the threads each of the ``nproc`` workers will take, ``models.device.host_cpu_threads``;
+    memory: RAM / ``nproc``), as
     ``plait plan`` does on a host without a GPU: the resilient workers train on the CPU with gloo
     (``plait.train.resilient``), GPU or not. Costs: the device's link, DP all-reduce link and per-chunk,
     per-action and per-message overheads (``runtime_costs``, analytic: no stored profile).
@@ -135,7 +137,7 @@ def launch_device(cfg, nproc: int, device: str | None = None) -> tuple[DeviceSpe
         ValueError: on an unknown preset name.
     """
     if device is None:
-        spec = host_cpu(cfg.train.threads or max(1, (os.cpu_count() or 1) // nproc), nproc)
+        spec = host_cpu(host_cpu_threads(cfg.train.threads, nproc)[0], nproc)  # what each worker will run
     else:
         spec = device_spec(device)
     return spec, runtime_costs(spec)

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-__all__ = ["resolve_device", "choose_cpu_threads", "apply_cpu_threads"]
+__all__ = ["resolve_device", "choose_cpu_threads", "host_cpu_threads", "apply_cpu_threads"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +71,13 @@ def choose_cpu_threads(requested: int, omp_num_threads: str | None, cores: int, 
                      f"{'es' if local_processes > 1 else ''} of the job on this host")
 
 
-def apply_cpu_threads(requested: int, what: str = "train.threads") -> int:
-    """Set torch's intra-op threads by :func:`choose_cpu_threads` from this host's cores, load average and the
-    ``LOCAL_WORLD_SIZE`` torchrun sets, and log the choice naming ``what`` to override it; returns the threads."""
+def host_cpu_threads(requested: int, local_processes: int) -> tuple[int, str]:
+    """:func:`choose_cpu_threads` on this host: the cores this process may run on, the 1-minute load average and
+    ``OMP_NUM_THREADS``, for a job of ``local_processes`` processes here. Returns ``(threads, why)``.
+
+    Raises:
+        ValueError: as :func:`choose_cpu_threads`.
+    """
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -82,8 +86,16 @@ def apply_cpu_threads(requested: int, what: str = "train.threads") -> int:
         load = os.getloadavg()[0]
     except OSError:
         load = 0.0
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    threads, why = choose_cpu_threads(requested, os.environ.get("OMP_NUM_THREADS"), cores, load, local)
+    return choose_cpu_threads(requested, os.environ.get("OMP_NUM_THREADS"), cores, load, local_processes)
+
+
+def apply_cpu_threads(requested: int, what: str = "train.threads", local_processes: int | None = None) -> int:
+    """Set torch's intra-op threads by :func:`host_cpu_threads` for ``local_processes`` processes on this host
+    (default: the ``LOCAL_WORLD_SIZE`` torchrun sets, else 1), and log the choice naming ``what`` to override it;
+    returns the threads."""
+    if local_processes is None:
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    threads, why = host_cpu_threads(requested, local_processes)
     torch.set_num_threads(threads)
     if why != "as set":
         logger.info("CPU intra-op threads: %d (%s; set %s to choose)", threads, why, what)

@@ -62,6 +62,7 @@ from plait.data.chat_template import tokenizer_dir
 from plait.data.collate import collate
 from plait.data.mixture import build_batch_loader
 from plait.data.progress import Progress
+from plait.models.device import apply_cpu_threads
 from plait.models.generation import stop_token_ids
 from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.parallel.grad_sync import HeteroSync
@@ -538,7 +539,7 @@ def run_resilient_worker(cfg: JobConfig, plan_path: str | Path, worker: int, wor
         LostUnitsError: when failures left some unit with no copy; NoQuorumError: when the survivors cannot
             agree (see ``plait.parallel.membership``).
     """
-    torch.set_num_threads(cfg.train.threads or 1)
+    apply_cpu_threads(cfg.train.threads, local_processes=world)  # plait train's rule, ``world`` workers here
     plan_path = Path(plan_path)
     plan = LaunchPlan.from_json(plan_path.read_text())
     # a dead process is known at once from the launcher's dead/<id> key; a stale heartbeat (a hung worker, or a

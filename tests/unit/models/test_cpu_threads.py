@@ -49,3 +49,16 @@ def test_the_real_command_logs_its_choice(tmp_path):
     line = next(x for x in out.stderr.splitlines() if "CPU intra-op threads" in x)
     threads = int(line.split("CPU intra-op threads: ")[1].split()[0])
     assert 1 <= threads <= len(os.sched_getaffinity(0)) and "set --threads to choose" in line
+
+
+def test_host_cpu_threads_reads_this_hosts_environment(monkeypatch):
+    """The rule on this host, as ``plait launch`` plans with it for its workers (one rule, not a twin)."""
+    from plait.models.device import host_cpu_threads
+
+    assert host_cpu_threads(3, 8) == (3, "as set")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert host_cpu_threads(0, 8)[0] == 2
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr("os.getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert host_cpu_threads(0, 4)[0] == 4  # 16 idle cores over 4 processes
