@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -442,19 +443,28 @@ def export_chat_template(tokenizer: Any, placeholder: str) -> str | None:
     """
     template = (tokenizer.chat_template or "").removeprefix(_STRING_PRELUDE) or None
     if template is not None:
-        probe = [{"role": "user", "content": [{"type": "text", "text": "plait-probe-text"}]}]
-        for candidate in (template, _TYPED_PRELUDE.replace("PLACEHOLDER", repr(placeholder)) + template):
-            try:
-                text = tokenizer.apply_chat_template(probe, chat_template=candidate, tokenize=False)
-                if "plait-probe-text" in text and "'type'" not in text:  # not the list printed whole
-                    template = candidate
-                    break
-            except Exception:  # jinja2 errors of any kind: a template may raise on contents it does not expect
-                continue
-        else:
+        template = _first_rendering(
+            (template, _TYPED_PRELUDE.replace("PLACEHOLDER", repr(placeholder)) + template),
+            [{"role": "user", "content": [{"type": "text", "text": "plait-probe-text"}]}],
+            lambda candidate, probe: tokenizer.apply_chat_template(probe, chat_template=candidate, tokenize=False))
+        if template is None:
             raise ValueError("the model's chat template renders neither typed nor string message contents")
     tokenizer.chat_template = template
     return template
+
+
+def _first_rendering(candidates: Sequence[str], probe: list[dict], render: Any) -> str | None:
+    """The first of the chat templates ``candidates`` that renders the text ``"plait-probe-text"`` of the one-turn
+    conversation ``probe`` (``render(template, messages) -> str``) as text, not as a printed list of typed parts;
+    None when none does."""
+    for candidate in candidates:
+        try:
+            text = render(candidate, probe)
+        except Exception:  # jinja2 errors of any kind: a template may raise on contents it does not expect
+            continue
+        if "plait-probe-text" in text and "'type'" not in text:
+            return candidate
+    return None
 
 
 def string_content_template(template: str, render: Any) -> str:
@@ -465,12 +475,9 @@ def string_content_template(template: str, render: Any) -> str:
     Raises:
         ValueError: when neither renders the text of a one-turn conversation.
     """
-    probe = [{"role": "user", "content": "plait-probe-text"}]
-    for candidate in (template, _STRING_PRELUDE + template):
-        try:
-            if "plait-probe-text" in render(candidate, probe):
-                return candidate
-        except Exception:  # jinja2 errors of any kind: a template may raise on contents it does not expect
-            continue
+    found = _first_rendering((template, _STRING_PRELUDE + template), [{"role": "user", "content": "plait-probe-text"}],
+                             render)
+    if found is not None:
+        return found
     raise ValueError("the checkpoint's chat template renders neither string message contents nor typed text parts; "
                      "set data.chat_template in the job")
