@@ -232,8 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="auto: bf16 autocast on CUDA, fp32 on CPU (as training's validation with train.dtype "
                                "= auto)")
     generate.add_argument("--threads", type=int, default=None,
-                          help="torch's intra-op CPU threads, as train.threads (default: this host's free cores, from its "
-                               "load; torch's own default, one per core, crawls on a shared CPU)")
+                          help="torch's intra-op CPU threads, as train.threads (default or 0: this host's free cores, from "
+                               "its load; torch's own default, one per core, crawls on a shared CPU)")
     tune = sub.add_parser("tune-ranks", help="choose a LoRA rank per module (MARS): short calibration runs, laws, "
                           "pruning; prints the [model.*.lora] tables", formatter_class=argparse.RawDescriptionHelpFormatter,
                           epilog=OVERRIDES_HELP)

@@ -69,8 +69,8 @@ def generate_command(model: str | Path, *, prompt: str | None = None, images: Se
         raise ValueError("--input needs --output: the JSONL file to write the predictions to")
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"--max-new-tokens and --batch-size must be >= 1, got {max_new_tokens} and {batch_size}")
-    if threads is not None and threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {threads}")
+    if threads is not None and threads < 0:
+        raise ValueError(f"--threads must be >= 0 (0: chosen from this host's free cores), got {threads}")
     if prompt is not None and not prompt.strip() and not (images or audios or videos):
         raise ValueError("--prompt is empty and no --image/--audio/--video is given: there is nothing to answer")
     if output_path is not None:

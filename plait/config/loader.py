@@ -49,10 +49,14 @@ def read_config_data(path: str | Path, overrides: typing.Sequence[str] = ()) -> 
     not share a folder.
 
     Raises:
-        FileNotFoundError: when ``path`` does not exist.
+        FileNotFoundError: when ``path`` does not exist or is a folder (naming the job files in it).
         ValueError: on TOML syntax errors or a malformed override.
     """
     path = Path(path)
+    if path.is_dir():
+        found = sorted(q.name for q in path.glob("*.toml"))
+        raise FileNotFoundError(f"config file {path} is a folder, not a job file"
+                                + (f"; it holds {', '.join(found[:5])}" if found else ""))
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
     try:

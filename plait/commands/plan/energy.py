@@ -276,7 +276,7 @@ def _read_profile(path: str | Path) -> EnergyProfile:
 
 def _print_table(stream: TextIO, rows: dict[str, tuple[float, float]], choice: LayoutChoice, gpu: str,
                  points: int) -> None:
-    print(f"\nplait energy: {points} frontier points on {gpu} (one replica: {choice.plan.num_ranks} GPUs, "
+    print(f"\nplait energy: {points} frontier point{'s' if points != 1 else ''} on {gpu} (one replica: {choice.plan.num_ranks} GPUs, "
           f"DP {choice.dp}; energies per replica iteration, blocking power included)", file=stream)
     print(f"{'':<30} {f'iteration ({TIME_UNIT})':>15} {f'energy ({ENERGY_UNIT})':>12} {'savings':>8}", file=stream)
     base = 0.0

@@ -28,16 +28,17 @@ def test_cli_passes_threads(tmp_path, restore_threads):
     assert torch.get_num_threads() == target
 
 
-def test_default_takes_the_free_cores_not_torchs_one_per_core(tmp_path, restore_threads, monkeypatch):
+@pytest.mark.parametrize("threads", [None, 0])  # 0 means "choose", as train.threads = 0
+def test_default_takes_the_free_cores_not_torchs_one_per_core(tmp_path, restore_threads, monkeypatch, threads):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(4)))
     monkeypatch.setattr("os.getloadavg", lambda: (2.0, 0.0, 0.0))  # two other busy processes
     with pytest.raises(FileNotFoundError):
-        generate_command(tmp_path / "missing", prompt="hi")
+        generate_command(tmp_path / "missing", prompt="hi", threads=threads)
     assert torch.get_num_threads() == 2  # 4 - 2 = 2 free cores
 
 
-def test_threads_below_one_are_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"^--threads must be >= 1, got 0$"):
-        generate_command(tmp_path / "missing", prompt="hi", threads=0)
+def test_negative_threads_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"^--threads must be >= 0 \(0: chosen from this host's free cores\), got -1$"):
+        generate_command(tmp_path / "missing", prompt="hi", threads=-1)

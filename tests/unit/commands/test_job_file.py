@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 
@@ -66,6 +67,10 @@ def test_check_job_reads_as_the_verb_reads_and_marks_the_error_for_every_rank():
     with pytest.raises(FileNotFoundError, match="config file nowhere.toml does not exist") as missing:
         check_job("nowhere.toml", [], planning=True)
     assert missing.value.same_on_every_rank is True
+    folder = ROOT / "configs"
+    with pytest.raises(FileNotFoundError, match=f"^config file {re.escape(str(folder))} is a folder, not a job file; "
+                                                r"it holds [a-z_]+\.toml, "):
+        check_job(str(folder), [])
 
 
 def test_check_job_leaves_the_loaders_warnings_to_the_verb(caplog):
