@@ -71,7 +71,8 @@ def device_spec(device: str | DeviceSpec) -> DeviceSpec:
     if isinstance(device, DeviceSpec):
         return device
     if device not in DEVICES:
-        raise ValueError(f"unknown device {device!r}; choose one of {DEVICES} or pass a DeviceSpec")
+        raise ValueError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)} (Python callers may also "
+                         "pass a DeviceSpec of their own)")
     return getattr(DeviceSpec, device)()
 
 
