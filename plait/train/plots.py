@@ -304,7 +304,13 @@ def loss_curve_figure(records: Sequence[Mapping[str, Any]], source: str = "metri
     Raises:
         ValueError: when ``records`` hold no training loss (``source`` names them in the message).
     """
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import LogFormatter, MaxNLocator
+
+    class PlainLogFormatter(LogFormatter):
+        """The ticks ``LogFormatter`` labels, as plain numbers: "6.05", not "6.05x10^0", on a short loss range."""
+
+        def __call__(self, x: float, pos: int | None = None) -> str:
+            return f"{x:g}" if super().__call__(x, pos) else ""
 
     losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
     if not losses:
@@ -315,6 +321,8 @@ def loss_curve_figure(records: Sequence[Mapping[str, Any]], source: str = "metri
     if val_losses:
         ax.plot(*zip(*val_losses), color="tab:red", marker="s", ms=5, linestyle="none", label="validation loss")
     ax.set(xlabel="step", ylabel="loss (mean token cross-entropy)", yscale="log", title="plait training")
+    ax.yaxis.set_major_formatter(PlainLogFormatter(labelOnlyBase=False))
+    ax.yaxis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, also on short runs
     ax.grid(alpha=0.3)
     handles = list(ax.get_lines())

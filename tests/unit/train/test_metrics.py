@@ -178,3 +178,14 @@ def test_tensorboard_gets_the_numeric_fields_when_installed(tmp_path, monkeypatc
     assert [(n, v, s) for n, v, s in scalars if n != "elapsed_s"] == [("loss", 0.5, 2), ("eval/text", 1.0, 2)]
     assert [s for n, _, s in scalars if n == "elapsed_s"] == [2] and closed == [str(tmp_path / "tensorboard")]
     assert w.destinations() == ["metrics.jsonl", "TensorBoard (tensorboard/)"]
+
+
+def test_loss_axis_labels_are_plain_numbers_on_a_short_range_and_a_long_one():
+    from plait.train.plots import loss_curve_figure
+
+    for losses, shown in (([6.3, 6.2, 6.1, 6.0, 5.9], "6.05"), ([7.0, 2.0, 0.5, 0.08, 0.05], "0.1")):
+        fig = loss_curve_figure([{"step": s + 1, "loss": v} for s, v in enumerate(losses)])
+        (ax,) = fig.axes
+        fig.canvas.draw()
+        labels = [t.get_text() for t in ax.get_yticklabels() + ax.get_yticklabels(minor=True) if t.get_text()]
+        assert shown in labels and all(float(text) > 0 for text in labels), labels  # not "6.05x10^0", "2e-01"
