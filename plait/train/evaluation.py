@@ -424,20 +424,22 @@ def evaluate_on(val_set: Any, side: EvalSide, pad_id: int, device: torch.device,
                 metrics: Mapping[str, MetricFn], run_dir: str | Path, progress: bool = False) -> EvalReport:
     """One evaluation (module docstring) from this rank's side: the validation loss of its loss share, the answers
     of its answer share, then :func:`finish` (collective). Batches are collated unpacked on ``device`` (prompts
-    left-padded); ``size``: samples per microbatch; ``progress``: a bar of this rank's samples on a terminal
-    (rank 0)."""
+    left-padded); ``size``: samples per microbatch; ``progress``: this rank's samples on stderr (rank 0), one
+    count for the loss pass and one for the answers."""
     tasks = [val_set.sample_meta(i).task for i in range(len(val_set))]
     losses = LossTable(tasks)
     loss_mbs = plan_eval_microbatches(tasks, *side.loss_share, size)
     answer_mbs = plan_eval_microbatches(tasks, *side.answer_share, size)
-    bar = Progress(sum(map(len, loss_mbs + answer_mbs)), f"validation step {step}", "sample", progress, leave=False)
+    bar = Progress(sum(map(len, loss_mbs)), f"validation step {step}: loss", "sample", progress, leave=False)
     for chunk in _groups(loss_mbs, side.group):
         batches = [collate([teacher_forced_sample(val_set, i) for i in mb], pad_id).to(device) for mb in chunk]
         sums = side.loss_of(batches)
         for k, mb in enumerate(chunk):
             losses.add(tasks[mb[0]], sums[k] if sums else 0.0, batches[k].target_tokens if side.counts_targets else 0)
         bar.update(sum(map(len, chunk)))
+    bar.close()
     mine: list[Prediction] = []
+    bar = Progress(sum(map(len, answer_mbs)), f"validation step {step}: answers", "sample", progress, leave=False)
     for chunk in _groups(answer_mbs, side.group):
         batches = [collate([val_set[i] for i in mb], pad_id, padding_side="left").to(device) for mb in chunk]
         for mb, answers in zip(chunk, side.answers_of(batches)):

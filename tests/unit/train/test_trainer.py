@@ -212,6 +212,14 @@ def test_progress_in_a_log_is_plain_lines_not_carriage_returns(tiny_job, capsys)
         "train: step 1/3", "train: step 3/3"]
 
 
+def test_validation_progress_counts_each_sample_once_per_pass(tiny_job, capsys):
+    recs, val = demo_records("train", ("text",), limit=4), demo_records("val", ("text",), limit=3)
+    Trainer.build(tiny_job(recs, val, train={"steps": 1, "global_batch_size": 2, "max_new_tokens": 2},
+                           metrics={"progress": True})).fit()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("validation step 1")]
+    assert lines[-2:] == ["validation step 1: loss: sample 3/3", "validation step 1: answers: sample 3/3"]
+
+
 def test_resume_is_exact_when_a_branch_had_no_gradient_yet(tiny_job, tmp_path):
     """Step 1 is text-only (the vision branch has no optimizer state when step 1 is saved), steps 2-3 have images:
     the step-3 loss shows whether the vision branch's first update after resume matched."""
