@@ -7,8 +7,8 @@ branch back to the predecessors that run backward. Stages on the same rank hand 
 Frozen-aware execution: a stage that runs no backward runs its forward under ``no_grad`` and
 keeps nothing; a frozen stage that needs an input gradient keeps its activations and its backward computes input
 gradients only (its parameters have ``requires_grad`` False). With ``split_backward`` schedules ``B`` computes
-input gradients (``autograd.grad``, graph retained) and ``W`` weight gradients (a second pass over the retained
-graph: correct, but it repeats the part of the backward shared by both, so it is slower than a fused backward).
+input gradients (graph retained) and ``W`` weight gradients from the gradients ``B`` kept where the weights meet
+the activations (:mod:`plait.parallel.pipeline.split_backward`): together one backward's work, not two.
 
 Forward-only schedules (``schedules.forward_only``, evaluation): every forward runs without autograd and keeps
 nothing; the last stage's ``loss_fn`` output of each microbatch is collected in ``losses``.
@@ -45,6 +45,7 @@ from plait.parallel.deferral import FeatureBuffer, split_feature_grad
 from plait.parallel.energy import FrequencyController
 from plait.parallel.fsdp import ShardedModel
 from plait.parallel.pipeline.comm import PipelineComm
+from plait.parallel.pipeline.split_backward import WeightGradients, input_gradients, weight_gradients
 from plait.parallel.pipeline.transport import MessageKey, Transport
 from plait.parallel.stages import Payload, PipelineStage, RankStages
 from plait.planner.microbatch.routing import FeatureRouting
@@ -95,6 +96,7 @@ class _Record:
     inputs: dict[int, Payload]
     outputs: Payload
     out_grads: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    kept: WeightGradients | None = None  # split backward: what B kept for W
 
 
 class Executor:
@@ -115,6 +117,7 @@ class Executor:
         self.buffer = FeatureBuffer(self.routing) if self.routing is not None else None
         self.users_left: dict[tuple[int, int], set[int]] = {}  # routed encoder records: LLM microbatches to come
         self.shares: dict[tuple[int, int], dict[int, _Pairs]] = {}  # routed (s, j): per record i, its pairs
+        self.kept: dict[tuple[int, int, int], WeightGradients | None] = {}  # routed split (s, i, j): B kept for W
         self.mhz = 0  # the SM frequency set before the current action (0: no energy plan)
 
     def run(self) -> None:
@@ -249,9 +252,9 @@ class Executor:
         start = time.time()
         with self.inputs.autocast():
             if action.kind == "W":
-                ran = self._weight_grads(s, record.out_grads)
+                ran = weight_gradients(record.kept) if record.kept is not None else False
             elif self.schedule.split_backward:
-                ran = self._input_grads(record, record.out_grads)
+                ran, record.kept = self._input_grads(s, record, record.out_grads)
             else:
                 ran = self._fused_backward(record.out_grads, retain=False)
         self.backwards[s] += int(ran)
@@ -286,26 +289,17 @@ class Executor:
         torch.autograd.backward(list(outs), list(grads), retain_graph=retain)
         return True
 
-    def _input_grads(self, record: _Record, pairs: _Pairs) -> bool:
+    def _input_grads(self, s: int, record: _Record, pairs: _Pairs) -> tuple[bool, WeightGradients | None]:
+        """``B`` of a split backward (:func:`~plait.parallel.pipeline.split_backward.input_gradients`): the input
+        gradients into the leaves' ``.grad``; returns whether it back-propagated and what ``W`` needs."""
+        if not pairs:
+            return False, None
         leaves = [t for payload in record.inputs.values() for lst in payload.values() for t in lst if t.requires_grad]
-        if not (leaves and pairs):
-            return False
-        outs, grads = zip(*pairs)
-        found = torch.autograd.grad(list(outs), leaves, list(grads), retain_graph=True, allow_unused=True)
+        params = [p for p in self.stages.stages[s].params if p.requires_grad]
+        found, kept = input_gradients(pairs, leaves, params)
         for leaf, grad in zip(leaves, found):
             leaf.grad = grad
-        return True
-
-    def _weight_grads(self, s: int, pairs: _Pairs, retain: bool = False) -> bool:
-        params = [p for p in self.stages.stages[s].params if p.requires_grad]
-        if not (params and pairs):
-            return False
-        outs, grads = zip(*pairs)
-        found = torch.autograd.grad(list(outs), params, list(grads), retain_graph=retain, allow_unused=True)
-        for param, grad in zip(params, found):
-            if grad is not None:
-                param.grad = grad if param.grad is None else param.grad + grad
-        return True
+        return bool(leaves), kept
 
     # -- backward of an encoder stage under a FeatureRouting
     def _backward_routed(self, action: Action) -> None:
@@ -329,11 +323,13 @@ class Executor:
                 record = self.records[(s, i)]
                 retain = not last or bool(self.users_left[(s, i)] - {j})
                 if action.kind == "W":
-                    ran |= self._weight_grads(s, pairs, retain)
+                    kept = self.kept.pop((s, i, j), None)
+                    ran |= weight_gradients(kept, retain) if kept is not None else False
                     continue
                 _clear_leaf_grads(record)  # the leaves' grads must be this j's share only
                 if self.schedule.split_backward:
-                    ran |= self._input_grads(record, pairs)
+                    done, self.kept[(s, i, j)] = self._input_grads(s, record, pairs)
+                    ran |= done
                 else:
                     ran |= self._fused_backward(pairs, retain)
         self.backwards[s] += int(ran)
