@@ -273,8 +273,9 @@ class PipelineConfig:
     runs an encoder's forward just before the first LLM stage's and its backward just after (a frozen encoder
     then costs no rank). Needs encoder branches, ``degree`` >= 2 and ``schedule = "interleaved_1f1b"``."""
     schedule: str = "1f1b"
-    """``"gpipe"``, ``"1f1b"`` (multimodal 1F1B), ``"memory_capped_1f1b"`` (needs ``cap`` >= 1) for one stage per
-    rank; ``"interleaved_1f1b"`` exactly when a rank holds several stages (``virtual_stages`` > 1 or
+    """``"gpipe"``, ``"1f1b"`` (multimodal 1F1B), ``"memory_capped_1f1b"`` (needs ``cap`` >= 1), ``"zb_h1"`` /
+    ``"zb_h2"`` (zero-bubble: backward split, weight gradients in the bubbles; 1F1B's or about twice its
+    activation memory) for one stage per rank; ``"interleaved_1f1b"`` exactly when a rank holds several stages (``virtual_stages`` > 1 or
     ``attach_encoders``; with ``virtual_stages = 1`` it is 1F1B on the LLM ranks with the encoders attached)."""
     microbatches: int = 0
     """Microbatches per pipeline per step; 0: derived from ``train.microbatch_size`` as without PP. At most a DP

@@ -135,6 +135,10 @@ CASES_2 = (
          options={"split_backward": True, "defer_weight_grad": True}),
     Case("coloc-1f1b-projectors", **COLOC, schedule="1f1b", mode="projectors", steps=STEPS, instrument=True),
     Case("coloc-gpipe-llm-tied", **COLOC, schedule="gpipe", mode="llm", steps=STEPS, tied=True),
+    # zero-bubble: W from the gradients B kept; frozen stages have no W
+    Case("encpar-zbh1-projectors", **ENC_PAR, schedule="zb_h1", mode="projectors", steps=STEPS, instrument=True),
+    Case("encpar-zbh2-all-tied-clip", **ENC_PAR, schedule="zb_h2", mode="all", steps=STEPS, tied=True, clip=0.5),
+    Case("coloc-zbh1-llm", **COLOC, schedule="zb_h1", mode="llm", steps=STEPS),
 )
 CASES_4 = (
     # PP 2 x DP 2: replica 1 gets no image in any step; embeddings tied across pipeline ranks
@@ -142,6 +146,10 @@ CASES_4 = (
          steps=(("iva", "i", "a", "t"), ("t", "i", "ia", "a"), ("a", "t", "i", "iva")), tied=True, clip=0.5),
     Case("pp4-1f1b-projectors", layout="encoder_parallel", stages_per_module={"vision": 2, "audio": 1, "llm": 2},
          ranks=(0, 1, 2, 3, 3), schedule="1f1b", mode="projectors", steps=STEPS, instrument=True),
+    Case("pp4-zbh1-all", layout="encoder_parallel", stages_per_module={"vision": 2, "audio": 1, "llm": 2},
+         ranks=(0, 1, 2, 3, 3), schedule="zb_h1", mode="all", steps=STEPS),
+    Case("pp4-zbh2-projectors", layout="encoder_parallel", stages_per_module={"vision": 2, "audio": 1, "llm": 2},
+         ranks=(0, 1, 2, 3, 3), schedule="zb_h2", mode="projectors", steps=STEPS, instrument=True),
 )
 
 

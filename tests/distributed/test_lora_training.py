@@ -119,6 +119,7 @@ def with_lora(cfg: dict) -> dict:
 PP_CASES = {
     "interleaved": ({"degree": 2, "virtual_stages": 2, "attach_encoders": True, "schedule": "interleaved_1f1b"}, 2),
     "encoder_parallel": ({"degree": 3, "layout": "encoder_parallel", "schedule": "1f1b"}, 3),
+    "zero_bubble": ({"degree": 3, "layout": "encoder_parallel", "schedule": "zb_h1"}, 3),  # split backward, routed
 }
 
 

@@ -21,6 +21,10 @@ Generators (all deadlock-free by construction, and checked before they return):
   stages sit on their own ranks (1F1B with the warm-up their successor needs) or on the first LLM stage's
   rank (run right before / after it). ``interleaved_ranks`` (pipeline_plan) places the stages.
 
+- ``zb_h1``, ``zb_h2``: the zero-bubble schedules of Qi et al. (ICLR 2024): 1F1B with the backward split and the
+  weight gradients run in the bubbles, at 1F1B's activation memory (H1) or about twice it with a longer warm-up (H2);
+  the runtime runs ``W`` from the gradients ``B`` kept (``plait.parallel.pipeline.split_backward``).
+
 - ``forward_only``: forwards only, for evaluation (no backward actions; not a training schedule).
 
 With ``split_backward=True`` each ``B`` is followed by its ``W``; with ``defer_weight_grad=True`` as well,
@@ -58,9 +62,11 @@ __all__ = [
     "gpipe",
     "memory_capped_1f1b",
     "one_f_one_b",
+    "zb_h1",
+    "zb_h2",
 ]
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "memory_capped_1f1b", "interleaved_1f1b")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "memory_capped_1f1b", "interleaved_1f1b", "zb_h1", "zb_h2")
 
 
 # ----- generators ----------------------------------------------------------------------------------
@@ -143,6 +149,32 @@ def memory_capped_1f1b(
     return _generate(plan, m, limits, split_backward, defer_weight_grad, "memory_capped_1f1b", hold)
 
 
+def zb_h1(plan: PipelinePlan, num_microbatches: int | None = None) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 3.1): 1F1B's warm-up and activation
+    memory with the backward split into ``B`` (input gradient) and ``W`` (weight gradient) and each ``W`` held back
+    into the rank's bubbles (module docstring). On a uniform chain with ``F = B = W``:
+    ``M (F + B + W) + (S - 1)(F + B - W)``, a third of 1F1B's bubble. Frozen-aware: a stage whose units train no
+    weight has no ``W`` (its bubbles take other stages' ``W`` on a shared rank), a forward-only stage no ``B``.
+
+    Raises:
+        ValueError: on ``M < 1``.
+    """
+    m = resolve_microbatches(plan, num_microbatches)
+    return _generate(plan, m, [plan.depth(s) for s in range(plan.num_stages)], True, True, "zb_h1")
+
+
+def zb_h2(plan: PipelinePlan, num_microbatches: int | None = None) -> Schedule:
+    """ZB-H2 (Qi et al., ICLR 2024, section 3.1): as :func:`zb_h1` with a warm-up of up to ``2 d - 1`` forwards on
+    a stage of depth ``d`` (at most ``M``), so the ``W`` held back fill the drain as the extra forwards fill the
+    warm-up; a stage holds up to twice 1F1B's microbatches (activation memory).
+
+    Raises:
+        ValueError: on ``M < 1``.
+    """
+    m = resolve_microbatches(plan, num_microbatches)
+    return _generate(plan, m, [min(2 * plan.depth(s) - 1, m) for s in range(plan.num_stages)], True, True, "zb_h2")
+
+
 def build_schedule(plan: PipelinePlan, name: str, num_microbatches: int | None = None, **options: Any) -> Schedule:
     """The schedule generator called ``name`` (one of ``SCHEDULE_NAMES``), e.g. from a config.
 
@@ -150,7 +182,7 @@ def build_schedule(plan: PipelinePlan, name: str, num_microbatches: int | None =
         ValueError: on an unknown name, and whatever the generator raises.
     """
     generators = {"gpipe": gpipe, "1f1b": one_f_one_b, "memory_capped_1f1b": memory_capped_1f1b,
-                  "interleaved_1f1b": interleaved_1f1b}
+                  "interleaved_1f1b": interleaved_1f1b, "zb_h1": zb_h1, "zb_h2": zb_h2}
     if name not in generators:
         raise ValueError(f"unknown schedule {name!r}; choose one of {SCHEDULE_NAMES}")
     return generators[name](plan, num_microbatches, **options)

@@ -280,7 +280,7 @@ def evaluate_plan(
     plan = plan.replace(num_microbatches=nb)
     name = schedule or ("interleaved_1f1b" if runs_interleaved(plan) else "1f1b")
     schedule = build_schedule(plan, name)
-    action = stage_costs_from_units(plan, true_units, cost_map)
+    action = stage_costs_from_units(plan, true_units, cost_map, split_backward=schedule.split_backward)
     if not overheads.zero:
         for stage in plan.stages:
             chunks = [(m, any(by_name_units[n].runs_backward for n in stage.module_units(m))) for m in stage.modules]

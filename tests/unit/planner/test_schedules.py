@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
 from plait.planner.pipeline.schedule_ir import Action, Schedule, check_schedule, in_flight_peaks, schedule_dag
-from plait.planner.pipeline.schedules import build_schedule, gpipe, memory_capped_1f1b, one_f_one_b
+from plait.planner.pipeline.schedules import build_schedule, gpipe, memory_capped_1f1b, one_f_one_b, zb_h1
 from tests.unit.planner.random_plans import draw_plan, generate
 
 
@@ -327,6 +327,27 @@ def test_generators_with_shared_ranks(case, m, kind, split_defer):
     _assert_valid(schedule)
     if kind == "capped":
         assert all(p <= 2 for p in in_flight_peaks(schedule))
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_plans(shared_ranks=True), st.integers(1, 10), st.sampled_from(["zb_h1", "zb_h2"]))
+def test_zero_bubble_schedules_on_random_plans(case, m, name):
+    """Complete, deadlock-free, split backward (no W on a frozen stage, no B on a forward-only one), and a stage
+    holds at most the deepest warm-up's microbatches: 1F1B's (H1) or up to ``2 d - 1`` (H2)."""
+    plan, depths = case
+    schedule = build_schedule(plan, name, m)
+    _assert_valid(schedule)
+    assert schedule.split_backward and schedule.name == name
+    warm = [min(d, m) if name == "zb_h1" else min(2 * d - 1, m) for d in depths]
+    backward = [s.index for s in plan.stages if s.runs_backward]
+    peaks = in_flight_peaks(schedule)
+    for s in backward:
+        assert peaks[s] <= max(warm[t] for t in backward)
+
+
+def test_zero_bubble_h1_is_1f1b_with_w_deferred():
+    plan = _chain(4)
+    assert zb_h1(plan, 8).actions == one_f_one_b(plan, 8, split_backward=True, defer_weight_grad=True).actions
 
 
 # ----- interleaved 1F1B ----------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
-from plait.planner.pipeline.schedules import gpipe, one_f_one_b
+from plait.planner.pipeline.schedules import gpipe, one_f_one_b, zb_h1, zb_h2
 from plait.planner.pipeline.types import P2PModel, SimResult, StageMemory, TimelineEvent
 from plait.planner.pipeline.simulator import boundary_bytes_from_units, simulate, stage_costs_from_units
 from plait.planner.types import UnitCost
@@ -155,6 +155,20 @@ def test_zero_bubble_deferred_w():
     assert inline.makespan_s == 8 * 3 + 3 * 2
     assert deferred.makespan_s == 8 * 3 + 3 * 1
     assert max(deferred.peak_memory_bytes) == max(inline.peak_memory_bytes) == 4
+
+
+@pytest.mark.parametrize("s, m, f, b, w", [(4, 8, 1, 1, 1), (4, 8, 1, 1, 0.5), (4, 8, 1, 2, 1), (8, 16, 1, 1, 0.5),
+                                            (2, 6, 1, 1, 1)])
+def test_zero_bubble_makespans_on_a_uniform_chain(s, m, f, b, w):
+    """ZB-H1: M (F+B+W) + (S-1)(F+B-W) at 1F1B's peak of S microbatches; ZB-H2 reaches the bound every schedule
+    has on this chain, M (F+B+W) + (S-1) F (the last rank's first forward waits for S-1 others), holding up to
+    2S-1 (Qi et al., ICLR 2024, section 3.1)."""
+    costs = {"F": [f] * s, "B": [b] * s, "W": [w] * s}
+    memory = {k: StageMemory(0, 1) for k in range(s)}
+    h1, h2 = simulate(zb_h1(_chain(s), m), costs, memory=memory), simulate(zb_h2(_chain(s), m), costs, memory=memory)
+    assert h1.makespan_s == m * (f + b + w) + (s - 1) * (f + b - w)
+    assert h2.makespan_s == m * (f + b + w) + (s - 1) * f
+    assert max(h1.peak_memory_bytes) == s and max(h2.peak_memory_bytes) == min(2 * s - 1, m)
 
 
 # ----- brute force on random plans --------------------------------------------------------------
