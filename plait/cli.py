@@ -49,9 +49,14 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     plan_command(args.config, args.devices, args.out, overrides=overrides, device=args.device,
                  microbatches=args.microbatches, frozen_aware=not args.frozen_unaware,
                  macrobatches=args.macrobatches, dp_degrees=None if args.dp is None else [args.dp],
-                 memory_fraction=args.memory_fraction,
+                 memory_fraction=args.memory_fraction, schedules=args.schedules,
                  **({"virtual_stages": (1,), "attach_encoders": False} if args.one_stage_per_rank else {}))
     return 0
+
+
+def _schedule_list(text: str) -> tuple[str, ...]:
+    """``--schedules``: comma-separated schedule names (checked by the plan command)."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def _simulate(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -178,7 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default: searched); the printed [parallel.pp] table is one replica's, with the "
                            "parallel.dp to set in [parallel]")
     plan.add_argument("--one-stage-per-rank", action="store_true",
-                      help="only plain 1F1B plans (no interleaved 1F1B, no encoders on the first LLM rank)")
+                      help="only plans of one stage per rank (no interleaved 1F1B, no encoders on the first LLM rank)")
+    plan.add_argument("--schedules", type=_schedule_list, default=("1f1b",), metavar="NAMES",
+                      help="comma-separated schedules weighed for plans of one stage per rank: 1f1b, zb_h1, zb_h2 "
+                           "(zero-bubble: weight gradients in the bubbles; zb_h2 holds about twice the activations); "
+                           "the fastest that fits memory is planned (default: 1f1b)")
     plan.add_argument("--energy", type=float, nargs="?", const=0.02, default=None, metavar="TOLERANCE",
                       help="among the best plans of every DP degree and layout within TOLERANCE (default 0.02 = 2%%) "
                            "of the fastest iteration, choose the least energy per iteration (plait energy's frontier "

@@ -70,13 +70,15 @@ def simulate_choice(choice: LayoutChoice) -> SimResult:
     """Simulate one iteration of ``choice``'s busiest replica from the per-stage costs it carries."""
     plan = choice.plan
     costs = {}
+    weight = choice.stage_weight_grad_s or (0.0,) * plan.num_stages  # split-backward schedules: B and W apart
     for s in range(plan.num_stages):
         costs[(s, "F")] = choice.stage_forward_s[s]
-        costs[(s, "B")] = choice.stage_backward_s[s]
+        costs[(s, "B")] = choice.stage_backward_s[s] - weight[s]
+        costs[(s, "W")] = weight[s]
     memory = {s: StageMemory(int(choice.stage_static_bytes[s]), int(choice.stage_activation_bytes[s]))
               for s in range(plan.num_stages)}
     boundary = dict(enumerate(choice.stage_boundary_bytes))
-    schedule = build_schedule(plan, choice.schedule, choice.microbatches_per_replica)  # 1F1B or interleaved
+    schedule = build_schedule(plan, choice.schedule, choice.microbatches_per_replica)
     return simulate(schedule, costs, p2p=choice.p2p, boundary_bytes=boundary, memory=memory)
 
 
@@ -130,7 +132,8 @@ def format_plan(choice: LayoutChoice) -> str:
            "FSDP2 gradient reduce-scatter not charged: no DP link")
         + (f" + optimizer step {1e3 * choice.update_s:.2f} ms" if choice.update_s else "")
         + f") with {choice.microbatches_per_replica} of "
-        f"{choice.microbatches} microbatches per replica; bubble {100 * choice.bubble_fraction:.1f}%; "
+        f"{choice.microbatches} microbatches per replica; bubble {100 * choice.bubble_fraction:.1f}%"
+        + (f" under {choice.schedule}" if plan.num_ranks > 1 else "") + "; "
         f"{choice.ratio_to_lower_bound:.2f}x the lower bound {1e3 * choice.lower_bound_s:.2f} ms",
         _peak_line(choice, unit),
     ]

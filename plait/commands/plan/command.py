@@ -51,6 +51,7 @@ from plait.parallel.activation_checkpointing import checkpoint_policy
 from plait.planner.cost.types import DeviceSpec, MicrobatchShape
 from plait.planner.microbatch.macrobatch import expected_shapes, macrobatch_stats
 from plait.planner.microbatch.types import MacrobatchStats
+from plait.planner.pipeline.schedules import SCHEDULE_NAMES
 from plait.planner.pipeline.types import LAYOUTS
 from plait.planner.cost.recompute import checkpointed_costs, plan_checkpointing
 from plait.planner.report import format_bytes, format_lora_units, format_plan, plan_to_json
@@ -128,6 +129,20 @@ def _macrobatches(cfg: Any, count: int, stream: TextIO) -> tuple[MacrobatchStats
 
 
 # ----- plan ------------------------------------------------------------------------------------------
+def check_schedules(names: Sequence[str]) -> tuple[str, ...]:
+    """``--schedules``: names of schedules of one stage per rank (``schedules.SCHEDULE_NAMES`` but
+    ``interleaved_1f1b``, which the search picks for plans of several stages per rank).
+
+    Raises:
+        ValueError: on an unknown name or none, naming the choices.
+    """
+    allowed = [n for n in SCHEDULE_NAMES if n != "interleaved_1f1b"]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise ValueError(f"--schedules: unknown schedule(s) {bad or list(names)}; choose from {', '.join(allowed)}")
+    return tuple(names)
+
+
 def plan_command(
     config_path: str | Path,
     devices: int,
@@ -146,6 +161,7 @@ def plan_command(
     macrobatches: int = 0,
     virtual_stages: Sequence[int] = (1, 2, 4),
     attach_encoders: bool = True,
+    schedules: Sequence[str] = ("1f1b",),
     out: TextIO | None = None,
     profile_store: str | Path | None = "runs/profiles",
     prefer_within: float = PREFER_WITHIN,
@@ -178,6 +194,8 @@ def plan_command(
         frozen_aware, layouts, rel_tol, virtual_stages, attach_encoders: as
             ``search.plan_layout`` (by default interleaved 1F1B with 2 or 4 LLM stages per rank and encoders on
             the first LLM rank are searched too: jobs run them, ``[parallel.pp] virtual_stages / attach_encoders``).
+        schedules: the schedules weighed for a plan of one stage per rank (``SearchSpace.schedules``: ``1f1b``,
+            and the zero-bubble ``zb_h1``, ``zb_h2``); the fastest that fits memory is planned.
         dp_link_Bps: bandwidth (B/s) of the data-parallel gradient all-reduce; None: not modelled.
         macrobatches: global batches drawn from the training data for the macro-batch statistics (module
             docstring; ``DEFAULT_MACROBATCHES`` is a good count); the plan is then for the expected global
@@ -204,7 +222,7 @@ def plan_command(
     cfg, inputs, spec = setup.cfg, setup.inputs, setup.spec
     kept = job_degrees(cfg, devices, stream)
     space = dict(frozen_aware=frozen_aware, layouts=layouts, rel_tol=rel_tol, virtual_stages=virtual_stages,
-                 attach_encoders=attach_encoders)
+                 attach_encoders=attach_encoders, schedules=check_schedules(schedules))
     choice = search_plan(setup, devices, memory_fraction, dp_degrees=dp_degrees, **space, **kept)
     why_simpler = ""
     if dp_degrees is None and not kept and prefer_within > 0:

@@ -472,13 +472,14 @@ class ActionOverheads(JsonDataclass):
         return self.optimizer_s_per_byte * grad_bytes
 
     def chunk_s(self, module: str, kind: str) -> float:
-        """Seconds one chunk of ``module`` costs per ``kind`` action (``"F"`` or ``"B"``).
+        """Seconds one chunk of ``module`` costs per ``kind`` action (``"F"``, or ``"B"`` / ``"W"``: a backward
+        action, input or weight gradients of a split backward, at the chunk's backward overhead).
 
         Raises:
             ValueError: on another kind.
         """
-        if kind not in ("F", "B"):
-            raise ValueError(f"action kind must be 'F' or 'B', got {kind!r}")
+        if kind not in ("F", "B", "W"):
+            raise ValueError(f"action kind must be 'F', 'B' or 'W', got {kind!r}")
         pair = self.modules.get(module, (self.chunk_forward_s, self.chunk_backward_s))
         return pair[0] if kind == "F" else pair[1]
 
@@ -486,12 +487,13 @@ class ActionOverheads(JsonDataclass):
         """Seconds a stage's ``kind`` action costs beyond its units (class docstring).
 
         Args:
-            kind: ``"F"`` or ``"B"``.
-            chunks: the stage's module chunks as ``(module, runs_backward)``.
+            kind: ``"F"``, ``"B"`` or ``"W"``.
+            chunks: the stage's module chunks as ``(module, runs the action)``: for ``B`` whether the chunk runs a
+                backward, for ``W`` whether it trains (ignored for ``F``).
             pipelined: the plan runs on the pipeline executor (more than one rank): ``per_action_s`` is charged.
 
         Returns:
-            0 for a ``B`` of a stage none of whose chunks runs a backward.
+            0 for a ``B`` (``W``) of a stage none of whose chunks runs a backward (trains).
         """
         ran = [m for m, back in chunks if kind == "F" or back]
         if not ran:

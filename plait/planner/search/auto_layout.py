@@ -176,7 +176,8 @@ def layout_pp_fields(choice: LayoutChoice, units: Sequence[Unit]) -> dict[str, A
     LLM's: all its stages), ``splits`` only for modules whose boundaries differ from the even split by count,
     ``virtual_stages`` = the plan's LLM stages per rank, ``attach_encoders`` when its encoder stages share the
     first LLM rank (with one encoder stage, layout ``encoders_colocated``: the search's attached plans are
-    colocated, and a one-encoder-stage plan is the same in both layouts), the schedule (``interleaved_1f1b`` exactly for those plans) and the microbatches per replica.
+    colocated, and a one-encoder-stage plan is the same in both layouts), the schedule (``choice.schedule``:
+    ``interleaved_1f1b`` exactly for those plans) and the microbatches per replica.
     The DP degree is ``choice.dp``.
 
     Raises:
@@ -190,10 +191,11 @@ def layout_pp_fields(choice: LayoutChoice, units: Sequence[Unit]) -> dict[str, A
               if names != _even_splits(units, m, counts[m])}
     attached = _encoders_attached(plan)
     shared = plan.virtual_stages > 1 or attached
-    schedule = "interleaved_1f1b" if shared else "1f1b"
-    if choice.schedule != schedule:
+    schedule = choice.schedule
+    if (schedule == "interleaved_1f1b") != shared:
+        need = "interleaved_1f1b" if shared else "a schedule of one stage per rank"
         raise ValueError(f"LayoutChoice.schedule is {choice.schedule!r}, but [parallel.pp] runs its plan "
-                         f"(virtual_stages={plan.virtual_stages}, attach_encoders={attached}) with {schedule!r}")
+                         f"(virtual_stages={plan.virtual_stages}, attach_encoders={attached}) with {need}")
     layout = plan.layout
     if attached and sum(not s.is_llm for s in plan.stages) == 1:
         layout = "encoders_colocated"  # one encoder stage: the same plan either way, named as attached plans are

@@ -192,11 +192,21 @@ def plan_layout(
         raise NoPlanFits(f"no layout fits: every candidate for {devices} devices exceeds memory_cap={memory_cap} "
                          "bytes (or has fewer pipeline ranks than modules)")
     plan = _plan_from_stages(model, best)
-    schedule = "interleaved_1f1b" if best.v > 1 or best.attached else "1f1b"
-    choice = evaluate_plan(plan, units, costs, dp=best.dp, microbatches=microbatches, devices=devices,
-                           machine=timing, schedule=schedule)
+    names = ("interleaved_1f1b",) if best.v > 1 or best.attached else tuple(dict.fromkeys(space.schedules))
+    choice = _weigh_schedules(plan, units, costs, names,
+                              dict(dp=best.dp, microbatches=microbatches, devices=devices, machine=timing))
     return dataclasses.replace(choice, method=method, planned_iteration_s=best.time, candidates=considered,
-                               simulated=timed + (single is not None))
+                               simulated=timed + (single is not None) + len(names) - 1)
+
+
+def _weigh_schedules(plan: PipelinePlan, units: Sequence[Unit], costs: Costs, names: Sequence[str],
+                     timing: dict[str, Any]) -> LayoutChoice:
+    """``plan`` timed with each schedule of ``names`` (``evaluate_plan``, ``timing`` its keyword arguments): the
+    fastest that fits the memory cap (each schedule's in-flight peaks), else the first. With zero-bubble
+    schedules weighed beside 1F1B a rank's bubbles take weight gradients (Qi et al., ICLR 2024)."""
+    timed = [evaluate_plan(plan, units, costs, schedule=name, **timing) for name in names]
+    fitting = [c for c in timed if c.fits_memory]
+    return min(fitting, key=lambda c: c.iteration_s) if fitting else timed[0]
 
 
 def _single_rank(model: SearchModel, units: Sequence[Unit], costs: Costs, dp: int,
@@ -283,8 +293,10 @@ def evaluate_plan(
     action = stage_costs_from_units(plan, true_units, cost_map, split_backward=schedule.split_backward)
     if not overheads.zero:
         for stage in plan.stages:
-            chunks = [(m, any(by_name_units[n].runs_backward for n in stage.module_units(m))) for m in stage.modules]
-            for kind in ("F", "B"):
+            for kind in ("F", "B", "W") if schedule.split_backward else ("F", "B"):
+                flag = "trainable" if kind == "W" else "runs_backward"
+                chunks = [(m, any(getattr(by_name_units[n], flag) for n in stage.module_units(m)))
+                          for m in stage.modules]
                 action[(stage.index, kind)] += overheads.stage_s(kind, chunks, pipelined=plan.num_ranks > 1)
     boundary = boundary_bytes_from_units(plan, cost_map)
     memory = _stage_memory(plan, true_units, cost_map, machine.dtype, machine.optimizer)
@@ -297,7 +309,7 @@ def evaluate_plan(
     sync = max(grad_sync_s(g, dp, machine.dp_link, dp_shard) for g in grads)
     update = max(overheads.update_s(g) for g in grads)
     work = sum(c.forward_s + c.backward_s(u) for u, c in zip(true_units, cost_map.values()))
-    n = plan.num_stages
+    n, split = plan.num_stages, schedule.split_backward
     fits = memory_cap is None or max(result.peak_memory_bytes) <= memory_cap
     return LayoutChoice(
         method="given", layout=plan.layout, dp=dp,
@@ -306,7 +318,9 @@ def evaluate_plan(
         makespan_s=result.makespan_s, grad_sync_s=sync,
         planned_iteration_s=result.makespan_s + sync + update,
         lower_bound_s=microbatches * work / devices, bubble_fraction=result.mean_bubble_fraction,
-        stage_forward_s=[action[(s, "F")] for s in range(n)], stage_backward_s=[action[(s, "B")] for s in range(n)],
+        stage_forward_s=[action[(s, "F")] for s in range(n)],
+        stage_backward_s=[action[(s, "B")] + (action[(s, "W")] if split else 0.0) for s in range(n)],
+        stage_weight_grad_s=[action[(s, "W")] for s in range(n)] if split else (),
         stage_static_bytes=[memory[s].static_bytes for s in range(n)],
         stage_activation_bytes=[memory[s].activation_bytes for s in range(n)],
         stage_memory_bytes=[memory[s].static_bytes + peaks[s] * memory[s].activation_bytes for s in range(n)],

@@ -78,6 +78,9 @@ class SearchSpace(JsonDataclass):
         prefer_plain: keep the plain plan whenever it fits (False: the fastest over every option).
         offload: ``"auto"`` (CPU offload searched only when nothing fits without it) or ``"cpu"`` (offloaded plans
             only: a job's own ``parallel.offload``).
+        schedules: the schedules weighed for the best plan with one stage per rank (``schedules.SCHEDULE_NAMES``:
+            1F1B and the zero-bubble ``zb_h1`` / ``zb_h2``); the fastest that fits the memory cap is chosen
+            (``plan_layout``). Interleaved and attached plans run ``interleaved_1f1b``.
     """
 
     layouts: tuple[str, ...] = LAYOUTS
@@ -95,13 +98,16 @@ class SearchSpace(JsonDataclass):
     fsdp_reshard: tuple[str, ...] = FSDP_RESHARD
     prefer_plain: bool = True
     offload: str = "auto"
+    schedules: tuple[str, ...] = ("1f1b",)
 
     def __post_init__(self) -> None:
         for name in ("layouts", "dp_degrees", "virtual_stages", "tp_degrees", "dp_shard_degrees", "checkpointing",
-                     "fsdp_reshard"):
+                     "fsdp_reshard", "schedules"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))
+        if not self.schedules:
+            raise ValueError("SearchSpace.schedules must name at least one schedule (e.g. '1f1b')")
 
 
 @dataclass(frozen=True)
@@ -161,6 +167,8 @@ class LayoutChoice(JsonDataclass):
         bubble_fraction: idle fraction of the pipeline ranks over the makespan, averaged over ranks.
         stage_forward_s, stage_backward_s: per stage, forward and full backward (dX + dW) seconds per
             microbatch (true costs); ``stage_work_s`` is their sum.
+        stage_weight_grad_s: under a split-backward schedule (``zb_h1``, ``zb_h2``), per stage the seconds of its
+            ``W`` action (dW), included in ``stage_backward_s`` (its ``B`` is the rest); empty otherwise.
         stage_static_bytes, stage_activation_bytes: per stage, parameters + gradients + optimizer state,
             and saved activations per in-flight microbatch.
         stage_memory_bytes: per stage, peak memory under 1F1B (static + peak in-flight x activations).
@@ -231,6 +239,7 @@ class LayoutChoice(JsonDataclass):
     offload_s: float = 0.0
     fsdp_reduce: str = "step"
     fsdp_reshard: str = "after_forward"
+    stage_weight_grad_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, PipelinePlan):
@@ -243,6 +252,10 @@ class LayoutChoice(JsonDataclass):
             object.__setattr__(self, name, value)
             if len(value) != self.plan.num_stages:
                 raise ValueError(f"LayoutChoice.{name} has {len(value)} entries for {self.plan.num_stages} stages")
+        object.__setattr__(self, "stage_weight_grad_s", tuple(float(v) for v in self.stage_weight_grad_s))
+        if self.stage_weight_grad_s and len(self.stage_weight_grad_s) != self.plan.num_stages:
+            raise ValueError(f"LayoutChoice.stage_weight_grad_s has {len(self.stage_weight_grad_s)} entries for "
+                             f"{self.plan.num_stages} stages")
         if self.method not in METHODS:
             raise ValueError(f"LayoutChoice.method must be one of {METHODS}, got {self.method!r}")
 

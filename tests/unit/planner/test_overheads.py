@@ -39,8 +39,10 @@ def test_stage_seconds_per_action_and_chunk():
     assert ActionOverheads.from_dict(over.to_dict()) == over
     with pytest.raises(ValueError, match="must be >= 0"):
         ActionOverheads(chunk_forward_s=-1.0)
-    with pytest.raises(ValueError, match="action kind"):
-        over.chunk_s("llm", "W")
+    # W (weight gradients of a split backward): the chunks that train pay the backward chunk overhead
+    assert over.stage_s("W", [("vision", False), ("llm", True)]) == pytest.approx(4.5 * MS)
+    with pytest.raises(ValueError, match="action kind must be 'F', 'B' or 'W', got 'X'"):
+        over.chunk_s("llm", "X")
 
 
 def test_cpu_preset_carries_measured_overheads_and_gpu_presets_none():

@@ -505,3 +505,34 @@ def test_memory_cap_is_checked_per_rank_not_per_stage_for_interleaved_plans():
     wide = plan_layout(units, costs, 4, machine=dataclasses.replace(machine, memory_cap=cap),
                        space=dataclasses.replace(space, virtual_stages=(1, 2)), **common)
     assert wide.plan.num_ranks == 4 and max(rank_peak_memory_bytes(wide)) <= cap
+
+
+def test_the_search_weighs_zero_bubble_schedules_and_keeps_the_fastest_that_fits():
+    """A trainable 4-unit LLM on 4 ranks, 8 microbatches, per unit F 1, dX 1, dW 0.5 s (the first unit needs no
+    dX): ZB-H2 reaches the last rank's bound, 3 x F + 8 x 2.5 = 23 s, at 7 microbatches in flight (70 bytes);
+    ZB-H1 24 s at 1F1B's 4 (40 bytes); 1F1B 26.5 s. The search keeps the fastest schedule that fits the cap."""
+    units = synthetic_units({}, [True] * 4)
+    costs = [UnitCost(1.0, 1.0, 0.5, param_bytes=0, activation_bytes=10, output_bytes=0) for _ in units]
+    space = SearchSpace(dp_degrees=[1], schedules=("1f1b", "zb_h1", "zb_h2"))
+    one = plan_layout(units, costs, 4, microbatches=8, space=SearchSpace(dp_degrees=[1]))
+    assert (one.schedule, one.plan.num_ranks, one.iteration_s) == ("1f1b", 4, 26.5)
+    for cap, schedule, seconds in ((None, "zb_h2", 23.0), (70, "zb_h2", 23.0), (69, "zb_h1", 24.0)):
+        choice = plan_layout(units, costs, 4, microbatches=8, space=space, machine=Machine(memory_cap=cap))
+        assert (choice.schedule, choice.iteration_s, choice.plan) == (schedule, seconds, one.plan)
+        assert choice.fits_memory and choice.bubble_fraction < one.bubble_fraction
+    with pytest.raises(ValueError, match="at least one schedule"):
+        SearchSpace(schedules=())
+
+
+def test_a_zero_bubble_plan_prints_and_simulates_its_b_and_w_apart():
+    """The plan table names the schedule with the bubble; the report's simulation of the choice (B and W from
+    ``stage_weight_grad_s``) gives the planned makespan back."""
+    from plait.planner.report import format_plan, simulate_choice
+
+    units = synthetic_units({}, [True] * 4)
+    costs = [UnitCost(1.0, 1.0, 0.5, param_bytes=0, activation_bytes=10, output_bytes=0) for _ in units]
+    choice = plan_layout(units, costs, 4, microbatches=8, space=SearchSpace(dp_degrees=[1], schedules=("zb_h2",)))
+    assert choice.stage_weight_grad_s == (0.5, 0.5, 0.5, 0.5) and choice.stage_backward_s == (0.5, 1.5, 1.5, 1.5)
+    assert simulate_choice(choice).makespan_s == choice.makespan_s == 23.0
+    assert "bubble 21.7% under zb_h2; " in format_plan(choice)
+    assert LayoutChoice.from_dict(json.loads(json.dumps(choice.to_dict()))) == choice
