@@ -37,6 +37,10 @@ trains). For 8, 16 and 32 GPUs the tables give the simulated iteration time (tru
   host memory per GPU, 25 GB/s host-device copies, the host's AdamW at 2.5e8 parameters/s per GPU:
   ``offload.HostSpec``'s documented defaults), shown as ``off`` at the end of the layout column.
 
+- Z: C with the zero-bubble schedules weighed beside 1F1B for plans of one stage per rank (``ZB-H1``, ``ZB-H2``,
+  Qi et al., ICLR 2024; ``SearchSpace.schedules``): the schedule it chose, Z/A and Z/C (the schedule alone:
+  plait's search with and without them).
+
 B and C search the same schedules: 1F1B, and interleaved 1F1B with ``v`` in ``--virtual-stages`` (default
 1, 2, 4) LLM chunks per LLM rank (``schedules_interleaved.interleaved_1f1b``; Narayanan et al., SC'21,
 section 2.2.2), with encoders on their own ranks or one stage each on the first LLM rank (``attach_encoders``). A stays
@@ -262,8 +266,13 @@ def _generous_megatron(units, costs, gpus: int, microbatches: int, dps: list[int
     return best
 
 
+ZERO_BUBBLE = ("1f1b", "zb_h1", "zb_h2")
+"""The schedules column Z weighs for plans of one stage per rank (``SearchSpace.schedules``)."""
+
+
 def _run_one(units, costs, gpus: int, microbatches: int, dp_fixed: int | None) -> dict[str, LayoutChoice | None]:
-    """A, A*, B and C for one model, setting and GPU count (``dp_fixed``: one DP degree for all)."""
+    """A, A*, B, C and Z (C with the zero-bubble schedules weighed) for one model, setting and GPU count
+    (``dp_fixed``: one DP degree for all)."""
     machine = Machine(memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK)
     dps = [dp_fixed] if dp_fixed else [d for d in range(1, min(gpus, microbatches) + 1) if gpus % d == 0]
     space = SearchSpace(dp_degrees=dps, virtual_stages=VIRTUAL_STAGES, attach_encoders=True)
@@ -274,7 +283,9 @@ def _run_one(units, costs, gpus: int, microbatches: int, dp_fixed: int | None) -
                       ("B", lambda: plan_parallel(units, costs, gpus, microbatches=microbatches, machine=machine,
                                                   space=unaware)),
                       ("C", lambda: plan_parallel(units, costs, gpus, microbatches=microbatches, machine=machine,
-                                                  space=space))):
+                                                  space=space)),
+                      ("Z", lambda: plan_parallel(units, costs, gpus, microbatches=microbatches, machine=machine,
+                                                  space=dataclasses.replace(space, schedules=ZERO_BUBBLE)))):
         try:
             out[key] = call()
         except ValueError:
@@ -325,8 +336,10 @@ def run_table(names: list[str], gpu_counts: list[int], microbatches: int, dp_fix
     """Print one side-by-side table; returns the speedups C/A, C/A*, C/B per setting."""
     speedups: dict[str, list[float]] = {}
     fits: dict[str, list[bool]] = {"C": [], "impossible": [], "offload": []}
+    schedules: dict[str, int] = {}  # rows per schedule Z chose
     header = (f"{'model':<7} {'setting':<9} {'GPUs':>4} | {'A megatron even':<34} | {'A* (dp by true)':<34} | "
-              f"{'B frozen-unaware':<34} {'TP/FSDP/AC':<9} | {'C plait':<34} {'TP/FSDP/AC':<9} |  C/A  C/A*  C/B")
+              f"{'B frozen-unaware':<34} {'TP/FSDP/AC':<9} | {'C plait':<34} {'TP/FSDP/AC':<9} |  C/A  C/A*  C/B | "
+              f"{'Z: C + zero-bubble schedules':<34} {'schedule':<16}  Z/A  Z/C")
     print(header)
     print("-" * len(header))
     for name in names:
@@ -337,11 +350,17 @@ def run_table(names: list[str], gpu_counts: list[int], microbatches: int, dp_fix
                 ratios = [_speedup(res[k], res["C"]) for k in ("A", "A*", "B")]
                 for key, value in zip(("A", "A*", "B"), ratios):
                     speedups.setdefault((setting, key), []).append(value)
+                zb = [_speedup(res["A"], res["Z"]), _speedup(res["C"], res["Z"])]
+                speedups.setdefault((setting, "Z/A"), []).append(zb[0])
+                speedups.setdefault((setting, "Z/C"), []).append(zb[1])
+                chosen = res["Z"].schedule if res["Z"] is not None else "-"
+                schedules[chosen] = schedules.get(chosen, 0) + 1
                 fits["C"].append(res["C"] is not None and res["C"].fits_memory)
                 fits["impossible"].append(bool(_state_floor(units, costs, gpus)))
                 fits["offload"].append(fits["C"][-1] and res["C"].offload == "cpu")
                 print(f"{name:<7} {setting:<9} {gpus:>4} | {_cell(res['A'])} | {_cell(res['A*'])} | "
                       f"{_cell(res['B'], True)} | {_cell(res['C'], True)} | " + " ".join(f"{r:4.2f}" for r in ratios)
+                      + f" | {_cell(res['Z'])} {chosen:<16} " + " ".join(f"{r:4.2f}" for r in zb)
                       + ("" if fits["C"][-1] else _state_floor(units, costs, gpus)))
         print()
     for setting in ("frozen", "trainable"):
@@ -350,7 +369,9 @@ def run_table(names: list[str], gpu_counts: list[int], microbatches: int, dp_fix
             values = speedups[(setting, key)]
             finite = [v for v in values if v == v]
             parts.append(f"C/{key} {_mean(finite):.2f}x ({len(finite)} of {len(values)} rows)")
-        print(f"mean speedup, {setting}: " + "; ".join(parts))
+        zb = [f"{key} {_mean(speedups[(setting, key)]):.2f}x" for key in ("Z/A", "Z/C")]
+        print(f"mean speedup, {setting}: " + "; ".join(parts) + "; zero-bubble schedules weighed: " + ", ".join(zb))
+    print("schedules Z chose: " + ", ".join(f"{name} in {n} rows" for name, n in sorted(schedules.items())))
     possible = [f for f, imp in zip(fits["C"], fits["impossible"]) if not imp]
     print(f"C fits the memory cap in {sum(fits['C'])} of {len(fits['C'])} rows ({sum(fits['offload'])} with CPU "
           f"offload); {len(fits['C']) - len(possible)} rows hold more state than all their GPUs (they fit only with "

@@ -171,17 +171,17 @@ def target_lines(results: list[Comparison], before: float, after: float) -> list
 
 
 # ----- worker (one per rank) --------------------------------------------------------------------------------
-def _layout_runner(layout: str, config: str, size: int, microbatches: int, comm):
-    """This rank's stages of ``layout`` on a fresh model (``build_rank_stages`` prunes in place), its 1F1B
-    schedule and the microbatches (one real microbatch repeated ``microbatches`` times)."""
+def _layout_runner(layout: str, config: str, size: int, microbatches: int, comm, schedule: str = "1f1b"):
+    """This rank's stages of ``layout`` on a fresh model (``build_rank_stages`` prunes in place), its ``schedule``
+    and the microbatches (one real microbatch repeated ``microbatches`` times)."""
     inputs = build_profile_inputs(load_config(config), microbatches=1, microbatch_size=size, device="cpu")
     plan = demo_plan(model_units(inputs.model), layout, microbatches)
     stages = build_rank_stages(inputs.model, plan, comm.pp_rank)
-    return stages, build_schedule(plan, "1f1b", microbatches), [inputs.microbatches[0]] * microbatches, inputs
+    return stages, build_schedule(plan, schedule, microbatches), [inputs.microbatches[0]] * microbatches, inputs
 
 
 def _worker(rank: int, port: int, config: str, layouts: tuple[str, ...], steps: int, microbatches: int,
-            size: int, repeats: int, clock: str, rounds: int, result_dir: str) -> None:
+            size: int, repeats: int, clock: str, rounds: int, result_dir: str, schedule: str = "1f1b") -> None:
     """One rank: measure the link, then ``rounds`` rounds of (profile the model, run ``steps // rounds`` steps of
     every layout), after one warm-up step per layout. Both ranks profile at once, so the profile sees the run's
     CPU sharing; profiling between the steps makes a slow drift of the machine's speed (other tenants of the
@@ -193,7 +193,7 @@ def _worker(rank: int, port: int, config: str, layouts: tuple[str, ...], steps: 
         comm = build_pipeline_comm(2)
         inputs = build_profile_inputs(load_config(config), microbatches=1, microbatch_size=size, device="cpu",
                                       clock=clock)
-        runners = {layout: _layout_runner(layout, config, size, microbatches, comm) for layout in layouts}
+        runners = {layout: _layout_runner(layout, config, size, microbatches, comm, schedule) for layout in layouts}
         out: dict = {"profiles": [], "layouts": {layout: {"spans": [], "events": [], "cpu": []} for layout in layouts}}
         _run_steps(runners, comm, 1, None)  # warm-up
         for r in range(rounds):
@@ -228,11 +228,11 @@ def _run_steps(runners: dict, comm, steps: int, record: dict | None) -> None:
 
 
 def measure(config: str, layouts: tuple[str, ...], steps: int, microbatches: int, size: int, repeats: int,
-            clock: str = "wall", rounds: int = 4, limit_s: float = 240.0) -> list[dict]:
+            clock: str = "wall", rounds: int = 4, limit_s: float = 240.0, schedule: str = "1f1b") -> list[dict]:
     """Run the two workers; each rank's result dict (profile, link, per layout spans and events)."""
     with tempfile.TemporaryDirectory() as folder:
         context = mp.spawn(_worker, args=(_free_port(), config, layouts, steps, microbatches, size, repeats,
-                                          clock, rounds, folder), nprocs=2, join=False)
+                                          clock, rounds, folder, schedule), nprocs=2, join=False)
         deadline = time.monotonic() + limit_s
         while not context.join(timeout=1):
             if time.monotonic() > deadline:
@@ -258,15 +258,17 @@ def mean_profile(profiles: list[Profile]) -> Profile:
 
 
 # ----- comparison -----------------------------------------------------------------------------------------
-def predict(profile: Profile, layout: str, microbatches: int, p2p: P2PModel) -> SimResult:
-    """Simulated 1F1B iteration of ``layout`` from the profile and the link model."""
+def predict(profile: Profile, layout: str, microbatches: int, p2p: P2PModel, schedule: str = "1f1b") -> SimResult:
+    """Simulated iteration of ``layout`` under ``schedule`` from the profile and the link model (a split-backward
+    schedule's ``B`` and ``W`` apart)."""
     plan = demo_plan(profile.units, layout, microbatches)
-    schedule = build_schedule(plan, "1f1b", microbatches)
-    costs = stage_action_costs(plan, profile)
-    return simulate(schedule, costs, p2p=p2p, boundary_bytes=boundary_bytes_from_units(plan, profile.cost_map()))
+    built = build_schedule(plan, schedule, microbatches)
+    costs = stage_action_costs(plan, profile, split_backward=built.split_backward)
+    return simulate(built, costs, p2p=p2p, boundary_bytes=boundary_bytes_from_units(plan, profile.cost_map()))
 
 
-def _compare(profile: Profile, layout: str, microbatches: int, ranks: list[dict]) -> Comparison:
+def _compare(profile: Profile, layout: str, microbatches: int, ranks: list[dict], schedule: str = "1f1b"
+             ) -> Comparison:
     runs = [r["layouts"][layout] for r in ranks]
     steps = [max(r["spans"][i][1] for r in runs) - min(r["spans"][i][0] for r in runs)
              for i in range(len(runs[0]["spans"]))]
@@ -274,7 +276,7 @@ def _compare(profile: Profile, layout: str, microbatches: int, ranks: list[dict]
     pick = min(range(len(steps)), key=lambda i: abs(steps[i] - median))
     events = tuple(TimelineEvent.from_dict(e) for r in runs for e in r["events"][pick])
     link = P2PModel.from_dict(ranks[0]["link"])
-    result = predict(profile, layout, microbatches, link)
+    result = predict(profile, layout, microbatches, link, schedule)
     plan = demo_plan(profile.units, layout, microbatches)
     cpu = tuple(statistics.median(r["cpu"]) for r in runs)
     return Comparison(layout, result.makespan_s, median, tuple(steps), link, result, plan, events, cpu)
@@ -282,13 +284,14 @@ def _compare(profile: Profile, layout: str, microbatches: int, ranks: list[dict]
 
 def compare(config: str | Path = DEMO, *, layouts: tuple[str, ...] = LAYOUTS, steps: int = 12,
             microbatches: int = 4, microbatch_size: int = 4, repeats: int = 3, clock: str = "thread", rounds: int = 4,
-            out_dir: str | Path | None = None) -> tuple[list[Comparison], Profile]:
+            out_dir: str | Path | None = None, schedule: str = "1f1b") -> tuple[list[Comparison], Profile]:
     """Profile, measure and predict every layout (module docstring); writes the timelines to ``out_dir``.
     ``clock`` is the profiler's (``"thread"``: CPU time, unaffected by other processes on the cores).
     Returns the comparisons and the profile used (mean of both ranks' profiles over the ``rounds``)."""
-    ranks = measure(str(config), layouts, steps, microbatches, microbatch_size, repeats, clock, rounds)
+    ranks = measure(str(config), layouts, steps, microbatches, microbatch_size, repeats, clock, rounds,
+                    schedule=schedule)
     profile = mean_profile([Profile.from_dict(p) for r in ranks for p in r["profiles"]])
-    results = [_compare(profile, layout, microbatches, ranks) for layout in layouts]
+    results = [_compare(profile, layout, microbatches, ranks, schedule) for layout in layouts]
     if out_dir is not None:
         write_timelines(results, out_dir)
         ProfileStore(out_dir).save(profile, Path(out_dir) / "profile.json")
@@ -307,7 +310,7 @@ def write_timelines(results: list[Comparison], out_dir: str | Path) -> list[Path
         lines = {"predicted": c.prediction.events, "measured": measured}
         paths.append(write_chrome_trace(lines, folder / f"{c.layout}.json"))
         paths.append(plot_timeline(lines, folder / f"{c.layout}.png", title=(
-            f"{c.layout}, 1F1B: predicted {1e3 * c.predicted_s:.1f} ms vs measured {1e3 * c.measured_s:.1f} ms")))
+            f"{c.layout}: predicted {1e3 * c.predicted_s:.1f} ms vs measured {1e3 * c.measured_s:.1f} ms")))
     return paths
 
 
@@ -323,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clock", choices=("wall", "thread"), default="thread",
                         help="profiler clock; thread = CPU time (for machines whose cores are shared)")
     parser.add_argument("--lora", action="store_true", help="LoRA adapters on the LLM (r 8) and both encoders (r 4)")
+    parser.add_argument("--schedule", choices=("1f1b", "zb_h1", "zb_h2"), default="1f1b",
+                        help="the schedule run and predicted (zero-bubble: B and W apart)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         config = lora_config(folder, args.config) if args.lora else args.config
@@ -330,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         results, profile = compare(config, steps=args.steps, microbatches=args.microbatches,
                              microbatch_size=args.microbatch_size, repeats=args.repeats, clock=args.clock,
                              rounds=args.rounds,
-                             out_dir=args.out_dir)
+                             out_dir=args.out_dir, schedule=args.schedule)
         after = contention()
     print(f"{'layout':<20} {'predicted ms':>13} {'measured ms':>12} {'ratio':>6} {'fastest':>8} {'ratio':>6}  "
           "steps ms (measured)   link")
