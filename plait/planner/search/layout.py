@@ -192,11 +192,23 @@ def plan_layout(
         raise NoPlanFits(f"no layout fits: every candidate for {devices} devices exceeds memory_cap={memory_cap} "
                          "bytes (or has fewer pipeline ranks than modules)")
     plan = _plan_from_stages(model, best)
-    names = ("interleaved_1f1b",) if best.v > 1 or best.attached else tuple(dict.fromkeys(space.schedules))
+    schedules = tuple(dict.fromkeys(space.schedules))
+    names = ("interleaved_1f1b",) if best.v > 1 or best.attached else schedules
     choice = _weigh_schedules(plan, units, costs, names,
                               dict(dp=best.dp, microbatches=microbatches, devices=devices, machine=timing))
+    simulated = timed + (single is not None) + len(names) - 1
+    plain = [s for s in streams if s.v == 1 and not s.attached]
+    if (best.v > 1 or best.attached) and set(schedules) - {"1f1b"} and plain:
+        # zero-bubble schedules run one stage per rank: weigh them on the best such plan too
+        flat, _, flat_timed = branch_and_bound(parts, plain, p2p, dp_link, space.rel_tol, space.max_timed)
+        if flat.stages is not None:
+            other = _weigh_schedules(_plan_from_stages(model, flat), units, costs, schedules,
+                                     dict(dp=flat.dp, microbatches=microbatches, devices=devices, machine=timing))
+            simulated += flat_timed + len(schedules)
+            if (other.fits_memory, -other.iteration_s) > (choice.fits_memory, -choice.iteration_s):
+                best, choice = flat, other
     return dataclasses.replace(choice, method=method, planned_iteration_s=best.time, candidates=considered,
-                               simulated=timed + (single is not None) + len(names) - 1)
+                               simulated=simulated)
 
 
 def _weigh_schedules(plan: PipelinePlan, units: Sequence[Unit], costs: Costs, names: Sequence[str],
