@@ -1,5 +1,6 @@
 """``bench/gpu_check.py`` (issue 14's prepared GPU check) runs end to end on CPU at its smallest size: the flex vs
-SDPA check passes, the three training runs print their rows and plait's first-step loss equals the HF loop's."""
+SDPA check passes, the three training runs print their rows and plait's first-step loss equals the HF loop's, and the
+executor runs 1F1B, ZB-H1 and ZB-H2 to the same loss and gradients."""
 
 import re
 import subprocess
@@ -23,4 +24,9 @@ def test_gpu_check_runs_on_cpu_at_the_smallest_size():
     saved = {name: float(m.group(4)) for name, m in rows.items()}
     assert saved["plait FSDP2 + AC"] < saved["plait FSDP2"]  # checkpointing keeps less for the backward
     assert "first-step loss vs the HF loop within 0.0001: True" in out
+    executor = {m.group(1): (int(m.group(2)), float(m.group(3))) for m in re.finditer(
+        r"^(1f1b|zb_h1|zb_h2)\s+(\d+)\s+[\d.]+\s+\d+\s+([\d.]+)\s+[\d.e+-]+$", out, re.M)}
+    assert sorted(executor) == ["1f1b", "zb_h1", "zb_h2"], out
+    assert executor["zb_h1"][0] == executor["zb_h2"][0] > executor["1f1b"][0]  # split backward: W actions too
+    assert "zero-bubble schedules equal 1F1B: True" in out
     assert out.rstrip().splitlines()[-1].startswith("all checks passed: True")

@@ -47,6 +47,9 @@ def grads_match(stages, ref) -> int:
     # a colocated stage where the vision chunk trains and the audio chunk is frozen: audio features carry no
     # gradient back, audio runs under no_grad inside a stage that runs backward
     ("encoders_colocated", "gpipe", {"split_backward": True}, "vision"),
+    # zero-bubble: W from the gradients B kept; in the colocated stage only the vision chunk has weight gradients
+    ("encoder_parallel", "zb_h1", {}, "all"),
+    ("encoders_colocated", "zb_h2", {}, "vision"),
 ])
 def test_one_process_pipeline_equals_the_model(layout, schedule, options, mode, tmp_path):
     model = apply_mode(tiny_model(), mode)
