@@ -145,9 +145,17 @@ def pixel_shuffle_patches(downsample: int) -> int:
 
 
 def _tokenizer_size(path: str) -> int | None:
-    """Vocabulary size of the tokenizer directory at ``path`` (None when there is none)."""
-    if not path or not Path(path).is_dir():
+    """Vocabulary size of the tokenizer directory at ``path`` (``data.tokenizer``; None when it is not set).
+
+    Raises:
+        FileNotFoundError: when ``path`` is set but is no directory (a relative path read from another working
+            directory would otherwise plan the LLM's head with the config's default vocabulary, silently).
+    """
+    if not path:
         return None
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"data.tokenizer {path} is not a directory (relative paths are read from the working "
+                                f"directory, {Path.cwd()}): the plan needs its vocabulary size for the LLM's head")
     from transformers import AutoTokenizer
 
     return len(AutoTokenizer.from_pretrained(path))
