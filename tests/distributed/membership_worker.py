@@ -16,7 +16,11 @@ import torch.distributed as dist
 from plait.parallel.membership import Membership
 
 VICTIMS = (2, 0)  # worker ids killed, one per generation (0 is rank 0 of generation 1)
-TIMEOUT_S = 4.0
+TIMEOUT_S = 8.0
+DEAD_AFTER_S = 6.0
+"""A member is dead when its heartbeat is this old (a SIGKILLed worker's stops at once). Not the default 1.5 s: on a
+loaded 2-core machine (load average 4) a live worker's heartbeat thread was starved that long, and the survivors
+took it for dead (NoQuorumError)."""
 
 
 def _sum(m: Membership) -> int:
@@ -29,7 +33,8 @@ def _sum(m: Membership) -> int:
 def worker(wid: int, world: int, port: int) -> None:
     """One worker (``wid`` = its rank in generation 0)."""
     torch.set_num_threads(1)
-    m = Membership("127.0.0.1", port, wid, world, timeout_s=TIMEOUT_S, min_members=2)
+    m = Membership("127.0.0.1", port, wid, world, timeout_s=TIMEOUT_S, dead_after_s=DEAD_AFTER_S,
+                   min_members=2)
     m.join()
     seen = {"sums": [_sum(m)], "left": [], "ranks": [m.rank], "recovery_s": []}
     for victim in VICTIMS:

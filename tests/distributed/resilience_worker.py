@@ -36,7 +36,11 @@ from tests.distributed.pipeline_worker import _check_grads, _close, apply_mode, 
 
 STEPS = (("iva", "t", "i"), ("a", "ia", "t"), ("t", "i", "a"), ("ia", "a", "i"))
 VICTIMS = {0: 1, 2: 2}  # worker id -> the step at whose start it is killed
-TIMEOUT_S = 4.0
+TIMEOUT_S = 8.0
+DEAD_AFTER_S = 6.0
+"""A member is dead when its heartbeat is this old (a SIGKILLed worker's stops at once). Not the default 1.5 s: on a
+loaded 2-core machine (load average 4) a live worker's heartbeat thread was starved that long, and the survivors
+took it for dead (NoQuorumError)."""
 PLANS = {  # template size -> (layout, stages per module, plan rank per stage)
     2: ("encoder_parallel", {"vision": 2, "audio": 1, "llm": 2}, (0, 1, 0, 1, 0)),
     1: ("encoders_colocated", {"vision": 1, "audio": 1, "llm": 1}, (0, 0)),
@@ -97,7 +101,7 @@ def build_run(inst: Instantiation, wid: int, members: tuple[int, ...], old: Run 
 def worker(wid: int, world: int, port: int) -> None:
     """One worker (``wid``: its rank in generation 0)."""
     torch.set_num_threads(1)
-    m = Membership("127.0.0.1", port, wid, world, timeout_s=TIMEOUT_S)
+    m = Membership("127.0.0.1", port, wid, world, timeout_s=TIMEOUT_S, dead_after_s=DEAD_AFTER_S)
     m.join()
     ts = template_set()
     inst = instantiate(ts, [[0, 1], [2]])
