@@ -241,8 +241,24 @@ class Membership:
 
     def joined(self, candidates: Sequence[int]) -> list[int]:
         """Which of ``candidates`` (not members) asked to join (:meth:`rejoin`); read from the store, so the
-        members must agree on the answer themselves (e.g. rank 0 reads and broadcasts)."""
+        members must agree on the answer themselves (rank 0 reads, :meth:`announce` tells the others)."""
         return [w for w in candidates if w not in self.members and self._store.check([f"join/{w}"])]
+
+    def announce(self, key: str, value: str | None, wait_s: float) -> str:
+        """What rank 0 decided under ``key`` in this generation, the same string on every member: rank 0 passes its
+        ``value`` (written to the store), the others ``None`` and wait for it at most ``wait_s`` seconds. A store
+        wait, not a collective: rank 0 may take longer than the groups' ``timeout_s`` to decide (waiting for a
+        restarted worker to start) without the others' collective timing out.
+
+        Raises:
+            RuntimeError: (the store's ``DistStoreError``) when nothing is announced within ``wait_s``.
+        """
+        full = f"announce/gen{self.generation}/{key}"
+        if value is not None:
+            self._store.set(full, value)
+            return value
+        self._store.wait([full], datetime.timedelta(seconds=wait_s))
+        return self._store.get(full).decode()
 
     def admit(self, joiners: Sequence[int], payload: dict) -> None:
         """Every member, at the same step boundary: admit ``joiners`` (rank 0 writes their ``admit/<id>`` with

@@ -420,19 +420,20 @@ class ResilientWorker:
 
     def admit_joiners(self, run: WorkerRun, step: int) -> WorkerRun:
         """At the start of ``step``: admit the workers planned to rejoin then (``LaunchPlan.rejoins``) that asked
-        (rank 0 waits for them at most ``2 * timeout_s`` and broadcasts who came), re-instantiate over the larger
-        set (``plan_rejoin``) and copy their units to them. Collective."""
+        (rank 0 waits for them at most ``2 * timeout_s`` and announces who came through the store,
+        :meth:`Membership.announce`), re-instantiate over the larger set (``plan_rejoin``) and copy their units to
+        them. Collective."""
         planned = [w for w, s in self.plan.rejoins if s == step and w not in self.membership.members]
         if not planned:
             return run
-        came = torch.zeros(len(planned))
+        decided = None
         if self.membership.rank == 0:
             deadline = time.monotonic() + 2 * self.plan.timeout_s
             while len(self.membership.joined(planned)) < len(planned) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            came = torch.tensor([float(w in self.membership.joined(planned)) for w in planned])
-        torch.distributed.broadcast(came, 0)
-        joiners = [w for w, c in zip(planned, came.tolist()) if c]
+            decided = json.dumps(self.membership.joined(planned))
+        # through the store, not a broadcast: rank 0 may wait longer than the collective timeout for a slow start
+        joiners = json.loads(self.membership.announce(f"joiners/step{step}", decided, 3 * self.plan.timeout_s))
         if not joiners:
             return run
         start = time.monotonic()

@@ -78,3 +78,22 @@ def test_a_member_that_saw_the_failure_aborts_without_the_others_waiting(patient
         time.sleep(0.1)
         assert m0.commit("step2", ready=False) is False
         assert [f.result(timeout=5) for f in waiting] == [False, False]  # not the 60-s wait for a missing vote
+
+
+def test_an_announcement_reaches_members_that_wait_longer_than_the_collective_timeout():
+    """Rank 0 deciding for longer than the groups' timeout (waiting for a restarted worker to start): the others
+    wait on the store, not in a collective that would time out first."""
+    server, group = _group(0.5)  # collectives would time out after 0.5 s
+    try:
+        m0, m1, _ = group
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(m1.announce, "joiners/step5", None, 5.0)
+            time.sleep(1.5)
+            assert not waiting.done()
+            assert m0.announce("joiners/step5", "[4]", 5.0) == "[4]"
+            assert waiting.result(timeout=5) == "[4]"
+        with pytest.raises(RuntimeError):  # nothing announced: the wait ends after wait_s
+            m1.announce("joiners/step6", None, 0.3)
+    finally:
+        for m in group:
+            m.close()
