@@ -62,6 +62,8 @@ class Membership:
         dead_after_s: a member whose heartbeat is older than this is dead (seconds; a few heartbeats).
         timeout_s: collective timeout of the process groups (a hung peer is detected after it); the agreement
             waits at most twice as long (seconds).
+        connect_timeout_s: how long opening a store connection may take (seconds). Apart from ``timeout_s``: on a
+            loaded host, or at a large job's start, a connection takes longer than a short collective timeout.
         min_members: fewer survivors raise :class:`NoQuorumError`.
         generation: the current generation (0 at :meth:`join`).
         members: worker ids of the current generation, ascending (``members[rank]`` is that rank's worker).
@@ -74,6 +76,7 @@ class Membership:
     heartbeat_s: float = 0.2
     dead_after_s: float = 1.5
     timeout_s: float = 20.0
+    connect_timeout_s: float = 60.0
     min_members: int = 1
     generation: int = 0
     members: tuple[int, ...] = ()
@@ -94,7 +97,7 @@ class Membership:
 
     def _connect(self) -> dist.TCPStore:
         return dist.TCPStore(self.host, self.port, is_master=False,
-                             timeout=datetime.timedelta(seconds=self.timeout_s))
+                             timeout=datetime.timedelta(seconds=self.connect_timeout_s))
 
     def connect(self) -> None:
         """Connect to the store and start this worker's heartbeat (no process group: :meth:`join` and

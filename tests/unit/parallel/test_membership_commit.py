@@ -14,13 +14,16 @@ import torch.distributed as dist
 from plait.parallel.membership import Membership
 from tests.distributed.spawning import free_port
 
+DEAD_AFTER_S = 2.0
+
 
 def _group(timeout_s: float):
-    """A store and 3 connected members of it; ``timeout_s``: how long a member waits for a missing vote."""
+    """A store and 3 connected members of it; ``timeout_s``: how long a member waits for a missing vote. A member is dead after 2 s without a heartbeat: a loaded machine starves a live member's
+    heartbeat thread for longer than a few heartbeats."""
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=10))
-    group = [Membership("127.0.0.1", port, w, 3, heartbeat_s=0.05, dead_after_s=0.5, timeout_s=timeout_s)
+    group = [Membership("127.0.0.1", port, w, 3, heartbeat_s=0.05, dead_after_s=DEAD_AFTER_S, timeout_s=timeout_s)
              for w in range(3)]
     for m in group:
         m.connect()
@@ -66,7 +69,7 @@ def test_a_member_dying_after_its_ready_vote_still_commits_everywhere(members):
 def test_a_member_thought_dead_that_votes_ready_late_is_overruled(members):
     _, (m0, m1, m2) = members
     m2.close()  # m2 stops beating (hung, not dead) before it votes
-    time.sleep(0.7)  # its heartbeat is stale: m1 proposes abort, and the store records it once
+    time.sleep(DEAD_AFTER_S + 0.5)  # its heartbeat is stale: m1 proposes abort, and the store records it once
     assert m1.commit("step5") is False
     assert m2.commit("step5") is False and m0.commit("step5") is False  # all ready now, but the decision stands
 
