@@ -380,8 +380,9 @@ def _validate_pipeline(cfg: JobConfig) -> None:
 
 
 def _validate_pipeline_schedule(pp: PipelineConfig) -> None:
-    """``interleaved_1f1b`` exactly when a rank holds several stages (``virtual_stages`` > 1 or
-    ``attach_encoders``), which needs several pipeline ranks; ``cap`` only with ``memory_capped_1f1b``.
+    """A schedule that runs several stages per rank (``interleaved_1f1b``, ``zb_v``) exactly when a rank holds
+    several stages (``virtual_stages`` > 1 or ``attach_encoders``), which needs several pipeline ranks; ``zb_v``
+    with ``virtual_stages = 2`` (its V); ``cap`` only with ``memory_capped_1f1b``.
 
     Raises:
         ValueError: naming the offending ``parallel.pp`` field.
@@ -392,9 +393,12 @@ def _validate_pipeline_schedule(pp: PipelineConfig) -> None:
         _check(shared, "parallel.pp.schedule = 'interleaved_1f1b' needs several stages per pipeline rank: set "
                "parallel.pp.virtual_stages >= 2 (LLM stages per LLM rank) or parallel.pp.attach_encoders = true "
                "(encoder stages on the first LLM rank); with one stage per rank use '1f1b'")
+    elif pp.schedule == "zb_v":
+        _check(pp.virtual_stages == 2, "parallel.pp.schedule = 'zb_v' runs 2 LLM stages per LLM rank in a V: set "
+               f"parallel.pp.virtual_stages = 2, got {pp.virtual_stages}")
     else:
         _check(not shared, f"{placement} put several stages on a pipeline rank, which only parallel.pp.schedule = "
-               f"'interleaved_1f1b' runs; got {pp.schedule!r}")
+               f"'interleaved_1f1b' or 'zb_v' runs; got {pp.schedule!r}")
     _check(pp.degree > 1 or not shared, f"{placement} place stages on several pipeline ranks, but "
            "parallel.pp.degree = 1 runs the whole model on one rank: raise parallel.pp.degree or leave them at 1 "
            "and false")
@@ -497,7 +501,7 @@ def pipeline_plan_kwargs(pp: PipelineConfig, encoders: typing.Sequence[str]) -> 
     """Keyword arguments of ``plan_pipeline`` for ``parallel.pp``: ``stages_per_module`` (counts of the modules
     cut evenly, :func:`pipeline_stage_counts`), ``splits`` (explicit boundaries of the others) and ``ranks`` (the
     pipeline rank of each stage, :func:`plait.planner.pipeline.plan.stage_ranks`: the placement the layout search
-    uses for the same ``virtual_stages`` and ``attach_encoders``).
+    uses for the same ``virtual_stages`` and ``attach_encoders``; a V under ``schedule = "zb_v"``).
 
     Raises:
         ValueError: as :func:`pipeline_stage_counts`.
@@ -505,7 +509,7 @@ def pipeline_plan_kwargs(pp: PipelineConfig, encoders: typing.Sequence[str]) -> 
     counts = pipeline_stage_counts(pp, encoders)
     encoder_stages = _encoder_stage_total(pp, {m: counts[m] for m in encoders})
     ranks = stage_ranks(encoder_stages, counts[LLM_MODULE] // pp.virtual_stages, pp.virtual_stages,
-                        pp.attach_encoders)
+                        pp.attach_encoders, v_shape=pp.schedule == "zb_v")
     return {"stages_per_module": {m: c for m, c in counts.items() if m not in pp.splits},
             "splits": {m: list(names) for m, names in pp.splits.items()}, "ranks": list(ranks)}
 

@@ -267,16 +267,20 @@ class PipelineConfig:
     """LLM stages per LLM rank ``v`` (interleaved 1F1B, Narayanan et al., SC'21, section 2.2.2): the LLM is cut
     into ``v`` x (its ranks) stages and LLM stage ``j`` runs on LLM rank ``j mod`` (its ranks), so ``stages.llm``
     (or ``len(splits.llm) + 1``) must be a multiple of ``v``; ``v`` > 1 needs at least 2 LLM ranks and
-    ``schedule = "interleaved_1f1b"``. 1: one LLM stage per rank."""
+    ``schedule = "interleaved_1f1b"``; with ``schedule = "zb_v"`` (``v`` = 2) the LLM stages sit in a V instead:
+    LLM rank ``i`` of ``p`` holds LLM stages ``i`` and ``2p - 1 - i``. 1: one LLM stage per rank."""
     attach_encoders: bool = False
     """Place every encoder stage on the first LLM rank (pipeline rank 0) instead of ranks of their own: that rank
     runs an encoder's forward just before the first LLM stage's and its backward just after (a frozen encoder
-    then costs no rank). Needs encoder branches, ``degree`` >= 2 and ``schedule = "interleaved_1f1b"``."""
+    then costs no rank). Needs encoder branches, ``degree`` >= 2 and ``schedule = "interleaved_1f1b"`` or
+    ``"zb_v"``."""
     schedule: str = "1f1b"
     """``"gpipe"``, ``"1f1b"`` (multimodal 1F1B), ``"memory_capped_1f1b"`` (needs ``cap`` >= 1), ``"zb_h1"`` /
     ``"zb_h2"`` (zero-bubble: backward split, weight gradients in the bubbles; 1F1B's or about twice its
-    activation memory) for one stage per rank; ``"interleaved_1f1b"`` exactly when a rank holds several stages (``virtual_stages`` > 1 or
-    ``attach_encoders``; with ``virtual_stages = 1`` it is 1F1B on the LLM ranks with the encoders attached)."""
+    activation memory) for one stage per rank; ``"interleaved_1f1b"`` when a rank holds several stages (``virtual_stages`` > 1 or
+    ``attach_encoders``; with ``virtual_stages = 1`` it is 1F1B on the LLM ranks with the encoders attached);
+    ``"zb_v"`` (the V-shape zero-bubble schedule, Qi et al., NeurIPS 2024: two LLM stages per rank in a V, weight
+    gradients in the bubbles, 1F1B's activation memory) with ``virtual_stages = 2``."""
     microbatches: int = 0
     """Microbatches per pipeline per step; 0: derived from ``train.microbatch_size`` as without PP. At most a DP
     replica's share of the global batch (each microbatch needs a sample); more is refused."""

@@ -122,6 +122,9 @@ class Case:
 
 ENC_PAR = dict(layout="encoder_parallel", stages_per_module={"vision": 2, "audio": 1, "llm": 2}, ranks=(0, 1, 0, 1, 0))
 COLOC = dict(layout="encoders_colocated", stages_per_module={"vision": 2, "audio": 2, "llm": 2}, ranks=(0, 1, 0, 1))
+V_ATTACHED = dict(layout="encoder_parallel", stages_per_module={"vision": 2, "audio": 1, "llm": 4},
+                  ranks=(0, 0, 0, 0, 1, 1, 0))
+V_OWN = dict(layout="encoder_parallel", stages_per_module={"vision": 1, "audio": 1, "llm": 4}, ranks=(0, 1, 2, 3, 3, 2))
 STEPS = (("iva", "t"), ("a", "t"), ("i", "ia"))  # step 2 has no image at all
 
 CASES_2 = (
@@ -139,6 +142,9 @@ CASES_2 = (
     Case("encpar-zbh1-projectors", **ENC_PAR, schedule="zb_h1", mode="projectors", steps=STEPS, instrument=True),
     Case("encpar-zbh2-all-tied-clip", **ENC_PAR, schedule="zb_h2", mode="all", steps=STEPS, tied=True, clip=0.5),
     Case("coloc-zbh1-llm", **COLOC, schedule="zb_h1", mode="llm", steps=STEPS),
+    # ZB-V: the LLM's 4 stages in a V (rank 0 holds the first and the last), the encoders on the first LLM rank
+    Case("vshape-zbv-projectors", **V_ATTACHED, schedule="zb_v", mode="projectors", steps=STEPS, instrument=True),
+    Case("vshape-zbv-all-tied-clip", **V_ATTACHED, schedule="zb_v", mode="all", steps=STEPS, tied=True, clip=0.5),
 )
 CASES_4 = (
     # PP 2 x DP 2: replica 1 gets no image in any step; embeddings tied across pipeline ranks
@@ -150,6 +156,9 @@ CASES_4 = (
          ranks=(0, 1, 2, 3, 3), schedule="zb_h1", mode="all", steps=STEPS),
     Case("pp4-zbh2-projectors", layout="encoder_parallel", stages_per_module={"vision": 2, "audio": 1, "llm": 2},
          ranks=(0, 1, 2, 3, 3), schedule="zb_h2", mode="projectors", steps=STEPS, instrument=True),
+    # ZB-V on PP 4: each encoder on its own rank, the LLM's 4 stages in a V over ranks 2 and 3
+    Case("pp4-zbv-all-tied", **V_OWN, schedule="zb_v", mode="all", steps=STEPS, tied=True, clip=0.5),
+    Case("pp4-zbv-projectors", **V_OWN, schedule="zb_v", mode="projectors", steps=STEPS, instrument=True),
 )
 
 

@@ -120,6 +120,8 @@ PP_CASES = {
     "interleaved": ({"degree": 2, "virtual_stages": 2, "attach_encoders": True, "schedule": "interleaved_1f1b"}, 2),
     "encoder_parallel": ({"degree": 3, "layout": "encoder_parallel", "schedule": "1f1b"}, 3),
     "zero_bubble": ({"degree": 3, "layout": "encoder_parallel", "schedule": "zb_h1"}, 3),  # split backward, routed
+    # ZB-V: the LLM's 4 stages in a V on 2 ranks (rank 0 holds the first and the last), encoders attached to rank 0
+    "zero_bubble_v": ({"degree": 2, "virtual_stages": 2, "attach_encoders": True, "schedule": "zb_v"}, 2),
 }
 
 

@@ -104,20 +104,47 @@ def interleaved_ranks(encoder_ranks: Sequence[int], llm_ranks: int, virtual_stag
     return tuple(encoder_ranks) + tuple(first + j % llm_ranks for j in range(llm_ranks * virtual_stages))
 
 
+def v_shape_ranks(encoder_ranks: Sequence[int], llm_ranks: int) -> tuple[int, ...]:
+    """Stage ranks of a plan whose ``2 p`` LLM stages sit on ``p = llm_ranks`` ranks in a V: LLM stage ``j`` on
+    rank ``e + j`` for ``j < p`` and on rank ``e + 2p - 1 - j`` after (``e = 1 + max(encoder_ranks)``, or 0
+    without encoder stages), so the first LLM rank holds the first and the last LLM stage (the placement of the
+    V-shape zero-bubble schedule ``schedules.zb_v``; Qi et al., "Pipeline Parallelism with Controllable Memory",
+    NeurIPS 2024, section 3). Pass the result as ``plan_pipeline(..., ranks=...)`` with ``2 p`` LLM stages.
+
+    Raises:
+        ValueError: on ``llm_ranks`` below 1 or a negative encoder rank.
+    """
+    encoder_ranks = [int(r) for r in encoder_ranks]
+    if llm_ranks < 1:
+        raise ValueError(f"llm_ranks must be >= 1, got {llm_ranks}")
+    if any(r < 0 for r in encoder_ranks):
+        raise ValueError(f"encoder_ranks must be >= 0, got {encoder_ranks}")
+    first = 1 + max(encoder_ranks, default=-1)
+    return tuple(encoder_ranks) + tuple(first + min(j, 2 * llm_ranks - 1 - j) for j in range(2 * llm_ranks))
+
+
 def stage_ranks(encoder_stages: int, llm_ranks: int, virtual_stages: int = 1,
-                attach_encoders: bool = False) -> tuple[int, ...]:
+                attach_encoders: bool = False, v_shape: bool = False) -> tuple[int, ...]:
     """Pipeline rank of every stage of a plan with ``encoder_stages`` encoder stages followed by
     ``virtual_stages * llm_ranks`` LLM stages, as the layout search places them and ``[parallel.pp]`` describes
     them (one mapping for both): each encoder stage on its own rank ``0..encoder_stages-1`` and LLM stage ``j``
     on rank ``encoder_stages + j mod llm_ranks`` (:func:`interleaved_ranks`; with ``virtual_stages = 1`` stage
     ``i`` on rank ``i``), or, with ``attach_encoders``, every encoder stage on rank 0 and LLM stage ``j`` on rank
-    ``j mod llm_ranks`` (the encoders share the first LLM rank, as ``schedules.interleaved_1f1b`` runs them).
+    ``j mod llm_ranks`` (the encoders share the first LLM rank, as ``schedules.interleaved_1f1b`` runs them). With
+    ``v_shape`` (``virtual_stages`` 2) the LLM stages sit in a V instead (:func:`v_shape_ranks`, ``schedules.zb_v``).
 
     Raises:
-        ValueError: on ``encoder_stages`` below 0, ``llm_ranks`` or ``virtual_stages`` below 1.
+        ValueError: on ``encoder_stages`` below 0, ``llm_ranks`` or ``virtual_stages`` below 1, or ``v_shape`` with
+            ``virtual_stages`` other than 2.
     """
     if encoder_stages < 0:
         raise ValueError(f"encoder_stages must be >= 0, got {encoder_stages}")
+    if v_shape:
+        if virtual_stages != 2:
+            raise ValueError(f"a V-shape placement holds 2 LLM stages per rank, got virtual_stages={virtual_stages}")
+        llm = v_shape_ranks((), llm_ranks)
+        return (0,) * encoder_stages + llm if attach_encoders else \
+            tuple(range(encoder_stages)) + tuple(encoder_stages + r for r in llm)
     if attach_encoders:
         return (0,) * encoder_stages + interleaved_ranks((), llm_ranks, virtual_stages)
     return interleaved_ranks(range(encoder_stages), llm_ranks, virtual_stages)

@@ -24,6 +24,9 @@ Generators (all deadlock-free by construction, and checked before they return):
 - ``zb_h1``, ``zb_h2``: the zero-bubble schedules of Qi et al. (ICLR 2024): 1F1B with the backward split and the
   weight gradients run in the bubbles, at 1F1B's activation memory (H1) or about twice it with a longer warm-up (H2);
   the runtime runs ``W`` from the gradients ``B`` kept (``plait.parallel.pipeline.split_backward``).
+- ``zb_v``: the V-shape zero-bubble schedule (Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS
+  2024, ZB-V): two LLM chunks per rank placed in a V (``plan.v_shape_ranks``), backward split, ``W`` in the bubbles,
+  at 1F1B's activation memory; its bubble is one chunk forward per rank instead of ZB-H1's ``F + B - W``.
 
 - ``forward_only``: forwards only, for evaluation (no backward actions; not a training schedule).
 
@@ -64,9 +67,10 @@ __all__ = [
     "one_f_one_b",
     "zb_h1",
     "zb_h2",
+    "zb_v",
 ]
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "memory_capped_1f1b", "interleaved_1f1b", "zb_h1", "zb_h2")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "memory_capped_1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_v")
 
 
 # ----- generators ----------------------------------------------------------------------------------
@@ -175,6 +179,52 @@ def zb_h2(plan: PipelinePlan, num_microbatches: int | None = None) -> Schedule:
     return _generate(plan, m, [min(2 * plan.depth(s) - 1, m) for s in range(plan.num_stages)], True, True, "zb_h2")
 
 
+def zb_v(plan: PipelinePlan, num_microbatches: int | None = None) -> Schedule:
+    """ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024, section 3; our own
+    formulation): the LLM is cut into ``2 p`` stages placed in a V over its ``p`` ranks (``plan.v_shape_ranks``:
+    LLM rank ``i`` holds chunk 0 = LLM stage ``i`` and chunk 1 = LLM stage ``2p - 1 - i``), the backward is split
+    and each ``W`` is held back into the rank's bubbles. Chunk-0 stages warm up with one forward fewer than their
+    depth's 1F1B and chunk-1 stages with their depth's (``d - 2`` and ``d - 1``), so rank ``i`` holds at most
+    ``(2p - i - 1) + (i + 1) = 2p`` chunk activations: 1F1B's ``p`` stage activations. On a uniform chain with
+    chunk costs ``F/2, B/2, W/2`` (``F = B = W``) the iteration takes ``M (F + B + W) + (p - 1) F / 2``: the last
+    LLM rank's first forward waits for ``p - 1`` chunk forwards, and nothing else idles (1F1B:
+    ``(p - 1)(F + B + W)`` more). Multimodal: encoder stages on ranks of their own, or on the first LLM rank
+    (``attach_encoders``), warm up as chunk 0 (one forward fewer than their depth). Frozen-aware as
+    :func:`zb_h1`.
+
+    Raises:
+        ValueError: on ``M < 1``, an odd number of LLM stages, LLM stages not in a V over consecutive ranks, or an
+            encoder stage on an LLM rank other than the first.
+    """
+    m = resolve_microbatches(plan, num_microbatches)
+    _check_v_shape(plan)
+    llm = plan.llm_stages
+    second_chunk = set(llm[len(llm) // 2:])
+    limits = [plan.depth(s) if s in second_chunk else max(plan.depth(s) - 1, 1) for s in range(plan.num_stages)]
+    return _generate(plan, m, limits, True, True, "zb_v", hold=limits)
+
+
+def _check_v_shape(plan: PipelinePlan) -> None:
+    """The placement :func:`zb_v` runs (``plan.v_shape_ranks``).
+
+    Raises:
+        ValueError: naming the stage whose rank breaks it.
+    """
+    llm = plan.llm_stages
+    if len(llm) % 2:
+        raise ValueError(f"zb_v needs an even number of LLM stages (2 per LLM rank, in a V), got {len(llm)}")
+    p, first = len(llm) // 2, plan.stages[llm[0]].rank
+    for j, s in enumerate(llm):
+        want = first + min(j, 2 * p - 1 - j)
+        if plan.stages[s].rank != want:
+            raise ValueError(f"zb_v: LLM stage {j} (plan stage {s}) is on rank {plan.stages[s].rank}, but a V over "
+                             f"ranks {first}..{first + p - 1} puts it on rank {want} (plan.v_shape_ranks)")
+    for stage in plan.stages:
+        if not stage.is_llm and first < stage.rank < first + p:
+            raise ValueError(f"zb_v: encoder stage {stage.index} is on LLM rank {stage.rank}; encoder stages go on "
+                             f"ranks of their own or on the first LLM rank {first}")
+
+
 def build_schedule(plan: PipelinePlan, name: str, num_microbatches: int | None = None, **options: Any) -> Schedule:
     """The schedule generator called ``name`` (one of ``SCHEDULE_NAMES``), e.g. from a config.
 
@@ -182,7 +232,7 @@ def build_schedule(plan: PipelinePlan, name: str, num_microbatches: int | None =
         ValueError: on an unknown name, and whatever the generator raises.
     """
     generators = {"gpipe": gpipe, "1f1b": one_f_one_b, "memory_capped_1f1b": memory_capped_1f1b,
-                  "interleaved_1f1b": interleaved_1f1b, "zb_h1": zb_h1, "zb_h2": zb_h2}
+                  "interleaved_1f1b": interleaved_1f1b, "zb_h1": zb_h1, "zb_h2": zb_h2, "zb_v": zb_v}
     if name not in generators:
         raise ValueError(f"unknown schedule {name!r}; choose one of {SCHEDULE_NAMES}")
     return generators[name](plan, num_microbatches, **options)

@@ -177,7 +177,7 @@ def layout_pp_fields(choice: LayoutChoice, units: Sequence[Unit]) -> dict[str, A
     ``virtual_stages`` = the plan's LLM stages per rank, ``attach_encoders`` when its encoder stages share the
     first LLM rank (with one encoder stage, layout ``encoders_colocated``: the search's attached plans are
     colocated, and a one-encoder-stage plan is the same in both layouts), the schedule (``choice.schedule``:
-    ``interleaved_1f1b`` exactly for those plans) and the microbatches per replica.
+    ``interleaved_1f1b`` or the V's ``zb_v`` exactly for those plans) and the microbatches per replica.
     The DP degree is ``choice.dp``.
 
     Raises:
@@ -192,8 +192,8 @@ def layout_pp_fields(choice: LayoutChoice, units: Sequence[Unit]) -> dict[str, A
     attached = _encoders_attached(plan)
     shared = plan.virtual_stages > 1 or attached
     schedule = choice.schedule
-    if (schedule == "interleaved_1f1b") != shared:
-        need = "interleaved_1f1b" if shared else "a schedule of one stage per rank"
+    if (schedule in ("interleaved_1f1b", "zb_v")) != shared:
+        need = "interleaved_1f1b or zb_v" if shared else "a schedule of one stage per rank"
         raise ValueError(f"LayoutChoice.schedule is {choice.schedule!r}, but [parallel.pp] runs its plan "
                          f"(virtual_stages={plan.virtual_stages}, attach_encoders={attached}) with {need}")
     layout = plan.layout

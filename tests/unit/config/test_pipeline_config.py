@@ -93,10 +93,13 @@ def test_stage_ranks_by_hand():
     ({"degree": 4, **INTERLEAVED}, "parallel.pp.schedule = 'interleaved_1f1b' needs several stages per pipeline rank"),
     ({"degree": 2, "virtual_stages": 2, "attach_encoders": True},
      "parallel.pp.virtual_stages=2, attach_encoders=true put several stages on a pipeline rank, which only "
-     "parallel.pp.schedule = 'interleaved_1f1b' runs; got '1f1b'"),
+     "parallel.pp.schedule = 'interleaved_1f1b' or 'zb_v' runs; got '1f1b'"),
     ({"degree": 2, "attach_encoders": True, "schedule": "gpipe"}, "attach_encoders=true put several stages"),
     ({"degree": 2, "virtual_stages": 2, "attach_encoders": True, "schedule": "memory_capped_1f1b", "cap": 1},
-     "only parallel.pp.schedule = 'interleaved_1f1b' runs"),
+     "only parallel.pp.schedule = 'interleaved_1f1b' or 'zb_v' runs"),
+    ({"degree": 2, "virtual_stages": 1, "schedule": "zb_v"}, "'zb_v' runs 2 LLM stages per LLM rank in a V: set "
+     "parallel.pp.virtual_stages = 2, got 1"),
+    ({"degree": 3, "virtual_stages": 3, "schedule": "zb_v"}, "set parallel.pp.virtual_stages = 2, got 3"),
     ({"degree": 1, "virtual_stages": 2, **INTERLEAVED}, "parallel.pp.degree = 1 runs the whole model on one rank"),
     ({"degree": 2, "virtual_stages": 0}, "parallel.pp.virtual_stages must be >= 1"),
     ({"degree": 3, "virtual_stages": 2, **INTERLEAVED}, "parallel.pp.virtual_stages=2 needs at least 2 LLM ranks"),
@@ -116,6 +119,16 @@ def test_bad_placements_name_the_field(pp, message):
     with pytest.raises(ValueError) as err:
         _validate_pp(pp)
     assert message in str(err.value)
+
+
+def test_zb_v_places_the_llm_in_a_v():
+    """``schedule = "zb_v"``: LLM rank ``i`` of ``p`` holds LLM stages ``i`` and ``2p - 1 - i`` (encoders on their own
+    ranks before, or on the first LLM rank)."""
+    own = pipeline_plan_kwargs(PipelineConfig(degree=4, virtual_stages=2, schedule="zb_v"), ["vision", "audio"])
+    assert own["stages_per_module"] == {"vision": 1, "audio": 1, "llm": 4} and own["ranks"] == [0, 1, 2, 3, 3, 2]
+    attached = pipeline_plan_kwargs(PipelineConfig(degree=2, virtual_stages=2, attach_encoders=True, schedule="zb_v"),
+                                    ["vision"])
+    assert attached["ranks"] == [0, 0, 1, 1, 0]
 
 
 def test_attach_encoders_needs_encoders():
