@@ -186,8 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="only plans of one stage per rank (no interleaved 1F1B, no encoders on the first LLM rank)")
     plan.add_argument("--schedules", type=_schedule_list, default=("1f1b",), metavar="NAMES",
                       help="comma-separated schedules weighed for plans of one stage per rank: 1f1b, zb_h1, zb_h2 "
-                           "(zero-bubble: weight gradients in the bubbles; zb_h2 holds about twice the activations); "
-                           "the fastest that fits memory is planned (default: 1f1b)")
+                           "(zero-bubble: weight gradients in the bubbles; zb_h2 holds about twice the activations), "
+                           "and zb_v (that plan's LLM cut into two stages per rank placed in a V, at 1F1B's "
+                           "activation memory); the fastest that fits memory is planned (default: 1f1b)")
     plan.add_argument("--energy", type=float, nargs="?", const=0.02, default=None, metavar="TOLERANCE",
                       help="among the best plans of every DP degree and layout within TOLERANCE (default 0.02 = 2%%) "
                            "of the fastest iteration, choose the least energy per iteration (plait energy's frontier "

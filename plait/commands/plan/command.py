@@ -130,8 +130,8 @@ def _macrobatches(cfg: Any, count: int, stream: TextIO) -> tuple[MacrobatchStats
 
 # ----- plan ------------------------------------------------------------------------------------------
 def check_schedules(names: Sequence[str]) -> tuple[str, ...]:
-    """``--schedules``: names of schedules of one stage per rank (``schedules.SCHEDULE_NAMES`` but
-    ``interleaved_1f1b``, which the search picks for plans of several stages per rank).
+    """``--schedules``: names of the schedules weighed (``schedules.SCHEDULE_NAMES`` but ``interleaved_1f1b``, which
+    the search picks for plans of several stages per rank; ``zb_v`` is weighed on its own V, ``plan_layout``).
 
     Raises:
         ValueError: on an unknown name or none, naming the choices.

@@ -82,7 +82,7 @@ from plait.planner.search.model import (
 )
 from plait.planner.pipeline.simulator import boundary_bytes_from_units, simulate, stage_costs_from_units
 from plait.planner.search.types import LayoutChoice, Machine, NoPlanFits, SearchSpace
-from plait.planner.types import Unit, UnitCost
+from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
 __all__ = ["evaluate_plan", "megatron_even_split", "plan_layout"]
 
@@ -193,22 +193,52 @@ def plan_layout(
                          "bytes (or has fewer pipeline ranks than modules)")
     plan = _plan_from_stages(model, best)
     schedules = tuple(dict.fromkeys(space.schedules))
-    names = ("interleaved_1f1b",) if best.v > 1 or best.attached else schedules
-    choice = _weigh_schedules(plan, units, costs, names,
-                              dict(dp=best.dp, microbatches=microbatches, devices=devices, machine=timing))
+    flat_names = tuple(n for n in schedules if n != "zb_v") or ("1f1b",)  # zb_v runs only its V
+    names = ("interleaved_1f1b",) if best.v > 1 or best.attached else flat_names
+    timing_of = dict(microbatches=microbatches, devices=devices, machine=timing)
+    choice = _weigh_schedules(plan, units, costs, names, dict(dp=best.dp, **timing_of))
     simulated = timed + (single is not None) + len(names) - 1
     plain = [s for s in streams if s.v == 1 and not s.attached]
-    if (best.v > 1 or best.attached) and set(schedules) - {"1f1b"} and plain:
-        # zero-bubble schedules run one stage per rank: weigh them on the best such plan too
+    flat = best if best.v == 1 and not best.attached else None
+    if flat is None and set(schedules) - {"1f1b"} and plain:
+        # the zero-bubble schedules run one stage per rank (zb_v: its V, cut from such a plan): find the best one
         flat, _, flat_timed = branch_and_bound(parts, plain, p2p, dp_link, space.rel_tol, space.max_timed)
-        if flat.stages is not None:
-            other = _weigh_schedules(_plan_from_stages(model, flat), units, costs, schedules,
-                                     dict(dp=flat.dp, microbatches=microbatches, devices=devices, machine=timing))
-            simulated += flat_timed + len(schedules)
-            if (other.fits_memory, -other.iteration_s) > (choice.fits_memory, -choice.iteration_s):
+        simulated += flat_timed
+        if flat.stages is not None and set(flat_names) - {"1f1b"}:
+            other = _weigh_schedules(_plan_from_stages(model, flat), units, costs, flat_names,
+                                     dict(dp=flat.dp, **timing_of))
+            simulated += len(flat_names)
+            if _better(other, choice):
                 best, choice = flat, other
-    return dataclasses.replace(choice, method=method, planned_iteration_s=best.time, candidates=considered,
+    planned = best.time
+    if "zb_v" in schedules and flat is not None and flat.stages is not None:
+        v_plan = _v_shape_plan(model, parts, flat)
+        if v_plan is not None:
+            other = evaluate_plan(v_plan, units, costs, dp=flat.dp, schedule="zb_v", **timing_of)
+            simulated += 1
+            if _better(other, choice):
+                choice, planned = other, other.iteration_s
+    return dataclasses.replace(choice, method=method, planned_iteration_s=planned, candidates=considered,
                                simulated=simulated)
+
+
+def _better(a: LayoutChoice, b: LayoutChoice) -> bool:
+    """``a`` fits the memory cap where ``b`` does not, or both fit (or neither) and ``a`` is faster."""
+    return (a.fits_memory, -a.iteration_s) > (b.fits_memory, -b.iteration_s)
+
+
+def _v_shape_plan(model: SearchModel, parts: Partitions, flat: Best) -> PipelinePlan | None:
+    """The V-shape plan (``schedules.zb_v``) cut from ``flat``, a plan of one stage per rank with ``p >= 2`` LLM
+    ranks: its encoder stages as they are, the LLM cut into ``2 p`` minimum-bottleneck chunks placed in a V over
+    the same ``p`` ranks (``plan.v_shape_ranks``), so each LLM rank keeps about ``1/p`` of the LLM. None when
+    ``p < 2`` or the LLM has fewer than ``2 p`` units."""
+    p = flat.counts[-1]
+    if p < 2 or model.size(LLM_MODULE) < 2 * p:
+        return None
+    encoder_chunks = list(flat.stages.chunks[:-p])
+    chunks = encoder_chunks + [[r] for r in parts.plain(LLM_MODULE, 2 * p)]
+    ranks = stage_ranks(len(encoder_chunks), p, 2, v_shape=True)
+    return plan_from_chunks(model, model.units, flat.layout, chunks, ranks)
 
 
 def _weigh_schedules(plan: PipelinePlan, units: Sequence[Unit], costs: Costs, names: Sequence[str],

@@ -79,8 +79,9 @@ class SearchSpace(JsonDataclass):
         offload: ``"auto"`` (CPU offload searched only when nothing fits without it) or ``"cpu"`` (offloaded plans
             only: a job's own ``parallel.offload``).
         schedules: the schedules weighed for the best plan with one stage per rank (``schedules.SCHEDULE_NAMES``:
-            1F1B and the zero-bubble ``zb_h1`` / ``zb_h2``); the fastest that fits the memory cap is chosen
-            (``plan_layout``). Interleaved and attached plans run ``interleaved_1f1b``.
+            1F1B and the zero-bubble ``zb_h1`` / ``zb_h2``), and ``zb_v`` on that plan's LLM cut into twice its
+            ranks' stages placed in a V; the fastest that fits the memory cap is chosen (``plan_layout``).
+            Interleaved and attached plans run ``interleaved_1f1b``.
     """
 
     layouts: tuple[str, ...] = LAYOUTS
@@ -167,7 +168,7 @@ class LayoutChoice(JsonDataclass):
         bubble_fraction: idle fraction of the pipeline ranks over the makespan, averaged over ranks.
         stage_forward_s, stage_backward_s: per stage, forward and full backward (dX + dW) seconds per
             microbatch (true costs); ``stage_work_s`` is their sum.
-        stage_weight_grad_s: under a split-backward schedule (``zb_h1``, ``zb_h2``), per stage the seconds of its
+        stage_weight_grad_s: under a split-backward schedule (``zb_h1``, ``zb_h2``, ``zb_v``), per stage the seconds of its
             ``W`` action (dW), included in ``stage_backward_s`` (its ``B`` is the rest); empty otherwise.
         stage_static_bytes, stage_activation_bytes: per stage, parameters + gradients + optimizer state,
             and saved activations per in-flight microbatch.
@@ -177,8 +178,9 @@ class LayoutChoice(JsonDataclass):
         fits_memory: every rank's simulated peak is within ``memory_cap``.
         p2p: the point-to-point model used for stage transfers.
         candidates: candidates the search considered (lower-bounded); simulated: candidates timed.
-        schedule: the schedule the plan is timed with (``"1f1b"``, or ``"interleaved_1f1b"`` when LLM ranks
-            hold several chunks or the encoders sit on the first LLM rank); the runtime must run the same one.
+        schedule: the schedule the plan is timed with (``"1f1b"``, a zero-bubble one, or ``"interleaved_1f1b"``
+            / ``"zb_v"`` when LLM ranks hold several chunks or the encoders sit on the first LLM rank); the runtime
+            must run the same one.
         update_s: see ``iteration_s``.
         dp_shard: of the ``dp`` data-parallel ranks of each stage, how many share one sharded copy of its
             parameters, gradients and optimizer state (FSDP2, ``parallel.dp_shard``; it divides ``dp``; the

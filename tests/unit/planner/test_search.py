@@ -538,6 +538,36 @@ def test_a_zero_bubble_plan_prints_and_simulates_its_b_and_w_apart():
     assert LayoutChoice.from_dict(json.loads(json.dumps(choice.to_dict()))) == choice
 
 
+def test_the_v_shape_schedule_is_weighed_on_the_llm_cut_in_a_v():
+    """8 uniform LLM units (F 1 s, B 1 s, W 0.5 s) on 4 ranks, 8 microbatches: 1F1B 54 s and ZB-H1 48 s on 4 stages of
+    2 units; ZB-V cuts the LLM into 8 one-unit stages in a V (rank ``i`` holds stages ``i`` and ``7 - i``) and takes
+    ``M (F + B + W) + (p - 1) F / 2 = 40 + 3 = 43`` s (every rank's first B waits one chunk round more than the
+    chain bound, a second here), at 1F1B's activation peak. The report's simulation gives it back; the
+    ``[parallel.pp]`` fields run it (``virtual_stages = 2``, ``zb_v``)."""
+    from plait.config.loader import pipeline_plan_kwargs
+    from plait.config.schema import PipelineConfig
+    from plait.planner.report import simulate_choice
+    from plait.planner.search.auto_layout import layout_pp_fields
+
+    units = synthetic_units({}, [True] * 8)
+    costs = [UnitCost(1.0, 1.0, 0.5, param_bytes=0, activation_bytes=10, output_bytes=0) for _ in units]
+    h1 = plan_layout(units, costs, 4, microbatches=8, space=SearchSpace(dp_degrees=[1], schedules=("1f1b", "zb_h1")))
+    v = plan_layout(units, costs, 4, microbatches=8,
+                    space=SearchSpace(dp_degrees=[1], schedules=("1f1b", "zb_h1", "zb_v")))
+    assert (h1.schedule, h1.iteration_s, v.schedule, v.iteration_s) == ("zb_h1", 48.0, "zb_v", 43.0)
+    assert [s.rank for s in v.plan.stages] == [0, 1, 2, 3, 3, 2, 1, 0]
+    def rank_bytes(c):
+        return max(sum(c.stage_memory_bytes[s.index] for s in c.plan.stages if s.rank == r)
+                   for r in range(c.plan.num_ranks))
+    assert rank_bytes(v) == rank_bytes(h1) == 80  # rank 0: 7 + 1 chunk microbatches of 10 B; 4 stage ones of 20 B
+    assert simulate_choice(v).makespan_s == v.makespan_s == 43.0
+    fields = layout_pp_fields(v, units)
+    assert (fields["virtual_stages"], fields["schedule"], fields["stages"]) == (2, "zb_v", {"llm": 8})
+    pp = PipelineConfig(**{k: fields[k] for k in ("degree", "layout", "stages", "virtual_stages", "schedule")})
+    assert pipeline_plan_kwargs(pp, [])["ranks"] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert LayoutChoice.from_dict(json.loads(json.dumps(v.to_dict()))) == v
+
+
 @pytest.mark.parametrize("encoders, seed, devices, microbatches", [(0, 12, 2, 8), (0, 7, 4, 8), (2, 3, 3, 6),
                                                                   (1, 5, 4, 16), (2, 9, 2, 8)])
 def test_weighing_zero_bubble_schedules_never_gives_a_slower_plan(encoders, seed, devices, microbatches):
