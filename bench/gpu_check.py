@@ -341,7 +341,7 @@ def run_model(model: str, args: argparse.Namespace, device: str) -> bool:
 
 
 def schedule_check(model: str, device: str, batch: int, repeats: int = 3) -> bool:
-    """3. The pipeline executor under 1F1B and the zero-bubble ZB-H1 / ZB-H2 in one process (``model``'s job, every
+    """3. The pipeline executor under 1F1B and the zero-bubble ZB-H1 / ZB-H2 / ZB-V in one process (``model``'s job, every
     stage on this device: encoders and two LLM stages, 4 microbatches of ``batch`` samples each, everything
     trainable): median step ms and actions per second of each (the executor's overhead per action, with split
     backward's extra ``W`` actions), and the check that their losses and gradients agree (one backward's work,
@@ -365,7 +365,7 @@ def schedule_check(model: str, device: str, batch: int, repeats: int = 3) -> boo
     print("\n3. pipeline executor, one process: 1F1B vs zero-bubble (split backward, W from the gradients B kept)")
     print(f"{'schedule':<8} {'actions':>7} {'step ms':>9} {'actions/s':>10} {'loss':>10} {'max grad err':>12}")
     ref_loss, ref_grads, ok = None, None, True
-    for name in ("1f1b", "zb_h1", "zb_h2"):
+    for name in ("1f1b", "zb_h1", "zb_h2", "zb_v"):  # one rank: its two LLM stages are a V of one rank
         schedule = build_schedule(plan, name, len(inputs.microbatches))
         times = []
         for _ in range(repeats + 1):

@@ -38,8 +38,9 @@ trains). For 8, 16 and 32 GPUs the tables give the simulated iteration time (tru
   ``offload.HostSpec``'s documented defaults), shown as ``off`` at the end of the layout column.
 
 - Z: C with the zero-bubble schedules weighed beside 1F1B for plans of one stage per rank (``ZB-H1``, ``ZB-H2``,
-  Qi et al., ICLR 2024; ``SearchSpace.schedules``): the schedule it chose, Z/A and Z/C (the schedule alone:
-  plait's search with and without them).
+  Qi et al., ICLR 2024), and ``ZB-V`` on that plan's LLM cut into two stages per rank in a V (Qi et al., NeurIPS
+  2024; ``SearchSpace.schedules``): the schedule it chose, Z/A and Z/C (the schedule alone: plait's search with and
+  without them).
 
 B and C search the same schedules: 1F1B, and interleaved 1F1B with ``v`` in ``--virtual-stages`` (default
 1, 2, 4) LLM chunks per LLM rank (``schedules_interleaved.interleaved_1f1b``; Narayanan et al., SC'21,
@@ -266,8 +267,8 @@ def _generous_megatron(units, costs, gpus: int, microbatches: int, dps: list[int
     return best
 
 
-ZERO_BUBBLE = ("1f1b", "zb_h1", "zb_h2")
-"""The schedules column Z weighs for plans of one stage per rank (``SearchSpace.schedules``)."""
+ZERO_BUBBLE = ("1f1b", "zb_h1", "zb_h2", "zb_v")
+"""The schedules column Z weighs (``SearchSpace.schedules``)."""
 
 
 def _run_one(units, costs, gpus: int, microbatches: int, dp_fixed: int | None) -> dict[str, LayoutChoice | None]:

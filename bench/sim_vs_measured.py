@@ -67,7 +67,7 @@ from plait.measure.link import measure_link  # noqa: E402
 from plait.parallel.pipeline import build_pipeline_comm, run_pipeline_step  # noqa: E402
 from plait.train.loss import token_loss_sum  # noqa: E402
 from plait.parallel.stages import build_rank_stages  # noqa: E402
-from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.pipeline.plan import plan_pipeline, stage_ranks  # noqa: E402
 from plait.planner.pipeline.types import PipelinePlan  # noqa: E402
 from plait.measure.job_profile import ProfileStore  # noqa: E402
 from plait.planner.cost.measured_profile import Profile, stage_action_costs  # noqa: E402
@@ -120,9 +120,14 @@ class Comparison:
         return self.predicted_s / self.measured_s
 
 
-def demo_plan(units, layout: str, microbatches: int) -> PipelinePlan:
-    """The 2-rank plan of ``layout``: every encoder stage on rank 0, the LLM stage on rank 1."""
+def demo_plan(units, layout: str, microbatches: int, schedule: str = "1f1b") -> PipelinePlan:
+    """The 2-rank plan of ``layout``: every encoder stage on rank 0, the LLM stage on rank 1; under ``zb_v`` the LLM
+    in 4 stages in a V over both ranks (rank 0 holds the first and the last) with the encoders on rank 0."""
     plan = plan_pipeline(units, layout, num_microbatches=microbatches)
+    if schedule == "zb_v":
+        encoder_stages = sum(not stage.is_llm for stage in plan.stages)
+        ranks = stage_ranks(encoder_stages, 2, 2, attach_encoders=True, v_shape=True)
+        return plan_pipeline(units, layout, stages_per_module={"llm": 4}, ranks=ranks, num_microbatches=microbatches)
     ranks = [1 if stage.is_llm else 0 for stage in plan.stages]
     return plan_pipeline(units, layout, ranks=ranks, num_microbatches=microbatches)
 
@@ -175,7 +180,7 @@ def _layout_runner(layout: str, config: str, size: int, microbatches: int, comm,
     """This rank's stages of ``layout`` on a fresh model (``build_rank_stages`` prunes in place), its ``schedule``
     and the microbatches (one real microbatch repeated ``microbatches`` times)."""
     inputs = build_profile_inputs(load_config(config), microbatches=1, microbatch_size=size, device="cpu")
-    plan = demo_plan(model_units(inputs.model), layout, microbatches)
+    plan = demo_plan(model_units(inputs.model), layout, microbatches, schedule)
     stages = build_rank_stages(inputs.model, plan, comm.pp_rank)
     return stages, build_schedule(plan, schedule, microbatches), [inputs.microbatches[0]] * microbatches, inputs
 
@@ -261,7 +266,7 @@ def mean_profile(profiles: list[Profile]) -> Profile:
 def predict(profile: Profile, layout: str, microbatches: int, p2p: P2PModel, schedule: str = "1f1b") -> SimResult:
     """Simulated iteration of ``layout`` under ``schedule`` from the profile and the link model (a split-backward
     schedule's ``B`` and ``W`` apart)."""
-    plan = demo_plan(profile.units, layout, microbatches)
+    plan = demo_plan(profile.units, layout, microbatches, schedule)
     built = build_schedule(plan, schedule, microbatches)
     costs = stage_action_costs(plan, profile, split_backward=built.split_backward)
     return simulate(built, costs, p2p=p2p, boundary_bytes=boundary_bytes_from_units(plan, profile.cost_map()))
@@ -277,7 +282,7 @@ def _compare(profile: Profile, layout: str, microbatches: int, ranks: list[dict]
     events = tuple(TimelineEvent.from_dict(e) for r in runs for e in r["events"][pick])
     link = P2PModel.from_dict(ranks[0]["link"])
     result = predict(profile, layout, microbatches, link, schedule)
-    plan = demo_plan(profile.units, layout, microbatches)
+    plan = demo_plan(profile.units, layout, microbatches, schedule)
     cpu = tuple(statistics.median(r["cpu"]) for r in runs)
     return Comparison(layout, result.makespan_s, median, tuple(steps), link, result, plan, events, cpu)
 
@@ -326,8 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clock", choices=("wall", "thread"), default="thread",
                         help="profiler clock; thread = CPU time (for machines whose cores are shared)")
     parser.add_argument("--lora", action="store_true", help="LoRA adapters on the LLM (r 8) and both encoders (r 4)")
-    parser.add_argument("--schedule", choices=("1f1b", "zb_h1", "zb_h2"), default="1f1b",
-                        help="the schedule run and predicted (zero-bubble: B and W apart)")
+    parser.add_argument("--schedule", choices=("1f1b", "zb_h1", "zb_h2", "zb_v"), default="1f1b",
+                        help="the schedule run and predicted (zero-bubble: B and W apart; zb_v: the LLM in 4 stages "
+                             "in a V over both ranks)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         config = lora_config(folder, args.config) if args.lora else args.config
