@@ -20,7 +20,7 @@ slower (target: <= 1.0). Both sides run in the same processes at the same time, 
 reaches both alike; on shared cores the spread (min-max) says how much a single step can be trusted.
 ``--profile N`` adds N cProfile'd steps of each side on rank 0 after the timing and prints the top entries.
 
-Run: ``PYTHONPATH=. .venv/bin/python bench/zbv_vs_torch.py [--layers 6] [--hidden 256] [--seq 128]
+Run: ``.venv/bin/python bench/zbv_vs_torch.py [--layers 6] [--hidden 256] [--seq 128]
 [--microbatches 8] [--microbatch-size 1] [--vocab 8192] [--warmup 2] [--repeats 20] [--profile 0]``.
 """
 
@@ -197,18 +197,14 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out_dir: str) -> Non
                 cpus[name].append(cpu)
                 drop_grads()
         profiles = {}
-        if args.profile and rank == 0:
-            for name, step in (("plait", plait_step), ("torch", torch_step)):
-                prof = cProfile.Profile()
-                for _ in range(args.profile):
-                    prof.runcall(step)
-                    drop_grads()
-                text = io.StringIO()
-                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.profile_top)
-                profiles[name] = text.getvalue()
-        elif args.profile:
+        for name, step in (("plait", plait_step), ("torch", torch_step)) if args.profile else ():
+            prof = cProfile.Profile()  # both ranks run the same steps in the same order; rank 0 reports
             for _ in range(args.profile):
-                plait_step(), drop_grads(), torch_step(), drop_grads()
+                prof.runcall(step)
+                drop_grads()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.profile_top)
+            profiles[name] = text.getvalue()
         stage_units = [[u.split(".")[-2] + "." + u.split(".")[-1] if ".layers." in u else u.split(".")[-1]
                         for u in s.units] for s in plan.stages]
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
@@ -283,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=int, default=0, help="cProfile'd steps of each side on rank 0 (0: none)")
     parser.add_argument("--profile-top", type=int, default=25, help="entries printed per profile")
     args = parser.parse_args(argv)
+    if args.hidden % 64:
+        parser.error("--hidden must be a multiple of 64 (heads of 32, 2 query heads per KV head)")
     report(args, measure(args))
     return 0
 
