@@ -15,6 +15,7 @@ from typing import Any
 
 from plait.config.schema import (DATA_FORMATS, DataConfig, EncoderConfig, JobConfig, LoraConfig, PipelineConfig,
                                  check_checkpointing)
+from plait.planner.cost.topology import RANK_ORDERS
 from plait.planner.microbatch import METHODS
 from plait.planner.pipeline.plan import stage_ranks
 from plait.planner.pipeline.types import LAYOUTS
@@ -227,6 +228,10 @@ def validate(cfg: JobConfig) -> None:
            f"parallel.cp_distribution must be uniform, zigzag, lpt or ilp, got {cfg.parallel.cp_distribution!r}")
     _check(cfg.parallel.plan in ("manual", "auto"),
            f"parallel.plan must be 'manual' or 'auto', got {cfg.parallel.plan!r}")
+    _check(cfg.parallel.rank_order in ("auto", *RANK_ORDERS),
+           f"parallel.rank_order must be auto, {' or '.join(RANK_ORDERS)}, got {cfg.parallel.rank_order!r}")
+    _check(isinstance(cfg.parallel.gpus_per_node, int) and cfg.parallel.gpus_per_node >= 0,
+           f"parallel.gpus_per_node must be an integer >= 0 (0: from torchrun), got {cfg.parallel.gpus_per_node!r}")
     _validate_pipeline(cfg)
     a = cfg.attention
     _check(a.mask in ("causal", "bidirectional_items"),

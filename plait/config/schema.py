@@ -339,6 +339,16 @@ class ParallelConfig:
     """``"gloo"``, ``"nccl"`` or ``"auto"`` (NCCL when CUDA is available, else gloo)."""
     timeout_s: float = 300.0
     """Collective timeout in seconds."""
+    rank_order: str = "auto"
+    """How ranks are numbered over the parallel axes (``plait.parallel.dims.ParallelDims``): ``"dp_outer"`` (dp,
+    dp_shard, pp, cp, tp, outermost first: TP innermost, the data-parallel axes outermost), ``"pp_outer"`` (the
+    pipeline outermost, Megatron-LM's and torchtitan's order: the FSDP2 shard and TP groups of a pipeline rank on
+    consecutive ranks) or ``"auto"``: ``"pp_outer"`` when it keeps the heavier groups (TP, CP, FSDP2 shards, DP)
+    inside nodes that ``"dp_outer"`` would cross (``plait.planner.cost.topology.plan_rank_order``), else
+    ``"dp_outer"``; on one node always ``"dp_outer"``."""
+    gpus_per_node: int = 0
+    """Processes (GPUs) per node, for ``rank_order = "auto"``; 0: ``torchrun``'s ``LOCAL_WORLD_SIZE``, or all the
+    processes on one node when it is not set."""
     pp: PipelineConfig = field(default_factory=PipelineConfig)
     """Pipeline parallelism (``[parallel.pp]``)."""
     plan: str = "manual"

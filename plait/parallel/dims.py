@@ -1,30 +1,39 @@
 """The one rank layout of a job: parallel degrees, rank <-> coordinates, the named DeviceMesh and process groups.
 
 Every trainer, the pipeline runtime and the mesh code take their coordinates from :class:`ParallelDims`; the layout
-formula lives only here. Axes, outermost first: ``dp`` (replicas), ``dp_shard`` (FSDP2 shard ranks; HSDP when both
-are above 1), ``pp`` (pipeline), ``cp`` (context), ``tp`` (tensor parallelism)::
+formula lives only here. Axes: ``dp`` (replicas), ``dp_shard`` (FSDP2 shard ranks; HSDP when both are above 1),
+``pp`` (pipeline), ``cp`` (context), ``tp`` (tensor parallelism), numbered row-major in the layout's ``order``
+(outermost first; ``plait.planner.cost.topology.RANK_ORDERS``). The default, ``dp_outer``::
 
     rank = ((((dp * dp_shard + shard) * pp + pp_rank) * cp + cp_rank) * tp + tp_rank)
 
 TP innermost (a collective in every layer: its ranks are consecutive, on one node), then CP (the all-gather of K/V
 in every attention layer), then the pipeline axis, the data-parallel axes outermost. With ``dp_shard = tp = 1`` this
-is ``(dp * pp + pp_rank) * cp + cp_rank``. The data-parallel "batch" axis (ranks that get their own share of the
-samples) is ``dp x dp_shard``; the CP and TP ranks of one batch shard see the same samples.
+is ``(dp * pp + pp_rank) * cp + cp_rank``. ``pp_outer`` puts the pipeline outermost
+(``((((pp_rank * dp + dp) * dp_shard + shard) * cp + cp_rank) * tp + tp_rank)``), so the FSDP2 shard and TP groups
+of one pipeline rank are consecutive ranks, on one node when they fit (``topology.plan_rank_order`` picks it). The
+data-parallel "batch" axis (ranks that get their own share of the samples) is ``dp x dp_shard``; the CP and TP ranks
+of one batch shard see the same samples.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass, fields
 from itertools import product
 from typing import Any
 
+import os
+
 import torch.distributed as dist
+
+from plait.planner.cost.topology import RANK_AXES, RANK_ORDERS, plan_rank_order
 
 __all__ = ["AXES", "ParallelDims", "RankCoords", "new_groups"]
 
-AXES = ("dp", "dp_shard", "pp", "cp", "tp")
-"""Axis names, outermost first (the order of the rank layout and of the DeviceMesh dimensions)."""
+AXES = RANK_AXES
+"""Axis names in the default order, outermost first (``dp_outer``; a layout's own order is ``ParallelDims.order``)."""
 
 
 @dataclass(frozen=True)
@@ -49,9 +58,11 @@ class ParallelDims:
         dp_shard: FSDP2 shard degree (``parallel.dp_shard``): ranks holding a shard of every parameter, each
             training on its own samples.
         tp: tensor-parallel degree (``parallel.tp``): ranks splitting the heads and MLPs of every layer.
+        rank_order: the name of the axis order ranks are numbered in (``topology.RANK_ORDERS``: ``"dp_outer"``,
+            the default, or ``"pp_outer"``; module docstring).
 
     Raises:
-        ValueError: on a degree below 1.
+        ValueError: on a degree below 1 or an unknown rank order.
     """
 
     dp: int = 1
@@ -59,17 +70,29 @@ class ParallelDims:
     cp: int = 1
     dp_shard: int = 1
     tp: int = 1
+    rank_order: str = "dp_outer"
 
     def __post_init__(self) -> None:
         if min(self.sizes) < 1:
             raise ValueError(f"parallel degrees must be >= 1, got {self._describe()}")
+        if self.rank_order not in RANK_ORDERS:
+            raise ValueError(f"rank_order must be one of {sorted(RANK_ORDERS)}, got {self.rank_order!r}")
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The axes in the order ranks are numbered, outermost first."""
+        return RANK_ORDERS[self.rank_order]
+
+    def size(self, axis: str) -> int:
+        """The degree of ``axis`` (one of :data:`AXES`)."""
+        return self.sizes[AXES.index(axis)]
 
     def _describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
 
     @classmethod
     def from_world(cls, world_size: int, pp: int = 1, cp: int = 1, dp: int = 0, dp_shard: int = 1,
-                   tp: int = 1) -> "ParallelDims":
+                   tp: int = 1, rank_order: str = "dp_outer") -> "ParallelDims":
         """The degrees of a job of ``world_size`` processes; ``dp`` = 0 takes the replica degree from the world size.
 
         Raises:
@@ -94,7 +117,23 @@ class ParallelDims:
                 f"parallel.pp.degree={pp} x parallel.cp={cp}{extra} does not fit the world size {world_size}: launch "
                 f"a multiple of {per_replica} processes, e.g. torchrun --nproc_per_node {per_replica}"
             )
-        return cls(world_size // per_replica, pp, cp, dp_shard, tp)
+        return cls(world_size // per_replica, pp, cp, dp_shard, tp, rank_order)
+
+    def ordered(self, setting: str, gpus_per_node: int = 0) -> "ParallelDims":
+        """This layout numbered in the order ``setting`` names (``parallel.rank_order``): a ``RANK_ORDERS`` key, or
+        ``"auto"``: the order ``topology.plan_rank_order`` picks for nodes of ``gpus_per_node`` processes (0:
+        ``torchrun``'s ``LOCAL_WORLD_SIZE``, or every process on one node when it is not set).
+
+        Raises:
+            ValueError: on an unknown setting or a negative ``gpus_per_node``.
+        """
+        if gpus_per_node < 0:
+            raise ValueError(f"gpus_per_node must be >= 0, got {gpus_per_node}")
+        if setting != "auto":
+            return dataclasses.replace(self, rank_order=setting)
+        per_node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        sizes = {a: self.size(a) for a in AXES}
+        return dataclasses.replace(self, rank_order=plan_rank_order(sizes, max(per_node, 1)))
 
     @property
     def world_size(self) -> int:
@@ -106,7 +145,7 @@ class ParallelDims:
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        """Degrees in :data:`AXES` order."""
+        """Degrees in :data:`AXES` order (not the layout's ``order``)."""
         return (self.dp, self.dp_shard, self.pp, self.cp, self.tp)
 
     @property
@@ -120,14 +159,15 @@ class ParallelDims:
         return c.dp * self.dp_shard + c.dp_shard
 
     def rank(self, dp: int, pp: int, cp: int, dp_shard: int = 0, tp: int = 0) -> int:
-        """Global rank of coordinates (module docstring for the formula).
+        """Global rank of coordinates (module docstring for the formula of each order).
 
         Raises:
             ValueError: on a coordinate outside its degree.
         """
-        at = (dp, dp_shard, pp, cp, tp)
+        at = {"dp": dp, "dp_shard": dp_shard, "pp": pp, "cp": cp, "tp": tp}
         out = 0
-        for name, value, size in zip(AXES, at, self.sizes):
+        for name in self.order:
+            value, size = at[name], self.size(name)
             if not 0 <= value < size:
                 raise ValueError(f"{name} coordinate {value} outside [0, {size})")
             out = out * size + value
@@ -142,8 +182,8 @@ class ParallelDims:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside [0, {self.world_size})")
         at = {}
-        for name, size in zip(reversed(AXES), reversed(self.sizes)):
-            rank, at[name] = divmod(rank, size)
+        for name in reversed(self.order):
+            rank, at[name] = divmod(rank, self.size(name))
         return RankCoords(**at)
 
     def groups(self, axes: Sequence[str]) -> list[list[int]]:
@@ -159,10 +199,10 @@ class ParallelDims:
             raise ValueError(f"unknown axes {sorted(unknown)}; axes are {AXES}")
         fixed = [a for a in AXES if a not in axes]
         out = []
-        for outer in product(*(range(self.sizes[AXES.index(a)]) for a in fixed)):
+        for outer in product(*(range(self.size(a)) for a in fixed)):
             at = dict(zip(fixed, outer))
             ranks = []
-            for inner in product(*(range(self.sizes[AXES.index(a)]) for a in axes)):
+            for inner in product(*(range(self.size(a)) for a in axes)):
                 at.update(zip(axes, inner))
                 ranks.append(self.rank(**at))
             out.append(sorted(ranks))
@@ -173,9 +213,9 @@ class ParallelDims:
         c = self.coords(rank)
         return tuple(self.rank(c.dp, q, c.cp, c.dp_shard, c.tp) for q in range(self.pp))
 
-    def build_mesh(self, device_type: str, axes: Sequence[str] = AXES) -> Any:
-        """The named DeviceMesh of this layout over ``axes`` (a subset of :data:`AXES` whose other degrees are
-        1, kept in :data:`AXES` order); slice it by name (``mesh["dp", "dp_shard"]``, ``mesh["tp"]``) for the
+    def build_mesh(self, device_type: str, axes: Sequence[str] | None = None) -> Any:
+        """The named DeviceMesh of this layout over ``axes`` (default all; a subset whose other degrees are 1), its
+        dimensions in the layout's ``order``; slice it by name (``mesh["dp", "dp_shard"]``, ``mesh["tp"]``) for the
         groups of one axis or several. Collective: every rank calls it.
 
         Raises:
@@ -184,13 +224,14 @@ class ParallelDims:
         """
         from torch.distributed.device_mesh import init_device_mesh
 
-        left_out = [a for a in AXES if a not in axes and self.sizes[AXES.index(a)] > 1]
+        axes = self.order if axes is None else tuple(axes)
+        left_out = [a for a in AXES if a not in axes and self.size(a) > 1]
         if left_out:
             raise ValueError(f"a mesh over {tuple(axes)} leaves out axes {left_out} of degree > 1")
         if dist.get_world_size() != self.world_size:
             raise ValueError(f"the layout has {self.world_size} ranks, the process group {dist.get_world_size()}")
-        names = tuple(a for a in AXES if a in axes)
-        return init_device_mesh(device_type, tuple(self.sizes[AXES.index(a)] for a in names), mesh_dim_names=names)
+        names = tuple(a for a in self.order if a in axes)
+        return init_device_mesh(device_type, tuple(self.size(a) for a in names), mesh_dim_names=names)
 
     def new_group(self, axes: Sequence[str], rank: int, needed: bool = True) -> Any:
         """The process group of ``rank`` spanning ``axes`` (every group of :meth:`groups` is created, in the same

@@ -41,4 +41,5 @@ class PipelineTrainer(Trainer):
             ValueError: when the degrees do not fit the world size (:meth:`ParallelDims.from_world`).
         """
         par = cfg.parallel
-        return ParallelDims.from_world(world_size, par.pp.degree, par.cp, par.dp, par.dp_shard, par.tp)
+        dims = ParallelDims.from_world(world_size, par.pp.degree, par.cp, par.dp, par.dp_shard, par.tp)
+        return dims.ordered(par.rank_order, par.gpus_per_node)

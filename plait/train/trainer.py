@@ -43,7 +43,7 @@ from plait.models.generation import greedy_generate
 from plait.models.multimodal import MultimodalModel
 from plait.parallel.context import CPShard, build_cp_shard, shard_tokens
 from plait.parallel.grad_sync import GradientSync
-from plait.parallel.dims import AXES, ParallelDims
+from plait.parallel.dims import ParallelDims
 from plait.parallel.fsdp import gathered
 from plait.parallel.process_group import DistInfo
 from plait.parallel.parallelize import PipelinePlace, parallelize
@@ -181,7 +181,8 @@ class Trainer:
         par = cfg.parallel
         if par.pp.degree > 1:
             raise ValueError(f"parallel.pp.degree={par.pp.degree}: pipeline jobs run with PipelineTrainer")
-        return ParallelDims.from_world(world_size, 1, par.cp, par.dp, par.dp_shard, par.tp)
+        dims = ParallelDims.from_world(world_size, 1, par.cp, par.dp, par.dp_shard, par.tp)
+        return dims.ordered(par.rank_order, par.gpus_per_node)
 
     # ------------------------------------------------------------------ setup
     def _setup_mesh(self) -> None:
@@ -196,13 +197,13 @@ class Trainer:
         d = self.dims = self.layout(self.cfg, self.info.world_size)
         self.dp, self.pp, self.cp = d.batch, d.pp, d.cp
         if d.pp > 1:
-            self.comm = build_pipeline_comm(d.pp, self.info.device, d.cp, d.dp, d.dp_shard, d.tp)
+            self.comm = build_pipeline_comm(d.pp, self.info.device, d.cp, d.dp, d.dp_shard, d.tp, d.rank_order)
             self.mesh = d.build_mesh(self.info.device.type) if d.dp_shard * d.tp > 1 else None
             self.dp_rank, self.pp_rank, self.cp_rank = self.comm.dp_rank, self.comm.pp_rank, self.comm.cp_rank
             self.cp_group = self.comm.cp_group
             return
         self.dp_rank, self.pp_rank, self.cp_rank = d.batch_rank(self.info.rank), 0, d.coords(self.info.rank).cp
-        self.mesh = d.build_mesh(self.info.device.type, AXES) if self.info.world_size > 1 else None
+        self.mesh = d.build_mesh(self.info.device.type) if self.info.world_size > 1 else None
         self.cp_group = self.mesh.get_group("cp") if (self.mesh is not None and self.cp > 1) else None
 
     def _setup_training(self) -> None:

@@ -130,3 +130,17 @@ def test_fsdp2_with_a_split_backward_schedule_equals_one_process(tmp_path):
     for name, grad in ref.items():
         tol = 1e-5 * float(grad.abs().max()) + 1e-9
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=tol, msg=name)
+
+
+def test_pp2_fsdp2_numbered_pipeline_outermost_equals_one_process(tmp_path):
+    """``parallel.rank_order = "pp_outer"``: ranks 0, 1 are pipeline rank 0's two shard ranks (one node's FSDP2 group
+    on consecutive ranks), ranks 2, 3 pipeline rank 1's; training equals one process as under the default order."""
+    single = run(job(tmp_path, True), tmp_path, "single", 1, WORKER)
+    cfg = job(tmp_path, True, dp_shard=2, pp=pipeline())
+    cfg["parallel"]["rank_order"] = "pp_outer"
+    both = run(cfg, tmp_path, "pp_outer", 4, WORKER)
+    assert both["sharded"] and both["dp"] == 2 and both["world"] == 4
+    groups = both["groups"]  # per global rank: the FSDP2 groups it shards
+    assert groups[0] == groups[1] and groups[2] == groups[3] and groups[0] != groups[2]
+    assert any("projector" in g for g in groups[0]) and all(g.startswith("language_model.") for g in groups[2])
+    assert_equal_runs(single, both)

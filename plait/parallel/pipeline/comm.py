@@ -103,18 +103,19 @@ class PipelineComm:
 
 
 def build_pipeline_comm(pp_size: int, device: torch.device | str = "cpu", cp_size: int = 1,
-                        dp_size: int = 0, dp_shard: int = 1, tp: int = 1) -> PipelineComm:
+                        dp_size: int = 0, dp_shard: int = 1, tp: int = 1, rank_order: str = "dp_outer") -> PipelineComm:
     """Coordinates of this process in a DP x PP x CP job laid out by :class:`~plait.parallel.dims.ParallelDims`
     (see :class:`PipelineComm`); creates the DP, CP and gradient (DP x CP) groups. Collective: every rank must
     call it, with the same degrees (``dp_size`` = 0: from the world size). ``dp_shard`` and ``tp``: the FSDP2 and
-    TP degrees; every (shard, TP) coordinate has its own pipelines and groups.
+    TP degrees; every (shard, TP) coordinate has its own pipelines and groups; ``rank_order``: the layout's axis
+    order (``ParallelDims.rank_order``).
 
     Raises:
         ValueError: when the degrees do not fit the world size (:meth:`ParallelDims.from_world`).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    dims = ParallelDims.from_world(world, pp_size, cp_size, dp_size, dp_shard, tp)
+    dims = ParallelDims.from_world(world, pp_size, cp_size, dp_size, dp_shard, tp, rank_order)
     at = dims.coords(rank)
     dp_group = dims.new_group(("dp", "dp_shard"), rank, dims.batch > 1)
     cp_group = dims.new_group(("cp",), rank, dims.cp > 1)

@@ -77,3 +77,42 @@ def test_from_world_with_dp_shard_and_tp():
         ParallelDims.from_world(4, dp_shard=3)
     with pytest.raises(ValueError, match="degrees must be >= 1"):
         ParallelDims(tp=0)
+
+
+def test_pp_outer_numbers_the_pipeline_outermost():
+    """``((((pp_rank * dp + dp) * dp_shard + shard) * cp + cp_rank) * tp + tp_rank)``; every rank once."""
+    dims = ParallelDims(dp=2, pp=2, cp=1, dp_shard=2, tp=2, rank_order="pp_outer")
+    assert dims.order == ("pp", "dp", "dp_shard", "cp", "tp")
+    assert dims.rank(dp=1, pp=1, cp=0, dp_shard=0, tp=1) == ((1 * 2 + 1) * 2 + 0) * 2 + 1 == 13
+    assert dims.coords(13) == RankCoords(dp=1, pp=1, cp=0, dp_shard=0, tp=1)
+    assert sorted(dims.rank(**vars(dims.coords(r))) for r in range(16)) == list(range(16))
+    assert dims.groups(("pp",))[0] == [0, 8] and dims.groups(("dp_shard",))[0] == [0, 2]
+    assert dims.pipeline_ranks(13) == (5, 13)
+    with pytest.raises(ValueError, match="rank_order must be one of"):
+        ParallelDims(rank_order="tp_outer")
+
+
+def _nodes(group, per_node):
+    return {r // per_node for r in group}
+
+
+def test_auto_rank_order_keeps_every_fsdp2_and_tp_group_inside_a_node():
+    """32 GPUs in nodes of 8, pp 4, tp 2, dp_shard 4: numbered dp_outer every FSDP2 shard group spans 4 nodes (its
+    stride is pp x cp x tp = 8); ``auto`` picks pp_outer, where each pipeline rank's 8 GPUs are one node."""
+    base = ParallelDims(dp=1, pp=4, cp=1, dp_shard=4, tp=2)
+    assert [len(_nodes(g, 8)) for g in base.groups(("dp_shard",))] == [4] * 8
+    dims = base.ordered("auto", gpus_per_node=8)
+    assert dims.rank_order == "pp_outer"
+    for axes in (("dp_shard",), ("tp",), ("dp", "dp_shard", "tp")):
+        assert all(len(_nodes(g, 8)) == 1 for g in dims.groups(axes)), axes
+    assert all(len(_nodes(g, 8)) == 4 for g in dims.groups(("pp",)))  # the pipeline crosses nodes instead
+    assert base.ordered("auto", gpus_per_node=32).rank_order == "dp_outer"  # one node: nothing to keep inside
+    assert base.ordered("pp_outer").rank_order == "pp_outer" and base.ordered("dp_outer") == base
+
+
+def test_auto_rank_order_reads_torchruns_local_world_size(monkeypatch):
+    base = ParallelDims(dp=1, pp=4, cp=1, dp_shard=4, tp=2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert base.ordered("auto").rank_order == "pp_outer"
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert base.ordered("auto").rank_order == "dp_outer"  # unset: all 32 processes on one node

@@ -22,11 +22,15 @@ def test_overrides_set_dp_shard_and_tp_and_the_layout_follows():
     assert PipelineTrainer.layout(pp, 16) == ParallelDims(dp=2, pp=4, cp=1, tp=2)
     sharded = load_config(ROOT / "configs" / "demo_pp.toml", ["--parallel.dp_shard=2"])  # FSDP2 per stage
     assert PipelineTrainer.layout(sharded, 16) == ParallelDims(dp=2, pp=4, cp=1, dp_shard=2)
+    nodes = load_config(ROOT / "configs" / "demo_pp.toml", ["--parallel.dp_shard=2", "--parallel.gpus_per_node=2"])
+    assert PipelineTrainer.layout(nodes, 16).rank_order == "pp_outer"  # each stage's FSDP2 pair on one node
 
 
 @pytest.mark.parametrize("field,value,message", [
     ("dp_shard", 0, "parallel.dp_shard must be >= 1 \\(1: no sharding\\), got 0"),
     ("tp", -1, "parallel.tp must be >= 1 \\(1: no tensor parallelism\\), got -1"),
+    ("rank_order", "tp_outer", "parallel.rank_order must be auto, dp_outer or pp_outer, got 'tp_outer'"),
+    ("gpus_per_node", -8, "parallel.gpus_per_node must be an integer >= 0 \\(0: from torchrun\\), got -8"),
 ])
 def test_bad_degrees_are_refused_with_the_field_named(field, value, message):
     with pytest.raises(ValueError, match=message):
