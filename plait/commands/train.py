@@ -35,6 +35,7 @@ from plait.train.plots import plot_loss_curve
 from plait.train.preemption import StopSignals, exit_code
 from plait.train.run_dir import check_new_run
 from plait.train.run_lock import check_run_free, hold_run_lock
+from plait.train.run_start import elastic_restart
 from plait.train.trainer import Trainer
 
 __all__ = ["auto_plan_replaces", "resolve_auto", "train_command"]
@@ -44,7 +45,9 @@ def train_command(config: str | Path, overrides: list[str], *, resume: bool | st
     """``plait train``: train the job in ``config`` (with its ``--section.key=value`` overrides); returns 0, or
     128 + the signal's number when SIGTERM / SIGINT stopped it after a checkpoint (no ``final/`` then).
 
-    Before anything is built: a ``metrics.run_dir`` that another live run is writing is refused
+    A job that ``torchrun --max-restarts`` restarted resumes from the newest complete checkpoint by itself
+    (:func:`~plait.train.run_start.elastic_restart`). Before anything is built: a ``metrics.run_dir`` that another
+    live run is writing is refused
     (:func:`~plait.train.run_lock.check_run_free`; the run folder's lock is then held until the final model is
     saved), a new run into one holding an earlier run's checkpoints or final model is refused unless ``overwrite``
     (:func:`~plait.train.run_dir.check_new_run`), and ``metrics.wandb`` needs the ``wandb`` package.
@@ -62,6 +65,7 @@ def train_command(config: str | Path, overrides: list[str], *, resume: bool | st
     """
     with same_on_every_rank():  # every rank reads the same files
         cfg = load_config(config, overrides)
+        resume, overwrite = elastic_restart(cfg.metrics.run_dir, resume, overwrite)  # torchrun --max-restarts
         _check_before_building(cfg, config, resume, overwrite, overrides)
     apply_cpu_threads(cfg.train.threads)  # before profiling or building: torch's one per core crawls on a shared CPU
     info = None

@@ -4,7 +4,9 @@ The lock is a file, ``<run_dir>/plait.lock``, holding the writer's host, process
 (JSON), created atomically (``O_CREAT | O_EXCL``) by :func:`acquire_run_lock` and removed by
 :func:`release_run_lock`; :func:`hold_run_lock` holds it around a block, on the main rank of a job, and gives it
 back on every exit path. A lock whose process is gone (same host, no such pid) is stale: it is taken over with a
-warning. A lock from another host cannot be checked from here: it is refused, saying how to remove it. This module
+warning, as is one of this torchrun job's attempt before a restart (same ``TORCHELASTIC_RUN_ID``, a lower
+``TORCHELASTIC_RESTART_COUNT``: torchrun restarted every worker, on whichever host). Another lock from another host
+cannot be checked from here: it is refused, saying how to remove it. This module
 imports no torch (``torch.distributed`` only when a job of several ranks holds the lock), so checking a folder costs
 nothing.
 """
@@ -62,6 +64,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _attempt() -> tuple[str, int] | None:
+    """This process's torchrun job and restart (``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``); None
+    outside torchrun."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return None if run_id is None else (run_id, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+
+def _earlier_attempt(holder: dict[str, Any]) -> bool:
+    """Whether ``holder`` is an earlier attempt of this torchrun job (same run id, a lower restart count): torchrun
+    restarted every worker after a failure, so that holder is gone, whichever host it ran on."""
+    mine = _attempt()
+    return mine is not None and holder.get("run_id") == mine[0] and int(holder.get("restart", mine[1])) < mine[1]
+
+
 def busy_run_message(run_dir: str | Path) -> str | None:
     """Why ``run_dir`` is in use by another live run: its lock's holder (another live process on this host, or any
     process on another host), with how to proceed; None when the folder is free (no lock, this process's own, or a
@@ -84,6 +100,8 @@ def _busy(run_dir: str | Path, path: Path, holder: dict[str, Any] | None) -> str
         return (f"{run_dir} is in use by another plait run: process {pid} on this host{since}{command} is writing "
                 f"it (lock {path}); wait for it to end or stop it, or write this run elsewhere with "
                 "--metrics.run_dir=DIR")
+    if _earlier_attempt(holder):
+        return None
     return (f"{run_dir} is in use by a plait run on host {host}: process {pid}{since}{command} holds its lock "
             f"{path}, which cannot be checked from {socket.gethostname()}; if that run is over (the host went down "
             f"before removing it), remove the lock (rm {path}), or write this run elsewhere with --metrics.run_dir=DIR")
@@ -113,8 +131,10 @@ def acquire_run_lock(run_dir: str | Path) -> Path:
         _HELD[path] += 1
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
+    attempt = _attempt()
     record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-                         "command": " ".join(["plait", *sys.argv[1:]])[:300]})
+                         "command": " ".join(["plait", *sys.argv[1:]])[:300]}
+                        | ({"run_id": attempt[0], "restart": attempt[1]} if attempt else {}))
     for attempt in range(50):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -142,7 +162,10 @@ def _clear_stale(path: Path, run_dir: str | Path, attempt: int) -> None:
     if holder == {} and attempt < 20:
         time.sleep(0.05)
         return
-    if holder:
+    if holder and holder["host"] != socket.gethostname() and _earlier_attempt(holder):
+        log.warning("%s: taking over the lock of process %s on %s, this torchrun job's attempt before the restart",
+                    run_dir, holder["pid"], holder["host"])
+    elif holder:
         log.warning("%s: taking over the lock of process %s on this host, which is gone (an earlier run that "
                     "ended without removing it)", run_dir, holder["pid"])
     else:

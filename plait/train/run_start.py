@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
+from plait.parallel.process_group import node_layout
 from plait.train.checkpoint import CheckpointLayout, latest_checkpoint, remove_checkpoints
 from plait.train.run_dir import check_new_run, earlier_run
 
@@ -45,6 +47,26 @@ if not user.handlers:
 def say(line: str) -> None:
     """Log ``line`` to the user (:data:`user`: standard output)."""
     user.info(line)
+
+
+def elastic_restart(run_dir: str | Path, resume: bool | str, overwrite: bool) -> tuple[bool | str, bool]:
+    """``(resume, overwrite)`` of a job that ``torchrun --max-restarts`` restarted after a failure
+    (``TORCHELASTIC_RESTART_COUNT`` > 0): resume from the newest complete checkpoint of ``run_dir`` (a checkpoint is
+    complete once DCP wrote its ``.metadata``; a partial one is never taken), with the data order it recorded, and
+    overwrite nothing; without one yet (the failure came before the first checkpoint) the flags as given (the run
+    starts again). Unchanged outside a restart. Says what it does on rank 0."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart < 1:
+        return resume, overwrite
+    newest = latest_checkpoint(run_dir)
+    main = os.environ.get("RANK", "0") == "0"
+    if newest is None:
+        if main:
+            say(f"plait: torchrun restart {restart}: no complete checkpoint in {run_dir} yet, starting again")
+        return resume, overwrite
+    if main:
+        say(f"plait: torchrun restart {restart}: resuming from {newest}, the newest complete checkpoint")
+    return True, False
 
 
 def launch_logs(run_dir: Path) -> list[Path]:
@@ -133,8 +155,13 @@ def report_setup(run_dir: Path, config: dict[str, Any], counts: tuple[int, int],
     train = sets[0][1]
     n_val = len(sets[1][1]) if len(sets) > 1 else 0
     layout = f" ({'; '.join(x for x in (layout_description(dims), fsdp) if x)})" if dims is not None else ""
+    nodes = node_layout()
+    where = f" on {nodes.describe()}" if nodes.nodes > 1 else ""
+    if dims is not None and dims.rank_order != "dp_outer":
+        where += f", ranks numbered {dims.rank_order}"
     say(f"plait: {len(train)} train samples ({len(train.skipped)} skipped), {n_val} val samples, {total_steps} "
-        f"steps, world size {world_size}{layout}, {n_train / 1e6:.2f}M of {n_all / 1e6:.2f}M parameters trainable")
+        f"steps, world size {world_size}{where}{layout}, {n_train / 1e6:.2f}M of {n_all / 1e6:.2f}M parameters "
+        "trainable")
     say(f"plait: run folder {run_dir} (metrics to {', '.join(destinations)}; checkpoints/, final/)")
     if extra:
         say(extra)

@@ -4,8 +4,6 @@ and ``--resume`` continues to exactly the losses of a run that was never stopped
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,27 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.jobs import ROOT, demo_records, write_jsonl
+from tests.helpers.demo_runs import SMALL, STEPS, job, losses, run, start, wait_for_step
 from tests.distributed.spawning import free_port
-
-STEPS = 14
-
-
-def job(tmp_path: Path, name: str) -> Path:
-    """The demo job on 16 training records, no validation, a checkpoint only at the end (or when stopped)."""
-    train = write_jsonl(tmp_path / "train.jsonl", demo_records("train", limit=16))
-    text = (ROOT / "configs" / "demo.toml").read_text()
-    for old, new in (('"data/demo/train.jsonl"', train), ('"data/demo/tokenizer"', ROOT / "data/demo/tokenizer"),
-                     ('"runs/demo"', tmp_path / name)):
-        text = text.replace(old, json.dumps(str(new)))
-    path = tmp_path / f"{name}.toml"
-    path.write_text(text)
-    return path
-
-
-SMALL = [f"--train.steps={STEPS}", "--train.global_batch_size=4", "--train.microbatch_size=2", "--data.val=",
-         "--train.eval_every=0", "--checkpoint.every=0", "--metrics.progress=false", "--train.threads=1",
-         "--train.warmup_steps=2"]
 
 
 def command(nproc: int, config: Path, *extra: str) -> list[str]:
@@ -44,33 +23,19 @@ def command(nproc: int, config: Path, *extra: str) -> list[str]:
             "--master_addr=127.0.0.1", "-m", "plait.cli", "train", "--config", str(config), *SMALL, *extra]
 
 
-def losses(run: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
 def stop_after_step(cmd: list[str], run: Path, sig: int, step: int,
                     limit_s: float = 240) -> subprocess.CompletedProcess:
     """Run ``cmd``, send ``sig`` once ``run/metrics.jsonl`` shows ``step``, and wait for it to end."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = start(cmd)
     deadline = time.monotonic() + limit_s
     try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if (run / "metrics.jsonl").is_file() and max(losses(run), default=0) >= step:
-                proc.send_signal(sig)
-                break
-            time.sleep(0.05)
+        if wait_for_step(proc, run, step, deadline):
+            proc.send_signal(sig)
         out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         if proc.poll() is None:
             proc.kill()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def run(cmd: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
 
 
 def checkpoints(run: Path) -> list[str]:

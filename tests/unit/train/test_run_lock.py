@@ -77,6 +77,32 @@ def test_another_hosts_lock_is_refused_with_how_to_remove_it(tmp_path):
     assert lock.read_text() == before
 
 
+def test_a_torchrun_restart_takes_over_its_earlier_attempts_lock_from_another_host(tmp_path, monkeypatch, caplog):
+    """The same torchrun job (``TORCHELASTIC_RUN_ID``) restarted (a higher ``TORCHELASTIC_RESTART_COUNT``): its
+    earlier attempt's lock on another host is taken over; another job's, or the same attempt's, is refused."""
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = run / LOCK_NAME
+
+    def held_by(run_id: str, restart: int) -> None:
+        lock.write_text(json.dumps({"host": "node0.example", "pid": 4242, "started": 1.7e9, "command": "plait train",
+                                    "run_id": run_id, "restart": restart}))
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    for other in (("job8", 0), ("job7", 1)):
+        held_by(*other)
+        assert "is in use by a plait run on host node0.example" in busy_run_message(run), other
+    held_by("job7", 0)
+    assert busy_run_message(run) is None
+    acquire_run_lock(run)
+    assert "taking over the lock of process 4242 on node0.example, this torchrun job's attempt before" in caplog.text
+    mine = json.loads(lock.read_text())
+    assert (mine["pid"], mine["run_id"], mine["restart"]) == (os.getpid(), "job7", 1)
+    release_run_lock(run)
+    assert not lock.exists()
+
+
 def test_the_lock_is_reentrant_and_released_on_every_exit_path(tmp_path, monkeypatch):
     run = tmp_path / "run"
     with hold_run_lock(run):
