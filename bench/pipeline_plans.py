@@ -234,9 +234,10 @@ def _encoder_share(name: str, setting: str) -> float:
 def _layout_tag(choice: LayoutChoice) -> str:
     """Layout (``par``/``col``; ``att``: one stage per encoder on the first LLM rank; ``mix``: other shared
     ranks), DP degree, stages per module and schedule: ``1f1b``, or ``i<v>`` for interleaved 1F1B with ``v``
-    LLM chunks per rank (the LLM count is then LLM ranks x v); `` off`` with FSDP2 CPU offload."""
+    LLM chunks per rank (the LLM count is then LLM ranks x v), ``zbv`` for ZB-V (LLM ranks x 2 in a V; the zero-bubble
+    ``zb_h1``/``zb_h2`` of one stage per rank are named in column Z's schedule); `` off`` with FSDP2 CPU offload."""
     plan = choice.plan
-    v = plan.virtual_stages if choice.schedule == "interleaved_1f1b" else 1
+    v = plan.virtual_stages if choice.schedule in ("interleaved_1f1b", "zb_v") else 1
     llm_ranks = {plan.stages[s].rank for s in plan.llm_stages}
     attached = plan.llm_stages[0] > 0 and all(s.rank == plan.stages[plan.llm_stages[0]].rank
                                                for s in plan.stages[: plan.llm_stages[0]])
@@ -249,7 +250,7 @@ def _layout_tag(choice: LayoutChoice) -> str:
     counts = [str(s) for _, s in choice.stages_per_module]
     if v > 1:
         counts[-1] = f"{s // v}x{v}" if (s := choice.stages_per_module[-1][1]) else counts[-1]
-    sched = f"i{v}" if v > 1 else "1f1b"
+    sched = "zbv" if choice.schedule == "zb_v" else f"i{v}" if v > 1 else "1f1b"
     return f"{tag} dp{choice.dp} {'+'.join(counts)} {sched}" + (" off" if choice.offload == "cpu" else "")
 
 
