@@ -235,16 +235,27 @@ def _run_steps(runners: dict, comm, steps: int, record: dict | None) -> None:
 def measure(config: str, layouts: tuple[str, ...], steps: int, microbatches: int, size: int, repeats: int,
             clock: str = "wall", rounds: int = 4, limit_s: float = 240.0, schedule: str = "1f1b") -> list[dict]:
     """Run the two workers; each rank's result dict (profile, link, per layout spans and events)."""
+    return run_ranks(_worker, lambda port, folder: (port, config, layouts, steps, microbatches, size, repeats, clock,
+                                                    rounds, folder, schedule), 2, limit_s, "pipeline measurement")
+
+
+def run_ranks(worker, args_of, nprocs: int, limit_s: float, what: str) -> list[dict]:
+    """``worker(rank, *args_of(port, folder))`` on ``nprocs`` spawned processes (a free port for their group, a
+    temporary folder each writes its ``rank<r>.json`` into); their JSON results by rank. Killed after ``limit_s``
+    seconds.
+
+    Raises:
+        TimeoutError: naming ``what`` when they do not finish in time.
+    """
     with tempfile.TemporaryDirectory() as folder:
-        context = mp.spawn(_worker, args=(_free_port(), config, layouts, steps, microbatches, size, repeats,
-                                          clock, rounds, folder, schedule), nprocs=2, join=False)
+        context = mp.spawn(worker, args=args_of(_free_port(), folder), nprocs=nprocs, join=False)
         deadline = time.monotonic() + limit_s
         while not context.join(timeout=1):
             if time.monotonic() > deadline:
                 for proc in context.processes:
                     proc.kill()
-                raise TimeoutError(f"pipeline measurement did not finish in {limit_s} s")
-        return [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in (0, 1)]
+                raise TimeoutError(f"{what} did not finish in {limit_s} s")
+        return [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(nprocs)]
 
 
 def mean_profile(profiles: list[Profile]) -> Profile:

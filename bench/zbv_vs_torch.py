@@ -34,16 +34,13 @@ import io
 import json
 import os
 import pstats
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
 from transformers.masking_utils import create_causal_mask
@@ -52,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.sim_vs_measured import run_ranks  # noqa: E402
 from plait.data.collate import Batch  # noqa: E402
 from plait.models.hf import build_causal_lm  # noqa: E402
 from plait.models.multimodal import MultimodalModel  # noqa: E402
@@ -213,23 +211,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out_dir: str) -> Non
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(args: argparse.Namespace, limit_s: float = 900.0) -> list[dict]:
     """Run the two workers; each rank's result dict (first-step losses and gradient difference, step times)."""
-    with tempfile.TemporaryDirectory() as folder:
-        context = mp.spawn(_worker, args=(_free_port(), args, folder), nprocs=PP, join=False)
-        deadline = time.monotonic() + limit_s
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                for proc in context.processes:
-                    proc.kill()
-                raise TimeoutError(f"benchmark did not finish in {limit_s} s")
-        return [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(PP)]
+    return run_ranks(_worker, lambda port, folder: (port, args, folder), PP, limit_s, "benchmark")
 
 
 def report(args: argparse.Namespace, ranks: list[dict]) -> float:

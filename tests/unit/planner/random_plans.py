@@ -37,6 +37,20 @@ def draw_plan(draw: Any, slack: int, shared_ranks: bool = False) -> tuple[Pipeli
         stages, s_llm
 
 
+def draw_encoders(draw: Any) -> tuple[str, dict[str, list[bool]], dict[str, int], int]:
+    """0-2 random encoder branches of 1-2 stages (colocated branches share one count), each stage one or two
+    synthetic units, trainable or frozen at random. Returns ``(layout, units per encoder, stages per encoder,
+    encoder stages of the plan)``."""
+    layout = draw(st.sampled_from(["encoder_parallel", "encoders_colocated"]))
+    n_enc = draw(st.integers(0, 2))
+    stages = [draw(st.integers(1, 2)) for _ in range(n_enc)]
+    if layout == "encoders_colocated":
+        stages = [stages[0]] * n_enc if n_enc else []
+    encoders = {f"e{k}": draw(st.lists(st.booleans(), min_size=s, max_size=s + 1)) for k, s in enumerate(stages)}
+    counts = {f"e{k}": s for k, s in enumerate(stages)}
+    return layout, encoders, counts, sum(stages) if layout == "encoder_parallel" else (stages[0] if stages else 0)
+
+
 def generate(kind: str, plan: PipelinePlan, m: int, split: bool, defer: bool, cap: int | None) -> Schedule:
     """The ``kind`` (``gpipe``, ``1f1b``, ``capped`` with ``cap``) schedule of ``plan`` for ``m`` microbatches."""
     if kind == "gpipe":

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
 from plait.planner.pipeline.schedule_ir import Action, Schedule, check_schedule, in_flight_peaks, schedule_dag
 from plait.planner.pipeline.schedules import build_schedule, gpipe, memory_capped_1f1b, one_f_one_b, zb_h1
-from tests.unit.planner.random_plans import draw_plan, generate
+from tests.unit.planner.random_plans import draw_encoders, draw_plan, generate
 
 
 def _parse(text: str) -> tuple[Action, ...]:
@@ -409,16 +409,10 @@ def interleaved_plans(draw):
     LLM stage's rank) and an LLM of ``v p`` stages cyclic over ``p`` ranks; random frozen flags."""
     from plait.planner.pipeline.plan import interleaved_ranks
 
-    layout = draw(st.sampled_from(["encoder_parallel", "encoders_colocated"]))
-    n_enc = draw(st.integers(0, 2))
-    stages = [draw(st.integers(1, 2)) for _ in range(n_enc)]
-    if layout == "encoders_colocated":
-        stages = [stages[0]] * n_enc if n_enc else []
-    encoders = {f"e{k}": draw(st.lists(st.booleans(), min_size=s, max_size=s + 1)) for k, s in enumerate(stages)}
+    layout, encoders, counts, enc_stages = draw_encoders(draw)
     p, v = draw(st.integers(2, 3)), draw(st.integers(1, 3))
     llm = draw(st.lists(st.booleans(), min_size=v * p, max_size=v * p + 2))
-    counts = {f"e{k}": s for k, s in enumerate(stages)} | {"llm": v * p}
-    enc_stages = (sum(stages) if layout == "encoder_parallel" else (stages[0] if stages else 0))
+    counts |= {"llm": v * p}
     ranks = list(interleaved_ranks(range(enc_stages), p, v))
     if enc_stages == 1 and draw(st.booleans()):  # attach the single encoder stage to the first LLM rank
         ranks = [0] + [r - 1 for r in ranks[1:]]

@@ -12,6 +12,7 @@ from plait.planner.pipeline.schedule_ir import check_schedule, in_flight_peaks, 
 from plait.planner.pipeline.schedules import build_schedule, one_f_one_b, zb_h1, zb_v
 from plait.planner.pipeline.simulator import simulate
 from plait.planner.pipeline.types import StageMemory
+from tests.unit.planner.random_plans import draw_encoders
 
 
 def _v_chain(p: int, trainable: bool = True, encoder: str | None = None):
@@ -87,16 +88,10 @@ def test_placement_errors():
 def v_plans(draw):
     """Random encoder branches (each stage on its own rank, or every encoder stage on the first LLM rank) and an
     LLM of ``2 p`` stages in a V; random frozen flags."""
-    layout = draw(st.sampled_from(["encoder_parallel", "encoders_colocated"]))
-    n_enc = draw(st.integers(0, 2))
-    stages = [draw(st.integers(1, 2)) for _ in range(n_enc)]
-    if layout == "encoders_colocated":
-        stages = [stages[0]] * n_enc if n_enc else []
-    encoders = {f"e{k}": draw(st.lists(st.booleans(), min_size=s, max_size=s + 1)) for k, s in enumerate(stages)}
+    layout, encoders, counts, enc_stages = draw_encoders(draw)
     p = draw(st.integers(1, 4))
     llm = draw(st.lists(st.booleans(), min_size=2 * p, max_size=2 * p + 2))
-    counts = {f"e{k}": s for k, s in enumerate(stages)} | {"llm": 2 * p}
-    enc_stages = sum(stages) if layout == "encoder_parallel" else (stages[0] if stages else 0)
+    counts |= {"llm": 2 * p}
     ranks = stage_ranks(enc_stages, p, 2, attach_encoders=draw(st.booleans()), v_shape=True)
     return plan_pipeline(synthetic_units(encoders, llm), layout, stages_per_module=counts, ranks=ranks)
 
