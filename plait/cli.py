@@ -49,7 +49,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     plan_command(args.config, args.devices, args.out, overrides=overrides, device=args.device,
                  microbatches=args.microbatches, frozen_aware=not args.frozen_unaware,
                  macrobatches=args.macrobatches, dp_degrees=None if args.dp is None else [args.dp],
-                 memory_fraction=args.memory_fraction, schedules=args.schedules,
+                 memory_fraction=args.memory_fraction, schedules=args.schedules, gpus_per_node=args.gpus_per_node,
                  **({"virtual_stages": (1,), "attach_encoders": False} if args.one_stage_per_rank else {}))
     return 0
 
@@ -189,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "(zero-bubble: weight gradients in the bubbles; zb_h2 holds about twice the activations), "
                            "and zb_v (that plan's LLM cut into two stages per rank placed in a V, at 1F1B's "
                            "activation memory); the fastest that fits memory is planned (default: 1f1b)")
+    plan.add_argument("--gpus-per-node", type=int, default=0, metavar="N",
+                      help="plan for nodes of N GPUs (NVLink inside a node, 400 Gb/s InfiniBand per GPU between "
+                           "nodes): each collective is charged by where its group sits, and the rank order that "
+                           "keeps the heavy groups inside nodes is written as parallel.rank_order (default 0: one "
+                           "node)")
     plan.add_argument("--energy", type=float, nargs="?", const=0.02, default=None, metavar="TOLERANCE",
                       help="among the best plans of every DP degree and layout within TOLERANCE (default 0.02 = 2%%) "
                            "of the fastest iteration, choose the least energy per iteration (plait energy's frontier "

@@ -211,12 +211,13 @@ def idle_devices_note(choice: LayoutChoice) -> str:
 def pp_toml(fields: Mapping[str, Any], dp: int, degrees: Mapping[str, Any] | None = None) -> str:
     """The job tables that run a plan, ready to paste: a comment line (processes, what to replace), the
     ``[parallel]`` table (``plan = "manual"``, ``dp`` replicas, ``dp_shard``, ``tp``, ``cp``; ``offload`` only when
-    not ``"none"``, ``fsdp_reduce`` only when not ``"step"``, ``fsdp_reshard`` only when ``"after_backward"``) and,
+    not ``"none"``, ``fsdp_reduce`` only when not ``"step"``, ``fsdp_reshard`` only when ``"after_backward"``,
+    ``rank_order`` only when the pipeline goes outermost) and,
     only when there is a pipeline (``degree`` > 1), the ``[parallel.pp]`` table of ``fields`` (``degree`` first;
     the values ``toml_value`` writes).
 
     ``degrees`` (``dp``, ``dp_shard``, ``tp``, optionally ``cp``, ``activation_checkpointing``, ``offload``,
-    ``fsdp_reduce``, ``fsdp_reshard``) gives the ``[parallel]`` keys; None: ``dp`` replicas and every other degree
+    ``fsdp_reduce``, ``fsdp_reshard``, ``rank_order``) gives the ``[parallel]`` keys; None: ``dp`` replicas and every other degree
     1. A plan with activation checkpointing names ``train.activation_checkpointing`` in the comment. A table
     never pairs ``layout = "encoder_parallel"`` with ``attach_encoders = true`` (the encoders then sit on the first
     LLM rank, not on parallel ranks): the layout line is left out there (its default) and a comment says where
@@ -257,7 +258,9 @@ def _parallel_table(degrees: Mapping[str, Any], pp: int) -> str:
             + (f"fsdp_reduce = {toml_value(degrees['fsdp_reduce'])}\n"
                if degrees.get("fsdp_reduce", "step") != "step" else "")
             + (f"fsdp_reshard = {toml_value(degrees['fsdp_reshard'])}\n"  # "auto" runs "after_forward"
-               if degrees.get("fsdp_reshard", "auto") not in ("auto", "after_forward") else ""))
+               if degrees.get("fsdp_reshard", "auto") not in ("auto", "after_forward") else "")
+            + (f"rank_order = {toml_value(degrees['rank_order'])}\n"
+               if degrees.get("rank_order", "auto") not in ("auto", "dp_outer") else ""))
 
 
 # ----- the plan file -----------------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Un
     ``parallel.dp_shard`` and ``parallel.tp`` = its FSDP2 and TP degrees, ``parallel.offload`` = its FSDP2 CPU
     offload (``"none"`` or ``"cpu"``), ``parallel.fsdp_reduce`` = its gradient reduction, ``parallel.fsdp_reshard``
     = its FSDP2 resharding (``"auto"`` with pipeline stages or without FSDP2), ``[parallel.pp]`` = its plan
-    (``layout_pp_fields``: degree 1 when it is a single rank), ``parallel.plan = "manual"`` (resolved), and
+    (``layout_pp_fields``: degree 1 when it is a single rank), ``parallel.rank_order`` = its rank order when that
+    is not the default (a search with nodes, ``Machine.topology``), ``parallel.plan = "manual"`` (resolved), and
     ``train.activation_checkpointing`` = its policy when it has one (a choice without checkpointing leaves the
     job's policy: its costs were the job's).
 
@@ -78,6 +79,8 @@ def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Un
     out.parallel.offload = choice.offload
     out.parallel.fsdp_reduce = choice.fsdp_reduce
     out.parallel.fsdp_reshard = choice.fsdp_reshard if choice.dp_shard > 1 and choice.plan.num_ranks == 1 else "auto"
+    if choice.rank_order != "dp_outer":  # the order its links were charged for, whatever the node size at run time
+        out.parallel.rank_order = choice.rank_order
     if choice.checkpointing != "none":
         out.train.activation_checkpointing = choice.checkpointing
     out.parallel.pp = PipelineConfig(**layout_pp_fields(choice, units))

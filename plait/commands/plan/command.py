@@ -51,6 +51,7 @@ from plait.parallel.activation_checkpointing import checkpoint_policy
 from plait.planner.cost.types import DeviceSpec, MicrobatchShape
 from plait.planner.microbatch.macrobatch import expected_shapes, macrobatch_stats
 from plait.planner.microbatch.types import MacrobatchStats
+from plait.planner.cost.node_presets import nvlink_infiniband
 from plait.planner.pipeline.schedules import SCHEDULE_NAMES
 from plait.planner.pipeline.types import LAYOUTS
 from plait.planner.cost.recompute import checkpointed_costs, plan_checkpointing
@@ -165,6 +166,7 @@ def plan_command(
     out: TextIO | None = None,
     profile_store: str | Path | None = "runs/profiles",
     prefer_within: float = PREFER_WITHIN,
+    gpus_per_node: int = 0,
 ) -> LayoutChoice:
     """``plait plan``: choose the pipeline layout of a job for ``devices`` accelerators, print it with its job
     tables (``pp_snippet``, or why there are none) and the command that runs it (``run_command``), save it. The job file is read with
@@ -188,6 +190,8 @@ def plan_command(
             ``ceil(train.global_batch_size / microbatches)`` samples (``split_global_batch``; at most
             ``train.global_batch_size``); None: ``global_batch_size / microbatch_size`` of ``microbatch_size``.
         items_per_sample: workload (``build_plan_inputs``).
+        gpus_per_node: plan for nodes of this many GPUs (``_with_nodes``: NVLink inside, InfiniBand between, the
+            rank order written as ``parallel.rank_order``); 0: one node.
         memory_fraction: fraction of the device memory a stage may use (the rest: CUDA context, workspaces).
         dp_degrees: DP degrees to search (``plait plan --dp``), each in ``1..min(devices, microbatches)``;
             None: the divisors of ``devices`` in that range.
@@ -219,6 +223,7 @@ def plan_command(
     setup = plan_setup(config_path, devices, overrides=overrides, device=device, microbatches=microbatches,
                        items_per_sample=items_per_sample, memory_fraction=memory_fraction, dp_degrees=dp_degrees,
                        dp_link_Bps=dp_link_Bps, macrobatches=macrobatches, profile_store=profile_store, stream=stream)
+    setup = _with_nodes(setup, gpus_per_node, stream)
     cfg, inputs, spec = setup.cfg, setup.inputs, setup.spec
     kept = job_degrees(cfg, devices, stream)
     space = dict(frozen_aware=frozen_aware, layouts=layouts, rel_tol=rel_tol, virtual_stages=virtual_stages,
@@ -377,6 +382,27 @@ def plan_setup(config_path: str | Path, devices: int, *, overrides: Sequence[str
     machine = Machine(memory_cap=memory_fraction * spec.memory_bytes, p2p=costs.p2p, dp_link=costs.dp_link,
                       shard_link=costs.dp_link or costs.p2p, dtype=inputs.dtype, overheads=costs.overheads)
     return PlanSetup(cfg, inputs, spec, machine, SearchSpace(base_checkpointing=policy, checkpoint_overrides=overrides))
+
+
+def _with_nodes(setup: PlanSetup, gpus_per_node: int, stream: TextIO) -> PlanSetup:
+    """``setup`` planning for nodes of ``gpus_per_node`` GPUs (``--gpus-per-node``; 0: one node, unchanged): NVLink
+    inside a node, one 400 Gb/s InfiniBand port per GPU between nodes (``node_presets.nvlink_infiniband``), each
+    collective charged by where its group sits under the rank order chosen with the plan (``Machine.topology``).
+
+    Raises:
+        ValueError: on a negative count, or nodes with ``--device cpu`` (its link is this host's, measured).
+    """
+    if gpus_per_node < 0:
+        raise ValueError(f"--gpus-per-node must be >= 0 (0: one node), got {gpus_per_node}")
+    if gpus_per_node == 0:
+        return setup
+    if setup.spec.name.lower().startswith("cpu"):
+        raise ValueError("--gpus-per-node plans nodes of GPUs (NVLink inside, InfiniBand between): use it with a GPU "
+                         "--device preset (h100, h200, a100)")
+    print(f"plait plan: nodes of {gpus_per_node} GPUs: NVLink inside a node, 400 Gb/s InfiniBand per GPU between "
+          "nodes; each collective charged by where its group sits", file=stream)
+    return dataclasses.replace(setup, machine=dataclasses.replace(setup.machine,
+                                                                  topology=nvlink_infiniband(gpus_per_node)))
 
 
 def split_global_batch(cfg: Any, microbatches: int | None) -> Any:

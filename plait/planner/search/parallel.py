@@ -28,6 +28,10 @@ memory (frozen units, FSDP2's working set, one microbatch's activations) fits th
 ``OffloadCost.step_s``) is chosen, its ``LayoutChoice.offload`` set to ``"cpu"``. A job's own
 ``parallel.offload = "cpu"`` (``SearchSpace(offload="cpu")``) searches offloaded plans only.
 
+**Where ranks sit** (``Machine.topology``, ``placement``): each option and DP degree is searched with the links of
+its groups under the rank order ``topology.plan_rank_order`` picks for its degrees (the inter-node link for an axis
+whose groups cross nodes), and the chosen plan records that order (``LayoutChoice.rank_order``).
+
 The result's ``lower_bound_s`` is ``microbatches x (work of the given costs) / devices``: still a lower bound
 with TP (a layer's work split over ``tp`` devices plus its all-reduces is at least its work on one), sharding
 (all-gathers only add) and checkpointing (recomputation only adds), so ratios to it stay comparable.
@@ -47,6 +51,7 @@ from plait.planner.cost.types import CHECKPOINT_POLICIES, FSDP_RESHARD, HostSpec
 from plait.planner.report import format_bytes
 from plait.planner.search.types import LayoutChoice, Machine, NoPlanFits, SearchSpace
 from plait.planner.search.layout import plan_layout
+from plait.planner.search.placement import option_links, retime, search_placed
 from plait.planner.search.model import Costs, cost_list
 from plait.planner.cost.sharding import (
     accumulated_grad_bytes, pipelined_optimizer, pipelined_overheads, pipelined_shard_costs, shard_buffer_bytes,
@@ -104,7 +109,8 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
         options: degrees to try when ``base`` does not fit (``degree_options``).
         machine: ``memory_cap`` (bytes per device; None: everything fits: the base degrees are returned), the
             links of the TP all-reduces and FSDP2 all-gathers (``tp_link``, ``shard_link``, already defaulted;
-            ``sharding.shard_costs``), dtype and optimizer for FSDP2's buffer (``sharding.shard_buffer_bytes``).
+            ``sharding.shard_costs``; with ``topology`` set, per option ``placement.option_links``), dtype and
+            optimizer for FSDP2's buffer (``sharding.shard_buffer_bytes``).
         space: ``base_checkpointing`` gives the degrees tried first (the job's own policy, no TP, no sharding);
             ``checkpoint_overrides``: per module a policy replacing the degrees' (``sharding.shard_costs``);
             ``prefer_plain``: return the base degrees' plan whenever it fits (default); False: the fastest over
@@ -119,14 +125,20 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
     """
     memory_cap, dtype, optimizer = machine.memory_cap, machine.dtype, machine.optimizer
     base, prefer_base = ParallelDegrees(checkpointing=space.base_checkpointing), space.prefer_plain
-    tp_link, shard_link, checkpoint_overrides = machine.tp_link, machine.shard_link, space.checkpoint_overrides
     true_units = consistent_units(units)
     whole = cost_list(units, costs)
     work = math.fsum(c.forward_s + c.backward_s(u) for u, c in zip(true_units, whole))
-    link = dict(tp_link=tp_link, shard_link=shard_link, checkpoint_overrides=checkpoint_overrides)
+    links: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def link(degrees: ParallelDegrees) -> dict[str, Any]:  # the option's TP and FSDP2 links (placement)
+        key = (degrees.tp, degrees.dp_shard)
+        if key not in links:
+            tp_link, shard_link = option_links(machine, tp=degrees.tp, dp_shard=degrees.dp_shard, devices=devices)
+            links[key] = dict(tp_link=tp_link, shard_link=shard_link, checkpoint_overrides=space.checkpoint_overrides)
+        return links[key]
 
     def attempt(degrees: ParallelDegrees) -> LayoutChoice:
-        per_rank = shard_costs(true_units, whole, degrees, **link)
+        per_rank = shard_costs(true_units, whole, degrees, **link(degrees))
         buffer = shard_buffer_bytes(true_units, whole, degrees, dtype, optimizer)
         left = None if memory_cap is None else memory_cap - buffer
         if left is not None and left <= 0:
@@ -149,10 +161,11 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
         except ValueError as exc:
             errors.append(f"{_label(base)}: {exc}")
     ranked = sorted((o for o in options if o != base or not prefer_base),
-                    key=lambda o: (_bound(true_units, whole, o, link, devices, microbatches), _preference(o)))
+                    key=lambda o: (_bound(true_units, whole, o, link(o), devices, microbatches), _preference(o)))
     best: LayoutChoice | None = None
     for degrees in ranked:
-        if best is not None and _bound(true_units, whole, degrees, link, devices, microbatches) >= best.iteration_s:
+        if best is not None and _bound(true_units, whole, degrees, link(degrees), devices,
+                                       microbatches) >= best.iteration_s:
             break
         try:
             choice = attempt(degrees)
@@ -204,7 +217,9 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
             (``space.base_checkpointing`` and the searched policies are applied here).
         machine: as ``plan_layout``; ``tp_link``: link of the TP all-reduces (default ``p2p``, the stage-to-stage
             link: within a node); ``shard_link``: link of FSDP2's all-gathers and reduce-scatters (default
-            ``dp_link``); ``host``: the host side of a device for CPU offload (None: offload not searched).
+            ``dp_link``); ``host``: the host side of a device for CPU offload (None: offload not searched);
+            ``topology``: when set, those four links are ignored and derived per plan from where each collective's
+            group sits under the plan's rank order (``placement``), which the result's ``rank_order`` records.
         space: as ``plan_layout``, plus the degrees and policies to search (``tp_degrees``, ``dp_shard_degrees``,
             ``checkpointing``, ``fsdp_reshard``: ``degree_options``; ``fsdp_reshard`` only for FSDP2 without
             pipeline stages), ``base_checkpointing`` (the job's own policy: the plain plan's, and the only one
@@ -256,15 +271,29 @@ class _Job:
     space: SearchSpace
     layout_search: LayoutSearch = plan_layout
 
-    def search(self, per_rank: Sequence[UnitCost], devices: int, *, microbatches: int | None = None,
-               **changes: Any) -> LayoutChoice:
+    def search(self, per_rank: Sequence[UnitCost], devices: int, *, degrees: ParallelDegrees = ParallelDegrees(),
+               microbatches: int | None = None, **changes: Any) -> LayoutChoice:
         """``layout_search`` on ``per_rank`` costs over ``devices``; ``changes``: ``Machine`` fields (``memory_cap``,
-        ``optimizer``, ``overheads``, ``dp_shard``) and ``dp_degrees``."""
+        ``optimizer``, ``overheads``, ``dp_shard``) and ``dp_degrees``. With ``machine.topology`` set, the links
+        follow where each plan's ranks sit (``placement.search_placed``; ``degrees``: the option's TP degree and
+        the FSDP2 shard degree of its rank layout) and the result records its rank order."""
         dps = changes.pop("dp_degrees")
-        space = dataclasses.replace(self.space, dp_degrees=None if dps is None else tuple(dps))
-        return self.layout_search(self.units, per_rank, devices,
-                                  microbatches=self.microbatches if microbatches is None else microbatches,
-                                  machine=dataclasses.replace(self.machine, **changes), space=space)
+        count = self.microbatches if microbatches is None else microbatches
+        machine = dataclasses.replace(self.machine, **changes)
+
+        def run(searched: Machine, degrees_dp: Sequence[int] | None, on: int) -> LayoutChoice:
+            space = dataclasses.replace(self.space, dp_degrees=None if degrees_dp is None else tuple(degrees_dp))
+            return self.layout_search(self.units, per_rank, on, microbatches=count, machine=searched, space=space)
+
+        if machine.topology is None:
+            return run(machine, dps, devices)
+
+        def time_again(choice: LayoutChoice, placed: Machine) -> LayoutChoice:
+            return retime(choice, self.units, per_rank, machine=placed, microbatches=count, devices=devices)
+
+        # only plan_layout's plans may leave ranks idle (plan_filling_layout's fill them)
+        return search_placed(run, time_again, machine, dps, devices=devices, microbatches=count, degrees=degrees,
+                             idle_ranks=self.layout_search is plan_layout)
 
 
 def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees]) -> LayoutChoice:
@@ -277,11 +306,11 @@ def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees]) 
     def one(per_rank: Sequence[UnitCost], pipe_devices: int, cap: float | None, degrees: ParallelDegrees):
         dps = None if space.dp_degrees is None else [d for d in space.dp_degrees if d <= pipe_devices] or [1]
         if degrees.dp_shard == 1:
-            return job.search(per_rank, pipe_devices, memory_cap=cap, dp_degrees=dps)
+            return job.search(per_rank, pipe_devices, degrees=degrees, memory_cap=cap, dp_degrees=dps)
 
         def flat(flat_dps: list[int]) -> LayoutChoice:  # every device a DP rank: FSDP2 per microbatch, the buffer
             def run(flat_cap: float | None) -> LayoutChoice:
-                return job.search(per_rank, pipe_devices, memory_cap=flat_cap, dp_degrees=flat_dps,
+                return job.search(per_rank, pipe_devices, degrees=degrees, memory_cap=flat_cap, dp_degrees=flat_dps,
                                   dp_shard=degrees.dp_shard)
 
             rank_microbatches = -(-microbatches // pipe_devices)
@@ -382,9 +411,10 @@ def _pipelined(job: _Job, degrees: ParallelDegrees, pipe_devices: int, dps: list
     per-unit costs and parameters, a shard of the optimizer state, the DP all-reduce's bytes; the whole memory cap
     (no separate buffer). The result records ``degrees.dp_shard``."""
     machine = job.machine
-    per_rank = pipelined_shard_costs(job.true_units, job.whole, degrees, tp_link=machine.tp_link,
+    tp_link, _ = option_links(machine, tp=degrees.tp, dp_shard=degrees.dp_shard, devices=job.devices)
+    per_rank = pipelined_shard_costs(job.true_units, job.whole, degrees, tp_link=tp_link,
                                      checkpoint_overrides=job.space.checkpoint_overrides)
-    choice = job.search(per_rank, pipe_devices, dp_degrees=dps,
+    choice = job.search(per_rank, pipe_devices, degrees=degrees, dp_degrees=dps,
                         overheads=pipelined_overheads(machine.overheads, degrees.dp_shard),
                         optimizer=pipelined_optimizer(machine.optimizer, degrees.dp_shard))
     return dataclasses.replace(choice, dp_shard=degrees.dp_shard)
@@ -432,11 +462,12 @@ def _offloaded_one(job: _Job, degrees: ParallelDegrees) -> LayoutChoice:
         cap_text = format_bytes(cap) if machine.memory_cap is not None else "none"
         raise ValueError(f"device {format_bytes(cost.device_bytes)} (cap {cap_text}), host "
                          f"{format_bytes(cost.host_bytes)} (of {format_bytes(host.memory_bytes)})")
-    per_rank = shard_costs(job.true_units, job.whole, degrees, tp_link=machine.tp_link, shard_link=machine.shard_link,
+    tp_link, shard_link = option_links(machine, tp=degrees.tp, dp_shard=degrees.dp_shard, devices=job.devices)
+    per_rank = shard_costs(job.true_units, job.whole, degrees, tp_link=tp_link, shard_link=shard_link,
                            checkpoint_overrides=space.checkpoint_overrides)
     overheads = dataclasses.replace(machine.overheads, optimizer_s_per_byte=0.0)
-    choice = job.search(per_rank, pipe, dp_degrees=[pipe], memory_cap=None, dp_shard=degrees.dp_shard,
-                        overheads=overheads)
+    choice = job.search(per_rank, pipe, degrees=degrees, dp_degrees=[pipe], memory_cap=None,
+                        dp_shard=degrees.dp_shard, overheads=overheads)
     added = cost.step_s(choice.microbatches_per_replica, choice.grad_sync_s)
     by_name = {u.name: (u, c) for u, c in zip(job.true_units, per_rank)}
     static = tuple(float(sum(by_name[n][1].param_bytes for n in st.units if not by_name[n][0].trainable))

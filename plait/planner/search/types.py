@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from plait.planner.cost.topology import RANK_ORDERS, Topology
 from plait.planner.cost.types import (CHECKPOINT_POLICIES, FSDP_RESHARD, ActionOverheads, HostSpec, OptimizerSpec,
                                       ParallelDegrees)
 from plait.planner.pipeline.types import LAYOUTS, P2PModel, PipelinePlan
@@ -41,6 +42,14 @@ class Machine(JsonDataclass):
         host: the host side of a device for FSDP2 CPU offload (``offload.HostSpec``); None: offload not searched.
         dp_shard: FSDP2 shard degree the costs are per (``sharding.shard_costs``): only DP degrees it divides are
             searched and gradients are reduce-scattered; ``plan_parallel`` sets it per option.
+        topology: the nodes the devices sit in and their links (``cost.topology.Topology``); None: the explicit
+            links above. When set, ``search_parallel.plan_parallel`` (and ``plan_auto_layout`` through it) ignores
+            ``p2p``, ``dp_link``, ``tp_link`` and ``shard_link`` and derives them per plan from where each
+            collective's group sits under the plan's rank order (``planner.search.placement``): ``topology.inter_link``
+            when a group of the axis spans several nodes (the DP gradient synchronisation: ``dp`` or ``dp_shard``;
+            FSDP2's all-gathers: ``dp_shard``; TP: ``tp``; stage transfers: ``pp``), else ``intra_link`` (None:
+            free, as ``Topology`` says). The searches under fixed degrees (``plan_layout``, ``evaluate_plan``) read
+            the explicit links only: ``plan_parallel`` sets them for each plan it hands them.
     """
 
     memory_cap: float | None = None
@@ -53,6 +62,7 @@ class Machine(JsonDataclass):
     overheads: ActionOverheads = ActionOverheads()
     host: HostSpec | None = HostSpec()
     dp_shard: int = 1
+    topology: Topology | None = None
 
 
 @dataclass(frozen=True)
@@ -201,9 +211,15 @@ class LayoutChoice(JsonDataclass):
         fsdp_reshard: FSDP2 without pipeline stages (``parallel.fsdp_reshard``, ``sharding.FSDP_RESHARD``):
             ``"after_forward"`` (each unit gathered again for its backward) or ``"after_backward"`` (kept from its
             forward: no backward all-gather, every trainable unit's parameters in ``shard_buffer_bytes``).
+        rank_order: the order of the parallel axes in the rank numbering the costs assume (a
+            ``cost.topology.RANK_ORDERS`` name: ``"dp_outer"`` or ``"pp_outer"``); the runtime must number its ranks
+            the same way (``parallel.rank_order``) for the collectives to sit where they were charged.
+            ``plan_parallel`` sets it from ``Machine.topology`` (``topology.plan_rank_order`` of the plan's
+            degrees); without a topology it stays ``"dp_outer"``.
 
     Raises:
-        ValueError: when the per-stage tuples do not have one entry per stage, or an unknown method.
+        ValueError: when the per-stage tuples do not have one entry per stage, an unknown method or an unknown
+            rank order.
     """
 
     method: str
@@ -242,6 +258,7 @@ class LayoutChoice(JsonDataclass):
     fsdp_reduce: str = "step"
     fsdp_reshard: str = "after_forward"
     stage_weight_grad_s: tuple[float, ...] = ()
+    rank_order: str = "dp_outer"
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, PipelinePlan):
@@ -260,6 +277,8 @@ class LayoutChoice(JsonDataclass):
                              f"{self.plan.num_stages} stages")
         if self.method not in METHODS:
             raise ValueError(f"LayoutChoice.method must be one of {METHODS}, got {self.method!r}")
+        if self.rank_order not in RANK_ORDERS:
+            raise ValueError(f"LayoutChoice.rank_order must be one of {tuple(RANK_ORDERS)}, got {self.rank_order!r}")
 
     @property
     def microbatches_per_replica(self) -> int:
