@@ -364,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{1e6 * c.p2p.latency_s:.0f} us + {(c.p2p.bandwidth_Bps or 0) / 1e9:.2f} GB/s, "
               f"o {1e6 * c.p2p.send_overhead_s:.0f}/{1e6 * c.p2p.recv_overhead_s:.0f} us")
     for c in results:
-        costs = stage_action_costs(c.prediction_plan, profile)
+        split = any(e.kind == "W" for e in c.measured_events)  # a split-backward schedule: B and W apart
+        costs = stage_action_costs(c.prediction_plan, profile, split_backward=split)
         busy = {}
         for e in c.measured_events:
             busy.setdefault((e.stage, e.kind), []).append(e.end_s - e.start_s)

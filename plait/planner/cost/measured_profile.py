@@ -169,7 +169,8 @@ def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
     overhead. Unsplit, ``B`` = the units' ``UnitCost.backward_s`` plus each chunk's backward overhead (none
     for a chunk that runs no backward). Split, ``B`` = dX of the units needing one, ``W`` = ``weight_grad_s``
     of the trainable units; a chunk's backward overhead goes to ``B`` when the chunk needs an input gradient,
-    else to ``W``. A sum below 0 is clipped to 0. Every action the stage runs (``F``; ``B`` and ``W`` when it
+    else to ``W``; on a stage whose input needs no gradient ``B`` has nothing to do and ``W`` takes it all (the
+    runtime's split backward). A sum below 0 is clipped to 0. Every action the stage runs (``F``; ``B`` and ``W`` when it
     runs a backward) also pays the runtime's ``action_overhead_s``.
 
     Raises:
@@ -199,6 +200,8 @@ def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
         f, dx, dw = max(0.0, f), max(0.0, dx), max(0.0, dw)
         act = profile.action_overhead_s
         runs = stage.runs_backward
+        if split_backward and not stage.needs_input_grad:  # B has nothing to send: W runs the whole backward
+            dx, dw = 0.0, dx + dw
         out[(stage.index, "F")] = f + act
         out[(stage.index, "B")] = (dx if split_backward else dx + dw) + (act if runs else 0.0)
         out[(stage.index, "W")] = dw + (act if runs and split_backward else 0.0)

@@ -404,8 +404,11 @@ def stage_costs_from_units(
 
     ``F`` is the sum of forwards. Unsplit, ``B`` is the sum of ``UnitCost.backward_s`` (dX where the unit
     needs an input gradient, plus dW where it trains: the frozen-aware model of
-    Cornstarch). Split, ``B`` is the dX part and ``W`` the dW part. A checkpointed unit
-    (``UnitCost.recompute_s``, ``planner.recompute``) adds its recomputation to ``B``, and split also to ``W``.
+    Cornstarch). Split, ``B`` is the dX part and ``W`` the dW part, except on a stage whose input needs no
+    gradient (the first of its branch, or after frozen stages): there ``B`` has nothing to send and the runtime's
+    ``W`` runs the whole backward (``plait.parallel.pipeline.split_backward``), so ``B`` is 0 and ``W`` all of it.
+    A checkpointed unit (``UnitCost.recompute_s``, ``planner.recompute``) adds its recomputation to ``B``, and split
+    also to ``W`` (once, where ``W`` is the whole backward).
 
     Raises:
         ValueError: when a unit of the plan has no cost or is not in ``units``.
@@ -413,7 +416,7 @@ def stage_costs_from_units(
     by_name = {u.name: u for u in units}
     out: dict[tuple[int, str], float] = {}
     for stage in plan.stages:
-        f = dx = dw = 0.0
+        f = dx = dw = again = 0.0
         for name in stage.units:
             if name not in by_name or name not in unit_costs:
                 raise ValueError(f"stage {stage.index}: unit {name!r} has no Unit or no UnitCost")
@@ -421,11 +424,15 @@ def stage_costs_from_units(
             f += cost.forward_s
             dx += (cost.input_grad_s if unit.needs_input_grad else 0.0) + (
                 cost.recompute_s if unit.runs_backward else 0.0)  # checkpointed: forward again (planner.recompute)
-            dw += (cost.weight_grad_s * unit.trained_fraction  # a LoRA unit: the adapters' share of dW
-                   + (cost.recompute_s if split_backward else 0.0)) if unit.trainable else 0.0
+            dw += cost.weight_grad_s * unit.trained_fraction if unit.trainable else 0.0  # LoRA: the adapters' share
+            again += cost.recompute_s if unit.trainable else 0.0
         out[(stage.index, "F")] = f
-        out[(stage.index, "B")] = dx if split_backward else dx + dw
-        out[(stage.index, "W")] = dw
+        if not split_backward:
+            out[(stage.index, "B")], out[(stage.index, "W")] = dx + dw, dw
+        elif stage.needs_input_grad:
+            out[(stage.index, "B")], out[(stage.index, "W")] = dx, dw + again
+        else:  # no input gradient to send: B has nothing to do, W runs the whole backward (split_backward.py)
+            out[(stage.index, "B")], out[(stage.index, "W")] = 0.0, dx + dw
     return out
 
 

@@ -66,13 +66,16 @@ def test_simulator_stage_work_reads_the_fraction():
     units = list(synthetic_units({}, [False, False, False, False]))
     units = consistent_units([dataclasses.replace(u, trainable=True, trainable_fraction=0.25) if u.kind == "layer"
                               else u for u in units])
-    plan = plan_pipeline(units, stages_per_module={"llm": 1})
     costs = {u.name: COST for u in units}
-    split = stage_costs_from_units(plan, units, costs, split_backward=True)
-    # layers llm.1, llm.2 are LoRA: W = 2 x 4 x 0.25 = 2 s; B (dX) = 2 s for llm.2 and the head llm.3 = 4 s
-    assert split[(0, "W")] == 2.0
-    assert split[(0, "B")] == 4.0
-    assert stage_costs_from_units(plan, units, costs)[(0, "B")] == 6.0
+    one = plan_pipeline(units, stages_per_module={"llm": 1})
+    # layers llm.1, llm.2 are LoRA: dW = 2 x 4 x 0.25 = 2 s; dX = 2 s for llm.2 and the head llm.3 = 4 s. One stage's
+    # input needs no gradient: its split B has nothing to send and W runs the whole backward (the runtime's split)
+    assert stage_costs_from_units(one, units, costs)[(0, "B")] == 6.0
+    split = stage_costs_from_units(one, units, costs, split_backward=True)
+    assert (split[(0, "B")], split[(0, "W")]) == (0.0, 6.0)
+    two = stage_costs_from_units(plan_pipeline(units, stages_per_module={"llm": 2}), units, costs, split_backward=True)
+    assert (two[(0, "B")], two[(0, "W")]) == (0.0, 1.0)  # llm.0 (frozen embedding), llm.1 (LoRA, no dX needed)
+    assert (two[(1, "B")], two[(1, "W")]) == (4.0, 1.0)  # llm.2 (LoRA) and the head: dX through both, W of llm.2
 
 
 def test_report_names_lora_units():
