@@ -135,10 +135,23 @@ def format_plan(choice: LayoutChoice) -> str:
         f"{choice.microbatches} microbatches per replica; bubble {100 * choice.bubble_fraction:.1f}%"
         + (f" under {choice.schedule}" if plan.num_ranks > 1 else "") + "; "
         f"{choice.ratio_to_lower_bound:.2f}x the lower bound {1e3 * choice.lower_bound_s:.2f} ms",
+        *_weighed_line(choice),
         _peak_line(choice, unit),
     ]
     degrees = degrees_line(choice)
     return "\n".join(lines + ([degrees] if degrees else []))
+
+
+def _weighed_line(choice: LayoutChoice) -> list[str]:
+    """The schedules the search timed for ``choice`` with their iterations, the chosen one marked and those over
+    the memory cap named apart (no line when one was timed): why this schedule."""
+    if not choice.schedules_weighed:
+        return []
+    fits = [f"{name} {1e3 * t:.2f} ms" + (" (chosen)" if name == choice.schedule else "")
+            for name, t, ok in choice.schedules_weighed if ok]
+    over = [f"{name} {1e3 * t:.2f} ms" for name, t, ok in choice.schedules_weighed if not ok]
+    return ["schedules weighed, the fastest that fits memory chosen: " + ", ".join(fits)
+            + (f"; over the memory cap: {', '.join(over)}" if over else "")]
 
 
 def _stage_rows(choice: LayoutChoice, size: float, decimals: int, unit: str) -> list[str]:

@@ -196,7 +196,7 @@ def plan_layout(
     flat_names = tuple(n for n in schedules if n != "zb_v") or ("1f1b",)  # zb_v runs only its V
     names = ("interleaved_1f1b",) if best.v > 1 or best.attached else flat_names
     timing_of = dict(microbatches=microbatches, devices=devices, machine=timing)
-    choice = _weigh_schedules(plan, units, costs, names, dict(dp=best.dp, **timing_of))
+    timed_all = _time_schedules(plan, units, costs, names, dict(dp=best.dp, **timing_of))
     simulated = timed + (single is not None) + len(names) - 1
     plain = [s for s in streams if s.v == 1 and not s.attached]
     flat = best if best.v == 1 and not best.attached else None
@@ -205,21 +205,30 @@ def plan_layout(
         flat, _, flat_timed = branch_and_bound(parts, plain, p2p, dp_link, space.rel_tol, space.max_timed)
         simulated += flat_timed
         if flat.stages is not None and set(flat_names) - {"1f1b"}:
-            other = _weigh_schedules(_plan_from_stages(model, flat), units, costs, flat_names,
+            others = _time_schedules(_plan_from_stages(model, flat), units, costs, flat_names,
                                      dict(dp=flat.dp, **timing_of))
             simulated += len(flat_names)
-            if _better(other, choice):
-                best, choice = flat, other
+            if _better(_fastest(others), _fastest(timed_all)):
+                best = flat
+            timed_all += others
     planned = best.time
     if "zb_v" in schedules and flat is not None and flat.stages is not None:
         v_plan = _v_shape_plan(model, parts, flat)
         if v_plan is not None:
-            other = evaluate_plan(v_plan, units, costs, dp=flat.dp, schedule="zb_v", **timing_of)
+            timed_all.append(evaluate_plan(v_plan, units, costs, dp=flat.dp, schedule="zb_v", **timing_of))
             simulated += 1
-            if _better(other, choice):
-                choice, planned = other, other.iteration_s
+    choice = _fastest(timed_all)
+    if choice.schedule == "zb_v":
+        planned = choice.iteration_s
+    weighed = sorted({(c.schedule, c.iteration_s, c.fits_memory) for c in timed_all}, key=lambda w: w[1])
     return dataclasses.replace(choice, method=method, planned_iteration_s=planned, candidates=considered,
-                               simulated=simulated)
+                               simulated=simulated, schedules_weighed=tuple(weighed) if len(weighed) > 1 else ())
+
+
+def _fastest(timed: Sequence[LayoutChoice]) -> LayoutChoice:
+    """The fastest of ``timed`` that fits the memory cap, else the first (the first timed, e.g. 1F1B)."""
+    fitting = [c for c in timed if c.fits_memory]
+    return min(fitting, key=lambda c: c.iteration_s) if fitting else timed[0]
 
 
 def _better(a: LayoutChoice, b: LayoutChoice) -> bool:
@@ -241,14 +250,12 @@ def _v_shape_plan(model: SearchModel, parts: Partitions, flat: Best) -> Pipeline
     return plan_from_chunks(model, model.units, flat.layout, chunks, ranks)
 
 
-def _weigh_schedules(plan: PipelinePlan, units: Sequence[Unit], costs: Costs, names: Sequence[str],
-                     timing: dict[str, Any]) -> LayoutChoice:
-    """``plan`` timed with each schedule of ``names`` (``evaluate_plan``, ``timing`` its keyword arguments): the
-    fastest that fits the memory cap (each schedule's in-flight peaks), else the first. With zero-bubble
-    schedules weighed beside 1F1B a rank's bubbles take weight gradients (Qi et al., ICLR 2024)."""
-    timed = [evaluate_plan(plan, units, costs, schedule=name, **timing) for name in names]
-    fitting = [c for c in timed if c.fits_memory]
-    return min(fitting, key=lambda c: c.iteration_s) if fitting else timed[0]
+def _time_schedules(plan: PipelinePlan, units: Sequence[Unit], costs: Costs, names: Sequence[str],
+                    timing: dict[str, Any]) -> list[LayoutChoice]:
+    """``plan`` timed with each schedule of ``names`` (``evaluate_plan``, ``timing`` its keyword arguments; each
+    schedule's in-flight peaks checked against the memory cap). With zero-bubble schedules weighed beside 1F1B a
+    rank's bubbles take weight gradients (Qi et al., ICLR 2024)."""
+    return [evaluate_plan(plan, units, costs, schedule=name, **timing) for name in names]
 
 
 def _single_rank(model: SearchModel, units: Sequence[Unit], costs: Costs, dp: int,

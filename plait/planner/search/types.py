@@ -216,6 +216,10 @@ class LayoutChoice(JsonDataclass):
             the same way (``parallel.rank_order``) for the collectives to sit where they were charged.
             ``plan_parallel`` sets it from ``Machine.topology`` (``topology.plan_rank_order`` of the plan's
             degrees); without a topology it stays ``"dp_outer"``.
+        schedules_weighed: the schedules ``plan_layout`` timed for this choice, ``(schedule, iteration_s,
+            fits_memory)`` each (``SearchSpace.schedules``; ``zb_v`` on its own V, ``interleaved_1f1b`` on the best
+            interleaved or attached plan), fastest first; empty when only one was timed. The chosen one is the
+            fastest that fits the memory cap.
 
     Raises:
         ValueError: when the per-stage tuples do not have one entry per stage, an unknown method or an unknown
@@ -259,6 +263,7 @@ class LayoutChoice(JsonDataclass):
     fsdp_reshard: str = "after_forward"
     stage_weight_grad_s: tuple[float, ...] = ()
     rank_order: str = "dp_outer"
+    schedules_weighed: tuple[tuple[str, float, bool], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, PipelinePlan):
@@ -279,6 +284,8 @@ class LayoutChoice(JsonDataclass):
             raise ValueError(f"LayoutChoice.method must be one of {METHODS}, got {self.method!r}")
         if self.rank_order not in RANK_ORDERS:
             raise ValueError(f"LayoutChoice.rank_order must be one of {tuple(RANK_ORDERS)}, got {self.rank_order!r}")
+        object.__setattr__(self, "schedules_weighed",
+                           tuple((str(n), float(t), bool(f)) for n, t, f in self.schedules_weighed))
 
     @property
     def microbatches_per_replica(self) -> int:

@@ -566,6 +566,24 @@ def test_the_v_shape_schedule_is_weighed_on_the_llm_cut_in_a_v():
     pp = PipelineConfig(**{k: fields[k] for k in ("degree", "layout", "stages", "virtual_stages", "schedule")})
     assert pipeline_plan_kwargs(pp, [])["ranks"] == [0, 1, 2, 3, 3, 2, 1, 0]
     assert LayoutChoice.from_dict(json.loads(json.dumps(v.to_dict()))) == v
+    assert v.schedules_weighed == (("zb_v", 43.0, True), ("zb_h1", 48.0, True), ("1f1b", 54.0, True))
+
+
+def test_the_plan_says_which_schedules_were_weighed_and_which_exceed_the_cap():
+    """ZB-H2 (46 s) holds up to 7 stage microbatches of 20 B: over a 100-B cap, so ZB-V (43 s, 80 B) is chosen and the
+    plan lists every schedule timed with its iteration, ZB-H2 apart."""
+    from plait.planner.report import format_plan
+
+    units = synthetic_units({}, [True] * 8)
+    costs = [UnitCost(1.0, 1.0, 0.5, param_bytes=0, activation_bytes=10, output_bytes=0) for _ in units]
+    space = SearchSpace(dp_degrees=[1], schedules=("1f1b", "zb_h1", "zb_h2", "zb_v"))
+    choice = plan_layout(units, costs, 4, microbatches=8, space=space, machine=Machine(memory_cap=100))
+    assert choice.schedules_weighed == (("zb_v", 43.0, True), ("zb_h2", 46.0, False), ("zb_h1", 48.0, True),
+                                        ("1f1b", 54.0, True))
+    assert ("schedules weighed, the fastest that fits memory chosen: zb_v 43000.00 ms (chosen), zb_h1 48000.00 ms, "
+            "1f1b 54000.00 ms; over the memory cap: zb_h2 46000.00 ms") in format_plan(choice)
+    alone = plan_layout(units, costs, 4, microbatches=8, space=SearchSpace(dp_degrees=[1]))
+    assert alone.schedules_weighed == () and "schedules weighed" not in format_plan(alone)
 
 
 @pytest.mark.parametrize("encoders, seed, devices, microbatches", [(0, 12, 2, 8), (0, 7, 4, 8), (2, 3, 3, 6),
