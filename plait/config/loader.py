@@ -393,7 +393,8 @@ def _validate_pipeline_schedule(pp: PipelineConfig) -> None:
         ValueError: naming the offending ``parallel.pp`` field.
     """
     shared = pp.virtual_stages > 1 or pp.attach_encoders
-    placement = f"parallel.pp.virtual_stages={pp.virtual_stages}, attach_encoders={str(pp.attach_encoders).lower()}"
+    placement = " and ".join([f"parallel.pp.virtual_stages={pp.virtual_stages}"] * (pp.virtual_stages > 1)
+                             + ["parallel.pp.attach_encoders=true"] * pp.attach_encoders)
     if pp.schedule == "interleaved_1f1b":
         _check(shared, "parallel.pp.schedule = 'interleaved_1f1b' needs several stages per pipeline rank: set "
                "parallel.pp.virtual_stages >= 2 (LLM stages per LLM rank) or parallel.pp.attach_encoders = true "

@@ -125,13 +125,18 @@ class ParallelDims:
         ``torchrun``'s ``LOCAL_WORLD_SIZE``, or every process on one node when it is not set).
 
         Raises:
-            ValueError: on an unknown setting or a negative ``gpus_per_node``.
+            ValueError: on an unknown setting, a negative ``gpus_per_node``, or one that disagrees with torchrun's
+                ``LOCAL_WORLD_SIZE`` under ``"auto"``.
         """
         if gpus_per_node < 0:
             raise ValueError(f"gpus_per_node must be >= 0, got {gpus_per_node}")
         if setting != "auto":
             return dataclasses.replace(self, rank_order=setting)
-        per_node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        launched = os.environ.get("LOCAL_WORLD_SIZE")
+        if gpus_per_node and launched is not None and int(launched) != gpus_per_node:
+            raise ValueError(f"parallel.gpus_per_node={gpus_per_node} but torchrun runs {launched} processes per node "
+                             "(LOCAL_WORLD_SIZE): leave parallel.gpus_per_node at 0 (torchrun's) or make them agree")
+        per_node = gpus_per_node or int(launched or self.world_size)
         sizes = {a: self.size(a) for a in AXES}
         return dataclasses.replace(self, rank_order=plan_rank_order(sizes, max(per_node, 1)))
 

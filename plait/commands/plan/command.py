@@ -138,8 +138,11 @@ def check_schedules(names: Sequence[str]) -> tuple[str, ...]:
         ValueError: on an unknown name or none, naming the choices.
     """
     allowed = [n for n in SCHEDULE_NAMES if n != "interleaved_1f1b"]
+    if not [n for n in names if n]:
+        raise ValueError(f"--schedules: give at least one schedule; choose from {', '.join(allowed)} "
+                         "(interleaved_1f1b is weighed by itself for plans of several stages per rank)")
     bad = [n for n in names if n not in allowed]
-    if bad or not names:
+    if bad:
         raise ValueError(f"--schedules: unknown schedule(s) {bad or list(names)}; choose from {', '.join(allowed)}")
     return tuple(names)
 
@@ -237,6 +240,15 @@ def plan_command(
     if why_simpler:
         print(f"plait plan: {why_simpler}", file=stream)
     print(format_plan(choice), file=stream)
+    unweighed = not_weighed(space["schedules"], choice)
+    if unweighed:
+        print(f"plait plan: {unweighed}", file=stream)
+    if gpus_per_node and choice.devices_used > gpus_per_node:
+        nodes = -(-choice.devices_used // gpus_per_node)
+        fill = "" if choice.devices_used % gpus_per_node == 0 else \
+            f" (the last one runs {choice.devices_used % gpus_per_node}: torchrun needs the same count on every node)"
+        print(f"plait plan: {choice.devices_used} processes on nodes of {gpus_per_node}: {nodes} nodes{fill}; start "
+              "one torchrun per node with --nnodes and --node_rank (docs/parallelism.md, Several nodes)", file=stream)
     if choice.dp_shard > 1:
         print(fsdp_line(inputs.units, inputs.costs, choice, setup.machine.shard_link), file=stream)
     print(format_lora_units(inputs.units), end="", file=stream)
@@ -382,6 +394,21 @@ def plan_setup(config_path: str | Path, devices: int, *, overrides: Sequence[str
     machine = Machine(memory_cap=memory_fraction * spec.memory_bytes, p2p=costs.p2p, dp_link=costs.dp_link,
                       shard_link=costs.dp_link or costs.p2p, dtype=inputs.dtype, overheads=costs.overheads)
     return PlanSetup(cfg, inputs, spec, machine, SearchSpace(base_checkpointing=policy, checkpoint_overrides=overrides))
+
+
+def not_weighed(requested: Sequence[str], choice: LayoutChoice) -> str:
+    """Which of the ``requested`` schedules (``--schedules``) the search did not time for ``choice`` and why, as one
+    sentence; ``""`` when it timed all of them. The zero-bubble schedules run plans of one stage per rank (``zb_v``:
+    that plan's LLM cut into a V, which needs 2 or more LLM ranks and 2 LLM units per rank)."""
+    timed = {name for name, _, _ in choice.schedules_weighed} or {choice.schedule}
+    missing = [name for name in requested if name not in timed]
+    if not missing:
+        return ""
+    why = {"zb_v": "zb_v (a V needs the best plan of one stage per rank to have 2 or more LLM ranks, and the LLM 2 "
+                   "units per rank)"}
+    named = [why.get(name, f"{name} (it runs plans of one stage per rank; the best such plan was not timed)")
+             for name in missing]
+    return "not weighed: " + "; ".join(named)
 
 
 def _with_nodes(setup: PlanSetup, gpus_per_node: int, stream: TextIO) -> PlanSetup:

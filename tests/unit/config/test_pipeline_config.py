@@ -92,9 +92,11 @@ def test_stage_ranks_by_hand():
 @pytest.mark.parametrize("pp, message", [
     ({"degree": 4, **INTERLEAVED}, "parallel.pp.schedule = 'interleaved_1f1b' needs several stages per pipeline rank"),
     ({"degree": 2, "virtual_stages": 2, "attach_encoders": True},
-     "parallel.pp.virtual_stages=2, attach_encoders=true put several stages on a pipeline rank, which only "
+     "parallel.pp.virtual_stages=2 and parallel.pp.attach_encoders=true put several stages on a pipeline rank, which only "
      "parallel.pp.schedule = 'interleaved_1f1b' or 'zb_v' runs; got '1f1b'"),
     ({"degree": 2, "attach_encoders": True, "schedule": "gpipe"}, "attach_encoders=true put several stages"),
+    ({"degree": 1, "virtual_stages": 2, "schedule": "zb_v"}, "parallel.pp.virtual_stages=2 place stages on several "
+     "pipeline ranks, but parallel.pp.degree = 1"),
     ({"degree": 2, "virtual_stages": 2, "attach_encoders": True, "schedule": "memory_capped_1f1b", "cap": 1},
      "only parallel.pp.schedule = 'interleaved_1f1b' or 'zb_v' runs"),
     ({"degree": 2, "virtual_stages": 1, "schedule": "zb_v"}, "'zb_v' runs 2 LLM stages per LLM rank in a V: set "

@@ -116,3 +116,12 @@ def test_auto_rank_order_reads_torchruns_local_world_size(monkeypatch):
     assert base.ordered("auto").rank_order == "pp_outer"
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert base.ordered("auto").rank_order == "dp_outer"  # unset: all 32 processes on one node
+
+
+def test_a_node_size_that_disagrees_with_torchrun_is_refused(monkeypatch):
+    base = ParallelDims(dp=1, pp=4, cp=1, dp_shard=4, tp=2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match=r"parallel.gpus_per_node=4 but torchrun runs 8 processes per node"):
+        base.ordered("auto", gpus_per_node=4)
+    assert base.ordered("auto", gpus_per_node=8).rank_order == "pp_outer"
+    assert base.ordered("dp_outer", gpus_per_node=4).rank_order == "dp_outer"  # an explicit order needs no node size
