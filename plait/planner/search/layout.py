@@ -196,7 +196,8 @@ def plan_layout(
     flat_names = tuple(n for n in schedules if n != "zb_v") or ("1f1b",)  # zb_v runs only its V
     names = ("interleaved_1f1b",) if best.v > 1 or best.attached else flat_names
     timing_of = dict(microbatches=microbatches, devices=devices, machine=timing)
-    timed_all = _time_schedules(plan, units, costs, names, dict(dp=best.dp, **timing_of))
+    # every timed choice with the planning-view time of the search that found its plan
+    timed_all = [(c, best.time) for c in _time_schedules(plan, units, costs, names, dict(dp=best.dp, **timing_of))]
     simulated = timed + (single is not None) + len(names) - 1
     plain = [s for s in streams if s.v == 1 and not s.attached]
     flat = best if best.v == 1 and not best.attached else None
@@ -205,35 +206,26 @@ def plan_layout(
         flat, _, flat_timed = branch_and_bound(parts, plain, p2p, dp_link, space.rel_tol, space.max_timed)
         simulated += flat_timed
         if flat.stages is not None and set(flat_names) - {"1f1b"}:
-            others = _time_schedules(_plan_from_stages(model, flat), units, costs, flat_names,
-                                     dict(dp=flat.dp, **timing_of))
+            timed_all += [(c, flat.time) for c in _time_schedules(_plan_from_stages(model, flat), units, costs,
+                                                                  flat_names, dict(dp=flat.dp, **timing_of))]
             simulated += len(flat_names)
-            if _better(_fastest(others), _fastest(timed_all)):
-                best = flat
-            timed_all += others
-    planned = best.time
     if "zb_v" in schedules and flat is not None and flat.stages is not None:
         v_plan = _v_shape_plan(model, parts, flat)
         if v_plan is not None:
-            timed_all.append(evaluate_plan(v_plan, units, costs, dp=flat.dp, schedule="zb_v", **timing_of))
+            v = evaluate_plan(v_plan, units, costs, dp=flat.dp, schedule="zb_v", **timing_of)
+            timed_all.append((v, v.iteration_s))  # no search timed the V: its own time
             simulated += 1
-    choice = _fastest(timed_all)
-    if choice.schedule == "zb_v":
-        planned = choice.iteration_s
-    weighed = sorted({(c.schedule, c.iteration_s, c.fits_memory) for c in timed_all}, key=lambda w: w[1])
+    choice, planned = _fastest(timed_all)
+    weighed = sorted({(c.schedule, c.iteration_s, c.fits_memory) for c, _ in timed_all}, key=lambda w: w[1])
     return dataclasses.replace(choice, method=method, planned_iteration_s=planned, candidates=considered,
                                simulated=simulated, schedules_weighed=tuple(weighed) if len(weighed) > 1 else ())
 
 
-def _fastest(timed: Sequence[LayoutChoice]) -> LayoutChoice:
-    """The fastest of ``timed`` that fits the memory cap, else the first (the first timed, e.g. 1F1B)."""
-    fitting = [c for c in timed if c.fits_memory]
-    return min(fitting, key=lambda c: c.iteration_s) if fitting else timed[0]
-
-
-def _better(a: LayoutChoice, b: LayoutChoice) -> bool:
-    """``a`` fits the memory cap where ``b`` does not, or both fit (or neither) and ``a`` is faster."""
-    return (a.fits_memory, -a.iteration_s) > (b.fits_memory, -b.iteration_s)
+def _fastest(timed: Sequence[tuple[LayoutChoice, float]]) -> tuple[LayoutChoice, float]:
+    """The fastest choice of ``timed`` (``(choice, planned time)`` pairs) that fits the memory cap, else the first
+    (the first timed, e.g. 1F1B), with its planned time."""
+    fitting = [t for t in timed if t[0].fits_memory]
+    return min(fitting, key=lambda t: t[0].iteration_s) if fitting else timed[0]
 
 
 def _v_shape_plan(model: SearchModel, parts: Partitions, flat: Best) -> PipelinePlan | None:
