@@ -21,7 +21,7 @@ Everything is pure: the runtime (``plait.parallel``) executes the transfers and 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from plait.planner.resilience.templates import instantiate, plan_instantiation
 from plait.planner.resilience.types import Instantiation, LostUnitsError, Reconfiguration, TemplateSet, Transfer
@@ -54,10 +54,12 @@ def plan_reconfiguration(templates: TemplateSet, current: Instantiation, failed:
     return Reconfiguration(failed_t, current, after, _transfers(templates, current, after), tuple(actions))
 
 
-def plan_rejoin(templates: TemplateSet, current: Instantiation, joined: Iterable[int]) -> Reconfiguration:
+def plan_rejoin(templates: TemplateSet, current: Instantiation, joined: Iterable[int],
+                domains: Mapping[int, int] | None = None) -> Reconfiguration:
     """Scale back up: ranks ``joined`` (restarted or new, holding nothing) join at a step boundary; the job
-    re-instantiates over every rank (``plan_instantiation``) and each rank receives the units it now holds but did
-    not hold before from a current holder (a joiner receives all of its units).
+    re-instantiates over every rank (``plan_instantiation``, with ``domains``: every unit's copies on ``f + 1``
+    failure domains when some instantiation can, else the fastest) and each rank receives the units it now holds
+    but did not hold before from a current holder (a joiner receives all of its units).
 
     Raises:
         ValueError: when a joining rank is already in ``current``, or no instantiation covers the ranks.
@@ -66,8 +68,16 @@ def plan_rejoin(templates: TemplateSet, current: Instantiation, joined: Iterable
     again = sorted(set(joined_t) & set(current.ranks))
     if again:
         raise ValueError(f"ranks {again} are already in the instantiation and cannot join")
-    after = plan_instantiation(templates, sorted(current.ranks + joined_t))
-    action = f"ranks {list(joined_t)} join; re-instantiated over {len(after.ranks)} ranks"
+    ranks = sorted(current.ranks + joined_t)
+    try:
+        after = plan_instantiation(templates, ranks, domains=domains)
+        spread = "" if domains is None else f", every unit on {templates.failures + 1} failure domains"
+    except ValueError:
+        if domains is None:
+            raise
+        after = plan_instantiation(templates, ranks)
+        spread = f", some unit on fewer than {templates.failures + 1} failure domains (none can be spread)"
+    action = f"ranks {list(joined_t)} join; re-instantiated over {len(after.ranks)} ranks{spread}"
     return Reconfiguration((), current, after, _transfers(templates, current, after), (action,))
 
 

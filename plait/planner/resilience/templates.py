@@ -23,8 +23,9 @@ pipeline) are the group its gradients are summed over (``plait.parallel.hetero_d
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from plait.planner.cost.analytic import trained_params
@@ -37,10 +38,13 @@ from plait.planner.search.model import Costs, allreduce_s, cost_list
 from plait.planner.resilience.types import Instantiation, PipelineInstance, PipelineTemplate, TemplateSet, UnitBytes
 from plait.planner.types import Unit
 
-__all__ = ["distribute_microbatches", "instantiate", "plan_instantiation", "plan_templates"]
+__all__ = ["distribute_microbatches", "instantiate", "plan_instantiation", "plan_templates", "units_on_few_domains"]
 
 BEAM = 12
 """Partial pipeline sets kept per (ranks used, pipelines) state of :func:`plan_instantiation`'s search."""
+
+ORDERS = 720
+"""Orders of one candidate's pipeline sizes :func:`plan_instantiation` tries when placing them on failure domains."""
 
 
 def plan_templates(
@@ -159,7 +163,7 @@ def _iteration_s(templates: TemplateSet, chosen: Sequence[PipelineTemplate], cou
 
 
 def plan_instantiation(templates: TemplateSet, ranks: Sequence[int] | None = None,
-                       min_pipelines: int | None = None) -> Instantiation:
+                       min_pipelines: int | None = None, domains: Mapping[int, int] | None = None) -> Instantiation:
     """Pipelines that use every one of ``ranks`` (default ``0..N-1``), at least ``min_pipelines`` of them
     (default ``f + 1``) and at most ``M``, with the least predicted iteration time. A pipeline of more ranks than
     the largest template (only when no split into templates exists: below ``2 n0`` ranks) runs the largest
@@ -170,8 +174,14 @@ def plan_instantiation(templates: TemplateSet, ranks: Sequence[int] | None = Non
     water-filling approaches), then water-fills each complete candidate and keeps the fastest. Ranks are given
     to pipelines in order, largest pipeline first.
 
+    With ``domains`` (rank -> failure domain, e.g. its node), ``f`` counts domains: every unit's copies must lie
+    in at least ``f + 1`` domains (:func:`units_on_few_domains`), so that losing any ``f`` nodes at once leaves a
+    copy. The ranks (sorted by domain, then rank) are given to the pipelines in order, each candidate's sizes tried
+    in up to :data:`ORDERS` orders; the fastest candidate with a valid order wins.
+
     Raises:
-        ValueError: when no set of templates covers the ranks with enough pipelines (naming the counts).
+        ValueError: when no set of templates covers the ranks with enough pipelines (naming the counts), or no
+            candidate spreads every unit over ``f + 1`` domains (naming the domains' sizes).
     """
     ranks = list(range(templates.num_ranks)) if ranks is None else sorted(int(r) for r in ranks)
     need = templates.failures + 1 if min_pipelines is None else int(min_pipelines)
@@ -184,16 +194,41 @@ def plan_instantiation(templates: TemplateSet, ranks: Sequence[int] | None = Non
     if not candidates:
         raise ValueError(f"no set of templates ({templates.min_ranks}..{templates.max_ranks} ranks) covers "
                          f"{total} ranks with at least {need} pipelines")
-    best = None
-    for sizes in candidates:
-        groups, start = [], 0
-        for size in sorted(sizes, reverse=True):
-            groups.append(ranks[start:start + size])
-            start += size
-        inst = instantiate(templates, groups)
-        if best is None or inst.iteration_s < best.iteration_s - 1e-15:
-            best = inst
-    return best
+    if domains is not None:
+        ranks.sort(key=lambda r: (domains[r], r))
+    timed = sorted((instantiate(templates, _groups(ranks, sorted(sizes, reverse=True))) for sizes in candidates),
+                   key=lambda inst: inst.iteration_s)
+    if domains is None:
+        return timed[0]
+    for inst in timed:
+        sizes = [len(p.ranks) for p in inst.pipelines]
+        for order in itertools.islice(dict.fromkeys(itertools.permutations(sizes)), ORDERS):
+            placed = instantiate(templates, _groups(ranks, order))
+            if not units_on_few_domains(placed, domains, templates.failures + 1):
+                return placed
+    per_domain = {d: sum(1 for r in ranks if domains[r] == d) for d in sorted({domains[r] for r in ranks})}
+    raise ValueError(f"no instantiation over {total} ranks puts every unit's copies on {templates.failures + 1} "
+                     f"failure domains (f = {templates.failures} counts domains; ranks per domain {per_domain})")
+
+
+def _groups(ranks: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
+    """``ranks`` cut into consecutive groups of ``sizes``."""
+    starts = list(itertools.accumulate(sizes, initial=0))
+    return [list(ranks[a:a + n]) for a, n in zip(starts, sizes)]
+
+
+def units_on_few_domains(inst: Instantiation, domains: Mapping[int, int], copies: int) -> tuple[str, ...]:
+    """The units whose holders (one per pipeline) lie in fewer than ``copies`` failure domains (``domains``: rank
+    -> domain, e.g. its node): losing ``copies - 1`` such domains at once could take every copy. Empty when each
+    unit is spread far enough. Units in the first pipeline's order.
+
+    Raises:
+        KeyError: when a rank has no domain.
+    """
+    if not inst.pipelines:
+        return ()
+    names = [u for r in inst.pipelines[0].ranks for u in inst.pipelines[0].units_of(r)]
+    return tuple(u for u in names if len({domains[r] for r in inst.holders(u)}) < copies)
 
 
 def _size_multisets(templates: TemplateSet, total: int, need: int, cap: int) -> list[tuple[int, ...]]:

@@ -8,7 +8,8 @@ import pytest
 
 from plait.planner.cost.types import ActionOverheads
 from plait.planner.search.layout import evaluate_plan, plan_layout
-from plait.planner.resilience.templates import distribute_microbatches, instantiate, plan_instantiation
+from plait.planner.resilience.templates import (distribute_microbatches, instantiate, plan_instantiation,
+                                               units_on_few_domains)
 from plait.planner.resilience.types import PipelineTemplate, TemplateSet, format_seconds
 from plait.planner.search.types import Machine, SearchSpace
 from tests.helpers.templates import CAP, PARAM, model, templates
@@ -133,3 +134,39 @@ def test_spares_name_pipelines_with_ranks_left_without_a_stage():
     wide = instantiate(ts, [list(range(0, largest + 1)), list(range(largest + 1, largest + 1 + ts.min_ranks))])
     used = ts.template(largest).plan.num_ranks
     assert wide.spares()[0] == (largest + 1, used) and used <= largest
+
+
+@pytest.mark.parametrize("num_ranks,failures,per_node", [(8, 1, 4), (8, 1, 2), (9, 1, 3), (10, 2, 2), (11, 1, 3)])
+def test_with_nodes_as_failure_domains_every_unit_lies_on_f_plus_one_nodes(num_ranks, failures, per_node):
+    ts = templates(num_ranks, failures)
+    domains = {r: r // per_node for r in range(num_ranks)}
+    inst = plan_instantiation(ts, domains=domains)
+    assert inst.ranks == tuple(range(num_ranks))
+    for unit in ts.units:  # f whole nodes lost at once leave a copy of every unit
+        for lost in itertools.combinations(sorted(set(domains.values())), failures):
+            assert any(domains[h] not in lost for h in inst.holders(unit.name)), (unit.name, lost)
+    # the fastest instantiation that spreads the units: exhaustive over the sizes and their orders on node-major
+    # ranks (the search's own placement)
+    best = min((inst_.iteration_s for p in _partitions(num_ranks, ts.min_ranks, ts.max_ranks)
+                if failures + 1 <= len(p) <= 12 for order in set(itertools.permutations(p))
+                for inst_ in [instantiate(ts, [list(range(sum(order[:i]), sum(order[:i + 1])))
+                                                for i in range(len(order))])]
+                if not units_on_few_domains(inst_, domains, failures + 1)))
+    assert inst.iteration_s == pytest.approx(best)
+
+
+def test_units_on_few_domains_names_the_units_a_node_loss_would_take():
+    ts = templates(8, 1)
+    striped = instantiate(ts, [[0, 2, 4, 6], [1, 3, 5, 7]])
+    # nodes of 2: ranks 0-1 on node 0, 2-3 on node 1, ...: each pipeline's i-th rank shares a node with the other's
+    domains = {r: r // 2 for r in range(8)}
+    few = units_on_few_domains(striped, domains, 2)
+    assert few and set(few) == {u for r in striped.pipelines[0].ranks for u in striped.pipelines[0].units_of(r)}
+    assert units_on_few_domains(striped, {r: r % 2 for r in range(8)}, 2) == ()  # nodes by parity: spread
+    assert units_on_few_domains(striped, domains, 1) == ()
+
+
+def test_no_spread_possible_is_refused_naming_the_domains():
+    ts = templates(8, 1)
+    with pytest.raises(ValueError, match=r"failure domains \(f = 1 counts domains; ranks per domain \{0: 8\}\)"):
+        plan_instantiation(ts, domains={r: 0 for r in range(8)})
