@@ -132,13 +132,15 @@ OVERRIDES_HELP = """overrides:
 
 
 def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
-    from plait.commands.launch import launch_command, worker_main
+    from plait.commands.launch import NodeRole, launch_command, worker_main
 
     if args.worker is not None:  # one worker process, started by the launcher
         return worker_main(args.config, overrides, args.worker, args.nproc, args.store, args.joining)
     sizes = [int(n) for n in args.pipelines.split(",")] if args.pipelines else []
+    node = NodeRole(args.nnodes, args.node_rank, args.store)
     return launch_command(args.config, args.nproc, args.f, overrides, sizes, args.kill, args.timeout,
-                          rejoins=args.rejoin, overwrite=args.overwrite, device=args.device)
+                          rejoins=args.rejoin, overwrite=args.overwrite, device=args.device, node=node,
+                          hang_s=args.hang_timeout or None, stops=args.stop, node_kills=args.kill_node)
 
 
 _JOB_VERBS = {"train": False, "profile": False, "tune-ranks": False, "launch": False, "plan": True, "energy": True}
@@ -303,9 +305,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "an earlier run's checkpoints, final model or launch logs: they are removed (else refused)")
     launch.add_argument("--device", default=None, help="device preset to plan the pipelines for: h100, h200, a100 "
                         "or cpu (default: this host's CPU measured, which the workers train on)")
+    launch.add_argument("--nnodes", type=int, default=1, help="nodes of the job: one plait launch per node, each "
+                        "with --nproc workers (numbered node by node); --f then counts nodes")
+    launch.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1 (node 0 plans the "
+                        "job and hosts the membership store)")
+    launch.add_argument("--store", default="", metavar="HOST:PORT", help="the membership store: node 0 hosts it on "
+                        "that port, every node's launcher and workers connect to it (needed with --nnodes > 1)")
+    launch.add_argument("--hang-timeout", type=float, default=60.0, metavar="SECONDS", help="a worker without a "
+                        "heartbeat for this long while its process lives is killed as hung and replaced like a "
+                        "dead one (0: never)")
+    launch.add_argument("--stop", action="append", default=[], metavar="WORKER:STEP",
+                        help="fault injection for tests: that worker SIGSTOPs itself (hangs) in the middle of that step")
+    launch.add_argument("--kill-node", action="append", default=[], metavar="NODE:STEP", help="fault injection for "
+                        "tests: that node's launcher and all its workers are SIGKILLed at once in the middle of that step")
     launch.add_argument("--joining", action="store_true", help=argparse.SUPPRESS)
     launch.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    launch.add_argument("--store", default="", help=argparse.SUPPRESS)
     imp = sub.add_parser("import", help="a local Hugging Face LLaVA, Qwen2-Audio or Qwen2.5-VL checkpoint as a plait "
                          "model and a job that fine-tunes it")
     imp.add_argument("--from", dest="source", required=True, help="the checkpoint folder (LlavaForConditionalGeneration"
@@ -359,7 +373,8 @@ def check_job_arguments(args: argparse.Namespace, overrides: Sequence[str], *, r
 
         check_job(args.config, overrides, planning=_JOB_VERBS[args.command],
                   run_folder=run_folder and (args.command == "train"
-                                             or (args.command == "launch" and args.worker is None)))
+                                             or (args.command == "launch" and args.worker is None
+                                                 and args.node_rank == 0)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

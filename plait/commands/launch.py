@@ -28,11 +28,13 @@ Exit status: 0 when every worker that was not killed by a signal finished; other
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -43,13 +45,14 @@ from plait.measure.host_costs import RuntimeCosts, host_cpu, runtime_costs
 from plait.config.loader import load_config
 from plait.planner.cost.types import DeviceSpec
 from plait.planner.search.types import Machine
-from plait.planner.resilience.templates import instantiate, plan_instantiation, plan_templates
+from plait.planner.resilience.templates import instantiate, plan_instantiation, plan_templates, units_on_few_domains
+from plait.train.faults import node_pids_key
 from plait.train.resilient import LaunchPlan, run_resilient_worker
 from plait.train.run_lock import hold_run_lock
 from plait.train.run_start import clear_earlier_run, launch_logs
 
-__all__ = ["check_launch", "launch_command", "launch_device", "launch_plan", "parse_kills", "worker_command",
-           "worker_main"]
+__all__ = ["NodeRole", "check_launch", "launch_command", "launch_device", "launch_plan", "parse_kills",
+           "worker_command", "worker_main"]
 
 
 def parse_kills(values: Sequence[str]) -> tuple[tuple[int, int], ...]:
@@ -68,16 +71,18 @@ def parse_kills(values: Sequence[str]) -> tuple[tuple[int, int], ...]:
 
 
 def check_launch(cfg, nproc: int, kills: Sequence[tuple[int, int]] = (),
-                 rejoins: Sequence[tuple[int, int]] = ()) -> None:
-    """Refuse what ``plait launch`` would otherwise ignore silently.
+                 rejoins: Sequence[tuple[int, int]] = (), stops: Sequence[tuple[int, int]] = (),
+                 node_kills: Sequence[tuple[int, int]] = (), nnodes: int = 1) -> None:
+    """Refuse what ``plait launch`` would otherwise ignore silently (``nproc``: workers of the whole job, over
+    ``nnodes`` nodes).
 
     Raises:
         ValueError: naming the setting: ``parallel.tp``, ``parallel.dp_shard`` or ``parallel.cp`` above 1 (the
             launcher plans its own pipelines of whole layers: no tensor, FSDP2 or context parallelism inside
-            them); a ``--kill`` or ``--rejoin`` of a worker id outside ``0..nproc-1`` (naming the valid ids) or
-            of a step past the job's last (``0..train.steps-1``, 0-based; not checked for a job of
-            ``train.epochs``, whose step count depends on its data); a ``--rejoin`` that cannot happen
-            (:func:`_check_rejoins`).
+            them); a ``--kill``, ``--stop`` or ``--rejoin`` of a worker id outside ``0..nproc-1`` (naming the valid
+            ids), a ``--kill-node`` of a node outside ``0..nnodes-1``, or any of them at a step past the job's last
+            (``0..train.steps-1``, 0-based; not checked for a job of ``train.epochs``, whose step count depends on
+            its data); a ``--rejoin`` that cannot happen (:func:`_check_rejoins`).
     """
     p = cfg.parallel
     for name, value in (("tp", p.tp), ("dp_shard", p.dp_shard), ("cp", p.cp)):
@@ -86,22 +91,26 @@ def check_launch(cfg, nproc: int, kills: Sequence[tuple[int, int]] = (),
                              "data-parallel replicas of whole layers) and runs no tensor, FSDP2 or context "
                              f"parallelism inside them; set --parallel.{name}=1, or train with plait train under "
                              "torchrun (not resilient)")
-    for flag, pairs in (("--kill", kills), ("--rejoin", rejoins)):
-        bad = sorted({w for w, _ in pairs if not 0 <= w < nproc})
+    for flag, pairs, count, what in (("--kill", kills, nproc, "worker"), ("--rejoin", rejoins, nproc, "worker"),
+                                     ("--stop", stops, nproc, "worker"), ("--kill-node", node_kills, nnodes, "node")):
+        bad = sorted({w for w, _ in pairs if not 0 <= w < count})
         if bad:
-            raise ValueError(f"{flag}: no worker {', '.join(map(str, bad))} (the workers are 0..{nproc - 1})")
+            raise ValueError(f"{flag}: no {what} {', '.join(map(str, bad))} (the {what}s are 0..{count - 1})")
         steps = cfg.train.steps
         late = sorted({s for _, s in pairs if steps > 0 and s >= steps})
         if late:
             raise ValueError(f"{flag}: step {', '.join(map(str, late))} is past the job's last step (train.steps = "
                              f"{steps}: the steps are 0..{steps - 1}, 0-based), so it would never happen; pick a "
                              "step in that range or raise --train.steps")
-    _check_rejoins(kills, rejoins)
+    per_node = nproc // nnodes
+    deaths = [*kills, *stops, *((w, s) for n, s in node_kills for w in range(n * per_node, (n + 1) * per_node))]
+    _check_rejoins(deaths, rejoins)
 
 
 def _check_rejoins(kills: Sequence[tuple[int, int]], rejoins: Sequence[tuple[int, int]]) -> None:
     """Refuse a ``--rejoin W:S`` that cannot happen: the launcher restarts a worker once, after its first death
-    (``--kill``), and the members admit it at the start of step ``S``, so ``S`` must come after that kill step.
+    (``kills``: ``--kill``, ``--stop``, or its node's ``--kill-node``), and the members admit it at the start of
+    step ``S``, so ``S`` must come after that step.
 
     Raises:
         ValueError: naming the worker, the steps and the rule: a rejoin of a worker no ``--kill`` stops, a second
@@ -117,8 +126,8 @@ def _check_rejoins(kills: Sequence[tuple[int, int]], rejoins: Sequence[tuple[int
                              "launcher restarts a killed worker once)")
         seen[w] = s
         if w not in first_kill:
-            raise ValueError(f"--rejoin {w}:{s} needs a --kill of worker {w} at an earlier step (only a killed "
-                             "worker is restarted to rejoin), or it would never happen")
+            raise ValueError(f"--rejoin {w}:{s} needs a --kill or --stop of worker {w} (or --kill-node of its node) at "
+                             "an earlier step (only a dead worker is restarted to rejoin), or it would never happen")
         if s <= first_kill[w]:
             raise ValueError(f"--rejoin {w}:{s} must come after --kill {w}:{first_kill[w]}: worker {w} rejoins at "
                              f"the start of a step after the one it dies in (step {first_kill[w] + 1} or later)")
@@ -145,14 +154,19 @@ def launch_device(cfg, nproc: int, device: str | None = None) -> tuple[DeviceSpe
 
 def launch_plan(cfg, nproc: int, failures: int, pipelines: Sequence[int] = (), timeout_s: float = 10.0,
                 kills: Sequence[tuple[int, int]] = (), rejoins: Sequence[tuple[int, int]] = (),
-                device: tuple[DeviceSpec, RuntimeCosts] | None = None) -> LaunchPlan:
+                device: tuple[DeviceSpec, RuntimeCosts] | None = None, nodes: int = 1,
+                stops: Sequence[tuple[int, int]] = (), node_kills: Sequence[tuple[int, int]] = ()) -> LaunchPlan:
     """Templates for ``nproc`` ranks and ``failures`` failures and the first instantiation (the given pipeline
     sizes in worker order, else the fastest predicted). Costs are analytic, for ``device`` (default
-    :func:`launch_device`): its unit costs, memory, links and runtime overheads.
+    :func:`launch_device`): its unit costs, memory, links and runtime overheads. With ``nodes > 1`` (``nproc /
+    nodes`` workers each, numbered node by node), ``failures`` counts nodes: every unit's copies lie on
+    ``failures + 1`` nodes (``plan_instantiation``'s failure domains; given sizes are checked).
 
     Raises:
         ValueError: when the sizes do not add up to ``nproc``, a first pipeline's plan leaves some of its workers
-            without a stage (spares, which the workers cannot run), or from ``plan_templates`` / ``instantiate``.
+            without a stage (spares, which the workers cannot run), given sizes put every copy of some unit on
+            fewer than ``failures + 1`` nodes (naming them), fewer than ``failures + 1`` nodes, or from
+            ``plan_templates`` / ``instantiate``.
     """
     spec, costs = device or launch_device(cfg, nproc)
     inputs = build_plan_inputs(cfg, spec)
@@ -160,20 +174,31 @@ def launch_plan(cfg, nproc: int, failures: int, pipelines: Sequence[int] = (), t
                       overheads=costs.overheads)
     templates = plan_templates(inputs.units, inputs.costs, nproc, failures, microbatches=inputs.microbatches,
                                machine=machine)
+    domains = None if nodes == 1 else {w: w // (nproc // nodes) for w in range(nproc)}
+    if domains is not None and nodes < failures + 1:
+        raise ValueError(f"--f {failures} counts nodes on a job of several: {nodes} nodes cannot hold "
+                         f"{failures + 1} copies of every unit on different nodes; lower --f or add nodes")
     if pipelines:
         if sum(pipelines) != nproc:
-            raise ValueError(f"--pipelines {list(pipelines)} use {sum(pipelines)} workers, --nproc is {nproc}")
+            raise ValueError(f"--pipelines {list(pipelines)} use {sum(pipelines)} workers, the job has {nproc}")
         starts = [sum(pipelines[:i]) for i in range(len(pipelines))]
         inst = instantiate(templates, [list(range(s, s + n)) for s, n in zip(starts, pipelines)])
+        few = units_on_few_domains(inst, domains, failures + 1) if domains is not None else ()
+        if few:
+            raise ValueError(f"--pipelines {list(pipelines)}: every copy of {', '.join(few[:4])}"
+                             f"{' ...' if len(few) > 4 else ''} lies on fewer than {failures + 1} nodes (--f "
+                             f"{failures} counts nodes, {nproc // nodes} workers each); give other sizes or leave "
+                             "--pipelines out to let the planner spread them")
     else:
-        inst = plan_instantiation(templates)
+        inst = plan_instantiation(templates, domains=domains)
     spares = inst.spares()
     if spares:  # the planner keeps them as spares; the workers cannot run a rank without a stage yet
         n, used = spares[0]
         raise ValueError(f"a pipeline of {n} workers: the fastest plan for {spec.name} runs on {used} of them and "
                          "plait launch cannot leave a worker idle as a spare; give smaller pipelines with "
                          "--pipelines, fewer workers with --nproc, or plan for another --device")
-    return LaunchPlan(templates, inst, timeout_s, tuple(kills), tuple(rejoins))
+    return LaunchPlan(templates, inst, timeout_s, tuple(kills), tuple(rejoins), nodes, tuple(stops),
+                      tuple(node_kills))
 
 
 def worker_command(config: str | Path, overrides: Sequence[str], worker: int, world: int, store: str,
@@ -183,14 +208,23 @@ def worker_command(config: str | Path, overrides: Sequence[str], worker: int, wo
             "--worker", str(worker), "--store", store, *(["--joining"] if joining else []), *overrides]
 
 
-def _wait(procs: list[subprocess.Popen], store: dist.TCPStore, limit_s: float | None,
-          restart: Callable[[int], subprocess.Popen | None]) -> list[int]:
-    """Wait for every worker; write ``dead/<id>`` when one exits with an error, then ``restart`` it (a process,
-    or None to leave it dead). Returns the exit codes."""
-    codes: list[int | None] = [None] * len(procs)
+def _wait(procs: dict[int, subprocess.Popen], store: dist.TCPStore, limit_s: float | None,
+          restart: Callable[[int], subprocess.Popen | None], hang_s: float | None = None) -> dict[int, int]:
+    """Wait for this node's workers (by worker id); write ``dead/<id>`` when one exits with an error, then
+    ``restart`` it (a process, or None to leave it dead). A worker whose heartbeat (``hb/<id>``, written every
+    0.2 s by its membership thread) is older than ``hang_s`` seconds while its process lives is hung (stopped,
+    or stuck holding the interpreter): it is SIGKILLed, which fences it (a killed process writes nothing late;
+    its sockets close, so its peers' collectives fail at once) and counts as its death. Returns the exit codes."""
+    codes: dict[int, int | None] = {w: None for w in procs}
     deadline = None if limit_s is None else time.monotonic() + limit_s
-    while any(c is None for c in codes):
-        for w, p in enumerate(procs):
+    while any(c is None for c in codes.values()):
+        for w, p in procs.items():
+            if (codes[w] is None and hang_s is not None and p.poll() is None and p.returncode is None
+                    and (age := _silent_s(store, w)) > hang_s):
+                p.kill()
+                p.wait()
+                print(f"plait launch: worker {w} sent no heartbeat for {age:.1f} s (--hang-timeout {hang_s:g}): "
+                      "killed as hung", flush=True)
             if codes[w] is None and (rc := p.poll()) is not None:
                 codes[w] = rc
                 if rc != 0:
@@ -201,13 +235,22 @@ def _wait(procs: list[subprocess.Popen], store: dist.TCPStore, limit_s: float | 
                         procs[w], codes[w] = again, None
                         print(f"plait launch: worker {w} restarted to rejoin", flush=True)
         if deadline is not None and time.monotonic() > deadline:
-            for w, p in enumerate(procs):
+            for w, p in procs.items():
                 if codes[w] is None:
                     p.kill()
                     codes[w] = p.wait()
             print(f"plait launch: stopped workers still running after {limit_s} s", file=sys.stderr)
         time.sleep(0.05)
-    return [int(c) for c in codes]
+    return {w: int(c) for w, c in codes.items()}
+
+
+def _silent_s(store: dist.TCPStore, worker: int) -> float:
+    """Seconds since ``worker``'s last heartbeat; 0 before its first (it is starting) and after it closed its
+    membership (it is finishing)."""
+    beat = f"hb/{worker}"
+    if not store.check([beat]) or store.check([f"closed/{worker}"]):
+        return 0.0
+    return time.time() - float(store.get(beat).decode())
 
 
 def _refuse_earlier_run(run_dir: Path) -> None:
@@ -225,32 +268,93 @@ def _refuse_earlier_run(run_dir: Path) -> None:
                                           "`plait launch --config JOB --nproc N --overwrite`")) from None
 
 
+@dataclass(frozen=True)
+class NodeRole:
+    """This launcher's place in a job of several nodes (one launcher, the node's agent, per node).
+
+    Attributes:
+        nnodes: the job's nodes (``--nnodes``).
+        rank: this node's rank (``--node-rank``); node ``r`` runs workers ``r * nproc .. (r + 1) * nproc - 1``.
+        store: ``HOST:PORT`` of the membership ``TCPStore`` (``--store``). Node 0's agent hosts it there (listening
+            on every interface of its host); the others connect to it. On one node it may be empty (a free port on
+            127.0.0.1).
+
+    Raises:
+        ValueError: on a node rank outside ``0..nnodes-1`` or several nodes without ``--store HOST:PORT``.
+    """
+
+    nnodes: int = 1
+    rank: int = 0
+    store: str = ""
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.rank} outside 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
+        host, _, port = self.store.rpartition(":")
+        if self.store and not (host and port.isdigit()):
+            raise ValueError(f"--store {self.store!r}: expected HOST:PORT, e.g. node0.cluster:29400")
+        if self.nnodes > 1 and not self.store:
+            raise ValueError("--nnodes above 1 needs --store HOST:PORT: where node 0's launcher hosts the membership "
+                             "store and the other nodes' launchers and workers reach it")
+
+    def address(self) -> tuple[str, int]:
+        """The store's host and port (port 0: any free one, on one node without ``--store``)."""
+        if not self.store:
+            return "127.0.0.1", 0
+        host, _, port = self.store.rpartition(":")
+        return host, int(port)
+
+
 def launch_command(config: str | Path, nproc: int, failures: int, overrides: Sequence[str] = (),
                    pipelines: Sequence[int] = (), kills: Sequence[str] = (), timeout_s: float = 10.0,
                    limit_s: float | None = None, rejoins: Sequence[str] = (), overwrite: bool = False,
-                   device: str | None = None) -> int:
-    """Check, plan (for ``device``: :func:`launch_device`, printed), host the store, run ``nproc`` workers to the
-    end (module docstring). Returns the exit status.
+                   device: str | None = None, node: NodeRole = NodeRole(), hang_s: float | None = 60.0,
+                   stops: Sequence[str] = (), node_kills: Sequence[str] = ()) -> int:
+    """Check, plan (for ``device``: :func:`launch_device`, printed), host the store, run this node's ``nproc``
+    workers to the end (module docstring); on a node other than 0 (``node``), read the plan from the store instead
+    and start the node's workers, joining the running job when it already formed (a node started again after it
+    was lost). ``hang_s``: a worker silent for longer is killed as hung (None: never). Returns the exit status.
 
     Raises:
         ValueError: on bad numbers, settings :func:`check_launch` refuses, a run folder holding an earlier run
             (without ``overwrite``), or a job that cannot hold ``failures + 1`` pipelines. Every argument is checked
             before ``overwrite`` removes the earlier run (checkpoints, final model and launch logs together).
+        RuntimeError: (the store's ``DistStoreError``) on a node other than 0 when node 0's plan does not come
+            within 10 minutes.
     """
-    if nproc < 2:
-        raise ValueError(f"--nproc must be >= 2 for a resilient job, got {nproc}")
+    world = nproc * node.nnodes
+    if nproc < 1 or world < 2:
+        raise ValueError(f"a resilient job needs 2 workers or more: --nproc {nproc} on {node.nnodes} node(s)")
+    if hang_s is not None and hang_s <= 0:
+        raise ValueError(f"--hang-timeout must be > 0 seconds, got {hang_s}")
     cfg = load_config(config, overrides)
-    kills_, rejoins_ = parse_kills(kills), parse_kills(rejoins)
-    check_launch(cfg, nproc, kills_, rejoins_)
+    kills_, rejoins_, stops_ = parse_kills(kills), parse_kills(rejoins), parse_kills(stops)
+    node_kills_ = parse_kills(node_kills)
+    check_launch(cfg, world, kills_, rejoins_, stops_, node_kills_, node.nnodes)
     run_dir = Path(cfg.metrics.run_dir)
     out = run_dir / "resilient"
+    workers = list(range(node.rank * nproc, (node.rank + 1) * nproc))
+    host, port = node.address()
+    if node.rank > 0:  # node 0 checked the run folder, planned, and holds its lock
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=600))
+        store.wait(["launch/plan"])
+        text = store.get("launch/plan").decode()
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / "launch.json").is_file() or (out / "launch.json").read_text() != text:  # no shared folder
+            (out / "launch.json").write_text(text)
+        joining = store.check(["formed"])
+        print(f"plait launch: node {node.rank} of {node.nnodes}: workers {workers[0]}..{workers[-1]}"
+              f"{', joining the running job' if joining else ''}", flush=True)
+        return _run_node(config, overrides, LaunchPlan.from_json(text), store, node.store, workers, joining,
+                         limit_s, hang_s, out)
     if not overwrite:
         _refuse_earlier_run(run_dir)
     costs = launch_device(cfg, nproc, device)
     why = ("--device" if device is not None
            else "the workers train on this host's CPU with gloo; --device to plan for another")
     print(f"plait launch: planning for {costs[0].name} ({why}); costs: {costs[1].source}", flush=True)
-    plan = launch_plan(cfg, nproc, failures, pipelines, timeout_s, kills_, rejoins_, costs)
+    plan = launch_plan(cfg, world, failures, pipelines, timeout_s, kills_, rejoins_, costs, node.nnodes, stops_,
+                       node_kills_)
     # only once every argument is checked (a refused command leaves the folder as it was, not even created), the
     # launcher takes the run folder's lock and holds it while its workers write the folder
     with hold_run_lock(run_dir):
@@ -258,26 +362,54 @@ def launch_command(config: str | Path, nproc: int, failures: int, overrides: Seq
             clear_earlier_run(run_dir, True, 1, overwrite=True)
         out.mkdir(parents=True, exist_ok=True)
         (out / "launch.json").write_text(plan.to_json())
-        print(f"plait launch: {nproc} workers, f = {failures}: {plan.instantiation.describe()}", flush=True)
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        nodes = f" on {node.nnodes} nodes of {nproc}" if node.nnodes > 1 else ""
+        print(f"plait launch: {world} workers{nodes}, f = {failures}: {plan.instantiation.describe()}", flush=True)
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=60))
-        address = f"127.0.0.1:{store.port}"
-        procs = [subprocess.Popen(worker_command(config, overrides, w, nproc, address)) for w in range(nproc)]
-        pending = {w for w, _ in plan.rejoins}
+        store.set("launch/plan", plan.to_json())
+        address = node.store or f"127.0.0.1:{store.port}"
+        return _run_node(config, overrides, plan, store, address, workers, False, limit_s, hang_s, out)
 
-        def restart(w: int) -> subprocess.Popen | None:
-            if w not in pending:
-                return None
-            pending.discard(w)
-            return subprocess.Popen(worker_command(config, overrides, w, nproc, address, joining=True))
 
-        codes = _wait(procs, store, limit_s, restart)
-        failed = [(w, c) for w, c in enumerate(codes) if c > 0]
-        if failed:
-            print(f"plait launch: worker {failed[0][0]} failed (exit {failed[0][1]}); logs in {out}", file=sys.stderr)
-            return failed[0][1]
-        print(f"plait launch: done; per-step logs and final parameters in {out}", flush=True)
-        return 0
+def _run_node(config: str | Path, overrides: Sequence[str], plan: LaunchPlan, store: dist.TCPStore, address: str,
+              workers: Sequence[int], joining: bool, limit_s: float | None, hang_s: float | None, out: Path) -> int:
+    """Start this node's ``workers`` (``joining``: into the running job), keep their pids in the store
+    (``faults.node_pids_key``), restart those planned to rejoin once they die, and wait for them all; returns the
+    exit status (the first worker that failed, or 0)."""
+    world = plan.templates.num_ranks
+
+    def start(w: int, again: bool) -> subprocess.Popen:
+        store.delete_key(f"hb/{w}")  # an earlier process's silence is not this one's
+        store.delete_key(f"closed/{w}")
+        return subprocess.Popen(worker_command(config, overrides, w, world, address, joining=again))
+
+    procs = {w: start(w, joining) for w in workers}
+    node = workers[0] // plan.per_node
+    store.set(node_pids_key(node), json.dumps([p.pid for p in procs.values()]))
+    pending = set() if joining else {w for w, _ in plan.rejoins if w in procs}
+
+    def restart(w: int) -> subprocess.Popen | None:
+        if w not in pending:
+            return None
+        pending.discard(w)
+        procs[w] = start(w, True)
+        store.set(node_pids_key(node), json.dumps([p.pid for p in procs.values()]))
+        return procs[w]
+
+    try:
+        codes = _wait(procs, store, limit_s, restart, hang_s)
+    except RuntimeError as exc:  # DistNetworkError: the store's host (node 0's launcher) is gone, the job with it
+        for p in procs.values():
+            p.kill()
+        print(f"plait launch: lost the membership store at {address} ({exc}); node 0's launcher ended, and the job "
+              "with it: this node's workers are stopped", file=sys.stderr, flush=True)
+        return 1
+    failed = [(w, c) for w, c in sorted(codes.items()) if c > 0]
+    if failed:
+        print(f"plait launch: worker {failed[0][0]} failed (exit {failed[0][1]}); logs in {out}", file=sys.stderr)
+        return failed[0][1]
+    print(f"plait launch: done; per-step logs and final parameters in {out}", flush=True)
+    return 0
 
 
 def worker_main(config: str | Path, overrides: Sequence[str], worker: int, world: int, store: str,

@@ -108,11 +108,13 @@ class Membership:
         self._thread.start()
 
     def join(self) -> None:
-        """Start the heartbeat and form generation 0 (the default gloo group of all ``world`` workers).
-        Collective over every worker."""
+        """Start the heartbeat and form generation 0 (the default gloo group of all ``world`` workers), then mark
+        the job formed (store key ``formed``: a worker started later must :meth:`rejoin`). Collective over every
+        worker."""
         self.connect()
         self.members = tuple(range(self.world))
         self._init_group()
+        self._store.set("formed", "1")
 
     def _beat(self, store: dist.TCPStore) -> None:
         store.set(f"hb/{self.worker}", repr(time.time()))
@@ -155,8 +157,12 @@ class Membership:
         return self._switch(nxt, tuple(present))
 
     def _gone(self, worker: int) -> bool:
-        """Whether ``worker`` is dead: the launcher's ``dead/<id>`` key, or no heartbeat for ``dead_after_s``."""
-        return self._store.check([f"dead/{worker}"]) or time.time() - self._last_beat(worker) > self.dead_after_s
+        """Whether ``worker``'s process of this generation is dead: the launcher's ``dead/<id>`` key; a ``join/<id>``
+        key (a new process of that worker asks to join, :meth:`rejoin`); no heartbeat key (its launcher deleted it to
+        start a new process); or no heartbeat for ``dead_after_s``."""
+        if any(self._store.check([f"{key}/{worker}"]) for key in ("dead", "join")):
+            return True
+        return not self._store.check([f"hb/{worker}"]) or time.time() - self._last_beat(worker) > self.dead_after_s
 
     def commit(self, tag: str, ready: bool = True) -> bool:
         """Two-phase commit through the store of what ``tag`` names (``"step<k>"``: step ``k``'s optimizer step;
@@ -231,6 +237,7 @@ class Membership:
         """
         self.connect()
         self._store.delete_key(f"dead/{self.worker}")  # the launcher's mark of this worker's previous process
+        self._store.delete_key(f"admit/{self.worker}")  # the admission of its previous process, if any
         self._store.set(f"join/{self.worker}", "1")
         deadline = time.monotonic() + 10 * self.timeout_s
         while not self._store.check([f"admit/{self.worker}"]):
@@ -246,6 +253,14 @@ class Membership:
         """Which of ``candidates`` (not members) asked to join (:meth:`rejoin`); read from the store, so the
         members must agree on the answer themselves (rank 0 reads, :meth:`announce` tells the others)."""
         return [w for w in candidates if w not in self.members and self._store.check([f"join/{w}"])]
+
+    def post(self, key: str, value: str) -> None:
+        """Write ``value`` under ``key`` in the store (for the others to read with :meth:`posted`)."""
+        self._store.set(key, value)
+
+    def posted(self, key: str) -> str | None:
+        """The store's value under ``key``, or None when nothing was written there (no wait)."""
+        return self._store.get(key).decode() if self._store.check([key]) else None
 
     def announce(self, key: str, value: str | None, wait_s: float) -> str:
         """What rank 0 decided under ``key`` in this generation, the same string on every member: rank 0 passes its
@@ -271,12 +286,16 @@ class Membership:
         if self.rank == 0:
             for w in joiners:
                 self._store.set(f"admit/{w}", json.dumps({**payload, "generation": nxt, "members": list(members)}))
+                self._store.delete_key(f"join/{w}")  # answered: a later death and restart asks again
         self.abandon()
         self.generation, self.members = nxt, members
         self._init_group()
 
     def close(self) -> None:
-        """Stop the heartbeat and destroy the process group (a clean exit)."""
+        """Stop the heartbeat (marked ``closed/<id>``: its agent no longer takes the silence for a hang) and destroy
+        the process group (a clean exit)."""
+        if self._store is not None:
+            self._store.set(f"closed/{self.worker}", "1")
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.heartbeat_s)

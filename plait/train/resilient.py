@@ -44,8 +44,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,7 +52,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.nn.modules.module import register_module_forward_pre_hook
 
 from plait.config.loader import config_to_dict
 from plait.config.schema import JobConfig
@@ -81,6 +78,7 @@ from plait.train.build import build_datasets, seed_everything
 from plait.train.cost_coeffs import microbatch_cost_coeffs
 from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, save_checkpoint, training_set_identity
 from plait.train.evaluation import EvalReport, eval_batch_size, evaluate_on, load_metrics
+from plait.train.faults import Faults
 from plait.train.loop import LoopSchedule, run_steps, total_steps
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter
@@ -107,9 +105,14 @@ class LaunchPlan:
         instantiation: the first instantiation (its ranks are worker ids).
         timeout_s: collective timeout of the workers' groups (seconds): a hung peer is detected after it.
         kills: fault injection for tests: ``(worker, step)`` pairs; that worker SIGKILLs itself at the first module
-            forward of that step (in the middle of the step).
+            forward of that step (in the middle of the step; ``plait.train.faults``).
         rejoins: ``(worker, step)`` pairs: the launcher restarts that worker once it died, and the members admit it
             at the start of that step (waiting for it at most ``2 * timeout_s``).
+        nodes: the job's nodes (agents); worker ``w`` runs on node ``w // (workers / nodes)``, and with more than
+            one node, nodes are the failure domains of the instantiations.
+        stops: fault injection: ``(worker, step)`` pairs; that worker SIGSTOPs itself mid-step (a hung worker).
+        node_kills: fault injection: ``(node, step)`` pairs; that node's agent and workers are SIGKILLed at once
+            mid-step (a lost node).
     """
 
     templates: TemplateSet
@@ -117,20 +120,33 @@ class LaunchPlan:
     timeout_s: float = 10.0
     kills: tuple[tuple[int, int], ...] = ()
     rejoins: tuple[tuple[int, int], ...] = ()
+    nodes: int = 1
+    stops: tuple[tuple[int, int], ...] = ()
+    node_kills: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def per_node(self) -> int:
+        """Workers per node."""
+        return self.templates.num_ranks // self.nodes
+
+    def domains(self) -> dict[int, int] | None:
+        """Worker id -> node, the failure domains (None on one node)."""
+        return None if self.nodes == 1 else {w: w // self.per_node for w in range(self.templates.num_ranks)}
 
     def to_json(self) -> str:
         """The plan as JSON (templates and instantiation by their own ``to_dict``)."""
+        pairs = {name: [list(k) for k in getattr(self, name)] for name in ("kills", "rejoins", "stops", "node_kills")}
         return json.dumps({"templates": self.templates.to_dict(), "instantiation": self.instantiation.to_dict(),
-                           "timeout_s": self.timeout_s, "kills": [list(k) for k in self.kills],
-                           "rejoins": [list(r) for r in self.rejoins]})
+                           "timeout_s": self.timeout_s, "nodes": self.nodes, **pairs})
 
     @classmethod
     def from_json(cls, text: str) -> LaunchPlan:
         """Read :meth:`to_json`'s output."""
         d = json.loads(text)
+        pairs = {name: tuple((int(a), int(b)) for a, b in d.get(name, ()))
+                 for name in ("kills", "rejoins", "stops", "node_kills")}
         return cls(TemplateSet.from_dict(d["templates"]), Instantiation.from_dict(d["instantiation"]),
-                   float(d["timeout_s"]), tuple((int(w), int(s)) for w, s in d["kills"]),
-                   tuple((int(w), int(s)) for w, s in d.get("rejoins", ())))
+                   float(d["timeout_s"]), nodes=int(d.get("nodes", 1)), **pairs)
 
 
 def pipeline_microbatches(indices: Sequence[int], plan: MicrobatchPlan, counts: Sequence[int]
@@ -187,6 +203,8 @@ class ResilientWorker:
     cost_coeffs: dict[str, Any] = field(default_factory=dict)
     stop_ids: list[int] = field(default_factory=list)
     metric_fns: dict[str, Any] = field(default_factory=dict)
+    faults: Faults | None = None
+    """This worker's injected faults (``plait.train.faults``), if any."""
     schedule: LRSchedule | None = None
     writer: MetricsWriter | None = None
     last_row: dict[str, Any] | None = None
@@ -281,7 +299,8 @@ class ResilientWorker:
         """One step: gradients, the two-phase commit (``Membership.commit``), then the optimizer step at the LR
         schedule's step. Returns ``(loss, lr, gradient norm)``, or None when the step is abandoned (a peer failed
         during it, here or on another member): then no member applied it."""
-        hook = self._maybe_kill(step)
+        node = [w for w in self.membership.members if w // self.plan.per_node == self.worker // self.plan.per_node]
+        hook = self.faults.arm(step, node) if self.faults is not None else None
         try:
             loss, norm = self._gradients(run, indices, targets, step)
         except RuntimeError as exc:
@@ -294,12 +313,6 @@ class ResilientWorker:
         if not self.membership.commit(f"step{step}"):
             return None
         return loss, step_optimizer(run.opt, self.schedule), norm
-
-    def _maybe_kill(self, step: int) -> Any:
-        """Fault injection (``LaunchPlan.kills``): SIGKILL this process at its first module forward of ``step``."""
-        if (self.worker, step) not in self.plan.kills:
-            return None
-        return register_module_forward_pre_hook(lambda module, args: os.kill(os.getpid(), signal.SIGKILL))
 
     def write(self, row: dict[str, Any]) -> None:
         """``metrics.jsonl`` as ``plait train`` writes it (a step's row, or a validation row: with ``eval``), by
@@ -424,16 +437,17 @@ class ResilientWorker:
         :meth:`Membership.announce`), re-instantiate over the larger set (``plan_rejoin``) and copy their units to
         them. Collective."""
         planned = [w for w, s in self.plan.rejoins if s == step and w not in self.membership.members]
-        if not planned:
-            return run
-        decided = None
-        if self.membership.rank == 0:
-            deadline = time.monotonic() + 2 * self.plan.timeout_s
-            while len(self.membership.joined(planned)) < len(planned) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            decided = json.dumps(self.membership.joined(planned))
-        # through the store, not a broadcast: rank 0 may wait longer than the collective timeout for a slow start
-        joiners = json.loads(self.membership.announce(f"joiners/step{step}", decided, 3 * self.plan.timeout_s))
+        joiners = self._asked(step)
+        if planned:
+            decided = None
+            if self.membership.rank == 0:
+                deadline = time.monotonic() + 2 * self.plan.timeout_s
+                while len(self.membership.joined(planned)) < len(planned) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                decided = json.dumps(self.membership.joined(planned))
+            # through the store, not a broadcast: rank 0 may wait longer than the collective timeout for a slow start
+            joiners += json.loads(self.membership.announce(f"joiners/step{step}", decided, 3 * self.plan.timeout_s))
+        joiners = sorted(set(joiners))
         if not joiners:
             return run
         start = time.monotonic()
@@ -441,9 +455,22 @@ class ResilientWorker:
         self.membership.admit(joiners, {"step": step, "inst": run.inst.to_dict(), "joiners": joiners})
         return self._apply_rejoin(run.inst, joiners, run, start)
 
+    def _asked(self, step: int) -> list[int]:
+        """Workers not planned to rejoin at a later step (``LaunchPlan.rejoins``) that asked to join (a node started
+        again, or a planned joiner too late for its step) and are admitted at the start of ``step``: rank 0 wrote them under ``asked/step<step>`` at the start of the step
+        before (:meth:`Membership.post`), before its vote to commit that step, which every member's commit waited
+        for, so every member reads the same list. Rank 0 then writes the next step's."""
+        membership = self.membership
+        asked = json.loads(membership.posted(f"asked/step{step}") or "[]")
+        if membership.rank == 0:  # a planned rejoin waits for its step; one that missed it is admitted as it asks
+            planned = {w for w, s in self.plan.rejoins if s > step}
+            outside = [w for w in range(membership.world) if w not in planned and w not in asked]
+            membership.post(f"asked/step{step + 1}", json.dumps(membership.joined(outside)))
+        return [w for w in asked if w not in membership.members]
+
     def _apply_rejoin(self, inst: Instantiation, joiners: Sequence[int], run: WorkerRun | None,
                       start: float) -> WorkerRun:
-        rec = plan_rejoin(self.plan.templates, inst, joiners)
+        rec = plan_rejoin(self.plan.templates, inst, joiners, self.plan.domains())
         new = self.build_run(rec.after, run, rec.transfers)
         seconds = time.monotonic() - start
         if self.membership.rank == 0:
@@ -540,13 +567,14 @@ def run_resilient_worker(cfg: JobConfig, plan_path: str | Path, worker: int, wor
         LostUnitsError: when failures left some unit with no copy; NoQuorumError: when the survivors cannot
             agree (see ``plait.parallel.membership``).
     """
-    apply_cpu_threads(cfg.train.threads, local_processes=world)  # plait train's rule, ``world`` workers here
     plan_path = Path(plan_path)
     plan = LaunchPlan.from_json(plan_path.read_text())
+    apply_cpu_threads(cfg.train.threads, local_processes=plan.per_node)  # plait train's rule, this node's workers
     # a dead process is known at once from the launcher's dead/<id> key; a stale heartbeat (a hung worker, or a
     # heartbeat thread starved on a loaded machine) only counts after the collective timeout
     membership = Membership(host, port, worker, world, dead_after_s=plan.timeout_s, timeout_s=plan.timeout_s)
     job = ResilientWorker(cfg, plan, membership, plan_path.parent)
+    job.faults = Faults(worker, worker // plan.per_node, plan.kills, plan.stops, plan.node_kills, membership.posted)
     job.setup()
     if not joining:
         membership.join()

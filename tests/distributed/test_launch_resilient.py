@@ -10,6 +10,8 @@ hang)."""
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -192,3 +194,44 @@ def test_launch_stops_naming_the_lost_units_when_every_copy_dies(tmp_path):
     assert run.returncode == 3, run.stdout + run.stderr
     assert "held every copy of" in run.stderr and "encoders.vision" in run.stderr, run.stderr
     assert "resume from the last checkpoint" in run.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_survive_a_hung_worker_and_the_loss_of_a_node_which_rejoins(tmp_path, reference):
+    # two launchers as two nodes of 3 workers (node 0: workers 0-2, node 1: 3-5), f = 1 counting nodes: pipelines
+    # 3+3, one per node. Worker 1 hangs (SIGSTOP) in step 1: its launcher kills it after 5 s without a heartbeat. Node
+    # 1 (its launcher and workers 3-5 at once) dies in step 3; the test starts its launcher again, which joins the
+    # running job; at step 5 workers 1 and 3-5 rejoin. Losses, samples and final parameters equal the reference.
+    job, store = _job(tmp_path, "nodes"), f"127.0.0.1:{_free_port()}"
+
+    def agent(rank: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "plait.cli", "launch", "--config", str(job), "--nproc", "3", "--nnodes", "2",
+               "--node-rank", str(rank), "--store", store, "--pipelines", "3,3", "--timeout", "10", "--device", "cpu",
+               "--hang-timeout", "5", "--stop", "1:1", "--kill-node", "1:3",
+               *(a for w in (1, 3, 4, 5) for a in ("--rejoin", f"{w}:5"))]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    lead, node1 = agent(0), agent(1)
+    try:
+        first_out, _ = node1.communicate(timeout=LIMIT_S)  # killed with its workers in step 3
+        assert node1.returncode == -signal.SIGKILL, first_out
+        again = agent(1)
+        again_out, _ = again.communicate(timeout=LIMIT_S)
+        lead_out, _ = lead.communicate(timeout=LIMIT_S)
+    finally:
+        for proc in (lead, node1, *([again] if "again" in locals() else [])):
+            proc.kill()
+    assert lead.returncode == 0 and again.returncode == 0, lead_out + again_out
+    assert "node 1 of 2: workers 3..5, joining the running job" in again_out, again_out
+    assert "worker 1 sent no heartbeat for" in lead_out and "killed as hung" in lead_out, lead_out
+    steps, events = _assert_equals_reference(tmp_path / "nodes", reference)
+    assert steps[0]["pipelines"] == [[0, 1, 2], [3, 4, 5]]
+    assert sorted({tuple(e["failed"]) for e in events if e["event"] == "reconfigure"}) == [(1,), (3, 4, 5)], events
+    assert sorted({w for e in events if e["event"] == "rejoin" for w in e["joined"]}) == [1, 3, 4, 5]
+    assert sorted(w for p in steps[STEPS - 1]["pipelines"] for w in p) == list(range(6))
+    print("\n".join(line for line in lead_out.splitlines() if "launch: " in line))

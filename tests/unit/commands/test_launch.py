@@ -1,13 +1,22 @@
-"""``plait launch`` argument parsing (no processes)."""
+"""``plait launch`` argument parsing, planning and the launcher's watch over its workers (no training process)."""
 
 from __future__ import annotations
 
+import datetime
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
-from plait.commands.launch import check_launch, launch_command, launch_device, launch_plan, parse_kills, worker_command
+from plait.commands.launch import (NodeRole, _wait, check_launch, launch_command, launch_device, launch_plan,
+                                   parse_kills, worker_command)
+from plait.train.resilient import LaunchPlan
+from tests.distributed.spawning import free_port
 from plait.planner.cost.types import DeviceSpec
 from plait.config.loader import config_from_dict
 from plait.train.run_start import clear_earlier_run, launch_logs
@@ -65,9 +74,9 @@ def test_check_launch_refuses_a_rejoin_that_cannot_happen():
         check_launch(cfg, 3, ((1, 4),), ((1, 2),))
     with pytest.raises(ValueError, match=r"^--rejoin 1:2 must come after --kill 1:2: .*\(step 3 or later\)$"):
         check_launch(cfg, 3, ((1, 2),), ((1, 2),))
-    with pytest.raises(ValueError, match=r"^--rejoin 1:3 needs a --kill of worker 1 at an earlier step"):
+    with pytest.raises(ValueError, match=r"^--rejoin 1:3 needs a --kill or --stop of worker 1 \(or --kill-node of its node\) at an earlier step"):
         check_launch(cfg, 3, (), ((1, 3),))
-    with pytest.raises(ValueError, match=r"^--rejoin 2:3 needs a --kill of worker 2"):
+    with pytest.raises(ValueError, match=r"^--rejoin 2:3 needs a --kill or --stop of worker 2"):
         check_launch(cfg, 3, ((1, 2),), ((2, 3),))
     with pytest.raises(ValueError, match=r"^--rejoin 1:3 and --rejoin 1:5: worker 1 rejoins at most once"):
         check_launch(cfg, 3, ((1, 2), (1, 4)), ((1, 3), (1, 5)))
@@ -107,7 +116,7 @@ def test_a_refused_launch_with_overwrite_leaves_the_earlier_run_untouched(tmp_pa
     job = tmp_path / "job.toml"
     job.write_text(to_toml(tiny_config_dict(str(tmp_path / "train.jsonl"), None, str(run))) + "\n")
     before = _earlier_launched_run(run)
-    with pytest.raises(ValueError, match=r"--pipelines \[3, 3\] use 6 workers, --nproc is 4"):
+    with pytest.raises(ValueError, match=r"--pipelines \[3, 3\] use 6 workers, the job has 4"):
         launch_command(job, 4, 1, pipelines=[3, 3], overwrite=True)
     with pytest.raises(ValueError, match=r"cannot hold failures \+ 1 = 6 pipelines"):
         launch_command(job, 4, 5, overwrite=True)
@@ -120,7 +129,7 @@ def test_a_refused_launch_creates_no_run_folder(tmp_path):
     run = tmp_path / "new-run"
     job = tmp_path / "job.toml"
     job.write_text(to_toml(tiny_config_dict(str(tmp_path / "train.jsonl"), None, str(run))) + "\n")
-    with pytest.raises(ValueError, match=r"--pipelines \[3, 3\] use 6 workers, --nproc is 4"):
+    with pytest.raises(ValueError, match=r"--pipelines \[3, 3\] use 6 workers, the job has 4"):
         launch_command(job, 4, 1, pipelines=[3, 3])
     assert not run.exists()  # refused while planning: the run folder's lock was never taken
 
@@ -171,3 +180,60 @@ def test_launch_plans_for_this_hosts_cpu_with_its_runtime_costs_as_plait_plan_do
     with pytest.raises(ValueError, match=r"--pipelines \[3, 3\] use 6 workers"):
         launch_command(job, 4, 1, pipelines=[3, 3], device="h100")
     assert capsys.readouterr().out.startswith("plait launch: planning for H100")
+
+
+def test_node_role_checks_its_rank_and_store():
+    assert NodeRole().address() == ("127.0.0.1", 0)
+    assert NodeRole(2, 1, "node0:29400").address() == ("node0", 29400)
+    with pytest.raises(ValueError, match=r"--node-rank 2 outside 0..1 \(--nnodes 2\)"):
+        NodeRole(2, 2, "node0:29400")
+    with pytest.raises(ValueError, match=r"--nnodes above 1 needs --store HOST:PORT"):
+        NodeRole(2, 0)
+    with pytest.raises(ValueError, match=r"--store 'node0': expected HOST:PORT"):
+        NodeRole(2, 0, "node0")
+
+
+def test_check_launch_counts_a_killed_node_as_the_death_of_its_workers():
+    cfg = _cfg(train={"steps": 6})
+    check_launch(cfg, 6, (), ((4, 3), (5, 3)), (), ((1, 2),), nnodes=2)  # node 1 = workers 3-5
+    check_launch(cfg, 6, (), ((1, 3),), ((1, 1),), (), nnodes=2)  # a stopped worker rejoins
+    with pytest.raises(ValueError, match=r"^--rejoin 2:3 needs a --kill or --stop of worker 2"):
+        check_launch(cfg, 6, (), ((2, 3),), (), ((1, 2),), nnodes=2)  # worker 2 is on node 0
+    with pytest.raises(ValueError, match=r"^--kill-node: no node 2 \(the nodes are 0..1\)"):
+        check_launch(cfg, 6, (), (), (), ((2, 1),), nnodes=2)
+    with pytest.raises(ValueError, match=r"^--stop: no worker 6 \(the workers are 0..5\)"):
+        check_launch(cfg, 6, (), (), ((6, 1),), (), nnodes=2)
+
+
+def test_on_several_nodes_f_counts_nodes_and_pipelines_keep_a_copy_off_each_node(tmp_path):
+    cfg = _cfg()
+    cpu = launch_device(cfg, 3, "cpu")
+    plan = launch_plan(cfg, 6, 1, device=cpu, nodes=2)
+    domains = plan.domains()
+    assert domains == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1} and plan.per_node == 3
+    for unit in plan.templates.units:  # losing either node leaves a copy
+        assert {domains[h] for h in plan.instantiation.holders(unit.name)} == {0, 1}, unit.name
+    assert LaunchPlan.from_json(plan.to_json()) == plan
+    with pytest.raises(ValueError, match=r"--pipelines \[2, 4\]: every copy of .* lies on fewer than 2 nodes"):
+        launch_plan(cfg, 6, 1, [2, 4], device=cpu, nodes=2)  # pipeline 1 (workers 2-5) spans both nodes
+    with pytest.raises(ValueError, match=r"--f 2 counts nodes on a job of several: 2 nodes cannot hold 3 copies"):
+        launch_plan(cfg, 6, 2, device=cpu, nodes=2)
+
+
+def test_a_silent_worker_is_killed_as_hung_and_a_closed_one_is_not(capsys):
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    procs = {3: subprocess.Popen(sleeper), 4: subprocess.Popen([sys.executable, "-c", "pass"]),
+             5: subprocess.Popen(sleeper)}
+    store.set("hb/3", repr(time.time() - 100))  # silent for 100 s: hung
+    store.set("hb/4", repr(time.time() - 100))  # silent too, but it closed its membership and exits 0
+    store.set("closed/4", "1")
+    # worker 5 never beat (still starting): not judged; the limit stops it
+    codes = _wait(procs, store, 8.0, lambda w: None, hang_s=2.0)
+    assert codes == {3: -signal.SIGKILL, 4: 0, 5: -signal.SIGKILL}
+    out = capsys.readouterr()
+    assert "worker 3 sent no heartbeat for 100." in out.out and "killed as hung" in out.out
+    assert "worker 5 sent no" not in out.out and "stopped workers still running after 8.0 s" in out.err
+    assert store.get("dead/3") == b"-9"

@@ -100,3 +100,22 @@ def test_an_announcement_reaches_members_that_wait_longer_than_the_collective_ti
     finally:
         for m in group:
             m.close()
+
+
+def test_a_member_is_gone_when_a_new_process_of_it_asks_to_join_or_its_heartbeat_was_removed(members):
+    server, (m0, m1, m2) = members
+    assert not m0._gone(1) and not m0._gone(2)  # both beat
+    server.set("join/1", "1")  # a new process of worker 1 asks to join: the old one is dead
+    server.delete_key("hb/2")  # worker 2's launcher starts a new process of it
+    assert m0._gone(1) and m0._gone(2)
+    server.delete_key("join/1")
+    assert not m0._gone(1)
+    server.set("dead/1", "-9")  # the launcher saw it exit
+    assert m0._gone(1)
+
+
+def test_post_and_posted_read_without_waiting(members):
+    _, (m0, m1, _) = members
+    assert m1.posted("asked/step3") is None
+    m0.post("asked/step3", "[4, 5]")
+    assert m1.posted("asked/step3") == "[4, 5]"
