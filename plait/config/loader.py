@@ -19,7 +19,7 @@ from plait.planner.cost.topology import RANK_ORDERS
 from plait.planner.microbatch import METHODS
 from plait.planner.pipeline.plan import stage_ranks
 from plait.planner.pipeline.types import LAYOUTS
-from plait.planner.pipeline.schedules import SCHEDULE_NAMES
+from plait.planner.pipeline.schedules import IN_BUBBLE_SCHEDULES, SCHEDULE_NAMES
 from plait.planner.types import LLM_MODULE
 
 __all__ = ["load_config", "read_config_data", "config_from_dict", "parse_overrides", "config_to_dict", "pipeline_stage_counts",
@@ -395,6 +395,14 @@ def _validate_pipeline_schedule(pp: PipelineConfig) -> None:
     shared = pp.virtual_stages > 1 or pp.attach_encoders
     placement = " and ".join([f"parallel.pp.virtual_stages={pp.virtual_stages}"] * (pp.virtual_stages > 1)
                              + ["parallel.pp.attach_encoders=true"] * pp.attach_encoders)
+    if pp.encoders_in_bubble:
+        _check(not shared, f"parallel.pp.encoders_in_bubble = true puts the encoder stages on LLM ranks of one LLM "
+               f"stage each; it does not combine with {placement}")
+        _check(pp.schedule in IN_BUBBLE_SCHEDULES, f"parallel.pp.encoders_in_bubble = true runs with the schedules "
+               f"{', '.join(IN_BUBBLE_SCHEDULES)} (they place each encoder action where its rank would otherwise "
+               f"wait), got {pp.schedule!r}")
+        _check(pp.degree > 1, "parallel.pp.encoders_in_bubble = true puts the encoders in the bubbles of a "
+               "pipeline, but parallel.pp.degree = 1 has none: raise parallel.pp.degree or set it false")
     if pp.schedule == "interleaved_1f1b":
         _check(shared, "parallel.pp.schedule = 'interleaved_1f1b' needs several stages per pipeline rank: set "
                "parallel.pp.virtual_stages >= 2 (LLM stages per LLM rank) or parallel.pp.attach_encoders = true "
@@ -432,15 +440,16 @@ def pipeline_stage_counts(pp: PipelineConfig, encoders: typing.Sequence[str]) ->
     known = [*encoders, LLM_MODULE]
     unknown = sorted(set(pp.stages) - set(known))
     _check(not unknown, f"parallel.pp.stages names unknown module(s) {unknown}; modules are {known}")
-    _check(not pp.attach_encoders or encoders, "parallel.pp.attach_encoders = true needs encoder branches; "
-           "the model has none")
+    for flag in ("attach_encoders", "encoders_in_bubble"):
+        _check(not getattr(pp, flag) or encoders, f"parallel.pp.{flag} = true needs encoder branches; the model has "
+               "none")
     stages = _split_counts(pp, known)
     for module, count in stages.items():
         _check(isinstance(count, int) and not isinstance(count, bool) and count >= 1,
                f"parallel.pp.stages.{module} must be an integer >= 1, got {count!r}")
     counts = _encoder_counts(pp, encoders, stages)
     encoder_stages = _encoder_stage_total(pp, counts)
-    encoder_ranks = 0 if pp.attach_encoders else encoder_stages
+    encoder_ranks = 0 if pp.attach_encoders or pp.encoders_in_bubble else encoder_stages
     v = pp.virtual_stages
     llm = stages.get(LLM_MODULE, v * (pp.degree - encoder_ranks))
     _check(llm >= 1, f"parallel.pp: the encoders take {encoder_stages} of parallel.pp.degree={pp.degree} stages, "
@@ -450,10 +459,11 @@ def pipeline_stage_counts(pp: PipelineConfig, encoders: typing.Sequence[str]) ->
     _check(v == 1 or llm // v >= 2, f"parallel.pp.virtual_stages={v} needs at least 2 LLM ranks (LLM stage j runs on "
            f"LLM rank j mod ranks), but the LLM's {llm} stages fill {llm // v}")
     ranks = encoder_ranks + llm // v
-    if v == 1 and not pp.attach_encoders:
+    if v == 1 and not (pp.attach_encoders or pp.encoders_in_bubble):
         _check(ranks == pp.degree, f"parallel.pp.stages give {ranks} stages ({counts | {LLM_MODULE: llm}}, layout "
                f"{pp.layout}) but parallel.pp.degree is {pp.degree}: one stage per pipeline rank")
-    where = "on the first LLM rank" if pp.attach_encoders else "one rank each"
+    where = ("on the first LLM rank" if pp.attach_encoders else "on the LLM ranks" if pp.encoders_in_bubble
+             else "one rank each")
     _check(ranks == pp.degree, f"parallel.pp.stages give {ranks} pipeline ranks ({counts | {LLM_MODULE: llm}}, layout "
            f"{pp.layout}: {encoder_stages} encoder stage(s) {where}, {llm} LLM stages / virtual_stages={v}) but "
            f"parallel.pp.degree is {pp.degree}")
@@ -507,7 +517,8 @@ def pipeline_plan_kwargs(pp: PipelineConfig, encoders: typing.Sequence[str]) -> 
     """Keyword arguments of ``plan_pipeline`` for ``parallel.pp``: ``stages_per_module`` (counts of the modules
     cut evenly, :func:`pipeline_stage_counts`), ``splits`` (explicit boundaries of the others) and ``ranks`` (the
     pipeline rank of each stage, :func:`plait.planner.pipeline.plan.stage_ranks`: the placement the layout search
-    uses for the same ``virtual_stages`` and ``attach_encoders``; a V under ``schedule = "zb_v"``).
+    uses for the same ``virtual_stages`` and ``attach_encoders``; a V under ``schedule = "zb_v"``; the encoders on
+    the last LLM ranks with ``encoders_in_bubble``).
 
     Raises:
         ValueError: as :func:`pipeline_stage_counts`.
@@ -515,7 +526,7 @@ def pipeline_plan_kwargs(pp: PipelineConfig, encoders: typing.Sequence[str]) -> 
     counts = pipeline_stage_counts(pp, encoders)
     encoder_stages = _encoder_stage_total(pp, {m: counts[m] for m in encoders})
     ranks = stage_ranks(encoder_stages, counts[LLM_MODULE] // pp.virtual_stages, pp.virtual_stages,
-                        pp.attach_encoders, v_shape=pp.schedule == "zb_v")
+                        pp.attach_encoders, v_shape=pp.schedule == "zb_v", in_bubble=pp.encoders_in_bubble)
     return {"stages_per_module": {m: c for m, c in counts.items() if m not in pp.splits},
             "splits": {m: list(names) for m, names in pp.splits.items()}, "ranks": list(ranks)}
 

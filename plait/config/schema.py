@@ -261,7 +261,8 @@ class PipelineConfig:
     stages: dict[str, int] = field(default_factory=dict)
     """Stages per module, e.g. ``{vision = 1, audio = 1, llm = 2}`` (units cut evenly by count). Modules not
     named get 1 stage per encoder branch (per encoder chunk position when colocated) and the LLM
-    ``virtual_stages`` x the ranks left. Ranks: every encoder stage takes one (none with ``attach_encoders``),
+    ``virtual_stages`` x the ranks left. Ranks: every encoder stage takes one (none with ``attach_encoders`` or
+    ``encoders_in_bubble``),
     the LLM ``stages.llm / virtual_stages``; together they must equal ``degree``."""
     virtual_stages: int = 1
     """LLM stages per LLM rank ``v`` (interleaved 1F1B, Narayanan et al., SC'21, section 2.2.2): the LLM is cut
@@ -274,6 +275,14 @@ class PipelineConfig:
     runs an encoder's forward just before the first LLM stage's and its backward just after (a frozen encoder
     then costs no rank). Needs encoder branches, ``degree`` >= 2 and ``schedule = "interleaved_1f1b"`` or
     ``"zb_v"``."""
+    encoders_in_bubble: bool = False
+    """Place the encoder stages on the LLM ranks from the last one back (encoder stage ``k`` on LLM rank
+    ``degree - 1 - (k mod degree)``), so that their work runs in those ranks' warm-up and drain bubbles (Optimus,
+    ATC'25): the last LLM rank idles for ``degree - 1`` forwards before its first microbatch arrives, and its
+    encoder forwards for the first microbatches fill that time. The encoders take no rank of their own; every rank
+    holds one LLM stage (``virtual_stages = 1``). Needs encoder branches, ``degree`` >= 2 and one of the
+    schedules ``"gpipe"``, ``"1f1b"``, ``"memory_capped_1f1b"``, ``"zb_h1"``, ``"zb_h2"`` (each places an encoder
+    action where its rank would otherwise wait); not with ``attach_encoders``."""
     schedule: str = "1f1b"
     """``"gpipe"``, ``"1f1b"`` (multimodal 1F1B), ``"memory_capped_1f1b"`` (needs ``cap`` >= 1), ``"zb_h1"`` /
     ``"zb_h2"`` (zero-bubble: backward split, weight gradients in the bubbles; 1F1B's or about twice its

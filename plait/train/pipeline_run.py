@@ -220,6 +220,7 @@ class PipelineRunner:
         t, pp = self.t, self.t.cfg.parallel.pp
         placement = f", {pp.virtual_stages} LLM stages per rank" if pp.virtual_stages > 1 else ""
         placement += ", encoders on the first LLM rank" if pp.attach_encoders else ""
+        placement += ", encoders in the bubbles of the last LLM ranks" if pp.encoders_in_bubble else ""
         if t.dims.dp_shard > 1:  # dp counts every pipeline: dp replicas x dp_shard shard ranks
             hsdp = f", HSDP over {t.dims.dp} replicas" if t.dims.dp > 1 else ""
             placement += f", each stage's trainable units sharded (FSDP2) over {t.dims.dp_shard} ranks{hsdp}"

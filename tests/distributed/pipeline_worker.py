@@ -125,6 +125,10 @@ COLOC = dict(layout="encoders_colocated", stages_per_module={"vision": 2, "audio
 V_ATTACHED = dict(layout="encoder_parallel", stages_per_module={"vision": 2, "audio": 1, "llm": 4},
                   ranks=(0, 0, 0, 0, 1, 1, 0))
 V_OWN = dict(layout="encoder_parallel", stages_per_module={"vision": 1, "audio": 1, "llm": 4}, ranks=(0, 1, 2, 3, 3, 2))
+# encoders in the LLM's bubbles (stage_ranks(..., in_bubble=True)): each encoder a stage on an LLM rank from the last
+IN_BUBBLE_2 = dict(layout="encoder_parallel", stages_per_module={"vision": 1, "audio": 1, "llm": 2}, ranks=(1, 0, 0, 1))
+IN_BUBBLE_4 = dict(layout="encoder_parallel", stages_per_module={"vision": 1, "audio": 1, "llm": 4},
+                   ranks=(3, 2, 0, 1, 2, 3))
 STEPS = (("iva", "t"), ("a", "t"), ("i", "ia"))  # step 2 has no image at all
 
 CASES_2 = (
@@ -145,6 +149,11 @@ CASES_2 = (
     # ZB-V: the LLM's 4 stages in a V (rank 0 holds the first and the last), the encoders on the first LLM rank
     Case("vshape-zbv-projectors", **V_ATTACHED, schedule="zb_v", mode="projectors", steps=STEPS, instrument=True),
     Case("vshape-zbv-all-tied-clip", **V_ATTACHED, schedule="zb_v", mode="all", steps=STEPS, tied=True, clip=0.5),
+    # encoders in the bubbles: two encoder stages (vision on LLM rank 1, audio on rank 0), or one colocated on rank 1
+    Case("inbubble-1f1b-all-tied-clip", **IN_BUBBLE_2, schedule="1f1b", mode="all", steps=STEPS, tied=True, clip=0.5),
+    Case("inbubble-zbh1-projectors", **IN_BUBBLE_2, schedule="zb_h1", mode="projectors", steps=STEPS, instrument=True),
+    Case("inbubble-coloc-1f1b-projectors", layout="encoders_colocated", stages_per_module={"vision": 1, "audio": 1,
+         "llm": 2}, ranks=(1, 0, 1), schedule="1f1b", mode="projectors", steps=STEPS, instrument=True),
 )
 CASES_4 = (
     # PP 2 x DP 2: replica 1 gets no image in any step; embeddings tied across pipeline ranks
@@ -159,6 +168,11 @@ CASES_4 = (
     # ZB-V on PP 4: each encoder on its own rank, the LLM's 4 stages in a V over ranks 2 and 3
     Case("pp4-zbv-all-tied", **V_OWN, schedule="zb_v", mode="all", steps=STEPS, tied=True, clip=0.5),
     Case("pp4-zbv-projectors", **V_OWN, schedule="zb_v", mode="projectors", steps=STEPS, instrument=True),
+    # encoders in the bubbles of PP 4: vision on LLM rank 3, audio on rank 2; or both in one stage on rank 3
+    Case("pp4-inbubble-zbh1-all", **IN_BUBBLE_4, schedule="zb_h1", mode="all", steps=STEPS),
+    Case("pp4-inbubble-coloc-1f1b-projectors", layout="encoders_colocated", stages_per_module={"vision": 1,
+         "audio": 1, "llm": 4}, ranks=(3, 0, 1, 2, 3), schedule="1f1b", mode="projectors", steps=STEPS,
+         instrument=True),
 )
 
 

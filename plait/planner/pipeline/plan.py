@@ -124,7 +124,7 @@ def v_shape_ranks(encoder_ranks: Sequence[int], llm_ranks: int) -> tuple[int, ..
 
 
 def stage_ranks(encoder_stages: int, llm_ranks: int, virtual_stages: int = 1,
-                attach_encoders: bool = False, v_shape: bool = False) -> tuple[int, ...]:
+                attach_encoders: bool = False, v_shape: bool = False, in_bubble: bool = False) -> tuple[int, ...]:
     """Pipeline rank of every stage of a plan with ``encoder_stages`` encoder stages followed by
     ``virtual_stages * llm_ranks`` LLM stages, as the layout search places them and ``[parallel.pp]`` describes
     them (one mapping for both): each encoder stage on its own rank ``0..encoder_stages-1`` and LLM stage ``j``
@@ -132,13 +132,25 @@ def stage_ranks(encoder_stages: int, llm_ranks: int, virtual_stages: int = 1,
     ``i`` on rank ``i``), or, with ``attach_encoders``, every encoder stage on rank 0 and LLM stage ``j`` on rank
     ``j mod llm_ranks`` (the encoders share the first LLM rank, as ``schedules.interleaved_1f1b`` runs them). With
     ``v_shape`` (``virtual_stages`` 2) the LLM stages sit in a V instead (:func:`v_shape_ranks`, ``schedules.zb_v``).
+    With ``in_bubble`` (``virtual_stages`` 1) encoder stage ``k`` sits on LLM rank ``p - 1 - (k mod p)``: the last
+    LLM ranks, whose 1F1B warm-up idles longest (``p - 1 - i`` forward slots on rank ``i``), run the encoders'
+    forwards there (Optimus, ATC'25: encoder work in the LLM pipeline's bubbles); the schedule generators place
+    each encoder action where its rank would otherwise wait (``schedules._merge_ranks``).
 
     Raises:
-        ValueError: on ``encoder_stages`` below 0, ``llm_ranks`` or ``virtual_stages`` below 1, or ``v_shape`` with
-            ``virtual_stages`` other than 2.
+        ValueError: on ``encoder_stages`` below 0, ``llm_ranks`` or ``virtual_stages`` below 1, ``v_shape`` with
+            ``virtual_stages`` other than 2, or ``in_bubble`` with ``virtual_stages`` above 1 or another placement.
     """
     if encoder_stages < 0:
         raise ValueError(f"encoder_stages must be >= 0, got {encoder_stages}")
+    if in_bubble:
+        if llm_ranks < 1:
+            raise ValueError(f"llm_ranks must be >= 1, got {llm_ranks}")
+        if virtual_stages != 1 or attach_encoders or v_shape:
+            raise ValueError("encoders in the bubbles sit on LLM ranks of one LLM stage each (virtual_stages 1), "
+                             f"not with attach_encoders or a V; got virtual_stages={virtual_stages}, "
+                             f"attach_encoders={attach_encoders}, v_shape={v_shape}")
+        return tuple(llm_ranks - 1 - k % llm_ranks for k in range(encoder_stages)) + tuple(range(llm_ranks))
     if v_shape:
         if virtual_stages != 2:
             raise ValueError(f"a V-shape placement holds 2 LLM stages per rank, got virtual_stages={virtual_stages}")

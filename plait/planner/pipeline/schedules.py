@@ -59,6 +59,7 @@ from plait.planner.pipeline.schedule_ir import (
 from plait.planner.pipeline.interleaved import interleaved_1f1b
 
 __all__ = [
+    "IN_BUBBLE_SCHEDULES",
     "SCHEDULE_NAMES",
     "build_schedule",
     "forward_only",
@@ -71,6 +72,11 @@ __all__ = [
 ]
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "memory_capped_1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_v")
+
+IN_BUBBLE_SCHEDULES = ("gpipe", "1f1b", "memory_capped_1f1b", "zb_h1", "zb_h2")
+"""The schedules that run encoder stages placed on LLM ranks (``plan.stage_ranks(..., in_bubble=True)``): they merge
+the per-stage orders of a rank by list scheduling (``_merge_ranks``), so an encoder action runs where its rank would
+otherwise wait: the warm-up and drain bubbles of the LLM stage it shares the rank with."""
 
 
 # ----- generators ----------------------------------------------------------------------------------

@@ -139,3 +139,41 @@ def test_attach_encoders_needs_encoders():
         pipeline_stage_counts(pp, [])
     assert pipeline_stage_counts(PipelineConfig(degree=2, virtual_stages=2, schedule="interleaved_1f1b"), []) == \
         {"llm": 4}
+
+
+def test_encoders_in_bubble_sit_on_the_last_llm_ranks_and_run_the_list_scheduled_schedules():
+    """``encoders_in_bubble``: encoder stage ``k`` on LLM rank ``p - 1 - (k mod p)``; the encoders take no rank."""
+    assert stage_ranks(2, 2, in_bubble=True) == (1, 0, 0, 1)
+    assert stage_ranks(1, 4, in_bubble=True) == (3, 0, 1, 2, 3)
+    assert stage_ranks(3, 2, in_bubble=True) == (1, 0, 1, 0, 1)  # more encoder stages than LLM ranks: around again
+    with pytest.raises(ValueError, match="encoders in the bubbles sit on LLM ranks of one LLM stage each"):
+        stage_ranks(1, 2, 2, in_bubble=True)
+    for schedule, degree, layout, ranks in (("1f1b", 2, "encoder_parallel", [1, 0, 0, 1]),
+                                            ("zb_h1", 4, "encoder_parallel", [3, 2, 0, 1, 2, 3]),
+                                            ("zb_h2", 2, "encoders_colocated", [1, 0, 1])):
+        pp = PipelineConfig(degree=degree, layout=layout, encoders_in_bubble=True, schedule=schedule)
+        _validate_pp({"degree": degree, "layout": layout, "encoders_in_bubble": True, "schedule": schedule})
+        kwargs = pipeline_plan_kwargs(pp, ENCODERS)
+        assert kwargs["ranks"] == ranks, schedule
+        units = synthetic_units({"vision": [False, True], "audio": [False, True]}, [True] * 4)
+        plan = plan_pipeline(units, layout, **kwargs)
+        schedule_ = build_schedule(plan, schedule, 4)  # checked when built
+        last = plan.num_ranks - 1
+        assert plan.stages[0].rank == last and {a.stage for a in schedule_.actions[last]} >= {0, plan.num_stages - 1}
+
+
+@pytest.mark.parametrize("pp, message", [
+    ({"degree": 2, "encoders_in_bubble": True, "schedule": "interleaved_1f1b"},
+     "parallel.pp.encoders_in_bubble = true runs with the schedules gpipe, 1f1b, memory_capped_1f1b, zb_h1, zb_h2"),
+    ({"degree": 2, "encoders_in_bubble": True, "attach_encoders": True, **INTERLEAVED},
+     "does not combine with parallel.pp.attach_encoders=true"),
+    ({"degree": 2, "encoders_in_bubble": True, "virtual_stages": 2, "schedule": "zb_v"},
+     "does not combine with parallel.pp.virtual_stages=2"),
+    ({"degree": 1, "encoders_in_bubble": True}, "parallel.pp.degree = 1 has none"),
+])
+def test_bad_in_bubble_placements_name_the_field(pp, message):
+    with pytest.raises(ValueError) as err:
+        _validate_pp(pp)
+    assert message in str(err.value)
+    with pytest.raises(ValueError, match="parallel.pp.encoders_in_bubble = true needs encoder branches"):
+        pipeline_stage_counts(PipelineConfig(degree=2, encoders_in_bubble=True), [])
