@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TextIO
 
 from plait.planner.report import format_bytes, plan_from_json, simulate_choice
-from plait.train.plots import plot_timeline, write_chrome_trace
+from plait.train.plots import encoder_stage_modules, plot_timeline, write_chrome_trace
 
 __all__ = ["simulate_command"]
 
@@ -44,7 +44,8 @@ def simulate_command(plan_json: str | Path, out_dir: str | Path, *, out: TextIO 
         raise ValueError(f"--out-dir {folder} exists and is not a folder")
     trace = write_chrome_trace(result.events, folder / "timeline.json", label="predicted")
     title = f"predicted: {choice.layout}, DP {choice.dp}, {choice.microbatches_per_replica} microbatches per replica"
-    png = plot_timeline(result.events, folder / "timeline.png", title=title)
+    png = plot_timeline(result.events, folder / "timeline.png", title=title,
+                        modules=encoder_stage_modules(choice.plan))
     stream = out or sys.stdout
     print(f"plait simulate: makespan {1e3 * result.makespan_s:.2f} ms, bubble "
           f"{100 * result.mean_bubble_fraction:.1f}%, peak memory {format_bytes(max(result.peak_memory_bytes))}; "

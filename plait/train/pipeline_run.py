@@ -56,7 +56,7 @@ from plait.planner.pipeline.schedule_ir import Schedule
 from plait.planner.pipeline.schedules import build_schedule
 from plait.train.evaluation import EvalSide
 from plait.train.loss import token_loss_sum, zero_loss
-from plait.train.plots import plot_timeline, write_chrome_trace
+from plait.train.plots import encoder_stage_modules, plot_timeline, write_chrome_trace
 from plait.train.replica_eval import PipelinePasses
 from plait.train.step_run import unused_branches
 
@@ -205,7 +205,8 @@ class PipelineRunner:
         path = write_chrome_trace(events, t.run_dir / "timeline.json", label="measured")
         m = len({e.microbatch for e in events})
         plot_timeline(events, t.run_dir / "timeline.png",
-                      title=f"measured step {t.step}: {pp.layout}, {pp.schedule}, {m} microbatches")
+                      title=f"measured step {t.step}: {pp.layout}, {pp.schedule}, {m} microbatches",
+                      modules=encoder_stage_modules(t.plan))
         return path
 
     def after_fit(self, result: dict[str, Any]) -> None:

@@ -9,6 +9,8 @@ Predicted (simulator) and measured (runtime) timelines share one event format,
 - ``plot_timeline``: a PNG Gantt chart (matplotlib, Agg canvas; no global backend switch), one panel per
   label, one row per rank, F/B/W in different colours, each box labelled with its stage and microbatch
   (``"F s1 m3"``, or ``"s1 m3"`` / ``"s1\nm3"`` when the box is narrower; none when even that does not fit).
+  Given the encoder stages' modules, their actions take their module's colour (F plain, B hatched ``//``, W
+  dotted), so encoder work on an LLM rank (in its bubbles) stands out from the LLM's F/B/W.
 
 Either takes a sequence of events or ``{label: events}`` to lay timelines side by side (e.g.
 ``{"predicted": sim.events, "measured": measured}``); each label is shifted to start at time 0.
@@ -22,12 +24,13 @@ from pathlib import Path
 from typing import Any, Union
 
 from plait.planner.pipeline.timeline import summarize_timeline
-from plait.planner.pipeline.types import TimelineEvent
+from plait.planner.pipeline.types import PipelinePlan, TimelineEvent
 from plait.planner.energy.units import ENERGY_UNIT, TIME_SCALE, TIME_UNIT
 
 __all__ = [
     "KIND_COLORS",
     "chrome_trace",
+    "encoder_stage_modules",
     "new_figure",
     "loss_curve_figure",
     "plot_energy_frontier",
@@ -43,6 +46,9 @@ Timelines = Union[Sequence[TimelineEvent], Mapping[str, Sequence[TimelineEvent]]
 
 KIND_COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452"}
 """Colour of each action kind in PNG charts; other kinds are grey."""
+MODULE_COLORS = ("#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974", "#64B5CD")
+"""Colours of the encoder modules' actions in PNG charts (in the order the modules are first named)."""
+_KIND_HATCH = {"F": "", "B": "//", "W": ".."}
 _OTHER_COLOR = "#9A9A9A"
 # Reserved colour names of the Chrome trace viewer (Perfetto colours slices by name instead).
 _TRACE_CNAMES = {"F": "thread_state_runnable", "B": "thread_state_running", "W": "thread_state_iowait"}
@@ -198,10 +204,13 @@ def _time_unit(span_s: float) -> tuple[str, float]:
     return "µs", 1e6
 
 
-def plot_timeline(events: Timelines, path: str | Path, title: str | None = None) -> Path:
+def plot_timeline(events: Timelines, path: str | Path, title: str | None = None,
+                  modules: Mapping[int, str] | None = None) -> Path:
     """Draw ``events`` as a Gantt chart PNG at ``path`` (module docstring); returns the path.
 
-    Each panel's title gives its label, makespan and mean bubble fraction (``summarize_timeline``).
+    Each panel's title gives its label, makespan and mean bubble fraction (``summarize_timeline``). ``modules``:
+    encoder stage index -> module name (e.g. ``"vision"``, ``"vision+audio"`` for a colocated stage); those
+    stages' actions are drawn in their module's colour (:data:`MODULE_COLORS`; F plain, B hatched, W dotted).
 
     Raises:
         ValueError: on entries that are not ``TimelineEvent`` or a timeline without events.
@@ -213,8 +222,11 @@ def plot_timeline(events: Timelines, path: str | Path, title: str | None = None)
     unit, scale = TIME_UNIT, TIME_SCALE  # plait energy's one time unit (planner.energy.units)
     rows = [1 + max((e.rank for e in g), default=0) for g in groups.values()]
     fig, axes = new_figure(12.0, sum(0.45 * r + 1.1 for r in rows), nrows=len(groups))
+    names = list(dict.fromkeys((modules or {}).values()))
+    colors = {name: MODULE_COLORS[i % len(MODULE_COLORS)] for i, name in enumerate(names)}
+    stage_colors = {stage: colors[name] for stage, name in (modules or {}).items()}
     for ax, (label, group) in zip(axes, groups.items()):
-        _draw_panel(ax, group, scale, span * scale)
+        _draw_panel(ax, group, scale, span * scale, stage_colors)
         summary = summarize_timeline(group)
         name = label if isinstance(events, Mapping) else (title or "pipeline timeline")
         ax.set_title(
@@ -224,11 +236,20 @@ def plot_timeline(events: Timelines, path: str | Path, title: str | None = None)
     axes[-1].set_xlabel(f"time ({unit})")
     if title and isinstance(events, Mapping):
         fig.suptitle(title)
-    _legend(axes[0], {e.kind for g in groups.values() for e in g})
+    drawn = {e.stage for g in groups.values() for e in g}
+    _legend(axes[0], {e.kind for g in groups.values() for e in g},
+            {name: c for name, c in colors.items() if any(modules[s] == name for s in drawn if s in modules)})
     return save_figure(fig, path)
 
 
-def _draw_panel(ax, events: Sequence[TimelineEvent], scale: float, xmax: float) -> None:
+def encoder_stage_modules(plan: PipelinePlan) -> dict[int, str]:
+    """Encoder stage index -> its module name(s) (``"vision"``, or ``"vision+audio"`` for a colocated stage): the
+    ``modules`` of :func:`plot_timeline`."""
+    return {s.index: "+".join(s.modules) for s in plan.stages if not s.is_llm}
+
+
+def _draw_panel(ax, events: Sequence[TimelineEvent], scale: float, xmax: float,
+                stage_colors: Mapping[int, str] | None = None) -> None:
     ranks = 1 + max((e.rank for e in events), default=0)
     ax.set_xlim(0, xmax)
     ax.set_ylim(ranks - 0.5, -0.5)
@@ -238,12 +259,17 @@ def _draw_panel(ax, events: Sequence[TimelineEvent], scale: float, xmax: float) 
     fig = ax.figure
     axes_px = ax.get_position().width * fig.get_figwidth() * fig.dpi
     px_per_unit = axes_px / xmax if xmax > 0 else 0.0
-    boxes: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    stage_colors = stage_colors or {}
+    boxes: dict[tuple[int, str, str, str], list[tuple[float, float]]] = {}
     for event in events:
-        boxes.setdefault((event.rank, event.kind), []).append((event.start_s * scale, event.duration_s * scale))
-    for (rank, kind), spans in boxes.items():
-        color = KIND_COLORS.get(kind, _OTHER_COLOR)
-        ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=0.5)
+        if event.stage in stage_colors:  # an encoder stage: its module's colour, the kind by hatching
+            key = (event.rank, event.kind, stage_colors[event.stage], _KIND_HATCH.get(event.kind, "xx"))
+        else:
+            key = (event.rank, event.kind, KIND_COLORS.get(event.kind, _OTHER_COLOR), "")
+        boxes.setdefault(key, []).append((event.start_s * scale, event.duration_s * scale))
+    for (rank, _, color, hatch), spans in boxes.items():
+        ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=0.5,
+                       hatch=hatch or None)
     for event in events:
         start, width = event.start_s * scale, event.duration_s * scale
         text = _box_label(event, width * px_per_unit)
@@ -264,12 +290,13 @@ def _box_label(event: TimelineEvent, width_px: float) -> str:
     return ""
 
 
-def _legend(ax, kinds: set[str]) -> None:
+def _legend(ax, kinds: set[str], modules: Mapping[str, str] | None = None) -> None:
     from matplotlib.patches import Patch
 
     labels = {"F": "F forward", "B": "B backward", "W": "W weight grad"}
     ordered = [k for k in KIND_COLORS if k in kinds] + sorted(kinds - set(KIND_COLORS))
     handles = [Patch(color=KIND_COLORS.get(k, _OTHER_COLOR), label=labels.get(k, k)) for k in ordered]
+    handles += [Patch(facecolor=c, label=f"{name} (B //, W ..)") for name, c in (modules or {}).items()]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
 
 

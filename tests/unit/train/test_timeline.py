@@ -121,3 +121,28 @@ def test_chrome_trace_keeps_the_frequency_of_energy_planned_actions(tmp_path):
     import json
     args = [r["args"] for r in json.loads(path.read_text())["traceEvents"] if r.get("ph") == "X"]
     assert "frequency_mhz" not in args[1] and args[0]["frequency_mhz"] == 1500
+
+
+def test_encoder_actions_take_their_modules_colour_with_the_kind_as_hatching(tmp_path, monkeypatch):
+    from matplotlib.colors import to_hex
+
+    from plait.planner.pipeline.plan import stage_ranks
+    from plait.train import plots
+
+    # the encoders in the LLM's bubbles: vision (stage 0) on LLM rank 1, audio (stage 1) on LLM rank 0
+    units = synthetic_units({"vision": [True], "audio": [True]}, [True] * 2)
+    plan = plan_pipeline(units, stages_per_module={"vision": 1, "audio": 1, "llm": 2},
+                         ranks=stage_ranks(2, 2, in_bubble=True))
+    modules = plots.encoder_stage_modules(plan)
+    assert modules == {0: "vision", 1: "audio"}
+    events = simulate(one_f_one_b(plan, 3), {"F": [0.002] * 4, "B": [0.001] * 4, "W": [0.0] * 4}).events
+    seen = []
+    real = plots.save_figure
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: seen.append(fig) or real(fig, path))
+    plot_timeline(events, tmp_path / "t.png", modules=modules)
+    (ax,) = seen[0].axes
+    drawn = {(to_hex(c.get_facecolor()[0]), c.get_hatch()) for c in ax.collections}
+    vision, audio, f, b = (c.lower() for c in (*plots.MODULE_COLORS[:2], plots.KIND_COLORS["F"], plots.KIND_COLORS["B"]))
+    assert drawn == {(vision, None), (vision, "//"), (audio, None), (audio, "//"), (f, None), (b, None)}
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["F forward", "B backward", "vision (B //, W ..)", "audio (B //, W ..)"]
