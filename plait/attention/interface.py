@@ -43,7 +43,7 @@ __all__ = [
 
 PLAIT_IMPLEMENTATIONS = {"flex": "plait", "sdpa": "plait_sdpa"}
 _BACKENDS = tuple(PLAIT_IMPLEMENTATIONS)
-_UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "position_bias")
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "position_bias")
 _COMPILED_FLEX: Any = None
 _WARNED: set[str] = set()
 
@@ -55,10 +55,11 @@ class ContextParallelShard(Protocol):
     """
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, info: MaskInfo, *,
-                  scale: float | None, backend: str, dropout: float) -> torch.Tensor:
+                  scale: float | None, backend: str, dropout: float, window: int | None = None) -> torch.Tensor:
         """Attention of this rank's queries ``[B, H, n_local, D]`` against the keys/values of all ranks (this
         rank's ``key``/``value`` ``[B, Hkv, n_local, D]``), masked by ``info`` (the whole rows); returns
-        ``[B, H, n_local, Dv]``. ``scale``, ``backend``, ``dropout`` as :func:`plait_attention`."""
+        ``[B, H, n_local, Dv]``. ``scale``, ``backend``, ``dropout``, ``window`` as :func:`plait_attention`
+        (``window`` is passed only by a sliding-window layer)."""
         ...
 
 
@@ -111,13 +112,13 @@ def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mas
 
 def _chunked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, info: MaskInfo,
                   q_global: torch.Tensor | None, scale: float | None, dropout: float,
-                  chunk: int) -> torch.Tensor:
+                  chunk: int, window: int | None = None) -> torch.Tensor:
     """SDPA per chunk of queries against the key span it can see (exact, O(chunk * span) mask memory)."""
     gqa = query.shape[1] != key.shape[1]
     outputs = []
     for qs, qe, ks, ke in query_chunk_spans(info, q_global, chunk):
         qg = q_global[:, qs:qe] if q_global is not None else _arange_rows(info, qs, qe)
-        mask = dense_mask(info, qg, kv_range=(ks, ke))[:, None]
+        mask = dense_mask(info, qg, kv_range=(ks, ke), window=window)[:, None]
         outputs.append(F.scaled_dot_product_attention(
             query[:, :, qs:qe], key[:, :, ks:ke], value[:, :, ks:ke], attn_mask=mask,
             dropout_p=dropout, scale=scale, enable_gqa=gqa))
@@ -134,7 +135,7 @@ def _arange_rows(info: MaskInfo, start: int, end: int) -> torch.Tensor:
 def plait_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, info: MaskInfo,
                     q_global: torch.Tensor | None = None, scale: float | None = None,
                     backend: str = "flex", dropout: float = 0.0, chunk: int = 128,
-                    compile_flex: bool | None = None) -> torch.Tensor:
+                    compile_flex: bool | None = None, window: int | None = None) -> torch.Tensor:
     """Masked attention of ``query`` against the keys of the full rows, mask from ``info``.
 
     Args:
@@ -151,6 +152,7 @@ def plait_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         chunk: queries per SDPA call (``"sdpa"``).
         compile_flex: run flex_attention through ``torch.compile`` (default: on CUDA only; on CPU the
             first call compiles for tens of seconds, the eager CPU path materialises all scores).
+        window: a sliding-window layer's window (keys ``k > q - window`` only, after the item rule); None: global.
 
     Returns:
         ``[B, H, Nq, Dv]`` attention output.
@@ -166,28 +168,33 @@ def plait_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         _warn_once("cpu_flex", "plait attention: flex_attention has no backward on CPU; using chunked SDPA")
         backend = "sdpa"
     if backend == "sdpa":
-        return _chunked_sdpa(query, key, value, info, q_global, scale, dropout, chunk)
+        return _chunked_sdpa(query, key, value, info, q_global, scale, dropout, chunk, window)
     if dropout > 0:
         raise ValueError("plait attention: flex backend has no dropout; set attention_dropout=0 or use plait_sdpa")
-    return _flex(query, key, value, build_block_mask(info, q_global), scale, compile_flex)
+    return _flex(query, key, value, build_block_mask(info, q_global, window=window), scale, compile_flex)
 
 
 def _default_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: torch.Tensor | None, scale: float | None, dropout: float,
-                       backend: str, is_causal: bool | None) -> torch.Tensor:
-    """No ``plait_mask``: causal LM attention (or bidirectional for non-causal modules) with 2-D padding."""
+                       backend: str, is_causal: bool | None, window: int | None = None) -> torch.Tensor:
+    """No ``plait_mask``: causal LM attention (or bidirectional for non-causal modules) with 2-D padding, within
+    ``window`` keys of a sliding-window layer."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     b, nq, nk = query.shape[0], query.shape[2], key.shape[2]
     if attention_mask is not None and attention_mask.dim() == 4:
         mask = attention_mask[:, :, :, :nk]
     elif causal and nq == nk:
         info = MaskInfo.from_padding(attention_mask, shape=(b, nk), device=query.device)
-        return plait_attention(query, key, value, info, scale=scale, backend=backend, dropout=dropout)
+        return plait_attention(query, key, value, info, scale=scale, backend=backend, dropout=dropout,
+                               window=window)
     else:
         keys = torch.arange(nk, device=query.device)
         mask = torch.ones(b, 1, nq, nk, dtype=torch.bool, device=query.device)
         if causal:  # queries are the last nq of the nk positions (KV cache)
-            mask &= keys[None, None, None, :] <= (keys[nk - nq:] if nq <= nk else keys)[None, None, :, None]
+            rows = (keys[nk - nq:] if nq <= nk else keys)[None, None, :, None]
+            mask &= keys[None, None, None, :] <= rows
+            if window is not None:
+                mask &= keys[None, None, None, :] > rows - window
         if attention_mask is not None:
             mask &= attention_mask[:, None, None, -nk:].bool()
     gqa = query.shape[1] != key.shape[1]
@@ -203,15 +210,18 @@ def _forward(backend: str, module: torch.nn.Module, query: torch.Tensor, key: to
             raise ValueError(f"plait attention does not support {name}={kwargs[name]!r} "
                              f"(layer {type(module).__name__}); use another attn_implementation")
     info, shard = kwargs.get("plait_mask"), kwargs.get("plait_cp")
+    window = kwargs.get("sliding_window")
     if shard is not None:
         if info is None:
             raise ValueError("plait attention: plait_cp needs plait_mask (the MaskInfo of the whole rows)")
-        out = shard.attention(query, key, value, info, scale=scaling, backend=backend, dropout=dropout)
+        out = shard.attention(query, key, value, info, scale=scaling, backend=backend, dropout=dropout,
+                              **({} if window is None else {"window": window}))
     elif info is not None:
-        out = plait_attention(query, key, value, info, scale=scaling, backend=backend, dropout=dropout)
+        out = plait_attention(query, key, value, info, scale=scaling, backend=backend, dropout=dropout,
+                              window=window)
     else:
         out = _default_attention(module, query, key, value, attention_mask, scaling, dropout, backend,
-                                 kwargs.get("is_causal"))
+                                 kwargs.get("is_causal"), window)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -233,9 +243,11 @@ def plait_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     Returns:
         ``(output [B, Nq, H, Dv], None)`` (no attention weights).
 
+    A layer's ``sliding_window`` kwarg (Gemma 3's, Mistral's local layers) limits its keys to that window
+    (:func:`plait.attention.masks.build_mask_mod`).
+
     Raises:
-        ValueError: on sliding windows, softcapping, attention sinks or position bias (unsupported), or
-            inconsistent shapes.
+        ValueError: on softcapping, attention sinks or position bias (unsupported), or inconsistent shapes.
     """
     return _forward("flex", module, query, key, value, attention_mask, scaling, dropout, kwargs)
 

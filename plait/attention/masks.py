@@ -16,7 +16,10 @@ Semantics (query token q, key token k of the same row):
   (Gemma-3 / prefix-LM style; Cornstarch, Jang et al., arXiv 2503.11367); with ``mode="causal"``
   (LLaVA-style) they do not;
 - padding sees nothing and is seen by nothing, except that a padding query sees itself, so that no softmax
-  row is empty (no NaN) in any backend.
+  row is empty (no NaN) in any backend;
+- a layer with a sliding window ``w`` (Gemma 3's and Mistral's local layers: the ``sliding_window`` the layer
+  passes to its attention function) further sees only keys ``k > q - w`` (token indices), applied after the item
+  rule, as transformers composes it (``AND(sliding_window, OR(causal, items))``).
 
 The mask is never stored as an N x N tensor outside tests: :func:`build_mask_mod` reads the metadata inside
 ``torch.nn.attention.flex_attention``, and :func:`block_work` counts attended pairs in O(N).
@@ -170,8 +173,10 @@ def _check_q_global(info: MaskInfo, q_global: torch.Tensor | None) -> None:
         raise ValueError(f"q_global must be [B={info.shape[0]}, Nq], got shape {tuple(q_global.shape)}")
 
 
-def build_mask_mod(info: MaskInfo, q_global: torch.Tensor | None = None) -> MaskMod:
+def build_mask_mod(info: MaskInfo, q_global: torch.Tensor | None = None, window: int | None = None) -> MaskMod:
     """``mask_mod(b, h, q_idx, kv_idx) -> bool`` for ``torch.nn.attention.flex_attention``.
+
+    ``window``: a sliding-window layer's window (keys ``kv > q - window`` only); None for a global layer.
 
     Keys index the full row (``kv_idx`` in ``[0, N)``). Queries index the full row too, or, with
     ``q_global`` (int64 ``[B, Nq]``), a subset of it: query ``q_idx`` is token ``q_global[b, q_idx]``
@@ -197,14 +202,16 @@ def build_mask_mod(info: MaskInfo, q_global: torch.Tensor | None = None) -> Mask
         if bidirectional:
             item_q = items[b, q]
             visible = visible | ((item_q == items[b, kv]) & (item_q >= 0))
+        if window is not None:
+            visible = visible & (kv > q - window)
         return visible | ((doc_q < 0) & (kv == q))
 
     return mask_mod
 
 
 def dense_mask(info: MaskInfo, q_global: torch.Tensor | None = None,
-               kv_range: tuple[int, int] | None = None) -> torch.Tensor:
-    """Dense boolean mask ``[B, Nq, Nk]`` (True = attend).
+               kv_range: tuple[int, int] | None = None, window: int | None = None) -> torch.Tensor:
+    """Dense boolean mask ``[B, Nq, Nk]`` (True = attend); ``window`` as :func:`build_mask_mod`.
 
     Queries are the full row (``Nq = N``) or the tokens ``q_global`` (int64 ``[B, Nq]``); keys are the full
     row or the tokens ``kv_range = (start, end)`` (``Nk = end - start``). O(Nq * Nk) memory: a reference for
@@ -227,13 +234,16 @@ def dense_mask(info: MaskInfo, q_global: torch.Tensor | None = None,
     if info.mode == "bidirectional_items":
         items_q = info.item_ids.gather(1, q)[:, :, None]
         mask |= (items_q == info.item_ids[:, None, start:end]) & (items_q >= 0)
+    if window is not None:
+        mask &= kv[None, None, :] > q[:, :, None] - window
     pad_self = (docs_q < 0) & (kv[None, None, :] == q[:, :, None])
     return mask | pad_self
 
 
 def build_block_mask(info: MaskInfo, q_global: torch.Tensor | None = None, block_size: int = 128,
-                     compile_mask: bool | None = None):
-    """Flex ``BlockMask`` of ``info`` (queries = ``q_global`` or the full row), cached on ``info``.
+                     compile_mask: bool | None = None, window: int | None = None):
+    """Flex ``BlockMask`` of ``info`` (queries = ``q_global`` or the full row; ``window`` as
+    :func:`build_mask_mod`), cached on ``info``.
 
     ``compile_mask=None`` compiles the block-mask construction on CUDA (no N x N tensor) and evaluates it
     eagerly elsewhere (it then holds an ``Nq x N`` boolean mask transiently).
@@ -249,10 +259,10 @@ def build_block_mask(info: MaskInfo, q_global: torch.Tensor | None = None, block
     if compile_mask is None:
         compile_mask = device.type == "cuda"
     qkey = (id(q_global), q_global.data_ptr()) if q_global is not None else None
-    key = ("block", qkey, nq, block_size, bool(compile_mask))
+    key = ("block", qkey, nq, block_size, bool(compile_mask), window)
     cached = info._cache.get(key)
     if cached is None:
-        mask = create_block_mask(build_mask_mod(info, q_global), b, None, nq, n, device=device,
+        mask = create_block_mask(build_mask_mod(info, q_global, window), b, None, nq, n, device=device,
                                  BLOCK_SIZE=block_size, _compile=compile_mask)
         cached = info._cache[key] = (mask, q_global)  # keeping q_global alive keeps its id unique
     return cached[0]

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from plait.data.sources import path_note
 from plait.models.file_modes import share_saved_files
 from plait.models.generation import with_stop_tokens
+from plait.models.gemma3 import GEMMA3_TOKENS
 from plait.models.hf_io import (HF_FORMATS, QWEN_VL_TOKENS, REFUSED_EXPORTS, check_exportable, hf_from_composite,
                                 merge_adapters, save_hf_processor)
 from plait.models.multimodal import PLAIT_CONFIG, MultimodalModel
@@ -104,8 +105,10 @@ def export_checkpoint(run: str | Path, fmt: str, out: str | Path | None = None) 
 
 def _token_ids(fmt: str, tokenizer: transformers.PreTrainedTokenizerBase) -> dict[str, int]:
     """Qwen2.5-VL's config ids of its video and vision start/end tokens that the tokenizer has
-    (:data:`plait.models.hf_io.QWEN_VL_TOKENS`); ``{}`` for the other formats."""
-    if fmt != "qwen2_5_vl":
+    (:data:`plait.models.hf_io.QWEN_VL_TOKENS`), Gemma 3's of its image start/end tokens
+    (:data:`plait.models.gemma3.GEMMA3_TOKENS`); ``{}`` for the other formats."""
+    tokens = {"qwen2_5_vl": QWEN_VL_TOKENS, "gemma3": GEMMA3_TOKENS}.get(fmt)
+    if tokens is None:
         return {}
-    ids = {field: tokenizer.convert_tokens_to_ids(token) for field, token in QWEN_VL_TOKENS.items()}
+    ids = {field: tokenizer.convert_tokens_to_ids(token) for field, token in tokens.items()}
     return {field: int(i) for field, i in ids.items() if i is not None and i != tokenizer.unk_token_id}

@@ -203,6 +203,8 @@ def _check_placeholder(fmt: HfFormat, config: Any, processor: Any, src: Path) ->
         ValueError: naming both.
     """
     token = processor.image_token if fmt.modality == "image" else processor.audio_token
+    if fmt.name == "gemma3":  # Gemma3Processor's image_token is <start_of_image>; the soft tokens are the placeholder
+        token = processor.tokenizer.image_token
     tid = processor.tokenizer.convert_tokens_to_ids(token)
     want = int(getattr(config, fmt.token_field))
     if tid != want:
@@ -241,6 +243,8 @@ def job_toml(fmt: HfFormat, src: Path, model_dir: Path, model: MultimodalModel, 
     projector_line = ("freeze_projector = true  # the identity after Qwen2.5-VL's merger, its projector (false: train "
                       "it too; export folds it into the merger)\n" if not fmt.projector_keys else "")
     run_dir = (model_dir.parent / "runs" / "finetune").resolve()
+    attention = ('\n[attention]\nmask = "bidirectional_items"  # Gemma 3: the tokens of one image see each other both '
+                 "ways\n" if fmt.name == "gemma3" else "")
     video = (f'\n[model.encoders.{fmt.branch}.video]\nplaceholder = "<|video_pad|>"  # transformers\' video token: a '
              "video is positioned as Qwen2_5_VLProcessor gives it\nfps = 2.0  # sampled frames per second (its video "
              "processor's default)\n" if fmt.name == "qwen2_5_vl" else "")
@@ -259,7 +263,7 @@ freeze = false
 
 [model.encoders.{fmt.branch}]
 freeze = true  # the tower as imported (false: train it too)
-{projector_line}{video}
+{projector_line}{video}{attention}
 [data]
 train = "{Path(train).resolve()}"
 {val_line}max_length = {min(limit, 2048)}

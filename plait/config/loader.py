@@ -539,8 +539,9 @@ def _known_encoders(encoders: typing.Mapping[str, EncoderConfig]) -> str:
 def _validate_encoder(name: str, enc: EncoderConfig, pretrained: bool, known: str = "") -> None:
     where = f"model.encoders.{name}"
     _check(enc.modality in ("image", "audio"), f"{where}.modality must be 'image' or 'audio', got {enc.modality!r}")
-    _check(enc.select in ("full", "drop_cls"), f"{where}.select must be 'full' or 'drop_cls'")
-    _check(enc.projector in ("linear", "mlp"), f"{where}.projector must be 'linear' or 'mlp'")
+    _check(enc.select in ("full", "drop_cls", "post_norm"),
+           f"{where}.select must be 'full', 'drop_cls' or 'post_norm'")
+    _check(enc.projector in ("linear", "mlp", "gemma3"), f"{where}.projector must be 'linear', 'mlp' or 'gemma3'")
     _check(enc.downsample >= 1, f"{where}.downsample must be >= 1")
     _check(enc.lr_scale > 0, f"{where}.lr_scale must be > 0")
     _check(math.isfinite(enc.video.fps) and enc.video.fps >= 0,

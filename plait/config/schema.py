@@ -100,11 +100,15 @@ class EncoderConfig:
     feature_layer: int = -1
     """Hidden state that feeds the projector: -1 is the last, -2 the second-to-last (LLaVA) and so on."""
     select: str = "full"
-    """``"full"`` keeps every output position; ``"drop_cls"`` removes a leading CLS token (LLaVA default)."""
+    """``"full"`` keeps every output position; ``"drop_cls"`` removes a leading CLS token (LLaVA default);
+    ``"post_norm"`` takes the tower's last hidden state after its post-layernorm (its ``last_hidden_state``, as
+    Gemma 3 feeds its projector; ``feature_layer`` -1)."""
     downsample: int = 1
-    """Average-pool this many consecutive features into one (audio frames; 1 = off)."""
+    """Average-pool this many consecutive features into one (audio frames; 1 = off); for a SigLIP tower each
+    ``downsample x downsample`` block of patches (Gemma 3's pooling to ``mm_tokens_per_image``)."""
     projector: str = "mlp"
-    """``"linear"`` or ``"mlp"`` (Linear -> GELU -> Linear, as LLaVA-1.5)."""
+    """``"linear"``, ``"mlp"`` (Linear -> GELU -> Linear, as LLaVA-1.5) or ``"gemma3"`` (Gemma 3's RMSNorm ->
+    Linear without bias)."""
     processor: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the Hugging Face image processor / feature extractor (with ``path``: over the folder's)."""
     freeze: bool = False

@@ -60,8 +60,8 @@ class ModalityEncoder(nn.Module):
         super().__init__()
         if modality not in ("image", "audio"):
             raise ValueError(f"modality must be 'image' or 'audio', got {modality!r}")
-        if select not in ("full", "drop_cls"):
-            raise ValueError(f"select must be 'full' or 'drop_cls', got {select!r}")
+        if select not in ("full", "drop_cls", "post_norm"):
+            raise ValueError(f"select must be 'full', 'drop_cls' or 'post_norm', got {select!r}")
         self.family = encoder_family(encoder.config.model_type, modality)
         self.family.check_select(select)
         self.encoder = encoder
@@ -92,8 +92,9 @@ class ModalityEncoder(nn.Module):
     @property
     def pooled_output(self) -> bool:
         """True for an encoder whose features are its output after a pooler (Qwen2-Audio's ``last_hidden_state``,
-        Qwen2.5-VL's merged ``pooler_output``: ``TowerCall.stock_output``), not one of its layers' hidden states."""
-        return self.family.pooled_output
+        Qwen2.5-VL's merged ``pooler_output``: ``TowerCall.stock_output``), not one of its layers' hidden states;
+        and for ``select = "post_norm"`` (the last hidden state after the tower's post-layernorm, Gemma 3's)."""
+        return self.family.pooled_output or self.select == "post_norm"
 
     @property
     def check_item(self) -> EncoderInputCheck:
@@ -206,6 +207,7 @@ class ModalityEncoder(nn.Module):
     def _assemble_images(self, inputs: dict[str, Any], hidden: list[torch.Tensor]) -> torch.Tensor:
         per_item: list[torch.Tensor | None] = [None] * len(inputs["pixel_values"])
         for (shape, idx), group in zip(_image_groups(inputs).items(), hidden):
+            group = self.family.pool_features(self.encoder.config, group, shape[-2:], self.downsample)
             expected = self.feature_count(shape[-2:])
             if group.shape[1] != expected:
                 raise ValueError(

@@ -6,7 +6,9 @@ images and audio.
 an answer given at inference is the answer validation scored. It embeds a left-padded batch of prompts (encoder
 features placed at their placeholders, :meth:`MultimodalModel.embed`) and runs the Hugging Face LLM's own
 ``generate`` on ``inputs_embeds`` (KV cache; positions derived from the attention mask, so left padding is
-harmless; an M-RoPE LLM gets the prompt's ``Batch.rope_position_ids`` and continues them, Qwen2.5-VL's rule),
+harmless; an M-RoPE LLM gets the prompt's ``Batch.rope_position_ids`` and continues them, Qwen2.5-VL's rule; Gemma
+3's LLM continues from a cache its images filled attending to each other both ways,
+:func:`plait.models.gemma3.prefill_items`),
 greedy, until every row emits a stop token (:func:`stop_token_ids`) or ``max_new_tokens``.
 
 :class:`Generator` loads what ``plait train`` writes to ``<run_dir>/final`` (the model, ``tokenizer/``,
@@ -32,6 +34,7 @@ from plait.data.mrope import next_mrope_positions
 from plait.data.processing import MultimodalProcessor, ProcessedSample
 from plait.data.sources import RawSample, path_note
 from plait.models.device import resolve_device
+from plait.models.gemma3 import attends_items, prefill_items
 from plait.models.multimodal import PLAIT_CONFIG, MultimodalModel
 from plait.models.registry import build_processor, load_tokenizer
 
@@ -112,16 +115,21 @@ def greedy_token_ids(model: MultimodalModel, batch: Batch, stop_ids: Sequence[in
         autocast: a context factory around the forward passes (``torch.autocast`` for bf16, or none).
 
     Raises:
-        ValueError: when ``max_new_tokens`` < 1 or there is no stop token.
+        ValueError: when ``max_new_tokens`` < 1 or there is no stop token, or (Gemma 3) a prompt ends with an image
+            token.
     """
     check_decoding(max_new_tokens, stop_ids)
     positions = _mrope_prompt_positions(model, batch)
     with autocast():
         embeds = model.embed(batch.input_ids, batch.modality_inputs)
+        cache = {}
+        if attends_items(model.language_model.config) and bool((batch.item_ids >= 0).any()):
+            cache = {"cache": prefill_items(model.language_model, embeds, batch)}  # images both ways
         return model.language_model.generate(
             inputs_embeds=embeds,
             attention_mask=batch.attention_mask,
             **({} if positions is None else {"position_ids": positions}),
+            **cache,
             max_new_tokens=max_new_tokens,
             do_sample=False,
             eos_token_id=list(stop_ids),

@@ -23,6 +23,12 @@ rounding). Its processor (``Qwen2_5_VLProcessor``) needs torchvision for its vid
 use: :func:`save_hf_processor` writes the processor folder's files (``Qwen2VLImageProcessorPil`` settings, tokenizer,
 chat template, ``processor_config.json``), which ``AutoProcessor`` loads where torchvision is installed.
 
+``Gemma3ForConditionalGeneration`` maps as :mod:`plait.models.gemma3` describes (SigLIP tower with ``select =
+"post_norm"`` and a ``downsample`` for its average pooling, plait's ``"gemma3"`` projector, ``Gemma3ForCausalLM``,
+images attending bidirectionally through ``attention.mask = "bidirectional_items"``); its processor
+(``Gemma3Processor``: ``Gemma3ImageProcessorPil`` and the tokenizer with its ``boi_token``, ``eoi_token`` and
+``image_token``) is rebuilt and saved by :func:`hf_processor`.
+
 Refused on import with the reason (:func:`hf_format_of`): LLaVA-NeXT's anyres tiling and Qwen2-VL's LLM (M-RoPE
 positions without Qwen2.5-VL's text class; plait registers a causal LM for ``qwen2_5_vl_text`` only).
 """
@@ -45,6 +51,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 from plait.models.encoder import ModalityEncoder
 from plait.models.families import encoder_family
 from plait.models.families.qwen2_5_vl import takes_mrope
+from plait.models.gemma3 import (check_gemma3_branch, gemma3_config, gemma3_pool, gemma3_projector_state,
+                                 gemma3_text_config, load_gemma3_projector)
 from plait.models.hf import encoder_feature_size, llm_layout
 from plait.models.lora import ADAPTER, base_state_dict, has_lora
 from plait.models.multimodal import MultimodalModel
@@ -98,6 +106,10 @@ HF_FORMATS = {
                             ("qwen2_audio_encoder",)),
     "qwen2_5_vl": HfFormat("qwen2_5_vl", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor",
                            "image", "vision", "visual", "linear", (), "image_token_id", ("qwen2_5_vl_vision",)),
+    "gemma3": HfFormat("gemma3", "gemma3", "Gemma3ForConditionalGeneration", "Gemma3Processor", "image", "vision",
+                       "vision_tower", "gemma3", (("norm.weight", "mm_soft_emb_norm.weight"),
+                                                  ("linear_1.weight", "mm_input_projection_weight")),
+                       "image_token_id", ("siglip_vision_model",)),
 }
 """The supported classes by ``--format`` name."""
 
@@ -140,6 +152,8 @@ def _feature_selection(fmt: HfFormat, config: PretrainedConfig, tower: PreTraine
         ValueError: for a LLaVA config plait's branch cannot express (several feature layers, another projector
             activation or no projector bias, dropping the first position of a tower without a CLS token).
     """
+    if fmt.name == "gemma3":
+        return -1, "post_norm"  # its projector reads the tower's last_hidden_state
     if fmt.name != "llava":
         return -1, "full"
     layer, strategy = config.vision_feature_layer, config.vision_feature_select_strategy
@@ -169,16 +183,23 @@ def composite_from_hf(hf: PreTrainedModel, fmt: HfFormat, hop_length: int = 160,
         raise ValueError(f"{fmt.model_class} with a {tower.config.model_type} tower: plait maps "
                          f"{', '.join(fmt.encoder_types)}")
     layer, select = _feature_selection(fmt, hf.config, tower)
-    llm = _causal_lm(hf.config.get_text_config(), hf.model.language_model, hf.lm_head)
+    gemma = fmt.name == "gemma3"
+    text = gemma3_text_config(hf.config) if gemma else hf.config.get_text_config()
+    llm = _causal_lm(text, hf.model.language_model, hf.lm_head)
     hidden = llm.get_input_embeddings().embedding_dim
-    if not fmt.projector_keys:  # the merger is the projector (Qwen2.5-VL): plait's is the identity
+    downsample = gemma3_pool(hf.config) if gemma else 1
+    if gemma:
+        projector = build_projector("gemma3", int(tower.config.hidden_size), hidden,
+                                    float(tower.config.layer_norm_eps))
+        load_gemma3_projector(projector, hf.model.multi_modal_projector)
+    elif not fmt.projector_keys:  # the merger is the projector (Qwen2.5-VL): plait's is the identity
         projector = _identity_projector(encoder_feature_size(tower, 1), hidden, next(tower.parameters()).dtype)
     else:
         width = int(getattr(tower.config, "hidden_size", None) or tower.config.d_model)
         source = hf.model.multi_modal_projector.state_dict()
         projector = build_projector(fmt.projector, width, hidden).to(next(iter(source.values())).dtype)
         projector.load_state_dict({mine: source[theirs] for mine, theirs in fmt.projector_keys}, strict=True)
-    branch = ModalityEncoder(tower, projector, fmt.modality, layer, select, 1, hop_length, sampling_rate)
+    branch = ModalityEncoder(tower, projector, fmt.modality, layer, select, downsample, hop_length, sampling_rate)
     token = int(getattr(hf.config, fmt.token_field))
     return MultimodalModel(llm, {fmt.branch: branch}, {fmt.branch: token})
 
@@ -274,7 +295,9 @@ def check_exportable(model: MultimodalModel, fmt: HfFormat) -> None:
         raise ValueError(f"{fmt.model_class} has no projector after its merger; {where}'s projector maps "
                          f"{branch.projector.linear_1.in_features} to {branch.projector.linear_1.out_features} "
                          "features, which cannot fold into the merger")
-    if branch.downsample != 1:
+    if fmt.name == "gemma3":
+        check_gemma3_branch(branch, model.language_model.config, where)
+    elif branch.downsample != 1:
         raise ValueError(f"{fmt.model_class} feeds every pooled feature; {where} averages {branch.downsample}")
     if fmt.name == "llava" and branch.select == "drop_cls" and kind != "clip_vision_model":
         raise ValueError(f"{where} drops the CLS position of a {kind}, which LLaVA's 'default' strategy cannot")
@@ -311,7 +334,10 @@ def hf_from_composite(model: MultimodalModel, fmt: HfFormat, token_ids: dict[str
     setattr(hf.model, fmt.tower, branch.encoder)
     hf.model.language_model = llm.get_submodule(llm.base_model_prefix)
     hf.lm_head = llm.get_output_embeddings()
-    if fmt.projector_keys:
+    if fmt.name == "gemma3":
+        hf.model.multi_modal_projector.load_state_dict(gemma3_projector_state(branch.projector), strict=True,
+                                                       assign=True)
+    elif fmt.projector_keys:
         mine = branch.projector.state_dict()
         hf.model.multi_modal_projector.load_state_dict({theirs: mine[m] for m, theirs in fmt.projector_keys},
                                                        strict=True, assign=True)
@@ -342,6 +368,8 @@ def _hf_config(model: MultimodalModel, fmt: HfFormat, name: str, token_ids: dict
                           projector_hidden_act="gelu", multimodal_projector_bias=True,
                           image_seq_length=branch.feature_count((size, size)),
                           tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)))
+    if fmt.name == "gemma3":
+        return gemma3_config(config_cls, branch, text, token, token_ids)
     if fmt.name == "qwen2_5_vl":
         return config_cls(vision_config=tower.to_dict(), text_config=text.to_dict(), image_token_id=token,
                           tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)), **token_ids)
@@ -371,6 +399,9 @@ def hf_processor(fmt: HfFormat, model: MultimodalModel, tokenizer: Any, media_pr
                    patch_size=int(cfg.patch_size), image_token=token,
                    vision_feature_select_strategy="default" if branch.select == "drop_cls" else "full",
                    num_additional_image_tokens=int(encoder_family(cfg.model_type, "image").has_cls))
+    if fmt.name == "gemma3":
+        return cls(image_processor=media_processor, tokenizer=tokenizer, chat_template=template,
+                   image_seq_length=branch.feature_count((branch.encoder.config.image_size,) * 2))
     return cls(feature_extractor=media_processor, tokenizer=tokenizer, chat_template=template, audio_token=token)
 
 

@@ -271,7 +271,8 @@ class MultimodalModel(nn.Module):
         for name, s in meta["encoders"].items():
             enc = build_encoder(s["modality"], path=str(root / "encoders" / name / "encoder"), weights=weights)
             _restore_adapter(enc, root / "encoders" / name / "encoder", lora.get(name), weights)
-            projector = build_projector(s["projector"], encoder_feature_size(enc, s["downsample"]), hidden)
+            projector = build_projector(s["projector"], encoder_feature_size(enc, s["downsample"]), hidden,
+                                        float(getattr(enc.config, "layer_norm_eps", 1e-6)))
             if weights:
                 projector.load_state_dict(load_file(str(root / "encoders" / name / "projector.safetensors")))
             window = {k: int(s[k]) for k in ("hop_length", "sampling_rate") if k in s}  # audio, when saved

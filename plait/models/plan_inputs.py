@@ -176,7 +176,8 @@ def model_parts(cfg: Any) -> tuple[dict[str, Any], dict[str, bool], dict[str, in
         downsample = int(settings.get("downsample", enc.downsample))
         family, _ = _family(hf_config)
         shuffled = downsample > 1 and family is not None and family.pixel_shuffle
-        arch = encoder_arch(hf_config, pixel_shuffle_patches(downsample) if shuffled else downsample)
+        pooled = downsample > 1 and family is not None and getattr(family, "average_pool", False)  # 2-D blocks
+        arch = encoder_arch(hf_config, pixel_shuffle_patches(downsample) if shuffled or pooled else downsample)
         configs[name] = arch
         configs[f"{name}.projector"] = {"kind": settings.get("projector", enc.projector)}
         if shuffled:

@@ -121,7 +121,8 @@ def compose_model(cfg: ModelConfig, tokenizer: Any, weights: bool = True) -> Mul
     encoders = {}
     for name, enc in cfg.encoders.items():
         hf_encoder = build_encoder(enc.modality, enc.path, enc.config, weights, field=f"model.encoders.{name}")
-        projector = build_projector(enc.projector, encoder_feature_size(hf_encoder, enc.downsample), hidden)
+        projector = build_projector(enc.projector, encoder_feature_size(hf_encoder, enc.downsample), hidden,
+                                    float(getattr(hf_encoder.config, "layer_norm_eps", 1e-6)))
         hop = int(enc.processor.get("hop_length", 160))
         rate = int(enc.processor.get("sampling_rate", 16000))
         try:

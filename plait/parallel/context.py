@@ -56,9 +56,11 @@ class CPShard:
         return len(self.counts)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, info: MaskInfo, *,
-                  scale: float | None = None, backend: str = "flex", dropout: float = 0.0) -> torch.Tensor:
+                  scale: float | None = None, backend: str = "flex", dropout: float = 0.0,
+                  window: int | None = None) -> torch.Tensor:
         """:func:`cp_attention` with this shard (``plait.attention.interface.ContextParallelShard``)."""
-        return cp_attention(query, key, value, info, self, scale=scale, backend=backend, dropout=dropout)
+        return cp_attention(query, key, value, info, self, scale=scale, backend=backend, dropout=dropout,
+                            window=window)
 
     @property
     def max_count(self) -> int:
@@ -179,7 +181,7 @@ def all_gather_tokens(x: torch.Tensor, shard: CPShard, dim: int = 1) -> torch.Te
 
 def cp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, info: MaskInfo,
                  shard: CPShard, scale: float | None = None, backend: str = "flex",
-                 dropout: float = 0.0) -> torch.Tensor:
+                 dropout: float = 0.0, window: int | None = None) -> torch.Tensor:
     """Attention of this rank's queries against the K/V of all ranks (one collective for K and V).
 
     Args:
@@ -187,7 +189,7 @@ def cp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, in
             tokens (``shard.local_index``) in order.
         info: mask metadata of the whole rows ``[B, N]`` (identical on every rank).
         shard: this rank's :class:`CPShard`.
-        scale, backend, dropout: as :func:`plait.attention.interface.plait_attention`.
+        scale, backend, dropout, window: as :func:`plait.attention.interface.plait_attention`.
 
     Returns:
         ``[B, H, n_local, Dv]``, equal to the rows of full attention at this rank's tokens.
@@ -204,4 +206,4 @@ def cp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, in
     kv = all_gather_tokens(torch.cat([key, value], dim=-1), shard, dim=2)
     key_all, value_all = kv[..., :head_dim], kv[..., head_dim:]
     return plait_attention(query, key_all, value_all, info, q_global=shard.q_global(b, query.device),
-                           scale=scale, backend=backend, dropout=dropout)
+                           scale=scale, backend=backend, dropout=dropout, window=window)

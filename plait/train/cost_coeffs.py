@@ -70,7 +70,8 @@ def _vision_coeffs(arch: Any, per_token: float, per_pair: float, downsample: int
     Full attention over an item's tokens by default; Qwen2.5-VL (``arch.window``): its window layers attend at most
     ``window`` tokens each (linear), only ``arch.full_layers`` over the whole item, and 4 patches make one
     placeholder (``arch.output_pool``, the 2x2 merger); InternVL (``downsample`` is its pixel shuffle): attention
-    within each tile of ``arch.item_len`` tokens (linear) and ``downsample^2`` patches per placeholder. Packed
+    within each tile of ``arch.item_len`` tokens (linear) and ``downsample^2`` patches per placeholder (so too a
+    SigLIP tower average-pooling ``downsample x downsample`` patches, Gemma 3's, on its fixed-size images). Packed
     calls are priced per item, as their towers attend: Qwen2.5-VL's and Pixtral's (all images of a microbatch in one
     call) attend within each image and run their linear layers over all patches, so a call costs the sum of its
     images' costs (exact under flash attention's ``cu_seq_lens`` and Qwen2.5-VL's per-image split; transformers'
@@ -79,7 +80,7 @@ def _vision_coeffs(arch: Any, per_token: float, per_pair: float, downsample: int
         full = len(arch.full_layers)
         return (arch.layers * per_token + (arch.layers - full) * per_pair * arch.window, full * per_pair,
                 float(arch.output_pool))
-    if downsample > 1:  # InternVL's pixel shuffle (the only vision family with downsample > 1)
+    if downsample > 1:  # InternVL's pixel shuffle, SigLIP's d x d average pooling (Gemma 3): fixed-size items
         return arch.layers * (per_token + per_pair * arch.item_len), 0.0, float(pixel_shuffle_patches(downsample))
     return arch.layers * per_token, arch.layers * per_pair, float(arch.output_pool)
 

@@ -344,6 +344,15 @@ class VisionFamily(EncoderFamily):
     def input_check(self, config: Any) -> EncoderInputCheck:
         return EncoderInputCheck("image", int(config.num_channels))
 
+    average_pool: bool = False
+    """``downsample`` average-pools ``d x d`` blocks of the patch grid (:meth:`pool_features`; SigLIP)."""
+
+    def pool_features(self, config: Any, hidden: torch.Tensor, size: tuple[int, ...], downsample: int
+                      ) -> torch.Tensor:
+        """The selected features ``[n, positions, D]`` of ``n`` images of ``size`` pooled by ``downsample`` (default:
+        unchanged; :meth:`feature_count` refuses ``downsample > 1`` of a family that does not pool)."""
+        return hidden
+
     packed_what: str = "images of sizes"
     """What a packed call's item sizes are, in the message of a feature-count mismatch."""
 

@@ -385,7 +385,8 @@ class ProjectorArch:
     """The projector between an encoder and the LLM (``plait.models.projector``).
 
     Attributes:
-        kind: ``"mlp"`` (Linear(in, out) -> GELU -> Linear(out, out), LLaVA-1.5) or ``"linear"``.
+        kind: ``"mlp"`` (Linear(in, out) -> GELU -> Linear(out, out), LLaVA-1.5), ``"linear"`` or ``"gemma3"``
+            (RMSNorm(in) -> Linear(in, out) without bias, Gemma 3).
         in_dim, out_dim: encoder feature size and LLM hidden size.
 
     Raises:
@@ -397,13 +398,15 @@ class ProjectorArch:
     out_dim: int
 
     def __post_init__(self) -> None:
-        if self.kind not in ("mlp", "linear"):
-            raise ValueError(f"projector kind must be 'mlp' or 'linear', got {self.kind!r}")
+        if self.kind not in ("mlp", "linear", "gemma3"):
+            raise ValueError(f"projector kind must be 'mlp', 'linear' or 'gemma3', got {self.kind!r}")
         if self.in_dim <= 0 or self.out_dim <= 0:
             raise ValueError(f"projector sizes must be > 0, got {self.in_dim} -> {self.out_dim}")
 
     def params(self) -> int:
-        """``in out + out`` (+ ``out out + out`` for mlp)."""
+        """``in out + out`` (+ ``out out + out`` for mlp; ``in out + in`` for gemma3: no bias, the norm's weight)."""
+        if self.kind == "gemma3":
+            return self.in_dim * self.out_dim + self.in_dim
         first = self.in_dim * self.out_dim + self.out_dim
         return first + (self.out_dim * self.out_dim + self.out_dim if self.kind == "mlp" else 0)
 

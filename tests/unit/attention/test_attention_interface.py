@@ -129,8 +129,8 @@ def test_config_registration_and_errors():
         use_plait_attention(object())
     q = torch.zeros(1, 2, 4, 8)
     info = MaskInfo.from_padding(None, shape=(1, 4))
-    with pytest.raises(ValueError, match="sliding_window"):
-        plait_attention_forward(torch.nn.Module(), q, q, q, None, sliding_window=2, plait_mask=info)
+    with pytest.raises(ValueError, match="softcap"):
+        plait_attention_forward(torch.nn.Module(), q, q, q, None, softcap=2.0, plait_mask=info)
     with pytest.raises(ValueError, match="covers"):
         plait_attention(q, q, q, MaskInfo.from_padding(None, shape=(1, 5)))
     with pytest.raises(ValueError, match="dropout"):

@@ -32,7 +32,7 @@ def test_override_values_are_typed():
     ("--train.steps=ten", "train.steps: expected int, got 'ten'"),
     ("--train.dtype=fp8", "train.dtype must be auto, fp32 or bf16"),
     ("--data.on_error=ignore", "data.on_error must be 'raise' or 'skip'"),
-    ("--model.encoders.vision.projector=conv", "model.encoders.vision.projector must be 'linear' or 'mlp'"),
+    ("--model.encoders.vision.projector=conv", "model.encoders.vision.projector must be 'linear', 'mlp' or 'gemma3'"),
     ("--train.microbatch_size=0", "train.microbatch_size must be >= 1"),
 ])
 def test_bad_values_name_the_key(override, message):
