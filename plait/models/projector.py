@@ -12,6 +12,14 @@ PROJECTOR_KINDS = ("linear", "mlp", "gemma3")
 """The projector kinds of :class:`Projector`."""
 
 
+class _Gemma3Norm(Gemma3RMSNorm):
+    """transformers' ``Gemma3RMSNorm`` (``x * (1 + weight)``) with ``reset_parameters`` (weight 0, its init), so a
+    projector materialised from the meta device (:mod:`plait.models.init`) is initialised as Hugging Face's."""
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+
 class Projector(nn.Module):
     """``linear``: one Linear; ``mlp``: Linear -> GELU -> Linear (the LLaVA-1.5 projector); ``gemma3``: Gemma 3's
     ``mm_soft_emb_norm`` (transformers' ``Gemma3RMSNorm`` over the ``in_dim`` features, epsilon ``norm_eps``) ->
@@ -32,7 +40,7 @@ class Projector(nn.Module):
             raise ValueError(f"projector kind must be one of {', '.join(PROJECTOR_KINDS)}, got {kind!r}")
         self.kind = kind
         if kind == "gemma3":
-            self.norm = Gemma3RMSNorm(in_dim, eps=norm_eps)
+            self.norm = _Gemma3Norm(in_dim, eps=norm_eps)
         self.linear_1 = nn.Linear(in_dim, out_dim, bias=kind != "gemma3")
         if kind == "mlp":
             self.act = nn.GELU()
