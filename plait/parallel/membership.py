@@ -9,8 +9,8 @@ rank 0 included, leaves it up. Each worker:
    ``heartbeat_s``) and forms generation 0: the default process group of every worker, on the store prefix
    ``gen0/``.
 2. When a collective or P2P call fails (gloo raises once a peer's socket closes, or after the group's timeout),
-   the survivor calls :meth:`Membership.reform`: it marks itself present in the next generation
-   (``gen<g+1>/present/<id>``), then waits until every member of generation ``g`` is either present there or has
+   the survivor calls :meth:`Membership.reform`: it marks itself present in the next generation (appends its id
+   to ``gen<g+1>/present``: one key the others read with one request), then waits until every member of generation ``g`` is either present there or has
    a stale heartbeat (none for ``dead_after_s``) or a ``dead/<id>`` key (the launcher writes it when a child
    exits). A live member keeps beating, so everyone waits for it until it
    is present; a dead one never becomes present. Every survivor therefore computes the same set, the members
@@ -142,11 +142,12 @@ class Membership:
         """
         self.abandon()
         nxt = self.generation + 1
-        self._store.set(f"gen{nxt}/present/{self.worker}", "1")
+        self._store.append(f"gen{nxt}/present", f"{self.worker},")  # one key: one read per poll, not one per member
         deadline = time.monotonic() + 2 * self.timeout_s
         while True:
-            present = [w for w in self.members if self._store.check([f"gen{nxt}/present/{w}"])]
-            stale = [w for w in self.members if w not in present and self._gone(w)]
+            listed = {int(w) for w in self._store.get(f"gen{nxt}/present").decode().split(",") if w}
+            present = [w for w in self.members if w in listed]
+            stale = [w for w in self.members if w not in listed and self._gone(w)]
             if len(present) + len(stale) == len(self.members):
                 break
             if time.monotonic() > deadline:
@@ -184,22 +185,30 @@ class Membership:
         proposal = "abort"
         if ready:
             self._store.set(f"{base}ready/{self.worker}", "1")
-            proposal = self._await_ready(base)
+            proposal = self._await_ready(base, self._store.add(f"{base}count", 1))
         return self._store.compare_set(f"{base}decision", "", proposal).decode() == "commit"
 
-    def _await_ready(self, base: str) -> str:
-        """Phase 1 of :meth:`commit`: ``"commit"`` once every member is ready, ``"abort"`` when a member that is
-        not is dead, the wait passes ``2 * timeout_s``, or another member already decided abort."""
-        keys = [f"{base}ready/{w}" for w in self.members]
+    def _await_ready(self, base: str, count: int) -> str:
+        """Phase 1 of :meth:`commit` (``count``: the members ready so far, this one included): ``"commit"`` once
+        every member is ready, ``"abort"`` when a member that is not is dead, the wait passes ``2 * timeout_s``, or
+        another member already decided abort. Each poll reads one counter (``store.add(key, 0)``); the members not
+        ready are looked up one by one only every ``heartbeat_s``, so a step's commit costs each member a few
+        requests, not one per member (the store serves every member of a large job)."""
         deadline, pause = time.monotonic() + 2 * self.timeout_s, 0.001
-        while not self._store.check(keys):
+        looked = time.monotonic()
+        while count < len(self.members):
             if self._store.check([f"{base}decision"]):
                 return self._store.get(f"{base}decision").decode()
-            missing = [w for w, key in zip(self.members, keys) if not self._store.check([key])]
-            if any(self._gone(w) for w in missing) or time.monotonic() > deadline:
+            if time.monotonic() - looked >= self.heartbeat_s:
+                looked = time.monotonic()
+                missing = [w for w in self.members if not self._store.check([f"{base}ready/{w}"])]
+                if any(self._gone(w) for w in missing):
+                    return "abort"
+            if time.monotonic() > deadline:
                 return "abort"
             time.sleep(pause)
             pause = min(2 * pause, self.heartbeat_s / 4)
+            count = self._store.add(f"{base}count", 0)
         return "commit"
 
     def abandon(self) -> None:
