@@ -474,16 +474,19 @@ def report(rate_name: str, rate: float, args: argparse.Namespace, work: Workload
     print(f"Target: plait >= {TARGET:.0%} at {big} GPUs: {'met' if met else 'NOT met'} "
           f"({runs[big]['plait'].ettr:.2%}); above restart at every size: {'yes' if above else 'NO'}")
     if rec.store_requests_per_s:
-        print("Scale check (not in the table): the agreement as written (membership.reform) has every survivor check "
-              "every member's key, one store request each: at least N x N requests per failure at "
+        polls = rec.agree_s / 0.1  # the settler polls every heartbeat_s / 2 = 0.1 s until the agreement settles
+        print("Scale check (not in the table): the store traffic of one failure under membership.reform (each "
+              "survivor: an arrival count, its present mark, a server-side wait and a read; the first arrival alone "
+              "polls the present list and the lost node's keys every 0.1 s), at "
               f"{rec.store_requests_per_s:,.0f} requests/s (measured here, one TCPStore):")
         for gpus, r in runs.items():
             cl = Cluster(gpus, rate, args.gpus_per_node)
-            extra = gpus * gpus / rec.store_requests_per_s
+            requests = 4 * gpus + polls * (1 + 4 * args.gpus_per_node)
+            extra = requests / rec.store_requests_per_s
             lost = extra * args.failures / r["plait"].t
             verdict = (f"plait's ETTR with it {r['plait'].ettr - lost:.2%}" if extra < cl.mtbf_s else
                        f"longer than the {cl.mtbf_s:.0f} s MTBF: the job would not keep up")
-            print(f"  {gpus:>6} workers: {extra:10.1f} s per failure; {verdict}")
+            print(f"  {gpus:>6} workers: {requests:10,.0f} requests, {extra:8.2f} s per failure; {verdict}")
     return runs
 
 

@@ -10,11 +10,12 @@ rank 0 included, leaves it up. Each worker:
    ``gen0/``.
 2. When a collective or P2P call fails (gloo raises once a peer's socket closes, or after the group's timeout),
    the survivor calls :meth:`Membership.reform`: it marks itself present in the next generation (appends its id
-   to ``gen<g+1>/present``: one key the others read with one request), then waits until every member of generation ``g`` is either present there or has
-   a stale heartbeat (none for ``dead_after_s``) or a ``dead/<id>`` key (the launcher writes it when a child
-   exits). A live member keeps beating, so everyone waits for it until it
-   is present; a dead one never becomes present. Every survivor therefore computes the same set, the members
-   present (a member dying during the agreement fails the next group and leads to one more generation).
+   to ``gen<g+1>/present``). The first survivor to arrive settles the members: it waits until every member of
+   generation ``g`` is either present there or has a stale heartbeat (none for ``dead_after_s``), a ``dead/<id>``
+   key (the launcher writes it when a child exits) or a ``join/<id>`` key (a new process of it asks to join), and
+   writes the present ones under ``gen<g+1>/members``; the others wait on that key. A live member keeps beating,
+   so the settler waits for it until it is present; a dead one never becomes present (a member dying during the
+   agreement fails the next group and leads to one more generation).
 3. It aborts its process groups first (:meth:`Membership.abandon`: their sockets close, so peers still blocked
    on it fail at once), then initialises the default group again over the survivors, ranked by their
    worker ids, on the prefix ``gen<g+1>/``.
@@ -136,26 +137,49 @@ class Membership:
         """After a failed collective: agree with the other survivors on the next generation's members and
         re-form the default process group over them. Returns the workers that left.
 
+        The first survivor to arrive (an atomic ``store.add``) settles the members (:meth:`_settle`) and writes
+        them under ``gen<g+1>/members``; the others wait on that key (a server-side wait, no polling), so a failure
+        costs the store a few requests per survivor and the polling of one. When the settler dies, the others settle
+        themselves after ``2 * timeout_s``: its present mark then fails the next group and leads to one more
+        generation.
+
         Raises:
             NoQuorumError: when fewer than ``min_members`` survive, when this worker is not among them, or when
                 the agreement does not settle within ``2 * timeout_s``.
         """
         self.abandon()
         nxt = self.generation + 1
+        settler = self._store.add(f"gen{nxt}/arrivals", 1) == 1
         self._store.append(f"gen{nxt}/present", f"{self.worker},")  # one key: one read per poll, not one per member
+        decided = f"gen{nxt}/members"
+        if not settler:
+            try:
+                self._store.wait([decided], datetime.timedelta(seconds=2 * self.timeout_s))
+            except RuntimeError:  # DistStoreError: the settler died while settling
+                settler = True
+        if settler and not self._store.check([decided]):
+            self._store.compare_set(decided, "", json.dumps(self._settle(nxt)))  # the first decision stands
+        return self._switch(nxt, tuple(json.loads(self._store.get(decided).decode())))
+
+    def _settle(self, nxt: int) -> list[int]:
+        """The members of generation ``nxt``: wait until every member of this one is present there (its id in
+        ``gen<nxt>/present``) or gone (:meth:`_gone`), polling every ``heartbeat_s / 2``; returns the present ones.
+
+        Raises:
+            NoQuorumError: when that does not happen within ``2 * timeout_s``.
+        """
         deadline = time.monotonic() + 2 * self.timeout_s
         while True:
             listed = {int(w) for w in self._store.get(f"gen{nxt}/present").decode().split(",") if w}
             present = [w for w in self.members if w in listed]
             stale = [w for w in self.members if w not in listed and self._gone(w)]
             if len(present) + len(stale) == len(self.members):
-                break
+                return present
             if time.monotonic() > deadline:
                 raise NoQuorumError(f"worker {self.worker}: generation {nxt} did not settle in "
                                     f"{2 * self.timeout_s} s (present {present}, dead {stale}, "
                                     f"of {list(self.members)})")
             time.sleep(self.heartbeat_s / 2)
-        return self._switch(nxt, tuple(present))
 
     def _gone(self, worker: int) -> bool:
         """Whether ``worker``'s process of this generation is dead: the launcher's ``dead/<id>`` key; a ``join/<id>``
@@ -264,8 +288,10 @@ class Membership:
         return [w for w in candidates if w not in self.members and self._store.check([f"join/{w}"])]
 
     def post(self, key: str, value: str) -> None:
-        """Write ``value`` under ``key`` in the store (for the others to read with :meth:`posted`)."""
+        """Write ``value`` under ``key`` in the store (for the others to read with :meth:`posted`); returns once the
+        store holds it (a ``TCPStore`` set is not acknowledged, so a check on the same connection follows it)."""
         self._store.set(key, value)
+        self._store.check([key])
 
     def posted(self, key: str) -> str | None:
         """The store's value under ``key``, or None when nothing was written there (no wait)."""

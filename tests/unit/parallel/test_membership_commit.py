@@ -106,11 +106,12 @@ def test_a_member_is_gone_when_a_new_process_of_it_asks_to_join_or_its_heartbeat
     server, (m0, m1, m2) = members
     assert not m0._gone(1) and not m0._gone(2)  # both beat
     server.set("join/1", "1")  # a new process of worker 1 asks to join: the old one is dead
-    server.delete_key("hb/2")  # worker 2's launcher starts a new process of it
+    server.delete_key("hb/2")  # worker 2's launcher starts a new process of it (acknowledged: the set is stored)
     assert m0._gone(1) and m0._gone(2)
     server.delete_key("join/1")
     assert not m0._gone(1)
     server.set("dead/1", "-9")  # the launcher saw it exit
+    assert server.check(["dead/1"])  # a set is not acknowledged: a check on its connection waits for it
     assert m0._gone(1)
 
 
