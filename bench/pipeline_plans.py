@@ -58,8 +58,10 @@ means, as are rows where no plan of C fits; such a row says when no plan can fit
 parameters, gradients and AdamW state exceed the memory of all the GPUs together; offload needs FSDP2 over DP
 ranks, so Table 2's single pipeline cannot use it).
 The lower bound stays one with TP, sharding and recomputation (they only add device-seconds); every ratio is
-checked to be at least 1. Finally the wall time of full layout searches for 1,024 GPUs
-(every layout and DP degree).
+checked to be at least 1. Each table ends with a check that B, C and Z are monotone in the GPU count (no row slower
+than the same model's row with a GPU count dividing it; ``plan_parallel`` weighs every divisor's plan). Finally the
+wall time of full layout searches for 1,024 GPUs (every layout and DP degree), and of plait's complete search
+(``plan_parallel``: also TP, FSDP2, checkpointing and the divisors) once.
 
 Run: ``.venv/bin/python bench/pipeline_plans.py`` (``--help``: GPU counts, microbatches, models, the
 1,024-GPU search size).
@@ -337,6 +339,7 @@ def _speedup(base: LayoutChoice | None, ours: LayoutChoice | None) -> float:
 def run_table(names: list[str], gpu_counts: list[int], microbatches: int, dp_fixed: int | None) -> dict:
     """Print one side-by-side table; returns the speedups C/A, C/A*, C/B per setting."""
     speedups: dict[str, list[float]] = {}
+    times: dict[tuple[str, str, str], list[tuple[int, float]]] = {}  # (model, setting, column) -> (GPUs, time)
     fits: dict[str, list[bool]] = {"C": [], "impossible": [], "offload": []}
     schedules: dict[str, int] = {}  # rows per schedule Z chose
     header = (f"{'model':<7} {'setting':<9} {'GPUs':>4} | {'A megatron even':<34} | {'A* (dp by true)':<34} | "
@@ -357,6 +360,9 @@ def run_table(names: list[str], gpu_counts: list[int], microbatches: int, dp_fix
                 speedups.setdefault((setting, "Z/C"), []).append(zb[1])
                 chosen = res["Z"].schedule if res["Z"] is not None else "-"
                 schedules[chosen] = schedules.get(chosen, 0) + 1
+                for key in ("B", "C", "Z"):
+                    if res[key] is not None and res[key].fits_memory:
+                        times.setdefault((name, setting, key), []).append((gpus, res[key].iteration_s))
                 fits["C"].append(res["C"] is not None and res["C"].fits_memory)
                 fits["impossible"].append(bool(_state_floor(units, costs, gpus)))
                 fits["offload"].append(fits["C"][-1] and res["C"].offload == "cpu")
@@ -373,6 +379,11 @@ def run_table(names: list[str], gpu_counts: list[int], microbatches: int, dp_fix
             parts.append(f"C/{key} {_mean(finite):.2f}x ({len(finite)} of {len(values)} rows)")
         zb = [f"{key} {_mean(speedups[(setting, key)]):.2f}x" for key in ("Z/A", "Z/C")]
         print(f"mean speedup, {setting}: " + "; ".join(parts) + "; zero-bubble schedules weighed: " + ", ".join(zb))
+    slower = [f"{name} {setting} {key} {gpus} GPUs ({t:.3f} s > {fewer} GPUs' {tf:.3f} s)"
+              for (name, setting, key), rows in times.items() for gpus, t in rows for fewer, tf in rows
+              if fewer < gpus and gpus % fewer == 0 and t > tf * (1 + 1e-9)]
+    print("monotone in the GPU count (B, C, Z: no row slower than the same model's row with fewer GPUs): "
+          + ("yes" if not slower else f"no, {len(slower)} rows: " + "; ".join(slower)))
     print("schedules Z chose: " + ", ".join(f"{name} in {n} rows" for name, n in sorted(schedules.items())))
     possible = [f for f, imp in zip(fits["C"], fits["impossible"]) if not imp]
     print(f"C fits the memory cap in {sum(fits['C'])} of {len(fits['C'])} rows ({sum(fits['offload'])} with CPU "
@@ -402,6 +413,17 @@ def time_search(name: str, setting: str, gpus: int, microbatches: int, repeats: 
                 choice = None
             times.append(time.perf_counter() - start)
         label = "frozen-aware" if aware else "frozen-unaware"
+        if aware:  # plait's complete search (C): TP, FSDP2, checkpointing and every divisor of the GPUs
+            start = time.perf_counter()
+            try:
+                full = plan_parallel(units, costs, gpus, microbatches=microbatches,
+                                     machine=Machine(memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK),
+                                     space=SearchSpace(virtual_stages=VIRTUAL_STAGES, attach_encoders=True))
+                chosen = f"{_layout_tag(full)} {_degrees_tag(full)}, {full.ratio_to_lower_bound:.2f}x lower bound"
+            except ValueError:
+                chosen = "no plan fits memory"
+            print(f"  {name} {setting:<9} plan_parallel  {gpus} GPUs, {microbatches:>4} microbatches: "
+                  f"{time.perf_counter() - start:.2f} s (complete search, once); chosen {chosen}")
         found = (f"{choice.candidates} candidates bounded, {choice.simulated} timed; chosen {_layout_tag(choice)}, "
                  f"{choice.ratio_to_lower_bound:.2f}x lower bound" if choice else "no plan fits memory")
         print(f"  {name} {setting:<9} {label:<14} {gpus} GPUs, {microbatches:>4} microbatches: "

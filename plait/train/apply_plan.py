@@ -35,8 +35,8 @@ def kept_degrees(cfg: JobConfig, devices: int, named: str = "") -> dict[str, Any
     """The ``SearchSpace`` fields (``search_parallel.plan_parallel``, ``plan_auto_layout``) that keep the job's
     own ``parallel.tp`` / ``parallel.dp_shard`` when either is above 1: exactly those degrees, searched even when
     the plain plan fits (``prefer_plain=False``), its ``parallel.fsdp_reshard`` when not ``"auto"`` and its
-    ``parallel.offload = "cpu"`` (offloaded plans only); ``{}`` when both are 1 (TP and sharding are then searched
-    only when memory requires them; the loader refuses FSDP2 options without ``dp_shard`` > 1). The one rule of
+    ``parallel.offload = "cpu"`` (offloaded plans only); ``{}`` when both are 1 (every TP and shard degree is then
+    weighed, whether or not the plain plan fits; the loader refuses FSDP2 options without ``dp_shard`` > 1). The one rule of
     ``plait plan`` and ``parallel.plan = "auto"``.
 
     Raises:

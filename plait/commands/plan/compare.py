@@ -69,17 +69,25 @@ def considered_plans(config_path: str | Path, devices: int, *, overrides: Sequen
 
 
 def _key(choice: LayoutChoice) -> tuple:
-    """What makes two plans the same job: DP degree, schedule, stages (units, ranks)."""
-    return choice.dp, choice.schedule, tuple((s.units, s.rank) for s in choice.plan.stages)
+    """What makes two plans the same job: DP degree, schedule, stages (units, ranks), TP, FSDP2, checkpointing and
+    offload."""
+    return (choice.dp, choice.schedule, tuple((s.units, s.rank) for s in choice.plan.stages), choice.tp,
+            choice.dp_shard, choice.fsdp_reshard, choice.checkpointing, choice.offload)
 
 
 def plan_label(choice: LayoutChoice) -> str:
     """A short name of a plan: ``"DP 2, no pipeline"``, ``"DP 1 x 1F1B, encoders_colocated, 2 stages"`` (the layout
-    only for a model with several encoders), ``"DP 1 x interleaved 1F1B (v = 2), encoders attached, 5 stages"``."""
+    only for a model with several encoders), ``"DP 1 x interleaved 1F1B (v = 2), encoders attached, 5 stages"``,
+    then its TP degree, FSDP2 shard degree, checkpointing and offload when it has them (``"DP 2, no pipeline, FSDP2
+    over 2"``)."""
     plan = choice.plan
+    degrees = ([f"TP {choice.tp}"] if choice.tp > 1 else []) + (
+        [f"FSDP2 over {choice.dp_shard}"] if choice.dp_shard > 1 else []) + (
+        [f"{choice.checkpointing} checkpointing"] if choice.checkpointing != "none" else []) + (
+        ["CPU offload"] if choice.offload == "cpu" else [])
     if plan.num_ranks == 1:
-        return f"DP {choice.dp}, no pipeline"
+        return ", ".join([f"DP {choice.dp}, no pipeline", *degrees])
     attached = any(s.rank == plan.stages[plan.llm_stages[0]].rank for s in plan.stages if not s.is_llm)
     kind = f"interleaved 1F1B (v = {plan.virtual_stages})" if plan.virtual_stages > 1 else "1F1B"
     where = "encoders attached" if attached else (choice.layout if len(plan.modules) > 2 else "")
-    return ", ".join(x for x in (f"DP {choice.dp} x {kind}", where, f"{plan.num_stages} stages") if x)
+    return ", ".join(x for x in (f"DP {choice.dp} x {kind}", where, f"{plan.num_stages} stages", *degrees) if x)

@@ -11,9 +11,9 @@ not, the best 1F1B plan with one stage per rank is tried as well); ``d = world_s
 them. A DP degree above the microbatch count (replicas without a microbatch) is searched as one replica with one
 microbatch and then timed with its all-reduce. Ties go to DP degrees that give every replica a microbatch, then to
 fewer replicas. That search is :func:`plan_filling_layout`, and it runs inside ``plait plan``'s own search
-(``search_parallel.plan_parallel`` with it as ``layout_search``): the plain plan when it fits the memory cap, else
-tensor parallelism, FSDP2 sharding (flat, every rank a DP rank, and staged, pipeline stages sharded over their DP
-ranks: the faster fitting one) and activation checkpointing exactly as ``plait plan`` searches them, so for the same
+(``search_parallel.plan_parallel`` with it as ``layout_search``): the plain plan, tensor parallelism, FSDP2
+sharding (flat, every rank a DP rank, and staged, pipeline stages sharded over their DP ranks: the faster fitting
+one) and activation checkpointing exactly as ``plait plan`` searches them, so for the same
 job and costs both choose the same plan whenever ``plait plan``'s uses all the processes.
 :func:`layout_pp_fields` gives the ``[parallel.pp]`` field values that run a choice (degree, layout,
 stages, explicit ``splits`` where the partition is not the even split by unit count, ``virtual_stages``,

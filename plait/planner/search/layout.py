@@ -199,7 +199,7 @@ def plan_layout(
     # every timed choice with the planning-view time of the search that found its plan
     timed_all = [(c, best.time) for c in _time_schedules(plan, units, costs, names, dict(dp=best.dp, **timing_of))]
     simulated = timed + (single is not None) + len(names) - 1
-    plain = [s for s in streams if s.v == 1 and not s.attached]
+    plain = [dataclasses.replace(s, position=0) for s in streams if s.v == 1 and not s.attached]  # fresh
     flat = best if best.v == 1 and not best.attached else None
     if flat is None and set(schedules) - {"1f1b"} and plain:
         # the zero-bubble schedules run one stage per rank (zb_v: its V, cut from such a plan): find the best one

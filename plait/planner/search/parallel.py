@@ -1,15 +1,22 @@
-"""The layout search with tensor parallelism, FSDP2 sharding and activation checkpointing, when memory requires.
+"""The layout search with tensor parallelism, FSDP2 sharding and activation checkpointing, complete and monotone.
 
-:func:`plan_parallel` wraps ``search.plan_layout``: it first searches the plain plan (no TP, no sharding, the
-job's checkpointing); when that fits the memory cap it is the answer (sharding, TP and recomputation all cost
-time or communication, so a plan that fits without them is preferred). Otherwise it searches every
-``ParallelDegrees`` (TP degree dividing the devices, shard degree dividing the data-parallel degree, checkpointing
-policy): each is the exact ``plan_layout`` (branch and bound) on ``devices / tp`` pipeline "devices" with the per-rank
-costs of ``sharding.shard_costs`` and the cap lowered by FSDP2's transient buffer (``sharding.shard_buffer_bytes``).
-The degrees are taken in increasing lower bound ``microbatches x (per-rank work per microbatch) / (devices / tp)``
-(``search_degrees``; ``search.evaluate_plan``'s bound on the transformed costs) and the loop stops when the bound
-reaches the best time found: the fastest fitting plan over the degrees, exact given each search's exactness.
-Ties go to less TP, then less sharding, then less checkpointing.
+:func:`plan_parallel` wraps ``search.plan_layout``: it searches every ``ParallelDegrees`` (TP degree dividing the
+devices, shard degree dividing the data-parallel degree, checkpointing policy) whether or not the plain plan (no
+TP, no sharding, the job's checkpointing) fits the memory cap, and keeps the fastest fitting plan: each option is the
+exact ``plan_layout`` (branch and bound) on ``devices / tp`` pipeline "devices" with the per-rank costs of
+``sharding.shard_costs`` and the cap lowered by FSDP2's transient buffer (``sharding.shard_buffer_bytes``). The
+options are taken in increasing lower bound (``monotone.work_bound``: one microbatch's chain and the work per rank
+of the per-rank costs, ``search_degrees``) and the loop stops when the bound reaches the best time found; FSDP2's
+runtimes are skipped on their own bounds, and plans with stages of a TP degree on the best time of its
+least-checkpointed unsharded costs searched without the cap (more checkpointing and FSDP2 under stages only add time
+to the same plans). Ties go to less TP, then less sharding, then less checkpointing. ``SearchSpace.prefer_plain``
+restores keeping the plain plan whenever it fits.
+
+**Monotone in the device count** (``monotone.plan_over_divisors``): the plan for ``N`` devices is the fastest of that
+search and of the plan for every proper divisor ``d`` of ``N`` (found the same way) run as it is, the other devices
+idle; so it is never slower than the plan for ``d`` devices, nor than that plan replicated ``N / d`` times (a DP
+degree the search on ``N`` holds). With ``plan_filling_layout`` (plans must use every device) only the search on
+``N`` runs.
 
 With a shard degree above 1 both runtimes of FSDP2 are searched (``plan_parallel``): every rank a DP rank
 (``pp = 1``: units gathered per microbatch, ``sharding.shard_costs`` and its buffer; with several microbatches per
@@ -21,7 +28,7 @@ backward's all-gathers and holds every trainable unit's gathered parameters (``s
 is chosen when the cap allows it and it is faster (ties: ``"after_forward"``).
 
 **CPU offload** (``parallel.offload = "cpu"``, ``offload.offload_cost``) is searched only when no degrees give a
-fitting plan (it costs host-device copies and a host optimizer step): over the same degrees with a shard degree
+fitting plan (or none beats a divisor's offloaded plan; it costs host-device copies and a host optimizer step): over the same degrees with a shard degree
 above 1, the plan without pipeline stages (every device a DP rank, the only one the runtime offloads), whose device
 memory (frozen units, FSDP2's working set, one microbatch's activations) fits the cap and whose host memory fits
 ``HostSpec.memory_bytes``; the fastest (``plan_layout``'s time with no device optimizer step, plus
@@ -53,6 +60,7 @@ from plait.planner.search.types import LayoutChoice, Machine, NoPlanFits, Search
 from plait.planner.search.layout import plan_layout
 from plait.planner.search.placement import option_links, retime, search_placed
 from plait.planner.search.model import Costs, cost_list
+from plait.planner.search.monotone import OptionBounds, plan_over_divisors
 from plait.planner.cost.sharding import (
     accumulated_grad_bytes, pipelined_optimizer, pipelined_overheads, pipelined_shard_costs, shard_buffer_bytes,
     shard_costs,
@@ -66,9 +74,10 @@ LayoutSearch = Callable[..., LayoutChoice]
 """A search with ``search.plan_layout``'s signature ``(units, costs, devices, *, microbatches, machine, space)``:
 ``plan_layout``, or ``planner.auto_plan.plan_filling_layout``
 (the plans that use every device)."""
-SearchOne = Callable[[Sequence[UnitCost], int, float | None, ParallelDegrees], LayoutChoice]
-"""One search under fixed degrees: ``(per-rank costs, devices / tp, memory cap left, degrees) -> LayoutChoice``;
-raises ``ValueError`` when nothing fits."""
+SearchOne = Callable[[Sequence[UnitCost], int, float | None, ParallelDegrees, frozenset[str]], LayoutChoice]
+"""One search under fixed degrees: ``(per-rank costs, devices / tp, memory cap left, degrees, parts) ->
+LayoutChoice``, ``parts`` naming FSDP2's runtimes searched with a shard degree above 1 (``"flat"``: without pipeline
+stages, ``"staged"``: with them); raises ``ValueError`` when nothing fits."""
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -100,21 +109,22 @@ def degree_options(devices: int, tp_degrees: Sequence[int] | None = None,
 def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatches: int, search: SearchOne,
                    options: Sequence[ParallelDegrees], *, machine: Machine = Machine(),
                    space: SearchSpace = SearchSpace()) -> LayoutChoice:
-    """The plain search ``base`` if it fits, else the fastest fitting plan over ``options`` (module docstring).
+    """The fastest fitting plan over ``options`` (module docstring), or the plain plan whenever it fits with
+    ``space.prefer_plain``.
 
     Args:
         units, costs: pipeline units and their whole-unit costs on one device, without checkpointing (the degrees'
             policy is applied here); devices: all devices.
         search: the search under fixed degrees (``SearchOne``).
-        options: degrees to try when ``base`` does not fit (``degree_options``).
-        machine: ``memory_cap`` (bytes per device; None: everything fits: the base degrees are returned), the
-            links of the TP all-reduces and FSDP2 all-gathers (``tp_link``, ``shard_link``, already defaulted;
-            ``sharding.shard_costs``; with ``topology`` set, per option ``placement.option_links``), dtype and
-            optimizer for FSDP2's buffer (``sharding.shard_buffer_bytes``).
-        space: ``base_checkpointing`` gives the degrees tried first (the job's own policy, no TP, no sharding);
+        options: the degrees searched (``degree_options``).
+        machine: ``memory_cap`` (bytes per device; None: everything fits), the links of the TP all-reduces and
+            FSDP2 all-gathers (``tp_link``, ``shard_link``, already defaulted; ``sharding.shard_costs``; with
+            ``topology`` set, per option ``placement.option_links``), dtype and optimizer for FSDP2's buffer
+            (``sharding.shard_buffer_bytes``).
+        space: ``base_checkpointing`` gives the plain degrees (the job's own policy, no TP, no sharding);
             ``checkpoint_overrides``: per module a policy replacing the degrees' (``sharding.shard_costs``);
-            ``prefer_plain``: return the base degrees' plan whenever it fits (default); False: the fastest over
-            ``options`` (the base degrees are then searched only when among them).
+            ``prefer_plain``: return the plain degrees' plan whenever it fits (the default, False: the fastest over
+            ``options``, the plain degrees searched only when among them); ``dp_degrees`` bound the options.
 
     Returns:
         The chosen ``LayoutChoice`` with ``tp``, ``dp_shard``, ``checkpointing``, ``shard_buffer_bytes``, the
@@ -123,6 +133,20 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
     Raises:
         NoPlanFits: when no degrees give a fitting plan (listing why for each; no least need).
     """
+    found = _search_degrees(units, costs, devices, microbatches, search, options, machine, space, math.inf)
+    assert found is not None  # with no time to beat, _search_degrees raises rather than returning None
+    return found
+
+
+def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatches: int, search: SearchOne,
+                    options: Sequence[ParallelDegrees], machine: Machine, space: SearchSpace,
+                    beat: float) -> LayoutChoice | None:
+    """``search_degrees`` keeping only plans faster than ``beat`` seconds: None when no option gives one (raises
+    ``NoPlanFits`` only with ``beat`` infinite and nothing fitting). Options go in increasing
+    ``monotone.work_bound`` and stop when it reaches the best time; FSDP2's two runtimes (without and with
+    stages) are each skipped when their own bound does: without stages ``ceil(M / devices) x`` the per-rank work
+    with the all-gathers, with stages also the best time of the same TP degree's least-checkpointed unsharded costs
+    searched without the memory cap (``_uncapped``; less its optimizer step when charged)."""
     memory_cap, dtype, optimizer = machine.memory_cap, machine.dtype, machine.optimizer
     base, prefer_base = ParallelDegrees(checkpointing=space.base_checkpointing), space.prefer_plain
     true_units = consistent_units(units)
@@ -137,13 +161,13 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
             links[key] = dict(tp_link=tp_link, shard_link=shard_link, checkpoint_overrides=space.checkpoint_overrides)
         return links[key]
 
-    def attempt(degrees: ParallelDegrees) -> LayoutChoice:
+    def attempt(degrees: ParallelDegrees, parts: frozenset[str] = BOTH) -> LayoutChoice:
         per_rank = shard_costs(true_units, whole, degrees, **link(degrees))
         buffer = shard_buffer_bytes(true_units, whole, degrees, dtype, optimizer)
         left = None if memory_cap is None else memory_cap - buffer
         if left is not None and left <= 0:
             raise ValueError(f"FSDP2's buffer alone ({buffer:.3g} bytes) exceeds the memory cap")
-        choice = search(per_rank, devices // degrees.tp, left, degrees)
+        choice = search(per_rank, devices // degrees.tp, left, degrees, parts)
         # with stages: whole within the step (sharding); without, the flat search's accumulated gradients added
         flat = choice.plan.num_ranks == 1
         buffered = buffer + choice.shard_buffer_bytes if flat else 0.0
@@ -152,42 +176,79 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
                                    shard_buffer_bytes=buffered, memory_cap=memory_cap, fsdp_reshard=reshard,
                                    lower_bound_s=microbatches * work / devices)
 
+    bounds = OptionBounds(true_units, whole, devices, microbatches, space, link)
+    uncapped: dict[int, float] = {}
+
+    def floor_of(tp: int) -> float:  # the least time of any staged plan of this TP degree (_uncapped)
+        if tp not in uncapped:
+            uncapped[tp] = _uncapped(bounds, search, options, tp, machine)
+        return uncapped[tp]
+
     errors = []
+    best: LayoutChoice | None = None
     if prefer_base:
         try:
             first = attempt(base)
             if first.fits_memory:
-                return first
+                return first if first.iteration_s < beat else None
         except ValueError as exc:
             errors.append(f"{_label(base)}: {exc}")
     ranked = sorted((o for o in options if o != base or not prefer_base),
-                    key=lambda o: (_bound(true_units, whole, o, link(o), devices, microbatches), _preference(o)))
-    best: LayoutChoice | None = None
+                    key=lambda o: (bounds.least(o), _preference(o)))
     for degrees in ranked:
-        if best is not None and _bound(true_units, whole, degrees, link(degrees), devices,
-                                       microbatches) >= best.iteration_s:
+        to_beat = beat if best is None else min(beat, best.iteration_s)
+        if bounds.least(degrees) >= to_beat:
             break
+        parts = set(BOTH) if degrees.dp_shard > 1 else {"staged"}
+        if degrees.dp_shard > 1 and bounds.flat(degrees) >= to_beat:
+            parts.discard("flat")
+        staged = bounds.staged(degrees)
+        if staged < to_beat and to_beat < math.inf and degrees != _least_of(options, degrees.tp):
+            staged = max(staged, floor_of(degrees.tp))
+        if staged >= to_beat:
+            parts.discard("staged")
+        if not parts:
+            continue
         try:
-            choice = attempt(degrees)
+            choice = attempt(degrees, frozenset(parts) if degrees.dp_shard > 1 else BOTH)
         except ValueError as exc:
             errors.append(f"{_label(degrees)}: {exc}")
             continue
-        if choice.fits_memory and (best is None or (choice.iteration_s, _preference(degrees)) <
-                                   (best.iteration_s, _preference(_degrees_of(best)))):
+        if choice.fits_memory and choice.iteration_s < beat and (
+                best is None or (choice.iteration_s, _preference(degrees)) <
+                (best.iteration_s, _preference(_degrees_of(best)))):
             best = choice
-    if best is None:
+    if best is None and beat == math.inf:
         raise NoPlanFits("no plan fits the memory cap with any TP degree, shard degree or checkpointing: "
                          + "; ".join(errors[:6]) + (f"; ... ({len(errors)} in all)" if len(errors) > 6 else ""))
     return best
 
 
-def _bound(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees, link: dict[str, Any],
-           devices: int, microbatches: int) -> float:
-    """``microbatches x per-rank work / (devices / tp)``: a lower bound of any plan under ``degrees`` (FSDP2's
-    all-gathers free: with pipeline stages they run once per step, not per microbatch)."""
-    per_rank = shard_costs(units, costs, degrees, **dict(link, shard_link=None))
-    work = math.fsum(c.forward_s + c.backward_s(u) for u, c in zip(units, per_rank))
-    return microbatches * work / (devices // degrees.tp)
+BOTH = frozenset(("flat", "staged"))
+"""FSDP2's two runtimes (``_sharded``): without pipeline stages (``"flat"``) and with them (``"staged"``)."""
+
+
+def _least_of(options: Sequence[ParallelDegrees], tp: int) -> ParallelDegrees:
+    """The option of TP degree ``tp`` with the least checkpointing, unsharded (the one ``_uncapped`` searches)."""
+    policies = [o.checkpointing for o in options if o.tp == tp]
+    least = min(policies, key=CHECKPOINT_POLICIES.index) if policies else "none"
+    return ParallelDegrees(tp, 1, least)
+
+
+def _uncapped(bounds: OptionBounds, search: SearchOne, options: Sequence[ParallelDegrees], tp: int,
+              machine: Machine) -> float:
+    """The best time of TP degree ``tp``'s least-checkpointed unsharded costs searched without the memory cap, less
+    the optimizer step of all their trainable bytes: below every plan with stages of that TP degree (more
+    checkpointing only adds recomputation; FSDP2 with stages runs the same per-rank costs with less memory and a
+    shard's optimizer step), up to the layout search's own exactness. ``-inf`` when that search finds nothing."""
+    degrees = _least_of(options, tp)
+    per_rank = shard_costs(bounds.units, bounds.whole, degrees, **bounds.link(degrees))
+    try:
+        choice = search(per_rank, bounds.devices // tp, None, degrees, BOTH)
+    except ValueError:
+        return -math.inf
+    trained = math.fsum(c.param_bytes * u.trained_fraction for u, c in zip(bounds.units, per_rank))
+    return choice.iteration_s - machine.overheads.update_s(trained)
 
 
 def _preference(degrees: ParallelDegrees) -> tuple[int, int, int, int]:
@@ -208,9 +269,10 @@ def _label(degrees: ParallelDegrees) -> str:
 def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int,
                   machine: Machine = Machine(), space: SearchSpace = SearchSpace(),
                   layout_search: LayoutSearch = plan_layout) -> LayoutChoice:
-    """``search.plan_layout`` over layouts, stages and DP degrees, and over TP degree, FSDP2 shard degree and
-    activation checkpointing when the plain plan does not fit ``machine.memory_cap``, and FSDP2 CPU offload when
-    nothing fits without it (module docstring).
+    """``search.plan_layout`` over layouts, stages and DP degrees, TP degree, FSDP2 shard degree and activation
+    checkpointing, whether or not the plain plan fits ``machine.memory_cap``, FSDP2 CPU offload when nothing fits
+    without it, and the plans of every divisor of ``devices`` (module docstring: the result is never slower than
+    ``plan_parallel`` on a divisor of ``devices``). Times in seconds, memory in bytes.
 
     Args:
         units, costs, devices, microbatches: as ``plan_layout``; ``costs`` without checkpointing
@@ -223,7 +285,8 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
         space: as ``plan_layout``, plus the degrees and policies to search (``tp_degrees``, ``dp_shard_degrees``,
             ``checkpointing``, ``fsdp_reshard``: ``degree_options``; ``fsdp_reshard`` only for FSDP2 without
             pipeline stages), ``base_checkpointing`` (the job's own policy: the plain plan's, and the only one
-            searched when not ``"none"``), ``checkpoint_overrides`` (kept in every option), ``prefer_plain`` and
+            searched when not ``"none"``), ``checkpoint_overrides`` (kept in every option), ``prefer_plain`` (keep
+            the plain plan whenever it fits; default False: the fastest over every option) and
             ``offload`` (``"auto"``: CPU offload only when nothing fits without it; ``"cpu"``: a job's own
             ``parallel.offload = "cpu"``: only offloaded plans, :func:`plan_offloaded` over the options with a
             shard degree above 1; ``host`` None: the default ``HostSpec``; no cap: the device unchecked).
@@ -248,8 +311,18 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
                              space.fsdp_reshard)
     job = _Job(units, consistent_units(units), cost_list(units, costs), devices, microbatches, machine, space,
                layout_search)
+
+    def direct(count: int, so_far: LayoutChoice | None) -> LayoutChoice | None:  # the search on ``count`` alone
+        on = options if count == devices else degree_options(count, space.tp_degrees, space.dp_shard_degrees,
+                                                             space.checkpointing, space.fsdp_reshard)
+        beat = math.inf if so_far is None else so_far.iteration_s
+        return _plan_parallel(dataclasses.replace(job, devices=count), costs, on, beat,
+                              offload=so_far is None or so_far.offload == "cpu")
+
     try:
-        return _plan_parallel(job, costs, options)
+        if layout_search is not plan_layout:  # plans must use every device: no divisor's plan run as it is
+            return _plan_parallel(job, costs, options, math.inf)
+        return plan_over_divisors(devices, direct, lambda c: (c.iteration_s, _preference(_degrees_of(c))))
     except NoPlanFits as exc:
         host = machine.host or (HostSpec() if space.offload == "cpu" else None)
         raise NoPlanFits(str(exc), least_need_of(job.true_units, job.whole, devices, options, dtype=machine.dtype,
@@ -296,14 +369,18 @@ class _Job:
                              idle_ranks=self.layout_search is plan_layout)
 
 
-def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees]) -> LayoutChoice:
-    """``plan_parallel`` after its arguments are checked (module docstring).
+def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees], beat: float,
+                   offload: bool = True) -> LayoutChoice | None:
+    """The search on ``job.devices`` alone after ``plan_parallel``'s arguments are checked (module docstring): the
+    fastest plan faster than ``beat`` seconds, None when there is none; CPU offload (``space.offload = "auto"``)
+    when nothing without it is, and ``offload`` (the plan to beat, if any, is offloaded itself).
 
     Raises:
-        NoPlanFits: without the least need."""
+        NoPlanFits: without the least need, when nothing fits and ``beat`` is infinite."""
     machine, space, microbatches = job.machine, job.space, job.microbatches
 
-    def one(per_rank: Sequence[UnitCost], pipe_devices: int, cap: float | None, degrees: ParallelDegrees):
+    def one(per_rank: Sequence[UnitCost], pipe_devices: int, cap: float | None, degrees: ParallelDegrees,
+            parts: frozenset[str] = BOTH) -> LayoutChoice:
         dps = None if space.dp_degrees is None else [d for d in space.dp_degrees if d <= pipe_devices] or [1]
         if degrees.dp_shard == 1:
             return job.search(per_rank, pipe_devices, degrees=degrees, memory_cap=cap, dp_degrees=dps)
@@ -322,8 +399,8 @@ def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees]) 
             return _pipelined(job, degrees, pipe_devices, staged_dps)
 
         # staged plans keep their stages whole within the step whatever fsdp_reshard says: searched once
-        return _sharded(degrees, pipe_devices, microbatches, dps, flat,
-                        staged if degrees.fsdp_reshard == "after_forward" else None)
+        return _sharded(degrees, pipe_devices, microbatches, dps, flat if "flat" in parts else None,
+                        staged if degrees.fsdp_reshard == "after_forward" and "staged" in parts else None)
 
     if space.offload == "cpu":  # the job's own CPU offload: only offloaded plans, whether or not others fit
         if machine.host is None:
@@ -331,12 +408,18 @@ def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees]) 
         return plan_offloaded(job, options, NoPlanFits("no plan fits the memory cap with the job's CPU offload "
                                                        "(parallel.offload = 'cpu')"))
     try:
-        return search_degrees(job.units, costs, job.devices, microbatches, one, options, machine=machine,
-                              space=space)
+        found = _search_degrees(job.units, costs, job.devices, microbatches, one, options, machine, space, beat)
     except ValueError as exc:
         if machine.host is None or machine.memory_cap is None:
             raise
         return plan_offloaded(job, options, exc)
+    if found is not None or not offload or machine.host is None or machine.memory_cap is None:
+        return found
+    try:  # nothing without offload beats the divisors' offloaded plan
+        offloaded = plan_offloaded(job, options, NoPlanFits("no plan fits the memory cap"))
+    except ValueError:
+        return None
+    return offloaded if offloaded.iteration_s < beat else None
 
 
 def flat_reduce(run: Callable[[float | None], LayoutChoice], cap: float | None, per_rank: int,
@@ -379,17 +462,17 @@ def flat_reduce(run: Callable[[float | None], LayoutChoice], cap: float | None, 
 
 
 def _sharded(degrees: ParallelDegrees, pipe_devices: int, microbatches: int, dps: Sequence[int] | None,
-             flat: Callable[[list[int]], LayoutChoice],
+             flat: Callable[[list[int]], LayoutChoice] | None,
              staged: Callable[[list[int]], LayoutChoice] | None) -> LayoutChoice:
     """The faster fitting of FSDP2 without pipeline stages (``flat``, every device a DP rank) and with them
-    (``staged``, the DP degrees ``dp_shard`` divides below ``pipe_devices``, up to ``microbatches``; None: not
-    searched); each called with its DP degrees.
+    (``staged``, the DP degrees ``dp_shard`` divides below ``pipe_devices``, up to ``microbatches``); each called
+    with its DP degrees, None: not searched.
 
     Raises:
         ValueError: when neither finds a plan (both reasons).
     """
     wanted = [d for d in (dps if dps is not None else range(1, pipe_devices + 1)) if d % degrees.dp_shard == 0]
-    runs = [(flat, [pipe_devices] if pipe_devices in wanted else [])]
+    runs = [(flat, [pipe_devices] if pipe_devices in wanted else [])] if flat is not None else []
     if staged is not None:
         runs.append((staged, [d for d in wanted if d < pipe_devices and pipe_devices % d == 0 and d <= microbatches]))
     found, errors = [], []

@@ -79,13 +79,14 @@ class SearchSpace(JsonDataclass):
         frozen_aware: plan with the true frozen-aware costs (False: the frozen-unaware baseline, ``search``).
         rel_tol: stop when no candidate can beat the best by more than this fraction (0: exact).
         max_timed: at most this many interleaved / attached candidates are timed (``plan_layout``).
-        tp_degrees, dp_shard_degrees: TP and FSDP2 shard degrees searched when the plain plan does not fit
-            (None: powers of two, ``search_parallel.degree_options``).
+        tp_degrees, dp_shard_degrees: TP and FSDP2 shard degrees searched (None: powers of two,
+            ``search_parallel.degree_options``).
         checkpointing: activation checkpointing policies searched (``recompute.CHECKPOINT_POLICIES``).
         base_checkpointing: the job's own policy: the plain plan's, and the only one searched when not ``"none"``.
         checkpoint_overrides: the job's per-module policies (``recompute.plan_checkpointing``), kept in every option.
         fsdp_reshard: FSDP2 resharding options searched without pipeline stages (``sharding.FSDP_RESHARD``).
-        prefer_plain: keep the plain plan whenever it fits (False: the fastest over every option).
+        prefer_plain: keep the plain plan whenever it fits (default False: the fastest over every option,
+            ``search_parallel.plan_parallel``).
         offload: ``"auto"`` (CPU offload searched only when nothing fits without it) or ``"cpu"`` (offloaded plans
             only: a job's own ``parallel.offload``).
         schedules: the schedules weighed for the best plan with one stage per rank (``schedules.SCHEDULE_NAMES``:
@@ -107,7 +108,7 @@ class SearchSpace(JsonDataclass):
     base_checkpointing: str = "none"
     checkpoint_overrides: dict[str, str] | None = None
     fsdp_reshard: tuple[str, ...] = FSDP_RESHARD
-    prefer_plain: bool = True
+    prefer_plain: bool = False
     offload: str = "auto"
     schedules: tuple[str, ...] = ("1f1b",)
 

@@ -160,14 +160,16 @@ def test_several_replicas_get_one_replicas_table_and_the_parallel_dp_to_set(tmp_
     out = io.StringIO()
     choice = plan_command(DEMO, 4, tmp_path / "plan.json", device="cpu-preset", dp_degrees=[2], out=out)
     assert choice.dp == 2
+    replicas = choice.dp // choice.dp_shard  # FSDP2 over the DP ranks when it is faster (it is on the preset)
     snippet = json.loads((tmp_path / "plan.json").read_text())[PP_TOML_KEY]
     assert snippet and snippet in out.getvalue()
-    assert tomllib.loads(snippet)["parallel"]["dp"] == 2 and "processes = dp 2 x" in snippet.splitlines()[0]
+    assert tomllib.loads(snippet)["parallel"]["dp"] == replicas
+    assert f"processes = dp {replicas} x dp_shard {choice.dp_shard} x" in snippet.splitlines()[0]
     assert plan_from_json((tmp_path / "plan.json").read_text()) == choice
     job = tmp_path / "job.toml"  # the tables pasted as printed
     job.write_text(DEMO.read_text() + "\n" + snippet)
     cfg = load_config(job)
-    assert cfg.parallel.dp == 2 and cfg.parallel.pp.degree == choice.plan.num_ranks
+    assert cfg.parallel.dp == replicas and cfg.parallel.pp.degree == choice.plan.num_ranks
     if choice.plan.num_ranks > 1:
         assert cfg.parallel.pp.microbatches == choice.microbatches_per_replica
         _assert_rebuilds(cfg, choice)

@@ -152,9 +152,11 @@ def test_an_attached_one_encoder_plan_is_written_colocated():
 def test_considered_plans_are_distinct_and_runnable():
     recommended, plans = considered_plans(DEMO, 2, device="cpu-preset", profile_store=None)
     assert recommended == plan_command(DEMO, 2, device="cpu-preset", profile_store=None, out=io.StringIO())
-    same = [c for _, c, _ in plans if (c.dp, c.schedule, c.plan) == (recommended.dp, recommended.schedule,
-                                                                      recommended.plan)]
+    same = [c for _, c, _ in plans if (c.dp, c.schedule, c.plan, c.tp, c.dp_shard, c.fsdp_reshard) == (
+        recommended.dp, recommended.schedule, recommended.plan, recommended.tp, recommended.dp_shard,
+        recommended.fsdp_reshard)]
     assert len(same) == 1 and same[0].iteration_s == recommended.iteration_s
     labels = [label for label, _, _ in plans]
-    assert labels[0] == "DP 2, no pipeline" and len(set(labels)) == len(labels)
+    assert "DP 2, no pipeline" in labels and len(set(labels)) == len(labels)
+    assert all(recommended.iteration_s <= choice.iteration_s for _, choice, _ in plans)
     assert all(choice.devices_used == 2 for _, choice, _ in plans)

@@ -7,8 +7,9 @@ import io
 
 import pytest
 
-from plait.commands.plan.command import plan_command
+from plait.commands.plan.command import plan_command, plan_setup
 from plait.planner.cost.types import DeviceSpec
+from plait.train.plan_search import search_plan
 from tests.helpers.jobs import ROOT
 
 DEMO = ROOT / "configs" / "demo.toml"
@@ -31,10 +32,16 @@ def test_plan_refuses_job_degrees_that_do_not_divide_the_devices():
                      profile_store=None)
 
 
-def test_plan_without_job_degrees_searches_them_only_for_memory():
+def test_plan_without_job_degrees_weighs_them_whether_or_not_the_plain_plan_fits():
     out = io.StringIO()
-    choice = plan_command(DEMO, 4, None, device=DeviceSpec.cpu(), out=out, profile_store=None)
-    assert (choice.tp, choice.dp_shard) == (1, 1) and "the plan keeps them" not in out.getvalue()
+    choice = plan_command(DEMO, 4, None, device=DeviceSpec.cpu(), out=out, profile_store=None, prefer_within=0)
+    assert "the plan keeps them" not in out.getvalue()
+    setup = plan_setup(DEMO, 4, device=DeviceSpec.cpu())
+    plain = search_plan(setup, 4, 0.9, tp_degrees=[1], dp_shard_degrees=[1], virtual_stages=(1, 2, 4),
+                        attach_encoders=True)
+    assert plain.fits_memory and choice.iteration_s <= plain.iteration_s
+    if (choice.tp, choice.dp_shard) != (1, 1):  # chosen although the plain plan fits: it is faster
+        assert choice.iteration_s < plain.iteration_s
 
 
 def test_plan_keeps_the_jobs_cpu_offload_and_fsdp_reshard_and_its_table_carries_them():

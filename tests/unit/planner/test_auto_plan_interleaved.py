@@ -22,7 +22,7 @@ from plait.planner.types import UnitCost
 from plait.train.apply_plan import apply_layout_choice, resolve_auto_plan
 from plait.train.pipeline_run import build_pipeline_plan
 from plait.planner.search.types import Machine
-from plait.planner.search.auto_layout import AUTO_MACHINE
+from plait.planner.search.auto_layout import AUTO_MACHINE, AUTO_SPACE
 from tests.helpers.jobs import DEMO, tiny_config_dict
 
 SLOW_LINK = P2PModel(latency_s=0.0, bandwidth_Bps=1e5)  # 1 MB of gradients takes 10 s
@@ -166,13 +166,18 @@ def test_resolve_auto_plan_writes_an_interleaved_job_the_trainer_accepts(model):
 
 def test_more_replicas_than_microbatches_pay_the_all_reduce(model):
     """4 processes, 2 microbatches: with free links and a 1 ms P2P latency, 4 replicas (two of them idle) win at
-    exactly one microbatch's work; a slow DP link makes their all-reduce (ring over 4: 1.5 x the bytes) too dear."""
+    exactly one microbatch's work; a slow DP link makes their all-reduce (ring over 4: 1.5 x the bytes) too dear.
+    Without TP and FSDP2 (TP, weighed whether or not the plain plan fits, splits the 1 s layers and is faster)."""
     units = model_units(model)
     costs = _costs(units)
     p2p = P2PModel(latency_s=1e-3)
-    free = plan_auto_layout(units, costs, 4, 2, machine=dataclasses.replace(AUTO_MACHINE, p2p=p2p))
+    plain = dataclasses.replace(AUTO_SPACE, tp_degrees=(1,), dp_shard_degrees=(1,))
+    free = plan_auto_layout(units, costs, 4, 2, machine=dataclasses.replace(AUTO_MACHINE, p2p=p2p), space=plain)
     assert (free.dp, free.plan.num_ranks) == (4, 1) and free.iteration_s == pytest.approx(_work(units, costs))
-    slow = plan_auto_layout(units, costs, 4, 2, machine=dataclasses.replace(AUTO_MACHINE, p2p=p2p, dp_link=SLOW_LINK))
+    complete = plan_auto_layout(units, costs, 4, 2, machine=dataclasses.replace(AUTO_MACHINE, p2p=p2p))
+    assert complete.tp > 1 and complete.iteration_s < free.iteration_s
+    slow = plan_auto_layout(units, costs, 4, 2, machine=dataclasses.replace(AUTO_MACHINE, p2p=p2p, dp_link=SLOW_LINK),
+                            space=plain)
     trainable = sum(c.param_bytes for u, c in zip(units, costs) if u.trainable)
     assert slow.dp < 4 and slow.iteration_s < _work(units, costs) + 1.5 * trainable / SLOW_LINK.bandwidth_Bps
     assert slow.dp * slow.plan.num_ranks == 4

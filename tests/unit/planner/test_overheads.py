@@ -140,12 +140,16 @@ def test_the_optimizer_step_makes_a_pipeline_worth_it_for_many_parameters():
 
 
 def test_the_automatic_plan_charges_the_same_overheads():
-    from plait.planner.search.auto_layout import plan_auto_layout
+    from plait.planner.search.auto_layout import AUTO_SPACE, plan_auto_layout
 
     units = _llm(6)
     costs = [UnitCost(1 * MS, 1 * MS if i else 0.0, 1 * MS, param_bytes=10**8) for i in range(6)]
     over = ActionOverheads(optimizer_s_per_byte=5e-9)
-    free = plan_auto_layout(units, costs, 2, 4)
-    costly = plan_auto_layout(units, costs, 2, 4, machine=dataclasses.replace(AUTO_MACHINE, overheads=over))
+    plain = dataclasses.replace(AUTO_SPACE, tp_degrees=(1,), dp_shard_degrees=(1,))  # FSDP2 shards the step: faster
+    free = plan_auto_layout(units, costs, 2, 4, space=plain)
+    costly = plan_auto_layout(units, costs, 2, 4, machine=dataclasses.replace(AUTO_MACHINE, overheads=over),
+                              space=plain)
+    sharded = plan_auto_layout(units, costs, 2, 4, machine=dataclasses.replace(AUTO_MACHINE, overheads=over))
+    assert sharded.dp_shard > 1 and sharded.iteration_s < costly.iteration_s
     assert (free.dp, free.plan.num_ranks) == (2, 1) and free.update_s == 0.0
     assert (costly.dp, costly.plan.num_ranks) == (1, 2) and costly.update_s == pytest.approx(1.5)
