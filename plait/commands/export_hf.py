@@ -107,7 +107,7 @@ def _token_ids(fmt: str, tokenizer: transformers.PreTrainedTokenizerBase) -> dic
     """Qwen2.5-VL's config ids of its video and vision start/end tokens that the tokenizer has
     (:data:`plait.models.hf_io.QWEN_VL_TOKENS`), Gemma 3's of its image start/end tokens
     (:data:`plait.models.gemma3.GEMMA3_TOKENS`); ``{}`` for the other formats."""
-    tokens = {"qwen2_5_vl": QWEN_VL_TOKENS, "gemma3": GEMMA3_TOKENS}.get(fmt)
+    tokens = {"qwen2_5_vl": QWEN_VL_TOKENS, "qwen3_vl": QWEN_VL_TOKENS, "gemma3": GEMMA3_TOKENS}.get(fmt)
     if tokens is None:
         return {}
     ids = {field: tokenizer.convert_tokens_to_ids(token) for field, token in tokens.items()}

@@ -184,7 +184,7 @@ def _processor(src: Path, fmt: HfFormat) -> Any:
         ValueError: when the folder holds no processor files.
     """
     try:
-        if fmt.name == "qwen2_5_vl":
+        if fmt.name in ("qwen2_5_vl", "qwen3_vl"):  # their processors need torchvision (video processor)
             tokenizer = AutoTokenizer.from_pretrained(str(src))
             return SimpleNamespace(image_processor=AutoImageProcessor.from_pretrained(str(src)), tokenizer=tokenizer,
                                    chat_template=tokenizer.chat_template,

@@ -19,6 +19,7 @@ records of plait's data format, processed by the caller) into text.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -121,8 +122,12 @@ def greedy_token_ids(model: MultimodalModel, batch: Batch, stop_ids: Sequence[in
     check_decoding(max_new_tokens, stop_ids)
     positions = _mrope_prompt_positions(model, batch)
     with autocast():
-        embeds = model.embed(batch.input_ids, batch.modality_inputs)
+        features = model.encode_all(batch.modality_inputs)
+        embeds = model.place_features(batch.input_ids, features)
         cache = {}
+        deepstack = model.deepstack(batch.input_ids, features)
+        if deepstack:  # DeepStack: the prompt but its last token fills the cache with the additions
+            cache = {"cache": _prefill_deepstack(model, embeds, batch, positions, deepstack)}
         if attends_items(model.language_model.config) and bool((batch.item_ids >= 0).any()):
             cache = {"cache": prefill_items(model.language_model, embeds, batch)}  # images both ways
         return model.language_model.generate(
@@ -135,6 +140,26 @@ def greedy_token_ids(model: MultimodalModel, batch: Batch, stop_ids: Sequence[in
             eos_token_id=list(stop_ids),
             pad_token_id=pad_id,
         )
+
+
+def _prefill_deepstack(model: MultimodalModel, embeds: torch.Tensor, batch: Batch, positions: torch.Tensor | None,
+                       deepstack: dict[str, Any]) -> Any:
+    """The LLM's KV cache of all but the last token of left-padded prompts ``embeds`` ``[B, N, hidden]`` with their
+    DeepStack additions (:mod:`plait.models.deepstack`, as transformers' Qwen3-VL adds them in its prompt pass);
+    ``generate`` continues from it (the last token and every decoded one are text: no additions).
+
+    Raises:
+        ValueError: when a prompt ends with a visual token (its generation prompt must follow its images).
+    """
+    key, extras = next(iter(deepstack.items()))
+    if bool(torch.stack([t[:, -1].ne(0).any(-1) for t in extras.dense]).any()):
+        raise ValueError("a prompt ends with an image token: end it with text after its images (the chat template's "
+                         "generation prompt)")
+    prefix = {key: extras.select(lambda t: t[:, :-1])}
+    where = {} if positions is None else {"position_ids": positions[..., :-1]}
+    out = model.language_model(inputs_embeds=embeds[:, :-1], attention_mask=batch.attention_mask[:, :-1],
+                               use_cache=True, **where, **prefix)
+    return out.cache
 
 
 def _mrope_prompt_positions(model: MultimodalModel, batch: Batch) -> torch.Tensor | None:

@@ -29,6 +29,11 @@ images attending bidirectionally through ``attention.mask = "bidirectional_items
 (``Gemma3Processor``: ``Gemma3ImageProcessorPil`` and the tokenizer with its ``boi_token``, ``eoi_token`` and
 ``image_token``) is rebuilt and saved by :func:`hf_processor`.
 
+``Qwen3VLForConditionalGeneration`` maps as Qwen2.5-VL does (its tower ``Qwen3VLVisionModel`` with the merger and the
+DeepStack mergers is the branch's encoder, an identity projector folded into ``merger.linear_fc2`` on export, its
+text model with ``lm_head`` is :class:`plait.models.families.qwen3_vl.Qwen3VLTextForCausalLM`); the DeepStack
+features reach the LLM's first decoder layers through :mod:`plait.models.deepstack`.
+
 Refused on import with the reason (:func:`hf_format_of`): LLaVA-NeXT's anyres tiling and Qwen2-VL's LLM (M-RoPE
 positions without Qwen2.5-VL's text class; plait registers a causal LM for ``qwen2_5_vl_text`` only).
 """
@@ -61,7 +66,7 @@ from plait.models.projector import build_projector
 __all__ = ["HfFormat", "HF_FORMATS", "REFUSED_EXPORTS", "hf_format_of", "composite_from_hf", "hf_from_composite",
            "check_exportable", "hf_processor", "save_hf_processor", "merge_adapters", "string_content_template",
            "export_chat_template",
-           "QWEN_VL_TOKENS"]
+           "QWEN_VL_TOKENS", "QWEN_VL_FORMATS"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,8 @@ HF_FORMATS = {
                        "vision_tower", "gemma3", (("norm.weight", "mm_soft_emb_norm.weight"),
                                                   ("linear_1.weight", "mm_input_projection_weight")),
                        "image_token_id", ("siglip_vision_model",)),
+    "qwen3_vl": HfFormat("qwen3_vl", "qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", "image",
+                         "vision", "visual", "linear", (), "image_token_id", ("qwen3_vl_vision",)),
 }
 """The supported classes by ``--format`` name."""
 
@@ -185,6 +192,9 @@ def composite_from_hf(hf: PreTrainedModel, fmt: HfFormat, hop_length: int = 160,
     layer, select = _feature_selection(fmt, hf.config, tower)
     gemma = fmt.name == "gemma3"
     text = gemma3_text_config(hf.config) if gemma else hf.config.get_text_config()
+    if fmt.name == "qwen3_vl":  # the multimodal class ties lm_head by its top-level flag
+        text = copy.deepcopy(text)
+        text.tie_word_embeddings = bool(getattr(hf.config, "tie_word_embeddings", False))
     llm = _causal_lm(text, hf.model.language_model, hf.lm_head)
     hidden = llm.get_input_embeddings().embedding_dim
     downsample = gemma3_pool(hf.config) if gemma else 1
@@ -223,7 +233,8 @@ def _fold_projector(branch: ModalityEncoder) -> None:
     """Fold the branch's ``"linear"`` projector into the tower's merger (``merger.mlp[-1]``, a Linear) in place:
     weight ``W_p W_2``, bias ``W_p b_2 + b_p`` in fp32, cast back to the merger's dtype; an identity projector
     (weight exactly ``I``, bias exactly 0) leaves the merger untouched (bit-identical round trips)."""
-    proj, last = branch.projector.linear_1, branch.encoder.merger.mlp[-1]
+    merger = branch.encoder.merger
+    proj, last = branch.projector.linear_1, (merger.linear_fc2 if hasattr(merger, "linear_fc2") else merger.mlp[-1])
     w_p, b_p = proj.weight.detach().float(), proj.bias.detach().float()
     if torch.equal(w_p, torch.eye(*w_p.shape)) and not bool(b_p.any()):
         return
@@ -302,6 +313,9 @@ def check_exportable(model: MultimodalModel, fmt: HfFormat) -> None:
     if fmt.name == "llava" and branch.select == "drop_cls" and kind != "clip_vision_model":
         raise ValueError(f"{where} drops the CLS position of a {kind}, which LLaVA's 'default' strategy cannot")
     text_type = model.language_model.config.model_type
+    if fmt.name == "qwen3_vl" and text_type != "qwen3_vl_text":
+        raise ValueError(f"{fmt.model_class}'s LLM is Qwen3-VL's text model (qwen3_vl_text, DeepStack, interleaved "
+                         f"M-RoPE); this model's LLM is a {text_type}")
     if not fmt.projector_keys and not takes_mrope(model.language_model.config):
         raise ValueError(f"{fmt.model_class}'s LLM is Qwen2.5-VL's text model (qwen2_5_vl_text, M-RoPE); this "
                          f"model's LLM is a {text_type}")
@@ -370,7 +384,7 @@ def _hf_config(model: MultimodalModel, fmt: HfFormat, name: str, token_ids: dict
                           tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)))
     if fmt.name == "gemma3":
         return gemma3_config(config_cls, branch, text, token, token_ids)
-    if fmt.name == "qwen2_5_vl":
+    if fmt.name in QWEN_VL_FORMATS:
         return config_cls(vision_config=tower.to_dict(), text_config=text.to_dict(), image_token_id=token,
                           tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)), **token_ids)
     return config_cls(audio_config=tower, text_config=text, audio_token_id=token)
@@ -386,8 +400,8 @@ def hf_processor(fmt: HfFormat, model: MultimodalModel, tokenizer: Any, media_pr
     Raises:
         ValueError: for Qwen2.5-VL (:func:`save_hf_processor` writes its files instead).
     """
-    if fmt.name == "qwen2_5_vl":
-        raise ValueError("Qwen2_5_VLProcessor needs torchvision (its video processor); write its files with "
+    if fmt.name in QWEN_VL_FORMATS:
+        raise ValueError(f"{fmt.processor_class} needs torchvision (its video processor); write its files with "
                          "save_hf_processor")
     name, branch = next(iter(model.encoders.items()))
     token = tokenizer.convert_ids_to_tokens(model.placeholder_ids[name])
@@ -405,6 +419,10 @@ def hf_processor(fmt: HfFormat, model: MultimodalModel, tokenizer: Any, media_pr
     return cls(feature_extractor=media_processor, tokenizer=tokenizer, chat_template=template, audio_token=token)
 
 
+QWEN_VL_FORMATS = ("qwen2_5_vl", "qwen3_vl")
+"""Formats whose processor (``Qwen2_5_VLProcessor``, ``Qwen3VLProcessor``) is written as its files
+(:func:`save_hf_processor`)."""
+
 QWEN_VL_TOKENS = {"video_token_id": "<|video_pad|>", "vision_start_token_id": "<|vision_start|>",
                   "vision_end_token_id": "<|vision_end|>"}
 """Qwen2.5-VL's config ids beyond the placeholder, by config field: the tokens its chat template writes."""
@@ -416,7 +434,7 @@ def save_hf_processor(fmt: HfFormat, model: MultimodalModel, tokenizer: Any, med
     (whose ``Qwen2_5_VLProcessor`` cannot be built without torchvision, for its video processor) the files it
     loads from: the image processor's ``preprocessor_config.json``, the tokenizer with the chat template
     (without plait's string-content prelude) and ``processor_config.json`` naming the class."""
-    if fmt.name != "qwen2_5_vl":
+    if fmt.name not in QWEN_VL_FORMATS:
         hf_processor(fmt, model, tokenizer, media_processor).save_pretrained(folder)
         return
     name = next(iter(model.encoders))

@@ -20,9 +20,11 @@ from transformers import PreTrainedModel
 from plait.models.encoder import ModalityEncoder
 from plait.config.schema import LoraConfig
 from plait.data.mrope import next_mrope_positions
+from plait.models.deepstack import DEEPSTACK_KWARG, attach_deepstack_hooks, deepstack_extras
+from plait.models.families.base import config_field
 from plait.models.families.qwen2_5_vl import takes_mrope
 from plait.models.file_modes import share_saved_files
-from plait.models.hf import build_causal_lm, build_encoder, encoder_feature_size
+from plait.models.hf import build_causal_lm, build_encoder, encoder_feature_size, llm_layout
 from plait.models.lora import ADAPTER_DIR, base_state_dict, has_lora, inject_lora, load_adapter, lora_settings, save_adapter
 from plait.models.projector import build_projector
 
@@ -64,6 +66,12 @@ class MultimodalModel(nn.Module):
         self.language_model = language_model
         self.encoders = nn.ModuleDict(dict(encoders))
         self.placeholder_ids = dict(placeholder_ids)
+        self.deepstack_layers = max((len(config_field(enc.encoder.config, "deepstack_visual_indexes", ()) or ())
+                                     for enc in encoders.values()), default=0)
+        """LLM layers ``0 .. deepstack_layers - 1`` receive DeepStack features (:mod:`plait.models.deepstack`)."""
+        if self.deepstack_layers:
+            attach_deepstack_hooks(language_model.get_submodule(llm_layout(language_model).layers),
+                                   self.deepstack_layers)
 
     # ------------------------------------------------------------------ forward
     def embed(self, input_ids: torch.Tensor, modality_inputs: Mapping[str, Any] | None = None) -> torch.Tensor:
@@ -77,12 +85,7 @@ class MultimodalModel(nn.Module):
         Raises:
             ValueError: when the number of placeholder tokens of a branch differs from its feature count.
         """
-        modality_inputs = modality_inputs or {}
-        unknown = set(modality_inputs) - set(self.encoders)
-        if unknown:
-            raise ValueError(f"inputs for unknown encoder(s) {sorted(unknown)}; model has {sorted(self.encoders)}")
-        features = {name: self.encode(name, inputs) for name, inputs in modality_inputs.items()}
-        return self.place_features(input_ids, features)
+        return self.place_features(input_ids, self.encode_all(modality_inputs))
 
     def place_features(self, input_ids: torch.Tensor, features: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Token embeddings ``[B, N, hidden]`` of ``input_ids`` ``[B, N]`` with ``features[name]``
@@ -110,8 +113,30 @@ class MultimodalModel(nn.Module):
                     f"encoder {name!r} produced {feats.shape[0]} features but the batch has {n_placeholders} "
                     f"placeholder tokens"
                 )
-            embeds = embeds.masked_scatter(mask.unsqueeze(-1), feats.to(embeds.dtype))
+            embeds = embeds.masked_scatter(mask.unsqueeze(-1), feats[:, :embeds.shape[-1]].to(embeds.dtype))
         return embeds
+
+    def deepstack(self, input_ids: torch.Tensor, features: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """The LLM keyword argument carrying the batch's DeepStack additions (``{"plait_deepstack":
+        DeepStackFeatures}``, dense ``[B, N, hidden]`` per receiving layer) of ``features`` (as
+        :meth:`place_features` takes them; rows of ``(1 + k) * hidden`` values), or ``{}`` when there are none."""
+        if not self.deepstack_layers:
+            return {}
+        hidden = self.language_model.get_input_embeddings().embedding_dim
+        extras = deepstack_extras(input_ids, features, self.placeholder_ids, hidden)
+        return {} if extras is None else {DEEPSTACK_KWARG: extras}
+
+    def encode_all(self, modality_inputs: Mapping[str, Any] | None) -> dict[str, torch.Tensor]:
+        """:meth:`encode` of every branch with inputs: ``{name: [features, width]}``.
+
+        Raises:
+            ValueError: for inputs of a branch the model does not have.
+        """
+        modality_inputs = modality_inputs or {}
+        unknown = set(modality_inputs) - set(self.encoders)
+        if unknown:
+            raise ValueError(f"inputs for unknown encoder(s) {sorted(unknown)}; model has {sorted(self.encoders)}")
+        return {name: self.encode(name, inputs) for name, inputs in modality_inputs.items()}
 
     def encode(self, name: str, inputs: Mapping[str, Any]) -> torch.Tensor:
         """Projected features ``[features, hidden]`` of branch ``name``; a fully frozen encoder runs under
@@ -155,11 +180,14 @@ class MultimodalModel(nn.Module):
         if features is not None:
             if modality_inputs:
                 raise ValueError("pass modality_inputs or precomputed features, not both")
-            embeds = self.place_features(input_ids, features)
         else:
-            embeds = self.embed(input_ids, modality_inputs)
+            features = self.encode_all(modality_inputs)
+        embeds = self.place_features(input_ids, features)
+        llm_kwargs.update(self.deepstack(input_ids, features))  # DeepStack: added after the first decoder layers
         if token_index is not None:
             embeds = embeds.index_select(1, token_index)
+            if DEEPSTACK_KWARG in llm_kwargs:
+                llm_kwargs[DEEPSTACK_KWARG] = llm_kwargs[DEEPSTACK_KWARG].select(lambda t: t.index_select(1, token_index))
         llm_kwargs.setdefault("use_cache", False)  # logits only: no KV cache (it would hold every layer's K/V)
         positions = self.llm_positions(position_ids, rope_position_ids, token_index, input_ids.shape[1])
         out = self.language_model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,

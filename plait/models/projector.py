@@ -26,7 +26,9 @@ class Projector(nn.Module):
     Linear without bias (its ``mm_input_projection_weight``, stored transposed as ``linear_1.weight``
     ``[out_dim, in_dim]``); the average pooling of Gemma 3's projector is the branch's ``downsample``.
 
-    Input ``[..., in_dim]``, output ``[..., out_dim]``. Features of another dtype than the projector's weights (a
+    Input ``[..., in_dim]``, output ``[..., out_dim]``; input ``[..., in_dim + e]`` (a DeepStack branch's rows,
+    :mod:`plait.models.deepstack`: the merged feature, then features added inside the LLM) gives
+    ``[..., out_dim + e]``, the first ``in_dim`` values projected and the other ``e`` passed through unchanged. Features of another dtype than the projector's weights (a
     tower kept in bf16 before an fp32 projector) are cast to the weights' dtype, unless autocast chooses the
     matmul dtype.
 
@@ -47,6 +49,11 @@ class Projector(nn.Module):
             self.linear_2 = nn.Linear(out_dim, out_dim)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
+        width = self.linear_1.in_features
+        if features.shape[-1] > width:  # DeepStack rows: project the merged feature, pass the others through
+            rest = features[..., width:]
+            head = self.forward(features[..., :width])
+            return torch.cat([head, rest.to(head.dtype)], dim=-1)
         dtype = self.linear_1.weight.dtype
         if features.dtype != dtype and not torch.is_autocast_enabled(features.device.type):
             features = features.to(dtype)

@@ -186,6 +186,9 @@ class _LlmChunk:
         :meth:`~plait.models.multimodal.MultimodalModel.llm_positions`.
         """
         shard = llm_kwargs.get("plait_cp")
+        deepstack = self._deepstack(batch, features, shard)
+        if deepstack:
+            llm_kwargs = {**llm_kwargs, **deepstack}
         if self.owns_embed:
             hidden = self.model.place_features(batch.input_ids, features)
             if shard is not None:
@@ -206,6 +209,34 @@ class _LlmChunk:
             if self.owns_head:
                 return loss_fn(llm(**kwargs).logits, labels)
             return llm.get_submodule(self.layout.base)(**kwargs).last_hidden_state
+
+
+    def _deepstack(self, batch: Batch, features: Mapping[str, torch.Tensor], shard: Any) -> dict[str, Any]:
+        """The DeepStack additions (``plait.models.deepstack``) of the chunk's layers: computed from the features on
+        the embedding chunk (the shard's tokens under context parallelism), which must then hold every receiving
+        layer (LLM layers ``0 .. deepstack_layers - 1``).
+
+        Raises:
+            ValueError: when a receiving layer is on a chunk without the embedding (the features do not travel
+                between LLM stages yet).
+        """
+        receiving = self.model.deepstack_layers
+        if not receiving:
+            return {}
+        held = [int(k) for k in self.layers._modules]
+        if not self.owns_embed:
+            if any(i < receiving for i in held):
+                raise ValueError(f"LLM layers 0..{receiving - 1} receive DeepStack features, which reach the first LLM "
+                                 f"stage only: put them in the stage with the LLM's embedding (this stage holds "
+                                 f"{held})")
+            return {}
+        if any(i not in held for i in range(receiving)):
+            raise ValueError(f"LLM layers 0..{receiving - 1} receive DeepStack features, which reach the first LLM "
+                             f"stage only; it holds layers {held}")
+        deepstack = self.model.deepstack(batch.input_ids, features)
+        if shard is not None:
+            deepstack = {k: v.select(lambda t: shard_tokens(t, shard)) for k, v in deepstack.items()}
+        return deepstack
 
 
 def _chunk_layers(root: nn.Module, path: str, specs: Sequence[UnitSpec]) -> OwnedLayers:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from plait.models.families import clip, internvl, pixtral, qwen2_5_vl, qwen2_audio, siglip, siglip2, vit, whisper
+from plait.models.families import (clip, internvl, pixtral, qwen2_5_vl, qwen2_audio, qwen3_vl, siglip, siglip2, vit,
+                                   whisper)
 from plait.models.families.base import AudioFamily, EncoderFamily, VisionFamily
 
 __all__ = ["FAMILIES", "family_of", "family_of_layer", "encoder_family", "supported_types", "tower_config"]
@@ -24,6 +25,7 @@ FAMILIES: tuple[EncoderFamily, ...] = (
     pixtral.FAMILY,
     internvl.FAMILY,
     qwen2_5_vl.FAMILY,
+    qwen3_vl.FAMILY,
     whisper.FAMILY,
     qwen2_audio.FAMILY,
 )

@@ -34,9 +34,9 @@ CONFIGS = {
 }
 
 
-def test_nine_families_each_listed_once_with_distinct_model_types():
-    assert len(FAMILIES) == 9
-    assert len({type(f) for f in FAMILIES}) == 9
+def test_ten_families_each_listed_once_with_distinct_model_types():
+    assert len(FAMILIES) == 10
+    assert len({type(f) for f in FAMILIES}) == 10
     types = [t for f in FAMILIES for t in f.model_types]
     assert len(types) == len(set(types))
     assert set(CONFIGS) <= set(types)
