@@ -254,7 +254,9 @@ def test_export_refuses_composites_the_class_cannot_hold(tmp_path):
     with pytest.raises(ValueError, match="Qwen2_5_VLForConditionalGeneration's tower is qwen2_5_vl_vision; branch "
                                          "'vision' is a clip_vision_model"):
         export_checkpoint(model_dir, "qwen2_5_vl")  # exported since Qwen2.5-VL's M-RoPE LLM; a CLIP branch is not
-    with pytest.raises(ValueError, match="--format 'gemma3': plait export writes llava, qwen2_audio"):
+    with pytest.raises(ValueError, match="--format 'idefics3': plait export writes llava, qwen2_audio"):
+        export_checkpoint(model_dir, "idefics3")
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration"):  # a format now, but not of a CLIP branch
         export_checkpoint(model_dir, "gemma3")
     with pytest.raises(FileNotFoundError, match="neither it nor .* holds plait_config.json"):
         export_checkpoint(tmp_path, "llava")
