@@ -156,7 +156,8 @@ def resolve_auto(cfg: JobConfig, store: str | Path) -> tuple[JobConfig, Any]:
     if info.is_main:
         pp = resolved.parallel.pp
         shape = (f"layout {pp.layout}, stages {pp.stages}, splits {pp.splits or 'even'}, virtual stages "
-                 f"{pp.virtual_stages}, encoders attached {pp.attach_encoders}, schedule {pp.schedule}, "
+                 f"{pp.virtual_stages}, encoders attached {pp.attach_encoders}, encoders in the bubbles "
+                 f"{pp.encoders_in_bubble}, schedule {pp.schedule}, "
                  f"{pp.microbatches} microbatches per replica" if pp.degree > 1 else "no pipeline parallelism")
         par = resolved.parallel
         extra = (f" x TP {par.tp}" if par.tp > 1 else "") + (f", FSDP2 dp_shard {par.dp_shard}" if par.dp_shard > 1

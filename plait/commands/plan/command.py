@@ -165,6 +165,7 @@ def plan_command(
     macrobatches: int = 0,
     virtual_stages: Sequence[int] = (1, 2, 4),
     attach_encoders: bool = True,
+    in_bubble: bool = True,
     schedules: Sequence[str] = ("1f1b",),
     out: TextIO | None = None,
     profile_store: str | Path | None = "runs/profiles",
@@ -198,9 +199,10 @@ def plan_command(
         memory_fraction: fraction of the device memory a stage may use (the rest: CUDA context, workspaces).
         dp_degrees: DP degrees to search (``plait plan --dp``), each in ``1..min(devices, microbatches)``;
             None: the divisors of ``devices`` in that range.
-        frozen_aware, layouts, rel_tol, virtual_stages, attach_encoders: as
-            ``search.plan_layout`` (by default interleaved 1F1B with 2 or 4 LLM stages per rank and encoders on
-            the first LLM rank are searched too: jobs run them, ``[parallel.pp] virtual_stages / attach_encoders``).
+        frozen_aware, layouts, rel_tol, virtual_stages, attach_encoders, in_bubble: as
+            ``search.plan_layout`` (by default interleaved 1F1B with 2 or 4 LLM stages per rank, encoders on
+            the first LLM rank and encoders in the last LLM rank's bubbles are searched too: jobs run them,
+            ``[parallel.pp] virtual_stages / attach_encoders / encoders_in_bubble``).
         schedules: the schedules weighed for a plan of one stage per rank (``SearchSpace.schedules``: ``1f1b``,
             and the zero-bubble ``zb_h1``, ``zb_h2``); the fastest that fits memory is planned.
         dp_link_Bps: bandwidth (B/s) of the data-parallel gradient all-reduce; None: not modelled.
@@ -230,7 +232,7 @@ def plan_command(
     cfg, inputs, spec = setup.cfg, setup.inputs, setup.spec
     kept = job_degrees(cfg, devices, stream)
     space = dict(frozen_aware=frozen_aware, layouts=layouts, rel_tol=rel_tol, virtual_stages=virtual_stages,
-                 attach_encoders=attach_encoders, schedules=check_schedules(schedules))
+                 attach_encoders=attach_encoders, in_bubble=in_bubble, schedules=check_schedules(schedules))
     choice = search_plan(setup, devices, memory_fraction, dp_degrees=dp_degrees, **space, **kept)
     why_simpler = ""
     if dp_degrees is None and not kept and prefer_within > 0:

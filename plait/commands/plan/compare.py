@@ -43,11 +43,12 @@ def considered_plans(config_path: str | Path, devices: int, *, overrides: Sequen
     setup = plan_setup(config_path, devices, overrides=overrides, device=device, profile_store=profile_store,
                        stream=io.StringIO())
     inputs = setup.inputs
-    recommended = search_plan(setup, devices, 0.9, virtual_stages=(1, 2, 4), attach_encoders=True)
+    recommended = search_plan(setup, devices, 0.9, virtual_stages=(1, 2, 4), attach_encoders=True, in_bubble=True)
     costs = setup.checkpointed_costs()  # the job's activation checkpointing, as the families run it
     dp_top = max(d for d in range(1, min(devices, inputs.microbatches) + 1) if devices % d == 0)
     families = [dict(dp_degrees=[dp_top])] + [dict(layouts=[layout]) for layout in LAYOUTS]
-    families += [dict(virtual_stages=(2,)), dict(virtual_stages=(1, 2), attach_encoders=True)]
+    families += [dict(virtual_stages=(2,)), dict(virtual_stages=(1, 2), attach_encoders=True),
+                 dict(in_bubble=True)]
     out: list[tuple[str, LayoutChoice, tuple[Unit, ...]]] = []
     seen = set()
     for options in families:

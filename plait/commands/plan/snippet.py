@@ -62,6 +62,8 @@ def _pp_fields(cfg: Any, choice: LayoutChoice, units: Sequence[Unit]) -> dict[st
         fields.update(layout=pp.layout, stages=pp.stages, schedule=pp.schedule, microbatches=pp.microbatches)
         if pp.virtual_stages != 1:
             fields["virtual_stages"] = pp.virtual_stages
+        if pp.encoders_in_bubble:
+            fields["encoders_in_bubble"] = True
         if pp.attach_encoders:
             fields["attach_encoders"] = True
             if pp.layout == "encoder_parallel":  # never paired with attached encoders (report.pp_toml)

@@ -27,7 +27,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from plait.planner.pipeline.plan import split_even
+from plait.planner.pipeline.plan import split_even, stage_ranks
+from plait.planner.pipeline.schedules import IN_BUBBLE_SCHEDULES
 from plait.planner.pipeline.types import PipelinePlan
 from plait.planner.search.types import LayoutChoice, Machine, SearchSpace
 from plait.planner.search.layout import evaluate_plan, plan_layout
@@ -41,7 +42,7 @@ __all__ = ["AUTO_MACHINE", "AUTO_SPACE", "layout_pp_fields", "plan_auto_layout",
 
 AUTO_MACHINE = Machine(dtype="float32")
 """``plan_auto_layout``'s default machine: no cap, free links, float32 parameters."""
-AUTO_SPACE = SearchSpace(virtual_stages=(1, 2, 4), attach_encoders=True)
+AUTO_SPACE = SearchSpace(virtual_stages=(1, 2, 4), attach_encoders=True, in_bubble=True)
 """``plan_auto_layout``'s default search space: interleaved 1F1B with 2 or 4 LLM stages per rank and encoders on
 the first LLM rank searched too (the pipeline trainer runs them)."""
 
@@ -115,7 +116,7 @@ def _filling_choice(units: Sequence[Unit], costs: Costs, shape: tuple[int, int, 
         ValueError: when no plan fits memory (``plan_layout``).
     """
     world_size, microbatches, dp = shape
-    one_per_rank = dataclasses.replace(space, virtual_stages=(1,), attach_encoders=False)
+    one_per_rank = dataclasses.replace(space, virtual_stages=(1,), attach_encoders=False, in_bubble=False)
     attempts = [space] if space == one_per_rank else [space, one_per_rank]
     for options in attempts:
         choice = _search_dp(units, costs, shape, machine, options)
@@ -163,10 +164,20 @@ def _even_splits(units: Sequence[Unit], module: str, count: int) -> list[str]:
     return [chunk[0].name for chunk in chunks[1:]]
 
 
+def _encoders_in_bubble(plan: PipelinePlan) -> bool:
+    """True when the plan places its encoder stages on its LLM ranks as ``encoders_in_bubble`` does
+    (``plan.stage_ranks(..., in_bubble=True)``) and some encoder stage is on another rank than the first LLM one."""
+    encoders = [s.rank for s in plan.stages if not s.is_llm]
+    llm = [plan.stages[s].rank for s in plan.llm_stages]
+    if not encoders or plan.virtual_stages != 1 or llm != list(range(len(llm))):
+        return False
+    return tuple(encoders) + tuple(llm) == stage_ranks(len(encoders), len(llm), in_bubble=True) and max(encoders) > 0
+
+
 def _encoders_attached(plan: PipelinePlan) -> bool:
     """True when the plan's encoder stages share the first LLM stage's rank (``attach_encoders``)."""
     first = plan.stages[plan.llm_stages[0]].rank
-    return any(s.rank == first for s in plan.stages if not s.is_llm)
+    return not _encoders_in_bubble(plan) and any(s.rank == first for s in plan.stages if not s.is_llm)
 
 
 def layout_pp_fields(choice: LayoutChoice, units: Sequence[Unit]) -> dict[str, Any]:
@@ -174,7 +185,8 @@ def layout_pp_fields(choice: LayoutChoice, units: Sequence[Unit]) -> dict[str, A
 
     ``{"degree": 1}`` when the plan is a single rank; else the degree, layout, stage counts for every module (the
     LLM's: all its stages), ``splits`` only for modules whose boundaries differ from the even split by count,
-    ``virtual_stages`` = the plan's LLM stages per rank, ``attach_encoders`` when its encoder stages share the
+    ``virtual_stages`` = the plan's LLM stages per rank, ``encoders_in_bubble`` when its encoder stages sit on its
+    LLM ranks from the last (``_encoders_in_bubble``), ``attach_encoders`` when they share the
     first LLM rank (with one encoder stage, layout ``encoders_colocated``: the search's attached plans are
     colocated, and a one-encoder-stage plan is the same in both layouts), the schedule (``choice.schedule``:
     ``interleaved_1f1b`` or the V's ``zb_v`` exactly for those plans) and the microbatches per replica.
@@ -189,16 +201,19 @@ def layout_pp_fields(choice: LayoutChoice, units: Sequence[Unit]) -> dict[str, A
     counts = {m: len(plan.module_stages(m)) for m in plan.modules}
     splits = {m: names for m, names in plan_splits(plan).items()
               if names != _even_splits(units, m, counts[m])}
-    attached = _encoders_attached(plan)
+    attached, in_bubble = _encoders_attached(plan), _encoders_in_bubble(plan)
     shared = plan.virtual_stages > 1 or attached
     schedule = choice.schedule
     if (schedule in ("interleaved_1f1b", "zb_v")) != shared:
         need = "interleaved_1f1b or zb_v" if shared else "a schedule of one stage per rank"
         raise ValueError(f"LayoutChoice.schedule is {choice.schedule!r}, but [parallel.pp] runs its plan "
                          f"(virtual_stages={plan.virtual_stages}, attach_encoders={attached}) with {need}")
+    if in_bubble and schedule not in IN_BUBBLE_SCHEDULES:
+        raise ValueError(f"LayoutChoice.schedule is {choice.schedule!r}, but [parallel.pp] runs encoders in the "
+                         f"bubbles with one of {IN_BUBBLE_SCHEDULES}")
     layout = plan.layout
-    if attached and sum(not s.is_llm for s in plan.stages) == 1:
-        layout = "encoders_colocated"  # one encoder stage: the same plan either way, named as attached plans are
+    if (attached or in_bubble) and sum(not s.is_llm for s in plan.stages) == 1:
+        layout = "encoders_colocated"  # one encoder stage: the same plan either way, named as the search's are
     return {"degree": plan.num_ranks, "layout": layout, "stages": counts, "virtual_stages": plan.virtual_stages,
-            "attach_encoders": attached, "schedule": schedule, "microbatches": choice.microbatches_per_replica,
-            "splits": splits}
+            "attach_encoders": attached, "encoders_in_bubble": in_bubble, "schedule": schedule,
+            "microbatches": choice.microbatches_per_replica, "splits": splits}

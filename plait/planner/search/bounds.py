@@ -46,7 +46,7 @@ from plait.planner.search.model import (
 from plait.planner.pipeline.types import P2PModel
 from plait.planner.types import LLM_MODULE
 
-__all__ = ["Stream", "attached_stream", "layout_stream", "stage_bounds"]
+__all__ = ["Stream", "attached_stream", "in_bubble_stream", "layout_stream", "stage_bounds"]
 
 
 def stage_bounds(st: CandidateStages, nb: int) -> list[float]:
@@ -100,6 +100,7 @@ class Stream:
         position: the next candidate to take.
         v: LLM chunks per LLM rank (interleaved 1F1B when > 1).
         attached: every encoder is one stage on LLM rank 0.
+        in_bubble: every encoder is one stage on the last LLM rank (its work in that rank's bubbles).
     """
 
     layout: str
@@ -110,6 +111,7 @@ class Stream:
     position: int = 0
     v: int = 1
     attached: bool = False
+    in_bubble: bool = False
 
 
 def _chain_bounds(parts: Partitions, ranges: Ranges, nb: int, p2p: P2PModel) -> tuple[float, ...]:
@@ -310,6 +312,44 @@ def attached_stream(parts: Partitions, dp: int, devices: int, microbatches: int,
     order = np.argsort(np.asarray(bounds), kind="stable")
     return Stream("encoders_colocated", dp, nb, np.asarray(bounds)[order], np.asarray(rows)[order], v=v,
                    attached=True)
+
+
+def in_bubble_stream(parts: Partitions, dp: int, devices: int, microbatches: int, p2p: P2PModel) -> Stream | None:
+    """Candidates with the encoders one stage on the last LLM rank (layout ``encoders_colocated``; placement
+    ``plan.stage_ranks(1, p, in_bubble=True)``: the encoders' work in that rank's warm-up and drain bubbles, after
+    Optimus, ATC'25) and the LLM on ``p = 2..`` ranks of one stage each, sorted by a lower bound valid for any
+    schedule: per LLM rank, microbatch 0's arrival (the encoders' forward first) plus ``nb`` x its LLM work plus the
+    upstream LLM backwards; the last rank also at least ``nb`` x (its LLM work + the encoders' work) busy; and one
+    microbatch's whole path. The last rank's memory holds the encoders' static bytes."""
+    model = parts.model
+    nb, pipe = -(-microbatches // dp), devices // dp
+    top = min(model.size(LLM_MODULE), pipe)
+    spans = [model.span[m] for m in model.encoders]
+    enc_f = sum(model.total("F", a, b) for a, b in spans)
+    enc_w = sum(model.total("W", a, b) for a, b in spans)
+    enc_static = sum(model.total("S", a, b) + model.total("A", a, b) for a, b in spans)
+    bounds, rows = [], []
+    for p in range(2, top + 1):
+        ranges = parts.fitted(LLM_MODULE, p, in_flight(p, 0, nb))
+        if ranges is None:
+            continue
+        sums = [parts.chunk(a, b) for a, b in ranges]
+        floor = [c.static + c.activation for c in sums]
+        if parts.cap is not None and (floor[-1] + enc_static > parts.cap or max(floor) > parts.cap):
+            continue
+        arrive, tail, worst = enc_f, 0.0, 0.0
+        for i in range(p):
+            work = sums[i].forward + sums[i].backward
+            worst = max(worst, arrive + nb * work + tail)
+            arrive += sums[i].forward + p2p.transfer_s(sums[i].output)
+            tail += p2p.transfer_s(sums[i].output) + sums[i].backward if sums[i].runs_backward else 0.0
+        worst = max(worst, nb * (sums[-1].forward + sums[-1].backward + enc_w))
+        bounds.append(max(worst, sum(model.work)))
+        rows.append([1, p])
+    if not rows:
+        return None
+    order = np.argsort(np.asarray(bounds), kind="stable")
+    return Stream("encoders_colocated", dp, nb, np.asarray(bounds)[order], np.asarray(rows)[order], in_bubble=True)
 
 
 def _first_backward_starts(f: Sequence[float], b: Sequence[float], rb: Sequence[bool], send: Sequence[float],

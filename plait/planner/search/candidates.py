@@ -30,6 +30,7 @@ from plait.planner.pipeline.plan import stage_ranks
 from plait.planner.pipeline.types import P2PModel, PipelinePlan
 from plait.planner.pipeline.schedule_ir import Action, one_f_one_b_order
 from plait.planner.pipeline.interleaved import interleaved_1f1b, interleaved_orders
+from plait.planner.pipeline.schedules import one_f_one_b
 from plait.planner.search.bounds import Stream, stage_bounds
 from plait.planner.search.model import (
     CandidateStages,
@@ -64,8 +65,9 @@ class CandidateKey(NamedTuple):
     devices: int  # devices used: DP degree x pipeline ranks
     v: int  # LLM chunks per LLM rank
     layout: str
-    counts: tuple[int, ...]  # stage count per module (LLM: ranks when v > 1 or attached)
+    counts: tuple[int, ...]  # stage count per module (LLM: ranks when v > 1, attached or in the bubbles)
     attached: bool
+    in_bubble: bool = False
 
 
 class HeapEntry(NamedTuple):
@@ -101,6 +103,7 @@ class Best:
     counts: tuple[int, ...] = ()
     v: int = 1
     attached: bool = False
+    in_bubble: bool = False
 
     @property
     def time(self) -> float:
@@ -140,13 +143,14 @@ def branch_and_bound(parts: Partitions, streams: list[Stream], p2p: P2PModel, li
             heapq.heappush(heap, HeapEntry(float(stream.bounds[stream.position]), 0, seq, False, entry.stream))
             seq += 1
         considered += 1
-        if stream.v > 1 or stream.attached:  # timed at once on the real orders (no second bound)
+        if stream.v > 1 or stream.attached or stream.in_bubble:  # timed at once on the real orders (no second bound)
             if budget > 0:
                 budget, timed = budget - 1, timed + 1
                 found = interleaved_candidate(parts, stream, counts, p2p, link)
                 if found is not None:
-                    ranks = counts[-1] if stream.attached else sum(counts)
-                    key = CandidateKey(found.time, ranks * stream.dp, stream.v, stream.layout, counts, stream.attached)
+                    ranks = counts[-1] if stream.attached or stream.in_bubble else sum(counts)
+                    key = CandidateKey(found.time, ranks * stream.dp, stream.v, stream.layout, counts, stream.attached,
+                                       stream.in_bubble)
                     best = _better(best, key, stream, found.stages)
             continue
         st = build_stages(parts, stream.layout, counts, stream.nb, p2p)
@@ -163,26 +167,28 @@ def _better(best: Best, key: CandidateKey, stream: Stream, stages: CandidateStag
     """``best``, or the candidate ``key`` of ``stream`` when it ranks before it."""
     if best.key is not None and not key < best.key:
         return best
-    return Best(key, stages, stream.layout, stream.dp, key.counts, stream.v, stream.attached)
+    return Best(key, stages, stream.layout, stream.dp, key.counts, stream.v, stream.attached, stream.in_bubble)
 
 
 def interleaved_candidate(parts: Partitions, stream: Stream, counts: tuple[int, ...], p2p: P2PModel,
                            link: P2PModel | None) -> TimedCandidate | None:
     """(planning-view iteration time, stages) of a candidate with ``counts[-1]`` LLM ranks holding
     ``stream.v`` chunks each (``interleaved_1f1b``, which is 1F1B when ``v = 1``), its encoder stages on their own
-    ranks or, for ``stream.attached``, on LLM rank 0; None when it does not fit memory (the simulated
-    per-rank peak, checked exactly)."""
+    ranks or, for ``stream.attached``, on LLM rank 0, or, for ``stream.in_bubble``, on the last LLM rank (ordered
+    by ``schedules.one_f_one_b``'s list scheduling: an encoder action where the rank would otherwise wait); None
+    when it does not fit memory (the simulated per-rank peak, checked exactly)."""
     p, v, nb = counts[-1], stream.v, stream.nb
     llm = parts.cyclic(p, v) if v > 1 else parts.fitted(LLM_MODULE, p, in_flight(p, 0, nb))
     st = None if llm is None else build_stages(parts, stream.layout, counts[:-1] + (v * p,), nb, p2p, False, llm)
     if st is None:
         return None
     n_enc = len(st.forward) - v * p
-    if parts.cap is not None and not stream.attached and max(st.memory[:n_enc], default=0.0) > parts.cap:
+    shared = stream.attached or stream.in_bubble
+    if parts.cap is not None and not shared and max(st.memory[:n_enc], default=0.0) > parts.cap:
         return None
     plan = plan_from_chunks(parts.model, parts.model.view, stream.layout, st.chunks,
-                             stage_ranks(n_enc, p, v, stream.attached))
-    orders = interleaved_orders(plan, nb)
+                             stage_ranks(n_enc, p, v, stream.attached, in_bubble=stream.in_bubble))
+    orders = one_f_one_b(plan, nb).actions if stream.in_bubble else interleaved_orders(plan, nb)
     timing = time_orders(plan, orders, st, nb)
     if timing is None:  # the unchecked orders stalled: take the generator's safety net
         timing = time_orders(plan, interleaved_1f1b(plan, nb).actions, st, nb)

@@ -67,9 +67,9 @@ from plait.planner.pipeline.graph import consistent_units
 from plait.planner.pipeline.plan import check_plan_units, plan_pipeline, stage_ranks
 from plait.planner.pipeline.types import LAYOUTS, P2PModel, PipelinePlan, StageMemory
 from plait.planner.pipeline.schedule_ir import in_flight_peaks
-from plait.planner.pipeline.schedules import build_schedule
+from plait.planner.pipeline.schedules import IN_BUBBLE_SCHEDULES, build_schedule
 from plait.planner.pipeline.interleaved import runs_interleaved
-from plait.planner.search.bounds import attached_stream, layout_stream
+from plait.planner.search.bounds import attached_stream, in_bubble_stream, layout_stream
 from plait.planner.search.candidates import Best, branch_and_bound
 from plait.planner.search.model import (
     Costs,
@@ -182,6 +182,8 @@ def plan_layout(
     if space.attach_encoders and model.encoders:
         streams += [s for v in sorted({int(x) for x in virtual_stages}) for d in dps
                     if (s := attached_stream(parts, d, devices, microbatches, p2p, v)) is not None]
+    if space.in_bubble and model.encoders:
+        streams += [s for d in dps if (s := in_bubble_stream(parts, d, devices, microbatches, p2p)) is not None]
     best, considered, timed = branch_and_bound(parts, streams, p2p, dp_link, space.rel_tol, space.max_timed)
     timing = dataclasses.replace(machine, p2p=p2p)
     method = "plait" if frozen_aware else "frozen_unaware"
@@ -195,12 +197,15 @@ def plan_layout(
     schedules = tuple(dict.fromkeys(space.schedules))
     flat_names = tuple(n for n in schedules if n != "zb_v") or ("1f1b",)  # zb_v runs only its V
     names = ("interleaved_1f1b",) if best.v > 1 or best.attached else flat_names
+    if best.in_bubble:  # the list-scheduled schedules run encoders on LLM ranks
+        names = tuple(n for n in flat_names if n in IN_BUBBLE_SCHEDULES) or ("1f1b",)
     timing_of = dict(microbatches=microbatches, devices=devices, machine=timing)
     # every timed choice with the planning-view time of the search that found its plan
     timed_all = [(c, best.time) for c in _time_schedules(plan, units, costs, names, dict(dp=best.dp, **timing_of))]
     simulated = timed + (single is not None) + len(names) - 1
-    plain = [dataclasses.replace(s, position=0) for s in streams if s.v == 1 and not s.attached]  # fresh
-    flat = best if best.v == 1 and not best.attached else None
+    plain = [dataclasses.replace(s, position=0) for s in streams
+             if s.v == 1 and not (s.attached or s.in_bubble)]  # fresh
+    flat = best if best.v == 1 and not (best.attached or best.in_bubble) else None
     if flat is None and set(schedules) - {"1f1b"} and plain:
         # the zero-bubble schedules run one stage per rank (zb_v: its V, cut from such a plan): find the best one
         flat, _, flat_timed = branch_and_bound(parts, plain, p2p, dp_link, space.rel_tol, space.max_timed)
@@ -275,9 +280,9 @@ def _plan_from_stages(model: SearchModel, best: Best) -> PipelinePlan:
     """The ``PipelinePlan`` of the best candidate (splits at its chunk boundaries; LLM chunks cyclic over
     the LLM ranks when ``best.v > 1``)."""
     ranks = None
-    if best.v > 1 or best.attached:
+    if best.v > 1 or best.attached or best.in_bubble:
         n_enc = len(best.stages.chunks) - best.v * best.counts[-1]
-        ranks = stage_ranks(n_enc, best.counts[-1], best.v, best.attached)
+        ranks = stage_ranks(n_enc, best.counts[-1], best.v, best.attached, in_bubble=best.in_bubble)
     return plan_from_chunks(model, model.units, best.layout, best.stages.chunks, ranks)
 
 

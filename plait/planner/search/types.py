@@ -76,6 +76,9 @@ class SearchSpace(JsonDataclass):
         virtual_stages: LLM chunks per LLM rank (1: one stage per rank, 1F1B; ``v > 1``: interleaved 1F1B,
             Narayanan et al., SC'21, section 2.2.2).
         attach_encoders: also consider plans whose encoders are one stage each on the first LLM rank.
+        in_bubble: also consider plans whose encoders are one stage on the last LLM rank, their work in its
+            bubbles (``plan.stage_ranks(..., in_bubble=True)``; timed with ``1f1b`` and the zero-bubble H schedules
+            of ``schedules``, ``schedules.IN_BUBBLE_SCHEDULES``).
         frozen_aware: plan with the true frozen-aware costs (False: the frozen-unaware baseline, ``search``).
         rel_tol: stop when no candidate can beat the best by more than this fraction (0: exact).
         max_timed: at most this many interleaved / attached candidates are timed (``plan_layout``).
@@ -99,6 +102,7 @@ class SearchSpace(JsonDataclass):
     dp_degrees: tuple[int, ...] | None = None
     virtual_stages: tuple[int, ...] = (1,)
     attach_encoders: bool = False
+    in_bubble: bool = False
     frozen_aware: bool = True
     rel_tol: float = 0.0
     max_timed: int = 256
