@@ -44,7 +44,8 @@ trains). For 8, 16 and 32 GPUs the tables give the simulated iteration time (tru
 
 B and C search the same schedules: 1F1B, and interleaved 1F1B with ``v`` in ``--virtual-stages`` (default
 1, 2, 4) LLM chunks per LLM rank (``schedules_interleaved.interleaved_1f1b``; Narayanan et al., SC'21,
-section 2.2.2), with encoders on their own ranks or one stage each on the first LLM rank (``attach_encoders``). A stays
+section 2.2.2), with encoders on their own ranks, one stage each on the first LLM rank (``attach_encoders``) or one
+stage on the last LLM rank, in its bubbles (``in_bubble``, with 1F1B or the zero-bubble H schedules). A stays
 the Megatron-style even split under standard 1F1B.
 
 Each with its ratio to the lower bound ``24 x (total true work per microbatch) / GPUs``, its layout
@@ -234,8 +235,8 @@ def _encoder_share(name: str, setting: str) -> float:
 
 
 def _layout_tag(choice: LayoutChoice) -> str:
-    """Layout (``par``/``col``; ``att``: one stage per encoder on the first LLM rank; ``mix``: other shared
-    ranks), DP degree, stages per module and schedule: ``1f1b``, or ``i<v>`` for interleaved 1F1B with ``v``
+    """Layout (``par``/``col``; ``att``: one stage per encoder on the first LLM rank; ``bub``: the encoders on the
+    last LLM rank, in its bubbles; ``mix``: other shared ranks), DP degree, stages per module and schedule: ``1f1b``, or ``i<v>`` for interleaved 1F1B with ``v``
     LLM chunks per rank (the LLM count is then LLM ranks x v), ``zbv`` for ZB-V (LLM ranks x 2 in a V; the zero-bubble
     ``zb_h1``/``zb_h2`` of one stage per rank are named in column Z's schedule); `` off`` with FSDP2 CPU offload."""
     plan = choice.plan
@@ -243,8 +244,11 @@ def _layout_tag(choice: LayoutChoice) -> str:
     llm_ranks = {plan.stages[s].rank for s in plan.llm_stages}
     attached = plan.llm_stages[0] > 0 and all(s.rank == plan.stages[plan.llm_stages[0]].rank
                                                for s in plan.stages[: plan.llm_stages[0]])
+    last_llm = plan.stages[plan.llm_stages[-1]].rank
     if attached and len(llm_ranks) > 1:
         tag = "att"
+    elif all(s.rank == last_llm for s in plan.stages[: plan.llm_stages[0]]) and len(llm_ranks) > 1 and v == 1:
+        tag = "bub"
     elif plan.num_ranks < plan.num_stages and v == 1:
         tag = "mix"
     else:
@@ -279,7 +283,7 @@ def _run_one(units, costs, gpus: int, microbatches: int, dp_fixed: int | None) -
     (``dp_fixed``: one DP degree for all)."""
     machine = Machine(memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK)
     dps = [dp_fixed] if dp_fixed else [d for d in range(1, min(gpus, microbatches) + 1) if gpus % d == 0]
-    space = SearchSpace(dp_degrees=dps, virtual_stages=VIRTUAL_STAGES, attach_encoders=True)
+    space = SearchSpace(dp_degrees=dps, virtual_stages=VIRTUAL_STAGES, attach_encoders=True, in_bubble=True)
     unaware = dataclasses.replace(space, frozen_aware=False)
     out: dict[str, LayoutChoice | None] = {}
     for key, call in (("A", lambda: megatron_even_split(units, costs, gpus, microbatches=microbatches, dp=dp_fixed,
