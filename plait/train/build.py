@@ -17,6 +17,7 @@ from plait.data.chat_template import tokenizer_dir
 from plait.data.loader import MultimodalDataset
 from plait.data.metadata import default_cache_dir
 from plait.data.mixture import mixture_sources
+from plait.models.gemma3 import attends_items
 from plait.models.multimodal import MultimodalModel
 from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.parallel.process_group import DistInfo, init_distributed
@@ -107,6 +108,20 @@ def check_tp_degree(cfg: JobConfig) -> None:
                          "pick a degree that divides its heads") from None
 
 
+def check_item_attention(model: Any, mask: str) -> None:
+    """Refuse a job that would train an LLM whose media tokens attend each other both ways (Gemma 3:
+    ``models.gemma3.attends_items``) with a causal mask: it would compute something else than the model it came from.
+
+    Raises:
+        ValueError: naming ``attention.mask`` and the value to set.
+    """
+    if mask == "causal" and model.encoders and attends_items(model.language_model.config):
+        kind = getattr(model.language_model.config, "model_type", "this LLM")
+        raise ValueError(f"attention.mask = 'causal' with a {kind} LLM: its image tokens attend each other both ways "
+                         "(as transformers runs it with token_type_ids); set attention.mask = 'bidirectional_items' "
+                         "(plait import writes it), or the model trains on another attention than its own")
+
+
 def build_trainer_parts(cfg: JobConfig, info: DistInfo, meta: bool = False) -> TrainerParts:
     """Seed (``train.seed``), then load the tokenizer (``data.tokenizer`` or the LLM's folder, with
     ``data.chat_template``), compose the model (on the meta device when ``meta``),
@@ -114,6 +129,7 @@ def build_trainer_parts(cfg: JobConfig, info: DistInfo, meta: bool = False) -> T
     seed_everything(cfg.train.seed)
     tokenizer = load_tokenizer(tokenizer_dir(cfg.data, cfg.model), cfg.data.chat_template)
     model = build_model(cfg.model, tokenizer, device="meta" if meta else info.device, seed=cfg.train.seed)
+    check_item_attention(model, cfg.attention.mask)
     processor = build_processor(cfg.model, model, tokenizer, cfg.data.max_length)
     train, val = build_datasets(cfg, processor, cfg.metrics.progress and info.is_main)
     return TrainerParts(info, tokenizer, model, processor, train, val)
