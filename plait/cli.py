@@ -12,10 +12,10 @@ answers of a trained model, printed or written as JSONL predictions.
 ``plait energy --config job.toml --devices N [--straggler 1.2] [--gpu h100]``: the time-energy frontier of the job's
 plan and a GPU frequency per action (Perseus): table, frontier plot and frequency plan JSON.
 ``plait launch --config job.toml --nproc N [--f 1]``: resilient training that survives worker failures in place.
-``plait import --from HF_FOLDER --out DIR``: a Hugging Face LLaVA / Qwen2-Audio / Qwen2.5-VL checkpoint as a plait
-model and job.
-``plait export --run RUN --format llava|qwen2_audio|qwen2_5_vl [--out DIR]``: a trained model back as that Hugging
-Face class.
+``plait import --from HF_FOLDER --out DIR``: a Hugging Face LLaVA / Qwen2-Audio / Qwen2.5-VL / Gemma 3 / Qwen3-VL
+checkpoint as a plait model and job.
+``plait export --run RUN --format llava|qwen2_audio|qwen2_5_vl|gemma3|qwen3_vl [--out DIR]``: a trained model back as
+that Hugging Face class.
 """
 
 from __future__ import annotations
@@ -130,6 +130,11 @@ OVERRIDES_HELP = """overrides:
   section path follows the job file ([model.encoders.vision] -> --model.encoders.vision.freeze=true).
   Overrides are applied after the file is read and validated together with it; every field is
   documented in plait/config/schema.py."""
+
+
+EXPORT_FORMATS = ("llava", "qwen2_audio", "qwen2_5_vl", "gemma3", "qwen3_vl")
+"""``plait export --format`` choices: the keys of ``plait.models.hf_io.HF_FORMATS`` (kept here so that parsing loads
+no model code; a test holds them equal)."""
 
 
 def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -324,19 +329,21 @@ def build_parser() -> argparse.ArgumentParser:
     imp = sub.add_parser("import", help="a local Hugging Face LLaVA, Qwen2-Audio or Qwen2.5-VL checkpoint as a plait "
                          "model and a job that fine-tunes it")
     imp.add_argument("--from", dest="source", required=True, help="the checkpoint folder (LlavaForConditionalGeneration"
-                     ", Qwen2AudioForConditionalGeneration or Qwen2_5_VLForConditionalGeneration with its processor "
-                     "and tokenizer files)")
+                     ", Qwen2AudioForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, "
+                     "Gemma3ForConditionalGeneration or Qwen3VLForConditionalGeneration with its processor and "
+                     "tokenizer files)")
     imp.add_argument("--out", required=True, help="folder for model/ (plait's final/ layout) and job.toml")
     imp.add_argument("--train", default="", help="the job's data.train (default: <out>/train.jsonl, to be written)")
     imp.add_argument("--val", default="", help="the job's data.val (default: none)")
     imp.add_argument("--chat-template", default="", help="a Jinja file or committed template name, for a checkpoint "
                      "without a chat template")
-    exp = sub.add_parser("export", help="a trained plait model as a Hugging Face LLaVA, Qwen2-Audio or Qwen2.5-VL "
-                         "checkpoint with its processor")
+    exp = sub.add_parser("export", help="a trained plait model as a Hugging Face LLaVA, Qwen2-Audio, Qwen2.5-VL, "
+                         "Gemma 3 or Qwen3-VL checkpoint with its processor")
     exp.add_argument("--run", required=True, help="the run folder (its final/) or a final/ folder")
-    exp.add_argument("--format", required=True, choices=("llava", "qwen2_audio", "qwen2_5_vl"),
+    exp.add_argument("--format", required=True, choices=EXPORT_FORMATS,
                      help="llava: LlavaForConditionalGeneration; qwen2_audio: Qwen2AudioForConditionalGeneration; "
-                          "qwen2_5_vl: Qwen2_5_VLForConditionalGeneration (projector folded into the merger)")
+                          "qwen2_5_vl: Qwen2_5_VLForConditionalGeneration (projector folded into the merger); "
+                          "gemma3: Gemma3ForConditionalGeneration; qwen3_vl: Qwen3VLForConditionalGeneration")
     exp.add_argument("--out", default=None, help="the checkpoint folder (default: <run>/hf-<format>)")
     return parser
 

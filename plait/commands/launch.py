@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -55,8 +56,9 @@ __all__ = ["NodeRole", "check_launch", "launch_command", "launch_device", "launc
            "worker_command", "worker_main"]
 
 
-def parse_kills(values: Sequence[str]) -> tuple[tuple[int, int], ...]:
-    """``WORKER:STEP`` strings (``--kill``, ``--rejoin``) as pairs.
+def parse_kills(values: Sequence[str], what: str = "WORKER") -> tuple[tuple[int, int], ...]:
+    """``WORKER:STEP`` strings (``--kill``, ``--rejoin``, ``--stop``; ``NODE:STEP`` for ``--kill-node``, ``what``) as
+    pairs.
 
     Raises:
         ValueError: naming a malformed value.
@@ -65,7 +67,7 @@ def parse_kills(values: Sequence[str]) -> tuple[tuple[int, int], ...]:
     for v in values:
         parts = v.split(":")
         if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-            raise ValueError(f"{v!r}: expected WORKER:STEP (two non-negative integers)")
+            raise ValueError(f"{v!r}: expected {what}:STEP (two non-negative integers)")
         out.append((int(parts[0]), int(parts[1])))
     return tuple(out)
 
@@ -102,6 +104,9 @@ def check_launch(cfg, nproc: int, kills: Sequence[tuple[int, int]] = (),
             raise ValueError(f"{flag}: step {', '.join(map(str, late))} is past the job's last step (train.steps = "
                              f"{steps}: the steps are 0..{steps - 1}, 0-based), so it would never happen; pick a "
                              "step in that range or raise --train.steps")
+    if any(n == 0 for n, _ in node_kills):
+        raise ValueError("--kill-node 0: node 0's launcher hosts the membership store, and the job ends with it; "
+                         "kill another node")
     per_node = nproc // nnodes
     deaths = [*kills, *stops, *((w, s) for n, s in node_kills for w in range(n * per_node, (n + 1) * per_node))]
     _check_rejoins(deaths, rejoins)
@@ -288,11 +293,14 @@ class NodeRole:
     store: str = ""
 
     def __post_init__(self) -> None:
-        if self.nnodes < 1 or not 0 <= self.rank < self.nnodes:
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.rank < self.nnodes:
             raise ValueError(f"--node-rank {self.rank} outside 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
         host, _, port = self.store.rpartition(":")
-        if self.store and not (host and port.isdigit()):
-            raise ValueError(f"--store {self.store!r}: expected HOST:PORT, e.g. node0.cluster:29400")
+        if self.store and not (host and ":" not in host and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(f"--store {self.store!r}: expected HOST:PORT with a host name or IPv4 address and a port "
+                             "in 1..65535, e.g. node0.cluster:29400")
         if self.nnodes > 1 and not self.store:
             raise ValueError("--nnodes above 1 needs --store HOST:PORT: where node 0's launcher hosts the membership "
                              "store and the other nodes' launchers and workers reach it")
@@ -325,20 +333,29 @@ def launch_command(config: str | Path, nproc: int, failures: int, overrides: Seq
     world = nproc * node.nnodes
     if nproc < 1 or world < 2:
         raise ValueError(f"a resilient job needs 2 workers or more: --nproc {nproc} on {node.nnodes} node(s)")
+    if failures < 0:
+        raise ValueError(f"--f must be >= 0 (simultaneous failures to survive), got {failures}")
     if hang_s is not None and hang_s <= 0:
-        raise ValueError(f"--hang-timeout must be > 0 seconds, got {hang_s}")
+        raise ValueError(f"--hang-timeout must be > 0 seconds (or 0: never), got {hang_s}")
     cfg = load_config(config, overrides)
     kills_, rejoins_, stops_ = parse_kills(kills), parse_kills(rejoins), parse_kills(stops)
-    node_kills_ = parse_kills(node_kills)
+    node_kills_ = parse_kills(node_kills, "NODE")
     check_launch(cfg, world, kills_, rejoins_, stops_, node_kills_, node.nnodes)
     run_dir = Path(cfg.metrics.run_dir)
     out = run_dir / "resilient"
     workers = list(range(node.rank * nproc, (node.rank + 1) * nproc))
     host, port = node.address()
     if node.rank > 0:  # node 0 checked the run folder, planned, and holds its lock
+        print(f"plait launch: node {node.rank} of {node.nnodes}: waiting (up to 10 minutes) for node 0's plan at "
+              f"{node.store}", flush=True)
         store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=600))
         store.wait(["launch/plan"])
         text = store.get("launch/plan").decode()
+        planned = LaunchPlan.from_json(text)
+        if (planned.nodes, planned.per_node) != (node.nnodes, nproc):
+            raise ValueError(f"node 0 planned {planned.nodes} nodes of {planned.per_node} workers, this launcher has "
+                             f"--nnodes {node.nnodes} --nproc {nproc}: start every node with the same --nnodes and "
+                             "--nproc")
         out.mkdir(parents=True, exist_ok=True)
         if not (out / "launch.json").is_file() or (out / "launch.json").read_text() != text:  # no shared folder
             (out / "launch.json").write_text(text)
@@ -347,6 +364,12 @@ def launch_command(config: str | Path, nproc: int, failures: int, overrides: Seq
               f"{', joining the running job' if joining else ''}", flush=True)
         return _run_node(config, overrides, LaunchPlan.from_json(text), store, node.store, workers, joining,
                          limit_s, hang_s, out)
+    if node.nnodes > 1:
+        try:
+            socket.getaddrinfo(host, port)
+        except OSError as exc:
+            raise ValueError(f"--store {node.store}: the host {host!r} does not resolve here ({exc}); give node 0's "
+                             "host name or address, which every node can reach") from None
     if not overwrite:
         _refuse_earlier_run(run_dir)
     costs = launch_device(cfg, nproc, device)

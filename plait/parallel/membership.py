@@ -66,6 +66,8 @@ class Membership:
         connect_timeout_s: how long opening a store connection may take (seconds). Apart from ``timeout_s``: on a
             loaded host, or at a large job's start, a connection takes longer than a short collective timeout.
         min_members: fewer survivors raise :class:`NoQuorumError`.
+        start_timeout_s: how long :meth:`join` waits for every worker of generation 0 to connect (seconds): the
+            nodes of a job start at different times, so the first group forms only once all are there.
         generation: the current generation (0 at :meth:`join`).
         members: worker ids of the current generation, ascending (``members[rank]`` is that rank's worker).
     """
@@ -79,6 +81,7 @@ class Membership:
     timeout_s: float = 20.0
     connect_timeout_s: float = 60.0
     min_members: int = 1
+    start_timeout_s: float = 600.0
     generation: int = 0
     members: tuple[int, ...] = ()
     _store: dist.TCPStore | None = field(default=None, repr=False)
@@ -114,8 +117,27 @@ class Membership:
         worker."""
         self.connect()
         self.members = tuple(range(self.world))
+        self._await_start()
         self._init_group()
         self._store.set("formed", "1")
+
+    def _await_start(self) -> None:
+        """Wait until every worker of generation 0 has connected: the last to arrive (an atomic count) sets
+        ``start/all``, the others wait on it server-side, so the group's collective timeout only runs once every node
+        is up.
+
+        Raises:
+            NoQuorumError: naming how many arrived, when not all do within ``start_timeout_s``.
+        """
+        if self._store.add("start/arrived", 1) == self.world:
+            self._store.set("start/all", "1")
+        try:
+            self._store.wait(["start/all"], datetime.timedelta(seconds=self.start_timeout_s))
+        except RuntimeError:  # DistStoreError: the wait timed out
+            arrived = self._store.add("start/arrived", 0)
+            raise NoQuorumError(f"worker {self.worker}: {arrived} of {self.world} workers started within "
+                                f"{self.start_timeout_s:g} s; start every node's plait launch (all with the same "
+                                "--nproc and --nnodes)") from None
 
     def _beat(self, store: dist.TCPStore) -> None:
         store.set(f"hb/{self.worker}", repr(time.time()))

@@ -215,6 +215,8 @@ class ResilientWorker:
     """The job's global batch loader (:meth:`train` on)."""
     step: int = 0
     """Steps committed."""
+    asking_since: dict[int, int] = field(default_factory=dict)
+    """Rank 0's record of the step at which each worker outside the job was first seen asking to join."""
 
     @property
     def worker(self) -> int:
@@ -457,15 +459,22 @@ class ResilientWorker:
 
     def _asked(self, step: int) -> list[int]:
         """Workers not planned to rejoin at a later step (``LaunchPlan.rejoins``) that asked to join (a node started
-        again, or a planned joiner too late for its step) and are admitted at the start of ``step``: rank 0 wrote them under ``asked/step<step>`` at the start of the step
-        before (:meth:`Membership.post`), before its vote to commit that step, which every member's commit waited
-        for, so every member reads the same list. Rank 0 then writes the next step's."""
+        again, or a planned joiner too late for its step) and are admitted at the start of ``step``: rank 0 wrote them
+        under ``asked/step<step>`` at the start of the step before (:meth:`Membership.post`), before its vote to
+        commit that step, which every member's commit waited for, so every member reads the same list. Rank 0 then
+        writes the next step's: a node's workers together once all of its absent ones ask (one re-instantiation,
+        not one per worker), or any that has asked for 2 steps."""
         membership = self.membership
         asked = json.loads(membership.posted(f"asked/step{step}") or "[]")
         if membership.rank == 0:  # a planned rejoin waits for its step; one that missed it is admitted as it asks
             planned = {w for w, s in self.plan.rejoins if s > step}
             outside = [w for w in range(membership.world) if w not in planned and w not in asked]
-            membership.post(f"asked/step{step + 1}", json.dumps(membership.joined(outside)))
+            asking = set(membership.joined(outside))
+            self.asking_since = {w: self.asking_since.get(w, step) for w in asking}
+            per = self.plan.per_node
+            ready = [w for w in sorted(asking) if step - self.asking_since[w] >= 2 or all(
+                v in asking or v in membership.members or v in asked for v in range(w // per * per, w // per * per + per))]
+            membership.post(f"asked/step{step + 1}", json.dumps(ready))
         return [w for w in asked if w not in membership.members]
 
     def _apply_rejoin(self, inst: Instantiation, joiners: Sequence[int], run: WorkerRun | None,

@@ -366,3 +366,12 @@ def test_a_prompt_without_placeholders_gets_qwen2_audios_wrapped_placeholder(tmp
     assert torch.equal(auto.input_ids, wrapped.input_ids)
     bos = gen.tokenizer.convert_tokens_to_ids("<|audio_bos|>")
     assert int((auto.input_ids == bos).sum()) == 1
+
+
+def test_the_export_command_offers_every_format_plait_writes():
+    from plait.cli import EXPORT_FORMATS, parse_command_line
+
+    assert EXPORT_FORMATS == tuple(HF_FORMATS)
+    for name in HF_FORMATS:
+        args, _ = parse_command_line(["export", "--run", "r", "--format", name])
+        assert args.format == name

@@ -191,6 +191,11 @@ def test_node_role_checks_its_rank_and_store():
         NodeRole(2, 0)
     with pytest.raises(ValueError, match=r"--store 'node0': expected HOST:PORT"):
         NodeRole(2, 0, "node0")
+    for bad in ("node0:99999", "node0:0", "127.0.0.1:29604:5", "[::1]:29603"):
+        with pytest.raises(ValueError, match=r"expected HOST:PORT with a host name or IPv4 address and a port in "):
+            NodeRole(2, 0, bad)
+    with pytest.raises(ValueError, match=r"--nnodes must be >= 1, got 0"):
+        NodeRole(0, 0)
 
 
 def test_check_launch_counts_a_killed_node_as_the_death_of_its_workers():
@@ -203,6 +208,10 @@ def test_check_launch_counts_a_killed_node_as_the_death_of_its_workers():
         check_launch(cfg, 6, (), (), (), ((2, 1),), nnodes=2)
     with pytest.raises(ValueError, match=r"^--stop: no worker 6 \(the workers are 0..5\)"):
         check_launch(cfg, 6, (), (), ((6, 1),), (), nnodes=2)
+    with pytest.raises(ValueError, match=r"^--kill-node 0: node 0's launcher hosts the membership store"):
+        check_launch(cfg, 6, (), (), (), ((0, 1),), nnodes=2)
+    with pytest.raises(ValueError, match=r"'1:-1': expected NODE:STEP"):
+        parse_kills(["1:-1"], "NODE")
 
 
 def test_on_several_nodes_f_counts_nodes_and_pipelines_keep_a_copy_off_each_node(tmp_path):

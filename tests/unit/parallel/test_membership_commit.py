@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch.distributed as dist
 
-from plait.parallel.membership import Membership
+from plait.parallel.membership import Membership, NoQuorumError
 from tests.distributed.spawning import free_port
 
 DEAD_AFTER_S = 2.0
@@ -120,3 +120,28 @@ def test_post_and_posted_read_without_waiting(members):
     assert m1.posted("asked/step3") is None
     m0.post("asked/step3", "[4, 5]")
     assert m1.posted("asked/step3") == "[4, 5]"
+
+
+def test_generation_0_waits_for_every_worker_to_connect_however_late_its_node_starts():
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    early, late = (Membership("127.0.0.1", port, w, 2, heartbeat_s=0.05, dead_after_s=DEAD_AFTER_S, timeout_s=0.5,
+                              start_timeout_s=30.0) for w in range(2))
+    with ThreadPoolExecutor(1) as pool:
+        early.connect()
+        waiting = pool.submit(early._await_start)
+        time.sleep(1.5)  # three collective timeouts later, the other node's worker connects
+        assert not waiting.done()
+        late.connect()
+        late._await_start()
+        waiting.result(timeout=5)
+    alone = Membership("127.0.0.1", free_port(), 0, 2, heartbeat_s=0.05, dead_after_s=DEAD_AFTER_S, start_timeout_s=0.5)
+    store = dist.TCPStore("127.0.0.1", alone.port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    alone.connect()
+    with pytest.raises(NoQuorumError, match=r"worker 0: 1 of 2 workers started within 0.5 s; start every node's"):
+        alone._await_start()
+    for m in (early, late, alone):
+        m.close()
+    del server, store
