@@ -491,8 +491,8 @@ def report(rate_name: str, rate: float, args: argparse.Namespace, work: Workload
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gpus", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--gpus", type=int, nargs="+", default=[1024, 4096, 16384], help="job sizes (GPUs)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node, the failure domain")
     parser.add_argument("--rates", nargs="+", default=["llama3"], choices=sorted(RATES),
                         help="published failure rates to report (module docstring)")
@@ -501,7 +501,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--failures", type=int, default=2000, help="failures simulated per size")
     parser.add_argument("--model", default="VLM-M", help="the representative model (bench/resilience.py's)")
     parser.add_argument("--plan-gpus", type=int, default=32, help="GPUs plait plans the representative job on")
-    parser.add_argument("--microbatches-per-gpu", type=int, default=2)
+    parser.add_argument("--microbatches-per-gpu", type=int, default=2,
+                        help="microbatches per GPU of the representative job's global batch")
     parser.add_argument("--copy-gbps", type=float, default=25.0, help="GB/s per GPU inter-node for unit copies")
     parser.add_argument("--restart-s", type=float, default=120.0,
                         help="relaunch before reading the checkpoint (s; bench/resilience.py's assumption)")
@@ -510,7 +511,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=10.0,
                         help="membership timeout and heartbeat staleness (s; plait launch's --timeout default)")
     parser.add_argument("--no-measure", action="store_true", help="analytic recovery instead of measuring")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the simulated failure times and nodes")
     args = parser.parse_args(argv)
     rates = {"given": args.per_gpu_rate} if args.per_gpu_rate else {k: RATES[k] for k in args.rates}
     print(f"Llama 3 (Meta 2024, 3.3.4): 419 interruptions / (54 d x 24 h x 16384 GPUs) = {LLAMA3_RATE:.3e} "

@@ -120,8 +120,10 @@ def format_plan(choice: LayoutChoice) -> str:
     else:
         lines = _stage_rows(choice, size, decimals, unit)
     counts = ", ".join(f"{m} {s}" for m, s in choice.stages_per_module)
-    shape = (f"layout {choice.layout}, DP {choice.dp} x {plan.num_ranks} pipeline ranks" if plan.num_ranks > 1
-             else f"no pipeline (the whole model on each rank), DP {choice.dp}")
+    dp = (f"DP {choice.dp} (dp {choice.dp // choice.dp_shard} x FSDP2 dp_shard {choice.dp_shard})"
+          if choice.dp_shard > 1 else f"DP {choice.dp}")
+    shape = (f"layout {choice.layout}, {dp} x {plan.num_ranks} pipeline ranks" if plan.num_ranks > 1
+             else f"no pipeline (the whole model on each rank), {dp}")
     shape += f" x TP {choice.tp}" if choice.tp > 1 else ""
     lines += [
         f"{shape} = {choice.devices_used} of {choice.devices} devices"
