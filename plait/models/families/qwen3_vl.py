@@ -34,9 +34,8 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
 from transformers.vision_utils import (get_vision_attention_seqlens, get_vision_interpolation_indices_and_weights,
                                        get_vision_position_ids)
 
-from plait.models.families.base import EncoderInputCheck, EncoderLayout, VisionFamily, config_field, positive_field
-from plait.models.families.qwen2_5_vl import (Qwen25VLFeatureCount, check_qwen2_5_vl_processor, patch_values,
-                                              qwen2_5_vl_inputs)
+from plait.models.families.base import EncoderLayout, config_field, positive_field
+from plait.models.families.qwen2_5_vl import Qwen25VLFamily, Qwen25VLFeatureCount, patch_values
 
 __all__ = ["FAMILY", "MODEL_TYPES", "ENCODER_CLASS", "MAX_PIXELS", "Qwen3VLCall", "Qwen3VLTextForCausalLM",
            "deepstack_count", "qwen3_vl_dummy_input"]
@@ -143,8 +142,10 @@ class Qwen3VLTextForCausalLM(Qwen3ForCausalLM):
 transformers.AutoModelForCausalLM.register(Qwen3VLTextConfig, Qwen3VLTextForCausalLM, exist_ok=True)
 
 
-class Qwen3VLFamily(VisionFamily):
-    """Qwen3-VL: every image's patches packed into one call, merged 2x2, with DeepStack features appended."""
+class Qwen3VLFamily(Qwen25VLFamily):
+    """Qwen3-VL: every image's patches packed into one call, merged 2x2, with DeepStack features appended. As
+    Qwen2.5-VL (:class:`~plait.models.families.qwen2_5_vl.Qwen25VLFamily`: processor, packing, input checks) but its
+    tower, call, feature count, dummy input, video refusal and architecture facts."""
 
     name = "Qwen3-VL"
     model_types = MODEL_TYPES
@@ -156,32 +157,12 @@ class Qwen3VLFamily(VisionFamily):
     layer_class = "Qwen3VLVisionBlock"
     layer_refusal = ("the Qwen3-VL tower's DeepStack mergers read blocks inside the tower and their features leave "
                      "with the merger's: keep the tower's units (embedding, blocks, merger) in one pipeline stage")
-    pooled_output = True
-    image_processor = "Qwen2VLImageProcessorPil"
-    packed = True
-    packed_what = "image grids"
 
     def image_feature_count(self, config: Any, select: str) -> Qwen25VLFeatureCount:
         return Qwen25VLFeatureCount(int(config.spatial_merge_size), MAX_PIXELS // int(config.patch_size) ** 2)
 
-    def feature_size(self, config: Any, hidden: int, downsample: int) -> int:
-        """The merger's output width ``out_hidden_size`` (the projector's input; DeepStack chunks pass by it)."""
-        return int(config.out_hidden_size)
-
     def dummy_input(self, config: Any, dtype: torch.dtype, device: torch.device | str | None) -> dict[str, Any]:
         return qwen3_vl_dummy_input(config, dtype, device)
-
-    def check_processor(self, processor: Any, config: Any) -> None:
-        check_qwen2_5_vl_processor(processor, config)
-
-    def processor_defaults(self, config: Any, kwargs: dict[str, Any]) -> None:
-        """The tower's patch, temporal patch and merge sizes, unless set."""
-        kwargs.setdefault("patch_size", int(config.patch_size))
-        kwargs.setdefault("temporal_patch_size", int(config.temporal_patch_size))
-        kwargs.setdefault("merge_size", int(config.spatial_merge_size))
-
-    def input_check(self, config: Any) -> EncoderInputCheck:
-        return EncoderInputCheck("image", int(config.in_channels), patch_values(config))
 
     def video_encoding(self, config: Any) -> Any:
         """Refused: Qwen3-VL writes each temporal patch of a video as its own run of tokens after a timestamp
@@ -193,14 +174,6 @@ class Qwen3VLFamily(VisionFamily):
         raise ValueError("Qwen3-VL video records need a timestamp and <|vision_start|> ... <|vision_end|> around "
                          "each temporal patch, which plait's video placeholder does not write; give videos as "
                          "their temporal patches' images")
-
-    def packed_inputs(self, inputs: dict[str, Any]) -> dict[str, Any] | None:
-        return qwen2_5_vl_inputs(inputs["pixel_values"], inputs["image_grid_thw"])
-
-    def packed_features(self, hidden: torch.Tensor, inputs: dict[str, Any], downsample: int
-                        ) -> tuple[torch.Tensor, list[tuple[int, ...]]]:
-        """The one call's merged and DeepStack features in image order; sizes: the images' ``(t, h, w)`` grids."""
-        return hidden, [tuple(int(g) for g in grid) for grid in inputs["image_grid_thw"]]
 
     def arch_fields(self, config: Any) -> dict[str, Any]:
         """A Conv3d patch embedding with bias over ``T x p x p``, LayerNorms, a plain GELU MLP, full attention per

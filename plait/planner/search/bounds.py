@@ -286,10 +286,7 @@ def attached_stream(parts: Partitions, dp: int, devices: int, microbatches: int,
     model = parts.model
     nb, pipe = -(-microbatches // dp), devices // dp
     top = min(model.size(LLM_MODULE) // v, pipe)
-    spans = [model.span[m] for m in model.encoders]
-    enc_f = sum(model.total("F", a, b) for a, b in spans)
-    enc_w = sum(model.total("W", a, b) for a, b in spans)
-    enc_static = sum(model.total("S", a, b) + model.total("A", a, b) for a, b in spans)
+    enc_f, enc_w, enc_static = _encoder_sums(model)
     bounds, rows = [], []
     for p in range(2, top + 1):
         ranges = parts.cyclic(p, v) if v > 1 else parts.fitted(LLM_MODULE, p, in_flight(p, 0, nb))
@@ -314,6 +311,14 @@ def attached_stream(parts: Partitions, dp: int, devices: int, microbatches: int,
                    attached=True)
 
 
+def _encoder_sums(model: Any) -> tuple[float, float, float]:
+    """Every encoder's forward seconds, work seconds (forward + backward) and static + activation bytes, summed: one
+    stage holding them all (attached or in the bubbles)."""
+    spans = [model.span[m] for m in model.encoders]
+    return (sum(model.total("F", a, b) for a, b in spans), sum(model.total("W", a, b) for a, b in spans),
+            sum(model.total("S", a, b) + model.total("A", a, b) for a, b in spans))
+
+
 def in_bubble_stream(parts: Partitions, dp: int, devices: int, microbatches: int, p2p: P2PModel) -> Stream | None:
     """Candidates with the encoders one stage on the last LLM rank (layout ``encoders_colocated``; placement
     ``plan.stage_ranks(1, p, in_bubble=True)``: the encoders' work in that rank's warm-up and drain bubbles, after
@@ -324,10 +329,7 @@ def in_bubble_stream(parts: Partitions, dp: int, devices: int, microbatches: int
     model = parts.model
     nb, pipe = -(-microbatches // dp), devices // dp
     top = min(model.size(LLM_MODULE), pipe)
-    spans = [model.span[m] for m in model.encoders]
-    enc_f = sum(model.total("F", a, b) for a, b in spans)
-    enc_w = sum(model.total("W", a, b) for a, b in spans)
-    enc_static = sum(model.total("S", a, b) + model.total("A", a, b) for a, b in spans)
+    enc_f, enc_w, enc_static = _encoder_sums(model)
     bounds, rows = [], []
     for p in range(2, top + 1):
         ranges = parts.fitted(LLM_MODULE, p, in_flight(p, 0, nb))

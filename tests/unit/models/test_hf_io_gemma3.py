@@ -7,14 +7,12 @@ exported model, fed by its own processor, generates the tokens ``plait generate`
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import transformers as T
 from PIL import Image
-from safetensors.torch import load_file
 
 from plait.commands.export_hf import export_checkpoint
 from plait.commands.import_hf import import_checkpoint
@@ -22,16 +20,10 @@ from plait.config.loader import load_config
 from plait.data.collate import collate
 from plait.models.generation import Generator, Prompt, greedy_token_ids
 from tests.helpers.gemma3 import save_gemma3
+from tests.helpers.safetensors_files import assert_same_tensors
 
 ITEM = "\n\n<start_of_image><image_soft_token><end_of_image>\n\n"
 """One image as Gemma3Processor expands ``<start_of_image>`` (the soft token is plait's placeholder)."""
-
-
-def _same_tensors(a: Path, b: Path) -> None:
-    left, right = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
-    assert sorted(left) == sorted(right)
-    for key in left:
-        assert left[key].dtype == right[key].dtype and torch.equal(left[key], right[key]), key
 
 
 @pytest.mark.parametrize("dtype,tied", [(torch.float32, False), (torch.bfloat16, True)])
@@ -45,7 +37,7 @@ def test_import_export_round_trip_is_bit_identical(tmp_path, dtype, tied):
         == {"select": "post_norm", "downsample": 2, "projector": "gemma3", "feature_layer": -1}
     assert load_config(job).attention.mask == "bidirectional_items"
     out = export_checkpoint(model_dir, "gemma3", tmp_path / "exported")
-    _same_tensors(src, out)
+    assert_same_tensors(src, out)
     mine = json.loads((out / "config.json").read_text())
     fields = ("image_token_index", "boi_token_index", "eoi_token_index", "mm_tokens_per_image", "tie_word_embeddings")
     assert {k: mine[k] for k in fields} == {k: theirs[k] for k in fields}

@@ -35,6 +35,7 @@ from tests.helpers.jobs import write_jsonl
 from tests.media import write_video
 from tests.unit.commands.tiny_hf_checkpoints import save_qwen2_5_vl
 from tests.helpers.hf_io_qwen2_5_vl import PAD, hf_inputs
+from tests.helpers.safetensors_files import assert_same_tensors
 
 
 def _images(folder: Path, sizes=((60, 90), (100, 150))) -> list[str]:
@@ -123,13 +124,6 @@ def test_imported_logits_equal_hf_with_its_own_multimodal_positions(imported):
     assert (one_d - stock).abs().max() > 1e-3  # 1-D positions would not do
 
 
-def _same_tensors(a: Path, b: Path) -> None:
-    left, right = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
-    assert sorted(left) == sorted(right)
-    for key in left:
-        assert left[key].dtype == right[key].dtype and torch.equal(left[key], right[key]), key
-
-
 @pytest.mark.parametrize("dtype,tied", [(torch.float32, False), (torch.bfloat16, True)])
 def test_import_export_round_trip_is_bit_identical(tmp_path, dtype, tied):
     src = save_qwen2_5_vl(tmp_path / "src", dtype=dtype, tied=tied)
@@ -140,7 +134,7 @@ def test_import_export_round_trip_is_bit_identical(tmp_path, dtype, tied):
     assert settings["encoders"]["vision"]["projector"] == "linear"
     assert "--format qwen2_5_vl" in job.read_text() and "\nfreeze_projector = true  # the identity" in job.read_text()
     out = export_checkpoint(model_dir, "qwen2_5_vl", tmp_path / "exported")
-    _same_tensors(src, out)
+    assert_same_tensors(src, out)
     mine, theirs = (json.loads((f / "config.json").read_text()) for f in (out, src))
     fields = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "tie_word_embeddings")
     assert {k: mine[k] for k in fields} == {k: theirs[k] for k in fields}

@@ -7,12 +7,10 @@ greedily (DeepStack and M-RoPE included)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 import transformers as T
-from safetensors.torch import load_file
 
 from plait.commands.export_hf import export_checkpoint
 from plait.commands.import_hf import import_checkpoint
@@ -20,13 +18,7 @@ from plait.data.collate import Batch
 from plait.models.generation import greedy_token_ids
 from plait.models.multimodal import MultimodalModel
 from tests.helpers.qwen3_vl import END, IMAGE, START, VIDEO, rows, save_qwen3_vl
-
-
-def _same_tensors(a: Path, b: Path) -> None:
-    left, right = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
-    assert sorted(left) == sorted(right)
-    for key in left:
-        assert left[key].dtype == right[key].dtype and torch.equal(left[key], right[key]), key
+from tests.helpers.safetensors_files import assert_same_tensors
 
 
 @pytest.mark.parametrize("dtype,tied", [(torch.float32, False), (torch.bfloat16, True)])
@@ -38,7 +30,7 @@ def test_import_export_round_trip_is_bit_identical(tmp_path, dtype, tied):
     assert settings["placeholder_ids"] == {"vision": theirs["image_token_id"]}
     assert "--format qwen3_vl" in job.read_text()
     out = export_checkpoint(model_dir, "qwen3_vl", tmp_path / "exported")
-    _same_tensors(src, out)
+    assert_same_tensors(src, out)
     mine = json.loads((out / "config.json").read_text())
     fields = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "tie_word_embeddings")
     assert {k: mine[k] for k in fields} == {k: theirs[k] for k in fields}
