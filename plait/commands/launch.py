@@ -41,12 +41,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from plait.models.device import host_cpu_threads
+from plait.parallel.membership import closed, forget_process, last_beat
 from plait.models.plan_inputs import build_plan_inputs, device_spec
 from plait.measure.host_costs import RuntimeCosts, host_cpu, runtime_costs
 from plait.config.loader import load_config
 from plait.planner.cost.types import DeviceSpec
 from plait.planner.search.types import Machine
-from plait.planner.resilience.templates import instantiate, plan_instantiation, plan_templates, units_on_few_domains
+from plait.planner.resilience.templates import (instantiate, node_domains, plan_instantiation, plan_templates,
+                                                units_on_few_domains)
 from plait.train.faults import node_pids_key
 from plait.train.resilient import LaunchPlan, run_resilient_worker
 from plait.train.run_lock import hold_run_lock
@@ -107,8 +109,8 @@ def check_launch(cfg, nproc: int, kills: Sequence[tuple[int, int]] = (),
     if any(n == 0 for n, _ in node_kills):
         raise ValueError("--kill-node 0: node 0's launcher hosts the membership store, and the job ends with it; "
                          "kill another node")
-    per_node = nproc // nnodes
-    deaths = [*kills, *stops, *((w, s) for n, s in node_kills for w in range(n * per_node, (n + 1) * per_node))]
+    domains = node_domains(nproc, nnodes) or {}
+    deaths = [*kills, *stops, *((w, s) for n, s in node_kills for w, d in domains.items() if d == n)]
     _check_rejoins(deaths, rejoins)
 
 
@@ -179,7 +181,7 @@ def launch_plan(cfg, nproc: int, failures: int, pipelines: Sequence[int] = (), t
                       overheads=costs.overheads)
     templates = plan_templates(inputs.units, inputs.costs, nproc, failures, microbatches=inputs.microbatches,
                                machine=machine)
-    domains = None if nodes == 1 else {w: w // (nproc // nodes) for w in range(nproc)}
+    domains = node_domains(nproc, nodes)
     if domains is not None and nodes < failures + 1:
         raise ValueError(f"--f {failures} counts nodes on a job of several: {nodes} nodes cannot hold "
                          f"{failures + 1} copies of every unit on different nodes; lower --f or add nodes")
@@ -224,8 +226,7 @@ def _wait(procs: dict[int, subprocess.Popen], store: dist.TCPStore, limit_s: flo
     deadline = None if limit_s is None else time.monotonic() + limit_s
     while any(c is None for c in codes.values()):
         for w, p in procs.items():
-            if (codes[w] is None and hang_s is not None and p.poll() is None and p.returncode is None
-                    and (age := _silent_s(store, w)) > hang_s):
+            if codes[w] is None and hang_s is not None and p.poll() is None and (age := _silent_s(store, w)) > hang_s:
                 p.kill()
                 p.wait()
                 print(f"plait launch: worker {w} sent no heartbeat for {age:.1f} s (--hang-timeout {hang_s:g}): "
@@ -250,12 +251,10 @@ def _wait(procs: dict[int, subprocess.Popen], store: dist.TCPStore, limit_s: flo
 
 
 def _silent_s(store: dist.TCPStore, worker: int) -> float:
-    """Seconds since ``worker``'s last heartbeat; 0 before its first (it is starting) and after it closed its
-    membership (it is finishing)."""
-    beat = f"hb/{worker}"
-    if not store.check([beat]) or store.check([f"closed/{worker}"]):
-        return 0.0
-    return time.time() - float(store.get(beat).decode())
+    """Seconds since ``worker``'s last heartbeat (``membership.last_beat``); 0 before its first (it is starting) and
+    after it closed its membership (it is finishing)."""
+    beat = last_beat(store, worker)
+    return 0.0 if beat is None or closed(store, worker) else time.time() - beat
 
 
 def _refuse_earlier_run(run_dir: Path) -> None:
@@ -362,8 +361,7 @@ def launch_command(config: str | Path, nproc: int, failures: int, overrides: Seq
         joining = store.check(["formed"])
         print(f"plait launch: node {node.rank} of {node.nnodes}: workers {workers[0]}..{workers[-1]}"
               f"{', joining the running job' if joining else ''}", flush=True)
-        return _run_node(config, overrides, LaunchPlan.from_json(text), store, node.store, workers, joining,
-                         limit_s, hang_s, out)
+        return _run_node(config, overrides, planned, store, node.store, workers, joining, limit_s, hang_s, out)
     if node.nnodes > 1:
         try:
             socket.getaddrinfo(host, port)
@@ -384,12 +382,13 @@ def launch_command(config: str | Path, nproc: int, failures: int, overrides: Seq
         if overwrite:
             clear_earlier_run(run_dir, True, 1, overwrite=True)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "launch.json").write_text(plan.to_json())
+        text = plan.to_json()
+        (out / "launch.json").write_text(text)
         nodes = f" on {node.nnodes} nodes of {nproc}" if node.nnodes > 1 else ""
         print(f"plait launch: {world} workers{nodes}, f = {failures}: {plan.instantiation.describe()}", flush=True)
         store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=60))
-        store.set("launch/plan", plan.to_json())
+        store.set("launch/plan", text)
         address = node.store or f"127.0.0.1:{store.port}"
         return _run_node(config, overrides, plan, store, address, workers, False, limit_s, hang_s, out)
 
@@ -402,8 +401,7 @@ def _run_node(config: str | Path, overrides: Sequence[str], plan: LaunchPlan, st
     world = plan.templates.num_ranks
 
     def start(w: int, again: bool) -> subprocess.Popen:
-        store.delete_key(f"hb/{w}")  # an earlier process's silence is not this one's
-        store.delete_key(f"closed/{w}")
+        forget_process(store, w)
         return subprocess.Popen(worker_command(config, overrides, w, world, address, joining=again))
 
     procs = {w: start(w, joining) for w in workers}

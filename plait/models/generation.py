@@ -19,7 +19,6 @@ records of plait's data format, processed by the caller) into text.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass

@@ -44,7 +44,25 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-__all__ = ["Membership", "NoQuorumError"]
+__all__ = ["Membership", "NoQuorumError", "closed", "forget_process", "last_beat"]
+
+
+def last_beat(store: dist.Store, worker: int) -> float | None:
+    """The wall-clock time (``time.time()``, seconds) of ``worker``'s last heartbeat in ``store``; None before its
+    first (or after its launcher removed it, :func:`forget_process`)."""
+    return float(store.get(f"hb/{worker}").decode()) if store.check([f"hb/{worker}"]) else None
+
+
+def closed(store: dist.Store, worker: int) -> bool:
+    """Whether ``worker`` closed its membership (:meth:`Membership.close`: a clean exit, its heartbeat stopped)."""
+    return store.check([f"closed/{worker}"])
+
+
+def forget_process(store: dist.Store, worker: int) -> None:
+    """Remove ``worker``'s heartbeat marks before a new process of it starts: the previous process's silence is not
+    the new one's (its launcher calls this; :meth:`Membership._gone` then counts the old process gone)."""
+    store.delete_key(f"hb/{worker}")
+    store.delete_key(f"closed/{worker}")
 
 
 class NoQuorumError(RuntimeError):
@@ -152,9 +170,6 @@ class Membership:
         dist.init_process_group("gloo", store=prefix, rank=self.rank, world_size=len(self.members),
                                 timeout=datetime.timedelta(seconds=self.timeout_s))
 
-    def _last_beat(self, worker: int) -> float:
-        return float(self._store.get(f"hb/{worker}").decode())
-
     def reform(self) -> tuple[int, ...]:
         """After a failed collective: agree with the other survivors on the next generation's members and
         re-form the default process group over them. Returns the workers that left.
@@ -209,7 +224,8 @@ class Membership:
         start a new process); or no heartbeat for ``dead_after_s``."""
         if any(self._store.check([f"{key}/{worker}"]) for key in ("dead", "join")):
             return True
-        return not self._store.check([f"hb/{worker}"]) or time.time() - self._last_beat(worker) > self.dead_after_s
+        beat = last_beat(self._store, worker)
+        return beat is None or time.time() - beat > self.dead_after_s
 
     def commit(self, tag: str, ready: bool = True) -> bool:
         """Two-phase commit through the store of what ``tag`` names (``"step<k>"``: step ``k``'s optimizer step;

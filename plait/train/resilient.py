@@ -70,6 +70,7 @@ from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.unit_transfer import move_units, unit_parameter_names
 from plait.planner.microbatch import MicrobatchPlan
 from plait.planner.resilience.reconfigure import plan_reconfiguration, plan_rejoin
+from plait.planner.resilience.templates import node_domains
 from plait.planner.resilience.types import Instantiation, Reconfiguration, TemplateSet, Transfer
 from plait.planner.pipeline.schedule_ir import Schedule
 from plait.planner.pipeline.schedules import build_schedule
@@ -129,9 +130,14 @@ class LaunchPlan:
         """Workers per node."""
         return self.templates.num_ranks // self.nodes
 
+    def node_workers(self, worker: int) -> range:
+        """The worker ids of ``worker``'s node (numbered node by node), itself included."""
+        first = worker // self.per_node * self.per_node
+        return range(first, first + self.per_node)
+
     def domains(self) -> dict[int, int] | None:
-        """Worker id -> node, the failure domains (None on one node)."""
-        return None if self.nodes == 1 else {w: w // self.per_node for w in range(self.templates.num_ranks)}
+        """Worker id -> node, the failure domains (``templates.node_domains``; None on one node)."""
+        return node_domains(self.templates.num_ranks, self.nodes)
 
     def to_json(self) -> str:
         """The plan as JSON (templates and instantiation by their own ``to_dict``)."""
@@ -301,7 +307,7 @@ class ResilientWorker:
         """One step: gradients, the two-phase commit (``Membership.commit``), then the optimizer step at the LR
         schedule's step. Returns ``(loss, lr, gradient norm)``, or None when the step is abandoned (a peer failed
         during it, here or on another member): then no member applied it."""
-        node = [w for w in self.membership.members if w // self.plan.per_node == self.worker // self.plan.per_node]
+        node = [w for w in self.plan.node_workers(self.worker) if w in self.membership.members]
         hook = self.faults.arm(step, node) if self.faults is not None else None
         try:
             loss, norm = self._gradients(run, indices, targets, step)
@@ -471,9 +477,8 @@ class ResilientWorker:
             outside = [w for w in range(membership.world) if w not in planned and w not in asked]
             asking = set(membership.joined(outside))
             self.asking_since = {w: self.asking_since.get(w, step) for w in asking}
-            per = self.plan.per_node
             ready = [w for w in sorted(asking) if step - self.asking_since[w] >= 2 or all(
-                v in asking or v in membership.members or v in asked for v in range(w // per * per, w // per * per + per))]
+                v in asking or v in membership.members or v in asked for v in self.plan.node_workers(w))]
             membership.post(f"asked/step{step + 1}", json.dumps(ready))
         return [w for w in asked if w not in membership.members]
 

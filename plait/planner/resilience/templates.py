@@ -38,7 +38,8 @@ from plait.planner.search.model import Costs, allreduce_s, cost_list
 from plait.planner.resilience.types import Instantiation, PipelineInstance, PipelineTemplate, TemplateSet, UnitBytes
 from plait.planner.types import Unit
 
-__all__ = ["distribute_microbatches", "instantiate", "plan_instantiation", "plan_templates", "units_on_few_domains"]
+__all__ = ["distribute_microbatches", "instantiate", "node_domains", "plan_instantiation", "plan_templates",
+           "units_on_few_domains"]
 
 BEAM = 12
 """Partial pipeline sets kept per (ranks used, pipelines) state of :func:`plan_instantiation`'s search."""
@@ -215,6 +216,13 @@ def _groups(ranks: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
     """``ranks`` cut into consecutive groups of ``sizes``."""
     starts = list(itertools.accumulate(sizes, initial=0))
     return [list(ranks[a:a + n]) for a, n in zip(starts, sizes)]
+
+
+def node_domains(num_ranks: int, nodes: int) -> dict[int, int] | None:
+    """Rank -> node of ``num_ranks`` ranks numbered node by node over ``nodes`` nodes of ``num_ranks / nodes`` each
+    (the failure domains of :func:`plan_instantiation`); None on one node."""
+    per_node = num_ranks // nodes
+    return None if nodes == 1 else {r: r // per_node for r in range(num_ranks)}
 
 
 def units_on_few_domains(inst: Instantiation, domains: Mapping[int, int], copies: int) -> tuple[str, ...]:
