@@ -38,7 +38,7 @@ from plait.models.families.base import EncoderLayout, config_field, positive_fie
 from plait.models.families.qwen2_5_vl import Qwen25VLFamily, Qwen25VLFeatureCount, patch_values
 
 __all__ = ["FAMILY", "MODEL_TYPES", "ENCODER_CLASS", "MAX_PIXELS", "Qwen3VLCall", "Qwen3VLTextForCausalLM",
-           "deepstack_count", "qwen3_vl_dummy_input"]
+           "RefusedVideos", "deepstack_count", "qwen3_vl_dummy_input"]
 
 MODEL_TYPES = {"qwen3_vl_vision": None, "qwen3_vl": "vision_config"}
 ENCODER_CLASS = "Qwen3VLVisionModel"
@@ -142,6 +142,28 @@ class Qwen3VLTextForCausalLM(Qwen3ForCausalLM):
 transformers.AutoModelForCausalLM.register(Qwen3VLTextConfig, Qwen3VLTextForCausalLM, exist_ok=True)
 
 
+class RefusedVideos:
+    """The video encoding of Qwen3-VL (``plait.data.video.VideoEncoding``) that refuses every video: Qwen3-VL writes
+    each temporal patch of a video as its own run of tokens after a timestamp (``<t seconds><|vision_start|>...
+    <|vision_end|>``), which plait's video placeholder does not produce.
+
+    Raises:
+        ValueError: from :meth:`items` and :meth:`sizes` (the data pipeline names the record and field).
+    """
+
+    MESSAGE = ("Qwen3-VL video records need a timestamp and <|vision_start|> ... <|vision_end|> around each temporal "
+               "patch, which plait's video placeholder does not write; give videos as their temporal patches' images")
+
+    def items(self, hf_processor: Any, frames: Any) -> list:
+        raise ValueError(self.MESSAGE)
+
+    def timing(self, fps: float) -> dict[str, float]:
+        return {}
+
+    def sizes(self, frames: int, frame_size: Any) -> list:
+        raise ValueError(self.MESSAGE)
+
+
 class Qwen3VLFamily(Qwen25VLFamily):
     """Qwen3-VL: every image's patches packed into one call, merged 2x2, with DeepStack features appended. As
     Qwen2.5-VL (:class:`~plait.models.families.qwen2_5_vl.Qwen25VLFamily`: processor, packing, input checks) but its
@@ -165,15 +187,8 @@ class Qwen3VLFamily(Qwen25VLFamily):
         return qwen3_vl_dummy_input(config, dtype, device)
 
     def video_encoding(self, config: Any) -> Any:
-        """Refused: Qwen3-VL writes each temporal patch of a video as its own run of tokens after a timestamp
-        (``<t seconds><|vision_start|>...<|vision_end|>``), which plait's video records do not produce.
-
-        Raises:
-            ValueError: always.
-        """
-        raise ValueError("Qwen3-VL video records need a timestamp and <|vision_start|> ... <|vision_end|> around "
-                         "each temporal patch, which plait's video placeholder does not write; give videos as "
-                         "their temporal patches' images")
+        """:class:`RefusedVideos`: a job builds, and a record with a video is refused when it is read."""
+        return RefusedVideos()
 
     def arch_fields(self, config: Any) -> dict[str, Any]:
         """A Conv3d patch embedding with bias over ``T x p x p``, LayerNorms, a plain GELU MLP, full attention per
