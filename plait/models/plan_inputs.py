@@ -5,7 +5,9 @@ from them on the meta device (:func:`job_units`).
 
 Workload assumed per microbatch: ``train.microbatch_size`` sequences of ``data.max_length`` LLM tokens (an upper
 bound: padding to the longest), each with ``items_per_sample`` items per encoder at the encoder's native size
-(vision: its ``image_size`` patches; audio: its ``max_source_positions`` frames).
+(vision: its ``image_size`` patches; a native-resolution tower with a patch merger, Qwen2.5-VL's or Qwen3-VL's: the
+largest image its job's processor keeps, :func:`max_pixels`, else one attention window; audio: its
+``max_source_positions`` frames).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from plait.planner.cost.types import DeviceSpec, MicrobatchShape
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
 __all__ = ["DEVICES", "MODEL_UNITS", "PlanInputs", "build_plan_inputs", "device_spec", "encoder_arch", "job_units",
-           "model_parts", "pixel_shuffle_patches", "plan_configs"]
+           "max_pixels", "model_parts", "pixel_shuffle_patches", "plan_configs"]
 
 MODEL_UNITS = "model"
 """``PlanInputs.unit_source`` of units that are the job model's own (:func:`job_units`)."""
@@ -178,6 +180,9 @@ def model_parts(cfg: Any) -> tuple[dict[str, Any], dict[str, bool], dict[str, in
         shuffled = downsample > 1 and family is not None and family.pixel_shuffle
         pooled = downsample > 1 and family is not None and getattr(family, "average_pool", False)  # 2-D blocks
         arch = encoder_arch(hf_config, pixel_shuffle_patches(downsample) if shuffled or pooled else downsample)
+        largest = max_pixels(enc.processor)
+        if arch.merger != (0, 0) and largest:  # native-resolution towers: an item is its largest image
+            arch = dataclasses.replace(arch, item_len=largest // arch.patch[1] ** 2)
         configs[name] = arch
         configs[f"{name}.projector"] = {"kind": settings.get("projector", enc.projector)}
         if shuffled:
@@ -193,6 +198,24 @@ def model_parts(cfg: Any) -> tuple[dict[str, Any], dict[str, bool], dict[str, in
     configs["llm"] = _hf_config(llm_path, fields, "model.llm")
     frozen["llm"] = model.llm.freeze
     return configs, frozen, dropped
+
+
+def max_pixels(processor: Mapping[str, Any]) -> int:
+    """The largest image (pixels) a job's ``[model.encoders.<name>.processor]`` table lets a native-resolution
+    processor keep (``max_pixels``, or ``size.longest_edge`` as transformers' Qwen2-VL processors name it); 0 when it
+    sets neither. The planner sizes such a tower's item as that image (``max_pixels / patch^2`` patches), an upper
+    bound as ``data.max_length`` is for the text.
+
+    Raises:
+        ValueError: on a value that is not a positive integer (naming the field).
+    """
+    size = processor.get("size")
+    value = processor.get("max_pixels", size.get("longest_edge") if isinstance(size, Mapping) else None)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"processor.max_pixels must be a positive integer (pixels), got {value!r}")
+    return value
 
 
 def _pretrained_meta(directory: str) -> dict[str, Any]:

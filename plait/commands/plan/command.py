@@ -250,7 +250,8 @@ def plan_command(
         fill = "" if choice.devices_used % gpus_per_node == 0 else \
             f" (the last one runs {choice.devices_used % gpus_per_node}: torchrun needs the same count on every node)"
         print(f"plait plan: {choice.devices_used} processes on nodes of {gpus_per_node}: {nodes} nodes{fill}; start "
-              "one torchrun per node with --nnodes and --node_rank (docs/parallelism.md, Several nodes)", file=stream)
+              f"one torchrun per node (the command below, NODE_RANK=0..{nodes - 1}, MASTER_ADDR=node 0's address; "
+              "docs/parallelism.md, Several nodes)", file=stream)
     if choice.dp_shard > 1:
         print(fsdp_line(inputs.units, inputs.costs, choice, setup.machine.shard_link), file=stream)
     print(format_lora_units(inputs.units), end="", file=stream)
@@ -258,7 +259,8 @@ def plan_command(
     if snippet is None:
         print(f"no [parallel.pp] snippet: {why} (no job tables, no command to run)", file=stream)
     else:
-        command = run_command(config_path, overrides, cfg, choice, inputs.units)
+        whole = not gpus_per_node or choice.devices_used <= gpus_per_node or choice.devices_used % gpus_per_node == 0
+        command = run_command(config_path, overrides, cfg, choice, inputs.units, gpus_per_node if whole else 0)
         print(f"to run this plan, put these tables in the job file:\n{snippet}"
               f"or run it as printed (the same settings as overrides):\n  {command}", file=stream)
     if out_json is not None:

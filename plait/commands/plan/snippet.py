@@ -119,18 +119,29 @@ def _override_value(value: Any) -> str:
 
 
 def run_command(config_path: str | Path, overrides: Sequence[str], cfg: Any, choice: LayoutChoice,
-                units: Sequence[Unit]) -> str:
+                units: Sequence[Unit], gpus_per_node: int = 0) -> str:
     """The shell command that trains the job with ``choice`` as printed: ``plait train --config JOB ...`` for one
     process, else ``torchrun --nproc_per_node N -m plait.cli train --config JOB ...`` (``N = choice.devices_used``,
-    one node), with the planning ``overrides`` and then :func:`plan_overrides`, each argument shell-quoted.
+    one node), with the planning ``overrides`` and then :func:`plan_overrides`, each argument shell-quoted. With
+    more processes than ``gpus_per_node`` (> 0) it is the command of one node of ``N / gpus_per_node`` (torchrun's
+    ``--nnodes``, ``--nproc_per_node gpus_per_node``), its node rank and node 0's address left to the shell
+    variables ``$NODE_RANK`` and ``$MASTER_ADDR`` (docs/parallelism.md, Several nodes).
 
     Raises:
-        ValueError: as :func:`plan_overrides`.
+        ValueError: as :func:`plan_overrides`, or when the processes do not fill whole nodes (torchrun starts the
+            same count on every node).
     """
     processes = choice.devices_used
-    head = ["plait", "train"] if processes == 1 else ["torchrun", "--nproc_per_node", str(processes), "-m",
-                                                      "plait.cli", "train"]
-    args = head + ["--config", str(config_path), *overrides, *plan_overrides(cfg, choice, units)]
-    return " ".join(shlex.quote(a) for a in args)
+    tail = ["plait.cli", "train", "--config", str(config_path), *overrides, *plan_overrides(cfg, choice, units)]
+    if processes == 1:
+        return " ".join(shlex.quote(a) for a in ["plait", *tail[1:]])
+    if gpus_per_node <= 0 or processes <= gpus_per_node:
+        return " ".join(shlex.quote(a) for a in ["torchrun", "--nproc_per_node", str(processes), "-m", *tail])
+    if processes % gpus_per_node:
+        raise ValueError(f"{processes} processes do not fill nodes of {gpus_per_node} GPUs: torchrun starts the same "
+                         "number on every node")
+    head = (f"torchrun --nnodes {processes // gpus_per_node} --nproc_per_node {gpus_per_node} --node_rank $NODE_RANK "
+            "--master_addr $MASTER_ADDR --master_port 29500 -m ")
+    return head + " ".join(shlex.quote(a) for a in tail)
 
 
