@@ -1,14 +1,15 @@
 """Every recipe of configs/recipes/ trains (two steps) on tiny models of the same architectures saved locally, its
 paths overridden from the test: LLaVA-1.5 stage 1 (only the projector changes) then stage 2 from stage 1's model
 (projector and LLM change, the tower does not; exported as LLaVA), Qwen2-Audio (from an imported checkpoint, LoRA on
-the LLM), Qwen2.5-VL (imported, LoRA on its M-RoPE LLM, answers generated, exported) and vision + audio (SigLIP,
-Whisper, Qwen2)."""
+the LLM), Qwen2.5-VL (imported, LoRA on its M-RoPE LLM, answers generated, exported), vision + audio (SigLIP,
+Whisper, Qwen2), and Qwen3-VL and Gemma 3 (imported, LoRA on the LLM, exported: the adapters merged into it)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import transformers as T
 from safetensors.torch import load_file
@@ -57,7 +58,8 @@ def test_every_recipe_loads():
     for recipe in sorted(RECIPES.glob("*.toml")):
         load_config(recipe)  # fields and values valid (paths are checked when a job builds)
     assert {p.name for p in RECIPES.glob("*.toml")} == {"llava15_stage1.toml", "llava15_stage2.toml", "qwen2_audio.toml",
-                                                        "qwen2_5_vl.toml", "vision_audio.toml"}
+                                                        "qwen2_5_vl.toml", "vision_audio.toml",
+                                                        "gemma3.toml", "qwen3_vl.toml"}
 
 
 def test_llava15_stages_train_and_export(tmp_path, monkeypatch):
@@ -141,3 +143,28 @@ def test_qwen2_5_vl_recipe_trains_from_an_import_generates_and_exports(tmp_path)
     q_proj = "model.layers.0.self_attn.q_proj.weight"  # the adapters trained and were merged into the export
     exported = hf.model.language_model.state_dict()[q_proj.removeprefix("model.")]
     assert not torch.equal(_weights(model_dir / "llm")[q_proj], exported)
+
+
+@pytest.mark.parametrize("recipe", ["qwen3_vl", "gemma3"])
+def test_new_family_recipes_train_lora_from_an_import_and_export(tmp_path, recipe):
+    """LoRA on the LLM (its model type has default targets), the tower frozen; the export holds the merged weights."""
+    from tests.helpers.gemma3 import save_gemma3
+    from tests.helpers.hf_io_qwen2_5_vl import PAD
+    from tests.helpers.qwen3_vl import save_qwen3_vl
+
+    save, item, hf_class = {
+        "qwen3_vl": (save_qwen3_vl, PAD, T.Qwen3VLForConditionalGeneration),
+        "gemma3": (save_gemma3, "\n\n<start_of_image><image_soft_token><end_of_image>\n\n",
+                   T.Gemma3ForConditionalGeneration)}[recipe]
+    model_dir, _ = import_checkpoint(save(tmp_path / recipe), tmp_path / "imported")
+    records = [dict(r, messages=[{"role": "user", "content": r["messages"][0]["content"].replace("<image>", item)},
+                                 r["messages"][1]]) for r in demo_records("train", ("image_digit",), limit=4)]
+    final = _train(f"{recipe}.toml", tmp_path / "run", f"--model.pretrained={model_dir}",
+                   f"--data.train={write_jsonl(tmp_path / 'train.jsonl', records)}")
+    saved = json.loads((final / "plait_config.json").read_text())
+    assert saved["lora"]["llm"]["r"] == 16 and (final / "llm" / "adapter").is_dir()
+    assert _changed(_weights(model_dir / "encoders/vision/encoder"), _weights(final / "encoders/vision/encoder")) == set()
+    hf = hf_class.from_pretrained(str(export_checkpoint(final, recipe)))
+    q_proj = "layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(_weights(model_dir / "llm")[f"model.{q_proj}"],
+                           hf.model.language_model.state_dict()[q_proj])  # the adapters trained and were merged
