@@ -58,6 +58,11 @@ exceeds the memory cap at every DP degree (its best-predicted plan is shown) and
 means, as are rows where no plan of C fits; such a row says when no plan can fit without CPU offload (the model's
 parameters, gradients and AdamW state exceed the memory of all the GPUs together; offload needs FSDP2 over DP
 ranks, so Table 2's single pipeline cannot use it).
+Table 3 runs Table 1's search on two models people fine-tune now, written out from their public configs:
+Qwen3-VL-8B (Qwen3-8B text model; 27-layer vision tower, patch 16, 2x2 merger: 44 x 80 patches of the image;
+its DeepStack mergers not costed) and the Qwen2.5-Omni-7B thinker (Qwen2.5-7B; the Qwen2.5-VL vision tower with
+window attention; a Whisper-large-v3-shaped audio tower, frames pooled by 2). They are kept out of the nine-model
+means so those stay comparable with earlier runs.
 The lower bound stays one with TP, sharding and recomputation (they only add device-seconds); every ratio is
 checked to be at least 1. Each table ends with a check that B, C and Z are monotone in the GPU count (no row slower
 than the same model's row with a GPU count dividing it; ``plan_parallel`` weighs every divisor's plan). Finally the
@@ -164,6 +169,30 @@ WHISPER_LARGE_V3 = dict(model_type="whisper", d_model=1280, encoder_layers=32, e
 QWEN2_AUDIO_ENC = dict(model_type="qwen2_audio_encoder", d_model=1280, encoder_layers=32,
                        encoder_attention_heads=20, encoder_ffn_dim=5120, num_mel_bins=128, max_source_positions=1500)
 
+# ----- Models people fine-tune now (Table 3; not in the Cornstarch means) --------------------------------
+QWEN3_8B = dict(  # Qwen3-VL-8B's text model (Qwen3-8B shape: q/k norms, head_dim 128)
+    model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=151936)
+QWEN3VL_VISION = dict(  # Qwen3-VL-8B's vision tower (SigLIP2-so400m shape, patch 16, 2x2 merger); its three
+    model_type="qwen3_vl_vision", depth=27, hidden_size=1152, intermediate_size=4304,  # DeepStack mergers
+    num_heads=16, in_channels=3, patch_size=16, temporal_patch_size=2,  # are not costed (docs/models.md)
+    spatial_merge_size=2, out_hidden_size=4096)
+QWEN3VL_GRID = (round(720 / 32) * 2, round(1280 / 32) * 2)  # 44 x 80 patches of 16 px after smart resize
+QWEN25_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064)
+OMNI_VISION = dict(  # Qwen2.5-Omni-7B thinker's vision tower (the Qwen2.5-VL ViT: window attention, 2x2 merger)
+    model_type="qwen2_5_vl_vision", depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+    in_channels=3, patch_size=14, temporal_patch_size=2, spatial_merge_size=2, window_size=112,
+    out_hidden_size=3584, fullatt_block_indexes=[7, 15, 23, 31])
+OMNI_AUDIO = dict(  # Qwen2.5-Omni-7B thinker's audio tower: Whisper-large-v3 shape, frames pooled by 2
+    model_type="qwen2_audio_encoder", d_model=1280, encoder_layers=32, encoder_attention_heads=20,
+    encoder_ffn_dim=5120, num_mel_bins=128, max_source_positions=1500)
+NEW_MODELS: dict[str, dict[str, Any]] = {
+    "Qwen3-VL-8B": {"llm": QWEN3_8B, "vision": QWEN3VL_VISION},
+    "Omni-7B": {"llm": QWEN25_7B, "vision": OMNI_VISION, "audio": OMNI_AUDIO},
+}
+NATIVE_GRIDS = {id(QWEN3VL_VISION): QWEN3VL_GRID, id(OMNI_VISION): QWEN2VL_GRID}  # patches of the 1280x720 image
+
 MODELS: dict[str, dict[str, Any]] = {
     "VLM-S": {"llm": LLAMA3_8B, "vision": PIXTRAL_400M},
     "ALM-S": {"llm": PHI3_SMALL, "audio": WHISPER_SMALL},
@@ -175,6 +204,7 @@ MODELS: dict[str, dict[str, Any]] = {
     "ALM-L": {"llm": MIXTRAL_8X7B, "audio": QWEN2_AUDIO_ENC},
     "VALM-L": {"llm": LLAMA3_70B, "vision": EVA_CLIP_18B, "audio": WHISPER_LARGE_V3},
 }
+ALL_MODELS = {**MODELS, **NEW_MODELS}
 
 
 IMAGE_HW = (720, 1280)
@@ -183,7 +213,7 @@ IMAGE_MODE = {"mode": "native"}  # set from --image
 
 def model_configs(name: str) -> tuple[dict[str, Any], dict[str, MicrobatchShape]]:
     """(model_configs for ``units_from_configs``, per-module microbatch shapes) of one benchmark model."""
-    parts = MODELS[name]
+    parts = ALL_MODELS[name]
     configs: dict[str, Any] = {}
     shapes: dict[str, MicrobatchShape] = {}
     llm_tokens = TEXT_TOKENS
@@ -194,6 +224,9 @@ def model_configs(name: str) -> tuple[dict[str, Any], dict[str, MicrobatchShape]
         if module == "vision" and isinstance(given, dict) and IMAGE_MODE["mode"] == "native":
             given = dict(given, image_size=list(IMAGE_HW))
         arch = intern_vit_6b_arch(given) if parts[module] is INTERNVIT_6B else encoder_arch(given)
+        if id(parts[module]) in NATIVE_GRIDS:  # merger families: every patch of the image (no window sized item)
+            rows, cols = NATIVE_GRIDS[id(parts[module])]
+            arch = dataclasses.replace(arch, item_len=rows * cols)
         if parts[module] is INTERNVIT_6B:  # pixel shuffle 0.5: 4 patch features -> 1 token of 4 x 3200
             arch = dataclasses.replace(arch, output_pool=4)
             configs["vision.projector"] = {"kind": "mlp", "in_dim": 4 * arch.hidden}
@@ -439,6 +472,8 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--new-models", nargs="*", default=list(NEW_MODELS), choices=list(NEW_MODELS),
+                        help="models people fine-tune now, in Table 3 (not in the Cornstarch means); none: skip it")
     parser.add_argument("--search-gpus", type=int, default=1024)
     parser.add_argument("--search-microbatches", type=int, nargs="+", default=[24, 1024],
                         help="global microbatches of the timed large searches")
@@ -454,7 +489,7 @@ def main() -> None:
     VIRTUAL_STAGES[:] = args.virtual_stages
     print(f"{DEVICE.name}, cap {MEMORY_CAP / 2**30:.0f} GiB, {args.microbatches} microbatches of 1 sample "
           f"({TEXT_TOKENS} text tokens + one 1280x720 image, {args.image} (+ 30 s audio))")
-    for name in args.models:
+    for name in [*args.models, *args.new_models]:
         units, _, tokens = build(name, "frozen")
         configs, _ = model_configs(name)
         sizes = ", ".join(f"{m} {model_param_count(c) / 1e9:.2f}B" for m, c in configs.items()
@@ -467,6 +502,10 @@ def main() -> None:
     run_table(args.models, args.gpus, args.microbatches, None)
     print("\nTable 2: one pipeline over all GPUs (DP = 1)\n")
     run_table(args.models, args.gpus, args.microbatches, 1)
+    if args.new_models:
+        print("\nTable 3: models people fine-tune now (DP degree searched as in Table 1; not in the Cornstarch "
+              "means above)\n")
+        run_table(args.new_models, args.gpus, args.microbatches, None)
     print(f"\nfull layout search, {args.search_gpus} GPUs (both layouts, every DP degree dividing the GPUs):")
     for name in args.search_models:
         for setting in ("frozen", "trainable"):
