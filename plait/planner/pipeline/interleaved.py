@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from plait.planner.pipeline.types import PipelinePlan
+from plait.planner.pipeline.schedule_cache import memoized_schedule
 from plait.planner.pipeline.schedule_ir import (
     Action,
     Schedule,
@@ -33,6 +34,7 @@ __all__ = [
 ]
 
 
+@memoized_schedule
 def interleaved_1f1b(
     plan: PipelinePlan,
     num_microbatches: int | None = None,

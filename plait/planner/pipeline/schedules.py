@@ -57,6 +57,7 @@ from plait.planner.pipeline.schedule_ir import (
     run_blocking,
 )
 from plait.planner.pipeline.interleaved import interleaved_1f1b
+from plait.planner.pipeline.schedule_cache import memoized_schedule
 
 __all__ = [
     "IN_BUBBLE_SCHEDULES",
@@ -80,6 +81,7 @@ otherwise wait: the warm-up and drain bubbles of the LLM stage it shares the ran
 
 
 # ----- generators ----------------------------------------------------------------------------------
+@memoized_schedule
 def gpipe(
     plan: PipelinePlan,
     num_microbatches: int | None = None,
@@ -105,6 +107,7 @@ def gpipe(
     return _generate(plan, m, limits, split_backward, defer_weight_grad, "gpipe")
 
 
+@memoized_schedule
 def one_f_one_b(
     plan: PipelinePlan,
     num_microbatches: int | None = None,
@@ -125,6 +128,7 @@ def one_f_one_b(
     return _generate(plan, m, limits, split_backward, defer_weight_grad, "1f1b")
 
 
+@memoized_schedule
 def memory_capped_1f1b(
     plan: PipelinePlan,
     num_microbatches: int | None = None,
@@ -159,6 +163,7 @@ def memory_capped_1f1b(
     return _generate(plan, m, limits, split_backward, defer_weight_grad, "memory_capped_1f1b", hold)
 
 
+@memoized_schedule
 def zb_h1(plan: PipelinePlan, num_microbatches: int | None = None) -> Schedule:
     """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 3.1): 1F1B's warm-up and activation
     memory with the backward split into ``B`` (input gradient) and ``W`` (weight gradient) and each ``W`` held back
@@ -173,6 +178,7 @@ def zb_h1(plan: PipelinePlan, num_microbatches: int | None = None) -> Schedule:
     return _generate(plan, m, [plan.depth(s) for s in range(plan.num_stages)], True, True, "zb_h1")
 
 
+@memoized_schedule
 def zb_h2(plan: PipelinePlan, num_microbatches: int | None = None) -> Schedule:
     """ZB-H2 (Qi et al., ICLR 2024, section 3.1): as :func:`zb_h1` with a warm-up of up to ``2 d - 1`` forwards on
     a stage of depth ``d`` (at most ``M``), so the ``W`` held back fill the drain as the extra forwards fill the
@@ -185,6 +191,7 @@ def zb_h2(plan: PipelinePlan, num_microbatches: int | None = None) -> Schedule:
     return _generate(plan, m, [min(2 * plan.depth(s) - 1, m) for s in range(plan.num_stages)], True, True, "zb_h2")
 
 
+@memoized_schedule
 def zb_v(plan: PipelinePlan, num_microbatches: int | None = None) -> Schedule:
     """ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024, section 3; our own
     formulation): the LLM is cut into ``2 p`` stages placed in a V over its ``p`` ranks (``plan.v_shape_ranks``:
