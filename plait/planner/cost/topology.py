@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from plait.planner.pipeline.types import P2PModel
 from plait.planner.serialize import JsonDataclass
 
-__all__ = ["RANK_AXES", "RANK_ORDERS", "Topology", "crossing_axes", "plan_rank_order"]
+__all__ = ["RANK_AXES", "RANK_ORDERS", "Topology", "crossing_axes", "ep_crosses", "plan_rank_order"]
 
 RANK_AXES = ("dp", "dp_shard", "pp", "cp", "tp")
 """The parallel axes of the rank layout, in plait's default order (outermost first)."""
@@ -125,3 +125,27 @@ def plan_rank_order(sizes: Mapping[str, int], gpus_per_node: int) -> str:
         return tuple(axis in crossing for axis in _WEIGHT)
 
     return min(RANK_ORDERS, key=lambda name: (cost(name), name != "dp_outer"))
+
+
+def ep_crosses(order: Sequence[str], sizes: Mapping[str, int], ep: int, gpus_per_node: int) -> bool:
+    """Whether an expert-parallel group spans more than one node: its ``ep`` ranks are consecutive coordinates of the
+    data-parallel axes ``dp x dp_shard`` taken innermost first (as torchtitan takes EP from ``dp_shard``), so they
+    are ``r0 + k * stride`` with ``stride`` the product of the degrees inside ``dp_shard`` in ``order``; the group
+    stays in one node exactly when ``stride * ep`` divides ``gpus_per_node`` or the whole world fits one node.
+
+    Raises:
+        ValueError: as :func:`crossing_axes`, or when ``ep`` does not divide ``dp x dp_shard``.
+    """
+    _check(order, sizes)
+    data = sizes.get("dp", 1) * sizes.get("dp_shard", 1)
+    if ep < 1 or data % ep:
+        raise ValueError(f"EP degree {ep} must divide dp x dp_shard = {data}")
+    world = 1
+    for axis in order:
+        world *= sizes.get(axis, 1)
+    if ep == 1 or world <= gpus_per_node:
+        return False
+    stride = 1
+    for inner in order[order.index("dp_shard") + 1:]:
+        stride *= sizes.get(inner, 1)
+    return bool(gpus_per_node % (stride * ep))

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from plait.planner.cost.topology import RANK_ORDERS, crossing_axes, plan_rank_order
+from plait.planner.cost.topology import RANK_ORDERS, crossing_axes, ep_crosses, plan_rank_order
 from plait.planner.cost.types import ParallelDegrees
 from plait.planner.pipeline.types import P2PModel
 from plait.planner.search.layout import evaluate_plan
@@ -43,7 +43,7 @@ from plait.planner.search.model import Costs
 from plait.planner.search.types import LayoutChoice, Machine, NoPlanFits
 from plait.planner.types import Unit
 
-__all__ = ["option_links", "placed_machine", "rank_sizes", "retime", "search_placed"]
+__all__ = ["ep_link", "option_links", "placed_machine", "rank_sizes", "retime", "search_placed"]
 
 
 def rank_sizes(*, tp: int, dp: int, dp_shard: int, pp: int) -> dict[str, int]:
@@ -100,6 +100,26 @@ def option_links(machine: Machine, *, tp: int, dp_shard: int, devices: int) -> t
     dp = max(devices // tp // dp_shard, 1) * dp_shard  # ``degree_options``: exactly devices / tp
     placed, _ = placed_machine(machine, tp=tp, dp=dp, dp_shard=dp_shard, pp=1)
     return placed.tp_link, placed.shard_link
+
+
+def ep_link(machine: Machine, *, tp: int, dp_shard: int, ep: int, devices: int) -> P2PModel | None:
+    """The link of the expert-parallel all-to-alls of an option searched on ``devices`` devices: ``machine.ep_link``
+    (else its ``shard_link``) without a topology; else ``topology.inter_link`` when an EP group spans nodes
+    (``topology.ep_crosses``) under the rank order of the option with every device a data-parallel rank of one
+    stage (as :func:`option_links`; exact without stages and, with ``pp_outer``, with them: the data-parallel axes
+    then sit inside the pipeline's).
+
+    Raises:
+        ValueError: on a degree below 1 or an ``ep`` not dividing the data-parallel ranks.
+    """
+    if machine.topology is None:
+        return machine.ep_link if machine.ep_link is not None else machine.shard_link
+    if min(tp, dp_shard, ep, devices) < 1:
+        raise ValueError(f"tp, dp_shard, ep and devices must be >= 1, got {tp}, {dp_shard}, {ep}, {devices}")
+    dp = max(devices // tp // dp_shard, 1) * dp_shard
+    sizes = rank_sizes(tp=tp, dp=dp, dp_shard=dp_shard, pp=1)
+    order = plan_rank_order(sizes, machine.topology.gpus_per_node)
+    return machine.topology.link(ep_crosses(RANK_ORDERS[order], sizes, ep, machine.topology.gpus_per_node))
 
 
 def retime(choice: LayoutChoice, units: Sequence[Unit], costs: Costs, *, machine: Machine, microbatches: int,
