@@ -15,12 +15,16 @@ hold ``E / ep`` of a layer's ``E`` routed experts (contiguous: rank ``r`` holds 
   ep`` off every rank (``dispatch_bytes = tokens x k x H x b``, :attr:`ExpertLayer.dispatch_bytes`: the share of
   the token copies whose expert sits on another rank, uniform routing) on the EP group's link (intra-node when the
   group's ranks sit in one node, ``topology``). A checkpointed layer's recomputed forward repeats its two.
-- **Load imbalance** (:func:`imbalance`): the routed-expert time of a microbatch (:attr:`ExpertLayer.forward_s`,
-  ...) is set by the EP rank with the most routed tokens, so it and the all-to-all bytes are scaled by the
-  layer's rank-level factor ``max rank load / mean rank load``, computed from the router's measured per-expert
-  token shares (``Profile.router_load``) grouped as the ranks hold them. It is 1 for ``ep = 1`` (one rank runs
-  every expert) and equals the expert-level factor ``max expert load / mean`` for ``ep = E``. **Default: uniform
-  routing**, factor 1.0, when no distribution was measured.
+- **Routed-expert time** (:meth:`ExpertLayer.routed_s`): a roofline per pass, ``max(f x compute_s, weights_s /
+  ep + f x tokens_s)``: the routed matmuls' FLOPs and token traffic stay those of the rank's tokens, but a rank
+  reads only its ``E / ep`` experts' weights (small-batch MoE layers are bound by those reads: EP's gain in time).
+  The difference to ``ep = 1`` replaces the routed part of each pass of the layer (forward, dX, dW).
+- **Load imbalance** (:func:`imbalance`): the routed work of a microbatch is set by the EP rank with the most routed
+  tokens, so its FLOPs and token traffic and the all-to-all bytes are scaled by the layer's rank-level factor
+  ``f = max rank load / mean rank load``, computed from the router's measured per-expert token shares
+  (``Profile.router_load``) grouped as the ranks hold them. It is 1 for ``ep = 1`` (one rank runs every expert) and
+  equals the expert-level factor ``max expert load / mean`` for ``ep = E``. **Default: uniform routing**, factor
+  1.0, when no distribution was measured.
 
 Not modelled: the all-to-all's wait on the slowest rank beyond its bytes, capacity factors and token dropping
 (dropless routing is assumed), shared experts (``arch`` refuses them). Pure: no torch, no processes.
@@ -57,8 +61,10 @@ class ExpertLayer(JsonDataclass):
         unit: the layer unit's name (``Unit.name``).
         experts: routed experts ``E`` of the layer.
         dispatch_bytes: bytes of the token copies routed to experts: ``tokens x k x H x b``.
-        forward_s, input_grad_s, weight_grad_s: the routed experts' share of the unit's times (s), whole (one rank
-            running every expert): what a load imbalance stretches.
+        compute_s: seconds of the routed experts' matmul FLOPs of one pass (forward, dX or dW alike) at the
+            device's sustained peak, for the microbatch's tokens.
+        weights_s: seconds to read all ``E`` experts' weights from device memory (once per pass).
+        tokens_s: seconds of the routed tokens' traffic through device memory per pass.
         load: per expert its share of the layer's routed tokens (measured, ``Profile.router_load``), ``()``:
             uniform.
 
@@ -70,16 +76,16 @@ class ExpertLayer(JsonDataclass):
     unit: str
     experts: int
     dispatch_bytes: float
-    forward_s: float = 0.0
-    input_grad_s: float = 0.0
-    weight_grad_s: float = 0.0
+    compute_s: float = 0.0
+    weights_s: float = 0.0
+    tokens_s: float = 0.0
     load: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "load", tuple(float(x) for x in self.load))
         if self.experts < 1:
             raise ValueError(f"ExpertLayer {self.unit!r}: experts must be >= 1, got {self.experts}")
-        for name in ("dispatch_bytes", "forward_s", "input_grad_s", "weight_grad_s"):
+        for name in ("dispatch_bytes", "compute_s", "weights_s", "tokens_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ExpertLayer {self.unit!r}: {name} must be >= 0, got {getattr(self, name)}")
         if self.load:
@@ -92,6 +98,15 @@ class ExpertLayer(JsonDataclass):
     def imbalance(self, ep: int) -> float:
         """This layer's rank-level load factor at EP degree ``ep`` (:func:`imbalance`)."""
         return imbalance(self.load, ep, self.unit)
+
+    def routed_s(self, ep: int) -> float:
+        """Seconds of one pass of the routed experts on the busiest of ``ep`` ranks (module docstring):
+        ``max(f x compute_s, weights_s / ep + f x tokens_s)``, ``f`` = :meth:`imbalance` at ``ep``.
+
+        Raises:
+            ValueError: as :func:`imbalance`."""
+        f = self.imbalance(ep)
+        return max(f * self.compute_s, self.weights_s / ep + f * self.tokens_s)
 
 
 @dataclass(frozen=True)
@@ -141,12 +156,12 @@ def alltoall_s(num_bytes: float, ep: int, link: P2PModel | None) -> float:
 
 def expert_parallel_costs(units: Sequence[Unit], costs: Sequence[UnitCost], ep: int,
                           dispatch: ExpertDispatch | None) -> list[UnitCost]:
-    """Per-rank times of ``units`` under EP degree ``ep`` (module docstring): each MoE layer's forward gains
-    ``(f - 1)`` times its routed forward and :data:`ALLTOALLS_FORWARD` all-to-alls of ``f x dispatch_bytes``; a
-    layer that runs a backward gains the imbalance of its routed dX and dW, and :data:`ALLTOALLS_BACKWARD`
-    all-to-alls on its dX (on its dW, over its trained share, when it needs no input gradient); ``f`` is the
-    layer's :func:`imbalance` at ``ep``. Memory is ``sharding``'s (``UnitCost.expert_param_bytes``). Unchanged for
-    ``ep == 1`` or without ``dispatch``.
+    """Per-rank times of ``units`` under EP degree ``ep`` (module docstring): each pass (forward, dX, dW) of a MoE
+    layer has its routed part replaced, ``ExpertLayer.routed_s(ep) - routed_s(1)`` added (at least 0 left); its
+    forward gains :data:`ALLTOALLS_FORWARD` all-to-alls of ``f x dispatch_bytes`` (``f``: the layer's
+    :func:`imbalance` at ``ep``), and its backward :data:`ALLTOALLS_BACKWARD` more, on its dX (on its dW, over its
+    trained share, when it needs no input gradient). Memory is ``sharding``'s (``UnitCost.expert_param_bytes``).
+    Unchanged for ``ep == 1`` or without ``dispatch``.
 
     Raises:
         ValueError: on mismatched lengths, an ``ExpertLayer`` naming no unit, or an ``ep`` that does not divide a
@@ -168,11 +183,11 @@ def expert_parallel_costs(units: Sequence[Unit], costs: Sequence[UnitCost], ep: 
             continue
         if layer.experts % ep:
             raise ValueError(f"{unit.name}: EP degree {ep} does not divide its {layer.experts} experts")
-        f = layer.imbalance(ep)
-        a2a = alltoall_s(f * layer.dispatch_bytes, ep, dispatch.link)
-        forward = cost.forward_s + (f - 1) * layer.forward_s + ALLTOALLS_FORWARD * a2a
-        dx = cost.input_grad_s + (f - 1) * layer.input_grad_s
-        dw = cost.weight_grad_s + (f - 1) * layer.weight_grad_s
+        a2a = alltoall_s(layer.imbalance(ep) * layer.dispatch_bytes, ep, dispatch.link)
+        delta = layer.routed_s(ep) - layer.routed_s(1)
+        forward = max(0.0, cost.forward_s + delta) + ALLTOALLS_FORWARD * a2a
+        dx = max(0.0, cost.input_grad_s + delta) if cost.input_grad_s else 0.0
+        dw = max(0.0, cost.weight_grad_s + delta)
         if unit.needs_input_grad:
             dx += ALLTOALLS_BACKWARD * a2a
         elif unit.trainable:
@@ -185,10 +200,11 @@ def expert_layers(units: Sequence[Unit], model_configs: Mapping[str, Any], shape
                   device: DeviceSpec, dtype: Any = "bfloat16",
                   router_load: Mapping[str, Sequence[float]] | None = None) -> tuple[ExpertLayer, ...]:
     """One :class:`ExpertLayer` per MoE layer unit of the LLM (``model_configs["llm"]`` with ``num_experts``), for
-    a microbatch of ``shape.tokens`` LLM tokens: ``dispatch_bytes = T k H b``; the routed experts' time a roofline
-    on ``device`` (``analytic``'s rule): ``2 T k 3 H I_e`` FLOPs against their weights read and their ``k (2 H +
-    6 I_e)`` elements per token moved, the same for dX and dW (weight matmuls only); ``router_load``: per unit
-    name the measured per-expert token shares (``Profile.router_load``; missing: uniform).
+    a microbatch of ``shape.tokens`` LLM tokens: ``dispatch_bytes = T k H b``; on ``device`` (``analytic``'s
+    roofline terms, the same for forward, dX and dW: weight matmuls only) ``compute_s`` of ``2 T k 3 H I_e`` FLOPs,
+    ``weights_s`` of the ``E 3 H I_e b`` expert weight bytes and ``tokens_s`` of ``T k (2 H + 6 I_e) b`` bytes
+    moved; ``router_load``: per unit name the measured per-expert token shares (``Profile.router_load``; missing:
+    uniform).
 
     Raises:
         ValueError: on a ``router_load`` entry naming no MoE layer unit, or a bad load (``ExpertLayer``).
@@ -202,14 +218,14 @@ def expert_layers(units: Sequence[Unit], model_configs: Mapping[str, Any], shape
         return ()
     b = dtype_bytes(dtype)
     t, h, k, inter = shape.tokens, arch.hidden, arch.experts_per_token, arch.expert_intermediate
-    flops = 2.0 * t * k * 3 * h * inter
-    moved = (arch.num_experts * 3 * h * inter + t * k * (2 * h + 6 * inter)) * b
-    routed = device.compute_time(flops, moved)
+    compute = device.compute_time(2.0 * t * k * 3 * h * inter, 0.0)
+    weights = device.compute_time(0.0, arch.num_experts * 3 * h * inter * b)
+    tokens = device.compute_time(0.0, t * k * (2 * h + 6 * inter) * b)
     names = [u.name for u in units if u.module == LLM_MODULE and u.kind == "layer"]
     unknown = set(loads) - set(names)
     if unknown:
         raise ValueError(f"router_load names unit(s) that are not MoE layers: {sorted(unknown)[:3]}")
-    return tuple(ExpertLayer(name, arch.num_experts, t * k * h * b, routed, routed, routed,
+    return tuple(ExpertLayer(name, arch.num_experts, t * k * h * b, compute, weights, tokens,
                              tuple(loads.get(name, ()))) for name in names)
 
 

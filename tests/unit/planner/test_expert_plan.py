@@ -50,7 +50,7 @@ def moe_costs() -> list[UnitCost]:
 
 
 def moe_layers(dispatch_bytes: float = 1e4, load: tuple[float, ...] = ()) -> tuple[ExpertLayer, ...]:
-    return tuple(ExpertLayer(f"llm.layers.{i}", 8, dispatch_bytes, 0.5, 0.5, 0.5, load) for i in range(2))
+    return tuple(ExpertLayer(f"llm.layers.{i}", 8, dispatch_bytes, compute_s=0.5, load=load) for i in range(2))
 
 
 def test_alltoall_bytes_and_time_by_hand():
@@ -59,6 +59,14 @@ def test_alltoall_bytes_and_time_by_hand():
     assert [layer.unit for layer in layers] == ["llm.layers.0", "llm.layers.1"]
     # tokens x k x hidden x bf16 bytes = 256 x 2 x 64 x 2
     assert layers[0].dispatch_bytes == 65536.0 and layers[0].experts == 8
+    h100 = DeviceSpec.h100()
+    assert layers[0].compute_s == pytest.approx(2 * 256 * 2 * 3 * 64 * 32 / (989e12 * 0.5), rel=1e-12)
+    assert layers[0].weights_s == pytest.approx(8 * 3 * 64 * 32 * 2 / h100.hbm_bandwidth, rel=1e-12)
+    assert layers[0].tokens_s == pytest.approx(256 * 2 * (2 * 64 + 6 * 32) * 2 / h100.hbm_bandwidth, rel=1e-12)
+    # a rank reads 2 of the 8 experts' weights: the routed pass is max(compute, weights / 4 + tokens)
+    saved = max(layers[0].compute_s, layers[0].weights_s / 4 + layers[0].tokens_s) - max(
+        layers[0].compute_s, layers[0].weights_s + layers[0].tokens_s)
+    assert saved < 0
     # ep 4: 3 latencies + 3/4 of the bytes: 3e-5 + 49152 / 1e9 s
     one = alltoall_s(65536.0, 4, LINK)
     assert one == pytest.approx(3e-5 + 49152 / 1e9, rel=1e-12)
@@ -67,9 +75,9 @@ def test_alltoall_bytes_and_time_by_hand():
     moved = expert_parallel_costs(units, costs, 4, ExpertDispatch(layers, LINK))
     for unit, before, after in zip(units, costs, moved):
         if unit.kind == "layer":  # two all-to-alls in the forward, two in the backward (on dX: it needs one)
-            assert after.forward_s - before.forward_s == pytest.approx(2 * one, rel=1e-9)
-            assert after.input_grad_s - before.input_grad_s == pytest.approx(2 * one, rel=1e-9)
-            assert after.weight_grad_s == before.weight_grad_s
+            assert after.forward_s - before.forward_s == pytest.approx(2 * one + saved, rel=1e-9)
+            assert after.input_grad_s - before.input_grad_s == pytest.approx(2 * one + saved, rel=1e-9)
+            assert after.weight_grad_s - before.weight_grad_s == pytest.approx(saved, rel=1e-9)
         else:
             assert after == before
     assert expert_parallel_costs(units, costs, 1, ExpertDispatch(layers, LINK)) == costs
