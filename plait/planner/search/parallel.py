@@ -39,6 +39,9 @@ memory (frozen units, FSDP2's working set, one microbatch's activations) fits th
 its groups under the rank order ``topology.plan_rank_order`` picks for its degrees (the inter-node link for an axis
 whose groups cross nodes), and the chosen plan records that order (``LayoutChoice.rank_order``).
 
+**Expert parallelism** (``experts``: an MoE LLM's layers, ``cost.experts``): EP degrees are options too (``tp = 1``; DP
+degrees ``ep`` divides; not FSDP2 under stages, not offload), charged by ``sharding.shard_costs``.
+
 The result's ``lower_bound_s`` is ``microbatches x (work of the given costs) / devices``: still a lower bound
 with TP (a layer's work split over ``tp`` devices plus its all-reduces is at least its work on one), sharding
 (all-gathers only add) and checkpointing (recomputation only adds), so ratios to it stay comparable.
@@ -116,7 +119,8 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
                    options: Sequence[ParallelDegrees], *, machine: Machine = Machine(),
                    space: SearchSpace = SearchSpace()) -> LayoutChoice:
     """The fastest fitting plan over ``options`` (module docstring), or the plain plan whenever it fits with
-    ``space.prefer_plain``.
+    ``space.prefer_plain``. No MoE layers are given here: options with ``ep > 1`` get their experts' memory
+    divided but no all-to-all charged (``plan_parallel`` charges them).
 
     Args:
         units, costs: pipeline units and their whole-unit costs on one device, without checkpointing (the degrees'

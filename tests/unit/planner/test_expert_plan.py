@@ -15,7 +15,7 @@ from plait.planner.cost.experts import (ExpertDispatch, ExpertLayer, alltoall_s,
                                         expert_parallel_costs, imbalance, searched_ep_degrees)
 from plait.planner.cost.measured_profile import Profile
 from plait.planner.cost.sharding import rank_memory, shard_costs
-from plait.planner.cost.topology import RANK_ORDERS, Topology, ep_crosses
+from plait.planner.cost.topology import RANK_ORDERS, Topology, ep_crosses, plan_rank_order
 from plait.planner.cost.types import DeviceSpec, MicrobatchShape, ParallelDegrees, ProfileKey, UnitMeasurement
 from plait.planner.microbatch import ModuleCostCoeffs, sample_costs_from_metadata
 from plait.planner.pipeline.graph import consistent_units
@@ -23,7 +23,7 @@ from plait.planner.pipeline.types import P2PModel
 from plait.planner.search.layout import evaluate_plan
 from plait.planner.search.model import grad_sync_s
 from plait.planner.search.parallel import degree_options, plan_parallel
-from plait.planner.search.placement import ep_link
+from plait.planner.search.placement import ep_link, placed_machine
 from plait.planner.search.types import LayoutChoice, Machine, NoPlanFits, SearchSpace
 from plait.planner.types import Unit, UnitCost
 
@@ -239,3 +239,13 @@ def test_the_plan_writes_ep_under_parallel():
                          space=SearchSpace(tp_degrees=(1,), dp_shard_degrees=(1,), checkpointing=("none",),
                                            ep_degrees=(4,)))
     assert "expert parallel 4 (each MoE layer's experts split over 4 of the 4 data-parallel ranks)" in degrees_line(four)
+
+
+def test_rank_order_keeps_the_ep_group_in_a_node():
+    # 32 GPUs in nodes of 8, pp 2 x dp 16: dp crosses nodes in either order; dp_outer would also put each EP group
+    # of 8 across two nodes (stride pp = 2), pp_outer keeps it in one (stride 1)
+    sizes = {"dp": 16, "dp_shard": 1, "pp": 2, "cp": 1, "tp": 1}
+    assert plan_rank_order(sizes, 8) == "dp_outer"
+    assert plan_rank_order(sizes, 8, ep=8) == "pp_outer"
+    placed, order = placed_machine(Machine(topology=Topology(8, FAST, SLOW)), tp=1, dp=16, dp_shard=1, pp=2, ep=8)
+    assert order == "pp_outer" and placed.ep_link == FAST and placed.dp_link == SLOW
