@@ -27,7 +27,9 @@ hold ``E / ep`` of a layer's ``E`` routed experts (contiguous: rank ``r`` holds 
   1.0, when no distribution was measured.
 
 Not modelled: the all-to-all's wait on the slowest rank beyond its bytes, capacity factors and token dropping
-(dropless routing is assumed), shared experts (``arch`` refuses them). Pure: no torch, no processes.
+(dropless routing is assumed), shared experts (``arch`` refuses them), the dispatch buffers' memory, and the expert
+gradients' all-reduce over the ``dp / ep`` ranks holding the same experts (charged, with the rest, over all ``dp``:
+an upper bound). Pure: no torch, no processes.
 """
 
 from __future__ import annotations

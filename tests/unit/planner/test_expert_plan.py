@@ -239,6 +239,10 @@ def test_the_plan_writes_ep_under_parallel():
                          space=SearchSpace(tp_degrees=(1,), dp_shard_degrees=(1,), checkpointing=("none",),
                                            ep_degrees=(4,)))
     assert "expert parallel 4 (each MoE layer's experts split over 4 of the 4 data-parallel ranks)" in degrees_line(four)
+    space = SearchSpace(ep_degrees=(1, 4))
+    machine = Machine(ep_link=LINK)
+    assert SearchSpace.from_dict(space.to_dict()) == space and Machine.from_dict(machine.to_dict()) == machine
+    assert ExpertDispatch.from_dict(ExpertDispatch(moe_layers(), LINK).to_dict()) == ExpertDispatch(moe_layers(), LINK)
 
 
 def test_rank_order_keeps_the_ep_group_in_a_node():
