@@ -184,7 +184,8 @@ def _peak_line(choice: LayoutChoice, stage_unit: str) -> str:
 
 
 def degrees_line(choice: LayoutChoice) -> str:
-    """One line on the plan's TP degree, FSDP2 sharding and activation checkpointing (``planner.sharding``), empty
+    """One line on the plan's TP degree, FSDP2 sharding, expert parallelism and activation checkpointing
+    (``planner.sharding``), empty
     without any: ``"memory: tensor parallel 2 (each pipeline rank is 2 devices), FSDP2 over 4 of the 8
     data-parallel ranks (HSDP: 2 replicas) + 1.20 GiB unsharded buffer, activation checkpointing full"``. The peak
     above is per device, FSDP2's buffer not included."""
@@ -199,6 +200,9 @@ def degrees_line(choice: LayoutChoice) -> str:
         reduce += (", parameters kept gathered from forward to backward" if choice.fsdp_reshard == "after_backward"
                    and choice.plan.num_ranks == 1 else "")
         parts.append(f"FSDP2 over {choice.dp_shard} of the {choice.dp} data-parallel ranks{hsdp}{buffer}{reduce}")
+    if choice.ep > 1:
+        parts.append(f"expert parallel {choice.ep} (each MoE layer's experts split over {choice.ep} of the "
+                     f"{choice.dp} data-parallel ranks)")
     if choice.checkpointing != "none":
         parts.append(f"activation checkpointing {choice.checkpointing}")
     return "memory: " + ", ".join(parts) if parts else ""
@@ -232,7 +236,8 @@ def pp_toml(fields: Mapping[str, Any], dp: int, degrees: Mapping[str, Any] | Non
     the values ``toml_value`` writes).
 
     ``degrees`` (``dp``, ``dp_shard``, ``tp``, optionally ``cp``, ``activation_checkpointing``, ``offload``,
-    ``fsdp_reduce``, ``fsdp_reshard``, ``rank_order``) gives the ``[parallel]`` keys; None: ``dp`` replicas and every other degree
+    ``fsdp_reduce``, ``fsdp_reshard``, ``rank_order``, ``ep``: written only above 1) gives the ``[parallel]`` keys;
+    None: ``dp`` replicas and every other degree
     1. A plan with activation checkpointing names ``train.activation_checkpointing`` in the comment. A table
     never pairs ``layout = "encoder_parallel"`` with ``attach_encoders = true`` (the encoders then sit on the first
     LLM rank, not on parallel ranks): the layout line is left out there (its default) and a comment says where
@@ -275,7 +280,8 @@ def _parallel_table(degrees: Mapping[str, Any], pp: int) -> str:
             + (f"fsdp_reshard = {toml_value(degrees['fsdp_reshard'])}\n"  # "auto" runs "after_forward"
                if degrees.get("fsdp_reshard", "auto") not in ("auto", "after_forward") else "")
             + (f"rank_order = {toml_value(degrees['rank_order'])}\n"
-               if degrees.get("rank_order", "auto") not in ("auto", "dp_outer") else ""))
+               if degrees.get("rank_order", "auto") not in ("auto", "dp_outer") else "")
+            + (f"ep = {int(degrees['ep'])}\n" if int(degrees.get("ep", 1)) > 1 else ""))
 
 
 # ----- the plan file -----------------------------------------------------------------------------------------

@@ -93,6 +93,8 @@ class UnitCost(JsonDataclass):
         output_bytes: size of the unit's output tensor (bytes), i.e. what a stage boundary after it sends.
         recompute_s: extra forward time (s) its backward pays when the unit is activation-checkpointed (its
             forward runs again before its backward; 0 when not checkpointed; ``planner.recompute``).
+        expert_param_bytes: of ``param_bytes``, those of a mixture-of-experts layer's routed experts, which
+            expert parallelism divides over its ranks (``cost.experts``; 0: none).
     """
 
     forward_s: float
@@ -102,11 +104,15 @@ class UnitCost(JsonDataclass):
     activation_bytes: int = 0
     output_bytes: int = 0
     recompute_s: float = 0.0
+    expert_param_bytes: int = 0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             if getattr(self, field.name) < 0:
                 raise ValueError(f"UnitCost.{field.name} must be >= 0, got {getattr(self, field.name)}")
+        if self.expert_param_bytes > self.param_bytes:
+            raise ValueError(f"UnitCost.expert_param_bytes ({self.expert_param_bytes}) exceeds param_bytes "
+                             f"({self.param_bytes})")
 
     def backward_s(self, unit: Unit, frozen_aware: bool = True) -> float:
         """Backward time (s) of ``unit``: dX if it needs an input gradient, plus its trained share of dW

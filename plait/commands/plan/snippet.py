@@ -24,7 +24,7 @@ def pp_snippet(cfg: Any, choice: LayoutChoice, units: Sequence[Unit],
     """The ready-to-paste job tables that make the job run ``choice`` (``report.pp_toml``), or None and why not.
 
     A ``[parallel]`` table (``plan = "manual"``, ``dp``: replicas, ``dp_shard``, ``tp``, ``cp``; ``offload``,
-    ``fsdp_reduce``, ``fsdp_reshard``, ``rank_order`` when not their defaults) and, only when the plan has a pipeline,
+    ``fsdp_reduce``, ``fsdp_reshard``, ``rank_order``, ``ep`` when not their defaults) and, only when the plan has a pipeline,
     the
     ``[parallel.pp]`` table (degree, layout, stages per module, schedule, microbatches per replica, ``splits``
     for the modules whose cost-balanced boundaries are not the even split by unit count, ``virtual_stages`` and
@@ -81,7 +81,7 @@ def _degrees(cfg: Any, choice: LayoutChoice, units: Sequence[Unit]) -> dict[str,
     return dict(dp=out.parallel.dp, dp_shard=out.parallel.dp_shard, tp=out.parallel.tp, cp=1,
                 activation_checkpointing=checkpointing, offload=out.parallel.offload,
                 fsdp_reduce=out.parallel.fsdp_reduce, fsdp_reshard=out.parallel.fsdp_reshard,
-                rank_order=out.parallel.rank_order)
+                rank_order=out.parallel.rank_order, ep=choice.ep)
 
 
 def plan_overrides(cfg: Any, choice: LayoutChoice, units: Sequence[Unit]) -> list[str]:
@@ -103,6 +103,8 @@ def plan_overrides(cfg: Any, choice: LayoutChoice, units: Sequence[Unit]) -> lis
         keys["parallel.fsdp_reshard"] = degrees["fsdp_reshard"]
     if degrees["rank_order"] not in ("auto", "dp_outer"):
         keys["parallel.rank_order"] = degrees["rank_order"]
+    if degrees["ep"] > 1:
+        keys["parallel.ep"] = degrees["ep"]
     keys.update({f"parallel.pp.{k}": v for k, v in _pp_fields(cfg, choice, units).items()})
     if degrees["activation_checkpointing"] != "none":
         keys["train.activation_checkpointing"] = degrees["activation_checkpointing"]

@@ -161,8 +161,10 @@ def _decoder_estimate(arch: DecoderArch, kind: str, layer: int, shape: Microbatc
     if arch.is_sliding(layer):
         pairs = min(pairs, sequences * windowed_causal_pairs(length, arch.sliding_window))
     per_token, per_pair = arch.layer_flops()
-    return _estimate(arch.layer_params(), t * per_token, pairs * per_pair,
-                     t * _decoder_layer_io(arch) * b, t * _decoder_layer_saved(arch, b), t * h * b, b)
+    layer = _estimate(arch.layer_params(), t * per_token, pairs * per_pair,
+                      t * _decoder_layer_io(arch) * b, t * _decoder_layer_saved(arch, b), t * h * b, b)
+    experts = arch.num_experts * 3 * h * arch.expert_intermediate
+    return dataclasses.replace(layer, expert_params=experts) if experts else layer
 
 
 def _encoder_layer_io(arch: EncoderArch) -> int:

@@ -101,9 +101,13 @@ class Profile:
         repeats, warmup: repetitions timed and discarded per measurement.
         action_overhead_s: seconds the pipeline runtime spends per action beyond the stage's own work
             (bookkeeping of the executor; measured in one process, so without P2P transfers).
+        router_load: per MoE layer unit, the router's measured share of the routed tokens per expert (any
+            non-negative counts; ``cost.experts.expert_layers`` takes it as ``ExpertLayer.load``, the expert load
+            imbalance under EP); empty: uniform routing assumed.
 
     Raises:
-        ValueError: when ``units`` and ``measurements`` do not match one to one.
+        ValueError: when ``units`` and ``measurements`` do not match one to one, or a ``router_load`` entry names
+            no unit or has a negative or all-zero load.
     """
 
     key: ProfileKey
@@ -113,6 +117,7 @@ class Profile:
     repeats: int = 0
     warmup: int = 0
     action_overhead_s: float = 0.0
+    router_load: Mapping[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, ProfileKey):
@@ -126,6 +131,13 @@ class Profile:
         if names != [m.name for m in self.measurements]:
             raise ValueError(f"Profile: measurements {[m.name for m in self.measurements][:3]}... do not match "
                              f"units {names[:3]}...")
+        loads = {str(n): tuple(float(x) for x in v) for n, v in self.router_load.items()}
+        object.__setattr__(self, "router_load", loads)
+        for name, load in loads.items():
+            if name not in names:
+                raise ValueError(f"Profile.router_load[{name!r}]: no such unit")
+            if not load or min(load) < 0 or not sum(load) > 0:
+                raise ValueError(f"Profile.router_load[{name!r}]: loads must be >= 0 and not all 0, got {load[:4]}")
         for module, kinds in self.chunk_overhead_s.items():
             unknown = set(kinds) - set(OVERHEAD_KINDS)
             if unknown:
@@ -145,7 +157,8 @@ class Profile:
         return {"format": FORMAT_VERSION, "key": self.key.to_dict(), "units": [u.to_dict() for u in self.units],
                 "measurements": [m.to_dict() for m in self.measurements],
                 "chunk_overhead_s": {m: dict(d) for m, d in self.chunk_overhead_s.items()},
-                "repeats": self.repeats, "warmup": self.warmup, "action_overhead_s": self.action_overhead_s}
+                "repeats": self.repeats, "warmup": self.warmup, "action_overhead_s": self.action_overhead_s,
+                "router_load": {n: list(v) for n, v in self.router_load.items()}}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Profile":

@@ -56,6 +56,12 @@ the degrees. The formulas, per pipeline unit ``u`` with ``P_u`` parameter bytes,
   exactly the ring all-reduce over the ``rs`` data-parallel ranks the search charges with ``dp_shard = 1`` (its
   ``2 (rs - 1)`` latencies bound the ``2 (s - 1) + 2 (r - 1)`` of the sharded collectives); the optimizer step
   updates one shard (``pipelined_overheads``).
+- **EP** (``ParallelDegrees.ep``, ``cost.experts``): applied after TP (EP is searched with ``tp = 1``) and before AC,
+  so a recomputed forward repeats its all-to-alls (``experts.expert_parallel_costs``, given an
+  ``experts.ExpertDispatch``). A unit's routed experts (``UnitCost.expert_param_bytes`` of its ``P_u``) are divided
+  over the ``ep`` ranks, whether it trains or not; under FSDP2 a trainable unit's experts are sharded further over
+  ``e = max(1, dp_shard / ep)`` ranks (the ranks holding the same experts) and all-gathered over them, its other
+  parameters over ``dp_shard`` as before: a rank holds ``(P_u - X_u) / dp_shard + X_u / max(ep, dp_shard)``.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from plait.planner.cost.analytic import trained_params, unit_activation_bytes, unit_static_bytes
+from plait.planner.cost.experts import ExpertDispatch, expert_parallel_costs
 from plait.planner.cost.types import ActionOverheads, GradAccumulation, OptimizerSpec, ParallelDegrees, RankMemory
 from plait.planner.cost.recompute import checkpointed_costs, plan_checkpointing
 from plait.planner.pipeline.types import P2PModel
@@ -123,13 +130,27 @@ def _tp_cost(unit: Unit, cost: UnitCost, tp: int, link: P2PModel | None) -> Unit
         recompute_s=cost.recompute_s / tp)
 
 
-def _shard_cost(unit: Unit, cost: UnitCost, shards: int, link: P2PModel | None, kept: bool = False) -> UnitCost:
+def _ep_cost(cost: UnitCost, ep: int) -> UnitCost:
+    """``cost`` with its routed experts divided over ``ep`` ranks (module docstring, EP)."""
+    if ep == 1 or not cost.expert_param_bytes:
+        return cost
+    local = math.ceil(cost.expert_param_bytes / ep)
+    return dataclasses.replace(cost, param_bytes=cost.param_bytes - cost.expert_param_bytes + local,
+                               expert_param_bytes=local)
+
+
+def _shard_cost(unit: Unit, cost: UnitCost, shards: int, link: P2PModel | None, kept: bool = False,
+                ep: int = 1) -> UnitCost:
     """One unit's cost with its state sharded over ``shards`` ranks: parameter bytes divided, the all-gathers'
     excess over compute added (forward; backward on its dX, else its dW; none in the backward when the parameters
-    are ``kept`` from the forward, ``fsdp_reshard = "after_backward"``)."""
+    are ``kept`` from the forward, ``fsdp_reshard = "after_backward"``); its routed experts divided over ``ep``
+    ranks first, then sharded over ``max(1, shards / ep)`` (module docstring, EP)."""
+    cost = _ep_cost(cost, ep)
     if shards == 1 or not unit.trainable:  # frozen units stay whole, outside FSDP2
         return cost
-    gather = gather_s(cost.param_bytes, shards, link)
+    expert_shards = max(1, shards // ep)
+    dense = cost.param_bytes - cost.expert_param_bytes
+    gather = gather_s(dense, shards, link) + gather_s(cost.expert_param_bytes, expert_shards, link)
     forward = max(cost.forward_s, gather)
     backward = cost.backward_s(unit)
     extra = max(0.0, gather - backward) if unit.runs_backward and not kept else 0.0
@@ -138,31 +159,39 @@ def _shard_cost(unit: Unit, cost: UnitCost, shards: int, link: P2PModel | None, 
         dx += extra
     else:
         dw += extra / unit.trained_fraction
+    experts = math.ceil(cost.expert_param_bytes / expert_shards)
     return dataclasses.replace(cost, forward_s=forward, input_grad_s=dx, weight_grad_s=dw,
-                               param_bytes=math.ceil(cost.param_bytes / shards))
+                               param_bytes=math.ceil(dense / shards) + experts, expert_param_bytes=experts)
 
 
 def shard_costs(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees, *,
                 tp_link: P2PModel | None = None, shard_link: P2PModel | None = None,
-                checkpoint_overrides: dict[str, str] | None = None) -> list[UnitCost]:
-    """Per-rank costs of ``units`` under ``degrees`` (module docstring: TP, then AC, then FSDP2), in unit order.
+                checkpoint_overrides: dict[str, str] | None = None,
+                experts: ExpertDispatch | None = None) -> list[UnitCost]:
+    """Per-rank costs of ``units`` under ``degrees`` (module docstring: TP, then EP's time, then AC, then FSDP2
+    and EP's memory), in unit order.
 
     Args:
         units: pipeline units with consistent flags (``graph.consistent_units``); costs: one rank's whole-unit costs.
-        degrees: TP and shard degrees and the checkpointing policy.
+        degrees: TP, shard and EP degrees and the checkpointing policy.
         tp_link: link of the TP all-reduces (within a node: NVLink); None: free.
         shard_link: link of FSDP2's all-gathers; None: free.
         checkpoint_overrides: per module a policy replacing ``degrees.checkpointing`` (``plan_checkpointing``).
+        experts: the MoE layers and the EP group's link (``experts.expert_parallel_costs``); None: no all-to-all
+            or imbalance charged (the experts' memory is still divided by ``degrees.ep``).
 
     Raises:
-        ValueError: when the lengths differ (or on an unknown policy).
+        ValueError: when the lengths differ (or on an unknown policy, or EP with TP).
     """
     if len(units) != len(costs):
         raise ValueError(f"{len(units)} units but {len(costs)} costs")
+    if degrees.ep > 1 and degrees.tp > 1:
+        raise ValueError(f"EP ({degrees.ep}) with TP ({degrees.tp}) is not modelled")
     out = [_tp_cost(u, c, degrees.tp, tp_link) for u, c in zip(units, costs)]
+    out = expert_parallel_costs(units, out, degrees.ep, experts)
     out = checkpointed_costs(out, plan_checkpointing(units, degrees.checkpointing, checkpoint_overrides))
     kept = degrees.fsdp_reshard == "after_backward"
-    return [_shard_cost(u, c, degrees.dp_shard, shard_link, kept) for u, c in zip(units, out)]
+    return [_shard_cost(u, c, degrees.dp_shard, shard_link, kept, degrees.ep) for u, c in zip(units, out)]
 
 
 def pipelined_shard_costs(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees, *,
@@ -196,8 +225,9 @@ def pipelined_overheads(overheads: ActionOverheads, dp_shard: int) -> ActionOver
 
 def _unsharded_grads(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees, dtype: Any,
                      optimizer: OptimizerSpec) -> tuple[list[UnitCost], list[float]]:
-    """Per unit its TP-split cost and the bytes of its whole (unsharded) gradient on one TP rank (0 when frozen)."""
-    tp_costs = [_tp_cost(u, c, degrees.tp, None) for u, c in zip(units, costs)]
+    """Per unit its TP-split cost (experts divided over ``degrees.ep``) and the bytes of its whole (unsharded)
+    gradient on one TP rank (0 when frozen)."""
+    tp_costs = [_ep_cost(_tp_cost(u, c, degrees.tp, None), degrees.ep) for u, c in zip(units, costs)]
     grad_b = optimizer.grad_bytes(dtype)
     return tp_costs, [trained_params(u, c, dtype) * grad_b for u, c in zip(units, tp_costs)]
 

@@ -14,9 +14,10 @@ node (and the node boundaries fall between groups). Two orders are used:
   consecutive ranks.
 
 :func:`plan_rank_order` picks the order whose collectives cross nodes the least, weighing the axes by how much they
-communicate per step: TP (an all-reduce in every layer) before CP (K/V in every attention layer) before FSDP2's
-``dp_shard`` (an all-gather per unit) before the replicas' ``dp`` (one gradient all-reduce) before the pipeline (one
-activation per microbatch and stage boundary). Pure: no torch, no processes.
+communicate per step: TP (an all-reduce in every layer) before the expert-parallel groups (four all-to-alls per MoE
+layer; :func:`ep_crosses`) before CP (K/V in every attention layer) before FSDP2's ``dp_shard`` (an all-gather per
+unit) before the replicas' ``dp`` (one gradient all-reduce) before the pipeline (one activation per microbatch and
+stage boundary). Pure: no torch, no processes.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from plait.planner.pipeline.types import P2PModel
 from plait.planner.serialize import JsonDataclass
 
-__all__ = ["RANK_AXES", "RANK_ORDERS", "Topology", "crossing_axes", "plan_rank_order"]
+__all__ = ["RANK_AXES", "RANK_ORDERS", "Topology", "crossing_axes", "ep_crosses", "plan_rank_order"]
 
 RANK_AXES = ("dp", "dp_shard", "pp", "cp", "tp")
 """The parallel axes of the rank layout, in plait's default order (outermost first)."""
@@ -35,7 +36,7 @@ RANK_AXES = ("dp", "dp_shard", "pp", "cp", "tp")
 RANK_ORDERS: dict[str, tuple[str, ...]] = {"dp_outer": RANK_AXES, "pp_outer": ("pp", "dp", "dp_shard", "cp", "tp")}
 """The axis orders a rank layout may use, by name (module docstring)."""
 
-_WEIGHT = ("tp", "cp", "dp_shard", "dp", "pp")
+_WEIGHT = ("tp", "ep", "cp", "dp_shard", "dp", "pp")
 """Axes from the heaviest communicator per step to the lightest: the order :func:`plan_rank_order` weighs them."""
 
 
@@ -110,18 +111,45 @@ def crossing_axes(order: Sequence[str], sizes: Mapping[str, int], gpus_per_node:
     return tuple(out)
 
 
-def plan_rank_order(sizes: Mapping[str, int], gpus_per_node: int) -> str:
+def plan_rank_order(sizes: Mapping[str, int], gpus_per_node: int, ep: int = 1) -> str:
     """The name (a :data:`RANK_ORDERS` key) of the rank order under which the heaviest communicating axes stay
     inside nodes (module docstring): the orders are compared by which axes cross nodes, heaviest axis first
-    (TP, CP, dp_shard, dp, pp); a tie keeps ``dp_outer``. E.g. 32 GPUs in nodes of 8 with ``pp`` 4, ``tp`` 2 and
-    ``dp_shard`` 4: ``dp_outer`` puts every FSDP2 shard group across 4 nodes, ``pp_outer`` keeps it in one, so
-    ``pp_outer``.
+    (TP, then the expert-parallel groups of ``ep`` data-parallel ranks, :func:`ep_crosses`: four all-to-alls per
+    MoE layer, then CP, dp_shard, dp, pp); a tie keeps ``dp_outer``. E.g. 32 GPUs in nodes of 8 with ``pp`` 4,
+    ``tp`` 2 and ``dp_shard`` 4: ``dp_outer`` puts every FSDP2 shard group across 4 nodes, ``pp_outer`` keeps it in
+    one, so ``pp_outer``.
 
     Raises:
-        ValueError: as :func:`crossing_axes`.
+        ValueError: as :func:`crossing_axes` and :func:`ep_crosses`.
     """
     def cost(name: str) -> tuple[bool, ...]:
         crossing = set(crossing_axes(RANK_ORDERS[name], sizes, gpus_per_node))
+        if ep > 1 and ep_crosses(RANK_ORDERS[name], sizes, ep, gpus_per_node):
+            crossing.add("ep")
         return tuple(axis in crossing for axis in _WEIGHT)
 
     return min(RANK_ORDERS, key=lambda name: (cost(name), name != "dp_outer"))
+
+
+def ep_crosses(order: Sequence[str], sizes: Mapping[str, int], ep: int, gpus_per_node: int) -> bool:
+    """Whether an expert-parallel group spans more than one node: its ``ep`` ranks are consecutive coordinates of the
+    data-parallel axes ``dp x dp_shard`` taken innermost first (as torchtitan takes EP from ``dp_shard``), so they
+    are ``r0 + k * stride`` with ``stride`` the product of the degrees inside ``dp_shard`` in ``order``; the group
+    stays in one node exactly when ``stride * ep`` divides ``gpus_per_node`` or the whole world fits one node.
+
+    Raises:
+        ValueError: as :func:`crossing_axes`, or when ``ep`` does not divide ``dp x dp_shard``.
+    """
+    _check(order, sizes)
+    data = sizes.get("dp", 1) * sizes.get("dp_shard", 1)
+    if ep < 1 or data % ep:
+        raise ValueError(f"EP degree {ep} must divide dp x dp_shard = {data}")
+    world = 1
+    for axis in order:
+        world *= sizes.get(axis, 1)
+    if ep == 1 or world <= gpus_per_node:
+        return False
+    stride = 1
+    for inner in order[order.index("dp_shard") + 1:]:
+        stride *= sizes.get(inner, 1)
+    return bool(gpus_per_node % (stride * ep))

@@ -225,6 +225,8 @@ class UnitEstimate(JsonDataclass):
         tied_params: of ``params``, those another unit holds (a tied LLM head uses the embedding matrix): they
             count in FLOPs and bytes moved, and the unit computes their dW, but their memory is the other unit's
             (``UnitCost.param_bytes`` leaves them out), so the units' parameters add up to the model's.
+        expert_params: of ``params``, a mixture-of-experts layer's routed experts' (``E 3 H I_e``; expert
+            parallelism divides them, ``UnitCost.expert_param_bytes``).
     """
 
     params: int
@@ -236,6 +238,7 @@ class UnitEstimate(JsonDataclass):
     output_bytes: float
     input_grad: bool = True
     tied_params: int = 0
+    expert_params: int = 0
 
     def to_cost(self, device: DeviceSpec, dtype: Any = "bfloat16") -> UnitCost:
         """Roofline ``UnitCost`` on ``device``: forward ``W + A`` FLOPs, dX ``W + 2A`` (0 if no dX),
@@ -249,6 +252,7 @@ class UnitEstimate(JsonDataclass):
             forward_s=forward, input_grad_s=dx, weight_grad_s=dw,
             param_bytes=int(round((self.params - self.tied_params) * dtype_bytes(dtype))),
             activation_bytes=int(round(self.activation_bytes)), output_bytes=int(round(self.output_bytes)),
+            expert_param_bytes=int(round(self.expert_params * dtype_bytes(dtype))),
         )
 
 
@@ -275,18 +279,22 @@ class ParallelDegrees(JsonDataclass):
             ``recompute.CHECKPOINT_POLICIES``).
         fsdp_reshard: when FSDP2 without pipeline stages frees a unit's gathered parameters
             (``parallel.fsdp_reshard``, ``FSDP_RESHARD``; module docstring); no effect with ``dp_shard == 1``.
+        ep: expert-parallel degree (``parallel.ep``): ranks of the LLM stages' data-parallel ranks splitting each
+            MoE layer's routed experts (``cost.experts``); 1 or a divisor or multiple of ``dp_shard``.
 
     Raises:
-        ValueError: on a degree below 1, an unknown policy or an unknown ``fsdp_reshard``.
+        ValueError: on a degree below 1, an unknown policy or an unknown ``fsdp_reshard``, or an ``ep`` that is
+            neither a divisor nor a multiple of ``dp_shard``.
     """
 
     tp: int = 1
     dp_shard: int = 1
     checkpointing: str = "none"
     fsdp_reshard: str = "after_forward"
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "dp_shard"):
+        for name in ("tp", "dp_shard", "ep"):
             value = getattr(self, name)
             if int(value) != value or value < 1:
                 raise ValueError(f"ParallelDegrees.{name} must be an integer >= 1, got {value!r}")
@@ -295,11 +303,14 @@ class ParallelDegrees(JsonDataclass):
                              f"got {self.checkpointing!r}")
         if self.fsdp_reshard not in FSDP_RESHARD:
             raise ValueError(f"ParallelDegrees.fsdp_reshard must be one of {FSDP_RESHARD}, got {self.fsdp_reshard!r}")
+        if self.ep % self.dp_shard and self.dp_shard % self.ep:
+            raise ValueError(f"ParallelDegrees.ep ({self.ep}) must divide dp_shard ({self.dp_shard}) or be a multiple "
+                             "of it")
 
     @property
     def plain(self) -> bool:
-        """True without TP, sharding or checkpointing (every rank holds its stages whole, DDP-style)."""
-        return self.tp == 1 and self.dp_shard == 1 and self.checkpointing == "none"
+        """True without TP, sharding, EP or checkpointing (every rank holds its stages whole, DDP-style)."""
+        return self.tp == 1 and self.dp_shard == 1 and self.ep == 1 and self.checkpointing == "none"
 
 
 @dataclass(frozen=True)

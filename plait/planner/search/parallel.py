@@ -39,6 +39,9 @@ memory (frozen units, FSDP2's working set, one microbatch's activations) fits th
 its groups under the rank order ``topology.plan_rank_order`` picks for its degrees (the inter-node link for an axis
 whose groups cross nodes), and the chosen plan records that order (``LayoutChoice.rank_order``).
 
+**Expert parallelism** (``experts``: an MoE LLM's layers, ``cost.experts``): EP degrees are options too (``tp = 1``; DP
+degrees ``ep`` divides; not FSDP2 under stages, not offload), charged by ``sharding.shard_costs``.
+
 The result's ``lower_bound_s`` is ``microbatches x (work of the given costs) / devices``: still a lower bound
 with TP (a layer's work split over ``tp`` devices plus its all-reduces is at least its work on one), sharding
 (all-gathers only add) and checkpointing (recomputation only adds), so ratios to it stay comparable.
@@ -53,14 +56,15 @@ from typing import Any
 
 from plait.planner.search.fit import least_need_of
 from plait.planner.pipeline.graph import consistent_units
+from plait.planner.cost.experts import ExpertDispatch, ExpertLayer, searched_ep_degrees
 from plait.planner.cost.offload import offload_cost
 from plait.planner.cost.types import CHECKPOINT_POLICIES, FSDP_RESHARD, HostSpec, ParallelDegrees
 from plait.planner.report import format_bytes
 from plait.planner.search.types import LayoutChoice, Machine, NoPlanFits, SearchSpace
 from plait.planner.search.layout import plan_layout
-from plait.planner.search.placement import option_links, retime, search_placed
+from plait.planner.search.placement import ep_link, option_links, retime, search_placed
 from plait.planner.search.model import Costs, cost_list
-from plait.planner.search.monotone import OptionBounds, plan_over_divisors
+from plait.planner.search.monotone import OptionBounds, divisors, plan_over_divisors
 from plait.planner.cost.sharding import (
     accumulated_grad_bytes, pipelined_optimizer, pipelined_overheads, pipelined_shard_costs, shard_buffer_bytes,
     shard_costs,
@@ -87,10 +91,12 @@ def _powers_of_two(limit: int) -> list[int]:
 def degree_options(devices: int, tp_degrees: Sequence[int] | None = None,
                    dp_shard_degrees: Sequence[int] | None = None,
                    checkpointing: Sequence[str] = CHECKPOINT_POLICIES,
-                   fsdp_reshard: Sequence[str] = FSDP_RESHARD) -> list[ParallelDegrees]:
+                   fsdp_reshard: Sequence[str] = FSDP_RESHARD,
+                   ep_degrees: Sequence[int] = (1,)) -> list[ParallelDegrees]:
     """Every ``ParallelDegrees`` to consider on ``devices``: TP degrees (default powers of two up to 8) dividing
     ``devices``, shard degrees (default powers of two) dividing ``devices / tp``, each checkpointing policy, and
-    with a shard degree above 1 each of ``fsdp_reshard`` (``sharding.FSDP_RESHARD``).
+    with a shard degree above 1 each of ``fsdp_reshard`` (``sharding.FSDP_RESHARD``); with ``tp = 1``, each EP
+    degree of ``ep_degrees`` dividing ``devices`` that is a divisor or a multiple of the shard degree.
 
     Raises:
         ValueError: on a degree below 1, an unknown policy or an unknown ``fsdp_reshard``.
@@ -102,7 +108,10 @@ def degree_options(devices: int, tp_degrees: Sequence[int] | None = None,
         shards = dp_shard_degrees if dp_shard_degrees is not None else _powers_of_two(rest)
         for shard in sorted({int(s) for s in shards if rest % max(int(s), 1) == 0}):
             reshards = fsdp_reshard if shard > 1 else ("after_forward",)
-            out += [ParallelDegrees(tp, shard, policy, r) for policy in checkpointing for r in reshards]
+            eps = sorted({int(e) for e in ep_degrees if e == 1 or (tp == 1 and rest % e == 0
+                                                                   and (e % shard == 0 or shard % e == 0))})
+            out += [ParallelDegrees(tp, shard, policy, r, e) for e in eps for policy in checkpointing
+                    for r in reshards]
     return out
 
 
@@ -110,7 +119,8 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
                    options: Sequence[ParallelDegrees], *, machine: Machine = Machine(),
                    space: SearchSpace = SearchSpace()) -> LayoutChoice:
     """The fastest fitting plan over ``options`` (module docstring), or the plain plan whenever it fits with
-    ``space.prefer_plain``.
+    ``space.prefer_plain``. No MoE layers are given here: options with ``ep > 1`` get their experts' memory
+    divided but no all-to-all charged (``plan_parallel`` charges them).
 
     Args:
         units, costs: pipeline units and their whole-unit costs on one device, without checkpointing (the degrees'
@@ -133,20 +143,22 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
     Raises:
         NoPlanFits: when no degrees give a fitting plan (listing why for each; no least need).
     """
-    found = _search_degrees(units, costs, devices, microbatches, search, options, machine, space, math.inf)
+    found = _search_degrees(units, costs, devices, microbatches, search, options, machine, space, math.inf, ())
     assert found is not None  # with no time to beat, _search_degrees raises rather than returning None
     return found
 
 
 def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatches: int, search: SearchOne,
                     options: Sequence[ParallelDegrees], machine: Machine, space: SearchSpace,
-                    beat: float) -> LayoutChoice | None:
+                    beat: float, experts: Sequence[ExpertLayer]) -> LayoutChoice | None:
     """``search_degrees`` keeping only plans faster than ``beat`` seconds: None when no option gives one (raises
     ``NoPlanFits`` only with ``beat`` infinite and nothing fitting). Options go in increasing
     ``monotone.work_bound`` and stop when it reaches the best time; FSDP2's two runtimes (without and with
     stages) are each skipped when their own bound does: without stages ``ceil(M / devices) x`` the per-rank work
     with the all-gathers, with stages also the best time of the same TP degree's least-checkpointed unsharded costs
-    searched without the memory cap (``_uncapped``; less its optimizer step when charged)."""
+    searched without the memory cap (``_uncapped``; less its optimizer step when charged; not for EP options, whose
+    smaller expert gradients synchronise faster). ``experts``: the MoE layers whose all-to-alls and imbalance EP
+    options pay (``cost.experts``)."""
     memory_cap, dtype, optimizer = machine.memory_cap, machine.dtype, machine.optimizer
     base, prefer_base = ParallelDegrees(checkpointing=space.base_checkpointing), space.prefer_plain
     true_units = consistent_units(units)
@@ -154,11 +166,14 @@ def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatc
     work = math.fsum(c.forward_s + c.backward_s(u) for u, c in zip(true_units, whole))
     links: dict[tuple[int, int], dict[str, Any]] = {}
 
-    def link(degrees: ParallelDegrees) -> dict[str, Any]:  # the option's TP and FSDP2 links (placement)
-        key = (degrees.tp, degrees.dp_shard)
+    def link(degrees: ParallelDegrees) -> dict[str, Any]:  # the option's TP, FSDP2 and EP links (placement)
+        key = (degrees.tp, degrees.dp_shard, degrees.ep)
         if key not in links:
             tp_link, shard_link = option_links(machine, tp=degrees.tp, dp_shard=degrees.dp_shard, devices=devices)
             links[key] = dict(tp_link=tp_link, shard_link=shard_link, checkpoint_overrides=space.checkpoint_overrides)
+            if degrees.ep > 1:
+                links[key]["experts"] = ExpertDispatch(tuple(experts), ep_link(
+                    machine, tp=degrees.tp, dp_shard=degrees.dp_shard, ep=degrees.ep, devices=devices))
         return links[key]
 
     def attempt(degrees: ParallelDegrees, parts: frozenset[str] = BOTH) -> LayoutChoice:
@@ -174,7 +189,7 @@ def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatc
         reshard = degrees.fsdp_reshard if flat else "after_forward"  # with stages: whole within the step anyway
         return dataclasses.replace(choice, devices=devices, tp=degrees.tp, checkpointing=degrees.checkpointing,
                                    shard_buffer_bytes=buffered, memory_cap=memory_cap, fsdp_reshard=reshard,
-                                   lower_bound_s=microbatches * work / devices)
+                                   lower_bound_s=microbatches * work / devices, ep=degrees.ep)
 
     bounds = OptionBounds(true_units, whole, devices, microbatches, space, link)
     uncapped: dict[int, float] = {}
@@ -203,7 +218,7 @@ def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatc
         if degrees.dp_shard > 1 and bounds.flat(degrees) >= to_beat:
             parts.discard("flat")
         staged = bounds.staged(degrees)
-        if staged < to_beat and to_beat < math.inf and degrees != _least_of(options, degrees.tp):
+        if staged < to_beat and to_beat < math.inf and degrees != _least_of(options, degrees.tp) and degrees.ep == 1:
             staged = max(staged, floor_of(degrees.tp))
         if staged >= to_beat:
             parts.discard("staged")
@@ -251,24 +266,26 @@ def _uncapped(bounds: OptionBounds, search: SearchOne, options: Sequence[Paralle
     return choice.iteration_s - machine.overheads.update_s(trained)
 
 
-def _preference(degrees: ParallelDegrees) -> tuple[int, int, int, int]:
-    """Tie order: less TP, less sharding, less checkpointing, parameters resharded after the forward (less memory)."""
-    return (degrees.tp, degrees.dp_shard, CHECKPOINT_POLICIES.index(degrees.checkpointing),
+def _preference(degrees: ParallelDegrees) -> tuple[int, int, int, int, int]:
+    """Tie order: less TP, less sharding, less EP, less checkpointing, parameters resharded after the forward."""
+    return (degrees.tp, degrees.dp_shard, degrees.ep, CHECKPOINT_POLICIES.index(degrees.checkpointing),
             FSDP_RESHARD.index(degrees.fsdp_reshard))
 
 
 def _degrees_of(choice: LayoutChoice) -> ParallelDegrees:
-    return ParallelDegrees(choice.tp, choice.dp_shard, choice.checkpointing, choice.fsdp_reshard)
+    return ParallelDegrees(choice.tp, choice.dp_shard, choice.checkpointing, choice.fsdp_reshard, choice.ep)
 
 
 def _label(degrees: ParallelDegrees) -> str:
     reshard = f", fsdp_reshard {degrees.fsdp_reshard}" if degrees.fsdp_reshard != "after_forward" else ""
-    return f"tp {degrees.tp}, dp_shard {degrees.dp_shard}, checkpointing {degrees.checkpointing}{reshard}"
+    ep = f", ep {degrees.ep}" if degrees.ep > 1 else ""
+    return f"tp {degrees.tp}, dp_shard {degrees.dp_shard}{ep}, checkpointing {degrees.checkpointing}{reshard}"
+
 
 
 def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int,
                   machine: Machine = Machine(), space: SearchSpace = SearchSpace(),
-                  layout_search: LayoutSearch = plan_layout) -> LayoutChoice:
+                  layout_search: LayoutSearch = plan_layout, experts: Sequence[ExpertLayer] = ()) -> LayoutChoice:
     """``search.plan_layout`` over layouts, stages and DP degrees, TP degree, FSDP2 shard degree and activation
     checkpointing, whether or not the plain plan fits ``machine.memory_cap``, FSDP2 CPU offload when nothing fits
     without it, and the plans of every divisor of ``devices`` (module docstring: the result is never slower than
@@ -294,6 +311,10 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
         layout_search: the search under fixed degrees (``LayoutSearch``: ``plan_layout``, or
             ``planner.auto_plan.plan_filling_layout``, the plans that use every device), used by every option,
             FSDP2's both runtimes and CPU offload alike; ``machine.dp_shard`` is set per option.
+        experts: the LLM's MoE layers (``cost.experts.expert_layers``): expert parallelism is searched
+            (``space.ep_degrees``, with ``tp = 1``, on the DP degrees ``ep`` divides, FSDP2 without pipeline stages or
+            plain data parallelism with them; not with CPU offload), each EP option charged its all-to-alls on the
+            link of its EP group (``placement.ep_link``) and its load imbalance; the result's ``ep`` records it.
 
     Raises:
         ValueError: on bad arguments (``offload`` not ``"auto"`` or ``"cpu"``); ``NoPlanFits`` with the least need
@@ -307,14 +328,15 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
                                   tp_link=machine.tp_link if machine.tp_link is not None else machine.p2p,
                                   shard_link=machine.shard_link if machine.shard_link is not None
                                   else machine.dp_link)
+    eps = searched_ep_degrees(space.ep_degrees, experts, devices)
     options = degree_options(devices, space.tp_degrees, space.dp_shard_degrees, space.checkpointing,
-                             space.fsdp_reshard)
+                             space.fsdp_reshard, eps)
     job = _Job(units, consistent_units(units), cost_list(units, costs), devices, microbatches, machine, space,
-               layout_search)
+               layout_search, tuple(experts))
 
     def direct(count: int, so_far: LayoutChoice | None) -> LayoutChoice | None:  # the search on ``count`` alone
         on = options if count == devices else degree_options(count, space.tp_degrees, space.dp_shard_degrees,
-                                                             space.checkpointing, space.fsdp_reshard)
+                                                             space.checkpointing, space.fsdp_reshard, eps)
         beat = math.inf if so_far is None else so_far.iteration_s
         return _plan_parallel(dataclasses.replace(job, devices=count), costs, on, beat,
                               offload=so_far is None or so_far.offload == "cpu")
@@ -343,6 +365,7 @@ class _Job:
     machine: Machine
     space: SearchSpace
     layout_search: LayoutSearch = plan_layout
+    experts: tuple[ExpertLayer, ...] = ()
 
     def search(self, per_rank: Sequence[UnitCost], devices: int, *, degrees: ParallelDegrees = ParallelDegrees(),
                microbatches: int | None = None, **changes: Any) -> LayoutChoice:
@@ -382,6 +405,10 @@ def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees], 
     def one(per_rank: Sequence[UnitCost], pipe_devices: int, cap: float | None, degrees: ParallelDegrees,
             parts: frozenset[str] = BOTH) -> LayoutChoice:
         dps = None if space.dp_degrees is None else [d for d in space.dp_degrees if d <= pipe_devices] or [1]
+        if degrees.ep > 1:  # EP splits the DP ranks of a stage: DP degrees it divides
+            dps = [d for d in (divisors(pipe_devices) if dps is None else dps) if d % degrees.ep == 0]
+            if not dps:
+                raise ValueError(f"ep {degrees.ep} divides no DP degree searched")
         if degrees.dp_shard == 1:
             return job.search(per_rank, pipe_devices, degrees=degrees, memory_cap=cap, dp_degrees=dps)
 
@@ -399,8 +426,10 @@ def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees], 
             return _pipelined(job, degrees, pipe_devices, staged_dps)
 
         # staged plans keep their stages whole within the step whatever fsdp_reshard says: searched once
+        # staged FSDP2 with EP is not searched (its experts' optimizer state is not modelled)
         return _sharded(degrees, pipe_devices, microbatches, dps, flat if "flat" in parts else None,
-                        staged if degrees.fsdp_reshard == "after_forward" and "staged" in parts else None)
+                        staged if degrees.fsdp_reshard == "after_forward" and "staged" in parts
+                        and degrees.ep == 1 else None)
 
     if space.offload == "cpu":  # the job's own CPU offload: only offloaded plans, whether or not others fit
         if machine.host is None:
@@ -408,7 +437,8 @@ def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees], 
         return plan_offloaded(job, options, NoPlanFits("no plan fits the memory cap with the job's CPU offload "
                                                        "(parallel.offload = 'cpu')"))
     try:
-        found = _search_degrees(job.units, costs, job.devices, microbatches, one, options, machine, space, beat)
+        found = _search_degrees(job.units, costs, job.devices, microbatches, one, options, machine, space, beat,
+                                job.experts)
     except ValueError as exc:
         if machine.host is None or machine.memory_cap is None:
             raise
@@ -513,7 +543,7 @@ def plan_offloaded(job: _Job, options: Sequence[ParallelDegrees], cause: Excepti
     """
     best: LayoutChoice | None = None
     why: list[str] = []
-    for degrees in sorted((o for o in options if o.dp_shard > 1), key=_preference):
+    for degrees in sorted((o for o in options if o.dp_shard > 1 and o.ep == 1), key=_preference):
         try:
             choice = _offloaded_one(job, degrees)
         except ValueError as exc:

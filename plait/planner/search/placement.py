@@ -15,6 +15,8 @@ collective on ``topology.inter_link`` when some group of its axis spans several 
 - ``shard_link`` (FSDP2's per-unit all-gathers without pipeline stages): ``dp_shard``.
 - ``tp_link`` (the TP all-reduces): ``tp``.
 - ``p2p`` (stage-to-stage transfers): ``pp``.
+- ``ep_link`` (the expert-parallel all-to-alls, ``cost.experts``): the EP groups (``topology.ep_crosses``), folded
+  into the per-rank costs like TP's (:func:`ep_link`).
 
 The DP degree and the pipeline ranks of a plan are chosen inside the layout search (``search.plan_layout``), which
 reads one ``p2p`` and one ``dp_link`` for all its candidates. :func:`search_placed` therefore searches the DP degrees
@@ -35,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from plait.planner.cost.topology import RANK_ORDERS, crossing_axes, plan_rank_order
+from plait.planner.cost.topology import RANK_ORDERS, crossing_axes, ep_crosses, plan_rank_order
 from plait.planner.cost.types import ParallelDegrees
 from plait.planner.pipeline.types import P2PModel
 from plait.planner.search.layout import evaluate_plan
@@ -43,7 +45,7 @@ from plait.planner.search.model import Costs
 from plait.planner.search.types import LayoutChoice, Machine, NoPlanFits
 from plait.planner.types import Unit
 
-__all__ = ["option_links", "placed_machine", "rank_sizes", "retime", "search_placed"]
+__all__ = ["ep_link", "option_links", "placed_machine", "rank_sizes", "retime", "search_placed"]
 
 
 def rank_sizes(*, tp: int, dp: int, dp_shard: int, pp: int) -> dict[str, int]:
@@ -59,13 +61,15 @@ def rank_sizes(*, tp: int, dp: int, dp_shard: int, pp: int) -> dict[str, int]:
     return {"dp": dp // dp_shard, "dp_shard": dp_shard, "pp": pp, "cp": 1, "tp": tp}
 
 
-def placed_machine(machine: Machine, *, tp: int, dp: int, dp_shard: int, pp: int) -> tuple[Machine, str]:
-    """``machine`` with its four links set by where the groups of a plan of these degrees sit (module docstring),
+def placed_machine(machine: Machine, *, tp: int, dp: int, dp_shard: int, pp: int,
+                   ep: int = 1) -> tuple[Machine, str]:
+    """``machine`` with its five links set by where the groups of a plan of these degrees sit (module docstring),
     and the name of the rank order (``topology.RANK_ORDERS``) that places them; ``machine`` itself and
     ``"dp_outer"`` when ``machine.topology`` is None.
 
     Args:
-        machine: the machine searched; tp, dp (all of ``dp x dp_shard``), dp_shard, pp: the plan's degrees.
+        machine: the machine searched; tp, dp (all of ``dp x dp_shard``), dp_shard, pp, ep: the plan's degrees
+            (``ep`` dividing ``dp``).
 
     Raises:
         ValueError: as :func:`rank_sizes`.
@@ -74,11 +78,13 @@ def placed_machine(machine: Machine, *, tp: int, dp: int, dp_shard: int, pp: int
     if topology is None:
         return machine, "dp_outer"
     sizes = rank_sizes(tp=tp, dp=dp, dp_shard=dp_shard, pp=pp)
-    order = plan_rank_order(sizes, topology.gpus_per_node)
+    order = plan_rank_order(sizes, topology.gpus_per_node, ep)
     crossing = set(crossing_axes(RANK_ORDERS[order], sizes, topology.gpus_per_node))
     placed = dataclasses.replace(machine, dp_link=topology.link(bool(crossing & {"dp", "dp_shard"})),
                                  shard_link=topology.link("dp_shard" in crossing),
-                                 tp_link=topology.link("tp" in crossing), p2p=topology.link("pp" in crossing))
+                                 tp_link=topology.link("tp" in crossing), p2p=topology.link("pp" in crossing),
+                                 ep_link=topology.link(ep > 1 and ep_crosses(RANK_ORDERS[order], sizes, ep,
+                                                                             topology.gpus_per_node)))
     return placed, order
 
 
@@ -100,6 +106,25 @@ def option_links(machine: Machine, *, tp: int, dp_shard: int, devices: int) -> t
     dp = max(devices // tp // dp_shard, 1) * dp_shard  # ``degree_options``: exactly devices / tp
     placed, _ = placed_machine(machine, tp=tp, dp=dp, dp_shard=dp_shard, pp=1)
     return placed.tp_link, placed.shard_link
+
+
+def ep_link(machine: Machine, *, tp: int, dp_shard: int, ep: int, devices: int) -> P2PModel | None:
+    """The link of the expert-parallel all-to-alls of an option searched on ``devices`` devices: ``machine.ep_link``
+    (else its ``shard_link``) without a topology; else ``topology.inter_link`` when an EP group spans nodes
+    (``topology.ep_crosses``) under the rank order of the option with every device a data-parallel rank of one
+    stage (as :func:`option_links`). The same holds with stages: ``topology.plan_rank_order`` weighs the EP groups
+    right after TP, so a plan's own order keeps them in a node whenever ``pp_outer`` does, which places them as
+    the plan without stages does (the data-parallel axes inside the pipeline's).
+
+    Raises:
+        ValueError: on a degree below 1 or an ``ep`` not dividing the data-parallel ranks.
+    """
+    if machine.topology is None:
+        return machine.ep_link if machine.ep_link is not None else machine.shard_link
+    if min(tp, dp_shard, ep, devices) < 1:
+        raise ValueError(f"tp, dp_shard, ep and devices must be >= 1, got {tp}, {dp_shard}, {ep}, {devices}")
+    dp = max(devices // tp // dp_shard, 1) * dp_shard
+    return placed_machine(machine, tp=tp, dp=dp, dp_shard=dp_shard, pp=1, ep=ep)[0].ep_link
 
 
 def retime(choice: LayoutChoice, units: Sequence[Unit], costs: Costs, *, machine: Machine, microbatches: int,
@@ -162,7 +187,7 @@ def search_placed(run: Run, time_again: Callable[[LayoutChoice, Machine], Layout
     tp, dp_shard = degrees.tp, degrees.dp_shard
 
     def placed(d: int, pp: int) -> tuple[Machine, str]:
-        return placed_machine(machine, tp=tp, dp=d, dp_shard=dp_shard, pp=max(pp, 1))
+        return placed_machine(machine, tp=tp, dp=d, dp_shard=dp_shard, pp=max(pp, 1), ep=degrees.ep)
 
     degrees_dp = [d for d in (dps if dps is not None else range(1, devices + 1))
                   if 1 <= d <= devices and d % dp_shard == 0 and d % machine.dp_shard == 0

@@ -42,6 +42,8 @@ class Machine(JsonDataclass):
         host: the host side of a device for FSDP2 CPU offload (``offload.HostSpec``); None: offload not searched.
         dp_shard: FSDP2 shard degree the costs are per (``sharding.shard_costs``): only DP degrees it divides are
             searched and gradients are reduce-scattered; ``plan_parallel`` sets it per option.
+        ep_link: link of the expert-parallel all-to-alls (``cost.experts``; None: ``shard_link``). With
+            ``topology`` set it is derived like the others: ``topology.inter_link`` when an EP group spans nodes.
         topology: the nodes the devices sit in and their links (``cost.topology.Topology``); None: the explicit
             links above. When set, ``search_parallel.plan_parallel`` (and ``plan_auto_layout`` through it) ignores
             ``p2p``, ``dp_link``, ``tp_link`` and ``shard_link`` and derives them per plan from where each
@@ -63,6 +65,7 @@ class Machine(JsonDataclass):
     host: HostSpec | None = HostSpec()
     dp_shard: int = 1
     topology: Topology | None = None
+    ep_link: P2PModel | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,9 @@ class SearchSpace(JsonDataclass):
             1F1B and the zero-bubble ``zb_h1`` / ``zb_h2``), and ``zb_v`` on that plan's LLM cut into twice its
             ranks' stages placed in a V; the fastest that fits the memory cap is chosen (``plan_layout``).
             Interleaved and attached plans run ``interleaved_1f1b``.
+        ep_degrees: expert-parallel degrees searched (``ParallelDegrees.ep``, with ``tp = 1``; each must divide the
+            plan's data-parallel degree and every MoE layer's experts); None: powers of two dividing the experts
+            when ``plan_parallel`` is given MoE layers, else 1 only.
     """
 
     layouts: tuple[str, ...] = LAYOUTS
@@ -115,10 +121,11 @@ class SearchSpace(JsonDataclass):
     prefer_plain: bool = False
     offload: str = "auto"
     schedules: tuple[str, ...] = ("1f1b",)
+    ep_degrees: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("layouts", "dp_degrees", "virtual_stages", "tp_degrees", "dp_shard_degrees", "checkpointing",
-                     "fsdp_reshard", "schedules"):
+                     "fsdp_reshard", "schedules", "ep_degrees"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))
@@ -225,6 +232,8 @@ class LayoutChoice(JsonDataclass):
             fits_memory)`` each (``SearchSpace.schedules``; ``zb_v`` on its own V, ``interleaved_1f1b`` on the best
             interleaved or attached plan), fastest first; empty when only one was timed. The chosen one is the
             fastest that fits the memory cap.
+        ep: expert-parallel degree (``parallel.ep``): of the ``dp`` data-parallel ranks of the LLM's stages, how many
+            split each MoE layer's routed experts (``cost.experts``); it divides ``dp``.
 
     Raises:
         ValueError: when the per-stage tuples do not have one entry per stage, an unknown method or an unknown
@@ -269,6 +278,7 @@ class LayoutChoice(JsonDataclass):
     stage_weight_grad_s: tuple[float, ...] = ()
     rank_order: str = "dp_outer"
     schedules_weighed: tuple[tuple[str, float, bool], ...] = ()
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, PipelinePlan):
