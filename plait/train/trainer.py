@@ -181,7 +181,7 @@ class Trainer:
         par = cfg.parallel
         if par.pp.degree > 1:
             raise ValueError(f"parallel.pp.degree={par.pp.degree}: pipeline jobs run with PipelineTrainer")
-        dims = ParallelDims.from_world(world_size, 1, par.cp, par.dp, par.dp_shard, par.tp)
+        dims = ParallelDims.from_world(world_size, 1, par.cp, par.dp, par.dp_shard, par.tp, ep=par.ep)
         return dims.ordered(par.rank_order, par.gpus_per_node)
 
     # ------------------------------------------------------------------ setup
@@ -239,6 +239,7 @@ class Trainer:
         par = parallelize(self.model, self.cfg, self.dims, self.mesh, self.info, pipeline)
         self.tp, self.sharded, self.stages, self.sync, self.ddp_model = (par.tp, par.sharded, par.stages, par.sync,
                                                                          par.ddp_model)
+        self.experts = par.experts
 
     def _num_microbatches(self, samples: int) -> int:
         """Microbatches of a DP rank's share of ``samples`` samples: ``parallel.pp.microbatches`` under PP when
@@ -473,13 +474,13 @@ class Trainer:
 
     def full_model(self, path: str | Path | None = None) -> MultimodalModel:
         """The whole trained model, for export (``final/``; evaluation never needs it): the one in memory when
-        every rank holds it whole; under PP, FSDP2 or TP (parameters split over ranks) the whole model built from
+        every rank holds it whole; under PP, FSDP2, TP or EP (parameters split over ranks) the whole model built from
         the config (same seed) with the weights of checkpoint ``path`` (default: the newest), in this process alone.
 
         Raises:
-            FileNotFoundError: under PP, FSDP2 or TP when there is no checkpoint.
+            FileNotFoundError: under PP, FSDP2, TP or EP when there is no checkpoint.
         """
-        if self.stages is None and self.sharded is None and self.tp is None:
+        if self.stages is None and self.sharded is None and self.tp is None and self.experts is None:
             return self.model
         model = model_from_checkpoint(self.cfg, self.tokenizer, self.run_dir, path, self.info.device)
         self._use_attention(model)

@@ -1,0 +1,48 @@
+"""Expert parallelism (``parallel.ep``) under torchrun (gloo) equals one process on the same global batches: the
+tiny MoE MLLM (frozen SigLIP encoder, trained projector, Qwen3-MoE LLM with 4 experts, top-2), losses (rel 1e-5),
+first-step gradients (rel 1e-5 of each gradient's scale) and final parameters after 2 AdamW steps (rtol 1e-5 /
+atol 1e-6; ``assert_same_training``): EP=2 over 2 DP ranks, with every token routed to the first EP rank's experts
+(the second receives zero-size all-to-all splits), EP=2 x PP=2 on 4 processes, EP=2 x FSDP2 (``dp_shard = 2``, the
+same 2 ranks), LoRA on the LLM's attention with the experts frozen, and resuming across EP degrees (DCP reshards
+the expert DTensors)."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.helpers.data_parallel import assert_same_training
+from tests.helpers.fsdp import assert_same_params, run
+from tests.helpers.jobs import ROOT
+from tests.helpers.moe import moe_job
+
+WORKER = ROOT / "tests" / "distributed" / "ep_worker.py"
+EXPERTS = "language_model.model.layers.0.mlp.experts.gate_up_proj"
+
+
+def assert_equal_runs(single: dict, other: dict) -> None:
+    torch.testing.assert_close(torch.tensor(other["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
+    assert_same_training(single, other)
+
+
+def test_ep2_equals_one_process_frozen_encoder_and_no_local_expert(tmp_path):
+    single = run(moe_job(tmp_path), tmp_path, "single", 1, WORKER)
+    ep = run(moe_job(tmp_path, ep=2), tmp_path, "ep", 2, WORKER)
+    assert single["local"][0] == [(4, 32, 32)] * 2 and ep["local"] == [[(2, 32, 32)] * 2] * 2  # E/ep experts each
+    assert EXPERTS in single["grads"] and not any(n.startswith("encoders.vision.encoder.") for n in single["grads"])
+    assert_equal_runs(single, ep)
+    # every token to experts 0, 1 (the first EP rank's): the second joins the all-to-alls with zero rows, no hang
+    folded = run(moe_job(tmp_path) | {"experts_of_rank0": True}, tmp_path, "folded", 1, WORKER)
+    assert float(folded["grads"][EXPERTS][2:].abs().max()) == 0.0 < float(folded["grads"][EXPERTS][:2].abs().max())
+    ep_folded = run(moe_job(tmp_path, ep=2) | {"experts_of_rank0": True}, tmp_path, "ep_folded", 2, WORKER)
+    assert_equal_runs(folded, ep_folded)
+
+
+def test_ep2_with_pp2_and_with_fsdp2_equal_one_process(tmp_path):
+    single = run(moe_job(tmp_path), tmp_path, "single", 1, WORKER)
+    pp = {"degree": 2, "layout": "encoders_colocated", "schedule": "1f1b"}
+    ep_pp = run(moe_job(tmp_path, ep=2, pp=pp), tmp_path, "ep_pp", 4, WORKER)
+    assert ep_pp["world"] == 4 and all(len(x) == 1 and x[0][0] == 2 for x in ep_pp["local"])  # a layer per stage
+    assert_equal_runs(single, ep_pp)
+    ep_fsdp = run(moe_job(tmp_path, ep=2, dp_shard=2), tmp_path, "ep_fsdp", 2, WORKER)
+    assert ep_fsdp["sharded"] and ep_fsdp["local"] == [[(2, 32, 32)] * 2] * 2  # experts by EP, the rest by FSDP2
+    assert_equal_runs(single, ep_fsdp)
