@@ -39,7 +39,8 @@ def test_ep2_equals_one_process_frozen_encoder_and_no_local_expert(tmp_path):
 
 def test_ep2_with_pp2_and_with_fsdp2_equal_one_process(tmp_path):
     single = run(moe_job(tmp_path), tmp_path, "single", 1, WORKER)
-    pp = {"degree": 2, "layout": "encoders_colocated", "schedule": "1f1b"}
+    pp = {"degree": 2, "layout": "encoders_colocated", "schedule": "1f1b", "attach_encoders": True,
+          "stages": {"vision": 1, "llm": 2}, "splits": {"llm": ["language_model.model.layers.1"]}}  # a layer each
     ep_pp = run(moe_job(tmp_path, ep=2, pp=pp), tmp_path, "ep_pp", 4, WORKER)
     assert ep_pp["world"] == 4 and all(len(x) == 1 and x[0][0] == 2 for x in ep_pp["local"])  # a layer per stage
     assert_equal_runs(single, ep_pp)
