@@ -8,6 +8,8 @@ the expert DTensors)."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from tests.helpers.data_parallel import assert_same_training
@@ -30,6 +32,16 @@ def test_ep2_equals_one_process_frozen_encoder_and_no_local_expert(tmp_path):
     assert single["local"][0] == [(4, 32, 32)] * 2 and ep["local"] == [[(2, 32, 32)] * 2] * 2  # E/ep experts each
     assert EXPERTS in single["grads"] and not any(n.startswith("encoders.vision.encoder.") for n in single["grads"])
     assert_equal_runs(single, ep)
+    # resume across EP degrees: step 1 of the EP=2 run in one process, step 1 of the one-process run at EP=2
+    step1 = "checkpoints/step_000001"
+    to_one = run(moe_job(tmp_path) | {"resume_from": str(tmp_path / "run_ep" / step1)}, tmp_path, "to_one", 1, WORKER)
+    to_ep = run(moe_job(tmp_path, ep=2) | {"resume_from": str(tmp_path / "run_single" / step1)}, tmp_path, "to_ep",
+                2, WORKER)
+    for resumed in (to_one, to_ep):
+        assert resumed["start"] == 1
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(single["losses"][1:]), rtol=1e-5,
+                                   atol=0)
+        assert_same_params(single, resumed)
     # every token to experts 0, 1 (the first EP rank's): the second joins the all-to-alls with zero rows, no hang
     folded = run(moe_job(tmp_path) | {"experts_of_rank0": True}, tmp_path, "folded", 1, WORKER)
     assert float(folded["grads"][EXPERTS][2:].abs().max()) == 0.0 < float(folded["grads"][EXPERTS][:2].abs().max())
@@ -47,3 +59,21 @@ def test_ep2_with_pp2_and_with_fsdp2_equal_one_process(tmp_path):
     ep_fsdp = run(moe_job(tmp_path, ep=2, dp_shard=2), tmp_path, "ep_fsdp", 2, WORKER)
     assert ep_fsdp["sharded"] and ep_fsdp["local"] == [[(2, 32, 32)] * 2] * 2  # experts by EP, the rest by FSDP2
     assert_equal_runs(single, ep_fsdp)
+
+
+def test_ep2_with_lora_on_attention_and_frozen_experts(tmp_path):
+    cfg = moe_job(tmp_path, ep=2)
+    cfg["model"]["llm"]["lora"] = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    one = json.loads(json.dumps(cfg))
+    one["parallel"]["ep"] = 1
+    single = run(one, tmp_path, "single", 1, WORKER)
+    ep = run(cfg, tmp_path, "ep", 2, WORKER)
+    llm = [n for n in single["trained"] if n.startswith("language_model.")]
+    assert llm and all(".lora_" in n for n in llm)  # experts and router frozen: their all-to-alls carry the adapters'
+    assert ep["local"] == [[(2, 32, 32)] * 2] * 2  # gradients back to the attention of every layer
+    torch.testing.assert_close(torch.tensor(ep["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
+    assert set(ep["grads"]) == set(single["grads"])
+    for name, grad in single["grads"].items():  # lora_A's first gradient is exactly 0 (lora_B starts at 0)
+        tol = 1e-5 * float(grad.abs().max()) + 1e-9
+        torch.testing.assert_close(ep["grads"][name], grad, rtol=1e-5, atol=tol, msg=name)
+        torch.testing.assert_close(ep["params"][name], single["params"][name], rtol=1e-4, atol=1e-5, msg=name)
