@@ -105,6 +105,24 @@ class ExpertParallel:
             sum_local_gradients(trained, self.replica_group)
 
 
+    def check_microbatches(self, count: int, empty: int) -> None:
+        """Under pipeline stages: refuse a step in which the EP ranks would run different LLM microbatches
+        (``count`` this rank runs, ``empty`` of them without samples and so skipped by the LLM stages): their MoE
+        all-to-alls would wait on each other. One all-reduce MAX over the EP group; every rank raises alike.
+
+        Raises:
+            ValueError: when the counts differ over the EP group or a rank has an empty LLM microbatch.
+        """
+        flags = torch.tensor([count, -count, empty], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        most, least, empties = flags.tolist()
+        if most != -least or empties:
+            raise ValueError(f"parallel.ep = {self.ep} under pipeline stages: the EP ranks of a stage would run "
+                             f"{-least} to {most} LLM microbatches ({empties} empty at most); give every data-parallel "
+                             "rank the same number of non-empty LLM microbatches (parallel.pp.microbatches, a "
+                             "microbatch policy that does not defer, a global batch that divides evenly)")
+
+
 def apply_expert_parallel(model: nn.Module, dims: ParallelDims, rank: int, device_type: str
                           ) -> ExpertParallel | None:
     """Split the experts of ``model``'s MoE layers over ``dims.ep`` ranks in place (module docstring); None when
