@@ -1,10 +1,10 @@
 """Expert parallelism (``parallel.ep``) under torchrun (gloo) equals one process on the same global batches: the
 tiny MoE MLLM (frozen SigLIP encoder, trained projector, Qwen3-MoE LLM with 4 experts, top-2), losses (rel 1e-5),
 first-step gradients (rel 1e-5 of each gradient's scale) and final parameters after 2 AdamW steps (rtol 1e-5 /
-atol 1e-6; ``assert_same_training``): EP=2 over 2 DP ranks, with every token routed to the first EP rank's experts
-(the second receives zero-size all-to-all splits), EP=2 x PP=2 on 4 processes, EP=2 x FSDP2 (``dp_shard = 2``, the
-same 2 ranks), LoRA on the LLM's attention with the experts frozen, and resuming across EP degrees (DCP reshards
-the expert DTensors)."""
+atol 1e-6; ``assert_same_training``): EP=2 over 2 DP ranks and over 4 (each expert shard on 2 ranks), with every
+token routed to the first EP rank's experts (the second receives zero-size all-to-all splits), EP=2 x PP=2 on 4
+processes, EP=2 x FSDP2 (``dp_shard = 2``, the same 2 ranks), LoRA on the LLM's attention with the experts frozen,
+and resuming across EP degrees (DCP reshards the expert DTensors)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,10 @@ def test_ep2_with_pp2_and_with_fsdp2_equal_one_process(tmp_path):
     ep_fsdp = run(moe_job(tmp_path, ep=2, dp_shard=2), tmp_path, "ep_fsdp", 2, WORKER)
     assert ep_fsdp["sharded"] and ep_fsdp["local"] == [[(2, 32, 32)] * 2] * 2  # experts by EP, the rest by FSDP2
     assert_equal_runs(single, ep_fsdp)
+    # dp = 4, ep = 2: two EP groups, each expert shard summed over its 2 replicas (ranks 0, 2 and 1, 3)
+    replicas = run(moe_job(tmp_path, ep=2), tmp_path, "ep_replicas", 4, WORKER)
+    assert replicas["local"] == [[(2, 32, 32)] * 2] * 4
+    assert_equal_runs(single, replicas)
 
 
 def test_ep2_with_lora_on_attention_and_frozen_experts(tmp_path):
