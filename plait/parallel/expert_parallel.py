@@ -76,6 +76,7 @@ class ExpertParallel:
         mesh: the 1-D ``("ep",)`` DeviceMesh of the expert DTensors.
         modules: the split experts modules, by name.
         params: the expert parameters (DTensors), in module order.
+        device: the backend's device (where the small agreement tensors live: NCCL needs them on the GPU).
     """
 
     ep: int
@@ -85,6 +86,7 @@ class ExpertParallel:
     mesh: DeviceMesh
     modules: dict[str, nn.Module] = field(default_factory=dict)
     params: list[nn.Parameter] = field(default_factory=list)
+    device: torch.device = torch.device("cpu")
 
     def reduce_gradients(self) -> None:
         """Make the expert gradients whole and summed: a trainable expert weight with a gradient on some rank of
@@ -95,7 +97,7 @@ class ExpertParallel:
         trained = [p for p in self.params if p.requires_grad]
         if not trained:
             return
-        flags = torch.tensor([p.grad is not None for p in trained], dtype=torch.int64)
+        flags = torch.tensor([p.grad is not None for p in trained], dtype=torch.int64, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         for p, flag in zip(trained, flags.tolist()):
             if flag and p.grad is None:
@@ -113,7 +115,7 @@ class ExpertParallel:
         Raises:
             ValueError: when the counts differ over the EP group or a rank has an empty LLM microbatch.
         """
-        flags = torch.tensor([count, -count, empty], dtype=torch.int64)
+        flags = torch.tensor([count, -count, empty], dtype=torch.int64, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         most, least, empties = flags.tolist()
         if most != -least or empties:
@@ -123,7 +125,7 @@ class ExpertParallel:
                              "microbatch policy that does not defer, a global batch that divides evenly)")
 
 
-def apply_expert_parallel(model: nn.Module, dims: ParallelDims, rank: int, device_type: str
+def apply_expert_parallel(model: nn.Module, dims: ParallelDims, rank: int, device: torch.device
                           ) -> ExpertParallel | None:
     """Split the experts of ``model``'s MoE layers over ``dims.ep`` ranks in place (module docstring); None when
     ``dims.ep`` is 1. Call after the model is materialised (and pruned to a pipeline rank's stages: only the
@@ -139,12 +141,15 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims, rank: int, devic
     if not found and not _has_moe_config(model):
         raise ValueError(f"parallel.ep = {dims.ep} needs an LLM with mixture-of-experts layers (experts modules "
                          f"with fused {' / '.join(EXPERT_WEIGHTS)} weights); this model has none")
+    for name, module in found:
+        if module.num_experts % dims.ep:
+            raise ValueError(f"{name}: parallel.ep = {dims.ep} does not divide its {module.num_experts} experts")
     ep_groups, replica_groups = dims.expert_groups()
     group = new_groups(ep_groups, rank)
     replica_group = new_groups(replica_groups, rank, dims.batch // dims.ep > 1)
     mine = next(g for g in ep_groups if rank in g)
-    mesh = DeviceMesh.from_group(group, device_type, mesh=mine, mesh_dim_names=("ep",))
-    out = ExpertParallel(dims.ep, dims.ep_rank(rank), group, replica_group, mesh)
+    mesh = DeviceMesh.from_group(group, device.type, mesh=mine, mesh_dim_names=("ep",))
+    out = ExpertParallel(dims.ep, dims.ep_rank(rank), group, replica_group, mesh, device=device)
     for name, module in found:
         _split(name, module, out)
     return out
@@ -159,10 +164,7 @@ def _has_moe_config(model: nn.Module) -> bool:
 
 def _split(name: str, module: nn.Module, ep: ExpertParallel) -> None:
     """Keep ``module``'s local experts as DTensor shards and route its forward through :func:`_dispatch`."""
-    total = module.num_experts
-    if total % ep.ep:
-        raise ValueError(f"{name}: parallel.ep = {ep.ep} does not divide its {total} experts")
-    local = total // ep.ep
+    local = module.num_experts // ep.ep
     for w in EXPERT_WEIGHTS:
         full = getattr(module, w)
         piece = full.detach()[ep.ep_rank * local:(ep.ep_rank + 1) * local].clone()

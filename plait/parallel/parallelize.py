@@ -102,7 +102,7 @@ def parallelize(model: MultimodalModel, cfg: JobConfig, dims: ParallelDims, mesh
     if pipeline is not None:
         stages = build_rank_stages(model, pipeline.plan, pipeline.comm.pp_rank, info.device)
     tp = apply_job_tensor_parallel(model, dims, mesh, info.rank, info.device.type)
-    experts = apply_expert_parallel(model, dims, info.rank, info.device.type)
+    experts = apply_expert_parallel(model, dims, info.rank, info.device)
     sharded = None
     if dims.dp_shard > 1:
         par = cfg.parallel
