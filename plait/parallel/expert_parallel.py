@@ -176,8 +176,8 @@ def _split(name: str, module: nn.Module, ep: ExpertParallel) -> None:
     ep.modules[name] = module
     forward = type(module).forward
 
-    def dispatched(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                   *args: Any, **kwargs: Any) -> torch.Tensor:
+    def dispatched(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                   ) -> torch.Tensor:
         return _dispatch(module, forward, local, ep, hidden_states, top_k_index, top_k_weights)
 
     module.forward = dispatched
