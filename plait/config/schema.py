@@ -347,7 +347,7 @@ class ParallelConfig:
     """Expert-parallel degree: the experts of every mixture-of-experts LLM layer are split over ``ep`` ranks of the
     data-parallel axis (``ep`` divides ``dp x dp_shard``), each token sent to the rank holding its expert and back
     by all-to-all; the other parameters keep their DP / FSDP2. Needs an LLM with MoE layers whose expert count
-    ``ep`` divides, ``tp`` = ``cp`` = 1 and no validation set."""
+    ``ep`` divides, and ``tp`` = ``cp`` = 1."""
     cp: int = 1
     """Context-parallel degree: the LLM tokens of each microbatch are spread over ``cp`` ranks."""
     cp_distribution: str = "lpt"

@@ -20,14 +20,17 @@ Megatron-Core's and torchtitan's token dispatch):
 
 Every rank of an EP group must run the same MoE forwards and backwards in the same order (the all-to-alls are
 collectives): the flat step runs every LLM microbatch on every rank (a dummy one where a rank has none), and a rank
-whose tokens route to no local expert still joins both exchanges with zero-size splits. Expert gradients are summed
+whose tokens route to no local expert still joins both exchanges with zero-size splits. Evaluation, whose ranks run
+different samples, runs inside :meth:`ExpertParallel.whole` (every expert gathered once, no all-to-all), as FSDP2's
+``gathered``. Expert gradients are summed
 over the expert-data-parallel group (:meth:`ExpertParallel.reduce_gradients`); the other parameters keep their DP /
 FSDP2 sum. Pure DP in plait broadcasts nothing at start: every rank materialises the same weights from the seed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +109,26 @@ class ExpertParallel:
         if self.replica_group is not None:
             sum_local_gradients(trained, self.replica_group)
 
+
+    @contextmanager
+    def whole(self) -> Iterator[None]:
+        """Within: every split experts module holds all its experts (each weight all-gathered once over the EP
+        group, in module order: collective) and runs its own forward with no all-to-all, so the forwards inside
+        (evaluation, generation: different samples and counts per rank) need no peer; the shards and the
+        dispatching forward come back on exit. For forwards without a backward (the gathered weights are
+        detached)."""
+        kept = []
+        for module in self.modules.values():
+            shards = {w: module._parameters[w] for w in EXPERT_WEIGHTS}
+            kept.append((module, shards, module.__dict__.pop("forward")))
+            for w, shard in shards.items():
+                module._parameters[w] = nn.Parameter(shard.full_tensor().detach(), requires_grad=False)
+        try:
+            yield
+        finally:
+            for module, shards, forward in kept:
+                module._parameters.update(shards)
+                module.forward = forward
 
     def check_microbatches(self, count: int, empty: int) -> None:
         """Under pipeline stages: refuse a step in which the EP ranks would run different LLM microbatches

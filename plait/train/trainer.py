@@ -397,7 +397,7 @@ class Trainer:
         self._load_eval_metrics()
         self.runner.train_mode(False)
         try:
-            with gathered(self.sharded):  # FSDP2: parameters gathered once; the ranks' forwards may then differ
+            with gathered(self.sharded), self._whole_experts():  # FSDP2, EP: gathered once; the forwards may differ
                 self.last_eval = evaluate_on(self.val_set, self.runner.eval_side(), self.processor.pad_id,
                                              self.info.device, eval_batch_size(self.cfg.train), self.step,
                                              self._eval_metrics, self.run_dir,
@@ -405,6 +405,11 @@ class Trainer:
         finally:
             self.runner.train_mode(True)
         return self.last_eval.exact_match
+
+    def _whole_experts(self) -> Any:
+        """Expert parallelism's :meth:`~plait.parallel.expert_parallel.ExpertParallel.whole` (every expert on
+        every rank), or nothing without EP."""
+        return self.experts.whole() if self.experts is not None else nullcontext()
 
     def _load_eval_metrics(self) -> None:
         """``train.eval_metrics`` imported once (a bad entry is a ValueError naming it)."""

@@ -3,19 +3,21 @@ tiny MoE MLLM (frozen SigLIP encoder, trained projector, Qwen3-MoE LLM with 4 ex
 first-step gradients (rel 1e-5 of each gradient's scale) and final parameters after 2 AdamW steps (rtol 1e-5 /
 atol 1e-6; ``assert_same_training``): EP=2 over 2 DP ranks and over 4 (each expert shard on 2 ranks), with every
 token routed to the first EP rank's experts (the second receives zero-size all-to-all splits), EP=2 x PP=2 on 4
-processes, EP=2 x FSDP2 (``dp_shard = 2``, the same 2 ranks), LoRA on the LLM's attention with the experts frozen,
+processes and EP=2 x FSDP2 (``dp_shard = 2``, the same 2 ranks) with their validation (every expert gathered),
+LoRA on the LLM's attention with the experts frozen,
 and resuming across EP degrees (DCP reshards the expert DTensors)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tests.helpers.data_parallel import assert_same_training
 from tests.helpers.fsdp import assert_same_params, run
 from tests.helpers.jobs import ROOT
-from tests.helpers.moe import moe_job
+from tests.helpers.moe import moe_job, validation, with_validation
 
 WORKER = ROOT / "tests" / "distributed" / "ep_worker.py"
 EXPERTS = "language_model.model.layers.0.mlp.experts.gate_up_proj"
@@ -49,16 +51,21 @@ def test_ep2_equals_one_process_frozen_encoder_and_no_local_expert(tmp_path):
     assert_equal_runs(folded, ep_folded)
 
 
-def test_ep2_with_pp2_and_with_fsdp2_equal_one_process(tmp_path):
-    single = run(moe_job(tmp_path), tmp_path, "single", 1, WORKER)
+def test_ep2_with_pp2_and_with_fsdp2_equal_one_process_validation_included(tmp_path):
+    """Validation (loss and answers) after step 2 with every expert gathered on every rank, equal too."""
+    single = run(with_validation(moe_job(tmp_path), tmp_path), tmp_path, "single", 1, WORKER)
     pp = {"degree": 2, "layout": "encoders_colocated", "schedule": "1f1b", "attach_encoders": True,
           "stages": {"vision": 1, "llm": 2}, "splits": {"llm": ["language_model.model.layers.1"]}}  # a layer each
-    ep_pp = run(moe_job(tmp_path, ep=2, pp=pp), tmp_path, "ep_pp", 4, WORKER)
+    ep_pp = run(with_validation(moe_job(tmp_path, ep=2, pp=pp), tmp_path), tmp_path, "ep_pp", 4, WORKER)
     assert ep_pp["world"] == 4 and all(len(x) == 1 and x[0][0] == 2 for x in ep_pp["local"])  # a layer per stage
     assert_equal_runs(single, ep_pp)
-    ep_fsdp = run(moe_job(tmp_path, ep=2, dp_shard=2), tmp_path, "ep_fsdp", 2, WORKER)
+    ep_fsdp = run(with_validation(moe_job(tmp_path, ep=2, dp_shard=2), tmp_path), tmp_path, "ep_fsdp", 2, WORKER)
     assert ep_fsdp["sharded"] and ep_fsdp["local"] == [[(2, 32, 32)] * 2] * 2  # experts by EP, the rest by FSDP2
     assert_equal_runs(single, ep_fsdp)
+    loss, answers = validation(tmp_path, "single")
+    for name in ("ep_pp", "ep_fsdp"):
+        got_loss, got_answers = validation(tmp_path, name)
+        assert got_loss == pytest.approx(loss, rel=1e-5) and got_answers == answers and len(answers) == 5
     # dp = 4, ep = 2: two EP groups, each expert shard summed over its 2 replicas (ranks 0, 2 and 1, 3)
     replicas = run(moe_job(tmp_path, ep=2), tmp_path, "ep_replicas", 4, WORKER)
     assert replicas["local"] == [[(2, 32, 32)] * 2] * 4

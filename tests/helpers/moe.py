@@ -3,6 +3,7 @@ projector (trained) in front of a Qwen3-MoE LLM (hidden 32, 2 layers, 4 experts,
 
 from __future__ import annotations
 
+from plait.train.metrics import read_metrics
 from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
 
 TINY_MOE_LLM = dict(model_type="qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -27,3 +28,19 @@ def moe_job(tmp_path, train: dict | None = None, **parallel) -> dict:
     del cfg["model"]["encoders"]["audio"]
     cfg["model"]["encoders"]["vision"]["freeze"] = True
     return cfg
+
+
+def with_validation(cfg: dict, tmp_path) -> dict:
+    """``cfg`` validating 5 demo samples with images or text (loss and 3-token answers) after its second step."""
+    records = demo_records("val", ("image_digit",), limit=3) + demo_records("val", ("text",), limit=2)
+    cfg["data"]["val"] = str(write_jsonl(tmp_path / "val.jsonl", records))
+    cfg["train"].update(eval_every=2, max_new_tokens=3)
+    return cfg
+
+
+def validation(tmp_path, name: str) -> tuple[float, list[str]]:
+    """The validation loss run ``name`` wrote to its metrics and its answers (``predictions/step_2.jsonl``)."""
+    run = tmp_path / f"run_{name}"
+    loss = next(r["val_loss"] for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r)
+    lines = (run / "predictions" / "step_2.jsonl").read_text().splitlines()
+    return loss, sorted(lines)

@@ -38,11 +38,9 @@ def test_bad_degrees_are_refused_with_the_field_named(field, value, message):
         validate(config_from_dict(tiny_config_dict("train.jsonl", parallel={field: value})))
 
 
-def test_expert_parallelism_without_tp_cp_or_validation():
+def test_expert_parallelism_without_tp_or_cp():
     for extra, message in (({"tp": 2}, "parallel.ep = 2 works with parallel.tp = 1 and parallel.cp = 1, got tp = 2"),
                            ({"cp": 2}, "got tp = 1, cp = 2")):
         with pytest.raises(ValueError, match=message):
             validate(config_from_dict(tiny_config_dict("train.jsonl", parallel={"ep": 2, **extra})))
-    with pytest.raises(ValueError, match=r"parallel.ep = 2: validation \(data.val\) is not supported"):
-        validate(config_from_dict(tiny_config_dict("train.jsonl", "val.jsonl", parallel={"ep": 2})))
     assert Trainer.layout(config_from_dict(tiny_config_dict("t.jsonl", parallel={"ep": 2})), 4).ep == 2
