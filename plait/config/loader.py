@@ -223,6 +223,7 @@ def validate(cfg: JobConfig) -> None:
            f"parallel.timeout_s must be a positive number of seconds, got {cfg.parallel.timeout_s}")
     _check(cfg.parallel.dp_shard >= 1, f"parallel.dp_shard must be >= 1 (1: no sharding), got {cfg.parallel.dp_shard}")
     _check(cfg.parallel.tp >= 1, f"parallel.tp must be >= 1 (1: no tensor parallelism), got {cfg.parallel.tp}")
+    _validate_expert_parallel(cfg)
     _validate_fsdp_options(cfg.parallel)
     _check(cfg.parallel.cp_distribution in ("uniform", "zigzag", "lpt", "ilp"),
            f"parallel.cp_distribution must be uniform, zigzag, lpt or ilp, got {cfg.parallel.cp_distribution!r}")
@@ -329,6 +330,16 @@ def _validate_sources(d: DataConfig) -> None:
         _check(name not in names, f"{at}.name {name!r} is already the name of data.sources[{names.get(name)}]; "
                "give each source a unique 'name'")
         names[name] = i
+
+
+def _validate_expert_parallel(cfg: JobConfig) -> None:
+    """``parallel.ep``: >= 1; above 1 only without TP and CP (the all-to-all dispatch is not combined with them).
+    The LLM's expert count and the world size are checked when the job starts."""
+    p = cfg.parallel
+    _check(isinstance(p.ep, int) and p.ep >= 1, f"parallel.ep must be an integer >= 1 (1: no expert parallelism), "
+           f"got {p.ep!r}")
+    _check(p.ep == 1 or (p.tp == 1 and p.cp == 1), f"parallel.ep = {p.ep} works with parallel.tp = 1 and "
+           f"parallel.cp = 1, got tp = {p.tp}, cp = {p.cp}")
 
 
 def _validate_fsdp_options(p: Any) -> None:

@@ -343,6 +343,11 @@ class ParallelConfig:
     stage's parameters are gathered once per step and kept whole until its reduction)."""
     tp: int = 1
     """Tensor-parallel degree: the attention heads and MLPs of every layer are split over ``tp`` ranks."""
+    ep: int = 1
+    """Expert-parallel degree: the experts of every mixture-of-experts LLM layer are split over ``ep`` ranks of the
+    data-parallel axis (``ep`` divides ``dp x dp_shard``), each token sent to the rank holding its expert and back
+    by all-to-all; the other parameters keep their DP / FSDP2. Needs an LLM with MoE layers whose expert count
+    ``ep`` divides, and ``tp`` = ``cp`` = 1."""
     cp: int = 1
     """Context-parallel degree: the LLM tokens of each microbatch are spread over ``cp`` ranks."""
     cp_distribution: str = "lpt"

@@ -14,6 +14,11 @@ is ``(dp * pp + pp_rank) * cp + cp_rank``. ``pp_outer`` puts the pipeline outerm
 of one pipeline rank are consecutive ranks, on one node when they fit (``topology.plan_rank_order`` picks it). The
 data-parallel "batch" axis (ranks that get their own share of the samples) is ``dp x dp_shard``; the CP and TP ranks
 of one batch shard see the same samples.
+
+Expert parallelism (``ep``) is no axis of its own: as in Megatron-Core and torchtitan it splits the batch axis. The
+``ep`` consecutive batch ranks ``b`` with the same ``b // ep`` (same pipeline, CP and TP coordinates) form one EP
+group, each holding ``1/ep`` of every MoE layer's experts; the batch ranks with the same ``b % ep`` hold the same
+experts and sum their gradients (the expert-data-parallel group, ``batch / ep`` ranks).
 """
 
 from __future__ import annotations
@@ -60,9 +65,11 @@ class ParallelDims:
         tp: tensor-parallel degree (``parallel.tp``): ranks splitting the heads and MLPs of every layer.
         rank_order: the name of the axis order ranks are numbered in (``topology.RANK_ORDERS``: ``"dp_outer"``,
             the default, or ``"pp_outer"``; module docstring).
+        ep: expert-parallel degree (``parallel.ep``): ranks of the batch axis splitting every MoE layer's experts
+            (module docstring); it divides ``dp x dp_shard``.
 
     Raises:
-        ValueError: on a degree below 1 or an unknown rank order.
+        ValueError: on a degree below 1, an unknown rank order or an ``ep`` that does not divide ``dp x dp_shard``.
     """
 
     dp: int = 1
@@ -71,10 +78,14 @@ class ParallelDims:
     dp_shard: int = 1
     tp: int = 1
     rank_order: str = "dp_outer"
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        if min(self.sizes) < 1:
+        if min(self.sizes) < 1 or self.ep < 1:
             raise ValueError(f"parallel degrees must be >= 1, got {self._describe()}")
+        if self.batch % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must divide the data-parallel ranks dp x dp_shard = "
+                             f"{self.dp} x {self.dp_shard} (expert parallelism splits the batch axis)")
         if self.rank_order not in RANK_ORDERS:
             raise ValueError(f"rank_order must be one of {sorted(RANK_ORDERS)}, got {self.rank_order!r}")
 
@@ -92,13 +103,13 @@ class ParallelDims:
 
     @classmethod
     def from_world(cls, world_size: int, pp: int = 1, cp: int = 1, dp: int = 0, dp_shard: int = 1,
-                   tp: int = 1, rank_order: str = "dp_outer") -> "ParallelDims":
+                   tp: int = 1, rank_order: str = "dp_outer", ep: int = 1) -> "ParallelDims":
         """The degrees of a job of ``world_size`` processes; ``dp`` = 0 takes the replica degree from the world size.
 
         Raises:
             ValueError: when ``dp x dp_shard x pp x cp x tp`` (``dp`` given) is not ``world_size``, or
                 ``world_size`` is not a multiple of ``dp_shard x pp x cp x tp``; the message says how many
-                processes to launch.
+                processes to launch; when ``ep`` does not divide ``dp x dp_shard``.
         """
         if min(pp, cp, dp_shard, tp) < 1 or dp < 0:
             raise ValueError(f"parallel degrees must be >= 1, got dp={dp}, pp={pp}, cp={cp}, dp_shard={dp_shard}, "
@@ -117,7 +128,7 @@ class ParallelDims:
                 f"parallel.pp.degree={pp} x parallel.cp={cp}{extra} does not fit the world size {world_size}: launch "
                 f"a multiple of {per_replica} processes, e.g. torchrun --nproc_per_node {per_replica}"
             )
-        return cls(world_size // per_replica, pp, cp, dp_shard, tp, rank_order)
+        return cls(world_size // per_replica, pp, cp, dp_shard, tp, rank_order, ep)
 
     def ordered(self, setting: str, gpus_per_node: int = 0) -> "ParallelDims":
         """This layout numbered in the order ``setting`` names (``parallel.rank_order``): a ``RANK_ORDERS`` key, or
@@ -162,6 +173,23 @@ class ParallelDims:
         """Index of ``rank``'s share of the batch in ``[0, batch)``: ``dp * dp_shard + shard``."""
         c = self.coords(rank)
         return c.dp * self.dp_shard + c.dp_shard
+
+    def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """The EP groups (``ep`` ranks splitting the experts) and the expert-data-parallel groups (``batch / ep``
+        ranks holding the same experts, summing their gradients) of this layout (module docstring), each a
+        partition of the ranks, ranks ascending within a group."""
+        ep_groups: dict[tuple[int, ...], list[int]] = {}
+        replica_groups: dict[tuple[int, ...], list[int]] = {}
+        for r in range(self.world_size):
+            c, b = self.coords(r), self.batch_rank(r)
+            ep_groups.setdefault((c.pp, c.cp, c.tp, b // self.ep), []).append(r)
+            replica_groups.setdefault((c.pp, c.cp, c.tp, b % self.ep), []).append(r)
+        return ([sorted(g) for _, g in sorted(ep_groups.items())],
+                [sorted(g) for _, g in sorted(replica_groups.items())])
+
+    def ep_rank(self, rank: int) -> int:
+        """``rank``'s index in its EP group (which ``1/ep`` of the experts it holds): ``batch_rank % ep``."""
+        return self.batch_rank(rank) % self.ep
 
     def rank(self, dp: int, pp: int, cp: int, dp_shard: int = 0, tp: int = 0) -> int:
         """Global rank of coordinates (module docstring for the formula of each order).

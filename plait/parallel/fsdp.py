@@ -100,6 +100,8 @@ class ShardedModel:
             for its backward (``parallel.fsdp_reshard = "after_forward"``), or keeps them from its forward to the end
             of its backward (``"after_backward"``: one all-gather per microbatch instead of two, the unsharded
             parameters of every unit whose backward is pending held at once). :func:`gathered` restores it.
+        collective: modules (``"llm"``) whose forward runs collectives outside FSDP2 (expert parallelism's
+            all-to-alls): every rank must run them like a sharded module's (:meth:`sharded`).
     """
 
     groups: dict[str, list[FSDPModule]] = field(default_factory=dict)
@@ -110,6 +112,7 @@ class ShardedModel:
     offload: bool = False
     reduce_each_microbatch: bool = False
     reshard_after_forward: bool = True
+    collective: frozenset[str] = frozenset()
 
     def all_groups(self) -> list[FSDPModule]:
         """Every group, module by module."""
@@ -175,8 +178,9 @@ class ShardedModel:
         return [g for g, name in zip(self.all_groups(), self.names) if not name.endswith("(adapter)")]
 
     def sharded(self, module: str) -> bool:
-        """Whether ``module`` (``"llm"`` or a branch) has a sharded group (then every rank must run it)."""
-        return bool(self.groups.get(module))
+        """Whether ``module`` (``"llm"`` or a branch) has a sharded group or is :attr:`collective` (then every rank
+        must run it)."""
+        return bool(self.groups.get(module)) or module in self.collective
 
     def set_gradient_sync(self, sync: bool, module: str | None = None) -> None:
         """Reduce-scatter gradients at the end of each group's backward (``sync``) or accumulate them unsharded
@@ -196,7 +200,8 @@ def mixed_precision(device_type: str) -> MixedPrecisionPolicy:
 
 def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_type: str,
                replicate: Collection[nn.Parameter] = (), offload: bool = False,
-               reduce_each_microbatch: bool = False, reshard_after_forward: bool = True) -> ShardedModel:
+               reduce_each_microbatch: bool = False, reshard_after_forward: bool = True,
+               ignored: Collection[nn.Parameter] = ()) -> ShardedModel:
     """Shard, in place, the trainable units of ``model`` over ``mesh`` (module docstring for the rules).
 
     Args:
@@ -214,6 +219,8 @@ def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_ty
         reduce_each_microbatch: ``parallel.fsdp_reduce = "microbatch"`` (:class:`ShardedModel`).
         reshard_after_forward: ``fully_shard``'s flag for every group (``parallel.fsdp_reshard``,
             :attr:`ShardedModel.reshard_after_forward`); pipeline steps override it (:meth:`ShardedModel.begin_step`).
+        ignored: parameters FSDP2 leaves alone (``fully_shard(ignored_params=...)``): expert weights split by expert
+            parallelism (:mod:`plait.parallel.expert_parallel`), whose gradients are summed on their own.
 
     Returns:
         The groups made, by module.
@@ -224,7 +231,8 @@ def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_ty
     """
     out = ShardedModel(offload=offload, reduce_each_microbatch=reduce_each_microbatch,
                        reshard_after_forward=reshard_after_forward)
-    policy = _Policy(mixed_precision(device_type), offload_policy(device_type, offload), reshard_after_forward)
+    policy = _Policy(mixed_precision(device_type), offload_policy(device_type, offload), reshard_after_forward,
+                     frozenset(ignored))
     units = [(s.unit.module, s.unit.name, [m for m in map(lambda p: _held(model, p), s.modules) if m is not None])
              for s in specs]
     kept = {id(p) for p in replicate}
@@ -319,12 +327,13 @@ class _Policy:
     mp: MixedPrecisionPolicy
     offload: OffloadPolicy
     reshard_after_forward: bool
+    ignored: frozenset[nn.Parameter] = frozenset()
 
 
 def _shard(modules: nn.Module | list[nn.Module], mesh: Any, policy: _Policy) -> FSDPModule:
     """``fully_shard`` of ``modules`` (one group; a list: one grouped state) under ``policy``, reducing plain sums."""
     group = fully_shard(modules, mesh=mesh, reshard_after_forward=policy.reshard_after_forward, mp_policy=policy.mp,
-                        offload_policy=policy.offload)
+                        offload_policy=policy.offload, ignored_params=set(policy.ignored) or None)
     group = group[0] if isinstance(group, list) else group  # several modules share one state: any handles it
     group.set_gradient_divide_factor(1.0)
     group.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM; the factor is 1)

@@ -16,7 +16,9 @@ reduce_loss` on the rank's loss sum, and the loop's optimizer step :meth:`~Gradi
   the step must run the same collectives on every rank (``uniform``);
 - :class:`PipelineSync`: a pipeline rank's stages, summed over DP x CP by the pipeline runtime (which calls
   ``finish`` and ``reduce_loss`` of the sync it is given);
-- :class:`HeteroSync`: heterogeneous pipelines (``plait launch``), summed per parameter over its holders.
+- :class:`HeteroSync`: heterogeneous pipelines (``plait launch``), summed per parameter over its holders;
+- :class:`ExpertSync`: expert parallelism around one of the above: the split experts' gradients summed over the
+  ranks holding the same experts, every LLM microbatch run on every rank (the all-to-alls are collectives).
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from plait.parallel.data_parallel import GradientReducer
+from plait.parallel.expert_parallel import ExpertParallel
 from plait.parallel.fsdp import ShardedModel
 from plait.parallel.hetero_dp import HeteroDP, clip_grad_norm_hetero
 from plait.parallel.pipeline import PipelineComm, clip_grad_norm_pipeline
 from plait.parallel.stages import RankStages
 from plait.parallel.tensor_parallel import RankTensorParallel, clip_grad_norm_, sum_local_gradients
 
-__all__ = ["BucketSync", "GradientSync", "HeteroSync", "LocalSync", "PipelineSync", "ShardedSync", "SumSync",
+__all__ = ["BucketSync", "ExpertSync", "GradientSync", "HeteroSync", "LocalSync", "PipelineSync", "ShardedSync", "SumSync",
            "TensorParallelSync"]
 
 
@@ -218,3 +221,43 @@ class HeteroSync(GradientSync):
 
     def clip(self, params: Sequence[nn.Parameter], max_norm: float) -> float:
         return clip_grad_norm_hetero(self.hetero, _no_clip(max_norm))
+
+
+class ExpertSync(GradientSync):
+    """Expert parallelism (:mod:`plait.parallel.expert_parallel`) around the sync of the other parameters
+    (``inner``: :class:`SumSync`, :class:`ShardedSync` or :class:`PipelineSync`, none of which reduces an expert
+    weight): after ``inner``'s finish the experts' gradients are summed over their expert-data-parallel group; the
+    norm counts each expert shard once (``grad_square_sum``). Without pipeline stages the step is ``uniform``: every
+    LLM microbatch runs on every rank (``sharded`` marks the LLM collective).
+
+    Args:
+        inner: the sync of the non-expert parameters.
+        experts: this rank's expert parallelism.
+        sharded: ``inner``'s FSDP2 groups, or a group-less :class:`ShardedModel`, with the LLM ``collective``.
+        world_size: ranks of the job.
+        device: the backend's device.
+    """
+
+    def __init__(self, inner: GradientSync, experts: ExpertParallel, sharded: ShardedModel, world_size: int,
+                 device: torch.device) -> None:
+        self.inner, self.experts, self.sharded = inner, experts, sharded
+        self.world_size, self.device = world_size, device
+        self.uniform = not isinstance(inner, PipelineSync)
+
+    def start(self) -> None:
+        self.inner.start()
+
+    def arm(self) -> None:
+        self.inner.arm()
+
+    def finish(self) -> None:
+        self.inner.finish()
+        self.experts.reduce_gradients()
+
+    def reduce_loss(self, loss_sum: torch.Tensor) -> None:
+        self.inner.reduce_loss(loss_sum)
+
+    def clip(self, params: Sequence[nn.Parameter], max_norm: float) -> float:
+        if isinstance(self.inner, PipelineSync):  # the pipeline's norm counts each stage's DTensor shards once
+            return self.inner.clip(params, max_norm)
+        return clip_grad_norm_(params, _no_clip(max_norm), self.world_size, None, self.device)

@@ -7,10 +7,13 @@ trainer (:func:`parallelize`):
    forwards and leaves the module tree alone, so TP's hooks and FSDP2's groups see the same names;
 3. prune to this rank's stages (a pipeline rank only, :func:`~plait.parallel.stages.build_rank_stages`);
 4. tensor parallelism (:func:`~plait.parallel.tensor_parallel.apply_job_tensor_parallel`): DTensor parameters;
+   expert parallelism (:func:`~plait.parallel.expert_parallel.apply_expert_parallel`): the MoE experts split over
+   the EP group, DTensors FSDP2 then leaves alone;
 5. FSDP2 over ``dp x dp_shard`` (:func:`~plait.parallel.fsdp.apply_fsdp`; HSDP when ``dp`` > 1): after
    checkpointing, so the recomputation runs inside the gathered group, and after TP (a 2-D layout);
 6. the gradient sum of a step (:mod:`plait.parallel.grad_sync`): FSDP2, TP, DP buckets (the DDP wrapper made
-   only to broadcast rank 0's parameters), the pipeline runtime's, or none in one process.
+   only to broadcast rank 0's parameters), the pipeline runtime's, or none in one process; under expert
+   parallelism that of the other parameters (DP: summed after the step's last backward) inside an ``ExpertSync``.
 """
 
 from __future__ import annotations
@@ -27,14 +30,16 @@ from plait.models.units import unit_specs
 from plait.parallel.activation_checkpointing import apply_activation_checkpointing, checkpoint_policy
 from plait.parallel.data_parallel import OVERLAP_BUCKET_ELEMENTS, GradientReducer, apply_data_parallel
 from plait.parallel.dims import ParallelDims
+from plait.parallel.expert_parallel import ExpertParallel, apply_expert_parallel, is_expert_parameter
 from plait.parallel.fsdp import ShardedModel, apply_fsdp
-from plait.parallel.grad_sync import (BucketSync, GradientSync, LocalSync, PipelineSync, ShardedSync,
-                                      TensorParallelSync)
+from plait.parallel.grad_sync import (BucketSync, ExpertSync, GradientSync, LocalSync, PipelineSync, ShardedSync,
+                                      SumSync, TensorParallelSync)
 from plait.parallel.process_group import DistInfo
 from plait.parallel.pipeline import PipelineComm
 from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.tensor_parallel import RankTensorParallel, apply_job_tensor_parallel
 from plait.planner.pipeline.types import PipelinePlan
+from plait.planner.types import LLM_MODULE
 
 __all__ = ["Parallelized", "PipelinePlace", "parallelize"]
 
@@ -57,6 +62,7 @@ class Parallelized:
         stages: this pipeline rank's stages (``model`` pruned to them), or None without pipeline.
         sync: the step's gradient sum.
         ddp_model: the DDP wrapper (plain DP only, for its broadcast; the forwards run ``model``), else ``model``.
+        experts: this rank's expert parallelism (``parallel.ep`` > 1), or None.
     """
 
     tp: RankTensorParallel | None
@@ -64,6 +70,7 @@ class Parallelized:
     stages: RankStages | None
     sync: GradientSync
     ddp_model: nn.Module
+    experts: ExpertParallel | None = None
 
 
 def parallelize(model: MultimodalModel, cfg: JobConfig, dims: ParallelDims, mesh: Any, info: DistInfo,
@@ -95,6 +102,7 @@ def parallelize(model: MultimodalModel, cfg: JobConfig, dims: ParallelDims, mesh
     if pipeline is not None:
         stages = build_rank_stages(model, pipeline.plan, pipeline.comm.pp_rank, info.device)
     tp = apply_job_tensor_parallel(model, dims, mesh, info.rank, info.device.type)
+    experts = apply_expert_parallel(model, dims, info.rank, info.device)
     sharded = None
     if dims.dp_shard > 1:
         par = cfg.parallel
@@ -102,8 +110,11 @@ def parallelize(model: MultimodalModel, cfg: JobConfig, dims: ParallelDims, mesh
         tied = [stages.tied.param] if stages is not None and stages.tied is not None else []  # summed with its peer
         sharded = apply_fsdp(model, specs, shard_mesh, info.device.type, replicate=tied,
                              offload=par.offload == "cpu", reduce_each_microbatch=par.fsdp_reduce == "microbatch",
-                             reshard_after_forward=par.fsdp_reshard != "after_backward")
+                             reshard_after_forward=par.fsdp_reshard != "after_backward",
+                             ignored=experts.params if experts is not None else ())
     params = [p for _, p in model.trainable_parameters()]
+    if experts is not None:
+        return _expert_parallel(model, experts, tp, sharded, stages, pipeline, dims, info, params)
     ddp_model: nn.Module = model
     if stages is not None:
         sync: GradientSync = PipelineSync(stages, pipeline.comm, sharded)
@@ -116,6 +127,24 @@ def parallelize(model: MultimodalModel, cfg: JobConfig, dims: ParallelDims, mesh
         ddp_model = apply_data_parallel(model, info)
         sync = LocalSync() if info.world_size == 1 else BucketSync(_buckets(model, params))
     return Parallelized(tp, sharded, stages, sync, ddp_model)
+
+
+def _expert_parallel(model: MultimodalModel, experts: ExpertParallel, tp: RankTensorParallel | None,
+                     sharded: ShardedModel | None, stages: RankStages | None, pipeline: PipelinePlace | None,
+                     dims: ParallelDims, info: DistInfo, params: list[nn.Parameter]) -> Parallelized:
+    """The parts of an expert-parallel job: the other parameters' sync (the pipeline runtime's, FSDP2's, or a DP sum
+    after the last backward over every rank) inside an :class:`ExpertSync`. No DDP broadcast: every rank
+    materialised the same weights from the seed."""
+    if stages is not None:
+        inner: GradientSync = PipelineSync(stages, pipeline.comm, sharded)  # type: ignore[union-attr]
+    elif sharded is not None:
+        inner = ShardedSync(sharded, params, tp, None, info.world_size, info.device)
+    else:
+        inner = SumSync([p for p in params if not is_expert_parameter(p)])
+    groups = sharded if sharded is not None else ShardedModel()
+    groups.collective = frozenset({LLM_MODULE})
+    return Parallelized(tp, sharded, stages, ExpertSync(inner, experts, groups, dims.world_size, info.device), model,
+                        experts)
 
 
 def _buckets(model: MultimodalModel, params: list[nn.Parameter]) -> GradientReducer:

@@ -144,6 +144,8 @@ class PipelineRunner:
         if not batches:  # fewer samples than replicas: join the DP reduction with a zero contribution
             batches, loss_fn = [t._collate([indices[0]])], zero_loss
             kwargs = [t._llm_kwargs(batches[0])]
+        if t.experts is not None:  # the MoE all-to-alls need the same microbatches on EP ranks
+            t.experts.check_microbatches(len(batches), sum(b is None for b in batches))
         t.stages.train()
         res = run_pipeline_step(t.stages, self.schedule_for(len(batches)), batches, global_targets, t.comm,
                                 loss_fn=loss_fn, autocast=t.autocast, llm_kwargs=kwargs,

@@ -41,5 +41,5 @@ class PipelineTrainer(Trainer):
             ValueError: when the degrees do not fit the world size (:meth:`ParallelDims.from_world`).
         """
         par = cfg.parallel
-        dims = ParallelDims.from_world(world_size, par.pp.degree, par.cp, par.dp, par.dp_shard, par.tp)
+        dims = ParallelDims.from_world(world_size, par.pp.degree, par.cp, par.dp, par.dp_shard, par.tp, ep=par.ep)
         return dims.ordered(par.rank_order, par.gpus_per_node)

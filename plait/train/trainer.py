@@ -181,7 +181,7 @@ class Trainer:
         par = cfg.parallel
         if par.pp.degree > 1:
             raise ValueError(f"parallel.pp.degree={par.pp.degree}: pipeline jobs run with PipelineTrainer")
-        dims = ParallelDims.from_world(world_size, 1, par.cp, par.dp, par.dp_shard, par.tp)
+        dims = ParallelDims.from_world(world_size, 1, par.cp, par.dp, par.dp_shard, par.tp, ep=par.ep)
         return dims.ordered(par.rank_order, par.gpus_per_node)
 
     # ------------------------------------------------------------------ setup
@@ -239,6 +239,7 @@ class Trainer:
         par = parallelize(self.model, self.cfg, self.dims, self.mesh, self.info, pipeline)
         self.tp, self.sharded, self.stages, self.sync, self.ddp_model = (par.tp, par.sharded, par.stages, par.sync,
                                                                          par.ddp_model)
+        self.experts = par.experts
 
     def _num_microbatches(self, samples: int) -> int:
         """Microbatches of a DP rank's share of ``samples`` samples: ``parallel.pp.microbatches`` under PP when
@@ -396,7 +397,7 @@ class Trainer:
         self._load_eval_metrics()
         self.runner.train_mode(False)
         try:
-            with gathered(self.sharded):  # FSDP2: parameters gathered once; the ranks' forwards may then differ
+            with gathered(self.sharded), self._whole_experts():  # FSDP2, EP: gathered once; the forwards may differ
                 self.last_eval = evaluate_on(self.val_set, self.runner.eval_side(), self.processor.pad_id,
                                              self.info.device, eval_batch_size(self.cfg.train), self.step,
                                              self._eval_metrics, self.run_dir,
@@ -404,6 +405,11 @@ class Trainer:
         finally:
             self.runner.train_mode(True)
         return self.last_eval.exact_match
+
+    def _whole_experts(self) -> Any:
+        """Expert parallelism's :meth:`~plait.parallel.expert_parallel.ExpertParallel.whole` (every expert on
+        every rank), or nothing without EP."""
+        return self.experts.whole() if self.experts is not None else nullcontext()
 
     def _load_eval_metrics(self) -> None:
         """``train.eval_metrics`` imported once (a bad entry is a ValueError naming it)."""
@@ -473,13 +479,13 @@ class Trainer:
 
     def full_model(self, path: str | Path | None = None) -> MultimodalModel:
         """The whole trained model, for export (``final/``; evaluation never needs it): the one in memory when
-        every rank holds it whole; under PP, FSDP2 or TP (parameters split over ranks) the whole model built from
+        every rank holds it whole; under PP, FSDP2, TP or EP (parameters split over ranks) the whole model built from
         the config (same seed) with the weights of checkpoint ``path`` (default: the newest), in this process alone.
 
         Raises:
-            FileNotFoundError: under PP, FSDP2 or TP when there is no checkpoint.
+            FileNotFoundError: under PP, FSDP2, TP or EP when there is no checkpoint.
         """
-        if self.stages is None and self.sharded is None and self.tp is None:
+        if self.stages is None and self.sharded is None and self.tp is None and self.experts is None:
             return self.model
         model = model_from_checkpoint(self.cfg, self.tokenizer, self.run_dir, path, self.info.device)
         self._use_attention(model)

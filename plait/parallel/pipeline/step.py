@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from plait.data.collate import Batch
 from plait.parallel.energy import FrequencyController
+from plait.parallel.expert_parallel import is_expert_parameter
 from plait.parallel.fsdp import ShardedModel
 from plait.parallel.pipeline.comm import PipelineComm
 from plait.parallel.pipeline.executor import Executor, StepInputs
@@ -154,8 +155,8 @@ def run_pipeline_step(
     if sharded is not None:
         sharded.begin_step()
     executor.run()
-    if sharded is None:
-        _reduce_dp([p for _, p in stages.trainable_parameters()], comm)
+    if sharded is None:  # expert weights split by EP: summed by their own group (grad_sync.ExpertSync)
+        _reduce_dp([p for _, p in stages.trainable_parameters() if not is_expert_parameter(p)], comm)
     else:  # FSDP2 reduced its groups over dp x dp_shard; CP ranks hold partial sums of the same shards
         _reduce_dp(sharded.replicated, comm)
         if comm.cp_size > 1:

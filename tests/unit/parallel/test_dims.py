@@ -125,3 +125,25 @@ def test_a_node_size_that_disagrees_with_torchrun_is_refused(monkeypatch):
         base.ordered("auto", gpus_per_node=4)
     assert base.ordered("auto", gpus_per_node=8).rank_order == "pp_outer"
     assert base.ordered("dp_outer", gpus_per_node=4).rank_order == "dp_outer"  # an explicit order needs no node size
+
+
+def test_expert_parallel_groups_split_the_batch_axis_of_each_stage():
+    """dp 2 x dp_shard 2 x pp 2, ep 2: the EP groups are consecutive batch ranks of one pipeline rank, the expert
+    replicas the batch ranks with the same ``b % ep``; both orders give the same groups of batch ranks."""
+    for order in ("dp_outer", "pp_outer"):
+        dims = ParallelDims(dp=2, pp=2, dp_shard=2, ep=2, rank_order=order)
+        ep_groups, replicas = dims.expert_groups()
+        assert len(ep_groups) == 4 and len(replicas) == 4
+        for g in ep_groups:
+            assert len({dims.coords(r).pp for r in g}) == 1
+            assert [dims.batch_rank(r) for r in g] in ([0, 1], [2, 3]) and [dims.ep_rank(r) for r in g] == [0, 1]
+        for g in replicas:
+            assert len({dims.ep_rank(r) for r in g}) == 1 and len({dims.coords(r).pp for r in g}) == 1
+    assert ParallelDims.from_world(4, dp_shard=2, ep=4).ep == 4
+
+
+def test_an_ep_that_does_not_divide_the_data_parallel_ranks_is_refused():
+    with pytest.raises(ValueError, match=r"parallel.ep=3 must divide the data-parallel ranks dp x dp_shard = 2 x 1"):
+        ParallelDims.from_world(2, ep=3)
+    with pytest.raises(ValueError, match=r"parallel.ep=2 must divide"):
+        ParallelDims.from_world(2, pp=2, ep=2)  # dp x dp_shard = 1

@@ -31,7 +31,16 @@ def test_overrides_set_dp_shard_and_tp_and_the_layout_follows():
     ("tp", -1, "parallel.tp must be >= 1 \\(1: no tensor parallelism\\), got -1"),
     ("rank_order", "tp_outer", "parallel.rank_order must be auto, dp_outer or pp_outer, got 'tp_outer'"),
     ("gpus_per_node", -8, "parallel.gpus_per_node must be an integer >= 0 \\(0: from torchrun\\), got -8"),
+    ("ep", 0, "parallel.ep must be an integer >= 1 \\(1: no expert parallelism\\), got 0"),
 ])
 def test_bad_degrees_are_refused_with_the_field_named(field, value, message):
     with pytest.raises(ValueError, match=message):
         validate(config_from_dict(tiny_config_dict("train.jsonl", parallel={field: value})))
+
+
+def test_expert_parallelism_without_tp_or_cp():
+    for extra, message in (({"tp": 2}, "parallel.ep = 2 works with parallel.tp = 1 and parallel.cp = 1, got tp = 2"),
+                           ({"cp": 2}, "got tp = 1, cp = 2")):
+        with pytest.raises(ValueError, match=message):
+            validate(config_from_dict(tiny_config_dict("train.jsonl", parallel={"ep": 2, **extra})))
+    assert Trainer.layout(config_from_dict(tiny_config_dict("t.jsonl", parallel={"ep": 2})), 4).ep == 2

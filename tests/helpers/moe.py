@@ -1,0 +1,46 @@
+"""The tiny mixture-of-experts MLLM of the expert-parallel tests: a SigLIP vision encoder (frozen) and a linear
+projector (trained) in front of a Qwen3-MoE LLM (hidden 32, 2 layers, 4 experts, top-2), on demo images and text."""
+
+from __future__ import annotations
+
+from plait.train.metrics import read_metrics
+from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
+
+TINY_MOE_LLM = dict(model_type="qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                    num_experts_per_tok=2, max_position_embeddings=512)
+
+
+def moe_records() -> list[dict]:
+    """Eight demo samples: six with an image, two text-only."""
+    return demo_records("train", ("image_digit",), limit=6) + demo_records("train", ("text",), limit=2)
+
+
+def moe_job(tmp_path, train: dict | None = None, **parallel) -> dict:
+    """2 steps of a global batch of 8 in microbatches of 2 (samples in order, each DP rank a share with an image),
+    frozen encoder, a checkpoint every step; ``parallel`` sets ``[parallel]``."""
+    data = write_jsonl(tmp_path / "train.jsonl", moe_records())
+    cfg = tiny_config_dict(str(data), None, str(tmp_path / "run"), data={"shuffle": False},
+                           train={"steps": 2, "global_batch_size": 8, "microbatch_size": 2, "threads": 1,
+                                  "microbatch_policy": "arrival", **(train or {})},
+                           parallel={"timeout_s": 60, **parallel}, checkpoint={"every": 1, "keep": 2})
+    cfg["model"]["llm"]["config"] = dict(TINY_MOE_LLM)
+    del cfg["model"]["encoders"]["audio"]
+    cfg["model"]["encoders"]["vision"]["freeze"] = True
+    return cfg
+
+
+def with_validation(cfg: dict, tmp_path) -> dict:
+    """``cfg`` validating 5 demo samples with images or text (loss and 3-token answers) after its second step."""
+    records = demo_records("val", ("image_digit",), limit=3) + demo_records("val", ("text",), limit=2)
+    cfg["data"]["val"] = str(write_jsonl(tmp_path / "val.jsonl", records))
+    cfg["train"].update(eval_every=2, max_new_tokens=3)
+    return cfg
+
+
+def validation(tmp_path, name: str) -> tuple[float, list[str]]:
+    """The validation loss run ``name`` wrote to its metrics and its answers (``predictions/step_2.jsonl``)."""
+    run = tmp_path / f"run_{name}"
+    loss = next(r["val_loss"] for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r)
+    lines = (run / "predictions" / "step_2.jsonl").read_text().splitlines()
+    return loss, sorted(lines)
