@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from plait.planner.cost.experts import expert_layers
 from plait.planner.report import format_bytes
 from plait.planner.search.types import LayoutChoice, NoPlanFits
 from plait.planner.search.parallel import plan_parallel
@@ -47,14 +48,16 @@ def no_fit_message(error: NoPlanFits, setup: Any, devices: int, memory_fraction:
 def search_plan(setup: Any, devices: int, memory_fraction: float, **space: Any) -> LayoutChoice:
     """``plait plan``'s search on ``setup`` (``plan.PlanSetup``): ``search_parallel.plan_parallel`` on its units,
     costs and machine (memory cap, links, dtype, overheads) with its search space (the job's checkpointing) changed
-    by ``space`` (``SearchSpace`` fields) for ``devices`` devices.
+    by ``space`` (``SearchSpace`` fields) for ``devices`` devices; a MoE LLM's layers (``cost.experts.expert_layers``,
+    uniform routing) let it search expert parallelism.
 
     Raises:
         ValueError: :func:`no_fit_message` (one sentence) when no plan fits; the search's own error otherwise.
     """
     inputs = setup.inputs
+    experts = expert_layers(inputs.units, inputs.model_configs, inputs.shapes["llm"], setup.spec, inputs.dtype)
     try:
         return plan_parallel(inputs.units, inputs.costs, devices, microbatches=inputs.microbatches,
-                             machine=setup.machine, space=dataclasses.replace(setup.space, **space))
+                             machine=setup.machine, space=dataclasses.replace(setup.space, **space), experts=experts)
     except NoPlanFits as exc:
         raise ValueError(no_fit_message(exc, setup, devices, memory_fraction)) from None

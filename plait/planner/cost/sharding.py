@@ -126,6 +126,7 @@ def _tp_cost(unit: Unit, cost: UnitCost, tp: int, link: P2PModel | None) -> Unit
     return dataclasses.replace(
         cost, forward_s=cost.forward_s / tp + comm, input_grad_s=cost.input_grad_s / tp + comm,
         weight_grad_s=cost.weight_grad_s / tp, param_bytes=math.ceil(cost.param_bytes / tp),
+        expert_param_bytes=math.ceil(cost.expert_param_bytes / tp),
         activation_bytes=int(round(whole + (cost.activation_bytes - whole) / tp)),
         recompute_s=cost.recompute_s / tp)
 
