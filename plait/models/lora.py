@@ -60,6 +60,7 @@ _PEFT_PREFIX = "base_model.model."
 _DECODER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "llama": _DECODER, "qwen2": _DECODER, "qwen2_5_vl_text": _DECODER, "qwen3": _DECODER, "mistral": _DECODER,
+    "qwen3_vl_text": _DECODER,
     "gemma": _DECODER, "gemma2": _DECODER, "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     **{t: f.lora_targets for f in FAMILIES if f.lora_targets for t in f.model_types},
 }

@@ -75,13 +75,27 @@ def _encoder_parts(name: str, branch: ModalityEncoder) -> list[tuple[str, tuple[
     layout = encoder_layout(branch.encoder)
     prefix = f"encoders.{name}.encoder."
     n_layers = len(branch.encoder.get_submodule(layout.layers))
-    parts = [("embed", layout.embed, -1)]
+    parts = [("embed", _runnable(branch.encoder, layout.embed), -1)]
     parts += [("layer", (f"{layout.layers}.{i}",), i) for i in range(n_layers)]
     if layout.post_norm:  # None: a tower without a post-layer module (Pixtral)
         parts.append(("norm", (layout.post_norm,), -1))
     reachable = [p for p in parts if _reachable(branch, p[1])]
     out = [(kind, tuple(prefix + m for m in mods), i) for kind, mods, i in reachable]
     return out + [("projector", (f"encoders.{name}.projector",), -1)]
+
+
+def _runnable(root: nn.Module, paths: tuple[str, ...]) -> tuple[str, ...]:
+    """``paths`` with each container (a ``ModuleList`` / ``ModuleDict``, which is never called itself: Qwen3-VL's
+    DeepStack mergers) replaced by its children's paths, so every module of a unit is one that runs (FSDP2 shards
+    and hooks modules that run)."""
+    out: list[str] = []
+    for path in paths:
+        module = root.get_submodule(path)
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            out += [f"{path}.{name}" for name, _ in module.named_children()]
+        else:
+            out.append(path)
+    return tuple(out)
 
 
 def _reachable(branch: ModalityEncoder, modules: tuple[str, ...]) -> bool:

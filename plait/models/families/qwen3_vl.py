@@ -38,7 +38,7 @@ from plait.models.families.base import EncoderLayout, config_field, positive_fie
 from plait.models.families.qwen2_5_vl import Qwen25VLFamily, Qwen25VLFeatureCount, patch_values
 
 __all__ = ["FAMILY", "MODEL_TYPES", "ENCODER_CLASS", "MAX_PIXELS", "Qwen3VLCall", "Qwen3VLTextForCausalLM",
-           "deepstack_count", "qwen3_vl_dummy_input"]
+           "RefusedVideo", "deepstack_count", "qwen3_vl_dummy_input"]
 
 MODEL_TYPES = {"qwen3_vl_vision": None, "qwen3_vl": "vision_config"}
 ENCODER_CLASS = "Qwen3VLVisionModel"
@@ -118,6 +118,36 @@ class Qwen3VLCall:
         raise ValueError(FAMILY.layer_refusal)
 
 
+class RefusedVideo:
+    """Qwen3-VL's video encoding in plait's data pipeline (``plait.data.video.VideoEncoding``): every video record is
+    refused, naming the file. Qwen3-VL writes each temporal patch of a video as its own run of tokens after a
+    timestamp (``<t seconds><|vision_start|>...<|vision_end|>``), which plait's video placeholder does not produce;
+    give such videos as their temporal patches' images."""
+
+    REASON = ("Qwen3-VL video records need a timestamp and <|vision_start|> ... <|vision_end|> around each temporal "
+              "patch, which plait's video placeholder does not write; give videos as their temporal patches' images")
+
+    def items(self, hf_processor: Any, frames: Any) -> list[Any]:
+        """Refused.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(self.REASON)
+
+    def sizes(self, frames: int, frame_size: Any) -> list[Any]:
+        """Refused.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(self.REASON)
+
+    def timing(self, fps: float) -> dict[str, float]:
+        """Nothing (never reached: :meth:`items` refuses first)."""
+        return {}
+
+
 class Qwen3VLTextForCausalLM(Qwen3ForCausalLM):
     """Qwen3-VL's LLM as a causal LM: ``Qwen3ForCausalLM`` (``lm_head``, forward, generation) whose decoder stack
     ``model`` is transformers' ``Qwen3VLTextModel`` (interleaved M-RoPE: ``position_ids`` ``[3, B, N]``, or ``[B, N]``
@@ -164,16 +194,9 @@ class Qwen3VLFamily(Qwen25VLFamily):
     def dummy_input(self, config: Any, dtype: torch.dtype, device: torch.device | str | None) -> dict[str, Any]:
         return qwen3_vl_dummy_input(config, dtype, device)
 
-    def video_encoding(self, config: Any) -> Any:
-        """Refused: Qwen3-VL writes each temporal patch of a video as its own run of tokens after a timestamp
-        (``<t seconds><|vision_start|>...<|vision_end|>``), which plait's video records do not produce.
-
-        Raises:
-            ValueError: always.
-        """
-        raise ValueError("Qwen3-VL video records need a timestamp and <|vision_start|> ... <|vision_end|> around "
-                         "each temporal patch, which plait's video placeholder does not write; give videos as "
-                         "their temporal patches' images")
+    def video_encoding(self, config: Any) -> "RefusedVideo":
+        """:class:`RefusedVideo`: each video record is refused (the job itself builds)."""
+        return RefusedVideo()
 
     def arch_fields(self, config: Any) -> dict[str, Any]:
         """A Conv3d patch embedding with bias over ``T x p x p``, LayerNorms, a plain GELU MLP, full attention per
