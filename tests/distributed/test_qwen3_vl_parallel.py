@@ -1,13 +1,15 @@
-"""Qwen3-VL's DeepStack under PP=2 with the receiving LLM layers split across the two stages, CP=2, FSDP2
-(``dp_shard = 2``) and LoRA (gloo, ``plait train`` under torchrun) equals one process: per-step losses and the final
-model (``assert_run_equals``: losses rel 1e-5, parameters rel 1e-4 / abs 1e-5).
+"""Qwen3-VL's DeepStack under PP=2 with the receiving LLM layers split across the two stages (with LoRA on the LLM,
+and with deferred encoder outputs), CP=2, FSDP2 (``dp_shard = 2``) with activation checkpointing and TP=2 (gloo,
+``plait train`` under torchrun) equals one process: per-step losses and the final model (``assert_run_equals``:
+losses rel 1e-5, parameters rel 1e-4 / abs 1e-5).
 
 The job is Qwen3-VL's composition built from configs: a Qwen3-VL tower whose blocks 0 and 1 give DeepStack features
 (``deepstack_visual_indexes``), added after LLM layers 0 and 1 of a 3-layer Qwen3-VL text model (interleaved
 M-RoPE), on records with one and two images and a text-only one. Under PP the first LLM stage holds layer 0 and the
 second layers 1-2, so the DeepStack rows of layer 1 travel with the hidden states (and their gradients back to the
-tower); under CP each shard adds its own visual tokens' rows; under FSDP2 and activation checkpointing the hooks run
-on sharded, recomputed layers."""
+tower); under CP each shard adds its own visual tokens' additions; under FSDP2 and activation checkpointing the hooks
+run on sharded, recomputed layers; under TP on layers with split projections (the tower's MLPs split, its attention
+replicated)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import torch
 
 from plait.config.loader import config_from_dict
 from plait.train.trainer import Trainer
+from plait.train.metrics import read_metrics
+from tests.helpers.jobs import demo_records, write_jsonl
 from tests.helpers.pipeline_training import assert_run_equals, torchrun_train
 from tests.helpers.pixtral_internvl_parallel import vision_job
 
@@ -29,12 +33,19 @@ LLM = dict(model_type="qwen3_vl_text", hidden_size=32, intermediate_size=64, num
 BRANCH = {"modality": "image", "config": VISION, "projector": "linear",
           "processor": {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 30}}
 LORA = {"r": 4, "alpha": 8}
+PP2 = {"pp": {"degree": 2, "attach_encoders": True, "schedule": "interleaved_1f1b",
+              "splits": {"llm": ["language_model.model.layers.1"]}}}
+"""Rank 0: the tower and LLM stage 1 (embedding, layer 0); rank 1: LLM stage 2 (layers 1-2, norm, head)."""
 LAYOUTS = {
-    "pp2-receivers_split": (2, {"pp": {"degree": 2, "attach_encoders": True, "schedule": "interleaved_1f1b",
-                                       "splits": {"llm": ["language_model.model.layers.1"]}}}),
     "cp2": (2, {"cp": 2}),
     "fsdp2-checkpointing": (2, {"dp_shard": 2}),
+    "tp2": (2, {"tp": 2}),
 }
+
+
+# (index among the demo's image_digit records, extra answer words): LLM lengths that fight the encoder balance, so
+# the hierarchical microbatch plan defers some samples' LLM work to a later microbatch than their tower's
+DEFERRING = [(2, 30), (3, 0), (1, 0), (2, 0), (0, 30), (1, 15), (3, 15), (0, 0)]
 
 
 def _job(tmp_path, run: str, lora: bool = False) -> dict:
@@ -83,8 +94,36 @@ def test_qwen3_vl_lora_under_pp2_equals_one_process(tmp_path, lora_reference):
     rows' gradients cross the hop through the frozen-base layer to the trainable tower."""
     ref_losses, ref_params = lora_reference
     assert any("lora_A" in n for n in ref_params)
-    nproc, parallel = LAYOUTS["pp2-receivers_split"]
     job = _job(tmp_path, "lora-pp2", lora=True)
-    job["parallel"].update(parallel)
-    torchrun_train(job, tmp_path, "lora-pp2", nproc=nproc)
+    job["parallel"].update(PP2)
+    torchrun_train(job, tmp_path, "lora-pp2", nproc=2)
     assert_run_equals(tmp_path / "lora-pp2", ref_losses, ref_params)
+
+
+def _deferring_job(tmp_path, run: str, policy: str) -> dict:
+    pool = demo_records("train", ("image_digit",), limit=4)
+    records = []
+    for k, (i, extra) in enumerate(DEFERRING):
+        user, answer = pool[i]["messages"]
+        words = " ".join(["seven", "two", "nine"] * extra)[: 6 * extra]
+        content = f"{answer['content']} {words}" if extra else answer["content"]
+        records.append(dict(pool[i], id=f"mix-{k}", messages=[user, {"role": "assistant", "content": content}]))
+    job = _job(tmp_path, run)
+    job["data"]["train"] = str(write_jsonl(tmp_path / "deferring.jsonl", records))
+    job["train"].update(global_batch_size=8, microbatch_policy=policy)
+    return job
+
+
+def test_qwen3_vl_deferred_features_under_pp2_equal_one_process(tmp_path):
+    """The hierarchical plan defers samples (their features held on the first LLM stage, rebuilt per LLM
+    microbatch) while the DeepStack rows of layer 1 cross to the second LLM stage: equal to one process in arrival
+    order."""
+    trainer = Trainer.build(config_from_dict(_deferring_job(tmp_path, "single", "arrival")))
+    ref_losses = trainer.fit()["losses"]
+    ref_params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    job = _deferring_job(tmp_path, "deferred-pp2", "hierarchical")
+    job["parallel"].update(PP2)
+    torchrun_train(job, tmp_path, "deferred-pp2", nproc=2)
+    assert_run_equals(tmp_path / "deferred-pp2", ref_losses, ref_params)
+    steps = [r for r in read_metrics(tmp_path / "deferred-pp2" / "metrics.jsonl") if "loss" in r]
+    assert steps and all(r["deferred_samples"] >= 1 and r["encoder_buffer_peak_bytes"] > 0 for r in steps)

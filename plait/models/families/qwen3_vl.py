@@ -184,6 +184,9 @@ class Qwen3VLFamily(Qwen25VLFamily):
     # the DeepStack mergers ride with the embedding unit: the tower stays in one stage (layer_refusal)
     layout = EncoderLayout(("patch_embed", "pos_embed", "rotary_pos_emb", "deepstack_merger_list"), "blocks", "merger")
     tower_call = Qwen3VLCall
+    # tensor parallelism splits each block's MLP (Megatron-LM's colwise fc1, rowwise fc2); the fused qkv projection
+    # (q, k, v interleaved per output row block) and the attention stay replicated
+    tp_plan = {"mlp.linear_fc1": "colwise", "mlp.linear_fc2": "rowwise"}
     layer_class = "Qwen3VLVisionBlock"
     layer_refusal = ("the Qwen3-VL tower's DeepStack mergers read blocks inside the tower and their features leave "
                      "with the merger's: keep the tower's units (embedding, blocks, merger) in one pipeline stage")
