@@ -76,6 +76,8 @@ def deepstack_extras(input_ids: torch.Tensor, features: Mapping[str, torch.Tenso
         width = feats.shape[-1]
         if width % hidden:
             raise ValueError(f"encoder {name!r} gives features of width {width}, not a multiple of the LLM's {hidden}")
+        if width == hidden:  # a branch without DeepStack features (an audio tower beside Qwen3-VL's)
+            continue
         mask = (input_ids == placeholder_ids[name]).unsqueeze(-1)
         for j, chunk in enumerate(feats[:, hidden:].split(hidden, dim=-1)):
             add = torch.zeros(*input_ids.shape, hidden, dtype=chunk.dtype, device=chunk.device)
