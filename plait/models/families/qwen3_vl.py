@@ -203,7 +203,8 @@ class Qwen3VLFamily(Qwen25VLFamily):
 
     def arch_fields(self, config: Any) -> dict[str, Any]:
         """A Conv3d patch embedding with bias over ``T x p x p``, LayerNorms, a plain GELU MLP, full attention per
-        image, the 2x2 merger as post-norm (``output_pool = merge^2``); the DeepStack mergers are not costed."""
+        image, the 2x2 merger as post-norm (``output_pool = merge^2``) with the ``k`` DeepStack mergers beside it
+        (``deepstack = k``: features for LLM layers ``0 .. k-1``) and the learned position table (``positions``)."""
         hidden, heads = positive_field(config, "hidden_size"), positive_field(config, "num_heads")
         patch, merge = positive_field(config, "patch_size"), positive_field(config, "spatial_merge_size")
         return dict(
@@ -212,7 +213,8 @@ class Qwen3VLFamily(Qwen25VLFamily):
             norm_bias=True, num_channels=positive_field(config, "in_channels", 3),
             patch=(positive_field(config, "temporal_patch_size") * patch, patch), patch_bias=True,
             output_pool=merge**2, item_len=(4 * merge * merge),
-            merger=(merge**2 * hidden, positive_field(config, "out_hidden_size")))
+            positions=positive_field(config, "num_position_embeddings"),
+            merger=(merge**2 * hidden, positive_field(config, "out_hidden_size")), deepstack=deepstack_count(config))
 
 
 FAMILY = Qwen3VLFamily()
