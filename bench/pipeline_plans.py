@@ -64,6 +64,11 @@ than the same model's row with a GPU count dividing it; ``plan_parallel`` weighs
 wall time of full layout searches for 1,024 GPUs (every layout and DP degree), and of plait's complete search
 (``plan_parallel``: also TP, FSDP2, checkpointing and the divisors) once.
 
+Newer MLLMs, run when ``--models`` names them (not in the means of the nine): ``Qwen3-VL-8B`` (its public
+``text_config`` and ``vision_config``; the 1280x720 image smart-resized to 44 x 80 patches of 16 px, 880 tokens;
+DeepStack features of 3 tower blocks into LLM layers 0-2, whose bytes the cost model counts on the LLM stage
+boundaries before layer 2).
+
 Run: ``.venv/bin/python bench/pipeline_plans.py`` (``--help``: GPU counts, microbatches, models, the
 1,024-GPU search size).
 """
@@ -177,13 +182,28 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
+# ----- Newer MLLMs, beside the nine (public configs of their Hugging Face checkpoints; ``--models`` names them) -----
+QWEN3_VL_8B_TEXT = dict(  # Qwen/Qwen3-VL-8B-Instruct text_config: Qwen3-8B's dimensions (q/k norms), M-RoPE
+    model_type="qwen3_vl_text", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)
+QWEN3_VL_8B_VISION = dict(  # its vision_config: DeepStack features of blocks 8, 16, 24 into LLM layers 0, 1, 2
+    model_type="qwen3_vl_vision", depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+    spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=4096, num_position_embeddings=2304,
+    deepstack_visual_indexes=[8, 16, 24])
+QWEN3_VL_GRID = (round(720 / 32) * 2, round(1280 / 32) * 2)  # 44 x 80 patches of 16 px after smart resize
+NEWER_MODELS: dict[str, dict[str, Any]] = {
+    "Qwen3-VL-8B": {"llm": QWEN3_VL_8B_TEXT, "vision": QWEN3_VL_8B_VISION},
+}
+ALL_MODELS = {**MODELS, **NEWER_MODELS}
+
+
 IMAGE_HW = (720, 1280)
 IMAGE_MODE = {"mode": "native"}  # set from --image
 
 
 def model_configs(name: str) -> tuple[dict[str, Any], dict[str, MicrobatchShape]]:
     """(model_configs for ``units_from_configs``, per-module microbatch shapes) of one benchmark model."""
-    parts = MODELS[name]
+    parts = ALL_MODELS[name]
     configs: dict[str, Any] = {}
     shapes: dict[str, MicrobatchShape] = {}
     llm_tokens = TEXT_TOKENS
@@ -199,6 +219,9 @@ def model_configs(name: str) -> tuple[dict[str, Any], dict[str, MicrobatchShape]
             configs["vision.projector"] = {"kind": "mlp", "in_dim": 4 * arch.hidden}
         if arch is QWEN2VL_VIT_675M:  # 2 x 2 patch merger: 4 x 1280 -> MLP
             configs["vision.projector"] = {"kind": "mlp", "in_dim": 4 * arch.hidden}
+        if arch.deepstack:  # Qwen3-VL: the image's patches, its 2 x 2 merger and an identity linear projector
+            arch = dataclasses.replace(arch, item_len=QWEN3_VL_GRID[0] * QWEN3_VL_GRID[1])
+            configs["vision.projector"] = {"kind": "linear"}
         configs[module] = arch
         tokens = AUDIO_FRAMES if module == "audio" else arch.item_len
         shapes[module] = MicrobatchShape(tokens=tokens)
@@ -438,11 +461,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(ALL_MODELS),
+                        help=f"the nine Cornstarch models by default; also {', '.join(NEWER_MODELS)}")
     parser.add_argument("--search-gpus", type=int, default=1024)
     parser.add_argument("--search-microbatches", type=int, nargs="+", default=[24, 1024],
                         help="global microbatches of the timed large searches")
-    parser.add_argument("--search-models", nargs="+", default=["VALM-L", "VLM-S"], choices=list(MODELS))
+    parser.add_argument("--search-models", nargs="+", default=["VALM-L", "VLM-S"], choices=list(ALL_MODELS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--virtual-stages", type=int, nargs="+", default=VIRTUAL_STAGES,
                         help="LLM chunks per LLM rank that B and C may choose (1 = 1F1B only)")
