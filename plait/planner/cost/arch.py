@@ -529,7 +529,9 @@ def units_from_configs(model_configs: Mapping[str, Any], frozen: Mapping[str, bo
     for module in sorted(archs, key=lambda m: m == LLM_MODULE):  # encoders in mapping order, then the LLM
         arch, trains = archs[module], not frozen.get(module, False)
         prefix = LLM_MODULE if module == LLM_MODULE else f"encoders.{module}"
-        units += [Unit(f"{prefix}.{suffix}", module, kind, trains, False) for suffix, kind, _ in arch.layout()]
+        joined = isinstance(arch, EncoderArch) and arch.deepstack > 0  # the tower is one stage (Unit.joined)
+        units += [Unit(f"{prefix}.{suffix}", module, kind, trains, False, joined=joined and kind != "embed")
+                  for suffix, kind, _ in arch.layout()]
         if module != LLM_MODULE:
             trains_projector = not frozen.get(f"{module}.projector", False)
             units.append(Unit(f"encoders.{module}.projector", module, "projector", trains_projector, False))

@@ -1,4 +1,5 @@
-"""DeepStack in the planner: the unit graph's feature edges (``plait.planner.pipeline.graph.feature_receivers``: an
+"""DeepStack in the planner: a DeepStack tower is one stage (``Unit.joined``: plan_pipeline refuses a cut inside it,
+the layout search never makes one); the unit graph's feature edges (``plait.planner.pipeline.graph.feature_receivers``: an
 encoder's features enter the LLM's embedding and its first ``k`` layer units; ``carried_features``: what a stage
 boundary after each LLM unit carries on) and the analytic cost model's bytes (``k`` mergers in the post-norm slot,
 ``(1 + k)`` features out of the projector, ``v H b`` bytes per receiving layer after a unit on the boundary, kept
@@ -16,6 +17,8 @@ from plait.planner.cost.types import DeviceSpec, MicrobatchShape
 from plait.planner.pipeline.graph import carried_features, feature_receivers
 from plait.planner.pipeline.plan import plan_pipeline
 from plait.planner.pipeline.simulator import boundary_bytes_from_units
+from plait.planner.search.parallel import plan_parallel
+from plait.planner.search.types import SearchSpace
 
 H, MERGE_IN = 64, 4 * 32
 VISION = EncoderArch(modality="vision", hidden=32, layers=2, heads=2, head_dim=16, intermediate=64,
@@ -72,3 +75,27 @@ def test_a_stage_boundary_between_the_receivers_carries_their_features():
     sent = {ds: boundary_bytes_from_units(plan, costs[ds]) for ds in costs}
     assert sent[2][first_llm] - sent[0][first_llm] == VISUAL * H * 2  # layer 1's features, with the hidden states
     assert sent[2][plan.llm_stages[1]] == sent[0][plan.llm_stages[1]]  # the loss: nothing after the last receiver
+
+
+def test_a_deepstack_tower_is_one_stage_in_plans_and_in_the_search():
+    units = units_from_configs(_configs())
+    joined = [u.name for u in units if u.joined]
+    assert joined == ["encoders.vision.layers.0", "encoders.vision.layers.1", "encoders.vision.post_norm"]
+    assert not any(u.joined for u in units_from_configs(_configs(0)))
+    with pytest.raises(ValueError, match="starts at unit 'encoders.vision.layers.1', which stays in the stage"):
+        plan_pipeline(units, "encoder_parallel", splits={"vision": ["encoders.vision.layers.1"]})
+    plan_pipeline(units, "encoder_parallel", splits={"vision": ["encoders.vision.projector"]})  # after the tower
+    # a tower heavy enough that an unconstrained search cuts it
+    heavy = {**_configs(), "vision": dataclasses.replace(VISION, layers=8, hidden=1024, heads=16, head_dim=64,
+                                                         intermediate=4096, merger=(4096, H))}
+    shapes = dict(SHAPES, vision=MicrobatchShape(16000))
+    units = units_from_configs(heavy)
+    free = [dataclasses.replace(u, joined=False) for u in units]
+    costs = unit_costs(units, heavy, shapes, DeviceSpec.h100())
+
+    def vision_stages(us) -> int:
+        space = SearchSpace(dp_degrees=(1,), tp_degrees=(1,), dp_shard_degrees=(1,), checkpointing=("none",))
+        plan = plan_parallel(us, costs, 8, microbatches=8, space=space).plan
+        return sum("vision" in s.modules for s in plan.stages)
+
+    assert vision_stages(free) > 1 and vision_stages(units) == 1
