@@ -1,7 +1,7 @@
 """Qwen3-VL's DeepStack under PP=2 with the receiving LLM layers split across the two stages (with LoRA on the LLM,
-and with deferred encoder outputs), CP=2, FSDP2 (``dp_shard = 2``) with activation checkpointing and TP=2 (gloo,
-``plait train`` under torchrun) equals one process: per-step losses and the final model (``assert_run_equals``:
-losses rel 1e-5, parameters rel 1e-4 / abs 1e-5).
+and PP=2 x CP=2 with deferred encoder outputs), CP=2, FSDP2 (``dp_shard = 2``) with activation checkpointing and
+TP=2 (gloo, ``plait train`` under torchrun) equals one process: per-step losses and the final model
+(``assert_run_equals``: losses rel 1e-5, parameters rel 1e-4 / abs 1e-5).
 
 The job is Qwen3-VL's composition built from configs: a Qwen3-VL tower whose blocks 0 and 1 give DeepStack features
 (``deepstack_visual_indexes``), added after LLM layers 0 and 1 of a 3-layer Qwen3-VL text model (interleaved
@@ -114,16 +114,16 @@ def _deferring_job(tmp_path, run: str, policy: str) -> dict:
     return job
 
 
-def test_qwen3_vl_deferred_features_under_pp2_equal_one_process(tmp_path):
-    """The hierarchical plan defers samples (their features held on the first LLM stage, rebuilt per LLM
-    microbatch) while the DeepStack rows of layer 1 cross to the second LLM stage: equal to one process in arrival
-    order."""
+def test_qwen3_vl_deferred_features_under_pp2_cp2_equal_one_process(tmp_path):
+    """PP=2 x CP=2 (4 processes): the hierarchical plan defers samples (their features held on the first LLM stage,
+    rebuilt per LLM microbatch) while each CP rank's DeepStack rows of layer 1 (its token shard's visual tokens)
+    cross to the second LLM stage: equal to one process in arrival order."""
     trainer = Trainer.build(config_from_dict(_deferring_job(tmp_path, "single", "arrival")))
     ref_losses = trainer.fit()["losses"]
     ref_params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    job = _deferring_job(tmp_path, "deferred-pp2", "hierarchical")
-    job["parallel"].update(PP2)
-    torchrun_train(job, tmp_path, "deferred-pp2", nproc=2)
-    assert_run_equals(tmp_path / "deferred-pp2", ref_losses, ref_params)
-    steps = [r for r in read_metrics(tmp_path / "deferred-pp2" / "metrics.jsonl") if "loss" in r]
+    job = _deferring_job(tmp_path, "deferred-pp2-cp2", "hierarchical")
+    job["parallel"].update(PP2, cp=2)
+    torchrun_train(job, tmp_path, "deferred-pp2-cp2", nproc=4)
+    assert_run_equals(tmp_path / "deferred-pp2-cp2", ref_losses, ref_params)
+    steps = [r for r in read_metrics(tmp_path / "deferred-pp2-cp2" / "metrics.jsonl") if "loss" in r]
     assert steps and all(r["deferred_samples"] >= 1 and r["encoder_buffer_peak_bytes"] > 0 for r in steps)
