@@ -59,10 +59,10 @@ means, as are rows where no plan of C fits; such a row says when no plan can fit
 parameters, gradients and AdamW state exceed the memory of all the GPUs together; offload needs FSDP2 over DP
 ranks, so Table 2's single pipeline cannot use it).
 Table 3 runs Table 1's search on two models people fine-tune now, written out from their public configs:
-Qwen3-VL-8B (Qwen3-8B text model; 27-layer vision tower, patch 16, 2x2 merger: 44 x 80 patches of the image;
-its DeepStack mergers not costed) and the Qwen2.5-Omni-7B thinker (Qwen2.5-7B; the Qwen2.5-VL vision tower with
-window attention; a Whisper-large-v3-shaped audio tower, frames pooled by 2). They are kept out of the nine-model
-means so those stay comparable with earlier runs.
+Qwen3-VL-8B (Qwen3-8B text model; 27-layer vision tower, patch 16, 2x2 merger: 44 x 80 patches of the image; its
+three DeepStack mergers, and their features carried to LLM layers 0-2, costed) and the Qwen2.5-Omni-7B thinker
+(Qwen2.5-7B; the Qwen2.5-VL vision tower with window attention; a Whisper-large-v3-shaped audio tower, frames pooled
+by 2). They are kept out of the nine-model means so those stay comparable with earlier runs.
 The lower bound stays one with TP, sharding and recomputation (they only add device-seconds); every ratio is
 checked to be at least 1. Each table ends with a check that B, C and Z are monotone in the GPU count (no row slower
 than the same model's row with a GPU count dividing it; ``plan_parallel`` weighs every divisor's plan). Finally the
@@ -170,13 +170,13 @@ QWEN2_AUDIO_ENC = dict(model_type="qwen2_audio_encoder", d_model=1280, encoder_l
                        encoder_attention_heads=20, encoder_ffn_dim=5120, num_mel_bins=128, max_source_positions=1500)
 
 # ----- Models people fine-tune now (Table 3; not in the Cornstarch means) --------------------------------
-QWEN3_8B = dict(  # Qwen3-VL-8B's text model (Qwen3-8B shape: q/k norms, head_dim 128)
-    model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, vocab_size=151936)
-QWEN3VL_VISION = dict(  # Qwen3-VL-8B's vision tower (SigLIP2-so400m shape, patch 16, 2x2 merger); its three
-    model_type="qwen3_vl_vision", depth=27, hidden_size=1152, intermediate_size=4304,  # DeepStack mergers
-    num_heads=16, in_channels=3, patch_size=16, temporal_patch_size=2,  # are not costed (docs/models.md)
-    spatial_merge_size=2, out_hidden_size=4096)
+QWEN3_8B = dict(  # Qwen/Qwen3-VL-8B-Instruct text_config: Qwen3-8B's dimensions (q/k norms), interleaved M-RoPE
+    model_type="qwen3_vl_text", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)
+QWEN3VL_VISION = dict(  # its vision_config: DeepStack features of blocks 8, 16, 24 into LLM layers 0, 1, 2
+    model_type="qwen3_vl_vision", depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3,
+    patch_size=16, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=4096, num_position_embeddings=2304,
+    deepstack_visual_indexes=[8, 16, 24])
 QWEN3VL_GRID = (round(720 / 32) * 2, round(1280 / 32) * 2)  # 44 x 80 patches of 16 px after smart resize
 QWEN25_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                  num_attention_heads=28, num_key_value_heads=4, vocab_size=152064)

@@ -69,6 +69,9 @@ class MultimodalModel(nn.Module):
         self.deepstack_layers = max((len(config_field(enc.encoder.config, "deepstack_visual_indexes", ()) or ())
                                      for enc in encoders.values()), default=0)
         """LLM layers ``0 .. deepstack_layers - 1`` receive DeepStack features (:mod:`plait.models.deepstack`)."""
+        self.deepstack_placeholders = {name: self.placeholder_ids[name] for name, enc in encoders.items()
+                                       if config_field(enc.encoder.config, "deepstack_visual_indexes", ())}
+        """The placeholder ids of the branches with DeepStack features (their tokens receive the additions)."""
         if self.deepstack_layers:
             attach_deepstack_hooks(language_model.get_submodule(llm_layout(language_model).layers),
                                    self.deepstack_layers)

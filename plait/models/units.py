@@ -6,7 +6,8 @@ one; Qwen2.5-VL's patch merger takes that slot) and the LLM gives
 ``[embed_tokens, layers.0..n-1, norm, lm_head]``; names are fully qualified module names read from the model
 through the per-family layouts of :mod:`plait.models.hf`. Encoder units whose parameters can never reach the
 selected features (``ModalityEncoder.unreachable``: layers after ``feature_layer``, an unused post-norm) are
-not units at all, so the chain of a branch's units computes exactly the features the branch selects.
+not units at all, so the chain of a branch's units computes exactly the features the branch selects. The blocks and
+merger of a tower with DeepStack features (Qwen3-VL) are ``Unit.joined``: the tower's units form one stage.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from plait.models.encoder import ModalityEncoder
+from plait.models.families.base import config_field
 from plait.models.hf import encoder_layout, llm_layout
 from plait.models.multimodal import MultimodalModel
 from plait.planner.pipeline.graph import consistent_units
@@ -64,7 +66,11 @@ def unit_specs(model: MultimodalModel) -> tuple[UnitSpec, ...]:
     """
     specs: list[UnitSpec] = []
     for name, branch in model.encoders.items():
-        specs += _chain(model, _encoder_parts(name, branch), name)
+        chain = _chain(model, _encoder_parts(name, branch), name)
+        if config_field(branch.encoder.config, "deepstack_visual_indexes", ()):  # the tower is one stage
+            chain = [dataclasses.replace(s, unit=dataclasses.replace(s.unit, joined=s.unit.kind in ("layer", "norm")))
+                     for s in chain]
+        specs += chain
     specs += _chain(model, _llm_parts(model), LLM_MODULE)
     units = consistent_units([spec.unit for spec in specs])
     return tuple(dataclasses.replace(spec, unit=unit) for spec, unit in zip(specs, units))
@@ -75,13 +81,27 @@ def _encoder_parts(name: str, branch: ModalityEncoder) -> list[tuple[str, tuple[
     layout = encoder_layout(branch.encoder)
     prefix = f"encoders.{name}.encoder."
     n_layers = len(branch.encoder.get_submodule(layout.layers))
-    parts = [("embed", layout.embed, -1)]
+    parts = [("embed", _runnable(branch.encoder, layout.embed), -1)]
     parts += [("layer", (f"{layout.layers}.{i}",), i) for i in range(n_layers)]
     if layout.post_norm:  # None: a tower without a post-layer module (Pixtral)
         parts.append(("norm", (layout.post_norm,), -1))
     reachable = [p for p in parts if _reachable(branch, p[1])]
     out = [(kind, tuple(prefix + m for m in mods), i) for kind, mods, i in reachable]
     return out + [("projector", (f"encoders.{name}.projector",), -1)]
+
+
+def _runnable(root: nn.Module, paths: tuple[str, ...]) -> tuple[str, ...]:
+    """``paths`` with each container (a ``ModuleList`` / ``ModuleDict``, which is never called itself: Qwen3-VL's
+    DeepStack mergers) replaced by its children's paths, so every module of a unit is one that runs (FSDP2 shards
+    and hooks modules that run)."""
+    out: list[str] = []
+    for path in paths:
+        module = root.get_submodule(path)
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            out += [f"{path}.{name}" for name, _ in module.named_children()]
+        else:
+            out.append(path)
+    return tuple(out)
 
 
 def _reachable(branch: ModalityEncoder, modules: tuple[str, ...]) -> bool:

@@ -23,7 +23,10 @@ A stage runs stock Hugging Face modules through their public interfaces only (``
   the loss. The first LLM chunk merges text embeddings and projected features with
   ``MultimodalModel.place_features``, exactly like the single-process model. Under context parallelism
   (a ``plait_cp`` shard in the LLM kwargs) LLM chunks hold only the shard's tokens (``_LlmChunk.forward``);
-  encoder chunks are unchanged (they run whole on every CP rank).
+  encoder chunks are unchanged (they run whole on every CP rank). DeepStack features (added after the LLM's first
+  layers, :mod:`plait.models.deepstack`) reach the stages holding those layers with the hidden states: each LLM
+  stage sends on the rows of its (shard's) visual tokens for the receiving layers of later stages, so the plan's
+  edges, the schedules and deferral (which concerns the encoder-to-first-LLM-stage hop only) stay as they are.
 
 The module swaps for one chunk happen only for the duration of its call, so a rank may hold several stages
 of one module (e.g. the first and last LLM stages, which keeps tied embeddings on one rank).
@@ -40,6 +43,8 @@ import torch
 from torch import nn
 
 from plait.data.collate import Batch
+from plait.models.deepstack import (DEEPSTACK_KWARG, DeepStackFeatures, carried_rows, deepstack_mask,
+                                    received_features)
 from plait.models.encoder import ModalityEncoder
 from plait.models.families.base import EncoderLayout
 from plait.models.hf import encoder_layout, llm_layout
@@ -56,7 +61,8 @@ __all__ = ["OwnedLayers", "PipelineStage", "RankStages", "TiedEmbedding", "build
 # What flows along a plan edge: per module, a list of tensors (an encoder branch: one hidden-state tensor per item
 # group, [n, positions, dim] or a packed tower's [patches, dim] (Qwen2.5-VL, window order) / [1, patches, dim]
 # (Pixtral), or after its projector one [features, hidden] tensor; the LLM:
-# [hidden [B, N, H]]; the last stage: [loss sum]). An empty list means the module had no input this microbatch.
+# [hidden [B, N, H]], then the DeepStack rows of later stages' receiving layers when there are any; the last stage:
+# [loss sum]). An empty list means the module had no input this microbatch.
 Payload = dict[str, list[torch.Tensor]]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -173,28 +179,33 @@ class _LlmChunk:
         _check_layer_types(llm, [int(k) for k in self.layers._modules])
 
     def forward(
-        self, hidden: torch.Tensor | None, features: Mapping[str, torch.Tensor], batch: Batch,
+        self, received: Sequence[torch.Tensor], features: Mapping[str, torch.Tensor], batch: Batch,
         loss_fn: LossFn, llm_kwargs: Mapping[str, Any],
-    ) -> torch.Tensor:
-        """Hidden states ``[B, N, H]`` for the next stage, or the loss sum (scalar) on the ``lm_head`` chunk.
+    ) -> list[torch.Tensor]:
+        """``[hidden [B, N, H]]`` for the next stage, with the DeepStack rows for the receiving layers of later
+        stages after it (``[visual tokens, later receivers * H]``, :func:`plait.models.deepstack.carried_rows`), or
+        ``[loss sum]`` (scalar) on the ``lm_head`` chunk.
 
-        With a context-parallel shard ``llm_kwargs["plait_cp"]`` (:class:`~plait.parallel.context.CPShard`) the
-        chunk works on the shard's ``n_local`` tokens only: the embedding chunk embeds the whole rows (the
-        features of every item are placed) and keeps the shard's tokens, hidden states are ``[B, n_local, H]``,
-        positions and labels are the shard's (global positions), and the loss is the sum over its tokens. An
-        M-RoPE LLM rotates with ``batch.rope_position_ids`` ``[3, B, N]`` (the shard's along the last dim),
+        ``received``: the previous LLM stage's payload (``[hidden]`` or ``[hidden, DeepStack rows]``; empty on the
+        embedding chunk). With a context-parallel shard ``llm_kwargs["plait_cp"]``
+        (:class:`~plait.parallel.context.CPShard`) the chunk works on the shard's ``n_local`` tokens only: the
+        embedding chunk embeds the whole rows (the features of every item are placed) and keeps the shard's tokens,
+        hidden states are ``[B, n_local, H]``, the DeepStack rows those of the shard's visual tokens, positions and
+        labels are the shard's (global positions), and the loss is the sum over its tokens. An M-RoPE LLM rotates
+        with ``batch.rope_position_ids`` ``[3, B, N]`` (the shard's along the last dim),
         :meth:`~plait.models.multimodal.MultimodalModel.llm_positions`.
         """
         shard = llm_kwargs.get("plait_cp")
-        deepstack = self._deepstack(batch, features, shard)
-        if deepstack:
-            llm_kwargs = {**llm_kwargs, **deepstack}
+        hidden = received[0] if received else None
+        deepstack, carried = self._deepstack(batch, features, received[1] if len(received) > 1 else None, shard)
+        if deepstack is not None:
+            llm_kwargs = {**llm_kwargs, DEEPSTACK_KWARG: deepstack}
         if self.owns_embed:
             hidden = self.model.place_features(batch.input_ids, features)
             if shard is not None:
                 hidden = shard_tokens(hidden, shard)
         if not (len(self.layers) or self.owns_norm or self.owns_head):
-            return hidden  # type: ignore[return-value]
+            return [hidden, *carried]  # type: ignore[list-item]
         llm = self.model.language_model
         norm = llm.get_submodule(self.layout.norm) if self.owns_norm else nn.Identity()
         labels, mask = batch.labels, batch.attention_mask
@@ -207,36 +218,40 @@ class _LlmChunk:
                       **llm_kwargs)
         with _swapped(llm, {self.layout.layers: self.layers, self.layout.norm: norm}):
             if self.owns_head:
-                return loss_fn(llm(**kwargs).logits, labels)
-            return llm.get_submodule(self.layout.base)(**kwargs).last_hidden_state
+                return [loss_fn(llm(**kwargs).logits, labels)]
+            return [llm.get_submodule(self.layout.base)(**kwargs).last_hidden_state, *carried]
 
-
-    def _deepstack(self, batch: Batch, features: Mapping[str, torch.Tensor], shard: Any) -> dict[str, Any]:
-        """The DeepStack additions (``plait.models.deepstack``) of the chunk's layers: computed from the features on
-        the embedding chunk (the shard's tokens under context parallelism), which must then hold every receiving
-        layer (LLM layers ``0 .. deepstack_layers - 1``).
-
-        Raises:
-            ValueError: when a receiving layer is on a chunk without the embedding (the features do not travel
-                between LLM stages yet).
-        """
+    def _deepstack(self, batch: Batch, features: Mapping[str, torch.Tensor], rows: torch.Tensor | None,
+                   shard: Any) -> tuple[DeepStackFeatures | None, list[torch.Tensor]]:
+        """The DeepStack additions (:mod:`plait.models.deepstack`) of the chunk's layers and the rows it sends on
+        for the receiving layers of later stages (``[]`` when none): the embedding chunk computes them from the
+        features (the shard's tokens under context parallelism); a later chunk rebuilds them from the ``rows`` the
+        previous stage sent, which start at its first layer (the stages hold contiguous layers)."""
         receiving = self.model.deepstack_layers
         if not receiving:
-            return {}
+            return None, []
         held = [int(k) for k in self.layers._modules]
-        if not self.owns_embed:
-            if any(i < receiving for i in held):
-                raise ValueError(f"LLM layers 0..{receiving - 1} receive DeepStack features, which reach the first LLM "
-                                 f"stage only: put them in the stage with the LLM's embedding (this stage holds "
-                                 f"{held})")
-            return {}
-        if any(i not in held for i in range(receiving)):
-            raise ValueError(f"LLM layers 0..{receiving - 1} receive DeepStack features, which reach the first LLM "
-                             f"stage only; it holds layers {held}")
-        deepstack = self.model.deepstack(batch.input_ids, features)
-        if shard is not None:
-            deepstack = {k: v.select(lambda t: shard_tokens(t, shard)) for k, v in deepstack.items()}
-        return deepstack
+        after = max(held) + 1 if held else 0  # the first layer of the later stages
+        if self.owns_embed:
+            extras = self.model.deepstack(batch.input_ids, features).get(DEEPSTACK_KWARG)
+            if extras is not None and shard is not None:
+                extras = extras.select(lambda t: shard_tokens(t, shard))
+        elif rows is not None:
+            if not held:
+                return None, [rows]
+            hidden = int(self.model.language_model.config.hidden_size)  # the embedding is pruned on this stage
+            extras = received_features(rows, self._visual(batch, shard), hidden, first=min(held))
+        else:
+            return None, []
+        if extras is None or after >= extras.end:
+            return extras, []
+        return extras, [carried_rows(extras, self._visual(batch, shard), max(after, extras.first))]
+
+    def _visual(self, batch: Batch, shard: Any) -> torch.Tensor:
+        """``[B, n]`` bool: the chunk's tokens (a shard's under context parallelism) that receive DeepStack
+        additions."""
+        mask = deepstack_mask(batch.input_ids, self.model.deepstack_placeholders)
+        return mask if shard is None else shard_tokens(mask, shard)
 
 
 def _chunk_layers(root: nn.Module, path: str, specs: Sequence[UnitSpec]) -> OwnedLayers:
@@ -312,8 +327,7 @@ class PipelineStage:
             with torch.set_grad_enabled(grad_allowed and chunk.flags.runs_grad):
                 if isinstance(chunk, _LlmChunk):
                     features = {m: t[0] for m, t in inputs.items() if m != LLM_MODULE and t}
-                    hidden = inputs[LLM_MODULE][0] if LLM_MODULE in inputs else None
-                    out[module] = [chunk.forward(hidden, features, batch, loss_fn, llm_kwargs)]
+                    out[module] = chunk.forward(inputs.get(LLM_MODULE, []), features, batch, loss_fn, llm_kwargs)
                 else:
                     out[module] = chunk.forward(inputs.get(module), batch.modality_inputs.get(module))
         return out

@@ -38,6 +38,8 @@ class Unit(JsonDataclass):
             ``trainable``: 1 for a fully trainable unit; the adapters' parameters over all of the unit's for a
             LoRA unit (frozen base + adapters, :attr:`adapter`), whose dW work, gradients and optimizer state
             are that share of a full unit's (its dX through the frozen base is whole).
+        joined: the unit stays in the stage of the unit before it (no stage boundary right before it): the units
+            of a Qwen3-VL tower, whose DeepStack mergers read blocks inside it.
 
     Raises:
         ValueError: on an unknown ``kind``, an empty ``name``/``module`` or a fraction outside (0, 1].
@@ -49,6 +51,7 @@ class Unit(JsonDataclass):
     trainable: bool
     needs_input_grad: bool
     trainable_fraction: float = 1.0
+    joined: bool = False
 
     def __post_init__(self) -> None:
         if not self.name or not self.module:

@@ -38,7 +38,7 @@ from plait.models.families.base import EncoderLayout, config_field, positive_fie
 from plait.models.families.qwen2_5_vl import Qwen25VLFamily, Qwen25VLFeatureCount, patch_values
 
 __all__ = ["FAMILY", "MODEL_TYPES", "ENCODER_CLASS", "MAX_PIXELS", "Qwen3VLCall", "Qwen3VLTextForCausalLM",
-           "RefusedVideos", "deepstack_count", "qwen3_vl_dummy_input"]
+           "RefusedVideo", "deepstack_count", "qwen3_vl_dummy_input"]
 
 MODEL_TYPES = {"qwen3_vl_vision": None, "qwen3_vl": "vision_config"}
 ENCODER_CLASS = "Qwen3VLVisionModel"
@@ -118,6 +118,36 @@ class Qwen3VLCall:
         raise ValueError(FAMILY.layer_refusal)
 
 
+class RefusedVideo:
+    """Qwen3-VL's video encoding in plait's data pipeline (``plait.data.video.VideoEncoding``): every video record is
+    refused, naming the file. Qwen3-VL writes each temporal patch of a video as its own run of tokens after a
+    timestamp (``<t seconds><|vision_start|>...<|vision_end|>``), which plait's video placeholder does not produce;
+    give such videos as their temporal patches' images."""
+
+    REASON = ("Qwen3-VL video records need a timestamp and <|vision_start|> ... <|vision_end|> around each temporal "
+              "patch, which plait's video placeholder does not write; give videos as their temporal patches' images")
+
+    def items(self, hf_processor: Any, frames: Any) -> list[Any]:
+        """Refused.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(self.REASON)
+
+    def sizes(self, frames: int, frame_size: Any) -> list[Any]:
+        """Refused.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(self.REASON)
+
+    def timing(self, fps: float) -> dict[str, float]:
+        """Nothing (never reached: :meth:`items` refuses first)."""
+        return {}
+
+
 class Qwen3VLTextForCausalLM(Qwen3ForCausalLM):
     """Qwen3-VL's LLM as a causal LM: ``Qwen3ForCausalLM`` (``lm_head``, forward, generation) whose decoder stack
     ``model`` is transformers' ``Qwen3VLTextModel`` (interleaved M-RoPE: ``position_ids`` ``[3, B, N]``, or ``[B, N]``
@@ -142,28 +172,6 @@ class Qwen3VLTextForCausalLM(Qwen3ForCausalLM):
 transformers.AutoModelForCausalLM.register(Qwen3VLTextConfig, Qwen3VLTextForCausalLM, exist_ok=True)
 
 
-class RefusedVideos:
-    """The video encoding of Qwen3-VL (``plait.data.video.VideoEncoding``) that refuses every video: Qwen3-VL writes
-    each temporal patch of a video as its own run of tokens after a timestamp (``<t seconds><|vision_start|>...
-    <|vision_end|>``), which plait's video placeholder does not produce.
-
-    Raises:
-        ValueError: from :meth:`items` and :meth:`sizes` (the data pipeline names the record and field).
-    """
-
-    MESSAGE = ("Qwen3-VL video records need a timestamp and <|vision_start|> ... <|vision_end|> around each temporal "
-               "patch, which plait's video placeholder does not write; give videos as their temporal patches' images")
-
-    def items(self, hf_processor: Any, frames: Any) -> list:
-        raise ValueError(self.MESSAGE)
-
-    def timing(self, fps: float) -> dict[str, float]:
-        return {}
-
-    def sizes(self, frames: int, frame_size: Any) -> list:
-        raise ValueError(self.MESSAGE)
-
-
 class Qwen3VLFamily(Qwen25VLFamily):
     """Qwen3-VL: every image's patches packed into one call, merged 2x2, with DeepStack features appended. As
     Qwen2.5-VL (:class:`~plait.models.families.qwen2_5_vl.Qwen25VLFamily`: processor, packing, input checks) but its
@@ -176,6 +184,9 @@ class Qwen3VLFamily(Qwen25VLFamily):
     # the DeepStack mergers ride with the embedding unit: the tower stays in one stage (layer_refusal)
     layout = EncoderLayout(("patch_embed", "pos_embed", "rotary_pos_emb", "deepstack_merger_list"), "blocks", "merger")
     tower_call = Qwen3VLCall
+    # tensor parallelism splits each block's MLP (Megatron-LM's colwise fc1, rowwise fc2); the fused qkv projection
+    # (q, k, v interleaved per output row block) and the attention stay replicated
+    tp_plan = {"mlp.linear_fc1": "colwise", "mlp.linear_fc2": "rowwise"}
     layer_class = "Qwen3VLVisionBlock"
     layer_refusal = ("the Qwen3-VL tower's DeepStack mergers read blocks inside the tower and their features leave "
                      "with the merger's: keep the tower's units (embedding, blocks, merger) in one pipeline stage")
@@ -186,13 +197,14 @@ class Qwen3VLFamily(Qwen25VLFamily):
     def dummy_input(self, config: Any, dtype: torch.dtype, device: torch.device | str | None) -> dict[str, Any]:
         return qwen3_vl_dummy_input(config, dtype, device)
 
-    def video_encoding(self, config: Any) -> Any:
-        """:class:`RefusedVideos`: a job builds, and a record with a video is refused when it is read."""
-        return RefusedVideos()
+    def video_encoding(self, config: Any) -> "RefusedVideo":
+        """:class:`RefusedVideo`: each video record is refused (the job itself builds)."""
+        return RefusedVideo()
 
     def arch_fields(self, config: Any) -> dict[str, Any]:
         """A Conv3d patch embedding with bias over ``T x p x p``, LayerNorms, a plain GELU MLP, full attention per
-        image, the 2x2 merger as post-norm (``output_pool = merge^2``); the DeepStack mergers are not costed."""
+        image, the 2x2 merger as post-norm (``output_pool = merge^2``) with the ``k`` DeepStack mergers beside it
+        (``deepstack = k``: features for LLM layers ``0 .. k-1``) and the learned position table (``positions``)."""
         hidden, heads = positive_field(config, "hidden_size"), positive_field(config, "num_heads")
         patch, merge = positive_field(config, "patch_size"), positive_field(config, "spatial_merge_size")
         return dict(
@@ -201,7 +213,8 @@ class Qwen3VLFamily(Qwen25VLFamily):
             norm_bias=True, num_channels=positive_field(config, "in_channels", 3),
             patch=(positive_field(config, "temporal_patch_size") * patch, patch), patch_bias=True,
             output_pool=merge**2, item_len=(4 * merge * merge),
-            merger=(merge**2 * hidden, positive_field(config, "out_hidden_size")))
+            positions=positive_field(config, "num_position_embeddings"),
+            merger=(merge**2 * hidden, positive_field(config, "out_hidden_size")), deepstack=deepstack_count(config))
 
 
 FAMILY = Qwen3VLFamily()

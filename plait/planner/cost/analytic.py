@@ -43,6 +43,7 @@ from typing import Any
 
 from plait.planner.cost.arch import Arch, DecoderArch, EncoderArch, ProjectorArch, projector_arch, split_model_configs
 from plait.planner.cost.types import DeviceSpec, MicrobatchShape, OptimizerSpec, UnitEstimate, dtype_bytes
+from plait.planner.pipeline.graph import carried_features, feature_receivers
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
 __all__ = [
@@ -218,7 +219,8 @@ def _encoder_estimate(arch: EncoderArch, kind: str, shape: MicrobatchShape, b: f
             raise ValueError("this encoder has no post-norm unit")
         pooled = t / arch.output_pool
         flops = 2 * pooled * arch.norm_macs_per_token()
-        return _estimate(arch.norm_params(), flops, 0, (t + pooled) * h * b, pooled * h * b, pooled * h * b, b)
+        out = (1 + arch.deepstack) * arch.merger[1] if arch.deepstack else h  # DeepStack: (1 + k) merger outputs
+        return _estimate(arch.norm_params(), flops, 0, (t * h + pooled * out) * b, pooled * h * b, pooled * out * b, b)
     if kind != "layer":
         raise ValueError(f"an encoder has no {kind!r} unit")
     items, length = _sequences(shape, arch.item_len)
@@ -230,14 +232,48 @@ def _encoder_estimate(arch: EncoderArch, kind: str, shape: MicrobatchShape, b: f
                      t * _encoder_layer_io(arch) * b, t * _encoder_layer_saved(arch, b), t * h * b, b)
 
 
-def _projector_estimate(arch: ProjectorArch, tokens: float, b: float) -> UnitEstimate:
+def _projector_estimate(arch: ProjectorArch, tokens: float, b: float, deepstack: int = 0) -> UnitEstimate:
     """Projector on ``tokens`` features: ``2 T macs`` FLOPs; moves ``in + out`` (linear) or ``in + 5 out``
-    (mlp) elements per token and saves ``in`` (+ ``2 out``: linear_1 output for GELU, GELU output)."""
+    (mlp) elements per token and saves ``in`` (+ ``2 out``: linear_1 output for GELU, GELU output). With
+    ``deepstack = k`` the ``k`` DeepStack features of each token pass through (``2 k out`` elements moved) and leave
+    with the projected one: ``(1 + k) out`` per token."""
     mlp = arch.kind == "mlp"
-    io = arch.in_dim + (5 if mlp else 1) * arch.out_dim
+    io = arch.in_dim + (5 if mlp else 1) * arch.out_dim + 2 * deepstack * arch.out_dim
     saved = arch.in_dim + (2 * arch.out_dim if mlp else 0)
     return _estimate(arch.params(), 2 * tokens * arch.macs_per_token(), 0, tokens * io * b,
-                     tokens * saved * b, tokens * arch.out_dim * b, b)
+                     tokens * saved * b, tokens * (1 + deepstack) * arch.out_dim * b, b)
+
+
+def _with_deepstack(estimates: list[UnitEstimate], units: Sequence[Unit], archs: Mapping[str, Arch],
+                    shape: MicrobatchShape | Mapping[str, MicrobatchShape], b: float) -> list[UnitEstimate]:
+    """The LLM units' DeepStack bytes (``planner.pipeline.graph``: feature edges). Per encoder with ``k`` receivers
+    and ``v = tokens / output_pool`` visual tokens in the microbatch: a unit before receiving layers outputs, besides
+    its hidden states, ``v H b`` bytes for each receiving layer after it (what a stage boundary there carries on); a
+    receiving layer keeps its ``v H b`` features per microbatch in flight (as part of the stage's input) and adds
+    them densely (``4 T H + v H`` elements moved)."""
+    present = {u.module for u in units}
+    deepstack = {m: a.deepstack for m, a in archs.items()
+                 if isinstance(a, EncoderArch) and a.deepstack and m in present}
+    if not deepstack or LLM_MODULE not in present:  # no receiver among these units
+        return estimates
+    receivers = feature_receivers(units, deepstack)
+    carried = carried_features(units, receivers)
+    h = archs[LLM_MODULE].hidden
+    visual = {m: _shape_for(shape, m).tokens / archs[m].output_pool for m in deepstack}  # type: ignore[union-attr]
+    out = list(estimates)
+    for i, unit in enumerate(units):
+        if unit.module != LLM_MODULE:
+            continue
+        extra_out = sum(n * visual[m] for m, n in carried[unit.name].items()) * h * b
+        received = sum(visual[m] for m, names in receivers.items() if m in visual and unit.name in names[1:]) * h * b
+        tokens = _shape_for(shape, LLM_MODULE).tokens
+        io = (4 * tokens * h * b + received) if received else 0.0
+        if extra_out or received:
+            est = out[i]
+            out[i] = dataclasses.replace(est, output_bytes=est.output_bytes + extra_out,
+                                         activation_bytes=est.activation_bytes + received,
+                                         forward_bytes=est.forward_bytes + io)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -297,14 +333,15 @@ def unit_estimates(units: Sequence[Unit], model_configs: Mapping[str, Any],
             if unit.module == LLM_MODULE:
                 raise ValueError(f"unit {unit.name!r}: the LLM has no projector")
             proj = projector_arch(unit.module, archs, projectors)
-            estimates.append(_projector_estimate(proj, mb.tokens / arch.output_pool, b))
+            estimates.append(_projector_estimate(proj, mb.tokens / arch.output_pool, b,
+                                                 getattr(arch, "deepstack", 0)))
         elif isinstance(arch, DecoderArch):
             layer = _layer_index(unit, arch) if unit.kind == "layer" else -1
             estimates.append(_decoder_estimate(arch, unit.kind, layer, mb, b))
         else:
             layer = _layer_index(unit, arch) if unit.kind == "layer" else -1
             estimates.append(_encoder_estimate(arch, unit.kind, mb, b, layer))
-    return estimates
+    return _with_deepstack(estimates, units, archs, shape, b)
 
 
 def unit_costs(units: Sequence[Unit], model_configs: Mapping[str, Any],

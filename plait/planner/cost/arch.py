@@ -40,7 +40,7 @@ __all__ = [
 
 _PLAIN_MLPLLM_MODULES = frozenset({"phi"})
 _FOUR_NORMLLM_MODULES = frozenset({"gemma2", "gemma3_text"})
-_QK_NORMLLM_MODULES = frozenset({"qwen3", "qwen3_moe", "gemma3_text"})
+_QK_NORMLLM_MODULES = frozenset({"qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text"})
 
 
 @dataclass(frozen=True)
@@ -242,6 +242,9 @@ class EncoderArch:
             Linear(in, in) -> GELU -> Linear(in, out) on ``in = merge^2 H``); ``(0, 0)``: a plain LayerNorm.
         window, full_layers: patches per attention window of the layers not in ``full_layers`` (Qwen2.5-VL's
             window attention); 0: every layer attends over the whole item.
+        deepstack: ``k``, the LLM layers ``0 .. k-1`` that also receive this encoder's features (DeepStack, Meng et
+            al., arXiv 2406.04334; Qwen3-VL): ``k`` more mergers of the merger's shape in the post-norm slot, and
+            ``(1 + k)`` features of the LLM width per output token (``planner.pipeline.graph.feature_receivers``).
     """
 
     modality: str
@@ -272,6 +275,7 @@ class EncoderArch:
     merger: tuple[int, int] = (0, 0)
     window: int = 0
     full_layers: tuple[int, ...] = ()
+    deepstack: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -279,8 +283,9 @@ class EncoderArch:
         return self.heads * self.head_dim
 
     def norm_macs_per_token(self) -> int:
-        """Multiply-accumulates of the post-norm unit per output token: a merger's ``in^2 + in out``, else 0."""
-        return self.merger[0] * (self.merger[0] + self.merger[1])
+        """Multiply-accumulates of the post-norm unit per output token: a merger's ``in^2 + in out`` (``1 + k``
+        times with ``k`` DeepStack mergers), else 0."""
+        return (1 + self.deepstack) * self.merger[0] * (self.merger[0] + self.merger[1])
 
     @classmethod
     def from_config(cls, config: Any) -> "EncoderArch":
@@ -302,10 +307,14 @@ class EncoderArch:
         return units + ([("post_norm", "norm", -1)] if self.post_norm else [])
 
     def norm_params(self) -> int:
-        """Parameters of the final LayerNorm: ``2 H``; of a merger: ``H + in^2 + in + in out + out``."""
+        """Parameters of the final LayerNorm: ``2 H``; of a merger: its norm (``H`` RMSNorm, ``2 H`` LayerNorm with
+        ``norm_bias``) + ``in^2 + in + in out + out``, plus ``k`` DeepStack mergers of ``2 in + in^2 + in + in out +
+        out`` (a LayerNorm over the merged ``in``)."""
         m_in, m_out = self.merger
         if m_in:
-            return self.hidden + m_in * m_in + m_in + m_in * m_out + m_out
+            linear = m_in * m_in + m_in + m_in * m_out + m_out
+            norm = (2 if self.norm_bias else 1) * self.hidden
+            return norm + linear + self.deepstack * (2 * m_in + linear)
         return 2 * self.hidden
 
     def embed_params(self) -> int:
@@ -520,7 +529,9 @@ def units_from_configs(model_configs: Mapping[str, Any], frozen: Mapping[str, bo
     for module in sorted(archs, key=lambda m: m == LLM_MODULE):  # encoders in mapping order, then the LLM
         arch, trains = archs[module], not frozen.get(module, False)
         prefix = LLM_MODULE if module == LLM_MODULE else f"encoders.{module}"
-        units += [Unit(f"{prefix}.{suffix}", module, kind, trains, False) for suffix, kind, _ in arch.layout()]
+        joined = isinstance(arch, EncoderArch) and arch.deepstack > 0  # the tower is one stage (Unit.joined)
+        units += [Unit(f"{prefix}.{suffix}", module, kind, trains, False, joined=joined and kind != "embed")
+                  for suffix, kind, _ in arch.layout()]
         if module != LLM_MODULE:
             trains_projector = not frozen.get(f"{module}.projector", False)
             units.append(Unit(f"encoders.{module}.projector", module, "projector", trains_projector, False))

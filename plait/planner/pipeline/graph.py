@@ -9,7 +9,13 @@ else:
     a unit needs an input gradient when some unit upstream of it trains,
 
 that is, for an encoder unit, an earlier unit of its own branch; for an LLM unit, an earlier LLM unit or any
-encoder unit (projectors included). Every reader (the analytic cost model, the model's own units, the
+encoder unit (projectors included).
+
+Feature edges (:func:`feature_receivers`): an encoder's features enter the LLM's first unit (its placeholders in
+the embedding) and, for an encoder with DeepStack features (Qwen3-VL), the first ``k`` LLM layer units too. Under a
+pipeline, the additions of the receiving layers held by later LLM stages travel with the hidden states, so a stage
+boundary after an LLM unit carries, per visual token, one feature of the LLM width for each receiving layer after
+it (:func:`carried_features`); the cost model counts those bytes. Every reader (the analytic cost model, the model's own units, the
 microbatch cost coefficients, the layout search, synthetic test models) builds its units with ``trainable``
 only and takes the flags from :func:`consistent_units`; coarser readers take per-module flags from
 :func:`module_flags`.
@@ -18,11 +24,12 @@ only and takes the flags from :func:`consistent_units`; coarser readers take per
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from plait.planner.types import LLM_MODULE, Unit
 
-__all__ = ["ModuleFlags", "check_grouping", "consistent_units", "module_flags"]
+__all__ = ["ModuleFlags", "carried_features", "check_grouping", "consistent_units", "feature_receivers",
+           "module_flags"]
 
 
 def check_grouping(units: Sequence[Unit], require_llm: bool = True) -> list[str]:
@@ -117,3 +124,52 @@ def module_flags(units: Sequence[Unit], skip_kinds: Sequence[str] = ("projector"
         flags[unit.module] = ModuleFlags(old.trainable or unit.trainable,
                                          old.needs_input_grad or unit.runs_backward)
     return flags
+
+
+def feature_receivers(units: Sequence[Unit], deepstack: Mapping[str, int] | None = None) -> dict[str, tuple[str, ...]]:
+    """Per encoder module of ``units`` (in order), the names of the LLM units its features enter: the LLM's first
+    unit (the embedding: placeholders) and, when ``deepstack[encoder] = k`` (DeepStack), the first ``k`` LLM layer
+    units (layers ``0 .. k-1``; Meng et al., arXiv 2406.04334).
+
+    Raises:
+        ValueError: as :func:`check_grouping`; for a negative ``k``, more receiving layers than the LLM has, or a
+            ``deepstack`` key that is not an encoder of ``units``.
+    """
+    modules = check_grouping(units)
+    encoders = [m for m in modules if m != LLM_MODULE]
+    deepstack = dict(deepstack or {})
+    unknown = sorted(set(deepstack) - set(encoders))
+    if unknown:
+        raise ValueError(f"deepstack names {unknown}, which are not encoders of the units ({encoders})")
+    llm = [u for u in units if u.module == LLM_MODULE]
+    layers = [u.name for u in llm if u.kind == "layer"]
+    out: dict[str, tuple[str, ...]] = {}
+    for encoder in encoders:
+        k = deepstack.get(encoder, 0)
+        if not 0 <= k <= len(layers):
+            raise ValueError(f"encoder {encoder!r}: {k} DeepStack receivers, the LLM has {len(layers)} layer units")
+        out[encoder] = (llm[0].name, *layers[:k])
+    return out
+
+
+def carried_features(units: Sequence[Unit], receivers: Mapping[str, Sequence[str]]) -> dict[str, dict[str, int]]:
+    """Per LLM unit name, per encoder with receivers after it: how many of the encoder's receiving LLM units come
+    after that unit, i.e. the features of the LLM width per visual token a stage boundary right after the unit
+    carries on (module docstring). ``receivers``: :func:`feature_receivers`.
+
+    Raises:
+        ValueError: when a receiver is not an LLM unit of ``units``.
+    """
+    llm = [u.name for u in units if u.module == LLM_MODULE]
+    position = {name: i for i, name in enumerate(llm)}
+    out: dict[str, dict[str, int]] = {name: {} for name in llm}
+    for encoder, names in receivers.items():
+        missing = [n for n in names if n not in position]
+        if missing:
+            raise ValueError(f"encoder {encoder!r}: receivers {missing} are not LLM units")
+        where = sorted(position[n] for n in names)
+        for i, name in enumerate(llm):
+            after = sum(1 for p in where if p > i)
+            if after:
+                out[name][encoder] = after
+    return out

@@ -64,8 +64,8 @@ def plan_pipeline(
         ValueError: on duplicate unit names, no LLM unit, a module whose units are not contiguous, unknown
             modules in ``stages_per_module``/``splits``, a module given both, a stage count that is < 1 or
             exceeds the module's units, boundaries that are unknown, repeated, out of order or at the
-            module's first unit, unequal colocated encoder chunk counts, a wrong-length ``ranks``, and every
-            ``PipelinePlan`` validation error.
+            module's first unit, unequal colocated encoder chunk counts, a wrong-length ``ranks``, a stage
+            starting at a ``Unit.joined`` unit, and every ``PipelinePlan`` validation error.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -79,7 +79,24 @@ def plan_pipeline(
     stages = tuple(_make_stage(i, group, int(r)) for i, (group, r) in enumerate(zip(groups, ranks)))
     plan = PipelinePlan(layout=layout, stages=stages, num_microbatches=num_microbatches)
     check_plan_units(plan, units)
+    _check_joined(plan, units)
     return plan
+
+
+def _check_joined(plan: PipelinePlan, units: Sequence[Unit]) -> None:
+    """No stage chunk starts at a ``Unit.joined`` unit.
+
+    Raises:
+        ValueError: naming the unit and its stage.
+    """
+    joined = {u.name for u in units if u.joined}
+    for stage in plan.stages:
+        for module in stage.modules:
+            first = stage.module_units(module)[0]
+            if first in joined:
+                raise ValueError(f"stage {stage.index} starts at unit {first!r}, which stays in the stage of the "
+                                 f"unit before it (its module's units up to it form one stage: a tower whose "
+                                 f"DeepStack mergers read blocks inside it)")
 
 
 def interleaved_ranks(encoder_ranks: Sequence[int], llm_ranks: int, virtual_stages: int) -> tuple[int, ...]:

@@ -255,7 +255,7 @@ def _encoder_bounds(parts: Partitions, layout: str, nb: int, pipe: int, max_llm:
     axes = len(chains) + 1
     grids, neck, path, through, backward = [], 0.0, 0.0, 0.0, np.zeros(1)
     for axis, modules in enumerate(chains):
-        top = min(min(model.size(m) for m in modules), pipe - len(chains))
+        top = min(min(model.max_stages(m) for m in modules), pipe - len(chains))
         terms = _encoder_terms(parts, modules, top, nb, p2p)
         shape = [1] * axes
         shape[axis] = top

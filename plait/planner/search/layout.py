@@ -434,7 +434,9 @@ def megatron_even_split(
 
 
 def _megatron_for(units, costs, devices, microbatches, dp, machine):
-    """Even split for one DP degree, timed true and frozen-unaware."""
+    """Even split for one DP degree, timed true and frozen-unaware. The baseline splits by unit count alone, a
+    ``Unit.joined`` tower included (which plait's own plans keep in one stage)."""
+    units = [dataclasses.replace(u, joined=False) for u in units]
     ranks = devices // dp
     if ranks < 1 or ranks > len(units):
         raise ValueError(f"dp={dp} leaves {ranks} pipeline ranks for {len(units)} units; need 1..{len(units)}")

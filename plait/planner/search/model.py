@@ -179,6 +179,12 @@ class SearchModel:
         a, b = self.span[module]
         return b - a
 
+    def max_stages(self, module: str) -> int:
+        """The most stages ``module`` may be cut into: its unit count, or 1 when some unit of it is
+        ``Unit.joined`` (a tower that stays in one stage)."""
+        a, b = self.span[module]
+        return 1 if any(u.joined for u in self.units[a:b]) else b - a
+
 
 class ChunkSums(NamedTuple):
     """Sums over a range of units ``[a, b)`` (``Partitions.chunk``)."""

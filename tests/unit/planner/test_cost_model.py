@@ -13,6 +13,7 @@ from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncod
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 from plait.models.families import family_of
+from plait.models.families.qwen3_vl import Qwen3VLTextForCausalLM
 from plait.models.plan_inputs import encoder_arch, plan_configs
 from plait.planner.cost.arch import (
     DecoderArch,
@@ -52,6 +53,7 @@ def _cases():
         (T.MistralForCausalLM, T.MistralConfig(**LLM_KW)),
         (T.Qwen2ForCausalLM, T.Qwen2Config(**LLM_KW)),
         (T.Qwen3ForCausalLM, T.Qwen3Config(**LLM_KW, head_dim=24)),
+        (Qwen3VLTextForCausalLM, T.Qwen3VLTextConfig(**LLM_KW, head_dim=24)),
         (T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig(**LLM_KW, num_experts=4, num_experts_per_tok=2,
                                                  moe_intermediate_size=32)),
         (T.MixtralForCausalLM, T.MixtralConfig(**LLM_KW, num_local_experts=4, num_experts_per_tok=2)),
