@@ -100,6 +100,7 @@ def runs_interleaved(plan: PipelinePlan) -> bool:
     return True
 
 
+@memoized_schedule
 def interleaved_orders(
     plan: PipelinePlan, num_microbatches: int | None = None, *, split_backward: bool = False,
     group_size: int | None = None,

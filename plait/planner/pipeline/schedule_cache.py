@@ -31,11 +31,12 @@ def _frozen(value: Any) -> Any:
     return tuple(sorted(value.items())) if isinstance(value, Mapping) else value
 
 
-def memoized_schedule(generator: Callable[..., Schedule]) -> Callable[..., Schedule]:
+def memoized_schedule(generator: Callable[..., Any]) -> Callable[..., Any]:
     """``generator(plan, *args, **kwargs)`` remembered by :func:`plan_shape` and its other arguments: the first plan
-    of a shape runs the generator (and its checks); a later one gets the same actions on its own plan. Errors are
-    not remembered (a refused shape is refused again, by the generator)."""
-    cache: OrderedDict[tuple, Schedule] = OrderedDict()
+    of a shape runs the generator (and its checks); a later one gets the same actions on its own plan (a
+    :class:`Schedule` marked checked as the first was), or a fresh copy of per-rank action lists. Errors are not
+    remembered (a refused shape is refused again, by the generator)."""
+    cache: OrderedDict[tuple, Any] = OrderedDict()
 
     @functools.wraps(generator)
     def wrapper(plan: PipelinePlan, *args: Any, **kwargs: Any) -> Schedule:
@@ -43,15 +44,18 @@ def memoized_schedule(generator: Callable[..., Schedule]) -> Callable[..., Sched
                                                                                for k, v in kwargs.items())))
         known = cache.get(key)
         if known is None:
-            known = cache[key] = generator(plan, *args, **kwargs)
+            made = generator(plan, *args, **kwargs)
+            known = cache[key] = made if isinstance(made, Schedule) else tuple(tuple(rank) for rank in made)
             if len(cache) > CACHE_SIZE:
                 cache.popitem(last=False)
         else:
             cache.move_to_end(key)
+        if not isinstance(known, Schedule):  # per-rank action lists: a fresh copy the caller may change
+            return [list(rank) for rank in known]
         if known.plan is plan:
             return known
         return Schedule(plan=plan, actions=known.actions, num_microbatches=known.num_microbatches,
-                        split_backward=known.split_backward, name=known.name)
+                        split_backward=known.split_backward, name=known.name, checked=known.checked)
 
     wrapper.cache = cache  # type: ignore[attr-defined]
     return wrapper

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from plait.planner.pipeline.types import PipelinePlan
@@ -118,6 +118,9 @@ class Schedule:
     num_microbatches: int
     split_backward: bool = False
     name: str = ""
+    checked: bool = field(default=False, compare=False, repr=False)
+    """``check_schedule`` passed on these actions (set by it; ``schedule_cache`` hands it on to a plan of the same
+    shape, whose check it would repeat step for step)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(tuple(rank) for rank in self.actions))
@@ -257,9 +260,12 @@ def check_schedule(schedule: Schedule) -> None:
             action ordered before its own rank's dependency, or a deadlock with the cycle of waiting ranks
             and the action each waits for.
     """
+    if schedule.checked:
+        return
     _check_complete(schedule)
     _check_rank_order(schedule)
     _check_deadlock(schedule)
+    object.__setattr__(schedule, "checked", True)
 
 
 def _check_complete(schedule: Schedule) -> None:
