@@ -1,0 +1,162 @@
+"""A tiny ``Qwen2_5OmniThinkerForConditionalGeneration`` (2-block vision tower of 4-pixel patches merged 2x2, 2-layer
+audio tower over 16-frame chunks, 2-layer M-RoPE text model) and token rows with images, audio clips and videos
+with their audio track (``use_audio_in_video``: video and audio chunks interleaved by 2-s spans), as transformers'
+inputs and as plait's (items, M-RoPE positions of :func:`plait.data.omni_positions.omni_positions`). Shared by
+tests/unit/models/test_qwen2_5_omni*.py and tests/distributed/test_omni_parallel.py."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import transformers as T
+
+from plait.data.omni_positions import OmniItem, clip_chunks, omni_positions
+
+__all__ = ["IMAGE", "VIDEO", "AUDIO", "VSTART", "VEND", "ASTART", "AEND", "MEL", "WINDOW", "thinker_config",
+           "tiny_thinker", "Rows", "rows"]
+
+IMAGE, VIDEO, AUDIO, VSTART, VEND, ASTART, AEND = 7, 8, 9, 5, 6, 10, 11
+"""Placeholder and start/end token ids of the tiny config."""
+MEL, WINDOW, HOP, RATE = 16, 3000, 160, 16000
+"""Mel bins, frames of a feature-extractor window, hop (samples) and sampling rate of the tiny audio tower."""
+TEXT = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=12, vocab_size=512, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2]})
+VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+              temporal_patch_size=2, window_size=16, out_hidden_size=48, fullatt_block_indexes=[1])
+AUDIO_TOWER = dict(num_mel_bins=MEL, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
+                   n_window=8, output_dim=48)
+
+
+def thinker_config() -> T.Qwen2_5OmniThinkerConfig:
+    """The tiny ``Qwen2_5OmniThinkerConfig``."""
+    return T.Qwen2_5OmniThinkerConfig(text_config=dict(TEXT), vision_config=dict(VISION),
+                                      audio_config=dict(AUDIO_TOWER), image_token_index=IMAGE,
+                                      video_token_index=VIDEO, audio_token_index=AUDIO, vision_start_token_id=VSTART,
+                                      vision_end_token_id=VEND, audio_start_token_id=ASTART, audio_end_token_id=AEND)
+
+
+def tiny_thinker(seed: int = 0) -> T.Qwen2_5OmniThinkerForConditionalGeneration:
+    """The tiny thinker in eval mode, every parameter random (norms and mergers not left at their init)."""
+    torch.manual_seed(seed)
+    model = T.Qwen2_5OmniThinkerForConditionalGeneration(thinker_config())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    return model.eval()
+
+
+def _audio_tokens(samples: int) -> int:
+    frames = math.ceil(samples / HOP)
+    return ((frames - 1) // 2 + 1 - 2) // 2 + 1
+
+
+class Rows:
+    """Token rows and both models' inputs.
+
+    Layout items: ``("image", (1, h, w))``, ``("audio", samples)``, ``("video", (t, h, w))`` (no audio track) or
+    ``("clip", ((t, h, w), samples))`` (a video with its audio track, sampled at 2 frames per second: 1 s per temporal
+    patch). A row has clips or silent videos, not both (the thinker positions a row one way).
+
+    Attributes:
+        input_ids: ``[B, N]`` transformers' ids (video tokens ``<|VIDEO|>``); attention_mask ``[B, N]``.
+        plait_ids: the rows with video tokens as the vision branch's placeholder (``<|IMAGE|>``).
+        hf: transformers' keyword arguments; modality_inputs: plait's.
+        rope: plait's positions ``[3, B, N]`` (0 on padding); item_ids ``[B, N]`` (-1 on text).
+    """
+
+    def __init__(self, layout: list[list[tuple[str, object]]], seed: int, left: bool) -> None:
+        g = torch.Generator().manual_seed(seed)
+        ids_rows, item_rows, docs = [], [], []
+        images, videos, seconds, audio_feats, audio_frames, vis_items = [], [], [], [], [], []
+        audio_samples, clips_used = [], False
+        for row in layout:
+            ids, item = [1] + torch.randint(20, 500, (3,), generator=g).tolist(), [-1] * 4
+            items: list[OmniItem] = []
+            for kind, spec in row:
+                if kind in ("image", "video", "clip"):
+                    grid = spec[0] if kind == "clip" else spec
+                    t, h, w = grid
+                    pixels = torch.randn(t * h * w, 3 * 2 * 4 * 4, generator=g)
+                    vis_items.append((pixels, grid))
+                    (images if kind == "image" else videos).append((pixels, grid))
+                    if kind != "image":
+                        seconds.append(1.0)
+                    vid = len(items)
+                    items.append(OmniItem("image" if kind == "image" else "video", tuple(grid),
+                                          1.0 if kind != "image" else 0.0, 25.0))
+                    n = t * h * w // 4
+                if kind in ("audio", "clip"):
+                    samples = spec[1] if kind == "clip" else spec
+                    frames = math.ceil(samples / HOP)
+                    feats = torch.zeros(MEL, WINDOW)
+                    feats[:, :frames] = torch.randn(MEL, frames, generator=g)
+                    audio_feats.append(feats)
+                    audio_frames.append(frames)
+                    audio_samples.append(samples)
+                    aud = len(items)
+                    items.append(OmniItem("audio"))
+                    k = _audio_tokens(samples)
+                if kind == "clip":
+                    clips_used = True
+                    items[vid] = OmniItem("video", tuple(grid), 1.0, 25.0, clip=aud)
+                    ids += [VSTART, ASTART]
+                    item += [-1, -1]
+                    for what, m in clip_chunks(grid, 2, 1.0, k, 25.0, 2.0):
+                        ids += [VIDEO if what == "video" else AUDIO] * m
+                        item += [vid if what == "video" else aud] * m
+                    ids += [AEND, VEND]
+                    item += [-1, -1]
+                elif kind == "audio":
+                    ids += [ASTART] + [AUDIO] * k + [AEND]
+                    item += [-1] + [aud] * k + [-1]
+                else:
+                    ids += [VSTART] + [IMAGE if kind == "image" else VIDEO] * n + [VEND]
+                    item += [-1] + [vid] * n + [-1]
+                tail = torch.randint(20, 500, (2,), generator=g).tolist()
+                ids, item = ids + tail, item + [-1] * 2
+            ids_rows.append(ids)
+            item_rows.append(item)
+            docs.append(items)
+        width = max(map(len, ids_rows))
+        pad = [width - len(r) for r in ids_rows]
+
+        def padded(rows: list[list[int]], value: int) -> torch.Tensor:
+            return torch.tensor([[value] * p + r if left else r + [value] * p for r, p in zip(rows, pad)])
+
+        self.input_ids, self.item_ids = padded(ids_rows, 0), padded(item_rows, -1)
+        self.attention_mask = padded([[1] * len(r) for r in ids_rows], 0)
+        self.plait_ids = torch.where(self.input_ids == VIDEO, IMAGE, self.input_ids)
+        self.rope = torch.zeros(3, *self.input_ids.shape, dtype=torch.long)
+        for r, items in enumerate(docs):
+            real = self.attention_mask[r] == 1
+            self.rope[:, r, real] = omni_positions(self.plait_ids[r][real], self.item_ids[r][real], items)
+        self.hf = dict(input_ids=self.input_ids, attention_mask=self.attention_mask,
+                       use_audio_in_video=clips_used)
+        if images:
+            self.hf |= dict(pixel_values=torch.cat([p for p, _ in images]),
+                            image_grid_thw=torch.tensor([g for _, g in images]))
+        if videos:
+            self.hf |= dict(pixel_values_videos=torch.cat([p for p, _ in videos]),
+                            video_grid_thw=torch.tensor([g for _, g in videos]),
+                            video_second_per_grid=torch.tensor(seconds))
+        self.modality_inputs: dict = {}
+        if vis_items:
+            self.modality_inputs["vision"] = {"pixel_values": [p for p, _ in vis_items],
+                                              "image_grid_thw": [torch.tensor(g) for _, g in vis_items]}
+        if audio_feats:
+            feats = torch.stack(audio_feats)
+            mask = (torch.arange(WINDOW)[None] < torch.tensor(audio_frames)[:, None]).long()
+            self.hf |= dict(input_features=feats, feature_attention_mask=mask)
+            self.modality_inputs["audio"] = {"input_features": feats, "num_samples": torch.tensor(audio_samples)}
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """1-D positions ``[B, N]`` (0 on padding)."""
+        return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def rows(layout: list[list[tuple[str, object]]], seed: int = 0, left: bool = False) -> Rows:
+    """:class:`Rows` of ``layout`` (see its docstring)."""
+    return Rows(layout, seed, left)
