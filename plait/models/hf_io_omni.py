@@ -7,8 +7,8 @@ The thinker is a plait composite with two branches (:mod:`plait.models.families.
 Neither tower has a projector after it (the vision merger and the audio ``proj`` map to the LLM width): as for
 Qwen2.5-VL (:mod:`plait.models.hf_io`), plait's ``"linear"`` projectors are the identity on import and folded into
 ``merger.mlp[-1]`` / ``proj`` on export, so a round trip moves the same tensors (bit-identical). The thinker config's
-``position_id_per_seconds`` travels on the vision tower's config (:meth:`Qwen25OmniVisionFamily.video_encoding`) and
-back. A full ``Qwen2_5OmniForConditionalGeneration`` checkpoint (thinker, talker, token2wav) gives its thinker:
+own fields (``position_id_per_seconds``, ``seconds_per_chunk``, the video and start/end token ids) travel on the vision
+tower's config (:meth:`Qwen25OmniVisionFamily.video_encoding` reads the first) and back. A full ``Qwen2_5OmniForConditionalGeneration`` checkpoint (thinker, talker, token2wav) gives its thinker:
 :func:`load_thinker`.
 """
 
@@ -72,7 +72,9 @@ def composite_from_thinker(hf: PreTrainedModel, hop_length: int = 160, sampling_
     llm.model, llm.lm_head = hf.model.language_model, hf.lm_head
     hidden = llm.get_input_embeddings().embedding_dim
     visual, audio = hf.model.visual, hf.model.audio_tower
-    visual.config.position_id_per_seconds = cfg.position_id_per_seconds
+    for field in _THINKER_FIELDS:  # the thinker's own ids and timing ride on the vision tower's config
+        if getattr(cfg, field, None) is not None:
+            setattr(visual.config, field, getattr(cfg, field))
     vision = ModalityEncoder(visual, identity_projector(int(visual.config.out_hidden_size), hidden,
                                                         next(visual.parameters()).dtype), "image")
     hearing = ModalityEncoder(audio, identity_projector(int(audio.config.output_dim), hidden,
