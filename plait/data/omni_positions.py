@@ -26,7 +26,7 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 
 from plait.data.mrope import _merge_size
 
-__all__ = ["OmniItem", "omni_positions", "clip_chunks", "audio_frames_for"]
+__all__ = ["OmniItem", "omni_positions", "clip_chunks", "clip_runs", "audio_frames_for", "omni_items"]
 
 _TEXT, _IMAGE, _VIDEO, _AUDIO, _VSTART, _ASTART = 0, 1, 2, 3, 4, 5  # the stand-in's role ids
 
@@ -75,6 +75,38 @@ def clip_chunks(grid: Sequence[int], merge: int, second_per_grid_t: float, audio
             if j < len(chunks) and chunks[j][1] > chunks[j][0]:
                 out.append((kind, int(chunks[j][1] - chunks[j][0])))
     return out
+
+
+def clip_runs(video: dict, video_tokens: int, audio_tokens: int) -> list[tuple[str, int]]:
+    """:func:`clip_chunks` of a clip's processed video item (``image_grid_thw``, ``second_per_grid_t``,
+    ``tokens_per_second``, ``seconds_per_chunk``) of ``video_tokens`` tokens and its audio track's ``audio_tokens``.
+
+    Raises:
+        ValueError: as :func:`omni_positions` for a grid that is not ``video_tokens`` merged blocks."""
+    grid = [int(g) for g in torch.as_tensor(video["image_grid_thw"]).reshape(-1)]
+    merge = _merge_size(grid, int(video_tokens), 0)
+    return clip_chunks(grid, merge, float(video["second_per_grid_t"]), int(audio_tokens),
+                       float(video["tokens_per_second"]), float(video["seconds_per_chunk"]))
+
+
+def omni_items(items: Sequence[dict]) -> tuple[list[OmniItem], float] | None:
+    """The :class:`OmniItem` of each processed item of a document (in item order: a clip's video item marked
+    ``audio_track``, its audio item right after it) and the clips' ``seconds_per_chunk``; None when the document has
+    no clip (:func:`plait.data.mrope.mrope_positions` gives the same positions then)."""
+    if not any(it.get("audio_track") for it in items):
+        return None
+    out, chunk = [], 2.0
+    for i, it in enumerate(items):
+        grid = it.get("image_grid_thw")
+        if grid is None:
+            out.append(OmniItem("audio"))
+            continue
+        g = tuple(int(v) for v in torch.as_tensor(grid).reshape(-1))
+        timed = "second_per_grid_t" in it
+        chunk = float(it.get("seconds_per_chunk", chunk))
+        out.append(OmniItem("video" if timed else "image", g, float(it.get("second_per_grid_t", 0.0)),
+                            float(it.get("tokens_per_second", 25.0)), i + 1 if it.get("audio_track") else -1))
+    return out, chunk
 
 
 def omni_positions(input_ids: torch.Tensor, item_ids: torch.Tensor, items: Sequence[OmniItem],

@@ -117,6 +117,10 @@ HF_FORMATS = {
                        "image_token_id", ("siglip_vision_model",)),
     "qwen3_vl": HfFormat("qwen3_vl", "qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", "image",
                          "vision", "visual", "linear", (), "image_token_id", ("qwen3_vl_vision",)),
+    # two branches (vision and audio): mapped by plait.models.hf_io_omni, this entry names the format
+    "qwen2_5_omni": HfFormat("qwen2_5_omni", "qwen2_5_omni_thinker", "Qwen2_5OmniThinkerForConditionalGeneration",
+                             "Qwen2_5OmniProcessor", "image", "vision", "visual", "linear", (), "image_token_id",
+                             ("qwen2_5_omni_vision_encoder",)),
 }
 """The supported classes by ``--format`` name."""
 
@@ -142,6 +146,7 @@ def hf_format_of(config: PretrainedConfig, where: str) -> HfFormat:
         ValueError: for a refused family (with what plait lacks) or any other ``model_type`` (naming the supported).
     """
     model_type = getattr(config, "model_type", "")
+    model_type = "qwen2_5_omni_thinker" if model_type == "qwen2_5_omni" else model_type  # a full Omni: its thinker
     if model_type in _REFUSED:
         raise ValueError(f"{where}: cannot import a {model_type} checkpoint: {_REFUSED[model_type]}")
     for fmt in HF_FORMATS.values():

@@ -15,7 +15,9 @@ tower's config (:meth:`Qwen25OmniVisionFamily.video_encoding` reads the first) a
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -24,12 +26,12 @@ from transformers import PreTrainedModel
 from plait.models.encoder import ModalityEncoder
 from plait.models.families.qwen2_5_omni import Qwen25OmniTextForCausalLM
 from plait.models.hf import llm_layout
-from plait.models.hf_io import fold_into_linear, identity_projector
+from plait.models.hf_io import export_chat_template, fold_into_linear, identity_projector
 from plait.models.lora import has_lora
 from plait.models.multimodal import MultimodalModel
 
 __all__ = ["THINKER_CLASS", "OMNI_TOKENS", "composite_from_thinker", "thinker_from_composite", "load_thinker",
-           "check_thinker_exportable"]
+           "check_thinker_exportable", "save_thinker_processor"]
 
 THINKER_CLASS = "Qwen2_5OmniThinkerForConditionalGeneration"
 OMNI_TOKENS = {"video_token_index": "<|VIDEO|>", "vision_start_token_id": "<|vision_bos|>",
@@ -151,3 +153,20 @@ def thinker_from_composite(model: MultimodalModel, token_ids: dict[str, int] | N
         raise ValueError(f"the composite does not fit {THINKER_CLASS}: tensors differ in name or shape ({diff})")
     hf.generation_config = copy.deepcopy(llm.generation_config)
     return hf
+
+
+def save_thinker_processor(model: MultimodalModel, tokenizer: Any, image_processor: Any, feature_extractor: Any,
+                           folder: Path) -> None:
+    """Write the files ``Qwen2_5OmniProcessor`` loads from (it cannot be built without torchvision, for its video
+    processor): one ``preprocessor_config.json`` holding the image processor's and the feature extractor's settings
+    (as the published thinker's), the tokenizer with its chat template (without plait's string-content prelude) and
+    ``processor_config.json`` naming the class."""
+    vision = next(n for n, b in model.encoders.items() if b.modality == "image")
+    template = export_chat_template(tokenizer, tokenizer.convert_ids_to_tokens(model.placeholder_ids[vision]))
+    merged = {**json.loads(feature_extractor.to_json_string()), **json.loads(image_processor.to_json_string())}
+    (Path(folder) / "preprocessor_config.json").write_text(json.dumps(merged, indent=2))
+    tokenizer.save_pretrained(folder)
+    if template:
+        (Path(folder) / "chat_template.jinja").write_text(template)
+    (Path(folder) / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5OmniProcessor"},
+                                                                   indent=2))

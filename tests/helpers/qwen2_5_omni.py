@@ -160,3 +160,92 @@ class Rows:
 def rows(layout: list[list[tuple[str, object]]], seed: int = 0, left: bool = False) -> Rows:
     """:class:`Rows` of ``layout`` (see its docstring)."""
     return Rows(layout, seed, left)
+
+
+OMNI_TOKENS = ["<|IMAGE|>", "<|VIDEO|>", "<|AUDIO|>", "<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>",
+               "<|audio_eos|>"]
+
+
+def omni_tokenizer():
+    """The demo tokenizer (ChatML) with the thinker's placeholder and start/end tokens added."""
+    from transformers import AutoTokenizer
+
+    from tests.helpers.jobs import DEMO
+
+    tok = AutoTokenizer.from_pretrained(str(DEMO / "tokenizer"))
+    tok.add_special_tokens({"additional_special_tokens": OMNI_TOKENS}, replace_extra_special_tokens=False)
+    return tok
+
+
+def tokenizer_thinker(tok, seed: int = 0) -> T.Qwen2_5OmniThinkerForConditionalGeneration:
+    """:func:`tiny_thinker` whose token ids are ``tok``'s (:data:`OMNI_TOKENS`), eos and pad the tokenizer's."""
+    image, video, audio, vbos, veos, abos, aeos = tok.convert_tokens_to_ids(OMNI_TOKENS)
+    cfg = thinker_config()
+    cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id = image, video, audio
+    cfg.vision_start_token_id, cfg.vision_end_token_id = vbos, veos
+    cfg.audio_start_token_id, cfg.audio_end_token_id = abos, aeos
+    cfg.text_config.eos_token_id, cfg.text_config.pad_token_id = tok.eos_token_id, tok.pad_token_id
+    torch.manual_seed(seed)
+    model = T.Qwen2_5OmniThinkerForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model.eval()
+
+
+def omni_media_processors():
+    """The tiny towers' processors: ``Qwen2VLImageProcessorPil`` (4-pixel patches, merge 2) and a 16-bin
+    ``WhisperFeatureExtractor`` (30-s windows, 16 kHz)."""
+    image = T.Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=64,
+                                       max_pixels=32 * 32)
+    return image, T.WhisperFeatureExtractor(feature_size=MEL, sampling_rate=RATE, hop_length=HOP)
+
+
+def write_clip(path, frames: int, rate: int = 2, audio_s: float | None = None, width: int = 16,
+               height: int = 16):
+    """A Matroska video of ``frames`` frames (FFV1) at ``rate`` frames per second with a mono 16-kHz PCM audio track
+    of ``audio_s`` seconds (a 440-Hz tone; None: no audio track)."""
+    import av
+    import numpy as np
+
+    from tests.media import frame_array
+
+    with av.open(str(path), "w", format="matroska") as container:
+        video = container.add_stream("ffv1", rate=rate)
+        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
+        sound = None
+        if audio_s is not None:
+            sound = container.add_stream("pcm_s16le", rate=RATE)
+            sound.layout = "mono"
+        for i in range(frames):
+            container.mux(video.encode(av.VideoFrame.from_ndarray(frame_array(i, width, height), format="rgb24")))
+        container.mux(video.encode())
+        if sound is not None:
+            n = int(audio_s * RATE)
+            wave = (np.sin(np.arange(n) * 2 * np.pi * 440 / RATE) * 12000).astype(np.int16)
+            for start in range(0, n, 1600):
+                block = av.AudioFrame.from_ndarray(wave[None, start:start + 1600], format="s16", layout="mono")
+                block.sample_rate = RATE
+                container.mux(sound.encode(block))
+            container.mux(sound.encode())
+    return path
+
+
+def save_thinker(folder, seed: int = 0):
+    """:func:`tokenizer_thinker` saved as a Hugging Face thinker folder with the files of its processor (one
+    ``preprocessor_config.json`` of the image processor and feature extractor, the tokenizer, its chat template,
+    ``processor_config.json`` naming ``Qwen2_5OmniProcessor``), as the published thinker ships them."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    tok = omni_tokenizer()
+    tokenizer_thinker(tok, seed).save_pretrained(folder)
+    image, audio = omni_media_processors()
+    merged = {**json.loads(audio.to_json_string()), **json.loads(image.to_json_string())}
+    (folder / "preprocessor_config.json").write_text(json.dumps(merged))
+    tok.save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text(tok.chat_template)
+    (folder / "processor_config.json").write_text('{"processor_class": "Qwen2_5OmniProcessor"}')
+    return folder

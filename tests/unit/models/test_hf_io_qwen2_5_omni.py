@@ -78,3 +78,30 @@ def test_a_composite_the_thinker_cannot_hold_is_refused():
         with tempfile.TemporaryDirectory() as folder:
             cfg.save_pretrained(folder)
             load_thinker(folder)
+
+
+def test_plait_import_then_export_of_a_thinker_folder(tmp_path):
+    """``plait import`` of a thinker folder writes both branches, their processors and a job; ``plait export
+    --format qwen2_5_omni`` gives every tensor back bit-identically with a processor folder transformers reads."""
+    from safetensors.torch import load_file
+
+    from plait.commands.export_hf import export_checkpoint
+    from plait.commands.import_hf import import_checkpoint
+    from plait.config.loader import load_config
+    from tests.helpers.qwen2_5_omni import save_thinker
+
+    src = save_thinker(tmp_path / "src")
+    model_dir, job = import_checkpoint(src, tmp_path / "imported")
+    assert (model_dir / "processors" / "vision").is_dir() and (model_dir / "processors" / "audio").is_dir()
+    cfg = load_config(job)
+    assert cfg.model.encoders["vision"].video.placeholder == "<|VIDEO|>" and cfg.model.encoders["audio"].freeze
+    out = export_checkpoint(model_dir, "qwen2_5_omni", tmp_path / "exported")
+    left, right = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(left) == sorted(right) and all(torch.equal(left[k], right[k]) for k in left)
+    back = load_thinker(out)
+    for field in ("image_token_id", "video_token_id", "audio_token_id", "vision_start_token_id",
+                  "audio_start_token_id", "position_id_per_seconds", "seconds_per_chunk"):
+        assert getattr(back.config, field) == getattr(load_thinker(src).config, field), field
+    assert T.AutoImageProcessor.from_pretrained(str(out)).patch_size == 4
+    assert T.AutoFeatureExtractor.from_pretrained(str(out)).feature_size == 16
+    assert "<|im_start|>" in (out / "chat_template.jinja").read_text()

@@ -1,0 +1,91 @@
+"""A record with a video and its audio track (``[model.encoders.vision.video] audio = true``, the Qwen2.5-Omni
+thinker's ``use_audio_in_video``): the processor decodes the track, lays the clip's video and audio tokens out by
+2-s chunks, the collator positions them as the thinker does, the metadata pass counts the same, and the composite's
+logits on the collated batch equal the thinker's on transformers' inputs for the same clip; a video without its
+audio track is refused naming the record and the field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.data.collate import collate
+from plait.data.metadata import record_metadata
+from plait.data.processing import ModalitySpec, MultimodalProcessor
+from plait.data.sources import RawSample, SampleError
+from plait.data.video import VideoSpec
+from plait.models.hf_io_omni import composite_from_thinker
+from tests.helpers.qwen2_5_omni import (OMNI_TOKENS, omni_media_processors, omni_tokenizer, tokenizer_thinker,
+                                        write_clip)
+
+FIELD = "model.encoders.vision.video"
+CLIP = "<|vision_bos|><|audio_bos|><|VIDEO|><|audio_eos|><|vision_eos|>"
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = omni_tokenizer()
+    hf = tokenizer_thinker(tok)
+    model = composite_from_thinker(tokenizer_thinker(tok)).eval()
+    image_proc, audio_proc = omni_media_processors()
+    vision, audio = model.encoders["vision"], model.encoders["audio"]
+    ids = dict(zip(OMNI_TOKENS, tok.convert_tokens_to_ids(OMNI_TOKENS)))
+    video = VideoSpec("<|VIDEO|>", ids["<|VIDEO|>"], 2.0, 32, FIELD, vision.video_encoding, audio=True)
+    specs = [ModalitySpec("vision", "image", "<|IMAGE|>", ids["<|IMAGE|>"], image_proc, vision.feature_count,
+                          vision.check_item, video),
+             ModalitySpec("audio", "audio", "<|AUDIO|>", ids["<|AUDIO|>"], audio_proc, audio.feature_count,
+                          audio.check_item)]
+    return tok, hf, model, MultimodalProcessor(tok, specs, 4096), ids
+
+
+def _record(video: str, rid: str = "clip-1") -> RawSample:
+    messages = ({"role": "user", "content": f"{CLIP}What do you hear?"}, {"role": "assistant", "content": "A tone."})
+    return RawSample(rid, "t", messages, {"video": (video,)}, "clips.jsonl:1")
+
+
+def _hf_inputs(batch, ids: dict, clip_tokens: torch.Tensor) -> dict:
+    """transformers' inputs of the collated clip: its video tokens as ``<|VIDEO|>``, ``pixel_values_videos``, the
+    grid, ``video_second_per_grid`` (2 frames / 2 fps), the audio window with its mask, ``use_audio_in_video``."""
+    vision, audio = batch.modality_inputs["vision"], batch.modality_inputs["audio"]
+    input_ids = torch.where(clip_tokens, ids["<|VIDEO|>"], batch.input_ids)
+    frames = -(-audio["num_samples"] // 160)
+    mask = (torch.arange(audio["input_features"].shape[-1])[None] < frames[:, None]).long()
+    return dict(input_ids=input_ids, attention_mask=batch.attention_mask, pixel_values_videos=vision["pixel_values"][0],
+                video_grid_thw=vision["image_grid_thw"][0][None], video_second_per_grid=torch.tensor([1.0]),
+                input_features=audio["input_features"], feature_attention_mask=mask, use_audio_in_video=True)
+
+
+def test_a_clip_is_processed_positioned_and_computed_as_the_thinker_does(setup, tmp_path):
+    tok, hf, model, processor, ids = setup
+    clip = write_clip(tmp_path / "clip.mkv", 8, rate=2, audio_s=4.0)  # 4 s: 4 temporal patches, 100 audio tokens
+    sample = processor(_record(str(clip)), prompt_only=True)
+    assert [n for _, n in sample.meta.items] == [16, 100] and [b for b, _ in sample.meta.items] == ["vision", "audio"]
+    runs = [(int(t), len(list(g))) for t, g in __import__("itertools").groupby(sample.item_ids.tolist()) if t >= 0]
+    assert runs == [(0, 8), (1, 50), (0, 8), (1, 50)]  # 2-s chunks: video then audio
+    assert record_metadata(processor, _record(str(clip)), prompt_only=True) == sample.meta
+    batch = collate([sample], processor.pad_id)
+    inputs = _hf_inputs(batch, ids, batch.item_ids == 0)
+    want, _ = hf.model.get_rope_index(inputs["input_ids"], None, inputs["video_grid_thw"], inputs["attention_mask"],
+                                      True, inputs["feature_attention_mask"].sum(-1), inputs["video_second_per_grid"])
+    assert torch.equal(batch.rope_position_ids, want)
+    with torch.no_grad():
+        stock = hf(**inputs).logits
+        mine = model(batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids,
+                     rope_position_ids=batch.rope_position_ids)
+    torch.testing.assert_close(mine, stock, rtol=1e-5, atol=1e-5)
+
+
+def test_a_video_without_its_audio_track_is_refused_naming_record_and_field(setup, tmp_path):
+    _, _, _, processor, _ = setup
+    silent = str(write_clip(tmp_path / "silent.mkv", 4, rate=2))
+    message = rf"record 'clip-9' \(clips.jsonl:1\): video {silent} has no audio track, but {FIELD}.audio = true"
+    with pytest.raises(SampleError, match=message):
+        processor(_record(silent, "clip-9"))
+    with pytest.raises(SampleError, match=message):
+        record_metadata(processor, _record(silent, "clip-9"))
+
+
+def test_a_job_asking_for_audio_tracks_needs_an_audio_branch(setup):
+    tok, _, _, processor, _ = setup
+    with pytest.raises(ValueError, match=f"{FIELD}.audio = true but the model has no audio encoder"):
+        MultimodalProcessor(tok, [processor.specs["image"]], 512)
