@@ -249,3 +249,47 @@ def save_thinker(folder, seed: int = 0):
     (folder / "chat_template.jinja").write_text(tok.chat_template)
     (folder / "processor_config.json").write_text('{"processor_class": "Qwen2_5OmniProcessor"}')
     return folder
+
+
+OMNI_LLM = dict(model_type="qwen2_5_omni_text", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+"""The thinker's text model at the tiny LLM's sizes (M-RoPE sections of the 8-wide heads)."""
+CLIP_TEXT = "<|vision_bos|><|audio_bos|><|VIDEO|><|audio_eos|><|vision_eos|>"
+
+
+def omni_job(tmp_path, run: str) -> dict:
+    """A 2-step job (run folder ``<tmp_path>/<run>``) of the thinker's composition built from config tables (Omni
+    vision tower, Omni audio tower with a 4-s window, the thinker's text model) on two clips (a video with its audio
+    track: 4 s of video at 2 frames per second, 3 s and 4 s of audio), an image record and a text record; videos take
+    their audio tracks (``video.audio = true``)."""
+    from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
+
+    folder = tmp_path / "tokenizer"
+    if not folder.is_dir():
+        omni_tokenizer().save_pretrained(folder)
+    clips = [write_clip(tmp_path / f"clip{i}.mkv", 8, rate=2, audio_s=s) for i, s in enumerate((3.0, 4.0))]
+    records = [{"id": f"clip-{i}", "task": "clip", "videos": [str(c)],
+                "messages": [{"role": "user", "content": f"{CLIP_TEXT}What is heard?"},
+                             {"role": "assistant", "content": "a tone" if i else "a beep"}]}
+               for i, c in enumerate(clips)]
+    image = demo_records("train", ("image_digit",), limit=1)[0]
+    image["messages"][0]["content"] = image["messages"][0]["content"].replace(
+        "<image>", "<|vision_bos|><|IMAGE|><|vision_eos|>")
+    records = [records[0], image, records[1]] + demo_records("train", ("text",), limit=1)
+    data = write_jsonl(tmp_path / "train.jsonl", records)
+    job = tiny_config_dict(str(data), None, str(tmp_path / run), data={"shuffle": False, "tokenizer": str(folder)},
+                           train={"steps": 2, "global_batch_size": 4, "microbatch_size": 2, "threads": 1},
+                           attention={"block_size": 16}, parallel={"timeout_s": 60})
+    job["model"]["llm"]["config"] = dict(OMNI_LLM)
+    vision = dict(model_type="qwen2_5_omni_vision_encoder", **VISION, )
+    vision["out_hidden_size"] = 32
+    audio = dict(model_type="qwen2_5_omni_audio_encoder", **AUDIO_TOWER, max_source_positions=200)
+    audio["output_dim"] = 32
+    job["model"]["encoders"] = {
+        "vision": {"modality": "image", "config": vision, "projector": "linear", "placeholder": "<|IMAGE|>",
+                   "processor": {"min_pixels": 64, "max_pixels": 32 * 32},
+                   "video": {"placeholder": "<|VIDEO|>", "fps": 2.0, "audio": True}},
+        "audio": {"modality": "audio", "config": audio, "projector": "linear", "placeholder": "<|AUDIO|>"},
+    }
+    return job

@@ -192,7 +192,8 @@ class Qwen25OmniAudioFamily(AudioFamily):
 
     def dummy_input(self, config: Any, dtype: torch.dtype, device: torch.device | str | None) -> dict[str, Any]:
         """One clip of one chunk (``2 n_window`` frames); on the meta device the tower's index tensors are passed
-        precomputed (built on the CPU: its forward reads their values)."""
+        precomputed (built on the CPU: its forward reads their values; ``cu_seqlens`` stays there, its layers read
+        it)."""
         frames = 2 * int(config.n_window)
         feats = torch.zeros(int(config.num_mel_bins), frames, dtype=dtype, device=device)
         with torch.device("cpu"):
@@ -203,7 +204,7 @@ class Qwen25OmniAudioFamily(AudioFamily):
             chunks = lens.clone()
             pre = {"chunk_lengths": chunks, "valid_indices": get_valid_indices(chunks),
                    "pool_indices": get_pool_indices(lens), "cu_seqlens": get_audio_cu_seqlens(chunks)}
-        pre = {k: v.to(device) for k, v in pre.items()}
+        pre = {k: v if k == "cu_seqlens" else v.to(device) for k, v in pre.items()}  # the layers read cu_seqlens
         pre["padded_feature"] = feats[None]
         return {"input_features": feats, "feature_lens": lens, **pre}
 
