@@ -8,8 +8,8 @@ Neither tower has a projector after it (the vision merger and the audio ``proj``
 Qwen2.5-VL (:mod:`plait.models.hf_io`), plait's ``"linear"`` projectors are the identity on import and folded into
 ``merger.mlp[-1]`` / ``proj`` on export, so a round trip moves the same tensors (bit-identical). The thinker config's
 own fields (``position_id_per_seconds``, ``seconds_per_chunk``, the video and start/end token ids) travel on the vision
-tower's config (:meth:`Qwen25OmniVisionFamily.video_encoding` reads the first) and back. A full ``Qwen2_5OmniForConditionalGeneration`` checkpoint (thinker, talker, token2wav) gives its thinker:
-:func:`load_thinker`.
+tower's config (:meth:`Qwen25OmniVisionFamily.video_encoding` reads the first) and back. A full
+``Qwen2_5OmniForConditionalGeneration`` checkpoint (thinker, talker, token2wav) gives its thinker: :func:`load_thinker`.
 """
 
 from __future__ import annotations
