@@ -258,7 +258,7 @@ def job_toml(fmt: HfFormat, src: Path, model_dir: Path, model: MultimodalModel, 
     limit = int(getattr(model.language_model.config, "max_position_embeddings", 2048) or 2048)
     token = model.placeholder_ids[fmt.branch]
     val_line = f'val = "{Path(val).resolve()}"\n' if val else ""
-    projector_line = ("freeze_projector = true  # the identity after Qwen2.5-VL's merger, its projector (false: train "
+    projector_line = ("freeze_projector = true  # the identity after the tower's merger, its projector (false: train "
                       "it too; export folds it into the merger)\n" if not fmt.projector_keys else "")
     run_dir = (model_dir.parent / "runs" / "finetune").resolve()
     attention = ('\n[attention]\nmask = "bidirectional_items"  # Gemma 3: the tokens of one image see each other both '

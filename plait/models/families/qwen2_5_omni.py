@@ -209,11 +209,12 @@ class Qwen25OmniAudioFamily(AudioFamily):
         return {"input_features": feats, "feature_lens": lens, **pre}
 
     def arch_fields(self, config: Any) -> dict[str, Any]:
-        """Whisper's facts with the stride-2 output pool and sinusoidal positions (no table); an item is one
-        ``2 n_window``-frame chunk's ``n_window`` positions. ``proj`` (``d_model x output_dim``) is not costed."""
+        """Whisper's facts with the stride-2 output pool and sinusoidal positions (no table); an item is the 30-s
+        window's ``max_source_positions`` positions, every layer attending inside chunks of ``n_window`` positions
+        (``2 n_window`` mel frames). ``proj`` (``d_model x output_dim``) is not costed."""
         fields = super().arch_fields(config)
-        fields["item_len"] = positive_field(config, "n_window")
         fields["positions"] = 0
+        fields["window"] = positive_field(config, "n_window")
         return fields
 
 

@@ -105,3 +105,20 @@ def test_plait_import_then_export_of_a_thinker_folder(tmp_path):
     assert T.AutoImageProcessor.from_pretrained(str(out)).patch_size == 4
     assert T.AutoFeatureExtractor.from_pretrained(str(out)).feature_size == 16
     assert "<|im_start|>" in (out / "chat_template.jinja").read_text()
+
+
+def test_a_full_omni_checkpoint_gives_its_thinker(tmp_path):
+    """A ``Qwen2_5OmniForConditionalGeneration`` folder (here without its talker) is read as its thinker: the
+    ``thinker.*`` tensors and the thinker config."""
+    from tests.helpers.qwen2_5_omni import thinker_config
+
+    thinker = tiny_thinker(seed=2)
+    full = T.Qwen2_5OmniForConditionalGeneration(T.Qwen2_5OmniConfig(thinker_config=thinker_config().to_dict(),
+                                                                      enable_audio_output=False))
+    full.thinker.load_state_dict(thinker.state_dict())
+    full.save_pretrained(tmp_path / "omni")
+    loaded = load_thinker(tmp_path / "omni")
+    want = thinker.state_dict()
+    assert sorted(loaded.state_dict()) == sorted(want)
+    assert all(torch.equal(v, want[k]) for k, v in loaded.state_dict().items())
+    assert loaded.config.vision_start_token_id == VSTART and loaded.config.audio_start_token_id == ASTART
