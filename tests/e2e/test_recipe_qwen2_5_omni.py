@@ -1,7 +1,8 @@
 """The Qwen2.5-Omni recipes (configs/recipes/qwen2_5_omni.toml: LoRA; qwen2_5_omni_full.toml: the whole LLM) train two
 steps from a tiny imported thinker on clips (a video with its audio track) and an image record: LoRA changes only its
 adapters, the full recipe the LLM's weights, both towers stay as imported; the LoRA run exports as a thinker that
-transformers loads and that answers the clip as plait's model does."""
+transformers loads and that answers the clip as plait's model does; a prompt without placeholders gets the clip
+wrapped as the records write it."""
 
 from __future__ import annotations
 
@@ -87,3 +88,11 @@ def test_omni_recipes_train_from_an_import_and_export(tmp_path):
     with torch.no_grad():
         theirs = hf.generate(**inputs, max_new_tokens=4, do_sample=False, eos_token_id=gen.stop_ids, pad_token_id=0)
     assert theirs[0, batch.input_ids.shape[1]:].tolist() == mine and len(mine) >= 1
+    # plait generate --video clip --prompt text: the clip wrapped as the records write it, its audio track in
+    from plait.commands.generate import prompt_sample
+
+    auto = gen.processor(prompt_sample(gen, "What is heard?", videos=record["videos"]), prompt_only=True)
+    written = RawSample("w", "t", ({"role": "user", "content": f"{CLIP_TEXT}\nWhat is heard?"},
+                                   {"role": "assistant", "content": ""}), {"video": tuple(record["videos"])}, "-")
+    assert torch.equal(auto.input_ids, gen.processor(written, prompt_only=True).input_ids)
+    assert [b for b, _ in auto.meta.items] == ["vision", "audio"]
