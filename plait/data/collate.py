@@ -34,8 +34,8 @@ class Batch:
             None (an item with ``second_per_grid_t`` and ``tokens_per_second``, a Qwen2.5-VL video, is positioned as
             transformers positions a video); 0 on padding, per document in packed rows. An LLM that rotates with
             M-RoPE takes these instead of ``position_ids`` (which stay the positions inside the document, for the
-            attention mask); every other LLM ignores them. A document with a video and its audio track (a clip,
-            ``VideoSpec.audio``) is positioned as the Qwen2.5-Omni thinker positions it
+            attention mask); every other LLM ignores them. A document with a Qwen2.5-Omni thinker's video (with its
+            audio track or not, ``VideoSpec.audio``) is positioned as the thinker positions it
             (:mod:`plait.data.omni_positions`).
     """
 
@@ -127,7 +127,7 @@ def _rope_rows(samples: Sequence[ProcessedSample]) -> list[torch.Tensor] | None:
             grids.append(None if grid is None else [int(g) for g in torch.as_tensor(grid).reshape(-1)])
             video = "second_per_grid_t" in item  # a Qwen2.5-VL video with its timing: positioned as a video
             timing.append((item["second_per_grid_t"], item["tokens_per_second"]) if video else None)
-        clips = omni_items(in_order)  # a video with its audio track: the Qwen2.5-Omni thinker's positions
+        clips = omni_items(in_order)  # a Qwen2.5-Omni thinker's video (with its audio track or not): its positions
         try:
             rows.append(mrope_positions(s.input_ids, s.item_ids, grids, timing) if clips is None else
                         omni_positions(s.input_ids, s.item_ids, clips[0], clips[1]))

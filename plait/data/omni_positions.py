@@ -91,9 +91,11 @@ def clip_runs(video: dict, video_tokens: int, audio_tokens: int) -> list[tuple[s
 
 def omni_items(items: Sequence[dict]) -> tuple[list[OmniItem], float] | None:
     """The :class:`OmniItem` of each processed item of a document (in item order: a clip's video item marked
-    ``audio_track``, its audio item right after it) and the clips' ``seconds_per_chunk``; None when the document has
-    no clip (:func:`plait.data.mrope.mrope_positions` gives the same positions then)."""
-    if not any(it.get("audio_track") for it in items):
+    ``audio_track``, its audio item right after it) and the videos' ``seconds_per_chunk``; None when no item is a
+    thinker's video (one whose timing has ``seconds_per_chunk``): images and audio clips are positioned alike by
+    :func:`plait.data.mrope.mrope_positions`, videos are not (the thinker's text after a video continues past its
+    largest position on all three streams)."""
+    if not any("seconds_per_chunk" in it for it in items):
         return None
     out, chunk = [], 2.0
     for i, it in enumerate(items):

@@ -447,14 +447,14 @@ class MultimodalProcessor:
             SampleError: for a video of several items (per-frame images: the clip needs one video item with its
                 timing), or as :func:`plait.data.video.load_audio_track`.
         """
-        if len(video) != 1 or "second_per_grid_t" not in video[0][0]:
+        if len(video) != 1 or "seconds_per_chunk" not in video[0][0]:
             raise SampleError(f"video {path}: {spec.video.field}.audio = true needs a tower that encodes a video as "
                               "one timed item of temporal patches (Qwen2.5-Omni's)")
         audio_spec = self.specs["audio"]
         data = load_audio_track(path, int(audio_spec.hf_processor.sampling_rate), spec.video.field)
         audio = self._audio_item(audio_spec, data, path)
         (item, n_video), = video
-        item = {**item, "audio_track": True, "seconds_per_chunk": float(spec.video.seconds_per_chunk)}
+        item = {**item, "audio_track": True}
         return Clip((item, n_video), audio, clip_runs(item, n_video, audio[1]))
 
     @staticmethod

@@ -86,8 +86,7 @@ class VideoSpec:
         field: the config table of these settings, for error messages (``"model.encoders.vision.video"``).
         encoding: the branch's :class:`VideoEncoding` (``plait.data.processing.PerFrame``: an item per frame).
         audio: the video's audio track goes in with its frames to the audio branch (:func:`load_audio_track`; the
-            clip's tokens interleave by ``seconds_per_chunk``, :mod:`plait.data.omni_positions`).
-        seconds_per_chunk: seconds of a clip per interleaved video/audio chunk (the Qwen2.5-Omni thinker's 2).
+            clip's tokens interleave by the encoding's ``seconds_per_chunk``, :mod:`plait.data.omni_positions`).
 
     Raises:
         ValueError: for a negative ``fps`` or ``max_frames`` below 1 (naming the field).
@@ -100,7 +99,6 @@ class VideoSpec:
     field: str
     encoding: VideoEncoding
     audio: bool = False
-    seconds_per_chunk: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.fps >= 0:

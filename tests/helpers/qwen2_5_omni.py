@@ -29,18 +29,18 @@ AUDIO_TOWER = dict(num_mel_bins=MEL, encoder_layers=2, encoder_attention_heads=2
                    n_window=8, output_dim=48)
 
 
-def thinker_config() -> T.Qwen2_5OmniThinkerConfig:
-    """The tiny ``Qwen2_5OmniThinkerConfig``."""
-    return T.Qwen2_5OmniThinkerConfig(text_config=dict(TEXT), vision_config=dict(VISION),
+def thinker_config(tied: bool = False) -> T.Qwen2_5OmniThinkerConfig:
+    """The tiny ``Qwen2_5OmniThinkerConfig`` (``tied``: ``lm_head`` shares the input embeddings)."""
+    return T.Qwen2_5OmniThinkerConfig(text_config=dict(TEXT), vision_config=dict(VISION), tie_word_embeddings=tied,
                                       audio_config=dict(AUDIO_TOWER), image_token_index=IMAGE,
                                       video_token_index=VIDEO, audio_token_index=AUDIO, vision_start_token_id=VSTART,
                                       vision_end_token_id=VEND, audio_start_token_id=ASTART, audio_end_token_id=AEND)
 
 
-def tiny_thinker(seed: int = 0) -> T.Qwen2_5OmniThinkerForConditionalGeneration:
+def tiny_thinker(seed: int = 0, tied: bool = False) -> T.Qwen2_5OmniThinkerForConditionalGeneration:
     """The tiny thinker in eval mode, every parameter random (norms and mergers not left at their init)."""
     torch.manual_seed(seed)
-    model = T.Qwen2_5OmniThinkerForConditionalGeneration(thinker_config())
+    model = T.Qwen2_5OmniThinkerForConditionalGeneration(thinker_config(tied))
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
@@ -63,7 +63,8 @@ class Rows:
         input_ids: ``[B, N]`` transformers' ids (video tokens ``<|VIDEO|>``); attention_mask ``[B, N]``.
         plait_ids: the rows with video tokens as the vision branch's placeholder (``<|IMAGE|>``).
         hf: transformers' keyword arguments; modality_inputs: plait's.
-        rope: plait's positions ``[3, B, N]`` (0 on padding); item_ids ``[B, N]`` (-1 on text).
+        rope: plait's positions ``[3, B, N]`` (0 on padding); item_ids ``[B, N]`` (-1 on text; items counted per row).
+        docs: per row, its items (:class:`plait.data.omni_positions.OmniItem`).
     """
 
     def __init__(self, layout: list[list[tuple[str, object]]], seed: int, left: bool) -> None:
@@ -125,6 +126,7 @@ class Rows:
         def padded(rows: list[list[int]], value: int) -> torch.Tensor:
             return torch.tensor([[value] * p + r if left else r + [value] * p for r, p in zip(rows, pad)])
 
+        self.docs = docs
         self.input_ids, self.item_ids = padded(ids_rows, 0), padded(item_rows, -1)
         self.attention_mask = padded([[1] * len(r) for r in ids_rows], 0)
         self.plait_ids = torch.where(self.input_ids == VIDEO, IMAGE, self.input_ids)

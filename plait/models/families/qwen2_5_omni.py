@@ -28,6 +28,7 @@ and video of one clip time-aligned, ``use_audio_in_video``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ from plait.models.families.base import AudioFamily, EncoderLayout, positive_fiel
 from plait.models.families.qwen2_5_vl import Qwen25VLFamily, TemporalPatches
 from plait.models.families.qwen2_audio import Qwen2AudioFeatureCount
 
-__all__ = ["VISION", "AUDIO", "POSITION_ID_PER_SECONDS", "SECONDS_PER_CHUNK", "OmniAudioCall",
+__all__ = ["VISION", "AUDIO", "POSITION_ID_PER_SECONDS", "SECONDS_PER_CHUNK", "OmniAudioCall", "OmniTemporalPatches",
            "Qwen25OmniTextForCausalLM", "omni_audio_inputs"]
 
 POSITION_ID_PER_SECONDS = 25
@@ -74,6 +75,28 @@ class Qwen25OmniTextForCausalLM(Qwen2ForCausalLM):
 transformers.AutoModelForCausalLM.register(Qwen2_5OmniTextConfig, Qwen25OmniTextForCausalLM, exist_ok=True)
 
 
+@dataclass(frozen=True)
+class OmniTemporalPatches(TemporalPatches):
+    """Qwen2.5-VL's temporal patches (:class:`~plait.models.families.qwen2_5_vl.TemporalPatches`) whose timing also
+    carries the thinker's ``seconds_per_chunk``: the collator then positions the document by the thinker's
+    ``get_rope_index`` (:mod:`plait.data.omni_positions`), whose text after a video continues past the video's
+    largest position on all three streams (Qwen2.5-VL's continues from its spatial extent).
+
+    Attributes:
+        seconds_per_chunk: seconds of a clip per interleaved video/audio chunk.
+    """
+
+    seconds_per_chunk: float = field(default=float(SECONDS_PER_CHUNK), compare=False)
+
+    def timing(self, fps: float) -> dict[str, float]:
+        """:meth:`TemporalPatches.timing` with ``seconds_per_chunk``.
+
+        Raises:
+            ValueError: for ``fps`` not above 0.
+        """
+        return {**super().timing(fps), "seconds_per_chunk": float(self.seconds_per_chunk)}
+
+
 class Qwen25OmniVisionFamily(Qwen25VLFamily):
     """The thinker's vision tower: Qwen2.5-VL's family with the Omni tower class; videos timed by
     ``position_id_per_seconds`` (read from the tower config when an import set it there, else the default)."""
@@ -84,10 +107,13 @@ class Qwen25OmniVisionFamily(Qwen25VLFamily):
     tower_keys = {r"^(thinker\.)?(model\.)?visual\.": ""}
     layer_class = "Qwen2_5OmniVisionBlock"
 
-    def video_encoding(self, config: Any) -> TemporalPatches:
-        """Temporal patches of ``temporal_patch_size`` frames, ``position_id_per_seconds`` positions a second."""
+    def video_encoding(self, config: Any) -> OmniTemporalPatches:
+        """Temporal patches of ``temporal_patch_size`` frames, ``position_id_per_seconds`` positions a second, clips
+        interleaved by ``seconds_per_chunk`` (the thinker's values, read from the tower config where an import set
+        them, else the defaults)."""
         rate = getattr(config, "position_id_per_seconds", None) or POSITION_ID_PER_SECONDS
-        return TemporalPatches(int(config.temporal_patch_size), float(rate))
+        chunk = getattr(config, "seconds_per_chunk", None) or SECONDS_PER_CHUNK
+        return OmniTemporalPatches(int(config.temporal_patch_size), float(rate), float(chunk))
 
 
 def omni_audio_inputs(input_features: torch.Tensor, frames: list[int]) -> dict[str, Any]:

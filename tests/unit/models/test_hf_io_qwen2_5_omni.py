@@ -22,16 +22,18 @@ def _state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_import_then_export_is_bit_identical_and_loads_in_transformers(tmp_path):
-    original = tiny_thinker()
+@pytest.mark.parametrize("tied", [False, True])
+def test_import_then_export_is_bit_identical_and_loads_in_transformers(tmp_path, tied):
+    original = tiny_thinker(tied=tied)
     want = _state(original)
-    exported = thinker_from_composite(composite_from_thinker(tiny_thinker()))  # the thinker's ids kept on import
+    exported = thinker_from_composite(composite_from_thinker(tiny_thinker(tied=tied)))  # the thinker's ids kept
     got = exported.state_dict()
     assert set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
     exported.save_pretrained(tmp_path / "hf")
     loaded = load_thinker(tmp_path / "hf")
     assert type(loaded).__name__ == "Qwen2_5OmniThinkerForConditionalGeneration"
+    assert (loaded.lm_head.weight is loaded.model.language_model.embed_tokens.weight) == tied
     assert loaded.config.position_id_per_seconds == 25 and loaded.config.vision_start_token_id == VSTART
     r = rows([[("image", (1, 4, 4)), ("clip", ((4, 4, 4), 64000))]], seed=5)
     settings = dict(max_new_tokens=6, do_sample=False, eos_token_id=[2], pad_token_id=0)

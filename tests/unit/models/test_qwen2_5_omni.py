@@ -24,6 +24,7 @@ LAYOUTS = {
     "audio": [[("audio", 16000)]],
     "clip": [[("image", (1, 4, 4)), ("audio", 8000), ("clip", ((4, 4, 4), 48000))]],
     "videos": [[("video", (4, 4, 4)), ("image", (1, 4, 4))], [("image", (1, 4, 6)), ("audio", 5000)]],
+    "images": [[("image", (1, 4, 4)), ("image", (1, 6, 4)), ("audio", 7000), ("image", (1, 4, 6))]],
 }
 
 
@@ -125,3 +126,21 @@ def test_planner_facts_count_the_audio_tower_but_its_projection():
     arch = EncoderArch(**family.arch_fields(tower.config))
     uncosted = tower.proj.weight.numel() + tower.proj.bias.numel() + tower.audio_bos_eos_token.weight.numel()
     assert model_param_count(arch) == sum(p.numel() for p in tower.parameters()) - uncosted
+
+
+@pytest.mark.parametrize("layout", ["image", "audio", "videos", "images"])
+def test_the_thinkers_positions_are_qwen2_5_vls_but_after_a_video(layout):
+    """Images and audio clips are positioned alike by the thinker's ``get_rope_index`` and Qwen2.5-VL's
+    (:func:`plait.data.mrope.mrope_positions`); after a video the thinker's text continues past the video's largest
+    temporal position, Qwen2.5-VL's from its spatial extent, so the collator positions a document with a thinker's
+    video by the thinker's rule."""
+    from plait.data.mrope import mrope_positions
+
+    r = rows(LAYOUTS[layout])
+    for b, items in enumerate(r.docs):
+        real = r.attention_mask[b] == 1
+        grids = [it.grid for it in items]
+        timing = [(it.second_per_grid_t, it.position_id_per_seconds) if it.kind == "video" else None for it in items]
+        want = mrope_positions(r.plait_ids[b][real], r.item_ids[b][real], grids, timing)
+        same = torch.equal(r.rope[:, b, real], want)
+        assert same == (not any(it.kind == "video" for it in items))

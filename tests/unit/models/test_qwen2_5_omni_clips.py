@@ -89,3 +89,31 @@ def test_a_job_asking_for_audio_tracks_needs_an_audio_branch(setup):
     tok, _, _, processor, _ = setup
     with pytest.raises(ValueError, match=f"{FIELD}.audio = true but the model has no audio encoder"):
         MultimodalProcessor(tok, [processor.specs["image"]], 512)
+
+
+def test_a_silent_video_is_positioned_as_the_thinker_does(setup, tmp_path):
+    """``audio = false``: the video alone, positioned by the thinker's rule (its text after the video continues past
+    the video's largest temporal position), logits equal the thinker's."""
+    import dataclasses
+
+    tok, hf, model, processor, ids = setup
+    image = processor.specs["image"]
+    silent = MultimodalProcessor(tok, [dataclasses.replace(image, video=dataclasses.replace(image.video, audio=False)),
+                                       processor.specs["audio"]], 4096)
+    clip = write_clip(tmp_path / "clip.mkv", 8, rate=2, audio_s=4.0)
+    messages = ({"role": "user", "content": "<|vision_bos|><|VIDEO|><|vision_eos|>What is seen?"},
+                {"role": "assistant", "content": "grey"})
+    batch = collate([silent(RawSample("v", "t", messages, {"video": (str(clip),)}, "x:1"), prompt_only=True)],
+                    silent.pad_id)
+    vision = batch.modality_inputs["vision"]
+    inputs = dict(input_ids=torch.where(batch.item_ids == 0, ids["<|VIDEO|>"], batch.input_ids),
+                  attention_mask=batch.attention_mask, pixel_values_videos=vision["pixel_values"][0],
+                  video_grid_thw=vision["image_grid_thw"][0][None], video_second_per_grid=torch.tensor([1.0]))
+    want, _ = hf.model.get_rope_index(inputs["input_ids"], None, inputs["video_grid_thw"], inputs["attention_mask"],
+                                      False, None, inputs["video_second_per_grid"])
+    assert torch.equal(batch.rope_position_ids, want)
+    with torch.no_grad():
+        stock = hf(**inputs).logits
+        mine = model(batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids,
+                     rope_position_ids=batch.rope_position_ids)
+    torch.testing.assert_close(mine, stock, rtol=1e-5, atol=1e-5)
