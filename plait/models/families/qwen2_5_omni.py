@@ -39,7 +39,7 @@ from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5O
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (Qwen2_5OmniThinkerTextModel, get_audio_cu_seqlens,
                                                                      get_pool_indices, get_valid_indices)
 
-from plait.models.families.base import AudioFamily, EncoderLayout, positive_field
+from plait.models.families.base import ATTN_MLP_LORA, AudioFamily, EncoderLayout, positive_field
 from plait.models.families.qwen2_5_vl import Qwen25VLFamily, TemporalPatches
 from plait.models.families.qwen2_audio import Qwen2AudioFeatureCount
 
@@ -195,6 +195,7 @@ class Qwen25OmniAudioFamily(AudioFamily):
                      "pooling and projection run inside its own forward): give the branch one stage")
     pooled_output = True
     output_pool = 2
+    lora_targets = ATTN_MLP_LORA  # Whisper's layer: q/k/v/out projections, fc1, fc2 (not the tower's proj)
 
     def feature_count(self, encoder: Any, select: str, downsample: int, hop_length: int = 160,
                       sampling_rate: int = 16000) -> Qwen2AudioFeatureCount:

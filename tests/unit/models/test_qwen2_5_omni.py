@@ -144,3 +144,14 @@ def test_the_thinkers_positions_are_qwen2_5_vls_but_after_a_video(layout):
         want = mrope_positions(r.plait_ids[b][real], r.item_ids[b][real], grids, timing)
         same = torch.equal(r.rope[:, b, real], want)
         assert same == (not any(it.kind == "video" for it in items))
+
+
+def test_lora_defaults_of_the_thinkers_parts():
+    """The text model takes the decoder's projections, the audio tower Whisper's layer projections (not its proj)."""
+    from plait.models.lora import DEFAULT_TARGETS, lora_targets
+
+    model = composite_from_thinker(tiny_thinker())
+    audio = lora_targets(model.encoders["audio"].encoder, DEFAULT_TARGETS["qwen2_5_omni_audio_encoder"])
+    assert len(audio) == 2 * 6 and "proj" not in audio
+    llm = lora_targets(model.language_model, DEFAULT_TARGETS["qwen2_5_omni_text"])
+    assert len(llm) == 2 * 7
