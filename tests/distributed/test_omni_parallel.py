@@ -1,5 +1,5 @@
-"""The Qwen2.5-Omni thinker's composition under PP=2 (both towers on the first stage, the LLM on the second) and
-CP=2 (gloo, ``plait train`` under torchrun) equals one process: per-step losses and the final model. The job is built
+"""The Qwen2.5-Omni thinker's composition under PP=2 (both towers on the first stage, the LLM on the second), PP=3
+(each tower its own stage) and CP=2 (gloo, ``plait train`` under torchrun) equals one process: per-step losses and the final model. The job is built
 from the thinker's config tables (Omni vision and audio towers, its M-RoPE text model) on records with a video and
 its audio track (``video.audio = true``: the clip's video and audio tokens interleaved by 2-s chunks, time-aligned
 M-RoPE positions), an image and text: every LLM stage and every context-parallel token shard must carry the clip's
@@ -18,6 +18,7 @@ from tests.helpers.qwen2_5_omni import omni_job
 
 LAYOUTS = {
     "pp2": (2, {"pp": {"degree": 2, "layout": "encoders_colocated", "schedule": "1f1b"}}),
+    "pp3": (3, {"pp": {"degree": 3, "layout": "encoder_parallel", "schedule": "1f1b"}}),
     "cp2": (2, {"cp": 2}),
 }
 
