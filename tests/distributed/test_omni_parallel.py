@@ -1,9 +1,9 @@
 """The Qwen2.5-Omni thinker's composition under PP=2 (both towers on the first stage, the LLM on the second), PP=3
-(each tower its own stage) and CP=2 (gloo, ``plait train`` under torchrun) equals one process: per-step losses and the final model. The job is built
-from the thinker's config tables (Omni vision and audio towers, its M-RoPE text model) on records with a video and
-its audio track (``video.audio = true``: the clip's video and audio tokens interleaved by 2-s chunks, time-aligned
-M-RoPE positions), an image and text: every LLM stage and every context-parallel token shard must carry the clip's
-positions and both branches' features as one process does."""
+(each tower its own stage) and CP=2 (gloo, ``plait train`` under torchrun) equals one process: per-step losses and the
+final model. The job is built from the thinker's config tables (Omni vision and audio towers, its M-RoPE text model)
+on records with a video and its audio track (``video.audio = true``: the clip's video and audio tokens interleaved by
+2-s chunks, time-aligned M-RoPE positions), an image and text: every LLM stage and every context-parallel token
+shard must carry the clip's positions and both branches' features as one process does."""
 
 from __future__ import annotations
 
