@@ -344,7 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="llava: LlavaForConditionalGeneration; qwen2_audio: Qwen2AudioForConditionalGeneration; "
                           "qwen2_5_vl: Qwen2_5_VLForConditionalGeneration (projector folded into the merger); "
                           "gemma3: Gemma3ForConditionalGeneration; qwen3_vl: Qwen3VLForConditionalGeneration; "
-                          "qwen2_5_omni: Qwen2_5OmniThinkerForConditionalGeneration (projectors folded into the towers)")
+                          "qwen2_5_omni: Qwen2_5OmniThinkerForConditionalGeneration (projectors folded into the "
+                          "towers)")
     exp.add_argument("--out", default=None, help="the checkpoint folder (default: <run>/hf-<format>)")
     return parser
 
