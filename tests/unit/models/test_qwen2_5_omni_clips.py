@@ -117,3 +117,19 @@ def test_a_silent_video_is_positioned_as_the_thinker_does(setup, tmp_path):
         mine = model(batch.input_ids, batch.modality_inputs, batch.attention_mask, batch.position_ids,
                      rope_position_ids=batch.rope_position_ids)
     torch.testing.assert_close(mine, stock, rtol=1e-5, atol=1e-5)
+
+
+def test_an_embedded_clip_reads_as_its_file(setup, tmp_path):
+    """A clip embedded in the data file (Parquet/Arrow ``videos`` bytes, :class:`MediaBytes`) gives the file's items,
+    tokens and metadata; an embedded silent video is refused naming its label and the field."""
+    from plait.data.sources import MediaBytes
+
+    _, _, _, processor, _ = setup
+    clip = write_clip(tmp_path / "clip.mkv", 8, rate=2, audio_s=3.0)
+    embedded = MediaBytes(clip.read_bytes(), "videos[0] of clips.parquet:row 0 (embedded)")
+    from_file, from_bytes = processor(_record(str(clip))), processor(_record(embedded))
+    assert torch.equal(from_file.input_ids, from_bytes.input_ids) and from_file.meta == from_bytes.meta
+    assert record_metadata(processor, _record(embedded)) == from_bytes.meta
+    silent = MediaBytes(write_clip(tmp_path / "s.mkv", 4, rate=2).read_bytes(), "videos[0] of clips.parquet:row 1")
+    with pytest.raises(SampleError, match=rf"video videos\[0\] of clips.parquet:row 1 has no audio track, but {FIELD}"):
+        processor(_record(silent))
