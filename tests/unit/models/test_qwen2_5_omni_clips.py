@@ -133,3 +133,24 @@ def test_an_embedded_clip_reads_as_its_file(setup, tmp_path):
     silent = MediaBytes(write_clip(tmp_path / "s.mkv", 4, rate=2).read_bytes(), "videos[0] of clips.parquet:row 1")
     with pytest.raises(SampleError, match=rf"video videos\[0\] of clips.parquet:row 1 has no audio track, but {FIELD}"):
         processor(_record(silent))
+
+
+def test_a_silent_video_is_skipped_and_counted_with_on_error_skip(setup, tmp_path):
+    """``data.on_error = "skip"``: the dataset keeps the clip, leaves the silent video out and reports it (id,
+    file:line, the reason naming the field); ``"raise"`` stops with the same reason."""
+    import json
+
+    from plait.data.loader import MultimodalDataset
+
+    _, _, _, processor, _ = setup
+    clip, silent = write_clip(tmp_path / "a.mkv", 4, audio_s=2.0), write_clip(tmp_path / "b.mkv", 4)
+    rows = [{"id": rid, "videos": [str(v)], "messages": [{"role": "user", "content": f"{CLIP}What is heard?"},
+                                                          {"role": "assistant", "content": "x"}]}
+            for rid, v in (("ok", clip), ("mute", silent))]
+    data = tmp_path / "clips.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kept = MultimodalDataset(data, processor, on_error="skip", cache_dir=tmp_path / "cache")
+    assert len(kept) == 1 and [s.id for s in kept.skipped] == ["mute"]
+    assert kept.skipped[0].source == f"{data}:2" and f"has no audio track, but {FIELD}.audio" in kept.skipped[0].reason
+    with pytest.raises(SampleError, match=f"record 'mute' .*has no audio track, but {FIELD}.audio = true"):
+        MultimodalDataset(data, processor, cache_dir=tmp_path / "cache2")
