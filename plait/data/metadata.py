@@ -45,7 +45,8 @@ import torch.distributed as dist
 from PIL import Image
 
 from plait.data.chat_template import render_prompt, render_with_assistant_mask
-from plait.data.processing import MultimodalProcessor, SampleMeta, decode_reason, process_image
+from plait.data.processing import (MultimodalProcessor, SampleMeta, check_clip_video, decode_reason,
+                                   process_image)
 from plait.data.progress import Progress
 from plait.data.sources import MediaBytes, RecordSource, SampleError, parse_record, path_note, record_id
 from plait.data.video import VideoHeader, load_audio_track, read_video_header
@@ -163,9 +164,7 @@ def _item_tokens(kind: str, spec: Any, item: str | MediaBytes, memo: _Headers,
         except ValueError as exc:  # the family's encoding refuses the frames
             raise SampleError(f"video {item}: {exc}") from exc
         if spec.video.audio and audio is not None:  # the track decoded: its samples after resampling count
-            if len(sizes) != 1:
-                raise SampleError(f"video {item}: {spec.video.field}.audio = true needs a tower that encodes a video "
-                                  "as one timed item of temporal patches (Qwen2.5-Omni's)")
+            check_clip_video(spec.video, len(sizes), spec.video.encoding.timing(1.0), item)
             key = item if isinstance(item, bytes) else str(item)
             if key not in memo.tracks:
                 memo.tracks[key] = len(load_audio_track(item, int(audio.hf_processor.sampling_rate), spec.video.field))

@@ -7,7 +7,8 @@ its encoder will emit features (the encoder's own feature-count function), media
 through the Hugging Face image processor / feature extractor, and labels are the next token where that
 token belongs to an assistant answer (-100 elsewhere: prompt, placeholders, padding). A video's sampled frames
 (:mod:`plait.data.video`) become image items of the image branch (:class:`PerFrame`, or the family's encoding), so
-its placeholder expands to the image placeholder, frames x per-frame features times.
+its placeholder expands to the image placeholder, frames x per-frame features times; with the video's audio track
+(``VideoSpec.audio``: a :class:`Clip`), to the video's and the track's tokens interleaved by chunks of seconds.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from plait.data.omni_positions import clip_runs
 from plait.data.video import VideoSpec, load_audio_track, load_sampled
 
 __all__ = ["ModalitySpec", "SampleMeta", "ProcessedSample", "MultimodalProcessor", "PerFrame", "Clip", "load_audio",
-           "load_image", "process_image", "decode_reason"]
+           "load_image", "process_image", "decode_reason", "check_clip_video"]
 
 IGNORE = -100
 
@@ -166,6 +167,18 @@ class Clip:
     video: tuple[dict[str, Any], int]
     audio: tuple[dict[str, Any], int]
     runs: list[tuple[str, int]]
+
+
+def check_clip_video(video: VideoSpec, items: int, timing: dict[str, Any], path: Any) -> None:
+    """Refuse taking a video's audio track (``video.audio``) unless the branch encodes the video as one item
+    (``items``) whose ``timing`` carries the thinker's ``seconds_per_chunk`` (Qwen2.5-Omni's temporal patches).
+
+    Raises:
+        SampleError: naming the video ``path`` and the field.
+    """
+    if items != 1 or "seconds_per_chunk" not in timing:
+        raise SampleError(f"video {path}: {video.field}.audio = true needs a tower that encodes a video as one timed "
+                          "item of temporal patches (Qwen2.5-Omni's)")
 
 
 @dataclass(frozen=True)
@@ -447,15 +460,17 @@ class MultimodalProcessor:
             SampleError: for a video of several items (per-frame images: the clip needs one video item with its
                 timing), or as :func:`plait.data.video.load_audio_track`.
         """
-        if len(video) != 1 or "seconds_per_chunk" not in video[0][0]:
-            raise SampleError(f"video {path}: {spec.video.field}.audio = true needs a tower that encodes a video as "
-                              "one timed item of temporal patches (Qwen2.5-Omni's)")
+        check_clip_video(spec.video, len(video), video[0][0] if video else {}, path)
         audio_spec = self.specs["audio"]
         data = load_audio_track(path, int(audio_spec.hf_processor.sampling_rate), spec.video.field)
         audio = self._audio_item(audio_spec, data, path)
         (item, n_video), = video
         item = {**item, "audio_track": True}
-        return Clip((item, n_video), audio, clip_runs(item, n_video, audio[1]))
+        try:
+            runs = clip_runs(item, n_video, audio[1])
+        except ValueError as exc:
+            raise SampleError(f"video {path}: {exc}") from exc
+        return Clip((item, n_video), audio, runs)
 
     @staticmethod
     def _checked(spec: ModalitySpec, item: dict[str, Any], path: str) -> dict[str, Any]:

@@ -154,3 +154,22 @@ def test_a_silent_video_is_skipped_and_counted_with_on_error_skip(setup, tmp_pat
     assert kept.skipped[0].source == f"{data}:2" and f"has no audio track, but {FIELD}.audio" in kept.skipped[0].reason
     with pytest.raises(SampleError, match=f"record 'mute' .*has no audio track, but {FIELD}.audio = true"):
         MultimodalDataset(data, processor, cache_dir=tmp_path / "cache2")
+
+
+def test_audio_tracks_need_a_tower_that_encodes_a_video_as_one_timed_item(setup, tmp_path):
+    """Per-frame video items (another tower's encoding) cannot take the track: refused naming the video and field,
+    by the processor and the metadata pass alike."""
+    import dataclasses
+
+    from plait.data.processing import PerFrame
+
+    tok, _, _, processor, _ = setup
+    image = processor.specs["image"]
+    frames = dataclasses.replace(image, video=dataclasses.replace(image.video, encoding=PerFrame()))
+    per_frame = MultimodalProcessor(tok, [frames, processor.specs["audio"]], 4096)
+    clip = str(write_clip(tmp_path / "clip.mkv", 4, audio_s=2.0))
+    message = f"video {clip}: {FIELD}.audio = true needs a tower that encodes a video as one timed item"
+    with pytest.raises(SampleError, match=message):
+        per_frame(_record(clip))
+    with pytest.raises(SampleError, match=message):
+        record_metadata(per_frame, _record(clip))
