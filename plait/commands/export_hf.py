@@ -25,6 +25,8 @@ from plait.models.generation import with_stop_tokens
 from plait.models.gemma3 import GEMMA3_TOKENS
 from plait.models.hf_io import (HF_FORMATS, QWEN_VL_TOKENS, REFUSED_EXPORTS, check_exportable, hf_from_composite,
                                 merge_adapters, save_hf_processor)
+from plait.models.hf_io_omni import (OMNI_TOKENS, THINKER_CLASS, check_thinker_exportable, save_thinker_processor,
+                                     thinker_from_composite)
 from plait.models.multimodal import PLAIT_CONFIG, MultimodalModel
 
 __all__ = ["export_command", "export_checkpoint", "final_folder"]
@@ -80,6 +82,8 @@ def export_checkpoint(run: str | Path, fmt: str, out: str | Path | None = None) 
         raise ValueError(f"--out {target} already holds files; choose another folder or remove it")
     print(f"plait: reading {final}", flush=True)
     model = MultimodalModel.from_pretrained(final)
+    if spec.name == "qwen2_5_omni":
+        return _export_thinker(model, final, target)
     check_exportable(model, spec)
     name = next(iter(model.encoders))
     folders = {"tokenizer": final / "tokenizer", "processor": final / "processors" / name}
@@ -107,8 +111,41 @@ def _token_ids(fmt: str, tokenizer: transformers.PreTrainedTokenizerBase) -> dic
     """Qwen2.5-VL's config ids of its video and vision start/end tokens that the tokenizer has
     (:data:`plait.models.hf_io.QWEN_VL_TOKENS`), Gemma 3's of its image start/end tokens
     (:data:`plait.models.gemma3.GEMMA3_TOKENS`); ``{}`` for the other formats."""
-    tokens = {"qwen2_5_vl": QWEN_VL_TOKENS, "qwen3_vl": QWEN_VL_TOKENS, "gemma3": GEMMA3_TOKENS}.get(fmt)
+    tokens = {"qwen2_5_vl": QWEN_VL_TOKENS, "qwen3_vl": QWEN_VL_TOKENS, "gemma3": GEMMA3_TOKENS,
+              "qwen2_5_omni": OMNI_TOKENS}.get(fmt)
     if tokens is None:
         return {}
     ids = {field: tokenizer.convert_tokens_to_ids(token) for field, token in tokens.items()}
     return {field: int(i) for field, i in ids.items() if i is not None and i != tokenizer.unk_token_id}
+
+
+def _export_thinker(model: MultimodalModel, final: Path, target: Path) -> Path:
+    """:func:`export_checkpoint` of a Qwen2.5-Omni thinker (two branches, :mod:`plait.models.hf_io_omni`): adapters
+    merged, each projector in its saved dtype and folded into its tower, the thinker's processor files written.
+
+    Raises:
+        ValueError: as :func:`plait.models.hf_io_omni.check_thinker_exportable`.
+        FileNotFoundError: for a missing ``tokenizer/`` or ``processors/<branch>/`` folder.
+    """
+    check_thinker_exportable(model)
+    folders = {"tokenizer": final / "tokenizer", **{f"{n} processor": final / "processors" / n for n in model.encoders}}
+    for what, folder in folders.items():
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder} does not exist: the export needs the {what} plait train saves in "
+                                    "final/")
+    merge_adapters(model.language_model)
+    for name, branch in model.encoders.items():
+        merge_adapters(branch.encoder)
+        saved = load_file(str(final / "encoders" / name / "projector.safetensors"))
+        branch.projector.to(next(iter(saved.values())).dtype)  # as saved (loading builds it in fp32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folders["tokenizer"]))
+    hf = thinker_from_composite(model, _token_ids("qwen2_5_omni", tokenizer))
+    hf.generation_config = with_stop_tokens(hf.generation_config, tokenizer)  # stop where plait generate stops
+    media = {b.modality: (transformers.AutoImageProcessor if b.modality == "image" else
+                          transformers.AutoFeatureExtractor).from_pretrained(str(final / "processors" / n))
+             for n, b in model.encoders.items()}
+    print(f"plait: writing {target} ({THINKER_CLASS})", flush=True)
+    hf.save_pretrained(target)
+    save_thinker_processor(model, tokenizer, media["image"], media["audio"], target)
+    share_saved_files(target)  # safetensors writes 0600
+    return target

@@ -1,7 +1,8 @@
 """``plait import``: a local Hugging Face multimodal checkpoint as a plait model and a job that trains from it.
 
 ``plait import --from llava-1.5-7b-hf --out imported/llava15`` reads a ``LlavaForConditionalGeneration``
-(LLaVA-1.5 style), ``Qwen2AudioForConditionalGeneration`` or ``Qwen2_5_VLForConditionalGeneration`` folder
+(LLaVA-1.5 style), ``Qwen2AudioForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``, ... or a
+Qwen2.5-Omni thinker (``Qwen2_5OmniThinkerForConditionalGeneration``, or a full Omni checkpoint's thinker) folder
 (weights, ``config.json``, processor and tokenizer files, as ``save_pretrained`` writes them) and writes
 
 - ``<out>/model/``: the composite as ``plait train`` writes ``final/`` (LLM, encoder and projector weights,
@@ -28,11 +29,12 @@ from typing import Any
 
 import transformers
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
+from transformers import AutoConfig, AutoFeatureExtractor, AutoImageProcessor, AutoProcessor, AutoTokenizer
 
 from plait.data.chat_template import read_chat_template
 from plait.data.sources import path_note
 from plait.models.hf_io import HfFormat, composite_from_hf, hf_format_of, string_content_template
+from plait.models.hf_io_omni import composite_from_thinker, load_thinker
 from plait.models.multimodal import MultimodalModel
 
 __all__ = ["import_command", "import_checkpoint", "job_toml", "check_weights", "WEIGHT_FILES"]
@@ -84,19 +86,22 @@ def import_checkpoint(source: str | Path, out: str | Path, *, train: str = "", v
     if model_dir.exists() and any(model_dir.iterdir()):
         raise ValueError(f"{model_dir} already holds files; choose another --out or remove it")
     processor = _processor(src, fmt)
+    omni = fmt.name == "qwen2_5_omni"  # the thinker: two branches (plait.models.hf_io_omni)
     media = processor.image_processor if fmt.modality == "image" else processor.feature_extractor
     tokenizer = processor.tokenizer
     tokenizer.chat_template = _chat_template(processor, tokenizer, chat_template, src)  # checked before the weights
     _check_placeholder(fmt, config, processor, src)
     print(f"plait: reading {src} ({fmt.model_class})", flush=True)
     hf = _load_model(src, fmt, weights)
-    audio = {"hop_length": int(media.hop_length), "sampling_rate": int(media.sampling_rate)} \
-        if fmt.modality == "audio" else {}
-    model = composite_from_hf(hf, fmt, **audio)
+    sound = processor.feature_extractor if omni or fmt.modality == "audio" else None
+    audio = {"hop_length": int(sound.hop_length), "sampling_rate": int(sound.sampling_rate)} if sound else {}
+    model = composite_from_thinker(hf, **audio) if omni else composite_from_hf(hf, fmt, **audio)
     print(f"plait: writing {model_dir}", flush=True)
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir / "tokenizer")
     media.save_pretrained(model_dir / "processors" / fmt.branch)
+    if omni:
+        sound.save_pretrained(model_dir / "processors" / "audio")
     job = root / "job.toml"
     job.write_text(job_toml(fmt, src, model_dir, model, train or str(root / "train.jsonl"), val))
     return model_dir, job
@@ -163,6 +168,8 @@ def _load_model(src: Path, fmt: HfFormat, files: list[Path]) -> Any:
             that do not fit the config).
     """
     try:
+        if fmt.name == "qwen2_5_omni":  # a thinker, or a full Omni checkpoint's thinker
+            return load_thinker(src)
         return getattr(transformers, fmt.model_class).from_pretrained(str(src)).eval()
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError, EOFError, pickle.UnpicklingError) as exc:
         names = ", ".join(str(f) for f in files)
@@ -184,6 +191,12 @@ def _processor(src: Path, fmt: HfFormat) -> Any:
         ValueError: when the folder holds no processor files.
     """
     try:
+        if fmt.name == "qwen2_5_omni":  # its processor needs torchvision (video processor): its parts
+            tokenizer = AutoTokenizer.from_pretrained(str(src))
+            return SimpleNamespace(image_processor=AutoImageProcessor.from_pretrained(str(src)), tokenizer=tokenizer,
+                                   feature_extractor=AutoFeatureExtractor.from_pretrained(str(src)),
+                                   chat_template=tokenizer.chat_template, image_token="<|IMAGE|>",
+                                   audio_token="<|AUDIO|>")
         if fmt.name in ("qwen2_5_vl", "qwen3_vl"):  # their processors need torchvision (video processor)
             tokenizer = AutoTokenizer.from_pretrained(str(src))
             return SimpleNamespace(image_processor=AutoImageProcessor.from_pretrained(str(src)), tokenizer=tokenizer,
@@ -205,11 +218,16 @@ def _check_placeholder(fmt: HfFormat, config: Any, processor: Any, src: Path) ->
     token = processor.image_token if fmt.modality == "image" else processor.audio_token
     if fmt.name == "gemma3":  # Gemma3Processor's image_token is <start_of_image>; the soft tokens are the placeholder
         token = processor.tokenizer.image_token
-    tid = processor.tokenizer.convert_tokens_to_ids(token)
-    want = int(getattr(config, fmt.token_field))
-    if tid != want:
-        raise ValueError(f"--from {src}: the processor's placeholder {token!r} is token {tid}, but the model's "
-                         f"{fmt.token_field} is {want}")
+    checks = [(token, fmt.token_field)]
+    if fmt.name == "qwen2_5_omni":  # the thinker's ids (a full Omni checkpoint: its thinker_config's)
+        config = getattr(config, "thinker_config", config)
+        checks.append((processor.audio_token, "audio_token_id"))
+    for token, field in checks:
+        tid = processor.tokenizer.convert_tokens_to_ids(token)
+        want = int(getattr(config, field))
+        if tid != want:
+            raise ValueError(f"--from {src}: the processor's placeholder {token!r} is token {tid}, but the model's "
+                             f"{field} is {want}")
 
 
 def _chat_template(processor: Any, tokenizer: Any, override: str, src: Path) -> str:
@@ -248,6 +266,13 @@ def job_toml(fmt: HfFormat, src: Path, model_dir: Path, model: MultimodalModel, 
     video = (f'\n[model.encoders.{fmt.branch}.video]\nplaceholder = "<|video_pad|>"  # transformers\' video token: a '
              "video is positioned as Qwen2_5_VLProcessor gives it\nfps = 2.0  # sampled frames per second (its video "
              "processor's default)\n" if fmt.name == "qwen2_5_vl" else "")
+    if fmt.name == "qwen2_5_omni":
+        video = ('\n[model.encoders.vision.video]\nplaceholder = "<|VIDEO|>"  # records write <|vision_bos|><|VIDEO|>'
+                 "<|vision_eos|>; with audio = true <|vision_bos|><|audio_bos|><|VIDEO|><|audio_eos|><|vision_eos|>\n"
+                 "fps = 2.0  # sampled frames per second (its video processor's default)\naudio = false  # true: each "
+                 "video's audio track goes in with it, time-aligned (use_audio_in_video)\n\n[model.encoders.audio]\n"
+                 "freeze = true  # the audio tower as imported\nfreeze_projector = true  # the identity after its "
+                 "projection (export folds it in)\n")
     return f"""# plait job written by plait import from {src.resolve()} ({fmt.model_class}).
 # The model (LLM, {fmt.branch} encoder and projector, placeholder id {token}, processor, chat template) is in
 # {model_dir.resolve()}. Set data.train (plait JSONL, LLaVA JSON or Parquet; one placeholder per item in the text,

@@ -79,6 +79,10 @@ class VideoConfig:
     max_frames: int = 32
     """Most frames a video may give at ``fps``; a longer video is a bad record naming this field (see
     ``data.on_error``); >= 1."""
+    audio: bool = False
+    """Whether a video's audio track goes in with its frames, to the model's audio branch: the clip's video and audio
+    tokens interleave by chunks of seconds and share time-aligned M-RoPE positions (Qwen2.5-Omni's
+    ``use_audio_in_video``). A video without an audio track is then a bad record naming this field."""
 
 
 @dataclass

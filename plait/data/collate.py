@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import torch
 
 from plait.data.mrope import mrope_positions
+from plait.data.omni_positions import omni_items, omni_positions
 from plait.data.processing import IGNORE, ProcessedSample, SampleMeta
 
 __all__ = ["Batch", "collate"]
@@ -33,7 +34,9 @@ class Batch:
             None (an item with ``second_per_grid_t`` and ``tokens_per_second``, a Qwen2.5-VL video, is positioned as
             transformers positions a video); 0 on padding, per document in packed rows. An LLM that rotates with
             M-RoPE takes these instead of ``position_ids`` (which stay the positions inside the document, for the
-            attention mask); every other LLM ignores them.
+            attention mask); every other LLM ignores them. A document with a Qwen2.5-Omni thinker's video (with its
+            audio track or not, ``VideoSpec.audio``) is positioned as the thinker positions it
+            (:mod:`plait.data.omni_positions`).
     """
 
     input_ids: torch.Tensor
@@ -115,16 +118,19 @@ def _rope_rows(samples: Sequence[ProcessedSample]) -> list[torch.Tensor] | None:
     rows = []
     for s in samples:
         seen: dict[str, int] = {}
-        grids, timing = [], []
+        grids, timing, in_order = [], [], []
         for name, _ in s.meta.items:
             item = s.inputs[name][seen.get(name, 0)]
             seen[name] = seen.get(name, 0) + 1
+            in_order.append(item)
             grid = item.get("image_grid_thw")
             grids.append(None if grid is None else [int(g) for g in torch.as_tensor(grid).reshape(-1)])
             video = "second_per_grid_t" in item  # a Qwen2.5-VL video with its timing: positioned as a video
             timing.append((item["second_per_grid_t"], item["tokens_per_second"]) if video else None)
+        clips = omni_items(in_order)  # a Qwen2.5-Omni thinker's video (with its audio track or not): its positions
         try:
-            rows.append(mrope_positions(s.input_ids, s.item_ids, grids, timing))
+            rows.append(mrope_positions(s.input_ids, s.item_ids, grids, timing) if clips is None else
+                        omni_positions(s.input_ids, s.item_ids, clips[0], clips[1]))
         except ValueError as exc:
             raise ValueError(f"sample {s.meta.id}: {exc}") from None
     return rows

@@ -8,7 +8,8 @@ input size is found once per distinct size by processing a blank image of it (ex
 output shape depends only on the input size, as resize / center-crop processors do). Audio lengths come from
 the header (``wave`` for WAV, as the decoder reads it; ``soundfile.info`` for other formats). A video's frame count,
 rate and frame size come from its container and stream headers (:func:`plait.data.video.read_video_header`: no
-frame is decoded), its sampled frames from :func:`plait.data.video.sample_indices`. The result equals
+frame is decoded), its sampled frames from :func:`plait.data.video.sample_indices`; its audio track, when the job
+takes it (``video.audio``), is decoded (the sample count after resampling is what the count needs). The result equals
 what :class:`~plait.data.processing.MultimodalProcessor` computes when it decodes the sample (the loader checks
 that at load time, :meth:`plait.data.loader.MultimodalDataset.load`).
 
@@ -44,10 +45,11 @@ import torch.distributed as dist
 from PIL import Image
 
 from plait.data.chat_template import render_prompt, render_with_assistant_mask
-from plait.data.processing import MultimodalProcessor, SampleMeta, decode_reason, process_image
+from plait.data.processing import (MultimodalProcessor, SampleMeta, check_clip_video, decode_reason,
+                                   process_image)
 from plait.data.progress import Progress
 from plait.data.sources import MediaBytes, RecordSource, SampleError, parse_record, path_note, record_id
-from plait.data.video import VideoHeader, read_video_header
+from plait.data.video import VideoHeader, load_audio_track, read_video_header
 
 __all__ = ["SkippedSample", "MetadataTable", "metadata_key", "metadata_pass", "record_metadata", "default_cache_dir",
            "METADATA_VERSION", "this_process_only"]
@@ -77,6 +79,7 @@ class _Headers:
         self.images: dict[str, tuple[int, int]] = {}
         self.audios: dict[str, tuple[int, int]] = {}
         self.videos: dict[str, VideoHeader] = {}
+        self.tracks: dict[str | bytes, int] = {}  # a video's audio track: samples at the audio branch's rate
         self.processed: dict[tuple[int, int, int], tuple[int, int]] = {}
 
 
@@ -147,9 +150,11 @@ def _processed_image_size(spec: Any, size: tuple[int, int], memo: _Headers) -> t
     return memo.processed[key]
 
 
-def _item_tokens(kind: str, spec: Any, item: str | MediaBytes, memo: _Headers) -> list[int]:
+def _item_tokens(kind: str, spec: Any, item: str | MediaBytes, memo: _Headers,
+                 audio: Any = None) -> list[int | tuple[str, int]]:
     """Placeholder tokens of each encoder item of one media item (one for an image or a clip, one per frame for a
-    video with the default encoding), from its header; the checks of the decoding path."""
+    video with the default encoding), from its header; the checks of the decoding path. A video with its audio track
+    (``spec.video.audio``; ``audio``: the audio branch's spec) adds ``(audio branch, tokens)`` of the decoded track."""
     if kind == "video":
         header = _video_header(item, memo)
         frames = len(spec.video.frame_indices(header, item))
@@ -158,6 +163,12 @@ def _item_tokens(kind: str, spec: Any, item: str | MediaBytes, memo: _Headers) -
             sizes = spec.video.encoding.sizes(frames, frame)
         except ValueError as exc:  # the family's encoding refuses the frames
             raise SampleError(f"video {item}: {exc}") from exc
+        if spec.video.audio and audio is not None:  # the track decoded: its samples after resampling count
+            check_clip_video(spec.video, len(sizes), spec.video.encoding.timing(1.0), item)
+            key = item if isinstance(item, bytes) else str(item)
+            if key not in memo.tracks:
+                memo.tracks[key] = len(load_audio_track(item, int(audio.hf_processor.sampling_rate), spec.video.field))
+            return [*_counts(spec, sizes, item), (audio.encoder, *_counts(audio, [memo.tracks[key]], item))]
     elif kind == "image":
         sizes = [_processed_image_size(spec, _image_size(item, memo), memo)]
     else:
@@ -166,6 +177,11 @@ def _item_tokens(kind: str, spec: Any, item: str | MediaBytes, memo: _Headers) -
         if rate != expected:
             raise SampleError(f"audio {item} is sampled at {rate} Hz; the feature extractor expects {expected} Hz")
         sizes = [frames]
+    return _counts(spec, sizes, item)
+
+
+def _counts(spec: Any, sizes: list[Any], item: Any) -> list[int | tuple[str, int]]:
+    """The branch's feature count of each size, errors naming ``item``."""
     try:
         return [spec.feature_count(size) for size in sizes]
     except ValueError as exc:
@@ -197,13 +213,14 @@ def _record_metadata(processor: MultimodalProcessor, raw: Any, prompt_only: bool
         if not any(answer):
             raise SampleError("the chat template marked no assistant tokens (empty answer?)")
     processor.check_placeholders(raw.media, ids)
-    counts = {pid: [_item_tokens(kind, spec, it, memo) for it in raw.media.get(kind, ())]
+    audio = processor.specs.get("audio")
+    counts = {pid: [_item_tokens(kind, spec, it, memo, audio) for it in raw.media.get(kind, ())]
               for kind, (spec, pid, _) in processor.placeholders().items()}
     return _expanded_meta(processor, raw, ids, answer, counts)
 
 
 def _expanded_meta(processor: MultimodalProcessor, raw: Any, ids: list[int], answer: list[int],
-                   counts: dict[int, list[list[int]]]) -> SampleMeta:
+                   counts: dict[int, list[list[int | tuple[str, int]]]]) -> SampleMeta:
     """Counts of the expanded sequence (each placeholder repeated by its encoder items' tokens; ``counts``: per
     placeholder id, per occurrence, the tokens of each encoder item), as the processor lays it out:
     ``target_tokens`` counts answer tokens at positions >= 1 (a label is the next token)."""
@@ -214,8 +231,9 @@ def _expanded_meta(processor: MultimodalProcessor, raw: Any, ids: list[int], ans
     first_answer = None
     for tok, is_answer in zip(ids, answer):
         if tok in encoder:
-            for n in counts[tok][seen[tok]]:
-                items.append((encoder[tok], n))
+            for count in counts[tok][seen[tok]]:  # (branch, n): a video's audio track, for the audio branch
+                name, n = count if isinstance(count, tuple) else (encoder[tok], count)
+                items.append((name, n))
                 first_answer = 0 if first_answer is None and n else first_answer
                 length += n
             seen[tok] += 1

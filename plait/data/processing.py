@@ -7,7 +7,8 @@ its encoder will emit features (the encoder's own feature-count function), media
 through the Hugging Face image processor / feature extractor, and labels are the next token where that
 token belongs to an assistant answer (-100 elsewhere: prompt, placeholders, padding). A video's sampled frames
 (:mod:`plait.data.video`) become image items of the image branch (:class:`PerFrame`, or the family's encoding), so
-its placeholder expands to the image placeholder, frames x per-frame features times.
+its placeholder expands to the image placeholder, frames x per-frame features times; with the video's audio track
+(``VideoSpec.audio``: a :class:`Clip`), to the video's and the track's tokens interleaved by chunks of seconds.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from PIL import Image
 
 from plait.data.chat_template import render_prompt, render_with_assistant_mask
 from plait.data.sources import RawSample, SampleError, path_note
-from plait.data.video import VideoSpec, load_sampled
+from plait.data.omni_positions import clip_runs
+from plait.data.video import VideoSpec, load_audio_track, load_sampled
 
-__all__ = ["ModalitySpec", "SampleMeta", "ProcessedSample", "MultimodalProcessor", "PerFrame", "load_audio",
-           "load_image", "process_image", "decode_reason"]
+__all__ = ["ModalitySpec", "SampleMeta", "ProcessedSample", "MultimodalProcessor", "PerFrame", "Clip", "load_audio",
+           "load_image", "process_image", "decode_reason", "check_clip_video"]
 
 IGNORE = -100
 
@@ -157,6 +159,29 @@ def process_image(hf_processor: Any, image: Image.Image) -> tuple[dict[str, Any]
 
 
 @dataclass(frozen=True)
+class Clip:
+    """A video with its audio track (``VideoSpec.audio``): the video's one item of the image branch and the audio
+    track's item of the audio branch, each with its tokens, and the order their tokens take in the text
+    (``runs``: ``[("video", n), ("audio", n), ...]``, :func:`plait.data.omni_positions.clip_runs`)."""
+
+    video: tuple[dict[str, Any], int]
+    audio: tuple[dict[str, Any], int]
+    runs: list[tuple[str, int]]
+
+
+def check_clip_video(video: VideoSpec, items: int, timing: dict[str, Any], path: Any) -> None:
+    """Refuse taking a video's audio track (``video.audio``) unless the branch encodes the video as one item
+    (``items``) whose ``timing`` carries the thinker's ``seconds_per_chunk`` (Qwen2.5-Omni's temporal patches).
+
+    Raises:
+        SampleError: naming the video ``path`` and the field.
+    """
+    if items != 1 or "seconds_per_chunk" not in timing:
+        raise SampleError(f"video {path}: {video.field}.audio = true needs a tower that encodes a video as one timed "
+                          "item of temporal patches (Qwen2.5-Omni's)")
+
+
+@dataclass(frozen=True)
 class PerFrame:
     """The default :class:`plait.data.video.VideoEncoding` of an image branch: every sampled frame is one image item
     (:func:`process_image`), so a video's placeholder expands to frames x per-frame features."""
@@ -265,6 +290,10 @@ class MultimodalProcessor:
         self.tokenizer = tokenizer
         self.specs = {s.modality: s for s in specs}
         self.max_length = max_length
+        image = self.specs.get("image")
+        if image is not None and image.video is not None and image.video.audio and "audio" not in self.specs:
+            raise ValueError(f"{image.video.field}.audio = true but the model has no audio encoder for the videos' "
+                             "audio tracks")
         ids = [pid for _, pid, _ in self.placeholders().values()]
         if len(set(ids)) != len(ids):
             raise ValueError(f"placeholders must be distinct tokens, got {list(self.placeholders())} -> {ids}")
@@ -344,8 +373,21 @@ class MultimodalProcessor:
                 out_mask.append(is_answer)
                 out_item.append(-1)
                 continue
-            spec = kinds[kind][0]
-            for item, n in media[kind][cursors[kind]]:  # a video: one item per frame (or temporal group)
+            spec, entry = kinds[kind][0], media[kind][cursors[kind]]
+            if isinstance(entry, Clip):  # a video with its audio track: two items, their tokens interleaved
+                first = len(items)
+                for what, (item, n) in (("video", entry.video), ("audio", entry.audio)):
+                    branch = spec if what == "video" else self.specs["audio"]
+                    items.append((branch.encoder, n))
+                    inputs[branch.encoder].append(item)
+                for what, n in entry.runs:
+                    pid = spec.placeholder_id if what == "video" else self.specs["audio"].placeholder_id
+                    out_ids += [pid] * n
+                    out_mask += [0] * n
+                    out_item += [first + (what == "audio")] * n
+                cursors[kind] += 1
+                continue
+            for item, n in entry:  # a video: one item per frame (or temporal group)
                 out_ids += [spec.placeholder_id] * n
                 out_mask += [0] * n
                 out_item += [len(items)] * n
@@ -384,7 +426,7 @@ class MultimodalProcessor:
         return {kind: [self._item(kind, spec, p) for p in sample.media.get(kind, ())]
                 for kind, (spec, _, _) in self.placeholders().items()}
 
-    def _item(self, kind: str, spec: ModalitySpec, path: str) -> list[tuple[dict[str, Any], int]]:
+    def _item(self, kind: str, spec: ModalitySpec, path: str) -> list[tuple[dict[str, Any], int]] | Clip:
         if kind == "video":
             frames, fps = load_sampled(path, spec.video)
             try:
@@ -392,8 +434,9 @@ class MultimodalProcessor:
                 timing = spec.video.encoding.timing(fps)  # Qwen2.5-VL: the video's M-RoPE time step
             except ValueError as exc:  # the family's encoding refuses the frames
                 raise SampleError(f"video {path}: {exc}") from exc
-            return [(self._checked(spec, {**item, **timing}, path), self._count(spec, size, path))
-                    for item, size in items]
+            out = [(self._checked(spec, {**item, **timing}, path), self._count(spec, size, path))
+                   for item, size in items]
+            return self._clip(spec, path, out) if spec.video.audio else out
         if kind == "image":
             item, size = process_image(spec.hf_processor, load_image(path))
             return [(self._checked(spec, item, path), self._count(spec, size, path))]
@@ -401,9 +444,33 @@ class MultimodalProcessor:
         expected = int(spec.hf_processor.sampling_rate)
         if rate != expected:
             raise SampleError(f"audio {path} is sampled at {rate} Hz; the feature extractor expects {expected} Hz")
+        return [self._audio_item(spec, data, path)]
+
+    def _audio_item(self, spec: ModalitySpec, data: np.ndarray, path: str) -> tuple[dict[str, Any], int]:
+        """A clip's item (``input_features`` of the feature extractor, ``num_samples``) and its tokens."""
         count = self._count(spec, len(data), path)
-        feats = spec.hf_processor(data, sampling_rate=rate, return_tensors="pt")["input_features"][0]
-        return [(self._checked(spec, {"input_features": feats, "num_samples": len(data)}, path), count)]
+        feats = spec.hf_processor(data, sampling_rate=int(spec.hf_processor.sampling_rate),
+                                  return_tensors="pt")["input_features"][0]
+        return self._checked(spec, {"input_features": feats, "num_samples": len(data)}, path), count
+
+    def _clip(self, spec: ModalitySpec, path: str, video: list[tuple[dict[str, Any], int]]) -> Clip:
+        """The :class:`Clip` of a video's one temporal-patch item ``video`` and its audio track.
+
+        Raises:
+            SampleError: for a video of several items (per-frame images: the clip needs one video item with its
+                timing), or as :func:`plait.data.video.load_audio_track`.
+        """
+        check_clip_video(spec.video, len(video), video[0][0] if video else {}, path)
+        audio_spec = self.specs["audio"]
+        data = load_audio_track(path, int(audio_spec.hf_processor.sampling_rate), spec.video.field)
+        audio = self._audio_item(audio_spec, data, path)
+        (item, n_video), = video
+        item = {**item, "audio_track": True}
+        try:
+            runs = clip_runs(item, n_video, audio[1])
+        except ValueError as exc:
+            raise SampleError(f"video {path}: {exc}") from exc
+        return Clip((item, n_video), audio, runs)
 
     @staticmethod
     def _checked(spec: ModalitySpec, item: dict[str, Any], path: str) -> dict[str, Any]:

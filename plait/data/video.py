@@ -30,7 +30,7 @@ from PIL import Image
 from plait.data.sources import SampleError, path_note
 
 __all__ = ["VideoHeader", "VideoEncoding", "VideoSpec", "read_video_header", "sample_indices",
-           "load_video", "load_sampled", "SEEK_GAP_S"]
+           "load_video", "load_sampled", "load_audio_track", "SEEK_GAP_S"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,8 @@ class VideoSpec:
         max_frames: most frames a video may give (more is a bad record, naming the field).
         field: the config table of these settings, for error messages (``"model.encoders.vision.video"``).
         encoding: the branch's :class:`VideoEncoding` (``plait.data.processing.PerFrame``: an item per frame).
+        audio: the video's audio track goes in with its frames to the audio branch (:func:`load_audio_track`; the
+            clip's tokens interleave by the encoding's ``seconds_per_chunk``, :mod:`plait.data.omni_positions`).
 
     Raises:
         ValueError: for a negative ``fps`` or ``max_frames`` below 1 (naming the field).
@@ -96,6 +98,7 @@ class VideoSpec:
     max_frames: int
     field: str
     encoding: VideoEncoding
+    audio: bool = False
 
     def __post_init__(self) -> None:
         if not self.fps >= 0:
@@ -259,3 +262,34 @@ def _reason(exc: Exception) -> str:
     """The decoder's message without PyAV's ``<_io.BytesIO object at 0x...>`` for embedded bytes."""
     return str(exc).split(": '<_io.BytesIO")[0]
 
+
+
+def load_audio_track(item: str | bytes, rate: int, field: str) -> Any:
+    """The audio track of a video (its first audio stream) decoded to mono float32 samples in [-1, 1] at ``rate``
+    Hz (``numpy`` ``[n]``; FFmpeg's resampler through PyAV), for a job whose ``field.audio`` asks for it.
+
+    Raises:
+        SampleError: naming the file and ``field``, when the video has no audio track or the track has no samples;
+            as :func:`read_video_header` for a missing or unreadable file.
+    """
+    import av
+    import numpy as np
+
+    try:
+        with _open(item) as container:
+            if not container.streams.audio:
+                raise SampleError(f"video {item} has no audio track, but {field}.audio = true asks for it (give a "
+                                  "video with sound, or set it to false)")
+            resampler = av.AudioResampler(format="flt", layout="mono", rate=int(rate))
+            chunks = []
+            for frame in container.decode(container.streams.audio[0]):
+                chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
+            chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(None)]
+    except SampleError:
+        raise
+    except Exception as exc:  # av.error.* for corrupt streams
+        raise SampleError(f"cannot decode the audio track of video {item}: {_reason(exc)}") from exc
+    samples = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, np.float32)
+    if samples.size == 0:
+        raise SampleError(f"video {item}: its audio track has no samples ({field}.audio = true asks for it)")
+    return samples

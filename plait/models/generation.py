@@ -381,16 +381,24 @@ class Generator:
     def item_texts(self) -> dict[str, str]:
         """Modality -> the text a prompt without placeholders gets per item: :func:`item_prompt_text` of the
         model's placeholder (:meth:`placeholders`)."""
-        return {m: item_prompt_text(mark, self.tokenizer) for m, mark in self.placeholders().items()}
+        texts = {m: item_prompt_text(mark, self.tokenizer) for m, mark in self.placeholders().items()}
+        image = self.processor.specs.get("image")
+        if "video" in texts and image.video.audio and texts["video"] != image.video.placeholder:  # a clip
+            texts["video"] = texts["video"].replace(image.video.placeholder,
+                                                    f"<|audio_bos|>{image.video.placeholder}<|audio_eos|>")
+        return texts
 
 
 ITEM_WRAPPERS = {"<|image_pad|>": ("<|vision_start|>", "<|vision_end|>"),
                  "<|video_pad|>": ("<|vision_start|>", "<|vision_end|>"),
-                 "<|AUDIO|>": ("<|audio_bos|>", "<|audio_eos|>")}
+                 "<|AUDIO|>": ("<|audio_bos|>", "<|audio_eos|>"),
+                 "<|IMAGE|>": ("<|vision_bos|>", "<|vision_eos|>"), "<|VIDEO|>": ("<|vision_bos|>", "<|vision_eos|>")}
 """Placeholder -> the tokens around each item in the checkpoint's prompts: Qwen2-VL/Qwen2.5-VL's chat template
 writes ``<|vision_start|><|image_pad|><|vision_end|>`` (``<|video_pad|>`` for a video; transformers' M-RoPE
-positions find items by ``vision_start``), Qwen2-Audio's ``<|audio_bos|><|AUDIO|><|audio_eos|>`` (the conventions
-the README gives for these imported models' records)."""
+positions find items by ``vision_start``), Qwen2-Audio's ``<|audio_bos|><|AUDIO|><|audio_eos|>``, the Qwen2.5-Omni
+thinker's ``<|vision_bos|><|IMAGE|><|vision_eos|>`` (``<|VIDEO|>`` for a video; a video with its audio track also
+inside ``<|audio_bos|>`` ... ``<|audio_eos|>``, :meth:`Generator.item_texts`) (the conventions the README gives for
+these imported models' records)."""
 
 
 def item_prompt_text(placeholder: str, tokenizer: Any) -> str:
@@ -429,8 +437,8 @@ def save_final(model: MultimodalModel, processor: MultimodalProcessor, directory
     settings, so videos are read as in training; ``llm/generation_config.json`` with :func:`with_stop_tokens`),
     ``tokenizer/`` and ``processors/<encoder>/``."""
     root = Path(directory)
-    video = {s.encoder: {"placeholder": s.video.placeholder, "fps": s.video.fps, "max_frames": s.video.max_frames}
-             for s in processor.specs.values() if s.video is not None}
+    video = {s.encoder: {"placeholder": s.video.placeholder, "fps": s.video.fps, "max_frames": s.video.max_frames,
+                         "audio": s.video.audio} for s in processor.specs.values() if s.video is not None}
     model.save_pretrained(root, merge_lora=merge_lora, video=video)
     if getattr(model.language_model, "generation_config", None) is not None:  # stop where plait's generation stops
         with_stop_tokens(model.language_model.generation_config, processor.tokenizer).save_pretrained(root / "llm")

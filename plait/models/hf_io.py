@@ -65,7 +65,7 @@ from plait.models.projector import build_projector
 
 __all__ = ["HfFormat", "HF_FORMATS", "REFUSED_EXPORTS", "hf_format_of", "composite_from_hf", "hf_from_composite",
            "check_exportable", "hf_processor", "save_hf_processor", "merge_adapters", "string_content_template",
-           "export_chat_template",
+           "export_chat_template", "fold_into_linear", "identity_projector",
            "QWEN_VL_TOKENS", "QWEN_VL_FORMATS"]
 
 
@@ -117,6 +117,10 @@ HF_FORMATS = {
                        "image_token_id", ("siglip_vision_model",)),
     "qwen3_vl": HfFormat("qwen3_vl", "qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", "image",
                          "vision", "visual", "linear", (), "image_token_id", ("qwen3_vl_vision",)),
+    # two branches (vision and audio): mapped by plait.models.hf_io_omni, this entry names the format
+    "qwen2_5_omni": HfFormat("qwen2_5_omni", "qwen2_5_omni_thinker", "Qwen2_5OmniThinkerForConditionalGeneration",
+                             "Qwen2_5OmniProcessor", "image", "vision", "visual", "linear", (), "image_token_id",
+                             ("qwen2_5_omni_vision_encoder",)),
 }
 """The supported classes by ``--format`` name."""
 
@@ -142,6 +146,7 @@ def hf_format_of(config: PretrainedConfig, where: str) -> HfFormat:
         ValueError: for a refused family (with what plait lacks) or any other ``model_type`` (naming the supported).
     """
     model_type = getattr(config, "model_type", "")
+    model_type = "qwen2_5_omni_thinker" if model_type == "qwen2_5_omni" else model_type  # a full Omni: its thinker
     if model_type in _REFUSED:
         raise ValueError(f"{where}: cannot import a {model_type} checkpoint: {_REFUSED[model_type]}")
     for fmt in HF_FORMATS.values():
@@ -203,7 +208,7 @@ def composite_from_hf(hf: PreTrainedModel, fmt: HfFormat, hop_length: int = 160,
                                     float(tower.config.layer_norm_eps))
         load_gemma3_projector(projector, hf.model.multi_modal_projector)
     elif not fmt.projector_keys:  # the merger is the projector (Qwen2.5-VL): plait's is the identity
-        projector = _identity_projector(encoder_feature_size(tower, 1), hidden, next(tower.parameters()).dtype)
+        projector = identity_projector(encoder_feature_size(tower, 1), hidden, next(tower.parameters()).dtype)
     else:
         width = int(getattr(tower.config, "hidden_size", None) or tower.config.d_model)
         source = hf.model.multi_modal_projector.state_dict()
@@ -214,7 +219,7 @@ def composite_from_hf(hf: PreTrainedModel, fmt: HfFormat, hop_length: int = 160,
     return MultimodalModel(llm, {fmt.branch: branch}, {fmt.branch: token})
 
 
-def _identity_projector(width: int, hidden: int, dtype: torch.dtype) -> nn.Module:
+def identity_projector(width: int, hidden: int, dtype: torch.dtype) -> nn.Module:
     """A ``"linear"`` projector that passes ``width`` features through unchanged (weight ``I``, bias 0).
 
     Raises:
@@ -234,7 +239,13 @@ def _fold_projector(branch: ModalityEncoder) -> None:
     weight ``W_p W_2``, bias ``W_p b_2 + b_p`` in fp32, cast back to the merger's dtype; an identity projector
     (weight exactly ``I``, bias exactly 0) leaves the merger untouched (bit-identical round trips)."""
     merger = branch.encoder.merger
-    proj, last = branch.projector.linear_1, (merger.linear_fc2 if hasattr(merger, "linear_fc2") else merger.mlp[-1])
+    fold_into_linear(branch.projector.linear_1, merger.linear_fc2 if hasattr(merger, "linear_fc2") else merger.mlp[-1])
+
+
+def fold_into_linear(proj: nn.Linear, last: nn.Linear) -> None:
+    """Fold the Linear ``proj`` applied after the Linear ``last`` into ``last`` in place (weight ``W_p W``, bias
+    ``W_p b + b_p`` in fp32, cast back to ``last``'s dtype); an identity ``proj`` (weight exactly ``I``, bias exactly
+    0) leaves ``last`` untouched."""
     w_p, b_p = proj.weight.detach().float(), proj.bias.detach().float()
     if torch.equal(w_p, torch.eye(*w_p.shape)) and not bool(b_p.any()):
         return

@@ -62,6 +62,7 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "llama": _DECODER, "qwen2": _DECODER, "qwen2_5_vl_text": _DECODER, "qwen3": _DECODER, "qwen3_vl_text": _DECODER,
     "mistral": _DECODER, "gemma3_text": _DECODER,
     "gemma": _DECODER, "gemma2": _DECODER, "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    "qwen2_5_omni_text": _DECODER,
     **{t: f.lora_targets for f in FAMILIES if f.lora_targets for t in f.model_types},
 }
 """Default ``target_modules`` per ``model_type``: the attention projections and the MLP projections (an encoder's:

@@ -257,7 +257,7 @@ class MultimodalModel(nn.Module):
         """Write the composite: ``llm/`` and ``encoders/<name>/encoder/`` in Hugging Face format,
         ``encoders/<name>/projector.safetensors`` and ``plait_config.json`` (placeholder ids and each branch's
         settings, an audio branch's ``hop_length``/``sampling_rate`` too, which :meth:`from_pretrained` restores;
-        ``video[name]``, an image branch's video settings ``{"placeholder", "fps", "max_frames"}``, as its
+        ``video[name]``, an image branch's video settings ``{"placeholder", "fps", "max_frames", "audio"}``, as its
         ``"video"`` entry, which :func:`saved_video_settings` reads back for the processor).
         A part with LoRA adapters (:mod:`plait.models.lora`) is written as its plain Hugging Face base plus its
         adapter in ``peft``'s format in ``<part>/adapter/`` (``peft.PeftModel.from_pretrained(part,
@@ -315,7 +315,7 @@ class MultimodalModel(nn.Module):
 
 def saved_video_settings(directory: str | Path) -> dict[str, dict[str, Any]]:
     """Each image branch's video settings saved in ``directory``'s ``plait_config.json`` by
-    :meth:`MultimodalModel.save_pretrained` (``{"placeholder", "fps", "max_frames"}`` by branch name; a branch
+    :meth:`MultimodalModel.save_pretrained` (``{"placeholder", "fps", "max_frames", "audio"}`` by branch name; a branch
     saved without them, as by plait before they were saved, is absent).
 
     Raises:

@@ -296,4 +296,4 @@ def _video_spec(name: str, enc: EncoderConfig, branch: ModalityEncoder, tokenize
                          "tokenizer (set a single token of it, or leave the default "
                          f"{VideoConfig().placeholder!r} for a job without videos)")
     return VideoSpec(video.placeholder, tid, float(video.fps), int(video.max_frames), f"model.encoders.{name}.video",
-                     branch.video_encoding)
+                     branch.video_encoding, bool(video.audio))

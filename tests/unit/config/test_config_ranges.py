@@ -56,7 +56,8 @@ def test_the_edges_of_each_range_are_accepted():
                      "'energy', 'metrics', 'model', 'parallel', 'train']"),
     ("--parallel.pp.degre=2", "unknown config key(s) ['parallel.pp.degre'] (did you mean parallel.pp.degree?); known: "),
     ("--model.encoders.vision.video.fsp=2", "unknown config key(s) ['model.encoders.vision.video.fsp'] (did you mean "
-                                            "model.encoders.vision.video.fps?); known: ['fps', 'max_frames', 'placeholder']"),
+                                            "model.encoders.vision.video.fps?); known: ['audio', 'fps', 'max_frames', "
+                                            "'placeholder']"),
     ("--train.bogus=1", "unknown config key(s) ['train.bogus']; known: ['activation_checkpointing'"),
 ])
 def test_unknown_keys_suggest_close_matches(override, message):

@@ -34,12 +34,15 @@ CONFIGS = {
                     max_source_positions=150),
     "qwen2_audio_encoder": dict(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
                                 num_mel_bins=80, max_source_positions=150),
+    "qwen2_5_omni_vision_encoder": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                                        window_size=16, out_hidden_size=48, fullatt_block_indexes=[1],
+                                        temporal_patch_size=2, spatial_merge_size=2),
 }
 
 
-def test_ten_families_each_listed_once_with_distinct_model_types():
-    assert len(FAMILIES) == 10
-    assert len({type(f) for f in FAMILIES}) == 10
+def test_twelve_families_each_listed_once_with_distinct_model_types():
+    assert len(FAMILIES) == 12
+    assert len({type(f) for f in FAMILIES}) == 12
     types = [t for f in FAMILIES for t in f.model_types]
     assert len(types) == len(set(types))
     assert set(CONFIGS) <= set(types)

@@ -50,7 +50,7 @@ def trained(tmp_path_factory):
 def test_final_keeps_the_video_settings_and_generate_reads_videos_as_validation(trained):
     trainer, final, val, folder = trained
     saved = json.loads((final / "plait_config.json").read_text())["encoders"]
-    assert saved["vision"]["video"] == {"placeholder": "<video>", "fps": 2.0, "max_frames": 4}
+    assert saved["vision"]["video"] == {"placeholder": "<video>", "fps": 2.0, "max_frames": 4, "audio": False}
     assert "video" not in saved["audio"]
     gen = Generator.from_pretrained(final, device="cpu")
     spec = gen.processor.specs["image"].video
