@@ -15,7 +15,10 @@ the degrees. The formulas, per pipeline unit ``u`` with ``P_u`` parameter bytes,
   (``tp_link``, ring all-reduce ``search_model.allreduce_s``). Saved activations: the per-token terms of the full
   hidden size stay whole (each norm's input and the normed inputs of attention and MLP, 4 ``O_u`` for the usual two
   norms: ``cost_model._decoder_layer_saved``), the rest (q, k, v, attention output, MLP intermediates, the
-  log-sum-exp per head) is divided by ``tp``.
+  log-sum-exp per head) is divided by ``tp``. A MoE layer's routed experts (``UnitCost.expert_param_bytes``) are in
+  no family's TP plan (transformers keeps them for its expert-parallel plan; plait's TP splits ``nn.Linear``
+  modules, not the fused 3-D expert weights): they stay whole on every TP rank, only the rest of ``P_u`` is divided
+  (their time is divided with the rest: not modelled).
 - **AC** (``recompute.plan_checkpointing``, ``recompute.checkpointed_costs``, applied after TP so a recomputed
   forward repeats its TP all-reduces): a checkpointed layer keeps only its input and its backward first runs its
   forward again.
@@ -123,10 +126,10 @@ def _tp_cost(unit: Unit, cost: UnitCost, tp: int, link: P2PModel | None) -> Unit
         return cost
     comm = 2 * tp_allreduce_s(cost.output_bytes, tp, link)
     whole = min(cost.activation_bytes, _TP_WHOLE_OUTPUTS * cost.output_bytes)
+    experts = cost.expert_param_bytes  # not in any TP plan: whole on every TP rank
     return dataclasses.replace(
         cost, forward_s=cost.forward_s / tp + comm, input_grad_s=cost.input_grad_s / tp + comm,
-        weight_grad_s=cost.weight_grad_s / tp, param_bytes=math.ceil(cost.param_bytes / tp),
-        expert_param_bytes=math.ceil(cost.expert_param_bytes / tp),
+        weight_grad_s=cost.weight_grad_s / tp, param_bytes=math.ceil((cost.param_bytes - experts) / tp) + experts,
         activation_bytes=int(round(whole + (cost.activation_bytes - whole) / tp)),
         recompute_s=cost.recompute_s / tp)
 

@@ -405,10 +405,12 @@ def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees], 
     def one(per_rank: Sequence[UnitCost], pipe_devices: int, cap: float | None, degrees: ParallelDegrees,
             parts: frozenset[str] = BOTH) -> LayoutChoice:
         dps = None if space.dp_degrees is None else [d for d in space.dp_degrees if d <= pipe_devices] or [1]
-        if degrees.ep > 1:  # EP splits the DP ranks of a stage: DP degrees it divides
-            dps = [d for d in (divisors(pipe_devices) if dps is None else dps) if d % degrees.ep == 0]
+        if degrees.ep > 1:  # EP splits the DP ranks of a stage: DP degrees it divides, a microbatch per DP rank
+            dps = [d for d in (divisors(pipe_devices) if dps is None else dps)
+                   if d % degrees.ep == 0 and d <= microbatches]
             if not dps:
-                raise ValueError(f"ep {degrees.ep} divides no DP degree searched")
+                raise ValueError(f"ep {degrees.ep} divides no DP degree searched (up to {pipe_devices} devices and "
+                                 f"{microbatches} microbatches)")
         if degrees.dp_shard == 1:
             return job.search(per_rank, pipe_devices, degrees=degrees, memory_cap=cap, dp_degrees=dps)
 
