@@ -1,5 +1,5 @@
 """The planner's per-rank memory under expert parallelism (``planner.cost.sharding.rank_memory`` with ``ep = 2`` on
-the job's units, ``models.plan_inputs.build_plan_inputs``) within 15% of the bytes measured under torchrun (gloo,
+the job's units: ``bench/moe_measured.py``'s ``predicted``) within 15% of the bytes measured under torchrun (gloo,
 fp32) on the tiny MoE MLLM of ``bench/moe_measured.py`` (issue 29, acceptance): parameters (a DTensor counted by its
 local shard), gradients at the end of a step's backward and AdamW's state, for EP = 2 over 2 DP ranks and EP = 2 x
 FSDP2 (``dp_shard = 2``) on the same 2 processes.
@@ -13,32 +13,13 @@ from __future__ import annotations
 
 import pytest
 
-from bench.moe_measured import COLUMNS, KINDS, job_dict, measure_moe
+from bench.moe_measured import KINDS, job_dict, measure_moe, predicted
 from plait.config.loader import config_from_dict
 from plait.data.chat_template import tokenizer_dir
-from plait.models.plan_inputs import build_plan_inputs
 from plait.models.registry import build_model, load_tokenizer
 from plait.models.units import unit_specs
-from plait.planner.cost.sharding import rank_memory, shard_costs
-from plait.planner.cost.types import OptimizerSpec, ParallelDegrees
-from plait.planner.pipeline.graph import consistent_units
 
-DEGREES = {"EP": ParallelDegrees(ep=2), "EP x FSDP2": ParallelDegrees(dp_shard=2, ep=2)}
-OPTIMIZER = OptimizerSpec(grad_bytes_per_param=4, state_bytes_per_param=8)
-"""fp32 gradients and AdamW's two fp32 moments per trained parameter (bytes; no master copy in fp32)."""
-
-
-def predicted(label: str) -> dict[str, float]:
-    """The planner's bytes per rank of ``label``'s column: parameters, gradients, AdamW state and the experts."""
-    cfg = config_from_dict(job_dict(COLUMNS[label], 2, 1, "train.jsonl", "run"))
-    inputs = build_plan_inputs(cfg, "cpu")
-    assert inputs.dtype == "float32" and inputs.unit_source == "model"
-    units = consistent_units(inputs.units)
-    degrees = DEGREES[label]
-    memory = rank_memory(units, inputs.costs, degrees, dtype="fp32", optimizer=OPTIMIZER)
-    experts = sum(c.expert_param_bytes for c in shard_costs(units, inputs.costs, degrees))
-    return {"parameters": memory.parameters, "gradients": memory.gradients, "optimizer": memory.optimizer,
-            "experts": float(experts)}
+DEGREES = ("EP", "EP x FSDP2")
 
 
 def outside_units_bytes() -> int:
@@ -53,7 +34,7 @@ def outside_units_bytes() -> int:
 
 
 def test_planner_within_15_percent_of_measured_per_rank_under_ep():
-    got = measure_moe(tuple(DEGREES), microbatch=2, steps=1)
+    got = measure_moe(DEGREES, microbatch=2, steps=1)
     outside = outside_units_bytes()
     for label in DEGREES:
         measured = got[label]
