@@ -31,8 +31,8 @@ def least_need(units: Sequence[Unit], costs: Sequence[UnitCost], devices: int, o
     / (tp x dp_shard)`` ranks of FSDP2-sharded stages with ``dp_shard > 1`` (``rank_memory(pipelined=True)``; not
     with EP, which ``plan_parallel`` does not search under FSDP2 with stages); FSDP2 without stages (every rank a DP
     rank) holds every unit on one rank (``rank_memory``); a sharded option needs the least of them. With ``host`` a
-    sharded option without EP may also offload to the host as ``plan_parallel`` searches it (``offload.offload_cost``: its device bytes, when its
-    host bytes fit ``host.memory_bytes``).
+    sharded option without EP may also offload to the host as ``plan_parallel`` searches it
+    (``offload.offload_cost``: its device bytes, when its host bytes fit ``host.memory_bytes``).
 
     Raises:
         ValueError: on no options or ``devices`` < 1.

@@ -1,6 +1,6 @@
 """``plait plan`` on a mixture-of-experts job: the demo job with a Qwen3-MoE LLM (64 experts, 97% of the parameters)
 picks expert parallelism when only it fits the device (the EP options are searched with as few microbatches as the
-job has; TP leaves the routed experts whole on every rank, as the runtime does), prints ``ep = N`` and
+job has; TP leaves the routed experts, their bytes and their time, whole on every rank, as the runtime does), prints ``ep = N`` and
 ``--parallel.ep=N``, and the printed tables load; the no-fit message names EP when the least option uses it."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 
 from plait.commands.plan.command import plan_command, plan_setup
 from plait.config.loader import load_config
-from plait.planner.cost.sharding import rank_memory
+from plait.planner.cost.experts import ExpertDispatch, expert_layers
+from plait.planner.cost.sharding import rank_memory, shard_costs
 from plait.planner.cost.types import DeviceSpec, ParallelDegrees
 from plait.planner.pipeline.graph import consistent_units
 from plait.planner.search.fit import least_need
@@ -85,6 +86,17 @@ def test_tp_leaves_the_routed_experts_whole():
     ep4 = rank_memory([units[layer]], [costs[layer]], ParallelDegrees(ep=4)).parameters
     assert tp4 == pytest.approx(experts + (one - experts) / 4, abs=4)
     assert ep4 == pytest.approx(experts / 4 + (one - experts), abs=4)
+    # time: each pass's routed part (the layer's routed_s at ep 1) whole on every TP rank, the rest divided
+    inputs = setup.inputs
+    moe = expert_layers(inputs.units, inputs.model_configs, inputs.shapes["llm"], setup.spec, inputs.dtype)
+    routed = next(m for m in moe if m.unit == units[layer].name).routed_s(1)
+    whole = costs[layer]
+    assert 0 < routed < whole.forward_s
+    split = shard_costs([units[layer]], [whole], ParallelDegrees(tp=4), experts=ExpertDispatch(moe))[0]
+    for name in ("forward_s", "input_grad_s", "weight_grad_s"):
+        assert getattr(split, name) == pytest.approx(routed + (getattr(whole, name) - routed) / 4), name
+    assert shard_costs([units[layer]], [whole], ParallelDegrees(tp=4))[0].forward_s == pytest.approx(
+        whole.forward_s / 4)  # without the MoE layers: all of it divided
 
 
 def test_least_need_under_ep_counts_the_stages_ep_leaves():
