@@ -63,5 +63,6 @@ def search_plan(setup: Any, devices: int, memory_fraction: float, **space: Any) 
         return plan_parallel(inputs.units, inputs.costs, devices, microbatches=inputs.microbatches,
                              machine=setup.machine, space=dataclasses.replace(setup.space, **space), experts=experts)
     except NoPlanFits as exc:
-        max_ep = max(searched_ep_degrees(space.get("ep_degrees", setup.space.ep_degrees), experts, devices))
+        searched = searched_ep_degrees(space.get("ep_degrees", setup.space.ep_degrees), experts, devices)
+        max_ep = max(e for e in searched if e <= max(inputs.microbatches, 1) or e == 1)  # a microbatch per DP rank
         raise ValueError(no_fit_message(exc, setup, devices, memory_fraction, max_ep)) from None

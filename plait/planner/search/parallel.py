@@ -346,7 +346,8 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
         return plan_over_divisors(devices, direct, lambda c: (c.iteration_s, _preference(_degrees_of(c))))
     except NoPlanFits as exc:
         host = machine.host or (HostSpec() if space.offload == "cpu" else None)
-        raise NoPlanFits(str(exc), least_need_of(job.true_units, job.whole, devices, options, dtype=machine.dtype,
+        tried = [o for o in options if o.ep <= microbatches]  # EP needs a microbatch per DP rank
+        raise NoPlanFits(str(exc), least_need_of(job.true_units, job.whole, devices, tried, dtype=machine.dtype,
                                                  optimizer=machine.optimizer,
                                                  checkpoint_overrides=space.checkpoint_overrides, host=host)) from exc
 
@@ -405,8 +406,7 @@ def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees], 
             parts: frozenset[str] = BOTH) -> LayoutChoice:
         dps = None if space.dp_degrees is None else [d for d in space.dp_degrees if d <= pipe_devices] or [1]
         if degrees.ep > 1:  # EP splits the DP ranks of a stage: DP degrees it divides, a microbatch per DP rank
-            dps = [d for d in (divisors(pipe_devices) if dps is None else dps)
-                   if d % degrees.ep == 0 and d <= microbatches]
+            dps = [d for d in (dps or divisors(pipe_devices)) if d % degrees.ep == 0 and d <= microbatches]
             if not dps:
                 raise ValueError(f"ep {degrees.ep} divides no DP degree searched (at most {microbatches} microbatches)")
         if degrees.dp_shard == 1:

@@ -116,3 +116,11 @@ def test_no_fit_message_names_ep():
     assert "ep up to 8" in text
     plain = explain_no_fit(NoPlanFits("x", LeastNeed(1.0, ParallelDegrees())), 8, 2.0, "a cap", "more devices")
     assert "ep " not in plain
+
+
+def test_no_fit_on_the_moe_job_names_the_ep_degrees_its_microbatches_allow():
+    tiny = dataclasses.replace(DeviceSpec.h100(), memory_bytes=0.03 * 2**30)  # 27.6 MiB: below any plan's need
+    setup = plan_setup(DEMO, 8, overrides=OVERRIDES, device=tiny)
+    with pytest.raises(ValueError, match=r"no plan fits in 27.6 MiB per device .* the least any option searched "
+                                         r"needs is about [0-9.]+ MiB .*ep up to 2 and CPU offload were searched"):
+        search_plan(setup, 8, 0.9)  # 2 microbatches: EP 2 at most (one per DP rank)
