@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from bench.tensor_bytes import storage_bytes  # noqa: E402
 
-__all__ = ["COLUMNS", "MOE_LLM", "measure_moe", "print_table"]
+__all__ = ["COLUMNS", "MOE_LLM", "measure_moe", "measured_rows", "predicted", "print_table", "table_lines"]
 
 MOE_LLM = dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
@@ -148,17 +148,54 @@ def measure_moe(columns: tuple[str, ...] = tuple(COLUMNS), microbatch: int = 2, 
         return {label: _run_column(label, microbatch, steps, folder, train_file) for label in columns}
 
 
-def print_table(results: dict[str, dict | str]) -> None:
-    """The table of :func:`measure_moe`'s results: KiB per rank and milliseconds per step."""
-    print(f"{'column':<12} {'params KiB':>11} {'of experts':>10} {'grads KiB':>10} {'AdamW KiB':>10} "
-          f"{'total KiB':>10} {'step ms':>8}")
+def predicted(label: str) -> dict[str, float]:
+    """The planner's bytes per rank of ``label``'s column (:data:`COLUMNS`): ``parameters``, ``gradients``,
+    ``optimizer`` (``planner.cost.sharding.rank_memory`` on the job's units, ``models.plan_inputs.build_plan_inputs``
+    on the CPU preset, fp32, AdamW's two moments) and ``experts`` (the routed experts' share of the parameters). The
+    planner charges the pipeline units' modules only (the frozen SigLIP tower's unused post-norm and pooling head are
+    not predicted)."""
+    from plait.config.loader import config_from_dict
+    from plait.models.plan_inputs import build_plan_inputs
+    from plait.planner.cost.sharding import rank_memory, shard_costs
+    from plait.planner.cost.types import OptimizerSpec, ParallelDegrees
+    from plait.planner.pipeline.graph import consistent_units
+
+    column = COLUMNS[label]
+    inputs = build_plan_inputs(config_from_dict(job_dict(column, 2, 1, "train.jsonl", "run")), "cpu")
+    units = consistent_units(inputs.units)
+    degrees = ParallelDegrees(dp_shard=column.get("dp_shard", 1), ep=column.get("ep", 1))
+    memory = rank_memory(units, inputs.costs, degrees, dtype="fp32",
+                         optimizer=OptimizerSpec(grad_bytes_per_param=4, state_bytes_per_param=8))
+    experts = sum(c.expert_param_bytes for c in shard_costs(units, inputs.costs, degrees))
+    return {"parameters": memory.parameters, "gradients": memory.gradients, "optimizer": memory.optimizer,
+            "experts": float(experts)}
+
+
+def table_lines(results: dict[str, dict | str]) -> list[str]:
+    """The table of :func:`measure_moe`'s results: KiB per rank (measured; ``planned``: the planner's total,
+    :func:`predicted`) and milliseconds per step."""
+    lines = [f"{'column':<12} {'params KiB':>11} {'of experts':>10} {'grads KiB':>10} {'AdamW KiB':>10} "
+             f"{'total KiB':>10} {'planned KiB':>11} {'step ms':>8}"]
     for label, r in results.items():
         if isinstance(r, str):
-            print(f"{label:<12} did not run: {r}")
+            lines.append(f"{label:<12} did not run: {r}")
             continue
         total = sum(r[k] for k in KINDS)
-        print(f"{label:<12} {r['parameters'] / 1024:>11.1f} {r['experts'] / 1024:>10.1f} {r['gradients'] / 1024:>10.1f} "
-              f"{r['optimizer'] / 1024:>10.1f} {total / 1024:>10.1f} {1000 * r['step_s']:>8.1f}")
+        planned = sum(predicted(label)[k] for k in KINDS)
+        lines.append(f"{label:<12} {r['parameters'] / 1024:>11.1f} {r['experts'] / 1024:>10.1f} "
+                     f"{r['gradients'] / 1024:>10.1f} {r['optimizer'] / 1024:>10.1f} {total / 1024:>10.1f} "
+                     f"{planned / 1024:>11.1f} {1000 * r['step_s']:>8.1f}")
+    return lines
+
+
+def print_table(results: dict[str, dict | str]) -> None:
+    """Print :func:`table_lines`."""
+    print("\n".join(table_lines(results)))
+
+
+def measured_rows(microbatch: int = 2, steps: int = 4) -> list[str]:
+    """:func:`measure_moe` on every column as printable lines (:func:`table_lines`; ``bench/moe.py`` prints them)."""
+    return table_lines(measure_moe(microbatch=microbatch, steps=steps))
 
 
 def main() -> None:

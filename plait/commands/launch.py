@@ -89,10 +89,10 @@ def check_launch(cfg, nproc: int, kills: Sequence[tuple[int, int]] = (),
             its data); a ``--rejoin`` that cannot happen (:func:`_check_rejoins`).
     """
     p = cfg.parallel
-    for name, value in (("tp", p.tp), ("dp_shard", p.dp_shard), ("cp", p.cp)):
+    for name, value in (("tp", p.tp), ("dp_shard", p.dp_shard), ("cp", p.cp), ("ep", p.ep)):
         if value > 1:
             raise ValueError(f"parallel.{name} = {value}: plait launch plans its own pipelines (heterogeneous "
-                             "data-parallel replicas of whole layers) and runs no tensor, FSDP2 or context "
+                             "data-parallel replicas of whole layers) and runs no tensor, FSDP2, context or expert "
                              f"parallelism inside them; set --parallel.{name}=1, or train with plait train under "
                              "torchrun (not resilient)")
     for flag, pairs, count, what in (("--kill", kills, nproc, "worker"), ("--rejoin", rejoins, nproc, "worker"),

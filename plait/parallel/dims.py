@@ -149,7 +149,7 @@ class ParallelDims:
                              "(LOCAL_WORLD_SIZE): leave parallel.gpus_per_node at 0 (torchrun's) or make them agree")
         per_node = gpus_per_node or int(launched or self.world_size)
         sizes = {a: self.size(a) for a in AXES}
-        return dataclasses.replace(self, rank_order=plan_rank_order(sizes, max(per_node, 1)))
+        return dataclasses.replace(self, rank_order=plan_rank_order(sizes, max(per_node, 1), self.ep))
 
     @property
     def world_size(self) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from plait.planner.cost.experts import expert_layers
+from plait.planner.cost.experts import expert_layers, searched_ep_degrees
 from plait.planner.report import format_bytes
 from plait.planner.search.types import LayoutChoice, NoPlanFits
 from plait.planner.search.parallel import plan_parallel
@@ -21,28 +21,31 @@ from plait.planner.search.parallel import plan_parallel
 __all__ = ["explain_no_fit", "no_fit_message", "search_plan"]
 
 
-def explain_no_fit(error: NoPlanFits, devices: int, cap: float, where: str, hints: str) -> str:
+def explain_no_fit(error: NoPlanFits, devices: int, cap: float, where: str, hints: str, max_ep: int = 1) -> str:
     """One sentence: no plan fits in ``cap`` bytes per device on ``devices`` devices (``where`` says where the cap
     comes from), the least need over the options searched (``error.least``: TP up to 8, dp_shard up to ``devices``,
-    activation checkpointing unless the job fixed its policy, and FSDP2 CPU offload, as ``plan_parallel`` searches
-    them) and ``hints``, what to change. Without a least need: the cap, ``error``'s message and ``hints``."""
+    activation checkpointing unless the job fixed its policy, EP up to ``max_ep`` for a MoE LLM, and FSDP2 CPU
+    offload, as ``plan_parallel`` searches them; the least option's EP degree named when above 1) and ``hints``,
+    what to change. Without a least need: the cap, ``error``'s message and ``hints``."""
     least = error.least
     if least is None:
         return f"no plan fits in {format_bytes(cap)} per device ({where}): {error}. To fit: {hints}"
     best = least.degrees
+    ep = f", ep {best.ep}" if best.ep > 1 else ""
+    searched_ep = f", ep up to {max_ep}" if max_ep > 1 else ""
     return (f"no plan fits in {format_bytes(cap)} per device ({where}): the least any option searched needs is about "
-            f"{format_bytes(least.bytes)} per device (tp {best.tp}, dp_shard {best.dp_shard}, activation "
+            f"{format_bytes(least.bytes)} per device (tp {best.tp}, dp_shard {best.dp_shard}{ep}, activation "
             f"checkpointing {best.checkpointing}{', CPU offload' if least.offloaded else ''}; tp up to "
-            f"{min(8, devices)}, dp_shard up to {devices} and CPU offload were searched). To fit: {hints}")
+            f"{min(8, devices)}, dp_shard up to {devices}{searched_ep} and CPU offload were searched). To fit: {hints}")
 
 
-def no_fit_message(error: NoPlanFits, setup: Any, devices: int, memory_fraction: float) -> str:
+def no_fit_message(error: NoPlanFits, setup: Any, devices: int, memory_fraction: float, max_ep: int = 1) -> str:
     """The readable error of a ``plait plan`` that found no fitting plan (``setup``: ``plan.PlanSetup``): the cap,
     the least need over the options searched and what to change (:func:`explain_no_fit`)."""
     where = f"{memory_fraction:g} of the {format_bytes(setup.spec.memory_bytes)} of a {setup.spec.name}, --memory-fraction"
     hints = ("more devices (--devices), a larger --memory-fraction or a device with more memory (--device), or freeze "
              "more of the model")
-    return explain_no_fit(error, devices, setup.machine.memory_cap, where, hints)
+    return explain_no_fit(error, devices, setup.machine.memory_cap, where, hints, max_ep)
 
 
 def search_plan(setup: Any, devices: int, memory_fraction: float, **space: Any) -> LayoutChoice:
@@ -60,4 +63,6 @@ def search_plan(setup: Any, devices: int, memory_fraction: float, **space: Any) 
         return plan_parallel(inputs.units, inputs.costs, devices, microbatches=inputs.microbatches,
                              machine=setup.machine, space=dataclasses.replace(setup.space, **space), experts=experts)
     except NoPlanFits as exc:
-        raise ValueError(no_fit_message(exc, setup, devices, memory_fraction)) from None
+        searched = searched_ep_degrees(space.get("ep_degrees", setup.space.ep_degrees), experts, devices)
+        max_ep = max(e for e in searched if e <= max(inputs.microbatches, 1) or e == 1)  # a microbatch per DP rank
+        raise ValueError(no_fit_message(exc, setup, devices, memory_fraction, max_ep)) from None

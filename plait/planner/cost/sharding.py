@@ -15,7 +15,11 @@ the degrees. The formulas, per pipeline unit ``u`` with ``P_u`` parameter bytes,
   (``tp_link``, ring all-reduce ``search_model.allreduce_s``). Saved activations: the per-token terms of the full
   hidden size stay whole (each norm's input and the normed inputs of attention and MLP, 4 ``O_u`` for the usual two
   norms: ``cost_model._decoder_layer_saved``), the rest (q, k, v, attention output, MLP intermediates, the
-  log-sum-exp per head) is divided by ``tp``.
+  log-sum-exp per head) is divided by ``tp``. A MoE layer's routed experts (``UnitCost.expert_param_bytes``) are in
+  no family's TP plan (transformers keeps them for its expert-parallel plan; plait's TP splits ``nn.Linear``
+  modules, not the fused 3-D expert weights): they stay whole on every TP rank, only the rest of ``P_u`` is divided,
+  and so does each pass's time but for its routed experts' part (``experts.ExpertLayer.routed_s`` at ``ep = 1``,
+  when ``shard_costs`` is given the MoE layers).
 - **AC** (``recompute.plan_checkpointing``, ``recompute.checkpointed_costs``, applied after TP so a recomputed
   forward repeats its TP all-reduces): a checkpointed layer keeps only its input and its backward first runs its
   forward again.
@@ -117,18 +121,26 @@ def gather_s(num_bytes: float, shards: int, link: P2PModel | None) -> float:
     return (shards - 1) * link.latency_s + (volume / link.bandwidth_Bps if link.bandwidth_Bps else 0.0)
 
 
-def _tp_cost(unit: Unit, cost: UnitCost, tp: int, link: P2PModel | None) -> UnitCost:
-    """One unit's cost on each of ``tp`` ranks (module docstring); unchanged for kinds TP does not split."""
+def _tp_cost(unit: Unit, cost: UnitCost, tp: int, link: P2PModel | None, routed: float = 0.0) -> UnitCost:
+    """One unit's cost on each of ``tp`` ranks (module docstring); unchanged for kinds TP does not split.
+    ``routed``: seconds of one pass of the unit's routed experts (``experts.ExpertLayer.routed_s(1)``), which every
+    TP rank runs whole."""
     if tp == 1 or unit.kind not in TP_KINDS:
         return cost
+
+    def split(seconds: float) -> float:  # the routed part (at most the pass) whole, the rest divided
+        kept = min(seconds, routed)
+        return kept + (seconds - kept) / tp
+
     comm = 2 * tp_allreduce_s(cost.output_bytes, tp, link)
     whole = min(cost.activation_bytes, _TP_WHOLE_OUTPUTS * cost.output_bytes)
+    experts = cost.expert_param_bytes  # not in any TP plan: whole on every TP rank
     return dataclasses.replace(
-        cost, forward_s=cost.forward_s / tp + comm, input_grad_s=cost.input_grad_s / tp + comm,
-        weight_grad_s=cost.weight_grad_s / tp, param_bytes=math.ceil(cost.param_bytes / tp),
-        expert_param_bytes=math.ceil(cost.expert_param_bytes / tp),
+        cost, forward_s=split(cost.forward_s) + comm,
+        input_grad_s=split(cost.input_grad_s) + comm,
+        weight_grad_s=split(cost.weight_grad_s), param_bytes=math.ceil((cost.param_bytes - experts) / tp) + experts,
         activation_bytes=int(round(whole + (cost.activation_bytes - whole) / tp)),
-        recompute_s=cost.recompute_s / tp)
+        recompute_s=split(cost.recompute_s))
 
 
 def _ep_cost(cost: UnitCost, ep: int) -> UnitCost:
@@ -179,7 +191,8 @@ def shard_costs(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: Paral
         shard_link: link of FSDP2's all-gathers; None: free.
         checkpoint_overrides: per module a policy replacing ``degrees.checkpointing`` (``plan_checkpointing``).
         experts: the MoE layers and the EP group's link (``experts.expert_parallel_costs``); None: no all-to-all
-            or imbalance charged (the experts' memory is still divided by ``degrees.ep``).
+            or imbalance charged (the experts' memory is still divided by ``degrees.ep``) and, under TP, the routed
+            experts' time divided with the rest of the layer's.
 
     Raises:
         ValueError: when the lengths differ (or on an unknown policy, or EP with TP).
@@ -188,7 +201,8 @@ def shard_costs(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: Paral
         raise ValueError(f"{len(units)} units but {len(costs)} costs")
     if degrees.ep > 1 and degrees.tp > 1:
         raise ValueError(f"EP ({degrees.ep}) with TP ({degrees.tp}) is not modelled")
-    out = [_tp_cost(u, c, degrees.tp, tp_link) for u, c in zip(units, costs)]
+    routed = {layer.unit: layer.routed_s(1) for layer in experts.layers} if experts is not None else {}
+    out = [_tp_cost(u, c, degrees.tp, tp_link, routed.get(u.name, 0.0)) for u, c in zip(units, costs)]
     out = expert_parallel_costs(units, out, degrees.ep, experts)
     out = checkpointed_costs(out, plan_checkpointing(units, degrees.checkpointing, checkpoint_overrides))
     kept = degrees.fsdp_reshard == "after_backward"
@@ -197,18 +211,20 @@ def shard_costs(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: Paral
 
 def pipelined_shard_costs(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees, *,
                           tp_link: P2PModel | None = None,
-                          checkpoint_overrides: dict[str, str] | None = None) -> list[UnitCost]:
+                          checkpoint_overrides: dict[str, str] | None = None,
+                          experts: ExpertDispatch | None = None) -> list[UnitCost]:
     """Per-rank costs of ``units`` under ``degrees`` in a plan with pipeline stages (module docstring, "FSDP2 under
     pipeline stages"): TP and AC as :func:`shard_costs`; FSDP2 leaves each unit's time and ``param_bytes`` whole (the
     stage's parameters are gathered once per step, not per microbatch). Search them with
     :func:`pipelined_optimizer`, :func:`pipelined_overheads` and ``dp_shard = 1`` (the step's gather and
-    reduce-scatter move the bytes of the DP all-reduce).
+    reduce-scatter move the bytes of the DP all-reduce). ``experts``: as :func:`shard_costs`.
 
     Raises:
         ValueError: as :func:`shard_costs`.
     """
     whole = dataclasses.replace(degrees, dp_shard=1)
-    return shard_costs(units, costs, whole, tp_link=tp_link, checkpoint_overrides=checkpoint_overrides)
+    return shard_costs(units, costs, whole, tp_link=tp_link, checkpoint_overrides=checkpoint_overrides,
+                       experts=experts)
 
 
 def pipelined_optimizer(optimizer: OptimizerSpec, dp_shard: int) -> OptimizerSpec:

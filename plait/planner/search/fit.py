@@ -26,12 +26,13 @@ def least_need(units: Sequence[Unit], costs: Sequence[UnitCost], devices: int, o
                host: HostSpec | None = None) -> tuple[float, ParallelDegrees]:
     """The least per-device bytes any of ``options`` needs on ``devices`` devices, and that option: a lower bound
     of its fullest device (one microbatch's activations in flight). Pipeline ranks share the units: at least the
-    largest unit, and at least an equal share of all of them, over the ``devices / tp`` ranks with ``dp_shard = 1``
-    (``rank_memory``) and over at most ``devices / (tp x dp_shard)`` ranks of FSDP2-sharded stages with
-    ``dp_shard > 1`` (``rank_memory(pipelined=True)``); FSDP2 without stages (every rank a DP rank) holds every
-    unit on one rank (``rank_memory``); a sharded option needs the least of them. With ``host`` a sharded option may
-    also offload to the host as ``plan_parallel`` searches it (``offload.offload_cost``: its device bytes, when its
-    host bytes fit ``host.memory_bytes``).
+    largest unit, and at least an equal share of all of them, over the ``devices / (tp x ep)`` pipeline ranks with
+    ``dp_shard = 1`` (``rank_memory``; EP takes its ``ep`` ranks from a stage's DP ranks) and over at most ``devices
+    / (tp x dp_shard)`` ranks of FSDP2-sharded stages with ``dp_shard > 1`` (``rank_memory(pipelined=True)``; not
+    with EP, which ``plan_parallel`` does not search under FSDP2 with stages); FSDP2 without stages (every rank a DP
+    rank) holds every unit on one rank (``rank_memory``); a sharded option needs the least of them. With ``host`` a
+    sharded option without EP may also offload to the host as ``plan_parallel`` searches it
+    (``offload.offload_cost``: its device bytes, when its host bytes fit ``host.memory_bytes``).
 
     Raises:
         ValueError: on no options or ``devices`` < 1.
@@ -47,12 +48,12 @@ def least_need(units: Sequence[Unit], costs: Sequence[UnitCost], devices: int, o
         return max(largest, whole / ranks)
 
     def need(degrees: ParallelDegrees) -> float:
-        if degrees.dp_shard == 1:
-            return shared(degrees, devices // degrees.tp, False)
+        if degrees.dp_shard == 1:  # EP splits the DP ranks of a stage: at most devices / (tp ep) stages
+            return shared(degrees, devices // (degrees.tp * degrees.ep), False)
         flat = rank_memory(units, costs, degrees, **kw).total
         stages = devices // (degrees.tp * degrees.dp_shard)
-        least = min(flat, shared(degrees, stages, True)) if stages > 1 else flat
-        if host is not None:
+        least = min(flat, shared(degrees, stages, True)) if stages > 1 and degrees.ep == 1 else flat
+        if host is not None and degrees.ep == 1:  # EP is not searched with CPU offload
             offload = offload_cost(units, costs, degrees, host, **kw)
             if offload.host_bytes <= host.memory_bytes:
                 least = min(least, offload.device_bytes)

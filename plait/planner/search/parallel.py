@@ -171,7 +171,7 @@ def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatc
         if key not in links:
             tp_link, shard_link = option_links(machine, tp=degrees.tp, dp_shard=degrees.dp_shard, devices=devices)
             links[key] = dict(tp_link=tp_link, shard_link=shard_link, checkpoint_overrides=space.checkpoint_overrides)
-            if degrees.ep > 1:
+            if experts and (degrees.ep > 1 or degrees.tp > 1):  # TP: the routed experts' time whole (sharding)
                 links[key]["experts"] = ExpertDispatch(tuple(experts), ep_link(
                     machine, tp=degrees.tp, dp_shard=degrees.dp_shard, ep=degrees.ep, devices=devices))
         return links[key]
@@ -282,7 +282,6 @@ def _label(degrees: ParallelDegrees) -> str:
     return f"tp {degrees.tp}, dp_shard {degrees.dp_shard}{ep}, checkpointing {degrees.checkpointing}{reshard}"
 
 
-
 def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int,
                   machine: Machine = Machine(), space: SearchSpace = SearchSpace(),
                   layout_search: LayoutSearch = plan_layout, experts: Sequence[ExpertLayer] = ()) -> LayoutChoice:
@@ -347,7 +346,8 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
         return plan_over_divisors(devices, direct, lambda c: (c.iteration_s, _preference(_degrees_of(c))))
     except NoPlanFits as exc:
         host = machine.host or (HostSpec() if space.offload == "cpu" else None)
-        raise NoPlanFits(str(exc), least_need_of(job.true_units, job.whole, devices, options, dtype=machine.dtype,
+        tried = [o for o in options if o.ep <= microbatches]  # EP needs a microbatch per DP rank
+        raise NoPlanFits(str(exc), least_need_of(job.true_units, job.whole, devices, tried, dtype=machine.dtype,
                                                  optimizer=machine.optimizer,
                                                  checkpoint_overrides=space.checkpoint_overrides, host=host)) from exc
 
@@ -405,10 +405,10 @@ def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees], 
     def one(per_rank: Sequence[UnitCost], pipe_devices: int, cap: float | None, degrees: ParallelDegrees,
             parts: frozenset[str] = BOTH) -> LayoutChoice:
         dps = None if space.dp_degrees is None else [d for d in space.dp_degrees if d <= pipe_devices] or [1]
-        if degrees.ep > 1:  # EP splits the DP ranks of a stage: DP degrees it divides
-            dps = [d for d in (divisors(pipe_devices) if dps is None else dps) if d % degrees.ep == 0]
+        if degrees.ep > 1:  # EP splits the DP ranks of a stage: DP degrees it divides, a microbatch per DP rank
+            dps = [d for d in (dps or divisors(pipe_devices)) if d % degrees.ep == 0 and d <= microbatches]
             if not dps:
-                raise ValueError(f"ep {degrees.ep} divides no DP degree searched")
+                raise ValueError(f"ep {degrees.ep} divides no DP degree searched (at most {microbatches} microbatches)")
         if degrees.dp_shard == 1:
             return job.search(per_rank, pipe_devices, degrees=degrees, memory_cap=cap, dp_degrees=dps)
 
@@ -526,7 +526,8 @@ def _pipelined(job: _Job, degrees: ParallelDegrees, pipe_devices: int, dps: list
     machine = job.machine
     tp_link, _ = option_links(machine, tp=degrees.tp, dp_shard=degrees.dp_shard, devices=job.devices)
     per_rank = pipelined_shard_costs(job.true_units, job.whole, degrees, tp_link=tp_link,
-                                     checkpoint_overrides=job.space.checkpoint_overrides)
+                                     checkpoint_overrides=job.space.checkpoint_overrides,
+                                     experts=ExpertDispatch(job.experts) if job.experts else None)
     choice = job.search(per_rank, pipe_devices, degrees=degrees, dp_degrees=dps,
                         overheads=pipelined_overheads(machine.overheads, degrees.dp_shard),
                         optimizer=pipelined_optimizer(machine.optimizer, degrees.dp_shard))
@@ -577,7 +578,8 @@ def _offloaded_one(job: _Job, degrees: ParallelDegrees) -> LayoutChoice:
                          f"{format_bytes(cost.host_bytes)} (of {format_bytes(host.memory_bytes)})")
     tp_link, shard_link = option_links(machine, tp=degrees.tp, dp_shard=degrees.dp_shard, devices=job.devices)
     per_rank = shard_costs(job.true_units, job.whole, degrees, tp_link=tp_link, shard_link=shard_link,
-                           checkpoint_overrides=space.checkpoint_overrides)
+                           checkpoint_overrides=space.checkpoint_overrides,
+                           experts=ExpertDispatch(job.experts) if job.experts else None)
     overheads = dataclasses.replace(machine.overheads, optimizer_s_per_byte=0.0)
     choice = job.search(per_rank, pipe, degrees=degrees, dp_degrees=[pipe], memory_cap=None,
                         dp_shard=degrees.dp_shard, overheads=overheads)
