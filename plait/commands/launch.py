@@ -50,7 +50,8 @@ from plait.planner.search.types import Machine
 from plait.planner.resilience.templates import (instantiate, node_domains, plan_instantiation, plan_templates,
                                                 units_on_few_domains)
 from plait.train.faults import node_pids_key
-from plait.train.resilient import LaunchPlan, run_resilient_worker
+from plait.train.launch_plan import LaunchPlan
+from plait.train.resilient import run_resilient_worker
 from plait.train.run_lock import hold_run_lock
 from plait.train.run_start import clear_earlier_run, launch_logs
 

@@ -25,6 +25,9 @@ Each worker (its id is its rank in generation 0 and never changes):
    unit has no surviving copy it stops with :class:`~plait.planner.resilience.types.LostUnitsError`'s message (the
    lost units, resume from the last checkpoint).
 
+Workers restarted or started again join at a step boundary (:class:`~plait.train.admission.JoinerAdmission`);
+the launcher's decisions come as a :class:`~plait.train.launch_plan.LaunchPlan`.
+
 Every worker appends one JSON line per committed step to ``<out>/worker<id>.jsonl`` (step, epoch, loss, learning
 rate, the sample ids trained, the pipelines) and one per reconfiguration; at the end it saves its parameters to
 ``<out>/final-worker<id>.pt`` (by FQN). The LR schedule is the trainers' (:class:`~plait.train.optim.LRSchedule`),
@@ -69,17 +72,18 @@ from plait.parallel.pipeline import run_pipeline_step
 from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.unit_transfer import move_units, unit_parameter_names
 from plait.planner.microbatch import MicrobatchPlan
-from plait.planner.resilience.reconfigure import plan_reconfiguration, plan_rejoin
-from plait.planner.resilience.templates import node_domains
-from plait.planner.resilience.types import Instantiation, Reconfiguration, TemplateSet, Transfer
+from plait.planner.resilience.reconfigure import plan_reconfiguration
+from plait.planner.resilience.types import Instantiation, Reconfiguration, Transfer
 from plait.planner.pipeline.schedule_ir import Schedule
 from plait.planner.pipeline.schedules import build_schedule
+from plait.train.admission import JoinerAdmission
 from plait.train.batches import plan_global_batch
 from plait.train.build import build_datasets, seed_everything
 from plait.train.cost_coeffs import microbatch_cost_coeffs
 from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, save_checkpoint, training_set_identity
 from plait.train.evaluation import EvalReport, eval_batch_size, evaluate_on, load_metrics
 from plait.train.faults import Faults
+from plait.train.launch_plan import LaunchPlan
 from plait.train.loop import LoopSchedule, run_steps, total_steps
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter
@@ -87,7 +91,7 @@ from plait.train.optim import LRSchedule, build_optimizer, step_optimizer
 from plait.train.replica_eval import replica_eval_side
 from plait.train.run_start import say
 
-__all__ = ["LaunchPlan", "ResilientWorker", "WorkerRun", "pipeline_microbatches", "run_resilient_worker"]
+__all__ = ["ResilientWorker", "WorkerRun", "pipeline_microbatches", "run_resilient_worker"]
 
 MAX_REPLAYS = 3
 """Replays of a step that fails with every worker alive (a slow worker taken for dead, or an error of the step
@@ -95,64 +99,6 @@ itself) before the job stops with the error."""
 
 ADAMW_STATE = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(1), "exp_avg_sq": torch.zeros(1)}
 """The per-parameter state keys of AdamW (shapes per parameter), for receiving moved units."""
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    """What the launcher decided before starting the workers (written as ``launch.json``).
-
-    Attributes:
-        templates: the pipeline templates for the job's ranks and ``f``.
-        instantiation: the first instantiation (its ranks are worker ids).
-        timeout_s: collective timeout of the workers' groups (seconds): a hung peer is detected after it.
-        kills: fault injection for tests: ``(worker, step)`` pairs; that worker SIGKILLs itself at the first module
-            forward of that step (in the middle of the step; ``plait.train.faults``).
-        rejoins: ``(worker, step)`` pairs: the launcher restarts that worker once it died, and the members admit it
-            at the start of that step (waiting for it at most ``2 * timeout_s``).
-        nodes: the job's nodes (agents); worker ``w`` runs on node ``w // (workers / nodes)``, and with more than
-            one node, nodes are the failure domains of the instantiations.
-        stops: fault injection: ``(worker, step)`` pairs; that worker SIGSTOPs itself mid-step (a hung worker).
-        node_kills: fault injection: ``(node, step)`` pairs; that node's agent and workers are SIGKILLed at once
-            mid-step (a lost node).
-    """
-
-    templates: TemplateSet
-    instantiation: Instantiation
-    timeout_s: float = 10.0
-    kills: tuple[tuple[int, int], ...] = ()
-    rejoins: tuple[tuple[int, int], ...] = ()
-    nodes: int = 1
-    stops: tuple[tuple[int, int], ...] = ()
-    node_kills: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def per_node(self) -> int:
-        """Workers per node."""
-        return self.templates.num_ranks // self.nodes
-
-    def node_workers(self, worker: int) -> range:
-        """The worker ids of ``worker``'s node (numbered node by node), itself included."""
-        first = worker // self.per_node * self.per_node
-        return range(first, first + self.per_node)
-
-    def domains(self) -> dict[int, int] | None:
-        """Worker id -> node, the failure domains (``templates.node_domains``; None on one node)."""
-        return node_domains(self.templates.num_ranks, self.nodes)
-
-    def to_json(self) -> str:
-        """The plan as JSON (templates and instantiation by their own ``to_dict``)."""
-        pairs = {name: [list(k) for k in getattr(self, name)] for name in ("kills", "rejoins", "stops", "node_kills")}
-        return json.dumps({"templates": self.templates.to_dict(), "instantiation": self.instantiation.to_dict(),
-                           "timeout_s": self.timeout_s, "nodes": self.nodes, **pairs})
-
-    @classmethod
-    def from_json(cls, text: str) -> LaunchPlan:
-        """Read :meth:`to_json`'s output."""
-        d = json.loads(text)
-        pairs = {name: tuple((int(a), int(b)) for a, b in d.get(name, ()))
-                 for name in ("kills", "rejoins", "stops", "node_kills")}
-        return cls(TemplateSet.from_dict(d["templates"]), Instantiation.from_dict(d["instantiation"]),
-                   float(d["timeout_s"]), nodes=int(d.get("nodes", 1)), **pairs)
 
 
 def pipeline_microbatches(indices: Sequence[int], plan: MicrobatchPlan, counts: Sequence[int]
@@ -194,7 +140,7 @@ class WorkerRun:
 
 
 @dataclass
-class ResilientWorker:
+class ResilientWorker(JoinerAdmission):
     """One worker of a resilient job (module docstring). ``out``: the folder of logs and final parameters."""
 
     cfg: JobConfig
@@ -438,62 +384,6 @@ class ResilientWorker:
                 raise
             except RuntimeError:  # another worker failed during it: one more generation
                 pass
-
-    def admit_joiners(self, run: WorkerRun, step: int) -> WorkerRun:
-        """At the start of ``step``: admit the workers planned to rejoin then (``LaunchPlan.rejoins``) that asked
-        (rank 0 waits for them at most ``2 * timeout_s`` and announces who came through the store,
-        :meth:`Membership.announce`), re-instantiate over the larger set (``plan_rejoin``) and copy their units to
-        them. Collective."""
-        planned = [w for w, s in self.plan.rejoins if s == step and w not in self.membership.members]
-        joiners = self._asked(step)
-        if planned:
-            decided = None
-            if self.membership.rank == 0:
-                deadline = time.monotonic() + 2 * self.plan.timeout_s
-                while len(self.membership.joined(planned)) < len(planned) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                decided = json.dumps(self.membership.joined(planned))
-            # through the store, not a broadcast: rank 0 may wait longer than the collective timeout for a slow start
-            joiners += json.loads(self.membership.announce(f"joiners/step{step}", decided, 3 * self.plan.timeout_s))
-        joiners = sorted(set(joiners))
-        if not joiners:
-            return run
-        start = time.monotonic()
-        run.drop_groups()
-        self.membership.admit(joiners, {"step": step, "inst": run.inst.to_dict(), "joiners": joiners})
-        return self._apply_rejoin(run.inst, joiners, run, start)
-
-    def _asked(self, step: int) -> list[int]:
-        """Workers not planned to rejoin at a later step (``LaunchPlan.rejoins``) that asked to join (a node started
-        again, or a planned joiner too late for its step) and are admitted at the start of ``step``: rank 0 wrote them
-        under ``asked/step<step>`` at the start of the step before (:meth:`Membership.post`), before its vote to
-        commit that step, which every member's commit waited for, so every member reads the same list. Rank 0 then
-        writes the next step's: a node's workers together once all of its absent ones ask (one re-instantiation,
-        not one per worker), or any that has asked for 2 steps."""
-        membership = self.membership
-        asked = json.loads(membership.posted(f"asked/step{step}") or "[]")
-        if membership.rank == 0:  # a planned rejoin waits for its step; one that missed it is admitted as it asks
-            planned = {w for w, s in self.plan.rejoins if s > step}
-            outside = [w for w in range(membership.world) if w not in planned and w not in asked]
-            asking = set(membership.joined(outside))
-            self.asking_since = {w: self.asking_since.get(w, step) for w in asking}
-            ready = [w for w in sorted(asking) if step - self.asking_since[w] >= 2 or all(
-                v in asking or v in membership.members or v in asked for v in self.plan.node_workers(w))]
-            membership.post(f"asked/step{step + 1}", json.dumps(ready))
-        return [w for w in asked if w not in membership.members]
-
-    def _apply_rejoin(self, inst: Instantiation, joiners: Sequence[int], run: WorkerRun | None,
-                      start: float) -> WorkerRun:
-        rec = plan_rejoin(self.plan.templates, inst, joiners, self.plan.domains())
-        new = self.build_run(rec.after, run, rec.transfers)
-        seconds = time.monotonic() - start
-        if self.membership.rank == 0:
-            say(f"plait launch: worker(s) {list(joiners)} rejoined in {seconds:.2f} s; {len(rec.transfers)} unit "
-                f"copies, {rec.bytes / 2**20:.1f} MiB; workers per pipeline "
-                f"{[list(p.ranks) for p in rec.after.pipelines]}")
-        self._log({"event": "rejoin", "joined": list(joiners), "bytes": rec.bytes, "seconds": seconds,
-                   "pipelines": [list(p.ranks) for p in rec.after.pipelines]})
-        return new
 
     def train(self, joining: bool = False) -> None:
         """Train every step of the job (``train.steps``, or ``train.epochs`` of the loader) by the loop of every

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from plait.commands.launch import (NodeRole, _wait, check_launch, launch_command, launch_device, launch_plan,
                                    parse_kills, worker_command)
-from plait.train.resilient import LaunchPlan
+from plait.train.launch_plan import LaunchPlan
 from tests.distributed.spawning import free_port
 from plait.planner.cost.types import DeviceSpec
 from plait.config.loader import config_from_dict
