@@ -18,7 +18,8 @@ class LaunchPlan:
 
     Attributes:
         templates: the pipeline templates for the job's ranks and ``f``.
-        instantiation: the first instantiation (its ranks are worker ids).
+        instantiation: the first instantiation (its ranks are worker ids; shard groups when the templates' ``dp_shard``
+            is above 1: ``plait.planner.resilience.shards``).
         timeout_s: collective timeout of the workers' groups (seconds): a hung peer is detected after it.
         kills: fault injection for tests: ``(worker, step)`` pairs; that worker SIGKILLs itself at the first module
             forward of that step (in the middle of the step; ``plait.train.faults``).
@@ -43,7 +44,7 @@ class LaunchPlan:
     @property
     def per_node(self) -> int:
         """Workers per node."""
-        return self.templates.num_ranks // self.nodes
+        return self.templates.workers // self.nodes
 
     def node_workers(self, worker: int) -> range:
         """The worker ids of ``worker``'s node (numbered node by node), itself included."""
@@ -51,7 +52,8 @@ class LaunchPlan:
         return range(first, first + self.per_node)
 
     def domains(self) -> dict[int, int] | None:
-        """Worker id -> node, the failure domains (``templates.node_domains``; None on one node)."""
+        """The planner's rank (a worker id, or a shard group) -> node, the failure domains (``templates.node_domains``;
+        None on one node)."""
         return node_domains(self.templates.num_ranks, self.nodes)
 
     def to_json(self) -> str:

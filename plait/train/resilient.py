@@ -54,7 +54,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from plait.config.loader import config_to_dict
 from plait.config.schema import JobConfig
@@ -65,14 +67,19 @@ from plait.data.progress import Progress
 from plait.models.device import apply_cpu_threads
 from plait.models.generation import stop_token_ids
 from plait.models.registry import build_model, build_processor, load_tokenizer
+from plait.models.units import unit_specs
 from plait.parallel.grad_sync import HeteroSync
-from plait.parallel.hetero_dp import HeteroDP, build_hetero_dp, hetero_pipeline_comm
-from plait.parallel.membership import Membership, NoQuorumError
+from plait.parallel.fsdp import ShardedModel, gathered
+from plait.parallel.hetero_dp import (HeteroDP, build_hetero_dp, hetero_pipeline_comm, local_unit_state, param_state,
+                                      shard_stages)
+from plait.parallel.membership import Membership, NoQuorumError, forget_process
 from plait.parallel.pipeline import run_pipeline_step
 from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.unit_transfer import move_units, unit_parameter_names
 from plait.planner.microbatch import MicrobatchPlan
 from plait.planner.resilience.reconfigure import plan_reconfiguration
+from plait.planner.resilience.shards import (failed_groups, group_workers, partners_left, shard_rows,
+                                             worker_transfers)
 from plait.planner.resilience.types import Instantiation, Reconfiguration, Transfer
 from plait.planner.pipeline.schedule_ir import Schedule
 from plait.planner.pipeline.schedules import build_schedule
@@ -90,6 +97,7 @@ from plait.train.metrics import MetricsWriter
 from plait.train.optim import LRSchedule, build_optimizer, step_optimizer
 from plait.train.replica_eval import replica_eval_side
 from plait.train.run_start import say
+from plait.train.step_run import unused_branches
 
 __all__ = ["ResilientWorker", "WorkerRun", "pipeline_microbatches", "run_resilient_worker"]
 
@@ -119,6 +127,11 @@ def pipeline_microbatches(indices: Sequence[int], plan: MicrobatchPlan, counts: 
     return [groups[a:a + c] for a, c in zip(starts, counts)]
 
 
+class ShardGroupLeft(Exception):
+    """This worker leaves the job: a worker of its shard group failed (FSDP2 inside the pipelines), so the shards
+    it holds belong to a pipeline's copy that is gone (:func:`run_resilient_worker` ends it cleanly)."""
+
+
 @dataclass
 class WorkerRun:
     """This worker's part of an instantiation: stages, gradient groups (and their sum, ``sync``), schedule,
@@ -131,6 +144,8 @@ class WorkerRun:
     schedule: Schedule
     opt: torch.optim.Optimizer | None
     eval_group: Any = None
+    sharded: ShardedModel | None = None
+    """FSDP2 inside the pipelines (``parallel.dp_shard`` > 1): this worker's stages' groups."""
 
     def drop_groups(self) -> None:
         """Drop this run's references to its process groups (gradient and validation groups), so that abandoning
@@ -201,41 +216,47 @@ class ResilientWorker(JoinerAdmission):
             raise ValueError(f"the new pipelines {[list(p.ranks) for p in inst.pipelines]} put {n} workers in a "
                              f"pipeline whose plan runs on {used}: plait launch cannot leave a worker idle as a "
                              "spare yet; resume from the last checkpoint with `plait train --resume`")
-        members = self.membership.members
+        members, d = self.membership.members, self.plan.templates.dp_shard
         rank_of = {w: i for i, w in enumerate(members)}
-        index = inst.pipeline_of(self.worker)
-        pipeline = inst.pipelines[index]
-        comm = hetero_pipeline_comm([[rank_of[w] for w in p.ranks] for p in inst.pipelines], rank_of[self.worker])
-        stages = build_rank_stages(self._fresh_model(), pipeline.template.plan, comm.pp_rank)
+        timeout = datetime.timedelta(seconds=self.plan.timeout_s)
+        pipeline = inst.pipelines[inst.pipeline_of(self.worker // d)]  # the planner's ranks are shard groups
+        rows = [[rank_of[w] for w in row] for row in shard_rows(inst, d)]  # each worker runs a row of its pipeline
+        comm = hetero_pipeline_comm(rows, rank_of[self.worker])
+        model = self._fresh_model()
+        specs = unit_specs(model)  # of the whole model, before pruning
+        stages = build_rank_stages(model, pipeline.template.plan, comm.pp_rank)
+        sharded = shard_stages(stages, specs, [[rank_of[w] for w in group_workers(g, d)] for g in inst.ranks],
+                               timeout)
         t = self.cfg.train
         opt = None
         if stages.trainable_parameters():  # a rank of frozen units only has no optimizer
             scales = {name: enc.lr_scale for name, enc in self.cfg.model.encoders.items()}
             opt = build_optimizer(stages.model, t.lr, t.weight_decay, t.betas, scales)
         if old is not None or transfers:  # a joiner (old None) holds nothing and receives every unit
-            held = {n: (p, old.opt.state.get(p, {}) if old.opt is not None else {})
-                    for n, p in old.stages.model.named_parameters(remove_duplicate=False)} if old else {}
-            new = dict(stages.model.named_parameters(remove_duplicate=False))
-            state = move_units(held, new, self.names, transfers, self.worker, rank_of, ADAMW_STATE)
+            held = local_unit_state(dict(old.stages.model.named_parameters(remove_duplicate=False)),
+                                    old.opt) if old else {}
+            params = dict(stages.model.named_parameters(remove_duplicate=False))
+            new = {n: p for n, (p, _) in local_unit_state(params, None).items()}
+            state = move_units(held, new, self.names, worker_transfers(transfers, d), self.worker, rank_of,
+                               ADAMW_STATE)
             for fqn, values in state.items():
-                if values and new[fqn].requires_grad and opt is not None:
-                    opt.state[new[fqn]] = values
-        hetero = build_hetero_dp(stages, comm, datetime.timedelta(seconds=self.plan.timeout_s))
+                if values and params[fqn].requires_grad and opt is not None:
+                    opt.state[params[fqn]] = param_state(params[fqn], values)
+        hetero = build_hetero_dp(stages, comm, timeout, d)
         schedule = build_schedule(pipeline.template.plan, pipeline.template.schedule, pipeline.microbatches)
         eval_group = None
-        if self.val_set is not None:  # every rank creates every pipeline's group, in the same order (collective)
-            for p in inst.pipelines:
-                group = torch.distributed.new_group([rank_of[w] for w in p.ranks],
-                                                    timeout=datetime.timedelta(seconds=self.plan.timeout_s))
-                eval_group = group if p is pipeline and len(p.ranks) > 1 else eval_group
-        return WorkerRun(inst, stages, hetero, HeteroSync(hetero), schedule, opt, eval_group)
+        if self.val_set is not None:  # every rank creates every row's group, in the same order (collective)
+            for row in rows:
+                group = torch.distributed.new_group(row, timeout=timeout)
+                eval_group = group if rank_of[self.worker] in row and len(row) > 1 else eval_group
+        return WorkerRun(inst, stages, hetero, HeteroSync(hetero), schedule, opt, eval_group, sharded)
 
     def _gradients(self, run: WorkerRun, indices: Sequence[int], targets: int, step: int) -> tuple[float, float]:
         """The pipeline's share of the global batch ``indices`` (:func:`pipeline_microbatches` of the run's
         instantiation) through the pipeline runtime, the gradients summed across pipelines and clipped by the run's
         sync; returns ``(loss, gradient norm)``. Raises ``RuntimeError`` when a peer died (collective over the
         group)."""
-        counts = [p.microbatches for p in run.inst.pipelines]
+        counts = [p.microbatches for p in run.inst.pipelines for _ in range(self.plan.templates.dp_shard)]  # rows
         if len(indices) > sum(counts) * self.cfg.train.microbatch_size:
             raise ValueError(f"{len(indices)} samples do not fit {sum(counts)} microbatches of "
                              f"{self.cfg.train.microbatch_size}")
@@ -245,7 +266,9 @@ class ResilientWorker(JoinerAdmission):
         batches = [collate([self.train_set[i] for i in mb], self.processor.pad_id, pack=self.cfg.data.packing)
                    if mb else None for mb in mine]
         res = run_pipeline_step(run.stages, run.schedule, batches, targets, run.hetero.comm, loss_fn=token_loss_sum,
-                                sync=run.sync)
+                                sharded=run.sharded, sync=run.sync)
+        if run.sharded is not None:  # a branch no sample of the step uses keeps no gradient, as in one process
+            run.sharded.drop_gradients(unused_branches(run.sharded, [self.train_set.sample_meta(i) for i in indices]))
         return res.loss, run.sync.clip(run.hetero.params, self.cfg.train.grad_clip)
 
     def _try_step(self, run: WorkerRun, indices: Sequence[int], targets: int,
@@ -323,13 +346,14 @@ class ResilientWorker(JoinerAdmission):
         while True:
             report: EvalReport | None = None
             run.stages.train(False)
+            d, row = self.plan.templates.dp_shard, run.hetero.comm.dp_rank  # each shard row validates a share
             try:
-                side = replica_eval_side(run.stages, run.inst.pipelines[run.hetero.comm.dp_rank].template.plan,
-                                         run.hetero.comm, (len(run.inst.pipelines), run.hetero.comm.dp_rank),
-                                         run.eval_group, self.tokenizer, self.stop_ids, t.max_new_tokens,
-                                         self.processor.pad_id)
-                report = evaluate_on(self.val_set, side, self.processor.pad_id, run.hetero.comm.device,
-                                     eval_batch_size(t), steps, self.metric_fns, self.cfg.metrics.run_dir)
+                with gathered(run.sharded):  # FSDP2: the rows' forwards then run no collective of the shards
+                    side = replica_eval_side(run.stages, run.inst.pipelines[row // d].template.plan, run.hetero.comm,
+                                             (len(run.inst.pipelines) * d, row), run.eval_group, self.tokenizer,
+                                             self.stop_ids, t.max_new_tokens, self.processor.pad_id)
+                    report = evaluate_on(self.val_set, side, self.processor.pad_id, run.hetero.comm.device,
+                                         eval_batch_size(t), steps, self.metric_fns, self.cfg.metrics.run_dir)
             except RuntimeError:
                 pass
             finally:
@@ -343,11 +367,13 @@ class ResilientWorker(JoinerAdmission):
         degree, the deepest pipeline's ranks, at least 2: every worker saves its pruned stage model as a pipeline
         rank does (model parts on no unit are never saved), which ``load_checkpoint`` accepts from a pipeline
         checkpoint only."""
-        pipelines = "; ".join(f"workers {list(p.ranks)}: {p.template.plan.num_stages} stages, {p.microbatches} mb"
-                              for p in inst.pipelines)
+        d = self.plan.templates.dp_shard
+        pipelines = "; ".join(f"workers {w}: {p.template.plan.num_stages} stages, {p.microbatches} mb"
+                              for w, p in zip(self.pipelines(inst), inst.pipelines))
+        shards = f", stages sharded (FSDP2) over {d} workers" if d > 1 else ""
         deepest = max(p.template.plan.num_ranks for p in inst.pipelines)
-        return CheckpointLayout(world_size=len(self.membership.members), dp=len(inst.pipelines),
-                                pp=max(2, deepest), cp=1, plan=f"plait launch: {pipelines}")
+        return CheckpointLayout(world_size=len(self.membership.members), dp=len(inst.pipelines) * d,
+                                pp=max(2, deepest), cp=1, plan=f"plait launch: {pipelines}{shards}")
 
     def _log(self, record: dict[str, Any]) -> None:
         record["time"] = time.time()
@@ -362,18 +388,31 @@ class ResilientWorker(JoinerAdmission):
         """
         run.drop_groups()  # the old groups' last references: abandoning closes their sockets
         self.membership.reform()
-        left = tuple(w for w in run.inst.ranks if w not in self.membership.members)
-        rec: Reconfiguration = plan_reconfiguration(self.plan.templates, run.inst, left)
+        d = self.plan.templates.dp_shard
+        left = tuple(w for p in self.pipelines(run.inst) for w in p if w not in self.membership.members)
+        while partners := partners_left(run.inst, self.membership.members, d):  # FSDP2: their group's copy is gone
+            if self.worker in partners:
+                raise ShardGroupLeft(f"its shard group lost worker(s) {list(left)}, so its shards belong to a copy "
+                                     "that is gone; the others go on without the group")
+            self.membership.reform()  # without them (they leave at once)
+        rec: Reconfiguration = plan_reconfiguration(self.plan.templates, run.inst,
+                                                    failed_groups(run.inst, self.membership.members, d))
         new = self.build_run(rec.after, run, rec.transfers)
         seconds = time.monotonic() - failed_at
-        line = (f"plait launch: reconfigured in {seconds:.2f} s: worker(s) {list(left)} failed; {rec.summary()}; "
-                f"workers per pipeline {[list(p.ranks) for p in rec.after.pipelines]}")
+        groups = f" (shard groups of {d} workers; their partners left)" if d > 1 else ""
+        line = (f"plait launch: reconfigured in {seconds:.2f} s: worker(s) {list(left)} failed{groups}; "
+                f"{rec.summary()}; workers per pipeline {self.pipelines(rec.after)}")
         if self.membership.rank == 0:
             say(line)
         self._log({"event": "reconfigure", "failed": list(left), "bytes": rec.bytes, "seconds": seconds,
-                   "pipelines": [list(p.ranks) for p in rec.after.pipelines],
-                   "copies": [[t.unit, t.src, t.dst] for t in rec.transfers]})
+                   "pipelines": self.pipelines(rec.after), "copies": [[t.unit, t.src, t.dst] for t in rec.transfers]})
         return new
+
+    def pipelines(self, inst: Instantiation) -> list[list[int]]:
+        """The workers of each pipeline of ``inst`` (with FSDP2 inside the pipelines, its shard groups' workers in
+        group order)."""
+        d = self.plan.templates.dp_shard
+        return [[w for g in p.ranks for w in group_workers(g, d)] for p in inst.pipelines]
 
     def _recover(self, run: WorkerRun, failed_at: float) -> WorkerRun:
         """:meth:`reconfigure` until it succeeds (another worker failing during it leads to one more round)."""
@@ -382,7 +421,7 @@ class ResilientWorker(JoinerAdmission):
                 return self.reconfigure(run, failed_at)
             except NoQuorumError:
                 raise
-            except RuntimeError:  # another worker failed during it: one more generation
+            except RuntimeError:  # another worker failed during it: one more generation (ShardGroupLeft is none)
                 pass
 
     def train(self, joining: bool = False) -> None:
@@ -413,8 +452,8 @@ class ResilientWorker(JoinerAdmission):
             bar.close()
         if self.writer is not None:
             self.writer.close()
-        torch.save({n: p.detach().clone() for n, p in self.run.stages.model.named_parameters()},
-                   self.out / f"final-worker{self.worker}.pt")
+        torch.save({n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()  # shards gathered
+                    for n, p in self.run.stages.model.named_parameters()}, self.out / f"final-worker{self.worker}.pt")
 
     def before_step(self, step: int) -> None:
         """Admit the workers planned to rejoin at ``step`` (:meth:`admit_joiners`)."""
@@ -449,7 +488,7 @@ class ResilientWorker(JoinerAdmission):
         self.step += 1
         record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr,
                   "samples": [self.train_set.sample_meta(i).id for i in indices],
-                  "pipelines": [list(p.ranks) for p in self.run.inst.pipelines]}
+                  "pipelines": self.pipelines(self.run.inst)}
         if failed_at is not None:
             record["recovery_s"] = time.monotonic() - failed_at
             self.say(f"recovered: step {step} done {record['recovery_s']:.2f} s after the failure was seen")
@@ -484,5 +523,12 @@ def run_resilient_worker(cfg: JobConfig, plan_path: str | Path, worker: int, wor
         membership.join()
     try:
         job.train(joining)
+    except ShardGroupLeft as exc:
+        say(f"plait launch: worker {worker} leaves the job: {exc}")
+        if job.writer is not None:  # the next rank 0 carries metrics.jsonl on
+            job.writer.close()
+        membership.close()
+        # no heartbeat at all: the others' agreement counts this worker gone at once (membership._gone)
+        forget_process(dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60)), worker)
     finally:
         membership.close()
