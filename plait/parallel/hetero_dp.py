@@ -31,7 +31,7 @@ same order); the step and :func:`clip_grad_norm_hetero` are called by every rank
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from plait.models.units import UnitSpec
 from plait.parallel.fsdp import ShardedModel, apply_fsdp
@@ -48,8 +48,8 @@ from plait.parallel.pipeline.comm import PipelineComm
 from plait.parallel.stages import RankStages
 from plait.parallel.tensor_parallel import check_max_norm, clip_by_square_sum_, local_tensor, sum_local_gradients
 
-__all__ = ["HeteroDP", "build_hetero_dp", "clip_grad_norm_hetero", "hetero_pipeline_comm", "local_unit_state",
-           "param_state", "shard_stages"]
+__all__ = ["HeteroDP", "build_hetero_dp", "clip_grad_norm_hetero", "hetero_pipeline_comm", "place_parts",
+           "receive_parts", "shard_stages", "tied_embedding_names", "unit_parts"]
 
 
 def hetero_pipeline_comm(pipelines: Sequence[Sequence[int]], rank: int | None = None,
@@ -194,17 +194,91 @@ def shard_stages(stages: RankStages, specs: Sequence[UnitSpec], groups: Sequence
     return apply_fsdp(stages.model, specs, mesh, "cpu", replicate=tied)
 
 
-def local_unit_state(params: dict[str, nn.Parameter], opt: torch.optim.Optimizer | None
-                     ) -> dict[str, tuple[nn.Parameter, dict[str, Any]]]:
-    """Per FQN, this rank's part of a parameter and of its optimizer state as plain tensors sharing their storage
-    (a sharded parameter's local shard; a whole one itself), for ``plait.parallel.unit_transfer.move_units``,
-    which copies into and sends them: the same shard of a unit has the same shape in every pipeline."""
+def tied_embedding_names(model: nn.Module) -> tuple[str, ...]:
+    """The FQNs of a weight tied between the LLM's input embedding and its head (``tie_word_embeddings``) that
+    ``model`` (a composite, whole or pruned) holds; empty when untied."""
+    llm = model.language_model
+    if not getattr(llm.config, "tie_word_embeddings", False):
+        return ()
+    paths = {id(m): n for n, m in llm.named_modules(remove_duplicate=False)}
+    found = (paths.get(id(llm.get_input_embeddings())), paths.get(id(llm.get_output_embeddings())))
+    return tuple(f"language_model.{n}.weight" for n in found if n is not None)
+
+
+def unit_parts(params: dict[str, nn.Parameter], opt: torch.optim.Optimizer | None, whole: Collection[str] = (),
+               mesh: DeviceMesh | None = None) -> dict[str, tuple[nn.Parameter, dict[str, Any]]]:
+    """Per FQN, what ``plait.parallel.unit_transfer.move_units`` copies and sends of a rank's parameters and their
+    optimizer state: plain tensors sharing their storage, a sharded parameter's local shard (the same shard of a
+    unit has the same shape in every pipeline). The FQNs in ``whole`` (:func:`tied_embedding_names`: sharded on a
+    rank holding both the embedding and the head, whole on one holding one of them) go whole: a sharded one
+    gathered over ``mesh`` (this rank's shard group; collective over it, its ranks passing the same FQNs)."""
     out = {}
     for fqn, p in params.items():
-        local = nn.Parameter(local_tensor(p).detach(), requires_grad=p.requires_grad) if isinstance(p, DTensor) else p
         state = opt.state.get(p, {}) if opt is not None else {}
-        out[fqn] = (local, {k: local_tensor(v) if isinstance(v, DTensor) else v for k, v in state.items()})
+        if not isinstance(p, DTensor):
+            out[fqn] = (p, state)
+        elif fqn in whole:
+            full = {k: _gathered(v, p, mesh) if isinstance(v, DTensor) else v for k, v in state.items()}
+            out[fqn] = (nn.Parameter(_gathered(p.detach(), p, mesh), requires_grad=p.requires_grad), full)
+        else:
+            out[fqn] = (nn.Parameter(local_tensor(p).detach(), requires_grad=p.requires_grad),
+                        {k: local_tensor(v) if isinstance(v, DTensor) else v for k, v in state.items()})
     return out
+
+
+def receive_parts(params: dict[str, nn.Parameter], whole: Collection[str] = ()) -> dict[str, nn.Parameter]:
+    """Per FQN, what ``move_units`` fills of a rank's new parameters (:func:`unit_parts`' layout): a sharded
+    parameter's local shard sharing its storage, or for the FQNs in ``whole`` a whole buffer (one per parameter)
+    that :func:`place_parts` then shards."""
+    buffers: dict[int, nn.Parameter] = {}
+    out = {}
+    for fqn, p in params.items():
+        if not isinstance(p, DTensor):
+            out[fqn] = p
+        elif fqn in whole:
+            out[fqn] = buffers.setdefault(id(p), nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                              requires_grad=p.requires_grad))
+        else:
+            out[fqn] = nn.Parameter(local_tensor(p).detach(), requires_grad=p.requires_grad)
+    return out
+
+
+def place_parts(params: dict[str, nn.Parameter], parts: dict[str, nn.Parameter], states: dict[str, dict[str, Any]],
+                opt: torch.optim.Optimizer | None, whole: Collection[str] = ()) -> None:
+    """After ``move_units`` filled ``parts`` (:func:`receive_parts`) and returned ``states`` (by FQN, in the same
+    layout): the whole buffers sharded into their parameters, and each trainable parameter's state set in ``opt`` in
+    its parameter's layout (a sharded one's tensors as DTensors of its mesh and placements; scalars, as AdamW's
+    ``step``, stay plain)."""
+    for fqn, p in params.items():
+        spread = isinstance(p, DTensor) and fqn in whole
+        if spread:
+            with torch.no_grad():
+                local_tensor(p).copy_(_sharded_like(parts[fqn].detach(), p).to_local())
+        values = states.get(fqn)
+        if not values or not p.requires_grad or opt is None:
+            continue
+        if isinstance(p, DTensor):
+            values = {k: (_sharded_like(v, p) if spread else DTensor.from_local(
+                v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()))
+                      if isinstance(v, torch.Tensor) and v.dim() else v for k, v in values.items()}
+        opt.state[p] = values
+
+
+def _gathered(t: torch.Tensor, like: DTensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """The whole of ``t`` (a DTensor of ``like``'s layout, on a group that may be gone) gathered over ``mesh``, a
+    mesh of the same ranks in the same order (collective over it)."""
+    if mesh is None:
+        raise ValueError("a sharded tied embedding must be gathered, but this rank's new stages shard nothing")
+    local = local_tensor(t).detach()
+    return DTensor.from_local(local, mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride()).full_tensor()
+
+
+def _sharded_like(t: torch.Tensor, like: DTensor) -> DTensor:
+    """The whole tensor ``t`` (the same on every rank of ``like``'s mesh) as a DTensor in ``like``'s layout (a local
+    slice: no communication)."""
+    mesh = like.device_mesh
+    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(mesh, like.placements)
 
 
 def clip_grad_norm_hetero(hetero: HeteroDP, max_norm: float) -> float:
@@ -222,13 +296,3 @@ def clip_grad_norm_hetero(hetero: HeteroDP, max_norm: float) -> float:
             sumsq += local_tensor(p.grad).detach().double().pow(2).sum()
     return clip_by_square_sum_([p.grad for p in hetero.params if p.grad is not None], sumsq, max_norm, reduce=True)
 
-
-def param_state(param: nn.Parameter, state: dict[str, Any]) -> dict[str, Any]:
-    """Optimizer state of ``param`` from this rank's parts (:func:`local_unit_state`'s form, as ``move_units``
-    returns it): for a sharded parameter each tensor of its shard's shape becomes a DTensor of its mesh and
-    placements (scalars, as AdamW's ``step``, stay plain); a whole parameter's as it is."""
-    if not isinstance(param, DTensor):
-        return state
-    return {k: DTensor.from_local(v, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                                  stride=param.stride()) if isinstance(v, torch.Tensor) and v.dim() else v
-            for k, v in state.items()}

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -70,8 +71,8 @@ from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.models.units import unit_specs
 from plait.parallel.grad_sync import HeteroSync
 from plait.parallel.fsdp import ShardedModel, gathered
-from plait.parallel.hetero_dp import (HeteroDP, build_hetero_dp, hetero_pipeline_comm, local_unit_state, param_state,
-                                      shard_stages)
+from plait.parallel.hetero_dp import (HeteroDP, build_hetero_dp, hetero_pipeline_comm, place_parts, receive_parts,
+                                      shard_stages, tied_embedding_names, unit_parts)
 from plait.parallel.membership import Membership, NoQuorumError, forget_process
 from plait.parallel.pipeline import run_pipeline_step
 from plait.parallel.stages import RankStages, build_rank_stages
@@ -100,6 +101,8 @@ from plait.train.run_start import say
 from plait.train.step_run import unused_branches
 
 __all__ = ["ResilientWorker", "WorkerRun", "pipeline_microbatches", "run_resilient_worker"]
+
+log = logging.getLogger(__name__)
 
 MAX_REPLAYS = 3
 """Replays of a step that fails with every worker alive (a slow worker taken for dead, or an error of the step
@@ -167,6 +170,8 @@ class ResilientWorker(JoinerAdmission):
     train_set: Any = None
     val_set: Any = None
     names: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    tied: tuple[str, ...] = ()
+    """The FQNs of a weight tied between the LLM's embedding and head (``hetero_dp.tied_embedding_names``)."""
     cost_coeffs: dict[str, Any] = field(default_factory=dict)
     stop_ids: list[int] = field(default_factory=list)
     metric_fns: dict[str, Any] = field(default_factory=dict)
@@ -199,6 +204,7 @@ class ResilientWorker(JoinerAdmission):
         self.processor = build_processor(cfg.model, model, self.tokenizer, cfg.data.max_length)
         self.train_set, self.val_set = build_datasets(cfg, self.processor, False)
         self.names = unit_parameter_names(model)
+        self.tied = tied_embedding_names(model)
         self.cost_coeffs = microbatch_cost_coeffs(model)
         self.stop_ids = stop_token_ids(self.tokenizer, model.language_model.generation_config)
         self.metric_fns = load_metrics(cfg.train.eval_metrics) if self.val_set is not None else {}
@@ -233,15 +239,18 @@ class ResilientWorker(JoinerAdmission):
             scales = {name: enc.lr_scale for name, enc in self.cfg.model.encoders.items()}
             opt = build_optimizer(stages.model, t.lr, t.weight_decay, t.betas, scales)
         if old is not None or transfers:  # a joiner (old None) holds nothing and receives every unit
-            held = local_unit_state(dict(old.stages.model.named_parameters(remove_duplicate=False)),
-                                    old.opt) if old else {}
+            # FSDP2: shards move shard by shard; a tied embedding moves whole (sharded or not, as the plans put it)
+            whole = self.tied if sharded is not None or (old is not None and old.sharded is not None) else ()
+            for group in old.sharded.all_groups() if old is not None and old.sharded is not None else ():
+                group.reshard()  # a step that failed left them gathered: the sharded parameters (and state) again
+            mesh = next((p.device_mesh for p in stages.model.parameters() if isinstance(p, DTensor)), None)
+            held = unit_parts(dict(old.stages.model.named_parameters(remove_duplicate=False)), old.opt, whole,
+                              mesh) if old else {}
             params = dict(stages.model.named_parameters(remove_duplicate=False))
-            new = {n: p for n, (p, _) in local_unit_state(params, None).items()}
-            state = move_units(held, new, self.names, worker_transfers(transfers, d), self.worker, rank_of,
+            parts = receive_parts(params, whole)
+            state = move_units(held, parts, self.names, worker_transfers(transfers, d), self.worker, rank_of,
                                ADAMW_STATE)
-            for fqn, values in state.items():
-                if values and params[fqn].requires_grad and opt is not None:
-                    opt.state[params[fqn]] = param_state(params[fqn], values)
+            place_parts(params, parts, state, opt, whole)
         hetero = build_hetero_dp(stages, comm, timeout, d)
         schedule = build_schedule(pipeline.template.plan, pipeline.template.schedule, pipeline.microbatches)
         eval_group = None
@@ -391,6 +400,7 @@ class ResilientWorker(JoinerAdmission):
         d = self.plan.templates.dp_shard
         left = tuple(w for p in self.pipelines(run.inst) for w in p if w not in self.membership.members)
         while partners := partners_left(run.inst, self.membership.members, d):  # FSDP2: their group's copy is gone
+            dist.barrier()  # every member has connected to the new group before they leave it
             if self.worker in partners:
                 raise ShardGroupLeft(f"its shard group lost worker(s) {list(left)}, so its shards belong to a copy "
                                      "that is gone; the others go on without the group")
@@ -421,8 +431,9 @@ class ResilientWorker(JoinerAdmission):
                 return self.reconfigure(run, failed_at)
             except NoQuorumError:
                 raise
-            except RuntimeError:  # another worker failed during it: one more generation (ShardGroupLeft is none)
-                pass
+            except RuntimeError as exc:  # another worker failed during it: one more generation (ShardGroupLeft is none)
+                log.warning("worker %d: reconfiguration failed (%s: %s); one more round", self.worker,
+                            type(exc).__name__, exc)
 
     def train(self, joining: bool = False) -> None:
         """Train every step of the job (``train.steps``, or ``train.epochs`` of the loader) by the loop of every

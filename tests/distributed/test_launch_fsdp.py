@@ -112,3 +112,17 @@ def test_fsdp2_inside_launch_pipelines_equals_the_launch_without_sharding(tmp_pa
     steps, events = _assert_equals_reference(tmp_path / "sharded", reference)
     assert not events and steps[0]["pipelines"] == [[0, 1, 2, 3], [4, 5]]
     assert (tmp_path / "sharded" / "checkpoints" / f"step_{STEPS:06d}").is_dir()
+
+
+def test_a_killed_worker_of_a_sharded_launch_takes_its_shard_group_out_and_the_job_equals_the_unsharded_one(
+        tmp_path, reference):
+    run = _launch(tmp_path, "kill", 6, "4,2", 2, "--kill", "3:1")
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout + run.stderr
+    assert "worker 2 leaves the job: its shard group lost worker(s) [3]" in out, out
+    steps, events = _assert_equals_reference(tmp_path / "kill", reference)
+    assert steps[0]["pipelines"] == [[0, 1, 2, 3], [4, 5]] and steps[1]["pipelines"] == [[0, 1], [4, 5]]
+    reconfigured = [e for e in events if e["event"] == "reconfigure"]
+    assert reconfigured and all(e["failed"] == [3] for e in reconfigured), events
+    # pipeline 0 (now group 0: workers 0, 1) receives the second plan rank's units shard by shard from group 2
+    assert {(src, dst) for e in reconfigured for _, src, dst in e["copies"]} == {(2, 0)}, reconfigured
