@@ -116,13 +116,8 @@ def _canonical_names(stages: RankStages) -> list[tuple[str, nn.Parameter, bool]]
     """``(key, parameter, mirror)`` of this rank's trainable parameters; a weight tied between the input and
     output embeddings is keyed by the input embedding's name on every rank (which name ``named_parameters``
     reports depends on which of the two modules the rank kept)."""
-    llm = stages.model.language_model
-    rename: dict[str, str] = {}
-    if getattr(llm.config, "tie_word_embeddings", False):
-        paths = {id(m): n for n, m in llm.named_modules(remove_duplicate=False)}
-        head, embed = paths.get(id(llm.get_output_embeddings())), paths.get(id(llm.get_input_embeddings()))
-        if head is not None and embed is not None:
-            rename[f"language_model.{head}.weight"] = f"language_model.{embed}.weight"
+    tied = tied_embedding_names(stages.model)
+    rename = {tied[1]: tied[0]} if len(tied) == 2 else {}
     mirror = stages.tied.param if stages.tied is not None and stages.tied.mirror else None
     return [(rename.get(n, n), p, p is mirror) for n, p in stages.trainable_parameters()]
 
@@ -196,7 +191,7 @@ def shard_stages(stages: RankStages, specs: Sequence[UnitSpec], groups: Sequence
 
 def tied_embedding_names(model: nn.Module) -> tuple[str, ...]:
     """The FQNs of a weight tied between the LLM's input embedding and its head (``tie_word_embeddings``) that
-    ``model`` (a composite, whole or pruned) holds; empty when untied."""
+    ``model`` (a composite, whole or pruned) holds, the embedding's first; empty when untied."""
     llm = model.language_model
     if not getattr(llm.config, "tie_word_embeddings", False):
         return ()

@@ -25,6 +25,11 @@ Each worker (its id is its rank in generation 0 and never changes):
    unit has no surviving copy it stops with :class:`~plait.planner.resilience.types.LostUnitsError`'s message (the
    lost units, resume from the last checkpoint).
 
+With ``parallel.dp_shard`` > 1 (FSDP2 inside the pipelines; ``plait.planner.resilience.shards``) the plans' ranks
+are shard groups: each worker runs its own row of its pipeline with its stage's trainable units sharded over its
+group (``hetero_dp.shard_stages``); a failed worker's partners leave the job (:class:`ShardGroupLeft`) and units move
+shard by shard.
+
 Workers restarted or started again join at a step boundary (:class:`~plait.train.admission.JoinerAdmission`);
 the launcher's decisions come as a :class:`~plait.train.launch_plan.LaunchPlan`.
 
