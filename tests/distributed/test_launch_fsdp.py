@@ -5,7 +5,9 @@ workers as pipelines of 2 + 1 ranks). The sharded launch equals the unsharded on
 final parameters (shards gathered) and validation losses (fp32 on CPU: 1e-5). Worker 3 (shard 1 of pipeline 0's
 second plan rank) SIGKILLed in the middle of step 1: its partner, worker 2, leaves the job (its shards belong to a
 copy that is gone), the survivors reconfigure over groups 0 and 2 (pipeline 0 shrinks to one group and receives the
-second rank's units shard by shard from pipeline 1's group) and the job ends equal to the unsharded launch."""
+second rank's units shard by shard from pipeline 1's group) and the job ends equal to the unsharded launch. The LLM's
+embedding is tied to its head (one plan rank holds both in every pipeline here, so it is sharded with them): its copy
+moves whole, gathered over the sending group and sharded where it lands."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ def _job(tmp_path: Path, name: str, dp_shard: int) -> Path:
                            train={"global_batch_size": BATCH, "microbatch_size": 1, "steps": STEPS, "lr": 1e-3,
                                   "threads": 1, "min_lr_ratio": 0.1, "eval_every": STEPS, "max_new_tokens": 2},
                            parallel={"dp_shard": dp_shard})
+    cfg["model"]["llm"]["config"]["tie_word_embeddings"] = True  # its unit copies move whole
     path = tmp_path / f"{name}.toml"
     path.write_text(to_toml(cfg) + "\n")
     return path
@@ -124,5 +127,8 @@ def test_a_killed_worker_of_a_sharded_launch_takes_its_shard_group_out_and_the_j
     assert steps[0]["pipelines"] == [[0, 1, 2, 3], [4, 5]] and steps[1]["pipelines"] == [[0, 1], [4, 5]]
     reconfigured = [e for e in events if e["event"] == "reconfigure"]
     assert reconfigured and all(e["failed"] == [3] for e in reconfigured), events
-    # pipeline 0 (now group 0: workers 0, 1) receives the second plan rank's units shard by shard from group 2
+    # pipeline 0 (now group 0: workers 0, 1) receives the second plan rank's units (the LLM, its tied embedding and
+    # head included) shard by shard from group 2
     assert {(src, dst) for e in reconfigured for _, src, dst in e["copies"]} == {(2, 0)}, reconfigured
+    assert {"language_model.model.embed_tokens", "language_model.lm_head"} <= {u for e in reconfigured
+                                                                                for u, _, _ in e["copies"]}
