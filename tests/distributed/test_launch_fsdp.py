@@ -2,7 +2,8 @@
 pipelines of 2 + 1 groups (4 + 2 workers: each plan rank's trainable units sharded over its group's 2 workers, each
 worker running its own copy of the pipeline on its own microbatches), against the same launch without sharding (3
 workers as pipelines of 2 + 1 ranks). The sharded launch equals the unsharded one: per-step losses, samples and LRs,
-final parameters (shards gathered) and validation losses (fp32 on CPU: 1e-5). Worker 3 (shard 1 of pipeline 0's
+final parameters (shards gathered) and validation losses (fp32 on CPU: 1e-5), its checkpoint holding each trained
+weight and AdamW moment in 2 shards. Worker 3 (shard 1 of pipeline 0's
 second plan rank) SIGKILLed in the middle of step 1: its partner, worker 2, leaves the job (its shards belong to a
 copy that is gone), the survivors reconfigure over groups 0 and 2 (pipeline 0 shrinks to one group and receives the
 second rank's units shard by shard from pipeline 1's group) and the job ends equal to the unsharded launch. The LLM's
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from plait.train.metrics import read_metrics
 from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
@@ -114,7 +116,13 @@ def test_fsdp2_inside_launch_pipelines_equals_the_launch_without_sharding(tmp_pa
     assert plan["templates"]["dp_shard"] == 2
     steps, events = _assert_equals_reference(tmp_path / "sharded", reference)
     assert not events and steps[0]["pipelines"] == [[0, 1, 2, 3], [4, 5]]
-    assert (tmp_path / "sharded" / "checkpoints" / f"step_{STEPS:06d}").is_dir()
+    # really sharded: the checkpoint (DCP) holds each trained LLM weight and its AdamW moments in 2 row shards
+    for name, chunks in (("sharded", [(0, 32), (32, 32)]), ("ref", [(0, 64)])):
+        run_dir = tmp_path / name if name == "sharded" else reference
+        meta = FileSystemReader(str(run_dir / "checkpoints" / f"step_{STEPS:06d}")).read_metadata().state_dict_metadata
+        for key in ("model.language_model.model.layers.0.mlp.up_proj.weight",
+                    "optim.state.language_model.model.layers.0.mlp.up_proj.weight.exp_avg"):
+            assert [(c.offsets[0], c.sizes[0]) for c in meta[key].chunks] == chunks, (name, key)
 
 
 def test_a_killed_worker_of_a_sharded_launch_takes_its_shard_group_out_and_the_job_equals_the_unsharded_one(
