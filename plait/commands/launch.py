@@ -50,7 +50,8 @@ from plait.planner.search.types import Machine
 from plait.planner.resilience.templates import (instantiate, node_domains, plan_instantiation, plan_templates,
                                                 units_on_few_domains)
 from plait.train.faults import node_pids_key
-from plait.train.resilient import LaunchPlan, run_resilient_worker
+from plait.train.launch_plan import LaunchPlan
+from plait.train.resilient import run_resilient_worker
 from plait.train.run_lock import hold_run_lock
 from plait.train.run_start import clear_earlier_run, launch_logs
 
@@ -81,20 +82,25 @@ def check_launch(cfg, nproc: int, kills: Sequence[tuple[int, int]] = (),
     ``nnodes`` nodes).
 
     Raises:
-        ValueError: naming the setting: ``parallel.tp``, ``parallel.dp_shard`` or ``parallel.cp`` above 1 (the
-            launcher plans its own pipelines of whole layers: no tensor, FSDP2 or context parallelism inside
-            them); a ``--kill``, ``--stop`` or ``--rejoin`` of a worker id outside ``0..nproc-1`` (naming the valid
+        ValueError: naming the setting: ``parallel.tp`` or ``parallel.cp`` above 1 (no tensor or context
+            parallelism inside the pipelines), ``parallel.dp_shard`` not dividing ``nproc`` or together with ``--rejoin`` or several nodes
+            (:func:`_check_sharding`); a ``--kill``, ``--stop`` or ``--rejoin`` of a worker id outside ``0..nproc-1`` (naming the valid
             ids), a ``--kill-node`` of a node outside ``0..nnodes-1``, or any of them at a step past the job's last
             (``0..train.steps-1``, 0-based; not checked for a job of ``train.epochs``, whose step count depends on
             its data); a ``--rejoin`` that cannot happen (:func:`_check_rejoins`).
     """
     p = cfg.parallel
-    for name, value in (("tp", p.tp), ("dp_shard", p.dp_shard), ("cp", p.cp), ("ep", p.ep)):
+    what = {"tp": ("tensor", "the layers' weights"), "cp": ("context", "the layers' sequences"),
+            "ep": ("expert", "the experts")}
+    for name, value in (("tp", p.tp), ("cp", p.cp), ("ep", p.ep)):
         if value > 1:
+            kind, split = what[name]
             raise ValueError(f"parallel.{name} = {value}: plait launch plans its own pipelines (heterogeneous "
-                             "data-parallel replicas of whole layers) and runs no tensor, FSDP2, context or expert "
-                             f"parallelism inside them; set --parallel.{name}=1, or train with plait train under "
-                             "torchrun (not resilient)")
+                             "data-parallel replicas of whole layers, FSDP2 inside them with parallel.dp_shard) and "
+                             f"runs no {kind} parallelism inside them: a failure would have to re-split {split} "
+                             "over the survivors, which its reconfiguration does not do; set "
+                             f"--parallel.{name}=1, or train with plait train under torchrun (not resilient)")
+    _check_sharding(p.dp_shard, nproc, nnodes, rejoins)
     for flag, pairs, count, what in (("--kill", kills, nproc, "worker"), ("--rejoin", rejoins, nproc, "worker"),
                                      ("--stop", stops, nproc, "worker"), ("--kill-node", node_kills, nnodes, "node")):
         bad = sorted({w for w, _ in pairs if not 0 <= w < count})
@@ -112,6 +118,27 @@ def check_launch(cfg, nproc: int, kills: Sequence[tuple[int, int]] = (),
     domains = node_domains(nproc, nnodes) or {}
     deaths = [*kills, *stops, *((w, s) for n, s in node_kills for w, d in domains.items() if d == n)]
     _check_rejoins(deaths, rejoins)
+
+
+def _check_sharding(dp_shard: int, nproc: int, nnodes: int, rejoins: Sequence[tuple[int, int]]) -> None:
+    """Refuse ``parallel.dp_shard`` (FSDP2 inside every pipeline, shard groups of ``dp_shard`` workers:
+    ``plait.planner.resilience.shards``) where the launcher cannot run it.
+
+    Raises:
+        ValueError: when it does not divide ``nproc``; with a ``--rejoin`` (a failed worker's partners leave
+            the job, so a restarted worker would join an incomplete group) or several nodes (a node started again
+            rejoins the same way).
+    """
+    if dp_shard <= 1:
+        return
+    if nproc % dp_shard:
+        raise ValueError(f"parallel.dp_shard = {dp_shard} must divide the {nproc} workers: every pipeline's plan rank "
+                         "runs on a shard group of dp_shard workers")
+    if rejoins or nnodes > 1:
+        flag = "--rejoin" if rejoins else "--nnodes above 1"
+        raise ValueError(f"{flag} with parallel.dp_shard = {dp_shard}: when a worker of a shard group fails its "
+                         "partners leave the job with it, and plait launch cannot yet admit a group back (a restarted "
+                         "worker or node); drop the flag, or set --parallel.dp_shard=1")
 
 
 def _check_rejoins(kills: Sequence[tuple[int, int]], rejoins: Sequence[tuple[int, int]]) -> None:
@@ -167,7 +194,9 @@ def launch_plan(cfg, nproc: int, failures: int, pipelines: Sequence[int] = (), t
     sizes in worker order, else the fastest predicted). Costs are analytic, for ``device`` (default
     :func:`launch_device`): its unit costs, memory, links and runtime overheads. With ``nodes > 1`` (``nproc /
     nodes`` workers each, numbered node by node), ``failures`` counts nodes: every unit's copies lie on
-    ``failures + 1`` nodes (``plan_instantiation``'s failure domains; given sizes are checked).
+    ``failures + 1`` nodes (``plan_instantiation``'s failure domains; given sizes are checked). With
+    ``parallel.dp_shard`` > 1 the plan's ranks are shard groups of that many workers (``plait.planner.resilience.
+    shards``; the sizes given count workers, multiples of it) and ``failures`` counts groups.
 
     Raises:
         ValueError: when the sizes do not add up to ``nproc``, a first pipeline's plan leaves some of its workers
@@ -179,17 +208,22 @@ def launch_plan(cfg, nproc: int, failures: int, pipelines: Sequence[int] = (), t
     inputs = build_plan_inputs(cfg, spec)
     machine = Machine(memory_cap=spec.memory_bytes, p2p=costs.p2p, dp_link=costs.dp_link, dtype=inputs.dtype,
                       overheads=costs.overheads)
+    d = cfg.parallel.dp_shard  # FSDP2 inside the pipelines: the planner's ranks are shard groups of d workers
     templates = plan_templates(inputs.units, inputs.costs, nproc, failures, microbatches=inputs.microbatches,
-                               machine=machine)
-    domains = node_domains(nproc, nodes)
+                               machine=machine, dp_shard=d)
+    domains = node_domains(nproc // d, nodes)
     if domains is not None and nodes < failures + 1:
         raise ValueError(f"--f {failures} counts nodes on a job of several: {nodes} nodes cannot hold "
                          f"{failures + 1} copies of every unit on different nodes; lower --f or add nodes")
     if pipelines:
         if sum(pipelines) != nproc:
             raise ValueError(f"--pipelines {list(pipelines)} use {sum(pipelines)} workers, the job has {nproc}")
-        starts = [sum(pipelines[:i]) for i in range(len(pipelines))]
-        inst = instantiate(templates, [list(range(s, s + n)) for s, n in zip(starts, pipelines)])
+        if any(n % d for n in pipelines):
+            raise ValueError(f"--pipelines {list(pipelines)}: with parallel.dp_shard = {d} every pipeline's size must "
+                             f"be a multiple of {d} (each plan rank runs on {d} workers)")
+        groups = [n // d for n in pipelines]
+        starts = [sum(groups[:i]) for i in range(len(groups))]
+        inst = instantiate(templates, [list(range(s, s + n)) for s, n in zip(starts, groups)])
         few = units_on_few_domains(inst, domains, failures + 1) if domains is not None else ()
         if few:
             raise ValueError(f"--pipelines {list(pipelines)}: every copy of {', '.join(few[:4])}"
@@ -385,7 +419,10 @@ def launch_command(config: str | Path, nproc: int, failures: int, overrides: Seq
         text = plan.to_json()
         (out / "launch.json").write_text(text)
         nodes = f" on {node.nnodes} nodes of {nproc}" if node.nnodes > 1 else ""
-        print(f"plait launch: {world} workers{nodes}, f = {failures}: {plan.instantiation.describe()}", flush=True)
+        d = plan.templates.dp_shard
+        shards = f", each plan rank on a shard group of {d} workers (FSDP2; the ranks below are groups)" if d > 1 else ""
+        print(f"plait launch: {world} workers{nodes}, f = {failures}{shards}: {plan.instantiation.describe()}",
+              flush=True)
         store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=60))
         store.set("launch/plan", text)
@@ -398,7 +435,7 @@ def _run_node(config: str | Path, overrides: Sequence[str], plan: LaunchPlan, st
     """Start this node's ``workers`` (``joining``: into the running job), keep their pids in the store
     (``faults.node_pids_key``), restart those planned to rejoin once they die, and wait for them all; returns the
     exit status (the first worker that failed, or 0)."""
-    world = plan.templates.num_ranks
+    world = plan.templates.workers
 
     def start(w: int, again: bool) -> subprocess.Popen:
         forget_process(store, w)

@@ -25,6 +25,14 @@ Each worker (its id is its rank in generation 0 and never changes):
    unit has no surviving copy it stops with :class:`~plait.planner.resilience.types.LostUnitsError`'s message (the
    lost units, resume from the last checkpoint).
 
+With ``parallel.dp_shard`` > 1 (FSDP2 inside the pipelines; ``plait.planner.resilience.shards``) the plans' ranks
+are shard groups: each worker runs its own row of its pipeline with its stage's trainable units sharded over its
+group (``hetero_dp.shard_stages``); a failed worker's partners leave the job (:class:`ShardGroupLeft`) and units move
+shard by shard.
+
+Workers restarted or started again join at a step boundary (:class:`~plait.train.admission.JoinerAdmission`);
+the launcher's decisions come as a :class:`~plait.train.launch_plan.LaunchPlan`.
+
 Every worker appends one JSON line per committed step to ``<out>/worker<id>.jsonl`` (step, epoch, loss, learning
 rate, the sample ids trained, the pipelines) and one per reconfiguration; at the end it saves its parameters to
 ``<out>/final-worker<id>.pt`` (by FQN). The LR schedule is the trainers' (:class:`~plait.train.optim.LRSchedule`),
@@ -44,6 +52,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,7 +60,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from plait.config.loader import config_to_dict
 from plait.config.schema import JobConfig
@@ -62,32 +73,41 @@ from plait.data.progress import Progress
 from plait.models.device import apply_cpu_threads
 from plait.models.generation import stop_token_ids
 from plait.models.registry import build_model, build_processor, load_tokenizer
+from plait.models.units import unit_specs
 from plait.parallel.grad_sync import HeteroSync
-from plait.parallel.hetero_dp import HeteroDP, build_hetero_dp, hetero_pipeline_comm
-from plait.parallel.membership import Membership, NoQuorumError
+from plait.parallel.fsdp import ShardedModel, gathered
+from plait.parallel.hetero_dp import (HeteroDP, build_hetero_dp, hetero_pipeline_comm, place_parts, receive_parts,
+                                      shard_stages, tied_embedding_names, unit_parts)
+from plait.parallel.membership import Membership, NoQuorumError, forget_process
 from plait.parallel.pipeline import run_pipeline_step
 from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.unit_transfer import move_units, unit_parameter_names
 from plait.planner.microbatch import MicrobatchPlan
-from plait.planner.resilience.reconfigure import plan_reconfiguration, plan_rejoin
-from plait.planner.resilience.templates import node_domains
-from plait.planner.resilience.types import Instantiation, Reconfiguration, TemplateSet, Transfer
+from plait.planner.resilience.reconfigure import plan_reconfiguration
+from plait.planner.resilience.shards import (failed_groups, group_workers, partners_left, shard_rows,
+                                             worker_transfers)
+from plait.planner.resilience.types import Instantiation, Reconfiguration, Transfer
 from plait.planner.pipeline.schedule_ir import Schedule
 from plait.planner.pipeline.schedules import build_schedule
+from plait.train.admission import JoinerAdmission
 from plait.train.batches import plan_global_batch
 from plait.train.build import build_datasets, seed_everything
 from plait.train.cost_coeffs import microbatch_cost_coeffs
 from plait.train.checkpoint import CheckpointLayout, checkpoint_dir, save_checkpoint, training_set_identity
 from plait.train.evaluation import EvalReport, eval_batch_size, evaluate_on, load_metrics
 from plait.train.faults import Faults
+from plait.train.launch_plan import LaunchPlan
 from plait.train.loop import LoopSchedule, run_steps, total_steps
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import MetricsWriter
 from plait.train.optim import LRSchedule, build_optimizer, step_optimizer
 from plait.train.replica_eval import replica_eval_side
 from plait.train.run_start import say
+from plait.train.step_run import unused_branches
 
-__all__ = ["LaunchPlan", "ResilientWorker", "WorkerRun", "pipeline_microbatches", "run_resilient_worker"]
+__all__ = ["ResilientWorker", "WorkerRun", "pipeline_microbatches", "run_resilient_worker"]
+
+log = logging.getLogger(__name__)
 
 MAX_REPLAYS = 3
 """Replays of a step that fails with every worker alive (a slow worker taken for dead, or an error of the step
@@ -95,64 +115,6 @@ itself) before the job stops with the error."""
 
 ADAMW_STATE = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(1), "exp_avg_sq": torch.zeros(1)}
 """The per-parameter state keys of AdamW (shapes per parameter), for receiving moved units."""
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    """What the launcher decided before starting the workers (written as ``launch.json``).
-
-    Attributes:
-        templates: the pipeline templates for the job's ranks and ``f``.
-        instantiation: the first instantiation (its ranks are worker ids).
-        timeout_s: collective timeout of the workers' groups (seconds): a hung peer is detected after it.
-        kills: fault injection for tests: ``(worker, step)`` pairs; that worker SIGKILLs itself at the first module
-            forward of that step (in the middle of the step; ``plait.train.faults``).
-        rejoins: ``(worker, step)`` pairs: the launcher restarts that worker once it died, and the members admit it
-            at the start of that step (waiting for it at most ``2 * timeout_s``).
-        nodes: the job's nodes (agents); worker ``w`` runs on node ``w // (workers / nodes)``, and with more than
-            one node, nodes are the failure domains of the instantiations.
-        stops: fault injection: ``(worker, step)`` pairs; that worker SIGSTOPs itself mid-step (a hung worker).
-        node_kills: fault injection: ``(node, step)`` pairs; that node's agent and workers are SIGKILLed at once
-            mid-step (a lost node).
-    """
-
-    templates: TemplateSet
-    instantiation: Instantiation
-    timeout_s: float = 10.0
-    kills: tuple[tuple[int, int], ...] = ()
-    rejoins: tuple[tuple[int, int], ...] = ()
-    nodes: int = 1
-    stops: tuple[tuple[int, int], ...] = ()
-    node_kills: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def per_node(self) -> int:
-        """Workers per node."""
-        return self.templates.num_ranks // self.nodes
-
-    def node_workers(self, worker: int) -> range:
-        """The worker ids of ``worker``'s node (numbered node by node), itself included."""
-        first = worker // self.per_node * self.per_node
-        return range(first, first + self.per_node)
-
-    def domains(self) -> dict[int, int] | None:
-        """Worker id -> node, the failure domains (``templates.node_domains``; None on one node)."""
-        return node_domains(self.templates.num_ranks, self.nodes)
-
-    def to_json(self) -> str:
-        """The plan as JSON (templates and instantiation by their own ``to_dict``)."""
-        pairs = {name: [list(k) for k in getattr(self, name)] for name in ("kills", "rejoins", "stops", "node_kills")}
-        return json.dumps({"templates": self.templates.to_dict(), "instantiation": self.instantiation.to_dict(),
-                           "timeout_s": self.timeout_s, "nodes": self.nodes, **pairs})
-
-    @classmethod
-    def from_json(cls, text: str) -> LaunchPlan:
-        """Read :meth:`to_json`'s output."""
-        d = json.loads(text)
-        pairs = {name: tuple((int(a), int(b)) for a, b in d.get(name, ()))
-                 for name in ("kills", "rejoins", "stops", "node_kills")}
-        return cls(TemplateSet.from_dict(d["templates"]), Instantiation.from_dict(d["instantiation"]),
-                   float(d["timeout_s"]), nodes=int(d.get("nodes", 1)), **pairs)
 
 
 def pipeline_microbatches(indices: Sequence[int], plan: MicrobatchPlan, counts: Sequence[int]
@@ -173,6 +135,11 @@ def pipeline_microbatches(indices: Sequence[int], plan: MicrobatchPlan, counts: 
     return [groups[a:a + c] for a, c in zip(starts, counts)]
 
 
+class ShardGroupLeft(Exception):
+    """This worker leaves the job: a worker of its shard group failed (FSDP2 inside the pipelines), so the shards
+    it holds belong to a pipeline's copy that is gone (:func:`run_resilient_worker` ends it cleanly)."""
+
+
 @dataclass
 class WorkerRun:
     """This worker's part of an instantiation: stages, gradient groups (and their sum, ``sync``), schedule,
@@ -185,6 +152,8 @@ class WorkerRun:
     schedule: Schedule
     opt: torch.optim.Optimizer | None
     eval_group: Any = None
+    sharded: ShardedModel | None = None
+    """FSDP2 inside the pipelines (``parallel.dp_shard`` > 1): this worker's stages' groups."""
 
     def drop_groups(self) -> None:
         """Drop this run's references to its process groups (gradient and validation groups), so that abandoning
@@ -194,7 +163,7 @@ class WorkerRun:
 
 
 @dataclass
-class ResilientWorker:
+class ResilientWorker(JoinerAdmission):
     """One worker of a resilient job (module docstring). ``out``: the folder of logs and final parameters."""
 
     cfg: JobConfig
@@ -206,6 +175,8 @@ class ResilientWorker:
     train_set: Any = None
     val_set: Any = None
     names: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    tied: tuple[str, ...] = ()
+    """The FQNs of a weight tied between the LLM's embedding and head (``hetero_dp.tied_embedding_names``)."""
     cost_coeffs: dict[str, Any] = field(default_factory=dict)
     stop_ids: list[int] = field(default_factory=list)
     metric_fns: dict[str, Any] = field(default_factory=dict)
@@ -238,6 +209,7 @@ class ResilientWorker:
         self.processor = build_processor(cfg.model, model, self.tokenizer, cfg.data.max_length)
         self.train_set, self.val_set = build_datasets(cfg, self.processor, False)
         self.names = unit_parameter_names(model)
+        self.tied = tied_embedding_names(model)
         self.cost_coeffs = microbatch_cost_coeffs(model)
         self.stop_ids = stop_token_ids(self.tokenizer, model.language_model.generation_config)
         self.metric_fns = load_metrics(cfg.train.eval_metrics) if self.val_set is not None else {}
@@ -255,41 +227,50 @@ class ResilientWorker:
             raise ValueError(f"the new pipelines {[list(p.ranks) for p in inst.pipelines]} put {n} workers in a "
                              f"pipeline whose plan runs on {used}: plait launch cannot leave a worker idle as a "
                              "spare yet; resume from the last checkpoint with `plait train --resume`")
-        members = self.membership.members
+        members, d = self.membership.members, self.plan.templates.dp_shard
         rank_of = {w: i for i, w in enumerate(members)}
-        index = inst.pipeline_of(self.worker)
-        pipeline = inst.pipelines[index]
-        comm = hetero_pipeline_comm([[rank_of[w] for w in p.ranks] for p in inst.pipelines], rank_of[self.worker])
-        stages = build_rank_stages(self._fresh_model(), pipeline.template.plan, comm.pp_rank)
+        timeout = datetime.timedelta(seconds=self.plan.timeout_s)
+        pipeline = inst.pipelines[inst.pipeline_of(self.worker // d)]  # the planner's ranks are shard groups
+        rows = [[rank_of[w] for w in row] for row in shard_rows(inst, d)]  # each worker runs a row of its pipeline
+        comm = hetero_pipeline_comm(rows, rank_of[self.worker])
+        model = self._fresh_model()
+        specs = unit_specs(model)  # of the whole model, before pruning
+        stages = build_rank_stages(model, pipeline.template.plan, comm.pp_rank)
+        sharded = shard_stages(stages, specs, [[rank_of[w] for w in group_workers(g, d)] for g in inst.ranks],
+                               timeout)
         t = self.cfg.train
         opt = None
         if stages.trainable_parameters():  # a rank of frozen units only has no optimizer
             scales = {name: enc.lr_scale for name, enc in self.cfg.model.encoders.items()}
             opt = build_optimizer(stages.model, t.lr, t.weight_decay, t.betas, scales)
         if old is not None or transfers:  # a joiner (old None) holds nothing and receives every unit
-            held = {n: (p, old.opt.state.get(p, {}) if old.opt is not None else {})
-                    for n, p in old.stages.model.named_parameters(remove_duplicate=False)} if old else {}
-            new = dict(stages.model.named_parameters(remove_duplicate=False))
-            state = move_units(held, new, self.names, transfers, self.worker, rank_of, ADAMW_STATE)
-            for fqn, values in state.items():
-                if values and new[fqn].requires_grad and opt is not None:
-                    opt.state[new[fqn]] = values
-        hetero = build_hetero_dp(stages, comm, datetime.timedelta(seconds=self.plan.timeout_s))
+            # FSDP2: shards move shard by shard; a tied embedding moves whole (sharded or not, as the plans put it)
+            whole = self.tied if sharded is not None or (old is not None and old.sharded is not None) else ()
+            for group in old.sharded.all_groups() if old is not None and old.sharded is not None else ():
+                group.reshard()  # a step that failed left them gathered: the sharded parameters (and state) again
+            mesh = next((p.device_mesh for p in stages.model.parameters() if isinstance(p, DTensor)), None)
+            held = unit_parts(dict(old.stages.model.named_parameters(remove_duplicate=False)), old.opt, whole,
+                              mesh) if old else {}
+            params = dict(stages.model.named_parameters(remove_duplicate=False))
+            parts = receive_parts(params, whole)
+            state = move_units(held, parts, self.names, worker_transfers(transfers, d), self.worker, rank_of,
+                               ADAMW_STATE)
+            place_parts(params, parts, state, opt, whole)
+        hetero = build_hetero_dp(stages, comm, timeout, d)
         schedule = build_schedule(pipeline.template.plan, pipeline.template.schedule, pipeline.microbatches)
         eval_group = None
-        if self.val_set is not None:  # every rank creates every pipeline's group, in the same order (collective)
-            for p in inst.pipelines:
-                group = torch.distributed.new_group([rank_of[w] for w in p.ranks],
-                                                    timeout=datetime.timedelta(seconds=self.plan.timeout_s))
-                eval_group = group if p is pipeline and len(p.ranks) > 1 else eval_group
-        return WorkerRun(inst, stages, hetero, HeteroSync(hetero), schedule, opt, eval_group)
+        if self.val_set is not None:  # every rank creates every row's group, in the same order (collective)
+            for row in rows:
+                group = torch.distributed.new_group(row, timeout=timeout)
+                eval_group = group if rank_of[self.worker] in row and len(row) > 1 else eval_group
+        return WorkerRun(inst, stages, hetero, HeteroSync(hetero), schedule, opt, eval_group, sharded)
 
     def _gradients(self, run: WorkerRun, indices: Sequence[int], targets: int, step: int) -> tuple[float, float]:
         """The pipeline's share of the global batch ``indices`` (:func:`pipeline_microbatches` of the run's
         instantiation) through the pipeline runtime, the gradients summed across pipelines and clipped by the run's
         sync; returns ``(loss, gradient norm)``. Raises ``RuntimeError`` when a peer died (collective over the
         group)."""
-        counts = [p.microbatches for p in run.inst.pipelines]
+        counts = [p.microbatches for p in run.inst.pipelines for _ in range(self.plan.templates.dp_shard)]  # rows
         if len(indices) > sum(counts) * self.cfg.train.microbatch_size:
             raise ValueError(f"{len(indices)} samples do not fit {sum(counts)} microbatches of "
                              f"{self.cfg.train.microbatch_size}")
@@ -299,7 +280,9 @@ class ResilientWorker:
         batches = [collate([self.train_set[i] for i in mb], self.processor.pad_id, pack=self.cfg.data.packing)
                    if mb else None for mb in mine]
         res = run_pipeline_step(run.stages, run.schedule, batches, targets, run.hetero.comm, loss_fn=token_loss_sum,
-                                sync=run.sync)
+                                sharded=run.sharded, sync=run.sync)
+        if run.sharded is not None:  # a branch no sample of the step uses keeps no gradient, as in one process
+            run.sharded.drop_gradients(unused_branches(run.sharded, [self.train_set.sample_meta(i) for i in indices]))
         return res.loss, run.sync.clip(run.hetero.params, self.cfg.train.grad_clip)
 
     def _try_step(self, run: WorkerRun, indices: Sequence[int], targets: int,
@@ -377,13 +360,14 @@ class ResilientWorker:
         while True:
             report: EvalReport | None = None
             run.stages.train(False)
+            d, row = self.plan.templates.dp_shard, run.hetero.comm.dp_rank  # each shard row validates a share
             try:
-                side = replica_eval_side(run.stages, run.inst.pipelines[run.hetero.comm.dp_rank].template.plan,
-                                         run.hetero.comm, (len(run.inst.pipelines), run.hetero.comm.dp_rank),
-                                         run.eval_group, self.tokenizer, self.stop_ids, t.max_new_tokens,
-                                         self.processor.pad_id)
-                report = evaluate_on(self.val_set, side, self.processor.pad_id, run.hetero.comm.device,
-                                     eval_batch_size(t), steps, self.metric_fns, self.cfg.metrics.run_dir)
+                with gathered(run.sharded):  # FSDP2: the rows' forwards then run no collective of the shards
+                    side = replica_eval_side(run.stages, run.inst.pipelines[row // d].template.plan, run.hetero.comm,
+                                             (len(run.inst.pipelines) * d, row), run.eval_group, self.tokenizer,
+                                             self.stop_ids, t.max_new_tokens, self.processor.pad_id)
+                    report = evaluate_on(self.val_set, side, self.processor.pad_id, run.hetero.comm.device,
+                                         eval_batch_size(t), steps, self.metric_fns, self.cfg.metrics.run_dir)
             except RuntimeError:
                 pass
             finally:
@@ -397,11 +381,13 @@ class ResilientWorker:
         degree, the deepest pipeline's ranks, at least 2: every worker saves its pruned stage model as a pipeline
         rank does (model parts on no unit are never saved), which ``load_checkpoint`` accepts from a pipeline
         checkpoint only."""
-        pipelines = "; ".join(f"workers {list(p.ranks)}: {p.template.plan.num_stages} stages, {p.microbatches} mb"
-                              for p in inst.pipelines)
+        d = self.plan.templates.dp_shard
+        pipelines = "; ".join(f"workers {w}: {p.template.plan.num_stages} stages, {p.microbatches} mb"
+                              for w, p in zip(self.pipelines(inst), inst.pipelines))
+        shards = f", stages sharded (FSDP2) over {d} workers" if d > 1 else ""
         deepest = max(p.template.plan.num_ranks for p in inst.pipelines)
-        return CheckpointLayout(world_size=len(self.membership.members), dp=len(inst.pipelines),
-                                pp=max(2, deepest), cp=1, plan=f"plait launch: {pipelines}")
+        return CheckpointLayout(world_size=len(self.membership.members), dp=len(inst.pipelines) * d,
+                                pp=max(2, deepest), cp=1, plan=f"plait launch: {pipelines}{shards}")
 
     def _log(self, record: dict[str, Any]) -> None:
         record["time"] = time.time()
@@ -416,18 +402,32 @@ class ResilientWorker:
         """
         run.drop_groups()  # the old groups' last references: abandoning closes their sockets
         self.membership.reform()
-        left = tuple(w for w in run.inst.ranks if w not in self.membership.members)
-        rec: Reconfiguration = plan_reconfiguration(self.plan.templates, run.inst, left)
+        d = self.plan.templates.dp_shard
+        left = tuple(w for p in self.pipelines(run.inst) for w in p if w not in self.membership.members)
+        while partners := partners_left(run.inst, self.membership.members, d):  # FSDP2: their group's copy is gone
+            dist.barrier()  # every member has connected to the new group before they leave it
+            if self.worker in partners:
+                raise ShardGroupLeft(f"its shard group lost worker(s) {list(left)}, so its shards belong to a copy "
+                                     "that is gone; the others go on without the group")
+            self.membership.reform()  # without them (they leave at once)
+        rec: Reconfiguration = plan_reconfiguration(self.plan.templates, run.inst,
+                                                    failed_groups(run.inst, self.membership.members, d))
         new = self.build_run(rec.after, run, rec.transfers)
         seconds = time.monotonic() - failed_at
-        line = (f"plait launch: reconfigured in {seconds:.2f} s: worker(s) {list(left)} failed; {rec.summary()}; "
-                f"workers per pipeline {[list(p.ranks) for p in rec.after.pipelines]}")
+        groups = f" (shard groups of {d} workers; their partners left)" if d > 1 else ""
+        line = (f"plait launch: reconfigured in {seconds:.2f} s: worker(s) {list(left)} failed{groups}; "
+                f"{rec.summary()}; workers per pipeline {self.pipelines(rec.after)}")
         if self.membership.rank == 0:
             say(line)
         self._log({"event": "reconfigure", "failed": list(left), "bytes": rec.bytes, "seconds": seconds,
-                   "pipelines": [list(p.ranks) for p in rec.after.pipelines],
-                   "copies": [[t.unit, t.src, t.dst] for t in rec.transfers]})
+                   "pipelines": self.pipelines(rec.after), "copies": [[t.unit, t.src, t.dst] for t in rec.transfers]})
         return new
+
+    def pipelines(self, inst: Instantiation) -> list[list[int]]:
+        """The workers of each pipeline of ``inst`` (with FSDP2 inside the pipelines, its shard groups' workers in
+        group order)."""
+        d = self.plan.templates.dp_shard
+        return [[w for g in p.ranks for w in group_workers(g, d)] for p in inst.pipelines]
 
     def _recover(self, run: WorkerRun, failed_at: float) -> WorkerRun:
         """:meth:`reconfigure` until it succeeds (another worker failing during it leads to one more round)."""
@@ -436,64 +436,9 @@ class ResilientWorker:
                 return self.reconfigure(run, failed_at)
             except NoQuorumError:
                 raise
-            except RuntimeError:  # another worker failed during it: one more generation
-                pass
-
-    def admit_joiners(self, run: WorkerRun, step: int) -> WorkerRun:
-        """At the start of ``step``: admit the workers planned to rejoin then (``LaunchPlan.rejoins``) that asked
-        (rank 0 waits for them at most ``2 * timeout_s`` and announces who came through the store,
-        :meth:`Membership.announce`), re-instantiate over the larger set (``plan_rejoin``) and copy their units to
-        them. Collective."""
-        planned = [w for w, s in self.plan.rejoins if s == step and w not in self.membership.members]
-        joiners = self._asked(step)
-        if planned:
-            decided = None
-            if self.membership.rank == 0:
-                deadline = time.monotonic() + 2 * self.plan.timeout_s
-                while len(self.membership.joined(planned)) < len(planned) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                decided = json.dumps(self.membership.joined(planned))
-            # through the store, not a broadcast: rank 0 may wait longer than the collective timeout for a slow start
-            joiners += json.loads(self.membership.announce(f"joiners/step{step}", decided, 3 * self.plan.timeout_s))
-        joiners = sorted(set(joiners))
-        if not joiners:
-            return run
-        start = time.monotonic()
-        run.drop_groups()
-        self.membership.admit(joiners, {"step": step, "inst": run.inst.to_dict(), "joiners": joiners})
-        return self._apply_rejoin(run.inst, joiners, run, start)
-
-    def _asked(self, step: int) -> list[int]:
-        """Workers not planned to rejoin at a later step (``LaunchPlan.rejoins``) that asked to join (a node started
-        again, or a planned joiner too late for its step) and are admitted at the start of ``step``: rank 0 wrote them
-        under ``asked/step<step>`` at the start of the step before (:meth:`Membership.post`), before its vote to
-        commit that step, which every member's commit waited for, so every member reads the same list. Rank 0 then
-        writes the next step's: a node's workers together once all of its absent ones ask (one re-instantiation,
-        not one per worker), or any that has asked for 2 steps."""
-        membership = self.membership
-        asked = json.loads(membership.posted(f"asked/step{step}") or "[]")
-        if membership.rank == 0:  # a planned rejoin waits for its step; one that missed it is admitted as it asks
-            planned = {w for w, s in self.plan.rejoins if s > step}
-            outside = [w for w in range(membership.world) if w not in planned and w not in asked]
-            asking = set(membership.joined(outside))
-            self.asking_since = {w: self.asking_since.get(w, step) for w in asking}
-            ready = [w for w in sorted(asking) if step - self.asking_since[w] >= 2 or all(
-                v in asking or v in membership.members or v in asked for v in self.plan.node_workers(w))]
-            membership.post(f"asked/step{step + 1}", json.dumps(ready))
-        return [w for w in asked if w not in membership.members]
-
-    def _apply_rejoin(self, inst: Instantiation, joiners: Sequence[int], run: WorkerRun | None,
-                      start: float) -> WorkerRun:
-        rec = plan_rejoin(self.plan.templates, inst, joiners, self.plan.domains())
-        new = self.build_run(rec.after, run, rec.transfers)
-        seconds = time.monotonic() - start
-        if self.membership.rank == 0:
-            say(f"plait launch: worker(s) {list(joiners)} rejoined in {seconds:.2f} s; {len(rec.transfers)} unit "
-                f"copies, {rec.bytes / 2**20:.1f} MiB; workers per pipeline "
-                f"{[list(p.ranks) for p in rec.after.pipelines]}")
-        self._log({"event": "rejoin", "joined": list(joiners), "bytes": rec.bytes, "seconds": seconds,
-                   "pipelines": [list(p.ranks) for p in rec.after.pipelines]})
-        return new
+            except RuntimeError as exc:  # another worker failed during it: one more generation (ShardGroupLeft is none)
+                log.warning("worker %d: reconfiguration failed (%s: %s); one more round", self.worker,
+                            type(exc).__name__, exc)
 
     def train(self, joining: bool = False) -> None:
         """Train every step of the job (``train.steps``, or ``train.epochs`` of the loader) by the loop of every
@@ -523,8 +468,8 @@ class ResilientWorker:
             bar.close()
         if self.writer is not None:
             self.writer.close()
-        torch.save({n: p.detach().clone() for n, p in self.run.stages.model.named_parameters()},
-                   self.out / f"final-worker{self.worker}.pt")
+        torch.save({n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()  # shards gathered
+                    for n, p in self.run.stages.model.named_parameters()}, self.out / f"final-worker{self.worker}.pt")
 
     def before_step(self, step: int) -> None:
         """Admit the workers planned to rejoin at ``step`` (:meth:`admit_joiners`)."""
@@ -559,7 +504,7 @@ class ResilientWorker:
         self.step += 1
         record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr,
                   "samples": [self.train_set.sample_meta(i).id for i in indices],
-                  "pipelines": [list(p.ranks) for p in self.run.inst.pipelines]}
+                  "pipelines": self.pipelines(self.run.inst)}
         if failed_at is not None:
             record["recovery_s"] = time.monotonic() - failed_at
             self.say(f"recovered: step {step} done {record['recovery_s']:.2f} s after the failure was seen")
@@ -594,5 +539,12 @@ def run_resilient_worker(cfg: JobConfig, plan_path: str | Path, worker: int, wor
         membership.join()
     try:
         job.train(joining)
+    except ShardGroupLeft as exc:
+        say(f"plait launch: worker {worker} leaves the job: {exc}")
+        if job.writer is not None:  # the next rank 0 carries metrics.jsonl on
+            job.writer.close()
+        membership.close()
+        # no heartbeat at all: the others' agreement counts this worker gone at once (membership._gone)
+        forget_process(dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60)), worker)
     finally:
         membership.close()

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from plait.planner.cost.analytic import trained_params
+from plait.planner.cost.sharding import pipelined_optimizer, pipelined_overheads
 from plait.planner.cost.types import OptimizerSpec
 from plait.planner.pipeline.graph import consistent_units
 from plait.planner.pipeline.types import PipelinePlan
@@ -57,6 +58,7 @@ def plan_templates(
     microbatches: int,
     machine: Machine = Machine(),
     space: SearchSpace = SearchSpace(),
+    dp_shard: int = 1,
 ) -> TemplateSet:
     """Pipeline templates for every size from the memory minimum ``n0`` to ``num_ranks - failures * n0``.
 
@@ -64,24 +66,37 @@ def plan_templates(
     ``virtual_stages``, ``attach_encoders``, ...), fitted to ``fixed_s + per_microbatch_s * nb`` by timing its plan
     (``search.evaluate_plan``) with ``microbatches`` and ``2 * microbatches`` microbatches.
 
+    With ``dp_shard`` > 1 (FSDP2 inside every pipeline, :class:`~plait.planner.resilience.types.TemplateSet`) the
+    templates are planned over shard groups: ``num_ranks / dp_shard`` of them, ``microbatches / dp_shard`` per
+    shard row, each stage holding whole parameters and gradients during a step and a ``1 / dp_shard`` share of the
+    optimizer state and step (``cost.sharding.pipelined_optimizer``, ``pipelined_overheads``: what ``plait train``
+    charges FSDP2 under pipeline stages).
+
     Args:
         units, costs: the model's pipeline units and their costs (as ``plan_layout``).
-        num_ranks: ranks of the job (``N``).
-        failures: simultaneous failures to tolerate (``f >= 0``).
+        num_ranks: worker ranks of the job (``N``; ``N / dp_shard`` shard groups).
+        failures: simultaneous failures to tolerate (``f >= 0``; of shard groups when ``dp_shard`` > 1).
         microbatches: microbatches of the global batch (``M``).
         machine: memory cap, ``p2p``, dtype, optimizer, overheads as ``plan_layout``; ``dp_link``: the link of
             the gradient all-reduce between pipelines (not charged within a template).
         space: as ``plan_layout`` (its ``dp_degrees`` replaced by ``(1,)``).
+        dp_shard: FSDP2 shard degree inside every pipeline (>= 1).
 
     Raises:
-        ValueError: on bad numbers, when no plan fits on ``N`` ranks, or when ``N < (f + 1) n0`` (naming both).
+        ValueError: on bad numbers, ``dp_shard`` not dividing ``N`` and ``M``, when no plan fits on ``N`` ranks,
+            or when ``N < (f + 1) n0`` (naming both).
     """
     if int(num_ranks) != num_ranks or num_ranks < 1 or int(failures) != failures or failures < 0:
         raise ValueError(f"num_ranks must be >= 1 and failures >= 0 (integers), got {num_ranks} and {failures}")
     if int(microbatches) != microbatches or microbatches < 1:
         raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if int(dp_shard) != dp_shard or dp_shard < 1 or num_ranks % dp_shard or microbatches % dp_shard:
+        raise ValueError(f"dp_shard {dp_shard!r} must be a positive integer dividing the {num_ranks} ranks and the "
+                         f"{microbatches} microbatches of the global batch (each shard row runs its own)")
+    num_ranks, microbatches = num_ranks // dp_shard, microbatches // dp_shard
     searched = Machine(memory_cap=machine.memory_cap, p2p=machine.p2p, dtype=machine.dtype,
-                       optimizer=machine.optimizer, overheads=machine.overheads)
+                       optimizer=pipelined_optimizer(machine.optimizer, dp_shard),
+                       overheads=pipelined_overheads(machine.overheads, dp_shard))
     space = dataclasses.replace(space, dp_degrees=(1,))
     true_units = consistent_units(units)
     cost_seq = cost_list(units, costs)
@@ -104,7 +119,7 @@ def plan_templates(
         raise ValueError(f"{num_ranks} ranks cannot hold failures + 1 = {failures + 1} pipelines of at least "
                          f"n0 = {n0} ranks (the smallest that fits memory)")
     unit_bytes = tuple(_unit_bytes(u, c, machine.dtype, machine.optimizer) for u, c in zip(true_units, cost_seq))
-    return TemplateSet(num_ranks, failures, microbatches, tuple(templates), unit_bytes, machine.dp_link)
+    return TemplateSet(num_ranks, failures, microbatches, tuple(templates), unit_bytes, machine.dp_link, dp_shard)
 
 
 def _template(n: int, plan: PipelinePlan, schedule: str, units: Sequence[Unit], costs: Sequence[Any],
@@ -157,9 +172,10 @@ def instantiate(templates: TemplateSet, groups: Sequence[Sequence[int]]) -> Inst
 
 
 def _iteration_s(templates: TemplateSet, chosen: Sequence[PipelineTemplate], counts: Sequence[int]) -> float:
-    """Slowest makespan plus the slowest rank's all-reduce of its gradients over the pipelines."""
+    """Slowest makespan plus the slowest rank's all-reduce of its gradients over the pipelines (of its shard: a
+    ``1 / dp_shard`` share under FSDP2)."""
     makespan = max(t.makespan_s(c) for t, c in zip(chosen, counts))
-    grads = max((g for t in chosen for g in t.rank_grad_bytes), default=0.0)
+    grads = max((g for t in chosen for g in t.rank_grad_bytes), default=0.0) / templates.dp_shard
     return makespan + allreduce_s(grads, len(chosen), templates.dp_link)
 
 

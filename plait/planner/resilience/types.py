@@ -88,9 +88,16 @@ class TemplateSet(JsonDataclass):
         templates: one per size, increasing, from ``min_ranks`` (``n0``) to ``max_ranks`` (``N - f n0``).
         units: per unit (model order), its copy bytes.
         dp_link: the link of the per-unit gradient all-reduce between pipelines (None: free).
+        dp_shard: FSDP2 shard degree inside every pipeline (1: none). Above 1 the set's ranks are **shard groups**
+            of ``dp_shard`` workers (group ``g``: workers ``g * dp_shard .. g * dp_shard + dp_shard - 1``,
+            ``plait.planner.resilience.shards``): a plan rank runs on a group, its trainable units sharded over the
+            group's workers, each worker running its own copy of the pipeline (a shard row) on its own microbatches;
+            ``microbatches`` counts one row's, ``num_ranks`` the groups. Every pipeline has the same degree, so
+            shard ``i`` of a unit is the same slice in every pipeline.
 
     Raises:
-        ValueError: on no template, sizes that are not consecutive, or templates over different units.
+        ValueError: on no template, sizes that are not consecutive, templates over different units, or
+            ``dp_shard`` < 1.
     """
 
     num_ranks: int
@@ -99,8 +106,11 @@ class TemplateSet(JsonDataclass):
     templates: tuple[PipelineTemplate, ...]
     units: tuple[UnitBytes, ...]
     dp_link: P2PModel | None = None
+    dp_shard: int = 1
 
     def __post_init__(self) -> None:
+        if int(self.dp_shard) != self.dp_shard or self.dp_shard < 1:
+            raise ValueError(f"TemplateSet needs dp_shard >= 1 (an integer), got {self.dp_shard!r}")
         sizes = [t.num_ranks for t in self.templates]
         if not sizes or sizes != list(range(sizes[0], sizes[0] + len(sizes))):
             raise ValueError(f"TemplateSet needs templates for consecutive sizes, got {sizes}")
@@ -109,6 +119,11 @@ class TemplateSet(JsonDataclass):
             held = {u for s in t.plan.stages for u in s.units}
             if held != names:
                 raise ValueError(f"template for {t.num_ranks} ranks covers other units than the set's")
+
+    @property
+    def workers(self) -> int:
+        """Worker processes of the job: ``num_ranks * dp_shard``."""
+        return self.num_ranks * self.dp_shard
 
     @property
     def min_ranks(self) -> int:

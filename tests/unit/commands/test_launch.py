@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from plait.commands.launch import (NodeRole, _wait, check_launch, launch_command, launch_device, launch_plan,
                                    parse_kills, worker_command)
-from plait.train.resilient import LaunchPlan
+from plait.train.launch_plan import LaunchPlan
 from tests.distributed.spawning import free_port
 from plait.planner.cost.types import DeviceSpec
 from plait.config.loader import config_from_dict
@@ -43,9 +43,18 @@ def _cfg(**sections):
 
 def test_check_launch_refuses_layout_settings_and_unknown_workers():
     check_launch(_cfg(train={"steps": 6}), 6, ((4, 1), (0, 3)), ((4, 5),))  # a plain job passes
-    for name in ("tp", "dp_shard", "cp"):
-        with pytest.raises(ValueError, match=rf"parallel.{name} = 2: plait launch plans its own pipelines"):
+    for name, what in (("tp", "tensor"), ("cp", "context")):
+        with pytest.raises(ValueError, match=rf"parallel.{name} = 2: plait launch plans its own pipelines .* runs "
+                                             rf"no {what} parallelism inside them: a failure would have to re-split"):
             check_launch(_cfg(parallel={name: 2}), 6)
+    check_launch(_cfg(parallel={"dp_shard": 2}), 6, ((4, 1),))  # FSDP2 inside the pipelines: shard groups of 2
+    with pytest.raises(ValueError, match=r"parallel.dp_shard = 4 must divide the 6 workers"):
+        check_launch(_cfg(parallel={"dp_shard": 4}), 6)
+    with pytest.raises(ValueError, match=r"--rejoin with parallel.dp_shard = 2: when a worker of a shard group fails "
+                                         r"its partners leave the job with it"):
+        check_launch(_cfg(parallel={"dp_shard": 2}, train={"steps": 6}), 6, ((4, 1),), ((4, 3),))
+    with pytest.raises(ValueError, match=r"--nnodes above 1 with parallel.dp_shard = 2"):
+        check_launch(_cfg(parallel={"dp_shard": 2}), 8, nnodes=2)
     check_launch(_cfg(data={"val": "val.jsonl"}), 6)  # validated through the pipelines
     with pytest.raises(ValueError, match=r"--kill: no worker 5, 9 \(the workers are 0..3\)"):
         check_launch(_cfg(), 4, ((9, 1), (5, 1), (1, 2)))

@@ -1,5 +1,5 @@
-"""``plait launch`` refuses ``parallel.ep`` above 1 as it does TP, FSDP2 and CP: its heterogeneous pipelines of whole
-layers run no expert parallelism inside them."""
+"""``plait launch`` refuses ``parallel.ep`` above 1 as it does TP and CP: its heterogeneous pipelines of whole layers
+run no expert parallelism inside them (a failure would have to re-split the experts over the survivors)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ def test_check_launch_refuses_expert_parallelism():
     data["model"]["llm"]["config"] = dict(TINY_MOE_LLM)
     check_launch(config_from_dict(data), 4)  # a MoE job without EP passes
     data["parallel"] = {"ep": 2, "dp": 2}
-    with pytest.raises(ValueError, match=r"^parallel.ep = 2: plait launch plans its own pipelines .* no tensor, "
-                                         r"FSDP2, context or expert parallelism inside them; set --parallel.ep=1"):
+    with pytest.raises(ValueError, match=r"^parallel.ep = 2: plait launch plans its own pipelines .* runs no expert "
+                                         r"parallelism inside them: a failure would have to re-split the experts "
+                                         r"over the survivors, .*; set --parallel.ep=1"):
         check_launch(config_from_dict(data), 4)

@@ -7,9 +7,12 @@ import itertools
 import pytest
 
 from plait.planner.cost.types import ActionOverheads
+from plait.planner.pipeline.types import P2PModel
+from plait.planner.resilience.reconfigure import plan_reconfiguration
+from plait.planner.resilience.shards import failed_groups, group_workers, partners_left, shard_rows, worker_transfers
 from plait.planner.search.layout import evaluate_plan, plan_layout
 from plait.planner.resilience.templates import (distribute_microbatches, instantiate, plan_instantiation,
-                                               units_on_few_domains)
+                                               plan_templates, units_on_few_domains)
 from plait.planner.resilience.types import PipelineTemplate, TemplateSet, format_seconds
 from plait.planner.search.types import Machine, SearchSpace
 from tests.helpers.templates import CAP, PARAM, model, templates
@@ -170,3 +173,36 @@ def test_no_spread_possible_is_refused_naming_the_domains():
     ts = templates(8, 1)
     with pytest.raises(ValueError, match=r"failure domains \(f = 1 counts domains; ranks per domain \{0: 8\}\)"):
         plan_instantiation(ts, domains={r: 0 for r in range(8)})
+
+
+def test_sharded_templates_plan_shard_groups_that_fit_on_fewer_ranks():
+    # FSDP2 inside the pipelines: 16 workers as 8 shard groups of 2, 12 microbatches as 6 per shard row; each rank
+    # holds a half of the AdamW state, so a pipeline fits on 2 groups where 3 ranks are needed unsharded
+    units, costs = model()
+    machine = Machine(memory_cap=CAP, dp_link=P2PModel(1e-5, 1e10))
+    sharded = plan_templates(units, costs, 16, 1, microbatches=12, machine=machine, dp_shard=2)
+    whole = plan_templates(units, costs, 8, 1, microbatches=6, machine=machine)
+    assert (sharded.num_ranks, sharded.workers, sharded.microbatches, sharded.dp_shard) == (8, 16, 6, 2)
+    assert sharded.min_ranks == 2 < whole.min_ranks == 3
+    assert TemplateSet.from_json(sharded.to_json()) == sharded
+    assert TemplateSet.from_dict({k: v for k, v in whole.to_dict().items() if k != "dp_shard"}).dp_shard == 1
+    for workers, mbs in ((15, 12), (16, 13)):
+        with pytest.raises(ValueError, match=r"dp_shard 2 must be a positive integer dividing the"):
+            plan_templates(units, costs, workers, 1, microbatches=mbs, machine=machine, dp_shard=2)
+
+
+def test_shard_groups_map_the_plans_to_workers():
+    units, costs = model()
+    ts = plan_templates(units, costs, 12, 1, microbatches=12, machine=Machine(memory_cap=CAP), dp_shard=2)
+    inst = instantiate(ts, [[0, 1, 2], [3, 4, 5]])  # groups; group g = workers 2g, 2g + 1
+    assert group_workers(2, 2) == (4, 5)
+    assert shard_rows(inst, 2) == ((0, 2, 4), (1, 3, 5), (6, 8, 10), (7, 9, 11))
+    alive = [w for w in range(12) if w not in (3, 10)]  # group 1 (pipeline 0) and group 5 (pipeline 1) fail
+    assert failed_groups(inst, alive, 2) == (1, 5)
+    assert partners_left(inst, alive, 2) == (2, 11)
+    rec = plan_reconfiguration(ts, inst, failed_groups(inst, alive, 2))
+    moved = worker_transfers(rec.transfers, 2)
+    assert len(moved) == 2 * len(rec.transfers)
+    for t, (a, b) in zip(rec.transfers, zip(moved[::2], moved[1::2])):
+        assert (a.unit, a.src, a.dst, b.src, b.dst) == (t.unit, 2 * t.src, 2 * t.dst, 2 * t.src + 1, 2 * t.dst + 1)
+        assert a.param_bytes == t.param_bytes // 2 and a.state_bytes == t.state_bytes // 2

@@ -9,7 +9,8 @@ import pytest
 from plait.planner.microbatch.types import ModuleCostCoeffs
 from plait.planner.resilience.templates import plan_instantiation
 from plait.train.batches import plan_global_batch
-from plait.train.resilient import LaunchPlan, pipeline_microbatches
+from plait.train.launch_plan import LaunchPlan
+from plait.train.resilient import pipeline_microbatches
 from tests.helpers.templates import templates
 
 
