@@ -16,12 +16,42 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
+from torch import nn
+from transformers import PreTrainedModel
 
 from plait.data.processing import PerFrame
 
 __all__ = ["EncoderFamily", "VisionFamily", "AudioFamily", "EncoderLayout", "VisionFeatureCount",
            "AudioFeatureCount", "EncoderInputCheck", "AUDIO_CONV_STRIDE", "audio_window", "vision_arch_fields",
-           "config_field", "positive_field", "ATTN_MLP_PLAN", "WHISPER_PLAN", "ATTN_MLP_LORA", "checked_clip_samples"]
+           "config_field", "positive_field", "ATTN_MLP_PLAN", "WHISPER_PLAN", "ATTN_MLP_LORA", "checked_clip_samples",
+           "TextStackCausalLM", "register_causal_lm"]
+
+
+class TextStackCausalLM:
+    """Mixin making a transformers ``*ForCausalLM`` (``lm_head``, forward, generation) around a multimodal model's own
+    text decoder stack (its M-RoPE text model): ``class X(TextStackCausalLM, Qwen2ForCausalLM)`` with ``config_class``
+    and ``decoder_stack`` (the text model's class). The init is ``PreTrainedModel``'s (config, generation config), not
+    the causal LM's, which would build and initialise its own decoder stack only for it to be replaced; state-dict
+    names are ``model.*`` and ``lm_head.weight``, as the multimodal model's ``language_model`` / ``lm_head``.
+    Registered with ``AutoModelForCausalLM`` by :func:`register_causal_lm`.
+    """
+
+    decoder_stack: type
+
+    def __init__(self, config: Any) -> None:
+        PreTrainedModel.__init__(self, config)  # type: ignore[arg-type]
+        self.model = self.decoder_stack(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+
+def register_causal_lm(cls: type) -> type:
+    """``cls`` (a :class:`TextStackCausalLM`) registered as ``AutoModelForCausalLM``'s class for its ``config_class``
+    (so plait builds and loads the LLM part by its config); returns ``cls`` (a class decorator)."""
+    transformers.AutoModelForCausalLM.register(cls.config_class, cls, exist_ok=True)
+    return cls
 
 
 @dataclass(frozen=True)

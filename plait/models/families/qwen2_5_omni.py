@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 from torch import nn
-import transformers
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniTextConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (Qwen2_5OmniThinkerTextModel, get_audio_cu_seqlens,
                                                                      get_pool_indices, get_valid_indices)
 
-from plait.models.families.base import ATTN_MLP_LORA, AudioFamily, EncoderLayout, positive_field
+from plait.models.families.base import (ATTN_MLP_LORA, AudioFamily, EncoderLayout, TextStackCausalLM, positive_field,
+                                        register_causal_lm)
 from plait.models.families.qwen2_5_vl import Qwen25VLFamily, TemporalPatches
 from plait.models.families.qwen2_audio import Qwen2AudioFeatureCount
 
@@ -52,7 +52,8 @@ SECONDS_PER_CHUNK = 2
 """The thinker config's default ``seconds_per_chunk``: seconds of a clip per interleaved video/audio chunk."""
 
 
-class Qwen25OmniTextForCausalLM(Qwen2ForCausalLM):
+@register_causal_lm
+class Qwen25OmniTextForCausalLM(TextStackCausalLM, Qwen2ForCausalLM):
     """The thinker's LLM as a causal LM: ``Qwen2ForCausalLM`` (``lm_head``, forward, generation) whose decoder stack
     ``model`` is transformers' ``Qwen2_5OmniThinkerTextModel`` (M-RoPE: ``position_ids`` ``[3, B, N]``, or ``[B, N]``
     for text). State-dict names are ``model.*`` and ``lm_head.weight``, the thinker's ``model.language_model`` and
@@ -63,16 +64,7 @@ class Qwen25OmniTextForCausalLM(Qwen2ForCausalLM):
     """
 
     config_class = Qwen2_5OmniTextConfig
-
-    def __init__(self, config: Qwen2_5OmniTextConfig) -> None:
-        super(Qwen2ForCausalLM, self).__init__(config)  # PreTrainedModel's init: no Qwen2Model built to be replaced
-        self.model = Qwen2_5OmniThinkerTextModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
-
-
-transformers.AutoModelForCausalLM.register(Qwen2_5OmniTextConfig, Qwen25OmniTextForCausalLM, exist_ok=True)
+    decoder_stack = Qwen2_5OmniThinkerTextModel
 
 
 @dataclass(frozen=True)

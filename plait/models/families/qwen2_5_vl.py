@@ -40,14 +40,14 @@ from typing import Any
 
 import torch
 from torch import nn
-import transformers
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel, Qwen2_5_VLVisionRotaryEmbedding
 from transformers.utils.generic import get_max_seqlen
 from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids, get_vision_window_index
 
-from plait.models.families.base import EncoderInputCheck, EncoderLayout, VisionFamily, config_field, positive_field
+from plait.models.families.base import (EncoderInputCheck, EncoderLayout, TextStackCausalLM, VisionFamily, config_field,
+                                        positive_field, register_causal_lm)
 
 __all__ = ["FAMILY", "MODEL_TYPES", "ENCODER_CLASS", "TOWER_KEYS", "MAX_PIXELS", "Qwen25VLFeatureCount", "Qwen25VLCall",
            "TemporalPatches", "qwen2_5_vl_inputs", "qwen2_5_vl_dummy_input", "patch_values",
@@ -300,7 +300,8 @@ def takes_mrope(config: Any) -> bool:
     return getattr(config, "model_type", None) in MROPE_TEXT_TYPES
 
 
-class Qwen25VLTextForCausalLM(Qwen2ForCausalLM):
+@register_causal_lm
+class Qwen25VLTextForCausalLM(TextStackCausalLM, Qwen2ForCausalLM):
     """Qwen2.5-VL's LLM as a causal LM: ``Qwen2ForCausalLM`` (``lm_head``, forward, generation) whose decoder stack
     ``model`` is transformers' ``Qwen2_5_VLTextModel`` (M-RoPE: ``position_ids`` ``[3, B, N]``, or ``[B, N]`` for
     text, which it spreads over the three streams). State-dict names are ``model.*`` and ``lm_head.weight``, the
@@ -311,19 +312,7 @@ class Qwen25VLTextForCausalLM(Qwen2ForCausalLM):
     """
 
     config_class = Qwen2_5_VLTextConfig
-
-    def __init__(self, config: Qwen2_5_VLTextConfig) -> None:
-        # PreTrainedModel's init path (config, generation config), not Qwen2ForCausalLM.__init__, which would build
-        # and initialise a Qwen2Model only for it to be replaced; then Qwen2ForCausalLM's attributes around the
-        # M-RoPE decoder stack, as Qwen2_5_VLForConditionalGeneration builds its lm_head.
-        super(Qwen2ForCausalLM, self).__init__(config)
-        self.model = Qwen2_5_VLTextModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
-
-
-transformers.AutoModelForCausalLM.register(Qwen2_5_VLTextConfig, Qwen25VLTextForCausalLM, exist_ok=True)
+    decoder_stack = Qwen2_5_VLTextModel
 
 
 class Qwen25VLFamily(VisionFamily):

@@ -27,14 +27,14 @@ from typing import Any
 
 import torch
 from torch import nn
-import transformers
 from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
 from transformers.vision_utils import (get_vision_attention_seqlens, get_vision_interpolation_indices_and_weights,
                                        get_vision_position_ids)
 
-from plait.models.families.base import EncoderLayout, config_field, positive_field
+from plait.models.families.base import (EncoderLayout, TextStackCausalLM, config_field, positive_field,
+                                        register_causal_lm)
 from plait.models.families.qwen2_5_vl import Qwen25VLFamily, Qwen25VLFeatureCount, patch_values
 
 __all__ = ["FAMILY", "MODEL_TYPES", "ENCODER_CLASS", "MAX_PIXELS", "Qwen3VLCall", "Qwen3VLTextForCausalLM",
@@ -148,7 +148,8 @@ class RefusedVideo:
         return {}
 
 
-class Qwen3VLTextForCausalLM(Qwen3ForCausalLM):
+@register_causal_lm
+class Qwen3VLTextForCausalLM(TextStackCausalLM, Qwen3ForCausalLM):
     """Qwen3-VL's LLM as a causal LM: ``Qwen3ForCausalLM`` (``lm_head``, forward, generation) whose decoder stack
     ``model`` is transformers' ``Qwen3VLTextModel`` (interleaved M-RoPE: ``position_ids`` ``[3, B, N]``, or ``[B, N]``
     for text). State-dict names are ``model.*`` and ``lm_head.weight``, the ``language_model`` / ``lm_head`` tensors
@@ -160,16 +161,7 @@ class Qwen3VLTextForCausalLM(Qwen3ForCausalLM):
     """
 
     config_class = Qwen3VLTextConfig
-
-    def __init__(self, config: Qwen3VLTextConfig) -> None:
-        super(Qwen3ForCausalLM, self).__init__(config)  # PreTrainedModel's init: no Qwen3Model built to be replaced
-        self.model = Qwen3VLTextModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
-
-
-transformers.AutoModelForCausalLM.register(Qwen3VLTextConfig, Qwen3VLTextForCausalLM, exist_ok=True)
+    decoder_stack = Qwen3VLTextModel
 
 
 class Qwen3VLFamily(Qwen25VLFamily):
