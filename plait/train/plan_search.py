@@ -52,13 +52,14 @@ def search_plan(setup: Any, devices: int, memory_fraction: float, **space: Any) 
     """``plait plan``'s search on ``setup`` (``plan.PlanSetup``): ``search_parallel.plan_parallel`` on its units,
     costs and machine (memory cap, links, dtype, overheads) with its search space (the job's checkpointing) changed
     by ``space`` (``SearchSpace`` fields) for ``devices`` devices; a MoE LLM's layers (``cost.experts.expert_layers``,
-    uniform routing) let it search expert parallelism.
+    with the measured profile's ``setup.router_load``, else uniform routing) let it search expert parallelism.
 
     Raises:
         ValueError: :func:`no_fit_message` (one sentence) when no plan fits; the search's own error otherwise.
     """
     inputs = setup.inputs
-    experts = expert_layers(inputs.units, inputs.model_configs, inputs.shapes["llm"], setup.spec, inputs.dtype)
+    experts = expert_layers(inputs.units, inputs.model_configs, inputs.shapes["llm"], setup.spec, inputs.dtype,
+                            getattr(setup, "router_load", None))
     try:
         return plan_parallel(inputs.units, inputs.costs, devices, microbatches=inputs.microbatches,
                              machine=setup.machine, space=dataclasses.replace(setup.space, **space), experts=experts)
