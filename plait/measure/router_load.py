@@ -79,11 +79,14 @@ def routed_counts(model: nn.Module, specs: Sequence[UnitSpec]) -> Iterator[dict[
 def measure_router_load(model: nn.Module, specs: Sequence[UnitSpec], microbatches: Sequence[Any],
                         forward: Callable[[Any], Any]) -> dict[str, tuple[float, ...]]:
     """Per MoE layer unit, the tokens its router sent to each expert over one no-grad ``forward(batch)`` of every
-    microbatch (``Profile.router_load``); ``{}`` for a model without routers, or when no router ran.
+    microbatch (``Profile.router_load``); ``{}`` for a model without routers (then nothing runs), or when no
+    router ran.
 
     Raises:
         ValueError: as :func:`routed_counts`.
     """
+    if not router_modules(model):
+        return {}
     with routed_counts(model, specs) as counts, torch.no_grad():
         for batch in microbatches:
             forward(batch)
