@@ -17,8 +17,8 @@ from typing import Any
 import torch.distributed as dist
 
 from plait.train.job_file import same_on_every_rank
-from plait.measure.host_costs import CPU_OPTIMIZER_S_PER_BYTE, measured_overheads
-from plait.train.plan_search import explain_no_fit
+from plait.measure.host_costs import CPU_OPTIMIZER_S_PER_BYTE, host_device, measured_overheads
+from plait.train.plan_search import explain_no_fit, job_expert_layers
 from plait.config.loader import load_config
 from plait.config.schema import JobConfig, ParallelConfig, PipelineConfig
 from plait.measure.auto_profile import main_rank_profile
@@ -144,11 +144,14 @@ def resolve_auto(cfg: JobConfig, store: str | Path) -> tuple[JobConfig, Any]:
     if info.is_main:
         print(f"plait: parallel.plan=auto: costs ready after {time.perf_counter() - started:.0f} s", flush=True)
     machine = auto_plan_inputs(info.device, max((c.output_bytes for c in profile.costs), default=0))
+    # a MoE LLM's layers, with the profile's measured routing: expert parallelism is searched too
+    experts = job_expert_layers(cfg, profile.units, "cpu" if info.device.type == "cpu" else host_device()[0],
+                                profile.key.dtype, profile.router_load)
     try:
         optimizer_s_per_byte = CPU_OPTIMIZER_S_PER_BYTE if info.device.type == "cpu" else 0.0
         resolved, choice = resolve_auto_plan(cfg, info.world_size, profile.units, profile.costs, machine=Machine(
             memory_cap=machine.memory_cap_bytes, p2p=machine.p2p, dp_link=machine.p2p, dtype=profile.key.dtype,
-            overheads=measured_overheads(profile, optimizer_s_per_byte)))
+            overheads=measured_overheads(profile, optimizer_s_per_byte)), experts=experts)
     except NoPlanFits as exc:
         raise ValueError("parallel.plan=auto: " + explain_no_fit(
             exc, info.world_size, machine.memory_cap_bytes, machine.memory_source,
@@ -161,7 +164,7 @@ def resolve_auto(cfg: JobConfig, store: str | Path) -> tuple[JobConfig, Any]:
                  f"{pp.microbatches} microbatches per replica" if pp.degree > 1 else "no pipeline parallelism")
         par = resolved.parallel
         extra = (f" x TP {par.tp}" if par.tp > 1 else "") + (f", FSDP2 dp_shard {par.dp_shard}" if par.dp_shard > 1
-                                                             else "")
+                                                             else "") + (f", EP {par.ep}" if par.ep > 1 else "")
         extra += (f", activation checkpointing {resolved.train.activation_checkpointing}"
                   if resolved.train.activation_checkpointing != "none" else "")
         print(f"plait: parallel.plan=auto for {info.world_size} process(es): DP {par.dp} x PP {pp.degree}{extra}, "

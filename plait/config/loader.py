@@ -333,13 +333,12 @@ def _validate_sources(d: DataConfig) -> None:
 
 
 def _validate_expert_parallel(cfg: JobConfig) -> None:
-    """``parallel.ep``: >= 1; above 1 only without TP and CP (the all-to-all dispatch is not combined with them).
-    The LLM's expert count and the world size are checked when the job starts."""
+    """``parallel.ep``: >= 1; above 1 only without TP (the all-to-all dispatch is not combined with TP's split of
+    the experts' weights). The LLM's expert count and the world size are checked when the job starts."""
     p = cfg.parallel
     _check(isinstance(p.ep, int) and p.ep >= 1, f"parallel.ep must be an integer >= 1 (1: no expert parallelism), "
            f"got {p.ep!r}")
-    _check(p.ep == 1 or (p.tp == 1 and p.cp == 1), f"parallel.ep = {p.ep} works with parallel.tp = 1 and "
-           f"parallel.cp = 1, got tp = {p.tp}, cp = {p.cp}")
+    _check(p.ep == 1 or p.tp == 1, f"parallel.ep = {p.ep} works with parallel.tp = 1, got tp = {p.tp}")
 
 
 def _validate_fsdp_options(p: Any) -> None:

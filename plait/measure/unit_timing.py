@@ -29,6 +29,8 @@ For a list of microbatches (real samples, collated), :func:`measure_profile` mea
    LLM chunk, feature placement, the loss, the stage wrapper). The same stages are also run by the runtime's
    executor (``run_pipeline_step`` in this process): its time beyond the stage passes, per action, is the
    executor's own cost per action (``Profile.action_overhead_s``).
+5. A MoE LLM's routing: one no-grad forward per microbatch counts each router's top-k expert ids
+   (``Profile.router_load``; ``plait.measure.router_load``).
 
 The result is a :class:`~plait.planner.cost.measured_profile.Profile` whose ``costs`` are the planner's
 ``UnitCost`` (so the partitioner, the layout search and the simulator take measured costs unchanged) and
@@ -56,6 +58,7 @@ from plait.data.collate import Batch
 from plait.data.progress import Progress
 from plait.models.multimodal import MultimodalModel
 from plait.models.units import UnitSpec, unit_specs
+from plait.measure.router_load import measure_router_load
 from plait.parallel.pipeline import run_pipeline_step
 from plait.train.loss import token_loss_sum
 from plait.parallel.stages import build_rank_stages
@@ -579,5 +582,10 @@ def measure_profile(
     bar.describe("profiling module chunks and runtime overheads")
     chunks, per_action = _module_chunk_times(model, microbatches, llm_kwargs, autocast, timer)
     bar.close()
+    def forward(batch: Batch) -> None:  # the routers' counts (Profile.router_load)
+        with autocast():
+            _forward_loss(model, batch, llm_kwargs, lambda logits, labels: logits)
+
+    routed = measure_router_load(model, specs, microbatches, forward)
     return Profile(key, units, tuple(measurements), _chunk_overhead(chunks, units, costs), repeats, warmup,
-                   per_action)
+                   per_action, routed)

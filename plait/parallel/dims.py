@@ -18,7 +18,10 @@ of one batch shard see the same samples.
 Expert parallelism (``ep``) is no axis of its own: as in Megatron-Core and torchtitan it splits the batch axis. The
 ``ep`` consecutive batch ranks ``b`` with the same ``b // ep`` (same pipeline, CP and TP coordinates) form one EP
 group, each holding ``1/ep`` of every MoE layer's experts; the batch ranks with the same ``b % ep`` hold the same
-experts and sum their gradients (the expert-data-parallel group, ``batch / ep`` ranks).
+experts and sum their gradients (the expert-data-parallel group, ``batch / ep`` ranks). Under CP an EP group is
+the ranks of one CP index (each routes its own share of its batch rank's tokens, a MoE layer acting on each token
+alone), and the expert-data-parallel group spans the CP axis too (``cp x batch / ep`` ranks: the CP ranks of one
+batch rank hold the same experts, each with the gradient of its share of the tokens).
 """
 
 from __future__ import annotations
@@ -175,15 +178,15 @@ class ParallelDims:
         return c.dp * self.dp_shard + c.dp_shard
 
     def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
-        """The EP groups (``ep`` ranks splitting the experts) and the expert-data-parallel groups (``batch / ep``
-        ranks holding the same experts, summing their gradients) of this layout (module docstring), each a
-        partition of the ranks, ranks ascending within a group."""
+        """The EP groups (``ep`` ranks of one CP index splitting the experts) and the expert-data-parallel groups
+        (``cp x batch / ep`` ranks holding the same experts, summing their gradients) of this layout (module
+        docstring), each a partition of the ranks, ranks ascending within a group."""
         ep_groups: dict[tuple[int, ...], list[int]] = {}
         replica_groups: dict[tuple[int, ...], list[int]] = {}
         for r in range(self.world_size):
             c, b = self.coords(r), self.batch_rank(r)
             ep_groups.setdefault((c.pp, c.cp, c.tp, b // self.ep), []).append(r)
-            replica_groups.setdefault((c.pp, c.cp, c.tp, b % self.ep), []).append(r)
+            replica_groups.setdefault((c.pp, c.tp, b % self.ep), []).append(r)
         return ([sorted(g) for _, g in sorted(ep_groups.items())],
                 [sorted(g) for _, g in sorted(replica_groups.items())])
 

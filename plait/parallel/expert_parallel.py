@@ -169,7 +169,7 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims, rank: int, devic
             raise ValueError(f"{name}: parallel.ep = {dims.ep} does not divide its {module.num_experts} experts")
     ep_groups, replica_groups = dims.expert_groups()
     group = new_groups(ep_groups, rank)
-    replica_group = new_groups(replica_groups, rank, dims.batch // dims.ep > 1)
+    replica_group = new_groups(replica_groups, rank, dims.cp * dims.batch // dims.ep > 1)
     mine = next(g for g in ep_groups if rank in g)
     mesh = DeviceMesh.from_group(group, device.type, mesh=mine, mesh_dim_names=("ep",))
     out = ExpertParallel(dims.ep, dims.ep_rank(rank), group, replica_group, mesh, device=device)

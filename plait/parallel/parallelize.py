@@ -114,7 +114,8 @@ def parallelize(model: MultimodalModel, cfg: JobConfig, dims: ParallelDims, mesh
                              ignored=experts.params if experts is not None else ())
     params = [p for _, p in model.trainable_parameters()]
     if experts is not None:
-        return _expert_parallel(model, experts, tp, sharded, stages, pipeline, dims, info, params)
+        cp_group = mesh.get_group("cp") if sharded is not None and dims.cp > 1 else None
+        return _expert_parallel(model, experts, tp, sharded, stages, pipeline, dims, info, params, cp_group)
     ddp_model: nn.Module = model
     if stages is not None:
         sync: GradientSync = PipelineSync(stages, pipeline.comm, sharded)
@@ -131,14 +132,17 @@ def parallelize(model: MultimodalModel, cfg: JobConfig, dims: ParallelDims, mesh
 
 def _expert_parallel(model: MultimodalModel, experts: ExpertParallel, tp: RankTensorParallel | None,
                      sharded: ShardedModel | None, stages: RankStages | None, pipeline: PipelinePlace | None,
-                     dims: ParallelDims, info: DistInfo, params: list[nn.Parameter]) -> Parallelized:
+                     dims: ParallelDims, info: DistInfo, params: list[nn.Parameter], cp_group: Any = None
+                     ) -> Parallelized:
     """The parts of an expert-parallel job: the other parameters' sync (the pipeline runtime's, FSDP2's, or a DP sum
-    after the last backward over every rank) inside an :class:`ExpertSync`. No DDP broadcast: every rank
-    materialised the same weights from the seed."""
+    after the last backward over every rank) inside an :class:`ExpertSync`; ``cp_group``: the CP group FSDP2's
+    gradients are summed over too (None without CP). No DDP broadcast: every rank materialised the same weights
+    from the seed."""
     if stages is not None:
         inner: GradientSync = PipelineSync(stages, pipeline.comm, sharded)  # type: ignore[union-attr]
     elif sharded is not None:
-        inner = ShardedSync(sharded, params, tp, None, info.world_size, info.device)
+        inner = ShardedSync(sharded, [p for p in params if not is_expert_parameter(p)], tp, cp_group, info.world_size,
+                            info.device)
     else:
         inner = SumSync([p for p in params if not is_expert_parameter(p)])
     groups = sharded if sharded is not None else ShardedModel()

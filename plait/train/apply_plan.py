@@ -17,6 +17,7 @@ from typing import Any
 from plait.config.loader import pipeline_plan_kwargs
 from plait.config.schema import JobConfig, PipelineConfig
 from plait.parallel.activation_checkpointing import checkpoint_policy
+from plait.planner.cost.experts import ExpertLayer
 from plait.planner.search.auto_layout import AUTO_MACHINE, AUTO_SPACE, layout_pp_fields, plan_auto_layout
 from plait.planner.pipeline.plan import plan_pipeline
 from plait.planner.pipeline.types import PipelinePlan
@@ -58,7 +59,7 @@ def kept_degrees(cfg: JobConfig, devices: int, named: str = "") -> dict[str, Any
 
 def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Unit]) -> JobConfig:
     """A copy of ``cfg`` running ``choice``: ``parallel.dp`` = its replicas (``choice.dp / choice.dp_shard``),
-    ``parallel.dp_shard`` and ``parallel.tp`` = its FSDP2 and TP degrees, ``parallel.offload`` = its FSDP2 CPU
+    ``parallel.dp_shard``, ``parallel.tp`` and ``parallel.ep`` = its FSDP2, TP and expert-parallel degrees, ``parallel.offload`` = its FSDP2 CPU
     offload (``"none"`` or ``"cpu"``), ``parallel.fsdp_reduce`` = its gradient reduction, ``parallel.fsdp_reshard``
     = its FSDP2 resharding (``"auto"`` with pipeline stages or without FSDP2), ``[parallel.pp]`` = its plan
     (``layout_pp_fields``: degree 1 when it is a single rank), ``parallel.rank_order`` = its rank order when that
@@ -76,6 +77,7 @@ def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Un
     out.parallel.dp = choice.dp // choice.dp_shard
     out.parallel.dp_shard = choice.dp_shard
     out.parallel.tp = choice.tp
+    out.parallel.ep = choice.ep
     out.parallel.offload = choice.offload
     out.parallel.fsdp_reduce = choice.fsdp_reduce
     out.parallel.fsdp_reshard = choice.fsdp_reshard if choice.dp_shard > 1 and choice.plan.num_ranks == 1 else "auto"
@@ -108,14 +110,15 @@ def _check_expressed(pp: PipelineConfig, plan: PipelinePlan, units: Sequence[Uni
 
 
 def resolve_auto_plan(cfg: JobConfig, world_size: int, units: Sequence[Unit], costs: Sequence[UnitCost], *,
-                      machine: Machine = AUTO_MACHINE, space: SearchSpace = AUTO_SPACE
-                      ) -> tuple[JobConfig, LayoutChoice]:
+                      machine: Machine = AUTO_MACHINE, space: SearchSpace = AUTO_SPACE,
+                      experts: Sequence[ExpertLayer] = ()) -> tuple[JobConfig, LayoutChoice]:
     """``cfg`` with ``parallel.plan = "auto"`` resolved for ``world_size`` processes from unit costs: the
     config to train with and the chosen plan (``plan_auto_layout`` on ``machine``, e.g. ``dp_link`` for the DP
     all-reduce and ``overheads`` for the runtime's fixed costs (``plait plan``'s ``measure.host_costs.runtime_costs``), and
     ``space`` with the job's activation checkpointing, whose recomputation it charges; when nothing fits the memory
     cap it searches TP, FSDP2 and checkpointing too, and a job's own ``parallel.tp`` / ``parallel.dp_shard`` above 1
-    are kept as ``plait plan`` keeps them (:func:`kept_degrees`); :func:`apply_layout_choice`).
+    are kept as ``plait plan`` keeps them (:func:`kept_degrees`); a MoE LLM's ``experts``
+    (``plan_search.job_expert_layers``) let it choose expert parallelism; :func:`apply_layout_choice`).
 
     Raises:
         ValueError: when ``parallel.plan`` is not ``"auto"``, the units are not the model's (no LLM unit), the
@@ -128,5 +131,6 @@ def resolve_auto_plan(cfg: JobConfig, world_size: int, units: Sequence[Unit], co
     policy, overrides = checkpoint_policy(cfg)  # recomputation charged (planner.sharding.shard_costs)
     space = dataclasses.replace(space, base_checkpointing=policy, checkpoint_overrides=overrides,
                                 **kept_degrees(cfg, world_size))
-    choice = plan_auto_layout(units, costs, world_size, auto_microbatches(cfg), machine=machine, space=space)
+    choice = plan_auto_layout(units, costs, world_size, auto_microbatches(cfg), machine=machine, space=space,
+                              experts=experts)
     return apply_layout_choice(cfg, choice, units), choice

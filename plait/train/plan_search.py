@@ -11,14 +11,18 @@ tried with its internal reason, and the least per-device memory any of them need
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from plait.planner.cost.experts import expert_layers, searched_ep_degrees
+from plait.models.plan_inputs import build_plan_inputs, device_spec
+from plait.planner.cost.experts import ExpertLayer, expert_layers, searched_ep_degrees
+from plait.planner.cost.types import DeviceSpec
+from plait.planner.types import Unit
 from plait.planner.report import format_bytes
 from plait.planner.search.types import LayoutChoice, NoPlanFits
 from plait.planner.search.parallel import plan_parallel
 
-__all__ = ["explain_no_fit", "no_fit_message", "search_plan"]
+__all__ = ["explain_no_fit", "job_expert_layers", "no_fit_message", "search_plan"]
 
 
 def explain_no_fit(error: NoPlanFits, devices: int, cap: float, where: str, hints: str, max_ep: int = 1) -> str:
@@ -52,13 +56,14 @@ def search_plan(setup: Any, devices: int, memory_fraction: float, **space: Any) 
     """``plait plan``'s search on ``setup`` (``plan.PlanSetup``): ``search_parallel.plan_parallel`` on its units,
     costs and machine (memory cap, links, dtype, overheads) with its search space (the job's checkpointing) changed
     by ``space`` (``SearchSpace`` fields) for ``devices`` devices; a MoE LLM's layers (``cost.experts.expert_layers``,
-    uniform routing) let it search expert parallelism.
+    with the measured profile's ``setup.router_load``, else uniform routing) let it search expert parallelism.
 
     Raises:
         ValueError: :func:`no_fit_message` (one sentence) when no plan fits; the search's own error otherwise.
     """
     inputs = setup.inputs
-    experts = expert_layers(inputs.units, inputs.model_configs, inputs.shapes["llm"], setup.spec, inputs.dtype)
+    experts = expert_layers(inputs.units, inputs.model_configs, inputs.shapes["llm"], setup.spec, inputs.dtype,
+                            getattr(setup, "router_load", None))
     try:
         return plan_parallel(inputs.units, inputs.costs, devices, microbatches=inputs.microbatches,
                              machine=setup.machine, space=dataclasses.replace(setup.space, **space), experts=experts)
@@ -66,3 +71,18 @@ def search_plan(setup: Any, devices: int, memory_fraction: float, **space: Any) 
         searched = searched_ep_degrees(space.get("ep_degrees", setup.space.ep_degrees), experts, devices)
         max_ep = max(e for e in searched if e <= max(inputs.microbatches, 1) or e == 1)  # a microbatch per DP rank
         raise ValueError(no_fit_message(exc, setup, devices, memory_fraction, max_ep)) from None
+
+
+def job_expert_layers(cfg: Any, units: Sequence[Unit], device: str | DeviceSpec, dtype: Any,
+                      router_load: Mapping[str, Sequence[float]] | None = None) -> tuple[ExpertLayer, ...]:
+    """The MoE layers of job ``cfg``'s LLM among ``units`` (e.g. a measured profile's) for a search on ``device``
+    (preset name or ``DeviceSpec``): ``cost.experts.expert_layers`` with the model configs and LLM microbatch shape
+    ``plait plan`` derives (``models.plan_inputs.build_plan_inputs``) and the measured ``router_load`` (None:
+    uniform routing); ``()`` for an LLM without experts.
+
+    Raises:
+        ValueError, FileNotFoundError: as ``build_plan_inputs`` and ``expert_layers``.
+    """
+    spec = device_spec(device)
+    inputs = build_plan_inputs(cfg, spec)
+    return expert_layers(units, inputs.model_configs, inputs.shapes["llm"], spec, dtype, router_load)

@@ -33,7 +33,7 @@ import dataclasses
 import io
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -321,13 +321,15 @@ class PlanSetup:
     """What ``plan_command`` searches with: the job config (global batch split), the plan inputs (costs without
     activation checkpointing), the device, the machine (memory cap, link, DP link, FSDP2's ``shard_link``, dtype,
     overheads) and the job's checkpointing as the search space of ``search_parallel.plan_parallel``
-    (``base_checkpointing``, ``checkpoint_overrides``)."""
+    (``base_checkpointing``, ``checkpoint_overrides``); ``router_load``: the measured profile's per-expert routed
+    tokens of each MoE layer (``Profile.router_load``; empty: uniform routing)."""
 
     cfg: Any
     inputs: PlanInputs
     spec: DeviceSpec
     machine: Machine
     space: SearchSpace = SearchSpace()
+    router_load: Mapping[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
 
     def checkpointed_costs(self) -> tuple[UnitCost, ...]:
         """The inputs' costs with the job's activation checkpointing charged (``recompute.checkpointed_costs``)."""
@@ -397,7 +399,8 @@ def plan_setup(config_path: str | Path, devices: int, *, overrides: Sequence[str
     # FSDP2's all-gathers and reduce-scatters: on the DP link, else (GPU presets charge no DP all-reduce) the node's
     machine = Machine(memory_cap=memory_fraction * spec.memory_bytes, p2p=costs.p2p, dp_link=costs.dp_link,
                       shard_link=costs.dp_link or costs.p2p, dtype=inputs.dtype, overheads=costs.overheads)
-    return PlanSetup(cfg, inputs, spec, machine, SearchSpace(base_checkpointing=policy, checkpoint_overrides=overrides))
+    return PlanSetup(cfg, inputs, spec, machine, SearchSpace(base_checkpointing=policy, checkpoint_overrides=overrides),
+                     dict(profile.router_load) if profile is not None else {})
 
 
 def not_weighed(requested: Sequence[str], choice: LayoutChoice) -> str:

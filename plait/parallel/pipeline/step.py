@@ -160,7 +160,7 @@ def run_pipeline_step(
     else:  # FSDP2 reduced its groups over dp x dp_shard; CP ranks hold partial sums of the same shards
         _reduce_dp(sharded.replicated, comm)
         if comm.cp_size > 1:
-            sum_local_gradients(sharded.parameters(), comm.cp_group)
+            sum_local_gradients([p for p in sharded.parameters() if not is_expert_parameter(p)], comm.cp_group)
     if comm.distributed:
         _sum_tied(stages, comm)
     loss_sum = torch.zeros((), dtype=torch.float64, device=comm.device)

@@ -27,6 +27,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from plait.planner.cost.experts import ExpertLayer
 from plait.planner.pipeline.plan import split_even, stage_ranks
 from plait.planner.pipeline.schedules import IN_BUBBLE_SCHEDULES
 from plait.planner.pipeline.types import PipelinePlan
@@ -48,7 +49,8 @@ the first LLM rank searched too (the pipeline trainer runs them)."""
 
 
 def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_size: int, microbatches: int, *,
-                     machine: Machine = AUTO_MACHINE, space: SearchSpace = AUTO_SPACE) -> LayoutChoice:
+                     machine: Machine = AUTO_MACHINE, space: SearchSpace = AUTO_SPACE,
+                     experts: Sequence[ExpertLayer] = ()) -> LayoutChoice:
     """The fastest runnable plan for ``world_size`` processes (module docstring): ``plait plan``'s search
     (``search_parallel.plan_parallel``) with :func:`plan_filling_layout` as its layout search.
 
@@ -63,10 +65,12 @@ def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_siz
             (``base_checkpointing``, ``checkpoint_overrides``: ``costs`` are without it; when the plain plan does
             not fit, a job without checkpointing may get one), ``tp_degrees``, ``dp_shard_degrees``,
             ``fsdp_reshard``, ``prefer_plain`` and ``offload``.
+        experts: a MoE LLM's layers (``cost.experts.expert_layers``): expert parallelism is searched as
+            ``plan_parallel`` searches it (``space.ep_degrees``); ``()``: no EP.
 
     Returns:
         The chosen ``LayoutChoice`` (``dp * plan.num_ranks * tp == world_size``; ``schedule`` is ``"1f1b"`` or
-        ``"interleaved_1f1b"``; ``dp_shard`` divides ``dp``).
+        ``"interleaved_1f1b"``; ``dp_shard`` and ``ep`` divide ``dp``).
 
     Raises:
         ValueError: on a world size or microbatch count < 1; ``NoPlanFits`` when no plan fits memory.
@@ -74,7 +78,7 @@ def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_siz
     if world_size < 1 or microbatches < 1:
         raise ValueError(f"world_size and microbatches must be >= 1, got {world_size} and {microbatches}")
     return plan_parallel(units, costs, world_size, microbatches=microbatches, machine=machine, space=space,
-                         layout_search=plan_filling_layout)
+                         layout_search=plan_filling_layout, experts=experts)
 
 
 def plan_filling_layout(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int,
