@@ -61,7 +61,9 @@ def composite_from_voxtral(hf: PreTrainedModel, hop_length: int = 160, sampling_
     _move_children(hf.model.audio_tower, tower)
     tower.multi_modal_projector = hf.model.multi_modal_projector
     tower.train(hf.training)
-    llm = _causal_lm(cfg.get_text_config(), hf.model.language_model, hf.lm_head)
+    text = copy.deepcopy(cfg.get_text_config())
+    text.tie_word_embeddings = False  # the class never ties: lm_head is its own tensor whatever the text config says
+    llm = _causal_lm(text, hf.model.language_model, hf.lm_head)
     hidden = llm.get_input_embeddings().embedding_dim
     dtype = next(tower.parameters()).dtype
     branch = ModalityEncoder(tower, identity_projector(tower_cfg.projector_hidden_size, hidden, dtype), "audio",

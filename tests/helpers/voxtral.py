@@ -28,13 +28,15 @@ TEXT = dict(model_type="llama", hidden_size=48, intermediate_size=96, num_hidden
 
 
 def voxtral_config(tied: bool = False) -> T.VoxtralConfig:
-    """The tiny ``VoxtralConfig`` (``tied``: ``lm_head`` shares the input embeddings)."""
+    """The tiny ``VoxtralConfig`` (``tied``: the text config's ``tie_word_embeddings``, which
+    ``VoxtralForConditionalGeneration`` does not act on: its ``lm_head`` stays its own tensor)."""
     return T.VoxtralConfig(audio_config=dict(TOWER), text_config=dict(TEXT, tie_word_embeddings=tied),
                            audio_token_id=AUDIO, projector_hidden_act="gelu")
 
 
 def tiny_voxtral(seed: int = 0, tied: bool = False) -> T.VoxtralForConditionalGeneration:
-    """The tiny model in eval mode, every parameter random (norms and projector not left at their init)."""
+    """The tiny model in eval mode, every parameter random (norms and projector not left at their init); ``tied``: as
+    :func:`voxtral_config`."""
     torch.manual_seed(seed)
     model = T.VoxtralForConditionalGeneration(voxtral_config(tied))
     with torch.no_grad():
