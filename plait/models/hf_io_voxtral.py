@@ -12,6 +12,9 @@ are shared with the source model, never copied.
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,12 +24,12 @@ from transformers.models.voxtral.modeling_voxtral import VoxtralEncoder
 from plait.models.encoder import ModalityEncoder
 from plait.models.families.voxtral import VoxtralProjectedEncoder
 from plait.models.hf import llm_layout
-from plait.models.hf_io import _causal_lm, identity_projector
+from plait.models.hf_io import _causal_lm, export_chat_template, identity_projector
 from plait.models.lora import has_lora
 from plait.models.multimodal import MultimodalModel
 
 __all__ = ["VOXTRAL_CLASS", "PROJECTOR_FIELDS", "composite_from_voxtral", "voxtral_from_composite",
-           "check_voxtral_exportable"]
+           "check_voxtral_exportable", "save_voxtral_processor"]
 
 VOXTRAL_CLASS = "VoxtralForConditionalGeneration"
 PROJECTOR_FIELDS = ("projector_hidden_size", "projector_hidden_act")
@@ -141,3 +144,17 @@ def _fold(proj: nn.Linear, last: nn.Linear) -> None:
     with torch.no_grad():
         last.weight.copy_((w_p @ last.weight.float()).to(last.weight.dtype))
 
+
+
+def save_voxtral_processor(model: MultimodalModel, tokenizer: Any, feature_extractor: Any, folder: Path) -> None:
+    """Write the files ``VoxtralProcessor`` loads from (``AutoProcessor``): the feature extractor's
+    ``preprocessor_config.json``, the tokenizer with its chat template (without plait's string-content prelude) and
+    ``processor_config.json`` naming the class. (The published model's chats are tokenized by mistral-common; this
+    tokenizer is the one plait trained with.)"""
+    name = next(iter(model.encoders))
+    template = export_chat_template(tokenizer, tokenizer.convert_ids_to_tokens(model.placeholder_ids[name]))
+    feature_extractor.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    if template:
+        (Path(folder) / "chat_template.jinja").write_text(template)
+    (Path(folder) / "processor_config.json").write_text(json.dumps({"processor_class": "VoxtralProcessor"}, indent=2))

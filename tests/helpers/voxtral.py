@@ -5,12 +5,14 @@ tests/distributed/test_voxtral_parallel.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import transformers as T
 
-__all__ = ["AUDIO", "MEL", "POSITIONS", "FEATURES", "WINDOW_SAMPLES", "voxtral_config", "tiny_voxtral", "rows"]
+__all__ = ["AUDIO", "MEL", "POSITIONS", "FEATURES", "WINDOW_SAMPLES", "voxtral_config", "tiny_voxtral", "rows",
+           "save_voxtral"]
 
 AUDIO, BEGIN_AUDIO = 24, 25
 """``[AUDIO]`` (the placeholder, as the Voxtral tokenizer writes it) and ``[BEGIN_AUDIO]`` ids of the tiny config."""
@@ -70,3 +72,26 @@ def rows(clips_per_row: list[list[int]], seed: int = 0) -> SimpleNamespace:
     audio = {"input_features": feats, "num_samples": torch.tensor(lengths)}
     return SimpleNamespace(input_ids=input_ids, attention_mask=attention_mask, modality_inputs={"audio": audio},
                            hf=dict(input_ids=input_ids, attention_mask=attention_mask, input_features=feats))
+
+
+def save_voxtral(folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """A tiny Voxtral checkpoint folder: the tower over a 2-s window (100 positions, 25 features a clip) in ``dtype``
+    with the demo tokenizer (``[BEGIN_AUDIO]``, ``[AUDIO]`` added as special tokens, the placeholder ``[AUDIO]``), its
+    ChatML template and a Whisper feature extractor of :data:`MEL` bins (the files ``plait import`` reads; the
+    published model's tokenizer needs mistral-common)."""
+    from tests.helpers.jobs import DEMO
+
+    torch.manual_seed(seed)
+    tok = T.AutoTokenizer.from_pretrained(str(DEMO / "tokenizer"))
+    tok.add_special_tokens({"additional_special_tokens": ["[BEGIN_AUDIO]", "[AUDIO]"]})
+    cfg = T.VoxtralConfig(audio_config=dict(TOWER, max_source_positions=100), text_config=dict(TEXT, vocab_size=512),
+                          audio_token_id=tok.convert_tokens_to_ids("[AUDIO]"), projector_hidden_act="gelu")
+    model = T.VoxtralForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    model.to(dtype).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    T.WhisperFeatureExtractor(feature_size=MEL, sampling_rate=16000, hop_length=HOP, chunk_length=2).save_pretrained(
+        folder)
+    return Path(folder)
