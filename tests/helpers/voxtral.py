@@ -12,7 +12,7 @@ import torch
 import transformers as T
 
 __all__ = ["AUDIO", "MEL", "POSITIONS", "FEATURES", "WINDOW_SAMPLES", "voxtral_config", "tiny_voxtral", "rows",
-           "save_voxtral"]
+           "save_voxtral", "voxtral_job"]
 
 AUDIO, BEGIN_AUDIO = 24, 25
 """``[AUDIO]`` (the placeholder, as the Voxtral tokenizer writes it) and ``[BEGIN_AUDIO]`` ids of the tiny config."""
@@ -95,3 +95,28 @@ def save_voxtral(folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32
     T.WhisperFeatureExtractor(feature_size=MEL, sampling_rate=16000, hop_length=HOP, chunk_length=2).save_pretrained(
         folder)
     return Path(folder)
+
+
+def voxtral_job(tmp_path: Path, run: str, seed: int = 0) -> dict:
+    """A 2-step job (run folder ``<tmp_path>/<run>``) fine-tuning a tiny imported Voxtral (``<tmp_path>/model``,
+    written once: tower of 80 mel bins over the demo's 3-s window, 2 positions stacked per feature, 75 features a
+    clip; the tiny Llama; placeholder the demo's ``<audio>``) on two audio records and a text one, the tower and
+    LLM trained, plait's identity projector frozen."""
+    from plait.models.hf_io_voxtral import composite_from_voxtral
+    from tests.helpers.jobs import TINY_LLM, demo_records, tiny_config_dict, write_jsonl
+
+    model = Path(tmp_path) / "model"
+    if not model.is_dir():
+        torch.manual_seed(seed)
+        tower = dict(TOWER, intermediate_size=64, num_mel_bins=80, max_source_positions=150)
+        text = {k: v for k, v in TINY_LLM.items()}
+        composite_from_voxtral(T.VoxtralForConditionalGeneration(
+            T.VoxtralConfig(audio_config=tower, text_config=text, audio_token_id=6))).save_pretrained(model)
+    records = demo_records("train", ("audio_transcribe",), limit=2) + demo_records("train", ("text",), limit=1)
+    data = write_jsonl(Path(tmp_path) / "train.jsonl", records)
+    job = tiny_config_dict(str(data), None, str(Path(tmp_path) / run), data={"shuffle": False},
+                           train={"steps": 2, "global_batch_size": 4, "microbatch_size": 2, "threads": 1},
+                           attention={"block_size": 16}, parallel={"timeout_s": 60})
+    job["model"] = {"pretrained": str(model), "llm": {"attn_implementation": "eager"},
+                    "encoders": {"audio": {"freeze": False, "freeze_projector": True}}}
+    return job

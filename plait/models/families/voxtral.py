@@ -92,13 +92,20 @@ class VoxtralFeatureCount:
 
     Attributes:
         features: ``max_source_positions / k`` (:func:`stacked_frames`).
-        max_samples: the window in samples (``2 * max_source_positions * hop_length``).
+        max_positions: ``max_source_positions`` (1500: conv positions of the 30-s window).
+        hop_length: feature extractor hop in samples (160).
         sampling_rate: samples per second (16000).
     """
 
     features: int
-    max_samples: int
+    max_positions: int
+    hop_length: int
     sampling_rate: int
+
+    @property
+    def max_samples(self) -> int:
+        """Longest clip in samples: the window of ``2 * max_positions`` mel frames."""
+        return 2 * self.max_positions * self.hop_length
 
     def __call__(self, num_samples: int) -> int:
         """Features (tokens) for a clip of ``num_samples`` samples.
@@ -179,8 +186,7 @@ class VoxtralFamily(AudioFamily):
         if downsample != 1:
             raise ValueError("the Voxtral tower stacks its positions itself: use downsample = 1")
         positions = int(encoder.config.max_source_positions)
-        return VoxtralFeatureCount(positions // stacked_frames(encoder.config), 2 * positions * hop_length,
-                                   sampling_rate)
+        return VoxtralFeatureCount(positions // stacked_frames(encoder.config), positions, hop_length, sampling_rate)
 
     def feature_size(self, config: Any, hidden: int, downsample: int) -> int:
         """``projector_hidden_size`` (the tower's projector output), else ``intermediate_size`` (stacked frames)."""
