@@ -75,7 +75,8 @@ def rows(clips_per_row: list[list[int]], seed: int = 0) -> SimpleNamespace:
 
 
 def save_voxtral(folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
-    """A tiny Voxtral checkpoint folder: the tower over a 2-s window (100 positions, 25 features a clip) in ``dtype``
+    """A tiny Voxtral checkpoint folder: the tower over a 3-s window (150 positions, 2 stacked per feature: 75 features
+    a clip, the demo's clips fit) in ``dtype``
     with the demo tokenizer (``[BEGIN_AUDIO]``, ``[AUDIO]`` added as special tokens, the placeholder ``[AUDIO]``), its
     ChatML template and a Whisper feature extractor of :data:`MEL` bins (the files ``plait import`` reads; the
     published model's tokenizer needs mistral-common)."""
@@ -84,7 +85,8 @@ def save_voxtral(folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32
     torch.manual_seed(seed)
     tok = T.AutoTokenizer.from_pretrained(str(DEMO / "tokenizer"))
     tok.add_special_tokens({"additional_special_tokens": ["[BEGIN_AUDIO]", "[AUDIO]"]})
-    cfg = T.VoxtralConfig(audio_config=dict(TOWER, max_source_positions=100), text_config=dict(TEXT, vocab_size=512),
+    tower = dict(TOWER, intermediate_size=64, max_source_positions=150)
+    cfg = T.VoxtralConfig(audio_config=tower, text_config=dict(TEXT, vocab_size=512),
                           audio_token_id=tok.convert_tokens_to_ids("[AUDIO]"), projector_hidden_act="gelu")
     model = T.VoxtralForConditionalGeneration(cfg)
     with torch.no_grad():
@@ -92,7 +94,7 @@ def save_voxtral(folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32
             p.copy_(torch.randn_like(p) * 0.2)
     model.to(dtype).save_pretrained(folder)
     tok.save_pretrained(folder)
-    T.WhisperFeatureExtractor(feature_size=MEL, sampling_rate=16000, hop_length=HOP, chunk_length=2).save_pretrained(
+    T.WhisperFeatureExtractor(feature_size=MEL, sampling_rate=16000, hop_length=HOP, chunk_length=3).save_pretrained(
         folder)
     return Path(folder)
 

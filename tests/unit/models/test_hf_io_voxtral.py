@@ -99,13 +99,13 @@ def test_plait_import_then_export_of_a_voxtral_folder(tmp_path):
     hf = T.VoxtralForConditionalGeneration.from_pretrained(str(out)).eval()
     plait_model = MultimodalModel.from_pretrained(model_dir).eval()
     audio = hf.config.audio_token_id
-    clips = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i, n in enumerate([32000, 7000])]
+    clips = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i, n in enumerate([48000, 7000])]
     feats = processor.feature_extractor(clips, sampling_rate=16000, return_tensors="pt")["input_features"]
-    ids = torch.tensor([[1, 40, 41] + [audio] * 25 + [42] + [audio] * 25 + [43, 44]])
+    ids = torch.tensor([[1, 40, 41] + [audio] * 75 + [42] + [audio] * 75 + [43, 44]])
     batch = SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=None,
                             rope_position_ids=None, item_ids=torch.full_like(ids, -1),
                             modality_inputs={"audio": {"input_features": feats,
-                                                       "num_samples": torch.tensor([32000, 7000])}})
+                                                       "num_samples": torch.tensor([48000, 7000])}})
     with torch.no_grad():
         mine = greedy_token_ids(plait_model, batch, [2], 6, 0)[0].tolist()
         theirs = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), input_features=feats,
