@@ -102,3 +102,31 @@ def test_the_tower_cannot_be_split_across_pipeline_stages():
         call.layer(tower.layers[1], 1, torch.zeros(1, POSITIONS, 32))
     with pytest.raises(ValueError, match="cannot start a pipeline stage"):
         call.stock_output(None, False)
+
+
+def test_a_clip_longer_than_the_window_is_refused_naming_record_and_file(tmp_path):
+    import wave
+
+    import numpy as np
+
+    from plait.config.loader import config_from_dict
+    from plait.data.sources import JsonlSource, SampleError, sample_at
+    from plait.models.registry import build_model, build_processor, load_tokenizer
+    from tests.helpers.jobs import write_jsonl
+    from tests.helpers.voxtral import voxtral_job
+
+    clip = tmp_path / "long.wav"
+    with wave.open(str(clip), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
+        w.writeframes(np.zeros(16000 * 4, "<i2").tobytes())
+    record = {"id": "long-1", "task": "t", "audios": [str(clip)],
+              "messages": [{"role": "user", "content": "<audio>\nDigits?"}, {"role": "assistant", "content": "one"}]}
+    cfg = config_from_dict(voxtral_job(tmp_path, "run"))
+    cfg.data.train = str(write_jsonl(tmp_path / "long.jsonl", [record]))
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    model = build_model(cfg.model, tokenizer)
+    processor = build_processor(cfg.model, model, tokenizer, 256)
+    assert model.encoders["audio"].feature_count(16000 * 3) == 75
+    with pytest.raises(SampleError, match=r"record 'long-1'.*long.wav.*4.00 s is longer than the encoder window of "
+                                          r"3.00 s"):
+        processor(sample_at(JsonlSource(cfg.data.train), 0))
