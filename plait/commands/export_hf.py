@@ -27,6 +27,8 @@ from plait.models.hf_io import (HF_FORMATS, QWEN_VL_TOKENS, REFUSED_EXPORTS, che
                                 merge_adapters, save_hf_processor)
 from plait.models.hf_io_omni import (OMNI_TOKENS, THINKER_CLASS, check_thinker_exportable, save_thinker_processor,
                                      thinker_from_composite)
+from plait.models.hf_io_voxtral import VOXTRAL_CLASS, check_voxtral_exportable, save_voxtral_processor, \
+    voxtral_from_composite
 from plait.models.multimodal import PLAIT_CONFIG, MultimodalModel
 
 __all__ = ["export_command", "export_checkpoint", "final_folder"]
@@ -84,6 +86,8 @@ def export_checkpoint(run: str | Path, fmt: str, out: str | Path | None = None) 
     model = MultimodalModel.from_pretrained(final)
     if spec.name == "qwen2_5_omni":
         return _export_thinker(model, final, target)
+    if spec.name == "voxtral":
+        return _export_voxtral(model, final, target)
     check_exportable(model, spec)
     name = next(iter(model.encoders))
     folders = {"tokenizer": final / "tokenizer", "processor": final / "processors" / name}
@@ -147,5 +151,35 @@ def _export_thinker(model: MultimodalModel, final: Path, target: Path) -> Path:
     print(f"plait: writing {target} ({THINKER_CLASS})", flush=True)
     hf.save_pretrained(target)
     save_thinker_processor(model, tokenizer, media["image"], media["audio"], target)
+    share_saved_files(target)  # safetensors writes 0600
+    return target
+
+
+def _export_voxtral(model: MultimodalModel, final: Path, target: Path) -> Path:
+    """:func:`export_checkpoint` of Voxtral (:mod:`plait.models.hf_io_voxtral`): adapters merged, the projector in its
+    saved dtype folded into the tower's projector, the processor files written.
+
+    Raises:
+        ValueError: as :func:`plait.models.hf_io_voxtral.check_voxtral_exportable`.
+        FileNotFoundError: for a missing ``tokenizer/`` or ``processors/<branch>/`` folder.
+    """
+    check_voxtral_exportable(model)
+    name = next(iter(model.encoders))
+    folders = {"tokenizer": final / "tokenizer", "processor": final / "processors" / name}
+    for what, folder in folders.items():
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder} does not exist: the export needs the {what} plait train saves in "
+                                    "final/")
+    merge_adapters(model.language_model)
+    merge_adapters(model.encoders[name].encoder)
+    saved = load_file(str(final / "encoders" / name / "projector.safetensors"))
+    model.encoders[name].projector.to(next(iter(saved.values())).dtype)  # as saved (loading builds it in fp32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folders["tokenizer"]))
+    hf = voxtral_from_composite(model)
+    hf.generation_config = with_stop_tokens(hf.generation_config, tokenizer)  # stop where plait generate stops
+    media = transformers.AutoFeatureExtractor.from_pretrained(str(folders["processor"]))
+    print(f"plait: writing {target} ({VOXTRAL_CLASS})", flush=True)
+    hf.save_pretrained(target)
+    save_voxtral_processor(model, tokenizer, media, target)
     share_saved_files(target)  # safetensors writes 0600
     return target

@@ -35,6 +35,7 @@ from plait.data.chat_template import read_chat_template
 from plait.data.sources import path_note
 from plait.models.hf_io import HfFormat, composite_from_hf, hf_format_of, string_content_template
 from plait.models.hf_io_omni import composite_from_thinker, load_thinker
+from plait.models.hf_io_voxtral import composite_from_voxtral
 from plait.models.multimodal import MultimodalModel
 
 __all__ = ["import_command", "import_checkpoint", "job_toml", "check_weights", "WEIGHT_FILES"]
@@ -95,7 +96,10 @@ def import_checkpoint(source: str | Path, out: str | Path, *, train: str = "", v
     hf = _load_model(src, fmt, weights)
     sound = processor.feature_extractor if omni or fmt.modality == "audio" else None
     audio = {"hop_length": int(sound.hop_length), "sampling_rate": int(sound.sampling_rate)} if sound else {}
-    model = composite_from_thinker(hf, **audio) if omni else composite_from_hf(hf, fmt, **audio)
+    if fmt.name == "voxtral":  # the tower holds the projector (plait.models.hf_io_voxtral)
+        model = composite_from_voxtral(hf, **audio)
+    else:
+        model = composite_from_thinker(hf, **audio) if omni else composite_from_hf(hf, fmt, **audio)
     print(f"plait: writing {model_dir}", flush=True)
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir / "tokenizer")
@@ -197,6 +201,10 @@ def _processor(src: Path, fmt: HfFormat) -> Any:
                                    feature_extractor=AutoFeatureExtractor.from_pretrained(str(src)),
                                    chat_template=tokenizer.chat_template, image_token="<|IMAGE|>",
                                    audio_token="<|AUDIO|>")
+        if fmt.name == "voxtral":  # VoxtralProcessor tokenizes chats with mistral-common: its parts
+            tokenizer = AutoTokenizer.from_pretrained(str(src))
+            return SimpleNamespace(feature_extractor=AutoFeatureExtractor.from_pretrained(str(src)),
+                                   tokenizer=tokenizer, chat_template=tokenizer.chat_template, audio_token="[AUDIO]")
         if fmt.name in ("qwen2_5_vl", "qwen3_vl"):  # their processors need torchvision (video processor)
             tokenizer = AutoTokenizer.from_pretrained(str(src))
             return SimpleNamespace(image_processor=AutoImageProcessor.from_pretrained(str(src)), tokenizer=tokenizer,

@@ -59,7 +59,8 @@ def test_every_recipe_loads():
         load_config(recipe)  # fields and values valid (paths are checked when a job builds)
     assert {p.name for p in RECIPES.glob("*.toml")} == {"llava15_stage1.toml", "llava15_stage2.toml", "qwen2_audio.toml",
                                                         "qwen2_5_vl.toml", "vision_audio.toml", "qwen2_5_omni.toml",
-                                                        "qwen2_5_omni_full.toml", "gemma3.toml", "qwen3_vl.toml"}
+                                                        "qwen2_5_omni_full.toml", "gemma3.toml", "qwen3_vl.toml",
+                                                        "voxtral.toml"}
 
 
 def test_llava15_stages_train_and_export(tmp_path, monkeypatch):
@@ -165,6 +166,25 @@ def test_new_family_recipes_train_lora_from_an_import_and_export(tmp_path, recip
     assert saved["lora"]["llm"]["r"] == 16 and (final / "llm" / "adapter").is_dir()
     assert _changed(_weights(model_dir / "encoders/vision/encoder"), _weights(final / "encoders/vision/encoder")) == set()
     hf = hf_class.from_pretrained(str(export_checkpoint(final, recipe)))
+    q_proj = "layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(_weights(model_dir / "llm")[f"model.{q_proj}"],
+                           hf.model.language_model.state_dict()[q_proj])  # the adapters trained and were merged
+
+
+def test_voxtral_recipe_trains_lora_from_an_import_and_exports(tmp_path):
+    """LoRA on the LLM, the tower with its projector frozen; the export holds the merged weights."""
+    from tests.helpers.voxtral import save_voxtral
+
+    model_dir, _ = import_checkpoint(save_voxtral(tmp_path / "voxtral"), tmp_path / "imported")
+    item = "[BEGIN_AUDIO][AUDIO]"
+    records = [dict(r, messages=[{"role": "user", "content": r["messages"][0]["content"].replace("<audio>", item)},
+                                 r["messages"][1]]) for r in demo_records("train", ("audio_transcribe",), limit=4)]
+    final = _train("voxtral.toml", tmp_path / "run", f"--model.pretrained={model_dir}",
+                   f"--data.train={write_jsonl(tmp_path / 'train.jsonl', records)}")
+    saved = json.loads((final / "plait_config.json").read_text())
+    assert saved["lora"]["llm"]["r"] == 16 and (final / "llm" / "adapter").is_dir()
+    assert _changed(_weights(model_dir / "encoders/audio/encoder"), _weights(final / "encoders/audio/encoder")) == set()
+    hf = T.VoxtralForConditionalGeneration.from_pretrained(str(export_checkpoint(final, "voxtral")))
     q_proj = "layers.0.self_attn.q_proj.weight"
     assert not torch.equal(_weights(model_dir / "llm")[f"model.{q_proj}"],
                            hf.model.language_model.state_dict()[q_proj])  # the adapters trained and were merged

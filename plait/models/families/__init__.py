@@ -14,6 +14,7 @@ from typing import Any
 from plait.models.families import (clip, internvl, pixtral, qwen2_5_vl, qwen2_audio, qwen3_vl, siglip, siglip2, vit,
                                    whisper)
 from plait.models.families import qwen2_5_omni
+from plait.models.families import voxtral
 from plait.models.families.base import AudioFamily, EncoderFamily, VisionFamily
 
 __all__ = ["FAMILIES", "family_of", "family_of_layer", "encoder_family", "supported_types", "tower_config"]
@@ -31,6 +32,7 @@ FAMILIES: tuple[EncoderFamily, ...] = (
     qwen2_audio.FAMILY,
     qwen2_5_omni.VISION,
     qwen2_5_omni.AUDIO,
+    voxtral.FAMILY,
 )
 """Every encoder family, one line each."""
 

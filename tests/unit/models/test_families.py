@@ -40,9 +40,9 @@ CONFIGS = {
 }
 
 
-def test_twelve_families_each_listed_once_with_distinct_model_types():
-    assert len(FAMILIES) == 12
-    assert len({type(f) for f in FAMILIES}) == 12
+def test_thirteen_families_each_listed_once_with_distinct_model_types():
+    assert len(FAMILIES) == 13
+    assert len({type(f) for f in FAMILIES}) == 13
     types = [t for f in FAMILIES for t in f.model_types]
     assert len(types) == len(set(types))
     assert set(CONFIGS) <= set(types)
