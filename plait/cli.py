@@ -12,10 +12,10 @@ answers of a trained model, printed or written as JSONL predictions.
 ``plait energy --config job.toml --devices N [--straggler 1.2] [--gpu h100]``: the time-energy frontier of the job's
 plan and a GPU frequency per action (Perseus): table, frontier plot and frequency plan JSON.
 ``plait launch --config job.toml --nproc N [--f 1]``: resilient training that survives worker failures in place.
-``plait import --from HF_FOLDER --out DIR``: a Hugging Face LLaVA / Qwen2-Audio / Qwen2.5-VL / Gemma 3 / Qwen3-VL
-checkpoint as a plait model and job.
-``plait export --run RUN --format llava|qwen2_audio|qwen2_5_vl|gemma3|qwen3_vl [--out DIR]``: a trained model back as
-that Hugging Face class.
+``plait import --from HF_FOLDER --out DIR``: a Hugging Face LLaVA / Qwen2-Audio / Qwen2.5-VL / Gemma 3 / Qwen3-VL /
+Qwen2.5-Omni thinker / Voxtral checkpoint as a plait model and job.
+``plait export --run RUN --format FORMAT [--out DIR]`` (``EXPORT_FORMATS``): a trained model back as that Hugging Face
+class.
 """
 
 from __future__ import annotations
