@@ -56,7 +56,7 @@ from plait.train.run_lock import hold_run_lock
 from plait.train.run_start import clear_earlier_run, launch_logs
 
 __all__ = ["NodeRole", "check_launch", "launch_command", "launch_device", "launch_plan", "parse_kills",
-           "worker_command", "worker_main"]
+           "unfinished_message", "worker_command", "worker_main"]
 
 
 def parse_kills(values: Sequence[str], what: str = "WORKER") -> tuple[tuple[int, int], ...]:
@@ -441,6 +441,7 @@ def _run_node(config: str | Path, overrides: Sequence[str], plan: LaunchPlan, st
         forget_process(store, w)
         return subprocess.Popen(worker_command(config, overrides, w, world, address, joining=again))
 
+    started = time.time()
     procs = {w: start(w, joining) for w in workers}
     node = workers[0] // plan.per_node
     store.set(node_pids_key(node), json.dumps([p.pid for p in procs.values()]))
@@ -466,8 +467,27 @@ def _run_node(config: str | Path, overrides: Sequence[str], plan: LaunchPlan, st
     if failed:
         print(f"plait launch: worker {failed[0][0]} failed (exit {failed[0][1]}); logs in {out}", file=sys.stderr)
         return failed[0][1]
+    unfinished = unfinished_message(codes, out, started)
+    if unfinished:
+        print(unfinished, file=sys.stderr, flush=True)
+        return 1
     print(f"plait launch: done; per-step logs and final parameters in {out}", flush=True)
     return 0
+
+
+def unfinished_message(codes: dict[int, int], out: Path, since: float) -> str | None:
+    """Why the job did not finish on this node, or None when it did: ``codes`` (worker -> exit status; negative: the
+    signal that ended it, 0: it ended or left the job) are the node's workers', none of which failed with an error;
+    the job finished when one of them wrote its final parameters (``final-worker<id>.pt`` in ``out``) since ``since``
+    (seconds since the epoch). Without this check a job whose workers were all killed or left would read as done."""
+    for worker in codes:
+        path = out / f"final-worker{worker}.pt"
+        if path.is_file() and path.stat().st_mtime >= since:
+            return None
+    ends = ", ".join(f"worker {w} {'killed by signal ' + str(-c) if c < 0 else 'left the job'}"
+                     for w, c in sorted(codes.items()))
+    return (f"plait launch: the job did not finish: no worker of this node reached the end and wrote its final "
+            f"parameters ({ends}); logs and the last checkpoint are in {out} (plait train --resume continues it)")
 
 
 def worker_main(config: str | Path, overrides: Sequence[str], worker: int, world: int, store: str,

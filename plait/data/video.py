@@ -33,6 +33,10 @@ __all__ = ["VideoHeader", "VideoEncoding", "VideoSpec", "read_video_header", "sa
            "load_video", "load_sampled", "load_audio_track", "SEEK_GAP_S"]
 
 
+ESTIMATE_SLACK_S = 1.0
+"""Seconds of frames a stream whose frame count was estimated from a duration (``VideoHeader.estimated``) may end
+early by without being a truncated file: an audio track's tail (AAC priming and padding) outlasts the video."""
+
 @dataclass(frozen=True)
 class VideoHeader:
     """What a video's headers say, without decoding a frame.
@@ -41,12 +45,16 @@ class VideoHeader:
         frames: frames of the video stream (the stream's count, else duration x frame rate, rounded).
         rate: frames per second of the stream (its average rate), exact.
         width, height: frame size in pixels.
+        estimated: ``frames`` comes from a duration, not a frame count (Matroska/WebM store none). A container's
+            duration may include an audio track that outlasts the video, so a stream beside an audio track may end
+            up to :data:`ESTIMATE_SLACK_S` of frames early: those sampled frames repeat the stream's last one.
     """
 
     frames: int
     rate: Fraction
     width: int
     height: int
+    estimated: bool = False
 
     @property
     def duration_s(self) -> float:
@@ -154,7 +162,8 @@ def _header(container: Any, item: Any) -> VideoHeader:
         raise SampleError(f"video {item} has no frame rate in its header")
     rate = Fraction(rate)
     frames = int(stream.frames or 0)
-    if frames <= 0:
+    estimated = frames <= 0
+    if estimated:
         if stream.duration is not None and stream.time_base is not None:
             seconds = Fraction(stream.duration) * Fraction(stream.time_base)
         elif container.duration is not None:
@@ -165,7 +174,7 @@ def _header(container: Any, item: Any) -> VideoHeader:
     if frames <= 0:
         raise SampleError(f"video {item} has no frames (zero length)")
     ctx = stream.codec_context
-    return VideoHeader(frames, rate, int(ctx.width), int(ctx.height))
+    return VideoHeader(frames, rate, int(ctx.width), int(ctx.height), estimated)
 
 
 def sample_indices(header: VideoHeader, fps: float, max_frames: int, label: str = "video",
@@ -236,7 +245,7 @@ def _decode(container: Any, wanted: list[int], header: VideoHeader, item: Any) -
     start = stream.start_time  # None: the first frame's timestamp (the first sampled frame is frame 0)
     per_frame = 1 / (header.rate * Fraction(stream.time_base)) if timed else Fraction(1)  # timestamp units a frame
     gap = SEEK_GAP_S * float(header.rate)  # frames
-    frames, out, index = container.decode(stream), [], -1
+    frames, out, index, last = container.decode(stream), [], -1, None
     for target in wanted:
         if timed and start is not None and target - index > gap:
             _seek(container, stream, start + int(target * per_frame))
@@ -244,10 +253,15 @@ def _decode(container: Any, wanted: list[int], header: VideoHeader, item: Any) -
         for frame in frames:
             start = frame.pts if start is None else start
             index = round((frame.pts - start) / per_frame) if timed and frame.pts is not None else index + 1
+            last = frame
             if index >= target:
                 out.append(frame.to_image().convert("RGB"))
                 break
         else:
+            if (header.estimated and container.streams.audio and last is not None
+                    and target - index <= ESTIMATE_SLACK_S * header.rate):
+                out.append(last.to_image().convert("RGB"))  # the duration counted an audio tail: the last frame
+                continue
             raise SampleError(f"cannot decode video {item}: the stream ends after {index + 1} frame(s) but its header "
                               f"says {header.frames} (frame {target} is sampled); the file is truncated or corrupt")
     return out

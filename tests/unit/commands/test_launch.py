@@ -255,3 +255,19 @@ def test_a_silent_worker_is_killed_as_hung_and_a_closed_one_is_not(capsys):
     assert "worker 3 sent no heartbeat for 100." in out.out and "killed as hung" in out.out
     assert "worker 5 sent no" not in out.out and "stopped workers still running after 4.0 s" in out.err
     assert store.get("dead/3") == b"-9"
+
+
+def test_a_launch_whose_workers_all_died_or_left_is_not_done(tmp_path):
+    """Workers killed by a signal (negative status) or gone (0) with no final parameters written: not finished."""
+    import time
+    from plait.commands.launch import unfinished_message
+    start = time.time() - 1
+    message = unfinished_message({0: -9, 1: 0}, tmp_path, start)
+    assert message == (f"plait launch: the job did not finish: no worker of this node reached the end and wrote its "
+                       f"final parameters (worker 0 killed by signal 9, worker 1 left the job); logs and the last "
+                       f"checkpoint are in {tmp_path} (plait train --resume continues it)")
+    (tmp_path / "final-worker3.pt").write_bytes(b"")  # another worker's: not this node's
+    assert unfinished_message({0: -9, 1: 0}, tmp_path, start) is not None
+    (tmp_path / "final-worker1.pt").write_bytes(b"")
+    assert unfinished_message({0: -9, 1: 0}, tmp_path, start) is None
+    assert unfinished_message({0: -9, 1: 0}, tmp_path, time.time() + 60) is not None  # an earlier run's file

@@ -48,7 +48,7 @@ def video_record(rid: str, videos: list, images: list | None = None, text: str =
 def test_the_header_gives_frames_rate_and_size(tmp_path, ext):
     # mp4 counts the frames in its header; Matroska / WebM give the duration (1.5 s x 4 fps = 6 frames)
     path = write_video(tmp_path / f"v{ext}", 6, width=32, height=24, rate=4)
-    assert read_video_header(str(path)) == VideoHeader(6, Fraction(4), 32, 24)
+    assert read_video_header(str(path)) == VideoHeader(6, Fraction(4), 32, 24, estimated=ext != ".mp4")
     assert read_video_header(path.read_bytes()).frames == 6
 
 
