@@ -27,6 +27,7 @@ from plait.data.sources import SampleError, path_note
 
 __all__ = [
     "TEMPLATE_DIR",
+    "missing_pretrained",
     "template_names",
     "read_chat_template",
     "has_generation_markers",
@@ -40,6 +41,13 @@ TEMPLATE_DIR = Path(__file__).resolve().parent / "chat_templates"
 
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
+
+def missing_pretrained(path: str) -> str:
+    """The message for a ``model.pretrained`` folder that does not exist: what belongs there and how to make it."""
+    return (f"model.pretrained = {path!r} does not exist: it is a plait model folder, a run's final/ (train that run "
+            "first; for runs/demo/final: `make demo`) or the model/ folder `plait import --from <Hugging Face folder> "
+            "--out <dir>` writes (a recipe's header names the checkpoint to download and import)")
 
 
 def template_names() -> list[str]:
@@ -104,8 +112,7 @@ def tokenizer_dir(data: DataConfig, model: ModelConfig) -> str:
     if data.tokenizer:
         return data.tokenizer
     if model.pretrained and not Path(model.pretrained).is_dir():
-        raise ValueError(f"model.pretrained = {model.pretrained!r} does not exist: train that run first (its final/ "
-                         "folder; for runs/demo/final: `make demo`)")
+        raise ValueError(missing_pretrained(model.pretrained))
     candidates = [(f"model.llm.path = {model.llm.path!r}", model.llm.path)]
     if model.pretrained:
         candidates.insert(0, (f"model.pretrained = {model.pretrained!r} (its tokenizer/ folder)",

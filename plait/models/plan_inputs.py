@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from plait.data.chat_template import missing_pretrained
 from plait.models.families import family_of, tower_config
 from plait.models.families.base import EncoderFamily
 from plait.models.multimodal import PLAIT_CONFIG
@@ -224,6 +225,8 @@ def _pretrained_meta(directory: str) -> dict[str, Any]:
     Raises:
         FileNotFoundError: when ``directory`` has no ``plait_config.json``.
     """
+    if not Path(directory).is_dir():
+        raise FileNotFoundError(missing_pretrained(directory))
     meta_path = Path(directory) / PLAIT_CONFIG
     if not meta_path.is_file():
         raise FileNotFoundError(f"model.pretrained: {directory} is not a plait model directory (no {meta_path.name})")

@@ -103,7 +103,7 @@ def plan_overrides(cfg: Any, choice: LayoutChoice, units: Sequence[Unit]) -> lis
         keys["parallel.fsdp_reshard"] = degrees["fsdp_reshard"]
     if degrees["rank_order"] not in ("auto", "dp_outer"):
         keys["parallel.rank_order"] = degrees["rank_order"]
-    if degrees["ep"] > 1:
+    if degrees["ep"] > 1 or cfg.parallel.ep != degrees["ep"]:  # the job file's own ep replaced by the plan's
         keys["parallel.ep"] = degrees["ep"]
     keys.update({f"parallel.pp.{k}": v for k, v in _pp_fields(cfg, choice, units).items()})
     if degrees["activation_checkpointing"] != "none":

@@ -124,3 +124,14 @@ def test_no_fit_on_the_moe_job_names_the_ep_degrees_its_microbatches_allow():
     with pytest.raises(ValueError, match=r"no plan fits in 27.6 MiB per device .* the least any option searched "
                                          r"needs is about [0-9.]+ MiB .*ep up to 2 and CPU offload were searched"):
         search_plan(setup, 8, 0.9)  # 2 microbatches: EP 2 at most (one per DP rank)
+
+
+def test_the_printed_command_replaces_the_jobs_own_ep():
+    """A job file with ``parallel.ep = 2`` whose plan chose ep 1 on roomy devices: the command sets ep back to 1."""
+    out = io.StringIO()
+    choice = plan_command(DEMO, 2, None, device="h100", out=out, profile_store=None,
+                          overrides=[*OVERRIDES, "--parallel.ep=2", "--parallel.dp=2"])
+    command = next(line for line in out.getvalue().splitlines() if "torchrun" in line or "plait train" in line)
+    args = shlex.split(command)
+    printed = load_config(args[args.index("--config") + 1], args[args.index("--config") + 2:])
+    assert choice.ep == 1 and printed.parallel.ep == 1 and "--parallel.ep=1" in command
