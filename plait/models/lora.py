@@ -63,10 +63,12 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "mistral": _DECODER, "gemma3_text": _DECODER,
     "gemma": _DECODER, "gemma2": _DECODER, "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     "qwen2_5_omni_text": _DECODER,
+    "qwen3_moe": _DECODER, "qwen3_vl_moe_text": _DECODER,
     **{t: f.lora_targets for f in FAMILIES if f.lora_targets for t in f.model_types},
 }
-"""Default ``target_modules`` per ``model_type``: the attention projections and the MLP projections (an encoder's:
-its family's ``lora_targets``)."""
+"""Default ``target_modules`` per ``model_type``: the attention projections and the MLP projections (a MoE LLM's
+fused experts hold 3-D parameters, not ``nn.Linear`` modules: its defaults adapt the attention and any dense MLP
+layer; an encoder's: its family's ``lora_targets``)."""
 
 
 def lora_targets(module: nn.Module, names: Collection[str], skip: Collection[str] = ()) -> list[str]:

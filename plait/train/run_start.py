@@ -120,9 +120,11 @@ def nothing_to_train(resumed: int, total_steps: int, train: Any) -> str:
 def layout_description(dims: Any) -> str:
     """A job's degrees in one phrase, e.g. ``DP 2 x PP 1 x CP 1 x TP 2; DP = 1 replica(s) x FSDP2 dp_shard 2`` (``dims``: its
     ``plait.parallel.dims.ParallelDims``; DP counts every data-parallel rank, replicas x shards; TP and the FSDP2
-    shard degree only when above 1), the form of the checkpoint layouts' ``describe``."""
-    return CheckpointLayout(world_size=dims.world_size, dp=dims.batch, pp=dims.pp, cp=dims.cp, tp=dims.tp,
-                            dp_shard=dims.dp_shard).describe().split(" (", 1)[1][:-1]
+    shard degree only when above 1; EP when above 1), the form of the checkpoint layouts' ``describe``."""
+    phrase = CheckpointLayout(world_size=dims.world_size, dp=dims.batch, pp=dims.pp, cp=dims.cp, tp=dims.tp,
+                              dp_shard=dims.dp_shard).describe().split(" (", 1)[1][:-1]
+    ep = int(getattr(dims, "ep", 1))
+    return phrase + (f"; EP {ep} (each MoE layer's experts split over {ep} of the DP ranks)" if ep > 1 else "")
 
 
 def fsdp_description(sharded: Any, pipeline: bool = False) -> str:

@@ -41,3 +41,5 @@ def test_the_setup_line_names_the_layouts_degrees():
     assert layout_description(ParallelDims(dp=1, dp_shard=2, tp=2)) == "DP 2 x PP 1 x CP 1 x TP 2; DP = 1 replica(s) x FSDP2 dp_shard 2"
     assert layout_description(ParallelDims(pp=2, tp=2)) == "DP 1 x PP 2 x CP 1 x TP 2"  # PP x TP names TP
     assert layout_description(ParallelDims()) == "DP 1 x PP 1 x CP 1"
+    assert layout_description(ParallelDims(dp=2, ep=2)) == ("DP 2 x PP 1 x CP 1; EP 2 (each MoE layer's experts split over 2 "
+                                                             "of the DP ranks)")

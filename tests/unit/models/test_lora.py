@@ -243,3 +243,16 @@ def test_computed_buffers_are_not_reported_and_missing_weights_warn(tok, tmp_pat
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and "weights missing from the checkpoint" in warned[0]
     assert "1 tensor (language_model.model.norm.weight)" in warned[0] and "inv_freq" not in warned[0]
+
+
+def test_a_moe_llms_defaults_adapt_its_attention():
+    """Qwen3-MoE's fused experts are 3-D parameters, not Linear modules: the defaults find the attention projections
+    of every layer and nothing in the experts or the router."""
+    import transformers
+
+    from plait.models.lora import lora_targets
+    from tests.helpers.moe import TINY_MOE_LLM
+
+    llm = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**TINY_MOE_LLM))
+    found = lora_targets(llm, DEFAULT_TARGETS["qwen3_moe"])
+    assert found == [f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo"]
