@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from plait.config.schema import EncoderConfig
 from plait.data.chat_template import missing_pretrained
 from plait.models.families import family_of, tower_config
 from plait.models.families.base import EncoderFamily
@@ -171,7 +172,10 @@ def model_parts(cfg: Any) -> tuple[dict[str, Any], dict[str, bool], dict[str, in
     frozen: dict[str, bool] = {}
     dropped: dict[str, int] = {}
     meta = _pretrained_meta(model.pretrained) if model.pretrained else {}
-    for name, enc in model.encoders.items():
+    branches = dict(model.encoders)  # a pretrained model's branch without a table of the job: the defaults, as trained
+    branches.update({name: EncoderConfig(modality=m.get("modality", "image")) for name, m in meta.items()
+                     if name not in branches})
+    for name, enc in branches.items():
         settings = meta.get(name, {})
         where = f"model.encoders.{name}"
         path = str(Path(model.pretrained) / "encoders" / name / "encoder") if model.pretrained else enc.path

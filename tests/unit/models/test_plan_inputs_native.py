@@ -28,3 +28,15 @@ def test_max_pixels_reads_both_names_and_refuses_bad_values():
     for bad in (0, -5, 1.5, "big", True):
         with pytest.raises(ValueError, match=r"^processor\.max_pixels must be a positive integer"):
             max_pixels({"max_pixels": bad})
+
+
+def test_a_pretrained_branch_without_a_table_is_planned(tmp_path):
+    """A ``model.pretrained`` job that names no ``[model.encoders.<name>]`` table plans the model's branches as it
+    trains them (the defaults), not 'no config for module'."""
+    model_dir, job = import_checkpoint(save_qwen3_vl(tmp_path / "qwen3-vl"), tmp_path / "imported")
+    bare = tmp_path / "bare.toml"
+    bare.write_text(f'[model]\npretrained = "{model_dir}"\n\n[data]\ntrain = "{tmp_path / "train.jsonl"}"\n')
+    with_table, _, _ = model_parts(load_config(job))
+    without, frozen, _ = model_parts(load_config(bare))
+    assert set(without) == set(with_table) == {"vision", "vision.projector", "llm"}
+    assert without["vision"] == with_table["vision"] and frozen["vision"] is False  # the schema's default
