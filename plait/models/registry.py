@@ -284,11 +284,20 @@ def _video_spec(name: str, enc: EncoderConfig, branch: ModalityEncoder, tokenize
     Raises:
         ValueError: for a placeholder set in the job (not the default) that is not a token of the tokenizer, as
             an image placeholder is refused (a job error, not every video record's); a negative fps or a frame
-            limit below 1 (naming the field).
+            limit below 1; ``audio = true`` on a tower that cannot take a video's audio track; a video table on an
+            audio branch (naming the field).
     """
-    if branch.modality != "image":
-        return None
     video = enc.video
+    if branch.modality != "image":
+        if video != VideoConfig():
+            raise ValueError(f"model.encoders.{name}.video: branch {name!r} is an audio branch and takes no videos; "
+                             "set the video table on the image branch (a video's audio track: its audio = true)")
+        return None
+    if video.audio and "seconds_per_chunk" not in branch.video_encoding.timing(1.0):
+        raise ValueError(f"model.encoders.{name}.video.audio = true needs a tower that encodes a video as one timed "
+                         "item of temporal patches, as the Qwen2.5-Omni thinker's vision tower does "
+                         f"(model_type 'qwen2_5_omni_vision_encoder'); this branch's tower "
+                         f"({branch.family.name}) does not: set it to false")
     tid = tokenizer.convert_tokens_to_ids(video.placeholder)
     tid = None if tid is None or tid == tokenizer.unk_token_id else int(tid)
     if tid is None and video.placeholder != VideoConfig().placeholder:

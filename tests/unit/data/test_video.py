@@ -370,3 +370,21 @@ def test_a_family_encoding_that_refuses_the_frames_names_record_and_file(setup, 
     path = write_video(folder / "refused.mp4", 2)
     for error in _bad(proc, folder, video_record("r1", [str(path)])):
         assert error == f"record 'r1' ({folder}/bad.jsonl:3): video {path}: video frames give different patch grids"
+
+
+@pytest.mark.parametrize("table, branch, message", [
+    ({"audio": True}, "vision", r"^model\.encoders\.vision\.video\.audio = true needs a tower that encodes a video as "
+                                r"one timed item .* this branch's tower \(SigLIP\) does not: set it to false$"),
+    ({"fps": 3.0}, "audio", r"^model\.encoders\.audio\.video: branch 'audio' is an audio branch and takes no videos"),
+])
+def test_a_video_table_the_branch_cannot_take_is_a_job_error(tmp_path, table, branch, message):
+    """Refused when the job is built, naming the field (not once per record, not silently dropped)."""
+    from plait.config.loader import config_from_dict
+
+    cfg = tiny_config_dict("unused.jsonl")
+    cfg["data"]["tokenizer"] = str(video_tokenizer(tmp_path / "tok"))
+    cfg["model"]["encoders"][branch]["video"] = table
+    cfg = config_from_dict(cfg)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    with pytest.raises(ValueError, match=message):
+        build_processor(cfg.model, build_model(cfg.model, tok), tok, 256)
