@@ -8,7 +8,7 @@ CP ranks and the expert-data-parallel ranks."""
 from __future__ import annotations
 
 from plait.parallel.dims import ParallelDims
-from tests.distributed.test_expert_parallel import WORKER, assert_equal_runs
+from tests.helpers.moe import WORKER, assert_equal_runs
 from tests.helpers.fsdp import run
 from tests.helpers.moe import moe_job
 

@@ -14,18 +14,10 @@ import json
 import pytest
 import torch
 
-from tests.helpers.data_parallel import assert_same_training
 from tests.helpers.fsdp import assert_same_params, run
-from tests.helpers.jobs import ROOT
-from tests.helpers.moe import moe_job, validation, with_validation
+from tests.helpers.moe import WORKER, assert_equal_runs, moe_job, validation, with_validation
 
-WORKER = ROOT / "tests" / "distributed" / "ep_worker.py"
 EXPERTS = "language_model.model.layers.0.mlp.experts.gate_up_proj"
-
-
-def assert_equal_runs(single: dict, other: dict) -> None:
-    torch.testing.assert_close(torch.tensor(other["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
-    assert_same_training(single, other)
 
 
 def test_ep2_equals_one_process_frozen_encoder_and_no_local_expert(tmp_path):

@@ -1,14 +1,14 @@
 """``plait launch`` with FSDP2 inside its pipelines (``parallel.dp_shard = 2``): 6 workers as 3 shard groups of 2,
 pipelines of 2 + 1 groups (4 + 2 workers: each plan rank's trainable units sharded over its group's 2 workers, each
 worker running its own copy of the pipeline on its own microbatches), against the same launch without sharding (3
-workers as pipelines of 2 + 1 ranks). The sharded launch equals the unsharded one: per-step losses, samples and LRs,
-final parameters (shards gathered) and validation losses (fp32 on CPU: 1e-5), its checkpoint holding each trained
-weight and AdamW moment in 2 shards. Worker 3 (shard 1 of pipeline 0's
-second plan rank) SIGKILLed in the middle of step 1: its partner, worker 2, leaves the job (its shards belong to a
-copy that is gone), the survivors reconfigure over groups 0 and 2 (pipeline 0 shrinks to one group and receives the
-second rank's units shard by shard from pipeline 1's group) and the job ends equal to the unsharded launch. The LLM's
-embedding is tied to its head (one plan rank holds both in every pipeline here, so it is sharded with them): its copy
-moves whole, gathered over the sending group and sharded where it lands."""
+workers as pipelines of 2 + 1 ranks), through a failure: the sharded launch equals the unsharded one (per-step
+losses, samples and LRs, final parameters (shards gathered) and validation losses; fp32 on CPU: 1e-5), its checkpoint
+holding each trained weight and AdamW moment in 2 shards. Step 0 runs on the planned sharded pipelines; worker 3
+(shard 1 of pipeline 0's second plan rank) is SIGKILLed in the middle of step 1: its partner, worker 2, leaves the
+job (its shards belong to a copy that is gone), the survivors reconfigure over groups 0 and 2 (pipeline 0 shrinks
+to one group and receives the second rank's units shard by shard from pipeline 1's group) and the job ends equal to
+the unsharded launch. The LLM's embedding is tied to its head (one plan rank holds both in every pipeline here, so it
+is sharded with them): its copy moves whole, gathered over the sending group and sharded where it lands."""
 
 from __future__ import annotations
 
@@ -108,23 +108,6 @@ def _assert_equals_reference(run_dir: Path, reference: Path) -> tuple[dict[int, 
     return steps, events
 
 
-def test_fsdp2_inside_launch_pipelines_equals_the_launch_without_sharding(tmp_path, reference):
-    run = _launch(tmp_path, "sharded", 6, "4,2", 2)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "each plan rank on a shard group of 2 workers (FSDP2" in run.stdout, run.stdout
-    plan = json.loads((tmp_path / "sharded" / "resilient" / "launch.json").read_text())
-    assert plan["templates"]["dp_shard"] == 2
-    steps, events = _assert_equals_reference(tmp_path / "sharded", reference)
-    assert not events and steps[0]["pipelines"] == [[0, 1, 2, 3], [4, 5]]
-    # really sharded: the checkpoint (DCP) holds each trained LLM weight and its AdamW moments in 2 row shards
-    for name, chunks in (("sharded", [(0, 32), (32, 32)]), ("ref", [(0, 64)])):
-        run_dir = tmp_path / name if name == "sharded" else reference
-        meta = FileSystemReader(str(run_dir / "checkpoints" / f"step_{STEPS:06d}")).read_metadata().state_dict_metadata
-        for key in ("model.language_model.model.layers.0.mlp.up_proj.weight",
-                    "optim.state.language_model.model.layers.0.mlp.up_proj.weight.exp_avg"):
-            assert [(c.offsets[0], c.sizes[0]) for c in meta[key].chunks] == chunks, (name, key)
-
-
 def test_a_killed_worker_of_a_sharded_launch_takes_its_shard_group_out_and_the_job_equals_the_unsharded_one(
         tmp_path, reference):
     run = _launch(tmp_path, "kill", 6, "4,2", 2, "--kill", "3:1")
@@ -138,5 +121,14 @@ def test_a_killed_worker_of_a_sharded_launch_takes_its_shard_group_out_and_the_j
     # pipeline 0 (now group 0: workers 0, 1) receives the second plan rank's units (the LLM, its tied embedding and
     # head included) shard by shard from group 2
     assert {(src, dst) for e in reconfigured for _, src, dst in e["copies"]} == {(2, 0)}, reconfigured
+    assert "each plan rank on a shard group of 2 workers (FSDP2" in run.stdout, run.stdout
+    plan = json.loads((tmp_path / "kill" / "resilient" / "launch.json").read_text())
+    assert plan["templates"]["dp_shard"] == 2
+    # really sharded: the checkpoint (DCP) holds each trained LLM weight and its AdamW moments in 2 row shards
+    for run_dir, chunks in ((tmp_path / "kill", [(0, 32), (32, 32)]), (reference, [(0, 64)])):
+        meta = FileSystemReader(str(run_dir / "checkpoints" / f"step_{STEPS:06d}")).read_metadata().state_dict_metadata
+        for key in ("model.language_model.model.layers.0.mlp.up_proj.weight",
+                    "optim.state.language_model.model.layers.0.mlp.up_proj.weight.exp_avg"):
+            assert [(c.offsets[0], c.sizes[0]) for c in meta[key].chunks] == chunks, (run_dir, key)
     assert {"language_model.model.embed_tokens", "language_model.lm_head"} <= {u for e in reconfigured
                                                                                 for u, _, _ in e["copies"]}

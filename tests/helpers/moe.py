@@ -3,8 +3,34 @@ projector (trained) in front of a Qwen3-MoE LLM (hidden 32, 2 layers, 4 experts,
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
+
+from plait.planner.cost.types import DeviceSpec
 from plait.train.metrics import read_metrics
-from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.data_parallel import assert_same_training
+from tests.helpers.jobs import ROOT, demo_records, tiny_config_dict, write_jsonl
+
+WORKER = ROOT / "tests" / "distributed" / "ep_worker.py"
+"""The expert-parallel gloo worker (``tests/distributed/ep_worker.py``)."""
+
+DEMO = ROOT / "configs" / "demo.toml"
+MOE = ('--model.llm.config={model_type = "qwen3_moe", hidden_size = 128, intermediate_size = 384, '
+       'moe_intermediate_size = 256, num_experts = 64, num_experts_per_tok = 2, num_hidden_layers = 4, '
+       'num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 512, '
+       'tie_word_embeddings = true}')
+OVERRIDES = [MOE, "--train.global_batch_size=32"]  # 2 microbatches of 16 samples
+"""The demo job with a Qwen3-MoE LLM of 64 experts (97% of the parameters), for the planner's EP tests."""
+TIGHT = dataclasses.replace(DeviceSpec.h100(), memory_bytes=0.08 * 2**30)  # cap 73.7 MiB per device
+"""Each LLM layer of :data:`OVERRIDES`' model holds about 100 MiB of parameters, gradients and AdamW state: 8
+devices fit them only with the experts split (EP) or offloaded to the host."""
+
+
+def assert_equal_runs(single: dict, other: dict) -> None:
+    """Losses (rel 1e-5), gradients and final parameters of two worker results equal (``assert_same_training``)."""
+    torch.testing.assert_close(torch.tensor(other["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
+    assert_same_training(single, other)
 
 TINY_MOE_LLM = dict(model_type="qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,

@@ -21,17 +21,8 @@ from plait.planner.pipeline.graph import consistent_units
 from plait.planner.search.fit import least_need
 from plait.planner.search.types import LeastNeed, NoPlanFits
 from plait.train.plan_search import explain_no_fit, search_plan
-from tests.helpers.jobs import ROOT
+from tests.helpers.moe import DEMO, OVERRIDES, TIGHT
 
-DEMO = ROOT / "configs" / "demo.toml"
-MOE = ('--model.llm.config={model_type = "qwen3_moe", hidden_size = 128, intermediate_size = 384, '
-       'moe_intermediate_size = 256, num_experts = 64, num_experts_per_tok = 2, num_hidden_layers = 4, '
-       'num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 512, '
-       'tie_word_embeddings = true}')
-OVERRIDES = [MOE, "--train.global_batch_size=32"]  # 2 microbatches of 16 samples
-TIGHT = dataclasses.replace(DeviceSpec.h100(), memory_bytes=0.08 * 2**30)  # cap 73.7 MiB per device
-"""Each LLM layer holds about 100 MiB of parameters, gradients and AdamW state: 8 devices fit them only with the
-experts split (EP) or offloaded to the host."""
 
 
 def test_moe_job_gets_expert_parallelism_and_the_tables_load(tmp_path):

@@ -18,7 +18,7 @@ from plait.measure.router_load import router_modules
 from plait.measure.unit_timing import measure_profile
 from plait.train.plan_search import search_plan
 from tests.distributed.ep_worker import fold_routes
-from tests.unit.commands.test_plan_moe import DEMO, OVERRIDES
+from tests.helpers.moe import DEMO, OVERRIDES
 
 K = 2
 

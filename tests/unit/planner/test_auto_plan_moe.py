@@ -20,7 +20,7 @@ from plait.train.apply_plan import resolve_auto_plan
 from plait.train.plan_search import job_expert_layers
 from plait.train.pipeline_trainer import PipelineTrainer
 from plait.train.trainer import Trainer
-from tests.unit.commands.test_plan_moe import DEMO, OVERRIDES, TIGHT
+from tests.helpers.moe import DEMO, OVERRIDES, TIGHT
 
 
 def test_auto_plan_chooses_expert_parallelism_as_plait_plan_does(tmp_path):
