@@ -15,6 +15,7 @@ cannot hold (two encoders, a projector LLaVA lacks, ...) is refused naming the d
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import transformers
 from safetensors.torch import load_file
@@ -89,26 +90,42 @@ def export_checkpoint(run: str | Path, fmt: str, out: str | Path | None = None) 
     if spec.name == "voxtral":
         return _export_voxtral(model, final, target)
     check_exportable(model, spec)
-    name = next(iter(model.encoders))
-    folders = {"tokenizer": final / "tokenizer", "processor": final / "processors" / name}
-    for what, folder in folders.items():
-        if not folder.is_dir():
-            raise FileNotFoundError(f"{folder} does not exist: the export needs the {what} plait train saves in "
-                                    "final/")
-    merge_adapters(model.language_model)
-    merge_adapters(model.encoders[name].encoder)
-    saved = load_file(str(final / "encoders" / name / "projector.safetensors"))
-    model.encoders[name].projector.to(next(iter(saved.values())).dtype)  # as saved (loading builds it in fp32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folders["tokenizer"]))
+    tokenizer, media = _prepared(model, final)
     hf = hf_from_composite(model, spec, _token_ids(spec.name, tokenizer))
     hf.generation_config = with_stop_tokens(hf.generation_config, tokenizer)  # stop where plait generate stops
-    auto = transformers.AutoImageProcessor if spec.modality == "image" else transformers.AutoFeatureExtractor
-    media = auto.from_pretrained(str(folders["processor"]))
+    media = next(iter(media.values()))
     print(f"plait: writing {target} ({spec.model_class})", flush=True)
     hf.save_pretrained(target)
     save_hf_processor(spec, model, tokenizer, media, target)
     share_saved_files(target)  # safetensors writes 0600
     return target
+
+
+def _prepared(model: MultimodalModel, final: Path) -> tuple[Any, dict[str, Any]]:
+    """``model`` (read from ``final``) made ready to convert, the same for every format: LoRA adapters merged into the
+    LLM and each tower, each projector back in its saved dtype (loading builds it in fp32). Returns the tokenizer
+    and, per branch, its image processor or feature extractor, as plait train saved them in ``final/``.
+
+    Raises:
+        FileNotFoundError: for a missing ``tokenizer/`` or ``processors/<branch>/`` folder.
+    """
+    folders = {"tokenizer": final / "tokenizer"}
+    folders |= {("processor" if len(model.encoders) == 1 else f"{n} processor"): final / "processors" / n
+                for n in model.encoders}
+    for what, folder in folders.items():
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder} does not exist: the export needs the {what} plait train saves in "
+                                    "final/")
+    merge_adapters(model.language_model)
+    for name, branch in model.encoders.items():
+        merge_adapters(branch.encoder)
+        saved = load_file(str(final / "encoders" / name / "projector.safetensors"))
+        branch.projector.to(next(iter(saved.values())).dtype)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folders["tokenizer"]))
+    processors = {n: (transformers.AutoImageProcessor if b.modality == "image" else
+                      transformers.AutoFeatureExtractor).from_pretrained(str(final / "processors" / n))
+                  for n, b in model.encoders.items()}
+    return tokenizer, processors
 
 
 def _token_ids(fmt: str, tokenizer: transformers.PreTrainedTokenizerBase) -> dict[str, int]:
@@ -132,22 +149,10 @@ def _export_thinker(model: MultimodalModel, final: Path, target: Path) -> Path:
         FileNotFoundError: for a missing ``tokenizer/`` or ``processors/<branch>/`` folder.
     """
     check_thinker_exportable(model)
-    folders = {"tokenizer": final / "tokenizer", **{f"{n} processor": final / "processors" / n for n in model.encoders}}
-    for what, folder in folders.items():
-        if not folder.is_dir():
-            raise FileNotFoundError(f"{folder} does not exist: the export needs the {what} plait train saves in "
-                                    "final/")
-    merge_adapters(model.language_model)
-    for name, branch in model.encoders.items():
-        merge_adapters(branch.encoder)
-        saved = load_file(str(final / "encoders" / name / "projector.safetensors"))
-        branch.projector.to(next(iter(saved.values())).dtype)  # as saved (loading builds it in fp32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folders["tokenizer"]))
+    tokenizer, processors = _prepared(model, final)
     hf = thinker_from_composite(model, _token_ids("qwen2_5_omni", tokenizer))
     hf.generation_config = with_stop_tokens(hf.generation_config, tokenizer)  # stop where plait generate stops
-    media = {b.modality: (transformers.AutoImageProcessor if b.modality == "image" else
-                          transformers.AutoFeatureExtractor).from_pretrained(str(final / "processors" / n))
-             for n, b in model.encoders.items()}
+    media = {model.encoders[n].modality: processor for n, processor in processors.items()}
     print(f"plait: writing {target} ({THINKER_CLASS})", flush=True)
     hf.save_pretrained(target)
     save_thinker_processor(model, tokenizer, media["image"], media["audio"], target)
@@ -164,20 +169,10 @@ def _export_voxtral(model: MultimodalModel, final: Path, target: Path) -> Path:
         FileNotFoundError: for a missing ``tokenizer/`` or ``processors/<branch>/`` folder.
     """
     check_voxtral_exportable(model)
-    name = next(iter(model.encoders))
-    folders = {"tokenizer": final / "tokenizer", "processor": final / "processors" / name}
-    for what, folder in folders.items():
-        if not folder.is_dir():
-            raise FileNotFoundError(f"{folder} does not exist: the export needs the {what} plait train saves in "
-                                    "final/")
-    merge_adapters(model.language_model)
-    merge_adapters(model.encoders[name].encoder)
-    saved = load_file(str(final / "encoders" / name / "projector.safetensors"))
-    model.encoders[name].projector.to(next(iter(saved.values())).dtype)  # as saved (loading builds it in fp32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folders["tokenizer"]))
+    tokenizer, processors = _prepared(model, final)
     hf = voxtral_from_composite(model)
     hf.generation_config = with_stop_tokens(hf.generation_config, tokenizer)  # stop where plait generate stops
-    media = transformers.AutoFeatureExtractor.from_pretrained(str(folders["processor"]))
+    media = next(iter(processors.values()))
     print(f"plait: writing {target} ({VOXTRAL_CLASS})", flush=True)
     hf.save_pretrained(target)
     save_voxtral_processor(model, tokenizer, media, target)
