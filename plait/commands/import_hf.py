@@ -274,6 +274,11 @@ def job_toml(fmt: HfFormat, src: Path, model_dir: Path, model: MultimodalModel, 
     video = (f'\n[model.encoders.{fmt.branch}.video]\nplaceholder = "<|video_pad|>"  # transformers\' video token: a '
              "video is positioned as Qwen2_5_VLProcessor gives it\nfps = 2.0  # sampled frames per second (its video "
              "processor's default)\n" if fmt.name == "qwen2_5_vl" else "")
+    if fmt.name == "qwen3_vl":
+        video = ('\n[model.encoders.vision.video]\nplaceholder = "<|video_pad|>"  # records write <|vision_start|>'
+                 "<|video_pad|><|vision_end|>; each temporal patch gets its <t seconds> and <|vision_start|> ... "
+                 "<|vision_end|>, as Qwen3VLProcessor writes it\nfps = 2.0  # sampled frames per second (its video "
+                 "processor's default)\n")
     if fmt.name == "qwen2_5_omni":
         video = ('\n[model.encoders.vision.video]\nplaceholder = "<|VIDEO|>"  # records write <|vision_bos|><|VIDEO|>'
                  "<|vision_eos|>; with audio = true <|vision_bos|><|audio_bos|><|VIDEO|><|audio_eos|><|vision_eos|>\n"

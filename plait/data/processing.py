@@ -8,7 +8,9 @@ through the Hugging Face image processor / feature extractor, and labels are the
 token belongs to an assistant answer (-100 elsewhere: prompt, placeholders, padding). A video's sampled frames
 (:mod:`plait.data.video`) become image items of the image branch (:class:`PerFrame`, or the family's encoding), so
 its placeholder expands to the image placeholder, frames x per-frame features times; with the video's audio track
-(``VideoSpec.audio``: a :class:`Clip`), to the video's and the track's tokens interleaved by chunks of seconds.
+(``VideoSpec.audio``: a :class:`Clip`), to the video's and the track's tokens interleaved by chunks of seconds; with an
+encoding that writes text around its items (Qwen3-VL's timestamps: a :class:`FramedVideo`), to that text, the
+record's start and end tokens around the placeholder dropped (:func:`unwrap_videos`).
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from PIL import Image
 from plait.data.chat_template import render_prompt, render_with_assistant_mask
 from plait.data.sources import RawSample, SampleError, path_note
 from plait.data.omni_positions import clip_runs
-from plait.data.video import VideoSpec, load_audio_track, load_sampled
+from plait.data.video import VideoSpec, framed_video_ids, load_audio_track, load_sampled
 
 __all__ = ["ModalitySpec", "SampleMeta", "ProcessedSample", "MultimodalProcessor", "PerFrame", "Clip", "load_audio",
-           "load_image", "process_image", "decode_reason", "check_clip_video"]
+           "load_image", "process_image", "decode_reason", "check_clip_video", "FramedVideo", "unwrap_videos"]
 
 IGNORE = -100
 
@@ -169,6 +171,30 @@ class Clip:
     runs: list[tuple[str, int]]
 
 
+@dataclass(frozen=True)
+class FramedVideo:
+    """A video whose encoding writes text around its items (``VideoSpec.encoding.text``): its items with their
+    tokens, and its whole token run (:func:`plait.data.video.framed_video_ids`: ``ids``, and ``local``, each token's
+    item within the video or -1 on text)."""
+
+    items: list[tuple[dict[str, Any], int]]
+    ids: list[int]
+    local: list[int]
+
+
+def unwrap_videos(ids: list[int], mask: list[int], placeholder_id: int,
+                  wrapper: tuple[int, int] | None) -> tuple[list[int], list[int]]:
+    """``ids`` and ``mask`` without the ``wrapper`` tokens (start, end) right around each video placeholder, as
+    ``Qwen3VLProcessor`` collapses the chat template's ``<|vision_start|><|video_pad|><|vision_end|>`` before writing
+    a video's own run; unchanged for ``wrapper`` None."""
+    if wrapper is None:
+        return ids, mask
+    drop = {j for k in range(1, len(ids) - 1)
+            if ids[k] == placeholder_id and (ids[k - 1], ids[k + 1]) == tuple(wrapper) for j in (k - 1, k + 1)}
+    keep = [k for k in range(len(ids)) if k not in drop]
+    return [ids[k] for k in keep], [mask[k] for k in keep]
+
+
 def check_clip_video(video: VideoSpec, items: int, timing: dict[str, Any], path: Any) -> None:
     """Refuse taking a video's audio track (``video.audio``) unless the branch encodes the video as one item
     (``items``) whose ``timing`` carries the thinker's ``seconds_per_chunk`` (Qwen2.5-Omni's temporal patches).
@@ -294,9 +320,30 @@ class MultimodalProcessor:
         if image is not None and image.video is not None and image.video.audio and "audio" not in self.specs:
             raise ValueError(f"{image.video.field}.audio = true but the model has no audio encoder for the videos' "
                              "audio tracks")
+        self.video_wrapper = self._video_wrapper()
         ids = [pid for _, pid, _ in self.placeholders().values()]
         if len(set(ids)) != len(ids):
             raise ValueError(f"placeholders must be distinct tokens, got {list(self.placeholders())} -> {ids}")
+
+    def _video_wrapper(self) -> tuple[int, int] | None:
+        """The ids of the image branch's video encoding's ``wrapper`` tokens, or None.
+
+        Raises:
+            ValueError: when one is not a single token of the tokenizer (naming the video field).
+        """
+        image = self.specs.get("image")
+        wrapper = getattr(image.video.encoding, "wrapper", None) if image is not None and image.video else None
+        if wrapper is None:
+            return None
+        ids = [self.tokenizer.convert_tokens_to_ids(t) for t in wrapper]
+        if any(i is None or i == self.tokenizer.unk_token_id for i in ids):
+            raise ValueError(f"{image.video.field}: the tower's videos need {list(wrapper)} as tokens of the tokenizer")
+        return int(ids[0]), int(ids[1])
+
+    def unwrap(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
+        """:func:`unwrap_videos` of a rendered sample for this processor's video placeholder and wrapper."""
+        video = self.placeholders().get("video")
+        return (ids, mask) if video is None else unwrap_videos(ids, mask, video[1], self.video_wrapper)
 
     def placeholders(self) -> dict[str, tuple[ModalitySpec, int, str]]:
         """Per kind of media a record holds (``"image"``, ``"audio"``, ``"video"``: the keys of
@@ -356,7 +403,7 @@ class MultimodalProcessor:
 
     def _process(self, sample: RawSample, prompt_only: bool) -> ProcessedSample:
         messages = list(sample.messages[:-1] if prompt_only else sample.messages)
-        ids, assistant = self._render(messages, prompt_only)
+        ids, assistant = self.unwrap(*self._render(messages, prompt_only))
         media = self._media(sample, ids)
         inputs: dict[str, list[dict[str, Any]]] = {s.encoder: [] for s in self.specs.values()}
         out_ids: list[int] = []
@@ -385,6 +432,16 @@ class MultimodalProcessor:
                     out_ids += [pid] * n
                     out_mask += [0] * n
                     out_item += [first + (what == "audio")] * n
+                cursors[kind] += 1
+                continue
+            if isinstance(entry, FramedVideo):  # text around the items (Qwen3-VL's timestamps)
+                first = len(items)
+                for item, n in entry.items:
+                    items.append((spec.encoder, n))
+                    inputs[spec.encoder].append(item)
+                out_ids += entry.ids
+                out_mask += [0] * len(entry.ids)
+                out_item += [first + k if k >= 0 else -1 for k in entry.local]
                 cursors[kind] += 1
                 continue
             for item, n in entry:  # a video: one item per frame (or temporal group)
@@ -426,16 +483,21 @@ class MultimodalProcessor:
         return {kind: [self._item(kind, spec, p) for p in sample.media.get(kind, ())]
                 for kind, (spec, _, _) in self.placeholders().items()}
 
-    def _item(self, kind: str, spec: ModalitySpec, path: str) -> list[tuple[dict[str, Any], int]] | Clip:
+    def _item(self, kind: str, spec: ModalitySpec, path: str
+              ) -> list[tuple[dict[str, Any], int]] | Clip | FramedVideo:
         if kind == "video":
-            frames, fps = load_sampled(path, spec.video)
+            video = load_sampled(path, spec.video)
             try:
-                items = spec.video.encoding.items(spec.hf_processor, frames)
-                timing = spec.video.encoding.timing(fps)  # Qwen2.5-VL: the video's M-RoPE time step
+                items = spec.video.encoding.items(spec.hf_processor, video.frames)
+                timing = spec.video.encoding.timing(video.fps)  # Qwen2.5-VL: the video's M-RoPE time step
             except ValueError as exc:  # the family's encoding refuses the frames
                 raise SampleError(f"video {path}: {exc}") from exc
             out = [(self._checked(spec, {**item, **timing}, path), self._count(spec, size, path))
                    for item, size in items]
+            if self.video_wrapper is not None:
+                return FramedVideo(out, *framed_video_ids(self.tokenizer, spec.video, spec.placeholder_id,
+                                                          video.indices, video.rate, [size for _, size in items],
+                                                          [n for _, n in out], path))
             return self._clip(spec, path, out) if spec.video.audio else out
         if kind == "image":
             item, size = process_image(spec.hf_processor, load_image(path))

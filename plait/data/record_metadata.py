@@ -8,7 +8,8 @@ come from the header (``wave`` for WAV, as the decoder reads it; ``soundfile.inf
 frame count, rate and frame size come from its container and stream headers
 (:func:`plait.data.video.read_video_header`: no frame is decoded), its sampled frames from
 :func:`plait.data.video.sample_indices`; its audio track, when the job takes it (``video.audio``), is decoded (the
-sample count after resampling is what the count needs). The result equals what
+sample count after resampling is what the count needs); a video whose encoding writes text around its items
+(Qwen3-VL's timestamps) has that text tokenized, from its sampled frame indices and frame rate. The result equals what
 :class:`~plait.data.processing.MultimodalProcessor` computes when it decodes the sample.
 """
 
@@ -25,7 +26,7 @@ from plait.data.chat_template import render_prompt, render_with_assistant_mask
 from plait.data.processing import (MultimodalProcessor, SampleMeta, check_clip_video, decode_reason,
                                    process_image)
 from plait.data.sources import MediaBytes, SampleError, path_note
-from plait.data.video import VideoHeader, load_audio_track, read_video_header
+from plait.data.video import VideoHeader, framed_video_ids, load_audio_track, read_video_header
 
 __all__ = ["Headers", "record_metadata"]
 
@@ -108,19 +109,26 @@ def _processed_image_size(spec: Any, size: tuple[int, int], memo: Headers) -> tu
     return memo.processed[key]
 
 
-def _item_tokens(kind: str, spec: Any, item: str | MediaBytes, memo: Headers,
-                 audio: Any = None) -> list[int | tuple[str, int]]:
+def _item_tokens(kind: str, spec: Any, item: str | MediaBytes, memo: Headers, processor: MultimodalProcessor
+                 ) -> list[int | tuple[str | None, int]]:
     """Placeholder tokens of each encoder item of one media item (one for an image or a clip, one per frame for a
     video with the default encoding), from its header; the checks of the decoding path. A video with its audio track
-    (``spec.video.audio``; ``audio``: the audio branch's spec) adds ``(audio branch, tokens)`` of the decoded track."""
+    (``spec.video.audio``) adds ``(audio branch, tokens)`` of the decoded track; a video whose encoding writes text
+    around its items adds ``(None, text tokens)``."""
+    audio = processor.specs.get("audio")
     if kind == "video":
         header = _video_header(item, memo)
-        frames = len(spec.video.frame_indices(header, item))
+        indices = spec.video.frame_indices(header, item)
         frame = _processed_image_size(spec, (header.width, header.height), memo)
         try:
-            sizes = spec.video.encoding.sizes(frames, frame)
+            sizes = spec.video.encoding.sizes(len(indices), frame)
         except ValueError as exc:  # the family's encoding refuses the frames
             raise SampleError(f"video {item}: {exc}") from exc
+        if processor.video_wrapper is not None:  # Qwen3-VL: timestamps and wrappers around the items
+            counts = _counts(spec, sizes, item)
+            ids, _ = framed_video_ids(processor.tokenizer, spec.video, spec.placeholder_id, indices,
+                                      float(header.rate), sizes, counts, item)
+            return [*counts, (None, len(ids) - sum(counts))]
         if spec.video.audio and audio is not None:  # the track decoded: its samples after resampling count
             check_clip_video(spec.video, len(sizes), spec.video.encoding.timing(1.0), item)
             key = item if isinstance(item, bytes) else str(item)
@@ -170,15 +178,15 @@ def _record_metadata(processor: MultimodalProcessor, raw: Any, prompt_only: bool
         ids, answer = render_with_assistant_mask(processor.tokenizer, messages)
         if not any(answer):
             raise SampleError("the chat template marked no assistant tokens (empty answer?)")
+    ids, answer = processor.unwrap(ids, answer)
     processor.check_placeholders(raw.media, ids)
-    audio = processor.specs.get("audio")
-    counts = {pid: [_item_tokens(kind, spec, it, memo, audio) for it in raw.media.get(kind, ())]
+    counts = {pid: [_item_tokens(kind, spec, it, memo, processor) for it in raw.media.get(kind, ())]
               for kind, (spec, pid, _) in processor.placeholders().items()}
     return _expanded_meta(processor, raw, ids, answer, counts)
 
 
 def _expanded_meta(processor: MultimodalProcessor, raw: Any, ids: list[int], answer: list[int],
-                   counts: dict[int, list[list[int | tuple[str, int]]]]) -> SampleMeta:
+                   counts: dict[int, list[list[int | tuple[str | None, int]]]]) -> SampleMeta:
     """Counts of the expanded sequence (each placeholder repeated by its encoder items' tokens; ``counts``: per
     placeholder id, per occurrence, the tokens of each encoder item), as the processor lays it out:
     ``target_tokens`` counts answer tokens at positions >= 1 (a label is the next token)."""
@@ -189,8 +197,11 @@ def _expanded_meta(processor: MultimodalProcessor, raw: Any, ids: list[int], ans
     first_answer = None
     for tok, is_answer in zip(ids, answer):
         if tok in encoder:
-            for count in counts[tok][seen[tok]]:  # (branch, n): a video's audio track, for the audio branch
+            for count in counts[tok][seen[tok]]:  # (branch, n): a video's audio track; (None, n): a video's text
                 name, n = count if isinstance(count, tuple) else (encoder[tok], count)
+                if name is None:
+                    length, text = length + n, text + n
+                    continue
                 items.append((name, n))
                 first_answer = 0 if first_answer is None and n else first_answer
                 length += n

@@ -23,14 +23,14 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
 from PIL import Image
 
 from plait.data.sources import SampleError, path_note
 
 __all__ = ["VideoHeader", "VideoEncoding", "VideoSpec", "read_video_header", "sample_indices",
-           "load_video", "load_sampled", "load_audio_track", "SEEK_GAP_S"]
+           "load_video", "load_sampled", "SampledVideo", "framed_video_ids", "load_audio_track", "SEEK_GAP_S"]
 
 
 ESTIMATE_SLACK_S = 1.0
@@ -72,6 +72,11 @@ class VideoEncoding(Protocol):
     ``second_per_grid_t`` and ``tokens_per_second``, :mod:`plait.data.mrope`); empty for per-frame images. ``sizes(frames, frame_size)``: the same sizes from the number of
     sampled frames and the size one processed frame has (``process_image``'s size), for the metadata pass, which
     decodes nothing. ``len(items(...)) == len(sizes(...))`` and the sizes are equal.
+
+    An encoding that writes text around its items (Qwen3-VL's timestamps) also has ``wrapper`` (the start and end
+    tokens that surround a video's placeholder in a record and that its text replaces) and ``text(placeholder,
+    indices, rate, sizes)``: the video's text from the sampled frame indices and the stream's frame rate, with
+    ``placeholder`` once per feature of each item (:func:`framed_video_ids`).
     """
 
     def items(self, hf_processor: Any, frames: Sequence[Image.Image]) -> list[tuple[dict[str, Any], Any]]: ...
@@ -213,17 +218,27 @@ def load_video(item: str | bytes, spec: VideoSpec) -> list[Image.Image]:
         SampleError: as :func:`read_video_header`, for too many frames, and when the frames cannot be decoded or the
             stream ends before a sampled frame (a truncated or corrupt file), naming the file.
     """
-    return load_sampled(item, spec)[0]
+    return load_sampled(item, spec).frames
 
 
-def load_sampled(item: str | bytes, spec: VideoSpec) -> tuple[list[Image.Image], float]:
-    """:func:`load_video`'s frames and the rate they were sampled at (frames per second of video,
-    :meth:`VideoSpec.sampled_fps`). Raises as :func:`load_video`."""
+class SampledVideo(NamedTuple):
+    """A video's sampled frames (RGB, in time order), the rate they were sampled at (frames per second of video,
+    :meth:`VideoSpec.sampled_fps`), their frame indices and the stream's own frame rate."""
+
+    frames: list[Image.Image]
+    fps: float
+    indices: list[int]
+    rate: float
+
+
+def load_sampled(item: str | bytes, spec: VideoSpec) -> SampledVideo:
+    """:func:`load_video`'s frames with their sampling (:class:`SampledVideo`). Raises as :func:`load_video`."""
     try:
         with _open(item) as container:
             header = _header(container, item)
             wanted = spec.frame_indices(header, item)
-            return _decode(container, wanted, header, item), spec.sampled_fps(header)
+            return SampledVideo(_decode(container, wanted, header, item), spec.sampled_fps(header), wanted,
+                                float(header.rate))
     except SampleError:
         raise
     except Exception as exc:  # av.error.* (InvalidDataError, ...) for corrupt streams
@@ -307,3 +322,29 @@ def load_audio_track(item: str | bytes, rate: int, field: str) -> Any:
     if samples.size == 0:
         raise SampleError(f"video {item}: its audio track has no samples ({field}.audio = true asks for it)")
     return samples
+
+
+def framed_video_ids(tokenizer: Any, spec: VideoSpec, image_id: int, indices: list[int], rate: float,
+                     sizes: list[Any], counts: list[int], item: Any) -> tuple[list[int], list[int]]:
+    """The token run of a video whose encoding writes text around its items (``spec.encoding.text``, Qwen3-VL's
+    timestamps), tokenized as one piece: ``(ids, local)``, ``ids`` with the branch's image placeholder ``image_id``
+    where the video placeholder stood (features replace those embeddings) and ``local`` the item of each token (its
+    index within the video, -1 on text). ``counts``: each item's feature count.
+
+    Raises:
+        SampleError: naming the video ``item`` when the text's runs of placeholders do not match ``counts``.
+    """
+    text = spec.encoding.text(spec.placeholder, list(indices), float(rate), list(sizes))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    local: list[int] = []
+    runs: list[int] = []  # placeholder tokens of each run
+    for k, tok in enumerate(ids):
+        on = tok == spec.placeholder_id
+        if on and (k == 0 or ids[k - 1] != tok):
+            runs.append(0)
+        if on:
+            runs[-1] += 1
+        local.append(len(runs) - 1 if on else -1)
+    if runs != list(counts):
+        raise SampleError(f"video {item}: its text gives placeholder runs {runs}, not the items' tokens {list(counts)}")
+    return [image_id if t == spec.placeholder_id else t for t in ids], local

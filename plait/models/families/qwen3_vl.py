@@ -23,22 +23,25 @@ stage (:attr:`Qwen3VLFamily.layer_refusal`).
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.vision_utils import (get_vision_attention_seqlens, get_vision_interpolation_indices_and_weights,
                                        get_vision_position_ids)
 
 from plait.models.families.base import (EncoderLayout, TextStackCausalLM, config_field, positive_field,
                                         register_causal_lm)
-from plait.models.families.qwen2_5_vl import Qwen25VLFamily, Qwen25VLFeatureCount, patch_values
+from plait.models.families.qwen2_5_vl import Qwen25VLFamily, Qwen25VLFeatureCount, TemporalPatches, patch_values
 
 __all__ = ["FAMILY", "MODEL_TYPES", "ENCODER_CLASS", "MAX_PIXELS", "Qwen3VLCall", "Qwen3VLTextForCausalLM",
-           "RefusedVideo", "deepstack_count", "qwen3_vl_dummy_input"]
+           "TimestampedPatches", "deepstack_count", "qwen3_vl_dummy_input"]
 
 MODEL_TYPES = {"qwen3_vl_vision": None, "qwen3_vl": "vision_config"}
 ENCODER_CLASS = "Qwen3VLVisionModel"
@@ -118,34 +121,76 @@ class Qwen3VLCall:
         raise ValueError(FAMILY.layer_refusal)
 
 
-class RefusedVideo:
-    """Qwen3-VL's video encoding in plait's data pipeline (``plait.data.video.VideoEncoding``): every video record is
-    refused, naming the file. Qwen3-VL writes each temporal patch of a video as its own run of tokens after a
-    timestamp (``<t seconds><|vision_start|>...<|vision_end|>``), which plait's video placeholder does not produce;
-    give such videos as their temporal patches' images."""
+@dataclass(frozen=True)
+class TimestampedPatches:
+    """Qwen3-VL's video encoding (``plait.data.video.VideoEncoding``): each temporal patch of ``temporal_patch_size``
+    sampled frames is ONE image item of grid ``(1, h, w)`` (the rows of Qwen2.5-VL's :class:`TemporalPatches` item,
+    patch by patch), written in the text as ``Qwen3VLProcessor.replace_video_token`` writes it: ``<t seconds>`` (the
+    mean time of the patch's first and last frame, one decimal, from the sampled frame indices and the video's own
+    frame rate: its ``_calculate_timestamps``) then ``<|vision_start|>``, the patch's ``h w / m^2`` tokens and
+    ``<|vision_end|>``; a record's ``<|vision_start|><|video_pad|><|vision_end|>`` becomes that run, as the processor
+    collapses the chat template's wrapper. Both are transformers' functions, called on a stand-in holding the values
+    they read (no copy of the rule). Each patch is positioned as an image (``timing`` is empty): Qwen3-VL's
+    ``get_rope_index`` positions a video's temporal patches so, with the timestamps as text between them.
 
-    REASON = ("Qwen3-VL video records need a timestamp and <|vision_start|> ... <|vision_end|> around each temporal "
-              "patch, which plait's video placeholder does not write; give videos as their temporal patches' images")
+    Frames go through the branch's image processor (``Qwen2VLImageProcessorPil``) like Qwen2.5-VL's video frames,
+    not through ``Qwen3VLVideoProcessor``, which needs torchvision: its whole-video pixel budget (``size``) does not
+    apply; ``[model.encoders.<name>.video]`` ``fps`` / ``max_frames`` choose the frames (:mod:`plait.data.video`).
 
-    def items(self, hf_processor: Any, frames: Any) -> list[Any]:
-        """Refused.
+    Attributes:
+        temporal_patch_size: the tower's ``T`` (frames per temporal patch).
+        merge_size: the tower's ``spatial_merge_size``.
+    """
+
+    temporal_patch_size: int
+    merge_size: int
+    wrapper: ClassVar[tuple[str, str]] = ("<|vision_start|>", "<|vision_end|>")
+    """The tokens around each temporal patch (Qwen3VLProcessor's ``vision_start_token`` / ``vision_end_token``)."""
+
+    def _check(self, frames: int) -> None:
+        if frames < self.temporal_patch_size:
+            raise ValueError(f"{frames} sampled frame(s) is shorter than one temporal patch of "
+                             f"{self.temporal_patch_size} frames (Qwen3-VL's video processor refuses it); give a "
+                             "longer video or raise the branch's video.fps")
+
+    def items(self, hf_processor: Any, frames: list[Any]) -> list[tuple[dict[str, Any], tuple[int, int, int]]]:
+        """``[(item, (1, h, w))]`` per temporal patch: its ``h w`` patch rows ``[h w, C T p p]`` and grid.
 
         Raises:
-            ValueError: always.
+            ValueError: for fewer frames than one temporal patch, or frames whose processed grids differ.
         """
-        raise ValueError(self.REASON)
+        self._check(len(frames))
+        (item, (t, h, w)), = TemporalPatches(self.temporal_patch_size).items(hf_processor, frames)
+        rows = item["pixel_values"].reshape(t, h * w, -1)
+        return [({"pixel_values": rows[g].clone(), "image_grid_thw": torch.tensor([1, h, w])}, (1, h, w)) for g in range(t)]
 
-    def sizes(self, frames: int, frame_size: Any) -> list[Any]:
-        """Refused.
+    def sizes(self, frames: int, frame_size: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        """``(1, h, w)`` per temporal patch from the frame count and one processed frame's size.
 
         Raises:
-            ValueError: always.
+            ValueError: as :meth:`items`.
         """
-        raise ValueError(self.REASON)
+        self._check(int(frames))
+        h, w = (int(d) for d in frame_size[-2:])
+        return [(1, h, w)] * -(-int(frames) // self.temporal_patch_size)
 
     def timing(self, fps: float) -> dict[str, float]:
-        """Nothing (never reached: :meth:`items` refuses first)."""
+        """Nothing: each temporal patch is positioned as an image."""
         return {}
+
+    def text(self, placeholder: str, indices: list[int], rate: float, sizes: list[tuple[int, int, int]]) -> str:
+        """The video's text as ``Qwen3VLProcessor.replace_video_token`` writes it, with ``placeholder`` as its video
+        token: per temporal patch ``<t seconds><|vision_start|>`` + ``placeholder`` x ``h w / m^2`` +
+        ``<|vision_end|>``, ``t`` from the sampled frame ``indices`` and the video's frame ``rate`` (frames per
+        second of the stream); ``sizes``: :meth:`sizes`."""
+        holder = SimpleNamespace(
+            video_processor=SimpleNamespace(merge_size=self.merge_size, temporal_patch_size=self.temporal_patch_size),
+            vision_start_token=self.wrapper[0], vision_end_token=self.wrapper[1], video_token=placeholder,
+            _calculate_timestamps=lambda *a: Qwen3VLProcessor._calculate_timestamps(None, *a))
+        _, h, w = sizes[0]
+        inputs = {"video_grid_thw": torch.tensor([[len(sizes), h, w]]),
+                  "video_metadata": [SimpleNamespace(fps=float(rate), frames_indices=list(indices))]}
+        return Qwen3VLProcessor.replace_video_token(holder, inputs, 0)
 
 
 @register_causal_lm
@@ -167,7 +212,7 @@ class Qwen3VLTextForCausalLM(TextStackCausalLM, Qwen3ForCausalLM):
 class Qwen3VLFamily(Qwen25VLFamily):
     """Qwen3-VL: every image's patches packed into one call, merged 2x2, with DeepStack features appended. As
     Qwen2.5-VL (:class:`~plait.models.families.qwen2_5_vl.Qwen25VLFamily`: processor, packing, input checks) but its
-    tower, call, feature count, dummy input, video refusal and architecture facts."""
+    tower, call, feature count, dummy input, video encoding and architecture facts."""
 
     name = "Qwen3-VL"
     model_types = MODEL_TYPES
@@ -189,9 +234,9 @@ class Qwen3VLFamily(Qwen25VLFamily):
     def dummy_input(self, config: Any, dtype: torch.dtype, device: torch.device | str | None) -> dict[str, Any]:
         return qwen3_vl_dummy_input(config, dtype, device)
 
-    def video_encoding(self, config: Any) -> "RefusedVideo":
-        """:class:`RefusedVideo`: each video record is refused (the job itself builds)."""
-        return RefusedVideo()
+    def video_encoding(self, config: Any) -> TimestampedPatches:
+        """:class:`TimestampedPatches`: a timestamp and one image item per temporal patch."""
+        return TimestampedPatches(int(config.temporal_patch_size), int(config.spatial_merge_size))
 
     def arch_fields(self, config: Any) -> dict[str, Any]:
         """A Conv3d patch embedding with bias over ``T x p x p``, LayerNorms, a plain GELU MLP, full attention per
