@@ -28,7 +28,7 @@ from PIL import Image
 from plait.data.chat_template import render_prompt, render_with_assistant_mask
 from plait.data.sources import RawSample, SampleError, path_note
 from plait.data.omni_positions import clip_runs
-from plait.data.video import VideoSpec, framed_video_ids, load_audio_track, load_sampled
+from plait.data.video import VideoSpec, framed_video_ids, load_audio_track, load_sampled, text_stretch
 
 __all__ = ["ModalitySpec", "SampleMeta", "ProcessedSample", "MultimodalProcessor", "PerFrame", "Clip", "load_audio",
            "load_image", "process_image", "decode_reason", "check_clip_video", "FramedVideo", "unwrap_videos"]
@@ -173,13 +173,13 @@ class Clip:
 
 @dataclass(frozen=True)
 class FramedVideo:
-    """A video whose encoding writes text around its items (``VideoSpec.encoding.text``): its items with their
-    tokens, and its whole token run (:func:`plait.data.video.framed_video_ids`: ``ids``, and ``local``, each token's
-    item within the video or -1 on text)."""
+    """A video whose encoding writes text around its items: its items with their tokens, that ``text``
+    (``VideoSpec.encoding.text``, tokenized with the text before it by :func:`plait.data.video.framed_video_ids`)
+    and the video, for errors."""
 
     items: list[tuple[dict[str, Any], int]]
-    ids: list[int]
-    local: list[int]
+    text: str
+    video: Any
 
 
 def unwrap_videos(ids: list[int], mask: list[int], placeholder_id: int,
@@ -321,6 +321,8 @@ class MultimodalProcessor:
             raise ValueError(f"{image.video.field}.audio = true but the model has no audio encoder for the videos' "
                              "audio tracks")
         self.video_wrapper = self._video_wrapper()
+        self.splitting = set(tokenizer.added_tokens_decoder) if self.video_wrapper is not None else set()
+        """Added tokens (a string is split at them before it is tokenized): where a video's text stretch starts."""
         ids = [pid for _, pid, _ in self.placeholders().values()]
         if len(set(ids)) != len(ids):
             raise ValueError(f"placeholders must be distinct tokens, got {list(self.placeholders())} -> {ids}")
@@ -435,13 +437,14 @@ class MultimodalProcessor:
                 cursors[kind] += 1
                 continue
             if isinstance(entry, FramedVideo):  # text around the items (Qwen3-VL's timestamps)
-                first = len(items)
+                first, start = len(items), text_stretch(out_ids, out_mask, out_item, self.splitting)
+                run, local = framed_video_ids(self.tokenizer, spec.video, spec.placeholder_id, entry.text,
+                                              [n for _, n in entry.items], entry.video, out_ids[start:])
                 for item, n in entry.items:
                     items.append((spec.encoder, n))
                     inputs[spec.encoder].append(item)
-                out_ids += entry.ids
-                out_mask += [0] * len(entry.ids)
-                out_item += [first + k if k >= 0 else -1 for k in entry.local]
+                out_ids[start:], out_mask[start:] = run, [0] * len(run)
+                out_item[start:] = [first + k if k >= 0 else -1 for k in local]
                 cursors[kind] += 1
                 continue
             for item, n in entry:  # a video: one item per frame (or temporal group)
@@ -495,9 +498,9 @@ class MultimodalProcessor:
             out = [(self._checked(spec, {**item, **timing}, path), self._count(spec, size, path))
                    for item, size in items]
             if self.video_wrapper is not None:
-                return FramedVideo(out, *framed_video_ids(self.tokenizer, spec.video, spec.placeholder_id,
-                                                          video.indices, video.rate, [size for _, size in items],
-                                                          [n for _, n in out], path))
+                sizes = [size for _, size in items]
+                return FramedVideo(out, spec.video.encoding.text(spec.video.placeholder, video.indices, video.rate,
+                                                                 sizes), path)
             return self._clip(spec, path, out) if spec.video.audio else out
         if kind == "image":
             item, size = process_image(spec.hf_processor, load_image(path))

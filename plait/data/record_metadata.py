@@ -110,11 +110,11 @@ def _processed_image_size(spec: Any, size: tuple[int, int], memo: Headers) -> tu
 
 
 def _item_tokens(kind: str, spec: Any, item: str | MediaBytes, memo: Headers, processor: MultimodalProcessor
-                 ) -> list[int | tuple[str | None, int]]:
+                 ) -> list[Any]:
     """Placeholder tokens of each encoder item of one media item (one for an image or a clip, one per frame for a
     video with the default encoding), from its header; the checks of the decoding path. A video with its audio track
     (``spec.video.audio``) adds ``(audio branch, tokens)`` of the decoded track; a video whose encoding writes text
-    around its items adds ``(None, text tokens)``."""
+    around its items adds ``(None, (text, video))``, the text tokenized in context by :func:`_expanded_meta`."""
     audio = processor.specs.get("audio")
     if kind == "video":
         header = _video_header(item, memo)
@@ -125,10 +125,8 @@ def _item_tokens(kind: str, spec: Any, item: str | MediaBytes, memo: Headers, pr
         except ValueError as exc:  # the family's encoding refuses the frames
             raise SampleError(f"video {item}: {exc}") from exc
         if processor.video_wrapper is not None:  # Qwen3-VL: timestamps and wrappers around the items
-            counts = _counts(spec, sizes, item)
-            ids, _ = framed_video_ids(processor.tokenizer, spec.video, spec.placeholder_id, indices,
-                                      float(header.rate), sizes, counts, item)
-            return [*counts, (None, len(ids) - sum(counts))]
+            text = spec.video.encoding.text(spec.video.placeholder, indices, float(header.rate), sizes)
+            return [*_counts(spec, sizes, item), (None, (text, item))]
         if spec.video.audio and audio is not None:  # the track decoded: its samples after resampling count
             check_clip_video(spec.video, len(sizes), spec.video.encoding.timing(1.0), item)
             key = item if isinstance(item, bytes) else str(item)
@@ -186,27 +184,40 @@ def _record_metadata(processor: MultimodalProcessor, raw: Any, prompt_only: bool
 
 
 def _expanded_meta(processor: MultimodalProcessor, raw: Any, ids: list[int], answer: list[int],
-                   counts: dict[int, list[list[int | tuple[str | None, int]]]]) -> SampleMeta:
+                   counts: dict[int, list[list[Any]]]) -> SampleMeta:
     """Counts of the expanded sequence (each placeholder repeated by its encoder items' tokens; ``counts``: per
-    placeholder id, per occurrence, the tokens of each encoder item), as the processor lays it out:
-    ``target_tokens`` counts answer tokens at positions >= 1 (a label is the next token)."""
+    placeholder id, per occurrence, the tokens of each encoder item, and a video's ``(None, (text, video))``: its
+    text tokenized with the text stretch before it, :func:`plait.data.video.framed_video_ids`), as the processor
+    lays it out: ``target_tokens`` counts answer tokens at positions >= 1 (a label is the next token)."""
     encoder = {pid: spec.encoder for spec, pid, _ in processor.placeholders().values()}
     seen = dict.fromkeys(encoder, 0)
     items: list[tuple[str, int]] = []
     length = text = targets = 0
     first_answer = None
+    stretch: list[int] = []  # text tokens since the last added or answer token (processing.text_stretch)
     for tok, is_answer in zip(ids, answer):
         if tok in encoder:
-            for count in counts[tok][seen[tok]]:  # (branch, n): a video's audio track; (None, n): a video's text
+            entry = counts[tok][seen[tok]]
+            for count in entry:  # (branch, n): a video's audio track; (None, (text, video)): a video's text
                 name, n = count if isinstance(count, tuple) else (encoder[tok], count)
-                if name is None:
-                    length, text = length + n, text + n
+                if name is None:  # the run replaces the stretch before it
+                    sizes = [c for c in entry if not isinstance(c, tuple)]
+                    image = processor.specs["image"]
+                    run, _ = framed_video_ids(processor.tokenizer, image.video, image.placeholder_id, n[0], sizes,
+                                              n[1], stretch)
+                    extra = len(run) - len(stretch) - sum(sizes)
+                    length, text = length + extra, text + extra
                     continue
                 items.append((name, n))
                 first_answer = 0 if first_answer is None and n else first_answer
                 length += n
             seen[tok] += 1
+            stretch = []
             continue
+        if tok in processor.splitting or is_answer:
+            stretch = []
+        else:
+            stretch.append(tok)
         first_answer = int(is_answer) if first_answer is None else first_answer
         length, text, targets = length + 1, text + 1, targets + int(is_answer)
     if length > processor.max_length:

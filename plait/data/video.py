@@ -30,7 +30,7 @@ from PIL import Image
 from plait.data.sources import SampleError, path_note
 
 __all__ = ["VideoHeader", "VideoEncoding", "VideoSpec", "read_video_header", "sample_indices",
-           "load_video", "load_sampled", "SampledVideo", "framed_video_ids", "load_audio_track", "SEEK_GAP_S"]
+           "load_video", "load_sampled", "SampledVideo", "framed_video_ids", "text_stretch", "load_audio_track", "SEEK_GAP_S"]
 
 
 ESTIMATE_SLACK_S = 1.0
@@ -324,18 +324,24 @@ def load_audio_track(item: str | bytes, rate: int, field: str) -> Any:
     return samples
 
 
-def framed_video_ids(tokenizer: Any, spec: VideoSpec, image_id: int, indices: list[int], rate: float,
-                     sizes: list[Any], counts: list[int], item: Any) -> tuple[list[int], list[int]]:
-    """The token run of a video whose encoding writes text around its items (``spec.encoding.text``, Qwen3-VL's
-    timestamps), tokenized as one piece: ``(ids, local)``, ``ids`` with the branch's image placeholder ``image_id``
-    where the video placeholder stood (features replace those embeddings) and ``local`` the item of each token (its
-    index within the video, -1 on text). ``counts``: each item's feature count.
+def framed_video_ids(tokenizer: Any, spec: VideoSpec, image_id: int, text: str, counts: list[int], item: Any,
+                     before: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+    """The token run of a video whose encoding writes ``text`` around its items (``spec.encoding.text``, Qwen3-VL's
+    timestamps): ``(ids, local)``, ``ids`` with the branch's image placeholder ``image_id`` where the video
+    placeholder stood (features replace those embeddings) and ``local`` the item of each token (its index within the
+    video, -1 on text). ``counts``: each item's feature count. ``before``: the text tokens right before the video
+    (back to the last added token: :func:`text_stretch`), tokenized again with the text as one piece, as the
+    processor's string is (a space before the timestamp may join its ``<``); ``ids`` replaces them (tokens that do
+    not decode and encode back to themselves stay as they are, at its start).
 
     Raises:
         SampleError: naming the video ``item`` when the text's runs of placeholders do not match ``counts``.
     """
-    text = spec.encoding.text(spec.placeholder, list(indices), float(rate), list(sizes))
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    prefix = tokenizer.decode(list(before), clean_up_tokenization_spaces=False) if before else ""
+    if tokenizer.encode(prefix, add_special_tokens=False) == list(before):
+        ids = tokenizer.encode(prefix + text, add_special_tokens=False)
+    else:  # not the tokens of their own text: kept, the text tokenized alone
+        ids = list(before) + tokenizer.encode(text, add_special_tokens=False)
     local: list[int] = []
     runs: list[int] = []  # placeholder tokens of each run
     for k, tok in enumerate(ids):
@@ -348,3 +354,13 @@ def framed_video_ids(tokenizer: Any, spec: VideoSpec, image_id: int, indices: li
     if runs != list(counts):
         raise SampleError(f"video {item}: its text gives placeholder runs {runs}, not the items' tokens {list(counts)}")
     return [image_id if t == spec.placeholder_id else t for t in ids], local
+
+
+def text_stretch(ids: Sequence[int], mask: Sequence[int], items: Sequence[int], splitting: set[int]) -> int:
+    """Where the trailing stretch of ``ids`` that a tokenizer reads as one piece of text starts: after the last token
+    in ``splitting`` (added tokens, which split a string before it is tokenized), answer token (``mask``) or media
+    token (``items`` >= 0)."""
+    k = len(ids)
+    while k > 0 and ids[k - 1] not in splitting and not mask[k - 1] and items[k - 1] < 0:
+        k -= 1
+    return k

@@ -76,10 +76,7 @@ def _hf_inputs(src, record: dict) -> dict:
     processor, laid out by ``Qwen3VLVideoProcessor.patchify`` (its own video processor needs torchvision)."""
     tok = T.AutoTokenizer.from_pretrained(str(src))
     images = T.Qwen2VLImageProcessorPil.from_pretrained(str(src))
-    proc = object.__new__(Qwen3VLProcessor)  # its __init__ builds the video processor, which needs torchvision
-    proc.__dict__.update(image_processor=images, tokenizer=tok, video_processor=SimpleNamespace(
-        merge_size=2, temporal_patch_size=2), image_token="<|image_pad|>", video_token="<|video_pad|>",
-        vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>")
+    proc = _hf_processor(tok, images)
     text = tok.apply_chat_template(record["messages"][:1], tokenize=False, add_generation_prompt=True)
     indices = [0, 2, 4]
     frames = [_frames(record["videos"][0])[i] for i in indices]
@@ -101,6 +98,16 @@ def _hf_inputs(src, record: dict) -> dict:
     image_id, video_id = tok.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>"])
     types = (ids == image_id).int() + 2 * (ids == video_id).int()
     return out | {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": types}
+
+
+def _hf_processor(tok, images) -> Qwen3VLProcessor:
+    """``Qwen3VLProcessor`` with its tokenizer and image processor; its video processor (which needs torchvision)
+    stands in with the two values ``replace_video_token`` reads."""
+    proc = object.__new__(Qwen3VLProcessor)  # its __init__ builds the video processor
+    proc.__dict__.update(image_processor=images, tokenizer=tok, video_processor=SimpleNamespace(
+        merge_size=2, temporal_patch_size=2), image_token="<|image_pad|>", video_token="<|video_pad|>",
+        vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>")
+    return proc
 
 
 def _unpatched(rows: torch.Tensor, h: int, w: int) -> torch.Tensor:
@@ -174,3 +181,58 @@ def test_a_train_step_runs_and_bad_videos_are_named_and_skipped(job):
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if n in before)
     with pytest.raises(SampleError, match=rf"^record 'short' \({data}:3\): video {short}: 1 sampled frame"):
         Trainer.build(load_config(job.job, _overrides(job.tmp / "raise-run", data, "--data.on_error=raise")))
+
+
+def _merging_tokenizer() -> T.PreTrainedTokenizerFast:
+    """A byte-level BPE trained here whose merges join a space and ``<`` (``Ġ<``, as Qwen's vocabulary does), with
+    Qwen's vision tokens and a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>"])
+    bpe.train_from_iterator(["Look, then <0.2 seconds> what happens <1.0 seconds> user assistant it fades"] * 20,
+                            trainer)
+    tok = T.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                                                          "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]})
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tok
+
+
+def test_the_text_before_a_video_joins_its_first_timestamp_as_in_the_processors_string(tmp_path):
+    """``Look, then <|vision_start|><|video_pad|><|vision_end|>``: the processor's string reads ``then <0.2
+    seconds>`` and a tokenizer that merges `` <`` writes one token for the space and ``<``; plait tokenizes the text
+    before the video again with the timestamp (processing and the metadata pass alike)."""
+    from plait.data.processing import ModalitySpec, MultimodalProcessor
+    from plait.data.sources import RawSample
+    from plait.data.video import VideoSpec
+    from plait.models.families.qwen3_vl import TimestampedPatches
+    from plait.models.families.qwen2_5_vl import Qwen25VLFeatureCount
+
+    tok = _merging_tokenizer()
+    assert tok.encode("then <0.2") != tok.encode("then ") + tok.encode("<0.2")  # the case this test is about
+    images = T.Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=64,
+                                        max_pixels=4096)
+    image_id, video_id = tok.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>"])
+    video = VideoSpec("<|video_pad|>", video_id, 2.0, 8, "model.encoders.vision.video", TimestampedPatches(2, 2))
+    spec = ModalitySpec("vision", "image", "<|image_pad|>", image_id, images, Qwen25VLFeatureCount(2, 4096),
+                        video=video)
+    processor = MultimodalProcessor(tok, [spec], 512)
+    clip = str(write_video(tmp_path / "clip.mp4", FRAMES, rate=RATE))
+    messages = ({"role": "user", "content": f"Look, then {VIDEO_PAD}what happens?"},
+                {"role": "assistant", "content": "it fades"})
+    raw = RawSample("look", "t", messages, {"video": (clip,)}, "look.jsonl:1")
+    sample = processor(raw)
+    assert record_metadata(processor, raw) == sample.meta
+    text = tok.apply_chat_template(list(messages), tokenize=False)
+    meta = SimpleNamespace(fps=float(RATE), frames_indices=[0, 2, 4])
+    run = _hf_processor(tok, images).replace_video_token({"video_grid_thw": torch.tensor([[2, 6, 8]]),
+                                                         "video_metadata": [meta]}, 0)
+    hf_text, _ = _hf_processor(tok, images).get_text_with_replacements([text], [], [run])
+    want = torch.tensor(tok(hf_text[0], add_special_tokens=False)["input_ids"])
+    assert sample.input_ids.tolist() == torch.where(want == video_id, image_id, want).tolist()
+    assert "Ġ<" in tok.convert_ids_to_tokens(sample.input_ids.tolist())
