@@ -30,7 +30,8 @@ from PIL import Image
 from plait.data.sources import SampleError, path_note
 
 __all__ = ["VideoHeader", "VideoEncoding", "VideoSpec", "read_video_header", "sample_indices",
-           "load_video", "load_sampled", "SampledVideo", "framed_video_ids", "text_stretch", "load_audio_track", "SEEK_GAP_S"]
+           "load_video", "load_sampled", "SampledVideo", "framed_video_ids", "text_stretch", "load_audio_track",
+           "SEEK_GAP_S"]
 
 
 ESTIMATE_SLACK_S = 1.0

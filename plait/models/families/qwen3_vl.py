@@ -162,7 +162,8 @@ class TimestampedPatches:
         self._check(len(frames))
         (item, (t, h, w)), = TemporalPatches(self.temporal_patch_size).items(hf_processor, frames)
         rows = item["pixel_values"].reshape(t, h * w, -1)
-        return [({"pixel_values": rows[g].clone(), "image_grid_thw": torch.tensor([1, h, w])}, (1, h, w)) for g in range(t)]
+        return [({"pixel_values": rows[g].clone(), "image_grid_thw": torch.tensor([1, h, w])}, (1, h, w))
+                for g in range(t)]
 
     def sizes(self, frames: int, frame_size: tuple[int, ...]) -> list[tuple[int, int, int]]:
         """``(1, h, w)`` per temporal patch from the frame count and one processed frame's size.

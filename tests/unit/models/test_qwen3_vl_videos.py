@@ -1,10 +1,12 @@
 """Qwen3-VL video records through plait's data path (``plait.models.families.qwen3_vl.TimestampedPatches``): a record
-with a video, and one with an image and a video, read by the loader of an imported tiny ``Qwen3VLForConditionalGeneration``
-give the token ids ``Qwen3VLProcessor`` writes (a ``<t seconds>`` timestamp and ``<|vision_start|> ...
-<|vision_end|>`` per temporal patch, the record's wrapper collapsed), the metadata pass's counts, and logits equal
-to transformers' model fed the processor's inputs for the same frames (fp32, 1e-5; its own M-RoPE positions); greedy
-tokens equal its ``generate``; a train step runs; a video shorter than one temporal patch and an unreadable one are
-refused naming record, file and line, and ``data.on_error = "skip"`` counts them."""
+with a video, and one with an image and a video, read by the loader of an imported tiny
+``Qwen3VLForConditionalGeneration`` give the token ids ``Qwen3VLProcessor`` writes (a ``<t seconds>`` timestamp and
+``<|vision_start|> ... <|vision_end|>`` per temporal patch, the record's wrapper collapsed), the metadata pass's
+counts, and logits equal to transformers' model fed the processor's inputs for the same frames (fp32, 1e-5; its own
+M-RoPE positions); greedy tokens equal its ``generate``; a train step runs; a video shorter than one temporal patch
+and an unreadable one are refused naming record, file and line, and ``data.on_error = "skip"`` counts them; with a
+vocabulary that merges `` <``, the text before a video is tokenized with its first timestamp, as the processor's
+string is."""
 
 from __future__ import annotations
 
