@@ -21,6 +21,7 @@ from typing import Any
 
 from plait.config.schema import EncoderConfig
 from plait.data.chat_template import missing_pretrained
+from plait.models.hf import NoPipelineLayout
 from plait.models.families import family_of, tower_config
 from plait.models.families.base import EncoderFamily
 from plait.models.multimodal import PLAIT_CONFIG
@@ -307,9 +308,13 @@ def job_units(cfg: Any, configs: dict[str, Any], frozen: dict[str, bool]) -> tup
         cfg: the ``JobConfig``; configs, frozen: its parts as ``model_parts`` reads them.
 
     Returns:
-        ``(units, MODEL_UNITS)``; for a model plait cannot build (an encoder or LLM family without a pipeline
-        layout) ``(arch.units_from_configs(configs, frozen), reason)``: analytic names such as
-        ``llm.layers.2``, which no job can use as ``parallel.pp.splits``.
+        ``(units, MODEL_UNITS)``; for a model plait cannot cut into units (an encoder or LLM family without a
+        pipeline layout: ``NoPipelineLayout``) ``(arch.units_from_configs(configs, frozen), reason)``: analytic
+        names such as ``llm.layers.2``, which no job can use as ``parallel.pp.splits``.
+
+    Raises:
+        ValueError: for a model table the trainer would refuse (an unknown config field, a bad value), named as
+            ``build_model`` names it: checked before anything is planned.
     """
     llm = configs["llm"]
     stand_in = _StandInTokenizer(int(getattr(llm, "vocab_size", 0) or 1),
@@ -317,5 +322,5 @@ def job_units(cfg: Any, configs: dict[str, Any], frozen: dict[str, bool]) -> tup
     try:
         model = build_model(cfg.model, stand_in, device="meta")
         return model_units(model), MODEL_UNITS
-    except ValueError as exc:
+    except NoPipelineLayout as exc:
         return units_from_configs(configs, frozen), f"plait cannot build this model ({exc})"

@@ -126,3 +126,13 @@ def test_the_printed_command_replaces_the_jobs_own_ep():
     args = shlex.split(command)
     printed = load_config(args[args.index("--config") + 1], args[args.index("--config") + 2:])
     assert choice.ep == 1 and printed.parallel.ep == 1 and "--parallel.ep=1" in command
+
+
+def test_a_bad_model_field_stops_the_plan_before_anything_is_planned():
+    """The job's model table is checked as the trainer checks it (built on the meta device) before the search: an
+    unknown field of the MoE LLM's config is the error, and no plan is printed ahead of it."""
+    bad = OVERRIDES[0].replace("num_experts = 64", "num_experts = 64, num_expert = 8")
+    out = io.StringIO()
+    with pytest.raises(ValueError, match=r"model\.llm\.config: qwen3_moe config has no field\(s\) \['num_expert'\]"):
+        plan_command(DEMO, 8, None, device=TIGHT, out=out, profile_store=None, overrides=[bad, *OVERRIDES[1:]])
+    assert "iteration" not in out.getvalue() and "stage rank" not in out.getvalue()
