@@ -151,8 +151,8 @@ def read_video_header(item: str | bytes) -> VideoHeader:
     container and stream headers; no frame is decoded.
 
     Raises:
-        SampleError: when the file is missing, not a readable container, has no video stream, or has no frames
-            (zero length), naming the file.
+        SampleError: when the file is missing, not a readable container, a still image (an image file named as a
+            video: FFmpeg's image readers), has no video stream, or has no frames (zero length), naming the file.
     """
     try:
         with _open(item) as container:
@@ -164,6 +164,12 @@ def read_video_header(item: str | bytes) -> VideoHeader:
 
 
 def _header(container: Any, item: Any) -> VideoHeader:
+    """The header of an open container, refusing what is no video (module docstring of :func:`read_video_header`)."""
+    fmt = container.format
+    if fmt.name in ("image2", "image2pipe") or fmt.name.endswith("_pipe"):  # FFmpeg's still-image readers
+        raise SampleError(f"video {item} is not a video container or stream plait can decode: FFmpeg reads it as a "
+                          f"still image ({fmt.long_name or fmt.name}); give an image as an image, a video as a video "
+                          "file (MP4, MKV, WebM, ...)")
     if not container.streams.video:
         raise SampleError(f"video {item} has no video stream: zero length, or not a video (an empty or audio-only "
                           "container)")
