@@ -468,5 +468,6 @@ def inference_processor(root: Path, model: MultimodalModel, tokenizer: Any) -> M
     processor = build_processor(ModelConfig(pretrained=str(root)), model, tokenizer, int(limit))
     for modality, spec in processor.specs.items():  # no job table sets them: errors say what to give instead
         if spec.video is not None:
-            processor.specs[modality] = dataclasses.replace(spec, video=dataclasses.replace(spec.video, saved=str(root)))
+            video = dataclasses.replace(spec.video, saved=str(root))
+            processor.specs[modality] = dataclasses.replace(spec, video=video)
     return processor
