@@ -136,3 +136,24 @@ def test_a_bad_model_field_stops_the_plan_before_anything_is_planned():
     with pytest.raises(ValueError, match=r"model\.llm\.config: qwen3_moe config has no field\(s\) \['num_expert'\]"):
         plan_command(DEMO, 8, None, device=TIGHT, out=out, profile_store=None, overrides=[bad, *OVERRIDES[1:]])
     assert "iteration" not in out.getvalue() and "stage rank" not in out.getvalue()
+
+
+def test_tp_is_not_offered_for_a_family_whose_tp_plan_the_runtime_refuses(tmp_path):
+    """Qwen3-MoE's shipped plan gives its q/k norms a style plait's TP does not apply (the runtime refuses it at
+    launch): the plan inputs say so, the search offers no TP degree above 1, and a job's own ``parallel.tp = 2`` is
+    refused before planning. A Llama LLM (the demo's) keeps TP in the search."""
+    from plait.models.hf import TP_STYLES
+    from plait.parallel.tensor_parallel import STYLES
+
+    assert STYLES == TP_STYLES  # the runtime's rule is the planner's
+    out = io.StringIO()
+    setup = plan_setup(DEMO, 8, overrides=OVERRIDES, device=TIGHT, stream=out)
+    assert "self_attn.q_norm has tensor-parallel style 'replicated_with_grad_allreduce'" in setup.inputs.tp_refusal
+    assert setup.space.tp_degrees == (1,) and "tensor parallelism not searched: model.llm:" in out.getvalue()
+    choice = plan_command(DEMO, 8, None, device=TIGHT, out=io.StringIO(), profile_store=None, overrides=OVERRIDES)
+    assert choice.tp == 1
+    with pytest.raises(ValueError, match=r"parallel.tp = 2: plait's tensor parallelism refuses this model"):
+        plan_command(DEMO, 8, None, device=TIGHT, out=io.StringIO(), profile_store=None,
+                     overrides=[*OVERRIDES, "--parallel.tp=2"])
+    dense = plan_setup(DEMO, 8, device=TIGHT)
+    assert dense.inputs.tp_refusal == "" and dense.space.tp_degrees is None
