@@ -31,6 +31,7 @@ def test_moe_job_gets_expert_parallelism_and_the_tables_load(tmp_path):
                           overrides=OVERRIDES)
     text = out.getvalue()
     assert choice.ep > 1 and choice.fits_memory and choice.offload != "cpu"
+    assert choice.tp == 1 and "tensor parallelism not searched: model.llm:" in text  # Qwen3-MoE: TP refused
     assert choice.dp % choice.ep == 0 and max(choice.stage_memory_bytes) <= choice.memory_cap
     snippet = text[text.index("to run this plan, put these tables in the job file:\n"):].split("\n", 1)[1]
     snippet = snippet[:snippet.index("or run it as printed")]
@@ -150,8 +151,6 @@ def test_tp_is_not_offered_for_a_family_whose_tp_plan_the_runtime_refuses(tmp_pa
     setup = plan_setup(DEMO, 8, overrides=OVERRIDES, device=TIGHT, stream=out)
     assert "self_attn.q_norm has tensor-parallel style 'replicated_with_grad_allreduce'" in setup.inputs.tp_refusal
     assert setup.space.tp_degrees == (1,) and "tensor parallelism not searched: model.llm:" in out.getvalue()
-    choice = plan_command(DEMO, 8, None, device=TIGHT, out=io.StringIO(), profile_store=None, overrides=OVERRIDES)
-    assert choice.tp == 1
     with pytest.raises(ValueError, match=r"parallel.tp = 2: plait's tensor parallelism refuses this model"):
         plan_command(DEMO, 8, None, device=TIGHT, out=io.StringIO(), profile_store=None,
                      overrides=[*OVERRIDES, "--parallel.tp=2"])
