@@ -210,7 +210,7 @@ def test_shard_groups_map_the_plans_to_workers():
     mbs = [p.microbatches for p in inst.pipelines]
     assert inst.describe(2).startswith(f"2 pipelines: 3 shard groups ({inst.pipelines[0].template.plan.num_stages} "
                                        f"stages) x {2 * mbs[0]} mb ({mbs[0]} per shard row of 2 workers), ")
-    assert inst.describe().startswith(f"2 pipelines: 3 ranks (") and f"x {mbs[0]} mb, " in inst.describe()
+    assert inst.describe().startswith("2 pipelines: 3 ranks (") and f"x {mbs[0]} mb, " in inst.describe()
     summary = rec.summary(2)
     assert summary.startswith("shard groups [1, 5] failed; ") and "pipelines now " in summary
     assert " ranks" not in summary and "shrinks 3 -> 2 shard groups" in summary
