@@ -132,8 +132,8 @@ def _check_sharding(dp_shard: int, nproc: int, nnodes: int, rejoins: Sequence[tu
     if dp_shard <= 1:
         return
     if nproc % dp_shard:
-        raise ValueError(f"parallel.dp_shard = {dp_shard} must divide the {nproc} workers: every pipeline's plan rank "
-                         "runs on a shard group of dp_shard workers")
+        raise ValueError(f"parallel.dp_shard = {dp_shard} must divide the {nproc} workers: the plan's pipelines are "
+                         "made of shard groups of dp_shard workers")
     if rejoins or nnodes > 1:
         flag = "--rejoin" if rejoins else "--nnodes above 1"
         raise ValueError(f"{flag} with parallel.dp_shard = {dp_shard}: when a worker of a shard group fails its "
@@ -220,7 +220,7 @@ def launch_plan(cfg, nproc: int, failures: int, pipelines: Sequence[int] = (), t
             raise ValueError(f"--pipelines {list(pipelines)} use {sum(pipelines)} workers, the job has {nproc}")
         if any(n % d for n in pipelines):
             raise ValueError(f"--pipelines {list(pipelines)}: with parallel.dp_shard = {d} every pipeline's size must "
-                             f"be a multiple of {d} (each plan rank runs on {d} workers)")
+                             f"be a multiple of {d} (a pipeline is made of shard groups of {d} workers)")
         groups = [n // d for n in pipelines]
         starts = [sum(groups[:i]) for i in range(len(groups))]
         inst = instantiate(templates, [list(range(s, s + n)) for s, n in zip(starts, groups)])
@@ -234,9 +234,9 @@ def launch_plan(cfg, nproc: int, failures: int, pipelines: Sequence[int] = (), t
         inst = plan_instantiation(templates, domains=domains)
     spares = inst.spares()
     if spares:  # the planner keeps them as spares; the workers cannot run a rank without a stage yet
-        n, used = spares[0]
-        raise ValueError(f"a pipeline of {n} workers: the fastest plan for {spec.name} runs on {used} of them and "
-                         "plait launch cannot leave a worker idle as a spare; give smaller pipelines with "
+        n, used = spares[0]  # shard groups of d workers
+        raise ValueError(f"a pipeline of {n * d} workers: the fastest plan for {spec.name} runs on {used * d} of them "
+                         "and plait launch cannot leave a worker idle as a spare; give smaller pipelines with "
                          "--pipelines, fewer workers with --nproc, or plan for another --device")
     return LaunchPlan(templates, inst, timeout_s, tuple(kills), tuple(rejoins), nodes, tuple(stops),
                       tuple(node_kills))
@@ -420,8 +420,8 @@ def launch_command(config: str | Path, nproc: int, failures: int, overrides: Seq
         (out / "launch.json").write_text(text)
         nodes = f" on {node.nnodes} nodes of {nproc}" if node.nnodes > 1 else ""
         d = plan.templates.dp_shard
-        shards = f", each plan rank on a shard group of {d} workers (FSDP2; the ranks below are groups)" if d > 1 else ""
-        print(f"plait launch: {world} workers{nodes}, f = {failures}{shards}: {plan.instantiation.describe()}",
+        shards = f" in shard groups of {d} workers (FSDP2)" if d > 1 else ""
+        print(f"plait launch: {world} workers{nodes}{shards}, f = {failures}: {plan.instantiation.describe(d)}",
               flush=True)
         store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=60))

@@ -527,7 +527,7 @@ class MultimodalProcessor:
         """
         check_clip_video(spec.video, len(video), video[0][0] if video else {}, path)
         audio_spec = self.specs["audio"]
-        data = load_audio_track(path, int(audio_spec.hf_processor.sampling_rate), spec.video.field)
+        data = load_audio_track(path, int(audio_spec.hf_processor.sampling_rate), spec.video)
         audio = self._audio_item(audio_spec, data, path)
         (item, n_video), = video
         item = {**item, "audio_track": True}

@@ -131,7 +131,7 @@ def _item_tokens(kind: str, spec: Any, item: str | MediaBytes, memo: Headers, pr
             check_clip_video(spec.video, len(sizes), spec.video.encoding.timing(1.0), item)
             key = item if isinstance(item, bytes) else str(item)
             if key not in memo.tracks:
-                memo.tracks[key] = len(load_audio_track(item, int(audio.hf_processor.sampling_rate), spec.video.field))
+                memo.tracks[key] = len(load_audio_track(item, int(audio.hf_processor.sampling_rate), spec.video))
             return [*_counts(spec, sizes, item), (audio.encoder, *_counts(audio, [memo.tracks[key]], item))]
     elif kind == "image":
         sizes = [_processed_image_size(spec, _image_size(item, memo), memo)]

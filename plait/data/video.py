@@ -101,6 +101,8 @@ class VideoSpec:
         encoding: the branch's :class:`VideoEncoding` (``plait.data.processing.PerFrame``: an item per frame).
         audio: the video's audio track goes in with its frames to the audio branch (:func:`load_audio_track`; the
             clip's tokens interleave by the encoding's ``seconds_per_chunk``, :mod:`plait.data.omni_positions`).
+        saved: the trained model folder these settings were saved with, when no job table sets them (``plait
+            generate``): errors then say what to give instead of which field to set; empty for a job's table.
 
     Raises:
         ValueError: for a negative ``fps`` or ``max_frames`` below 1 (naming the field).
@@ -113,6 +115,7 @@ class VideoSpec:
     field: str
     encoding: VideoEncoding
     audio: bool = False
+    saved: str = ""
 
     def __post_init__(self) -> None:
         if not self.fps >= 0:
@@ -123,6 +126,14 @@ class VideoSpec:
     def frame_indices(self, header: VideoHeader, item: Any) -> list[int]:
         """:func:`sample_indices` of this spec's ``fps`` / ``max_frames`` for a video (``item`` names it)."""
         return sample_indices(header, self.fps, self.max_frames, f"video {item}", self.field)
+
+    def wants_track(self) -> tuple[str, str]:
+        """Why a video's audio track is read (``audio``) and what to do about a video without one, for errors: the
+        job's field and its setting, or (:attr:`saved`) the trained model's own and what to give instead."""
+        if self.saved:
+            return (f"the model {self.saved} takes each video with its audio track (its saved video settings: "
+                    "audio = true)", "give a video with sound, or its frames as images")
+        return f"{self.field}.audio = true asks for it", "give a video with sound, or set it to false"
 
     def sampled_fps(self, header: VideoHeader) -> float:
         """Frames per second of video that :meth:`frame_indices` gives: ``fps``, or the video's own rate when every
@@ -146,8 +157,8 @@ def read_video_header(item: str | bytes) -> VideoHeader:
     container and stream headers; no frame is decoded.
 
     Raises:
-        SampleError: when the file is missing, not a readable container, has no video stream, or has no frames
-            (zero length), naming the file.
+        SampleError: when the file is missing, not a readable container, a still image (an image file named as a
+            video: FFmpeg's image readers), has no video stream, or has no frames (zero length), naming the file.
     """
     try:
         with _open(item) as container:
@@ -159,6 +170,12 @@ def read_video_header(item: str | bytes) -> VideoHeader:
 
 
 def _header(container: Any, item: Any) -> VideoHeader:
+    """The header of an open container, refusing what is no video (module docstring of :func:`read_video_header`)."""
+    fmt = container.format
+    if fmt.name in ("image2", "image2pipe") or fmt.name.endswith("_pipe"):  # FFmpeg's still-image readers
+        raise SampleError(f"video {item} is not a video container or stream plait can decode: FFmpeg reads it as a "
+                          f"still image ({fmt.long_name or fmt.name}); give an image as an image, a video as a video "
+                          "file (MP4, MKV, WebM, ...)")
     if not container.streams.video:
         raise SampleError(f"video {item} has no video stream: zero length, or not a video (an empty or audio-only "
                           "container)")
@@ -294,13 +311,14 @@ def _reason(exc: Exception) -> str:
 
 
 
-def load_audio_track(item: str | bytes, rate: int, field: str) -> Any:
+def load_audio_track(item: str | bytes, rate: int, video: VideoSpec) -> Any:
     """The audio track of a video (its first audio stream) decoded to mono float32 samples in [-1, 1] at ``rate``
-    Hz (``numpy`` ``[n]``; FFmpeg's resampler through PyAV), for a job whose ``field.audio`` asks for it.
+    Hz (``numpy`` ``[n]``; FFmpeg's resampler through PyAV), for a branch whose ``video.audio`` asks for it.
 
     Raises:
-        SampleError: naming the file and ``field``, when the video has no audio track or the track has no samples;
-            as :func:`read_video_header` for a missing or unreadable file.
+        SampleError: naming the file and why its track is read (:meth:`VideoSpec.wants_track`: the job's field, or
+            the trained model's settings), when the video has no audio track or the track has no samples; as
+            :func:`read_video_header` for a missing or unreadable file.
     """
     import av
     import numpy as np
@@ -308,8 +326,8 @@ def load_audio_track(item: str | bytes, rate: int, field: str) -> Any:
     try:
         with _open(item) as container:
             if not container.streams.audio:
-                raise SampleError(f"video {item} has no audio track, but {field}.audio = true asks for it (give a "
-                                  "video with sound, or set it to false)")
+                why, fix = video.wants_track()
+                raise SampleError(f"video {item} has no audio track, but {why} ({fix})")
             resampler = av.AudioResampler(format="flt", layout="mono", rate=int(rate))
             chunks = []
             for frame in container.decode(container.streams.audio[0]):
@@ -321,7 +339,8 @@ def load_audio_track(item: str | bytes, rate: int, field: str) -> Any:
         raise SampleError(f"cannot decode the audio track of video {item}: {_reason(exc)}") from exc
     samples = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, np.float32)
     if samples.size == 0:
-        raise SampleError(f"video {item}: its audio track has no samples ({field}.audio = true asks for it)")
+        why, fix = video.wants_track()
+        raise SampleError(f"video {item}: its audio track has no samples, but {why} ({fix})")
     return samples
 
 

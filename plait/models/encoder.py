@@ -39,7 +39,10 @@ class ModalityEncoder(nn.Module):
     the output (later layers, an unused post-norm or pooling head) are found once by a probe backward and
     frozen for good (``unreachable``), so data-parallel training never waits for their gradients. The probe
     runs on the encoder's device: on the meta device (a model built without weights) autograd tracks the
-    same graph without computing values, so the flags are the same as with real weights.
+    same graph without computing values, so the flags are the same as with real weights. The same probe finds the
+    parameters the tower's forward reads without calling the module that holds them (``read_uncalled``:
+    Qwen2-Audio's and Voxtral's ``embed_positions.weight``), which FSDP2 cannot gather before use and so keeps
+    replicated (:mod:`plait.parallel.fsdp`).
 
     Raises:
         ValueError: on an unknown modality/select, or when the encoder's output does not match the
@@ -80,7 +83,8 @@ class ModalityEncoder(nn.Module):
                              "its pooled, normed last hidden state; use feature_layer = -1")
         self.family.prepare_tower(encoder)
         self.unreachable: frozenset[str] = frozenset()
-        self.unreachable = self._probe_unreachable()
+        self.read_uncalled: frozenset[str] = frozenset()
+        self.unreachable, self.read_uncalled = self._probe()
         for name, param in self.encoder.named_parameters():
             if name in self.unreachable:
                 param.requires_grad_(False)
@@ -229,13 +233,18 @@ class ModalityEncoder(nn.Module):
             raise ValueError(f"audio encoder gave {hidden.shape[1]} positions, fewer than {max(counts)} needed")
         return torch.cat([hidden[i, :c] for i, c in enumerate(counts)], dim=0)
 
-    def _probe_unreachable(self) -> frozenset[str]:
-        """Names of encoder parameters that cannot influence the selected features (probe backward; on the
-        meta device when the encoder has no weights yet, which gives the same graph)."""
+    def _probe(self) -> tuple[frozenset[str], frozenset[str]]:
+        """Names of encoder parameters that cannot influence the selected features, and of those that do although
+        neither the module holding them nor any module between it and the tower ran its forward (the tower reads
+        the tensor itself, as ``embed_positions.weight``). One probe forward and backward; on the meta device when
+        the encoder has no weights yet, which gives the same graph."""
         params = dict(self.encoder.named_parameters())
         flags = {n: p.requires_grad for n, p in params.items()}
         was_training = self.encoder.training
         self.encoder.eval()
+        called: set[str] = set()
+        hooks = [m.register_forward_pre_hook(lambda *_, name=name: called.add(name))
+                 for name, m in self.encoder.named_modules() if name]
         try:
             for p in params.values():
                 p.requires_grad_(True)
@@ -244,10 +253,16 @@ class ModalityEncoder(nn.Module):
                 hidden = self.encoder_features(dummy_encoder_input(self.encoder, self.modality, device))
                 grads = torch.autograd.grad(hidden.sum(), list(params.values()), allow_unused=True)
         finally:
+            for hook in hooks:
+                hook.remove()
             for n, p in params.items():
                 p.requires_grad_(flags[n])
             self.encoder.train(was_training)
-        return frozenset(n for (n, _), g in zip(params.items(), grads) if g is None)
+        unreachable = frozenset(n for (n, _), g in zip(params.items(), grads) if g is None)
+        owners = {n: [n.rsplit(".", k)[0] for k in range(1, n.count(".") + 1)] for n in params}
+        uncalled = frozenset(n for n in params if n not in unreachable and owners[n]
+                             and not any(m in called for m in owners[n]))
+        return unreachable, uncalled
 
 
 def _image_groups(inputs: dict[str, Any]) -> dict[tuple[int, ...], list[int]]:

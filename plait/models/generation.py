@@ -19,6 +19,7 @@ records of plait's data format, processed by the caller) into text.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -452,7 +453,8 @@ def inference_processor(root: Path, model: MultimodalModel, tokenizer: Any) -> M
     processor (:func:`plait.models.registry.build_processor`): per branch its saved Hugging Face processor
     (``processors/<encoder>/``), placeholder (the token of the branch's placeholder id), feature-count function and
     video settings (``plait_config.json``; the defaults of ``[model.encoders.<name>.video]`` for a folder saved
-    without them); prompts up to the LLM's ``max_position_embeddings`` tokens.
+    without them, ``VideoSpec.saved``: the folder, as nothing here sets them); prompts up to the LLM's
+    ``max_position_embeddings`` tokens.
 
     Raises:
         FileNotFoundError: when a ``processors/<encoder>/`` folder is missing.
@@ -463,4 +465,9 @@ def inference_processor(root: Path, model: MultimodalModel, tokenizer: Any) -> M
             raise FileNotFoundError(f"{folder} does not exist: the model's {name!r} encoder needs the processor "
                                     "that plait train saves next to it")
     limit = getattr(model.language_model.config, "max_position_embeddings", None) or tokenizer.model_max_length
-    return build_processor(ModelConfig(pretrained=str(root)), model, tokenizer, int(limit))
+    processor = build_processor(ModelConfig(pretrained=str(root)), model, tokenizer, int(limit))
+    for modality, spec in processor.specs.items():  # no job table sets them: errors say what to give instead
+        if spec.video is not None:
+            video = dataclasses.replace(spec.video, saved=str(root))
+            processor.specs[modality] = dataclasses.replace(spec, video=video)
+    return processor

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -28,12 +29,44 @@ __all__ = [
     "check_processor",
     "feature_count_for",
     "LlmLayout",
+    "NoPipelineLayout",
+    "TP_STYLES",
+    "tp_refusal",
     "encoder_layout",
     "encoder_tp_plan",
     "llm_layout",
     "llm_tp_plan",
     "run_encoder_layer",
 ]
+
+TP_STYLES = ("colwise", "colwise_gather_output", "colwise_rep", "rowwise", "rowwise_rep", "rowwise_split_input",
+             "embedding_rowwise", "replicate")
+"""transformers' tensor-parallel style names plait applies (``plait.parallel.tensor_parallel``; the others: packed,
+MoE, MLA, sequence parallel, ``replicated_with_grad_allreduce`` (Qwen3's q/k norms), are refused)."""
+
+
+def tp_refusal(llm: PreTrainedModel, encoders: Mapping[str, PreTrainedModel]) -> str:
+    """Why plait's tensor parallelism refuses a model of this LLM and these encoder towers (by branch name), as the
+    runtime refuses it: a family that ships no plan (:func:`llm_tp_plan`, :func:`encoder_tp_plan`) or a plan entry
+    whose style is not one of :data:`TP_STYLES`; ``""`` when it can split them. The planner's input
+    (``PlanInputs.tp_refusal``): no TP degree above 1 is searched for a refused model."""
+    try:
+        plans = {"model.llm": llm_tp_plan(llm), **{f"model.encoders.{name}": encoder_tp_plan(tower)
+                                                   for name, tower in encoders.items()}}
+    except ValueError as exc:
+        return str(exc)
+    for where, plan in plans.items():
+        for path, style in plan.items():
+            if style not in TP_STYLES:
+                return (f"{where}: {path} has tensor-parallel style {style!r}, which plait does not apply "
+                        f"(supported: {', '.join(TP_STYLES)})")
+    return ""
+
+
+class NoPipelineLayout(ValueError):
+    """A model plait builds whose family has no pipeline layout here (:func:`encoder_layout`, :func:`llm_layout`):
+    it cannot be cut into pipeline units, although its config is valid."""
+
 
 @dataclass(frozen=True)
 class LlmLayout:
@@ -263,19 +296,20 @@ def encoder_layout(encoder: PreTrainedModel) -> EncoderLayout:
     """The :class:`EncoderLayout` of ``encoder``'s family.
 
     Raises:
-        ValueError: for a family without a known layout, or a module tree that does not match it.
+        NoPipelineLayout: for a family without a known layout, or a module tree that does not match it.
     """
     model_type = encoder.config.model_type
     family = family_of(model_type)
     layout = None if family is None else family.layout_of(encoder.config)
     if layout is None:
-        raise ValueError(
+        raise NoPipelineLayout(
             f"no pipeline layout for encoder model_type {model_type!r}; supported: {supported_types('', layout=True)}"
         )
     paths = [*layout.embed, layout.layers, *([layout.post_norm] if layout.post_norm else [])]
     missing = [path for path in paths if not _has_module(encoder, path)]
     if missing or not isinstance(encoder.get_submodule(layout.layers), torch.nn.ModuleList):
-        raise ValueError(f"{type(encoder).__name__} does not have the expected modules {paths} (missing {missing})")
+        raise NoPipelineLayout(f"{type(encoder).__name__} does not have the expected modules {paths} "
+                               f"(missing {missing})")
     heads = tuple(h for h in layout.heads if _has_module(encoder, h))
     return EncoderLayout(layout.embed, layout.layers, layout.post_norm, heads)
 
@@ -338,7 +372,7 @@ def llm_layout(llm: PreTrainedModel) -> LlmLayout:
     (``base_model_prefix``), embeddings found from ``get_input_embeddings``/``get_output_embeddings``.
 
     Raises:
-        ValueError: when the model does not have that shape (e.g. GPT-2's ``transformer.h``).
+        NoPipelineLayout: when the model does not have that shape (e.g. GPT-2's ``transformer.h``).
     """
     base = getattr(llm, "base_model_prefix", "model") or "model"
     names = {id(m): n for n, m in llm.named_modules(remove_duplicate=False)}
@@ -348,7 +382,7 @@ def llm_layout(llm: PreTrainedModel) -> LlmLayout:
     paths = (layout.base, layout.embed, layout.layers, layout.norm, layout.head)
     missing = [p for p in paths if not _has_module(llm, p)]
     if missing or not isinstance(llm.get_submodule(layout.layers), torch.nn.ModuleList):
-        raise ValueError(
+        raise NoPipelineLayout(
             f"{type(llm).__name__}: no pipeline layout (expected {base}.layers, {base}.norm, input and output "
             f"embeddings; missing {missing})"
         )

@@ -65,7 +65,7 @@ from plait.models.projector import build_projector
 
 __all__ = ["HfFormat", "HF_FORMATS", "REFUSED_EXPORTS", "hf_format_of", "composite_from_hf", "hf_from_composite",
            "check_exportable", "hf_processor", "save_hf_processor", "merge_adapters", "string_content_template",
-           "export_chat_template", "fold_into_linear", "identity_projector",
+           "export_chat_template", "fold_into_linear", "identity_projector", "assemble_causal_lm",
            "QWEN_VL_TOKENS", "QWEN_VL_FORMATS"]
 
 
@@ -203,7 +203,7 @@ def composite_from_hf(hf: PreTrainedModel, fmt: HfFormat, hop_length: int = 160,
     if fmt.name == "qwen3_vl":  # the multimodal class ties lm_head by its top-level flag
         text = copy.deepcopy(text)
         text.tie_word_embeddings = bool(getattr(hf.config, "tie_word_embeddings", False))
-    llm = _causal_lm(text, hf.model.language_model, hf.lm_head)
+    llm = assemble_causal_lm(text, hf.model.language_model, hf.lm_head)
     hidden = llm.get_input_embeddings().embedding_dim
     downsample = gemma3_pool(hf.config) if gemma else 1
     if gemma:
@@ -258,9 +258,10 @@ def fold_into_linear(proj: nn.Linear, last: nn.Linear) -> None:
         last.bias.copy_((w_p @ b2 + b_p).to(last.bias.dtype))
 
 
-def _causal_lm(text_config: PretrainedConfig, base: nn.Module, head: nn.Module) -> PreTrainedModel:
+def assemble_causal_lm(text_config: PretrainedConfig, base: nn.Module, head: nn.Module) -> PreTrainedModel:
     """The text config's ``*ForCausalLM`` holding the decoder stack ``base`` and ``head`` (built on the meta
-    device, its own submodules replaced).
+    device, its own submodules replaced): the LLM of a Hugging Face multimodal model as a stand-alone causal LM,
+    sharing its modules (the LLaVA-style and Voxtral imports).
 
     Raises:
         ValueError: when the text config has no causal-LM class or the class holds more than the two.

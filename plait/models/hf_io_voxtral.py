@@ -24,7 +24,7 @@ from transformers.models.voxtral.modeling_voxtral import VoxtralEncoder
 from plait.models.encoder import ModalityEncoder
 from plait.models.families.voxtral import VoxtralProjectedEncoder
 from plait.models.hf import llm_layout
-from plait.models.hf_io import _causal_lm, export_chat_template, identity_projector
+from plait.models.hf_io import assemble_causal_lm, export_chat_template, identity_projector
 from plait.models.lora import has_lora
 from plait.models.multimodal import MultimodalModel
 
@@ -66,7 +66,7 @@ def composite_from_voxtral(hf: PreTrainedModel, hop_length: int = 160, sampling_
     tower.train(hf.training)
     text = copy.deepcopy(cfg.get_text_config())
     text.tie_word_embeddings = False  # the class never ties: lm_head is its own tensor whatever the text config says
-    llm = _causal_lm(text, hf.model.language_model, hf.lm_head)
+    llm = assemble_causal_lm(text, hf.model.language_model, hf.lm_head)
     hidden = llm.get_input_embeddings().embedding_dim
     dtype = next(tower.parameters()).dtype
     branch = ModalityEncoder(tower, identity_projector(tower_cfg.projector_hidden_size, hidden, dtype), "audio",

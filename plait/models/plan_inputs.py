@@ -21,6 +21,7 @@ from typing import Any
 
 from plait.config.schema import EncoderConfig
 from plait.data.chat_template import missing_pretrained
+from plait.models.hf import NoPipelineLayout, tp_refusal
 from plait.models.families import family_of, tower_config
 from plait.models.families.base import EncoderFamily
 from plait.models.multimodal import PLAIT_CONFIG
@@ -55,6 +56,8 @@ class PlanInputs:
         unit_source: ``MODEL_UNITS`` (``"model"``) when ``units`` are the job model's own (``job_units``: the
             names ``parallel.pp.splits`` takes); otherwise why the analytic units of
             ``arch.units_from_configs`` were used instead.
+        tp_refusal: why plait's tensor parallelism refuses this model (``models.hf.tp_refusal``, the runtime's
+            rule: e.g. Qwen3's q/k norms), ``""`` when it can split it: the search then offers no TP degree above 1.
     """
 
     units: tuple[Unit, ...]
@@ -64,6 +67,7 @@ class PlanInputs:
     microbatches: int
     dtype: str
     unit_source: str = MODEL_UNITS
+    tp_refusal: str = ""
 
 
 def device_spec(device: str | DeviceSpec) -> DeviceSpec:
@@ -270,9 +274,9 @@ def build_plan_inputs(cfg: Any, device: str | DeviceSpec = "h100", *, microbatch
     shapes.update({name: shape for name, shape in (shapes_override or {}).items() if name in shapes})
     on_cpu = spec.name.split(" ")[0] == "CPU"  # the preset and a host CPU measured (plait.measure.host_costs.host_cpu)
     dtype = "float32" if train.dtype == "fp32" or (train.dtype == "auto" and on_cpu) else "bfloat16"
-    units, source = job_units(cfg, configs, frozen)
+    units, source, refusal = job_units(cfg, configs, frozen)
     costs = unit_costs(units, configs, shapes, spec, dtype)
-    return PlanInputs(tuple(units), tuple(costs), configs, shapes, int(count), dtype, source)
+    return PlanInputs(tuple(units), tuple(costs), configs, shapes, int(count), dtype, source, refusal)
 
 
 class _StandInTokenizer:
@@ -291,7 +295,7 @@ class _StandInTokenizer:
         return self.ids[token]
 
 
-def job_units(cfg: Any, configs: dict[str, Any], frozen: dict[str, bool]) -> tuple[tuple[Unit, ...], str]:
+def job_units(cfg: Any, configs: dict[str, Any], frozen: dict[str, bool]) -> tuple[tuple[Unit, ...], str, str]:
     """The pipeline units of a ``JobConfig``'s model, named as the trainer names them, and their source.
 
     The model is composed as the trainer composes it (``plait.models.registry.build_model``) on the meta
@@ -307,15 +311,22 @@ def job_units(cfg: Any, configs: dict[str, Any], frozen: dict[str, bool]) -> tup
         cfg: the ``JobConfig``; configs, frozen: its parts as ``model_parts`` reads them.
 
     Returns:
-        ``(units, MODEL_UNITS)``; for a model plait cannot build (an encoder or LLM family without a pipeline
-        layout) ``(arch.units_from_configs(configs, frozen), reason)``: analytic names such as
-        ``llm.layers.2``, which no job can use as ``parallel.pp.splits``.
+        ``(units, MODEL_UNITS, tp_refusal)`` (``models.hf.tp_refusal`` of the built model: why plait's tensor
+        parallelism refuses it, or ``""``); for a model plait cannot cut into units (an encoder or LLM family
+        without a pipeline layout: ``NoPipelineLayout``) ``(arch.units_from_configs(configs, frozen), reason,
+        reason)``: analytic names such as ``llm.layers.2``, which no job can use as ``parallel.pp.splits``.
+
+    Raises:
+        ValueError: for a model table the trainer would refuse (an unknown config field, a bad value), named as
+            ``build_model`` names it: checked before anything is planned.
     """
     llm = configs["llm"]
     stand_in = _StandInTokenizer(int(getattr(llm, "vocab_size", 0) or 1),
                                  [placeholder_of(enc) for enc in cfg.model.encoders.values()])
     try:
         model = build_model(cfg.model, stand_in, device="meta")
-        return model_units(model), MODEL_UNITS
-    except ValueError as exc:
-        return units_from_configs(configs, frozen), f"plait cannot build this model ({exc})"
+        units = model_units(model)
+    except NoPipelineLayout as exc:
+        reason = f"plait cannot build this model ({exc})"
+        return units_from_configs(configs, frozen), reason, reason
+    return units, MODEL_UNITS, tp_refusal(model.language_model, {n: b.encoder for n, b in model.encoders.items()})

@@ -17,6 +17,11 @@ What is plait's own here, the rest is PyTorch's:
   module's unit (the embedding's). Under pipeline parallelism an embedding tied to a head on another pipeline rank
   (``replicate``: ``RankStages.tied``) stays replicated, its gradient summed like DDP's
   (:attr:`ShardedModel.replicated`, ``plait.parallel.tensor_parallel.sum_local_gradients``).
+- **Parameters read without their module's call stay replicated** (Qwen2-Audio's and Voxtral's
+  ``embed_positions.weight``, which the tower's forward adds itself: ``ModalityEncoder.read_uncalled``): FSDP2
+  all-gathers a group in its module's pre-forward hook, so such a parameter would reach the forward still a sharded
+  DTensor. Its module is left outside FSDP2 like a pipeline-tied embedding (:attr:`ShardedModel.replicated`), its
+  gradient summed over the data-parallel ranks.
 - **Frozen units stay replicated**, outside FSDP: they have no gradient or optimizer state to shard, their
   parameters are 1/8 of the bytes a trained parameter costs under AdamW (2 of 16 in bf16), and sharding them
   would add an all-gather to every microbatch's forward and make every rank join the collectives of encoders
@@ -75,7 +80,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from plait.models.units import UnitSpec
 
-__all__ = ["ShardedModel", "apply_fsdp", "gathered", "mixed_precision", "offload_policy"]
+__all__ = ["ShardedModel", "apply_fsdp", "gathered", "mixed_precision", "offload_policy", "read_uncalled"]
 
 
 @dataclass
@@ -214,6 +219,7 @@ def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_ty
         device_type: ``"cuda"`` (bf16 mixed precision) or ``"cpu"``.
         replicate: parameters to keep replicated, outside FSDP2 (a pipeline rank's embedding tied to the head on
             another rank: ``RankStages.tied``); parameters tied between units of ``model`` are one group instead.
+            The encoders' :func:`read_uncalled` parameters are added to them (the module holding one stays whole).
         offload: CPU offload (``parallel.offload = "cpu"``, :func:`offload_policy`): every group's shards, their
             gradients (and so the optimizer state and step) on the host.
         reduce_each_microbatch: ``parallel.fsdp_reduce = "microbatch"`` (:class:`ShardedModel`).
@@ -235,7 +241,7 @@ def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_ty
                      frozenset(ignored))
     units = [(s.unit.module, s.unit.name, [m for m in map(lambda p: _held(model, p), s.modules) if m is not None])
              for s in specs]
-    kept = {id(p) for p in replicate}
+    kept = {id(p) for p in [*replicate, *read_uncalled(model)]}
     tied = _tied(units) - kept
     done: set[int] = set()  # modules already placed in a (tied) group
     seen: set[int] = set()  # parameters already in out.replicated
@@ -268,6 +274,20 @@ def apply_fsdp(model: nn.Module, specs: Sequence[UnitSpec], mesh: Any, device_ty
             groups.append(_shard(m, mesh, policy))
             out.names.append(unit)
             out.units.append(unit)
+    return out
+
+
+def read_uncalled(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``model``'s encoder towers (a composite, whole or a pipeline rank's pruned one) that a
+    tower's forward reads without calling the module holding them (``ModalityEncoder.read_uncalled``, found by its
+    probe: Qwen2-Audio's and Voxtral's ``embed_positions.weight``); those this rank holds."""
+    out = []
+    for branch in getattr(model, "encoders", {}).values():
+        for name in getattr(branch, "read_uncalled", ()):
+            try:
+                out.append(branch.encoder.get_parameter(name))
+            except AttributeError:  # pruned: another pipeline rank's unit
+                continue
     return out
 
 

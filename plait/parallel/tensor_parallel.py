@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from plait.models.hf import encoder_tp_plan, llm_layout, llm_tp_plan
+from plait.models.hf import TP_STYLES, encoder_tp_plan, llm_layout, llm_tp_plan
 from plait.models.multimodal import MultimodalModel
 from plait.parallel.data_parallel import sum_gradients
 from plait.parallel.dims import ParallelDims
@@ -63,8 +63,9 @@ __all__ = [
 
 _COLWISE = ("colwise", "colwise_gather_output", "colwise_rep")
 _ROWWISE = ("rowwise", "rowwise_rep", "rowwise_split_input")
-STYLES = (*_COLWISE, *_ROWWISE, "embedding_rowwise", "replicate")
-"""transformers' style names plait applies (the others: packed, MoE, MLA, sequence parallel, are refused)."""
+STYLES = TP_STYLES
+"""transformers' style names plait applies (``plait.models.hf.TP_STYLES``, which the planner reads through
+``tp_refusal``; the others: packed, MoE, MLA, sequence parallel, are refused)."""
 
 PROJECTOR_TP_PLAN = {"linear_1": "colwise", "linear_2": "rowwise"}
 """Plan of an ``mlp`` projector (Linear -> GELU -> Linear): replicated features in, replicated features out."""

@@ -223,9 +223,10 @@ class ResilientWorker(JoinerAdmission):
         (collective over the current group), and create its gradient groups (collective)."""
         spares = inst.spares()
         if spares:  # the planner may keep spares (templates.PipelineTemplate); the runtime cannot run one
-            n, used = spares[0]
-            raise ValueError(f"the new pipelines {[list(p.ranks) for p in inst.pipelines]} put {n} workers in a "
-                             f"pipeline whose plan runs on {used}: plait launch cannot leave a worker idle as a "
+            n, used = spares[0]  # shard groups of dp_shard workers
+            d = self.plan.templates.dp_shard
+            raise ValueError(f"the new pipelines (workers {self.pipelines(inst)}) put {n * d} workers in a "
+                             f"pipeline whose plan runs on {used * d}: plait launch cannot leave a worker idle as a "
                              "spare yet; resume from the last checkpoint with `plait train --resume`")
         members, d = self.membership.members, self.plan.templates.dp_shard
         rank_of = {w: i for i, w in enumerate(members)}
@@ -382,7 +383,7 @@ class ResilientWorker(JoinerAdmission):
         rank does (model parts on no unit are never saved), which ``load_checkpoint`` accepts from a pipeline
         checkpoint only."""
         d = self.plan.templates.dp_shard
-        pipelines = "; ".join(f"workers {w}: {p.template.plan.num_stages} stages, {p.microbatches} mb"
+        pipelines = "; ".join(f"workers {w}: {p.template.plan.num_stages} stages, {p.microbatches * d} mb"
                               for w, p in zip(self.pipelines(inst), inst.pipelines))
         shards = f", stages sharded (FSDP2) over {d} workers" if d > 1 else ""
         deepest = max(p.template.plan.num_ranks for p in inst.pipelines)
@@ -416,7 +417,7 @@ class ResilientWorker(JoinerAdmission):
         seconds = time.monotonic() - failed_at
         groups = f" (shard groups of {d} workers; their partners left)" if d > 1 else ""
         line = (f"plait launch: reconfigured in {seconds:.2f} s: worker(s) {list(left)} failed{groups}; "
-                f"{rec.summary()}; workers per pipeline {self.pipelines(rec.after)}")
+                f"{rec.summary(d)}; workers per pipeline {self.pipelines(rec.after)}")
         if self.membership.rank == 0:
             say(line)
         self._log({"event": "reconfigure", "failed": list(left), "bytes": rec.bytes, "seconds": seconds,

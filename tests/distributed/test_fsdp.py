@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from tests.helpers.jobs import demo_records
+from tests.helpers.qwen2_audio import TINY_QWEN2_AUDIO
 from tests.helpers.fsdp import assert_equal_runs, assert_same_params, assert_untouched_without, job, run
 
 
@@ -104,11 +105,21 @@ def test_fsdp2_with_lora_adapters_in_their_own_groups(tmp_path):
         torch.testing.assert_close(fsdp["params"][name], single["params"][name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+def qwen2_audio(cfg: dict) -> dict:
+    """``cfg`` with a trainable Qwen2-Audio tower as its audio branch (its forward reads ``embed_positions.weight``
+    without calling the module: FSDP2 keeps it replicated)."""
+    cfg["model"]["encoders"]["audio"] |= {"config": dict(TINY_QWEN2_AUDIO)}
+    return cfg
+
+
 def test_fsdp2_dp_shard2_with_cp2(tmp_path):
+    """With a trainable Qwen2-Audio tower: its position table is replicated, its gradient summed over the ranks."""
     attention = {"mask": "bidirectional_items", "block_size": 16}
-    cfg = job(tmp_path, False)
+    cfg = qwen2_audio(job(tmp_path, False))
     single = run(cfg | {"attention": attention}, tmp_path, "single", 1)
-    both = job(tmp_path, False, dp_shard=2, cp=2)
+    both = qwen2_audio(job(tmp_path, False, dp_shard=2, cp=2))
     fsdp_cp = run(both | {"attention": attention}, tmp_path, "fsdp_cp", 4)
     assert fsdp_cp["sharded"] and fsdp_cp["dp"] == 2 and fsdp_cp["world"] == 4
+    positions = "encoders.audio.encoder.embed_positions.weight"
+    assert single["grads"][positions].abs().max() > 0 and fsdp_cp["replicated"] == 1
     assert_equal_runs(single, fsdp_cp)  # CP's sum over the shards' local pieces, FSDP2's over dp_shard

@@ -121,7 +121,9 @@ def test_a_killed_worker_of_a_sharded_launch_takes_its_shard_group_out_and_the_j
     # pipeline 0 (now group 0: workers 0, 1) receives the second plan rank's units (the LLM, its tied embedding and
     # head included) shard by shard from group 2
     assert {(src, dst) for e in reconfigured for _, src, dst in e["copies"]} == {(2, 0)}, reconfigured
-    assert "each plan rank on a shard group of 2 workers (FSDP2" in run.stdout, run.stdout
+    assert "6 workers in shard groups of 2 workers (FSDP2), f = " in run.stdout, run.stdout
+    assert ": 2 pipelines: 2 shard groups (" in run.stdout, run.stdout
+    assert " per shard row of 2 workers)" in run.stdout and "pipelines now 1+1 shard groups" in out, out
     plan = json.loads((tmp_path / "kill" / "resilient" / "launch.json").read_text())
     assert plan["templates"]["dp_shard"] == 2
     # really sharded: the checkpoint (DCP) holds each trained LLM weight and its AdamW moments in 2 row shards

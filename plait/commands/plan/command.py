@@ -230,6 +230,9 @@ def plan_command(
                        dp_link_Bps=dp_link_Bps, macrobatches=macrobatches, profile_store=profile_store, stream=stream)
     setup = _with_nodes(setup, gpus_per_node, stream)
     cfg, inputs, spec = setup.cfg, setup.inputs, setup.spec
+    if cfg.parallel.tp > 1 and inputs.tp_refusal:
+        raise ValueError(f"parallel.tp = {cfg.parallel.tp}: plait's tensor parallelism refuses this model "
+                         f"({inputs.tp_refusal}); set parallel.tp = 1")
     kept = job_degrees(cfg, devices, stream)
     space = dict(frozen_aware=frozen_aware, layouts=layouts, rel_tol=rel_tol, virtual_stages=virtual_stages,
                  attach_encoders=attach_encoders, in_bubble=in_bubble, schedules=check_schedules(schedules))
@@ -399,8 +402,11 @@ def plan_setup(config_path: str | Path, devices: int, *, overrides: Sequence[str
     # FSDP2's all-gathers and reduce-scatters: on the DP link, else (GPU presets charge no DP all-reduce) the node's
     machine = Machine(memory_cap=memory_fraction * spec.memory_bytes, p2p=costs.p2p, dp_link=costs.dp_link,
                       shard_link=costs.dp_link or costs.p2p, dtype=inputs.dtype, overheads=costs.overheads)
-    return PlanSetup(cfg, inputs, spec, machine, SearchSpace(base_checkpointing=policy, checkpoint_overrides=overrides),
-                     dict(profile.router_load) if profile is not None else {})
+    if inputs.tp_refusal:  # the runtime's tensor parallelism refuses the model: no TP degree above 1 is offered
+        print(f"plait plan: tensor parallelism not searched: {inputs.tp_refusal}", file=stream)
+    space = SearchSpace(base_checkpointing=policy, checkpoint_overrides=overrides,
+                        tp_degrees=(1,) if inputs.tp_refusal else None)
+    return PlanSetup(cfg, inputs, spec, machine, space, dict(profile.router_load) if profile is not None else {})
 
 
 def not_weighed(requested: Sequence[str], choice: LayoutChoice) -> str:

@@ -44,9 +44,10 @@ def plan_reconfiguration(templates: TemplateSet, current: Instantiation, failed:
     failed_t = tuple(sorted(failed_set))
     _check_copies(templates, current, failed_set, failed_t)
     groups = [[r for r in p.ranks if r not in failed_set] for p in current.pipelines]
-    actions = [f"pipeline {i} shrinks {len(p.ranks)} -> {len(g)} ranks"
+    noun = templates.rank_noun  # ranks, or shard groups of dp_shard workers
+    actions = [f"pipeline {i} shrinks {len(p.ranks)} -> {len(g)} {noun}"
                for i, (p, g) in enumerate(zip(current.pipelines, groups)) if 0 < len(g) < len(p.ranks)]
-    actions += [f"pipeline {i} lost every rank" for i, g in enumerate(groups) if not g]
+    actions += [f"pipeline {i} lost every {noun[:-1]}" for i, g in enumerate(groups) if not g]
     groups = [g for g in groups if g]
     _fix_small(templates, groups, actions)
     groups = _split_large(templates, groups, actions)
@@ -102,11 +103,12 @@ def _fix_small(templates: TemplateSet, groups: list[list[int]], actions: list[st
             moved = groups[lender][-need:]
             del groups[lender][-need:]
             groups[small].extend(moved)
-            actions.append(f"a pipeline borrows ranks {moved} from one of {len(groups[lender]) + need} ranks")
+            actions.append(f"a pipeline borrows {templates.rank_noun} {moved} from one of "
+                           f"{len(groups[lender]) + need} {templates.rank_noun}")
             continue
         others = [i for i in range(len(groups)) if i != small]
         partner = min(others, key=lambda i: (len(groups[i]), i))  # _check_copies: the survivors fill one
-        actions.append(f"pipelines of {len(groups[small])} and {len(groups[partner])} ranks merge")
+        actions.append(f"pipelines of {len(groups[small])} and {len(groups[partner])} {templates.rank_noun} merge")
         first, second = sorted((small, partner))
         groups[first].extend(groups.pop(second))
 
@@ -118,7 +120,7 @@ def _split_large(templates: TemplateSet, groups: list[list[int]], actions: list[
         if len(g) > templates.max_ranks and len(g) - templates.max_ranks >= templates.min_ranks:
             cut = max(templates.min_ranks, len(g) - templates.max_ranks, len(g) // 2)
             cut = min(cut, templates.max_ranks)
-            actions.append(f"a merged pipeline of {len(g)} ranks splits into {cut} + {len(g) - cut}")
+            actions.append(f"a merged pipeline of {len(g)} {templates.rank_noun} splits into {cut} + {len(g) - cut}")
             out += [g[:cut], g[cut:]]
         else:
             out.append(g)

@@ -24,6 +24,7 @@ __all__ = [
     "Transfer",
     "UnitBytes",
     "format_seconds",
+    "rank_noun",
 ]
 
 
@@ -119,6 +120,11 @@ class TemplateSet(JsonDataclass):
             held = {u for s in t.plan.stages for u in s.units}
             if held != names:
                 raise ValueError(f"template for {t.num_ranks} ranks covers other units than the set's")
+
+    @property
+    def rank_noun(self) -> str:
+        """What the set's ranks are, for people: ``"ranks"``, or ``"shard groups"`` when :attr:`dp_shard` > 1."""
+        return rank_noun(self.dp_shard)
 
     @property
     def workers(self) -> int:
@@ -256,11 +262,22 @@ class Instantiation(JsonDataclass):
         """The ranks holding ``unit``, one per pipeline in pipeline order: its gradient-reduction group."""
         return tuple(p.holder(unit) for p in self.pipelines)
 
-    def describe(self) -> str:
-        """One line for people: ``3 pipelines: 4 ranks x 10 mb, ...; predicted 1.234 s``."""
-        parts = ", ".join(f"{len(p.ranks)} ranks ({p.template.plan.num_stages} stages) x {p.microbatches} mb"
-                          for p in self.pipelines)
+    def describe(self, dp_shard: int = 1) -> str:
+        """One line for people: ``3 pipelines: 4 ranks (4 stages) x 10 mb, ...; predicted 1.234 s per iteration``.
+        With ``dp_shard`` > 1 (the ranks are shard groups of that many workers, each pipeline ``dp_shard`` shard
+        rows of ``microbatches`` each): ``2 shard groups (2 stages) x 8 mb (4 per shard row)``: the pipeline's
+        microbatches."""
+        noun = rank_noun(dp_shard)
+        rows = f" ({{}} per shard row of {dp_shard} workers)" if dp_shard > 1 else ""
+        parts = ", ".join(f"{len(p.ranks)} {noun} ({p.template.plan.num_stages} stages) x "
+                          f"{p.microbatches * dp_shard} mb{rows.format(p.microbatches)}" for p in self.pipelines)
         return f"{len(self.pipelines)} pipelines: {parts}; predicted {format_seconds(self.iteration_s)} per iteration"
+
+
+def rank_noun(dp_shard: int) -> str:
+    """What a resilience plan's ranks are, for people: ``"ranks"``, or ``"shard groups"`` when ``dp_shard`` > 1
+    (FSDP2 inside the pipelines: each rank a group of ``dp_shard`` workers)."""
+    return "ranks" if dp_shard <= 1 else "shard groups"
 
 
 def format_seconds(seconds: float) -> str:
@@ -335,11 +352,13 @@ class Reconfiguration(JsonDataclass):
         """The transfers ``rank`` receives."""
         return tuple(t for t in self.transfers if t.dst == rank)
 
-    def summary(self) -> str:
-        """One line: what failed, the new pipelines, bytes to copy."""
+    def summary(self, dp_shard: int = 1) -> str:
+        """One line: what failed, the new pipelines, bytes to copy (``dp_shard`` > 1: the ranks are shard groups of
+        that many workers, :func:`rank_noun`)."""
+        noun = rank_noun(dp_shard)
         sizes = "+".join(str(len(p.ranks)) for p in self.after.pipelines)
-        return (f"ranks {list(self.failed)} failed; {'; '.join(self.actions) or 'no pipeline changed'}; "
-                f"pipelines now {sizes} ranks; {len(self.transfers)} unit copies, {self.bytes / 2**20:.1f} MiB; "
+        return (f"{noun} {list(self.failed)} failed; {'; '.join(self.actions) or 'no pipeline changed'}; "
+                f"pipelines now {sizes} {noun}; {len(self.transfers)} unit copies, {self.bytes / 2**20:.1f} MiB; "
                 f"predicted {format_seconds(self.before.iteration_s)} -> {format_seconds(self.after.iteration_s)} "
                 "per iteration")
 

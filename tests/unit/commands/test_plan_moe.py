@@ -31,6 +31,7 @@ def test_moe_job_gets_expert_parallelism_and_the_tables_load(tmp_path):
                           overrides=OVERRIDES)
     text = out.getvalue()
     assert choice.ep > 1 and choice.fits_memory and choice.offload != "cpu"
+    assert choice.tp == 1 and "tensor parallelism not searched: model.llm:" in text  # Qwen3-MoE: TP refused
     assert choice.dp % choice.ep == 0 and max(choice.stage_memory_bytes) <= choice.memory_cap
     snippet = text[text.index("to run this plan, put these tables in the job file:\n"):].split("\n", 1)[1]
     snippet = snippet[:snippet.index("or run it as printed")]
@@ -126,3 +127,32 @@ def test_the_printed_command_replaces_the_jobs_own_ep():
     args = shlex.split(command)
     printed = load_config(args[args.index("--config") + 1], args[args.index("--config") + 2:])
     assert choice.ep == 1 and printed.parallel.ep == 1 and "--parallel.ep=1" in command
+
+
+def test_a_bad_model_field_stops_the_plan_before_anything_is_planned():
+    """The job's model table is checked as the trainer checks it (built on the meta device) before the search: an
+    unknown field of the MoE LLM's config is the error, and no plan is printed ahead of it."""
+    bad = OVERRIDES[0].replace("num_experts = 64", "num_experts = 64, num_expert = 8")
+    out = io.StringIO()
+    with pytest.raises(ValueError, match=r"model\.llm\.config: qwen3_moe config has no field\(s\) \['num_expert'\]"):
+        plan_command(DEMO, 8, None, device=TIGHT, out=out, profile_store=None, overrides=[bad, *OVERRIDES[1:]])
+    assert "iteration" not in out.getvalue() and "stage rank" not in out.getvalue()
+
+
+def test_tp_is_not_offered_for_a_family_whose_tp_plan_the_runtime_refuses(tmp_path):
+    """Qwen3-MoE's shipped plan gives its q/k norms a style plait's TP does not apply (the runtime refuses it at
+    launch): the plan inputs say so, the search offers no TP degree above 1, and a job's own ``parallel.tp = 2`` is
+    refused before planning. A Llama LLM (the demo's) keeps TP in the search."""
+    from plait.models.hf import TP_STYLES
+    from plait.parallel.tensor_parallel import STYLES
+
+    assert STYLES == TP_STYLES  # the runtime's rule is the planner's
+    out = io.StringIO()
+    setup = plan_setup(DEMO, 8, overrides=OVERRIDES, device=TIGHT, stream=out)
+    assert "self_attn.q_norm has tensor-parallel style 'replicated_with_grad_allreduce'" in setup.inputs.tp_refusal
+    assert setup.space.tp_degrees == (1,) and "tensor parallelism not searched: model.llm:" in out.getvalue()
+    with pytest.raises(ValueError, match=r"parallel.tp = 2: plait's tensor parallelism refuses this model"):
+        plan_command(DEMO, 8, None, device=TIGHT, out=io.StringIO(), profile_store=None,
+                     overrides=[*OVERRIDES, "--parallel.tp=2"])
+    dense = plan_setup(DEMO, 8, device=TIGHT)
+    assert dense.inputs.tp_refusal == "" and dense.space.tp_degrees is None

@@ -236,10 +236,16 @@ def test_a_video_with_more_frames_than_the_limit_names_the_limit_and_the_field(s
                          "model.encoders.vision.video.max_frames or lower model.encoders.vision.video.fps")
 
 
-@pytest.mark.parametrize("kind", ["no frames", "empty file"])
+@pytest.mark.parametrize("kind", ["no frames", "empty file", "image file"])
 def test_a_zero_length_video_is_refused_naming_record_and_file(setup, kind):
+    """Also an image file named as a video (a PNG renamed .mp4): not a video, not "zero length"."""
     folder, _, _, proc = setup
-    if kind == "no frames":
+    if kind == "image file":
+        path = folder / "still.mp4"
+        path.write_bytes((DEMO / "img" / "000000.png").read_bytes())
+        reason = ("is not a video container or stream plait can decode: FFmpeg reads it as a still image (piped png "
+                  "sequence); give an image as an image, a video as a video file (MP4, MKV, WebM, ...)")
+    elif kind == "no frames":
         path = write_video(folder / "zero.mp4", 0)
         reason = "has no video stream: zero length, or not a video (an empty or audio-only container)"
     else:

@@ -111,3 +111,20 @@ def test_plait_import_then_export_of_a_voxtral_folder(tmp_path):
         theirs = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), input_features=feats,
                              max_new_tokens=6, do_sample=False, eos_token_id=[2], pad_token_id=0)
     assert theirs[0, ids.shape[1]:].tolist() == mine and len(mine) >= 1
+
+
+def test_the_voxtral_import_uses_only_public_names_of_hf_io():
+    """The Voxtral import assembles its LLM with ``hf_io``'s public ``assemble_causal_lm`` (the one the LLaVA-style
+    import uses), not a private helper of another module."""
+    import ast
+    import inspect
+
+    import plait.models.hf_io as hf_io
+    import plait.models.hf_io_voxtral as voxtral
+
+    imported = [(node.module, alias.name) for node in ast.walk(ast.parse(inspect.getsource(voxtral)))
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("plait")
+                for alias in node.names]
+    assert ("plait.models.hf_io", "assemble_causal_lm") in imported
+    assert not [name for _, name in imported if name.startswith("_")]
+    assert "assemble_causal_lm" in hf_io.__all__

@@ -6,6 +6,8 @@ audio track is refused naming the record and the field."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -83,6 +85,13 @@ def test_a_video_without_its_audio_track_is_refused_naming_record_and_field(setu
         processor(_record(silent, "clip-9"))
     with pytest.raises(SampleError, match=message):
         record_metadata(processor, _record(silent, "clip-9"))
+    # plait generate: the settings are the saved model's, which no flag changes: the error says what to give
+    tok, image, audio = processor.tokenizer, processor.specs["image"], processor.specs["audio"]
+    saved = dataclasses.replace(image, video=dataclasses.replace(image.video, saved="runs/omni/final"))
+    generating = MultimodalProcessor(tok, [saved, audio], 4096)
+    with pytest.raises(SampleError, match=r"has no audio track, but the model runs/omni/final takes each video with "
+                                          r"its audio track .*\(give a video with sound, or its frames as images\)$"):
+        generating(_record(silent, "clip-9"))
 
 
 def test_a_job_asking_for_audio_tracks_needs_an_audio_branch(setup):
@@ -94,7 +103,6 @@ def test_a_job_asking_for_audio_tracks_needs_an_audio_branch(setup):
 def test_a_silent_video_is_positioned_as_the_thinker_does(setup, tmp_path):
     """``audio = false``: the video alone, positioned by the thinker's rule (its text after the video continues past
     the video's largest temporal position), logits equal the thinker's."""
-    import dataclasses
 
     tok, hf, model, processor, ids = setup
     image = processor.specs["image"]
@@ -159,7 +167,6 @@ def test_a_silent_video_is_skipped_and_counted_with_on_error_skip(setup, tmp_pat
 def test_audio_tracks_need_a_tower_that_encodes_a_video_as_one_timed_item(setup, tmp_path):
     """Per-frame video items (another tower's encoding) cannot take the track: refused naming the video and field,
     by the processor and the metadata pass alike."""
-    import dataclasses
 
     from plait.data.processing import PerFrame
 

@@ -91,6 +91,8 @@ def test_branch_checks_and_pipeline_refusal():
         ModalityEncoder(encoder, build_projector("linear", 32, 32), "audio", feature_layer=-2)
     branch = ModalityEncoder(encoder, build_projector("linear", 32, 32), "audio")
     assert not branch.unreachable  # every parameter reaches the pooled, normed output (conv, layers, layer_norm)
+    assert branch.read_uncalled == {"embed_positions.weight"}  # added by the forward, never called: FSDP2
+    # keeps it replicated (plait.parallel.fsdp)
     branch.check_item({"input_features": torch.zeros(80, 300)})
     with pytest.raises(ValueError, match="gives 128 mel bins x 300 frames, the encoder expects 80 x 300"):
         branch.check_item({"input_features": torch.zeros(128, 300)})

@@ -54,7 +54,7 @@ def test_final_keeps_the_video_settings_and_generate_reads_videos_as_validation(
     assert "video" not in saved["audio"]
     gen = Generator.from_pretrained(final, device="cpu")
     spec = gen.processor.specs["image"].video
-    assert (spec.placeholder, spec.fps, spec.max_frames) == ("<video>", 2.0, 4)
+    assert (spec.placeholder, spec.fps, spec.max_frames, spec.saved) == ("<video>", 2.0, 4, str(final))
     raws = [parse_record(json.loads(line), f"val.jsonl:{i}", folder)
             for i, line in enumerate(val.read_text().splitlines(), 1)]
     image_id = gen.processor.specs["image"].placeholder_id

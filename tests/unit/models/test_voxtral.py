@@ -85,7 +85,7 @@ def test_a_bare_tower_hands_its_stacked_frames_to_plaits_projector():
     assert isinstance(encoder, VoxtralProjectedEncoder) and not hasattr(encoder, "multi_modal_projector")
     assert encoder_feature_size(encoder, 1) == 128  # intermediate_size: 4 positions of 32
     branch = ModalityEncoder(encoder, build_projector("mlp", 128, 48), "audio")
-    assert not branch.unreachable
+    assert not branch.unreachable and branch.read_uncalled == {"embed_positions.weight"}
     feats = torch.randn(2, MEL, 2 * POSITIONS)
     out = branch({"input_features": feats, "num_samples": torch.tensor([100, WINDOW_SAMPLES])})
     assert out.shape == (2 * FEATURES, 48)

@@ -206,3 +206,11 @@ def test_shard_groups_map_the_plans_to_workers():
     for t, (a, b) in zip(rec.transfers, zip(moved[::2], moved[1::2])):
         assert (a.unit, a.src, a.dst, b.src, b.dst) == (t.unit, 2 * t.src, 2 * t.dst, 2 * t.src + 1, 2 * t.dst + 1)
         assert a.param_bytes == t.param_bytes // 2 and a.state_bytes == t.state_bytes // 2
+    # for people: the ranks are shard groups, and a pipeline runs dp_shard rows of its rows' microbatches
+    mbs = [p.microbatches for p in inst.pipelines]
+    assert inst.describe(2).startswith(f"2 pipelines: 3 shard groups ({inst.pipelines[0].template.plan.num_stages} "
+                                       f"stages) x {2 * mbs[0]} mb ({mbs[0]} per shard row of 2 workers), ")
+    assert inst.describe().startswith("2 pipelines: 3 ranks (") and f"x {mbs[0]} mb, " in inst.describe()
+    summary = rec.summary(2)
+    assert summary.startswith("shard groups [1, 5] failed; ") and "pipelines now " in summary
+    assert " ranks" not in summary and "shrinks 3 -> 2 shard groups" in summary
