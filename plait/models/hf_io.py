@@ -119,9 +119,6 @@ HF_FORMATS = {
                        "image_token_id", ("siglip_vision_model",)),
     "qwen3_vl": HfFormat("qwen3_vl", "qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", "image",
                          "vision", "visual", "linear", (), "image_token_id", ("qwen3_vl_vision",)),
-    # Qwen3-VL's tower and DeepStack in front of a mixture-of-experts text model (plait.models.families.qwen3_vl_moe)
-    "qwen3_vl_moe": HfFormat("qwen3_vl_moe", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "Qwen3VLProcessor",
-                             "image", "vision", "visual", "linear", (), "image_token_id", ("qwen3_vl_moe_vision",)),
     # two branches (vision and audio): mapped by plait.models.hf_io_omni, this entry names the format
     "qwen2_5_omni": HfFormat("qwen2_5_omni", "qwen2_5_omni_thinker", "Qwen2_5OmniThinkerForConditionalGeneration",
                              "Qwen2_5OmniProcessor", "image", "vision", "visual", "linear", (), "image_token_id",
@@ -129,6 +126,9 @@ HF_FORMATS = {
     # one audio branch whose tower holds the projector: mapped by plait.models.hf_io_voxtral, this entry names it
     "voxtral": HfFormat("voxtral", "voxtral", "VoxtralForConditionalGeneration", "VoxtralProcessor", "audio", "audio",
                         "audio_tower", "linear", (), "audio_token_id", ("voxtral_encoder",)),
+    # Qwen3-VL's tower and DeepStack in front of a mixture-of-experts text model (plait.models.families.qwen3_vl_moe)
+    "qwen3_vl_moe": HfFormat("qwen3_vl_moe", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "Qwen3VLProcessor",
+                             "image", "vision", "visual", "linear", (), "image_token_id", ("qwen3_vl_moe_vision",)),
 }
 """The supported classes by ``--format`` name."""
 
