@@ -133,7 +133,7 @@ def _token_ids(fmt: str, tokenizer: transformers.PreTrainedTokenizerBase) -> dic
     (:data:`plait.models.hf_io.QWEN_VL_TOKENS`), Gemma 3's of its image start/end tokens
     (:data:`plait.models.gemma3.GEMMA3_TOKENS`); ``{}`` for the other formats."""
     tokens = {"qwen2_5_vl": QWEN_VL_TOKENS, "qwen3_vl": QWEN_VL_TOKENS, "gemma3": GEMMA3_TOKENS,
-              "qwen2_5_omni": OMNI_TOKENS}.get(fmt)
+              "qwen2_5_omni": OMNI_TOKENS, "qwen3_vl_moe": QWEN_VL_TOKENS}.get(fmt)
     if tokens is None:
         return {}
     ids = {field: tokenizer.convert_tokens_to_ids(token) for field, token in tokens.items()}

@@ -33,7 +33,8 @@ from transformers import AutoConfig, AutoFeatureExtractor, AutoImageProcessor, A
 
 from plait.data.chat_template import read_chat_template
 from plait.data.sources import path_note
-from plait.models.hf_io import HfFormat, composite_from_hf, hf_format_of, string_content_template
+from plait.models.hf_io import (QWEN_VL_FORMATS, HfFormat, composite_from_hf, hf_format_of,
+                                string_content_template)
 from plait.models.hf_io_omni import composite_from_thinker, load_thinker
 from plait.models.hf_io_voxtral import composite_from_voxtral
 from plait.models.multimodal import MultimodalModel
@@ -205,7 +206,7 @@ def _processor(src: Path, fmt: HfFormat) -> Any:
             tokenizer = AutoTokenizer.from_pretrained(str(src))
             return SimpleNamespace(feature_extractor=AutoFeatureExtractor.from_pretrained(str(src)),
                                    tokenizer=tokenizer, chat_template=tokenizer.chat_template, audio_token="[AUDIO]")
-        if fmt.name in ("qwen2_5_vl", "qwen3_vl"):  # their processors need torchvision (video processor)
+        if fmt.name in QWEN_VL_FORMATS:  # their processors need torchvision (video processor)
             tokenizer = AutoTokenizer.from_pretrained(str(src))
             return SimpleNamespace(image_processor=AutoImageProcessor.from_pretrained(str(src)), tokenizer=tokenizer,
                                    chat_template=tokenizer.chat_template,

@@ -33,6 +33,8 @@ images attending bidirectionally through ``attention.mask = "bidirectional_items
 DeepStack mergers is the branch's encoder, an identity projector folded into ``merger.linear_fc2`` on export, its
 text model with ``lm_head`` is :class:`plait.models.families.qwen3_vl.Qwen3VLTextForCausalLM`); the DeepStack
 features reach the LLM's first decoder layers through :mod:`plait.models.deepstack`.
+``Qwen3VLMoeForConditionalGeneration`` maps the same way, its text model with ``lm_head`` being
+:class:`plait.models.families.qwen3_vl_moe.Qwen3VLMoeTextForCausalLM` (mixture-of-experts MLPs).
 
 Refused on import with the reason (:func:`hf_format_of`): LLaVA-NeXT's anyres tiling and Qwen2-VL's LLM (M-RoPE
 positions without Qwen2.5-VL's text class; plait registers a causal LM for ``qwen2_5_vl_text`` only).
@@ -66,7 +68,7 @@ from plait.models.projector import build_projector
 __all__ = ["HfFormat", "HF_FORMATS", "REFUSED_EXPORTS", "hf_format_of", "composite_from_hf", "hf_from_composite",
            "check_exportable", "hf_processor", "save_hf_processor", "merge_adapters", "string_content_template",
            "export_chat_template", "fold_into_linear", "identity_projector", "assemble_causal_lm",
-           "QWEN_VL_TOKENS", "QWEN_VL_FORMATS"]
+           "QWEN_VL_TOKENS", "QWEN_VL_FORMATS", "QWEN3_VL_TEXT"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,9 @@ HF_FORMATS = {
     # one audio branch whose tower holds the projector: mapped by plait.models.hf_io_voxtral, this entry names it
     "voxtral": HfFormat("voxtral", "voxtral", "VoxtralForConditionalGeneration", "VoxtralProcessor", "audio", "audio",
                         "audio_tower", "linear", (), "audio_token_id", ("voxtral_encoder",)),
+    # Qwen3-VL's tower and DeepStack in front of a mixture-of-experts text model (plait.models.families.qwen3_vl_moe)
+    "qwen3_vl_moe": HfFormat("qwen3_vl_moe", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "Qwen3VLProcessor",
+                             "image", "vision", "visual", "linear", (), "image_token_id", ("qwen3_vl_moe_vision",)),
 }
 """The supported classes by ``--format`` name."""
 
@@ -200,7 +205,7 @@ def composite_from_hf(hf: PreTrainedModel, fmt: HfFormat, hop_length: int = 160,
     layer, select = _feature_selection(fmt, hf.config, tower)
     gemma = fmt.name == "gemma3"
     text = gemma3_text_config(hf.config) if gemma else hf.config.get_text_config()
-    if fmt.name == "qwen3_vl":  # the multimodal class ties lm_head by its top-level flag
+    if fmt.name in QWEN3_VL_TEXT:  # the multimodal class ties lm_head by its top-level flag
         text = copy.deepcopy(text)
         text.tie_word_embeddings = bool(getattr(hf.config, "tie_word_embeddings", False))
     llm = assemble_causal_lm(text, hf.model.language_model, hf.lm_head)
@@ -328,9 +333,9 @@ def check_exportable(model: MultimodalModel, fmt: HfFormat) -> None:
     if fmt.name == "llava" and branch.select == "drop_cls" and kind != "clip_vision_model":
         raise ValueError(f"{where} drops the CLS position of a {kind}, which LLaVA's 'default' strategy cannot")
     text_type = model.language_model.config.model_type
-    if fmt.name == "qwen3_vl" and text_type != "qwen3_vl_text":
-        raise ValueError(f"{fmt.model_class}'s LLM is Qwen3-VL's text model (qwen3_vl_text, DeepStack, interleaved "
-                         f"M-RoPE); this model's LLM is a {text_type}")
+    if fmt.name in QWEN3_VL_TEXT and text_type != QWEN3_VL_TEXT[fmt.name]:
+        raise ValueError(f"{fmt.model_class}'s LLM is its own text model ({QWEN3_VL_TEXT[fmt.name]}, DeepStack, "
+                         f"interleaved M-RoPE); this model's LLM is a {text_type}")
     if not fmt.projector_keys and not takes_mrope(model.language_model.config):
         raise ValueError(f"{fmt.model_class}'s LLM is Qwen2.5-VL's text model (qwen2_5_vl_text, M-RoPE); this "
                          f"model's LLM is a {text_type}")
@@ -405,6 +410,10 @@ def _hf_config(model: MultimodalModel, fmt: HfFormat, name: str, token_ids: dict
     return config_cls(audio_config=tower, text_config=text, audio_token_id=token)
 
 
+QWEN3_VL_TEXT = {"qwen3_vl": "qwen3_vl_text", "qwen3_vl_moe": "qwen3_vl_moe_text"}
+"""The Qwen3-VL formats (``lm_head`` tied by the class's top-level flag) and the text model each class holds."""
+
+
 # -------------------------------------------------------------------------------------------- processors
 def hf_processor(fmt: HfFormat, model: MultimodalModel, tokenizer: Any, media_processor: Any) -> Any:
     """``fmt``'s Hugging Face processor for the composite: the branch's image processor or feature extractor
@@ -434,7 +443,7 @@ def hf_processor(fmt: HfFormat, model: MultimodalModel, tokenizer: Any, media_pr
     return cls(feature_extractor=media_processor, tokenizer=tokenizer, chat_template=template, audio_token=token)
 
 
-QWEN_VL_FORMATS = ("qwen2_5_vl", "qwen3_vl")
+QWEN_VL_FORMATS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 """Formats whose processor (``Qwen2_5_VLProcessor``, ``Qwen3VLProcessor``) is written as its files
 (:func:`save_hf_processor`)."""
 

@@ -4,7 +4,8 @@ full final parameters (expert and FSDP2 shards gathered; under PP merged over th
 experts module's local shard and the trainable parameter names. With ``resume_from`` in the JSON it resumes that
 checkpoint and trains the remaining steps instead. With ``experts_of_rank0`` true every router's choice is folded
 onto experts 0 and 1 (``index % 2``, a forward hook: in one process too), so with ``parallel.ep = 2`` the second EP
-rank's experts get no token."""
+rank's experts get no token. Further ``config out`` argument pairs train further jobs in the same processes, one
+after the other (one spawn for several jobs; the process group is kept)."""
 
 import json
 import sys
@@ -27,7 +28,15 @@ def fold_routes(model: torch.nn.Module) -> None:
             m.register_forward_hook(lambda _m, _i, out: (out[0], out[1], out[2] % 2))
 
 
-def main(config_path: str, out_path: str) -> None:
+def main(config_path: str, out_path: str, *more: str) -> None:
+    for path, out in [(config_path, out_path), *zip(more[::2], more[1::2])]:
+        train(path, out)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def train(config_path: str, out_path: str) -> None:
+    """Train the job of ``config_path`` and write its results to ``out_path`` (module docstring)."""
     data = json.loads(open(config_path).read())
     resume_from = data.pop("resume_from", None)
     fold = data.pop("experts_of_rank0", False)
@@ -57,8 +66,6 @@ def main(config_path: str, out_path: str) -> None:
                     "params": merged([p["params"] for p in parts]), "local": [p["local"] for p in parts],
                     "trained": sorted({n for p in parts for n in p["trained"]}),
                     "sharded": trainer.sharded is not None}, out_path)
-    if trainer.info.world_size > 1:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

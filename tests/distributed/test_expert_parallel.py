@@ -5,7 +5,9 @@ atol 1e-6; ``assert_same_training``): EP=2 over 2 DP ranks and over 4 (each expe
 token routed to the first EP rank's experts (the second receives zero-size all-to-all splits), EP=2 x PP=2 on 4
 processes and EP=2 x FSDP2 (``dp_shard = 2``, the same 2 ranks) with their validation (every expert gathered),
 LoRA on the LLM's attention with the experts frozen,
-and resuming across EP degrees (DCP reshards the expert DTensors)."""
+and resuming across EP degrees (DCP reshards the expert DTensors). A Qwen3-VL-MoE job (Qwen3-VL tower, trained, whose
+DeepStack features reach the first layers of a MoE text model with 4 experts, top-2) at EP=2 equals one process too,
+trained in the same processes after the first job."""
 
 from __future__ import annotations
 
@@ -15,15 +17,22 @@ import pytest
 import torch
 
 from tests.helpers.fsdp import assert_same_params, run
-from tests.helpers.moe import WORKER, assert_equal_runs, moe_job, validation, with_validation
+from tests.helpers.moe import (WORKER, assert_equal_runs, moe_job, qwen3_vl_moe_job, run_jobs, validation,
+                               with_validation)
 
 EXPERTS = "language_model.model.layers.0.mlp.experts.gate_up_proj"
+VL_TOWER = "encoders.vision.encoder.deepstack_merger_list.1.linear_fc2.weight"
 
 
 def test_ep2_equals_one_process_frozen_encoder_and_no_local_expert(tmp_path):
-    single = run(moe_job(tmp_path), tmp_path, "single", 1, WORKER)
-    ep = run(moe_job(tmp_path, ep=2), tmp_path, "ep", 2, WORKER)
+    # with a Qwen3-VL-MoE job (DeepStack, trainable tower) trained after the first in the same processes
+    single, vl_single = run_jobs([(moe_job(tmp_path), "single"), (qwen3_vl_moe_job(tmp_path, "vl"), "vl_single")],
+                                 tmp_path, 1)
+    ep, vl_ep = run_jobs([(moe_job(tmp_path, ep=2), "ep"), (qwen3_vl_moe_job(tmp_path, "vl", ep=2), "vl_ep")],
+                         tmp_path, 2)
     assert single["local"][0] == [(4, 32, 32)] * 2 and ep["local"] == [[(2, 32, 32)] * 2] * 2  # E/ep experts each
+    assert vl_ep["local"] == [[(2, 32, 32)] * 2] * 2 and VL_TOWER in vl_single["grads"]
+    assert_equal_runs(vl_single, vl_ep)
     assert EXPERTS in single["grads"] and not any(n.startswith("encoders.vision.encoder.") for n in single["grads"])
     assert_equal_runs(single, ep)
     # resume across EP degrees: step 1 of the EP=2 run in one process, step 1 of the one-process run at EP=2

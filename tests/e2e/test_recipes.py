@@ -2,7 +2,8 @@
 paths overridden from the test: LLaVA-1.5 stage 1 (only the projector changes) then stage 2 from stage 1's model
 (projector and LLM change, the tower does not; exported as LLaVA), Qwen2-Audio (from an imported checkpoint, LoRA on
 the LLM), Qwen2.5-VL (imported, LoRA on its M-RoPE LLM, answers generated, exported), vision + audio (SigLIP,
-Whisper, Qwen2), and Qwen3-VL and Gemma 3 (imported, LoRA on the LLM, exported: the adapters merged into it)."""
+Whisper, Qwen2), and Qwen3-VL, Gemma 3 and Qwen3-VL-MoE (imported, LoRA on the LLM, exported: the adapters merged into
+it; Qwen3-VL-MoE's experts unchanged)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_every_recipe_loads():
     assert {p.name for p in RECIPES.glob("*.toml")} == {"llava15_stage1.toml", "llava15_stage2.toml", "qwen2_audio.toml",
                                                         "qwen2_5_vl.toml", "vision_audio.toml", "qwen2_5_omni.toml",
                                                         "qwen2_5_omni_full.toml", "gemma3.toml", "qwen3_vl.toml",
-                                                        "voxtral.toml"}
+                                                        "voxtral.toml", "qwen3_vl_moe.toml"}
 
 
 def test_llava15_stages_train_and_export(tmp_path, monkeypatch):
@@ -146,15 +147,17 @@ def test_qwen2_5_vl_recipe_trains_from_an_import_generates_and_exports(tmp_path)
     assert not torch.equal(_weights(model_dir / "llm")[q_proj], exported)
 
 
-@pytest.mark.parametrize("recipe", ["qwen3_vl", "gemma3"])
+@pytest.mark.parametrize("recipe", ["qwen3_vl", "gemma3", "qwen3_vl_moe"])
 def test_new_family_recipes_train_lora_from_an_import_and_export(tmp_path, recipe):
     """LoRA on the LLM (its model type has default targets), the tower frozen; the export holds the merged weights."""
     from tests.helpers.gemma3 import save_gemma3
     from tests.helpers.hf_io_qwen2_5_vl import PAD
     from tests.helpers.qwen3_vl import save_qwen3_vl
+    from tests.helpers.qwen3_vl_moe import save_qwen3_vl_moe
 
     save, item, hf_class = {
         "qwen3_vl": (save_qwen3_vl, PAD, T.Qwen3VLForConditionalGeneration),
+        "qwen3_vl_moe": (save_qwen3_vl_moe, PAD, T.Qwen3VLMoeForConditionalGeneration),
         "gemma3": (save_gemma3, "\n\n<start_of_image><image_soft_token><end_of_image>\n\n",
                    T.Gemma3ForConditionalGeneration)}[recipe]
     model_dir, _ = import_checkpoint(save(tmp_path / recipe), tmp_path / "imported")
@@ -169,6 +172,9 @@ def test_new_family_recipes_train_lora_from_an_import_and_export(tmp_path, recip
     q_proj = "layers.0.self_attn.q_proj.weight"
     assert not torch.equal(_weights(model_dir / "llm")[f"model.{q_proj}"],
                            hf.model.language_model.state_dict()[q_proj])  # the adapters trained and were merged
+    if recipe == "qwen3_vl_moe":  # LoRA's defaults leave the fused experts and the router as imported
+        for name in ("layers.1.mlp.experts.gate_up_proj", "layers.1.mlp.experts.down_proj", "layers.1.mlp.gate.weight"):
+            assert torch.equal(_weights(model_dir / "llm")[f"model.{name}"], hf.model.language_model.state_dict()[name])
 
 
 def test_voxtral_recipe_trains_lora_from_an_import_and_exports(tmp_path):

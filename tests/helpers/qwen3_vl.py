@@ -121,16 +121,18 @@ def rows(layout: list[list[tuple[str, tuple[int, int, int]]]], seed: int = 0, le
     return Rows(layout, seed, left)
 
 
-def save_qwen3_vl(folder: Path, dtype: torch.dtype = torch.float32, seed: int = 0, tied: bool = False) -> Path:
+def save_qwen3_vl(folder: Path, dtype: torch.dtype = torch.float32, seed: int = 0, tied: bool = False,
+                  build=None) -> Path:
     """The tiny model in ``dtype`` with the files of its processor: ``Qwen2VLImageProcessorPil`` (4-pixel patches,
-    merge 2) and the demo tokenizer with Qwen's vision tokens added (ids set in the config)."""
+    merge 2) and the demo tokenizer with Qwen's vision tokens added (ids set in the config); ``build(seed, tied)``
+    makes another tiny model of the family (default :func:`tiny_qwen3_vl`)."""
     from tests.unit.commands.tiny_hf_checkpoints import tokenizer
 
     tok = tokenizer()
     names = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
     tok.add_special_tokens({"additional_special_tokens": names})
     start, end, image, video = tok.convert_tokens_to_ids(names)
-    model = tiny_qwen3_vl(seed, tied)
+    model = (build or tiny_qwen3_vl)(seed, tied)
     cfg = model.config
     cfg.vision_start_token_id, cfg.vision_end_token_id, cfg.image_token_id, cfg.video_token_id = start, end, image, video
     cfg.text_config.eos_token_id = tok.eos_token_id

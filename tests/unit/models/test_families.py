@@ -40,9 +40,9 @@ CONFIGS = {
 }
 
 
-def test_thirteen_families_each_listed_once_with_distinct_model_types():
-    assert len(FAMILIES) == 13
-    assert len({type(f) for f in FAMILIES}) == 13
+def test_fourteen_families_each_listed_once_with_distinct_model_types():
+    assert len(FAMILIES) == 14
+    assert len({type(f) for f in FAMILIES}) == 14
     types = [t for f in FAMILIES for t in f.model_types]
     assert len(types) == len(set(types))
     assert set(CONFIGS) <= set(types)

@@ -14,6 +14,7 @@ from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 from plait.models.families import family_of
 from plait.models.families.qwen3_vl import Qwen3VLTextForCausalLM
+from plait.models.families.qwen3_vl_moe import Qwen3VLMoeTextForCausalLM
 from plait.models.plan_inputs import encoder_arch, plan_configs
 from plait.planner.cost.arch import (
     DecoderArch,
@@ -56,6 +57,8 @@ def _cases():
         (Qwen3VLTextForCausalLM, T.Qwen3VLTextConfig(**LLM_KW, head_dim=24)),
         (T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig(**LLM_KW, num_experts=4, num_experts_per_tok=2,
                                                  moe_intermediate_size=32)),
+        (Qwen3VLMoeTextForCausalLM, T.Qwen3VLMoeTextConfig(**LLM_KW, head_dim=24, num_experts=4, num_experts_per_tok=2,
+                                                           moe_intermediate_size=32)),
         (T.MixtralForCausalLM, T.MixtralConfig(**LLM_KW, num_local_experts=4, num_experts_per_tok=2)),
         (T.GemmaForCausalLM, T.GemmaConfig(**LLM_KW, head_dim=24)),
         (T.Gemma2ForCausalLM, T.Gemma2Config(**LLM_KW, head_dim=24)),
