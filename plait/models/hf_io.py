@@ -121,6 +121,9 @@ HF_FORMATS = {
     "qwen2_5_omni": HfFormat("qwen2_5_omni", "qwen2_5_omni_thinker", "Qwen2_5OmniThinkerForConditionalGeneration",
                              "Qwen2_5OmniProcessor", "image", "vision", "visual", "linear", (), "image_token_id",
                              ("qwen2_5_omni_vision_encoder",)),
+    "qwen3_omni_moe": HfFormat("qwen3_omni_moe", "qwen3_omni_moe_thinker",
+                               "Qwen3OmniMoeThinkerForConditionalGeneration", "Qwen3OmniMoeProcessor", "image",
+                               "vision", "visual", "linear", (), "image_token_id", ("qwen3_omni_moe_vision_encoder",)),
     # one audio branch whose tower holds the projector: mapped by plait.models.hf_io_voxtral, this entry names it
     "voxtral": HfFormat("voxtral", "voxtral", "VoxtralForConditionalGeneration", "VoxtralProcessor", "audio", "audio",
                         "audio_tower", "linear", (), "audio_token_id", ("voxtral_encoder",)),
@@ -150,6 +153,7 @@ def hf_format_of(config: PretrainedConfig, where: str) -> HfFormat:
     """
     model_type = getattr(config, "model_type", "")
     model_type = "qwen2_5_omni_thinker" if model_type == "qwen2_5_omni" else model_type  # a full Omni: its thinker
+    model_type = "qwen3_omni_moe_thinker" if model_type == "qwen3_omni_moe" else model_type
     if model_type in _REFUSED:
         raise ValueError(f"{where}: cannot import a {model_type} checkpoint: {_REFUSED[model_type]}")
     for fmt in HF_FORMATS.values():
