@@ -121,12 +121,13 @@ HF_FORMATS = {
     "qwen2_5_omni": HfFormat("qwen2_5_omni", "qwen2_5_omni_thinker", "Qwen2_5OmniThinkerForConditionalGeneration",
                              "Qwen2_5OmniProcessor", "image", "vision", "visual", "linear", (), "image_token_id",
                              ("qwen2_5_omni_vision_encoder",)),
-    "qwen3_omni_moe": HfFormat("qwen3_omni_moe", "qwen3_omni_moe_thinker",
-                               "Qwen3OmniMoeThinkerForConditionalGeneration", "Qwen3OmniMoeProcessor", "image",
-                               "vision", "visual", "linear", (), "image_token_id", ("qwen3_omni_moe_vision_encoder",)),
     # one audio branch whose tower holds the projector: mapped by plait.models.hf_io_voxtral, this entry names it
     "voxtral": HfFormat("voxtral", "voxtral", "VoxtralForConditionalGeneration", "VoxtralProcessor", "audio", "audio",
                         "audio_tower", "linear", (), "audio_token_id", ("voxtral_encoder",)),
+    # the Qwen3-Omni-MoE thinker: mapped by plait.models.hf_io_omni, as Qwen2.5-Omni's
+    "qwen3_omni_moe": HfFormat("qwen3_omni_moe", "qwen3_omni_moe_thinker",
+                               "Qwen3OmniMoeThinkerForConditionalGeneration", "Qwen3OmniMoeProcessor", "image",
+                               "vision", "visual", "linear", (), "image_token_id", ("qwen3_omni_moe_vision_encoder",)),
 }
 """The supported classes by ``--format`` name."""
 

@@ -51,7 +51,8 @@ THINKER = "qwen3_omni_moe"
 def audio_token_count(frames: int, n_window: int = 50) -> int:
     """Features the audio tower gives a clip of ``frames`` mel frames (transformers'
     ``_get_feat_extract_output_lengths``)."""
-    return int(_get_feat_extract_output_lengths(torch.tensor(int(frames)), int(n_window)))
+    with torch.device("cpu"):  # also inside a meta-device build (the tower's probe)
+        return int(_get_feat_extract_output_lengths(torch.tensor(int(frames)), int(n_window)))
 
 
 @register_causal_lm
