@@ -4,7 +4,7 @@ from a tiny ``Qwen3OmniMoeThinkerForConditionalGeneration`` (DeepStack vision to
 model) gives the HF model's logits (fp32, 1e-5) with plait's own positions, which are transformers'
 ``get_rope_index``'s, on an image, an audio clip, and a video with its audio track (its tokens in time order) beside
 an image and an audio clip; greedy decoding gives ``generate``'s tokens; import then export is bit-identical and the
-export generates the same tokens; the MoE layers are what expert parallelism, the planner and LoRA see."""
+export generates the same tokens (a full Omni folder gives its thinker); the MoE layers are what expert parallelism, the planner and LoRA see."""
 
 from __future__ import annotations
 
@@ -105,11 +105,24 @@ def test_import_then_export_is_bit_identical_and_generates_the_same(tmp_path):
     settings = dict(max_new_tokens=6, do_sample=False, eos_token_id=[2], pad_token_id=0)
     with torch.no_grad():
         assert torch.equal(loaded.generate(**r.hf, **settings), original.generate(**r.hf, **settings))
+    # a full Qwen3OmniMoeForConditionalGeneration folder (here without its talker) is read as its thinker
+    import transformers as T
+
+    from tests.helpers.qwen3_omni_moe import thinker_config
+
+    full = T.Qwen3OmniMoeForConditionalGeneration(T.Qwen3OmniMoeConfig(thinker_config=thinker_config().to_dict(),
+                                                                        enable_audio_output=False))
+    full.thinker.load_state_dict(original.state_dict())
+    full.save_pretrained(tmp_path / "omni")
+    thinker = load_thinker(tmp_path / "omni").state_dict()
+    assert sorted(thinker) == sorted(want) and all(torch.equal(v, want[k]) for k, v in thinker.items())
 
 
 def test_moe_layers_are_what_ep_the_planner_and_lora_see(models):
-    """The experts modules expert parallelism splits, the planner's MoE facts of the text config, and the LoRA
-    defaults (attention projections; the fused experts are not Linear modules)."""
+    """The experts modules expert parallelism splits, the routers the profiler counts, the planner's MoE facts of the
+    text config (and every parameter counted), and the LoRA defaults (attention projections; the fused experts are
+    not Linear modules)."""
+    from plait.measure.router_load import router_modules
     from plait.models.lora import DEFAULT_TARGETS, lora_targets
     from plait.parallel.expert_parallel import experts_modules
     from plait.planner.cost.arch import arch_from_config, model_param_count
@@ -117,6 +130,7 @@ def test_moe_layers_are_what_ep_the_planner_and_lora_see(models):
     _, model = models
     llm = model.language_model
     assert [n for n, _ in experts_modules(llm)] == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert [n for n, _ in router_modules(llm)] == [f"model.layers.{i}.mlp.gate" for i in range(2)]
     arch = arch_from_config(llm.config)
     assert (arch.num_experts, arch.experts_per_token, arch.expert_intermediate) == (4, 2, 32)
     assert model_param_count(llm.config) == sum(p.numel() for p in llm.parameters())
