@@ -136,3 +136,25 @@ def test_moe_layers_are_what_ep_the_planner_and_lora_see(models):
     assert model_param_count(llm.config) == sum(p.numel() for p in llm.parameters())
     targets = lora_targets(llm, DEFAULT_TARGETS["qwen3_omni_moe_text"])
     assert len(targets) == 2 * 4
+
+
+def test_fused_experts_load_from_the_per_expert_tensors_save_pretrained_writes(tmp_path):
+    """``save_pretrained`` writes each expert's ``gate_proj`` / ``up_proj`` / ``down_proj``; plait's weight source
+    fills the fused ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]`` from them (a job building the
+    MoE LLM from a saved folder), bit for bit."""
+    import transformers as T
+
+    from plait.models.init import PartSource, WeightSource
+    from tests.helpers.qwen3_omni_moe import TEXT
+
+    torch.manual_seed(0)
+    llm = Qwen3OmniMoeTextForCausalLM(T.Qwen3OmniMoeTextConfig(**TEXT))
+    with torch.no_grad():
+        for p in llm.parameters():
+            p.copy_(torch.randn_like(p))
+    llm.save_pretrained(tmp_path / "llm")
+    source = WeightSource([PartSource("language_model.", (str(tmp_path / "llm" / "model.safetensors"),), "model.")])
+    fresh = {k: torch.zeros_like(v) for k, v in llm.state_dict().items()}
+    missing = source.load([(t, [f"language_model.{k}"]) for k, t in fresh.items()])
+    assert missing == [] and any(".experts.gate_up_proj" in k for k in fresh)
+    assert all(torch.equal(fresh[k], v) for k, v in llm.state_dict().items())
