@@ -133,7 +133,7 @@ OVERRIDES_HELP = """overrides:
 
 
 EXPORT_FORMATS = ("llava", "qwen2_audio", "qwen2_5_vl", "gemma3", "qwen3_vl", "qwen2_5_omni", "voxtral",
-                  "qwen3_vl_moe")
+                  "qwen3_vl_moe", "qwen3_omni_moe")
 """``plait export --format`` choices: the keys of ``plait.models.hf_io.HF_FORMATS`` (kept here so that parsing loads
 no model code; a test holds them equal)."""
 
@@ -347,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "gemma3: Gemma3ForConditionalGeneration; qwen3_vl: Qwen3VLForConditionalGeneration; "
                           "qwen2_5_omni: Qwen2_5OmniThinkerForConditionalGeneration (projectors folded into the "
                           "towers); voxtral: VoxtralForConditionalGeneration (the projector folded into the tower's "
-                          "projector); qwen3_vl_moe: Qwen3VLMoeForConditionalGeneration")
+                          "projector); qwen3_vl_moe: Qwen3VLMoeForConditionalGeneration; qwen3_omni_moe: "
+                          "Qwen3OmniMoeThinkerForConditionalGeneration")
     exp.add_argument("--out", default=None, help="the checkpoint folder (default: <run>/hf-<format>)")
     return parser
 

@@ -26,8 +26,7 @@ from plait.models.generation import with_stop_tokens
 from plait.models.gemma3 import GEMMA3_TOKENS
 from plait.models.hf_io import (HF_FORMATS, QWEN_VL_TOKENS, REFUSED_EXPORTS, check_exportable, hf_from_composite,
                                 merge_adapters, save_hf_processor)
-from plait.models.hf_io_omni import (OMNI_TOKENS, THINKER_CLASS, check_thinker_exportable, save_thinker_processor,
-                                     thinker_from_composite)
+from plait.models.hf_io_omni import THINKERS, check_thinker_exportable, save_thinker_processor, thinker_from_composite
 from plait.models.hf_io_voxtral import VOXTRAL_CLASS, check_voxtral_exportable, save_voxtral_processor, \
     voxtral_from_composite
 from plait.models.multimodal import PLAIT_CONFIG, MultimodalModel
@@ -85,8 +84,8 @@ def export_checkpoint(run: str | Path, fmt: str, out: str | Path | None = None) 
         raise ValueError(f"--out {target} already holds files; choose another folder or remove it")
     print(f"plait: reading {final}", flush=True)
     model = MultimodalModel.from_pretrained(final)
-    if spec.name == "qwen2_5_omni":
-        return _export_thinker(model, final, target)
+    if spec.name in THINKERS:
+        return _export_thinker(model, final, target, spec.name)
     if spec.name == "voxtral":
         return _export_voxtral(model, final, target)
     check_exportable(model, spec)
@@ -133,29 +132,29 @@ def _token_ids(fmt: str, tokenizer: transformers.PreTrainedTokenizerBase) -> dic
     (:data:`plait.models.hf_io.QWEN_VL_TOKENS`), Gemma 3's of its image start/end tokens
     (:data:`plait.models.gemma3.GEMMA3_TOKENS`); ``{}`` for the other formats."""
     tokens = {"qwen2_5_vl": QWEN_VL_TOKENS, "qwen3_vl": QWEN_VL_TOKENS, "gemma3": GEMMA3_TOKENS,
-              "qwen2_5_omni": OMNI_TOKENS, "qwen3_vl_moe": QWEN_VL_TOKENS}.get(fmt)
+              "qwen3_vl_moe": QWEN_VL_TOKENS, **{name: t.tokens for name, t in THINKERS.items()}}.get(fmt)
     if tokens is None:
         return {}
     ids = {field: tokenizer.convert_tokens_to_ids(token) for field, token in tokens.items()}
     return {field: int(i) for field, i in ids.items() if i is not None and i != tokenizer.unk_token_id}
 
 
-def _export_thinker(model: MultimodalModel, final: Path, target: Path) -> Path:
-    """:func:`export_checkpoint` of a Qwen2.5-Omni thinker (two branches, :mod:`plait.models.hf_io_omni`): adapters
+def _export_thinker(model: MultimodalModel, final: Path, target: Path, fmt: str) -> Path:
+    """:func:`export_checkpoint` of an Omni thinker (``fmt``: two branches, :mod:`plait.models.hf_io_omni`): adapters
     merged, each projector in its saved dtype and folded into its tower, the thinker's processor files written.
 
     Raises:
         ValueError: as :func:`plait.models.hf_io_omni.check_thinker_exportable`.
         FileNotFoundError: for a missing ``tokenizer/`` or ``processors/<branch>/`` folder.
     """
-    check_thinker_exportable(model)
+    check_thinker_exportable(model, fmt)
     tokenizer, processors = _prepared(model, final)
-    hf = thinker_from_composite(model, _token_ids("qwen2_5_omni", tokenizer))
+    hf = thinker_from_composite(model, _token_ids(fmt, tokenizer), fmt)
     hf.generation_config = with_stop_tokens(hf.generation_config, tokenizer)  # stop where plait generate stops
     media = {model.encoders[n].modality: processor for n, processor in processors.items()}
-    print(f"plait: writing {target} ({THINKER_CLASS})", flush=True)
+    print(f"plait: writing {target} ({THINKERS[fmt].model_class})", flush=True)
     hf.save_pretrained(target)
-    save_thinker_processor(model, tokenizer, media["image"], media["audio"], target)
+    save_thinker_processor(model, tokenizer, media["image"], media["audio"], target, fmt)
     share_saved_files(target)  # safetensors writes 0600
     return target
 

@@ -35,7 +35,7 @@ from plait.data.chat_template import read_chat_template
 from plait.data.sources import path_note
 from plait.models.hf_io import (QWEN_VL_FORMATS, HfFormat, composite_from_hf, hf_format_of,
                                 string_content_template)
-from plait.models.hf_io_omni import composite_from_thinker, load_thinker
+from plait.models.hf_io_omni import THINKERS, composite_from_thinker, load_thinker
 from plait.models.hf_io_voxtral import composite_from_voxtral
 from plait.models.multimodal import MultimodalModel
 
@@ -88,7 +88,7 @@ def import_checkpoint(source: str | Path, out: str | Path, *, train: str = "", v
     if model_dir.exists() and any(model_dir.iterdir()):
         raise ValueError(f"{model_dir} already holds files; choose another --out or remove it")
     processor = _processor(src, fmt)
-    omni = fmt.name == "qwen2_5_omni"  # the thinker: two branches (plait.models.hf_io_omni)
+    omni = fmt.name in THINKERS  # a thinker: two branches (plait.models.hf_io_omni)
     media = processor.image_processor if fmt.modality == "image" else processor.feature_extractor
     tokenizer = processor.tokenizer
     tokenizer.chat_template = _chat_template(processor, tokenizer, chat_template, src)  # checked before the weights
@@ -173,7 +173,7 @@ def _load_model(src: Path, fmt: HfFormat, files: list[Path]) -> Any:
             that do not fit the config).
     """
     try:
-        if fmt.name == "qwen2_5_omni":  # a thinker, or a full Omni checkpoint's thinker
+        if fmt.name in THINKERS:  # a thinker, or a full Omni checkpoint's thinker
             return load_thinker(src)
         return getattr(transformers, fmt.model_class).from_pretrained(str(src)).eval()
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError, EOFError, pickle.UnpicklingError) as exc:
@@ -196,12 +196,12 @@ def _processor(src: Path, fmt: HfFormat) -> Any:
         ValueError: when the folder holds no processor files.
     """
     try:
-        if fmt.name == "qwen2_5_omni":  # its processor needs torchvision (video processor): its parts
+        if fmt.name in THINKERS:  # its processor needs torchvision (video processor): its parts
             tokenizer = AutoTokenizer.from_pretrained(str(src))
+            image, audio, _ = THINKERS[fmt.name].placeholders
             return SimpleNamespace(image_processor=AutoImageProcessor.from_pretrained(str(src)), tokenizer=tokenizer,
                                    feature_extractor=AutoFeatureExtractor.from_pretrained(str(src)),
-                                   chat_template=tokenizer.chat_template, image_token="<|IMAGE|>",
-                                   audio_token="<|AUDIO|>")
+                                   chat_template=tokenizer.chat_template, image_token=image, audio_token=audio)
         if fmt.name == "voxtral":  # VoxtralProcessor tokenizes chats with mistral-common: its parts
             tokenizer = AutoTokenizer.from_pretrained(str(src))
             return SimpleNamespace(feature_extractor=AutoFeatureExtractor.from_pretrained(str(src)),
@@ -228,7 +228,7 @@ def _check_placeholder(fmt: HfFormat, config: Any, processor: Any, src: Path) ->
     if fmt.name == "gemma3":  # Gemma3Processor's image_token is <start_of_image>; the soft tokens are the placeholder
         token = processor.tokenizer.image_token
     checks = [(token, fmt.token_field)]
-    if fmt.name == "qwen2_5_omni":  # the thinker's ids (a full Omni checkpoint: its thinker_config's)
+    if fmt.name in THINKERS:  # the thinker's ids (a full Omni checkpoint: its thinker_config's)
         config = getattr(config, "thinker_config", config)
         checks.append((processor.audio_token, "audio_token_id"))
     for token, field in checks:
@@ -280,9 +280,11 @@ def job_toml(fmt: HfFormat, src: Path, model_dir: Path, model: MultimodalModel, 
                  "<|video_pad|><|vision_end|>; each temporal patch gets its <t seconds> and <|vision_start|> ... "
                  "<|vision_end|>, as Qwen3VLProcessor writes it\nfps = 2.0  # sampled frames per second (its video "
                  "processor's default)\n")
-    if fmt.name == "qwen2_5_omni":
-        video = ('\n[model.encoders.vision.video]\nplaceholder = "<|VIDEO|>"  # records write <|vision_bos|><|VIDEO|>'
-                 "<|vision_eos|>; with audio = true <|vision_bos|><|audio_bos|><|VIDEO|><|audio_eos|><|vision_eos|>\n"
+    if fmt.name in THINKERS:
+        _, _, pad = THINKERS[fmt.name].placeholders
+        vs, ve, aus, aue = THINKERS[fmt.name].starts
+        video = (f'\n[model.encoders.vision.video]\nplaceholder = "{pad}"  # records write {vs}{pad}'
+                 f"{ve}; with audio = true {vs}{aus}{pad}{aue}{ve}\n"
                  "fps = 2.0  # sampled frames per second (its video processor's default)\naudio = false  # true: each "
                  "video's audio track goes in with it, time-aligned (use_audio_in_video)\n\n[model.encoders.audio]\n"
                  "freeze = true  # the audio tower as imported\nfreeze_projector = true  # the identity after its "

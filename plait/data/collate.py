@@ -7,8 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from plait.data.mrope import mrope_positions
-from plait.data.omni_positions import omni_items, omni_positions
+from plait.data.omni_positions import document_positions
 from plait.data.processing import IGNORE, ProcessedSample, SampleMeta
 
 __all__ = ["Batch", "collate"]
@@ -111,28 +110,23 @@ def collate(samples: Sequence[ProcessedSample], pad_id: int, padding_side: str =
 
 
 def _rope_rows(samples: Sequence[ProcessedSample]) -> list[torch.Tensor] | None:
-    """Per sample, its M-RoPE positions ``[3, n]`` (:func:`plait.data.mrope.mrope_positions`) when some item of
-    ``samples`` has an ``image_grid_thw``; None otherwise."""
+    """Per sample, its M-RoPE positions ``[3, n]`` (:func:`plait.data.omni_positions.document_positions`; 1-D
+    positions on three streams for a sample without grid items) when some item of ``samples`` has an
+    ``image_grid_thw``; None otherwise."""
     if not any("image_grid_thw" in it for s in samples for items in s.inputs.values() for it in items):
         return None
     rows = []
     for s in samples:
         seen: dict[str, int] = {}
-        grids, timing, in_order = [], [], []
+        in_order = []
         for name, _ in s.meta.items:
-            item = s.inputs[name][seen.get(name, 0)]
+            in_order.append(s.inputs[name][seen.get(name, 0)])
             seen[name] = seen.get(name, 0) + 1
-            in_order.append(item)
-            grid = item.get("image_grid_thw")
-            grids.append(None if grid is None else [int(g) for g in torch.as_tensor(grid).reshape(-1)])
-            video = "second_per_grid_t" in item  # a Qwen2.5-VL video with its timing: positioned as a video
-            timing.append((item["second_per_grid_t"], item["tokens_per_second"]) if video else None)
-        clips = omni_items(in_order)  # a Qwen2.5-Omni thinker's video (with its audio track or not): its positions
         try:
-            rows.append(mrope_positions(s.input_ids, s.item_ids, grids, timing) if clips is None else
-                        omni_positions(s.input_ids, s.item_ids, clips[0], clips[1]))
+            row = document_positions(s.input_ids, s.item_ids, in_order)
         except ValueError as exc:
             raise ValueError(f"sample {s.meta.id}: {exc}") from None
+        rows.append(torch.arange(len(s.input_ids)).expand(3, -1).clone() if row is None else row)
     return rows
 
 

@@ -16,17 +16,21 @@ second of audio and the frames of that second share temporal positions.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniPreTrainedModelForConditionalGeneration as _Thinker)
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoePreTrainedModelForConditionalGeneration as _Thinker3, _get_feat_extract_output_lengths)
 
-from plait.data.mrope import _merge_size
+from plait.data.mrope import _merge_size, mrope_positions
 
-__all__ = ["OmniItem", "omni_positions", "clip_chunks", "clip_runs", "audio_frames_for", "omni_items"]
+__all__ = ["OmniItem", "omni_positions", "clip_chunks", "clip_in_time_order", "clip_runs", "audio_frames_for",
+           "qwen3_audio_frames_for", "omni_items", "document_positions", "THINKERS"]
 
 _TEXT, _IMAGE, _VIDEO, _AUDIO, _VSTART, _ASTART = 0, 1, 2, 3, 4, 5  # the stand-in's role ids
 
@@ -77,27 +81,85 @@ def clip_chunks(grid: Sequence[int], merge: int, second_per_grid_t: float, audio
     return out
 
 
+def clip_in_time_order(grid: Sequence[int], merge: int, second_per_grid_t: float, audio_tokens: int,
+                       position_id_per_seconds: float, seconds_per_chunk: float = 0.0) -> list[tuple[str, int]]:
+    """The token layout of a Qwen3-Omni clip (as :func:`clip_chunks`; ``seconds_per_chunk`` unused): each temporal
+    patch ``k`` of the video at time ``T_k = k x second_per_grid_t x position_id_per_seconds`` goes before the audio
+    tokens ``a >= T_k`` (audio token ``a`` sits at time ``a``), the order ``Qwen3OmniMoeProcessor`` writes and the
+    thinker's ``get_rope_index`` merges (a video token first on equal times); runs of one kind joined."""
+    t, h, w = (int(g) for g in grid)
+    per_t, audio = (h // merge) * (w // merge), int(audio_tokens)
+    out: list[tuple[str, int]] = []
+
+    def add(kind: str, n: int) -> None:
+        if n > 0:
+            out[-1:] = [(kind, out[-1][1] + n)] if out and out[-1][0] == kind else out[-1:] + [(kind, n)]
+
+    done = 0
+    for k in range(t):
+        before = min(audio, math.ceil(k * float(second_per_grid_t) * float(position_id_per_seconds)))
+        add("audio", before - done)
+        done = max(done, before)
+        add("video", per_t)
+    add("audio", audio - done)
+    return out
+
+
+def qwen3_audio_frames_for(tokens: int, n_window: int = 50) -> int:
+    """The fewest mel frames whose Qwen3-Omni audio features number ``tokens`` (the inverse of transformers'
+    ``_get_feat_extract_output_lengths``: ``13`` features per full ``2 n_window``-frame chunk, then the tail's)."""
+    chunk = 2 * int(n_window)
+    full = int(_get_feat_extract_output_lengths(torch.tensor(chunk), n_window))
+    tail = _get_feat_extract_output_lengths(torch.arange(chunk), n_window)
+    rest = int(tokens) % full
+    return chunk * (int(tokens) // full) + int(torch.nonzero(tail == rest)[0])
+
+
+@dataclass(frozen=True)
+class _Rules:
+    """A thinker's rules: whose ``get_rope_index``, its clip layout, mel frames of an audio item's token count, and
+    the config fields its ``get_rope_index`` reads besides the role ids."""
+
+    thinker: Any
+    layout: Callable[..., list[tuple[str, int]]]
+    frames_for: Callable[[int], int]
+    config: Callable[[float], dict[str, Any]]
+    needs_mask: bool
+
+
+THINKERS = {
+    "qwen2_5_omni": _Rules(_Thinker, clip_chunks, audio_frames_for, lambda chunk: {"seconds_per_chunk": chunk}, False),
+    "qwen3_omni_moe": _Rules(_Thinker3, clip_in_time_order, qwen3_audio_frames_for,
+                             lambda chunk: {"audio_config": SimpleNamespace(n_window=50)}, True),
+}
+"""The thinkers whose positions :func:`omni_positions` computes, by the name their videos' timing carries."""
+
+
 def clip_runs(video: dict, video_tokens: int, audio_tokens: int) -> list[tuple[str, int]]:
-    """:func:`clip_chunks` of a clip's processed video item (``image_grid_thw``, ``second_per_grid_t``,
-    ``tokens_per_second``, ``seconds_per_chunk``) of ``video_tokens`` tokens and its audio track's ``audio_tokens``.
+    """The token layout (:func:`clip_chunks`, or :func:`clip_in_time_order` for a ``thinker = "qwen3_omni_moe"``
+    video) of a clip's processed video item (``image_grid_thw``, ``second_per_grid_t``, ``tokens_per_second``,
+    ``seconds_per_chunk``) of ``video_tokens`` tokens and its audio track's ``audio_tokens``.
 
     Raises:
         ValueError: as :func:`omni_positions` for a grid that is not ``video_tokens`` merged blocks."""
     grid = [int(g) for g in torch.as_tensor(video["image_grid_thw"]).reshape(-1)]
     merge = _merge_size(grid, int(video_tokens), 0)
-    return clip_chunks(grid, merge, float(video["second_per_grid_t"]), int(audio_tokens),
-                       float(video["tokens_per_second"]), float(video["seconds_per_chunk"]))
+    layout = THINKERS[video.get("thinker", "qwen2_5_omni")].layout
+    return layout(grid, merge, float(video["second_per_grid_t"]), int(audio_tokens),
+                  float(video["tokens_per_second"]), float(video["seconds_per_chunk"]))
 
 
-def omni_items(items: Sequence[dict]) -> tuple[list[OmniItem], float] | None:
+def omni_items(items: Sequence[dict]) -> tuple[list[OmniItem], float, str] | None:
     """The :class:`OmniItem` of each processed item of a document (in item order: a clip's video item marked
-    ``audio_track``, its audio item right after it) and the videos' ``seconds_per_chunk``; None when no item is a
+    ``audio_track``, its audio item right after it), the videos' ``seconds_per_chunk`` and their thinker (a
+    :data:`THINKERS` name, ``"qwen2_5_omni"`` unless the timing names another); None when no item is a
     thinker's video (one whose timing has ``seconds_per_chunk``): images and audio clips are positioned alike by
     :func:`plait.data.mrope.mrope_positions`, videos are not (the thinker's text after a video continues past its
     largest position on all three streams)."""
     if not any("seconds_per_chunk" in it for it in items):
         return None
     out, chunk = [], 2.0
+    thinker = next((it["thinker"] for it in items if "thinker" in it), "qwen2_5_omni")
     for i, it in enumerate(items):
         grid = it.get("image_grid_thw")
         if grid is None:
@@ -108,18 +170,44 @@ def omni_items(items: Sequence[dict]) -> tuple[list[OmniItem], float] | None:
         chunk = float(it.get("seconds_per_chunk", chunk))
         out.append(OmniItem("video" if timed else "image", g, float(it.get("second_per_grid_t", 0.0)),
                             float(it.get("tokens_per_second", 25.0)), i + 1 if it.get("audio_track") else -1))
-    return out, chunk
+    return out, chunk, thinker
+
+
+def document_positions(input_ids: torch.Tensor, item_ids: torch.Tensor, items: Sequence[dict]) -> torch.Tensor | None:
+    """The M-RoPE positions ``[3, n]`` of one document whose processed ``items`` (in item order) include a grid item
+    (``image_grid_thw``): a thinker's (:func:`omni_items`, :func:`omni_positions`) when one of its videos is there,
+    else Qwen2.5-VL's (:func:`plait.data.mrope.mrope_positions`); None without a grid item (1-D positions).
+
+    Raises:
+        ValueError: as those functions, naming the item (e.g. two items without text tokens between them).
+    """
+    if not any("image_grid_thw" in it for it in items):
+        return None
+    clips = omni_items(items)
+    if clips is not None:
+        return omni_positions(input_ids, item_ids, *clips)
+    grids, timing = [], []
+    for item in items:
+        grid = item.get("image_grid_thw")
+        grids.append(None if grid is None else [int(g) for g in torch.as_tensor(grid).reshape(-1)])
+        video = "second_per_grid_t" in item  # a Qwen2.5-VL video with its timing: positioned as a video
+        timing.append((item["second_per_grid_t"], item["tokens_per_second"]) if video else None)
+    return mrope_positions(input_ids, item_ids, grids, timing)
 
 
 def omni_positions(input_ids: torch.Tensor, item_ids: torch.Tensor, items: Sequence[OmniItem],
-                   seconds_per_chunk: float = 2.0) -> torch.Tensor:
+                   seconds_per_chunk: float = 2.0, thinker: str = "qwen2_5_omni") -> torch.Tensor:
     """M-RoPE positions ``[3, n]`` int64 of one document (module docstring), by the thinker's ``get_rope_index``.
 
     Args:
         input_ids: ``[n]`` token ids (only their count is read; roles come from ``item_ids``).
         item_ids: ``[n]``: -1 on text, else the index into ``items`` of the item the token belongs to.
         items: the document's items (a clip: its video names its audio item in ``clip``).
-        seconds_per_chunk: the thinker's ``seconds_per_chunk``.
+        seconds_per_chunk: the thinker's ``seconds_per_chunk`` (Qwen2.5-Omni's clip chunks).
+        thinker: whose ``get_rope_index`` and clip layout (:data:`THINKERS`): ``"qwen2_5_omni"`` (clips interleaved
+            by chunks, :func:`clip_chunks`) or ``"qwen3_omni_moe"`` (clips in time order,
+            :func:`clip_in_time_order`; its positions are whole numbers when ``second_per_grid_t x
+            position_id_per_seconds`` is, and are rounded down otherwise).
 
     Raises:
         ValueError: naming the item: tokens of an item not contiguous (a clip's: not in :func:`clip_chunks`'
@@ -128,6 +216,7 @@ def omni_positions(input_ids: torch.Tensor, item_ids: torch.Tensor, items: Seque
             videos of different ``position_id_per_seconds``, or a video without its audio track in a document whose
             other videos have theirs (transformers positions a document all one way).
     """
+    rules = THINKERS[thinker]
     items_t = item_ids.reshape(-1).long()
     n = int(input_ids.reshape(-1).numel())
     counts = [int((items_t == i).sum()) for i in range(len(items))]
@@ -155,7 +244,7 @@ def omni_positions(input_ids: torch.Tensor, item_ids: torch.Tensor, items: Seque
                                        _AUDIO)
         if kind == "video" and items[i].clip >= 0:
             roles[start - 2], roles[start - 1] = _VSTART, _ASTART
-            _check_clip(items_t[start:end], i, items[i].clip, items[i], merge, counts, seconds_per_chunk)
+            _check_clip(items_t[start:end], i, items[i].clip, items[i], merge, counts, seconds_per_chunk, rules.layout)
         else:
             roles[start - 1] = _ASTART if kind == "audio" else _VSTART
     holder = SimpleNamespace(
@@ -163,9 +252,9 @@ def omni_positions(input_ids: torch.Tensor, item_ids: torch.Tensor, items: Seque
         config=SimpleNamespace(image_token_id=_IMAGE, video_token_id=_VIDEO, audio_token_id=_AUDIO,
                                vision_start_token_id=_VSTART, audio_start_token_id=_ASTART,
                                position_id_per_seconds=rates.pop() if rates else 25.0,
-                               seconds_per_chunk=seconds_per_chunk),
-        get_llm_pos_ids_for_vision=lambda *a: _Thinker.get_llm_pos_ids_for_vision(None, *a),
-        get_chunked_index=lambda *a: _Thinker.get_chunked_index(None, *a))
+                               **rules.config(seconds_per_chunk)),
+        get_llm_pos_ids_for_vision=lambda *a: rules.thinker.get_llm_pos_ids_for_vision(None, *a),
+        get_chunked_index=lambda *a: rules.thinker.get_chunked_index(None, *a))
     order = [i for i, _, _ in spans]
     audios = [j for i in order for j in ([i] if items[i].kind == "audio" else
                                          [items[i].clip] if items[i].kind == "video" and items[i].clip >= 0 else [])]
@@ -175,10 +264,11 @@ def omni_positions(input_ids: torch.Tensor, item_ids: torch.Tensor, items: Seque
         return torch.tensor(rows, dtype=torch.long) if rows else None
 
     seconds = torch.tensor([float(items[i].second_per_grid_t) for i in videos]) if videos else None
-    lens = torch.tensor([audio_frames_for(counts[j]) for j in audios]) if audios else None
-    positions, _ = _Thinker.get_rope_index(holder, roles[None], grid("image"), grid("video"), None, bool(clips), lens,
-                                           seconds)
-    return positions[:, 0]
+    lens = torch.tensor([rules.frames_for(counts[j]) for j in audios]) if audios else None
+    mask = torch.ones(1, n, dtype=torch.long) if rules.needs_mask else None
+    positions, _ = rules.thinker.get_rope_index(holder, roles[None], grid("image"), grid("video"), mask, bool(clips),
+                                                lens, seconds)
+    return positions[:, 0].long()
 
 
 def _spans(items: torch.Tensor, kinds: Sequence[OmniItem], audio_of: dict[int, int], counts: list[int]
@@ -212,13 +302,14 @@ def _spans(items: torch.Tensor, kinds: Sequence[OmniItem], audio_of: dict[int, i
 
 
 def _check_clip(tokens: torch.Tensor, video: int, audio: int, item: OmniItem, merge: int, counts: list[int],
-                seconds_per_chunk: float) -> None:
-    """Refuse a clip whose video and audio tokens are not laid out as :func:`clip_chunks` says.
+                seconds_per_chunk: float, layout: Callable[..., list[tuple[str, int]]] = clip_chunks) -> None:
+    """Refuse a clip whose video and audio tokens are not laid out as ``layout`` (the thinker's: :func:`clip_chunks`,
+    :func:`clip_in_time_order`) says.
 
     Raises:
         ValueError: naming the video item."""
-    want = clip_chunks(item.grid, merge, item.second_per_grid_t, counts[audio],  # type: ignore[arg-type]
-                       item.position_id_per_seconds, seconds_per_chunk)
+    want = layout(item.grid, merge, item.second_per_grid_t, counts[audio],  # type: ignore[arg-type]
+                  item.position_id_per_seconds, seconds_per_chunk)
     got: list[tuple[str, int]] = []
     for t in tokens.tolist():
         kind = "video" if t == video else "audio"
@@ -230,5 +321,5 @@ def _check_clip(tokens: torch.Tensor, video: int, audio: int, item: OmniItem, me
     for kind, k in want:  # consecutive chunks of one kind read as one run of tokens
         merged[-1:] = [(kind, merged[-1][1] + k)] if merged and merged[-1][0] == kind else merged[-1:] + [(kind, k)]
     if got != merged:
-        raise ValueError(f"item {video}: the clip's video and audio tokens run {got}, not the interleaving by "
-                         f"{seconds_per_chunk:g}-s chunks {merged} (audio item {audio})")
+        raise ValueError(f"item {video}: the clip's video and audio tokens run {got}, not the thinker's interleaving "
+                         f"{merged} (audio item {audio})")

@@ -16,6 +16,7 @@ record's start and end tokens around the placeholder dropped (:func:`unwrap_vide
 from __future__ import annotations
 
 import os
+import re
 import wave
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from PIL import Image
 
 from plait.data.chat_template import render_prompt, render_with_assistant_mask
 from plait.data.sources import RawSample, SampleError, path_note
-from plait.data.omni_positions import clip_runs
+from plait.data.omni_positions import clip_runs, document_positions
 from plait.data.video import VideoSpec, framed_video_ids, load_audio_track, load_sampled, text_stretch
 
 __all__ = ["ModalitySpec", "SampleMeta", "ProcessedSample", "MultimodalProcessor", "PerFrame", "Clip", "load_audio",
@@ -415,6 +416,7 @@ class MultimodalProcessor:
         by_id = {pid: kind for kind, (_, pid, _) in kinds.items()}
         cursors = dict.fromkeys(by_id.values(), 0)
         items: list[tuple[str, int]] = []
+        ordered: list[tuple[dict[str, Any], str]] = []  # each item and the record field it came from
         for tok, is_answer in zip(ids, assistant):
             kind = by_id.get(tok)
             if kind is None:
@@ -429,6 +431,7 @@ class MultimodalProcessor:
                     branch = spec if what == "video" else self.specs["audio"]
                     items.append((branch.encoder, n))
                     inputs[branch.encoder].append(item)
+                    ordered.append((item, self._field(sample, kind, cursors[kind])))
                 for what, n in entry.runs:
                     pid = spec.placeholder_id if what == "video" else self.specs["audio"].placeholder_id
                     out_ids += [pid] * n
@@ -453,10 +456,12 @@ class MultimodalProcessor:
                 out_item += [len(items)] * n
                 items.append((spec.encoder, n))
                 inputs[spec.encoder].append(item)
+                ordered.append((item, self._field(sample, kind, cursors[kind])))
             cursors[kind] += 1
         if len(out_ids) > self.max_length:
             raise SampleError(f"{len(out_ids)} tokens is longer than data.max_length={self.max_length}")
         input_ids = torch.tensor(out_ids, dtype=torch.long)
+        self._check_positions(input_ids, torch.tensor(out_item), ordered)
         mask = torch.tensor(out_mask + [0], dtype=torch.bool)[1:]
         labels = torch.where(mask, torch.roll(input_ids, -1), torch.full_like(input_ids, IGNORE))
         meta = SampleMeta(
@@ -469,6 +474,28 @@ class MultimodalProcessor:
         )
         answer = sample.messages[-1]["content"]
         return ProcessedSample(input_ids, labels, torch.tensor(out_item), inputs, meta, answer, prompt_only)
+
+    @staticmethod
+    def _field(sample: RawSample, kind: str, index: int) -> str:
+        """``videos[1] (path)``: where a media item is in the record."""
+        path = sample.media[kind][index]
+        return f"{kind}s[{index}] ({path if isinstance(path, str) else 'embedded bytes'})"
+
+    @staticmethod
+    def _check_positions(input_ids: torch.Tensor, item_ids: torch.Tensor,
+                         ordered: list[tuple[dict[str, Any], str]]) -> None:
+        """Refuse a record the collator could not position (M-RoPE: :func:`plait.data.omni_positions.
+        document_positions`), e.g. two videos with no text token between them, naming each item it names.
+
+        Raises:
+            SampleError: with the positions' reason and the record fields of the items it names.
+        """
+        try:
+            document_positions(input_ids, item_ids, [item for item, _ in ordered])
+        except ValueError as exc:
+            named = sorted({int(i) for i in re.findall(r"item (\d+)", str(exc))})
+            where = "; ".join(f"item {i} is {ordered[i][1]}" for i in named if i < len(ordered))
+            raise SampleError(f"{exc}" + (f" ({where})" if where else "")) from exc
 
     def _render(self, messages: list[dict[str, str]], prompt_only: bool) -> tuple[list[int], list[int]]:
         if prompt_only:

@@ -129,6 +129,10 @@ HF_FORMATS = {
     # Qwen3-VL's tower and DeepStack in front of a mixture-of-experts text model (plait.models.families.qwen3_vl_moe)
     "qwen3_vl_moe": HfFormat("qwen3_vl_moe", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "Qwen3VLProcessor",
                              "image", "vision", "visual", "linear", (), "image_token_id", ("qwen3_vl_moe_vision",)),
+    # the Qwen3-Omni-MoE thinker: mapped by plait.models.hf_io_omni, as Qwen2.5-Omni's
+    "qwen3_omni_moe": HfFormat("qwen3_omni_moe", "qwen3_omni_moe_thinker",
+                               "Qwen3OmniMoeThinkerForConditionalGeneration", "Qwen3OmniMoeProcessor", "image",
+                               "vision", "visual", "linear", (), "image_token_id", ("qwen3_omni_moe_vision_encoder",)),
 }
 """The supported classes by ``--format`` name."""
 
@@ -155,6 +159,7 @@ def hf_format_of(config: PretrainedConfig, where: str) -> HfFormat:
     """
     model_type = getattr(config, "model_type", "")
     model_type = "qwen2_5_omni_thinker" if model_type == "qwen2_5_omni" else model_type  # a full Omni: its thinker
+    model_type = "qwen3_omni_moe_thinker" if model_type == "qwen3_omni_moe" else model_type
     if model_type in _REFUSED:
         raise ValueError(f"{where}: cannot import a {model_type} checkpoint: {_REFUSED[model_type]}")
     for fmt in HF_FORMATS.values():

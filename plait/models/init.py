@@ -367,6 +367,8 @@ class WeightSource:
             hit = self.locate(names)
             if hit is not None:
                 by_file.setdefault(hit[0], []).append((tensor, hit[1], names[0]))
+            elif self._fused_experts(tensor, names):
+                continue
             elif any(n.startswith(p.prefix) for p in self.parts for n in names):
                 missing.append(names[0])
         for file, items in by_file.items():
@@ -387,6 +389,40 @@ class WeightSource:
             log.warning("weights missing from the checkpoint, left at their random init: %s",
                         initialised_summary(weights, other="tensor"))
         return missing
+
+
+    def _fused_experts(self, tensor: torch.Tensor, names: Sequence[str]) -> bool:
+        """Fill a MoE layer's fused expert weight (``...experts.gate_up_proj`` ``[E, 2I, H]``, ``...experts.down_proj``
+        ``[E, H, I]``) from the per-expert tensors ``save_pretrained`` writes (``...experts.<e>.gate_proj.weight``,
+        ``up_proj``, ``down_proj``; transformers' ``qwen2_moe`` conversion: expert ``e``'s gate rows then its up rows).
+        Returns whether it was stored that way.
+
+        Raises:
+            ValueError: when the stored experts do not make the model's shape.
+        """
+        name = names[0]
+        fused = name.rsplit(".", 1)[-1]
+        if tensor.dim() != 3 or not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            return False
+        base = name[: -len(fused)]
+        parts = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
+        rows = []
+        for e in range(tensor.shape[0]):
+            hits = [self.locate([f"{base}{e}.{part}.weight"]) for part in parts]
+            if any(h is None for h in hits):
+                return False
+            pieces = []
+            for file, key in hits:  # type: ignore[misc]
+                with safe_open(file, framework="pt") as f:
+                    pieces.append(f.get_tensor(key))
+            rows.append(torch.cat(pieces, dim=0))
+        value = torch.stack(rows)
+        if value.shape != tensor.shape:
+            raise ValueError(f"the stored experts of {base.rstrip('.')} make {tuple(value.shape)}, the model's {name} "
+                             f"{tuple(tensor.shape)}")
+        with torch.no_grad():
+            tensor.copy_(value)
+        return True
 
 
 def weight_source(cfg: ModelConfig, model: nn.Module) -> WeightSource | None:

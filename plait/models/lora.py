@@ -64,6 +64,7 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "gemma": _DECODER, "gemma2": _DECODER, "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     "qwen2_5_omni_text": _DECODER,
     "qwen3_moe": _DECODER, "qwen3_vl_moe_text": _DECODER,
+    "qwen3_omni_moe_text": _DECODER,
     **{t: f.lora_targets for f in FAMILIES if f.lora_targets for t in f.model_types},
 }
 """Default ``target_modules`` per ``model_type``: the attention projections and the MLP projections (a MoE LLM's

@@ -61,7 +61,8 @@ def test_every_recipe_loads():
     assert {p.name for p in RECIPES.glob("*.toml")} == {"llava15_stage1.toml", "llava15_stage2.toml", "qwen2_audio.toml",
                                                         "qwen2_5_vl.toml", "vision_audio.toml", "qwen2_5_omni.toml",
                                                         "qwen2_5_omni_full.toml", "gemma3.toml", "qwen3_vl.toml",
-                                                        "voxtral.toml", "qwen3_vl_moe.toml"}
+                                                        "voxtral.toml", "qwen3_vl_moe.toml",
+                                                        "qwen3_omni_moe.toml"}
 
 
 def test_llava15_stages_train_and_export(tmp_path, monkeypatch):

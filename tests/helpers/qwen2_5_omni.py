@@ -11,7 +11,7 @@ import math
 import torch
 import transformers as T
 
-from plait.data.omni_positions import OmniItem, clip_chunks, omni_positions
+from plait.data.omni_positions import THINKERS, OmniItem, omni_positions
 
 __all__ = ["IMAGE", "VIDEO", "AUDIO", "VSTART", "VEND", "ASTART", "AEND", "MEL", "WINDOW", "thinker_config",
            "tiny_thinker", "Rows", "rows"]
@@ -47,8 +47,11 @@ def tiny_thinker(seed: int = 0, tied: bool = False) -> T.Qwen2_5OmniThinkerForCo
     return model.eval()
 
 
-def _audio_tokens(samples: int) -> int:
+def _audio_tokens(samples: int, thinker: str = "qwen2_5_omni") -> int:
     frames = math.ceil(samples / HOP)
+    if thinker == "qwen3_omni_moe":
+        from plait.models.families.qwen3_omni_moe import audio_token_count
+        return audio_token_count(frames)
     return ((frames - 1) // 2 + 1 - 2) // 2 + 1
 
 
@@ -67,7 +70,8 @@ class Rows:
         docs: per row, its items (:class:`plait.data.omni_positions.OmniItem`).
     """
 
-    def __init__(self, layout: list[list[tuple[str, object]]], seed: int, left: bool) -> None:
+    def __init__(self, layout: list[list[tuple[str, object]]], seed: int, left: bool,
+                 thinker: str = "qwen2_5_omni") -> None:
         g = torch.Generator().manual_seed(seed)
         ids_rows, item_rows, docs = [], [], []
         images, videos, seconds, audio_feats, audio_frames, vis_items = [], [], [], [], [], []
@@ -98,13 +102,13 @@ class Rows:
                     audio_samples.append(samples)
                     aud = len(items)
                     items.append(OmniItem("audio"))
-                    k = _audio_tokens(samples)
+                    k = _audio_tokens(samples, thinker)
                 if kind == "clip":
                     clips_used = True
                     items[vid] = OmniItem("video", tuple(grid), 1.0, 25.0, clip=aud)
                     ids += [VSTART, ASTART]
                     item += [-1, -1]
-                    for what, m in clip_chunks(grid, 2, 1.0, k, 25.0, 2.0):
+                    for what, m in THINKERS[thinker].layout(grid, 2, 1.0, k, 25.0, 2.0):
                         ids += [VIDEO if what == "video" else AUDIO] * m
                         item += [vid if what == "video" else aud] * m
                     ids += [AEND, VEND]
@@ -133,7 +137,8 @@ class Rows:
         self.rope = torch.zeros(3, *self.input_ids.shape, dtype=torch.long)
         for r, items in enumerate(docs):
             real = self.attention_mask[r] == 1
-            self.rope[:, r, real] = omni_positions(self.plait_ids[r][real], self.item_ids[r][real], items)
+            self.rope[:, r, real] = omni_positions(self.plait_ids[r][real], self.item_ids[r][real], items,
+                                                   thinker=thinker)
         self.hf = dict(input_ids=self.input_ids, attention_mask=self.attention_mask,
                        use_audio_in_video=clips_used)
         if images:
@@ -159,9 +164,10 @@ class Rows:
         return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def rows(layout: list[list[tuple[str, object]]], seed: int = 0, left: bool = False) -> Rows:
+def rows(layout: list[list[tuple[str, object]]], seed: int = 0, left: bool = False,
+         thinker: str = "qwen2_5_omni") -> Rows:
     """:class:`Rows` of ``layout`` (see its docstring)."""
-    return Rows(layout, seed, left)
+    return Rows(layout, seed, left, thinker)
 
 
 OMNI_TOKENS = ["<|IMAGE|>", "<|VIDEO|>", "<|AUDIO|>", "<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>",

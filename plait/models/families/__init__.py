@@ -16,6 +16,7 @@ from plait.models.families import (clip, internvl, pixtral, qwen2_5_vl, qwen2_au
 from plait.models.families import qwen2_5_omni
 from plait.models.families import voxtral
 from plait.models.families import qwen3_vl_moe
+from plait.models.families import qwen3_omni_moe
 from plait.models.families.base import AudioFamily, EncoderFamily, VisionFamily
 
 __all__ = ["FAMILIES", "family_of", "family_of_layer", "encoder_family", "supported_types", "tower_config"]
@@ -35,6 +36,8 @@ FAMILIES: tuple[EncoderFamily, ...] = (
     qwen2_5_omni.AUDIO,
     voxtral.FAMILY,
     qwen3_vl_moe.FAMILY,
+    qwen3_omni_moe.VISION,
+    qwen3_omni_moe.AUDIO,
 )
 """Every encoder family, one line each."""
 

@@ -76,17 +76,24 @@ class OmniTemporalPatches(TemporalPatches):
 
     Attributes:
         seconds_per_chunk: seconds of a clip per interleaved video/audio chunk.
+        thinker: the thinker whose positions and clip layout the video takes (``"qwen2_5_omni"``,
+            ``"qwen3_omni_moe"``).
     """
 
     seconds_per_chunk: float = field(default=float(SECONDS_PER_CHUNK), compare=False)
+    thinker: str = field(default="qwen2_5_omni", compare=False)
 
-    def timing(self, fps: float) -> dict[str, float]:
-        """:meth:`TemporalPatches.timing` with ``seconds_per_chunk``.
+    def timing(self, fps: float) -> dict[str, Any]:
+        """:meth:`TemporalPatches.timing` with ``seconds_per_chunk`` and, for another thinker than Qwen2.5-Omni's,
+        its name (``thinker``: whose ``get_rope_index`` positions the document, :mod:`plait.data.omni_positions`).
 
         Raises:
             ValueError: for ``fps`` not above 0.
         """
-        return {**super().timing(fps), "seconds_per_chunk": float(self.seconds_per_chunk)}
+        out: dict[str, Any] = {**super().timing(fps), "seconds_per_chunk": float(self.seconds_per_chunk)}
+        if self.thinker != "qwen2_5_omni":
+            out["thinker"] = self.thinker
+        return out
 
 
 class Qwen25OmniVisionFamily(Qwen25VLFamily):
@@ -138,7 +145,16 @@ class OmniAudioCall:
     """
 
     def __init__(self, encoder: nn.Module, kwargs: dict[str, Any]) -> None:
-        self.encoder, self.lengths = encoder, _audio_lengths(kwargs["feature_lens"])
+        self.encoder, self.lengths = encoder, self.feature_lengths(encoder, kwargs["feature_lens"])
+
+    def feature_lengths(self, encoder: nn.Module, feature_lens: torch.Tensor) -> list[int]:
+        """Features per clip of ``feature_lens`` ``[n]`` mel frames (the tower's ``_get_feat_extract_output_lengths``)."""
+        return _audio_lengths(feature_lens)
+
+    @property
+    def refusal(self) -> str:
+        """Why the tower cannot be split across pipeline stages (its family's ``layer_refusal``)."""
+        return AUDIO.layer_refusal
 
     def stock_output(self, out: Any, owns_post_norm: bool) -> torch.Tensor:
         """``[n, max c_i, output_dim]`` (clip ``i``'s features in rows ``:c_i``).
@@ -147,10 +163,10 @@ class OmniAudioCall:
             ValueError: when the tower is split across pipeline stages, or its rows differ from the clips' counts.
         """
         if not owns_post_norm:
-            raise ValueError(AUDIO.layer_refusal)
+            raise ValueError(self.refusal)
         hidden = out.last_hidden_state
         if hidden.shape[0] != sum(self.lengths):
-            raise ValueError(f"the Qwen2.5-Omni audio tower gave {hidden.shape[0]} features for clips of "
+            raise ValueError(f"the Omni audio tower gave {hidden.shape[0]} features for clips of "
                              f"{self.lengths} features")
         return nn.utils.rnn.pad_sequence(list(hidden.split(self.lengths)), batch_first=True)
 
@@ -160,7 +176,7 @@ class OmniAudioCall:
         Raises:
             ValueError: always.
         """
-        raise ValueError(AUDIO.layer_refusal)
+        raise ValueError(self.refusal)
 
     def post_norm(self, module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """Refused as :meth:`layer`.
@@ -168,7 +184,7 @@ class OmniAudioCall:
         Raises:
             ValueError: always.
         """
-        raise ValueError(AUDIO.layer_refusal)
+        raise ValueError(self.refusal)
 
 
 class Qwen25OmniAudioFamily(AudioFamily):

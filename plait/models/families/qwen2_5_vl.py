@@ -290,7 +290,8 @@ def feature_count(config: Any) -> Qwen25VLFeatureCount:
 
 
 
-MROPE_TEXT_TYPES = ("qwen2_5_vl_text", "qwen3_vl_text", "qwen2_5_omni_text", "qwen3_vl_moe_text")
+MROPE_TEXT_TYPES = ("qwen2_5_vl_text", "qwen3_vl_text", "qwen2_5_omni_text", "qwen3_vl_moe_text",
+                    "qwen3_omni_moe_text")
 """Text-model ``model_type`` values whose LLM rotates with M-RoPE positions ``[3, B, N]`` (Qwen2.5-VL's; Qwen3-VL's,
 whose interleaved M-RoPE takes the same positions: an image's are the same, ``plait.models.families.qwen3_vl``)."""
 

@@ -40,7 +40,8 @@ __all__ = [
 
 _PLAIN_MLPLLM_MODULES = frozenset({"phi"})
 _FOUR_NORMLLM_MODULES = frozenset({"gemma2", "gemma3_text"})
-_QK_NORMLLM_MODULES = frozenset({"qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text", "qwen3_vl_moe_text"})
+_QK_NORMLLM_MODULES = frozenset({"qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text", "qwen3_vl_moe_text",
+                                 "qwen3_omni_moe_text"})
 
 
 @dataclass(frozen=True)

@@ -71,9 +71,9 @@ def test_plaits_own_save_and_load_keep_both_branches(tmp_path):
 def test_a_composite_the_thinker_cannot_hold_is_refused():
     model = composite_from_thinker(tiny_thinker())
     del model.encoders["audio"]
-    with pytest.raises(ValueError, match="one Qwen2.5-Omni vision and one audio tower"):
+    with pytest.raises(ValueError, match="one qwen2_5_omni_vision_encoder and one qwen2_5_omni_audio_encoder tower"):
         check_thinker_exportable(model)
-    with pytest.raises(ValueError, match="not a Qwen2.5-Omni thinker"):
+    with pytest.raises(ValueError, match="not an Omni thinker"):
         cfg = T.Qwen2Config(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                             intermediate_size=32)
         import tempfile

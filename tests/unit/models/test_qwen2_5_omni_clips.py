@@ -180,3 +180,33 @@ def test_audio_tracks_need_a_tower_that_encodes_a_video_as_one_timed_item(setup,
         per_frame(_record(clip))
     with pytest.raises(SampleError, match=message):
         record_metadata(per_frame, _record(clip))
+
+
+def test_two_videos_without_text_between_them_are_refused_by_processing(setup, tmp_path):
+    """Two videos with no text token between them cannot be positioned: the record's processing refuses it naming
+    the record, its file and line and the field (``videos[1]``), so ``data.on_error = "skip"`` drops it when the
+    step loads it (the feed's failures) instead of the collator stopping the run."""
+    import dataclasses
+    import json
+
+    from plait.data.loader import MultimodalDataset, SampleFeed
+
+    tok, _, _, processor, _ = setup
+    image = processor.specs["image"]
+    silent = MultimodalProcessor(tok, [dataclasses.replace(image, video=dataclasses.replace(image.video, audio=False)),
+                                       processor.specs["audio"]], 4096)
+    clips = [str(write_clip(tmp_path / f"v{i}.mkv", 4)) for i in range(2)]
+    good = "<|vision_bos|><|VIDEO|><|vision_eos|> and <|vision_bos|><|VIDEO|><|vision_eos|>"
+    rows = [{"id": rid, "videos": clips, "messages": [{"role": "user", "content": f"{text} What is seen?"},
+                                                       {"role": "assistant", "content": "x"}]}
+            for rid, text in (("ok", good), ("tight", "<|vision_bos|><|VIDEO|><|VIDEO|><|vision_eos|>"))]
+    data = tmp_path / "videos.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dataset = MultimodalDataset(data, silent, on_error="skip", cache_dir=tmp_path / "cache")
+    assert len(dataset) == 2 and dataset.load(0).meta.id == "ok"
+    message = (rf"record 'tight' \({data}:2\): item 1 \(video\) needs 1 text token.*item 1 is videos\[1\] "
+               rf"\({clips[1]}\)")
+    with pytest.raises(SampleError, match=message):
+        dataset.load(1)
+    loaded = SampleFeed(dataset, [(0, 1)]).next()
+    assert sorted(loaded.samples) == [0] and "videos[1]" in loaded.failed[1]
