@@ -446,6 +446,7 @@ class MultimodalProcessor:
                 for item, n in entry.items:
                     items.append((spec.encoder, n))
                     inputs[spec.encoder].append(item)
+                    ordered.append((item, self._field(sample, kind, cursors[kind])))
                 out_ids[start:], out_mask[start:] = run, [0] * len(run)
                 out_item[start:] = [first + k if k >= 0 else -1 for k in local]
                 cursors[kind] += 1
