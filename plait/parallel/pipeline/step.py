@@ -147,7 +147,7 @@ def run_pipeline_step(
     comm = comm or PipelineComm()
     _check_step_inputs(stages, schedule, microbatches, global_targets, comm)
     _check_routing(routing, encoder_batches, microbatches)
-    _check_replicas(stages, routing, sharded, sync)
+    _check_replicas(stages, routing, sharded)
     kwargs = list(llm_kwargs) if llm_kwargs is not None else [{} for _ in microbatches]
     if len(kwargs) != len(microbatches):
         raise ValueError(f"llm_kwargs has {len(kwargs)} entries for {len(microbatches)} microbatches")
@@ -245,14 +245,10 @@ def _check_routing(routing: FeatureRouting | None, encoder_batches: Sequence[Bat
         raise ValueError(f"a FeatureRouting needs one encoder batch per microbatch ({len(microbatches)}), got {got}")
 
 
-def _check_replicas(stages: RankStages, routing: FeatureRouting | None, sharded: ShardedModel | None,
-                    sync: Any) -> None:
-    """Replicated encoder stages run without deferred features, FSDP2 or heterogeneous pipelines' sync."""
-    if not stages.plan.replicated:
-        return
-    if routing is not None or sharded is not None or type(sync).__name__ == "HeteroSync":
-        what = "deferred encoder outputs" if routing is not None else \
-            "FSDP2 (parallel.dp_shard > 1)" if sharded is not None else "heterogeneous pipelines (plait launch)"
+def _check_replicas(stages: RankStages, routing: FeatureRouting | None, sharded: ShardedModel | None) -> None:
+    """Replicated encoder stages run without deferred features and without FSDP2."""
+    if stages.plan.replicated and (routing is not None or sharded is not None):
+        what = "deferred encoder outputs" if routing is not None else "FSDP2 (parallel.dp_shard > 1)"
         raise ValueError(f"replicated encoder stages (parallel.pp.encoder_dp) do not run with {what}")
 
 

@@ -70,3 +70,13 @@ def test_encoder_dp_one_is_the_plain_plan():
 def test_bad_encoder_dp_is_refused_naming_the_field(parallel, match):
     with pytest.raises(ValueError, match=match):
         _validate(parallel)
+
+
+def test_plait_launch_refuses_encoder_dp():
+    from plait.commands.launch import check_launch
+
+    data = tiny_config_dict("train.jsonl", None, "runs/x", train={"steps": 4},
+                            parallel={"pp": {"degree": 4, "encoder_dp": {"vision": 2}}})
+    with pytest.raises(ValueError, match=r"^parallel.pp.encoder_dp = \{'vision': 2\}: plait launch plans its own "
+                                         r"pipelines"):
+        check_launch(config_from_dict(data), 4)
