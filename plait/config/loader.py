@@ -15,6 +15,7 @@ from typing import Any
 
 from plait.config.schema import (DATA_FORMATS, DataConfig, EncoderConfig, JobConfig, LoraConfig, PipelineConfig,
                                  check_checkpointing)
+from plait.config.encoder_dp import validate_encoder_dp
 from plait.planner.cost.topology import RANK_ORDERS
 from plait.planner.microbatch import METHODS
 from plait.planner.pipeline.plan import stage_ranks
@@ -388,6 +389,7 @@ def _validate_pipeline(cfg: JobConfig) -> None:
     _check(pp.microbatches >= 0, f"parallel.pp.microbatches must be >= 0 (0: from train.microbatch_size), "
            f"got {pp.microbatches}")
     _validate_pipeline_schedule(pp)
+    validate_encoder_dp(cfg)
     if pp.degree == 1:
         return
     if cfg.model.pretrained is None:  # a pretrained composite's branches are known only once it is loaded
@@ -439,10 +441,11 @@ def pipeline_stage_counts(pp: PipelineConfig, encoders: typing.Sequence[str]) ->
     encoders), the LLM gets ``pp.virtual_stages`` x the ranks the encoders leave of ``pp.degree``. Ranks: each
     encoder stage takes one (encoder stages count once per chunk position when colocated; none with
     ``pp.attach_encoders``: they share the first LLM rank) and the LLM ``stages / pp.virtual_stages``; the total
-    is ``pp.degree``. A module with explicit boundaries in ``pp.splits`` has ``len(boundaries) + 1`` stages.
+    is ``pp.degree``. A module with explicit boundaries in ``pp.splits`` has ``len(boundaries) + 1`` stages. A branch
+    replicated by ``pp.encoder_dp`` takes ``encoder_dp[branch]`` ranks per stage.
 
     Raises:
-        ValueError: for an unknown module, bad ``pp.splits`` (``_split_counts``), a count below 1, colocated
+        ValueError: for an unknown module (in ``pp.stages`` or ``pp.encoder_dp``), bad ``pp.splits`` (``_split_counts``), a count below 1, colocated
             encoders with different counts, ``attach_encoders`` without encoders, no stage left for the LLM, an
             LLM stage count that is not a multiple of ``virtual_stages`` or gives one LLM rank with
             ``virtual_stages`` > 1, or ranks other than ``pp.degree``.
@@ -457,13 +460,16 @@ def pipeline_stage_counts(pp: PipelineConfig, encoders: typing.Sequence[str]) ->
     for module, count in stages.items():
         _check(isinstance(count, int) and not isinstance(count, bool) and count >= 1,
                f"parallel.pp.stages.{module} must be an integer >= 1, got {count!r}")
+    unknown = sorted(set(pp.encoder_dp) - set(encoders))
+    _check(not unknown, f"parallel.pp.encoder_dp names unknown encoder branch(es) {unknown}; the model's are "
+           f"{list(encoders)}")
     counts = _encoder_counts(pp, encoders, stages)
     encoder_stages = _encoder_stage_total(pp, counts)
     encoder_ranks = 0 if pp.attach_encoders or pp.encoders_in_bubble else encoder_stages
     v = pp.virtual_stages
     llm = stages.get(LLM_MODULE, v * (pp.degree - encoder_ranks))
-    _check(llm >= 1, f"parallel.pp: the encoders take {encoder_stages} of parallel.pp.degree={pp.degree} stages, "
-           "leaving none for the LLM")
+    _check(llm >= 1, f"parallel.pp: the encoders take {encoder_stages} of parallel.pp.degree={pp.degree} stages "
+           f"(parallel.pp.encoder_dp replicas included), leaving none for the LLM")
     _check(llm % v == 0, f"parallel.pp: the LLM has {llm} stages, not a multiple of parallel.pp.virtual_stages={v} "
            "(LLM stages per LLM rank)")
     _check(v == 1 or llm // v >= 2, f"parallel.pp.virtual_stages={v} needs at least 2 LLM ranks (LLM stage j runs on "
@@ -496,10 +502,11 @@ def _encoder_counts(pp: PipelineConfig, encoders: typing.Sequence[str], stages: 
 
 
 def _encoder_stage_total(pp: PipelineConfig, counts: dict[str, int]) -> int:
-    """Encoder stages of the plan: the sum of the branches' counts, or the shared count when colocated."""
+    """Encoder stages of the plan: the sum of the branches' counts (each stage of a branch times its
+    ``encoder_dp`` replicas), or the shared count when colocated."""
     if pp.layout == "encoders_colocated":
         return max(counts.values(), default=0)
-    return sum(counts.values())
+    return sum(c * pp.encoder_dp.get(m, 1) for m, c in counts.items())
 
 
 def _split_counts(pp: PipelineConfig, known: typing.Sequence[str]) -> dict[str, Any]:
@@ -528,7 +535,8 @@ def pipeline_plan_kwargs(pp: PipelineConfig, encoders: typing.Sequence[str]) -> 
     cut evenly, :func:`pipeline_stage_counts`), ``splits`` (explicit boundaries of the others) and ``ranks`` (the
     pipeline rank of each stage, :func:`plait.planner.pipeline.plan.stage_ranks`: the placement the layout search
     uses for the same ``virtual_stages`` and ``attach_encoders``; a V under ``schedule = "zb_v"``; the encoders on
-    the last LLM ranks with ``encoders_in_bubble``).
+    the last LLM ranks with ``encoders_in_bubble``; every replica of a branch's stage counted) and ``replicas``
+    (``pp.encoder_dp`` above 1).
 
     Raises:
         ValueError: as :func:`pipeline_stage_counts`.
@@ -538,7 +546,8 @@ def pipeline_plan_kwargs(pp: PipelineConfig, encoders: typing.Sequence[str]) -> 
     ranks = stage_ranks(encoder_stages, counts[LLM_MODULE] // pp.virtual_stages, pp.virtual_stages,
                         pp.attach_encoders, v_shape=pp.schedule == "zb_v", in_bubble=pp.encoders_in_bubble)
     return {"stages_per_module": {m: c for m, c in counts.items() if m not in pp.splits},
-            "splits": {m: list(names) for m, names in pp.splits.items()}, "ranks": list(ranks)}
+            "splits": {m: list(names) for m, names in pp.splits.items()}, "ranks": list(ranks),
+            "replicas": {m: d for m, d in pp.encoder_dp.items() if d > 1}}
 
 
 def _known_encoders(encoders: typing.Mapping[str, EncoderConfig]) -> str:

@@ -309,6 +309,14 @@ class PipelineConfig:
     before layer 3). A module named here gets ``len(splits) + 1`` stages (``stages`` may repeat that count;
     for the LLM, all its stages: ``virtual_stages`` x its ranks); ``parallel.plan = "auto"`` writes these when
     its cost-balanced partition is not the even split."""
+    encoder_dp: dict[str, int] = field(default_factory=dict)
+    """Data-parallel degree of an encoder branch inside each pipeline, e.g. ``{vision = 2}``: every stage of that
+    branch runs as that many replica stages, each on its own pipeline rank (or, with ``encoders_in_bubble``, on
+    different LLM ranks), each encoding an equal (cost-balanced) share of every microbatch's items of the branch;
+    the first LLM stage joins their features in item order, and a trainable branch's gradients are summed over its
+    replicas (and the pipelines' DP copies). Each stage of a branch then takes ``encoder_dp[branch]`` ranks of
+    ``degree``. Branches not named: 1. ``encoder_parallel`` layout only; not with ``attach_encoders``,
+    ``virtual_stages`` > 1, ``parallel.dp_shard`` > 1 or ``plait launch``; the step plans no deferred samples."""
 
 
 @dataclass

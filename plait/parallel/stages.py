@@ -52,6 +52,7 @@ from plait.models.multimodal import MultimodalModel
 from plait.models.tower_call import TOWER_CALLS, TowerCall, tower_call
 from plait.models.units import UnitSpec, unit_specs
 from plait.parallel.context import shard_tokens
+from plait.parallel.encoder_rows import merge_replica_features, replica_inputs
 from plait.planner.pipeline.plan import check_plan_units
 from plait.planner.pipeline.types import PipelinePlan, Stage
 from plait.planner.types import LLM_MODULE
@@ -317,10 +318,13 @@ class PipelineStage:
         Chunks that neither train nor need an input gradient run under ``no_grad`` and keep no activations.
         The last stage returns ``{"llm": [sum of token cross-entropies]}``. ``batch`` None (a microbatch with
         no sample in this stage's view, possible with deferred encoder outputs) gives an empty list per module.
+        A replica of a replicated encoder stage runs its slice of the branch's items only
+        (:func:`~plait.parallel.encoder_rows.replica_inputs`); an LLM stage concatenates the features of a
+        replicated branch's replicas in replica order (:func:`~plait.parallel.encoder_rows.merge_replica_features`).
         """
         if batch is None:
             return {module: [] for module in self.chunks}
-        inputs: Payload = {m: t for payload in received.values() for m, t in payload.items()}
+        inputs: Payload = merge_replica_features(list(received.values()))
         grad_allowed = torch.is_grad_enabled()
         out: Payload = {}
         for module, chunk in self.chunks.items():
@@ -329,7 +333,9 @@ class PipelineStage:
                     features = {m: t[0] for m, t in inputs.items() if m != LLM_MODULE and t}
                     out[module] = chunk.forward(inputs.get(LLM_MODULE, []), features, batch, loss_fn, llm_kwargs)
                 else:
-                    out[module] = chunk.forward(inputs.get(module), batch.modality_inputs.get(module))
+                    items = replica_inputs(batch.modality_inputs.get(module), module, self.stage.replica,
+                                           self.stage.replicas)
+                    out[module] = chunk.forward(inputs.get(module), items)
         return out
 
 

@@ -96,8 +96,10 @@ def check_pipeline_microbatches(cfg: JobConfig, dp: int, samples: int) -> None:
 
 
 def describe_stages(plan: PipelinePlan) -> str:
-    """Per stage its modules, unit count and pipeline rank, as the setup line and checkpoints record them."""
-    return "; ".join(f"{s.index}: {'+'.join(s.modules)} ({len(s.units)} units, rank {s.rank})" for s in plan.stages)
+    """Per stage its modules, unit count and pipeline rank (and which replica of a replicated encoder stage it is),
+    as the setup line and checkpoints record them."""
+    return "; ".join(f"{s.index}: {'+'.join(s.modules)} ({len(s.units)} units, rank {s.rank}"
+                     f"{f', replica {s.replica + 1} of {s.replicas}' if s.replicas > 1 else ''})" for s in plan.stages)
 
 
 class PipelineRunner:

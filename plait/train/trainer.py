@@ -258,11 +258,15 @@ class Trainer:
         Plan entries are positions in ``indices``. Returns the plan and the per-sample costs it balanced.
         Deferral (a sample's LLM work in a later microbatch than its encoder work) is allowed: this trainer
         buffers encoder outputs as detached leaves, the pipeline runtime on the first LLM stage
-        (:class:`~plait.planner.microbatch.routing.FeatureRouting`).
+        (:class:`~plait.planner.microbatch.routing.FeatureRouting`); not with replicated encoder stages
+        (``parallel.pp.encoder_dp``).
         """
         per_rank = -(-len(indices) // self.dp)
+        pp = self.cfg.parallel.pp  # replicated encoder stages split each microbatch's own items: no deferral
+        defer = pp.degree == 1 or not any(d > 1 for d in pp.encoder_dp.values())
         return plan_global_batch(self.cfg, [self.train_set.sample_meta(i) for i in indices], self.cost_coeffs,
-                                 self.dp, self._num_microbatches(per_rank), self.step if step is None else step)
+                                 self.dp, self._num_microbatches(per_rank), self.step if step is None else step,
+                                 allow_deferral=defer)
 
     def _rank_samples(self, indices: Sequence[int], step: int) -> list[int]:
         """The dataset indices of the global batch ``indices`` of ``step`` that this rank's DP replica trains."""

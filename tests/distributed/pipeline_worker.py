@@ -118,6 +118,7 @@ class Case:
     clip: float = 0.0
     options: dict = field(default_factory=dict)
     instrument: bool = False
+    replicas: dict = field(default_factory=dict)  # encoder branch -> its replicated stages (plan_pipeline)
 
 
 ENC_PAR = dict(layout="encoder_parallel", stages_per_module={"vision": 2, "audio": 1, "llm": 2}, ranks=(0, 1, 0, 1, 0))
@@ -176,6 +177,33 @@ CASES_4 = (
 )
 
 
+# the vision branch on replicated stages (its own data-parallel degree 2): each replica encodes half the images
+CASES_REPLICAS = (
+    # own ranks 0 and 1 feed a 2-stage LLM on ranks 2 and 3 (audio beside the first LLM stage), all trainable
+    Case("replicas-own-1f1b-all-clip", layout="encoder_parallel", stages_per_module={"vision": 1, "audio": 1, "llm": 2},
+         ranks=(0, 1, 2, 2, 3), replicas={"vision": 2}, schedule="1f1b", mode="all", steps=STEPS, clip=0.5),
+    # a 2-stage vision branch (replica k feeds replica k), zero-bubble split backward
+    Case("replicas-chain-zbh1-all", layout="encoder_parallel", stages_per_module={"vision": 2, "audio": 1, "llm": 2},
+         ranks=(0, 1, 0, 1, 2, 2, 3), replicas={"vision": 2}, schedule="zb_h1", mode="all", steps=STEPS),
+    # frozen towers, trainable projectors, frozen LLM
+    Case("replicas-own-gpipe-projectors", layout="encoder_parallel", stages_per_module={"vision": 1, "audio": 1,
+         "llm": 2}, ranks=(0, 1, 2, 2, 3), replicas={"vision": 2}, schedule="gpipe", mode="projectors", steps=STEPS,
+         instrument=True),
+    # the replicas share ranks with the LLM stages (in the bubbles of PP 2, stage_ranks(..., in_bubble=True)), DP 2
+    Case("replicas-inbubble-pp2xdp2-1f1b-all-tied-clip", layout="encoder_parallel",
+         stages_per_module={"vision": 1, "audio": 1, "llm": 2}, ranks=(1, 0, 1, 0, 1), replicas={"vision": 2},
+         schedule="1f1b", mode="all", steps=(("iva", "i", "a", "t"), ("t", "i", "ia", "a"), ("i", "t", "i", "iva")),
+         tied=True, clip=0.5),
+)
+
+
+def replica_worker(rank: int, world: int, port: int) -> None:
+    """Entry point of one spawned process: every case of :data:`CASES_REPLICAS` (4 processes)."""
+    with gloo_group(rank, world, port):
+        for case in CASES_REPLICAS:
+            run_case(case, world)
+
+
 def _close(actual: float, expected: float, what: str) -> None:
     if abs(actual - expected) > RTOL * abs(expected) + 1e-9:
         raise AssertionError(f"{what}: {actual!r} != {expected!r}")
@@ -217,7 +245,8 @@ def run_case(case: Case, world: int) -> None:
         assert comm.pp_ranks == tuple(comm.dp_rank * pp + q for q in range(pp)), comm.pp_ranks
     model = apply_mode(tiny_model(case.tied), case.mode)
     ref = copy.deepcopy(model)
-    plan = plan_pipeline(model_units(model), case.layout, stages_per_module=case.stages_per_module, ranks=case.ranks)
+    plan = plan_pipeline(model_units(model), case.layout, stages_per_module=case.stages_per_module, ranks=case.ranks,
+                         replicas=case.replicas)
     stages = build_rank_stages(model, plan, comm.pp_rank)
     m = len(case.steps[0]) // comm.dp_size
     schedule = build_schedule(plan, case.schedule, m, **case.options)

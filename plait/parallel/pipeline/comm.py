@@ -66,6 +66,8 @@ class PipelineComm:
         tp_rank: index of this rank among its stage's TP ranks (same other coordinates).
         tp_size: TP degree (ranks holding a shard of this rank's stages' split modules; each has its own
             pipeline of the same-``tp_rank`` ranks).
+        replica_groups: per plan (its JSON), the gradient group of each replicated encoder stage this rank runs
+            (:mod:`plait.parallel.pipeline.replicas`), made on the first step that needs them.
     """
 
     pp_rank: int = 0
@@ -81,6 +83,7 @@ class PipelineComm:
     capacities: ChannelCapacities = field(default_factory=ChannelCapacities, compare=False, repr=False)
     tp_rank: int = 0
     tp_size: int = 1
+    replica_groups: dict[str, dict[int, Any]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def distributed(self) -> bool:

@@ -38,6 +38,7 @@ from plait.parallel.expert_parallel import is_expert_parameter
 from plait.parallel.fsdp import ShardedModel
 from plait.parallel.pipeline.comm import PipelineComm
 from plait.parallel.pipeline.executor import Executor, StepInputs
+from plait.parallel.pipeline.replicas import reduce_replica_gradients, replica_copies
 from plait.parallel.stages import RankStages
 from plait.parallel.tensor_parallel import (align_gradients, check_max_norm, clip_by_square_sum_, grad_square_sum,
                                              sum_local_gradients)
@@ -146,6 +147,7 @@ def run_pipeline_step(
     comm = comm or PipelineComm()
     _check_step_inputs(stages, schedule, microbatches, global_targets, comm)
     _check_routing(routing, encoder_batches, microbatches)
+    _check_replicas(stages, routing, sharded)
     kwargs = list(llm_kwargs) if llm_kwargs is not None else [{} for _ in microbatches]
     if len(kwargs) != len(microbatches):
         raise ValueError(f"llm_kwargs has {len(kwargs)} entries for {len(microbatches)} microbatches")
@@ -156,7 +158,10 @@ def run_pipeline_step(
         sharded.begin_step()
     executor.run()
     if sharded is None:  # expert weights split by EP: summed by their own group (grad_sync.ExpertSync)
-        _reduce_dp([p for _, p in stages.trainable_parameters() if not is_expert_parameter(p)], comm)
+        replicated = replica_copies(stages)  # summed over their replicas too (parallel.pipeline.replicas)
+        _reduce_dp([p for _, p in stages.trainable_parameters()
+                    if not is_expert_parameter(p) and id(p) not in replicated], comm)
+        reduce_replica_gradients(stages, comm)
     else:  # FSDP2 reduced its groups over dp x dp_shard; CP ranks hold partial sums of the same shards
         _reduce_dp(sharded.replicated, comm)
         if comm.cp_size > 1:
@@ -240,6 +245,13 @@ def _check_routing(routing: FeatureRouting | None, encoder_batches: Sequence[Bat
         raise ValueError(f"a FeatureRouting needs one encoder batch per microbatch ({len(microbatches)}), got {got}")
 
 
+def _check_replicas(stages: RankStages, routing: FeatureRouting | None, sharded: ShardedModel | None) -> None:
+    """Replicated encoder stages run without deferred features and without FSDP2."""
+    if stages.plan.replicated and (routing is not None or sharded is not None):
+        what = "deferred encoder outputs" if routing is not None else "FSDP2 (parallel.dp_shard > 1)"
+        raise ValueError(f"replicated encoder stages (parallel.pp.encoder_dp) do not run with {what}")
+
+
 def _check_step_inputs(stages: RankStages, schedule: Schedule, microbatches: Sequence[Batch | None],
                        global_targets: int, comm: PipelineComm) -> None:
     if schedule.plan != stages.plan:
@@ -286,8 +298,8 @@ def _sum_tied(stages: RankStages, comm: PipelineComm) -> None:
 def clip_grad_norm_pipeline(stages: RankStages, max_norm: float, comm: PipelineComm | None = None) -> float:
     """Clip the gradients of the whole pipeline to a global L2 norm of ``max_norm``; returns the norm before
     clipping (the same on every rank). Call after :func:`run_pipeline_step` (gradients already summed over the
-    DP x CP copies of each stage, so every copy holds the same ones and the world sum of squares is divided by
-    their number; a tied embedding copy counts once; a TP-split gradient counts its local shard,
+    DP x CP copies of each stage (and a replicated encoder stage's replicas), so every copy holds the same ones and
+    the world sum of squares is divided by their number; a tied embedding copy counts once; a TP-split gradient counts its local shard,
     :func:`~plait.parallel.tensor_parallel.grad_square_sum`). Collective.
 
     Raises:
@@ -298,8 +310,15 @@ def clip_grad_norm_pipeline(stages: RankStages, max_norm: float, comm: PipelineC
     mirror = stages.tied.param if stages.tied is not None and stages.tied.mirror else None
     align_gradients([p for _, p in stages.trainable_parameters()])  # TP: DTensor grads in their params' layout
     grads = [p.grad for _, p in stages.trainable_parameters() if p.grad is not None]
-    counted = [p.grad for _, p in stages.trainable_parameters() if p.grad is not None and p is not mirror]
-    sumsq = grad_square_sum(counted, comm.stage_replicas * comm.tp_size if comm.distributed else 1).to(comm.device)
+    # a replicated encoder stage's parameters have a copy on each of its replica ranks too
+    replicated = {id(p): st.stage.replicas for st in stages.stages.values() for p in st.params}
+    copies = comm.stage_replicas * comm.tp_size if comm.distributed else 1
+    sumsq = torch.zeros((), dtype=torch.float64)
+    for r in sorted({replicated.get(id(p), 1) for _, p in stages.trainable_parameters()}):
+        counted = [p.grad for _, p in stages.trainable_parameters()
+                   if p.grad is not None and p is not mirror and replicated.get(id(p), 1) == r]
+        sumsq = sumsq + grad_square_sum(counted, copies * (r if comm.distributed else 1))
+    sumsq = sumsq.to(comm.device)
     return clip_by_square_sum_(grads, sumsq, max_norm, reduce=comm.distributed)
 
 
