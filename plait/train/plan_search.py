@@ -20,7 +20,8 @@ from plait.planner.cost.types import DeviceSpec
 from plait.planner.types import Unit
 from plait.planner.report import format_bytes
 from plait.planner.search.types import LayoutChoice, NoPlanFits
-from plait.planner.search.parallel import plan_parallel
+from plait.planner.search.layout import plan_layout
+from plait.planner.search.parallel import LayoutSearch, plan_parallel
 
 __all__ = ["explain_no_fit", "job_expert_layers", "no_fit_message", "search_plan"]
 
@@ -52,10 +53,12 @@ def no_fit_message(error: NoPlanFits, setup: Any, devices: int, memory_fraction:
     return explain_no_fit(error, devices, setup.machine.memory_cap, where, hints, max_ep)
 
 
-def search_plan(setup: Any, devices: int, memory_fraction: float, **space: Any) -> LayoutChoice:
+def search_plan(setup: Any, devices: int, memory_fraction: float, layout_search: LayoutSearch = plan_layout,
+                **space: Any) -> LayoutChoice:
     """``plait plan``'s search on ``setup`` (``plan.PlanSetup``): ``search_parallel.plan_parallel`` on its units,
     costs and machine (memory cap, links, dtype, overheads) with its search space (the job's checkpointing) changed
-    by ``space`` (``SearchSpace`` fields) for ``devices`` devices; a MoE LLM's layers (``cost.experts.expert_layers``,
+    by ``space`` (``SearchSpace`` fields) for ``devices`` devices with ``layout_search`` (``parallel.LayoutSearch``:
+    ``plan_layout``, or ``auto_layout.plan_filling_layout`` for plans using every device); a MoE LLM's layers (``cost.experts.expert_layers``,
     with the measured profile's ``setup.router_load``, else uniform routing) let it search expert parallelism.
 
     Raises:
@@ -66,7 +69,8 @@ def search_plan(setup: Any, devices: int, memory_fraction: float, **space: Any) 
                             getattr(setup, "router_load", None))
     try:
         return plan_parallel(inputs.units, inputs.costs, devices, microbatches=inputs.microbatches,
-                             machine=setup.machine, space=dataclasses.replace(setup.space, **space), experts=experts)
+                             machine=setup.machine, space=dataclasses.replace(setup.space, **space), experts=experts,
+                             layout_search=layout_search)
     except NoPlanFits as exc:
         searched = searched_ep_degrees(space.get("ep_degrees", setup.space.ep_degrees), experts, devices)
         max_ep = max(e for e in searched if e <= max(inputs.microbatches, 1) or e == 1)  # a microbatch per DP rank

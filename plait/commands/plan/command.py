@@ -46,6 +46,7 @@ from plait.train.job_file import load_config_for_planning
 from plait.measure.host_costs import host_cpu, host_device, runtime_costs, stored_profile
 from plait.train.plan_search import search_plan
 from plait.commands.plan.fsdp import fsdp_line
+from plait.commands.plan.nodes import on_whole_nodes, whole_node_plan
 from plait.commands.plan.snippet import pp_snippet, run_command
 from plait.parallel.activation_checkpointing import checkpoint_policy
 from plait.planner.cost.types import DeviceSpec, MicrobatchShape
@@ -237,9 +238,13 @@ def plan_command(
     space = dict(frozen_aware=frozen_aware, layouts=layouts, rel_tol=rel_tol, virtual_stages=virtual_stages,
                  attach_encoders=attach_encoders, in_bubble=in_bubble, schedules=check_schedules(schedules))
     choice = search_plan(setup, devices, memory_fraction, dp_degrees=dp_degrees, **space, **kept)
+    if gpus_per_node and devices > gpus_per_node:  # torchrun: the same count on every node
+        choice = whole_node_plan(choice, devices, gpus_per_node, lambda n, layout_search: search_plan(
+            setup, n, memory_fraction, layout_search, dp_degrees=dp_degrees, **space, **kept))
     why_simpler = ""
     if dp_degrees is None and not kept and prefer_within > 0:
-        choice, why_simpler = prefer_simpler(setup, choice, devices, memory_fraction, prefer_within, space)
+        choice, why_simpler = prefer_simpler(setup, choice, devices, memory_fraction, prefer_within, space,
+                                             gpus_per_node)
     print(f"plait plan: {config_path} on {devices} x {spec.name}, {inputs.microbatches} microbatches of "
           f"{cfg.train.microbatch_size} samples (global batch {cfg.train.global_batch_size})", file=stream)
     if why_simpler:
@@ -249,10 +254,8 @@ def plan_command(
     if unweighed:
         print(f"plait plan: {unweighed}", file=stream)
     if gpus_per_node and choice.devices_used > gpus_per_node:
-        nodes = -(-choice.devices_used // gpus_per_node)
-        fill = "" if choice.devices_used % gpus_per_node == 0 else \
-            f" (the last one runs {choice.devices_used % gpus_per_node}: torchrun needs the same count on every node)"
-        print(f"plait plan: {choice.devices_used} processes on nodes of {gpus_per_node}: {nodes} nodes{fill}; start "
+        nodes = choice.devices_used // gpus_per_node  # whole nodes (whole_node_plan)
+        print(f"plait plan: {choice.devices_used} processes on nodes of {gpus_per_node}: {nodes} nodes; start "
               f"one torchrun per node (the command below, NODE_RANK=0..{nodes - 1}, MASTER_ADDR=node 0's address; "
               "docs/parallelism.md, Several nodes)", file=stream)
     if choice.dp_shard > 1:
@@ -262,8 +265,7 @@ def plan_command(
     if snippet is None:
         print(f"no [parallel.pp] snippet: {why} (no job tables, no command to run)", file=stream)
     else:
-        whole = not gpus_per_node or choice.devices_used <= gpus_per_node or choice.devices_used % gpus_per_node == 0
-        command = run_command(config_path, overrides, cfg, choice, inputs.units, gpus_per_node if whole else 0)
+        command = run_command(config_path, overrides, cfg, choice, inputs.units, gpus_per_node)
         print(f"to run this plan, put these tables in the job file:\n{snippet}"
               f"or run it as printed (the same settings as overrides):\n  {command}", file=stream)
     if out_json is not None:
@@ -293,13 +295,16 @@ def job_degrees(cfg: Any, devices: int, stream: TextIO) -> dict[str, Any]:
 
 
 def prefer_simpler(setup: "PlanSetup", fastest: LayoutChoice, devices: int, memory_fraction: float,
-                   within: float, space: dict[str, Any]) -> tuple[LayoutChoice, str]:
+                   within: float, space: dict[str, Any], gpus_per_node: int = 0) -> tuple[LayoutChoice, str]:
     """The plan ``plait plan`` recommends: ``fastest``, unless a plan without a pipeline (plain data parallelism
-    on ``d`` of the ``devices``, ``d`` at most the microbatches per step) is predicted at most ``within`` (a
-    fraction, ``PREFER_WITHIN``) slower; then the one of those using the fewest devices. Returns the plan and a
-    sentence saying why it replaced ``fastest`` (empty when it did not)."""
+    on ``d`` of the ``devices``, ``d`` at most the microbatches per step and on whole nodes of ``gpus_per_node``,
+    ``nodes.on_whole_nodes``) is predicted at most ``within`` (a fraction, ``PREFER_WITHIN``) slower; then the one
+    of those using the fewest devices. Returns the plan and a sentence saying why it replaced ``fastest`` (empty
+    when it did not)."""
     simpler = []
     for d in range(1, min(devices, setup.inputs.microbatches) + 1):
+        if not on_whole_nodes(d, gpus_per_node):
+            continue
         try:
             option = search_plan(setup, d, memory_fraction, dp_degrees=[d], **space)
         except ValueError:

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -174,8 +175,8 @@ def plan_layout(
     if not dps:
         raise ValueError(f"dp_shard {dp_shard} divides none of the DP degrees searched for {devices} devices and "
                          f"{microbatches} microbatches")
-    model = SearchModel(units, costs, frozen_aware, machine.dtype, machine.optimizer, machine.overheads, dp_shard)
-    parts = Partitions(model, memory_cap)
+    parts = _partitions(units, costs, frozen_aware, machine, p2p)
+    model = parts.model
     chosen_layouts = list(dict.fromkeys(layouts)) if model.encoders else [layouts[0]]
     streams = [s for v in sorted({int(x) for x in virtual_stages}) for lay in chosen_layouts for d in dps
                if (s := layout_stream(parts, lay, d, devices, microbatches, p2p, dp_link, v)) is not None]
@@ -224,6 +225,32 @@ def plan_layout(
     weighed = sorted({(c.schedule, c.iteration_s, c.fits_memory) for c, _ in timed_all}, key=lambda w: w[1])
     return dataclasses.replace(choice, method=method, planned_iteration_s=planned, candidates=considered,
                                simulated=simulated, schedules_weighed=tuple(weighed) if len(weighed) > 1 else ())
+
+
+PARTITIONS_KEPT = 64
+"""Searches whose ``Partitions`` are kept (``_partitions``; least recently used dropped first)."""
+_PARTITIONS: OrderedDict[tuple, Partitions] = OrderedDict()
+
+
+def _partitions(units: Sequence[Unit], costs: Costs, frozen_aware: bool, machine: Machine,
+                p2p: P2PModel) -> Partitions:
+    """The ``Partitions`` (and its ``SearchModel``) of one planning view, shared by every search of the same units,
+    costs, view, dtype, optimizer, overheads, shard degree, memory cap and stage-to-stage link: what they memoise
+    (partitions per module and stage count, chunk sums, the LLM chain's bound terms per microbatch count) depends on
+    nothing else, so a search over several device counts (``parallel.plan_parallel``'s divisors) partitions once."""
+    per_unit = tuple(cost_list(units, costs))
+    key = (tuple(units), per_unit, frozen_aware, machine.dtype, machine.optimizer, repr(machine.overheads),
+           machine.dp_shard, machine.memory_cap, p2p)  # overheads hold a dict: keyed by their repr
+    found = _PARTITIONS.get(key)
+    if found is None:
+        model = SearchModel(units, per_unit, frozen_aware, machine.dtype, machine.optimizer, machine.overheads,
+                            machine.dp_shard)
+        found = _PARTITIONS[key] = Partitions(model, machine.memory_cap)
+        if len(_PARTITIONS) > PARTITIONS_KEPT:
+            _PARTITIONS.popitem(last=False)
+    else:
+        _PARTITIONS.move_to_end(key)
+    return found
 
 
 def _fastest(timed: Sequence[tuple[LayoutChoice, float]]) -> tuple[LayoutChoice, float]:

@@ -15,7 +15,12 @@ proper divisor ``d`` of ``N``, computed the same way and run as it is, its DP re
 around it). The plan for ``d`` replicated ``N / d`` times (``N / d`` times its DP degree) is in the search on ``N``
 itself (a DP degree dividing ``N``; without pipeline stages, FSDP2's every-device-a-DP-rank plan). Every
 divisor's plan is the one a search for ``d`` alone returns (each is computed from its own divisors only), so
-``time(N) <= time(d)`` holds exactly, whatever the per-option searches' own exactness. Pure: no torch, no files.
+``time(N) <= time(d)`` holds exactly, whatever the per-option searches' own exactness. The search on ``N`` may
+also come first (``incumbent_first``): the divisors' searches then look only for plans at most as fast as the best
+so far, the same fastest plan found with their weak options pruned by the bound.
+
+:class:`RankCosts` keeps each option's per-rank costs for every divisor's search (they do not depend on the device
+count); ``layout`` keeps each planning view's partitions the same way. Pure: no torch, no files.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from plait.planner.cost.types import ParallelDegrees
 from plait.planner.search.types import LayoutChoice, NoPlanFits, SearchSpace
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
-__all__ = ["OptionBounds", "chain_s", "divisors", "plan_over_divisors", "work_bound"]
+__all__ = ["OptionBounds", "RankCosts", "chain_s", "divisors", "plan_over_divisors", "work_bound"]
 
 
 def divisors(n: int) -> list[int]:
@@ -84,16 +89,24 @@ def work_bound(units: Sequence[Unit], costs: Sequence[UnitCost], devices: int, m
     return max(best, chain_s(units, costs)) if best < math.inf else math.inf
 
 
-Direct = Callable[[int, "LayoutChoice | None"], "LayoutChoice | None"]
-"""The search on ``n`` devices given the best plan so far (None: none): the fastest plan faster than it, None when
-none is; raises ``ValueError`` (``NoPlanFits``) when nothing fits and no plan was given."""
+Direct = Callable[[int, "LayoutChoice | None", float], "LayoutChoice | None"]
+"""The search on ``n`` devices given the best plan so far (None: none) and a time to beat (seconds): the fastest plan
+faster than it, None when none is; raises ``ValueError`` (``NoPlanFits``) when nothing fits and no plan was given."""
 
 
-def plan_over_divisors(devices: int, direct: Direct,
-                       key: Callable[[LayoutChoice], tuple]) -> LayoutChoice:
+def plan_over_divisors(devices: int, direct: Direct, key: Callable[[LayoutChoice], tuple],
+                       incumbent_first: Callable[[LayoutChoice], bool] | None = None) -> LayoutChoice:
     """The fastest of ``direct(devices, ...)`` and of the plan for each proper divisor of ``devices`` (computed the
     same way, memoised) run as it is on ``devices`` devices (module docstring); ``key`` orders choices (time first,
     then the tie rules); ties keep the divisor's plan (fewer devices).
+
+    ``incumbent_first``: when given, ``devices`` is searched first (nothing to beat) and, when the test accepts its
+    plan, each proper divisor ``d`` then only for a plan at most as fast as the best so far (ties to the fewest
+    devices). The result is the same as from the smallest divisor up whenever ``direct``'s plan on ``d`` depends on
+    the plan so far only through its time (``parallel`` accepts a plan without CPU offload when no offloaded plan on
+    any divisor can beat it, offload being searched only where the divisors' plans are offloaded); the large device
+    count's time prunes the small ones' searches (``work_bound`` grows as the devices shrink). Otherwise (nothing
+    fits on ``devices``, or the test refuses) the divisors are searched from the smallest up.
 
     Returns:
         A ``LayoutChoice`` with ``devices`` set and its lower bound that of all ``devices``.
@@ -101,6 +114,22 @@ def plan_over_divisors(devices: int, direct: Direct,
     Raises:
         ValueError: ``direct``'s error on ``devices`` when no plan fits on it or any divisor.
     """
+    def placed(sub: LayoutChoice, n: int) -> LayoutChoice:
+        return dataclasses.replace(sub, devices=n, lower_bound_s=sub.lower_bound_s * sub.devices / n)
+
+    if incumbent_first is not None:
+        try:
+            top = direct(devices, None, math.inf)
+        except ValueError:
+            top = None
+        if top is not None and incumbent_first(top):
+            best, best_n = top, devices
+            for d in divisors(devices)[:-1]:  # increasing: an equal key keeps the first (fewest devices)
+                own = direct(d, best, math.nextafter(best.iteration_s, math.inf))
+                if own is not None and (key(own) < key(best) or (key(own) == key(best) and best_n == devices)):
+                    best, best_n = own, d
+            return best if best_n == devices else placed(best, devices)
+
     memo: dict[int, LayoutChoice | None] = {}
 
     def solve(n: int) -> LayoutChoice | None:
@@ -110,11 +139,11 @@ def plan_over_divisors(devices: int, direct: Direct,
         for d in divisors(n)[:-1]:
             sub = solve(d)
             if sub is not None:
-                placed = dataclasses.replace(sub, devices=n, lower_bound_s=sub.lower_bound_s * sub.devices / n)
-                if best is None or key(placed) < key(best):
-                    best = placed
+                here = placed(sub, n)
+                if best is None or key(here) < key(best):
+                    best = here
         try:
-            own = direct(n, best)
+            own = direct(n, best, math.inf if best is None else best.iteration_s)
         except ValueError:
             if best is None and n == devices:
                 raise
@@ -130,6 +159,25 @@ def plan_over_divisors(devices: int, direct: Direct,
     return found
 
 
+class RankCosts:
+    """``sharding.shard_costs`` of one job's units, memoised by the degrees and the keyword arguments (links,
+    checkpoint overrides, expert dispatch): the per-rank costs of an option do not depend on the device count
+    (only its links may, and they are part of the key), so the searches on every divisor share them."""
+
+    def __init__(self, units: Sequence[Unit], whole: Sequence[UnitCost]) -> None:
+        self.units, self.whole = units, whole
+        self.memo: dict[tuple, list[UnitCost]] = {}
+
+    def __call__(self, degrees: ParallelDegrees, **link: Any) -> list[UnitCost]:
+        """The per-rank costs (a list the caller must not change)."""
+        key = (degrees, tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v)
+                                     for k, v in link.items() if v is not None)))  # None: the default
+        found = self.memo.get(key)
+        if found is None:
+            found = self.memo[key] = shard_costs(self.units, self.whole, degrees, **link)
+        return found
+
+
 class OptionBounds:
     """Per option (``ParallelDegrees``) of ``parallel.search_degrees`` on ``devices`` devices, lower bounds (seconds)
     of its plans, memoised: :meth:`flat` (FSDP2 without stages: every pipeline device a DP rank, its all-gathers
@@ -139,13 +187,15 @@ class OptionBounds:
     Args:
         units, whole: units with consistent flags and their whole-unit costs; devices, microbatches: the search's.
         space: its ``dp_degrees``; link: per option the keyword arguments of ``sharding.shard_costs`` (links and
-            checkpoint overrides).
+            checkpoint overrides); per_rank: the memoised ``shard_costs`` of ``units`` (default: a fresh one).
     """
 
     def __init__(self, units: Sequence[Unit], whole: Sequence[UnitCost], devices: int, microbatches: int,
-                 space: SearchSpace, link: Callable[[ParallelDegrees], dict[str, Any]]) -> None:
+                 space: SearchSpace, link: Callable[[ParallelDegrees], dict[str, Any]],
+                 per_rank: RankCosts | None = None) -> None:
         self.units, self.whole, self.devices, self.microbatches = units, whole, devices, microbatches
         self.space, self.link = space, link
+        self.per_rank = per_rank if per_rank is not None else RankCosts(units, whole)
         self.memo: dict[tuple[str, ParallelDegrees], float] = {}
 
     def dps(self, degrees: ParallelDegrees, pipe: int) -> list[int]:
@@ -162,7 +212,7 @@ class OptionBounds:
         key = ("flat", degrees)
         if key not in self.memo:
             pipe = self.devices // degrees.tp
-            per_rank = shard_costs(self.units, self.whole, degrees, **self.link(degrees))
+            per_rank = self.per_rank(degrees, **self.link(degrees))
             work = math.fsum(c.forward_s + c.backward_s(u) for u, c in zip(self.units, per_rank))
             self.memo[key] = -(-self.microbatches // pipe) * work
         return self.memo[key]
@@ -172,7 +222,7 @@ class OptionBounds:
         if key not in self.memo:
             pipe = self.devices // degrees.tp
             whole = dataclasses.replace(degrees, dp_shard=1)  # pipelined_shard_costs: the unsharded per-rank costs
-            per_rank = shard_costs(self.units, self.whole, whole, **dict(self.link(degrees), shard_link=None))
+            per_rank = self.per_rank(whole, **dict(self.link(degrees), shard_link=None))
             self.memo[key] = work_bound(self.units, per_rank, pipe, self.microbatches, self.dps(degrees, pipe))
         return self.memo[key]
 

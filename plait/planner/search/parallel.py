@@ -15,8 +15,11 @@ restores keeping the plain plan whenever it fits.
 **Monotone in the device count** (``monotone.plan_over_divisors``): the plan for ``N`` devices is the fastest of that
 search and of the plan for every proper divisor ``d`` of ``N`` (found the same way) run as it is, the other devices
 idle; so it is never slower than the plan for ``d`` devices, nor than that plan replicated ``N / d`` times (a DP
-degree the search on ``N`` holds). With ``plan_filling_layout`` (plans must use every device) only the search on
-``N`` runs.
+degree the search on ``N`` holds). ``N`` is searched first and the divisors then only for plans at most as fast,
+so their options' bounds stop their searches early, whenever no CPU-offloaded plan on a divisor can beat ``N``'s
+(``offloaded.offload_floor``; else from the smallest divisor up, as offload is searched only where the divisors'
+plans are offloaded). An option whose least memory (``fit.least_need``) exceeds the cap is skipped unsearched. With
+``plan_filling_layout`` (plans must use every device) only the search on ``N`` runs.
 
 With a shard degree above 1 both runtimes of FSDP2 are searched (``plan_parallel``): every rank a DP rank
 (``pp = 1``: units gathered per microbatch, ``sharding.shard_costs`` and its buffer; with several microbatches per
@@ -54,20 +57,21 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from plait.planner.search.fit import least_need_of
+from plait.planner.search.fit import least_need, least_need_of
 from plait.planner.pipeline.graph import consistent_units
 from plait.planner.cost.experts import ExpertDispatch, ExpertLayer, searched_ep_degrees
-from plait.planner.cost.offload import offload_cost
-from plait.planner.cost.types import CHECKPOINT_POLICIES, FSDP_RESHARD, HostSpec, ParallelDegrees
+from plait.planner.cost.types import CHECKPOINT_POLICIES, HostSpec, ParallelDegrees
 from plait.planner.report import format_bytes
 from plait.planner.search.types import LayoutChoice, Machine, NoPlanFits, SearchSpace
 from plait.planner.search.layout import plan_layout
 from plait.planner.search.placement import ep_link, option_links, retime, search_placed
 from plait.planner.search.model import Costs, cost_list
-from plait.planner.search.monotone import OptionBounds, divisors, plan_over_divisors
+from plait.planner.search.monotone import OptionBounds, RankCosts, divisors, plan_over_divisors
+from plait.planner.search.offloaded import offload_floor, plan_offloaded
+from plait.planner.search.options import degree_options, degrees_of as _degrees_of, label as _label
+from plait.planner.search.options import preference as _preference
 from plait.planner.cost.sharding import (
     accumulated_grad_bytes, pipelined_optimizer, pipelined_overheads, pipelined_shard_costs, shard_buffer_bytes,
-    shard_costs,
 )
 from plait.planner.types import Unit, UnitCost
 
@@ -82,37 +86,6 @@ SearchOne = Callable[[Sequence[UnitCost], int, float | None, ParallelDegrees, fr
 """One search under fixed degrees: ``(per-rank costs, devices / tp, memory cap left, degrees, parts) ->
 LayoutChoice``, ``parts`` naming FSDP2's runtimes searched with a shard degree above 1 (``"flat"``: without pipeline
 stages, ``"staged"``: with them); raises ``ValueError`` when nothing fits."""
-
-
-def _powers_of_two(limit: int) -> list[int]:
-    return [1 << k for k in range(max(limit, 1).bit_length()) if (1 << k) <= limit]
-
-
-def degree_options(devices: int, tp_degrees: Sequence[int] | None = None,
-                   dp_shard_degrees: Sequence[int] | None = None,
-                   checkpointing: Sequence[str] = CHECKPOINT_POLICIES,
-                   fsdp_reshard: Sequence[str] = FSDP_RESHARD,
-                   ep_degrees: Sequence[int] = (1,)) -> list[ParallelDegrees]:
-    """Every ``ParallelDegrees`` to consider on ``devices``: TP degrees (default powers of two up to 8) dividing
-    ``devices``, shard degrees (default powers of two) dividing ``devices / tp``, each checkpointing policy, and
-    with a shard degree above 1 each of ``fsdp_reshard`` (``sharding.FSDP_RESHARD``); with ``tp = 1``, each EP
-    degree of ``ep_degrees`` dividing ``devices`` that is a divisor or a multiple of the shard degree.
-
-    Raises:
-        ValueError: on a degree below 1, an unknown policy or an unknown ``fsdp_reshard``.
-    """
-    tps = sorted({int(t) for t in (tp_degrees if tp_degrees is not None else _powers_of_two(min(8, devices)))})
-    out = []
-    for tp in (t for t in tps if devices % max(t, 1) == 0):
-        rest = devices // tp
-        shards = dp_shard_degrees if dp_shard_degrees is not None else _powers_of_two(rest)
-        for shard in sorted({int(s) for s in shards if rest % max(int(s), 1) == 0}):
-            reshards = fsdp_reshard if shard > 1 else ("after_forward",)
-            eps = sorted({int(e) for e in ep_degrees if e == 1 or (tp == 1 and rest % e == 0
-                                                                   and (e % shard == 0 or shard % e == 0))})
-            out += [ParallelDegrees(tp, shard, policy, r, e) for e in eps for policy in checkpointing
-                    for r in reshards]
-    return out
 
 
 def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatches: int, search: SearchOne,
@@ -150,7 +123,8 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
 
 def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatches: int, search: SearchOne,
                     options: Sequence[ParallelDegrees], machine: Machine, space: SearchSpace,
-                    beat: float, experts: Sequence[ExpertLayer]) -> LayoutChoice | None:
+                    beat: float, experts: Sequence[ExpertLayer],
+                    rank_costs: RankCosts | None = None) -> LayoutChoice | None:
     """``search_degrees`` keeping only plans faster than ``beat`` seconds: None when no option gives one (raises
     ``NoPlanFits`` only with ``beat`` infinite and nothing fitting). Options go in increasing
     ``monotone.work_bound`` and stop when it reaches the best time; FSDP2's two runtimes (without and with
@@ -177,7 +151,7 @@ def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatc
         return links[key]
 
     def attempt(degrees: ParallelDegrees, parts: frozenset[str] = BOTH) -> LayoutChoice:
-        per_rank = shard_costs(true_units, whole, degrees, **link(degrees))
+        per_rank = bounds.per_rank(degrees, **link(degrees))
         buffer = shard_buffer_bytes(true_units, whole, degrees, dtype, optimizer)
         left = None if memory_cap is None else memory_cap - buffer
         if left is not None and left <= 0:
@@ -191,13 +165,17 @@ def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatc
                                    shard_buffer_bytes=buffered, memory_cap=memory_cap, fsdp_reshard=reshard,
                                    lower_bound_s=microbatches * work / devices, ep=degrees.ep)
 
-    bounds = OptionBounds(true_units, whole, devices, microbatches, space, link)
+    bounds = OptionBounds(true_units, whole, devices, microbatches, space, link, rank_costs)
     uncapped: dict[int, float] = {}
 
     def floor_of(tp: int) -> float:  # the least time of any staged plan of this TP degree (_uncapped)
         if tp not in uncapped:
             uncapped[tp] = _uncapped(bounds, search, options, tp, machine)
         return uncapped[tp]
+
+    def _least_need(degrees: ParallelDegrees) -> float:
+        return least_need(true_units, whole, devices, [degrees], dtype=dtype, optimizer=optimizer,
+                          checkpoint_overrides=space.checkpoint_overrides)[0]
 
     errors = []
     best: LayoutChoice | None = None
@@ -223,6 +201,10 @@ def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatc
         if staged >= to_beat:
             parts.discard("staged")
         if not parts:
+            continue
+        need = _least_need(degrees) if memory_cap is not None else 0.0
+        if memory_cap is not None and need > memory_cap * (1 + 1e-9) + 64:  # no plan of it fits (fit.least_need)
+            errors.append(f"{_label(degrees)}: needs at least {format_bytes(need)} per device")
             continue
         try:
             choice = attempt(degrees, frozenset(parts) if degrees.dp_shard > 1 else BOTH)
@@ -257,29 +239,13 @@ def _uncapped(bounds: OptionBounds, search: SearchOne, options: Sequence[Paralle
     checkpointing only adds recomputation; FSDP2 with stages runs the same per-rank costs with less memory and a
     shard's optimizer step), up to the layout search's own exactness. ``-inf`` when that search finds nothing."""
     degrees = _least_of(options, tp)
-    per_rank = shard_costs(bounds.units, bounds.whole, degrees, **bounds.link(degrees))
+    per_rank = bounds.per_rank(degrees, **bounds.link(degrees))
     try:
         choice = search(per_rank, bounds.devices // tp, None, degrees, BOTH)
     except ValueError:
         return -math.inf
     trained = math.fsum(c.param_bytes * u.trained_fraction for u, c in zip(bounds.units, per_rank))
     return choice.iteration_s - machine.overheads.update_s(trained)
-
-
-def _preference(degrees: ParallelDegrees) -> tuple[int, int, int, int, int]:
-    """Tie order: less TP, less sharding, less EP, less checkpointing, parameters resharded after the forward."""
-    return (degrees.tp, degrees.dp_shard, degrees.ep, CHECKPOINT_POLICIES.index(degrees.checkpointing),
-            FSDP_RESHARD.index(degrees.fsdp_reshard))
-
-
-def _degrees_of(choice: LayoutChoice) -> ParallelDegrees:
-    return ParallelDegrees(choice.tp, choice.dp_shard, choice.checkpointing, choice.fsdp_reshard, choice.ep)
-
-
-def _label(degrees: ParallelDegrees) -> str:
-    reshard = f", fsdp_reshard {degrees.fsdp_reshard}" if degrees.fsdp_reshard != "after_forward" else ""
-    ep = f", ep {degrees.ep}" if degrees.ep > 1 else ""
-    return f"tp {degrees.tp}, dp_shard {degrees.dp_shard}{ep}, checkpointing {degrees.checkpointing}{reshard}"
 
 
 def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int,
@@ -330,20 +296,31 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
     eps = searched_ep_degrees(space.ep_degrees, experts, devices)
     options = degree_options(devices, space.tp_degrees, space.dp_shard_degrees, space.checkpointing,
                              space.fsdp_reshard, eps)
-    job = _Job(units, consistent_units(units), cost_list(units, costs), devices, microbatches, machine, space,
-               layout_search, tuple(experts))
+    true_units, whole = consistent_units(units), cost_list(units, costs)
+    job = _Job(units, true_units, whole, devices, microbatches, machine, space, layout_search, tuple(experts),
+               RankCosts(true_units, whole))
 
-    def direct(count: int, so_far: LayoutChoice | None) -> LayoutChoice | None:  # the search on ``count`` alone
+    unbeaten: dict[int, LayoutChoice] = {}  # the searches with nothing to beat, when their plan is not offloaded
+
+    def direct(count: int, so_far: LayoutChoice | None, beat: float) -> LayoutChoice | None:  # ``count`` alone
+        offload = so_far is None or so_far.offload == "cpu"
+        if count in unbeaten:  # its plan, if faster than ``beat``; else offload's, searched only as below
+            if unbeaten[count].iteration_s < beat or not offload:
+                return unbeaten[count] if unbeaten[count].iteration_s < beat else None
         on = options if count == devices else degree_options(count, space.tp_degrees, space.dp_shard_degrees,
                                                              space.checkpointing, space.fsdp_reshard, eps)
-        beat = math.inf if so_far is None else so_far.iteration_s
-        return _plan_parallel(dataclasses.replace(job, devices=count), costs, on, beat,
-                              offload=so_far is None or so_far.offload == "cpu")
+        found = _plan_parallel(dataclasses.replace(job, devices=count), costs, on, beat, offload=offload)
+        if beat == math.inf and found is not None and found.offload == "none":
+            unbeaten[count] = found
+        return found
 
     try:
         if layout_search is not plan_layout:  # plans must use every device: no divisor's plan run as it is
             return _plan_parallel(job, costs, options, math.inf)
-        return plan_over_divisors(devices, direct, lambda c: (c.iteration_s, _preference(_degrees_of(c))))
+        return plan_over_divisors(devices, direct, lambda c: (c.iteration_s, _preference(_degrees_of(c))),
+                                  incumbent_first=lambda top: space.offload == "auto" and top.offload == "none" and all(
+                                      offload_floor(job, c, top.iteration_s) > top.iteration_s
+                                      for c in reversed(divisors(devices)[:-1])))
     except NoPlanFits as exc:
         host = machine.host or (HostSpec() if space.offload == "cpu" else None)
         tried = [o for o in options if o.ep <= microbatches]  # EP needs a microbatch per DP rank
@@ -366,6 +343,8 @@ class _Job:
     space: SearchSpace
     layout_search: LayoutSearch = plan_layout
     experts: tuple[ExpertLayer, ...] = ()
+    rank_costs: RankCosts | None = dataclasses.field(default=None, compare=False)  # shared by every divisor
+    offload_costs: dict[ParallelDegrees, Any] = dataclasses.field(default_factory=dict, compare=False)  # likewise
 
     def search(self, per_rank: Sequence[UnitCost], devices: int, *, degrees: ParallelDegrees = ParallelDegrees(),
                microbatches: int | None = None, **changes: Any) -> LayoutChoice:
@@ -438,7 +417,7 @@ def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees], 
                                                        "(parallel.offload = 'cpu')"))
     try:
         found = _search_degrees(job.units, costs, job.devices, microbatches, one, options, machine, space, beat,
-                                job.experts)
+                                job.experts, job.rank_costs)
     except ValueError as exc:
         if machine.host is None or machine.memory_cap is None:
             raise
@@ -532,69 +511,3 @@ def _pipelined(job: _Job, degrees: ParallelDegrees, pipe_devices: int, dps: list
                         overheads=pipelined_overheads(machine.overheads, degrees.dp_shard),
                         optimizer=pipelined_optimizer(machine.optimizer, degrees.dp_shard))
     return dataclasses.replace(choice, dp_shard=degrees.dp_shard)
-
-
-def plan_offloaded(job: _Job, options: Sequence[ParallelDegrees], cause: Exception) -> LayoutChoice:
-    """The fastest plan with FSDP2 CPU offload over ``options`` (module docstring), when no plan fits without it;
-    ``job``: ``plan_parallel``'s search (its machine's ``host`` set).
-
-    Raises:
-        NoPlanFits: ``cause``'s message and why no offloaded plan fits either (a ``ValueError`` when ``cause`` is
-            not a ``NoPlanFits``).
-    """
-    best: LayoutChoice | None = None
-    why: list[str] = []
-    for degrees in sorted((o for o in options if o.dp_shard > 1 and o.ep == 1), key=_preference):
-        try:
-            choice = _offloaded_one(job, degrees)
-        except ValueError as exc:
-            why.append(f"{_label(degrees)}: {exc}")
-            continue
-        if best is None or (choice.iteration_s, _preference(degrees)) < (best.iteration_s,
-                                                                          _preference(_degrees_of(best))):
-            best = choice
-    if best is None:
-        error = NoPlanFits if isinstance(cause, NoPlanFits) else ValueError
-        raise error(f"{cause}; with CPU offload: " + ("; ".join(why[:4]) or "no shard degree above 1")
-                         + (f"; ... ({len(why)} in all)" if len(why) > 4 else ""))
-    return best
-
-
-def _offloaded_one(job: _Job, degrees: ParallelDegrees) -> LayoutChoice:
-    """The plan without pipeline stages under ``degrees`` with CPU offload (``offload.offload_cost``).
-
-    Raises:
-        ValueError: when the device or host memory does not fit, or the DP degree is not searched."""
-    machine, space, host = job.machine, job.space, job.machine.host
-    pipe = job.devices // degrees.tp
-    if space.dp_degrees is not None and pipe not in space.dp_degrees:
-        raise ValueError(f"DP degree {pipe} (every device a DP rank) is not searched")
-    cost = offload_cost(job.true_units, job.whole, degrees, host, dtype=machine.dtype, optimizer=machine.optimizer,
-                        checkpoint_overrides=space.checkpoint_overrides)
-    cap = math.inf if machine.memory_cap is None else machine.memory_cap
-    if cost.device_bytes > cap or cost.host_bytes > host.memory_bytes:
-        cap_text = format_bytes(cap) if machine.memory_cap is not None else "none"
-        raise ValueError(f"device {format_bytes(cost.device_bytes)} (cap {cap_text}), host "
-                         f"{format_bytes(cost.host_bytes)} (of {format_bytes(host.memory_bytes)})")
-    tp_link, shard_link = option_links(machine, tp=degrees.tp, dp_shard=degrees.dp_shard, devices=job.devices)
-    per_rank = shard_costs(job.true_units, job.whole, degrees, tp_link=tp_link, shard_link=shard_link,
-                           checkpoint_overrides=space.checkpoint_overrides,
-                           experts=ExpertDispatch(job.experts) if job.experts else None)
-    overheads = dataclasses.replace(machine.overheads, optimizer_s_per_byte=0.0)
-    choice = job.search(per_rank, pipe, degrees=degrees, dp_degrees=[pipe], memory_cap=None,
-                        dp_shard=degrees.dp_shard, overheads=overheads)
-    added = cost.step_s(choice.microbatches_per_replica, choice.grad_sync_s)
-    by_name = {u.name: (u, c) for u, c in zip(job.true_units, per_rank)}
-    static = tuple(float(sum(by_name[n][1].param_bytes for n in st.units if not by_name[n][0].trainable))
-                   for st in choice.plan.stages)
-    work = math.fsum(c.forward_s + c.backward_s(u) for u, c in zip(job.true_units, job.whole))
-    delta = added - choice.update_s
-    return dataclasses.replace(
-        choice, devices=job.devices, tp=degrees.tp, checkpointing=degrees.checkpointing,
-        fsdp_reshard=degrees.fsdp_reshard, iteration_s=choice.iteration_s + delta,
-        planned_iteration_s=choice.planned_iteration_s + delta,
-        update_s=0.0, offload_s=added, offload="cpu", host_memory_bytes=cost.host_bytes,
-        shard_buffer_bytes=cost.buffer_bytes, memory_cap=machine.memory_cap, fits_memory=True,
-        stage_static_bytes=static,
-        stage_memory_bytes=tuple(s + a for s, a in zip(static, choice.stage_activation_bytes)),
-        lower_bound_s=job.microbatches * work / job.devices)

@@ -4,10 +4,14 @@ FSDP2's shard pairs inside a node written into the job tables and the command.""
 from __future__ import annotations
 
 import io
+from types import SimpleNamespace
 
 import pytest
 
 from plait.commands.plan.command import plan_command
+from plait.commands.plan.nodes import on_whole_nodes, whole_node_plan
+from plait.planner.search.auto_layout import plan_filling_layout
+from plait.planner.search.layout import plan_layout
 from tests.helpers.jobs import ROOT
 
 DEMO_PP = str(ROOT / "configs" / "demo_pp.toml")
@@ -15,19 +19,34 @@ COMMON = dict(device="h100", virtual_stages=(1,), attach_encoders=False, profile
               overrides=["--parallel.dp_shard=2"])
 
 
-def test_nodes_of_four_put_the_pipeline_outermost_and_say_so():
+def test_nodes_of_two_put_the_pipeline_outermost_and_say_so():
     """A 3-rank pipeline with 2 shard ranks per stage (the job keeps dp_shard 2): numbered dp_outer, each stage's
-    FSDP2 pair strides over 3 ranks and crosses nodes of 4; pp_outer keeps every pair on one node."""
+    FSDP2 pair strides over 3 ranks and crosses nodes of 2; pp_outer keeps every pair on one node."""
     text = io.StringIO()
-    choice = plan_command(DEMO_PP, 16, None, out=text, gpus_per_node=4, **COMMON)
+    choice = plan_command(DEMO_PP, 16, None, out=text, gpus_per_node=2, **COMMON)
     assert (choice.rank_order, choice.dp_shard, choice.plan.num_ranks) == ("pp_outer", 2, 3)
     out = text.getvalue()
-    assert "nodes of 4 GPUs: NVLink inside a node" in out
+    assert "nodes of 2 GPUs: NVLink inside a node" in out
     assert 'rank_order = "pp_outer"' in out and "--parallel.rank_order=pp_outer" in out
-    assert choice.devices_used == 6 and "2 nodes (the last one runs 2: torchrun needs the same count" in out
+    assert choice.devices_used == 6 and "6 processes on nodes of 2: 3 nodes; start one torchrun per node" in out
     one_node = io.StringIO()
     alone = plan_command(DEMO_PP, 16, None, out=one_node, **COMMON)
     assert alone.rank_order == "dp_outer" and "rank_order" not in one_node.getvalue()
+
+
+def test_plans_over_several_nodes_keep_to_whole_nodes():
+    """On nodes of 4 the search's 6-process plan (one node and a half) is not run: the plan is one node's or fills
+    whole nodes, and the printed torchrun line starts exactly its processes."""
+    text = io.StringIO()
+    choice = plan_command(DEMO_PP, 16, None, out=text, gpus_per_node=4, **COMMON)
+    used = choice.devices_used
+    assert used <= 4 or used % 4 == 0
+    out = text.getvalue()
+    if used > 4:
+        assert f"torchrun --nnodes {used // 4} --nproc_per_node 4 " in out
+    else:
+        assert f"torchrun --nproc_per_node {used} " in out and "--nnodes" not in out
+    assert "the last one runs" not in out
 
 
 def test_a_plan_over_whole_nodes_prints_one_nodes_torchrun_line():
@@ -45,3 +64,22 @@ def test_nodes_need_a_gpu_preset():
     with pytest.raises(ValueError, match="--gpus-per-node plans nodes of GPUs"):
         plan_command(DEMO_PP, 4, None, out=io.StringIO(), gpus_per_node=2,
                      **(COMMON | {"device": "cpu", "overrides": []}))
+
+
+def test_whole_node_plan_weighs_one_node_and_each_whole_node_count():
+    """A plan on 15 of 32 GPUs in nodes of 8 is replaced by the fastest of one node's plan (any count up to 8) and
+    the plans filling 2 and 4 nodes; a plan already on whole nodes is kept without searching."""
+    calls = []
+
+    def search(count, layout_search):
+        calls.append((count, layout_search))
+        used = count if layout_search is plan_filling_layout else 7
+        return SimpleNamespace(devices_used=used, iteration_s={7: 3.0, 16: 2.0, 32: 2.0}[used])
+
+    chosen = whole_node_plan(SimpleNamespace(devices_used=15, iteration_s=1.0), 32, 8, search)
+    assert calls == [(8, plan_layout), (16, plan_filling_layout), (32, plan_filling_layout)]
+    assert chosen.devices_used == 16  # ties: fewer processes
+    calls.clear()
+    kept = SimpleNamespace(devices_used=24, iteration_s=1.0)
+    assert whole_node_plan(kept, 32, 8, search) is kept and not calls
+    assert on_whole_nodes(8, 8) and on_whole_nodes(5, 8) and on_whole_nodes(24, 8) and not on_whole_nodes(15, 8)

@@ -17,7 +17,7 @@ from plait.planner.cost.types import ParallelDegrees
 from plait.planner.pipeline.plan import synthetic_units
 from plait.planner.pipeline.types import P2PModel
 from plait.planner.search.layout import evaluate_plan, plan_layout
-from plait.planner.search.monotone import chain_s, divisors, work_bound
+from plait.planner.search.monotone import chain_s, divisors, plan_over_divisors, work_bound
 from plait.planner.search.parallel import plan_parallel
 from plait.planner.search.types import LayoutChoice, Machine, NoPlanFits, SearchSpace
 from plait.planner.types import UnitCost
@@ -131,3 +131,36 @@ def test_bounds_stay_below_every_plan():
             bound = work_bound(units, costs, devices, microbatches, divisors(devices))
             assert bound <= choice.iteration_s * (1 + 1e-12)
     assert work_bound(units, costs, 2, 4, [4]) == math.inf  # no DP degree fits two devices
+
+
+@dataclasses.dataclass(frozen=True)
+class _Found:
+    iteration_s: float
+    devices: int
+    lower_bound_s: float = 1.0
+    origin: int = 0
+
+
+@pytest.mark.parametrize("times", [{1: 8.0, 2: 4.0, 3: 5.0, 4: 2.5, 6: 2.5, 12: 3.0},
+                                   {1: 8.0, 2: 4.0, 3: 5.0, 4: 2.5, 6: 2.0, 12: 2.0},
+                                   {1: 8.0, 2: 4.0, 3: 5.0, 4: 2.5, 6: 2.2, 12: 1.0}])
+def test_searching_the_device_count_first_finds_the_divisors_plan(times):
+    """plan_over_divisors from the device count down (the divisors asked only for plans at most as fast as the best
+    so far) returns what it returns from the smallest divisor up: the fastest, ties to the fewest devices."""
+    asked = []
+
+    def direct(n, so_far, beat):
+        asked.append((n, beat))
+        return _Found(times[n], n, origin=n) if times[n] < beat else None
+
+    def key(found):
+        return (found.iteration_s,)
+
+    up = plan_over_divisors(12, direct, key)
+    asked.clear()
+    down = plan_over_divisors(12, direct, key, incumbent_first=lambda top: True)
+    assert (down.iteration_s, down.origin, down.devices) == (up.iteration_s, up.origin, 12)
+    assert asked[0] == (12, math.inf) and [n for n, _ in asked[1:]] == [1, 2, 3, 4, 6]
+    assert all(beat <= math.nextafter(times[12], math.inf) for _, beat in asked[1:])
+    refused = plan_over_divisors(12, direct, key, incumbent_first=lambda top: False)
+    assert (refused.iteration_s, refused.origin) == (up.iteration_s, up.origin)
