@@ -38,6 +38,7 @@ def plan_pipeline(
     splits: Mapping[str, Sequence[str]] | None = None,
     ranks: Sequence[int] | None = None,
     num_microbatches: int = 1,
+    replicas: Mapping[str, int] | None = None,
 ) -> PipelinePlan:
     """Partition ``units`` into pipeline stages and connect them as ``layout`` says.
 
@@ -56,6 +57,10 @@ def plan_pipeline(
         ranks: pipeline rank of each stage (default: stage ``i`` on rank ``i``); several stages may share
             a rank, and every rank ``0..max`` must be used.
         num_microbatches: microbatches per iteration.
+        replicas: per encoder module of an ``encoder_parallel`` plan, its data-parallel degree ``r`` (default 1):
+            every stage of that branch becomes ``r`` replica stages (consecutive indices, ``Stage.replica``
+            ``0..r-1``), each on its own rank, each taking ``1/r`` of the branch's rows of every microbatch.
+            ``ranks`` then counts every replica stage.
 
     Returns:
         A validated ``PipelinePlan``.
@@ -65,18 +70,22 @@ def plan_pipeline(
             modules in ``stages_per_module``/``splits``, a module given both, a stage count that is < 1 or
             exceeds the module's units, boundaries that are unknown, repeated, out of order or at the
             module's first unit, unequal colocated encoder chunk counts, a wrong-length ``ranks``, a stage
-            starting at a ``Unit.joined`` unit, and every ``PipelinePlan`` validation error.
+            starting at a ``Unit.joined`` unit, ``replicas`` naming the LLM, an unknown module or a degree below 1,
+            or given with ``encoders_colocated``, and every ``PipelinePlan`` validation error.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     by_module = _group_units(units)
     chunks = _chunk_modules(by_module, dict(stages_per_module or {}), dict(splits or {}))
     groups = _arrange_stages(layout, chunks)
+    degrees = _check_replicas(layout, by_module, dict(replicas or {}))
+    copies = [(group, k, degrees.get(group[0][0].module, 1)) for group in groups
+              for k in range(degrees.get(group[0][0].module, 1))]
     if ranks is None:
-        ranks = range(len(groups))
-    if len(ranks) != len(groups):
-        raise ValueError(f"ranks has {len(ranks)} entries but the plan has {len(groups)} stages")
-    stages = tuple(_make_stage(i, group, int(r)) for i, (group, r) in enumerate(zip(groups, ranks)))
+        ranks = range(len(copies))
+    if len(ranks) != len(copies):
+        raise ValueError(f"ranks has {len(ranks)} entries but the plan has {len(copies)} stages")
+    stages = tuple(_make_stage(i, group, int(r), k, n) for i, ((group, k, n), r) in enumerate(zip(copies, ranks)))
     plan = PipelinePlan(layout=layout, stages=stages, num_microbatches=num_microbatches)
     check_plan_units(plan, units)
     _check_joined(plan, units)
@@ -153,6 +162,9 @@ def stage_ranks(encoder_stages: int, llm_ranks: int, virtual_stages: int = 1,
     LLM ranks, whose 1F1B warm-up idles longest (``p - 1 - i`` forward slots on rank ``i``), run the encoders'
     forwards there (Optimus, ATC'25: encoder work in the LLM pipeline's bubbles); the schedule generators place
     each encoder action where its rank would otherwise wait (``schedules._merge_ranks``).
+    ``encoder_stages`` counts every replica of a replicated encoder stage (``Stage.replicas``): with own ranks each
+    replica gets its own rank; ``in_bubble`` puts consecutive replicas on different LLM ranks (while there are
+    no more replicas than LLM ranks), the layout where a replicated encoder shares ranks with LLM stages.
 
     Raises:
         ValueError: on ``encoder_stages`` below 0, ``llm_ranks`` or ``virtual_stages`` below 1, ``v_shape`` with
@@ -267,7 +279,20 @@ def _arrange_stages(layout: str, chunks: Mapping[str, list[list[Unit]]]) -> list
     return groups
 
 
-def _make_stage(index: int, group: list[list[Unit]], rank: int) -> Stage:
+def _check_replicas(layout: str, by_module: Mapping[str, list[Unit]], replicas: dict[str, int]) -> dict[str, int]:
+    """``plan_pipeline``'s ``replicas``, checked: encoder modules of an encoder_parallel plan, degrees >= 1."""
+    for module, degree in replicas.items():
+        if module == LLM_MODULE or module not in by_module:
+            encoders = [m for m in by_module if m != LLM_MODULE]
+            raise ValueError(f"replicas[{module!r}]: only encoder modules may be replicated; they are {encoders}")
+        if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+            raise ValueError(f"replicas[{module!r}] must be an integer >= 1, got {degree!r}")
+        if degree > 1 and layout != "encoder_parallel":
+            raise ValueError(f"replicas[{module!r}] = {degree} needs the encoder_parallel layout, got {layout!r}")
+    return replicas
+
+
+def _make_stage(index: int, group: list[list[Unit]], rank: int, replica: int = 0, replicas: int = 1) -> Stage:
     return Stage(
         index=index,
         modules=tuple(chunk[0].module for chunk in group),
@@ -276,13 +301,15 @@ def _make_stage(index: int, group: list[list[Unit]], rank: int) -> Stage:
         trainable=any(u.trainable for chunk in group for u in chunk),
         needs_input_grad=any(chunk[0].needs_input_grad for chunk in group),
         module_unit_counts=tuple(len(chunk) for chunk in group),
+        replica=replica,
+        replicas=replicas,
     )
 
 
 def check_plan_units(plan: PipelinePlan, units: Sequence[Unit]) -> None:
     """Check that ``plan`` fits the model whose pipeline units are ``units`` (e.g. a cached plan).
 
-    Every unit must be run by exactly one stage, each stage's module chunks must list units of that
+    Every unit must be run by exactly one stage (or the replicas of one stage), each stage's module chunks must list units of that
     module in model order, the stages of a module must cover it in order, and each stage's flags must be
     the ones its units imply (module docstring).
 
@@ -290,7 +317,7 @@ def check_plan_units(plan: PipelinePlan, units: Sequence[Unit]) -> None:
         ValueError: naming the first unit or stage that does not fit.
     """
     by_name = {u.name: u for u in units}
-    planned = [name for stage in plan.stages for name in stage.units]
+    planned = [name for stage in plan.stages if not stage.replica for name in stage.units]
     missing = [u.name for u in units if u.name not in set(planned)]
     extra = [n for n in planned if n not in by_name]
     if missing or extra:
@@ -298,6 +325,9 @@ def check_plan_units(plan: PipelinePlan, units: Sequence[Unit]) -> None:
     order = {u.name: i for i, u in enumerate(units)}
     last: dict[str, int] = {}
     for stage in plan.stages:
+        _check_stage_flags(stage, by_name)
+        if stage.replica:
+            continue  # the same units as replica 0 (PipelinePlan checks it)
         for module in stage.modules:
             for name in stage.module_units(module):
                 if by_name[name].module != module:
@@ -305,7 +335,6 @@ def check_plan_units(plan: PipelinePlan, units: Sequence[Unit]) -> None:
                 if order[name] <= last.get(module, -1):
                     raise ValueError(f"stage {stage.index}: unit {name!r} is out of model order")
                 last[module] = order[name]
-        _check_stage_flags(stage, by_name)
 
 
 def _check_stage_flags(stage: Stage, by_name: Mapping[str, Unit]) -> None:

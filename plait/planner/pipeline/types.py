@@ -47,10 +47,15 @@ class Stage(JsonDataclass):
             the stage's backward must produce the gradient of its input(s) (dX) for its predecessors.
         module_unit_counts: how many of ``units`` belong to each entry of ``modules`` (defaults to
             ``(len(units),)`` for a single-module stage).
+        replica: which copy of a replicated encoder stage this is (``0..replicas-1``).
+        replicas: how many copies of the stage run side by side (an encoder branch's own data-parallel
+            degree): ``replicas`` stages with identical units and flags, consecutive indices, each on its own
+            rank, each taking an equal share of every microbatch's rows of its branch. 1: not replicated.
 
     Raises:
-        ValueError: on a negative index or rank, empty/duplicate modules, no units, or unit counts that do
-            not match ``modules`` and ``units``.
+        ValueError: on a negative index or rank, empty/duplicate modules, no units, unit counts that do
+            not match ``modules`` and ``units``, ``replicas`` below 1, ``replica`` outside ``0..replicas-1``,
+            or a replicated LLM stage.
     """
 
     index: int
@@ -60,6 +65,8 @@ class Stage(JsonDataclass):
     trainable: bool
     needs_input_grad: bool
     module_unit_counts: tuple[int, ...] = ()
+    replica: int = 0
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "modules", tuple(self.modules))
@@ -78,11 +85,21 @@ class Stage(JsonDataclass):
                 f"{where}: module_unit_counts {counts} must give >= 1 unit to each of {self.modules} "
                 f"and sum to {len(self.units)} units"
             )
+        if self.replicas < 1 or not 0 <= self.replica < self.replicas:
+            raise ValueError(f"{where}: replicas must be >= 1 and replica in 0..replicas-1, got "
+                             f"replica={self.replica}, replicas={self.replicas}")
+        if self.replicas > 1 and LLM_MODULE in self.modules:
+            raise ValueError(f"{where}: replicas={self.replicas}, but only encoder stages may be replicated")
 
     @property
     def runs_backward(self) -> bool:
         """True when the stage has any backward work (dX, dW or both); False means forward-only."""
         return self.trainable or self.needs_input_grad
+
+    @property
+    def first_replica(self) -> int:
+        """Index of replica 0 of this stage (``index`` itself when the stage is not replicated)."""
+        return self.index - self.replica
 
     @property
     def is_llm(self) -> bool:
@@ -114,7 +131,9 @@ class PipelinePlan(JsonDataclass):
         num_microbatches: microbatches per iteration (per pipeline); schedules default to it.
 
     Raises:
-        ValueError: on an unknown layout, misnumbered stages, a unit in two stages, an encoder stage mixing
+        ValueError: on an unknown layout, misnumbered stages, a unit in two stages (other than replicas of one
+            stage: consecutive, identical but for ``replica``, on distinct ranks, every stage of their branch
+            with the same ``replicas``, and only in ``encoder_parallel``), an encoder stage mixing
             with LLM units, a module whose stages are not contiguous, a colocated encoder stage that does not
             serve every encoder, edges that differ from the layout's, unused ranks, or gradient flags that
             contradict each other along an edge (a stage runs backward but its successor does not need an
@@ -221,8 +240,18 @@ class PipelinePlan(JsonDataclass):
         """Indices of the stages serving ``module`` (an encoder branch or the LLM chain)."""
         return tuple(s.index for s in self.stages if module in s.modules)
 
+    def replica_group(self, stage: int) -> tuple[int, ...]:
+        """Indices of every replica of ``stage`` (``(stage,)`` when it is not replicated), in replica order."""
+        first = self.stages[stage].first_replica
+        return tuple(range(first, first + self.stages[stage].replicas))
+
+    @property
+    def replicated(self) -> bool:
+        """True when some stage has ``replicas > 1``."""
+        return any(s.replicas > 1 for s in self.stages)
+
     def stage_of_unit(self, name: str) -> int:
-        """Index of the stage that runs unit ``name``.
+        """Index of the stage that runs unit ``name`` (replica 0 of a replicated stage).
 
         Raises:
             ValueError: when no stage runs it.
@@ -249,6 +278,10 @@ def _validate_stages(layout: str, stages: Sequence[Stage]) -> None:
             raise ValueError(f"stage {i} mixes LLM units with encoder units {stage.modules}")
         if layout == "encoder_parallel" and len(stage.modules) > 1:
             raise ValueError(f"stage {i}: an encoder_parallel stage serves one module, got {stage.modules}")
+        if stage.replicas > 1 or stage.replica:
+            _validate_replica(layout, stages, stage)
+            if stage.replica:
+                continue  # its units are replica 0's
         for name in stage.units:
             if name in seen:
                 raise ValueError(f"unit {name!r} is in stage {seen[name]} and stage {i}")
@@ -256,6 +289,30 @@ def _validate_stages(layout: str, stages: Sequence[Stage]) -> None:
     if not stages[-1].is_llm:
         raise ValueError("the last stage must be an LLM stage (it computes the loss)")
     _validate_module_order(layout, stages)
+
+
+def _validate_replica(layout: str, stages: Sequence[Stage], stage: Stage) -> None:
+    """A replica is one of ``replicas`` consecutive copies of one encoder_parallel stage on distinct ranks, and
+    every stage of its branch has the same ``replicas``."""
+    where = f"stage {stage.index} (replica {stage.replica} of {stage.replicas})"
+    if layout != "encoder_parallel":
+        raise ValueError(f"{where}: replicas > 1 needs the encoder_parallel layout, got {layout!r}")
+    first = stage.first_replica
+    group = stages[first : first + stage.replicas]
+    if first < 0 or len(group) != stage.replicas:
+        raise ValueError(f"{where}: its {stage.replicas} replicas must be consecutive stages")
+    for k, other in enumerate(group):
+        same = dataclasses.replace(other, index=stage.index, rank=stage.rank, replica=stage.replica) == stage
+        if other.replica != k or not same:
+            raise ValueError(f"{where}: stage {other.index} must be replica {k} of it, with the same units, flags and "
+                             f"replicas, got replica={other.replica}, replicas={other.replicas}, units={other.units}")
+    ranks = [s.rank for s in group]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"{where}: the replicas of a stage need distinct ranks, got {ranks}")
+    branch = [s.replicas for s in stages if s.modules == stage.modules]
+    if len(set(branch)) != 1:
+        raise ValueError(f"{where}: every stage of encoder {stage.modules[0]!r} needs the same replicas, got "
+                         f"{sorted(set(branch))}")
 
 
 def _validate_module_order(layout: str, stages: Sequence[Stage]) -> None:
@@ -278,15 +335,16 @@ def _validate_module_order(layout: str, stages: Sequence[Stage]) -> None:
 
 
 def _derive_edges(layout: str, stages: Sequence[Stage]) -> tuple[tuple[int, int], ...]:
-    """The stage DAG of ``layout``: branch chains into the first LLM stage, or one line."""
+    """The stage DAG of ``layout``: branch chains into the first LLM stage, or one line. Replica ``k`` of a
+    replicated encoder stage sends to replica ``k`` of the branch's next stage, or to the first LLM stage."""
     if layout == "encoders_colocated":
         return tuple((i, i + 1) for i in range(len(stages) - 1))
     first_llm = next(s.index for s in stages if s.is_llm)
     edges = []
     for stage in stages[:-1]:
-        nxt = stages[stage.index + 1]
-        same_chain = nxt.modules == stage.modules
-        edges.append((stage.index, stage.index + 1 if same_chain else first_llm))
+        after = stage.first_replica + stage.replicas  # the next stage of the chain starts after the replicas
+        same_chain = after < len(stages) and stages[after].modules == stage.modules
+        edges.append((stage.index, after + stage.replica if same_chain else first_llm))  # replica k -> replica k
     return tuple(edges)
 
 

@@ -381,13 +381,14 @@ def _by_name(units: Sequence[Unit]) -> dict[str, Unit]:
 
 def _stage_memory(plan: PipelinePlan, units: Sequence[Unit], cost_map: Mapping[str, UnitCost], dtype: Any,
                   optimizer: OptimizerSpec) -> dict[int, StageMemory]:
-    """Per stage: static bytes (parameters, gradients, optimizer state) and activation bytes per microbatch."""
+    """Per stage: static bytes (parameters, gradients, optimizer state) and activation bytes per microbatch (a
+    replica of a replicated encoder stage keeps those of its ``1/replicas`` share of the rows)."""
     by_name = _by_name(units)
     out = {}
     for stage in plan.stages:
         pairs = [(by_name[n], cost_map[n]) for n in stage.units]
         static = sum(unit_static_bytes(u, c, dtype, optimizer) for u, c in pairs)
-        act = sum(unit_activation_bytes(u, c) for u, c in pairs)
+        act = sum(unit_activation_bytes(u, c) for u, c in pairs) / stage.replicas
         out[stage.index] = StageMemory(int(round(static)), int(round(act)))
     return out
 
