@@ -1,0 +1,223 @@
+"""Per-encoder data-parallel degrees: plans whose encoder stages are replicated over several ranks.
+
+A frozen 0.4B vision tower does not need the LLM's pipeline degrees; it needs enough replicas to keep up. With
+``[parallel.pp] encoder_dp = {vision = r}`` each stage of the branch runs on ``r`` ranks (``plan.plan_pipeline(...,
+replicas=)``: ``r`` stages with the same units, ``Stage.replica`` ``0..r-1``), each taking an equal share of every
+microbatch's rows of the branch and sending its share of the features to the same successor (heterogeneous degrees
+per submodule: DistMM, NSDI'24; MegatronMIMO's encoder beside the LLM under its own parallelism). The cost model
+of a replica (``simulator.stage_costs_from_units``, ``search.evaluate_plan``):
+
+- compute (forward, input and weight gradients, recomputation) and activations of its branch divided by ``r``
+  (:func:`replicated_costs`; the features it sends too); parameters, gradients and optimizer state whole on each
+  replica rank;
+- a trainable replicated stage's gradients all-reduced over its ``r`` replicas times the ``dp`` pipeline replicas
+  (``search.model.grad_sync_s`` over ``r x dp`` ranks on ``Machine.dp_link``) after the flush, with the optimizer
+  step of its whole gradient.
+
+The search (:func:`plan_replicated`, called by ``search.plan_layout`` when ``SearchSpace.encoder_dp`` allows a
+degree above 1) weighs, for ``encoder_parallel`` plans with every stage on its own rank and 1F1B, every vector of
+per-branch degrees (powers of two up to the branch's bound), DP degree, stages per encoder and LLM ranks with
+``dp x (sum of encoder stages x their degree + LLM ranks) <= devices``. One replica of a stage in lockstep with the
+others is timed as one stage with the divided costs (the replicas run in parallel, each on its own rank), so each
+candidate is a ``search.model`` candidate on the divided costs (minimum-bottleneck partitions, memory caps) timed
+with ``candidates.time_1f1b``, plus the first LLM stage's receive overheads of the extra messages. Candidates go in
+increasing lower bound (``microbatches per replica x`` the largest stage's work of the plain partitions) and then
+``bounds.stage_bounds`` plus the gradient synchronisation; the search stops when a bound reaches the best time. The
+chosen plan is timed again with ``evaluate_plan`` (the simulator itself) by ``plan_layout``, which
+keeps the homogeneous plan (every degree 1) when it is not slower. Pure: no torch, no files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from plait.planner.pipeline.graph import consistent_units
+from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.pipeline.types import P2PModel, PipelinePlan
+from plait.planner.search.bounds import stage_bounds
+from plait.planner.search.candidates import time_1f1b
+from plait.planner.search.model import (CandidateStages, Costs, Partitions, SearchModel, build_stages, cost_list,
+                                        flush_s)
+from plait.planner.search.types import Machine, SearchSpace
+from plait.planner.types import LLM_MODULE, Unit, UnitCost
+
+__all__ = ["Replicated", "degree_vectors", "plan_replicated", "replicated_costs"]
+
+
+def replicated_costs(units: Sequence[Unit], costs: Costs, replicas: Mapping[str, int]) -> list[UnitCost]:
+    """The per-replica costs of ``units`` when encoder branch ``m`` runs on ``replicas[m]`` ranks: its units'
+    forward, input- and weight-gradient and recomputation seconds, activation and output bytes divided by the degree
+    (a replica's equal share of every microbatch's rows); parameter bytes whole (each replica holds the branch).
+
+    Raises:
+        ValueError: on a degree below 1, a branch that is not an encoder module of ``units``, or as ``cost_list``.
+    """
+    per_unit = cost_list(units, costs)
+    encoders = {u.module for u in units if u.module != LLM_MODULE}
+    unknown = sorted(set(replicas) - encoders)
+    if unknown or any(int(r) < 1 for r in replicas.values()):
+        raise ValueError(f"encoder_dp names {unknown or dict(replicas)}: degrees must be >= 1 for encoder branches "
+                         f"of the model ({sorted(encoders)})")
+    out = []
+    for unit, cost in zip(units, per_unit):
+        r = int(replicas.get(unit.module, 1))
+        out.append(cost if r == 1 else dataclasses.replace(
+            cost, forward_s=cost.forward_s / r, input_grad_s=cost.input_grad_s / r,
+            weight_grad_s=cost.weight_grad_s / r, recompute_s=cost.recompute_s / r,
+            activation_bytes=-(-cost.activation_bytes // r), output_bytes=-(-cost.output_bytes // r)))
+    return out
+
+
+def degree_vectors(encoders: Sequence[str], limits: Mapping[str, int], devices: int) -> list[dict[str, int]]:
+    """Every vector of per-branch degrees searched: for each encoder, the powers of two up to ``limits`` (1 for a
+    branch not named) and up to ``devices - 1`` (one rank is left for the LLM), except all ones."""
+    options = [[1 << k for k in range(32) if (1 << k) <= min(int(limits.get(m, 1)), max(devices - 1, 1))]
+               for m in encoders]
+    return [dict(zip(encoders, combo)) for combo in itertools.product(*options) if max(combo, default=1) > 1]
+
+
+def plan_replicated(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int, machine: Machine,
+                    space: SearchSpace, dps: Sequence[int], beat: float = math.inf) -> Replicated | None:
+    """The fastest ``encoder_parallel`` 1F1B plan with some encoder branch replicated (module docstring) whose time
+    is below ``beat`` seconds; None when there is none, the model has no encoder, ``space.encoder_dp`` allows only
+    degree 1 or the costs are FSDP2 shards (``machine.dp_shard > 1``: not searched).
+
+    Args:
+        units, costs: as ``plan_layout``; devices: the devices searched (``dp x ranks <= devices``).
+        microbatches: global per step; machine: cap, links, dtype, optimizer, overheads (``p2p`` set).
+        space: ``encoder_dp`` (the most replicas per branch), ``frozen_aware``, ``rel_tol``.
+        dps: the DP degrees searched (``plan_layout``'s).
+
+    Returns:
+        The best plan with its DP degree and the search's time (``Replicated``; ``plan_layout`` times it again with
+        ``evaluate_plan``), or None.
+    """
+    units = consistent_units(units)
+    encoders = [m for m in dict.fromkeys(u.module for u in units) if m != LLM_MODULE]
+    vectors = degree_vectors(encoders, dict(space.encoder_dp), devices)
+    if not vectors or machine.dp_shard != 1 or not space.frozen_aware:
+        return None
+    p2p = machine.p2p or P2PModel()
+    heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []
+    searched: list[tuple[dict[str, int], Partitions]] = []
+    for index, replicas in enumerate(vectors):
+        model = SearchModel(units, replicated_costs(units, costs, replicas), True, machine.dtype, machine.optimizer,
+                            machine.overheads)
+        parts = Partitions(model, machine.memory_cap)
+        searched.append((replicas, parts))
+        for dp in dps:
+            for bound, counts in _first_bounds(parts, replicas, dp, devices, microbatches):
+                if bound * (1 + space.rel_tol) < beat:
+                    heap.append((bound, dp * _ranks(encoders, replicas, counts), index, dp, counts))
+    heapq.heapify(heap)
+    refined: dict[tuple[int, int, tuple[int, ...]], CandidateStages] = {}  # concrete candidates in the heap
+    best: tuple[float, int, int, int, CandidateStages] | None = None
+    while heap and heap[0][0] * (1 + space.rel_tol) < (beat if best is None else min(beat, best[0])):
+        bound, used, index, dp, counts = heapq.heappop(heap)
+        replicas, parts = searched[index]
+        nb = -(-microbatches // dp)
+        if counts[-1] < 0:  # a concrete candidate whose second bound is again the smallest: time it
+            st = refined.pop((index, dp, counts[:-1]))
+            total = time_1f1b(st, nb) + _sync(parts, st, replicas, dp, machine)
+            if best is None or (total, used) < best[:2]:
+                best = (total, used, index, dp, st)
+            continue
+        st = build_stages(parts, "encoder_parallel", counts, nb, p2p)
+        if st is None:
+            continue
+        _add_messages(parts, st, replicas, p2p)
+        tight = max(bound, max(stage_bounds(st, nb)) + _sync(parts, st, replicas, dp, machine))
+        refined[(index, dp, counts)] = st
+        heapq.heappush(heap, (tight, used, index, dp, counts + (-1,)))
+    if best is None:
+        return None
+    planned, _, index, dp, st = best
+    replicas, parts = searched[index]
+    return Replicated(_plan_of(parts.model, st, replicas), dp, planned, len(heap), len(searched))
+
+
+class Replicated(NamedTuple):
+    """The best replicated candidate of :func:`plan_replicated`."""
+
+    plan: PipelinePlan  # its stages, replicated encoder stages included
+    dp: int  # pipeline replicas
+    planned_s: float  # the search's iteration time (s)
+    left: int  # candidates left unexamined in the heap (bounded out)
+    vectors: int  # degree vectors searched
+
+
+def _ranks(encoders: Sequence[str], replicas: Mapping[str, int], counts: Sequence[int]) -> int:
+    """Pipeline ranks of a candidate: every encoder stage times its branch's degree, plus the LLM ranks."""
+    return sum(s * replicas[m] for m, s in zip(encoders, counts)) + counts[-1]
+
+
+def _first_bounds(parts: Partitions, replicas: Mapping[str, int], dp: int, devices: int,
+                  microbatches: int) -> list[tuple[float, tuple[int, ...]]]:
+    """Every (stages per encoder, LLM ranks) of one degree vector and DP degree fitting ``devices // dp`` ranks, with
+    a lower bound of its iteration: the microbatches per replica times the largest stage's work of the plain
+    minimum-bottleneck partitions (no partition has a smaller largest stage), vectorised over the grid."""
+    model = parts.model
+    nb, pipe = -(-microbatches // dp), devices // dp
+    encoders = model.encoders
+    grids, necks, ranks = [], [], []
+    axes = len(encoders) + 1
+    for axis, module in enumerate([*encoders, LLM_MODULE]):
+        r = replicas.get(module, 1)
+        room = pipe - sum(replicas[m] for m in encoders if m != module) - (1 if module != LLM_MODULE else 0)
+        top = min(model.max_stages(module), room // r)
+        if top < 1:
+            return []
+        shape = [1] * axes
+        shape[axis] = top
+        stages = np.arange(1, top + 1)
+        grids.append(stages.reshape(shape))
+        ranks.append((stages * r).reshape(shape))
+        necks.append(np.array([max(model.total("W", a, b) for a, b in parts.plain(module, s))
+                               for s in stages]).reshape(shape))
+    used = sum(ranks)
+    bound = nb * np.maximum.reduce(np.broadcast_arrays(*necks))
+    keep = np.broadcast_to(used <= pipe, bound.shape)
+    counts = np.stack([g.ravel() for g in np.broadcast_arrays(*grids)], axis=1)[keep.ravel()]
+    return [(float(b), tuple(int(x) for x in row)) for b, row in zip(bound[keep].ravel(), counts)]
+
+
+def _module_of(parts: Partitions, st: CandidateStages, stage: int) -> str:
+    return parts.model.units[st.chunks[stage][0][0]].module
+
+
+def _add_messages(parts: Partitions, st: CandidateStages, replicas: Mapping[str, int], p2p: P2PModel) -> None:
+    """The LogP overheads of the extra messages (``simulator``): the first LLM stage receives one message per
+    replica of each branch's last stage (and, when both run a backward, sends its gradient to each); the search's
+    stages count one (``model._add_overheads``)."""
+    first = next(s for s in range(len(st.chunks)) if _module_of(parts, st, s) == LLM_MODULE)
+    for s in st.preds[first]:
+        extra = replicas.get(_module_of(parts, st, s), 1) - 1
+        st.forward[first] += extra * p2p.recv_overhead_s
+        if st.runs_backward[s] and st.runs_backward[first]:
+            st.backward[first] += extra * p2p.send_overhead_s
+
+
+def _sync(parts: Partitions, st: CandidateStages, replicas: Mapping[str, int], dp: int, machine: Machine) -> float:
+    """After the flush: the slowest stage's gradient synchronisation (an encoder stage's over its degree x ``dp``
+    ranks) and optimizer step (``model.flush_s``; one stage per rank)."""
+    return max(flush_s(g, dp * replicas.get(_module_of(parts, st, s), 1), machine.dp_link, machine.overheads)
+               for s, g in enumerate(st.grad))
+
+
+def _plan_of(model: SearchModel, st: CandidateStages, replicas: Mapping[str, int]) -> PipelinePlan:
+    """The candidate as a ``PipelinePlan`` with its replicated encoder stages (``plan_pipeline(..., replicas=)``)."""
+    starts: dict[str, list[str]] = {}
+    for chunks in st.chunks:
+        a = chunks[0][0]
+        module = model.units[a].module
+        if a != model.span[module][0]:
+            starts.setdefault(module, []).append(model.units[a].name)
+    return plan_pipeline(model.units, "encoder_parallel", splits=starts,
+                         replicas={m: r for m, r in replicas.items() if r > 1})
