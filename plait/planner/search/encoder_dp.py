@@ -39,16 +39,16 @@ from typing import NamedTuple
 import numpy as np
 
 from plait.planner.pipeline.graph import consistent_units
-from plait.planner.pipeline.plan import plan_pipeline
+from plait.planner.pipeline.plan import plan_pipeline, stage_ranks
 from plait.planner.pipeline.types import P2PModel, PipelinePlan
 from plait.planner.search.bounds import stage_bounds
 from plait.planner.search.candidates import time_1f1b
 from plait.planner.search.model import (CandidateStages, Costs, Partitions, SearchModel, build_stages, cost_list,
-                                        flush_s)
+                                        flush_s, in_flight)
 from plait.planner.search.types import Machine, SearchSpace
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
-__all__ = ["Replicated", "degree_vectors", "plan_replicated", "replicated_costs"]
+__all__ = ["InBubble", "Replicated", "degree_vectors", "in_bubble_candidates", "plan_replicated", "replicated_costs"]
 
 
 def replicated_costs(units: Sequence[Unit], costs: Costs, replicas: Mapping[str, int]) -> list[UnitCost]:
@@ -75,10 +75,11 @@ def replicated_costs(units: Sequence[Unit], costs: Costs, replicas: Mapping[str,
     return out
 
 
-def degree_vectors(encoders: Sequence[str], limits: Mapping[str, int], devices: int) -> list[dict[str, int]]:
+def degree_vectors(encoders: Sequence[str], limits: Mapping[str, int], most: int) -> list[dict[str, int]]:
     """Every vector of per-branch degrees searched: for each encoder, the powers of two up to ``limits`` (1 for a
-    branch not named) and up to ``devices - 1`` (one rank is left for the LLM), except all ones."""
-    options = [[1 << k for k in range(32) if (1 << k) <= min(int(limits.get(m, 1)), max(devices - 1, 1))]
+    branch not named) and up to ``most`` (the devices less one for the LLM on own ranks; the devices in the LLM's
+    bubbles), except all ones."""
+    options = [[1 << k for k in range(32) if (1 << k) <= min(int(limits.get(m, 1)), max(most, 1))]
                for m in encoders]
     return [dict(zip(encoders, combo)) for combo in itertools.product(*options) if max(combo, default=1) > 1]
 
@@ -101,17 +102,13 @@ def plan_replicated(units: Sequence[Unit], costs: Costs, devices: int, *, microb
     """
     units = consistent_units(units)
     encoders = [m for m in dict.fromkeys(u.module for u in units) if m != LLM_MODULE]
-    vectors = degree_vectors(encoders, dict(space.encoder_dp), devices)
+    vectors = degree_vectors(encoders, dict(space.encoder_dp), devices - 1)
     if not vectors or machine.dp_shard != 1 or not space.frozen_aware:
         return None
     p2p = machine.p2p or P2PModel()
     heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []
-    searched: list[tuple[dict[str, int], Partitions]] = []
-    for index, replicas in enumerate(vectors):
-        model = SearchModel(units, replicated_costs(units, costs, replicas), True, machine.dtype, machine.optimizer,
-                            machine.overheads)
-        parts = Partitions(model, machine.memory_cap)
-        searched.append((replicas, parts))
+    searched = _searched(units, costs, vectors, machine)
+    for index, (replicas, parts) in enumerate(searched):
         for dp in dps:
             for bound, counts in _first_bounds(parts, replicas, dp, devices, microbatches):
                 if bound * (1 + space.rel_tol) < beat:
@@ -151,6 +148,72 @@ class Replicated(NamedTuple):
     planned_s: float  # the search's iteration time (s)
     left: int  # candidates left unexamined in the heap (bounded out)
     vectors: int  # degree vectors searched
+
+
+class InBubble(NamedTuple):
+    """A candidate of :func:`in_bubble_candidates`: its lower bound (s), devices used, DP degree, per-branch degrees
+    and the LLM's stage boundaries (``plan_pipeline``'s ``splits``); :meth:`plan` builds it."""
+
+    bound: float
+    devices: int
+    dp: int
+    replicas: tuple[tuple[str, int], ...]
+    llm_ranks: int
+    llm_splits: tuple[str, ...]
+
+    def plan(self, units: Sequence[Unit]) -> PipelinePlan:
+        """The candidate's ``PipelinePlan``: each encoder branch one stage of its replicas, on the LLM ranks from the
+        last (``plan.stage_ranks(..., in_bubble=True)``), the LLM one stage per rank."""
+        encoder_stages = sum(r for _, r in self.replicas)
+        return plan_pipeline(units, "encoder_parallel", splits={LLM_MODULE: list(self.llm_splits)},
+                             replicas={m: r for m, r in self.replicas if r > 1},
+                             ranks=stage_ranks(encoder_stages, self.llm_ranks, in_bubble=True))
+
+
+def in_bubble_candidates(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int, machine: Machine,
+                         space: SearchSpace, dps: Sequence[int]) -> list[InBubble]:
+    """Plans whose encoder branches are one stage each, replicated over the LLM ranks (``stage_ranks(...,
+    in_bubble=True)``: replica ``k`` of the encoder stages on LLM rank ``p - 1 - k``, its work in that rank's
+    bubbles, Optimus, ATC'25) with some degree above 1 (at most ``p`` replicas per branch), for every degree vector,
+    DP degree and LLM rank count ``p >= 2``, the LLM in its minimum-bottleneck partition; sorted by a lower bound valid
+    for any schedule: ``microbatches per replica x`` the busiest rank's work (its LLM stage and the encoder replicas on
+    it). ``plan_layout`` times them with the in-bubble schedules in that order while a bound is below its best time.
+    Empty under ``space.encoder_dp`` of degree 1 only, without ``space.in_bubble`` or with FSDP2 shard costs."""
+    units = consistent_units(units)
+    encoders = [m for m in dict.fromkeys(u.module for u in units) if m != LLM_MODULE]
+    vectors = degree_vectors(encoders, dict(space.encoder_dp), devices)
+    if not vectors or not space.in_bubble or machine.dp_shard != 1 or not space.frozen_aware:
+        return []
+    out = []
+    for replicas, parts in _searched(units, costs, vectors, machine):
+        model = parts.model
+        shares = [(model.total("W", *model.span[m]), replicas[m]) for m in encoders]
+        for dp in dps:
+            nb, pipe = -(-microbatches // dp), devices // dp
+            for p in range(max(2, max(replicas.values())), min(model.size(LLM_MODULE), pipe) + 1):
+                ranges = parts.fitted(LLM_MODULE, p, in_flight(p, 0, nb))
+                if ranges is None:
+                    continue
+                busy = [model.total("W", a, b) for a, b in ranges]
+                k = 0
+                for work, r in shares:
+                    for _ in range(r):
+                        busy[p - 1 - k % p] += work
+                        k += 1
+                splits = tuple(model.units[a].name for a, _ in ranges[1:])
+                out.append(InBubble(nb * max(busy), dp * p, dp, tuple(replicas.items()), p, splits))
+    return sorted(out, key=lambda c: (c.bound, c.devices))
+
+
+def _searched(units: Sequence[Unit], costs: Costs, vectors: Sequence[dict[str, int]],
+              machine: Machine) -> list[tuple[dict[str, int], Partitions]]:
+    """Per degree vector, the search model of its per-replica costs (frozen-aware) and its partitions."""
+    out = []
+    for replicas in vectors:
+        model = SearchModel(units, replicated_costs(units, costs, replicas), True, machine.dtype, machine.optimizer,
+                            machine.overheads)
+        out.append((replicas, Partitions(model, machine.memory_cap)))
+    return out
 
 
 def _ranks(encoders: Sequence[str], replicas: Mapping[str, int], counts: Sequence[int]) -> int:

@@ -71,7 +71,7 @@ from plait.planner.pipeline.schedules import IN_BUBBLE_SCHEDULES, build_schedule
 from plait.planner.pipeline.interleaved import runs_interleaved
 from plait.planner.search.bounds import attached_stream, in_bubble_stream, layout_stream
 from plait.planner.search.candidates import Best, branch_and_bound
-from plait.planner.search.encoder_dp import plan_replicated
+from plait.planner.search.encoder_dp import in_bubble_candidates, plan_replicated
 from plait.planner.search.model import (
     Costs,
     Partitions,
@@ -154,9 +154,9 @@ def plan_layout(
             rank, ``attached_stream``, timed on the real schedule order); ``max_timed``: at most this many
             interleaved / attached candidates are timed in increasing lower bound (exact over them only when
             fewer have a bound below the best time; 1F1B candidates with one stage per rank are not limited);
-            ``encoder_dp``: the most replicas per encoder branch (``search.encoder_dp.plan_replicated``: plans whose
-            encoder stages run on several ranks each, weighed beside the homogeneous plan, which is kept unless
-            slower).
+            ``encoder_dp``: the most replicas per encoder branch (``search.encoder_dp``: plans whose encoder stages
+            run on several ranks each, their own or, with ``in_bubble``, the LLM ranks', weighed beside the
+            homogeneous plan, which is kept unless slower).
 
     Returns:
         The best ``LayoutChoice`` (method ``"plait"`` or ``"frozen_unaware"``; ``schedule`` says which).
@@ -176,20 +176,47 @@ def plan_layout(
         return homogeneous
     dps = [d for d in _dp_candidates(devices, microbatches, space.dp_degrees) if d % machine.dp_shard == 0]
     beat = homogeneous.iteration_s if homogeneous is not None and homogeneous.fits_memory else math.inf
-    replicated = plan_replicated(units, costs, devices, microbatches=microbatches,
-                                 machine=dataclasses.replace(machine, p2p=machine.p2p or P2PModel()), space=space,
-                                 dps=dps, beat=beat)
-    choice = None if replicated is None else evaluate_plan(
-        replicated.plan, units, costs, dp=replicated.dp, microbatches=microbatches, devices=devices,
-        machine=dataclasses.replace(machine, p2p=machine.p2p or P2PModel()))
-    if choice is None or not choice.fits_memory or choice.iteration_s >= beat:
+    best, timed = _replicated_best(units, costs, devices, microbatches, machine, space, dps, beat)
+    if best is None:
         if homogeneous is None:
             raise NoPlanFits(f"no layout fits: every candidate for {devices} devices exceeds memory_cap="
                              f"{machine.memory_cap} bytes (encoder replicas searched too)")
         return homogeneous
     searched = (homogeneous.candidates, homogeneous.simulated) if homogeneous is not None else (0, 0)
-    return dataclasses.replace(choice, method="plait", planned_iteration_s=replicated.planned_s,
-                               candidates=searched[0] + replicated.vectors, simulated=searched[1] + 1)
+    return dataclasses.replace(best[0], method="plait", planned_iteration_s=best[1], candidates=searched[0] + timed,
+                               simulated=searched[1] + timed)
+
+
+def _replicated_best(units: Sequence[Unit], costs: Costs, devices: int, microbatches: int, machine: Machine,
+                     space: SearchSpace, dps: Sequence[int],
+                     beat: float) -> tuple[tuple[LayoutChoice, float] | None, int]:
+    """The fastest fitting plan with replicated encoder stages below ``beat`` seconds (``encoder_dp``: own ranks, and
+    on the LLM ranks in their bubbles with ``space.in_bubble``), timed by ``evaluate_plan``, with its planned time;
+    and how many plans were timed."""
+    timing = dataclasses.replace(machine, p2p=machine.p2p or P2PModel())
+    common = dict(microbatches=microbatches, devices=devices, machine=timing)
+    best: tuple[LayoutChoice, float] | None = None
+    timed = 0
+    own = plan_replicated(units, costs, devices, microbatches=microbatches, machine=timing, space=space, dps=dps,
+                          beat=beat)
+    if own is not None:
+        timed += 1
+        choice = evaluate_plan(own.plan, units, costs, dp=own.dp, **common)
+        if choice.fits_memory and choice.iteration_s < beat:
+            best, beat = (choice, own.planned_s), choice.iteration_s
+    names = tuple(n for n in dict.fromkeys(space.schedules) if n in IN_BUBBLE_SCHEDULES) or ("1f1b",)
+    true_units = consistent_units(units)
+    for candidate in in_bubble_candidates(true_units, costs, devices, microbatches=microbatches, machine=timing,
+                                          space=space, dps=dps):
+        if candidate.bound >= beat or timed >= space.max_timed:
+            break
+        plan = candidate.plan(true_units)
+        for name in names:
+            timed += 1
+            choice = evaluate_plan(plan, true_units, costs, dp=candidate.dp, schedule=name, **common)
+            if choice.fits_memory and choice.iteration_s < beat:
+                best, beat = (choice, choice.iteration_s), choice.iteration_s
+    return best, timed
 
 
 def _plan_homogeneous(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int, machine: Machine,

@@ -113,4 +113,36 @@ def test_replicated_costs_and_degree_vectors():
     assert degree_vectors(["vision", "audio"], {"vision": 4, "audio": 2}, 16) == [
         {"vision": 1, "audio": 2}, {"vision": 2, "audio": 1}, {"vision": 2, "audio": 2}, {"vision": 4, "audio": 1},
         {"vision": 4, "audio": 2}]
-    assert degree_vectors(["vision"], {"vision": 8}, 3) == [{"vision": 2}]  # one rank left for the LLM
+    assert degree_vectors(["vision"], {"vision": 8}, 3) == [{"vision": 2}]
+
+
+def _light_encoder():
+    """A frozen 0.4 s vision tower (1 GB) and four 0.3 s LLM layers (1 GB each) under a 2.5 GB cap: no two LLM layers
+    share a rank, an encoder replica fits beside one."""
+    units = list(synthetic_units({"vision": [False, True]}, [False] * 4))
+    units[1] = dataclasses.replace(units[1], joined=True)
+    tower = UnitCost(0.4, 0.0, 0.0, param_bytes=GB, activation_bytes=GB, output_bytes=10**6)
+    projector = UnitCost(0.01, 0.01, 0.01, param_bytes=10**6, activation_bytes=10**6, output_bytes=10**6)
+    layer = UnitCost(0.1, 0.1, 0.1, param_bytes=GB, activation_bytes=10**8, output_bytes=10**6)
+    return units, [tower, projector] + [layer] * 4
+
+
+def test_encoder_replicas_in_the_llm_ranks_bubbles():
+    units, costs = _light_encoder()
+    machine = Machine(memory_cap=2.5 * GB, p2p=LINK, dp_link=LINK)
+    space = SearchSpace(in_bubble=True)
+    homogeneous = plan_layout(units, costs, 4, microbatches=MICROBATCHES, machine=machine, space=space)
+    own = plan_layout(units, costs, 4, microbatches=MICROBATCHES, machine=machine,
+                      space=SearchSpace(encoder_dp=(("vision", 4),)))
+    chosen = plan_layout(units, costs, 4, microbatches=MICROBATCHES, machine=machine,
+                         space=dataclasses.replace(space, encoder_dp=(("vision", 4),)))
+    assert homogeneous.encoder_dp == () and homogeneous.iteration_s == pytest.approx(4.13126, rel=1e-6)
+    assert own.encoder_dp == (("vision", 2),) and own.iteration_s == pytest.approx(3.81212, rel=1e-6)
+    # four replicas, one on each LLM rank from the last, each a quarter of the tower in that rank's bubbles
+    assert chosen.encoder_dp == (("vision", 4),) and chosen.devices_used == 4
+    assert [(s.rank, s.replica) for s in chosen.plan.stages[:4]] == [(3, 0), (2, 1), (1, 2), (0, 3)]
+    assert [s.rank for s in chosen.plan.stages[4:]] == [0, 1, 2, 3]
+    assert chosen.iteration_s == pytest.approx(3.22806, rel=1e-6)
+    again = evaluate_plan(chosen.plan, units, costs, dp=chosen.dp, microbatches=MICROBATCHES, devices=4,
+                          machine=machine, schedule=chosen.schedule)
+    assert again.iteration_s == pytest.approx(chosen.iteration_s, rel=1e-12) and again.fits_memory
