@@ -48,7 +48,7 @@ from plait.planner.search.model import (CandidateStages, Costs, Partitions, Sear
 from plait.planner.search.types import Machine, SearchSpace
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
-__all__ = ["InBubble", "Replicated", "degree_vectors", "in_bubble_candidates", "plan_replicated", "replicated_costs"]
+__all__ = ["InBubble", "Replicated", "degree_vectors", "encoder_dp_bounds", "in_bubble_candidates", "plan_replicated", "replicated_costs"]
 
 
 def replicated_costs(units: Sequence[Unit], costs: Costs, replicas: Mapping[str, int]) -> list[UnitCost]:
@@ -73,6 +73,14 @@ def replicated_costs(units: Sequence[Unit], costs: Costs, replicas: Mapping[str,
             weight_grad_s=cost.weight_grad_s / r, recompute_s=cost.recompute_s / r,
             activation_bytes=-(-cost.activation_bytes // r), output_bytes=-(-cost.output_bytes // r)))
     return out
+
+
+def encoder_dp_bounds(units: Sequence[Unit], rows: int) -> tuple[tuple[str, int], ...]:
+    """``SearchSpace.encoder_dp`` for a job whose microbatches hold ``rows`` samples: every encoder branch of
+    ``units`` bounded by them (a replica takes at least one row); ``()`` for one row per microbatch."""
+    if rows <= 1:
+        return ()
+    return tuple((m, int(rows)) for m in dict.fromkeys(u.module for u in units) if m != LLM_MODULE)
 
 
 def degree_vectors(encoders: Sequence[str], limits: Mapping[str, int], most: int) -> list[dict[str, int]]:

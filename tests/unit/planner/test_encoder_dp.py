@@ -5,12 +5,15 @@ its replicas x the DP replicas, and the homogeneous plan stays a candidate."""
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 
 import pytest
 
-from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
+from plait.planner.pipeline.plan import plan_pipeline, stage_ranks, synthetic_units
 from plait.planner.pipeline.types import P2PModel
-from plait.planner.search.encoder_dp import degree_vectors, replicated_costs
+from plait.planner.report import format_plan, pp_toml
+from plait.planner.search.auto_layout import layout_pp_fields
+from plait.planner.search.encoder_dp import degree_vectors, encoder_dp_bounds, replicated_costs
 from plait.planner.search.layout import evaluate_plan, plan_layout
 from plait.planner.search.model import allreduce_s
 from plait.planner.search.parallel import plan_parallel
@@ -114,6 +117,7 @@ def test_replicated_costs_and_degree_vectors():
         {"vision": 1, "audio": 2}, {"vision": 2, "audio": 1}, {"vision": 2, "audio": 2}, {"vision": 4, "audio": 1},
         {"vision": 4, "audio": 2}]
     assert degree_vectors(["vision"], {"vision": 8}, 3) == [{"vision": 2}]
+    assert encoder_dp_bounds(units, 4) == (("vision", 4),) and encoder_dp_bounds(units, 1) == ()
 
 
 def _light_encoder():
@@ -146,3 +150,30 @@ def test_encoder_replicas_in_the_llm_ranks_bubbles():
     again = evaluate_plan(chosen.plan, units, costs, dp=chosen.dp, microbatches=MICROBATCHES, devices=4,
                           machine=machine, schedule=chosen.schedule)
     assert again.iteration_s == pytest.approx(chosen.iteration_s, rel=1e-12) and again.fits_memory
+
+
+@pytest.mark.parametrize("in_bubble", [False, True])
+def test_written_tables_rebuild_the_plan(in_bubble):
+    """``layout_pp_fields`` (what ``parallel.plan = "auto"`` and ``plait plan`` write) and its TOML table give back the
+    chosen plan: stage counts without the replicas, the degrees in ``encoder_dp``, ranks by ``stage_ranks``."""
+    units, costs = _light_encoder() if in_bubble else _heavy_encoder()
+    machine = Machine(memory_cap=(2.5 if in_bubble else 10) * GB, p2p=LINK, dp_link=LINK)
+    devices = 4 if in_bubble else 3
+    choice = plan_layout(units, costs, devices, microbatches=MICROBATCHES, machine=machine,
+                         space=SearchSpace(encoder_dp=(("vision", 4),), in_bubble=in_bubble))
+    fields = layout_pp_fields(choice, units)
+    assert fields["encoder_dp"] == dict(choice.encoder_dp) == {"vision": 4 if in_bubble else 2}
+    assert fields["stages"] == {"vision": 1, "llm": 4 if in_bubble else 1}
+    assert fields["layout"] == "encoder_parallel" and fields["encoders_in_bubble"] is in_bubble
+    table = tomllib.loads(pp_toml(fields, choice.dp))["parallel"]["pp"]
+    assert table["encoder_dp"] == fields["encoder_dp"] and table["degree"] == choice.plan.num_ranks
+    replicas = table["encoder_dp"]
+    encoder_stages = sum(replicas.get(m, 1) * n for m, n in table["stages"].items() if m != "llm")
+    llm_ranks = table["stages"]["llm"] // table.get("virtual_stages", 1)
+    rebuilt = plan_pipeline(units, table["layout"], splits=table.get("splits", {}),
+                            stages_per_module={m: n for m, n in table["stages"].items()
+                                               if m not in table.get("splits", {})},
+                            ranks=stage_ranks(encoder_stages, llm_ranks, in_bubble=table["encoders_in_bubble"]),
+                            replicas=replicas)
+    assert rebuilt.stages == choice.plan.stages
+    assert "encoder data-parallel degrees (each stage's replicas): vision" in format_plan(choice)
