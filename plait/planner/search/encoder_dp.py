@@ -22,7 +22,8 @@ others is timed as one stage with the divided costs (the replicas run in paralle
 candidate is a ``search.model`` candidate on the divided costs (minimum-bottleneck partitions, memory caps) timed
 with ``candidates.time_1f1b``, plus the first LLM stage's receive overheads of the extra messages. Candidates go in
 increasing lower bound (``microbatches per replica x`` the largest stage's work of the plain partitions) and then
-``bounds.stage_bounds`` plus the gradient synchronisation; the search stops when a bound reaches the best time. The
+``bounds.stage_bounds`` plus the gradient synchronisation; the search stops when a bound reaches the best time or
+when ``SearchSpace.max_timed`` candidates were made concrete (exact over the candidates below that many bounds). The
 chosen plan is timed again with ``evaluate_plan`` (the simulator itself) by ``plan_layout``, which
 keeps the homogeneous plan (every degree 1) when it is not slower. Pure: no torch, no files.
 """
@@ -48,7 +49,7 @@ from plait.planner.search.model import (CandidateStages, Costs, Partitions, Sear
 from plait.planner.search.types import Machine, SearchSpace
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
-__all__ = ["InBubble", "Replicated", "degree_vectors", "encoder_dp_bounds", "in_bubble_candidates", "plan_replicated", "replicated_costs"]
+__all__ = ["IN_BUBBLE_TIMED", "InBubble", "Replicated", "degree_vectors", "encoder_dp_bounds", "in_bubble_candidates", "plan_replicated", "replicated_costs"]
 
 
 def replicated_costs(units: Sequence[Unit], costs: Costs, replicas: Mapping[str, int]) -> list[UnitCost]:
@@ -114,33 +115,41 @@ def plan_replicated(units: Sequence[Unit], costs: Costs, devices: int, *, microb
     if not vectors or machine.dp_shard != 1 or not space.frozen_aware:
         return None
     p2p = machine.p2p or P2PModel()
-    heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []
     searched = _searched(units, costs, vectors, machine)
-    for index, (replicas, parts) in enumerate(searched):
-        for dp in dps:
-            for bound, counts in _first_bounds(parts, replicas, dp, devices, microbatches):
-                if bound * (1 + space.rel_tol) < beat:
-                    heap.append((bound, dp * _ranks(encoders, replicas, counts), index, dp, counts))
+    streams = [(index, dp, found) for index, (replicas, parts) in enumerate(searched) for dp in dps
+               if (found := _first_bounds((parts, searched[0][1]), replicas, dp, devices, microbatches,
+                                       beat / (1 + space.rel_tol))) is not None]
+    # (bound, devices used, stream, position, counts): each stream's next candidate, or a concrete one (counts -1)
+    heap: list[tuple[float, int, int, int, tuple[int, ...]]] = [
+        (float(bounds[0]), 0, k, 0, ()) for k, (_, _, (bounds, _)) in enumerate(streams)]
     heapq.heapify(heap)
-    refined: dict[tuple[int, int, tuple[int, ...]], CandidateStages] = {}  # concrete candidates in the heap
+    refined: dict[tuple[int, int], CandidateStages] = {}  # concrete candidates in the heap
     best: tuple[float, int, int, int, CandidateStages] | None = None
+    budget = space.max_timed  # candidates made concrete, in increasing bound (exact over them)
     while heap and heap[0][0] * (1 + space.rel_tol) < (beat if best is None else min(beat, best[0])):
-        bound, used, index, dp, counts = heapq.heappop(heap)
+        bound, used, k, position, counts = heapq.heappop(heap)
+        index, dp, (bounds, grid) = streams[k]
         replicas, parts = searched[index]
         nb = -(-microbatches // dp)
-        if counts[-1] < 0:  # a concrete candidate whose second bound is again the smallest: time it
-            st = refined.pop((index, dp, counts[:-1]))
+        if counts:  # a concrete candidate whose second bound is again the smallest: time it
+            st = refined.pop((k, position))
             total = time_1f1b(st, nb) + _sync(parts, st, replicas, dp, machine)
             if best is None or (total, used) < best[:2]:
                 best = (total, used, index, dp, st)
             continue
+        if position + 1 < len(bounds):
+            heapq.heappush(heap, (float(bounds[position + 1]), 0, k, position + 1, ()))
+        if budget <= 0:
+            break
+        budget -= 1
+        counts = tuple(int(x) for x in grid[position])
         st = build_stages(parts, "encoder_parallel", counts, nb, p2p)
         if st is None:
             continue
         _add_messages(parts, st, replicas, p2p)
         tight = max(bound, max(stage_bounds(st, nb)) + _sync(parts, st, replicas, dp, machine))
-        refined[(index, dp, counts)] = st
-        heapq.heappush(heap, (tight, used, index, dp, counts + (-1,)))
+        refined[(k, position)] = st
+        heapq.heappush(heap, (tight, dp * _ranks(encoders, replicas, counts), k, position, counts))
     if best is None:
         return None
     planned, _, index, dp, st = best
@@ -156,6 +165,10 @@ class Replicated(NamedTuple):
     planned_s: float  # the search's iteration time (s)
     left: int  # candidates left unexamined in the heap (bounded out)
     vectors: int  # degree vectors searched
+
+
+IN_BUBBLE_TIMED = 8
+"""The most in-bubble candidates with replicated encoders ``plan_layout`` times (in increasing bound)."""
 
 
 class InBubble(NamedTuple):
@@ -184,8 +197,11 @@ def in_bubble_candidates(units: Sequence[Unit], costs: Costs, devices: int, *, m
     in_bubble=True)``: replica ``k`` of the encoder stages on LLM rank ``p - 1 - k``, its work in that rank's
     bubbles, Optimus, ATC'25) with some degree above 1 (at most ``p`` replicas per branch), for every degree vector,
     DP degree and LLM rank count ``p >= 2``, the LLM in its minimum-bottleneck partition; sorted by a lower bound valid
-    for any schedule: ``microbatches per replica x`` the busiest rank's work (its LLM stage and the encoder replicas on
-    it). ``plan_layout`` times them with the in-bubble schedules in that order while a bound is below its best time.
+    for the in-bubble schedules (each LLM stage's actions in 1F1B order): per LLM rank, microbatch 0's encoder forward
+    and the LLM forwards before the rank, ``microbatches per replica x`` its work (its LLM stage and the encoder
+    replicas on it), then the LLM backwards before it. ``plan_layout`` times them with the in-bubble schedules in that
+    order while a bound is below its best time, at most ``IN_BUBBLE_TIMED`` of them (the list-scheduled orders take
+    tenths of a second each on a large plan).
     Empty under ``space.encoder_dp`` of degree 1 only, without ``space.in_bubble`` or with FSDP2 shard costs."""
     units = consistent_units(units)
     encoders = [m for m in dict.fromkeys(u.module for u in units) if m != LLM_MODULE]
@@ -193,13 +209,16 @@ def in_bubble_candidates(units: Sequence[Unit], costs: Costs, devices: int, *, m
     if not vectors or not space.in_bubble or machine.dp_shard != 1 or not space.frozen_aware:
         return []
     out = []
-    for replicas, parts in _searched(units, costs, vectors, machine):
+    searched = _searched(units, costs, vectors, machine)
+    llm_parts = searched[0][1]  # the LLM's units are not replicated: one set of its partitions for every vector
+    for replicas, parts in searched:
         model = parts.model
         shares = [(model.total("W", *model.span[m]), replicas[m]) for m in encoders]
+        arrive = max(model.total("F", *model.span[m]) for m in encoders)  # microbatch 0's features reach the LLM
         for dp in dps:
             nb, pipe = -(-microbatches // dp), devices // dp
             for p in range(max(2, max(replicas.values())), min(model.size(LLM_MODULE), pipe) + 1):
-                ranges = parts.fitted(LLM_MODULE, p, in_flight(p, 0, nb))
+                ranges = llm_parts.fitted(LLM_MODULE, p, in_flight(p, 0, nb))
                 if ranges is None:
                     continue
                 busy = [model.total("W", a, b) for a, b in ranges]
@@ -208,8 +227,15 @@ def in_bubble_candidates(units: Sequence[Unit], costs: Costs, devices: int, *, m
                     for _ in range(r):
                         busy[p - 1 - k % p] += work
                         k += 1
+                # LLM rank j: microbatch 0's forwards before it, its busy time, the backwards before it after
+                fill = drain = 0.0
+                bound = 0.0
+                for j, (a, b) in enumerate(ranges):
+                    bound = max(bound, arrive + fill + nb * busy[j] + drain)
+                    fill += model.total("F", a, b)
+                    drain += model.total("B", a, b)
                 splits = tuple(model.units[a].name for a, _ in ranges[1:])
-                out.append(InBubble(nb * max(busy), dp * p, dp, tuple(replicas.items()), p, splits))
+                out.append(InBubble(bound, dp * p, dp, tuple(replicas.items()), p, splits))
     return sorted(out, key=lambda c: (c.bound, c.devices))
 
 
@@ -229,34 +255,47 @@ def _ranks(encoders: Sequence[str], replicas: Mapping[str, int], counts: Sequenc
     return sum(s * replicas[m] for m, s in zip(encoders, counts)) + counts[-1]
 
 
-def _first_bounds(parts: Partitions, replicas: Mapping[str, int], dp: int, devices: int,
-                  microbatches: int) -> list[tuple[float, tuple[int, ...]]]:
-    """Every (stages per encoder, LLM ranks) of one degree vector and DP degree fitting ``devices // dp`` ranks, with
-    a lower bound of its iteration: the microbatches per replica times the largest stage's work of the plain
-    minimum-bottleneck partitions (no partition has a smaller largest stage), vectorised over the grid."""
+def _first_bounds(both: tuple[Partitions, Partitions], replicas: Mapping[str, int], dp: int, devices: int,
+                  microbatches: int, below: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """Every (stages per encoder, LLM ranks) of one degree vector and DP degree fitting ``devices // dp`` ranks whose
+    lower bound is below ``below`` seconds: ``(bounds, counts)`` sorted by bound (None when none is). The bound,
+    vectorised over the grid of stage counts, is the largest of: per encoder branch, the microbatches per replica
+    ``nb`` times the largest stage's work of its plain minimum-bottleneck partition (no partition has a smaller
+    one), plus, for a forward-only branch, the LLM's forward and backward of the last microbatch after it; ``nb`` x
+    the LLM's largest stage plus microbatch 0's slowest encoder forward before it. ``both``: the degree vector's
+    partitions and those shared for the LLM (its units are never replicated)."""
+    parts, llm_parts = both
     model = parts.model
     nb, pipe = -(-microbatches // dp), devices // dp
     encoders = model.encoders
-    grids, necks, ranks = [], [], []
+    llm_path = model.total("F", *model.span[LLM_MODULE]) + model.total("B", *model.span[LLM_MODULE])
+    arrive = max(model.total("F", *model.span[m]) for m in encoders)
+    grids, terms, ranks = [], [], []
     axes = len(encoders) + 1
     for axis, module in enumerate([*encoders, LLM_MODULE]):
         r = replicas.get(module, 1)
         room = pipe - sum(replicas[m] for m in encoders if m != module) - (1 if module != LLM_MODULE else 0)
         top = min(model.max_stages(module), room // r)
         if top < 1:
-            return []
+            return None
         shape = [1] * axes
         shape[axis] = top
         stages = np.arange(1, top + 1)
         grids.append(stages.reshape(shape))
         ranks.append((stages * r).reshape(shape))
-        necks.append(np.array([max(model.total("W", a, b) for a, b in parts.plain(module, s))
-                               for s in stages]).reshape(shape))
-    used = sum(ranks)
-    bound = nb * np.maximum.reduce(np.broadcast_arrays(*necks))
-    keep = np.broadcast_to(used <= pipe, bound.shape)
-    counts = np.stack([g.ravel() for g in np.broadcast_arrays(*grids)], axis=1)[keep.ravel()]
-    return [(float(b), tuple(int(x) for x in row)) for b, row in zip(bound[keep].ravel(), counts)]
+        chains = llm_parts if module == LLM_MODULE else parts
+        neck = nb * np.array([max(model.total("W", a, b) for a, b in chains.plain(module, s)) for s in stages])
+        a, b = model.span[module]
+        after = arrive if module == LLM_MODULE else (0.0 if any(model.runs_backward[a:b]) else llm_path)
+        terms.append((neck + after).reshape(shape))
+    bound = np.maximum.reduce(np.broadcast_arrays(*terms))
+    keep = (np.broadcast_to(sum(ranks) <= pipe, bound.shape) & (bound < below)).ravel()
+    if not keep.any():
+        return None
+    counts = np.stack([g.ravel() for g in np.broadcast_arrays(*grids)], axis=1)[keep]
+    bounds = bound.ravel()[keep]
+    order = np.lexsort((counts.sum(axis=1), bounds))
+    return bounds[order], counts[order]
 
 
 def _module_of(parts: Partitions, st: CandidateStages, stage: int) -> str:

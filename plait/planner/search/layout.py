@@ -71,7 +71,7 @@ from plait.planner.pipeline.schedules import IN_BUBBLE_SCHEDULES, build_schedule
 from plait.planner.pipeline.interleaved import runs_interleaved
 from plait.planner.search.bounds import attached_stream, in_bubble_stream, layout_stream
 from plait.planner.search.candidates import Best, branch_and_bound
-from plait.planner.search.encoder_dp import in_bubble_candidates, plan_replicated
+from plait.planner.search.encoder_dp import IN_BUBBLE_TIMED, in_bubble_candidates, plan_replicated
 from plait.planner.search.model import (
     Costs,
     Partitions,
@@ -206,9 +206,9 @@ def _replicated_best(units: Sequence[Unit], costs: Costs, devices: int, microbat
             best, beat = (choice, own.planned_s), choice.iteration_s
     names = tuple(n for n in dict.fromkeys(space.schedules) if n in IN_BUBBLE_SCHEDULES) or ("1f1b",)
     true_units = consistent_units(units)
-    for candidate in in_bubble_candidates(true_units, costs, devices, microbatches=microbatches, machine=timing,
-                                          space=space, dps=dps):
-        if candidate.bound >= beat or timed >= space.max_timed:
+    for count, candidate in enumerate(in_bubble_candidates(true_units, costs, devices, microbatches=microbatches,
+                                                           machine=timing, space=space, dps=dps)):
+        if candidate.bound >= beat or count >= IN_BUBBLE_TIMED:
             break
         plan = candidate.plan(true_units)
         for name in names:
