@@ -361,7 +361,8 @@ def evaluate_plan(
     """Time ``plan`` with the true frozen-aware costs: ``simulator.simulate`` on its schedule (``schedule``,
     a ``schedules.SCHEDULE_NAMES`` entry; default ``"interleaved_1f1b"`` when
     ``schedules_interleaved.runs_interleaved``, else ``"1f1b"``) with ``ceil(microbatches / dp)`` microbatches, plus the gradient all-reduce of
-    each rank's trainable parameters over ``dp`` replicas (after the flush; the slowest rank's).
+    each rank's trainable parameters over ``dp`` replicas (after the flush; the slowest rank's); a replicated encoder
+    stage's (``Stage.replicas`` ``r``) over its ``r x dp`` copies, its optimizer step on its whole gradient.
 
     Args:
         plan: a pipeline plan over ``units`` (flags as ``consistent_units``; its ``num_microbatches`` is
