@@ -69,8 +69,19 @@ than the same model's row with a GPU count dividing it; ``plan_parallel`` weighs
 wall time of full layout searches for 1,024 GPUs (every layout and DP degree), and of plait's complete search
 (``plan_parallel``: also TP, FSDP2, checkpointing and the divisors) once.
 
-Run: ``.venv/bin/python bench/pipeline_plans.py`` (``--help``: GPU counts, microbatches, models, the
-1,024-GPU search size).
+Rows whose C has at least 4 microbatches per pipeline rank and is above 1.15x its lower bound end with ``C: *`` and
+the largest part of the gap (``gap_parts``: bubble, imbalance between ranks, communication after the flush, other
+work).
+
+Table 4 (``--samples``, default 4 samples per microbatch: 24 microbatches of 4 samples, each module's tokens four
+times one sample's) sets C (one data-parallel degree for every module) beside E, the same search with per-encoder
+data-parallel degrees (``SearchSpace.encoder_dp``: each encoder branch's stages on up to ``--samples`` replica ranks,
+each running an equal share of every microbatch's samples; ``search.encoder_dp``): MegatronMIMO's comparison of the
+encoder under its own parallelism against the homogeneous plan on the same GPUs. Per row: both plans, the encoder
+degrees E chose, C/E, and E's bound note; then the mean gain over the nine models, frozen and trainable.
+
+Run: ``.venv/bin/python bench/pipeline_plans.py`` (``--help``: GPU counts, microbatches, models, the tables,
+the 1,024-GPU search size).
 """
 
 from __future__ import annotations
@@ -244,9 +255,13 @@ def model_configs(name: str) -> tuple[dict[str, Any], dict[str, MicrobatchShape]
     return configs, shapes
 
 
-def build(name: str, setting: str):
-    """(units, costs, LLM tokens) of a model in a setting (``"frozen"`` or ``"trainable"``)."""
+def build(name: str, setting: str, samples: int = 1):
+    """(units, costs, LLM tokens) of a model in a setting (``"frozen"`` or ``"trainable"``), with ``samples`` samples
+    per microbatch (each module's tokens times ``samples``, sequences and items of one sample's length)."""
     configs, shapes = model_configs(name)
+    if samples > 1:
+        shapes = {m: MicrobatchShape(tokens=samples * s.tokens, seq_len=(s.seq_len or s.tokens) if m == "llm"
+                                     else s.seq_len) for m, s in shapes.items()}
     frozen: dict[str, bool] = {}
     if setting == "frozen":
         for module in configs:
@@ -278,9 +293,12 @@ def _layout_tag(choice: LayoutChoice) -> str:
     attached = plan.llm_stages[0] > 0 and all(s.rank == plan.stages[plan.llm_stages[0]].rank
                                                for s in plan.stages[: plan.llm_stages[0]])
     last_llm = plan.stages[plan.llm_stages[-1]].rank
+    encoder_ranks = {s.rank for s in plan.stages[: plan.llm_stages[0]]}
     if attached and len(llm_ranks) > 1:
         tag = "att"
     elif all(s.rank == last_llm for s in plan.stages[: plan.llm_stages[0]]) and len(llm_ranks) > 1 and v == 1:
+        tag = "bub"
+    elif choice.encoder_dp and encoder_ranks <= llm_ranks:  # encoder replicas spread over the LLM ranks' bubbles
         tag = "bub"
     elif plan.num_ranks < plan.num_stages and v == 1:
         tag = "mix"
@@ -406,7 +424,7 @@ def run_table(names: list[str], gpu_counts: list[int], microbatches: int, dp_fix
                 print(f"{name:<7} {setting:<9} {gpus:>4} | {_cell(res['A'])} | {_cell(res['A*'])} | "
                       f"{_cell(res['B'], True)} | {_cell(res['C'], True)} | " + " ".join(f"{r:4.2f}" for r in ratios)
                       + f" | {_cell(res['Z'])} {chosen:<16} " + " ".join(f"{r:4.2f}" for r in zb)
-                      + ("" if fits["C"][-1] else _state_floor(units, costs, gpus)))
+                      + ("" if fits["C"][-1] else _state_floor(units, costs, gpus)) + _spaced(_bound_note(res["C"])))
         print()
     for setting in ("frozen", "trainable"):
         parts = []
@@ -427,6 +445,104 @@ def run_table(names: list[str], gpu_counts: list[int], microbatches: int, dp_fix
           f"offload); {len(fits['C']) - len(possible)} rows hold more state than all their GPUs (they fit only with "
           f"offload); C fits {sum(possible)} of the other {len(possible)}")
     return speedups
+
+
+def _rank_busy(choice: LayoutChoice) -> list[float]:
+    """Per pipeline rank, its stages' work per microbatch (s; a replica's share for a replicated encoder stage)."""
+    busy = [0.0] * choice.plan.num_ranks
+    for stage, work in zip(choice.plan.stages, choice.stage_work_s):
+        busy[stage.rank] += work
+    return busy
+
+
+def gap_parts(choice: LayoutChoice) -> dict[str, float]:
+    """Where a plan's time above its lower bound goes (seconds of the iteration), from the simulator's figures:
+    ``bubble`` (the makespan beyond the busiest rank's work: warm-up, drain, waiting on transfers), ``imbalance``
+    (the busiest rank's work beyond the mean rank's), ``communication`` (gradient synchronisation, the optimizer step
+    and offload after the flush) and ``work`` (the rest: GPUs left idle, TP collectives, recomputation, runtime
+    overheads and microbatches rounded up per replica)."""
+    busy = _rank_busy(choice)
+    nb = choice.microbatches_per_replica
+    bubble = choice.makespan_s - nb * max(busy)
+    imbalance = nb * (max(busy) - statistics.fmean(busy))
+    communication = choice.grad_sync_s + choice.update_s + choice.offload_s
+    rest = choice.iteration_s - choice.lower_bound_s - bubble - imbalance - communication
+    return {"bubble": bubble, "imbalance": imbalance, "communication": communication, "work": rest}
+
+
+BOUND_MARK = 1.15
+"""Rows with at least 4 microbatches per pipeline rank whose plan is above this ratio to the lower bound are marked."""
+
+
+def _bound_note(choice: LayoutChoice | None) -> str:
+    """``*`` and the largest part of the gap (``gap_parts``) for a plan with at least 4 microbatches per pipeline rank
+    above ``BOUND_MARK`` x its lower bound; '' otherwise."""
+    if choice is None or choice.microbatches_per_replica < 4 * choice.plan.num_ranks:
+        return ""
+    if choice.ratio_to_lower_bound <= BOUND_MARK:
+        return ""
+    parts = gap_parts(choice)
+    gap = choice.iteration_s - choice.lower_bound_s
+    main = max(parts, key=parts.get)
+    return f"* {main} {100 * parts[main] / gap:.0f}% of the gap"
+
+
+def _degrees_of(choice: LayoutChoice | None) -> str:
+    """``vision 2, audio 1``: the data-parallel degree of each encoder branch's stages (``-`` without encoders)."""
+    if choice is None:
+        return "-"
+    replicated = dict(choice.encoder_dp)
+    encoders = [m for m, _ in choice.stages_per_module if m != "llm"]
+    return ", ".join(f"{m} {replicated.get(m, 1)}" for m in encoders) or "-"
+
+
+def run_encoder_dp_table(names: list[str], gpu_counts: list[int], microbatches: int, samples: int) -> None:
+    """Table 4: plait's plan with one set of degrees for every module (C, every encoder's ``encoder_dp`` 1) against
+    the same search with per-encoder data-parallel degrees (E: powers of two up to ``samples``, the rows each
+    microbatch holds per branch), on the same GPUs and workload (``microbatches`` of ``samples`` samples)."""
+    machine = Machine(memory_cap=MEMORY_CAP, p2p=P2P, dp_link=DP_LINK)
+    gains: dict[str, list[float]] = {"frozen": [], "trainable": []}
+    ratios: list[tuple[str, float, str]] = []
+    header = (f"{'model':<7} {'setting':<9} {'GPUs':>4} | {'C: one degree for every module':<34} "
+              f"{'TP/FSDP/AC':<9} | {'E: per-encoder degrees':<34} {'TP/FSDP/AC':<9} {'encoder degrees':<20} | "
+              f" C/E | bound note (E)")
+    print(header)
+    print("-" * len(header))
+    for name in names:
+        for setting in ("frozen", "trainable"):
+            units, costs, _ = build(name, setting, samples)
+            encoders = [m for m in dict.fromkeys(u.module for u in units) if m != "llm"]
+            for gpus in gpu_counts:
+                dps = [d for d in range(1, min(gpus, microbatches) + 1) if gpus % d == 0]
+                space = SearchSpace(dp_degrees=dps, virtual_stages=VIRTUAL_STAGES, attach_encoders=True,
+                                    in_bubble=True)
+                found = {}
+                for key, searched in (("C", space), ("E", dataclasses.replace(
+                        space, encoder_dp=tuple((m, samples) for m in encoders)))):
+                    try:
+                        found[key] = plan_parallel(units, costs, gpus, microbatches=microbatches, machine=machine,
+                                                   space=searched)
+                    except ValueError:
+                        found[key] = None
+                gain = _speedup(found["C"], found["E"])
+                gains[setting].append(gain)
+                for key in ("C", "E"):
+                    if found[key] is not None:
+                        ratios.append((key, found[key].ratio_to_lower_bound, _bound_note(found[key])))
+                print(f"{name:<7} {setting:<9} {gpus:>4} | {_cell(found['C'], True)} | {_cell(found['E'], True)} "
+                      f"{_degrees_of(found['E']):<20} | {gain:4.2f} | {_bound_note(found['E'])}")
+        print()
+    for setting, values in gains.items():
+        finite = [v for v in values if v == v]
+        print(f"mean gain of per-encoder degrees (C/E), {setting}: {_mean(finite):.3f}x over {len(finite)} rows "
+              f"(best {max(finite, default=float('nan')):.2f}x)")
+    marked = [r for r in ratios if r[0] == "E" and r[2]]
+    print(f"E: {len(marked)} rows with >= 4 microbatches per pipeline rank above {BOUND_MARK}x the lower bound "
+          "(marked '*', with the largest part of the gap)")
+
+
+def _spaced(note: str) -> str:
+    return f"  C: {note}" if note else ""
 
 
 def _mean(values: list[float]) -> float:
@@ -481,6 +597,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--virtual-stages", type=int, nargs="+", default=VIRTUAL_STAGES,
                         help="LLM chunks per LLM rank that B and C may choose (1 = 1F1B only)")
+    parser.add_argument("--tables", type=int, nargs="+", default=[1, 2, 3, 4], choices=[1, 2, 3, 4],
+                        help="which tables to print (4: per-encoder data-parallel degrees)")
+    parser.add_argument("--samples", type=int, default=4,
+                        help="Table 4: samples per microbatch (each branch's rows, the most replicas an encoder gets)")
+    parser.add_argument("--no-search-timing", action="store_true", help="skip the 1,024-GPU search timing")
     parser.add_argument("--image", choices=("native", "resized"), default="native",
                         help="vision encoders patch the 1280x720 image (native) or see it resized to their "
                              "configured size (resized); see the module docstring")
@@ -497,15 +618,23 @@ def main() -> None:
         shares = "/".join(f"{100 * _encoder_share(name, setting):.0f}%" for setting in ("frozen", "trainable"))
         print(f"  {name:<7} {len(units):>3} units, {tokens} LLM tokens; {sizes}; encoders {shares} of the work "
               "(frozen/trainable)")
-    print("\nTable 1: DP degree searched (divisors of the GPU count up to the microbatches); '!' = over the "
-          "memory cap (excluded from the means); rows without C: no plan fits\n")
-    run_table(args.models, args.gpus, args.microbatches, None)
-    print("\nTable 2: one pipeline over all GPUs (DP = 1)\n")
-    run_table(args.models, args.gpus, args.microbatches, 1)
-    if args.new_models:
+    if 1 in args.tables:
+        print("\nTable 1: DP degree searched (divisors of the GPU count up to the microbatches); '!' = over the "
+              "memory cap (excluded from the means); rows without C: no plan fits\n")
+        run_table(args.models, args.gpus, args.microbatches, None)
+    if 2 in args.tables:
+        print("\nTable 2: one pipeline over all GPUs (DP = 1)\n")
+        run_table(args.models, args.gpus, args.microbatches, 1)
+    if args.new_models and 3 in args.tables:
         print("\nTable 3: models people fine-tune now (DP degree searched as in Table 1; not in the Cornstarch "
               "means above)\n")
         run_table(args.new_models, args.gpus, args.microbatches, None)
+    if 4 in args.tables:
+        print(f"\nTable 4: per-encoder data-parallel degrees (encoder_dp) against one set of degrees for every module, "
+              f"{args.microbatches} microbatches of {args.samples} samples\n")
+        run_encoder_dp_table(args.models, args.gpus, args.microbatches, args.samples)
+    if args.no_search_timing:
+        return
     print(f"\nfull layout search, {args.search_gpus} GPUs (both layouts, every DP degree dividing the GPUs):")
     for name in args.search_models:
         for setting in ("frozen", "trainable"):

@@ -50,7 +50,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
                  microbatches=args.microbatches, frozen_aware=not args.frozen_unaware,
                  macrobatches=args.macrobatches, dp_degrees=None if args.dp is None else [args.dp],
                  memory_fraction=args.memory_fraction, schedules=args.schedules, gpus_per_node=args.gpus_per_node,
-                 **({"virtual_stages": (1,), "attach_encoders": False, "in_bubble": False}
+                 encoder_dp=args.encoder_dp, **({"virtual_stages": (1,), "attach_encoders": False, "in_bubble": False}
                     if args.one_stage_per_rank else {}))
     return 0
 
@@ -198,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "(zero-bubble: weight gradients in the bubbles; zb_h2 holds about twice the activations), "
                            "and zb_v (that plan's LLM cut into two stages per rank placed in a V, at 1F1B's "
                            "activation memory); the fastest that fits memory is planned (default: 1f1b)")
+    plan.add_argument("--encoder-dp", action="store_true",
+                      help="also search a data-parallel degree per encoder branch (its stages replicated on up to "
+                           "train.microbatch_size ranks, each encoding a share of every microbatch's samples; "
+                           "written as [parallel.pp] encoder_dp)")
     plan.add_argument("--gpus-per-node", type=int, default=0, metavar="N",
                       help="plan for nodes of N GPUs (NVLink inside a node, 400 Gb/s InfiniBand per GPU between "
                            "nodes): each collective is charged by where its group sits, and the rank order that "

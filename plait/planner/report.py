@@ -127,7 +127,10 @@ def format_plan(choice: LayoutChoice) -> str:
     shape += f" x TP {choice.tp}" if choice.tp > 1 else ""
     lines += [
         f"{shape} = {choice.devices_used} of {choice.devices} devices"
-        + ("" if plan.num_ranks == 1 else f"; stages: {counts}") + idle_devices_note(choice),
+        + ("" if plan.num_ranks == 1 else f"; stages: {counts}")
+        + ("; encoder data-parallel degrees (each stage's replicas): "
+           + ", ".join(f"{m} {r}" for m, r in choice.encoder_dp) if choice.encoder_dp else "")
+        + idle_devices_note(choice),
         f"iteration {1e3 * choice.iteration_s:.2f} ms (pipeline {1e3 * choice.makespan_s:.2f} ms + "
         + (f"gradient all-reduce {1e3 * choice.grad_sync_s:.2f} ms" if choice.dp_shard == 1 else
            f"FSDP2 gradient reduce-scatter {1e3 * choice.grad_sync_s:.2f} ms" if choice.grad_sync_s else

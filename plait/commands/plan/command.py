@@ -57,6 +57,7 @@ from plait.planner.pipeline.schedules import SCHEDULE_NAMES
 from plait.planner.pipeline.types import LAYOUTS
 from plait.planner.cost.recompute import checkpointed_costs, plan_checkpointing
 from plait.planner.report import format_bytes, format_lora_units, format_plan, plan_to_json
+from plait.planner.search.encoder_dp import encoder_dp_bounds
 from plait.planner.search.types import LayoutChoice, Machine, SearchSpace
 from plait.planner.types import UnitCost
 from plait.train.apply_plan import kept_degrees
@@ -172,6 +173,7 @@ def plan_command(
     profile_store: str | Path | None = "runs/profiles",
     prefer_within: float = PREFER_WITHIN,
     gpus_per_node: int = 0,
+    encoder_dp: bool = False,
 ) -> LayoutChoice:
     """``plait plan``: choose the pipeline layout of a job for ``devices`` accelerators, print it with its job
     tables (``pp_snippet``, or why there are none) and the command that runs it (``run_command``), save it. The job file is read with
@@ -207,6 +209,8 @@ def plan_command(
         schedules: the schedules weighed for a plan of one stage per rank (``SearchSpace.schedules``: ``1f1b``,
             and the zero-bubble ``zb_h1``, ``zb_h2``); the fastest that fits memory is planned.
         dp_link_Bps: bandwidth (B/s) of the data-parallel gradient all-reduce; None: not modelled.
+        encoder_dp: also search per-encoder data-parallel degrees (``search.encoder_dp``: each encoder branch's
+            stages replicated on up to ``train.microbatch_size`` ranks, written as ``[parallel.pp] encoder_dp``).
         macrobatches: global batches drawn from the training data for the macro-batch statistics (module
             docstring; ``DEFAULT_MACROBATCHES`` is a good count); the plan is then for the expected global
             batch. 0, or a job without ``data.train``: no statistics, upper-bound workload. Off by default
@@ -236,7 +240,8 @@ def plan_command(
                          f"({inputs.tp_refusal}); set parallel.tp = 1")
     kept = job_degrees(cfg, devices, stream)
     space = dict(frozen_aware=frozen_aware, layouts=layouts, rel_tol=rel_tol, virtual_stages=virtual_stages,
-                 attach_encoders=attach_encoders, in_bubble=in_bubble, schedules=check_schedules(schedules))
+                 attach_encoders=attach_encoders, in_bubble=in_bubble, schedules=check_schedules(schedules),
+                 encoder_dp=encoder_dp_bounds(inputs.units, cfg.train.microbatch_size) if encoder_dp else ())
     choice = search_plan(setup, devices, memory_fraction, dp_degrees=dp_degrees, **space, **kept)
     if gpus_per_node and devices > gpus_per_node:  # torchrun: the same count on every node
         choice = whole_node_plan(choice, devices, gpus_per_node, lambda n, layout_search: search_plan(

@@ -28,7 +28,8 @@ def pp_snippet(cfg: Any, choice: LayoutChoice, units: Sequence[Unit],
     the
     ``[parallel.pp]`` table (degree, layout, stages per module, schedule, microbatches per replica, ``splits``
     for the modules whose cost-balanced boundaries are not the even split by unit count, ``virtual_stages`` and
-    ``attach_encoders`` when the plan interleaves): ``plait.train.apply_plan.apply_layout_choice``'s config,
+    ``attach_encoders`` when the plan interleaves, ``encoder_dp`` when it replicates encoder stages):
+    ``plait.train.apply_plan.apply_layout_choice``'s config,
     under a comment giving the processes and ``train.activation_checkpointing`` when the plan checkpoints. There
     are tables only for stage placement that ``[parallel.pp]`` can express (``apply_layout_choice`` accepts it)
     and units named as the model names them (``unit_source`` is ``MODEL_UNITS``, see
@@ -70,6 +71,8 @@ def _pp_fields(cfg: Any, choice: LayoutChoice, units: Sequence[Unit]) -> dict[st
                 del fields["layout"]
         if pp.splits:
             fields["splits"] = pp.splits
+        if choice.encoder_dp:  # replicated encoder stages (the job's [parallel.pp] encoder_dp)
+            fields["encoder_dp"] = dict(pp.encoder_dp)
     return fields
 
 

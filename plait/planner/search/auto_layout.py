@@ -156,7 +156,7 @@ def plan_splits(plan: PipelinePlan) -> dict[str, list[str]]:
     ``splits`` of ``plan_pipeline``)."""
     out = {}
     for module in plan.modules:
-        stages = plan.module_stages(module)
+        stages = [s for s in plan.module_stages(module) if plan.stages[s].replica == 0]  # one of each replica group
         if len(stages) > 1:
             out[module] = [plan.stages[s].module_units(module)[0] for s in stages[1:]]
     return out
@@ -193,7 +193,8 @@ def layout_pp_fields(choice: LayoutChoice, units: Sequence[Unit]) -> dict[str, A
     LLM ranks from the last (``_encoders_in_bubble``), ``attach_encoders`` when they share the
     first LLM rank (with one encoder stage, layout ``encoders_colocated``: the search's attached plans are
     colocated, and a one-encoder-stage plan is the same in both layouts), the schedule (``choice.schedule``:
-    ``interleaved_1f1b`` or the V's ``zb_v`` exactly for those plans) and the microbatches per replica.
+    ``interleaved_1f1b`` or the V's ``zb_v`` exactly for those plans) and the microbatches per replica; ``encoder_dp``
+    (the replicas of each replicated encoder branch's stages, ``LayoutChoice.encoder_dp``) when it has any.
     The DP degree is ``choice.dp``.
 
     Raises:
@@ -202,7 +203,7 @@ def layout_pp_fields(choice: LayoutChoice, units: Sequence[Unit]) -> dict[str, A
     plan = choice.plan
     if plan.num_ranks == 1:
         return {"degree": 1}
-    counts = {m: len(plan.module_stages(m)) for m in plan.modules}
+    counts = {m: sum(plan.stages[s].replica == 0 for s in plan.module_stages(m)) for m in plan.modules}
     splits = {m: names for m, names in plan_splits(plan).items()
               if names != _even_splits(units, m, counts[m])}
     attached, in_bubble = _encoders_attached(plan), _encoders_in_bubble(plan)
@@ -218,6 +219,9 @@ def layout_pp_fields(choice: LayoutChoice, units: Sequence[Unit]) -> dict[str, A
     layout = plan.layout
     if (attached or in_bubble) and sum(not s.is_llm for s in plan.stages) == 1:
         layout = "encoders_colocated"  # one encoder stage: the same plan either way, named as the search's are
-    return {"degree": plan.num_ranks, "layout": layout, "stages": counts, "virtual_stages": plan.virtual_stages,
-            "attach_encoders": attached, "encoders_in_bubble": in_bubble, "schedule": schedule,
-            "microbatches": choice.microbatches_per_replica, "splits": splits}
+    fields = {"degree": plan.num_ranks, "layout": layout, "stages": counts, "virtual_stages": plan.virtual_stages,
+              "attach_encoders": attached, "encoders_in_bubble": in_bubble, "schedule": schedule,
+              "microbatches": choice.microbatches_per_replica, "splits": splits}
+    if choice.encoder_dp:  # replicated encoder stages: each of the branch's stages on that many ranks
+        fields["encoder_dp"] = dict(choice.encoder_dp)
+    return fields

@@ -72,6 +72,7 @@ from plait.planner.pipeline.schedules import IN_BUBBLE_SCHEDULES, build_schedule
 from plait.planner.pipeline.interleaved import runs_interleaved
 from plait.planner.search.bounds import attached_stream, in_bubble_stream, layout_stream
 from plait.planner.search.candidates import Best, branch_and_bound
+from plait.planner.search.encoder_dp import IN_BUBBLE_TIMED, in_bubble_candidates, plan_replicated
 from plait.planner.search.model import (
     Costs,
     Partitions,
@@ -153,7 +154,10 @@ def plan_layout(
             encoder forward just before the first LLM stage's, its backward just after; bounded by the busiest
             rank, ``attached_stream``, timed on the real schedule order); ``max_timed``: at most this many
             interleaved / attached candidates are timed in increasing lower bound (exact over them only when
-            fewer have a bound below the best time; 1F1B candidates with one stage per rank are not limited).
+            fewer have a bound below the best time; 1F1B candidates with one stage per rank are not limited);
+            ``encoder_dp``: the most replicas per encoder branch (``search.encoder_dp``: plans whose encoder stages
+            run on several ranks each, their own or, with ``in_bubble``, the LLM ranks', weighed beside the
+            homogeneous plan, which is kept unless slower).
 
     Returns:
         The best ``LayoutChoice`` (method ``"plait"`` or ``"frozen_unaware"``; ``schedule`` says which).
@@ -162,6 +166,63 @@ def plan_layout(
         ValueError: on bad arguments (named) or an unknown layout; ``NoPlanFits`` when no candidate fits the
             memory cap.
     """
+    try:
+        homogeneous: LayoutChoice | None = _plan_homogeneous(units, costs, devices, microbatches=microbatches,
+                                                             machine=machine, space=space)
+    except NoPlanFits:
+        if not space.encoder_dp:
+            raise
+        homogeneous = None  # replicas hold a share of the activations: one may fit
+    if not space.encoder_dp:
+        return homogeneous
+    dps = [d for d in _dp_candidates(devices, microbatches, space.dp_degrees) if d % machine.dp_shard == 0]
+    beat = homogeneous.iteration_s if homogeneous is not None and homogeneous.fits_memory else math.inf
+    best, timed = _replicated_best(units, costs, devices, microbatches, machine, space, dps, beat)
+    if best is None:
+        if homogeneous is None:
+            raise NoPlanFits(f"no layout fits: every candidate for {devices} devices exceeds memory_cap="
+                             f"{machine.memory_cap} bytes (encoder replicas searched too)")
+        return homogeneous
+    searched = (homogeneous.candidates, homogeneous.simulated) if homogeneous is not None else (0, 0)
+    return dataclasses.replace(best[0], method="plait", planned_iteration_s=best[1], candidates=searched[0] + timed,
+                               simulated=searched[1] + timed)
+
+
+def _replicated_best(units: Sequence[Unit], costs: Costs, devices: int, microbatches: int, machine: Machine,
+                     space: SearchSpace, dps: Sequence[int],
+                     beat: float) -> tuple[tuple[LayoutChoice, float] | None, int]:
+    """The fastest fitting plan with replicated encoder stages below ``beat`` seconds (``encoder_dp``: own ranks, and
+    on the LLM ranks in their bubbles with ``space.in_bubble``), timed by ``evaluate_plan``, with its planned time;
+    and how many plans were timed."""
+    timing = dataclasses.replace(machine, p2p=machine.p2p or P2PModel())
+    common = dict(microbatches=microbatches, devices=devices, machine=timing)
+    best: tuple[LayoutChoice, float] | None = None
+    timed = 0
+    own = plan_replicated(units, costs, devices, microbatches=microbatches, machine=timing, space=space, dps=dps,
+                          beat=beat)
+    if own is not None:
+        timed += 1
+        choice = evaluate_plan(own.plan, units, costs, dp=own.dp, **common)
+        if choice.fits_memory and choice.iteration_s < beat:
+            best, beat = (choice, own.planned_s), choice.iteration_s
+    names = tuple(n for n in dict.fromkeys(space.schedules) if n in IN_BUBBLE_SCHEDULES) or ("1f1b",)
+    true_units = consistent_units(units)
+    for count, candidate in enumerate(in_bubble_candidates(true_units, costs, devices, microbatches=microbatches,
+                                                           machine=timing, space=space, dps=dps)):
+        if candidate.bound >= beat or count >= IN_BUBBLE_TIMED:
+            break
+        plan = candidate.plan(true_units)
+        for name in names:
+            timed += 1
+            choice = evaluate_plan(plan, true_units, costs, dp=candidate.dp, schedule=name, **common)
+            if choice.fits_memory and choice.iteration_s < beat:
+                best, beat = (choice, choice.iteration_s), choice.iteration_s
+    return best, timed
+
+
+def _plan_homogeneous(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int, machine: Machine,
+                      space: SearchSpace) -> LayoutChoice:
+    """``plan_layout`` over plans whose every stage runs on one rank per pipeline (every encoder degree 1)."""
     memory_cap, dp_link, dp_shard = machine.memory_cap, machine.dp_link, machine.dp_shard
     layouts, virtual_stages, frozen_aware = space.layouts, space.virtual_stages, space.frozen_aware
     _check_common(devices, microbatches, memory_cap, space.rel_tol)
@@ -327,7 +388,8 @@ def evaluate_plan(
     """Time ``plan`` with the true frozen-aware costs: ``simulator.simulate`` on its schedule (``schedule``,
     a ``schedules.SCHEDULE_NAMES`` entry; default ``"interleaved_1f1b"`` when
     ``schedules_interleaved.runs_interleaved``, else ``"1f1b"``) with ``ceil(microbatches / dp)`` microbatches, plus the gradient all-reduce of
-    each rank's trainable parameters over ``dp`` replicas (after the flush; the slowest rank's).
+    each rank's trainable parameters over ``dp`` replicas (after the flush; the slowest rank's); a replicated encoder
+    stage's (``Stage.replicas`` ``r``) over its ``r x dp`` copies, its optimizer step on its whole gradient.
 
     Args:
         plan: a pipeline plan over ``units`` (flags as ``consistent_units``; its ``num_microbatches`` is
@@ -376,17 +438,21 @@ def evaluate_plan(
     result = simulate(schedule, action, p2p=p2p, boundary_bytes=boundary, memory=memory)
     peaks = in_flight_peaks(schedule)
     by_name = _by_name(true_units)
-    grads = [0.0] * plan.num_ranks
+    grads: list[dict[int, float]] = [{} for _ in range(plan.num_ranks)]  # per rank: replicas -> gradient bytes
     for stage in plan.stages:
-        grads[stage.rank] += sum(cost_map[n].param_bytes * by_name[n].trained_fraction for n in stage.units)
-    sync = max(grad_sync_s(g, dp, machine.dp_link, dp_shard) for g in grads)
-    update = max(overheads.update_s(g) for g in grads)
+        held = grads[stage.rank]
+        held[stage.replicas] = held.get(stage.replicas, 0.0) + sum(
+            cost_map[n].param_bytes * by_name[n].trained_fraction for n in stage.units)
+    # a replicated encoder stage's gradients are all-reduced over its replicas x the DP replicas (encoder_dp)
+    sync = max(sum(grad_sync_s(g, dp * r, machine.dp_link, dp_shard) for r, g in held.items()) for held in grads)
+    update = max(overheads.update_s(sum(held.values())) for held in grads)
     work = sum(c.forward_s + c.backward_s(u) for u, c in zip(true_units, cost_map.values()))
     n, split = plan.num_stages, schedule.split_backward
     fits = memory_cap is None or max(result.peak_memory_bytes) <= memory_cap
     return LayoutChoice(
         method="given", layout=plan.layout, dp=dp,
-        stages_per_module=tuple((m, len(plan.module_stages(m))) for m in plan.modules), plan=plan,
+        stages_per_module=tuple((m, sum(plan.stages[s].replica == 0 for s in plan.module_stages(m)))
+                                for m in plan.modules), plan=plan,
         microbatches=microbatches, devices=devices, iteration_s=result.makespan_s + sync + update,
         makespan_s=result.makespan_s, grad_sync_s=sync,
         planned_iteration_s=result.makespan_s + sync + update,
@@ -398,8 +464,13 @@ def evaluate_plan(
         stage_activation_bytes=[memory[s].activation_bytes for s in range(n)],
         stage_memory_bytes=[memory[s].static_bytes + peaks[s] * memory[s].activation_bytes for s in range(n)],
         stage_boundary_bytes=[boundary[s] for s in range(n)], memory_cap=memory_cap, fits_memory=fits, p2p=p2p,
-        schedule=name, update_s=update, dp_shard=dp_shard,
+        schedule=name, update_s=update, dp_shard=dp_shard, encoder_dp=_encoder_dp(plan),
     )
+
+
+def _encoder_dp(plan: PipelinePlan) -> tuple[tuple[str, int], ...]:
+    """``((branch, replicas), ...)`` of the plan's replicated encoder branches (``LayoutChoice.encoder_dp``)."""
+    return tuple(dict.fromkeys((s.modules[0], s.replicas) for s in plan.stages if s.replicas > 1))
 
 
 def _by_name(units: Sequence[Unit]) -> dict[str, Unit]:

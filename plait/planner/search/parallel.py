@@ -501,8 +501,8 @@ def _sharded(degrees: ParallelDegrees, pipe_devices: int, microbatches: int, dps
 def _pipelined(job: _Job, degrees: ParallelDegrees, pipe_devices: int, dps: list[int]) -> LayoutChoice:
     """``plan_layout`` with pipeline stages sharded by FSDP2 (``sharding``, "FSDP2 under pipeline stages"): whole
     per-unit costs and parameters, a shard of the optimizer state, the DP all-reduce's bytes; the whole memory cap
-    (no separate buffer). The result records ``degrees.dp_shard``."""
-    machine = job.machine
+    (no separate buffer). The result records ``degrees.dp_shard``; no encoder replicas (``encoder_dp``) with FSDP2."""
+    machine, job = job.machine, dataclasses.replace(job, space=dataclasses.replace(job.space, encoder_dp=()))
     tp_link, _ = option_links(machine, tp=degrees.tp, dp_shard=degrees.dp_shard, devices=job.devices)
     per_rank = pipelined_shard_costs(job.true_units, job.whole, degrees, tp_link=tp_link,
                                      checkpoint_overrides=job.space.checkpoint_overrides,

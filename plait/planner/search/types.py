@@ -102,6 +102,9 @@ class SearchSpace(JsonDataclass):
         ep_degrees: expert-parallel degrees searched (``ParallelDegrees.ep``, with ``tp = 1``; each must divide the
             plan's data-parallel degree and every MoE layer's experts); None: powers of two dividing the experts
             when ``plan_parallel`` is given MoE layers, else 1 only.
+        encoder_dp: per encoder branch, the most data-parallel replicas of each of its stages searched
+            (``search.encoder_dp``: powers of two up to it; a replica takes an equal share of every microbatch's rows
+            of the branch, so it is at most the branch's rows per microbatch); ``()``: every branch at degree 1.
     """
 
     layouts: tuple[str, ...] = LAYOUTS
@@ -122,8 +125,12 @@ class SearchSpace(JsonDataclass):
     offload: str = "auto"
     schedules: tuple[str, ...] = ("1f1b",)
     ep_degrees: tuple[int, ...] | None = None
+    encoder_dp: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "encoder_dp", tuple((str(m), int(r)) for m, r in dict(self.encoder_dp).items()))
+        if any(r < 1 for _, r in self.encoder_dp):
+            raise ValueError(f"SearchSpace.encoder_dp degrees must be >= 1, got {dict(self.encoder_dp)}")
         for name in ("layouts", "dp_degrees", "virtual_stages", "tp_degrees", "dp_shard_degrees", "checkpointing",
                      "fsdp_reshard", "schedules", "ep_degrees"):
             value = getattr(self, name)
@@ -234,6 +241,9 @@ class LayoutChoice(JsonDataclass):
             fastest that fits the memory cap.
         ep: expert-parallel degree (``parallel.ep``): of the ``dp`` data-parallel ranks of the LLM's stages, how many
             split each MoE layer's routed experts (``cost.experts``); it divides ``dp``.
+        encoder_dp: ``((branch, replicas), ...)`` of the encoder branches whose stages are replicated
+            (``[parallel.pp] encoder_dp``: each stage of the branch on ``replicas`` ranks, each taking an equal share
+            of every microbatch's rows, its gradients all-reduced over ``replicas x dp`` ranks); ``()``: none.
 
     Raises:
         ValueError: when the per-stage tuples do not have one entry per stage, an unknown method or an unknown
@@ -279,8 +289,10 @@ class LayoutChoice(JsonDataclass):
     rank_order: str = "dp_outer"
     schedules_weighed: tuple[tuple[str, float, bool], ...] = ()
     ep: int = 1
+    encoder_dp: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "encoder_dp", tuple((str(m), int(r)) for m, r in self.encoder_dp))
         if not isinstance(self.plan, PipelinePlan):
             object.__setattr__(self, "plan", PipelinePlan.from_dict(self.plan))
         if not isinstance(self.p2p, P2PModel):

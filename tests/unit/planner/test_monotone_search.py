@@ -23,7 +23,7 @@ from plait.planner.search.types import LayoutChoice, Machine, NoPlanFits, Search
 from plait.planner.types import UnitCost
 
 LINK = P2PModel(latency_s=1e-5, bandwidth_Bps=5e9)
-SPACE = SearchSpace(fsdp_reshard=("after_forward",))
+SPACE = SearchSpace(fsdp_reshard=("after_forward",), encoder_dp=(("e0", 4),))  # encoder replicas searched too
 
 
 @st.composite
