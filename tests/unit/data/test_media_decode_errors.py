@@ -61,11 +61,11 @@ def test_decode_reason_keeps_a_decoders_message_and_drops_a_dangling_colon():
 
 
 def test_the_metadata_scan_gives_the_same_reason(tmp_path):
-    """Training reads audio headers first (plait.data.metadata): an empty WAV reads as load_audio says it."""
-    from plait.data.metadata import _audio_header, _Headers
+    """Training reads audio headers first (plait.data.record_metadata): an empty WAV reads as load_audio says it."""
+    from plait.data.record_metadata import Headers, _audio_header
 
     path = tmp_path / "empty.wav"
     path.write_bytes(b"")
     with pytest.raises(SampleError) as err:
-        _audio_header(str(path), _Headers())
+        _audio_header(str(path), Headers())
     assert str(err.value) == f"cannot decode audio {path}: no audio frames (empty file, 0 bytes)"
