@@ -8,6 +8,7 @@ image stays one image."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from plait.commands.import_hf import import_checkpoint
 from plait.config.loader import load_config
 from plait.config.schema import EncoderConfig
 from plait.data.collate import collate
+from plait.data.pan_and_scan import PanAndScan
 from plait.data.record_metadata import record_metadata
 from plait.data.sources import RawSample, SampleError
 from plait.models.generation import Generator, greedy_token_ids
@@ -110,3 +112,18 @@ def test_small_image_stays_one_and_unwritten_block_is_refused(setup):
     assert "Here is" not in processor.tokenizer.decode(sample.input_ids)
     with pytest.raises(SampleError, match=r"record 'r0' .*wide.png has 3 pan-and-scan crops but its placeholder"):
         processor(_record([paths["wide"]], "x<image_soft_token>y"))
+
+
+def test_pan_and_scan_needs_gemma3_processor_and_image_tokens():
+    spec = types.SimpleNamespace(encoder="vision", placeholder="<image_soft_token>",
+                                 hf_processor=types.SimpleNamespace(do_pan_and_scan=True))
+    tok = types.SimpleNamespace(boi_token="<start_of_image>", eoi_token="<end_of_image>")
+    with pytest.raises(ValueError, match="model.encoders.vision.processor.do_pan_and_scan: SimpleNamespace does not"):
+        PanAndScan.of(tok, spec)
+    spec.hf_processor = T.Gemma3ImageProcessorPil(do_pan_and_scan=True)
+    with pytest.raises(ValueError, match="the tokenizer names no boi_token/eoi_token"):
+        PanAndScan.of(types.SimpleNamespace(), spec)
+    crops = PanAndScan.of(tok, spec)  # the unset settings take Gemma3Processor's defaults (min crop 256)
+    assert (crops.count(1024, 512), crops.count(500, 500), crops.count(400, 200)) == (2, 0, 0)
+    spec.hf_processor = T.Gemma3ImageProcessorPil()
+    assert PanAndScan.of(tok, spec) is None
