@@ -29,6 +29,7 @@ from PIL import Image
 from plait.data.chat_template import render_prompt, render_with_assistant_mask
 from plait.data.sources import RawSample, SampleError, path_note
 from plait.data.omni_positions import clip_runs, document_positions
+from plait.data.pan_and_scan import Crop, PanAndScan
 from plait.data.video import VideoSpec, framed_video_ids, load_audio_track, load_sampled, text_stretch
 
 __all__ = ["ModalitySpec", "SampleMeta", "ProcessedSample", "MultimodalProcessor", "PerFrame", "Clip", "load_audio",
@@ -322,6 +323,8 @@ class MultimodalProcessor:
             raise ValueError(f"{image.video.field}.audio = true but the model has no audio encoder for the videos' "
                              "audio tracks")
         self.video_wrapper = self._video_wrapper()
+        self.crops = PanAndScan.of(tokenizer, image)
+        """Gemma 3's pan-and-scan of the image branch, or None (:mod:`plait.data.pan_and_scan`)."""
         self.splitting = set(tokenizer.added_tokens_decoder) if self.video_wrapper is not None else set()
         """Added tokens (a string is split at them before it is tokenized): where a video's text stretch starts."""
         ids = [pid for _, pid, _ in self.placeholders().values()]
@@ -406,6 +409,9 @@ class MultimodalProcessor:
 
     def _process(self, sample: RawSample, prompt_only: bool) -> ProcessedSample:
         messages = list(sample.messages[:-1] if prompt_only else sample.messages)
+        if self.crops is not None:  # each image: its original and crops, the processor's text around them
+            images = [self.crops.items(load_image(p), p) for p in sample.media.get("image", ())]
+            sample, messages = self.crops.apply(sample, messages, images)
         ids, assistant = self.unwrap(*self._render(messages, prompt_only))
         media = self._media(sample, ids)
         inputs: dict[str, list[dict[str, Any]]] = {s.encoder: [] for s in self.specs.values()}
@@ -530,6 +536,8 @@ class MultimodalProcessor:
                 return FramedVideo(out, spec.video.encoding.text(spec.video.placeholder, video.indices, video.rate,
                                                                  sizes), path)
             return self._clip(spec, path, out) if spec.video.audio else out
+        if isinstance(path, Crop):  # one original or crop of a pan-and-scan image
+            return [(self._checked(spec, path.item, path), self._count(spec, path.size, path))]
         if kind == "image":
             item, size = process_image(spec.hf_processor, load_image(path))
             return [(self._checked(spec, item, path), self._count(spec, size, path))]

@@ -9,7 +9,8 @@ frame count, rate and frame size come from its container and stream headers
 (:func:`plait.data.video.read_video_header`: no frame is decoded), its sampled frames from
 :func:`plait.data.video.sample_indices`; its audio track, when the job takes it (``video.audio``), is decoded (the
 sample count after resampling is what the count needs); a video whose encoding writes text around its items
-(Qwen3-VL's timestamps) has that text tokenized, from its sampled frame indices and frame rate. The result equals what
+(Qwen3-VL's timestamps) has that text tokenized, from its sampled frame indices and frame rate; a Gemma 3 image under
+pan-and-scan has its crop count from its size (:mod:`plait.data.pan_and_scan`). The result equals what
 :class:`~plait.data.processing.MultimodalProcessor` computes when it decodes the sample.
 """
 
@@ -25,6 +26,7 @@ from PIL import Image
 from plait.data.chat_template import render_prompt, render_with_assistant_mask
 from plait.data.processing import (MultimodalProcessor, SampleMeta, check_clip_video, decode_reason,
                                    process_image)
+from plait.data.pan_and_scan import Crop
 from plait.data.sources import MediaBytes, SampleError, path_note
 from plait.data.video import VideoHeader, framed_video_ids, load_audio_track, read_video_header
 
@@ -39,7 +41,7 @@ class Headers:
         self.audios: dict[str, tuple[int, int]] = {}
         self.videos: dict[str, VideoHeader] = {}
         self.tracks: dict[str | bytes, int] = {}  # a video's audio track: samples at the audio branch's rate
-        self.processed: dict[tuple[int, int, int], tuple[int, int]] = {}
+        self.processed: dict[tuple[int, ...], Any] = {}  # (H, W), or a pan-and-scan image's list of them
 
 
 def _image_size(item: str | MediaBytes, memo: Headers) -> tuple[int, int]:
@@ -109,6 +111,15 @@ def _processed_image_size(spec: Any, size: tuple[int, int], memo: Headers) -> tu
     return memo.processed[key]
 
 
+def _crop_sizes(processor: MultimodalProcessor, size: tuple[int, int], memo: Headers) -> list[tuple[int, int]]:
+    """``(H, W)`` of the processed original and of each crop of an image of ``size = (width, height)`` under the
+    image branch's pan-and-scan (:class:`plait.data.pan_and_scan.PanAndScan`)."""
+    key = (id(processor.crops), -1, *size)
+    if key not in memo.processed:
+        memo.processed[key] = [crop.size for crop in processor.crops.items(Image.new("RGB", size), "blank")]
+    return memo.processed[key]
+
+
 def _item_tokens(kind: str, spec: Any, item: str | MediaBytes, memo: Headers, processor: MultimodalProcessor
                  ) -> list[Any]:
     """Placeholder tokens of each encoder item of one media item (one for an image or a clip, one per frame for a
@@ -134,7 +145,10 @@ def _item_tokens(kind: str, spec: Any, item: str | MediaBytes, memo: Headers, pr
                 memo.tracks[key] = len(load_audio_track(item, int(audio.hf_processor.sampling_rate), spec.video))
             return [*_counts(spec, sizes, item), (audio.encoder, *_counts(audio, [memo.tracks[key]], item))]
     elif kind == "image":
-        sizes = [_processed_image_size(spec, _image_size(item, memo), memo)]
+        if isinstance(item, Crop):  # an original or crop of a pan-and-scan image
+            sizes = [_crop_sizes(processor, _image_size(item.source, memo), memo)[item.index]]
+        else:
+            sizes = [_processed_image_size(spec, _image_size(item, memo), memo)]
     else:
         frames, rate = _audio_header(item, memo)
         expected = int(spec.hf_processor.sampling_rate)
@@ -169,6 +183,10 @@ def record_metadata(processor: MultimodalProcessor, raw: Any, prompt_only: bool 
 
 def _record_metadata(processor: MultimodalProcessor, raw: Any, prompt_only: bool, memo: Headers) -> SampleMeta:
     messages = list(raw.messages[:-1] if prompt_only else raw.messages)
+    if processor.crops is not None:  # Gemma 3's pan-and-scan: the crop count from the image size
+        crops = [processor.crops.count(*_image_size(it, memo)) for it in raw.media.get("image", ())]
+        raw, messages = processor.crops.apply(raw, messages, [[Crop(it, k, n) for k in range(n + 1)]
+                                                              for it, n in zip(raw.media.get("image", ()), crops)])
     if prompt_only:
         ids = render_prompt(processor.tokenizer, messages)
         answer = [0] * len(ids)
