@@ -27,7 +27,7 @@ def test_auto_plan_on_two_processes_trains_the_layout_plait_plan_chooses(tmp_pat
     path, store, logs = tmp_path / "job.toml", tmp_path / "profiles", tmp_path / "auto.rank"
     path.write_text(to_toml(job) + "\n")
     argv = ["train", "--config", str(path), "--parallel.plan=auto", "--profile-store", str(store)]
-    run_main("tests.distributed.test_pipeline_training", [str(logs), *argv], 2, LIMIT_S,
+    run_main("tests.helpers.cli", [str(logs), *argv], 2, LIMIT_S,
              "plait train parallel.plan=auto on 2 processes", function="cli_rank")
     rc = [Path(f"{logs}.{r}.rc").read_text() for r in range(2)]
     out, err = (Path(f"{logs}.0.{kind}").read_text() for kind in ("out", "err"))
@@ -55,7 +55,7 @@ def test_a_profiling_error_of_rank_0_ends_every_rank_with_one_message(tmp_path):
     path, logs = tmp_path / "job.toml", tmp_path / "auto.rank"
     path.write_text(to_toml(job) + "\n")
     argv = ["train", "--config", str(path), "--parallel.plan=auto", "--profile-store", str(tmp_path / "profiles")]
-    run_main("tests.distributed.test_pipeline_training", [str(logs), *argv], 2, LIMIT_S,
+    run_main("tests.helpers.cli", [str(logs), *argv], 2, LIMIT_S,
              "plait train parallel.plan=auto on too little data", function="cli_rank")
     rc, err = ([Path(f"{logs}.{r}.{kind}").read_text() for r in range(2)] for kind in ("rc", "err"))
     assert rc == ["2", "2"], err

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,10 +22,10 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from plait.train.metrics import read_metrics
 from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.launch import launch, worker_records
 from tests.helpers.pipeline_training import to_toml
 
 SAMPLES, BATCH, STEPS = 16, 8, 4  # 2 steps per epoch
-LIMIT_S = 600  # a hang guard per launch (about 30 s each on an idle 2-core machine, minutes when loaded)
 TOL = 1e-5  # fp32 on CPU: sums in another order
 
 
@@ -45,9 +44,7 @@ def _job(tmp_path: Path, name: str, dp_shard: int) -> Path:
 
 def _launch(tmp_path: Path, name: str, nproc: int, pipelines: str, dp_shard: int,
             *faults: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "plait.cli", "launch", "--config", str(_job(tmp_path, name, dp_shard)), "--nproc",
-           str(nproc), "--pipelines", pipelines, "--timeout", "10", "--device", "cpu", *faults]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S)
+    return launch(_job(tmp_path, name, dp_shard), nproc, pipelines, *faults)
 
 
 @pytest.fixture(scope="module")
@@ -57,22 +54,6 @@ def reference(tmp_path_factory) -> Path:
     ref = _launch(root, "ref", 3, "2,1", 1)
     assert ref.returncode == 0, ref.stdout + ref.stderr
     return root / "ref"
-
-
-def _records(run_dir: Path) -> tuple[dict[int, dict], list[dict]]:
-    """Per step, one worker's record (every worker's agree on loss and samples); and the events."""
-    steps, events = {}, []
-    for path in sorted((run_dir / "resilient").glob("worker*.jsonl")):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            if "event" in rec:
-                events.append(rec)
-                continue
-            if rec["step"] in steps:
-                assert abs(steps[rec["step"]]["loss"] - rec["loss"]) < 1e-6, (path, rec["step"])
-                assert steps[rec["step"]]["samples"] == rec["samples"]
-            steps.setdefault(rec["step"], rec)
-    return steps, events
 
 
 def _final(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -88,8 +69,8 @@ def _final(run_dir: Path) -> dict[str, torch.Tensor]:
 def _assert_equals_reference(run_dir: Path, reference: Path) -> tuple[dict[int, dict], list[dict]]:
     """Every step once with the reference's losses (1e-5), samples and LRs, each sample once per epoch, the final
     parameters (1e-5) and the validation loss per task (rel 1e-5). Returns the run's steps and events."""
-    ref_steps, ref_events = _records(reference)
-    steps, events = _records(run_dir)
+    ref_steps, ref_events = worker_records(reference)
+    steps, events = worker_records(run_dir)
     assert not ref_events and sorted(steps) == list(range(STEPS)) == sorted(ref_steps)
     for s in range(STEPS):
         assert abs(steps[s]["loss"] - ref_steps[s]["loss"]) < TOL, (s, steps[s]["loss"], ref_steps[s]["loss"])

@@ -9,7 +9,6 @@ hang)."""
 
 from __future__ import annotations
 
-import json
 import signal
 import socket
 import subprocess
@@ -24,10 +23,10 @@ from plait.train.metrics import read_metrics
 from plait.train.trainer import Trainer
 
 from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.launch import LIMIT_S, launch, worker_records
 from tests.helpers.pipeline_training import to_toml
 
 SAMPLES, BATCH, STEPS = 16, 8, 7  # 2 steps per epoch: steps 0-1 epoch 0, 2-3 epoch 1, 4-5 epoch 2, 6 epoch 3
-LIMIT_S = 600  # a hang guard per launch (a launch takes about 30 s on an idle 2-core machine, minutes when loaded)
 
 
 @pytest.fixture(scope="module")
@@ -46,27 +45,7 @@ def _job(tmp_path: Path, name: str) -> Path:
 
 
 def _launch(tmp_path: Path, name: str, nproc: int, pipelines: str, *faults: str) -> subprocess.CompletedProcess:
-    # planned for the CPU preset: the re-instantiations asserted below are the planner's choice for its costs (the
-    # default, this host's CPU measured, varies with the machine and its load)
-    cmd = [sys.executable, "-m", "plait.cli", "launch", "--config", str(_job(tmp_path, name)), "--nproc",
-           str(nproc), "--pipelines", pipelines, "--timeout", "10", "--device", "cpu", *faults]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S)
-
-
-def _records(run_dir: Path) -> tuple[dict[int, dict], list[dict]]:
-    """Per step, one worker's record (all workers' agree on loss and samples); and the reconfigurations."""
-    steps, events = {}, []
-    for path in sorted((run_dir / "resilient").glob("worker*.jsonl")):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            if "event" in rec:
-                events.append(rec)
-                continue
-            if rec["step"] in steps:
-                assert abs(steps[rec["step"]]["loss"] - rec["loss"]) < 1e-6, (path, rec["step"])
-                assert steps[rec["step"]]["samples"] == rec["samples"]
-            steps.setdefault(rec["step"], rec)
-    return steps, events
+    return launch(_job(tmp_path, name), nproc, pipelines, *faults)
 
 
 def _rows(run_dir: Path, kind: str = "loss") -> dict[int, dict]:
@@ -95,8 +74,8 @@ def _final(run_dir: Path) -> dict[str, torch.Tensor]:
 def _assert_equals_reference(run_dir: Path, reference: Path) -> tuple[dict[int, dict], list[dict]]:
     """Every step done once, with the reference's losses (1e-5), samples and LRs; every sample id once in each
     full epoch; final parameters equal (1e-5). Returns the run's steps and events."""
-    ref_steps, ref_events = _records(reference)
-    steps, events = _records(run_dir)
+    ref_steps, ref_events = worker_records(reference)
+    steps, events = worker_records(run_dir)
     assert not ref_events and sorted(steps) == list(range(STEPS)) == sorted(ref_steps)
     for s in range(STEPS):
         assert abs(steps[s]["loss"] - ref_steps[s]["loss"]) < 1e-5, (s, steps[s]["loss"], ref_steps[s]["loss"])

@@ -7,15 +7,11 @@ text microbatches with the ``bidirectional_items`` mask and LPT token distributi
 gradient clipping (1F1B); the same with frozen encoders and LLM, trainable projectors (GPipe; coordinates from
 a ``("dp", "pp", "cp")`` DeviceMesh); encoders_colocated with packed documents and split backward (1F1B).
 Each case runs 2 optimizer steps (SGD) of 2 microbatches (gradient accumulation). The rank layout
-``(dp * pp + pp_rank) * cp + cp_rank`` is checked too. ``plait train`` with PP 2 x CP 2 under torchrun logs
-the single-process losses; an LLM stage without its CP shard is refused.
+``(dp * pp + pp_rank) * cp + cp_rank`` is checked too. ``plait train`` with PP 2 x CP 2 (4 ranks with torchrun's
+variables) logs the single-process losses; an LLM stage without its CP shard is refused.
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -30,7 +26,7 @@ from plait.planner.pipeline.schedules import build_schedule
 from plait.train.loss import token_loss_sum
 from plait.train.metrics import read_metrics
 from plait.train.trainer import Trainer
-from tests.helpers.jobs import ROOT, demo_records, tiny_config_dict, write_jsonl
+from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
 from tests.distributed.pipeline_worker import (
     COLOC,
     cp_assignment,
@@ -42,7 +38,7 @@ from tests.distributed.pipeline_worker import (
     with_items,
 )
 from tests.distributed.spawning import free_port, spawn_and_wait
-from tests.helpers.pipeline_training import to_toml
+from tests.helpers.pipeline_training import torchrun_train
 
 
 def test_pp2_x_cp2_matches_single_process():
@@ -66,8 +62,9 @@ def test_packed_batch_metadata_by_hand():
 
 
 def test_plait_train_pp2_x_cp2_equals_one_process(tmp_path):
-    """``plait train`` under torchrun with 4 processes (PP 2 x CP 2, encoders_colocated, 1F1B, LPT over blocks of
-    16 tokens, bidirectional items, packed documents) logs the single-process ``Trainer``'s losses (rel 1e-5)."""
+    """``plait train`` on 4 processes with torchrun's variables (PP 2 x CP 2, encoders_colocated, 1F1B, LPT over
+    blocks of 16 tokens, bidirectional items, packed documents) logs the single-process ``Trainer``'s losses (rel
+    1e-5)."""
     records = (demo_records("train", ("image_audio",), limit=2) + demo_records("train", ("image_digit",), limit=1)
                + demo_records("train", ("text",), limit=1))
     data = write_jsonl(tmp_path / "train.jsonl", records)
@@ -77,13 +74,7 @@ def test_plait_train_pp2_x_cp2_equals_one_process(tmp_path):
     single = Trainer.build(config_from_dict(job)).fit()
     job["metrics"]["run_dir"] = str(tmp_path / "ppcp")
     job["parallel"].update(cp=2, pp={"degree": 2, "layout": "encoders_colocated", "schedule": "1f1b"})
-    path = tmp_path / "ppcp.toml"
-    path.write_text(to_toml(job) + "\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={free_port()}",
-           "--master_addr=127.0.0.1", "-m", "plait.cli", "train", "--config", str(path)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = torchrun_train(job, tmp_path, "ppcp", nproc=4)  # forked ranks: no launcher, no interpreter start each
     assert "x CP 2" in proc.stdout
     losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "ppcp" / "metrics.jsonl") if "loss" in r}
     assert sorted(losses) == [1, 2]

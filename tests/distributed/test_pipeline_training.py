@@ -10,10 +10,6 @@ process on the same job without ``[parallel.pp]``.
 from __future__ import annotations
 
 import json
-import os
-import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,32 +20,8 @@ from plait.models.multimodal import MultimodalModel
 from plait.train.metrics import read_metrics
 from plait.train.plots import read_chrome_trace
 from plait.train.trainer import Trainer
-from tests.helpers.jobs import ROOT, demo_records, tiny_config_dict
+from tests.helpers.jobs import demo_records, tiny_config_dict
 from tests.helpers.pipeline_training import GLOBAL_BATCH, MICROBATCH, job_dict, losses_of, torchrun_train
-
-
-def cli_rank(logs: str, *argv: str) -> None:
-    """One rank of :func:`torchrun_train`: ``plait <argv>`` in the repository root, its file descriptors 1 and 2
-    (Python, C++ and child processes alike) in ``<logs>.<rank>.out``/``.err``, its exit code in ``<logs>.<rank>.rc``
-    (1 with the traceback on stderr when it raises)."""
-    from plait.cli import main
-
-    rank = os.environ.get("RANK", "0")
-    os.chdir(ROOT)
-    code = 1
-    with open(f"{logs}.{rank}.out", "w") as out, open(f"{logs}.{rank}.err", "w") as err:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(out.fileno(), 1)
-        os.dup2(err.fileno(), 2)
-        try:
-            code = main(list(argv))
-        except BaseException:  # noqa: BLE001 - reported through the exit code and stderr, as a process would
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-    Path(f"{logs}.{rank}.rc").write_text(str(code))
 
 
 def test_pp2_trains_like_one_process_writes_timeline_and_resumes(tmp_path):

@@ -4,6 +4,7 @@ and ``--resume`` continues to exactly the losses of a run that was never stopped
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.demo_runs import SMALL, STEPS, job, losses, run, start, wait_for_step
+from tests.helpers.cli import cli_rank, plait_on_ranks
+from tests.helpers.demo_runs import SMALL, STEPS, job, losses, start, wait_for_step
 from tests.distributed.spawning import free_port
 
 
@@ -44,7 +46,9 @@ def checkpoints(run: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_sigterm_under_torchrun_checkpoints_and_resumes_exactly(tmp_path):
-    reference = run(command(2, job(tmp_path, "ref")))
+    # the uninterrupted run and the resume: the same 2 ranks, forked without torchrun (no launcher, no interpreter
+    # start per rank); the stop is what runs under torchrun, which forwards the SIGTERM
+    reference = plait_on_ranks(2, "train", "--config", str(job(tmp_path, "ref")), *SMALL, limit_s=240)
     assert reference.returncode == 0, reference.stderr[-3000:]
     want = losses(tmp_path / "ref")
     assert sorted(want) == list(range(1, STEPS + 1))
@@ -60,7 +64,7 @@ def test_sigterm_under_torchrun_checkpoints_and_resumes_exactly(tmp_path):
     assert not (stopped_run / "final").exists()  # not finished: no final model
     assert "stopped by SIGTERM at step" in stopped.stderr and "continue with --resume" in stopped.stderr
 
-    resumed = run(command(2, config, "--resume"))
+    resumed = plait_on_ranks(2, "train", "--config", str(config), *SMALL, "--resume", limit_s=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got = losses(stopped_run)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -79,23 +83,24 @@ def test_ctrl_c_of_one_process_checkpoints_and_exits_130(tmp_path):
     assert "stopped by SIGINT at step" in stopped.stderr and not (run_dir / "final").exists()
 
 
-LATE_SIGTERM = """
-import os, signal, sys
-import plait.commands.train as train
-real = train.save_final
-def save_final(*args, **kwargs):  # SIGTERM arrives while final/ is being written
-    os.kill(os.getpid(), signal.SIGTERM)
-    return real(*args, **kwargs)
-train.save_final = save_final
-from plait.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+def late_sigterm_rank(logs: str, *argv: str) -> None:
+    """``plait <argv>`` (``cli.cli_rank``) with a SIGTERM arriving while final/ is being written."""
+    import plait.commands.train as train
+
+    real = train.save_final
+
+    def save_final(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    train.save_final = save_final
+    cli_rank(logs, *argv)
 
 
 def test_sigterm_while_final_is_written_waits_for_it(tmp_path):
     run_dir = tmp_path / "late"
     args = command(1, job(tmp_path, "late"))[3:]  # the arguments after `python -m plait.cli`
-    done = run([sys.executable, "-c", LATE_SIGTERM, *args])
+    done = plait_on_ranks(1, *args, limit_s=240, entry="tests.distributed.test_preemption:late_sigterm_rank")
     assert done.returncode == 0, done.stderr[-3000:]  # the run finished: its final model is whole
     assert "SIGTERM received: finishing the final model" in done.stderr
     assert (run_dir / "final" / "plait_config.json").is_file() and (run_dir / "final" / "tokenizer").is_dir()

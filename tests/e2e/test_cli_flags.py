@@ -8,12 +8,8 @@ import sys
 
 import pytest
 
+from tests.helpers.cli import plait
 from tests.helpers.jobs import ROOT
-
-
-def plait(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "plait.cli", *args], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
 
 
 def earlier_run(tmp_path):

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.jobs import ROOT, write_jsonl
+from tests.helpers.cli import plait
+from tests.helpers.jobs import write_jsonl
 from tests.unit.models.generation_cases import task_records, train_final, trainer_predictions
 
 
@@ -18,11 +17,6 @@ from tests.unit.models.generation_cases import task_records, train_final, traine
 def trained(tmp_path_factory):
     """(trainer, final/, validation exact match per task, val.jsonl) of generation_cases.train_final."""
     return train_final(tmp_path_factory.mktemp("cli_gen"))
-
-
-def plait(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "plait.cli", *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
 
 
 def test_jsonl_mode_scores_like_the_trainers_validation(trained, tmp_path):

@@ -4,8 +4,13 @@ from here, never from another test module."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import traceback
+from pathlib import Path
 
 from tests.helpers.jobs import ROOT, demo_records, write_jsonl
 
@@ -27,6 +32,63 @@ def write_job(tmp_path) -> str:
     return str(job)
 
 
-def plait(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "plait.cli", *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+def cli_rank(logs: str, *argv: str) -> None:
+    """``plait <argv>`` in this process (a rank started by ``spawning.run_main``, or the one process of
+    :func:`plait`) as ``python -m plait.cli <argv>`` runs it: in the repository root, ``sys.argv`` as that command
+    sets it, its file descriptors 1 and 2 (Python, C++ and child processes alike) in ``<logs>.<rank>.out``/``.err``,
+    its exit code in ``<logs>.<rank>.rc``: ``main``'s return value, a ``SystemExit``'s code (argparse's usage error:
+    2), or 1 with the traceback on stderr when it raises."""
+    from plait.cli import main
+
+    rank = os.environ.get("RANK", "0")
+    os.chdir(ROOT)
+    sys.argv = [str(ROOT / "plait" / "cli.py"), *argv]
+    code = 1
+    with open(f"{logs}.{rank}.out", "w") as out, open(f"{logs}.{rank}.err", "w") as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:  # what the interpreter makes of sys.exit(code)
+            if exc.code is None or isinstance(exc.code, int):
+                code = exc.code or 0
+            else:
+                print(exc.code, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 - reported through the exit code and stderr, as a process would
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+    Path(f"{logs}.{rank}.rc").write_text(str(code))
+
+
+def plait_on_ranks(nproc: int, *args: str, limit_s: float = 300, logs: Path | None = None,
+                   entry: str = "tests.helpers.cli:cli_rank") -> subprocess.CompletedProcess:
+    """``plait <args>`` on ``nproc`` processes with the variables ``torchrun --nproc_per_node=nproc`` sets (one
+    process: none, as ``python -m plait.cli``), forked from the test session's fork server (``spawning.run_main``:
+    torch, transformers and plait's trainers already imported, instead of the seconds an interpreter takes to import
+    them per process), to their end: a finished process with the largest exit code and the ranks' stdout and stderr
+    (rank 0's first). ``logs``: where the ranks' outputs are kept (``<logs>.<rank>.out``/``.err``/``.rc``; default:
+    a temporary folder, removed). ``entry``: ``module:function`` each rank runs, :func:`cli_rank` or a function that
+    patches plait before calling it. Fails the test after ``limit_s`` seconds."""
+    from tests.distributed.spawning import run_main
+
+    folder = None if logs is not None else Path(tempfile.mkdtemp(prefix="plait-cli-"))
+    logs = logs if logs is not None else folder / "cli"
+    try:
+        module, function = entry.split(":")
+        run_main(module, [str(logs), *args], nproc, limit_s, f"plait {' '.join(args[:1])} on {nproc} process(es)",
+                 function=function)
+        out = [Path(f"{logs}.{r}.{kind}").read_text() for kind in ("rc", "out", "err") for r in range(nproc)]
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+    return subprocess.CompletedProcess(["plait", *args], max(map(int, out[:nproc])), "".join(out[nproc:2 * nproc]),
+                                       "".join(out[2 * nproc:]))
+
+
+def plait(*args: str, limit_s: float = 300) -> subprocess.CompletedProcess:
+    """``plait <args>`` in one process (:func:`plait_on_ranks`), to its end."""
+    return plait_on_ranks(1, *args, limit_s=limit_s)

@@ -4,15 +4,14 @@ from here, never from another test module."""
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import torch
 
 from plait.models.multimodal import MultimodalModel
 from plait.planner.toml_text import toml_text
 from plait.train.metrics import read_metrics
+from tests.helpers.cli import plait_on_ranks
 from tests.helpers.jobs import demo_records, tiny_config_dict, write_jsonl
-from tests.distributed.spawning import run_main
 
 
 STEPS, GLOBAL_BATCH, MICROBATCH = 3, 4, 2
@@ -43,13 +42,7 @@ def torchrun_train(job: dict, tmp_path, name: str, *extra: str, nproc: int = 2) 
     test with the output's tail when a rank exits non-zero (240 s limit)."""
     path = tmp_path / f"{name}.toml"
     path.write_text(to_toml(job) + "\n")
-    argv = ["train", "--config", str(path), *extra]
-    logs = tmp_path / f"{name}.rank"
-    run_main("tests.distributed.test_pipeline_training", [str(logs), *argv], nproc, 240,
-             f"plait train {name} on {nproc} processes", function="cli_rank")
-    out = [Path(f"{logs}.{r}.{kind}").read_text() for kind in ("rc", "out", "err") for r in range(nproc)]
-    proc = subprocess.CompletedProcess(["plait", *argv], max(map(int, out[:nproc])), "".join(out[nproc:2 * nproc]),
-                                       "".join(out[2 * nproc:]))
+    proc = plait_on_ranks(nproc, "train", "--config", str(path), *extra, limit_s=240, logs=tmp_path / f"{name}.rank")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 import io
 import re
 import shlex
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -16,14 +14,10 @@ import pytest
 
 from plait.commands.plan.command import plan_command, plan_setup
 from plait.config.loader import load_config, parse_overrides
+from tests.helpers.cli import plait
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "configs" / "demo.toml"
-
-
-def _plait(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "plait.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
 
 
 def _tables_and_command(text: str) -> tuple[str, str]:
@@ -58,7 +52,7 @@ def _check_runnable(text: str, config: str) -> dict:
 
 
 def test_plan_prints_complete_tables_and_the_command_on_this_hosts_cpu():
-    proc = _plait("plan", "--config", "configs/demo.toml", "--devices", "2", "--device", "cpu")
+    proc = plait("plan", "--config", "configs/demo.toml", "--devices", "2", "--device", "cpu", limit_s=600)
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     assert "planning for CPU (this host, " in text and "--device cpu: this host's CPU, measured" in text
@@ -68,7 +62,8 @@ def test_plan_prints_complete_tables_and_the_command_on_this_hosts_cpu():
 
 
 def test_a_pipelined_plan_prints_its_pp_table_and_a_torchrun_line():
-    proc = _plait("plan", "--config", "configs/demo.toml", "--devices", "4", "--dp", "1", "--device", "cpu-preset")
+    proc = plait("plan", "--config", "configs/demo.toml", "--devices", "4", "--dp", "1", "--device", "cpu-preset",
+                 limit_s=600)
     assert proc.returncode == 0, proc.stderr
     assert "on 4 x CPU, " in proc.stdout and "(cap 57.60 GiB)" in proc.stdout  # the fixed preset, by its name
     parallel = _check_runnable(proc.stdout, "configs/demo.toml")
@@ -104,7 +99,7 @@ def test_a_simpler_plan_within_the_tolerance_is_preferred_and_the_output_says_wh
 
 
 def test_plan_help_shows_the_overrides():
-    proc = _plait("plan", "--help")
+    proc = plait("plan", "--help", limit_s=600)
     assert proc.returncode == 0 and "overrides:" in proc.stdout and "--train.lr=1e-3" in proc.stdout
     assert "cpu-preset" in proc.stdout
 
