@@ -109,3 +109,14 @@ def test_energy_plans_every_replica_action(tmp_path, capsys):
     assert {a.rank for a in slowest.frequencies} >= {0, 1}
     frontier = json.loads((out / "frontier.json").read_text())
     assert len(frontier) >= 2
+
+
+def test_plan_energy_searches_encoder_replicas_when_asked(monkeypatch):
+    """``plait plan --energy --encoder-dp`` hands ``encoder_dp`` to every plan it compares."""
+    import plait.commands.plan.energy as energy
+
+    seen = []
+    monkeypatch.setattr(energy, "plan_by_energy", lambda *args, **kwargs: seen.append(kwargs))
+    for flags in ([], ["--encoder-dp"]):
+        assert main(["plan", "--config", str(JOB), "--devices", "4", "--energy", *flags]) == 0
+    assert [kwargs["encoder_dp"] for kwargs in seen] == [False, True]
