@@ -44,7 +44,8 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
         from plait.commands.plan.energy import plan_by_energy
 
         plan_by_energy(args.config, args.devices, tolerance=args.energy, gpu=args.device, out_json=args.out,
-                       overrides=overrides, microbatches=args.microbatches, frozen_aware=not args.frozen_unaware)
+                       overrides=overrides, microbatches=args.microbatches, frozen_aware=not args.frozen_unaware,
+                       encoder_dp=args.encoder_dp)
         return 0
     plan_command(args.config, args.devices, args.out, overrides=overrides, device=args.device,
                  microbatches=args.microbatches, frozen_aware=not args.frozen_unaware,
@@ -107,7 +108,8 @@ def _energy(args: argparse.Namespace, overrides: list[str]) -> int:
 
     energy_command(args.config, args.devices, straggler=args.straggler, gpu=args.gpu, out_dir=args.out_dir,
                    overrides=overrides, microbatches=args.microbatches, method=args.method,
-                   energy_profile=args.energy_profile, dp_degrees=None if args.dp is None else [args.dp])
+                   energy_profile=args.energy_profile, dp_degrees=None if args.dp is None else [args.dp],
+                   encoder_dp=args.encoder_dp)
     return 0
 
 
@@ -296,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "devices; a frequency plan needs a pipeline)")
     energy.add_argument("--energy-profile", default=None, help="measured energy profile JSON (plait profile --energy, "
                         "runs/profiles/energy-profile-<key>.json) instead of the --gpu preset")
+    energy.add_argument("--encoder-dp", action="store_true", help="as plait plan --encoder-dp (replicated encoder "
+                        "stages; each replica's actions get their own clocks)")
     energy.add_argument("--method", choices=("auto", "exact", "lowtime"), default="auto",
                         help="frontier solver: lowtime (Phillips-Dessouky), exact (MILP per point, small DAGs) or "
                              "auto (exact when small)")

@@ -93,15 +93,15 @@ def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Un
 
 def _check_expressed(pp: PipelineConfig, plan: PipelinePlan, units: Sequence[Unit]) -> None:
     """``pp`` describes ``plan``: the plan built from it as the trainer builds it has the same stages (units,
-    modules) on the same ranks.
+    modules, replicas of a replicated encoder stage) on the same ranks.
 
     Raises:
         ValueError: naming the first stage that differs.
     """
     encoders = list(dict.fromkeys(u.module for u in units if u.module != LLM_MODULE))
     rebuilt = plan_pipeline(units, pp.layout, **pipeline_plan_kwargs(pp, encoders))
-    got = [(s.modules, s.units, s.rank) for s in rebuilt.stages]
-    want = [(s.modules, s.units, s.rank) for s in plan.stages]
+    got = [(s.modules, s.units, s.rank, s.replica, s.replicas) for s in rebuilt.stages]
+    want = [(s.modules, s.units, s.rank, s.replica, s.replicas) for s in plan.stages]
     if got != want:
         where = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
         raise ValueError(f"[parallel.pp] cannot express the chosen plan: stage {where} would be "

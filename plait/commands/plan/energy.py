@@ -57,7 +57,8 @@ REFINE_S = 10.0
 def energy_command(config_path: str | Path, devices: int, *, straggler: float = 1.2, gpu: str = "h100",
                    out_dir: str | Path | None = None, overrides: Sequence[str] = (), microbatches: int | None = None,
                    method: str = "auto", energy_profile: str | Path | None = None,
-                   dp_degrees: Sequence[int] | None = None, out: TextIO | None = None) -> dict[str, Any]:
+                   dp_degrees: Sequence[int] | None = None, out: TextIO | None = None,
+                   encoder_dp: bool = False) -> dict[str, Any]:
     """``plait energy`` (module docstring).
 
     Args:
@@ -73,6 +74,8 @@ def energy_command(config_path: str | Path, devices: int, *, straggler: float = 
             power, unscaled (the frontier's ``T*`` is then the measured prediction, not the plan's).
         dp_degrees: as ``plait plan --dp`` (``[1]``: one pipeline over the devices).
         out: text stream (default stdout).
+        encoder_dp: as ``plait plan --encoder-dp`` (replicated encoder stages: each replica stage's actions get
+            their own frequencies, its costs a share of its branch's rows).
 
     Returns:
         ``{"plan": EnergyPlan, "paths": {name: Path}, "rows": {name: (seconds, joules)}}``.
@@ -89,7 +92,8 @@ def energy_command(config_path: str | Path, devices: int, *, straggler: float = 
     preset = gpu_preset(gpu)
     measured = _read_profile(energy_profile) if energy_profile is not None else None
     choice = plan_command(config_path, devices, None, overrides=overrides, device=preset.name,
-                          microbatches=microbatches, dp_degrees=dp_degrees, out=stream, profile_store=None)
+                          microbatches=microbatches, dp_degrees=dp_degrees, out=stream, profile_store=None,
+                          encoder_dp=encoder_dp)
     require_pipeline(choice, devices)
     schedule = build_schedule(choice.plan, choice.schedule, choice.microbatches_per_replica)
     options = job_action_options(config_path, overrides, microbatches, choice, preset.name, measured)
