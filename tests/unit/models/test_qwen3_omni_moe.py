@@ -24,6 +24,8 @@ LAYOUTS = {
     "image": [[("image", (1, 4, 6))]],
     "audio": [[("audio", 16000)]],
     "clip": [[("image", (1, 4, 4)), ("audio", 8000), ("clip", ((4, 4, 4), 48000))]],
+    "images": [[("image", (1, 4, 4)), ("image", (1, 6, 4)), ("audio", 7000), ("image", (1, 4, 6))]],
+    "video": [[("video", (4, 4, 4)), ("image", (1, 4, 4))], [("image", (1, 4, 6)), ("audio", 5000)]],
 }
 
 

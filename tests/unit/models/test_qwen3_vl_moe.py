@@ -33,6 +33,7 @@ from tests.helpers.safetensors_files import assert_same_tensors
 LAYOUTS = {
     "one image": [[("image", (1, 4, 6))]],
     "images": [[("image", (1, 4, 4)), ("image", (1, 6, 4))], [("image", (1, 4, 6))]],
+    "video": [[("video", (2, 4, 4)), ("image", (1, 4, 4))], [("image", (1, 4, 6))]],
 }
 PROMPTS = [[("image", (1, 4, 6))], [("image", (1, 4, 4)), ("image", (1, 4, 4))]]
 
