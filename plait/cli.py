@@ -24,6 +24,7 @@ import argparse
 import difflib
 import logging
 import os
+import re
 import sys
 from typing import Sequence
 
@@ -361,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_OVERRIDE = re.compile(r"--[A-Za-z_]\w*(\.[A-Za-z_]\w*)+=")
+"""A ``--section.key=value`` override (plait's own options have no dot before their ``=``)."""
+
+
 def parse_command_line(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """Parse ``argv`` (the arguments after ``plait``) into the verb's options and its ``--section.key=value``
     overrides. Exits with a usage error (code 2) on an unknown verb or option (named with the closest options), a
@@ -371,7 +376,11 @@ def parse_command_line(argv: Sequence[str]) -> tuple[argparse.Namespace, list[st
     verb = next((a for a in argv if not a.startswith("-")), None)
     if verb in verbs:
         _refuse_unknown_flags(verbs[verb], argv[argv.index(verb) + 1:])
-    args, rest = parser.parse_known_args(argv)
+    # Overrides are taken out before argparse: one holding a space (``--parallel.pp.stages={vision = 1}``) would
+    # otherwise be read as the value of an option with an optional value, such as ``--resume``.
+    overrides = [a for a in argv if _OVERRIDE.match(a)]
+    args, rest = parser.parse_known_args([a for a in argv if not _OVERRIDE.match(a)])
+    rest = overrides + rest
     bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
     if bad:
         parser.error(f"unrecognised arguments {bad}; overrides look like --train.lr=1e-3")
