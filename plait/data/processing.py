@@ -332,14 +332,15 @@ class MultimodalProcessor:
             raise ValueError(f"placeholders must be distinct tokens, got {list(self.placeholders())} -> {ids}")
 
     def _video_wrapper(self) -> tuple[int, int] | None:
-        """The ids of the image branch's video encoding's ``wrapper`` tokens, or None.
+        """The ids of the image branch's video encoding's ``wrapper`` tokens, or None (also when the video
+        placeholder is no token: the job takes no videos, and each video record is refused by its own check).
 
         Raises:
             ValueError: when one is not a single token of the tokenizer (naming the video field).
         """
         image = self.specs.get("image")
         wrapper = getattr(image.video.encoding, "wrapper", None) if image is not None and image.video else None
-        if wrapper is None:
+        if wrapper is None or image.video.placeholder_id is None:
             return None
         ids = [self.tokenizer.convert_tokens_to_ids(t) for t in wrapper]
         if any(i is None or i == self.tokenizer.unk_token_id for i in ids):
