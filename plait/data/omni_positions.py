@@ -30,7 +30,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 from plait.data.mrope import _merge_size, mrope_positions
 
 __all__ = ["OmniItem", "omni_positions", "clip_chunks", "clip_in_time_order", "clip_runs", "audio_frames_for",
-           "qwen3_audio_frames_for", "omni_items", "document_positions", "THINKERS"]
+           "qwen3_audio_frames_for", "omni_items", "document_positions", "THINKERS", "clip_wrapper_error"]
 
 _TEXT, _IMAGE, _VIDEO, _AUDIO, _VSTART, _ASTART = 0, 1, 2, 3, 4, 5  # the stand-in's role ids
 
@@ -118,19 +118,23 @@ def qwen3_audio_frames_for(tokens: int, n_window: int = 50) -> int:
 @dataclass(frozen=True)
 class _Rules:
     """A thinker's rules: whose ``get_rope_index``, its clip layout, mel frames of an audio item's token count, and
-    the config fields its ``get_rope_index`` reads besides the role ids."""
+    the config fields its ``get_rope_index`` reads besides the role ids; ``wrapper``: the two tokens a record writes
+    before and the two after a clip (vision start, audio start ... audio end, vision end)."""
 
     thinker: Any
     layout: Callable[..., list[tuple[str, int]]]
     frames_for: Callable[[int], int]
     config: Callable[[float], dict[str, Any]]
     needs_mask: bool
+    wrapper: tuple[tuple[str, str], tuple[str, str]]
 
 
 THINKERS = {
-    "qwen2_5_omni": _Rules(_Thinker, clip_chunks, audio_frames_for, lambda chunk: {"seconds_per_chunk": chunk}, False),
+    "qwen2_5_omni": _Rules(_Thinker, clip_chunks, audio_frames_for, lambda chunk: {"seconds_per_chunk": chunk}, False,
+                           (("<|vision_bos|>", "<|audio_bos|>"), ("<|audio_eos|>", "<|vision_eos|>"))),
     "qwen3_omni_moe": _Rules(_Thinker3, clip_in_time_order, qwen3_audio_frames_for,
-                             lambda chunk: {"audio_config": SimpleNamespace(n_window=50)}, True),
+                             lambda chunk: {"audio_config": SimpleNamespace(n_window=50)}, True,
+                             (("<|vision_start|>", "<|audio_start|>"), ("<|audio_end|>", "<|vision_end|>"))),
 }
 """The thinkers whose positions :func:`omni_positions` computes, by the name their videos' timing carries."""
 
@@ -147,6 +151,21 @@ def clip_runs(video: dict, video_tokens: int, audio_tokens: int) -> list[tuple[s
     layout = THINKERS[video.get("thinker", "qwen2_5_omni")].layout
     return layout(grid, merge, float(video["second_per_grid_t"]), int(audio_tokens),
                   float(video["tokens_per_second"]), float(video["seconds_per_chunk"]))
+
+
+def clip_wrapper_error(tokenizer: Any, ids: Sequence[int], start: int, end: int, video: dict) -> str | None:
+    """Why the clip of tokens ``ids[start:end]`` (its processed video item ``video``) is not in its thinker's layout
+    (:data:`THINKERS`): the two tokens before it and the two after must be vision start, audio start ... audio end,
+    vision end (``<|vision_bos|><|audio_bos|>`` ... ``<|audio_eos|><|vision_eos|>`` for Qwen2.5-Omni,
+    ``<|vision_start|><|audio_start|>`` ... ``<|audio_end|><|vision_end|>`` for Qwen3-Omni), as the thinker's
+    processor writes them; None when they are."""
+    (b0, b1), (e0, e1) = THINKERS[video.get("thinker", "qwen2_5_omni")].wrapper
+    before, after = list(ids[max(start - 2, 0):start]), list(ids[end:end + 2])
+    if before + after == tokenizer.convert_tokens_to_ids([b0, b1, e0, e1]):
+        return None
+    found = "<clip>".join("".join(tokenizer.convert_ids_to_tokens(side)) for side in (before, after))
+    return (f"a video with its audio track is written {b0}{b1}<clip>{e0}{e1} (its thinker's layout), found {found} "
+            "around it")
 
 
 def omni_items(items: Sequence[dict]) -> tuple[list[OmniItem], float, str] | None:

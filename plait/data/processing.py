@@ -28,7 +28,7 @@ from PIL import Image
 
 from plait.data.chat_template import render_prompt, render_with_assistant_mask
 from plait.data.sources import RawSample, SampleError, path_note
-from plait.data.omni_positions import clip_runs, document_positions
+from plait.data.omni_positions import clip_runs, clip_wrapper_error, document_positions
 from plait.data.pan_and_scan import Crop, PanAndScan
 from plait.data.video import VideoSpec, framed_video_ids, load_audio_track, load_sampled, text_stretch
 
@@ -424,6 +424,7 @@ class MultimodalProcessor:
         cursors = dict.fromkeys(by_id.values(), 0)
         items: list[tuple[str, int]] = []
         ordered: list[tuple[dict[str, Any], str]] = []  # each item and the record field it came from
+        clips: list[tuple[int, int, dict[str, Any], str]] = []  # each clip's token span, video item and field
         for tok, is_answer in zip(ids, assistant):
             kind = by_id.get(tok)
             if kind is None:
@@ -433,7 +434,7 @@ class MultimodalProcessor:
                 continue
             spec, entry = kinds[kind][0], media[kind][cursors[kind]]
             if isinstance(entry, Clip):  # a video with its audio track: two items, their tokens interleaved
-                first = len(items)
+                first, start = len(items), len(out_ids)
                 for what, (item, n) in (("video", entry.video), ("audio", entry.audio)):
                     branch = spec if what == "video" else self.specs["audio"]
                     items.append((branch.encoder, n))
@@ -444,6 +445,7 @@ class MultimodalProcessor:
                     out_ids += [pid] * n
                     out_mask += [0] * n
                     out_item += [first + (what == "audio")] * n
+                clips.append((start, len(out_ids), entry.video[0], self._field(sample, kind, cursors[kind])))
                 cursors[kind] += 1
                 continue
             if isinstance(entry, FramedVideo):  # text around the items (Qwen3-VL's timestamps)
@@ -468,6 +470,9 @@ class MultimodalProcessor:
             cursors[kind] += 1
         if len(out_ids) > self.max_length:
             raise SampleError(f"{len(out_ids)} tokens is longer than data.max_length={self.max_length}")
+        for start, end, video, field in clips:  # each clip inside its thinker's start and end tokens
+            if (wrong := clip_wrapper_error(self.tokenizer, out_ids, start, end, video)) is not None:
+                raise SampleError(f"{field}: {wrong}")
         input_ids = torch.tensor(out_ids, dtype=torch.long)
         self._check_positions(input_ids, torch.tensor(out_item), ordered)
         mask = torch.tensor(out_mask + [0], dtype=torch.bool)[1:]

@@ -32,6 +32,7 @@ from plait.config.schema import ModelConfig
 from plait.data.chat_template import render_with_assistant_mask
 from plait.data.collate import Batch, collate
 from plait.data.mrope import next_mrope_positions
+from plait.data.omni_positions import THINKERS
 from plait.data.processing import MultimodalProcessor, ProcessedSample
 from plait.data.sources import RawSample, path_note
 from plait.models.device import resolve_device
@@ -384,9 +385,11 @@ class Generator:
         model's placeholder (:meth:`placeholders`)."""
         texts = {m: item_prompt_text(mark, self.tokenizer) for m, mark in self.placeholders().items()}
         image = self.processor.specs.get("image")
-        if "video" in texts and image.video.audio and texts["video"] != image.video.placeholder:  # a clip
-            texts["video"] = texts["video"].replace(image.video.placeholder,
-                                                    f"<|audio_bos|>{image.video.placeholder}<|audio_eos|>")
+        if "video" in texts and image.video.audio:  # a clip: its thinker's two tokens before and after it
+            mark = image.video.placeholder
+            for (vision, audio), (audio_end, vision_end) in (r.wrapper for r in THINKERS.values()):
+                if texts["video"] == f"{vision}{mark}{vision_end}":
+                    texts["video"] = f"{vision}{audio}{mark}{audio_end}{vision_end}"
         return texts
 
 

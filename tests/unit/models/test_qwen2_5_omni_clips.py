@@ -94,6 +94,19 @@ def test_a_video_without_its_audio_track_is_refused_naming_record_and_field(setu
         generating(_record(silent, "clip-9"))
 
 
+def test_a_clip_without_its_audio_start_and_end_tokens_is_refused_naming_the_field(setup, tmp_path):
+    """``<|vision_bos|><|VIDEO|><|vision_eos|>`` around a clip: not the thinker's layout (two tokens each side)."""
+    _, _, _, processor, _ = setup
+    clip = str(write_clip(tmp_path / "clip.mkv", 4, rate=2, audio_s=2.0))
+    messages = ({"role": "user", "content": "<|vision_bos|><|VIDEO|><|vision_eos|>What?"},
+                {"role": "assistant", "content": "A tone."})
+    message = (rf"record 'bare' \(clips.jsonl:1\): videos\[0\] \({clip}\): a video with its audio track is "
+               r"written <\|vision_bos\|><\|audio_bos\|><clip><\|audio_eos\|><\|vision_eos\|>")
+    with pytest.raises(SampleError, match=message):
+        processor(RawSample("bare", "t", messages, {"video": (clip,)}, "clips.jsonl:1"))
+    assert processor(_record(clip)).meta.items == (("vision", 8), ("audio", 50))
+
+
 def test_a_job_asking_for_audio_tracks_needs_an_audio_branch(setup):
     tok, _, _, processor, _ = setup
     with pytest.raises(ValueError, match=f"{FIELD}.audio = true but the model has no audio encoder"):
