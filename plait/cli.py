@@ -204,11 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also search a data-parallel degree per encoder branch (its stages replicated on up to "
                            "train.microbatch_size ranks, each encoding a share of every microbatch's samples; "
                            "written as [parallel.pp] encoder_dp)")
-    plan.add_argument("--gpus-per-node", type=int, default=0, metavar="N",
+    plan.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
                       help="plan for nodes of N GPUs (NVLink inside a node, 400 Gb/s InfiniBand per GPU between "
                            "nodes): each collective is charged by where its group sits, and the rank order that "
-                           "keeps the heavy groups inside nodes is written as parallel.rank_order (default 0: one "
-                           "node)")
+                           "keeps the heavy groups inside nodes is written as parallel.rank_order (N >= 1; default: "
+                           "one node)")
     plan.add_argument("--energy", type=float, nargs="?", const=0.02, default=None, metavar="TOLERANCE",
                       help="among the best plans of every DP degree and layout within TOLERANCE (default 0.02 = 2%%) "
                            "of the fastest iteration, choose the least energy per iteration (plait energy's frontier "
