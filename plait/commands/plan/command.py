@@ -258,6 +258,8 @@ def plan_command(
     if why_simpler:
         print(f"plait plan: {why_simpler}", file=stream)
     print(format_plan(choice), file=stream)
+    if encoder_dp and encoder_dp_note(cfg, space["encoder_dp"], choice):
+        print(f"plait plan: {encoder_dp_note(cfg, space['encoder_dp'], choice)}", file=stream)
     unweighed = not_weighed(space["schedules"], choice)
     if unweighed:
         print(f"plait plan: {unweighed}", file=stream)
@@ -282,6 +284,22 @@ def plan_command(
         path.write_text(plan_to_json(choice, snippet))
         print(f"plan written to {path}", file=stream)
     return choice
+
+
+def encoder_dp_note(cfg: Any, bounds: tuple[tuple[str, int], ...], choice: LayoutChoice) -> str:
+    """The line ``plait plan --encoder-dp`` prints when its plan replicates no encoder stage: why the degrees were not
+    searched (FSDP2 with the job's ``parallel.dp_shard``, no encoder branch, one sample per microbatch: ``bounds``
+    is ``encoder_dp_bounds``'), or that none was faster; ``""`` when the plan replicates some."""
+    head = "encoder data-parallel degrees:"
+    if cfg.parallel.dp_shard > 1:
+        return (f"{head} not searched (FSDP2, parallel.dp_shard = {cfg.parallel.dp_shard}, refuses replicated encoder "
+                "stages; set parallel.dp_shard = 1 to search them)")
+    if not bounds:
+        return (f"{head} not searched (" + ("the model has no encoder branch" if cfg.train.microbatch_size > 1 else
+                "train.microbatch_size = 1: each replica needs a sample of a microbatch") + ")")
+    if choice.encoder_dp:
+        return ""
+    return f"{head} searched, none faster than one replica per encoder stage"
 
 
 def job_degrees(cfg: Any, devices: int, stream: TextIO) -> dict[str, Any]:
