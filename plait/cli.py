@@ -205,11 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also search a data-parallel degree per encoder branch (its stages replicated on up to "
                            "train.microbatch_size ranks, each encoding a share of every microbatch's samples; "
                            "written as [parallel.pp] encoder_dp)")
-    plan.add_argument("--gpus-per-node", type=int, default=0, metavar="N",
+    plan.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
                       help="plan for nodes of N GPUs (NVLink inside a node, 400 Gb/s InfiniBand per GPU between "
                            "nodes): each collective is charged by where its group sits, and the rank order that "
-                           "keeps the heavy groups inside nodes is written as parallel.rank_order (default 0: one "
-                           "node)")
+                           "keeps the heavy groups inside nodes is written as parallel.rank_order (N >= 1; default: "
+                           "one node)")
     plan.add_argument("--energy", type=float, nargs="?", const=0.02, default=None, metavar="TOLERANCE",
                       help="among the best plans of every DP degree and layout within TOLERANCE (default 0.02 = 2%%) "
                            "of the fastest iteration, choose the least energy per iteration (plait energy's frontier "
@@ -336,19 +336,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "tests: that node's launcher and all its workers are SIGKILLed at once in the middle of that step")
     launch.add_argument("--joining", action="store_true", help=argparse.SUPPRESS)
     launch.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    imp = sub.add_parser("import", help="a local Hugging Face LLaVA, Qwen2-Audio or Qwen2.5-VL checkpoint as a plait "
-                         "model and a job that fine-tunes it")
-    imp.add_argument("--from", dest="source", required=True, help="the checkpoint folder (LlavaForConditionalGeneration"
-                     ", Qwen2AudioForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, "
-                     "Gemma3ForConditionalGeneration or Qwen3VLForConditionalGeneration with its processor and "
-                     "tokenizer files)")
+    formats = ", ".join(EXPORT_FORMATS)
+    about = (f"a local Hugging Face checkpoint of any format plait export writes ({formats}) as a plait model and a "
+             "job that fine-tunes it")
+    imp = sub.add_parser("import", help=about, description=about)
+    imp.add_argument("--from", dest="source", required=True, help=f"the checkpoint folder with its processor and "
+                     f"tokenizer files; its config.json model_type one of {formats} (a full Qwen2.5-Omni or "
+                     "Qwen3-Omni-MoE checkpoint: its thinker; the classes are listed under plait export --format)")
     imp.add_argument("--out", required=True, help="folder for model/ (plait's final/ layout) and job.toml")
     imp.add_argument("--train", default="", help="the job's data.train (default: <out>/train.jsonl, to be written)")
     imp.add_argument("--val", default="", help="the job's data.val (default: none)")
     imp.add_argument("--chat-template", default="", help="a Jinja file or committed template name, for a checkpoint "
                      "without a chat template")
-    exp = sub.add_parser("export", help="a trained plait model as a Hugging Face LLaVA, Qwen2-Audio, Qwen2.5-VL, "
-                         "Gemma 3 or Qwen3-VL checkpoint with its processor")
+    exp = sub.add_parser("export", help=f"a trained plait model as a Hugging Face checkpoint ({formats}) with its "
+                         "processor")
     exp.add_argument("--run", required=True, help="the run folder (its final/) or a final/ folder")
     exp.add_argument("--format", required=True, choices=EXPORT_FORMATS,
                      help="llava: LlavaForConditionalGeneration; qwen2_audio: Qwen2AudioForConditionalGeneration; "

@@ -3,16 +3,17 @@ stages, :class:`plait.planner.pipeline.types.Stage`), checked when a job config 
 
 from __future__ import annotations
 
-from plait.config.schema import JobConfig
+from plait.config.schema import JobConfig, PipelineConfig
 from plait.planner.types import LLM_MODULE
 
-__all__ = ["validate_encoder_dp"]
+__all__ = ["replica_note", "validate_encoder_dp"]
 
 
 def validate_encoder_dp(cfg: JobConfig) -> None:
     """``parallel.pp.encoder_dp``: integers >= 1 per encoder branch; above 1 only in an ``encoder_parallel``
     pipeline (``degree`` > 1) without ``attach_encoders``, ``virtual_stages`` > 1 or FSDP2, and, with
-    ``encoders_in_bubble``, at most ``degree`` (each replica on its own LLM rank). Branch names are checked against
+    ``encoders_in_bubble``, at most ``degree`` (each replica on its own LLM rank); at most ``train.microbatch_size``
+    (each replica takes at least one sample of a microbatch, as the planner's ``encoder_dp_bounds``). Branch names are checked against
     the model in :func:`pipeline_stage_counts`.
 
     Raises:
@@ -43,6 +44,21 @@ def validate_encoder_dp(cfg: JobConfig) -> None:
         big = {b: d for b, d in replicated.items() if d > pp.degree}
         _require(not big, f"parallel.pp.encoder_dp {big}: with encoders_in_bubble each replica sits on a different LLM "
                f"rank, so at most parallel.pp.degree = {pp.degree}")
+    rows = cfg.train.microbatch_size
+    for branch, degree in replicated.items():
+        _require(degree <= rows, f"parallel.pp.encoder_dp.{branch} = {degree} is larger than train.microbatch_size = "
+                 f"{rows}: each replica encodes at least one sample of a microbatch, so at most {rows}")
+
+
+def replica_note(pp: PipelineConfig, counts: dict[str, int]) -> str:
+    """The part of a stage-count error that names ``parallel.pp.encoder_dp``: ``counts`` (stages per module) with
+    each replicated branch's stages times its replicas (the ranks they take); ``""`` without replicas or with
+    colocated encoders."""
+    replicas = {m: d for m, d in pp.encoder_dp.items() if d > 1}
+    if not replicas or pp.layout == "encoders_colocated":
+        return ""
+    ranks = {m: c * pp.encoder_dp.get(m, 1) for m, c in counts.items()}
+    return f"; parallel.pp.encoder_dp = {replicas} replicas included: {ranks}"
 
 
 def _require(ok: bool, message: str) -> None:

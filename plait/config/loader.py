@@ -15,7 +15,7 @@ from typing import Any
 
 from plait.config.schema import (DATA_FORMATS, DataConfig, EncoderConfig, JobConfig, LoraConfig, PipelineConfig,
                                  check_checkpointing)
-from plait.config.encoder_dp import validate_encoder_dp
+from plait.config.encoder_dp import replica_note, validate_encoder_dp
 from plait.planner.cost.topology import RANK_ORDERS
 from plait.planner.microbatch import METHODS
 from plait.planner.pipeline.plan import stage_ranks
@@ -477,7 +477,7 @@ def pipeline_stage_counts(pp: PipelineConfig, encoders: typing.Sequence[str]) ->
     ranks = encoder_ranks + llm // v
     if v == 1 and not (pp.attach_encoders or pp.encoders_in_bubble):
         _check(ranks == pp.degree, f"parallel.pp.stages give {ranks} stages ({counts | {LLM_MODULE: llm}}, layout "
-               f"{pp.layout}) but parallel.pp.degree is {pp.degree}: one stage per pipeline rank")
+               f"{pp.layout}{replica_note(pp, counts | {LLM_MODULE: llm})}) but parallel.pp.degree is {pp.degree}: one stage per pipeline rank")
     where = ("on the first LLM rank" if pp.attach_encoders else "on the LLM ranks" if pp.encoders_in_bubble
              else "one rank each")
     _check(ranks == pp.degree, f"parallel.pp.stages give {ranks} pipeline ranks ({counts | {LLM_MODULE: llm}}, layout "

@@ -65,6 +65,14 @@ def test_every_recipe_loads():
                                                         "qwen3_omni_moe.toml"}
 
 
+def test_qwen3_vl_moe_recipe_reads_videos_as_qwen3_vl_does():
+    """Both recipes share Qwen3-VL's vision tower, so both take a record's videos with its video token and fps."""
+    dense = load_config(RECIPES / "qwen3_vl.toml").model.encoders["vision"].video
+    moe = load_config(RECIPES / "qwen3_vl_moe.toml").model.encoders["vision"].video
+    assert (moe.placeholder, moe.fps) == ("<|video_pad|>", 2.0)
+    assert moe == dense
+
+
 def test_llava15_stages_train_and_export(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the recipes name configs/recipes/vicuna_v1.jinja from the repository root
     llm, clip = save_llm(tmp_path / "vicuna"), save_clip(tmp_path / "clip")

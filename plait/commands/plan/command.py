@@ -46,7 +46,7 @@ from plait.train.job_file import load_config_for_planning
 from plait.measure.host_costs import host_cpu, host_device, runtime_costs, stored_profile
 from plait.train.plan_search import search_plan
 from plait.commands.plan.fsdp import fsdp_line
-from plait.commands.plan.nodes import on_whole_nodes, whole_node_plan
+from plait.commands.plan.nodes import on_whole_nodes, partial_node_note, whole_node_plan
 from plait.commands.plan.snippet import pp_snippet, run_command
 from plait.parallel.activation_checkpointing import checkpoint_policy
 from plait.planner.cost.types import DeviceSpec, MicrobatchShape
@@ -172,7 +172,7 @@ def plan_command(
     out: TextIO | None = None,
     profile_store: str | Path | None = "runs/profiles",
     prefer_within: float = PREFER_WITHIN,
-    gpus_per_node: int = 0,
+    gpus_per_node: int | None = None,
     encoder_dp: bool = False,
 ) -> LayoutChoice:
     """``plait plan``: choose the pipeline layout of a job for ``devices`` accelerators, print it with its job
@@ -198,7 +198,7 @@ def plan_command(
             ``train.global_batch_size``); None: ``global_batch_size / microbatch_size`` of ``microbatch_size``.
         items_per_sample: workload (``build_plan_inputs``).
         gpus_per_node: plan for nodes of this many GPUs (``_with_nodes``: NVLink inside, InfiniBand between, the
-            rank order written as ``parallel.rank_order``); 0: one node.
+            rank order written as ``parallel.rank_order``; at least 1); None: one node.
         memory_fraction: fraction of the device memory a stage may use (the rest: CUDA context, workspaces).
         dp_degrees: DP degrees to search (``plait plan --dp``), each in ``1..min(devices, microbatches)``;
             None: the divisors of ``devices`` in that range.
@@ -234,6 +234,9 @@ def plan_command(
                        items_per_sample=items_per_sample, memory_fraction=memory_fraction, dp_degrees=dp_degrees,
                        dp_link_Bps=dp_link_Bps, macrobatches=macrobatches, profile_store=profile_store, stream=stream)
     setup = _with_nodes(setup, gpus_per_node, stream)
+    gpus_per_node = gpus_per_node or 0
+    if partial_node_note(devices, gpus_per_node):
+        print(f"plait plan: {partial_node_note(devices, gpus_per_node)}", file=stream)
     cfg, inputs, spec = setup.cfg, setup.inputs, setup.spec
     if cfg.parallel.tp > 1 and inputs.tp_refusal:
         raise ValueError(f"parallel.tp = {cfg.parallel.tp}: plait's tensor parallelism refuses this model "
@@ -255,6 +258,8 @@ def plan_command(
     if why_simpler:
         print(f"plait plan: {why_simpler}", file=stream)
     print(format_plan(choice), file=stream)
+    if encoder_dp and encoder_dp_note(cfg, space["encoder_dp"], choice):
+        print(f"plait plan: {encoder_dp_note(cfg, space['encoder_dp'], choice)}", file=stream)
     unweighed = not_weighed(space["schedules"], choice)
     if unweighed:
         print(f"plait plan: {unweighed}", file=stream)
@@ -279,6 +284,22 @@ def plan_command(
         path.write_text(plan_to_json(choice, snippet))
         print(f"plan written to {path}", file=stream)
     return choice
+
+
+def encoder_dp_note(cfg: Any, bounds: tuple[tuple[str, int], ...], choice: LayoutChoice) -> str:
+    """The line ``plait plan --encoder-dp`` prints when its plan replicates no encoder stage: why the degrees were not
+    searched (FSDP2 with the job's ``parallel.dp_shard``, no encoder branch, one sample per microbatch: ``bounds``
+    is ``encoder_dp_bounds``'), or that none was faster; ``""`` when the plan replicates some."""
+    head = "encoder data-parallel degrees:"
+    if cfg.parallel.dp_shard > 1:
+        return (f"{head} not searched (FSDP2, parallel.dp_shard = {cfg.parallel.dp_shard}, refuses replicated encoder "
+                "stages; set parallel.dp_shard = 1 to search them)")
+    if not bounds:
+        return (f"{head} not searched (" + ("the model has no encoder branch" if cfg.train.microbatch_size > 1 else
+                "train.microbatch_size = 1: each replica needs a sample of a microbatch") + ")")
+    if choice.encoder_dp:
+        return ""
+    return f"{head} searched, none faster than one replica per encoder stage"
 
 
 def job_degrees(cfg: Any, devices: int, stream: TextIO) -> dict[str, Any]:
@@ -434,18 +455,19 @@ def not_weighed(requested: Sequence[str], choice: LayoutChoice) -> str:
     return "not weighed: " + "; ".join(named)
 
 
-def _with_nodes(setup: PlanSetup, gpus_per_node: int, stream: TextIO) -> PlanSetup:
-    """``setup`` planning for nodes of ``gpus_per_node`` GPUs (``--gpus-per-node``; 0: one node, unchanged): NVLink
+def _with_nodes(setup: PlanSetup, gpus_per_node: int | None, stream: TextIO) -> PlanSetup:
+    """``setup`` planning for nodes of ``gpus_per_node`` GPUs (``--gpus-per-node``; None: one node, unchanged): NVLink
     inside a node, one 400 Gb/s InfiniBand port per GPU between nodes (``node_presets.nvlink_infiniband``), each
     collective charged by where its group sits under the rank order chosen with the plan (``Machine.topology``).
 
     Raises:
-        ValueError: on a negative count, or nodes with ``--device cpu`` (its link is this host's, measured).
+        ValueError: on a count below 1, or nodes with ``--device cpu`` (its link is this host's, measured).
     """
-    if gpus_per_node < 0:
-        raise ValueError(f"--gpus-per-node must be >= 0 (0: one node), got {gpus_per_node}")
-    if gpus_per_node == 0:
+    if gpus_per_node is None:
         return setup
+    if gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be >= 1 (the GPUs of one node; leave it out to plan one node), got "
+                         f"{gpus_per_node}")
     if setup.spec.name.lower().startswith("cpu"):
         raise ValueError("--gpus-per-node plans nodes of GPUs (NVLink inside, InfiniBand between): use it with a GPU "
                          "--device preset (h100, h200, a100)")

@@ -16,13 +16,24 @@ from plait.planner.search.monotone import divisors
 from plait.planner.search.parallel import LayoutSearch
 from plait.planner.search.types import LayoutChoice
 
-__all__ = ["on_whole_nodes", "whole_node_plan"]
+__all__ = ["on_whole_nodes", "partial_node_note", "whole_node_plan"]
 
 
 def on_whole_nodes(processes: int, gpus_per_node: int) -> bool:
     """Whether ``processes`` fit one node of ``gpus_per_node`` GPUs or fill whole nodes (``gpus_per_node`` 0: one
     node, always true)."""
     return gpus_per_node <= 0 or processes <= gpus_per_node or processes % gpus_per_node == 0
+
+
+def partial_node_note(devices: int, gpus_per_node: int) -> str:
+    """The line saying the plan keeps to whole nodes when ``devices`` spans more than one node of ``gpus_per_node``
+    GPUs but is not a multiple of it (the devices past the last whole node stay unused); ``""`` otherwise."""
+    if gpus_per_node <= 0 or devices <= gpus_per_node or devices % gpus_per_node == 0:
+        return ""
+    nodes = devices // gpus_per_node
+    return (f"--devices {devices} is not a multiple of --gpus-per-node {gpus_per_node}: the plan keeps to whole "
+            f"nodes (torchrun starts the same count on every node), at most {nodes * gpus_per_node} devices on "
+            f"{nodes} nodes")
 
 
 def whole_node_plan(choice: LayoutChoice, devices: int, gpus_per_node: int,

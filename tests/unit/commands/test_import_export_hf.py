@@ -375,3 +375,18 @@ def test_the_export_command_offers_every_format_plait_writes():
     for name in HF_FORMATS:
         args, _ = parse_command_line(["export", "--run", "r", "--format", name])
         assert args.format == name
+
+
+def test_the_import_help_names_every_importable_format():
+    import contextlib
+    import io
+
+    from plait.cli import build_parser
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), pytest.raises(SystemExit):
+        build_parser().parse_args(["import", "--help"])
+    help_text = " ".join(text.getvalue().split())  # argparse wraps lines
+    listed = ", ".join(HF_FORMATS)
+    assert f"any format plait export writes ({listed})" in help_text
+    assert f"model_type one of {listed}" in help_text

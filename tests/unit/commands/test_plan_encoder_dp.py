@@ -120,3 +120,36 @@ def test_plan_energy_searches_encoder_replicas_when_asked(monkeypatch):
     for flags in ([], ["--encoder-dp"]):
         assert main(["plan", "--config", str(JOB), "--devices", "4", "--energy", *flags]) == 0
     assert [kwargs["encoder_dp"] for kwargs in seen] == [False, True]
+
+
+def _note_job(dp_shard: int = 1, microbatch_size: int = 4):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(parallel=SimpleNamespace(dp_shard=dp_shard),
+                           train=SimpleNamespace(microbatch_size=microbatch_size))
+
+
+def test_encoder_dp_note_says_why_no_replica_was_planned():
+    from types import SimpleNamespace
+
+    from plait.commands.plan.command import encoder_dp_note
+
+    bounds, plain, replicated = (("vision", 4),), SimpleNamespace(encoder_dp=()), SimpleNamespace(
+        encoder_dp=(("vision", 2),))
+    assert encoder_dp_note(_note_job(), bounds, replicated) == ""
+    assert encoder_dp_note(_note_job(), bounds, plain) == ("encoder data-parallel degrees: searched, none faster "
+                                                           "than one replica per encoder stage")
+    assert encoder_dp_note(_note_job(dp_shard=2), bounds, plain) == (
+        "encoder data-parallel degrees: not searched (FSDP2, parallel.dp_shard = 2, refuses replicated encoder "
+        "stages; set parallel.dp_shard = 1 to search them)")
+    assert encoder_dp_note(_note_job(microbatch_size=1), (), plain).endswith(
+        "not searched (train.microbatch_size = 1: each replica needs a sample of a microbatch)")
+    assert encoder_dp_note(_note_job(), (), plain).endswith("not searched (the model has no encoder branch)")
+
+
+def test_plan_with_fsdp2_says_encoder_dp_was_not_searched():
+    out = io.StringIO()
+    choice = plan_command(JOB, 4, None, device="h100", encoder_dp=True, out=out, profile_store=None,
+                          overrides=["--parallel.dp_shard=2"], **ONE_STAGE_PER_RANK)
+    assert not choice.encoder_dp
+    assert out.getvalue().count("encoder data-parallel degrees: not searched (FSDP2, parallel.dp_shard = 2") == 1

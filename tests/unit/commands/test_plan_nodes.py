@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from plait.commands.plan.command import plan_command
-from plait.commands.plan.nodes import on_whole_nodes, whole_node_plan
+from plait.commands.plan.nodes import on_whole_nodes, partial_node_note, whole_node_plan
 from plait.planner.search.auto_layout import plan_filling_layout
 from plait.planner.search.layout import plan_layout
 from tests.helpers.jobs import ROOT
@@ -83,3 +83,26 @@ def test_whole_node_plan_weighs_one_node_and_each_whole_node_count():
     kept = SimpleNamespace(devices_used=24, iteration_s=1.0)
     assert whole_node_plan(kept, 32, 8, search) is kept and not calls
     assert on_whole_nodes(8, 8) and on_whole_nodes(5, 8) and on_whole_nodes(24, 8) and not on_whole_nodes(15, 8)
+
+
+@pytest.mark.parametrize("count", [0, -2])
+def test_gpus_per_node_below_one_is_refused_naming_the_flag(count):
+    with pytest.raises(ValueError, match=rf"--gpus-per-node must be >= 1 \(the GPUs of one node; leave it out to plan "
+                                         rf"one node\), got {count}"):
+        plan_command(DEMO_PP, 16, None, out=io.StringIO(), gpus_per_node=count, **COMMON)
+
+
+def test_the_cli_flag_defaults_to_one_node():
+    from plait.cli import build_parser
+
+    assert build_parser().parse_args(["plan", "--config", DEMO_PP, "--devices", "4"]).gpus_per_node is None
+
+
+def test_devices_past_the_last_whole_node_are_said_to_stay_unused():
+    assert partial_node_note(10, 4) == ("--devices 10 is not a multiple of --gpus-per-node 4: the plan keeps to whole "
+                                        "nodes (torchrun starts the same count on every node), at most 8 devices on "
+                                        "2 nodes")
+    assert partial_node_note(8, 4) == partial_node_note(3, 4) == partial_node_note(4, 4) == ""
+    text = io.StringIO()
+    choice = plan_command(DEMO_PP, 10, None, out=text, gpus_per_node=4, **COMMON)
+    assert text.getvalue().count("is not a multiple of --gpus-per-node 4") == 1 and choice.devices_used <= 8
