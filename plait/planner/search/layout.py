@@ -220,9 +220,19 @@ def _replicated_best(units: Sequence[Unit], costs: Costs, devices: int, microbat
     return best, timed
 
 
+def plan_homogeneous_below(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int, machine: Machine,
+                           space: SearchSpace, beat: float) -> LayoutChoice | None:
+    """``plan_layout`` without ``space.encoder_dp`` (every encoder degree 1), its branch and bound stopped at
+    ``beat`` seconds (planning view): the same plan whenever its planned time is below ``beat``, else a plan not
+    faster or None. Raises as ``plan_layout``."""
+    return _plan_homogeneous(units, costs, devices, microbatches=microbatches, machine=machine, space=space,
+                             beat=beat)
+
+
 def _plan_homogeneous(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int, machine: Machine,
-                      space: SearchSpace) -> LayoutChoice:
-    """``plan_layout`` over plans whose every stage runs on one rank per pipeline (every encoder degree 1)."""
+                      space: SearchSpace, beat: float = math.inf) -> LayoutChoice | None:
+    """``plan_layout`` over plans whose every stage runs on one rank per pipeline (every encoder degree 1); with
+    ``beat`` finite, None when no plan is faster (``plan_homogeneous_below``)."""
     memory_cap, dp_link, dp_shard = machine.memory_cap, machine.dp_link, machine.dp_shard
     layouts, virtual_stages, frozen_aware = space.layouts, space.virtual_stages, space.frozen_aware
     _check_common(devices, microbatches, memory_cap, space.rel_tol)
@@ -246,12 +256,14 @@ def _plan_homogeneous(units: Sequence[Unit], costs: Costs, devices: int, *, micr
                     if (s := attached_stream(parts, d, devices, microbatches, p2p, v)) is not None]
     if space.in_bubble and model.encoders:
         streams += [s for d in dps if (s := in_bubble_stream(parts, d, devices, microbatches, p2p)) is not None]
-    best, considered, timed = branch_and_bound(parts, streams, p2p, dp_link, space.rel_tol, space.max_timed)
+    best, considered, timed = branch_and_bound(parts, streams, p2p, dp_link, space.rel_tol, space.max_timed, beat)
     timing = dataclasses.replace(machine, p2p=p2p)
     method = "plait" if frozen_aware else "frozen_unaware"
     single = _single_rank(model, units, costs, max(dps), (microbatches, devices, timing))
     if single is not None and (best.stages is None or single[0] < best.time):
         return dataclasses.replace(single[1], method=method, candidates=considered + 1, simulated=timed + 1)
+    if best.stages is None and beat < math.inf:
+        return None
     if best.stages is None:
         raise NoPlanFits(f"no layout fits: every candidate for {devices} devices exceeds memory_cap={memory_cap} "
                          "bytes (or has fewer pipeline ranks than modules)")
