@@ -220,19 +220,27 @@ def _replicated_best(units: Sequence[Unit], costs: Costs, devices: int, microbat
     return best, timed
 
 
-def plan_homogeneous_below(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int, machine: Machine,
+def plan_layout_below(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int, machine: Machine,
                            space: SearchSpace, beat: float) -> LayoutChoice | None:
-    """``plan_layout`` without ``space.encoder_dp`` (every encoder degree 1), its branch and bound stopped at
-    ``beat`` seconds (planning view): the same plan whenever its planned time is below ``beat``, else a plan not
-    faster or None. Raises as ``plan_layout``."""
-    return _plan_homogeneous(units, costs, devices, microbatches=microbatches, machine=machine, space=space,
-                             beat=beat)
+    """``plan_layout`` with its searches stopped at ``beat`` seconds (the branch and bound's planning view, then the
+    encoder replicas' search, ``space.encoder_dp``): the same plan whenever its time is below ``beat``, else a plan
+    not faster or None. Only for 1F1B's schedules (``space.schedules``). Raises as ``plan_layout``."""
+    homogeneous = _plan_homogeneous(units, costs, devices, microbatches=microbatches, machine=machine, space=space,
+                                    beat=beat)
+    if not space.encoder_dp:
+        return homogeneous
+    dps = [d for d in _dp_candidates(devices, microbatches, space.dp_degrees) if d % machine.dp_shard == 0]
+    below = min(beat, homogeneous.iteration_s if homogeneous is not None and homogeneous.fits_memory else beat)
+    best, timed = _replicated_best(units, costs, devices, microbatches, machine, space, dps, below)
+    if best is None:
+        return homogeneous
+    return dataclasses.replace(best[0], method="plait", planned_iteration_s=best[1], candidates=timed, simulated=timed)
 
 
 def _plan_homogeneous(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int, machine: Machine,
                       space: SearchSpace, beat: float = math.inf) -> LayoutChoice | None:
     """``plan_layout`` over plans whose every stage runs on one rank per pipeline (every encoder degree 1); with
-    ``beat`` finite, None when no plan is faster (``plan_homogeneous_below``)."""
+    ``beat`` finite, None when no plan is faster (``plan_layout_below``)."""
     memory_cap, dp_link, dp_shard = machine.memory_cap, machine.dp_link, machine.dp_shard
     layouts, virtual_stages, frozen_aware = space.layouts, space.virtual_stages, space.frozen_aware
     _check_common(devices, microbatches, memory_cap, space.rel_tol)

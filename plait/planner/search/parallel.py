@@ -63,7 +63,7 @@ from plait.planner.cost.experts import ExpertDispatch, ExpertLayer, searched_ep_
 from plait.planner.cost.types import CHECKPOINT_POLICIES, HostSpec, ParallelDegrees
 from plait.planner.report import format_bytes
 from plait.planner.search.types import LayoutChoice, Machine, NoPlanFits, SearchSpace
-from plait.planner.search.layout import plan_homogeneous_below, plan_layout
+from plait.planner.search.layout import plan_layout_below, plan_layout
 from plait.planner.search.placement import ep_link, option_links, retime, search_placed
 from plait.planner.search.model import Costs, cost_list
 from plait.planner.search.monotone import OptionBounds, RankCosts, divisors, plan_over_divisors
@@ -196,7 +196,8 @@ def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatc
         if degrees.dp_shard > 1 and bounds.flat(degrees) >= to_beat:
             parts.discard("flat")
         staged = bounds.staged(degrees)
-        if staged < to_beat and to_beat < math.inf and degrees != _least_of(options, degrees.tp) and degrees.ep == 1:
+        if staged < to_beat and to_beat < math.inf and degrees.ep == 1 and (
+                seeded or degrees != _least_of(options, degrees.tp)):  # seeded: the floor costs less than the search
             staged = max(staged, floor_of(degrees.tp, to_beat))
         if staged >= to_beat:
             parts.discard("staged")
@@ -374,7 +375,7 @@ class _Job:
         def run(searched: Machine, degrees_dp: Sequence[int] | None, on: int) -> LayoutChoice:
             space = dataclasses.replace(self.space, dp_degrees=None if degrees_dp is None else tuple(degrees_dp))
             if beat < math.inf:  # None when nothing is faster (seeded: see _Job.seeded)
-                return plan_homogeneous_below(self.units, per_rank, on, microbatches=count, machine=searched,
+                return plan_layout_below(self.units, per_rank, on, microbatches=count, machine=searched,
                                               space=space, beat=beat)
             return self.layout_search(self.units, per_rank, on, microbatches=count, machine=searched, space=space)
 
@@ -391,10 +392,10 @@ class _Job:
 
     @property
     def seeded(self) -> bool:
-        """Whether a search may stop at a time to beat (``layout.plan_homogeneous_below``): ``plan_layout``'s plans,
-        no topology, no encoder replicas, 1F1B's schedules only (the chosen plan's simulated time is then its
+        """Whether a search may stop at a time to beat (``layout.plan_layout_below``): ``plan_layout``'s plans,
+        no topology, 1F1B's schedules only (the chosen plan's simulated time is then its
         planned one)."""
-        return (self.layout_search is plan_layout and self.machine.topology is None and not self.space.encoder_dp
+        return (self.layout_search is plan_layout and self.machine.topology is None
                 and set(self.space.schedules) == {"1f1b"})
 
 
