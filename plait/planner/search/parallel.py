@@ -9,7 +9,8 @@ options are taken in increasing lower bound (``monotone.work_bound``: one microb
 of the per-rank costs, ``search_degrees``) and the loop stops when the bound reaches the best time found; FSDP2's
 runtimes are skipped on their own bounds, and plans with stages of a TP degree on the best time of its
 least-checkpointed unsharded costs searched without the cap (more checkpointing and FSDP2 under stages only add time
-to the same plans). Ties go to less TP, then less sharding, then less checkpointing. ``SearchSpace.prefer_plain``
+to the same plans; that search stops at the time to beat, ``layout.plan_layout_below``, and then bounds the least
+option itself too). Ties go to less TP, then less sharding, then less checkpointing. ``SearchSpace.prefer_plain``
 restores keeping the plain plan whenever it fits.
 
 **Monotone in the device count** (``monotone.plan_over_divisors``): the plan for ``N`` devices is the fastest of that
