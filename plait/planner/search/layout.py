@@ -86,7 +86,7 @@ from plait.planner.pipeline.simulator import boundary_bytes_from_units, simulate
 from plait.planner.search.types import LayoutChoice, Machine, NoPlanFits, SearchSpace
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
-__all__ = ["evaluate_plan", "megatron_even_split", "plan_layout"]
+__all__ = ["evaluate_plan", "megatron_even_split", "plan_layout", "plan_layout_below"]
 
 
 # --------------------------------------------------------------------------------------------------

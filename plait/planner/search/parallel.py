@@ -86,7 +86,8 @@ LayoutSearch = Callable[..., LayoutChoice]
 SearchOne = Callable[[Sequence[UnitCost], int, float | None, ParallelDegrees, frozenset[str]], LayoutChoice]
 """One search under fixed degrees: ``(per-rank costs, devices / tp, memory cap left, degrees, parts) ->
 LayoutChoice``, ``parts`` naming FSDP2's runtimes searched with a shard degree above 1 (``"flat"``: without pipeline
-stages, ``"staged"``: with them); raises ``ValueError`` when nothing fits."""
+stages, ``"staged"``: with them); raises ``ValueError`` when nothing fits. ``plan_parallel``'s own also takes a
+keyword ``beat`` (seconds; ``layout.plan_layout_below``: None when nothing is faster)."""
 
 
 def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatches: int, search: SearchOne,
