@@ -120,14 +120,16 @@ def counts_tuple(model: SearchModel, layout: str, row: np.ndarray) -> tuple[int,
 
 
 def branch_and_bound(parts: Partitions, streams: list[Stream], p2p: P2PModel, link: P2PModel | None,
-                     rel_tol: float, budget: int = 10**9) -> tuple[Best, int, int]:
+                     rel_tol: float, budget: int = 10**9, beat: float = math.inf) -> tuple[Best, int, int]:
     """Branch and bound over the streams (module docstring); at most ``budget`` interleaved / attached
-    candidates are timed. Returns the best, the candidates considered and the candidates timed."""
+    candidates are timed. Returns the best, the candidates considered and the candidates timed. ``beat``: an
+    incumbent time (seconds) the search stops at as at a best found: the best is the same as without it whenever
+    it is faster than ``beat`` (the candidates are taken in the same order), else none or one not faster."""
     heap = [HeapEntry(float(s.bounds[0]), 0, index, False, index) for index, s in enumerate(streams) if len(s.bounds)]
     heapq.heapify(heap)
     seq = len(streams)
     best, considered, timed = Best(), 0, 0
-    while heap and heap[0].bound * (1 + rel_tol) < best.time:
+    while heap and heap[0].bound * (1 + rel_tol) < min(best.time, beat):
         entry = heapq.heappop(heap)
         stream = streams[entry.stream]
         if entry.refined:

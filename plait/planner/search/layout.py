@@ -86,7 +86,7 @@ from plait.planner.pipeline.simulator import boundary_bytes_from_units, simulate
 from plait.planner.search.types import LayoutChoice, Machine, NoPlanFits, SearchSpace
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
-__all__ = ["evaluate_plan", "megatron_even_split", "plan_layout"]
+__all__ = ["evaluate_plan", "megatron_even_split", "plan_layout", "plan_layout_below"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -220,9 +220,27 @@ def _replicated_best(units: Sequence[Unit], costs: Costs, devices: int, microbat
     return best, timed
 
 
+def plan_layout_below(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int, machine: Machine,
+                           space: SearchSpace, beat: float) -> LayoutChoice | None:
+    """``plan_layout`` with its searches stopped at ``beat`` seconds (the branch and bound's planning view, then the
+    encoder replicas' search, ``space.encoder_dp``): the same plan whenever its time is below ``beat``, else a plan
+    not faster or None. Only for 1F1B's schedules (``space.schedules``). Raises as ``plan_layout``."""
+    homogeneous = _plan_homogeneous(units, costs, devices, microbatches=microbatches, machine=machine, space=space,
+                                    beat=beat)
+    if not space.encoder_dp:
+        return homogeneous
+    dps = [d for d in _dp_candidates(devices, microbatches, space.dp_degrees) if d % machine.dp_shard == 0]
+    below = min(beat, homogeneous.iteration_s if homogeneous is not None and homogeneous.fits_memory else beat)
+    best, timed = _replicated_best(units, costs, devices, microbatches, machine, space, dps, below)
+    if best is None:
+        return homogeneous
+    return dataclasses.replace(best[0], method="plait", planned_iteration_s=best[1], candidates=timed, simulated=timed)
+
+
 def _plan_homogeneous(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int, machine: Machine,
-                      space: SearchSpace) -> LayoutChoice:
-    """``plan_layout`` over plans whose every stage runs on one rank per pipeline (every encoder degree 1)."""
+                      space: SearchSpace, beat: float = math.inf) -> LayoutChoice | None:
+    """``plan_layout`` over plans whose every stage runs on one rank per pipeline (every encoder degree 1); with
+    ``beat`` finite, None when no plan is faster (``plan_layout_below``)."""
     memory_cap, dp_link, dp_shard = machine.memory_cap, machine.dp_link, machine.dp_shard
     layouts, virtual_stages, frozen_aware = space.layouts, space.virtual_stages, space.frozen_aware
     _check_common(devices, microbatches, memory_cap, space.rel_tol)
@@ -246,12 +264,14 @@ def _plan_homogeneous(units: Sequence[Unit], costs: Costs, devices: int, *, micr
                     if (s := attached_stream(parts, d, devices, microbatches, p2p, v)) is not None]
     if space.in_bubble and model.encoders:
         streams += [s for d in dps if (s := in_bubble_stream(parts, d, devices, microbatches, p2p)) is not None]
-    best, considered, timed = branch_and_bound(parts, streams, p2p, dp_link, space.rel_tol, space.max_timed)
+    best, considered, timed = branch_and_bound(parts, streams, p2p, dp_link, space.rel_tol, space.max_timed, beat)
     timing = dataclasses.replace(machine, p2p=p2p)
     method = "plait" if frozen_aware else "frozen_unaware"
     single = _single_rank(model, units, costs, max(dps), (microbatches, devices, timing))
     if single is not None and (best.stages is None or single[0] < best.time):
         return dataclasses.replace(single[1], method=method, candidates=considered + 1, simulated=timed + 1)
+    if best.stages is None and beat < math.inf:
+        return None
     if best.stages is None:
         raise NoPlanFits(f"no layout fits: every candidate for {devices} devices exceeds memory_cap={memory_cap} "
                          "bytes (or has fewer pipeline ranks than modules)")

@@ -9,7 +9,8 @@ options are taken in increasing lower bound (``monotone.work_bound``: one microb
 of the per-rank costs, ``search_degrees``) and the loop stops when the bound reaches the best time found; FSDP2's
 runtimes are skipped on their own bounds, and plans with stages of a TP degree on the best time of its
 least-checkpointed unsharded costs searched without the cap (more checkpointing and FSDP2 under stages only add time
-to the same plans). Ties go to less TP, then less sharding, then less checkpointing. ``SearchSpace.prefer_plain``
+to the same plans; that search stops at the time to beat, ``layout.plan_layout_below``, and then bounds the least
+option itself too). Ties go to less TP, then less sharding, then less checkpointing. ``SearchSpace.prefer_plain``
 restores keeping the plain plan whenever it fits.
 
 **Monotone in the device count** (``monotone.plan_over_divisors``): the plan for ``N`` devices is the fastest of that
@@ -63,7 +64,7 @@ from plait.planner.cost.experts import ExpertDispatch, ExpertLayer, searched_ep_
 from plait.planner.cost.types import CHECKPOINT_POLICIES, HostSpec, ParallelDegrees
 from plait.planner.report import format_bytes
 from plait.planner.search.types import LayoutChoice, Machine, NoPlanFits, SearchSpace
-from plait.planner.search.layout import plan_layout
+from plait.planner.search.layout import plan_layout_below, plan_layout
 from plait.planner.search.placement import ep_link, option_links, retime, search_placed
 from plait.planner.search.model import Costs, cost_list
 from plait.planner.search.monotone import OptionBounds, RankCosts, divisors, plan_over_divisors
@@ -85,7 +86,8 @@ LayoutSearch = Callable[..., LayoutChoice]
 SearchOne = Callable[[Sequence[UnitCost], int, float | None, ParallelDegrees, frozenset[str]], LayoutChoice]
 """One search under fixed degrees: ``(per-rank costs, devices / tp, memory cap left, degrees, parts) ->
 LayoutChoice``, ``parts`` naming FSDP2's runtimes searched with a shard degree above 1 (``"flat"``: without pipeline
-stages, ``"staged"``: with them); raises ``ValueError`` when nothing fits."""
+stages, ``"staged"``: with them); raises ``ValueError`` when nothing fits. ``plan_parallel``'s own also takes a
+keyword ``beat`` (seconds; ``layout.plan_layout_below``: None when nothing is faster)."""
 
 
 def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatches: int, search: SearchOne,
@@ -124,7 +126,7 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
 def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatches: int, search: SearchOne,
                     options: Sequence[ParallelDegrees], machine: Machine, space: SearchSpace,
                     beat: float, experts: Sequence[ExpertLayer],
-                    rank_costs: RankCosts | None = None) -> LayoutChoice | None:
+                    rank_costs: RankCosts | None = None, seeded: bool = False) -> LayoutChoice | None:
     """``search_degrees`` keeping only plans faster than ``beat`` seconds: None when no option gives one (raises
     ``NoPlanFits`` only with ``beat`` infinite and nothing fitting). Options go in increasing
     ``monotone.work_bound`` and stop when it reaches the best time; FSDP2's two runtimes (without and with
@@ -132,7 +134,7 @@ def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatc
     with the all-gathers, with stages also the best time of the same TP degree's least-checkpointed unsharded costs
     searched without the memory cap (``_uncapped``; less its optimizer step when charged; not for EP options, whose
     smaller expert gradients synchronise faster). ``experts``: the MoE layers whose all-to-alls and imbalance EP
-    options pay (``cost.experts``)."""
+    options pay (``cost.experts``). ``seeded``: ``search`` takes a keyword ``beat`` (``_uncapped``)."""
     memory_cap, dtype, optimizer = machine.memory_cap, machine.dtype, machine.optimizer
     base, prefer_base = ParallelDegrees(checkpointing=space.base_checkpointing), space.prefer_plain
     true_units = consistent_units(units)
@@ -168,9 +170,9 @@ def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatc
     bounds = OptionBounds(true_units, whole, devices, microbatches, space, link, rank_costs)
     uncapped: dict[int, float] = {}
 
-    def floor_of(tp: int) -> float:  # the least time of any staged plan of this TP degree (_uncapped)
-        if tp not in uncapped:
-            uncapped[tp] = _uncapped(bounds, search, options, tp, machine)
+    def floor_of(tp: int, to_beat: float) -> float:  # at most the least time of any staged plan of TP degree tp
+        if tp not in uncapped:  # (_uncapped); to_beat only falls, so a floor found at least as large stays valid
+            uncapped[tp] = _uncapped(bounds, search, options, tp, machine, to_beat if seeded else math.inf)
         return uncapped[tp]
 
     def _least_need(degrees: ParallelDegrees) -> float:
@@ -196,8 +198,9 @@ def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatc
         if degrees.dp_shard > 1 and bounds.flat(degrees) >= to_beat:
             parts.discard("flat")
         staged = bounds.staged(degrees)
-        if staged < to_beat and to_beat < math.inf and degrees != _least_of(options, degrees.tp) and degrees.ep == 1:
-            staged = max(staged, floor_of(degrees.tp))
+        if staged < to_beat and to_beat < math.inf and degrees.ep == 1 and (
+                seeded or degrees != _least_of(options, degrees.tp)):  # seeded: the floor costs less than the search
+            staged = max(staged, floor_of(degrees.tp, to_beat))
         if staged >= to_beat:
             parts.discard("staged")
         if not parts:
@@ -232,20 +235,35 @@ def _least_of(options: Sequence[ParallelDegrees], tp: int) -> ParallelDegrees:
     return ParallelDegrees(tp, 1, least)
 
 
+SEED_MARGIN = 1e-6
+"""Relative margin of ``_uncapped``'s incumbent above the time to beat (planned and simulated times may differ in
+their last bits)."""
+
+
 def _uncapped(bounds: OptionBounds, search: SearchOne, options: Sequence[ParallelDegrees], tp: int,
-              machine: Machine) -> float:
+              machine: Machine, beat: float = math.inf) -> float:
     """The best time of TP degree ``tp``'s least-checkpointed unsharded costs searched without the memory cap, less
     the optimizer step of all their trainable bytes: below every plan with stages of that TP degree (more
     checkpointing only adds recomputation; FSDP2 with stages runs the same per-rank costs with less memory and a
-    shard's optimizer step), up to the layout search's own exactness. ``-inf`` when that search finds nothing."""
+    shard's optimizer step), up to the layout search's own exactness. ``-inf`` when that search finds nothing.
+    ``beat`` finite: only whether that time reaches ``beat`` matters, so the search (``search`` with keyword
+    ``beat``) stops at ``beat`` plus the step (``SEED_MARGIN`` above), and ``beat`` is returned when it finds
+    nothing faster."""
     degrees = _least_of(options, tp)
     per_rank = bounds.per_rank(degrees, **bounds.link(degrees))
+    trained = math.fsum(c.param_bytes * u.trained_fraction for u, c in zip(bounds.units, per_rank))
+    step = machine.overheads.update_s(trained)
     try:
-        choice = search(per_rank, bounds.devices // tp, None, degrees, BOTH)
+        if beat < math.inf:
+            choice = search(per_rank, bounds.devices // tp, None, degrees, BOTH,
+                            beat=(beat + step) * (1 + SEED_MARGIN))
+            if choice is None:
+                return beat
+        else:
+            choice = search(per_rank, bounds.devices // tp, None, degrees, BOTH)
     except ValueError:
         return -math.inf
-    trained = math.fsum(c.param_bytes * u.trained_fraction for u, c in zip(bounds.units, per_rank))
-    return choice.iteration_s - machine.overheads.update_s(trained)
+    return choice.iteration_s - step
 
 
 def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int,
@@ -352,16 +370,20 @@ class _Job:
         ``optimizer``, ``overheads``, ``dp_shard``) and ``dp_degrees``. With ``machine.topology`` set, the links
         follow where each plan's ranks sit (``placement.search_placed``; ``degrees``: the option's TP degree and
         the FSDP2 shard degree of its rank layout) and the result records its rank order."""
-        dps = changes.pop("dp_degrees")
+        dps, beat = changes.pop("dp_degrees"), changes.pop("beat", math.inf)
         count = self.microbatches if microbatches is None else microbatches
         machine = dataclasses.replace(self.machine, **changes)
 
         def run(searched: Machine, degrees_dp: Sequence[int] | None, on: int) -> LayoutChoice:
             space = dataclasses.replace(self.space, dp_degrees=None if degrees_dp is None else tuple(degrees_dp))
+            if beat < math.inf:  # None when nothing is faster (seeded: see _Job.seeded)
+                return plan_layout_below(self.units, per_rank, on, microbatches=count, machine=searched,
+                                              space=space, beat=beat)
             return self.layout_search(self.units, per_rank, on, microbatches=count, machine=searched, space=space)
 
         if machine.topology is None:
             return run(machine, dps, devices)
+        assert beat == math.inf, "a seeded search runs without a topology (_Job.seeded)"
 
         def time_again(choice: LayoutChoice, placed: Machine) -> LayoutChoice:
             return retime(choice, self.units, per_rank, machine=placed, microbatches=count, devices=devices)
@@ -369,6 +391,14 @@ class _Job:
         # only plan_layout's plans may leave ranks idle (plan_filling_layout's fill them)
         return search_placed(run, time_again, machine, dps, devices=devices, microbatches=count, degrees=degrees,
                              idle_ranks=self.layout_search is plan_layout)
+
+    @property
+    def seeded(self) -> bool:
+        """Whether a search may stop at a time to beat (``layout.plan_layout_below``): ``plan_layout``'s plans,
+        no topology, 1F1B's schedules only (the chosen plan's simulated time is then its
+        planned one)."""
+        return (self.layout_search is plan_layout and self.machine.topology is None
+                and set(self.space.schedules) == {"1f1b"})
 
 
 def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees], beat: float,
@@ -382,14 +412,15 @@ def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees], 
     machine, space, microbatches = job.machine, job.space, job.microbatches
 
     def one(per_rank: Sequence[UnitCost], pipe_devices: int, cap: float | None, degrees: ParallelDegrees,
-            parts: frozenset[str] = BOTH) -> LayoutChoice:
+            parts: frozenset[str] = BOTH, beat: float = math.inf) -> LayoutChoice | None:
         dps = None if space.dp_degrees is None else [d for d in space.dp_degrees if d <= pipe_devices] or [1]
         if degrees.ep > 1:  # EP splits the DP ranks of a stage: DP degrees it divides, a microbatch per DP rank
             dps = [d for d in (dps or divisors(pipe_devices)) if d % degrees.ep == 0 and d <= microbatches]
             if not dps:
                 raise ValueError(f"ep {degrees.ep} divides no DP degree searched (at most {microbatches} microbatches)")
         if degrees.dp_shard == 1:
-            return job.search(per_rank, pipe_devices, degrees=degrees, memory_cap=cap, dp_degrees=dps)
+            seed = dict(beat=beat) if beat < math.inf else {}  # only when job.seeded
+            return job.search(per_rank, pipe_devices, degrees=degrees, memory_cap=cap, dp_degrees=dps, **seed)
 
         def flat(flat_dps: list[int]) -> LayoutChoice:  # every device a DP rank: FSDP2 per microbatch, the buffer
             def run(flat_cap: float | None) -> LayoutChoice:
@@ -417,7 +448,7 @@ def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees], 
                                                        "(parallel.offload = 'cpu')"))
     try:
         found = _search_degrees(job.units, costs, job.devices, microbatches, one, options, machine, space, beat,
-                                job.experts, job.rank_costs)
+                                job.experts, job.rank_costs, job.seeded)
     except ValueError as exc:
         if machine.host is None or machine.memory_cap is None:
             raise
