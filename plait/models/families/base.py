@@ -25,6 +25,7 @@ from plait.data.processing import PerFrame
 __all__ = ["EncoderFamily", "VisionFamily", "AudioFamily", "EncoderLayout", "VisionFeatureCount",
            "AudioFeatureCount", "EncoderInputCheck", "AUDIO_CONV_STRIDE", "audio_window", "vision_arch_fields",
            "config_field", "positive_field", "ATTN_MLP_PLAN", "WHISPER_PLAN", "ATTN_MLP_LORA", "checked_clip_samples",
+           "MelWindow",
            "TextStackCausalLM", "register_causal_lm"]
 
 
@@ -98,6 +99,20 @@ class VisionFeatureCount:
         if h < self.patch_size or w < self.patch_size:
             raise ValueError(f"image of {h}x{w} pixels is smaller than one {self.patch_size}-pixel patch")
         return (h // self.patch_size) * (w // self.patch_size) + self.cls_tokens
+
+
+class MelWindow:
+    """The mel-frame window of a Whisper-style audio feature count (a dataclass with ``hop_length``: samples per mel
+    frame, and ``max_positions``: ``max_source_positions``, half the window's frames)."""
+
+    @property
+    def max_samples(self) -> int:
+        """Longest clip in samples: the window of ``2 * max_positions`` mel frames."""
+        return 2 * self.max_positions * self.hop_length
+
+    def frames(self, num_samples: int) -> int:
+        """Mel frames that cover the clip (``ceil(n / hop_length)``)."""
+        return math.ceil(int(num_samples) / self.hop_length)
 
 
 def checked_clip_samples(num_samples: int, max_samples: int, sampling_rate: int) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers.masking_utils import create_bidirectional_mask
 
-from plait.models.families.base import WHISPER_PLAN, AudioFamily, EncoderLayout, checked_clip_samples
+from plait.models.families.base import WHISPER_PLAN, AudioFamily, EncoderLayout, MelWindow, checked_clip_samples
 
 __all__ = ["FAMILY", "MODEL_TYPES", "ENCODER_CLASS", "Qwen2AudioFeatureCount", "qwen2_audio_attention_mask"]
 
@@ -28,7 +28,7 @@ ENCODER_CLASS = "transformers.models.qwen2_audio.modeling_qwen2_audio.Qwen2Audio
 
 
 @dataclass(frozen=True)
-class Qwen2AudioFeatureCount:
+class Qwen2AudioFeatureCount(MelWindow):
     """Features (LLM tokens) the Qwen2-Audio encoder gives a clip of ``n`` samples, after plait's optional pooling.
 
     Mel frames ``f = ceil(n / hop_length)`` (the feature extractor's attention mask); the stride-2 ``conv2`` gives
@@ -46,15 +46,6 @@ class Qwen2AudioFeatureCount:
     downsample: int
     max_positions: int
     sampling_rate: int
-
-    @property
-    def max_samples(self) -> int:
-        """Longest clip in samples: the window of ``2 * max_positions`` mel frames."""
-        return 2 * self.max_positions * self.hop_length
-
-    def frames(self, num_samples: int) -> int:
-        """Mel frames that cover the clip (``ceil(n / hop_length)``)."""
-        return math.ceil(int(num_samples) / self.hop_length)
 
     def conv_positions(self, num_samples: int) -> int:
         """Encoder positions after ``conv2`` that cover the clip (the unmasked attention keys)."""

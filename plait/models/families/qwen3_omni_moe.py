@@ -24,7 +24,6 @@ LLM: :class:`Qwen3OmniMoeTextForCausalLM` (MoE decoder layers: ``mlp.experts`` w
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +34,8 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (Qwen3Omn
                                                                          _get_feat_extract_output_lengths,
                                                                          get_audio_cu_seqlens, get_valid_indices)
 
-from plait.models.families.base import (EncoderLayout, TextStackCausalLM, checked_clip_samples, positive_field,
-                                        register_causal_lm)
+from plait.models.families.base import (EncoderLayout, MelWindow, TextStackCausalLM, checked_clip_samples,
+                                        positive_field, register_causal_lm)
 from plait.models.families.qwen2_5_omni import (POSITION_ID_PER_SECONDS, SECONDS_PER_CHUNK, OmniAudioCall,
                                                 OmniTemporalPatches, Qwen25OmniAudioFamily)
 from plait.models.families.qwen3_vl import Qwen3VLFamily
@@ -80,7 +79,7 @@ class Qwen3OmniMoeTextForCausalLM(TextStackCausalLM, Qwen3MoeForCausalLM):
 
 
 @dataclass(frozen=True)
-class Qwen3OmniAudioFeatureCount:
+class Qwen3OmniAudioFeatureCount(MelWindow):
     """Features (LLM tokens) the Qwen3-Omni audio tower gives a clip of ``n`` samples: ``audio_token_count`` of its
     ``ceil(n / hop_length)`` mel frames.
 
@@ -95,15 +94,6 @@ class Qwen3OmniAudioFeatureCount:
     n_window: int
     max_positions: int
     sampling_rate: int
-
-    @property
-    def max_samples(self) -> int:
-        """Longest clip in samples: the window of ``2 * max_positions`` mel frames."""
-        return 2 * self.max_positions * self.hop_length
-
-    def frames(self, num_samples: int) -> int:
-        """Mel frames that cover the clip (``ceil(n / hop_length)``)."""
-        return math.ceil(int(num_samples) / self.hop_length)
 
     def __call__(self, num_samples: int) -> int:
         """Features (tokens) for a clip of ``num_samples`` samples.
