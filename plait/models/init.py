@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Collection, Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -390,7 +391,6 @@ class WeightSource:
                         initialised_summary(weights, other="tensor"))
         return missing
 
-
     def _fused_experts(self, tensor: torch.Tensor, names: Sequence[str]) -> bool:
         """Fill a MoE layer's fused expert weight (``...experts.gate_up_proj`` ``[E, 2I, H]``, ``...experts.down_proj``
         ``[E, H, I]``) from the per-expert tensors ``save_pretrained`` writes (``...experts.<e>.gate_proj.weight``,
@@ -406,17 +406,14 @@ class WeightSource:
             return False
         base = name[: -len(fused)]
         parts = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
-        rows = []
-        for e in range(tensor.shape[0]):
-            hits = [self.locate([f"{base}{e}.{part}.weight"]) for part in parts]
-            if any(h is None for h in hits):
-                return False
-            pieces = []
-            for file, key in hits:  # type: ignore[misc]
-                with safe_open(file, framework="pt") as f:
-                    pieces.append(f.get_tensor(key))
-            rows.append(torch.cat(pieces, dim=0))
-        value = torch.stack(rows)
+        hits = [[self.locate([f"{base}{e}.{part}.weight"]) for part in parts] for e in range(tensor.shape[0])]
+        if any(h is None for expert in hits for h in expert):
+            return False
+        with ExitStack() as stack:  # each shard file opened once for all of the layer's experts
+            files = {file: stack.enter_context(safe_open(file, framework="pt"))
+                     for expert in hits for file, _ in expert}
+            value = torch.stack([torch.cat([files[file].get_tensor(key) for file, key in expert], dim=0)
+                                 for expert in hits])
         if value.shape != tensor.shape:
             raise ValueError(f"the stored experts of {base.rstrip('.')} make {tuple(value.shape)}, the model's {name} "
                              f"{tuple(tensor.shape)}")
