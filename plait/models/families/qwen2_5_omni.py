@@ -236,12 +236,17 @@ class Qwen25OmniAudioFamily(AudioFamily):
         if torch.device(device or "cpu").type != "meta":
             return {"input_features": feats, "feature_lens": lens.to(device)}
         with torch.device("cpu"):
-            chunks = lens.clone()
-            pre = {"chunk_lengths": chunks, "valid_indices": get_valid_indices(chunks),
-                   "pool_indices": get_pool_indices(lens), "cu_seqlens": get_audio_cu_seqlens(chunks)}
-        pre = {k: v if k == "cu_seqlens" else v.to(device) for k, v in pre.items()}  # the layers read cu_seqlens
+            pre = self.meta_indices(config, lens, device)
         pre["padded_feature"] = feats[None]
         return {"input_features": feats, "feature_lens": lens, **pre}
+
+    def meta_indices(self, config: Any, lens: torch.Tensor, device: torch.device | str | None) -> dict[str, Any]:
+        """The index tensors the tower's forward builds from ``lens`` (``[clips]`` mel frames, on the CPU), for a
+        forward on the meta device: each on ``device`` but ``cu_seqlens``, which the layers read on the CPU."""
+        chunks = lens.clone()
+        pre = {"chunk_lengths": chunks, "valid_indices": get_valid_indices(chunks),
+               "pool_indices": get_pool_indices(lens), "cu_seqlens": get_audio_cu_seqlens(chunks)}
+        return {k: v if k == "cu_seqlens" else v.to(device) for k, v in pre.items()}
 
     def arch_fields(self, config: Any) -> dict[str, Any]:
         """Whisper's facts with the stride-2 output pool and sinusoidal positions (no table); an item is the 30-s

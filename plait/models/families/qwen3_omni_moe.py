@@ -161,23 +161,13 @@ class Qwen3OmniMoeAudioFamily(Qwen25OmniAudioFamily):
         cfg = encoder.config
         return Qwen3OmniAudioFeatureCount(hop_length, int(cfg.n_window), int(cfg.max_source_positions), sampling_rate)
 
-    def dummy_input(self, config: Any, dtype: torch.dtype, device: torch.device | str | None) -> dict[str, Any]:
-        """One clip of one chunk (``2 n_window`` frames); on the meta device the tower's index tensors are passed
-        precomputed (built on the CPU: its forward reads their values)."""
-        frames = 2 * int(config.n_window)
-        feats = torch.zeros(int(config.num_mel_bins), frames, dtype=dtype, device=device)
-        with torch.device("cpu"):
-            lens = torch.tensor([frames])
-        if torch.device(device or "cpu").type != "meta":
-            return {"input_features": feats, "feature_lens": lens.to(device)}
-        with torch.device("cpu"):
-            chunks = lens.clone()
-            cu = get_audio_cu_seqlens(chunks, lens, int(config.n_window_infer), int(config.n_window))
-            pre = {"chunk_lengths": chunks, "valid_indices": get_valid_indices(chunks, int(config.n_window)),
-                   "cu_seqlens": cu, "max_seqlen": int((cu[1:] - cu[:-1]).max())}
-        pre = {k: v.to(device) if k in ("valid_indices",) else v for k, v in pre.items()}
-        pre["padded_feature"] = feats[None]
-        return {"input_features": feats, "feature_lens": lens, **pre}
+    def meta_indices(self, config: Any, lens: torch.Tensor, device: torch.device | str | None) -> dict[str, Any]:
+        """The Qwen3-Omni tower's index tensors for a meta-device forward (its chunks of ``2 n_window`` frames,
+        windows of ``n_window_infer``): ``valid_indices`` on ``device``, the rest on the CPU."""
+        chunks = lens.clone()
+        cu = get_audio_cu_seqlens(chunks, lens, int(config.n_window_infer), int(config.n_window))
+        return {"chunk_lengths": chunks, "valid_indices": get_valid_indices(chunks, int(config.n_window)).to(device),
+                "cu_seqlens": cu, "max_seqlen": int((cu[1:] - cu[:-1]).max())}
 
     def arch_fields(self, config: Any) -> dict[str, Any]:
         """Whisper's layer facts (``d_model``, heads, ``encoder_ffn_dim``) with sinusoidal positions (no table); an
