@@ -4,6 +4,11 @@ that branch (:func:`replica_inputs`, cost-balanced by :func:`plait.planner.pipel
 each item's input size); the first LLM stage concatenates the replicas' projected features in replica order, which
 is item order (:func:`merge_replica_features`), so the feature placement sees exactly the features one stage would
 have sent, and autograd splits their gradient back per replica.
+
+A tensor-parallel encoder stage (``Stage.tensor_parallel``: its copies one TP group) runs every item on every copy;
+only the leader's features travel into the first LLM stage (:func:`sent_payload`: the others send an empty
+payload), and the first LLM stage sends the gradient of the leader's features to every copy
+(:func:`gradient_source`), so each TP rank back-propagates the same output gradient through its shards.
 """
 
 from __future__ import annotations
@@ -14,8 +19,11 @@ from typing import Any
 import torch
 
 from plait.planner.pipeline.replicas import plan_replica_rows
+from plait.planner.pipeline.types import PipelinePlan
 
-__all__ = ["merge_replica_features", "replica_inputs"]
+Payload = dict[str, list[torch.Tensor]]  # per module, its tensors (plait.parallel.stages.Payload)
+
+__all__ = ["gradient_source", "merge_replica_features", "replica_inputs", "sent_payload"]
 
 
 def replica_inputs(inputs: Mapping[str, Any] | None, branch: str, replica: int,
@@ -60,3 +68,19 @@ def merge_replica_features(received: Sequence[Mapping[str, list[torch.Tensor]]])
             elif tensors:
                 out[module] = [torch.cat([out[module][0], tensors[0]])] if out[module] else list(tensors)
     return out
+
+
+def sent_payload(plan: PipelinePlan, sender: int, receiver: int, payload: Payload) -> Payload:
+    """What stage ``sender`` sends to stage ``receiver`` after its forward: ``payload`` itself, or, from a
+    follower copy of a tensor-parallel encoder stage (``Stage.tp_follower``) to an LLM stage, an empty list per
+    module (the leader's identical features are the ones used)."""
+    if plan.stages[sender].tp_follower and plan.stages[receiver].is_llm:
+        return {module: [] for module in payload}
+    return payload
+
+
+def gradient_source(plan: PipelinePlan, sender: int, receiver: int) -> int:
+    """Whose received features' gradient LLM stage ``receiver`` sends back to predecessor ``sender``: the
+    leader's (the copy 0 of its tensor-parallel group) for a follower copy, ``sender`` itself otherwise."""
+    stage = plan.stages[sender]
+    return stage.first_replica if stage.tp_follower and plan.stages[receiver].is_llm else sender

@@ -319,7 +319,8 @@ class PipelineStage:
         The last stage returns ``{"llm": [sum of token cross-entropies]}``. ``batch`` None (a microbatch with
         no sample in this stage's view, possible with deferred encoder outputs) gives an empty list per module.
         A replica of a replicated encoder stage runs its slice of the branch's items only
-        (:func:`~plait.parallel.encoder_rows.replica_inputs`); an LLM stage concatenates the features of a
+        (:func:`~plait.parallel.encoder_rows.replica_inputs`; a copy of a tensor-parallel stage runs them all); an
+        LLM stage concatenates the features of a
         replicated branch's replicas in replica order (:func:`~plait.parallel.encoder_rows.merge_replica_features`).
         """
         if batch is None:
@@ -334,7 +335,7 @@ class PipelineStage:
                     out[module] = chunk.forward(inputs.get(LLM_MODULE, []), features, batch, loss_fn, llm_kwargs)
                 else:
                     items = replica_inputs(batch.modality_inputs.get(module), module, self.stage.replica,
-                                           self.stage.replicas)
+                                           self.stage.row_share)
                     out[module] = chunk.forward(inputs.get(module), items)
         return out
 

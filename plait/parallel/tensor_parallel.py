@@ -50,6 +50,7 @@ __all__ = [
     "align_gradients",
     "apply_job_tensor_parallel",
     "apply_tensor_parallel",
+    "branch_tp_plan",
     "check_max_norm",
     "check_tp_heads",
     "clip_by_square_sum_",
@@ -108,10 +109,22 @@ def model_tp_plan(model: MultimodalModel) -> dict[str, str]:
     if tied:  # one parameter, possibly on two pipeline ranks: replicated, like the rest of the embedding unit
         for path in (layout.embed, layout.head):
             plan.pop(f"language_model.{path}", None)
-    for name, branch in model.encoders.items():
-        plan.update({f"encoders.{name}.encoder.{k}": v for k, v in encoder_tp_plan(branch.encoder).items()})
-        if getattr(branch.projector, "kind", None) == "mlp":  # pruned (nn.Identity) on other pipeline ranks
-            plan.update({f"encoders.{name}.projector.{k}": v for k, v in PROJECTOR_TP_PLAN.items()})
+    for name in model.encoders:
+        plan.update(branch_tp_plan(model, name))
+    return plan
+
+
+def branch_tp_plan(model: MultimodalModel, name: str) -> dict[str, str]:
+    """The plan of encoder branch ``name`` of the composite (paths relative to ``model``): its tower's
+    (:func:`~plait.models.hf.encoder_tp_plan`) and, for an MLP projector, :data:`PROJECTOR_TP_PLAN`.
+
+    Raises:
+        ValueError: when the tower's family has no TP plan.
+    """
+    branch = model.encoders[name]
+    plan = {f"encoders.{name}.encoder.{k}": v for k, v in encoder_tp_plan(branch.encoder).items()}
+    if getattr(branch.projector, "kind", None) == "mlp":  # pruned (nn.Identity) on other pipeline ranks
+        plan.update({f"encoders.{name}.projector.{k}": v for k, v in PROJECTOR_TP_PLAN.items()})
     return plan
 
 
@@ -158,7 +171,7 @@ def concrete_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-def _check_divisible(model: nn.Module, plan: Mapping[str, str], tp: int) -> None:
+def _check_divisible(model: nn.Module, plan: Mapping[str, str], tp: int, field: str = "parallel.tp") -> None:
     """Refuse a degree that does not divide the heads of an attention module the plan splits."""
     for name, style in plan.items():
         short = name.rsplit(".", 1)[-1]
@@ -172,7 +185,7 @@ def _check_divisible(model: nn.Module, plan: Mapping[str, str], tp: int) -> None
         layer = model.get_submodule(name)
         width = (layer.base_layer if _is_lora(layer) else layer).out_features
         if isinstance(head_dim, int) and width % (head_dim * tp):
-            raise ValueError(f"parallel.tp={tp} does not divide the {width // head_dim} heads of {name} "
+            raise ValueError(f"{field}={tp} does not divide the {width // head_dim} heads of {name} "
                              f"(each TP rank needs whole heads)")
 
 
@@ -194,22 +207,26 @@ def _divide_heads(model: nn.Module, plan: Mapping[str, str], tp: int) -> None:
                 setattr(attention, attr, value // tp)
 
 
-def check_tp_heads(model: MultimodalModel, tp: int) -> None:
+def check_tp_heads(model: MultimodalModel, tp: int, branch: str | None = None) -> None:
     """Refuse a TP degree ``model`` cannot be split by, before any process is launched (the check
-    :func:`apply_tensor_parallel` runs; ``model`` may be on the meta device).
+    :func:`apply_tensor_parallel` runs; ``model`` may be on the meta device). ``branch``: check only that encoder
+    branch's plan (:func:`branch_tp_plan`, its own degree ``parallel.pp.encoder_tp``).
 
     Raises:
-        ValueError: when a family of the model has no TP plan, or ``tp`` does not divide the heads of a split
-            attention module (naming it).
+        ValueError: when a family of the model (of the branch) has no TP plan, or ``tp`` does not divide the heads
+            of a split attention module (naming it, and ``parallel.pp.encoder_tp.<branch>`` for a branch).
     """
-    _check_divisible(model, concrete_plan(model, model_tp_plan(model)), tp)
+    plan = model_tp_plan(model) if branch is None else branch_tp_plan(model, branch)
+    _check_divisible(model, concrete_plan(model, plan), tp,
+                     "parallel.tp" if branch is None else f"parallel.pp.encoder_tp.{branch}")
 
 
-def apply_tensor_parallel(model: MultimodalModel, mesh: Any) -> dict[str, str]:
-    """Split ``model``'s modules over the 1-D TP DeviceMesh ``mesh`` in place (:func:`model_tp_plan` matched to
-    the modules this rank holds). Call after the weights are materialised, identical on every TP rank (the same
-    seed or checkpoint): each rank keeps its slice, nothing is communicated. Frozen parameters stay frozen.
-    Returns the applied plan (concrete module name -> style name).
+def apply_tensor_parallel(model: MultimodalModel, mesh: Any, branch: str | None = None) -> dict[str, str]:
+    """Split ``model``'s modules over the 1-D TP DeviceMesh ``mesh`` in place (:func:`model_tp_plan`, or with
+    ``branch`` only that encoder branch's :func:`branch_tp_plan`, matched to the modules this rank holds). Call
+    after the weights are materialised, identical on every TP rank (the same seed or checkpoint): each rank keeps
+    its slice, nothing is communicated. Frozen parameters stay frozen. Returns the applied plan (concrete module
+    name -> style name).
 
     Raises:
         ValueError: when the mesh is not 1-D, a family has no plan, the degree does not divide the heads of a split
@@ -218,8 +235,8 @@ def apply_tensor_parallel(model: MultimodalModel, mesh: Any) -> dict[str, str]:
     if mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel needs the 1-D TP mesh, got a {mesh.ndim}-D mesh")
     tp = mesh.size()
-    plan = concrete_plan(model, model_tp_plan(model))
-    _check_divisible(model, plan, tp)
+    plan = concrete_plan(model, model_tp_plan(model) if branch is None else branch_tp_plan(model, branch))
+    _check_divisible(model, plan, tp, "parallel.tp" if branch is None else f"parallel.pp.encoder_tp.{branch}")
     styles = {name: _torch_style(style, name) for name, style in plan.items()}
     parallelize_module(model, mesh, styles, src_data_rank=None)
     _divide_heads(model, plan, tp)

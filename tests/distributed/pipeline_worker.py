@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from plait.attention.interface import use_plait_attention
 from plait.attention.masks import MaskInfo, block_work
@@ -28,6 +29,7 @@ from plait.parallel.pipeline import (
     pipeline_comm_from_mesh,
     run_pipeline_step,
 )
+from plait.parallel.pipeline.encoder_tp import apply_encoder_tensor_parallel
 from plait.parallel.stages import build_rank_stages
 from plait.planner.pipeline.plan import plan_pipeline
 from plait.planner.pipeline.schedules import build_schedule
@@ -119,6 +121,7 @@ class Case:
     options: dict = field(default_factory=dict)
     instrument: bool = False
     replicas: dict = field(default_factory=dict)  # encoder branch -> its replicated stages (plan_pipeline)
+    tensor_parallel: dict = field(default_factory=dict)  # encoder branch -> its stages' TP degree (plan_pipeline)
 
 
 ENC_PAR = dict(layout="encoder_parallel", stages_per_module={"vision": 2, "audio": 1, "llm": 2}, ranks=(0, 1, 0, 1, 0))
@@ -194,6 +197,13 @@ CASES_REPLICAS = (
          stages_per_module={"vision": 1, "audio": 1, "llm": 2}, ranks=(1, 0, 1, 0, 1), replicas={"vision": 2},
          schedule="1f1b", mode="all", steps=(("iva", "i", "a", "t"), ("t", "i", "ia", "a"), ("i", "t", "i", "iva")),
          tied=True, clip=0.5),
+    # vision's stage as a TP group of 2 on ranks 0 and 1 (weights split by SigLIP's TP plan, every image on both)
+    Case("tp-own-1f1b-all-clip", layout="encoder_parallel", stages_per_module={"vision": 1, "audio": 1, "llm": 2},
+         ranks=(0, 1, 2, 2, 3), tensor_parallel={"vision": 2}, schedule="1f1b", mode="all", steps=STEPS, clip=0.5),
+    # frozen tower, trainable (split) MLP projector, frozen LLM
+    Case("tp-own-gpipe-projectors", layout="encoder_parallel", stages_per_module={"vision": 1, "audio": 1, "llm": 2},
+         ranks=(0, 1, 2, 2, 3), tensor_parallel={"vision": 2}, schedule="gpipe", mode="projectors", steps=STEPS,
+         clip=0.5, instrument=True),
 )
 
 
@@ -225,10 +235,11 @@ def _check_grads(stages, ref: MultimodalModel, where: str) -> list[str]:
                 raise AssertionError(f"{where}: {name} grad None mismatch (pipeline {param.grad is None})")
             continue
         scale = float(expected.abs().max())
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad  # a TP encoder's shard
         if scale < 1e-7 * largest:
-            assert float(param.grad.abs().max()) < 1e-6 * largest, f"{where}: {name} should be ~0"
+            assert float(grad.abs().max()) < 1e-6 * largest, f"{where}: {name} should be ~0"
         else:
-            torch.testing.assert_close(param.grad, expected, rtol=RTOL, atol=RTOL * scale,
+            torch.testing.assert_close(grad, expected, rtol=RTOL, atol=RTOL * scale,
                                        msg=lambda text: f"{where}: {name}\n{text}")
         names.append(name)
     return names
@@ -246,13 +257,18 @@ def run_case(case: Case, world: int) -> None:
     model = apply_mode(tiny_model(case.tied), case.mode)
     ref = copy.deepcopy(model)
     plan = plan_pipeline(model_units(model), case.layout, stages_per_module=case.stages_per_module, ranks=case.ranks,
-                         replicas=case.replicas)
+                         replicas=case.replicas, tensor_parallel=case.tensor_parallel)
     stages = build_rank_stages(model, plan, comm.pp_rank)
+    applied = apply_encoder_tensor_parallel(stages, comm)
+    assert bool(applied) == any(plan.stages[s].tensor_parallel for s in stages.stages), applied
     m = len(case.steps[0]) // comm.dp_size
     schedule = build_schedule(plan, case.schedule, m, **case.options)
     params = [p for _, p in stages.trainable_parameters()]
-    opt = torch.optim.AdamW(params, lr=1e-2) if params else None
-    ref_opt = torch.optim.AdamW([p for _, p in ref.trainable_parameters()], lr=1e-2)
+    # a TP encoder sums its row-split products in another order: SGD there, for the reason run_cp_case gives
+    make = (lambda ps: torch.optim.SGD(ps, lr=0.5)) if case.tensor_parallel else (
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    opt = make(params) if params else None
+    ref_opt = make([p for _, p in ref.trainable_parameters()])
     covered: set[str] = set()
     needed: set[str] = set()
     for step, kinds in enumerate(case.steps):

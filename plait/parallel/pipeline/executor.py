@@ -42,6 +42,7 @@ import torch
 
 from plait.data.collate import Batch
 from plait.parallel.deferral import FeatureBuffer, split_feature_grad
+from plait.parallel.encoder_rows import gradient_source, sent_payload
 from plait.parallel.energy import FrequencyController
 from plait.parallel.fsdp import ShardedModel
 from plait.parallel.pipeline.comm import PipelineComm
@@ -194,7 +195,7 @@ class Executor:
         if stage.is_last and out["llm"]:
             self.losses.append(out["llm"][0].detach())
         for t in self.plan.successors(s):
-            self._give(("F", s, t, m), out)
+            self._give(("F", s, t, m), sent_payload(self.plan, s, t, out))  # a TP follower: nothing into the LLM
         self.events.append(TimelineEvent(self.comm.pp_rank, "F", s, m, start, time.time(), self.mhz))
 
     def _route_features(self, j: int, received: dict[int, Any]) -> dict[int, Any]:
@@ -260,8 +261,8 @@ class Executor:
         self.backwards[s] += int(ran)
         if action.kind == "B":
             for p in self.plan.predecessors(s):
-                if self.plan.stages[p].runs_backward:
-                    self._give(("B", s, p, m), _input_grad_payload(record.inputs[p]))
+                if self.plan.stages[p].runs_backward:  # a TP follower gets the gradient of its leader's features
+                    self._give(("B", s, p, m), _input_grad_payload(record.inputs[gradient_source(self.plan, p, s)]))
         if frees_activations(self.plan, action, self.schedule.split_backward):
             del self.records[(s, m)]
         self.events.append(TimelineEvent(self.comm.pp_rank, action.kind, s, m, start, time.time(), self.mhz))

@@ -21,10 +21,11 @@ __all__ = ["reduce_replica_gradients", "replica_copies", "replicated_parameters"
 
 
 def replicated_parameters(stages: Any) -> dict[int, list[nn.Parameter]]:
-    """Per replicated stage this rank runs (by the index of its replica 0): its trainable parameters."""
+    """Per replicated stage this rank runs (by the index of its replica 0): its trainable parameters (not those of a
+    tensor-parallel stage's copies: each holds its own shards, summed over the DP x CP copies like any stage's)."""
     out: dict[int, list[nn.Parameter]] = {}
     for index, stage in stages.stages.items():
-        if stage.stage.replicas > 1:
+        if stage.stage.replicas > 1 and not stage.stage.tensor_parallel:  # a TP group holds shards, not copies
             params = [p for p in stage.params if p.requires_grad]
             if params:
                 out[stage.stage.first_replica] = params
@@ -48,7 +49,7 @@ def _replica_groups(plan: PipelinePlan, comm: PipelineComm) -> dict[int, Any]:
     for tp, ranks in pipelines:
         if tuple(ranks) not in by_tp.setdefault(tp, []):
             by_tp[tp].append(tuple(ranks))
-    firsts = sorted({s.first_replica for s in plan.stages if s.replicas > 1})
+    firsts = sorted({s.first_replica for s in plan.stages if s.replicas > 1 and not s.tensor_parallel})
     me, mine = dist.get_rank(), {}
     for first in firsts:
         pp = [plan.stages[i].rank for i in plan.replica_group(first)]
@@ -64,7 +65,7 @@ def reduce_replica_gradients(stages: Any, comm: PipelineComm) -> None:
     """Sum the gradients of this rank's replicated stages over their replicas and DP x CP copies (module
     docstring). Collective over the job the first time a plan needs groups (every rank calls it with the same
     plan), then over each stage's group."""
-    if not comm.distributed or not stages.plan.replicated:
+    if not comm.distributed or not any(s.replicas > 1 and not s.tensor_parallel for s in stages.plan.stages):
         return
     groups = _replica_groups(stages.plan, comm)
     for first, params in replicated_parameters(stages).items():

@@ -39,6 +39,7 @@ def plan_pipeline(
     ranks: Sequence[int] | None = None,
     num_microbatches: int = 1,
     replicas: Mapping[str, int] | None = None,
+    tensor_parallel: Mapping[str, int] | None = None,
 ) -> PipelinePlan:
     """Partition ``units`` into pipeline stages and connect them as ``layout`` says.
 
@@ -61,6 +62,9 @@ def plan_pipeline(
             every stage of that branch becomes ``r`` replica stages (consecutive indices, ``Stage.replica``
             ``0..r-1``), each on its own rank, each taking ``1/r`` of the branch's rows of every microbatch.
             ``ranks`` then counts every replica stage.
+        tensor_parallel: per encoder module of an ``encoder_parallel`` plan, its tensor-parallel degree ``t``
+            (default 1): every stage of that branch becomes ``t`` copies (``Stage.tensor_parallel``, consecutive
+            indices, each on its own rank) forming one TP group; not with ``replicas`` above 1 on the same module.
 
     Returns:
         A validated ``PipelinePlan``.
@@ -70,22 +74,30 @@ def plan_pipeline(
             modules in ``stages_per_module``/``splits``, a module given both, a stage count that is < 1 or
             exceeds the module's units, boundaries that are unknown, repeated, out of order or at the
             module's first unit, unequal colocated encoder chunk counts, a wrong-length ``ranks``, a stage
-            starting at a ``Unit.joined`` unit, ``replicas`` naming the LLM, an unknown module or a degree below 1,
-            or given with ``encoders_colocated``, and every ``PipelinePlan`` validation error.
+            starting at a ``Unit.joined`` unit, ``replicas`` or ``tensor_parallel`` naming the LLM, an unknown
+            module or a degree below 1, or given with ``encoders_colocated``, a module with both above 1, and every
+            ``PipelinePlan`` validation error.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     by_module = _group_units(units)
     chunks = _chunk_modules(by_module, dict(stages_per_module or {}), dict(splits or {}))
     groups = _arrange_stages(layout, chunks)
-    degrees = _check_replicas(layout, by_module, dict(replicas or {}))
-    copies = [(group, k, degrees.get(group[0][0].module, 1)) for group in groups
+    degrees = _check_replicas(layout, by_module, dict(replicas or {}), "replicas")
+    tp = _check_replicas(layout, by_module, dict(tensor_parallel or {}), "tensor_parallel")
+    both = sorted(m for m in degrees if degrees[m] > 1 and tp.get(m, 1) > 1)
+    if both:
+        raise ValueError(f"module(s) {both}: an encoder branch has either data-parallel replicas or a tensor-parallel "
+                         "group, not both")
+    degrees.update((m, t) for m, t in tp.items() if t > 1)
+    copies = [(group, k, degrees.get(group[0][0].module, 1), tp.get(group[0][0].module, 1) > 1) for group in groups
               for k in range(degrees.get(group[0][0].module, 1))]
     if ranks is None:
         ranks = range(len(copies))
     if len(ranks) != len(copies):
         raise ValueError(f"ranks has {len(ranks)} entries but the plan has {len(copies)} stages")
-    stages = tuple(_make_stage(i, group, int(r), k, n) for i, ((group, k, n), r) in enumerate(zip(copies, ranks)))
+    stages = tuple(_make_stage(i, group, int(r), k, n, split) for i, ((group, k, n, split), r)
+                   in enumerate(zip(copies, ranks)))
     plan = PipelinePlan(layout=layout, stages=stages, num_microbatches=num_microbatches)
     check_plan_units(plan, units)
     _check_joined(plan, units)
@@ -279,20 +291,23 @@ def _arrange_stages(layout: str, chunks: Mapping[str, list[list[Unit]]]) -> list
     return groups
 
 
-def _check_replicas(layout: str, by_module: Mapping[str, list[Unit]], replicas: dict[str, int]) -> dict[str, int]:
-    """``plan_pipeline``'s ``replicas``, checked: encoder modules of an encoder_parallel plan, degrees >= 1."""
+def _check_replicas(layout: str, by_module: Mapping[str, list[Unit]], replicas: dict[str, int],
+                    name: str) -> dict[str, int]:
+    """``plan_pipeline``'s ``replicas`` or ``tensor_parallel`` (``name``), checked: encoder modules of an
+    encoder_parallel plan, degrees >= 1."""
     for module, degree in replicas.items():
         if module == LLM_MODULE or module not in by_module:
             encoders = [m for m in by_module if m != LLM_MODULE]
-            raise ValueError(f"replicas[{module!r}]: only encoder modules may be replicated; they are {encoders}")
+            raise ValueError(f"{name}[{module!r}]: only encoder modules may be copied; they are {encoders}")
         if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
-            raise ValueError(f"replicas[{module!r}] must be an integer >= 1, got {degree!r}")
+            raise ValueError(f"{name}[{module!r}] must be an integer >= 1, got {degree!r}")
         if degree > 1 and layout != "encoder_parallel":
-            raise ValueError(f"replicas[{module!r}] = {degree} needs the encoder_parallel layout, got {layout!r}")
+            raise ValueError(f"{name}[{module!r}] = {degree} needs the encoder_parallel layout, got {layout!r}")
     return replicas
 
 
-def _make_stage(index: int, group: list[list[Unit]], rank: int, replica: int = 0, replicas: int = 1) -> Stage:
+def _make_stage(index: int, group: list[list[Unit]], rank: int, replica: int = 0, replicas: int = 1,
+                tensor_parallel: bool = False) -> Stage:
     return Stage(
         index=index,
         modules=tuple(chunk[0].module for chunk in group),
@@ -303,6 +318,7 @@ def _make_stage(index: int, group: list[list[Unit]], rank: int, replica: int = 0
         module_unit_counts=tuple(len(chunk) for chunk in group),
         replica=replica,
         replicas=replicas,
+        tensor_parallel=tensor_parallel,
     )
 
 

@@ -51,11 +51,16 @@ class Stage(JsonDataclass):
         replicas: how many copies of the stage run side by side (an encoder branch's own data-parallel
             degree): ``replicas`` stages with identical units and flags, consecutive indices, each on its own
             rank, each taking an equal share of every microbatch's rows of its branch. 1: not replicated.
+        tensor_parallel: the ``replicas`` copies are one tensor-parallel group instead (an encoder branch's own
+            TP degree, ``[parallel.pp] encoder_tp``): each holds ``1/replicas`` of the stage's split weights (the
+            family's encoder TP plan) and runs every row of the branch; copy 0 (the leader) sends the features
+            into the first LLM stage, the others send an empty payload there and receive the leader's gradient
+            (Megatron-LM's tensor parallelism, Shoeybi et al. 2019, section 3, inside one encoder stage).
 
     Raises:
         ValueError: on a negative index or rank, empty/duplicate modules, no units, unit counts that do
             not match ``modules`` and ``units``, ``replicas`` below 1, ``replica`` outside ``0..replicas-1``,
-            or a replicated LLM stage.
+            a replicated LLM stage, or ``tensor_parallel`` on a stage with one copy.
     """
 
     index: int
@@ -67,6 +72,7 @@ class Stage(JsonDataclass):
     module_unit_counts: tuple[int, ...] = ()
     replica: int = 0
     replicas: int = 1
+    tensor_parallel: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "modules", tuple(self.modules))
@@ -90,6 +96,20 @@ class Stage(JsonDataclass):
                              f"replica={self.replica}, replicas={self.replicas}")
         if self.replicas > 1 and LLM_MODULE in self.modules:
             raise ValueError(f"{where}: replicas={self.replicas}, but only encoder stages may be replicated")
+        if self.tensor_parallel and self.replicas < 2:
+            raise ValueError(f"{where}: tensor_parallel needs a group of replicas >= 2 copies, got {self.replicas}")
+
+    @property
+    def tp_follower(self) -> bool:
+        """True for a copy other than the leader (copy 0) of a tensor-parallel encoder stage: it sends no
+        features into the LLM (``tensor_parallel``)."""
+        return self.tensor_parallel and self.replica > 0
+
+    @property
+    def row_share(self) -> int:
+        """Into how many shares the stage's rows of every microbatch are cut: ``replicas`` for data-parallel
+        replicas, 1 for a tensor-parallel group (every copy runs every row)."""
+        return 1 if self.tensor_parallel else self.replicas
 
     @property
     def runs_backward(self) -> bool:
@@ -247,8 +267,13 @@ class PipelinePlan(JsonDataclass):
 
     @property
     def replicated(self) -> bool:
-        """True when some stage has ``replicas > 1``."""
+        """True when some stage has ``replicas > 1`` (data-parallel replicas or a tensor-parallel group)."""
         return any(s.replicas > 1 for s in self.stages)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """True when some encoder stage runs as a tensor-parallel group (``Stage.tensor_parallel``)."""
+        return any(s.tensor_parallel for s in self.stages)
 
     def stage_of_unit(self, name: str) -> int:
         """Index of the stage that runs unit ``name`` (replica 0 of a replicated stage).
@@ -309,10 +334,10 @@ def _validate_replica(layout: str, stages: Sequence[Stage], stage: Stage) -> Non
     ranks = [s.rank for s in group]
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"{where}: the replicas of a stage need distinct ranks, got {ranks}")
-    branch = [s.replicas for s in stages if s.modules == stage.modules]
-    if len(set(branch)) != 1:
-        raise ValueError(f"{where}: every stage of encoder {stage.modules[0]!r} needs the same replicas, got "
-                         f"{sorted(set(branch))}")
+    branch = {(s.replicas, s.tensor_parallel) for s in stages if s.modules == stage.modules}
+    if len(branch) != 1:
+        raise ValueError(f"{where}: every stage of encoder {stage.modules[0]!r} needs the same replicas and "
+                         f"tensor_parallel, got {sorted(branch)}")
 
 
 def _validate_module_order(layout: str, stages: Sequence[Stage]) -> None:
