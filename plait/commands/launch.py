@@ -83,7 +83,7 @@ def check_launch(cfg, nproc: int, kills: Sequence[tuple[int, int]] = (),
 
     Raises:
         ValueError: naming the setting: ``parallel.tp`` or ``parallel.cp`` above 1 (no tensor or context
-            parallelism inside the pipelines), ``parallel.pp.encoder_dp`` above 1 (no replicated encoder stages),
+            parallelism inside the pipelines), ``parallel.pp.encoder_dp`` or ``encoder_tp`` above 1 (no replicated or TP encoder stages),
             ``parallel.dp_shard`` not dividing ``nproc`` or together with ``--rejoin`` or several nodes
             (:func:`_check_sharding`); a ``--kill``, ``--stop`` or ``--rejoin`` of a worker id outside ``0..nproc-1`` (naming the valid
             ids), a ``--kill-node`` of a node outside ``0..nnodes-1``, or any of them at a step past the job's last
@@ -101,10 +101,11 @@ def check_launch(cfg, nproc: int, kills: Sequence[tuple[int, int]] = (),
                              f"runs no {kind} parallelism inside them: a failure would have to re-split {split} "
                              "over the survivors, which its reconfiguration does not do; set "
                              f"--parallel.{name}=1, or train with plait train under torchrun (not resilient)")
-    replicated = {b: d for b, d in p.pp.encoder_dp.items() if d > 1}
-    if replicated:
-        raise ValueError(f"parallel.pp.encoder_dp = {replicated}: plait launch plans its own pipelines, with no "
-                         "replicated encoder stages; drop it, or train with plait train under torchrun (not resilient)")
+    for name, what in (("encoder_dp", "replicated"), ("encoder_tp", "tensor-parallel")):
+        copied = {b: d for b, d in getattr(p.pp, name).items() if d > 1}
+        if copied:
+            raise ValueError(f"parallel.pp.{name} = {copied}: plait launch plans its own pipelines, with no {what} "
+                             "encoder stages; drop it, or train with plait train under torchrun (not resilient)")
     _check_sharding(p.dp_shard, nproc, nnodes, rejoins)
     for flag, pairs, count, what in (("--kill", kills, nproc, "worker"), ("--rejoin", rejoins, nproc, "worker"),
                                      ("--stop", stops, nproc, "worker"), ("--kill-node", node_kills, nnodes, "node")):

@@ -15,7 +15,7 @@ from typing import Any
 
 from plait.config.schema import (DATA_FORMATS, DataConfig, EncoderConfig, JobConfig, LoraConfig, PipelineConfig,
                                  check_checkpointing)
-from plait.config.encoder_dp import replica_note, validate_encoder_dp
+from plait.config.encoder_dp import branch_copies, check_branch_names, copy_kwargs, replica_note, validate_encoder_dp
 from plait.planner.cost.topology import RANK_ORDERS
 from plait.planner.microbatch import METHODS
 from plait.planner.pipeline.plan import stage_ranks
@@ -442,7 +442,7 @@ def pipeline_stage_counts(pp: PipelineConfig, encoders: typing.Sequence[str]) ->
     encoder stage takes one (encoder stages count once per chunk position when colocated; none with
     ``pp.attach_encoders``: they share the first LLM rank) and the LLM ``stages / pp.virtual_stages``; the total
     is ``pp.degree``. A module with explicit boundaries in ``pp.splits`` has ``len(boundaries) + 1`` stages. A branch
-    replicated by ``pp.encoder_dp`` takes ``encoder_dp[branch]`` ranks per stage.
+    replicated by ``pp.encoder_dp`` (split by ``pp.encoder_tp``) takes that many ranks per stage.
 
     Raises:
         ValueError: for an unknown module (in ``pp.stages`` or ``pp.encoder_dp``), bad ``pp.splits`` (``_split_counts``), a count below 1, colocated
@@ -460,16 +460,14 @@ def pipeline_stage_counts(pp: PipelineConfig, encoders: typing.Sequence[str]) ->
     for module, count in stages.items():
         _check(isinstance(count, int) and not isinstance(count, bool) and count >= 1,
                f"parallel.pp.stages.{module} must be an integer >= 1, got {count!r}")
-    unknown = sorted(set(pp.encoder_dp) - set(encoders))
-    _check(not unknown, f"parallel.pp.encoder_dp names unknown encoder branch(es) {unknown}; the model's are "
-           f"{list(encoders)}")
+    check_branch_names(pp, encoders)
     counts = _encoder_counts(pp, encoders, stages)
     encoder_stages = _encoder_stage_total(pp, counts)
     encoder_ranks = 0 if pp.attach_encoders or pp.encoders_in_bubble else encoder_stages
     v = pp.virtual_stages
     llm = stages.get(LLM_MODULE, v * (pp.degree - encoder_ranks))
     _check(llm >= 1, f"parallel.pp: the encoders take {encoder_stages} of parallel.pp.degree={pp.degree} stages "
-           f"(parallel.pp.encoder_dp replicas included), leaving none for the LLM")
+           f"(parallel.pp.encoder_dp / encoder_tp copies included), leaving none for the LLM")
     _check(llm % v == 0, f"parallel.pp: the LLM has {llm} stages, not a multiple of parallel.pp.virtual_stages={v} "
            "(LLM stages per LLM rank)")
     _check(v == 1 or llm // v >= 2, f"parallel.pp.virtual_stages={v} needs at least 2 LLM ranks (LLM stage j runs on "
@@ -506,7 +504,7 @@ def _encoder_stage_total(pp: PipelineConfig, counts: dict[str, int]) -> int:
     ``encoder_dp`` replicas), or the shared count when colocated."""
     if pp.layout == "encoders_colocated":
         return max(counts.values(), default=0)
-    return sum(c * pp.encoder_dp.get(m, 1) for m, c in counts.items())
+    return sum(c * branch_copies(pp, m) for m, c in counts.items())
 
 
 def _split_counts(pp: PipelineConfig, known: typing.Sequence[str]) -> dict[str, Any]:
@@ -535,8 +533,8 @@ def pipeline_plan_kwargs(pp: PipelineConfig, encoders: typing.Sequence[str]) -> 
     cut evenly, :func:`pipeline_stage_counts`), ``splits`` (explicit boundaries of the others) and ``ranks`` (the
     pipeline rank of each stage, :func:`plait.planner.pipeline.plan.stage_ranks`: the placement the layout search
     uses for the same ``virtual_stages`` and ``attach_encoders``; a V under ``schedule = "zb_v"``; the encoders on
-    the last LLM ranks with ``encoders_in_bubble``; every replica of a branch's stage counted) and ``replicas``
-    (``pp.encoder_dp`` above 1).
+    the last LLM ranks with ``encoders_in_bubble``; every replica of a branch's stage counted), ``replicas``
+    (``pp.encoder_dp`` above 1) and ``tensor_parallel`` (``pp.encoder_tp`` above 1).
 
     Raises:
         ValueError: as :func:`pipeline_stage_counts`.
@@ -547,7 +545,7 @@ def pipeline_plan_kwargs(pp: PipelineConfig, encoders: typing.Sequence[str]) -> 
                         pp.attach_encoders, v_shape=pp.schedule == "zb_v", in_bubble=pp.encoders_in_bubble)
     return {"stages_per_module": {m: c for m, c in counts.items() if m not in pp.splits},
             "splits": {m: list(names) for m, names in pp.splits.items()}, "ranks": list(ranks),
-            "replicas": {m: d for m, d in pp.encoder_dp.items() if d > 1}}
+            **copy_kwargs(pp)}
 
 
 def _known_encoders(encoders: typing.Mapping[str, EncoderConfig]) -> str:

@@ -317,6 +317,15 @@ class PipelineConfig:
     replicas (and the pipelines' DP copies). Each stage of a branch then takes ``encoder_dp[branch]`` ranks of
     ``degree``. Branches not named: 1. ``encoder_parallel`` layout only; not with ``attach_encoders``,
     ``virtual_stages`` > 1, ``parallel.dp_shard`` > 1 or ``plait launch``; the step plans no deferred samples."""
+    encoder_tp: dict[str, int] = field(default_factory=dict)
+    """Tensor-parallel degree of an encoder branch inside each pipeline, e.g. ``{vision = 2}``: every stage of that
+    branch runs on that many pipeline ranks of its own as one TP group (its tower's attention heads and MLPs, and
+    an MLP projector, split by the family's encoder TP plan), each running every item of the branch; the group's
+    first rank sends the features to the first LLM stage, whose gradient reaches every rank of the group. Each
+    stage of a branch then takes ``encoder_tp[branch]`` ranks of ``degree``. Branches not named: 1. The degree
+    must divide the tower's heads; ``encoder_parallel`` layout only; not with ``encoder_dp`` above 1 on the same
+    branch, ``attach_encoders``, ``encoders_in_bubble``, ``virtual_stages`` > 1, ``parallel.tp`` > 1,
+    ``parallel.dp_shard`` > 1 or ``plait launch``; the step plans no deferred samples."""
 
 
 @dataclass

@@ -7,6 +7,8 @@ trainer (:func:`parallelize`):
    forwards and leaves the module tree alone, so TP's hooks and FSDP2's groups see the same names;
 3. prune to this rank's stages (a pipeline rank only, :func:`~plait.parallel.stages.build_rank_stages`);
 4. tensor parallelism (:func:`~plait.parallel.tensor_parallel.apply_job_tensor_parallel`): DTensor parameters;
+   a pipeline's tensor-parallel encoder stages (``parallel.pp.encoder_tp``) over their own TP groups
+   (:func:`~plait.parallel.pipeline.encoder_tp.apply_encoder_tensor_parallel`);
    expert parallelism (:func:`~plait.parallel.expert_parallel.apply_expert_parallel`): the MoE experts split over
    the EP group, DTensors FSDP2 then leaves alone;
 5. FSDP2 over ``dp x dp_shard`` (:func:`~plait.parallel.fsdp.apply_fsdp`; HSDP when ``dp`` > 1): after
@@ -36,6 +38,7 @@ from plait.parallel.grad_sync import (BucketSync, ExpertSync, GradientSync, Loca
                                       SumSync, TensorParallelSync)
 from plait.parallel.process_group import DistInfo
 from plait.parallel.pipeline import PipelineComm
+from plait.parallel.pipeline.encoder_tp import apply_encoder_tensor_parallel
 from plait.parallel.stages import RankStages, build_rank_stages
 from plait.parallel.tensor_parallel import RankTensorParallel, apply_job_tensor_parallel
 from plait.planner.pipeline.types import PipelinePlan
@@ -101,6 +104,7 @@ def parallelize(model: MultimodalModel, cfg: JobConfig, dims: ParallelDims, mesh
     stages = None
     if pipeline is not None:
         stages = build_rank_stages(model, pipeline.plan, pipeline.comm.pp_rank, info.device)
+        apply_encoder_tensor_parallel(stages, pipeline.comm, info.device.type)  # parallel.pp.encoder_tp
     tp = apply_job_tensor_parallel(model, dims, mesh, info.rank, info.device.type)
     experts = apply_expert_parallel(model, dims, info.rank, info.device)
     sharded = None

@@ -100,8 +100,8 @@ def _check_expressed(pp: PipelineConfig, plan: PipelinePlan, units: Sequence[Uni
     """
     encoders = list(dict.fromkeys(u.module for u in units if u.module != LLM_MODULE))
     rebuilt = plan_pipeline(units, pp.layout, **pipeline_plan_kwargs(pp, encoders))
-    got = [(s.modules, s.units, s.rank, s.replica, s.replicas) for s in rebuilt.stages]
-    want = [(s.modules, s.units, s.rank, s.replica, s.replicas) for s in plan.stages]
+    got = [(s.modules, s.units, s.rank, s.replica, s.replicas, s.tensor_parallel) for s in rebuilt.stages]
+    want = [(s.modules, s.units, s.rank, s.replica, s.replicas, s.tensor_parallel) for s in plan.stages]
     if got != want:
         where = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
         raise ValueError(f"[parallel.pp] cannot express the chosen plan: stage {where} would be "

@@ -88,24 +88,29 @@ def metadata_cache_dir(cfg: JobConfig) -> Path | None:
     return Path(value) if value else default_cache_dir()
 
 
-def check_tp_degree(cfg: JobConfig) -> None:
-    """Refuse ``parallel.tp`` when the job's model cannot be split that way (:func:`check_tp_heads` on the model
-    composed on the meta device: no weights loaded), so a layout error never suggests a launch that would fail on
-    every rank. Does nothing for ``parallel.tp`` = 1.
+def check_tp_degree(cfg: JobConfig, encoders_only: bool = False) -> None:
+    """Refuse ``parallel.tp`` (and each ``parallel.pp.encoder_tp`` degree above 1: that branch's plan) when the job's
+    model cannot be split that way (:func:`check_tp_heads` on the model composed on the meta device: no weights
+    loaded), so a layout error never suggests a launch that would fail on every rank. Does nothing for
+    ``parallel.tp`` = 1 without encoder TP. ``encoders_only``: check the ``encoder_tp`` degrees only.
 
     Raises:
-        ValueError: naming the module whose heads ``parallel.tp`` does not divide, and saying no launch helps.
+        ValueError: naming the module whose heads the degree does not divide (or the family without a TP plan), the
+            field, and saying no launch helps.
     """
-    tp = cfg.parallel.tp
-    if tp == 1:
+    tp = 1 if encoders_only else cfg.parallel.tp
+    split = {b: t for b, t in cfg.parallel.pp.encoder_tp.items() if t > 1} if cfg.parallel.pp.degree > 1 else {}
+    if tp == 1 and not split:
         return
     model = build_model(cfg.model, load_tokenizer(tokenizer_dir(cfg.data, cfg.model), cfg.data.chat_template),
                         device="meta")
-    try:
-        check_tp_heads(model, tp)
-    except ValueError as exc:
-        raise ValueError(f"{exc}: parallel.tp={tp} cannot work for this model with any number of processes; "
-                         "pick a degree that divides its heads") from None
+    for branch, degree, field in ([(None, tp, "parallel.tp")] if tp > 1 else []) + [
+            (b, t, f"parallel.pp.encoder_tp.{b}") for b, t in split.items()]:
+        try:
+            check_tp_heads(model, degree, branch)
+        except ValueError as exc:
+            raise ValueError(f"{exc}: {field}={degree} cannot work for this model with any number of processes; "
+                             "pick a degree that divides its heads (of a family with a TP plan)") from None
 
 
 def check_item_attention(model: Any, mask: str) -> None:

@@ -51,7 +51,7 @@ from plait.parallel.energy import build_energy_runtime
 from plait.parallel.pipeline import gather_timeline, run_pipeline_step
 from plait.planner.microbatch import MicrobatchPlan
 from plait.planner.pipeline.plan import plan_pipeline
-from plait.planner.pipeline.types import PipelinePlan, TimelineEvent
+from plait.planner.pipeline.types import PipelinePlan, Stage, TimelineEvent
 from plait.planner.pipeline.schedule_ir import Schedule
 from plait.planner.pipeline.schedules import build_schedule
 from plait.train.evaluation import EvalSide
@@ -96,10 +96,16 @@ def check_pipeline_microbatches(cfg: JobConfig, dp: int, samples: int) -> None:
 
 
 def describe_stages(plan: PipelinePlan) -> str:
-    """Per stage its modules, unit count and pipeline rank (and which replica of a replicated encoder stage it is),
-    as the setup line and checkpoints record them."""
+    """Per stage its modules, unit count and pipeline rank (and which replica of a replicated encoder stage, or which
+    TP rank of a tensor-parallel one, it is), as the setup line and checkpoints record them."""
     return "; ".join(f"{s.index}: {'+'.join(s.modules)} ({len(s.units)} units, rank {s.rank}"
-                     f"{f', replica {s.replica + 1} of {s.replicas}' if s.replicas > 1 else ''})" for s in plan.stages)
+                     f"{f', {_copy_noun(s)} {s.replica + 1} of {s.replicas}' if s.replicas > 1 else ''})"
+                     for s in plan.stages)
+
+
+def _copy_noun(stage: Stage) -> str:
+    """``"TP rank"`` for a copy of a tensor-parallel encoder stage, ``"replica"`` for a data-parallel one."""
+    return "TP rank" if stage.tensor_parallel else "replica"
 
 
 class PipelineRunner:

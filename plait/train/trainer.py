@@ -168,6 +168,7 @@ class Trainer:
         except ValueError:
             check_tp_degree(cfg)  # a degree the model cannot take: say so rather than suggest a launch
             raise
+        check_tp_degree(cfg, encoders_only=True)  # each rank refuses an encoder_tp its branch cannot take, up front
         return cls(cfg, build_trainer_parts(cfg, info, meta=cls.materializes_own_units))
 
     @staticmethod
@@ -258,12 +259,12 @@ class Trainer:
         Plan entries are positions in ``indices``. Returns the plan and the per-sample costs it balanced.
         Deferral (a sample's LLM work in a later microbatch than its encoder work) is allowed: this trainer
         buffers encoder outputs as detached leaves, the pipeline runtime on the first LLM stage
-        (:class:`~plait.planner.microbatch.routing.FeatureRouting`); not with replicated encoder stages
-        (``parallel.pp.encoder_dp``).
+        (:class:`~plait.planner.microbatch.routing.FeatureRouting`); not with replicated or tensor-parallel encoder
+        stages (``parallel.pp.encoder_dp``, ``encoder_tp``).
         """
         per_rank = -(-len(indices) // self.dp)
         pp = self.cfg.parallel.pp  # replicated encoder stages split each microbatch's own items: no deferral
-        defer = pp.degree == 1 or not any(d > 1 for d in pp.encoder_dp.values())
+        defer = pp.degree == 1 or not any(d > 1 for d in (*pp.encoder_dp.values(), *pp.encoder_tp.values()))
         return plan_global_batch(self.cfg, [self.train_set.sample_meta(i) for i in indices], self.cost_coeffs,
                                  self.dp, self._num_microbatches(per_rank), self.step if step is None else step,
                                  allow_deferral=defer)

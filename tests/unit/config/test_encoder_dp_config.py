@@ -54,10 +54,10 @@ def test_encoder_dp_one_is_the_plain_plan():
      r"parallel.pp.encoder_dp names unknown encoder branch\(es\) \['vison'\]"),
     ({"pp": {"degree": 4, "encoder_dp": {"vision": 0}}}, r"parallel.pp.encoder_dp.vision must be an integer >= 1"),
     ({"pp": {"degree": 4, "encoder_dp": {"llm": 2}}}, r"parallel.pp.encoder_dp.llm: the LLM's data-parallel degree"),
-    ({"pp": {"degree": 3, "encoder_dp": {"vision": 2}}}, r"encoder_dp replicas included\), leaving none for the LLM"),
+    ({"pp": {"degree": 3, "encoder_dp": {"vision": 2}}}, r"encoder_dp / encoder_tp copies included\), leaving none for the LLM"),
     ({"pp": {"degree": 5, "stages": {"llm": 1}, "encoder_dp": {"vision": 2}}},
      r"parallel.pp.stages give 4 stages \(\{'vision': 1, 'audio': 1, 'llm': 1\}, layout encoder_parallel; "
-     r"parallel.pp.encoder_dp = \{'vision': 2\} replicas included: \{'vision': 2, 'audio': 1, 'llm': 1\}\) but "
+     r"parallel.pp.encoder_dp = \{'vision': 2\} copies included: \{'vision': 2, 'audio': 1, 'llm': 1\}\) but "
      r"parallel.pp.degree is 5"),
     ({"pp": {"degree": 5, "encoder_dp": {"vision": 3}}},
      r"parallel.pp.encoder_dp.vision = 3 is larger than train.microbatch_size = 2"),
