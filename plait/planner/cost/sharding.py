@@ -72,14 +72,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from plait.planner.cost.analytic import trained_params, unit_activation_bytes, unit_static_bytes
 from plait.planner.cost.experts import ExpertDispatch, expert_parallel_costs
 from plait.planner.cost.types import ActionOverheads, GradAccumulation, OptimizerSpec, ParallelDegrees, RankMemory
 from plait.planner.cost.recompute import checkpointed_costs, plan_checkpointing
-from plait.planner.pipeline.types import P2PModel
+from plait.planner.pipeline.types import P2PModel, PipelinePlan
 from plait.planner.types import Unit, UnitCost
 
 __all__ = [
@@ -93,6 +93,7 @@ __all__ = [
     "rank_memory",
     "shard_buffer_bytes",
     "shard_costs",
+    "tensor_parallel_unit_costs",
     "tp_allreduce_s",
     "unsharded_grad_bytes",
 ]
@@ -141,6 +142,30 @@ def _tp_cost(unit: Unit, cost: UnitCost, tp: int, link: P2PModel | None, routed:
         weight_grad_s=split(cost.weight_grad_s), param_bytes=math.ceil((cost.param_bytes - experts) / tp) + experts,
         activation_bytes=int(round(whole + (cost.activation_bytes - whole) / tp)),
         recompute_s=split(cost.recompute_s))
+
+
+def tensor_parallel_unit_costs(plan: PipelinePlan, units: Sequence[Unit], costs: Mapping[str, UnitCost],
+                               link: P2PModel | None) -> dict[str, UnitCost]:
+    """``costs`` (unit name -> one rank's whole-unit cost) with the units of every tensor-parallel encoder stage of
+    ``plan`` (``Stage.tensor_parallel``: ``[parallel.pp] encoder_tp``, ``t = Stage.replicas`` ranks) as each of its
+    ``t`` ranks runs them, by the TP rule of the module docstring: a layer's passes, parameters and split
+    activations divided by ``t``, two all-reduces of its output bytes on ``link`` added to its forward and two to
+    its input gradient (ring all-reduce, :func:`tp_allreduce_s`); embeddings, norms and the projector whole. Every
+    rank of the group runs every row, so the simulator does not divide these costs by ``t`` again
+    (``Stage.row_share``). Units of other stages keep their costs.
+
+    Raises:
+        ValueError: when a unit of a TP stage has no cost.
+    """
+    by_name = {u.name: u for u in units}
+    out = dict(costs)
+    for stage in plan.stages:
+        if stage.tensor_parallel and not stage.replica:
+            for name in stage.units:
+                if name not in costs or name not in by_name:
+                    raise ValueError(f"stage {stage.index}: unit {name!r} has no Unit or no UnitCost")
+                out[name] = _tp_cost(by_name[name], costs[name], stage.replicas, link)
+    return out
 
 
 def _ep_cost(cost: UnitCost, ep: int) -> UnitCost:

@@ -298,7 +298,8 @@ def _check_replicas(layout: str, by_module: Mapping[str, list[Unit]], replicas: 
     for module, degree in replicas.items():
         if module == LLM_MODULE or module not in by_module:
             encoders = [m for m in by_module if m != LLM_MODULE]
-            raise ValueError(f"{name}[{module!r}]: only encoder modules may be copied; they are {encoders}")
+            verb = "replicated" if name == "replicas" else "split"
+            raise ValueError(f"{name}[{module!r}]: only encoder modules may be {verb}; they are {encoders}")
         if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
             raise ValueError(f"{name}[{module!r}] must be an integer >= 1, got {degree!r}")
         if degree > 1 and layout != "encoder_parallel":

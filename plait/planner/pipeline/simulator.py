@@ -409,7 +409,9 @@ def stage_costs_from_units(
     ``W`` runs the whole backward (``plait.parallel.pipeline.split_backward``), so ``B`` is 0 and ``W`` all of it.
     A checkpointed unit (``UnitCost.recompute_s``, ``planner.recompute``) adds its recomputation to ``B``, and split
     also to ``W`` (once, where ``W`` is the whole backward). A replica of a replicated encoder stage
-    (``Stage.replicas`` ``r``) runs ``1/r`` of the branch's rows, so its costs are divided by ``r``.
+    (``Stage.replicas`` ``r``) runs ``1/r`` of the branch's rows, so its costs are divided by ``r``; a copy of a
+    tensor-parallel encoder stage runs every row (``Stage.row_share`` 1) at the per-rank costs the caller gives
+    (``cost.sharding.tensor_parallel_unit_costs``: its layers divided by ``t``, their all-reduces added).
 
     Raises:
         ValueError: when a unit of the plan has no cost or is not in ``units``.
@@ -427,7 +429,7 @@ def stage_costs_from_units(
                 cost.recompute_s if unit.runs_backward else 0.0)  # checkpointed: forward again (planner.recompute)
             dw += cost.weight_grad_s * unit.trained_fraction if unit.trainable else 0.0  # LoRA: the adapters' share
             again += cost.recompute_s if unit.trainable else 0.0
-        f, dx, dw, again = (x / stage.replicas for x in (f, dx, dw, again))
+        f, dx, dw, again = (x / stage.row_share for x in (f, dx, dw, again))
         out[(stage.index, "F")] = f
         if not split_backward:
             out[(stage.index, "B")], out[(stage.index, "W")] = dx + dw, dw
@@ -441,7 +443,9 @@ def stage_costs_from_units(
 def boundary_bytes_from_units(plan: PipelinePlan, unit_costs: Mapping[str, UnitCost]) -> dict[int, int]:
     """``{stage: bytes}`` sent across each stage boundary: the ``output_bytes`` of the stage's last unit
     (of each module chunk, summed, for a colocated encoder stage); a replica of a replicated encoder stage sends
-    its ``1/replicas`` share of the rows (rounded up).
+    its ``1/replicas`` share of the rows (rounded up); a copy of a tensor-parallel stage all of them (its output
+    gradient comes back whole; a follower's features into the LLM are an empty message, sent beside the
+    leader's, so timing them as the leader's changes no arrival).
 
     Raises:
         ValueError: when a boundary unit has no cost.
@@ -452,5 +456,5 @@ def boundary_bytes_from_units(plan: PipelinePlan, unit_costs: Mapping[str, UnitC
         missing = [n for n in lasts if n not in unit_costs]
         if missing:
             raise ValueError(f"stage {stage.index}: no UnitCost for boundary unit(s) {missing}")
-        out[stage.index] = -(-sum(unit_costs[n].output_bytes for n in lasts) // stage.replicas)
+        out[stage.index] = -(-sum(unit_costs[n].output_bytes for n in lasts) // stage.row_share)
     return out

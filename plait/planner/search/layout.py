@@ -63,6 +63,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from plait.planner.cost.analytic import unit_activation_bytes, unit_static_bytes
+from plait.planner.cost.sharding import tensor_parallel_unit_costs
 from plait.planner.cost.types import OptimizerSpec
 from plait.planner.pipeline.graph import consistent_units
 from plait.planner.pipeline.plan import check_plan_units, plan_pipeline, stage_ranks
@@ -409,7 +410,9 @@ def evaluate_plan(
     a ``schedules.SCHEDULE_NAMES`` entry; default ``"interleaved_1f1b"`` when
     ``schedules_interleaved.runs_interleaved``, else ``"1f1b"``) with ``ceil(microbatches / dp)`` microbatches, plus the gradient all-reduce of
     each rank's trainable parameters over ``dp`` replicas (after the flush; the slowest rank's); a replicated encoder
-    stage's (``Stage.replicas`` ``r``) over its ``r x dp`` copies, its optimizer step on its whole gradient.
+    stage's (``Stage.replicas`` ``r``) over its ``r x dp`` copies, its optimizer step on its whole gradient. A
+    tensor-parallel encoder stage (``Stage.tensor_parallel``) is timed per TP rank
+    (``cost.sharding.tensor_parallel_unit_costs`` on ``machine.tp_link``, default ``p2p``).
 
     Args:
         plan: a pipeline plan over ``units`` (flags as ``consistent_units``; its ``num_microbatches`` is
@@ -441,6 +444,8 @@ def evaluate_plan(
     by_name_units = _by_name(true_units)
     check_plan_units(plan, true_units)
     cost_map = dict(zip((u.name for u in true_units), cost_list(units, costs)))
+    if plan.tensor_parallel:  # encoder_tp: a TP stage's units as one of its ranks runs them
+        cost_map = tensor_parallel_unit_costs(plan, true_units, cost_map, machine.tp_link or p2p)
     nb = -(-microbatches // dp)
     plan = plan.replace(num_microbatches=nb)
     name = schedule or ("interleaved_1f1b" if runs_interleaved(plan) else "1f1b")
@@ -461,9 +466,10 @@ def evaluate_plan(
     grads: list[dict[int, float]] = [{} for _ in range(plan.num_ranks)]  # per rank: replicas -> gradient bytes
     for stage in plan.stages:
         held = grads[stage.rank]
-        held[stage.replicas] = held.get(stage.replicas, 0.0) + sum(
+        held[stage.row_share] = held.get(stage.row_share, 0.0) + sum(
             cost_map[n].param_bytes * by_name[n].trained_fraction for n in stage.units)
-    # a replicated encoder stage's gradients are all-reduced over its replicas x the DP replicas (encoder_dp)
+    # a replicated encoder stage's gradients are all-reduced over its replicas x the DP replicas (encoder_dp), a TP
+    # stage's shards over the DP replicas
     sync = max(sum(grad_sync_s(g, dp * r, machine.dp_link, dp_shard) for r, g in held.items()) for held in grads)
     update = max(overheads.update_s(sum(held.values())) for held in grads)
     work = sum(c.forward_s + c.backward_s(u) for u, c in zip(true_units, cost_map.values()))
@@ -490,7 +496,8 @@ def evaluate_plan(
 
 def _encoder_dp(plan: PipelinePlan) -> tuple[tuple[str, int], ...]:
     """``((branch, replicas), ...)`` of the plan's replicated encoder branches (``LayoutChoice.encoder_dp``)."""
-    return tuple(dict.fromkeys((s.modules[0], s.replicas) for s in plan.stages if s.replicas > 1))
+    return tuple(dict.fromkeys((s.modules[0], s.replicas) for s in plan.stages
+                               if s.replicas > 1 and not s.tensor_parallel))
 
 
 def _by_name(units: Sequence[Unit]) -> dict[str, Unit]:
@@ -500,13 +507,14 @@ def _by_name(units: Sequence[Unit]) -> dict[str, Unit]:
 def _stage_memory(plan: PipelinePlan, units: Sequence[Unit], cost_map: Mapping[str, UnitCost], dtype: Any,
                   optimizer: OptimizerSpec) -> dict[int, StageMemory]:
     """Per stage: static bytes (parameters, gradients, optimizer state) and activation bytes per microbatch (a
-    replica of a replicated encoder stage keeps those of its ``1/replicas`` share of the rows)."""
+    replica of a replicated encoder stage keeps those of its ``1/replicas`` share of the rows; a TP stage's
+    costs are per TP rank already)."""
     by_name = _by_name(units)
     out = {}
     for stage in plan.stages:
         pairs = [(by_name[n], cost_map[n]) for n in stage.units]
         static = sum(unit_static_bytes(u, c, dtype, optimizer) for u, c in pairs)
-        act = sum(unit_activation_bytes(u, c) for u, c in pairs) / stage.replicas
+        act = sum(unit_activation_bytes(u, c) for u, c in pairs) / stage.row_share
         out[stage.index] = StageMemory(int(round(static)), int(round(act)))
     return out
 

@@ -1,0 +1,74 @@
+"""Tensor-parallel encoder stages (``[parallel.pp] encoder_tp``) in the cost model, the schedules and the simulator:
+each TP rank runs every row with its layers' passes and parameters divided by ``t`` plus their all-reduces
+(``cost.sharding.tensor_parallel_unit_costs``), sends the whole features, and pays its gradient all-reduce over the
+DP replicas only; the TP ranks of a stage run the same actions in the same order under every schedule."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.planner.cost.sharding import tensor_parallel_unit_costs, tp_allreduce_s
+from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
+from plait.planner.pipeline.schedule_ir import check_schedule
+from plait.planner.pipeline.schedules import build_schedule
+from plait.planner.pipeline.types import P2PModel
+from plait.planner.search.layout import evaluate_plan
+from plait.planner.search.model import allreduce_s
+from plait.planner.search.types import Machine
+from plait.planner.types import UnitCost
+
+LINK = P2PModel(latency_s=1e-4, bandwidth_Bps=1e8)
+TP_LINK = P2PModel(latency_s=1e-5, bandwidth_Bps=1e9)
+UNITS = synthetic_units({"vision": [True] * 4, "audio": [False] * 2}, [True] * 3)  # vision: embed, 2 layers, projector
+COSTS = [UnitCost(4.0 if u.module == "vision" else 1.0, 2.0, 3.0, param_bytes=8000, activation_bytes=8 * 10**5,
+                  output_bytes=10**5) for u in UNITS]
+
+
+def _plan(tp: int):
+    return plan_pipeline(UNITS, tensor_parallel={"vision": tp}, ranks=list(range(tp + 2)))
+
+
+def test_a_tp_stage_layer_is_divided_and_pays_its_all_reduces():
+    plan = _plan(2)
+    by_name = dict(zip((u.name for u in UNITS), COSTS))
+    split = tensor_parallel_unit_costs(plan, UNITS, by_name, TP_LINK)
+    comm = 2 * tp_allreduce_s(10**5, 2, TP_LINK)  # two all-reduces of the layer's output bytes per pass
+    assert comm == pytest.approx(2 * (2 * 1e-5 + 10**5 / 1e9))
+    layer = split["vision.1"]
+    assert layer.forward_s == pytest.approx(2.0 + comm) and layer.input_grad_s == pytest.approx(1.0 + comm)
+    assert layer.weight_grad_s == 1.5 and layer.param_bytes == 4000
+    # 4 outputs of the full hidden size stay whole, the rest of the activations is divided
+    assert layer.activation_bytes == 4 * 10**5 + (8 - 4) * 10**5 // 2
+    assert split["vision.0"] == by_name["vision.0"] and split["vision.3"] == by_name["vision.3"]  # embed, projector
+    assert all(split[n] == by_name[n] for n in by_name if not n.startswith("vision"))
+    assert tensor_parallel_unit_costs(_plan(1), UNITS, by_name, TP_LINK) == by_name
+
+
+def test_evaluate_plan_times_each_tp_rank_with_every_row():
+    machine = Machine(memory_cap=None, p2p=LINK, dp_link=LINK, tp_link=TP_LINK)
+    one = evaluate_plan(_plan(1), UNITS, COSTS, dp=2, microbatches=8, machine=machine)
+    two = evaluate_plan(_plan(2), UNITS, COSTS, dp=2, microbatches=8, machine=machine)
+    comm = 2 * tp_allreduce_s(10**5, 2, TP_LINK)
+    # embed 4 + 2 layers (4 / 2 + comm) + projector 4, on both TP ranks
+    assert two.stage_forward_s[:2] == pytest.approx((12.0 + 2 * comm,) * 2)
+    assert one.stage_forward_s[0] == 16.0
+    assert two.stage_boundary_bytes[:2] == (10**5, 10**5)  # whole features (their gradient comes back whole)
+    assert two.stage_static_bytes[0] < one.stage_static_bytes[0]
+    # the TP stage's gradient (its shards) is all-reduced over the 2 DP replicas, not over TP x DP
+    # per TP rank: embed 8000 + 2 layer halves 4000 + projector 8000; the LLM rank 3 x 8000; audio is frozen
+    assert two.grad_sync_s == pytest.approx(allreduce_s(24000, 2, LINK), rel=1e-12)
+    assert one.grad_sync_s == pytest.approx(allreduce_s(32000, 2, LINK), rel=1e-12)
+    assert two.encoder_dp == ()
+    # vision was the bottleneck: 4 microbatches x (16 + 14 (2 + 3 x 4)) on one rank, x (12 + 10 + comm) split
+    assert two.makespan_s < one.makespan_s
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1", "zb_h2"])
+def test_tp_ranks_of_a_stage_run_the_same_actions_in_the_same_order(name):
+    plan = plan_pipeline(UNITS, stages_per_module={"vision": 2}, tensor_parallel={"vision": 2},
+                         ranks=[0, 1, 0, 1, 2, 3]).replace(num_microbatches=4)
+    schedule = build_schedule(plan, name)
+    check_schedule(schedule)  # deadlock-free, every dependency met
+    # TP rank k of both vision stages on rank k: the two ranks' orders are the same up to the copy's stage index
+    orders = [[(a.kind, plan.stages[a.stage].first_replica, a.microbatch) for a in schedule.actions[r]] for r in (0, 1)]
+    assert orders[0] == orders[1] and len(orders[0]) >= 8
