@@ -52,7 +52,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
                  microbatches=args.microbatches, frozen_aware=not args.frozen_unaware,
                  macrobatches=args.macrobatches, dp_degrees=None if args.dp is None else [args.dp],
                  memory_fraction=args.memory_fraction, schedules=args.schedules, gpus_per_node=args.gpus_per_node,
-                 encoder_dp=args.encoder_dp, **({"virtual_stages": (1,), "attach_encoders": False, "in_bubble": False}
+                 encoder_dp=args.encoder_dp, encoder_tp=args.encoder_tp, **({"virtual_stages": (1,), "attach_encoders": False, "in_bubble": False}
                     if args.one_stage_per_rank else {}))
     return 0
 
@@ -205,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also search a data-parallel degree per encoder branch (its stages replicated on up to "
                            "train.microbatch_size ranks, each encoding a share of every microbatch's samples; "
                            "written as [parallel.pp] encoder_dp)")
+    plan.add_argument("--encoder-tp", action="store_true",
+                      help="also search a tensor-parallel degree per encoder branch (each of its stages a TP group "
+                           "on ranks of its own, up to the largest power of two dividing the tower's heads; written "
+                           "as [parallel.pp] encoder_tp)")
     plan.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
                       help="plan for nodes of N GPUs (NVLink inside a node, 400 Gb/s InfiniBand per GPU between "
                            "nodes): each collective is charged by where its group sits, and the rank order that "

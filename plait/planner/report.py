@@ -130,6 +130,8 @@ def format_plan(choice: LayoutChoice) -> str:
         + ("" if plan.num_ranks == 1 else f"; stages: {counts}")
         + ("; encoder data-parallel degrees (each stage's replicas): "
            + ", ".join(f"{m} {r}" for m, r in choice.encoder_dp) if choice.encoder_dp else "")
+        + ("; encoder tensor-parallel degrees (each stage's TP group): "
+           + ", ".join(f"{m} {t}" for m, t in choice.encoder_tp) if choice.encoder_tp else "")
         + idle_devices_note(choice),
         f"iteration {1e3 * choice.iteration_s:.2f} ms (pipeline {1e3 * choice.makespan_s:.2f} ms + "
         + (f"gradient all-reduce {1e3 * choice.grad_sync_s:.2f} ms" if choice.dp_shard == 1 else

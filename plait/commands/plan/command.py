@@ -57,9 +57,9 @@ from plait.planner.pipeline.schedules import SCHEDULE_NAMES
 from plait.planner.pipeline.types import LAYOUTS
 from plait.planner.cost.recompute import checkpointed_costs, plan_checkpointing
 from plait.planner.report import format_bytes, format_lora_units, format_plan, plan_to_json
-from plait.planner.search.encoder_dp import encoder_dp_bounds
+from plait.planner.search.encoder_dp import encoder_dp_bounds, encoder_tp_bounds
 from plait.planner.search.types import LayoutChoice, Machine, SearchSpace
-from plait.planner.types import UnitCost
+from plait.planner.types import LLM_MODULE, UnitCost
 from plait.train.apply_plan import kept_degrees
 from plait.train.cost_coeffs import microbatch_cost_coeffs
 
@@ -174,6 +174,7 @@ def plan_command(
     prefer_within: float = PREFER_WITHIN,
     gpus_per_node: int | None = None,
     encoder_dp: bool = False,
+    encoder_tp: bool = False,
 ) -> LayoutChoice:
     """``plait plan``: choose the pipeline layout of a job for ``devices`` accelerators, print it with its job
     tables (``pp_snippet``, or why there are none) and the command that runs it (``run_command``), save it. The job file is read with
@@ -211,6 +212,9 @@ def plan_command(
         dp_link_Bps: bandwidth (B/s) of the data-parallel gradient all-reduce; None: not modelled.
         encoder_dp: also search per-encoder data-parallel degrees (``search.encoder_dp``: each encoder branch's
             stages replicated on up to ``train.microbatch_size`` ranks, written as ``[parallel.pp] encoder_dp``).
+        encoder_tp: also search per-encoder tensor-parallel degrees (each branch's stages as TP groups of up to the
+            largest power of two dividing its heads, ``search.encoder_dp.encoder_tp_bounds``; not for a model
+            plait's TP refuses; written as ``[parallel.pp] encoder_tp``).
         macrobatches: global batches drawn from the training data for the macro-batch statistics (module
             docstring; ``DEFAULT_MACROBATCHES`` is a good count); the plan is then for the expected global
             batch. 0, or a job without ``data.train``: no statistics, upper-bound workload. Off by default
@@ -244,7 +248,8 @@ def plan_command(
     kept = job_degrees(cfg, devices, stream)
     space = dict(frozen_aware=frozen_aware, layouts=layouts, rel_tol=rel_tol, virtual_stages=virtual_stages,
                  attach_encoders=attach_encoders, in_bubble=in_bubble, schedules=check_schedules(schedules),
-                 encoder_dp=encoder_dp_bounds(inputs.units, cfg.train.microbatch_size) if encoder_dp else ())
+                 encoder_dp=encoder_dp_bounds(inputs.units, cfg.train.microbatch_size) if encoder_dp else (),
+                 encoder_tp=_encoder_tp_space(cfg, inputs, stream) if encoder_tp else ())
     choice = search_plan(setup, devices, memory_fraction, dp_degrees=dp_degrees, **space, **kept)
     if gpus_per_node and devices > gpus_per_node:  # torchrun: the same count on every node
         choice = whole_node_plan(choice, devices, gpus_per_node, lambda n, layout_search: search_plan(
@@ -260,6 +265,9 @@ def plan_command(
     print(format_plan(choice), file=stream)
     if encoder_dp and encoder_dp_note(cfg, space["encoder_dp"], choice):
         print(f"plait plan: {encoder_dp_note(cfg, space['encoder_dp'], choice)}", file=stream)
+    if space["encoder_tp"] and not choice.encoder_tp:
+        print("plait plan: encoder tensor-parallel degrees: searched (at most "
+              f"{dict(space['encoder_tp'])}), none faster", file=stream)
     unweighed = not_weighed(space["schedules"], choice)
     if unweighed:
         print(f"plait plan: {unweighed}", file=stream)
@@ -300,6 +308,22 @@ def encoder_dp_note(cfg: Any, bounds: tuple[tuple[str, int], ...], choice: Layou
     if choice.encoder_dp:
         return ""
     return f"{head} searched, none faster than one replica per encoder stage"
+
+
+def _encoder_tp_space(cfg: Any, inputs: Any, stream: TextIO) -> tuple[tuple[str, int], ...]:
+    """``SearchSpace.encoder_tp`` of ``plait plan --encoder-tp``: per encoder branch the largest power of two dividing
+    its heads (``encoder_tp_bounds`` of ``inputs.model_configs``' ``EncoderArch.heads``); ``()`` with a printed reason
+    when plait's TP refuses the model, the job has its own ``parallel.tp`` or FSDP2, or no branch can be split."""
+    heads = {m: int(getattr(inputs.model_configs.get(m), "heads", 0) or 0)
+             for m in dict.fromkeys(u.module for u in inputs.units) if m != LLM_MODULE}
+    why = (f"plait's tensor parallelism refuses this model ({inputs.tp_refusal})" if inputs.tp_refusal else
+           f"the job's own parallel.tp = {cfg.parallel.tp}" if cfg.parallel.tp > 1 else
+           f"FSDP2, parallel.dp_shard = {cfg.parallel.dp_shard}" if cfg.parallel.dp_shard > 1 else
+           "no encoder branch has an even number of heads" if not encoder_tp_bounds(heads) else "")
+    if why:
+        print(f"plait plan: encoder tensor-parallel degrees not searched ({why})", file=stream)
+        return ()
+    return encoder_tp_bounds(heads)
 
 
 def job_degrees(cfg: Any, devices: int, stream: TextIO) -> dict[str, Any]:

@@ -73,6 +73,8 @@ def _pp_fields(cfg: Any, choice: LayoutChoice, units: Sequence[Unit]) -> dict[st
             fields["splits"] = pp.splits
         if choice.encoder_dp:  # replicated encoder stages (the job's [parallel.pp] encoder_dp)
             fields["encoder_dp"] = dict(pp.encoder_dp)
+        if choice.encoder_tp:  # tensor-parallel encoder stages (the job's [parallel.pp] encoder_tp)
+            fields["encoder_tp"] = dict(pp.encoder_tp)
     return fields
 
 

@@ -95,6 +95,7 @@ __all__ = [
     "shard_costs",
     "tensor_parallel_unit_costs",
     "tp_allreduce_s",
+    "tp_unit_cost",
     "unsharded_grad_bytes",
 ]
 
@@ -144,6 +145,12 @@ def _tp_cost(unit: Unit, cost: UnitCost, tp: int, link: P2PModel | None, routed:
         recompute_s=split(cost.recompute_s))
 
 
+def tp_unit_cost(unit: Unit, cost: UnitCost, tp: int, link: P2PModel | None) -> UnitCost:
+    """One unit's cost on each of ``tp`` ranks by the TP rule of the module docstring (a ``layer``'s passes,
+    parameters and split activations divided, its all-reduces on ``link`` added; other kinds unchanged)."""
+    return _tp_cost(unit, cost, tp, link)
+
+
 def tensor_parallel_unit_costs(plan: PipelinePlan, units: Sequence[Unit], costs: Mapping[str, UnitCost],
                                link: P2PModel | None) -> dict[str, UnitCost]:
     """``costs`` (unit name -> one rank's whole-unit cost) with the units of every tensor-parallel encoder stage of
@@ -164,7 +171,7 @@ def tensor_parallel_unit_costs(plan: PipelinePlan, units: Sequence[Unit], costs:
             for name in stage.units:
                 if name not in costs or name not in by_name:
                     raise ValueError(f"stage {stage.index}: unit {name!r} has no Unit or no UnitCost")
-                out[name] = _tp_cost(by_name[name], costs[name], stage.replicas, link)
+                out[name] = tp_unit_cost(by_name[name], costs[name], stage.replicas, link)
     return out
 
 

@@ -194,7 +194,8 @@ def layout_pp_fields(choice: LayoutChoice, units: Sequence[Unit]) -> dict[str, A
     first LLM rank (with one encoder stage, layout ``encoders_colocated``: the search's attached plans are
     colocated, and a one-encoder-stage plan is the same in both layouts), the schedule (``choice.schedule``:
     ``interleaved_1f1b`` or the V's ``zb_v`` exactly for those plans) and the microbatches per replica; ``encoder_dp``
-    (the replicas of each replicated encoder branch's stages, ``LayoutChoice.encoder_dp``) when it has any.
+    (the replicas of each replicated encoder branch's stages, ``LayoutChoice.encoder_dp``) and ``encoder_tp`` (the TP
+    degree of each tensor-parallel branch's stages, ``LayoutChoice.encoder_tp``) when it has any.
     The DP degree is ``choice.dp``.
 
     Raises:
@@ -224,4 +225,6 @@ def layout_pp_fields(choice: LayoutChoice, units: Sequence[Unit]) -> dict[str, A
               "microbatches": choice.microbatches_per_replica, "splits": splits}
     if choice.encoder_dp:  # replicated encoder stages: each of the branch's stages on that many ranks
         fields["encoder_dp"] = dict(choice.encoder_dp)
+    if choice.encoder_tp:  # tensor-parallel encoder stages: each of the branch's stages a TP group of that many
+        fields["encoder_tp"] = dict(choice.encoder_tp)
     return fields

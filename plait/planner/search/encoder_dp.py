@@ -34,11 +34,12 @@ import dataclasses
 import heapq
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
+from plait.planner.cost.sharding import tp_unit_cost
 from plait.planner.pipeline.graph import consistent_units
 from plait.planner.pipeline.plan import plan_pipeline, stage_ranks
 from plait.planner.pipeline.types import P2PModel, PipelinePlan
@@ -49,13 +50,17 @@ from plait.planner.search.model import (CandidateStages, Costs, Partitions, Sear
 from plait.planner.search.types import Machine, SearchSpace
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
-__all__ = ["IN_BUBBLE_TIMED", "InBubble", "Replicated", "degree_vectors", "encoder_dp_bounds", "in_bubble_candidates", "plan_replicated", "replicated_costs"]
+__all__ = ["IN_BUBBLE_TIMED", "Copies", "InBubble", "Replicated", "copy_vectors", "degree_vectors", "encoder_dp_bounds",
+           "encoder_tp_bounds", "in_bubble_candidates", "plan_replicated", "replicated_costs"]
 
 
-def replicated_costs(units: Sequence[Unit], costs: Costs, replicas: Mapping[str, int]) -> list[UnitCost]:
+def replicated_costs(units: Sequence[Unit], costs: Costs, replicas: Mapping[str, int], tp: Collection[str] = (),
+                     tp_link: P2PModel | None = None) -> list[UnitCost]:
     """The per-replica costs of ``units`` when encoder branch ``m`` runs on ``replicas[m]`` ranks: its units'
     forward, input- and weight-gradient and recomputation seconds, activation and output bytes divided by the degree
     (a replica's equal share of every microbatch's rows); parameter bytes whole (each replica holds the branch).
+    A branch in ``tp`` runs as a tensor-parallel group of ``replicas[m]`` ranks instead: each rank's costs by the TP
+    rule (``cost.sharding.tp_unit_cost`` on ``tp_link``: its layers divided, their all-reduces added; every row).
 
     Raises:
         ValueError: on a degree below 1, a branch that is not an encoder module of ``units``, or as ``cost_list``.
@@ -69,6 +74,9 @@ def replicated_costs(units: Sequence[Unit], costs: Costs, replicas: Mapping[str,
     out = []
     for unit, cost in zip(units, per_unit):
         r = int(replicas.get(unit.module, 1))
+        if unit.module in tp:
+            out.append(tp_unit_cost(unit, cost, r, tp_link))
+            continue
         out.append(cost if r == 1 else dataclasses.replace(
             cost, forward_s=cost.forward_s / r, input_grad_s=cost.input_grad_s / r,
             weight_grad_s=cost.weight_grad_s / r, recompute_s=cost.recompute_s / r,
@@ -84,6 +92,18 @@ def encoder_dp_bounds(units: Sequence[Unit], rows: int) -> tuple[tuple[str, int]
     return tuple((m, int(rows)) for m in dict.fromkeys(u.module for u in units) if m != LLM_MODULE)
 
 
+def encoder_tp_bounds(heads: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    """``SearchSpace.encoder_tp`` from each encoder branch's attention heads: the largest power of two dividing them
+    (every TP degree searched, a power of two up to it, then divides the heads: whole heads per TP rank); branches
+    whose heads are odd (or unknown, 0) are left out."""
+    out = []
+    for m, h in heads.items():
+        top = int(h) & -int(h) if int(h) > 0 else 0  # the largest power of two dividing h
+        if top > 1:
+            out.append((m, top))
+    return tuple(out)
+
+
 def degree_vectors(encoders: Sequence[str], limits: Mapping[str, int], most: int) -> list[dict[str, int]]:
     """Every vector of per-branch degrees searched: for each encoder, the powers of two up to ``limits`` (1 for a
     branch not named) and up to ``most`` (the devices less one for the LLM on own ranks; the devices in the LLM's
@@ -93,16 +113,37 @@ def degree_vectors(encoders: Sequence[str], limits: Mapping[str, int], most: int
     return [dict(zip(encoders, combo)) for combo in itertools.product(*options) if max(combo, default=1) > 1]
 
 
+Copies = tuple[dict[str, int], frozenset[str]]
+"""A degree vector: per encoder branch its ranks per stage, and the branches whose copies form a TP group."""
+
+
+def copy_vectors(encoders: Sequence[str], dp_limits: Mapping[str, int], tp_limits: Mapping[str, int],
+                 most: int) -> list[Copies]:
+    """Every degree vector of the search on own ranks: for each encoder, degree 1, its data-parallel degrees (powers
+    of two up to ``dp_limits``) and its tensor-parallel degrees (powers of two up to ``tp_limits``), each at most
+    ``most``; except all ones. Replicas first, as :func:`degree_vectors` lists them."""
+    options = []
+    for m in encoders:
+        top = max(most, 1)
+        dp = [(1 << k, False) for k in range(1, 32) if (1 << k) <= min(int(dp_limits.get(m, 1)), top)]
+        tp = [(1 << k, True) for k in range(1, 32) if (1 << k) <= min(int(tp_limits.get(m, 1)), top)]
+        options.append([(1, False), *dp, *tp])
+    return [({m: d for m, (d, _) in zip(encoders, combo)}, frozenset(m for m, (_, t) in zip(encoders, combo) if t))
+            for combo in itertools.product(*options) if max(d for d, _ in combo) > 1]
+
+
 def plan_replicated(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int, machine: Machine,
                     space: SearchSpace, dps: Sequence[int], beat: float = math.inf) -> Replicated | None:
-    """The fastest ``encoder_parallel`` 1F1B plan with some encoder branch replicated (module docstring) whose time
-    is below ``beat`` seconds; None when there is none, the model has no encoder, ``space.encoder_dp`` allows only
-    degree 1 or the costs are FSDP2 shards (``machine.dp_shard > 1``: not searched).
+    """The fastest ``encoder_parallel`` 1F1B plan with some encoder branch replicated or tensor-parallel (module
+    docstring) whose time is below ``beat`` seconds; None when there is none, the model has no encoder,
+    ``space.encoder_dp`` and ``space.encoder_tp`` allow only degree 1 or the costs are FSDP2 shards
+    (``machine.dp_shard > 1``: not searched).
 
     Args:
         units, costs: as ``plan_layout``; devices: the devices searched (``dp x ranks <= devices``).
         microbatches: global per step; machine: cap, links, dtype, optimizer, overheads (``p2p`` set).
-        space: ``encoder_dp`` (the most replicas per branch), ``frozen_aware``, ``rel_tol``.
+        space: ``encoder_dp`` (the most replicas per branch), ``encoder_tp`` (the most TP degree per branch),
+            ``frozen_aware``, ``rel_tol``.
         dps: the DP degrees searched (``plan_layout``'s).
 
     Returns:
@@ -111,13 +152,13 @@ def plan_replicated(units: Sequence[Unit], costs: Costs, devices: int, *, microb
     """
     units = consistent_units(units)
     encoders = [m for m in dict.fromkeys(u.module for u in units) if m != LLM_MODULE]
-    vectors = degree_vectors(encoders, dict(space.encoder_dp), devices - 1)
+    vectors = copy_vectors(encoders, dict(space.encoder_dp), dict(space.encoder_tp), devices - 1)
     if not vectors or machine.dp_shard != 1 or not space.frozen_aware:
         return None
     p2p = machine.p2p or P2PModel()
     searched = _searched(units, costs, vectors, machine)
-    streams = [(index, dp, found) for index, (replicas, parts) in enumerate(searched) for dp in dps
-               if (found := _first_bounds((parts, searched[0][1]), replicas, dp, devices, microbatches,
+    streams = [(index, dp, found) for index, (replicas, _, parts) in enumerate(searched) for dp in dps
+               if (found := _first_bounds((parts, searched[0][2]), replicas, dp, devices, microbatches,
                                        beat / (1 + space.rel_tol))) is not None]
     # (bound, devices used, stream, position, counts): each stream's next candidate, or a concrete one (counts -1)
     heap: list[tuple[float, int, int, int, tuple[int, ...]]] = [
@@ -129,11 +170,12 @@ def plan_replicated(units: Sequence[Unit], costs: Costs, devices: int, *, microb
     while heap and heap[0][0] * (1 + space.rel_tol) < (beat if best is None else min(beat, best[0])):
         bound, used, k, position, counts = heapq.heappop(heap)
         index, dp, (bounds, grid) = streams[k]
-        replicas, parts = searched[index]
+        replicas, tp, parts = searched[index]
+        summed = {m: r for m, r in replicas.items() if m not in tp}  # a TP stage's shards: over the DP replicas only
         nb = -(-microbatches // dp)
         if counts:  # a concrete candidate whose second bound is again the smallest: time it
             st = refined.pop((k, position))
-            total = time_1f1b(st, nb) + _sync(parts, st, replicas, dp, machine)
+            total = time_1f1b(st, nb) + _sync(parts, st, summed, dp, machine)
             if best is None or (total, used) < best[:2]:
                 best = (total, used, index, dp, st)
             continue
@@ -147,14 +189,14 @@ def plan_replicated(units: Sequence[Unit], costs: Costs, devices: int, *, microb
         if st is None:
             continue
         _add_messages(parts, st, replicas, p2p)
-        tight = max(bound, max(stage_bounds(st, nb)) + _sync(parts, st, replicas, dp, machine))
+        tight = max(bound, max(stage_bounds(st, nb)) + _sync(parts, st, summed, dp, machine))
         refined[(k, position)] = st
         heapq.heappush(heap, (tight, dp * _ranks(encoders, replicas, counts), k, position, counts))
     if best is None:
         return None
     planned, _, index, dp, st = best
-    replicas, parts = searched[index]
-    return Replicated(_plan_of(parts.model, st, replicas), dp, planned, len(heap), len(searched))
+    replicas, tp, parts = searched[index]
+    return Replicated(_plan_of(parts.model, st, replicas, tp), dp, planned, len(heap), len(searched))
 
 
 class Replicated(NamedTuple):
@@ -209,9 +251,9 @@ def in_bubble_candidates(units: Sequence[Unit], costs: Costs, devices: int, *, m
     if not vectors or not space.in_bubble or machine.dp_shard != 1 or not space.frozen_aware:
         return []
     out = []
-    searched = _searched(units, costs, vectors, machine)
-    llm_parts = searched[0][1]  # the LLM's units are not replicated: one set of its partitions for every vector
-    for replicas, parts in searched:
+    searched = _searched(units, costs, [(v, frozenset()) for v in vectors], machine)
+    llm_parts = searched[0][2]  # the LLM's units are not replicated: one set of its partitions for every vector
+    for replicas, _, parts in searched:
         model = parts.model
         shares = [(model.total("W", *model.span[m]), replicas[m]) for m in encoders]
         arrive = max(model.total("F", *model.span[m]) for m in encoders)  # microbatch 0's features reach the LLM
@@ -239,14 +281,16 @@ def in_bubble_candidates(units: Sequence[Unit], costs: Costs, devices: int, *, m
     return sorted(out, key=lambda c: (c.bound, c.devices))
 
 
-def _searched(units: Sequence[Unit], costs: Costs, vectors: Sequence[dict[str, int]],
-              machine: Machine) -> list[tuple[dict[str, int], Partitions]]:
-    """Per degree vector, the search model of its per-replica costs (frozen-aware) and its partitions."""
+def _searched(units: Sequence[Unit], costs: Costs, vectors: Sequence[Copies],
+              machine: Machine) -> list[tuple[dict[str, int], frozenset[str], Partitions]]:
+    """Per degree vector, the search model of its per-replica (per TP rank) costs (frozen-aware) and its partitions;
+    TP all-reduces on ``machine.tp_link`` (default ``p2p``, as ``evaluate_plan``)."""
     out = []
-    for replicas in vectors:
-        model = SearchModel(units, replicated_costs(units, costs, replicas), True, machine.dtype, machine.optimizer,
-                            machine.overheads)
-        out.append((replicas, Partitions(model, machine.memory_cap)))
+    link = machine.tp_link or machine.p2p or P2PModel()
+    for replicas, tp in vectors:
+        model = SearchModel(units, replicated_costs(units, costs, replicas, tp, link), True, machine.dtype,
+                            machine.optimizer, machine.overheads)
+        out.append((replicas, tp, Partitions(model, machine.memory_cap)))
     return out
 
 
@@ -321,8 +365,10 @@ def _sync(parts: Partitions, st: CandidateStages, replicas: Mapping[str, int], d
                for s, g in enumerate(st.grad))
 
 
-def _plan_of(model: SearchModel, st: CandidateStages, replicas: Mapping[str, int]) -> PipelinePlan:
-    """The candidate as a ``PipelinePlan`` with its replicated encoder stages (``plan_pipeline(..., replicas=)``)."""
+def _plan_of(model: SearchModel, st: CandidateStages, replicas: Mapping[str, int],
+             tp: Collection[str] = ()) -> PipelinePlan:
+    """The candidate as a ``PipelinePlan`` with its replicated encoder stages (``plan_pipeline(..., replicas=)``) and
+    tensor-parallel ones (the branches in ``tp``, ``plan_pipeline(..., tensor_parallel=)``)."""
     starts: dict[str, list[str]] = {}
     for chunks in st.chunks:
         a = chunks[0][0]
@@ -330,4 +376,5 @@ def _plan_of(model: SearchModel, st: CandidateStages, replicas: Mapping[str, int
         if a != model.span[module][0]:
             starts.setdefault(module, []).append(model.units[a].name)
     return plan_pipeline(model.units, "encoder_parallel", splits=starts,
-                         replicas={m: r for m, r in replicas.items() if r > 1})
+                         replicas={m: r for m, r in replicas.items() if r > 1 and m not in tp},
+                         tensor_parallel={m: r for m, r in replicas.items() if r > 1 and m in tp})

@@ -158,7 +158,8 @@ def plan_layout(
             fewer have a bound below the best time; 1F1B candidates with one stage per rank are not limited);
             ``encoder_dp``: the most replicas per encoder branch (``search.encoder_dp``: plans whose encoder stages
             run on several ranks each, their own or, with ``in_bubble``, the LLM ranks', weighed beside the
-            homogeneous plan, which is kept unless slower).
+            homogeneous plan, which is kept unless slower); ``encoder_tp``: the most TP degree per branch (its
+            stages as TP groups on ranks of their own, weighed beside the replicas).
 
     Returns:
         The best ``LayoutChoice`` (method ``"plait"`` or ``"frozen_unaware"``; ``schedule`` says which).
@@ -171,10 +172,10 @@ def plan_layout(
         homogeneous: LayoutChoice | None = _plan_homogeneous(units, costs, devices, microbatches=microbatches,
                                                              machine=machine, space=space)
     except NoPlanFits:
-        if not space.encoder_dp:
+        if not space.copies_encoders:
             raise
         homogeneous = None  # replicas hold a share of the activations: one may fit
-    if not space.encoder_dp:
+    if not space.copies_encoders:
         return homogeneous
     dps = [d for d in _dp_candidates(devices, microbatches, space.dp_degrees) if d % machine.dp_shard == 0]
     beat = homogeneous.iteration_s if homogeneous is not None and homogeneous.fits_memory else math.inf
@@ -228,7 +229,7 @@ def plan_layout_below(units: Sequence[Unit], costs: Costs, devices: int, *, micr
     not faster or None. Only for 1F1B's schedules (``space.schedules``). Raises as ``plan_layout``."""
     homogeneous = _plan_homogeneous(units, costs, devices, microbatches=microbatches, machine=machine, space=space,
                                     beat=beat)
-    if not space.encoder_dp:
+    if not space.copies_encoders:
         return homogeneous
     dps = [d for d in _dp_candidates(devices, microbatches, space.dp_degrees) if d % machine.dp_shard == 0]
     below = min(beat, homogeneous.iteration_s if homogeneous is not None and homogeneous.fits_memory else beat)
@@ -490,14 +491,15 @@ def evaluate_plan(
         stage_activation_bytes=[memory[s].activation_bytes for s in range(n)],
         stage_memory_bytes=[memory[s].static_bytes + peaks[s] * memory[s].activation_bytes for s in range(n)],
         stage_boundary_bytes=[boundary[s] for s in range(n)], memory_cap=memory_cap, fits_memory=fits, p2p=p2p,
-        schedule=name, update_s=update, dp_shard=dp_shard, encoder_dp=_encoder_dp(plan),
-    )
+        schedule=name, update_s=update, dp_shard=dp_shard, encoder_dp=_copies(plan, False),
+        encoder_tp=_copies(plan, True))
 
 
-def _encoder_dp(plan: PipelinePlan) -> tuple[tuple[str, int], ...]:
-    """``((branch, replicas), ...)`` of the plan's replicated encoder branches (``LayoutChoice.encoder_dp``)."""
+def _copies(plan: PipelinePlan, tp: bool) -> tuple[tuple[str, int], ...]:
+    """``((branch, degree), ...)`` of the plan's replicated (``tp``: tensor-parallel) encoder branches
+    (``LayoutChoice.encoder_dp`` / ``encoder_tp``)."""
     return tuple(dict.fromkeys((s.modules[0], s.replicas) for s in plan.stages
-                               if s.replicas > 1 and not s.tensor_parallel))
+                               if s.replicas > 1 and s.tensor_parallel == tp))
 
 
 def _by_name(units: Sequence[Unit]) -> dict[str, Unit]:

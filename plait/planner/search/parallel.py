@@ -375,7 +375,8 @@ class _Job:
         machine = dataclasses.replace(self.machine, **changes)
 
         def run(searched: Machine, degrees_dp: Sequence[int] | None, on: int) -> LayoutChoice:
-            space = dataclasses.replace(self.space, dp_degrees=None if degrees_dp is None else tuple(degrees_dp))
+            space = dataclasses.replace(self.space, dp_degrees=None if degrees_dp is None else tuple(degrees_dp),
+                                        encoder_tp=self.space.encoder_tp if degrees.tp == 1 else ())  # not with TP
             if beat < math.inf:  # None when nothing is faster (seeded: see _Job.seeded)
                 return plan_layout_below(self.units, per_rank, on, microbatches=count, machine=searched,
                                               space=space, beat=beat)
@@ -532,8 +533,10 @@ def _sharded(degrees: ParallelDegrees, pipe_devices: int, microbatches: int, dps
 def _pipelined(job: _Job, degrees: ParallelDegrees, pipe_devices: int, dps: list[int]) -> LayoutChoice:
     """``plan_layout`` with pipeline stages sharded by FSDP2 (``sharding``, "FSDP2 under pipeline stages"): whole
     per-unit costs and parameters, a shard of the optimizer state, the DP all-reduce's bytes; the whole memory cap
-    (no separate buffer). The result records ``degrees.dp_shard``; no encoder replicas (``encoder_dp``) with FSDP2."""
-    machine, job = job.machine, dataclasses.replace(job, space=dataclasses.replace(job.space, encoder_dp=()))
+    (no separate buffer). The result records ``degrees.dp_shard``; no encoder replicas or TP groups
+    (``encoder_dp``, ``encoder_tp``) with FSDP2."""
+    space = dataclasses.replace(job.space, encoder_dp=(), encoder_tp=())
+    machine, job = job.machine, dataclasses.replace(job, space=space)
     tp_link, _ = option_links(machine, tp=degrees.tp, dp_shard=degrees.dp_shard, devices=job.devices)
     per_rank = pipelined_shard_costs(job.true_units, job.whole, degrees, tp_link=tp_link,
                                      checkpoint_overrides=job.space.checkpoint_overrides,

@@ -105,6 +105,9 @@ class SearchSpace(JsonDataclass):
         encoder_dp: per encoder branch, the most data-parallel replicas of each of its stages searched
             (``search.encoder_dp``: powers of two up to it; a replica takes an equal share of every microbatch's rows
             of the branch, so it is at most the branch's rows per microbatch); ``()``: every branch at degree 1.
+        encoder_tp: per encoder branch, the most tensor-parallel degree of its stages searched beside its replicas
+            (``[parallel.pp] encoder_tp``: powers of two up to it, on ranks of their own; each must divide the
+            tower's heads, so give the largest power of two that does); ``()``: none.
     """
 
     layouts: tuple[str, ...] = LAYOUTS
@@ -126,11 +129,13 @@ class SearchSpace(JsonDataclass):
     schedules: tuple[str, ...] = ("1f1b",)
     ep_degrees: tuple[int, ...] | None = None
     encoder_dp: tuple[tuple[str, int], ...] = ()
+    encoder_tp: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "encoder_dp", tuple((str(m), int(r)) for m, r in dict(self.encoder_dp).items()))
-        if any(r < 1 for _, r in self.encoder_dp):
-            raise ValueError(f"SearchSpace.encoder_dp degrees must be >= 1, got {dict(self.encoder_dp)}")
+        for name in ("encoder_dp", "encoder_tp"):
+            object.__setattr__(self, name, tuple((str(m), int(r)) for m, r in dict(getattr(self, name)).items()))
+            if any(r < 1 for _, r in getattr(self, name)):
+                raise ValueError(f"SearchSpace.{name} degrees must be >= 1, got {dict(getattr(self, name))}")
         for name in ("layouts", "dp_degrees", "virtual_stages", "tp_degrees", "dp_shard_degrees", "checkpointing",
                      "fsdp_reshard", "schedules", "ep_degrees"):
             value = getattr(self, name)
@@ -138,6 +143,11 @@ class SearchSpace(JsonDataclass):
                 object.__setattr__(self, name, tuple(value))
         if not self.schedules:
             raise ValueError("SearchSpace.schedules must name at least one schedule (e.g. '1f1b')")
+
+    @property
+    def copies_encoders(self) -> bool:
+        """True when some encoder branch may run its stages on several ranks (``encoder_dp`` or ``encoder_tp``)."""
+        return any(r > 1 for _, r in (*self.encoder_dp, *self.encoder_tp))
 
 
 @dataclass(frozen=True)
@@ -244,6 +254,8 @@ class LayoutChoice(JsonDataclass):
         encoder_dp: ``((branch, replicas), ...)`` of the encoder branches whose stages are replicated
             (``[parallel.pp] encoder_dp``: each stage of the branch on ``replicas`` ranks, each taking an equal share
             of every microbatch's rows, its gradients all-reduced over ``replicas x dp`` ranks); ``()``: none.
+        encoder_tp: ``((branch, t), ...)`` of the encoder branches whose stages are tensor-parallel groups
+            (``[parallel.pp] encoder_tp``: each stage on ``t`` ranks of its own, every row on each); ``()``: none.
 
     Raises:
         ValueError: when the per-stage tuples do not have one entry per stage, an unknown method or an unknown
@@ -290,9 +302,11 @@ class LayoutChoice(JsonDataclass):
     schedules_weighed: tuple[tuple[str, float, bool], ...] = ()
     ep: int = 1
     encoder_dp: tuple[tuple[str, int], ...] = ()
+    encoder_tp: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "encoder_dp", tuple((str(m), int(r)) for m, r in self.encoder_dp))
+        object.__setattr__(self, "encoder_tp", tuple((str(m), int(r)) for m, r in self.encoder_tp))
         if not isinstance(self.plan, PipelinePlan):
             object.__setattr__(self, "plan", PipelinePlan.from_dict(self.plan))
         if not isinstance(self.p2p, P2PModel):
