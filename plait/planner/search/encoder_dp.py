@@ -14,9 +14,16 @@ of a replica (``simulator.stage_costs_from_units``, ``search.evaluate_plan``):
   (``search.model.grad_sync_s`` over ``r x dp`` ranks on ``Machine.dp_link``) after the flush, with the optimizer
   step of its whole gradient.
 
-The search (:func:`plan_replicated`, called by ``search.plan_layout`` when ``SearchSpace.encoder_dp`` allows a
-degree above 1) weighs, for ``encoder_parallel`` plans with every stage on its own rank and 1F1B, every vector of
-per-branch degrees (powers of two up to the branch's bound), DP degree, stages per encoder and LLM ranks with
+A branch may instead run each stage as a tensor-parallel group (``[parallel.pp] encoder_tp = {vision = t}``,
+``plan_pipeline(..., tensor_parallel=)``; Megatron-LM's split, Shoeybi et al. 2019, section 3): each of its ``t`` ranks
+runs every row with its layers' passes, parameters and split activations divided by ``t`` plus two all-reduces of the
+layer's output per pass (``cost.sharding.tp_unit_cost``, the rule of ``parallel.tp``), sends (receives) the whole
+features (their gradient), and its shards' gradients are all-reduced over the ``dp`` pipeline replicas only. It pays
+where rows cannot be split (one sample per microbatch) or one heavy layer is the bottleneck no pipeline cut splits.
+
+The search (:func:`plan_replicated`, called by ``search.plan_layout`` when ``SearchSpace.encoder_dp`` or
+``SearchSpace.encoder_tp`` allows a degree above 1) weighs, for ``encoder_parallel`` plans with every stage on its own rank and 1F1B, every vector of
+per-branch degrees (:func:`copy_vectors`: replicas or a TP group, powers of two up to the branch's bounds), DP degree, stages per encoder and LLM ranks with
 ``dp x (sum of encoder stages x their degree + LLM ranks) <= devices``. One replica of a stage in lockstep with the
 others is timed as one stage with the divided costs (the replicas run in parallel, each on its own rank), so each
 candidate is a ``search.model`` candidate on the divided costs (minimum-bottleneck partitions, memory caps) timed
