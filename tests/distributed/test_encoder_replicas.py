@@ -3,7 +3,10 @@ process on the same global batches (fp32, loss and every gradient within rtol 1e
 processes (tests/distributed/pipeline_worker.py, ``CASES_REPLICAS``): vision on 2 replica ranks of its own feeding a
 2-stage LLM (trainable everything; a 2-stage vision branch under zero-bubble; frozen towers with trainable
 projectors), and vision's 2 replicas on the LLM ranks of PP 2 (in the bubbles) with DP 2, where each replicated
-stage's gradients are summed over its replicas x DP copies."""
+stage's gradients are summed over its replicas x DP copies; and vision's stage as a tensor-parallel group of 2
+(``encoder_tp``) on ranks 0 and 1 feeding the same 2-stage LLM (trainable everything with clipping; frozen tower with
+a split trainable projector), each compared over 3 optimizer steps with SGD (TP sums products in another order, which
+AdamW's first steps would amplify from rounding to whole steps)."""
 
 from __future__ import annotations
 
