@@ -65,6 +65,7 @@ def test_a_heavy_frozen_encoder_gets_a_tp_group_when_rows_cannot_be_split():
     assert complete.encoder_tp == (("vision", 2),) and complete.tp == 1
     assert complete.iteration_s == pytest.approx(chosen.iteration_s, rel=1e-12)
     assert "encoder tensor-parallel degrees (each stage's TP group): vision 2" in format_plan(chosen)
+    assert type(chosen).from_json(chosen.to_json()) == chosen  # the plan file plait simulate reads back
 
 
 def test_written_tables_rebuild_the_tp_plan():
