@@ -58,7 +58,7 @@ def energy_command(config_path: str | Path, devices: int, *, straggler: float = 
                    out_dir: str | Path | None = None, overrides: Sequence[str] = (), microbatches: int | None = None,
                    method: str = "auto", energy_profile: str | Path | None = None,
                    dp_degrees: Sequence[int] | None = None, out: TextIO | None = None,
-                   encoder_dp: bool = False) -> dict[str, Any]:
+                   encoder_dp: bool = False, encoder_tp: bool = False) -> dict[str, Any]:
     """``plait energy`` (module docstring).
 
     Args:
@@ -76,6 +76,8 @@ def energy_command(config_path: str | Path, devices: int, *, straggler: float = 
         out: text stream (default stdout).
         encoder_dp: as ``plait plan --encoder-dp`` (replicated encoder stages: each replica stage's actions get
             their own frequencies, its costs a share of its branch's rows).
+        encoder_tp: as ``plait plan --encoder-tp`` (tensor-parallel encoder stages: each TP rank's actions get
+            their own frequencies, its costs by ``evaluate_plan``'s TP rule, :func:`job_action_options`).
 
     Returns:
         ``{"plan": EnergyPlan, "paths": {name: Path}, "rows": {name: (seconds, joules)}}``.
@@ -93,7 +95,7 @@ def energy_command(config_path: str | Path, devices: int, *, straggler: float = 
     measured = _read_profile(energy_profile) if energy_profile is not None else None
     choice = plan_command(config_path, devices, None, overrides=overrides, device=preset.name,
                           microbatches=microbatches, dp_degrees=dp_degrees, out=stream, profile_store=None,
-                          encoder_dp=encoder_dp)
+                          encoder_dp=encoder_dp, encoder_tp=encoder_tp)
     require_pipeline(choice, devices)
     schedule = build_schedule(choice.plan, choice.schedule, choice.microbatches_per_replica)
     options = job_action_options(config_path, overrides, microbatches, choice, preset.name, measured)
@@ -147,7 +149,9 @@ def job_action_options(config_path: str | Path, overrides: Sequence[str], microb
     (``models.plan_inputs.build_plan_inputs``) through ``energy_profile.analytic_energy_profile``, each action's times
     and energies scaled so that its top-clock time is the plan's own (``choice.stage_forward_s`` /
     ``stage_backward_s``, which include activation recomputation and runtime overheads when charged). With a
-    ``measured`` profile, its own numbers per unit, unscaled.
+    ``measured`` profile, its own numbers per unit, unscaled. A tensor-parallel encoder stage (``encoder_tp``)
+    per TP rank, as ``evaluate_plan`` times it (``power_profile.stage_action_options``: layers divided by ``t``,
+    their all-reduces on the plan's link at the blocking power).
 
     Raises:
         ValueError: when ``measured`` lacks a unit of the plan (naming it).
@@ -160,10 +164,14 @@ def job_action_options(config_path: str | Path, overrides: Sequence[str], microb
     estimates = unit_estimates(inputs.units, inputs.model_configs, inputs.shapes, inputs.dtype)
     key = ProfileKey({"job": str(config_path)}, {m: s.to_dict() for m, s in inputs.shapes.items()}, inputs.dtype,
                      preset.name, "", "")
+    # a TP encoder stage per TP rank (encoder_tp): its all-reduces on the link evaluate_plan used (plan_command's
+    # machine has no tp_link of its own: the plan's p2p)
+    tp = dict(output_bytes={u.name: int(round(e.output_bytes)) for u, e in zip(inputs.units, estimates)},
+              tp_link=choice.p2p)
     if measured is not None:
-        return stage_action_options(choice.plan, inputs.units, measured)
+        return stage_action_options(choice.plan, inputs.units, measured, **tp)
     profile = analytic_energy_profile(inputs.units, estimates, preset, key, device=spec)
-    options = stage_action_options(choice.plan, inputs.units, profile)
+    options = stage_action_options(choice.plan, inputs.units, profile, **tp)
     targets = {"F": choice.stage_forward_s, "B": choice.stage_backward_s}
     out = {}
     for (stage, kind), opts in options.items():

@@ -14,7 +14,11 @@ plans one SM frequency per forward and backward from each computation's
   each unit's compute seconds ``FLOPs / (peak * efficiency)`` and memory seconds ``bytes / HBM bandwidth``).
 - :func:`stage_action_options`: per stage action (``F``/``B``/``W``), the ``(frequency, seconds, joules)``
   options, aggregated from units by the simulator's own rules (``simulator.stage_costs_from_units``: frozen
-  units pay no dW, LoRA units their adapters' share, checkpointed units a second forward).
+  units pay no dW, LoRA units their adapters' share, checkpointed units a second forward). A tensor-parallel
+  encoder stage (``Stage.tensor_parallel``, ``[parallel.pp] encoder_tp``) is charged per TP rank by
+  ``evaluate_plan``'s rule (``cost.sharding.tensor_parallel_unit_costs``): its layers' seconds and joules divided
+  by ``t``, their all-reduces' seconds added at every clock (the link does not scale with the SM clock) at the
+  blocking power (the SMs wait on the link).
 
 The analytic model, per unit pass at SM clock ``f`` (``x = f / f_max``):
 
@@ -39,14 +43,16 @@ maximum down to about 57% of it. Replace them with a measured profile (same form
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
+from plait.planner.cost.sharding import tensor_parallel_unit_costs
 from plait.planner.cost.types import DeviceSpec, ProfileKey, UnitEstimate
-from plait.planner.pipeline.types import PipelinePlan
+from plait.planner.pipeline.types import P2PModel, PipelinePlan
 from plait.planner.cost.measured_profile import profile_mismatch
 from plait.planner.energy.types import EnergyProfile, GpuPowerModel, UnitEnergy
 from plait.planner.pipeline.simulator import stage_costs_from_units
-from plait.planner.types import Unit
+from plait.planner.types import Unit, UnitCost
 
 __all__ = [
     "GPU_PRESETS",
@@ -132,8 +138,9 @@ ActionOption = tuple[int, float, float]
 
 
 def stage_action_options(plan: PipelinePlan, units: Sequence[Unit], profile: EnergyProfile, *,
-                         split_backward: bool = False,
-                         checkpointed: Mapping[str, bool] | None = None) -> dict[tuple[int, str], list[ActionOption]]:
+                         split_backward: bool = False, checkpointed: Mapping[str, bool] | None = None,
+                         output_bytes: Mapping[str, int] | None = None,
+                         tp_link: P2PModel | None = None) -> dict[tuple[int, str], list[ActionOption]]:
     """Per stage action ``(stage, kind)``, its options at every profiled frequency (descending).
 
     Time and energy of a stage action are the sums over its units at that frequency, by the simulator's rules
@@ -141,23 +148,57 @@ def stage_action_options(plan: PipelinePlan, units: Sequence[Unit], profile: Ene
     fields). ``checkpointed``: unit name -> whether it is activation-checkpointed (its backward runs its
     forward again).
 
+    A tensor-parallel encoder stage's units (``plan.tensor_parallel``) are charged as each of its ``t`` ranks runs
+    them, by ``evaluate_plan``'s rule (``cost.sharding.tensor_parallel_unit_costs`` on ``tp_link``, its default
+    ``p2p``; None: free all-reduces): a layer's seconds and joules divided by ``t``; the seconds of its two
+    all-reduces of ``output_bytes[unit]`` bytes (its output, bytes) per forward and per input gradient added at
+    every clock, and their joules as those seconds at ``profile.blocking_power_w`` (W; the GPU waits on the
+    link, as on a P2P receive). Megatron-LM's rule (Shoeybi et al. 2019, section 3).
+
     Raises:
-        ValueError: when a unit of the plan is not in ``units`` or has no entry in ``profile``.
+        ValueError: when a unit of the plan is not in ``units`` or has no entry in ``profile``, or a unit of a
+            tensor-parallel stage has no entry in ``output_bytes``.
     """
     by_name = {u.name: u for u in profile.units}
     missing = [n for s in plan.stages for n in s.units if n not in by_name]
     if missing:
         raise ValueError(f"energy profile has no entry for unit(s) {missing[:5]} of the plan")
+    split = [n for s in plan.stages if s.tensor_parallel for n in s.units]
+    if split and (output_bytes is None or any(n not in output_bytes for n in split)):
+        raise ValueError(f"tensor-parallel encoder stage unit(s) {[n for n in split if n not in (output_bytes or {})][:5]}"
+                         " have no output_bytes: their all-reduces cannot be charged")
     marks = checkpointed or {}
     names = [u.name for u in units if u.name in by_name]
     kept = [u for u in units if u.name in by_name]
     out: dict[tuple[int, str], list[ActionOption]] = {}
     for index, frequency in enumerate(profile.frequencies_mhz):
-        seconds = stage_costs_from_units(plan, kept, {n: by_name[n].at(index, False, marks.get(n, False)) for n in names},
-                                         split_backward=split_backward)
-        joules = stage_costs_from_units(plan, kept, {n: by_name[n].at(index, True, marks.get(n, False)) for n in names},
-                                        split_backward=split_backward)
-        for key, value in seconds.items():
-            out.setdefault(key, []).append((frequency, value, joules[key]))
+        seconds = {n: by_name[n].at(index, False, marks.get(n, False)) for n in names}
+        joules = {n: by_name[n].at(index, True, marks.get(n, False)) for n in names}
+        if split:
+            seconds, joules = _tensor_parallel_costs(plan, kept, seconds, joules, output_bytes or {}, tp_link,
+                                                     profile.blocking_power_w)
+        times = stage_costs_from_units(plan, kept, seconds, split_backward=split_backward)
+        energies = stage_costs_from_units(plan, kept, joules, split_backward=split_backward)
+        for key, value in times.items():
+            out.setdefault(key, []).append((frequency, value, energies[key]))
     return out
 
+
+def _tensor_parallel_costs(plan: PipelinePlan, units: Sequence[Unit], seconds: Mapping[str, UnitCost],
+                           joules: Mapping[str, UnitCost], output_bytes: Mapping[str, int], link: P2PModel | None,
+                           blocking_w: float) -> tuple[dict[str, UnitCost], dict[str, UnitCost]]:
+    """``seconds`` and ``joules`` (unit name -> one frequency's whole-unit costs) per TP rank of the plan's
+    tensor-parallel stages (:func:`stage_action_options`): ``tensor_parallel_unit_costs`` on ``link`` for the
+    seconds; on no link (division only) for the joules, plus the all-reduce seconds at ``blocking_w``."""
+    sized = {n: dataclasses.replace(c, output_bytes=output_bytes.get(n, 0)) for n, c in seconds.items()}
+    timed = tensor_parallel_unit_costs(plan, units, sized, link)
+    divided = tensor_parallel_unit_costs(plan, units, sized, None)
+    energy = tensor_parallel_unit_costs(plan, units, dict(joules), None)
+    for name, cost in timed.items():
+        if cost is sized[name]:
+            continue
+        comm_f, comm_dx = cost.forward_s - divided[name].forward_s, cost.input_grad_s - divided[name].input_grad_s
+        spent = energy[name]
+        energy[name] = dataclasses.replace(spent, forward_s=spent.forward_s + blocking_w * comm_f,
+                                           input_grad_s=spent.input_grad_s + blocking_w * comm_dx)
+    return dict(timed), energy

@@ -1,13 +1,17 @@
 """Tensor-parallel encoder stages (``[parallel.pp] encoder_tp``) in the cost model, the schedules and the simulator:
 each TP rank runs every row with its layers' passes and parameters divided by ``t`` plus their all-reduces
 (``cost.sharding.tensor_parallel_unit_costs``), sends the whole features, and pays its gradient all-reduce over the
-DP replicas only; the TP ranks of a stage run the same actions in the same order under every schedule."""
+DP replicas only; the TP ranks of a stage run the same actions in the same order under every schedule; the energy
+path (``stage_action_options``) charges a TP stage by the same rule."""
 
 from __future__ import annotations
 
 import pytest
 
 from plait.planner.cost.sharding import tensor_parallel_unit_costs, tp_allreduce_s
+from plait.planner.cost.types import ProfileKey
+from plait.planner.energy.power_profile import stage_action_options
+from plait.planner.energy.types import EnergyProfile, UnitEnergy
 from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
 from plait.planner.pipeline.schedule_ir import check_schedule
 from plait.planner.pipeline.schedules import build_schedule
@@ -72,3 +76,46 @@ def test_tp_ranks_of_a_stage_run_the_same_actions_in_the_same_order(name):
     # TP rank k of both vision stages on rank k: the two ranks' orders are the same up to the copy's stage index
     orders = [[(a.kind, plan.stages[a.stage].first_replica, a.microbatch) for a in schedule.actions[r]] for r in (0, 1)]
     assert orders[0] == orders[1] and len(orders[0]) >= 8
+
+
+def _energy_profile(blocking_w: float) -> EnergyProfile:
+    """UNITS at two SM clocks: seconds as COSTS at the top clock, 1.25x at the lower one; joules 100 / 60 / 80 per
+    forward / dX / dW at the top clock, 90 / 54 / 72 at the lower one."""
+    rows = []
+    for unit, cost in zip(UNITS, COSTS):
+        seconds = (cost.forward_s, cost.input_grad_s, cost.weight_grad_s)
+        rows.append(UnitEnergy(unit.name, *(v for s, j in zip(seconds, (100.0, 60.0, 80.0))
+                                              for v in ((s, 1.25 * s), (j, 0.9 * j)))))
+    key = ProfileKey({"m": 1}, [[1]], "bfloat16", "h100", "0", "0")
+    return EnergyProfile(key, "h100", blocking_w, (1980, 1500), tuple(rows))
+
+
+def test_energy_options_charge_a_tp_stage_as_evaluate_plan():
+    """``plait energy`` / ``plan --energy`` charge each TP rank of an encoder_tp stage its layers' time and energy
+    divided by t and the all-reduces' seconds (at every clock, at the blocking power): at the top clock the action
+    times are evaluate_plan's."""
+    plan = _plan(2).replace(num_microbatches=4)
+    profile = _energy_profile(blocking_w=110.0)
+    out_bytes = {u.name: 10**5 for u in UNITS}
+    options = stage_action_options(plan, UNITS, profile, output_bytes=out_bytes, tp_link=TP_LINK)
+    timed = evaluate_plan(plan, UNITS, COSTS, dp=1, microbatches=4,
+                          machine=Machine(memory_cap=None, p2p=LINK, tp_link=TP_LINK))
+    for stage in range(plan.num_stages):  # the top clock: evaluate_plan's per-rank stage times
+        assert options[(stage, "F")][0][1] == pytest.approx(timed.stage_forward_s[stage], rel=1e-12)
+        assert options[(stage, "B")][0][1] == pytest.approx(timed.stage_backward_s[stage], rel=1e-12)
+    comm = 2 * tp_allreduce_s(10**5, 2, TP_LINK)
+    # vision: embed (whole) + 2 layers (halved, all-reduces added) + projector (whole), on both TP ranks
+    for stage in (0, 1):
+        assert options[(stage, "F")] == [
+            (1980, pytest.approx(4 + 2 * (4 / 2 + comm) + 4), pytest.approx(100 + 2 * (100 / 2 + 110 * comm) + 100)),
+            (1500, pytest.approx(5 + 2 * (5 / 2 + comm) + 5), pytest.approx(90 + 2 * (90 / 2 + 110 * comm) + 90))]
+    # backward: the embed needs no input gradient (dW 3 s, 80 J); layers and projector dX + dW, the layers' halved
+    # with the dX all-reduces added
+    assert options[(0, "B")][0] == (1980, pytest.approx(3 + 2 * ((2 + 3) / 2 + comm) + 5),
+                                    pytest.approx(80 + 2 * ((60 + 80) / 2 + 110 * comm) + 140))
+    # without the TP group the same stage is the whole units'
+    whole = stage_action_options(_plan(1), UNITS, profile)
+    assert whole[(0, "F")][0] == (1980, pytest.approx(16.0), pytest.approx(400.0))
+    assert options[(2, "F")] == whole[(1, "F")]  # audio's stage: unchanged
+    with pytest.raises(ValueError, match="output_bytes"):
+        stage_action_options(plan, UNITS, profile)
