@@ -10,11 +10,13 @@ import pytest
 
 from plait.planner.cost.sharding import tensor_parallel_unit_costs, tp_allreduce_s
 from plait.planner.cost.types import ProfileKey
+from plait.planner.energy.frontier import schedule_energy_dag
 from plait.planner.energy.power_profile import stage_action_options
 from plait.planner.energy.types import EnergyProfile, UnitEnergy
 from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
 from plait.planner.pipeline.schedule_ir import check_schedule
 from plait.planner.pipeline.schedules import build_schedule
+from plait.planner.pipeline.simulator import simulate
 from plait.planner.pipeline.types import P2PModel
 from plait.planner.search.layout import evaluate_plan
 from plait.planner.search.model import allreduce_s
@@ -78,12 +80,13 @@ def test_tp_ranks_of_a_stage_run_the_same_actions_in_the_same_order(name):
     assert orders[0] == orders[1] and len(orders[0]) >= 8
 
 
-def _energy_profile(blocking_w: float) -> EnergyProfile:
-    """UNITS at two SM clocks: seconds as COSTS at the top clock, 1.25x at the lower one; joules 100 / 60 / 80 per
-    forward / dX / dW at the top clock, 90 / 54 / 72 at the lower one."""
+def _energy_profile(blocking_w: float, llm_scale: float = 1.0) -> EnergyProfile:
+    """UNITS at two SM clocks: seconds as COSTS at the top clock (the LLM's times ``llm_scale``), 1.25x at the lower
+    one; joules 100 / 60 / 80 per forward / dX / dW at the top clock, 90 / 54 / 72 at the lower one."""
     rows = []
     for unit, cost in zip(UNITS, COSTS):
-        seconds = (cost.forward_s, cost.input_grad_s, cost.weight_grad_s)
+        scale = llm_scale if unit.module == "llm" else 1.0
+        seconds = (scale * cost.forward_s, scale * cost.input_grad_s, scale * cost.weight_grad_s)
         rows.append(UnitEnergy(unit.name, *(v for s, j in zip(seconds, (100.0, 60.0, 80.0))
                                               for v in ((s, 1.25 * s), (j, 0.9 * j)))))
     key = ProfileKey({"m": 1}, [[1]], "bfloat16", "h100", "0", "0")
@@ -119,3 +122,27 @@ def test_energy_options_charge_a_tp_stage_as_evaluate_plan():
     assert options[(2, "F")] == whole[(1, "F")]  # audio's stage: unchanged
     with pytest.raises(ValueError, match="output_bytes"):
         stage_action_options(plan, UNITS, profile)
+
+
+def test_energy_dag_cannot_slow_a_tp_copy_for_free():
+    """The energy DAG cannot slow a TP copy for free: every copy's forward precedes the first LLM stage's (the plan's
+    edge from each copy, as its all-reduces hold the leader until the slowest copy arrives), so with the LLM the
+    bottleneck slowing the copy's first forward delays the iteration as slowing the leader's does; at the top clock
+    the DAG's iteration time is the simulator's."""
+    plan = _plan(2).replace(num_microbatches=4)
+    schedule = build_schedule(plan, "1f1b")
+    options = stage_action_options(plan, UNITS, _energy_profile(110.0, llm_scale=10.0),
+                                   output_bytes={u.name: 10**5 for u in UNITS}, tp_link=TP_LINK)
+    dag = schedule_energy_dag(schedule, options, p2p=LINK, boundary_bytes={s: 10**5 for s in range(plan.num_stages)},
+                              blocking_w=110.0)
+    top = dag.top_clock
+    fastest, _ = dag.evaluate(top)
+    assert fastest == pytest.approx(simulate(schedule, {k: v[0][1] for k, v in options.items()}, p2p=LINK,
+                                             boundary_bytes={s: 10**5 for s in range(plan.num_stages)}).makespan_s)
+
+    def slowed(stage: int) -> float:  # that stage's first forward at the lower clock (1.25x its time)
+        return dag.evaluate([1 if (a.stage, a.kind, a.microbatch) == (stage, "F", 0) else c
+                             for (_, a), c in zip(dag.actions, top)])[0]
+
+    extra = 0.25 * (4 + 2 * 2 + 4)  # the forward's compute at the lower clock; the all-reduces take as long
+    assert slowed(0) == pytest.approx(fastest + extra) and slowed(1) == pytest.approx(slowed(0), rel=1e-12)
