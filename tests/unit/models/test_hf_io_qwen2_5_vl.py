@@ -334,3 +334,27 @@ def test_generate_video_on_a_fresh_import_reads_it_as_the_imported_job_does(impo
     assert generate_command(model_dir, prompt="What happens?", videos=[clip], max_new_tokens=3, device="cpu",
                             dtype="fp32", threads=1) == 0
     assert capsys.readouterr().out.splitlines()[-1:] == [want]
+
+
+def test_the_export_needs_torchvision_only_for_autoprocessors_video_processor(imported, tmp_path, capsys):
+    """``AutoProcessor`` builds ``Qwen2_5_VLProcessor`` with its video processor, which transformers implements with
+    torchvision only: without torchvision it is refused naming it (and ``plait export`` says so), while the image
+    processor (its PIL class) and the tokenizer load from the same folder; with torchvision it loads."""
+    import importlib.util
+
+    from plait.commands.export_hf import export_command, torchvision_note
+
+    src, model_dir, job, root = imported
+    assert export_command(model_dir, "qwen2_5_vl", tmp_path / "hf") == 0
+    image = T.AutoImageProcessor.from_pretrained(str(tmp_path / "hf"))
+    assert type(image).__name__ in ("Qwen2VLImageProcessorPil", "Qwen2VLImageProcessor")
+    assert T.AutoTokenizer.from_pretrained(str(tmp_path / "hf")).convert_tokens_to_ids("<|image_pad|>") == \
+        T.AutoConfig.from_pretrained(str(src)).image_token_id
+    printed = capsys.readouterr().out
+    assert torchvision_note("llava") == "" and torchvision_note("gemma3") == ""
+    if importlib.util.find_spec("torchvision") is None:
+        assert f"plait: {torchvision_note('qwen2_5_vl')}" in printed and "needs torchvision" in printed
+        with pytest.raises(ImportError, match="Torchvision"):
+            T.AutoProcessor.from_pretrained(str(tmp_path / "hf"))
+    else:
+        assert type(T.AutoProcessor.from_pretrained(str(tmp_path / "hf"))).__name__ == "Qwen2_5_VLProcessor"
