@@ -480,11 +480,16 @@ def _quiet_transformers() -> None:
 
 
 def _report_error(exc: Exception) -> None:
-    """Print ``exc`` as one ``plait: error:`` line. Under torchrun an error every rank hits alike (a bad config)
-    is printed by rank 0 only; any other error names the rank that raised it."""
+    """Print ``exc`` as one ``plait: error:`` line. Under torchrun an error every rank hits alike (a bad config, a
+    missing file, a bad record) is printed once, by the first rank to report it
+    (:func:`plait.train.job_file.first_to_report`; rank 0 where the job has no store to agree through); any other
+    error names the rank that raised it."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and getattr(exc, "same_on_every_rank", False):
-        if rank == 0:
+        from plait.train.job_file import first_to_report
+
+        first = first_to_report(world)
+        if first or (first is None and rank == 0):
             _error_line(f"plait: error: {exc}")
         return
     where = f" (rank {rank} of {world})" if world > 1 else ""

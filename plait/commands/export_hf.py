@@ -14,6 +14,7 @@ cannot hold (two encoders, a projector LLaVA lacks, ...) is refused naming the d
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +25,14 @@ from plait.data.sources import path_note
 from plait.models.file_modes import share_saved_files
 from plait.models.generation import with_stop_tokens
 from plait.models.gemma3 import GEMMA3_TOKENS
-from plait.models.hf_io import (HF_FORMATS, QWEN_VL_TOKENS, REFUSED_EXPORTS, check_exportable, hf_from_composite,
-                                merge_adapters, save_hf_processor)
+from plait.models.hf_io import (HF_FORMATS, QWEN_VL_FORMATS, QWEN_VL_TOKENS, REFUSED_EXPORTS, check_exportable,
+                                hf_from_composite, merge_adapters, save_hf_processor)
 from plait.models.hf_io_omni import THINKERS, check_thinker_exportable, save_thinker_processor, thinker_from_composite
 from plait.models.hf_io_voxtral import VOXTRAL_CLASS, check_voxtral_exportable, save_voxtral_processor, \
     voxtral_from_composite
 from plait.models.multimodal import PLAIT_CONFIG, MultimodalModel
 
-__all__ = ["export_command", "export_checkpoint", "final_folder"]
+__all__ = ["export_command", "export_checkpoint", "final_folder", "torchvision_note", "VIDEO_PROCESSOR_FORMATS"]
 
 
 def export_command(run: str | Path, fmt: str, out: str | Path | None = None) -> int:
@@ -43,7 +44,28 @@ def export_command(run: str | Path, fmt: str, out: str | Path | None = None) -> 
     folder = export_checkpoint(run, fmt, out)
     print(f"plait: exported {final_folder(run)} as {HF_FORMATS[fmt].model_class} to {folder} "
           f"(transformers: {HF_FORMATS[fmt].model_class}.from_pretrained, AutoProcessor.from_pretrained)", flush=True)
+    note = torchvision_note(fmt)
+    if note:
+        print(f"plait: {note}", flush=True)
     return 0
+
+
+VIDEO_PROCESSOR_FORMATS = (*QWEN_VL_FORMATS, *THINKERS)
+"""The formats whose transformers processor class holds a video processor (``Qwen2VLVideoProcessor``,
+``Qwen3VLVideoProcessor``), which transformers implements with torchvision only: ``AutoProcessor`` loads their
+export where torchvision is installed. Every image processor has a PIL class (``Qwen2VLImageProcessorPil``,
+``CLIPImageProcessorPil``, ``Gemma3ImageProcessorPil``, ...) that ``AutoImageProcessor`` takes without torchvision, so
+the other formats' processors (LLaVA, Qwen2-Audio, Gemma 3, Voxtral) load anywhere."""
+
+
+def torchvision_note(fmt: str) -> str:
+    """What ``plait export`` says after writing ``fmt`` where torchvision is not installed and ``fmt``'s processor
+    needs it (:data:`VIDEO_PROCESSOR_FORMATS`); ``""`` otherwise."""
+    if fmt not in VIDEO_PROCESSOR_FORMATS or importlib.util.find_spec("torchvision") is not None:
+        return ""
+    return (f"{HF_FORMATS[fmt].processor_class} needs torchvision for its video processor (transformers has no other): "
+            "install torchvision where AutoProcessor loads this folder; AutoImageProcessor and AutoTokenizer load "
+            "it without")
 
 
 def final_folder(run: str | Path) -> Path:

@@ -31,6 +31,7 @@ import transformers
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoFeatureExtractor, AutoImageProcessor, AutoProcessor, AutoTokenizer
 
+from plait.config.schema import VideoConfig
 from plait.data.chat_template import read_chat_template
 from plait.data.sources import path_note
 from plait.models.hf_io import (QWEN_VL_FORMATS, HfFormat, composite_from_hf, hf_format_of,
@@ -39,7 +40,26 @@ from plait.models.hf_io_omni import THINKERS, composite_from_thinker, load_think
 from plait.models.hf_io_voxtral import composite_from_voxtral
 from plait.models.multimodal import MultimodalModel
 
-__all__ = ["import_command", "import_checkpoint", "job_toml", "check_weights", "WEIGHT_FILES"]
+__all__ = ["import_command", "import_checkpoint", "job_toml", "check_weights", "imported_video", "WEIGHT_FILES",
+           "VIDEO_FPS", "VIDEO_FORMATS"]
+
+VIDEO_FPS = 2.0
+"""Frames sampled per second of an imported video-capable model (its video processor's default ``fps``)."""
+VIDEO_FORMATS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", *THINKERS)
+"""The ``--format`` names whose image branch takes videos (transformers' video token and video processor)."""
+
+
+def imported_video(fmt: HfFormat) -> dict[str, Any] | None:
+    """The video settings of an imported model's image branch, as ``[model.encoders.<branch>.video]`` would set
+    them: ``{"placeholder", "fps", "max_frames", "audio"}`` with transformers' video token (``<|video_pad|>``, the
+    Qwen2.5-Omni thinker's ``<|VIDEO|>``), :data:`VIDEO_FPS` frames per second, the default frame limit and no
+    audio track; None for a format whose model takes no video. :func:`import_checkpoint` saves them in the model's
+    ``plait_config.json`` (so ``plait generate --video`` reads videos on a fresh import) and the job writes them."""
+    if fmt.name not in VIDEO_FORMATS:
+        return None
+    placeholder = THINKERS[fmt.name].placeholders[2] if fmt.name in THINKERS else "<|video_pad|>"
+    default = VideoConfig()
+    return {"placeholder": placeholder, "fps": VIDEO_FPS, "max_frames": default.max_frames, "audio": False}
 
 
 def import_command(source: str | Path, out: str | Path, *, train: str = "", val: str = "",
@@ -102,7 +122,8 @@ def import_checkpoint(source: str | Path, out: str | Path, *, train: str = "", v
     else:
         model = composite_from_thinker(hf, **audio) if omni else composite_from_hf(hf, fmt, **audio)
     print(f"plait: writing {model_dir}", flush=True)
-    model.save_pretrained(model_dir)
+    video = imported_video(fmt)  # what plait generate --video needs, as plait train saves the job's video table
+    model.save_pretrained(model_dir, video={fmt.branch: video} if video else None)
     tokenizer.save_pretrained(model_dir / "tokenizer")
     media.save_pretrained(model_dir / "processors" / fmt.branch)
     if omni:
@@ -259,6 +280,27 @@ def _chat_template(processor: Any, tokenizer: Any, override: str, src: Path) -> 
     return string_content_template(template, render)
 
 
+def _video_table(fmt: HfFormat) -> str:
+    """The job's ``[model.encoders.<branch>.video]`` table of a video-capable import (:func:`imported_video`, the
+    settings the model folder saves too; the thinkers' ``[model.encoders.audio]`` after it), else ``""``."""
+    settings = imported_video(fmt)
+    if settings is None:
+        return ""
+    pad, fps = settings["placeholder"], settings["fps"]
+    head = f'\n[model.encoders.{fmt.branch}.video]\nplaceholder = "{pad}"  # '
+    tail = f"\nfps = {fps}  # sampled frames per second (its video processor's default)\n"
+    if fmt.name == "qwen2_5_vl":
+        return head + "transformers' video token: a video is positioned as Qwen2_5_VLProcessor gives it" + tail
+    if fmt.name not in THINKERS:  # Qwen3-VL(-MoE)
+        return (head + "records write <|vision_start|><|video_pad|><|vision_end|>; each temporal patch gets its "
+                "<t seconds> and <|vision_start|> ... <|vision_end|>, as Qwen3VLProcessor writes it" + tail)
+    vs, ve, aus, aue = THINKERS[fmt.name].starts
+    return (head + f"records write {vs}{pad}{ve}; with audio = true {vs}{aus}{pad}{aue}{ve}" + tail
+            + "audio = false  # true: each video's audio track goes in with it, time-aligned (use_audio_in_video)\n"
+            "\n[model.encoders.audio]\nfreeze = true  # the audio tower as imported\nfreeze_projector = true  # the "
+            "identity after its projection (export folds it in)\n")
+
+
 def job_toml(fmt: HfFormat, src: Path, model_dir: Path, model: MultimodalModel, train: str, val: str) -> str:
     """The text of the imported job: fine-tune the LLM and projector, the tower frozen (LLaVA-1.5's stage 2;
     Qwen2.5-VL: the LLM, the tower with its merger frozen and plait's identity projector after it frozen too, and
@@ -272,23 +314,7 @@ def job_toml(fmt: HfFormat, src: Path, model_dir: Path, model: MultimodalModel, 
     run_dir = (model_dir.parent / "runs" / "finetune").resolve()
     attention = ('\n[attention]\nmask = "bidirectional_items"  # Gemma 3: the tokens of one image see each other both '
                  "ways\n" if fmt.name == "gemma3" else "")
-    video = (f'\n[model.encoders.{fmt.branch}.video]\nplaceholder = "<|video_pad|>"  # transformers\' video token: a '
-             "video is positioned as Qwen2_5_VLProcessor gives it\nfps = 2.0  # sampled frames per second (its video "
-             "processor's default)\n" if fmt.name == "qwen2_5_vl" else "")
-    if fmt.name == "qwen3_vl":
-        video = ('\n[model.encoders.vision.video]\nplaceholder = "<|video_pad|>"  # records write <|vision_start|>'
-                 "<|video_pad|><|vision_end|>; each temporal patch gets its <t seconds> and <|vision_start|> ... "
-                 "<|vision_end|>, as Qwen3VLProcessor writes it\nfps = 2.0  # sampled frames per second (its video "
-                 "processor's default)\n")
-    if fmt.name in THINKERS:
-        _, _, pad = THINKERS[fmt.name].placeholders
-        vs, ve, aus, aue = THINKERS[fmt.name].starts
-        video = (f'\n[model.encoders.vision.video]\nplaceholder = "{pad}"  # records write {vs}{pad}'
-                 f"{ve}; with audio = true {vs}{aus}{pad}{aue}{ve}\n"
-                 "fps = 2.0  # sampled frames per second (its video processor's default)\naudio = false  # true: each "
-                 "video's audio track goes in with it, time-aligned (use_audio_in_video)\n\n[model.encoders.audio]\n"
-                 "freeze = true  # the audio tower as imported\nfreeze_projector = true  # the identity after its "
-                 "projection (export folds it in)\n")
+    video = _video_table(fmt)
     return f"""# plait job written by plait import from {src.resolve()} ({fmt.model_class}).
 # The model (LLM, {fmt.branch} encoder and projector, placeholder id {token}, processor, chat template) is in
 # {model_dir.resolve()}. Set data.train (plait JSONL, LLaVA JSON or Parquet; one placeholder per item in the text,

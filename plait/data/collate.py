@@ -35,7 +35,8 @@ class Batch:
             M-RoPE takes these instead of ``position_ids`` (which stay the positions inside the document, for the
             attention mask); every other LLM ignores them. A document with a Qwen2.5-Omni thinker's video (with its
             audio track or not, ``VideoSpec.audio``) is positioned as the thinker positions it
-            (:mod:`plait.data.omni_positions`).
+            (:mod:`plait.data.omni_positions`); float32 when a document's are fractional (a Qwen3-Omni video whose
+            ``second_per_grid_t x position_id_per_seconds`` is not whole, as transformers positions it).
     """
 
     input_ids: torch.Tensor
@@ -93,7 +94,7 @@ def collate(samples: Sequence[ProcessedSample], pad_id: int, padding_side: str =
     docs = torch.full((rows, width), -1, dtype=torch.long)
     items = torch.full((rows, width), -1, dtype=torch.long)
     rope_rows = _rope_rows(samples)
-    rope = None if rope_rows is None else torch.zeros((3, rows, width), dtype=torch.long)
+    rope = None if rope_rows is None else torch.zeros((3, rows, width), dtype=_rope_dtype(rope_rows))
     for r, s in enumerate(samples):
         n = len(s.input_ids)
         cols = slice(width - n, width) if padding_side == "left" else slice(0, n)
@@ -107,6 +108,11 @@ def collate(samples: Sequence[ProcessedSample], pad_id: int, padding_side: str =
             rope[:, r, cols] = rope_rows[r]  # type: ignore[index]
     return Batch(ids, labels, attn, pos, docs, items, _modality_inputs(samples), tuple(s.meta for s in samples),
                  tuple(s.answer for s in samples), rope)
+
+
+def _rope_dtype(rows: Sequence[torch.Tensor]) -> torch.dtype:
+    """int64, or float32 when a row's positions are fractional (a Qwen3-Omni video's, as transformers gives them)."""
+    return torch.float32 if any(r.is_floating_point() for r in rows) else torch.long
 
 
 def _rope_rows(samples: Sequence[ProcessedSample]) -> list[torch.Tensor] | None:
@@ -160,4 +166,4 @@ def _pack(samples: Sequence[ProcessedSample]) -> Batch:
     rope = _rope_rows(samples)
     return Batch(ids, labels, torch.ones_like(ids), pos, docs, items, _modality_inputs(samples),
                  tuple(s.meta for s in samples), tuple(s.answer for s in samples),
-                 None if rope is None else torch.cat(rope, dim=1)[:, None])
+                 None if rope is None else torch.cat([r.to(_rope_dtype(rope)) for r in rope], dim=1)[:, None])

@@ -216,7 +216,10 @@ def document_positions(input_ids: torch.Tensor, item_ids: torch.Tensor, items: S
 
 def omni_positions(input_ids: torch.Tensor, item_ids: torch.Tensor, items: Sequence[OmniItem],
                    seconds_per_chunk: float = 2.0, thinker: str = "qwen2_5_omni") -> torch.Tensor:
-    """M-RoPE positions ``[3, n]`` int64 of one document (module docstring), by the thinker's ``get_rope_index``.
+    """M-RoPE positions ``[3, n]`` of one document (module docstring), by the thinker's ``get_rope_index``: int64,
+    or float32 as transformers gives them when they are not whole numbers (a Qwen3-Omni video whose
+    ``second_per_grid_t x position_id_per_seconds`` is not whole: its temporal positions and the text after it are
+    fractional, Qwen2.5-Omni's are rounded down by its own ``get_rope_index``).
 
     Args:
         input_ids: ``[n]`` token ids (only their count is read; roles come from ``item_ids``).
@@ -225,8 +228,8 @@ def omni_positions(input_ids: torch.Tensor, item_ids: torch.Tensor, items: Seque
         seconds_per_chunk: the thinker's ``seconds_per_chunk`` (Qwen2.5-Omni's clip chunks).
         thinker: whose ``get_rope_index`` and clip layout (:data:`THINKERS`): ``"qwen2_5_omni"`` (clips interleaved
             by chunks, :func:`clip_chunks`) or ``"qwen3_omni_moe"`` (clips in time order,
-            :func:`clip_in_time_order`; its positions are whole numbers when ``second_per_grid_t x
-            position_id_per_seconds`` is, and are rounded down otherwise).
+            :func:`clip_in_time_order`; its positions are fractional when ``second_per_grid_t x
+            position_id_per_seconds`` is not a whole number).
 
     Raises:
         ValueError: naming the item: tokens of an item not contiguous (a clip's: not in :func:`clip_chunks`'
@@ -287,7 +290,8 @@ def omni_positions(input_ids: torch.Tensor, item_ids: torch.Tensor, items: Seque
     mask = torch.ones(1, n, dtype=torch.long) if rules.needs_mask else None
     positions, _ = rules.thinker.get_rope_index(holder, roles[None], grid("image"), grid("video"), mask, bool(clips),
                                                 lens, seconds)
-    return positions[:, 0].long()
+    positions = positions[:, 0]
+    return positions.long() if torch.equal(positions, positions.round()) else positions.float()
 
 
 def _spans(items: torch.Tensor, kinds: Sequence[OmniItem], audio_of: dict[int, int], counts: list[int]

@@ -18,6 +18,7 @@ decoded whole).
 
 from __future__ import annotations
 
+import errno
 import io
 import math
 from dataclasses import dataclass
@@ -177,8 +178,8 @@ def _header(container: Any, item: Any) -> VideoHeader:
                           f"still image ({fmt.long_name or fmt.name}); give an image as an image, a video as a video "
                           "file (MP4, MKV, WebM, ...)")
     if not container.streams.video:
-        raise SampleError(f"video {item} has no video stream: zero length, or not a video (an empty or audio-only "
-                          "container)")
+        raise SampleError(f"video {item} has no video stream: zero length, not a video (an empty or audio-only "
+                          "container), or a file cut off before its video stream")
     stream = container.streams.video[0]
     rate = stream.average_rate or stream.guessed_rate
     if not rate or rate <= 0:
@@ -197,6 +198,9 @@ def _header(container: Any, item: Any) -> VideoHeader:
     if frames <= 0:
         raise SampleError(f"video {item} has no frames (zero length)")
     ctx = stream.codec_context
+    if ctx is None or not ctx.width or not ctx.height:
+        raise SampleError(f"video {item} has no frame size in its video stream's header: the file is truncated or "
+                          "damaged")
     return VideoHeader(frames, rate, int(ctx.width), int(ctx.height), estimated)
 
 
@@ -306,9 +310,21 @@ def _seek(container: Any, stream: Any, timestamp: int) -> None:
 
 
 def _reason(exc: Exception) -> str:
-    """The decoder's message without PyAV's ``<_io.BytesIO object at 0x...>`` for embedded bytes."""
-    return str(exc).split(": '<_io.BytesIO")[0]
+    """What is wrong with a video FFmpeg cannot read, in plain words, then FFmpeg's own words without its error number
+    and the file name (PyAV's ``[Errno 541478725] End of file: '<path>'``): ``the file ends early: it is truncated
+    (cut off while it was written, copied or downloaded) (FFmpeg: End of file)``."""
+    import av
 
+    words = getattr(exc, "strerror", None) or str(exc).split(": '<_io.BytesIO")[0] or type(exc).__name__
+    if isinstance(exc, EOFError):
+        plain = "the file ends early: it is truncated (cut off while it was written, copied or downloaded)"
+    elif isinstance(exc, av.error.InvalidDataError):
+        plain = "its data is not a video FFmpeg can read: the file is truncated, damaged, or not a video"
+    elif isinstance(exc, OSError) and exc.errno == errno.EIO:
+        plain = "FFmpeg cannot read its data: the file is truncated or damaged"
+    else:
+        plain = "FFmpeg cannot read it"
+    return f"{plain} (FFmpeg: {words})"
 
 
 def load_audio_track(item: str | bytes, rate: int, video: VideoSpec) -> Any:

@@ -37,6 +37,7 @@ from plait.data.processing import MultimodalProcessor, ProcessedSample
 from plait.data.sources import RawSample, path_note
 from plait.models.device import resolve_device
 from plait.models.gemma3 import attends_items, prefill_items
+from plait.models.hf_io_omni import THINKERS as HF_THINKERS
 from plait.models.multimodal import PLAIT_CONFIG, MultimodalModel
 from plait.models.registry import build_processor, load_tokenizer
 
@@ -393,16 +394,30 @@ class Generator:
         return texts
 
 
+def _thinker_wrappers() -> dict[str, tuple[str, str]]:
+    """Each Omni thinker's placeholders (:data:`plait.models.hf_io_omni.THINKERS`) -> the tokens around one item in
+    its chat template: an image or video between its vision start and end, an audio clip between its audio start and
+    end (the tokens its processor reads from the tokenizer, ``vision_bos_token`` ... ``audio_eos_token``)."""
+    wrappers = {}
+    for thinker in HF_THINKERS.values():
+        image, audio, video = thinker.placeholders
+        vision_start, vision_end, audio_start, audio_end = thinker.starts
+        wrappers |= {image: (vision_start, vision_end), video: (vision_start, vision_end),
+                     audio: (audio_start, audio_end)}
+    return wrappers
+
+
 ITEM_WRAPPERS = {"<|image_pad|>": ("<|vision_start|>", "<|vision_end|>"),
                  "<|video_pad|>": ("<|vision_start|>", "<|vision_end|>"),
-                 "<|AUDIO|>": ("<|audio_bos|>", "<|audio_eos|>"),
-                 "<|IMAGE|>": ("<|vision_bos|>", "<|vision_eos|>"), "<|VIDEO|>": ("<|vision_bos|>", "<|vision_eos|>")}
+                 "<|AUDIO|>": ("<|audio_bos|>", "<|audio_eos|>")} | _thinker_wrappers()
 """Placeholder -> the tokens around each item in the checkpoint's prompts: Qwen2-VL/Qwen2.5-VL's chat template
 writes ``<|vision_start|><|image_pad|><|vision_end|>`` (``<|video_pad|>`` for a video; transformers' M-RoPE
 positions find items by ``vision_start``), Qwen2-Audio's ``<|audio_bos|><|AUDIO|><|audio_eos|>``, the Qwen2.5-Omni
 thinker's ``<|vision_bos|><|IMAGE|><|vision_eos|>`` (``<|VIDEO|>`` for a video; a video with its audio track also
-inside ``<|audio_bos|>`` ... ``<|audio_eos|>``, :meth:`Generator.item_texts`) (the conventions the README gives for
-these imported models' records)."""
+inside ``<|audio_bos|>`` ... ``<|audio_eos|>``, :meth:`Generator.item_texts`), the Qwen3-Omni thinker's
+``<|vision_start|><|image_pad|><|vision_end|>`` and ``<|audio_start|><|audio_pad|><|audio_end|>`` (its tokenizer's
+``audio_bos_token`` and ``audio_eos_token``, which ``Qwen3OmniMoeProcessor`` reads; its ``get_rope_index`` counts
+audio items by ``audio_start_token_id``) (the conventions the README gives for these imported models' records)."""
 
 
 def item_prompt_text(placeholder: str, tokenizer: Any) -> str:

@@ -23,6 +23,7 @@ from plait.models.registry import build_model, build_processor, load_tokenizer
 from plait.parallel.process_group import DistInfo, init_distributed
 from plait.parallel.tensor_parallel import check_tp_heads
 from plait.train.checkpoint import latest_checkpoint, load_model_state
+from plait.train.job_file import same_on_every_rank
 
 __all__ = ["TrainerParts", "build_datasets", "build_trainer_parts", "check_tp_degree", "join_job", "metadata_cache_dir",
            "model_from_checkpoint", "seed_everything"]
@@ -130,13 +131,20 @@ def check_item_attention(model: Any, mask: str) -> None:
 def build_trainer_parts(cfg: JobConfig, info: DistInfo, meta: bool = False) -> TrainerParts:
     """Seed (``train.seed``), then load the tokenizer (``data.tokenizer`` or the LLM's folder, with
     ``data.chat_template``), compose the model (on the meta device when ``meta``),
-    its processor and the datasets (progress bars on the main rank with ``metrics.progress``)."""
+    its processor and the datasets (progress bars on the main rank with ``metrics.progress``).
+
+    Raises:
+        ValueError, FileNotFoundError: a missing or bad file, config value or record (the metadata pass's errors are
+            raised after its results are gathered), marked ``same_on_every_rank``: every rank reads the same files
+            and config, so under torchrun the command line prints the error once (``plait.cli``).
+    """
     seed_everything(cfg.train.seed)
-    tokenizer = load_tokenizer(tokenizer_dir(cfg.data, cfg.model), cfg.data.chat_template)
-    model = build_model(cfg.model, tokenizer, device="meta" if meta else info.device, seed=cfg.train.seed)
-    check_item_attention(model, cfg.attention.mask)
-    processor = build_processor(cfg.model, model, tokenizer, cfg.data.max_length)
-    train, val = build_datasets(cfg, processor, cfg.metrics.progress and info.is_main)
+    with same_on_every_rank():
+        tokenizer = load_tokenizer(tokenizer_dir(cfg.data, cfg.model), cfg.data.chat_template)
+        model = build_model(cfg.model, tokenizer, device="meta" if meta else info.device, seed=cfg.train.seed)
+        check_item_attention(model, cfg.attention.mask)
+        processor = build_processor(cfg.model, model, tokenizer, cfg.data.max_length)
+        train, val = build_datasets(cfg, processor, cfg.metrics.progress and info.is_main)
     return TrainerParts(info, tokenizer, model, processor, train, val)
 
 

@@ -6,11 +6,15 @@ imports) is loaded, so a misspelt key, a wrong type or value, or a missing file 
 - :func:`load_config_for_planning`: the job ``plait plan`` and ``plait energy`` plan for (``[parallel.pp]`` and
   ``parallel.dp`` reset: the plan replaces them).
 - :func:`same_on_every_rank`: mark the errors raised inside it as ones every rank of a job raises alike.
+- :func:`first_to_report`: which rank of a torchrun job prints such an error, agreed through the job's store.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
+import os
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,18 +23,58 @@ from plait.config.loader import config_from_dict, load_config, read_config_data,
 from plait.config.schema import JobConfig
 from plait.train.run_lock import check_run_free
 
-__all__ = ["check_job", "load_config_for_planning", "same_on_every_rank"]
+__all__ = ["check_job", "load_config_for_planning", "same_on_every_rank", "first_to_report", "REPORT_WAIT_S"]
+
+REPORT_WAIT_S = 15.0
+"""Seconds a rank that reports an error every rank raises alike waits for the others to reach it
+(:func:`first_to_report`)."""
 
 
 @contextmanager
 def same_on_every_rank() -> Iterator[None]:
     """Mark a ``ValueError`` or ``FileNotFoundError`` raised inside as one every rank raises alike (each rank reads
-    the same files): under torchrun the command line prints it once, from rank 0 (``plait.cli``)."""
+    the same files): under torchrun the command line prints it once (``plait.cli``, :func:`first_to_report`)."""
     try:
         yield
     except (ValueError, FileNotFoundError) as exc:
         exc.same_on_every_rank = True  # type: ignore[attr-defined]
         raise
+
+
+def first_to_report(world: int, wait_s: float = REPORT_WAIT_S) -> bool | None:
+    """Whether this rank of a ``world``-rank torchrun job is the first to report an error every rank raises alike
+    (:func:`same_on_every_rank`): each rank adds 1 to a key of the job's store (``MASTER_ADDR:MASTER_PORT``, a key of
+    this start of the job: ``TORCHELASTIC_RESTART_COUNT``) and the first prints. Every rank then waits, at most
+    ``wait_s`` seconds, until all ``world`` have added: no rank exits while another still finishes a collective with
+    it (the peer's closed connection would end that one in a gloo ``RuntimeError`` and its traceback), and torchrun,
+    which stops every rank as soon as one exits, never stops the job before its error is printed (letting rank 0
+    print alone lost the line whenever another rank exited first).
+
+    The store is torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``), or the one rank 0 hosts once the process
+    group is joined. Returns None without one (another launcher, or before joining without the agent store): the
+    caller then lets rank 0 print. Imports ``torch.distributed`` (an error path only).
+    """
+    import torch.distributed as dist
+
+    joined = dist.is_available() and dist.is_initialized()
+    if not (joined or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True") or "MASTER_PORT" not in os.environ:
+        return None
+    key = f"plait/same_error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:
+        store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=datetime.timedelta(seconds=wait_s))
+        first = store.add(key, 1) == 1
+    except (RuntimeError, OSError, ValueError):  # no store to reach
+        return None
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            if store.add(key, 0) >= world:
+                break
+        except (RuntimeError, OSError):  # the store's host is gone
+            break
+        time.sleep(0.05)
+    return first
 
 
 def check_job(config: str | Path, overrides: Sequence[str], *, planning: bool = False,

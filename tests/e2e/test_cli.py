@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests.helpers.jobs import ROOT
-from tests.helpers.cli import plait, write_job
+from tests.helpers.cli import plait, plait_on_ranks, write_job
 
 
 def test_train_then_resume_from_the_command_line(tmp_path):
@@ -65,6 +65,20 @@ def test_torchrun_errors_print_once_or_name_the_rank(monkeypatch, capsys):
     assert capsys.readouterr().err == "plait: error: train.lr must be > 0\n"  # rank 0's line only
     _report_error(ValueError("stage 1 has no input"))  # still RANK=2: a rank's own error is never hidden
     assert capsys.readouterr().err == "plait: error (rank 2 of 4): stage 1 has no input\n"
+
+
+def test_a_file_error_every_rank_hits_after_joining_prints_one_line_and_no_traceback(tmp_path):
+    """Two ranks as torchrun starts them (:func:`plait_on_ranks`): the job file checks out, both ranks join the gloo
+    group, then the tokenizer folder is missing on both: one ``plait: error:`` line (the first rank's to reach it),
+    exit code 2, no traceback (a rank that exited at once left the other's gloo connect failing with one). About 6 s
+    with the fork server up."""
+    job = write_job(tmp_path)
+    small = ["--metrics.progress=false", "--data.num_workers=0"]
+    missing = plait_on_ranks(2, "train", "--config", job, *small, f"--data.tokenizer={tmp_path / 'no_tokenizer'}",
+                             limit_s=120)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr[-3000:]
+    errors = [line for line in missing.stderr.splitlines() if line.startswith("plait: error")]
+    assert errors == [f"plait: error: data.tokenizer: tokenizer directory {tmp_path / 'no_tokenizer'} does not exist"]
 
 
 def test_plan_and_simulate_commands(tmp_path):

@@ -59,8 +59,8 @@ class Rows:
     """Token rows and both models' inputs.
 
     Layout items: ``("image", (1, h, w))``, ``("audio", samples)``, ``("video", (t, h, w))`` (no audio track) or
-    ``("clip", ((t, h, w), samples))`` (a video with its audio track, sampled at 2 frames per second: 1 s per temporal
-    patch). A row has clips or silent videos, not both (the thinker positions a row one way).
+    ``("clip", ((t, h, w), samples))`` (a video with its audio track; ``second_per_grid`` seconds per temporal patch,
+    1 s: sampled at 2 frames per second). A row has clips or silent videos, not both (the thinker positions a row one way).
 
     Attributes:
         input_ids: ``[B, N]`` transformers' ids (video tokens ``<|VIDEO|>``); attention_mask ``[B, N]``.
@@ -71,7 +71,7 @@ class Rows:
     """
 
     def __init__(self, layout: list[list[tuple[str, object]]], seed: int, left: bool,
-                 thinker: str = "qwen2_5_omni") -> None:
+                 thinker: str = "qwen2_5_omni", second_per_grid: float = 1.0) -> None:
         g = torch.Generator().manual_seed(seed)
         ids_rows, item_rows, docs = [], [], []
         images, videos, seconds, audio_feats, audio_frames, vis_items = [], [], [], [], [], []
@@ -87,10 +87,10 @@ class Rows:
                     vis_items.append((pixels, grid))
                     (images if kind == "image" else videos).append((pixels, grid))
                     if kind != "image":
-                        seconds.append(1.0)
+                        seconds.append(second_per_grid)
                     vid = len(items)
                     items.append(OmniItem("image" if kind == "image" else "video", tuple(grid),
-                                          1.0 if kind != "image" else 0.0, 25.0))
+                                          second_per_grid if kind != "image" else 0.0, 25.0))
                     n = t * h * w // 4
                 if kind in ("audio", "clip"):
                     samples = spec[1] if kind == "clip" else spec
@@ -105,10 +105,10 @@ class Rows:
                     k = _audio_tokens(samples, thinker)
                 if kind == "clip":
                     clips_used = True
-                    items[vid] = OmniItem("video", tuple(grid), 1.0, 25.0, clip=aud)
+                    items[vid] = OmniItem("video", tuple(grid), second_per_grid, 25.0, clip=aud)
                     ids += [VSTART, ASTART]
                     item += [-1, -1]
-                    for what, m in THINKERS[thinker].layout(grid, 2, 1.0, k, 25.0, 2.0):
+                    for what, m in THINKERS[thinker].layout(grid, 2, second_per_grid, k, 25.0, 2.0):
                         ids += [VIDEO if what == "video" else AUDIO] * m
                         item += [vid if what == "video" else aud] * m
                     ids += [AEND, VEND]
@@ -134,11 +134,13 @@ class Rows:
         self.input_ids, self.item_ids = padded(ids_rows, 0), padded(item_rows, -1)
         self.attention_mask = padded([[1] * len(r) for r in ids_rows], 0)
         self.plait_ids = torch.where(self.input_ids == VIDEO, IMAGE, self.input_ids)
-        self.rope = torch.zeros(3, *self.input_ids.shape, dtype=torch.long)
-        for r, items in enumerate(docs):
-            real = self.attention_mask[r] == 1
-            self.rope[:, r, real] = omni_positions(self.plait_ids[r][real], self.item_ids[r][real], items,
-                                                   thinker=thinker)
+        found = [omni_positions(self.plait_ids[r][self.attention_mask[r] == 1],
+                                self.item_ids[r][self.attention_mask[r] == 1], items, thinker=thinker)
+                 for r, items in enumerate(docs)]
+        dtype = torch.float32 if any(p.is_floating_point() for p in found) else torch.long
+        self.rope = torch.zeros(3, *self.input_ids.shape, dtype=dtype)
+        for r, p in enumerate(found):
+            self.rope[:, r, self.attention_mask[r] == 1] = p.to(dtype)
         self.hf = dict(input_ids=self.input_ids, attention_mask=self.attention_mask,
                        use_audio_in_video=clips_used)
         if images:
@@ -165,9 +167,10 @@ class Rows:
 
 
 def rows(layout: list[list[tuple[str, object]]], seed: int = 0, left: bool = False,
-         thinker: str = "qwen2_5_omni") -> Rows:
-    """:class:`Rows` of ``layout`` (see its docstring)."""
-    return Rows(layout, seed, left, thinker)
+         thinker: str = "qwen2_5_omni", second_per_grid: float = 1.0) -> Rows:
+    """:class:`Rows` of ``layout`` (see its docstring; ``second_per_grid``: seconds per temporal patch of every
+    video)."""
+    return Rows(layout, seed, left, thinker, second_per_grid)
 
 
 OMNI_TOKENS = ["<|IMAGE|>", "<|VIDEO|>", "<|AUDIO|>", "<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>",

@@ -42,9 +42,10 @@ def tiny_thinker(seed: int = 0, **ids: int) -> T.Qwen3OmniMoeThinkerForCondition
     return model.eval()
 
 
-def q3_rows(layout: list[list[tuple[str, object]]], seed: int = 0, left: bool = False):
+def q3_rows(layout: list[list[tuple[str, object]]], seed: int = 0, left: bool = False,
+            second_per_grid: float = 1.0):
     """:func:`tests.helpers.qwen2_5_omni.rows` for this thinker."""
-    return rows(layout, seed, left, THINKER)
+    return rows(layout, seed, left, THINKER, second_per_grid)
 
 
 QWEN3_OMNI_TOKENS = ["<|image_pad|>", "<|video_pad|>", "<|audio_pad|>", "<|vision_start|>", "<|vision_end|>",

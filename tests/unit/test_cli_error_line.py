@@ -1,6 +1,7 @@
 """``plait.cli``'s error line under torchrun: each rank writes its whole line, newline included, in one write, so
 the ranks' lines on a shared unbuffered stderr (``PYTHONUNBUFFERED``) never run into each other (``print`` writes
-the text and the newline separately)."""
+the text and the newline separately); an error every rank raises alike is printed by the first rank to reach it,
+agreed through torchrun's agent store, each rank returning once every rank has reached it."""
 
 from __future__ import annotations
 
@@ -69,3 +70,43 @@ def test_two_unbuffered_processes_never_glue_their_lines():
                 p.kill()
                 p.wait()
     assert codes == [0, 0] and len(lines) == 6000 and set(lines) == {f"plait: error (rank {r} of 2): {'x' * 50}" for r in (0, 1)}
+
+
+def test_the_first_rank_to_reach_an_error_every_rank_raises_prints_it_once_all_have(monkeypatch):
+    """torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``) hosted here, two ranks as threads: the first to call
+    :func:`plait.train.job_file.first_to_report` prints (rank 1 here: letting rank 0 print alone lost the line when
+    torchrun stopped rank 0 as rank 1 exited), and it returns only after the other rank reached the error too;
+    without a store to agree through (another launcher), None: rank 0 prints."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from plait.train.job_file import first_to_report
+    from tests.distributed.spawning import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    events, results = [], {}
+
+    def rank(name: str) -> None:
+        events.append(f"{name} reaches the error")
+        results[name] = first_to_report(2, wait_s=20)
+        events.append(f"{name} returns")
+
+    first = threading.Thread(target=rank, args=("rank 1",))
+    first.start()
+    while int(store.add("plait/same_error/0", 0)) < 1:  # rank 1 has reported and waits
+        time.sleep(0.01)
+    assert events == ["rank 1 reaches the error"]
+    rank("rank 0")
+    first.join(30)
+    assert results == {"rank 1": True, "rank 0": False}
+    assert events[:2] == ["rank 1 reaches the error", "rank 0 reaches the error"]
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+    monkeypatch.delenv("MASTER_PORT")
+    assert first_to_report(2) is None  # a launcher without a store address

@@ -1,11 +1,18 @@
 """A clip record (a video with its audio track, ``video.audio = true``) written without its thinker's audio start and
 end tokens is a bad record: the record's processing refuses it naming the record, its file and line and the field
 (``videos[0]``), so ``data.on_error = "skip"`` drops and counts it when its step loads it, for the Qwen3-Omni thinker
-as for Qwen2.5-Omni; the thinker's own layout still processes, and a prompt without placeholders gets it."""
+as for Qwen2.5-Omni; the thinker's own layout still processes, and a prompt without placeholders gets it. A Qwen3-Omni
+prompt's audio clip without a placeholder is written ``<|audio_start|><|audio_pad|><|audio_end|>`` as its processor's
+tokens (``audio_bos_token``, ``audio_token``, ``audio_eos_token``) and chat template write it: the thinker's
+``get_rope_index`` finds it and gives plait's positions."""
 
 from __future__ import annotations
 
 import json
+import wave
+
+import numpy as np
+import torch
 
 import pytest
 
@@ -29,11 +36,11 @@ def qwen3(tmp_path_factory):
     model_dir, _ = import_checkpoint(save_thinker(tmp / "thinker"), tmp / "imported")
     gen = Generator.from_pretrained(model_dir, device="cpu", dtype="fp32")
     config = load_config(ROOT / "configs" / "recipes" / "qwen3_omni_moe.toml", [f"--model.pretrained={model_dir}"])
-    return gen, build_processor(config.model, gen.model, gen.tokenizer, 512)
+    return gen, build_processor(config.model, gen.model, gen.tokenizer, 512), tmp / "thinker"
 
 
 def test_a_qwen3_omni_clip_without_its_audio_tokens_is_refused_and_skipped(qwen3, tmp_path):
-    gen, processor = qwen3
+    gen, processor, _ = qwen3
     clip = str(write_clip(tmp_path / "clip.mkv", 6, rate=2, audio_s=3.0))
     rows = [{"id": rid, "videos": [clip], "messages": [{"role": "user", "content": f"{text}What?"},
                                                        {"role": "assistant", "content": "a tone"}]}
@@ -57,3 +64,33 @@ def test_a_qwen3_omni_clip_without_its_audio_tokens_is_refused_and_skipped(qwen3
     assert sorted(loaded.samples) == [0] and list(loaded.failed) == [1] and "videos[0]" in loaded.failed[1]
     # a prompt without placeholders writes each clip in the thinker's layout
     assert Generator(gen.model, processor).item_texts()["video"] == CLIP
+
+
+def test_a_qwen3_omni_audio_prompt_is_wrapped_in_its_audio_start_and_end(qwen3, tmp_path):
+    """``plait generate --audio a.wav --prompt ...`` on a fresh Qwen3-Omni import: the clip goes in between
+    ``<|audio_start|>`` and ``<|audio_end|>`` (it went in bare, ``<|audio_pad|>`` being missing from the wrappers),
+    the tokens ``Qwen3OmniMoeProcessor`` takes from Qwen3-Omni's tokenizer (``audio_bos_token``, ``audio_eos_token``)
+    and the config ids transformers' ``get_rope_index`` counts audio items by; its positions equal plait's."""
+    from plait.commands.generate import prompt_sample
+    from plait.data.collate import collate
+    from plait.models.hf_io_omni import load_thinker
+
+    gen, _, src = qwen3
+    assert gen.item_texts()["audio"] == "<|audio_start|><|audio_pad|><|audio_end|>"
+    wav = tmp_path / "tone.wav"
+    with wave.open(str(wav), "wb") as f:
+        f.setnchannels(1), f.setsampwidth(2), f.setframerate(16000)
+        f.writeframes((np.sin(np.arange(24000) * 0.05) * 12000).astype(np.int16).tobytes())
+    sample = gen.processor(prompt_sample(gen, "What is it?", audios=[str(wav)]), prompt_only=True)
+    batch = collate([sample], gen.processor.pad_id)
+    hf = load_thinker(src)
+    cfg = hf.config
+    ids = batch.input_ids[0].tolist()
+    first, count = ids.index(cfg.audio_token_id), ids.count(cfg.audio_token_id)
+    assert count == sample.meta.items[0][1] > 0
+    assert ids[first - 1] == cfg.audio_start_token_id and ids[first + count] == cfg.audio_end_token_id
+    lengths = batch.modality_inputs["audio"]["num_samples"] // 160  # mel frames (hop 160): 1.5 s, 150
+    want, _ = hf.model.get_rope_index(batch.input_ids, None, None, batch.attention_mask, False, lengths, None)
+    mine = batch.rope_position_ids  # None: no item moves a position off the 1-D ones (audio runs on like text)
+    mine = batch.position_ids[None].expand(3, -1, -1) if mine is None else mine
+    assert torch.equal(mine, want.long())

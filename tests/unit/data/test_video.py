@@ -210,7 +210,45 @@ def test_an_undecodable_video_is_refused_naming_record_and_file(setup):
     path = folder / "garbage.mp4"
     path.write_bytes(b"this is not a video at all" * 10)
     for error in _bad(proc, folder, video_record("g1", [str(path)])):
-        assert error.startswith(f"record 'g1' ({folder}/bad.jsonl:3): cannot decode video {path}: ")
+        assert error == (f"record 'g1' ({folder}/bad.jsonl:3): cannot decode video {path}: its data is not a video "
+                         "FFmpeg can read: the file is truncated, damaged, or not a video (FFmpeg: Invalid data found "
+                         "when processing input)")
+
+
+@pytest.mark.parametrize("cut, ffmpeg", [(50, "End of file"), (300, "Input/output error")])
+def test_a_video_cut_inside_its_header_says_truncated_in_plain_words(setup, cut, ffmpeg):
+    """A file cut before its stream headers end: the record, the file and what is wrong, without PyAV's
+    ``[Errno 541478725] ...: '<path>'``."""
+    folder, _, _, proc = setup
+    path = folder / f"cut{cut}.mkv"
+    path.write_bytes(write_video(folder / "whole8.mkv", 8).read_bytes()[:cut])
+    why = ("the file ends early: it is truncated (cut off while it was written, copied or downloaded)" if cut == 50
+           else "FFmpeg cannot read its data: the file is truncated or damaged")
+    for error in _bad(proc, folder, video_record("c1", [str(path)])):
+        assert error == f"record 'c1' ({folder}/bad.jsonl:3): cannot decode video {path}: {why} (FFmpeg: {ffmpeg})"
+        assert "Errno" not in error
+
+
+def test_an_mp4_cut_anywhere_says_truncated_naming_record_and_file(setup):
+    """Every cut of an MP4 before its end: the record and file, "truncated" (or "cut off") in the message, and no
+    errno or Python internals (a cut inside the stream header read as ``'NoneType' object has no attribute
+    'width'``)."""
+    folder, _, _, proc = setup
+    whole = write_video(folder / "whole8.mp4", 8).read_bytes()
+    errors = []
+    for cut in range(40, len(whole) - 120, 60):
+        path = folder / f"cut{cut}.mp4"
+        path.write_bytes(whole[:cut])
+        raw = parse_record(video_record("c2", [str(path)]), f"{folder}/bad.jsonl:3", folder)
+        for run in (lambda: proc(raw), lambda: record_metadata(proc, raw)):
+            try:
+                run()
+            except SampleError as exc:
+                errors.append((path, str(exc)))
+    assert len(errors) >= 10
+    for path, error in errors:
+            assert error.startswith(f"record 'c2' ({folder}/bad.jsonl:3): ") and str(path) in error, error
+            assert ("truncated" in error or "cut off" in error) and "Errno" not in error and "NoneType" not in error
 
 
 def test_a_truncated_video_passes_the_header_pass_and_fails_to_decode_naming_the_file(setup):
@@ -247,7 +285,8 @@ def test_a_zero_length_video_is_refused_naming_record_and_file(setup, kind):
                   "sequence); give an image as an image, a video as a video file (MP4, MKV, WebM, ...)")
     elif kind == "no frames":
         path = write_video(folder / "zero.mp4", 0)
-        reason = "has no video stream: zero length, or not a video (an empty or audio-only container)"
+        reason = ("has no video stream: zero length, not a video (an empty or audio-only container), or a file cut off "
+                  "before its video stream")
     else:
         path = folder / "empty.mp4"
         path.write_bytes(b"")

@@ -312,3 +312,49 @@ def test_a_prompt_without_placeholders_gets_the_wrapped_image_and_video(imported
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.rope_position_ids, b.rope_position_ids)
     start = gen.tokenizer.convert_tokens_to_ids("<|vision_start|>")
     assert int((a.input_ids == start).sum()) == 2
+
+
+def test_generate_video_on_a_fresh_import_reads_it_as_the_imported_job_does(imported, capsys):
+    """``plait import`` saves the video settings its job writes (``<|video_pad|>``, 2 fps) in the model folder, so
+    ``plait generate --model <import>/model --video clip --prompt ...`` is answered (it was refused: no video
+    placeholder), with the same answer as a generator built from the imported job's processor."""
+    from plait.commands.generate import generate_command
+
+    src, model_dir, job, root = imported
+    clip = str(write_video(root / "clip3.mkv", 4, width=56, height=56, rate=2))
+    fresh = Generator.from_pretrained(model_dir, device="cpu", dtype="fp32")
+    video = fresh.processor.specs["image"].video
+    assert (video.placeholder, video.placeholder_id, video.fps, video.audio) == (
+        "<|video_pad|>", fresh.tokenizer.convert_tokens_to_ids("<|video_pad|>"), 2.0, False)
+    assert load_config(job).model.encoders["vision"].video.fps == video.fps  # the job says the same
+    by_job = Generator(fresh.model, build_processor(load_config(job).model, fresh.model, fresh.tokenizer, 512), "cpu",
+                       "fp32")
+    want = by_job.ask("What happens?", videos=[clip], max_new_tokens=3)
+    capsys.readouterr()
+    assert generate_command(model_dir, prompt="What happens?", videos=[clip], max_new_tokens=3, device="cpu",
+                            dtype="fp32", threads=1) == 0
+    assert capsys.readouterr().out.splitlines()[-1:] == [want]
+
+
+def test_the_export_needs_torchvision_only_for_autoprocessors_video_processor(imported, tmp_path, capsys):
+    """``AutoProcessor`` builds ``Qwen2_5_VLProcessor`` with its video processor, which transformers implements with
+    torchvision only: without torchvision it is refused naming it (and ``plait export`` says so), while the image
+    processor (its PIL class) and the tokenizer load from the same folder; with torchvision it loads."""
+    import importlib.util
+
+    from plait.commands.export_hf import export_command, torchvision_note
+
+    src, model_dir, job, root = imported
+    assert export_command(model_dir, "qwen2_5_vl", tmp_path / "hf") == 0
+    image = T.AutoImageProcessor.from_pretrained(str(tmp_path / "hf"))
+    assert type(image).__name__ in ("Qwen2VLImageProcessorPil", "Qwen2VLImageProcessor")
+    assert T.AutoTokenizer.from_pretrained(str(tmp_path / "hf")).convert_tokens_to_ids("<|image_pad|>") == \
+        T.AutoConfig.from_pretrained(str(src)).image_token_id
+    printed = capsys.readouterr().out
+    assert torchvision_note("llava") == "" and torchvision_note("gemma3") == ""
+    if importlib.util.find_spec("torchvision") is None:
+        assert f"plait: {torchvision_note('qwen2_5_vl')}" in printed and "needs torchvision" in printed
+        with pytest.raises(ImportError, match="Torchvision"):
+            T.AutoProcessor.from_pretrained(str(tmp_path / "hf"))
+    else:
+        assert type(T.AutoProcessor.from_pretrained(str(tmp_path / "hf"))).__name__ == "Qwen2_5_VLProcessor"

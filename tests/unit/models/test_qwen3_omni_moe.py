@@ -58,6 +58,31 @@ def test_logits_equal_hf_with_plaits_positions(models, layout):
         assert (flat - want)[real].abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("layout", ["clip", "video"])
+def test_fractional_time_steps_are_positioned_as_transformers_does(models, layout):
+    """Videos of 0.5 s per temporal patch (``second_per_grid_t x position_id_per_seconds`` = 12.5, not whole): plait's
+    positions are transformers' float positions exactly (they were rounded down), the logits equal the thinker's and
+    greedy decoding continues from the fractional positions as ``generate`` does."""
+    hf, model = models
+    r = q3_rows(LAYOUTS[layout], seed=5, left=True, second_per_grid=0.5)
+    real = r.attention_mask.bool()
+    want = _hf_positions(hf, r)
+    assert r.rope.dtype == torch.float32 and torch.equal(r.rope[:, real], want[:, real])
+    assert not torch.equal(want[:, real], want[:, real].round())  # fractional indeed
+    with torch.no_grad():
+        logits = hf(**r.hf).logits
+        mine = model(r.plait_ids, r.modality_inputs, r.attention_mask, r.positions, rope_position_ids=r.rope)
+    torch.testing.assert_close(mine[real], logits[real], rtol=1e-5, atol=1e-5)
+    empty = {f: None for f in Batch.__dataclass_fields__}
+    batch = Batch(**(empty | dict(input_ids=r.plait_ids, attention_mask=r.attention_mask, position_ids=r.positions,
+                                  rope_position_ids=r.rope, item_ids=r.item_ids,
+                                  modality_inputs=r.modality_inputs)))
+    with torch.no_grad():
+        tokens = hf.generate(**r.hf, max_new_tokens=6, do_sample=False, eos_token_id=[2],
+                             pad_token_id=0)[:, r.input_ids.shape[1]:]
+    assert greedy_token_ids(model, batch, [2], 6, 0).tolist() == tokens.tolist()
+
+
 def test_a_clip_is_laid_out_in_time_order():
     """Temporal patch ``k`` (at ``25 k``) goes before audio tokens ``a >= 25 k``: 39 tokens of 3 s of audio."""
     assert clip_in_time_order((4, 4, 4), 2, 1.0, 39, 25.0) == [("video", 4), ("audio", 25), ("video", 4),
