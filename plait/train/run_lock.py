@@ -204,7 +204,9 @@ def hold_run_lock(run_dir: str | Path, is_main: bool = True, world_size: int = 1
         except ValueError as exc:
             error = str(exc)
         except OSError as exc:  # e.g. a read-only or foreign folder: every rank must hear of it
-            error = f"cannot write the lock of run folder {run_dir}: {exc}"
+            where = f" ({exc.filename})" if exc.filename else ""
+            error = (f"cannot write the lock of run folder {run_dir}: {exc.strerror or type(exc).__name__}"
+                     f"{where}; choose a folder this user can write (metrics.run_dir)")
     if world_size > 1:
         import torch.distributed as dist
 

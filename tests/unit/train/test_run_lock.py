@@ -124,6 +124,7 @@ def test_the_lock_is_reentrant_and_released_on_every_exit_path(tmp_path, monkeyp
         with hold_run_lock(run):
             raise AssertionError("the block must not run")
     assert err.value.same_on_every_rank  # a ValueError every rank raises, not rank 0's OSError alone
+    assert "[Errno" not in str(err.value) and "metrics.run_dir" in str(err.value)  # plain words and the field
 
 
 def test_plait_train_and_launch_refuse_a_folder_in_use_before_building_anything(tmp_path, capsys):
