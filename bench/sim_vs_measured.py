@@ -267,6 +267,9 @@ def mean_profile(profiles: list[Profile]) -> Profile:
     for i, m in enumerate(first.measurements):
         times = {f: sum(getattr(p.measurements[i], f) for p in profiles) / n
                  for f in ("forward_s", "input_grad_s", "weight_grad_s", "fused_backward_s")}
+        if all(p.measurements[i].has_split for p in profiles):
+            times |= {f: sum(getattr(p.measurements[i], f) for p in profiles) / n
+                      for f in ("split_input_grad_s", "split_weight_grad_s")}
         measurements.append(dataclasses.replace(m, **times))
     overhead = {mod: {k: sum(p.chunk_overhead_s[mod][k] for p in profiles) / n for k in kinds}
                 for mod, kinds in first.chunk_overhead_s.items()}

@@ -25,15 +25,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from plait.planner.cost.types import ProfileKey, UnitMeasurement
+from plait.planner.cost.types import ProfileKey
 from plait.planner.pipeline.types import PipelinePlan
-from plait.planner.serialize import dataclass_from_dict
+from plait.planner.serialize import JsonDataclass, dataclass_from_dict
 from plait.planner.types import Unit, UnitCost
 
-__all__ = ["FORMAT_VERSION", "OVERHEAD_KINDS", "Profile", "profile_mismatch", "stage_action_costs"]
+__all__ = ["FORMAT_VERSION", "OVERHEAD_KINDS", "Profile", "UnitMeasurement", "profile_mismatch", "stage_action_costs"]
 
 FORMAT_VERSION = 1
-OVERHEAD_KINDS = ("F", "B")
+OVERHEAD_KINDS = ("F", "B", "B_split", "W_split")
 
 
 def profile_mismatch(stored: ProfileKey, wanted: ProfileKey) -> str | None:
@@ -88,6 +88,65 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 @dataclass(frozen=True)
+class UnitMeasurement(JsonDataclass):
+    """Raw measurements of one unit for one microbatch (mean over the profiled microbatches of the median
+    over repetitions after warm-up). Times in seconds, memory in bytes.
+
+    Attributes:
+        name: the unit's name (``Unit.name``).
+        forward_s: forward time (graph recorded, as in training).
+        input_grad_s: backward w.r.t. the unit's input only (dX); 0 when the input is raw data (pixels, ids).
+        weight_grad_s: backward w.r.t. the unit's parameters only (dW); measured with the parameters made
+            trainable for the measurement, so frozen units have one too (for frozen-unaware planning).
+        fused_backward_s: one backward computing both (what an unsplit backward runs).
+        param_bytes: parameter bytes; grad_bytes: gradient bytes of its trainable parameters;
+        optimizer_bytes: AdamW state bytes of its trainable parameters (measured after one step);
+        activation_bytes: bytes of the tensors its forward saves for backward (parameters excluded) under
+            the real freezing flags; output_bytes: bytes of its output.
+        split_input_grad_s, split_weight_grad_s: the pipeline runtime's own split backward of zero-bubble
+            schedules (``plait.parallel.pipeline.split_backward``; Qi et al., ICLR 2024, section 2), every
+            parameter trainable: ``B`` (``input_gradients``: dX, keeping the gradients at the weights'
+            intermediates) and ``W`` (``weight_gradients`` from those kept gradients, a backward of its own);
+            0 when the unit's input is raw data. None in profiles measured before they existed: split
+            schedules are then charged by the fused rule (:meth:`to_cost`).
+    """
+
+    name: str
+    forward_s: float
+    input_grad_s: float
+    weight_grad_s: float
+    fused_backward_s: float
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    activation_bytes: int = 0
+    output_bytes: int = 0
+    split_input_grad_s: float | None = None
+    split_weight_grad_s: float | None = None
+
+    @property
+    def has_split(self) -> bool:
+        """Whether the runtime's split backward was measured (both split fields set)."""
+        return self.split_input_grad_s is not None and self.split_weight_grad_s is not None
+
+    def to_cost(self, unit: Unit, split_backward: bool = False) -> UnitCost:
+        """The planner's cost of ``unit`` (real flags), chosen so the simulator charges the backward the runtime
+        runs. Fused (``split_backward`` False, or no split measured): ``input_grad_s`` = dX; ``weight_grad_s`` =
+        fused - dX when the unit needs an input gradient (the extra cost of also producing weight gradients),
+        else dW alone; so ``UnitCost.backward_s(unit)`` is the fused backward. Split and measured: a trainable
+        unit needing an input gradient pays the split ``B`` and ``W``; a frozen one plain dX (the runtime keeps
+        no gradient for weights that do not train); one whose input needs no gradient dW alone (its stage's
+        ``W`` is then one backward from the outputs)."""
+        if unit.needs_input_grad:
+            dx, weight = self.input_grad_s, max(0.0, self.fused_backward_s - self.input_grad_s)
+            if split_backward and self.has_split and unit.trainable:
+                dx, weight = self.split_input_grad_s, self.split_weight_grad_s
+        else:
+            dx, weight = self.input_grad_s, self.weight_grad_s
+        return UnitCost(self.forward_s, dx, weight, self.param_bytes, self.activation_bytes, self.output_bytes)
+
+
+@dataclass(frozen=True)
 class Profile:
     """A measured profile (module docstring).
 
@@ -97,7 +156,9 @@ class Profile:
         measurements: one :class:`UnitMeasurement` per unit, same order.
         chunk_overhead_s: per module, seconds one chunk of that module costs per action beyond its units:
             ``{"F": forward, "B": backward}`` (the backward the runtime runs unsplit; may be negative where
-            units measured alone are slower than inside a chunk).
+            units measured alone are slower than inside a chunk); a chunk whose input needs a gradient also
+            ``"B_split"`` and ``"W_split"``: its glue in the runtime's split backward beyond the units' split
+            ``B`` and ``W`` (absent in older profiles: split schedules then put ``"B"`` on ``B``).
         repeats, warmup: repetitions timed and discarded per measurement.
         action_overhead_s: seconds the pipeline runtime spends per action beyond the stage's own work
             (bookkeeping of the executor; measured in one process, so without P2P transfers).
@@ -145,12 +206,18 @@ class Profile:
 
     @property
     def costs(self) -> tuple[UnitCost, ...]:
-        """The planner's per-unit costs (``UnitMeasurement.to_cost``), same order as ``units``."""
-        return tuple(m.to_cost(u) for u, m in zip(self.units, self.measurements))
+        """The planner's per-unit costs of a fused backward (``UnitMeasurement.to_cost``), same order as
+        ``units``."""
+        return self.costs_for(split_backward=False)
 
-    def cost_map(self) -> dict[str, UnitCost]:
-        """``{unit name: UnitCost}``."""
-        return {u.name: c for u, c in zip(self.units, self.costs)}
+    def costs_for(self, split_backward: bool) -> tuple[UnitCost, ...]:
+        """The per-unit costs of a schedule with (``split_backward``: ZB-H1, ZB-H2, ZB-V) or without a split
+        backward (``UnitMeasurement.to_cost``: the measured split ``B`` and ``W`` where the profile has them)."""
+        return tuple(m.to_cost(u, split_backward) for u, m in zip(self.units, self.measurements))
+
+    def cost_map(self, split_backward: bool = False) -> dict[str, UnitCost]:
+        """``{unit name: UnitCost}`` (:meth:`costs_for`)."""
+        return {u.name: c for u, c in zip(self.units, self.costs_for(split_backward))}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (with the file format version)."""
@@ -181,17 +248,23 @@ def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
     ``F`` = the stage's unit forwards plus, per module chunk of the stage, that module's forward chunk
     overhead. Unsplit, ``B`` = the units' ``UnitCost.backward_s`` plus each chunk's backward overhead (none
     for a chunk that runs no backward). Split, ``B`` = dX of the units needing one, ``W`` = ``weight_grad_s``
-    of the trainable units; a chunk's backward overhead goes to ``B`` when the chunk needs an input gradient,
-    else to ``W``; on a stage whose input needs no gradient ``B`` has nothing to do and ``W`` takes it all (the
+    of the trainable units, both from ``Profile.costs_for(split_backward=True)`` (the runtime's split backward
+    measured per unit where the profile has it, else the fused rule; on a stage whose input needs no gradient the
+    fused costs, as the runtime runs one unsplit backward there). A chunk's split glue ``B_split`` / ``W_split``
+    goes to ``B`` / ``W`` where measured (a chunk needing an input gradient, on such a stage); otherwise its
+    backward overhead goes to ``B`` when the chunk needs an input gradient, else to ``W``; on a stage whose input needs no gradient ``B`` has nothing to do and ``W`` takes it all (the
     runtime's split backward). A sum below 0 is clipped to 0. Every action the stage runs (``F``; ``B`` and ``W`` when it
     runs a backward) also pays the runtime's ``action_overhead_s``.
 
     Raises:
         ValueError: when a unit of the plan is not in the profile.
     """
-    by_name = {u.name: (u, c) for u, c in zip(profile.units, profile.costs)}
+    fused = {u.name: (u, c) for u, c in zip(profile.units, profile.costs)}
+    split = {u.name: (u, c) for u, c in zip(profile.units, profile.costs_for(True))} if split_backward else fused
     out: dict[tuple[int, str], float] = {}
     for stage in plan.stages:
+        split_stage = split_backward and stage.needs_input_grad  # no input gradient: W is one unsplit backward
+        by_name = split if split_stage else fused
         f = dx = dw = 0.0
         for module in stage.modules:
             names = stage.module_units(module)
@@ -206,7 +279,10 @@ def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
             dx += sum(c.input_grad_s for u, c in pairs if u.needs_input_grad)
             dw += sum(c.weight_grad_s for u, c in pairs if u.trainable)
             back = over.get("B", 0.0) if (needs_dx or trains) else 0.0
-            if needs_dx:
+            if split_stage and needs_dx and "B_split" in over and "W_split" in over:
+                dx += over["B_split"]  # the chunk's glue in the runtime's split backward, measured
+                dw += over["W_split"] if trains else 0.0
+            elif needs_dx:
                 dx += back
             else:
                 dw += back
