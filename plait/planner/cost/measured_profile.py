@@ -250,9 +250,13 @@ def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
     for a chunk that runs no backward). Split, ``B`` = dX of the units needing one, ``W`` = ``weight_grad_s``
     of the trainable units, both from ``Profile.costs_for(split_backward=True)`` (the runtime's split backward
     measured per unit where the profile has it, else the fused rule; on a stage whose input needs no gradient the
-    fused costs, as the runtime runs one unsplit backward there). A chunk's split glue ``B_split`` / ``W_split``
-    goes to ``B`` / ``W`` where measured (a chunk needing an input gradient, on such a stage); otherwise its
-    backward overhead goes to ``B`` when the chunk needs an input gradient, else to ``W``; on a stage whose input needs no gradient ``B`` has nothing to do and ``W`` takes it all (the
+    fused costs, as the runtime runs one unsplit backward there). A module's split glue ``B_split`` / ``W_split``
+    (measured on a chunk holding the whole module) goes to ``B`` / ``W`` where measured (a chunk needing an input
+    gradient, on such a stage), each chunk its share of the module's units' split dX / dW: unlike the forward's
+    glue (rotary embeddings, masks: once per chunk) it scales with the work split (the demo LLM in 4 chunks
+    ran the split ``B`` and ``W`` of one chunk, within noise, in sum, while its forwards paid the glue 4 times).
+    Otherwise a chunk's backward overhead goes to ``B`` when the chunk needs an input gradient, else to ``W``;
+    on a stage whose input needs no gradient ``B`` has nothing to do and ``W`` takes it all (the
     runtime's split backward). A sum below 0 is clipped to 0. Every action the stage runs (``F``; ``B`` and ``W`` when it
     runs a backward) also pays the runtime's ``action_overhead_s``.
 
@@ -261,6 +265,11 @@ def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
     """
     fused = {u.name: (u, c) for u, c in zip(profile.units, profile.costs)}
     split = {u.name: (u, c) for u, c in zip(profile.units, profile.costs_for(True))} if split_backward else fused
+    whole: dict[str, list[float]] = {}  # per module, the split dX and dW of all its units (the glue's measure)
+    for u, c in split.values():
+        sums = whole.setdefault(u.module, [0.0, 0.0])
+        sums[0] += c.input_grad_s if u.needs_input_grad else 0.0
+        sums[1] += c.weight_grad_s if u.trainable else 0.0
     out: dict[tuple[int, str], float] = {}
     for stage in plan.stages:
         split_stage = split_backward and stage.needs_input_grad  # no input gradient: W is one unsplit backward
@@ -276,12 +285,15 @@ def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
             f += sum(c.forward_s for _, c in pairs) + over.get("F", 0.0)
             needs_dx = any(u.needs_input_grad for u, _ in pairs)
             trains = any(u.trainable for u, _ in pairs)
-            dx += sum(c.input_grad_s for u, c in pairs if u.needs_input_grad)
-            dw += sum(c.weight_grad_s for u, c in pairs if u.trainable)
+            chunk_dx = sum(c.input_grad_s for u, c in pairs if u.needs_input_grad)
+            chunk_dw = sum(c.weight_grad_s for u, c in pairs if u.trainable)
+            dx, dw = dx + chunk_dx, dw + chunk_dw
             back = over.get("B", 0.0) if (needs_dx or trains) else 0.0
             if split_stage and needs_dx and "B_split" in over and "W_split" in over:
-                dx += over["B_split"]  # the chunk's glue in the runtime's split backward, measured
-                dw += over["W_split"] if trains else 0.0
+                # the module's glue in the runtime's split backward, this chunk's share of its units' split work
+                total_dx, total_dw = whole[module]
+                dx += over["B_split"] * (chunk_dx / total_dx if total_dx > 0 else 1.0)
+                dw += over["W_split"] * (chunk_dw / total_dw if total_dw > 0 else 1.0) if trains else 0.0
             elif needs_dx:
                 dx += back
             else:

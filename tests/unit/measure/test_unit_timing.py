@@ -114,6 +114,11 @@ def test_stage_action_costs_by_hand():
     split = stage_action_costs(plan, glue, split_backward=True)
     assert split[(1, "B")] == pytest.approx(1.35) and split[(1, "W")] == pytest.approx(1.95)
     assert stage_action_costs(plan, glue)[(1, "B")] == pytest.approx(2.3)
+    # the LLM in two chunks of one unit each: each pays its share (half) of the split glue, not all of it
+    halves = plan_pipeline(profile.units, "encoder_parallel", stages_per_module={"llm": 2})
+    split2 = stage_action_costs(halves, glue, split_backward=True)
+    assert [split2[(s, k)] for s in (1, 2) for k in "BW"] == pytest.approx([0.675, 0.975] * 2)
+    assert stage_action_costs(halves, glue)[(1, "B")] == pytest.approx(1.3)  # fused: the glue once per chunk
     old_glue = dataclasses.replace(glue, chunk_overhead_s={"llm": {"F": 0.0, "B": 0.3}})
     split = stage_action_costs(plan, old_glue, split_backward=True)
     assert split[(1, "B")] == pytest.approx(1.55) and split[(1, "W")] == pytest.approx(1.75)
