@@ -157,12 +157,11 @@ def _backward_pairs(stage: Any, plan: Any, index: int, outs: Mapping[int, Any],
     return pairs
 
 
-def chunk_overhead(chunks: Mapping[str, Mapping[str, float]], profile_units: Sequence[Any], costs: Sequence[Any],
-                   split_costs: Sequence[Any] | None = None) -> dict[str, dict[str, float]]:
+def chunk_overhead(chunks: Mapping[str, Mapping[str, float]], profile_units: Sequence[Any],
+                   costs: Sequence[Any]) -> dict[str, dict[str, float]]:
     """Chunk time minus the sum of its units' forward / (frozen-aware) backward, per module; where the chunk's
     split backward was timed (``B_split``, ``W_split``: its input needs a gradient) also those minus the units'
-    split ``B`` (dX of the units needing one) and ``W`` (of the trainable units) from ``split_costs``
-    (``UnitMeasurement.to_cost(unit, split_backward=True)``, same order as ``costs``)."""
+    split ``B`` and ``W`` (``UnitCost.split_backward_s``)."""
     out: dict[str, dict[str, float]] = {}
     for module, times in chunks.items():
         pairs = [(u, c) for u, c in zip(profile_units, costs) if u.module == module]
@@ -170,8 +169,8 @@ def chunk_overhead(chunks: Mapping[str, Mapping[str, float]], profile_units: Seq
         backward = sum(c.backward_s(u) for u, c in pairs)
         runs_backward = any(u.runs_backward for u, _ in pairs)
         out[module] = {"F": times["F"] - forward, "B": (times["B"] - backward) if runs_backward else 0.0}
-        if split_costs is not None and "B_split" in times and "W_split" in times:
-            split = [(u, c) for u, c in zip(profile_units, split_costs) if u.module == module]
-            out[module]["B_split"] = times["B_split"] - sum(c.input_grad_s for u, c in split if u.needs_input_grad)
-            out[module]["W_split"] = times["W_split"] - sum(c.weight_grad_s for u, c in split if u.trainable)
+        if "B_split" in times and "W_split" in times:
+            split = [c.split_backward_s(u) for u, c in pairs]
+            out[module]["B_split"] = times["B_split"] - sum(b for b, _ in split)
+            out[module]["W_split"] = times["W_split"] - sum(w for _, w in split)
     return out

@@ -530,7 +530,6 @@ def measure_profile(
             round(sum(s[i] for s in saved) / n), round(mean("output_bytes")), mean("split_b"), mean("split_w")))
     units = tuple(s.unit for s in specs)
     costs = [m.to_cost(u) for u, m in zip(units, measurements)]
-    split_costs = [m.to_cost(u, split_backward=True) for u, m in zip(units, measurements)]
     bar.describe("profiling module chunks and runtime overheads")
     chunks, per_action = module_chunk_times(model, microbatches, llm_kwargs, autocast, timer)
     bar.close()
@@ -539,5 +538,5 @@ def measure_profile(
             _forward_loss(model, batch, llm_kwargs, lambda logits, labels: logits)
 
     routed = measure_router_load(model, specs, microbatches, forward)
-    overhead = chunk_overhead(chunks, units, costs, split_costs)
+    overhead = chunk_overhead(chunks, units, costs)
     return Profile(key, units, tuple(measurements), overhead, repeats, warmup, per_action, routed)

@@ -129,21 +129,19 @@ class UnitMeasurement(JsonDataclass):
         """Whether the runtime's split backward was measured (both split fields set)."""
         return self.split_input_grad_s is not None and self.split_weight_grad_s is not None
 
-    def to_cost(self, unit: Unit, split_backward: bool = False) -> UnitCost:
+    def to_cost(self, unit: Unit) -> UnitCost:
         """The planner's cost of ``unit`` (real flags), chosen so the simulator charges the backward the runtime
-        runs. Fused (``split_backward`` False, or no split measured): ``input_grad_s`` = dX; ``weight_grad_s`` =
-        fused - dX when the unit needs an input gradient (the extra cost of also producing weight gradients),
-        else dW alone; so ``UnitCost.backward_s(unit)`` is the fused backward. Split and measured: a trainable
-        unit needing an input gradient pays the split ``B`` and ``W``; a frozen one plain dX (the runtime keeps
-        no gradient for weights that do not train); one whose input needs no gradient dW alone (its stage's
-        ``W`` is then one backward from the outputs)."""
+        runs: ``input_grad_s`` = dX; ``weight_grad_s`` = fused - dX when the unit needs an input gradient (the
+        extra cost of also producing weight gradients), else dW alone; so ``UnitCost.backward_s(unit)`` is the
+        fused backward. The split fields carry the measured split ``B`` and ``W`` (``UnitCost.split_backward_s``
+        charges them to a trainable unit needing an input gradient under a split-backward schedule)."""
         if unit.needs_input_grad:
-            dx, weight = self.input_grad_s, max(0.0, self.fused_backward_s - self.input_grad_s)
-            if split_backward and self.has_split and unit.trainable:
-                dx, weight = self.split_input_grad_s, self.split_weight_grad_s
+            weight = max(0.0, self.fused_backward_s - self.input_grad_s)
         else:
-            dx, weight = self.input_grad_s, self.weight_grad_s
-        return UnitCost(self.forward_s, dx, weight, self.param_bytes, self.activation_bytes, self.output_bytes)
+            weight = self.weight_grad_s
+        split = (self.split_input_grad_s, self.split_weight_grad_s) if self.has_split else (None, None)
+        return UnitCost(self.forward_s, self.input_grad_s, weight, self.param_bytes, self.activation_bytes,
+                        self.output_bytes, 0.0, 0, *split)
 
 
 @dataclass(frozen=True)
@@ -206,18 +204,12 @@ class Profile:
 
     @property
     def costs(self) -> tuple[UnitCost, ...]:
-        """The planner's per-unit costs of a fused backward (``UnitMeasurement.to_cost``), same order as
-        ``units``."""
-        return self.costs_for(split_backward=False)
+        """The planner's per-unit costs (``UnitMeasurement.to_cost``), same order as ``units``."""
+        return tuple(m.to_cost(u) for u, m in zip(self.units, self.measurements))
 
-    def costs_for(self, split_backward: bool) -> tuple[UnitCost, ...]:
-        """The per-unit costs of a schedule with (``split_backward``: ZB-H1, ZB-H2, ZB-V) or without a split
-        backward (``UnitMeasurement.to_cost``: the measured split ``B`` and ``W`` where the profile has them)."""
-        return tuple(m.to_cost(u, split_backward) for u, m in zip(self.units, self.measurements))
-
-    def cost_map(self, split_backward: bool = False) -> dict[str, UnitCost]:
-        """``{unit name: UnitCost}`` (:meth:`costs_for`)."""
-        return {u.name: c for u, c in zip(self.units, self.costs_for(split_backward))}
+    def cost_map(self) -> dict[str, UnitCost]:
+        """``{unit name: UnitCost}``."""
+        return {u.name: c for u, c in zip(self.units, self.costs)}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (with the file format version)."""
@@ -248,8 +240,8 @@ def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
     ``F`` = the stage's unit forwards plus, per module chunk of the stage, that module's forward chunk
     overhead. Unsplit, ``B`` = the units' ``UnitCost.backward_s`` plus each chunk's backward overhead (none
     for a chunk that runs no backward). Split, ``B`` = dX of the units needing one, ``W`` = ``weight_grad_s``
-    of the trainable units, both from ``Profile.costs_for(split_backward=True)`` (the runtime's split backward
-    measured per unit where the profile has it, else the fused rule; on a stage whose input needs no gradient the
+    of the trainable units, on a stage whose input needs a gradient ``UnitCost.split_backward_s`` (the runtime's
+    split backward measured per unit where the profile has it, else the fused rule; on a stage whose input needs no gradient the
     fused costs, as the runtime runs one unsplit backward there). A module's split glue ``B_split`` / ``W_split``
     (measured on a chunk holding the whole module) goes to ``B`` / ``W`` where measured (a chunk needing an input
     gradient, on such a stage), each chunk its share of the module's units' split dX / dW: unlike the forward's
@@ -263,17 +255,14 @@ def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
     Raises:
         ValueError: when a unit of the plan is not in the profile.
     """
-    fused = {u.name: (u, c) for u, c in zip(profile.units, profile.costs)}
-    split = {u.name: (u, c) for u, c in zip(profile.units, profile.costs_for(True))} if split_backward else fused
-    whole: dict[str, list[float]] = {}  # per module, the split dX and dW of all its units (the glue's measure)
-    for u, c in split.values():
+    by_name = {u.name: (u, c) for u, c in zip(profile.units, profile.costs)}
+    whole: dict[str, list[float]] = {}  # per module, the split B and W of all its units (the glue's measure)
+    for u, c in by_name.values():
         sums = whole.setdefault(u.module, [0.0, 0.0])
-        sums[0] += c.input_grad_s if u.needs_input_grad else 0.0
-        sums[1] += c.weight_grad_s if u.trainable else 0.0
+        sums[0], sums[1] = (a + b for a, b in zip(sums, c.split_backward_s(u)))
     out: dict[tuple[int, str], float] = {}
     for stage in plan.stages:
         split_stage = split_backward and stage.needs_input_grad  # no input gradient: W is one unsplit backward
-        by_name = split if split_stage else fused
         f = dx = dw = 0.0
         for module in stage.modules:
             names = stage.module_units(module)
@@ -285,8 +274,11 @@ def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
             f += sum(c.forward_s for _, c in pairs) + over.get("F", 0.0)
             needs_dx = any(u.needs_input_grad for u, _ in pairs)
             trains = any(u.trainable for u, _ in pairs)
-            chunk_dx = sum(c.input_grad_s for u, c in pairs if u.needs_input_grad)
-            chunk_dw = sum(c.weight_grad_s for u, c in pairs if u.trainable)
+            if split_stage:
+                chunk_dx, chunk_dw = (sum(x) for x in zip((0.0, 0.0), *(c.split_backward_s(u) for u, c in pairs)))
+            else:
+                chunk_dx = sum(c.input_grad_s for u, c in pairs if u.needs_input_grad)
+                chunk_dw = sum(c.weight_grad_s for u, c in pairs if u.trainable)
             dx, dw = dx + chunk_dx, dw + chunk_dw
             back = over.get("B", 0.0) if (needs_dx or trains) else 0.0
             if split_stage and needs_dx and "B_split" in over and "W_split" in over:

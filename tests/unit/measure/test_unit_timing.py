@@ -61,14 +61,22 @@ def test_split_schedules_pay_the_measured_split_backward_where_the_profile_has_i
     old = _measurement("x", f=2.0, dx=0.5, dw=0.75, fused=1.0)
     new = _measurement("x", f=2.0, dx=0.5, dw=0.75, fused=1.0, split=(0.625, 0.875))
     assert not old.has_split and new.has_split
-    # fused schedules never see the split fields
-    assert new.to_cost(second) == old.to_cost(second) == UnitCost(2.0, 0.5, 0.5, 400, 100, 50)
-    # split: measured B and W when present, the fused rule (fused - dX) when absent
-    assert new.to_cost(second, split_backward=True) == UnitCost(2.0, 0.625, 0.875, 400, 100, 50)
-    assert old.to_cost(second, split_backward=True) == UnitCost(2.0, 0.5, 0.5, 400, 100, 50)
-    # frozen: the runtime keeps no gradient for its weights, so B is plain dX; no input gradient: W is dW alone
-    assert new.to_cost(frozen, split_backward=True).input_grad_s == 0.5
-    assert new.to_cost(first, split_backward=True) == UnitCost(2.0, 0.5, 0.75, 400, 100, 50)
+    fused = UnitCost(2.0, 0.5, 0.5, 400, 100, 50)
+    assert old.to_cost(second) == fused and new.to_cost(second) == dataclasses.replace(
+        fused, split_input_grad_s=0.625, split_weight_grad_s=0.875)
+    # fused schedules never see the split fields: backward_s is the fused backward either way
+    assert new.to_cost(second).backward_s(second) == old.to_cost(second).backward_s(second) == 1.0
+    # split: measured B and W when present, the fused rule (dX, fused - dX) when absent
+    assert new.to_cost(second).split_backward_s(second) == (0.625, 0.875)
+    assert old.to_cost(second).split_backward_s(second) == (0.5, 0.5)
+    # frozen: the runtime keeps no gradient for its weights, so B is plain dX and W nothing; no input gradient:
+    # B nothing, W dW alone
+    assert new.to_cost(frozen).split_backward_s(frozen) == (0.5, 0.0)
+    assert new.to_cost(first).split_backward_s(first) == (0.0, 0.75)
+    lora = dataclasses.replace(second, trainable_fraction=0.25)  # the adapters' share of W, as of dW
+    assert new.to_cost(lora).split_backward_s(lora) == (0.625, 0.875 * 0.25)
+    with pytest.raises(ValueError, match="together"):
+        UnitCost(1.0, 1.0, 1.0, split_input_grad_s=1.0)
 
 
 def test_split_fields_round_trip_and_old_profiles_still_load():
@@ -78,11 +86,13 @@ def test_split_fields_round_trip_and_old_profiles_still_load():
     data = json.loads(json.dumps(with_split.to_dict()))
     assert data["measurements"][0]["split_weight_grad_s"] == 0.875
     assert Profile.from_dict(data) == with_split
+    cost = with_split.costs[-1]
+    assert UnitCost.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost and cost.split_input_grad_s == 0.625
     for m in data["measurements"]:  # a profile written before the split fields existed
         del m["split_input_grad_s"], m["split_weight_grad_s"]
     old = Profile.from_dict(data)
     assert old == profile and not any(m.has_split for m in old.measurements)
-    assert old.costs_for(split_backward=True) == old.costs  # the fused rule
+    assert all(c.split_input_grad_s is None for c in old.costs)  # split schedules: the fused rule
 
 
 def test_stage_action_costs_by_hand():
