@@ -19,7 +19,9 @@ microbatches:
    of the host); profiling once before measuring made the prediction follow whatever speed the host had
    then (ratios 0.75-1.06 over seven runs), interleaving makes the drift reach both sides alike.
 3. **Predict**: ``simulator.simulate`` of the same schedule with ``plait.planner.cost.measured_profile.stage_action_costs`` and
-   the measured link.
+   the measured link. A zero-bubble schedule (``--schedule zb_h1 | zb_h2 | zb_v``) is charged the runtime's own split
+   backward as the profile measured it (``UnitCost.split_backward_s``: per unit ``input_gradients`` /
+   ``weight_gradients``, per module the split chunk's glue), not the fused backward's parts.
 
 Prints predicted vs measured (median over steps) and their ratio per layout, and writes per layout
 ``<out>/<layout>.json`` (Chrome trace, predicted and measured side by side; measured = the median step) and

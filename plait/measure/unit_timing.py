@@ -326,32 +326,28 @@ def _time_call(call: _Call, timer: _Timer, autocast: Callable[[], AbstractContex
 def _time_split(forward: Callable[[tuple], tuple], prepare: Callable[[], tuple], grad_out: torch.Tensor,
                 params: Sequence[torch.Tensor], timer: _Timer,
                 autocast: Callable[[], AbstractContextManager]) -> tuple[float, float]:
-    """Median seconds of the runtime's split backward of one call with a graph input: ``B`` =
-    ``input_gradients`` of the input (keeping the gradients at the weights' intermediates), ``W`` =
-    ``weight_gradients`` from what ``B`` kept, accumulated into ``.grad`` as the runtime does (cleared untimed)."""
-    def after_forward() -> tuple:
-        out, leaf = forward(prepare())
-        return out, leaf
-
-    def run_b(state: tuple) -> Any:
-        out, leaf = state
-        with autocast():
-            return input_gradients([(out, grad_out)], [leaf], params)[1]
-
-    def after_b() -> Any:
+    """Median seconds of the runtime's split backward of one call with a graph input, over ``timer.repeats`` runs
+    after ``timer.warmup``, each on a fresh forward (untimed): ``B`` = ``input_gradients`` of the input (keeping
+    the gradients at the weights' intermediates), then ``W`` = ``weight_gradients`` from what ``B`` kept,
+    accumulated into ``.grad`` as the runtime does (cleared untimed)."""
+    b_times, w_times = [], []
+    for i in range(timer.warmup + timer.repeats):
         for p in params:
             p.grad = None
-        return run_b(after_forward())
-
-    def run_w(kept: Any) -> None:
+        out, leaf = forward(prepare())
+        start = timer.now()
+        with autocast():
+            kept = input_gradients([(out, grad_out)], [leaf], params)[1]
+        middle = timer.now()
         with autocast():
             weight_gradients(kept)
-
-    b = timer.median(run_b, after_forward)
-    w = timer.median(run_w, after_b) if params else 0.0
+        end = timer.now()
+        if i >= timer.warmup:
+            b_times.append(middle - start)
+            w_times.append(end - middle)
     for p in params:
         p.grad = None
-    return b, w
+    return statistics.median(b_times), statistics.median(w_times)
 
 
 @contextmanager

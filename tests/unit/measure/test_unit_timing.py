@@ -289,7 +289,8 @@ def test_profiler_gives_an_mrope_llm_the_positions_it_trains_with(tmp_path):
     text_model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["position_ids"]), with_kwargs=True)
     profile = measure_profile(inputs.model, [batch], inputs.key, repeats=1, warmup=0,
                               llm_kwargs=inputs.llm_kwargs, autocast=inputs.autocast)
-    assert len(seen) == 4  # capture, saved bytes, the LLM chunk's pass, the runtime step (hooks copied with the model)
+    assert len(seen) == 5  # capture, saved bytes, the LLM chunk's fused and split passes, the runtime step (hooks
+    # copied with the model)
     assert all(torch.equal(p, rope) for p in seen)
     layer = next(m for m in profile.measurements if m.name == "language_model.model.layers.0")
     assert layer.forward_s > 0 and layer.fused_backward_s > 0
