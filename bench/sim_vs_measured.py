@@ -37,7 +37,7 @@ encoders_colocated 1.136 / 1.052 (predicted / measured busy per rank). Seven run
 gave iteration ratios of 0.905-1.066 for both layouts.
 
 Run: ``.venv/bin/python bench/sim_vs_measured.py [--out-dir runs/sim_vs_measured] [--steps 12] [--rounds 4]
-[--microbatches 4] [--microbatch-size 4] [--repeats 3] [--clock thread] [--lora]``.
+[--microbatches 4] [--microbatch-size 4] [--repeats 3] [--clock thread] [--lora] [--schedule zb_h1] [--limit-s 600]``.
 """
 
 from __future__ import annotations
@@ -305,12 +305,14 @@ def _compare(profile: Profile, layout: str, microbatches: int, ranks: list[dict]
 
 def compare(config: str | Path = DEMO, *, layouts: tuple[str, ...] = LAYOUTS, steps: int = 12,
             microbatches: int = 4, microbatch_size: int = 4, repeats: int = 3, clock: str = "thread", rounds: int = 4,
-            out_dir: str | Path | None = None, schedule: str = "1f1b") -> tuple[list[Comparison], Profile]:
+            out_dir: str | Path | None = None, schedule: str = "1f1b",
+            limit_s: float = 240.0) -> tuple[list[Comparison], Profile]:
     """Profile, measure and predict every layout (module docstring); writes the timelines to ``out_dir``.
     ``clock`` is the profiler's (``"thread"``: CPU time, unaffected by other processes on the cores).
-    Returns the comparisons and the profile used (mean of both ranks' profiles over the ``rounds``)."""
+    Returns the comparisons and the profile used (mean of both ranks' profiles over the ``rounds``). ``limit_s``:
+    seconds the two measuring processes may take (``TimeoutError`` beyond)."""
     ranks = measure(str(config), layouts, steps, microbatches, microbatch_size, repeats, clock, rounds,
-                    schedule=schedule)
+                    limit_s=limit_s, schedule=schedule)
     profile = mean_profile([Profile.from_dict(p) for r in ranks for p in r["profiles"]])
     results = [_compare(profile, layout, microbatches, ranks, schedule) for layout in layouts]
     if out_dir is not None:
@@ -350,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedule", choices=("1f1b", "zb_h1", "zb_h2", "zb_v"), default="1f1b",
                         help="the schedule run and predicted (zero-bubble: B and W apart; zb_v: the LLM in 4 stages "
                              "in a V over both ranks)")
+    parser.add_argument("--limit-s", type=float, default=240.0,
+                        help="seconds the measuring processes may take (more on a loaded machine)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         config = lora_config(folder, args.config) if args.lora else args.config
@@ -357,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         results, profile = compare(config, steps=args.steps, microbatches=args.microbatches,
                              microbatch_size=args.microbatch_size, repeats=args.repeats, clock=args.clock,
                              rounds=args.rounds,
-                             out_dir=args.out_dir, schedule=args.schedule)
+                             out_dir=args.out_dir, schedule=args.schedule, limit_s=args.limit_s)
         after = contention()
     print(f"{'layout':<20} {'predicted ms':>13} {'measured ms':>12} {'ratio':>6} {'fastest':>8} {'ratio':>6}  "
           "steps ms (measured)   link")
