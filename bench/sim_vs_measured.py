@@ -37,7 +37,7 @@ encoders_colocated 1.136 / 1.052 (predicted / measured busy per rank). Seven run
 gave iteration ratios of 0.905-1.066 for both layouts.
 
 Run: ``.venv/bin/python bench/sim_vs_measured.py [--out-dir runs/sim_vs_measured] [--steps 12] [--rounds 4]
-[--microbatches 4] [--microbatch-size 4] [--repeats 3] [--clock thread] [--lora] [--schedule zb_h1] [--limit-s 600]``.
+[--microbatches 4] [--microbatch-size 4] [--repeats 3] [--clock thread] [--lora] [--schedule zb_h1] [--limit-s 600]`` (default limit 600 s).
 """
 
 from __future__ import annotations
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedule", choices=("1f1b", "zb_h1", "zb_h2", "zb_v"), default="1f1b",
                         help="the schedule run and predicted (zero-bubble: B and W apart; zb_v: the LLM in 4 stages "
                              "in a V over both ranks)")
-    parser.add_argument("--limit-s", type=float, default=240.0,
+    parser.add_argument("--limit-s", type=float, default=600.0,
                         help="seconds the measuring processes may take (more on a loaded machine)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
