@@ -37,7 +37,8 @@ encoders_colocated 1.136 / 1.052 (predicted / measured busy per rank). Seven run
 gave iteration ratios of 0.905-1.066 for both layouts.
 
 Run: ``.venv/bin/python bench/sim_vs_measured.py [--out-dir runs/sim_vs_measured] [--steps 12] [--rounds 4]
-[--microbatches 4] [--microbatch-size 4] [--repeats 3] [--clock thread] [--lora] [--schedule zb_h1] [--limit-s 600]`` (default limit 600 s).
+[--microbatches 4] [--microbatch-size 4] [--repeats 3] [--clock thread] [--lora] [--schedule zb_h1]
+[--limit-s 600]``.
 """
 
 from __future__ import annotations

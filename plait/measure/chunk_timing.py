@@ -7,9 +7,9 @@ backwards); the measured ``F`` and ``B`` times minus the sum of the module's uni
 that module pays once per action (rotary embeddings and mask construction of an LLM chunk, feature placement, the
 loss, the stage wrapper). A stage whose input needs a gradient (the LLM's, when an encoder trains) also runs its
 backward split as zero-bubble schedules do (``B_split``, ``W_split``: the runtime's ``input_gradients`` then
-``weight_gradients``), less its units' split costs. The same stages are also run by the runtime's executor (``run_pipeline_step`` in this
-process): its time beyond the stage passes, per action, is the executor's own cost per action
-(``Profile.action_overhead_s``).
+``weight_gradients``), less its units' split costs. The same stages are also run by the runtime's executor
+(``run_pipeline_step`` in this process): its time beyond the stage passes, per action, is the executor's own cost
+per action (``Profile.action_overhead_s``).
 """
 
 from __future__ import annotations

@@ -241,8 +241,8 @@ def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
     overhead. Unsplit, ``B`` = the units' ``UnitCost.backward_s`` plus each chunk's backward overhead (none
     for a chunk that runs no backward). Split, ``B`` = dX of the units needing one, ``W`` = ``weight_grad_s``
     of the trainable units, on a stage whose input needs a gradient ``UnitCost.split_backward_s`` (the runtime's
-    split backward measured per unit where the profile has it, else the fused rule; on a stage whose input needs no gradient the
-    fused costs, as the runtime runs one unsplit backward there). A module's split glue ``B_split`` / ``W_split``
+    split backward measured per unit where the profile has it, else the fused rule; on a stage whose input needs
+    no gradient the fused costs, as the runtime runs one unsplit backward there). A module's split glue ``B_split`` / ``W_split``
     (measured on a chunk holding the whole module) goes to ``B`` / ``W`` where measured (a chunk needing an input
     gradient, on such a stage), each chunk its share of the module's units' split dX / dW: unlike the forward's
     glue (rotary embeddings, masks: once per chunk) it scales with the work split (the demo LLM in 4 chunks
