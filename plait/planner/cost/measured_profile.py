@@ -239,18 +239,20 @@ def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
 
     ``F`` = the stage's unit forwards plus, per module chunk of the stage, that module's forward chunk
     overhead. Unsplit, ``B`` = the units' ``UnitCost.backward_s`` plus each chunk's backward overhead (none
-    for a chunk that runs no backward). Split, ``B`` = dX of the units needing one, ``W`` = ``weight_grad_s``
-    of the trainable units, on a stage whose input needs a gradient ``UnitCost.split_backward_s`` (the runtime's
-    split backward measured per unit where the profile has it, else the fused rule; on a stage whose input needs
-    no gradient the fused costs, as the runtime runs one unsplit backward there). A module's split glue ``B_split`` / ``W_split``
-    (measured on a chunk holding the whole module) goes to ``B`` / ``W`` where measured (a chunk needing an input
-    gradient, on such a stage), each chunk its share of the module's units' split dX / dW: unlike the forward's
-    glue (rotary embeddings, masks: once per chunk) it scales with the work split (the demo LLM in 4 chunks
-    ran the split ``B`` and ``W`` of one chunk, within noise, in sum, while its forwards paid the glue 4 times).
-    Otherwise a chunk's backward overhead goes to ``B`` when the chunk needs an input gradient, else to ``W``;
-    on a stage whose input needs no gradient ``B`` has nothing to do and ``W`` takes it all (the
-    runtime's split backward). A sum below 0 is clipped to 0. Every action the stage runs (``F``; ``B`` and ``W`` when it
-    runs a backward) also pays the runtime's ``action_overhead_s``.
+    for a chunk that runs no backward).
+
+    Split, on a stage whose input needs a gradient: ``B`` and ``W`` = the units' ``UnitCost.split_backward_s``
+    (the runtime's split backward measured per unit where the profile has it, else dX of the units needing one
+    and ``weight_grad_s`` of the trainable ones). A module's split glue ``B_split`` / ``W_split`` (measured on a
+    chunk holding the whole module) goes to ``B`` / ``W``, each chunk its share of the module's units' split
+    ``B`` / ``W``: unlike the forward's glue (rotary embeddings, masks: once per chunk) it scales with the work
+    split (the demo LLM in 4 chunks ran the split ``B`` and ``W`` of one chunk, within noise, in sum, while its
+    forwards paid their glue 4 times). Without split glue (older profiles) a chunk's backward overhead goes to
+    ``B``. On a stage whose input needs no gradient ``B`` has nothing to do and ``W`` is one unsplit backward (the
+    runtime's split backward): the fused costs and backward overhead, all on ``W``.
+
+    A sum below 0 is clipped to 0. Every action the stage runs (``F``; ``B`` and ``W`` when it runs a backward)
+    also pays the runtime's ``action_overhead_s``.
 
     Raises:
         ValueError: when a unit of the plan is not in the profile.
