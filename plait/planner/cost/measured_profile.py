@@ -248,7 +248,7 @@ def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
     ``B`` / ``W``: unlike the forward's glue (rotary embeddings, masks: once per chunk) it scales with the work
     split (the demo LLM in 4 chunks ran the split ``B`` and ``W`` of one chunk, within noise, in sum, while its
     forwards paid their glue 4 times). Without split glue (older profiles) a chunk's backward overhead goes to
-    ``B``. On a stage whose input needs no gradient ``B`` has nothing to do and ``W`` is one unsplit backward (the
+    ``B`` when the chunk needs an input gradient, else to ``W``. On a stage whose input needs no gradient ``B`` has nothing to do and ``W`` is one unsplit backward (the
     runtime's split backward): the fused costs and backward overhead, all on ``W``.
 
     A sum below 0 is clipped to 0. Every action the stage runs (``F``; ``B`` and ``W`` when it runs a backward)
