@@ -262,8 +262,8 @@ def run_ranks(worker, args_of, nprocs: int, limit_s: float, what: str) -> list[d
 
 
 def mean_profile(profiles: list[Profile]) -> Profile:
-    """The element-wise mean of profiles of the same model (times and overheads averaged; bytes from the
-    first)."""
+    """The element-wise mean of profiles of the same model (times, chunk overheads and the runtime's cost per
+    action averaged; bytes from the first)."""
     first = profiles[0]
     n = len(profiles)
     measurements = []
@@ -276,7 +276,9 @@ def mean_profile(profiles: list[Profile]) -> Profile:
         measurements.append(dataclasses.replace(m, **times))
     overhead = {mod: {k: sum(p.chunk_overhead_s[mod][k] for p in profiles) / n for k in kinds}
                 for mod, kinds in first.chunk_overhead_s.items()}
-    return dataclasses.replace(first, measurements=tuple(measurements), chunk_overhead_s=overhead)
+    action = sum(p.action_overhead_s for p in profiles) / n  # was the first profile's alone (0 when it clipped)
+    return dataclasses.replace(first, measurements=tuple(measurements), chunk_overhead_s=overhead,
+                               action_overhead_s=action)
 
 
 # ----- comparison -----------------------------------------------------------------------------------------
