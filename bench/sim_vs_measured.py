@@ -34,7 +34,11 @@ simulated busy time within 25% of its measured main-thread CPU time per step (40
 ``--lora`` adds LoRA adapters (LLM r 8, both encoders r 4) to the job: the simulator then charges the LoRA units'
 adapters-only dW (``Unit.trainable_fraction``); measured once on a shared machine: encoder_parallel 1.207 / 1.064,
 encoders_colocated 1.136 / 1.052 (predicted / measured busy per rank). Seven runs without LoRA on an idle machine
-gave iteration ratios of 0.905-1.066 for both layouts.
+gave iteration ratios of 0.905-1.066 for both layouts. The zero-bubble schedules on a shared machine (load 6-19 on
+the 2 cores, wall / CPU 1.3-12: iteration ratios 0.1-0.5, unusable), busy predicted / measured CPU of the LLM rank,
+median of 4 runs (zb_v 3), encoder_parallel / encoders_colocated, charged the measured split backward vs the
+fused rule on the same runs: zb_h1 1.007 / 1.030 (fused rule 0.741 / 0.757), zb_h2 1.082 / 0.983 (0.814 / 0.739),
+zb_v 1.214 / 1.272 (0.912 / 0.954); 1f1b 1.042 / 1.049.
 
 Run: ``.venv/bin/python bench/sim_vs_measured.py [--out-dir runs/sim_vs_measured] [--steps 12] [--rounds 4]
 [--microbatches 4] [--microbatch-size 4] [--repeats 3] [--clock thread] [--lora] [--schedule zb_h1]
