@@ -19,7 +19,9 @@ microbatches:
    of the host); profiling once before measuring made the prediction follow whatever speed the host had
    then (ratios 0.75-1.06 over seven runs), interleaving makes the drift reach both sides alike.
 3. **Predict**: ``simulator.simulate`` of the same schedule with ``plait.planner.cost.measured_profile.stage_action_costs`` and
-   the measured link.
+   the measured link. A zero-bubble schedule (``--schedule zb_h1 | zb_h2 | zb_v``) is charged the runtime's own split
+   backward as the profile measured it (``UnitCost.split_backward_s``: per unit ``input_gradients`` /
+   ``weight_gradients``, per module the split chunk's glue), not the fused backward's parts.
 
 Prints predicted vs measured (median over steps) and their ratio per layout, and writes per layout
 ``<out>/<layout>.json`` (Chrome trace, predicted and measured side by side; measured = the median step) and
@@ -32,10 +34,15 @@ simulated busy time within 25% of its measured main-thread CPU time per step (40
 ``--lora`` adds LoRA adapters (LLM r 8, both encoders r 4) to the job: the simulator then charges the LoRA units'
 adapters-only dW (``Unit.trainable_fraction``); measured once on a shared machine: encoder_parallel 1.207 / 1.064,
 encoders_colocated 1.136 / 1.052 (predicted / measured busy per rank). Seven runs without LoRA on an idle machine
-gave iteration ratios of 0.905-1.066 for both layouts.
+gave iteration ratios of 0.905-1.066 for both layouts. The zero-bubble schedules on a shared machine (load 6-19 on
+the 2 cores, wall / CPU 1.3-12: iteration ratios 0.1-0.5, unusable), busy predicted / measured CPU of the LLM rank,
+median of 4 runs (zb_v 3), encoder_parallel / encoders_colocated, charged the measured split backward vs the
+fused rule on the same runs: zb_h1 1.007 / 1.030 (fused rule 0.741 / 0.757), zb_h2 1.082 / 0.983 (0.814 / 0.739),
+zb_v 1.214 / 1.272 (0.912 / 0.954); 1f1b 1.042 / 1.049.
 
 Run: ``.venv/bin/python bench/sim_vs_measured.py [--out-dir runs/sim_vs_measured] [--steps 12] [--rounds 4]
-[--microbatches 4] [--microbatch-size 4] [--repeats 3] [--clock thread] [--lora]``.
+[--microbatches 4] [--microbatch-size 4] [--repeats 3] [--clock thread] [--lora] [--schedule zb_h1]
+[--limit-s 600]``.
 """
 
 from __future__ import annotations
@@ -259,18 +266,23 @@ def run_ranks(worker, args_of, nprocs: int, limit_s: float, what: str) -> list[d
 
 
 def mean_profile(profiles: list[Profile]) -> Profile:
-    """The element-wise mean of profiles of the same model (times and overheads averaged; bytes from the
-    first)."""
+    """The element-wise mean of profiles of the same model (times, chunk overheads and the runtime's cost per
+    action averaged; bytes from the first)."""
     first = profiles[0]
     n = len(profiles)
     measurements = []
     for i, m in enumerate(first.measurements):
         times = {f: sum(getattr(p.measurements[i], f) for p in profiles) / n
                  for f in ("forward_s", "input_grad_s", "weight_grad_s", "fused_backward_s")}
+        if all(p.measurements[i].has_split for p in profiles):
+            times |= {f: sum(getattr(p.measurements[i], f) for p in profiles) / n
+                      for f in ("split_input_grad_s", "split_weight_grad_s")}
         measurements.append(dataclasses.replace(m, **times))
     overhead = {mod: {k: sum(p.chunk_overhead_s[mod][k] for p in profiles) / n for k in kinds}
                 for mod, kinds in first.chunk_overhead_s.items()}
-    return dataclasses.replace(first, measurements=tuple(measurements), chunk_overhead_s=overhead)
+    action = sum(p.action_overhead_s for p in profiles) / n  # was the first profile's alone (0 when it clipped)
+    return dataclasses.replace(first, measurements=tuple(measurements), chunk_overhead_s=overhead,
+                               action_overhead_s=action)
 
 
 # ----- comparison -----------------------------------------------------------------------------------------
@@ -300,12 +312,14 @@ def _compare(profile: Profile, layout: str, microbatches: int, ranks: list[dict]
 
 def compare(config: str | Path = DEMO, *, layouts: tuple[str, ...] = LAYOUTS, steps: int = 12,
             microbatches: int = 4, microbatch_size: int = 4, repeats: int = 3, clock: str = "thread", rounds: int = 4,
-            out_dir: str | Path | None = None, schedule: str = "1f1b") -> tuple[list[Comparison], Profile]:
+            out_dir: str | Path | None = None, schedule: str = "1f1b",
+            limit_s: float = 240.0) -> tuple[list[Comparison], Profile]:
     """Profile, measure and predict every layout (module docstring); writes the timelines to ``out_dir``.
     ``clock`` is the profiler's (``"thread"``: CPU time, unaffected by other processes on the cores).
-    Returns the comparisons and the profile used (mean of both ranks' profiles over the ``rounds``)."""
+    Returns the comparisons and the profile used (mean of both ranks' profiles over the ``rounds``). ``limit_s``:
+    seconds the two measuring processes may take (``TimeoutError`` beyond)."""
     ranks = measure(str(config), layouts, steps, microbatches, microbatch_size, repeats, clock, rounds,
-                    schedule=schedule)
+                    limit_s=limit_s, schedule=schedule)
     profile = mean_profile([Profile.from_dict(p) for r in ranks for p in r["profiles"]])
     results = [_compare(profile, layout, microbatches, ranks, schedule) for layout in layouts]
     if out_dir is not None:
@@ -345,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedule", choices=("1f1b", "zb_h1", "zb_h2", "zb_v"), default="1f1b",
                         help="the schedule run and predicted (zero-bubble: B and W apart; zb_v: the LLM in 4 stages "
                              "in a V over both ranks)")
+    parser.add_argument("--limit-s", type=float, default=600.0,
+                        help="seconds the measuring processes may take (more on a loaded machine)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         config = lora_config(folder, args.config) if args.lora else args.config
@@ -352,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         results, profile = compare(config, steps=args.steps, microbatches=args.microbatches,
                              microbatch_size=args.microbatch_size, repeats=args.repeats, clock=args.clock,
                              rounds=args.rounds,
-                             out_dir=args.out_dir, schedule=args.schedule)
+                             out_dir=args.out_dir, schedule=args.schedule, limit_s=args.limit_s)
         after = contention()
     print(f"{'layout':<20} {'predicted ms':>13} {'measured ms':>12} {'ratio':>6} {'fastest':>8} {'ratio':>6}  "
           "steps ms (measured)   link")

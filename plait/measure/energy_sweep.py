@@ -206,7 +206,8 @@ def measure_energy_profile(model: MultimodalModel, microbatches: Sequence[Batch]
         for mhz in freqs:
             clocks.lock(mhz)
             timer = EnergyTimer(device, monitor, repeats, warmup, min_window_s)
-            per_mb = [unit_pass_timings(model, specs, b, timer, llm_kwargs, autocast) for b in microbatches]
+            per_mb = [unit_pass_timings(model, specs, b, timer, llm_kwargs, autocast, split=False)
+                      for b in microbatches]
             for i, spec in enumerate(specs):
                 rows[i].append(_unit_row([t[i] for t in per_mb], spec.unit.needs_input_grad))
             if progress is not None:

@@ -16,7 +16,12 @@ For a list of microbatches (real samples, collated), :func:`measure_profile` mea
    Inputs that are raw data (pixels, log-mel features, token ids) need no gradient: dX is 0 there. In a
    multi-module unit (Whisper's ``conv1, conv2, embed_positions``) only the first module's input is the
    unit's input; the input gradients of the later modules are on the way to the earlier weights and count
-   as dW.
+   as dW. The backward as zero-bubble schedules split it is timed too, with the runtime's own functions
+   (``plait.parallel.pipeline.split_backward``): ``B`` = ``input_gradients`` (dX, keeping the gradients at the
+   weights' intermediates) and ``W`` = ``weight_gradients`` from what ``B`` kept (a unit whose input needs no
+   gradient has no split: its ``W`` is the dW backward from the output). A split ``W`` is a backward of its own,
+   dearer than the fused backward's extra over dX; the simulator charges split schedules these times
+   (``UnitMeasurement.split_input_grad_s`` / ``split_weight_grad_s``).
 3. **Memory**: parameter bytes; gradient and AdamW-state bytes of the trainable parameters (the state is
    measured by one AdamW step on a copy); saved-activation bytes of one forward under the *real* freezing
    flags with ``torch.autograd.graph.saved_tensors_hooks`` (parameters excluded, each storage counted once
@@ -26,7 +31,8 @@ For a list of microbatches (real samples, collated), :func:`measure_profile` mea
    does, all forwards then all backwards); the measured ``F`` and ``B`` times minus the sum of the module's
    unit costs is the
    glue a stage chunk of that module pays once per action (rotary embeddings and mask construction of an
-   LLM chunk, feature placement, the loss, the stage wrapper). The same stages are also run by the runtime's
+   LLM chunk, feature placement, the loss, the stage wrapper); a chunk whose input needs a gradient also runs
+   the runtime's split backward, for its ``B_split`` and ``W_split`` glue (``plait.measure.chunk_timing``). The same stages are also run by the runtime's
    executor (``run_pipeline_step`` in this process): its time beyond the stage passes, per action, is the
    executor's own cost per action (``Profile.action_overhead_s``).
 5. A MoE LLM's routing: one no-grad forward per microbatch counts each router's top-k expert ids
@@ -40,12 +46,10 @@ storing profiles and reusing them by key is the ``plait profile`` command's part
 
 from __future__ import annotations
 
-import copy
 import importlib.metadata
 import platform
 import statistics
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -58,14 +62,12 @@ from plait.data.collate import Batch
 from plait.data.progress import Progress
 from plait.models.multimodal import MultimodalModel
 from plait.models.units import UnitSpec, unit_specs
+from plait.measure.chunk_timing import chunk_overhead, module_chunk_times
 from plait.measure.router_load import measure_router_load
-from plait.parallel.pipeline import run_pipeline_step
+from plait.parallel.pipeline.split_backward import input_gradients, weight_gradients
 from plait.train.loss import token_loss_sum
-from plait.parallel.stages import build_rank_stages
-from plait.planner.pipeline.plan import plan_pipeline
-from plait.planner.cost.measured_profile import Profile
-from plait.planner.cost.types import ProfileKey, UnitMeasurement
-from plait.planner.pipeline.schedules import build_schedule
+from plait.planner.cost.measured_profile import Profile, UnitMeasurement
+from plait.planner.cost.types import ProfileKey
 
 __all__ = ["CLOCKS", "KwargsFn", "LossFn", "PassTiming", "device_name", "measure_profile", "median_seconds",
            "microbatch_shapes", "profile_key", "unit_pass_timings"]
@@ -250,12 +252,16 @@ def _prepare(call: _Call) -> tuple[tuple, dict, torch.Tensor | None]:
 @dataclass
 class PassTiming:
     """Seconds of a unit's (or one call's) passes for one microbatch: forward, dX, dW and the fused backward;
-    the ``*_j`` fields are their joules when the timer measures energy (0 otherwise); the output's bytes."""
+    ``split_b`` / ``split_w``: the runtime's split backward, ``B`` (input gradients) and ``W`` (weight gradients
+    from what ``B`` kept; module docstring, step 2); the ``*_j`` fields are their joules when the timer measures
+    energy (0 otherwise); the output's bytes."""
 
     forward: float = 0.0
     dx: float = 0.0
     dw: float = 0.0
     fused: float = 0.0
+    split_b: float = 0.0
+    split_w: float = 0.0
     output_bytes: int = 0
     forward_j: float = 0.0
     dx_j: float = 0.0
@@ -267,8 +273,10 @@ class PassTiming:
         return getattr(self, field)
 
 
-def _time_call(call: _Call, timer: _Timer, autocast: Callable[[], AbstractContextManager]) -> PassTiming:
-    """Forward, dX, dW and fused-backward medians of one call re-run in isolation."""
+def _time_call(call: _Call, timer: _Timer, autocast: Callable[[], AbstractContextManager],
+               split: bool = True) -> PassTiming:
+    """Forward, dX, dW and fused-backward medians of one call re-run in isolation; with ``split`` also the
+    runtime's split ``B`` and ``W``."""
     params = [p for p in call.module.parameters() if p.requires_grad]
 
     def forward(state: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -305,7 +313,41 @@ def _time_call(call: _Call, timer: _Timer, autocast: Callable[[], AbstractContex
         timing.dw, timing.dw_j = backward(lambda leaf: list(params))
     if has_leaf or params:
         timing.fused, timing.fused_j = backward(lambda leaf: ([leaf] if leaf is not None else []) + list(params))
+    if not split:
+        return timing
+    if has_leaf:
+        timing.split_b, timing.split_w = _time_split(forward, lambda: _prepare(call), grad_out, params, timer,
+                                                     autocast)
+    else:  # raw-data input: B has nothing to do, W is the backward from the output to the weights (dW)
+        timing.split_w = timing.dw
     return timing
+
+
+def _time_split(forward: Callable[[tuple], tuple], prepare: Callable[[], tuple], grad_out: torch.Tensor,
+                params: Sequence[torch.Tensor], timer: _Timer,
+                autocast: Callable[[], AbstractContextManager]) -> tuple[float, float]:
+    """Median seconds of the runtime's split backward of one call with a graph input, over ``timer.repeats`` runs
+    after ``timer.warmup``, each on a fresh forward (untimed): ``B`` = ``input_gradients`` of the input (keeping
+    the gradients at the weights' intermediates), then ``W`` = ``weight_gradients`` from what ``B`` kept,
+    accumulated into ``.grad`` as the runtime does (cleared untimed)."""
+    b_times, w_times = [], []
+    for i in range(timer.warmup + timer.repeats):
+        for p in params:
+            p.grad = None
+        out, leaf = forward(prepare())
+        start = timer.now()
+        with autocast():
+            kept = input_gradients([(out, grad_out)], [leaf], params)[1]
+        middle = timer.now()
+        with autocast():
+            weight_gradients(kept)
+        end = timer.now()
+        if i >= timer.warmup:
+            b_times.append(middle - start)
+            w_times.append(end - middle)
+    for p in params:
+        p.grad = None
+    return statistics.median(b_times), statistics.median(w_times)
 
 
 @contextmanager
@@ -335,11 +377,13 @@ def _forward_loss(model: MultimodalModel, batch: Batch, llm_kwargs: KwargsFn, lo
 
 def unit_pass_timings(model: MultimodalModel, specs: Sequence[UnitSpec], batch: Batch, timer: _Timer,
                       llm_kwargs: KwargsFn, autocast: Callable[[], AbstractContextManager],
-                      bar: Any = None) -> list[PassTiming]:
+                      bar: Any = None, split: bool = True) -> list[PassTiming]:
     """Per unit (``specs`` order), the summed isolated timings (and joules, when ``timer`` measures them) of its
     calls for one microbatch ``batch``, with every parameter trainable (module docstring, steps 1-2). In a
     multi-module unit only the first module's dX is the unit's; the later modules' dX count as dW. ``bar``: a
-    progress (:class:`~plait.data.progress.Progress`) advanced by one per unit."""
+    progress (:class:`~plait.data.progress.Progress`) advanced by one per unit; ``split``: also time the runtime's
+    split backward (``PassTiming.split_b`` / ``split_w``; summed over every module of a unit, since the runtime's
+    ``B`` runs through all of them)."""
     modules = _unit_modules(model, specs)
     with _all_trainable(model):
         with _capture_calls(modules) as calls, autocast():
@@ -349,7 +393,7 @@ def unit_pass_timings(model: MultimodalModel, specs: Sequence[UnitSpec], batch: 
             total = PassTiming()
             first = unit_modules[0][1]
             for call in unit_calls:
-                t = _time_call(call, timer, autocast)
+                t = _time_call(call, timer, autocast, split)
                 for q in ("", "_j"):
                     _add(total, "forward" + q, t.get("forward" + q))
                     _add(total, "fused" + q, t.get("fused" + q))
@@ -358,6 +402,8 @@ def unit_pass_timings(model: MultimodalModel, specs: Sequence[UnitSpec], batch: 
                         _add(total, "dw" + q, t.get("dw" + q))
                     else:  # inside a multi-module unit the gradient reaching earlier weights passes this input
                         _add(total, "dw" + q, t.get("dw" + q) + t.get("dx" + q))
+                _add(total, "split_b", t.split_b)  # the runtime's B runs through every module to the unit's input
+                _add(total, "split_w", t.split_w)
             last = unit_calls[-1].module if unit_calls else None
             total.output_bytes = sum(c.output_bytes for c in unit_calls if c.module is last)
             out.append(total)
@@ -421,105 +467,6 @@ def _unit_bytes(model: MultimodalModel, spec: UnitSpec, held: set[int]) -> tuple
     return (sum(_nbytes(p) for p in params), sum(_nbytes(p) for p in trainable), _adamw_state_bytes(trainable))
 
 
-# ----- chunk overhead ------------------------------------------------------------------------------------
-def _module_chunk_times(model: MultimodalModel, microbatches: Sequence[Batch], llm_kwargs: KwargsFn,
-                        autocast: Callable[[], AbstractContextManager],
-                        timer: _Timer) -> tuple[dict[str, dict[str, float]], float]:
-    """Per module, the ``F`` and ``B`` seconds per microbatch of a pipeline stage holding the whole module
-    (the runtime's ``PipelineStage``, payloads handed over as the runtime does; median over repetitions,
-    mean over microbatches), on a copy of ``model``; and the runtime's own cost per action (seconds): one
-    ``run_pipeline_step`` of the same stages in this process (GPipe, one microbatch) minus the stage passes,
-    per action (the executor's bookkeeping; P2P transfers are not in it)."""
-    work = copy.deepcopy(model)
-    units = tuple(s.unit for s in unit_specs(work))
-    plan = plan_pipeline(units, "encoder_parallel")
-    plan = plan_pipeline(units, "encoder_parallel", ranks=[0] * plan.num_stages)
-    stages = build_rank_stages(work, plan, 0)
-    stages.train()
-    totals: dict[tuple[int, str], float] = defaultdict(float)
-    schedule = build_schedule(plan, "gpipe", 1)
-    excess = []
-    for batch in microbatches:
-        runs: dict[tuple[int, str], list[float]] = defaultdict(list)
-        steps, passes = [], []
-        for i in range(timer.warmup + timer.repeats):
-            times = _stage_pass(stages, plan, batch, llm_kwargs, autocast, timer)
-            start = timer.now()
-            run_pipeline_step(stages, schedule, [batch], batch.target_tokens, autocast=autocast,
-                              llm_kwargs=[llm_kwargs(batch)], loss_fn=token_loss_sum)
-            step = timer.now() - start
-            for _, p in stages.trainable_parameters():
-                p.grad = None
-            if i >= timer.warmup:
-                steps.append(step)
-                passes.append(sum(times.values()))
-                for key, value in times.items():
-                    runs[key].append(value)
-        for key, values in runs.items():
-            totals[key] += statistics.median(values) / len(microbatches)
-        actions = sum(len(a) for a in schedule.actions)
-        excess.append(max(0.0, statistics.median(steps) - statistics.median(passes)) / actions)
-    chunks = {stage.modules[0]: {"F": totals[(stage.index, "F")], "B": totals[(stage.index, "B")]}
-              for stage in plan.stages}
-    return chunks, sum(excess) / len(excess)
-
-
-def _stage_pass(stages: Any, plan: Any, batch: Batch, llm_kwargs: KwargsFn,
-                autocast: Callable[[], AbstractContextManager], timer: _Timer) -> dict[tuple[int, str], float]:
-    """One forward of every stage in order, then every backward in reverse; seconds per (stage, kind)."""
-    outs: dict[int, Any] = {}
-    inputs: dict[int, Any] = {}
-    times: dict[tuple[int, str], float] = {}
-    for st in plan.stages:
-        stage = stages.stages[st.index]
-        received = {p: {m: [t.detach().requires_grad_(
-            plan.stages[p].runs_backward and t.requires_grad and t.is_floating_point()
-            and stage.module_runs_grad(m if m in stage.chunks else "llm")) for t in lst]
-            for m, lst in outs[p].items()} for p in plan.predecessors(st.index)}
-        start = timer.now()
-        with torch.set_grad_enabled(st.runs_backward), autocast():
-            outs[st.index] = stage.forward(batch, received, token_loss_sum, llm_kwargs(batch))
-        times[(st.index, "F")] = timer.now() - start
-        inputs[st.index] = received
-    for st in reversed(plan.stages):
-        pairs = _backward_pairs(stages.stages[st.index], plan, st.index, outs, inputs)
-        start = timer.now()
-        if st.runs_backward and pairs:
-            with autocast():
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        times[(st.index, "B")] = timer.now() - start
-    return times
-
-
-def _backward_pairs(stage: Any, plan: Any, index: int, outs: Mapping[int, Any],
-                    inputs: Mapping[int, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(output, gradient)`` pairs of a stage's backward: the loss on the last stage, else the gradients its
-    successor left on the received leaves."""
-    if stage.is_last:
-        loss = outs[index]["llm"][0]
-        return [(loss, torch.ones_like(loss))] if loss.requires_grad else []
-    (succ,) = plan.successors(index)
-    pairs = []
-    for module, tensors in outs[index].items():
-        for out, leaf in zip(tensors, inputs[succ][index].get(module, [])):
-            if out.requires_grad and leaf.grad is not None:
-                pairs.append((out, leaf.grad))
-    return pairs
-
-
-def _chunk_overhead(chunks: Mapping[str, Mapping[str, float]], profile_units: Sequence[Any],
-                    costs: Sequence[Any]) -> dict[str, dict[str, float]]:
-    """Chunk time minus the sum of its units' forward / (frozen-aware) backward, per module."""
-    out: dict[str, dict[str, float]] = {}
-    for module, times in chunks.items():
-        pairs = [(u, c) for u, c in zip(profile_units, costs) if u.module == module]
-        forward = sum(c.forward_s for _, c in pairs)
-        backward = sum(c.backward_s(u) for u, c in pairs)
-        runs_backward = any(u.runs_backward for u, _ in pairs)
-        out[module] = {"F": times["F"] - forward, "B": (times["B"] - backward) if runs_backward else 0.0}
-    return out
-
-
 # ----- the profile ---------------------------------------------------------------------------------------
 def measure_profile(
     model: MultimodalModel,
@@ -576,16 +523,16 @@ def measure_profile(
         mean = lambda attr: sum(getattr(t[i], attr) for t in per_mb) / n  # noqa: E731
         measurements.append(UnitMeasurement(
             spec.unit.name, mean("forward"), mean("dx"), mean("dw"), mean("fused"), param, grad, state,
-            round(sum(s[i] for s in saved) / n), round(mean("output_bytes"))))
+            round(sum(s[i] for s in saved) / n), round(mean("output_bytes")), mean("split_b"), mean("split_w")))
     units = tuple(s.unit for s in specs)
     costs = [m.to_cost(u) for u, m in zip(units, measurements)]
     bar.describe("profiling module chunks and runtime overheads")
-    chunks, per_action = _module_chunk_times(model, microbatches, llm_kwargs, autocast, timer)
+    chunks, per_action = module_chunk_times(model, microbatches, llm_kwargs, autocast, timer)
     bar.close()
     def forward(batch: Batch) -> None:  # the routers' counts (Profile.router_load)
         with autocast():
             _forward_loss(model, batch, llm_kwargs, lambda logits, labels: logits)
 
     routed = measure_router_load(model, specs, microbatches, forward)
-    return Profile(key, units, tuple(measurements), _chunk_overhead(chunks, units, costs), repeats, warmup,
-                   per_action, routed)
+    overhead = chunk_overhead(chunks, units, costs)
+    return Profile(key, units, tuple(measurements), overhead, repeats, warmup, per_action, routed)

@@ -337,8 +337,9 @@ def format_profile(profile: Profile) -> str:
             f"{m.optimizer_bytes / 1024:>10.1f} {m.activation_bytes / 1024:>9.1f} {m.output_bytes / 1024:>8.1f}")
     lines.append(f"runtime cost per action: {1e3 * profile.action_overhead_s:.3f} ms")
     for module, over in profile.chunk_overhead_s.items():
+        split = "".join(f", {kind} {1e3 * over[kind]:.3f} ms" for kind in ("B_split", "W_split") if kind in over)
         lines.append(f"chunk overhead {module}: F {1e3 * over.get('F', 0.0):.3f} ms, "
-                     f"B {1e3 * over.get('B', 0.0):.3f} ms")
+                     f"B {1e3 * over.get('B', 0.0):.3f} ms{split}")
     if any(v < 0 for over in profile.chunk_overhead_s.values() for v in over.values()):
         lines.append("a negative chunk overhead: the module ran faster as one chunk than its units measured apart; "
                      "kept as a correction (a stage's time is clipped at 0)")

@@ -8,6 +8,7 @@ the simulator and the plots alike.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from plait.planner.serialize import JsonDataclass
@@ -98,6 +99,12 @@ class UnitCost(JsonDataclass):
             forward runs again before its backward; 0 when not checkpointed; ``planner.recompute``).
         expert_param_bytes: of ``param_bytes``, those of a mixture-of-experts layer's routed experts, which
             expert parallelism divides over its ranks (``cost.experts``; 0: none).
+        split_input_grad_s, split_weight_grad_s: the runtime's split backward of zero-bubble schedules (Qi et al.,
+            ICLR 2024, section 2; ``plait.parallel.pipeline.split_backward``), measured: ``B`` (dX, keeping the
+            gradients at the weights' intermediates) and ``W`` (the weights' gradients from those, a backward of
+            its own, dearer than the fused backward's extra over dX). None (modelled costs, older profiles): a
+            split schedule charges dX and dW (:meth:`split_backward_s`). Cost transforms map them as they map
+            dX and dW (:meth:`split_mapped`).
     """
 
     forward_s: float
@@ -108,11 +115,34 @@ class UnitCost(JsonDataclass):
     output_bytes: int = 0
     recompute_s: float = 0.0
     expert_param_bytes: int = 0
+    split_input_grad_s: float | None = None
+    split_weight_grad_s: float | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            if getattr(self, field.name) < 0:
-                raise ValueError(f"UnitCost.{field.name} must be >= 0, got {getattr(self, field.name)}")
+            value = getattr(self, field.name)
+            if value is not None and value < 0:
+                raise ValueError(f"UnitCost.{field.name} must be >= 0, got {value}")
+        if (self.split_input_grad_s is None) != (self.split_weight_grad_s is None):
+            raise ValueError("UnitCost: split_input_grad_s and split_weight_grad_s are given together or not at all")
+
+    def split_backward_s(self, unit: Unit) -> tuple[float, float]:
+        """``(B, W)`` seconds of ``unit`` under a split-backward schedule, on a stage whose input needs a gradient
+        (recomputation apart): the measured split ``B`` and the trained share of the split ``W`` for a unit that
+        needs an input gradient and trains; else, and without split fields, dX where it needs an input gradient
+        and its trained share of dW (a frozen unit's ``B`` keeps no gradient for weights: plain dX)."""
+        if self.split_input_grad_s is not None and unit.needs_input_grad and unit.trainable:
+            return self.split_input_grad_s, (self.split_weight_grad_s or 0.0) * unit.trained_fraction
+        return (self.input_grad_s if unit.needs_input_grad else 0.0), self.weight_grad_s * unit.trained_fraction
+
+    def split_mapped(self, input_grad: Callable[[float], float],
+                     weight_grad: Callable[[float], float]) -> dict[str, float | None]:
+        """``dataclasses.replace`` keywords mapping the split fields as a cost transform maps dX (``input_grad``)
+        and dW (``weight_grad``): e.g. TP divides both and adds its all-reduce to dX; None stays None."""
+        if self.split_input_grad_s is None or self.split_weight_grad_s is None:
+            return {}
+        return {"split_input_grad_s": input_grad(self.split_input_grad_s),
+                "split_weight_grad_s": weight_grad(self.split_weight_grad_s)}
         if self.expert_param_bytes > self.param_bytes:
             raise ValueError(f"UnitCost.expert_param_bytes ({self.expert_param_bytes}) exceeds param_bytes "
                              f"({self.param_bytes})")

@@ -190,11 +190,13 @@ def expert_parallel_costs(units: Sequence[Unit], costs: Sequence[UnitCost], ep: 
         forward = max(0.0, cost.forward_s + delta) + ALLTOALLS_FORWARD * a2a
         dx = max(0.0, cost.input_grad_s + delta) if cost.input_grad_s else 0.0
         dw = max(0.0, cost.weight_grad_s + delta)
+        back = ALLTOALLS_BACKWARD * a2a if unit.needs_input_grad else 0.0
         if unit.needs_input_grad:
-            dx += ALLTOALLS_BACKWARD * a2a
+            dx += back
         elif unit.trainable:
             dw += ALLTOALLS_BACKWARD * a2a / unit.trained_fraction
-        out.append(dataclasses.replace(cost, forward_s=forward, input_grad_s=dx, weight_grad_s=dw))
+        split = cost.split_mapped(lambda b: max(0.0, b + delta) + back, lambda w: max(0.0, w + delta))
+        out.append(dataclasses.replace(cost, forward_s=forward, input_grad_s=dx, weight_grad_s=dw, **split))
     return out
 
 

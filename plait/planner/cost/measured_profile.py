@@ -25,15 +25,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from plait.planner.cost.types import ProfileKey, UnitMeasurement
+from plait.planner.cost.types import ProfileKey
 from plait.planner.pipeline.types import PipelinePlan
-from plait.planner.serialize import dataclass_from_dict
+from plait.planner.serialize import JsonDataclass, dataclass_from_dict
 from plait.planner.types import Unit, UnitCost
 
-__all__ = ["FORMAT_VERSION", "OVERHEAD_KINDS", "Profile", "profile_mismatch", "stage_action_costs"]
+__all__ = ["FORMAT_VERSION", "OVERHEAD_KINDS", "Profile", "UnitMeasurement", "profile_mismatch", "stage_action_costs"]
 
 FORMAT_VERSION = 1
-OVERHEAD_KINDS = ("F", "B")
+OVERHEAD_KINDS = ("F", "B", "B_split", "W_split")
 
 
 def profile_mismatch(stored: ProfileKey, wanted: ProfileKey) -> str | None:
@@ -88,6 +88,63 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 @dataclass(frozen=True)
+class UnitMeasurement(JsonDataclass):
+    """Raw measurements of one unit for one microbatch (mean over the profiled microbatches of the median
+    over repetitions after warm-up). Times in seconds, memory in bytes.
+
+    Attributes:
+        name: the unit's name (``Unit.name``).
+        forward_s: forward time (graph recorded, as in training).
+        input_grad_s: backward w.r.t. the unit's input only (dX); 0 when the input is raw data (pixels, ids).
+        weight_grad_s: backward w.r.t. the unit's parameters only (dW); measured with the parameters made
+            trainable for the measurement, so frozen units have one too (for frozen-unaware planning).
+        fused_backward_s: one backward computing both (what an unsplit backward runs).
+        param_bytes: parameter bytes; grad_bytes: gradient bytes of its trainable parameters;
+        optimizer_bytes: AdamW state bytes of its trainable parameters (measured after one step);
+        activation_bytes: bytes of the tensors its forward saves for backward (parameters excluded) under
+            the real freezing flags; output_bytes: bytes of its output.
+        split_input_grad_s, split_weight_grad_s: the pipeline runtime's own split backward of zero-bubble
+            schedules (``plait.parallel.pipeline.split_backward``; Qi et al., ICLR 2024, section 2), every
+            parameter trainable: ``B`` (``input_gradients``: dX, keeping the gradients at the weights'
+            intermediates) and ``W`` (``weight_gradients`` from those kept gradients, a backward of its own);
+            0 when the unit's input is raw data. None in profiles measured before they existed: split
+            schedules are then charged by the fused rule (:meth:`to_cost`).
+    """
+
+    name: str
+    forward_s: float
+    input_grad_s: float
+    weight_grad_s: float
+    fused_backward_s: float
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    activation_bytes: int = 0
+    output_bytes: int = 0
+    split_input_grad_s: float | None = None
+    split_weight_grad_s: float | None = None
+
+    @property
+    def has_split(self) -> bool:
+        """Whether the runtime's split backward was measured (both split fields set)."""
+        return self.split_input_grad_s is not None and self.split_weight_grad_s is not None
+
+    def to_cost(self, unit: Unit) -> UnitCost:
+        """The planner's cost of ``unit`` (real flags), chosen so the simulator charges the backward the runtime
+        runs: ``input_grad_s`` = dX; ``weight_grad_s`` = fused - dX when the unit needs an input gradient (the
+        extra cost of also producing weight gradients), else dW alone; so ``UnitCost.backward_s(unit)`` is the
+        fused backward. The split fields carry the measured split ``B`` and ``W`` (``UnitCost.split_backward_s``
+        charges them to a trainable unit needing an input gradient under a split-backward schedule)."""
+        if unit.needs_input_grad:
+            weight = max(0.0, self.fused_backward_s - self.input_grad_s)
+        else:
+            weight = self.weight_grad_s
+        split = (self.split_input_grad_s, self.split_weight_grad_s) if self.has_split else (None, None)
+        return UnitCost(self.forward_s, self.input_grad_s, weight, self.param_bytes, self.activation_bytes,
+                        self.output_bytes, 0.0, 0, *split)
+
+
+@dataclass(frozen=True)
 class Profile:
     """A measured profile (module docstring).
 
@@ -97,7 +154,9 @@ class Profile:
         measurements: one :class:`UnitMeasurement` per unit, same order.
         chunk_overhead_s: per module, seconds one chunk of that module costs per action beyond its units:
             ``{"F": forward, "B": backward}`` (the backward the runtime runs unsplit; may be negative where
-            units measured alone are slower than inside a chunk).
+            units measured alone are slower than inside a chunk); a chunk whose input needs a gradient also
+            ``"B_split"`` and ``"W_split"``: its glue in the runtime's split backward beyond the units' split
+            ``B`` and ``W`` (absent in older profiles: split schedules then put ``"B"`` on ``B``).
         repeats, warmup: repetitions timed and discarded per measurement.
         action_overhead_s: seconds the pipeline runtime spends per action beyond the stage's own work
             (bookkeeping of the executor; measured in one process, so without P2P transfers).
@@ -180,18 +239,32 @@ def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
 
     ``F`` = the stage's unit forwards plus, per module chunk of the stage, that module's forward chunk
     overhead. Unsplit, ``B`` = the units' ``UnitCost.backward_s`` plus each chunk's backward overhead (none
-    for a chunk that runs no backward). Split, ``B`` = dX of the units needing one, ``W`` = ``weight_grad_s``
-    of the trainable units; a chunk's backward overhead goes to ``B`` when the chunk needs an input gradient,
-    else to ``W``; on a stage whose input needs no gradient ``B`` has nothing to do and ``W`` takes it all (the
-    runtime's split backward). A sum below 0 is clipped to 0. Every action the stage runs (``F``; ``B`` and ``W`` when it
-    runs a backward) also pays the runtime's ``action_overhead_s``.
+    for a chunk that runs no backward).
+
+    Split, on a stage whose input needs a gradient: ``B`` and ``W`` = the units' ``UnitCost.split_backward_s``
+    (the runtime's split backward measured per unit where the profile has it, else dX of the units needing one
+    and ``weight_grad_s`` of the trainable ones). A module's split glue ``B_split`` / ``W_split`` (measured on a
+    chunk holding the whole module) goes to ``B`` / ``W``, each chunk its share of the module's units' split
+    ``B`` / ``W``: unlike the forward's glue (rotary embeddings, masks: once per chunk) it scales with the work
+    split (the demo LLM in 4 chunks ran the split ``B`` and ``W`` of one chunk, within noise, in sum, while its
+    forwards paid their glue 4 times). Without split glue (older profiles) a chunk's backward overhead goes to
+    ``B`` when the chunk needs an input gradient, else to ``W``. On a stage whose input needs no gradient ``B`` has nothing to do and ``W`` is one unsplit backward (the
+    runtime's split backward): the fused costs and backward overhead, all on ``W``.
+
+    A sum below 0 is clipped to 0. Every action the stage runs (``F``; ``B`` and ``W`` when it runs a backward)
+    also pays the runtime's ``action_overhead_s``.
 
     Raises:
         ValueError: when a unit of the plan is not in the profile.
     """
     by_name = {u.name: (u, c) for u, c in zip(profile.units, profile.costs)}
+    whole: dict[str, list[float]] = {}  # per module, the split B and W of all its units (the glue's measure)
+    for u, c in by_name.values():
+        sums = whole.setdefault(u.module, [0.0, 0.0])
+        sums[0], sums[1] = (a + b for a, b in zip(sums, c.split_backward_s(u)))
     out: dict[tuple[int, str], float] = {}
     for stage in plan.stages:
+        split_stage = split_backward and stage.needs_input_grad  # no input gradient: W is one unsplit backward
         f = dx = dw = 0.0
         for module in stage.modules:
             names = stage.module_units(module)
@@ -203,10 +276,19 @@ def stage_action_costs(plan: PipelinePlan, profile: Profile, *,
             f += sum(c.forward_s for _, c in pairs) + over.get("F", 0.0)
             needs_dx = any(u.needs_input_grad for u, _ in pairs)
             trains = any(u.trainable for u, _ in pairs)
-            dx += sum(c.input_grad_s for u, c in pairs if u.needs_input_grad)
-            dw += sum(c.weight_grad_s for u, c in pairs if u.trainable)
+            if split_stage:
+                chunk_dx, chunk_dw = (sum(x) for x in zip((0.0, 0.0), *(c.split_backward_s(u) for u, c in pairs)))
+            else:
+                chunk_dx = sum(c.input_grad_s for u, c in pairs if u.needs_input_grad)
+                chunk_dw = sum(c.weight_grad_s for u, c in pairs if u.trainable)
+            dx, dw = dx + chunk_dx, dw + chunk_dw
             back = over.get("B", 0.0) if (needs_dx or trains) else 0.0
-            if needs_dx:
+            if split_stage and needs_dx and "B_split" in over and "W_split" in over:
+                # the module's glue in the runtime's split backward, this chunk's share of its units' split work
+                total_dx, total_dw = whole[module]
+                dx += over["B_split"] * (chunk_dx / total_dx if total_dx > 0 else 1.0)
+                dw += over["W_split"] * (chunk_dw / total_dw if total_dw > 0 else 1.0) if trains else 0.0
+            elif needs_dx:
                 dx += back
             else:
                 dw += back

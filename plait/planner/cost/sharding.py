@@ -142,7 +142,7 @@ def _tp_cost(unit: Unit, cost: UnitCost, tp: int, link: P2PModel | None, routed:
         input_grad_s=split(cost.input_grad_s) + comm,
         weight_grad_s=split(cost.weight_grad_s), param_bytes=math.ceil((cost.param_bytes - experts) / tp) + experts,
         activation_bytes=int(round(whole + (cost.activation_bytes - whole) / tp)),
-        recompute_s=split(cost.recompute_s))
+        recompute_s=split(cost.recompute_s), **cost.split_mapped(lambda b: split(b) + comm, split))
 
 
 def tp_unit_cost(unit: Unit, cost: UnitCost, tp: int, link: P2PModel | None) -> UnitCost:
@@ -200,13 +200,15 @@ def _shard_cost(unit: Unit, cost: UnitCost, shards: int, link: P2PModel | None, 
     backward = cost.backward_s(unit)
     extra = max(0.0, gather - backward) if unit.runs_backward and not kept else 0.0
     dx, dw = cost.input_grad_s, cost.weight_grad_s
-    if unit.needs_input_grad or not unit.trainable:
+    on_dx = unit.needs_input_grad or not unit.trainable
+    if on_dx:
         dx += extra
     else:
         dw += extra / unit.trained_fraction
     experts = math.ceil(cost.expert_param_bytes / expert_shards)
     return dataclasses.replace(cost, forward_s=forward, input_grad_s=dx, weight_grad_s=dw,
-                               param_bytes=math.ceil(dense / shards) + experts, expert_param_bytes=experts)
+                               param_bytes=math.ceil(dense / shards) + experts, expert_param_bytes=experts,
+                               **cost.split_mapped(lambda b: b + extra if on_dx else b, lambda w: w))
 
 
 def shard_costs(units: Sequence[Unit], costs: Sequence[UnitCost], degrees: ParallelDegrees, *,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plait.planner.serialize import JsonDataclass
-from plait.planner.types import Unit, UnitCost
+from plait.planner.types import UnitCost
 
 __all__ = [
     "CHECKPOINT_POLICIES",
@@ -37,7 +37,6 @@ __all__ = [
     "ProfileKey",
     "RankMemory",
     "UnitEstimate",
-    "UnitMeasurement",
     "dtype_bytes",
 ]
 
@@ -551,44 +550,3 @@ class ProfileKey(JsonDataclass):
         """A short stable hash of the whole key (16 hex digits), used in file names."""
         text = json.dumps(self.to_dict(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class UnitMeasurement(JsonDataclass):
-    """Raw measurements of one unit for one microbatch (mean over the profiled microbatches of the median
-    over repetitions after warm-up). Times in seconds, memory in bytes.
-
-    Attributes:
-        name: the unit's name (``Unit.name``).
-        forward_s: forward time (graph recorded, as in training).
-        input_grad_s: backward w.r.t. the unit's input only (dX); 0 when the input is raw data (pixels, ids).
-        weight_grad_s: backward w.r.t. the unit's parameters only (dW); measured with the parameters made
-            trainable for the measurement, so frozen units have one too (for frozen-unaware planning).
-        fused_backward_s: one backward computing both (what an unsplit backward runs).
-        param_bytes: parameter bytes; grad_bytes: gradient bytes of its trainable parameters;
-        optimizer_bytes: AdamW state bytes of its trainable parameters (measured after one step);
-        activation_bytes: bytes of the tensors its forward saves for backward (parameters excluded) under
-            the real freezing flags; output_bytes: bytes of its output.
-    """
-
-    name: str
-    forward_s: float
-    input_grad_s: float
-    weight_grad_s: float
-    fused_backward_s: float
-    param_bytes: int = 0
-    grad_bytes: int = 0
-    optimizer_bytes: int = 0
-    activation_bytes: int = 0
-    output_bytes: int = 0
-
-    def to_cost(self, unit: Unit) -> UnitCost:
-        """The planner's cost of ``unit`` (real flags), chosen so ``UnitCost.backward_s(unit)`` is the backward
-        the runtime runs: ``input_grad_s`` = dX; ``weight_grad_s`` = fused - dX when the unit needs an input
-        gradient (the extra cost of also producing weight gradients), else dW alone."""
-        if unit.needs_input_grad:
-            weight = max(0.0, self.fused_backward_s - self.input_grad_s)
-        else:
-            weight = self.weight_grad_s
-        return UnitCost(self.forward_s, self.input_grad_s, weight, self.param_bytes, self.activation_bytes,
-                        self.output_bytes)

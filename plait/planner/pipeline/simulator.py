@@ -404,7 +404,8 @@ def stage_costs_from_units(
 
     ``F`` is the sum of forwards. Unsplit, ``B`` is the sum of ``UnitCost.backward_s`` (dX where the unit
     needs an input gradient, plus dW where it trains: the frozen-aware model of
-    Cornstarch). Split, ``B`` is the dX part and ``W`` the dW part, except on a stage whose input needs no
+    Cornstarch). Split, ``B`` is the dX part and ``W`` the dW part (``UnitCost.split_backward_s``: the runtime's
+    measured split backward where the cost has it), except on a stage whose input needs no
     gradient (the first of its branch, or after frozen stages): there ``B`` has nothing to send and the runtime's
     ``W`` runs the whole backward (``plait.parallel.pipeline.split_backward``), so ``B`` is 0 and ``W`` all of it.
     A checkpointed unit (``UnitCost.recompute_s``, ``planner.recompute``) adds its recomputation to ``B``, and split
@@ -420,14 +421,18 @@ def stage_costs_from_units(
     out: dict[tuple[int, str], float] = {}
     for stage in plan.stages:
         f = dx = dw = again = 0.0
+        split = split_backward and stage.needs_input_grad
         for name in stage.units:
             if name not in by_name or name not in unit_costs:
                 raise ValueError(f"stage {stage.index}: unit {name!r} has no Unit or no UnitCost")
             unit, cost = by_name[name], unit_costs[name]
             f += cost.forward_s
-            dx += (cost.input_grad_s if unit.needs_input_grad else 0.0) + (
-                cost.recompute_s if unit.runs_backward else 0.0)  # checkpointed: forward again (planner.recompute)
-            dw += cost.weight_grad_s * unit.trained_fraction if unit.trainable else 0.0  # LoRA: the adapters' share
+            if split:  # the runtime's split B and W where measured (UnitCost.split_backward_s)
+                b, w = cost.split_backward_s(unit)
+            else:  # LoRA: the adapters' share of dW
+                b, w = (cost.input_grad_s if unit.needs_input_grad else 0.0), cost.weight_grad_s * unit.trained_fraction
+            dx += b + (cost.recompute_s if unit.runs_backward else 0.0)  # checkpointed: forward again (recompute)
+            dw += w if unit.trainable else 0.0
             again += cost.recompute_s if unit.trainable else 0.0
         f, dx, dw, again = (x / stage.row_share for x in (f, dx, dw, again))
         out[(stage.index, "F")] = f

@@ -87,7 +87,8 @@ def replicated_costs(units: Sequence[Unit], costs: Costs, replicas: Mapping[str,
         out.append(cost if r == 1 else dataclasses.replace(
             cost, forward_s=cost.forward_s / r, input_grad_s=cost.input_grad_s / r,
             weight_grad_s=cost.weight_grad_s / r, recompute_s=cost.recompute_s / r,
-            activation_bytes=-(-cost.activation_bytes // r), output_bytes=-(-cost.output_bytes // r)))
+            activation_bytes=-(-cost.activation_bytes // r), output_bytes=-(-cost.output_bytes // r),
+            **cost.split_mapped(lambda b: b / r, lambda w: w / r)))
     return out
 
 

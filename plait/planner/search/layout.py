@@ -593,5 +593,7 @@ def _megatron_for(units, costs, devices, microbatches, dp, machine):
 
 def _unaware_cost(cost: UnitCost) -> UnitCost:
     """The cost as the frozen-unaware model charges it on an all-trainable unit: backward ``dX + dW`` even
-    where no input gradient is needed (``UnitCost.backward_s(unit, frozen_aware=False)``), booked as dW."""
-    return dataclasses.replace(cost, input_grad_s=0.0, weight_grad_s=cost.input_grad_s + cost.weight_grad_s)
+    where no input gradient is needed (``UnitCost.backward_s(unit, frozen_aware=False)``), booked as dW (no
+    measured split backward: that model knows none)."""
+    return dataclasses.replace(cost, input_grad_s=0.0, weight_grad_s=cost.input_grad_s + cost.weight_grad_s,
+                               split_input_grad_s=None, split_weight_grad_s=None)

@@ -15,7 +15,7 @@ from plait.config.loader import config_from_dict, config_to_dict, pipeline_plan_
 from plait.models.units import model_units, unit_specs
 from plait.planner.search.auto_layout import plan_auto_layout
 from plait.planner.pipeline.plan import plan_pipeline, synthetic_units
-from plait.planner.cost.measured_profile import stage_action_costs
+from plait.planner.cost.measured_profile import Profile, stage_action_costs
 from plait.planner.search.layout import evaluate_plan
 from plait.planner.types import UnitCost
 from plait.train.apply_plan import resolve_auto_plan
@@ -53,6 +53,48 @@ def test_unit_cost_backward_is_what_the_runtime_runs():
     assert cost.weight_grad_s == 0.5 and cost.backward_s(second) == 1.0  # fused = dX + (fused - dX)
 
 
+def test_split_schedules_pay_the_measured_split_backward_where_the_profile_has_it():
+    units = synthetic_units({"vision": [True, False, True]}, [True])
+    first, frozen, second = units[0], units[1], units[2]
+    assert not first.needs_input_grad and frozen.needs_input_grad and not frozen.trainable
+    assert second.needs_input_grad and second.trainable
+    old = _measurement("x", f=2.0, dx=0.5, dw=0.75, fused=1.0)
+    new = _measurement("x", f=2.0, dx=0.5, dw=0.75, fused=1.0, split=(0.625, 0.875))
+    assert not old.has_split and new.has_split
+    fused = UnitCost(2.0, 0.5, 0.5, 400, 100, 50)
+    assert old.to_cost(second) == fused and new.to_cost(second) == dataclasses.replace(
+        fused, split_input_grad_s=0.625, split_weight_grad_s=0.875)
+    # fused schedules never see the split fields: backward_s is the fused backward either way
+    assert new.to_cost(second).backward_s(second) == old.to_cost(second).backward_s(second) == 1.0
+    # split: measured B and W when present, the fused rule (dX, fused - dX) when absent
+    assert new.to_cost(second).split_backward_s(second) == (0.625, 0.875)
+    assert old.to_cost(second).split_backward_s(second) == (0.5, 0.5)
+    # frozen: the runtime keeps no gradient for its weights, so B is plain dX and W nothing; no input gradient:
+    # B nothing, W dW alone
+    assert new.to_cost(frozen).split_backward_s(frozen) == (0.5, 0.0)
+    assert new.to_cost(first).split_backward_s(first) == (0.0, 0.75)
+    lora = dataclasses.replace(second, trainable_fraction=0.25)  # the adapters' share of W, as of dW
+    assert new.to_cost(lora).split_backward_s(lora) == (0.625, 0.875 * 0.25)
+    with pytest.raises(ValueError, match="together"):
+        UnitCost(1.0, 1.0, 1.0, split_input_grad_s=1.0)
+
+
+def test_split_fields_round_trip_and_old_profiles_still_load():
+    profile = _profile()
+    with_split = dataclasses.replace(profile, measurements=tuple(
+        dataclasses.replace(m, split_input_grad_s=0.625, split_weight_grad_s=0.875) for m in profile.measurements))
+    data = json.loads(json.dumps(with_split.to_dict()))
+    assert data["measurements"][0]["split_weight_grad_s"] == 0.875
+    assert Profile.from_dict(data) == with_split
+    cost = with_split.costs[-1]
+    assert UnitCost.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost and cost.split_input_grad_s == 0.625
+    for m in data["measurements"]:  # a profile written before the split fields existed
+        del m["split_input_grad_s"], m["split_weight_grad_s"]
+    old = Profile.from_dict(data)
+    assert old == profile and not any(m.has_split for m in old.measurements)
+    assert all(c.split_input_grad_s is None for c in old.costs)  # split schedules: the fused rule
+
+
 def test_stage_action_costs_by_hand():
     # vision: frozen embed (no backward), trainable layer; llm: two trainable units
     profile = _profile()
@@ -69,6 +111,39 @@ def test_stage_action_costs_by_hand():
     assert len(names) == 4
     busy = stage_action_costs(plan, dataclasses.replace(profile, action_overhead_s=0.01))  # every action pays it
     assert [busy[k] - got[k] for k in sorted(got) if k[1] != "W"] == pytest.approx([0.01] * 4)
+    # measured split backward (B 0.625, W 0.875 per unit): split schedules pay it, 1F1B keeps the fused 1.0
+    measured = dataclasses.replace(profile, measurements=tuple(
+        dataclasses.replace(m, split_input_grad_s=0.625, split_weight_grad_s=0.875) for m in profile.measurements))
+    assert stage_action_costs(plan, measured) == got
+    split = stage_action_costs(plan, measured, split_backward=True)
+    assert split[(1, "B")] == pytest.approx(1.25) and split[(1, "W")] == pytest.approx(1.75)
+    # vision's input needs no gradient: W is the trainable layer's dW alone plus the chunk overhead, as before
+    assert split[(0, "B")] == 0.0 and split[(0, "W")] == pytest.approx(0.95)
+    # the LLM chunk's glue measured in the split backward goes to B and W; without it the fused glue goes to B
+    glue = dataclasses.replace(measured, chunk_overhead_s={"llm": {"F": 0.0, "B": 0.3, "B_split": 0.1, "W_split": 0.2}})
+    split = stage_action_costs(plan, glue, split_backward=True)
+    assert split[(1, "B")] == pytest.approx(1.35) and split[(1, "W")] == pytest.approx(1.95)
+    assert stage_action_costs(plan, glue)[(1, "B")] == pytest.approx(2.3)
+    # the LLM in two chunks of one unit each: each pays its share (half) of the split glue, not all of it
+    halves = plan_pipeline(profile.units, "encoder_parallel", stages_per_module={"llm": 2})
+    split2 = stage_action_costs(halves, glue, split_backward=True)
+    assert [split2[(s, k)] for s in (1, 2) for k in "BW"] == pytest.approx([0.675, 0.975] * 2)
+    assert stage_action_costs(halves, glue)[(1, "B")] == pytest.approx(1.3)  # fused: the glue once per chunk
+    old_glue = dataclasses.replace(glue, chunk_overhead_s={"llm": {"F": 0.0, "B": 0.3}})
+    split = stage_action_costs(plan, old_glue, split_backward=True)
+    assert split[(1, "B")] == pytest.approx(1.55) and split[(1, "W")] == pytest.approx(1.75)
+
+
+def test_a_stage_without_input_gradient_runs_its_split_backward_unsplit():
+    # vision: trainable embed (no input gradient) then a trainable layer that needs one; the stage's input (pixels)
+    # needs none, so the runtime's W is one unsplit backward: fused costs, whatever the split fields say
+    units = synthetic_units({"vision": [True, True]}, [True])
+    profile = Profile(_profile().key, units, tuple(_measurement(u.name, split=(0.625, 0.875)) for u in units),
+                      {"vision": {"F": 0.0, "B": 0.2}})
+    plan = plan_pipeline(units, "encoder_parallel")
+    split = stage_action_costs(plan, profile, split_backward=True)
+    assert split[(0, "B")] == 0.0 and split[(0, "W")] == pytest.approx(0.75 + 1.0 + 0.2)  # dW + fused + glue
+    assert split[(1, "B")] == pytest.approx(0.625) and split[(1, "W")] == pytest.approx(0.875)
 
 
 # ----- the profiler on a real (tiny) model ----------------------------------------------------------------------
@@ -95,10 +170,14 @@ def test_profiler_measures_every_unit_of_a_real_model(mode):
         assert (m.param_bytes, m.grad_bytes) == (param, grad), unit.name
         assert m.optimizer_bytes == 2 * grad + 4 * tensors, unit.name  # AdamW: exp_avg, exp_avg_sq, step
         assert m.forward_s > 0 and min(m.input_grad_s, m.weight_grad_s, m.fused_backward_s) >= 0
+        assert m.has_split, unit.name  # the runtime's split backward, measured for every unit
         if unit.kind == "embed":
             assert m.input_grad_s == 0  # raw pixels, features or token ids
+            if unit.module != "audio":  # one module: B has nothing to do, W is the backward to the weights (dW)
+                assert m.split_input_grad_s == 0 and m.split_weight_grad_s == m.weight_grad_s
         elif unit.kind == "layer":
             assert m.input_grad_s > 0 and m.weight_grad_s > 0 and m.fused_backward_s > 0
+            assert m.split_input_grad_s > 0 and m.split_weight_grad_s > 0  # every parameter trainable meanwhile
         if not unit.runs_backward:
             assert m.activation_bytes == 0, unit.name  # ran under no_grad, kept nothing
         elif unit.kind == "layer":
@@ -110,6 +189,9 @@ def test_profiler_measures_every_unit_of_a_real_model(mode):
     assert head.activation_bytes == (b * n * hidden * 4 if mode == "all" else 0)
     assert head.output_bytes == b * n * vocab * 4
     assert set(profile.chunk_overhead_s) == {"vision", "audio", "llm"}
+    # the split backward's glue: only a chunk whose input needs a gradient (the LLM's: a projector trains) splits
+    assert set(profile.chunk_overhead_s["llm"]) == {"F", "B", "B_split", "W_split"}
+    assert set(profile.chunk_overhead_s["vision"]) == set(profile.chunk_overhead_s["audio"]) == {"F", "B"}
 
 
 # ----- parallel.plan = "auto" ------------------------------------------------------------------------------
@@ -207,7 +289,8 @@ def test_profiler_gives_an_mrope_llm_the_positions_it_trains_with(tmp_path):
     text_model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["position_ids"]), with_kwargs=True)
     profile = measure_profile(inputs.model, [batch], inputs.key, repeats=1, warmup=0,
                               llm_kwargs=inputs.llm_kwargs, autocast=inputs.autocast)
-    assert len(seen) == 4  # capture, saved bytes, the LLM chunk's pass, the runtime step (hooks copied with the model)
+    assert len(seen) == 5  # capture, saved bytes, the LLM chunk's fused and split passes, the runtime step (hooks
+    # copied with the model)
     assert all(torch.equal(p, rope) for p in seen)
     layer = next(m for m in profile.measurements if m.name == "language_model.model.layers.0")
     assert layer.forward_s > 0 and layer.fused_backward_s > 0

@@ -13,10 +13,10 @@ from plait.planner.cost.analytic import unit_costs
 from plait.planner.cost.arch import DecoderArch, units_from_configs
 from plait.planner.cost.experts import (ExpertDispatch, ExpertLayer, alltoall_s, expert_layers,
                                         expert_parallel_costs, imbalance, searched_ep_degrees)
-from plait.planner.cost.measured_profile import Profile
+from plait.planner.cost.measured_profile import Profile, UnitMeasurement
 from plait.planner.cost.sharding import rank_memory, shard_costs
 from plait.planner.cost.topology import RANK_ORDERS, Topology, ep_crosses, plan_rank_order
-from plait.planner.cost.types import DeviceSpec, MicrobatchShape, ParallelDegrees, ProfileKey, UnitMeasurement
+from plait.planner.cost.types import DeviceSpec, MicrobatchShape, ParallelDegrees, ProfileKey
 from plait.planner.microbatch import ModuleCostCoeffs, sample_costs_from_metadata
 from plait.planner.pipeline.graph import consistent_units
 from plait.planner.pipeline.types import P2PModel

@@ -76,6 +76,13 @@ def test_simulator_stage_work_reads_the_fraction():
     two = stage_costs_from_units(plan_pipeline(units, stages_per_module={"llm": 2}), units, costs, split_backward=True)
     assert (two[(0, "B")], two[(0, "W")]) == (0.0, 1.0)  # llm.0 (frozen embedding), llm.1 (LoRA, no dX needed)
     assert (two[(1, "B")], two[(1, "W")]) == (4.0, 1.0)  # llm.2 (LoRA) and the head: dX through both, W of llm.2
+    # the runtime's split backward measured (B 3, W 5 s per unit): stage 1 needs an input gradient, so it pays B 3 for
+    # llm.2 and 2 (plain dX) for the frozen head, W 5 x 0.25 for llm.2; stage 0 runs one unsplit backward (fused)
+    measured = {n: dataclasses.replace(c, split_input_grad_s=3.0, split_weight_grad_s=5.0) for n, c in costs.items()}
+    plan2 = plan_pipeline(units, stages_per_module={"llm": 2})
+    got = stage_costs_from_units(plan2, units, measured, split_backward=True)
+    assert (got[(0, "B")], got[(0, "W")]) == (0.0, 1.0) and (got[(1, "B")], got[(1, "W")]) == (5.0, 1.25)
+    assert stage_costs_from_units(plan2, units, measured) == stage_costs_from_units(plan2, units, costs)  # 1F1B
 
 
 def test_report_names_lora_units():

@@ -34,6 +34,10 @@ def test_tp_splits_layers_and_charges_two_allreduces_each_way():
     assert layer.param_bytes == 400
     assert layer.activation_bytes == 400 + 300  # 4 x 100 whole, the other 600 halved
     assert out[0] == costs[0] and out[5] == costs[5]  # embeddings, head: replicated
+    # a measured split backward is mapped as dX and dW are: B divided plus the all-reduces, W divided
+    measured = [dataclasses.replace(c, split_input_grad_s=0.75, split_weight_grad_s=1.25) for c in costs]
+    layer = shard_costs(units, measured, ParallelDegrees(tp=2), tp_link=LINK)[4]
+    assert layer.split_input_grad_s == pytest.approx(0.375 + 2 * ar) and layer.split_weight_grad_s == 0.625
 
 
 def test_checkpointing_after_tp_recomputes_the_split_forward():
