@@ -18,8 +18,9 @@ A stage runs stock Hugging Face modules through their public interfaces only (``
   branch's last chunk selects positions, assembles item features and applies the projector (the same
   ``ModalityEncoder`` methods as the single-process path).
 - LLM chunk: the HF decoder stack with ``inputs_embeds`` = the received hidden states (HF computes rotary
-  embeddings and masks itself), layer list = the chunk's layers, final norm ``nn.Identity`` unless owned;
-  the chunk owning ``lm_head`` runs the ``*ForCausalLM`` forward (so logit post-processing stays HF's) and
+  embeddings and masks itself), layer list = the chunk's layers, final norm ``nn.Identity`` unless owned (a
+  chunk of the final norm alone calls the norm: the stack runs its layers then its norm, ``LlmLayout``); the
+  chunk owning ``lm_head`` runs the ``*ForCausalLM`` forward (so logit post-processing stays HF's) and
   the loss. The first LLM chunk merges text embeddings and projected features with
   ``MultimodalModel.place_features``, exactly like the single-process model. Under context parallelism
   (a ``plait_cp`` shard in the LLM kwargs) LLM chunks hold only the shard's tokens (``_LlmChunk.forward``);
@@ -83,7 +84,11 @@ class OwnedLayers(nn.ModuleList):
 
     def __getitem__(self, idx: int | slice) -> Any:
         values = list(self._modules.values())
-        return nn.ModuleList(values[idx]) if isinstance(idx, slice) else values[idx]
+        if not isinstance(idx, slice):
+            return values[idx]
+        if idx.step in (None, 1) and len(values[idx]) == len(values):
+            return self  # every owned layer, in order (an HF forward's ``layers[:num_hidden_layers]``): no new list
+        return nn.ModuleList(values[idx])
 
     def indexed(self) -> list[tuple[int, nn.Module]]:
         """``(original index, layer)`` of the owned layers, in order."""
@@ -93,14 +98,16 @@ class OwnedLayers(nn.ModuleList):
 @contextmanager
 def _swapped(root: nn.Module, replacements: Mapping[str, nn.Module]) -> Iterator[None]:
     """Set submodules of ``root`` (by path) for the duration of the block, then restore them."""
-    saved = {path: root.get_submodule(path) for path in replacements}
+    slots = [(root.get_submodule(parent) if parent else root, name)
+             for parent, _, name in (path.rpartition(".") for path in replacements)]
+    saved = [getattr(owner, name) for owner, name in slots]
     try:
-        for path, module in replacements.items():
-            root.set_submodule(path, module)
+        for (owner, name), module in zip(slots, replacements.values()):
+            setattr(owner, name, module)
         yield
     finally:
-        for path, module in saved.items():
-            root.set_submodule(path, module)
+        for (owner, name), module in zip(slots, saved):
+            setattr(owner, name, module)
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,10 @@ class _EncoderChunk:
         kinds = {s.unit.kind for s in specs}
         self.owns_embed, self.owns_norm, self.owns_projector = "embed" in kinds, "norm" in kinds, "projector" in kinds
         self.layers = _chunk_layers(branch.encoder, self.layout.layers, specs)
+        # set for the duration of the embedding chunk's HF call: its layers, and no post-norm unless it owns it
+        self.swaps: dict[str, nn.Module] = {self.layout.layers: self.layers}
+        if self.layout.post_norm and not self.owns_norm:
+            self.swaps[self.layout.post_norm] = nn.Identity()
 
     def forward(self, hidden: list[torch.Tensor] | None, inputs: Mapping[str, Any] | None) -> list[torch.Tensor]:
         """Output tensors of the chunk for one microbatch (``[]`` when the branch has no item in it)."""
@@ -136,10 +147,7 @@ class _EncoderChunk:
         encoder = self.branch.encoder
         if self.owns_embed:
             groups = self.branch.item_groups(inputs)
-            swaps: dict[str, nn.Module] = {self.layout.layers: self.layers}
-            if self.layout.post_norm and not self.owns_norm:
-                swaps[self.layout.post_norm] = nn.Identity()
-            with _swapped(encoder, swaps):
+            with _swapped(encoder, self.swaps):
                 hidden = [tower_call(encoder, kwargs).stock_output(encoder(**kwargs), self.owns_norm)
                           for kwargs, _ in groups]
         else:
@@ -178,6 +186,10 @@ class _LlmChunk:
         self.owns_embed, self.owns_norm, self.owns_head = "embed" in kinds, "norm" in kinds, "head" in kinds
         self.layers = _chunk_layers(llm, self.layout.layers, specs)
         _check_layer_types(llm, [int(k) for k in self.layers._modules])
+        # set for the duration of each call: the chunk's layers, and no final norm unless the chunk owns it
+        self.swaps: dict[str, nn.Module] = {self.layout.layers: self.layers}
+        if not self.owns_norm:
+            self.swaps[self.layout.norm] = nn.Identity()
 
     def forward(
         self, received: Sequence[torch.Tensor], features: Mapping[str, torch.Tensor], batch: Batch,
@@ -208,7 +220,8 @@ class _LlmChunk:
         if not (len(self.layers) or self.owns_norm or self.owns_head):
             return [hidden, *carried]  # type: ignore[list-item]
         llm = self.model.language_model
-        norm = llm.get_submodule(self.layout.norm) if self.owns_norm else nn.Identity()
+        if not (len(self.layers) or self.owns_head):  # the stack runs its layers then its norm (LlmLayout): only the
+            return [llm.get_submodule(self.layout.norm)(hidden), *carried]  # norm, no mask or rotary tables to build
         labels, mask = batch.labels, batch.attention_mask
         positions = self.model.llm_positions(batch.position_ids, batch.rope_position_ids,
                                              tokens=batch.input_ids.shape[1])  # M-RoPE [3, B, N]
@@ -217,7 +230,7 @@ class _LlmChunk:
             positions = shard_tokens(positions, shard, dim=positions.ndim - 1)
         kwargs = dict(inputs_embeds=hidden, attention_mask=mask, position_ids=positions, use_cache=False,
                       **llm_kwargs)
-        with _swapped(llm, {self.layout.layers: self.layers, self.layout.norm: norm}):
+        with _swapped(llm, self.swaps):
             if self.owns_head:
                 return [loss_fn(llm(**kwargs).logits, labels)]
             return [llm.get_submodule(self.layout.base)(**kwargs).last_hidden_state, *carried]

@@ -135,24 +135,13 @@ def input_gradients(pairs: _Pairs, inputs: Sequence[torch.Tensor], params: Seque
     return found, WeightGradients(meetings, reached, rest, list(pairs) if rest else [])
 
 
-def _add_grad(param: torch.Tensor, grad: torch.Tensor | None) -> bool:
-    """Accumulate ``grad`` into ``param.grad`` in place, as autograd's own accumulation does: the first gradient is
-    copied (autograd may hand the same tensor to two weights), later ones added into it without a new tensor per
-    microbatch (an out-of-place sum cost ~10% of a ZB-V step on CPU, ``bench/zbv_vs_torch.py --profile``)."""
-    if grad is None:
-        return False
-    if param.grad is None:
-        param.grad = grad.clone()
-    else:
-        param.grad.add_(grad)
-    return True
-
-
 def weight_gradients(kept: WeightGradients, retain: bool = False) -> bool:
     """``W``: the gradients of the weights from what :func:`input_gradients` kept, added to their ``.grad``
     (``retain``: keep the graph for another backward through it). Each intermediate runs once, for its
     weight-side inputs only; then the weight side of the graph runs once from the gradients summed there (no
-    activation-side node runs again). Returns whether any weight got a gradient."""
+    activation-side node runs again), accumulating into ``.grad`` as any backward does (autograd's accumulation:
+    in place from the second microbatch on, the first gradient taken without a copy where autograd holds the only
+    reference). Returns whether a backward reached the weights."""
     at: dict[tuple[Node, int], torch.Tensor] = {}
     for meeting in kept.meetings:
         given = [(i, g) for i, g in enumerate(meeting.grads or ()) if g is not None]
@@ -164,18 +153,12 @@ def weight_gradients(kept: WeightGradients, retain: bool = False) -> bool:
         for edge, grad in zip(meeting.edges, found):
             if grad is not None:
                 at[edge] = at[edge] + grad if edge in at else grad
-    ran = False
-    accumulators = {(_node(p), 0): p for p in kept.params}
-    for edge in [e for e in at if e in accumulators]:  # the intermediate takes the weight itself
-        ran |= _add_grad(accumulators[edge], at.pop(edge))
-    if at:
-        found = torch.autograd.grad([GradientEdge(m, k) for m, k in at], [GradientEdge(n, 0) for n, _ in accumulators],
-                                    list(at.values()), retain_graph=retain, allow_unused=True)
-        for param, grad in zip(accumulators.values(), found):
-            ran |= _add_grad(param, grad)
+    ran = bool(at)
+    if at:  # an edge may be a weight's own accumulator (the intermediate takes the weight itself)
+        torch.autograd.backward([GradientEdge(m, k) for m, k in at], list(at.values()), retain_graph=retain,
+                                inputs=kept.params)
     if kept.rest and kept.pairs:
         outs, grads = zip(*kept.pairs)
-        found = torch.autograd.grad(list(outs), kept.rest, list(grads), retain_graph=retain, allow_unused=True)
-        for param, grad in zip(kept.rest, found):
-            ran |= _add_grad(param, grad)
+        torch.autograd.backward(list(outs), list(grads), retain_graph=retain, inputs=kept.rest)
+        ran = True
     return ran

@@ -42,19 +42,21 @@ def grads_match(stages, ref) -> int:
     return compared
 
 
-@pytest.mark.parametrize("layout, schedule, options, mode", [
-    ("encoder_parallel", "1f1b", {}, "all"),
+@pytest.mark.parametrize("layout, schedule, options, mode, llm_stages", [
+    ("encoder_parallel", "1f1b", {}, "all", SPLIT["llm"]),
     # a colocated stage where the vision chunk trains and the audio chunk is frozen: audio features carry no
     # gradient back, audio runs under no_grad inside a stage that runs backward
-    ("encoders_colocated", "gpipe", {"split_backward": True}, "vision"),
+    ("encoders_colocated", "gpipe", {"split_backward": True}, "vision", SPLIT["llm"]),
     # zero-bubble: W from the gradients B kept; in the colocated stage only the vision chunk has weight gradients
-    ("encoder_parallel", "zb_h1", {}, "all"),
-    ("encoders_colocated", "zb_h2", {}, "vision"),
+    ("encoder_parallel", "zb_h1", {}, "all", SPLIT["llm"]),
+    ("encoders_colocated", "zb_h2", {}, "vision", SPLIT["llm"]),
+    # the 5 LLM units in 4 stages: [embed, layer 0], [layer 1], [norm] (the norm alone), [head]
+    ("encoder_parallel", "zb_h1", {}, "all", 4),
 ])
-def test_one_process_pipeline_equals_the_model(layout, schedule, options, mode, tmp_path):
+def test_one_process_pipeline_equals_the_model(layout, schedule, options, mode, llm_stages, tmp_path):
     model = apply_mode(tiny_model(), mode)
     ref = copy.deepcopy(model)
-    plan = on_one_rank(plan_pipeline(model_units(model), layout, stages_per_module=SPLIT))
+    plan = on_one_rank(plan_pipeline(model_units(model), layout, stages_per_module={**SPLIT, "llm": llm_stages}))
     stages = build_rank_stages(model, plan, 0)
     batches = [make_batch(k, i) for i, k in enumerate(["iva", "t", "i"])]
     targets = sum(b.target_tokens for b in batches)
