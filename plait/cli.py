@@ -46,7 +46,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
         plan_by_energy(args.config, args.devices, tolerance=args.energy, gpu=args.device, out_json=args.out,
                        overrides=overrides, microbatches=args.microbatches, frozen_aware=not args.frozen_unaware,
-                       encoder_dp=args.encoder_dp)
+                       encoder_dp=args.encoder_dp, gpus_per_node=args.gpus_per_node)
         return 0
     plan_command(args.config, args.devices, args.out, overrides=overrides, device=args.device,
                  microbatches=args.microbatches, frozen_aware=not args.frozen_unaware,
@@ -201,10 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "(zero-bubble: weight gradients in the bubbles; zb_h2 holds about twice the activations), "
                            "and zb_v (that plan's LLM cut into two stages per rank placed in a V, at 1F1B's "
                            "activation memory); the fastest that fits memory is planned (default: 1f1b)")
-    plan.add_argument("--encoder-dp", action="store_true",
-                      help="also search a data-parallel degree per encoder branch (its stages replicated on up to "
+    plan.add_argument("--encoder-dp", action=argparse.BooleanOptionalAction, default=True,
+                      help="search a data-parallel degree per encoder branch (its stages replicated on up to "
                            "train.microbatch_size ranks, each encoding a share of every microbatch's samples; "
-                           "written as [parallel.pp] encoder_dp)")
+                           "written as [parallel.pp] encoder_dp); on by default, --no-encoder-dp: one replica "
+                           "per encoder stage")
     plan.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
                       help="plan for nodes of N GPUs (NVLink inside a node, 400 Gb/s InfiniBand per GPU between "
                            "nodes): each collective is charged by where its group sits, and the rank order that "
@@ -299,8 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "devices; a frequency plan needs a pipeline)")
     energy.add_argument("--energy-profile", default=None, help="measured energy profile JSON (plait profile --energy, "
                         "runs/profiles/energy-profile-<key>.json) instead of the --gpu preset")
-    energy.add_argument("--encoder-dp", action="store_true", help="as plait plan --encoder-dp (replicated encoder "
-                        "stages; each replica's actions get their own clocks)")
+    energy.add_argument("--encoder-dp", action=argparse.BooleanOptionalAction, default=True,
+                        help="as plait plan --encoder-dp, on by default (replicated encoder stages; each replica's "
+                        "actions get their own clocks); --no-encoder-dp: one replica per encoder stage")
     energy.add_argument("--method", choices=("auto", "exact", "lowtime"), default="auto",
                         help="frontier solver: lowtime (Phillips-Dessouky), exact (MILP per point, small DAGs) or "
                              "auto (exact when small)")
