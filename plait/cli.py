@@ -46,7 +46,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
         plan_by_energy(args.config, args.devices, tolerance=args.energy, gpu=args.device, out_json=args.out,
                        overrides=overrides, microbatches=args.microbatches, frozen_aware=not args.frozen_unaware,
-                       encoder_dp=args.encoder_dp)
+                       encoder_dp=args.encoder_dp, encoder_tp=args.encoder_tp, gpus_per_node=args.gpus_per_node)
         return 0
     plan_command(args.config, args.devices, args.out, overrides=overrides, device=args.device,
                  microbatches=args.microbatches, frozen_aware=not args.frozen_unaware,
@@ -110,7 +110,7 @@ def _energy(args: argparse.Namespace, overrides: list[str]) -> int:
     energy_command(args.config, args.devices, straggler=args.straggler, gpu=args.gpu, out_dir=args.out_dir,
                    overrides=overrides, microbatches=args.microbatches, method=args.method,
                    energy_profile=args.energy_profile, dp_degrees=None if args.dp is None else [args.dp],
-                   encoder_dp=args.encoder_dp)
+                   encoder_dp=args.encoder_dp, encoder_tp=args.encoder_tp)
     return 0
 
 
@@ -201,10 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "(zero-bubble: weight gradients in the bubbles; zb_h2 holds about twice the activations), "
                            "and zb_v (that plan's LLM cut into two stages per rank placed in a V, at 1F1B's "
                            "activation memory); the fastest that fits memory is planned (default: 1f1b)")
-    plan.add_argument("--encoder-dp", action="store_true",
-                      help="also search a data-parallel degree per encoder branch (its stages replicated on up to "
+    plan.add_argument("--encoder-dp", action=argparse.BooleanOptionalAction, default=True,
+                      help="search a data-parallel degree per encoder branch (its stages replicated on up to "
                            "train.microbatch_size ranks, each encoding a share of every microbatch's samples; "
-                           "written as [parallel.pp] encoder_dp)")
+                           "written as [parallel.pp] encoder_dp); on by default, --no-encoder-dp: one replica "
+                           "per encoder stage")
     plan.add_argument("--encoder-tp", action="store_true",
                       help="also search a tensor-parallel degree per encoder branch (each of its stages a TP group "
                            "on ranks of its own, up to the largest power of two dividing the tower's heads; written "
@@ -303,8 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "devices; a frequency plan needs a pipeline)")
     energy.add_argument("--energy-profile", default=None, help="measured energy profile JSON (plait profile --energy, "
                         "runs/profiles/energy-profile-<key>.json) instead of the --gpu preset")
-    energy.add_argument("--encoder-dp", action="store_true", help="as plait plan --encoder-dp (replicated encoder "
-                        "stages; each replica's actions get their own clocks)")
+    energy.add_argument("--encoder-dp", action=argparse.BooleanOptionalAction, default=True,
+                        help="as plait plan --encoder-dp, on by default (replicated encoder stages; each replica's "
+                        "actions get their own clocks); --no-encoder-dp: one replica per encoder stage")
+    energy.add_argument("--encoder-tp", action="store_true",
+                        help="as plait plan --encoder-tp (tensor-parallel encoder stages; each TP rank's actions get "
+                        "their own clocks)")
     energy.add_argument("--method", choices=("auto", "exact", "lowtime"), default="auto",
                         help="frontier solver: lowtime (Phillips-Dessouky), exact (MILP per point, small DAGs) or "
                              "auto (exact when small)")
@@ -480,16 +485,11 @@ def _quiet_transformers() -> None:
 
 
 def _report_error(exc: Exception) -> None:
-    """Print ``exc`` as one ``plait: error:`` line. Under torchrun an error every rank hits alike (a bad config, a
-    missing file, a bad record) is printed once, by the first rank to report it
-    (:func:`plait.train.job_file.first_to_report`; rank 0 where the job has no store to agree through); any other
-    error names the rank that raised it."""
+    """Print ``exc`` as one ``plait: error:`` line. Under torchrun an error every rank hits alike (a bad config)
+    is printed by rank 0 only; any other error names the rank that raised it."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and getattr(exc, "same_on_every_rank", False):
-        from plait.train.job_file import first_to_report
-
-        first = first_to_report(world)
-        if first or (first is None and rank == 0):
+        if rank == 0:
             _error_line(f"plait: error: {exc}")
         return
     where = f" (rank {rank} of {world})" if world > 1 else ""

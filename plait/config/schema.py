@@ -316,7 +316,9 @@ class PipelineConfig:
     the first LLM stage joins their features in item order, and a trainable branch's gradients are summed over its
     replicas (and the pipelines' DP copies). Each stage of a branch then takes ``encoder_dp[branch]`` ranks of
     ``degree``. Branches not named: 1. ``encoder_parallel`` layout only; not with ``attach_encoders``,
-    ``virtual_stages`` > 1, ``parallel.dp_shard`` > 1 or ``plait launch``; the step plans no deferred samples."""
+    ``virtual_stages`` > 1, ``parallel.dp_shard`` > 1 or ``plait launch``; the step plans no deferred samples.
+    With ``parallel.plan = "auto"`` the search chooses it (each branch up to ``train.microbatch_size`` replicas, as
+    ``plait plan``); a branch named here is replicated at most that many times there (1: not replicated)."""
     encoder_tp: dict[str, int] = field(default_factory=dict)
     """Tensor-parallel degree of an encoder branch inside each pipeline, e.g. ``{vision = 2}``: every stage of that
     branch runs on that many pipeline ranks of its own as one TP group (its tower's attention heads and MLPs, and

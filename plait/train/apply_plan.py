@@ -19,12 +19,13 @@ from plait.config.schema import JobConfig, PipelineConfig
 from plait.parallel.activation_checkpointing import checkpoint_policy
 from plait.planner.cost.experts import ExpertLayer
 from plait.planner.search.auto_layout import AUTO_MACHINE, AUTO_SPACE, layout_pp_fields, plan_auto_layout
+from plait.planner.search.encoder_dp import encoder_dp_bounds
 from plait.planner.pipeline.plan import plan_pipeline
 from plait.planner.pipeline.types import PipelinePlan
 from plait.planner.search.types import LayoutChoice, Machine, SearchSpace
 from plait.planner.types import LLM_MODULE, Unit, UnitCost
 
-__all__ = ["apply_layout_choice", "auto_microbatches", "kept_degrees", "resolve_auto_plan"]
+__all__ = ["apply_layout_choice", "auto_encoder_dp", "auto_microbatches", "kept_degrees", "resolve_auto_plan"]
 
 
 def auto_microbatches(cfg: JobConfig) -> int:
@@ -55,6 +56,17 @@ def kept_degrees(cfg: JobConfig, devices: int, named: str = "") -> dict[str, Any
     if cfg.parallel.offload == "cpu":  # the job's own CPU offload: the plan offloads too, whether or not it must
         kept["offload"] = "cpu"
     return kept
+
+
+def auto_encoder_dp(cfg: JobConfig, units: Sequence[Unit]) -> tuple[tuple[str, int], ...]:
+    """``SearchSpace.encoder_dp`` of ``parallel.plan = "auto"``: every encoder branch of ``units`` up to
+    ``train.microbatch_size`` replicas (``search.encoder_dp.encoder_dp_bounds``, as ``plait plan`` searches them by
+    default), each branch the job names in ``parallel.pp.encoder_dp`` at most that degree (``{vision = 1}``: its
+    stages not replicated; a table of 1s for every branch turns the search off); ``()``: nothing to search."""
+    limits = cfg.parallel.pp.encoder_dp
+    bounds = encoder_dp_bounds(units, cfg.train.microbatch_size)
+    capped = ((m, min(d, limits.get(m.split(".")[0], d))) for m, d in bounds)
+    return tuple((m, d) for m, d in capped if d > 1)
 
 
 def apply_layout_choice(cfg: JobConfig, choice: LayoutChoice, units: Sequence[Unit]) -> JobConfig:
@@ -118,7 +130,8 @@ def resolve_auto_plan(cfg: JobConfig, world_size: int, units: Sequence[Unit], co
     ``space`` with the job's activation checkpointing, whose recomputation it charges; when nothing fits the memory
     cap it searches TP, FSDP2 and checkpointing too, and a job's own ``parallel.tp`` / ``parallel.dp_shard`` above 1
     are kept as ``plait plan`` keeps them (:func:`kept_degrees`); a MoE LLM's ``experts``
-    (``plan_search.job_expert_layers``) let it choose expert parallelism; :func:`apply_layout_choice`).
+    (``plan_search.job_expert_layers``) let it choose expert parallelism; per-encoder data-parallel degrees are
+    searched as ``plait plan`` searches them (:func:`auto_encoder_dp`); :func:`apply_layout_choice`).
 
     Raises:
         ValueError: when ``parallel.plan`` is not ``"auto"``, the units are not the model's (no LLM unit), the
@@ -130,7 +143,7 @@ def resolve_auto_plan(cfg: JobConfig, world_size: int, units: Sequence[Unit], co
         raise ValueError("units have no LLM unit: they are not a plait model's pipeline units")
     policy, overrides = checkpoint_policy(cfg)  # recomputation charged (planner.sharding.shard_costs)
     space = dataclasses.replace(space, base_checkpointing=policy, checkpoint_overrides=overrides,
-                                **kept_degrees(cfg, world_size))
+                                encoder_dp=auto_encoder_dp(cfg, units), **kept_degrees(cfg, world_size))
     choice = plan_auto_layout(units, costs, world_size, auto_microbatches(cfg), machine=machine, space=space,
                               experts=experts)
     return apply_layout_choice(cfg, choice, units), choice

@@ -59,7 +59,7 @@ from plait.planner.cost.recompute import checkpointed_costs, plan_checkpointing
 from plait.planner.report import format_bytes, format_lora_units, format_plan, plan_to_json
 from plait.planner.search.encoder_dp import encoder_dp_bounds, encoder_tp_bounds
 from plait.planner.search.types import LayoutChoice, Machine, SearchSpace
-from plait.planner.types import LLM_MODULE, UnitCost
+from plait.planner.types import LLM_MODULE, Unit, UnitCost
 from plait.train.apply_plan import kept_degrees
 from plait.train.cost_coeffs import microbatch_cost_coeffs
 
@@ -173,7 +173,7 @@ def plan_command(
     profile_store: str | Path | None = "runs/profiles",
     prefer_within: float = PREFER_WITHIN,
     gpus_per_node: int | None = None,
-    encoder_dp: bool = False,
+    encoder_dp: bool = True,
     encoder_tp: bool = False,
 ) -> LayoutChoice:
     """``plait plan``: choose the pipeline layout of a job for ``devices`` accelerators, print it with its job
@@ -210,8 +210,9 @@ def plan_command(
         schedules: the schedules weighed for a plan of one stage per rank (``SearchSpace.schedules``: ``1f1b``,
             and the zero-bubble ``zb_h1``, ``zb_h2``); the fastest that fits memory is planned.
         dp_link_Bps: bandwidth (B/s) of the data-parallel gradient all-reduce; None: not modelled.
-        encoder_dp: also search per-encoder data-parallel degrees (``search.encoder_dp``: each encoder branch's
-            stages replicated on up to ``train.microbatch_size`` ranks, written as ``[parallel.pp] encoder_dp``).
+        encoder_dp: search per-encoder data-parallel degrees too (``search.encoder_dp``: each encoder branch's
+            stages replicated on up to ``train.microbatch_size`` ranks, written as ``[parallel.pp] encoder_dp``);
+            False (``--no-encoder-dp``): one replica per encoder stage.
         encoder_tp: also search per-encoder tensor-parallel degrees (each branch's stages as TP groups of up to the
             largest power of two dividing its heads, ``search.encoder_dp.encoder_tp_bounds``; not for a model
             plait's TP refuses; written as ``[parallel.pp] encoder_tp``).
@@ -263,8 +264,8 @@ def plan_command(
     if why_simpler:
         print(f"plait plan: {why_simpler}", file=stream)
     print(format_plan(choice), file=stream)
-    if encoder_dp and encoder_dp_note(cfg, space["encoder_dp"], choice):
-        print(f"plait plan: {encoder_dp_note(cfg, space['encoder_dp'], choice)}", file=stream)
+    if encoder_dp and encoder_dp_note(cfg, inputs.units):
+        print(f"plait plan: {encoder_dp_note(cfg, inputs.units)}", file=stream)
     if space["encoder_tp"] and not choice.encoder_tp:
         print("plait plan: encoder tensor-parallel degrees: searched (at most "
               f"{dict(space['encoder_tp'])}), none faster", file=stream)
@@ -294,20 +295,14 @@ def plan_command(
     return choice
 
 
-def encoder_dp_note(cfg: Any, bounds: tuple[tuple[str, int], ...], choice: LayoutChoice) -> str:
-    """The line ``plait plan --encoder-dp`` prints when its plan replicates no encoder stage: why the degrees were not
-    searched (FSDP2 with the job's ``parallel.dp_shard``, no encoder branch, one sample per microbatch: ``bounds``
-    is ``encoder_dp_bounds``'), or that none was faster; ``""`` when the plan replicates some."""
-    head = "encoder data-parallel degrees:"
-    if cfg.parallel.dp_shard > 1:
-        return (f"{head} not searched (FSDP2, parallel.dp_shard = {cfg.parallel.dp_shard}, refuses replicated encoder "
-                "stages; set parallel.dp_shard = 1 to search them)")
-    if not bounds:
-        return (f"{head} not searched (" + ("the model has no encoder branch" if cfg.train.microbatch_size > 1 else
-                "train.microbatch_size = 1: each replica needs a sample of a microbatch") + ")")
-    if choice.encoder_dp:
-        return ""
-    return f"{head} searched, none faster than one replica per encoder stage"
+def encoder_dp_note(cfg: Any, units: Sequence[Unit]) -> str:
+    """The line ``plait plan`` prints when the job itself keeps the per-encoder data-parallel degrees from being
+    searched: FSDP2 (``parallel.dp_shard`` above 1) on a model with an encoder branch and more than one sample per
+    microbatch (``encoder_dp_bounds``); ``""`` otherwise (the plan's replicas, if any, are printed with it)."""
+    if cfg.parallel.dp_shard > 1 and encoder_dp_bounds(units, cfg.train.microbatch_size):
+        return (f"encoder data-parallel degrees: not searched (FSDP2, parallel.dp_shard = {cfg.parallel.dp_shard}, "
+                "refuses replicated encoder stages; set parallel.dp_shard = 1 to search them)")
+    return ""
 
 
 def _encoder_tp_space(cfg: Any, inputs: Any, stream: TextIO) -> tuple[tuple[str, int], ...]:

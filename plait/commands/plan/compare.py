@@ -14,6 +14,7 @@ from plait.train.plan_search import search_plan
 from plait.commands.plan.snippet import pp_snippet
 from plait.planner.cost.types import DeviceSpec
 from plait.planner.pipeline.types import LAYOUTS
+from plait.planner.search.encoder_dp import encoder_dp_bounds
 from plait.planner.search.types import LayoutChoice, SearchSpace
 from plait.planner.search.layout import plan_layout
 from plait.planner.types import Unit
@@ -43,7 +44,8 @@ def considered_plans(config_path: str | Path, devices: int, *, overrides: Sequen
     setup = plan_setup(config_path, devices, overrides=overrides, device=device, profile_store=profile_store,
                        stream=io.StringIO())
     inputs = setup.inputs
-    recommended = search_plan(setup, devices, 0.9, virtual_stages=(1, 2, 4), attach_encoders=True, in_bubble=True)
+    recommended = search_plan(setup, devices, 0.9, virtual_stages=(1, 2, 4), attach_encoders=True, in_bubble=True,
+                              encoder_dp=encoder_dp_bounds(inputs.units, setup.cfg.train.microbatch_size))
     costs = setup.checkpointed_costs()  # the job's activation checkpointing, as the families run it
     dp_top = max(d for d in range(1, min(devices, inputs.microbatches) + 1) if devices % d == 0)
     families = [dict(dp_degrees=[dp_top])] + [dict(layouts=[layout]) for layout in LAYOUTS]

@@ -58,7 +58,7 @@ def energy_command(config_path: str | Path, devices: int, *, straggler: float = 
                    out_dir: str | Path | None = None, overrides: Sequence[str] = (), microbatches: int | None = None,
                    method: str = "auto", energy_profile: str | Path | None = None,
                    dp_degrees: Sequence[int] | None = None, out: TextIO | None = None,
-                   encoder_dp: bool = False, encoder_tp: bool = False) -> dict[str, Any]:
+                   encoder_dp: bool = True, encoder_tp: bool = False) -> dict[str, Any]:
     """``plait energy`` (module docstring).
 
     Args:
@@ -74,8 +74,9 @@ def energy_command(config_path: str | Path, devices: int, *, straggler: float = 
             power, unscaled (the frontier's ``T*`` is then the measured prediction, not the plan's).
         dp_degrees: as ``plait plan --dp`` (``[1]``: one pipeline over the devices).
         out: text stream (default stdout).
-        encoder_dp: as ``plait plan --encoder-dp`` (replicated encoder stages: each replica stage's actions get
-            their own frequencies, its costs a share of its branch's rows).
+        encoder_dp: as ``plait plan --encoder-dp``, on by default (replicated encoder stages: each replica stage's
+            actions get their own frequencies, its costs a share of its branch's rows); False: one replica per
+            encoder stage.
         encoder_tp: as ``plait plan --encoder-tp`` (tensor-parallel encoder stages: each TP rank's actions get
             their own frequencies, its costs by ``evaluate_plan``'s TP rule, :func:`job_action_options`).
 

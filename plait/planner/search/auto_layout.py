@@ -24,6 +24,7 @@ config. Plain data in and out: nothing here reads a config, touches torch or the
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +33,7 @@ from plait.planner.pipeline.plan import split_even, stage_ranks
 from plait.planner.pipeline.schedules import IN_BUBBLE_SCHEDULES
 from plait.planner.pipeline.types import PipelinePlan
 from plait.planner.search.types import LayoutChoice, Machine, SearchSpace
-from plait.planner.search.layout import evaluate_plan, plan_layout
+from plait.planner.search.layout import evaluate_plan, plan_layout, plan_layout_below
 from plait.planner.search.model import Costs
 from plait.planner.search.parallel import plan_parallel
 from plait.planner.types import Unit, UnitCost
@@ -82,39 +83,50 @@ def plan_auto_layout(units: Sequence[Unit], costs: Sequence[UnitCost], world_siz
 
 
 def plan_filling_layout(units: Sequence[Unit], costs: Costs, devices: int, *, microbatches: int,
-                        machine: Machine = Machine(), space: SearchSpace = SearchSpace()) -> LayoutChoice:
+                        machine: Machine = Machine(), space: SearchSpace = SearchSpace(),
+                        beat: float = math.inf) -> LayoutChoice | None:
     """``search.plan_layout`` restricted to the plans that use all ``devices`` (module docstring): for each DP
     degree (default every divisor of ``devices``, above ``microbatches`` too) that divides ``devices`` and that
     ``machine.dp_shard`` divides, the best plan of that many replicas filling their ranks; the fastest of those,
     ties to every replica having a microbatch, then to fewer replicas. Same signature as ``plan_layout`` (the
-    ``search_parallel.LayoutSearch`` of ``parallel.plan = "auto"``).
+    ``search_parallel.LayoutSearch`` of ``parallel.plan = "auto"``), plus ``beat``.
+
+    Args:
+        beat: a time to beat (seconds; 1F1B's schedules only, as ``layout.plan_layout_below``): each DP degree's
+            searches stop at it, and the result is the same plan whenever it is faster than ``beat``, else None or
+            a plan not faster (a plan filling its ranks is among its search's plans, so no faster than its best).
 
     Raises:
-        ValueError: when no DP degree gives a runnable plan that fits memory (naming each degree's reason).
+        ValueError: when no DP degree gives a runnable plan that fits memory (naming each degree's reason; with
+            ``beat`` finite, None instead when some degree found nothing faster).
     """
     best: LayoutChoice | None = None
-    errors = []
+    errors, below = [], False
     candidates = space.dp_degrees if space.dp_degrees is not None else range(1, devices + 1)
     for dp in (d for d in candidates if devices % d == 0 and d % machine.dp_shard == 0):
         try:
-            choice = _filling_choice(units, costs, (devices, microbatches, dp), machine, space)
+            choice = _filling_choice(units, costs, (devices, microbatches, dp), machine, space, beat)
         except ValueError as exc:
             errors.append(f"dp {dp}: {exc}")
             continue
         if choice is not None and (best is None or _rank(choice) < _rank(best)):
             best = choice
         elif choice is None:
+            below = below or beat < math.inf
             errors.append(f"dp {dp}: no plan uses all {devices // dp} ranks of a replica")
+    if best is None and below:
+        return None
     if best is None:
         raise ValueError(f"no runnable plan for {devices} processes: " + ("; ".join(errors) or "no DP degree"))
     return best
 
 
 def _filling_choice(units: Sequence[Unit], costs: Costs, shape: tuple[int, int, int], machine: Machine,
-                    space: SearchSpace) -> LayoutChoice | None:
+                    space: SearchSpace, beat: float = math.inf) -> LayoutChoice | None:
     """The best plan of ``dp`` replicas (``shape``: world size, microbatches, dp) that uses all ``world_size / dp``
     ranks of each: the full search's, else (it leaves ranks idle) the best 1F1B plan with one stage per rank if
-    that one fills them; else None.
+    that one fills them; else None (also when, ``beat`` finite, the full search finds nothing faster than it: the
+    one-stage-per-rank plans are among its plans).
 
     Raises:
         ValueError: when no plan fits memory (``plan_layout``).
@@ -123,22 +135,28 @@ def _filling_choice(units: Sequence[Unit], costs: Costs, shape: tuple[int, int, 
     one_per_rank = dataclasses.replace(space, virtual_stages=(1,), attach_encoders=False, in_bubble=False)
     attempts = [space] if space == one_per_rank else [space, one_per_rank]
     for options in attempts:
-        choice = _search_dp(units, costs, shape, machine, options)
+        choice = _search_dp(units, costs, shape, machine, options, beat)
+        if choice is None:
+            return None
         if choice.plan.num_ranks * dp == world_size:
             return choice
     return None
 
 
 def _search_dp(units: Sequence[Unit], costs: Costs, shape: tuple[int, int, int], machine: Machine,
-               space: SearchSpace) -> LayoutChoice:
+               space: SearchSpace, beat: float = math.inf) -> LayoutChoice | None:
     """``plan_layout`` restricted to DP degree ``dp`` (``shape``: world size, microbatches, dp; all-reduce charged
-    in the search). ``plan_layout`` takes DP degrees up to ``microbatches`` only: a larger ``dp`` is searched as one
-    replica with one microbatch on ``world_size / dp`` devices, then timed as ``dp`` replicas with the all-reduce
-    (``evaluate_plan``)."""
+    in the search; ``layout.plan_layout_below`` with ``beat`` finite: None when nothing is faster). ``plan_layout``
+    takes DP degrees up to ``microbatches`` only: a larger ``dp`` is searched as one replica with one microbatch on
+    ``world_size / dp`` devices, then timed as ``dp`` replicas with the all-reduce (``evaluate_plan``; not stopped
+    at ``beat``)."""
     world_size, microbatches, dp = shape
     if dp <= microbatches:
-        return plan_layout(units, costs, world_size, microbatches=microbatches, machine=machine,
-                           space=dataclasses.replace(space, dp_degrees=(dp,)))
+        searched = dataclasses.replace(space, dp_degrees=(dp,))
+        if beat < math.inf:
+            return plan_layout_below(units, costs, world_size, microbatches=microbatches, machine=machine,
+                                     space=searched, beat=beat)
+        return plan_layout(units, costs, world_size, microbatches=microbatches, machine=machine, space=searched)
     one = plan_layout(units, costs, world_size // dp, microbatches=1, machine=dataclasses.replace(machine, dp_shard=1),
                       space=dataclasses.replace(space, dp_degrees=(1,)))
     timed = evaluate_plan(one.plan, units, costs, dp=dp, microbatches=microbatches, devices=world_size,

@@ -17,7 +17,7 @@ from plait.planner.search.types import LeastNeed
 from plait.planner.cost.sharding import rank_memory
 from plait.planner.types import Unit, UnitCost
 
-__all__ = ["least_need", "least_need_of"]
+__all__ = ["MemoryNeed", "least_need", "least_need_of"]
 
 
 def least_need(units: Sequence[Unit], costs: Sequence[UnitCost], devices: int, options: Sequence[ParallelDegrees], *,
@@ -39,27 +39,58 @@ def least_need(units: Sequence[Unit], costs: Sequence[UnitCost], devices: int, o
     """
     if not options or devices < 1:
         raise ValueError(f"least_need needs options and devices >= 1, got {len(options)} options, {devices} devices")
-    units = consistent_units(units)
-    kw = dict(dtype=dtype, optimizer=optimizer, checkpoint_overrides=checkpoint_overrides)
+    need = MemoryNeed(units, costs, dtype=dtype, optimizer=optimizer, checkpoint_overrides=checkpoint_overrides,
+                      host=host)
+    return min(((need(o, devices), o) for o in options), key=lambda pair: (pair[0], pair[1].tp, pair[1].dp_shard))
 
-    def shared(degrees: ParallelDegrees, ranks: int, pipelined: bool) -> float:
-        whole = rank_memory(units, costs, degrees, pipelined=pipelined, **kw).total
-        largest = max(rank_memory([u], [c], degrees, pipelined=pipelined, **kw).total for u, c in zip(units, costs))
+
+class MemoryNeed:
+    """:func:`least_need` of one option on a device count, ``need(degrees, devices)`` (bytes), with the parts that do
+    not depend on the device count (each option's whole and largest unit's ``rank_memory``, its flat and offloaded
+    bytes) memoised, so the searches on every divisor of a device count share them. Arguments as
+    :func:`least_need`'s."""
+
+    def __init__(self, units: Sequence[Unit], costs: Sequence[UnitCost], *, dtype: Any = "bfloat16",
+                 optimizer: OptimizerSpec = OptimizerSpec(), checkpoint_overrides: dict[str, str] | None = None,
+                 host: HostSpec | None = None) -> None:
+        self.units, self.costs, self.host = consistent_units(units), costs, host
+        self.kw = dict(dtype=dtype, optimizer=optimizer, checkpoint_overrides=checkpoint_overrides)
+        self.memo: dict[tuple, Any] = {}
+
+    def _parts(self, degrees: ParallelDegrees, pipelined: bool) -> tuple[float, float]:
+        key = ("shared", degrees, pipelined)
+        if key not in self.memo:
+            units, costs, kw = self.units, self.costs, self.kw
+            whole = rank_memory(units, costs, degrees, pipelined=pipelined, **kw).total
+            largest = max(rank_memory([u], [c], degrees, pipelined=pipelined, **kw).total
+                          for u, c in zip(units, costs))
+            self.memo[key] = (whole, largest)
+        return self.memo[key]
+
+    def _shared(self, degrees: ParallelDegrees, ranks: int, pipelined: bool) -> float:
+        whole, largest = self._parts(degrees, pipelined)
         return max(largest, whole / ranks)
 
-    def need(degrees: ParallelDegrees) -> float:
-        if degrees.dp_shard == 1:  # EP splits the DP ranks of a stage: at most devices / (tp ep) stages
-            return shared(degrees, devices // (degrees.tp * degrees.ep), False)
-        flat = rank_memory(units, costs, degrees, **kw).total
-        stages = devices // (degrees.tp * degrees.dp_shard)
-        least = min(flat, shared(degrees, stages, True)) if stages > 1 and degrees.ep == 1 else flat
-        if host is not None and degrees.ep == 1:  # EP is not searched with CPU offload
-            offload = offload_cost(units, costs, degrees, host, **kw)
-            if offload.host_bytes <= host.memory_bytes:
-                least = min(least, offload.device_bytes)
-        return least
+    def _flat(self, degrees: ParallelDegrees) -> float:
+        key = ("flat", degrees)
+        if key not in self.memo:
+            least = rank_memory(self.units, self.costs, degrees, **self.kw).total
+            host = self.host
+            if host is not None and degrees.ep == 1:  # EP is not searched with CPU offload
+                offload = offload_cost(self.units, self.costs, degrees, host, **self.kw)
+                if offload.host_bytes <= host.memory_bytes:
+                    least = min(least, offload.device_bytes)
+            self.memo[key] = least
+        return self.memo[key]
 
-    return min(((need(o), o) for o in options), key=lambda pair: (pair[0], pair[1].tp, pair[1].dp_shard))
+    def __call__(self, degrees: ParallelDegrees, devices: int) -> float:
+        if degrees.dp_shard == 1:  # EP splits the DP ranks of a stage: at most devices / (tp ep) stages
+            return self._shared(degrees, devices // (degrees.tp * degrees.ep), False)
+        stages = devices // (degrees.tp * degrees.dp_shard)
+        least = self._flat(degrees)  # with offload's device bytes when it fits the host
+        if stages > 1 and degrees.ep == 1:
+            least = min(least, self._shared(degrees, stages, True))
+        return least
 
 
 def least_need_of(units: Sequence[Unit], costs: Sequence[UnitCost], devices: int, options: Sequence[ParallelDegrees],

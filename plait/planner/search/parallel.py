@@ -10,8 +10,10 @@ of the per-rank costs, ``search_degrees``) and the loop stops when the bound rea
 runtimes are skipped on their own bounds, and plans with stages of a TP degree on the best time of its
 least-checkpointed unsharded costs searched without the cap (more checkpointing and FSDP2 under stages only add time
 to the same plans; that search stops at the time to beat, ``layout.plan_layout_below``, and then bounds the least
-option itself too). Ties go to less TP, then less sharding, then less checkpointing. ``SearchSpace.prefer_plain``
-restores keeping the plain plan whenever it fits.
+option itself too); each option's own search (FSDP2's: with stages) stops at the best time so far as well (with
+1F1B's schedules: ``_Job.seeded``; with a topology through ``placement.search_placed``, for ``parallel.plan =
+"auto"`` through ``auto_layout.plan_filling_layout``). Ties go to less TP, then less sharding, then less
+checkpointing. ``SearchSpace.prefer_plain`` restores keeping the plain plan whenever it fits.
 
 **Monotone in the device count** (``monotone.plan_over_divisors``): the plan for ``N`` devices is the fastest of that
 search and of the plan for every proper divisor ``d`` of ``N`` (found the same way) run as it is, the other devices
@@ -58,14 +60,14 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from plait.planner.search.fit import least_need, least_need_of
+from plait.planner.search.fit import MemoryNeed, least_need_of
 from plait.planner.pipeline.graph import consistent_units
 from plait.planner.cost.experts import ExpertDispatch, ExpertLayer, searched_ep_degrees
 from plait.planner.cost.types import CHECKPOINT_POLICIES, HostSpec, ParallelDegrees
 from plait.planner.report import format_bytes
 from plait.planner.search.types import LayoutChoice, Machine, NoPlanFits, SearchSpace
 from plait.planner.search.layout import plan_layout_below, plan_layout
-from plait.planner.search.placement import ep_link, option_links, retime, search_placed
+from plait.planner.search.placement import Seeding, ep_link, option_links, retime, search_placed
 from plait.planner.search.model import Costs, cost_list
 from plait.planner.search.monotone import OptionBounds, RankCosts, divisors, plan_over_divisors
 from plait.planner.search.offloaded import offload_floor, plan_offloaded
@@ -81,8 +83,9 @@ __all__ = ["LayoutSearch", "SearchOne", "degree_options", "flat_reduce", "plan_o
 
 LayoutSearch = Callable[..., LayoutChoice]
 """A search with ``search.plan_layout``'s signature ``(units, costs, devices, *, microbatches, machine, space)``:
-``plan_layout``, or ``planner.auto_plan.plan_filling_layout``
-(the plans that use every device)."""
+``plan_layout``, or ``planner.auto_plan.plan_filling_layout`` (the plans that use every device), which also takes a
+keyword ``beat`` (seconds: the same plan whenever it is faster, else None or a plan not faster; ``plan_layout``'s is
+``layout.plan_layout_below``)."""
 SearchOne = Callable[[Sequence[UnitCost], int, float | None, ParallelDegrees, frozenset[str]], LayoutChoice]
 """One search under fixed degrees: ``(per-rank costs, devices / tp, memory cap left, degrees, parts) ->
 LayoutChoice``, ``parts`` naming FSDP2's runtimes searched with a shard degree above 1 (``"flat"``: without pipeline
@@ -126,7 +129,8 @@ def search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatch
 def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatches: int, search: SearchOne,
                     options: Sequence[ParallelDegrees], machine: Machine, space: SearchSpace,
                     beat: float, experts: Sequence[ExpertLayer],
-                    rank_costs: RankCosts | None = None, seeded: bool = False) -> LayoutChoice | None:
+                    rank_costs: RankCosts | None = None, seeded: bool = False,
+                    needs: MemoryNeed | None = None) -> LayoutChoice | None:
     """``search_degrees`` keeping only plans faster than ``beat`` seconds: None when no option gives one (raises
     ``NoPlanFits`` only with ``beat`` infinite and nothing fitting). Options go in increasing
     ``monotone.work_bound`` and stop when it reaches the best time; FSDP2's two runtimes (without and with
@@ -134,7 +138,9 @@ def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatc
     with the all-gathers, with stages also the best time of the same TP degree's least-checkpointed unsharded costs
     searched without the memory cap (``_uncapped``; less its optimizer step when charged; not for EP options, whose
     smaller expert gradients synchronise faster). ``experts``: the MoE layers whose all-to-alls and imbalance EP
-    options pay (``cost.experts``). ``seeded``: ``search`` takes a keyword ``beat`` (``_uncapped``)."""
+    options pay (``cost.experts``). ``seeded``: ``search`` takes a keyword ``beat`` (``_uncapped``); each
+    option's own search then stops at the time to beat (the best so far, ties kept for the tie order). ``needs``:
+    ``fit.least_need`` per option, shared by the divisors' searches (without the host)."""
     memory_cap, dtype, optimizer = machine.memory_cap, machine.dtype, machine.optimizer
     base, prefer_base = ParallelDegrees(checkpointing=space.base_checkpointing), space.prefer_plain
     true_units = consistent_units(units)
@@ -152,13 +158,19 @@ def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatc
                     machine, tp=degrees.tp, dp_shard=degrees.dp_shard, ep=degrees.ep, devices=devices))
         return links[key]
 
-    def attempt(degrees: ParallelDegrees, parts: frozenset[str] = BOTH) -> LayoutChoice:
+    def attempt(degrees: ParallelDegrees, parts: frozenset[str] = BOTH,
+                seed: float = math.inf) -> LayoutChoice | None:  # seed: the time to beat (seeded), else inf
         per_rank = bounds.per_rank(degrees, **link(degrees))
         buffer = shard_buffer_bytes(true_units, whole, degrees, dtype, optimizer)
         left = None if memory_cap is None else memory_cap - buffer
         if left is not None and left <= 0:
             raise ValueError(f"FSDP2's buffer alone ({buffer:.3g} bytes) exceeds the memory cap")
-        choice = search(per_rank, devices // degrees.tp, left, degrees, parts)
+        if seed < math.inf:
+            choice = search(per_rank, devices // degrees.tp, left, degrees, parts, beat=seed)
+            if choice is None:  # nothing faster than the seed
+                return None
+        else:
+            choice = search(per_rank, devices // degrees.tp, left, degrees, parts)
         # with stages: whole within the step (sharding); without, the flat search's accumulated gradients added
         flat = choice.plan.num_ranks == 1
         buffered = buffer + choice.shard_buffer_bytes if flat else 0.0
@@ -175,9 +187,11 @@ def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatc
             uncapped[tp] = _uncapped(bounds, search, options, tp, machine, to_beat if seeded else math.inf)
         return uncapped[tp]
 
-    def _least_need(degrees: ParallelDegrees) -> float:
-        return least_need(true_units, whole, devices, [degrees], dtype=dtype, optimizer=optimizer,
-                          checkpoint_overrides=space.checkpoint_overrides)[0]
+    memory_need = needs if needs is not None else MemoryNeed(true_units, whole, dtype=dtype, optimizer=optimizer,
+                                                             checkpoint_overrides=space.checkpoint_overrides)
+
+    def _least_need(degrees: ParallelDegrees) -> float:  # fit.least_need of the option alone
+        return memory_need(degrees, devices)
 
     errors = []
     best: LayoutChoice | None = None
@@ -209,10 +223,15 @@ def _search_degrees(units: Sequence[Unit], costs: Costs, devices: int, microbatc
         if memory_cap is not None and need > memory_cap * (1 + 1e-9) + 64:  # no plan of it fits (fit.least_need)
             errors.append(f"{_label(degrees)}: needs at least {format_bytes(need)} per device")
             continue
+        # seeded: the option's own search stops at the time to beat (ties with the best kept: the tie order decides)
+        seed = (beat if best is None else min(beat, math.nextafter(best.iteration_s, math.inf))) * (1 + SEED_MARGIN)
         try:
-            choice = attempt(degrees, frozenset(parts) if degrees.dp_shard > 1 else BOTH)
+            choice = attempt(degrees, frozenset(parts) if degrees.dp_shard > 1 else BOTH,
+                             seed if seeded else math.inf)  # FSDP2: the staged search stops there, not the flat
         except ValueError as exc:
             errors.append(f"{_label(degrees)}: {exc}")
+            continue
+        if choice is None:
             continue
         if choice.fits_memory and choice.iteration_s < beat and (
                 best is None or (choice.iteration_s, _preference(degrees)) <
@@ -316,7 +335,9 @@ def plan_parallel(units: Sequence[Unit], costs: Costs, devices: int, *, microbat
                              space.fsdp_reshard, eps)
     true_units, whole = consistent_units(units), cost_list(units, costs)
     job = _Job(units, true_units, whole, devices, microbatches, machine, space, layout_search, tuple(experts),
-               RankCosts(true_units, whole))
+               RankCosts(true_units, whole), needs=MemoryNeed(true_units, whole, dtype=machine.dtype,
+                                                              optimizer=machine.optimizer,
+                                                              checkpoint_overrides=space.checkpoint_overrides))
 
     unbeaten: dict[int, LayoutChoice] = {}  # the searches with nothing to beat, when their plan is not offloaded
 
@@ -363,6 +384,7 @@ class _Job:
     experts: tuple[ExpertLayer, ...] = ()
     rank_costs: RankCosts | None = dataclasses.field(default=None, compare=False)  # shared by every divisor
     offload_costs: dict[ParallelDegrees, Any] = dataclasses.field(default_factory=dict, compare=False)  # likewise
+    needs: MemoryNeed | None = dataclasses.field(default=None, compare=False)  # likewise
 
     def search(self, per_rank: Sequence[UnitCost], devices: int, *, degrees: ParallelDegrees = ParallelDegrees(),
                microbatches: int | None = None, **changes: Any) -> LayoutChoice:
@@ -374,32 +396,33 @@ class _Job:
         count = self.microbatches if microbatches is None else microbatches
         machine = dataclasses.replace(self.machine, **changes)
 
-        def run(searched: Machine, degrees_dp: Sequence[int] | None, on: int) -> LayoutChoice:
+        def run(searched: Machine, degrees_dp: Sequence[int] | None, on: int,
+                to_beat: float = math.inf) -> LayoutChoice | None:
             space = dataclasses.replace(self.space, dp_degrees=None if degrees_dp is None else tuple(degrees_dp),
                                         encoder_tp=self.space.encoder_tp if degrees.tp == 1 else ())  # not with TP
-            if beat < math.inf:  # None when nothing is faster (seeded: see _Job.seeded)
-                return plan_layout_below(self.units, per_rank, on, microbatches=count, machine=searched,
-                                              space=space, beat=beat)
+            if to_beat < math.inf:  # None when nothing is faster (seeded: see _Job.seeded)
+                below = plan_layout_below if self.layout_search is plan_layout else self.layout_search
+                return below(self.units, per_rank, on, microbatches=count, machine=searched, space=space,
+                             beat=to_beat)
             return self.layout_search(self.units, per_rank, on, microbatches=count, machine=searched, space=space)
 
         if machine.topology is None:
-            return run(machine, dps, devices)
-        assert beat == math.inf, "a seeded search runs without a topology (_Job.seeded)"
+            return run(machine, dps, devices, beat)
 
         def time_again(choice: LayoutChoice, placed: Machine) -> LayoutChoice:
             return retime(choice, self.units, per_rank, machine=placed, microbatches=count, devices=devices)
 
         # only plan_layout's plans may leave ranks idle (plan_filling_layout's fill them)
         return search_placed(run, time_again, machine, dps, devices=devices, microbatches=count, degrees=degrees,
-                             idle_ranks=self.layout_search is plan_layout)
+                             seeding=Seeding(idle_ranks=self.layout_search is plan_layout, beat=beat,
+                                             seeded=self.seeded))
 
     @property
     def seeded(self) -> bool:
-        """Whether a search may stop at a time to beat (``layout.plan_layout_below``): ``plan_layout``'s plans,
-        no topology, 1F1B's schedules only (the chosen plan's simulated time is then its
-        planned one)."""
-        return (self.layout_search is plan_layout and self.machine.topology is None
-                and set(self.space.schedules) == {"1f1b"})
+        """Whether a search may stop at a time to beat (``layout.plan_layout_below``, ``plan_filling_layout``'s
+        ``beat``; with a topology through ``placement.search_placed``): 1F1B's schedules only (the chosen plan's
+        simulated time is then its planned one)."""
+        return set(self.space.schedules) == {"1f1b"}
 
 
 def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees], beat: float,
@@ -433,8 +456,8 @@ def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees], 
                      if rank_microbatches > 1 else 0.0)
             return flat_reduce(run, cap, rank_microbatches, extra)
 
-        def staged(staged_dps: list[int]) -> LayoutChoice:  # pipeline stages sharded over their DP ranks
-            return _pipelined(job, degrees, pipe_devices, staged_dps)
+        def staged(staged_dps: list[int]) -> LayoutChoice | None:  # pipeline stages sharded over their DP ranks
+            return _pipelined(job, degrees, pipe_devices, staged_dps, beat)  # None: nothing faster than beat
 
         # staged plans keep their stages whole within the step whatever fsdp_reshard says: searched once
         # staged FSDP2 with EP is not searched (its experts' optimizer state is not modelled)
@@ -449,7 +472,7 @@ def _plan_parallel(job: _Job, costs: Costs, options: Sequence[ParallelDegrees], 
                                                        "(parallel.offload = 'cpu')"))
     try:
         found = _search_degrees(job.units, costs, job.devices, microbatches, one, options, machine, space, beat,
-                                job.experts, job.rank_costs, job.seeded)
+                                job.experts, job.rank_costs, job.seeded, job.needs)
     except ValueError as exc:
         if machine.host is None or machine.memory_cap is None:
             raise
@@ -504,10 +527,11 @@ def flat_reduce(run: Callable[[float | None], LayoutChoice], cap: float | None, 
 
 def _sharded(degrees: ParallelDegrees, pipe_devices: int, microbatches: int, dps: Sequence[int] | None,
              flat: Callable[[list[int]], LayoutChoice] | None,
-             staged: Callable[[list[int]], LayoutChoice] | None) -> LayoutChoice:
+             staged: Callable[[list[int]], LayoutChoice | None] | None) -> LayoutChoice | None:
     """The faster fitting of FSDP2 without pipeline stages (``flat``, every device a DP rank) and with them
     (``staged``, the DP degrees ``dp_shard`` divides below ``pipe_devices``, up to ``microbatches``); each called
-    with its DP degrees, None: not searched.
+    with its DP degrees, None: not searched. ``staged`` may return None (nothing faster than a time to beat); None
+    when it does and ``flat`` gives nothing either.
 
     Raises:
         ValueError: when neither finds a plan (both reasons).
@@ -516,25 +540,34 @@ def _sharded(degrees: ParallelDegrees, pipe_devices: int, microbatches: int, dps
     runs = [(flat, [pipe_devices] if pipe_devices in wanted else [])] if flat is not None else []
     if staged is not None:
         runs.append((staged, [d for d in wanted if d < pipe_devices and pipe_devices % d == 0 and d <= microbatches]))
-    found, errors = [], []
+    found, errors, below = [], [], False
     for search, degrees_dp in runs:
         if not degrees_dp:
             continue
         try:
-            found.append(search(degrees_dp))
+            choice = search(degrees_dp)
         except ValueError as exc:
             errors.append(str(exc))
+            continue
+        if choice is None:
+            below = True
+        else:
+            found.append(choice)
+    if not found and below:
+        return None
     if not found:
         raise ValueError(f"dp_shard {degrees.dp_shard} divides no DP degree of {pipe_devices} devices that fits: "
                          + ("; ".join(errors) or "no such DP degree"))
     return min(found, key=lambda c: (not c.fits_memory, c.iteration_s))
 
 
-def _pipelined(job: _Job, degrees: ParallelDegrees, pipe_devices: int, dps: list[int]) -> LayoutChoice:
+def _pipelined(job: _Job, degrees: ParallelDegrees, pipe_devices: int, dps: list[int],
+               beat: float = math.inf) -> LayoutChoice | None:
     """``plan_layout`` with pipeline stages sharded by FSDP2 (``sharding``, "FSDP2 under pipeline stages"): whole
     per-unit costs and parameters, a shard of the optimizer state, the DP all-reduce's bytes; the whole memory cap
     (no separate buffer). The result records ``degrees.dp_shard``; no encoder replicas or TP groups
-    (``encoder_dp``, ``encoder_tp``) with FSDP2."""
+    (``encoder_dp``, ``encoder_tp``) with FSDP2. ``beat`` finite (``job.seeded``): the search stops there, None
+    when nothing is faster."""
     space = dataclasses.replace(job.space, encoder_dp=(), encoder_tp=())
     machine, job = job.machine, dataclasses.replace(job, space=space)
     tp_link, _ = option_links(machine, tp=degrees.tp, dp_shard=degrees.dp_shard, devices=job.devices)
@@ -543,5 +576,6 @@ def _pipelined(job: _Job, degrees: ParallelDegrees, pipe_devices: int, dps: list
                                      experts=ExpertDispatch(job.experts) if job.experts else None)
     choice = job.search(per_rank, pipe_devices, degrees=degrees, dp_degrees=dps,
                         overheads=pipelined_overheads(machine.overheads, degrees.dp_shard),
-                        optimizer=pipelined_optimizer(machine.optimizer, degrees.dp_shard))
-    return dataclasses.replace(choice, dp_shard=degrees.dp_shard)
+                        optimizer=pipelined_optimizer(machine.optimizer, degrees.dp_shard),
+                        **(dict(beat=beat) if beat < math.inf else {}))
+    return None if choice is None else dataclasses.replace(choice, dp_shard=degrees.dp_shard)

@@ -35,6 +35,7 @@ crosses) or the plan uses every device. Pure: no torch, no processes.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 from plait.planner.cost.topology import RANK_ORDERS, crossing_axes, ep_crosses, plan_rank_order
@@ -45,7 +46,7 @@ from plait.planner.search.model import Costs
 from plait.planner.search.types import LayoutChoice, Machine, NoPlanFits
 from plait.planner.types import Unit
 
-__all__ = ["ep_link", "option_links", "placed_machine", "rank_sizes", "retime", "search_placed"]
+__all__ = ["Seeding", "ep_link", "option_links", "placed_machine", "rank_sizes", "retime", "search_placed"]
 
 
 def rank_sizes(*, tp: int, dp: int, dp_shard: int, pp: int) -> dict[str, int]:
@@ -153,26 +154,46 @@ def _search_links(machine: Machine) -> tuple[P2PModel | None, P2PModel | None]:
     return machine.p2p, machine.dp_link
 
 
-Run = Callable[[Machine, Sequence[int] | None, int], LayoutChoice]
-"""A layout search ``(machine, dp_degrees, devices) -> LayoutChoice`` on fixed per-rank costs (``plan_layout``'s,
-the DP degrees as ``SearchSpace.dp_degrees``, None: its default)."""
+Run = Callable[..., "LayoutChoice | None"]
+"""A layout search ``(machine, dp_degrees, devices[, beat]) -> LayoutChoice`` on fixed per-rank costs
+(``plan_layout``'s, the DP degrees as ``SearchSpace.dp_degrees``, None: its default); with a time to beat
+(seconds), the same plan whenever it is faster, else None or a plan not faster (``layout.plan_layout_below``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Seeding:
+    """How :func:`search_placed` may stop its searches: ``idle_ranks`` (the layout search may leave ranks idle:
+    ``plan_layout``'s; ``plan_filling_layout``'s fill them), ``beat`` (seconds: only plans faster matter) and
+    ``seeded`` (``Run`` takes a time to beat: each search after the first stops at the best time so far)."""
+
+    idle_ranks: bool = True
+    beat: float = math.inf
+    seeded: bool = False
 
 
 def search_placed(run: Run, time_again: Callable[[LayoutChoice, Machine], LayoutChoice], machine: Machine,
                   dps: Sequence[int] | None, *, devices: int, microbatches: int, degrees: ParallelDegrees,
-                  idle_ranks: bool = True) -> LayoutChoice:
+                  seeding: Seeding = Seeding()) -> LayoutChoice | None:
     """The layout search ``run`` with its links set by where each plan's ranks sit (module docstring).
 
     The DP degrees (``dps``, default every divisor of ``devices``) are grouped by the links of the plans filling
     their devices (``devices // dp`` pipeline ranks; degrees above ``microbatches`` apart, as ``plan_layout``
     refuses them) and each group is searched on all ``devices`` with its links (one group: one search with ``dps``
-    as given). With ``idle_ranks`` (the search may leave ranks idle: ``plan_layout``), for each DP degree and each
+    as given). With ``seeding.idle_ranks`` (the search may leave ranks idle: ``plan_layout``), for each DP degree
+    and each
     other set of links that fewer pipeline ranks ``p`` give, the search runs again on ``dp x p`` devices (``p`` the
     most ranks with those links) with them. Every chosen plan whose own degrees give other links than it was
     searched with is timed again (``time_again(choice, machine)``, :func:`retime`); the fastest that fits the
     memory cap (else the fastest) is returned with its ``rank_order``, its ``devices`` and lower bound those of
     all ``devices``. Exact (given ``run``) when crossing nodes never gets rarer with more pipeline ranks and the
     inter-node link is no faster (each plan then searched with its own links or slower ones, and exactly once).
+
+    With ``seeding.beat`` finite (seconds; ``run`` then stops at it, ``Run``) the result is the same plan whenever it is
+    faster than ``beat``, else None or a plan not faster: under the same conditions the fastest plan is found by
+    the search with its own links, where its searched time is its true time (below ``beat``, so that search returns
+    what it returns without one), and a plan searched with slower links is timed again only faster. With
+    ``seeding.seeded`` (``run`` takes a time to beat even when ``beat`` is infinite) each search after the first
+    stops at the best fitting time found so far (ties kept: the first found stays chosen), by the same argument.
 
     Args:
         run: the layout search (``Run``); time_again: the re-timing of a choice on a machine's links.
@@ -182,9 +203,11 @@ def search_placed(run: Run, time_again: Callable[[LayoutChoice, Machine], Layout
 
     Raises:
         ValueError: as ``run`` (the error of a single search; with several, every search's reason, a
-            ``NoPlanFits`` when all of them are).
+            ``NoPlanFits`` when all of them are; with ``beat`` finite, None when every search found nothing
+            faster).
     """
     tp, dp_shard = degrees.tp, degrees.dp_shard
+    idle_ranks, beat, seeded = seeding.idle_ranks, seeding.beat, seeding.seeded
 
     def placed(d: int, pp: int) -> tuple[Machine, str]:
         return placed_machine(machine, tp=tp, dp=d, dp_shard=dp_shard, pp=max(pp, 1), ep=degrees.ep)
@@ -207,21 +230,33 @@ def search_placed(run: Run, time_again: Callable[[LayoutChoice, Machine], Layout
             if _search_links(fewer_machine) != full_links:
                 fewer[_search_links(fewer_machine)] = (fewer_machine, pp)  # the most ranks with these links
         searches += [(fewer_machine, (d,), d * pp) for fewer_machine, pp in fewer.values()]
-    found: list[LayoutChoice] = []
-    errors: list[ValueError] = []
-    for searched, ds, count in searches:
+    # seeded: the searches with the largest DP degrees (the fewest pipeline ranks, the cheapest) first, for an
+    # incumbent; each result kept in its search's place, so ties go as without seeding (the first search's plan)
+    results: list[LayoutChoice | ValueError | None] = [None] * len(searches)
+    order = sorted(range(len(searches)), key=lambda i: -max(searches[i][1] or [devices])) if seeded else \
+        range(len(searches))
+    for index in order:
+        searched, ds, count = searches[index]
+        fitting = [c.iteration_s for c in results if isinstance(c, LayoutChoice) and c.fits_memory]
+        to_beat = min(beat, math.nextafter(min(fitting), math.inf)) if seeded and fitting else beat
         try:
-            choice = run(searched, ds, count)
+            choice = run(searched, ds, count) if to_beat == math.inf else run(searched, ds, count, to_beat)
         except ValueError as exc:
             if len(searches) == 1:
                 raise
-            errors.append(exc)
+            results[index] = exc
             continue
-        own, order = placed(choice.dp, choice.plan.num_ranks)
+        if choice is None:  # nothing faster than the time to beat with these links
+            continue
+        own, rank_order = placed(choice.dp, choice.plan.num_ranks)
         if _search_links(own) != _search_links(searched):
             choice = time_again(choice, own)
-        found.append(dataclasses.replace(choice, rank_order=order, devices=devices,
-                                         lower_bound_s=choice.lower_bound_s * choice.devices / devices))
+        results[index] = dataclasses.replace(choice, rank_order=rank_order, devices=devices,
+                                             lower_bound_s=choice.lower_bound_s * choice.devices / devices)
+    found = [c for c in results if isinstance(c, LayoutChoice)]
+    errors = [e for e in results if isinstance(e, ValueError)]
+    if not found and (beat < math.inf and len(errors) < len(searches)):
+        return None
     if not found:
         error = NoPlanFits if all(isinstance(e, NoPlanFits) for e in errors) else ValueError
         raise error("; ".join(str(e) for e in errors))

@@ -2,8 +2,8 @@
 64x64 images) on 4 H100s, one pipeline: ``plait plan --encoder-dp`` replicates the vision stage on 2 ranks; its printed
 tables and command carry ``encoder_dp``, the command's overrides pass ``plait train``'s job-file check, and the job
 they make builds the same pipeline (stages, replicas, ranks) in the trainer (``build_pipeline_plan``) and through
-``apply_layout_choice``; ``plait simulate`` draws both replicas' tracks; ``plait energy --encoder-dp`` plans a clock
-for every action of both replica stages."""
+``apply_layout_choice``; ``plait simulate`` draws both replicas' tracks; ``plait energy`` (encoder degrees searched by default) plans a
+clock for every action of both replica stages; ``--no-encoder-dp`` keeps one replica per encoder stage."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ STAGES = [("vision", 0, 0, 2), ("vision", 1, 1, 2), ("audio", 2, 0, 1), ("llm", 
 def planned(tmp_path_factory):
     folder = tmp_path_factory.mktemp("plan")
     out = io.StringIO()
-    choice = plan_command(JOB, 4, folder / "plan.json", device="h100", dp_degrees=[1], encoder_dp=True, out=out,
+    choice = plan_command(JOB, 4, folder / "plan.json", device="h100", dp_degrees=[1], out=out,
                           profile_store=None, overrides=HEAVY, **ONE_STAGE_PER_RANK)
     return choice, out.getvalue(), folder
 
@@ -95,7 +95,7 @@ def test_simulate_draws_both_replicas(planned, tmp_path):
 
 def test_energy_plans_every_replica_action(tmp_path, capsys):
     out = tmp_path / "energy"
-    assert main(["energy", "--config", str(JOB), "--devices", "4", "--dp", "1", "--encoder-dp", "--method", "lowtime",
+    assert main(["energy", "--config", str(JOB), "--devices", "4", "--dp", "1", "--method", "lowtime",
                  "--straggler", "1.3", "--out-dir", str(out), *HEAVY]) == 0
     text = capsys.readouterr().out
     assert "encoder data-parallel degrees (each stage's replicas): vision 2" in text
@@ -111,15 +111,17 @@ def test_energy_plans_every_replica_action(tmp_path, capsys):
     assert len(frontier) >= 2
 
 
-def test_plan_energy_searches_encoder_replicas_when_asked(monkeypatch):
-    """``plait plan --energy --encoder-dp`` hands ``encoder_dp`` to every plan it compares."""
+def test_plan_energy_searches_encoder_replicas_by_default(monkeypatch):
+    """``plait plan --energy`` hands ``encoder_dp`` (on unless ``--no-encoder-dp``) and ``--gpus-per-node`` to every
+    plan it compares."""
     import plait.commands.plan.energy as energy
 
     seen = []
     monkeypatch.setattr(energy, "plan_by_energy", lambda *args, **kwargs: seen.append(kwargs))
-    for flags in ([], ["--encoder-dp"]):
+    for flags in ([], ["--encoder-dp"], ["--no-encoder-dp"], ["--gpus-per-node", "2"]):
         assert main(["plan", "--config", str(JOB), "--devices", "4", "--energy", *flags]) == 0
-    assert [kwargs["encoder_dp"] for kwargs in seen] == [False, True]
+    assert [kwargs["encoder_dp"] for kwargs in seen] == [True, True, False, True]
+    assert [kwargs["gpus_per_node"] for kwargs in seen] == [None, None, None, 2]
 
 
 def _note_job(dp_shard: int = 1, microbatch_size: int = 4):
@@ -129,22 +131,17 @@ def _note_job(dp_shard: int = 1, microbatch_size: int = 4):
                            train=SimpleNamespace(microbatch_size=microbatch_size))
 
 
-def test_encoder_dp_note_says_why_no_replica_was_planned():
-    from types import SimpleNamespace
-
+def test_encoder_dp_note_only_when_the_job_keeps_replicas_out():
     from plait.commands.plan.command import encoder_dp_note
+    from plait.planner.types import Unit
 
-    bounds, plain, replicated = (("vision", 4),), SimpleNamespace(encoder_dp=()), SimpleNamespace(
-        encoder_dp=(("vision", 2),))
-    assert encoder_dp_note(_note_job(), bounds, replicated) == ""
-    assert encoder_dp_note(_note_job(), bounds, plain) == ("encoder data-parallel degrees: searched, none faster "
-                                                           "than one replica per encoder stage")
-    assert encoder_dp_note(_note_job(dp_shard=2), bounds, plain) == (
+    units = [Unit("v0", "vision", "layer", False, False), Unit("l0", "llm", "layer", True, True)]
+    assert encoder_dp_note(_note_job(dp_shard=2), units) == (
         "encoder data-parallel degrees: not searched (FSDP2, parallel.dp_shard = 2, refuses replicated encoder "
         "stages; set parallel.dp_shard = 1 to search them)")
-    assert encoder_dp_note(_note_job(microbatch_size=1), (), plain).endswith(
-        "not searched (train.microbatch_size = 1: each replica needs a sample of a microbatch)")
-    assert encoder_dp_note(_note_job(), (), plain).endswith("not searched (the model has no encoder branch)")
+    assert encoder_dp_note(_note_job(), units) == ""  # searched (by default): the plan prints its replicas, if any
+    assert encoder_dp_note(_note_job(dp_shard=2, microbatch_size=1), units) == ""  # nothing to search anyway
+    assert encoder_dp_note(_note_job(dp_shard=2), units[1:]) == ""
 
 
 def test_plan_with_fsdp2_says_encoder_dp_was_not_searched():
