@@ -58,8 +58,9 @@ def gloo_group(rank: int, world: int, port: int, timeout_s: float = 90) -> Itera
         dist.destroy_process_group()
 
 
-PRELOAD = ("plait.train.trainer", "plait.train.pipeline_trainer")
-"""Modules the fork server imports once per pytest session; every worker forked from it starts with them loaded."""
+PRELOAD = ("plait.train.trainer", "plait.train.pipeline_trainer", "tests.distributed.fork_preload")
+"""Modules the fork server imports once per pytest session; every worker forked from it starts with them loaded
+(``fork_preload``, last: their objects frozen out of the workers' garbage collections)."""
 START_METHOD = os.environ.get("PLAIT_TEST_START_METHOD", "forkserver")
 """How :func:`spawn_and_wait` starts workers: "forkserver" (default: forked from one server process that imported
 :data:`PRELOAD`, a fraction of a second per worker instead of an interpreter start and the torch, transformers and

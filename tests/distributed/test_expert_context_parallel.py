@@ -8,11 +8,19 @@ CP ranks and the expert-data-parallel ranks."""
 from __future__ import annotations
 
 from plait.parallel.dims import ParallelDims
+from tests.distributed.spawning import shared_reference
 from tests.helpers.moe import WORKER, assert_equal_runs
 from tests.helpers.fsdp import run
 from tests.helpers.moe import moe_job
 
 ATTENTION = {"implementation": "plait", "block_size": 8}
+
+
+def single_run(tmp_path) -> dict:
+    """The one-process run both EP x CP layouts are compared with: trained once per session (``shared_reference``;
+    only its returned losses, gradients and parameters are read)."""
+    cfg = moe_job(tmp_path) | {"attention": ATTENTION}
+    return shared_reference(str(WORKER), cfg, lambda: run(cfg, tmp_path, "single", 1, WORKER))
 
 
 def test_expert_groups_under_cp_span_the_cp_axis_for_gradients():
@@ -24,7 +32,7 @@ def test_expert_groups_under_cp_span_the_cp_axis_for_gradients():
 
 
 def test_ep2_with_cp2_equals_one_process(tmp_path):
-    single = run(moe_job(tmp_path) | {"attention": ATTENTION}, tmp_path, "single", 1, WORKER)
+    single = single_run(tmp_path)
     ep_cp = run(moe_job(tmp_path, ep=2, cp=2) | {"attention": ATTENTION}, tmp_path, "ep_cp", 4, WORKER)
     assert ep_cp["world"] == 4 and ep_cp["local"] == [[(2, 32, 32)] * 2] * 4  # E/ep experts on every rank
     assert_equal_runs(single, ep_cp)
@@ -32,7 +40,7 @@ def test_ep2_with_cp2_equals_one_process(tmp_path):
 
 def test_ep2_with_cp2_and_fsdp2_equals_one_process(tmp_path):
     """``dp_shard = 2`` x ``cp = 2``: FSDP2 of the other parameters, their gradients summed over CP too."""
-    single = run(moe_job(tmp_path) | {"attention": ATTENTION}, tmp_path, "single", 1, WORKER)
+    single = single_run(tmp_path)
     both = run(moe_job(tmp_path, ep=2, cp=2, dp_shard=2) | {"attention": ATTENTION}, tmp_path, "ep_cp_fsdp", 4,
                WORKER)
     assert both["sharded"] and both["local"] == [[(2, 32, 32)] * 2] * 4

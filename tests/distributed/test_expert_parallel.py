@@ -35,20 +35,21 @@ def test_ep2_equals_one_process_frozen_encoder_and_no_local_expert(tmp_path):
     assert_equal_runs(vl_single, vl_ep)
     assert EXPERTS in single["grads"] and not any(n.startswith("encoders.vision.encoder.") for n in single["grads"])
     assert_equal_runs(single, ep)
-    # resume across EP degrees: step 1 of the EP=2 run in one process, step 1 of the one-process run at EP=2
+    # resume across EP degrees: step 1 of the EP=2 run in one process, step 1 of the one-process run at EP=2; and
+    # every token to experts 0, 1 (the first EP rank's): the second joins the all-to-alls with zero rows, no hang
+    # (each pair trained in turn in the same processes: one spawn per process count)
     step1 = "checkpoints/step_000001"
-    to_one = run(moe_job(tmp_path) | {"resume_from": str(tmp_path / "run_ep" / step1)}, tmp_path, "to_one", 1, WORKER)
-    to_ep = run(moe_job(tmp_path, ep=2) | {"resume_from": str(tmp_path / "run_single" / step1)}, tmp_path, "to_ep",
-                2, WORKER)
+    to_one, folded = run_jobs([(moe_job(tmp_path) | {"resume_from": str(tmp_path / "run_ep" / step1)}, "to_one"),
+                               (moe_job(tmp_path) | {"experts_of_rank0": True}, "folded")], tmp_path, 1)
+    to_ep, ep_folded = run_jobs([(moe_job(tmp_path, ep=2) | {"resume_from": str(tmp_path / "run_single" / step1)},
+                                  "to_ep"), (moe_job(tmp_path, ep=2) | {"experts_of_rank0": True}, "ep_folded")],
+                                tmp_path, 2)
     for resumed in (to_one, to_ep):
         assert resumed["start"] == 1
         torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(single["losses"][1:]), rtol=1e-5,
                                    atol=0)
         assert_same_params(single, resumed)
-    # every token to experts 0, 1 (the first EP rank's): the second joins the all-to-alls with zero rows, no hang
-    folded = run(moe_job(tmp_path) | {"experts_of_rank0": True}, tmp_path, "folded", 1, WORKER)
     assert float(folded["grads"][EXPERTS][2:].abs().max()) == 0.0 < float(folded["grads"][EXPERTS][:2].abs().max())
-    ep_folded = run(moe_job(tmp_path, ep=2) | {"experts_of_rank0": True}, tmp_path, "ep_folded", 2, WORKER)
     assert_equal_runs(folded, ep_folded)
 
 
@@ -57,7 +58,10 @@ def test_ep2_with_pp2_and_with_fsdp2_equal_one_process_validation_included(tmp_p
     single = run(with_validation(moe_job(tmp_path), tmp_path), tmp_path, "single", 1, WORKER)
     pp = {"degree": 2, "layout": "encoders_colocated", "schedule": "1f1b", "attach_encoders": True,
           "stages": {"vision": 1, "llm": 2}, "splits": {"llm": ["language_model.model.layers.1"]}}  # a layer each
-    ep_pp = run(with_validation(moe_job(tmp_path, ep=2, pp=pp), tmp_path), tmp_path, "ep_pp", 4, WORKER)
+    # dp = 4, ep = 2 (two EP groups, each expert shard summed over its 2 replicas: ranks 0, 2 and 1, 3) trained
+    # after EP x PP in the same 4 processes
+    ep_pp, replicas = run_jobs([(with_validation(moe_job(tmp_path, ep=2, pp=pp), tmp_path), "ep_pp"),
+                                (moe_job(tmp_path, ep=2), "ep_replicas")], tmp_path, 4)
     assert ep_pp["world"] == 4 and all(len(x) == 1 and x[0][0] == 2 for x in ep_pp["local"])  # a layer per stage
     assert_equal_runs(single, ep_pp)
     ep_fsdp = run(with_validation(moe_job(tmp_path, ep=2, dp_shard=2), tmp_path), tmp_path, "ep_fsdp", 2, WORKER)
@@ -67,8 +71,6 @@ def test_ep2_with_pp2_and_with_fsdp2_equal_one_process_validation_included(tmp_p
     for name in ("ep_pp", "ep_fsdp"):
         got_loss, got_answers = validation(tmp_path, name)
         assert got_loss == pytest.approx(loss, rel=1e-5) and got_answers == answers and len(answers) == 5
-    # dp = 4, ep = 2: two EP groups, each expert shard summed over its 2 replicas (ranks 0, 2 and 1, 3)
-    replicas = run(moe_job(tmp_path, ep=2), tmp_path, "ep_replicas", 4, WORKER)
     assert replicas["local"] == [[(2, 32, 32)] * 2] * 4
     assert_equal_runs(single, replicas)
 

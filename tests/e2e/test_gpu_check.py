@@ -3,16 +3,15 @@ SDPA check passes, the three training runs print their rows and plait's first-st
 executor runs 1F1B, ZB-H1 and ZB-H2 to the same loss and gradients."""
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.cli import plait_on_ranks
 
 
 def test_gpu_check_runs_on_cpu_at_the_smallest_size():
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--models", "tiny", "--steps", "1",
-                           "--batch", "2"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    # `python bench/gpu_check.py ...` in a process forked from the session's fork server (torch, transformers and
+    # plait already imported: no interpreter start and imports, about 6 CPU-s)
+    proc = plait_on_ranks(1, "bench/gpu_check.py", "--device", "cpu", "--models", "tiny", "--steps", "1", "--batch",
+                          "2", limit_s=240, entry="tests.helpers.cli:script_rank")
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     assert "flex within max(3 x SDPA's error, 1e-05) of the reference's scale: True" in out

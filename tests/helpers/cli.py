@@ -40,9 +40,28 @@ def cli_rank(logs: str, *argv: str) -> None:
     2), or 1 with the traceback on stderr when it raises."""
     from plait.cli import main
 
+    _as_process(logs, [str(ROOT / "plait" / "cli.py"), *argv], lambda: main(list(argv)))
+
+
+def script_rank(logs: str, script: str, *argv: str) -> None:
+    """``python <script> <argv>`` (a path from the repository root, e.g. a ``bench/`` script) in this process, as
+    :func:`cli_rank` runs ``plait``: run as ``__main__`` with that ``sys.argv``, from the repository root, its
+    output and exit code (``sys.exit``'s) in ``<logs>.<rank>.out``/``.err``/``.rc``."""
+    import runpy
+
+    def run() -> int:
+        runpy.run_path(str(ROOT / script), run_name="__main__")
+        return 0  # the script ended without sys.exit
+
+    _as_process(logs, [script, *argv], run)
+
+
+def _as_process(logs: str, argv: list[str], run) -> None:
+    """``run()`` as a process's whole program (:func:`cli_rank`): ``sys.argv`` set to ``argv``, from the repository
+    root, file descriptors 1 and 2 in ``<logs>.<rank>.out``/``.err``, the exit code in ``<logs>.<rank>.rc``."""
     rank = os.environ.get("RANK", "0")
     os.chdir(ROOT)
-    sys.argv = [str(ROOT / "plait" / "cli.py"), *argv]
+    sys.argv = argv
     code = 1
     with open(f"{logs}.{rank}.out", "w") as out, open(f"{logs}.{rank}.err", "w") as err:
         sys.stdout.flush()
@@ -50,7 +69,7 @@ def cli_rank(logs: str, *argv: str) -> None:
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         try:
-            code = main(list(argv))
+            code = run()
         except SystemExit as exc:  # what the interpreter makes of sys.exit(code)
             if exc.code is None or isinstance(exc.code, int):
                 code = exc.code or 0

@@ -4,13 +4,11 @@ then this process's share of the cores no other work keeps busy."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from plait.models.device import choose_cpu_threads
-from tests.helpers.jobs import ROOT
+from tests.helpers.cli import cli_rank, plait_on_ranks
 
 
 @pytest.mark.parametrize("requested, omp, cores, load, local, want", [
@@ -41,10 +39,18 @@ def test_bad_thread_inputs_are_named(args, match):
         choose_cpu_threads(*args)
 
 
+def unset_thread_variables_rank(logs: str, *argv: str) -> None:
+    """``plait <argv>`` (``cli.cli_rank``) without ``OMP_NUM_THREADS`` and ``LOCAL_WORLD_SIZE`` (as a command typed
+    outside torchrun starts; a forked rank of ``spawning.run_main`` gets ``OMP_NUM_THREADS=1``)."""
+    for name in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(name, None)
+    cli_rank(logs, *argv)
+
+
 def test_the_real_command_logs_its_choice(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE")}
-    out = subprocess.run([sys.executable, "-m", "plait.cli", "generate", "--model", str(tmp_path / "missing"),
-                          "--prompt", "hi"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    # `python -m plait.cli generate ...`, forked from the session's fork server (no interpreter start and imports)
+    out = plait_on_ranks(1, "generate", "--model", str(tmp_path / "missing"), "--prompt", "hi", limit_s=120,
+                         entry="tests.unit.models.test_cpu_threads:unset_thread_variables_rank")
     assert out.returncode == 2
     line = next(x for x in out.stderr.splitlines() if "CPU intra-op threads" in x)
     threads = int(line.split("CPU intra-op threads: ")[1].split()[0])
