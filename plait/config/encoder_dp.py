@@ -27,14 +27,7 @@ def validate_encoder_dp(cfg: JobConfig) -> None:
     """
     validate_encoder_tp(cfg)
     pp = cfg.parallel.pp
-    _require(isinstance(pp.encoder_dp, dict), f"parallel.pp.encoder_dp must be a table of encoder branch = degree, "
-           f"got {pp.encoder_dp!r}")
-    for branch, degree in pp.encoder_dp.items():
-        _require(branch != LLM_MODULE, "parallel.pp.encoder_dp.llm: the LLM's data-parallel degree is parallel.dp; "
-               "encoder_dp names encoder branches")
-        _require(isinstance(degree, int) and not isinstance(degree, bool) and degree >= 1,
-               f"parallel.pp.encoder_dp.{branch} must be an integer >= 1, got {degree!r}")
-    replicated = {b: d for b, d in pp.encoder_dp.items() if d > 1}
+    replicated = _branch_degrees("encoder_dp", pp.encoder_dp, "the LLM's data-parallel degree is parallel.dp")
     if not replicated:
         return
     where = f"parallel.pp.encoder_dp = {replicated}"
@@ -68,14 +61,7 @@ def validate_encoder_tp(cfg: JobConfig) -> None:
         ValueError: naming ``parallel.pp.encoder_tp`` and the offending entry or setting.
     """
     pp = cfg.parallel.pp
-    _require(isinstance(pp.encoder_tp, dict), f"parallel.pp.encoder_tp must be a table of encoder branch = degree, "
-             f"got {pp.encoder_tp!r}")
-    for branch, degree in pp.encoder_tp.items():
-        _require(branch != LLM_MODULE, "parallel.pp.encoder_tp.llm: the LLM's tensor-parallel degree is parallel.tp; "
-                 "encoder_tp names encoder branches")
-        _require(isinstance(degree, int) and not isinstance(degree, bool) and degree >= 1,
-                 f"parallel.pp.encoder_tp.{branch} must be an integer >= 1, got {degree!r}")
-    split = {b: d for b, d in pp.encoder_tp.items() if d > 1}
+    split = _branch_degrees("encoder_tp", pp.encoder_tp, "the LLM's tensor-parallel degree is parallel.tp")
     if not split:
         return
     where = f"parallel.pp.encoder_tp = {split}"
@@ -135,3 +121,18 @@ def replica_note(pp: PipelineConfig, counts: dict[str, int]) -> str:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _branch_degrees(name: str, table: object, llm_note: str) -> dict[str, int]:
+    """``parallel.pp.<name>`` (a table of encoder branch = degree) checked: a table, no ``llm`` entry, integers >= 1.
+    Returns the entries above 1.
+
+    Raises:
+        ValueError: naming ``parallel.pp.<name>`` and the offending entry.
+    """
+    _require(isinstance(table, dict), f"parallel.pp.{name} must be a table of encoder branch = degree, got {table!r}")
+    for branch, degree in table.items():
+        _require(branch != LLM_MODULE, f"parallel.pp.{name}.llm: {llm_note}; {name} names encoder branches")
+        _require(isinstance(degree, int) and not isinstance(degree, bool) and degree >= 1,
+                 f"parallel.pp.{name}.{branch} must be an integer >= 1, got {degree!r}")
+    return {b: d for b, d in table.items() if d > 1}
