@@ -38,7 +38,8 @@ gave iteration ratios of 0.905-1.066 for both layouts. The zero-bubble schedules
 the 2 cores, wall / CPU 1.3-12: iteration ratios 0.1-0.5, unusable), busy predicted / measured CPU of the LLM rank,
 median of 4 runs (zb_v 3), encoder_parallel / encoders_colocated, charged the measured split backward vs the
 fused rule on the same runs: zb_h1 1.007 / 1.030 (fused rule 0.741 / 0.757), zb_h2 1.082 / 0.983 (0.814 / 0.739),
-zb_v 1.214 / 1.272 (0.912 / 0.954); 1f1b 1.042 / 1.049.
+zb_v 1.214 / 1.272 (0.912 / 0.954); 1f1b 1.042 / 1.049. On an idle machine (wall / CPU 1.00; one run each, 2026-12-07) the iteration ratios,
+encoder_parallel / encoders_colocated: zb_h1 0.996 / 1.029, zb_h2 1.001 / 0.938, zb_v 1.096 / 1.049, 1f1b 1.063 / 1.077.
 
 Run: ``.venv/bin/python bench/sim_vs_measured.py [--out-dir runs/sim_vs_measured] [--steps 12] [--rounds 4]
 [--microbatches 4] [--microbatch-size 4] [--repeats 3] [--clock thread] [--lora] [--schedule zb_h1]

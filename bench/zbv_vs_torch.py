@@ -20,6 +20,9 @@ slower (target: <= 1.0). Both sides run in the same processes at the same time, 
 reaches both alike; on shared cores the spread (min-max) says how much a single step can be trusted.
 ``--profile N`` adds N cProfile'd steps of each side on rank 0 after the timing and prints the top entries.
 
+Measured on the 2-core CPU host (load 1.4-1.7, 2026-12-07): plait 674.9 ms, torch 677.2 ms, ratio 0.997 (per round
+0.80-1.14); before the stage and split-``W`` changes of that day 1.046 on an idle machine.
+
 Run: ``.venv/bin/python bench/zbv_vs_torch.py [--layers 6] [--hidden 256] [--seq 128]
 [--microbatches 8] [--microbatch-size 1] [--vocab 8192] [--warmup 2] [--repeats 20] [--profile 0]``.
 """
