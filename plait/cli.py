@@ -46,7 +46,8 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
         plan_by_energy(args.config, args.devices, tolerance=args.energy, gpu=args.device, out_json=args.out,
                        overrides=overrides, microbatches=args.microbatches, frozen_aware=not args.frozen_unaware,
-                       encoder_dp=args.encoder_dp, encoder_tp=args.encoder_tp, gpus_per_node=args.gpus_per_node)
+                       encoder_dp=args.encoder_dp, encoder_tp=args.encoder_tp, gpus_per_node=args.gpus_per_node,
+                       dp_degrees=None if args.dp is None else [args.dp])
         return 0
     plan_command(args.config, args.devices, args.out, overrides=overrides, device=args.device,
                  microbatches=args.microbatches, frozen_aware=not args.frozen_unaware,

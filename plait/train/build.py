@@ -110,8 +110,10 @@ def check_tp_degree(cfg: JobConfig, encoders_only: bool = False) -> None:
         try:
             check_tp_heads(model, degree, branch)
         except ValueError as exc:
-            raise ValueError(f"{exc}: {field}={degree} cannot work for this model with any number of processes; "
-                             "pick a degree that divides its heads (of a family with a TP plan)") from None
+            error = ValueError(f"{exc}: {field}={degree} cannot work for this model with any number of processes; "
+                               "pick a degree that divides its heads (of a family with a TP plan)")
+            error.same_on_every_rank = True  # type: ignore[attr-defined]  # every rank builds the same model: one line
+            raise error from None
 
 
 def check_item_attention(model: Any, mask: str) -> None:

@@ -206,13 +206,15 @@ def _energy_preset(gpu: str | None, stream: TextIO) -> Any:
 
 def plan_by_energy(config_path: str | Path, devices: int, *, tolerance: float = 0.02, gpu: str | None = None,
                    out_json: str | Path | None = None, overrides: Sequence[str] = (), microbatches: int | None = None,
-                   out: TextIO | None = None, **plan_options: Any) -> LayoutChoice:
+                   out: TextIO | None = None, dp_degrees: Sequence[int] | None = None,
+                   **plan_options: Any) -> LayoutChoice:
     """``plait plan --energy``: among the best plan of every DP degree and layout (``plan_command`` restricted to
     each), those whose predicted iteration time is within ``tolerance`` (a fraction) of the fastest are compared by
     energy per iteration at their own ``T*`` (all replicas: DP x one replica's frontier point at ``T*``, on the
     ``gpu`` preset; GPUs a plan leaves idle are not charged) and the least-energy one is printed and written as
     ``plait plan`` does. ``gpu``: the GPU preset (``plait plan --device``); None: this host's GPU's
     (``measure.host_costs.host_device``), else (no GPU) the H100's; the first line printed names it and why.
+    ``dp_degrees`` (``plait plan --dp``): only those DP degrees are compared; None: every divisor of ``devices``.
 
     Raises:
         ValueError: on a negative tolerance, a device without a GPU energy preset (``cpu``), and as ``plait plan``.
@@ -226,7 +228,7 @@ def plan_by_energy(config_path: str | Path, devices: int, *, tolerance: float = 
     stream = out or sys.stdout
     preset = _energy_preset(gpu, stream)
     candidates, seen = [], set()
-    for dp in [d for d in range(1, devices + 1) if devices % d == 0]:
+    for dp in dp_degrees or [d for d in range(1, devices + 1) if devices % d == 0]:
         for layout in LAYOUTS:
             try:
                 choice = plan_command(config_path, devices, None, overrides=overrides, device=preset.name,

@@ -118,10 +118,31 @@ def test_plan_energy_searches_encoder_replicas_by_default(monkeypatch):
 
     seen = []
     monkeypatch.setattr(energy, "plan_by_energy", lambda *args, **kwargs: seen.append(kwargs))
-    for flags in ([], ["--encoder-dp"], ["--no-encoder-dp"], ["--gpus-per-node", "2"]):
+    for flags in ([], ["--encoder-dp"], ["--no-encoder-dp"], ["--gpus-per-node", "2"], ["--dp", "1"]):
         assert main(["plan", "--config", str(JOB), "--devices", "4", "--energy", *flags]) == 0
-    assert [kwargs["encoder_dp"] for kwargs in seen] == [True, True, False, True]
-    assert [kwargs["gpus_per_node"] for kwargs in seen] == [None, None, None, 2]
+    assert [kwargs["encoder_dp"] for kwargs in seen] == [True, True, False, True, True]
+    assert [kwargs["gpus_per_node"] for kwargs in seen] == [None, None, None, 2, None]
+    assert [kwargs["dp_degrees"] for kwargs in seen] == [None, None, None, None, [1]]
+
+
+def test_plan_energy_compares_only_the_dp_degree_asked_for(monkeypatch):
+    """``plait plan --energy --dp 1`` compares plans of DP 1 only (it compared every divisor, overriding ``--dp``)."""
+    import plait.commands.plan.energy as energy
+
+    asked = []
+
+    def no_plan(*args, **kwargs):
+        asked.append(tuple(kwargs["dp_degrees"]))
+        raise ValueError("no plan")
+
+    monkeypatch.setattr(energy, "plan_command", no_plan)
+    with pytest.raises(ValueError, match="no plan for 4 devices"):
+        energy.plan_by_energy(JOB, 4, gpu="h100", dp_degrees=[1], out=io.StringIO())
+    assert set(asked) == {(1,)}
+    asked.clear()
+    with pytest.raises(ValueError, match="no plan for 4 devices"):
+        energy.plan_by_energy(JOB, 4, gpu="h100", out=io.StringIO())
+    assert set(asked) == {(1,), (2,), (4,)}
 
 
 def _note_job(dp_shard: int = 1, microbatch_size: int = 4):

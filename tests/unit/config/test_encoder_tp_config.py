@@ -107,8 +107,9 @@ def test_a_degree_the_heads_cannot_take_is_refused_before_groups():
     group is made (PipelineTrainer.build); encoder_tp 2 passes the check."""
     cfg = _config({"pp": {"degree": 6, "encoder_tp": {"vision": 4}}})
     with pytest.raises(ValueError, match=r"parallel.pp.encoder_tp.vision=4 does not divide the 2 heads of "
-                                         r"encoders.vision.encoder.* cannot work for this model"):
+                                         r"encoders.vision.encoder.* cannot work for this model") as err:
         check_tp_degree(cfg, encoders_only=True)
+    assert err.value.same_on_every_rank  # under torchrun one rank prints it (cli.first_to_report), not every rank
     one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(ValueError, match=r"parallel.pp.encoder_tp.vision=4 does not divide"):
         PipelineTrainer.build(cfg, one)
