@@ -119,10 +119,11 @@ def greedy_token_ids(model: MultimodalModel, batch: Batch, stop_ids: Sequence[in
 
     Raises:
         ValueError: when ``max_new_tokens`` < 1 or there is no stop token, or (Gemma 3) a prompt ends with an image
-            token.
+            token, or (a DeepStack or item-attention family) a prompt whose last token is below its largest M-RoPE
+            position.
     """
     check_decoding(max_new_tokens, stop_ids)
-    positions = _mrope_prompt_positions(model, batch)
+    positions, following = _mrope_prompt_positions(model, batch)
     with autocast():
         features = model.encode_all(batch.modality_inputs)
         embeds = model.place_features(batch.input_ids, features)
@@ -132,9 +133,24 @@ def greedy_token_ids(model: MultimodalModel, batch: Batch, stop_ids: Sequence[in
             cache = {"cache": _prefill_deepstack(model, embeds, batch, positions, deepstack)}
         if attends_items(model.language_model.config) and bool((batch.item_ids >= 0).any()):
             cache = {"cache": prefill_items(model.language_model, embeds, batch)}  # images both ways
-        return model.language_model.generate(
+        mask, first = batch.attention_mask, None
+        if following is not None:  # the last prompt token below the largest position: decode its first token here
+            if cache:
+                raise ValueError("M-RoPE generation needs each prompt to end with text after its images/videos (its "
+                                 "last token at its largest position) for this family; end the prompt with the chat "
+                                 "template's generation prompt")
+            out = model.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
+                                       use_cache=True)
+            first = out.logits[:, -1].argmax(-1)  # [B] greedy, as generate's first step
+            if max_new_tokens == 1 or all(int(t) in stop_ids for t in first):
+                return first[:, None]
+            embeds = torch.cat([embeds, model.language_model.get_input_embeddings()(first)[:, None]], dim=1)
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            positions = torch.cat([positions, following.to(positions)], dim=-1)  # at max + 1; generate goes on +1
+            cache, max_new_tokens = {"cache": out.cache}, max_new_tokens - 1
+        new = model.language_model.generate(
             inputs_embeds=embeds,
-            attention_mask=batch.attention_mask,
+            attention_mask=mask,
             **({} if positions is None else {"position_ids": positions}),
             **cache,
             max_new_tokens=max_new_tokens,
@@ -142,6 +158,14 @@ def greedy_token_ids(model: MultimodalModel, batch: Batch, stop_ids: Sequence[in
             eos_token_id=list(stop_ids),
             pad_token_id=pad_id,
         )
+        return new if first is None else _after_first(first, new, stop_ids, pad_id)
+
+
+def _after_first(first: torch.Tensor, new: torch.Tensor, stop_ids: Sequence[int], pad_id: int) -> torch.Tensor:
+    """``first`` ``[B]`` (the token decoded before ``generate``) then ``new`` ``[B, T]``; a row whose first token is a
+    stop token is ``pad_id`` after it, as ``generate`` pads a row that ended."""
+    ended = torch.tensor([int(t) in stop_ids for t in first], device=new.device)[:, None]
+    return torch.cat([first[:, None].to(new), new.masked_fill(ended, pad_id)], dim=1)
 
 
 def _prefill_deepstack(model: MultimodalModel, embeds: torch.Tensor, batch: Batch, positions: torch.Tensor | None,
@@ -164,24 +188,20 @@ def _prefill_deepstack(model: MultimodalModel, embeds: torch.Tensor, batch: Batc
     return out.cache
 
 
-def _mrope_prompt_positions(model: MultimodalModel, batch: Batch) -> torch.Tensor | None:
+def _mrope_prompt_positions(model: MultimodalModel, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The prompt's M-RoPE positions ``[3, B, N]`` for an M-RoPE LLM given ``Batch.rope_position_ids``, else None
-    (the LLM derives 1-D positions from the attention mask). transformers' ``generate`` puts decoding step ``k`` at
+    (the LLM derives 1-D positions from the attention mask), and the first decoded token's positions ``[3, B, 1]``
+    when ``generate`` alone would misplace it, else None. transformers' ``generate`` puts decoding step ``k`` at
     the prompt's last position ``+ 1 + k`` on each stream; Qwen2.5-VL's rule (``rope_deltas``) puts it at the
-    prompt's largest position ``+ 1 + k`` (:func:`plait.data.mrope.next_mrope_positions`): the same whenever the
-    prompt ends with text after its images (a chat template's generation prompt), which is checked.
-
-    Raises:
-        ValueError: when a prompt's last token is not at its largest position on every stream.
-    """
+    prompt's largest position ``+ 1 + k`` (:func:`plait.data.mrope.next_mrope_positions`). The two agree when the
+    prompt's last token is at its largest position; they differ after a video whose time positions run past the
+    text that follows it (a clip of a few seconds): then the first token is decoded at the largest position
+    ``+ 1`` before ``generate`` continues from it (:func:`greedy_token_ids`)."""
     positions = model.llm_positions(batch.position_ids, batch.rope_position_ids)
     if positions is None or positions.ndim != 3:
-        return None
-    following = next_mrope_positions(positions, batch.attention_mask)
-    if not torch.equal(positions[:, :, -1:] + 1, following.to(positions.device)):
-        raise ValueError("M-RoPE generation needs each prompt to end with text after its images/videos (its last "
-                         "token at its largest position); end the prompt with the chat template's generation prompt")
-    return positions
+        return None, None
+    following = next_mrope_positions(positions, batch.attention_mask).to(positions.device)
+    return positions, None if torch.equal(positions[:, :, -1:] + 1, following) else following
 
 
 def greedy_generate(model: MultimodalModel, batch: Batch, tokenizer: Any, stop_ids: Sequence[int],

@@ -238,14 +238,14 @@ def test_qwen2_vl_stays_refused_with_its_reason():
 VIDEO_FPS = 3.0  # sampled frames per second of a 4 fps video: 2/3 s per temporal patch, a fractional time step
 
 
-def _video_batch(gen: Generator, job: Path, root: Path):
-    """plait's collated sample of an image then a video (5 frames at 4 fps, sampled at :data:`VIDEO_FPS`: 4 frames,
-    2 temporal patches) through the processor of the imported job (its video placeholder ``<|video_pad|>``)."""
+def _video_batch(gen: Generator, job: Path, root: Path, frames: int = 5):
+    """plait's collated sample of an image then a video (``frames`` at 4 fps, sampled at :data:`VIDEO_FPS`; 5: 4
+    frames, 2 temporal patches) through the processor of the imported job (its video placeholder ``<|video_pad|>``)."""
     cfg = load_config(job, [f"--model.encoders.vision.video.fps={VIDEO_FPS}"])
     processor = build_processor(cfg.model, gen.model, gen.processor.tokenizer, 512)
     video = processor.specs["image"].video
     assert video.placeholder == "<|video_pad|>" and isinstance(video.encoding, TemporalPatches)
-    clip = write_video(root / "clip.mkv", 5, width=84, height=56, rate=4)
+    clip = write_video(root / f"clip{frames}.mkv", frames, width=84, height=56, rate=4)
     text = f"{PAD}first <|vision_start|><|video_pad|><|vision_end|>What happens?"
     sample = RawSample("v", "t", ({"role": "user", "content": text}, {"role": "assistant", "content": "x"}),
                        {"image": (_images(root)[0],), "video": (str(clip),)}, "test")
@@ -293,6 +293,23 @@ def test_a_video_is_positioned_and_computed_as_transformers_does_a_video(importe
     with torch.no_grad():
         hf_out = hf.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=gen.stop_ids, pad_token_id=0)
     assert hf_out[0, batch.input_ids.shape[1]:].tolist() == plait_new and len(plait_new) >= 1
+
+
+def test_a_long_video_generates_as_transformers_does(imported):
+    """A 6 s clip: its time positions run past the text after it (which continues from its spatial size), so the
+    prompt's last token is below its largest position; plait decodes the first token at the largest position + 1
+    (transformers' rope_deltas rule) and then generates; the tokens equal transformers' generate (it was refused)."""
+    src, model_dir, job, root = imported
+    hf = T.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(src), attn_implementation="eager").eval()
+    gen = Generator.from_pretrained(model_dir, device="cpu", dtype="fp32", attn_implementation="eager")
+    batch = _video_batch(gen, job, root, frames=25)
+    last, largest = batch.rope_position_ids[:, 0, -1].max(), batch.rope_position_ids.max()
+    assert last < largest  # the case generate alone would misplace
+    inputs = _hf_video_inputs(batch, hf)
+    plait_new = greedy_token_ids(gen.model, batch, gen.stop_ids, 6, gen.processor.pad_id)[0].tolist()
+    with torch.no_grad():
+        hf_out = hf.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=gen.stop_ids, pad_token_id=0)
+    assert hf_out[0, batch.input_ids.shape[1]:].tolist() == plait_new and len(plait_new) >= 2
 
 
 def test_a_prompt_without_placeholders_gets_the_wrapped_image_and_video(imported):
