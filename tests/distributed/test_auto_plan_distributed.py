@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 from plait.commands.plan.command import plan_command
@@ -39,10 +40,15 @@ def test_auto_plan_on_two_processes_trains_the_layout_plait_plan_chooses(tmp_pat
     planned = plan_command(path, 2, profile_store=store, out=io.StringIO())  # the same stored profile
     line = next(x for x in out.splitlines() if x.startswith("plait: parallel.plan=auto for 2 process(es)"))
     pp = "no pipeline parallelism" if planned.plan.num_ranks == 1 else f"layout {planned.layout}"
-    # parallel.dp is the replicate degree: the plan's dp data-parallel ranks over its FSDP2 shard degree
-    shard = f", FSDP2 dp_shard {planned.dp_shard}" if planned.dp_shard > 1 else ""
-    assert line.startswith(f"plait: parallel.plan=auto for 2 process(es): DP {planned.dp // planned.dp_shard} x PP "
-                           f"{planned.plan.num_ranks}{shard}") and pp in line, (line, planned)
+    # parallel.dp is the replicate degree: the plan's dp data-parallel ranks over its FSDP2 shard degree. The run
+    # times the DP link live (auto_plan_inputs) where plait plan takes the host's, so DDP and FSDP2 over the same 2
+    # data-parallel ranks (a tie within a few percent on this tiny model) fell either way in repeated runs: the
+    # data-parallel width and the pipeline must agree, DDP against FSDP2 is not compared.
+    got = re.match(r"plait: parallel\.plan=auto for 2 process\(es\): DP (\d+) x PP (\d+)(?:, FSDP2 dp_shard (\d+))?",
+                   line)
+    assert got is not None, line
+    replicate, stages, shard = int(got[1]), int(got[2]), int(got[3] or 1)
+    assert (replicate * shard, stages) == (planned.dp, planned.plan.num_ranks) and pp in line, (line, planned)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
 
