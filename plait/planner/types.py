@@ -125,6 +125,9 @@ class UnitCost(JsonDataclass):
                 raise ValueError(f"UnitCost.{field.name} must be >= 0, got {value}")
         if (self.split_input_grad_s is None) != (self.split_weight_grad_s is None):
             raise ValueError("UnitCost: split_input_grad_s and split_weight_grad_s are given together or not at all")
+        if self.expert_param_bytes > self.param_bytes:
+            raise ValueError(f"UnitCost.expert_param_bytes ({self.expert_param_bytes}) exceeds param_bytes "
+                             f"({self.param_bytes})")
 
     def split_backward_s(self, unit: Unit) -> tuple[float, float]:
         """``(B, W)`` seconds of ``unit`` under a split-backward schedule, on a stage whose input needs a gradient
@@ -143,9 +146,6 @@ class UnitCost(JsonDataclass):
             return {}
         return {"split_input_grad_s": input_grad(self.split_input_grad_s),
                 "split_weight_grad_s": weight_grad(self.split_weight_grad_s)}
-        if self.expert_param_bytes > self.param_bytes:
-            raise ValueError(f"UnitCost.expert_param_bytes ({self.expert_param_bytes}) exceeds param_bytes "
-                             f"({self.param_bytes})")
 
     def backward_s(self, unit: Unit, frozen_aware: bool = True) -> float:
         """Backward time (s) of ``unit``: dX if it needs an input gradient, plus its trained share of dW

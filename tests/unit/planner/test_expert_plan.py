@@ -253,3 +253,10 @@ def test_rank_order_keeps_the_ep_group_in_a_node():
     assert plan_rank_order(sizes, 8, ep=8) == "pp_outer"
     placed, order = placed_machine(Machine(topology=Topology(8, FAST, SLOW)), tp=1, dp=16, dp_shard=1, pp=2, ep=8)
     assert order == "pp_outer" and placed.ep_link == FAST and placed.dp_link == SLOW
+
+
+def test_unit_cost_refuses_more_expert_bytes_than_parameter_bytes():
+    """A unit's routed-expert bytes are part of its parameter bytes: more is refused when the cost is built."""
+    assert UnitCost(1.0, 1.0, 1.0, param_bytes=100, expert_param_bytes=100).expert_param_bytes == 100
+    with pytest.raises(ValueError, match=r"expert_param_bytes \(101\) exceeds param_bytes \(100\)"):
+        UnitCost(1.0, 1.0, 1.0, param_bytes=100, expert_param_bytes=101)
