@@ -31,9 +31,7 @@ def validate_encoder_dp(cfg: JobConfig) -> None:
     if not replicated:
         return
     where = f"parallel.pp.encoder_dp = {replicated}"
-    _require(pp.degree > 1, f"{where} replicates encoder stages of a pipeline: it needs parallel.pp.degree > 1")
-    _require(pp.layout == "encoder_parallel", f"{where} needs parallel.pp.layout = 'encoder_parallel' (each branch its "
-           f"own stages), got {pp.layout!r}")
+    _require_encoder_stages(pp, where, "replicates")
     _require(not pp.attach_encoders, f"{where} puts each replica on its own rank; it does not combine with "
            "parallel.pp.attach_encoders = true (every encoder stage on the first LLM rank)")
     _require(pp.virtual_stages == 1, f"{where} runs with one LLM stage per rank, got parallel.pp.virtual_stages = "
@@ -65,9 +63,7 @@ def validate_encoder_tp(cfg: JobConfig) -> None:
     if not split:
         return
     where = f"parallel.pp.encoder_tp = {split}"
-    _require(pp.degree > 1, f"{where} splits encoder stages of a pipeline: it needs parallel.pp.degree > 1")
-    _require(pp.layout == "encoder_parallel", f"{where} needs parallel.pp.layout = 'encoder_parallel' (each branch its "
-             f"own stages), got {pp.layout!r}")
+    _require_encoder_stages(pp, where, "splits")
     for flag in ("attach_encoders", "encoders_in_bubble"):
         _require(not getattr(pp, flag), f"{where} puts each TP stage on ranks of its own; it does not combine with "
                  f"parallel.pp.{flag} = true (encoder stages on LLM ranks)")
@@ -121,6 +117,18 @@ def replica_note(pp: PipelineConfig, counts: dict[str, int]) -> str:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _require_encoder_stages(pp: PipelineConfig, where: str, verb: str) -> None:
+    """A per-encoder degree (``where``: the field and its entries above 1, ``verb``: what it does to the encoder
+    stages) needs a pipeline whose encoder branches have stages of their own.
+
+    Raises:
+        ValueError: naming ``where`` when ``parallel.pp.degree`` is 1 or the layout is not ``encoder_parallel``.
+    """
+    _require(pp.degree > 1, f"{where} {verb} encoder stages of a pipeline: it needs parallel.pp.degree > 1")
+    _require(pp.layout == "encoder_parallel", f"{where} needs parallel.pp.layout = 'encoder_parallel' (each branch its "
+             f"own stages), got {pp.layout!r}")
 
 
 def _branch_degrees(name: str, table: object, llm_note: str) -> dict[str, int]:

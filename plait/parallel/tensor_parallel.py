@@ -207,6 +207,14 @@ def _divide_heads(model: nn.Module, plan: Mapping[str, str], tp: int) -> None:
                 setattr(attention, attr, value // tp)
 
 
+def _scoped_plan(model: MultimodalModel, branch: str | None) -> tuple[dict[str, str], str]:
+    """The concrete plan a TP degree splits (the whole model's, or encoder ``branch``'s alone) and the config field
+    that degree comes from (``parallel.tp``, or ``parallel.pp.encoder_tp.<branch>``)."""
+    if branch is None:
+        return concrete_plan(model, model_tp_plan(model)), "parallel.tp"
+    return concrete_plan(model, branch_tp_plan(model, branch)), f"parallel.pp.encoder_tp.{branch}"
+
+
 def check_tp_heads(model: MultimodalModel, tp: int, branch: str | None = None) -> None:
     """Refuse a TP degree ``model`` cannot be split by, before any process is launched (the check
     :func:`apply_tensor_parallel` runs; ``model`` may be on the meta device). ``branch``: check only that encoder
@@ -216,9 +224,8 @@ def check_tp_heads(model: MultimodalModel, tp: int, branch: str | None = None) -
         ValueError: when a family of the model (of the branch) has no TP plan, or ``tp`` does not divide the heads
             of a split attention module (naming it, and ``parallel.pp.encoder_tp.<branch>`` for a branch).
     """
-    plan = model_tp_plan(model) if branch is None else branch_tp_plan(model, branch)
-    _check_divisible(model, concrete_plan(model, plan), tp,
-                     "parallel.tp" if branch is None else f"parallel.pp.encoder_tp.{branch}")
+    plan, field = _scoped_plan(model, branch)
+    _check_divisible(model, plan, tp, field)
 
 
 def apply_tensor_parallel(model: MultimodalModel, mesh: Any, branch: str | None = None) -> dict[str, str]:
@@ -235,8 +242,8 @@ def apply_tensor_parallel(model: MultimodalModel, mesh: Any, branch: str | None 
     if mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel needs the 1-D TP mesh, got a {mesh.ndim}-D mesh")
     tp = mesh.size()
-    plan = concrete_plan(model, model_tp_plan(model) if branch is None else branch_tp_plan(model, branch))
-    _check_divisible(model, plan, tp, "parallel.tp" if branch is None else f"parallel.pp.encoder_tp.{branch}")
+    plan, field = _scoped_plan(model, branch)
+    _check_divisible(model, plan, tp, field)
     styles = {name: _torch_style(style, name) for name, style in plan.items()}
     parallelize_module(model, mesh, styles, src_data_rank=None)
     _divide_heads(model, plan, tp)
