@@ -53,7 +53,8 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
                  microbatches=args.microbatches, frozen_aware=not args.frozen_unaware,
                  macrobatches=args.macrobatches, dp_degrees=None if args.dp is None else [args.dp],
                  memory_fraction=args.memory_fraction, schedules=args.schedules, gpus_per_node=args.gpus_per_node,
-                 encoder_dp=args.encoder_dp, encoder_tp=args.encoder_tp, **({"virtual_stages": (1,), "attach_encoders": False, "in_bubble": False}
+                 encoder_dp=args.encoder_dp, encoder_tp=args.encoder_tp,
+                 **({"virtual_stages": (1,), "attach_encoders": False, "in_bubble": False}
                     if args.one_stage_per_rank else {}))
     return 0
 

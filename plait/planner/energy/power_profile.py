@@ -164,9 +164,10 @@ def stage_action_options(plan: PipelinePlan, units: Sequence[Unit], profile: Ene
     if missing:
         raise ValueError(f"energy profile has no entry for unit(s) {missing[:5]} of the plan")
     split = [n for s in plan.stages if s.tensor_parallel for n in s.units]
-    if split and (output_bytes is None or any(n not in output_bytes for n in split)):
-        raise ValueError(f"tensor-parallel encoder stage unit(s) {[n for n in split if n not in (output_bytes or {})][:5]}"
-                         " have no output_bytes: their all-reduces cannot be charged")
+    unsized = [n for n in split if n not in (output_bytes or {})]
+    if unsized:
+        raise ValueError(f"tensor-parallel encoder stage unit(s) {unsized[:5]} have no output_bytes: their "
+                         "all-reduces cannot be charged")
     marks = checkpointed or {}
     names = [u.name for u in units if u.name in by_name]
     kept = [u for u in units if u.name in by_name]
